@@ -1,0 +1,119 @@
+"""Sessions for every package, discovered from packages/* (no hand-kept list).
+
+nox                        lint, tests (one session per package), integration, build
+nox -s "tests(package='velox-core')"
+nox -s bench               pytest-benchmark (off by default)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").is_file())
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
+TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "pytest-benchmark>=4"]
+
+nox.options.sessions = ["lint", "tests", "integration", "build"]
+nox.options.default_venv_backend = "uv|virtualenv"
+nox.options.reuse_existing_virtualenvs = False
+
+
+def _env() -> dict[str, str]:
+    """MLX's CPU wheel bundles a slow reference BLAS; preload OpenBLAS where it is installed."""
+    env = {"PYTHONHASHSEED": "0", "TOKENIZERS_PARALLELISM": "false"}
+    if os.path.exists(OPENBLAS):
+        env["LD_PRELOAD"] = OPENBLAS
+    return env
+
+
+def _pkg(name: str) -> str:
+    return str(ROOT / "packages" / name)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+@nox.parametrize("package", PACKAGES)
+def tests(session: nox.Session, package: str) -> None:
+    """One package alone with velox-core: proves it installs and works by itself."""
+    targets = {_pkg("velox-core"), _pkg(package)}
+    session.install(*TEST_DEPS, *sorted(targets))
+    session.run(
+        "pytest", "-q", str(ROOT / "packages" / package / "tests"), *session.posargs, env=_env()
+    )
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """Every package installed together; the cross-package tests in tests/."""
+    session.install(*TEST_DEPS, *(_pkg(p) for p in PACKAGES))
+    session.run("pytest", "-q", str(ROOT / "tests"), *session.posargs, env=_env())
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """A wheel and an sdist of every package (the wheel built from the sdist); each wheel
+    installed alone in a fresh environment and imported, with its kernel sources present."""
+    session.install("build>=1.2", "uv")
+    dist = ROOT / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    for p in PACKAGES:
+        session.run(
+            "python",
+            "-m",
+            "build",
+            "--installer",
+            "uv",
+            "--outdir",
+            str(dist),
+            _pkg(p),
+            silent=True,
+        )
+    tmp = Path(session.create_tmp())
+    for p in PACKAGES:
+        module = p.replace("-", "_")
+        wheel = next(dist.glob(f"{module}-*.whl"))
+        sdist = next(dist.glob(f"{module}-*.tar.gz"))
+        session.log(f"{p}: {wheel.name}, {sdist.name}")
+        venv = tmp / f"venv-{p}"
+        shutil.rmtree(venv, ignore_errors=True)
+        session.run(
+            "uv",
+            "venv",
+            "-q",
+            "--python",
+            session.virtualenv.interpreter or "python3",
+            str(venv),
+            external=True,
+        )
+        py = str(venv / "bin" / "python")
+        session.run(
+            "uv", "pip", "install", "-q", "--python", py, "--find-links", str(dist), str(wheel)
+        )
+        session.run(py, str(ROOT / "tools" / "check_wheel.py"), module, env=_env())
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """pytest-benchmark over benchmarks/ (not part of the default run)."""
+    session.install(*TEST_DEPS, *(_pkg(p) for p in PACKAGES))
+    session.run(
+        "pytest",
+        "-q",
+        str(ROOT / "benchmarks"),
+        "--benchmark-only",
+        "--benchmark-json",
+        str(ROOT / "out" / "bench.json"),
+        *session.posargs,
+        env=_env(),
+    )

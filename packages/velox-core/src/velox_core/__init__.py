@@ -1,0 +1,55 @@
+"""velox-core: the shared core of velox, KV-cache compression for MLX / mlx-lm.
+
+Layers, bottom up: primitives (:mod:`velox_core.ops`), codecs (:mod:`velox_core.codec`),
+retention policies (:mod:`velox_core.policy`) and caches (:mod:`velox_core.cache`), plus the
+mlx-lm integration (:mod:`velox_core.mlx_lm`), saving and loading (:mod:`velox_core.io`) and
+the method registry (:mod:`velox_core.registry`). Importing it has no side effects.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from .cache import PackedStore, Segment, Tier, VeloxCache, attend
+from .cache.preset import PresetCache, resolve_bits
+from .cache.uniform import UniformCache, UniformConfig
+from .codec import Codec, Identity, Packed, Uniform
+from .io import inspect_cache_file, load_cache, save_cache
+from .mlx_lm import disable, enable, generate, make_cache, routed, stream_generate
+from .policy import RetentionPolicy
+from .registry import Method, get_method, make, methods, parse_spec
+
+try:
+    __version__ = version("velox-core")
+except PackageNotFoundError:  # running from a source tree
+    __version__ = "0.0.0+source"
+
+__all__ = [
+    "Codec",
+    "Identity",
+    "Method",
+    "Packed",
+    "PackedStore",
+    "PresetCache",
+    "RetentionPolicy",
+    "Segment",
+    "Tier",
+    "Uniform",
+    "UniformCache",
+    "UniformConfig",
+    "VeloxCache",
+    "__version__",
+    "attend",
+    "disable",
+    "enable",
+    "generate",
+    "get_method",
+    "inspect_cache_file",
+    "load_cache",
+    "make",
+    "make_cache",
+    "methods",
+    "parse_spec",
+    "resolve_bits",
+    "routed",
+    "save_cache",
+    "stream_generate",
+]

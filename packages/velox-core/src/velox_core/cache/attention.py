@@ -1,0 +1,135 @@
+"""Attention over a cache's segments with one joint softmax.
+
+Each segment is a pair of (codec, packed) for keys and values, in temporal order. For a few
+query tokens (decode), each key codec scores the grouped queries in its compressed domain,
+the scores of all segments are concatenated, masked and normalized together, and each value
+codec mixes its share of the weights (``p @ v``) from its codes. For many query tokens
+(prefill chunks), segments are decoded once into the model's dtype and fused SDPA runs over
+them; both are exactly ``softmax(q k^T * scale + mask) v`` over the same stored tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..codec.base import Codec, Packed
+
+__all__ = ["Segment", "attend", "decode_segments"]
+
+
+@dataclass
+class Segment:
+    """Stored tokens of one segment: key and value codecs with their records."""
+
+    key_codec: Codec
+    keys: Packed
+    value_codec: Codec
+    values: Packed
+
+    @property
+    def tokens(self) -> int:
+        return self.keys.tokens
+
+
+def decode_segments(segments: list[Segment], dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    """Keys and values of all segments decoded and joined along tokens.
+
+    Shapes:
+        returns ``(B, H, T, Dk)`` and ``(B, H, T, Dv)`` in ``dtype``.
+    """
+    ks = [s.key_codec.decode(s.keys).astype(dtype) for s in segments]
+    vs = [s.value_codec.decode(s.values).astype(dtype) for s in segments]
+    if len(ks) == 1:
+        return ks[0], vs[0]
+    return mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2)
+
+
+def _mask_5d(mask, b: int, h: int, r: int, lq: int, t: int) -> mx.array | None:
+    """Bring an mlx-lm mask to ``(B|1, H|1, R|1, L, T)``; ``"causal"`` aligns bottom-right."""
+    if mask is None:
+        return None
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"attention mask string must be 'causal', got {mask!r}")
+        if lq == 1:
+            return None
+        qi = mx.arange(t - lq, t)[:, None]
+        return qi >= mx.arange(t)[None]
+    if mask.shape[-1] != t or mask.shape[-2] not in (1, lq):
+        raise ValueError(
+            f"attention mask of shape {tuple(mask.shape)} does not match {lq} queries over "
+            f"{t} stored tokens"
+        )
+    if mask.ndim == 4:
+        if mask.shape[1] == 1:
+            return mx.expand_dims(mask, 2)
+        if mask.shape[1] == h * r:
+            return mask.reshape(mask.shape[0], h, r, *mask.shape[2:])
+        raise ValueError(f"attention mask head axis {mask.shape[1]} is neither 1 nor {h * r}")
+    if mask.ndim <= 2:
+        return mask
+    if mask.ndim == 3:
+        return mask[:, None, None]
+    raise ValueError(f"attention mask must have at most 4 dimensions, got {mask.ndim}")
+
+
+def attend(
+    queries: mx.array,
+    segments: list[Segment],
+    scale: float,
+    mask=None,
+    sinks: mx.array | None = None,
+    fused_above: int = 16,
+) -> mx.array:
+    """``softmax(q k^T * scale + mask) v`` over the segments' tokens, in ``queries.dtype``.
+
+    Args:
+        queries: ``(B, Hq, L, Dk)``, post-RoPE.
+        segments: stored tokens in temporal order (sinks, body, window).
+        scale: the model's attention scale.
+        mask: None, ``"causal"``, or an mlx-lm boolean/additive mask over stored tokens.
+        sinks: optional per-head sink logits ``(Hq,)`` (an extra softmax column, as in
+            mlx-lm's SDPA).
+        fused_above: query lengths above this decode the segments and use fused SDPA.
+
+    Shapes:
+        returns ``(B, Hq, L, Dv)``.
+    """
+    b, hq, lq, _ = queries.shape
+    if not segments:
+        raise ValueError("attend: the cache holds no tokens")
+    if lq > fused_above:
+        k, v = decode_segments(segments, queries.dtype)
+        return mx.fast.scaled_dot_product_attention(
+            queries, k, v, scale=scale, mask=mask, sinks=sinks
+        )
+    h = segments[0].keys.data[next(iter(segments[0].keys.data))].shape[1]
+    if hq % h:
+        raise ValueError(f"attend: {hq} query heads is not a multiple of {h} KV heads")
+    r = hq // h
+    t = sum(s.tokens for s in segments)
+    q = (queries.astype(mx.float32) * scale).reshape(b, h, r * lq, -1)
+    scores = [s.key_codec.scores(q, s.keys) for s in segments]
+    s = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)  # (B, H, R*L, T)
+    m5 = _mask_5d(mask, b, h, r, lq, t)
+    if m5 is not None:
+        s = s.reshape(b, h, r, lq, t)
+        if m5.dtype == mx.bool_:
+            s = mx.where(m5, s, -mx.inf)
+        else:
+            s = s + m5.astype(mx.float32)
+        s = s.reshape(b, h, r * lq, t)
+    if sinks is not None:
+        sk = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, h, r, 1, 1), (b, h, r, lq, 1))
+        s = mx.concatenate([sk.reshape(b, h, r * lq, 1), s], axis=-1)
+    p = mx.softmax(s, axis=-1, precise=True)
+    if sinks is not None:
+        p = p[..., 1:]
+    out, start = None, 0
+    for seg in segments:
+        part = seg.value_codec.mix(p[..., start : start + seg.tokens], seg.values)
+        out = part if out is None else out + part
+        start += seg.tokens
+    return out.reshape(b, hq, lq, -1).astype(queries.dtype)

@@ -1,0 +1,52 @@
+"""``PresetCache``: a :class:`VeloxCache` built from a method's typed config dataclass.
+
+A method package subclasses it with ``Config`` (a dataclass that validates itself in
+``__post_init__``) and ``build(config)`` (returning the ``VeloxCache`` keyword arguments:
+codecs, tiers, window, sinks, policy). Parameters are keyword-only, checked by name, and
+saved with the cache as the config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+from .velox import VeloxCache
+
+__all__ = ["PresetCache", "resolve_bits"]
+
+
+def resolve_bits(bits, key_bits, value_bits):
+    """``key_bits`` and ``value_bits`` default to ``bits``."""
+    return (bits if key_bits is None else key_bits, bits if value_bits is None else value_bits)
+
+
+class PresetCache(VeloxCache):
+    """Base of the method caches. Subclasses set ``method``, ``Config`` and ``build``."""
+
+    Config: ClassVar[type]
+
+    def __init__(self, **params: Any):
+        names = [f.name for f in dataclasses.fields(self.Config)]
+        unknown = sorted(set(params) - set(names))
+        if unknown:
+            raise ValueError(
+                f"{self.method}: unknown parameter {', '.join(map(repr, unknown))}; "
+                f"allowed: {', '.join(names)}"
+            )
+        self.cfg = self.Config(**params)
+        super().__init__(**self.build(self.cfg))
+
+    def build(self, cfg) -> dict[str, Any]:
+        raise NotImplementedError(f"{type(self).__name__} must define build(config)")
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        return {f.name: f.default for f in dataclasses.fields(cls.Config)}
+
+    def config(self) -> dict[str, Any]:
+        return dataclasses.asdict(self.cfg)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> PresetCache:
+        return cls(**config)

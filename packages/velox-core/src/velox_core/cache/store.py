@@ -1,0 +1,110 @@
+"""``PackedStore``: a growable buffer of packed tokens with capacity counted honestly."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..codec.base import Packed
+
+__all__ = ["PackedStore"]
+
+
+class PackedStore:
+    """Packed tokens in preallocated buffers that grow by ``step`` tokens.
+
+    Appends write into the slack in place (no copy of what is already stored), like mlx-lm's
+    ``KVCache``. ``nbytes`` counts the buffers (slack included), ``logical_nbytes`` only the
+    rows in use.
+
+    Args:
+        step: growth quantum in tokens (rounded up to the codec block).
+    """
+
+    def __init__(self, step: int = 256):
+        self.step = step
+        self.buf: Packed | None = None
+        self.tokens = 0
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.buf is None else self.buf.tokens
+
+    def _grow(self, like: Packed, need: int) -> None:
+        quantum = -(-self.step // like.block) * like.block
+        cap = -(-need // quantum) * quantum
+
+        def alloc(name: str, a: mx.array) -> mx.array:
+            rows = like.rows(name, cap)
+            return mx.zeros((a.shape[0], a.shape[1], rows, *a.shape[3:]), dtype=a.dtype)
+
+        fresh = like.map(alloc, tokens=cap)
+        if self.buf is not None and self.tokens:
+            used = self.view()
+            fresh = fresh.map(lambda k, a: _write(a, used.data[k], 0))
+        self.buf = fresh
+
+    def append(self, packed: Packed) -> None:
+        """Add tokens at the end (``tokens`` must stay a multiple of the block)."""
+        if packed.tokens == 0:
+            return
+        if self.buf is not None and (
+            packed.block != self.buf.block or set(packed.data) != set(self.buf.data)
+        ):
+            raise ValueError("PackedStore.append: record layout differs from the store's")
+        if self.buf is None or self.tokens + packed.tokens > self.capacity:
+            self._grow(packed, self.tokens + packed.tokens)
+        start = self.tokens
+        self.buf = self.buf.map(lambda k, a: _write(a, packed.data[k], self.buf.rows(k, start)))
+        self.tokens += packed.tokens
+
+    def view(self) -> Packed | None:
+        """The tokens in use (slices of the buffers, no copy)."""
+        if self.buf is None or self.tokens == 0:
+            return None
+        if self.tokens == self.capacity:
+            return self.buf
+        return self.buf.slice(0, self.tokens)
+
+    def replace(self, packed: Packed | None) -> None:
+        """Hold exactly ``packed`` (compacting: capacity equals tokens until the next append)."""
+        if packed is None or packed.tokens == 0:
+            self.buf, self.tokens = None, 0
+            return
+        self.buf = packed.map(lambda _, a: mx.contiguous(a))
+        self.tokens = packed.tokens
+
+    def drop_front(self, n: int) -> None:
+        """Remove the oldest ``n`` tokens (copies what remains)."""
+        if n <= 0:
+            return
+        self.replace(self.view().slice(n, self.tokens) if n < self.tokens else None)
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` tokens (block-aligned); capacity is kept for reuse."""
+        if n >= self.tokens:
+            return
+        if self.buf is not None and n % self.buf.block:
+            raise ValueError(f"PackedStore.truncate: {n} is not a multiple of {self.buf.block}")
+        self.tokens = n
+
+    def map_batch(self, fn) -> None:
+        """Apply ``fn`` to the batch axis of every buffer (filter, extract, extend)."""
+        if self.buf is not None:
+            self.buf = self.view().map(lambda _, a: fn(a))
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buf is None else self.buf.nbytes
+
+    @property
+    def logical_nbytes(self) -> int:
+        v = self.view()
+        return 0 if v is None else v.nbytes
+
+    def arrays(self) -> list[mx.array]:
+        return [] if self.buf is None else self.buf.arrays()
+
+
+def _write(dst: mx.array, src: mx.array, row: int) -> mx.array:
+    dst[:, :, row : row + src.shape[2]] = src
+    return dst

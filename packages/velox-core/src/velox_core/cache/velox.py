@@ -1,0 +1,537 @@
+"""``VeloxCache``: segments of coded tokens behind the mlx-lm 0.32 cache protocol.
+
+Tokens flow through segments in temporal order::
+
+    sinks (kept as given) | tier n-1 ... tier 0 (coded) | window (kept as given)
+
+New tokens enter the window (after the first ``sinks`` tokens, which stay as given). When
+the window holds more than ``window`` tokens, the oldest are encoded into tier 0, in whole
+codec blocks. A tier with a ``span`` passes its oldest tokens to the next tier when it holds
+more than ``span`` (decoded and re-encoded once, at the next tier's precision). A retention
+policy, if any, then cuts the cache back to its budget. ``offset`` is always the number of
+tokens seen; ``size()`` the number stored.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import mlx.core as mx
+from mlx_lm.models.cache import create_attention_mask
+
+from ..codec.base import Codec, Packed
+from ..codec.identity import Identity
+from ..validation import FLOAT_DTYPES, check_int, check_kv
+from .attention import Segment, attend, decode_segments
+from .store import PackedStore
+
+__all__ = ["Tier", "VeloxCache"]
+
+STATE_VERSION = 1
+
+
+@dataclass
+class Tier:
+    """A coded segment: its key and value codecs and how many tokens it holds at most."""
+
+    key_codec: Codec
+    value_codec: Codec
+    span: int | None = None
+
+    def fresh(self) -> Tier:
+        return Tier(self.key_codec.fresh(), self.value_codec.fresh(), self.span)
+
+
+def _codec(c: Codec | None, name: str) -> Codec:
+    if c is None:
+        return Identity()
+    if not isinstance(c, Codec):
+        raise TypeError(f"{name} must be a velox_core Codec or None, got {type(c).__name__}")
+    return c
+
+
+class VeloxCache:
+    """A compressed KV cache for one attention layer.
+
+    Args:
+        key_codec: codec of the keys (None keeps them as given).
+        value_codec: codec of the values (None keeps them as given).
+        window: most recent tokens kept as given (a block codec may keep up to
+            ``window + block - 1`` until a whole block is ready).
+        sinks: first tokens kept as given (attention sinks).
+        tiers: age tiers instead of ``key_codec``/``value_codec``: newest first, each with a
+            ``span`` except the last.
+        policy: a retention policy (token eviction), or None to keep every token.
+        step: growth quantum of the buffers, in tokens.
+        fused_above: prefill chunks longer than this attend through fused SDPA over decoded
+            segments; shorter ones (decode) attend from the codes.
+    """
+
+    method: ClassVar[str] = "velox"
+
+    def __init__(
+        self,
+        key_codec: Codec | None = None,
+        value_codec: Codec | None = None,
+        *,
+        window: int = 0,
+        sinks: int = 0,
+        tiers: list[Tier] | None = None,
+        policy: Any = None,
+        step: int = 256,
+        fused_above: int = 16,
+    ):
+        self.window = check_int("window", window, minimum=0)
+        self.sinks = check_int("sinks", sinks, minimum=0)
+        self.step = check_int("step", step, minimum=1)
+        self.fused_above = check_int("fused_above", fused_above, minimum=0)
+        if tiers is not None:
+            if key_codec is not None or value_codec is not None:
+                raise ValueError("pass either tiers or key_codec/value_codec, not both")
+            if not tiers:
+                raise ValueError("tiers must hold at least one Tier")
+        else:
+            tiers = [Tier(_codec(key_codec, "key_codec"), _codec(value_codec, "value_codec"))]
+        for i, t in enumerate(tiers):
+            if not isinstance(t, Tier):
+                raise TypeError(f"tiers[{i}] must be a Tier, got {type(t).__name__}")
+            _codec(t.key_codec, f"tiers[{i}].key_codec")
+            _codec(t.value_codec, f"tiers[{i}].value_codec")
+            last = i == len(tiers) - 1
+            if last and t.span is not None:
+                raise ValueError("the last tier holds every older token: its span must be None")
+            if not last:
+                check_int(f"tiers[{i}].span", t.span, minimum=1)
+        self.tiers = tiers
+        self.policy = policy
+        if policy is not None:
+            policy.attach(self)
+        self.offset = 0
+        self._dims: tuple[int, int, int, int] | None = None  # (B, H, Dk, Dv)
+        self._dtype: mx.Dtype | None = None
+        # sinks and window are sized exactly (no slack); coded tiers grow by ``step``
+        self._sink = (PackedStore(max(sinks, 1)), PackedStore(max(sinks, 1)))
+        self._tier = [(PackedStore(step), PackedStore(step)) for _ in tiers]
+        self._win = (PackedStore(1), PackedStore(1))
+        self._ident = Identity()
+
+    # -- construction -----------------------------------------------------------------------
+    def config(self) -> dict[str, Any]:
+        """JSON-serializable description from which :meth:`from_config` rebuilds the cache."""
+        return {
+            "tiers": [
+                {"key": _spec(t.key_codec), "value": _spec(t.value_codec), "span": t.span}
+                for t in self.tiers
+            ],
+            "window": self.window,
+            "sinks": self.sinks,
+            "step": self.step,
+            "fused_above": self.fused_above,
+            "policy": None if self.policy is None else _spec(self.policy),
+        }
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> VeloxCache:
+        from ..registry import build_codec, build_policy
+
+        cfg = dict(config)
+        tiers = [
+            Tier(build_codec(t["key"]), build_codec(t["value"]), t.get("span"))
+            for t in cfg.pop("tiers")
+        ]
+        policy = cfg.pop("policy", None)
+        policy = None if policy is None else build_policy(policy)
+        return VeloxCache(tiers=tiers, policy=policy, **cfg)
+
+    def fresh(self) -> VeloxCache:
+        """An empty cache with the same settings (fresh codecs, fresh policy)."""
+        return type(self).from_config(self.config())
+
+    def describe(self) -> str:
+        t = self.tiers[0]
+        body = f"K={t.key_codec.describe()} V={t.value_codec.describe()}"
+        if len(self.tiers) > 1:
+            body = " | ".join(
+                f"K={x.key_codec.describe()} V={x.value_codec.describe()} span={x.span}"
+                for x in self.tiers
+            )
+        pol = "" if self.policy is None else f" policy={self.policy.describe()}"
+        return f"{self.method}: {body} window={self.window} sinks={self.sinks}{pol}"
+
+    def bind(self, model: Any = None, layer: int | None = None) -> None:
+        """Give codecs and the policy the model and layer index they may need."""
+        for t in self.tiers:
+            t.key_codec.bind(model, layer)
+            t.value_codec.bind(model, layer)
+        if self.policy is not None:
+            self.policy.bind(model, layer)
+
+    # -- the mlx-lm protocol ----------------------------------------------------------------
+    def _check_first(self, keys: mx.array, values: mx.array) -> None:
+        b, h, _, dk = keys.shape
+        dv = values.shape[-1]
+        if self._dims is None:
+            for _i, t in enumerate(self.tiers):
+                t.key_codec.check(dk, keys.dtype)
+                t.value_codec.check(dv, values.dtype)
+            self._dims, self._dtype = (b, h, dk, dv), keys.dtype
+            return
+        if (b, h, dk, dv) != self._dims:
+            raise ValueError(
+                f"keys {tuple(keys.shape)} / values {tuple(values.shape)} do not match the "
+                f"cache's (batch, kv_heads, key_dim, value_dim) = {self._dims}"
+            )
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Store new post-RoPE keys and values; return every stored token decoded (lazily).
+
+        Shapes:
+            keys ``(B, H, T, Dk)``, values ``(B, H, T, Dv)``, fp16, bf16 or fp32.
+        """
+        check_kv(keys, values)
+        self._check_first(keys, values)
+        keys, values = keys.astype(self._dtype), values.astype(self._dtype)
+        t = keys.shape[2]
+        start = self.offset
+        self.offset += t
+        take = min(self.sinks - self._sink[0].tokens, t)
+        if take > 0:
+            self._sink[0].append(self._ident.encode(keys[:, :, :take]))
+            self._sink[1].append(self._ident.encode(values[:, :, :take]))
+            keys, values = keys[:, :, take:], values[:, :, take:]
+        if keys.shape[2]:
+            self._win[0].append(self._ident.encode(keys))
+            self._win[1].append(self._ident.encode(values))
+        self._flush()
+        if self.policy is not None:
+            self.policy.after_update(self, start)
+        return self.keys_and_values()
+
+    def _flush(self) -> None:
+        """Move window overflow into tier 0 and tier overflow down the tiers."""
+        first = self.tiers[0]
+        block = _lcm(first.key_codec.block, first.value_codec.block)
+        n = (self._win[0].tokens - self.window) // block * block
+        if n > 0:
+            pos0 = self.offset - self._win[0].tokens
+            pos = mx.arange(pos0, pos0 + n, dtype=mx.int32)
+            wk, wv = self._win[0].view(), self._win[1].view()
+            self._tier[0][0].append(first.key_codec.encode(wk.slice(0, n).data["x"], pos))
+            self._tier[0][1].append(first.value_codec.encode(wv.slice(0, n).data["x"], pos))
+            self._win[0].drop_front(n)
+            self._win[1].drop_front(n)
+        for i in range(len(self.tiers) - 1):
+            src, dst = self.tiers[i], self.tiers[i + 1]
+            blk = _lcm(
+                _lcm(src.key_codec.block, src.value_codec.block),
+                _lcm(dst.key_codec.block, dst.value_codec.block),
+            )
+            over = self._tier[i][0].tokens - src.span
+            n = over // blk * blk
+            if n <= 0:
+                continue
+            kp = self._tier[i][0].view().slice(0, n)
+            vp = self._tier[i][1].view().slice(0, n)
+            pos0 = self._body_start(i)
+            pos = mx.arange(pos0, pos0 + n, dtype=mx.int32)
+            k = src.key_codec.decode(kp).astype(self._dtype)
+            v = src.value_codec.decode(vp).astype(self._dtype)
+            self._tier[i + 1][0].append(dst.key_codec.encode(k, pos))
+            self._tier[i + 1][1].append(dst.value_codec.encode(v, pos))
+            self._tier[i][0].drop_front(n)
+            self._tier[i][1].drop_front(n)
+
+    def _body_start(self, i: int) -> int:
+        """Absolute position of the oldest token of tier ``i`` (no eviction assumed)."""
+        after = self._win[0].tokens + sum(self._tier[j][0].tokens for j in range(i + 1))
+        return self.offset - after
+
+    def segments(self) -> list[Segment]:
+        """Stored tokens in temporal order, as (codec, record) pairs for keys and values."""
+        out = []
+        pairs = [(self._sink, self._ident, self._ident)]
+        pairs += [
+            (self._tier[i], t.key_codec, t.value_codec)
+            for i, t in reversed(list(enumerate(self.tiers)))
+        ]
+        pairs += [(self._win, self._ident, self._ident)]
+        for (ks, vs), kc, vc in pairs:
+            k = ks.view()
+            if k is not None:
+                out.append(Segment(kc, k, vc, vs.view()))
+        return out
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        """Every stored token decoded, in the input dtype (lazy: costs nothing unless used)."""
+        segs = self.segments()
+        if not segs:
+            raise ValueError("the cache is empty")
+        return decode_segments(segs, self._dtype)
+
+    def attend(
+        self, queries: mx.array, scale: float, mask=None, sinks: mx.array | None = None
+    ) -> mx.array:
+        """Attention of ``queries`` over every stored token, one joint softmax.
+
+        Shapes:
+            queries ``(B, Hq, L, Dk)``; returns ``(B, Hq, L, Dv)``.
+        """
+        if self.policy is not None:
+            self.policy.observe(self, queries, scale)
+        return attend(queries, self.segments(), scale, mask, sinks, self.fused_above)
+
+    def size(self) -> int:
+        return self._sink[0].tokens + sum(s[0].tokens for s in self._tier) + self._win[0].tokens
+
+    def empty(self) -> bool:
+        return self.size() == 0
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Remove the last ``n`` tokens; returns ``n``.
+
+        Raises ``ValueError`` when ``n`` exceeds the stored tokens (or is negative).
+        """
+        check_int("n", n, minimum=0)
+        if n > self.size():
+            raise ValueError(f"cannot trim {n} tokens: the cache stores {self.size()}")
+        left = n
+        left = _trim_store(self._win, left)
+        for i in range(len(self.tiers)):
+            if left == 0:
+                break
+            left = self._trim_tier(i, left)
+        if left:
+            _trim_store(self._sink, left)
+        self.offset -= n
+        return n
+
+    def _trim_tier(self, i: int, n: int) -> int:
+        ks, vs = self._tier[i]
+        if n >= ks.tokens:
+            rest = n - ks.tokens
+            ks.truncate(0), vs.truncate(0)
+            return rest
+        t = self.tiers[i]
+        block = _lcm(t.key_codec.block, t.value_codec.block)
+        keep = ks.tokens - n
+        cut = keep // block * block
+        if cut != keep:
+            # a block is split: decode its surviving tokens back into the window
+            k = t.key_codec.decode(ks.view().slice(cut, cut + block)).astype(self._dtype)
+            v = t.value_codec.decode(vs.view().slice(cut, cut + block)).astype(self._dtype)
+            ks.truncate(cut), vs.truncate(cut)
+            win_k, win_v = self._win[0].view(), self._win[1].view()
+            self._win[0].replace(Packed.concat([self._ident.encode(k[:, :, : keep - cut]), win_k]))
+            self._win[1].replace(Packed.concat([self._ident.encode(v[:, :, : keep - cut]), win_v]))
+        else:
+            ks.truncate(keep), vs.truncate(keep)
+        return 0
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        """The causal mask of ``N`` new queries over the stored tokens (mlx-lm semantics)."""
+        return create_attention_mask(N, self.size(), return_array, window_size)
+
+    # -- memory -----------------------------------------------------------------------------
+    def _stores(self) -> list[PackedStore]:
+        return [*self._sink, *(s for pair in self._tier for s in pair), *self._win]
+
+    def _codecs(self) -> list[Codec]:
+        return [c for t in self.tiers for c in (t.key_codec, t.value_codec)]
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes: every buffer (capacity included) and every fitted codec array."""
+        extra = 0 if self.policy is None else self.policy.nbytes
+        return (
+            sum(s.nbytes for s in self._stores())
+            + sum(c.state_nbytes for c in self._codecs())
+            + extra
+        )
+
+    @property
+    def logical_nbytes(self) -> int:
+        """Resident bytes without the unused capacity of the buffers."""
+        extra = 0 if self.policy is None else self.policy.nbytes
+        return (
+            sum(s.logical_nbytes for s in self._stores())
+            + sum(c.state_nbytes for c in self._codecs())
+            + extra
+        )
+
+    # -- state ------------------------------------------------------------------------------
+    @property
+    def state(self) -> list:
+        """``[meta (JSON str), *arrays]``: everything needed to rebuild the cache."""
+        meta, arrays = self._state_dict()
+        return [json.dumps(meta), *arrays.values()]
+
+    @state.setter
+    def state(self, v) -> None:
+        if not v or not isinstance(v[0], str):
+            raise ValueError("VeloxCache state must start with its JSON meta string")
+        meta = json.loads(v[0])
+        names = meta.get("arrays", [])
+        if len(names) != len(v) - 1:
+            raise ValueError(f"VeloxCache state lists {len(names)} arrays, got {len(v) - 1}")
+        self._load_state_dict(meta, dict(zip(names, v[1:])))
+
+    @classmethod
+    def from_state(cls, state) -> VeloxCache:
+        if not state or not isinstance(state[0], str):
+            raise ValueError("VeloxCache state must start with its JSON meta string")
+        cache = cls.from_config(json.loads(state[0])["config"])
+        cache.state = state
+        return cache
+
+    def copy(self) -> VeloxCache:
+        """An independent cache with the same settings and contents."""
+        return type(self).from_state(self.state)
+
+    def _named_stores(self) -> dict[str, PackedStore]:
+        out = {
+            "sink.k": self._sink[0],
+            "sink.v": self._sink[1],
+            "win.k": self._win[0],
+            "win.v": self._win[1],
+        }
+        for i, (k, v) in enumerate(self._tier):
+            out[f"tier{i}.k"], out[f"tier{i}.v"] = k, v
+        return out
+
+    def _named_codecs(self) -> dict[str, Codec]:
+        out = {}
+        for i, t in enumerate(self.tiers):
+            out[f"tier{i}.k"], out[f"tier{i}.v"] = t.key_codec, t.value_codec
+        return out
+
+    def _state_dict(self) -> tuple[dict, dict[str, mx.array]]:
+        arrays: dict[str, mx.array] = {}
+        stores = {}
+        for name, s in self._named_stores().items():
+            v = s.view()
+            if v is None:
+                continue
+            stores[name] = {
+                "tokens": v.tokens,
+                "block": v.block,
+                "per_block": sorted(v.per_block),
+                "fields": list(v.data),
+            }
+            for f, a in v.data.items():
+                arrays[f"store.{name}.{f}"] = a
+        for name, c in self._named_codecs().items():
+            for f, a in c.state().items():
+                arrays[f"codec.{name}.{f}"] = a
+        if self.policy is not None:
+            for f, a in self.policy.state().items():
+                arrays[f"policy.{f}"] = a
+        meta = {
+            "version": STATE_VERSION,
+            "method": self.method,
+            "config": self.config(),
+            "offset": self.offset,
+            "dims": self._dims,
+            "dtype": None if self._dtype is None else str(self._dtype).split(".")[-1],
+            "stores": stores,
+            "arrays": list(arrays),
+            "policy_meta": None if self.policy is None else self.policy.meta(),
+        }
+        return meta, arrays
+
+    def _load_state_dict(self, meta: dict, arrays: dict[str, mx.array]) -> None:
+        if meta.get("version") != STATE_VERSION:
+            raise ValueError(f"unsupported VeloxCache state version {meta.get('version')!r}")
+        self.offset = int(meta["offset"])
+        self._dims = None if meta["dims"] is None else tuple(meta["dims"])
+        dt = meta["dtype"]
+        if dt is not None and getattr(mx, dt, None) not in FLOAT_DTYPES:
+            raise ValueError(f"VeloxCache state has an unsupported dtype {dt!r}")
+        self._dtype = None if dt is None else getattr(mx, dt)
+        named = self._named_stores()
+        for name, s in named.items():
+            info = meta["stores"].get(name)
+            if info is None:
+                s.replace(None)
+                continue
+            data = {f: arrays[f"store.{name}.{f}"] for f in info["fields"]}
+            s.replace(Packed(data, info["tokens"], info["block"], frozenset(info["per_block"])))
+        for name, c in self._named_codecs().items():
+            pre = f"codec.{name}."
+            c.set_state({k[len(pre) :]: a for k, a in arrays.items() if k.startswith(pre)})
+        if self.policy is not None:
+            self.policy.set_state(
+                {k[7:]: a for k, a in arrays.items() if k.startswith("policy.")},
+                meta.get("policy_meta"),
+            )
+        if self._dims is not None and self.size() and self._win[0].view() is not None:
+            got = self._win[0].view().data["x"].shape
+            if (got[0], got[1], got[3]) != (self._dims[0], self._dims[1], self._dims[2]):
+                raise ValueError("VeloxCache state: window arrays disagree with the recorded dims")
+
+    # -- batching ---------------------------------------------------------------------------
+    def filter(self, batch_indices) -> None:
+        """Keep only the given batch rows (in place)."""
+        idx = mx.array(batch_indices) if not isinstance(batch_indices, mx.array) else batch_indices
+        for s in self._stores():
+            s.map_batch(lambda a: a[idx])
+        if self._dims is not None:
+            self._dims = (int(idx.size), *self._dims[1:])
+
+    def extract(self, idx: int) -> VeloxCache:
+        """A new single-sequence cache holding batch row ``idx``."""
+        out = self.copy()
+        out.filter([idx])
+        return out
+
+    def extend(self, other: VeloxCache) -> None:
+        """Append the batch rows of ``other`` (same settings and same stored layout)."""
+        if type(other) is not type(self) or other.config() != self.config():
+            raise ValueError("extend: both caches must have the same class and settings")
+        mine, theirs = self._named_stores(), other._named_stores()
+        for name, s in mine.items():
+            if s.tokens != theirs[name].tokens or self.offset != other.offset:
+                raise ValueError(
+                    "extend: caches must hold the same tokens in every segment (equal-length "
+                    "sequences); velox caches do not pad"
+                )
+        for name, s in mine.items():
+            o = theirs[name].view()
+            if o is not None:
+                s.replace(s.view().map(lambda k, a, o=o: mx.concatenate([a, o.data[k]], axis=0)))
+        if self._dims is not None:
+            self._dims = (self._dims[0] + other._dims[0], *self._dims[1:])
+
+    @classmethod
+    def merge(cls, caches: list[VeloxCache]) -> VeloxCache:
+        """One batched cache from several single-sequence caches of equal length."""
+        if not caches:
+            raise ValueError("merge needs at least one cache")
+        out = caches[0].copy()
+        for c in caches[1:]:
+            out.extend(c)
+        return out
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.describe()} offset={self.offset} size={self.size()}>"
+
+
+def _spec(obj) -> dict[str, Any]:
+    return {"name": obj.name, "config": obj.config()}
+
+
+def _lcm(a: int, b: int) -> int:
+    from math import gcd
+
+    return a * b // gcd(a, b)
+
+
+def _trim_store(pair: tuple[PackedStore, PackedStore], n: int) -> int:
+    k, v = pair
+    take = min(n, k.tokens)
+    k.truncate(k.tokens - take), v.truncate(v.tokens - take)
+    return n - take

@@ -1,0 +1,187 @@
+"""The codec protocol and the ``Packed`` record.
+
+A codec turns a block of vectors ``(B, H, T, D)`` into a :class:`Packed` record and back.
+Every byte it keeps for those tokens is an array of the record, so its size is measured.
+What a codec fits once (a rotation, codebooks, a channel order) is its *state*, also arrays,
+also counted. A codec may compute attention in the compressed domain: :meth:`Codec.scores`
+for ``q @ k.T`` and :meth:`Codec.mix` for ``p @ v``; the defaults decode first.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import mlx.core as mx
+
+__all__ = ["Codec", "Packed"]
+
+
+@dataclass
+class Packed:
+    """Coded tokens: named MLX arrays whose axis 2 runs over tokens (or blocks of tokens).
+
+    Attributes:
+        data: the arrays. Each has shape ``(B, H, rows, ...)`` where ``rows`` is ``tokens``,
+            or ``tokens // block`` for the names in ``per_block``.
+        tokens: number of tokens held.
+        block: tokens coded together (1 for per-token codecs).
+        per_block: names of arrays with one row per block (shared statistics).
+    """
+
+    data: dict[str, mx.array]
+    tokens: int
+    block: int = 1
+    per_block: frozenset[str] = field(default_factory=frozenset)
+
+    def __post_init__(self):
+        if self.block < 1 or self.tokens % self.block:
+            raise ValueError(
+                f"Packed: {self.tokens} tokens is not a multiple of block {self.block}"
+            )
+        for name, a in self.data.items():
+            if a.ndim < 3 or a.shape[2] != self.rows(name, self.tokens):
+                raise ValueError(
+                    f"Packed: array {name!r} has shape {tuple(a.shape)}, expected "
+                    f"{self.rows(name, self.tokens)} rows on axis 2"
+                )
+
+    def rows(self, name: str, tokens: int) -> int:
+        return tokens // self.block if name in self.per_block else tokens
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.data.values())
+
+    @property
+    def batch(self) -> int:
+        return next(iter(self.data.values())).shape[0]
+
+    def arrays(self) -> list[mx.array]:
+        return list(self.data.values())
+
+    def map(self, fn: Callable[[str, mx.array], mx.array], tokens: int | None = None) -> Packed:
+        """A record with ``fn(name, array)`` applied to every array."""
+        tokens = self.tokens if tokens is None else tokens
+        data = {k: fn(k, a) for k, a in self.data.items()}
+        return Packed(data, tokens, self.block, self.per_block)
+
+    def slice(self, start: int, stop: int) -> Packed:
+        """Tokens ``[start, stop)``; both must be multiples of ``block``."""
+        if start % self.block or stop % self.block or not 0 <= start <= stop <= self.tokens:
+            raise ValueError(
+                f"Packed.slice({start}, {stop}) must be block-aligned ({self.block}) "
+                f"within {self.tokens} tokens"
+            )
+        return self.map(
+            lambda k, a: a[:, :, self.rows(k, start) : self.rows(k, stop)], tokens=stop - start
+        )
+
+    def take(self, index: mx.array) -> Packed:
+        """Gather tokens by index along axis 2 (per-token records only).
+
+        Shapes:
+            index ``(n,)`` shared by every head, or ``(B, H, n)`` per head.
+        """
+        if self.per_block:
+            raise ValueError("Packed.take: tokens of a block-coded record cannot be gathered")
+        n = index.shape[-1]
+        if index.ndim == 1:
+            return self.map(lambda k, a: mx.take(a, index, axis=2), tokens=n)
+
+        def gather(_, a):
+            idx = index.reshape(*index.shape, *([1] * (a.ndim - 3)))
+            return mx.take_along_axis(a, idx, axis=2)
+
+        return self.map(gather, tokens=n)
+
+    @staticmethod
+    def concat(parts: list[Packed]) -> Packed:
+        """Join records along tokens (same layout required)."""
+        parts = [p for p in parts if p is not None and p.tokens > 0]
+        if not parts:
+            raise ValueError("Packed.concat needs at least one non-empty record")
+        if len(parts) == 1:
+            return parts[0]
+        first = parts[0]
+        data = {k: mx.concatenate([p.data[k] for p in parts], axis=2) for k in first.data}
+        return Packed(data, sum(p.tokens for p in parts), first.block, first.per_block)
+
+
+class Codec(ABC):
+    """Turns ``(B, H, T, D)`` vectors into a :class:`Packed` record and back.
+
+    Subclasses set ``name`` (the registry name), ``block`` (tokens coded together),
+    implement :meth:`encode`, :meth:`decode` and :meth:`config`, and may override
+    :meth:`scores` / :meth:`mix` with compressed-domain versions (then set
+    ``compressed_scores`` / ``compressed_mix`` to True).
+    """
+
+    name: ClassVar[str] = "codec"
+    compressed_scores: ClassVar[bool] = False
+    compressed_mix: ClassVar[bool] = False
+    block: int = 1
+
+    # -- configuration -------------------------------------------------------------------
+    @abstractmethod
+    def config(self) -> dict[str, Any]:
+        """JSON-serializable constructor arguments: ``type(self)(**self.config())``."""
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Codec:
+        return cls(**config)
+
+    def fresh(self) -> Codec:
+        """An unfitted copy with the same settings (one per layer and per cache)."""
+        return type(self).from_config(self.config())
+
+    def describe(self) -> str:
+        args = ",".join(f"{k}={v}" for k, v in self.config().items())
+        return f"{self.name}({args})"
+
+    # -- fitted state ----------------------------------------------------------------------
+    def check(self, dim: int, dtype: mx.Dtype) -> None:  # noqa: B027 (optional hook)
+        """Validate the head dim and dtype on first use; raise ``ValueError`` if unsupported."""
+
+    def bind(self, model: Any = None, layer: int | None = None) -> None:  # noqa: B027
+        """Called by ``make_cache`` with the model and layer index, for codecs that need them."""
+
+    def state(self) -> dict[str, mx.array]:
+        """Arrays fitted by this codec (resident, saved with the cache)."""
+        return {}
+
+    def set_state(self, state: dict[str, mx.array]) -> None:
+        if state:
+            raise ValueError(f"{self.name}: this codec has no state, got {sorted(state)}")
+
+    @property
+    def state_nbytes(self) -> int:
+        return sum(a.nbytes for a in self.state().values())
+
+    # -- coding ------------------------------------------------------------------------------
+    @abstractmethod
+    def encode(self, x: mx.array, positions: mx.array | None = None) -> Packed:
+        """Shapes: x ``(B, H, T, D)`` with ``T % block == 0``; positions ``(T,)`` int32."""
+
+    @abstractmethod
+    def decode(self, packed: Packed) -> mx.array:
+        """Shapes: returns float32 ``(B, H, T, D)``."""
+
+    def scores(self, q: mx.array, packed: Packed) -> mx.array:
+        """``q @ k_hat.T`` for grouped queries.
+
+        Shapes:
+            q ``(B, H, M, D)`` float32 (``M`` = query heads per KV head x query tokens, scale
+            already applied); returns float32 ``(B, H, M, T)``.
+        """
+        return q @ mx.swapaxes(self.decode(packed), -1, -2)
+
+    def mix(self, w: mx.array, packed: Packed) -> mx.array:
+        """``w @ v_hat``.
+
+        Shapes:
+            w ``(B, H, M, T)`` float32 attention weights; returns float32 ``(B, H, M, D)``.
+        """
+        return w @ self.decode(packed)

@@ -1,0 +1,128 @@
+"""``Uniform``: affine per-group quantization (2 to 8 bits) along tokens or channels.
+
+Codes are bit-packed into uint32 words (:mod:`velox_core.ops.packing`); each group keeps a
+scale and a zero in fp16 (bf16 for bf16 models). With ``axis="token"`` a group is ``group``
+channels of one token; with ``axis="channel"`` it is ``group`` tokens of one channel, so
+tokens are coded ``group`` at a time (``block = group``).
+
+Attention reads the codes directly: per-token groups go through ``mx.quantized_matmul``
+(whose bit layout is ours for 2-6 and 8 bits) and per-channel groups fold the scales into
+the query (``q . (s * c + z) = (q * s) . c + q . z``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from ..ops.packing import pack, unpack
+from ..ops.quant import AXES, affine_dequantize, affine_quantize
+from ..validation import check_bits, check_choice, check_float, check_int
+from .base import Codec, Packed
+
+__all__ = ["Uniform"]
+
+_MLX_BITS = (2, 3, 4, 5, 6, 8)
+_MLX_GROUPS = (32, 64, 128)
+
+
+class Uniform(Codec):
+    """Affine per-group quantization.
+
+    Args:
+        bits: code width, 2 to 8.
+        group: group size (channels per group for ``axis="token"``, tokens for ``"channel"``).
+        axis: ``"token"`` (per-token groups) or ``"channel"`` (per-channel groups).
+        clip: factor in ``(0, 1]`` applied to each group's min and max before quantizing.
+    """
+
+    name = "uniform"
+    compressed_scores = True
+    compressed_mix = True
+
+    def __init__(self, bits: int = 4, group: int = 64, axis: str = "token", clip: float = 1.0):
+        self.bits = check_bits("bits", bits, minimum=2, maximum=8)
+        self.group = check_int("group", group, minimum=1)
+        self.axis = check_choice("axis", axis, AXES)
+        self.clip = check_float("clip", clip, minimum=0.0, maximum=1.0, open_min=True)
+        self.block = self.group if axis == "channel" else 1
+
+    def config(self) -> dict[str, Any]:
+        return {"bits": self.bits, "group": self.group, "axis": self.axis, "clip": self.clip}
+
+    def check(self, dim: int, dtype: mx.Dtype) -> None:
+        if self.axis == "token" and dim % self.group:
+            raise ValueError(
+                f"uniform: group={self.group} must divide the head dim {dim} "
+                f"(choose a divisor of {dim}, e.g. {_divisors(dim)})"
+            )
+
+    def encode(self, x: mx.array, positions: mx.array | None = None) -> Packed:
+        codes, scale, zero = affine_quantize(x, self.bits, self.group, self.axis, self.clip)
+        data = {"codes": pack(codes, self.bits), "scale": scale, "zero": zero}
+        per_block = frozenset({"scale", "zero"}) if self.axis == "channel" else frozenset()
+        return Packed(data, x.shape[2], self.block, per_block)
+
+    def _codes(self, packed: Packed) -> mx.array:
+        d = packed.data["scale"].shape[-1] * (self.group if self.axis == "token" else 1)
+        return unpack(packed.data["codes"], self.bits, d)
+
+    def decode(self, packed: Packed) -> mx.array:
+        p = packed.data
+        return affine_dequantize(self._codes(packed), p["scale"], p["zero"], self.group, self.axis)
+
+    def _mlx_layout(self) -> bool:
+        return self.axis == "token" and self.bits in _MLX_BITS and self.group in _MLX_GROUPS
+
+    def scores(self, q: mx.array, packed: Packed) -> mx.array:
+        p = packed.data
+        if self._mlx_layout():
+            return mx.quantized_matmul(
+                q,
+                p["codes"],
+                p["scale"],
+                p["zero"],
+                transpose=True,
+                group_size=self.group,
+                bits=self.bits,
+            )
+        if self.axis == "token":
+            return super().scores(q, packed)
+        # per-channel groups: fold each token group's scales into the query
+        b, h, t = p["codes"].shape[:3]
+        g = self.group
+        c = self._codes(packed).astype(mx.float32).reshape(b, h, t // g, g, -1)
+        s = p["scale"].astype(mx.float32)[:, :, :, None, :]  # (B, H, T/g, 1, D)
+        z = p["zero"].astype(mx.float32)[:, :, :, None, :]
+        qg = q[:, :, None]  # (B, H, 1, M, D)
+        out = (qg * s) @ mx.swapaxes(c, -1, -2) + mx.sum(qg * z, axis=-1, keepdims=True)
+        return mx.swapaxes(out, 2, 3).reshape(b, h, q.shape[2], t)
+
+    def mix(self, w: mx.array, packed: Packed) -> mx.array:
+        p = packed.data
+        if self._mlx_layout():
+            return mx.quantized_matmul(
+                w,
+                p["codes"],
+                p["scale"],
+                p["zero"],
+                transpose=False,
+                group_size=self.group,
+                bits=self.bits,
+            )
+        if self.axis == "token":
+            return super().mix(w, packed)
+        # per-channel groups: sum the weights of each token group against the zeros
+        b, h, t = p["codes"].shape[:3]
+        g = self.group
+        c = self._codes(packed).astype(mx.float32).reshape(b, h, t // g, g, -1)
+        wg = mx.swapaxes(w.reshape(b, h, w.shape[2], t // g, g), 2, 3)  # (B, H, T/g, M, g)
+        s = p["scale"].astype(mx.float32)[:, :, :, None, :]
+        z = p["zero"].astype(mx.float32)[:, :, :, None, :]
+        out = (wg @ c) * s + mx.sum(wg, axis=-1, keepdims=True) * z  # (B, H, T/g, M, D)
+        return mx.sum(out, axis=2)
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in (16, 32, 64, 128) if n % d == 0) or "1"

@@ -1,0 +1,218 @@
+"""Saving and loading compressed caches: safetensors with a versioned header.
+
+The file holds every layer's arrays (as stored: packed codes, scales...) and, in the
+safetensors metadata, a JSON description of each layer plus a SHA-256 of all array bytes.
+Loading rebuilds velox caches only through the registered methods and mlx-lm caches only from
+a fixed allow-list of plain classes; nothing is unpickled or imported by name from the file.
+A truncated, altered or foreign file raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import cache as mlx_cache
+
+from .cache.velox import VeloxCache
+from .registry import get_method
+
+__all__ = ["FORMAT", "VERSION", "inspect_cache_file", "load_cache", "save_cache"]
+
+FORMAT = "velox-cache"
+VERSION = 1
+_MLX_CLASSES = {
+    "KVCache": mlx_cache.KVCache,
+    "RotatingKVCache": mlx_cache.RotatingKVCache,
+    "QuantizedKVCache": mlx_cache.QuantizedKVCache,
+}
+
+
+def _digest(arrays: dict[str, mx.array]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        a = arrays[name]
+        h.update(name.encode())
+        h.update(str(a.dtype).encode() + str(tuple(a.shape)).encode())
+        if a.size:
+            h.update(np.asarray(mx.contiguous(a).view(mx.uint8)).tobytes())
+    return h.hexdigest()
+
+
+def _encode_layer(i: int, c: Any, arrays: dict[str, mx.array]) -> dict[str, Any]:
+    if isinstance(c, VeloxCache):
+        meta, state = c._state_dict()
+        for k, a in state.items():
+            arrays[f"layer{i}.{k}"] = a
+        return {"kind": "velox", "method": c.method, "meta": meta}
+    cls = type(c).__name__
+    if _MLX_CLASSES.get(cls) is not type(c):
+        raise ValueError(f"cannot save layer {i}: cache class {cls} is not supported")
+    items = []
+    for j, v in enumerate(_flat(c.state)):
+        if isinstance(v, mx.array):
+            arrays[f"layer{i}.{j}"] = v
+            items.append({"type": "array", "name": f"layer{i}.{j}"})
+        elif v is None:
+            items.append({"type": "none"})
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            items.append({"type": "number", "value": v})
+        else:
+            raise ValueError(f"cannot save layer {i}: state item of type {type(v).__name__}")
+    return {"kind": "mlx_lm", "class": cls, "items": items, "nested": _shape(c.state)}
+
+
+def _flat(state) -> list:
+    out = []
+    for v in state:
+        out.extend(_flat(v) if isinstance(v, (tuple, list)) else [v])
+    return out
+
+
+def _shape(state) -> list:
+    return [len(v) if isinstance(v, (tuple, list)) else 0 for v in state]
+
+
+def _nest(flat: list, shape: list) -> list:
+    out, i = [], 0
+    for n in shape:
+        if n:
+            out.append(tuple(flat[i : i + n]))
+            i += n
+        else:
+            out.append(flat[i])
+            i += 1
+    return out
+
+
+def save_cache(path: str | Path, caches: list, metadata: dict[str, str] | None = None) -> None:
+    """Write a model's caches (velox and plain mlx-lm ones) to ``path`` (``.safetensors``)."""
+    if not isinstance(caches, (list, tuple)) or not caches:
+        raise ValueError("save_cache: caches must be a non-empty list (one cache per layer)")
+    if metadata is not None and not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise TypeError("save_cache: metadata must map str to str")
+    arrays: dict[str, mx.array] = {}
+    layers = [_encode_layer(i, c, arrays) for i, c in enumerate(caches)]
+    header = {
+        "format": FORMAT,
+        "version": str(VERSION),
+        "layers": json.dumps(layers),
+        "user": json.dumps(metadata or {}),
+        "sha256": _digest(arrays),
+    }
+    path = str(path)
+    if not path.endswith(".safetensors"):
+        raise ValueError(f"save_cache: the file name must end in .safetensors, got {path!r}")
+    mx.save_safetensors(path, arrays, header)
+
+
+def _read(path: str | Path) -> tuple[dict[str, mx.array], dict[str, str], list[dict]]:
+    path = str(path)
+    if not Path(path).is_file():
+        raise ValueError(f"{path}: no such file")
+    try:
+        arrays, header = mx.load(path, return_metadata=True)
+    except Exception as e:
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+    if header.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a velox cache file (format {header.get('format')!r})")
+    if header.get("version") != str(VERSION):
+        raise ValueError(f"{path}: unsupported velox cache version {header.get('version')!r}")
+    if _digest(arrays) != header.get("sha256"):
+        raise ValueError(f"{path}: checksum mismatch: the file was altered or truncated")
+    try:
+        layers = json.loads(header["layers"])
+        if not isinstance(layers, list):
+            raise TypeError("layers is not a list")
+    except (KeyError, TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: corrupt layer header ({e})") from None
+    return arrays, header, layers
+
+
+def load_cache(path: str | Path, return_metadata: bool = False):
+    """Read caches written by :func:`save_cache`.
+
+    Returns:
+        the list of caches, and the user metadata dict if ``return_metadata``.
+    """
+    arrays, header, layers = _read(path)
+    out = []
+    for i, layer in enumerate(layers):
+        kind = layer.get("kind") if isinstance(layer, dict) else None
+        if kind == "velox":
+            cls = (
+                VeloxCache
+                if layer["method"] == "velox"
+                else get_method(layer["method"]).cache_class
+            )
+            meta = layer["meta"]
+            try:
+                state = [json.dumps(meta), *(arrays[f"layer{i}.{k}"] for k in meta["arrays"])]
+            except KeyError as e:
+                raise ValueError(f"{path}: layer {i} misses array {e}") from None
+            out.append(cls.from_state(state))
+        elif kind == "mlx_lm":
+            cls = _MLX_CLASSES.get(layer.get("class"))
+            if cls is None:
+                raise ValueError(f"{path}: layer {i} has unsupported class {layer.get('class')!r}")
+            flat = []
+            for item in layer["items"]:
+                t = item.get("type")
+                if t == "array":
+                    flat.append(arrays[item["name"]])
+                elif t == "none":
+                    flat.append(None)
+                elif t == "number":
+                    flat.append(item["value"])
+                else:
+                    raise ValueError(f"{path}: layer {i} has a bad state item {item!r}")
+            out.append(cls.from_state(_nest(flat, layer["nested"])))
+        else:
+            raise ValueError(f"{path}: layer {i} has unknown kind {kind!r}")
+    if return_metadata:
+        return out, json.loads(header.get("user", "{}"))
+    return out
+
+
+def inspect_cache_file(path: str | Path) -> dict[str, Any]:
+    """Summary of a saved cache without rebuilding it: method, tokens and bytes per layer."""
+    arrays, header, layers = _read(path)
+    rows = []
+    for i, layer in enumerate(layers):
+        names = [k for k in arrays if k.startswith(f"layer{i}.")]
+        nbytes = sum(arrays[k].nbytes for k in names)
+        if layer.get("kind") == "velox":
+            meta = layer["meta"]
+            tokens = sum(s["tokens"] for n, s in meta["stores"].items() if n.endswith(".k"))
+            rows.append(
+                {
+                    "layer": i,
+                    "method": layer["method"],
+                    "offset": meta["offset"],
+                    "tokens": tokens,
+                    "bytes": nbytes,
+                }
+            )
+        else:
+            offset = next((it["value"] for it in layer["items"] if it.get("type") == "number"), 0)
+            rows.append(
+                {
+                    "layer": i,
+                    "method": layer.get("class"),
+                    "offset": offset,
+                    "tokens": offset,
+                    "bytes": nbytes,
+                }
+            )
+    return {
+        "version": header["version"],
+        "layers": rows,
+        "bytes": sum(r["bytes"] for r in rows),
+        "user": json.loads(header.get("user", "{}")),
+    }

@@ -1,0 +1,73 @@
+"""Kernel loading: backend detection, sources, and kernels built once per process.
+
+Every hot operation has a pure-MLX reference; a kernel is an optimization that must match
+it. :func:`use_kernels` says whether to take the kernel path now: kernels are enabled
+(``VELOX_KERNELS`` is not ``0``) and the default device is a GPU whose backend has a build of
+the kernel (``mx.fast.metal_kernel`` on Apple GPUs, ``mx.fast.cuda_kernel`` on NVIDIA).
+Sources live in the repository's ``metal/`` folder and ship inside the wheels that use them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+__all__ = ["backend", "get_kernel", "kernel_source", "kernels_enabled", "use_kernels"]
+
+_BUILT: dict[tuple[str, str], Any] = {}
+
+
+def kernels_enabled() -> bool:
+    """False when the environment sets ``VELOX_KERNELS=0`` (reference MLX everywhere)."""
+    return os.environ.get("VELOX_KERNELS", "1").strip() not in ("0", "false", "no", "off")
+
+
+def backend() -> str:
+    """``"metal"``, ``"cuda"`` or ``"cpu"``: where the default device runs."""
+    if mx.default_device().type != mx.DeviceType.gpu:
+        return "cpu"
+    if mx.metal.is_available():
+        return "metal"
+    if hasattr(mx, "cuda") and mx.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def use_kernels() -> bool:
+    return kernels_enabled() and backend() in ("metal", "cuda")
+
+
+def _source_dirs(package: str) -> list[Path]:
+    dirs = []
+    try:
+        dirs.append(Path(str(resources.files(package) / "kernels" / "src")))
+    except (ModuleNotFoundError, TypeError):
+        pass
+    here = Path(__file__).resolve()
+    for parent in here.parents:
+        if (parent / "metal").is_dir() and (parent / "packages").is_dir():
+            dirs.append(parent / "metal")
+            break
+    return dirs
+
+
+def kernel_source(filename: str, package: str = "velox_core") -> str:
+    """Text of a kernel source file, from the installed wheel or the repository's ``metal/``."""
+    for d in _source_dirs(package):
+        p = d / filename
+        if p.is_file():
+            return p.read_text()
+    raise FileNotFoundError(f"kernel source {filename!r} not found for {package}")
+
+
+def get_kernel(name: str, build: Callable[[str], Any]) -> Any:
+    """The kernel ``name`` for the current backend, built once by ``build(backend)``."""
+    key = (name, backend())
+    if key not in _BUILT:
+        _BUILT[key] = build(key[1])
+    return _BUILT[key]

@@ -1,0 +1,204 @@
+"""Integration with mlx-lm: per-layer caches, attention routing, and ``generate``.
+
+mlx-lm models call the shared ``scaled_dot_product_attention`` of ``mlx_lm.models.base``,
+imported by name into each model module. :func:`enable` points that name, in every loaded
+``mlx_lm.models`` module that uses it, at a router that sends layers whose cache is a
+:class:`VeloxCache` to :meth:`VeloxCache.attend` (attention from the codes) and every other
+layer to the original function. :func:`disable` restores the originals; :func:`routed` is the
+context manager. Nothing is patched on import. Without routing a velox cache still gives
+correct results: ``update_and_fetch`` returns the decoded keys and values, which the model's
+own attention then uses (slower, and transiently fp16).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from .cache.velox import VeloxCache
+from .registry import make
+
+__all__ = ["disable", "enable", "generate", "is_enabled", "make_cache", "routed", "stream_generate"]
+
+_patched: dict[str, Callable] = {}
+_depth = 0
+
+
+def _original() -> Callable:
+    import mlx_lm.models.base as base
+
+    fn = base.scaled_dot_product_attention
+    return getattr(fn, "__velox_original__", fn)
+
+
+def _make_router(original: Callable) -> Callable:
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None, **kw):
+        if isinstance(cache, VeloxCache):
+            return cache.attend(queries, scale=scale, mask=mask, sinks=sinks)
+        return original(
+            queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks, **kw
+        )
+
+    scaled_dot_product_attention.__velox_original__ = original
+    return scaled_dot_product_attention
+
+
+def _patch_all(extra_modules: list[str]) -> None:
+    original = _original()
+    router = _make_router(original)
+    names = [
+        n for n in list(sys.modules) if n == "mlx_lm.models.base" or n.startswith("mlx_lm.models.")
+    ]
+    for name in {*names, *extra_modules}:
+        mod = sys.modules.get(name)
+        fn = getattr(mod, "scaled_dot_product_attention", None)
+        if fn is None or name in _patched:
+            continue
+        if fn is original or getattr(fn, "__velox_original__", None) is original:
+            _patched[name] = original
+            mod.scaled_dot_product_attention = router
+
+
+def enable(model: Any = None) -> None:
+    """Route attention of velox-cached layers to :meth:`VeloxCache.attend`.
+
+    Patches every loaded ``mlx_lm.models`` module (and the modules of ``model``'s layers)
+    that uses the shared attention function. Calls nest: routing stays on until the matching
+    number of :func:`disable` calls.
+    """
+    global _depth
+    _depth += 1
+    extra = []
+    if model is not None and hasattr(model, "modules"):
+        extra = sorted({type(m).__module__ for m in model.modules()})
+    _patch_all(extra)
+
+
+def disable() -> None:
+    """Undo one :func:`enable`; the last one restores every original function."""
+    global _depth
+    if _depth == 0:
+        return
+    _depth -= 1
+    if _depth == 0:
+        for name, original in _patched.items():
+            mod = sys.modules.get(name)
+            if mod is not None:
+                mod.scaled_dot_product_attention = original
+        _patched.clear()
+
+
+def is_enabled() -> bool:
+    return _depth > 0
+
+
+@contextmanager
+def routed(model: Any = None) -> Iterator[None]:
+    """``with routed(model): ...`` enables routing for the block."""
+    enable(model)
+    try:
+        yield
+    finally:
+        disable()
+
+
+def _layer_count(model: Any) -> int:
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        raise ValueError("make_cache: the model has no .layers; is it an mlx-lm model?")
+    return len(layers)
+
+
+def _build(spec: Any, index: int) -> Any:
+    from mlx_lm.models.cache import KVCache
+
+    if spec is None or spec == "fp16":
+        return KVCache()
+    if isinstance(spec, VeloxCache):
+        return spec.fresh()
+    if isinstance(spec, str):
+        return make(spec)
+    if callable(spec):
+        out = spec(index)
+        if out is None:
+            return KVCache()
+        return out
+    raise TypeError(
+        "a layer spec must be None/'fp16', a method spec string, a VeloxCache template or "
+        f"a callable(layer_index) -> cache; got {type(spec).__name__}"
+    )
+
+
+def make_cache(model: Any, default: Any = "uniform", layers: dict[int, Any] | None = None) -> list:
+    """A fresh list of per-layer caches for ``model``.
+
+    Layers whose native cache is a plain ``KVCache`` get a velox cache from ``default`` or
+    from ``layers[i]`` (negative indices count from the end); other layers (sliding-window,
+    linear attention / SSM state) keep the model's own cache.
+
+    Args:
+        model: an mlx-lm model.
+        default: spec for every full-attention layer: a method spec string
+            (``"uniform:bits=4"``), a :class:`VeloxCache` used as a template (cloned per
+            layer), a callable ``layer_index -> cache``, or None / ``"fp16"`` for mlx-lm's KVCache.
+        layers: per-layer overrides, same spec types.
+    """
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    n = _layer_count(model)
+    native = make_prompt_cache(model)
+    if len(native) != n:
+        raise ValueError(f"make_cache: the model made {len(native)} caches for {n} layers")
+    overrides: dict[int, Any] = {}
+    for k, spec in (layers or {}).items():
+        if isinstance(k, bool) or not isinstance(k, int) or not -n <= k < n:
+            raise ValueError(f"make_cache: layer index {k!r} out of range for {n} layers")
+        overrides[k % n] = spec
+    out = []
+    for i, c in enumerate(native):
+        if type(c) is not KVCache:
+            out.append(c)
+            continue
+        cache = _build(overrides.get(i, default), i)
+        if isinstance(cache, VeloxCache):
+            cache.bind(model, i)
+        out.append(cache)
+    return out
+
+
+def _caches(model: Any, cache: Any) -> list:
+    if (
+        cache is None
+        or isinstance(cache, (str, VeloxCache))
+        or (callable(cache) and not isinstance(cache, list))
+    ):
+        return make_cache(model, default=cache if cache is not None else "uniform")
+    if isinstance(cache, list):
+        return cache
+    raise TypeError("cache must be a method spec, a VeloxCache template or a list of caches")
+
+
+def generate(model: Any, tokenizer: Any, prompt: Any, cache: Any = None, **kwargs: Any) -> str:
+    """``mlx_lm.generate`` with velox caches and attention routed to them.
+
+    Args:
+        cache: a method spec (``"uniform:bits=4"``), a template cache, or a list from
+            :func:`make_cache` (then it is filled in place and can be inspected afterwards).
+        kwargs: passed to ``mlx_lm.generate`` (``max_tokens``, ``sampler``, ``verbose``...).
+    """
+    import mlx_lm
+
+    caches = _caches(model, cache)
+    with routed(model):
+        return mlx_lm.generate(model, tokenizer, prompt, prompt_cache=caches, **kwargs)
+
+
+def stream_generate(model: Any, tokenizer: Any, prompt: Any, cache: Any = None, **kwargs: Any):
+    """``mlx_lm.stream_generate`` with velox caches; routing is on while it yields."""
+    import mlx_lm
+
+    caches = _caches(model, cache)
+    with routed(model):
+        yield from mlx_lm.stream_generate(model, tokenizer, prompt, prompt_cache=caches, **kwargs)

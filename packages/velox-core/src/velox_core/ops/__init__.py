@@ -1,0 +1,32 @@
+"""Primitives: pure MLX functions (rotations, scalar quantizers, bit packing, sketches, k-means)."""
+
+from .hadamard import RandomizedHadamard, block_size, fwht, hadamard
+from .kmeans import assign, kmeans
+from .lloyd_max import Codebook, lloyd_max, lloyd_max_gaussian, lloyd_max_sphere
+from .packing import pack, packed_words, unpack
+from .quant import affine_dequantize, affine_quantize, scale_dtype
+from .rotation import random_orthogonal
+from .sketch import jl_matrix, sign_sketch, sketch_inner
+
+__all__ = [
+    "Codebook",
+    "RandomizedHadamard",
+    "affine_dequantize",
+    "affine_quantize",
+    "assign",
+    "block_size",
+    "fwht",
+    "hadamard",
+    "jl_matrix",
+    "kmeans",
+    "lloyd_max",
+    "lloyd_max_gaussian",
+    "lloyd_max_sphere",
+    "pack",
+    "packed_words",
+    "random_orthogonal",
+    "scale_dtype",
+    "sign_sketch",
+    "sketch_inner",
+    "unpack",
+]

@@ -1,0 +1,52 @@
+"""Johnson-Lindenstrauss sign sketches (QJL, arXiv 2406.03482).
+
+A key ``k`` is stored as ``sign(S k)`` (``m`` bits) and ``||k||``; for a query ``q`` the
+estimator ``sqrt(pi/2) / m * ||k|| * <S q, sign(S k)>`` is unbiased for ``<q, k>`` when the
+rows of ``S`` are i.i.d. ``N(0, I)`` (QJL, Lemma 3.2), with variance ``O(1/m)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+
+from ..validation import check_int
+
+__all__ = ["jl_matrix", "sign_sketch", "sketch_inner"]
+
+
+def jl_matrix(dim: int, m: int, seed: int = 0) -> mx.array:
+    """Seeded Gaussian projection ``S`` with i.i.d. ``N(0, 1)`` entries.
+
+    Shapes:
+        returns ``(m, dim)`` float32.
+    """
+    check_int("dim", dim, minimum=1)
+    check_int("m", m, minimum=1)
+    check_int("seed", seed, minimum=0)
+    rng = np.random.default_rng(seed)
+    return mx.array(rng.standard_normal((m, dim)).astype(np.float32))
+
+
+def sign_sketch(x: mx.array, s: mx.array) -> mx.array:
+    """Sign bits of ``S x`` as codes in {0, 1} (1 where ``S x >= 0``).
+
+    Shapes:
+        x ``(..., dim)``, s ``(m, dim)``; returns uint8 ``(..., m)``.
+    """
+    return (x.astype(mx.float32) @ s.T >= 0).astype(mx.uint8)
+
+
+def sketch_inner(q_proj: mx.array, bits: mx.array, norms: mx.array) -> mx.array:
+    """Unbiased estimate of ``<q, k>`` from a projected query and a key's sign sketch.
+
+    Shapes:
+        q_proj ``(..., M, m)`` = ``q @ S.T``; bits ``(..., T, m)`` codes in {0, 1};
+        norms ``(..., T)``; returns float32 ``(..., M, T)``.
+    """
+    m = q_proj.shape[-1]
+    signs = bits.astype(mx.float32) * 2 - 1
+    dots = q_proj.astype(mx.float32) @ mx.swapaxes(signs, -1, -2)
+    return dots * (math.sqrt(math.pi / 2) / m) * mx.expand_dims(norms.astype(mx.float32), -2)

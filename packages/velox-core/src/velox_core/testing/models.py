@@ -1,0 +1,111 @@
+"""Small random-weight mlx-lm models and a tiny tokenizer, for tests that need no download."""
+
+from __future__ import annotations
+
+import importlib
+from functools import lru_cache
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_map
+
+__all__ = ["FAMILIES", "tiny_model", "tiny_tokenizer"]
+
+_BASE = {
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 512,
+}
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {"head_dim": 64, "rope_theta": 10000.0}),
+    "mistral": ("llama", {"head_dim": 64, "rope_theta": 1e6}),
+    "qwen2": ("qwen2", {"hidden_size": 256}),
+    "qwen3": (
+        "qwen3",
+        {
+            "head_dim": 64,
+            "max_position_embeddings": 32768,
+            "tie_word_embeddings": True,
+            "rope_theta": 1e6,
+        },
+    ),
+    "gemma3": (
+        "gemma3_text",
+        {
+            "head_dim": 64,
+            "sliding_window": 16,
+            "sliding_window_pattern": 2,
+            "query_pre_attn_scalar": 64,
+            "num_hidden_layers": 4,
+        },
+    ),
+    "phi3": ("phi3", {"hidden_size": 256}),
+}
+
+
+def tiny_model(
+    family: str = "llama",
+    seed: int = 0,
+    dtype: mx.Dtype = mx.float16,
+    weight_scale: float = 2.0,
+    **overrides: Any,
+):
+    """A small randomly initialized mlx-lm model of ``family`` (see :data:`FAMILIES`).
+
+    Matrices are multiplied by ``weight_scale``: at mlx-lm's default initialization a random
+    model's greedy output collapses to one repeated token, which would make token-level
+    comparisons between caches vacuous.
+    """
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose from {', '.join(FAMILIES)}")
+    module, extra = FAMILIES[family]
+    arch = importlib.import_module(f"mlx_lm.models.{module}")
+    cfg = {
+        "model_type": "mistral" if family == "mistral" else module,
+        **_BASE,
+        **extra,
+        **overrides,
+    }
+    mx.random.seed(seed)
+    model = arch.Model(arch.ModelArgs.from_dict(cfg))
+    if weight_scale != 1.0:
+        model.update(tree_map(lambda p: p * weight_scale if p.ndim == 2 else p, model.parameters()))
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+_CORPUS = (
+    "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n"
+    "        self.x = x\n        self.y = y\n\nfor i in range(10):\n    print(i, add(i, 1))\n"
+    "import os\nimport sys\nvalue = {'key': [1, 2, 3], 'name': \"velox\"}\n"
+)
+
+
+@lru_cache(maxsize=1)
+def _tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+
+
+def tiny_tokenizer():
+    """A byte-level BPE tokenizer (vocab < 512) wrapped for ``mlx_lm.generate``."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    return TokenizerWrapper(_tokenizer())

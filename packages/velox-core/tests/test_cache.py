@@ -1,0 +1,185 @@
+"""VeloxCache mechanics: segments, tiers, masks, attention modes, memory, bad input."""
+
+import math
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from velox_core import Identity, Tier, Uniform, UniformCache, VeloxCache
+from velox_core.cache.attention import attend
+from velox_core.testing import kv_data, rel_error
+
+
+def sdpa(q, k, v, scale, mask=None, sinks=None):
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
+
+
+def test_lossless_cache_equals_fp16_attention_in_every_mode():
+    k, v = kv_data(t=300)
+    c = VeloxCache(window=32, sinks=4)
+    c.update_and_fetch(k[:, :, :250], v[:, :, :250])
+    for i in range(250, 300):
+        c.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
+    assert [s.tokens for s in c.segments()] == [4, 264, 32]
+    kk, vv = c.keys_and_values()
+    assert mx.array_equal(kk, k) and mx.array_equal(vv, v)
+    scale = 1 / math.sqrt(128)
+    for lq, mask in ((1, None), (5, "causal"), (40, "causal")):
+        q = mx.random.normal((1, 4, lq, 128), key=mx.random.key(lq)).astype(mx.float16)
+        ref = sdpa(q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32), scale, mask)
+        assert rel_error(c.attend(q, scale, mask), ref) < 2e-3
+
+
+def test_attention_sinks_logits_and_array_masks():
+    k, v = kv_data(t=64)
+    c = VeloxCache(window=8)
+    c.update_and_fetch(k, v)
+    q = mx.random.normal((1, 4, 3, 128)).astype(mx.float32)
+    sinks = mx.array([0.5, -1.0, 2.0, 0.0])
+    mask = mx.random.uniform(shape=(1, 1, 3, 64)) > 0.3
+    mask[..., -1] = True
+    ref = sdpa(q, k.astype(mx.float32), v.astype(mx.float32), 0.1, mask, sinks)
+    got = attend(q, c.segments(), 0.1, mask, sinks, fused_above=16)
+    assert rel_error(got, ref) < 1e-4
+    with pytest.raises(ValueError, match="mask"):
+        attend(q, c.segments(), 0.1, mask[..., :10], None, fused_above=16)
+
+
+def test_window_and_block_codec_keep_pending_tokens_exact():
+    k, v = kv_data(t=70)
+    c = UniformCache(bits=2, group=32, key_axis="channel", value_axis="channel", window=4)
+    c.update_and_fetch(k, v)
+    segs = c.segments()
+    assert [s.tokens for s in segs] == [64, 6]  # 6 = window 4 + 2 waiting for a whole block
+    kk, _ = c.keys_and_values()
+    assert mx.array_equal(kk[:, :, 64:], k[:, :, 64:])
+
+
+def test_trim_splits_a_block_and_restores_its_tokens():
+    k, v = kv_data(t=96)
+    c = UniformCache(bits=8, group=32, key_axis="channel")
+    c.update_and_fetch(k, v)
+    c.trim(20)
+    assert c.offset == 76 and c.size() == 76
+    assert [s.tokens for s in c.segments()] == [64, 12]
+    kk, _ = c.keys_and_values()
+    assert rel_error(kk, k[:, :, :76]) < 0.01
+    c.update_and_fetch(k[:, :, 76:], v[:, :, 76:])
+    assert c.size() == 96 and [s.tokens for s in c.segments()] == [96]
+
+
+def test_age_tiers_recode_once_and_keep_order():
+    k, v = kv_data(t=400)
+    tiers = [
+        Tier(Uniform(8), Uniform(8), span=64),
+        Tier(Uniform(4), Uniform(4), span=128),
+        Tier(Uniform(2), Uniform(2)),
+    ]
+    c = VeloxCache(tiers=tiers, window=16, sinks=2)
+    for i in range(0, 400, 25):
+        c.update_and_fetch(k[:, :, i : i + 25], v[:, :, i : i + 25])
+    sizes = [s.tokens for s in c.segments()]
+    assert sizes == [2, 400 - 2 - 16 - 64 - 128, 128, 64, 16]
+    kk, _ = c.keys_and_values()
+    # error grows with age: the oldest tier (2 bits) is the worst
+    e_old = rel_error(kk[:, :, 2:100], k[:, :, 2:100])
+    e_mid = rel_error(kk[:, :, 200:300], k[:, :, 200:300])
+    e_new = rel_error(kk[:, :, 330:380], k[:, :, 330:380])
+    assert e_old > e_mid > e_new
+    assert c.offset == 400
+
+
+def test_tier_validation():
+    with pytest.raises(TypeError, match=r"tiers\[0\].span"):
+        VeloxCache(tiers=[Tier(Uniform(8), Uniform(8)), Tier(Uniform(2), Uniform(2))])
+    with pytest.raises(ValueError, match="span"):
+        VeloxCache(tiers=[Tier(Uniform(8), Uniform(8), span=10)])
+    with pytest.raises(ValueError, match="either"):
+        VeloxCache(Uniform(4), tiers=[Tier(Uniform(2), Uniform(2))])
+    with pytest.raises(TypeError):
+        VeloxCache(key_codec="uniform")
+
+
+def test_uniform_4bit_2048_tokens_resident_bytes():
+    """Done-when of the core issue: <= 0.3 of the fp16 cache at 2,048 tokens (group 64)."""
+    k, v = kv_data(h=8, t=2048)
+    c, ref = UniformCache(bits=4, group=64), KVCache()
+    c.update_and_fetch(k, v)
+    ref.update_and_fetch(k, v)
+    mx.eval(c.state, ref.state)
+    ratio = c.nbytes / ref.nbytes
+    assert ratio <= 0.3
+    assert ratio == pytest.approx((4 / 16) + 2 * 2 / (64 * 2), rel=1e-6)  # codes + scale, zero
+
+
+def test_nbytes_counts_capacity_and_logical_excludes_it():
+    k, v = kv_data(t=300)
+    c = UniformCache(bits=4)
+    c.update_and_fetch(k, v)
+    mx.eval(c.state)
+    arrays = [a for a in c.state[1:]]
+    assert c.logical_nbytes == sum(a.nbytes for a in arrays)
+    assert c.nbytes > c.logical_nbytes  # 300 tokens in a 512-token buffer
+
+
+def test_bad_settings_raise_clear_errors():
+    with pytest.raises(ValueError, match="bits"):
+        UniformCache(bits=9)
+    with pytest.raises(ValueError, match="bits"):
+        UniformCache(bits=1)
+    with pytest.raises(TypeError, match="bits"):
+        UniformCache(bits=4.5)
+    with pytest.raises(ValueError, match="unknown parameter 'bitz'"):
+        UniformCache(bitz=4)
+    with pytest.raises(ValueError, match="axis"):
+        UniformCache(key_axis="row")
+    with pytest.raises(ValueError, match="window"):
+        UniformCache(window=-1)
+    c = UniformCache(bits=4, group=64)
+    k, v = kv_data(t=4, d=80)
+    with pytest.raises(ValueError, match="group=64 must divide the head dim 80"):
+        c.update_and_fetch(k, v)
+    assert c.offset == 0
+
+
+def test_keys_values_mismatch_and_dims():
+    c = VeloxCache()
+    k, v = kv_data(t=4)
+    with pytest.raises(ValueError, match="agree"):
+        c.update_and_fetch(k, v[:, :1])
+    with pytest.raises(ValueError, match="4 dimensions"):
+        c.update_and_fetch(k[0, 0], v[0, 0])
+    with pytest.raises(TypeError, match="dtype"):
+        c.update_and_fetch(k.astype(mx.int8), v)
+    c.update_and_fetch(k, v)
+    k2, v2 = kv_data(t=4, d=64)
+    with pytest.raises(ValueError, match="do not match"):
+        c.update_and_fetch(k2, v2)
+    with pytest.raises(ValueError, match="cannot trim"):
+        c.trim(5)
+
+
+def test_identity_codec_keeps_dtype():
+    for dt in (mx.float16, mx.bfloat16, mx.float32):
+        x = mx.random.normal((1, 1, 3, 8)).astype(dt)
+        assert Identity().decode(Identity().encode(x)).dtype == dt
+
+
+def test_filter_extend_merge():
+    k, v = kv_data(b=3, t=50)
+    c = UniformCache(bits=8)
+    c.update_and_fetch(k, v)
+    q = mx.random.normal((3, 4, 1, 128)).astype(mx.float16)
+    full = c.attend(q, 0.1)
+    parts = [c.extract(i) for i in range(3)]
+    merged = UniformCache.merge(parts)
+    assert rel_error(merged.attend(q, 0.1), full) < 1e-6
+    c.filter([0, 2])
+    assert rel_error(c.attend(q[mx.array([0, 2])], 0.1), full[mx.array([0, 2])]) < 1e-6
+    short = UniformCache(bits=8)
+    short.update_and_fetch(k[:1, :, :10], v[:1, :, :10])
+    with pytest.raises(ValueError, match="same tokens"):
+        parts[0].extend(short)
+    with pytest.raises(ValueError, match="same class and settings"):
+        parts[0].extend(UniformCache(bits=4))

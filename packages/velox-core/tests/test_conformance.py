@@ -1,0 +1,39 @@
+"""velox-core's own method, ``uniform``, passes the shared conformance suite."""
+
+from velox_core import UniformCache, VeloxCache
+from velox_core.testing import CacheConformance
+
+
+class TestUniform4(CacheConformance):
+    max_memory_ratio = 0.3  # 4-bit codes + fp16 scale and zero per 64: 0.281 of fp16
+    attention_error = 0.3  # per-token groups suffer from the outlier key channels of kv_data
+    same_greedy_tokens = 32
+
+    def make(self):
+        return UniformCache(bits=4, group=64)
+
+    def make_precise(self):
+        return UniformCache(bits=8, group=64)
+
+
+class TestUniformWindowSinksChannel(CacheConformance):
+    max_memory_ratio = 0.45
+    attention_error = 0.3  # 3-bit values
+
+    def make(self):
+        return UniformCache(bits=3, key_bits=4, group=32, key_axis="channel", window=16, sinks=4)
+
+    def make_precise(self):
+        return UniformCache(bits=8, group=32, key_axis="channel", window=16, sinks=4)
+
+
+class TestLossless(CacheConformance):
+    """A cache with no codec keeps tokens exactly: attention equals fp16 attention."""
+
+    attention_error = 5e-3  # the fp16 reference rounds its output; velox mixes in fp32
+    model_logit_cosine = 0.9999
+    same_greedy_tokens = 32
+    max_memory_ratio = 1.01  # sinks and window sit beside a 256-token-aligned body
+
+    def make(self):
+        return VeloxCache(window=8, sinks=2)

@@ -1,0 +1,144 @@
+"""Saving and loading, the registry and method specs."""
+
+import json
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from velox_core import (
+    UniformCache,
+    VeloxCache,
+    get_method,
+    inspect_cache_file,
+    load_cache,
+    make,
+    methods,
+    parse_spec,
+    save_cache,
+)
+from velox_core.registry import format_spec, method_params
+from velox_core.testing import kv_data
+
+
+def test_spec_parsing():
+    assert parse_spec("uniform") == ("uniform", {})
+    assert parse_spec("uniform:bits=4,group=64") == ("uniform", {"bits": 4, "group": 64})
+    assert parse_spec("turboquant:bits=3.5") == ("turboquant", {"bits": 3.5})
+    assert parse_spec("x:a=true,b=none,c=token") == ("x", {"a": True, "b": None, "c": "token"})
+    assert format_spec("uniform", {"bits": 4}) == "uniform:bits=4"
+    for bad in ("", "uniform:bits", "uniform:=4"):
+        with pytest.raises(ValueError):
+            parse_spec(bad)
+
+
+def test_registry_finds_uniform_through_entry_points():
+    assert "uniform" in methods()
+    m = get_method("uniform")
+    assert m.cache_class is UniformCache
+    assert method_params("uniform")["bits"] == 4
+    c = make("uniform:bits=2,window=8")
+    assert isinstance(c, UniformCache) and c.config()["bits"] == 2 and c.window == 8
+    with pytest.raises(ValueError, match="no parameter 'bitz'.*allowed: bits"):
+        make("uniform:bitz=2")
+    with pytest.raises(ValueError, match="unknown method 'nope'"):
+        get_method("nope")
+
+
+def test_broken_plugin_is_skipped_with_a_warning(monkeypatch):
+    import velox_core.registry as reg
+
+    class EP:
+        name, value, group = "broken", "no_such_module:METHOD", reg.GROUP
+
+        def load(self):
+            raise ImportError("no module named no_such_module")
+
+    real = reg.entry_points
+
+    def fake(group):
+        return [*real(group=group), EP()]
+
+    monkeypatch.setattr(reg, "entry_points", fake)
+    reg.reset()
+    try:
+        with pytest.warns(RuntimeWarning, match="broken"):
+            ms = reg.methods()
+        assert "uniform" in ms and "broken" not in ms
+    finally:
+        reg.reset()
+
+
+def _filled(cache, t=100):
+    k, v = kv_data(t=t)
+    cache.update_and_fetch(k, v)
+    return cache
+
+
+def test_save_load_mixed_layers(tmp_path):
+    rot = RotatingKVCache(max_size=32)
+    k, v = kv_data(t=40)
+    rot.update_and_fetch(k, v)
+    caches = [
+        _filled(UniformCache(bits=4, window=8)),
+        _filled(KVCache()),
+        rot,
+        _filled(VeloxCache(window=4, sinks=2)),
+    ]
+    path = tmp_path / "c.safetensors"
+    save_cache(path, caches)
+    out = load_cache(path)
+    assert [type(c) for c in out] == [UniformCache, KVCache, RotatingKVCache, VeloxCache]
+    q = mx.random.normal((1, 4, 1, 128)).astype(mx.float16)
+    for a, b in ((out[0], caches[0]), (out[3], caches[3])):
+        assert mx.array_equal(a.attend(q, 0.1), b.attend(q, 0.1))
+    assert out[2].offset == 40 and out[2].max_size == 32
+    info = inspect_cache_file(path)
+    assert [r["method"] for r in info["layers"]] == [
+        "uniform",
+        "KVCache",
+        "RotatingKVCache",
+        "velox",
+    ]
+    assert info["layers"][0]["tokens"] == 100
+    assert info["bytes"] == sum(r["bytes"] for r in info["layers"])
+
+
+def test_load_rejects_foreign_altered_and_unknown(tmp_path):
+    path = tmp_path / "c.safetensors"
+    save_cache(path, [_filled(UniformCache(bits=4))])
+    foreign = tmp_path / "foreign.safetensors"
+    mx.save_safetensors(str(foreign), {"a": mx.zeros((2,))}, {"format": "pt"})
+    with pytest.raises(ValueError, match="not a velox cache"):
+        load_cache(foreign)
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\x00" * 40)
+    with pytest.raises(ValueError, match="not a readable"):
+        load_cache(junk)
+    with pytest.raises(ValueError, match="no such file"):
+        load_cache(tmp_path / "missing.safetensors")
+    # a header that names a method nobody registered
+    arrays, header = mx.load(str(path), return_metadata=True)
+    layers = json.loads(header["layers"])
+    layers[0]["method"] = "evil"
+    header["layers"] = json.dumps(layers)
+    other = tmp_path / "other.safetensors"
+    mx.save_safetensors(str(other), arrays, header)
+    with pytest.raises(ValueError, match="unknown method 'evil'"):
+        load_cache(other)
+    # data altered behind an intact header
+    arrays, header = mx.load(str(path), return_metadata=True)
+    name = next(iter(arrays))
+    arrays[name] = arrays[name] + 1
+    mx.save_safetensors(str(other), arrays, header)
+    with pytest.raises(ValueError, match="checksum"):
+        load_cache(other)
+
+
+def test_save_rejects_bad_input(tmp_path):
+    with pytest.raises(ValueError):
+        save_cache(tmp_path / "x.safetensors", [])
+    with pytest.raises(ValueError, match="safetensors"):
+        save_cache(tmp_path / "x.bin", [_filled(UniformCache())])
+    with pytest.raises(ValueError, match="not supported"):
+        save_cache(tmp_path / "x.safetensors", [object()])

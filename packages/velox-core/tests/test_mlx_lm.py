@@ -1,0 +1,118 @@
+"""mlx-lm integration: per-layer caches, reversible routing, families, generate."""
+
+import sys
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+import velox_core
+from velox_core import UniformCache, VeloxCache, make_cache, routed
+from velox_core.mlx_lm import disable, enable, is_enabled
+from velox_core.testing import FAMILIES, greedy_agreement, tiny_model, tiny_tokenizer
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_families_generate_and_uniform8_keeps_greedy_tokens(family):
+    model = tiny_model(family)
+    caches = make_cache(model, "uniform:bits=4")
+    text = velox_core.generate(
+        model, tiny_tokenizer(), "def add(a, b):", cache=caches, max_tokens=5
+    )
+    assert isinstance(text, str)
+    velox = [c for c in caches if isinstance(c, VeloxCache)]
+    assert velox and all(c.offset > 5 for c in velox)
+    prompt = mx.random.randint(0, 512, (1, 48), key=mx.random.key(8))
+    ref, got, ties = greedy_agreement(model, prompt, UniformCache(bits=8), steps=32)
+    assert len(set(ref)) > 3
+    assert all(a == b or t for a, b, t in zip(ref, got, ties)), (ref, got)
+    assert sum(a == b for a, b in zip(ref, got)) >= 30
+
+
+def test_sliding_window_layers_keep_their_cache():
+    model = tiny_model("gemma3")
+    caches = make_cache(model, "uniform")
+    kinds = [type(c) for c in caches]
+    assert kinds == [RotatingKVCache, UniformCache, RotatingKVCache, UniformCache]
+
+
+def test_per_layer_choice_and_fresh_caches():
+    model = tiny_model("llama", num_hidden_layers=4)
+    template = UniformCache(bits=2)
+    caches = make_cache(model, default=template, layers={0: None, -1: "uniform:bits=8"})
+    assert type(caches[0]) is KVCache
+    assert caches[1].config()["bits"] == 2 and caches[1] is not template
+    assert caches[1] is not caches[2]
+    assert caches[3].config()["bits"] == 8
+    caches2 = make_cache(model, default=lambda i: UniformCache(bits=4 + i % 2))
+    assert [c.config()["bits"] for c in caches2] == [4, 5, 4, 5]
+    with pytest.raises(ValueError, match="out of range"):
+        make_cache(model, layers={4: None})
+    with pytest.raises(TypeError):
+        make_cache(model, default=3.5)
+    with pytest.raises(ValueError, match="unknown method"):
+        make_cache(model, default="nope:bits=4")
+
+
+def test_routing_is_explicit_and_reversible():
+    import mlx_lm.models.base as base
+    import mlx_lm.models.llama as llama
+
+    original = llama.scaled_dot_product_attention
+    assert original is base.scaled_dot_product_attention
+    assert not is_enabled()
+    model = tiny_model("llama")
+    with routed(model):
+        assert llama.scaled_dot_product_attention is not original
+        enable()
+        disable()
+        assert llama.scaled_dot_product_attention is not original  # nested: still on
+    assert llama.scaled_dot_product_attention is original
+    assert base.scaled_dot_product_attention is original
+    assert not is_enabled()
+    patched = [
+        m
+        for m in sys.modules
+        if m.startswith("mlx_lm.models.")
+        and getattr(sys.modules[m], "scaled_dot_product_attention", original) is not original
+    ]
+    assert patched == []
+
+
+def test_routed_attention_reads_codes_not_fetched_arrays():
+    """With routing on, the velox path ignores what update_and_fetch returned."""
+    model = tiny_model("llama")
+    caches = make_cache(model, "uniform:bits=4")
+    calls = []
+    orig = UniformCache.attend
+
+    def spy(self, *a, **k):
+        calls.append(1)
+        return orig(self, *a, **k)
+
+    UniformCache.attend = spy
+    try:
+        with routed(model):
+            model(mx.array([[1, 2, 3]]), cache=caches)
+        model(mx.array([[4]]), cache=caches)  # routing off: the model's own attention
+    finally:
+        UniformCache.attend = orig
+    assert len(calls) == len(model.layers)
+
+
+def test_other_layers_use_original_attention():
+    model = tiny_model("llama")
+    x = mx.array([[5, 6, 7, 8]])
+    ref = model(x, cache=[KVCache() for _ in model.layers])
+    with routed(model):
+        got = model(x, cache=[KVCache() for _ in model.layers])
+    assert mx.array_equal(ref, got)
+
+
+def test_decode_logits_close_to_fp16_at_8_bits():
+    model = tiny_model("qwen3")
+    prompt = mx.random.randint(0, 512, (1, 64), key=mx.random.key(0))
+    ref = model(prompt, cache=[KVCache() for _ in model.layers])[:, -1].astype(mx.float32)
+    with routed(model):
+        got = model(prompt, cache=make_cache(model, "uniform:bits=8"))[:, -1].astype(mx.float32)
+    assert float(mx.max(mx.abs(got - ref)).item()) < 0.05 * float(mx.max(mx.abs(ref)).item())

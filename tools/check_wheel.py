@@ -1,0 +1,36 @@
+"""Import an installed velox package in a fresh environment and check what its wheel ships.
+
+python tools/check_wheel.py velox_core
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from importlib import resources
+from importlib.metadata import entry_points
+
+
+def main(module: str) -> int:
+    mod = importlib.import_module(module)
+    print(f"{module} {getattr(mod, '__version__', '?')} imported from {mod.__file__}")
+    kernels = resources.files(module) / "kernels" / "src"
+    if kernels.is_dir():
+        names = sorted(p.name for p in kernels.iterdir())
+        if not names:
+            print(f"{module}: kernels/src is empty", file=sys.stderr)
+            return 1
+        print(f"  kernel sources: {', '.join(names)}")
+    eps = [
+        ep
+        for ep in entry_points(group="velox.methods")
+        if ep.value.startswith(module + ".") or ep.value.startswith(module + ":")
+    ]
+    for ep in eps:
+        method = ep.load()
+        print(f"  method {method.name}: {method.cache_class.__name__}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
