@@ -1,0 +1,37 @@
+"""Settings of the KIVI cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from velox_core.validation import check_bits, check_int
+
+
+@dataclass
+class KIVIConfig:
+    """KIVI (arXiv 2402.02750) settings, with the shared parameter names.
+
+    Attributes:
+        bits: code width of keys and values (the paper studies 2 and 4).
+        key_bits, value_bits: either alone (default ``bits``).
+        group: group size: ``group`` tokens per key channel group, ``group`` channels per
+            value group.
+        window: the residual: most recent tokens kept in fp16 (the paper's ``R``).
+        sinks: first tokens kept in fp16 (not in the paper; 0 by default).
+    """
+
+    bits: int = 4
+    key_bits: int | None = None
+    value_bits: int | None = None
+    group: int = 32
+    window: int = 128
+    sinks: int = 0
+
+    def __post_init__(self):
+        check_bits("bits", self.bits, 2, 8)
+        for name in ("key_bits", "value_bits"):
+            if getattr(self, name) is not None:
+                check_bits(name, getattr(self, name), 2, 8)
+        check_int("group", self.group, minimum=1)
+        check_int("window", self.window, minimum=0)
+        check_int("sinks", self.sinks, minimum=0)
