@@ -66,7 +66,9 @@ def test_separate_key_and_value_bits():
     assert c.tiers[0].key_codec.bits == 2 and c.tiers[0].value_codec.bits == 4
 
 
-@pytest.mark.parametrize("bad", [{"bits": 1}, {"bits": 9}, {"group": 0}, {"window": -1}, {"rank": 3}])
+@pytest.mark.parametrize(
+    "bad", [{"bits": 1}, {"bits": 9}, {"group": 0}, {"window": -1}, {"rank": 3}]
+)
 def test_bad_settings(bad):
     with pytest.raises((ValueError, TypeError)):
         KIVICache(**bad)
