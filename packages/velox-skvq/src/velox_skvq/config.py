@@ -1,0 +1,70 @@
+"""Settings of the SKVQ cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from velox_core.validation import check_float, check_int
+
+__all__ = ["SKVQConfig", "check_bits"]
+
+TERNARY = 1.5
+
+
+def check_bits(name: str, value) -> int | float:
+    """SKVQ code widths: an int from 2 to 8, or 1.5 (three levels, the paper's 1.5-bit values).
+
+    An integral float (``2.0``) is taken as the int.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be 1.5 or an int from 2 to 8, got {value!r}")
+    if value == TERNARY:
+        return TERNARY
+    if float(value).is_integer() and 2 <= value <= 8:
+        return int(value)
+    raise ValueError(f"{name} must be 1.5 or an int from 2 to 8, got {value!r}")
+
+
+@dataclass
+class SKVQConfig:
+    """SKVQ (arXiv 2405.06219) settings, with the shared parameter names.
+
+    Attributes:
+        bits: code width of keys and values: 2 to 8, or 1.5 (ternary codes, three levels).
+        key_bits, value_bits: either alone (default ``bits``); the paper's headline setting
+            is ``key_bits=2, value_bits=1.5``.
+        group: channels per quantization group, after reordering; must divide the head dim.
+        key_group, value_group: either alone (default ``group``): keys, whose outlier
+            channels cost most, may take smaller groups than values.
+        window: most recent tokens kept in fp16 (the sliding window).
+        sinks: first tokens kept in fp16 (attention sinks; the reference code keeps 5).
+        clip_min: smallest clipping factor searched; the grid runs from 1.0 down to it in
+            steps of about 0.02 (``clip_min=1.0`` turns clipping off).
+        reorder: reorder channels (True) or keep the model's channel order (ablation).
+    """
+
+    bits: int | float = 2
+    key_bits: int | float | None = None
+    value_bits: int | float | None = None
+    group: int = 64
+    key_group: int | None = None
+    value_group: int | None = None
+    window: int = 128
+    sinks: int = 5
+    clip_min: float = 0.7
+    reorder: bool = True
+
+    def __post_init__(self):
+        self.bits = check_bits("bits", self.bits)
+        for name in ("key_bits", "value_bits"):
+            if getattr(self, name) is not None:
+                setattr(self, name, check_bits(name, getattr(self, name)))
+        check_int("group", self.group, minimum=1)
+        for name in ("key_group", "value_group"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), minimum=1)
+        check_int("window", self.window, minimum=0)
+        check_int("sinks", self.sinks, minimum=0)
+        self.clip_min = check_float("clip_min", self.clip_min, minimum=0.5, maximum=1.0)
+        if not isinstance(self.reorder, bool):
+            raise TypeError(f"reorder must be True or False, got {self.reorder!r}")
