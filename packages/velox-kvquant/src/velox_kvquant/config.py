@@ -1,0 +1,63 @@
+"""Settings of the KVQuant cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from velox_core.validation import check_bits, check_choice, check_float, check_int
+
+from .base import check_bool
+from .nuq import DATATYPES
+
+
+@dataclass
+class KVQuantConfig:
+    """KVQuant (arXiv 2401.18079) settings, with the shared parameter names.
+
+    Attributes:
+        bits: code width of keys and values (the paper: 2, 3 and 4; 2 to 8 allowed).
+        key_bits, value_bits: either alone (default ``bits``).
+        outliers: fraction of each key and value vector kept exactly in fp16 (dense-and-sparse;
+            ``round(outliers * D)`` entries per vector, at least one; 0 turns it off).
+        sinks: first tokens kept in fp16 (attention-sink-aware quantization: the paper keeps 1).
+        window: most recent tokens kept in fp16 (not in the paper; 0 by default).
+        calibration: tokens (after the sinks) the cache gathers in fp16 before fitting the
+            per-channel key scales and both datatypes on them, and coding from then on.
+        datatype: ``"nuq"`` (the paper's fitted non-uniform levels) or ``"uniform"`` (evenly
+            spaced levels on the same normalization: the paper's ``intX`` ablation).
+        qnorm: Q-Norm the fitted levels (the paper's refinement for 2 bits).
+        pre_rope: quantize keys before RoPE (the paper); False codes the post-RoPE keys.
+        rope_base, rope_traditional, rope_scale, rope_dims: the RoPE of a standalone cache
+            (``mlx.nn.RoPE`` settings). Leave ``rope_base`` unset with a model:
+            ``make_cache`` binds each layer's own RoPE.
+    """
+
+    bits: int = 4
+    key_bits: int | None = None
+    value_bits: int | None = None
+    outliers: float = 0.01
+    sinks: int = 1
+    window: int = 0
+    calibration: int = 128
+    datatype: str = "nuq"
+    qnorm: bool = False
+    pre_rope: bool = True
+    rope_base: float | None = None
+    rope_traditional: bool = False
+    rope_scale: float = 1.0
+    rope_dims: int | None = None
+
+    def __post_init__(self):
+        check_bits("bits", self.bits, 2, 8)
+        for name in ("key_bits", "value_bits"):
+            if getattr(self, name) is not None:
+                check_bits(name, getattr(self, name), 2, 8)
+        check_float("outliers", self.outliers, minimum=0.0, maximum=0.5)
+        check_int("sinks", self.sinks, minimum=0)
+        check_int("window", self.window, minimum=0)
+        check_int("calibration", self.calibration, minimum=1)
+        check_choice("datatype", self.datatype, DATATYPES)
+        check_bool("qnorm", self.qnorm)
+        check_bool("pre_rope", self.pre_rope)
+        check_bool("rope_traditional", self.rope_traditional)
+        # rope_base / rope_scale / rope_dims are checked by the key codec (with pre_rope)
