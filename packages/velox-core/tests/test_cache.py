@@ -183,3 +183,18 @@ def test_filter_extend_merge():
         parts[0].extend(short)
     with pytest.raises(ValueError, match="same class and settings"):
         parts[0].extend(UniformCache(bits=4))
+
+
+def test_partials_merge_to_the_joint_softmax():
+    from velox_core.cache.attention import merge_partials, partial
+
+    k, v = kv_data(t=200)
+    c = UniformCache(bits=8, window=16, sinks=4)
+    c.update_and_fetch(k, v)
+    q = mx.random.normal((1, 2, 3, 128))
+    merged = merge_partials([partial(q, s) for s in c.segments()])
+    segs = c.segments()
+    kk = mx.concatenate([s.key_codec.decode(s.keys).astype(mx.float32) for s in segs], axis=2)
+    vv = mx.concatenate([s.value_codec.decode(s.values).astype(mx.float32) for s in segs], axis=2)
+    p = mx.softmax(q @ mx.swapaxes(kk, -1, -2), axis=-1)
+    assert rel_error(merged, p @ vv) < 1e-5

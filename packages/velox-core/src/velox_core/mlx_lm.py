@@ -131,7 +131,12 @@ def _build(spec: Any, index: int) -> Any:
     )
 
 
-def make_cache(model: Any, default: Any = "uniform", layers: dict[int, Any] | None = None) -> list:
+def make_cache(
+    model: Any,
+    default: Any = "uniform",
+    layers: dict[int, Any] | None = None,
+    storage_dtype: Any = None,
+) -> list:
     """A fresh list of per-layer caches for ``model``.
 
     Layers whose native cache is a plain ``KVCache`` get a velox cache from ``default`` or
@@ -144,6 +149,8 @@ def make_cache(model: Any, default: Any = "uniform", layers: dict[int, Any] | No
             (``"uniform:bits=4"``), a :class:`VeloxCache` used as a template (cloned per
             layer), a callable ``layer_index -> cache``, or None / ``"fp16"`` for mlx-lm's KVCache.
         layers: per-layer overrides, same spec types.
+        storage_dtype: dtype velox caches keep unquantized tokens and scales in (default: the
+            model's); e.g. ``mx.float16`` for a model computing in float32 on a CPU.
     """
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
@@ -164,6 +171,8 @@ def make_cache(model: Any, default: Any = "uniform", layers: dict[int, Any] | No
         cache = _build(overrides.get(i, default), i)
         if isinstance(cache, VeloxCache):
             cache.bind(model, i)
+            if storage_dtype is not None:
+                cache.set_storage_dtype(storage_dtype)
         out.append(cache)
     return out
 

@@ -128,7 +128,8 @@ def build_codec(spec: dict[str, Any]) -> Codec:
 
 def build_policy(spec: dict[str, Any]) -> RetentionPolicy:
     """A retention policy from ``{"name": ..., "config": {...}}`` (registered policies only)."""
-    classes = {p.name: p for m in methods().values() for p in m.policies}
+    classes = {RetentionPolicy.name: RetentionPolicy}
+    classes.update({p.name: p for m in methods().values() for p in m.policies})
     name = spec.get("name") if isinstance(spec, dict) else None
     if name not in classes:
         raise ValueError(

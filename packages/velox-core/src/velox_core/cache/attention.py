@@ -6,6 +6,12 @@ the scores of all segments are concatenated, masked and normalized together, and
 codec mixes its share of the weights (``p @ v``) from its codes. For many query tokens
 (prefill chunks), segments are decoded once into the model's dtype and fused SDPA runs over
 them; both are exactly ``softmax(q k^T * scale + mask) v`` over the same stored tokens.
+
+On a GPU with kernels enabled, decode steps go through each key codec's fused kernel
+(``attend_partial``: scores, running max, exponentials and the value mix in one pass over
+the codes, split along the context) where it has one; every segment returns a partial
+``(o, max, sum)`` and :func:`merge_partials` joins them with the log-sum-exp rule, which is
+the same single softmax.
 """
 
 from __future__ import annotations
@@ -15,8 +21,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..codec.base import Codec, Packed
+from ..kernels import use_kernels
 
-__all__ = ["Segment", "attend", "decode_segments"]
+__all__ = ["Segment", "attend", "decode_segments", "merge_partials", "partial"]
 
 
 @dataclass
@@ -75,6 +82,43 @@ def _mask_5d(mask, b: int, h: int, r: int, lq: int, t: int) -> mx.array | None:
     raise ValueError(f"attention mask must have at most 4 dimensions, got {mask.ndim}")
 
 
+def partial(q: mx.array, seg: Segment) -> tuple[mx.array, mx.array, mx.array]:
+    """Unnormalized attention of grouped queries over one segment, for a log-sum-exp merge.
+
+    Shapes:
+        q ``(B, H, M, D)`` float32 with the scale applied; returns ``o`` ``(B, H, M, Dv)``
+        (``sum_t exp(s_t - m) v_t``), ``m`` and ``l`` ``(B, H, M, 1)`` (the row max of the
+        scores and ``sum_t exp(s_t - m)``), all float32.
+    """
+    s = seg.key_codec.scores(q, seg.keys)
+    m = mx.max(s, axis=-1, keepdims=True)
+    p = mx.exp(s - m)
+    return seg.value_codec.mix(p, seg.values), m, mx.sum(p, axis=-1, keepdims=True)
+
+
+def fused_partial(q: mx.array, seg: Segment):
+    """The key codec's fused kernel for this segment (reads both records), or None."""
+    fn = getattr(seg.key_codec, "attend_partial", None)
+    return None if fn is None else fn(q, seg.keys, seg.value_codec, seg.values)
+
+
+def merge_partials(parts: list[tuple[mx.array, mx.array, mx.array]]) -> mx.array:
+    """Normalized attention from per-segment partials: one softmax over all of them.
+
+    Shapes:
+        each part as returned by :func:`partial`; returns float32 ``(B, H, M, Dv)``.
+    """
+    m = parts[0][1]
+    for _, mi, _ in parts[1:]:
+        m = mx.maximum(m, mi)
+    num, den = None, None
+    for o, mi, li in parts:
+        w = mx.exp(mi - m)
+        num = o * w if num is None else num + o * w
+        den = li * w if den is None else den + li * w
+    return num / den
+
+
 def attend(
     queries: mx.array,
     segments: list[Segment],
@@ -111,6 +155,11 @@ def attend(
     r = hq // h
     t = sum(s.tokens for s in segments)
     q = (queries.astype(mx.float32) * scale).reshape(b, h, r * lq, -1)
+    if (mask is None or lq == 1) and sinks is None and use_kernels():
+        parts = [fused_partial(q, seg) for seg in segments]
+        if any(p is not None for p in parts):
+            parts = [p if p is not None else partial(q, seg) for p, seg in zip(parts, segments)]
+            return merge_partials(parts).reshape(b, hq, lq, -1).astype(queries.dtype)
     scores = [s.key_codec.scores(q, s.keys) for s in segments]
     s = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)  # (B, H, R*L, T)
     m5 = _mask_5d(mask, b, h, r, lq, t)

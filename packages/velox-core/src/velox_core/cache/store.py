@@ -10,14 +10,15 @@ __all__ = ["PackedStore"]
 
 
 class PackedStore:
-    """Packed tokens in preallocated buffers that grow by ``step`` tokens.
+    """Packed tokens in preallocated buffers with headroom for the next appends.
 
     Appends write into the slack in place (no copy of what is already stored), like mlx-lm's
     ``KVCache``. ``nbytes`` counts the buffers (slack included), ``logical_nbytes`` only the
     rows in use.
 
     Args:
-        step: growth quantum in tokens (rounded up to the codec block).
+        step: the largest growth quantum, in tokens (the quantum is an eighth of the size, at
+            least 16; ``step=1`` sizes the store exactly).
     """
 
     def __init__(self, step: int = 256):
@@ -30,7 +31,10 @@ class PackedStore:
         return 0 if self.buf is None else self.buf.tokens
 
     def _grow(self, like: Packed, need: int) -> None:
-        quantum = -(-self.step // like.block) * like.block
+        # round up to a power-of-two quantum near an eighth of what is needed (at least 16, at
+        # most `step` tokens), so small or just-evicted stores do not double on their next append
+        q = 1 << max(4, (max(need // 8, 1)).bit_length() - 1)
+        quantum = -(-min(self.step, q) // like.block) * like.block
         cap = -(-need // quantum) * quantum
 
         def alloc(name: str, a: mx.array) -> mx.array:

@@ -25,6 +25,7 @@ from ..codec.base import Codec, Packed
 from ..codec.identity import Identity
 from ..validation import FLOAT_DTYPES, check_int, check_kv
 from .attention import Segment, attend, decode_segments
+from .retention import RetentionMixin
 from .store import PackedStore
 
 __all__ = ["Tier", "VeloxCache"]
@@ -52,7 +53,7 @@ def _codec(c: Codec | None, name: str) -> Codec:
     return c
 
 
-class VeloxCache:
+class VeloxCache(RetentionMixin):
     """A compressed KV cache for one attention layer.
 
     Args:
@@ -112,10 +113,27 @@ class VeloxCache:
         self._dims: tuple[int, int, int, int] | None = None  # (B, H, Dk, Dv)
         self._dtype: mx.Dtype | None = None
         # sinks and window are sized exactly (no slack); coded tiers grow by ``step``
-        self._sink = (PackedStore(max(sinks, 1)), PackedStore(max(sinks, 1)))
+        self._sink = (PackedStore(1), PackedStore(1))
         self._tier = [(PackedStore(step), PackedStore(step)) for _ in tiers]
         self._win = (PackedStore(1), PackedStore(1))
         self._ident = Identity()
+        self.storage_dtype: mx.Dtype | None = None
+        self._io_dtype: mx.Dtype | None = None
+        self._init_retention()
+
+    def set_storage_dtype(self, dtype: mx.Dtype | None) -> None:
+        """Store unquantized tokens (and scales) in ``dtype`` whatever the model computes in.
+
+        For example a model run in float32 on a CPU (where MLX's float16 matmuls are slow)
+        can still keep a float16 cache. Only allowed while the cache is empty.
+        """
+        if dtype is not None and dtype not in FLOAT_DTYPES:
+            raise ValueError(
+                f"storage dtype must be float16, bfloat16, float32 or None, got {dtype}"
+            )
+        if self._dims is not None:
+            raise ValueError("set_storage_dtype: the cache already holds tokens")
+        self.storage_dtype = dtype
 
     # -- construction -----------------------------------------------------------------------
     def config(self) -> dict[str, Any]:
@@ -176,7 +194,12 @@ class VeloxCache:
             for _i, t in enumerate(self.tiers):
                 t.key_codec.check(dk, keys.dtype)
                 t.value_codec.check(dv, values.dtype)
-            self._dims, self._dtype = (b, h, dk, dv), keys.dtype
+            self._dims = (b, h, dk, dv)
+            self._io_dtype = keys.dtype
+            self._dtype = self.storage_dtype or keys.dtype
+            for t in self.tiers:
+                t.key_codec.check(dk, self._dtype)
+                t.value_codec.check(dv, self._dtype)
             return
         if (b, h, dk, dv) != self._dims:
             raise ValueError(
@@ -194,6 +217,8 @@ class VeloxCache:
         self._check_first(keys, values)
         keys, values = keys.astype(self._dtype), values.astype(self._dtype)
         t = keys.shape[2]
+        if self.policy is not None:
+            self.policy.before_update(self, t)
         start = self.offset
         self.offset += t
         take = min(self.sinks - self._sink[0].tokens, t)
@@ -207,6 +232,15 @@ class VeloxCache:
         self._flush()
         if self.policy is not None:
             self.policy.after_update(self, start)
+        if self.ragged:
+            from ..mlx_lm import is_enabled
+
+            if not is_enabled():
+                raise ValueError(
+                    "this cache keeps per-head budgets, which only velox attention can read: "
+                    "run the model inside velox_core.routed(model) (or generate())"
+                )
+            return keys, values  # unused: routed attention reads the cache itself
         return self.keys_and_values()
 
     def _flush(self) -> None:
@@ -218,8 +252,11 @@ class VeloxCache:
             pos0 = self.offset - self._win[0].tokens
             pos = mx.arange(pos0, pos0 + n, dtype=mx.int32)
             wk, wv = self._win[0].view(), self._win[1].view()
-            self._tier[0][0].append(first.key_codec.encode(wk.slice(0, n).data["x"], pos))
-            self._tier[0][1].append(first.value_codec.encode(wv.slice(0, n).data["x"], pos))
+            self._append_body(
+                first.key_codec.encode(wk.slice(0, n).data["x"], pos),
+                first.value_codec.encode(wv.slice(0, n).data["x"], pos),
+                pos,
+            )
             self._win[0].drop_front(n)
             self._win[1].drop_front(n)
         for i in range(len(self.tiers) - 1):
@@ -250,6 +287,8 @@ class VeloxCache:
 
     def segments(self) -> list[Segment]:
         """Stored tokens in temporal order, as (codec, record) pairs for keys and values."""
+        if self.ragged:
+            raise ValueError("per-head budgets: segments differ by head (see _head_segments)")
         out = []
         pairs = [(self._sink, self._ident, self._ident)]
         pairs += [
@@ -268,7 +307,7 @@ class VeloxCache:
         segs = self.segments()
         if not segs:
             raise ValueError("the cache is empty")
-        return decode_segments(segs, self._dtype)
+        return decode_segments(segs, self._io_dtype)
 
     def attend(
         self, queries: mx.array, scale: float, mask=None, sinks: mx.array | None = None
@@ -280,10 +319,14 @@ class VeloxCache:
         """
         if self.policy is not None:
             self.policy.observe(self, queries, scale)
+        if self.ragged:
+            return self._attend_ragged(queries, scale, mask, sinks)
         return attend(queries, self.segments(), scale, mask, sinks, self.fused_above)
 
     def size(self) -> int:
-        return self._sink[0].tokens + sum(s[0].tokens for s in self._tier) + self._win[0].tokens
+        """Stored tokens (the widest head's, with per-head budgets)."""
+        body = max(self.body_sizes(), default=0) if self.ragged else 0
+        return self.protected() + sum(s[0].tokens for s in self._tier) + body
 
     def empty(self) -> bool:
         return self.size() == 0
@@ -299,6 +342,11 @@ class VeloxCache:
         check_int("n", n, minimum=0)
         if n > self.size():
             raise ValueError(f"cannot trim {n} tokens: the cache stores {self.size()}")
+        if self.ragged and n > self._win[0].tokens:
+            raise ValueError(
+                f"cannot trim {n} tokens: with per-head budgets only the {self._win[0].tokens} "
+                "window tokens can be trimmed"
+            )
         left = n
         left = _trim_store(self._win, left)
         for i in range(len(self.tiers)):
@@ -315,6 +363,8 @@ class VeloxCache:
         if n >= ks.tokens:
             rest = n - ks.tokens
             ks.truncate(0), vs.truncate(0)
+            if i == 0 and self._pos is not None:
+                self._pos.truncate(0)
             return rest
         t = self.tiers[i]
         block = _lcm(t.key_codec.block, t.value_codec.block)
@@ -330,6 +380,8 @@ class VeloxCache:
             self._win[1].replace(Packed.concat([self._ident.encode(v[:, :, : keep - cut]), win_v]))
         else:
             ks.truncate(keep), vs.truncate(keep)
+        if i == 0 and self._pos is not None:
+            self._pos.truncate(ks.tokens)
         return 0
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
@@ -338,7 +390,7 @@ class VeloxCache:
 
     # -- memory -----------------------------------------------------------------------------
     def _stores(self) -> list[PackedStore]:
-        return [*self._sink, *(s for pair in self._tier for s in pair), *self._win]
+        return list(self._named_stores().values())
 
     def _codecs(self) -> list[Codec]:
         return [c for t in self.tiers for c in (t.key_codec, t.value_codec)]
@@ -401,6 +453,10 @@ class VeloxCache:
         }
         for i, (k, v) in enumerate(self._tier):
             out[f"tier{i}.k"], out[f"tier{i}.v"] = k, v
+        if self._pos is not None:
+            out["pos"] = self._pos
+        for i, (k, v, p) in enumerate(self._heads or []):
+            out[f"head{i}.k"], out[f"head{i}.v"], out[f"head{i}.pos"] = k, v, p
         return out
 
     def _named_codecs(self) -> dict[str, Codec]:
@@ -436,7 +492,7 @@ class VeloxCache:
             "config": self.config(),
             "offset": self.offset,
             "dims": self._dims,
-            "dtype": None if self._dtype is None else str(self._dtype).split(".")[-1],
+            "dtype": None if self._dtype is None else _dtype_name(self._dtype),
             "stores": stores,
             "arrays": list(arrays),
             "policy_meta": None if self.policy is None else self.policy.meta(),
@@ -452,6 +508,14 @@ class VeloxCache:
         if dt is not None and getattr(mx, dt, None) not in FLOAT_DTYPES:
             raise ValueError(f"VeloxCache state has an unsupported dtype {dt!r}")
         self._dtype = None if dt is None else getattr(mx, dt)
+        self.storage_dtype = _dtype_from(meta.get("storage_dtype"))
+        self._io_dtype = _dtype_from(meta.get("io_dtype")) or self._dtype
+        if meta.get("ragged"):
+            if self._pos is None:
+                raise ValueError("VeloxCache state has per-head storage but no retention policy")
+            self._heads = [
+                [PackedStore(self.step) for _ in range(3)] for _ in range(meta["ragged"])
+            ]
         named = self._named_stores()
         for name, s in named.items():
             info = meta["stores"].get(name)
@@ -518,6 +582,19 @@ class VeloxCache:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.describe()} offset={self.offset} size={self.size()}>"
+
+
+def _dtype_name(dt: mx.Dtype) -> str:
+    return str(dt).split(".")[-1]
+
+
+def _dtype_from(name: str | None) -> mx.Dtype | None:
+    if name is None:
+        return None
+    dt = getattr(mx, name, None)
+    if dt not in FLOAT_DTYPES:
+        raise ValueError(f"VeloxCache state has an unsupported dtype {name!r}")
+    return dt
 
 
 def _spec(obj) -> dict[str, Any]:

@@ -1,10 +1,20 @@
 """Retention policies: which tokens a cache keeps. A policy never sees how tokens are stored.
 
-A :class:`RetentionPolicy` is attached to one :class:`~velox_core.cache.VeloxCache`. The cache
-calls :meth:`observe` with the queries of every attention call (for policies that score
-tokens by attention) and :meth:`after_update` after every store; the policy answers with
-:meth:`VeloxCache.evict` calls naming the tokens to keep. What it fits or accumulates is its
-state, saved with the cache.
+A :class:`RetentionPolicy` is attached to one :class:`~velox_core.cache.VeloxCache`. It sees
+the cache through three views: decoded body keys and their absolute positions, one array per
+KV head (``cache.body_keys()``, ``cache.body_positions()``), and the queries of every
+attention call (:meth:`observe`, for policies that score tokens by attention). It answers
+with the tokens to keep; the cache gathers them, so evicted tokens leave memory.
+
+When eviction runs (:meth:`before_update`, called before new tokens are stored):
+
+* after a multi-token chunk (chunked prefill): the next update first cuts the cache back to
+  ``budget``, so peak memory stays at ``budget`` plus one chunk, not the prompt;
+* during decode, when ``every`` is set and the cache exceeds ``budget`` by ``every`` tokens:
+  long generations stay bounded (at most ``budget + every`` tokens).
+
+``budget`` counts every token kept per KV head: sinks, body and window. A subclass defines
+:meth:`score` (higher keeps) or, for per-head budgets, overrides :meth:`select`.
 """
 
 from __future__ import annotations
@@ -13,16 +23,45 @@ from typing import Any, ClassVar
 
 import mlx.core as mx
 
-__all__ = ["RetentionPolicy"]
+from ..validation import check_int
+
+__all__ = ["RetentionPolicy", "top_k_sorted"]
+
+
+def top_k_sorted(scores: mx.array, k: int) -> mx.array:
+    """Indices of the ``k`` largest scores along the last axis, ascending (temporal order).
+
+    Shapes:
+        scores ``(..., T)``; returns int32 ``(..., min(k, T))``.
+    """
+    t = scores.shape[-1]
+    if k >= t:
+        return mx.broadcast_to(mx.arange(t, dtype=mx.int32), scores.shape)
+    if k <= 0:
+        return mx.zeros((*scores.shape[:-1], 0), dtype=mx.int32)
+    idx = mx.argpartition(-scores.astype(mx.float32), kth=k - 1, axis=-1)[..., :k]
+    return mx.sort(idx, axis=-1).astype(mx.int32)
 
 
 class RetentionPolicy:
-    """Base class: keeps every token. Subclasses override the hooks they need."""
+    """Base class, and the simplest policy: keep the most recent tokens (``budget=None``
+    keeps every token).
 
-    name: ClassVar[str] = "keep-all"
+    Args:
+        budget: tokens kept per KV head (sinks + body + window), or None.
+        every: during decode, evict once the cache holds ``budget + every`` tokens
+            (None: evict only after prefill chunks).
+    """
+
+    name: ClassVar[str] = "recent"
+
+    def __init__(self, budget: int | None = None, every: int | None = None):
+        self.budget = None if budget is None else check_int("budget", budget, minimum=1)
+        self.every = None if every is None else check_int("every", every, minimum=1)
+        self._chunk_pending = False
 
     def config(self) -> dict[str, Any]:
-        return {}
+        return {"budget": self.budget, "every": self.every}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> RetentionPolicy:
@@ -35,8 +74,14 @@ class RetentionPolicy:
         args = ",".join(f"{k}={v}" for k, v in self.config().items())
         return f"{self.name}({args})"
 
+    # -- hooks the cache calls ------------------------------------------------------------
     def attach(self, cache) -> None:
         """Called once by the cache that owns this policy."""
+        if self.budget is not None and self.budget <= cache.sinks + cache.window:
+            raise ValueError(
+                f"budget={self.budget} must exceed sinks + window = {cache.sinks + cache.window} "
+                "(those tokens are always kept)"
+            )
 
     def bind(self, model: Any = None, layer: int | None = None) -> None:
         """Called by ``make_cache`` with the model and the layer index."""
@@ -47,16 +92,44 @@ class RetentionPolicy:
     def after_update(self, cache, start: int) -> None:
         """Called after tokens ``[start, cache.offset)`` were stored."""
 
+    def before_update(self, cache, incoming: int) -> None:
+        """Evict down to the budget when due (see the module docstring)."""
+        after_chunk, self._chunk_pending = self._chunk_pending, incoming > 1
+        if self.budget is None:
+            return
+        over = cache.size() - self.budget
+        if over <= 0 or not (after_chunk or (self.every is not None and over >= self.every)):
+            return
+        keep = self.select(cache, max(self.budget - cache.protected(), 0))
+        cache.evict(keep)
+
+    # -- choosing ------------------------------------------------------------------------------
+    def score(self, cache) -> list[mx.array]:
+        """Per KV head, a ``(B, T_h)`` score of each body token (higher is kept first).
+
+        The base policy keeps the most recent tokens.
+        """
+        return [None if p is None else p.astype(mx.float32) for p in cache.body_positions()]
+
+    def select(self, cache, k: int):
+        """Indices of the body tokens to keep: ``(B, H, k)``, the top ``k`` per head."""
+        scores = self.score(cache)
+        if any(s is None for s in scores):
+            return mx.zeros((cache._dims[0], len(scores), 0), dtype=mx.int32)
+        return top_k_sorted(mx.stack(scores, axis=1), k)
+
+    # -- state -------------------------------------------------------------------------------
     def state(self) -> dict[str, mx.array]:
         return {}
 
     def meta(self) -> Any:
         """JSON-serializable scalars of the state."""
-        return None
+        return {"chunk_pending": self._chunk_pending}
 
     def set_state(self, state: dict[str, mx.array], meta: Any) -> None:
         if state:
-            raise ValueError(f"{self.name}: this policy has no state, got {sorted(state)}")
+            raise ValueError(f"{self.name}: this policy has no array state, got {sorted(state)}")
+        self._chunk_pending = bool((meta or {}).get("chunk_pending", False))
 
     @property
     def nbytes(self) -> int:

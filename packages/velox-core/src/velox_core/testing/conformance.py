@@ -106,7 +106,9 @@ class CacheConformance:
     """Subclass in a test module and override :meth:`make` (and the bounds)."""
 
     max_memory_ratio: float = 1.0
-    attention_error: float = 0.25
+    # bound on attention error against fp16 over *all* tokens; None for evicting settings,
+    # where that reference does not apply (test_attend_matches_decoded still checks them)
+    attention_error: float | None = 0.25
     model_logit_cosine: float = 0.99
     same_greedy_tokens: int = 0  # with make_precise(): greedy tokens equal to fp16 (tiny llama)
     head_dim: int = 128
@@ -173,7 +175,8 @@ class CacheConformance:
         q = mx.random.normal((1, 4, 1, self.head_dim), key=mx.random.key(1)).astype(mx.float16)
         out = c.attend(q, scale=self.head_dim**-0.5)
         ref = _sdpa(q, k[:, :, :170], v[:, :, :170], self.head_dim**-0.5)
-        assert rel_error(out, ref) < self.attention_error
+        if self.attention_error is not None:
+            assert rel_error(out, ref) < self.attention_error
         with pytest.raises(ValueError):
             c.trim(c.size() + 1)
         with pytest.raises((ValueError, TypeError)):
@@ -301,6 +304,8 @@ class CacheConformance:
         assert c.nbytes <= self.max_memory_ratio * ref.nbytes, (c.nbytes, ref.nbytes)
 
     def test_attention_error(self):
+        if self.attention_error is None:
+            pytest.skip("evicting settings: no fp16 reference over all tokens")
         k, v = kv_data(t=512, d=self.head_dim)
         c = _fill(self.make(), k, v, chunks=(300, 1, 1, 210))
         q = (

@@ -1,0 +1,182 @@
+"""Token eviction inside :class:`~velox_core.cache.VeloxCache`: the machinery policies drive.
+
+A retention policy scores the coded *body* (the tokens between the sinks and the window) and
+names the tokens to keep; the cache gathers them (:meth:`RetentionMixin.evict`), so evicted
+tokens leave memory. Keys are stored post-RoPE and ``offset`` stays the absolute count of
+tokens seen, so nothing is renumbered. The body's absolute positions are kept beside it
+(int32, counted in ``nbytes``) for policies that use them.
+
+Budgets may differ per head: a keep list of one index array per head switches the body to
+*per-head storage* (one record per KV head, batch 1), so moving budget between heads costs
+no padding. Attention then runs head by head over that head's sinks, body and window.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..codec.base import Packed
+from .attention import Segment, attend
+from .store import PackedStore
+
+__all__ = ["RetentionMixin"]
+
+
+class RetentionMixin:
+    """Eviction and per-head storage for VeloxCache (mixed in; uses its stores)."""
+
+    def _init_retention(self) -> None:
+        if self.policy is None:
+            self._pos, self._heads = None, None
+            return
+        if len(self.tiers) != 1:
+            raise ValueError("a retention policy works on a single coded tier, not age tiers")
+        t = self.tiers[0]
+        for c, what in ((t.key_codec, "key"), (t.value_codec, "value")):
+            if c.block != 1 or not getattr(c, "per_head", True):
+                raise ValueError(
+                    f"retention policy {self.policy.name!r} needs a per-token, per-head {what} "
+                    f"codec; {c.describe()} codes tokens in blocks of {c.block} or across heads"
+                )
+        self._pos = PackedStore(self.step)
+        self._heads: list[list[PackedStore]] | None = None
+
+    # -- what policies see -------------------------------------------------------------------
+    @property
+    def ragged(self) -> bool:
+        """True once per-head budgets differ (one record per KV head)."""
+        return getattr(self, "_heads", None) is not None
+
+    def body_sizes(self) -> list[int]:
+        """Body tokens per KV head."""
+        if self.ragged:
+            return [k.tokens for k, _, _ in self._heads]
+        h = self._dims[1] if self._dims else 0
+        return [self._tier[0][0].tokens] * h
+
+    def protected(self) -> int:
+        """Tokens a policy never evicts: the sinks and the window."""
+        return self._sink[0].tokens + self._win[0].tokens
+
+    def body_keys(self) -> list[mx.array]:
+        """Decoded body keys, float32: one ``(B, 1, T_h, D)`` array per KV head."""
+        codec = self.tiers[0].key_codec
+        if self.ragged:
+            return [codec.decode(k.view()) if k.tokens else None for k, _, _ in self._heads]
+        kv = self._tier[0][0].view()
+        if kv is None:
+            return [None] * self._dims[1]
+        keys = codec.decode(kv)
+        return [keys[:, h : h + 1] for h in range(keys.shape[1])]
+
+    def body_positions(self) -> list[mx.array]:
+        """Absolute positions of the body tokens: one ``(B, T_h)`` int32 array per KV head."""
+        if self.ragged:
+            return [p.view().data["x"][:, 0, :, 0] if p.tokens else None for _, _, p in self._heads]
+        pv = self._pos.view()
+        if pv is None:
+            return [None] * self._dims[1]
+        pos = pv.data["x"][..., 0]
+        return [pos[:, h] for h in range(pos.shape[1])]
+
+    # -- storing and evicting ------------------------------------------------------------------
+    def _append_body(self, kp: Packed, vp: Packed, positions: mx.array) -> None:
+        if self._pos is None:
+            self._tier[0][0].append(kp)
+            self._tier[0][1].append(vp)
+            return
+        b, h = self._dims[:2]
+        pos = mx.broadcast_to(positions.astype(mx.int32)[None, None, :, None], (b, h, kp.tokens, 1))
+        if not self.ragged:
+            self._tier[0][0].append(kp)
+            self._tier[0][1].append(vp)
+            self._pos.append(Packed({"x": pos}, kp.tokens))
+            return
+        for i, (ks, vs, ps) in enumerate(self._heads):
+            ks.append(kp.map(lambda _, a, i=i: a[:, i : i + 1]))
+            vs.append(vp.map(lambda _, a, i=i: a[:, i : i + 1]))
+            ps.append(Packed({"x": pos[:, i : i + 1]}, kp.tokens))
+
+    def evict(self, keep) -> None:
+        """Keep only the named body tokens (the rest leave memory).
+
+        Args:
+            keep: indices into the body, ascending (temporal order is kept): an int array
+                ``(n,)`` shared by every head, ``(B, H, n)`` per head, or a list of one
+                ``(n_h,)`` array per KV head (per-head budgets; batch 1 only).
+        """
+        if self.policy is None:
+            raise ValueError("evict: this cache has no retention policy")
+        if isinstance(keep, (list, tuple)):
+            self._evict_ragged(list(keep))
+            return
+        if self.ragged:
+            self._evict_ragged([keep] * len(self._heads))
+            return
+        kv, vv, pv = self._tier[0][0].view(), self._tier[0][1].view(), self._pos.view()
+        if kv is None:
+            return
+        idx = keep.astype(mx.int32)
+        if idx.ndim == 3 and idx.shape[:2] != kv.data[next(iter(kv.data))].shape[:2]:
+            raise ValueError(
+                f"evict: per-head index of shape {tuple(idx.shape)} does not match the body"
+            )
+        self._tier[0][0].replace(kv.take(idx))
+        self._tier[0][1].replace(vv.take(idx))
+        self._pos.replace(pv.take(idx))
+
+    def _evict_ragged(self, keep: list) -> None:
+        b, h = self._dims[:2]
+        if len(keep) != h:
+            raise ValueError(f"evict: {len(keep)} per-head index arrays for {h} KV heads")
+        if b != 1:
+            raise ValueError("per-head budgets store one record per head and need batch size 1")
+        if not self.ragged:
+            kv, vv, pv = self._tier[0][0].view(), self._tier[0][1].view(), self._pos.view()
+            self._heads = []
+            for i in range(h):
+                stores = [PackedStore(self.step) for _ in range(3)]
+                for s, rec in zip(stores, (kv, vv, pv)):
+                    if rec is not None:
+                        s.replace(rec.map(lambda _, a, i=i: a[:, i : i + 1]))
+                self._heads.append(stores)
+            for s in (*self._tier[0], self._pos):
+                s.replace(None)
+        for idx, stores in zip(keep, self._heads):
+            idx = idx.astype(mx.int32).reshape(-1)
+            for s in stores:
+                v = s.view()
+                if v is not None:
+                    s.replace(v.take(idx) if idx.size else None)
+
+    # -- attention over per-head storage ---------------------------------------------------------
+    def _head_segments(self, i: int) -> list[Segment]:
+        ident = self._ident
+        out = []
+        sink_k, sink_v = self._sink[0].view(), self._sink[1].view()
+        if sink_k is not None:
+            out.append(Segment(ident, _head(sink_k, i), ident, _head(sink_v, i)))
+        ks, vs, _ = self._heads[i]
+        if ks.tokens:
+            t = self.tiers[0]
+            out.append(Segment(t.key_codec, ks.view(), t.value_codec, vs.view()))
+        win_k, win_v = self._win[0].view(), self._win[1].view()
+        if win_k is not None:
+            out.append(Segment(ident, _head(win_k, i), ident, _head(win_v, i)))
+        return out
+
+    def _attend_ragged(self, queries: mx.array, scale: float, mask, sinks) -> mx.array:
+        if mask is not None and not isinstance(mask, str):
+            raise ValueError("per-head budgets support only the 'causal' mask (no mask arrays)")
+        h = len(self._heads)
+        r = queries.shape[1] // h
+        outs = []
+        for i in range(h):
+            qi = queries[:, i * r : (i + 1) * r]
+            si = None if sinks is None else sinks[i * r : (i + 1) * r]
+            outs.append(attend(qi, self._head_segments(i), scale, mask, si, self.fused_above))
+        return mx.concatenate(outs, axis=1)
+
+
+def _head(p: Packed, i: int) -> Packed:
+    return p.map(lambda _, a: a[:, i : i + 1])
