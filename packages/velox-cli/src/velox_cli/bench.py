@@ -1,0 +1,183 @@
+"""``velox bench``: every spec on one model, offline, in one run.
+
+The fp16 run comes first (its distributions are the reference for KL and top-1, its bytes the
+reference for compression); then each spec runs the same samples and recall prompts. Results
+are printed as a table, optionally written as JSON rows and drawn as a PNG chart of quality
+(KL) against memory (bytes per token).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from velox_core.kernels import backend
+
+from .data import find_shared, load_text, recall_prompts, token_stream
+from .evaluate import Row, decode_quality, reference_run, retrieval
+from .specs import Spec, build_caches
+
+__all__ = ["BenchSettings", "load_model", "run_bench"]
+
+
+@dataclass
+class BenchSettings:
+    """How much to measure. ``quick`` shrinks everything for a smoke run."""
+
+    context: int = 2048
+    samples: int = 2
+    continuation: int = 24
+    recall_trials: int = 1
+    chunk: int = 512
+    quick: bool = False
+
+    def resolved(self) -> BenchSettings:
+        if not self.quick:
+            return self
+        return BenchSettings(min(self.context, 1024), 1, 16, 1, self.chunk, True)
+
+    def recall_lengths(self) -> list[int]:
+        return sorted({max(256, self.context // 2), self.context})
+
+
+def load_model(path: str | None):
+    """``mlx_lm.load`` of ``path`` (default: the reference model in ``shared/``).
+
+    On a CPU the model computes in float32 and caches store float16 (see ``specs``).
+    Returns ``(model, tokenizer, storage dtype or None, resolved path)``.
+    """
+    import mlx_lm
+
+    if path is None:
+        found = find_shared("reference-model")
+        if found is None:
+            raise FileNotFoundError(
+                "reference model not found (shared/reference-model); pass --model PATH"
+            )
+        path = str(found)
+    elif not Path(path).exists():
+        raise FileNotFoundError(f"--model: no such path {path!r}")
+    model, tokenizer = mlx_lm.load(path)
+    store = None
+    if backend() == "cpu":
+        first = next(iter(v for _, v in _params(model)))
+        store = mx.bfloat16 if first.dtype == mx.bfloat16 else mx.float16
+        model.set_dtype(mx.float32)
+    return model, tokenizer, store, path
+
+
+def _params(model):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(model.parameters())
+
+
+def _samples(stream: np.ndarray, s: BenchSettings) -> list[tuple[list[int], list[int]]]:
+    need = s.context + s.continuation
+    if len(stream) < need:
+        raise ValueError(
+            f"the evaluation text has {len(stream)} tokens; --context {s.context} needs {need}"
+        )
+    starts = np.linspace(0, len(stream) - need, num=s.samples).astype(int)
+    return [
+        (
+            [int(t) for t in stream[a : a + s.context]],
+            [int(t) for t in stream[a + s.context : a + need]],
+        )
+        for a in starts
+    ]
+
+
+def run_bench(
+    specs: list[Spec],
+    model_path: str | None,
+    data: str | None,
+    settings: BenchSettings,
+    progress=None,
+) -> tuple[list[Row], dict]:
+    """Measure every spec; ``progress(description, advance)`` is called as work completes."""
+    s = settings.resolved()
+    model, tokenizer, store, path = load_model(model_path)
+    stream = token_stream(tokenizer, load_text(data))
+    samples = _samples(stream, s)
+    prompts = recall_prompts(tokenizer, stream, s.recall_lengths(), [0.25, 0.75], s.recall_trials)
+    tick = progress or (lambda desc, n=1: None)
+    tick("fp16 reference", 0)
+    ref = reference_run(
+        model, lambda: build_caches(Spec("fp16", "fp16"), model, store), samples, s.chunk
+    )
+    rows = []
+    for spec in specs:
+        tick(spec.text, 0)
+        row = Row(spec.text, spec.name, dict(spec.params), s.context)
+        make = lambda spec=spec: build_caches(spec, model, store)  # noqa: E731
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        t0 = time.perf_counter()
+        try:
+            decode_quality(model, make, samples, ref, row, s.chunk)
+            row.retrieval, row.retrieval_by_length = retrieval(
+                model, tokenizer, make, prompts, s.chunk
+            )
+        except Exception as e:  # one broken method must not lose the others' results
+            row.error = f"{type(e).__name__}: {e}"
+        row.peak_memory = int(mx.get_peak_memory())
+        rows.append(row)
+        tick(f"{spec.text} ({time.perf_counter() - t0:.0f}s)", 1)
+    info = {
+        "model": path,
+        "backend": backend(),
+        "context": s.context,
+        "samples": s.samples,
+        "continuation": s.continuation,
+        "recall_prompts": len(prompts),
+        "recall_lengths": s.recall_lengths(),
+        "chunk": s.chunk,
+        "compute_dtype": str(next(iter(v for _, v in _params(model))).dtype),
+        "storage_dtype": None if store is None else str(store),
+        "fp16_cache_bytes": ref.cache_bytes,
+        "fp16_tokens": ref.tokens,
+        "data": data or "shared/data/heldout.jsonl.gz",
+    }
+    return rows, info
+
+
+def write_json(path: str, rows: list[Row], info: dict) -> None:
+    Path(path).write_text(
+        json.dumps({"info": info, "rows": [r.to_json() for r in rows]}, indent=1) + "\n"
+    )
+
+
+def chart(path: str, rows: list[Row]) -> None:
+    """Quality (KL vs fp16, symlog) against memory (bytes per token)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r.error is None and r.bytes_per_token]
+    fig, ax = plt.subplots(figsize=(9, 6))
+    for r in ok:
+        color = "black" if r.method in ("fp16", "mlx-q4", "mlx-q8") else None
+        ax.scatter(r.bytes_per_token / 1024, max(r.kl, 0.0), color=color, s=30)
+        ax.annotate(
+            r.spec,
+            (r.bytes_per_token / 1024, max(r.kl, 0.0)),
+            fontsize=7,
+            xytext=(4, 2),
+            textcoords="offset points",
+        )
+    ax.set_xscale("log")
+    ax.set_yscale("symlog", linthresh=1e-4)
+    ax.set_xlabel("cache bytes per token (KiB, measured)")
+    ax.set_ylabel("KL(fp16 || cache), decode path")
+    ax.set_title("velox bench: quality against memory")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,234 @@
+"""The ``velox`` command.
+
+    velox bench [--model PATH] [--methods SPEC ...] [--context N] [--data FILE] [--quick]
+                [--json PATH]
+    velox generate --method SPEC [--model PATH] [--prompt TEXT] [--max-tokens N]
+    velox methods [--json]
+    velox inspect FILE
+
+Bad input (an unknown method, a bad parameter, a missing path) prints one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+__all__ = ["main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit code 2 (argparse's own convention)
+        print(f"velox: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="velox", description="KV-cache compression for MLX: measure, generate, inspect"
+    )
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    b = sub.add_parser("bench", help="memory, quality and speed of methods on a real model")
+    b.add_argument("--model", help="mlx-lm model path (default: the reference model in shared/)")
+    b.add_argument(
+        "--methods",
+        nargs="+",
+        metavar="SPEC",
+        help="specs like uniform:bits=4,group=64 or the baselines fp16 mlx-q4 mlx-q8 "
+        "(default: baselines + every installed method at its recommended settings)",
+    )
+    b.add_argument("--context", type=int, default=2048, help="prefix tokens (default 2048)")
+    b.add_argument("--samples", type=int, default=2, help="quality samples (default 2)")
+    b.add_argument(
+        "--continuation", type=int, default=24, help="decode steps per sample (default 24)"
+    )
+    b.add_argument(
+        "--recall-trials",
+        type=int,
+        default=1,
+        help="recall prompts per length (context/2 and context) and depth (0.25, 0.75)",
+    )
+    b.add_argument("--chunk", type=int, default=512, help="prefill chunk size (default 512)")
+    b.add_argument("--data", help="evaluate on this text file (or .jsonl[.gz] of {'text': ...})")
+    b.add_argument("--quick", action="store_true", help="a small, fast run")
+    b.add_argument("--json", dest="json_path", metavar="PATH", help="write the rows as JSON")
+    b.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown")
+    b.add_argument("--chart", default="velox-bench.png", help="PNG chart path ('' for none)")
+    g = sub.add_parser("generate", help="mlx_lm.generate with a velox cache")
+    g.add_argument("--method", default="uniform:bits=4", metavar="SPEC")
+    g.add_argument("--model", help="mlx-lm model path (default: the reference model)")
+    g.add_argument("--prompt", default="import os\n\n\ndef ")
+    g.add_argument("--max-tokens", type=int, default=100)
+    g.add_argument("--temp", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    m = sub.add_parser("methods", help="installed methods, their parameters and defaults")
+    m.add_argument("--json", action="store_true")
+    i = sub.add_parser("inspect", help="a saved compressed cache: method, layers, tokens, bytes")
+    i.add_argument("file")
+    return p
+
+
+def _positive(name: str, v: int) -> None:
+    if v < 1:
+        raise ValueError(f"{name} must be a positive integer, got {v}")
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .bench import BenchSettings, chart, run_bench, write_json
+    from .report import markdown, table
+    from .specs import default_specs, parse
+
+    for name in ("context", "samples", "continuation", "recall_trials", "chunk"):
+        _positive("--" + name.replace("_", "-"), getattr(a, name))
+    specs = [parse(t) for t in a.methods] if a.methods else default_specs()
+    settings = BenchSettings(
+        a.context, a.samples, a.continuation, a.recall_trials, a.chunk, a.quick
+    )
+    console = Console(width=max(150, Console().width))
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as prog:
+        task = prog.add_task("loading", total=len(specs))
+
+        def tick(desc: str, n: int = 1) -> None:
+            prog.update(task, description=desc, advance=n)
+
+        rows, info = run_bench(specs, a.model, a.data, settings, tick)
+    console.print(table(rows, info))
+    if a.json_path:
+        write_json(a.json_path, rows, info)
+        console.print(f"rows written to {a.json_path}")
+    if a.markdown:
+        with open(a.markdown, "w") as f:
+            f.write(markdown(rows) + "\n")
+        console.print(f"markdown table written to {a.markdown}")
+    if a.chart:
+        chart(a.chart, rows)
+        console.print(f"chart written to {a.chart}")
+    return 0
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
+
+    import velox_core
+
+    from .bench import load_model
+    from .evaluate import prefill
+    from .specs import Spec, build_caches, parse
+
+    spec = parse(a.method)
+    _positive("--max-tokens", a.max_tokens)
+    model, tokenizer, store, _ = load_model(a.model)
+    mx.random.seed(a.seed)
+    caches = build_caches(spec, model, store)
+    tokens: list[int] = []
+    with velox_core.routed(model):
+        for r in mlx_lm.stream_generate(
+            model,
+            tokenizer,
+            a.prompt,
+            max_tokens=a.max_tokens,
+            prompt_cache=caches,
+            sampler=make_sampler(temp=a.temp),
+        ):
+            print(r.text, end="", flush=True)
+            tokens.append(r.token)
+    print()
+    nbytes = sum(c.nbytes for c in caches)
+    seen = tokenizer.encode(a.prompt) + tokens[:-1]
+    fp16 = build_caches(Spec("fp16", "fp16"), model, store)  # measured, same tokens
+    prefill(model, fp16, seen)
+    ref = sum(c.nbytes for c in fp16)
+    print(
+        f"[velox] {spec.text}: {caches[0].offset} tokens, cache {nbytes / 2**20:.2f} MiB resident; "
+        f"fp16 cache for the same tokens {ref / 2**20:.2f} MiB ({ref / nbytes:.2f}x)"
+    )
+    return 0
+
+
+def cmd_methods(a: argparse.Namespace) -> int:
+    from velox_core.registry import methods
+
+    from .specs import describe_params
+
+    out: list[dict[str, Any]] = []
+    for name, m in methods().items():
+        out.append(
+            {
+                "name": name,
+                "summary": m.summary,
+                "paper": m.paper,
+                "cache_class": f"{m.cache_class.__module__}.{m.cache_class.__name__}",
+                "parameters": describe_params(name),
+                "recommended": list(m.recommended),
+            }
+        )
+    if a.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="installed velox methods")
+    for col in ("method", "summary", "parameters (defaults)", "recommended"):
+        t.add_column(col)
+    for m in out:
+        params = ", ".join(f"{k}={v}" for k, v in m["parameters"].items())
+        rec = "; ".join(
+            ",".join(f"{k}={v}" for k, v in r.items()) or "defaults" for r in m["recommended"]
+        )
+        t.add_row(m["name"], m["summary"] + (f"\n{m['paper']}" if m["paper"] else ""), params, rec)
+    Console(width=max(150, Console().width)).print(t)
+    return 0
+
+
+def cmd_inspect(a: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from velox_core import inspect_cache_file
+
+    info = inspect_cache_file(a.file)
+    t = Table(title=f"{a.file} (format version {info['version']})")
+    for col in ("layer", "method", "offset", "tokens", "bytes"):
+        t.add_column(col, justify="right" if col != "method" else "left")
+    for r in info["layers"]:
+        t.add_row(
+            str(r["layer"]), str(r["method"]), str(r["offset"]), str(r["tokens"]), f"{r['bytes']:,}"
+        )
+    Console().print(t)
+    print(f"total: {info['bytes']:,} bytes in {len(info['layers'])} layers")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    handler = {
+        "bench": cmd_bench,
+        "generate": cmd_generate,
+        "methods": cmd_methods,
+        "inspect": cmd_inspect,
+    }[args.cmd]
+    try:
+        return handler(args)
+    except (ValueError, TypeError, FileNotFoundError, KeyError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"velox: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

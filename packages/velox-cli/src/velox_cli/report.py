@@ -1,0 +1,64 @@
+"""The results table of ``velox bench``."""
+
+from __future__ import annotations
+
+import math
+
+from rich.table import Table
+
+from .evaluate import Row
+
+__all__ = ["markdown", "table"]
+
+COLUMNS = (
+    "spec",
+    "bytes/token",
+    "vs fp16",
+    "KL",
+    "top-1",
+    "ppl",
+    "recall",
+    "prefill tok/s",
+    "decode tok/s",
+    "peak MiB",
+)
+
+
+def _cells(r: Row) -> list[str]:
+    if r.error:
+        return [r.spec, "error: " + r.error[:60], *[""] * (len(COLUMNS) - 2)]
+
+    def f(v, fmt):
+        return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
+
+    return [
+        r.spec,
+        f"{r.bytes_per_token:,.0f}",
+        f(r.compression_ratio, ".2f") + "x",
+        f(r.kl, ".4f"),
+        f(r.top1, ".3f"),
+        f(r.ppl, ".3f"),
+        f(r.retrieval, ".2f"),
+        f(r.prefill_tps, ",.0f"),
+        f(r.decode_tps, ",.1f"),
+        f(r.peak_memory / 2**20, ",.0f"),
+    ]
+
+
+def table(rows: list[Row], info: dict) -> Table:
+    t = Table(
+        title=f"velox bench: {info['model']} | context {info['context']} | {info['backend']} "
+        f"| cache storage {info.get('storage_dtype') or 'model dtype'}"
+    )
+    for c in COLUMNS:
+        t.add_column(c, justify="left" if c == "spec" else "right")
+    for r in rows:
+        t.add_row(*_cells(r))
+    return t
+
+
+def markdown(rows: list[Row]) -> str:
+    """The same table in Markdown (for docs)."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,122 @@
+"""Method specs for the CLI: velox methods, plus the baselines ``fp16``, ``mlx-q4``, ``mlx-q8``.
+
+A spec is ``name`` or ``name:key=value,...``. Baselines are mlx-lm's own caches: ``fp16`` is
+``KVCache``, ``mlx-qB`` is ``QuantizedKVCache(group_size=64, bits=B)`` (``group`` may be
+overridden, e.g. ``mlx-q4:group=32``).
+
+On a CPU the model computes in float32 (MLX's float16 matrix products are slow there) while
+every cache *stores* float16, as it would on a GPU: velox caches through their storage dtype,
+the baselines through the two thin subclasses below, so bytes are those of a float16 cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+from velox_core import make_cache
+from velox_core.registry import get_method, make, method_params, methods, parse_spec
+
+__all__ = [
+    "BASELINES",
+    "Spec",
+    "StoredKVCache",
+    "StoredQuantizedKVCache",
+    "build_caches",
+    "default_specs",
+    "parse",
+]
+
+BASELINES = ("fp16", "mlx-q4", "mlx-q8")
+
+
+class StoredKVCache(KVCache):
+    """mlx-lm's KVCache keeping its tokens in ``store`` dtype, returning the model's dtype."""
+
+    def __init__(self, store: mx.Dtype = mx.float16):
+        super().__init__()
+        self.store = store
+
+    def update_and_fetch(self, keys, values):
+        dt = keys.dtype
+        k, v = super().update_and_fetch(keys.astype(self.store), values.astype(self.store))
+        return k.astype(dt), v.astype(dt)
+
+
+class StoredQuantizedKVCache(QuantizedKVCache):
+    """mlx-lm's QuantizedKVCache quantizing ``store``-dtype tokens (so scales are float16)."""
+
+    def __init__(self, group_size: int = 64, bits: int = 4, store: mx.Dtype = mx.float16):
+        super().__init__(group_size=group_size, bits=bits)
+        self.store = store
+
+    def update_and_fetch(self, keys, values):
+        return super().update_and_fetch(keys.astype(self.store), values.astype(self.store))
+
+
+@dataclass
+class Spec:
+    """A parsed spec: a baseline or an installed method with its parameters."""
+
+    text: str
+    name: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def baseline(self) -> bool:
+        return self.name in BASELINES
+
+    @property
+    def label(self) -> str:
+        return self.text
+
+
+def parse(text: str) -> Spec:
+    """Parse and validate a spec: unknown methods and parameters raise ``ValueError``."""
+    name, params = parse_spec(text)
+    if name in BASELINES:
+        allowed = {"group"}
+        bad = sorted(set(params) - allowed) if name != "fp16" else sorted(params)
+        if bad:
+            raise ValueError(f"baseline {name!r} takes no parameter {', '.join(map(repr, bad))}")
+        if "group" in params and params["group"] not in (32, 64, 128):
+            raise ValueError(f"{name}: group must be 32, 64 or 128, got {params['group']!r}")
+        return Spec(text, name, params)
+    get_method(name)  # unknown method -> ValueError listing the installed ones
+    make(text)  # validates the parameters by building one cache
+    return Spec(text, name, params)
+
+
+def default_specs() -> list[Spec]:
+    """The baselines, then every installed method at its recommended settings."""
+    out = [Spec(b, b) for b in BASELINES]
+    for name, m in methods().items():
+        for params in m.recommended:
+            text = (
+                name if not params else name + ":" + ",".join(f"{k}={v}" for k, v in params.items())
+            )
+            out.append(Spec(text, name, dict(params)))
+    return out
+
+
+def build_caches(spec: Spec, model: Any, store: mx.Dtype | None) -> list:
+    """Fresh per-layer caches for ``spec`` (``store``: storage dtype, None = the model's)."""
+    if spec.name == "fp16":
+        if store is None:
+            return make_cache(model, None)
+        return make_cache(model, lambda i: StoredKVCache(store))
+    if spec.name.startswith("mlx-q"):
+        bits = int(spec.name[5:])
+        group = spec.params.get("group", 64)
+        if store is None:
+            return make_cache(model, lambda i: QuantizedKVCache(group_size=group, bits=bits))
+        return make_cache(model, lambda i: StoredQuantizedKVCache(group, bits, store))
+    return make_cache(model, spec.text, storage_dtype=store)
+
+
+def describe_params(name: str) -> dict[str, Any]:
+    """Parameters and defaults of an installed method (for ``velox methods``)."""
+    return method_params(name)

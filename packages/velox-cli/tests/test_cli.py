@@ -1,0 +1,127 @@
+"""The velox command: subcommands, JSON rows, and one-line errors with exit code 2."""
+
+import json
+
+import pytest
+
+from velox_cli.main import main
+from velox_core import make_cache, save_cache
+from velox_core.testing import kv_data
+
+FIELDS = {
+    "spec",
+    "method",
+    "params",
+    "context",
+    "cache_bytes",
+    "bytes_per_token",
+    "compression_ratio",
+    "kl",
+    "top1",
+    "ppl",
+    "retrieval",
+    "prefill_tps",
+    "decode_tps",
+    "peak_memory",
+}
+
+
+def test_bench_quick_writes_rows_table_and_chart(model_dir, text_file, tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    chart = tmp_path / "chart.png"
+    md = tmp_path / "table.md"
+    rc = main(
+        [
+            "bench",
+            "--model",
+            model_dir,
+            "--data",
+            text_file,
+            "--quick",
+            "--context",
+            "256",
+            "--methods",
+            "fp16",
+            "mlx-q8",
+            "uniform:bits=4",
+            "--json",
+            str(out),
+            "--chart",
+            str(chart),
+            "--markdown",
+            str(md),
+        ]
+    )
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert [r["spec"] for r in rows] == ["fp16", "mlx-q8", "uniform:bits=4"]
+    for r in rows:
+        assert set(r) >= FIELDS and r["error"] is None
+        assert r["cache_bytes"] > 0 and r["peak_memory"] > 0
+    assert rows[0]["kl"] == pytest.approx(0, abs=1e-6) and rows[0]["compression_ratio"] == 1.0
+    assert rows[2]["compression_ratio"] > 2.5
+    assert chart.read_bytes()[:4] == b"\x89PNG"
+    assert "uniform:bits=4" in md.read_text()
+    assert "uniform:bits=4" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["bench", "--methods", "nope"], "unknown method 'nope'"),
+        (["bench", "--methods", "uniform:bitz=3"], "no parameter 'bitz'"),
+        (["bench", "--methods", "uniform:bits=11"], "bits"),
+        (["bench", "--model", "/no/such/model"], "no such path"),
+        (["bench", "--context", "0"], "--context"),
+        (["generate", "--method", "nope:x=1"], "unknown method"),
+        (["inspect", "/no/such/file.safetensors"], "no such file"),
+        (["bench", "--frobnicate"], "unrecognized arguments"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(argv, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        raise SystemExit(main(argv))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_methods_json_lists_parameters(capsys):
+    assert main(["methods", "--json"]) == 0
+    ms = {m["name"]: m for m in json.loads(capsys.readouterr().out)}
+    assert ms["uniform"]["parameters"]["bits"] == 4
+    assert {"bits": 4} in ms["uniform"]["recommended"]
+    assert main(["methods"]) == 0 and "uniform" in capsys.readouterr().out
+
+
+def test_inspect_a_saved_cache(model_dir, tmp_path, capsys):
+    k, v = kv_data(t=50)
+    c = make_cache(__import__("velox_core").testing.tiny_model("llama"), "uniform:bits=4")[0]
+    c.update_and_fetch(k, v)
+    path = tmp_path / "c.safetensors"
+    save_cache(path, [c])
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "uniform" in out and "50" in out
+
+
+def test_generate_prints_text_and_measured_memory(model_dir, capsys):
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                model_dir,
+                "--method",
+                "uniform:bits=4",
+                "--prompt",
+                "def add(a, b):",
+                "--max-tokens",
+                "8",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "[velox] uniform:bits=4" in out and "MiB resident" in out and "fp16 cache" in out

@@ -1,0 +1,98 @@
+"""The evaluation functions on tiny models: they measure what they claim."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from velox_cli.data import recall_prompts, token_stream
+from velox_cli.evaluate import Row, decode_quality, prefill, reference_run, retrieval
+from velox_cli.specs import Spec, StoredKVCache, build_caches, default_specs, parse
+from velox_core import make_cache
+from velox_core.testing import tiny_model, tiny_tokenizer
+
+MODEL = tiny_model("llama")
+
+
+def samples(n=2, ctx=96, cont=12, seed=0):
+    rng = np.random.default_rng(seed)
+    return [
+        (rng.integers(0, 512, ctx).tolist(), rng.integers(0, 512, cont).tolist()) for _ in range(n)
+    ]
+
+
+def test_prefill_in_chunks_equals_one_pass():
+    toks = samples(1, 200)[0][0]
+    a = prefill(MODEL, [KVCache() for _ in MODEL.layers], toks, chunk=64)
+    b = MODEL(mx.array([toks]), cache=[KVCache() for _ in MODEL.layers])[:, -1]
+    assert mx.allclose(a.astype(mx.float32), b.astype(mx.float32), atol=2e-2).item()
+
+
+def test_fp16_against_itself_has_zero_kl_and_full_agreement():
+    s = samples()
+    make = lambda: make_cache(MODEL, None)  # noqa: E731
+    ref = reference_run(MODEL, make, s)
+    row = Row("fp16", "fp16", {}, 96)
+    decode_quality(MODEL, make, s, ref, row)
+    assert row.kl == pytest.approx(0.0, abs=1e-6) and row.top1 == 1.0
+    assert row.compression_ratio == pytest.approx(1.0)
+    assert row.tokens == 96 + 12 - 1 and row.bytes_per_token > 0
+
+
+def test_kl_grows_as_bits_fall_and_bytes_are_measured():
+    s = samples(3)
+    ref = reference_run(MODEL, lambda: make_cache(MODEL, None), s)
+    rows = {}
+    for bits in (8, 4, 2):
+        row = Row(f"uniform:bits={bits}", "uniform", {"bits": bits}, 96)
+        decode_quality(MODEL, lambda b=bits: make_cache(MODEL, f"uniform:bits={b}"), s, ref, row)
+        rows[bits] = row
+    assert rows[8].kl < rows[4].kl < rows[2].kl
+    assert rows[8].cache_bytes > rows[4].cache_bytes > rows[2].cache_bytes
+    assert rows[4].compression_ratio > 2.5
+    # perplexity is of the forced continuation: finite and positive
+    assert all(0 < r.ppl < float("inf") for r in rows.values())
+
+
+def test_retrieval_counts_exact_matches():
+    tok = tiny_tokenizer()
+    stream = token_stream(tok, ["x = 1\n" * 200])
+    prompts = recall_prompts(tok, stream, [64, 128], [0.5], trials=2)
+    assert len(prompts) == 4 and all(len(p.tokens) == p.length for p in prompts)
+    assert prompts[0].correct(" 12345\n") is (prompts[0].value == "12345")
+    acc, by_len = retrieval(MODEL, tok, lambda: make_cache(MODEL, None), prompts)
+    assert 0.0 <= acc <= 1.0 and set(by_len) == {"64", "128"}
+
+
+def test_recall_prompt_places_the_definition_at_its_depth():
+    tok = tiny_tokenizer()
+    stream = token_stream(tok, ["value = compute(a, b)\n" * 100])
+    (p,) = recall_prompts(tok, stream, [200], [0.25], trials=1)
+    text = tok.decode(p.tokens)
+    assert f"= {p.value}\n" in text and text.rstrip().endswith("==")
+    assert 0.15 < text.index(f"= {p.value}") / len(text) < 0.4
+
+
+def test_specs_parse_and_validate():
+    assert parse("fp16").baseline and parse("mlx-q4:group=32").params == {"group": 32}
+    assert parse("uniform:bits=2,group=32").params == {"bits": 2, "group": 32}
+    for bad in ("nope", "uniform:bitz=3", "uniform:bits=9", "mlx-q4:bits=3", "fp16:group=64"):
+        with pytest.raises((ValueError, TypeError)):
+            parse(bad)
+    names = [s.text for s in default_specs()]
+    assert names[:3] == ["fp16", "mlx-q4", "mlx-q8"] and "uniform:bits=4" in names
+
+
+def test_storage_dtype_keeps_float16_bytes_for_a_float32_model():
+    m32 = tiny_model("llama", dtype=mx.float32)
+    toks = samples(1, 300)[0][0]
+    # fp16 tokens take half of fp32; mlx-lm's 4-bit codes keep their size and their scales
+    # halve; velox's Uniform keeps fp16 scales for fp32 inputs anyway
+    for spec, ratio in (("fp16", 0.5), ("mlx-q4", 0.9), ("uniform:bits=4", 1.0)):
+        stored = build_caches(parse(spec), m32, mx.float16)
+        native = build_caches(parse(spec), m32, None)
+        prefill(m32, stored, toks)
+        prefill(m32, native, toks)
+        got = sum(c.nbytes for c in stored) / sum(c.nbytes for c in native)
+        assert got == pytest.approx(ratio, rel=1e-3), spec
+    assert isinstance(build_caches(Spec("fp16", "fp16"), m32, mx.float16)[0], StoredKVCache)
