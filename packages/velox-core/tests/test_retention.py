@@ -7,9 +7,11 @@ import pytest
 from velox_core import RetentionPolicy, Uniform, VeloxCache, load_cache, save_cache
 from velox_core.cache.attention import attend
 from velox_core.policy import top_k_sorted
+from velox_core.registry import register
 from velox_core.testing import kv_data, rel_error
 
 
+@register
 class EveryOther(RetentionPolicy):
     """Keeps even positions first (a deterministic, non-recency choice for tests)."""
 
@@ -22,6 +24,7 @@ class EveryOther(RetentionPolicy):
         ]
 
 
+@register
 class Ragged(RetentionPolicy):
     """Different budgets per head: head 0 keeps k tokens, head 1 keeps k // 2."""
 
@@ -171,3 +174,35 @@ def test_bad_policy_settings():
         RetentionPolicy(budget=0)
     with pytest.raises(TypeError, match="every"):
         RetentionPolicy(budget=10, every=1.5)
+
+
+def test_per_head_storage_survives_state_and_files(tmp_path):
+    from velox_core import routed
+    from velox_core.testing import tiny_model
+
+    k, v = kv_data(t=400)
+    c = VeloxCache(Uniform(8), Uniform(8), sinks=2, window=4, policy=Ragged(budget=100))
+    c.set_storage_dtype(mx.float16)
+    with routed(tiny_model()):
+        feed(c, k, v, 200)
+        c.update_and_fetch(k[:, :, :1], v[:, :, :1])
+        path = tmp_path / "r.safetensors"
+        save_cache(path, [c])
+        (d,) = load_cache(path)
+        assert d.ragged and d.body_sizes() == c.body_sizes()
+        assert d.storage_dtype == mx.float16 and d._io_dtype == c._io_dtype
+        q = mx.random.normal((1, 4, 1, 128)).astype(mx.float16)
+        assert mx.array_equal(d.attend(q, 0.1), c.attend(q, 0.1))
+    with pytest.raises(ValueError, match="routed"):
+        d.update_and_fetch(k[:, :, :1], v[:, :, :1])
+    assert d.offset == c.offset  # refused before anything changed
+
+
+def test_protected_keys_are_the_sinks_and_window():
+    k, v = kv_data(t=100)
+    c = VeloxCache(Uniform(4), Uniform(4), sinks=3, window=5, policy=RetentionPolicy(budget=50))
+    c.update_and_fetch(k, v)
+    sk, wk, sp, wp = c.protected_keys()
+    assert mx.array_equal(sk, k[:, :, :3]) and mx.array_equal(wk, k[:, :, -5:])
+    assert sp.tolist() == [0, 1, 2] and wp.tolist() == [95, 96, 97, 98, 99]
+    assert c.sink_count() == 3

@@ -34,6 +34,7 @@ __all__ = [
     "method_params",
     "methods",
     "parse_spec",
+    "register",
     "reset",
 ]
 
@@ -67,6 +68,19 @@ class Method:
 
 _methods: dict[str, Method] | None = None
 _BUILTIN_CODECS: dict[str, type[Codec]] = {Identity.name: Identity, Uniform.name: Uniform}
+_EXTRA: dict[str, dict[str, type]] = {"codec": {}, "policy": {}}
+
+
+def register(cls: type) -> type:
+    """Make a codec or retention policy class loadable in this process (for saved caches that
+    use a class defined outside a method package). Usable as a decorator."""
+    if isinstance(cls, type) and issubclass(cls, Codec):
+        _EXTRA["codec"][cls.name] = cls
+    elif isinstance(cls, type) and issubclass(cls, RetentionPolicy):
+        _EXTRA["policy"][cls.name] = cls
+    else:
+        raise TypeError(f"register: expected a Codec or RetentionPolicy subclass, got {cls!r}")
+    return cls
 
 
 def reset() -> None:
@@ -114,6 +128,7 @@ def _codec_classes() -> dict[str, type[Codec]]:
     out = dict(_BUILTIN_CODECS)
     for m in methods().values():
         out.update({c.name: c for c in m.codecs})
+    out.update(_EXTRA["codec"])
     return out
 
 
@@ -130,6 +145,7 @@ def build_policy(spec: dict[str, Any]) -> RetentionPolicy:
     """A retention policy from ``{"name": ..., "config": {...}}`` (registered policies only)."""
     classes = {RetentionPolicy.name: RetentionPolicy}
     classes.update({p.name: p for m in methods().values() for p in m.policies})
+    classes.update(_EXTRA["policy"])
     name = spec.get("name") if isinstance(spec, dict) else None
     if name not in classes:
         raise ValueError(

@@ -58,6 +58,25 @@ class RetentionMixin:
         """Tokens a policy never evicts: the sinks and the window."""
         return self._sink[0].tokens + self._win[0].tokens
 
+    def sink_count(self) -> int:
+        return self._sink[0].tokens
+
+    def protected_keys(self) -> tuple[mx.array | None, mx.array | None, mx.array, mx.array]:
+        """Keys and absolute positions of the sinks and the window (never evicted).
+
+        Returns:
+            ``(sink_keys, window_keys, sink_positions, window_positions)``: keys
+            ``(B, H, n, D)`` in the storage dtype (None when empty), positions int32 ``(n,)``.
+        """
+        sk, wk = self._sink[0].view(), self._win[0].view()
+        n_sink, n_win = self._sink[0].tokens, self._win[0].tokens
+        return (
+            None if sk is None else sk.data["x"],
+            None if wk is None else wk.data["x"],
+            mx.arange(n_sink, dtype=mx.int32),
+            mx.arange(self.offset - n_win, self.offset, dtype=mx.int32),
+        )
+
     def body_keys(self) -> list[mx.array]:
         """Decoded body keys, float32: one ``(B, 1, T_h, D)`` array per KV head."""
         codec = self.tiers[0].key_codec

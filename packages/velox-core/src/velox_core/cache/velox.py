@@ -214,6 +214,8 @@ class VeloxCache(RetentionMixin):
             keys ``(B, H, T, Dk)``, values ``(B, H, T, Dv)``, fp16, bf16 or fp32.
         """
         check_kv(keys, values)
+        if self.ragged:
+            _require_routing()
         self._check_first(keys, values)
         keys, values = keys.astype(self._dtype), values.astype(self._dtype)
         t = keys.shape[2]
@@ -233,13 +235,7 @@ class VeloxCache(RetentionMixin):
         if self.policy is not None:
             self.policy.after_update(self, start)
         if self.ragged:
-            from ..mlx_lm import is_enabled
-
-            if not is_enabled():
-                raise ValueError(
-                    "this cache keeps per-head budgets, which only velox attention can read: "
-                    "run the model inside velox_core.routed(model) (or generate())"
-                )
+            _require_routing()
             return keys, values  # unused: routed attention reads the cache itself
         return self.keys_and_values()
 
@@ -495,6 +491,11 @@ class VeloxCache(RetentionMixin):
             "dtype": None if self._dtype is None else _dtype_name(self._dtype),
             "stores": stores,
             "arrays": list(arrays),
+            "ragged": len(self._heads) if self.ragged else None,
+            "storage_dtype": None
+            if self.storage_dtype is None
+            else _dtype_name(self.storage_dtype),
+            "io_dtype": None if self._io_dtype is None else _dtype_name(self._io_dtype),
             "policy_meta": None if self.policy is None else self.policy.meta(),
         }
         return meta, arrays
@@ -545,6 +546,8 @@ class VeloxCache(RetentionMixin):
             s.map_batch(lambda a: a[idx])
         if self._dims is not None:
             self._dims = (int(idx.size), *self._dims[1:])
+        if self.policy is not None:
+            self.policy.filter_batch(idx)
 
     def extract(self, idx: int) -> VeloxCache:
         """A new single-sequence cache holding batch row ``idx``."""
@@ -569,6 +572,8 @@ class VeloxCache(RetentionMixin):
                 s.replace(s.view().map(lambda k, a, o=o: mx.concatenate([a, o.data[k]], axis=0)))
         if self._dims is not None:
             self._dims = (self._dims[0] + other._dims[0], *self._dims[1:])
+        if self.policy is not None:
+            self.policy.extend_batch(other.policy)
 
     @classmethod
     def merge(cls, caches: list[VeloxCache]) -> VeloxCache:
@@ -582,6 +587,16 @@ class VeloxCache(RetentionMixin):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.describe()} offset={self.offset} size={self.size()}>"
+
+
+def _require_routing() -> None:
+    from ..mlx_lm import is_enabled
+
+    if not is_enabled():
+        raise ValueError(
+            "this cache keeps per-head budgets, which only velox attention can read: "
+            "run the model inside velox_core.routed(model) (or generate())"
+        )
 
 
 def _dtype_name(dt: mx.Dtype) -> str:

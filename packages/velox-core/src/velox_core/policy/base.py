@@ -118,6 +118,13 @@ class RetentionPolicy:
             return mx.zeros((cache._dims[0], len(scores), 0), dtype=mx.int32)
         return top_k_sorted(mx.stack(scores, axis=1), k)
 
+    # -- batches -----------------------------------------------------------------------------
+    def filter_batch(self, index: mx.array) -> None:
+        """Keep only these batch rows of any per-row state (``VeloxCache.filter``)."""
+
+    def extend_batch(self, other: RetentionPolicy) -> None:
+        """Append the batch rows of ``other``'s per-row state (``VeloxCache.extend``)."""
+
     # -- state -------------------------------------------------------------------------------
     def state(self) -> dict[str, mx.array]:
         return {}
