@@ -1,0 +1,41 @@
+"""``SnapKVCache``: SnapKV's eviction (optionally with ``Uniform`` codes for the kept tokens).
+
+The cache is a :class:`velox_core.VeloxCache` with a :class:`~velox_snapkv.SnapKVPolicy`:
+after each prefill chunk (and, with ``every``, during decode) the stored tokens are cut to
+``budget`` per KV head, keeping what the observation window votes for. Attention must be
+routed to the cache (``velox_core.routed(model)`` or ``velox_core.generate``) for the policy
+to see the queries; see :mod:`velox_snapkv.policy` for the mechanism and the deviations from
+the paper. The paper keeps fp16 tokens; ``bits`` codes the kept tokens with ``Uniform``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from velox_core import PresetCache, Uniform, resolve_bits
+
+from .config import SnapKVConfig
+from .policy import SnapKVPolicy
+
+__all__ = ["SnapKVCache"]
+
+
+class SnapKVCache(PresetCache):
+    """SnapKV's cache for one layer. Parameters: see :class:`SnapKVConfig`."""
+
+    method = "snapkv"
+    Config = SnapKVConfig
+
+    def build(self, cfg: SnapKVConfig) -> dict[str, Any]:
+        codecs: dict[str, Any] = {}
+        if cfg.bits is not None:
+            kb, vb = resolve_bits(cfg.bits, cfg.key_bits, cfg.value_bits)
+            codecs = {"key_codec": Uniform(kb, cfg.group), "value_codec": Uniform(vb, cfg.group)}
+        policy = SnapKVPolicy(
+            budget=cfg.budget,
+            every=cfg.every,
+            observe=cfg.observe,
+            kernel=cfg.kernel,
+            pooling=cfg.pooling,
+        )
+        return {**codecs, "sinks": cfg.sinks, "window": cfg.window, "policy": policy}

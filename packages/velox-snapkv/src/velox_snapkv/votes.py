@@ -1,0 +1,103 @@
+"""SnapKV's vote: what the observation window attends to, aggregated per KV head and pooled.
+
+Two pure functions (arXiv 2404.14469, section 4):
+
+* :func:`window_votes`: the softmax attention weights of the window's queries over every
+  stored token (each query normalized over the whole context it can see, causally), summed
+  over the window's queries and averaged over the query heads that share a KV head (GQA).
+* :func:`pool_votes`: 1-D pooling of those votes along the tokens, so that a voted token
+  brings its neighbours (the paper's "clustering via pooling"). Tokens are neighbours by
+  absolute position: on a contiguous prefix this is exactly the paper's ``pool1d`` with
+  stride 1 and ``kernel // 2`` zero padding; once earlier cuts have left gaps, an evicted
+  neighbour counts as a zero vote instead of letting a token pool with a distant one.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from velox_core.validation import check_choice, check_int
+
+__all__ = ["POOLING", "check_kernel", "check_pooling", "pool_votes", "window_votes"]
+
+POOLING = ("max", "avg")
+
+
+def check_kernel(kernel) -> int:
+    """The pooling kernel: an odd int >= 1 (padding ``kernel // 2`` keeps tokens aligned)."""
+    check_int("kernel", kernel, minimum=1)
+    if kernel % 2 == 0:
+        raise ValueError(
+            f"kernel must be odd (pooling pads kernel // 2 on each side so each token keeps "
+            f"its own score), got {kernel}; use {kernel - 1} or {kernel + 1}"
+        )
+    return kernel
+
+
+def check_pooling(pooling) -> str:
+    return check_choice("pooling", pooling, POOLING)
+
+
+def window_votes(
+    queries: mx.array, q_pos: mx.array, keys: mx.array, k_pos: mx.array, scale: float
+) -> mx.array:
+    """Attention the observation window gives each stored token, per KV head.
+
+    Args:
+        queries: the window's post-RoPE queries; the query heads of KV head ``h`` are
+            ``h * R ... h * R + R - 1`` (mlx-lm's grouped layout).
+        q_pos: absolute positions of the queries.
+        keys: every stored key (post-RoPE).
+        k_pos: absolute position of each stored key.
+        scale: the model's attention scale.
+
+    Shapes:
+        queries ``(B, Hq, n, D)``, q_pos int ``(n,)``, keys ``(B, H, T, D)`` with ``Hq % H
+        == 0``, k_pos int ``(B, H, T)``; returns float32 ``(B, H, T)``.
+    """
+    b, hq, n, d = queries.shape
+    h, t = keys.shape[1], keys.shape[2]
+    if hq % h:
+        raise ValueError(f"window_votes: {hq} query heads is not a multiple of {h} KV heads")
+    r = hq // h
+    q = (queries.astype(mx.float32) * scale).reshape(b, h, r * n, d)
+    s = (q @ mx.swapaxes(keys.astype(mx.float32), -1, -2)).reshape(b, h, r, n, t)
+    visible = k_pos[:, :, None, None, :] <= q_pos.reshape(1, 1, 1, n, 1)
+    p = mx.softmax(mx.where(visible, s, -mx.inf), axis=-1, precise=True)
+    p = mx.where(visible, p, 0.0)  # a query that sees nothing votes for nothing (no NaN)
+    return mx.mean(mx.sum(p, axis=3), axis=2)
+
+
+def _shift(x: mx.array, s: int, fill) -> mx.array:
+    """``y[..., i] = x[..., i + s]`` along the last axis, ``fill`` where out of range."""
+    pad = mx.full((*x.shape[:-1], abs(s)), fill, dtype=x.dtype)
+    if s > 0:
+        return mx.concatenate([x[..., s:], pad], axis=-1)
+    return mx.concatenate([pad, x[..., :s]], axis=-1)
+
+
+def pool_votes(
+    votes: mx.array, positions: mx.array, candidate: mx.array, kernel: int, pooling: str
+) -> mx.array:
+    """Max or average of the votes of the tokens within ``kernel // 2`` positions.
+
+    Only ``candidate`` tokens (the prefix: not the observation window) contribute, as the
+    paper pools the prefix's votes alone; absent neighbours count as zero (the paper's zero
+    padding; ``"avg"`` always divides by ``kernel``, as ``avg_pool1d`` does by default).
+
+    Shapes:
+        votes float32 ``(B, H, T)`` (non-negative), positions int ``(B, H, T)`` strictly
+        increasing along T, candidate bool ``(B, H, T)``; returns float32 ``(B, H, T)``.
+    """
+    check_kernel(kernel)
+    check_pooling(pooling)
+    v = mx.where(candidate, votes.astype(mx.float32), 0.0)
+    out, half, t = v, kernel // 2, v.shape[-1]
+    # positions strictly increase, so a token within `half` positions is within `half` slots
+    for step in range(1, min(half, t - 1) + 1):
+        for s in (step, -step):
+            near = _shift(mx.ones(positions.shape, dtype=mx.bool_), s, False)
+            near = near & (mx.abs(_shift(positions, s, 0) - positions) <= half)
+            w = mx.where(near, _shift(v, s, 0.0), 0.0)
+            out = out + w if pooling == "avg" else mx.maximum(out, w)
+    return out / kernel if pooling == "avg" else out
