@@ -1,0 +1,29 @@
+"""velox-nestedkv: NestedKV, key-only eviction by multi-time-scale anomaly (arXiv 2605.26678)."""
+
+from velox_core import Method, Uniform
+
+from .cache import NestedKVCache
+from .config import NestedKVConfig
+from .policy import NestedKVPolicy
+from .scores import NestedScore, cosine_anomaly, head_budgets, nested_score
+
+__all__ = [
+    "METHOD",
+    "NestedKVCache",
+    "NestedKVConfig",
+    "NestedKVPolicy",
+    "NestedScore",
+    "cosine_anomaly",
+    "head_budgets",
+    "nested_score",
+]
+
+METHOD = Method(
+    name="nestedkv",
+    cache_class=NestedKVCache,
+    summary="key-only eviction: stable/episodic/current cosine anomaly, head-adaptive budgets",
+    paper="https://arxiv.org/abs/2605.26678",
+    codecs=(Uniform,),
+    policies=(NestedKVPolicy,),
+    recommended=({"budget": 1024}, {"budget": 1024, "bits": 4}),
+)

@@ -1,0 +1,80 @@
+"""Settings of the NestedKV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from velox_core.validation import check_bits, check_choice, check_float, check_int
+
+from .policy import HEADS, check_prior
+from .scores import PRIOR
+
+
+@dataclass
+class NestedKVConfig:
+    """NestedKV (arXiv 2605.26678) settings, with the shared parameter names.
+
+    Attributes:
+        budget: tokens kept per KV head (sinks + body + window); with ``heads="adaptive"``
+            the per-head average: the layer keeps ``budget × H`` tokens in all.
+        sinks: first tokens always kept in fp16 (the paper pins 4).
+        every: during decode, re-compress once the budget is exceeded by ``every`` tokens
+            (a velox extension; None compresses only after prompt chunks, as the paper does).
+        recent: ``W``, span of the current memory, in tokens (paper: 64).
+        block: episodic block size (None: the paper's ``clip(⌊N/32⌋, 128, 256)``, ``N`` the
+            tokens seen at the first compression).
+        beta: temperature of the head-adaptive blend (paper: 3.0).
+        tau: threshold of the surprise gate, on centred normalized surprise (paper: 0.6).
+        kappa: sharpness of the surprise gate (paper: 10).
+        prior: blend prior of (stable, episodic, current) (paper: 0.4, 0.4, 0.2).
+        safeguard: ``α_s``, share of its budget each head keeps by its own ranking (0.2).
+        heads: ``"adaptive"`` (the paper's head-wise competition; batch 1, routed attention)
+            or ``"uniform"`` (``budget`` tokens per head).
+        bits, key_bits, value_bits: code the kept tokens with ``velox_core.Uniform`` at these
+            widths (None keeps them in fp16, as the paper does).
+        group: group size of those codes.
+        window: most recent tokens kept in fp16 and never evicted.
+    """
+
+    budget: int = 1024
+    sinks: int = 4
+    every: int | None = None
+    recent: int = 64
+    block: int | None = None
+    beta: float = 3.0
+    tau: float = 0.6
+    kappa: float = 10.0
+    prior: tuple[float, float, float] = PRIOR
+    safeguard: float = 0.2
+    heads: str = "adaptive"
+    bits: int | None = None
+    key_bits: int | None = None
+    value_bits: int | None = None
+    group: int = 64
+    window: int = 0
+
+    def __post_init__(self):
+        check_int("budget", self.budget, minimum=1)
+        check_int("sinks", self.sinks, minimum=0)
+        if self.every is not None:
+            check_int("every", self.every, minimum=1)
+        check_int("recent", self.recent, minimum=1)
+        if self.block is not None:
+            check_int("block", self.block, minimum=1)
+        check_float("beta", self.beta, minimum=0.0)
+        check_float("tau", self.tau)
+        check_float("kappa", self.kappa, minimum=0.0)
+        self.prior = check_prior(self.prior)
+        check_float("safeguard", self.safeguard, minimum=0.0, maximum=1.0)
+        check_choice("heads", self.heads, HEADS)
+        for name in ("bits", "key_bits", "value_bits"):
+            if getattr(self, name) is not None:
+                check_bits(name, getattr(self, name), 2, 8)
+        if self.bits is None and (self.key_bits is not None or self.value_bits is not None):
+            raise ValueError("key_bits/value_bits need bits (the codes of the kept tokens)")
+        check_int("group", self.group, minimum=1)
+        check_int("window", self.window, minimum=0)
+        if self.budget <= self.sinks + self.window:
+            raise ValueError(
+                f"budget={self.budget} must exceed sinks + window = {self.sinks + self.window}"
+            )
