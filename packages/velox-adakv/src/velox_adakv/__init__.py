@@ -1,0 +1,29 @@
+"""velox-adakv: Ada-KV, head-wise adaptive budget allocation for KV eviction (arXiv 2407.11550)."""
+
+from velox_core import Method, Uniform
+
+from .allocate import adaptive_keep, allocate
+from .cache import AdaKVCache
+from .config import AdaKVConfig
+from .policy import AdaKVPolicy
+from .scorer import ObservationWindow
+
+__all__ = [
+    "METHOD",
+    "AdaKVCache",
+    "AdaKVConfig",
+    "AdaKVPolicy",
+    "ObservationWindow",
+    "adaptive_keep",
+    "allocate",
+]
+
+METHOD = Method(
+    name="adakv",
+    cache_class=AdaKVCache,
+    summary="head-wise adaptive budgets (joint top-k over heads, safeguard floor) over SnapKV",
+    paper="https://arxiv.org/abs/2407.11550",
+    codecs=(Uniform,),
+    policies=(AdaKVPolicy,),
+    recommended=({"budget": 1024}, {"budget": 1024, "bits": 4}),
+)

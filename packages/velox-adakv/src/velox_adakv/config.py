@@ -1,0 +1,77 @@
+"""Settings of the Ada-KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from velox_core.validation import check_bits, check_choice, check_float, check_int
+
+__all__ = ["BASES", "POOLINGS", "AdaKVConfig"]
+
+BASES = ("snapkv", "qfilters")
+POOLINGS = ("max", "avg")
+
+
+@dataclass
+class AdaKVConfig:
+    """Ada-KV (arXiv 2407.11550) settings, with the shared parameter names.
+
+    Attributes:
+        budget: tokens kept per KV head *on average* (sinks + body + window): the layer keeps
+            ``budget x H_kv`` tokens, shared among its heads by the adaptive allocation.
+        sinks: first tokens always kept (0: Ada-KV and SnapKV keep none).
+        window: most recent tokens always kept (SnapKV's observation window, kept in full;
+            32 as in the paper's code). Kept in fp16 when ``bits`` is set.
+        every: during decode, cut back to the budget once the layer exceeds it by ``every``
+            tokens per head (None: evict only after prefill chunks, as the paper compresses
+            the prompt and appends decoded tokens).
+        alpha: safeguard: each head keeps at least ``floor(alpha x uniform share)`` of its best
+            tokens; the rest of the layer budget goes to the best tokens of all heads jointly.
+            1.0 is SnapKV's uniform split.
+        observe: queries in the observation window (the last ones seen; 32 in the paper).
+        kernel: pooling width over neighbouring positions (odd; 7 in the paper's code).
+        pooling: ``"max"`` (the paper's code) or ``"avg"``.
+        base: the per-token scorer: ``"snapkv"`` (built in) or ``"qfilters"`` (the optional
+            ``velox_qfilters`` package's per-key scores).
+        bits, key_bits, value_bits: code the kept tokens with ``velox_core.Uniform`` at these
+            widths (None keeps them in fp16, as the paper does).
+        group: group size of those codes.
+    """
+
+    budget: int = 1024
+    sinks: int = 0
+    window: int = 32
+    every: int | None = None
+    alpha: float = 0.2
+    observe: int = 32
+    kernel: int = 7
+    pooling: str = "max"
+    base: str = "snapkv"
+    bits: int | None = None
+    key_bits: int | None = None
+    value_bits: int | None = None
+    group: int = 64
+
+    def __post_init__(self):
+        check_int("budget", self.budget, minimum=1)
+        check_int("sinks", self.sinks, minimum=0)
+        check_int("window", self.window, minimum=0)
+        if self.every is not None:
+            check_int("every", self.every, minimum=1)
+        check_float("alpha", self.alpha, minimum=0.0, maximum=1.0)
+        check_int("observe", self.observe, minimum=1)
+        check_int("kernel", self.kernel, minimum=1)
+        if self.kernel % 2 == 0:
+            raise ValueError(f"kernel must be odd (centred pooling), got {self.kernel}")
+        check_choice("pooling", self.pooling, POOLINGS)
+        check_choice("base", self.base, BASES)
+        for name in ("bits", "key_bits", "value_bits"):
+            if getattr(self, name) is not None:
+                check_bits(name, getattr(self, name), 2, 8)
+        if self.bits is None and (self.key_bits is not None or self.value_bits is not None):
+            raise ValueError("key_bits/value_bits need bits (the codes of the kept tokens)")
+        check_int("group", self.group, minimum=1)
+        if self.budget <= self.sinks + self.window:
+            raise ValueError(
+                f"budget={self.budget} must exceed sinks + window = {self.sinks + self.window}"
+            )

@@ -1,0 +1,167 @@
+"""The base scorer: SnapKV's observation-window vote (Li et al., arXiv 2404.14469).
+
+SnapKV observes that the attention the last prompt tokens (the *observation window*) pay to
+the context predicts which context tokens later queries will need. A token's score is the
+attention weight the window's queries give it, softmax-normalized over everything each query
+sees (causal), averaged over the window's queries and, for grouped-query attention, over the
+query heads sharing the KV head; a max (or average) pooling over neighbouring positions then
+keeps small clusters together. Ada-KV (arXiv 2407.11550) uses this score (its "Ada-SnapKV")
+and compares it across heads: each head's weights are a distribution over the same context,
+so they are comparable without further normalization.
+
+velox keeps the last ``observe`` post-RoPE queries a layer attended with (through
+:meth:`VeloxCache.attend`, i.e. routed attention) and their absolute positions, and scores
+the stored body against them when an eviction is due. The softmax runs over every stored
+token (sinks, body, window) a query may see. Deviations: after an earlier eviction the
+context is the tokens still stored; after decode steps the window holds the latest queries
+(decode ones included); pooling joins tokens within ``kernel // 2`` *positions* of each other
+(the kept tokens are no longer contiguous). Before any query is observed (a cache filled by
+hand) tokens are ranked by recency.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+__all__ = ["ObservationWindow", "pool", "protected_keys"]
+
+
+def pool(s: mx.array, pos: mx.array, kernel: int, mode: str) -> mx.array:
+    """Max or average of each score with those within ``kernel // 2`` positions.
+
+    Average pooling divides by ``kernel`` (missing neighbours count as 0, as torch's
+    ``avg_pool1d`` with zero padding); max pooling ignores missing neighbours.
+
+    Shapes:
+        s float32 ``(B, T)``, pos int32 ``(B, T)`` ascending; returns ``(B, T)``.
+    """
+    r, t = kernel // 2, s.shape[-1]
+    fill = -mx.inf if mode == "max" else 0.0
+    acc = s
+    for d in range(1, min(r, t - 1) + 1):
+        near = (pos[..., d:] - pos[..., :-d]) <= r  # pairs (i, i + d)
+        pad = mx.full((*s.shape[:-1], d), fill, dtype=s.dtype)
+        right = mx.concatenate([mx.where(near, s[..., d:], fill), pad], axis=-1)
+        left = mx.concatenate([pad, mx.where(near, s[..., :-d], fill)], axis=-1)
+        acc = mx.maximum(acc, mx.maximum(right, left)) if mode == "max" else acc + right + left
+    return acc if mode == "max" else acc / kernel
+
+
+def protected_keys(cache) -> tuple[mx.array | None, mx.array | None]:
+    """Keys and absolute positions of the sinks and the window (never evicted, but part of
+    every query's softmax).
+
+    velox-core exposes no public view of them; this reads the cache's sink and window stores
+    (kept as given, Identity codec).
+
+    Shapes:
+        returns float32 ``(B, H, P, D)`` and int32 ``(P,)``, or ``(None, None)``.
+    """
+    parts, pos = [], []
+    sink, win = cache._sink[0].view(), cache._win[0].view()
+    if sink is not None:
+        parts.append(sink.data["x"])
+        pos.extend(range(sink.tokens))
+    if win is not None:
+        parts.append(win.data["x"])
+        pos.extend(range(cache.offset - win.tokens, cache.offset))
+    if not parts:
+        return None, None
+    keys = mx.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
+    return keys.astype(mx.float32), mx.array(pos, dtype=mx.int32)
+
+
+class ObservationWindow:
+    """The last ``size`` queries a layer attended with, and the SnapKV vote they cast.
+
+    Args:
+        size: queries kept (the observation window).
+        kernel: pooling width (odd).
+        pooling: ``"max"`` or ``"avg"``.
+    """
+
+    def __init__(self, size: int, kernel: int, pooling: str):
+        self.size, self.kernel, self.pooling = size, kernel, pooling
+        self.q: mx.array | None = None  # (B, Hq, W, D), as the model computes
+        self.pos: list[int] = []  # absolute position of each kept query
+        self.scale = 1.0
+
+    def add(self, queries: mx.array, offset: int, scale: float) -> None:
+        """Record the queries of one attention call (the newest ``L`` tokens, ending at
+        ``offset``); stale queries at or after their positions (a trim) are dropped."""
+        n = queries.shape[2]
+        start = offset - n
+        keep = sum(p < start for p in self.pos)
+        if self.q is not None and (self.q.shape[:2], self.q.shape[3]) != (
+            queries.shape[:2],
+            queries.shape[3],
+        ):
+            keep = 0  # another batch or head layout: start over
+        new = queries[:, :, -self.size :]
+        q = new if keep == 0 else mx.concatenate([self.q[:, :, :keep], new], axis=2)
+        pos = self.pos[:keep] + list(range(offset - new.shape[2], offset))
+        self.q = mx.contiguous(q[:, :, -self.size :])
+        self.pos = pos[-self.size :]
+        self.scale = float(scale)
+
+    def scores(self, cache) -> list[mx.array | None]:
+        """Per KV head, the pooled vote of the window for each body token: ``(B, T_h)``."""
+        keys, positions = cache.body_keys(), cache.body_positions()
+        if self.q is None:
+            return [None if p is None else p.astype(mx.float32) for p in positions]
+        pk, pp = protected_keys(cache)
+        qpos = mx.array(self.pos, dtype=mx.int32)[:, None]  # (W, 1)
+        q = self.q.astype(mx.float32) * self.scale
+        r = q.shape[1] // len(keys)
+        out = []
+        for h, (k, p) in enumerate(zip(keys, positions)):
+            if k is None:
+                out.append(None)
+                continue
+            qh = q[:, h * r : (h + 1) * r]  # (B, R, W, D)
+            logits = qh @ mx.swapaxes(k, -1, -2)  # (B, R, W, T)
+            logits = mx.where(p[:, None, None, :] <= qpos, logits, -mx.inf)
+            every = logits
+            if pk is not None:
+                lp = qh @ mx.swapaxes(pk[:, h : h + 1], -1, -2)  # (B, R, W, P)
+                lp = mx.where(pp[None, :] <= qpos, lp, -mx.inf)
+                every = mx.concatenate([logits, lp], axis=-1)
+            lse = mx.logsumexp(every, axis=-1, keepdims=True)
+            weights = mx.where(mx.isfinite(lse), mx.exp(logits - lse), 0.0)
+            vote = mx.mean(weights, axis=(1, 2))  # window queries and the query group
+            out.append(pool(vote, p, self.kernel, self.pooling))
+        return out
+
+    # -- state ---------------------------------------------------------------------------
+    def state(self) -> dict[str, mx.array]:
+        return {} if self.q is None else {"queries": self.q}
+
+    def meta(self) -> dict[str, Any]:
+        return {"positions": list(self.pos), "scale": self.scale}
+
+    def set_state(self, state: dict[str, mx.array], meta: dict[str, Any]) -> None:
+        extra = sorted(set(state) - {"queries"})
+        if extra:
+            raise ValueError(f"adakv: unexpected observation-window arrays {extra}")
+        self.q = state.get("queries")
+        self.pos = [int(p) for p in meta.get("positions", [])]
+        self.scale = float(meta.get("scale", 1.0))
+        if (self.q is None) != (not self.pos) or (
+            self.q is not None and self.q.shape[2] != len(self.pos)
+        ):
+            raise ValueError("adakv: observation-window queries and positions disagree")
+
+    def take_batch(self, idx: mx.array) -> None:
+        """Keep the queries of the given batch rows (the cache was filtered)."""
+        if self.q is not None:
+            self.q = self.q[idx]
+
+    def join_batch(self, other: ObservationWindow) -> None:
+        """Append another cache's rows; windows of different positions cannot be joined,
+        so both are dropped (scores fall back to recency until new queries arrive)."""
+        if self.q is not None and other.q is not None and self.pos == other.pos:
+            self.q = mx.concatenate([self.q, other.q], axis=0)
+        else:
+            self.q, self.pos = None, []
