@@ -1,0 +1,47 @@
+"""velox-qfilters: Q-Filters, KV eviction by a context-agnostic projection of the keys
+(arXiv 2503.02812)."""
+
+from velox_core import Method, Uniform
+
+from .artifact import (
+    Filters,
+    MissingFiltersError,
+    find_filters,
+    load_filters,
+    resolve_filters,
+    save_filters,
+    search_dirs,
+)
+from .cache import QFiltersCache
+from .config import QFiltersConfig
+from .fingerprint import fingerprint, identity
+from .fit import fit_filters, principal_filters
+from .policy import QFiltersPolicy
+
+__all__ = [
+    "METHOD",
+    "Filters",
+    "MissingFiltersError",
+    "QFiltersCache",
+    "QFiltersConfig",
+    "QFiltersPolicy",
+    "find_filters",
+    "fingerprint",
+    "fit_filters",
+    "identity",
+    "load_filters",
+    "principal_filters",
+    "resolve_filters",
+    "save_filters",
+    "search_dirs",
+]
+
+METHOD = Method(
+    name="qfilters",
+    cache_class=QFiltersCache,
+    summary="evict keys with the smallest projection on a per-head query direction fitted once",
+    paper="https://arxiv.org/abs/2503.02812",
+    codecs=(Uniform,),
+    policies=(QFiltersPolicy,),
+    recommended=({"budget": 1024}, {"budget": 1024, "bits": 4, "group": 32}),
+)

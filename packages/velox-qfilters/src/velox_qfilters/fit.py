@@ -1,0 +1,164 @@
+"""Fitting Q-Filters: the principal direction of each head's post-RoPE queries.
+
+Q-Filters (arXiv 2503.02812, Sec. 4): run the model on calibration text, gather each query
+head's post-RoPE queries, take the first right singular vector ``v`` of the matrix of a random
+sample of them (the authors use 3,000), and orient it so that the majority of the sampled
+queries project positively on it (the authors' ``make_filters.py``: sign +1 when more than
+half of the first left singular vector's entries are positive). The filter of a KV head is the
+mean of the oriented vectors of the query heads that share it (grouped-query attention).
+
+The first right singular vector of ``Q`` is the top eigenvector of ``QᵀQ``; it is computed
+that way here (a ``D x D`` eigenproblem instead of an SVD with a ``samples x samples`` left
+factor): the same vector, a deviation in computation only. Sequences shorter than ``seq_len``
+(the tail of the calibration tokens) are used too; the authors skip short documents.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from velox_core import RetentionPolicy, VeloxCache, make_cache, routed
+from velox_core.validation import check_int
+
+from .artifact import Filters
+from .fingerprint import fingerprint, identity
+
+__all__ = ["fit_filters", "principal_filters"]
+
+
+def principal_filters(queries: mx.array, kv_heads: int) -> mx.array:
+    """Q-Filters of one layer from sampled queries.
+
+    Shapes:
+        queries ``(Hq, S, D)`` (post-RoPE, any float dtype); returns float32 ``(kv_heads, D)``:
+        the oriented first right singular vector of each query head, averaged over the
+        ``Hq // kv_heads`` consecutive query heads of each KV head.
+    """
+    if queries.ndim != 3 or queries.shape[1] < 1:
+        raise ValueError(f"queries must be (Hq, S, D) with S >= 1, got {tuple(queries.shape)}")
+    hq, _, d = queries.shape
+    check_int("kv_heads", kv_heads, minimum=1)
+    if hq % kv_heads:
+        raise ValueError(f"kv_heads={kv_heads} must divide the {hq} query heads")
+    q = queries.astype(mx.float32)
+    gram = mx.swapaxes(q, 1, 2) @ q  # (Hq, D, D)
+    _, vecs = mx.linalg.eigh(gram, stream=mx.cpu)  # eigenvalues ascending
+    v = vecs[:, :, -1]  # (Hq, D)
+    proj = (q @ v[:, :, None])[:, :, 0]  # (Hq, S)
+    sign = mx.where(mx.mean(proj > 0, axis=1) > 0.5, 1.0, -1.0)
+    f = sign[:, None] * v
+    return mx.mean(f.reshape(kv_heads, hq // kv_heads, d), axis=1)
+
+
+class _Recorder(RetentionPolicy):
+    """Keeps the queries of the sampled positions (``want``) seen by one layer's attention."""
+
+    name = "qfilters-recorder"
+
+    def __init__(self, store: dict, layer: int, want: dict):
+        super().__init__()
+        self.store, self.layer, self.want = store, layer, want
+
+    def observe(self, cache, queries: mx.array, scale: float) -> None:
+        n = queries.shape[2]
+        start = cache.offset - n
+        pos = self.want["pos"]
+        sel = pos[(pos >= start) & (pos < start + n)] - start
+        if sel.size:
+            picked = queries[0][:, mx.array(sel)].astype(mx.float32)  # (Hq, s, D)
+            self.store.setdefault(self.layer, {"q": [], "kv": cache._dims[1]})["q"].append(picked)
+
+
+def _token_ids(model: Any, source: Any, text: Any) -> tuple[np.ndarray, str]:
+    if hasattr(source, "encode") and not isinstance(source, (str, bytes)):
+        if text is None:
+            raise TypeError("fit_filters: with a tokenizer, pass the calibration text as text=")
+        docs = [text] if isinstance(text, str) else list(text)
+        if not docs or not all(isinstance(t, str) for t in docs):
+            raise TypeError("fit_filters: text must be a str or a list of str")
+        eos = getattr(source, "eos_token_id", None)
+        ids: list[int] = []
+        for doc in docs:
+            ids.extend(int(t) for t in source.encode(doc))
+            if eos is not None:
+                ids.append(int(eos))
+        return np.asarray(ids, dtype=np.int64), f"{len(docs)} text(s) tokenized by the model"
+    if text is not None:
+        raise TypeError("fit_filters: text= is only for a tokenizer; token ids were given")
+    if isinstance(source, (str, bytes)):
+        raise TypeError("fit_filters: pass a tokenizer (and text=) or token ids, not a string")
+    arr = np.asarray(source)
+    if arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError("fit_filters: token ids must be a non-empty array or list of ints")
+    return arr.reshape(-1).astype(np.int64), "token ids"
+
+
+def fit_filters(
+    model: Any,
+    tokenizer_or_token_ids: Any,
+    text: str | list[str] | None = None,
+    *,
+    max_tokens: int | None = 8192,
+    seq_len: int = 2048,
+    samples: int = 3000,
+    seed: int = 0,
+    chunk: int = 512,
+    source: str | None = None,
+) -> Filters:
+    """Fit the Q-Filters of ``model`` on calibration text.
+
+    Args:
+        model: an mlx-lm model (run as it is: cast it first to fit in another dtype).
+        tokenizer_or_token_ids: the model's tokenizer (then pass ``text``: a str or a list of
+            documents, each followed by the EOS token) or the calibration token ids.
+        max_tokens: calibration tokens used at most (None: all).
+        seq_len: the tokens are cut into sequences of this length, each run from position 0.
+        samples: query positions sampled (uniformly, without replacement) for the SVD.
+        seed: seed of that sample.
+        chunk: prefill chunk length (bounds the attention memory).
+        source: a description of the calibration text, stored in the artifact.
+
+    Returns:
+        :class:`Filters` with one float32 ``(H_kv, D)`` array per attention layer.
+    """
+    ids, how = _token_ids(model, tokenizer_or_token_ids, text)
+    if max_tokens is not None:
+        ids = ids[: check_int("max_tokens", max_tokens, minimum=1)]
+    check_int("seq_len", seq_len, minimum=1)
+    check_int("samples", samples, minimum=1)
+    check_int("seed", seed, minimum=0)
+    check_int("chunk", chunk, minimum=1)
+    rng = np.random.default_rng(seed)
+    pick = np.sort(rng.choice(ids.size, size=min(samples, ids.size), replace=False))
+    store: dict = {}
+    want = {"pos": pick[:0]}
+    for s in range(0, ids.size, seq_len):
+        seq = mx.array(ids[s : s + seq_len])[None]
+        want["pos"] = pick[(pick >= s) & (pick < s + seq_len)] - s
+        caches = make_cache(model, lambda i: VeloxCache(policy=_Recorder(store, i, want)))
+        with routed(model):
+            for c in range(0, seq.shape[1], chunk):
+                model(seq[:, c : c + chunk], cache=caches)
+                mx.eval([q for rec in store.values() for q in rec["q"]])
+    if not store:
+        raise ValueError("fit_filters: no attention layer was observed (no velox-cached layers?)")
+    layers = {
+        i: principal_filters(mx.concatenate(rec["q"], axis=1), rec["kv"])
+        for i, rec in sorted(store.items())
+    }
+    mx.eval(layers)
+    params = tree_flatten(model.parameters())
+    calibration = {
+        "tokens": int(ids.size),
+        "samples": int(pick.size),
+        "seq_len": seq_len,
+        "seed": seed,
+        "input": how,
+        "source": source or "",
+        "dtype": str(params[0][1].dtype) if params else "",
+    }
+    return Filters(layers, fingerprint(model), identity(model), calibration)
