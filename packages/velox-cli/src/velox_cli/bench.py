@@ -63,6 +63,13 @@ def load_model(path: str | None):
     elif not Path(path).exists():
         raise FileNotFoundError(f"--model: no such path {path!r}")
     model, tokenizer = mlx_lm.load(path)
+    artifacts = find_shared("artifacts")  # fitted per-model artifacts (e.g. Q-Filters' filters)
+    if artifacts is not None:
+        import os
+
+        dirs = [d for d in os.environ.get("VELOX_ARTIFACTS", "").split(":") if d]
+        if str(artifacts) not in dirs:
+            os.environ["VELOX_ARTIFACTS"] = ":".join([*dirs, str(artifacts)])
     store = None
     if backend() == "cpu":
         first = next(iter(v for _, v in _params(model)))

@@ -214,7 +214,29 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     return 0
 
 
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
+
+
+def _preload_openblas() -> None:
+    """MLX's Linux CPU wheel bundles a reference BLAS about 35x slower than OpenBLAS; when
+    Debian's OpenBLAS is installed, re-run this command with it preloaded (once; opt out with
+    VELOX_NO_OPENBLAS=1). Nothing happens on macOS or when a GPU backend is installed."""
+    import os
+
+    if (
+        sys.platform != "linux"
+        or os.environ.get("VELOX_NO_OPENBLAS")
+        or "openblas" in os.environ.get("LD_PRELOAD", "")
+        or not os.path.exists(OPENBLAS)
+    ):
+        return
+    env = dict(os.environ, LD_PRELOAD=OPENBLAS, VELOX_NO_OPENBLAS="1")
+    os.execve(sys.executable, [sys.executable, "-m", "velox_cli", *sys.argv[1:]], env)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        _preload_openblas()
     args = _parser().parse_args(argv)
     handler = {
         "bench": cmd_bench,

@@ -2,7 +2,9 @@
 
 A spec is ``name`` or ``name:key=value,...``. Baselines are mlx-lm's own caches: ``fp16`` is
 ``KVCache``, ``mlx-qB`` is ``QuantizedKVCache(group_size=64, bits=B)`` (``group`` may be
-overridden, e.g. ``mlx-q4:group=32``).
+overridden, e.g. ``mlx-q4:group=32``). A composed spec ``A+B`` keeps tokens as method ``A``
+does (its retention policy, sinks and window) and stores them with method ``B``'s codecs, e.g.
+``qfilters:budget=1024+turboquant:bits=3``.
 
 On a CPU the model computes in float32 (MLX's float16 matrix products are slow there) while
 every cache *stores* float16, as it would on a GPU: velox caches through their storage dtype,
@@ -74,8 +76,29 @@ class Spec:
         return self.text
 
 
+def compose(text: str):
+    """The cache of a composed spec ``A+B``: A's policy, sinks and window, B's codecs."""
+    from velox_core import VeloxCache
+
+    a_text, _, b_text = text.partition("+")
+    a, b = make(a_text), make(b_text)
+    if len(b.tiers) != 1:
+        raise ValueError(f"{b_text!r}: only single-tier methods can lend their codecs")
+    t = b.tiers[0]
+    return VeloxCache(
+        key_codec=t.key_codec.fresh(),
+        value_codec=t.value_codec.fresh(),
+        policy=None if a.policy is None else a.policy.fresh(),
+        sinks=a.sinks,
+        window=a.window,
+    )
+
+
 def parse(text: str) -> Spec:
     """Parse and validate a spec: unknown methods and parameters raise ``ValueError``."""
+    if "+" in text:
+        compose(text)
+        return Spec(text, "+".join(parse_spec(t)[0] for t in text.split("+", 1)), {})
     name, params = parse_spec(text)
     if name in BASELINES:
         allowed = {"group"}
@@ -114,6 +137,8 @@ def build_caches(spec: Spec, model: Any, store: mx.Dtype | None) -> list:
         if store is None:
             return make_cache(model, lambda i: QuantizedKVCache(group_size=group, bits=bits))
         return make_cache(model, lambda i: StoredQuantizedKVCache(group, bits, store))
+    if "+" in spec.text:
+        return make_cache(model, lambda i: compose(spec.text), storage_dtype=store)
     return make_cache(model, spec.text, storage_dtype=store)
 
 

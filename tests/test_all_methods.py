@@ -1,0 +1,98 @@
+"""Every installed method through mlx-lm end to end, and the compositions across packages."""
+
+import os
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache
+
+import velox_core
+from velox_core import VeloxCache, load_cache, make_cache, routed, save_cache
+from velox_core.registry import format_spec, methods
+from velox_core.testing import tiny_model, tiny_tokenizer
+
+MODEL = tiny_model("llama", head_dim=128, hidden_size=256)
+SPECS = [format_spec(name, params) for name, m in methods().items() for params in m.recommended]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def qfilters_artifact(tmp_path_factory):
+    """Q-Filters needs filters fitted on the model; fit them once for the tiny model."""
+    fit = pytest.importorskip("velox_qfilters")
+    out = tmp_path_factory.mktemp("artifacts")
+    prompt = mx.random.randint(0, 512, (4, 256), key=mx.random.key(0))
+    filters = fit.fit_filters(MODEL, prompt)
+    fit.save_filters(filters, out / "tiny.safetensors")
+    old = os.environ.get("VELOX_ARTIFACTS")
+    os.environ["VELOX_ARTIFACTS"] = str(out)
+    yield
+    if old is None:
+        os.environ.pop("VELOX_ARTIFACTS", None)
+    else:
+        os.environ["VELOX_ARTIFACTS"] = old
+
+
+def test_every_package_registered():
+    expected = {
+        "uniform",
+        "kivi",
+        "turboquant",
+        "qjl",
+        "skvq",
+        "kvquant",
+        "agetiered",
+        "streamingllm",
+        "snapkv",
+        "qfilters",
+        "nestedkv",
+        "adakv",
+    }
+    assert expected <= set(methods())
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_recommended_settings_generate_save_and_load(spec, tmp_path):
+    caches = make_cache(MODEL, spec)
+    text = velox_core.generate(
+        MODEL, tiny_tokenizer(), "def add(a, b):\n    return", cache=caches, max_tokens=6
+    )
+    assert isinstance(text, str)
+    offsets = {c.offset for c in caches}
+    assert len(offsets) == 1 and offsets.pop() > 6
+    # a longer prefill in chunks, then save, load and compare the next step's logits
+    prompt = mx.random.randint(0, 512, (1, 700), key=mx.random.key(1))
+    caches = make_cache(MODEL, spec)
+    with routed(MODEL):
+        for s in range(0, 700, 256):
+            MODEL(prompt[:, s : s + 256], cache=caches)
+        path = tmp_path / "c.safetensors"
+        save_cache(path, caches)
+        loaded = load_cache(path)
+        a = MODEL(mx.array([[7]]), cache=caches)
+        b = MODEL(mx.array([[7]]), cache=loaded)
+    assert mx.allclose(a, b, atol=1e-3).item()
+    assert all(c.nbytes > 0 for c in caches if isinstance(c, VeloxCache))
+
+
+def test_qfilters_over_turboquant_3bit_is_one_composed_cache():
+    qf = pytest.importorskip("velox_qfilters")
+    tq = pytest.importorskip("velox_turboquant")
+    template = VeloxCache(
+        key_codec=tq.TurboQuant(bits=3),
+        value_codec=tq.TurboQuant(bits=3),
+        policy=qf.QFiltersPolicy(budget=256),
+        window=32,
+    )
+    caches = make_cache(MODEL, template)
+    fp16 = [KVCache() for _ in MODEL.layers]
+    prompt = mx.random.randint(0, 512, (1, 2048), key=mx.random.key(2))
+    with routed(MODEL):
+        for s in range(0, 2048, 512):
+            MODEL(prompt[:, s : s + 512], cache=caches)
+            MODEL(prompt[:, s : s + 512], cache=fp16)
+        MODEL(mx.array([[3]]), cache=caches)
+    assert all(c.size() <= 257 and c.offset == 2049 for c in caches)
+    mx.eval([c.state for c in caches], [c.state for c in fp16])
+    # 1/8 of the tokens at 3 bits: far below 1/7 of the fp16 cache
+    assert sum(c.nbytes for c in caches) < sum(c.nbytes for c in fp16) / 7
+    assert isinstance(caches[0].tiers[0].key_codec, tq.TurboQuant)
