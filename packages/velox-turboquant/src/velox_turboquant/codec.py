@@ -12,7 +12,9 @@ norm over the group's tokens; the choice is stored as a ``d``-bit mask per group
 Attention reads the codes: the query is rotated (and sketched, for ``prod``) once per part, or
 once per group and part when channels are split; scores are its products with codebook levels
 times norms; values are mixed as weighted sums of levels in the rotated domain and rotated
-back once per part and group, never rebuilding the keys or values.
+back once per part and group, never rebuilding the keys or values. On a GPU with kernels
+enabled, integer-width mse segments attend through one fused split-K kernel
+(:meth:`TurboQuant.attend_partial`, :mod:`velox_turboquant.kernels`).
 
 Deviations from the paper: the rotation is a randomized (block-)Hadamard transform instead of
 a dense Haar matrix (a Haar matrix where the Hadamard block would be under 16, e.g. a 40-dim
@@ -228,3 +230,17 @@ class TurboQuant(Codec):
         yp = mx.concatenate(outs, axis=-1)  # (B, H, G, M, D), channels in group order
         inv = mx.argsort(self._mask_order(packed), axis=-1)[:, :, :, None, :]
         return mx.sum(mx.take_along_axis(yp, inv, axis=-1), axis=2)
+
+    def attend_partial(
+        self, q: mx.array, keys: Packed, value_codec: Codec, values: Packed
+    ) -> tuple[mx.array, mx.array, mx.array] | None:
+        """Fused decode attention over this segment's codes (GPU kernel), or None.
+
+        Returns the partial ``(o, m, l)`` of :func:`velox_core.cache.attention.partial`, or
+        None where the kernel does not apply (CPU backend or kernels disabled, fractional
+        widths, the ``prod`` variant, a value codec that is not an integer-width
+        TurboQuant_mse). Shapes: q ``(B, H, M, D)`` float32 with the scale applied.
+        """
+        from .kernels import attend_partial
+
+        return attend_partial(self, q, keys, value_codec, values)

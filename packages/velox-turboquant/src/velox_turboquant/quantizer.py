@@ -11,7 +11,9 @@ i.i.d. Gaussian ``(d, d)`` matrix, plus ``||r||``; its inner-product estimate
 
 Everything here works in the rotated domain: scores come from the rotated query against the
 codebook levels, and :meth:`SphereQuantizer.mix_rotated` returns weighted sums of levels,
-which the caller rotates back once.
+which the caller rotates back once. On a GPU with kernels enabled, TurboQuant_mse codes are
+searched and packed by one kernel (:mod:`velox_turboquant.kernels`, bit for bit the
+reference).
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ from velox_core.ops import (
     unpack,
 )
 
+from .kernels import encode_codes
+
 __all__ = ["MIN_HADAMARD_BLOCK", "Rotation", "SphereQuantizer", "derive_seed"]
+
 
 MIN_HADAMARD_BLOCK = 16  # below this block a block-Hadamard mixes too little: use Haar
 
@@ -108,6 +113,7 @@ class SphereQuantizer:
         self.rotation = Rotation(dim, derive_seed(seed, 0))
         self.codebook = lloyd_max_sphere(self.mse_bits, dim) if self.mse_bits else None
         self.levels = None if self.codebook is None else self.codebook.levels()
+        self.bounds = None if self.codebook is None else mx.array(self.codebook.boundaries)
         self.sketch = jl_matrix(dim, dim, derive_seed(seed, 1)) if variant == "prod" else None
         self.qjl = math.sqrt(math.pi / 2) / dim  # the QJL constant for m = dim sketch rows
 
@@ -116,7 +122,7 @@ class SphereQuantizer:
         out = {f"rot.{k}": a for k, a in self.rotation.arrays().items()}
         if self.codebook is not None:
             out["levels"] = self.levels
-            out["bounds"] = mx.array(self.codebook.boundaries)
+            out["bounds"] = self.bounds
         if self.sketch is not None:
             out["sketch"] = self.sketch
         return out
@@ -127,6 +133,10 @@ class SphereQuantizer:
         norm = mx.sqrt(mx.sum(x * x, axis=-1))
         y = self.rotation.forward(x / mx.maximum(norm, 1e-30)[..., None])
         out = {"norm": norm.astype(norm_dtype)}
+        fused = encode_codes(self, y)  # GPU kernel (mse only), or None
+        if fused is not None:
+            out["codes"] = fused
+            return out
         y_hat = mx.zeros_like(y)
         if self.codebook is not None:
             codes = self.codebook.encode(y)

@@ -8,6 +8,11 @@ tokens are coded ``group`` at a time (``block = group``).
 Attention reads the codes directly: per-token groups go through ``mx.quantized_matmul``
 (whose bit layout is ours for 2-6 and 8 bits) and per-channel groups fold the scales into
 the query (``q . (s * c + z) = (q * s) . c + q . z``).
+
+On a GPU with kernels enabled (:func:`velox_core.kernels.use_kernels`), per-token codes are
+encoded by one fused quantize-and-pack kernel (bit for bit the reference), and decode steps
+attend through the fused split-K kernel of :mod:`velox_core.kernels.decode`
+(:meth:`Uniform.attend_partial`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..kernels import use_kernels
 from ..ops.packing import pack, unpack
 from ..ops.quant import AXES, affine_dequantize, affine_quantize
 from ..validation import check_bits, check_choice, check_float, check_int
@@ -59,6 +65,13 @@ class Uniform(Codec):
             )
 
     def encode(self, x: mx.array, positions: mx.array | None = None) -> Packed:
+        if self.axis == "token" and use_kernels():
+            from ..kernels.encode import affine_encode
+
+            fused = affine_encode(x, self.bits, self.group, self.clip)
+            if fused is not None:
+                codes, scale, zero = fused
+                return Packed({"codes": codes, "scale": scale, "zero": zero}, x.shape[2])
         codes, scale, zero = affine_quantize(x, self.bits, self.group, self.axis, self.clip)
         data = {"codes": pack(codes, self.bits), "scale": scale, "zero": zero}
         per_block = frozenset({"scale", "zero"}) if self.axis == "channel" else frozenset()
@@ -73,7 +86,17 @@ class Uniform(Codec):
         return affine_dequantize(self._codes(packed), p["scale"], p["zero"], self.group, self.axis)
 
     def _mlx_layout(self) -> bool:
-        return self.axis == "token" and self.bits in _MLX_BITS and self.group in _MLX_GROUPS
+        # MLX 0.32.4's CUDA backend has no quantized_matmul for some shapes (seen on an H200:
+        # "No implementation for problem shape: 4x4965x128x16"); there the decoded path is
+        # the reference, and decode steps use the fused kernel anyway
+        from ..kernels import backend
+
+        return (
+            self.axis == "token"
+            and self.bits in _MLX_BITS
+            and self.group in _MLX_GROUPS
+            and backend() != "cuda"
+        )
 
     def scores(self, q: mx.array, packed: Packed) -> mx.array:
         p = packed.data
@@ -122,6 +145,34 @@ class Uniform(Codec):
         z = p["zero"].astype(mx.float32)[:, :, :, None, :]
         out = (wg @ c) * s + mx.sum(wg, axis=-1, keepdims=True) * z  # (B, H, T/g, M, D)
         return mx.sum(out, axis=2)
+
+    def attend_partial(
+        self, q: mx.array, keys: Packed, value_codec: Codec, values: Packed
+    ) -> tuple[mx.array, mx.array, mx.array] | None:
+        """Fused decode attention over this segment's codes (GPU kernel), or None.
+
+        Returns the partial ``(o, m, l)`` of :func:`velox_core.cache.attention.partial`
+        computed in one pass over the key and value codes, or None when the kernel does not
+        apply: kernels disabled or the CPU backend, a value codec that is not a per-token
+        ``Uniform``, per-channel groups, or a shape the kernel does not lay out
+        (:func:`velox_core.kernels.decode.plan`).
+
+        Shapes:
+            q ``(B, H, M, D)`` float32 with the scale applied; returns ``(B, H, M, D)``,
+            ``(B, H, M, 1)``, ``(B, H, M, 1)`` float32.
+        """
+        if not use_kernels() or not isinstance(value_codec, Uniform):
+            return None
+        if self.axis != "token" or value_codec.axis != "token":
+            return None
+        from ..kernels.decode import AFFINE, Codes, decode_attention
+
+        k, v = keys.data, values.data
+        return decode_attention(
+            q,
+            Codes(AFFINE, self.bits, self.group, k["codes"], k["scale"], k["zero"]),
+            Codes(AFFINE, value_codec.bits, value_codec.group, v["codes"], v["scale"], v["zero"]),
+        )
 
 
 def _divisors(n: int) -> str:

@@ -5,6 +5,17 @@ it. :func:`use_kernels` says whether to take the kernel path now: kernels are en
 (``VELOX_KERNELS`` is not ``0``) and the default device is a GPU whose backend has a build of
 the kernel (``mx.fast.metal_kernel`` on Apple GPUs, ``mx.fast.cuda_kernel`` on NVIDIA).
 Sources live in the repository's ``metal/`` folder and ship inside the wheels that use them.
+
+Submodules (imported on use, never by this package):
+
+* :mod:`velox_core.kernels.build`: one kernel body instantiated for Metal or CUDA
+  (``KernelSpec``), and the full sources MLX generates around it, for compile checks;
+* :mod:`velox_core.kernels.decode`: fused split-K decode attention over packed codes;
+* :mod:`velox_core.kernels.encode`: fused quantize-and-pack (affine and codebook codes);
+* :mod:`velox_core.kernels.emulate`: the Metal instantiation run on the CPU through the C++
+  shim in ``metal/shim`` (a test aid).
+
+See docs/performance.md.
 """
 
 from __future__ import annotations

@@ -1,0 +1,814 @@
+"""GPU benchmark of velox's kernels: correctness first, then decode-attention speed.
+
+Run from the repository root on the GPU machine::
+
+    python3 benchmarks/gpu_attention.py            # the full run (about 3-5 minutes on an H200)
+    python3 benchmarks/gpu_attention.py --quick    # tiny shapes: a smoke test, any device
+
+Sections (each guarded: a failure is printed with its traceback and the run goes on):
+
+  a. checks: every kernel against the reference MLX path (``VELOX_KERNELS=0``): fused decode
+     attention for Uniform 2/3/4/8 bits and TurboQuant 2/3/4 bits at several shapes (B=2,
+     odd T, T not a multiple of the split, grouped-query blocks, bf16 scales, a cache buffer
+     slice), the encode kernels bit for bit; PASS/FAIL with the max errors.
+  b. decode attention, 32 query heads / 8 KV heads / head dim 128 / fp16, contexts 4k-128k,
+     batch 1 and 8: fp16 ``mx.fast.scaled_dot_product_attention``, mlx-lm's quantized SDPA
+     (``mx.quantize``, group 64) at 2/4/8 bits, velox Uniform 2/4/8 bits and TurboQuant 3/4
+     bits through their fused kernels; ms per step (median of repeats, every output
+     evaluated), GB/s on the bytes read (codes + scales + query), ratios; a device copy for the
+     achievable bandwidth; a small sweep of the kernel's launch settings; encode cost.
+  c. end to end: decode tokens/s of the reference model (shared/reference-model) at a 32k
+     context, fp16 KVCache vs mlx-lm QuantizedKVCache 4-bit vs velox UniformCache 4-bit.
+  d. JSON to $OUT/gpu_attention.json (./out/ without $OUT) and a compact table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import mlx.core as mx
+
+T_START = time.perf_counter()
+BUDGET_S = 330.0  # leave the rest of the lead's 6 minutes for compiles and slack
+
+RESULTS: dict = {
+    "checks": [],
+    "bandwidth": {},
+    "attention": [],
+    "tuning": [],
+    "encode": [],
+    "e2e": [],
+    "skipped": [],
+    "errors": [],
+}
+
+
+def elapsed() -> float:
+    return time.perf_counter() - T_START
+
+
+def over_budget(section: str) -> bool:
+    if elapsed() > BUDGET_S:
+        RESULTS["skipped"].append(f"{section} (time budget)")
+        print(f"  [skip] {section}: {elapsed():.0f}s elapsed, over the {BUDGET_S:.0f}s budget")
+        return True
+    return False
+
+
+def guarded(name: str):
+    """Run a section; print any exception with its traceback and carry on."""
+
+    def deco(fn):
+        def run(*a, **k):
+            try:
+                return fn(*a, **k)
+            except Exception as exc:
+                tb = traceback.format_exc()
+                print(f"  [error] {name}: {type(exc).__name__}: {exc}\n{tb}")
+                RESULTS["errors"].append({"section": name, "error": repr(exc), "traceback": tb})
+                return None
+
+        return run
+
+    return deco
+
+
+@contextlib.contextmanager
+def kernels(enabled: bool):
+    """VELOX_KERNELS for the block (read at call time by velox_core.kernels)."""
+    old = os.environ.get("VELOX_KERNELS")
+    os.environ["VELOX_KERNELS"] = "1" if enabled else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("VELOX_KERNELS", None)
+        else:
+            os.environ["VELOX_KERNELS"] = old
+
+
+@contextlib.contextmanager
+def env(**values):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update({k: str(v) for k, v in values.items()})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def timeit(fn, warmup: int, reps: int, inner: int) -> float:
+    """Median seconds per call: ``inner`` calls per repeat, all outputs evaluated together."""
+    for _ in range(warmup):
+        mx.eval(fn())
+    mx.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        outs = [fn() for _ in range(inner)]
+        mx.eval(outs)
+        mx.synchronize()
+        times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times)
+
+
+def nbytes(*arrays) -> int:
+    return sum(a.nbytes for a in arrays)
+
+
+# =============================================================================================
+# a. correctness against the reference MLX path
+# =============================================================================================
+
+
+def record_check(name: str, ok: bool, **errs) -> None:
+    status = "PASS" if ok else "FAIL"
+    detail = " ".join(
+        f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in errs.items()
+    )
+    print(f"  {status}  {name:44s} {detail}")
+    RESULTS["checks"].append({"name": name, "status": status, **errs})
+
+
+def check_guard(name: str, fn) -> None:
+    from velox_core.kernels import backend, use_kernels
+
+    with kernels(True):
+        active = use_kernels()
+    if not active:  # both arms would run the reference: the check would prove nothing
+        record_check(name, False, error=f"kernels not active on backend {backend()!r}")
+        return
+    try:
+        fn()
+    except Exception as exc:
+        tb = traceback.format_exc()
+        print(f"  FAIL  {name:44s} {type(exc).__name__}: {exc}\n{tb}")
+        RESULTS["checks"].append(
+            {"name": name, "status": "FAIL", "error": repr(exc), "traceback": tb}
+        )
+
+
+def partial_errors(got, ref) -> dict:
+    o, m, l = (x.astype(mx.float32) for x in got)
+    ro, rm, rl = (x.astype(mx.float32) for x in ref)
+    out, rout = o / l, ro / rl
+    scale = max(1.0, mx.max(mx.abs(rm)).item())
+    return {
+        "out_rel": (mx.max(mx.abs(out - rout)) / mx.max(mx.abs(rout))).item(),
+        "m_abs": (mx.max(mx.abs(m - rm)) / scale).item(),
+        "l_rel": (mx.max(mx.abs(l - rl)) / mx.max(mx.abs(rl))).item(),
+        "o_rel": (mx.max(mx.abs(o * (rl / l) - ro)) / mx.max(mx.abs(ro))).item(),
+    }
+
+
+def dense_partial(q, kc, kp, vc, vp):
+    """The reference partial from decoded float32 keys and values (plain MLX matmuls)."""
+    k, v = kc.decode(kp), vc.decode(vp)
+    s = q @ mx.swapaxes(k, -1, -2)
+    m = mx.max(s, axis=-1, keepdims=True)
+    p = mx.exp(s - m)
+    return p @ v, m, mx.sum(p, axis=-1, keepdims=True)
+
+
+def decode_check(name, codec_k, codec_v, b, h, t, m, dtype=mx.float16, seed=0, tol=1e-3):
+    def run():
+        k1, k2, k3 = mx.random.split(mx.random.key(seed), 3)
+        k = mx.random.normal((b, h, t, 128), key=k1).astype(dtype)
+        v = mx.random.normal((b, h, t, 128), key=k2).astype(dtype)
+        q = mx.random.normal((b, h, m, 128), key=k3) * 0.3
+        with kernels(False):
+            for c in (codec_k, codec_v):
+                c.check(128, dtype)
+            kp, vp = codec_k.encode(k), codec_v.encode(v)
+            ref = dense_partial(q, codec_k, kp, codec_v, vp)
+            mx.eval(ref)
+        with kernels(True):
+            got = codec_k.attend_partial(q, kp, codec_v, vp)
+        if got is None:
+            record_check(name, False, error="kernel declined (attend_partial returned None)")
+            return
+        mx.eval(got)
+        errs = partial_errors(got, ref)
+        ok = all(math.isfinite(v) for v in errs.values()) and all(v <= tol for v in errs.values())
+        record_check(name, ok, **errs)
+
+    check_guard(name, run)
+
+
+def cache_check(name, make, t=5000, steps=3, tol=2e-3):
+    """A cache filled chunk by chunk (its coded segment is a slice of a larger buffer),
+    attended at decode steps with and without kernels."""
+
+    def run():
+        k1, k2 = mx.random.split(mx.random.key(7), 2)
+        k = mx.random.normal((2, 8, t + steps, 128), key=k1).astype(mx.float16)
+        v = mx.random.normal((2, 8, t + steps, 128), key=k2).astype(mx.float16)
+        with kernels(True):
+            cache = make()
+            for i in range(0, t, 1024):
+                cache.update_and_fetch(k[:, :, i : min(t, i + 1024)], v[:, :, i : min(t, i + 1024)])
+        worst = 0.0
+        for s in range(steps):
+            with kernels(True):
+                cache.update_and_fetch(k[:, :, t + s : t + s + 1], v[:, :, t + s : t + s + 1])
+            q = mx.random.normal((2, 32, 1, 128), key=mx.random.key(1000 + s)).astype(mx.float16)
+            with kernels(True):
+                got = cache.attend(q, 1 / math.sqrt(128)).astype(mx.float32)
+            with kernels(False):
+                ref = cache.attend(q, 1 / math.sqrt(128)).astype(mx.float32)
+            worst = max(worst, (mx.max(mx.abs(got - ref)) / mx.max(mx.abs(ref))).item())
+        record_check(name, worst <= tol and math.isfinite(worst), out_rel=worst)
+
+    check_guard(name, run)
+
+
+def encode_check(name, codec, dtype=mx.float16, rows=(2, 8, 777)):
+    """Codes (and scales/zeros or norms) of the fused encode against the reference."""
+
+    def run():
+        x = mx.random.normal((*rows, 128), key=mx.random.key(3)) * 3.0
+        x = mx.where(mx.arange(128) % 13 == 0, x * 10.0, x).astype(dtype)
+        codec.check(128, dtype)
+        with kernels(False):
+            ref = codec.encode(x)
+            mx.eval(ref.data)
+        with kernels(True):
+            got = codec.encode(x)
+            mx.eval(got.data)
+        errs, ok = {}, True
+        for key, r in ref.data.items():
+            g = got.data[key]
+            if g.shape != r.shape or g.dtype != r.dtype:
+                ok = False
+                errs[key] = f"shape/dtype {g.shape} {g.dtype} vs {r.shape} {r.dtype}"
+                continue
+            diff = mx.sum(g != r).item()
+            errs[f"{key}_mismatch"] = int(diff)
+            ok = ok and diff == 0
+        record_check(name, ok, **errs)
+
+    check_guard(name, run)
+
+
+def codebook_check(name, bits, rows=(2, 8, 777)):
+    """TurboQuant_mse's fused search-and-pack against Codebook.encode + pack, on the same
+    rotated vectors (the rotation is an MLX op either way)."""
+    from velox_core.ops import pack
+    from velox_turboquant import TurboQuant
+    from velox_turboquant.kernels import encode_codes
+
+    def run():
+        codec = TurboQuant(bits)
+        codec.check(128, mx.float16)
+        quant = codec.parts[0][1]
+        x = mx.random.normal((*rows, 128), key=mx.random.key(bits))
+        y = quant.rotation.forward(x / mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True)))
+        mx.eval(y)
+        with kernels(True):
+            got = encode_codes(quant, y)
+        if got is None:
+            record_check(name, False, error="kernel declined (encode_codes returned None)")
+            return
+        ref = pack(quant.codebook.encode(y), bits)
+        diff = mx.sum(got != ref).item() if got.shape == ref.shape else -1
+        record_check(name, diff == 0, codes_mismatch=int(diff))
+
+    check_guard(name, run)
+
+
+@guarded("checks")
+def section_checks(quick: bool) -> None:
+    from velox_core import Uniform, UniformCache
+    from velox_turboquant import TurboQuant, TurboQuantCache
+
+    print("\n== a. kernels against the reference MLX path ==")
+    t_big = 2000 if quick else 40_961
+    for bits in (2, 4, 8):
+        decode_check(
+            f"uniform{bits} decode B1 H8 M4 T{t_big}",
+            Uniform(bits),
+            Uniform(bits),
+            1,
+            8,
+            t_big,
+            4,
+            seed=bits,
+        )
+        decode_check(
+            f"uniform{bits} decode B2 H8 M4 T1023 (odd)",
+            Uniform(bits),
+            Uniform(bits),
+            2,
+            8,
+            1023,
+            4,
+            seed=10 + bits,
+        )
+    decode_check(
+        "uniform3 decode B2 H4 M4 T777 (2 row blocks)", Uniform(3, 32), Uniform(3, 32), 2, 4, 777, 4
+    )
+    decode_check("uniform4 decode B1 H2 M1 T333 (MHA)", Uniform(4), Uniform(4), 1, 2, 333, 1)
+    decode_check("uniform4 decode B2 H8 M8 T5000 (GQA 8)", Uniform(4), Uniform(4), 2, 8, 5000, 8)
+    decode_check(
+        "uniform4/2 decode M6 g32 (K4 V2 bits)", Uniform(4, 32), Uniform(2, 32), 1, 4, 3001, 6
+    )
+    decode_check(
+        "uniform4 decode bf16 scales T4097",
+        Uniform(4),
+        Uniform(4),
+        2,
+        8,
+        4097,
+        4,
+        dtype=mx.bfloat16,
+    )
+    for bits in (2, 3, 4):
+        decode_check(
+            f"turboquant{bits} decode B2 H8 M4 T{t_big // 2 + 1}",
+            TurboQuant(bits),
+            TurboQuant(bits, seed=1),
+            2,
+            8,
+            t_big // 2 + 1,
+            4,
+            seed=20 + bits,
+        )
+    decode_check(
+        "turboquant4 decode B1 H8 M1 T999", TurboQuant(4), TurboQuant(4, seed=1), 1, 8, 999, 1
+    )
+    cache_check(
+        "UniformCache 4-bit window+sinks (buffer slice)",
+        lambda: UniformCache(bits=4, window=32, sinks=4),
+        t=1200 if quick else 5000,
+    )
+    cache_check(
+        "TurboQuantCache 3-bit (buffer slice)",
+        lambda: TurboQuantCache(bits=3, window=16),
+        t=1200 if quick else 5000,
+    )
+    for bits in (2, 3, 4, 5, 8):
+        encode_check(f"uniform{bits} encode fp16 (bit exact)", Uniform(bits))
+    encode_check("uniform4 encode bf16 clip 0.9 (bit exact)", Uniform(4, clip=0.9), mx.bfloat16)
+    encode_check("uniform8 encode fp32 g32 (bit exact)", Uniform(8, 32), mx.float32)
+    for bits in (2, 3, 4):
+        codebook_check(f"turboquant{bits} encode (bit exact)", bits)
+
+
+# =============================================================================================
+# b. decode attention speed
+# =============================================================================================
+
+
+@guarded("bandwidth")
+def section_bandwidth(quick: bool) -> None:
+    print("\n== b0. device bandwidth ==")
+    n = (1 << 22) if quick else (1 << 29)  # 2 GiB of float32 on the GPU
+    x = mx.random.uniform(shape=(n,))
+    mx.eval(x)
+    copy = timeit(lambda: x * 1.0, 2, 5, 1 if not quick else 2)
+    read = timeit(lambda: mx.sum(x), 2, 5, 1 if not quick else 2)
+    gb = x.nbytes / 1e9
+    RESULTS["bandwidth"] = {
+        "copy_GBps": 2 * gb / copy,  # read + write
+        "read_GBps": gb / read,
+        "bytes": x.nbytes,
+    }
+    print(f"  copy {2 * gb / copy:8.0f} GB/s (read+write)   read (sum) {gb / read:8.0f} GB/s")
+    mx.clear_cache()
+
+
+def make_methods(b: int, t: int, seed: int, bits_mlx, bits_uniform, bits_tq):
+    """Per-method (name, bits, call, bytes_read) closures over one shape's K/V."""
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+    from velox_core import Uniform
+    from velox_turboquant import TurboQuant
+
+    hq, hk, d = 32, 8, 128
+    scale = 1 / math.sqrt(d)
+    k1, k2, k3 = mx.random.split(mx.random.key(seed), 3)
+    k = mx.random.normal((b, hk, t, d), key=k1).astype(mx.float16)
+    v = mx.random.normal((b, hk, t, d), key=k2).astype(mx.float16)
+    q = mx.random.normal((b, hq, 1, d), key=k3).astype(mx.float16)
+    mx.eval(k, v, q)
+    methods = []
+    qbytes = q.nbytes
+    methods.append(
+        (
+            "fp16 sdpa",
+            16,
+            lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale),
+            nbytes(k, v) + qbytes,
+        )
+    )
+    for bits in bits_mlx:
+        qk = mx.quantize(k, group_size=64, bits=bits)
+        qv = mx.quantize(v, group_size=64, bits=bits)
+        mx.eval(qk, qv)
+        qm = mx.array(q)
+
+        def call(qk=qk, qv=qv, bits=bits, qm=qm):
+            return quantized_scaled_dot_product_attention(
+                qm, qk, qv, scale=scale, mask=None, group_size=64, bits=bits
+            )
+
+        methods.append((f"mlx-lm q{bits}", bits, call, nbytes(*qk, *qv) + qbytes))
+
+    def grouped():
+        return (q.astype(mx.float32) * scale).reshape(b, hk, hq // hk, d)
+
+    for bits in bits_uniform:
+        codec = Uniform(bits)
+        kp, vp = codec.encode(k), codec.encode(v)
+        mx.eval(kp.data, vp.data)
+
+        def call(codec=codec, kp=kp, vp=vp):
+            out = codec.attend_partial(grouped(), kp, codec, vp)
+            if out is None:
+                raise RuntimeError("kernel declined")
+            o, _, l = out
+            return (o / l).reshape(b, hq, 1, d).astype(mx.float16)
+
+        methods.append((f"velox uniform{bits}", bits, call, kp.nbytes + vp.nbytes + qbytes))
+    for bits in bits_tq:
+        kc, vc = TurboQuant(bits), TurboQuant(bits, seed=1)
+        kc.check(d, mx.float16)
+        vc.check(d, mx.float16)
+        kp, vp = kc.encode(k), vc.encode(v)
+        mx.eval(kp.data, vp.data)
+
+        def call(kc=kc, vc=vc, kp=kp, vp=vp):
+            out = kc.attend_partial(grouped(), kp, vc, vp)
+            if out is None:
+                raise RuntimeError("kernel declined")
+            o, _, l = out
+            return (o / l).reshape(b, hq, 1, d).astype(mx.float16)
+
+        methods.append((f"velox turboquant{bits}", bits, call, kp.nbytes + vp.nbytes + qbytes))
+    return methods
+
+
+@guarded("attention")
+def section_attention(quick: bool) -> None:
+    print("\n== b. decode attention: 32 q heads / 8 KV heads / d 128 / fp16 ==")
+    contexts = (512, 2048) if quick else (4096, 16384, 65536, 131072)
+    batches = (1, 2) if quick else (1, 8)
+    copy_bw = RESULTS["bandwidth"].get("copy_GBps")
+    for b in batches:
+        for t in contexts:
+            if over_budget(f"attention B{b} T{t}"):
+                return
+            rows = attention_shape(b, t, quick)
+            ref = {r["method"]: r for r in rows if "ms" in r}
+            fp16 = ref.get("fp16 sdpa")
+            for r in rows:
+                if "ms" not in r:
+                    continue
+                if fp16:
+                    r["speedup_vs_fp16"] = fp16["ms"] / r["ms"]
+                mlx = ref.get(f"mlx-lm q{r['bits']}")
+                if mlx and r["method"].startswith("velox"):
+                    r["speedup_vs_mlx_lm"] = mlx["ms"] / r["ms"]
+                if copy_bw:
+                    r["pct_copy_bw"] = 100.0 * r["GBps"] / copy_bw
+            for r in rows:
+                RESULTS["attention"].append(r)
+                if "ms" in r:
+                    extra = ""
+                    if "speedup_vs_fp16" in r:
+                        extra += f"  x{r['speedup_vs_fp16']:.2f} vs fp16"
+                    if "speedup_vs_mlx_lm" in r:
+                        extra += f"  x{r['speedup_vs_mlx_lm']:.1f} vs mlx-lm"
+                    print(
+                        f"  B{b} T{t:6d} {r['method']:20s} {r['ms']:8.3f} ms "
+                        f"{r['GBps']:7.0f} GB/s{extra}"
+                    )
+                else:
+                    print(f"  B{b} T{t:6d} {r['method']:20s} error: {r.get('error')}")
+            mx.clear_cache()
+
+
+def attention_shape(b: int, t: int, quick: bool) -> list[dict]:
+    reps, inner = (3, 2) if quick else ((9, 10) if t <= 16384 else (7, 5))
+    methods = make_methods(
+        b, t, seed=t + b, bits_mlx=(2, 4, 8), bits_uniform=(2, 4, 8), bits_tq=(3, 4)
+    )
+    rows = []
+    for name, bits, call, nb in methods:
+        row = {"context": t, "batch": b, "method": name, "bits": bits, "bytes_read": nb}
+        try:
+            s = timeit(call, 3, reps, inner)
+            row.update(ms=s * 1e3, GBps=nb / s / 1e9)
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"
+        rows.append(row)
+    del methods
+    return rows
+
+
+@guarded("tuning")
+def section_tuning(quick: bool) -> None:
+    """The kernel's launch settings at the longest context (to pick defaults on this GPU)."""
+    print("\n== b2. decode kernel launch settings (B1, longest context) ==")
+    t = 2048 if quick else 131072
+    variants = [
+        (4, 4, 1024),
+        (4, 2, 1024),
+        (4, 8, 1024),
+        (2, 4, 1024),
+        (8, 4, 1024),
+        (4, 4, 512),
+        (4, 4, 2048),
+        (4, 4, 4096),
+    ]
+    if quick:
+        variants = variants[:2]
+    for bits in (4, 2):
+        if over_budget("tuning"):
+            return
+        methods = make_methods(1, t, seed=99, bits_mlx=(), bits_uniform=(bits,), bits_tq=())
+        name, _, call, nb = methods[-1]
+        for warps, unroll, blocks in variants:
+            with env(
+                VELOX_DECODE_WARPS=warps, VELOX_DECODE_UNROLL=unroll, VELOX_DECODE_BLOCKS=blocks
+            ):
+                try:
+                    s = timeit(call, 2, 5, 5 if not quick else 1)
+                    row = {
+                        "method": name,
+                        "context": t,
+                        "warps": warps,
+                        "unroll": unroll,
+                        "blocks": blocks,
+                        "ms": s * 1e3,
+                        "GBps": nb / s / 1e9,
+                    }
+                    print(
+                        f"  {name:16s} warps={warps} unroll={unroll} blocks={blocks:5d} "
+                        f"{s * 1e3:7.3f} ms {nb / s / 1e9:7.0f} GB/s"
+                    )
+                except Exception as exc:
+                    row = {
+                        "method": name,
+                        "warps": warps,
+                        "unroll": unroll,
+                        "blocks": blocks,
+                        "error": f"{type(exc).__name__}: {exc}",
+                    }
+                    print(f"  {name} warps={warps} unroll={unroll} blocks={blocks}: {row['error']}")
+            RESULTS["tuning"].append(row)
+        del methods
+        mx.clear_cache()
+
+
+@guarded("encode")
+def section_encode(quick: bool) -> None:
+    """Encode cost: one decode step's new token (K and V, all heads, one layer), and bulk."""
+    from velox_core import Uniform
+    from velox_turboquant import TurboQuant
+
+    print("\n== b3. encode kernels ==")
+    step_ms = {
+        (r["method"], r["context"]): r["ms"]
+        for r in RESULTS["attention"]
+        if "ms" in r and r["batch"] == 1
+    }
+    for label, make in (
+        ("uniform4", lambda: (Uniform(4), Uniform(4))),
+        ("turboquant4", lambda: (TurboQuant(4), TurboQuant(4, seed=1))),
+    ):
+        kc, vc = make()
+        for c in (kc, vc):
+            c.check(128, mx.float16)
+        for b, n in ((1, 1), (8, 1), (1, 512 if quick else 16384)):
+            x = mx.random.normal((b, 8, n, 128)).astype(mx.float16)
+            mx.eval(x)
+            with kernels(True):
+                s = timeit(
+                    lambda x=x, kc=kc, vc=vc: (kc.encode(x).data, vc.encode(x).data), 3, 7, 5
+                )
+            with kernels(False):
+                s_ref = timeit(
+                    lambda x=x, kc=kc, vc=vc: (kc.encode(x).data, vc.encode(x).data), 2, 5, 3
+                )
+            row = {
+                "method": label,
+                "batch": b,
+                "tokens": n,
+                "ms": s * 1e3,
+                "us_per_token": s * 1e6 / (b * n),
+                "reference_ms": s_ref * 1e3,
+            }
+            for t in (4096, 131072):
+                ms = step_ms.get((f"velox {label}", t))
+                if ms and n == 1 and b == 1:
+                    row[f"vs_decode_step_T{t}"] = s * 1e3 / ms
+            RESULTS["encode"].append(row)
+            print(
+                f"  {label:12s} B{b} {n:6d} tokens  kernel {s * 1e3:8.3f} ms "
+                f"({s * 1e6 / (b * n):8.3f} us/token)  reference {s_ref * 1e3:8.3f} ms"
+            )
+
+
+# =============================================================================================
+# c. end to end
+# =============================================================================================
+
+
+@guarded("e2e")
+def section_e2e(quick: bool) -> None:
+    import mlx_lm
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    import velox_core
+    from velox_core import UniformCache
+
+    print("\n== c. end to end: reference model decode ==")
+    if over_budget("e2e"):
+        return
+    try:
+        model, _ = mlx_lm.load("shared/reference-model")
+    except Exception as exc:  # e.g. no tokenizer backend: the weights suffice
+        from mlx_lm.utils import load_model
+
+        print(f"  mlx_lm.load failed ({type(exc).__name__}: {exc}); loading the weights only")
+        model, _ = load_model(Path("shared/reference-model"))
+    ctx = 1024 if quick else 32768
+    steps = 8 if quick else 64
+    chunk = 512 if quick else 2048
+    prompt = mx.random.randint(1, 8000, (1, ctx), key=mx.random.key(0))
+
+    def fp16():
+        return velox_core.make_cache(model, default="fp16")
+
+    def mlx_q4():
+        return [QuantizedKVCache(group_size=64, bits=4) for _ in model.layers]
+
+    def velox_u4():
+        return velox_core.make_cache(model, default=UniformCache(bits=4))
+
+    for name, make in (
+        ("fp16 KVCache", fp16),
+        ("velox UniformCache 4-bit", velox_u4),
+        ("mlx-lm QuantizedKVCache q4", mlx_q4),
+    ):
+        if over_budget(f"e2e {name}"):
+            return
+        try:
+            cache = make()
+            with velox_core.routed(model):
+                t0 = time.perf_counter()
+                for i in range(0, ctx, chunk):
+                    logits = model(prompt[:, i : i + chunk], cache=cache)
+                    mx.eval(logits)
+                fill = time.perf_counter() - t0
+                tok = mx.argmax(logits[:, -1], axis=-1)[:, None]
+                for _ in range(3):  # warm-up steps
+                    tok = mx.argmax(model(tok, cache=cache)[:, -1], axis=-1)[:, None]
+                    mx.eval(tok)
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    tok = mx.argmax(model(tok, cache=cache)[:, -1], axis=-1)[:, None]
+                    mx.eval(tok)
+                dt = time.perf_counter() - t0
+            nb = sum(getattr(c, "nbytes", 0) for c in cache)
+            row = {
+                "cache": name,
+                "context": ctx,
+                "steps": steps,
+                "tokens_per_s": steps / dt,
+                "ms_per_token": dt * 1e3 / steps,
+                "prefill_s": fill,
+                "cache_bytes": nb,
+            }
+            print(
+                f"  {name:28s} {steps / dt:8.1f} tok/s  ({dt * 1e3 / steps:.2f} ms/token, "
+                f"prefill {fill:.1f}s, cache {nb / 2**20:.0f} MiB)"
+            )
+        except Exception as exc:
+            row = {
+                "cache": name,
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(),
+            }
+            print(f"  {name}: {row['error']}\n{row['traceback']}")
+        RESULTS["e2e"].append(row)
+        del cache
+        mx.clear_cache()
+
+
+# =============================================================================================
+# d. output
+# =============================================================================================
+
+
+def device_info() -> dict:
+    info = {
+        "mlx": mx.__version__,
+        "python": platform.python_version(),
+        "device": str(mx.default_device()),
+    }
+    try:
+        from velox_core.kernels import backend
+
+        info["kernel_backend"] = backend()
+    except Exception as exc:
+        info["kernel_backend"] = repr(exc)
+    try:
+        info.update({k: str(v) for k, v in mx.device_info().items()})
+    except Exception:
+        pass
+    return info
+
+
+def write_json() -> Path:
+    out = Path(os.environ.get("OUT") or "out")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "gpu_attention.json"
+    RESULTS["elapsed_s"] = elapsed()
+    path.write_text(json.dumps(RESULTS, indent=1, default=str))
+    return path
+
+
+def print_table() -> None:
+    print("\n== summary ==")
+    checks = RESULTS["checks"]
+    failed = [c["name"] for c in checks if c["status"] != "PASS"]
+    print(
+        f"checks: {len(checks) - len(failed)}/{len(checks)} PASS"
+        + (f"; FAIL: {failed}" if failed else "")
+    )
+    bw = RESULTS["bandwidth"]
+    if bw:
+        print(f"copy bandwidth {bw['copy_GBps']:.0f} GB/s, read {bw['read_GBps']:.0f} GB/s")
+    cols = ("ms", "GB/s", "%copy", "xfp16", "xmlx")
+    print(
+        f"{'B':>2} {'ctx':>7} {'method':20s} {cols[0]:>8} " + " ".join(f"{c:>6}" for c in cols[1:])
+    )
+    for r in RESULTS["attention"]:
+        if "ms" not in r:
+            print(f"{r['batch']:>2} {r['context']:>7} {r['method']:20s} error")
+            continue
+        pct = f"{r['pct_copy_bw']:.0f}" if "pct_copy_bw" in r else "-"
+        xf = f"{r['speedup_vs_fp16']:.2f}" if "speedup_vs_fp16" in r else "-"
+        xm = f"{r['speedup_vs_mlx_lm']:.1f}" if "speedup_vs_mlx_lm" in r else "-"
+        print(
+            f"{r['batch']:>2} {r['context']:>7} {r['method']:20s} {r['ms']:8.3f} "
+            f"{r['GBps']:6.0f} {pct:>6} {xf:>6} {xm:>6}"
+        )
+    for r in RESULTS["e2e"]:
+        if "tokens_per_s" in r:
+            print(f"e2e {r['cache']:28s} {r['tokens_per_s']:8.1f} tok/s at {r['context']} tokens")
+    if RESULTS["errors"]:
+        print(f"section errors: {[e['section'] for e in RESULTS['errors']]}")
+    print(f"elapsed {elapsed():.0f}s")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
+    parser.add_argument(
+        "--skip",
+        default="",
+        help="comma-separated sections to skip: checks,bandwidth,attention,tuning,encode,e2e",
+    )
+    args = parser.parse_args()
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    RESULTS["device"] = device_info()
+    print(f"velox gpu_attention: {RESULTS['device']}")
+    sections = (
+        ("checks", section_checks),
+        ("bandwidth", section_bandwidth),
+        ("attention", section_attention),
+        ("tuning", section_tuning),
+        ("encode", section_encode),
+        ("e2e", section_e2e),
+    )
+    for name, fn in sections:
+        if name in skip:
+            RESULTS["skipped"].append(f"{name} (--skip)")
+            continue
+        fn(args.quick)
+        write_json()  # keep what was measured even if a later section dies
+    path = write_json()
+    print_table()
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+// A C++17 stand-in for the subset of the Metal Shading Language that velox's kernels use, so
+// that the Metal instantiation of every kernel (the full function MLX's metal_kernel
+// generates) compiles with g++ on Linux, and can even run on the CPU.
+//
+// Compile checks: `g++ -std=c++17 -fsyntax-only -I metal/shim kernel.cpp`.
+// Emulation: every threadgroup runs as real threads (std::thread) with a real barrier, and
+// SIMD-group shuffles exchange values through a per-SIMD-group slot array and barrier, so the
+// body's cross-lane logic (reductions, votes, threadgroup memory) is exercised as written. A
+// barrier or shuffle reached by only some threads deadlocks on a GPU; here it aborts after a
+// timeout with a message. See velox_core.kernels.emulate.
+//
+// Covered: address-space qualifiers (device, constant, thread, threadgroup -> a static local,
+// shared by the threads of the one threadgroup that runs at a time), uint/ushort/uint3, half
+// (float16_t, as _Float16) and bfloat16_t, as_type, and metal:: exp2, rint, fma,
+// threadgroup_barrier, simd_shuffle_xor, simd_any. Not covered: anything else (a kernel that
+// uses more fails to compile here, which is the point).
+#ifndef VELOX_METAL_SHIM_H
+#define VELOX_METAL_SHIM_H
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+typedef unsigned int uint;
+typedef unsigned short ushort;
+
+struct uint3 {
+  uint x, y, z;
+};
+
+typedef _Float16 half;
+typedef half float16_t;
+
+// bfloat16 with round-to-nearest-even from float (as MLX and Metal convert)
+struct bfloat16_t {
+  uint16_t bits_;
+  bfloat16_t() : bits_(0) {}
+  bfloat16_t(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+      bits_ = static_cast<uint16_t>((u >> 16) | 0x40u);
+    } else {
+      u += 0x7fffu + ((u >> 16) & 1u);
+      bits_ = static_cast<uint16_t>(u >> 16);
+    }
+  }
+  operator float() const {
+    uint32_t u = static_cast<uint32_t>(bits_) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+};
+
+template <typename T, typename U>
+inline T as_type(U u) {
+  static_assert(sizeof(T) == sizeof(U), "as_type: sizes differ");
+  T t;
+  std::memcpy(&t, &u, sizeof(T));
+  return t;
+}
+
+namespace vx_emu {
+
+// A reusable barrier for `n` threads; aborts when a wait lasts longer than the timeout
+// (threads that never arrive: a divergent barrier or shuffle).
+struct Barrier {
+  std::mutex mu;
+  std::condition_variable cv;
+  int n = 1;
+  int waiting = 0;
+  long gen = 0;
+  void wait() {
+    std::unique_lock<std::mutex> lk(mu);
+    const long g = gen;
+    if (++waiting == n) {
+      waiting = 0;
+      ++gen;
+      cv.notify_all();
+      return;
+    }
+    if (!cv.wait_for(lk, std::chrono::seconds(60), [&] { return gen != g; })) {
+      std::fprintf(stderr, "vx_emu: barrier timeout: not every thread reached it\n");
+      std::abort();
+    }
+  }
+};
+
+struct Simd {
+  Barrier bar;
+  uint64_t slot[32];
+};
+
+struct Group {
+  Barrier tg;
+  std::vector<std::unique_ptr<Simd>> simd;
+};
+
+inline thread_local Group* g_group = nullptr;
+inline thread_local int g_lane = 0;
+inline thread_local int g_simd = 0;
+inline thread_local bool g_sequential = false;
+
+inline void no_sync_in_sequential() {
+  if (g_sequential) {
+    std::fprintf(stderr, "vx_emu: barrier or SIMD op in a kernel run sequentially\n");
+    std::abort();
+  }
+}
+
+struct Ids {
+  uint3 group;
+  uint3 groups;
+  uint3 tg_size;
+  uint tid;
+};
+
+// Run fn(ids) for every thread of a 1-D-threadgroup grid (`grid` in threads, as
+// dispatchThreads). Threadgroups run one at a time; their threads run concurrently
+// (`sequential`: one after another, for kernels without barriers or SIMD ops).
+inline void run_grid(uint3 grid, uint3 tg, bool sequential, const std::function<void(const Ids&)>& fn) {
+  if (tg.y != 1 || tg.z != 1) {
+    std::fprintf(stderr, "vx_emu: only 1-D threadgroups are emulated\n");
+    std::abort();
+  }
+  const uint ngx = (grid.x + tg.x - 1) / tg.x;
+  const uint3 groups{ngx, grid.y, grid.z};
+  for (uint gz = 0; gz < grid.z; ++gz) {
+    for (uint gy = 0; gy < grid.y; ++gy) {
+      for (uint gx = 0; gx < ngx; ++gx) {
+        const uint n = std::min(tg.x, grid.x - gx * tg.x);
+        Group group;
+        group.tg.n = static_cast<int>(n);
+        for (uint s = 0; s * 32 < n; ++s) {
+          group.simd.emplace_back(new Simd());
+          group.simd.back()->bar.n = static_cast<int>(std::min<uint>(32, n - s * 32));
+        }
+        auto body = [&, gx, gy, gz](uint t) {
+          g_group = &group;
+          g_lane = static_cast<int>(t & 31);
+          g_simd = static_cast<int>(t >> 5);
+          g_sequential = sequential;
+          Ids ids{uint3{gx, gy, gz}, groups, tg, t};
+          fn(ids);
+        };
+        if (sequential) {
+          for (uint t = 0; t < n; ++t) {
+            body(t);
+          }
+        } else {
+          std::vector<std::thread> threads;
+          threads.reserve(n);
+          for (uint t = 0; t < n; ++t) {
+            threads.emplace_back(body, t);
+          }
+          for (auto& th : threads) {
+            th.join();
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace vx_emu
+
+namespace metal {
+
+enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
+
+inline void threadgroup_barrier(mem_flags) {
+  vx_emu::no_sync_in_sequential();
+  vx_emu::g_group->tg.wait();
+}
+
+template <typename T>
+inline T simd_shuffle_xor(T v, ushort lane_mask) {
+  static_assert(sizeof(T) <= 8, "simd_shuffle_xor: type too large");
+  vx_emu::no_sync_in_sequential();
+  vx_emu::Simd& s = *vx_emu::g_group->simd[vx_emu::g_simd];
+  uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(T));
+  s.slot[vx_emu::g_lane] = bits;
+  s.bar.wait();
+  const int src = vx_emu::g_lane ^ static_cast<int>(lane_mask);
+  if (src >= s.bar.n) {
+    std::fprintf(stderr, "vx_emu: simd_shuffle_xor reads an inactive lane\n");
+    std::abort();
+  }
+  const uint64_t got = s.slot[src];
+  s.bar.wait();
+  T r;
+  std::memcpy(&r, &got, sizeof(T));
+  return r;
+}
+
+inline bool simd_any(bool p) {
+  vx_emu::no_sync_in_sequential();
+  vx_emu::Simd& s = *vx_emu::g_group->simd[vx_emu::g_simd];
+  s.slot[vx_emu::g_lane] = p ? 1u : 0u;
+  s.bar.wait();
+  bool any = false;
+  for (int i = 0; i < s.bar.n; ++i) {
+    any = any || s.slot[i] != 0;
+  }
+  s.bar.wait();
+  return any;
+}
+
+inline float exp2(float x) { return std::exp2(x); }
+inline float rint(float x) { return std::rint(x); }
+inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
+
+}  // namespace metal
+
+// Metal's address spaces (last: the standard headers above use these words)
+#define device
+#define constant
+#define thread
+#define threadgroup static
+
+#endif  // VELOX_METAL_SHIM_H

@@ -1,0 +1,76 @@
+// velox kernel portability layer: one kernel body, two backends.
+//
+// Every velox kernel body (the *.metal files beside this header) is written once against the
+// names below and instantiated for Metal (mx.fast.metal_kernel) or CUDA (mx.fast.cuda_kernel).
+// The Python loader (velox_core.kernels.build) prepends `#define VX_METAL 1` or
+// `#define VX_CUDA 1` and this header to the kernel header, and prepends a short backend
+// prologue to the body that defines the launch indices as plain ints:
+//
+//   vx_tid    thread index in the threadgroup / block       (0 .. vx_ntg - 1)
+//   vx_ntg    threads per threadgroup / block (x)
+//   vx_gx/gy/gz   threadgroup / block index in the grid
+//   vx_ngx    threadgroups / blocks along x
+//   vx_global_x   thread index in the whole grid along x
+//
+// (the prologue must name Metal's attributes literally: MLX adds an attribute argument to the
+// generated signature only when its name appears in the body).
+//
+// Shared state: VX_SHARED declares threadgroup (Metal) / __shared__ (CUDA) arrays in the body;
+// VX_BARRIER() synchronizes the threadgroup. Warp/SIMD-group operations assume 32 lanes (every
+// NVIDIA GPU and every Apple GPU) and full participation of the 32 lanes.
+#ifndef VELOX_KERNELS_H
+#define VELOX_KERNELS_H
+
+#if defined(VX_CUDA)
+
+#define VX_FN __device__ __forceinline__
+#define VX_SHARED __shared__
+#define VX_BARRIER() __syncthreads()
+
+VX_FN float vx_shfl_xor(float v, int lane_mask) {
+  return __shfl_xor_sync(0xffffffffu, v, lane_mask);
+}
+VX_FN bool vx_any(bool p) { return __any_sync(0xffffffffu, p ? 1 : 0) != 0; }
+VX_FN float vx_bits_to_float(unsigned int u) { return __uint_as_float(u); }
+VX_FN float vx_exp2(float x) { return exp2f(x); }
+VX_FN float vx_rint(float x) { return rintf(x); }
+VX_FN float vx_fma(float a, float b, float c) { return fmaf(a, b, c); }
+
+#elif defined(VX_METAL)
+
+#include <metal_stdlib>
+
+#define VX_FN inline
+#define VX_SHARED threadgroup
+#define VX_BARRIER() metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup)
+
+VX_FN float vx_shfl_xor(float v, int lane_mask) {
+  return metal::simd_shuffle_xor(v, static_cast<ushort>(lane_mask));
+}
+VX_FN bool vx_any(bool p) { return metal::simd_any(p); }
+VX_FN float vx_bits_to_float(uint u) { return as_type<float>(u); }
+VX_FN float vx_exp2(float x) { return metal::exp2(x); }
+VX_FN float vx_rint(float x) { return metal::rint(x); }
+VX_FN float vx_fma(float a, float b, float c) { return metal::fma(a, b, c); }
+
+#else
+#error "define VX_METAL or VX_CUDA before including velox_kernels.h"
+#endif
+
+// Portable helpers (no library overload resolution differences between the backends).
+
+// The float 1 + c / 2^bits of the `bits`-bit code c at bit `sh` of word w (sh + bits <= 32):
+// the code is moved to the top of the mantissa of 1.0 with one shift and one masked OR. With
+// `sh` and `bits` known at compile time (unrolled loops) this is two integer instructions.
+VX_FN float vx_code_unit(unsigned int w, int sh, int bits) {
+  const int pos = 23 - bits;
+  const unsigned int v = sh >= pos ? (w >> (sh - pos)) : (w << (pos - sh));
+  const unsigned int mask = ((1u << bits) - 1u) << pos;
+  return vx_bits_to_float((v & mask) | 0x3F800000u);
+}
+
+VX_FN float vx_max(float a, float b) { return a > b ? a : b; }
+VX_FN float vx_min(float a, float b) { return a < b ? a : b; }
+VX_FN int vx_imin(int a, int b) { return a < b ? a : b; }
+
+#endif  // VELOX_KERNELS_H

@@ -1,0 +1,318 @@
+"""Kernel assembly: one body, instantiated for ``mx.fast.metal_kernel`` or ``mx.fast.cuda_kernel``.
+
+A velox kernel is a body file in the repository's ``metal/`` folder (``*.metal``), written once
+against the small portability layer ``velox_kernels.h``. :class:`KernelSpec` turns it into
+the arguments MLX takes for each backend: the header (``#define VX_METAL`` or ``VX_CUDA`` and
+the layer) and the body (a backend prologue that names the launch indices, then the file).
+
+:func:`metal_source` and :func:`cuda_source` rebuild the complete source MLX generates around a
+body (the signature ``write_signature`` / ``build_kernel`` write in MLX's
+``custom_kernel.cpp``), so that CI can compile both instantiations on a machine without a GPU
+(``g++`` through a C++ shim of Metal, and ``nvcc``): see ``packages/velox-core/tests``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from . import get_kernel, kernel_source
+
+__all__ = [
+    "PROLOGUE",
+    "ArgInfo",
+    "KernelSpec",
+    "cuda_source",
+    "metal_attributes",
+    "metal_source",
+]
+
+# The launch indices every body uses, as each backend spells them. Metal's names must appear
+# literally in the body: MLX adds an attribute argument only for names found in the source.
+PROLOGUE = {
+    "metal": (
+        "  const int vx_tid = (int)thread_index_in_threadgroup;\n"
+        "  const int vx_ntg = (int)threads_per_threadgroup.x;\n"
+        "  const int vx_gx = (int)threadgroup_position_in_grid.x;\n"
+        "  const int vx_gy = (int)threadgroup_position_in_grid.y;\n"
+        "  const int vx_gz = (int)threadgroup_position_in_grid.z;\n"
+        "  const int vx_ngx = (int)threadgroups_per_grid.x;\n"
+        "  const int vx_global_x = (int)thread_position_in_grid.x;\n"
+    ),
+    "cuda": (
+        "  const int vx_tid = (int)threadIdx.x;\n"
+        "  const int vx_ntg = (int)blockDim.x;\n"
+        "  const int vx_gx = (int)blockIdx.x;\n"
+        "  const int vx_gy = (int)blockIdx.y;\n"
+        "  const int vx_gz = (int)blockIdx.z;\n"
+        "  const int vx_ngx = (int)gridDim.x;\n"
+        "  const int vx_global_x = (int)(blockIdx.x * blockDim.x + threadIdx.x);\n"
+    ),
+}
+_SILENCE = (
+    "  (void)vx_tid; (void)vx_ntg; (void)vx_gx; (void)vx_gy; (void)vx_gz; (void)vx_ngx;\n"
+    "  (void)vx_global_x;\n"
+)
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """A kernel body and its argument names.
+
+    Args:
+        name: MLX kernel name (also the cache key of :func:`velox_core.kernels.get_kernel`).
+        source: body file name in ``metal/`` (shipped in the wheel's ``kernels/src``).
+        inputs: input argument names, in call order.
+        outputs: output argument names, in call order.
+        row_contiguous: ask MLX to copy non-contiguous inputs (False: the body reads strides).
+        package: the package whose wheel ships the source.
+    """
+
+    name: str
+    source: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    row_contiguous: bool = True
+    package: str = "velox_core"
+
+    def header(self, backend: str) -> str:
+        if backend not in PROLOGUE:
+            raise ValueError(f"kernel backend must be 'metal' or 'cuda', got {backend!r}")
+        return f"#define VX_{backend.upper()} 1\n" + kernel_source("velox_kernels.h")
+
+    def body(self, backend: str) -> str:
+        if backend not in PROLOGUE:
+            raise ValueError(f"kernel backend must be 'metal' or 'cuda', got {backend!r}")
+        return PROLOGUE[backend] + _SILENCE + kernel_source(self.source, self.package)
+
+    def build(self, backend: str) -> Any:
+        """The MLX kernel object for ``backend`` (call it with inputs, grid, template...)."""
+        common = {
+            "name": self.name,
+            "input_names": list(self.inputs),
+            "output_names": list(self.outputs),
+            "source": self.body(backend),
+            "header": self.header(backend),
+            "ensure_row_contiguous": self.row_contiguous,
+        }
+        if backend == "metal":
+            return mx.fast.metal_kernel(**common)
+        if backend == "cuda":
+            return mx.fast.cuda_kernel(**common)
+        raise ValueError(f"no kernel build for backend {backend!r}")
+
+    def kernel(self) -> Any:
+        """The kernel for the current backend, built once per process."""
+        return get_kernel(self.name, self.build)
+
+
+# -- what MLX generates around a body (for compile checks without a GPU) --------------------------
+
+_METAL_TYPES = {
+    "float32": "float",
+    "float16": "float16_t",
+    "bfloat16": "bfloat16_t",
+    "uint32": "uint32_t",
+    "int32": "int32_t",
+    "uint8": "uint8_t",
+    "uint16": "uint16_t",
+    "int64": "int64_t",
+    "bool": "bool",
+}
+_CUDA_TYPES = {
+    "float32": "float",
+    "float16": "__half",
+    "bfloat16": "__nv_bfloat16",
+    "uint32": "uint32_t",
+    "int32": "int32_t",
+    "uint8": "uint8_t",
+    "uint16": "uint16_t",
+    "int64": "int64_t",
+    "bool": "bool",
+}
+# mlx/backend/common/metal_kernel.cpp, in MLX's order
+_METAL_ATTRIBUTES = (
+    ("dispatch_quadgroups_per_threadgroup", "uint"),
+    ("dispatch_simdgroups_per_threadgroup", "uint"),
+    ("dispatch_threads_per_threadgroup", "uint3"),
+    ("grid_origin", "uint3"),
+    ("grid_size", "uint3"),
+    ("quadgroup_index_in_threadgroup", "uint"),
+    ("quadgroups_per_threadgroup", "uint"),
+    ("simdgroup_index_in_threadgroup", "uint"),
+    ("simdgroups_per_threadgroup", "uint"),
+    ("thread_execution_width", "uint"),
+    ("thread_index_in_quadgroup", "uint"),
+    ("thread_index_in_simdgroup", "uint"),
+    ("thread_index_in_threadgroup", "uint"),
+    ("thread_position_in_grid", "uint3"),
+    ("thread_position_in_threadgroup", "uint3"),
+    ("threadgroup_position_in_grid", "uint3"),
+    ("threadgroups_per_grid", "uint3"),
+    ("threads_per_grid", "uint3"),
+    ("threads_per_simdgroup", "uint"),
+    ("threads_per_threadgroup", "uint3"),
+)
+_MAX_CONSTANT_ARRAY_SIZE = 8  # MLX passes smaller inputs in the constant address space
+
+
+@dataclass(frozen=True)
+class ArgInfo:
+    """What MLX's code generator sees of one input: dtype name, rank and size."""
+
+    dtype: str
+    ndim: int
+    size: int
+
+    @staticmethod
+    def of(a: Any) -> ArgInfo:
+        """From an ``mx.array`` or a numpy array."""
+        name = str(a.dtype).replace("mlx.core.", "")
+        return ArgInfo(name, len(a.shape), int(a.size))
+
+
+def _dtype_name(d: Any) -> str:
+    return str(d).replace("mlx.core.", "")
+
+
+def _shape_infos(body: str, names: Sequence[str]) -> list[tuple[bool, bool, bool]]:
+    return [(f"{n}_shape" in body, f"{n}_strides" in body, f"{n}_ndim" in body) for n in names]
+
+
+def metal_attributes(body: str) -> list[tuple[str, str]]:
+    """The attribute arguments MLX appends for ``body``, in signature order: (name, type)."""
+    return [(n, t) for n, t in _METAL_ATTRIBUTES if n in body]
+
+
+def _template_value(v: Any, backend: str) -> str:
+    if isinstance(v, bool):
+        return ("true" if v else "false") if backend == "cuda" else str(int(v))
+    if isinstance(v, int):
+        return str(v)
+    return (_CUDA_TYPES if backend == "cuda" else _METAL_TYPES)[_dtype_name(v)]
+
+
+def metal_source(
+    spec: KernelSpec,
+    inputs: Sequence[ArgInfo],
+    output_dtypes: Sequence[Any],
+    template: Sequence[tuple[str, Any]] = (),
+) -> tuple[str, str]:
+    """The full Metal source MLX compiles for ``spec`` (``write_signature``), and the kernel name.
+
+    The source starts with the header; MLX puts its own ``metal::utils()`` before it.
+    """
+    body = spec.body("metal")
+    infos = _shape_infos(body, spec.inputs)
+    kname = "custom_kernel_" + spec.name
+    if template:
+        tdef = "<" + ", ".join(_template_value(v, "metal") for _, v in template) + ">"
+        thash = tdef.replace(", ", "_").replace("<", "_").replace(">", "_")[:-1]
+        kname += "_" + thash
+    for a in inputs:
+        kname += "_" + _METAL_TYPES[a.dtype]
+        if a.ndim == 0:
+            kname += "s"
+        elif a.size < _MAX_CONSTANT_ARRAY_SIZE:
+            kname += "c"
+    for d in output_dtypes:
+        kname += "_" + _METAL_TYPES[_dtype_name(d)]
+    src = spec.header("metal")
+    if template:
+        params = []
+        for name, v in template:
+            kind = "bool" if isinstance(v, bool) else "int" if isinstance(v, int) else "typename"
+            params.append(f"{kind} {name}")
+        src += "template <" + ", ".join(params) + ">\n"
+    src += f"[[kernel]] void {kname}(\n"
+    args, index = [], 0
+    for name, a, (sh, st, nd) in zip(spec.inputs, inputs, infos):
+        loc = "constant" if a.size < _MAX_CONSTANT_ARRAY_SIZE else "device"
+        ref = "&" if a.ndim == 0 else "*"
+        args.append(f"  const {loc} {_METAL_TYPES[a.dtype]}{ref} {name} [[buffer({index})]]")
+        index += 1
+        if a.ndim > 0:
+            if sh:
+                args.append(f"  const constant int* {name}_shape [[buffer({index})]]")
+                index += 1
+            if st:
+                args.append(f"  const constant int64_t* {name}_strides [[buffer({index})]]")
+                index += 1
+            if nd:
+                args.append(f"  const constant int& {name}_ndim [[buffer({index})]]")
+                index += 1
+    for name, d in zip(spec.outputs, output_dtypes):
+        args.append(f"  device {_METAL_TYPES[_dtype_name(d)]}* {name} [[buffer({index})]]")
+        index += 1
+    for attr, typ in metal_attributes(body):
+        args.append(f"  {typ} {attr} [[{attr}]]")
+    src += ",\n".join(args) + ") {\n" + body + "\n}\n"
+    if template:
+        tdef = kname + "<" + ", ".join(_template_value(v, "metal") for _, v in template) + ">"
+        src += f'\ntemplate [[host_name("{kname}")]] [[kernel]] decltype({tdef}) {tdef};\n'
+    return src, kname
+
+
+_CUDA_DEFAULT_HEADER = """
+#include "mlx/backend/cuda/device/utils.cuh"
+
+#include <cooperative_groups.h>
+
+"""
+
+
+def cuda_source(
+    spec: KernelSpec,
+    inputs: Sequence[ArgInfo],
+    output_dtypes: Sequence[Any],
+    template: Sequence[tuple[str, Any]] = (),
+) -> tuple[str, str]:
+    """The full CUDA source MLX compiles with NVRTC for ``spec`` (``build_kernel``), and the
+    kernel name."""
+    body = spec.body("cuda")
+    infos = _shape_infos(body, spec.inputs)
+    thash = ""
+    for _, v in template:
+        if isinstance(v, bool):
+            thash += "_t" if v else "_f"
+        elif isinstance(v, int):
+            thash += f"_{v}"
+        else:
+            thash += "_" + _METAL_TYPES[_dtype_name(v)]
+    kname = "custom_kernel_" + spec.name + thash
+    src = _CUDA_DEFAULT_HEADER + spec.header("cuda")
+    src += "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+    src += f"__global__ void {kname}(\n"
+    parts = []
+    for name, a, (sh, st, nd) in zip(spec.inputs, inputs, infos):
+        parts.append(f"    const {_CUDA_TYPES[a.dtype]}* {name}")
+        if a.ndim > 0:
+            if sh:
+                parts.append(f"    const __grid_constant__ Shape {name}_shape")
+            if st:
+                parts.append(f"    const __grid_constant__ Strides {name}_strides")
+            if nd:
+                parts.append(f"    const __grid_constant__ int {name}_ndim")
+    for name, d in zip(spec.outputs, output_dtypes):
+        parts.append(f"    {_CUDA_TYPES[_dtype_name(d)]}* {name}")
+    src += ",\n".join(parts) + ") {\n"
+    for name, v in template:
+        if isinstance(v, bool):
+            src += f"  constexpr bool {name} = {'true' if v else 'false'};\n"
+        elif isinstance(v, int):
+            src += f"  constexpr int {name} = {v};\n"
+        else:
+            src += f"  using {name} = {_CUDA_TYPES[_dtype_name(v)]};\n"
+    if template:
+        src += "\n"
+    src += body + "\n}\n\n} // namespace mlx::core::cu\n"
+    return src, kname
+
+
+def source_digest(text: str) -> str:
+    """Short stable digest of a generated source (names temporary build files)."""
+    return hashlib.sha1(text.encode()).hexdigest()[:12]

@@ -1,0 +1,305 @@
+"""Fused decode attention over packed codes (flash-decoding), for the GPU kernels.
+
+One pass over the codes of a segment computes, for a few grouped query rows, the partial
+``(o, m, l)`` of :func:`velox_core.cache.attention.partial`: ``o = sum_t exp(s_t - m) v_t``,
+``m`` the row max of the scores and ``l = sum_t exp(s_t - m)``, all float32, so that
+:func:`velox_core.cache.attention.merge_partials` joins it with the other segments into one
+softmax. The context is split into chunks so that one sequence fills the GPU: every
+threadgroup handles one chunk (``metal/decode_attention.metal``) and a second small kernel
+merges the chunks with the log-sum-exp rule (``metal/decode_merge.metal``).
+
+Keys and values are each either **affine** per-group codes (``x = scale * code + zero``, one
+scale and zero per ``group`` channels of a token: :class:`velox_core.Uniform` with
+``axis="token"``) or **codebook** codes (``x = norm * levels[code]``, one norm per token:
+TurboQuant_mse in the rotated domain). Codes are uint32 words in velox's packing layout
+(:mod:`velox_core.ops.packing`), any width 1 to 8 where a lane's channels fill whole words.
+
+:func:`plan` says whether (and how) a shape is supported; :func:`decode_attention` returns
+None where it is not, so callers fall back to the reference.
+
+Shapes:
+    q ``(B, H, M, D)`` float32 with the scale applied; codes ``(B, H, T, ceil(D*bits/32))``
+    uint32; affine scale/zero ``(B, H, T, D/group)``; codebook norm ``(B, H, T)`` and levels
+    ``(2**bits,)``. Returns ``o (B, H, M, D)``, ``m`` and ``l`` ``(B, H, M, 1)``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .build import KernelSpec
+
+__all__ = [
+    "AFFINE",
+    "CODEBOOK",
+    "Codes",
+    "Plan",
+    "choose_splits",
+    "decode_attention",
+    "fit_splits",
+    "merge_launch",
+    "plan",
+    "template",
+    "tuning",
+]
+
+AFFINE, CODEBOOK = 0, 1
+NWARPS = 4  # warps per threadgroup (VELOX_DECODE_WARPS overrides: 1, 2, 4 or 8)
+UNROLL = 4  # tokens per lane per loop iteration, loads issued together (VELOX_DECODE_UNROLL)
+MAX_REGS = 64  # query rows x channels per lane held in registers (and as many accumulators)
+SCORE_SLOTS = 4096  # (token, row) scores a threadgroup keeps (16 KiB): a split's tokens <= 4096/mb
+MAX_MERGE_FLOATS = 4096  # the warp merge (nwarps x mb x head dim floats) reuses those 16 KiB
+DEFAULT_BLOCKS = 1024  # threadgroups to aim for (several waves on a large GPU)
+MIN_SPAN = 256  # fewest tokens per split (unless the context is shorter)
+
+DECODE = KernelSpec(
+    name="velox_decode_attention",
+    source="decode_attention.metal",
+    inputs=("q", "kc", "ka", "kb", "klv", "vc", "va", "vb", "vlv"),
+    outputs=("o_part", "ml_part"),
+    row_contiguous=False,  # the body reads strides: slices of a cache buffer are not copied
+)
+MERGE = KernelSpec(
+    name="velox_decode_merge",
+    source="decode_merge.metal",
+    inputs=("o_part", "ml_part"),
+    outputs=("o", "m", "l"),
+)
+
+
+@dataclass(frozen=True)
+class Codes:
+    """One side (keys or values) of a segment, as the kernel reads it.
+
+    Attributes:
+        kind: :data:`AFFINE` or :data:`CODEBOOK`.
+        bits: code width, 1 to 8.
+        group: affine: channels per (scale, zero); codebook: ignored.
+        codes: ``(B, H, T, W)`` uint32 packed codes.
+        a: affine scale ``(B, H, T, D/group)``, or codebook norm ``(B, H, T)``.
+        b: affine zero ``(B, H, T, D/group)``; None for a codebook.
+        levels: codebook levels ``(2**bits,)`` float32; None for affine.
+    """
+
+    kind: int
+    bits: int
+    group: int
+    codes: mx.array
+    a: mx.array
+    b: mx.array | None = None
+    levels: mx.array | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How the kernel lays out one shape (all compile-time constants of the body).
+
+    Attributes:
+        cpl: channels per lane; a token's row is spread over ``lanes = D / cpl`` lanes.
+        mb: query rows per threadgroup (``nmb`` blocks of them cover the ``M`` rows).
+        nmb: query-row blocks (grid z).
+        lanes: lanes per token, a power of two (``D / cpl`` rounded up).
+        nwarps: warps per threadgroup.
+        unroll: tokens per lane per loop iteration.
+        step: tokens a threadgroup consumes per loop iteration.
+        max_span: most tokens one split may hold (its scores stay in threadgroup memory).
+    """
+
+    cpl: int
+    mb: int
+    nmb: int
+    lanes: int
+    nwarps: int
+    unroll: int
+    step: int
+    max_span: int
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _side_ok(kind: int, bits: int, group: int, dim: int, cpl: int) -> bool:
+    if not 1 <= bits <= 8 or (cpl * bits) % 32:
+        return False
+    if kind == AFFINE:
+        return group >= 1 and dim % group == 0 and (group % cpl == 0 or cpl % group == 0)
+    return kind == CODEBOOK
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def tuning() -> tuple[int, int]:
+    """``(warps per threadgroup, unroll)``: the defaults, or ``VELOX_DECODE_WARPS`` and
+    ``VELOX_DECODE_UNROLL`` (for tuning on a new GPU)."""
+    nw = int(os.environ.get("VELOX_DECODE_WARPS", NWARPS))
+    un = int(os.environ.get("VELOX_DECODE_UNROLL", UNROLL))
+    if nw not in (1, 2, 4, 8):
+        raise ValueError(f"VELOX_DECODE_WARPS must be 1, 2, 4 or 8, got {nw}")
+    if not 1 <= un <= 16:
+        raise ValueError(f"VELOX_DECODE_UNROLL must be 1 to 16, got {un}")
+    return nw, un
+
+
+def plan(
+    m: int, dim: int, kkind: int, kbits: int, kgroup: int, vkind: int, vbits: int, vgroup: int
+) -> Plan | None:
+    """The kernel's layout for ``m`` query rows of head dim ``dim``, or None if unsupported.
+
+    Channels per lane (8, 16 or 32) must fill whole code words for both widths and divide the
+    head dim into at most 32 lanes; affine groups must hold whole lanes or whole sub-blocks
+    of one. Query rows and channels per lane share a register budget of :data:`MAX_REGS`;
+    rows per threadgroup are a power of two (at most 8).
+    """
+    if m < 1 or dim < 1:
+        return None
+    nwarps, unroll = tuning()
+    order = (32, 16, 8) if m <= 2 else (16, 32, 8) if m <= 4 else (8, 16, 32)
+    for cpl in order:
+        if dim % cpl or dim // cpl > 32:
+            continue
+        if not (
+            _side_ok(kkind, kbits, kgroup, dim, cpl) and _side_ok(vkind, vbits, vgroup, dim, cpl)
+        ):
+            continue
+        mb = min(MAX_REGS // cpl, _pow2_ceil(m), 8)
+        while mb > 1 and nwarps * mb * dim > MAX_MERGE_FLOATS:
+            mb //= 2
+        if nwarps * mb * dim > MAX_MERGE_FLOATS:
+            continue
+        mb = _pow2_floor(mb)
+        lanes = _pow2_ceil(dim // cpl)
+        step = nwarps * (32 // lanes) * unroll
+        return Plan(cpl, mb, -(-m // mb), lanes, nwarps, unroll, step, SCORE_SLOTS // mb)
+    return None
+
+
+def choose_splits(tokens: int, rows: int, p: Plan) -> int:
+    """Splits of a ``tokens``-long context for ``rows`` (batch x KV heads) sequences.
+
+    Aims at ``VELOX_DECODE_BLOCKS`` threadgroups (default :data:`DEFAULT_BLOCKS`) with at least
+    :data:`MIN_SPAN` tokens each, and never more than ``p.max_span`` tokens per split; every
+    split is non-empty (the kernel takes ``ceil(T / splits)`` tokens per split).
+    """
+    target = int(os.environ.get("VELOX_DECODE_BLOCKS", DEFAULT_BLOCKS))
+    want = max(1, math.ceil(target / max(1, rows * p.nmb)))
+    s = max(1, min(want, math.ceil(tokens / max(MIN_SPAN, p.step))))
+    return fit_splits(tokens, s, p)
+
+
+def fit_splits(tokens: int, splits: int, p: Plan) -> int:
+    """``splits`` adjusted so that no split is empty and none holds more than ``p.max_span``."""
+    s = max(1, min(int(splits), tokens), math.ceil(tokens / p.max_span))
+    return math.ceil(tokens / math.ceil(tokens / s))
+
+
+MERGE_THREADS = 256  # the merge body assumes 8 warps per threadgroup
+
+
+def merge_launch(rows: int, dim: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """Grid and threadgroup of the merge kernel: one threadgroup per (query row, 32 channels)."""
+    return (rows * -(-dim // 32) * MERGE_THREADS, 1, 1), (MERGE_THREADS, 1, 1)
+
+
+_DUMMY: dict[str, mx.array] = {}
+
+
+def _dummy(dtype: mx.Dtype) -> mx.array:
+    """An unused 8-element input (kept at 8 so Metal passes it in device memory)."""
+    key = str(dtype)
+    if key not in _DUMMY:
+        _DUMMY[key] = mx.zeros((8,), dtype=dtype)
+    return _DUMMY[key]
+
+
+def _inputs(c: Codes) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    if c.kind == AFFINE:
+        return c.codes, c.a, c.b, _dummy(mx.float32)
+    levels = c.levels.astype(mx.float32)
+    if levels.size < 8:  # keep it in device memory on Metal (the body only indexes it)
+        levels = mx.concatenate([levels, mx.zeros((8 - levels.size,), mx.float32)])
+    return c.codes, c.a, _dummy(c.a.dtype), levels
+
+
+def _check(name: str, c: Codes, b: int, h: int, t: int, dim: int) -> None:
+    words = -(-dim * c.bits // 32)
+    if tuple(c.codes.shape) != (b, h, t, words) or c.codes.dtype != mx.uint32:
+        raise ValueError(
+            f"decode_attention: {name} codes {tuple(c.codes.shape)} {c.codes.dtype} do not match "
+            f"(B, H, T, W) = {(b, h, t, words)} uint32"
+        )
+    want = (b, h, t, dim // c.group) if c.kind == AFFINE else (b, h, t)
+    if tuple(c.a.shape) != want or (c.kind == AFFINE and tuple(c.b.shape) != want):
+        raise ValueError(f"decode_attention: {name} scales/norms do not have shape {want}")
+
+
+def template(p: Plan, dim: int, k: Codes, v: Codes) -> list[tuple[str, int]]:
+    """The body's compile-time constants for a plan."""
+    return [
+        ("MB", p.mb),
+        ("HD", dim),
+        ("KBITS", k.bits),
+        ("VBITS", v.bits),
+        ("KKIND", k.kind),
+        ("VKIND", v.kind),
+        ("KGROUP", k.group if k.kind == AFFINE else dim),
+        ("VGROUP", v.group if v.kind == AFFINE else dim),
+        ("CPL", p.cpl),
+        ("NWARPS", p.nwarps),
+        ("UNROLL", p.unroll),
+    ]
+
+
+def decode_attention(
+    q: mx.array, keys: Codes, values: Codes, splits: int | None = None
+) -> tuple[mx.array, mx.array, mx.array] | None:
+    """Partial attention ``(o, m, l)`` of ``q`` over one coded segment, or None if unsupported.
+
+    Args:
+        q: ``(B, H, M, D)`` grouped queries, float32, scale applied.
+        keys, values: the segment's codes (see :class:`Codes`); same head dim as ``q``.
+        splits: number of context chunks (default :func:`choose_splits`).
+
+    Shapes:
+        returns ``o (B, H, M, D)``, ``m (B, H, M, 1)``, ``l (B, H, M, 1)``, float32.
+    """
+    b, h, m, dim = q.shape
+    t = keys.codes.shape[2]
+    if t < 1 or values.codes.shape[2] != t:
+        return None
+    p = plan(m, dim, keys.kind, keys.bits, keys.group, values.kind, values.bits, values.group)
+    if p is None:
+        return None
+    _check("key", keys, b, h, t, dim)
+    _check("value", values, b, h, t, dim)
+    mp = p.nmb * p.mb
+    qf = q.astype(mx.float32)
+    if mp > m:
+        qf = mx.concatenate([qf, mx.zeros((b, h, mp - m, dim), mx.float32)], axis=2)
+    s = choose_splits(t, b * h, p) if splits is None else fit_splits(t, splits, p)
+    nt = p.nwarps * 32
+    o_part, ml_part = DECODE.kernel()(
+        inputs=[qf, *_inputs(keys), *_inputs(values)],
+        template=template(p, dim, keys, values),
+        grid=(s * nt, b * h, p.nmb),
+        threadgroup=(nt, 1, 1),
+        output_shapes=[(b, h, s, mp, dim), (b, h, s, mp, 2)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    grid, tg = merge_launch(b * h * mp, dim)
+    o, mm, ll = MERGE.kernel()(
+        inputs=[o_part, ml_part],
+        grid=grid,
+        threadgroup=tg,
+        output_shapes=[(b, h, mp, dim), (b, h, mp, 1), (b, h, mp, 1)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32],
+    )
+    if mp > m:
+        o, mm, ll = o[:, :, :m], mm[:, :, :m], ll[:, :, :m]
+    return o, mm, ll

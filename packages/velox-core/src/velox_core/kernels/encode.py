@@ -1,0 +1,114 @@
+"""Encode kernels: quantize and bit-pack in one pass, matching the MLX reference bit for bit.
+
+* :func:`affine_encode`: :func:`velox_core.ops.affine_quantize` (``axis="token"``) followed by
+  :func:`velox_core.ops.pack` (``metal/encode_affine.metal``).
+* :func:`codebook_encode`: :meth:`velox_core.ops.Codebook.encode` followed by
+  :func:`velox_core.ops.pack` (``metal/encode_codebook.metal``).
+
+Both return None where the kernel does not apply (the caller then runs the reference). The
+affine kernel computes the same float32 operations as the reference in the same order
+(IEEE division, ties to even), so codes, scales and zeros are identical wherever the backend's
+division is correctly rounded; the codebook kernel compares against the same thresholds, so
+its codes are identical everywhere.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import mlx.core as mx
+
+from ..ops.quant import scale_dtype
+from .build import KernelSpec
+
+__all__ = ["AFFINE_ENCODE", "CODEBOOK_ENCODE", "affine_encode", "codebook_encode"]
+
+AFFINE_ENCODE = KernelSpec(
+    name="velox_encode_affine",
+    source="encode_affine.metal",
+    inputs=("x",),
+    outputs=("codes", "scale", "zero"),
+)
+CODEBOOK_ENCODE = KernelSpec(
+    name="velox_encode_codebook",
+    source="encode_codebook.metal",
+    inputs=("y", "bounds"),
+    outputs=("codes",),
+)
+THREADS = 64
+_FLOATS = (mx.float16, mx.bfloat16, mx.float32)
+
+
+def clip_bits(clip: float) -> int:
+    """The float32 bit pattern of ``clip`` as a (positive) int template argument."""
+    return struct.unpack("<i", struct.pack("<f", float(clip)))[0]
+
+
+def affine_encode(
+    x: mx.array, bits: int, group: int, clip: float = 1.0
+) -> tuple[mx.array, mx.array, mx.array] | None:
+    """Packed affine codes of ``x`` along its last axis, or None if the kernel does not apply.
+
+    Shapes:
+        x ``(..., D)`` float16/bfloat16/float32 with ``group`` dividing ``D``; returns packed
+        codes ``(..., ceil(D*bits/32))`` uint32 and scale, zero ``(..., D // group)`` in
+        :func:`velox_core.ops.scale_dtype` of ``x.dtype``.
+    """
+    *lead, dim = x.shape
+    if x.dtype not in _FLOATS or not 1 <= bits <= 8 or group < 1 or dim % group:
+        return None
+    if not 0.0 < clip <= 1.0:
+        return None
+    rows = 1
+    for n in lead:
+        rows *= n
+    if rows == 0:
+        return None
+    words = -(-dim * bits // 32)
+    sdt = scale_dtype(x.dtype)
+    codes, scale, zero = AFFINE_ENCODE.kernel()(
+        inputs=[x.reshape(rows, dim)],
+        template=[
+            ("BITS", bits),
+            ("HD", dim),
+            ("GROUP", group),
+            ("CLIPB", clip_bits(clip)),
+            ("ST", sdt),
+        ],
+        grid=(rows, 1, 1),
+        threadgroup=(min(THREADS, rows), 1, 1),
+        output_shapes=[(rows, words), (rows, dim // group), (rows, dim // group)],
+        output_dtypes=[mx.uint32, sdt, sdt],
+    )
+    return (
+        codes.reshape(*lead, words),
+        scale.reshape(*lead, dim // group),
+        zero.reshape(*lead, dim // group),
+    )
+
+
+def codebook_encode(y: mx.array, bounds: mx.array, bits: int) -> mx.array | None:
+    """Packed codebook codes of ``y`` along its last axis, or None if the kernel does not apply.
+
+    Shapes:
+        y ``(..., D)`` (cast to float32); bounds ``(2**bits - 1,)`` ascending thresholds;
+        returns ``(..., ceil(D*bits/32))`` uint32.
+    """
+    *lead, dim = y.shape
+    if not 1 <= bits <= 8 or bounds.shape != ((1 << bits) - 1,):
+        return None
+    rows = 1
+    for n in lead:
+        rows *= n
+    if rows == 0:
+        return None
+    words = -(-dim * bits // 32)
+    (codes,) = CODEBOOK_ENCODE.kernel()(
+        inputs=[y.astype(mx.float32).reshape(rows, dim), bounds.astype(mx.float32)],
+        template=[("BITS", bits), ("HD", dim)],
+        grid=(rows, 1, 1),
+        threadgroup=(min(THREADS, rows), 1, 1),
+        output_shapes=[(rows, words)],
+        output_dtypes=[mx.uint32],
+    )
+    return codes.reshape(*lead, words)

@@ -1,0 +1,501 @@
+"""velox's GPU kernels, checked on a machine without a GPU.
+
+* Dispatch: the CPU backend and ``VELOX_KERNELS=0`` take the reference; on a (faked) GPU
+  backend, attention and encoding go through the kernel entry points.
+* Layout: which shapes the decode kernel takes, and how it splits a context.
+* Compile checks: the Metal instantiation of every kernel (the full function MLX's
+  ``metal_kernel`` generates) compiles with g++ through ``metal/shim``, and the CUDA
+  instantiation (what ``cuda_kernel`` generates) compiles with nvcc, without register spills.
+* Emulation: the Metal instantiation runs on the CPU (``velox_core.kernels.emulate``: real
+  threads, barriers and SIMD shuffles) and matches the MLX reference: decode attention for
+  2 to 8 bits, query blocks, padding, bf16 scales, strided slices of a larger buffer, split
+  counts that do not divide the context; the merge of partials; the encode kernels bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import subprocess
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import velox_core.kernels as vk
+from velox_core import Identity, Uniform, UniformCache
+from velox_core.cache.attention import Segment, attend, merge_partials, partial
+from velox_core.kernels import decode as dk
+from velox_core.kernels import encode as ek
+from velox_core.kernels.build import PROLOGUE, ArgInfo, KernelSpec, cuda_source, metal_source
+from velox_core.kernels.emulate import DecodeRun, EmulatedKernels, Emulator, np_input, shim_dir
+from velox_core.ops import affine_quantize, lloyd_max_sphere, pack
+from velox_core.testing import kv_data
+
+GXX = shutil.which(os.environ.get("CXX", "g++"))
+NVCC = shutil.which("nvcc")
+needs_gxx = pytest.mark.skipif(
+    GXX is None, reason="g++ is not installed: the Metal instantiation cannot be compiled here"
+)
+needs_nvcc = pytest.mark.skipif(
+    NVCC is None, reason="nvcc is not installed: the CUDA instantiation cannot be compiled here"
+)
+SOURCES = (
+    "decode_attention.metal",
+    "decode_merge.metal",
+    "encode_affine.metal",
+    "encode_codebook.metal",
+    "velox_kernels.h",
+)
+
+
+def uniform_case(b, h, t, m, bits, group=64, dtype=mx.float16, dim=128, seed=0, vbits=None):
+    """Keys, values, query and their Uniform records and reference partial."""
+    key = mx.random.key(seed)
+    k1, k2, k3 = mx.random.split(key, 3)
+    k = mx.random.normal((b, h, t, dim), key=k1).astype(dtype)
+    v = mx.random.normal((b, h, t, dim), key=k2).astype(dtype)
+    q = mx.random.normal((b, h, m, dim), key=k3) * 0.3
+    kc, vc = Uniform(bits, group), Uniform(vbits or bits, group)
+    kp, vp = kc.encode(k), vc.encode(v)
+    ref = partial(q, Segment(kc, kp, vc, vp))
+    keys = dk.Codes(dk.AFFINE, kc.bits, group, kp.data["codes"], kp.data["scale"], kp.data["zero"])
+    vals = dk.Codes(dk.AFFINE, vc.bits, group, vp.data["codes"], vp.data["scale"], vp.data["zero"])
+    return q, keys, vals, ref
+
+
+def assert_partial_close(got, ref, tol=2e-5):
+    o, m, l = (np.asarray(x) for x in got)
+    ro, rm, rl = (np.asarray(x) for x in ref)
+    assert o.shape == ro.shape and m.shape == rm.shape and l.shape == rl.shape
+    assert np.abs(m - rm).max() <= tol * max(1.0, np.abs(rm).max())
+    assert np.abs(l - rl).max() <= tol * np.abs(rl).max()
+    assert np.abs(o - ro).max() <= tol * np.abs(ro).max()
+
+
+# -- dispatch -------------------------------------------------------------------------------------
+
+
+def test_cpu_backend_takes_the_reference():
+    if mx.default_device().type == mx.DeviceType.gpu:
+        pytest.skip("the default device is a GPU")
+    assert vk.backend() == "cpu" and not vk.use_kernels()
+    q, keys, vals, _ = uniform_case(1, 1, 16, 4, 4)
+    kp = {"codes": keys.codes, "scale": keys.a, "zero": keys.b}
+    vp = {"codes": vals.codes, "scale": vals.a, "zero": vals.b}
+    from velox_core import Packed
+
+    out = Uniform(4).attend_partial(q, Packed(kp, 16), Uniform(4), Packed(vp, 16))
+    assert out is None
+
+
+def test_velox_kernels_0_forces_the_reference(monkeypatch):
+    monkeypatch.setattr(vk, "backend", lambda: "cuda")
+    for off in ("0", "false", "off", "no"):
+        monkeypatch.setenv("VELOX_KERNELS", off)
+        assert not vk.kernels_enabled() and not vk.use_kernels()
+    monkeypatch.setenv("VELOX_KERNELS", "1")
+    assert vk.kernels_enabled() and vk.use_kernels()
+
+
+def test_attend_partial_declines_what_the_kernel_does_not_cover(monkeypatch):
+    monkeypatch.setattr(vk, "backend", lambda: "cuda")  # a GPU as far as dispatch can tell
+    called = []
+    monkeypatch.setattr(dk, "decode_attention", lambda *a, **k: called.append(a) or None)
+    q = mx.zeros((1, 1, 4, 128))
+    k, v = kv_data(t=64)
+    tok = Uniform(4)
+    chan = Uniform(4, group=32, axis="channel")
+    kp_c, vp_c = chan.encode(k), chan.encode(v)
+    assert chan.attend_partial(q, kp_c, chan, vp_c) is None  # per-channel groups
+    assert tok.attend_partial(q, kp_c, Identity(), Identity().encode(v)) is None  # other codec
+    assert not called
+
+
+def test_uniform_encode_and_attend_route_to_the_kernels_on_a_gpu(monkeypatch):
+    """With a (faked) GPU backend, encode() calls the fused encode kernel and attend() the
+    fused decode kernel; both are replaced by spies that return the reference results."""
+    k, v = kv_data(t=300)
+    cache = UniformCache(bits=4, window=16, sinks=4)
+    cache.update_and_fetch(k, v)  # encoded on the CPU path
+    q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(5)).astype(mx.float16)
+    ref = cache.attend(q, 0.1)
+
+    monkeypatch.setattr(vk, "backend", lambda: "cuda")
+    seen = {}
+
+    def spy_decode(qq, keys, values, splits=None):
+        seen["decode"] = (qq.shape, keys.bits, keys.kind, values.kind, keys.codes.shape)
+        kc, vc = Uniform(keys.bits, keys.group), Uniform(values.bits, values.group)
+        kp = {"codes": keys.codes, "scale": keys.a, "zero": keys.b}
+        vp = {"codes": values.codes, "scale": values.a, "zero": values.b}
+        from velox_core import Packed
+
+        t = keys.codes.shape[2]
+        return partial(qq, Segment(kc, Packed(kp, t), vc, Packed(vp, t)))
+
+    def spy_encode(x, bits, group, clip=1.0):
+        seen["encode"] = (x.shape, bits, group, clip)
+        codes, scale, zero = affine_quantize(x, bits, group, "token", clip)
+        return pack(codes, bits), scale, zero
+
+    monkeypatch.setattr(dk, "decode_attention", spy_decode)
+    monkeypatch.setattr(ek, "affine_encode", spy_encode)
+    got = cache.attend(q, 0.1)
+    assert seen["decode"] == ((1, 2, 2, 128), 4, dk.AFFINE, dk.AFFINE, (1, 2, 280, 16))
+    assert mx.allclose(got, ref, atol=2e-3).item()
+    Uniform(3, 32).encode(k[:, :, :8])
+    assert seen["encode"] == ((1, 2, 8, 128), 3, 32, 1.0)
+
+
+def test_kernel_sources_are_found_and_assembled():
+    for name in SOURCES:
+        assert vk.kernel_source(name).strip()
+    with pytest.raises(FileNotFoundError):
+        vk.kernel_source("no_such_kernel.metal")
+    for backend in ("metal", "cuda"):
+        head, body = dk.DECODE.header(backend), dk.DECODE.body(backend)
+        assert head.startswith(f"#define VX_{backend.upper()} 1") and "VELOX_KERNELS_H" in head
+        assert body.startswith(PROLOGUE[backend])
+    with pytest.raises(ValueError, match="backend"):
+        dk.DECODE.body("opencl")
+
+
+def test_get_kernel_builds_once_per_backend(monkeypatch):
+    monkeypatch.setattr(vk, "_BUILT", {})
+    built = []
+    assert vk.get_kernel("x", lambda be: built.append(be) or len(built)) == 1
+    assert vk.get_kernel("x", lambda be: built.append(be) or len(built)) == 1
+    assert built == [vk.backend()]
+
+
+# -- layout and splits ----------------------------------------------------------------------------
+
+
+def test_plan_layouts_and_declines():
+    p = dk.plan(4, 128, dk.AFFINE, 4, 64, dk.AFFINE, 4, 64)
+    assert (p.cpl, p.mb, p.nmb, p.lanes) == (16, 4, 1, 8)
+    p = dk.plan(4, 128, dk.CODEBOOK, 3, 128, dk.CODEBOOK, 3, 128)
+    assert (p.cpl, p.mb, p.nmb, p.lanes) == (32, 2, 2, 4)  # 3-bit rows: 32 channels = 3 words
+    p = dk.plan(7, 128, dk.AFFINE, 8, 32, dk.AFFINE, 8, 32)
+    assert (p.cpl, p.mb, p.nmb) == (8, 8, 1) and p.max_span == 512
+    p = dk.plan(1, 80, dk.AFFINE, 4, 16, dk.AFFINE, 2, 16)
+    assert p.cpl == 16 and p.lanes == 8  # 5 lanes of data, padded to 8
+    assert dk.plan(4, 96, dk.AFFINE, 4, 24, dk.AFFINE, 4, 24).cpl == 8  # 3 lanes per group
+    assert dk.plan(4, 96, dk.AFFINE, 4, 12, dk.AFFINE, 4, 12) is None  # 12 vs 8/16/32 lanes
+    assert dk.plan(4, 100, dk.AFFINE, 4, 4, dk.AFFINE, 4, 4) is None  # no lane width divides 100
+    assert dk.plan(4, 2048, dk.AFFINE, 4, 64, dk.AFFINE, 4, 64) is None  # more than 32 lanes
+
+
+@pytest.mark.parametrize("t", [1, 7, 255, 256, 1000, 4097, 32768, 131072, 131071])
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_splits_cover_the_context_without_empty_or_oversized_splits(t, rows):
+    for m, bits in ((4, 4), (8, 4), (1, 2), (4, 3)):
+        p = dk.plan(m, 128, dk.AFFINE, bits, 64, dk.AFFINE, bits, 64)
+        for s in (dk.choose_splits(t, rows, p), dk.fit_splits(t, 3, p), dk.fit_splits(t, 10**6, p)):
+            span = math.ceil(t / s)  # what the kernel takes per split
+            assert 1 <= s <= t and (s - 1) * span < t <= s * span and span <= p.max_span
+
+
+def test_splits_follow_the_block_target(monkeypatch):
+    p = dk.plan(4, 128, dk.AFFINE, 4, 64, dk.AFFINE, 4, 64)
+    assert dk.choose_splits(131072, 8, p) == 128  # 1024 threadgroups of 1024 tokens
+    monkeypatch.setenv("VELOX_DECODE_BLOCKS", "4096")
+    assert dk.choose_splits(131072, 8, p) == 512
+    monkeypatch.setenv("VELOX_DECODE_WARPS", "3")
+    with pytest.raises(ValueError, match="VELOX_DECODE_WARPS"):
+        dk.plan(4, 128, dk.AFFINE, 4, 64, dk.AFFINE, 4, 64)
+
+
+# -- compile checks (no GPU needed) ---------------------------------------------------------------
+
+F32, U32, H16 = ("float32", 4, 1 << 20), ("uint32", 4, 1 << 20), ("float16", 4, 1 << 20)
+DUMMY = ("float32", 1, 8)
+
+
+def _decode_variants():
+    out = []
+    for kind, bits, m, group in (
+        (dk.AFFINE, 2, 4, 64),
+        (dk.AFFINE, 4, 4, 64),
+        (dk.AFFINE, 8, 4, 64),
+        (dk.AFFINE, 4, 8, 8),
+        (dk.CODEBOOK, 3, 4, 128),
+        (dk.CODEBOOK, 4, 1, 128),
+    ):
+        p = dk.plan(m, 128, kind, bits, group, kind, bits, group)
+        side = dk.Codes(kind, bits, group, None, None)
+        if kind == dk.AFFINE:
+            ins = [U32, H16, H16, DUMMY]
+        else:
+            ins = [U32, ("float16", 3, 1 << 20), ("float16", 1, 8), ("float32", 1, 16)]
+        infos = [ArgInfo(*F32), *(ArgInfo(*a) for a in ins), *(ArgInfo(*a) for a in ins)]
+        out.append((dk.DECODE, infos, ["float32"] * 2, dk.template(p, 128, side, side)))
+    out.append((dk.MERGE, [ArgInfo("float32", 5, 1 << 20)] * 2, ["float32"] * 3, []))
+    for dtype, st in (("float16", mx.float16), ("bfloat16", mx.bfloat16), ("float32", mx.float16)):
+        tmpl = [("BITS", 3), ("HD", 128), ("GROUP", 32), ("CLIPB", ek.clip_bits(0.9)), ("ST", st)]
+        out.append((ek.AFFINE_ENCODE, [ArgInfo(dtype, 2, 1 << 20)], ["uint32", st, st], tmpl))
+    infos = [ArgInfo("float32", 2, 1 << 20), ArgInfo("float32", 1, 7)]
+    out.append((ek.CODEBOOK_ENCODE, infos, ["uint32"], [("BITS", 3), ("HD", 128)]))
+    return out
+
+
+@needs_gxx
+def test_metal_instantiations_compile_through_the_shim(tmp_path):
+    units = []
+    for spec, infos, outs, tmpl in _decode_variants():
+        src, name = metal_source(spec, infos, outs, tmpl)
+        assert f"[[kernel]] void {name}(" in src
+        units.append(src)
+    cpp = tmp_path / "metal_kernels.cpp"
+    cpp.write_text('#include "metal_shim.h"\n' + "\n".join(units))
+    cmd = [GXX, "-std=c++17", "-fsyntax-only", "-Wall", "-Wno-attributes", "-Wno-unused"]
+    res = subprocess.run(
+        [*cmd, "-I", str(shim_dir()), str(cpp)], capture_output=True, text=True, check=False
+    )
+    assert res.returncode == 0, res.stderr[-6000:]
+
+
+@needs_gxx
+def test_the_shim_catches_a_broken_body(tmp_path):
+    spec = dk.MERGE
+    src, _ = metal_source(spec, [ArgInfo("float32", 5, 1 << 20)] * 2, ["float32"] * 3)
+    broken = src.replace("vx_exp2(ml_part[r * 2] - top)", "vx_exp2(ml_part[r * 2] - tpo)")
+    cpp = tmp_path / "broken.cpp"
+    cpp.write_text('#include "metal_shim.h"\n' + broken)
+    res = subprocess.run(
+        [GXX, "-std=c++17", "-fsyntax-only", "-w", "-I", str(shim_dir()), str(cpp)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert res.returncode != 0 and "tpo" in res.stderr
+
+
+@needs_nvcc
+def test_cuda_instantiations_compile_without_spills(tmp_path):
+    """nvcc compiles the CUDA instantiations for sm_90a (H100/H200) down to machine code.
+
+    Against MLX's real device headers when ``VELOX_MLX_CUDA_INCLUDE`` names them (the
+    ``include`` folder holding ``mlx/backend/cuda/device/utils.cuh``), else the stand-in in
+    ``metal/shim/cuda``."""
+    units = [cuda_source(*v)[0] for v in _decode_variants()]
+    cu = tmp_path / "kernels.cu"
+    cu.write_text("\n".join(units))
+    inc = os.environ.get("VELOX_MLX_CUDA_INCLUDE") or str(shim_dir() / "cuda")
+    cmd = [NVCC, "-std=c++17", "-arch=sm_90a", "-Xptxas", "-v", "-I", inc, "-c", str(cu)]
+    res = subprocess.run(
+        [*cmd, "-o", str(tmp_path / "k.o")], capture_output=True, text=True, check=False
+    )
+    assert res.returncode == 0, res.stderr[-6000:]
+    found = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", res.stderr)
+    assert len(found) == len(units) and all(f == ("0", "0") for f in found), res.stderr[-3000:]
+
+
+# -- emulation: the Metal instantiation run on the CPU --------------------------------------------
+
+DECODE_CASES = {
+    # name: (B, H, T, M, bits, group, scale dtype, splits, pad)
+    "4bit-splits": (1, 2, 150, 4, 4, 64, mx.float16, 3, 0),
+    "2bit-b2-strided": (2, 1, 77, 4, 2, 64, mx.float16, None, 5),
+    "8bit-mha-bf16": (1, 1, 300, 1, 8, 64, mx.bfloat16, 2, 0),
+    "4bit-pad-rows-g8": (1, 1, 64, 6, 4, 8, mx.float16, None, 0),
+    "3bit-two-blocks": (1, 1, 100, 4, 3, 32, mx.float16, None, 3),
+    "4bit-gqa8-odd": (1, 1, 91, 8, 4, 64, mx.float32, 2, 0),
+    "6bit-one-token": (1, 2, 1, 4, 6, 64, mx.float16, None, 2),
+}
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    if GXX is None:
+        pytest.skip("g++ is not installed: the kernels cannot be emulated here")
+    emu = Emulator(tmp_path_factory.mktemp("emu"))
+    cases = {}
+    for name, (b, h, t, m, bits, group, dt, splits, pad) in DECODE_CASES.items():
+        q, keys, vals, ref = uniform_case(b, h, t, m, bits, group, dt, seed=len(cases))
+        run = DecodeRun(emu, q, keys, vals, splits=splits, pad=pad)
+        cases[name] = (_Memo(run), ref, q, keys, vals)
+    return emu, cases
+
+
+class _Memo:
+    """A DecodeRun whose result is computed once (emulation is slow)."""
+
+    def __init__(self, run):
+        self.run, self.out = run, None
+
+    def __getattr__(self, name):
+        return getattr(self.run, name)
+
+    def __call__(self):
+        if self.out is None:
+            self.out = self.run()
+        return self.out
+
+
+@pytest.mark.parametrize("name", list(DECODE_CASES))
+def test_decode_kernel_matches_the_reference_partial(emulated, name):
+    _, cases = emulated
+    run, ref, *_ = cases[name]
+    assert_partial_close(run(), ref)
+
+
+def test_decode_kernel_partials_merge_with_other_segments(emulated):
+    """The kernel's partial joins fp16 segments in one softmax (merge_partials format)."""
+    _, cases = emulated
+    run, _, q, keys, vals = cases["4bit-splits"]
+    o, m, l = (mx.array(x) for x in run())
+    b, h, mm, d = o.shape
+    win_k = mx.random.normal((b, h, 9, d), key=mx.random.key(11)).astype(mx.float16)
+    win_v = mx.random.normal((b, h, 9, d), key=mx.random.key(12)).astype(mx.float16)
+    ident = Identity()
+    seg = Segment(ident, ident.encode(win_k), ident, ident.encode(win_v))
+    got = merge_partials([(o, m, l), partial(q, seg)])
+    kc = Uniform(4)
+    body = Segment(kc, _packed(keys), kc, _packed(vals))
+    want = merge_partials([partial(q, body), partial(q, seg)])
+    assert np.abs(np.asarray(got - want)).max() < 1e-4
+    # and it is plain softmax attention over the decoded tokens
+    full = attend(q.reshape(b, h * mm, 1, d), [body, seg], 1.0).reshape(b, h, mm, d)
+    assert np.abs(np.asarray(got - full)).max() < 1e-4
+
+
+def _packed(side):
+    from velox_core import Packed
+
+    return Packed({"codes": side.codes, "scale": side.a, "zero": side.b}, side.codes.shape[2])
+
+
+def test_split_partials_are_split_local(emulated):
+    """Each split's (max, sum) describes its own tokens only: the last split of an uneven
+    context holds fewer tokens, and every split is non-empty."""
+    _, cases = emulated
+    run, *_ = cases["4bit-gqa8-odd"]
+    _, ml = run.partials()
+    assert run.s == 2 and np.all(ml[..., 1] >= 1.0 - 1e-6)  # each sum includes its max's term
+
+
+_WIDTHS = ((2, 64), (3, 32), (4, 64), (5, 128), (6, 64), (7, 32), (8, 16), (4, 4))
+ENCODE_CASES = [
+    *((bits, group, mx.float16, clip) for bits, group in _WIDTHS for clip in (1.0, 0.85)),
+    (4, 64, mx.bfloat16, 1.0),
+    (2, 32, mx.bfloat16, 0.85),
+    (8, 128, mx.bfloat16, 1.0),
+    (4, 64, mx.float32, 1.0),
+    (3, 64, mx.float32, 0.85),
+]
+
+
+@pytest.fixture(scope="module")
+def encoders(tmp_path_factory):
+    if GXX is None:
+        pytest.skip("g++ is not installed: the kernels cannot be emulated here")
+    emu = Emulator(tmp_path_factory.mktemp("emu_enc"))
+    handles = {}
+    for bits, group, dtype, clip in ENCODE_CASES:
+        x = _encode_input(dtype)
+        sdt = mx.bfloat16 if dtype == mx.bfloat16 else mx.float16
+        tmpl = [
+            ("BITS", bits),
+            ("HD", 128),
+            ("GROUP", group),
+            ("CLIPB", ek.clip_bits(clip)),
+            ("ST", sdt),
+        ]
+        outs = ["uint32", sdt, sdt]
+        handles[(bits, group, dtype, clip)] = emu.kernel(
+            ek.AFFINE_ENCODE, [np_input(x.reshape(-1, 128))], outs, tmpl, sequential=True
+        )
+    for bits in (2, 3, 4):
+        bounds = np.asarray(lloyd_max_sphere(bits, 128).boundaries)
+        handles[("codebook", bits)] = emu.kernel(
+            ek.CODEBOOK_ENCODE,
+            [np.zeros((40, 128), np.float32), bounds],
+            ["uint32"],
+            [("BITS", bits), ("HD", 128)],
+            sequential=True,
+        )
+    return emu, handles
+
+
+def _encode_input(dtype):
+    x = mx.random.normal((2, 3, 7, 128), key=mx.random.key(3)) * 2.0
+    x = mx.where(mx.arange(128) % 17 == 0, x * 8.0, x)  # outlier channels
+    x[0, 0, 0, :64] = 0.5  # a constant group: scale floors at 1e-8
+    return x.astype(dtype)
+
+
+@pytest.mark.parametrize("bits,group,dtype,clip", ENCODE_CASES)
+def test_affine_encode_kernel_is_bit_exact(encoders, bits, group, dtype, clip):
+    emu, handles = encoders
+    x = _encode_input(dtype)
+    rows = x.size // 128
+    words = -(-128 * bits // 32)
+    codes, scale, zero = emu.run(
+        handles[(bits, group, dtype, clip)],
+        [np_input(x.reshape(rows, 128))],
+        [(rows, words), (rows, 128 // group), (rows, 128 // group)],
+        (rows, 1, 1),
+        (64, 1, 1),
+    )
+    rc, rs, rz = affine_quantize(x, bits, group, "token", clip)
+    want = np.asarray(pack(rc, bits)).reshape(rows, words)
+    assert np.array_equal(codes, want)
+    as_bits = (lambda a: np.asarray(a.view(mx.uint16))) if dtype == mx.bfloat16 else np.asarray
+    assert np.array_equal(scale, as_bits(rs).reshape(rows, -1))
+    assert np.array_equal(zero, as_bits(rz).reshape(rows, -1))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_codebook_encode_kernel_is_bit_exact(encoders, bits):
+    emu, handles = encoders
+    book = lloyd_max_sphere(bits, 128)
+    y = mx.random.normal((40, 128), key=mx.random.key(bits)) / math.sqrt(128)
+    y[0, :8] = mx.array(np.resize(book.boundaries, 8))  # ties: x == threshold moves up
+    (codes,) = emu.run(
+        handles[("codebook", bits)],
+        [np.asarray(y), np.asarray(book.boundaries)],
+        [(40, -(-128 * bits // 32))],
+        (40, 1, 1),
+        (64, 1, 1),
+    )
+    assert np.array_equal(codes, np.asarray(pack(book.encode(y), bits)))
+
+
+# -- the library's own host code, with the kernels emulated ---------------------------------------
+
+
+@needs_gxx
+def test_cache_on_an_emulated_gpu_matches_the_reference(monkeypatch, tmp_path):
+    """A UniformCache filled and attended with the backend reported as Metal: encode() and
+    attend() go through the library's kernel calls (affine_encode, decode_attention and its
+    merge), each run by the emulator; codes equal the CPU cache's bit for bit and attention
+    matches the reference path."""
+    bits, dtype = 4, mx.bfloat16
+    k, v = kv_data(t=300, dtype=dtype)
+    q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(9)).astype(dtype)
+    ref_cache = UniformCache(bits=bits, window=16, sinks=4)
+    ref_cache.update_and_fetch(k[:, :, :290], v[:, :, :290])
+    ref_cache.update_and_fetch(k[:, :, 290:], v[:, :, 290:])
+    ref = ref_cache.attend(q, 0.088)
+
+    fake = EmulatedKernels(tmp_path)
+    monkeypatch.setattr(vk, "backend", lambda: "metal")
+    monkeypatch.setattr(KernelSpec, "kernel", lambda self: fake.kernel_for(self))
+    cache = UniformCache(bits=bits, window=16, sinks=4)
+    cache.update_and_fetch(k[:, :, :290], v[:, :, :290])
+    cache.update_and_fetch(k[:, :, 290:], v[:, :, 290:])
+    got = cache.attend(q, 0.088)
+    names = [name for name, _ in fake.calls]
+    assert names.count("velox_encode_affine") == 4  # keys and values, two flushes
+    assert names[-2:] == ["velox_decode_attention", "velox_decode_merge"]
+    body, ref_body = cache.segments()[1], ref_cache.segments()[1]
+    for name in ("codes", "scale", "zero"):
+        assert mx.array_equal(body.keys.data[name], ref_body.keys.data[name]).item()
+        assert mx.array_equal(body.values.data[name], ref_body.values.data[name]).item()
+    assert (
+        got.dtype == ref.dtype and np.abs(np.asarray((got - ref).astype(mx.float32))).max() < 2e-2
+    )

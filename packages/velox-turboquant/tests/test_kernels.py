@@ -1,0 +1,127 @@
+"""TurboQuant's kernel paths, checked on a machine without a GPU.
+
+The kernels are velox-core's (``metal/decode_attention.metal`` with codebook codes,
+``metal/encode_codebook.metal``); here the TurboQuant glue is checked: which codecs take the
+kernel path, and — with the kernels' Metal instantiation emulated on the CPU
+(``velox_core.kernels.emulate``) — that the rotated-domain attention and the fused encode
+match the reference.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import velox_core.kernels as vk
+from velox_core import Packed, Uniform
+from velox_core.cache.attention import Segment, partial
+from velox_core.kernels.build import KernelSpec
+from velox_core.kernels.emulate import EmulatedKernels
+from velox_core.testing import kv_data
+from velox_turboquant import TurboQuant, TurboQuantCache
+
+needs_gxx = pytest.mark.skipif(
+    shutil.which("g++") is None, reason="g++ is not installed: the kernels cannot be emulated"
+)
+
+
+def records(bits, t=200, key_variant="mse", seed=0):
+    k, v = kv_data(t=t, seed=seed)
+    kc, vc = TurboQuant(bits, key_variant), TurboQuant(bits, "mse", seed=1)
+    for c in (kc, vc):
+        c.check(128, mx.float16)
+    return kc, kc.encode(k), vc, vc.encode(v)
+
+
+@pytest.fixture
+def emulated_gpu(monkeypatch, tmp_path):
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is not installed: the kernels cannot be emulated")
+    fake = EmulatedKernels(tmp_path)
+    monkeypatch.setattr(vk, "backend", lambda: "metal")
+    monkeypatch.setattr(KernelSpec, "kernel", lambda self: fake.kernel_for(self))
+    return fake
+
+
+def test_attend_partial_is_none_on_the_cpu():
+    if mx.default_device().type == mx.DeviceType.gpu:
+        pytest.skip("the default device is a GPU")
+    kc, kp, vc, vp = records(4, t=32)
+    assert kc.attend_partial(mx.zeros((1, 2, 4, 128)), kp, vc, vp) is None
+
+
+def test_attend_partial_declines_what_the_kernel_does_not_cover(monkeypatch):
+    prod = records(3, t=64, key_variant="prod")
+    frac = records(2.5, t=64)
+    kc, kp, _, _ = records(4, t=64)
+    u = Uniform(4)
+    up = u.encode(kv_data(t=64)[1])
+    monkeypatch.setattr(vk, "backend", lambda: "cuda")  # a GPU as far as dispatch can tell
+    called = []
+    monkeypatch.setattr(
+        "velox_turboquant.kernels.decode_attention", lambda *a: called.append(a) or None
+    )
+    q = mx.zeros((1, 2, 4, 128))
+    assert prod[0].attend_partial(q, *prod[1:]) is None  # prod keys (QJL sketch)
+    assert frac[0].attend_partial(q, *frac[1:]) is None  # fractional widths
+    assert kc.attend_partial(q, kp, u, up) is None  # another value codec
+    assert not called
+
+
+@needs_gxx
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_emulated_kernel_attention_matches_the_reference(emulated_gpu, bits):
+    """Rotated query against levels x norms, values mixed in the rotated domain, one inverse
+    rotation: the kernel path equals the codec's reference scores/mix path."""
+    kc, kp, vc, vp = records(bits, t=150 + bits)  # (encoded by the emulated kernel)
+    emulated_gpu.calls.clear()
+    q = mx.random.normal((1, 2, 4, 128), key=mx.random.key(bits)) * 0.2
+    got = kc.attend_partial(q, kp, vc, vp)
+    ref = partial(q, Segment(kc, kp, vc, vp))
+    assert [name for name, _ in emulated_gpu.calls] == [
+        "velox_decode_attention",
+        "velox_decode_merge",
+    ]
+    for g, r in zip(got, ref):
+        g, r = np.asarray(g), np.asarray(r)
+        assert g.shape == r.shape
+        assert np.abs(g - r).max() <= 2e-5 * max(1.0, np.abs(r).max())
+
+
+@needs_gxx
+def test_emulated_cache_encodes_bit_exact_and_attends(emulated_gpu, monkeypatch):
+    """TurboQuantCache with the kernels (emulated): the fused encode gives the reference codes
+    and norms, and a decode step matches the reference cache."""
+    k, v = kv_data(t=120)
+    q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(3)).astype(mx.float16)
+    cache = TurboQuantCache(bits=3, window=8)
+    cache.update_and_fetch(k, v)
+    got = cache.attend(q, 0.088)
+    names = [name for name, _ in emulated_gpu.calls]
+    assert names.count("velox_encode_codebook") == 2 and names[-1] == "velox_decode_merge"
+    body = cache.segments()[0]
+
+    monkeypatch.setattr(vk, "backend", lambda: "cpu")  # the reference path
+    ref_cache = TurboQuantCache(bits=3, window=8)
+    ref_cache.update_and_fetch(k, v)
+    ref = ref_cache.attend(q, 0.088)
+    ref_body = ref_cache.segments()[0]
+    for name in ("codes", "norm"):
+        assert mx.array_equal(body.keys.data[name], ref_body.keys.data[name]).item()
+        assert mx.array_equal(body.values.data[name], ref_body.values.data[name]).item()
+    assert np.abs(np.asarray((got - ref).astype(mx.float32))).max() < 2e-3
+
+
+@needs_gxx
+def test_prod_keys_keep_the_reference_encode(emulated_gpu):
+    """The fused encode covers mse only: prod codes (with their residual sketch) take the
+    reference path even when kernels are on."""
+    k, _ = kv_data(t=16)
+    kc = TurboQuant(3, "prod")
+    kc.check(128, mx.float16)
+    rec = kc.encode(k)
+    assert "signs" in rec.data and not emulated_gpu.calls
+    assert isinstance(rec, Packed)
