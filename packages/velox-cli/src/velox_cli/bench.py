@@ -22,7 +22,9 @@ from .data import find_shared, load_text, recall_prompts, token_stream
 from .evaluate import Row, decode_quality, reference_run, retrieval
 from .specs import Spec, build_caches
 
-__all__ = ["BenchSettings", "load_model", "run_bench"]
+__all__ = ["DEPTHS", "BenchSettings", "load_model", "run_bench"]
+
+DEPTHS = (0.1, 0.5, 0.9)  # where the recalled definition sits in the context
 
 
 @dataclass
@@ -30,8 +32,8 @@ class BenchSettings:
     """How much to measure. ``quick`` shrinks everything for a smoke run."""
 
     context: int = 2048
-    samples: int = 2
-    continuation: int = 24
+    samples: int = 1
+    continuation: int = 32
     recall_trials: int = 1
     chunk: int = 512
     quick: bool = False
@@ -42,7 +44,7 @@ class BenchSettings:
         return BenchSettings(min(self.context, 1024), 1, 16, 1, self.chunk, True)
 
     def recall_lengths(self) -> list[int]:
-        return sorted({max(256, self.context // 2), self.context})
+        return [self.context]
 
 
 def load_model(path: str | None):
@@ -112,7 +114,7 @@ def run_bench(
     model, tokenizer, store, path = load_model(model_path)
     stream = token_stream(tokenizer, load_text(data))
     samples = _samples(stream, s)
-    prompts = recall_prompts(tokenizer, stream, s.recall_lengths(), [0.25, 0.75], s.recall_trials)
+    prompts = recall_prompts(tokenizer, stream, s.recall_lengths(), DEPTHS, s.recall_trials)
     tick = progress or (lambda desc, n=1: None)
     tick("fp16 reference", 0)
     ref = reference_run(
