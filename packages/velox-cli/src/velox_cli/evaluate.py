@@ -8,7 +8,8 @@
   match of the value.
 * Memory: the caches' resident bytes (``nbytes``: every array they hold, capacity included)
   after the prefix and continuation, per token and against the fp16 cache measured on the
-  same tokens; MLX's active and peak memory during the run (weights included).
+  same tokens; MLX's peak memory during the first sample's chunked prefill and over the whole
+  run, and its active memory after the first sample (weights included).
 * Speed: prefill and decode tokens per second.
 
 Attention is routed to velox caches (:func:`velox_core.routed`) for every run.
@@ -98,6 +99,7 @@ class Row:
     prefill_tps: float = 0.0
     decode_tps: float = 0.0
     peak_memory: int = 0
+    prefill_peak_memory: int = 0
     active_memory: int = 0
     tokens: int = 0
     error: str | None = None
@@ -107,14 +109,17 @@ class Row:
         return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in out.items()}
 
 
-def _run_sample(model, caches, prefix, cont, chunk) -> tuple[np.ndarray, float, float]:
+def _run_sample(model, caches, prefix, cont, chunk) -> tuple[np.ndarray, float, float, int]:
+    mx.clear_cache()
+    mx.reset_peak_memory()
     t0 = time.perf_counter()
     with routed(model):
         logits = prefill(model, caches, prefix, chunk)
         t1 = time.perf_counter()
+        peak = int(mx.get_peak_memory())
         lp = teacher_force(model, caches, logits, cont)
     t2 = time.perf_counter()
-    return lp, t1 - t0, t2 - t1
+    return lp, t1 - t0, t2 - t1, peak
 
 
 def reference_run(model, make_caches: Callable[[], list], samples, chunk: int = 512) -> Reference:
@@ -122,7 +127,7 @@ def reference_run(model, make_caches: Callable[[], list], samples, chunk: int = 
     lps, nbytes, tokens = [], 0, 0
     for i, (prefix, cont) in enumerate(samples):
         caches = make_caches()
-        lp, _, _ = _run_sample(model, caches, prefix, cont, chunk)
+        lp, _, _, _ = _run_sample(model, caches, prefix, cont, chunk)
         lps.append(lp)
         if i == 0:
             nbytes = sum(c.nbytes for c in caches)
@@ -139,8 +144,9 @@ def decode_quality(
     pre_n = dec_n = 0
     for i, (prefix, cont) in enumerate(samples):
         caches = make_caches()
-        lp, tp, td = _run_sample(model, caches, prefix, cont, chunk)
+        lp, tp, td, peak = _run_sample(model, caches, prefix, cont, chunk)
         if i == 0:
+            row.prefill_peak_memory = peak
             row.cache_bytes = int(sum(c.nbytes for c in caches))
             row.tokens = int(caches[0].offset)
             row.active_memory = int(mx.get_active_memory())
