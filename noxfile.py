@@ -100,7 +100,7 @@ def build(session: nox.Session) -> None:
         session.run(
             "uv", "pip", "install", "-q", "--python", py, "--find-links", str(dist), str(wheel)
         )
-        session.run(py, str(ROOT / "tools" / "check_wheel.py"), module, env=_env())
+        session.run(py, str(ROOT / "tools" / "check_wheel.py"), module, env=_env(), external=True)
 
 
 @nox.session

@@ -15,6 +15,9 @@ def main(module: str) -> int:
     mod = importlib.import_module(module)
     print(f"{module} {getattr(mod, '__version__', '?')} imported from {mod.__file__}")
     kernels = resources.files(module) / "kernels" / "src"
+    if module == "velox_core" and not kernels.is_dir():
+        print("velox_core: the wheel ships no kernel sources (kernels/src)", file=sys.stderr)
+        return 1
     if kernels.is_dir():
         names = sorted(p.name for p in kernels.iterdir())
         if not names:
