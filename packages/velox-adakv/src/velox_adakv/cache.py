@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from velox_core import PresetCache, Uniform, resolve_bits
+from velox_core import PresetCache, kept_codecs
 
 from .config import AdaKVConfig
 from .policy import AdaKVPolicy
@@ -36,10 +36,7 @@ class AdaKVCache(PresetCache):
     Config = AdaKVConfig
 
     def build(self, cfg: AdaKVConfig) -> dict[str, Any]:
-        codecs: dict[str, Any] = {}
-        if cfg.bits is not None:
-            kb, vb = resolve_bits(cfg.bits, cfg.key_bits, cfg.value_bits)
-            codecs = {"key_codec": Uniform(kb, cfg.group), "value_codec": Uniform(vb, cfg.group)}
+        codecs = kept_codecs(cfg)
         policy = AdaKVPolicy(
             budget=cfg.budget,
             every=cfg.every,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from velox_core.validation import check_bits, check_choice, check_float, check_int
+from velox_core import check_kept_codes
+from velox_core.validation import check_choice, check_float, check_int
 
 __all__ = ["BASES", "POOLINGS", "AdaKVConfig"]
 
@@ -65,12 +66,7 @@ class AdaKVConfig:
             raise ValueError(f"kernel must be odd (centred pooling), got {self.kernel}")
         check_choice("pooling", self.pooling, POOLINGS)
         check_choice("base", self.base, BASES)
-        for name in ("bits", "key_bits", "value_bits"):
-            if getattr(self, name) is not None:
-                check_bits(name, getattr(self, name), 2, 8)
-        if self.bits is None and (self.key_bits is not None or self.value_bits is not None):
-            raise ValueError("key_bits/value_bits need bits (the codes of the kept tokens)")
-        check_int("group", self.group, minimum=1)
+        check_kept_codes(self)
         if self.budget <= self.sinks + self.window:
             raise ValueError(
                 f"budget={self.budget} must exceed sinks + window = {self.sinks + self.window}"

@@ -9,7 +9,7 @@ the method registry (:mod:`velox_core.registry`). Importing it has no side effec
 from importlib.metadata import PackageNotFoundError, version
 
 from .cache import PackedStore, Segment, Tier, VeloxCache, attend
-from .cache.preset import PresetCache, resolve_bits
+from .cache.preset import PresetCache, check_kept_codes, kept_codecs, resolve_bits
 from .cache.uniform import UniformCache, UniformConfig
 from .codec import Codec, Identity, Packed, Uniform
 from .io import inspect_cache_file, load_cache, save_cache
@@ -38,11 +38,13 @@ __all__ = [
     "VeloxCache",
     "__version__",
     "attend",
+    "check_kept_codes",
     "disable",
     "enable",
     "generate",
     "get_method",
     "inspect_cache_file",
+    "kept_codecs",
     "load_cache",
     "make",
     "make_cache",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from velox_core import PresetCache, Uniform, resolve_bits
+from velox_core import PresetCache, kept_codecs
 
 from .config import NestedKVConfig
 from .policy import NestedKVPolicy
@@ -30,10 +30,7 @@ class NestedKVCache(PresetCache):
     Config = NestedKVConfig
 
     def build(self, cfg: NestedKVConfig) -> dict[str, Any]:
-        codecs: dict[str, Any] = {}
-        if cfg.bits is not None:
-            kb, vb = resolve_bits(cfg.bits, cfg.key_bits, cfg.value_bits)
-            codecs = {"key_codec": Uniform(kb, cfg.group), "value_codec": Uniform(vb, cfg.group)}
+        codecs = kept_codecs(cfg)
         policy = NestedKVPolicy(
             budget=cfg.budget,
             every=cfg.every,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from velox_core.validation import check_bits, check_choice, check_float, check_int
+from velox_core import check_kept_codes
+from velox_core.validation import check_choice, check_float, check_int
 
 from .policy import HEADS, check_prior
 from .scores import PRIOR
@@ -67,12 +68,7 @@ class NestedKVConfig:
         self.prior = check_prior(self.prior)
         check_float("safeguard", self.safeguard, minimum=0.0, maximum=1.0)
         check_choice("heads", self.heads, HEADS)
-        for name in ("bits", "key_bits", "value_bits"):
-            if getattr(self, name) is not None:
-                check_bits(name, getattr(self, name), 2, 8)
-        if self.bits is None and (self.key_bits is not None or self.value_bits is not None):
-            raise ValueError("key_bits/value_bits need bits (the codes of the kept tokens)")
-        check_int("group", self.group, minimum=1)
+        check_kept_codes(self)
         check_int("window", self.window, minimum=0)
         if self.budget <= self.sinks + self.window:
             raise ValueError(

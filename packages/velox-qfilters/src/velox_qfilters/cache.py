@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from velox_core import PresetCache, Uniform, resolve_bits
+from velox_core import PresetCache, kept_codecs
 
 from .config import QFiltersConfig
 from .policy import QFiltersPolicy
@@ -32,9 +32,6 @@ class QFiltersCache(PresetCache):
     Config = QFiltersConfig
 
     def build(self, cfg: QFiltersConfig) -> dict[str, Any]:
-        codecs: dict[str, Any] = {}
-        if cfg.bits is not None:
-            kb, vb = resolve_bits(cfg.bits, cfg.key_bits, cfg.value_bits)
-            codecs = {"key_codec": Uniform(kb, cfg.group), "value_codec": Uniform(vb, cfg.group)}
+        codecs = kept_codecs(cfg)
         policy = QFiltersPolicy(cfg.budget, cfg.every, cfg.filters, cfg.layer)
         return {**codecs, "sinks": cfg.sinks, "window": cfg.window, "policy": policy}

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from velox_core.validation import check_bits, check_int
+from velox_core import check_kept_codes
+from velox_core.validation import check_int
 
 
 @dataclass
@@ -43,12 +44,7 @@ class QFiltersConfig:
         check_int("sinks", self.sinks, minimum=0)
         check_int("window", self.window, minimum=0)
         check_int("every", self.every, minimum=1)
-        for name in ("bits", "key_bits", "value_bits"):
-            if getattr(self, name) is not None:
-                check_bits(name, getattr(self, name), 2, 8)
-        if self.bits is None and (self.key_bits is not None or self.value_bits is not None):
-            raise ValueError("key_bits/value_bits need bits (the codes of the kept tokens)")
-        check_int("group", self.group, minimum=1)
+        check_kept_codes(self)
         if self.filters is not None:
             if not isinstance(self.filters, (str, os.PathLike)):
                 raise TypeError(f"filters must be a path or None, got {self.filters!r}")

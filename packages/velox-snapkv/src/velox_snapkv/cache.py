@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from velox_core import PresetCache, Uniform, resolve_bits
+from velox_core import PresetCache, kept_codecs
 
 from .config import SnapKVConfig
 from .policy import SnapKVPolicy
@@ -27,10 +27,7 @@ class SnapKVCache(PresetCache):
     Config = SnapKVConfig
 
     def build(self, cfg: SnapKVConfig) -> dict[str, Any]:
-        codecs: dict[str, Any] = {}
-        if cfg.bits is not None:
-            kb, vb = resolve_bits(cfg.bits, cfg.key_bits, cfg.value_bits)
-            codecs = {"key_codec": Uniform(kb, cfg.group), "value_codec": Uniform(vb, cfg.group)}
+        codecs = kept_codecs(cfg)
         policy = SnapKVPolicy(
             budget=cfg.budget,
             every=cfg.every,

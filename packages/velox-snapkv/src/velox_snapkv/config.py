@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from velox_core.validation import check_bits, check_int
+from velox_core import check_kept_codes
+from velox_core.validation import check_int
 
 from .votes import check_kernel, check_pooling
 
@@ -50,12 +51,7 @@ class SnapKVConfig:
         if self.every is not None:
             check_int("every", self.every, minimum=1)
         check_int("sinks", self.sinks, minimum=0)
-        for name in ("bits", "key_bits", "value_bits"):
-            if getattr(self, name) is not None:
-                check_bits(name, getattr(self, name), 2, 8)
-        if self.bits is None and (self.key_bits is not None or self.value_bits is not None):
-            raise ValueError("key_bits/value_bits need bits (the codes of the kept tokens)")
-        check_int("group", self.group, minimum=1)
+        check_kept_codes(self)
         check_int("window", self.window, minimum=0)
         if self.budget <= self.sinks + max(self.window, self.observe):
             raise ValueError(

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from velox_core import PresetCache, RetentionPolicy, Uniform, resolve_bits
+from velox_core import PresetCache, RetentionPolicy, kept_codecs
 
 from .config import StreamingLLMConfig
 
@@ -32,10 +32,7 @@ class StreamingLLMCache(PresetCache):
     Config = StreamingLLMConfig
 
     def build(self, cfg: StreamingLLMConfig) -> dict[str, Any]:
-        codecs: dict[str, Any] = {}
-        if cfg.bits is not None:
-            kb, vb = resolve_bits(cfg.bits, cfg.key_bits, cfg.value_bits)
-            codecs = {"key_codec": Uniform(kb, cfg.group), "value_codec": Uniform(vb, cfg.group)}
+        codecs = kept_codecs(cfg)
         return {
             **codecs,
             "sinks": cfg.sinks,

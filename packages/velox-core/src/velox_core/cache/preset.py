@@ -13,12 +13,36 @@ from typing import Any, ClassVar
 
 from .velox import VeloxCache
 
-__all__ = ["PresetCache", "resolve_bits"]
+__all__ = ["PresetCache", "check_kept_codes", "kept_codecs", "resolve_bits"]
 
 
 def resolve_bits(bits, key_bits, value_bits):
     """``key_bits`` and ``value_bits`` default to ``bits``."""
     return (bits if key_bits is None else key_bits, bits if value_bits is None else value_bits)
+
+
+def check_kept_codes(cfg: Any) -> None:
+    """Validate the settings eviction presets share for coding the tokens they keep:
+    ``bits`` (None keeps them as given), ``key_bits``/``value_bits`` (2 to 8, need ``bits``)
+    and ``group``."""
+    from ..validation import check_bits, check_int
+
+    for name in ("bits", "key_bits", "value_bits"):
+        if getattr(cfg, name) is not None:
+            check_bits(name, getattr(cfg, name), 2, 8)
+    if cfg.bits is None and (cfg.key_bits is not None or cfg.value_bits is not None):
+        raise ValueError("key_bits/value_bits need bits (the codes of the kept tokens)")
+    check_int("group", cfg.group, minimum=1)
+
+
+def kept_codecs(cfg: Any) -> dict[str, Any]:
+    """``velox_core.Uniform`` key and value codecs for the kept tokens, or none (fp16)."""
+    from ..codec.uniform import Uniform
+
+    if cfg.bits is None:
+        return {}
+    kb, vb = resolve_bits(cfg.bits, cfg.key_bits, cfg.value_bits)
+    return {"key_codec": Uniform(kb, cfg.group), "value_codec": Uniform(vb, cfg.group)}
 
 
 class PresetCache(VeloxCache):
