@@ -8,7 +8,7 @@ from rich.table import Table
 
 from .evaluate import Row
 
-__all__ = ["markdown", "table"]
+__all__ = ["markdown", "rows_from_json", "table"]
 
 COLUMNS = (
     "spec",
@@ -20,6 +20,7 @@ COLUMNS = (
     "recall",
     "prefill tok/s",
     "decode tok/s",
+    "prefill peak MiB",
     "peak MiB",
 )
 
@@ -41,6 +42,7 @@ def _cells(r: Row) -> list[str]:
         f(r.retrieval, ".2f"),
         f(r.prefill_tps, ",.0f"),
         f(r.decode_tps, ",.1f"),
+        f(r.prefill_peak_memory / 2**20, ",.1f"),
         f(r.peak_memory / 2**20, ",.0f"),
     ]
 
@@ -62,3 +64,19 @@ def markdown(rows: list[Row]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def rows_from_json(path: str) -> tuple[list[Row], dict]:
+    """Rows and run info from a ``velox bench --json`` file."""
+    import json
+    from pathlib import Path
+
+    doc = json.loads(Path(path).read_text())
+    rows = []
+    for r in doc["rows"]:
+        r = {
+            k: (float("nan") if v is None and k in ("kl", "top1", "ppl", "retrieval") else v)
+            for k, v in r.items()
+        }
+        rows.append(Row(**r))
+    return rows, doc["info"]
