@@ -53,8 +53,8 @@ def test_bench_quick_writes_rows_table_and_chart(model_dir, text_file, tmp_path,
         ]
     )
     assert rc == 0
-    doc = json.loads(out.read_text())
-    rows = doc["rows"]
+    rows = json.loads(out.read_text())
+    assert isinstance(rows, list) and rows[0]["run"]["context"] == 256
     assert [r["spec"] for r in rows] == ["fp16", "mlx-q8", "uniform:bits=4"]
     for r in rows:
         assert set(r) >= FIELDS and r["error"] is None

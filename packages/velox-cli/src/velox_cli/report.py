@@ -72,11 +72,14 @@ def rows_from_json(path: str) -> tuple[list[Row], dict]:
     from pathlib import Path
 
     doc = json.loads(Path(path).read_text())
+    items = doc["rows"] if isinstance(doc, dict) else doc
+    info = doc["info"] if isinstance(doc, dict) else (items[0].get("run", {}) if items else {})
     rows = []
-    for r in doc["rows"]:
+    for r in items:
+        r = {k: v for k, v in r.items() if k != "run"}
         r = {
             k: (float("nan") if v is None and k in ("kl", "top1", "ppl", "retrieval") else v)
             for k, v in r.items()
         }
         rows.append(Row(**r))
-    return rows, doc["info"]
+    return rows, info
