@@ -157,9 +157,9 @@ def run_bench(
 
 
 def write_json(path: str, rows: list[Row], info: dict) -> None:
-    Path(path).write_text(
-        json.dumps({"info": info, "rows": [r.to_json() for r in rows]}, indent=1) + "\n"
-    )
+    """A JSON list of rows, one per spec; each carries the run's settings under ``run``."""
+    out = [{**r.to_json(), "run": info} for r in rows]
+    Path(path).write_text(json.dumps(out, indent=1) + "\n")
 
 
 def chart(path: str, rows: list[Row]) -> None:
