@@ -32,8 +32,8 @@ class BenchSettings:
     """How much to measure. ``quick`` shrinks everything for a smoke run."""
 
     context: int = 2048
-    samples: int = 1
-    continuation: int = 32
+    samples: int = 2
+    continuation: int = 24
     recall_trials: int = 1
     chunk: int = 512
     quick: bool = False

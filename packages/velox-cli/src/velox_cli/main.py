@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
         "--recall-trials",
         type=int,
         default=1,
-        help="recall prompts per length (context/2 and context) and depth (0.25, 0.75)",
+        help="recall prompts per depth (0.1, 0.5, 0.9) of the full context (default 1)",
     )
     b.add_argument("--chunk", type=int, default=512, help="prefill chunk size (default 512)")
     b.add_argument("--data", help="evaluate on this text file (or .jsonl[.gz] of {'text': ...})")
