@@ -98,7 +98,18 @@ def build(session: nox.Session) -> None:
         )
         py = str(venv / "bin" / "python")
         session.run(
-            "uv", "pip", "install", "-q", "--python", py, "--find-links", str(dist), str(wheel)
+            "uv",
+            "pip",
+            "install",
+            "-q",
+            "--python",
+            py,
+            "--find-links",
+            str(dist),
+            str(wheel),
+            # the wheels were just built: never take an older build of the same version from
+            # uv's cache
+            *(f"--refresh-package={q}" for q in PACKAGES),
         )
         session.run(py, str(ROOT / "tools" / "check_wheel.py"), module, env=_env(), external=True)
 
