@@ -15,6 +15,7 @@ __all__ = [
     "check_float",
     "check_int",
     "check_kv",
+    "check_widths",
 ]
 
 FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
@@ -64,6 +65,14 @@ def check_choice(name: str, value: Any, choices: Iterable[Any]) -> Any:
 def check_bits(name: str, value: Any, minimum: int = 1, maximum: int = 8) -> int:
     """Bit widths are ints in ``[minimum, maximum]``."""
     return check_int(name, value, minimum=minimum, maximum=maximum)
+
+
+def check_widths(cfg: Any, minimum: int = 2, maximum: int = 8) -> None:
+    """Check a config's shared width names: ``bits``, and ``key_bits``/``value_bits`` when set
+    (ints in ``[minimum, maximum]``; ``bits=None`` is left to the caller)."""
+    for name in ("bits", "key_bits", "value_bits"):
+        if getattr(cfg, name, None) is not None:
+            check_bits(name, getattr(cfg, name), minimum, maximum)
 
 
 def check_array(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from velox_core.validation import check_bits, check_int
+from velox_core.validation import check_bits, check_int, check_widths
 
 
 @dataclass
@@ -29,9 +29,7 @@ class KIVIConfig:
 
     def __post_init__(self):
         check_bits("bits", self.bits, 2, 8)
-        for name in ("key_bits", "value_bits"):
-            if getattr(self, name) is not None:
-                check_bits(name, getattr(self, name), 2, 8)
+        check_widths(self)
         check_int("group", self.group, minimum=1)
         check_int("window", self.window, minimum=0)
         check_int("sinks", self.sinks, minimum=0)

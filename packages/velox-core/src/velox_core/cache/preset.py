@@ -25,11 +25,9 @@ def check_kept_codes(cfg: Any) -> None:
     """Validate the settings eviction presets share for coding the tokens they keep:
     ``bits`` (None keeps them as given), ``key_bits``/``value_bits`` (2 to 8, need ``bits``)
     and ``group``."""
-    from ..validation import check_bits, check_int
+    from ..validation import check_int, check_widths
 
-    for name in ("bits", "key_bits", "value_bits"):
-        if getattr(cfg, name) is not None:
-            check_bits(name, getattr(cfg, name), 2, 8)
+    check_widths(cfg)
     if cfg.bits is None and (cfg.key_bits is not None or cfg.value_bits is not None):
         raise ValueError("key_bits/value_bits need bits (the codes of the kept tokens)")
     check_int("group", cfg.group, minimum=1)

@@ -7,7 +7,7 @@ from typing import Any
 
 from ..codec.uniform import Uniform
 from ..ops.quant import AXES
-from ..validation import check_bits, check_choice, check_float, check_int
+from ..validation import check_bits, check_choice, check_float, check_int, check_widths
 from .preset import PresetCache, resolve_bits
 
 __all__ = ["UniformCache", "UniformConfig"]
@@ -29,9 +29,7 @@ class UniformConfig:
 
     def __post_init__(self):
         check_bits("bits", self.bits, 2, 8)
-        for name in ("key_bits", "value_bits"):
-            if getattr(self, name) is not None:
-                check_bits(name, getattr(self, name), 2, 8)
+        check_widths(self)
         check_int("group", self.group, minimum=1)
         check_choice("key_axis", self.key_axis, AXES)
         check_choice("value_axis", self.value_axis, AXES)
