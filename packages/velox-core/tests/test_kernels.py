@@ -274,6 +274,83 @@ def test_the_shim_catches_a_broken_body(tmp_path):
     assert res.returncode != 0 and "tpo" in res.stderr
 
 
+def _mma_codes(bits: int, group: int, dtype=mx.float16) -> dk.Codes:
+    z = mx.zeros((1,), dtype)
+    return dk.Codes(dk.AFFINE, bits, group, mx.zeros((1,), mx.uint32), z, z)
+
+
+def _mma_variants():
+    out = []
+    for kb, vb, m, kg, vg, nw in (
+        (4, 4, 4, 64, 64, 4),
+        (2, 2, 4, 64, 64, 4),
+        (8, 8, 4, 64, 64, 4),
+        (4, 4, 8, 32, 32, 2),
+        (4, 2, 1, 128, 16, 4),
+    ):
+        k, v = _mma_codes(kb, kg), _mma_codes(vb, vg)
+        assert dk.mma_supported(m, 128, k, v)
+        stages = dk.mma_stages(128, k, v, nw)
+        assert stages >= 2
+        tmpl = [
+            ("HD", 128),
+            ("KBITS", kb),
+            ("VBITS", vb),
+            ("KGROUP", kg),
+            ("VGROUP", vg),
+            ("MROWS", m),
+            ("NWARPS", nw),
+            ("NSTAGE", stages),
+        ]
+        infos = [ArgInfo(*F32), *[ArgInfo(*a) for a in (U32, H16, H16)] * 2]
+        out.append((dk.DECODE_MMA, infos, ["float32"] * 2, tmpl))
+    return out
+
+
+def test_mma_kernel_takes_only_the_shapes_it_lays_out():
+    ok = dk.mma_supported
+    assert ok(4, 128, _mma_codes(4, 64), _mma_codes(4, 64))
+    assert ok(8, 128, _mma_codes(2, 64), _mma_codes(8, 32))
+    assert not ok(9, 128, _mma_codes(4, 64), _mma_codes(4, 64))  # more rows than a tile holds
+    assert not ok(4, 128, _mma_codes(3, 32), _mma_codes(4, 64))  # 3-bit codes straddle words
+    assert not ok(4, 128, _mma_codes(4, 64, mx.bfloat16), _mma_codes(4, 64))  # fp16 scales only
+    assert not ok(4, 128, _mma_codes(4, 4), _mma_codes(4, 64))  # a word spans two groups
+    assert not ok(4, 64, _mma_codes(4, 64), _mma_codes(2, 64))  # 8 value channels of 2 bits
+    assert not ok(4, 72, _mma_codes(4, 8), _mma_codes(4, 8))  # head dim not a multiple of 16
+    codebook = dk.Codes(dk.CODEBOOK, 4, 128, None, mx.zeros((1,), mx.float16))
+    assert not ok(4, 128, codebook, _mma_codes(4, 64))
+
+
+def test_mma_launch_settings():
+    k, v = _mma_codes(4, 64), _mma_codes(4, 64)
+    assert dk.mma_stages(128, k, v, 4) == 4  # 4 x 4 x 2,304 B fits in 48 KiB
+    assert dk.mma_stages(128, _mma_codes(8, 64), _mma_codes(8, 64), 4) == 2
+    assert dk.mma_stages(128, _mma_codes(8, 64), _mma_codes(8, 64), 8) == 0
+    for t, rows in ((131072, 8), (4096, 8), (1, 1), (600, 64)):
+        s = dk.mma_splits(t, rows, 4)
+        span = -(-t // s)
+        assert 1 <= s <= t and (s == 1 or span >= dk.MMA_MIN_SPAN)
+
+
+@needs_nvcc
+def test_tensor_core_instantiations_compile_without_spills(tmp_path):
+    """The CUDA-only tensor-core decode kernel compiles for sm_90a without spills and fits
+    the static shared memory its host code assumes (48 KiB)."""
+    units = [cuda_source(*v)[0] for v in _mma_variants()]
+    cu = tmp_path / "mma.cu"
+    cu.write_text("\n".join(units))
+    inc = os.environ.get("VELOX_MLX_CUDA_INCLUDE") or str(shim_dir() / "cuda")
+    cmd = [NVCC, "-std=c++17", "-arch=sm_90a", "-Xptxas", "-v", "-I", inc, "-c", str(cu)]
+    res = subprocess.run(
+        [*cmd, "-o", str(tmp_path / "m.o")], capture_output=True, text=True, check=False
+    )
+    assert res.returncode == 0, res.stderr[-6000:]
+    found = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", res.stderr)
+    assert len(found) == len(units) and all(f == ("0", "0") for f in found), res.stderr[-3000:]
+    smem = [int(x) for x in re.findall(r"(\d+) bytes smem", res.stderr)]
+    assert smem and max(smem) <= 48 * 1024, smem
+
+
 @needs_nvcc
 def test_cuda_instantiations_compile_without_spills(tmp_path):
     """nvcc compiles the CUDA instantiations for sm_90a (H100/H200) down to machine code.

@@ -70,6 +70,8 @@ class KernelSpec:
         outputs: output argument names, in call order.
         row_contiguous: ask MLX to copy non-contiguous inputs (False: the body reads strides).
         package: the package whose wheel ships the source.
+        cuda_headers: extra header files (in ``metal/``) placed after the layer for CUDA only
+            (a CUDA-only body: ``velox_mma.cuh`` for tensor-core fragments).
     """
 
     name: str
@@ -78,11 +80,16 @@ class KernelSpec:
     outputs: tuple[str, ...]
     row_contiguous: bool = True
     package: str = "velox_core"
+    cuda_headers: tuple[str, ...] = ()
 
     def header(self, backend: str) -> str:
         if backend not in PROLOGUE:
             raise ValueError(f"kernel backend must be 'metal' or 'cuda', got {backend!r}")
-        return f"#define VX_{backend.upper()} 1\n" + kernel_source("velox_kernels.h")
+        text = f"#define VX_{backend.upper()} 1\n" + kernel_source("velox_kernels.h")
+        if backend == "cuda":
+            for name in self.cuda_headers:
+                text += "\n" + kernel_source(name)
+        return text
 
     def body(self, backend: str) -> str:
         if backend not in PROLOGUE:

@@ -31,17 +31,25 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from . import backend
 from .build import KernelSpec
 
 __all__ = [
     "AFFINE",
     "CODEBOOK",
+    "DECODE",
+    "DECODE_MMA",
+    "MERGE",
     "Codes",
     "Plan",
     "choose_splits",
     "decode_attention",
     "fit_splits",
     "merge_launch",
+    "mma_enabled",
+    "mma_splits",
+    "mma_stages",
+    "mma_supported",
     "plan",
     "template",
     "tuning",
@@ -62,6 +70,14 @@ DECODE = KernelSpec(
     inputs=("q", "kc", "ka", "kb", "klv", "vc", "va", "vb", "vlv"),
     outputs=("o_part", "ml_part"),
     row_contiguous=False,  # the body reads strides: slices of a cache buffer are not copied
+)
+DECODE_MMA = KernelSpec(
+    name="velox_decode_attention_mma",
+    source="decode_attention_mma.cu",
+    inputs=("q", "kc", "ka", "kb", "vc", "va", "vb"),
+    outputs=("o_part", "ml_part"),
+    row_contiguous=False,
+    cuda_headers=("velox_mma.cuh",),
 )
 MERGE = KernelSpec(
     name="velox_decode_merge",
@@ -256,6 +272,111 @@ def template(p: Plan, dim: int, k: Codes, v: Codes) -> list[tuple[str, int]]:
     ]
 
 
+MMA_BITS = (2, 4, 8)
+MMA_MAX_ROWS = 8  # query rows per KV head the tensor-core kernel holds (rows 0-7 of a tile)
+MMA_MIN_SPAN = 512  # fewest tokens per split of the tensor-core kernel
+MMA_BLOCKS = 512  # threadgroups the tensor-core kernel aims for (measured on an H200)
+
+
+def mma_enabled() -> bool:
+    """The tensor-core kernel is used on CUDA unless ``VELOX_DECODE_MMA=0``."""
+    return os.environ.get("VELOX_DECODE_MMA", "1").strip() not in ("0", "false", "no", "off")
+
+
+def _mma_side(c: Codes, dim: int, lane_channels: int) -> bool:
+    if c.kind != AFFINE or c.bits not in MMA_BITS or dim % c.group:
+        return False
+    if (lane_channels * c.bits) % 32 or c.group % (32 // c.bits):
+        return False
+    if c.a.dtype != mx.float16 or c.b is None or c.b.dtype != mx.float16:
+        return False
+    return lane_channels % c.group == 0 or c.group % lane_channels == 0
+
+
+def mma_supported(m: int, dim: int, keys: Codes, values: Codes) -> bool:
+    """Whether ``decode_attention_mma.cu`` lays out this shape: affine codes of 2, 4 or 8 bits
+    with float16 scales and zeros on both sides, at most :data:`MMA_MAX_ROWS` query rows, a
+    head dim that is a multiple of 16 whose quarter (keys) and eighth (values) fill whole code
+    words, and groups that hold whole code words and whole lanes (or lanes whole groups)."""
+    if not 1 <= m <= MMA_MAX_ROWS or dim % 16:
+        return False
+    return _mma_side(keys, dim, dim // 4) and _mma_side(values, dim, dim // 8)
+
+
+MMA_SMEM = 48 * 1024 - 512  # static shared memory of one threadgroup (the rest: row stats)
+
+
+def mma_stages(dim: int, keys: Codes, values: Codes, nwarps: int) -> int:
+    """Tiles in each warp's shared-memory ring: ``VELOX_DECODE_STAGES`` or the most (up to 4)
+    that fit in 48 KiB of static shared memory; 0 if not even 2 fit."""
+    tile = 16
+    words = tile * dim * (keys.bits + values.bits) // 32
+    words += 2 * (-(-tile * (dim // keys.group) // 2)) + 2 * (-(-tile * (dim // values.group) // 2))
+    if nwarps * 8 * dim * 4 > MMA_SMEM:
+        return 0
+    fit = [n for n in (4, 3, 2) if nwarps * n * words * 4 <= MMA_SMEM]
+    want = os.environ.get("VELOX_DECODE_STAGES")
+    if want is not None:
+        n = int(want)
+        if not 2 <= n <= 8:
+            raise ValueError(f"VELOX_DECODE_STAGES must be 2 to 8, got {n}")
+        return n if nwarps * n * words * 4 <= MMA_SMEM else 0
+    return fit[0] if fit else 0
+
+
+def mma_splits(tokens: int, rows: int, nwarps: int) -> int:
+    """Splits for the tensor-core kernel: about ``VELOX_DECODE_BLOCKS`` threadgroups (default
+    :data:`MMA_BLOCKS`), at least :data:`MMA_MIN_SPAN` tokens each (no upper bound: its
+    softmax is online)."""
+    target = int(os.environ.get("VELOX_DECODE_BLOCKS", MMA_BLOCKS))
+    want = max(1, math.ceil(target / max(1, rows)))
+    s = max(1, min(want, tokens // max(MMA_MIN_SPAN, 16 * nwarps)))
+    return math.ceil(tokens / math.ceil(tokens / s))
+
+
+def _decode_mma(
+    q: mx.array, keys: Codes, values: Codes, splits: int | None
+) -> tuple[mx.array, mx.array, mx.array] | None:
+    b, h, m, dim = q.shape
+    t = keys.codes.shape[2]
+    nwarps, _ = tuning()
+    if splits is None:
+        s = mma_splits(t, b * h, nwarps)
+    else:
+        s = max(1, min(int(splits), t))
+        s = math.ceil(t / math.ceil(t / s))
+    stages = mma_stages(dim, keys, values, nwarps)
+    if stages == 0:
+        return None
+    nt = nwarps * 32
+    o_part, ml_part = DECODE_MMA.kernel()(
+        inputs=[q, keys.codes, keys.a, keys.b, values.codes, values.a, values.b],
+        template=[
+            ("HD", dim),
+            ("KBITS", keys.bits),
+            ("VBITS", values.bits),
+            ("KGROUP", keys.group),
+            ("VGROUP", values.group),
+            ("MROWS", m),
+            ("NWARPS", nwarps),
+            ("NSTAGE", stages),
+        ],
+        grid=(s * nt, b * h, 1),
+        threadgroup=(nt, 1, 1),
+        output_shapes=[(b, h, s, m, dim), (b, h, s, m, 2)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    grid, tg = merge_launch(b * h * m, dim)
+    o, mm, ll = MERGE.kernel()(
+        inputs=[o_part, ml_part],
+        grid=grid,
+        threadgroup=tg,
+        output_shapes=[(b, h, m, dim), (b, h, m, 1), (b, h, m, 1)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32],
+    )
+    return o, mm, ll
+
+
 def decode_attention(
     q: mx.array, keys: Codes, values: Codes, splits: int | None = None
 ) -> tuple[mx.array, mx.array, mx.array] | None:
@@ -273,6 +394,12 @@ def decode_attention(
     t = keys.codes.shape[2]
     if t < 1 or values.codes.shape[2] != t:
         return None
+    if backend() == "cuda" and mma_enabled() and mma_supported(m, dim, keys, values):
+        _check("key", keys, b, h, t, dim)
+        _check("value", values, b, h, t, dim)
+        out = _decode_mma(q, keys, values, splits)
+        if out is not None:
+            return out
     p = plan(m, dim, keys.kind, keys.bits, keys.group, values.kind, values.bits, values.group)
     if p is None:
         return None

@@ -1,0 +1,426 @@
+// Fused decode attention over packed affine codes on NVIDIA tensor cores (sm_80 and later):
+// the CUDA twin of decode_attention.metal for per-token affine codes at 2, 4 and 8 bits with
+// fp16 scales, the case a decode step of a Uniform / KIVI-style cache takes. Same inputs
+// (minus the codebook levels) and the same per-split partial, merged by decode_merge.metal.
+// A twin because the tensor-core fragments (mma.sync, PTX layouts) have no Metal spelling;
+// everything else goes through the portable body.
+//
+// Grid: x = split of the context, y = b * H + h. Threadgroup: NWARPS warps. Each warp walks
+// the split's 16-token tiles (warp w takes tiles w, w + NWARPS, ...) with its own online
+// softmax. Each warp streams its tiles through a private ring of NSTAGE tiles in shared memory
+// filled by cp.async (NSTAGE - 1 tiles in flight while it computes one: the bytes in flight
+// that keep the memory system busy do not cost registers); the warps are merged at the end
+// through shared memory.
+//
+// Per 16-token tile, with lane = 4 g + t (g = groupID, t = threadID_in_group of the PTX
+// fragment layouts) and m16n8k16 fp16 MMAs accumulating in float32:
+//   scores  S (16 x 16 tokens) = Q (16 x HD) K^T: rows 0..7 of Q are the query rows rounded to
+//           fp16 ("hi"), rows 8..15 the rounding residuals ("lo"), so S_hi + S_lo is the score
+//           of the float32 query to about 2^-22; the K^T fragments are decoded from the codes
+//           (code -> 1024 + code by OR-ing it into the mantissa of 1024.0, minus 1024, then
+//           scale * code + zero in one fp16 FMA: the key rounded once to fp16, as an fp16 cache
+//           holds it). Lane (g, t) decodes
+//           tokens g and 8 + g, channels [t HD/4, (t+1) HD/4): whole words, coalesced.
+//           The head dim is permuted consistently in Q and K (a pair of halves holds channels
+//           j and j + 16/bits of one code word), which leaves every dot product unchanged.
+//   softmax online per query row (log2 domain): p = exp2(s - m) against a running max m that
+//           is raised lazily (the accumulators are rescaled only when a score exceeds m by
+//           more than 8), so the partial's m is at most 8 below the true max (any m gives the
+//           same merged softmax).
+//   values  O (16 x HD) += P (16 x 16 tokens) V: P in the scores' own fragment layout, again
+//           split into fp16 hi and lo rows; the V fragments hold two tokens of one channel,
+//           put together with a byte permute of the two tokens' code words and decoded the
+//           same way. Lane (g, t) decodes tokens 2t, 2t + 1, 2t + 8, 2t + 9, channels
+//           [g HD/8, (g+1) HD/8).
+// Outputs as decode_attention.metal: o_part (B, H, S, MROWS, HD) = sum_t 2^(s_t - m) v_t,
+// ml_part (B, H, S, MROWS, 2) = (m, l) in log2 units; the host merges the splits.
+//
+// Template constants: HD (head dim), KBITS / VBITS in {2, 4, 8}, KGROUP / VGROUP (channels per
+// scale), MROWS (query rows per KV head, 1 to 8), NWARPS, NSTAGE (tiles per warp ring).
+// The host (velox_core.kernels.decode.mma_supported) checks the layout: HD / 4 channels of
+// keys and HD / 8 of values fill whole words, and a lane's channels meet whole groups.
+
+constexpr int KCL = HD / 4;            // key channels per lane (lane t of a token)
+constexpr int VCL = HD / 8;            // value channels per lane (lane g)
+constexpr int KWL = KCL * KBITS / 32;  // key code words per lane and token
+constexpr int VWL = VCL * VBITS / 32;  // value code words per lane and token
+constexpr int KCW = 32 / KBITS;        // channels per key word
+constexpr int VCW = 32 / VBITS;        // channels per value word
+constexpr int KPW = KCW / 2;           // fp16 pairs per key word: channels (j, j + KPW)
+constexpr int KSTEPS = HD / 16;        // k-steps of the score MMA (two pairs per lane each)
+constexpr int NTV = HD / 8;            // n-tiles of the value MMA (one channel per lane each)
+constexpr int TILE = 16;
+constexpr int KNG = KCL > KGROUP ? KCL / KGROUP : 1;  // key groups a lane's channels meet
+constexpr int VNG = VCL > VGROUP ? VCL / VGROUP : 1;  // value groups a lane's channels meet
+constexpr int NT = NWARPS * 32;
+constexpr float NEG = -1.0e30f;
+constexpr float LOG2E = 1.4426950408889634f;
+
+const int tid = vx_tid;
+const int lane = tid & 31;
+const int warp = tid >> 5;
+const int g = lane >> 2;
+const int t = lane & 3;
+const int nsplit = vx_ngx;
+const int split = vx_gx;
+const int bh = vx_gy;
+const int H = kc_shape[1];
+const int T = kc_shape[2];
+const int b = bh / H;
+const int h = bh - b * H;
+const int span = ((T + nsplit - 1) / nsplit + TILE - 1) / TILE * TILE;  // whole tiles
+const int t0 = split * span;
+const int t1 = vx_imin(T, t0 + span);
+const int ntiles = t1 > t0 ? (t1 - t0 + TILE - 1) / TILE : 0;
+
+// ---- the query rows as A fragments: hi in rows 0..7, lo in rows 8..15 (log2 domain) ----------
+unsigned int qa[KSTEPS][4];
+{
+  const bool qrow = g < MROWS;
+  const int64_t qb = (int64_t)b * q_strides[0] + (int64_t)h * q_strides[1] +
+                     (int64_t)(qrow ? g : 0) * q_strides[2];
+#pragma unroll
+  for (int kk = 0; kk < KSTEPS; ++kk) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int p = 2 * kk + u;  // the lane's fp16 pair of this k-step (u = 1: k + 8)
+      const int wl = p / KPW;
+      const int jj = p - wl * KPW;
+      const int c0 = t * KCL + wl * KCW + jj;  // channel of the low half
+      const int c1 = c0 + KPW;                 // channel of the high half
+      const float x0 = qrow ? static_cast<float>(q[qb + (int64_t)c0 * q_strides[3]]) * LOG2E : 0.0f;
+      const float x1 = qrow ? static_cast<float>(q[qb + (int64_t)c1 * q_strides[3]]) * LOG2E : 0.0f;
+      const __half2 hi = __floats2half2_rn(x0, x1);
+      const float2 hf = __half22float2(hi);
+      qa[kk][2 * u] = vx_h2u(hi);
+      qa[kk][2 * u + 1] = vx_pack_h2(x0 - hf.x, x1 - hf.y);
+    }
+  }
+}
+
+// ---- each warp's ring of NSTAGE tiles in shared memory, filled with cp.async ------------------
+// A stage holds one 16-token tile as stored: key words, value words, then the key and value
+// scales and zeros (fp16, two per 32-bit word). Inputs are read through their strides; code
+// rows are copied 16 bytes at a time where the layout allows it (contiguous 16-byte-aligned
+// rows), else one word at a time; scales two halves per copy where they are adjacent and
+// aligned, else through registers.
+constexpr int KWT = HD * KBITS / 32;       // words per key row
+constexpr int VWT = HD * VBITS / 32;       // words per value row
+constexpr int KG = HD / KGROUP;            // key scales per token
+constexpr int VG = HD / VGROUP;            // value scales per token
+constexpr int KSW = (TILE * KG + 1) / 2;   // words of a tile's key scales (and of its zeros)
+constexpr int VSW = (TILE * VG + 1) / 2;
+constexpr int O_KC = 0;
+constexpr int O_VC = O_KC + TILE * KWT;
+constexpr int O_KS = O_VC + TILE * VWT;
+constexpr int O_KZ = O_KS + KSW;
+constexpr int O_VS = O_KZ + KSW;
+constexpr int O_VZ = O_VS + VSW;
+constexpr int SW = O_VZ + VSW;             // words per stage
+constexpr int RING = NWARPS * NSTAGE * SW;
+constexpr int RED = NWARPS * 8 * HD;       // the warp merge reuses the ring
+constexpr int SMEM = RING > RED ? RING : RED;
+VX_SHARED __align__(16) unsigned int ring[SMEM];
+VX_SHARED float red_m[NWARPS * 8];
+VX_SHARED float red_l[NWARPS * 8];
+unsigned int* my_ring = ring + warp * NSTAGE * SW;
+
+struct Plane {
+  const void* p;  // element (b, h, 0, 0)
+  int64_t s2;     // stride between tokens (elements)
+  int64_t s3;     // stride between words / groups (elements)
+  bool fast;      // 16-byte code rows / adjacent aligned pairs of halves
+};
+auto code_plane = [&](const unsigned int* a, const int64_t* st, int words) {
+  const unsigned int* p = a + (int64_t)b * st[0] + (int64_t)h * st[1];
+  const bool fast = words % 4 == 0 && st[3] == 1 && st[2] % 4 == 0 &&
+                    (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+  return Plane{p, st[2], st[3], fast};
+};
+auto scale_plane = [&](const __half* a, const int64_t* st, int groups) {
+  const __half* p = a + (int64_t)b * st[0] + (int64_t)h * st[1];
+  const bool aligned = (reinterpret_cast<uintptr_t>(p) & 3) == 0;
+  const bool fast = aligned && (groups % 2 == 0 ? st[3] == 1 && st[2] % 2 == 0
+                                                 : groups == 1 && st[2] == 1);
+  return Plane{p, st[2], st[3], fast};
+};
+const Plane kcp = code_plane(kc, kc_strides.data(), KWT);
+const Plane vcp = code_plane(vc, vc_strides.data(), VWT);
+const Plane kap = scale_plane(ka, ka_strides.data(), KG);
+const Plane kbp = scale_plane(kb, kb_strides.data(), KG);
+const Plane vap = scale_plane(va, va_strides.data(), VG);
+const Plane vbp = scale_plane(vb, vb_strides.data(), VG);
+
+// rows [tb, tb + 16) of a plane of code words (rows past T repeat row T - 1)
+auto copy_codes = [&](unsigned int* dst, const Plane& pl, int words, int tb) {
+  const unsigned int* src = static_cast<const unsigned int*>(pl.p);
+  const bool whole = tb + TILE <= T;  // no row to clamp (all but the sequence's last tile)
+  if (pl.fast) {
+    const int chunks = TILE * words / 4;  // 16-byte chunks
+#pragma unroll
+    for (int i = 0; i < (chunks + 31) / 32; ++i) {
+      const int c = lane + 32 * i;
+      if (c < chunks) {
+        const int row = (4 * c) / words;
+        const int col = 4 * c - row * words;
+        const int64_t tok = whole ? tb + row : vx_imin(tb + row, T - 1);
+        vx_cp_async16(dst + 4 * c, src + tok * pl.s2 + col);
+      }
+    }
+  } else {
+#pragma unroll 4
+    for (int i = 0; i < (TILE * words + 31) / 32; ++i) {
+      const int w = lane + 32 * i;
+      if (w < TILE * words) {
+        const int row = w / words;
+        const int col = w - row * words;
+        const int64_t tok = vx_imin(tb + row, T - 1);
+        vx_cp_async4(dst + w, src + tok * pl.s2 + col * pl.s3, 4);
+      }
+    }
+  }
+};
+// the fp16 scales of rows [tb, tb + 16) of a (T, groups) plane, two halves per word
+auto copy_scales = [&](unsigned int* dst, const Plane& pl, int groups, int nwords, int tb) {
+  const __half* src = static_cast<const __half*>(pl.p);
+#pragma unroll
+  for (int i = 0; i < (nwords + 31) / 32; ++i) {
+    const int w = lane + 32 * i;
+    if (w >= nwords) {
+      break;
+    }
+    const int e = 2 * w;  // the word's first half, counted from the tile's first scale
+    const int tok = tb + e / groups;
+    const int col = e - (e / groups) * groups;
+    if (pl.fast && groups % 2 == 0) {  // both halves of one token
+      vx_cp_async4(dst + w, src + (int64_t)vx_imin(tok, T - 1) * pl.s2 + col, 4);
+    } else if (pl.fast) {  // one group per token, tokens contiguous: tokens tok and tok + 1
+      const int nb = tok + 1 < T ? 4 : (tok < T ? 2 : 0);
+      vx_cp_async4(dst + w, src + (nb ? (int64_t)tok : 0), nb);
+    } else {
+      __half* hd = reinterpret_cast<__half*>(dst + w);
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int ei = e + i;
+        const int64_t tk = vx_imin(tb + ei / groups, T - 1);
+        hd[i] = src[tk * pl.s2 + (int64_t)(ei % groups) * pl.s3];
+      }
+    }
+  }
+};
+auto issue = [&](int tile, int stage) {
+  unsigned int* st = my_ring + stage * SW;
+  const int tb = t0 + tile * TILE;
+  copy_codes(st + O_KC, kcp, KWT, tb);
+  copy_codes(st + O_VC, vcp, VWT, tb);
+  copy_scales(st + O_KS, kap, KG, KSW, tb);
+  copy_scales(st + O_KZ, kbp, KG, KSW, tb);
+  copy_scales(st + O_VS, vap, VG, VSW, tb);
+  copy_scales(st + O_VZ, vbp, VG, VSW, tb);
+};
+
+float oacc[NTV][4];
+#pragma unroll
+for (int nv = 0; nv < NTV; ++nv) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    oacc[nv][i] = 0.0f;
+  }
+}
+// Running max of query row g (log2 units, the same in the 4 lanes of g), raised lazily: the
+// accumulators are rescaled only when a score exceeds it by more than RESCALE (weights up to
+// 2^RESCALE are exact in float32 sums and fp16 hi/lo fragments), which after the first tiles
+// almost never happens.
+constexpr float RESCALE = 8.0f;
+float mrow = NEG;
+float lrow = 0.0f;  // this lane's share of the row's sum
+const int kg0 = (t * KCL) / KGROUP;  // first key group of this lane's channels
+const int vg0 = (g * VCL) / VGROUP;  // first value group of this lane's channels
+
+// this warp's tiles: warp, warp + NWARPS, ...
+const int nmine = warp < ntiles ? (ntiles - warp + NWARPS - 1) / NWARPS : 0;
+#pragma unroll
+for (int s = 0; s < NSTAGE - 1; ++s) {
+  if (s < nmine) {
+    issue(warp + s * NWARPS, s);
+  }
+  vx_cp_commit();  // an empty group keeps the count uniform
+}
+for (int k = 0; k < nmine; ++k) {
+  const int pre = k + NSTAGE - 1;
+  if (pre < nmine) {
+    issue(warp + pre * NWARPS, pre % NSTAGE);
+  }
+  vx_cp_commit();
+  vx_cp_wait<NSTAGE - 1>();  // this lane's copies of tile k have landed
+  __syncwarp();              // and every lane's
+  const unsigned int* st = my_ring + (k % NSTAGE) * SW;
+  const __half* sks = reinterpret_cast<const __half*>(st + O_KS);
+  const __half* skz = reinterpret_cast<const __half*>(st + O_KZ);
+  const __half* svs = reinterpret_cast<const __half*>(st + O_VS);
+  const __half* svz = reinterpret_cast<const __half*>(st + O_VZ);
+  const int base = t0 + (warp + k * NWARPS) * TILE;
+
+  // scores: two n-tiles of 8 tokens (g and 8 + g), each summed in two independent chains
+  float sc[2][2][4];
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    const int tr = 8 * n + g;
+    unsigned int kw[KWL];
+#pragma unroll
+    for (int w = 0; w < KWL; ++w) {
+      kw[w] = st[O_KC + tr * KWT + t * KWL + w];
+    }
+    __half2 s2[KNG], z2[KNG];
+#pragma unroll
+    for (int lg = 0; lg < KNG; ++lg) {
+      s2[lg] = __half2half2(sks[tr * KG + kg0 + lg]);
+      z2[lg] = __half2half2(skz[tr * KG + kg0 + lg]);
+    }
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        sc[n][c][i] = 0.0f;
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk) {
+      unsigned int bf[2];
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int p = 2 * kk + u;
+        const int wl = p / KPW;
+        const int jj = p - wl * KPW;
+        const int lg = KCL > KGROUP ? (wl * KCW) / KGROUP : 0;
+        bf[u] = vx_dequant_pair(vx_code_pair(kw[wl], jj * KBITS, KBITS), s2[lg], z2[lg]);
+      }
+      vx_mma16816(sc[n][kk & 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], bf[0], bf[1]);
+    }
+  }
+  // this lane's four scores of row g: tokens 2t, 2t + 1, 2t + 8, 2t + 9 (hi + lo rows)
+  float s4[4];
+  bool v4[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int n = i >> 1;
+    const int c = i & 1;
+    s4[i] = (sc[n][0][c] + sc[n][0][c + 2]) + (sc[n][1][c] + sc[n][1][c + 2]);
+    v4[i] = base + 8 * n + 2 * t + c < t1;
+  }
+
+  // online softmax of row g
+  float tmax = NEG;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    tmax = v4[i] ? vx_max(tmax, s4[i]) : tmax;
+  }
+  tmax = vx_max(tmax, vx_shfl_xor(tmax, 1));
+  tmax = vx_max(tmax, vx_shfl_xor(tmax, 2));
+  if (vx_any(tmax > mrow + RESCALE)) {
+    const float mnew = vx_max(mrow, tmax);
+    const float alpha = vx_exp2(mrow - mnew);
+#pragma unroll
+    for (int nv = 0; nv < NTV; ++nv) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        oacc[nv][i] *= alpha;
+      }
+    }
+    lrow *= alpha;
+    mrow = mnew;
+  }
+  float p4[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    p4[i] = v4[i] ? vx_exp2(s4[i] - mrow) : 0.0f;
+    lrow += p4[i];
+  }
+  unsigned int pa[4];
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    const __half2 hi = __floats2half2_rn(p4[2 * n], p4[2 * n + 1]);
+    const float2 hf = __half22float2(hi);
+    pa[2 * n] = vx_h2u(hi);
+    pa[2 * n + 1] = vx_pack_h2(p4[2 * n] - hf.x, p4[2 * n + 1] - hf.y);
+  }
+
+  // values: per n-tile one channel per lane, tokens (2t, 2t + 1) and (2t + 8, 2t + 9)
+  unsigned int vw[4][VWL];
+  __half2 vs2[2][VNG], vz2[2][VNG];
+#pragma unroll
+  for (int n = 0; n < 4; ++n) {
+    const int tr = 2 * t + (n & 1) + 8 * (n >> 1);
+#pragma unroll
+    for (int w = 0; w < VWL; ++w) {
+      vw[n][w] = st[O_VC + tr * VWT + g * VWL + w];
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    const int tr = 2 * t + 8 * n;
+#pragma unroll
+    for (int lg = 0; lg < VNG; ++lg) {
+      vs2[n][lg] = __halves2half2(svs[tr * VG + vg0 + lg], svs[(tr + 1) * VG + vg0 + lg]);
+      vz2[n][lg] = __halves2half2(svz[tr * VG + vg0 + lg], svz[(tr + 1) * VG + vg0 + lg]);
+    }
+  }
+#pragma unroll
+  for (int nv = 0; nv < NTV; ++nv) {
+    const int wl = nv / VCW;
+    const int bit = (nv - wl * VCW) * VBITS;
+    const int bi = bit >> 3;
+    const int sel = bi | (bi << 4) | ((4 + bi) << 8) | ((4 + bi) << 12);
+    const int lg = VCL > VGROUP ? nv / VGROUP : 0;
+    unsigned int bf[2];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      const unsigned int y = __byte_perm(vw[2 * n][wl], vw[2 * n + 1][wl], sel);
+      bf[n] = vx_dequant_pair(vx_code_pair(y, bit & 7, VBITS), vs2[n][lg], vz2[n][lg]);
+    }
+    vx_mma16816(oacc[nv], pa[0], pa[1], pa[2], pa[3], bf[0], bf[1]);
+  }
+  __syncwarp();  // every lane is done with this stage before it is refilled
+}
+vx_cp_wait<0>();
+
+// ---- merge the warps: row g's (m, l) and its HD outputs, through shared memory -------------------
+lrow += vx_shfl_xor(lrow, 1);
+lrow += vx_shfl_xor(lrow, 2);
+VX_BARRIER();  // every warp is done with its ring: it becomes the merge buffer
+float* red_o = reinterpret_cast<float*>(ring);
+#pragma unroll
+for (int nv = 0; nv < NTV; ++nv) {
+  // column 2t (+1) of n-tile nv is channel (2t (+1)) * VCL + nv; rows g (hi) and 8 + g (lo)
+  float* row = red_o + (warp * 8 + g) * HD;
+  row[(2 * t) * VCL + nv] = oacc[nv][0] + oacc[nv][2];
+  row[(2 * t + 1) * VCL + nv] = oacc[nv][1] + oacc[nv][3];
+}
+if (t == 0) {
+  red_m[warp * 8 + g] = mrow;
+  red_l[warp * 8 + g] = lrow;
+}
+VX_BARRIER();
+const int64_t row0 = ((int64_t)bh * nsplit + split) * MROWS;
+for (int i = tid; i < MROWS * HD; i += NT) {
+  const int r = i / HD;
+  const int d = i - r * HD;
+  float top = NEG;
+#pragma unroll
+  for (int w = 0; w < NWARPS; ++w) {
+    top = vx_max(top, red_m[w * 8 + r]);
+  }
+  float o_sum = 0.0f;
+  float l_sum = 0.0f;
+#pragma unroll
+  for (int w = 0; w < NWARPS; ++w) {
+    const float wt = vx_exp2(red_m[w * 8 + r] - top);
+    o_sum += red_o[(w * 8 + r) * HD + d] * wt;
+    l_sum += red_l[w * 8 + r] * wt;
+  }
+  o_part[(row0 + r) * HD + d] = o_sum;
+  if (d == 0) {
+    ml_part[(row0 + r) * 2] = top;
+    ml_part[(row0 + r) * 2 + 1] = l_sum;
+  }
+}

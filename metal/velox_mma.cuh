@@ -1,0 +1,59 @@
+// velox tensor-core helpers (CUDA only, sm_80 and later): fp16 fragments and mma.sync.
+//
+// Included after velox_kernels.h by the CUDA kernels that use tensor cores
+// (decode_attention_mma.cu). The Metal bodies never include it.
+#ifndef VELOX_MMA_CUH
+#define VELOX_MMA_CUH
+
+#if !defined(VX_CUDA)
+#error "velox_mma.cuh is for the CUDA backend only"
+#endif
+
+VX_FN unsigned int vx_h2u(__half2 h) { return *reinterpret_cast<unsigned int*>(&h); }
+VX_FN __half2 vx_u2h(unsigned int u) { return *reinterpret_cast<__half2*>(&u); }
+
+// Two floats as one f16x2 register (lo in the low half), rounded to nearest.
+VX_FN unsigned int vx_pack_h2(float lo, float hi) { return vx_h2u(__floats2half2_rn(lo, hi)); }
+
+// f16x2 register of the codes at bits [sh, sh + bits) and [sh + 16, sh + 16 + bits) of x,
+// each as the half 1024 + code (the code in the low mantissa bits of 1024.0 = 0x6400).
+VX_FN unsigned int vx_code_pair(unsigned int x, int sh, int bits) {
+  const unsigned int m = ((1u << bits) - 1u) * 0x00010001u;
+  return ((x >> sh) & m) | 0x64006400u;
+}
+
+// scale * code + zero for both halves of a vx_code_pair register: (h - 1024) exactly, then one
+// fused multiply-add rounded to fp16 (the precision of a decoded fp16 cache).
+VX_FN unsigned int vx_dequant_pair(unsigned int h, __half2 s2, __half2 z2) {
+  const __half2 c = __hsub2(vx_u2h(h), vx_u2h(0x64006400u));
+  return vx_h2u(__hfma2(c, s2, z2));
+}
+
+// D = A * B + D for one m16n8k16 tile: A row-major 16 x 16 fp16 (4 registers), B column-major
+// 16 x 8 fp16 (2 registers), D 16 x 8 float32 (4 registers), in the PTX fragment layouts.
+VX_FN void vx_mma16816(float (&d)[4], unsigned int a0, unsigned int a1, unsigned int a2,
+                       unsigned int a3, unsigned int b0, unsigned int b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Asynchronous global -> shared copies (cp.async, sm_80+): `bytes` of 4 (or 16) copied, the
+// rest of the destination zero-filled (src_bytes < size; 0 reads nothing).
+VX_FN void vx_cp_async4(void* dst, const void* src, int src_bytes) {
+  const unsigned int d = static_cast<unsigned int>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes));
+}
+VX_FN void vx_cp_async16(void* dst, const void* src) {
+  const unsigned int d = static_cast<unsigned int>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
+}
+VX_FN void vx_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+VX_FN void vx_cp_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+#endif  // VELOX_MMA_CUH
