@@ -17,7 +17,10 @@ METHOD = Method(
     # per token and KV head at head dim 128 (mlx-lm QuantizedKVCache, group 64: 4-bit 144 B,
     # 3-bit 112 B, 2-bit 80 B), plus the float16 projection once per layer: see docs/qjl.md
     recommended=(
-        {"bits": 3, "outlier_bits": 16, "group": 64, "window": 0},  # 124.1 B: the "4-bit"
+        # the "4-bit": 88.1 B coded + a 384-token fp16 window, a fixed cost: no larger than
+        # mlx-lm's 4-bit cache at 4,096 tokens (velox bench, docs/results.md) and from about
+        # 4,600 on, larger below about 3,600 (at 2 KV heads; docs/qjl.md)
+        {"sketch": 320, "outlier_bits": 8, "group": 128, "value_bits": 2, "window": 384},
         {"key_bits": 2, "value_bits": 3, "outlier_bits": 8, "group": 64, "window": 0},  # 100.1 B
         {"key_bits": 1, "value_bits": 2, "outlier_bits": 8, "group": 64, "window": 0},  # 68.1 B
         {},  # the paper's released setting: m = 256, 8 outliers x 32 bits, 2-bit values, window 128
