@@ -60,9 +60,10 @@ def elapsed() -> float:
 
 
 def over_budget(section: str) -> bool:
-    if elapsed() > BUDGET_S:
+    budget = OPTIONS.get("budget", BUDGET_S)
+    if elapsed() > budget:
         RESULTS["skipped"].append(f"{section} (time budget)")
-        print(f"  [skip] {section}: {elapsed():.0f}s elapsed, over the {BUDGET_S:.0f}s budget")
+        print(f"  [skip] {section}: {elapsed():.0f}s elapsed, over the {budget:.0f}s budget")
         return True
     return False
 
@@ -614,16 +615,16 @@ def section_tuning(quick: bool) -> None:
     """The kernel's launch settings at the longest context (to pick defaults on this GPU)."""
     print("\n== b2. decode kernel launch settings (B1, longest context) ==")
     t = 2048 if quick else 131072
-    # (warps, unroll, blocks, stages): unroll is the portable kernel's, stages the tensor-core
-    # kernel's shared-memory ring (0: its default)
+    # the tensor-core kernel's settings: (warps, 16-token tiles per step, blocks, ring stages;
+    # 0: its default)
     variants = [
-        (4, 4, 512, 0),
-        (2, 4, 512, 0),
-        (4, 4, 256, 0),
-        (4, 4, 1024, 0),
-        (2, 4, 1024, 0),
-        (4, 4, 512, 2),
-        (4, 4, 512, 3),
+        (2, 2, 512, 0),
+        (4, 2, 512, 0),
+        (4, 1, 512, 0),
+        (2, 1, 512, 0),
+        (2, 2, 256, 0),
+        (2, 2, 1024, 0),
+        (2, 2, 512, 2),
     ]
     if quick:
         variants = variants[:2]
@@ -632,11 +633,11 @@ def section_tuning(quick: bool) -> None:
             return
         methods = make_methods(1, t, seed=99, bits_mlx=(), bits_uniform=(bits,), bits_tq=())
         name, _, call, nb = methods[-1]
-        for warps, unroll, blocks, stages in variants:
+        for warps, sub, blocks, stages in variants:
             extra = {"VELOX_DECODE_STAGES": stages} if stages else {}
             with env(
-                VELOX_DECODE_WARPS=warps,
-                VELOX_DECODE_UNROLL=unroll,
+                VELOX_DECODE_MMA_WARPS=warps,
+                VELOX_DECODE_SUBTILES=sub,
                 VELOX_DECODE_BLOCKS=blocks,
                 **extra,
             ):
@@ -646,25 +647,26 @@ def section_tuning(quick: bool) -> None:
                         "method": name,
                         "context": t,
                         "warps": warps,
-                        "unroll": unroll,
+                        "subtiles": sub,
                         "blocks": blocks,
                         "stages": stages or "default",
                         "ms": s * 1e3,
                         "GBps": nb / s / 1e9,
                     }
                     print(
-                        f"  {name:16s} warps={warps} unroll={unroll} blocks={blocks:5d} "
+                        f"  {name:16s} warps={warps} subtiles={sub} blocks={blocks:5d} "
+                        f"stages={stages or 'default'} "
                         f"{s * 1e3:7.3f} ms {nb / s / 1e9:7.0f} GB/s"
                     )
                 except Exception as exc:
                     row = {
                         "method": name,
                         "warps": warps,
-                        "unroll": unroll,
+                        "subtiles": sub,
                         "blocks": blocks,
                         "error": f"{type(exc).__name__}: {exc}",
                     }
-                    print(f"  {name} warps={warps} unroll={unroll} blocks={blocks}: {row['error']}")
+                    print(f"  {name} warps={warps} subtiles={sub} blocks={blocks}: {row['error']}")
             RESULTS["tuning"].append(row)
         del methods
         mx.clear_cache()
@@ -883,8 +885,12 @@ def main() -> int:
     )
     parser.add_argument("--contexts", default="", help="attention contexts, e.g. 16384,131072")
     parser.add_argument("--batches", default="", help="attention batch sizes, e.g. 1,8")
+    parser.add_argument(
+        "--budget", type=float, default=BUDGET_S, help="seconds after which no new shape starts"
+    )
     parser.add_argument("--mlx-lm", default=None, help=argparse.SUPPRESS)  # B,T: child rows
     args = parser.parse_args()
+    OPTIONS["budget"] = args.budget
     OPTIONS["contexts"] = tuple(int(x) for x in args.contexts.split(",") if x.strip())
     OPTIONS["batches"] = tuple(int(x) for x in args.batches.split(",") if x.strip())
     if args.mlx_lm:

@@ -6,7 +6,7 @@
 // everything else goes through the portable body.
 //
 // Grid: x = split of the context, y = b * H + h. Threadgroup: NWARPS warps. Each warp walks
-// the split's 16-token tiles (warp w takes tiles w, w + NWARPS, ...) with its own online
+// the split's tiles of 16 NSUB tokens (warp w takes tiles w, w + NWARPS, ...) with its own online
 // softmax. Each warp streams its tiles through a private ring of NSTAGE tiles in shared memory
 // filled by cp.async (NSTAGE - 1 tiles in flight while it computes one: the bytes in flight
 // that keep the memory system busy do not cost registers); the warps are merged at the end
@@ -36,7 +36,8 @@
 // ml_part (B, H, S, MROWS, 2) = (m, l) in log2 units; the host merges the splits.
 //
 // Template constants: HD (head dim), KBITS / VBITS in {2, 4, 8}, KGROUP / VGROUP (channels per
-// scale), MROWS (query rows per KV head, 1 to 8), NWARPS, NSTAGE (tiles per warp ring).
+// scale), MROWS (query rows per KV head, 1 to 8), NWARPS, NSTAGE (steps per warp ring),
+// NSUB (16-token MMA tiles per loop step: more independent work between the softmax steps).
 // The host (velox_core.kernels.decode.mma_supported) checks the layout: HD / 4 channels of
 // keys and HD / 8 of values fill whole words, and a lane's channels meet whole groups.
 
@@ -49,7 +50,8 @@ constexpr int VCW = 32 / VBITS;        // channels per value word
 constexpr int KPW = KCW / 2;           // fp16 pairs per key word: channels (j, j + KPW)
 constexpr int KSTEPS = HD / 16;        // k-steps of the score MMA (two pairs per lane each)
 constexpr int NTV = HD / 8;            // n-tiles of the value MMA (one channel per lane each)
-constexpr int TILE = 16;
+constexpr int SUB = 16;            // tokens of one MMA tile
+constexpr int TILE = SUB * NSUB;   // tokens per loop step and ring stage
 constexpr int KNG = KCL > KGROUP ? KCL / KGROUP : 1;  // key groups a lane's channels meet
 constexpr int VNG = VCL > VGROUP ? VCL / VGROUP : 1;  // value groups a lane's channels meet
 constexpr int NT = NWARPS * 32;
@@ -261,59 +263,66 @@ for (int k = 0; k < nmine; ++k) {
   const __half* svz = reinterpret_cast<const __half*>(st + O_VZ);
   const int base = t0 + (warp + k * NWARPS) * TILE;
 
-  // scores: two n-tiles of 8 tokens (g and 8 + g), each summed in two independent chains
-  float sc[2][2][4];
+  // scores of the NSUB sub-tiles: two n-tiles of 8 tokens (g and 8 + g) each, each summed in
+  // two independent chains; this lane keeps four scores of row g per sub-tile (tokens 2t,
+  // 2t + 1, 2t + 8, 2t + 9: hi + lo rows)
+  float s4[NSUB][4];
+  bool v4[NSUB][4];
 #pragma unroll
-  for (int n = 0; n < 2; ++n) {
-    const int tr = 8 * n + g;
-    unsigned int kw[KWL];
+  for (int u = 0; u < NSUB; ++u) {
+    float sc[2][2][4];
 #pragma unroll
-    for (int w = 0; w < KWL; ++w) {
-      kw[w] = st[O_KC + tr * KWT + t * KWL + w];
-    }
-    __half2 s2[KNG], z2[KNG];
+    for (int n = 0; n < 2; ++n) {
+      const int tr = SUB * u + 8 * n + g;
+      unsigned int kw[KWL];
 #pragma unroll
-    for (int lg = 0; lg < KNG; ++lg) {
-      s2[lg] = __half2half2(sks[tr * KG + kg0 + lg]);
-      z2[lg] = __half2half2(skz[tr * KG + kg0 + lg]);
-    }
+      for (int w = 0; w < KWL; ++w) {
+        kw[w] = st[O_KC + tr * KWT + t * KWL + w];
+      }
+      __half2 s2[KNG], z2[KNG];
 #pragma unroll
-    for (int c = 0; c < 2; ++c) {
+      for (int lg = 0; lg < KNG; ++lg) {
+        s2[lg] = __half2half2(sks[tr * KG + kg0 + lg]);
+        z2[lg] = __half2half2(skz[tr * KG + kg0 + lg]);
+      }
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        sc[n][c][i] = 0.0f;
+      for (int c = 0; c < 2; ++c) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          sc[n][c][i] = 0.0f;
+        }
+      }
+#pragma unroll
+      for (int kk = 0; kk < KSTEPS; ++kk) {
+        unsigned int bf[2];
+#pragma unroll
+        for (int uu = 0; uu < 2; ++uu) {
+          const int p = 2 * kk + uu;
+          const int wl = p / KPW;
+          const int jj = p - wl * KPW;
+          const int lg = KCL > KGROUP ? (wl * KCW) / KGROUP : 0;
+          bf[uu] = vx_dequant_pair(vx_code_pair(kw[wl], jj * KBITS, KBITS), s2[lg], z2[lg]);
+        }
+        vx_mma16816(sc[n][kk & 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], bf[0], bf[1]);
       }
     }
 #pragma unroll
-    for (int kk = 0; kk < KSTEPS; ++kk) {
-      unsigned int bf[2];
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const int p = 2 * kk + u;
-        const int wl = p / KPW;
-        const int jj = p - wl * KPW;
-        const int lg = KCL > KGROUP ? (wl * KCW) / KGROUP : 0;
-        bf[u] = vx_dequant_pair(vx_code_pair(kw[wl], jj * KBITS, KBITS), s2[lg], z2[lg]);
-      }
-      vx_mma16816(sc[n][kk & 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], bf[0], bf[1]);
+    for (int i = 0; i < 4; ++i) {
+      const int n = i >> 1;
+      const int c = i & 1;
+      s4[u][i] = (sc[n][0][c] + sc[n][0][c + 2]) + (sc[n][1][c] + sc[n][1][c + 2]);
+      v4[u][i] = base + SUB * u + 8 * n + 2 * t + c < t1;
     }
-  }
-  // this lane's four scores of row g: tokens 2t, 2t + 1, 2t + 8, 2t + 9 (hi + lo rows)
-  float s4[4];
-  bool v4[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int n = i >> 1;
-    const int c = i & 1;
-    s4[i] = (sc[n][0][c] + sc[n][0][c + 2]) + (sc[n][1][c] + sc[n][1][c + 2]);
-    v4[i] = base + 8 * n + 2 * t + c < t1;
   }
 
-  // online softmax of row g
+  // online softmax of row g over the step's TILE tokens
   float tmax = NEG;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    tmax = v4[i] ? vx_max(tmax, s4[i]) : tmax;
+  for (int u = 0; u < NSUB; ++u) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      tmax = v4[u][i] ? vx_max(tmax, s4[u][i]) : tmax;
+    }
   }
   tmax = vx_max(tmax, vx_shfl_xor(tmax, 1));
   tmax = vx_max(tmax, vx_shfl_xor(tmax, 2));
@@ -330,39 +339,46 @@ for (int k = 0; k < nmine; ++k) {
     lrow *= alpha;
     mrow = mnew;
   }
-  float p4[4];
+  unsigned int pa[NSUB][4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    p4[i] = v4[i] ? vx_exp2(s4[i] - mrow) : 0.0f;
-    lrow += p4[i];
-  }
-  unsigned int pa[4];
+  for (int u = 0; u < NSUB; ++u) {
+    float p4[4];
 #pragma unroll
-  for (int n = 0; n < 2; ++n) {
-    const __half2 hi = __floats2half2_rn(p4[2 * n], p4[2 * n + 1]);
-    const float2 hf = __half22float2(hi);
-    pa[2 * n] = vx_h2u(hi);
-    pa[2 * n + 1] = vx_pack_h2(p4[2 * n] - hf.x, p4[2 * n + 1] - hf.y);
-  }
-
-  // values: per n-tile one channel per lane, tokens (2t, 2t + 1) and (2t + 8, 2t + 9)
-  unsigned int vw[4][VWL];
-  __half2 vs2[2][VNG], vz2[2][VNG];
+    for (int i = 0; i < 4; ++i) {
+      p4[i] = v4[u][i] ? vx_exp2(s4[u][i] - mrow) : 0.0f;
+      lrow += p4[i];
+    }
 #pragma unroll
-  for (int n = 0; n < 4; ++n) {
-    const int tr = 2 * t + (n & 1) + 8 * (n >> 1);
-#pragma unroll
-    for (int w = 0; w < VWL; ++w) {
-      vw[n][w] = st[O_VC + tr * VWT + g * VWL + w];
+    for (int n = 0; n < 2; ++n) {
+      const __half2 hi = __floats2half2_rn(p4[2 * n], p4[2 * n + 1]);
+      const float2 hf = __half22float2(hi);
+      pa[u][2 * n] = vx_h2u(hi);
+      pa[u][2 * n + 1] = vx_pack_h2(p4[2 * n] - hf.x, p4[2 * n + 1] - hf.y);
     }
   }
+
+  // values: per n-tile one channel per lane, tokens (2t, 2t + 1) and (2t + 8, 2t + 9) of
+  // each sub-tile
+  unsigned int vw[NSUB][4][VWL];
+  __half2 vs2[NSUB][2][VNG], vz2[NSUB][2][VNG];
 #pragma unroll
-  for (int n = 0; n < 2; ++n) {
-    const int tr = 2 * t + 8 * n;
+  for (int u = 0; u < NSUB; ++u) {
 #pragma unroll
-    for (int lg = 0; lg < VNG; ++lg) {
-      vs2[n][lg] = __halves2half2(svs[tr * VG + vg0 + lg], svs[(tr + 1) * VG + vg0 + lg]);
-      vz2[n][lg] = __halves2half2(svz[tr * VG + vg0 + lg], svz[(tr + 1) * VG + vg0 + lg]);
+    for (int n = 0; n < 4; ++n) {
+      const int tr = SUB * u + 2 * t + (n & 1) + 8 * (n >> 1);
+#pragma unroll
+      for (int w = 0; w < VWL; ++w) {
+        vw[u][n][w] = st[O_VC + tr * VWT + g * VWL + w];
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      const int tr = SUB * u + 2 * t + 8 * n;
+#pragma unroll
+      for (int lg = 0; lg < VNG; ++lg) {
+        vs2[u][n][lg] = __halves2half2(svs[tr * VG + vg0 + lg], svs[(tr + 1) * VG + vg0 + lg]);
+        vz2[u][n][lg] = __halves2half2(svz[tr * VG + vg0 + lg], svz[(tr + 1) * VG + vg0 + lg]);
+      }
     }
   }
 #pragma unroll
@@ -372,13 +388,16 @@ for (int k = 0; k < nmine; ++k) {
     const int bi = bit >> 3;
     const int sel = bi | (bi << 4) | ((4 + bi) << 8) | ((4 + bi) << 12);
     const int lg = VCL > VGROUP ? nv / VGROUP : 0;
-    unsigned int bf[2];
 #pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      const unsigned int y = __byte_perm(vw[2 * n][wl], vw[2 * n + 1][wl], sel);
-      bf[n] = vx_dequant_pair(vx_code_pair(y, bit & 7, VBITS), vs2[n][lg], vz2[n][lg]);
+    for (int u = 0; u < NSUB; ++u) {
+      unsigned int bf[2];
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        const unsigned int y = __byte_perm(vw[u][2 * n][wl], vw[u][2 * n + 1][wl], sel);
+        bf[n] = vx_dequant_pair(vx_code_pair(y, bit & 7, VBITS), vs2[u][n][lg], vz2[u][n][lg]);
+      }
+      vx_mma16816(oacc[nv], pa[u][0], pa[u][1], pa[u][2], pa[u][3], bf[0], bf[1]);
     }
-    vx_mma16816(oacc[nv], pa[0], pa[1], pa[2], pa[3], bf[0], bf[1]);
   }
   __syncwarp();  // every lane is done with this stage before it is refilled
 }

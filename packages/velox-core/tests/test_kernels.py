@@ -281,16 +281,17 @@ def _mma_codes(bits: int, group: int, dtype=mx.float16) -> dk.Codes:
 
 def _mma_variants():
     out = []
-    for kb, vb, m, kg, vg, nw in (
-        (4, 4, 4, 64, 64, 4),
-        (2, 2, 4, 64, 64, 4),
-        (8, 8, 4, 64, 64, 4),
-        (4, 4, 8, 32, 32, 2),
-        (4, 2, 1, 128, 16, 4),
+    for kb, vb, m, kg, vg, nw, sub in (
+        (4, 4, 4, 64, 64, 4, 1),
+        (4, 4, 4, 64, 64, 2, 2),
+        (2, 2, 4, 64, 64, 4, 2),
+        (8, 8, 4, 64, 64, 2, 2),
+        (4, 4, 8, 32, 32, 4, 2),
+        (4, 2, 1, 128, 16, 4, 1),
     ):
         k, v = _mma_codes(kb, kg), _mma_codes(vb, vg)
         assert dk.mma_supported(m, 128, k, v)
-        stages = dk.mma_stages(128, k, v, nw)
+        stages = dk.mma_stages(128, k, v, nw, sub)
         assert stages >= 2
         tmpl = [
             ("HD", 128),
@@ -301,6 +302,7 @@ def _mma_variants():
             ("MROWS", m),
             ("NWARPS", nw),
             ("NSTAGE", stages),
+            ("NSUB", sub),
         ]
         infos = [ArgInfo(*F32), *[ArgInfo(*a) for a in (U32, H16, H16)] * 2]
         out.append((dk.DECODE_MMA, infos, ["float32"] * 2, tmpl))
@@ -326,6 +328,8 @@ def test_mma_launch_settings():
     assert dk.mma_stages(128, k, v, 4) == 4  # 4 x 4 x 2,304 B fits in 48 KiB
     assert dk.mma_stages(128, _mma_codes(8, 64), _mma_codes(8, 64), 4) == 2
     assert dk.mma_stages(128, _mma_codes(8, 64), _mma_codes(8, 64), 8) == 0
+    assert dk.mma_stages(128, k, v, 4, 2) == 2  # 32-token steps: twice the bytes per stage
+    assert dk.mma_stages(128, _mma_codes(8, 64), _mma_codes(8, 64), 4, 2) == 0
     for t, rows in ((131072, 8), (4096, 8), (1, 1), (600, 64)):
         s = dk.mma_splits(t, rows, 4)
         span = -(-t // s)

@@ -49,7 +49,9 @@ __all__ = [
     "mma_enabled",
     "mma_splits",
     "mma_stages",
+    "mma_subtiles",
     "mma_supported",
+    "mma_warps",
     "plan",
     "template",
     "tuning",
@@ -306,10 +308,33 @@ def mma_supported(m: int, dim: int, keys: Codes, values: Codes) -> bool:
 MMA_SMEM = 48 * 1024 - 512  # static shared memory of one threadgroup (the rest: row stats)
 
 
-def mma_stages(dim: int, keys: Codes, values: Codes, nwarps: int) -> int:
-    """Tiles in each warp's shared-memory ring: ``VELOX_DECODE_STAGES`` or the most (up to 4)
-    that fit in 48 KiB of static shared memory; 0 if not even 2 fit."""
-    tile = 16
+MMA_SUBTILES = 1  # 16-token MMA tiles per loop step (VELOX_DECODE_SUBTILES: 1 or 2)
+MMA_WARPS = 4  # warps per threadgroup of the tensor-core kernel (VELOX_DECODE_MMA_WARPS)
+
+
+def mma_warps() -> int:
+    """Warps per threadgroup of the tensor-core kernel: ``VELOX_DECODE_MMA_WARPS`` or
+    :data:`MMA_WARPS`."""
+    n = int(os.environ.get("VELOX_DECODE_MMA_WARPS", MMA_WARPS))
+    if n not in (1, 2, 4, 8):
+        raise ValueError(f"VELOX_DECODE_MMA_WARPS must be 1, 2, 4 or 8, got {n}")
+    return n
+
+
+def mma_subtiles() -> int:
+    """16-token MMA tiles per loop step of the tensor-core kernel: ``VELOX_DECODE_SUBTILES``
+    or :data:`MMA_SUBTILES`."""
+    n = int(os.environ.get("VELOX_DECODE_SUBTILES", MMA_SUBTILES))
+    if n not in (1, 2):
+        raise ValueError(f"VELOX_DECODE_SUBTILES must be 1 or 2, got {n}")
+    return n
+
+
+def mma_stages(dim: int, keys: Codes, values: Codes, nwarps: int, subtiles: int = 1) -> int:
+    """Steps (of ``16 * subtiles`` tokens) in each warp's shared-memory ring:
+    ``VELOX_DECODE_STAGES`` or the most (up to 4) that fit in 48 KiB of static shared
+    memory; 0 if not even 2 fit."""
+    tile = 16 * subtiles
     words = tile * dim * (keys.bits + values.bits) // 32
     words += 2 * (-(-tile * (dim // keys.group) // 2)) + 2 * (-(-tile * (dim // values.group) // 2))
     if nwarps * 8 * dim * 4 > MMA_SMEM:
@@ -330,7 +355,7 @@ def mma_splits(tokens: int, rows: int, nwarps: int) -> int:
     softmax is online)."""
     target = int(os.environ.get("VELOX_DECODE_BLOCKS", MMA_BLOCKS))
     want = max(1, math.ceil(target / max(1, rows)))
-    s = max(1, min(want, tokens // max(MMA_MIN_SPAN, 16 * nwarps)))
+    s = max(1, min(want, tokens // max(MMA_MIN_SPAN, 32 * nwarps)))
     return math.ceil(tokens / math.ceil(tokens / s))
 
 
@@ -339,13 +364,17 @@ def _decode_mma(
 ) -> tuple[mx.array, mx.array, mx.array] | None:
     b, h, m, dim = q.shape
     t = keys.codes.shape[2]
-    nwarps, _ = tuning()
+    nwarps = mma_warps()
     if splits is None:
         s = mma_splits(t, b * h, nwarps)
     else:
         s = max(1, min(int(splits), t))
         s = math.ceil(t / math.ceil(t / s))
-    stages = mma_stages(dim, keys, values, nwarps)
+    sub = mma_subtiles()
+    stages = mma_stages(dim, keys, values, nwarps, sub)
+    if stages == 0 and sub > 1:
+        sub = 1
+        stages = mma_stages(dim, keys, values, nwarps, sub)
     if stages == 0:
         return None
     nt = nwarps * 32
@@ -360,6 +389,7 @@ def _decode_mma(
             ("MROWS", m),
             ("NWARPS", nwarps),
             ("NSTAGE", stages),
+            ("NSUB", sub),
         ],
         grid=(s * nt, b * h, 1),
         threadgroup=(nt, 1, 1),
