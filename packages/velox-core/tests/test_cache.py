@@ -198,3 +198,19 @@ def test_partials_merge_to_the_joint_softmax():
     vv = mx.concatenate([s.value_codec.decode(s.values).astype(mx.float32) for s in segs], axis=2)
     p = mx.softmax(q @ mx.swapaxes(kk, -1, -2), axis=-1)
     assert rel_error(merged, p @ vv) < 1e-5
+
+
+def test_partials_merge_for_any_reference_max():
+    """A partial may be taken against any max at or below its scores' (the tensor-core kernel
+    raises its max lazily): the merged softmax is the same, and one partial alone is o / l."""
+    from velox_core.cache.attention import merge_partials, partial
+
+    k, v = kv_data(t=120)
+    c = UniformCache(bits=8, window=16)
+    c.update_and_fetch(k, v)
+    q = mx.random.normal((1, 2, 3, 128))
+    parts = [partial(q, s) for s in c.segments()]
+    o, m, l = parts[0]
+    shifted = (o * math.exp(3.0), m - 3.0, l * math.exp(3.0))
+    assert rel_error(merge_partials([shifted, *parts[1:]]), merge_partials(parts)) < 1e-5
+    assert rel_error(merge_partials([shifted]), o / l) < 1e-6

@@ -340,29 +340,13 @@ def test_mma_launch_settings():
 def test_tensor_core_instantiations_compile_without_spills(tmp_path):
     """The CUDA-only tensor-core decode kernel compiles for sm_90a without spills and fits
     the static shared memory its host code assumes (48 KiB)."""
-    units = [cuda_source(*v)[0] for v in _mma_variants()]
-    cu = tmp_path / "mma.cu"
-    cu.write_text("\n".join(units))
-    inc = os.environ.get("VELOX_MLX_CUDA_INCLUDE") or str(shim_dir() / "cuda")
-    cmd = [NVCC, "-std=c++17", "-arch=sm_90a", "-Xptxas", "-v", "-I", inc, "-c", str(cu)]
-    res = subprocess.run(
-        [*cmd, "-o", str(tmp_path / "m.o")], capture_output=True, text=True, check=False
-    )
-    assert res.returncode == 0, res.stderr[-6000:]
-    found = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", res.stderr)
-    assert len(found) == len(units) and all(f == ("0", "0") for f in found), res.stderr[-3000:]
-    smem = [int(x) for x in re.findall(r"(\d+) bytes smem", res.stderr)]
+    log = _nvcc_without_spills([cuda_source(*v)[0] for v in _mma_variants()], tmp_path)
+    smem = [int(x) for x in re.findall(r"(\d+) bytes smem", log)]
     assert smem and max(smem) <= 48 * 1024, smem
 
 
-@needs_nvcc
-def test_cuda_instantiations_compile_without_spills(tmp_path):
-    """nvcc compiles the CUDA instantiations for sm_90a (H100/H200) down to machine code.
-
-    Against MLX's real device headers when ``VELOX_MLX_CUDA_INCLUDE`` names them (the
-    ``include`` folder holding ``mlx/backend/cuda/device/utils.cuh``), else the stand-in in
-    ``metal/shim/cuda``."""
-    units = [cuda_source(*v)[0] for v in _decode_variants()]
+def _nvcc_without_spills(units: list[str], tmp_path) -> str:
+    """Compile CUDA units with nvcc for sm_90a; assert success and no spills; ptxas' log."""
     cu = tmp_path / "kernels.cu"
     cu.write_text("\n".join(units))
     inc = os.environ.get("VELOX_MLX_CUDA_INCLUDE") or str(shim_dir() / "cuda")
@@ -373,6 +357,17 @@ def test_cuda_instantiations_compile_without_spills(tmp_path):
     assert res.returncode == 0, res.stderr[-6000:]
     found = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", res.stderr)
     assert len(found) == len(units) and all(f == ("0", "0") for f in found), res.stderr[-3000:]
+    return res.stderr
+
+
+@needs_nvcc
+def test_cuda_instantiations_compile_without_spills(tmp_path):
+    """nvcc compiles the CUDA instantiations for sm_90a (H100/H200) down to machine code.
+
+    Against MLX's real device headers when ``VELOX_MLX_CUDA_INCLUDE`` names them (the
+    ``include`` folder holding ``mlx/backend/cuda/device/utils.cuh``), else the stand-in in
+    ``metal/shim/cuda``."""
+    _nvcc_without_spills([cuda_source(*v)[0] for v in _decode_variants()], tmp_path)
 
 
 # -- emulation: the Metal instantiation run on the CPU --------------------------------------------

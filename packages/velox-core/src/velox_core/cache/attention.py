@@ -108,6 +108,9 @@ def merge_partials(parts: list[tuple[mx.array, mx.array, mx.array]]) -> mx.array
     Shapes:
         each part as returned by :func:`partial`; returns float32 ``(B, H, M, Dv)``.
     """
+    if len(parts) == 1:  # one segment: its partial is already relative to its own max
+        o, _, li = parts[0]
+        return o / li
     m = parts[0][1]
     for _, mi, _ in parts[1:]:
         m = mx.maximum(m, mi)

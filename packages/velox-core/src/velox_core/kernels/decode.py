@@ -46,6 +46,7 @@ __all__ = [
     "decode_attention",
     "fit_splits",
     "merge_launch",
+    "merge_splits",
     "mma_enabled",
     "mma_splits",
     "mma_stages",
@@ -396,12 +397,24 @@ def _decode_mma(
         output_shapes=[(b, h, s, m, dim), (b, h, s, m, 2)],
         output_dtypes=[mx.float32, mx.float32],
     )
-    grid, tg = merge_launch(b * h * m, dim)
+    return merge_splits(o_part, ml_part)
+
+
+def merge_splits(o_part: mx.array, ml_part: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """One partial from the per-split partials of a decode kernel (the merge kernel).
+
+    Shapes:
+        ``o_part (B, H, S, R, D)``, ``ml_part (B, H, S, R, 2)`` (max and sum in log2 units);
+        returns ``o (B, H, R, D)``, ``m`` and ``l`` ``(B, H, R, 1)``, float32, ``m`` in
+        natural-log units.
+    """
+    b, h, _, rows, dim = o_part.shape
+    grid, tg = merge_launch(b * h * rows, dim)
     o, mm, ll = MERGE.kernel()(
         inputs=[o_part, ml_part],
         grid=grid,
         threadgroup=tg,
-        output_shapes=[(b, h, m, dim), (b, h, m, 1), (b, h, m, 1)],
+        output_shapes=[(b, h, rows, dim), (b, h, rows, 1), (b, h, rows, 1)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
     return o, mm, ll
@@ -449,14 +462,7 @@ def decode_attention(
         output_shapes=[(b, h, s, mp, dim), (b, h, s, mp, 2)],
         output_dtypes=[mx.float32, mx.float32],
     )
-    grid, tg = merge_launch(b * h * mp, dim)
-    o, mm, ll = MERGE.kernel()(
-        inputs=[o_part, ml_part],
-        grid=grid,
-        threadgroup=tg,
-        output_shapes=[(b, h, mp, dim), (b, h, mp, 1), (b, h, mp, 1)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32],
-    )
+    o, mm, ll = merge_splits(o_part, ml_part)
     if mp > m:
         o, mm, ll = o[:, :, :m], mm[:, :, :m], ll[:, :, :m]
     return o, mm, ll
