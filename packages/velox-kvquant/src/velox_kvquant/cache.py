@@ -53,11 +53,10 @@ class KVQuantCache(PresetCache):
         t = self.tiers[0]
         return t.key_codec.fitted and t.value_codec.fitted
 
-    def _flush(self) -> None:
-        # until calibrated, the window also holds the calibration tokens
-        if not self.calibrated and self._win[0].tokens < self.window + self.cfg.calibration:
-            return
-        super()._flush()
+    def before_coding(self) -> bool:
+        """Until calibrated, the window also holds the calibration tokens: nothing is coded
+        before ``window + calibration`` tokens are stored (the codecs fit on encode)."""
+        return self.calibrated or self._win[0].tokens >= self.window + self.cfg.calibration
 
     # -- batching: the fitted arrays have one row per sequence ---------------------------------
     def filter(self, batch_indices) -> None:

@@ -45,14 +45,14 @@ class SKVQCache(PresetCache):
     def _codecs_skvq(self) -> list[SKVQ]:
         return [c for c in self._codecs() if isinstance(c, SKVQ)]
 
-    def _flush(self) -> None:
+    def before_coding(self) -> bool:
         """Fit the codecs on every non-sink token stored, just before the first is coded."""
         tier = self.tiers[0]
         if not tier.key_codec.fitted and self._win[0].tokens > self.window:
             k, v = self._win[0].view(), self._win[1].view()
             tier.key_codec.fit(k.data["x"])
             tier.value_codec.fit(v.data["x"])
-        super()._flush()
+        return True
 
     def filter(self, batch_indices) -> None:
         idx = mx.array(batch_indices) if not isinstance(batch_indices, mx.array) else batch_indices

@@ -239,8 +239,19 @@ class VeloxCache(RetentionMixin):
             return keys, values  # unused: routed attention reads the cache itself
         return self.keys_and_values()
 
+    def before_coding(self) -> bool:
+        """Hook run on every update before window overflow moves into the coded tiers.
+
+        Methods that fit their codecs on stored tokens (calibration) override it: fit from
+        the window when it holds enough tokens and return True, or return False to keep every
+        token in the window for now (nothing moves this update). The default moves at once.
+        """
+        return True
+
     def _flush(self) -> None:
         """Move window overflow into tier 0 and tier overflow down the tiers."""
+        if not self.before_coding():
+            return
         first = self.tiers[0]
         block = _lcm(first.key_codec.block, first.value_codec.block)
         n = (self._win[0].tokens - self.window) // block * block
