@@ -1,14 +1,19 @@
 """NestedKV: the conformance suite, and what is NestedKV's own."""
 
-import math
-
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import QuantizedKVCache
 
 from velox_core import Uniform, VeloxCache, load_cache, make, make_cache, routed, save_cache
-from velox_core.testing import CacheConformance, kv_data, rel_error, tiny_model
+from velox_core.testing import (
+    CacheConformance,
+    attention_errors_vs_mlx_quant,
+    fill_chunks,
+    kv_data,
+    rel_error,
+    tiny_model,
+)
 from velox_nestedkv import METHOD, NestedKVCache, NestedKVPolicy, head_budgets, nested_score
 
 FP16, FOUR_BIT = METHOD.recommended
@@ -385,36 +390,19 @@ def test_four_bit_setting_against_mlx_q4():
     than mlx's 4-bit group-64 quantization and it holds no more bytes than QuantizedKVCache
     (per token it stores 4 B more, its int32 positions, but with less allocation slack).
     Beyond the budget its bytes stay bounded (its error then is eviction's, not compared)."""
-    scale = 1 / math.sqrt(128)
     for t in (1000, 4096):
         for seed in (0, 1):
             k, v = kv_data(t=t, seed=seed)
             mq, c = QuantizedKVCache(group_size=64, bits=4), NestedKVCache(**FOUR_BIT)
             with routed(tiny_model()):
-                for s in range(0, t, 300):
-                    mq.update_and_fetch(k[:, :, s : s + 300], v[:, :, s : s + 300])
-                    c.update_and_fetch(k[:, :, s : s + 300], v[:, :, s : s + 300])
+                fill_chunks([mq, c], k, v)
             mx.eval(c.state, mq.state)
             if t > FOUR_BIT["budget"]:
                 assert c.nbytes <= 0.4 * mq.nbytes, (c.nbytes, mq.nbytes)
                 continue
             assert c.nbytes <= mq.nbytes, (c.nbytes, mq.nbytes)
-            kq, vq = (
-                mx.dequantize(*mx.quantize(x, group_size=64, bits=4), group_size=64, bits=4)
-                for x in (k, v)
-            )
-            ours = theirs = 0.0
-            for i in range(8):  # plain queries, and queries drawn to keys across the context
-                q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(seed * 10 + i))
-                if i % 2:
-                    q = q + k[:, :1, t - 1 - 100 * i][:, :, None] / 4
-                q = q.astype(mx.float16)
-                ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
-                ours += rel_error(c.attend(q, scale=scale), ref)
-                theirs += rel_error(
-                    mx.fast.scaled_dot_product_attention(q, kq, vq, scale=scale), ref
-                )
-            assert ours <= theirs, (seed, ours / 8, theirs / 8)
+            ours, theirs = attention_errors_vs_mlx_quant(c, k, v, seed=seed, stride=100)
+            assert ours <= theirs, (seed, ours, theirs)
 
 
 def test_recommended_settings():

@@ -1,7 +1,6 @@
 """SKVQ: the conformance suite, and what is SKVQ's own."""
 
 import json
-import math
 
 import mlx.core as mx
 import numpy as np
@@ -9,7 +8,13 @@ import pytest
 from mlx_lm.models.cache import QuantizedKVCache
 
 from velox_core import make
-from velox_core.testing import CacheConformance, kv_data, rel_error
+from velox_core.testing import (
+    CacheConformance,
+    attention_errors_vs_mlx_quant,
+    fill_chunks,
+    kv_data,
+    rel_error,
+)
 from velox_skvq import METHOD, SKVQ, SKVQCache
 from velox_skvq.quant import pack_codes, unpack_codes
 
@@ -211,30 +216,15 @@ def test_batch_rows_are_fitted_apart_and_follow_filter_and_extend():
 
 # -- the 4-bit setting against mlx's own 4-bit quantization ------------------------------------
 def test_four_bit_setting_beats_mlx_q4_in_error_and_bytes():
-    scale = 1 / math.sqrt(128)
     t = 2048
     for seed in (0, 1):
         k, v = kv_data(t=t, seed=seed)
         mq = QuantizedKVCache(group_size=64, bits=4)
         c = SKVQCache(**FOUR_BIT)
-        for s in range(0, t, 300):
-            mq.update_and_fetch(k[:, :, s : s + 300], v[:, :, s : s + 300])
-            c.update_and_fetch(k[:, :, s : s + 300], v[:, :, s : s + 300])
+        fill_chunks([mq, c], k, v)
         assert c.nbytes <= mq.nbytes, (c.nbytes, mq.nbytes)
-        kq, vq = (
-            mx.dequantize(*mx.quantize(x, group_size=64, bits=4), group_size=64, bits=4)
-            for x in (k, v)
-        )
-        ours = theirs = 0.0
-        for i in range(8):  # plain queries, and queries drawn to keys across the context
-            q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(seed * 10 + i))
-            if i % 2:
-                q = q + k[:, :1, t - 1 - 200 * i][:, :, None] / 4
-            q = q.astype(mx.float16)
-            ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
-            ours += rel_error(c.attend(q, scale=scale), ref)
-            theirs += rel_error(mx.fast.scaled_dot_product_attention(q, kq, vq, scale=scale), ref)
-        assert ours <= theirs, (seed, ours / 8, theirs / 8)
+        ours, theirs = attention_errors_vs_mlx_quant(c, k, v, seed=seed, stride=200)
+        assert ours <= theirs, (seed, ours, theirs)
 
 
 # -- settings ---------------------------------------------------------------------------------

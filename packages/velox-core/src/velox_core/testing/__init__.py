@@ -3,12 +3,15 @@
 Importing this module needs pytest (the ``test`` extra).
 """
 
+from .baselines import attention_errors_vs_mlx_quant, fill_chunks
 from .conformance import CacheConformance, greedy_agreement, kv_data, rel_error
 from .models import FAMILIES, tiny_model, tiny_tokenizer
 
 __all__ = [
     "FAMILIES",
     "CacheConformance",
+    "attention_errors_vs_mlx_quant",
+    "fill_chunks",
     "greedy_agreement",
     "kv_data",
     "rel_error",
