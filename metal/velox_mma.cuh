@@ -29,6 +29,8 @@ VX_FN unsigned int vx_dequant_pair(unsigned int h, __half2 s2, __half2 z2) {
   return vx_h2u(__hfma2(c, s2, z2));
 }
 
+#if !defined(VX_CUDA_EMULATE)
+
 // D = A * B + D for one m16n8k16 tile: A row-major 16 x 16 fp16 (4 registers), B column-major
 // 16 x 8 fp16 (2 registers), D 16 x 8 float32 (4 registers), in the PTX fragment layouts.
 VX_FN void vx_mma16816(float (&d)[4], unsigned int a0, unsigned int a1, unsigned int a2,
@@ -40,8 +42,8 @@ VX_FN void vx_mma16816(float (&d)[4], unsigned int a0, unsigned int a1, unsigned
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Asynchronous global -> shared copies (cp.async, sm_80+): `bytes` of 4 (or 16) copied, the
-// rest of the destination zero-filled (src_bytes < size; 0 reads nothing).
+// Asynchronous global -> shared copies (cp.async, sm_80+): `src_bytes` of 4 copied, the rest
+// of the destination zero-filled (0 reads nothing); 16-byte copies whole.
 VX_FN void vx_cp_async4(void* dst, const void* src, int src_bytes) {
   const unsigned int d = static_cast<unsigned int>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes));
@@ -55,5 +57,64 @@ template <int N>
 VX_FN void vx_cp_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
+
+#else  // CPU emulation (metal/shim/cuda_emu): the same semantics, computed lane by lane
+
+VX_FN float vx_emu_half(unsigned int reg, int hi) {
+  const __half2 h = vx_u2h(reg);
+  return float(hi ? h.y : h.x);
+}
+
+// Every lane publishes its fragments; each computes its four outputs from the PTX layouts:
+// A (r, k): lane 4 (r % 8) + (k % 8) / 2, register (r >= 8) + 2 (k >= 8), half k % 2;
+// B (k, n): lane 4 n + (k % 8) / 2, register (k >= 8), half k % 2;
+// C/D (r, n): lane 4 (r % 8) + n / 2, element 2 (r >= 8) + n % 2.
+VX_FN void vx_mma16816(float (&d)[4], unsigned int a0, unsigned int a1, unsigned int a2,
+                       unsigned int a3, unsigned int b0, unsigned int b1) {
+  vx_cuemu::Warp& w = vx_cuemu::warp();
+  const int lane = vx_cuemu::g_lane;
+  vx_cuemu::MmaSlot& mine = w.mma[lane];
+  mine.a[0] = a0;
+  mine.a[1] = a1;
+  mine.a[2] = a2;
+  mine.a[3] = a3;
+  mine.b[0] = b0;
+  mine.b[1] = b1;
+  w.bar.wait();
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  float out[4];
+  for (int e = 0; e < 4; ++e) {
+    const int r = g + 8 * (e >> 1);
+    const int n = 2 * t + (e & 1);
+    float acc = d[e];
+    for (int k = 0; k < 16; ++k) {
+      const vx_cuemu::MmaSlot& sa = w.mma[4 * (r % 8) + (k % 8) / 2];
+      const vx_cuemu::MmaSlot& sb = w.mma[4 * n + (k % 8) / 2];
+      const float av = vx_emu_half(sa.a[(r >= 8) + 2 * (k >= 8)], k % 2);
+      const float bv = vx_emu_half(sb.b[k >= 8], k % 2);
+      acc += av * bv;
+    }
+    out[e] = acc;
+  }
+  w.bar.wait();
+  for (int e = 0; e < 4; ++e) {
+    d[e] = out[e];
+  }
+}
+
+VX_FN void vx_cp_async4(void* dst, const void* src, int src_bytes) {
+  unsigned char buf[4] = {0, 0, 0, 0};
+  if (src_bytes > 0) {
+    std::memcpy(buf, src, src_bytes);
+  }
+  std::memcpy(dst, buf, 4);
+}
+VX_FN void vx_cp_async16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
+VX_FN void vx_cp_commit() {}
+template <int N>
+VX_FN void vx_cp_wait() {}
+
+#endif  // VX_CUDA_EMULATE
 
 #endif  // VELOX_MMA_CUH

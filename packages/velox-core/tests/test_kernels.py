@@ -30,7 +30,14 @@ from velox_core.cache.attention import Segment, attend, merge_partials, partial
 from velox_core.kernels import decode as dk
 from velox_core.kernels import encode as ek
 from velox_core.kernels.build import PROLOGUE, ArgInfo, KernelSpec, cuda_source, metal_source
-from velox_core.kernels.emulate import DecodeRun, EmulatedKernels, Emulator, np_input, shim_dir
+from velox_core.kernels.emulate import (
+    CudaEmulator,
+    DecodeRun,
+    EmulatedKernels,
+    Emulator,
+    np_input,
+    shim_dir,
+)
 from velox_core.ops import affine_quantize, lloyd_max_sphere, pack
 from velox_core.testing import kv_data
 
@@ -575,3 +582,118 @@ def test_cache_on_an_emulated_gpu_matches_the_reference(monkeypatch, tmp_path):
     assert (
         got.dtype == ref.dtype and np.abs(np.asarray((got - ref).astype(mx.float32))).max() < 2e-2
     )
+
+
+# -- the CUDA-only tensor-core kernel, emulated lane by lane --------------------------------------
+
+MMA_CASES = {
+    # name: (B, H, T, M, key bits, value bits, key group, value group, warps, subtiles, splits, pad)
+    "4bit-two-splits": (1, 2, 100, 4, 4, 4, 64, 64, 4, 1, 2, 0),
+    "4bit-b2-steps-of-two-strided": (2, 2, 333, 4, 4, 4, 64, 64, 2, 2, 3, 7),
+    "2bit-steps-of-two": (1, 2, 77, 4, 2, 2, 64, 64, 4, 2, 2, 0),
+    "8bit-gqa8-g32": (1, 1, 150, 8, 8, 8, 32, 32, 2, 2, 2, 0),
+    "k4v2-six-rows": (1, 2, 65, 6, 4, 2, 32, 32, 4, 1, 2, 0),
+    "g128-keys-g16-values-odd-planes": (1, 3, 49, 1, 4, 4, 128, 16, 4, 1, 2, 3),
+    "one-token": (1, 2, 1, 4, 4, 4, 64, 64, 4, 1, 1, 0),
+    "small-groups-k16-v8": (1, 2, 90, 4, 4, 4, 16, 8, 2, 2, 2, 0),
+}
+
+
+def _padded(x, pad: int):
+    """``x`` as a token-axis slice of a larger buffer whose extra rows hold garbage."""
+    if not pad:
+        return np_input(x)
+    arr = np.asarray(np_input(x))
+    shape = list(arr.shape)
+    shape[2] += pad
+    rng = np.random.default_rng(1)
+    if np.issubdtype(arr.dtype, np.integer):
+        big = rng.integers(0, np.iinfo(arr.dtype).max, size=shape, dtype=arr.dtype)
+    else:
+        big = (rng.standard_normal(shape) * 1e4).astype(arr.dtype)
+    big[:, :, : arr.shape[2]] = arr
+    return big[:, :, : arr.shape[2]]
+
+
+@pytest.fixture(scope="module")
+def mma_emulated(tmp_path_factory):
+    if GXX is None:
+        pytest.skip("g++ is not installed: the kernels cannot be emulated here")
+    emu = CudaEmulator(tmp_path_factory.mktemp("cuemu"))
+    cases = {}
+    for name, (b, h, t, m, kb, vb, kg, vg, nw, sub, s, pad) in MMA_CASES.items():
+        k1, k2, k3 = mx.random.split(mx.random.key(len(cases)), 3)
+        k = mx.random.normal((b, h, t, 128), key=k1).astype(mx.float16)
+        v = mx.random.normal((b, h, t, 128), key=k2).astype(mx.float16)
+        q = mx.random.normal((b, h, m, 128), key=k3) * 0.3
+        kc, vc = Uniform(kb, group=kg), Uniform(vb, group=vg)
+        kp, vp = kc.encode(k), vc.encode(v)
+        keys = dk.Codes(dk.AFFINE, kb, kg, kp.data["codes"], kp.data["scale"], kp.data["zero"])
+        vals = dk.Codes(dk.AFFINE, vb, vg, vp.data["codes"], vp.data["scale"], vp.data["zero"])
+        assert dk.mma_supported(m, 128, keys, vals)
+        stages = dk.mma_stages(128, keys, vals, nw, sub)
+        ins = [np_input(q)] + [
+            _padded(x, pad) for x in (keys.codes, keys.a, keys.b, vals.codes, vals.a, vals.b)
+        ]
+        tmpl = [
+            ("HD", 128),
+            ("KBITS", kb),
+            ("VBITS", vb),
+            ("KGROUP", kg),
+            ("VGROUP", vg),
+            ("MROWS", m),
+            ("NWARPS", nw),
+            ("NSTAGE", stages),
+            ("NSUB", sub),
+        ]
+        handle = emu.kernel(dk.DECODE_MMA, ins, ["float32"] * 2, tmpl)
+        launch = ((s * nw * 32, b * h, 1), (nw * 32, 1, 1))
+        shapes = [(b, h, s, m, 128), (b, h, s, m, 2)]
+        # the reference: keys and values decoded, rounded to fp16 (the kernel's precision)
+        kd = kc.decode(kp).astype(mx.float16).astype(mx.float32)
+        vd = vc.decode(vp).astype(mx.float16).astype(mx.float32)
+        scores = q @ mx.swapaxes(kd, -1, -2)
+        cases[name] = (handle, ins, shapes, launch, scores, vd)
+    merge = emu.kernel(dk.MERGE, [np.zeros((1, 1, 2, 4, 128), np.float32)] * 2, ["float32"] * 3)
+    return emu, merge, cases
+
+
+@needs_gxx
+@pytest.mark.parametrize("name", list(MMA_CASES))
+def test_tensor_core_kernel_matches_the_reference(mma_emulated, name):
+    """The CUDA-only kernel, run lane by lane on the CPU (mma.sync fragments, cp.async rings,
+    warp votes and shuffles emulated), and its split merge: the softmax output equals the
+    reference over fp16-rounded decoded keys and values; no split's max exceeds the true
+    max (the lazy max may only lag)."""
+    emu, merge, cases = mma_emulated
+    handle, ins, shapes, (grid, tg), scores, vd = cases[name]
+    o_part, ml = emu.run(handle, ins, shapes, grid, tg)
+    b, h, _, m, d = shapes[0]
+    mgrid, mtg = dk.merge_launch(b * h * m, d)
+    o, mm, ll = emu.run(merge, [o_part, ml], [(b, h, m, d), (b, h, m, 1), (b, h, m, 1)], mgrid, mtg)
+    want = np.asarray(mx.softmax(scores, axis=-1) @ vd)
+    got = o / ll
+    assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max()), name
+    top = np.asarray(mx.max(scores, axis=-1, keepdims=True))
+    assert np.all(mm <= top + 1e-4) and np.all(mm >= top - 8 * math.log(2) - 1e-4)
+    assert np.all(np.isfinite(o_part)) and np.all(ml[..., 1] >= 0)
+
+
+@needs_gxx
+def test_cache_on_an_emulated_cuda_gpu_takes_the_tensor_core_kernel(monkeypatch, tmp_path):
+    """A float16 UniformCache attended with the backend reported as CUDA: decode_attention
+    takes the tensor-core kernel and the merge (both emulated); attention matches the
+    reference path to the fp16 rounding of the decoded values."""
+    k, v = kv_data(t=300, dtype=mx.float16)
+    q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(9)).astype(mx.float16)
+    cache = UniformCache(bits=4, window=16, sinks=4)
+    cache.update_and_fetch(k, v)  # encoded on the CPU path
+    ref = cache.attend(q, 0.088)
+    fake = EmulatedKernels(tmp_path, backend="cuda")
+    monkeypatch.setattr(vk, "backend", lambda: "cuda")
+    monkeypatch.setattr(KernelSpec, "kernel", lambda self: fake.kernel_for(self))
+    got = cache.attend(q, 0.088)
+    names = [name for name, _ in fake.calls]
+    assert names == ["velox_decode_attention_mma", "velox_decode_merge"]
+    err = np.abs(np.asarray((got - ref).astype(mx.float32))).max()
+    assert err < 2e-3 * np.abs(np.asarray(ref.astype(mx.float32))).max()

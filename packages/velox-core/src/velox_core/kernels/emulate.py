@@ -1,4 +1,5 @@
-"""Run a kernel's Metal instantiation on the CPU, through the C++ shim of Metal (a test aid).
+"""Run a kernel's Metal instantiation (or, for the CUDA-only kernels, its CUDA instantiation:
+:class:`CudaEmulator`) on the CPU, through C++ shims (a test aid).
 
 The full function MLX would compile for Metal (:func:`velox_core.kernels.build.metal_source`)
 is compiled with ``g++`` against ``metal/shim/metal_shim.h``, which runs every threadgroup as
@@ -31,12 +32,13 @@ from .build import (
     ArgInfo,
     KernelSpec,
     _shape_infos,
+    cuda_source,
     metal_attributes,
     metal_source,
     source_digest,
 )
 
-__all__ = ["Emulator", "compiler", "shim_dir"]
+__all__ = ["CudaEmulator", "Emulator", "compiler", "shim_dir"]
 
 _CXX_TYPES = {
     "float32": "float",
@@ -101,6 +103,31 @@ def _write_input(path: Path, arr: np.ndarray) -> None:
     path.with_suffix(".meta").write_text(" ".join(str(v) for v in meta))
 
 
+# file I/O of the emulator programs: inputs (raw bytes + a .meta of ndim, shape, strides in
+# elements), outputs, and the start of main (the kernel's index on the command line)
+_IO_HELPERS = [
+    "#include <fstream>",
+    "#include <sstream>",
+    "#include <string>",
+    "template <typename T> static std::vector<T> vx_load(const std::string& p) {",
+    "  std::ifstream f(p, std::ios::binary); std::stringstream ss; ss << f.rdbuf();",
+    "  std::string s = ss.str(); std::vector<T> v(s.size() / sizeof(T) + 1);",
+    "  std::memcpy((void*)v.data(), s.data(), s.size()); return v; }",
+    "static void vx_meta(const std::string& p, std::vector<int>& sh, std::vector<int64_t>& st) {",
+    "  std::ifstream f(p); int nd; f >> nd;",
+    "  sh.resize(nd > 0 ? nd : 1); st.resize(nd > 0 ? nd : 1);",
+    "  for (int i = 0; i < nd; ++i) f >> sh[i]; for (int i = 0; i < nd; ++i) f >> st[i]; }",
+    "template <typename T> static void vx_save(const std::string& p, const std::vector<T>& v) {",
+    "  std::ofstream f(p, std::ios::binary); "
+    "f.write(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T)); }",
+    "int main(int argc, char** argv) {",
+    "  if (argc < 3) return 2;",
+    "  const std::string dir = argv[1];",
+    "  const int which = std::atoi(argv[2]);",
+    '  std::ifstream lf(dir + "/launch.meta");',
+]
+
+
 @dataclass
 class _Kernel:
     spec: KernelSpec
@@ -139,13 +166,23 @@ class Emulator:
         MLX's generated signature); returns the handle for :meth:`run`."""
         infos = tuple(ArgInfo(name, arr.ndim, int(arr.size)) for arr, name in map(_name_of, inputs))
         dnames = tuple(str(d).replace("mlx.core.", "") for d in output_dtypes)
-        src, kname = metal_source(spec, infos, dnames, template)
+        src, kname = self._generate(spec, infos, dnames, template)
         for i, k in enumerate(self._kernels):
             if k.source == src and k.sequential == sequential:
                 return i
         self._kernels.append(_Kernel(spec, infos, dnames, tuple(template), sequential, src, kname))
         self._exe = None
         return len(self._kernels) - 1
+
+    # Metal passes inputs of fewer than 8 elements in the constant address space (another
+    # signature); CUDA does not
+    _small_inputs_differ = True
+
+    def _generate(self, spec, infos, dnames, template) -> tuple[str, str]:
+        return metal_source(spec, infos, dnames, template)
+
+    def _include_dir(self) -> Path:
+        return shim_dir()
 
     def _case(self, idx: int, k: _Kernel) -> list[str]:
         body = k.spec.body("metal")
@@ -200,24 +237,7 @@ class Emulator:
         lines = ["#define VX_SHIM_EMULATE 1", '#include "metal_shim.h"']
         lines += [k.source for k in self._kernels]
         lines += [
-            "template <typename T> static std::vector<T> vx_load(const std::string& p) {",
-            "  std::ifstream f(p, std::ios::binary); std::stringstream ss; ss << f.rdbuf();",
-            "  std::string s = ss.str(); std::vector<T> v(s.size() / sizeof(T) + 1);",
-            "  std::memcpy((void*)v.data(), s.data(), s.size()); return v; }",
-            "static void vx_meta(const std::string& p, std::vector<int>& sh, "
-            "std::vector<int64_t>& st) {",
-            "  std::ifstream f(p); int nd; f >> nd; sh.resize(nd > 0 ? nd : 1); "
-            "st.resize(nd > 0 ? nd : 1);",
-            "  for (int i = 0; i < nd; ++i) f >> sh[i]; for (int i = 0; i < nd; ++i) f >> st[i]; }",
-            "template <typename T> static void vx_save(const std::string& p, "
-            "const std::vector<T>& v) {",
-            "  std::ofstream f(p, std::ios::binary); "
-            "f.write(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T)); }",
-            "int main(int argc, char** argv) {",
-            "  if (argc < 3) return 2;",
-            "  const std::string dir = argv[1];",
-            "  const int which = std::atoi(argv[2]);",
-            '  std::ifstream lf(dir + "/launch.meta");',
+            *_IO_HELPERS,
             "  uint3 grid, tg; lf >> grid.x >> grid.y >> grid.z >> tg.x >> tg.y >> tg.z;",
         ]
         for idx, k in enumerate(self._kernels):
@@ -239,7 +259,7 @@ class Emulator:
         if not exe.exists():
             cpp = self.workdir / f"emu_{tag}.cpp"
             cpp.write_text(source)
-            cmd = [cxx, "-std=c++17", self.opt, "-pthread", "-w", "-I", str(shim_dir())]
+            cmd = [cxx, "-std=c++17", self.opt, "-pthread", "-w", "-I", str(self._include_dir())]
             res = subprocess.run(
                 [*cmd, "-o", str(exe), str(cpp)], capture_output=True, text=True, check=False
             )
@@ -263,8 +283,9 @@ class Emulator:
         k = self._kernels[handle]
         arrs = [_name_of(a) for a in inputs]
         got = tuple(ArgInfo(name, arr.ndim, int(arr.size)) for arr, name in arrs)
-        if [(i.dtype, i.ndim, i.size < 8) for i in got] != [
-            (i.dtype, i.ndim, i.size < 8) for i in k.infos
+        small = self._small_inputs_differ
+        if [(i.dtype, i.ndim, small and i.size < 8) for i in got] != [
+            (i.dtype, i.ndim, small and i.size < 8) for i in k.infos
         ]:
             raise ValueError("emulator: inputs do not match the registered kernel's signature")
         exe = self.build()
@@ -287,6 +308,87 @@ class Emulator:
                 raw = np.fromfile(d / f"out{i}.bin", dtype=_NP_TYPES[name])
                 outs.append(raw.reshape(tuple(shape)))
             return outs
+
+
+class CudaEmulator(Emulator):
+    """Compiles kernels' CUDA instantiations (:func:`velox_core.kernels.build.cuda_source`)
+    with ``g++`` against ``metal/shim/cuda_emu`` and runs them on the CPU: every block as real
+    threads, warp shuffles, votes, ``__syncwarp`` / ``__syncthreads`` barriers, and the
+    tensor-core and ``cp.async`` helpers of ``velox_mma.cuh`` emulated lane by lane. For the
+    CUDA-only kernels (``decode_attention_mma.cu``), which no Metal instantiation covers.
+    Same interface as :class:`Emulator`; ``grid`` is in threads, as MLX's ``cuda_kernel``
+    takes it."""
+
+    _small_inputs_differ = False
+
+    def _generate(self, spec, infos, dnames, template) -> tuple[str, str]:
+        return cuda_source(spec, infos, dnames, template)
+
+    def _include_dir(self) -> Path:
+        return shim_dir() / "cuda_emu"
+
+    def _case(self, idx: int, k: _Kernel) -> list[str]:
+        body = k.spec.body("cuda")
+        used = _shape_infos(body, k.spec.inputs)
+        lines = [f"  if (which == {idx}) {{"]
+        call = []
+        for i, (info, (sh, st, nd)) in enumerate(zip(k.infos, used)):
+            ct = _CUDA_EMU_TYPES[info.dtype]
+            lines.append(f'    auto in{i} = vx_load<{ct}>(dir + "/in{i}.bin");')
+            lines.append(f"    std::vector<int> in{i}_sh; std::vector<int64_t> in{i}_st;")
+            lines.append(f'    vx_meta(dir + "/in{i}.meta", in{i}_sh, in{i}_st);')
+            lines.append(
+                f"    mlx::core::cu::Shape a{i}_sh{{}}; mlx::core::cu::Strides a{i}_st{{}};"
+            )
+            lines.append(
+                f"    for (size_t j = 0; j < in{i}_sh.size(); ++j) "
+                f"{{ a{i}_sh[j] = in{i}_sh[j]; a{i}_st[j] = in{i}_st[j]; }}"
+            )
+            call.append(f"in{i}.data()")
+            if info.ndim > 0:
+                if sh:
+                    call.append(f"a{i}_sh")
+                if st:
+                    call.append(f"a{i}_st")
+                if nd:
+                    call.append(f"(int)in{i}_sh.size()")
+        for i, d in enumerate(k.dnames):
+            ct = _CUDA_EMU_TYPES[d]
+            lines.append(f"    size_t n{i}; lf >> n{i}; std::vector<{ct}> out{i}(n{i});")
+            call.append(f"out{i}.data()")
+        lines.append(
+            "    vx_cuemu::launch(blocks, block, [&] { "
+            f"mlx::core::cu::{k.name}({', '.join(call)}); }});"
+        )
+        for i in range(len(k.dnames)):
+            lines.append(f'    vx_save(dir + "/out{i}.bin", out{i});')
+        lines.append("    return 0;\n  }")
+        return lines
+
+    def source(self) -> str:
+        lines = [k.source for k in self._kernels]
+        lines += [
+            *_IO_HELPERS,
+            "  dim3 grid, block;",
+            "  lf >> grid.x >> grid.y >> grid.z >> block.x >> block.y >> block.z;",
+            "  dim3 blocks{(grid.x + block.x - 1) / block.x, (grid.y + block.y - 1) / block.y,",
+            "              (grid.z + block.z - 1) / block.z};",
+        ]
+        for idx, k in enumerate(self._kernels):
+            lines += self._case(idx, k)
+        lines.append("  return 3;\n}")
+        return "\n".join(lines) + "\n"
+
+
+_CUDA_EMU_TYPES = {
+    "float32": "float",
+    "float16": "__half",
+    "bfloat16": "__nv_bfloat16",
+    "uint32": "uint32_t",
+    "int32": "int32_t",
+    "uint16": "uint16_t",
+    "uint8": "uint8_t",
+}
 
 
 def np_input(a: Any) -> Any:
@@ -380,18 +482,23 @@ class DecodeRun:
 
 
 class EmulatedKernels:
-    """Stand-ins for MLX's kernel objects that run the Metal instantiation on the CPU.
+    """Stand-ins for MLX's kernel objects that run the Metal (or, with ``backend="cuda"``, the
+    CUDA) instantiation on the CPU.
 
     ``KernelSpec.kernel`` patched to :meth:`kernel_for` (and the backend reported as
-    ``"metal"``) sends the library's own calls (``decode_attention``, ``affine_encode``...)
-    with their own inputs, templates, grids and output shapes to the emulator, so the whole
-    host-side path is exercised as it runs on a GPU. Inputs are copied to contiguous arrays
+    ``"metal"`` or ``"cuda"``) sends the library's own calls (``decode_attention``,
+    ``affine_encode``...) with their own inputs, templates, grids and output shapes to the
+    emulator, so the whole host-side path is exercised as it runs on a GPU. Inputs are copied
+    to contiguous arrays
     (strided reads are covered by :class:`DecodeRun`); one program is compiled per distinct
     instantiation.
     """
 
-    def __init__(self, workdir: str | os.PathLike | None = None):
+    def __init__(self, workdir: str | os.PathLike | None = None, backend: str = "metal"):
+        if backend not in ("metal", "cuda"):
+            raise ValueError(f"backend must be 'metal' or 'cuda', got {backend!r}")
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="velox-emu-"))
+        self.backend = backend
         self.calls: list[tuple[str, tuple[tuple[str, Any], ...]]] = []
         self._emus: dict[str, tuple[Emulator, int]] = {}
 
@@ -421,9 +528,10 @@ class EmulatedKernels:
         tmpl = tuple(template or ())
         dnames = [str(d).replace("mlx.core.", "") for d in output_dtypes]
         infos = [ArgInfo(name, arr.ndim, int(arr.size)) for arr, name in map(_name_of, ins)]
-        key = source_digest(metal_source(spec, infos, dnames, tmpl)[0])
+        generate = cuda_source if self.backend == "cuda" else metal_source
+        key = source_digest(generate(spec, infos, dnames, tmpl)[0])
         if key not in self._emus:
-            emu = Emulator(self.workdir / key)
+            emu = (CudaEmulator if self.backend == "cuda" else Emulator)(self.workdir / key)
             self._emus[key] = (emu, emu.kernel(spec, ins, dnames, tmpl))
         emu, handle = self._emus[key]
         self.calls.append((spec.name, tmpl))

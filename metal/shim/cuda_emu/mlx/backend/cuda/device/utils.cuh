@@ -1,0 +1,237 @@
+// CPU emulation of the CUDA subset velox's CUDA-only kernels use (a test aid), standing in for
+// MLX's mlx/backend/cuda/device/utils.cuh so that the source MLX's cuda_kernel generates
+// compiles with g++ and runs on the CPU: every block runs as real threads (std::thread), one
+// block at a time, with real __syncthreads / __syncwarp barriers and warp shuffles and votes
+// through per-warp slots. `__shared__` arrays are static locals (shared by the one block that
+// runs). velox_mma.cuh sees VX_CUDA_EMULATE and emulates mma.sync (each lane publishes its
+// fragment registers; every lane computes its outputs from the PTX fragment layouts) and
+// cp.async (a synchronous copy). What it cannot show: GPU memory ordering, speed, and the
+// exact rounding of the tensor cores' float32 accumulation.
+#pragma once
+
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#define VX_CUDA_EMULATE 1
+#define MAX_NDIM 10
+#define WARP_SIZE 32
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __grid_constant__
+#define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
+
+struct dim3 {
+  unsigned int x = 1, y = 1, z = 1;
+};
+struct float2 {
+  float x, y;
+};
+
+struct __half {
+  _Float16 v;
+  __half() : v(0) {}
+  __half(_Float16 f) : v(f) {}
+  explicit __half(float f) : v(static_cast<_Float16>(f)) {}
+  operator float() const { return static_cast<float>(v); }
+};
+struct __half2 {
+  __half x, y;
+};
+struct __nv_bfloat16 {
+  uint16_t bits_;
+  operator float() const {
+    uint32_t u = static_cast<uint32_t>(bits_) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+};
+
+inline float __half2float(__half h) { return static_cast<float>(h.v); }
+inline __half __float2half_rn(float f) { return __half(static_cast<_Float16>(f)); }
+inline __half2 __floats2half2_rn(float a, float b) {
+  return __half2{__float2half_rn(a), __float2half_rn(b)};
+}
+inline __half2 __float2half2_rn(float a) { return __floats2half2_rn(a, a); }
+inline float2 __half22float2(__half2 h) { return float2{float(h.x), float(h.y)}; }
+inline __half2 __half2half2(__half h) { return __half2{h, h}; }
+inline __half2 __halves2half2(__half a, __half b) { return __half2{a, b}; }
+// one rounding to fp16 of the exact result (fp16 products and sums are exact in double)
+inline __half vx_emu_round(double d) { return __half(static_cast<_Float16>(d)); }
+inline __half2 __hsub2(__half2 a, __half2 b) {
+  return __half2{vx_emu_round(double(float(a.x)) - float(b.x)),
+                 vx_emu_round(double(float(a.y)) - float(b.y))};
+}
+inline __half2 __hfma2(__half2 a, __half2 b, __half2 c) {
+  return __half2{vx_emu_round(double(float(a.x)) * float(b.x) + float(c.x)),
+                 vx_emu_round(double(float(a.y)) * float(b.y) + float(c.y))};
+}
+inline float __uint_as_float(unsigned int u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline unsigned int __float_as_uint(float f) {
+  unsigned int u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) {
+  const uint64_t xy = (static_cast<uint64_t>(y) << 32) | x;
+  unsigned int r = 0;
+  for (int i = 0; i < 4; ++i) {
+    const unsigned int sel = (s >> (4 * i)) & 7u;
+    r |= static_cast<unsigned int>((xy >> (8 * sel)) & 0xffu) << (8 * i);
+  }
+  return r;
+}
+inline float exp2f(float x) { return std::exp2(x); }
+inline float rintf(float x) { return std::rint(x); }
+inline float fmaf(float a, float b, float c) { return std::fma(a, b, c); }
+
+namespace vx_cuemu {
+
+struct Barrier {
+  std::mutex mu;
+  std::condition_variable cv;
+  int n = 1;
+  int waiting = 0;
+  long gen = 0;
+  void wait() {
+    std::unique_lock<std::mutex> lk(mu);
+    const long g = gen;
+    if (++waiting == n) {
+      waiting = 0;
+      ++gen;
+      cv.notify_all();
+      return;
+    }
+    if (!cv.wait_for(lk, std::chrono::seconds(60), [&] { return gen != g; })) {
+      std::fprintf(stderr, "vx_cuemu: barrier timeout: not every thread reached it\n");
+      std::abort();
+    }
+  }
+};
+
+struct MmaSlot {
+  unsigned int a[4];
+  unsigned int b[2];
+  float c[4];
+};
+
+struct Warp {
+  Barrier bar;
+  uint64_t slot[32];
+  MmaSlot mma[32];
+};
+
+struct Block {
+  Barrier all;
+  std::vector<std::unique_ptr<Warp>> warps;
+};
+
+inline thread_local Block* g_block = nullptr;
+inline thread_local int g_lane = 0;
+inline thread_local int g_warp = 0;
+
+inline Warp& warp() { return *g_block->warps[g_warp]; }
+
+}  // namespace vx_cuemu
+
+inline thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+inline void __syncthreads() { vx_cuemu::g_block->all.wait(); }
+inline void __syncwarp(unsigned int = 0xffffffffu) { vx_cuemu::warp().bar.wait(); }
+
+template <typename T>
+inline T __shfl_xor_sync(unsigned int, T v, int lane_mask) {
+  static_assert(sizeof(T) <= 8, "__shfl_xor_sync: type too large");
+  vx_cuemu::Warp& w = vx_cuemu::warp();
+  uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(T));
+  w.slot[vx_cuemu::g_lane] = bits;
+  w.bar.wait();
+  const int src = vx_cuemu::g_lane ^ lane_mask;
+  if (src >= w.bar.n) {
+    std::fprintf(stderr, "vx_cuemu: __shfl_xor_sync reads an inactive lane\n");
+    std::abort();
+  }
+  const uint64_t got = w.slot[src];
+  w.bar.wait();
+  T r;
+  std::memcpy(&r, &got, sizeof(T));
+  return r;
+}
+
+inline int __any_sync(unsigned int, int p) {
+  vx_cuemu::Warp& w = vx_cuemu::warp();
+  w.slot[vx_cuemu::g_lane] = p ? 1u : 0u;
+  w.bar.wait();
+  int any = 0;
+  for (int i = 0; i < w.bar.n; ++i) {
+    any = any || w.slot[i] != 0;
+  }
+  w.bar.wait();
+  return any;
+}
+
+namespace vx_cuemu {
+
+// Run fn() for every thread of a grid of 1-D blocks (CUDA launch: grid in blocks).
+inline void launch(dim3 grid, dim3 block, const std::function<void()>& fn) {
+  if (block.y != 1 || block.z != 1 || block.x % 32) {
+    std::fprintf(stderr, "vx_cuemu: only 1-D blocks of whole warps are emulated\n");
+    std::abort();
+  }
+  for (unsigned int bz = 0; bz < grid.z; ++bz) {
+    for (unsigned int by = 0; by < grid.y; ++by) {
+      for (unsigned int bx = 0; bx < grid.x; ++bx) {
+        Block blk;
+        blk.all.n = static_cast<int>(block.x);
+        for (unsigned int w = 0; w < block.x / 32; ++w) {
+          blk.warps.emplace_back(new Warp());
+          blk.warps.back()->bar.n = 32;
+        }
+        std::vector<std::thread> threads;
+        for (unsigned int t = 0; t < block.x; ++t) {
+          threads.emplace_back([&, t, bx, by, bz] {
+            g_block = &blk;
+            g_lane = static_cast<int>(t & 31);
+            g_warp = static_cast<int>(t >> 5);
+            threadIdx = dim3{t, 0, 0};
+            blockIdx = dim3{bx, by, bz};
+            blockDim = block;
+            gridDim = grid;
+            fn();
+          });
+        }
+        for (auto& th : threads) {
+          th.join();
+        }
+      }
+    }
+  }
+}
+
+}  // namespace vx_cuemu
+
+namespace mlx::core::cu {
+
+using Shape = std::array<int32_t, MAX_NDIM>;
+using Strides = std::array<int64_t, MAX_NDIM>;
+
+}  // namespace mlx::core::cu
