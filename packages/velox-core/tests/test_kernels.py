@@ -133,7 +133,10 @@ def test_uniform_encode_and_attend_route_to_the_kernels_on_a_gpu(monkeypatch):
     monkeypatch.setattr(vk, "backend", lambda: "cuda")
     seen = {}
 
-    def spy_decode(qq, keys, values, splits=None):
+    def spy_decode(qq, keys, values, splits=None, fp16=None, out_dtype=None):
+        if fp16 is not None:  # the joint call (with the sinks and window): declined here
+            seen["joint"] = [k.shape for k, _ in fp16]
+            return None
         seen["decode"] = (qq.shape, keys.bits, keys.kind, values.kind, keys.codes.shape)
         kc, vc = Uniform(keys.bits, keys.group), Uniform(values.bits, values.group)
         kp = {"codes": keys.codes, "scale": keys.a, "zero": keys.b}
@@ -151,6 +154,7 @@ def test_uniform_encode_and_attend_route_to_the_kernels_on_a_gpu(monkeypatch):
     monkeypatch.setattr(dk, "decode_attention", spy_decode)
     monkeypatch.setattr(ek, "affine_encode", spy_encode)
     got = cache.attend(q, 0.1)
+    assert seen["joint"] == [(1, 2, 4, 128), (1, 2, 16, 128)]  # sinks and window offered
     assert seen["decode"] == ((1, 2, 2, 128), 4, dk.AFFINE, dk.AFFINE, (1, 2, 280, 16))
     assert mx.allclose(got, ref, atol=2e-3).item()
     Uniform(3, 32).encode(k[:, :, :8])
@@ -241,6 +245,13 @@ def _decode_variants():
         infos = [ArgInfo(*F32), *(ArgInfo(*a) for a in ins), *(ArgInfo(*a) for a in ins)]
         out.append((dk.DECODE, infos, ["float32"] * 2, dk.template(p, 128, side, side)))
     out.append((dk.MERGE, [ArgInfo("float32", 5, 1 << 20)] * 2, ["float32"] * 3, []))
+    part, seg, dummy = ArgInfo("float32", 5, 1 << 20), ArgInfo(*H16), ArgInfo("float16", 1, 8)
+    for has_a, has_b, odt in ((1, 1, "float16"), (1, 0, "bfloat16"), (0, 0, "float32")):
+        a = [seg, seg] if has_a else [dummy, dummy]
+        bb = [seg, seg] if has_b else [dummy, dummy]
+        tmpl = [("HAS_A", has_a), ("HAS_B", has_b), ("FMAX", dk.FP16_MAX)]
+        ins = [part, part, ArgInfo(*F32), *a, *bb]
+        out.append((dk.MERGE_FP16, ins, [odt, "float32", "float32"], tmpl))
     for dtype, st in (("float16", mx.float16), ("bfloat16", mx.bfloat16), ("float32", mx.float16)):
         tmpl = [("BITS", 3), ("HD", 128), ("GROUP", 32), ("CLIPB", ek.clip_bits(0.9)), ("ST", st)]
         out.append((ek.AFFINE_ENCODE, [ArgInfo(dtype, 2, 1 << 20)], ["uint32", st, st], tmpl))
@@ -574,7 +585,7 @@ def test_cache_on_an_emulated_gpu_matches_the_reference(monkeypatch, tmp_path):
     got = cache.attend(q, 0.088)
     names = [name for name, _ in fake.calls]
     assert names.count("velox_encode_affine") == 4  # keys and values, two flushes
-    assert names[-2:] == ["velox_decode_attention", "velox_decode_merge"]
+    assert names[-2:] == ["velox_decode_attention", "velox_decode_merge_fp16"]  # one softmax
     body, ref_body = cache.segments()[1], ref_cache.segments()[1]
     for name in ("codes", "scale", "zero"):
         assert mx.array_equal(body.keys.data[name], ref_body.keys.data[name]).item()
@@ -680,13 +691,17 @@ def test_tensor_core_kernel_matches_the_reference(mma_emulated, name):
 
 
 @needs_gxx
-def test_cache_on_an_emulated_cuda_gpu_takes_the_tensor_core_kernel(monkeypatch, tmp_path):
-    """A float16 UniformCache attended with the backend reported as CUDA: decode_attention
-    takes the tensor-core kernel and the merge (both emulated); attention matches the
-    reference path to the fp16 rounding of the decoded values."""
+@pytest.mark.parametrize("window,sinks", [(16, 4), (16, 0), (0, 4), (0, 0)])
+def test_cache_on_an_emulated_cuda_gpu_takes_the_tensor_core_kernel(
+    monkeypatch, tmp_path, window, sinks
+):
+    """A float16 UniformCache attended with the backend reported as CUDA: its coded body goes
+    through the tensor-core kernel and its sinks and window through the merge, in one softmax
+    (both emulated); attention matches the reference path to the fp16 rounding of the
+    decoded values."""
     k, v = kv_data(t=300, dtype=mx.float16)
     q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(9)).astype(mx.float16)
-    cache = UniformCache(bits=4, window=16, sinks=4)
+    cache = UniformCache(bits=4, window=window, sinks=sinks)
     cache.update_and_fetch(k, v)  # encoded on the CPU path
     ref = cache.attend(q, 0.088)
     fake = EmulatedKernels(tmp_path, backend="cuda")
@@ -694,6 +709,6 @@ def test_cache_on_an_emulated_cuda_gpu_takes_the_tensor_core_kernel(monkeypatch,
     monkeypatch.setattr(KernelSpec, "kernel", lambda self: fake.kernel_for(self))
     got = cache.attend(q, 0.088)
     names = [name for name, _ in fake.calls]
-    assert names == ["velox_decode_attention_mma", "velox_decode_merge"]
+    assert names == ["velox_decode_attention_mma", "velox_decode_merge_fp16"]
     err = np.abs(np.asarray((got - ref).astype(mx.float32))).max()
     assert err < 2e-3 * np.abs(np.asarray(ref.astype(mx.float32))).max()

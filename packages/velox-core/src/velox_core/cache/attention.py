@@ -23,7 +23,7 @@ import mlx.core as mx
 from ..codec.base import Codec, Packed
 from ..kernels import use_kernels
 
-__all__ = ["Segment", "attend", "decode_segments", "merge_partials", "partial"]
+__all__ = ["Segment", "attend", "decode_segments", "joint_attention", "merge_partials", "partial"]
 
 
 @dataclass
@@ -102,6 +102,32 @@ def fused_partial(q: mx.array, seg: Segment):
     return None if fn is None else fn(q, seg.keys, seg.value_codec, seg.values)
 
 
+def joint_attention(q: mx.array, segments: list[Segment], out_dtype: mx.Dtype) -> mx.array | None:
+    """Normalized attention over one coded segment and up to two fp16 (``Identity``) segments
+    in one fused call (the coded segment's decode kernel and a merge that also attends the
+    fp16 tokens), or None when the segments do not have that shape or the codec has no such
+    path (``attend_joint``).
+
+    Shapes:
+        q ``(B, H, M, D)`` float32 with the scale applied; returns ``(B, H, M, Dv)`` in
+        ``out_dtype``.
+    """
+    from ..codec.identity import Identity
+
+    coded = [s for s in segments if not isinstance(s.key_codec, Identity)]
+    plain = [s for s in segments if isinstance(s.key_codec, Identity)]
+    if len(coded) != 1 or len(plain) > 2:
+        return None
+    if any(not isinstance(s.value_codec, Identity) for s in plain):
+        return None
+    seg = coded[0]
+    fn = getattr(seg.key_codec, "attend_joint", None)
+    if fn is None:
+        return None
+    fp16 = [(s.keys.data["x"], s.values.data["x"]) for s in plain]
+    return fn(q, seg.keys, seg.value_codec, seg.values, fp16, out_dtype)
+
+
 def merge_partials(parts: list[tuple[mx.array, mx.array, mx.array]]) -> mx.array:
     """Normalized attention from per-segment partials: one softmax over all of them.
 
@@ -159,6 +185,9 @@ def attend(
     t = sum(s.tokens for s in segments)
     q = (queries.astype(mx.float32) * scale).reshape(b, h, r * lq, -1)
     if (mask is None or lq == 1) and sinks is None and use_kernels():
+        out = joint_attention(q, segments, queries.dtype)
+        if out is not None:
+            return out.reshape(b, hq, lq, -1)
         parts = [fused_partial(q, seg) for seg in segments]
         if any(p is not None for p in parts):
             parts = [p if p is not None else partial(q, seg) for p, seg in zip(parts, segments)]

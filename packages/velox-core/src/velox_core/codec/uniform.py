@@ -174,6 +174,40 @@ class Uniform(Codec):
             Codes(AFFINE, value_codec.bits, value_codec.group, v["codes"], v["scale"], v["zero"]),
         )
 
+    def attend_joint(
+        self,
+        q: mx.array,
+        keys: Packed,
+        value_codec: Codec,
+        values: Packed,
+        fp16: list[tuple[mx.array, mx.array]],
+        out_dtype: mx.Dtype,
+    ) -> mx.array | None:
+        """Normalized attention over this segment's codes and up to two fp16 segments (a
+        cache's sinks and window) in one softmax: the fused decode kernel and a merge that
+        also attends the fp16 tokens (GPU kernels), or None where :meth:`attend_partial`
+        would decline or the fp16 segments are too long (``FP16_MAX`` tokens).
+
+        Shapes:
+            q ``(B, H, M, D)`` float32 with the scale applied; fp16 pairs ``(B, H, T_i, D)``;
+            returns ``(B, H, M, D)`` in ``out_dtype``.
+        """
+        if not use_kernels() or not isinstance(value_codec, Uniform):
+            return None
+        if self.axis != "token" or value_codec.axis != "token":
+            return None
+        from ..kernels.decode import AFFINE, Codes, decode_attention
+
+        k, v = keys.data, values.data
+        out = decode_attention(
+            q,
+            Codes(AFFINE, self.bits, self.group, k["codes"], k["scale"], k["zero"]),
+            Codes(AFFINE, value_codec.bits, value_codec.group, v["codes"], v["scale"], v["zero"]),
+            fp16=fp16,
+            out_dtype=out_dtype,
+        )
+        return None if out is None else out[0]
+
 
 def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in (16, 32, 64, 128) if n % d == 0) or "1"

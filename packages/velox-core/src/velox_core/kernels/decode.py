@@ -38,7 +38,9 @@ __all__ = [
     "CODEBOOK",
     "DECODE",
     "DECODE_MMA",
+    "FP16_MAX",
     "MERGE",
+    "MERGE_FP16",
     "Codes",
     "Plan",
     "choose_splits",
@@ -46,6 +48,7 @@ __all__ = [
     "fit_splits",
     "merge_launch",
     "merge_splits",
+    "merge_splits_fp16",
     "mma_enabled",
     "mma_splits",
     "mma_stages",
@@ -87,6 +90,14 @@ MERGE = KernelSpec(
     inputs=("o_part", "ml_part"),
     outputs=("o", "m", "l"),
 )
+MERGE_FP16 = KernelSpec(
+    name="velox_decode_merge_fp16",
+    source="decode_merge_fp16.metal",
+    inputs=("o_part", "ml_part", "q", "ak", "av", "bk", "bv"),
+    outputs=("o", "m", "l"),
+    row_contiguous=False,  # the fp16 segments are slices of cache buffers
+)
+FP16_MAX = 2048  # most fp16 tokens (sinks + window) the fused merge takes
 
 
 @dataclass(frozen=True)
@@ -360,7 +371,12 @@ def mma_splits(tokens: int, rows: int, nwarps: int) -> int:
 
 
 def _decode_mma(
-    q: mx.array, keys: Codes, values: Codes, splits: int | None
+    q: mx.array,
+    keys: Codes,
+    values: Codes,
+    splits: int | None,
+    fp16: list[tuple[mx.array, mx.array]] | None = None,
+    out_dtype: mx.Dtype | None = None,
 ) -> tuple[mx.array, mx.array, mx.array] | None:
     b, h, m, dim = q.shape
     t = keys.codes.shape[2]
@@ -396,6 +412,8 @@ def _decode_mma(
         output_shapes=[(b, h, s, m, dim), (b, h, s, m, 2)],
         output_dtypes=[mx.float32, mx.float32],
     )
+    if out_dtype is not None:
+        return merge_splits_fp16(o_part, ml_part, q, fp16 or [], out_dtype)
     return merge_splits(o_part, ml_part)
 
 
@@ -419,8 +437,53 @@ def merge_splits(o_part: mx.array, ml_part: mx.array) -> tuple[mx.array, mx.arra
     return o, mm, ll
 
 
+def merge_splits_fp16(
+    o_part: mx.array,
+    ml_part: mx.array,
+    q: mx.array,
+    fp16: list[tuple[mx.array, mx.array]],
+    out_dtype: mx.Dtype,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """The normalized attention over a decode kernel's splits and up to two fp16 segments, in
+    one launch (``metal/decode_merge_fp16.metal``).
+
+    Args:
+        o_part, ml_part: the decode kernel's per-split partials.
+        q: the queries the decode kernel took, ``(B, H, R, D)`` float32, scale applied.
+        fp16: up to two ``(keys, values)`` pairs ``(B, H, T_i, D)`` (any float dtype,
+            ``sum T_i <= FP16_MAX``), e.g. a cache's sinks and recent window.
+        out_dtype: dtype of the output.
+
+    Shapes:
+        returns ``o (B, H, R, D)`` in ``out_dtype`` (softmax-weighted values), ``m`` and ``l``
+        ``(B, H, R, 1)`` float32.
+    """
+    if len(fp16) > 2 or sum(k.shape[2] for k, _ in fp16) > FP16_MAX:
+        raise ValueError(f"merge_splits_fp16 takes up to 2 fp16 segments, {FP16_MAX} tokens")
+    b, h, _, rows, dim = o_part.shape
+    segs = [(k, v) for k, v in fp16 if k.shape[2] > 0]
+    dummy = _dummy(mx.float16)
+    ak, av = segs[0] if segs else (dummy, dummy)
+    bk, bv = segs[1] if len(segs) > 1 else (dummy, dummy)
+    grid, tg = merge_launch(b * h * rows, dim)
+    o, mm, ll = MERGE_FP16.kernel()(
+        inputs=[o_part, ml_part, q, ak, av, bk, bv],
+        template=[("HAS_A", int(len(segs) > 0)), ("HAS_B", int(len(segs) > 1)), ("FMAX", FP16_MAX)],
+        grid=grid,
+        threadgroup=tg,
+        output_shapes=[(b, h, rows, dim), (b, h, rows, 1), (b, h, rows, 1)],
+        output_dtypes=[out_dtype, mx.float32, mx.float32],
+    )
+    return o, mm, ll
+
+
 def decode_attention(
-    q: mx.array, keys: Codes, values: Codes, splits: int | None = None
+    q: mx.array,
+    keys: Codes,
+    values: Codes,
+    splits: int | None = None,
+    fp16: list[tuple[mx.array, mx.array]] | None = None,
+    out_dtype: mx.Dtype | None = None,
 ) -> tuple[mx.array, mx.array, mx.array] | None:
     """Partial attention ``(o, m, l)`` of ``q`` over one coded segment, or None if unsupported.
 
@@ -428,20 +491,29 @@ def decode_attention(
         q: ``(B, H, M, D)`` grouped queries, float32, scale applied.
         keys, values: the segment's codes (see :class:`Codes`); same head dim as ``q``.
         splits: number of context chunks (default :func:`choose_splits`).
+        fp16: with ``out_dtype``: up to two fp16 segments ``(keys, values)`` joined in the same
+            softmax by the merge (:func:`merge_splits_fp16`); ``o`` is then the normalized
+            attention over all of them, in ``out_dtype``.
+        out_dtype: see ``fp16``.
 
     Shapes:
-        returns ``o (B, H, M, D)``, ``m (B, H, M, 1)``, ``l (B, H, M, 1)``, float32.
+        returns ``o (B, H, M, D)``, ``m (B, H, M, 1)``, ``l (B, H, M, 1)``, float32 (``o`` in
+        ``out_dtype`` and normalized when ``out_dtype`` is given).
     """
     b, h, m, dim = q.shape
     t = keys.codes.shape[2]
     if t < 1 or values.codes.shape[2] != t:
+        return None
+    if (fp16 is not None) != (out_dtype is not None):
+        raise ValueError("decode_attention: fp16 segments and out_dtype go together")
+    if fp16 is not None and (len(fp16) > 2 or sum(k.shape[2] for k, _ in fp16) > FP16_MAX):
         return None
     from . import backend  # looked up at call time (tests report another backend)
 
     if backend() == "cuda" and mma_enabled() and mma_supported(m, dim, keys, values):
         _check("key", keys, b, h, t, dim)
         _check("value", values, b, h, t, dim)
-        out = _decode_mma(q, keys, values, splits)
+        out = _decode_mma(q, keys, values, splits, fp16, out_dtype)
         if out is not None:
             return out
     p = plan(m, dim, keys.kind, keys.bits, keys.group, values.kind, values.bits, values.group)
@@ -463,7 +535,10 @@ def decode_attention(
         output_shapes=[(b, h, s, mp, dim), (b, h, s, mp, 2)],
         output_dtypes=[mx.float32, mx.float32],
     )
-    o, mm, ll = merge_splits(o_part, ml_part)
+    if out_dtype is not None:
+        o, mm, ll = merge_splits_fp16(o_part, ml_part, qf, fp16 or [], out_dtype)
+    else:
+        o, mm, ll = merge_splits(o_part, ml_part)
     if mp > m:
         o, mm, ll = o[:, :, :m], mm[:, :, :m], ll[:, :, :m]
     return o, mm, ll

@@ -45,7 +45,7 @@ struct __half {
   _Float16 v;
   __half() : v(0) {}
   __half(_Float16 f) : v(f) {}
-  explicit __half(float f) : v(static_cast<_Float16>(f)) {}
+  __half(float f) : v(static_cast<_Float16>(f)) {}
   operator float() const { return static_cast<float>(v); }
 };
 struct __half2 {
@@ -53,6 +53,13 @@ struct __half2 {
 };
 struct __nv_bfloat16 {
   uint16_t bits_;
+  __nv_bfloat16() : bits_(0) {}
+  __nv_bfloat16(float f) {  // round to nearest even, as CUDA converts
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    bits_ = (u & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>((u >> 16) | 0x40u)
+                                            : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
   operator float() const {
     uint32_t u = static_cast<uint32_t>(bits_) << 16;
     float f;
