@@ -481,11 +481,11 @@ def make_methods(b: int, t: int, seed: int, bits_mlx, bits_uniform, bits_tq, por
         mx.eval(kp.data, vp.data)
 
         def call(codec=codec, kp=kp, vp=vp):
-            out = codec.attend_partial(grouped(), kp, codec, vp)
+            # the decode kernel and the merge that normalizes (what a cache's attend() runs)
+            out = codec.attend_joint(grouped(), kp, codec, vp, [], mx.float16)
             if out is None:
                 raise RuntimeError("kernel declined")
-            o, _, l = out
-            return (o / l).reshape(b, hq, 1, d).astype(mx.float16)
+            return out.reshape(b, hq, 1, d)
 
         methods.append((f"velox uniform{bits}", bits, call, kp.nbytes + vp.nbytes + qbytes))
         if bits == 4 and portable_row:
@@ -500,6 +500,21 @@ def make_methods(b: int, t: int, seed: int, bits_mlx, bits_uniform, bits_tq, por
                     bits,
                     call_portable,
                     kp.nbytes + vp.nbytes + qbytes,
+                )
+            )
+            # a whole cache (4 fp16 sinks, a 128-token fp16 window, the coded body) attended
+            # the way a model's layer does it
+            from velox_core import UniformCache
+
+            cache = UniformCache(bits=bits, window=128, sinks=4)
+            cache.update_and_fetch(k, v)
+            mx.eval(cache.state)
+            methods.append(
+                (
+                    f"velox uniform{bits} cache",
+                    bits,
+                    lambda cache=cache: cache.attend(q, scale),
+                    cache.nbytes + qbytes,
                 )
             )
     for bits in bits_tq:
