@@ -37,6 +37,8 @@
 //
 // Template constants: HD (head dim), KBITS / VBITS in {2, 4, 8}, KGROUP / VGROUP (channels per
 // scale), MROWS (query rows per KV head, 1 to 8), NWARPS, NSTAGE (steps per warp ring),
+// QMUL (the float32 bits of the factor applied to q: log2(e), times the attention scale when
+// q comes unscaled, in any float dtype),
 // NSUB (16-token MMA tiles per loop step: more independent work between the softmax steps).
 // The host (velox_core.kernels.decode.mma_supported) checks the layout: HD / 4 channels of
 // keys and HD / 8 of values fill whole words, and a lane's channels meet whole groups.
@@ -56,7 +58,6 @@ constexpr int KNG = KCL > KGROUP ? KCL / KGROUP : 1;  // key groups a lane's cha
 constexpr int VNG = VCL > VGROUP ? VCL / VGROUP : 1;  // value groups a lane's channels meet
 constexpr int NT = NWARPS * 32;
 constexpr float NEG = -1.0e30f;
-constexpr float LOG2E = 1.4426950408889634f;
 
 const int tid = vx_tid;
 const int lane = tid & 31;
@@ -76,6 +77,7 @@ const int t1 = vx_imin(T, t0 + span);
 const int ntiles = t1 > t0 ? (t1 - t0 + TILE - 1) / TILE : 0;
 
 // ---- the query rows as A fragments: hi in rows 0..7, lo in rows 8..15 (log2 domain) ----------
+const float qmul = vx_bits_to_float(static_cast<unsigned int>(QMUL));  // log2(e) x scale
 unsigned int qa[KSTEPS][4];
 {
   const bool qrow = g < MROWS;
@@ -90,8 +92,8 @@ unsigned int qa[KSTEPS][4];
       const int jj = p - wl * KPW;
       const int c0 = t * KCL + wl * KCW + jj;  // channel of the low half
       const int c1 = c0 + KPW;                 // channel of the high half
-      const float x0 = qrow ? static_cast<float>(q[qb + (int64_t)c0 * q_strides[3]]) * LOG2E : 0.0f;
-      const float x1 = qrow ? static_cast<float>(q[qb + (int64_t)c1 * q_strides[3]]) * LOG2E : 0.0f;
+      const float x0 = qrow ? static_cast<float>(q[qb + (int64_t)c0 * q_strides[3]]) * qmul : 0.0f;
+      const float x1 = qrow ? static_cast<float>(q[qb + (int64_t)c1 * q_strides[3]]) * qmul : 0.0f;
       const __half2 hi = __floats2half2_rn(x0, x1);
       const float2 hf = __half22float2(hi);
       qa[kk][2 * u] = vx_h2u(hi);

@@ -12,20 +12,20 @@
 // values and the splits' weighted partials for its 32 channels, and divides by the total.
 //
 // Inputs: o_part (B, H, S, MP, HD) and ml_part (B, H, S, MP, 2) as decode_merge.metal;
-// q (B, H, MP, HD) float32 with the attention scale applied (as the decode kernels take it);
+// q (B, H, MP, HD) the queries the decode kernel took, scaled by QMUL (the float32 bits of
+// log2(e), times the attention scale when q comes unscaled; any float dtype);
 // ak, av (B, H, Ta, HD) and bk, bv (B, H, Tb, HD): the fp16 segments (any float dtype, read
 // through their strides), used when HAS_A / HAS_B (else 8-element dummies).
 // Outputs: o (B, H, MP, HD) in the output dtype, the normalized attention; m (B, H, MP, 1) the
 // max in natural-log units and l (B, H, MP, 1) the sum relative to it (float32).
 // Template: HAS_A, HAS_B (0 or 1); FMAX, the most fp16 tokens (their scores are kept in
-// threadgroup memory; the host checks Ta + Tb <= FMAX).
+// threadgroup memory; the host checks Ta + Tb <= FMAX); QMUL (above).
 
 constexpr int NTM = 256;
 constexpr int NWM = NTM / 32;
 constexpr int CHUNK = 1024;
 constexpr float NEG = -1.0e30f;
 constexpr float LN2 = 0.6931471805599453f;
-constexpr float LOG2E = 1.4426950408889634f;
 
 const int tid = vx_tid;
 const int lane = tid & 31;
@@ -77,7 +77,7 @@ VX_SHARED float red[NWM * 32];
       s += vx_shfl_xor(s, off);
     }
     if (lane == 0) {
-      fsc[f] = s * LOG2E;
+      fsc[f] = s * vx_bits_to_float(static_cast<unsigned int>(QMUL));
     }
   }
 }

@@ -133,7 +133,7 @@ def test_uniform_encode_and_attend_route_to_the_kernels_on_a_gpu(monkeypatch):
     monkeypatch.setattr(vk, "backend", lambda: "cuda")
     seen = {}
 
-    def spy_decode(qq, keys, values, splits=None, fp16=None, out_dtype=None):
+    def spy_decode(qq, keys, values, splits=None, fp16=None, out_dtype=None, scale=None):
         if fp16 is not None:  # the joint call (with the sinks and window): declined here
             seen["joint"] = [k.shape for k, _ in fp16]
             return None
@@ -249,7 +249,12 @@ def _decode_variants():
     for has_a, has_b, odt in ((1, 1, "float16"), (1, 0, "bfloat16"), (0, 0, "float32")):
         a = [seg, seg] if has_a else [dummy, dummy]
         bb = [seg, seg] if has_b else [dummy, dummy]
-        tmpl = [("HAS_A", has_a), ("HAS_B", has_b), ("FMAX", dk.FP16_MAX)]
+        tmpl = [
+            ("HAS_A", has_a),
+            ("HAS_B", has_b),
+            ("FMAX", dk.FP16_MAX),
+            ("QMUL", dk.qmul_bits(0.088)),
+        ]
         ins = [part, part, ArgInfo(*F32), *a, *bb]
         out.append((dk.MERGE_FP16, ins, [odt, "float32", "float32"], tmpl))
     for dtype, st in (("float16", mx.float16), ("bfloat16", mx.bfloat16), ("float32", mx.float16)):
@@ -321,6 +326,7 @@ def _mma_variants():
             ("NWARPS", nw),
             ("NSTAGE", stages),
             ("NSUB", sub),
+            ("QMUL", dk.qmul_bits()),
         ]
         infos = [ArgInfo(*F32), *[ArgInfo(*a) for a in (U32, H16, H16)] * 2]
         out.append((dk.DECODE_MMA, infos, ["float32"] * 2, tmpl))
@@ -339,6 +345,14 @@ def test_mma_kernel_takes_only_the_shapes_it_lays_out():
     assert not ok(4, 72, _mma_codes(4, 8), _mma_codes(4, 8))  # head dim not a multiple of 16
     codebook = dk.Codes(dk.CODEBOOK, 4, 128, None, mx.zeros((1,), mx.float16))
     assert not ok(4, 128, codebook, _mma_codes(4, 64))
+
+
+def test_query_factor_is_log2e_times_the_scale():
+    import struct
+
+    for scale in (None, 1 / math.sqrt(128), 0.5):
+        got = struct.unpack("<f", struct.pack("<i", dk.qmul_bits(scale)))[0]
+        assert got == pytest.approx(dk.LOG2E * (1.0 if scale is None else scale), rel=1e-7)
 
 
 def test_mma_launch_settings():
@@ -656,6 +670,7 @@ def mma_emulated(tmp_path_factory):
             ("NWARPS", nw),
             ("NSTAGE", stages),
             ("NSUB", sub),
+            ("QMUL", dk.qmul_bits()),
         ]
         handle = emu.kernel(dk.DECODE_MMA, ins, ["float32"] * 2, tmpl)
         launch = ((s * nw * 32, b * h, 1), (nw * 32, 1, 1))

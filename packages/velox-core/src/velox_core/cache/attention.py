@@ -102,15 +102,17 @@ def fused_partial(q: mx.array, seg: Segment):
     return None if fn is None else fn(q, seg.keys, seg.value_codec, seg.values)
 
 
-def joint_attention(q: mx.array, segments: list[Segment], out_dtype: mx.Dtype) -> mx.array | None:
+def joint_attention(
+    q: mx.array, segments: list[Segment], out_dtype: mx.Dtype, scale: float | None = None
+) -> mx.array | None:
     """Normalized attention over one coded segment and up to two fp16 (``Identity``) segments
     in one fused call (the coded segment's decode kernel and a merge that also attends the
     fp16 tokens), or None when the segments do not have that shape or the codec has no such
     path (``attend_joint``).
 
     Shapes:
-        q ``(B, H, M, D)`` float32 with the scale applied; returns ``(B, H, M, Dv)`` in
-        ``out_dtype``.
+        q ``(B, H, M, D)`` float32 with the scale applied, or unscaled (any float dtype) with
+        ``scale``; returns ``(B, H, M, Dv)`` in ``out_dtype``.
     """
     from ..codec.identity import Identity
 
@@ -125,7 +127,7 @@ def joint_attention(q: mx.array, segments: list[Segment], out_dtype: mx.Dtype) -
     if fn is None:
         return None
     fp16 = [(s.keys.data["x"], s.values.data["x"]) for s in plain]
-    return fn(q, seg.keys, seg.value_codec, seg.values, fp16, out_dtype)
+    return fn(q, seg.keys, seg.value_codec, seg.values, fp16, out_dtype, scale)
 
 
 def merge_partials(parts: list[tuple[mx.array, mx.array, mx.array]]) -> mx.array:
@@ -185,7 +187,8 @@ def attend(
     t = sum(s.tokens for s in segments)
     q = (queries.astype(mx.float32) * scale).reshape(b, h, r * lq, -1)
     if (mask is None or lq == 1) and sinks is None and use_kernels():
-        out = joint_attention(q, segments, queries.dtype)
+        # the unscaled queries: the kernels apply the scale (q above is then never computed)
+        out = joint_attention(queries.reshape(b, h, r * lq, -1), segments, queries.dtype, scale)
         if out is not None:
             return out.reshape(b, hq, lq, -1)
         parts = [fused_partial(q, seg) for seg in segments]

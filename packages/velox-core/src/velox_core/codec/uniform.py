@@ -182,6 +182,7 @@ class Uniform(Codec):
         values: Packed,
         fp16: list[tuple[mx.array, mx.array]],
         out_dtype: mx.Dtype,
+        scale: float | None = None,
     ) -> mx.array | None:
         """Normalized attention over this segment's codes and up to two fp16 segments (a
         cache's sinks and window) in one softmax: the fused decode kernel and a merge that
@@ -189,8 +190,9 @@ class Uniform(Codec):
         would decline or the fp16 segments are too long (``FP16_MAX`` tokens).
 
         Shapes:
-            q ``(B, H, M, D)`` float32 with the scale applied; fp16 pairs ``(B, H, T_i, D)``;
-            returns ``(B, H, M, D)`` in ``out_dtype``.
+            q ``(B, H, M, D)`` float32 with the scale applied, or unscaled (any float dtype)
+            with ``scale``; fp16 pairs ``(B, H, T_i, D)``; returns ``(B, H, M, D)`` in
+            ``out_dtype``.
         """
         if not use_kernels() or not isinstance(value_codec, Uniform):
             return None
@@ -205,6 +207,7 @@ class Uniform(Codec):
             Codes(AFFINE, value_codec.bits, value_codec.group, v["codes"], v["scale"], v["zero"]),
             fp16=fp16,
             out_dtype=out_dtype,
+            scale=scale,
         )
         return None if out is None else out[0]
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -56,6 +57,7 @@ __all__ = [
     "mma_supported",
     "mma_warps",
     "plan",
+    "qmul_bits",
     "template",
     "tuning",
 ]
@@ -98,6 +100,15 @@ MERGE_FP16 = KernelSpec(
     row_contiguous=False,  # the fp16 segments are slices of cache buffers
 )
 FP16_MAX = 2048  # most fp16 tokens (sinks + window) the fused merge takes
+LOG2E = 1.4426950408889634
+
+
+def qmul_bits(scale: float | None = None) -> int:
+    """The ``QMUL`` template value: the float32 bits of ``log2(e)`` (times ``scale``, for
+    queries that come unscaled), the factor the tensor-core kernel and the fp16 merge apply to
+    the queries."""
+    f = struct.pack("<f", LOG2E * (1.0 if scale is None else float(scale)))
+    return struct.unpack("<i", f)[0]
 
 
 @dataclass(frozen=True)
@@ -377,6 +388,7 @@ def _decode_mma(
     splits: int | None,
     fp16: list[tuple[mx.array, mx.array]] | None = None,
     out_dtype: mx.Dtype | None = None,
+    scale: float | None = None,
 ) -> tuple[mx.array, mx.array, mx.array] | None:
     b, h, m, dim = q.shape
     t = keys.codes.shape[2]
@@ -406,6 +418,7 @@ def _decode_mma(
             ("NWARPS", nwarps),
             ("NSTAGE", stages),
             ("NSUB", sub),
+            ("QMUL", qmul_bits(scale)),
         ],
         grid=(s * nt, b * h, 1),
         threadgroup=(nt, 1, 1),
@@ -413,7 +426,7 @@ def _decode_mma(
         output_dtypes=[mx.float32, mx.float32],
     )
     if out_dtype is not None:
-        return merge_splits_fp16(o_part, ml_part, q, fp16 or [], out_dtype)
+        return merge_splits_fp16(o_part, ml_part, q, fp16 or [], out_dtype, scale)
     return merge_splits(o_part, ml_part)
 
 
@@ -443,16 +456,19 @@ def merge_splits_fp16(
     q: mx.array,
     fp16: list[tuple[mx.array, mx.array]],
     out_dtype: mx.Dtype,
+    scale: float | None = None,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """The normalized attention over a decode kernel's splits and up to two fp16 segments, in
     one launch (``metal/decode_merge_fp16.metal``).
 
     Args:
         o_part, ml_part: the decode kernel's per-split partials.
-        q: the queries the decode kernel took, ``(B, H, R, D)`` float32, scale applied.
+        q: the queries the decode kernel took, ``(B, H, R, D)``: float32 with the attention
+            scale applied, or (with ``scale``) unscaled in any float dtype.
         fp16: up to two ``(keys, values)`` pairs ``(B, H, T_i, D)`` (any float dtype,
             ``sum T_i <= FP16_MAX``), e.g. a cache's sinks and recent window.
         out_dtype: dtype of the output.
+        scale: the attention scale, when ``q`` comes without it.
 
     Shapes:
         returns ``o (B, H, R, D)`` in ``out_dtype`` (softmax-weighted values), ``m`` and ``l``
@@ -468,7 +484,12 @@ def merge_splits_fp16(
     grid, tg = merge_launch(b * h * rows, dim)
     o, mm, ll = MERGE_FP16.kernel()(
         inputs=[o_part, ml_part, q, ak, av, bk, bv],
-        template=[("HAS_A", int(len(segs) > 0)), ("HAS_B", int(len(segs) > 1)), ("FMAX", FP16_MAX)],
+        template=[
+            ("HAS_A", int(len(segs) > 0)),
+            ("HAS_B", int(len(segs) > 1)),
+            ("FMAX", FP16_MAX),
+            ("QMUL", qmul_bits(scale)),
+        ],
         grid=grid,
         threadgroup=tg,
         output_shapes=[(b, h, rows, dim), (b, h, rows, 1), (b, h, rows, 1)],
@@ -484,17 +505,21 @@ def decode_attention(
     splits: int | None = None,
     fp16: list[tuple[mx.array, mx.array]] | None = None,
     out_dtype: mx.Dtype | None = None,
+    scale: float | None = None,
 ) -> tuple[mx.array, mx.array, mx.array] | None:
     """Partial attention ``(o, m, l)`` of ``q`` over one coded segment, or None if unsupported.
 
     Args:
-        q: ``(B, H, M, D)`` grouped queries, float32, scale applied.
+        q: ``(B, H, M, D)`` grouped queries, float32, scale applied; or, with ``scale``, the
+            unscaled queries in any float dtype (the tensor-core kernel applies the scale
+            itself, saving the cast and the multiply).
         keys, values: the segment's codes (see :class:`Codes`); same head dim as ``q``.
         splits: number of context chunks (default :func:`choose_splits`).
         fp16: with ``out_dtype``: up to two fp16 segments ``(keys, values)`` joined in the same
             softmax by the merge (:func:`merge_splits_fp16`); ``o`` is then the normalized
             attention over all of them, in ``out_dtype``.
         out_dtype: see ``fp16``.
+        scale: the attention scale, when ``q`` comes without it.
 
     Shapes:
         returns ``o (B, H, M, D)``, ``m (B, H, M, 1)``, ``l (B, H, M, 1)``, float32 (``o`` in
@@ -513,7 +538,7 @@ def decode_attention(
     if backend() == "cuda" and mma_enabled() and mma_supported(m, dim, keys, values):
         _check("key", keys, b, h, t, dim)
         _check("value", values, b, h, t, dim)
-        out = _decode_mma(q, keys, values, splits, fp16, out_dtype)
+        out = _decode_mma(q, keys, values, splits, fp16, out_dtype, scale)
         if out is not None:
             return out
     p = plan(m, dim, keys.kind, keys.bits, keys.group, values.kind, values.bits, values.group)
@@ -522,7 +547,7 @@ def decode_attention(
     _check("key", keys, b, h, t, dim)
     _check("value", values, b, h, t, dim)
     mp = p.nmb * p.mb
-    qf = q.astype(mx.float32)
+    qf = q.astype(mx.float32) if scale is None else q.astype(mx.float32) * scale
     if mp > m:
         qf = mx.concatenate([qf, mx.zeros((b, h, mp - m, dim), mx.float32)], axis=2)
     s = choose_splits(t, b * h, p) if splits is None else fit_splits(t, splits, p)
