@@ -481,8 +481,10 @@ def make_methods(b: int, t: int, seed: int, bits_mlx, bits_uniform, bits_tq, por
         mx.eval(kp.data, vp.data)
 
         def call(codec=codec, kp=kp, vp=vp):
-            # the decode kernel and the merge that normalizes (what a cache's attend() runs)
-            out = codec.attend_joint(grouped(), kp, codec, vp, [], mx.float16)
+            # the decode kernel and the merge that normalizes, the queries unscaled (what a
+            # cache's attend() runs)
+            qg = q.reshape(b, hk, hq // hk, d)
+            out = codec.attend_joint(qg, kp, codec, vp, [], mx.float16, scale)
             if out is None:
                 raise RuntimeError("kernel declined")
             return out.reshape(b, hq, 1, d)
