@@ -57,7 +57,6 @@ constexpr unsigned int VMASK = (1u << VBITS) - 1u;
 constexpr float KPOW = (float)(1 << KBITS);
 constexpr float VPOW = (float)(1 << VBITS);
 constexpr float NEG = -1.0e30f;
-constexpr float LOG2E = 1.4426950408889634f;
 constexpr int SC = 4096;                // (token, row) score slots in threadgroup memory
 constexpr int CH = SC / MB;             // most tokens per split
 constexpr int RED = NWARPS * MB * HD;   // the final warp merge (reuses the score slots)
@@ -107,7 +106,9 @@ for (int m = 0; m < MB; ++m) {
   wmax[m] = NEG;
 }
 {
-  // query rows of this block in registers, in the log2 domain
+  // query rows of this block in registers, in the log2 domain (QMUL: the float32 bits of
+  // log2(e), times the attention scale when q comes unscaled)
+  const float qmul = vx_bits_to_float(static_cast<unsigned int>(QMUL));
   float qr[MB][CPL];
   const int64_t qb = (int64_t)b * q_strides[0] + (int64_t)h * q_strides[1];
 #pragma unroll
@@ -117,7 +118,7 @@ for (int m = 0; m < MB; ++m) {
       const int64_t off = qb + (int64_t)(mblk * MB + m) * q_strides[2] +
                           (int64_t)(jc * CPL + e) * q_strides[3];
       const float qv = static_cast<float>(q[off]);
-      qr[m][e] = act ? qv * LOG2E : 0.0f;
+      qr[m][e] = act ? qv * qmul : 0.0f;
     }
   }
   // per sub-block query sums (affine keys: zero point and the 1 + c / 2^bits offset)

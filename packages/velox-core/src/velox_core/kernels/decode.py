@@ -279,8 +279,11 @@ def _check(name: str, c: Codes, b: int, h: int, t: int, dim: int) -> None:
         raise ValueError(f"decode_attention: {name} scales/norms do not have shape {want}")
 
 
-def template(p: Plan, dim: int, k: Codes, v: Codes) -> list[tuple[str, int]]:
-    """The body's compile-time constants for a plan."""
+def template(
+    p: Plan, dim: int, k: Codes, v: Codes, scale: float | None = None
+) -> list[tuple[str, int]]:
+    """The body's compile-time constants for a plan (``scale``: the attention scale the kernel
+    applies to unscaled queries; None when they come scaled)."""
     return [
         ("MB", p.mb),
         ("HD", dim),
@@ -293,6 +296,7 @@ def template(p: Plan, dim: int, k: Codes, v: Codes) -> list[tuple[str, int]]:
         ("CPL", p.cpl),
         ("NWARPS", p.nwarps),
         ("UNROLL", p.unroll),
+        ("QMUL", qmul_bits(scale)),
     ]
 
 
@@ -511,8 +515,8 @@ def decode_attention(
 
     Args:
         q: ``(B, H, M, D)`` grouped queries, float32, scale applied; or, with ``scale``, the
-            unscaled queries in any float dtype (the tensor-core kernel applies the scale
-            itself, saving the cast and the multiply).
+            unscaled queries in any float dtype (the kernels apply the scale themselves,
+            saving the cast and the multiply).
         keys, values: the segment's codes (see :class:`Codes`); same head dim as ``q``.
         splits: number of context chunks (default :func:`choose_splits`).
         fp16: with ``out_dtype``: up to two fp16 segments ``(keys, values)`` joined in the same
@@ -547,21 +551,21 @@ def decode_attention(
     _check("key", keys, b, h, t, dim)
     _check("value", values, b, h, t, dim)
     mp = p.nmb * p.mb
-    qf = q.astype(mx.float32) if scale is None else q.astype(mx.float32) * scale
+    qf = q if scale is not None else q.astype(mx.float32)  # unscaled: the kernel scales it
     if mp > m:
-        qf = mx.concatenate([qf, mx.zeros((b, h, mp - m, dim), mx.float32)], axis=2)
+        qf = mx.concatenate([qf, mx.zeros((b, h, mp - m, dim), qf.dtype)], axis=2)
     s = choose_splits(t, b * h, p) if splits is None else fit_splits(t, splits, p)
     nt = p.nwarps * 32
     o_part, ml_part = DECODE.kernel()(
         inputs=[qf, *_inputs(keys), *_inputs(values)],
-        template=template(p, dim, keys, values),
+        template=template(p, dim, keys, values, scale),
         grid=(s * nt, b * h, p.nmb),
         threadgroup=(nt, 1, 1),
         output_shapes=[(b, h, s, mp, dim), (b, h, s, mp, 2)],
         output_dtypes=[mx.float32, mx.float32],
     )
     if out_dtype is not None:
-        o, mm, ll = merge_splits_fp16(o_part, ml_part, qf, fp16 or [], out_dtype)
+        o, mm, ll = merge_splits_fp16(o_part, ml_part, qf, fp16 or [], out_dtype, scale)
     else:
         o, mm, ll = merge_splits(o_part, ml_part)
     if mp > m:
