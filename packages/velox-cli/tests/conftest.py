@@ -7,7 +7,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from velox_core.testing import tiny_model
-from velox_core.testing.models import _tokenizer
+from velox_core.testing.models import _tokenizer, tiny_config
 
 TEXT = (
     "def add(a, b):\n    return a + b\n\n\nclass Point:\n    def __init__(self, x, y):\n"
@@ -23,19 +23,7 @@ def model_dir(tmp_path_factory):
     mx.save_safetensors(
         str(path / "model.safetensors"), dict(tree_flatten(model.parameters())), {"format": "mlx"}
     )
-    cfg = {
-        "model_type": "llama",
-        "hidden_size": 128,
-        "num_hidden_layers": 2,
-        "intermediate_size": 256,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": 512,
-        "head_dim": 64,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": True,
-    }
+    cfg = tiny_config("llama", tie_word_embeddings=True)
     (path / "config.json").write_text(json.dumps(cfg))
     _tokenizer().save_pretrained(str(path))
     return str(path)

@@ -9,7 +9,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_map
 
-__all__ = ["FAMILIES", "tiny_model", "tiny_tokenizer"]
+__all__ = ["FAMILIES", "tiny_config", "tiny_model", "tiny_tokenizer"]
 
 _BASE = {
     "hidden_size": 128,
@@ -47,6 +47,19 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+def tiny_config(family: str = "llama", **overrides: Any) -> dict[str, Any]:
+    """The mlx-lm config (``config.json`` contents) of :func:`tiny_model`'s ``family``."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose from {', '.join(FAMILIES)}")
+    module, extra = FAMILIES[family]
+    return {
+        "model_type": "mistral" if family == "mistral" else module,
+        **_BASE,
+        **extra,
+        **overrides,
+    }
+
+
 def tiny_model(
     family: str = "llama",
     seed: int = 0,
@@ -60,16 +73,8 @@ def tiny_model(
     model's greedy output collapses to one repeated token, which would make token-level
     comparisons between caches vacuous.
     """
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; choose from {', '.join(FAMILIES)}")
-    module, extra = FAMILIES[family]
-    arch = importlib.import_module(f"mlx_lm.models.{module}")
-    cfg = {
-        "model_type": "mistral" if family == "mistral" else module,
-        **_BASE,
-        **extra,
-        **overrides,
-    }
+    cfg = tiny_config(family, **overrides)
+    arch = importlib.import_module(f"mlx_lm.models.{FAMILIES[family][0]}")
     mx.random.seed(seed)
     model = arch.Model(arch.ModelArgs.from_dict(cfg))
     if weight_scale != 1.0:
