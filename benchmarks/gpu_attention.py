@@ -206,16 +206,11 @@ def takes_mma(codec_k, kp, codec_v, vp, m: int) -> bool:
     from velox_core.kernels import backend
     from velox_core.kernels import decode as dk
 
-    if backend() != "cuda" or not dk.mma_enabled():
+    if backend() != "cuda" or not dk.mma_enabled() or not isinstance(codec_k, Uniform):
         return False
-    if not (isinstance(codec_k, Uniform) and isinstance(codec_v, Uniform)):
-        return False
-    if codec_k.axis != "token" or codec_v.axis != "token":
-        return False
-    k, v = kp.data, vp.data
-    keys = dk.Codes(dk.AFFINE, codec_k.bits, codec_k.group, k["codes"], k["scale"], k["zero"])
-    vals = dk.Codes(dk.AFFINE, codec_v.bits, codec_v.group, v["codes"], v["scale"], v["zero"])
-    return dk.mma_supported(m, k["codes"].shape[-1] * 32 // codec_k.bits, keys, vals)
+    sides = codec_k._kernel_sides(kp, codec_v, vp)
+    dim = kp.data["codes"].shape[-1] * 32 // codec_k.bits
+    return sides is not None and dk.mma_supported(m, dim, *sides)
 
 
 def decode_check(name, codec_k, codec_v, b, h, t, m, dtype=mx.float16, seed=0, tol=1e-3):

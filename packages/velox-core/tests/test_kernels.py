@@ -316,18 +316,7 @@ def _mma_variants():
         assert dk.mma_supported(m, 128, k, v)
         stages = dk.mma_stages(128, k, v, nw, sub)
         assert stages >= 2
-        tmpl = [
-            ("HD", 128),
-            ("KBITS", kb),
-            ("VBITS", vb),
-            ("KGROUP", kg),
-            ("VGROUP", vg),
-            ("MROWS", m),
-            ("NWARPS", nw),
-            ("NSTAGE", stages),
-            ("NSUB", sub),
-            ("QMUL", dk.qmul_bits()),
-        ]
+        tmpl = dk.mma_template(128, k, v, m, nw, stages, sub)
         infos = [ArgInfo(*F32), *[ArgInfo(*a) for a in (U32, H16, H16)] * 2]
         out.append((dk.DECODE_MMA, infos, ["float32"] * 2, tmpl))
     return out
@@ -660,18 +649,7 @@ def mma_emulated(tmp_path_factory):
         ins = [np_input(q)] + [
             _padded(x, pad) for x in (keys.codes, keys.a, keys.b, vals.codes, vals.a, vals.b)
         ]
-        tmpl = [
-            ("HD", 128),
-            ("KBITS", kb),
-            ("VBITS", vb),
-            ("KGROUP", kg),
-            ("VGROUP", vg),
-            ("MROWS", m),
-            ("NWARPS", nw),
-            ("NSTAGE", stages),
-            ("NSUB", sub),
-            ("QMUL", dk.qmul_bits()),
-        ]
+        tmpl = dk.mma_template(128, keys, vals, m, nw, stages, sub)
         handle = emu.kernel(dk.DECODE_MMA, ins, ["float32"] * 2, tmpl)
         launch = ((s * nw * 32, b * h, 1), (nw * 32, 1, 1))
         shapes = [(b, h, s, m, 128), (b, h, s, m, 2)]

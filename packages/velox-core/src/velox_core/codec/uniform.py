@@ -161,15 +161,25 @@ class Uniform(Codec):
             q ``(B, H, M, D)`` float32 with the scale applied; returns ``(B, H, M, D)``,
             ``(B, H, M, 1)``, ``(B, H, M, 1)`` float32.
         """
+        sides = self._kernel_sides(keys, value_codec, values)
+        if sides is None:
+            return None
+        from ..kernels.decode import decode_attention
+
+        return decode_attention(q, *sides)
+
+    def _kernel_sides(self, keys: Packed, value_codec: Codec, values: Packed):
+        """The decode kernels' view of both records (``velox_core.kernels.decode.Codes``), or
+        None where no kernel applies: kernels off or the CPU, a value codec that is not a
+        ``Uniform``, per-channel groups on either side."""
         if not use_kernels() or not isinstance(value_codec, Uniform):
             return None
         if self.axis != "token" or value_codec.axis != "token":
             return None
-        from ..kernels.decode import AFFINE, Codes, decode_attention
+        from ..kernels.decode import AFFINE, Codes
 
         k, v = keys.data, values.data
-        return decode_attention(
-            q,
+        return (
             Codes(AFFINE, self.bits, self.group, k["codes"], k["scale"], k["zero"]),
             Codes(AFFINE, value_codec.bits, value_codec.group, v["codes"], v["scale"], v["zero"]),
         )
@@ -194,21 +204,12 @@ class Uniform(Codec):
             with ``scale``; fp16 pairs ``(B, H, T_i, D)``; returns ``(B, H, M, D)`` in
             ``out_dtype``.
         """
-        if not use_kernels() or not isinstance(value_codec, Uniform):
+        sides = self._kernel_sides(keys, value_codec, values)
+        if sides is None:
             return None
-        if self.axis != "token" or value_codec.axis != "token":
-            return None
-        from ..kernels.decode import AFFINE, Codes, decode_attention
+        from ..kernels.decode import decode_attention
 
-        k, v = keys.data, values.data
-        out = decode_attention(
-            q,
-            Codes(AFFINE, self.bits, self.group, k["codes"], k["scale"], k["zero"]),
-            Codes(AFFINE, value_codec.bits, value_codec.group, v["codes"], v["scale"], v["zero"]),
-            fp16=fp16,
-            out_dtype=out_dtype,
-            scale=scale,
-        )
+        out = decode_attention(q, *sides, fp16=fp16, out_dtype=out_dtype, scale=scale)
         return None if out is None else out[0]
 
 

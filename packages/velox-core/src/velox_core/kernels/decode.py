@@ -55,6 +55,7 @@ __all__ = [
     "mma_stages",
     "mma_subtiles",
     "mma_supported",
+    "mma_template",
     "mma_warps",
     "plan",
     "qmul_bits",
@@ -385,6 +386,31 @@ def mma_splits(tokens: int, rows: int, nwarps: int) -> int:
     return math.ceil(tokens / math.ceil(tokens / s))
 
 
+def mma_template(
+    dim: int,
+    keys: Codes,
+    values: Codes,
+    rows: int,
+    nwarps: int,
+    stages: int,
+    subtiles: int = 1,
+    scale: float | None = None,
+) -> list[tuple[str, int]]:
+    """The tensor-core body's compile-time constants (``decode_attention_mma.cu``)."""
+    return [
+        ("HD", dim),
+        ("KBITS", keys.bits),
+        ("VBITS", values.bits),
+        ("KGROUP", keys.group),
+        ("VGROUP", values.group),
+        ("MROWS", rows),
+        ("NWARPS", nwarps),
+        ("NSTAGE", stages),
+        ("NSUB", subtiles),
+        ("QMUL", qmul_bits(scale)),
+    ]
+
+
 def _decode_mma(
     q: mx.array,
     keys: Codes,
@@ -412,18 +438,7 @@ def _decode_mma(
     nt = nwarps * 32
     o_part, ml_part = DECODE_MMA.kernel()(
         inputs=[q, keys.codes, keys.a, keys.b, values.codes, values.a, values.b],
-        template=[
-            ("HD", dim),
-            ("KBITS", keys.bits),
-            ("VBITS", values.bits),
-            ("KGROUP", keys.group),
-            ("VGROUP", values.group),
-            ("MROWS", m),
-            ("NWARPS", nwarps),
-            ("NSTAGE", stages),
-            ("NSUB", sub),
-            ("QMUL", qmul_bits(scale)),
-        ],
+        template=mma_template(dim, keys, values, m, nwarps, stages, sub, scale),
         grid=(s * nt, b * h, 1),
         threadgroup=(nt, 1, 1),
         output_shapes=[(b, h, s, m, dim), (b, h, s, m, 2)],
