@@ -34,6 +34,8 @@
 #include <thread>
 #include <vector>
 
+#include "vx_emu_sync.h"
+
 typedef unsigned int uint;
 typedef unsigned short ushort;
 
@@ -76,29 +78,7 @@ inline T as_type(U u) {
 
 namespace vx_emu {
 
-// A reusable barrier for `n` threads; aborts when a wait lasts longer than the timeout
-// (threads that never arrive: a divergent barrier or shuffle).
-struct Barrier {
-  std::mutex mu;
-  std::condition_variable cv;
-  int n = 1;
-  int waiting = 0;
-  long gen = 0;
-  void wait() {
-    std::unique_lock<std::mutex> lk(mu);
-    const long g = gen;
-    if (++waiting == n) {
-      waiting = 0;
-      ++gen;
-      cv.notify_all();
-      return;
-    }
-    if (!cv.wait_for(lk, std::chrono::seconds(60), [&] { return gen != g; })) {
-      std::fprintf(stderr, "vx_emu: barrier timeout: not every thread reached it\n");
-      std::abort();
-    }
-  }
-};
+using Barrier = vx_emu_sync::Barrier;
 
 struct Simd {
   Barrier bar;
@@ -189,36 +169,15 @@ inline void threadgroup_barrier(mem_flags) {
 
 template <typename T>
 inline T simd_shuffle_xor(T v, ushort lane_mask) {
-  static_assert(sizeof(T) <= 8, "simd_shuffle_xor: type too large");
   vx_emu::no_sync_in_sequential();
   vx_emu::Simd& s = *vx_emu::g_group->simd[vx_emu::g_simd];
-  uint64_t bits = 0;
-  std::memcpy(&bits, &v, sizeof(T));
-  s.slot[vx_emu::g_lane] = bits;
-  s.bar.wait();
-  const int src = vx_emu::g_lane ^ static_cast<int>(lane_mask);
-  if (src >= s.bar.n) {
-    std::fprintf(stderr, "vx_emu: simd_shuffle_xor reads an inactive lane\n");
-    std::abort();
-  }
-  const uint64_t got = s.slot[src];
-  s.bar.wait();
-  T r;
-  std::memcpy(&r, &got, sizeof(T));
-  return r;
+  return vx_emu_sync::shuffle_xor(s.bar, s.slot, vx_emu::g_lane, v, static_cast<int>(lane_mask));
 }
 
 inline bool simd_any(bool p) {
   vx_emu::no_sync_in_sequential();
   vx_emu::Simd& s = *vx_emu::g_group->simd[vx_emu::g_simd];
-  s.slot[vx_emu::g_lane] = p ? 1u : 0u;
-  s.bar.wait();
-  bool any = false;
-  for (int i = 0; i < s.bar.n; ++i) {
-    any = any || s.slot[i] != 0;
-  }
-  s.bar.wait();
-  return any;
+  return vx_emu_sync::any(s.bar, s.slot, vx_emu::g_lane, p);
 }
 
 inline float exp2(float x) { return std::exp2(x); }

@@ -181,8 +181,8 @@ class Emulator:
     def _generate(self, spec, infos, dnames, template) -> tuple[str, str]:
         return metal_source(spec, infos, dnames, template)
 
-    def _include_dir(self) -> Path:
-        return shim_dir()
+    def _include_dirs(self) -> list[Path]:
+        return [shim_dir()]
 
     def _case(self, idx: int, k: _Kernel) -> list[str]:
         body = k.spec.body("metal")
@@ -259,7 +259,8 @@ class Emulator:
         if not exe.exists():
             cpp = self.workdir / f"emu_{tag}.cpp"
             cpp.write_text(source)
-            cmd = [cxx, "-std=c++17", self.opt, "-pthread", "-w", "-I", str(self._include_dir())]
+            cmd = [cxx, "-std=c++17", self.opt, "-pthread", "-w"]
+            cmd += [a for d in self._include_dirs() for a in ("-I", str(d))]
             res = subprocess.run(
                 [*cmd, "-o", str(exe), str(cpp)], capture_output=True, text=True, check=False
             )
@@ -324,8 +325,8 @@ class CudaEmulator(Emulator):
     def _generate(self, spec, infos, dnames, template) -> tuple[str, str]:
         return cuda_source(spec, infos, dnames, template)
 
-    def _include_dir(self) -> Path:
-        return shim_dir() / "cuda_emu"
+    def _include_dirs(self) -> list[Path]:
+        return [shim_dir() / "cuda_emu", shim_dir()]
 
     def _case(self, idx: int, k: _Kernel) -> list[str]:
         body = k.spec.body("cuda")

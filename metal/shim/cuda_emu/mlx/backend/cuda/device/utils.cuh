@@ -23,6 +23,8 @@
 #include <thread>
 #include <vector>
 
+#include "vx_emu_sync.h"  // metal/shim, on the include path too
+
 #define VX_CUDA_EMULATE 1
 #define MAX_NDIM 10
 #define WARP_SIZE 32
@@ -112,27 +114,7 @@ inline float fmaf(float a, float b, float c) { return std::fma(a, b, c); }
 
 namespace vx_cuemu {
 
-struct Barrier {
-  std::mutex mu;
-  std::condition_variable cv;
-  int n = 1;
-  int waiting = 0;
-  long gen = 0;
-  void wait() {
-    std::unique_lock<std::mutex> lk(mu);
-    const long g = gen;
-    if (++waiting == n) {
-      waiting = 0;
-      ++gen;
-      cv.notify_all();
-      return;
-    }
-    if (!cv.wait_for(lk, std::chrono::seconds(60), [&] { return gen != g; })) {
-      std::fprintf(stderr, "vx_cuemu: barrier timeout: not every thread reached it\n");
-      std::abort();
-    }
-  }
-};
+using Barrier = vx_emu_sync::Barrier;
 
 struct MmaSlot {
   unsigned int a[4];
@@ -166,34 +148,13 @@ inline void __syncwarp(unsigned int = 0xffffffffu) { vx_cuemu::warp().bar.wait()
 
 template <typename T>
 inline T __shfl_xor_sync(unsigned int, T v, int lane_mask) {
-  static_assert(sizeof(T) <= 8, "__shfl_xor_sync: type too large");
   vx_cuemu::Warp& w = vx_cuemu::warp();
-  uint64_t bits = 0;
-  std::memcpy(&bits, &v, sizeof(T));
-  w.slot[vx_cuemu::g_lane] = bits;
-  w.bar.wait();
-  const int src = vx_cuemu::g_lane ^ lane_mask;
-  if (src >= w.bar.n) {
-    std::fprintf(stderr, "vx_cuemu: __shfl_xor_sync reads an inactive lane\n");
-    std::abort();
-  }
-  const uint64_t got = w.slot[src];
-  w.bar.wait();
-  T r;
-  std::memcpy(&r, &got, sizeof(T));
-  return r;
+  return vx_emu_sync::shuffle_xor(w.bar, w.slot, vx_cuemu::g_lane, v, lane_mask);
 }
 
 inline int __any_sync(unsigned int, int p) {
   vx_cuemu::Warp& w = vx_cuemu::warp();
-  w.slot[vx_cuemu::g_lane] = p ? 1u : 0u;
-  w.bar.wait();
-  int any = 0;
-  for (int i = 0; i < w.bar.n; ++i) {
-    any = any || w.slot[i] != 0;
-  }
-  w.bar.wait();
-  return any;
+  return vx_emu_sync::any(w.bar, w.slot, vx_cuemu::g_lane, p != 0) ? 1 : 0;
 }
 
 namespace vx_cuemu {
