@@ -128,6 +128,42 @@ _IO_HELPERS = [
 ]
 
 
+def _arguments(k, used, types: dict[str, str], cuda: bool) -> tuple[list[str], list[str]]:
+    """Lines of an emulator case that load every input and allocate every output, and the
+    kernel call's arguments (shapes and strides as pointers for Metal, as MLX's
+    ``Shape`` / ``Strides`` arrays for CUDA)."""
+    lines, call = [], []
+    for i, (info, (sh, st, nd)) in enumerate(zip(k.infos, used)):
+        lines.append(f'    auto in{i} = vx_load<{types[info.dtype]}>(dir + "/in{i}.bin");')
+        lines.append(f"    std::vector<int> in{i}_sh; std::vector<int64_t> in{i}_st;")
+        lines.append(f'    vx_meta(dir + "/in{i}.meta", in{i}_sh, in{i}_st);')
+        shape, strides = f"in{i}_sh.data()", f"in{i}_st.data()"
+        if cuda:
+            lines.append(
+                f"    mlx::core::cu::Shape a{i}_sh{{}}; mlx::core::cu::Strides a{i}_st{{}};"
+            )
+            lines.append(
+                f"    for (size_t j = 0; j < in{i}_sh.size(); ++j) "
+                f"{{ a{i}_sh[j] = in{i}_sh[j]; a{i}_st[j] = in{i}_st[j]; }}"
+            )
+            shape, strides = f"a{i}_sh", f"a{i}_st"
+        call.append(f"in{i}.data()")
+        if info.ndim > 0:
+            call += [shape] if sh else []
+            call += [strides] if st else []
+            call += [f"(int)in{i}_sh.size()"] if nd else []
+    for i, d in enumerate(k.dnames):
+        lines.append(f"    size_t n{i}; lf >> n{i}; std::vector<{types[d]}> out{i}(n{i});")
+        call.append(f"out{i}.data()")
+    return lines, call
+
+
+def _saves(k) -> list[str]:
+    """The end of an emulator case: every output saved."""
+    lines = [f'    vx_save(dir + "/out{i}.bin", out{i});' for i in range(len(k.dnames))]
+    return [*lines, "    return 0;\n  }"]
+
+
 @dataclass
 class _Kernel:
     spec: KernelSpec
@@ -198,25 +234,8 @@ class Emulator:
                 else:
                     vals.append(_CXX_TYPES[str(v).replace("mlx.core.", "")])
             targs = "<" + ", ".join(vals) + ">"
-        lines = [f"  if (which == {idx}) {{"]
-        call = []
-        for i, (info, (sh, st, nd)) in enumerate(zip(k.infos, used)):
-            ct = _CXX_TYPES[info.dtype]
-            lines.append(f'    auto in{i} = vx_load<{ct}>(dir + "/in{i}.bin");')
-            lines.append(f"    std::vector<int> in{i}_sh; std::vector<int64_t> in{i}_st;")
-            lines.append(f'    vx_meta(dir + "/in{i}.meta", in{i}_sh, in{i}_st);')
-            call.append(f"in{i}.data()")
-            if info.ndim > 0:
-                if sh:
-                    call.append(f"in{i}_sh.data()")
-                if st:
-                    call.append(f"in{i}_st.data()")
-                if nd:
-                    call.append(f"(int)in{i}_sh.size()")
-        for i, d in enumerate(k.dnames):
-            ct = _CXX_TYPES[d]
-            lines.append(f"    size_t n{i}; lf >> n{i}; std::vector<{ct}> out{i}(n{i});")
-            call.append(f"out{i}.data()")
+        lines, call = _arguments(k, used, _CXX_TYPES, cuda=False)
+        lines.insert(0, f"  if (which == {idx}) {{")
         for attr, _ in metal_attributes(body):
             if attr not in _ATTRS:
                 raise ValueError(f"emulator: Metal attribute {attr!r} is not emulated")
@@ -226,10 +245,7 @@ class Emulator:
             f"    vx_emu::run_grid(grid, tg, {seq}, [&](const vx_emu::Ids& id) {{ "
             f"{k.name}{targs}({', '.join(call)}); }});"
         )
-        for i in range(len(k.dnames)):
-            lines.append(f'    vx_save(dir + "/out{i}.bin", out{i});')
-        lines.append("    return 0;\n  }")
-        return lines
+        return lines + _saves(k)
 
     def source(self) -> str:
         """The program: every registered Metal instantiation plus a ``main`` that loads the
@@ -331,40 +347,13 @@ class CudaEmulator(Emulator):
     def _case(self, idx: int, k: _Kernel) -> list[str]:
         body = k.spec.body("cuda")
         used = _shape_infos(body, k.spec.inputs)
-        lines = [f"  if (which == {idx}) {{"]
-        call = []
-        for i, (info, (sh, st, nd)) in enumerate(zip(k.infos, used)):
-            ct = _CUDA_EMU_TYPES[info.dtype]
-            lines.append(f'    auto in{i} = vx_load<{ct}>(dir + "/in{i}.bin");')
-            lines.append(f"    std::vector<int> in{i}_sh; std::vector<int64_t> in{i}_st;")
-            lines.append(f'    vx_meta(dir + "/in{i}.meta", in{i}_sh, in{i}_st);')
-            lines.append(
-                f"    mlx::core::cu::Shape a{i}_sh{{}}; mlx::core::cu::Strides a{i}_st{{}};"
-            )
-            lines.append(
-                f"    for (size_t j = 0; j < in{i}_sh.size(); ++j) "
-                f"{{ a{i}_sh[j] = in{i}_sh[j]; a{i}_st[j] = in{i}_st[j]; }}"
-            )
-            call.append(f"in{i}.data()")
-            if info.ndim > 0:
-                if sh:
-                    call.append(f"a{i}_sh")
-                if st:
-                    call.append(f"a{i}_st")
-                if nd:
-                    call.append(f"(int)in{i}_sh.size()")
-        for i, d in enumerate(k.dnames):
-            ct = _CUDA_EMU_TYPES[d]
-            lines.append(f"    size_t n{i}; lf >> n{i}; std::vector<{ct}> out{i}(n{i});")
-            call.append(f"out{i}.data()")
+        lines, call = _arguments(k, used, _CUDA_EMU_TYPES, cuda=True)
+        lines.insert(0, f"  if (which == {idx}) {{")
         lines.append(
             "    vx_cuemu::launch(blocks, block, [&] { "
             f"mlx::core::cu::{k.name}({', '.join(call)}); }});"
         )
-        for i in range(len(k.dnames)):
-            lines.append(f'    vx_save(dir + "/out{i}.bin", out{i});')
-        lines.append("    return 0;\n  }")
-        return lines
+        return lines + _saves(k)
 
     def source(self) -> str:
         lines = [k.source for k in self._kernels]
