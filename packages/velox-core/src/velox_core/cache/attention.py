@@ -185,12 +185,14 @@ def attend(
         raise ValueError(f"attend: {hq} query heads is not a multiple of {h} KV heads")
     r = hq // h
     t = sum(s.tokens for s in segments)
-    q = (queries.astype(mx.float32) * scale).reshape(b, h, r * lq, -1)
-    if (mask is None or lq == 1) and sinks is None and use_kernels():
-        # the unscaled queries: the kernels apply the scale (q above is then never computed)
+    fused = (mask is None or lq == 1) and sinks is None and use_kernels()
+    if fused:
+        # the unscaled queries: the kernels apply the scale
         out = joint_attention(queries.reshape(b, h, r * lq, -1), segments, queries.dtype, scale)
         if out is not None:
             return out.reshape(b, hq, lq, -1)
+    q = (queries.astype(mx.float32) * scale).reshape(b, h, r * lq, -1)
+    if fused:
         parts = [fused_partial(q, seg) for seg in segments]
         if any(p is not None for p in parts):
             parts = [p if p is not None else partial(q, seg) for p, seg in zip(parts, segments)]
