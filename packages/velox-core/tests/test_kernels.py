@@ -705,3 +705,14 @@ def test_cache_on_an_emulated_cuda_gpu_takes_the_tensor_core_kernel(
     assert names == ["velox_decode_attention_mma", "velox_decode_merge_fp16"]
     err = np.abs(np.asarray((got - ref).astype(mx.float32))).max()
     assert err < 2e-3 * np.abs(np.asarray(ref.astype(mx.float32))).max()
+
+
+def test_mlx_quantized_matmul_is_not_used_on_cuda(monkeypatch):
+    """Codes in MLX's layout go through mx.quantized_matmul, except on MLX's CUDA backend
+    (which lacks shapes a cache meets): one rule for every codec that uses it."""
+    from velox_core.ops import mlx_readable
+
+    assert mlx_readable(4, 64) and not mlx_readable(7, 64) and not mlx_readable(4, 16)
+    monkeypatch.setattr(vk, "backend", lambda: "cuda")
+    assert not mlx_readable(4, 64)
+    assert not Uniform(4)._mlx_layout()

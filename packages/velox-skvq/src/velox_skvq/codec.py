@@ -35,7 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 from velox_core import Codec, Packed
-from velox_core.ops import scale_dtype
+from velox_core.ops import mlx_readable, scale_dtype
 from velox_core.validation import check_float, check_int
 
 from .config import TERNARY, check_bits
@@ -53,8 +53,6 @@ from .reorder import fit_permutation, from_chunks, slots, to_chunks
 
 __all__ = ["SKVQ"]
 
-_MLX_BITS = (2, 3, 4, 5, 6, 8)
-_MLX_GROUPS = (32, 64, 128)
 _CALIB_TOKENS = 4096  # calibration tokens for the channel statistics, at most
 _CLIP_TOKENS = 256  # of which the clipping search uses at most (both evenly strided)
 
@@ -211,7 +209,7 @@ class SKVQ(Codec):
         )
 
     def _mlx_layout(self) -> bool:
-        return self.bits != TERNARY and self.bits in _MLX_BITS and self.group in _MLX_GROUPS
+        return self.bits != TERNARY and mlx_readable(int(self.bits), self.group)
 
     def scores(self, q: mx.array, packed: Packed) -> mx.array:
         self._need_state()

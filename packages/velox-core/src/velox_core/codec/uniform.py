@@ -22,15 +22,12 @@ from typing import Any
 import mlx.core as mx
 
 from ..kernels import use_kernels
-from ..ops.packing import pack, unpack
+from ..ops.packing import mlx_readable, pack, unpack
 from ..ops.quant import AXES, affine_dequantize, affine_quantize
 from ..validation import check_bits, check_choice, check_float, check_int
 from .base import Codec, Packed
 
 __all__ = ["Uniform"]
-
-_MLX_BITS = (2, 3, 4, 5, 6, 8)
-_MLX_GROUPS = (32, 64, 128)
 
 
 class Uniform(Codec):
@@ -86,17 +83,7 @@ class Uniform(Codec):
         return affine_dequantize(self._codes(packed), p["scale"], p["zero"], self.group, self.axis)
 
     def _mlx_layout(self) -> bool:
-        # MLX 0.32.4's CUDA backend has no quantized_matmul for some shapes (seen on an H200:
-        # "No implementation for problem shape: 4x4965x128x16"); there the decoded path is
-        # the reference, and decode steps use the fused kernel anyway
-        from ..kernels import backend
-
-        return (
-            self.axis == "token"
-            and self.bits in _MLX_BITS
-            and self.group in _MLX_GROUPS
-            and backend() != "cuda"
-        )
+        return self.axis == "token" and mlx_readable(self.bits, self.group)
 
     def scores(self, q: mx.array, packed: Packed) -> mx.array:
         p = packed.data

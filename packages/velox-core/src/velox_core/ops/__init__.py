@@ -3,7 +3,7 @@
 from .hadamard import RandomizedHadamard, block_size, fwht, hadamard
 from .kmeans import assign, kmeans
 from .lloyd_max import Codebook, lloyd_max, lloyd_max_gaussian, lloyd_max_sphere
-from .packing import pack, packed_words, unpack
+from .packing import mlx_readable, pack, packed_words, unpack
 from .quant import affine_dequantize, affine_quantize, scale_dtype
 from .rotation import random_orthogonal
 from .sketch import jl_matrix, sign_sketch, sketch_inner
@@ -22,6 +22,7 @@ __all__ = [
     "lloyd_max",
     "lloyd_max_gaussian",
     "lloyd_max_sphere",
+    "mlx_readable",
     "pack",
     "packed_words",
     "random_orthogonal",

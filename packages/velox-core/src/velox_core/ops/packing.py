@@ -16,7 +16,21 @@ import numpy as np
 
 from ..validation import check_array, check_bits, check_int
 
-__all__ = ["pack", "packed_words", "unpack"]
+__all__ = ["mlx_readable", "pack", "packed_words", "unpack"]
+
+_MLX_BITS = (2, 3, 4, 5, 6, 8)
+_MLX_GROUPS = (32, 64, 128)
+
+
+def mlx_readable(bits: int, group: int) -> bool:
+    """Whether ``mx.quantized_matmul`` should read per-token codes of this width and group
+    here: MLX's own layout (2-6 or 8 bits, groups of 32, 64 or 128), and not on MLX's CUDA
+    backend, whose ``quantized_matmul`` (MLX 0.32.4) lacks shapes a cache meets (seen on an
+    H200: "No implementation for problem shape: 4x4965x128x16"); there callers take their
+    decoded path, and decode steps the fused kernels."""
+    from ..kernels import backend
+
+    return bits in _MLX_BITS and group in _MLX_GROUPS and backend() != "cuda"
 
 
 def packed_words(n: int, bits: int) -> int:
