@@ -576,6 +576,18 @@ def section_attention(quick: bool) -> None:
             mx.clear_cache()
 
 
+def host_seconds(call, n: int = 50) -> float:
+    """Seconds per call spent on the host building the call's graph (nothing evaluated): when
+    it exceeds the device time, a step is host-bound."""
+    outs = []
+    t0 = time.perf_counter()
+    for _ in range(n):
+        outs.append(call())
+    dt = (time.perf_counter() - t0) / n
+    mx.eval(outs)
+    return dt
+
+
 def time_methods(methods, b: int, t: int, quick: bool) -> list[dict]:
     reps, inner = (3, 2) if quick else ((9, 10) if t <= 16384 else (7, 5))
     rows = []
@@ -625,63 +637,63 @@ def attention_shape(b: int, t: int, quick: bool) -> list[dict]:
 @guarded("tuning")
 def section_tuning(quick: bool) -> None:
     """The kernel's launch settings at the longest context (to pick defaults on this GPU)."""
-    print("\n== b2. decode kernel launch settings (B1, longest context) ==")
+    print("\n== b2. decode kernel launch settings (longest context) ==")
     t = 2048 if quick else 131072
-    # the tensor-core kernel's settings: (warps, 16-token tiles per step, blocks, ring stages;
-    # 0: its default)
+    # the tensor-core kernel's settings: (warps, 16-token tiles per step, blocks, ring stages,
+    # threadgroups per SM of the register cap; 0 / None: its default)
     variants = [
-        (2, 2, 512, 0),
-        (4, 2, 512, 0),
-        (4, 1, 512, 0),
-        (2, 1, 512, 0),
-        (2, 2, 256, 0),
-        (2, 2, 1024, 0),
-        (2, 2, 512, 2),
+        (4, 1, 512, 0, None),
+        (4, 1, 2048, 0, None),
+        (4, 1, 4096, 0, None),
+        (4, 1, 8192, 0, None),
+        (4, 1, 4096, 0, 4),
+        (4, 1, 4096, 2, None),
+        (2, 1, 4096, 0, None),
+        (2, 2, 2048, 0, None),
+        (2, 2, 4096, 0, None),
     ]
+    batches = (1,) if quick else (OPTIONS.get("batches") or (1, 8))
     if quick:
         variants = variants[:2]
-    for bits in (4, 2):
-        if over_budget("tuning"):
-            return
-        methods = make_methods(1, t, seed=99, bits_mlx=(), bits_uniform=(bits,), bits_tq=())
-        name, _, call, nb = methods[-1]
-        for warps, sub, blocks, stages in variants:
-            extra = {"VELOX_DECODE_STAGES": stages} if stages else {}
-            with env(
-                VELOX_DECODE_MMA_WARPS=warps,
-                VELOX_DECODE_SUBTILES=sub,
-                VELOX_DECODE_BLOCKS=blocks,
-                **extra,
-            ):
-                try:
-                    s = timeit(call, 2, 5, 5 if not quick else 1)
-                    row = {
-                        "method": name,
-                        "context": t,
-                        "warps": warps,
-                        "subtiles": sub,
-                        "blocks": blocks,
-                        "stages": stages or "default",
-                        "ms": s * 1e3,
-                        "GBps": nb / s / 1e9,
-                    }
-                    print(
-                        f"  {name:16s} warps={warps} subtiles={sub} blocks={blocks:5d} "
-                        f"stages={stages or 'default'} "
-                        f"{s * 1e3:7.3f} ms {nb / s / 1e9:7.0f} GB/s"
-                    )
-                except Exception as exc:
-                    row = {
-                        "method": name,
-                        "warps": warps,
-                        "subtiles": sub,
-                        "blocks": blocks,
-                        "error": f"{type(exc).__name__}: {exc}",
-                    }
-                    print(f"  {name} warps={warps} subtiles={sub} blocks={blocks}: {row['error']}")
-            RESULTS["tuning"].append(row)
-        del methods
-        mx.clear_cache()
+    for b in batches:
+        for bits in (4, 2):
+            if over_budget("tuning"):
+                return
+            methods = make_methods(b, t, seed=99, bits_mlx=(), bits_uniform=(bits,), bits_tq=())
+            name, _, call, nb = methods[1]
+            for warps, sub, blocks, stages, smb in variants:
+                extra = {"VELOX_DECODE_STAGES": stages} if stages else {}
+                if smb is not None:
+                    extra["VELOX_DECODE_MMA_SM_BLOCKS"] = smb
+                setting = {
+                    "warps": warps,
+                    "subtiles": sub,
+                    "blocks": blocks,
+                    "stages": stages or "default",
+                    "sm_blocks": "default" if smb is None else smb,
+                }
+                label = " ".join(f"{k}={v}" for k, v in setting.items())
+                row = {"method": name, "batch": b, "context": t, **setting}
+                with env(
+                    VELOX_DECODE_MMA_WARPS=warps,
+                    VELOX_DECODE_SUBTILES=sub,
+                    VELOX_DECODE_BLOCKS=blocks,
+                    **extra,
+                ):
+                    try:
+                        s = timeit(call, 2, 5, 5 if not quick else 1)
+                        host = host_seconds(call)
+                        row.update(ms=s * 1e3, GBps=nb / s / 1e9, host_ms=host * 1e3)
+                        print(
+                            f"  B{b} {name:16s} {label} {s * 1e3:7.3f} ms {nb / s / 1e9:7.0f} GB/s"
+                            f"  (host {host * 1e3:.3f} ms per call)"
+                        )
+                    except Exception as exc:
+                        row["error"] = f"{type(exc).__name__}: {exc}"
+                        print(f"  B{b} {name} {label}: {row['error']}")
+                RESULTS["tuning"].append(row)
+            del methods
+            mx.clear_cache()
 
 
 @guarded("encode")

@@ -17,7 +17,7 @@
 //   scores  S (16 x 16 tokens) = Q (16 x HD) K^T: rows 0..7 of Q are the query rows rounded to
 //           fp16 ("hi"), rows 8..15 the rounding residuals ("lo"), so S_hi + S_lo is the score
 //           of the float32 query to about 2^-22; the K^T fragments are decoded from the codes
-//           (code -> 1024 + code by OR-ing it into the mantissa of 1024.0, minus 1024, then
+//           (the code OR-ed into the mantissa of a power of two, minus that power, then
 //           scale * code + zero in one fp16 FMA: the key rounded once to fp16, as an fp16 cache
 //           holds it). Lane (g, t) decodes
 //           tokens g and 8 + g, channels [t HD/4, (t+1) HD/4): whole words, coalesced.
@@ -25,20 +25,30 @@
 //           j and j + 16/bits of one code word), which leaves every dot product unchanged.
 //   softmax online per query row (log2 domain): p = exp2(s - m) against a running max m that
 //           is raised lazily (the accumulators are rescaled only when a score exceeds m by
-//           more than 8), so the partial's m is at most 8 below the true max (any m gives the
-//           same merged softmax).
-//   values  O (16 x HD) += P (16 x 16 tokens) V: P in the scores' own fragment layout, again
-//           split into fp16 hi and lo rows; the V fragments hold two tokens of one channel,
-//           put together with a byte permute of the two tokens' code words and decoded the
-//           same way. Lane (g, t) decodes tokens 2t, 2t + 1, 2t + 8, 2t + 9, channels
-//           [g HD/8, (g+1) HD/8).
+//           more than 8, found with one vote and no reduction), so the partial's m is at most
+//           8 below the true max (any m gives the same merged softmax).
+//   copies  of whole tiles from dense, 16-byte-aligned planes are 16-byte cp.async copies at
+//           offsets fixed per lane (scales and zeros too); only a split's last, partial tile
+//           clamps its rows one by one.
+//   values  O^T (HD x 8 rows) += V^T (HD x 16 tokens) P^T: transposed, so that the query rows
+//           are the MMA's n = 8 (no padding rows: HD/16 MMAs per 16 tokens, 4 accumulators
+//           per lane and 16 channels) and the scores' C fragment of row g is, as it stands,
+//           the B fragment of P^T; P is split into fp16 hi and lo parts, two MMAs into the same
+//           accumulators. The V^T fragments hold two tokens of one channel, put together with
+//           a byte permute of the two tokens' code words. Lane (g, t) decodes tokens 2t, 2t + 1,
+//           2t + 8, 2t + 9, channels [g HD/8, (g+1) HD/8); m-tile j takes its channels 2j
+//           (row g) and 2j + 1 (row g + 8).
+//   codes   are decoded without shifts where they sit in the low byte of a 16-bit half
+//           (vx_dequant_at: the code OR-ed into the mantissa of 2^(10 - bit offset)), so a
+//           pair of decoded halves costs three instructions.
 // Outputs as decode_attention.metal: o_part (B, H, S, MROWS, HD) = sum_t 2^(s_t - m) v_t,
 // ml_part (B, H, S, MROWS, 2) = (m, l) in log2 units; the host merges the splits.
 //
 // Template constants: HD (head dim), KBITS / VBITS in {2, 4, 8}, KGROUP / VGROUP (channels per
 // scale), MROWS (query rows per KV head, 1 to 8), NWARPS, NSTAGE (steps per warp ring),
 // QMUL (the float32 bits of the factor applied to q: log2(e), times the attention scale when
-// q comes unscaled, in any float dtype),
+// q comes unscaled, in any float dtype), QLO (1: split the query into fp16 hi and lo rows, for
+// queries not exact in fp16; 0: an fp16 query as it is, its factor applied to the scores),
 // NSUB (16-token MMA tiles per loop step: more independent work between the softmax steps).
 // The host (velox_core.kernels.decode.mma_supported) checks the layout: HD / 4 channels of
 // keys and HD / 8 of values fill whole words, and a lane's channels meet whole groups.
@@ -47,11 +57,11 @@ constexpr int KCL = HD / 4;            // key channels per lane (lane t of a tok
 constexpr int VCL = HD / 8;            // value channels per lane (lane g)
 constexpr int KWL = KCL * KBITS / 32;  // key code words per lane and token
 constexpr int VWL = VCL * VBITS / 32;  // value code words per lane and token
+constexpr int NTM = HD / 16;           // m-tiles of the value MMA (channels 2j and 2j + 1 of a lane)
 constexpr int KCW = 32 / KBITS;        // channels per key word
 constexpr int VCW = 32 / VBITS;        // channels per value word
 constexpr int KPW = KCW / 2;           // fp16 pairs per key word: channels (j, j + KPW)
 constexpr int KSTEPS = HD / 16;        // k-steps of the score MMA (two pairs per lane each)
-constexpr int NTV = HD / 8;            // n-tiles of the value MMA (one channel per lane each)
 constexpr int SUB = 16;            // tokens of one MMA tile
 constexpr int TILE = SUB * NSUB;   // tokens per loop step and ring stage
 constexpr int KNG = KCL > KGROUP ? KCL / KGROUP : 1;  // key groups a lane's channels meet
@@ -76,8 +86,13 @@ const int t0 = split * span;
 const int t1 = vx_imin(T, t0 + span);
 const int ntiles = t1 > t0 ? (t1 - t0 + TILE - 1) / TILE : 0;
 
-// ---- the query rows as A fragments: hi in rows 0..7, lo in rows 8..15 (log2 domain) ----------
+// ---- the query rows as A fragments: hi in rows 0..7, lo in rows 8..15 --------------------------
+// QLO = 0 (an fp16 query, exact in fp16): the query goes in as it is, rows 8..15 are zero (no
+// registers), and the scores are multiplied by log2(e) x scale after the MMA. QLO = 1 (any
+// other dtype): the scaled query is split into its fp16 rounding (hi) and the residual (lo).
 const float qmul = vx_bits_to_float(static_cast<unsigned int>(QMUL));  // log2(e) x scale
+const float qin = QLO ? qmul : 1.0f;   // applied to q before the MMA
+const float sout = QLO ? 1.0f : qmul;  // applied to the scores after it
 unsigned int qa[KSTEPS][4];
 {
   const bool qrow = g < MROWS;
@@ -92,12 +107,12 @@ unsigned int qa[KSTEPS][4];
       const int jj = p - wl * KPW;
       const int c0 = t * KCL + wl * KCW + jj;  // channel of the low half
       const int c1 = c0 + KPW;                 // channel of the high half
-      const float x0 = qrow ? static_cast<float>(q[qb + (int64_t)c0 * q_strides[3]]) * qmul : 0.0f;
-      const float x1 = qrow ? static_cast<float>(q[qb + (int64_t)c1 * q_strides[3]]) * qmul : 0.0f;
+      const float x0 = qrow ? static_cast<float>(q[qb + (int64_t)c0 * q_strides[3]]) * qin : 0.0f;
+      const float x1 = qrow ? static_cast<float>(q[qb + (int64_t)c1 * q_strides[3]]) * qin : 0.0f;
       const __half2 hi = __floats2half2_rn(x0, x1);
       const float2 hf = __half22float2(hi);
       qa[kk][2 * u] = vx_h2u(hi);
-      qa[kk][2 * u + 1] = vx_pack_h2(x0 - hf.x, x1 - hf.y);
+      qa[kk][2 * u + 1] = QLO ? vx_pack_h2(x0 - hf.x, x1 - hf.y) : 0u;
     }
   }
 }
@@ -131,22 +146,24 @@ unsigned int* my_ring = ring + warp * NSTAGE * SW;
 
 struct Plane {
   const void* p;  // element (b, h, 0, 0)
-  int64_t s2;     // stride between tokens (elements)
-  int64_t s3;     // stride between words / groups (elements)
   bool fast;      // 16-byte code rows / adjacent aligned pairs of halves
+  bool dense;     // scales: a tile's (TILE, groups) halves are 16-byte chunks, 16-byte aligned
 };
+// (strides are read from the kernel's parameters where used, not held in registers)
 auto code_plane = [&](const unsigned int* a, const int64_t* st, int words) {
   const unsigned int* p = a + (int64_t)b * st[0] + (int64_t)h * st[1];
-  const bool fast = words % 4 == 0 && st[3] == 1 && st[2] % 4 == 0 &&
+  const bool fast = words % 4 == 0 && st[3] == 1 && st[2] % 4 == 0 && st[2] < (1 << 28) &&
                     (reinterpret_cast<uintptr_t>(p) & 15) == 0;
-  return Plane{p, st[2], st[3], fast};
+  return Plane{p, fast, false};
 };
 auto scale_plane = [&](const __half* a, const int64_t* st, int groups) {
   const __half* p = a + (int64_t)b * st[0] + (int64_t)h * st[1];
   const bool aligned = (reinterpret_cast<uintptr_t>(p) & 3) == 0;
   const bool fast = aligned && (groups % 2 == 0 ? st[3] == 1 && st[2] % 2 == 0
                                                  : groups == 1 && st[2] == 1);
-  return Plane{p, st[2], st[3], fast};
+  const bool dense = (TILE * groups) % 8 == 0 && (groups == 1 || st[3] == 1) &&
+                     st[2] == groups && (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+  return Plane{p, fast, dense};
 };
 const Plane kcp = code_plane(kc, kc_strides.data(), KWT);
 const Plane vcp = code_plane(vc, vc_strides.data(), VWT);
@@ -156,10 +173,24 @@ const Plane vap = scale_plane(va, va_strides.data(), VG);
 const Plane vbp = scale_plane(vb, vb_strides.data(), VG);
 
 // rows [tb, tb + 16) of a plane of code words (rows past T repeat row T - 1)
-auto copy_codes = [&](unsigned int* dst, const Plane& pl, int words, int tb) {
+auto copy_codes = [&](unsigned int* dst, const Plane& pl, const int64_t* st, int words, int tb) {
   const unsigned int* src = static_cast<const unsigned int*>(pl.p);
+  const unsigned int row_bytes = static_cast<unsigned int>(4 * st[2]);
   const bool whole = tb + TILE <= T;  // no row to clamp (all but the sequence's last tile)
-  if (pl.fast) {
+  if (pl.fast && whole) {  // the tile's rows, 16 bytes per copy at byte offsets fixed per lane
+    const int chunks = TILE * words / 4;
+    const unsigned char* tile_src = reinterpret_cast<const unsigned char*>(src) +
+                                    static_cast<uint64_t>(static_cast<unsigned int>(tb)) * row_bytes;
+#pragma unroll
+    for (int i = 0; i < (chunks + 31) / 32; ++i) {
+      const int c = lane + 32 * i;
+      if (chunks % 32 == 0 || c < chunks) {
+        const unsigned int row = (4 * c) / words;
+        const unsigned int off = row * row_bytes + 4u * (4 * c - row * words);
+        vx_cp_async16(dst + 4 * c, tile_src + off);
+      }
+    }
+  } else if (pl.fast) {
     const int chunks = TILE * words / 4;  // 16-byte chunks
 #pragma unroll
     for (int i = 0; i < (chunks + 31) / 32; ++i) {
@@ -167,8 +198,8 @@ auto copy_codes = [&](unsigned int* dst, const Plane& pl, int words, int tb) {
       if (c < chunks) {
         const int row = (4 * c) / words;
         const int col = 4 * c - row * words;
-        const int64_t tok = whole ? tb + row : vx_imin(tb + row, T - 1);
-        vx_cp_async16(dst + 4 * c, src + tok * pl.s2 + col);
+        const int64_t tok = vx_imin(tb + row, T - 1);
+        vx_cp_async16(dst + 4 * c, src + tok * st[2] + col);
       }
     }
   } else {
@@ -179,14 +210,28 @@ auto copy_codes = [&](unsigned int* dst, const Plane& pl, int words, int tb) {
         const int row = w / words;
         const int col = w - row * words;
         const int64_t tok = vx_imin(tb + row, T - 1);
-        vx_cp_async4(dst + w, src + tok * pl.s2 + col * pl.s3, 4);
+        vx_cp_async4(dst + w, src + tok * st[2] + col * st[3], 4);
       }
     }
   }
 };
 // the fp16 scales of rows [tb, tb + 16) of a (T, groups) plane, two halves per word
-auto copy_scales = [&](unsigned int* dst, const Plane& pl, int groups, int nwords, int tb) {
+auto copy_scales = [&](unsigned int* dst, const Plane& pl, const int64_t* st, int groups, int nwords,
+                       int tb) {
   const __half* src = static_cast<const __half*>(pl.p);
+  if (pl.dense && tb + TILE <= T) {  // whole tile, dense rows: its halves in 16-byte chunks
+    const unsigned char* tile_src = reinterpret_cast<const unsigned char*>(src) +
+                                    static_cast<uint64_t>(static_cast<unsigned int>(tb)) * (2u * groups);
+    const int chunks = nwords / 4;
+#pragma unroll
+    for (int i = 0; i < (chunks + 31) / 32; ++i) {
+      const int c = lane + 32 * i;
+      if (chunks % 32 == 0 || c < chunks) {
+        vx_cp_async16(dst + 4 * c, tile_src + 16u * c);
+      }
+    }
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < (nwords + 31) / 32; ++i) {
     const int w = lane + 32 * i;
@@ -197,7 +242,7 @@ auto copy_scales = [&](unsigned int* dst, const Plane& pl, int groups, int nword
     const int tok = tb + e / groups;
     const int col = e - (e / groups) * groups;
     if (pl.fast && groups % 2 == 0) {  // both halves of one token
-      vx_cp_async4(dst + w, src + (int64_t)vx_imin(tok, T - 1) * pl.s2 + col, 4);
+      vx_cp_async4(dst + w, src + (int64_t)vx_imin(tok, T - 1) * st[2] + col, 4);
     } else if (pl.fast) {  // one group per token, tokens contiguous: tokens tok and tok + 1
       const int nb = tok + 1 < T ? 4 : (tok < T ? 2 : 0);
       vx_cp_async4(dst + w, src + (nb ? (int64_t)tok : 0), nb);
@@ -207,7 +252,7 @@ auto copy_scales = [&](unsigned int* dst, const Plane& pl, int groups, int nword
       for (int i = 0; i < 2; ++i) {
         const int ei = e + i;
         const int64_t tk = vx_imin(tb + ei / groups, T - 1);
-        hd[i] = src[tk * pl.s2 + (int64_t)(ei % groups) * pl.s3];
+        hd[i] = src[tk * st[2] + (int64_t)(ei % groups) * st[3]];
       }
     }
   }
@@ -215,20 +260,22 @@ auto copy_scales = [&](unsigned int* dst, const Plane& pl, int groups, int nword
 auto issue = [&](int tile, int stage) {
   unsigned int* st = my_ring + stage * SW;
   const int tb = t0 + tile * TILE;
-  copy_codes(st + O_KC, kcp, KWT, tb);
-  copy_codes(st + O_VC, vcp, VWT, tb);
-  copy_scales(st + O_KS, kap, KG, KSW, tb);
-  copy_scales(st + O_KZ, kbp, KG, KSW, tb);
-  copy_scales(st + O_VS, vap, VG, VSW, tb);
-  copy_scales(st + O_VZ, vbp, VG, VSW, tb);
+  copy_codes(st + O_KC, kcp, kc_strides.data(), KWT, tb);
+  copy_codes(st + O_VC, vcp, vc_strides.data(), VWT, tb);
+  copy_scales(st + O_KS, kap, ka_strides.data(), KG, KSW, tb);
+  copy_scales(st + O_KZ, kbp, kb_strides.data(), KG, KSW, tb);
+  copy_scales(st + O_VS, vap, va_strides.data(), VG, VSW, tb);
+  copy_scales(st + O_VZ, vbp, vb_strides.data(), VG, VSW, tb);
 };
 
-float oacc[NTV][4];
+// Output accumulators, transposed: oacc[j] is m-tile j of O^T, lane (g, t) holding channels 2j
+// (elements 0, 1) and 2j + 1 (elements 2, 3) of lane group g for query rows 2t and 2t + 1.
+float oacc[NTM][4];
 #pragma unroll
-for (int nv = 0; nv < NTV; ++nv) {
+for (int j = 0; j < NTM; ++j) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    oacc[nv][i] = 0.0f;
+    oacc[j][i] = 0.0f;
   }
 }
 // Running max of query row g (log2 units, the same in the 4 lanes of g), raised lazily: the
@@ -276,10 +323,11 @@ for (int k = 0; k < nmine; ++k) {
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
       const int tr = SUB * u + 8 * n + g;
-      unsigned int kw[KWL];
+      unsigned int kw[KWL], kw8[KWL];  // the lane's words, and each shifted down one byte
 #pragma unroll
       for (int w = 0; w < KWL; ++w) {
         kw[w] = st[O_KC + tr * KWT + t * KWL + w];
+        kw8[w] = kw[w] >> 8;
       }
       __half2 s2[KNG], z2[KNG];
 #pragma unroll
@@ -302,8 +350,9 @@ for (int k = 0; k < nmine; ++k) {
           const int p = 2 * kk + uu;
           const int wl = p / KPW;
           const int jj = p - wl * KPW;
+          const int pos = jj * KBITS;  // bit offset of the pair's codes in each half
           const int lg = KCL > KGROUP ? (wl * KCW) / KGROUP : 0;
-          bf[uu] = vx_dequant_pair(vx_code_pair(kw[wl], jj * KBITS, KBITS), s2[lg], z2[lg]);
+          bf[uu] = vx_dequant_at(pos < 8 ? kw[wl] : kw8[wl], pos & 7, KBITS, s2[lg], z2[lg]);
         }
         vx_mma16816(sc[n][kk & 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], bf[0], bf[1]);
       }
@@ -312,36 +361,42 @@ for (int k = 0; k < nmine; ++k) {
     for (int i = 0; i < 4; ++i) {
       const int n = i >> 1;
       const int c = i & 1;
-      s4[u][i] = (sc[n][0][c] + sc[n][0][c + 2]) + (sc[n][1][c] + sc[n][1][c + 2]);
+      s4[u][i] = QLO ? (sc[n][0][c] + sc[n][0][c + 2]) + (sc[n][1][c] + sc[n][1][c + 2])
+                     : (sc[n][0][c] + sc[n][1][c]) * sout;
       v4[u][i] = base + SUB * u + 8 * n + 2 * t + c < t1;
     }
   }
 
-  // online softmax of row g over the step's TILE tokens
-  float tmax = NEG;
+  // online softmax of row g over the step's TILE tokens: one vote decides whether any row's
+  // max must be raised; only then are the row maxima reduced and the accumulators rescaled
+  float lmax = NEG;
 #pragma unroll
   for (int u = 0; u < NSUB; ++u) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      tmax = v4[u][i] ? vx_max(tmax, s4[u][i]) : tmax;
+      lmax = v4[u][i] ? vx_max(lmax, s4[u][i]) : lmax;
     }
   }
-  tmax = vx_max(tmax, vx_shfl_xor(tmax, 1));
-  tmax = vx_max(tmax, vx_shfl_xor(tmax, 2));
-  if (vx_any(tmax > mrow + RESCALE)) {
+  if (vx_any(lmax > mrow + RESCALE)) {
+    float tmax = vx_max(lmax, vx_shfl_xor(lmax, 1));
+    tmax = vx_max(tmax, vx_shfl_xor(tmax, 2));
     const float mnew = vx_max(mrow, tmax);
-    const float alpha = vx_exp2(mrow - mnew);
+    const float alpha = vx_exp2(mrow - mnew);  // row g's factor
+    // the accumulators' columns are query rows 2t and 2t + 1: their factors from lanes 8t, 8t + 4
+    const float a0 = vx_shfl_idx(alpha, 8 * t);
+    const float a1 = vx_shfl_idx(alpha, 8 * t + 4);
 #pragma unroll
-    for (int nv = 0; nv < NTV; ++nv) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        oacc[nv][i] *= alpha;
-      }
+    for (int j = 0; j < NTM; ++j) {
+      oacc[j][0] *= a0;
+      oacc[j][1] *= a1;
+      oacc[j][2] *= a0;
+      oacc[j][3] *= a1;
     }
     lrow *= alpha;
     mrow = mnew;
   }
-  unsigned int pa[NSUB][4];
+  // P^T as B fragments: tokens (2t, 2t + 1) and (2t + 8, 2t + 9) of row g, hi and lo parts
+  unsigned int pb[NSUB][2][2];
 #pragma unroll
   for (int u = 0; u < NSUB; ++u) {
     float p4[4];
@@ -354,13 +409,12 @@ for (int k = 0; k < nmine; ++k) {
     for (int n = 0; n < 2; ++n) {
       const __half2 hi = __floats2half2_rn(p4[2 * n], p4[2 * n + 1]);
       const float2 hf = __half22float2(hi);
-      pa[u][2 * n] = vx_h2u(hi);
-      pa[u][2 * n + 1] = vx_pack_h2(p4[2 * n] - hf.x, p4[2 * n + 1] - hf.y);
+      pb[u][0][n] = vx_h2u(hi);
+      pb[u][1][n] = vx_pack_h2(p4[2 * n] - hf.x, p4[2 * n + 1] - hf.y);
     }
   }
 
-  // values: per n-tile one channel per lane, tokens (2t, 2t + 1) and (2t + 8, 2t + 9) of
-  // each sub-tile
+  // values: the lane's words of tokens 2t, 2t + 1, 2t + 8, 2t + 9 and their scales as pairs
   unsigned int vw[NSUB][4][VWL];
   __half2 vs2[NSUB][2][VNG], vz2[NSUB][2][VNG];
 #pragma unroll
@@ -384,38 +438,42 @@ for (int k = 0; k < nmine; ++k) {
     }
   }
 #pragma unroll
-  for (int nv = 0; nv < NTV; ++nv) {
-    const int wl = nv / VCW;
-    const int bit = (nv - wl * VCW) * VBITS;
-    const int bi = bit >> 3;
-    const int sel = bi | (bi << 4) | ((4 + bi) << 8) | ((4 + bi) << 12);
-    const int lg = VCL > VGROUP ? nv / VGROUP : 0;
+  for (int j = 0; j < NTM; ++j) {
 #pragma unroll
     for (int u = 0; u < NSUB; ++u) {
-      unsigned int bf[2];
+      unsigned int af[4];  // A fragment of V^T: (channel 2j | 2j + 1) x (token pair 0 | 1)
 #pragma unroll
-      for (int n = 0; n < 2; ++n) {
+      for (int e = 0; e < 4; ++e) {
+        const int ch = 2 * j + (e & 1);  // the lane's channel (row g or g + 8 of the m-tile)
+        const int n = e >> 1;            // token pair (2t, 2t + 1) or (2t + 8, 2t + 9)
+        const int wl = ch / VCW;
+        const int bit = (ch - wl * VCW) * VBITS;
+        const int bi = bit >> 3;
+        const int sel = bi | (bi << 4) | ((4 + bi) << 8) | ((4 + bi) << 12);
+        const int lg = VCL > VGROUP ? ch / VGROUP : 0;
         const unsigned int y = __byte_perm(vw[u][2 * n][wl], vw[u][2 * n + 1][wl], sel);
-        bf[n] = vx_dequant_pair(vx_code_pair(y, bit & 7, VBITS), vs2[u][n][lg], vz2[u][n][lg]);
+        af[e] = vx_dequant_at(y, bit & 7, VBITS, vs2[u][n][lg], vz2[u][n][lg]);
       }
-      vx_mma16816(oacc[nv], pa[u][0], pa[u][1], pa[u][2], pa[u][3], bf[0], bf[1]);
+      vx_mma16816(oacc[j], af[0], af[1], af[2], af[3], pb[u][0][0], pb[u][0][1]);
+      vx_mma16816(oacc[j], af[0], af[1], af[2], af[3], pb[u][1][0], pb[u][1][1]);
     }
   }
   __syncwarp();  // every lane is done with this stage before it is refilled
 }
 vx_cp_wait<0>();
 
-// ---- merge the warps: row g's (m, l) and its HD outputs, through shared memory -------------------
+// ---- merge the warps: row r's (m, l) and its HD outputs, through shared memory -------------------
 lrow += vx_shfl_xor(lrow, 1);
 lrow += vx_shfl_xor(lrow, 2);
 VX_BARRIER();  // every warp is done with its ring: it becomes the merge buffer
 float* red_o = reinterpret_cast<float*>(ring);
 #pragma unroll
-for (int nv = 0; nv < NTV; ++nv) {
-  // column 2t (+1) of n-tile nv is channel (2t (+1)) * VCL + nv; rows g (hi) and 8 + g (lo)
-  float* row = red_o + (warp * 8 + g) * HD;
-  row[(2 * t) * VCL + nv] = oacc[nv][0] + oacc[nv][2];
-  row[(2 * t + 1) * VCL + nv] = oacc[nv][1] + oacc[nv][3];
+for (int j = 0; j < NTM; ++j) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    // element i: channel g VCL + 2j + (i >> 1) of query row 2t + (i & 1)
+    red_o[(warp * 8 + 2 * t + (i & 1)) * HD + g * VCL + 2 * j + (i >> 1)] = oacc[j][i];
+  }
 }
 if (t == 0) {
   red_m[warp * 8 + g] = mrow;

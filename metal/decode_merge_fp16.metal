@@ -61,14 +61,14 @@ VX_SHARED float red[NWM * 32];
       const int64_t kb0 = (int64_t)b * ak_strides[0] + (int64_t)h * ak_strides[1] +
                           (int64_t)f * ak_strides[2];
       for (int c = lane; c < HD; c += 32) {
-        s += q[qb + (int64_t)c * q_strides[3]] *
+        s += static_cast<float>(q[qb + (int64_t)c * q_strides[3]]) *
              static_cast<float>(ak[kb0 + (int64_t)c * ak_strides[3]]);
       }
     } else if (HAS_B) {
       const int64_t kb0 = (int64_t)b * bk_strides[0] + (int64_t)h * bk_strides[1] +
                           (int64_t)(f - na) * bk_strides[2];
       for (int c = lane; c < HD; c += 32) {
-        s += q[qb + (int64_t)c * q_strides[3]] *
+        s += static_cast<float>(q[qb + (int64_t)c * q_strides[3]]) *
              static_cast<float>(bk[kb0 + (int64_t)c * bk_strides[3]]);
       }
     }

@@ -31,6 +31,13 @@ VX_FN unsigned int vx_dequant_pair(unsigned int h, __half2 s2, __half2 z2) {
 
 #if !defined(VX_CUDA_EMULATE)
 
+// (x & m) | c as one LOP3 (written in C, the compiler emits two, one per immediate constant)
+VX_FN unsigned int vx_and_or(unsigned int x, unsigned int m, unsigned int c) {
+  unsigned int r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(r) : "r"(x), "r"(m), "r"(c));
+  return r;
+}
+
 // D = A * B + D for one m16n8k16 tile: A row-major 16 x 16 fp16 (4 registers), B column-major
 // 16 x 8 fp16 (2 registers), D 16 x 8 float32 (4 registers), in the PTX fragment layouts.
 VX_FN void vx_mma16816(float (&d)[4], unsigned int a0, unsigned int a1, unsigned int a2,
@@ -59,6 +66,8 @@ VX_FN void vx_cp_wait() {
 }
 
 #else  // CPU emulation (metal/shim/cuda_emu): the same semantics, computed lane by lane
+
+VX_FN unsigned int vx_and_or(unsigned int x, unsigned int m, unsigned int c) { return (x & m) | c; }
 
 VX_FN float vx_emu_half(unsigned int reg, int hi) {
   const __half2 h = vx_u2h(reg);
@@ -116,5 +125,20 @@ template <int N>
 VX_FN void vx_cp_wait() {}
 
 #endif  // VX_CUDA_EMULATE
+
+// The codes at bits [o, o + bits) and [16 + o, 16 + o + bits) of x (o + bits <= 10), decoded to
+// scale * code + zero in both halves without a shift: the masked code is OR-ed into the
+// mantissa of 2^(10 - o), whose mantissa unit at bit o is 1, giving 2^(10 - o) + code
+// exactly; subtracting 2^(10 - o) leaves the code, and one fp16 FMA applies scale and zero.
+// Three instructions per pair (LOP3, HADD2, HFMA2), constants folded where o is known.
+VX_FN unsigned int vx_dequant_at(unsigned int x, int o, int bits, __half2 s2, __half2 z2) {
+  const unsigned int m = (((1u << bits) - 1u) << o) * 0x00010001u;
+  const unsigned int magic = ((25u - static_cast<unsigned int>(o)) << 10) * 0x00010001u;
+  const __half2 c = __hsub2(vx_u2h(vx_and_or(x, m, magic)), vx_u2h(magic));
+  return vx_h2u(__hfma2(c, s2, z2));
+}
+
+// The value of `v` in lane `src` of the warp (every lane takes part).
+VX_FN float vx_shfl_idx(float v, int src) { return __shfl_sync(0xffffffffu, v, src); }
 
 #endif  // VELOX_MMA_CUH

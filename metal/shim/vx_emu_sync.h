@@ -37,16 +37,15 @@ struct Barrier {
   }
 };
 
-// The value of lane `lane ^ mask` among the `bar.n` lanes that share `slot` and `bar`.
+// The value of lane `src` among the `bar.n` lanes that share `slot` and `bar`.
 template <typename T>
-inline T shuffle_xor(Barrier& bar, uint64_t* slot, int lane, T v, int mask) {
+inline T shuffle(Barrier& bar, uint64_t* slot, int lane, T v, int src) {
   static_assert(sizeof(T) <= 8, "shuffle: type too large");
   uint64_t bits = 0;
   std::memcpy(&bits, &v, sizeof(T));
   slot[lane] = bits;
   bar.wait();
-  const int src = lane ^ mask;
-  if (src >= bar.n) {
+  if (src < 0 || src >= bar.n) {
     std::fprintf(stderr, "vx_emu: a shuffle reads an inactive lane\n");
     std::abort();
   }
@@ -55,6 +54,12 @@ inline T shuffle_xor(Barrier& bar, uint64_t* slot, int lane, T v, int mask) {
   T r;
   std::memcpy(&r, &got, sizeof(T));
   return r;
+}
+
+// The value of lane `lane ^ mask`.
+template <typename T>
+inline T shuffle_xor(Barrier& bar, uint64_t* slot, int lane, T v, int mask) {
+  return shuffle(bar, slot, lane, v, lane ^ mask);
 }
 
 // Whether `p` holds in any of the `bar.n` lanes.

@@ -255,7 +255,7 @@ def _decode_variants():
             ("FMAX", dk.FP16_MAX),
             ("QMUL", dk.qmul_bits(0.088)),
         ]
-        ins = [part, part, ArgInfo(*F32), *a, *bb]
+        ins = [part, part, ArgInfo(odt, 4, 1 << 20), *a, *bb]  # the query in the model's dtype
         out.append((dk.MERGE_FP16, ins, [odt, "float32", "float32"], tmpl))
     for dtype, st in (("float16", mx.float16), ("bfloat16", mx.bfloat16), ("float32", mx.float16)):
         tmpl = [("BITS", 3), ("HD", 128), ("GROUP", 32), ("CLIPB", ek.clip_bits(0.9)), ("ST", st)]
@@ -303,22 +303,28 @@ def _mma_codes(bits: int, group: int, dtype=mx.float16) -> dk.Codes:
 
 
 def _mma_variants():
+    """The tensor-core kernel as the host builds it (register cap included), float32 and
+    float16 queries."""
     out = []
-    for kb, vb, m, kg, vg, nw, sub in (
-        (4, 4, 4, 64, 64, 4, 1),
-        (4, 4, 4, 64, 64, 2, 2),
-        (2, 2, 4, 64, 64, 4, 2),
-        (8, 8, 4, 64, 64, 2, 2),
-        (4, 4, 8, 32, 32, 4, 2),
-        (4, 2, 1, 128, 16, 4, 1),
+    for kb, vb, m, kg, vg, nw, sub, qd in (
+        (4, 4, 4, 64, 64, 4, 1, F32),
+        (4, 4, 4, 64, 64, 4, 1, H16),
+        (2, 2, 4, 64, 64, 4, 1, H16),
+        (8, 8, 4, 64, 64, 4, 1, H16),
+        (4, 4, 4, 64, 64, 2, 2, F32),
+        (2, 2, 4, 64, 64, 4, 2, H16),
+        (8, 8, 4, 64, 64, 2, 2, F32),
+        (4, 4, 8, 32, 32, 4, 2, F32),
+        (4, 2, 1, 128, 16, 4, 1, F32),
     ):
         k, v = _mma_codes(kb, kg), _mma_codes(vb, vg)
         assert dk.mma_supported(m, 128, k, v)
         stages = dk.mma_stages(128, k, v, nw, sub)
         assert stages >= 2
-        tmpl = dk.mma_template(128, k, v, m, nw, stages, sub)
-        infos = [ArgInfo(*F32), *[ArgInfo(*a) for a in (U32, H16, H16)] * 2]
-        out.append((dk.DECODE_MMA, infos, ["float32"] * 2, tmpl))
+        tmpl = dk.mma_template(128, k, v, m, nw, stages, sub, None, getattr(mx, qd[0]))
+        infos = [ArgInfo(*qd), *[ArgInfo(*a) for a in (U32, H16, H16)] * 2]
+        spec = dk.mma_spec(nw, dk.mma_sm_blocks(nw, sub))
+        out.append((spec, infos, ["float32"] * 2, tmpl))
     return out
 
 
@@ -610,7 +616,10 @@ MMA_CASES = {
     "g128-keys-g16-values-odd-planes": (1, 3, 49, 1, 4, 4, 128, 16, 4, 1, 2, 3),
     "one-token": (1, 2, 1, 4, 4, 4, 64, 64, 4, 1, 1, 0),
     "small-groups-k16-v8": (1, 2, 90, 4, 4, 4, 16, 8, 2, 2, 2, 0),
+    "4bit-fp16-query": (1, 2, 130, 4, 4, 4, 64, 64, 4, 1, 2, 0),
+    "2bit-fp16-query-gqa8-strided": (2, 1, 70, 8, 2, 2, 64, 64, 2, 2, 2, 5),
 }
+FP16_QUERY = {"4bit-fp16-query", "2bit-fp16-query-gqa8-strided"}  # QLO = 0: no lo rows
 
 
 def _padded(x, pad: int):
@@ -640,6 +649,8 @@ def mma_emulated(tmp_path_factory):
         k = mx.random.normal((b, h, t, 128), key=k1).astype(mx.float16)
         v = mx.random.normal((b, h, t, 128), key=k2).astype(mx.float16)
         q = mx.random.normal((b, h, m, 128), key=k3) * 0.3
+        if name in FP16_QUERY:
+            q = q.astype(mx.float16)
         kc, vc = Uniform(kb, group=kg), Uniform(vb, group=vg)
         kp, vp = kc.encode(k), vc.encode(v)
         keys = dk.Codes(dk.AFFINE, kb, kg, kp.data["codes"], kp.data["scale"], kp.data["zero"])
@@ -649,14 +660,16 @@ def mma_emulated(tmp_path_factory):
         ins = [np_input(q)] + [
             _padded(x, pad) for x in (keys.codes, keys.a, keys.b, vals.codes, vals.a, vals.b)
         ]
-        tmpl = dk.mma_template(128, keys, vals, m, nw, stages, sub)
-        handle = emu.kernel(dk.DECODE_MMA, ins, ["float32"] * 2, tmpl)
+        tmpl = dk.mma_template(128, keys, vals, m, nw, stages, sub, None, q.dtype)
+        assert dict(tmpl)["QLO"] == (0 if name in FP16_QUERY else 1)
+        spec = dk.mma_spec(nw, dk.mma_sm_blocks(nw, sub))
+        handle = emu.kernel(spec, ins, ["float32"] * 2, tmpl)
         launch = ((s * nw * 32, b * h, 1), (nw * 32, 1, 1))
         shapes = [(b, h, s, m, 128), (b, h, s, m, 2)]
         # the reference: keys and values decoded, rounded to fp16 (the kernel's precision)
         kd = kc.decode(kp).astype(mx.float16).astype(mx.float32)
         vd = vc.decode(vp).astype(mx.float16).astype(mx.float32)
-        scores = q @ mx.swapaxes(kd, -1, -2)
+        scores = q.astype(mx.float32) @ mx.swapaxes(kd, -1, -2)
         cases[name] = (handle, ins, shapes, launch, scores, vd)
     merge = emu.kernel(dk.MERGE, [np.zeros((1, 1, 2, 4, 128), np.float32)] * 2, ["float32"] * 3)
     return emu, merge, cases
@@ -702,7 +715,8 @@ def test_cache_on_an_emulated_cuda_gpu_takes_the_tensor_core_kernel(
     monkeypatch.setattr(KernelSpec, "kernel", lambda self: fake.kernel_for(self))
     got = cache.attend(q, 0.088)
     names = [name for name, _ in fake.calls]
-    assert names == ["velox_decode_attention_mma", "velox_decode_merge_fp16"]
+    mma = dk.mma_spec(dk.mma_warps(), dk.mma_sm_blocks(dk.mma_warps(), dk.mma_subtiles()))
+    assert names == [mma.name, "velox_decode_merge_fp16"]
     err = np.abs(np.asarray((got - ref).astype(mx.float32))).max()
     assert err < 2e-3 * np.abs(np.asarray(ref.astype(mx.float32))).max()
 

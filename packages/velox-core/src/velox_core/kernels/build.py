@@ -72,6 +72,12 @@ class KernelSpec:
         package: the package whose wheel ships the source.
         cuda_headers: extra header files (in ``metal/``) placed after the layer for CUDA only
             (a CUDA-only body: ``velox_mma.cuh`` for tensor-core fragments).
+        cuda_launch_bounds: ``(threads, blocks)``: the CUDA kernel is declared with
+            ``__launch_bounds__(threads, blocks)``, which caps its registers so that ``blocks``
+            threadgroups of ``threads`` fit on one SM. MLX writes the kernel's declaration
+            itself, so the header re-defines ``__global__`` to carry the bounds (NVRTC and
+            nvcc define it as a macro; the CPU emulation ignores it). Specs with different
+            bounds need different names: MLX caches compiled kernels by name.
     """
 
     name: str
@@ -81,6 +87,7 @@ class KernelSpec:
     row_contiguous: bool = True
     package: str = "velox_core"
     cuda_headers: tuple[str, ...] = ()
+    cuda_launch_bounds: tuple[int, int] | None = None
 
     def header(self, backend: str) -> str:
         if backend not in PROLOGUE:
@@ -89,6 +96,13 @@ class KernelSpec:
         if backend == "cuda":
             for name in self.cuda_headers:
                 text += "\n" + kernel_source(name)
+            if self.cuda_launch_bounds is not None:
+                threads, blocks = self.cuda_launch_bounds
+                text += (
+                    "\n#if defined(__global__) && !defined(VX_CUDA_EMULATE)\n#undef __global__\n"
+                    f"#define __global__ __location__(global) __launch_bounds__({threads}, {blocks})\n"
+                    "#endif\n"
+                )
         return text
 
     def body(self, backend: str) -> str:

@@ -25,6 +25,8 @@ Shapes:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import os
 import struct
@@ -53,6 +55,8 @@ __all__ = [
     "merge_splits_fp16",
     "mma_enabled",
     "mma_splits",
+    "mma_sm_blocks",
+    "mma_spec",
     "mma_stages",
     "mma_subtiles",
     "mma_supported",
@@ -349,6 +353,37 @@ def mma_warps() -> int:
     return n
 
 
+MMA_SM_BLOCKS = 3  # threadgroups per SM the register cap aims for (VELOX_DECODE_MMA_SM_BLOCKS)
+
+
+def mma_sm_blocks(nwarps: int, subtiles: int = 1) -> int:
+    """Threadgroups of ``nwarps`` warps per SM that the tensor-core kernel's register cap
+    (``__launch_bounds__``) allows: ``VELOX_DECODE_MMA_SM_BLOCKS``, else
+    :data:`MMA_SM_BLOCKS` x 4 warps' worth of threadgroups (12 warps per SM, 168 registers),
+    and no cap for 32-token steps (they need more registers); 0 leaves the registers to the
+    compiler."""
+    want = os.environ.get("VELOX_DECODE_MMA_SM_BLOCKS")
+    if want is None:
+        return 0 if subtiles > 1 else MMA_SM_BLOCKS * 4 // nwarps
+    n = int(want)
+    if not 0 <= n <= 32:
+        raise ValueError(f"VELOX_DECODE_MMA_SM_BLOCKS must be 0 to 32, got {n}")
+    return n
+
+
+@functools.cache
+def mma_spec(nwarps: int, sm_blocks: int) -> KernelSpec:
+    """The tensor-core kernel declared for ``nwarps`` warps and ``sm_blocks`` threadgroups per
+    SM (0: no bounds); one MLX kernel name per bound, since MLX caches kernels by name."""
+    if sm_blocks == 0:
+        return DECODE_MMA
+    return dataclasses.replace(
+        DECODE_MMA,
+        name=f"{DECODE_MMA.name}_lb{nwarps}x{sm_blocks}",
+        cuda_launch_bounds=(32 * nwarps, sm_blocks),
+    )
+
+
 def mma_subtiles() -> int:
     """16-token MMA tiles per loop step of the tensor-core kernel: ``VELOX_DECODE_SUBTILES``
     or :data:`MMA_SUBTILES`."""
@@ -396,8 +431,10 @@ def mma_template(
     stages: int,
     subtiles: int = 1,
     scale: float | None = None,
+    query_dtype: mx.Dtype = mx.float32,
 ) -> list[tuple[str, int]]:
-    """The tensor-core body's compile-time constants (``decode_attention_mma.cu``)."""
+    """The tensor-core body's compile-time constants (``decode_attention_mma.cu``). An fp16
+    query goes into the MMA as it is (``QLO`` 0); any other dtype as fp16 hi and lo parts."""
     return [
         ("HD", dim),
         ("KBITS", keys.bits),
@@ -409,6 +446,7 @@ def mma_template(
         ("NSTAGE", stages),
         ("NSUB", subtiles),
         ("QMUL", qmul_bits(scale)),
+        ("QLO", 0 if query_dtype == mx.float16 else 1),
     ]
 
 
@@ -437,9 +475,9 @@ def _decode_mma(
     if stages == 0:
         return None
     nt = nwarps * 32
-    o_part, ml_part = DECODE_MMA.kernel()(
+    o_part, ml_part = mma_spec(nwarps, mma_sm_blocks(nwarps, sub)).kernel()(
         inputs=[q, keys.codes, keys.a, keys.b, values.codes, values.a, values.b],
-        template=mma_template(dim, keys, values, m, nwarps, stages, sub, scale),
+        template=mma_template(dim, keys, values, m, nwarps, stages, sub, scale, q.dtype),
         grid=(s * nt, b * h, 1),
         threadgroup=(nt, 1, 1),
         output_shapes=[(b, h, s, m, dim), (b, h, s, m, 2)],

@@ -152,6 +152,12 @@ inline T __shfl_xor_sync(unsigned int, T v, int lane_mask) {
   return vx_emu_sync::shuffle_xor(w.bar, w.slot, vx_cuemu::g_lane, v, lane_mask);
 }
 
+template <typename T>
+inline T __shfl_sync(unsigned int, T v, int src) {
+  vx_cuemu::Warp& w = vx_cuemu::warp();
+  return vx_emu_sync::shuffle(w.bar, w.slot, vx_cuemu::g_lane, v, src);
+}
+
 inline int __any_sync(unsigned int, int p) {
   vx_cuemu::Warp& w = vx_cuemu::warp();
   return vx_emu_sync::any(w.bar, w.slot, vx_cuemu::g_lane, p != 0) ? 1 : 0;
