@@ -364,16 +364,26 @@ def test_mma_launch_settings():
 
 
 @needs_nvcc
-def test_tensor_core_instantiations_compile_without_spills(tmp_path):
-    """The CUDA-only tensor-core decode kernel compiles for sm_90a without spills and fits
-    the static shared memory its host code assumes (48 KiB)."""
-    log = _nvcc_without_spills([cuda_source(*v)[0] for v in _mma_variants()], tmp_path)
+def test_tensor_core_instantiations_compile_within_their_register_cap(tmp_path):
+    """The CUDA-only tensor-core decode kernel compiles for sm_90a under the register cap its
+    host code declares (``__launch_bounds__``: 168 registers for 12 warps per SM), spilling at
+    most a few words (32 bytes: the cap trades them for a third threadgroup per SM, measured
+    faster on an H200), and fits the static shared memory its host code assumes (48 KiB)."""
+    log = _nvcc_without_spills(
+        [cuda_source(*v)[0] for v in _mma_variants()], tmp_path, spill_bytes=32
+    )
     smem = [int(x) for x in re.findall(r"(\d+) bytes smem", log)]
     assert smem and max(smem) <= 48 * 1024, smem
+    regs = [int(x) for x in re.findall(r"Used (\d+) registers", log)]
+    capped = [v[0].cuda_launch_bounds for v in _mma_variants()]
+    for r, lb in zip(regs, capped):
+        if lb is not None:
+            assert r <= 65536 // (lb[0] * lb[1]), (r, lb)
 
 
-def _nvcc_without_spills(units: list[str], tmp_path) -> str:
-    """Compile CUDA units with nvcc for sm_90a; assert success and no spills; ptxas' log."""
+def _nvcc_without_spills(units: list[str], tmp_path, spill_bytes: int = 0) -> str:
+    """Compile CUDA units with nvcc for sm_90a; assert success and spill stores of at most
+    ``spill_bytes`` per kernel; ptxas' log."""
     cu = tmp_path / "kernels.cu"
     cu.write_text("\n".join(units))
     inc = os.environ.get("VELOX_MLX_CUDA_INCLUDE") or str(shim_dir() / "cuda")
@@ -382,8 +392,9 @@ def _nvcc_without_spills(units: list[str], tmp_path) -> str:
         [*cmd, "-o", str(tmp_path / "k.o")], capture_output=True, text=True, check=False
     )
     assert res.returncode == 0, res.stderr[-6000:]
-    found = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", res.stderr)
-    assert len(found) == len(units) and all(f == ("0", "0") for f in found), res.stderr[-3000:]
+    found = re.findall(r"(\d+) bytes spill stores", res.stderr)
+    assert len(found) == len(units), res.stderr[-3000:]
+    assert all(int(f) <= spill_bytes for f in found), res.stderr[-3000:]
     return res.stderr
 
 
