@@ -97,10 +97,10 @@ class KernelSpec:
             for name in self.cuda_headers:
                 text += "\n" + kernel_source(name)
             if self.cuda_launch_bounds is not None:
-                threads, blocks = self.cuda_launch_bounds
+                bounds = "__launch_bounds__({}, {})".format(*self.cuda_launch_bounds)
                 text += (
                     "\n#if defined(__global__) && !defined(VX_CUDA_EMULATE)\n#undef __global__\n"
-                    f"#define __global__ __location__(global) __launch_bounds__({threads}, {blocks})\n"
+                    f"#define __global__ __location__(global) {bounds}\n"
                     "#endif\n"
                 )
         return text
