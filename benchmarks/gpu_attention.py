@@ -640,17 +640,15 @@ def section_tuning(quick: bool) -> None:
     print("\n== b2. decode kernel launch settings (longest context) ==")
     t = 2048 if quick else 131072
     # the tensor-core kernel's settings: (warps, 16-token tiles per step, blocks, ring stages,
-    # threadgroups per SM of the register cap; 0 / None: its default)
+    # threadgroups per SM of the register cap, fp16 weights' residual; 0 / None: its default).
+    # Earlier sweeps (blocks 256-8192, caps 0/3/4, stages 2): docs/data/*mma2*.json
     variants = [
-        (4, 1, 512, 0, None),
-        (4, 1, 2048, 0, None),
-        (4, 1, 4096, 0, None),
-        (4, 1, 8192, 0, None),
-        (4, 1, 4096, 0, 4),
-        (4, 1, 4096, 2, None),
-        (2, 1, 4096, 0, None),
-        (2, 2, 2048, 0, None),
-        (2, 2, 4096, 0, None),
+        (4, 1, 512, 0, None, 1),
+        (4, 1, 512, 0, None, 0),
+        (4, 2, 512, 0, 3, 1),
+        (4, 2, 512, 0, None, 1),
+        (2, 2, 512, 0, None, 1),
+        (2, 1, 512, 0, None, 1),
     ]
     batches = (1,) if quick else (OPTIONS.get("batches") or (1, 8))
     if quick:
@@ -661,7 +659,7 @@ def section_tuning(quick: bool) -> None:
                 return
             methods = make_methods(b, t, seed=99, bits_mlx=(), bits_uniform=(bits,), bits_tq=())
             name, _, call, nb = methods[1]
-            for warps, sub, blocks, stages, smb in variants:
+            for warps, sub, blocks, stages, smb, pres in variants:
                 extra = {"VELOX_DECODE_STAGES": stages} if stages else {}
                 if smb is not None:
                     extra["VELOX_DECODE_MMA_SM_BLOCKS"] = smb
@@ -671,6 +669,7 @@ def section_tuning(quick: bool) -> None:
                     "blocks": blocks,
                     "stages": stages or "default",
                     "sm_blocks": "default" if smb is None else smb,
+                    "p_residual": pres,
                 }
                 label = " ".join(f"{k}={v}" for k, v in setting.items())
                 row = {"method": name, "batch": b, "context": t, **setting}
@@ -678,6 +677,7 @@ def section_tuning(quick: bool) -> None:
                     VELOX_DECODE_MMA_WARPS=warps,
                     VELOX_DECODE_SUBTILES=sub,
                     VELOX_DECODE_BLOCKS=blocks,
+                    VELOX_DECODE_P_RESIDUAL=pres,
                     **extra,
                 ):
                     try:

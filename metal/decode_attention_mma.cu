@@ -49,6 +49,8 @@
 // QMUL (the float32 bits of the factor applied to q: log2(e), times the attention scale when
 // q comes unscaled, in any float dtype), QLO (1: split the query into fp16 hi and lo rows, for
 // queries not exact in fp16; 0: an fp16 query as it is, its factor applied to the scores),
+// PLO (1: the weights P as fp16 plus their rounding residual, two value MMAs; 0: P rounded
+// to fp16, one MMA, as flash attention does: about 2^-11 relative per weight),
 // NSUB (16-token MMA tiles per loop step: more independent work between the softmax steps).
 // The host (velox_core.kernels.decode.mma_supported) checks the layout: HD / 4 channels of
 // keys and HD / 8 of values fill whole words, and a lane's channels meet whole groups.
@@ -410,7 +412,7 @@ for (int k = 0; k < nmine; ++k) {
       const __half2 hi = __floats2half2_rn(p4[2 * n], p4[2 * n + 1]);
       const float2 hf = __half22float2(hi);
       pb[u][0][n] = vx_h2u(hi);
-      pb[u][1][n] = vx_pack_h2(p4[2 * n] - hf.x, p4[2 * n + 1] - hf.y);
+      pb[u][1][n] = PLO ? vx_pack_h2(p4[2 * n] - hf.x, p4[2 * n + 1] - hf.y) : 0u;
     }
   }
 
@@ -455,7 +457,9 @@ for (int k = 0; k < nmine; ++k) {
         af[e] = vx_dequant_at(y, bit & 7, VBITS, vs2[u][n][lg], vz2[u][n][lg]);
       }
       vx_mma16816(oacc[j], af[0], af[1], af[2], af[3], pb[u][0][0], pb[u][0][1]);
-      vx_mma16816(oacc[j], af[0], af[1], af[2], af[3], pb[u][1][0], pb[u][1][1]);
+      if (PLO) {
+        vx_mma16816(oacc[j], af[0], af[1], af[2], af[3], pb[u][1][0], pb[u][1][1]);
+      }
     }
   }
   __syncwarp();  // every lane is done with this stage before it is refilled

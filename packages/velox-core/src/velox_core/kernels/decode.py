@@ -54,6 +54,7 @@ __all__ = [
     "merge_splits",
     "merge_splits_fp16",
     "mma_enabled",
+    "mma_p_residual",
     "mma_sm_blocks",
     "mma_spec",
     "mma_splits",
@@ -384,6 +385,15 @@ def mma_spec(nwarps: int, sm_blocks: int) -> KernelSpec:
     )
 
 
+def mma_p_residual() -> bool:
+    """Whether the tensor-core kernel carries the softmax weights' fp16 rounding residual (a
+    second value MMA): ``VELOX_DECODE_P_RESIDUAL`` (default 1)."""
+    v = os.environ.get("VELOX_DECODE_P_RESIDUAL", "1").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"VELOX_DECODE_P_RESIDUAL must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
 def mma_subtiles() -> int:
     """16-token MMA tiles per loop step of the tensor-core kernel: ``VELOX_DECODE_SUBTILES``
     or :data:`MMA_SUBTILES`."""
@@ -432,9 +442,12 @@ def mma_template(
     subtiles: int = 1,
     scale: float | None = None,
     query_dtype: mx.Dtype = mx.float32,
+    p_residual: bool = True,
 ) -> list[tuple[str, int]]:
     """The tensor-core body's compile-time constants (``decode_attention_mma.cu``). An fp16
-    query goes into the MMA as it is (``QLO`` 0); any other dtype as fp16 hi and lo parts."""
+    query goes into the MMA as it is (``QLO`` 0); any other dtype as fp16 hi and lo parts.
+    ``p_residual``: the softmax weights as fp16 plus their rounding residual (``PLO`` 1), or
+    rounded to fp16 (one value MMA instead of two)."""
     return [
         ("HD", dim),
         ("KBITS", keys.bits),
@@ -447,6 +460,7 @@ def mma_template(
         ("NSUB", subtiles),
         ("QMUL", qmul_bits(scale)),
         ("QLO", 0 if query_dtype == mx.float16 else 1),
+        ("PLO", int(p_residual)),
     ]
 
 
@@ -477,7 +491,9 @@ def _decode_mma(
     nt = nwarps * 32
     o_part, ml_part = mma_spec(nwarps, mma_sm_blocks(nwarps, sub)).kernel()(
         inputs=[q, keys.codes, keys.a, keys.b, values.codes, values.a, values.b],
-        template=mma_template(dim, keys, values, m, nwarps, stages, sub, scale, q.dtype),
+        template=mma_template(
+            dim, keys, values, m, nwarps, stages, sub, scale, q.dtype, mma_p_residual()
+        ),
         grid=(s * nt, b * h, 1),
         threadgroup=(nt, 1, 1),
         output_shapes=[(b, h, s, m, dim), (b, h, s, m, 2)],
