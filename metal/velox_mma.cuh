@@ -15,20 +15,6 @@ VX_FN __half2 vx_u2h(unsigned int u) { return *reinterpret_cast<__half2*>(&u); }
 // Two floats as one f16x2 register (lo in the low half), rounded to nearest.
 VX_FN unsigned int vx_pack_h2(float lo, float hi) { return vx_h2u(__floats2half2_rn(lo, hi)); }
 
-// f16x2 register of the codes at bits [sh, sh + bits) and [sh + 16, sh + 16 + bits) of x,
-// each as the half 1024 + code (the code in the low mantissa bits of 1024.0 = 0x6400).
-VX_FN unsigned int vx_code_pair(unsigned int x, int sh, int bits) {
-  const unsigned int m = ((1u << bits) - 1u) * 0x00010001u;
-  return ((x >> sh) & m) | 0x64006400u;
-}
-
-// scale * code + zero for both halves of a vx_code_pair register: (h - 1024) exactly, then one
-// fused multiply-add rounded to fp16 (the precision of a decoded fp16 cache).
-VX_FN unsigned int vx_dequant_pair(unsigned int h, __half2 s2, __half2 z2) {
-  const __half2 c = __hsub2(vx_u2h(h), vx_u2h(0x64006400u));
-  return vx_h2u(__hfma2(c, s2, z2));
-}
-
 #if !defined(VX_CUDA_EMULATE)
 
 // (x & m) | c as one LOP3 (written in C, the compiler emits two, one per immediate constant)
