@@ -467,9 +467,6 @@ def make_methods(b: int, t: int, seed: int, bits_mlx, bits_uniform, bits_tq, por
 
         methods.append((f"mlx-lm q{bits}", bits, call, nbytes(*qk, *qv) + qbytes))
 
-    def grouped():
-        return (q.astype(mx.float32) * scale).reshape(b, hk, hq // hk, d)
-
     for bits in bits_uniform:
         codec = Uniform(bits)
         kp, vp = codec.encode(k), codec.encode(v)
@@ -522,11 +519,13 @@ def make_methods(b: int, t: int, seed: int, bits_mlx, bits_uniform, bits_tq, por
         mx.eval(kp.data, vp.data)
 
         def call(kc=kc, vc=vc, kp=kp, vp=vp):
-            out = kc.attend_partial(grouped(), kp, vc, vp)
+            # the query rotation, the decode kernel and the merge that rotates back and
+            # normalizes (what a TurboQuantCache's attend() runs)
+            qg = q.reshape(b, hk, hq // hk, d)
+            out = kc.attend_joint(qg, kp, vc, vp, [], mx.float16, scale)
             if out is None:
                 raise RuntimeError("kernel declined")
-            o, _, l = out
-            return (o / l).reshape(b, hq, 1, d).astype(mx.float16)
+            return out.reshape(b, hq, 1, d)
 
         methods.append((f"velox turboquant{bits}", bits, call, kp.nbytes + vp.nbytes + qbytes))
     return methods

@@ -18,8 +18,14 @@
 // through their strides), used when HAS_A / HAS_B (else 8-element dummies).
 // Outputs: o (B, H, MP, HD) in the output dtype, the normalized attention; m (B, H, MP, 1) the
 // max in natural-log units and l (B, H, MP, 1) the sum relative to it (float32).
+// rot (RD, RD) float32, used when RD > 1 (else an 8-element dummy): the decode kernel's
+// partials are in a rotated domain (TurboQuant: values mixed as rotated levels); their
+// weighted sum over the splits, for every channel, is rotated back here (out = sum_j o_j
+// rot[j, :]) before the fp16 tokens' values, which are in the model's domain, are added;
+// q is then the unrotated query (the fp16 keys are unrotated).
 // Template: HAS_A, HAS_B (0 or 1); FMAX, the most fp16 tokens (their scores are kept in
-// threadgroup memory; the host checks Ta + Tb <= FMAX); QMUL (above).
+// threadgroup memory; the host checks Ta + Tb <= FMAX); QMUL (above); RD (1, or the head dim
+// of rot).
 
 constexpr int NTM = 256;
 constexpr int NWM = NTM / 32;
@@ -50,6 +56,7 @@ const int nf = na + nb;
 VX_SHARED float wsh[CHUNK];
 VX_SHARED float fsc[FMAX];
 VX_SHARED float red[NWM * 32];
+VX_SHARED float orot[RD];  // RD > 1: every channel's weighted sum of the rotated partials
 
 // the fp16 tokens' scores against this row's query (log2 units)
 {
@@ -131,6 +138,11 @@ if (d < HD) {
 }
 
 // the splits, one chunk of them at a time
+if (RD > 1) {
+  for (int j = tid; j < RD; j += NTM) {
+    orot[j] = 0.0f;
+  }
+}
 for (int c0 = 0; c0 < S; c0 += CHUNK) {
   const int cn = vx_imin(CHUNK, S - c0);
   VX_BARRIER();  // the previous chunk's weights (and the max above) have been read
@@ -141,7 +153,15 @@ for (int c0 = 0; c0 < S; c0 += CHUNK) {
     lsum += ml_part[r * 2 + 1] * w;
   }
   VX_BARRIER();
-  if (d < HD) {
+  if (RD > 1) {  // rotated partials: every channel (one thread each), rotated back below
+    for (int j = tid; j < RD; j += NTM) {
+      float sj = orot[j];
+      for (int i = 0; i < cn; ++i) {
+        sj += o_part[(base + (int64_t)(c0 + i) * MP) * HD + j] * wsh[i];
+      }
+      orot[j] = sj;
+    }
+  } else if (d < HD) {
     for (int i = warp; i < cn; i += NWM) {
       acc += o_part[(base + (int64_t)(c0 + i) * MP) * HD + d] * wsh[i];
     }
@@ -171,6 +191,11 @@ if (warp == 0) {
 #pragma unroll
   for (int w = 0; w < NWM; ++w) {
     o_sum += red[w * 32 + lane];
+  }
+  if (RD > 1 && d < HD) {  // the splits' sum rotated back: sum_j orot[j] rot[j, d]
+    for (int j = 0; j < RD; ++j) {
+      o_sum += orot[j] * rot[(int64_t)j * RD + d];
+    }
   }
   if (d < HD) {
     o[(int64_t)row * HD + d] = o_sum / l_tot;

@@ -246,7 +246,12 @@ def _decode_variants():
         out.append((dk.DECODE, infos, ["float32"] * 2, dk.template(p, 128, side, side)))
     out.append((dk.MERGE, [ArgInfo("float32", 5, 1 << 20)] * 2, ["float32"] * 3, []))
     part, seg, dummy = ArgInfo("float32", 5, 1 << 20), ArgInfo(*H16), ArgInfo("float16", 1, 8)
-    for has_a, has_b, odt in ((1, 1, "float16"), (1, 0, "bfloat16"), (0, 0, "float32")):
+    for has_a, has_b, odt, rd in (
+        (1, 1, "float16", 1),
+        (1, 0, "bfloat16", 1),
+        (0, 0, "float32", 1),
+        (1, 1, "float16", 128),  # rotated partials (TurboQuant)
+    ):
         a = [seg, seg] if has_a else [dummy, dummy]
         bb = [seg, seg] if has_b else [dummy, dummy]
         tmpl = [
@@ -254,8 +259,10 @@ def _decode_variants():
             ("HAS_B", has_b),
             ("FMAX", dk.FP16_MAX),
             ("QMUL", dk.qmul_bits(0.088)),
+            ("RD", rd),
         ]
-        ins = [part, part, ArgInfo(odt, 4, 1 << 20), *a, *bb]  # the query in the model's dtype
+        rot = ArgInfo("float32", 2, 1 << 20) if rd > 1 else ArgInfo("float32", 1, 8)
+        ins = [part, part, ArgInfo(odt, 4, 1 << 20), *a, *bb, rot]  # query in the model dtype
         out.append((dk.MERGE_FP16, ins, [odt, "float32", "float32"], tmpl))
     for dtype, st in (("float16", mx.float16), ("bfloat16", mx.bfloat16), ("float32", mx.float16)):
         tmpl = [("BITS", 3), ("HD", 128), ("GROUP", 32), ("CLIPB", ek.clip_bits(0.9)), ("ST", st)]

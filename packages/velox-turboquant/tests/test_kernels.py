@@ -92,23 +92,27 @@ def test_emulated_kernel_attention_matches_the_reference(emulated_gpu, bits):
 
 
 @needs_gxx
-def test_emulated_cache_encodes_bit_exact_and_attends(emulated_gpu, monkeypatch):
+@pytest.mark.parametrize("sinks", [0, 4])
+def test_emulated_cache_encodes_bit_exact_and_attends(emulated_gpu, monkeypatch, sinks):
     """TurboQuantCache with the kernels (emulated): the fused encode gives the reference codes
-    and norms, and a decode step matches the reference cache."""
+    and norms, and a decode step (the decode kernel on the rotated query, then the merge that
+    rotates the coded part back and joins the fp16 sinks and window in one softmax) matches
+    the reference cache."""
     k, v = kv_data(t=120)
     q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(3)).astype(mx.float16)
-    cache = TurboQuantCache(bits=3, window=8)
+    cache = TurboQuantCache(bits=3, window=8, sinks=sinks)
     cache.update_and_fetch(k, v)
     got = cache.attend(q, 0.088)
     names = [name for name, _ in emulated_gpu.calls]
-    assert names.count("velox_encode_codebook") == 2 and names[-1] == "velox_decode_merge"
-    body = cache.segments()[0]
+    assert names.count("velox_encode_codebook") == 2
+    assert names[-2:] == ["velox_decode_attention", "velox_decode_merge_fp16"]
+    body = cache.segments()[1 if sinks else 0]
 
     monkeypatch.setattr(vk, "backend", lambda: "cpu")  # the reference path
-    ref_cache = TurboQuantCache(bits=3, window=8)
+    ref_cache = TurboQuantCache(bits=3, window=8, sinks=sinks)
     ref_cache.update_and_fetch(k, v)
     ref = ref_cache.attend(q, 0.088)
-    ref_body = ref_cache.segments()[0]
+    ref_body = ref_cache.segments()[1 if sinks else 0]
     for name in ("codes", "norm"):
         assert mx.array_equal(body.keys.data[name], ref_body.keys.data[name]).item()
         assert mx.array_equal(body.values.data[name], ref_body.values.data[name]).item()
@@ -125,3 +129,22 @@ def test_prod_keys_keep_the_reference_encode(emulated_gpu):
     rec = kc.encode(k)
     assert "signs" in rec.data and not emulated_gpu.calls
     assert isinstance(rec, Packed)
+
+
+@needs_gxx
+def test_cache_on_an_emulated_cuda_gpu_rotates_back_in_the_merge(monkeypatch, tmp_path):
+    """The CUDA instantiations (portable decode kernel with codebook codes, the fused merge
+    with its rotation), emulated: a float16 TurboQuantCache with sinks and window attends in
+    two kernel launches and matches the reference path."""
+    k, v = kv_data(t=150, dtype=mx.float16)
+    q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(5)).astype(mx.float16)
+    cache = TurboQuantCache(bits=4, window=16, sinks=4)
+    cache.update_and_fetch(k, v)  # encoded on the CPU path
+    ref = cache.attend(q, 0.088)
+    fake = EmulatedKernels(tmp_path, backend="cuda")
+    monkeypatch.setattr(vk, "backend", lambda: "cuda")
+    monkeypatch.setattr(KernelSpec, "kernel", lambda self: fake.kernel_for(self))
+    got = cache.attend(q, 0.088)
+    assert [name for name, _ in fake.calls] == ["velox_decode_attention", "velox_decode_merge_fp16"]
+    err = np.abs(np.asarray((got - ref).astype(mx.float32))).max()
+    assert err < 2e-3 * np.abs(np.asarray(ref.astype(mx.float32))).max()

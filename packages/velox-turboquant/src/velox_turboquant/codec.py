@@ -244,3 +244,22 @@ class TurboQuant(Codec):
         from .kernels import attend_partial
 
         return attend_partial(self, q, keys, value_codec, values)
+
+    def attend_joint(
+        self,
+        q: mx.array,
+        keys: Packed,
+        value_codec: Codec,
+        values: Packed,
+        fp16: list[tuple[mx.array, mx.array]],
+        out_dtype: mx.Dtype,
+        scale: float | None = None,
+    ) -> mx.array | None:
+        """Normalized attention over this segment's codes and up to two fp16 segments in one
+        softmax (GPU kernels: the fused decode kernel and a merge that rotates the coded part
+        back and attends the fp16 tokens), or None where :meth:`attend_partial` would
+        decline. Shapes: q ``(B, H, M, D)``, float32 scaled or unscaled with ``scale``;
+        returns ``(B, H, M, D)`` in ``out_dtype``."""
+        from .kernels import attend_joint
+
+        return attend_joint(self, q, keys, value_codec, values, fp16, out_dtype, scale)

@@ -9,6 +9,11 @@ rotated domain, ``x = norm * levels[code]`` per coordinate, with one norm per to
   norms with the softmax weights, all in the rotated domain, in one pass over the codes
   split along the context; the ``(M, D)`` output is rotated back once (``R^T o``, the
   existing MLX op). ``m`` and ``l`` need no rotation.
+* Decode attention with a cache's fp16 sinks and window (:func:`attend_joint`): the same
+  kernel on the rotated query, then velox-core's fused merge, which rotates the splits'
+  weighted sum back (a ``(D, D)`` matrix, the value rotation's inverse, kept per quantizer)
+  and joins the fp16 tokens, scored with the unrotated query, in one softmax: three launches
+  (query rotation, kernel, merge) for a layer's attention.
 * Encode: the norm and the rotation stay MLX ops; the kernel does the Lloyd-Max search
   (the same threshold comparisons as :meth:`velox_core.ops.Codebook.encode`) and packs the
   codes, bit for bit the reference.
@@ -32,7 +37,7 @@ if TYPE_CHECKING:
     from .codec import TurboQuant
     from .quantizer import SphereQuantizer
 
-__all__ = ["attend_partial", "encode_codes"]
+__all__ = ["attend_joint", "attend_partial", "encode_codes"]
 
 
 def _mse_part(codec) -> SphereQuantizer | None:
@@ -70,6 +75,60 @@ def attend_partial(
         return None
     o, m, l = out
     return vq.rotation.inverse(o), m, l
+
+
+_INVERSE: dict[int, tuple[object, mx.array]] = {}
+
+
+def _inverse_matrix(quant: SphereQuantizer) -> mx.array:
+    """``A`` (float32 ``(D, D)``) with ``quant.rotation.inverse(o) == o @ A``: the inverse
+    applied to the identity (rows ``inverse(e_i)``), computed once per rotation."""
+    rot = quant.rotation
+    hit = _INVERSE.get(id(rot))
+    if hit is None or hit[0] is not rot:  # the id of a collected rotation may come back
+        a = rot.inverse(mx.eye(quant.dim, dtype=mx.float32)).astype(mx.float32)
+        mx.eval(a)
+        hit = (rot, a)
+        _INVERSE[id(rot)] = hit
+    return hit[1]
+
+
+def attend_joint(
+    key_codec: TurboQuant,
+    q: mx.array,
+    keys: Packed,
+    value_codec,
+    values: Packed,
+    fp16: list[tuple[mx.array, mx.array]],
+    out_dtype: mx.Dtype,
+    scale: float | None = None,
+) -> mx.array | None:
+    """Normalized attention over this segment's codes and up to two fp16 segments (a cache's
+    sinks and window) in one softmax (GPU kernels), or None where :func:`attend_partial`
+    would decline.
+
+    Shapes:
+        q ``(B, H, M, D)``: float32 with the scale applied, or unscaled (any float dtype)
+        with ``scale``; fp16 pairs ``(B, H, T_i, D)`` in the model's domain; returns
+        ``(B, H, M, D)`` in ``out_dtype``.
+    """
+    if not use_kernels():
+        return None
+    kq, vq = _mse_part(key_codec), _mse_part(value_codec)
+    if kq is None or vq is None or kq.dim != vq.dim or kq.dim != q.shape[-1]:
+        return None
+    k, v = keys.data, values.data
+    out = decode_attention(
+        kq.rotation.forward(q),
+        Codes(CODEBOOK, kq.mse_bits, kq.dim, k["codes"], k["norm"], None, kq.levels),
+        Codes(CODEBOOK, vq.mse_bits, vq.dim, v["codes"], v["norm"], None, vq.levels),
+        fp16=fp16,
+        out_dtype=out_dtype,
+        scale=scale,
+        merge_q=q,
+        rot=_inverse_matrix(vq),
+    )
+    return None if out is None else out[0]
 
 
 def encode_codes(quant: SphereQuantizer, y: mx.array) -> mx.array | None:

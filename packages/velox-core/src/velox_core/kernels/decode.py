@@ -102,7 +102,7 @@ MERGE = KernelSpec(
 MERGE_FP16 = KernelSpec(
     name="velox_decode_merge_fp16",
     source="decode_merge_fp16.metal",
-    inputs=("o_part", "ml_part", "q", "ak", "av", "bk", "bv"),
+    inputs=("o_part", "ml_part", "q", "ak", "av", "bk", "bv", "rot"),
     outputs=("o", "m", "l"),
     row_contiguous=False,  # the fp16 segments are slices of cache buffers
 )
@@ -472,6 +472,8 @@ def _decode_mma(
     fp16: list[tuple[mx.array, mx.array]] | None = None,
     out_dtype: mx.Dtype | None = None,
     scale: float | None = None,
+    merge_q: mx.array | None = None,
+    rot: mx.array | None = None,
 ) -> tuple[mx.array, mx.array, mx.array] | None:
     b, h, m, dim = q.shape
     t = keys.codes.shape[2]
@@ -500,7 +502,8 @@ def _decode_mma(
         output_dtypes=[mx.float32, mx.float32],
     )
     if out_dtype is not None:
-        return merge_splits_fp16(o_part, ml_part, q, fp16 or [], out_dtype, scale)
+        mq = q if merge_q is None else merge_q
+        return merge_splits_fp16(o_part, ml_part, mq, fp16 or [], out_dtype, scale, rot)
     return merge_splits(o_part, ml_part)
 
 
@@ -531,6 +534,7 @@ def merge_splits_fp16(
     fp16: list[tuple[mx.array, mx.array]],
     out_dtype: mx.Dtype,
     scale: float | None = None,
+    rot: mx.array | None = None,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """The normalized attention over a decode kernel's splits and up to two fp16 segments, in
     one launch (``metal/decode_merge_fp16.metal``).
@@ -543,6 +547,8 @@ def merge_splits_fp16(
             ``sum T_i <= FP16_MAX``), e.g. a cache's sinks and recent window.
         out_dtype: dtype of the output.
         scale: the attention scale, when ``q`` comes without it.
+        rot: ``(D, D)`` float32: the partials are in a rotated domain and ``o @ rot`` maps
+            them back (TurboQuant); ``q`` is then the unrotated query.
 
     Shapes:
         returns ``o (B, H, R, D)`` in ``out_dtype`` (softmax-weighted values), ``m`` and ``l``
@@ -551,18 +557,24 @@ def merge_splits_fp16(
     if len(fp16) > 2 or sum(k.shape[2] for k, _ in fp16) > FP16_MAX:
         raise ValueError(f"merge_splits_fp16 takes up to 2 fp16 segments, {FP16_MAX} tokens")
     b, h, _, rows, dim = o_part.shape
+    if rot is not None and (rot.shape != (dim, dim) or rot.dtype != mx.float32):
+        raise ValueError(
+            f"merge_splits_fp16: rot must be float32 ({dim}, {dim}), got {rot.dtype} "
+            f"{tuple(rot.shape)}"
+        )
     segs = [(k, v) for k, v in fp16 if k.shape[2] > 0]
     dummy = _dummy(mx.float16)
     ak, av = segs[0] if segs else (dummy, dummy)
     bk, bv = segs[1] if len(segs) > 1 else (dummy, dummy)
     grid, tg = merge_launch(b * h * rows, dim)
     o, mm, ll = MERGE_FP16.kernel()(
-        inputs=[o_part, ml_part, q, ak, av, bk, bv],
+        inputs=[o_part, ml_part, q, ak, av, bk, bv, _dummy(mx.float32) if rot is None else rot],
         template=[
             ("HAS_A", int(len(segs) > 0)),
             ("HAS_B", int(len(segs) > 1)),
             ("FMAX", FP16_MAX),
             ("QMUL", qmul_bits(scale)),
+            ("RD", 1 if rot is None else dim),
         ],
         grid=grid,
         threadgroup=tg,
@@ -580,6 +592,8 @@ def decode_attention(
     fp16: list[tuple[mx.array, mx.array]] | None = None,
     out_dtype: mx.Dtype | None = None,
     scale: float | None = None,
+    merge_q: mx.array | None = None,
+    rot: mx.array | None = None,
 ) -> tuple[mx.array, mx.array, mx.array] | None:
     """Partial attention ``(o, m, l)`` of ``q`` over one coded segment, or None if unsupported.
 
@@ -594,6 +608,10 @@ def decode_attention(
             attention over all of them, in ``out_dtype``.
         out_dtype: see ``fp16``.
         scale: the attention scale, when ``q`` comes without it.
+        merge_q, rot: with ``fp16``, for codes in a rotated domain (TurboQuant): ``q`` is the
+            rotated query, ``merge_q`` the unrotated one (scored against the fp16 keys) and
+            ``rot`` the ``(D, D)`` float32 map back (``o @ rot``, see
+            :func:`merge_splits_fp16`).
 
     Shapes:
         returns ``o (B, H, M, D)``, ``m (B, H, M, 1)``, ``l (B, H, M, 1)``, float32 (``o`` in
@@ -607,10 +625,16 @@ def decode_attention(
         raise ValueError("decode_attention: fp16 segments and out_dtype go together")
     if fp16 is not None and (len(fp16) > 2 or sum(k.shape[2] for k, _ in fp16) > FP16_MAX):
         return None
+    if (merge_q is None) != (rot is None) or (rot is not None and fp16 is None):
+        raise ValueError("decode_attention: merge_q and rot go together, with fp16 segments")
+    if merge_q is not None and merge_q.shape != q.shape:
+        raise ValueError(
+            f"decode_attention: merge_q {tuple(merge_q.shape)} must match q {tuple(q.shape)}"
+        )
     if _kernels.backend() == "cuda" and mma_enabled() and mma_supported(m, dim, keys, values):
         _check("key", keys, b, h, t, dim)
         _check("value", values, b, h, t, dim)
-        out = _decode_mma(q, keys, values, splits, fp16, out_dtype, scale)
+        out = _decode_mma(q, keys, values, splits, fp16, out_dtype, scale, merge_q, rot)
         if out is not None:
             return out
     p = plan(m, dim, keys.kind, keys.bits, keys.group, values.kind, values.bits, values.group)
@@ -620,8 +644,13 @@ def decode_attention(
     _check("value", values, b, h, t, dim)
     mp = p.nmb * p.mb
     qf = q if scale is not None else q.astype(mx.float32)  # unscaled: the kernel scales it
+    mq = qf if merge_q is None else merge_q
     if mp > m:
         qf = mx.concatenate([qf, mx.zeros((b, h, mp - m, dim), qf.dtype)], axis=2)
+        if merge_q is not None:
+            mq = mx.concatenate([mq, mx.zeros((b, h, mp - m, dim), mq.dtype)], axis=2)
+        else:
+            mq = qf
     s = choose_splits(t, b * h, p) if splits is None else fit_splits(t, splits, p)
     nt = p.nwarps * 32
     o_part, ml_part = DECODE.kernel()(
@@ -633,7 +662,7 @@ def decode_attention(
         output_dtypes=[mx.float32, mx.float32],
     )
     if out_dtype is not None:
-        o, mm, ll = merge_splits_fp16(o_part, ml_part, qf, fp16 or [], out_dtype, scale)
+        o, mm, ll = merge_splits_fp16(o_part, ml_part, mq, fp16 or [], out_dtype, scale, rot)
     else:
         o, mm, ll = merge_splits(o_part, ml_part)
     if mp > m:
