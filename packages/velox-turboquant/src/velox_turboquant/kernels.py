@@ -85,7 +85,9 @@ def _inverse_matrix(quant: SphereQuantizer) -> mx.array:
     applied to the identity (rows ``inverse(e_i)``), computed once per rotation."""
     rot = quant.rotation
     hit = _INVERSE.get(id(rot))
-    if hit is None or hit[0] is not rot:  # the id of a collected rotation may come back
+    if hit is None:  # (an entry holds its rotation, so its id cannot be reused meanwhile)
+        if len(_INVERSE) >= 1024:
+            _INVERSE.clear()
         a = rot.inverse(mx.eye(quant.dim, dtype=mx.float32)).astype(mx.float32)
         mx.eval(a)
         hit = (rot, a)
