@@ -116,17 +116,29 @@ def env(**values):
 
 def timeit(fn, warmup: int, reps: int, inner: int) -> float:
     """Median seconds per call: ``inner`` calls per repeat, all outputs evaluated together."""
+    return timeit_split(fn, warmup, reps, inner)[0]
+
+
+def timeit_split(fn, warmup: int, reps: int, inner: int) -> tuple[float, float]:
+    """Median seconds per call, whole (building the calls' graphs in Python, then evaluating
+    them) and of the evaluation alone (dispatch and device). A model's decode loop builds the
+    next step's graph while the device runs the current one (mlx-lm's generate uses
+    ``async_eval``), so the evaluation alone is what a step costs when the device is the
+    bottleneck; the whole time is what it costs when the host is."""
     for _ in range(warmup):
         mx.eval(fn())
     mx.synchronize()
-    times = []
+    whole, evals = [], []
     for _ in range(reps):
         t0 = time.perf_counter()
         outs = [fn() for _ in range(inner)]
+        t1 = time.perf_counter()
         mx.eval(outs)
         mx.synchronize()
-        times.append((time.perf_counter() - t0) / inner)
-    return statistics.median(times)
+        t2 = time.perf_counter()
+        whole.append((t2 - t0) / inner)
+        evals.append((t2 - t1) / inner)
+    return statistics.median(whole), statistics.median(evals)
 
 
 def nbytes(*arrays) -> int:
@@ -553,9 +565,13 @@ def section_attention(quick: bool) -> None:
                     continue
                 if fp16:
                     r["speedup_vs_fp16"] = fp16["ms"] / r["ms"]
+                    if "eval_ms" in fp16 and "eval_ms" in r:
+                        r["eval_speedup_vs_fp16"] = fp16["eval_ms"] / r["eval_ms"]
                 mlx = ref.get(f"mlx-lm q{r['bits']}")
                 if mlx and r["method"].startswith("velox"):
                     r["speedup_vs_mlx_lm"] = mlx["ms"] / r["ms"]
+                    if "eval_ms" in mlx and "eval_ms" in r:
+                        r["eval_speedup_vs_mlx_lm"] = mlx["eval_ms"] / r["eval_ms"]
                 if copy_bw:
                     r["pct_copy_bw"] = 100.0 * r["GBps"] / copy_bw
             for r in rows:
@@ -566,6 +582,11 @@ def section_attention(quick: bool) -> None:
                         extra += f"  x{r['speedup_vs_fp16']:.2f} vs fp16"
                     if "speedup_vs_mlx_lm" in r:
                         extra += f"  x{r['speedup_vs_mlx_lm']:.1f} vs mlx-lm"
+                    if "eval_ms" in r:
+                        extra += f"  (evaluation alone {r['eval_ms']:.3f} ms"
+                        if "eval_speedup_vs_fp16" in r:
+                            extra += f", x{r['eval_speedup_vs_fp16']:.2f} vs fp16"
+                        extra += ")"
                     print(
                         f"  B{b} T{t:6d} {r['method']:20s} {r['ms']:8.3f} ms "
                         f"{r['GBps']:7.0f} GB/s{extra}"
@@ -593,8 +614,8 @@ def time_methods(methods, b: int, t: int, quick: bool) -> list[dict]:
     for name, bits, call, nb in methods:
         row = {"context": t, "batch": b, "method": name, "bits": bits, "bytes_read": nb}
         try:
-            s = timeit(call, 3, reps, inner)
-            row.update(ms=s * 1e3, GBps=nb / s / 1e9)
+            s, se = timeit_split(call, 3, reps, inner)
+            row.update(ms=s * 1e3, GBps=nb / s / 1e9, eval_ms=se * 1e3, eval_GBps=nb / se / 1e9)
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"
         rows.append(row)
@@ -875,7 +896,8 @@ def print_table() -> None:
     bw = RESULTS["bandwidth"]
     if bw:
         print(f"copy bandwidth {bw['copy_GBps']:.0f} GB/s, read {bw['read_GBps']:.0f} GB/s")
-    cols = ("ms", "GB/s", "%copy", "xfp16", "xmlx")
+    # ms: building the call in Python and evaluating it; eval: the evaluation alone
+    cols = ("ms", "GB/s", "%copy", "xfp16", "xmlx", "eval", "xfp16e", "xmlxe")
     print(
         f"{'B':>2} {'ctx':>7} {'method':20s} {cols[0]:>8} " + " ".join(f"{c:>6}" for c in cols[1:])
     )
@@ -886,9 +908,12 @@ def print_table() -> None:
         pct = f"{r['pct_copy_bw']:.0f}" if "pct_copy_bw" in r else "-"
         xf = f"{r['speedup_vs_fp16']:.2f}" if "speedup_vs_fp16" in r else "-"
         xm = f"{r['speedup_vs_mlx_lm']:.1f}" if "speedup_vs_mlx_lm" in r else "-"
+        ev = f"{r['eval_ms']:.3f}" if "eval_ms" in r else "-"
+        xfe = f"{r['eval_speedup_vs_fp16']:.2f}" if "eval_speedup_vs_fp16" in r else "-"
+        xme = f"{r['eval_speedup_vs_mlx_lm']:.1f}" if "eval_speedup_vs_mlx_lm" in r else "-"
         print(
             f"{r['batch']:>2} {r['context']:>7} {r['method']:20s} {r['ms']:8.3f} "
-            f"{r['GBps']:6.0f} {pct:>6} {xf:>6} {xm:>6}"
+            f"{r['GBps']:6.0f} {pct:>6} {xf:>6} {xm:>6} {ev:>6} {xfe:>6} {xme:>6}"
         )
     for r in RESULTS["e2e"]:
         if "tokens_per_s" in r:
