@@ -1,7 +1,8 @@
 // Fused decode attention over packed affine codes on NVIDIA tensor cores (sm_80 and later):
 // the CUDA twin of decode_attention.metal for per-token affine codes at 2, 4 and 8 bits with
 // fp16 scales, the case a decode step of a Uniform / KIVI-style cache takes. Same inputs
-// (minus the codebook levels) and the same per-split partial, merged by decode_merge.metal.
+// (minus the codebook levels) and the same per-split partial, merged by decode_merge.metal
+// or decode_merge_fp16.metal.
 // A twin because the tensor-core fragments (mma.sync, PTX layouts) have no Metal spelling;
 // everything else goes through the portable body.
 //
@@ -16,7 +17,8 @@
 // fragment layouts) and m16n8k16 fp16 MMAs accumulating in float32:
 //   scores  S (16 x 16 tokens) = Q (16 x HD) K^T: rows 0..7 of Q are the query rows rounded to
 //           fp16 ("hi"), rows 8..15 the rounding residuals ("lo"), so S_hi + S_lo is the score
-//           of the float32 query to about 2^-22; the K^T fragments are decoded from the codes
+//           of the float32 query to about 2^-22 (QLO = 1; an fp16 query, QLO = 0, goes in as it
+//           is and rows 8..15 are zero); the K^T fragments are decoded from the codes
 //           (the code OR-ed into the mantissa of a power of two, minus that power, then
 //           scale * code + zero in one fp16 FMA: the key rounded once to fp16, as an fp16 cache
 //           holds it). Lane (g, t) decodes
