@@ -29,7 +29,7 @@ from velox_core import Identity, Uniform, UniformCache
 from velox_core.cache.attention import Segment, attend, merge_partials, partial
 from velox_core.kernels import decode as dk
 from velox_core.kernels import encode as ek
-from velox_core.kernels.build import PROLOGUE, ArgInfo, KernelSpec, cuda_source, metal_source
+from velox_core.kernels.build import PROLOGUE, ArgInfo, cuda_source, metal_source
 from velox_core.kernels.emulate import (
     CudaEmulator,
     DecodeRun,
@@ -603,14 +603,12 @@ def test_cache_on_an_emulated_gpu_matches_the_reference(monkeypatch, tmp_path):
     ref_cache.update_and_fetch(k[:, :, 290:], v[:, :, 290:])
     ref = ref_cache.attend(q, 0.088)
 
-    fake = EmulatedKernels(tmp_path)
-    monkeypatch.setattr(vk, "backend", lambda: "metal")
-    monkeypatch.setattr(KernelSpec, "kernel", lambda self: fake.kernel_for(self))
+    fake = EmulatedKernels(tmp_path).install(monkeypatch)
     cache = UniformCache(bits=bits, window=16, sinks=4)
     cache.update_and_fetch(k[:, :, :290], v[:, :, :290])
     cache.update_and_fetch(k[:, :, 290:], v[:, :, 290:])
     got = cache.attend(q, 0.088)
-    names = [name for name, _ in fake.calls]
+    names = fake.names
     assert names.count("velox_encode_affine") == 4  # keys and values, two flushes
     assert names[-2:] == ["velox_decode_attention", "velox_decode_merge_fp16"]  # one softmax
     body, ref_body = cache.segments()[1], ref_cache.segments()[1]
@@ -734,11 +732,9 @@ def test_cache_on_an_emulated_cuda_gpu_takes_the_tensor_core_kernel(
     cache = UniformCache(bits=4, window=window, sinks=sinks)
     cache.update_and_fetch(k, v)  # encoded on the CPU path
     ref = cache.attend(q, 0.088)
-    fake = EmulatedKernels(tmp_path, backend="cuda")
-    monkeypatch.setattr(vk, "backend", lambda: "cuda")
-    monkeypatch.setattr(KernelSpec, "kernel", lambda self: fake.kernel_for(self))
+    fake = EmulatedKernels(tmp_path, backend="cuda").install(monkeypatch)
     got = cache.attend(q, 0.088)
-    names = [name for name, _ in fake.calls]
+    names = fake.names
     mma = dk.mma_spec(dk.mma_warps(), dk.mma_sm_blocks(dk.mma_warps(), dk.mma_subtiles()))
     assert names == [mma.name, "velox_decode_merge_fp16"]
     err = np.abs(np.asarray((got - ref).astype(mx.float32))).max()

@@ -18,7 +18,6 @@ import pytest
 import velox_core.kernels as vk
 from velox_core import Packed, Uniform
 from velox_core.cache.attention import Segment, partial
-from velox_core.kernels.build import KernelSpec
 from velox_core.kernels.emulate import EmulatedKernels
 from velox_core.testing import kv_data
 from velox_turboquant import TurboQuant, TurboQuantCache
@@ -40,9 +39,7 @@ def records(bits, t=200, key_variant="mse", seed=0):
 def emulated_gpu(monkeypatch, tmp_path):
     if shutil.which("g++") is None:
         pytest.skip("g++ is not installed: the kernels cannot be emulated")
-    fake = EmulatedKernels(tmp_path)
-    monkeypatch.setattr(vk, "backend", lambda: "metal")
-    monkeypatch.setattr(KernelSpec, "kernel", lambda self: fake.kernel_for(self))
+    fake = EmulatedKernels(tmp_path).install(monkeypatch)
     return fake
 
 
@@ -81,7 +78,7 @@ def test_emulated_kernel_attention_matches_the_reference(emulated_gpu, bits):
     q = mx.random.normal((1, 2, 4, 128), key=mx.random.key(bits)) * 0.2
     got = kc.attend_partial(q, kp, vc, vp)
     ref = partial(q, Segment(kc, kp, vc, vp))
-    assert [name for name, _ in emulated_gpu.calls] == [
+    assert emulated_gpu.names == [
         "velox_decode_attention",
         "velox_decode_merge",
     ]
@@ -103,7 +100,7 @@ def test_emulated_cache_encodes_bit_exact_and_attends(emulated_gpu, monkeypatch,
     cache = TurboQuantCache(bits=3, window=8, sinks=sinks)
     cache.update_and_fetch(k, v)
     got = cache.attend(q, 0.088)
-    names = [name for name, _ in emulated_gpu.calls]
+    names = emulated_gpu.names
     assert names.count("velox_encode_codebook") == 2
     assert names[-2:] == ["velox_decode_attention", "velox_decode_merge_fp16"]
     body = cache.segments()[1 if sinks else 0]
@@ -141,10 +138,8 @@ def test_cache_on_an_emulated_cuda_gpu_rotates_back_in_the_merge(monkeypatch, tm
     cache = TurboQuantCache(bits=4, window=16, sinks=4)
     cache.update_and_fetch(k, v)  # encoded on the CPU path
     ref = cache.attend(q, 0.088)
-    fake = EmulatedKernels(tmp_path, backend="cuda")
-    monkeypatch.setattr(vk, "backend", lambda: "cuda")
-    monkeypatch.setattr(KernelSpec, "kernel", lambda self: fake.kernel_for(self))
+    fake = EmulatedKernels(tmp_path, backend="cuda").install(monkeypatch)
     got = cache.attend(q, 0.088)
-    assert [name for name, _ in fake.calls] == ["velox_decode_attention", "velox_decode_merge_fp16"]
+    assert fake.names == ["velox_decode_attention", "velox_decode_merge_fp16"]
     err = np.abs(np.asarray((got - ref).astype(mx.float32))).max()
     assert err < 2e-3 * np.abs(np.asarray(ref.astype(mx.float32))).max()

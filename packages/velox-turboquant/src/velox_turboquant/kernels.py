@@ -60,21 +60,33 @@ def attend_partial(
         q ``(B, H, M, D)`` float32, scale applied; returns ``(B, H, M, D)``,
         ``(B, H, M, 1)``, ``(B, H, M, 1)`` float32.
     """
+    sides = _kernel_sides(key_codec, q, keys, value_codec, values)
+    if sides is None:
+        return None
+    kq, vq, kc, vc = sides
+    out = decode_attention(kq.rotation.forward(q), kc, vc)
+    if out is None:
+        return None
+    o, m, l = out
+    return vq.rotation.inverse(o), m, l
+
+
+def _kernel_sides(key_codec, q: mx.array, keys: Packed, value_codec, values: Packed):
+    """The two mse quantizers and the kernels' view of both records, or None where the
+    kernels do not apply (kernels off or the CPU; not integer-width mse on both sides; head
+    dims that differ)."""
     if not use_kernels():
         return None
     kq, vq = _mse_part(key_codec), _mse_part(value_codec)
     if kq is None or vq is None or kq.dim != vq.dim or kq.dim != q.shape[-1]:
         return None
     k, v = keys.data, values.data
-    out = decode_attention(
-        kq.rotation.forward(q),
+    return (
+        kq,
+        vq,
         Codes(CODEBOOK, kq.mse_bits, kq.dim, k["codes"], k["norm"], None, kq.levels),
         Codes(CODEBOOK, vq.mse_bits, vq.dim, v["codes"], v["norm"], None, vq.levels),
     )
-    if out is None:
-        return None
-    o, m, l = out
-    return vq.rotation.inverse(o), m, l
 
 
 _INVERSE: dict[int, tuple[object, mx.array]] = {}
@@ -114,16 +126,14 @@ def attend_joint(
         with ``scale``; fp16 pairs ``(B, H, T_i, D)`` in the model's domain; returns
         ``(B, H, M, D)`` in ``out_dtype``.
     """
-    if not use_kernels():
+    sides = _kernel_sides(key_codec, q, keys, value_codec, values)
+    if sides is None:
         return None
-    kq, vq = _mse_part(key_codec), _mse_part(value_codec)
-    if kq is None or vq is None or kq.dim != vq.dim or kq.dim != q.shape[-1]:
-        return None
-    k, v = keys.data, values.data
+    kq, vq, kc, vc = sides
     out = decode_attention(
         kq.rotation.forward(q),
-        Codes(CODEBOOK, kq.mse_bits, kq.dim, k["codes"], k["norm"], None, kq.levels),
-        Codes(CODEBOOK, vq.mse_bits, vq.dim, v["codes"], v["norm"], None, vq.levels),
+        kc,
+        vc,
         fp16=fp16,
         out_dtype=out_dtype,
         scale=scale,

@@ -38,7 +38,7 @@ from .build import (
     source_digest,
 )
 
-__all__ = ["CudaEmulator", "Emulator", "compiler", "shim_dir"]
+__all__ = ["CudaEmulator", "EmulatedKernels", "Emulator", "compiler", "shim_dir"]
 
 _CXX_TYPES = {
     "float32": "float",
@@ -491,6 +491,21 @@ class EmulatedKernels:
         self.backend = backend
         self.calls: list[tuple[str, tuple[tuple[str, Any], ...]]] = []
         self._emus: dict[str, tuple[Emulator, int]] = {}
+
+    def install(self, monkeypatch) -> EmulatedKernels:
+        """Send the library's kernel launches here for one test: the backend reported as this
+        emulator's and ``KernelSpec.kernel`` patched, through ``monkeypatch`` (pytest's
+        fixture, which undoes both after the test)."""
+        from .. import kernels as vk
+
+        monkeypatch.setattr(vk, "backend", lambda: self.backend)
+        monkeypatch.setattr(KernelSpec, "kernel", lambda spec: self.kernel_for(spec))
+        return self
+
+    @property
+    def names(self) -> list[str]:
+        """The kernels called so far, in order."""
+        return [name for name, _ in self.calls]
 
     def kernel_for(self, spec: KernelSpec):
         def call(
