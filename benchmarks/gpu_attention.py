@@ -596,18 +596,6 @@ def section_attention(quick: bool) -> None:
             mx.clear_cache()
 
 
-def host_seconds(call, n: int = 50) -> float:
-    """Seconds per call spent on the host building the call's graph (nothing evaluated): when
-    it exceeds the device time, a step is host-bound."""
-    outs = []
-    t0 = time.perf_counter()
-    for _ in range(n):
-        outs.append(call())
-    dt = (time.perf_counter() - t0) / n
-    mx.eval(outs)
-    return dt
-
-
 def time_methods(methods, b: int, t: int, quick: bool) -> list[dict]:
     reps, inner = (3, 2) if quick else ((9, 10) if t <= 16384 else (7, 5))
     rows = []
@@ -701,9 +689,11 @@ def section_tuning(quick: bool) -> None:
                     **extra,
                 ):
                     try:
-                        s = timeit(call, 2, 5, 5 if not quick else 1)
-                        host = host_seconds(call)
-                        row.update(ms=s * 1e3, GBps=nb / s / 1e9, host_ms=host * 1e3)
+                        s, se = timeit_split(call, 2, 5, 5 if not quick else 1)
+                        host = s - se  # building the call's graph in Python
+                        row.update(
+                            ms=s * 1e3, GBps=nb / s / 1e9, eval_ms=se * 1e3, host_ms=host * 1e3
+                        )
                         print(
                             f"  B{b} {name:16s} {label} {s * 1e3:7.3f} ms {nb / s / 1e9:7.0f} GB/s"
                             f"  (host {host * 1e3:.3f} ms per call)"
