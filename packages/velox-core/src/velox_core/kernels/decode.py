@@ -465,16 +465,9 @@ def mma_template(
 
 
 def _decode_mma(
-    q: mx.array,
-    keys: Codes,
-    values: Codes,
-    splits: int | None,
-    fp16: list[tuple[mx.array, mx.array]] | None = None,
-    out_dtype: mx.Dtype | None = None,
-    scale: float | None = None,
-    merge_q: mx.array | None = None,
-    rot: mx.array | None = None,
+    q: mx.array, keys: Codes, values: Codes, splits: int | None, scale: float | None
 ) -> tuple[mx.array, mx.array, mx.array] | None:
+    """The tensor-core kernel's per-split partials and the query it took, or None."""
     b, h, m, dim = q.shape
     t = keys.codes.shape[2]
     nwarps = mma_warps()
@@ -501,10 +494,41 @@ def _decode_mma(
         output_shapes=[(b, h, s, m, dim), (b, h, s, m, 2)],
         output_dtypes=[mx.float32, mx.float32],
     )
-    if out_dtype is not None:
-        mq = q if merge_q is None else merge_q
-        return merge_splits_fp16(o_part, ml_part, mq, fp16 or [], out_dtype, scale, rot)
-    return merge_splits(o_part, ml_part)
+    return o_part, ml_part, q
+
+
+def _decode_portable(
+    q: mx.array, keys: Codes, values: Codes, splits: int | None, scale: float | None
+) -> tuple[mx.array, mx.array, mx.array] | None:
+    """The portable kernel's per-split partials (query rows padded to its row blocks) and
+    the padded query it took, or None where it has no layout for the shape."""
+    b, h, m, dim = q.shape
+    t = keys.codes.shape[2]
+    p = plan(m, dim, keys.kind, keys.bits, keys.group, values.kind, values.bits, values.group)
+    if p is None:
+        return None
+    _check("key", keys, b, h, t, dim)
+    _check("value", values, b, h, t, dim)
+    mp = p.nmb * p.mb
+    qf = q if scale is not None else q.astype(mx.float32)  # unscaled: the kernel scales it
+    qf = _pad_rows(qf, mp)
+    s = choose_splits(t, b * h, p) if splits is None else fit_splits(t, splits, p)
+    nt = p.nwarps * 32
+    o_part, ml_part = DECODE.kernel()(
+        inputs=[qf, *_inputs(keys), *_inputs(values)],
+        template=template(p, dim, keys, values, scale),
+        grid=(s * nt, b * h, p.nmb),
+        threadgroup=(nt, 1, 1),
+        output_shapes=[(b, h, s, mp, dim), (b, h, s, mp, 2)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    return o_part, ml_part, qf
+
+
+def _pad_rows(x: mx.array, rows: int) -> mx.array:
+    """``x (B, H, R, D)`` with zero rows appended up to ``rows``."""
+    b, h, r, d = x.shape
+    return x if rows <= r else mx.concatenate([x, mx.zeros((b, h, rows - r, d), x.dtype)], axis=2)
 
 
 def merge_splits(o_part: mx.array, ml_part: mx.array) -> tuple[mx.array, mx.array, mx.array]:
@@ -631,37 +655,19 @@ def decode_attention(
         raise ValueError(
             f"decode_attention: merge_q {tuple(merge_q.shape)} must match q {tuple(q.shape)}"
         )
+    parts = None
     if _kernels.backend() == "cuda" and mma_enabled() and mma_supported(m, dim, keys, values):
         _check("key", keys, b, h, t, dim)
         _check("value", values, b, h, t, dim)
-        out = _decode_mma(q, keys, values, splits, fp16, out_dtype, scale, merge_q, rot)
-        if out is not None:
-            return out
-    p = plan(m, dim, keys.kind, keys.bits, keys.group, values.kind, values.bits, values.group)
-    if p is None:
+        parts = _decode_mma(q, keys, values, splits, scale)
+    if parts is None:
+        parts = _decode_portable(q, keys, values, splits, scale)
+    if parts is None:
         return None
-    _check("key", keys, b, h, t, dim)
-    _check("value", values, b, h, t, dim)
-    mp = p.nmb * p.mb
-    qf = q if scale is not None else q.astype(mx.float32)  # unscaled: the kernel scales it
-    mq = qf if merge_q is None else merge_q
-    if mp > m:
-        qf = mx.concatenate([qf, mx.zeros((b, h, mp - m, dim), qf.dtype)], axis=2)
-        if merge_q is not None:
-            mq = mx.concatenate([mq, mx.zeros((b, h, mp - m, dim), mq.dtype)], axis=2)
-        else:
-            mq = qf
-    s = choose_splits(t, b * h, p) if splits is None else fit_splits(t, splits, p)
-    nt = p.nwarps * 32
-    o_part, ml_part = DECODE.kernel()(
-        inputs=[qf, *_inputs(keys), *_inputs(values)],
-        template=template(p, dim, keys, values, scale),
-        grid=(s * nt, b * h, p.nmb),
-        threadgroup=(nt, 1, 1),
-        output_shapes=[(b, h, s, mp, dim), (b, h, s, mp, 2)],
-        output_dtypes=[mx.float32, mx.float32],
-    )
+    o_part, ml_part, qk = parts  # qk: the query the kernel took (rows padded to its blocks)
+    mp = o_part.shape[3]
     if out_dtype is not None:
+        mq = qk if merge_q is None else _pad_rows(merge_q, mp)
         o, mm, ll = merge_splits_fp16(o_part, ml_part, mq, fp16 or [], out_dtype, scale, rot)
     else:
         o, mm, ll = merge_splits(o_part, ml_part)
