@@ -98,8 +98,7 @@ def partial(q: mx.array, seg: Segment) -> tuple[mx.array, mx.array, mx.array]:
 
 def fused_partial(q: mx.array, seg: Segment):
     """The key codec's fused kernel for this segment (reads both records), or None."""
-    fn = getattr(seg.key_codec, "attend_partial", None)
-    return None if fn is None else fn(q, seg.keys, seg.value_codec, seg.values)
+    return seg.key_codec.attend_partial(q, seg.keys, seg.value_codec, seg.values)
 
 
 def joint_attention(
@@ -123,11 +122,10 @@ def joint_attention(
     if any(not isinstance(s.value_codec, Identity) for s in plain):
         return None
     seg = coded[0]
-    fn = getattr(seg.key_codec, "attend_joint", None)
-    if fn is None:
-        return None
     fp16 = [(s.keys.data["x"], s.values.data["x"]) for s in plain]
-    return fn(q, seg.keys, seg.value_codec, seg.values, fp16, out_dtype, scale)
+    return seg.key_codec.attend_joint(
+        q, seg.keys, seg.value_codec, seg.values, fp16, out_dtype, scale
+    )
 
 
 def merge_partials(parts: list[tuple[mx.array, mx.array, mx.array]]) -> mx.array:

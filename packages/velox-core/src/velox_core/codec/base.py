@@ -185,3 +185,37 @@ class Codec(ABC):
             w ``(B, H, M, T)`` float32 attention weights; returns float32 ``(B, H, M, D)``.
         """
         return w @ self.decode(packed)
+
+    def attend_partial(
+        self, q: mx.array, keys: Packed, value_codec: Codec, values: Packed
+    ) -> tuple[mx.array, mx.array, mx.array] | None:
+        """A fused kernel's partial ``(o, m, l)`` over this segment (keys coded by this codec,
+        values by ``value_codec``), or None (the default: no kernel; the caller computes
+        :func:`velox_core.cache.attention.partial` from :meth:`scores` and :meth:`mix`).
+
+        Shapes:
+            q ``(B, H, M, D)`` float32 with the scale applied; returns ``(B, H, M, D)``,
+            ``(B, H, M, 1)``, ``(B, H, M, 1)`` float32.
+        """
+        return None
+
+    def attend_joint(
+        self,
+        q: mx.array,
+        keys: Packed,
+        value_codec: Codec,
+        values: Packed,
+        fp16: list[tuple[mx.array, mx.array]],
+        out_dtype: mx.Dtype,
+        scale: float | None = None,
+    ) -> mx.array | None:
+        """Normalized attention over this segment's codes and up to two fp16 segments (a
+        cache's sinks and window) in one softmax, by fused kernels, or None (the default: the
+        caller merges per-segment partials).
+
+        Shapes:
+            q ``(B, H, M, D)``: float32 with the scale applied, or unscaled (any float dtype)
+            with ``scale``; fp16 pairs ``(B, H, T_i, D)``; returns ``(B, H, M, D)`` in
+            ``out_dtype``.
+        """
+        return None
