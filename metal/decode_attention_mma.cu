@@ -151,14 +151,14 @@ unsigned int* my_ring = ring + warp * NSTAGE * SW;
 struct Plane {
   const void* p;  // element (b, h, 0, 0)
   bool fast;      // 16-byte code rows / adjacent aligned pairs of halves
-  bool dense;     // scales: a tile's (TILE, groups) halves are 16-byte chunks, 16-byte aligned
+  bool dense;     // rows back to back from a 16-byte-aligned start: a whole tile is one block
 };
 // (strides are read from the kernel's parameters where used, not held in registers)
 auto code_plane = [&](const unsigned int* a, const int64_t* st, int words) {
   const unsigned int* p = a + (int64_t)b * st[0] + (int64_t)h * st[1];
   const bool fast = words % 4 == 0 && st[3] == 1 && st[2] % 4 == 0 && st[2] < (1 << 28) &&
                     (reinterpret_cast<uintptr_t>(p) & 15) == 0;
-  return Plane{p, fast, false};
+  return Plane{p, fast, fast && st[2] == words};
 };
 auto scale_plane = [&](const __half* a, const int64_t* st, int groups) {
   const __half* p = a + (int64_t)b * st[0] + (int64_t)h * st[1];
@@ -175,6 +175,38 @@ const Plane kap = scale_plane(ka, ka_strides.data(), KG);
 const Plane kbp = scale_plane(kb, kb_strides.data(), KG);
 const Plane vap = scale_plane(va, va_strides.data(), VG);
 const Plane vbp = scale_plane(vb, vb_strides.data(), VG);
+
+// Bulk copies (sm_90 and later, VX_HAS_BULK): where every plane is dense, a whole tile of
+// each plane is one contiguous block, and lane i < 6 copies plane i's block with one bulk
+// copy whose bytes are counted on the stage's mbarrier (lane 0 arrives expecting all six).
+// Per tile that is one copy instruction per lane instead of a 16-byte cp.async per lane and
+// chunk with its address arithmetic. A split's partial last tile (rows to clamp) and
+// non-dense layouts take the cp.async copies below.
+constexpr unsigned int BULK_BYTES = 4u * TILE * (KWT + VWT) + 4u * TILE * (KG + VG);
+#if VX_HAS_BULK
+VX_SHARED __align__(8) unsigned long long bars[NWARPS * NSTAGE];
+struct BulkDesc {
+  unsigned int lo, hi;  // plane i's address at the split's first token
+  unsigned int bytes;   // its bytes per tile
+  unsigned int dst;     // its offset in a stage (words)
+};
+VX_SHARED __align__(16) BulkDesc bdesc[6];
+unsigned long long* my_bar = bars + warp * NSTAGE;
+const bool bulk = kcp.dense && vcp.dense && kap.dense && kbp.dense && vap.dense && vbp.dense;
+if (tid < 6) {
+  const Plane& pl = tid == 0 ? kcp : tid == 1 ? vcp : tid == 2 ? kap : tid == 3 ? kbp : tid == 4 ? vap : vbp;
+  const unsigned int row = tid == 0 ? 4u * KWT : tid == 1 ? 4u * VWT : tid < 4 ? 2u * KG : 2u * VG;
+  const uint64_t src = reinterpret_cast<uint64_t>(pl.p) + static_cast<uint64_t>(t0) * row;
+  const int dst = tid == 0 ? O_KC : tid == 1 ? O_VC : tid == 2 ? O_KS : tid == 3 ? O_KZ : tid == 4 ? O_VS : O_VZ;
+  bdesc[tid] = BulkDesc{static_cast<unsigned int>(src), static_cast<unsigned int>(src >> 32), TILE * row,
+                        static_cast<unsigned int>(dst)};
+}
+if (lane < NSTAGE) {
+  vx_mbar_init(my_bar + lane, 1);
+}
+vx_mbar_fence_init();
+VX_BARRIER();
+#endif
 
 // rows [tb, tb + 16) of a plane of code words (rows past T repeat row T - 1)
 auto copy_codes = [&](unsigned int* dst, const Plane& pl, const int64_t* st, int words, int tb) {
@@ -264,6 +296,24 @@ auto copy_scales = [&](unsigned int* dst, const Plane& pl, const int64_t* st, in
 auto issue = [&](int tile, int stage) {
   unsigned int* st = my_ring + stage * SW;
   const int tb = t0 + tile * TILE;
+#if VX_HAS_BULK
+  if (bulk) {
+    if (tb + TILE <= T) {
+      if (lane == 0) {
+        vx_mbar_arrive_tx(my_bar + stage, BULK_BYTES);
+      }
+      if (lane < 6) {
+        const BulkDesc d = bdesc[lane];
+        const uint64_t src = ((static_cast<uint64_t>(d.hi) << 32) | d.lo) + static_cast<uint64_t>(tile) * d.bytes;
+        vx_bulk_copy(st + d.dst, reinterpret_cast<const void*>(src), d.bytes, my_bar + stage);
+      }
+      return;
+    }
+    if (lane == 0) {  // the stage's phase completes at once; cp.async brings the data
+      vx_mbar_arrive(my_bar + stage);
+    }
+  }
+#endif
   copy_codes(st + O_KC, kcp, kc_strides.data(), KWT, tb);
   copy_codes(st + O_VC, vcp, vc_strides.data(), VWT, tb);
   copy_scales(st + O_KS, kap, ka_strides.data(), KG, KSW, tb);
@@ -292,38 +342,14 @@ float lrow = 0.0f;  // this lane's share of the row's sum
 const int kg0 = (t * KCL) / KGROUP;  // first key group of this lane's channels
 const int vg0 = (g * VCL) / VGROUP;  // first value group of this lane's channels
 
-// this warp's tiles: warp, warp + NWARPS, ...
-const int nmine = warp < ntiles ? (ntiles - warp + NWARPS - 1) / NWARPS : 0;
-#pragma unroll
-for (int s = 0; s < NSTAGE - 1; ++s) {
-  if (s < nmine) {
-    issue(warp + s * NWARPS, s);
-  }
-  vx_cp_commit();  // an empty group keeps the count uniform
-}
-for (int k = 0; k < nmine; ++k) {
-  const int pre = k + NSTAGE - 1;
-  if (pre < nmine) {
-    issue(warp + pre * NWARPS, pre % NSTAGE);
-  }
-  vx_cp_commit();
-  vx_cp_wait<NSTAGE - 1>();  // this lane's copies of tile k have landed
-  __syncwarp();              // and every lane's
-  const unsigned int* st = my_ring + (k % NSTAGE) * SW;
+// Scores of one step's NSUB sub-tiles from stage `st`: two n-tiles of 8 tokens (g and 8 + g)
+// each, each summed in two independent chains; sc[u][n][c] are the raw MMA accumulators (row g
+// of the C fragment: tokens 2t, 2t + 1 of n-tile n, elements 0 and 1; the lo rows in 2 and 3).
+auto score_step = [&](const unsigned int* st, float (&sc)[NSUB][2][2][4]) {
   const __half* sks = reinterpret_cast<const __half*>(st + O_KS);
   const __half* skz = reinterpret_cast<const __half*>(st + O_KZ);
-  const __half* svs = reinterpret_cast<const __half*>(st + O_VS);
-  const __half* svz = reinterpret_cast<const __half*>(st + O_VZ);
-  const int base = t0 + (warp + k * NWARPS) * TILE;
-
-  // scores of the NSUB sub-tiles: two n-tiles of 8 tokens (g and 8 + g) each, each summed in
-  // two independent chains; this lane keeps four scores of row g per sub-tile (tokens 2t,
-  // 2t + 1, 2t + 8, 2t + 9: hi + lo rows)
-  float s4[NSUB][4];
-  bool v4[NSUB][4];
 #pragma unroll
   for (int u = 0; u < NSUB; ++u) {
-    float sc[2][2][4];
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
       const int tr = SUB * u + 8 * n + g;
@@ -343,7 +369,7 @@ for (int k = 0; k < nmine; ++k) {
       for (int c = 0; c < 2; ++c) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          sc[n][c][i] = 0.0f;
+          sc[u][n][c][i] = 0.0f;
         }
       }
 #pragma unroll
@@ -358,17 +384,82 @@ for (int k = 0; k < nmine; ++k) {
           const int lg = KCL > KGROUP ? (wl * KCW) / KGROUP : 0;
           bf[uu] = vx_dequant_at(pos < 8 ? kw[wl] : kw8[wl], pos & 7, KBITS, s2[lg], z2[lg]);
         }
-        vx_mma16816(sc[n][kk & 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], bf[0], bf[1]);
+        vx_mma16816(sc[u][n][kk & 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], bf[0], bf[1]);
       }
     }
+  }
+};
+// the tile's copies have landed: this lane's cp.async groups up to `ahead` newer ones, the
+// stage's bulk copies, and (after the warp barrier) every lane's
+auto wait_tile = [&](int k) {
+#if VX_HAS_BULK
+  if (bulk) {
+    vx_mbar_wait(my_bar + k % NSTAGE, (k / NSTAGE) & 1);
+  }
+#endif
+  (void)k;
+};
+
+// this warp's tiles: warp, warp + NWARPS, ...
+// Software pipeline (PIPE = 1, NSTAGE >= 3): step k issues the score MMAs of step k + 1 before
+// step k's softmax and value MMAs, so the score chain's latency (decode, MMA, MMA, ...) runs
+// under independent work instead of stalling every step; its accumulators wait in registers
+// for the next step. PIPE = 0 scores and consumes each step in turn.
+const int nmine = warp < ntiles ? (ntiles - warp + NWARPS - 1) / NWARPS : 0;
+#pragma unroll
+for (int s = 0; s < NSTAGE - 1; ++s) {
+  if (s < nmine) {
+    issue(warp + s * NWARPS, s);
+  }
+  vx_cp_commit();  // an empty group keeps the count uniform
+}
+float sc[NSUB][2][2][4];  // score accumulators of the step to consume (PIPE: computed one step early)
+if (PIPE && nmine > 0) {
+  vx_cp_wait<NSTAGE - 2>();
+  wait_tile(0);
+  __syncwarp();
+  score_step(my_ring, sc);
+}
+for (int k = 0; k < nmine; ++k) {
+  const int pre = k + NSTAGE - 1;
+  if (pre < nmine) {
+    issue(warp + pre * NWARPS, pre % NSTAGE);
+  }
+  vx_cp_commit();
+  const unsigned int* st = my_ring + (k % NSTAGE) * SW;
+  const __half* svs = reinterpret_cast<const __half*>(st + O_VS);
+  const __half* svz = reinterpret_cast<const __half*>(st + O_VZ);
+  const int base = t0 + (warp + k * NWARPS) * TILE;
+  if (!PIPE) {
+    vx_cp_wait<NSTAGE - 1>();  // tile k
+    wait_tile(k);
+    __syncwarp();
+    score_step(st, sc);
+  }
+
+  // this step's scores: four of row g per sub-tile (tokens 2t, 2t + 1, 2t + 8, 2t + 9)
+  float s4[NSUB][4];
+  bool v4[NSUB][4];
+#pragma unroll
+  for (int u = 0; u < NSUB; ++u) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int n = i >> 1;
       const int c = i & 1;
-      s4[u][i] = QLO ? (sc[n][0][c] + sc[n][0][c + 2]) + (sc[n][1][c] + sc[n][1][c + 2])
-                     : (sc[n][0][c] + sc[n][1][c]) * sout;
+      s4[u][i] = QLO ? (sc[u][n][0][c] + sc[u][n][0][c + 2]) + (sc[u][n][1][c] + sc[u][n][1][c + 2])
+                     : (sc[u][n][0][c] + sc[u][n][1][c]) * sout;
       v4[u][i] = base + SUB * u + 8 * n + 2 * t + c < t1;
     }
+  }
+  if (PIPE) {
+    // the next step's scores (stage k + 1 < nmine has landed; past the last step the stage
+    // holds an earlier tile: finite codes whose scores are never used)
+    if (k + 1 < nmine) {
+      vx_cp_wait<NSTAGE - 2>();
+      wait_tile(k + 1);
+    }
+    __syncwarp();
+    score_step(my_ring + ((k + 1) % NSTAGE) * SW, sc);
   }
 
   // online softmax of row g over the step's TILE tokens: one vote decides whether any row's

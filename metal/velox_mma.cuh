@@ -51,6 +51,56 @@ VX_FN void vx_cp_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// Bulk copies (sm_90 and later): one thread copies `bytes` (a multiple of 16, both addresses
+// 16-byte aligned) from global to shared memory with the tensor memory accelerator, and the
+// copy's completion is counted on an mbarrier in shared memory (its transaction count). One
+// instruction per contiguous block instead of one 16-byte cp.async per lane and chunk.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define VX_HAS_BULK 1
+VX_FN unsigned int vx_smem(const void* p) {
+  return static_cast<unsigned int>(__cvta_generic_to_shared(p));
+}
+// an mbarrier expecting `count` arrivals per phase, made visible to the bulk-copy unit
+VX_FN void vx_mbar_init(unsigned long long* bar, unsigned int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(vx_smem(bar)), "r"(count) : "memory");
+}
+VX_FN void vx_mbar_fence_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// one arrival that also expects `bytes` of bulk copies in the current phase
+VX_FN void vx_mbar_arrive_tx(unsigned long long* bar, unsigned int bytes) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(
+                   vx_smem(bar)),
+               "r"(bytes)
+               : "memory");
+}
+// one arrival (a phase whose data came another way)
+VX_FN void vx_mbar_arrive(unsigned long long* bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(vx_smem(bar))
+               : "memory");
+}
+// wait until the phase of parity `parity` has completed (its bytes have landed)
+VX_FN void vx_mbar_wait(unsigned long long* bar, unsigned int parity) {
+  unsigned int done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(vx_smem(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+VX_FN void vx_bulk_copy(void* dst, const void* src, unsigned int bytes, unsigned long long* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+          vx_smem(dst)),
+      "l"(src), "r"(bytes), "r"(vx_smem(bar))
+      : "memory");
+}
+#else
+#define VX_HAS_BULK 0
+#endif
+
 #else  // CPU emulation (metal/shim/cuda_emu): the same semantics, computed lane by lane
 
 VX_FN unsigned int vx_and_or(unsigned int x, unsigned int m, unsigned int c) { return (x & m) | c; }
@@ -109,6 +159,18 @@ VX_FN void vx_cp_async16(void* dst, const void* src) { std::memcpy(dst, src, 16)
 VX_FN void vx_cp_commit() {}
 template <int N>
 VX_FN void vx_cp_wait() {}
+
+// bulk copies: synchronous copies, the mbarrier bookkeeping has nothing to wait for (the warp
+// barrier that follows every wait orders the lanes)
+#define VX_HAS_BULK 1
+VX_FN void vx_mbar_init(unsigned long long* bar, unsigned int) { *bar = 0; }
+VX_FN void vx_mbar_fence_init() {}
+VX_FN void vx_mbar_arrive_tx(unsigned long long*, unsigned int) {}
+VX_FN void vx_mbar_arrive(unsigned long long*) {}
+VX_FN void vx_mbar_wait(unsigned long long*, unsigned int) {}
+VX_FN void vx_bulk_copy(void* dst, const void* src, unsigned int bytes, unsigned long long*) {
+  std::memcpy(dst, src, bytes);
+}
 
 #endif  // VX_CUDA_EMULATE
 

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import os
 import re
@@ -310,9 +311,10 @@ def _mma_codes(bits: int, group: int, dtype=mx.float16) -> dk.Codes:
 
 
 def _mma_variants():
-    """The tensor-core kernel as the host builds it (register cap included), float32 and
-    float16 queries."""
+    """The tensor-core kernel as the host builds it (register cap, weights' residual and
+    pipeline as the defaults set them), float32 and float16 queries."""
     out = []
+    plo = dk.mma_p_residual()
     for kb, vb, m, kg, vg, nw, sub, qd in (
         (4, 4, 4, 64, 64, 4, 1, F32),
         (4, 4, 4, 64, 64, 4, 1, H16),
@@ -328,7 +330,9 @@ def _mma_variants():
         assert dk.mma_supported(m, 128, k, v)
         stages = dk.mma_stages(128, k, v, nw, sub)
         assert stages >= 2
-        tmpl = dk.mma_template(128, k, v, m, nw, stages, sub, None, getattr(mx, qd[0]))
+        tmpl = dk.mma_template(
+            128, k, v, m, nw, stages, sub, None, getattr(mx, qd[0]), plo, dk.mma_pipeline()
+        )
         infos = [ArgInfo(*qd), *[ArgInfo(*a) for a in (U32, H16, H16)] * 2]
         spec = dk.mma_spec(nw, dk.mma_sm_blocks(nw, sub))
         out.append((spec, infos, ["float32"] * 2, tmpl))
@@ -370,6 +374,30 @@ def test_mma_launch_settings():
         assert 1 <= s <= t and (s == 1 or span >= dk.MMA_MIN_SPAN)
 
 
+def test_mma_splits_fill_whole_waves_of_the_sms(monkeypatch):
+    """With the SM count known, the split count fills whole waves of threadgroups (a partial
+    last wave costs nearly a full one): at 132 SMs and 3 threadgroups per SM, 8 KV heads take
+    49 splits (392 of 396 slots), 64 take 6 (384); the busiest SM's share of the context is
+    never more than with the block target."""
+    assert dk.sm_count() is None  # the CPU: no CUDA device
+    monkeypatch.setenv("VELOX_DECODE_SMS", "132")
+    assert dk.sm_count() == 132
+    assert dk.mma_splits(131072, 8, 4, 3) == 49
+    assert dk.mma_splits(131072, 64, 4, 3) == 6
+    assert dk.mma_splits(16384, 8, 4, 3) == 32  # at least MMA_MIN_SPAN tokens per split
+    slots = 132 * 3
+    for t, rows in ((131072, 8), (65536, 16), (131072, 64), (40000, 24), (700, 2)):
+        s = dk.mma_splits(t, rows, 4, 3)
+        assert 1 <= s <= t and (s == 1 or -(-t // s) >= dk.MMA_MIN_SPAN)
+        monkeypatch.setenv("VELOX_DECODE_BLOCKS", str(dk.MMA_BLOCKS))
+        old = dk.mma_splits(t, rows, 4, 3)
+        monkeypatch.delenv("VELOX_DECODE_BLOCKS")
+        assert -(-rows * s // slots) * -(-t // s) <= -(-rows * old // slots) * -(-t // old)
+    monkeypatch.setenv("VELOX_DECODE_SMS", "0")
+    with pytest.raises(ValueError, match="VELOX_DECODE_SMS"):
+        dk.sm_count()
+
+
 @needs_nvcc
 def test_tensor_core_instantiations_compile_within_their_register_cap(tmp_path):
     """The CUDA-only tensor-core decode kernel compiles for sm_90a under the register cap its
@@ -389,20 +417,26 @@ def test_tensor_core_instantiations_compile_within_their_register_cap(tmp_path):
 
 
 def _nvcc_without_spills(units: list[str], tmp_path, spill_bytes: int = 0) -> str:
-    """Compile CUDA units with nvcc for sm_90a; assert success and spill stores of at most
-    ``spill_bytes`` per kernel; ptxas' log."""
-    cu = tmp_path / "kernels.cu"
-    cu.write_text("\n".join(units))
+    """Compile CUDA units with nvcc for sm_90a, each as its own translation unit (as MLX
+    compiles each kernel: a unit's ``__launch_bounds__`` re-definition of ``__global__`` must
+    not reach the next); assert success and spill stores of at most ``spill_bytes`` per
+    kernel; ptxas' logs in unit order."""
     inc = os.environ.get("VELOX_MLX_CUDA_INCLUDE") or str(shim_dir() / "cuda")
-    cmd = [NVCC, "-std=c++17", "-arch=sm_90a", "-Xptxas", "-v", "-I", inc, "-c", str(cu)]
-    res = subprocess.run(
-        [*cmd, "-o", str(tmp_path / "k.o")], capture_output=True, text=True, check=False
-    )
-    assert res.returncode == 0, res.stderr[-6000:]
-    found = re.findall(r"(\d+) bytes spill stores", res.stderr)
-    assert len(found) == len(units), res.stderr[-3000:]
-    assert all(int(f) <= spill_bytes for f in found), res.stderr[-3000:]
-    return res.stderr
+
+    def compile_unit(i: int) -> str:
+        cu = tmp_path / f"kernel{i}.cu"
+        cu.write_text(units[i])
+        cmd = [NVCC, "-std=c++17", "-arch=sm_90a", "-Xptxas", "-v", "-I", inc, "-c", str(cu)]
+        res = subprocess.run(
+            [*cmd, "-o", str(tmp_path / f"k{i}.o")], capture_output=True, text=True, check=False
+        )
+        assert res.returncode == 0, res.stderr[-6000:]
+        found = re.findall(r"(\d+) bytes spill stores", res.stderr)
+        assert len(found) == 1 and int(found[0]) <= spill_bytes, res.stderr[-3000:]
+        return res.stderr
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        return "".join(pool.map(compile_unit, range(len(units))))
 
 
 @needs_nvcc
@@ -634,10 +668,15 @@ MMA_CASES = {
     "small-groups-k16-v8": (1, 2, 90, 4, 4, 4, 16, 8, 2, 2, 2, 0),
     "4bit-fp16-query": (1, 2, 130, 4, 4, 4, 64, 64, 4, 1, 2, 0),
     "2bit-fp16-query-gqa8-strided": (2, 1, 70, 8, 2, 2, 64, 64, 2, 2, 2, 5),
-    "4bit-fp16-weights": (1, 2, 130, 4, 4, 4, 64, 64, 4, 1, 2, 0),
+    "4bit-weights-residual": (1, 2, 130, 4, 4, 4, 64, 64, 4, 1, 2, 0),
+    "4bit-no-pipeline": (1, 2, 130, 4, 4, 4, 64, 64, 4, 1, 3, 0),
+    "4bit-fp16-query-long-ring": (1, 2, 1500, 4, 4, 4, 64, 64, 4, 1, 1, 0),  # 23 steps a warp
 }
-FP16_QUERY = {"4bit-fp16-query", "2bit-fp16-query-gqa8-strided"}  # QLO = 0: no lo rows
-FP16_WEIGHTS = {"4bit-fp16-weights"}  # PLO = 0: P rounded to fp16, no residual MMA
+FP16_QUERY = {"4bit-fp16-query", "2bit-fp16-query-gqa8-strided", "4bit-fp16-query-long-ring"}
+# PLO = 1: the weights P as fp16 plus their residual (two value MMAs, no pipeline); the other
+# cases round P to fp16 (the default) and score one step ahead where the ring has 3 stages
+P_RESIDUAL = {"4bit-weights-residual", "8bit-gqa8-g32"}
+NO_PIPELINE = {"4bit-no-pipeline"}
 
 
 def _padded(x, pad: int):
@@ -678,10 +717,10 @@ def mma_emulated(tmp_path_factory):
         ins = [np_input(q)] + [
             _padded(x, pad) for x in (keys.codes, keys.a, keys.b, vals.codes, vals.a, vals.b)
         ]
-        tmpl = dk.mma_template(
-            128, keys, vals, m, nw, stages, sub, None, q.dtype, name not in FP16_WEIGHTS
-        )
+        pres, pipe = name in P_RESIDUAL, name not in NO_PIPELINE
+        tmpl = dk.mma_template(128, keys, vals, m, nw, stages, sub, None, q.dtype, pres, pipe)
         assert dict(tmpl)["QLO"] == (0 if name in FP16_QUERY else 1)
+        assert dict(tmpl)["PIPE"] == int(pipe and not pres and stages >= 3)
         spec = dk.mma_spec(nw, dk.mma_sm_blocks(nw, sub))
         handle = emu.kernel(spec, ins, ["float32"] * 2, tmpl)
         launch = ((s * nw * 32, b * h, 1), (nw * 32, 1, 1))
@@ -710,8 +749,8 @@ def test_tensor_core_kernel_matches_the_reference(mma_emulated, name):
     o, mm, ll = emu.run(merge, [o_part, ml], [(b, h, m, d), (b, h, m, 1), (b, h, m, 1)], mgrid, mtg)
     want = np.asarray(mx.softmax(scores, axis=-1) @ vd)
     got = o / ll
-    # fp16 weights: each rounded to 2^-11 relative; else exact to float32 sums
-    tol = 1e-3 if name in FP16_WEIGHTS else 1e-5
+    # fp16 weights: each rounded to 2^-11 relative; with the residual exact to float32 sums
+    tol = 1e-5 if name in P_RESIDUAL else 1e-3
     assert np.abs(got - want).max() <= tol * max(1.0, np.abs(want).max()), name
     top = np.asarray(mx.max(scores, axis=-1, keepdims=True))
     assert np.all(mm <= top + 1e-4) and np.all(mm >= top - 8 * math.log(2) - 1e-4)

@@ -25,6 +25,7 @@ Shapes:
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import math
@@ -55,6 +56,7 @@ __all__ = [
     "merge_splits_fp16",
     "mma_enabled",
     "mma_p_residual",
+    "mma_pipeline",
     "mma_sm_blocks",
     "mma_spec",
     "mma_splits",
@@ -338,7 +340,8 @@ def mma_supported(m: int, dim: int, keys: Codes, values: Codes) -> bool:
     return _mma_side(keys, dim, dim // 4) and _mma_side(values, dim, dim // 8)
 
 
-MMA_SMEM = 48 * 1024 - 512  # static shared memory of one threadgroup (the rest: row stats)
+# static shared memory of one threadgroup (the rest of 48 KiB: row stats and mbarriers)
+MMA_SMEM = 48 * 1024 - 1024
 
 
 MMA_SUBTILES = 1  # 16-token MMA tiles per loop step (VELOX_DECODE_SUBTILES: 1 or 2)
@@ -387,10 +390,21 @@ def mma_spec(nwarps: int, sm_blocks: int) -> KernelSpec:
 
 def mma_p_residual() -> bool:
     """Whether the tensor-core kernel carries the softmax weights' fp16 rounding residual (a
-    second value MMA): ``VELOX_DECODE_P_RESIDUAL`` (default 1)."""
-    v = os.environ.get("VELOX_DECODE_P_RESIDUAL", "1").strip()
+    second value MMA): ``VELOX_DECODE_P_RESIDUAL`` (default 0: the weights rounded to fp16, as
+    flash attention does; about 2^-11 relative per weight)."""
+    v = os.environ.get("VELOX_DECODE_P_RESIDUAL", "0").strip()
     if v not in ("0", "1"):
         raise ValueError(f"VELOX_DECODE_P_RESIDUAL must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
+def mma_pipeline() -> bool:
+    """Whether the tensor-core kernel scores the next step before consuming the current one
+    (a software pipeline; it needs at least 3 ring stages and applies without the weights'
+    residual, see :func:`mma_template`): ``VELOX_DECODE_PIPELINE`` (default 1)."""
+    v = os.environ.get("VELOX_DECODE_PIPELINE", "1").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"VELOX_DECODE_PIPELINE must be 0 or 1, got {v!r}")
     return v == "1"
 
 
@@ -422,13 +436,64 @@ def mma_stages(dim: int, keys: Codes, values: Codes, nwarps: int, subtiles: int 
     return fit[0] if fit else 0
 
 
-def mma_splits(tokens: int, rows: int, nwarps: int) -> int:
-    """Splits for the tensor-core kernel: about ``VELOX_DECODE_BLOCKS`` threadgroups (default
-    :data:`MMA_BLOCKS`), at least :data:`MMA_MIN_SPAN` tokens each (no upper bound: its
-    softmax is online)."""
-    target = int(os.environ.get("VELOX_DECODE_BLOCKS", MMA_BLOCKS))
-    want = max(1, math.ceil(target / max(1, rows)))
-    s = max(1, min(want, tokens // max(MMA_MIN_SPAN, 32 * nwarps)))
+@functools.cache
+def _sm_count(ordinal: int) -> int | None:
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        dev, value = ctypes.c_int(), ctypes.c_int()
+        if lib.cuInit(0) or lib.cuDeviceGet(ctypes.byref(dev), ordinal):
+            return None
+        # CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+        if lib.cuDeviceGetAttribute(ctypes.byref(value), 16, dev):
+            return None
+    except (OSError, AttributeError):
+        return None
+    return value.value if value.value > 0 else None
+
+
+def sm_count() -> int | None:
+    """Streaming multiprocessors of the CUDA device MLX computes on (``VELOX_DECODE_SMS``, else
+    the CUDA driver's count), or None where neither is known."""
+    want = os.environ.get("VELOX_DECODE_SMS")
+    if want is not None:
+        n = int(want)
+        if n < 1:
+            raise ValueError(f"VELOX_DECODE_SMS must be a positive integer, got {n}")
+        return n
+    if _kernels.backend() != "cuda":
+        return None
+    return _sm_count(getattr(mx.default_device(), "index", 0) or 0)
+
+
+MMA_MAX_WAVES = 8  # waves of threadgroups the split count may take to even out the SMs' work
+MMA_SPLIT_COST = 256  # a split's fixed cost (filling the copy ring, merging warps), in tokens
+
+
+def mma_splits(tokens: int, rows: int, nwarps: int, sm_blocks: int = MMA_SM_BLOCKS) -> int:
+    """Splits for the tensor-core kernel, at least :data:`MMA_MIN_SPAN` tokens each (no upper
+    bound: its softmax is online).
+
+    Where the device's SM count is known (:func:`sm_count`), the split count is sized to whole
+    waves: ``rows x splits`` threadgroups run ``sm_blocks`` per SM at once (the register cap's
+    occupancy), and a partly filled last wave costs nearly as much as a full one, so the count
+    minimizes the busiest SM's work, ``waves x (tokens per split + MMA_SPLIT_COST)``, over
+    split counts that fill 1 to :data:`MMA_MAX_WAVES` waves. ``VELOX_DECODE_BLOCKS`` (or an
+    unknown SM count) asks for about that many threadgroups instead (default
+    :data:`MMA_BLOCKS`)."""
+    rows = max(1, rows)
+    most = max(1, tokens // max(MMA_MIN_SPAN, 32 * nwarps))
+    target = os.environ.get("VELOX_DECODE_BLOCKS")
+    sms = sm_count() if target is None else None
+    if sms is None:
+        s = min(max(1, math.ceil(int(target or MMA_BLOCKS) / rows)), most)
+    else:
+        slots = sms * (sm_blocks if sm_blocks > 0 else max(1, 8 // nwarps))
+        counts = {most} | {min(most, w * slots // rows) for w in range(1, MMA_MAX_WAVES + 1)}
+
+        def cost(c: int) -> tuple[int, int]:
+            return math.ceil(rows * c / slots) * (math.ceil(tokens / c) + MMA_SPLIT_COST), c
+
+        s = min((c for c in counts if c >= 1), key=cost, default=1)
     return math.ceil(tokens / math.ceil(tokens / s))
 
 
@@ -443,11 +508,14 @@ def mma_template(
     scale: float | None = None,
     query_dtype: mx.Dtype = mx.float32,
     p_residual: bool = True,
+    pipeline: bool = False,
 ) -> list[tuple[str, int]]:
     """The tensor-core body's compile-time constants (``decode_attention_mma.cu``). An fp16
     query goes into the MMA as it is (``QLO`` 0); any other dtype as fp16 hi and lo parts.
     ``p_residual``: the softmax weights as fp16 plus their rounding residual (``PLO`` 1), or
-    rounded to fp16 (one value MMA instead of two)."""
+    rounded to fp16 (one value MMA instead of two). ``pipeline``: score the next step before
+    consuming this one (``PIPE`` 1; it needs at least 3 ring stages and the registers the
+    residual would take, so only with ``p_residual`` off)."""
     return [
         ("HD", dim),
         ("KBITS", keys.bits),
@@ -461,6 +529,7 @@ def mma_template(
         ("QMUL", qmul_bits(scale)),
         ("QLO", 0 if query_dtype == mx.float16 else 1),
         ("PLO", int(p_residual)),
+        ("PIPE", int(pipeline and stages >= 3 and not p_residual)),
     ]
 
 
@@ -471,11 +540,6 @@ def _decode_mma(
     b, h, m, dim = q.shape
     t = keys.codes.shape[2]
     nwarps = mma_warps()
-    if splits is None:
-        s = mma_splits(t, b * h, nwarps)
-    else:
-        s = max(1, min(int(splits), t))
-        s = math.ceil(t / math.ceil(t / s))
     sub = mma_subtiles()
     stages = mma_stages(dim, keys, values, nwarps, sub)
     if stages == 0 and sub > 1:
@@ -483,11 +547,27 @@ def _decode_mma(
         stages = mma_stages(dim, keys, values, nwarps, sub)
     if stages == 0:
         return None
+    sm_blocks = mma_sm_blocks(nwarps, sub)
+    if splits is None:
+        s = mma_splits(t, b * h, nwarps, sm_blocks)
+    else:
+        s = max(1, min(int(splits), t))
+        s = math.ceil(t / math.ceil(t / s))
     nt = nwarps * 32
-    o_part, ml_part = mma_spec(nwarps, mma_sm_blocks(nwarps, sub)).kernel()(
+    o_part, ml_part = mma_spec(nwarps, sm_blocks).kernel()(
         inputs=[q, keys.codes, keys.a, keys.b, values.codes, values.a, values.b],
         template=mma_template(
-            dim, keys, values, m, nwarps, stages, sub, scale, q.dtype, mma_p_residual()
+            dim,
+            keys,
+            values,
+            m,
+            nwarps,
+            stages,
+            sub,
+            scale,
+            q.dtype,
+            mma_p_residual(),
+            mma_pipeline(),
         ),
         grid=(s * nt, b * h, 1),
         threadgroup=(nt, 1, 1),
