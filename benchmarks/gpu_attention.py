@@ -553,47 +553,47 @@ def section_attention(quick: bool) -> None:
     if OPTIONS.get("batches"):
         batches = OPTIONS["batches"]
     copy_bw = RESULTS["bandwidth"].get("copy_GBps")
-    for b in batches:
-        for t in contexts:
-            if over_budget(f"attention B{b} T{t}"):
-                return
-            rows = attention_shape(b, t, quick)
-            ref = {r["method"]: r for r in rows if "ms" in r}
-            fp16 = ref.get("fp16 sdpa")
-            for r in rows:
-                if "ms" not in r:
-                    continue
-                if fp16:
-                    r["speedup_vs_fp16"] = fp16["ms"] / r["ms"]
-                    if "eval_ms" in fp16 and "eval_ms" in r:
-                        r["eval_speedup_vs_fp16"] = fp16["eval_ms"] / r["eval_ms"]
-                mlx = ref.get(f"mlx-lm q{r['bits']}")
-                if mlx and r["method"].startswith("velox"):
-                    r["speedup_vs_mlx_lm"] = mlx["ms"] / r["ms"]
-                    if "eval_ms" in mlx and "eval_ms" in r:
-                        r["eval_speedup_vs_mlx_lm"] = mlx["eval_ms"] / r["eval_ms"]
-                if copy_bw:
-                    r["pct_copy_bw"] = 100.0 * r["GBps"] / copy_bw
-            for r in rows:
-                RESULTS["attention"].append(r)
-                if "ms" in r:
-                    extra = ""
-                    if "speedup_vs_fp16" in r:
-                        extra += f"  x{r['speedup_vs_fp16']:.2f} vs fp16"
-                    if "speedup_vs_mlx_lm" in r:
-                        extra += f"  x{r['speedup_vs_mlx_lm']:.1f} vs mlx-lm"
-                    if "eval_ms" in r:
-                        extra += f"  (evaluation alone {r['eval_ms']:.3f} ms"
-                        if "eval_speedup_vs_fp16" in r:
-                            extra += f", x{r['eval_speedup_vs_fp16']:.2f} vs fp16"
-                        extra += ")"
-                    print(
-                        f"  B{b} T{t:6d} {r['method']:20s} {r['ms']:8.3f} ms "
-                        f"{r['GBps']:7.0f} GB/s{extra}"
-                    )
-                else:
-                    print(f"  B{b} T{t:6d} {r['method']:20s} error: {r.get('error')}")
-            mx.clear_cache()
+    shapes = OPTIONS.get("shapes") or [(b, t) for b in batches for t in contexts]
+    for b, t in shapes:
+        if over_budget(f"attention B{b} T{t}"):
+            return
+        rows = attention_shape(b, t, quick)
+        ref = {r["method"]: r for r in rows if "ms" in r}
+        fp16 = ref.get("fp16 sdpa")
+        for r in rows:
+            if "ms" not in r:
+                continue
+            if fp16:
+                r["speedup_vs_fp16"] = fp16["ms"] / r["ms"]
+                if "eval_ms" in fp16 and "eval_ms" in r:
+                    r["eval_speedup_vs_fp16"] = fp16["eval_ms"] / r["eval_ms"]
+            mlx = ref.get(f"mlx-lm q{r['bits']}")
+            if mlx and r["method"].startswith("velox"):
+                r["speedup_vs_mlx_lm"] = mlx["ms"] / r["ms"]
+                if "eval_ms" in mlx and "eval_ms" in r:
+                    r["eval_speedup_vs_mlx_lm"] = mlx["eval_ms"] / r["eval_ms"]
+            if copy_bw:
+                r["pct_copy_bw"] = 100.0 * r["GBps"] / copy_bw
+        for r in rows:
+            RESULTS["attention"].append(r)
+            if "ms" in r:
+                extra = ""
+                if "speedup_vs_fp16" in r:
+                    extra += f"  x{r['speedup_vs_fp16']:.2f} vs fp16"
+                if "speedup_vs_mlx_lm" in r:
+                    extra += f"  x{r['speedup_vs_mlx_lm']:.1f} vs mlx-lm"
+                if "eval_ms" in r:
+                    extra += f"  (evaluation alone {r['eval_ms']:.3f} ms"
+                    if "eval_speedup_vs_fp16" in r:
+                        extra += f", x{r['eval_speedup_vs_fp16']:.2f} vs fp16"
+                    extra += ")"
+                print(
+                    f"  B{b} T{t:6d} {r['method']:20s} {r['ms']:8.3f} ms "
+                    f"{r['GBps']:7.0f} GB/s{extra}"
+                )
+            else:
+                print(f"  B{b} T{t:6d} {r['method']:20s} error: {r.get('error')}")
+        mx.clear_cache()
 
 
 def time_methods(methods, b: int, t: int, quick: bool) -> list[dict]:
@@ -647,16 +647,17 @@ def section_tuning(quick: bool) -> None:
     """The kernel's launch settings at the longest context (to pick defaults on this GPU)."""
     print("\n== b2. decode kernel launch settings (longest context) ==")
     t = 2048 if quick else 131072
-    # the tensor-core kernel's settings: (warps, 16-token tiles per step, blocks, ring stages,
-    # threadgroups per SM of the register cap, fp16 weights' residual; 0 / None: its default).
-    # Earlier sweeps (blocks 256-8192, caps 0/3/4, stages 2): docs/data/*mma2*.json
+    # the tensor-core kernel's settings: (warps, 16-token tiles per step, blocks (None: splits
+    # sized to whole waves of the SMs), ring stages, threadgroups per SM of the register cap,
+    # fp16 weights' residual, software pipeline; 0 / None: its default). Earlier sweeps
+    # (blocks 256-8192, caps 0/3/4, stages 2): docs/data/*mma2*.json
     variants = [
-        (4, 1, 512, 0, None, 1),
-        (4, 1, 512, 0, None, 0),
-        (4, 2, 512, 0, 3, 1),
-        (4, 2, 512, 0, None, 1),
-        (2, 2, 512, 0, None, 1),
-        (2, 1, 512, 0, None, 1),
+        (4, 1, None, 0, None, 0, 1),
+        (4, 1, 512, 0, None, 0, 1),
+        (4, 1, None, 0, None, 0, 0),
+        (4, 1, None, 0, None, 1, 0),
+        (2, 1, None, 0, None, 0, 1),
+        (4, 2, None, 0, None, 0, 1),
     ]
     batches = (1,) if quick else (OPTIONS.get("batches") or (1, 8))
     if quick:
@@ -667,25 +668,28 @@ def section_tuning(quick: bool) -> None:
                 return
             methods = make_methods(b, t, seed=99, bits_mlx=(), bits_uniform=(bits,), bits_tq=())
             name, _, call, nb = methods[1]
-            for warps, sub, blocks, stages, smb, pres in variants:
+            for warps, sub, blocks, stages, smb, pres, pipe in variants:
                 extra = {"VELOX_DECODE_STAGES": stages} if stages else {}
                 if smb is not None:
                     extra["VELOX_DECODE_MMA_SM_BLOCKS"] = smb
+                if blocks is not None:
+                    extra["VELOX_DECODE_BLOCKS"] = blocks
                 setting = {
                     "warps": warps,
                     "subtiles": sub,
-                    "blocks": blocks,
+                    "blocks": "waves" if blocks is None else blocks,
                     "stages": stages or "default",
                     "sm_blocks": "default" if smb is None else smb,
                     "p_residual": pres,
+                    "pipeline": pipe,
                 }
                 label = " ".join(f"{k}={v}" for k, v in setting.items())
                 row = {"method": name, "batch": b, "context": t, **setting}
                 with env(
                     VELOX_DECODE_MMA_WARPS=warps,
                     VELOX_DECODE_SUBTILES=sub,
-                    VELOX_DECODE_BLOCKS=blocks,
                     VELOX_DECODE_P_RESIDUAL=pres,
+                    VELOX_DECODE_PIPELINE=pipe,
                     **extra,
                 ):
                     try:
@@ -863,6 +867,12 @@ def device_info() -> dict:
         info.update({k: str(v) for k, v in mx.device_info().items()})
     except Exception:
         pass
+    try:
+        from velox_core.kernels.decode import sm_count
+
+        info["sm_count"] = sm_count()  # what sizes the tensor-core kernel's splits
+    except Exception as exc:
+        info["sm_count"] = repr(exc)
     return info
 
 
@@ -924,6 +934,12 @@ def main() -> int:
     parser.add_argument("--contexts", default="", help="attention contexts, e.g. 16384,131072")
     parser.add_argument("--batches", default="", help="attention batch sizes, e.g. 1,8")
     parser.add_argument(
+        "--shapes",
+        default="",
+        help="attention shapes in this order, BxT, e.g. 1x131072,8x131072 (instead of the "
+        "batches x contexts grid)",
+    )
+    parser.add_argument(
         "--budget", type=float, default=BUDGET_S, help="seconds after which no new shape starts"
     )
     parser.add_argument("--mlx-lm", default=None, help=argparse.SUPPRESS)  # B,T: child rows
@@ -931,6 +947,14 @@ def main() -> int:
     OPTIONS["budget"] = args.budget
     OPTIONS["contexts"] = tuple(int(x) for x in args.contexts.split(",") if x.strip())
     OPTIONS["batches"] = tuple(int(x) for x in args.batches.split(",") if x.strip())
+    try:
+        OPTIONS["shapes"] = [
+            tuple(int(v) for v in x.lower().split("x")) for x in args.shapes.split(",") if x.strip()
+        ]
+    except ValueError:
+        parser.error(f"--shapes takes BxT items such as 1x131072, got {args.shapes!r}")
+    if any(len(x) != 2 or min(x) < 1 for x in OPTIONS["shapes"]):
+        parser.error(f"--shapes takes BxT items such as 1x131072, got {args.shapes!r}")
     if args.mlx_lm:
         b, t = (int(x) for x in args.mlx_lm.split(","))
         methods = make_methods(b, t, seed=t + b, bits_mlx=(2, 4, 8), bits_uniform=(), bits_tq=())
