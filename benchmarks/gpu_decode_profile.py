@@ -1,0 +1,337 @@
+"""Where the tensor-core decode kernel spends its time (CUDA GPU): source variants and timers.
+
+Without a GPU profiler on the machine, this script answers "what limits the kernel" by
+measurement. It builds ``metal/decode_attention_mma.cu`` as the library does (same template,
+launch bounds and splits), then:
+
+* **variants**: the kernel alone, timed against fp16 ``mx.fast.scaled_dot_product_attention``
+  in the same run (evaluation only, median of repeats), as shipped and with one part removed
+  by a text edit of the source: no copies (computing on whatever shared memory holds), no
+  key MMAs or no value MMAs (each replaced by a fold that keeps its inputs live), no value
+  step at all, no exponentials, the copies alone; plus template settings (the weights'
+  residual, the software pipeline). The edited kernels compute wrong results on purpose:
+  only their time is of interest. An edit that no longer matches the source stops the run
+  with the text it looked for.
+* **timers**: the shipped kernel with ``%globaltimer`` and ``clock64`` read at its start,
+  around its tile loop and at its end (one thread per threadgroup writes them over its
+  ``ml_part`` row): the kernel's span on the GPU, the threadgroups' start spread, prologue /
+  loop / epilogue time, the SM clock under load and the time per 16-token tile.
+
+Run on the GPU machine from the repository root::
+
+    source .gpu/wheels/activate && python3 benchmarks/gpu_decode_profile.py
+
+``--shapes 1x131072,8x131072`` (batch x context, 32 query heads, 8 KV heads, head dim 128),
+``--bits 4,2``, ``--skip variants`` or ``--skip timers``. Writes
+``$OUT/gpu_decode_profile.json`` (``./out`` without ``$OUT``). About a minute per shape on
+an H200, first-call compiles included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+import velox_core.kernels.build as build
+from velox_core import Uniform
+from velox_core.kernels import decode as dk
+
+SOURCE = "decode_attention_mma.cu"
+_ORIGINAL = build.kernel_source
+_VARIANTS: dict[str, str] = {}
+
+
+def _kernel_source(name: str, package: str = "velox_core") -> str:
+    if name.startswith("variant:"):
+        return _VARIANTS[name.split(":", 1)[1]]
+    return _ORIGINAL(name, package)
+
+
+def install() -> None:
+    """Route ``variant:<name>`` sources to the edited kernels (KernelSpec.body reads sources
+    through ``velox_core.kernels.build.kernel_source``)."""
+    src = _ORIGINAL(SOURCE)
+    _VARIANTS.update(make_variants(src))
+    _VARIANTS["timed"] = timed_source(src)
+    build.kernel_source = _kernel_source
+
+
+def edit(src: str, old: str, new: str) -> str:
+    if old not in src:
+        raise SystemExit(f"the kernel source changed: variant edit not found:\n{old}")
+    return src.replace(old, new, 1)
+
+
+def between(src: str, start: str, end: str, new: str) -> str:
+    if start not in src or end not in src:
+        raise SystemExit(f"the kernel source changed: markers not found: {start!r} {end!r}")
+    return src[: src.index(start)] + new + src[src.index(end) :]
+
+
+def make_variants(src: str) -> dict[str, str]:
+    """The kernel source with one part removed, by name."""
+    v = {"shipped": src}
+    s = edit(
+        src,
+        "auto issue = [&](int tile, int stage) {\n",
+        "auto issue = [&](int tile, int stage) {\n"
+        "  if (tile >= 0 || stage >= 0) {\n    return;\n  }\n",
+    )
+    v["no copies"] = edit(s, "    vx_mbar_wait(my_bar + k", "    if (0) vx_mbar_wait(my_bar + k")
+    v["no key MMAs"] = edit(
+        src,
+        "        vx_mma16816(sc[u][n][kk & 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], "
+        "bf[0], bf[1]);",
+        "        sc[u][n][kk & 1][0] += __uint_as_float(bf[0] ^ bf[1] ^ qa[kk][0]);",
+    )
+    v["no value MMAs"] = edit(
+        edit(
+            src,
+            "      vx_mma16816(oacc[j], af[0], af[1], af[2], af[3], pb[u][0][0], pb[u][0][1]);",
+            "      oacc[j][0] += __uint_as_float(af[0] ^ af[1] ^ af[2] ^ af[3] ^ pb[u][0][0]);",
+        ),
+        "        vx_mma16816(oacc[j], af[0], af[1], af[2], af[3], pb[u][1][0], pb[u][1][1]);",
+        "        oacc[j][1] += __uint_as_float(af[0] ^ pb[u][1][0]);",
+    )
+    consume = "  oacc[0][0] += __uint_as_float(pb[0][0][0] ^ pb[0][0][1] ^ st[O_VC + lane]);\n"
+    v["no value step"] = between(
+        src, "  // values: the lane's words", "  __syncwarp();  // every lane is done", consume
+    )
+    v["no exponentials"] = edit(
+        src,
+        "      p4[i] = v4[u][i] ? vx_exp2(s4[u][i] - mrow) : 0.0f;",
+        "      p4[i] = v4[u][i] ? (s4[u][i] - mrow) : 0.0f;",
+    )
+    copies = between(
+        v["no value step"],
+        "auto score_step = [&](const unsigned int* st, float (&sc)[NSUB][2][2][4]) {\n",
+        "// the tile's copies have landed",
+        "auto score_step = [&](const unsigned int* st, float (&sc)[NSUB][2][2][4]) {\n"
+        "  sc[0][0][0][0] = __uint_as_float(st[O_KC + lane] ^ st[O_KS + (lane & 7)]);\n};\n",
+    )
+    v["copies alone"] = copies
+    return v
+
+
+TIMED = """
+VX_BARRIER();
+if (tid == 0) {
+  unsigned long long gt3;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt3));
+  float* w = ml_part + row0 * 2;
+  w[0] = __uint_as_float((unsigned)gt0);
+  w[1] = __uint_as_float((unsigned)(gt0 >> 32));
+  w[2] = __uint_as_float((unsigned)gt1);
+  w[3] = __uint_as_float((unsigned)gt2);
+  w[4] = __uint_as_float((unsigned)gt3);
+  w[5] = (float)(ck1 - ck0);
+  w[6] = (float)nmine;
+}
+"""
+
+
+def timed_source(src: str) -> str:
+    """The shipped kernel with timers; thread 0 writes them over its threadgroup's ml_part
+    row block (needs MROWS >= 4: 7 floats)."""
+    gt = 'unsigned long long gt{0}; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt{0}));\n'
+    s = edit(
+        src,
+        "const int ntiles = t1 > t0 ? (t1 - t0 + TILE - 1) / TILE : 0;\n",
+        "const int ntiles = t1 > t0 ? (t1 - t0 + TILE - 1) / TILE : 0;\n" + gt.format(0),
+    )
+    s = edit(
+        s,
+        "for (int k = 0; k < nmine; ++k) {\n",
+        gt.format(1) + "long long ck0 = clock64();\nfor (int k = 0; k < nmine; ++k) {\n",
+    )
+    s = edit(
+        s, "vx_cp_wait<0>();\n", "vx_cp_wait<0>();\nlong long ck1 = clock64();\n" + gt.format(2)
+    )
+    return s.rstrip() + "\n" + TIMED
+
+
+def timeit(fn, warmup: int = 3, reps: int = 7, inner: int = 20) -> float:
+    """Median ms per call of the evaluation alone (``inner`` calls evaluated together)."""
+    for _ in range(warmup):
+        mx.eval(fn())
+    mx.synchronize()
+    times = []
+    for _ in range(reps):
+        outs = [fn() for _ in range(inner)]
+        t0 = time.perf_counter()
+        mx.eval(outs)
+        mx.synchronize()
+        times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times) * 1e3
+
+
+def launcher(variant: str, q, keys, values, p_residual=None, pipeline=None):
+    """A call of the tensor-core kernel (source ``variant``) as the library launches it."""
+    b, h, m, d = q.shape
+    t = keys.codes.shape[2]
+    nwarps, sub = dk.mma_warps(), 1
+    stages = dk.mma_stages(d, keys, values, nwarps, sub)
+    sm_blocks = dk.mma_sm_blocks(nwarps, sub)
+    splits = dk.mma_splits(t, b * h, nwarps, sm_blocks)
+    pres = dk.mma_p_residual() if p_residual is None else p_residual
+    pipe = dk.mma_pipeline() if pipeline is None else pipeline
+    base = dk.mma_spec(nwarps, sm_blocks)
+    tag = f"{abs(hash(variant)) % 10**8}"
+    spec = dataclasses.replace(base, name=f"{base.name}_v{tag}", source="variant:" + variant)
+    kernel = spec.kernel()
+    tmpl = dk.mma_template(d, keys, values, m, nwarps, stages, sub, d**-0.5, q.dtype, pres, pipe)
+    inputs = [q, keys.codes, keys.a, keys.b, values.codes, values.a, values.b]
+
+    def call():
+        return kernel(
+            inputs=inputs,
+            template=tmpl,
+            grid=(splits * nwarps * 32, b * h, 1),
+            threadgroup=(nwarps * 32, 1, 1),
+            output_shapes=[(b, h, splits, m, d), (b, h, splits, m, 2)],
+            output_dtypes=[mx.float32, mx.float32],
+        )
+
+    return call, dict(splits=splits, stages=stages, p_residual=int(pres), pipeline=int(pipe))
+
+
+def shape_data(b: int, t: int, bits: int):
+    hq, hk, d = 32, 8, 128
+    k1, k2, k3 = mx.random.split(mx.random.key(t + b), 3)
+    k = mx.random.normal((b, hk, t, d), key=k1).astype(mx.float16)
+    v = mx.random.normal((b, hk, t, d), key=k2).astype(mx.float16)
+    q = mx.random.normal((b, hq, 1, d), key=k3).astype(mx.float16)
+    codec = Uniform(bits)
+    kp, vp = codec.encode(k), codec.encode(v)
+    mx.eval(k, v, q, kp.data, vp.data)
+    keys = dk.Codes(dk.AFFINE, bits, codec.group, *(kp.data[n] for n in ("codes", "scale", "zero")))
+    values = dk.Codes(
+        dk.AFFINE, bits, codec.group, *(vp.data[n] for n in ("codes", "scale", "zero"))
+    )
+    return k, v, q, q.reshape(b, hk, hq // hk, d), keys, values
+
+
+def section_variants(b: int, t: int, bits: int, rows: list) -> None:
+    k, v, q, qg, keys, values = shape_data(b, t, bits)
+    fp16 = timeit(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=128**-0.5))
+    rows.append(dict(section="variants", batch=b, context=t, bits=bits, what="fp16 sdpa", ms=fp16))
+    print(f"  B{b} T{t} fp16 sdpa {fp16:.3f} ms", flush=True)
+    runs = [(name, {}) for name in _VARIANTS if name != "timed"]
+    runs += [("shipped", dict(p_residual=True)), ("shipped", dict(pipeline=False))]
+    for name, kw in runs:
+        call, info = launcher(name, qg, keys, values, **kw)
+        ms = timeit(call)
+        label = name + "".join(f" {k}={int(v)}" for k, v in kw.items())
+        rows.append(
+            dict(
+                section="variants",
+                batch=b,
+                context=t,
+                bits=bits,
+                what=label,
+                ms=ms,
+                x_fp16=fp16 / ms,
+                **info,
+            )
+        )
+        print(
+            f"  B{b} T{t} {bits}-bit {label:28s} {ms:.3f} ms  x{fp16 / ms:.2f} vs fp16", flush=True
+        )
+
+
+def section_timers(b: int, t: int, bits: int, rows: list) -> None:
+    _, _, _, qg, keys, values = shape_data(b, t, bits)
+    call, info = launcher("timed", qg, keys, values)
+    for _ in range(3):
+        _, ml = call()
+        mx.eval(ml)
+    mx.synchronize()
+    m = qg.shape[2]
+    w = np.array(ml).reshape(-1, 2 * m)[:, :7].copy()
+    u = w.view(np.uint32).astype(np.int64)
+    start = (u[:, 1] << 32) | u[:, 0]
+
+    def gap(x, y):
+        return ((y - x) % (1 << 32)).astype(np.float64)
+
+    pro, loop, epi = gap(u[:, 0], u[:, 2]), gap(u[:, 2], u[:, 3]), gap(u[:, 3], u[:, 4])
+    st = (start - start.min()).astype(np.float64)
+    end = st + pro + loop + epi
+    tiles = np.maximum(w[:, 6].astype(np.float64), 1)
+    ghz = np.median(w[:, 5] / np.maximum(loop, 1))
+    row = dict(
+        section="timers",
+        batch=b,
+        context=t,
+        bits=bits,
+        threadgroups=len(st),
+        span_us=end.max() / 1e3,
+        start_spread_us=st.max() / 1e3,
+        prologue_us=np.median(pro) / 1e3,
+        loop_us=np.median(loop) / 1e3,
+        loop_max_us=loop.max() / 1e3,
+        epilogue_us=np.median(epi) / 1e3,
+        sm_ghz=float(ghz),
+        tiles_per_warp=float(np.median(tiles)),
+        cycles_per_tile_per_warp=float(np.median(w[:, 5] / tiles)),
+        **info,
+    )
+    row = {k: (float(x) if isinstance(x, np.floating) else x) for k, x in row.items()}
+    rows.append(row)
+    print(
+        f"  B{b} T{t} {bits}-bit timers: span {row['span_us']:.1f} us, prologue "
+        f"{row['prologue_us']:.1f}, loop {row['loop_us']:.1f} ({row['tiles_per_warp']:.0f} tiles "
+        f"a warp, {row['cycles_per_tile_per_warp']:.0f} cycles each), epilogue "
+        f"{row['epilogue_us']:.1f}; SM clock {row['sm_ghz']:.2f} GHz",
+        flush=True,
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default="1x131072,8x131072", help="BxT items")
+    parser.add_argument("--bits", default="4,2", help="code widths (2, 4 or 8)")
+    parser.add_argument("--skip", default="", help="variants and/or timers")
+    args = parser.parse_args()
+    try:
+        shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(",")]
+        bits = [int(x) for x in args.bits.split(",")]
+    except ValueError:
+        parser.error("--shapes takes BxT items (1x131072) and --bits integers")
+    if any(len(s) != 2 or min(s) < 1 for s in shapes) or any(x not in dk.MMA_BITS for x in bits):
+        parser.error(f"--shapes takes BxT items and --bits values in {dk.MMA_BITS}")
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    from velox_core.kernels import backend
+
+    if backend() != "cuda":
+        print("gpu_decode_profile.py needs MLX's CUDA backend (the kernel is CUDA-only)")
+        return 2
+    install()
+    rows: list = []
+    print(f"SMs: {dk.sm_count()}; MLX {mx.__version__}", flush=True)
+    out = Path(os.environ.get("OUT") or "out")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "gpu_decode_profile.json"
+    device = {"mlx": mx.__version__, "sm_count": dk.sm_count()}
+    for b, t in shapes:
+        for w in bits:
+            if "variants" not in skip:
+                section_variants(b, t, w, rows)
+            if "timers" not in skip:
+                section_timers(b, t, w, rows)
+            path.write_text(json.dumps({"device": device, "rows": rows}, indent=1))  # so far
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""benchmarks/gpu_decode_profile.py edits the tensor-core kernel's source to time it with a
+part removed; its edits must keep matching the kernel (checked here, without a GPU) and the
+edited kernels must compile (with nvcc, where installed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from velox_core.kernels import decode as dk
+from velox_core.kernels.build import ArgInfo, cuda_source
+from velox_core.kernels.emulate import shim_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def profile():
+    spec = importlib.util.spec_from_file_location(
+        "gpu_decode_profile", ROOT / "benchmarks" / "gpu_decode_profile.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_decode_profile"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_variant_edits_the_current_kernel(profile):
+    src = profile._ORIGINAL(profile.SOURCE)
+    variants = profile.make_variants(src)
+    assert variants["shipped"] == src
+    edited = {name: text for name, text in variants.items() if name != "shipped"}
+    assert len(edited) >= 6 and all(text != src for text in edited.values())
+    assert len(set(edited.values())) == len(edited)  # no two edits collapse into one
+    timed = profile.timed_source(src)
+    assert timed.count("%%globaltimer") == 4 and timed.count("clock64()") == 2
+    with pytest.raises(SystemExit, match="variant edit not found"):
+        profile.edit(src, "no such text in the kernel", "")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_variants_compile(profile, tmp_path):
+    import dataclasses
+
+    src = profile._ORIGINAL(profile.SOURCE)
+    texts = {**profile.make_variants(src), "timed": profile.timed_source(src)}
+    profile._VARIANTS.update(texts)
+    old = profile.build.kernel_source
+    profile.build.kernel_source = profile._kernel_source
+    try:
+        z = mx.zeros((1,), mx.float16)
+        k = dk.Codes(dk.AFFINE, 4, 64, mx.zeros((1,), mx.uint32), z, z)
+        infos = [ArgInfo("float16", 4, 1 << 20)]
+        infos += [ArgInfo(*a) for a in (("uint32", 4, 1 << 20), *[("float16", 4, 1 << 20)] * 2)] * 2
+        tmpl = dk.mma_template(128, k, k, 4, 4, 4, 1, None, mx.float16, False, True)
+        for i, name in enumerate(texts):
+            spec = dataclasses.replace(dk.mma_spec(4, 3), name=f"v{i}", source="variant:" + name)
+            cu = tmp_path / f"v{i}.cu"
+            cu.write_text(cuda_source(spec, infos, ["float32"] * 2, tmpl)[0])
+            cmd = ["nvcc", "-std=c++17", "-arch=sm_90a", "-I", str(shim_dir() / "cuda"), "-c"]
+            res = subprocess.run(
+                [*cmd, str(cu), "-o", str(tmp_path / f"v{i}.o")], capture_output=True, text=True
+            )
+            assert res.returncode == 0, (name, res.stderr[-3000:])
+    finally:
+        profile.build.kernel_source = old
