@@ -123,6 +123,27 @@ def test_nbytes_counts_capacity_and_logical_excludes_it():
     assert c.nbytes > c.logical_nbytes  # 300 tokens in a 512-token buffer
 
 
+def test_exact_stores_stay_exact_and_ordered_through_appends_and_drops():
+    """A store sized exactly (the sinks' and window's) holds exactly its tokens after every
+    append and drop, in order: what a sliding window does on every decode step."""
+    from velox_core.cache.store import PackedStore
+
+    ident = Identity()
+    x = mx.arange(2 * 3 * 40 * 4, dtype=mx.float32).reshape(2, 3, 40, 4)
+    s = PackedStore(1)
+    s.append(ident.encode(x[:, :, :10]))
+    assert s.capacity == s.tokens == 10
+    for i in range(10, 40):
+        s.append(ident.encode(x[:, :, i : i + 1]))
+        assert s.capacity == s.tokens == 11
+        s.drop_front(1)
+        assert s.capacity == s.tokens == 10
+        assert mx.array_equal(s.view().data["x"], x[:, :, i - 9 : i + 1]).item()
+    s.append(ident.encode(x[:, :, :5]))
+    assert s.capacity == s.tokens == 15
+    assert mx.array_equal(s.view().data["x"][:, :, 10:], x[:, :, :5]).item()
+
+
 def test_bad_settings_raise_clear_errors():
     with pytest.raises(ValueError, match="bits"):
         UniformCache(bits=9)

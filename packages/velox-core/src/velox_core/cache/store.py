@@ -56,6 +56,16 @@ class PackedStore:
         ):
             raise ValueError("PackedStore.append: record layout differs from the store's")
         if self.buf is None or self.tokens + packed.tokens > self.capacity:
+            if self.step == 1:
+                # sized exactly: what is stored and the new tokens in one concatenation (one
+                # copy, instead of a zeroed buffer and two writes)
+                old = self.view()
+                if old is None:
+                    self.buf = packed.map(lambda _, a: mx.contiguous(a))
+                else:
+                    self.buf = Packed.concat([old, packed])
+                self.tokens += packed.tokens
+                return
             self._grow(packed, self.tokens + packed.tokens)
         start = self.tokens
         self.buf = self.buf.map(lambda k, a: _write(a, packed.data[k], self.buf.rows(k, start)))
