@@ -401,6 +401,17 @@ def section_checks(quick: bool) -> None:
     decode_check(
         "turboquant4 decode B1 H8 M1 T999", TurboQuant(4), TurboQuant(4, seed=1), 1, 8, 999, 1
     )
+    for bits in (2, 4):  # prod keys: Lloyd-Max codes and the residual's QJL sketch
+        decode_check(
+            f"turboquant{bits} prod keys decode B2 H8 M4 T{t_big // 2 + 1}",
+            TurboQuant(bits, "prod"),
+            TurboQuant(bits, seed=1),
+            2,
+            8,
+            t_big // 2 + 1,
+            4,
+            seed=30 + bits,
+        )
     cache_check(
         "UniformCache 4-bit window+sinks (buffer slice)",
         lambda: UniformCache(bits=4, window=32, sinks=4),
@@ -409,6 +420,11 @@ def section_checks(quick: bool) -> None:
     cache_check(
         "TurboQuantCache 3-bit (buffer slice)",
         lambda: TurboQuantCache(bits=3, window=16),
+        t=1200 if quick else 5000,
+    )
+    cache_check(
+        "TurboQuantCache 3-bit prod keys (buffer slice)",
+        lambda: TurboQuantCache(bits=3, key_variant="prod", window=16, sinks=4),
         t=1200 if quick else 5000,
     )
     for bits in (2, 3, 4, 5, 8):

@@ -20,6 +20,11 @@
 //
 // Codes: KKIND / VKIND 0 = affine per-group (x = scale * code + zero; scale/zero per
 // KGROUP / VGROUP channels), 1 = codebook (x = norm * levels[code], one norm per token).
+// KQJL = 1 (codebook keys only: TurboQuant_prod): each key also carries a 1-bit sketch of
+// its residual (ksg: bit e set for a positive sign of channel e of S r) and the residual's
+// norm (krn), and its score gains the QJL estimate of the residual's product:
+// norm * (sum_e q_e levels[c_e] + rnorm * sum_e qs_e sign_e), qs = the sketched query
+// (S q, times sqrt(pi/2) / D, from the host).
 // Affine codes are read as 1 + code / 2^bits (an exact float bit trick, no conversion), with
 // the scale and zero folded in per sub-block; codebook codes index a table in threadgroup
 // memory.
@@ -29,6 +34,8 @@
 //   ka, va  affine: scale (B, H, T, HD / group); codebook: norm (B, H, T)
 //   kb, vb  affine: zero  (B, H, T, HD / group); codebook: unused
 //   klv, vlv  codebook levels (2^bits, contiguous); unused for affine
+//   ksg (B, H, T, HD / 32) uint32 sign bits, krn (B, H, T) residual norms, qsk (B, H, MP, HD)
+//   float32 sketched query: KQJL = 1 only (else unused)
 // Outputs: o_part (B, H, S, MP, HD), ml_part (B, H, S, MP, 2) = (max, sum) in log2 units.
 // The host must choose S >= ceil(T / CH) (velox_core.kernels.decode.choose_splits); tokens
 // past CH in a split would be ignored.
@@ -121,6 +128,24 @@ for (int m = 0; m < MB; ++m) {
       qr[m][e] = act ? qv * qmul : 0.0f;
     }
   }
+  // the sketched query (KQJL), in the same log2 domain
+  constexpr int QS_M = KQJL ? MB : 1;
+  constexpr int QS_C = KQJL ? CPL : 1;
+  float qs[QS_M][QS_C];
+  if (KQJL) {
+    const int64_t sb0 = (int64_t)b * qsk_strides[0] + (int64_t)h * qsk_strides[1];
+#pragma unroll
+    for (int m = 0; m < QS_M; ++m) {
+#pragma unroll
+      for (int e = 0; e < QS_C; ++e) {
+        const int64_t off = sb0 + (int64_t)(mblk * MB + m) * qsk_strides[2] +
+                            (int64_t)(jc * CPL + e) * qsk_strides[3];
+        qs[m][e] = act ? static_cast<float>(qsk[off]) * qmul : 0.0f;
+      }
+    }
+  }
+  const int64_t ksg_b = KQJL ? (int64_t)b * ksg_strides[0] + (int64_t)h * ksg_strides[1] : 0;
+  const int64_t krn_b = KQJL ? (int64_t)b * krn_strides[0] + (int64_t)h * krn_strides[1] : 0;
   // per sub-block query sums (affine keys: zero point and the 1 + c / 2^bits offset)
   float kqs[MB][KNSUB];
 #pragma unroll
@@ -141,6 +166,8 @@ for (int m = 0; m < MB; ++m) {
 
   for (int it = t0; it < t1; it += STEP) {
     unsigned int kw[UNROLL][KW];
+    unsigned int ksw[UNROLL];  // KQJL: the lane's CPL sign bits, in the low bits
+    float krv[UNROLL];         // KQJL: the residual norm
     float ksc[UNROLL][KNSUB];
     float kzr[UNROLL][KNSUB];
     int tok[UNROLL];
@@ -157,6 +184,17 @@ for (int m = 0; m < MB; ++m) {
         const unsigned int raw = static_cast<unsigned int>(
             kc[kc_b + tk * kc_strides[2] + (int64_t)(jc * KW + w) * kc_strides[3]]);
         kw[r][w] = ld ? raw : 0u;
+      }
+      if (KQJL) {
+        const int bit0 = jc * CPL;
+        const unsigned int sw = static_cast<unsigned int>(
+            ksg[ksg_b + tk * ksg_strides[2] + (int64_t)(bit0 >> 5) * ksg_strides[3]]);
+        const float rv = static_cast<float>(krn[krn_b + tk * krn_strides[2]]);
+        ksw[r] = ld ? (sw >> (bit0 & 31)) : 0u;
+        krv[r] = ld ? rv : 0.0f;
+      } else {
+        ksw[r] = 0u;
+        krv[r] = 0.0f;
       }
 #pragma unroll
       for (int sb = 0; sb < KNSUB; ++sb) {
@@ -222,6 +260,18 @@ for (int m = 0; m < MB; ++m) {
           for (int m = 0; m < MB; ++m) {
             part[m] += dot[m];
           }
+        }
+      }
+      if (KQJL) {
+        // the residual's sketch against the sketched query: sum_e qs_e (+1 | -1)
+#pragma unroll
+        for (int m = 0; m < QS_M; ++m) {
+          float sd = 0.0f;
+#pragma unroll
+          for (int e = 0; e < QS_C; ++e) {
+            sd += ((ksw[r] >> e) & 1u) ? qs[m][e] : -qs[m][e];
+          }
+          part[m] = vx_fma(krv[r], sd, part[m]);
         }
       }
       if (KKIND == 1) {

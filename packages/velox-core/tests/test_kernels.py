@@ -229,22 +229,28 @@ DUMMY = ("float32", 1, 8)
 
 def _decode_variants():
     out = []
-    for kind, bits, m, group in (
-        (dk.AFFINE, 2, 4, 64),
-        (dk.AFFINE, 4, 4, 64),
-        (dk.AFFINE, 8, 4, 64),
-        (dk.AFFINE, 4, 8, 8),
-        (dk.CODEBOOK, 3, 4, 128),
-        (dk.CODEBOOK, 4, 1, 128),
+    for kind, bits, m, group, sketch in (
+        (dk.AFFINE, 2, 4, 64, False),
+        (dk.AFFINE, 4, 4, 64, False),
+        (dk.AFFINE, 8, 4, 64, False),
+        (dk.AFFINE, 4, 8, 8, False),
+        (dk.CODEBOOK, 3, 4, 128, False),
+        (dk.CODEBOOK, 4, 1, 128, False),
+        (dk.CODEBOOK, 2, 4, 128, True),  # TurboQuant_prod keys: the residual sketch term
     ):
-        p = dk.plan(m, 128, kind, bits, group, kind, bits, group)
+        p = dk.plan(m, 128, kind, bits, group, kind, bits, group, sketch)
         side = dk.Codes(kind, bits, group, None, None)
+        ks = dk.Codes(kind, bits, group, None, None, signs=mx.zeros((1,)), rnorm=mx.zeros((1,)))
         if kind == dk.AFFINE:
             ins = [U32, H16, H16, DUMMY]
         else:
             ins = [U32, ("float16", 3, 1 << 20), ("float16", 1, 8), ("float32", 1, 16)]
+        extra = [U32, ("float16", 3, 1 << 20), F32] if sketch else [DUMMY, DUMMY, DUMMY]
         infos = [ArgInfo(*F32), *(ArgInfo(*a) for a in ins), *(ArgInfo(*a) for a in ins)]
-        out.append((dk.DECODE, infos, ["float32"] * 2, dk.template(p, 128, side, side)))
+        infos += [ArgInfo(*a) for a in extra]
+        tmpl = dk.template(p, 128, ks if sketch else side, side)
+        assert dict(tmpl)["KQJL"] == int(sketch)
+        out.append((dk.DECODE, infos, ["float32"] * 2, tmpl))
     out.append((dk.MERGE, [ArgInfo("float32", 5, 1 << 20)] * 2, ["float32"] * 3, []))
     part, seg, dummy = ArgInfo("float32", 5, 1 << 20), ArgInfo(*H16), ArgInfo("float16", 1, 8)
     for has_a, has_b, odt, rd in (
@@ -496,6 +502,57 @@ def test_decode_kernel_matches_the_reference_partial(emulated, name):
     _, cases = emulated
     run, ref, *_ = cases[name]
     assert_partial_close(run(), ref)
+
+
+@needs_gxx
+@pytest.mark.parametrize("m,pad", [(4, 0), (3, 5)])
+def test_decode_kernel_adds_the_keys_residual_sketch(tmp_path, m, pad):
+    """Codebook keys with a 1-bit residual sketch (TurboQuant_prod's layout): the kernel's
+    scores are norm * (q . levels[c] + rnorm * (qs . (2 bits - 1))), against a numpy
+    reference built from the same codes, signs and norms (strided slices with garbage
+    beyond when ``pad``); dropping the sketch term or its sign makes it fail."""
+    from velox_core.ops import pack
+
+    rng = np.random.default_rng(m)
+    b, h, t, d, bits = 1, 2, 300, 128, 2
+    levels = mx.array(np.sort(rng.standard_normal(1 << bits)).astype(np.float32) * 0.1)
+    codes = rng.integers(0, 1 << bits, size=(b, h, t, d))
+    signs = rng.integers(0, 2, size=(b, h, t, d))
+    norm = (rng.random((b, h, t)) + 0.5).astype(np.float16)
+    rnorm = (rng.random((b, h, t)) * 0.3).astype(np.float16)
+    vcodes = rng.integers(0, 1 << bits, size=(b, h, t, d))
+    vnorm = (rng.random((b, h, t)) + 0.5).astype(np.float16)
+    keys = dk.Codes(
+        dk.CODEBOOK,
+        bits,
+        d,
+        pack(mx.array(codes), bits),
+        mx.array(norm),
+        None,
+        levels,
+        pack(mx.array(signs), 1),
+        mx.array(rnorm),
+    )
+    vals = dk.Codes(
+        dk.CODEBOOK, bits, d, pack(mx.array(vcodes), bits), mx.array(vnorm), None, levels
+    )
+    q = mx.array(rng.standard_normal((b, h, m, d)).astype(np.float32) * 0.5)
+    qs = mx.array(rng.standard_normal((b, h, m, d)).astype(np.float32) * 0.05)
+    emu = Emulator(tmp_path)
+    got = DecodeRun(emu, q, keys, vals, splits=3, pad=pad, q_sketch=qs)()
+    lv = np.asarray(levels)
+    kx = lv[codes]  # (B, H, T, D)
+    sgn = signs * 2.0 - 1.0
+    qn, qsn = np.asarray(q), np.asarray(qs)
+    s = np.einsum("bhmd,bhtd->bhmt", qn, kx) + rnorm.astype(np.float32)[:, :, None, :] * np.einsum(
+        "bhmd,bhtd->bhmt", qsn, sgn
+    )
+    s = s * norm.astype(np.float32)[:, :, None, :]
+    vx = lv[vcodes] * vnorm.astype(np.float32)[..., None]
+    mref = s.max(axis=-1, keepdims=True)
+    p = np.exp(s - mref)
+    ref = (p @ vx, mref, p.sum(axis=-1, keepdims=True))
+    assert_partial_close(got, ref, tol=5e-5)
 
 
 def test_decode_kernel_partials_merge_with_other_segments(emulated):

@@ -27,9 +27,9 @@ needs_gxx = pytest.mark.skipif(
 )
 
 
-def records(bits, t=200, key_variant="mse", seed=0):
+def records(bits, t=200, key_variant="mse", seed=0, value_variant="mse"):
     k, v = kv_data(t=t, seed=seed)
-    kc, vc = TurboQuant(bits, key_variant), TurboQuant(bits, "mse", seed=1)
+    kc, vc = TurboQuant(bits, key_variant), TurboQuant(bits, value_variant, seed=1)
     for c in (kc, vc):
         c.check(128, mx.float16)
     return kc, kc.encode(k), vc, vc.encode(v)
@@ -51,7 +51,8 @@ def test_attend_partial_is_none_on_the_cpu():
 
 
 def test_attend_partial_declines_what_the_kernel_does_not_cover(monkeypatch):
-    prod = records(3, t=64, key_variant="prod")
+    sketch_only = records(1, t=64, key_variant="prod")  # 1-bit prod: no Lloyd-Max codes
+    prod_values = records(3, t=64, value_variant="prod")
     frac = records(2.5, t=64)
     kc, kp, _, _ = records(4, t=64)
     u = Uniform(4)
@@ -62,7 +63,8 @@ def test_attend_partial_declines_what_the_kernel_does_not_cover(monkeypatch):
         "velox_turboquant.kernels.decode_attention", lambda *a: called.append(a) or None
     )
     q = mx.zeros((1, 2, 4, 128))
-    assert prod[0].attend_partial(q, *prod[1:]) is None  # prod keys (QJL sketch)
+    assert sketch_only[0].attend_partial(q, *sketch_only[1:]) is None  # the sketch alone
+    assert prod_values[0].attend_partial(q, *prod_values[1:]) is None  # prod values
     assert frac[0].attend_partial(q, *frac[1:]) is None  # fractional widths
     assert kc.attend_partial(q, kp, u, up) is None  # another value codec
     assert not called
@@ -86,6 +88,43 @@ def test_emulated_kernel_attention_matches_the_reference(emulated_gpu, bits):
         g, r = np.asarray(g), np.asarray(r)
         assert g.shape == r.shape
         assert np.abs(g - r).max() <= 2e-5 * max(1.0, np.abs(r).max())
+
+
+@needs_gxx
+@pytest.mark.parametrize("bits", [2, 4])
+def test_emulated_kernel_attention_with_prod_keys_matches_the_reference(emulated_gpu, bits):
+    """TurboQuant_prod keys (Lloyd-Max codes and the residual's QJL sketch): the kernel adds
+    the sketch's estimate to each score; the kernel path equals the codec's reference
+    scores/mix path."""
+    kc, kp, vc, vp = records(bits, t=150 + bits, key_variant="prod")
+    assert "signs" in kp.data
+    emulated_gpu.calls.clear()
+    q = mx.random.normal((1, 2, 4, 128), key=mx.random.key(bits)) * 0.2
+    got = kc.attend_partial(q, kp, vc, vp)
+    ref = partial(q, Segment(kc, kp, vc, vp))
+    assert emulated_gpu.names == ["velox_decode_attention", "velox_decode_merge"]
+    for g, r in zip(got, ref):
+        g, r = np.asarray(g), np.asarray(r)
+        assert g.shape == r.shape
+        assert np.abs(g - r).max() <= 2e-5 * max(1.0, np.abs(r).max())
+
+
+@needs_gxx
+def test_emulated_prod_cache_attends_like_the_reference(emulated_gpu, monkeypatch):
+    """A TurboQuantCache with prod keys, sinks and window: its decode step takes the kernel
+    (with the sketch term) and the rotating merge, and matches the reference cache."""
+    k, v = kv_data(t=120)
+    q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(5)).astype(mx.float16)
+    cache = TurboQuantCache(bits=3, key_variant="prod", window=8, sinks=4)
+    cache.update_and_fetch(k, v)
+    emulated_gpu.calls.clear()
+    got = cache.attend(q, 0.088)
+    assert emulated_gpu.names == ["velox_decode_attention", "velox_decode_merge_fp16"]
+    monkeypatch.setattr(vk, "backend", lambda: "cpu")  # the reference path
+    ref_cache = TurboQuantCache(bits=3, key_variant="prod", window=8, sinks=4)
+    ref_cache.update_and_fetch(k, v)
+    ref = ref_cache.attend(q, 0.088)
+    assert np.abs(np.asarray((got - ref).astype(mx.float32))).max() < 2e-3
 
 
 @needs_gxx

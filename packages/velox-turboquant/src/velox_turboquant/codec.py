@@ -238,8 +238,9 @@ class TurboQuant(Codec):
 
         Returns the partial ``(o, m, l)`` of :func:`velox_core.cache.attention.partial`, or
         None where the kernel does not apply (CPU backend or kernels disabled, fractional
-        widths, the ``prod`` variant, a value codec that is not an integer-width
-        TurboQuant_mse). Shapes: q ``(B, H, M, D)`` float32 with the scale applied.
+        widths, 1-bit ``prod`` keys, a value codec that is not an integer-width
+        TurboQuant_mse). ``prod`` keys add their residual sketch's estimate in the kernel.
+        Shapes: q ``(B, H, M, D)`` float32 with the scale applied.
         """
         from .kernels import attend_partial
 

@@ -18,8 +18,15 @@ rotated domain, ``x = norm * levels[code]`` per coordinate, with one norm per to
   (the same threshold comparisons as :meth:`velox_core.ops.Codebook.encode`) and packs the
   codes, bit for bit the reference.
 
-Fractional widths (outlier channel split) and the ``prod`` variant (QJL sketch) fall back to
-the reference (the functions return None).
+* ``prod`` keys (TurboQuant_prod: ``bits - 1`` of Lloyd-Max codes and a 1-bit QJL sketch of
+  the residual, at least 2 bits) take the same kernel with the sketch term: the host also
+  sketches the rotated query once (``S R q`` times ``sqrt(pi/2) / D``, an MLX op), and the
+  kernel adds ``rnorm * <S R q, sign(S r)>`` to each token's codebook score before the norm
+  multiplies it. Values are TurboQuant_mse (``prod`` values have no kernel).
+
+Fractional widths (outlier channel split), ``prod`` values and 1-bit ``prod`` keys (the
+sketch alone) fall back to the reference (the functions return None); the fused encode
+covers mse codes only.
 """
 
 from __future__ import annotations
@@ -40,15 +47,24 @@ if TYPE_CHECKING:
 __all__ = ["attend_joint", "attend_partial", "encode_codes"]
 
 
-def _mse_part(codec) -> SphereQuantizer | None:
-    """The single TurboQuant_mse quantizer of an integer-width mse codec, else None."""
+def _single_part(codec, variants: tuple[str, ...]) -> SphereQuantizer | None:
+    """The single quantizer of an integer-width codec of one of ``variants`` (with Lloyd-Max
+    codes: a ``prod`` codec of at least 2 bits), else None."""
     from .codec import TurboQuant
 
-    if not isinstance(codec, TurboQuant) or codec.fractional or codec.variant != "mse":
+    if not isinstance(codec, TurboQuant) or codec.fractional or codec.variant not in variants:
         return None
     if codec.dim is None or len(codec.parts) != 1:
         return None
-    return codec.parts[0][1]
+    quant = codec.parts[0][1]
+    return quant if quant.codebook is not None else None
+
+
+def _query_sketch(quant: SphereQuantizer, q_rot: mx.array) -> mx.array | None:
+    """``S R q`` times the QJL constant, for keys with a residual sketch; else None."""
+    if quant.sketch is None:
+        return None
+    return (q_rot.astype(mx.float32) @ quant.sketch.T) * quant.qjl
 
 
 def attend_partial(
@@ -64,7 +80,8 @@ def attend_partial(
     if sides is None:
         return None
     kq, vq, kc, vc = sides
-    out = decode_attention(kq.rotation.forward(q), kc, vc)
+    q_rot = kq.rotation.forward(q)
+    out = decode_attention(q_rot, kc, vc, q_sketch=_query_sketch(kq, q_rot))
     if out is None:
         return None
     o, m, l = out
@@ -72,19 +89,30 @@ def attend_partial(
 
 
 def _kernel_sides(key_codec, q: mx.array, keys: Packed, value_codec, values: Packed):
-    """The two mse quantizers and the kernels' view of both records, or None where the
-    kernels do not apply (kernels off or the CPU; not integer-width mse on both sides; head
-    dims that differ)."""
+    """The two quantizers and the kernels' view of both records, or None where the kernels
+    do not apply (kernels off or the CPU; keys not integer-width mse or prod with Lloyd-Max
+    codes, values not integer-width mse; head dims that differ)."""
     if not use_kernels():
         return None
-    kq, vq = _mse_part(key_codec), _mse_part(value_codec)
+    kq, vq = _single_part(key_codec, ("mse", "prod")), _single_part(value_codec, ("mse",))
     if kq is None or vq is None or kq.dim != vq.dim or kq.dim != q.shape[-1]:
         return None
     k, v = keys.data, values.data
+    sketch = kq.sketch is not None
     return (
         kq,
         vq,
-        Codes(CODEBOOK, kq.mse_bits, kq.dim, k["codes"], k["norm"], None, kq.levels),
+        Codes(
+            CODEBOOK,
+            kq.mse_bits,
+            kq.dim,
+            k["codes"],
+            k["norm"],
+            None,
+            kq.levels,
+            k["signs"] if sketch else None,
+            k["rnorm"] if sketch else None,
+        ),
         Codes(CODEBOOK, vq.mse_bits, vq.dim, v["codes"], v["norm"], None, vq.levels),
     )
 
@@ -130,8 +158,9 @@ def attend_joint(
     if sides is None:
         return None
     kq, vq, kc, vc = sides
+    q_rot = kq.rotation.forward(q)
     out = decode_attention(
-        kq.rotation.forward(q),
+        q_rot,
         kc,
         vc,
         fp16=fp16,
@@ -139,6 +168,7 @@ def attend_joint(
         scale=scale,
         merge_q=q,
         rot=_inverse_matrix(vq),
+        q_sketch=_query_sketch(kq, q_rot),
     )
     return None if out is None else out[0]
 

@@ -83,7 +83,7 @@ MIN_SPAN = 256  # fewest tokens per split (unless the context is shorter)
 DECODE = KernelSpec(
     name="velox_decode_attention",
     source="decode_attention.metal",
-    inputs=("q", "kc", "ka", "kb", "klv", "vc", "va", "vb", "vlv"),
+    inputs=("q", "kc", "ka", "kb", "klv", "vc", "va", "vb", "vlv", "ksg", "krn", "qsk"),
     outputs=("o_part", "ml_part"),
     row_contiguous=False,  # the body reads strides: slices of a cache buffer are not copied
 )
@@ -132,6 +132,10 @@ class Codes:
         a: affine scale ``(B, H, T, D/group)``, or codebook norm ``(B, H, T)``.
         b: affine zero ``(B, H, T, D/group)``; None for a codebook.
         levels: codebook levels ``(2**bits,)`` float32; None for affine.
+        signs: codebook keys with a QJL residual sketch (TurboQuant_prod): ``(B, H, T, D/32)``
+            uint32, bit ``e`` set where channel ``e`` of the residual's sketch is positive;
+            the caller passes the sketched query to :func:`decode_attention`. None otherwise.
+        rnorm: with ``signs``: the residual norms ``(B, H, T)``.
     """
 
     kind: int
@@ -141,6 +145,8 @@ class Codes:
     a: mx.array
     b: mx.array | None = None
     levels: mx.array | None = None
+    signs: mx.array | None = None
+    rnorm: mx.array | None = None
 
 
 @dataclass(frozen=True)
@@ -197,17 +203,30 @@ def tuning() -> tuple[int, int]:
 
 
 def plan(
-    m: int, dim: int, kkind: int, kbits: int, kgroup: int, vkind: int, vbits: int, vgroup: int
+    m: int,
+    dim: int,
+    kkind: int,
+    kbits: int,
+    kgroup: int,
+    vkind: int,
+    vbits: int,
+    vgroup: int,
+    sketch: bool = False,
 ) -> Plan | None:
     """The kernel's layout for ``m`` query rows of head dim ``dim``, or None if unsupported.
 
     Channels per lane (8, 16 or 32) must fill whole code words for both widths and divide the
     head dim into at most 32 lanes; affine groups must hold whole lanes or whole sub-blocks
-    of one. Query rows and channels per lane share a register budget of :data:`MAX_REGS`;
-    rows per threadgroup are a power of two (at most 8).
+    of one. Query rows and channels per lane share a register budget of :data:`MAX_REGS`
+    (half of it with a key ``sketch``: the sketched query takes the other half); rows per
+    threadgroup are a power of two (at most 8). A sketch needs codebook keys and a head dim
+    that is a multiple of 32.
     """
     if m < 1 or dim < 1:
         return None
+    if sketch and (kkind != CODEBOOK or dim % 32):
+        return None
+    budget = MAX_REGS // 2 if sketch else MAX_REGS
     nwarps, unroll = tuning()
     order = (32, 16, 8) if m <= 2 else (16, 32, 8) if m <= 4 else (8, 16, 32)
     for cpl in order:
@@ -217,7 +236,9 @@ def plan(
             _side_ok(kkind, kbits, kgroup, dim, cpl) and _side_ok(vkind, vbits, vgroup, dim, cpl)
         ):
             continue
-        mb = min(MAX_REGS // cpl, _pow2_ceil(m), 8)
+        if budget < cpl:
+            continue
+        mb = min(budget // cpl, _pow2_ceil(m), 8)
         while mb > 1 and nwarps * mb * dim > MAX_MERGE_FLOATS:
             mb //= 2
         if nwarps * mb * dim > MAX_MERGE_FLOATS:
@@ -276,7 +297,25 @@ def _inputs(c: Codes) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     return c.codes, c.a, _dummy(c.a.dtype), levels
 
 
+def _sketch_inputs(keys: Codes, q_sketch: mx.array | None, rows: int) -> list[mx.array]:
+    """The portable kernel's last three inputs: the keys' residual sketch, its norms and the
+    sketched query (rows padded to ``rows``), or unused placeholders."""
+    if keys.signs is None:
+        return [_dummy(mx.uint32), _dummy(mx.float16), _dummy(mx.float32)]
+    return [keys.signs, keys.rnorm, _pad_rows(q_sketch.astype(mx.float32), rows)]
+
+
 def _check(name: str, c: Codes, b: int, h: int, t: int, dim: int) -> None:
+    if (c.signs is None) != (c.rnorm is None) or (c.signs is not None and c.kind != CODEBOOK):
+        raise ValueError(f"decode_attention: {name} signs and rnorm go together, codebook only")
+    if c.signs is not None:
+        if tuple(c.signs.shape) != (b, h, t, dim // 32) or c.signs.dtype != mx.uint32:
+            raise ValueError(
+                f"decode_attention: {name} signs {tuple(c.signs.shape)} {c.signs.dtype} do not "
+                f"match (B, H, T, D/32) = {(b, h, t, dim // 32)} uint32"
+            )
+        if tuple(c.rnorm.shape) != (b, h, t):
+            raise ValueError(f"decode_attention: {name} rnorm does not have shape {(b, h, t)}")
     words = -(-dim * c.bits // 32)
     if tuple(c.codes.shape) != (b, h, t, words) or c.codes.dtype != mx.uint32:
         raise ValueError(
@@ -306,6 +345,7 @@ def template(
         ("NWARPS", p.nwarps),
         ("UNROLL", p.unroll),
         ("QMUL", qmul_bits(scale)),
+        ("KQJL", int(k.signs is not None)),
     ]
 
 
@@ -578,13 +618,21 @@ def _decode_mma(
 
 
 def _decode_portable(
-    q: mx.array, keys: Codes, values: Codes, splits: int | None, scale: float | None
+    q: mx.array,
+    keys: Codes,
+    values: Codes,
+    splits: int | None,
+    scale: float | None,
+    q_sketch: mx.array | None = None,
 ) -> tuple[mx.array, mx.array, mx.array] | None:
     """The portable kernel's per-split partials (query rows padded to its row blocks) and
     the padded query it took, or None where it has no layout for the shape."""
     b, h, m, dim = q.shape
     t = keys.codes.shape[2]
-    p = plan(m, dim, keys.kind, keys.bits, keys.group, values.kind, values.bits, values.group)
+    sketch = keys.signs is not None
+    p = plan(
+        m, dim, keys.kind, keys.bits, keys.group, values.kind, values.bits, values.group, sketch
+    )
     if p is None:
         return None
     _check("key", keys, b, h, t, dim)
@@ -592,10 +640,11 @@ def _decode_portable(
     mp = p.nmb * p.mb
     qf = q if scale is not None else q.astype(mx.float32)  # unscaled: the kernel scales it
     qf = _pad_rows(qf, mp)
+    extra = _sketch_inputs(keys, q_sketch, mp)
     s = choose_splits(t, b * h, p) if splits is None else fit_splits(t, splits, p)
     nt = p.nwarps * 32
     o_part, ml_part = DECODE.kernel()(
-        inputs=[qf, *_inputs(keys), *_inputs(values)],
+        inputs=[qf, *_inputs(keys), *_inputs(values), *extra],
         template=template(p, dim, keys, values, scale),
         grid=(s * nt, b * h, p.nmb),
         threadgroup=(nt, 1, 1),
@@ -698,6 +747,7 @@ def decode_attention(
     scale: float | None = None,
     merge_q: mx.array | None = None,
     rot: mx.array | None = None,
+    q_sketch: mx.array | None = None,
 ) -> tuple[mx.array, mx.array, mx.array] | None:
     """Partial attention ``(o, m, l)`` of ``q`` over one coded segment, or None if unsupported.
 
@@ -716,6 +766,8 @@ def decode_attention(
             rotated query, ``merge_q`` the unrotated one (scored against the fp16 keys) and
             ``rot`` the ``(D, D)`` float32 map back (``o @ rot``, see
             :func:`merge_splits_fp16`).
+        q_sketch: with keys that carry a residual sketch (``keys.signs``): the sketched query
+            ``(B, H, M, D)`` (times the sketch's constant), scaled like ``q``.
 
     Shapes:
         returns ``o (B, H, M, D)``, ``m (B, H, M, 1)``, ``l (B, H, M, 1)``, float32 (``o`` in
@@ -735,13 +787,19 @@ def decode_attention(
         raise ValueError(
             f"decode_attention: merge_q {tuple(merge_q.shape)} must match q {tuple(q.shape)}"
         )
+    if (q_sketch is None) != (keys.signs is None):
+        raise ValueError("decode_attention: q_sketch goes with keys that carry signs")
+    if q_sketch is not None and q_sketch.shape != q.shape:
+        raise ValueError(
+            f"decode_attention: q_sketch {tuple(q_sketch.shape)} must match q {tuple(q.shape)}"
+        )
     parts = None
     if _kernels.backend() == "cuda" and mma_enabled() and mma_supported(m, dim, keys, values):
         _check("key", keys, b, h, t, dim)
         _check("value", values, b, h, t, dim)
         parts = _decode_mma(q, keys, values, splits, scale)
     if parts is None:
-        parts = _decode_portable(q, keys, values, splits, scale)
+        parts = _decode_portable(q, keys, values, splits, scale, q_sketch)
     if parts is None:
         return None
     o_part, ml_part, qk = parts  # qk: the query the kernel took (rows padded to its blocks)

@@ -409,7 +409,8 @@ class DecodeRun:
 
     Args:
         emu: the emulator (register every case before the first run: one compile).
-        q, keys, values: as for :func:`velox_core.kernels.decode.decode_attention`.
+        q, keys, values: as for :func:`velox_core.kernels.decode.decode_attention`
+            (``q_sketch`` too, with keys that carry a residual sketch).
         splits: context chunks (default: the library's choice).
         pad: read every token-axis input as a slice of a ``T + pad`` token buffer whose
             extra rows hold garbage (tests the strided reads and the split bounds).
@@ -417,7 +418,16 @@ class DecodeRun:
     Calling it returns ``(o, m, l)`` as numpy float32, shaped like the library's result.
     """
 
-    def __init__(self, emu: Emulator, q, keys, values, splits: int | None = None, pad: int = 0):
+    def __init__(
+        self,
+        emu: Emulator,
+        q,
+        keys,
+        values,
+        splits: int | None = None,
+        pad: int = 0,
+        q_sketch=None,
+    ):
         import mlx.core as mx
 
         from . import decode as dk
@@ -425,7 +435,15 @@ class DecodeRun:
         b, h, m, dim = q.shape
         t = keys.codes.shape[2]
         p = dk.plan(
-            m, dim, keys.kind, keys.bits, keys.group, values.kind, values.bits, values.group
+            m,
+            dim,
+            keys.kind,
+            keys.bits,
+            keys.group,
+            values.kind,
+            values.bits,
+            values.group,
+            keys.signs is not None,
         )
         if p is None:
             raise ValueError("DecodeRun: the kernel does not support this case")
@@ -444,6 +462,11 @@ class DecodeRun:
                 if pad and i < 3 and not (side.kind == dk.CODEBOOK and i == 2):
                     x = _padded_view(x, pad, rng)
                 ins.append(x)
+        for i, a in enumerate(dk._sketch_inputs(keys, q_sketch, mp)):
+            x = np_input(a)
+            if pad and keys.signs is not None and i < 2:  # signs and residual norms
+                x = _padded_view(x, pad, rng)
+            ins.append(x)
         self.inputs = ins
         self.shapes = [(b, h, self.s, mp, dim), (b, h, self.s, mp, 2)]
         self.merge_shapes = [(b, h, mp, dim), (b, h, mp, 1), (b, h, mp, 1)]
