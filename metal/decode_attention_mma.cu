@@ -9,9 +9,11 @@
 // Grid: x = split of the context, y = b * H + h. Threadgroup: NWARPS warps. Each warp walks
 // the split's tiles of 16 NSUB tokens (warp w takes tiles w, w + NWARPS, ...) with its own online
 // softmax. Each warp streams its tiles through a private ring of NSTAGE tiles in shared memory
-// filled by cp.async (NSTAGE - 1 tiles in flight while it computes one: the bytes in flight
-// that keep the memory system busy do not cost registers); the warps are merged at the end
-// through shared memory.
+// (the tiles ahead are in flight while it computes one: the bytes in flight that keep the
+// memory system busy do not cost registers), filled by bulk copies (sm_90: one per plane and
+// tile, counted on the stage's mbarrier) or by cp.async; the warps are merged at the end
+// through shared memory. With PIPE, a step issues the next step's score MMAs before its own
+// softmax and value MMAs (a software pipeline: the score chain's latency runs under them).
 //
 // Per 16-token tile, with lane = 4 g + t (g = groupID, t = threadID_in_group of the PTX
 // fragment layouts) and m16n8k16 fp16 MMAs accumulating in float32:
@@ -29,14 +31,16 @@
 //           is raised lazily (the accumulators are rescaled only when a score exceeds m by
 //           more than 8, found with one vote and no reduction), so the partial's m is at most
 //           8 below the true max (any m gives the same merged softmax).
-//   copies  of whole tiles from dense, 16-byte-aligned planes are 16-byte cp.async copies at
+//   copies  of whole tiles from dense planes (rows back to back, 16-byte aligned): on sm_90 one
+//           bulk copy per plane (lane i < 6 copies plane i), else 16-byte cp.async copies at
 //           offsets fixed per lane (scales and zeros too); only a split's last, partial tile
-//           clamps its rows one by one.
+//           clamps its rows one by one (cp.async).
 //   values  O^T (HD x 8 rows) += V^T (HD x 16 tokens) P^T: transposed, so that the query rows
 //           are the MMA's n = 8 (no padding rows: HD/16 MMAs per 16 tokens, 4 accumulators
 //           per lane and 16 channels) and the scores' C fragment of row g is, as it stands,
-//           the B fragment of P^T; P is split into fp16 hi and lo parts, two MMAs into the same
-//           accumulators. The V^T fragments hold two tokens of one channel, put together with
+//           the B fragment of P^T; P goes in rounded to fp16 (PLO = 0) or as fp16 hi and lo
+//           parts, two MMAs into the same accumulators (PLO = 1). The V^T fragments hold two
+//           tokens of one channel, put together with
 //           a byte permute of the two tokens' code words. Lane (g, t) decodes tokens 2t, 2t + 1,
 //           2t + 8, 2t + 9, channels [g HD/8, (g+1) HD/8); m-tile j takes its channels 2j
 //           (row g) and 2j + 1 (row g + 8).
@@ -53,7 +57,8 @@
 // queries not exact in fp16; 0: an fp16 query as it is, its factor applied to the scores),
 // PLO (1: the weights P as fp16 plus their rounding residual, two value MMAs; 0: P rounded
 // to fp16, one MMA, as flash attention does: about 2^-11 relative per weight),
-// NSUB (16-token MMA tiles per loop step: more independent work between the softmax steps).
+// NSUB (16-token MMA tiles per loop step: more independent work between the softmax steps),
+// PIPE (1: score one step ahead; needs NSTAGE >= 3, and the host sets it only with PLO = 0).
 // The host (velox_core.kernels.decode.mma_supported) checks the layout: HD / 4 channels of
 // keys and HD / 8 of values fill whole words, and a lane's channels meet whole groups.
 
