@@ -377,6 +377,15 @@ def section_checks(quick: bool) -> None:
     decode_check(
         "uniform4/2 decode M6 g32 (K4 V2 bits)", Uniform(4, 32), Uniform(2, 32), 1, 4, 3001, 6
     )
+    decode_check(  # KIVI's keys: per-channel scales for each group of 32 tokens
+        "uniform4 per-channel keys decode B2 H8 M4 T4096",
+        Uniform(4, 32, axis="channel"),
+        Uniform(4),
+        2,
+        8,
+        4096,
+        4,
+    )
     decode_check(
         "uniform4 decode bf16 scales T4097",
         Uniform(4),

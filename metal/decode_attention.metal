@@ -20,6 +20,9 @@
 //
 // Codes: KKIND / VKIND 0 = affine per-group (x = scale * code + zero; scale/zero per
 // KGROUP / VGROUP channels), 1 = codebook (x = norm * levels[code], one norm per token).
+// KKIND 2 (keys only) = affine per channel (KIVI's keys): one scale and zero per channel for
+// each group of KGROUP tokens (ka, kb: (B, H, T / KGROUP, HD)); each code is decoded to
+// scale * code + zero before its product with the query.
 // KQJL = 1 (codebook keys only: TurboQuant_prod): each key also carries a 1-bit sketch of
 // its residual (ksg: bit e set for a positive sign of channel e of S r) and the residual's
 // norm (krn), and its score gains the QJL estimate of the residual's product:
@@ -162,7 +165,7 @@ for (int m = 0; m < MB; ++m) {
   }
   const int64_t kc_b = (int64_t)b * kc_strides[0] + (int64_t)h * kc_strides[1];
   const int64_t ka_b = (int64_t)b * ka_strides[0] + (int64_t)h * ka_strides[1];
-  const int64_t kb_b = KKIND == 0 ? (int64_t)b * kb_strides[0] + (int64_t)h * kb_strides[1] : 0;
+  const int64_t kb_b = KKIND != 1 ? (int64_t)b * kb_strides[0] + (int64_t)h * kb_strides[1] : 0;
 
   for (int it = t0; it < t1; it += STEP) {
     unsigned int kw[UNROLL][KW];
@@ -204,9 +207,12 @@ for (int m = 0; m < MB; ++m) {
           const float zv = static_cast<float>(kb[kb_b + tk * kb_strides[2] + gi * kb_strides[3]]);
           ksc[r][sb] = ld ? sv : 0.0f;
           kzr[r][sb] = ld ? zv : 0.0f;
-        } else {
+        } else if (KKIND == 1) {
           const float nv = static_cast<float>(ka[ka_b + tk * ka_strides[2]]);
           ksc[r][sb] = ld ? nv : 0.0f;
+          kzr[r][sb] = 0.0f;
+        } else {  // per-channel scales are read with each code (below)
+          ksc[r][sb] = 0.0f;
           kzr[r][sb] = 0.0f;
         }
       }
@@ -218,6 +224,8 @@ for (int m = 0; m < MB; ++m) {
       for (int m = 0; m < MB; ++m) {
         part[m] = 0.0f;
       }
+      // KKIND 2: the token's group row of the per-channel scales and zeros
+      const int64_t kgrp = KKIND == 2 ? (int64_t)(vx_imin(tok[r], t1 - 1) / KGROUP) : 0;
 #pragma unroll
       for (int sb = 0; sb < KNSUB; ++sb) {
         float dot[MB];
@@ -240,7 +248,14 @@ for (int m = 0; m < MB; ++m) {
               code |= kw[r][wi + 1 < KW ? wi + 1 : wi] << (32 - sh);
             }
             code &= KMASK;
-            f = KKIND == 0 ? vx_bits_to_float(0x3F800000u | (code << (23 - KBITS))) : klv_s[code];
+            if (KKIND == 2) {
+              const int64_t ch = (int64_t)(jc * CPL + e);
+              const float sv = static_cast<float>(ka[ka_b + kgrp * ka_strides[2] + ch * ka_strides[3]]);
+              const float zv = static_cast<float>(kb[kb_b + kgrp * kb_strides[2] + ch * kb_strides[3]]);
+              f = vx_fma(sv, static_cast<float>(code), zv);
+            } else {
+              f = KKIND == 0 ? vx_bits_to_float(0x3F800000u | (code << (23 - KBITS))) : klv_s[code];
+            }
           }
 #pragma unroll
           for (int m = 0; m < MB; ++m) {

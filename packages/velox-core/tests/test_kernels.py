@@ -117,7 +117,7 @@ def test_attend_partial_declines_what_the_kernel_does_not_cover(monkeypatch):
     tok = Uniform(4)
     chan = Uniform(4, group=32, axis="channel")
     kp_c, vp_c = chan.encode(k), chan.encode(v)
-    assert chan.attend_partial(q, kp_c, chan, vp_c) is None  # per-channel groups
+    assert chan.attend_partial(q, kp_c, chan, vp_c) is None  # per-channel value groups
     assert tok.attend_partial(q, kp_c, Identity(), Identity().encode(v)) is None  # other codec
     assert not called
 
@@ -251,6 +251,14 @@ def _decode_variants():
         tmpl = dk.template(p, 128, ks if sketch else side, side)
         assert dict(tmpl)["KQJL"] == int(sketch)
         out.append((dk.DECODE, infos, ["float32"] * 2, tmpl))
+    # KIVI's layout: per-channel key scales (B, H, T / 32, D), per-token values
+    p = dk.plan(4, 128, dk.AFFINE_CHANNEL, 4, 32, dk.AFFINE, 4, 64)
+    kside = dk.Codes(dk.AFFINE_CHANNEL, 4, 32, None, None)
+    vside = dk.Codes(dk.AFFINE, 4, 64, None, None)
+    ins = [U32, H16, H16, DUMMY]
+    infos = [ArgInfo(*F32), *(ArgInfo(*a) for a in ins), *(ArgInfo(*a) for a in ins)]
+    infos += [ArgInfo(*DUMMY)] * 3
+    out.append((dk.DECODE, infos, ["float32"] * 2, dk.template(p, 128, kside, vside)))
     out.append((dk.MERGE, [ArgInfo("float32", 5, 1 << 20)] * 2, ["float32"] * 3, []))
     part, seg, dummy = ArgInfo("float32", 5, 1 << 20), ArgInfo(*H16), ArgInfo("float16", 1, 8)
     for has_a, has_b, odt, rd in (
@@ -557,6 +565,42 @@ def test_decode_kernel_adds_the_keys_residual_sketch(tmp_path, m, pad):
     p = np.exp(s - mref)
     ref = (p @ vx, mref, p.sum(axis=-1, keepdims=True))
     assert_partial_close(got, ref, tol=5e-5)
+
+
+@needs_gxx
+@pytest.mark.parametrize("bits,group,pad", [(4, 32, 0), (2, 64, 7)])
+def test_decode_kernel_reads_per_channel_keys(tmp_path, bits, group, pad):
+    """KIVI's keys: per-channel scales and zeros for each group of tokens (the portable
+    kernel decodes each code with its channel's scale and zero), per-token values; against
+    the codecs' reference partial, strided with garbage rows beyond when ``pad``."""
+    k, v = kv_data(h=2, t=8 * group, seed=bits)
+    kc, vc = Uniform(bits, group=group, axis="channel"), Uniform(bits, group=64)
+    kp, vp = kc.encode(k), vc.encode(v)
+    keys = dk.Codes(
+        dk.AFFINE_CHANNEL, bits, group, kp.data["codes"], kp.data["scale"], kp.data["zero"]
+    )
+    vals = dk.Codes(dk.AFFINE, bits, 64, vp.data["codes"], vp.data["scale"], vp.data["zero"])
+    q = mx.random.normal((1, 2, 4, 128), key=mx.random.key(bits)) * 0.3
+    got = DecodeRun(Emulator(tmp_path), q, keys, vals, splits=3, pad=pad)()
+    ref = partial(q, Segment(kc, kp, vc, vp))
+    assert_partial_close(got, ref, tol=5e-5)
+
+
+@needs_gxx
+def test_kivi_style_cache_on_an_emulated_gpu_takes_the_kernel(monkeypatch, tmp_path):
+    """A UniformCache with per-channel keys (KIVI's layout) and an fp16 window, attended with
+    the backend reported as Metal: its coded body goes through the decode kernel and the
+    fp16 merge, and matches the reference path."""
+    k, v = kv_data(t=300, dtype=mx.bfloat16)
+    q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(4)).astype(mx.bfloat16)
+    cache = UniformCache(bits=4, group=32, key_axis="channel", window=16, sinks=4)
+    cache.update_and_fetch(k, v)  # encoded on the CPU path
+    ref = cache.attend(q, 0.088)
+    fake = EmulatedKernels(tmp_path).install(monkeypatch)
+    got = cache.attend(q, 0.088)
+    assert fake.names == ["velox_decode_attention", "velox_decode_merge_fp16"]
+    err = np.abs(np.asarray((got - ref).astype(mx.float32))).max()
+    assert err < 2e-2 * np.abs(np.asarray(ref.astype(mx.float32))).max()
 
 
 def test_decode_kernel_partials_merge_with_other_segments(emulated):

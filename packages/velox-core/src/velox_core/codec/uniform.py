@@ -141,8 +141,8 @@ class Uniform(Codec):
         Returns the partial ``(o, m, l)`` of :func:`velox_core.cache.attention.partial`
         computed in one pass over the key and value codes, or None when the kernel does not
         apply: kernels disabled or the CPU backend, a value codec that is not a per-token
-        ``Uniform``, per-channel groups, or a shape the kernel does not lay out
-        (:func:`velox_core.kernels.decode.plan`).
+        ``Uniform`` (per-channel keys, KIVI's, are taken), or a shape the kernel does not lay
+        out (:func:`velox_core.kernels.decode.plan`).
 
         Shapes:
             q ``(B, H, M, D)`` float32 with the scale applied; returns ``(B, H, M, D)``,
@@ -158,16 +158,18 @@ class Uniform(Codec):
     def _kernel_sides(self, keys: Packed, value_codec: Codec, values: Packed):
         """The decode kernels' view of both records (``velox_core.kernels.decode.Codes``), or
         None where no kernel applies: kernels off or the CPU, a value codec that is not a
-        ``Uniform``, per-channel groups on either side."""
+        ``Uniform``, per-channel groups on the values (per-channel keys, KIVI's, are read
+        by the portable kernel)."""
         if not use_kernels() or not isinstance(value_codec, Uniform):
             return None
-        if self.axis != "token" or value_codec.axis != "token":
+        if value_codec.axis != "token":
             return None
-        from ..kernels.decode import AFFINE, Codes
+        from ..kernels.decode import AFFINE, AFFINE_CHANNEL, Codes
 
         k, v = keys.data, values.data
+        kind = AFFINE if self.axis == "token" else AFFINE_CHANNEL
         return (
-            Codes(AFFINE, self.bits, self.group, k["codes"], k["scale"], k["zero"]),
+            Codes(kind, self.bits, self.group, k["codes"], k["scale"], k["zero"]),
             Codes(AFFINE, value_codec.bits, value_codec.group, v["codes"], v["scale"], v["zero"]),
         )
 

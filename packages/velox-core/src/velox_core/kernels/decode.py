@@ -40,6 +40,7 @@ from .build import KernelSpec
 
 __all__ = [
     "AFFINE",
+    "AFFINE_CHANNEL",
     "CODEBOOK",
     "DECODE",
     "DECODE_MMA",
@@ -71,7 +72,7 @@ __all__ = [
     "tuning",
 ]
 
-AFFINE, CODEBOOK = 0, 1
+AFFINE, CODEBOOK, AFFINE_CHANNEL = 0, 1, 2
 NWARPS = 4  # warps per threadgroup (VELOX_DECODE_WARPS overrides: 1, 2, 4 or 8)
 UNROLL = 4  # tokens per lane per loop iteration, loads issued together (VELOX_DECODE_UNROLL)
 MAX_REGS = 64  # query rows x channels per lane held in registers (and as many accumulators)
@@ -125,12 +126,15 @@ class Codes:
     """One side (keys or values) of a segment, as the kernel reads it.
 
     Attributes:
-        kind: :data:`AFFINE` or :data:`CODEBOOK`.
+        kind: :data:`AFFINE`, :data:`CODEBOOK` or :data:`AFFINE_CHANNEL` (keys only:
+            per-channel groups along tokens, KIVI's keys).
         bits: code width, 1 to 8.
-        group: affine: channels per (scale, zero); codebook: ignored.
+        group: affine: channels per (scale, zero); per-channel affine: tokens per (scale,
+            zero); codebook: ignored.
         codes: ``(B, H, T, W)`` uint32 packed codes.
-        a: affine scale ``(B, H, T, D/group)``, or codebook norm ``(B, H, T)``.
-        b: affine zero ``(B, H, T, D/group)``; None for a codebook.
+        a: affine scale ``(B, H, T, D/group)``, per-channel scale ``(B, H, T/group, D)``, or
+            codebook norm ``(B, H, T)``.
+        b: affine zero, shaped like ``a``; None for a codebook.
         levels: codebook levels ``(2**bits,)`` float32; None for affine.
         signs: codebook keys with a QJL residual sketch (TurboQuant_prod): ``(B, H, T, D/32)``
             uint32, bit ``e`` set where channel ``e`` of the residual's sketch is positive;
@@ -183,6 +187,8 @@ def _side_ok(kind: int, bits: int, group: int, dim: int, cpl: int) -> bool:
         return False
     if kind == AFFINE:
         return group >= 1 and dim % group == 0 and (group % cpl == 0 or cpl % group == 0)
+    if kind == AFFINE_CHANNEL:
+        return group >= 1
     return kind == CODEBOOK
 
 
@@ -222,7 +228,7 @@ def plan(
     threadgroup are a power of two (at most 8). A sketch needs codebook keys and a head dim
     that is a multiple of 32.
     """
-    if m < 1 or dim < 1:
+    if m < 1 or dim < 1 or vkind == AFFINE_CHANNEL:  # per-channel groups: keys only
         return None
     if sketch and (kkind != CODEBOOK or dim % 32):
         return None
@@ -289,7 +295,7 @@ def _dummy(dtype: mx.Dtype) -> mx.array:
 
 
 def _inputs(c: Codes) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-    if c.kind == AFFINE:
+    if c.kind in (AFFINE, AFFINE_CHANNEL):
         return c.codes, c.a, c.b, _dummy(mx.float32)
     levels = c.levels.astype(mx.float32)
     if levels.size < 8:  # keep it in device memory on Metal (the body only indexes it)
@@ -322,8 +328,16 @@ def _check(name: str, c: Codes, b: int, h: int, t: int, dim: int) -> None:
             f"decode_attention: {name} codes {tuple(c.codes.shape)} {c.codes.dtype} do not match "
             f"(B, H, T, W) = {(b, h, t, words)} uint32"
         )
-    want = (b, h, t, dim // c.group) if c.kind == AFFINE else (b, h, t)
-    if tuple(c.a.shape) != want or (c.kind == AFFINE and tuple(c.b.shape) != want):
+    if c.kind == AFFINE_CHANNEL and t % c.group:
+        raise ValueError(
+            f"decode_attention: {name} tokens ({t}) must be whole groups of {c.group} for "
+            "per-channel scales"
+        )
+    want = {
+        AFFINE: (b, h, t, dim // c.group),
+        AFFINE_CHANNEL: (b, h, t // c.group, dim),
+    }.get(c.kind, (b, h, t))
+    if tuple(c.a.shape) != want or (c.kind != CODEBOOK and tuple(c.b.shape) != want):
         raise ValueError(f"decode_attention: {name} scales/norms do not have shape {want}")
 
 
@@ -339,7 +353,7 @@ def template(
         ("VBITS", v.bits),
         ("KKIND", k.kind),
         ("VKIND", v.kind),
-        ("KGROUP", k.group if k.kind == AFFINE else dim),
+        ("KGROUP", k.group if k.kind != CODEBOOK else dim),
         ("VGROUP", v.group if v.kind == AFFINE else dim),
         ("CPL", p.cpl),
         ("NWARPS", p.nwarps),
