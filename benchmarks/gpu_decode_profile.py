@@ -33,9 +33,7 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -44,6 +42,9 @@ import numpy as np
 import velox_core.kernels.build as build
 from velox_core import Uniform
 from velox_core.kernels import decode as dk
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_attention import timeit_split  # the benchmarks' one timing rule
 
 SOURCE = "decode_attention_mma.cu"
 _ORIGINAL = build.kernel_source
@@ -160,18 +161,8 @@ def timed_source(src: str) -> str:
 
 
 def timeit(fn, warmup: int = 3, reps: int = 7, inner: int = 20) -> float:
-    """Median ms per call of the evaluation alone (``inner`` calls evaluated together)."""
-    for _ in range(warmup):
-        mx.eval(fn())
-    mx.synchronize()
-    times = []
-    for _ in range(reps):
-        outs = [fn() for _ in range(inner)]
-        t0 = time.perf_counter()
-        mx.eval(outs)
-        mx.synchronize()
-        times.append((time.perf_counter() - t0) / inner)
-    return statistics.median(times) * 1e3
+    """Median ms per call of the evaluation alone (gpu_attention.py's timing)."""
+    return timeit_split(fn, warmup, reps, inner)[1] * 1e3
 
 
 def launcher(variant: str, q, keys, values, p_residual=None, pipeline=None):

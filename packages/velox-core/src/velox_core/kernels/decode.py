@@ -442,24 +442,26 @@ def mma_spec(nwarps: int, sm_blocks: int) -> KernelSpec:
     )
 
 
+def _env_flag(name: str, default: bool) -> bool:
+    """A 0/1 setting from the environment (anything else is a clear error)."""
+    v = os.environ.get(name, "1" if default else "0").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
 def mma_p_residual() -> bool:
     """Whether the tensor-core kernel carries the softmax weights' fp16 rounding residual (a
     second value MMA): ``VELOX_DECODE_P_RESIDUAL`` (default 0: the weights rounded to fp16, as
     flash attention does; about 2^-11 relative per weight)."""
-    v = os.environ.get("VELOX_DECODE_P_RESIDUAL", "0").strip()
-    if v not in ("0", "1"):
-        raise ValueError(f"VELOX_DECODE_P_RESIDUAL must be 0 or 1, got {v!r}")
-    return v == "1"
+    return _env_flag("VELOX_DECODE_P_RESIDUAL", False)
 
 
 def mma_pipeline() -> bool:
     """Whether the tensor-core kernel scores the next step before consuming the current one
     (a software pipeline; it needs at least 3 ring stages and applies without the weights'
     residual, see :func:`mma_template`): ``VELOX_DECODE_PIPELINE`` (default 1)."""
-    v = os.environ.get("VELOX_DECODE_PIPELINE", "1").strip()
-    if v not in ("0", "1"):
-        raise ValueError(f"VELOX_DECODE_PIPELINE must be 0 or 1, got {v!r}")
-    return v == "1"
+    return _env_flag("VELOX_DECODE_PIPELINE", True)
 
 
 def mma_subtiles() -> int:
@@ -510,10 +512,9 @@ def sm_count() -> int | None:
     the CUDA driver's count), or None where neither is known."""
     want = os.environ.get("VELOX_DECODE_SMS")
     if want is not None:
-        n = int(want)
-        if n < 1:
-            raise ValueError(f"VELOX_DECODE_SMS must be a positive integer, got {n}")
-        return n
+        if not want.strip().isdigit() or int(want) < 1:
+            raise ValueError(f"VELOX_DECODE_SMS must be a positive integer, got {want!r}")
+        return int(want)
     if _kernels.backend() != "cuda":
         return None
     return _sm_count(getattr(mx.default_device(), "index", 0) or 0)
