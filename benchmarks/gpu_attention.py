@@ -373,6 +373,17 @@ def section_checks(quick: bool) -> None:
         "uniform3 decode B2 H4 M4 T777 (2 row blocks)", Uniform(3, 32), Uniform(3, 32), 2, 4, 777, 4
     )
     decode_check("uniform4 decode B1 H2 M1 T333 (MHA)", Uniform(4), Uniform(4), 1, 2, 333, 1)
+    with env(VELOX_DECODE_VFOLD=0):  # the tensor-core kernel with the value scales applied per code
+        decode_check(
+            f"uniform4 decode B1 H8 M4 T{t_big} (values unfolded)",
+            Uniform(4),
+            Uniform(4),
+            1,
+            8,
+            t_big,
+            4,
+            seed=41,
+        )
     decode_check("uniform4 decode B2 H8 M8 T5000 (GQA 8)", Uniform(4), Uniform(4), 2, 8, 5000, 8)
     decode_check(
         "uniform4/2 decode M6 g32 (K4 V2 bits)", Uniform(4, 32), Uniform(2, 32), 1, 4, 3001, 6
@@ -674,15 +685,17 @@ def section_tuning(quick: bool) -> None:
     t = 2048 if quick else 131072
     # the tensor-core kernel's settings: (warps, 16-token tiles per step, blocks (None: splits
     # sized to whole waves of the SMs), ring stages, threadgroups per SM of the register cap,
-    # fp16 weights' residual, software pipeline; 0 / None: its default). Earlier sweeps
-    # (blocks 256-8192, caps 0/3/4, stages 2): docs/data/*mma2*.json
+    # fp16 weights' residual, software pipeline, value scales folded into the weights; 0 /
+    # None: its default). Earlier sweeps (blocks 256-8192, caps 0/3/4, stages 2):
+    # docs/data/*mma2*.json; 512 blocks against wave-sized splits: *mma3*.json
     variants = [
-        (4, 1, None, 0, None, 0, 1),
-        (4, 1, 512, 0, None, 0, 1),
-        (4, 1, None, 0, None, 0, 0),
-        (4, 1, None, 0, None, 1, 0),
-        (2, 1, None, 0, None, 0, 1),
-        (4, 2, None, 0, None, 0, 1),
+        (4, 1, None, 0, None, 0, 1, 1),
+        (4, 1, None, 0, None, 0, 1, 0),
+        (4, 1, None, 0, 0, 0, 1, 1),
+        (4, 1, None, 0, None, 0, 0, 1),
+        (4, 1, None, 0, None, 1, 0, 0),
+        (2, 1, None, 0, None, 0, 1, 1),
+        (4, 2, None, 0, None, 0, 1, 1),
     ]
     batches = (1,) if quick else (OPTIONS.get("batches") or (1, 8))
     if quick:
@@ -693,7 +706,7 @@ def section_tuning(quick: bool) -> None:
                 return
             methods = make_methods(b, t, seed=99, bits_mlx=(), bits_uniform=(bits,), bits_tq=())
             name, _, call, nb = methods[1]
-            for warps, sub, blocks, stages, smb, pres, pipe in variants:
+            for warps, sub, blocks, stages, smb, pres, pipe, fold in variants:
                 extra = {"VELOX_DECODE_STAGES": stages} if stages else {}
                 if smb is not None:
                     extra["VELOX_DECODE_MMA_SM_BLOCKS"] = smb
@@ -707,6 +720,7 @@ def section_tuning(quick: bool) -> None:
                     "sm_blocks": "default" if smb is None else smb,
                     "p_residual": pres,
                     "pipeline": pipe,
+                    "value_fold": fold,
                 }
                 label = " ".join(f"{k}={v}" for k, v in setting.items())
                 row = {"method": name, "batch": b, "context": t, **setting}
@@ -715,6 +729,7 @@ def section_tuning(quick: bool) -> None:
                     VELOX_DECODE_SUBTILES=sub,
                     VELOX_DECODE_P_RESIDUAL=pres,
                     VELOX_DECODE_PIPELINE=pipe,
+                    VELOX_DECODE_VFOLD=fold,
                     **extra,
                 ):
                     try:

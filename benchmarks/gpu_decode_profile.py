@@ -9,7 +9,7 @@ launch bounds and splits), then:
   by a text edit of the source: no copies (computing on whatever shared memory holds), no
   key MMAs or no value MMAs (each replaced by a fold that keeps its inputs live), no value
   step at all, no exponentials, the copies alone; plus template settings (the weights'
-  residual, the software pipeline). The edited kernels compute wrong results on purpose:
+  residual, the software pipeline, the value scales folded into the weights). The edited kernels compute wrong results on purpose:
   only their time is of interest. An edit that no longer matches the source stops the run
   with the text it looked for.
 * **timers**: the shipped kernel with ``%globaltimer`` and ``clock64`` read at its start,
@@ -88,36 +88,38 @@ def make_variants(src: str) -> dict[str, str]:
         "  if (tile >= 0 || stage >= 0) {\n    return;\n  }\n",
     )
     v["no copies"] = edit(s, "    vx_mbar_wait(my_bar + k", "    if (0) vx_mbar_wait(my_bar + k")
+    key_mma = "        vx_mma16816(sc[u][kk & 1], af[0], af[1], af[2], af[3], qa[kk][0], qa[kk][2]);"
     v["no key MMAs"] = edit(
-        src,
-        "        vx_mma16816(sc[u][n][kk & 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], "
-        "bf[0], bf[1]);",
-        "        sc[u][n][kk & 1][0] += __uint_as_float(bf[0] ^ bf[1] ^ qa[kk][0]);",
+        src, key_mma, "        sc[u][kk & 1][0] += __uint_as_float(af[0] ^ af[1] ^ af[2] ^ af[3]);"
     )
-    v["no value MMAs"] = edit(
-        edit(
-            src,
-            "      vx_mma16816(oacc[j], af[0], af[1], af[2], af[3], pb[u][0][0], pb[u][0][1]);",
-            "      oacc[j][0] += __uint_as_float(af[0] ^ af[1] ^ af[2] ^ af[3] ^ pb[u][0][0]);",
-        ),
+    s = src
+    for old in (
+        "        vx_mma16816(oacc[j], af[0], af[1], af[2], af[3], pf[u][gi][0], pf[u][gi][1]);",
+        "        vx_mma16816(oacc[j], af[0], af[1], af[2], af[3], pb[u][0][0], pb[u][0][1]);",
         "        vx_mma16816(oacc[j], af[0], af[1], af[2], af[3], pb[u][1][0], pb[u][1][1]);",
-        "        oacc[j][1] += __uint_as_float(af[0] ^ pb[u][1][0]);",
-    )
+    ):
+        s = edit(s, old, "        oacc[j][0] += __uint_as_float(af[0] ^ af[1] ^ af[2] ^ af[3]);")
+    for old in (
+        "      vx_mma16816(facc[c], ones, ones, ones, ones, zf[u][gi][0], zf[u][gi][1]);",
+        "      vx_mma16816(facc[c], m_even, m_odd, m_even, m_odd, pf[u][gi][0], pf[u][gi][1]);",
+    ):
+        s = edit(s, old, "      facc[c][0] += __uint_as_float(pf[u][gi][0] ^ zf[u][gi][1]);")
+    v["no value MMAs"] = s
     consume = "  oacc[0][0] += __uint_as_float(pb[0][0][0] ^ pb[0][0][1] ^ st[O_VC + lane]);\n"
     v["no value step"] = between(
         src, "  // values: the lane's words", "  __syncwarp();  // every lane is done", consume
     )
     v["no exponentials"] = edit(
         src,
-        "      p4[i] = v4[u][i] ? vx_exp2(s4[u][i] - mrow) : 0.0f;",
-        "      p4[i] = v4[u][i] ? (s4[u][i] - mrow) : 0.0f;",
+        "      p4[i] = v4[u][i] ? vx_exp2(s4[u][i] - mrow[i & 1]) : 0.0f;",
+        "      p4[i] = v4[u][i] ? (s4[u][i] - mrow[i & 1]) : 0.0f;",
     )
     copies = between(
         v["no value step"],
-        "auto score_step = [&](const unsigned int* st, float (&sc)[NSUB][2][2][4]) {\n",
+        "auto score_step = [&](const unsigned int* st, float (&sc)[NSUB][2][4]) {\n",
         "// the tile's copies have landed",
-        "auto score_step = [&](const unsigned int* st, float (&sc)[NSUB][2][2][4]) {\n"
-        "  sc[0][0][0][0] = __uint_as_float(st[O_KC + lane] ^ st[O_KS + (lane & 7)]);\n};\n",
+        "auto score_step = [&](const unsigned int* st, float (&sc)[NSUB][2][4]) {\n"
+        "  sc[0][0][0] = __uint_as_float(st[O_KC + lane] ^ st[O_KS + (lane & 7)]);\n};\n",
     )
     v["copies alone"] = copies
     return v
@@ -165,7 +167,7 @@ def timeit(fn, warmup: int = 3, reps: int = 7, inner: int = 20) -> float:
     return timeit_split(fn, warmup, reps, inner)[1] * 1e3
 
 
-def launcher(variant: str, q, keys, values, p_residual=None, pipeline=None):
+def launcher(variant: str, q, keys, values, p_residual=None, pipeline=None, value_fold=None):
     """A call of the tensor-core kernel (source ``variant``) as the library launches it."""
     b, h, m, d = q.shape
     t = keys.codes.shape[2]
@@ -175,11 +177,14 @@ def launcher(variant: str, q, keys, values, p_residual=None, pipeline=None):
     splits = dk.mma_splits(t, b * h, nwarps, sm_blocks)
     pres = dk.mma_p_residual() if p_residual is None else p_residual
     pipe = dk.mma_pipeline() if pipeline is None else pipeline
+    fold = dk.mma_value_fold() if value_fold is None else value_fold
     base = dk.mma_spec(nwarps, sm_blocks)
     tag = f"{abs(hash(variant)) % 10**8}"
     spec = dataclasses.replace(base, name=f"{base.name}_v{tag}", source="variant:" + variant)
     kernel = spec.kernel()
-    tmpl = dk.mma_template(d, keys, values, m, nwarps, stages, sub, d**-0.5, q.dtype, pres, pipe)
+    tmpl = dk.mma_template(
+        d, keys, values, m, nwarps, stages, sub, d**-0.5, q.dtype, pres, pipe, fold
+    )
     inputs = [q, keys.codes, keys.a, keys.b, values.codes, values.a, values.b]
 
     def call():
@@ -192,7 +197,8 @@ def launcher(variant: str, q, keys, values, p_residual=None, pipeline=None):
             output_dtypes=[mx.float32, mx.float32],
         )
 
-    return call, dict(splits=splits, stages=stages, p_residual=int(pres), pipeline=int(pipe))
+    info = dict(splits=splits, stages=stages, p_residual=int(pres), pipeline=int(pipe))
+    return call, info | dict(value_fold=dict(tmpl)["VFOLD"])
 
 
 def shape_data(b: int, t: int, bits: int):
@@ -218,6 +224,7 @@ def section_variants(b: int, t: int, bits: int, rows: list) -> None:
     print(f"  B{b} T{t} fp16 sdpa {fp16:.3f} ms", flush=True)
     runs = [(name, {}) for name in _VARIANTS if name != "timed"]
     runs += [("shipped", dict(p_residual=True)), ("shipped", dict(pipeline=False))]
+    runs += [("shipped", dict(value_fold=False))]
     for name, kw in runs:
         call, info = launcher(name, qg, keys, values, **kw)
         ms = timeit(call)

@@ -17,36 +17,45 @@
 //
 // Per 16-token tile, with lane = 4 g + t (g = groupID, t = threadID_in_group of the PTX
 // fragment layouts) and m16n8k16 fp16 MMAs accumulating in float32:
-//   scores  S (16 x 16 tokens) = Q (16 x HD) K^T: rows 0..7 of Q are the query rows rounded to
-//           fp16 ("hi"), rows 8..15 the rounding residuals ("lo"), so S_hi + S_lo is the score
-//           of the float32 query to about 2^-22 (QLO = 1; an fp16 query, QLO = 0, goes in as it
-//           is and rows 8..15 are zero); the K^T fragments are decoded from the codes
-//           (the code OR-ed into the mantissa of a power of two, minus that power, then
-//           scale * code + zero in one fp16 FMA: the key rounded once to fp16, as an fp16 cache
-//           holds it). Lane (g, t) decodes
-//           tokens g and 8 + g, channels [t HD/4, (t+1) HD/4): whole words, coalesced.
-//           The head dim is permuted consistently in Q and K (a pair of halves holds channels
-//           j and j + 16/bits of one code word), which leaves every dot product unchanged.
+//   scores  transposed, S^T (16 tokens x 8 query rows) = K (16 x HD) Q^T: the keys are the A
+//           fragment (lane (g, t) decodes tokens g and 8 + g, channels [t HD/4, (t+1) HD/4):
+//           whole words, coalesced; the code OR-ed into the mantissa of a power of two, minus
+//           that power, then scale * code + zero in one fp16 FMA: the key rounded once to
+//           fp16, as an fp16 cache holds it) and the query rows the B fragment (n = 8: one MMA
+//           per k-step, no padding rows in registers). An fp16 query (QLO = 0) goes in as it
+//           is; any other is split into its fp16 rounding and the residual, two MMAs per
+//           k-step into two chains, so S_hi + S_lo is the score of the float32 query to about
+//           2^-22 (QLO = 1). The head dim is permuted consistently in Q and K (a pair of halves
+//           holds channels j and j + 16/bits of one code word), which leaves every dot product
+//           unchanged. Lane (g, t) ends with tokens g, 8 + g of query rows 2t, 2t + 1.
 //   softmax online per query row (log2 domain): p = exp2(s - m) against a running max m that
 //           is raised lazily (the accumulators are rescaled only when a score exceeds m by
-//           more than 8, found with one vote and no reduction), so the partial's m is at most
-//           8 below the true max (any m gives the same merged softmax).
+//           more than RESCALE, found with one vote and no reduction), so the partial's m is at
+//           most RESCALE below the true max (any m gives the same merged softmax). A lane's two
+//           rows are its accumulators' two columns: rescaling needs no shuffles. The weights,
+//           8 x 8 fp16 blocks in the C layout, become P^T's B fragment by one transposing
+//           move per block (movmatrix).
 //   copies  of whole tiles from dense planes (rows back to back, 16-byte aligned): on sm_90 one
 //           bulk copy per plane (lane i < 6 copies plane i), else 16-byte cp.async copies at
 //           offsets fixed per lane (scales and zeros too); only a split's last, partial tile
 //           clamps its rows one by one (cp.async).
 //   values  O^T (HD x 8 rows) += V^T (HD x 16 tokens) P^T: transposed, so that the query rows
 //           are the MMA's n = 8 (no padding rows: HD/16 MMAs per 16 tokens, 4 accumulators
-//           per lane and 16 channels) and the scores' C fragment of row g is, as it stands,
-//           the B fragment of P^T; P goes in rounded to fp16 (PLO = 0) or as fp16 hi and lo
-//           parts, two MMAs into the same accumulators (PLO = 1). The V^T fragments hold two
-//           tokens of one channel, put together with
-//           a byte permute of the two tokens' code words. Lane (g, t) decodes tokens 2t, 2t + 1,
-//           2t + 8, 2t + 9, channels [g HD/8, (g+1) HD/8); m-tile j takes its channels 2j
-//           (row g) and 2j + 1 (row g + 8).
+//           per lane and 16 channels); P goes in rounded to fp16 (PLO = 0) or as fp16 hi and
+//           lo parts, two MMAs into the same accumulators (PLO = 1). The V^T fragments hold
+//           two tokens of one channel, put together with a byte permute of the two tokens'
+//           code words. Lane (g, t) decodes tokens 2t, 2t + 1, 2t + 8, 2t + 9, channels
+//           [g HD/8, (g+1) HD/8) (VFOLD: interleaved chunks, below); m-tile j takes its
+//           channels 2j (row g) and 2j + 1 (row g + 8).
+//           VFOLD = 1 folds each value group's scale and zero into the weights instead of
+//           decoding every code: the codes go into the MMA as 2^(10 - o) + code (one LOP3 a
+//           pair), the B fragment is P s (the weights times the tokens' scales, per group),
+//           and two more MMAs per group and step add ones x P z (the zeros) and take
+//           2^(10 - o) x P s back out, into per-group accumulators added at the end. The
+//           running max is then exact (RESCALE = 0: p <= 1, so P s and P z stay in fp16).
 //   codes   are decoded without shifts where they sit in the low byte of a 16-bit half
 //           (vx_dequant_at: the code OR-ed into the mantissa of 2^(10 - bit offset)), so a
-//           pair of decoded halves costs three instructions.
+//           pair of decoded halves costs three instructions (VFOLD values: one).
 // Outputs as decode_attention.metal: o_part (B, H, S, MROWS, HD) = sum_t 2^(s_t - m) v_t,
 // ml_part (B, H, S, MROWS, 2) = (m, l) in log2 units; the host merges the splits.
 //
@@ -58,7 +67,8 @@
 // PLO (1: the weights P as fp16 plus their rounding residual, two value MMAs; 0: P rounded
 // to fp16, one MMA, as flash attention does: about 2^-11 relative per weight),
 // NSUB (16-token MMA tiles per loop step: more independent work between the softmax steps),
-// PIPE (1: score one step ahead; needs NSTAGE >= 3, and the host sets it only with PLO = 0).
+// PIPE (1: score one step ahead; needs NSTAGE >= 3, and the host sets it only with PLO = 0),
+// VFOLD (1: value scales and zeros folded into the weights; groups of 8 whole chunks, PLO = 0).
 // The host (velox_core.kernels.decode.mma_supported) checks the layout: HD / 4 channels of
 // keys and HD / 8 of values fill whole words, and a lane's channels meet whole groups.
 
@@ -77,6 +87,22 @@ constexpr int KNG = KCL > KGROUP ? KCL / KGROUP : 1;  // key groups a lane's cha
 constexpr int VNG = VCL > VGROUP ? VCL / VGROUP : 1;  // value groups a lane's channels meet
 constexpr int NT = NWARPS * 32;
 constexpr float NEG = -1.0e30f;
+// VFOLD (value scales folded into the weights): the lane's value channels are interleaved in
+// chunks of VCH (lane g holds chunks g, 8 + g, 16 + g, ... of a token's row; a chunk is a
+// word, or the part of one that a group of 8 VCH channels allows), so each m-tile's 16
+// channels lie in one scale group, and V^T P^T = C^T (P s) + 1 (P z) per group: the codes go
+// into the MMA as 2^(10 - o) + code (one LOP3 per pair, no HADD2 or HFMA2), the weights times
+// the tokens' scales as its B fragment; a second pair of MMAs per group and step adds the
+// zeros (ones x P z) and takes the powers of two back out (-2^(10 - o) x P s) into per-group
+// accumulators, added to the channels' sums at the end.
+constexpr int VG_ALL = HD / VGROUP;  // value groups per token
+constexpr int VCH = VFOLD && VGROUP / 8 < VCW ? VGROUP / 8 : VCW;  // channels per chunk
+constexpr int VCPW = VCW / VCH;                                    // chunks per word
+constexpr int VNW = VFOLD ? VCL / VCH : VWL;  // value words a lane reads per token
+constexpr int VPAT = VFOLD && VBITS == 2 ? 2 : 1;  // bit-offset patterns of an m-tile's rows
+constexpr int VCLS = VFOLD ? VG_ALL * VPAT : 1;    // per-group correction accumulators
+static_assert(!VFOLD || (VGROUP % (8 * VCH) == 0 && VCH % 2 == 0 && (VCH * VBITS) % 8 == 0 && !PLO),
+              "VFOLD needs groups of 8 whole chunks of whole bytes and P rounded to fp16");
 
 const int tid = vx_tid;
 const int lane = tid & 31;
@@ -341,45 +367,63 @@ for (int j = 0; j < NTM; ++j) {
 // accumulators are rescaled only when a score exceeds it by more than RESCALE (weights up to
 // 2^RESCALE are exact in float32 sums and fp16 hi/lo fragments), which after the first tiles
 // almost never happens.
-constexpr float RESCALE = 8.0f;
-float mrow = NEG;
-float lrow = 0.0f;  // this lane's share of the row's sum
+constexpr float RESCALE = VFOLD ? 0.0f : 8.0f;  // VFOLD: p <= 1, so p s and p z stay in fp16 range
+float facc[VCLS][4];  // VFOLD: per group (and bit-offset pattern), ones x P z - 2^(10 - o) x P s
+#pragma unroll
+for (int c = 0; c < VCLS; ++c) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    facc[c][i] = 0.0f;
+  }
+}
+// query rows 2t and 2t + 1 (the columns of this lane's scores and accumulators): their running
+// maxima (the same in the 8 lanes of t) and this lane's shares of their sums
+float mrow[2] = {NEG, NEG};
+float lrow[2] = {0.0f, 0.0f};
 const int kg0 = (t * KCL) / KGROUP;  // first key group of this lane's channels
 const int vg0 = (g * VCL) / VGROUP;  // first value group of this lane's channels
+// VFOLD with chunks smaller than a word: lane g's chunks sit (g % VCPW) chunks into their words,
+// a byte offset added to every byte-permute selector
+const int vsel0 = ((g % VCPW) * VCH * VBITS / 8) * 0x1111;
 
-// Scores of one step's NSUB sub-tiles from stage `st`: two n-tiles of 8 tokens (g and 8 + g)
-// each, each summed in two independent chains; sc[u][n][c] are the raw MMA accumulators (row g
-// of the C fragment: tokens 2t, 2t + 1 of n-tile n, elements 0 and 1; the lo rows in 2 and 3).
-auto score_step = [&](const unsigned int* st, float (&sc)[NSUB][2][2][4]) {
+// Scores of one step's NSUB sub-tiles from stage `st`, transposed: S^T (16 tokens x 8 query
+// rows) = K Q^T, the keys as the A fragment (lane (g, t) decodes tokens g and 8 + g: rows g and
+// g + 8) and the query rows as the B fragment (n = 8: no padding rows, one MMA per k-step).
+// sc[u][c] are two independent chains (k-steps even / odd; QLO: the hi and lo parts of the
+// query); C element i is token g + 8 (i >> 1) for query row 2t + (i & 1).
+auto score_step = [&](const unsigned int* st, float (&sc)[NSUB][2][4]) {
   const __half* sks = reinterpret_cast<const __half*>(st + O_KS);
   const __half* skz = reinterpret_cast<const __half*>(st + O_KZ);
 #pragma unroll
   for (int u = 0; u < NSUB; ++u) {
+    unsigned int kw[2][KWL], kw8[2][KWL];  // tokens g, 8 + g: the lane's words, shifted a byte
+    __half2 s2[2][KNG], z2[2][KNG];
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
       const int tr = SUB * u + 8 * n + g;
-      unsigned int kw[KWL], kw8[KWL];  // the lane's words, and each shifted down one byte
 #pragma unroll
       for (int w = 0; w < KWL; ++w) {
-        kw[w] = st[O_KC + tr * KWT + t * KWL + w];
-        kw8[w] = kw[w] >> 8;
+        kw[n][w] = st[O_KC + tr * KWT + t * KWL + w];
+        kw8[n][w] = kw[n][w] >> 8;
       }
-      __half2 s2[KNG], z2[KNG];
 #pragma unroll
       for (int lg = 0; lg < KNG; ++lg) {
-        s2[lg] = __half2half2(sks[tr * KG + kg0 + lg]);
-        z2[lg] = __half2half2(skz[tr * KG + kg0 + lg]);
+        s2[n][lg] = __half2half2(sks[tr * KG + kg0 + lg]);
+        z2[n][lg] = __half2half2(skz[tr * KG + kg0 + lg]);
       }
+    }
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
+    for (int c = 0; c < 2; ++c) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          sc[u][n][c][i] = 0.0f;
-        }
+      for (int i = 0; i < 4; ++i) {
+        sc[u][c][i] = 0.0f;
       }
+    }
 #pragma unroll
-      for (int kk = 0; kk < KSTEPS; ++kk) {
-        unsigned int bf[2];
+    for (int kk = 0; kk < KSTEPS; ++kk) {
+      unsigned int af[4];  // a0 / a2: token g, k 2t.. / 2t + 8..; a1 / a3: token 8 + g
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
 #pragma unroll
         for (int uu = 0; uu < 2; ++uu) {
           const int p = 2 * kk + uu;
@@ -387,9 +431,15 @@ auto score_step = [&](const unsigned int* st, float (&sc)[NSUB][2][2][4]) {
           const int jj = p - wl * KPW;
           const int pos = jj * KBITS;  // bit offset of the pair's codes in each half
           const int lg = KCL > KGROUP ? (wl * KCW) / KGROUP : 0;
-          bf[uu] = vx_dequant_at(pos < 8 ? kw[wl] : kw8[wl], pos & 7, KBITS, s2[lg], z2[lg]);
+          af[n + 2 * uu] =
+              vx_dequant_at(pos < 8 ? kw[n][wl] : kw8[n][wl], pos & 7, KBITS, s2[n][lg], z2[n][lg]);
         }
-        vx_mma16816(sc[u][n][kk & 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], bf[0], bf[1]);
+      }
+      if (QLO) {
+        vx_mma16816(sc[u][0], af[0], af[1], af[2], af[3], qa[kk][0], qa[kk][2]);
+        vx_mma16816(sc[u][1], af[0], af[1], af[2], af[3], qa[kk][1], qa[kk][3]);
+      } else {
+        vx_mma16816(sc[u][kk & 1], af[0], af[1], af[2], af[3], qa[kk][0], qa[kk][2]);
       }
     }
   }
@@ -418,7 +468,7 @@ for (int s = 0; s < NSTAGE - 1; ++s) {
   }
   vx_cp_commit();  // an empty group keeps the count uniform
 }
-float sc[NSUB][2][2][4];  // score accumulators of the step to consume (PIPE: computed one step early)
+float sc[NSUB][2][4];  // score accumulators of the step to consume (PIPE: computed one step early)
 if (PIPE && nmine > 0) {
   vx_cp_wait<NSTAGE - 2>();
   wait_tile(0);
@@ -442,18 +492,15 @@ for (int k = 0; k < nmine; ++k) {
     score_step(st, sc);
   }
 
-  // this step's scores: four of row g per sub-tile (tokens 2t, 2t + 1, 2t + 8, 2t + 9)
+  // this step's scores: per sub-tile, tokens g and 8 + g of query rows 2t and 2t + 1
   float s4[NSUB][4];
   bool v4[NSUB][4];
 #pragma unroll
   for (int u = 0; u < NSUB; ++u) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int n = i >> 1;
-      const int c = i & 1;
-      s4[u][i] = QLO ? (sc[u][n][0][c] + sc[u][n][0][c + 2]) + (sc[u][n][1][c] + sc[u][n][1][c + 2])
-                     : (sc[u][n][0][c] + sc[u][n][1][c]) * sout;
-      v4[u][i] = base + SUB * u + 8 * n + 2 * t + c < t1;
+      s4[u][i] = QLO ? sc[u][0][i] + sc[u][1][i] : (sc[u][0][i] + sc[u][1][i]) * sout;
+      v4[u][i] = base + SUB * u + 8 * (i >> 1) + g < t1;
     }
   }
   if (PIPE) {
@@ -467,73 +514,106 @@ for (int k = 0; k < nmine; ++k) {
     score_step(my_ring + ((k + 1) % NSTAGE) * SW, sc);
   }
 
-  // online softmax of row g over the step's TILE tokens: one vote decides whether any row's
-  // max must be raised; only then are the row maxima reduced and the accumulators rescaled
-  float lmax = NEG;
+  // online softmax of rows 2t and 2t + 1 over the step's TILE tokens: one vote decides whether
+  // any row's max must be raised; only then are the row maxima reduced over the 8 lanes of t
+  // and the accumulators rescaled (their columns are this lane's two rows: no shuffles)
+  float lmax[2] = {NEG, NEG};
 #pragma unroll
   for (int u = 0; u < NSUB; ++u) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      lmax = v4[u][i] ? vx_max(lmax, s4[u][i]) : lmax;
+      lmax[i & 1] = v4[u][i] ? vx_max(lmax[i & 1], s4[u][i]) : lmax[i & 1];
     }
   }
-  if (vx_any(lmax > mrow + RESCALE)) {
-    float tmax = vx_max(lmax, vx_shfl_xor(lmax, 1));
-    tmax = vx_max(tmax, vx_shfl_xor(tmax, 2));
-    const float mnew = vx_max(mrow, tmax);
-    const float alpha = vx_exp2(mrow - mnew);  // row g's factor
-    // the accumulators' columns are query rows 2t and 2t + 1: their factors from lanes 8t, 8t + 4
-    const float a0 = vx_shfl_idx(alpha, 8 * t);
-    const float a1 = vx_shfl_idx(alpha, 8 * t + 4);
+  if (vx_any(lmax[0] > mrow[0] + RESCALE || lmax[1] > mrow[1] + RESCALE)) {
+    float alpha[2];
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      float tmax = vx_max(lmax[c], vx_shfl_xor(lmax[c], 4));
+      tmax = vx_max(tmax, vx_shfl_xor(tmax, 8));
+      tmax = vx_max(tmax, vx_shfl_xor(tmax, 16));
+      const float mnew = vx_max(mrow[c], tmax);
+      alpha[c] = vx_exp2(mrow[c] - mnew);
+      lrow[c] *= alpha[c];
+      mrow[c] = mnew;
+    }
 #pragma unroll
     for (int j = 0; j < NTM; ++j) {
-      oacc[j][0] *= a0;
-      oacc[j][1] *= a1;
-      oacc[j][2] *= a0;
-      oacc[j][3] *= a1;
+      oacc[j][0] *= alpha[0];
+      oacc[j][1] *= alpha[1];
+      oacc[j][2] *= alpha[0];
+      oacc[j][3] *= alpha[1];
     }
-    lrow *= alpha;
-    mrow = mnew;
+#pragma unroll
+    for (int c = 0; c < (VFOLD ? VCLS : 0); ++c) {
+      facc[c][0] *= alpha[0];
+      facc[c][1] *= alpha[1];
+      facc[c][2] *= alpha[0];
+      facc[c][3] *= alpha[1];
+    }
   }
-  // P^T as B fragments: tokens (2t, 2t + 1) and (2t + 8, 2t + 9) of row g, hi and lo parts
+  // P^T as B fragments (tokens 2t, 2t + 1 and 2t + 8, 2t + 9 of row g): the weights are held
+  // as (token g + 8n, rows 2t, 2t + 1) pairs, an 8 x 8 fp16 block per n in the C layout, and
+  // one transposing move per block (movmatrix) turns it into the B layout
   unsigned int pb[NSUB][2][2];
 #pragma unroll
   for (int u = 0; u < NSUB; ++u) {
     float p4[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      p4[i] = v4[u][i] ? vx_exp2(s4[u][i] - mrow) : 0.0f;
-      lrow += p4[i];
+      p4[i] = v4[u][i] ? vx_exp2(s4[u][i] - mrow[i & 1]) : 0.0f;
+      lrow[i & 1] += p4[i];
     }
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
       const __half2 hi = __floats2half2_rn(p4[2 * n], p4[2 * n + 1]);
       const float2 hf = __half22float2(hi);
-      pb[u][0][n] = vx_h2u(hi);
-      pb[u][1][n] = PLO ? vx_pack_h2(p4[2 * n] - hf.x, p4[2 * n + 1] - hf.y) : 0u;
+      pb[u][0][n] = vx_movmatrix_trans(vx_h2u(hi));
+      pb[u][1][n] = PLO ? vx_movmatrix_trans(vx_pack_h2(p4[2 * n] - hf.x, p4[2 * n + 1] - hf.y)) : 0u;
     }
   }
 
   // values: the lane's words of tokens 2t, 2t + 1, 2t + 8, 2t + 9 and their scales as pairs
-  unsigned int vw[NSUB][4][VWL];
+  unsigned int vw[NSUB][4][VNW];
   __half2 vs2[NSUB][2][VNG], vz2[NSUB][2][VNG];
+  unsigned int pf[NSUB][VFOLD ? VG_ALL : 1][2], zf[NSUB][VFOLD ? VG_ALL : 1][2];
 #pragma unroll
   for (int u = 0; u < NSUB; ++u) {
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
       const int tr = SUB * u + 2 * t + (n & 1) + 8 * (n >> 1);
 #pragma unroll
-      for (int w = 0; w < VWL; ++w) {
-        vw[u][n][w] = st[O_VC + tr * VWT + g * VWL + w];
+      for (int w = 0; w < VNW; ++w) {  // VFOLD: the word of the lane's chunk w
+        vw[u][n][w] = st[O_VC + tr * VWT + (VFOLD ? (w * 8 + g) / VCPW : g * VWL + w)];
       }
     }
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
       const int tr = SUB * u + 2 * t + 8 * n;
+      if (VFOLD) {  // tokens tr, tr + 1 of every group: P s and P z as B fragments
 #pragma unroll
-      for (int lg = 0; lg < VNG; ++lg) {
-        vs2[u][n][lg] = __halves2half2(svs[tr * VG + vg0 + lg], svs[(tr + 1) * VG + vg0 + lg]);
-        vz2[u][n][lg] = __halves2half2(svz[tr * VG + vg0 + lg], svz[(tr + 1) * VG + vg0 + lg]);
+        for (int gi = 0; gi < VG_ALL; ++gi) {
+          __half2 s2, z2;
+          if (VG_ALL == 1) {  // the two tokens' halves are adjacent (tr is even)
+            s2 = vx_u2h(st[O_VS + tr / 2]);
+            z2 = vx_u2h(st[O_VZ + tr / 2]);
+          } else if (VG_ALL % 2 == 0) {  // one word per token holds groups gi and gi ^ 1
+            const unsigned int sel = gi & 1 ? 0x7632u : 0x5410u;
+            s2 = vx_u2h(__byte_perm(st[O_VS + (tr * VG + gi) / 2], st[O_VS + ((tr + 1) * VG + gi) / 2], sel));
+            z2 = vx_u2h(__byte_perm(st[O_VZ + (tr * VG + gi) / 2], st[O_VZ + ((tr + 1) * VG + gi) / 2], sel));
+          } else {
+            s2 = __halves2half2(svs[tr * VG + gi], svs[(tr + 1) * VG + gi]);
+            z2 = __halves2half2(svz[tr * VG + gi], svz[(tr + 1) * VG + gi]);
+          }
+          pf[u][gi][n] = vx_h2u(__hmul2(vx_u2h(pb[u][0][n]), s2));
+          zf[u][gi][n] = vx_h2u(__hmul2(vx_u2h(pb[u][0][n]), z2));
+        }
+      } else {
+#pragma unroll
+        for (int lg = 0; lg < VNG; ++lg) {
+          vs2[u][n][lg] = __halves2half2(svs[tr * VG + vg0 + lg], svs[(tr + 1) * VG + vg0 + lg]);
+          vz2[u][n][lg] = __halves2half2(svz[tr * VG + vg0 + lg], svz[(tr + 1) * VG + vg0 + lg]);
+        }
       }
     }
   }
@@ -546,18 +626,38 @@ for (int k = 0; k < nmine; ++k) {
       for (int e = 0; e < 4; ++e) {
         const int ch = 2 * j + (e & 1);  // the lane's channel (row g or g + 8 of the m-tile)
         const int n = e >> 1;            // token pair (2t, 2t + 1) or (2t + 8, 2t + 9)
-        const int wl = ch / VCW;
-        const int bit = (ch - wl * VCW) * VBITS;
+        const int wl = ch / VCH;         // its word (VFOLD: its chunk's word)
+        const int bit = (ch - wl * VCH) * VBITS;  // within the chunk (VFOLD: plus vbyte0 bytes)
         const int bi = bit >> 3;
-        const int sel = bi | (bi << 4) | ((4 + bi) << 8) | ((4 + bi) << 12);
+        const int sel = (bi | (bi << 4) | ((4 + bi) << 8) | ((4 + bi) << 12)) + vsel0;
         const int lg = VCL > VGROUP ? ch / VGROUP : 0;
         const unsigned int y = __byte_perm(vw[u][2 * n][wl], vw[u][2 * n + 1][wl], sel);
-        af[e] = vx_dequant_at(y, bit & 7, VBITS, vs2[u][n][lg], vz2[u][n][lg]);
+        af[e] = VFOLD ? vx_code_at(y, bit & 7, VBITS)
+                      : vx_dequant_at(y, bit & 7, VBITS, vs2[u][n][lg], vz2[u][n][lg]);
       }
-      vx_mma16816(oacc[j], af[0], af[1], af[2], af[3], pb[u][0][0], pb[u][0][1]);
+      if (VFOLD) {
+        const int gi = ((2 * j / VCH) * 8 * VCH) / VGROUP;  // the m-tile's group
+        vx_mma16816(oacc[j], af[0], af[1], af[2], af[3], pf[u][gi][0], pf[u][gi][1]);
+      } else {
+        vx_mma16816(oacc[j], af[0], af[1], af[2], af[3], pb[u][0][0], pb[u][0][1]);
+      }
       if (PLO) {
         vx_mma16816(oacc[j], af[0], af[1], af[2], af[3], pb[u][1][0], pb[u][1][1]);
       }
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < (VFOLD ? VCLS : 0); ++c) {
+    // class c: group c / VPAT, rows of bit offsets o(2 pi) (rows 0..7) and o(2 pi + 1) (8..15)
+    const int gi = c / VPAT;
+    const int pi = c - gi * VPAT;
+    const unsigned int ones = 0x3c003c00u;
+    const unsigned int m_even = vx_code_bias_neg(((2 * pi % VCH) * VBITS) & 7);
+    const unsigned int m_odd = vx_code_bias_neg((((2 * pi + 1) % VCH) * VBITS) & 7);
+#pragma unroll
+    for (int u = 0; u < NSUB; ++u) {
+      vx_mma16816(facc[c], ones, ones, ones, ones, zf[u][gi][0], zf[u][gi][1]);
+      vx_mma16816(facc[c], m_even, m_odd, m_even, m_odd, pf[u][gi][0], pf[u][gi][1]);
     }
   }
   __syncwarp();  // every lane is done with this stage before it is refilled
@@ -565,21 +665,31 @@ for (int k = 0; k < nmine; ++k) {
 vx_cp_wait<0>();
 
 // ---- merge the warps: row r's (m, l) and its HD outputs, through shared memory -------------------
-lrow += vx_shfl_xor(lrow, 1);
-lrow += vx_shfl_xor(lrow, 2);
+#pragma unroll
+for (int c = 0; c < 2; ++c) {
+  lrow[c] += vx_shfl_xor(lrow[c], 4);
+  lrow[c] += vx_shfl_xor(lrow[c], 8);
+  lrow[c] += vx_shfl_xor(lrow[c], 16);
+}
 VX_BARRIER();  // every warp is done with its ring: it becomes the merge buffer
 float* red_o = reinterpret_cast<float*>(ring);
 #pragma unroll
 for (int j = 0; j < NTM; ++j) {
+  const int c = VFOLD ? (((2 * j / VCH) * 8 * VCH) / VGROUP) * VPAT + (VPAT == 2 ? (j & 1) : 0) : 0;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    // element i: channel g VCL + 2j + (i >> 1) of query row 2t + (i & 1)
-    red_o[(warp * 8 + 2 * t + (i & 1)) * HD + g * VCL + 2 * j + (i >> 1)] = oacc[j][i];
+    // element i: the lane's channel 2j + (i >> 1) (VFOLD: in chunk (2j + (i >> 1)) / VCH of
+    // the lane's interleaved chunks) of query row 2t + (i & 1)
+    const int lc = 2 * j + (i >> 1);
+    const int ch = VFOLD ? ((lc / VCH) * 8 + g) * VCH + lc % VCH : g * VCL + lc;
+    red_o[(warp * 8 + 2 * t + (i & 1)) * HD + ch] = VFOLD ? oacc[j][i] + facc[c][i] : oacc[j][i];
   }
 }
-if (t == 0) {
-  red_m[warp * 8 + g] = mrow;
-  red_l[warp * 8 + g] = lrow;
+if (g == 0) {
+  red_m[warp * 8 + 2 * t] = mrow[0];
+  red_m[warp * 8 + 2 * t + 1] = mrow[1];
+  red_l[warp * 8 + 2 * t] = lrow[0];
+  red_l[warp * 8 + 2 * t + 1] = lrow[1];
 }
 VX_BARRIER();
 const int64_t row0 = ((int64_t)bh * nsplit + split) * MROWS;

@@ -35,6 +35,14 @@ VX_FN void vx_mma16816(float (&d)[4], unsigned int a0, unsigned int a1, unsigned
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// The transpose of an 8 x 8 fp16 matrix held in the C layout (lane 4 r + c / 2 holds row r,
+// columns c, c + 1 as one f16x2 register): lane 4 r + c / 2 gets rows c, c + 1 of column r.
+VX_FN unsigned int vx_movmatrix_trans(unsigned int x) {
+  unsigned int r;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
+  return r;
+}
+
 // Asynchronous global -> shared copies (cp.async, sm_80+): `src_bytes` of 4 copied, the rest
 // of the destination zero-filled (0 reads nothing); 16-byte copies whole.
 VX_FN void vx_cp_async4(void* dst, const void* src, int src_bytes) {
@@ -148,6 +156,20 @@ VX_FN void vx_mma16816(float (&d)[4], unsigned int a0, unsigned int a1, unsigned
   }
 }
 
+VX_FN unsigned int vx_movmatrix_trans(unsigned int x) {
+  vx_cuemu::Warp& w = vx_cuemu::warp();
+  const int lane = vx_cuemu::g_lane;
+  w.mma[lane].a[0] = x;
+  w.bar.wait();
+  const int r = lane >> 2;       // the output's row: the input's column r
+  const int c = 2 * (lane & 3);  // its columns c, c + 1: the input's rows
+  const __half2 lo = vx_u2h(w.mma[4 * c + r / 2].a[0]);
+  const __half2 hi = vx_u2h(w.mma[4 * (c + 1) + r / 2].a[0]);
+  const unsigned int out = vx_h2u(__halves2half2(r % 2 ? lo.y : lo.x, r % 2 ? hi.y : hi.x));
+  w.bar.wait();
+  return out;
+}
+
 VX_FN void vx_cp_async4(void* dst, const void* src, int src_bytes) {
   unsigned char buf[4] = {0, 0, 0, 0};
   if (src_bytes > 0) {
@@ -184,6 +206,21 @@ VX_FN unsigned int vx_dequant_at(unsigned int x, int o, int bits, __half2 s2, __
   const unsigned int magic = ((25u - static_cast<unsigned int>(o)) << 10) * 0x00010001u;
   const __half2 c = __hsub2(vx_u2h(vx_and_or(x, m, magic)), vx_u2h(magic));
   return vx_h2u(__hfma2(c, s2, z2));
+}
+
+// The codes at bits [o, o + bits) and [16 + o, 16 + o + bits) of x as the halves
+// 2^(10 - o) + code, exactly (one LOP3): vx_dequant_at without its last two steps, for products
+// that fold the scale into the other operand and take the power of two (vx_code_bias) back
+// out of the sum.
+VX_FN unsigned int vx_code_at(unsigned int x, int o, int bits) {
+  const unsigned int m = (((1u << bits) - 1u) << o) * 0x00010001u;
+  const unsigned int magic = ((25u - static_cast<unsigned int>(o)) << 10) * 0x00010001u;
+  return vx_and_or(x, m, magic);
+}
+// the power of two vx_code_at adds at bit offset o, as both halves of an f16x2 register
+// (negated: the term that takes it back out)
+VX_FN unsigned int vx_code_bias_neg(int o) {
+  return (((25u - static_cast<unsigned int>(o)) << 10) | 0x8000u) * 0x00010001u;
 }
 
 // The value of `v` in lane `src` of the warp (every lane takes part).

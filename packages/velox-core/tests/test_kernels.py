@@ -345,7 +345,18 @@ def _mma_variants():
         stages = dk.mma_stages(128, k, v, nw, sub)
         assert stages >= 2
         tmpl = dk.mma_template(
-            128, k, v, m, nw, stages, sub, None, getattr(mx, qd[0]), plo, dk.mma_pipeline()
+            128,
+            k,
+            v,
+            m,
+            nw,
+            stages,
+            sub,
+            None,
+            getattr(mx, qd[0]),
+            plo,
+            dk.mma_pipeline(),
+            dk.mma_value_fold(),
         )
         infos = [ArgInfo(*qd), *[ArgInfo(*a) for a in (U32, H16, H16)] * 2]
         spec = dk.mma_spec(nw, dk.mma_sm_blocks(nw, sub))
@@ -776,12 +787,23 @@ MMA_CASES = {
     "4bit-weights-residual": (1, 2, 130, 4, 4, 4, 64, 64, 4, 1, 2, 0),
     "4bit-no-pipeline": (1, 2, 130, 4, 4, 4, 64, 64, 4, 1, 3, 0),
     "4bit-fp16-query-long-ring": (1, 2, 1500, 4, 4, 4, 64, 64, 4, 1, 1, 0),  # 23 steps a warp
+    "4bit-no-value-fold": (1, 2, 130, 4, 4, 4, 64, 64, 4, 1, 2, 0),
+    "8bit-fold-gqa8": (1, 1, 150, 8, 8, 8, 64, 64, 2, 1, 2, 0),
+    "2bit-fold-g128-strided": (1, 2, 200, 4, 2, 2, 64, 128, 4, 1, 2, 3),
+    "4bit-fold-g128-fp16-query": (1, 2, 260, 3, 4, 4, 128, 128, 4, 2, 3, 0),
 }
-FP16_QUERY = {"4bit-fp16-query", "2bit-fp16-query-gqa8-strided", "4bit-fp16-query-long-ring"}
+FP16_QUERY = {
+    "4bit-fp16-query",
+    "2bit-fp16-query-gqa8-strided",
+    "4bit-fp16-query-long-ring",
+    "4bit-fold-g128-fp16-query",
+}
 # PLO = 1: the weights P as fp16 plus their residual (two value MMAs, no pipeline); the other
 # cases round P to fp16 (the default) and score one step ahead where the ring has 3 stages
 P_RESIDUAL = {"4bit-weights-residual", "8bit-gqa8-g32"}
 NO_PIPELINE = {"4bit-no-pipeline"}
+# VFOLD = 1 (value scales folded into the weights) wherever the layout allows it, except here
+NO_VALUE_FOLD = {"4bit-no-value-fold"}
 
 
 def _padded(x, pad: int):
@@ -823,9 +845,13 @@ def mma_emulated(tmp_path_factory):
             _padded(x, pad) for x in (keys.codes, keys.a, keys.b, vals.codes, vals.a, vals.b)
         ]
         pres, pipe = name in P_RESIDUAL, name not in NO_PIPELINE
-        tmpl = dk.mma_template(128, keys, vals, m, nw, stages, sub, None, q.dtype, pres, pipe)
+        fold = name not in NO_VALUE_FOLD
+        tmpl = dk.mma_template(
+            128, keys, vals, m, nw, stages, sub, None, q.dtype, pres, pipe, fold
+        )
         assert dict(tmpl)["QLO"] == (0 if name in FP16_QUERY else 1)
         assert dict(tmpl)["PIPE"] == int(pipe and not pres and stages >= 3)
+        assert dict(tmpl)["VFOLD"] == int(fold and not pres and vg >= 64)  # <= 2 groups
         spec = dk.mma_spec(nw, dk.mma_sm_blocks(nw, sub))
         handle = emu.kernel(spec, ins, ["float32"] * 2, tmpl)
         launch = ((s * nw * 32, b * h, 1), (nw * 32, 1, 1))

@@ -464,6 +464,31 @@ def mma_pipeline() -> bool:
     return _env_flag("VELOX_DECODE_PIPELINE", True)
 
 
+def mma_value_fold() -> bool:
+    """Whether the tensor-core kernel folds the value scales into the softmax weights where
+    the layout allows it (see :func:`mma_fold_ok`): ``VELOX_DECODE_VFOLD`` (default 1)."""
+    return _env_flag("VELOX_DECODE_VFOLD", True)
+
+
+MMA_FOLD_GROUPS = 2  # at most this many value groups per token take VFOLD (registers)
+
+
+def mma_fold_ok(values: Codes, dim: int, p_residual: bool) -> bool:
+    """Whether the value scales can be folded into the weights (``VFOLD``): a group holds 8
+    whole chunks of an even number of channels in whole bytes (the lanes' interleaved chunks
+    of one m-tile: 16 channels or more at 4 and 8 bits, 32 at 2 bits), a token has at most
+    :data:`MMA_FOLD_GROUPS` groups (each adds accumulators and two MMAs a step), and the weights
+    go in rounded to fp16 (no residual MMA)."""
+    chunk = min(32 // values.bits, values.group // 8)
+    return (
+        not p_residual
+        and values.group % 8 == 0
+        and chunk % 2 == 0
+        and (chunk * values.bits) % 8 == 0
+        and dim // values.group <= MMA_FOLD_GROUPS
+    )
+
+
 def mma_subtiles() -> int:
     """16-token MMA tiles per loop step of the tensor-core kernel: ``VELOX_DECODE_SUBTILES``
     or :data:`MMA_SUBTILES`."""
@@ -564,13 +589,16 @@ def mma_template(
     query_dtype: mx.Dtype = mx.float32,
     p_residual: bool = True,
     pipeline: bool = False,
+    value_fold: bool = False,
 ) -> list[tuple[str, int]]:
     """The tensor-core body's compile-time constants (``decode_attention_mma.cu``). An fp16
     query goes into the MMA as it is (``QLO`` 0); any other dtype as fp16 hi and lo parts.
     ``p_residual``: the softmax weights as fp16 plus their rounding residual (``PLO`` 1), or
     rounded to fp16 (one value MMA instead of two). ``pipeline``: score the next step before
     consuming this one (``PIPE`` 1; it needs at least 3 ring stages and the registers the
-    residual would take, so only with ``p_residual`` off)."""
+    residual would take, so only with ``p_residual`` off). ``value_fold``: fold the value scales
+    and zeros into the weights (``VFOLD`` 1, where :func:`mma_fold_ok`): the value codes go into
+    the MMA as they are stored, one instruction per pair instead of three."""
     return [
         ("HD", dim),
         ("KBITS", keys.bits),
@@ -585,6 +613,7 @@ def mma_template(
         ("QLO", 0 if query_dtype == mx.float16 else 1),
         ("PLO", int(p_residual)),
         ("PIPE", int(pipeline and stages >= 3 and not p_residual)),
+        ("VFOLD", int(value_fold and mma_fold_ok(values, dim, p_residual))),
     ]
 
 
@@ -623,6 +652,7 @@ def _decode_mma(
             q.dtype,
             mma_p_residual(),
             mma_pipeline(),
+            mma_value_fold(),
         ),
         grid=(s * nt, b * h, 1),
         threadgroup=(nt, 1, 1),

@@ -89,6 +89,10 @@ inline __half2 __hfma2(__half2 a, __half2 b, __half2 c) {
   return __half2{vx_emu_round(double(float(a.x)) * float(b.x) + float(c.x)),
                  vx_emu_round(double(float(a.y)) * float(b.y) + float(c.y))};
 }
+inline __half2 __hmul2(__half2 a, __half2 b) {
+  return __half2{vx_emu_round(double(float(a.x)) * float(b.x)),
+                 vx_emu_round(double(float(a.y)) * float(b.y))};
+}
 inline float __uint_as_float(unsigned int u) {
   float f;
   std::memcpy(&f, &u, 4);
