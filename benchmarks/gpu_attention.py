@@ -630,6 +630,7 @@ def section_attention(quick: bool) -> None:
             else:
                 print(f"  B{b} T{t:6d} {r['method']:20s} error: {r.get('error')}")
         mx.clear_cache()
+        write_json()  # each shape's rows survive a run stopped from outside
 
 
 def time_methods(methods, b: int, t: int, quick: bool) -> list[dict]:
@@ -689,13 +690,12 @@ def section_tuning(quick: bool) -> None:
     # None: its default). Earlier sweeps (blocks 256-8192, caps 0/3/4, stages 2):
     # docs/data/*mma2*.json; 512 blocks against wave-sized splits: *mma3*.json
     variants = [
-        (4, 1, None, 0, None, 0, 1, 1),
-        (4, 1, None, 0, None, 0, 1, 0),
-        (4, 1, None, 0, 0, 0, 1, 1),
-        (4, 1, None, 0, None, 0, 0, 1),
-        (4, 1, None, 0, None, 1, 0, 0),
-        (2, 1, None, 0, None, 0, 1, 1),
         (4, 2, None, 0, None, 0, 1, 1),
+        (4, 2, None, 0, 0, 0, 1, 1),
+        (4, 2, None, 0, None, 0, 1, 0),
+        (4, 2, None, 0, None, 0, 0, 1),
+        (4, 1, None, 0, None, 0, 1, 1),
+        (2, 2, None, 0, None, 0, 1, 1),
     ]
     batches = (1,) if quick else (OPTIONS.get("batches") or (1, 8))
     if quick:

@@ -100,10 +100,10 @@ def make_variants(src: str) -> dict[str, str]:
     ):
         s = edit(s, old, "        oacc[j][0] += __uint_as_float(af[0] ^ af[1] ^ af[2] ^ af[3]);")
     for old in (
-        "      vx_mma16816(facc[c], ones, ones, ones, ones, zf[u][gi][0], zf[u][gi][1]);",
-        "      vx_mma16816(facc[c], m_even, m_odd, m_even, m_odd, pf[u][gi][0], pf[u][gi][1]);",
+        "      vx_mma16816(facc[c], ones, ones, ones, ones, zf[u][c][0], zf[u][c][1]);",
+        "      vx_mma16816(facc[c], m_even, m_odd, m_even, m_odd, pf[u][c][0], pf[u][c][1]);",
     ):
-        s = edit(s, old, "      facc[c][0] += __uint_as_float(pf[u][gi][0] ^ zf[u][gi][1]);")
+        s = edit(s, old, "      facc[c][0] += __uint_as_float(pf[u][c][0] ^ zf[u][c][1]);")
     v["no value MMAs"] = s
     consume = "  oacc[0][0] += __uint_as_float(pb[0][0][0] ^ pb[0][0][1] ^ st[O_VC + lane]);\n"
     v["no value step"] = between(

@@ -87,22 +87,21 @@ constexpr int KNG = KCL > KGROUP ? KCL / KGROUP : 1;  // key groups a lane's cha
 constexpr int VNG = VCL > VGROUP ? VCL / VGROUP : 1;  // value groups a lane's channels meet
 constexpr int NT = NWARPS * 32;
 constexpr float NEG = -1.0e30f;
-// VFOLD (value scales folded into the weights): the lane's value channels are interleaved in
-// chunks of VCH (lane g holds chunks g, 8 + g, 16 + g, ... of a token's row; a chunk is a
-// word, or the part of one that a group of 8 VCH channels allows), so each m-tile's 16
+// VFOLD (value scales folded into the weights, 4 and 8 bits): the lane's value words are
+// interleaved (lane g holds words g, 8 + g, 16 + g, ... of a token's row), so each m-tile's 16
 // channels lie in one scale group, and V^T P^T = C^T (P s) + 1 (P z) per group: the codes go
 // into the MMA as 2^(10 - o) + code (one LOP3 per pair, no HADD2 or HFMA2), the weights times
 // the tokens' scales as its B fragment; a second pair of MMAs per group and step adds the
 // zeros (ones x P z) and takes the powers of two back out (-2^(10 - o) x P s) into per-group
-// accumulators, added to the channels' sums at the end.
-constexpr int VG_ALL = HD / VGROUP;  // value groups per token
-constexpr int VCH = VFOLD && VGROUP / 8 < VCW ? VGROUP / 8 : VCW;  // channels per chunk
-constexpr int VCPW = VCW / VCH;                                    // chunks per word
-constexpr int VNW = VFOLD ? VCL / VCH : VWL;  // value words a lane reads per token
-constexpr int VPAT = VFOLD && VBITS == 2 ? 2 : 1;  // bit-offset patterns of an m-tile's rows
-constexpr int VCLS = VFOLD ? VG_ALL * VPAT : 1;    // per-group correction accumulators
-static_assert(!VFOLD || (VGROUP % (8 * VCH) == 0 && VCH % 2 == 0 && (VCH * VBITS) % 8 == 0 && !PLO),
-              "VFOLD needs groups of 8 whole chunks of whole bytes and P rounded to fp16");
+// accumulators, added to the channels' sums at the end. Every m-tile's rows g and g + 8 hold
+// codes at bit offsets 0 and VBITS & 7 (channels 2j and 2j + 1 of a word). 2^(10 - o) is at
+// most 8 times the mean 8-bit code and 137 times the mean 4-bit one, so the float32 sums of
+// the uncorrected products keep at least 17 bits (4e-4 relative measured on an H200); at 2
+// bits it would be 680 times (1.5e-3 measured), and the fold saves no instructions there.
+constexpr int VG_ALL = HD / VGROUP;       // value groups per token
+constexpr int VCLS = VFOLD ? VG_ALL : 1;  // per-group correction accumulators
+static_assert(!VFOLD || (VBITS != 2 && VGROUP % (8 * VCW) == 0 && !PLO),
+              "VFOLD needs 4 or 8 bits, groups of 8 whole words and P rounded to fp16");
 
 const int tid = vx_tid;
 const int lane = tid & 31;
@@ -382,9 +381,6 @@ float mrow[2] = {NEG, NEG};
 float lrow[2] = {0.0f, 0.0f};
 const int kg0 = (t * KCL) / KGROUP;  // first key group of this lane's channels
 const int vg0 = (g * VCL) / VGROUP;  // first value group of this lane's channels
-// VFOLD with chunks smaller than a word: lane g's chunks sit (g % VCPW) chunks into their words,
-// a byte offset added to every byte-permute selector
-const int vsel0 = ((g % VCPW) * VCH * VBITS / 8) * 0x1111;
 
 // Scores of one step's NSUB sub-tiles from stage `st`, transposed: S^T (16 tokens x 8 query
 // rows) = K Q^T, the keys as the A fragment (lane (g, t) decodes tokens g and 8 + g: rows g and
@@ -574,7 +570,7 @@ for (int k = 0; k < nmine; ++k) {
   }
 
   // values: the lane's words of tokens 2t, 2t + 1, 2t + 8, 2t + 9 and their scales as pairs
-  unsigned int vw[NSUB][4][VNW];
+  unsigned int vw[NSUB][4][VWL];
   __half2 vs2[NSUB][2][VNG], vz2[NSUB][2][VNG];
   unsigned int pf[NSUB][VFOLD ? VG_ALL : 1][2], zf[NSUB][VFOLD ? VG_ALL : 1][2];
 #pragma unroll
@@ -583,8 +579,8 @@ for (int k = 0; k < nmine; ++k) {
     for (int n = 0; n < 4; ++n) {
       const int tr = SUB * u + 2 * t + (n & 1) + 8 * (n >> 1);
 #pragma unroll
-      for (int w = 0; w < VNW; ++w) {  // VFOLD: the word of the lane's chunk w
-        vw[u][n][w] = st[O_VC + tr * VWT + (VFOLD ? (w * 8 + g) / VCPW : g * VWL + w)];
+      for (int w = 0; w < VWL; ++w) {
+        vw[u][n][w] = st[O_VC + tr * VWT + (VFOLD ? w * 8 + g : g * VWL + w)];
       }
     }
 #pragma unroll
@@ -626,17 +622,17 @@ for (int k = 0; k < nmine; ++k) {
       for (int e = 0; e < 4; ++e) {
         const int ch = 2 * j + (e & 1);  // the lane's channel (row g or g + 8 of the m-tile)
         const int n = e >> 1;            // token pair (2t, 2t + 1) or (2t + 8, 2t + 9)
-        const int wl = ch / VCH;         // its word (VFOLD: its chunk's word)
-        const int bit = (ch - wl * VCH) * VBITS;  // within the chunk (VFOLD: plus vbyte0 bytes)
+        const int wl = ch / VCW;
+        const int bit = (ch - wl * VCW) * VBITS;
         const int bi = bit >> 3;
-        const int sel = (bi | (bi << 4) | ((4 + bi) << 8) | ((4 + bi) << 12)) + vsel0;
+        const int sel = bi | (bi << 4) | ((4 + bi) << 8) | ((4 + bi) << 12);
         const int lg = VCL > VGROUP ? ch / VGROUP : 0;
         const unsigned int y = __byte_perm(vw[u][2 * n][wl], vw[u][2 * n + 1][wl], sel);
         af[e] = VFOLD ? vx_code_at(y, bit & 7, VBITS)
                       : vx_dequant_at(y, bit & 7, VBITS, vs2[u][n][lg], vz2[u][n][lg]);
       }
       if (VFOLD) {
-        const int gi = ((2 * j / VCH) * 8 * VCH) / VGROUP;  // the m-tile's group
+        const int gi = ((2 * j / VCW) * 8 * VCW) / VGROUP;  // the m-tile's group
         vx_mma16816(oacc[j], af[0], af[1], af[2], af[3], pf[u][gi][0], pf[u][gi][1]);
       } else {
         vx_mma16816(oacc[j], af[0], af[1], af[2], af[3], pb[u][0][0], pb[u][0][1]);
@@ -648,16 +644,14 @@ for (int k = 0; k < nmine; ++k) {
   }
 #pragma unroll
   for (int c = 0; c < (VFOLD ? VCLS : 0); ++c) {
-    // class c: group c / VPAT, rows of bit offsets o(2 pi) (rows 0..7) and o(2 pi + 1) (8..15)
-    const int gi = c / VPAT;
-    const int pi = c - gi * VPAT;
+    // group c: ones x P z, and -2^(10 - o) x P s for rows g (bit offset 0) and g + 8
     const unsigned int ones = 0x3c003c00u;
-    const unsigned int m_even = vx_code_bias_neg(((2 * pi % VCH) * VBITS) & 7);
-    const unsigned int m_odd = vx_code_bias_neg((((2 * pi + 1) % VCH) * VBITS) & 7);
+    const unsigned int m_even = vx_code_bias_neg(0);
+    const unsigned int m_odd = vx_code_bias_neg(VBITS & 7);
 #pragma unroll
     for (int u = 0; u < NSUB; ++u) {
-      vx_mma16816(facc[c], ones, ones, ones, ones, zf[u][gi][0], zf[u][gi][1]);
-      vx_mma16816(facc[c], m_even, m_odd, m_even, m_odd, pf[u][gi][0], pf[u][gi][1]);
+      vx_mma16816(facc[c], ones, ones, ones, ones, zf[u][c][0], zf[u][c][1]);
+      vx_mma16816(facc[c], m_even, m_odd, m_even, m_odd, pf[u][c][0], pf[u][c][1]);
     }
   }
   __syncwarp();  // every lane is done with this stage before it is refilled
@@ -675,13 +669,13 @@ VX_BARRIER();  // every warp is done with its ring: it becomes the merge buffer
 float* red_o = reinterpret_cast<float*>(ring);
 #pragma unroll
 for (int j = 0; j < NTM; ++j) {
-  const int c = VFOLD ? (((2 * j / VCH) * 8 * VCH) / VGROUP) * VPAT + (VPAT == 2 ? (j & 1) : 0) : 0;
+  const int c = VFOLD ? ((2 * j / VCW) * 8 * VCW) / VGROUP : 0;  // the m-tile's group
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    // element i: the lane's channel 2j + (i >> 1) (VFOLD: in chunk (2j + (i >> 1)) / VCH of
-    // the lane's interleaved chunks) of query row 2t + (i & 1)
+    // element i: the lane's channel 2j + (i >> 1) (VFOLD: in word (2j + (i >> 1)) / VCW of
+    // the lane's interleaved words) of query row 2t + (i & 1)
     const int lc = 2 * j + (i >> 1);
-    const int ch = VFOLD ? ((lc / VCH) * 8 + g) * VCH + lc % VCH : g * VCL + lc;
+    const int ch = VFOLD ? ((lc / VCW) * 8 + g) * VCW + lc % VCW : g * VCL + lc;
     red_o[(warp * 8 + 2 * t + (i & 1)) * HD + ch] = VFOLD ? oacc[j][i] + facc[c][i] : oacc[j][i];
   }
 }

@@ -789,7 +789,7 @@ MMA_CASES = {
     "4bit-fp16-query-long-ring": (1, 2, 1500, 4, 4, 4, 64, 64, 4, 1, 1, 0),  # 23 steps a warp
     "4bit-no-value-fold": (1, 2, 130, 4, 4, 4, 64, 64, 4, 1, 2, 0),
     "8bit-fold-gqa8": (1, 1, 150, 8, 8, 8, 64, 64, 2, 1, 2, 0),
-    "2bit-fold-g128-strided": (1, 2, 200, 4, 2, 2, 64, 128, 4, 1, 2, 3),
+    "k2v4-fold-g128-strided": (1, 2, 200, 4, 2, 4, 64, 128, 4, 1, 2, 3),
     "4bit-fold-g128-fp16-query": (1, 2, 260, 3, 4, 4, 128, 128, 4, 2, 3, 0),
 }
 FP16_QUERY = {
@@ -851,7 +851,7 @@ def mma_emulated(tmp_path_factory):
         )
         assert dict(tmpl)["QLO"] == (0 if name in FP16_QUERY else 1)
         assert dict(tmpl)["PIPE"] == int(pipe and not pres and stages >= 3)
-        assert dict(tmpl)["VFOLD"] == int(fold and not pres and vg >= 64)  # <= 2 groups
+        assert dict(tmpl)["VFOLD"] == int(fold and not pres and vb != 2 and vg >= 64)
         spec = dk.mma_spec(nw, dk.mma_sm_blocks(nw, sub))
         handle = emu.kernel(spec, ins, ["float32"] * 2, tmpl)
         launch = ((s * nw * 32, b * h, 1), (nw * 32, 1, 1))

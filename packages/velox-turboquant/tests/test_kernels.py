@@ -110,6 +110,27 @@ def test_emulated_kernel_attention_with_prod_keys_matches_the_reference(emulated
 
 
 @needs_gxx
+def test_query_sketch_is_exact_with_tf32_sized_parts():
+    """The sketched query is one matmul over bfloat16 parts (exact in a GPU's TF32 products):
+    it equals the float32 product, and the parts themselves hold at most 8-bit mantissas."""
+    from velox_turboquant.kernels import _bf16_parts, _query_sketch
+
+    codec = TurboQuant(4, "prod")
+    codec.check(128, mx.float16)
+    quant = codec.parts[0][1]
+    q = mx.random.normal((2, 8, 4, 128), key=mx.random.key(3)) * 3.0
+    got = _query_sketch(quant, q)
+    want = (q @ quant.sketch.T) * quant.qjl
+    top = np.abs(np.asarray(want)).max()
+    assert np.abs(np.asarray(got - want)).max() <= 2.0**-16 * top  # the q_lo S_lo term: 2^-18
+    hi, lo = _bf16_parts(q)
+    s_hi = _bf16_parts(quant.sketch)[0]
+    coarse = (hi @ s_hi.T) * quant.qjl  # what one TF32-like product of rounded factors gives
+    assert np.abs(np.asarray(coarse - want)).max() > 2.0**-12 * top
+    assert mx.array_equal(hi.astype(mx.bfloat16).astype(mx.float32), hi).item()
+    assert np.abs(np.asarray(lo)).max() <= 2.0**-8 * np.abs(np.asarray(q)).max()
+
+
 def test_emulated_prod_cache_attends_like_the_reference(emulated_gpu, monkeypatch):
     """A TurboQuantCache with prod keys, sinks and window: its decode step takes the kernel
     (with the sketch term) and the rotating merge, and matches the reference cache."""

@@ -31,6 +31,7 @@ covers mse codes only.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -60,11 +61,32 @@ def _single_part(codec, variants: tuple[str, ...]) -> SphereQuantizer | None:
     return quant if quant.codebook is not None else None
 
 
+# per quantizer: [S_hi^T; S_hi^T; S_lo^T] for the split product of _query_sketch
+_SKETCH_SPLIT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _bf16_parts(x: mx.array) -> tuple[mx.array, mx.array]:
+    hi = x.astype(mx.bfloat16).astype(mx.float32)
+    return hi, x - hi
+
+
 def _query_sketch(quant: SphereQuantizer, q_rot: mx.array) -> mx.array | None:
-    """``S R q`` times the QJL constant, for keys with a residual sketch; else None."""
+    """``S R q`` times the QJL constant, for keys with a residual sketch; else None.
+
+    A GPU runs float32 matmuls in TF32 unless ``MLX_ENABLE_TF32=0`` (MLX's default on CUDA
+    and on recent Apple GPUs): 10-bit mantissas, about 1e-3 relative error in the sketched
+    query, as large as the sketch term's own precision needs. So both factors are split into
+    bfloat16 parts, exact in TF32, and ``q_hi S_hi + q_lo S_hi + q_hi S_lo`` is one matmul
+    over the concatenated parts (to about 2^-17 relative)."""
     if quant.sketch is None:
         return None
-    return (q_rot.astype(mx.float32) @ quant.sketch.T) * quant.qjl
+    stack = _SKETCH_SPLIT.get(quant)
+    if stack is None:
+        s_hi, s_lo = _bf16_parts(quant.sketch.astype(mx.float32))
+        stack = mx.concatenate([s_hi.T, s_hi.T, s_lo.T], axis=0)
+        _SKETCH_SPLIT[quant] = stack
+    q_hi, q_lo = _bf16_parts(q_rot.astype(mx.float32))
+    return (mx.concatenate([q_hi, q_lo, q_hi], axis=-1) @ stack) * quant.qjl
 
 
 def attend_partial(

@@ -398,7 +398,7 @@ def mma_supported(m: int, dim: int, keys: Codes, values: Codes) -> bool:
 MMA_SMEM = 48 * 1024 - 1024
 
 
-MMA_SUBTILES = 1  # 16-token MMA tiles per loop step (VELOX_DECODE_SUBTILES: 1 or 2)
+MMA_SUBTILES = 2  # 16-token MMA tiles per loop step (VELOX_DECODE_SUBTILES: 1 or 2)
 MMA_WARPS = 4  # warps per threadgroup of the tensor-core kernel (VELOX_DECODE_MMA_WARPS)
 
 
@@ -417,12 +417,13 @@ MMA_SM_BLOCKS = 3  # threadgroups per SM the register cap aims for (VELOX_DECODE
 def mma_sm_blocks(nwarps: int, subtiles: int = 1) -> int:
     """Threadgroups of ``nwarps`` warps per SM that the tensor-core kernel's register cap
     (``__launch_bounds__``) allows: ``VELOX_DECODE_MMA_SM_BLOCKS``, else
-    :data:`MMA_SM_BLOCKS` x 4 warps' worth of threadgroups (12 warps per SM, 168 registers),
-    and no cap for 32-token steps (they need more registers); 0 leaves the registers to the
-    compiler."""
+    :data:`MMA_SM_BLOCKS` x 4 warps' worth of threadgroups (12 warps per SM, 168 registers,
+    for steps of one or two tiles alike: with the scores transposed both fit); 0 leaves the
+    registers to the compiler."""
+    del subtiles  # the same cap for both step sizes (kept for callers that pass it)
     want = os.environ.get("VELOX_DECODE_MMA_SM_BLOCKS")
     if want is None:
-        return 0 if subtiles > 1 else MMA_SM_BLOCKS * 4 // nwarps
+        return MMA_SM_BLOCKS * 4 // nwarps
     n = int(want)
     if not 0 <= n <= 32:
         raise ValueError(f"VELOX_DECODE_MMA_SM_BLOCKS must be 0 to 32, got {n}")
@@ -474,17 +475,15 @@ MMA_FOLD_GROUPS = 2  # at most this many value groups per token take VFOLD (regi
 
 
 def mma_fold_ok(values: Codes, dim: int, p_residual: bool) -> bool:
-    """Whether the value scales can be folded into the weights (``VFOLD``): a group holds 8
-    whole chunks of an even number of channels in whole bytes (the lanes' interleaved chunks
-    of one m-tile: 16 channels or more at 4 and 8 bits, 32 at 2 bits), a token has at most
-    :data:`MMA_FOLD_GROUPS` groups (each adds accumulators and two MMAs a step), and the weights
-    go in rounded to fp16 (no residual MMA)."""
-    chunk = min(32 // values.bits, values.group // 8)
+    """Whether the value scales can be folded into the weights (``VFOLD``): 4 or 8 bits (at 2
+    the fold saves no instructions and loses precision), a group holds 8 whole code words (the
+    lanes' interleaved words of one m-tile: 64 channels or more at 4 bits, 32 at 8), a token
+    has at most :data:`MMA_FOLD_GROUPS` groups (each adds accumulators and two MMAs a step),
+    and the weights go in rounded to fp16 (no residual MMA)."""
     return (
         not p_residual
-        and values.group % 8 == 0
-        and chunk % 2 == 0
-        and (chunk * values.bits) % 8 == 0
+        and values.bits in (4, 8)
+        and values.group % (8 * (32 // values.bits)) == 0
         and dim // values.group <= MMA_FOLD_GROUPS
     )
 
