@@ -228,7 +228,7 @@ def section_variants(b: int, t: int, bits: int, rows: list) -> None:
     rows.append(dict(section="variants", batch=b, context=t, bits=bits, what="fp16 sdpa", ms=fp16))
     print(f"  B{b} T{t} fp16 sdpa {fp16:.3f} ms", flush=True)
     runs = [(name, {}) for name in _VARIANTS if name != "timed"]
-    runs += [("shipped", dict(p_residual=True)), ("shipped", dict(pipeline=True))]
+    runs += [("shipped", dict(p_residual=True)), ("shipped", dict(pipeline=False))]
     runs += [("shipped", dict(value_fold=False))]
     for name, kw in runs:
         call, info = launcher(name, qg, keys, values, **kw)

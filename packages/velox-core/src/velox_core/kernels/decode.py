@@ -461,10 +461,10 @@ def mma_p_residual() -> bool:
 def mma_pipeline() -> bool:
     """Whether the tensor-core kernel scores the next step before consuming the current one
     (a software pipeline; it needs at least 3 ring stages and applies without the weights'
-    residual, see :func:`mma_template`): ``VELOX_DECODE_PIPELINE`` (default 0: with steps of
-    two tiles it measured as fast or faster without, 4 of 4 batch-8 comparisons on an H200;
-    it paid with one-tile steps)."""
-    return _env_flag("VELOX_DECODE_PIPELINE", False)
+    residual, see :func:`mma_template`): ``VELOX_DECODE_PIPELINE`` (default 1; with steps of
+    two tiles, on and off measured within the run-to-run spread on an H200, see
+    docs/performance.md)."""
+    return _env_flag("VELOX_DECODE_PIPELINE", True)
 
 
 def mma_value_fold() -> bool:
