@@ -45,7 +45,7 @@
 //           lo parts, two MMAs into the same accumulators (PLO = 1). The V^T fragments hold
 //           two tokens of one channel, put together with a byte permute of the two tokens'
 //           code words. Lane (g, t) decodes tokens 2t, 2t + 1, 2t + 8, 2t + 9, channels
-//           [g HD/8, (g+1) HD/8) (VFOLD: interleaved chunks, below); m-tile j takes its
+//           [g HD/8, (g+1) HD/8) (VFOLD: words g, 8 + g, ...); m-tile j takes its
 //           channels 2j (row g) and 2j + 1 (row g + 8).
 //           VFOLD = 1 folds each value group's scale and zero into the weights instead of
 //           decoding every code: the codes go into the MMA as 2^(10 - o) + code (one LOP3 a
@@ -68,7 +68,8 @@
 // to fp16, one MMA, as flash attention does: about 2^-11 relative per weight),
 // NSUB (16-token MMA tiles per loop step: more independent work between the softmax steps),
 // PIPE (1: score one step ahead; needs NSTAGE >= 3, and the host sets it only with PLO = 0),
-// VFOLD (1: value scales and zeros folded into the weights; groups of 8 whole chunks, PLO = 0).
+// VFOLD (1: value scales and zeros folded into the weights: 4 or 8 bits, one or two groups of
+// 8 whole words, PLO = 0).
 // The host (velox_core.kernels.decode.mma_supported) checks the layout: HD / 4 channels of
 // keys and HD / 8 of values fill whole words, and a lane's channels meet whole groups.
 
@@ -98,10 +99,9 @@ constexpr float NEG = -1.0e30f;
 // most 8 times the mean 8-bit code and 137 times the mean 4-bit one, so the float32 sums of
 // the uncorrected products keep at least 17 bits (4e-4 relative measured on an H200); at 2
 // bits it would be 680 times (1.5e-3 measured), and the fold saves no instructions there.
-constexpr int VG_ALL = HD / VGROUP;       // value groups per token
-constexpr int VCLS = VFOLD ? VG_ALL : 1;  // per-group correction accumulators
-static_assert(!VFOLD || (VBITS != 2 && VGROUP % (8 * VCW) == 0 && !PLO),
-              "VFOLD needs 4 or 8 bits, groups of 8 whole words and P rounded to fp16");
+constexpr int VCLS = VFOLD ? HD / VGROUP : 1;  // per-group correction accumulators
+static_assert(!VFOLD || (VBITS != 2 && VGROUP % (8 * VCW) == 0 && HD / VGROUP <= 2 && !PLO),
+              "VFOLD needs 4 or 8 bits, one or two groups of 8 whole words, P rounded to fp16");
 
 const int tid = vx_tid;
 const int lane = tid & 31;
@@ -367,7 +367,7 @@ for (int j = 0; j < NTM; ++j) {
 // 2^RESCALE are exact in float32 sums and fp16 hi/lo fragments), which after the first tiles
 // almost never happens.
 constexpr float RESCALE = VFOLD ? 0.0f : 8.0f;  // VFOLD: p <= 1, so p s and p z stay in fp16 range
-float facc[VCLS][4];  // VFOLD: per group (and bit-offset pattern), ones x P z - 2^(10 - o) x P s
+float facc[VCLS][4];  // VFOLD: per group, ones x P z - 2^(10 - o) x P s
 #pragma unroll
 for (int c = 0; c < VCLS; ++c) {
 #pragma unroll
@@ -572,7 +572,7 @@ for (int k = 0; k < nmine; ++k) {
   // values: the lane's words of tokens 2t, 2t + 1, 2t + 8, 2t + 9 and their scales as pairs
   unsigned int vw[NSUB][4][VWL];
   __half2 vs2[NSUB][2][VNG], vz2[NSUB][2][VNG];
-  unsigned int pf[NSUB][VFOLD ? VG_ALL : 1][2], zf[NSUB][VFOLD ? VG_ALL : 1][2];
+  unsigned int pf[NSUB][VCLS][2], zf[NSUB][VCLS][2];  // VFOLD: P s and P z per group
 #pragma unroll
   for (int u = 0; u < NSUB; ++u) {
 #pragma unroll
@@ -588,18 +588,15 @@ for (int k = 0; k < nmine; ++k) {
       const int tr = SUB * u + 2 * t + 8 * n;
       if (VFOLD) {  // tokens tr, tr + 1 of every group: P s and P z as B fragments
 #pragma unroll
-        for (int gi = 0; gi < VG_ALL; ++gi) {
+        for (int gi = 0; gi < VCLS; ++gi) {
           __half2 s2, z2;
-          if (VG_ALL == 1) {  // the two tokens' halves are adjacent (tr is even)
+          if (VG == 1) {  // the two tokens' halves are adjacent (tr is even)
             s2 = vx_u2h(st[O_VS + tr / 2]);
             z2 = vx_u2h(st[O_VZ + tr / 2]);
-          } else if (VG_ALL % 2 == 0) {  // one word per token holds groups gi and gi ^ 1
-            const unsigned int sel = gi & 1 ? 0x7632u : 0x5410u;
-            s2 = vx_u2h(__byte_perm(st[O_VS + (tr * VG + gi) / 2], st[O_VS + ((tr + 1) * VG + gi) / 2], sel));
-            z2 = vx_u2h(__byte_perm(st[O_VZ + (tr * VG + gi) / 2], st[O_VZ + ((tr + 1) * VG + gi) / 2], sel));
-          } else {
-            s2 = __halves2half2(svs[tr * VG + gi], svs[(tr + 1) * VG + gi]);
-            z2 = __halves2half2(svz[tr * VG + gi], svz[(tr + 1) * VG + gi]);
+          } else {  // two groups: one word per token, group gi in its half gi
+            const unsigned int sel = gi ? 0x7632u : 0x5410u;
+            s2 = vx_u2h(__byte_perm(st[O_VS + tr], st[O_VS + tr + 1], sel));
+            z2 = vx_u2h(__byte_perm(st[O_VZ + tr], st[O_VZ + tr + 1], sel));
           }
           pf[u][gi][n] = vx_h2u(__hmul2(vx_u2h(pb[u][0][n]), s2));
           zf[u][gi][n] = vx_h2u(__hmul2(vx_u2h(pb[u][0][n]), z2));

@@ -223,7 +223,5 @@ VX_FN unsigned int vx_code_bias_neg(int o) {
   return (((25u - static_cast<unsigned int>(o)) << 10) | 0x8000u) * 0x00010001u;
 }
 
-// The value of `v` in lane `src` of the warp (every lane takes part).
-VX_FN float vx_shfl_idx(float v, int src) { return __shfl_sync(0xffffffffu, v, src); }
 
 #endif  // VELOX_MMA_CUH
