@@ -9,9 +9,9 @@ launch bounds and splits), then:
   by a text edit of the source: no copies (computing on whatever shared memory holds), no
   key MMAs or no value MMAs (each replaced by a fold that keeps its inputs live), no value
   step at all, no exponentials, the copies alone; plus template settings (the weights'
-  residual, the software pipeline, the value scales folded into the weights). The edited kernels compute wrong results on purpose:
-  only their time is of interest. An edit that no longer matches the source stops the run
-  with the text it looked for.
+  residual, the software pipeline, the value scales folded into the weights). The edited
+  kernels compute wrong results on purpose: only their time is of interest. An edit that
+  no longer matches the source stops the run with the text it looked for.
 * **timers**: the shipped kernel with ``%globaltimer`` and ``clock64`` read at its start,
   around its tile loop and at its end (one thread per threadgroup writes them over its
   ``ml_part`` row): the kernel's span on the GPU, the threadgroups' start spread, prologue /
@@ -88,7 +88,9 @@ def make_variants(src: str) -> dict[str, str]:
         "  if (tile >= 0 || stage >= 0) {\n    return;\n  }\n",
     )
     v["no copies"] = edit(s, "    vx_mbar_wait(my_bar + k", "    if (0) vx_mbar_wait(my_bar + k")
-    key_mma = "        vx_mma16816(sc[u][kk & 1], af[0], af[1], af[2], af[3], qa[kk][0], qa[kk][2]);"
+    key_mma = (
+        "        vx_mma16816(sc[u][kk & 1], af[0], af[1], af[2], af[3], qa[kk][0], qa[kk][2]);"
+    )
     v["no key MMAs"] = edit(
         src, key_mma, "        sc[u][kk & 1][0] += __uint_as_float(af[0] ^ af[1] ^ af[2] ^ af[3]);"
     )
@@ -292,9 +294,9 @@ def section_timers(b: int, t: int, bits: int, rows: list) -> None:
     rows.append(row)
     print(
         f"  B{b} T{t} {bits}-bit timers: span {row['span_us']:.1f} us, prologue "
-        f"{row['prologue_us']:.1f}, loop {row['loop_us']:.1f} ({row['tiles_per_warp']:.0f} steps of "
-        f"{16 * row['subtiles']} tokens a warp, {row['cycles_per_tile_per_warp']:.0f} cycles each), "
-        "epilogue "
+        f"{row['prologue_us']:.1f}, loop {row['loop_us']:.1f} "
+        f"({row['tiles_per_warp']:.0f} steps of {16 * row['subtiles']} tokens a warp, "
+        f"{row['cycles_per_tile_per_warp']:.0f} cycles each), epilogue "
         f"{row['epilogue_us']:.1f}; SM clock {row['sm_ghz']:.2f} GHz",
         flush=True,
     )

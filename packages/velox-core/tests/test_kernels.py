@@ -399,6 +399,31 @@ def test_mma_launch_settings():
         assert 1 <= s <= t and (s == 1 or span >= dk.MMA_MIN_SPAN)
 
 
+def test_value_fold_takes_only_the_layouts_it_covers(monkeypatch):
+    """VFOLD: 4 or 8 bits, groups of 8 whole words, at most two groups a token, weights
+    rounded to fp16; the setting is a 0/1 flag and its template constant follows it."""
+    ok = dk.mma_fold_ok
+    assert ok(_mma_codes(4, 64), 128, False) and ok(_mma_codes(4, 128), 128, False)
+    assert ok(_mma_codes(8, 64), 128, False)
+    assert not ok(_mma_codes(4, 64), 128, True)  # the weights' residual MMA
+    assert not ok(_mma_codes(2, 64), 128, False)  # 2 bits keep their decode
+    assert not ok(_mma_codes(4, 32), 128, False)  # a group of 4 words
+    assert not ok(_mma_codes(8, 32), 128, False)  # four groups a token
+    assert ok(_mma_codes(8, 32), 64, False)  # two groups of 8 words at d = 64
+    k = v = _mma_codes(4, 64)
+    fold = dict(dk.mma_template(128, k, v, 4, 4, 2, 2, None, mx.float16, False, True, True))
+    assert fold["VFOLD"] == 1
+    assert (
+        dict(dk.mma_template(128, k, v, 4, 4, 2, 2, None, mx.float16, True, False, True))["VFOLD"]
+        == 0
+    )
+    monkeypatch.setenv("VELOX_DECODE_VFOLD", "0")
+    assert dk.mma_value_fold() is False
+    monkeypatch.setenv("VELOX_DECODE_VFOLD", "yes")
+    with pytest.raises(ValueError, match="VELOX_DECODE_VFOLD must be 0 or 1"):
+        dk.mma_value_fold()
+
+
 def test_mma_splits_fill_whole_waves_of_the_sms(monkeypatch):
     """With the SM count known, the split count fills whole waves of threadgroups (a partial
     last wave costs nearly a full one): at 132 SMs and 3 threadgroups per SM, 8 KV heads take
@@ -846,9 +871,7 @@ def mma_emulated(tmp_path_factory):
         ]
         pres, pipe = name in P_RESIDUAL, name not in NO_PIPELINE
         fold = name not in NO_VALUE_FOLD
-        tmpl = dk.mma_template(
-            128, keys, vals, m, nw, stages, sub, None, q.dtype, pres, pipe, fold
-        )
+        tmpl = dk.mma_template(128, keys, vals, m, nw, stages, sub, None, q.dtype, pres, pipe, fold)
         assert dict(tmpl)["QLO"] == (0 if name in FP16_QUERY else 1)
         assert dict(tmpl)["PIPE"] == int(pipe and not pres and stages >= 3)
         assert dict(tmpl)["VFOLD"] == int(fold and not pres and vb != 2 and vg >= 64)
