@@ -172,40 +172,36 @@ def timeit(fn, warmup: int = 3, reps: int = 7, inner: int = 20) -> float:
 def launcher(variant: str, q, keys, values, p_residual=None, pipeline=None, value_fold=None):
     """A call of the tensor-core kernel (source ``variant``) as the library launches it."""
     b, h, m, d = q.shape
-    t = keys.codes.shape[2]
-    nwarps, sub = dk.mma_warps(), dk.mma_subtiles()
-    stages = dk.mma_stages(d, keys, values, nwarps, sub)
-    if stages == 0 and sub > 1:  # as the library: one-tile steps where two do not fit
-        sub = 1
-        stages = dk.mma_stages(d, keys, values, nwarps, sub)
-    sm_blocks = dk.mma_sm_blocks(nwarps, sub)
-    splits = dk.mma_splits(t, b * h, nwarps, sm_blocks)
-    pres = dk.mma_p_residual() if p_residual is None else p_residual
-    pipe = dk.mma_pipeline() if pipeline is None else pipeline
-    fold = dk.mma_value_fold() if value_fold is None else value_fold
-    base = dk.mma_spec(nwarps, sm_blocks)
+    launch = dk.mma_launch(
+        q.shape, q.dtype, keys, values, None, d**-0.5, p_residual, pipeline, value_fold
+    )
+    base = launch.spec
     tag = f"{abs(hash(variant)) % 10**8}"
     spec = dataclasses.replace(base, name=f"{base.name}_v{tag}", source="variant:" + variant)
     kernel = spec.kernel()
-    tmpl = dk.mma_template(
-        d, keys, values, m, nwarps, stages, sub, d**-0.5, q.dtype, pres, pipe, fold
-    )
+    tmpl, splits, nt = launch.template, launch.splits, launch.nwarps * 32
     inputs = [q, keys.codes, keys.a, keys.b, values.codes, values.a, values.b]
 
     def call():
         return kernel(
             inputs=inputs,
             template=tmpl,
-            grid=(splits * nwarps * 32, b * h, 1),
-            threadgroup=(nwarps * 32, 1, 1),
+            grid=(splits * nt, b * h, 1),
+            threadgroup=(nt, 1, 1),
             output_shapes=[(b, h, splits, m, d), (b, h, splits, m, 2)],
             output_dtypes=[mx.float32, mx.float32],
         )
 
+    t = dict(tmpl)
     info = dict(
-        splits=splits, stages=stages, subtiles=sub, p_residual=int(pres), pipeline=int(pipe)
+        splits=splits,
+        stages=t["NSTAGE"],
+        subtiles=t["NSUB"],
+        p_residual=t["PLO"],
+        pipeline=t["PIPE"],
+        value_fold=t["VFOLD"],
     )
-    return call, info | dict(value_fold=dict(tmpl)["VFOLD"])
+    return call, info
 
 
 def shape_data(b: int, t: int, bits: int):

@@ -99,7 +99,6 @@ constexpr float NEG = -1.0e30f;
 // most 8 times the mean 8-bit code and 137 times the mean 4-bit one, so the float32 sums of
 // the uncorrected products keep at least 17 bits (4e-4 relative measured on an H200); at 2
 // bits it would be 680 times (1.5e-3 measured), and the fold saves no instructions there.
-constexpr int VCLS = VFOLD ? HD / VGROUP : 1;  // per-group correction accumulators
 static_assert(!VFOLD || (VBITS != 2 && VGROUP % (8 * VCW) == 0 && HD / VGROUP <= 2 && !PLO),
               "VFOLD needs 4 or 8 bits, one or two groups of 8 whole words, P rounded to fp16");
 
@@ -367,6 +366,7 @@ for (int j = 0; j < NTM; ++j) {
 // 2^RESCALE are exact in float32 sums and fp16 hi/lo fragments), which after the first tiles
 // almost never happens.
 constexpr float RESCALE = VFOLD ? 0.0f : 8.0f;  // VFOLD: p <= 1, so p s and p z stay in fp16 range
+constexpr int VCLS = VFOLD ? VG : 1;  // per-group correction accumulators
 float facc[VCLS][4];  // VFOLD: per group, ones x P z - 2^(10 - o) x P s
 #pragma unroll
 for (int c = 0; c < VCLS; ++c) {

@@ -359,7 +359,7 @@ def _mma_variants():
             dk.mma_value_fold(),
         )
         infos = [ArgInfo(*qd), *[ArgInfo(*a) for a in (U32, H16, H16)] * 2]
-        spec = dk.mma_spec(nw, dk.mma_sm_blocks(nw, sub))
+        spec = dk.mma_spec(nw, dk.mma_sm_blocks(nw))
         out.append((spec, infos, ["float32"] * 2, tmpl))
     return out
 
@@ -875,7 +875,7 @@ def mma_emulated(tmp_path_factory):
         assert dict(tmpl)["QLO"] == (0 if name in FP16_QUERY else 1)
         assert dict(tmpl)["PIPE"] == int(pipe and not pres and stages >= 3)
         assert dict(tmpl)["VFOLD"] == int(fold and not pres and vb != 2 and vg >= 64)
-        spec = dk.mma_spec(nw, dk.mma_sm_blocks(nw, sub))
+        spec = dk.mma_spec(nw, dk.mma_sm_blocks(nw))
         handle = emu.kernel(spec, ins, ["float32"] * 2, tmpl)
         launch = ((s * nw * 32, b * h, 1), (nw * 32, 1, 1))
         shapes = [(b, h, s, m, 128), (b, h, s, m, 2)]
@@ -928,7 +928,7 @@ def test_cache_on_an_emulated_cuda_gpu_takes_the_tensor_core_kernel(
     fake = EmulatedKernels(tmp_path, backend="cuda").install(monkeypatch)
     got = cache.attend(q, 0.088)
     names = fake.names
-    mma = dk.mma_spec(dk.mma_warps(), dk.mma_sm_blocks(dk.mma_warps(), dk.mma_subtiles()))
+    mma = dk.mma_spec(dk.mma_warps(), dk.mma_sm_blocks(dk.mma_warps()))
     assert names == [mma.name, "velox_decode_merge_fp16"]
     err = np.abs(np.asarray((got - ref).astype(mx.float32))).max()
     assert err < 2e-3 * np.abs(np.asarray(ref.astype(mx.float32))).max()

@@ -48,6 +48,7 @@ __all__ = [
     "MERGE",
     "MERGE_FP16",
     "Codes",
+    "MmaLaunch",
     "Plan",
     "choose_splits",
     "decode_attention",
@@ -56,6 +57,7 @@ __all__ = [
     "merge_splits",
     "merge_splits_fp16",
     "mma_enabled",
+    "mma_launch",
     "mma_p_residual",
     "mma_pipeline",
     "mma_sm_blocks",
@@ -414,13 +416,12 @@ def mma_warps() -> int:
 MMA_SM_BLOCKS = 3  # threadgroups per SM the register cap aims for (VELOX_DECODE_MMA_SM_BLOCKS)
 
 
-def mma_sm_blocks(nwarps: int, subtiles: int = 1) -> int:
+def mma_sm_blocks(nwarps: int) -> int:
     """Threadgroups of ``nwarps`` warps per SM that the tensor-core kernel's register cap
     (``__launch_bounds__``) allows: ``VELOX_DECODE_MMA_SM_BLOCKS``, else
     :data:`MMA_SM_BLOCKS` x 4 warps' worth of threadgroups (12 warps per SM, 168 registers,
     for steps of one or two tiles alike: with the scores transposed both fit); 0 leaves the
     registers to the compiler."""
-    del subtiles  # the same cap for both step sizes (kept for callers that pass it)
     want = os.environ.get("VELOX_DECODE_MMA_SM_BLOCKS")
     if want is None:
         return MMA_SM_BLOCKS * 4 // nwarps
@@ -618,11 +619,32 @@ def mma_template(
     ]
 
 
-def _decode_mma(
-    q: mx.array, keys: Codes, values: Codes, splits: int | None, scale: float | None
-) -> tuple[mx.array, mx.array, mx.array] | None:
-    """The tensor-core kernel's per-split partials and the query it took, or None."""
-    b, h, m, dim = q.shape
+@dataclass(frozen=True)
+class MmaLaunch:
+    """How the tensor-core kernel is launched for one call (see :func:`mma_launch`)."""
+
+    spec: KernelSpec
+    template: list[tuple[str, int]]
+    splits: int
+    nwarps: int
+
+
+def mma_launch(
+    q_shape: tuple[int, int, int, int],
+    query_dtype: mx.Dtype,
+    keys: Codes,
+    values: Codes,
+    splits: int | None = None,
+    scale: float | None = None,
+    p_residual: bool | None = None,
+    pipeline: bool | None = None,
+    value_fold: bool | None = None,
+) -> MmaLaunch | None:
+    """The tensor-core kernel's launch for a ``(B, H, M, D)`` query over ``keys`` / ``values``
+    from the settings (warps, steps of two tiles where two fit, ring stages, register cap,
+    splits; ``p_residual``, ``pipeline`` and ``value_fold`` default to theirs), or None where
+    no ring fits in shared memory."""
+    b, h, m, dim = q_shape
     t = keys.codes.shape[2]
     nwarps = mma_warps()
     sub = mma_subtiles()
@@ -632,29 +654,41 @@ def _decode_mma(
         stages = mma_stages(dim, keys, values, nwarps, sub)
     if stages == 0:
         return None
-    sm_blocks = mma_sm_blocks(nwarps, sub)
+    sm_blocks = mma_sm_blocks(nwarps)
     if splits is None:
         s = mma_splits(t, b * h, nwarps, sm_blocks)
     else:
         s = max(1, min(int(splits), t))
         s = math.ceil(t / math.ceil(t / s))
-    nt = nwarps * 32
-    o_part, ml_part = mma_spec(nwarps, sm_blocks).kernel()(
+    tmpl = mma_template(
+        dim,
+        keys,
+        values,
+        m,
+        nwarps,
+        stages,
+        sub,
+        scale,
+        query_dtype,
+        mma_p_residual() if p_residual is None else p_residual,
+        mma_pipeline() if pipeline is None else pipeline,
+        mma_value_fold() if value_fold is None else value_fold,
+    )
+    return MmaLaunch(mma_spec(nwarps, sm_blocks), tmpl, s, nwarps)
+
+
+def _decode_mma(
+    q: mx.array, keys: Codes, values: Codes, splits: int | None, scale: float | None
+) -> tuple[mx.array, mx.array, mx.array] | None:
+    """The tensor-core kernel's per-split partials and the query it took, or None."""
+    launch = mma_launch(q.shape, q.dtype, keys, values, splits, scale)
+    if launch is None:
+        return None
+    b, h, m, dim = q.shape
+    s, nt = launch.splits, launch.nwarps * 32
+    o_part, ml_part = launch.spec.kernel()(
         inputs=[q, keys.codes, keys.a, keys.b, values.codes, values.a, values.b],
-        template=mma_template(
-            dim,
-            keys,
-            values,
-            m,
-            nwarps,
-            stages,
-            sub,
-            scale,
-            q.dtype,
-            mma_p_residual(),
-            mma_pipeline(),
-            mma_value_fold(),
-        ),
+        template=launch.template,
         grid=(s * nt, b * h, 1),
         threadgroup=(nt, 1, 1),
         output_shapes=[(b, h, s, m, dim), (b, h, s, m, 2)],
