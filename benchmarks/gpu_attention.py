@@ -18,7 +18,10 @@ Sections (each guarded: a failure is printed with its traceback and the run goes
      evaluated), GB/s on the bytes read (codes + scales + query), ratios; a device copy for the
      achievable bandwidth; a small sweep of the kernel's launch settings; encode cost.
   c. end to end: decode tokens/s of the reference model (shared/reference-model) at a 32k
-     context, fp16 KVCache vs mlx-lm QuantizedKVCache 4-bit vs velox UniformCache 4-bit.
+     context, fp16 KVCache vs mlx-lm QuantizedKVCache 4-bit vs velox UniformCache 4-bit:
+     step by step (building each step's graph, then evaluating it; the building time is
+     reported) and as mlx-lm's ``generate_step`` runs (the next step built while the device
+     evaluates this one).
   d. JSON to $OUT/gpu_attention.json (./out/ without $OUT) and a compact table.
 """
 
@@ -808,6 +811,7 @@ def section_encode(quick: bool) -> None:
 @guarded("e2e")
 def section_e2e(quick: bool) -> None:
     import mlx_lm
+    from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import QuantizedKVCache
 
     import velox_core
@@ -856,11 +860,21 @@ def section_e2e(quick: bool) -> None:
                 for _ in range(3):  # warm-up steps
                     tok = mx.argmax(model(tok, cache=cache)[:, -1], axis=-1)[:, None]
                     mx.eval(tok)
+                build = 0.0  # building each step's graph (host), then evaluating it
                 t0 = time.perf_counter()
                 for _ in range(steps):
+                    tb = time.perf_counter()
                     tok = mx.argmax(model(tok, cache=cache)[:, -1], axis=-1)[:, None]
+                    build += time.perf_counter() - tb
                     mx.eval(tok)
                 dt = time.perf_counter() - t0
+                # as mlx-lm's generate runs: the next step's graph is built while the device
+                # evaluates this one (async_eval)
+                gen = generate_step(tok[0], model, max_tokens=steps + 4, prompt_cache=cache)
+                for i, _ in enumerate(gen):
+                    if i == 3:
+                        tg = time.perf_counter()
+                dg = time.perf_counter() - tg
             nb = sum(getattr(c, "nbytes", 0) for c in cache)
             row = {
                 "cache": name,
@@ -868,12 +882,15 @@ def section_e2e(quick: bool) -> None:
                 "steps": steps,
                 "tokens_per_s": steps / dt,
                 "ms_per_token": dt * 1e3 / steps,
+                "build_ms_per_token": build * 1e3 / steps,
+                "generate_tokens_per_s": steps / dg,
                 "prefill_s": fill,
                 "cache_bytes": nb,
             }
             print(
                 f"  {name:28s} {steps / dt:8.1f} tok/s  ({dt * 1e3 / steps:.2f} ms/token, "
-                f"prefill {fill:.1f}s, cache {nb / 2**20:.0f} MiB)"
+                f"{build * 1e3 / steps:.2f} of it building the graph; generate_step "
+                f"{steps / dg:.1f} tok/s; prefill {fill:.1f}s, cache {nb / 2**20:.0f} MiB)"
             )
         except Exception as exc:
             row = {

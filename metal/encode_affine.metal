@@ -9,7 +9,8 @@
 //
 // Template: BITS, HD (row length), GROUP (channels per group), CLIPB (float32 bits of clip),
 // ST (scale dtype). Inputs: x (rows, HD), contiguous, any float dtype.
-// Outputs: codes (rows, W) uint32, scale and zero (rows, HD / GROUP) in ST.
+// Outputs: codes (rows, W) uint32, scale and zero (rows, HD / GROUP) in ST (row-major; the host
+// gives them the input's leading shape).
 
 constexpr int W = (HD * BITS + 31) / 32;
 constexpr int NG = HD / GROUP;

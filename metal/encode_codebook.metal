@@ -6,7 +6,8 @@
 // up), and code i of the row occupies bits [i*bits, (i+1)*bits) of the row's uint32 words.
 //
 // Template: BITS, HD (row length). Inputs: y (rows, HD) float32, contiguous;
-// bounds (2^BITS - 1,) float32. Output: codes (rows, W) uint32.
+// bounds (2^BITS - 1,) float32. Output: codes (rows, W) uint32 (row-major; the host gives it the
+// input's leading shape).
 
 constexpr int W = (HD * BITS + 31) / 32;
 const int row = vx_global_x;

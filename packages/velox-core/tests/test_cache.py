@@ -56,6 +56,52 @@ def test_window_and_block_codec_keep_pending_tokens_exact():
     assert mx.array_equal(kk[:, :, 64:], k[:, :, 64:])
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"bits": 4},
+        {"bits": 4, "sinks": 3},
+        {"bits": 2, "group": 32, "key_axis": "channel", "value_axis": "channel"},
+        {"bits": 3, "group": 16, "key_axis": "channel", "sinks": 2},
+    ],
+)
+def test_without_a_window_new_tokens_go_straight_to_the_codes(monkeypatch, kw):
+    """window=0: tokens skip the window (no copy through it) and the cache holds exactly the
+    records, segments and attention it holds when they pass through the window."""
+    k, v = kv_data(t=80)
+    q = mx.random.normal((1, 2 * k.shape[1], 1, k.shape[3]), key=mx.random.key(3))
+    chunks = [(0, 37), (37, 38), (38, 39), (39, 71), (71, 72), (72, 80)]
+
+    def run():
+        c = UniformCache(window=0, **kw)
+        for a, z in chunks:
+            c.update_and_fetch(k[:, :, a:z], v[:, :, a:z])
+        return c
+
+    direct = run()
+    assert direct._direct() or direct._win[0].tokens > 0
+    monkeypatch.setattr(VeloxCache, "_direct", lambda self: False)
+    through = run()
+    assert [s.tokens for s in direct.segments()] == [s.tokens for s in through.segments()]
+    assert len(direct.state) == len(through.state)
+    for a, b in zip(direct.state, through.state):
+        if isinstance(a, mx.array):
+            assert a.shape == b.shape and mx.array_equal(a, b)
+        else:
+            assert a == b
+    assert mx.array_equal(direct.attend(q, 0.1), through.attend(q, 0.1))
+
+
+def test_attend_rejects_queries_of_another_shape():
+    k, v = kv_data(t=20)
+    c = UniformCache(bits=4)
+    c.update_and_fetch(k, v)
+    b, h, _, d = k.shape
+    for bad in [(b, 2 * h, 1, d // 2), (b, h + 1, 1, d), (b + 1, h, 1, d), (2 * h, 1, d)]:
+        with pytest.raises(ValueError, match="attend: queries"):
+            c.attend(mx.zeros(bad, mx.float16), 0.1)
+
+
 def test_trim_splits_a_block_and_restores_its_tokens():
     k, v = kv_data(t=96)
     c = UniformCache(bits=8, group=32, key_axis="channel")

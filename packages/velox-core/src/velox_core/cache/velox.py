@@ -228,6 +228,8 @@ class VeloxCache(RetentionMixin):
             self._sink[0].append(self._ident.encode(keys[:, :, :take]))
             self._sink[1].append(self._ident.encode(values[:, :, :take]))
             keys, values = keys[:, :, take:], values[:, :, take:]
+        if keys.shape[2] and self._direct():
+            keys, values = self._encode_direct(keys, values, self.offset - keys.shape[2])
         if keys.shape[2]:
             self._win[0].append(self._ident.encode(keys))
             self._win[1].append(self._ident.encode(values))
@@ -238,6 +240,38 @@ class VeloxCache(RetentionMixin):
             _require_routing()
             return keys, values  # unused: routed attention reads the cache itself
         return self.keys_and_values()
+
+    def _direct(self) -> bool:
+        """Whether new tokens go straight into tier 0 (no window, nothing waiting in it, and
+        no calibration hook): the same records as passing through the window, without
+        storing them there first."""
+        return (
+            self.window == 0
+            and self._win[0].tokens == 0
+            and type(self).before_coding is VeloxCache.before_coding
+        )
+
+    def _encode_direct(
+        self, keys: mx.array, values: mx.array, pos0: int
+    ) -> tuple[mx.array, mx.array]:
+        """Encode the whole codec blocks of ``keys``/``values`` (absolute positions from
+        ``pos0``) into tier 0; returns what is left over (less than a block)."""
+        first = self.tiers[0]
+        block = _lcm(first.key_codec.block, first.value_codec.block)
+        t = keys.shape[2]
+        n = t // block * block
+        if n == 0:
+            return keys, values
+        if n < t:
+            rest = keys[:, :, n:], values[:, :, n:]
+            keys, values = keys[:, :, :n], values[:, :, :n]
+        else:
+            rest = keys[:, :, :0], values[:, :, :0]
+        pos = mx.arange(pos0, pos0 + n, dtype=mx.int32)
+        self._append_body(
+            first.key_codec.encode(keys, pos), first.value_codec.encode(values, pos), pos
+        )
+        return rest
 
     def before_coding(self) -> bool:
         """Hook run on every update before window overflow moves into the coded tiers.
@@ -324,6 +358,14 @@ class VeloxCache(RetentionMixin):
         Shapes:
             queries ``(B, Hq, L, Dk)``; returns ``(B, Hq, L, Dv)``.
         """
+        if self._dims is not None:
+            b, h, dk, _ = self._dims
+            qs = tuple(getattr(queries, "shape", ()))
+            if len(qs) != 4 or qs[0] != b or qs[1] % h or qs[3] != dk:
+                raise ValueError(
+                    f"attend: queries {qs} must be (batch={b}, a multiple of {h} heads, L, "
+                    f"key_dim={dk})"
+                )
         if self.policy is not None:
             self.policy.observe(self, queries, scale)
         if self.ragged:

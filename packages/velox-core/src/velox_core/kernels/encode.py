@@ -77,14 +77,11 @@ def affine_encode(
         ],
         grid=(rows, 1, 1),
         threadgroup=(min(THREADS, rows), 1, 1),
-        output_shapes=[(rows, words), (rows, dim // group), (rows, dim // group)],
+        # outputs in their final shapes (the kernel writes rows in order): no reshapes
+        output_shapes=[(*lead, words), (*lead, dim // group), (*lead, dim // group)],
         output_dtypes=[mx.uint32, sdt, sdt],
     )
-    return (
-        codes.reshape(*lead, words),
-        scale.reshape(*lead, dim // group),
-        zero.reshape(*lead, dim // group),
-    )
+    return codes, scale, zero
 
 
 def codebook_encode(y: mx.array, bounds: mx.array, bits: int) -> mx.array | None:
@@ -108,7 +105,7 @@ def codebook_encode(y: mx.array, bounds: mx.array, bits: int) -> mx.array | None
         template=[("BITS", bits), ("HD", dim)],
         grid=(rows, 1, 1),
         threadgroup=(min(THREADS, rows), 1, 1),
-        output_shapes=[(rows, words)],
+        output_shapes=[(*lead, words)],
         output_dtypes=[mx.uint32],
     )
-    return codes.reshape(*lead, words)
+    return codes
