@@ -162,6 +162,34 @@ def test_uniform_encode_and_attend_route_to_the_kernels_on_a_gpu(monkeypatch):
     assert seen["encode"] == ((1, 2, 8, 128), 3, 32, 1.0)
 
 
+def test_compact_drops_comments_and_keeps_code():
+    from velox_core.kernels.build import compact
+
+    src = (
+        "#define A 1 // one\n"
+        "  int x = a / b; /* c */ int y = 2;\n"
+        "\n"
+        "  // only a comment\n"
+        'const char* s = "a // b /* c \\" */";\n'
+        "char q = '/'; char e = '\\'';\n"
+        "#if A \\\n"
+        "  && 1\n"
+        "#endif\n"
+        "/* two\n"
+        "lines */ z = 3;\n"
+    )
+    assert compact(src) == (
+        "#define A 1\n"
+        "int x = a / b;   int y = 2;\n"
+        'const char* s = "a // b /* c \\" */";\n'
+        "char q = '/'; char e = '\\'';\n"
+        "#if A \\\n"
+        "&& 1\n"
+        "#endif\n"
+        "z = 3;\n"
+    )
+
+
 def test_kernel_sources_are_found_and_assembled():
     for name in SOURCES:
         assert vk.kernel_source(name).strip()

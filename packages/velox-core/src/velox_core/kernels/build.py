@@ -59,6 +59,40 @@ _SILENCE = (
 )
 
 
+def compact(text: str) -> str:
+    """``text`` without comments, indentation and blank lines (same tokens, same lines for
+    the preprocessor). MLX hashes a custom kernel's whole source on every evaluation and
+    copies it on every call: the sources' comments would cost about 0.2 microseconds per
+    1,000 characters and call on an H200 host (``benchmarks/gpu_dispatch.py``)."""
+    out: list[str] = []
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == '"' or c == "'":  # a literal, kept whole (escapes included)
+            j = i + 1
+            while j < n and text[j] != c:
+                j += 2 if text[j] == "\\" else 1
+            out.append(text[i : j + 1])
+            i = j + 1
+        elif text.startswith("//", i):
+            j = text.find("\n", i)
+            i = n if j < 0 else j
+        elif text.startswith("/*", i):
+            j = text.find("*/", i + 2)
+            i = n if j < 0 else j + 2
+            out.append(" ")
+        else:
+            j = i + 1
+            while j < n and text[j] not in "\"'/":
+                j += 1
+            if j < n and text[j] == "/" and not text.startswith(("//", "/*"), j):
+                j += 1
+            out.append(text[i:j])
+            i = j
+    lines = (line.strip() for line in "".join(out).split("\n"))
+    return "".join(line + "\n" for line in lines if line)
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     """A kernel body and its argument names.
@@ -92,10 +126,10 @@ class KernelSpec:
     def header(self, backend: str) -> str:
         if backend not in PROLOGUE:
             raise ValueError(f"kernel backend must be 'metal' or 'cuda', got {backend!r}")
-        text = f"#define VX_{backend.upper()} 1\n" + kernel_source("velox_kernels.h")
+        text = f"#define VX_{backend.upper()} 1\n" + compact(kernel_source("velox_kernels.h"))
         if backend == "cuda":
             for name in self.cuda_headers:
-                text += "\n" + kernel_source(name)
+                text += "\n" + compact(kernel_source(name))
             if self.cuda_launch_bounds is not None:
                 bounds = "__launch_bounds__({}, {})".format(*self.cuda_launch_bounds)
                 text += (
@@ -108,7 +142,7 @@ class KernelSpec:
     def body(self, backend: str) -> str:
         if backend not in PROLOGUE:
             raise ValueError(f"kernel backend must be 'metal' or 'cuda', got {backend!r}")
-        return PROLOGUE[backend] + _SILENCE + kernel_source(self.source, self.package)
+        return PROLOGUE[backend] + _SILENCE + compact(kernel_source(self.source, self.package))
 
     def build(self, backend: str) -> Any:
         """The MLX kernel object for ``backend`` (call it with inputs, grid, template...)."""
