@@ -689,16 +689,17 @@ def section_tuning(quick: bool) -> None:
     t = 2048 if quick else 131072
     # the tensor-core kernel's settings: (warps, 16-token tiles per step, blocks (None: splits
     # sized to whole waves of the SMs), ring stages, threadgroups per SM of the register cap,
-    # fp16 weights' residual, software pipeline, value scales folded into the weights; 0 /
-    # None: its default). Earlier sweeps (blocks 256-8192, caps 0/3/4, stages 2):
-    # docs/data/*mma2*.json; 512 blocks against wave-sized splits: *mma3*.json
+    # fp16 weights' residual, software pipeline, value scales folded into the weights, splits
+    # merged in the same launch; 0 / None: its default). Earlier sweeps (blocks 256-8192, caps
+    # 0/3/4, stages 2): docs/data/*mma2*.json; 512 blocks against wave-sized splits: *mma3*.json
     variants = [
-        (4, 2, None, 0, None, 0, 1, 1),
-        (4, 2, None, 0, 0, 0, 1, 1),
-        (4, 2, None, 0, None, 0, 1, 0),
-        (4, 2, None, 0, None, 0, 0, 1),
-        (4, 1, None, 0, None, 0, 1, 1),
-        (2, 2, None, 0, None, 0, 1, 1),
+        (4, 2, None, 0, None, 0, 1, 1, 1),
+        (4, 2, None, 0, None, 0, 1, 1, 0),
+        (4, 2, None, 0, 0, 0, 1, 1, 1),
+        (4, 2, None, 0, None, 0, 1, 0, 1),
+        (4, 2, None, 0, None, 0, 0, 1, 1),
+        (4, 1, None, 0, None, 0, 1, 1, 1),
+        (2, 2, None, 0, None, 0, 1, 1, 1),
     ]
     batches = (1,) if quick else (OPTIONS.get("batches") or (1, 8))
     if quick:
@@ -710,7 +711,7 @@ def section_tuning(quick: bool) -> None:
             methods = make_methods(b, t, seed=99, bits_mlx=(), bits_uniform=(bits,), bits_tq=())
             name, _, call, nb = methods[1]
             timeit_split(call, 3, 3, 5)  # warm the GPU, so the first variant is not the slow one
-            for warps, sub, blocks, stages, smb, pres, pipe, fold in variants:
+            for warps, sub, blocks, stages, smb, pres, pipe, fold, fuse in variants:
                 extra = {"VELOX_DECODE_STAGES": stages} if stages else {}
                 if smb is not None:
                     extra["VELOX_DECODE_MMA_SM_BLOCKS"] = smb
@@ -725,6 +726,7 @@ def section_tuning(quick: bool) -> None:
                     "p_residual": pres,
                     "pipeline": pipe,
                     "value_fold": fold,
+                    "fused_merge": fuse,
                 }
                 label = " ".join(f"{k}={v}" for k, v in setting.items())
                 row = {"method": name, "batch": b, "context": t, **setting}
@@ -734,6 +736,7 @@ def section_tuning(quick: bool) -> None:
                     VELOX_DECODE_P_RESIDUAL=pres,
                     VELOX_DECODE_PIPELINE=pipe,
                     VELOX_DECODE_VFOLD=fold,
+                    VELOX_DECODE_FUSE=fuse,
                     **extra,
                 ):
                     try:

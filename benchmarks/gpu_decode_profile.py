@@ -181,6 +181,7 @@ def launcher(variant: str, q, keys, values, p_residual=None, pipeline=None, valu
     kernel = spec.kernel()
     tmpl, splits, nt = launch.template, launch.splits, launch.nwarps * 32
     inputs = [q, keys.codes, keys.a, keys.b, values.codes, values.a, values.b]
+    shapes, dtypes = dk.mma_outputs(b, h, splits, m, d)  # the partials (the splits unmerged)
 
     def call():
         return kernel(
@@ -188,8 +189,8 @@ def launcher(variant: str, q, keys, values, p_residual=None, pipeline=None, valu
             template=tmpl,
             grid=(splits * nt, b * h, 1),
             threadgroup=(nt, 1, 1),
-            output_shapes=[(b, h, splits, m, d), (b, h, splits, m, 2)],
-            output_dtypes=[mx.float32, mx.float32],
+            output_shapes=shapes,
+            output_dtypes=dtypes,
         )
 
     t = dict(tmpl)

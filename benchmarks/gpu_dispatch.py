@@ -11,8 +11,9 @@ layers are), for:
   whose source is a few lines, and the same kernel with the velox tensor-core decode
   kernel's length of comment appended (MLX hashes the full source on every evaluation);
 * ``velox decode``, ``velox decode + merge``, ``velox attend_joint``: the velox 4-bit decode
-  kernel alone, with its split merge, and the whole fused call (what a cache's ``attend``
-  runs) at batch 1, 8 KV heads, 32 query heads, head dim 128, 4,096 tokens (a few
+  kernel alone, with its split merge kernel, and the whole call a cache's ``attend`` runs
+  (its splits merged in the decode kernel, and with ``VELOX_DECODE_FUSE=0`` by the separate
+  merge kernel) at batch 1, 8 KV heads, 32 query heads, head dim 128, 4,096 tokens (a few
   microseconds of device work);
 * ``velox encode k`` / ``velox encode k+v``: the affine encode kernel for one token of one
   side, and for both sides as a cache update runs it;
@@ -113,6 +114,13 @@ def cases(tokens: int):
     def attend_joint():
         return codec.attend_joint(qg, kp, codec, vp, [], mx.float16, scale)
 
+    def attend_joint_unfused():
+        os.environ["VELOX_DECODE_FUSE"] = "0"
+        try:
+            return attend_joint()
+        finally:
+            del os.environ["VELOX_DECODE_FUSE"]
+
     return [
         ("add", lambda: x + 1.0),
         ("custom small", custom(small)),
@@ -120,7 +128,8 @@ def cases(tokens: int):
         ("fp16 sdpa", lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)),
         ("velox decode", decode_only),
         ("velox decode + merge", decode_merge),
-        ("velox attend_joint", attend_joint),
+        ("velox attend_joint (splits merged in the kernel)", attend_joint),
+        ("velox attend_joint (separate merge kernel)", attend_joint_unfused),
         ("velox encode k", lambda: codec.encode(k_new).data["codes"]),
         (
             "velox encode k+v",

@@ -57,7 +57,8 @@
 //           (vx_dequant_at: the code OR-ed into the mantissa of 2^(10 - bit offset)), so a
 //           pair of decoded halves costs three instructions (VFOLD values: one).
 // Outputs as decode_attention.metal: o_part (B, H, S, MROWS, HD) = sum_t 2^(s_t - m) v_t,
-// ml_part (B, H, S, MROWS, 2) = (m, l) in log2 units; the host merges the splits.
+// ml_part (B, H, S, MROWS, 2) = (m, l) in log2 units; the host merges the splits (FUSE = 0) or
+// the last threadgroup of each (batch, head) does (FUSE = 1: out, mlo and count, see the end).
 //
 // Template constants: HD (head dim), KBITS / VBITS in {2, 4, 8}, KGROUP / VGROUP (channels per
 // scale), MROWS (query rows per KV head, 1 to 8), NWARPS, NSTAGE (steps per warp ring),
@@ -69,7 +70,7 @@
 // NSUB (16-token MMA tiles per loop step: more independent work between the softmax steps),
 // PIPE (1: score one step ahead; needs NSTAGE >= 3, and the host sets it only with PLO = 0),
 // VFOLD (1: value scales and zeros folded into the weights: 4 or 8 bits, one or two groups of
-// 8 whole words, PLO = 0).
+// 8 whole words, PLO = 0), FUSE (1: the split merge at the end of this launch).
 // The host (velox_core.kernels.decode.mma_supported) checks the layout: HD / 4 channels of
 // keys and HD / 8 of values fill whole words, and a lane's channels meet whole groups.
 
@@ -704,5 +705,48 @@ for (int i = tid; i < MROWS * HD; i += NT) {
   if (d == 0) {
     ml_part[(row0 + r) * 2] = top;
     ml_part[(row0 + r) * 2 + 1] = l_sum;
+  }
+}
+
+// ---- FUSE = 1: the split merge in this launch (one kernel per call instead of two) ----------
+// Every threadgroup publishes its partial (the stores above, then a device-wide fence) and
+// counts itself on count[bh] (zeroed by the launch: the host passes init_value 0); the one that
+// counts last reads every split's partial of its (batch, head), past the L1 cache, and writes
+// the normalized output o (B, H, MROWS, HD) in the output dtype and mlo (B, H, MROWS, 2) = the
+// max in natural-log units and the sum relative to it (decode_merge.metal's m and l).
+VX_SHARED int fuse_last;
+if (FUSE) {
+  __threadfence();
+  VX_BARRIER();
+  if (tid == 0) {
+    fuse_last = atomicAdd(count + bh, 1u) == static_cast<unsigned int>(nsplit - 1);
+  }
+  VX_BARRIER();
+  if (fuse_last) {
+    __threadfence();
+    constexpr float LN2 = 0.6931471805599453f;
+    const int64_t first = (int64_t)bh * nsplit * MROWS;  // (bh, split 0, row 0)
+    for (int i = tid; i < MROWS * HD; i += NT) {
+      const int r = i / HD;
+      const int d = i - r * HD;
+      float top = NEG;
+      for (int sp = 0; sp < nsplit; ++sp) {
+        top = vx_max(top, __ldcg(ml_part + (first + (int64_t)sp * MROWS + r) * 2));
+      }
+      float o_sum = 0.0f;
+      float l_sum = 0.0f;
+      for (int sp = 0; sp < nsplit; ++sp) {
+        const int64_t row = first + (int64_t)sp * MROWS + r;
+        const float w = vx_exp2(__ldcg(ml_part + row * 2) - top);
+        o_sum += __ldcg(o_part + row * HD + d) * w;
+        l_sum += __ldcg(ml_part + row * 2 + 1) * w;
+      }
+      const int64_t orow = (int64_t)bh * MROWS + r;
+      vx_store(out + orow * HD + d, o_sum / l_sum);
+      if (d == 0) {
+        mlo[orow * 2] = top * LN2;
+        mlo[orow * 2 + 1] = l_sum;
+      }
+    }
   }
 }

@@ -10,6 +10,9 @@
 #endif
 
 VX_FN unsigned int vx_h2u(__half2 h) { return *reinterpret_cast<unsigned int*>(&h); }
+// a float stored as an output's element type (float, __half or __nv_bfloat16)
+template <typename T>
+VX_FN void vx_store(T* p, float v) { *p = static_cast<T>(v); }
 VX_FN __half2 vx_u2h(unsigned int u) { return *reinterpret_cast<__half2*>(&u); }
 
 // Two floats as one f16x2 register (lo in the low half), rounded to nearest.

@@ -357,16 +357,16 @@ def _mma_variants():
     pipeline as the defaults set them), float32 and float16 queries."""
     out = []
     plo = dk.mma_p_residual()
-    for kb, vb, m, kg, vg, nw, sub, qd in (
-        (4, 4, 4, 64, 64, 4, 1, F32),
-        (4, 4, 4, 64, 64, 4, 1, H16),
-        (2, 2, 4, 64, 64, 4, 1, H16),
-        (8, 8, 4, 64, 64, 4, 1, H16),
-        (4, 4, 4, 64, 64, 2, 2, F32),
-        (2, 2, 4, 64, 64, 4, 2, H16),
-        (8, 8, 4, 64, 64, 2, 2, F32),
-        (4, 4, 8, 32, 32, 4, 2, F32),
-        (4, 2, 1, 128, 16, 4, 1, F32),
+    for kb, vb, m, kg, vg, nw, sub, qd, merged in (
+        (4, 4, 4, 64, 64, 4, 1, F32, None),
+        (4, 4, 4, 64, 64, 4, 1, H16, None),
+        (2, 2, 4, 64, 64, 4, 1, H16, None),
+        (8, 8, 4, 64, 64, 4, 1, H16, None),
+        (4, 4, 4, 64, 64, 2, 2, F32, None),
+        (2, 2, 4, 64, 64, 4, 2, H16, "float16"),
+        (8, 8, 4, 64, 64, 2, 2, F32, "float32"),
+        (4, 4, 8, 32, 32, 4, 2, F32, "bfloat16"),
+        (4, 2, 1, 128, 16, 4, 1, F32, None),
     ):
         k, v = _mma_codes(kb, kg), _mma_codes(vb, vg)
         assert dk.mma_supported(m, 128, k, v)
@@ -385,10 +385,12 @@ def _mma_variants():
             plo,
             dk.mma_pipeline(),
             dk.mma_value_fold(),
+            merged is not None,
         )
         infos = [ArgInfo(*qd), *[ArgInfo(*a) for a in (U32, H16, H16)] * 2]
         spec = dk.mma_spec(nw, dk.mma_sm_blocks(nw))
-        out.append((spec, infos, ["float32"] * 2, tmpl))
+        dtypes = dk.mma_outputs(1, 1, 1, m, 128, merged and getattr(mx, merged))[1]
+        out.append((spec, infos, [str(d).replace("mlx.core.", "") for d in dtypes], tmpl))
     return out
 
 
@@ -854,6 +856,8 @@ FP16_QUERY = {
 # PLO = 1: the weights P as fp16 plus their residual (two value MMAs, no pipeline); the other
 # cases round P to fp16 (the default) and score one step ahead where the ring has 3 stages
 P_RESIDUAL = {"4bit-weights-residual", "8bit-gqa8-g32"}
+# FUSE = 1 run too: several splits and batches, one split, an fp16 query and output
+FUSED = {"4bit-b2-steps-of-two-strided", "one-token", "2bit-fp16-query-gqa8-strided"}
 NO_PIPELINE = {"4bit-no-pipeline"}
 # VFOLD = 1 (value scales folded into the weights) wherever the layout allows it, except here
 NO_VALUE_FOLD = {"4bit-no-value-fold"}
@@ -904,14 +908,21 @@ def mma_emulated(tmp_path_factory):
         assert dict(tmpl)["PIPE"] == int(pipe and not pres and stages >= 3)
         assert dict(tmpl)["VFOLD"] == int(fold and not pres and vb != 2 and vg >= 64)
         spec = dk.mma_spec(nw, dk.mma_sm_blocks(nw))
-        handle = emu.kernel(spec, ins, ["float32"] * 2, tmpl)
+        shapes, dtypes = dk.mma_outputs(b, h, s, m, 128)
+        handle = emu.kernel(spec, ins, [str(d).replace("mlx.core.", "") for d in dtypes], tmpl)
         launch = ((s * nw * 32, b * h, 1), (nw * 32, 1, 1))
-        shapes = [(b, h, s, m, 128), (b, h, s, m, 2)]
+        fused = None
+        if name in FUSED:  # the same kernel merging its own splits (FUSE = 1)
+            out_dt = mx.float16 if name in FP16_QUERY else mx.float32
+            fshapes, fdtypes = dk.mma_outputs(b, h, s, m, 128, out_dt)
+            ftmpl = [(k_, 1 if k_ == "FUSE" else v_) for k_, v_ in tmpl]
+            fnames = [str(d).replace("mlx.core.", "") for d in fdtypes]
+            fused = (emu.kernel(spec, ins, fnames, ftmpl), fshapes)
         # the reference: keys and values decoded, rounded to fp16 (the kernel's precision)
         kd = kc.decode(kp).astype(mx.float16).astype(mx.float32)
         vd = vc.decode(vp).astype(mx.float16).astype(mx.float32)
         scores = q.astype(mx.float32) @ mx.swapaxes(kd, -1, -2)
-        cases[name] = (handle, ins, shapes, launch, scores, vd)
+        cases[name] = (handle, ins, shapes, launch, scores, vd, fused)
     merge = emu.kernel(dk.MERGE, [np.zeros((1, 1, 2, 4, 128), np.float32)] * 2, ["float32"] * 3)
     return emu, merge, cases
 
@@ -924,8 +935,8 @@ def test_tensor_core_kernel_matches_the_reference(mma_emulated, name):
     reference over fp16-rounded decoded keys and values; no split's max exceeds the true
     max (the lazy max may only lag)."""
     emu, merge, cases = mma_emulated
-    handle, ins, shapes, (grid, tg), scores, vd = cases[name]
-    o_part, ml = emu.run(handle, ins, shapes, grid, tg)
+    handle, ins, shapes, (grid, tg), scores, vd, _ = cases[name]
+    o_part, ml, *_ = emu.run(handle, ins, shapes, grid, tg)
     b, h, _, m, d = shapes[0]
     mgrid, mtg = dk.merge_launch(b * h * m, d)
     o, mm, ll = emu.run(merge, [o_part, ml], [(b, h, m, d), (b, h, m, 1), (b, h, m, 1)], mgrid, mtg)
@@ -937,6 +948,30 @@ def test_tensor_core_kernel_matches_the_reference(mma_emulated, name):
     top = np.asarray(mx.max(scores, axis=-1, keepdims=True))
     assert np.all(mm <= top + 1e-4) and np.all(mm >= top - 8 * math.log(2) - 1e-4)
     assert np.all(np.isfinite(o_part)) and np.all(ml[..., 1] >= 0)
+
+
+@needs_gxx
+@pytest.mark.parametrize("name", sorted(FUSED))
+def test_tensor_core_kernel_merges_its_own_splits(mma_emulated, name):
+    """FUSE = 1: the last threadgroup of each (batch, head) merges the splits' partials in the
+    same launch (counted on a zeroed output): the normalized output, its max and its sum
+    equal the separate merge kernel's over the same partials."""
+    emu, merge, cases = mma_emulated
+    handle, ins, shapes, (grid, tg), scores, vd, (fhandle, fshapes) = cases[name]
+    o_part, ml, *_ = emu.run(handle, ins, shapes, grid, tg)
+    b, h, s, m, d = shapes[0]
+    mgrid, mtg = dk.merge_launch(b * h * m, d)
+    o, mm, ll = emu.run(merge, [o_part, ml], [(b, h, m, d), (b, h, m, 1), (b, h, m, 1)], mgrid, mtg)
+    fo_part, fml, out, mlo, count = emu.run(fhandle, ins, fshapes, grid, tg, init=0)
+    assert np.array_equal(fo_part, o_part) and np.array_equal(fml, ml)
+    assert np.array_equal(count, np.full(b * h, s, np.uint32))  # every threadgroup counted
+    ref = o / ll
+    tol = 2e-3 if out.dtype == np.float16 else 1e-6  # the output dtype's rounding
+    assert np.abs(out.astype(np.float32) - ref).max() <= tol * max(1.0, np.abs(ref).max())
+    assert np.allclose(mlo[..., :1], mm, rtol=1e-6, atol=1e-6)
+    assert np.allclose(mlo[..., 1:], ll, rtol=1e-5)
+    want = np.asarray(mx.softmax(scores, axis=-1) @ vd)
+    assert np.abs(out.astype(np.float32) - want).max() <= 2e-3 * max(1.0, np.abs(want).max())
 
 
 @needs_gxx
@@ -957,7 +992,8 @@ def test_cache_on_an_emulated_cuda_gpu_takes_the_tensor_core_kernel(
     got = cache.attend(q, 0.088)
     names = fake.names
     mma = dk.mma_spec(dk.mma_warps(), dk.mma_sm_blocks(dk.mma_warps()))
-    assert names == [mma.name, "velox_decode_merge_fp16"]
+    # no fp16 tokens: the tensor-core kernel merges its own splits (one launch)
+    assert names == ([mma.name] if window == sinks == 0 else [mma.name, "velox_decode_merge_fp16"])
     err = np.abs(np.asarray((got - ref).astype(mx.float32))).max()
     assert err < 2e-3 * np.abs(np.asarray(ref.astype(mx.float32))).max()
 

@@ -57,7 +57,9 @@ __all__ = [
     "merge_splits",
     "merge_splits_fp16",
     "mma_enabled",
+    "mma_fuse_merge",
     "mma_launch",
+    "mma_outputs",
     "mma_p_residual",
     "mma_pipeline",
     "mma_sm_blocks",
@@ -94,7 +96,8 @@ DECODE_MMA = KernelSpec(
     name="velox_decode_attention_mma",
     source="decode_attention_mma.cu",
     inputs=("q", "kc", "ka", "kb", "vc", "va", "vb"),
-    outputs=("o_part", "ml_part"),
+    # out, mlo, count: the merged result with FUSE = 1 (placeholders of one element otherwise)
+    outputs=("o_part", "ml_part", "out", "mlo", "count"),
     row_contiguous=False,
     cuda_headers=("velox_mma.cuh",),
 )
@@ -477,6 +480,12 @@ def mma_value_fold() -> bool:
 MMA_FOLD_GROUPS = 2  # at most this many value groups per token take VFOLD (registers)
 
 
+def mma_fuse_merge() -> bool:
+    """Whether the tensor-core kernel merges its splits itself where the call has no fp16
+    segments (``VELOX_DECODE_FUSE``, default 1: one launch per call instead of two)."""
+    return _env_flag("VELOX_DECODE_FUSE", True)
+
+
 def mma_fold_ok(values: Codes, dim: int, p_residual: bool) -> bool:
     """Whether the value scales can be folded into the weights (``VFOLD``): 4 or 8 bits (at 2
     the fold saves no instructions and loses precision), a group holds 8 whole code words (the
@@ -592,6 +601,7 @@ def mma_template(
     p_residual: bool = True,
     pipeline: bool = False,
     value_fold: bool = False,
+    fuse: bool = False,
 ) -> list[tuple[str, int]]:
     """The tensor-core body's compile-time constants (``decode_attention_mma.cu``). An fp16
     query goes into the MMA as it is (``QLO`` 0); any other dtype as fp16 hi and lo parts.
@@ -600,7 +610,9 @@ def mma_template(
     consuming this one (``PIPE`` 1; it needs at least 3 ring stages and the registers the
     residual would take, so only with ``p_residual`` off). ``value_fold``: fold the value scales
     and zeros into the weights (``VFOLD`` 1, where :func:`mma_fold_ok`): the value codes go into
-    the MMA as they are stored, one instruction per pair instead of three."""
+    the MMA as they are stored, one instruction per pair instead of three. ``fuse``: the last
+    threadgroup of each (batch, head) merges the splits (``FUSE`` 1; the launch must zero the
+    outputs: ``init_value=0``)."""
     return [
         ("HD", dim),
         ("KBITS", keys.bits),
@@ -616,6 +628,7 @@ def mma_template(
         ("PLO", int(p_residual)),
         ("PIPE", int(pipeline and stages >= 3 and not p_residual)),
         ("VFOLD", int(value_fold and mma_fold_ok(values, dim, p_residual))),
+        ("FUSE", int(fuse)),
     ]
 
 
@@ -639,6 +652,7 @@ def mma_launch(
     p_residual: bool | None = None,
     pipeline: bool | None = None,
     value_fold: bool | None = None,
+    fuse: bool = False,
 ) -> MmaLaunch | None:
     """The tensor-core kernel's launch for a ``(B, H, M, D)`` query over ``keys`` / ``values``
     from the settings (warps, steps of two tiles where two fit, ring stages, register cap,
@@ -673,27 +687,52 @@ def mma_launch(
         mma_p_residual() if p_residual is None else p_residual,
         mma_pipeline() if pipeline is None else pipeline,
         mma_value_fold() if value_fold is None else value_fold,
+        fuse,
     )
     return MmaLaunch(mma_spec(nwarps, sm_blocks), tmpl, s, nwarps)
 
 
+def mma_outputs(
+    b: int, h: int, s: int, m: int, dim: int, out_dtype: mx.Dtype | None = None
+) -> tuple[list[tuple[int, ...]], list[mx.Dtype]]:
+    """Output shapes and dtypes of the tensor-core kernel: the per-split partials, then the
+    merged output in ``out_dtype``, its (max, sum) and the threadgroup count where the kernel
+    merges (``out_dtype`` given, ``FUSE`` 1), one-element placeholders where it does not."""
+    if out_dtype is None:
+        shapes = [(b, h, s, m, dim), (b, h, s, m, 2), (1,), (1,), (1,)]
+        return shapes, [mx.float32, mx.float32, mx.float32, mx.float32, mx.uint32]
+    shapes = [(b, h, s, m, dim), (b, h, s, m, 2), (b, h, m, dim), (b, h, m, 2), (b * h,)]
+    return shapes, [mx.float32, mx.float32, out_dtype, mx.float32, mx.uint32]
+
+
 def _decode_mma(
-    q: mx.array, keys: Codes, values: Codes, splits: int | None, scale: float | None
+    q: mx.array,
+    keys: Codes,
+    values: Codes,
+    splits: int | None,
+    scale: float | None,
+    out_dtype: mx.Dtype | None = None,
 ) -> tuple[mx.array, mx.array, mx.array] | None:
-    """The tensor-core kernel's per-split partials and the query it took, or None."""
-    launch = mma_launch(q.shape, q.dtype, keys, values, splits, scale)
+    """The tensor-core kernel's per-split partials and the query it took, or None. With
+    ``out_dtype``: the kernel merges its splits itself and this returns the merged
+    ``(o, m, l)`` (``o`` normalized, in ``out_dtype``)."""
+    launch = mma_launch(q.shape, q.dtype, keys, values, splits, scale, fuse=out_dtype is not None)
     if launch is None:
         return None
     b, h, m, dim = q.shape
     s, nt = launch.splits, launch.nwarps * 32
-    o_part, ml_part = launch.spec.kernel()(
+    shapes, dtypes = mma_outputs(b, h, s, m, dim, out_dtype)
+    o_part, ml_part, out, mlo, _ = launch.spec.kernel()(
         inputs=[q, keys.codes, keys.a, keys.b, values.codes, values.a, values.b],
         template=launch.template,
         grid=(s * nt, b * h, 1),
         threadgroup=(nt, 1, 1),
-        output_shapes=[(b, h, s, m, dim), (b, h, s, m, 2)],
-        output_dtypes=[mx.float32, mx.float32],
+        output_shapes=shapes,
+        output_dtypes=dtypes,
+        init_value=None if out_dtype is None else 0,
     )
+    if out_dtype is not None:
+        return out, mlo[..., 0:1], mlo[..., 1:2]
     return o_part, ml_part, q
 
 
@@ -877,6 +916,12 @@ def decode_attention(
     if _kernels.backend() == "cuda" and mma_enabled() and mma_supported(m, dim, keys, values):
         _check("key", keys, b, h, t, dim)
         _check("value", values, b, h, t, dim)
+        plain = fp16 is not None and not any(k.shape[2] for k, _ in fp16)
+        if plain and rot is None and mma_fuse_merge():
+            # no fp16 tokens to join: the kernel merges its own splits (one launch)
+            merged = _decode_mma(q, keys, values, splits, scale, out_dtype)
+            if merged is not None:
+                return merged
         parts = _decode_mma(q, keys, values, splits, scale)
     if parts is None:
         parts = _decode_portable(q, keys, values, splits, scale, q_sketch)

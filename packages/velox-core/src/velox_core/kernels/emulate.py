@@ -106,6 +106,7 @@ def _write_input(path: Path, arr: np.ndarray) -> None:
 # file I/O of the emulator programs: inputs (raw bytes + a .meta of ndim, shape, strides in
 # elements), outputs, and the start of main (the kernel's index on the command line)
 _IO_HELPERS = [
+    "#include <cstring>",
     "#include <fstream>",
     "#include <sstream>",
     "#include <string>",
@@ -155,6 +156,11 @@ def _arguments(k, used, types: dict[str, str], cuda: bool) -> tuple[list[str], l
     for i, d in enumerate(k.dnames):
         lines.append(f"    size_t n{i}; lf >> n{i}; std::vector<{types[d]}> out{i}(n{i});")
         call.append(f"out{i}.data()")
+    # every output byte set to the launch's fill byte: 0 as MLX's init_value=0 zeroes them,
+    # 255 standing for the uninitialized memory a launch without init_value gets
+    lines.append("    int vx_fill; lf >> vx_fill;")
+    for i, d in enumerate(k.dnames):
+        lines.append(f"    std::memset((void*)out{i}.data(), vx_fill, n{i} * sizeof({types[d]}));")
     return lines, call
 
 
@@ -292,11 +298,16 @@ class Emulator:
         output_shapes: Sequence[Sequence[int]],
         grid: tuple[int, int, int],
         threadgroup: tuple[int, int, int],
+        init: float | None = None,
     ) -> list[np.ndarray]:
         """Run a registered kernel like ``kernel(inputs=..., grid=..., threadgroup=...)``.
 
-        Returns numpy outputs (bfloat16 outputs as uint16 bit patterns).
+        ``init``: MLX's ``init_value``; only 0 (outputs zeroed) or None (outputs start as
+        garbage, all bytes 255, as uninitialized memory may). Returns numpy outputs
+        (bfloat16 outputs as uint16 bit patterns).
         """
+        if init not in (None, 0):
+            raise ValueError(f"emulator: init_value must be None or 0, got {init!r}")
         k = self._kernels[handle]
         arrs = [_name_of(a) for a in inputs]
         got = tuple(ArgInfo(name, arr.ndim, int(arr.size)) for arr, name in arrs)
@@ -311,7 +322,7 @@ class Emulator:
             for i, (arr, _) in enumerate(arrs):
                 _write_input(d / f"in{i}", arr)
             sizes = [int(np.prod(s)) for s in output_shapes]
-            launch = [*grid, *threadgroup, *sizes]
+            launch = [*grid, *threadgroup, *sizes, 255 if init is None else 0]
             (d / "launch.meta").write_text(" ".join(str(v) for v in launch))
             res = subprocess.run(
                 [str(exe), str(d), str(handle)], capture_output=True, text=True, check=False
@@ -544,12 +555,14 @@ class EmulatedKernels:
             stream=None,
         ):
             return self._call(
-                spec, inputs, output_shapes, output_dtypes, grid, threadgroup, template
+                spec, inputs, output_shapes, output_dtypes, grid, threadgroup, template, init_value
             )
 
         return call
 
-    def _call(self, spec, inputs, output_shapes, output_dtypes, grid, threadgroup, template):
+    def _call(
+        self, spec, inputs, output_shapes, output_dtypes, grid, threadgroup, template, init=None
+    ):
         import mlx.core as mx
 
         ins = [np_input(a) for a in inputs]
@@ -564,7 +577,7 @@ class EmulatedKernels:
         emu, handle = self._emus[key]
         self.calls.append((spec.name, tmpl))
         outs = emu.run(
-            handle, ins, [tuple(s) for s in output_shapes], tuple(grid), tuple(threadgroup)
+            handle, ins, [tuple(s) for s in output_shapes], tuple(grid), tuple(threadgroup), init
         )
         res = []
         for o, name in zip(outs, dnames):

@@ -113,6 +113,15 @@ inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) 
   return r;
 }
 inline float exp2f(float x) { return std::exp2(x); }
+// device-wide memory: blocks run one after another here, so plain atomics suffice
+inline unsigned int atomicAdd(unsigned int* p, unsigned int v) {
+  return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+}
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+template <typename T>
+inline T __ldcg(const T* p) {
+  return *p;
+}
 inline float rintf(float x) { return std::rint(x); }
 inline float fmaf(float a, float b, float c) { return std::fma(a, b, c); }
 
