@@ -440,6 +440,12 @@ def section_checks(quick: bool) -> None:
         lambda: UniformCache(bits=4, window=32, sinks=4),
         t=1200 if quick else 5000,
     )
+    for bits, t in ((4, 5000), (2, 40_961)):  # no fp16 segments: the kernel merges its splits
+        cache_check(
+            f"UniformCache {bits}-bit T{t}, splits merged in the kernel",
+            lambda bits=bits: UniformCache(bits=bits),
+            t=1200 if quick else t,
+        )
     cache_check(
         "TurboQuantCache 3-bit (buffer slice)",
         lambda: TurboQuantCache(bits=3, window=16),
