@@ -100,6 +100,43 @@ def test_routed_attention_reads_codes_not_fetched_arrays():
     assert len(calls) == len(model.layers)
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_routed_caches_of_known_families_skip_the_decoded_fetch(family):
+    """make_cache marks the caches of model types whose layers read keys only through the
+    shared attention: while routed, update_and_fetch returns the new tokens (no decode graph);
+    the logits equal those of caches that build it; unrouted it returns every token decoded."""
+    from velox_core.mlx_lm import ROUTED_ONLY_MODEL_TYPES
+
+    model = tiny_model(family)
+    assert model.model_type in ROUTED_ONLY_MODEL_TYPES
+    fast = make_cache(model, "uniform:bits=4")
+    full = make_cache(model, "uniform:bits=4")
+    velox = [c for c in fast if isinstance(c, VeloxCache)]
+    assert velox and not any(c.fetch_decoded for c in velox)
+    for c in full:
+        c.fetch_decoded = True
+    prompt = mx.random.randint(0, 512, (1, 40), key=mx.random.key(4))
+    with routed(model):
+        outs = [model(prompt, cache=caches) for caches in (fast, full)]
+        for tok in (3, 9, 27):
+            outs += [model(mx.array([[tok]]), cache=caches) for caches in (fast, full)]
+    for a, b in zip(outs[::2], outs[1::2]):
+        assert mx.array_equal(a, b)
+    k = mx.random.normal((1, velox[0]._dims[1], 1, velox[0]._dims[2])).astype(mx.float16)
+    with routed(model):
+        got = velox[0].update_and_fetch(k, k)
+    assert got[0].shape[2] == 1
+    got = velox[0].update_and_fetch(k, k)  # routing off: every stored token, decoded
+    assert got[0].shape[2] == velox[0].offset
+
+
+def test_unknown_model_types_keep_the_decoded_fetch(monkeypatch):
+    model = tiny_model("llama")
+    monkeypatch.setattr(model, "model_type", "some_new_model")
+    caches = make_cache(model, "uniform:bits=4")
+    assert all(c.fetch_decoded for c in caches if isinstance(c, VeloxCache))
+
+
 def test_other_layers_use_original_attention():
     model = tiny_model("llama")
     x = mx.array([[5, 6, 7, 8]])

@@ -20,7 +20,16 @@ from typing import Any
 from .cache.velox import VeloxCache
 from .registry import make
 
-__all__ = ["disable", "enable", "generate", "is_enabled", "make_cache", "routed", "stream_generate"]
+__all__ = [
+    "ROUTED_ONLY_MODEL_TYPES",
+    "disable",
+    "enable",
+    "generate",
+    "is_enabled",
+    "make_cache",
+    "routed",
+    "stream_generate",
+]
 
 _patched: dict[str, Callable] = {}
 _depth = 0
@@ -104,6 +113,20 @@ def routed(model: Any = None) -> Iterator[None]:
         disable()
 
 
+# mlx-lm model types (0.32; mistral runs the llama module) whose attention layers pass what
+# update_and_fetch returns only to the shared scaled_dot_product_attention (with their cache)
+# and share no keys across layers: under routing their velox caches need not build every
+# stored token decoded each step
+ROUTED_ONLY_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text"})
+
+
+def _model_type(model: Any) -> str | None:
+    t = getattr(model, "model_type", None)
+    if t is None:
+        t = getattr(getattr(model, "args", None), "model_type", None)
+    return t if isinstance(t, str) else None
+
+
 def _layer_count(model: Any) -> int:
     layers = getattr(model, "layers", None)
     if layers is None:
@@ -151,6 +174,11 @@ def make_cache(
         layers: per-layer overrides, same spec types.
         storage_dtype: dtype velox caches keep unquantized tokens and scales in (default: the
             model's); e.g. ``mx.float16`` for a model computing in float32 on a CPU.
+
+    For model types in :data:`ROUTED_ONLY_MODEL_TYPES` the caches get ``fetch_decoded =
+    False``: while attention is routed, ``update_and_fetch`` returns the new tokens instead
+    of building every stored token decoded, which only the model's own attention would read
+    (without routing it still returns them decoded).
     """
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
@@ -164,6 +192,7 @@ def make_cache(
             raise ValueError(f"make_cache: layer index {k!r} out of range for {n} layers")
         overrides[k % n] = spec
     out = []
+    routed_only = _model_type(model) in ROUTED_ONLY_MODEL_TYPES
     for i, c in enumerate(native):
         if type(c) is not KVCache:
             out.append(c)
@@ -171,6 +200,8 @@ def make_cache(
         cache = _build(overrides.get(i, default), i)
         if isinstance(cache, VeloxCache):
             cache.bind(model, i)
+            if routed_only:
+                cache.fetch_decoded = False
             if storage_dtype is not None:
                 cache.set_storage_dtype(storage_dtype)
         out.append(cache)

@@ -119,6 +119,10 @@ class VeloxCache(RetentionMixin):
         self._ident = Identity()
         self.storage_dtype: mx.Dtype | None = None
         self._io_dtype: mx.Dtype | None = None
+        # False: while attention is routed to velox, update_and_fetch returns the new tokens
+        # as given, not every stored token decoded (make_cache sets it for model types whose
+        # layers read their keys only through mlx-lm's shared attention function)
+        self.fetch_decoded = True
         self._init_retention()
 
     def set_storage_dtype(self, dtype: mx.Dtype | None) -> None:
@@ -218,6 +222,7 @@ class VeloxCache(RetentionMixin):
             _require_routing()
         self._check_first(keys, values)
         keys, values = keys.astype(self._dtype), values.astype(self._dtype)
+        new = (keys, values)
         t = keys.shape[2]
         if self.policy is not None:
             self.policy.before_update(self, t)
@@ -239,6 +244,8 @@ class VeloxCache(RetentionMixin):
         if self.ragged:
             _require_routing()
             return keys, values  # unused: routed attention reads the cache itself
+        if not self.fetch_decoded and _routing_on():
+            return new  # unused: routed attention reads the cache itself
         return self.keys_and_values()
 
     def _direct(self) -> bool:
@@ -640,6 +647,19 @@ class VeloxCache(RetentionMixin):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.describe()} offset={self.offset} size={self.size()}>"
+
+
+_IS_ENABLED = None
+
+
+def _routing_on() -> bool:
+    """Whether attention is routed to velox caches now (``velox_core.mlx_lm.is_enabled``)."""
+    global _IS_ENABLED
+    if _IS_ENABLED is None:
+        from ..mlx_lm import is_enabled
+
+        _IS_ENABLED = is_enabled
+    return _IS_ENABLED()
 
 
 def _require_routing() -> None:
