@@ -642,6 +642,18 @@ class MmaLaunch:
     nwarps: int
 
 
+# the settings the launch plan reads from the environment (besides the split count's)
+_MMA_SETTINGS = (
+    "VELOX_DECODE_MMA_WARPS",
+    "VELOX_DECODE_SUBTILES",
+    "VELOX_DECODE_STAGES",
+    "VELOX_DECODE_MMA_SM_BLOCKS",
+    "VELOX_DECODE_P_RESIDUAL",
+    "VELOX_DECODE_PIPELINE",
+    "VELOX_DECODE_VFOLD",
+)
+
+
 def mma_launch(
     q_shape: tuple[int, int, int, int],
     query_dtype: mx.Dtype,
@@ -657,9 +669,54 @@ def mma_launch(
     """The tensor-core kernel's launch for a ``(B, H, M, D)`` query over ``keys`` / ``values``
     from the settings (warps, steps of two tiles where two fit, ring stages, register cap,
     splits; ``p_residual``, ``pipeline`` and ``value_fold`` default to theirs), or None where
-    no ring fits in shared memory."""
+    no ring fits in shared memory. Everything but the split count is planned once per shape,
+    codes and settings (the environment's values are part of the key)."""
     b, h, m, dim = q_shape
     t = keys.codes.shape[2]
+    env = os.environ
+    plan = _mma_plan(
+        m,
+        dim,
+        query_dtype,
+        (keys.bits, keys.group),
+        (values.bits, values.group),
+        scale,
+        p_residual,
+        pipeline,
+        value_fold,
+        fuse,
+        tuple(env.get(n) for n in _MMA_SETTINGS),
+    )
+    if plan is None:
+        return None
+    spec, tmpl, nwarps, sm_blocks = plan
+    if splits is None:
+        s = mma_splits(t, b * h, nwarps, sm_blocks)
+    else:
+        s = max(1, min(int(splits), t))
+        s = math.ceil(t / math.ceil(t / s))
+    return MmaLaunch(spec, list(tmpl), s, nwarps)
+
+
+@functools.lru_cache(maxsize=512)
+def _mma_plan(
+    m: int,
+    dim: int,
+    query_dtype: mx.Dtype,
+    kside: tuple[int, int],
+    vside: tuple[int, int],
+    scale: float | None,
+    p_residual: bool | None,
+    pipeline: bool | None,
+    value_fold: bool | None,
+    fuse: bool,
+    settings: tuple[str | None, ...],
+) -> tuple[KernelSpec, tuple[tuple[str, int], ...], int, int] | None:
+    """:func:`mma_launch`'s plan without the splits: (spec, template, warps, threadgroups
+    per SM). ``settings`` (the environment's values of :data:`_MMA_SETTINGS`) only keys the
+    cache: the helpers read the same values."""
+    keys = Codes(AFFINE, kside[0], kside[1], None, None)
+    values = Codes(AFFINE, vside[0], vside[1], None, None)
     nwarps = mma_warps()
     sub = mma_subtiles()
     stages = mma_stages(dim, keys, values, nwarps, sub)
@@ -669,11 +726,6 @@ def mma_launch(
     if stages == 0:
         return None
     sm_blocks = mma_sm_blocks(nwarps)
-    if splits is None:
-        s = mma_splits(t, b * h, nwarps, sm_blocks)
-    else:
-        s = max(1, min(int(splits), t))
-        s = math.ceil(t / math.ceil(t / s))
     tmpl = mma_template(
         dim,
         keys,
@@ -689,7 +741,7 @@ def mma_launch(
         mma_value_fold() if value_fold is None else value_fold,
         fuse,
     )
-    return MmaLaunch(mma_spec(nwarps, sm_blocks), tmpl, s, nwarps)
+    return mma_spec(nwarps, sm_blocks), tuple(tmpl), nwarps, sm_blocks
 
 
 def mma_outputs(
