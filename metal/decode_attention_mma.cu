@@ -58,8 +58,7 @@
 //           pair of decoded halves costs three instructions (VFOLD values: one).
 // Outputs as decode_attention.metal: o_part (B, H, S, MROWS, HD) = sum_t 2^(s_t - m) v_t,
 // ml_part (B, H, S, MROWS, 2) = (m, l) in log2 units; the host merges the splits (FUSE = 0) or
-// the last threadgroup of each (batch, head) does (FUSE = 1: out, and a count and the merged
-// (m, l) after ml_part's rows, see the end).
+// the last threadgroup of each (batch, head) does (FUSE = 1: out, mlo and count, see the end).
 //
 // Template constants: HD (head dim), KBITS / VBITS in {2, 4, 8}, KGROUP / VGROUP (channels per
 // scale), MROWS (query rows per KV head, 1 to 8), NWARPS, NSTAGE (steps per warp ring),
@@ -714,14 +713,9 @@ for (int i = tid; i < MROWS * HD; i += NT) {
 // counts itself on count[bh] (zeroed by the launch: the host passes init_value 0); the one that
 // counts last reads every split's partial of its (batch, head), past the L1 cache, and writes
 // the normalized output o (B, H, MROWS, HD) in the output dtype and mlo (B, H, MROWS, 2) = the
-// max in natural-log units and the sum relative to it (decode_merge.metal's m and l). count
-// (B * H words) and mlo live in ml_part after the splits' rows: MLX fills every output of a
-// launch with its init_value, one fill each, so the launch has three outputs, not five.
+// max in natural-log units and the sum relative to it (decode_merge.metal's m and l).
 VX_SHARED int fuse_last;
 if (FUSE) {
-  const int64_t nbh = (int64_t)kc_shape[0] * H;
-  unsigned int* count = reinterpret_cast<unsigned int*>(ml_part + nbh * nsplit * MROWS * 2);
-  float* mlo = reinterpret_cast<float*>(count + nbh);
   __threadfence();
   VX_BARRIER();
   if (tid == 0) {

@@ -59,7 +59,6 @@ __all__ = [
     "mma_enabled",
     "mma_fuse_merge",
     "mma_launch",
-    "mma_merged_ml",
     "mma_outputs",
     "mma_p_residual",
     "mma_pipeline",
@@ -97,8 +96,8 @@ DECODE_MMA = KernelSpec(
     name="velox_decode_attention_mma",
     source="decode_attention_mma.cu",
     inputs=("q", "kc", "ka", "kb", "vc", "va", "vb"),
-    # out: the merged output with FUSE = 1 (a one-element placeholder otherwise)
-    outputs=("o_part", "ml_part", "out"),
+    # out, mlo, count: the merged result with FUSE = 1 (placeholders of one element otherwise)
+    outputs=("o_part", "ml_part", "out", "mlo", "count"),
     row_contiguous=False,
     cuda_headers=("velox_mma.cuh",),
 )
@@ -748,21 +747,14 @@ def _mma_plan(
 def mma_outputs(
     b: int, h: int, s: int, m: int, dim: int, out_dtype: mx.Dtype | None = None
 ) -> tuple[list[tuple[int, ...]], list[mx.Dtype]]:
-    """Output shapes and dtypes of the tensor-core kernel: the per-split partials ``o_part``
-    and ``ml_part``, then the merged output in ``out_dtype`` where the kernel merges
-    (``out_dtype`` given, ``FUSE`` 1; a one-element placeholder where it does not). Merging,
-    ``ml_part`` is flat: the splits' ``(m, l)`` rows, a threadgroup count per (batch, head)
-    and the merged ``(m, l)`` rows (:func:`mma_merged_ml`)."""
+    """Output shapes and dtypes of the tensor-core kernel: the per-split partials, then the
+    merged output in ``out_dtype``, its (max, sum) and the threadgroup count where the kernel
+    merges (``out_dtype`` given, ``FUSE`` 1), one-element placeholders where it does not."""
     if out_dtype is None:
-        return [(b, h, s, m, dim), (b, h, s, m, 2), (1,)], [mx.float32] * 3
-    flat = b * h * s * m * 2 + b * h + b * h * m * 2
-    return [(b, h, s, m, dim), (flat,), (b, h, m, dim)], [mx.float32, mx.float32, out_dtype]
-
-
-def mma_merged_ml(ml_part: mx.array, b: int, h: int, s: int, m: int) -> mx.array:
-    """The merged ``(m, l)`` rows ``(B, H, M, 2)`` in a merging launch's flat ``ml_part``."""
-    start = b * h * s * m * 2 + b * h
-    return ml_part[start : start + b * h * m * 2].reshape(b, h, m, 2)
+        shapes = [(b, h, s, m, dim), (b, h, s, m, 2), (1,), (1,), (1,)]
+        return shapes, [mx.float32, mx.float32, mx.float32, mx.float32, mx.uint32]
+    shapes = [(b, h, s, m, dim), (b, h, s, m, 2), (b, h, m, dim), (b, h, m, 2), (b * h,)]
+    return shapes, [mx.float32, mx.float32, out_dtype, mx.float32, mx.uint32]
 
 
 def _decode_mma(
@@ -782,7 +774,7 @@ def _decode_mma(
     b, h, m, dim = q.shape
     s, nt = launch.splits, launch.nwarps * 32
     shapes, dtypes = mma_outputs(b, h, s, m, dim, out_dtype)
-    o_part, ml_part, out = launch.spec.kernel()(
+    o_part, ml_part, out, mlo, _ = launch.spec.kernel()(
         inputs=[q, keys.codes, keys.a, keys.b, values.codes, values.a, values.b],
         template=launch.template,
         grid=(s * nt, b * h, 1),
@@ -792,7 +784,6 @@ def _decode_mma(
         init_value=None if out_dtype is None else 0,
     )
     if out_dtype is not None:
-        mlo = mma_merged_ml(ml_part, b, h, s, m)
         return out, mlo[..., 0:1], mlo[..., 1:2]
     return o_part, ml_part, q
 
