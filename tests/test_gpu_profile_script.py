@@ -62,7 +62,8 @@ def test_variants_compile(profile, tmp_path):
         for i, name in enumerate(texts):
             spec = dataclasses.replace(dk.mma_spec(4, 3), name=f"v{i}", source="variant:" + name)
             cu = tmp_path / f"v{i}.cu"
-            cu.write_text(cuda_source(spec, infos, ["float32"] * 2, tmpl)[0])
+            dtypes = [str(d).replace("mlx.core.", "") for d in dk.mma_outputs(1, 1, 1, 4, 128)[1]]
+            cu.write_text(cuda_source(spec, infos, dtypes, tmpl)[0])
             cmd = ["nvcc", "-std=c++17", "-arch=sm_90a", "-I", str(shim_dir() / "cuda"), "-c"]
             res = subprocess.run(
                 [*cmd, str(cu), "-o", str(tmp_path / f"v{i}.o")], capture_output=True, text=True
