@@ -32,30 +32,21 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_attention import timeit_split  # the benchmarks' one timing rule
+
 
 def measure(fn, calls: int, reps: int) -> tuple[float, float]:
-    """Median microseconds per call: building ``calls`` calls' graphs, and evaluating them."""
-    for _ in range(3):
-        mx.eval([fn() for _ in range(calls)])
-    mx.synchronize()
-    builds, evals = [], []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        outs = [fn() for _ in range(calls)]
-        t1 = time.perf_counter()
-        mx.eval(outs)
-        mx.synchronize()
-        t2 = time.perf_counter()
-        builds.append((t1 - t0) / calls * 1e6)
-        evals.append((t2 - t1) / calls * 1e6)
-    return statistics.median(builds), statistics.median(evals)
+    """Microseconds per call: building ``calls`` calls' graphs, and evaluating them (the
+    benchmarks' one timing rule, ``gpu_attention.timeit_split``: medians of the whole and of
+    the evaluation; building is their difference)."""
+    whole, ev = timeit_split(fn, 3 * calls, reps, calls)
+    return (whole - ev) * 1e6, ev * 1e6
 
 
 def cases(tokens: int):
