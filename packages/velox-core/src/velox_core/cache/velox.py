@@ -9,9 +9,8 @@ the window holds more than ``window`` tokens, the oldest are encoded into tier 0
 codec blocks (with ``window=0`` and nothing waiting, new tokens are encoded at once, without
 passing through the window's store). A tier with a ``span`` passes its oldest tokens to the
 next tier when it holds more than ``span`` (decoded and re-encoded once, at the next tier's
-precision). A retention
-policy, if any, then cuts the cache back to its budget. ``offset`` is always the number of
-tokens seen; ``size()`` the number stored.
+precision). A retention policy, if any, then cuts the cache back to its budget. ``offset``
+is always the number of tokens seen; ``size()`` the number stored.
 """
 
 from __future__ import annotations
