@@ -234,9 +234,11 @@ class VeloxCache(RetentionMixin):
             self._sink[0].append(self._ident.encode(keys[:, :, :take]))
             self._sink[1].append(self._ident.encode(values[:, :, :take]))
             keys, values = keys[:, :, take:], values[:, :, take:]
-        if keys.shape[2] and self._direct():
-            keys, values = self._encode_direct(keys, values, self.offset - keys.shape[2])
-        if keys.shape[2]:
+        left = keys.shape[2]  # after the sinks
+        n = self._encode_direct(keys, values, self.offset - left) if left and self._direct() else 0
+        if n < left:
+            if n:
+                keys, values = keys[:, :, n:], values[:, :, n:]
             self._win[0].append(self._ident.encode(keys))
             self._win[1].append(self._ident.encode(values))
         self._flush()
@@ -244,7 +246,7 @@ class VeloxCache(RetentionMixin):
             self.policy.after_update(self, start)
         if self.ragged:
             _require_routing()
-            return keys, values  # unused: routed attention reads the cache itself
+            return new  # unused: routed attention reads the cache itself
         if not self.fetch_decoded and _routing_on():
             return new  # unused: routed attention reads the cache itself
         return self.keys_and_values()
@@ -259,27 +261,23 @@ class VeloxCache(RetentionMixin):
             and type(self).before_coding is VeloxCache.before_coding
         )
 
-    def _encode_direct(
-        self, keys: mx.array, values: mx.array, pos0: int
-    ) -> tuple[mx.array, mx.array]:
+    def _encode_direct(self, keys: mx.array, values: mx.array, pos0: int) -> int:
         """Encode the whole codec blocks of ``keys``/``values`` (absolute positions from
-        ``pos0``) into tier 0; returns what is left over (less than a block)."""
+        ``pos0``) into tier 0; returns how many tokens that took (the rest, less than a
+        block, waits in the window)."""
         first = self.tiers[0]
         block = _lcm(first.key_codec.block, first.value_codec.block)
         t = keys.shape[2]
         n = t // block * block
         if n == 0:
-            return keys, values
+            return 0
         if n < t:
-            rest = keys[:, :, n:], values[:, :, n:]
             keys, values = keys[:, :, :n], values[:, :, :n]
-        else:
-            rest = keys[:, :, :0], values[:, :, :0]
         pos = mx.arange(pos0, pos0 + n, dtype=mx.int32)
         self._append_body(
             first.key_codec.encode(keys, pos), first.value_codec.encode(values, pos), pos
         )
-        return rest
+        return n
 
     def before_coding(self) -> bool:
         """Hook run on every update before window overflow moves into the coded tiers.
@@ -664,9 +662,7 @@ def _routing_on() -> bool:
 
 
 def _require_routing() -> None:
-    from ..mlx_lm import is_enabled
-
-    if not is_enabled():
+    if not _routing_on():
         raise ValueError(
             "this cache keeps per-head budgets, which only velox attention can read: "
             "run the model inside velox_core.routed(model) (or generate())"

@@ -974,7 +974,8 @@ def decode_attention(
             merged = _decode_mma(q, keys, values, splits, scale, out_dtype)
             if merged is not None:
                 return merged
-        parts = _decode_mma(q, keys, values, splits, scale)
+        else:
+            parts = _decode_mma(q, keys, values, splits, scale)
     if parts is None:
         parts = _decode_portable(q, keys, values, splits, scale, q_sketch)
     if parts is None:
