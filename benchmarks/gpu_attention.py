@@ -17,6 +17,11 @@ Sections (each guarded: a failure is printed with its traceback and the run goes
      bits through their fused kernels; ms per step (median of repeats, every output
      evaluated), GB/s on the bytes read (codes + scales + query), ratios; a device copy for the
      achievable bandwidth; a small sweep of the kernel's launch settings; encode cost.
+  b3. device time per call (``device``): each method's calls launched one after another
+     (``MLX_USE_CUDA_GRAPHS=0``, in a child process), every kernel's duration read from a
+     CUPTI timeline (``torch.profiler``, where torch is installed): the GPU time one call
+     occupies as a model's layers run it, in series, with MLX's dispatch taken out; the
+     ratio against fp16 SDPA's device time in the same child.
   c. end to end: decode tokens/s of the reference model (shared/reference-model) at a 32k
      context, fp16 KVCache vs mlx-lm QuantizedKVCache 4-bit vs velox UniformCache 4-bit:
      step by step (building each step's graph, then evaluating it; the building time is
@@ -35,6 +40,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -53,6 +59,7 @@ RESULTS: dict = {
     "tuning": [],
     "encode": [],
     "e2e": [],
+    "device_time": [],
     "skipped": [],
     "errors": [],
 }
@@ -763,6 +770,85 @@ def section_tuning(quick: bool) -> None:
             mx.clear_cache()
 
 
+def device_rows(b: int, t: int, quick: bool) -> list[dict]:
+    """Device time per call of each method at one shape (run in a child process started
+    with ``MLX_USE_CUDA_GRAPHS=0``, so that every kernel is launched on the stream in order
+    and no two calls overlap): ``calls`` calls built and evaluated together after a warm-up,
+    under a CUPTI timeline (``torch.profiler``); a call's device time is the sum of its
+    kernels' durations (fills and copies included), ``kernels`` how many it launched."""
+    import torch  # the CUPTI timeline; ImportError: no rows
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.init()
+    calls = 4 if quick else 20
+    methods = make_methods(
+        b, t, seed=t + b, bits_mlx=(4,), bits_uniform=(2, 4), bits_tq=(), portable_row=True
+    )
+    rows = []
+    for name, bits, call, _ in methods:
+        row = {"context": t, "batch": b, "method": name, "bits": bits}
+        try:
+            for _ in range(3):
+                mx.eval(call())
+            mx.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                outs = [call() for _ in range(calls)]
+                mx.eval(outs)
+                mx.synchronize()
+            with tempfile.TemporaryDirectory() as tmp:
+                path = os.path.join(tmp, "trace.json")
+                prof.export_chrome_trace(path)
+                with open(path) as f:
+                    events = json.load(f)["traceEvents"]
+            kinds = ("kernel", "gpu_memset", "gpu_memcpy")
+            durs = [e["dur"] for e in events if e.get("cat") in kinds]
+            if not durs:
+                raise RuntimeError(f"no {kinds} events in the timeline (CUPTI saw nothing)")
+            row.update(device_us=sum(durs) / calls, kernels=len(durs) / calls)
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"
+        rows.append(row)
+    fp16 = next((r for r in rows if r["method"] == "fp16 sdpa" and "device_us" in r), None)
+    for r in rows:
+        if fp16 and "device_us" in r:
+            r["device_speedup_vs_fp16"] = fp16["device_us"] / r["device_us"]
+    return rows
+
+
+@guarded("device")
+def section_device(quick: bool) -> None:
+    print("\n== b3. device time per call, calls in series (CUPTI timeline, no CUDA graphs) ==")
+    import subprocess
+
+    shapes = OPTIONS.get("shapes") or ([(1, 2048)] if quick else [(1, 131072), (8, 131072)])
+    for b, t in shapes:
+        if over_budget(f"device B{b} T{t}"):
+            return
+        cmd = [sys.executable, __file__, "--device-rows", f"{b},{t}"]
+        cmd += ["--quick"] if quick else []
+        child_env = {**os.environ, "MLX_USE_CUDA_GRAPHS": "0"}
+        res = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=300, check=False, env=child_env
+        )
+        last = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else ""
+        if res.returncode != 0 or not last.startswith("["):
+            err = (res.stderr or res.stdout).strip().splitlines()[-1:] or ["no output"]
+            print(f"  B{b} T{t}: child exited {res.returncode}: {err[0][:300]}")
+            RESULTS["device_time"].append({"context": t, "batch": b, "error": err[0][:300]})
+            continue
+        for r in json.loads(last):
+            RESULTS["device_time"].append(r)
+            if "device_us" in r:
+                x = r.get("device_speedup_vs_fp16")
+                print(
+                    f"  B{b} T{t:6d} {r['method']:22s} {r['device_us']:8.1f} us on the device, "
+                    f"{r['kernels']:.0f} kernels a call" + (f"  x{x:.2f} vs fp16" if x else "")
+                )
+            else:
+                print(f"  B{b} T{t:6d} {r['method']:22s} error: {r.get('error')}")
+        write_json()
+
+
 @guarded("encode")
 def section_encode(quick: bool) -> None:
     """Encode cost: one decode step's new token (K and V, all heads, one layer), and bulk."""
@@ -982,6 +1068,13 @@ def print_table() -> None:
             f"{r['batch']:>2} {r['context']:>7} {r['method']:20s} {r['ms']:8.3f} "
             f"{r['GBps']:6.0f} {pct:>6} {xf:>6} {xm:>6} {ev:>6} {xfe:>6} {xme:>6}"
         )
+    for r in RESULTS["device_time"]:
+        if "device_us" in r:
+            x = r.get("device_speedup_vs_fp16")
+            print(
+                f"device {r['batch']:>2} {r['context']:>7} {r['method']:22s} "
+                f"{r['device_us']:8.1f} us" + (f"  x{x:.2f} vs fp16" if x else "")
+            )
     for r in RESULTS["e2e"]:
         if "tokens_per_s" in r:
             print(f"e2e {r['cache']:28s} {r['tokens_per_s']:8.1f} tok/s at {r['context']} tokens")
@@ -996,7 +1089,8 @@ def main() -> int:
     parser.add_argument(
         "--skip",
         default="",
-        help="comma-separated sections to skip: checks,bandwidth,attention,tuning,encode,e2e",
+        help="comma-separated sections to skip: checks,bandwidth,attention,tuning,device,"
+        "encode,e2e",
     )
     parser.add_argument("--contexts", default="", help="attention contexts, e.g. 16384,131072")
     parser.add_argument("--batches", default="", help="attention batch sizes, e.g. 1,8")
@@ -1010,6 +1104,7 @@ def main() -> int:
         "--budget", type=float, default=BUDGET_S, help="seconds after which no new shape starts"
     )
     parser.add_argument("--mlx-lm", default=None, help=argparse.SUPPRESS)  # B,T: child rows
+    parser.add_argument("--device-rows", default=None, help=argparse.SUPPRESS)  # B,T: child
     args = parser.parse_args()
     OPTIONS["budget"] = args.budget
     OPTIONS["contexts"] = tuple(int(x) for x in args.contexts.split(",") if x.strip())
@@ -1027,6 +1122,10 @@ def main() -> int:
         methods = make_methods(b, t, seed=t + b, bits_mlx=(2, 4, 8), bits_uniform=(), bits_tq=())
         print(json.dumps(time_methods(methods, b, t, args.quick)))
         return 0
+    if args.device_rows:
+        b, t = (int(x) for x in args.device_rows.split(","))
+        print(json.dumps(device_rows(b, t, args.quick)))
+        return 0
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     RESULTS["device"] = device_info()
     print(f"velox gpu_attention: {RESULTS['device']}")
@@ -1035,6 +1134,7 @@ def main() -> int:
         ("bandwidth", section_bandwidth),
         ("attention", section_attention),
         ("tuning", section_tuning),
+        ("device", section_device),
         ("encode", section_encode),
         ("e2e", section_e2e),
     )

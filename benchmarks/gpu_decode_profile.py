@@ -169,11 +169,28 @@ def timeit(fn, warmup: int = 3, reps: int = 7, inner: int = 20) -> float:
     return timeit_split(fn, warmup, reps, inner)[1] * 1e3
 
 
-def launcher(variant: str, q, keys, values, p_residual=None, pipeline=None, value_fold=None):
-    """A call of the tensor-core kernel (source ``variant``) as the library launches it."""
+def launcher(
+    variant: str, q, keys, values, p_residual=None, pipeline=None, value_fold=None, fuse=True
+):
+    """A call of the tensor-core kernel (source ``variant``) as the library launches it: by
+    default merging its own splits into a ``q.dtype`` output (``FUSE`` 1, one zeroed output,
+    what a cache without fp16 segments runs); ``fuse=False``: the partials alone. Returns the
+    call (it returns the kernel's one output) and the launch's settings, ``layout`` among
+    them (:func:`velox_core.kernels.decode.mma_layout`)."""
     b, h, m, d = q.shape
+    out_dtype = q.dtype if fuse else None
     launch = dk.mma_launch(
-        q.shape, q.dtype, keys, values, None, d**-0.5, p_residual, pipeline, value_fold
+        q.shape,
+        q.dtype,
+        keys,
+        values,
+        None,
+        d**-0.5,
+        p_residual,
+        pipeline,
+        value_fold,
+        fuse=fuse,
+        out_dtype=out_dtype,
     )
     base = launch.spec
     tag = f"{abs(hash(variant)) % 10**8}"
@@ -181,7 +198,7 @@ def launcher(variant: str, q, keys, values, p_residual=None, pipeline=None, valu
     kernel = spec.kernel()
     tmpl, splits, nt = launch.template, launch.splits, launch.nwarps * 32
     inputs = [q, keys.codes, keys.a, keys.b, values.codes, values.a, values.b]
-    shapes, dtypes = dk.mma_outputs(b, h, splits, m, d)  # the partials (the splits unmerged)
+    layout = dk.mma_layout(b, h, splits, m, d, out_dtype)
 
     def call():
         return kernel(
@@ -189,9 +206,10 @@ def launcher(variant: str, q, keys, values, p_residual=None, pipeline=None, valu
             template=tmpl,
             grid=(splits * nt, b * h, 1),
             threadgroup=(nt, 1, 1),
-            output_shapes=shapes,
-            output_dtypes=dtypes,
-        )
+            output_shapes=[(layout.size,)],
+            output_dtypes=[mx.float32],
+            init_value=0 if fuse else None,
+        )[0]
 
     t = dict(tmpl)
     info = dict(
@@ -201,8 +219,9 @@ def launcher(variant: str, q, keys, values, p_residual=None, pipeline=None, valu
         p_residual=t["PLO"],
         pipeline=t["PIPE"],
         value_fold=t["VFOLD"],
+        fuse=t["FUSE"],
     )
-    return call, info
+    return call, {**info, "layout": layout}
 
 
 def shape_data(b: int, t: int, bits: int):
@@ -231,6 +250,7 @@ def section_variants(b: int, t: int, bits: int, rows: list) -> None:
     runs += [("shipped", dict(value_fold=False))]
     for name, kw in runs:
         call, info = launcher(name, qg, keys, values, **kw)
+        info.pop("layout")
         ms = timeit(call)
         label = name + "".join(f" {k}={int(v)}" for k, v in kw.items())
         rows.append(
@@ -253,10 +273,12 @@ def section_variants(b: int, t: int, bits: int, rows: list) -> None:
 def section_timers(b: int, t: int, bits: int, rows: list) -> None:
     _, _, _, qg, keys, values = shape_data(b, t, bits)
     call, info = launcher("timed", qg, keys, values)
+    layout = info.pop("layout")
     for _ in range(3):
-        _, ml, *_ = call()  # the partials; the merged outputs are placeholders
-        mx.eval(ml)
+        ws = call()
+        mx.eval(ws)
     mx.synchronize()
+    ml = layout.parts(ws)[1]  # the timers, written over the partials' (m, l) rows
     m = qg.shape[2]
     w = np.array(ml).reshape(-1, 2 * m)[:, :7].copy()
     u = w.view(np.uint32).astype(np.int64)

@@ -56,9 +56,11 @@
 //   codes   are decoded without shifts where they sit in the low byte of a 16-bit half
 //           (vx_dequant_at: the code OR-ed into the mantissa of 2^(10 - bit offset)), so a
 //           pair of decoded halves costs three instructions (VFOLD values: one).
-// Outputs as decode_attention.metal: o_part (B, H, S, MROWS, HD) = sum_t 2^(s_t - m) v_t,
+// Partials as decode_attention.metal's: o_part (B, H, S, MROWS, HD) = sum_t 2^(s_t - m) v_t,
 // ml_part (B, H, S, MROWS, 2) = (m, l) in log2 units; the host merges the splits (FUSE = 0) or
 // the last threadgroup of each (batch, head) does (FUSE = 1: out, mlo and count, see the end).
+// All of them live in the launch's one output, the float32 workspace `ws` (see the end): one
+// output, so the one fill a FUSE launch needs (its counts start at zero) is one launch.
 //
 // Template constants: HD (head dim), KBITS / VBITS in {2, 4, 8}, KGROUP / VGROUP (channels per
 // scale), MROWS (query rows per KV head, 1 to 8), NWARPS, NSTAGE (steps per warp ring),
@@ -70,7 +72,9 @@
 // NSUB (16-token MMA tiles per loop step: more independent work between the softmax steps),
 // PIPE (1: score one step ahead; needs NSTAGE >= 3, and the host sets it only with PLO = 0),
 // VFOLD (1: value scales and zeros folded into the weights: 4 or 8 bits, one or two groups of
-// 8 whole words, PLO = 0), FUSE (1: the split merge at the end of this launch).
+// 8 whole words, PLO = 0), FUSE (1: the split merge at the end of this launch), OT (the merged
+// output's type, FUSE = 1), FCHUNK (0, or the most splits whose weights the merge at the end
+// holds at once, fewer than fit: a test of its chunks).
 // The host (velox_core.kernels.decode.mma_supported) checks the layout: HD / 4 channels of
 // keys and HD / 8 of values fill whole words, and a lane's channels meet whole groups.
 
@@ -683,6 +687,19 @@ if (g == 0) {
   red_l[warp * 8 + 2 * t] = lrow[0];
   red_l[warp * 8 + 2 * t + 1] = lrow[1];
 }
+// ---- the launch's one output: a float32 workspace, regions of whole 16 bytes -----------------
+// FUSE = 1 (zeroed by the launch, init_value 0): [out | mlo | count | ml_part | o_part];
+// FUSE = 0: [ml_part | o_part]. velox_core.kernels.decode.mma_layout is the host's twin.
+const int64_t nbh = (int64_t)kc_shape[0] * H;
+const int64_t n_out = FUSE ? ((nbh * MROWS * HD * (int64_t)sizeof(OT) + 15) / 16) * 4 : 0;
+const int64_t n_mlo = FUSE ? ((nbh * MROWS * 2 + 3) / 4) * 4 : 0;
+const int64_t n_cnt = FUSE ? ((nbh + 3) / 4) * 4 : 0;
+const int64_t n_ml = ((nbh * nsplit * MROWS * 2 + 3) / 4) * 4;
+OT* const out = reinterpret_cast<OT*>(ws);
+float* const mlo = ws + n_out;
+unsigned int* const count = reinterpret_cast<unsigned int*>(ws + n_out + n_mlo);
+float* const ml_part = ws + n_out + n_mlo + n_cnt;
+float* const o_part = ml_part + n_ml;
 VX_BARRIER();
 const int64_t row0 = ((int64_t)bh * nsplit + split) * MROWS;
 for (int i = tid; i < MROWS * HD; i += NT) {
@@ -710,11 +727,25 @@ for (int i = tid; i < MROWS * HD; i += NT) {
 
 // ---- FUSE = 1: the split merge in this launch (one kernel per call instead of two) ----------
 // Every threadgroup publishes its partial (the stores above, then a device-wide fence) and
-// counts itself on count[bh] (zeroed by the launch: the host passes init_value 0); the one that
-// counts last reads every split's partial of its (batch, head), past the L1 cache, and writes
-// the normalized output o (B, H, MROWS, HD) in the output dtype and mlo (B, H, MROWS, 2) = the
-// max in natural-log units and the sum relative to it (decode_merge.metal's m and l).
+// counts itself on count[bh] (zeroed by the launch); the one that counts last reads every
+// split's partial of its (batch, head), past the L1 cache, and writes the normalized output o
+// (B, H, MROWS, HD) in OT and mlo (B, H, MROWS, 2) = the max in natural-log units and the sum
+// relative to it (decode_merge.metal's m and l). That tail runs on one threadgroup while the
+// others are done, so it is spread over all of its threads: a warp per row finds the row's max
+// and sum over the splits (lanes across the splits); the splits' weights go to shared memory
+// (the ring, free now), in chunks of FCAP splits; then each thread sums 4 adjacent channels of
+// one row (16-byte loads, several in flight) over its share of the splits (FPART threads per
+// (row, 4 channels) where the rows are few), and the shares are added through shared memory.
 VX_SHARED int fuse_last;
+VX_SHARED float fuse_top[8];
+VX_SHARED float fuse_l[8];
+constexpr int FQ = MROWS * HD / 4;                 // (row, 4 channels) items
+constexpr int FPART = FQ >= NT ? 1 : NT / FQ;      // threads per item
+constexpr int FIPT = (FQ + NT - 1) / NT;           // items per thread (FPART = 1)
+constexpr int FSH = FPART > 1 ? FPART * FQ * 4 : 0;  // words of the threads' shares
+constexpr int FFIT = (SMEM - FSH) / MROWS;           // splits whose weights fit beside them
+constexpr int FCAP = FCHUNK > 0 && FCHUNK < FFIT ? FCHUNK : FFIT;
+static_assert(FCAP >= 1, "the split merge's weights do not fit in the ring");
 if (FUSE) {
   __threadfence();
   VX_BARRIER();
@@ -726,26 +757,89 @@ if (FUSE) {
     __threadfence();
     constexpr float LN2 = 0.6931471805599453f;
     const int64_t first = (int64_t)bh * nsplit * MROWS;  // (bh, split 0, row 0)
-    for (int i = tid; i < MROWS * HD; i += NT) {
-      const int r = i / HD;
-      const int d = i - r * HD;
+    for (int r = warp; r < MROWS; r += NWARPS) {
       float top = NEG;
-      for (int sp = 0; sp < nsplit; ++sp) {
+      for (int sp = lane; sp < nsplit; sp += 32) {
         top = vx_max(top, __ldcg(ml_part + (first + (int64_t)sp * MROWS + r) * 2));
       }
-      float o_sum = 0.0f;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) top = vx_max(top, vx_shfl_xor(top, o));
       float l_sum = 0.0f;
-      for (int sp = 0; sp < nsplit; ++sp) {
+      for (int sp = lane; sp < nsplit; sp += 32) {
         const int64_t row = first + (int64_t)sp * MROWS + r;
-        const float w = vx_exp2(__ldcg(ml_part + row * 2) - top);
-        o_sum += __ldcg(o_part + row * HD + d) * w;
-        l_sum += __ldcg(ml_part + row * 2 + 1) * w;
+        l_sum += __ldcg(ml_part + row * 2 + 1) * vx_exp2(__ldcg(ml_part + row * 2) - top);
       }
-      const int64_t orow = (int64_t)bh * MROWS + r;
-      vx_store(out + orow * HD + d, o_sum / l_sum);
-      if (d == 0) {
-        mlo[orow * 2] = top * LN2;
-        mlo[orow * 2 + 1] = l_sum;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) l_sum += vx_shfl_xor(l_sum, o);
+      if (lane == 0) {
+        fuse_top[r] = top;
+        fuse_l[r] = l_sum;
+      }
+    }
+    float4* const fs = reinterpret_cast<float4*>(ring);         // the threads' shares
+    float* const fw = reinterpret_cast<float*>(ring) + FSH;      // the chunk's weights
+    const int part = FPART > 1 ? tid / FQ : 0;
+    float4 acc[FIPT];
+#pragma unroll
+    for (int j = 0; j < FIPT; ++j) acc[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int c0 = 0; c0 < nsplit; c0 += FCAP) {
+      const int nc = vx_imin(FCAP, nsplit - c0);
+      VX_BARRIER();  // the rows' max (first chunk) or the last chunk's sums are done
+      for (int i = tid; i < nc * MROWS; i += NT) {
+        const int r = i % MROWS;
+        fw[i] = vx_exp2(__ldcg(ml_part + (first + (int64_t)c0 * MROWS + i) * 2) - fuse_top[r]);
+      }
+      VX_BARRIER();
+#pragma unroll
+      for (int j = 0; j < FIPT; ++j) {
+        const int item = FPART > 1 ? tid % FQ : tid + j * NT;
+        if (part < FPART && item < FQ) {
+          const int r = item / (HD / 4);
+          const int d4 = item - r * (HD / 4);
+          const float4* src = reinterpret_cast<const float4*>(o_part) +
+                              ((first + (int64_t)c0 * MROWS + r) * HD) / 4 + d4;
+          float4 a = acc[j];
+#pragma unroll 8
+          for (int k = part; k < nc; k += FPART) {
+            const float w = fw[k * MROWS + r];
+            const float4 v = __ldcg(src + (int64_t)k * MROWS * (HD / 4));
+            a.x += w * v.x;
+            a.y += w * v.y;
+            a.z += w * v.z;
+            a.w += w * v.w;
+          }
+          acc[j] = a;
+        }
+      }
+    }
+    if (FPART > 1) {
+      if (part < FPART) fs[tid] = acc[0];
+      VX_BARRIER();
+    }
+#pragma unroll
+    for (int j = 0; j < FIPT; ++j) {
+      const int item = tid + j * NT;
+      if (item < FQ) {
+        float4 a = acc[j];
+        for (int p = 1; p < FPART; ++p) {
+          const float4 v = fs[p * FQ + item];
+          a.x += v.x;
+          a.y += v.y;
+          a.z += v.z;
+          a.w += v.w;
+        }
+        const int r = item / (HD / 4);
+        const int d = (item - r * (HD / 4)) * 4;
+        const float inv = 1.0f / fuse_l[r];
+        OT* const o = out + ((int64_t)bh * MROWS + r) * HD + d;
+        vx_store(o, a.x * inv);
+        vx_store(o + 1, a.y * inv);
+        vx_store(o + 2, a.z * inv);
+        vx_store(o + 3, a.w * inv);
+        if (d == 0) {
+          mlo[((int64_t)bh * MROWS + r) * 2] = fuse_top[r] * LN2;
+          mlo[((int64_t)bh * MROWS + r) * 2 + 1] = fuse_l[r];
+        }
       }
     }
   }

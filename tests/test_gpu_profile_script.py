@@ -58,12 +58,13 @@ def test_variants_compile(profile, tmp_path):
         k = dk.Codes(dk.AFFINE, 4, 64, mx.zeros((1,), mx.uint32), z, z)
         infos = [ArgInfo("float16", 4, 1 << 20)]
         infos += [ArgInfo(*a) for a in (("uint32", 4, 1 << 20), *[("float16", 4, 1 << 20)] * 2)] * 2
-        tmpl = dk.mma_template(128, k, k, 4, 4, 4, 1, None, mx.float16, False, True)
+        tmpl = dk.mma_template(
+            128, k, k, 4, 4, 4, 1, None, mx.float16, False, True, True, True, mx.float16
+        )
         for i, name in enumerate(texts):
             spec = dataclasses.replace(dk.mma_spec(4, 3), name=f"v{i}", source="variant:" + name)
             cu = tmp_path / f"v{i}.cu"
-            dtypes = [str(d).replace("mlx.core.", "") for d in dk.mma_outputs(1, 1, 1, 4, 128)[1]]
-            cu.write_text(cuda_source(spec, infos, dtypes, tmpl)[0])
+            cu.write_text(cuda_source(spec, infos, ["float32"], tmpl)[0])
             cmd = ["nvcc", "-std=c++17", "-arch=sm_90a", "-I", str(shim_dir() / "cuda"), "-c"]
             res = subprocess.run(
                 [*cmd, str(cu), "-o", str(tmp_path / f"v{i}.o")], capture_output=True, text=True

@@ -386,11 +386,11 @@ def _mma_variants():
             dk.mma_pipeline(),
             dk.mma_value_fold(),
             merged is not None,
+            merged and getattr(mx, merged),
         )
         infos = [ArgInfo(*qd), *[ArgInfo(*a) for a in (U32, H16, H16)] * 2]
         spec = dk.mma_spec(nw, dk.mma_sm_blocks(nw))
-        dtypes = dk.mma_outputs(1, 1, 1, m, 128, merged and getattr(mx, merged))[1]
-        out.append((spec, infos, [str(d).replace("mlx.core.", "") for d in dtypes], tmpl))
+        out.append((spec, infos, ["float32"], tmpl))
     return out
 
 
@@ -846,6 +846,8 @@ MMA_CASES = {
     "8bit-fold-gqa8": (1, 1, 150, 8, 8, 8, 64, 64, 2, 1, 2, 0),
     "k2v4-fold-g128-strided": (1, 2, 200, 4, 2, 4, 64, 128, 4, 1, 2, 3),
     "4bit-fold-g128-fp16-query": (1, 2, 260, 3, 4, 4, 128, 128, 4, 2, 3, 0),
+    "mha-many-splits": (1, 2, 700, 1, 4, 4, 64, 64, 4, 1, 40, 0),  # 18 of them empty
+    "two-rows-merge-in-chunks": (1, 1, 570, 2, 4, 4, 64, 64, 4, 2, 9, 0),  # 64 tokens a split
 }
 FP16_QUERY = {
     "4bit-fp16-query",
@@ -857,7 +859,14 @@ FP16_QUERY = {
 # cases round P to fp16 (the default) and score one step ahead where the ring has 3 stages
 P_RESIDUAL = {"4bit-weights-residual", "8bit-gqa8-g32"}
 # FUSE = 1 run too: several splits and batches, one split, an fp16 query and output
-FUSED = {"4bit-b2-steps-of-two-strided", "one-token", "2bit-fp16-query-gqa8-strided"}
+FUSED = {
+    "4bit-b2-steps-of-two-strided",
+    "one-token",
+    "2bit-fp16-query-gqa8-strided",
+    "mha-many-splits",  # one query row: four threads share each row's 4 channels
+    "two-rows-merge-in-chunks",
+}
+FUSE_CHUNK = {"two-rows-merge-in-chunks": 4}  # the splits' weights 4 at a time (9 splits)
 NO_PIPELINE = {"4bit-no-pipeline"}
 # VFOLD = 1 (value scales folded into the weights) wherever the layout allows it, except here
 NO_VALUE_FOLD = {"4bit-no-value-fold"}
@@ -908,21 +917,36 @@ def mma_emulated(tmp_path_factory):
         assert dict(tmpl)["PIPE"] == int(pipe and not pres and stages >= 3)
         assert dict(tmpl)["VFOLD"] == int(fold and not pres and vb != 2 and vg >= 64)
         spec = dk.mma_spec(nw, dk.mma_sm_blocks(nw))
-        shapes, dtypes = dk.mma_outputs(b, h, s, m, 128)
-        handle = emu.kernel(spec, ins, [str(d).replace("mlx.core.", "") for d in dtypes], tmpl)
+        lay = dk.mma_layout(b, h, s, m, 128)
+        handle = emu.kernel(spec, ins, ["float32"], tmpl)
         launch = ((s * nw * 32, b * h, 1), (nw * 32, 1, 1))
         fused = None
         if name in FUSED:  # the same kernel merging its own splits (FUSE = 1)
             out_dt = mx.float16 if name in FP16_QUERY else mx.float32
-            fshapes, fdtypes = dk.mma_outputs(b, h, s, m, 128, out_dt)
-            ftmpl = [(k_, 1 if k_ == "FUSE" else v_) for k_, v_ in tmpl]
-            fnames = [str(d).replace("mlx.core.", "") for d in fdtypes]
-            fused = (emu.kernel(spec, ins, fnames, ftmpl), fshapes)
+            flay = dk.mma_layout(b, h, s, m, 128, out_dt)
+            ftmpl = dk.mma_template(
+                128,
+                keys,
+                vals,
+                m,
+                nw,
+                stages,
+                sub,
+                None,
+                q.dtype,
+                pres,
+                pipe,
+                fold,
+                True,
+                out_dt,
+                FUSE_CHUNK.get(name, 0),
+            )
+            fused = (emu.kernel(spec, ins, ["float32"], ftmpl), flay)
         # the reference: keys and values decoded, rounded to fp16 (the kernel's precision)
         kd = kc.decode(kp).astype(mx.float16).astype(mx.float32)
         vd = vc.decode(vp).astype(mx.float16).astype(mx.float32)
         scores = q.astype(mx.float32) @ mx.swapaxes(kd, -1, -2)
-        cases[name] = (handle, ins, shapes, launch, scores, vd, fused)
+        cases[name] = (handle, ins, lay, launch, scores, vd, fused)
     merge = emu.kernel(dk.MERGE, [np.zeros((1, 1, 2, 4, 128), np.float32)] * 2, ["float32"] * 3)
     return emu, merge, cases
 
@@ -935,9 +959,10 @@ def test_tensor_core_kernel_matches_the_reference(mma_emulated, name):
     reference over fp16-rounded decoded keys and values; no split's max exceeds the true
     max (the lazy max may only lag)."""
     emu, merge, cases = mma_emulated
-    handle, ins, shapes, (grid, tg), scores, vd, _ = cases[name]
-    o_part, ml, *_ = emu.run(handle, ins, shapes, grid, tg)
-    b, h, _, m, d = shapes[0]
+    handle, ins, lay, (grid, tg), scores, vd, _ = cases[name]
+    (ws,) = emu.run(handle, ins, [(lay.size,)], grid, tg)
+    o_part, ml, *_ = lay.parts(ws)
+    b, h, m, d = lay.b, lay.h, lay.rows, lay.dim
     mgrid, mtg = dk.merge_launch(b * h * m, d)
     o, mm, ll = emu.run(merge, [o_part, ml], [(b, h, m, d), (b, h, m, 1), (b, h, m, 1)], mgrid, mtg)
     want = np.asarray(mx.softmax(scores, axis=-1) @ vd)
@@ -957,12 +982,14 @@ def test_tensor_core_kernel_merges_its_own_splits(mma_emulated, name):
     same launch (counted on a zeroed output): the normalized output, its max and its sum
     equal the separate merge kernel's over the same partials."""
     emu, merge, cases = mma_emulated
-    handle, ins, shapes, (grid, tg), scores, vd, (fhandle, fshapes) = cases[name]
-    o_part, ml, *_ = emu.run(handle, ins, shapes, grid, tg)
-    b, h, s, m, d = shapes[0]
+    handle, ins, lay, (grid, tg), scores, vd, (fhandle, flay) = cases[name]
+    (ws,) = emu.run(handle, ins, [(lay.size,)], grid, tg)
+    o_part, ml, *_ = lay.parts(ws)
+    b, h, s, m, d = lay.b, lay.h, lay.splits, lay.rows, lay.dim
     mgrid, mtg = dk.merge_launch(b * h * m, d)
     o, mm, ll = emu.run(merge, [o_part, ml], [(b, h, m, d), (b, h, m, 1), (b, h, m, 1)], mgrid, mtg)
-    fo_part, fml, out, mlo, count = emu.run(fhandle, ins, fshapes, grid, tg, init=0)
+    (fws,) = emu.run(fhandle, ins, [(flay.size,)], grid, tg, init=0)
+    fo_part, fml, out, mlo, count = flay.parts(fws)
     assert np.array_equal(fo_part, o_part) and np.array_equal(fml, ml)
     assert np.array_equal(count, np.full(b * h, s, np.uint32))  # every threadgroup counted
     ref = o / ll

@@ -32,6 +32,7 @@ import math
 import os
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 
@@ -49,6 +50,7 @@ __all__ = [
     "MERGE_FP16",
     "Codes",
     "MmaLaunch",
+    "MmaLayout",
     "Plan",
     "choose_splits",
     "decode_attention",
@@ -59,7 +61,7 @@ __all__ = [
     "mma_enabled",
     "mma_fuse_merge",
     "mma_launch",
-    "mma_outputs",
+    "mma_layout",
     "mma_p_residual",
     "mma_pipeline",
     "mma_sm_blocks",
@@ -96,8 +98,9 @@ DECODE_MMA = KernelSpec(
     name="velox_decode_attention_mma",
     source="decode_attention_mma.cu",
     inputs=("q", "kc", "ka", "kb", "vc", "va", "vb"),
-    # out, mlo, count: the merged result with FUSE = 1 (placeholders of one element otherwise)
-    outputs=("o_part", "ml_part", "out", "mlo", "count"),
+    # one float32 workspace: the partials, and with FUSE = 1 the merged result and the counts
+    # (mma_layout); one output, so the launch's zero fill (FUSE = 1) is one fill
+    outputs=("ws",),
     row_contiguous=False,
     cuda_headers=("velox_mma.cuh",),
 )
@@ -602,7 +605,9 @@ def mma_template(
     pipeline: bool = False,
     value_fold: bool = False,
     fuse: bool = False,
-) -> list[tuple[str, int]]:
+    out_dtype: mx.Dtype | None = None,
+    fuse_chunk: int = 0,
+) -> list[tuple[str, int | mx.Dtype]]:
     """The tensor-core body's compile-time constants (``decode_attention_mma.cu``). An fp16
     query goes into the MMA as it is (``QLO`` 0); any other dtype as fp16 hi and lo parts.
     ``p_residual``: the softmax weights as fp16 plus their rounding residual (``PLO`` 1), or
@@ -611,8 +616,10 @@ def mma_template(
     residual would take, so only with ``p_residual`` off). ``value_fold``: fold the value scales
     and zeros into the weights (``VFOLD`` 1, where :func:`mma_fold_ok`): the value codes go into
     the MMA as they are stored, one instruction per pair instead of three. ``fuse``: the last
-    threadgroup of each (batch, head) merges the splits (``FUSE`` 1; the launch must zero the
-    outputs: ``init_value=0``)."""
+    threadgroup of each (batch, head) merges the splits into an ``out_dtype`` output (``FUSE``
+    1, ``OT``; the launch must zero its output: ``init_value=0``); ``fuse_chunk`` (tests):
+    that merge takes the splits' weights in chunks of at most this many (0: as many as fit in
+    shared memory)."""
     return [
         ("HD", dim),
         ("KBITS", keys.bits),
@@ -629,6 +636,8 @@ def mma_template(
         ("PIPE", int(pipeline and stages >= 3 and not p_residual)),
         ("VFOLD", int(value_fold and mma_fold_ok(values, dim, p_residual))),
         ("FUSE", int(fuse)),
+        ("OT", out_dtype if fuse and out_dtype is not None else mx.float32),
+        ("FCHUNK", int(fuse_chunk)),
     ]
 
 
@@ -665,11 +674,13 @@ def mma_launch(
     pipeline: bool | None = None,
     value_fold: bool | None = None,
     fuse: bool = False,
+    out_dtype: mx.Dtype | None = None,
 ) -> MmaLaunch | None:
     """The tensor-core kernel's launch for a ``(B, H, M, D)`` query over ``keys`` / ``values``
     from the settings (warps, steps of two tiles where two fit, ring stages, register cap,
-    splits; ``p_residual``, ``pipeline`` and ``value_fold`` default to theirs), or None where
-    no ring fits in shared memory. Everything but the split count is planned once per shape,
+    splits; ``p_residual``, ``pipeline`` and ``value_fold`` default to theirs; ``fuse``: the
+    kernel merges its splits into an ``out_dtype`` output), or None where no ring fits in
+    shared memory. Everything but the split count is planned once per shape,
     codes and settings (the environment's values are part of the key)."""
     b, h, m, dim = q_shape
     t = keys.codes.shape[2]
@@ -685,6 +696,7 @@ def mma_launch(
         pipeline,
         value_fold,
         fuse,
+        out_dtype,
         tuple(env.get(n) for n in _MMA_SETTINGS),
     )
     if plan is None:
@@ -710,8 +722,9 @@ def _mma_plan(
     pipeline: bool | None,
     value_fold: bool | None,
     fuse: bool,
+    out_dtype: mx.Dtype | None,
     settings: tuple[str | None, ...],
-) -> tuple[KernelSpec, tuple[tuple[str, int], ...], int, int] | None:
+) -> tuple[KernelSpec, tuple[tuple[str, int | mx.Dtype], ...], int, int] | None:
     """:func:`mma_launch`'s plan without the splits: (spec, template, warps, threadgroups
     per SM). ``settings`` (the environment's values of :data:`_MMA_SETTINGS`) only keys the
     cache: the helpers read the same values."""
@@ -740,21 +753,70 @@ def _mma_plan(
         mma_pipeline() if pipeline is None else pipeline,
         mma_value_fold() if value_fold is None else value_fold,
         fuse,
+        out_dtype,
     )
     return mma_spec(nwarps, sm_blocks), tuple(tmpl), nwarps, sm_blocks
 
 
-def mma_outputs(
+@dataclass(frozen=True)
+class MmaLayout:
+    """Where the tensor-core kernel's results lie in its one float32 output (offsets and the
+    total in float32 elements, every region whole 16 bytes): with ``FUSE`` 1 the merged
+    output (in its dtype), its (max, sum) and the threadgroup counts, then the partials;
+    without, the partials alone (the ``*_off`` of the merged parts are 0, their sizes 0)."""
+
+    b: int
+    h: int
+    splits: int
+    rows: int
+    dim: int
+    out_dtype: mx.Dtype | None
+    out_off: int
+    mlo_off: int
+    count_off: int
+    ml_off: int
+    o_off: int
+    size: int
+
+    def parts(self, ws: Any) -> tuple[Any, Any, Any, Any, Any]:
+        """``(o_part, ml_part, out, mlo, count)``: views of ``ws`` (an MLX array, or the numpy
+        array of the CPU emulation), ``out``, ``mlo`` and ``count`` None without ``FUSE``."""
+        b, h, s, m, d = self.b, self.h, self.splits, self.rows, self.dim
+        o_part = ws[self.o_off : self.o_off + b * h * s * m * d].reshape(b, h, s, m, d)
+        ml_part = ws[self.ml_off : self.ml_off + b * h * s * m * 2].reshape(b, h, s, m, 2)
+        if self.out_dtype is None:
+            return o_part, ml_part, None, None, None
+        n = b * h * m * d
+        if isinstance(ws, mx.array):
+            odt, cdt = self.out_dtype, mx.uint32
+        else:  # numpy (the emulation): the same dtype by name
+            import numpy as np
+
+            odt, cdt = np.dtype(str(self.out_dtype).replace("mlx.core.", "")), np.uint32
+        out = ws[self.out_off : self.mlo_off].view(odt)[:n].reshape(b, h, m, d)
+        mlo = ws[self.mlo_off : self.mlo_off + b * h * m * 2].reshape(b, h, m, 2)
+        count = ws[self.count_off : self.count_off + b * h].view(cdt)
+        return o_part, ml_part, out, mlo, count
+
+
+def _words16(n: int) -> int:
+    return (n + 3) // 4 * 4
+
+
+def mma_layout(
     b: int, h: int, s: int, m: int, dim: int, out_dtype: mx.Dtype | None = None
-) -> tuple[list[tuple[int, ...]], list[mx.Dtype]]:
-    """Output shapes and dtypes of the tensor-core kernel: the per-split partials, then the
-    merged output in ``out_dtype``, its (max, sum) and the threadgroup count where the kernel
-    merges (``out_dtype`` given, ``FUSE`` 1), one-element placeholders where it does not."""
-    if out_dtype is None:
-        shapes = [(b, h, s, m, dim), (b, h, s, m, 2), (1,), (1,), (1,)]
-        return shapes, [mx.float32, mx.float32, mx.float32, mx.float32, mx.uint32]
-    shapes = [(b, h, s, m, dim), (b, h, s, m, 2), (b, h, m, dim), (b, h, m, 2), (b * h,)]
-    return shapes, [mx.float32, mx.float32, out_dtype, mx.float32, mx.uint32]
+) -> MmaLayout:
+    """The tensor-core kernel's output layout (``decode_attention_mma.cu``'s ``ws``) for ``b``
+    x ``h`` KV heads, ``s`` splits, ``m`` query rows, head dim ``dim``; ``out_dtype`` given:
+    the kernel merges its splits (``FUSE`` 1) into an output of that dtype."""
+    fuse = out_dtype is not None
+    n_out = _words16((b * h * m * dim * out_dtype.size + 3) // 4) if fuse else 0
+    n_mlo = _words16(b * h * m * 2) if fuse else 0
+    n_cnt = _words16(b * h) if fuse else 0
+    ml = n_out + n_mlo + n_cnt
+    o = ml + _words16(b * h * s * m * 2)
+    size = o + b * h * s * m * dim
+    return MmaLayout(b, h, s, m, dim, out_dtype, 0, n_out, n_out + n_mlo, ml, o, size)
 
 
 def _decode_mma(
@@ -768,22 +830,26 @@ def _decode_mma(
     """The tensor-core kernel's per-split partials and the query it took, or None. With
     ``out_dtype``: the kernel merges its splits itself and this returns the merged
     ``(o, m, l)`` (``o`` normalized, in ``out_dtype``)."""
-    launch = mma_launch(q.shape, q.dtype, keys, values, splits, scale, fuse=out_dtype is not None)
+    fuse = out_dtype is not None
+    launch = mma_launch(
+        q.shape, q.dtype, keys, values, splits, scale, fuse=fuse, out_dtype=out_dtype
+    )
     if launch is None:
         return None
     b, h, m, dim = q.shape
     s, nt = launch.splits, launch.nwarps * 32
-    shapes, dtypes = mma_outputs(b, h, s, m, dim, out_dtype)
-    o_part, ml_part, out, mlo, _ = launch.spec.kernel()(
+    lay = mma_layout(b, h, s, m, dim, out_dtype)
+    (ws,) = launch.spec.kernel()(
         inputs=[q, keys.codes, keys.a, keys.b, values.codes, values.a, values.b],
         template=launch.template,
         grid=(s * nt, b * h, 1),
         threadgroup=(nt, 1, 1),
-        output_shapes=shapes,
-        output_dtypes=dtypes,
-        init_value=None if out_dtype is None else 0,
+        output_shapes=[(lay.size,)],
+        output_dtypes=[mx.float32],
+        init_value=0 if fuse else None,
     )
-    if out_dtype is not None:
+    o_part, ml_part, out, mlo, _ = lay.parts(ws)
+    if fuse:
         return out, mlo[..., 0:1], mlo[..., 1:2]
     return o_part, ml_part, q
 

@@ -42,6 +42,10 @@ struct dim3 {
 struct float2 {
   float x, y;
 };
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 
 struct __half {
   _Float16 v;
