@@ -847,6 +847,7 @@ MMA_CASES = {
     "k2v4-fold-g128-strided": (1, 2, 200, 4, 2, 4, 64, 128, 4, 1, 2, 3),
     "4bit-fold-g128-fp16-query": (1, 2, 260, 3, 4, 4, 128, 128, 4, 2, 3, 0),
     "mha-many-splits": (1, 2, 700, 1, 4, 4, 64, 64, 4, 1, 40, 0),  # 18 of them empty
+    "2bit-steps-of-four": (1, 2, 300, 4, 2, 2, 64, 64, 4, 4, 2, 0),
     "two-rows-merge-in-chunks": (1, 1, 570, 2, 4, 4, 64, 64, 4, 2, 9, 0),  # 64 tokens a split
 }
 FP16_QUERY = {

@@ -406,7 +406,10 @@ def mma_supported(m: int, dim: int, keys: Codes, values: Codes) -> bool:
 MMA_SMEM = 48 * 1024 - 1024
 
 
-MMA_SUBTILES = 2  # 16-token MMA tiles per loop step (VELOX_DECODE_SUBTILES: 1 or 2)
+# 16-token MMA tiles per loop step (VELOX_DECODE_SUBTILES: 1, 2 or 4), at most: a step takes
+# fewer where two ring stages of it do not fit (at four warps: 4 for 2-bit keys and values, 2
+# for 4-bit and mixed 2/4-bit codes, 1 for 8-bit ones)
+MMA_SUBTILES = 4
 MMA_WARPS = 4  # warps per threadgroup of the tensor-core kernel (VELOX_DECODE_MMA_WARPS)
 
 
@@ -504,11 +507,11 @@ def mma_fold_ok(values: Codes, dim: int, p_residual: bool) -> bool:
 
 
 def mma_subtiles() -> int:
-    """16-token MMA tiles per loop step of the tensor-core kernel: ``VELOX_DECODE_SUBTILES``
-    or :data:`MMA_SUBTILES`."""
+    """16-token MMA tiles per loop step of the tensor-core kernel, at most (the plan halves
+    it until two ring stages fit): ``VELOX_DECODE_SUBTILES`` or :data:`MMA_SUBTILES`."""
     n = int(os.environ.get("VELOX_DECODE_SUBTILES", MMA_SUBTILES))
-    if n not in (1, 2):
-        raise ValueError(f"VELOX_DECODE_SUBTILES must be 1 or 2, got {n}")
+    if n not in (1, 2, 4):
+        raise ValueError(f"VELOX_DECODE_SUBTILES must be 1, 2 or 4, got {n}")
     return n
 
 
@@ -733,8 +736,8 @@ def _mma_plan(
     nwarps = mma_warps()
     sub = mma_subtiles()
     stages = mma_stages(dim, keys, values, nwarps, sub)
-    if stages == 0 and sub > 1:
-        sub = 1
+    while stages == 0 and sub > 1:  # fewer tiles a step where two stages do not fit
+        sub //= 2
         stages = mma_stages(dim, keys, values, nwarps, sub)
     if stages == 0:
         return None
