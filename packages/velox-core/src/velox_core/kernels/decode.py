@@ -802,10 +802,20 @@ class MmaLayout:
         return o_part, ml_part, out, mlo, count
 
 
+    def merged(self, ws: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """``FUSE`` 1: the merged ``(o, m, l)`` as views of the MLX array ``ws`` (``o`` in
+        the output dtype, ``m`` and ``l`` ``(B, H, M, 1)``), without the partials' views."""
+        b, h, m, d = self.b, self.h, self.rows, self.dim
+        out = ws[: self.mlo_off].view(self.out_dtype)[: b * h * m * d].reshape(b, h, m, d)
+        mlo = ws[self.mlo_off : self.mlo_off + b * h * m * 2].reshape(b, h, m, 2)
+        return out, mlo[..., 0:1], mlo[..., 1:2]
+
+
 def _words16(n: int) -> int:
     return (n + 3) // 4 * 4
 
 
+@functools.lru_cache(maxsize=256)
 def mma_layout(
     b: int, h: int, s: int, m: int, dim: int, out_dtype: mx.Dtype | None = None
 ) -> MmaLayout:
@@ -851,9 +861,9 @@ def _decode_mma(
         output_dtypes=[mx.float32],
         init_value=0 if fuse else None,
     )
-    o_part, ml_part, out, mlo, _ = lay.parts(ws)
     if fuse:
-        return out, mlo[..., 0:1], mlo[..., 1:2]
+        return lay.merged(ws)
+    o_part, ml_part, *_ = lay.parts(ws)
     return o_part, ml_part, q
 
 
