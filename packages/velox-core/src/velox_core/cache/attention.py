@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..codec.base import Codec, Packed
+from ..codec.identity import Identity
 from ..kernels import use_kernels
 
 __all__ = ["Segment", "attend", "decode_segments", "joint_attention", "merge_partials", "partial"]
@@ -113,8 +114,6 @@ def joint_attention(
         q ``(B, H, M, D)`` float32 with the scale applied, or unscaled (any float dtype) with
         ``scale``; returns ``(B, H, M, Dv)`` in ``out_dtype``.
     """
-    from ..codec.identity import Identity
-
     coded = [s for s in segments if not isinstance(s.key_codec, Identity)]
     plain = [s for s in segments if isinstance(s.key_codec, Identity)]
     if len(coded) != 1 or len(plain) > 2:

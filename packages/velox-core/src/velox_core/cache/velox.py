@@ -16,6 +16,7 @@ is always the number of tokens seen; ``size()`` the number stored.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -687,9 +688,7 @@ def _spec(obj) -> dict[str, Any]:
 
 
 def _lcm(a: int, b: int) -> int:
-    from math import gcd
-
-    return a * b // gcd(a, b)
+    return a * b // math.gcd(a, b)
 
 
 def _trim_store(pair: tuple[PackedStore, PackedStore], n: int) -> int:

@@ -21,6 +21,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..kernels import decode as _kd
+from ..kernels import encode as _ke
 from ..kernels import use_kernels
 from ..ops.packing import mlx_readable, pack, unpack
 from ..ops.quant import AXES, affine_dequantize, affine_quantize
@@ -63,9 +65,7 @@ class Uniform(Codec):
 
     def encode(self, x: mx.array, positions: mx.array | None = None) -> Packed:
         if self.axis == "token" and use_kernels():
-            from ..kernels.encode import affine_encode
-
-            fused = affine_encode(x, self.bits, self.group, self.clip)
+            fused = _ke.affine_encode(x, self.bits, self.group, self.clip)
             if fused is not None:
                 codes, scale, zero = fused
                 return Packed({"codes": codes, "scale": scale, "zero": zero}, x.shape[2])
@@ -151,9 +151,7 @@ class Uniform(Codec):
         sides = self._kernel_sides(keys, value_codec, values)
         if sides is None:
             return None
-        from ..kernels.decode import decode_attention
-
-        return decode_attention(q, *sides)
+        return _kd.decode_attention(q, *sides)
 
     def _kernel_sides(self, keys: Packed, value_codec: Codec, values: Packed):
         """The decode kernels' view of both records (``velox_core.kernels.decode.Codes``), or
@@ -164,13 +162,13 @@ class Uniform(Codec):
             return None
         if value_codec.axis != "token":
             return None
-        from ..kernels.decode import AFFINE, AFFINE_CHANNEL, Codes
-
         k, v = keys.data, values.data
-        kind = AFFINE if self.axis == "token" else AFFINE_CHANNEL
+        kind = _kd.AFFINE if self.axis == "token" else _kd.AFFINE_CHANNEL
         return (
-            Codes(kind, self.bits, self.group, k["codes"], k["scale"], k["zero"]),
-            Codes(AFFINE, value_codec.bits, value_codec.group, v["codes"], v["scale"], v["zero"]),
+            _kd.Codes(kind, self.bits, self.group, k["codes"], k["scale"], k["zero"]),
+            _kd.Codes(
+                _kd.AFFINE, value_codec.bits, value_codec.group, v["codes"], v["scale"], v["zero"]
+            ),
         )
 
     def attend_joint(
@@ -196,9 +194,7 @@ class Uniform(Codec):
         sides = self._kernel_sides(keys, value_codec, values)
         if sides is None:
             return None
-        from ..kernels.decode import decode_attention
-
-        out = decode_attention(q, *sides, fp16=fp16, out_dtype=out_dtype, scale=scale)
+        out = _kd.decode_attention(q, *sides, fp16=fp16, out_dtype=out_dtype, scale=scale)
         return None if out is None else out[0]
 
 

@@ -801,7 +801,6 @@ class MmaLayout:
         count = ws[self.count_off : self.count_off + b * h].view(cdt)
         return o_part, ml_part, out, mlo, count
 
-
     def merged(self, ws: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """``FUSE`` 1: the merged ``(o, m, l)`` as views of the MLX array ``ws`` (``o`` in
         the output dtype, ``m`` and ``l`` ``(B, H, M, 1)``), without the partials' views."""
