@@ -9,11 +9,18 @@ a step for mlx-lm's ``KVCache``. Runs on any MLX device (on the CPU it profiles 
 path, which is not what a GPU runs).
 
     python3 benchmarks/host_profile.py --cache uniform:bits=4 --context 4096 --steps 50
+
+``--stub-kernels`` measures the GPU code path's Python side on any machine (a CPU one
+included): after the prefill, velox's kernel backend reports CUDA and every velox kernel call
+returns zeroed outputs of the shapes it asks for, so the steps build what they would build on
+an NVIDIA GPU (launch plans, checks, views, slice updates) without running a kernel. MLX's own
+work for a custom-kernel call (assembling its source, the primitive) is left out.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import pstats
@@ -54,6 +61,28 @@ def build_times(model, cache, steps: int, profile: cProfile.Profile | None = Non
     return total / steps
 
 
+@contextlib.contextmanager
+def stubbed_kernels(on: bool):
+    """With ``on``: velox's kernel backend reports CUDA and every ``KernelSpec`` call returns
+    zeroed outputs of the requested shapes and dtypes (see the module's docstring)."""
+    if not on:
+        yield
+        return
+    import velox_core.kernels as vk
+    from velox_core.kernels.build import KernelSpec
+
+    def stub(*_, output_shapes, output_dtypes, **__):
+        return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
+
+    backend, kernel = vk.backend, KernelSpec.kernel
+    vk.backend = lambda: "cuda"
+    KernelSpec.kernel = lambda self: stub
+    try:
+        yield
+    finally:
+        vk.backend, KernelSpec.kernel = backend, kernel
+
+
 def main() -> int:
     import velox_core
 
@@ -62,6 +91,11 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument(
+        "--stub-kernels",
+        action="store_true",
+        help="build the CUDA kernel path with the kernel calls stubbed (any machine)",
+    )
     args = parser.parse_args()
     model = load_model()
     prompt = mx.random.randint(1, 8000, (1, args.context), key=mx.random.key(0))
@@ -71,13 +105,18 @@ def main() -> int:
         with velox_core.routed(model):
             for i in range(0, args.context, 2048):
                 mx.eval(model(prompt[:, i : i + 2048], cache=cache))
-            build_times(model, cache, 5)  # warm-up
-            rows[name] = build_times(model, cache, args.steps)
-            if spec != "fp16":
-                prof = cProfile.Profile()
-                build_times(model, cache, args.steps, prof)
+            with stubbed_kernels(args.stub_kernels and spec != "fp16"):
+                build_times(model, cache, 5)  # warm-up
+                rows[name] = build_times(model, cache, args.steps)
+                if spec != "fp16":
+                    prof = cProfile.Profile()
+                    build_times(model, cache, args.steps, prof)
+    stub = " (velox kernel calls stubbed, CUDA path)" if args.stub_kernels else ""
     for name, t in rows.items():
-        print(f"{name:28s} building a step's graph: {t * 1e3:.3f} ms")
+        print(
+            f"{name:28s} building a step's graph: {t * 1e3:.3f} ms"
+            + (stub if name != "fp16 KVCache" else "")
+        )
     for key in ("tottime", "cumulative"):
         out = io.StringIO()
         stats = pstats.Stats(prof, stream=out).strip_dirs().sort_stats(key)
