@@ -8,18 +8,22 @@
 // and code i of the row occupies bits [i*bits, (i+1)*bits) of the row's uint32 words.
 //
 // Template: BITS, HD (row length), GROUP (channels per group), CLIPB (float32 bits of clip),
-// ST (scale dtype). Inputs: x (rows, HD), contiguous, any float dtype.
-// Outputs: codes (rows, W) uint32, scale and zero (rows, HD / GROUP) in ST (row-major; the host
-// gives them the input's leading shape).
+// ST (scale dtype), PAIR (1: two record sets of one shape and codec in one launch, a cache
+// update's keys and values). Inputs: x and y (rows, HD), contiguous, one float dtype; y is
+// read only with PAIR (the host passes x again without).
+// Outputs: codes (R, W) uint32, scale and zero (R, HD / GROUP) in ST (row-major; the host
+// gives them the input's leading shape), R = rows, or 2 rows with PAIR: x's rows, then y's.
 
 constexpr int W = (HD * BITS + 31) / 32;
 constexpr int NG = HD / GROUP;
 const int row = vx_global_x;
 const int rows = x_shape[0];
-if (row < rows) {
+if (row < (PAIR ? 2 * rows : rows)) {
+  const bool second = PAIR && row >= rows;
+  auto src = second ? y : x;
   const float clip = vx_bits_to_float((unsigned int)CLIPB);
   const float levels = (float)((1 << BITS) - 1);
-  const int64_t xb = (int64_t)row * HD;
+  const int64_t xb = (int64_t)(second ? row - rows : row) * HD;
   unsigned int words[W];
 #pragma unroll
   for (int w = 0; w < W; ++w) {
@@ -27,11 +31,11 @@ if (row < rows) {
   }
 #pragma unroll
   for (int g = 0; g < NG; ++g) {
-    float lo = static_cast<float>(x[xb + g * GROUP]);
+    float lo = static_cast<float>(src[xb + g * GROUP]);
     float hi = lo;
 #pragma unroll
     for (int i = 1; i < GROUP; ++i) {
-      const float v = static_cast<float>(x[xb + g * GROUP + i]);
+      const float v = static_cast<float>(src[xb + g * GROUP + i]);
       lo = vx_min(lo, v);
       hi = vx_max(hi, v);
     }
@@ -45,7 +49,7 @@ if (row < rows) {
     const float zf = static_cast<float>(zr);
 #pragma unroll
     for (int i = 0; i < GROUP; ++i) {
-      const float v = static_cast<float>(x[xb + g * GROUP + i]);
+      const float v = static_cast<float>(src[xb + g * GROUP + i]);
       const float c = vx_min(vx_max(vx_rint((v - zf) / sf), 0.0f), levels);
       const unsigned int code = (unsigned int)c;
       const int bit = (g * GROUP + i) * BITS;

@@ -308,8 +308,11 @@ def _decode_variants():
         ins = [part, part, ArgInfo(odt, 4, 1 << 20), *a, *bb, rot]  # query in the model dtype
         out.append((dk.MERGE_FP16, ins, [odt, "float32", "float32"], tmpl))
     for dtype, st in (("float16", mx.float16), ("bfloat16", mx.bfloat16), ("float32", mx.float16)):
-        tmpl = [("BITS", 3), ("HD", 128), ("GROUP", 32), ("CLIPB", ek.clip_bits(0.9)), ("ST", st)]
-        out.append((ek.AFFINE_ENCODE, [ArgInfo(dtype, 2, 1 << 20)], ["uint32", st, st], tmpl))
+        for pair in (0, 1):
+            tmpl = [("BITS", 3), ("HD", 128), ("GROUP", 32), ("CLIPB", ek.clip_bits(0.9))]
+            tmpl += [("ST", st), ("PAIR", pair)]
+            ins = [ArgInfo(dtype, 2, 1 << 20)] * 2
+            out.append((ek.AFFINE_ENCODE, ins, ["uint32", st, st], tmpl))
     infos = [ArgInfo("float32", 2, 1 << 20), ArgInfo("float32", 1, 7)]
     out.append((ek.CODEBOOK_ENCODE, infos, ["uint32"], [("BITS", 3), ("HD", 128)]))
     return out
@@ -724,17 +727,20 @@ def encoders(tmp_path_factory):
     for bits, group, dtype, clip in ENCODE_CASES:
         x = _encode_input(dtype)
         sdt = mx.bfloat16 if dtype == mx.bfloat16 else mx.float16
-        tmpl = [
-            ("BITS", bits),
-            ("HD", 128),
-            ("GROUP", group),
-            ("CLIPB", ek.clip_bits(clip)),
-            ("ST", sdt),
-        ]
         outs = ["uint32", sdt, sdt]
-        handles[(bits, group, dtype, clip)] = emu.kernel(
-            ek.AFFINE_ENCODE, [np_input(x.reshape(-1, 128))], outs, tmpl, sequential=True
-        )
+        for pair in (0, 1):
+            tmpl = [
+                ("BITS", bits),
+                ("HD", 128),
+                ("GROUP", group),
+                ("CLIPB", ek.clip_bits(clip)),
+                ("ST", sdt),
+                ("PAIR", pair),
+            ]
+            xs = [np_input(x.reshape(-1, 128))] * 2
+            handles[(bits, group, dtype, clip, pair)] = emu.kernel(
+                ek.AFFINE_ENCODE, xs, outs, tmpl, sequential=True
+            )
     for bits in (2, 3, 4):
         bounds = np.asarray(lloyd_max_sphere(bits, 128).boundaries)
         handles[("codebook", bits)] = emu.kernel(
@@ -760,9 +766,10 @@ def test_affine_encode_kernel_is_bit_exact(encoders, bits, group, dtype, clip):
     x = _encode_input(dtype)
     rows = x.size // 128
     words = -(-128 * bits // 32)
+    xi = np_input(x.reshape(rows, 128))
     codes, scale, zero = emu.run(
-        handles[(bits, group, dtype, clip)],
-        [np_input(x.reshape(rows, 128))],
+        handles[(bits, group, dtype, clip, 0)],
+        [xi, xi],
         [(rows, words), (rows, 128 // group), (rows, 128 // group)],
         (rows, 1, 1),
         (64, 1, 1),
@@ -773,6 +780,22 @@ def test_affine_encode_kernel_is_bit_exact(encoders, bits, group, dtype, clip):
     as_bits = (lambda a: np.asarray(a.view(mx.uint16))) if dtype == mx.bfloat16 else np.asarray
     assert np.array_equal(scale, as_bits(rs).reshape(rows, -1))
     assert np.array_equal(zero, as_bits(rz).reshape(rows, -1))
+    # PAIR = 1: a second record set (x's rows reversed) in the same launch, its rows after
+    # x's, each row encoded as on its own
+    if isinstance(xi, tuple):  # bfloat16: (uint16 bits, "bfloat16")
+        yi = (np.ascontiguousarray(xi[0][::-1]), xi[1])
+    else:
+        yi = np.ascontiguousarray(xi[::-1])
+    pc, ps, pz = emu.run(
+        handles[(bits, group, dtype, clip, 1)],
+        [xi, yi],
+        [(2 * rows, words), (2 * rows, 128 // group), (2 * rows, 128 // group)],
+        (2 * rows, 1, 1),
+        (64, 1, 1),
+    )
+    assert np.array_equal(pc[:rows], codes) and np.array_equal(pc[rows:], codes[::-1])
+    assert np.array_equal(ps[:rows], scale) and np.array_equal(ps[rows:], scale[::-1])
+    assert np.array_equal(pz[:rows], zero) and np.array_equal(pz[rows:], zero[::-1])
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
@@ -814,7 +837,7 @@ def test_cache_on_an_emulated_gpu_matches_the_reference(monkeypatch, tmp_path):
     cache.update_and_fetch(k[:, :, 290:], v[:, :, 290:])
     got = cache.attend(q, 0.088)
     names = fake.names
-    assert names.count("velox_encode_affine") == 4  # keys and values, two flushes
+    assert names.count("velox_encode_affine") == 2  # keys and values in one launch, two flushes
     assert names[-2:] == ["velox_decode_attention", "velox_decode_merge_fp16"]  # one softmax
     body, ref_body = cache.segments()[1], ref_cache.segments()[1]
     for name in ("codes", "scale", "zero"):

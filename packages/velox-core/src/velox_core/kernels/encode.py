@@ -1,7 +1,8 @@
 """Encode kernels: quantize and bit-pack in one pass, matching the MLX reference bit for bit.
 
 * :func:`affine_encode`: :func:`velox_core.ops.affine_quantize` (``axis="token"``) followed by
-  :func:`velox_core.ops.pack` (``metal/encode_affine.metal``).
+  :func:`velox_core.ops.pack` (``metal/encode_affine.metal``); :func:`affine_encode_pair`: the
+  same for a cache update's keys and values in one launch.
 * :func:`codebook_encode`: :meth:`velox_core.ops.Codebook.encode` followed by
   :func:`velox_core.ops.pack` (``metal/encode_codebook.metal``).
 
@@ -21,12 +22,18 @@ import mlx.core as mx
 from ..ops.quant import scale_dtype
 from .build import KernelSpec
 
-__all__ = ["AFFINE_ENCODE", "CODEBOOK_ENCODE", "affine_encode", "codebook_encode"]
+__all__ = [
+    "AFFINE_ENCODE",
+    "CODEBOOK_ENCODE",
+    "affine_encode",
+    "affine_encode_pair",
+    "codebook_encode",
+]
 
 AFFINE_ENCODE = KernelSpec(
     name="velox_encode_affine",
     source="encode_affine.metal",
-    inputs=("x",),
+    inputs=("x", "y"),  # y: the second record set of a pair (PAIR 1), else x again
     outputs=("codes", "scale", "zero"),
 )
 CODEBOOK_ENCODE = KernelSpec(
@@ -54,6 +61,28 @@ def affine_encode(
         codes ``(..., ceil(D*bits/32))`` uint32 and scale, zero ``(..., D // group)`` in
         :func:`velox_core.ops.scale_dtype` of ``x.dtype``.
     """
+    return _affine(x, None, bits, group, clip)
+
+
+def affine_encode_pair(
+    x: mx.array, y: mx.array, bits: int, group: int, clip: float = 1.0
+) -> tuple[tuple[mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array]] | None:
+    """:func:`affine_encode` of ``x`` and of ``y`` (same shape and dtype, same codec: a cache
+    update's keys and values) in one launch, or None if the kernel does not apply.
+
+    Shapes:
+        as :func:`affine_encode`, for each of ``x`` and ``y``.
+    """
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return None
+    out = _affine(x, y, bits, group, clip)
+    if out is None:
+        return None
+    codes, scale, zero = out  # (2, ...): x's rows, then y's
+    return (codes[0], scale[0], zero[0]), (codes[1], scale[1], zero[1])
+
+
+def _affine(x: mx.array, y: mx.array | None, bits: int, group: int, clip: float):
     *lead, dim = x.shape
     if x.dtype not in _FLOATS or not 1 <= bits <= 8 or group < 1 or dim % group:
         return None
@@ -66,17 +95,21 @@ def affine_encode(
         return None
     words = -(-dim * bits // 32)
     sdt = scale_dtype(x.dtype)
+    x2 = x.reshape(rows, dim)
+    lead = lead if y is None else [2, *lead]
+    total = rows if y is None else 2 * rows
     codes, scale, zero = AFFINE_ENCODE.kernel()(
-        inputs=[x.reshape(rows, dim)],
+        inputs=[x2, x2 if y is None else y.reshape(rows, dim)],
         template=[
             ("BITS", bits),
             ("HD", dim),
             ("GROUP", group),
             ("CLIPB", clip_bits(clip)),
             ("ST", sdt),
+            ("PAIR", int(y is not None)),
         ],
-        grid=(rows, 1, 1),
-        threadgroup=(min(THREADS, rows), 1, 1),
+        grid=(total, 1, 1),
+        threadgroup=(min(THREADS, total), 1, 1),
         # outputs in their final shapes (the kernel writes rows in order): no reshapes
         output_shapes=[(*lead, words), (*lead, dim // group), (*lead, dim // group)],
         output_dtypes=[mx.uint32, sdt, sdt],
