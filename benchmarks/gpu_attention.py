@@ -297,6 +297,22 @@ def cache_check(name, make, t=5000, steps=3, tol=2e-3):
     check_guard(name, run)
 
 
+def compare_records(ref, got, prefix: str = "") -> tuple[bool, dict]:
+    """Whether two ``Packed`` records are identical, and each array's mismatch count (or its
+    shape/dtype difference), keyed ``<prefix><array>_mismatch``."""
+    errs, ok = {}, True
+    for key, r in ref.data.items():
+        g = got.data[key]
+        if g.shape != r.shape or g.dtype != r.dtype:
+            ok = False
+            errs[prefix + key] = f"shape/dtype {g.shape} {g.dtype} vs {r.shape} {r.dtype}"
+            continue
+        diff = mx.sum(g != r).item()
+        errs[f"{prefix}{key}_mismatch"] = int(diff)
+        ok = ok and diff == 0
+    return ok, errs
+
+
 def encode_check(name, codec, dtype=mx.float16, rows=(2, 8, 777)):
     """Codes (and scales/zeros or norms) of the fused encode against the reference."""
 
@@ -310,16 +326,7 @@ def encode_check(name, codec, dtype=mx.float16, rows=(2, 8, 777)):
         with kernels(True):
             got = codec.encode(x)
             mx.eval(got.data)
-        errs, ok = {}, True
-        for key, r in ref.data.items():
-            g = got.data[key]
-            if g.shape != r.shape or g.dtype != r.dtype:
-                ok = False
-                errs[key] = f"shape/dtype {g.shape} {g.dtype} vs {r.shape} {r.dtype}"
-                continue
-            diff = mx.sum(g != r).item()
-            errs[f"{key}_mismatch"] = int(diff)
-            ok = ok and diff == 0
+        ok, errs = compare_records(ref, got)
         record_check(name, ok, **errs)
 
     check_guard(name, run)
@@ -340,18 +347,9 @@ def encode_pair_check(name, codec, dtype=mx.float16, rows=(2, 8, 777)):
         with kernels(True):
             gots = codec.encode_pair(codec, k, v)
             mx.eval([g.data for g in gots])
-        errs, ok = {}, True
-        for side, ref, got in zip(("k", "v"), refs, gots, strict=True):
-            for key, r in ref.data.items():
-                g = got.data[key]
-                if g.shape != r.shape or g.dtype != r.dtype:
-                    ok = False
-                    errs[f"{side}_{key}"] = f"{g.shape} {g.dtype} vs {r.shape} {r.dtype}"
-                    continue
-                diff = mx.sum(g != r).item()
-                errs[f"{side}_{key}_mismatch"] = int(diff)
-                ok = ok and diff == 0
-        record_check(name, ok, **errs)
+        ok_k, errs_k = compare_records(refs[0], gots[0], "k_")
+        ok_v, errs_v = compare_records(refs[1], gots[1], "v_")
+        record_check(name, ok_k and ok_v, **errs_k, **errs_v)
 
     check_guard(name, run)
 

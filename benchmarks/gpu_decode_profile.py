@@ -189,7 +189,6 @@ def launcher(
         p_residual,
         pipeline,
         value_fold,
-        fuse=fuse,
         out_dtype=out_dtype,
     )
     base = launch.spec

@@ -59,7 +59,7 @@ def test_variants_compile(profile, tmp_path):
         infos = [ArgInfo("float16", 4, 1 << 20)]
         infos += [ArgInfo(*a) for a in (("uint32", 4, 1 << 20), *[("float16", 4, 1 << 20)] * 2)] * 2
         tmpl = dk.mma_template(
-            128, k, k, 4, 4, 4, 1, None, mx.float16, False, True, True, True, mx.float16
+            128, k, k, 4, 4, 4, 1, None, mx.float16, False, True, True, mx.float16
         )
         for i, name in enumerate(texts):
             spec = dataclasses.replace(dk.mma_spec(4, 3), name=f"v{i}", source="variant:" + name)

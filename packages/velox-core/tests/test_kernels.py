@@ -388,8 +388,7 @@ def _mma_variants():
             plo,
             dk.mma_pipeline(),
             dk.mma_value_fold(),
-            merged is not None,
-            merged and getattr(mx, merged),
+            getattr(mx, merged) if merged else None,
         )
         infos = [ArgInfo(*qd), *[ArgInfo(*a) for a in (U32, H16, H16)] * 2]
         spec = dk.mma_spec(nw, dk.mma_sm_blocks(nw))
@@ -961,7 +960,6 @@ def mma_emulated(tmp_path_factory):
                 pres,
                 pipe,
                 fold,
-                True,
                 out_dt,
                 FUSE_CHUNK.get(name, 0),
             )

@@ -87,7 +87,8 @@ class Uniform(Codec):
             self.axis == "token"
             and type(self) is Uniform
             and type(value_codec) is Uniform
-            and value_codec.config() == self.config()
+            and (value_codec.bits, value_codec.group, value_codec.axis, value_codec.clip)
+            == (self.bits, self.group, self.axis, self.clip)
             and use_kernels()
         ):
             pair = _ke.affine_encode_pair(keys, values, self.bits, self.group, self.clip)

@@ -607,7 +607,6 @@ def mma_template(
     p_residual: bool = True,
     pipeline: bool = False,
     value_fold: bool = False,
-    fuse: bool = False,
     out_dtype: mx.Dtype | None = None,
     fuse_chunk: int = 0,
 ) -> list[tuple[str, int | mx.Dtype]]:
@@ -618,9 +617,9 @@ def mma_template(
     consuming this one (``PIPE`` 1; it needs at least 3 ring stages and the registers the
     residual would take, so only with ``p_residual`` off). ``value_fold``: fold the value scales
     and zeros into the weights (``VFOLD`` 1, where :func:`mma_fold_ok`): the value codes go into
-    the MMA as they are stored, one instruction per pair instead of three. ``fuse``: the last
-    threadgroup of each (batch, head) merges the splits into an ``out_dtype`` output (``FUSE``
-    1, ``OT``; the launch must zero its output: ``init_value=0``); ``fuse_chunk`` (tests):
+    the MMA as they are stored, one instruction per pair instead of three. ``out_dtype`` given:
+    the last threadgroup of each (batch, head) merges the splits into an output of that dtype
+    (``FUSE`` 1, ``OT``; the launch must zero its output: ``init_value=0``); ``fuse_chunk`` (tests):
     that merge takes the splits' weights in chunks of at most this many (0: as many as fit in
     shared memory)."""
     return [
@@ -638,8 +637,8 @@ def mma_template(
         ("PLO", int(p_residual)),
         ("PIPE", int(pipeline and stages >= 3 and not p_residual)),
         ("VFOLD", int(value_fold and mma_fold_ok(values, dim, p_residual))),
-        ("FUSE", int(fuse)),
-        ("OT", out_dtype if fuse and out_dtype is not None else mx.float32),
+        ("FUSE", int(out_dtype is not None)),
+        ("OT", mx.float32 if out_dtype is None else out_dtype),
         ("FCHUNK", int(fuse_chunk)),
     ]
 
@@ -676,15 +675,14 @@ def mma_launch(
     p_residual: bool | None = None,
     pipeline: bool | None = None,
     value_fold: bool | None = None,
-    fuse: bool = False,
     out_dtype: mx.Dtype | None = None,
 ) -> MmaLaunch | None:
     """The tensor-core kernel's launch for a ``(B, H, M, D)`` query over ``keys`` / ``values``
-    from the settings (warps, steps of two tiles where two fit, ring stages, register cap,
-    splits; ``p_residual``, ``pipeline`` and ``value_fold`` default to theirs; ``fuse``: the
-    kernel merges its splits into an ``out_dtype`` output), or None where no ring fits in
-    shared memory. Everything but the split count is planned once per shape,
-    codes and settings (the environment's values are part of the key)."""
+    from the settings (warps, steps of up to four tiles as two ring stages hold them, ring
+    stages, register cap, splits; ``p_residual``, ``pipeline`` and ``value_fold`` default to
+    theirs; ``out_dtype`` given: the kernel merges its splits into an output of that dtype),
+    or None where no ring fits in shared memory. Everything but the split count is planned
+    once per shape, codes and settings (the environment's values are part of the key)."""
     b, h, m, dim = q_shape
     t = keys.codes.shape[2]
     env = os.environ
@@ -698,7 +696,6 @@ def mma_launch(
         p_residual,
         pipeline,
         value_fold,
-        fuse,
         out_dtype,
         tuple(env.get(n) for n in _MMA_SETTINGS),
     )
@@ -724,7 +721,6 @@ def _mma_plan(
     p_residual: bool | None,
     pipeline: bool | None,
     value_fold: bool | None,
-    fuse: bool,
     out_dtype: mx.Dtype | None,
     settings: tuple[str | None, ...],
 ) -> tuple[KernelSpec, tuple[tuple[str, int | mx.Dtype], ...], int, int] | None:
@@ -755,7 +751,6 @@ def _mma_plan(
         mma_p_residual() if p_residual is None else p_residual,
         mma_pipeline() if pipeline is None else pipeline,
         mma_value_fold() if value_fold is None else value_fold,
-        fuse,
         out_dtype,
     )
     return mma_spec(nwarps, sm_blocks), tuple(tmpl), nwarps, sm_blocks
@@ -843,9 +838,7 @@ def _decode_mma(
     ``out_dtype``: the kernel merges its splits itself and this returns the merged
     ``(o, m, l)`` (``o`` normalized, in ``out_dtype``)."""
     fuse = out_dtype is not None
-    launch = mma_launch(
-        q.shape, q.dtype, keys, values, splits, scale, fuse=fuse, out_dtype=out_dtype
-    )
+    launch = mma_launch(q.shape, q.dtype, keys, values, splits, scale, out_dtype=out_dtype)
     if launch is None:
         return None
     b, h, m, dim = q.shape
