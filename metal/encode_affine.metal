@@ -8,22 +8,37 @@
 // and code i of the row occupies bits [i*bits, (i+1)*bits) of the row's uint32 words.
 //
 // Template: BITS, HD (row length), GROUP (channels per group), CLIPB (float32 bits of clip),
-// ST (scale dtype), PAIR (1: two record sets of one shape and codec in one launch, a cache
-// update's keys and values). Inputs: x and y (rows, HD), contiguous, one float dtype; y is
-// read only with PAIR (the host passes x again without).
-// Outputs: codes (R, W) uint32, scale and zero (R, HD / GROUP) in ST (row-major; the host
-// gives them the input's leading shape), R = rows, or 2 rows with PAIR: x's rows, then y's.
+// ST (scale dtype). Input: x (rows, HD), contiguous, a float dtype. Outputs: codes (rows, W)
+// uint32, scale and zero (rows, HD / GROUP) in ST (row-major; the host gives them the input's
+// leading shape).
+// VX_ENCODE_PAIR (velox_core.kernels.encode.AFFINE_ENCODE_PAIR): two record sets of one shape
+// and codec in one launch (a cache update's keys and values): a second input y and outputs
+// codes_y, scale_y, zero_y; threads rows .. 2 rows - 1 encode y's rows.
 
 constexpr int W = (HD * BITS + 31) / 32;
 constexpr int NG = HD / GROUP;
-const int row = vx_global_x;
 const int rows = x_shape[0];
-if (row < (PAIR ? 2 * rows : rows)) {
-  const bool second = PAIR && row >= rows;
-  auto src = second ? y : x;
+const int gx = vx_global_x;
+#if defined(VX_ENCODE_PAIR)
+const bool second = gx >= rows;
+const int row = second ? gx - rows : gx;
+auto src = second ? y : x;
+auto codes_o = second ? codes_y : codes;
+auto scale_o = second ? scale_y : scale;
+auto zero_o = second ? zero_y : zero;
+const int nrows = 2 * rows;
+#else
+const int row = gx;
+auto src = x;
+auto codes_o = codes;
+auto scale_o = scale;
+auto zero_o = zero;
+const int nrows = rows;
+#endif
+if (gx < nrows) {
   const float clip = vx_bits_to_float((unsigned int)CLIPB);
   const float levels = (float)((1 << BITS) - 1);
-  const int64_t xb = (int64_t)(second ? row - rows : row) * HD;
+  const int64_t xb = (int64_t)row * HD;
   unsigned int words[W];
 #pragma unroll
   for (int w = 0; w < W; ++w) {
@@ -43,8 +58,8 @@ if (row < (PAIR ? 2 * rows : rows)) {
     hi = hi * clip;
     const ST sc = static_cast<ST>(vx_max((hi - lo) / levels, 1e-8f));
     const ST zr = static_cast<ST>(lo);
-    scale[(int64_t)row * NG + g] = sc;
-    zero[(int64_t)row * NG + g] = zr;
+    scale_o[(int64_t)row * NG + g] = sc;
+    zero_o[(int64_t)row * NG + g] = zr;
     const float sf = static_cast<float>(sc);
     const float zf = static_cast<float>(zr);
 #pragma unroll
@@ -63,6 +78,6 @@ if (row < (PAIR ? 2 * rows : rows)) {
   }
 #pragma unroll
   for (int w = 0; w < W; ++w) {
-    codes[(int64_t)row * W + w] = words[w];
+    codes_o[(int64_t)row * W + w] = words[w];
   }
 }

@@ -308,11 +308,10 @@ def _decode_variants():
         ins = [part, part, ArgInfo(odt, 4, 1 << 20), *a, *bb, rot]  # query in the model dtype
         out.append((dk.MERGE_FP16, ins, [odt, "float32", "float32"], tmpl))
     for dtype, st in (("float16", mx.float16), ("bfloat16", mx.bfloat16), ("float32", mx.float16)):
-        for pair in (0, 1):
-            tmpl = [("BITS", 3), ("HD", 128), ("GROUP", 32), ("CLIPB", ek.clip_bits(0.9))]
-            tmpl += [("ST", st), ("PAIR", pair)]
-            ins = [ArgInfo(dtype, 2, 1 << 20)] * 2
-            out.append((ek.AFFINE_ENCODE, ins, ["uint32", st, st], tmpl))
+        tmpl = [("BITS", 3), ("HD", 128), ("GROUP", 32), ("CLIPB", ek.clip_bits(0.9))]
+        tmpl += [("ST", st)]
+        for spec, n in ((ek.AFFINE_ENCODE, 1), (ek.AFFINE_ENCODE_PAIR, 2)):
+            out.append((spec, [ArgInfo(dtype, 2, 1 << 20)] * n, ["uint32", st, st] * n, tmpl))
     infos = [ArgInfo("float32", 2, 1 << 20), ArgInfo("float32", 1, 7)]
     out.append((ek.CODEBOOK_ENCODE, infos, ["uint32"], [("BITS", 3), ("HD", 128)]))
     return out
@@ -727,18 +726,17 @@ def encoders(tmp_path_factory):
         x = _encode_input(dtype)
         sdt = mx.bfloat16 if dtype == mx.bfloat16 else mx.float16
         outs = ["uint32", sdt, sdt]
-        for pair in (0, 1):
-            tmpl = [
-                ("BITS", bits),
-                ("HD", 128),
-                ("GROUP", group),
-                ("CLIPB", ek.clip_bits(clip)),
-                ("ST", sdt),
-                ("PAIR", pair),
-            ]
-            xs = [np_input(x.reshape(-1, 128))] * 2
+        tmpl = [
+            ("BITS", bits),
+            ("HD", 128),
+            ("GROUP", group),
+            ("CLIPB", ek.clip_bits(clip)),
+            ("ST", sdt),
+        ]
+        for pair, spec in ((0, ek.AFFINE_ENCODE), (1, ek.AFFINE_ENCODE_PAIR)):
+            xs = [np_input(x.reshape(-1, 128))] * (1 + pair)
             handles[(bits, group, dtype, clip, pair)] = emu.kernel(
-                ek.AFFINE_ENCODE, xs, outs, tmpl, sequential=True
+                spec, xs, outs * (1 + pair), tmpl, sequential=True
             )
     for bits in (2, 3, 4):
         bounds = np.asarray(lloyd_max_sphere(bits, 128).boundaries)
@@ -768,7 +766,7 @@ def test_affine_encode_kernel_is_bit_exact(encoders, bits, group, dtype, clip):
     xi = np_input(x.reshape(rows, 128))
     codes, scale, zero = emu.run(
         handles[(bits, group, dtype, clip, 0)],
-        [xi, xi],
+        [xi],
         [(rows, words), (rows, 128 // group), (rows, 128 // group)],
         (rows, 1, 1),
         (64, 1, 1),
@@ -779,22 +777,19 @@ def test_affine_encode_kernel_is_bit_exact(encoders, bits, group, dtype, clip):
     as_bits = (lambda a: np.asarray(a.view(mx.uint16))) if dtype == mx.bfloat16 else np.asarray
     assert np.array_equal(scale, as_bits(rs).reshape(rows, -1))
     assert np.array_equal(zero, as_bits(rz).reshape(rows, -1))
-    # PAIR = 1: a second record set (x's rows reversed) in the same launch, its rows after
-    # x's, each row encoded as on its own
+    # the pair kernel: a second record set (x's rows reversed) in the same launch, into its
+    # own outputs, each row encoded as on its own
     if isinstance(xi, tuple):  # bfloat16: (uint16 bits, "bfloat16")
         yi = (np.ascontiguousarray(xi[0][::-1]), xi[1])
     else:
         yi = np.ascontiguousarray(xi[::-1])
-    pc, ps, pz = emu.run(
-        handles[(bits, group, dtype, clip, 1)],
-        [xi, yi],
-        [(2 * rows, words), (2 * rows, 128 // group), (2 * rows, 128 // group)],
-        (2 * rows, 1, 1),
-        (64, 1, 1),
+    shapes = [(rows, words), (rows, 128 // group), (rows, 128 // group)]
+    pc, ps, pz, yc, ys, yz = emu.run(
+        handles[(bits, group, dtype, clip, 1)], [xi, yi], shapes * 2, (2 * rows, 1, 1), (64, 1, 1)
     )
-    assert np.array_equal(pc[:rows], codes) and np.array_equal(pc[rows:], codes[::-1])
-    assert np.array_equal(ps[:rows], scale) and np.array_equal(ps[rows:], scale[::-1])
-    assert np.array_equal(pz[:rows], zero) and np.array_equal(pz[rows:], zero[::-1])
+    assert np.array_equal(pc, codes) and np.array_equal(yc, codes[::-1])
+    assert np.array_equal(ps, scale) and np.array_equal(ys, scale[::-1])
+    assert np.array_equal(pz, zero) and np.array_equal(yz, zero[::-1])
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
@@ -836,7 +831,7 @@ def test_cache_on_an_emulated_gpu_matches_the_reference(monkeypatch, tmp_path):
     cache.update_and_fetch(k[:, :, 290:], v[:, :, 290:])
     got = cache.attend(q, 0.088)
     names = fake.names
-    assert names.count("velox_encode_affine") == 2  # keys and values in one launch, two flushes
+    assert names.count("velox_encode_affine_pair") == 2  # keys and values in one launch, 2 flushes
     assert names[-2:] == ["velox_decode_attention", "velox_decode_merge_fp16"]  # one softmax
     body, ref_body = cache.segments()[1], ref_cache.segments()[1]
     for name in ("codes", "scale", "zero"):

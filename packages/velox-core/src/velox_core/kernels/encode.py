@@ -24,6 +24,7 @@ from .build import KernelSpec
 
 __all__ = [
     "AFFINE_ENCODE",
+    "AFFINE_ENCODE_PAIR",
     "CODEBOOK_ENCODE",
     "affine_encode",
     "affine_encode_pair",
@@ -33,8 +34,17 @@ __all__ = [
 AFFINE_ENCODE = KernelSpec(
     name="velox_encode_affine",
     source="encode_affine.metal",
-    inputs=("x", "y"),  # y: the second record set of a pair (PAIR 1), else x again
+    inputs=("x",),
     outputs=("codes", "scale", "zero"),
+)
+# the same body for two record sets of one shape and codec (a cache update's keys and values):
+# one launch, each set in outputs of its own (no slices of a stacked output)
+AFFINE_ENCODE_PAIR = KernelSpec(
+    name="velox_encode_affine_pair",
+    source="encode_affine.metal",
+    inputs=("x", "y"),
+    outputs=("codes", "scale", "zero", "codes_y", "scale_y", "zero_y"),
+    defines=("VX_ENCODE_PAIR",),
 )
 CODEBOOK_ENCODE = KernelSpec(
     name="velox_encode_codebook",
@@ -78,8 +88,7 @@ def affine_encode_pair(
     out = _affine(x, y, bits, group, clip)
     if out is None:
         return None
-    codes, scale, zero = out  # (2, ...): x's rows, then y's
-    return (codes[0], scale[0], zero[0]), (codes[1], scale[1], zero[1])
+    return out[:3], out[3:]
 
 
 def _affine(x: mx.array, y: mx.array | None, bits: int, group: int, clip: float):
@@ -95,26 +104,26 @@ def _affine(x: mx.array, y: mx.array | None, bits: int, group: int, clip: float)
         return None
     words = -(-dim * bits // 32)
     sdt = scale_dtype(x.dtype)
-    x2 = x.reshape(rows, dim)
-    lead = lead if y is None else [2, *lead]
-    total = rows if y is None else 2 * rows
-    codes, scale, zero = AFFINE_ENCODE.kernel()(
-        inputs=[x2, x2 if y is None else y.reshape(rows, dim)],
+    inputs = [x.reshape(rows, dim)] if y is None else [x.reshape(rows, dim), y.reshape(rows, dim)]
+    total = rows * len(inputs)
+    # outputs in their final shapes (the kernel writes rows in order): no reshapes; a pair's
+    # second set in outputs of its own
+    shapes = [(*lead, words), (*lead, dim // group), (*lead, dim // group)] * len(inputs)
+    out = (AFFINE_ENCODE if y is None else AFFINE_ENCODE_PAIR).kernel()(
+        inputs=inputs,
         template=[
             ("BITS", bits),
             ("HD", dim),
             ("GROUP", group),
             ("CLIPB", clip_bits(clip)),
             ("ST", sdt),
-            ("PAIR", int(y is not None)),
         ],
         grid=(total, 1, 1),
         threadgroup=(min(THREADS, total), 1, 1),
-        # outputs in their final shapes (the kernel writes rows in order): no reshapes
-        output_shapes=[(*lead, words), (*lead, dim // group), (*lead, dim // group)],
-        output_dtypes=[mx.uint32, sdt, sdt],
+        output_shapes=shapes,
+        output_dtypes=[mx.uint32, sdt, sdt] * len(inputs),
     )
-    return codes, scale, zero
+    return tuple(out)
 
 
 def codebook_encode(y: mx.array, bounds: mx.array, bits: int) -> mx.array | None:
