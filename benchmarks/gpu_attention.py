@@ -204,15 +204,17 @@ def partial_errors(got, ref) -> dict:
     }
 
 
-def dense_partial(q, kc, kp, vc, vp, fp16: bool = False):
+def dense_partial(q, kc, kp, vc, vp, fp16: tuple[bool, bool] = (False, False)):
     """The reference partial from decoded float32 keys and values (plain MLX matmuls on the
-    CPU, so that no TF32 or reduced-precision GPU matmul enters the reference); with ``fp16``
-    the decoded keys and values are first rounded to float16, the precision of an fp16 cache
-    and of the tensor-core kernel's fragments."""
+    CPU, so that no TF32 or reduced-precision GPU matmul enters the reference); with
+    ``fp16`` (keys, values) a side's decoded values are first rounded to float16, the
+    precision of an fp16 cache and of the tensor-core kernel's decoded fragments (a side whose
+    scales the kernel folds is not decoded, so not rounded)."""
     with mx.stream(mx.cpu):
         k, v = kc.decode(kp), vc.decode(vp)
-        if fp16:
+        if fp16[0]:
             k = k.astype(mx.float16).astype(mx.float32)
+        if fp16[1]:
             v = v.astype(mx.float16).astype(mx.float32)
         s = q @ mx.swapaxes(k, -1, -2)
         m = mx.max(s, axis=-1, keepdims=True)
@@ -222,17 +224,21 @@ def dense_partial(q, kc, kp, vc, vp, fp16: bool = False):
     return out
 
 
-def takes_mma(codec_k, kp, codec_v, vp, m: int) -> bool:
-    """Whether this decode goes through the tensor-core kernel (CUDA, affine 2/4/8 bits...)."""
+def mma_plan(codec_k, kp, codec_v, vp, q) -> dict | None:
+    """The tensor-core kernel's template constants for this decode, or None where it does not
+    go through that kernel (CUDA, affine 2/4/8 bits...)."""
     from velox_core import Uniform
     from velox_core.kernels import backend
     from velox_core.kernels import decode as dk
 
     if backend() != "cuda" or not dk.mma_enabled() or not isinstance(codec_k, Uniform):
-        return False
+        return None
     sides = codec_k._kernel_sides(kp, codec_v, vp)
     dim = kp.data["codes"].shape[-1] * 32 // codec_k.bits
-    return sides is not None and dk.mma_supported(m, dim, *sides)
+    if sides is None or not dk.mma_supported(q.shape[2], dim, *sides):
+        return None
+    launch = dk.mma_launch(q.shape, q.dtype, *sides)
+    return None if launch is None else dict(launch.template)
 
 
 def decode_check(name, codec_k, codec_v, b, h, t, m, dtype=mx.float16, seed=0, tol=1e-3):
@@ -247,18 +253,22 @@ def decode_check(name, codec_k, codec_v, b, h, t, m, dtype=mx.float16, seed=0, t
             kp, vp = codec_k.encode(k), codec_v.encode(v)
             mx.eval(kp.data, vp.data)
         with kernels(True):
-            mma = takes_mma(codec_k, kp, codec_v, vp, m)
+            plan = mma_plan(codec_k, kp, codec_v, vp, q)
             got = codec_k.attend_partial(q, kp, codec_v, vp)
         if got is None:
             record_check(name, False, error="kernel declined (attend_partial returned None)")
             return
         mx.eval(got)
-        ref = dense_partial(q, codec_k, kp, codec_v, vp, fp16=mma)
+        mma = plan is not None
+        rounded = (mma and not plan["KFOLD"], mma and not plan["VFOLD"])
+        ref = dense_partial(q, codec_k, kp, codec_v, vp, fp16=rounded)
         errs = partial_errors(got, ref)
         errs["kernel"] = "tensor-core" if mma else "portable"
+        if mma:
+            errs["folds"] = f"keys {plan['KFOLD']} values {plan['VFOLD']}"
         errs["out_rel_vs_fp32"] = (
             partial_errors(got, dense_partial(q, codec_k, kp, codec_v, vp))["out_rel"]
-            if mma
+            if any(rounded)
             else errs["out_rel"]
         )
         nums = {
@@ -266,6 +276,75 @@ def decode_check(name, codec_k, codec_v, b, h, t, m, dtype=mx.float16, seed=0, t
         }
         ok = all(math.isfinite(v2) and v2 <= tol for v2 in nums.values())
         record_check(name, ok, **errs)
+
+    check_guard(name, run)
+
+
+SUBNORMAL_MMA = r"""
+  const int lane = threadIdx.x;
+  unsigned int a[4], b[2];
+  for (int i = 0; i < 4; ++i) a[i] = A[lane * 4 + i];
+  for (int i = 0; i < 2; ++i) b[i] = B[lane * 2 + i];
+  float d[4] = {0.f, 0.f, 0.f, 0.f};
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  for (int i = 0; i < 4; ++i) D[lane * 4 + i] = d[i];
+"""
+
+
+def subnormal_mma_check(name: str) -> None:
+    """The tensor-core kernel's folds put codes into fp16 MMAs as subnormals (code x 2^(o-24),
+    the masked bits alone): one m16n8k16 MMA of such an A (codes 0-15 at bit offsets 0-6)
+    with normal and with subnormal B operands, against float64 products."""
+
+    def run():
+        import numpy as np
+
+        kernel = mx.fast.cuda_kernel(
+            name="velox_check_subnormal_mma",
+            input_names=["A", "B"],
+            output_names=["D"],
+            source=SUBNORMAL_MMA,
+        )
+        rng = np.random.default_rng(0)
+        worst = 0.0
+        for trial in range(4):
+            bits = (rng.integers(0, 16, (16, 16)) << rng.integers(0, 7, (16, 16))).astype(np.uint16)
+            scale = 2.0**-20 if trial == 3 else 10.0 ** int(rng.integers(-3, 3))
+            bm = (rng.standard_normal((16, 8)) * scale).astype(np.float16)
+            # PTX fragment layouts: A (r, k) in lane 4 (r % 8) + (k % 8) // 2, register
+            # (r >= 8) + 2 (k >= 8), half k % 2; B (k, n) in lane 4 n + (k % 8) // 2, register
+            # (k >= 8); D (r, n) in lane 4 (r % 8) + n // 2, element 2 (r >= 8) + n % 2
+            af = np.zeros((32, 4), np.uint32)
+            bf = np.zeros((32, 2), np.uint32)
+            bb = bm.view(np.uint16)
+            for r in range(16):
+                for k in range(16):
+                    af[4 * (r % 8) + (k % 8) // 2, int(r >= 8) + 2 * int(k >= 8)] |= np.uint32(
+                        bits[r, k]
+                    ) << np.uint32(16 * (k % 2))
+            for k in range(16):
+                for n in range(8):
+                    bf[4 * n + (k % 8) // 2, int(k >= 8)] |= np.uint32(bb[k, n]) << np.uint32(
+                        16 * (k % 2)
+                    )
+            (d,) = kernel(
+                inputs=[mx.array(af.reshape(-1)), mx.array(bf.reshape(-1))],
+                output_shapes=[(128,)],
+                output_dtypes=[mx.float32],
+                grid=(32, 1, 1),
+                threadgroup=(32, 1, 1),
+            )
+            d = np.array(d).reshape(32, 4)
+            got = np.zeros((16, 8))
+            for lane in range(32):
+                for e in range(4):
+                    got[lane // 4 + 8 * (e >> 1), 2 * (lane % 4) + (e & 1)] = d[lane, e]
+            ref = bits.view(np.float16).astype(np.float64) @ bm.astype(np.float64)
+            worst = max(worst, float(np.abs(got - ref).max() / np.abs(ref).max()))
+        record_check(name, worst <= 1e-6, max_rel=worst)
 
     check_guard(name, run)
 
@@ -387,6 +466,10 @@ def section_checks(quick: bool) -> None:
 
     print("\n== a. kernels against the reference MLX path ==")
     t_big = 2000 if quick else 40_961
+    from velox_core.kernels import backend
+
+    if backend() == "cuda":
+        subnormal_mma_check("fp16 MMA takes subnormal codes exactly (folds)")
     for bits in (2, 4, 8):
         decode_check(
             f"uniform{bits} decode B1 H8 M4 T{t_big}",
@@ -423,6 +506,20 @@ def section_checks(quick: bool) -> None:
             4,
             seed=41,
         )
+    with env(VELOX_DECODE_KFOLD=0, VELOX_DECODE_VFOLD=0):  # both sides decoded per code
+        decode_check(
+            f"uniform2 decode B1 H8 M4 T{t_big} (keys and values unfolded)",
+            Uniform(2),
+            Uniform(2),
+            1,
+            8,
+            t_big,
+            4,
+            seed=42,
+        )
+    decode_check(  # 2-bit values in groups of 32 (four a token, folded through bytes)
+        "uniform2 decode g32 values, g128 keys", Uniform(2, 128), Uniform(2, 32), 1, 4, 3001, 4
+    )
     decode_check("uniform4 decode B2 H8 M8 T5000 (GQA 8)", Uniform(4), Uniform(4), 2, 8, 5000, 8)
     decode_check(
         "uniform4/2 decode M6 g32 (K4 V2 bits)", Uniform(4, 32), Uniform(2, 32), 1, 4, 3001, 6
@@ -733,16 +830,19 @@ def section_tuning(quick: bool) -> None:
     # the tensor-core kernel's settings: (warps, 16-token tiles per step, blocks (None: splits
     # sized to whole waves of the SMs), ring stages, threadgroups per SM of the register cap,
     # fp16 weights' residual, software pipeline, value scales folded into the weights, splits
-    # merged in the same launch; 0 / None: its default). Earlier sweeps (blocks 256-8192, caps
+    # merged in the same launch, key scales folded out of the score MMA; 0 / None: its
+    # default). Earlier sweeps (blocks 256-8192, caps
     # 0/3/4, stages 2): docs/data/*mma2*.json; 512 blocks against wave-sized splits: *mma3*.json;
     # one tile a step, the register cap lifted, no pipeline: *mma5-tuning.json
     variants = [
-        (4, 4, None, 0, None, 0, 1, 1, 1),  # the defaults: steps of up to four tiles
-        (4, 2, None, 0, None, 0, 1, 1, 1),  # at most two tiles a step
-        (4, 4, None, 0, None, 0, 1, 1, 0),  # the splits merged by a second launch
-        (4, 4, None, 0, 4, 0, 1, 1, 1),  # 16 warps per SM (128 registers)
-        (4, 4, None, 0, None, 0, 1, 0, 1),  # value scales not folded into the weights
-        (2, 4, None, 0, 6, 0, 1, 1, 1),  # 2 warps, 12 per SM: four-tile steps at 4 bits
+        (4, 4, None, 0, None, 0, 1, 1, 1, 1),  # the defaults: steps of up to four tiles
+        (4, 2, None, 0, None, 0, 1, 1, 1, 1),  # at most two tiles a step
+        (4, 4, None, 0, None, 0, 1, 1, 0, 1),  # the splits merged by a second launch
+        (4, 4, None, 0, 4, 0, 1, 1, 1, 1),  # 16 warps per SM (128 registers)
+        (4, 4, None, 0, None, 0, 1, 0, 1, 1),  # value scales not folded into the weights
+        (4, 4, None, 0, None, 0, 1, 1, 1, 0),  # key scales not folded out of the scores
+        (4, 4, None, 0, None, 0, 1, 0, 1, 0),  # neither (the fifth session's kernel)
+        (2, 4, None, 0, 6, 0, 1, 1, 1, 1),  # 2 warps, 12 per SM: four-tile steps at 4 bits
     ]
     batches = (1,) if quick else (OPTIONS.get("batches") or (1, 8))
     if quick:
@@ -754,7 +854,7 @@ def section_tuning(quick: bool) -> None:
             methods = make_methods(b, t, seed=99, bits_mlx=(), bits_uniform=(bits,), bits_tq=())
             name, _, call, nb = methods[1]
             timeit_split(call, 3, 3, 5)  # warm the GPU, so the first variant is not the slow one
-            for warps, sub, blocks, stages, smb, pres, pipe, fold, fuse in variants:
+            for warps, sub, blocks, stages, smb, pres, pipe, fold, fuse, kfold in variants:
                 extra = {"VELOX_DECODE_STAGES": stages} if stages else {}
                 if smb is not None:
                     extra["VELOX_DECODE_MMA_SM_BLOCKS"] = smb
@@ -770,6 +870,7 @@ def section_tuning(quick: bool) -> None:
                     "pipeline": pipe,
                     "value_fold": fold,
                     "fused_merge": fuse,
+                    "key_fold": kfold,
                 }
                 label = " ".join(f"{k}={v}" for k, v in setting.items())
                 row = {"method": name, "batch": b, "context": t, **setting}
@@ -780,6 +881,7 @@ def section_tuning(quick: bool) -> None:
                     VELOX_DECODE_PIPELINE=pipe,
                     VELOX_DECODE_VFOLD=fold,
                     VELOX_DECODE_FUSE=fuse,
+                    VELOX_DECODE_KFOLD=kfold,
                     **extra,
                 ):
                     try:

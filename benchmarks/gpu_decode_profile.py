@@ -9,7 +9,8 @@ launch bounds and splits), then:
   by a text edit of the source: no copies (computing on whatever shared memory holds), no
   key MMAs or no value MMAs (each replaced by a fold that keeps its inputs live), no value
   step at all, no exponentials, the copies alone; plus template settings (the weights'
-  residual, the software pipeline, the value scales folded into the weights). The edited
+  residual, the software pipeline, the value scales folded into the weights, the key scales
+  folded out of the score MMA). The edited
   kernels compute wrong results on purpose: only their time is of interest. An edit that
   no longer matches the source stops the run with the text it looked for.
 * **timers**: the shipped kernel with ``%globaltimer`` and ``clock64`` read at its start,
@@ -33,6 +34,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -72,6 +74,14 @@ def edit(src: str, old: str, new: str) -> str:
     return src.replace(old, new, 1)
 
 
+def edit_all(src: str, pattern: str, repl: str, count: int) -> str:
+    """Every match of the regular expression ``pattern`` replaced; exactly ``count`` expected."""
+    out, n = re.subn(pattern, repl, src)
+    if n != count:
+        raise SystemExit(f"the kernel source changed: {n} matches of {pattern!r}, not {count}")
+    return out
+
+
 def between(src: str, start: str, end: str, new: str) -> str:
     if start not in src or end not in src:
         raise SystemExit(f"the kernel source changed: markers not found: {start!r} {end!r}")
@@ -88,24 +98,20 @@ def make_variants(src: str) -> dict[str, str]:
         "  if (tile >= 0 || stage >= 0) {\n    return;\n  }\n",
     )
     v["no copies"] = edit(s, "    vx_mbar_wait(my_bar + k", "    if (0) vx_mbar_wait(my_bar + k")
-    key_mma = (
-        "        vx_mma16816(sc[u][kk & 1], af[0], af[1], af[2], af[3], qa[kk][0], qa[kk][2]);"
-    )
-    v["no key MMAs"] = edit(
-        src, key_mma, "        sc[u][kk & 1][0] += __uint_as_float(af[0] ^ af[1] ^ af[2] ^ af[3]);"
+    # every score MMA (one chain per group with the key fold, two chains without)
+    v["no key MMAs"] = edit_all(
+        src,
+        r"vx_mma16816\((sc\[u\]\[[^\]]+\]), af\[0\], af\[1\], af\[2\], af\[3\], [^;]+\);",
+        r"\1[0] += __uint_as_float(af[0] ^ af[1] ^ af[2] ^ af[3]);",
+        5,
     )
     s = src
     for old in (
-        "        vx_mma16816(oacc[j], af[0], af[1], af[2], af[3], pf[u][gi][0], pf[u][gi][1]);",
+        "        vx_mma16816(oacc[j], af[0], af[1], af[2], af[3], pf[u][0], pf[u][1]);",
         "        vx_mma16816(oacc[j], af[0], af[1], af[2], af[3], pb[u][0][0], pb[u][0][1]);",
         "        vx_mma16816(oacc[j], af[0], af[1], af[2], af[3], pb[u][1][0], pb[u][1][1]);",
     ):
         s = edit(s, old, "        oacc[j][0] += __uint_as_float(af[0] ^ af[1] ^ af[2] ^ af[3]);")
-    for old in (
-        "      vx_mma16816(facc[c], ones, ones, ones, ones, zf[u][c][0], zf[u][c][1]);",
-        "      vx_mma16816(facc[c], m_even, m_odd, m_even, m_odd, pf[u][c][0], pf[u][c][1]);",
-    ):
-        s = edit(s, old, "      facc[c][0] += __uint_as_float(pf[u][c][0] ^ zf[u][c][1]);")
     v["no value MMAs"] = s
     consume = "  oacc[0][0] += __uint_as_float(pb[0][0][0] ^ pb[0][0][1] ^ st[O_VC + lane]);\n"
     v["no value step"] = between(
@@ -170,7 +176,15 @@ def timeit(fn, warmup: int = 3, reps: int = 7, inner: int = 20) -> float:
 
 
 def launcher(
-    variant: str, q, keys, values, p_residual=None, pipeline=None, value_fold=None, fuse=True
+    variant: str,
+    q,
+    keys,
+    values,
+    p_residual=None,
+    pipeline=None,
+    value_fold=None,
+    fuse=True,
+    key_fold=None,
 ):
     """A call of the tensor-core kernel (source ``variant``) as the library launches it: by
     default merging its own splits into a ``q.dtype`` output (``FUSE`` 1, one zeroed output,
@@ -190,6 +204,7 @@ def launcher(
         pipeline,
         value_fold,
         out_dtype=out_dtype,
+        key_fold=key_fold,
     )
     base = launch.spec
     tag = f"{abs(hash(variant)) % 10**8}"
@@ -218,6 +233,7 @@ def launcher(
         p_residual=t["PLO"],
         pipeline=t["PIPE"],
         value_fold=t["VFOLD"],
+        key_fold=t["KFOLD"],
         fuse=t["FUSE"],
     )
     return call, {**info, "layout": layout}
@@ -246,7 +262,7 @@ def section_variants(b: int, t: int, bits: int, rows: list) -> None:
     print(f"  B{b} T{t} fp16 sdpa {fp16:.3f} ms", flush=True)
     runs = [(name, {}) for name in _VARIANTS if name != "timed"]
     runs += [("shipped", dict(p_residual=True)), ("shipped", dict(pipeline=False))]
-    runs += [("shipped", dict(value_fold=False))]
+    runs += [("shipped", dict(value_fold=False)), ("shipped", dict(key_fold=False))]
     for name, kw in runs:
         call, info = launcher(name, qg, keys, values, **kw)
         info.pop("layout")

@@ -28,6 +28,13 @@
 //           2^-22 (QLO = 1). The head dim is permuted consistently in Q and K (a pair of halves
 //           holds channels j and j + 16/bits of one code word), which leaves every dot product
 //           unchanged. Lane (g, t) ends with tokens g, 8 + g of query rows 2t, 2t + 1.
+//           KFOLD = 1 folds the key scales and zeros out of the MMA instead: lane t takes words
+//           t, 4 + t, ... of a token's row, so each k-step's 16 channels lie in one scale
+//           group, and per group q.k = s (q.c) + z sum(q). The codes go in masked in place (one
+//           LOP3 a pair: the fp16 subnormals c 2^(o - 24)), the query's channels times 2^-o,
+//           one accumulator chain per group (at most two), and after the MMAs each score is
+//           2^24 (s0 acc0 + s1 acc1) + z0 Q0 + z1 Q1 in float32 (Q: the query's sum over the
+//           group). The keys are then not rounded to fp16 (closer to the float32 reference).
 //   softmax online per query row (log2 domain): p = exp2(s - m) against a running max m that
 //           is raised lazily (the accumulators are rescaled only when a score exceeds m by
 //           more than RESCALE, found with one vote and no reduction), so the partial's m is at
@@ -48,14 +55,17 @@
 //           [g HD/8, (g+1) HD/8) (VFOLD: words g, 8 + g, ...); m-tile j takes its
 //           channels 2j (row g) and 2j + 1 (row g + 8).
 //           VFOLD = 1 folds each value group's scale and zero into the weights instead of
-//           decoding every code: the codes go into the MMA as 2^(10 - o) + code (one LOP3 a
-//           pair), the B fragment is P s (the weights times the tokens' scales, per group),
-//           and two more MMAs per group and step add ones x P z (the zeros) and take
-//           2^(10 - o) x P s back out, into per-group accumulators added at the end. The
-//           running max is then exact (RESCALE = 0: p <= 1, so P s and P z stay in fp16).
+//           decoding every code: per group V^T P^T = C^T (P s) + 1 (P z). The codes go into the
+//           MMA masked in place (one LOP3 a pair: the fp16 subnormals c 2^(o - 24)), the B
+//           fragment is P s (the weights times the tokens' scales, per group), the float32
+//           sums of p z per row and group are kept beside it, and at the end each channel's sum
+//           is multiplied by 2^(24 - o) and its group's p z added. For this each m-tile's 16
+//           channels must lie in one group: lane g takes words g, 8 + g, ... of a token's row
+//           (4 and 8 bits), or bytes g, 8 + g, ... (2 bits: a word holds 16 channels). The
+//           running max is then exact (RESCALE = 0: p <= 1, so P s stays in fp16 range).
 //   codes   are decoded without shifts where they sit in the low byte of a 16-bit half
 //           (vx_dequant_at: the code OR-ed into the mantissa of 2^(10 - bit offset)), so a
-//           pair of decoded halves costs three instructions (VFOLD values: one).
+//           pair of decoded halves costs three instructions (KFOLD keys, VFOLD values: one).
 // Partials as decode_attention.metal's: o_part (B, H, S, MROWS, HD) = sum_t 2^(s_t - m) v_t,
 // ml_part (B, H, S, MROWS, 2) = (m, l) in log2 units; the host merges the splits (FUSE = 0) or
 // the last threadgroup of each (batch, head) does (FUSE = 1: out, mlo and count, see the end).
@@ -71,8 +81,9 @@
 // to fp16, one MMA, as flash attention does: about 2^-11 relative per weight),
 // NSUB (16-token MMA tiles per loop step: more independent work between the softmax steps),
 // PIPE (1: score one step ahead; needs NSTAGE >= 3, and the host sets it only with PLO = 0),
-// VFOLD (1: value scales and zeros folded into the weights: 4 or 8 bits, one or two groups of
-// 8 whole words, PLO = 0), FUSE (1: the split merge at the end of this launch), OT (the merged
+// KFOLD (1: key scales and zeros folded out of the score MMA: groups of 4 whole words, one or
+// two per token), VFOLD (1: value scales and zeros folded into the weights: groups of 8 whole
+// words, or of 32 channels at 2 bits, at most four per token, PLO = 0), FUSE (1: the split merge at the end of this launch), OT (the merged
 // output's type, FUSE = 1), FCHUNK (0, or the most splits whose weights the merge at the end
 // holds at once, fewer than fit: a test of its chunks).
 // The host (velox_core.kernels.decode.mma_supported) checks the layout: HD / 4 channels of
@@ -93,19 +104,20 @@ constexpr int KNG = KCL > KGROUP ? KCL / KGROUP : 1;  // key groups a lane's cha
 constexpr int VNG = VCL > VGROUP ? VCL / VGROUP : 1;  // value groups a lane's channels meet
 constexpr int NT = NWARPS * 32;
 constexpr float NEG = -1.0e30f;
-// VFOLD (value scales folded into the weights, 4 and 8 bits): the lane's value words are
-// interleaved (lane g holds words g, 8 + g, 16 + g, ... of a token's row), so each m-tile's 16
-// channels lie in one scale group, and V^T P^T = C^T (P s) + 1 (P z) per group: the codes go
-// into the MMA as 2^(10 - o) + code (one LOP3 per pair, no HADD2 or HFMA2), the weights times
-// the tokens' scales as its B fragment; a second pair of MMAs per group and step adds the
-// zeros (ones x P z) and takes the powers of two back out (-2^(10 - o) x P s) into per-group
-// accumulators, added to the channels' sums at the end. Every m-tile's rows g and g + 8 hold
-// codes at bit offsets 0 and VBITS & 7 (channels 2j and 2j + 1 of a word). 2^(10 - o) is at
-// most 8 times the mean 8-bit code and 137 times the mean 4-bit one, so the float32 sums of
-// the uncorrected products keep at least 17 bits (4e-4 relative measured on an H200); at 2
-// bits it would be 680 times (1.5e-3 measured), and the fold saves no instructions there.
-static_assert(!VFOLD || (VBITS != 2 && VGROUP % (8 * VCW) == 0 && HD / VGROUP <= 2 && !PLO),
-              "VFOLD needs 4 or 8 bits, one or two groups of 8 whole words, P rounded to fp16");
+// KFOLD: lane t's key words are t, 4 + t, 8 + t, ... of a token's row (word w of the lane is
+// row word 4 w + t), so the four lanes of a k-step read four adjacent words, which lie in one
+// group when a group holds 4 whole words. KCH accumulator chains per sub-tile: one per group
+// (KG = 2), else two (k-steps even / odd, or the query's hi and lo parts) as without the fold.
+static_assert(!KFOLD || (KGROUP % (4 * KCW) == 0 && HD / KGROUP <= 2),
+              "KFOLD needs groups of 4 whole key words, at most two per token");
+// VFOLD: the unit a lane takes of a value row's, interleaved 8 ways (lane g takes units g,
+// 8 + g, ...): whole words at 4 and 8 bits, bytes at 2 bits (a word holds 16 channels, so 8
+// words would span 128). Each m-tile's 16 channels (two per lane) then lie in 8 adjacent units.
+constexpr bool VBYTE = VFOLD && VBITS == 2;
+constexpr int VU = VBYTE ? 8 / VBITS : VCW;   // channels per interleaved unit
+constexpr int VLW = VBYTE ? VCL / VU : VWL;   // words a lane loads per token
+static_assert(!VFOLD || (VGROUP % (8 * VU) == 0 && HD / VGROUP <= 4 && !PLO),
+              "VFOLD needs groups of 8 whole units, at most four per token, P rounded to fp16");
 
 const int tid = vx_tid;
 const int lane = tid & 31;
@@ -132,10 +144,15 @@ const float qmul = vx_bits_to_float(static_cast<unsigned int>(QMUL));  // log2(e
 const float qin = QLO ? qmul : 1.0f;   // applied to q before the MMA
 const float sout = QLO ? 1.0f : qmul;  // applied to the scores after it
 unsigned int qa[KSTEPS][4];
+// KFOLD: the group of k-step kk (its lane word is 2 kk / KPW, row words 4 w .. 4 w + 3), the
+// query's sums per group for rows 2t and 2t + 1 (times the scores' factor: the zeros' term)
+auto kgroup = [](int kk) { return (4 * ((2 * kk) / KPW) * KCW) / KGROUP; };
+float qz[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
 {
   const bool qrow = g < MROWS;
   const int64_t qb = (int64_t)b * q_strides[0] + (int64_t)h * q_strides[1] +
                      (int64_t)(qrow ? g : 0) * q_strides[2];
+  float qsum[2] = {0.0f, 0.0f};  // KFOLD: this lane's channels of row g, per group
 #pragma unroll
   for (int kk = 0; kk < KSTEPS; ++kk) {
 #pragma unroll
@@ -143,17 +160,33 @@ unsigned int qa[KSTEPS][4];
       const int p = 2 * kk + u;  // the lane's fp16 pair of this k-step (u = 1: k + 8)
       const int wl = p / KPW;
       const int jj = p - wl * KPW;
-      const int c0 = t * KCL + wl * KCW + jj;  // channel of the low half
-      const int c1 = c0 + KPW;                 // channel of the high half
+      // channel of the low half (the high half's is KPW more)
+      const int c0 = (KFOLD ? (4 * wl + t) * KCW : t * KCL + wl * KCW) + jj;
+      const int c1 = c0 + KPW;
+      // KFOLD: the codes enter as c 2^(o - 24) at bit offset o of their byte
+      const float sub = KFOLD ? 1.0f / static_cast<float>(1 << ((jj * KBITS) & 7)) : 1.0f;
       const float x0 = qrow ? static_cast<float>(q[qb + (int64_t)c0 * q_strides[3]]) * qin : 0.0f;
       const float x1 = qrow ? static_cast<float>(q[qb + (int64_t)c1 * q_strides[3]]) * qin : 0.0f;
-      const __half2 hi = __floats2half2_rn(x0, x1);
+      const __half2 hi = __floats2half2_rn(x0 * sub, x1 * sub);
       const float2 hf = __half22float2(hi);
       qa[kk][2 * u] = vx_h2u(hi);
-      qa[kk][2 * u + 1] = QLO ? vx_pack_h2(x0 - hf.x, x1 - hf.y) : 0u;
+      qa[kk][2 * u + 1] = QLO ? vx_pack_h2(x0 * sub - hf.x, x1 * sub - hf.y) : 0u;
+      if (KFOLD) {
+        qsum[kgroup(kk)] += x0 + x1;
+      }
+    }
+  }
+  if (KFOLD) {  // rows' sums over the 4 lanes of g, then rows 2t, 2t + 1 from lanes 8t, 8t + 4
+#pragma unroll
+    for (int gr = 0; gr < 2; ++gr) {
+      qsum[gr] += vx_shfl_xor(qsum[gr], 1);
+      qsum[gr] += vx_shfl_xor(qsum[gr], 2);
+      qz[gr][0] = sout * __shfl_sync(0xffffffffu, qsum[gr], 8 * t);
+      qz[gr][1] = sout * __shfl_sync(0xffffffffu, qsum[gr], 8 * t + 4);
     }
   }
 }
+const float kmul = sout * 16777216.0f;  // KFOLD: 2^24 (the codes' subnormal unit) x the factor
 
 // ---- each warp's ring of NSTAGE tiles in shared memory, filled with cp.async ------------------
 // A stage holds one 16-token tile as stored: key words, value words, then the key and value
@@ -370,16 +403,16 @@ for (int j = 0; j < NTM; ++j) {
 // accumulators are rescaled only when a score exceeds it by more than RESCALE (weights up to
 // 2^RESCALE are exact in float32 sums and fp16 hi/lo fragments), which after the first tiles
 // almost never happens.
-constexpr float RESCALE = VFOLD ? 0.0f : 8.0f;  // VFOLD: p <= 1, so p s and p z stay in fp16 range
-constexpr int VCLS = VFOLD ? VG : 1;  // per-group correction accumulators
-float facc[VCLS][4];  // VFOLD: per group, ones x P z - 2^(10 - o) x P s
+constexpr float RESCALE = VFOLD ? 0.0f : 8.0f;  // VFOLD: p <= 1, so p s stays in fp16 range
+constexpr int VZG = VFOLD ? VG : 1;
+float zacc[VZG][2];  // VFOLD: this lane's sums of p z per group, rows 2t and 2t + 1
 #pragma unroll
-for (int c = 0; c < VCLS; ++c) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    facc[c][i] = 0.0f;
-  }
+for (int c = 0; c < VZG; ++c) {
+  zacc[c][0] = 0.0f;
+  zacc[c][1] = 0.0f;
 }
+// VFOLD: the group of value m-tile j (its lane unit 2 j / VU: row units 8 (2j / VU) + 0..7)
+auto vgroup = [](int j) { return ((2 * j) / VU) * 8 * VU / VGROUP; };
 // query rows 2t and 2t + 1 (the columns of this lane's scores and accumulators): their running
 // maxima (the same in the 8 lanes of t) and this lane's shares of their sums
 float mrow[2] = {NEG, NEG};
@@ -404,11 +437,11 @@ auto score_step = [&](const unsigned int* st, float (&sc)[NSUB][2][4]) {
       const int tr = SUB * u + 8 * n + g;
 #pragma unroll
       for (int w = 0; w < KWL; ++w) {
-        kw[n][w] = st[O_KC + tr * KWT + t * KWL + w];
+        kw[n][w] = st[O_KC + tr * KWT + (KFOLD ? 4 * w + t : t * KWL + w)];
         kw8[n][w] = kw[n][w] >> 8;
       }
 #pragma unroll
-      for (int lg = 0; lg < KNG; ++lg) {
+      for (int lg = 0; lg < (KFOLD ? 0 : KNG); ++lg) {
         s2[n][lg] = __half2half2(sks[tr * KG + kg0 + lg]);
         z2[n][lg] = __half2half2(skz[tr * KG + kg0 + lg]);
       }
@@ -432,11 +465,17 @@ auto score_step = [&](const unsigned int* st, float (&sc)[NSUB][2][4]) {
           const int jj = p - wl * KPW;
           const int pos = jj * KBITS;  // bit offset of the pair's codes in each half
           const int lg = KCL > KGROUP ? (wl * KCW) / KGROUP : 0;
-          af[n + 2 * uu] =
-              vx_dequant_at(pos < 8 ? kw[n][wl] : kw8[n][wl], pos & 7, KBITS, s2[n][lg], z2[n][lg]);
+          const unsigned int x = pos < 8 ? kw[n][wl] : kw8[n][wl];
+          af[n + 2 * uu] = KFOLD ? vx_code_sub(x, pos & 7, KBITS)
+                                 : vx_dequant_at(x, pos & 7, KBITS, s2[n][lg], z2[n][lg]);
         }
       }
-      if (QLO) {
+      if (KFOLD && KG == 2) {  // one chain per group (QLO: hi and lo parts into the same)
+        vx_mma16816(sc[u][kgroup(kk)], af[0], af[1], af[2], af[3], qa[kk][0], qa[kk][2]);
+        if (QLO) {
+          vx_mma16816(sc[u][kgroup(kk)], af[0], af[1], af[2], af[3], qa[kk][1], qa[kk][3]);
+        }
+      } else if (QLO) {
         vx_mma16816(sc[u][0], af[0], af[1], af[2], af[3], qa[kk][0], qa[kk][2]);
         vx_mma16816(sc[u][1], af[0], af[1], af[2], af[3], qa[kk][1], qa[kk][3]);
       } else {
@@ -494,13 +533,36 @@ for (int k = 0; k < nmine; ++k) {
   }
 
   // this step's scores: per sub-tile, tokens g and 8 + g of query rows 2t and 2t + 1
+  // (KFOLD: 2^24 (s0 acc0 + s1 acc1) + z0 Q0 + z1 Q1 with the tokens' key scales and zeros)
   float s4[NSUB][4];
   bool v4[NSUB][4];
+  const __half* sks = reinterpret_cast<const __half*>(st + O_KS);
+  const __half* skz = reinterpret_cast<const __half*>(st + O_KZ);
 #pragma unroll
   for (int u = 0; u < NSUB; ++u) {
+    float ks[2][2], kz[2][2];  // KFOLD: tokens g, 8 + g; groups
+#pragma unroll
+    for (int n = 0; n < (KFOLD ? 2 : 0); ++n) {
+#pragma unroll
+      for (int gr = 0; gr < KG; ++gr) {
+        ks[n][gr] = __half2float(sks[(SUB * u + 8 * n + g) * KG + gr]) * kmul;
+        kz[n][gr] = __half2float(skz[(SUB * u + 8 * n + g) * KG + gr]);
+      }
+    }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      s4[u][i] = QLO ? sc[u][0][i] + sc[u][1][i] : (sc[u][0][i] + sc[u][1][i]) * sout;
+      if (KFOLD) {
+        const int n = i >> 1;
+        float a = KG == 2 ? ks[n][0] * sc[u][0][i] + ks[n][1] * sc[u][1][i]
+                          : ks[n][0] * (sc[u][0][i] + sc[u][1][i]);
+#pragma unroll
+        for (int gr = 0; gr < KG; ++gr) {
+          a += kz[n][gr] * qz[gr][i & 1];
+        }
+        s4[u][i] = a;
+      } else {
+        s4[u][i] = QLO ? sc[u][0][i] + sc[u][1][i] : (sc[u][0][i] + sc[u][1][i]) * sout;
+      }
       v4[u][i] = base + SUB * u + 8 * (i >> 1) + g < t1;
     }
   }
@@ -546,11 +608,9 @@ for (int k = 0; k < nmine; ++k) {
       oacc[j][3] *= alpha[1];
     }
 #pragma unroll
-    for (int c = 0; c < (VFOLD ? VCLS : 0); ++c) {
-      facc[c][0] *= alpha[0];
-      facc[c][1] *= alpha[1];
-      facc[c][2] *= alpha[0];
-      facc[c][3] *= alpha[1];
+    for (int c = 0; c < (VFOLD ? VZG : 0); ++c) {
+      zacc[c][0] *= alpha[0];
+      zacc[c][1] *= alpha[1];
     }
   }
   // P^T as B fragments (tokens 2t, 2t + 1 and 2t + 8, 2t + 9 of row g): the weights are held
@@ -566,6 +626,15 @@ for (int k = 0; k < nmine; ++k) {
       lrow[i & 1] += p4[i];
     }
 #pragma unroll
+    for (int gi = 0; gi < (VFOLD ? VG : 0); ++gi) {  // p z of tokens g, 8 + g (float32)
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        const float zv = __half2float(svz[(SUB * u + 8 * n + g) * VG + gi]);
+        zacc[gi][0] += p4[2 * n] * zv;
+        zacc[gi][1] += p4[2 * n + 1] * zv;
+      }
+    }
+#pragma unroll
     for (int n = 0; n < 2; ++n) {
       const __half2 hi = __floats2half2_rn(p4[2 * n], p4[2 * n + 1]);
       const float2 hf = __half22float2(hi);
@@ -575,48 +644,45 @@ for (int k = 0; k < nmine; ++k) {
   }
 
   // values: the lane's words of tokens 2t, 2t + 1, 2t + 8, 2t + 9 and their scales as pairs
-  unsigned int vw[NSUB][4][VWL];
+  // (VFOLD: the words of its interleaved units; at 2 bits word w holds the lane's byte w)
+  unsigned int vw[NSUB][4][VLW];
   __half2 vs2[NSUB][2][VNG], vz2[NSUB][2][VNG];
-  unsigned int pf[NSUB][VCLS][2], zf[NSUB][VCLS][2];  // VFOLD: P s and P z per group
+  const unsigned int bsel = VBYTE ? (g & 3) * 0x0011u + (4 + (g & 3)) * 0x1100u : 0u;
 #pragma unroll
   for (int u = 0; u < NSUB; ++u) {
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
       const int tr = SUB * u + 2 * t + (n & 1) + 8 * (n >> 1);
 #pragma unroll
-      for (int w = 0; w < VWL; ++w) {
-        vw[u][n][w] = st[O_VC + tr * VWT + (VFOLD ? w * 8 + g : g * VWL + w)];
+      for (int w = 0; w < VLW; ++w) {
+        vw[u][n][w] = st[O_VC + tr * VWT + (VBYTE ? 2 * w + (g >> 2) : VFOLD ? w * 8 + g : g * VWL + w)];
       }
     }
 #pragma unroll
-    for (int n = 0; n < 2; ++n) {
+    for (int n = 0; n < (VFOLD ? 0 : 2); ++n) {
       const int tr = SUB * u + 2 * t + 8 * n;
-      if (VFOLD) {  // tokens tr, tr + 1 of every group: P s and P z as B fragments
 #pragma unroll
-        for (int gi = 0; gi < VCLS; ++gi) {
-          __half2 s2, z2;
-          if (VG == 1) {  // the two tokens' halves are adjacent (tr is even)
-            s2 = vx_u2h(st[O_VS + tr / 2]);
-            z2 = vx_u2h(st[O_VZ + tr / 2]);
-          } else {  // two groups: one word per token, group gi in its half gi
-            const unsigned int sel = gi ? 0x7632u : 0x5410u;
-            s2 = vx_u2h(__byte_perm(st[O_VS + tr], st[O_VS + tr + 1], sel));
-            z2 = vx_u2h(__byte_perm(st[O_VZ + tr], st[O_VZ + tr + 1], sel));
-          }
-          pf[u][gi][n] = vx_h2u(__hmul2(vx_u2h(pb[u][0][n]), s2));
-          zf[u][gi][n] = vx_h2u(__hmul2(vx_u2h(pb[u][0][n]), z2));
-        }
-      } else {
-#pragma unroll
-        for (int lg = 0; lg < VNG; ++lg) {
-          vs2[u][n][lg] = __halves2half2(svs[tr * VG + vg0 + lg], svs[(tr + 1) * VG + vg0 + lg]);
-          vz2[u][n][lg] = __halves2half2(svz[tr * VG + vg0 + lg], svz[(tr + 1) * VG + vg0 + lg]);
-        }
+      for (int lg = 0; lg < VNG; ++lg) {
+        vs2[u][n][lg] = __halves2half2(svs[tr * VG + vg0 + lg], svs[(tr + 1) * VG + vg0 + lg]);
+        vz2[u][n][lg] = __halves2half2(svz[tr * VG + vg0 + lg], svz[(tr + 1) * VG + vg0 + lg]);
       }
     }
   }
+  unsigned int pf[NSUB][2];  // VFOLD: P s of the current m-tile's group, tokens (2t, 2t + 1), (+8)
 #pragma unroll
   for (int j = 0; j < NTM; ++j) {
+    if (VFOLD && (j == 0 || vgroup(j) != vgroup(j - 1))) {  // a new group: P s as B fragments
+      const int gi = vgroup(j);
+#pragma unroll
+      for (int u = 0; u < NSUB; ++u) {
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          const int tr = SUB * u + 2 * t + 8 * n;
+          const __half2 s2 = __halves2half2(svs[tr * VG + gi], svs[(tr + 1) * VG + gi]);
+          pf[u][n] = vx_h2u(__hmul2(vx_u2h(pb[u][0][n]), s2));
+        }
+      }
+    }
 #pragma unroll
     for (int u = 0; u < NSUB; ++u) {
       unsigned int af[4];  // A fragment of V^T: (channel 2j | 2j + 1) x (token pair 0 | 1)
@@ -624,36 +690,28 @@ for (int k = 0; k < nmine; ++k) {
       for (int e = 0; e < 4; ++e) {
         const int ch = 2 * j + (e & 1);  // the lane's channel (row g or g + 8 of the m-tile)
         const int n = e >> 1;            // token pair (2t, 2t + 1) or (2t + 8, 2t + 9)
+        if (VBYTE) {  // the lane's byte ch / 4 of both tokens, in the low bytes of the halves
+          const unsigned int y = __byte_perm(vw[u][2 * n][ch / 4], vw[u][2 * n + 1][ch / 4], bsel);
+          af[e] = vx_code_sub(y, (ch & 3) * 2, 2);
+          continue;
+        }
         const int wl = ch / VCW;
         const int bit = (ch - wl * VCW) * VBITS;
         const int bi = bit >> 3;
         const int sel = bi | (bi << 4) | ((4 + bi) << 8) | ((4 + bi) << 12);
         const int lg = VCL > VGROUP ? ch / VGROUP : 0;
         const unsigned int y = __byte_perm(vw[u][2 * n][wl], vw[u][2 * n + 1][wl], sel);
-        af[e] = VFOLD ? vx_code_at(y, bit & 7, VBITS)
+        af[e] = VFOLD ? vx_code_sub(y, bit & 7, VBITS)
                       : vx_dequant_at(y, bit & 7, VBITS, vs2[u][n][lg], vz2[u][n][lg]);
       }
       if (VFOLD) {
-        const int gi = ((2 * j / VCW) * 8 * VCW) / VGROUP;  // the m-tile's group
-        vx_mma16816(oacc[j], af[0], af[1], af[2], af[3], pf[u][gi][0], pf[u][gi][1]);
+        vx_mma16816(oacc[j], af[0], af[1], af[2], af[3], pf[u][0], pf[u][1]);
       } else {
         vx_mma16816(oacc[j], af[0], af[1], af[2], af[3], pb[u][0][0], pb[u][0][1]);
       }
       if (PLO) {
         vx_mma16816(oacc[j], af[0], af[1], af[2], af[3], pb[u][1][0], pb[u][1][1]);
       }
-    }
-  }
-#pragma unroll
-  for (int c = 0; c < (VFOLD ? VCLS : 0); ++c) {
-    // group c: ones x P z, and -2^(10 - o) x P s for rows g (bit offset 0) and g + 8
-    const unsigned int ones = 0x3c003c00u;
-    const unsigned int m_even = vx_code_bias_neg(0);
-    const unsigned int m_odd = vx_code_bias_neg(VBITS & 7);
-#pragma unroll
-    for (int u = 0; u < NSUB; ++u) {
-      vx_mma16816(facc[c], ones, ones, ones, ones, zf[u][c][0], zf[u][c][1]);
-      vx_mma16816(facc[c], m_even, m_odd, m_even, m_odd, pf[u][c][0], pf[u][c][1]);
     }
   }
   __syncwarp();  // every lane is done with this stage before it is refilled
@@ -666,19 +724,26 @@ for (int c = 0; c < 2; ++c) {
   lrow[c] += vx_shfl_xor(lrow[c], 4);
   lrow[c] += vx_shfl_xor(lrow[c], 8);
   lrow[c] += vx_shfl_xor(lrow[c], 16);
+#pragma unroll
+  for (int gi = 0; gi < (VFOLD ? VZG : 0); ++gi) {
+    zacc[gi][c] += vx_shfl_xor(zacc[gi][c], 4);
+    zacc[gi][c] += vx_shfl_xor(zacc[gi][c], 8);
+    zacc[gi][c] += vx_shfl_xor(zacc[gi][c], 16);
+  }
 }
 VX_BARRIER();  // every warp is done with its ring: it becomes the merge buffer
 float* red_o = reinterpret_cast<float*>(ring);
 #pragma unroll
 for (int j = 0; j < NTM; ++j) {
-  const int c = VFOLD ? ((2 * j / VCW) * 8 * VCW) / VGROUP : 0;  // the m-tile's group
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    // element i: the lane's channel 2j + (i >> 1) (VFOLD: in word (2j + (i >> 1)) / VCW of
-    // the lane's interleaved words) of query row 2t + (i & 1)
+    // element i: the lane's channel 2j + (i >> 1) (VFOLD: in unit (2j + (i >> 1)) / VU of
+    // the lane's interleaved units, at bit offset o of its byte) of query row 2t + (i & 1)
     const int lc = 2 * j + (i >> 1);
-    const int ch = VFOLD ? ((lc / VCW) * 8 + g) * VCW + lc % VCW : g * VCL + lc;
-    red_o[(warp * 8 + 2 * t + (i & 1)) * HD + ch] = VFOLD ? oacc[j][i] + facc[c][i] : oacc[j][i];
+    const int ch = VFOLD ? ((lc / VU) * 8 + g) * VU + lc % VU : g * VCL + lc;
+    const int o = ((lc % VU) * VBITS) & 7;
+    red_o[(warp * 8 + 2 * t + (i & 1)) * HD + ch] =
+        VFOLD ? oacc[j][i] * static_cast<float>(1 << (24 - o)) + zacc[vgroup(j)][i & 1] : oacc[j][i];
   }
 }
 if (g == 0) {

@@ -211,20 +211,14 @@ VX_FN unsigned int vx_dequant_at(unsigned int x, int o, int bits, __half2 s2, __
   return vx_h2u(__hfma2(c, s2, z2));
 }
 
-// The codes at bits [o, o + bits) and [16 + o, 16 + o + bits) of x as the halves
-// 2^(10 - o) + code, exactly (one LOP3): vx_dequant_at without its last two steps, for products
-// that fold the scale into the other operand and take the power of two (vx_code_bias) back
-// out of the sum.
-VX_FN unsigned int vx_code_at(unsigned int x, int o, int bits) {
-  const unsigned int m = (((1u << bits) - 1u) << o) * 0x00010001u;
-  const unsigned int magic = ((25u - static_cast<unsigned int>(o)) << 10) * 0x00010001u;
-  return vx_and_or(x, m, magic);
+// The codes at bits [o, o + bits) and [16 + o, 16 + o + bits) of x masked in place (one LOP3):
+// with o + bits <= 10 no exponent bit is set, so each half is the fp16 subnormal
+// code * 2^(o - 24), exactly, and fp16 MMAs take subnormal operands exactly (checked on an
+// H200: benchmarks/gpu_attention.py). A product with such codes carries the factor
+// 2^(o - 24), taken out by the other operand (the query's channels times 2^-o) or by the sum
+// (the value accumulators times 2^(24 - o)); no power of two is added, so nothing cancels.
+VX_FN unsigned int vx_code_sub(unsigned int x, int o, int bits) {
+  return x & ((((1u << bits) - 1u) << o) * 0x00010001u);
 }
-// the power of two vx_code_at adds at bit offset o, as both halves of an f16x2 register
-// (negated: the term that takes it back out)
-VX_FN unsigned int vx_code_bias_neg(int o) {
-  return (((25u - static_cast<unsigned int>(o)) << 10) | 0x8000u) * 0x00010001u;
-}
-
 
 #endif  // VELOX_MMA_CUH

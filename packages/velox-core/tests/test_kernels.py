@@ -388,6 +388,7 @@ def _mma_variants():
             dk.mma_pipeline(),
             dk.mma_value_fold(),
             getattr(mx, merged) if merged else None,
+            key_fold=dk.mma_key_fold(),
         )
         infos = [ArgInfo(*qd), *[ArgInfo(*a) for a in (U32, H16, H16)] * 2]
         spec = dk.mma_spec(nw, dk.mma_sm_blocks(nw))
@@ -431,16 +432,17 @@ def test_mma_launch_settings():
 
 
 def test_value_fold_takes_only_the_layouts_it_covers(monkeypatch):
-    """VFOLD: 4 or 8 bits, groups of 8 whole words, at most two groups a token, weights
-    rounded to fp16; the setting is a 0/1 flag and its template constant follows it."""
+    """VFOLD: groups of 8 whole interleaved units (words at 4 and 8 bits, bytes at 2), at
+    most four groups a token, weights rounded to fp16; the setting is a 0/1 flag and its
+    template constant follows it."""
     ok = dk.mma_fold_ok
     assert ok(_mma_codes(4, 64), 128, False) and ok(_mma_codes(4, 128), 128, False)
-    assert ok(_mma_codes(8, 64), 128, False)
+    assert ok(_mma_codes(8, 64), 128, False) and ok(_mma_codes(8, 32), 128, False)
+    assert ok(_mma_codes(2, 64), 128, False) and ok(_mma_codes(2, 32), 128, False)  # bytes
     assert not ok(_mma_codes(4, 64), 128, True)  # the weights' residual MMA
-    assert not ok(_mma_codes(2, 64), 128, False)  # 2 bits keep their decode
     assert not ok(_mma_codes(4, 32), 128, False)  # a group of 4 words
-    assert not ok(_mma_codes(8, 32), 128, False)  # four groups a token
-    assert ok(_mma_codes(8, 32), 64, False)  # two groups of 8 words at d = 64
+    assert not ok(_mma_codes(2, 16), 128, False)  # a group of 4 bytes
+    assert not ok(_mma_codes(8, 32), 256, False)  # eight groups a token
     k = v = _mma_codes(4, 64)
     fold = dict(dk.mma_template(128, k, v, 4, 4, 2, 2, None, mx.float16, False, True, True))
     assert fold["VFOLD"] == 1
@@ -453,6 +455,28 @@ def test_value_fold_takes_only_the_layouts_it_covers(monkeypatch):
     monkeypatch.setenv("VELOX_DECODE_VFOLD", "yes")
     with pytest.raises(ValueError, match="VELOX_DECODE_VFOLD must be 0 or 1"):
         dk.mma_value_fold()
+
+
+def test_key_fold_takes_only_the_layouts_it_covers(monkeypatch):
+    """KFOLD: groups of 4 whole key words (the four lanes of a k-step), at most two groups a
+    token; the setting is a 0/1 flag and its template constant follows it."""
+    ok = dk.mma_key_fold_ok
+    assert ok(_mma_codes(2, 64), 128) and ok(_mma_codes(4, 32), 64) and ok(_mma_codes(8, 16), 32)
+    assert ok(_mma_codes(4, 128), 128) and ok(_mma_codes(8, 64), 128)
+    assert not ok(_mma_codes(2, 32), 128)  # 2 words a group: a k-step spans two
+    assert not ok(_mma_codes(4, 16), 128)
+    assert not ok(_mma_codes(4, 32), 128)  # four groups a token
+    k = _mma_codes(2, 64)
+    args = (128, k, k, 4, 4, 2, 4, None, mx.float16, False, True, True)
+    assert dict(dk.mma_template(*args, key_fold=True))["KFOLD"] == 1
+    assert dict(dk.mma_template(*args))["KFOLD"] == 0
+    k32 = _mma_codes(4, 32)
+    assert dict(dk.mma_template(128, k32, k, 4, 4, 2, 2, key_fold=True))["KFOLD"] == 0
+    monkeypatch.setenv("VELOX_DECODE_KFOLD", "0")
+    assert dk.mma_key_fold() is False
+    monkeypatch.setenv("VELOX_DECODE_KFOLD", "2")
+    with pytest.raises(ValueError, match="VELOX_DECODE_KFOLD must be 0 or 1"):
+        dk.mma_key_fold()
 
 
 def test_mma_splits_fill_whole_waves_of_the_sms(monkeypatch):
@@ -859,19 +883,23 @@ MMA_CASES = {
     "4bit-weights-residual": (1, 2, 130, 4, 4, 4, 64, 64, 4, 1, 2, 0),
     "4bit-no-pipeline": (1, 2, 130, 4, 4, 4, 64, 64, 4, 1, 3, 0),
     "4bit-fp16-query-long-ring": (1, 2, 1500, 4, 4, 4, 64, 64, 4, 1, 1, 0),  # 23 steps a warp
-    "4bit-no-value-fold": (1, 2, 130, 4, 4, 4, 64, 64, 4, 1, 2, 0),
+    "4bit-no-folds": (1, 2, 130, 4, 4, 4, 64, 64, 4, 1, 2, 0),
     "8bit-fold-gqa8": (1, 1, 150, 8, 8, 8, 64, 64, 2, 1, 2, 0),
     "k2v4-fold-g128-strided": (1, 2, 200, 4, 2, 4, 64, 128, 4, 1, 2, 3),
     "4bit-fold-g128-fp16-query": (1, 2, 260, 3, 4, 4, 128, 128, 4, 2, 3, 0),
     "mha-many-splits": (1, 2, 700, 1, 4, 4, 64, 64, 4, 1, 40, 0),  # 18 of them empty
     "2bit-steps-of-four": (1, 2, 300, 4, 2, 2, 64, 64, 4, 4, 2, 0),
     "two-rows-merge-in-chunks": (1, 1, 570, 2, 4, 4, 64, 64, 4, 2, 9, 0),  # 64 tokens a split
+    "k2v2-g32-values-fp16-query": (1, 2, 200, 4, 2, 2, 128, 32, 4, 4, 2, 0),  # 4 value groups
+    "k8v4-g128-keys-five-rows": (1, 2, 150, 5, 8, 4, 128, 64, 2, 1, 2, 0),
 }
 FP16_QUERY = {
     "4bit-fp16-query",
     "2bit-fp16-query-gqa8-strided",
     "4bit-fp16-query-long-ring",
     "4bit-fold-g128-fp16-query",
+    "4bit-no-folds",
+    "k2v2-g32-values-fp16-query",
 }
 # PLO = 1: the weights P as fp16 plus their residual (two value MMAs, no pipeline); the other
 # cases round P to fp16 (the default) and score one step ahead where the ring has 3 stages
@@ -886,8 +914,9 @@ FUSED = {
 }
 FUSE_CHUNK = {"two-rows-merge-in-chunks": 4}  # the splits' weights 4 at a time (9 splits)
 NO_PIPELINE = {"4bit-no-pipeline"}
-# VFOLD = 1 (value scales folded into the weights) wherever the layout allows it, except here
-NO_VALUE_FOLD = {"4bit-no-value-fold"}
+# VFOLD = 1 and KFOLD = 1 (scales folded into the weights / out of the score MMA) wherever the
+# layout allows it, except here
+NO_FOLDS = {"4bit-no-folds"}
 
 
 def _padded(x, pad: int):
@@ -929,11 +958,15 @@ def mma_emulated(tmp_path_factory):
             _padded(x, pad) for x in (keys.codes, keys.a, keys.b, vals.codes, vals.a, vals.b)
         ]
         pres, pipe = name in P_RESIDUAL, name not in NO_PIPELINE
-        fold = name not in NO_VALUE_FOLD
-        tmpl = dk.mma_template(128, keys, vals, m, nw, stages, sub, None, q.dtype, pres, pipe, fold)
-        assert dict(tmpl)["QLO"] == (0 if name in FP16_QUERY else 1)
-        assert dict(tmpl)["PIPE"] == int(pipe and not pres and stages >= 3)
-        assert dict(tmpl)["VFOLD"] == int(fold and not pres and vb != 2 and vg >= 64)
+        fold = name not in NO_FOLDS
+        tmpl = dk.mma_template(
+            128, keys, vals, m, nw, stages, sub, None, q.dtype, pres, pipe, fold, key_fold=fold
+        )
+        tm = dict(tmpl)
+        assert tm["QLO"] == (0 if name in FP16_QUERY else 1)
+        assert tm["PIPE"] == int(pipe and not pres and stages >= 3)
+        assert tm["VFOLD"] == int(fold and not pres and vg % (64 if vb == 4 else 32) == 0)
+        assert tm["KFOLD"] == int(fold and kg % (128 // kb) == 0 and kg >= 64)
         spec = dk.mma_spec(nw, dk.mma_sm_blocks(nw))
         lay = dk.mma_layout(b, h, s, m, 128)
         handle = emu.kernel(spec, ins, ["float32"], tmpl)
@@ -957,11 +990,17 @@ def mma_emulated(tmp_path_factory):
                 fold,
                 out_dt,
                 FUSE_CHUNK.get(name, 0),
+                key_fold=fold,
             )
             fused = (emu.kernel(spec, ins, ["float32"], ftmpl), flay)
-        # the reference: keys and values decoded, rounded to fp16 (the kernel's precision)
-        kd = kc.decode(kp).astype(mx.float16).astype(mx.float32)
-        vd = vc.decode(vp).astype(mx.float16).astype(mx.float32)
+        # the reference: keys and values decoded, rounded to fp16 as the kernel decodes them;
+        # folded sides are not decoded (their products carry fp16 roundings of q, P s instead)
+        kd = kc.decode(kp).astype(mx.float32)
+        vd = vc.decode(vp).astype(mx.float32)
+        if not tm["KFOLD"]:
+            kd = kd.astype(mx.float16).astype(mx.float32)
+        if not tm["VFOLD"]:
+            vd = vd.astype(mx.float16).astype(mx.float32)
         scores = q.astype(mx.float32) @ mx.swapaxes(kd, -1, -2)
         cases[name] = (handle, ins, lay, launch, scores, vd, fused)
     merge = emu.kernel(dk.MERGE, [np.zeros((1, 1, 2, 4, 128), np.float32)] * 2, ["float32"] * 3)

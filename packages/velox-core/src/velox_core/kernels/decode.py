@@ -483,7 +483,23 @@ def mma_value_fold() -> bool:
     return _env_flag("VELOX_DECODE_VFOLD", True)
 
 
-MMA_FOLD_GROUPS = 2  # at most this many value groups per token take VFOLD (registers)
+MMA_FOLD_GROUPS = 4  # at most this many value groups per token take VFOLD (registers)
+MMA_KEY_FOLD_GROUPS = 2  # at most this many key groups per token take KFOLD (one chain each)
+
+
+def mma_key_fold() -> bool:
+    """Whether the tensor-core kernel folds the key scales and zeros out of the score MMA
+    where the layout allows it (see :func:`mma_key_fold_ok`): ``VELOX_DECODE_KFOLD``
+    (default 1)."""
+    return _env_flag("VELOX_DECODE_KFOLD", True)
+
+
+def mma_key_fold_ok(keys: Codes, dim: int) -> bool:
+    """Whether the key scales and zeros can be folded out of the score MMA (``KFOLD``): a
+    group holds 4 whole code words (the four lanes of a k-step read adjacent words: 64
+    channels or more at 2 bits, 32 at 4, 16 at 8) and a token has at most
+    :data:`MMA_KEY_FOLD_GROUPS` groups (one accumulator chain each)."""
+    return keys.group % (4 * (32 // keys.bits)) == 0 and dim // keys.group <= MMA_KEY_FOLD_GROUPS
 
 
 def mma_fuse_merge() -> bool:
@@ -493,16 +509,14 @@ def mma_fuse_merge() -> bool:
 
 
 def mma_fold_ok(values: Codes, dim: int, p_residual: bool) -> bool:
-    """Whether the value scales can be folded into the weights (``VFOLD``): 4 or 8 bits (at 2
-    the fold saves no instructions and loses precision), a group holds 8 whole code words (the
-    lanes' interleaved words of one m-tile: 64 channels or more at 4 bits, 32 at 8), a token
-    has at most :data:`MMA_FOLD_GROUPS` groups (each adds accumulators and two MMAs a step),
-    and the weights go in rounded to fp16 (no residual MMA)."""
+    """Whether the value scales can be folded into the weights (``VFOLD``): a group holds 8
+    whole units of the lanes' interleaved values (the 16 channels of an m-tile: words at 4 and
+    8 bits, 64 and 32 channels; bytes at 2 bits, 32 channels), a token has at most
+    :data:`MMA_FOLD_GROUPS` groups (each adds two float32 sums a lane), and the weights go in
+    rounded to fp16 (no residual MMA)."""
+    unit = 8 // values.bits if values.bits == 2 else 32 // values.bits
     return (
-        not p_residual
-        and values.bits in (4, 8)
-        and values.group % (8 * (32 // values.bits)) == 0
-        and dim // values.group <= MMA_FOLD_GROUPS
+        not p_residual and values.group % (8 * unit) == 0 and dim // values.group <= MMA_FOLD_GROUPS
     )
 
 
@@ -609,6 +623,7 @@ def mma_template(
     value_fold: bool = False,
     out_dtype: mx.Dtype | None = None,
     fuse_chunk: int = 0,
+    key_fold: bool = False,
 ) -> list[tuple[str, int | mx.Dtype]]:
     """The tensor-core body's compile-time constants (``decode_attention_mma.cu``). An fp16
     query goes into the MMA as it is (``QLO`` 0); any other dtype as fp16 hi and lo parts.
@@ -617,7 +632,10 @@ def mma_template(
     consuming this one (``PIPE`` 1; it needs at least 3 ring stages and the registers the
     residual would take, so only with ``p_residual`` off). ``value_fold``: fold the value scales
     and zeros into the weights (``VFOLD`` 1, where :func:`mma_fold_ok`): the value codes go into
-    the MMA as they are stored, one instruction per pair instead of three. ``out_dtype`` given:
+    the MMA as they are stored, one instruction per pair instead of three. ``key_fold``: fold
+    the key scales and zeros out of the score MMA (``KFOLD`` 1, where :func:`mma_key_fold_ok`):
+    the key codes likewise go in as stored, and each score is put together from the group
+    sums afterwards. ``out_dtype`` given:
     the last threadgroup of each (batch, head) merges the splits into an output of that dtype
     (``FUSE`` 1, ``OT``; the launch must zero its output: ``init_value=0``); ``fuse_chunk`` (tests):
     that merge takes the splits' weights in chunks of at most this many (0: as many as fit in
@@ -637,6 +655,7 @@ def mma_template(
         ("PLO", int(p_residual)),
         ("PIPE", int(pipeline and stages >= 3 and not p_residual)),
         ("VFOLD", int(value_fold and mma_fold_ok(values, dim, p_residual))),
+        ("KFOLD", int(key_fold and mma_key_fold_ok(keys, dim))),
         ("FUSE", int(out_dtype is not None)),
         ("OT", mx.float32 if out_dtype is None else out_dtype),
         ("FCHUNK", int(fuse_chunk)),
@@ -662,6 +681,7 @@ _MMA_SETTINGS = (
     "VELOX_DECODE_P_RESIDUAL",
     "VELOX_DECODE_PIPELINE",
     "VELOX_DECODE_VFOLD",
+    "VELOX_DECODE_KFOLD",
 )
 
 
@@ -676,13 +696,15 @@ def mma_launch(
     pipeline: bool | None = None,
     value_fold: bool | None = None,
     out_dtype: mx.Dtype | None = None,
+    key_fold: bool | None = None,
 ) -> MmaLaunch | None:
     """The tensor-core kernel's launch for a ``(B, H, M, D)`` query over ``keys`` / ``values``
     from the settings (warps, steps of up to four tiles as two ring stages hold them, ring
-    stages, register cap, splits; ``p_residual``, ``pipeline`` and ``value_fold`` default to
-    theirs; ``out_dtype`` given: the kernel merges its splits into an output of that dtype),
-    or None where no ring fits in shared memory. Everything but the split count is planned
-    once per shape, codes and settings (the environment's values are part of the key)."""
+    stages, register cap, splits; ``p_residual``, ``pipeline``, ``value_fold`` and
+    ``key_fold`` default to theirs; ``out_dtype`` given: the kernel merges its splits into an
+    output of that dtype), or None where no ring fits in shared memory. Everything but the
+    split count is planned once per shape, codes and settings (the environment's values are
+    part of the key)."""
     b, h, m, dim = q_shape
     t = keys.codes.shape[2]
     env = os.environ
@@ -697,6 +719,7 @@ def mma_launch(
         pipeline,
         value_fold,
         out_dtype,
+        key_fold,
         tuple(env.get(n) for n in _MMA_SETTINGS),
     )
     if plan is None:
@@ -722,6 +745,7 @@ def _mma_plan(
     pipeline: bool | None,
     value_fold: bool | None,
     out_dtype: mx.Dtype | None,
+    key_fold: bool | None,
     settings: tuple[str | None, ...],
 ) -> tuple[KernelSpec, tuple[tuple[str, int | mx.Dtype], ...], int, int] | None:
     """:func:`mma_launch`'s plan without the splits: (spec, template, warps, threadgroups
@@ -752,6 +776,7 @@ def _mma_plan(
         mma_pipeline() if pipeline is None else pipeline,
         mma_value_fold() if value_fold is None else value_fold,
         out_dtype,
+        key_fold=mma_key_fold() if key_fold is None else key_fold,
     )
     return mma_spec(nwarps, sm_blocks), tuple(tmpl), nwarps, sm_blocks
 
