@@ -25,7 +25,7 @@
 //           per k-step, no padding rows in registers). An fp16 query (QLO = 0) goes in as it
 //           is; any other is split into its fp16 rounding and the residual, two MMAs per
 //           k-step into two chains, so S_hi + S_lo is the score of the float32 query to about
-//           2^-22 (QLO = 1). The head dim is permuted consistently in Q and K (a pair of halves
+//           2^-22 (QLO = 1; with KFOLD about 2^-15: see there). The head dim is permuted consistently in Q and K (a pair of halves
 //           holds channels j and j + 16/bits of one code word), which leaves every dot product
 //           unchanged. Lane (g, t) ends with tokens g, 8 + g of query rows 2t, 2t + 1.
 //           KFOLD = 1 folds the key scales and zeros out of the MMA instead: lane t takes words
@@ -35,6 +35,9 @@
 //           one accumulator chain per group (at most two), and after the MMAs each score is
 //           2^24 (s0 acc0 + s1 acc1) + z0 Q0 + z1 Q1 in float32 (Q: the query's sum over the
 //           group). The keys are then not rounded to fp16 (closer to the float32 reference).
+//           The factor 2^-o takes query channels below 2^(o - 14) into fp16 subnormals, whose
+//           spacing (2^-24) rounds them: at most 2^(-25 + o) absolute per channel (2^-19 at
+//           2 bits), and a split query's lo part keeps about 2^-15 of it instead of 2^-22.
 //   softmax online per query row (log2 domain): p = exp2(s - m) against a running max m that
 //           is raised lazily (the accumulators are rescaled only when a score exceeds m by
 //           more than RESCALE, found with one vote and no reduction), so the partial's m is at
@@ -52,8 +55,8 @@
 //           lo parts, two MMAs into the same accumulators (PLO = 1). The V^T fragments hold
 //           two tokens of one channel, put together with a byte permute of the two tokens'
 //           code words. Lane (g, t) decodes tokens 2t, 2t + 1, 2t + 8, 2t + 9, channels
-//           [g HD/8, (g+1) HD/8) (VFOLD: words g, 8 + g, ...); m-tile j takes its
-//           channels 2j (row g) and 2j + 1 (row g + 8).
+//           [g HD/8, (g+1) HD/8) (VFOLD: words g, 8 + g, ..., bytes at 2 bits); m-tile j
+//           takes its channels 2j (row g) and 2j + 1 (row g + 8).
 //           VFOLD = 1 folds each value group's scale and zero into the weights instead of
 //           decoding every code: per group V^T P^T = C^T (P s) + 1 (P z). The codes go into the
 //           MMA masked in place (one LOP3 a pair: the fp16 subnormals c 2^(o - 24)), the B
@@ -106,8 +109,9 @@ constexpr int NT = NWARPS * 32;
 constexpr float NEG = -1.0e30f;
 // KFOLD: lane t's key words are t, 4 + t, 8 + t, ... of a token's row (word w of the lane is
 // row word 4 w + t), so the four lanes of a k-step read four adjacent words, which lie in one
-// group when a group holds 4 whole words. KCH accumulator chains per sub-tile: one per group
-// (KG = 2), else two (k-steps even / odd, or the query's hi and lo parts) as without the fold.
+// group when a group holds 4 whole words. Each sub-tile has two accumulator chains: one per
+// group with two groups, else k-steps even / odd (or the query's hi and lo parts) as without
+// the fold.
 static_assert(!KFOLD || (KGROUP % (4 * KCW) == 0 && HD / KGROUP <= 2),
               "KFOLD needs groups of 4 whole key words, at most two per token");
 // VFOLD: the unit a lane takes of a value row's, interleaved 8 ways (lane g takes units g,
@@ -424,7 +428,8 @@ const int vg0 = (g * VCL) / VGROUP;  // first value group of this lane's channel
 // rows) = K Q^T, the keys as the A fragment (lane (g, t) decodes tokens g and 8 + g: rows g and
 // g + 8) and the query rows as the B fragment (n = 8: no padding rows, one MMA per k-step).
 // sc[u][c] are two independent chains (k-steps even / odd; QLO: the hi and lo parts of the
-// query); C element i is token g + 8 (i >> 1) for query row 2t + (i & 1).
+// query; KFOLD with two key groups: one per group, hi and lo parts alike); C element i is
+// token g + 8 (i >> 1) for query row 2t + (i & 1).
 auto score_step = [&](const unsigned int* st, float (&sc)[NSUB][2][4]) {
   const __half* sks = reinterpret_cast<const __half*>(st + O_KS);
   const __half* skz = reinterpret_cast<const __half*>(st + O_KZ);
@@ -568,7 +573,7 @@ for (int k = 0; k < nmine; ++k) {
   }
   if (PIPE) {
     // the next step's scores (stage k + 1 < nmine has landed; past the last step the stage
-    // holds an earlier tile: finite codes whose scores are never used)
+    // holds an earlier step, or was never filled: scores that are never used)
     if (k + 1 < nmine) {
       vx_cp_wait<NSTAGE - 2>();
       wait_tile(k + 1);

@@ -892,6 +892,8 @@ MMA_CASES = {
     "two-rows-merge-in-chunks": (1, 1, 570, 2, 4, 4, 64, 64, 4, 2, 9, 0),  # 64 tokens a split
     "k2v2-g32-values-fp16-query": (1, 2, 200, 4, 2, 2, 128, 32, 4, 4, 2, 0),  # 4 value groups
     "k8v4-g128-keys-five-rows": (1, 2, 150, 5, 8, 4, 128, 64, 2, 1, 2, 0),
+    "k4v2-values-one-byte-group": (1, 2, 150, 4, 4, 2, 64, 128, 4, 1, 2, 0),
+    "8bit-fold-four-value-groups": (1, 1, 150, 8, 8, 8, 64, 32, 2, 1, 2, 0),
 }
 FP16_QUERY = {
     "4bit-fp16-query",
@@ -1012,8 +1014,9 @@ def mma_emulated(tmp_path_factory):
 def test_tensor_core_kernel_matches_the_reference(mma_emulated, name):
     """The CUDA-only kernel, run lane by lane on the CPU (mma.sync fragments, cp.async rings,
     warp votes and shuffles emulated), and its split merge: the softmax output equals the
-    reference over fp16-rounded decoded keys and values; no split's max exceeds the true
-    max (the lazy max may only lag)."""
+    reference over the decoded keys and values (rounded to fp16 where the kernel decodes a
+    side, float32 where it folds its scales); no split's max exceeds the true max (the lazy
+    max may only lag)."""
     emu, merge, cases = mma_emulated
     handle, ins, lay, (grid, tg), scores, vd, _ = cases[name]
     (ws,) = emu.run(handle, ins, [(lay.size,)], grid, tg)
