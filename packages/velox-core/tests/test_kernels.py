@@ -410,6 +410,22 @@ def test_mma_kernel_takes_only_the_shapes_it_lays_out():
     assert not ok(4, 128, codebook, _mma_codes(4, 64))
 
 
+def test_env_setting_reads_the_environment_as_os_environ(monkeypatch):
+    """The settings reader (a dict lookup on POSIX) follows every write through os.environ,
+    monkeypatch's included, and gives the default when a name is unset."""
+    name = "VELOX_TEST_SETTING_\u00e9"
+    monkeypatch.delenv(name, raising=False)
+    assert vk.env_setting(name) is None and vk.env_setting(name, "d") == "d"
+    monkeypatch.setenv(name, "4")
+    assert vk.env_setting(name, "d") == "4" == os.environ.get(name)
+    os.environ[name] = "x\u00e9"
+    assert vk.env_setting(name) == "x\u00e9"
+    monkeypatch.delenv(name)
+    assert vk.env_setting(name, "d") == "d"
+    monkeypatch.setenv("VELOX_KERNELS", "0")
+    assert not vk.kernels_enabled()
+
+
 def test_query_factor_is_log2e_times_the_scale():
     import struct
 

@@ -28,14 +28,42 @@ from typing import Any
 
 import mlx.core as mx
 
-__all__ = ["backend", "get_kernel", "kernel_source", "kernels_enabled", "use_kernels"]
+__all__ = [
+    "backend",
+    "env_setting",
+    "get_kernel",
+    "kernel_source",
+    "kernels_enabled",
+    "use_kernels",
+]
 
 _BUILT: dict[tuple[str, str], Any] = {}
 
 
+# os.environ.get encodes the name and decodes the value on every call (about half a
+# microsecond), and a decode step reads about 15 settings per layer. On POSIX, CPython keeps
+# the environment as bytes in os.environ._data, which every write through os.environ updates
+# (pytest's monkeypatch included): a dict lookup reads the same values. Elsewhere (or should
+# that attribute go away) os.environ.get.
+_ENV_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None
+_ENV_KEYS: dict[str, bytes] = {}
+
+
+def env_setting(name: str, default: str | None = None) -> str | None:
+    """``os.environ.get(name, default)``, read without its per-call encoding on POSIX."""
+    data = _ENV_DATA
+    if not isinstance(data, dict):
+        return os.environ.get(name, default)
+    key = _ENV_KEYS.get(name)
+    if key is None:
+        key = _ENV_KEYS[name] = os.fsencode(name)
+    value = data.get(key)
+    return default if value is None else os.fsdecode(value)
+
+
 def kernels_enabled() -> bool:
     """False when the environment sets ``VELOX_KERNELS=0`` (reference MLX everywhere)."""
-    return os.environ.get("VELOX_KERNELS", "1").strip() not in ("0", "false", "no", "off")
+    return env_setting("VELOX_KERNELS", "1").strip() not in ("0", "false", "no", "off")
 
 
 def backend() -> str:

@@ -29,7 +29,6 @@ import ctypes
 import dataclasses
 import functools
 import math
-import os
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +36,7 @@ from typing import Any
 import mlx.core as mx
 
 from .. import kernels as _kernels  # backend() looked up per call (tests report another)
+from . import env_setting
 from .build import KernelSpec
 
 __all__ = [
@@ -207,8 +207,8 @@ def _pow2_floor(n: int) -> int:
 def tuning() -> tuple[int, int]:
     """``(warps per threadgroup, unroll)``: the defaults, or ``VELOX_DECODE_WARPS`` and
     ``VELOX_DECODE_UNROLL`` (for tuning on a new GPU)."""
-    nw = int(os.environ.get("VELOX_DECODE_WARPS", NWARPS))
-    un = int(os.environ.get("VELOX_DECODE_UNROLL", UNROLL))
+    nw = int(env_setting("VELOX_DECODE_WARPS", NWARPS))
+    un = int(env_setting("VELOX_DECODE_UNROLL", UNROLL))
     if nw not in (1, 2, 4, 8):
         raise ValueError(f"VELOX_DECODE_WARPS must be 1, 2, 4 or 8, got {nw}")
     if not 1 <= un <= 16:
@@ -271,7 +271,7 @@ def choose_splits(tokens: int, rows: int, p: Plan) -> int:
     :data:`MIN_SPAN` tokens each, and never more than ``p.max_span`` tokens per split; every
     split is non-empty (the kernel takes ``ceil(T / splits)`` tokens per split).
     """
-    target = int(os.environ.get("VELOX_DECODE_BLOCKS", DEFAULT_BLOCKS))
+    target = int(env_setting("VELOX_DECODE_BLOCKS", DEFAULT_BLOCKS))
     want = max(1, math.ceil(target / max(1, rows * p.nmb)))
     s = max(1, min(want, math.ceil(tokens / max(MIN_SPAN, p.step))))
     return fit_splits(tokens, s, p)
@@ -379,7 +379,7 @@ MMA_BLOCKS = 512  # threadgroups the tensor-core kernel aims for (measured on an
 
 def mma_enabled() -> bool:
     """The tensor-core kernel is used on CUDA unless ``VELOX_DECODE_MMA=0``."""
-    return os.environ.get("VELOX_DECODE_MMA", "1").strip() not in ("0", "false", "no", "off")
+    return env_setting("VELOX_DECODE_MMA", "1").strip() not in ("0", "false", "no", "off")
 
 
 def _mma_side(c: Codes, dim: int, lane_channels: int) -> bool:
@@ -416,7 +416,7 @@ MMA_WARPS = 4  # warps per threadgroup of the tensor-core kernel (VELOX_DECODE_M
 def mma_warps() -> int:
     """Warps per threadgroup of the tensor-core kernel: ``VELOX_DECODE_MMA_WARPS`` or
     :data:`MMA_WARPS`."""
-    n = int(os.environ.get("VELOX_DECODE_MMA_WARPS", MMA_WARPS))
+    n = int(env_setting("VELOX_DECODE_MMA_WARPS", MMA_WARPS))
     if n not in (1, 2, 4, 8):
         raise ValueError(f"VELOX_DECODE_MMA_WARPS must be 1, 2, 4 or 8, got {n}")
     return n
@@ -431,7 +431,7 @@ def mma_sm_blocks(nwarps: int) -> int:
     :data:`MMA_SM_BLOCKS` x 4 warps' worth of threadgroups (12 warps per SM, 168 registers,
     for steps of one or two tiles alike: with the scores transposed both fit); 0 leaves the
     registers to the compiler."""
-    want = os.environ.get("VELOX_DECODE_MMA_SM_BLOCKS")
+    want = env_setting("VELOX_DECODE_MMA_SM_BLOCKS")
     if want is None:
         return MMA_SM_BLOCKS * 4 // nwarps
     n = int(want)
@@ -455,7 +455,7 @@ def mma_spec(nwarps: int, sm_blocks: int) -> KernelSpec:
 
 def _env_flag(name: str, default: bool) -> bool:
     """A 0/1 setting from the environment (anything else is a clear error)."""
-    v = os.environ.get(name, "1" if default else "0").strip()
+    v = env_setting(name, "1" if default else "0").strip()
     if v not in ("0", "1"):
         raise ValueError(f"{name} must be 0 or 1, got {v!r}")
     return v == "1"
@@ -523,7 +523,7 @@ def mma_fold_ok(values: Codes, dim: int, p_residual: bool) -> bool:
 def mma_subtiles() -> int:
     """16-token MMA tiles per loop step of the tensor-core kernel, at most (the plan halves
     it until two ring stages fit): ``VELOX_DECODE_SUBTILES`` or :data:`MMA_SUBTILES`."""
-    n = int(os.environ.get("VELOX_DECODE_SUBTILES", MMA_SUBTILES))
+    n = int(env_setting("VELOX_DECODE_SUBTILES", MMA_SUBTILES))
     if n not in (1, 2, 4):
         raise ValueError(f"VELOX_DECODE_SUBTILES must be 1, 2 or 4, got {n}")
     return n
@@ -539,7 +539,7 @@ def mma_stages(dim: int, keys: Codes, values: Codes, nwarps: int, subtiles: int 
     if nwarps * 8 * dim * 4 > MMA_SMEM:
         return 0
     fit = [n for n in (4, 3, 2) if nwarps * n * words * 4 <= MMA_SMEM]
-    want = os.environ.get("VELOX_DECODE_STAGES")
+    want = env_setting("VELOX_DECODE_STAGES")
     if want is not None:
         n = int(want)
         if not 2 <= n <= 8:
@@ -566,7 +566,7 @@ def _sm_count(ordinal: int) -> int | None:
 def sm_count() -> int | None:
     """Streaming multiprocessors of the CUDA device MLX computes on (``VELOX_DECODE_SMS``, else
     the CUDA driver's count), or None where neither is known."""
-    want = os.environ.get("VELOX_DECODE_SMS")
+    want = env_setting("VELOX_DECODE_SMS")
     if want is not None:
         if not want.strip().isdigit() or int(want) < 1:
             raise ValueError(f"VELOX_DECODE_SMS must be a positive integer, got {want!r}")
@@ -593,7 +593,7 @@ def mma_splits(tokens: int, rows: int, nwarps: int, sm_blocks: int = MMA_SM_BLOC
     :data:`MMA_BLOCKS`)."""
     rows = max(1, rows)
     most = max(1, tokens // max(MMA_MIN_SPAN, 32 * nwarps))
-    target = os.environ.get("VELOX_DECODE_BLOCKS")
+    target = env_setting("VELOX_DECODE_BLOCKS")
     sms = sm_count() if target is None else None
     if sms is None:
         s = min(max(1, math.ceil(int(target or MMA_BLOCKS) / rows)), most)
@@ -707,7 +707,6 @@ def mma_launch(
     part of the key)."""
     b, h, m, dim = q_shape
     t = keys.codes.shape[2]
-    env = os.environ
     plan = _mma_plan(
         m,
         dim,
@@ -720,7 +719,7 @@ def mma_launch(
         value_fold,
         out_dtype,
         key_fold,
-        tuple(env.get(n) for n in _MMA_SETTINGS),
+        tuple(map(env_setting, _MMA_SETTINGS)),
     )
     if plan is None:
         return None
