@@ -411,28 +411,6 @@ def encode_check(name, codec, dtype=mx.float16, rows=(2, 8, 777)):
     check_guard(name, run)
 
 
-def encode_pair_check(name, codec, dtype=mx.float16, rows=(2, 8, 777)):
-    """A cache update's keys and values in one encode launch (``Codec.encode_pair``): each
-    side's records against the reference encode of that side alone."""
-
-    def run():
-        k = mx.random.normal((*rows, 128), key=mx.random.key(5)) * 3.0
-        v = mx.random.normal((*rows, 128), key=mx.random.key(6))
-        k, v = k.astype(dtype), v.astype(dtype)
-        codec.check(128, dtype)
-        with kernels(False):
-            refs = (codec.encode(k), codec.encode(v))
-            mx.eval([r.data for r in refs])
-        with kernels(True):
-            gots = codec.encode_pair(codec, k, v)
-            mx.eval([g.data for g in gots])
-        ok_k, errs_k = compare_records(refs[0], gots[0], "k_")
-        ok_v, errs_v = compare_records(refs[1], gots[1], "v_")
-        record_check(name, ok_k and ok_v, **errs_k, **errs_v)
-
-    check_guard(name, run)
-
-
 def codebook_check(name, bits, rows=(2, 8, 777)):
     """TurboQuant_mse's fused search-and-pack against Codebook.encode + pack, on the same
     rotated vectors (the rotation is an MLX op either way)."""
@@ -592,7 +570,6 @@ def section_checks(quick: bool) -> None:
     for bits in (2, 3, 4, 5, 8):
         encode_check(f"uniform{bits} encode fp16 (bit exact)", Uniform(bits))
     encode_check("uniform4 encode bf16 clip 0.9 (bit exact)", Uniform(4, clip=0.9), mx.bfloat16)
-    encode_pair_check("uniform4 encode keys+values, one launch (bit exact)", Uniform(4))
     encode_check("uniform8 encode fp32 g32 (bit exact)", Uniform(8, 32), mx.float32)
     for bits in (2, 3, 4):
         codebook_check(f"turboquant{bits} encode (bit exact)", bits)

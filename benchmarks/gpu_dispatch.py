@@ -16,8 +16,7 @@ layers are), for:
   merge kernel) at batch 1, 8 KV heads, 32 query heads, head dim 128, 4,096 tokens (a few
   microseconds of device work);
 * ``velox encode k`` / ``velox encode k+v``: the affine encode kernel for one token of one
-  side, and for both sides: two launches, and one (``Codec.encode_pair``, what a cache update
-  runs since the fifth session);
+  side, and for both sides as a cache update runs it;
 * ``fp16 sdpa``: ``mx.fast.scaled_dot_product_attention`` at the same shape.
 
 Run on the GPU machine from the repository root::
@@ -124,12 +123,8 @@ def cases(tokens: int):
         ("velox attend_joint (separate merge kernel)", attend_joint_unfused),
         ("velox encode k", lambda: codec.encode(k_new).data["codes"]),
         (
-            "velox encode k+v (two launches)",
+            "velox encode k+v",
             lambda: [codec.encode(k_new).data["codes"], codec.encode(k_new).data["zero"]],
-        ),
-        (
-            "velox encode k+v (one launch, as a cache update)",
-            lambda: [p.data["codes"] for p in codec.encode_pair(codec, k_new, k_new)],
         ),
     ]
 

@@ -310,8 +310,7 @@ def _decode_variants():
     for dtype, st in (("float16", mx.float16), ("bfloat16", mx.bfloat16), ("float32", mx.float16)):
         tmpl = [("BITS", 3), ("HD", 128), ("GROUP", 32), ("CLIPB", ek.clip_bits(0.9))]
         tmpl += [("ST", st)]
-        for spec, n in ((ek.AFFINE_ENCODE, 1), (ek.AFFINE_ENCODE_PAIR, 2)):
-            out.append((spec, [ArgInfo(dtype, 2, 1 << 20)] * n, ["uint32", st, st] * n, tmpl))
+        out.append((ek.AFFINE_ENCODE, [ArgInfo(dtype, 2, 1 << 20)], ["uint32", st, st], tmpl))
     infos = [ArgInfo("float32", 2, 1 << 20), ArgInfo("float32", 1, 7)]
     out.append((ek.CODEBOOK_ENCODE, infos, ["uint32"], [("BITS", 3), ("HD", 128)]))
     return out
@@ -765,7 +764,6 @@ def encoders(tmp_path_factory):
     for bits, group, dtype, clip in ENCODE_CASES:
         x = _encode_input(dtype)
         sdt = mx.bfloat16 if dtype == mx.bfloat16 else mx.float16
-        outs = ["uint32", sdt, sdt]
         tmpl = [
             ("BITS", bits),
             ("HD", 128),
@@ -773,11 +771,10 @@ def encoders(tmp_path_factory):
             ("CLIPB", ek.clip_bits(clip)),
             ("ST", sdt),
         ]
-        for pair, spec in ((0, ek.AFFINE_ENCODE), (1, ek.AFFINE_ENCODE_PAIR)):
-            xs = [np_input(x.reshape(-1, 128))] * (1 + pair)
-            handles[(bits, group, dtype, clip, pair)] = emu.kernel(
-                spec, xs, outs * (1 + pair), tmpl, sequential=True
-            )
+        outs = ["uint32", sdt, sdt]
+        handles[(bits, group, dtype, clip)] = emu.kernel(
+            ek.AFFINE_ENCODE, [np_input(x.reshape(-1, 128))], outs, tmpl, sequential=True
+        )
     for bits in (2, 3, 4):
         bounds = np.asarray(lloyd_max_sphere(bits, 128).boundaries)
         handles[("codebook", bits)] = emu.kernel(
@@ -803,10 +800,9 @@ def test_affine_encode_kernel_is_bit_exact(encoders, bits, group, dtype, clip):
     x = _encode_input(dtype)
     rows = x.size // 128
     words = -(-128 * bits // 32)
-    xi = np_input(x.reshape(rows, 128))
     codes, scale, zero = emu.run(
-        handles[(bits, group, dtype, clip, 0)],
-        [xi],
+        handles[(bits, group, dtype, clip)],
+        [np_input(x.reshape(rows, 128))],
         [(rows, words), (rows, 128 // group), (rows, 128 // group)],
         (rows, 1, 1),
         (64, 1, 1),
@@ -817,19 +813,6 @@ def test_affine_encode_kernel_is_bit_exact(encoders, bits, group, dtype, clip):
     as_bits = (lambda a: np.asarray(a.view(mx.uint16))) if dtype == mx.bfloat16 else np.asarray
     assert np.array_equal(scale, as_bits(rs).reshape(rows, -1))
     assert np.array_equal(zero, as_bits(rz).reshape(rows, -1))
-    # the pair kernel: a second record set (x's rows reversed) in the same launch, into its
-    # own outputs, each row encoded as on its own
-    if isinstance(xi, tuple):  # bfloat16: (uint16 bits, "bfloat16")
-        yi = (np.ascontiguousarray(xi[0][::-1]), xi[1])
-    else:
-        yi = np.ascontiguousarray(xi[::-1])
-    shapes = [(rows, words), (rows, 128 // group), (rows, 128 // group)]
-    pc, ps, pz, yc, ys, yz = emu.run(
-        handles[(bits, group, dtype, clip, 1)], [xi, yi], shapes * 2, (2 * rows, 1, 1), (64, 1, 1)
-    )
-    assert np.array_equal(pc, codes) and np.array_equal(yc, codes[::-1])
-    assert np.array_equal(ps, scale) and np.array_equal(ys, scale[::-1])
-    assert np.array_equal(pz, zero) and np.array_equal(yz, zero[::-1])
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
@@ -871,7 +854,7 @@ def test_cache_on_an_emulated_gpu_matches_the_reference(monkeypatch, tmp_path):
     cache.update_and_fetch(k[:, :, 290:], v[:, :, 290:])
     got = cache.attend(q, 0.088)
     names = fake.names
-    assert names.count("velox_encode_affine_pair") == 2  # keys and values in one launch, 2 flushes
+    assert names.count("velox_encode_affine") == 4  # keys and values, two flushes
     assert names[-2:] == ["velox_decode_attention", "velox_decode_merge_fp16"]  # one softmax
     body, ref_body = cache.segments()[1], ref_cache.segments()[1]
     for name in ("codes", "scale", "zero"):

@@ -275,7 +275,9 @@ class VeloxCache(RetentionMixin):
         if n < t:
             keys, values = keys[:, :, :n], values[:, :, :n]
         pos = mx.arange(pos0, pos0 + n, dtype=mx.int32)
-        self._append_body(*first.key_codec.encode_pair(first.value_codec, keys, values, pos), pos)
+        self._append_body(
+            first.key_codec.encode(keys, pos), first.value_codec.encode(values, pos), pos
+        )
         return n
 
     def before_coding(self) -> bool:
@@ -298,8 +300,11 @@ class VeloxCache(RetentionMixin):
             pos0 = self.offset - self._win[0].tokens
             pos = mx.arange(pos0, pos0 + n, dtype=mx.int32)
             wk, wv = self._win[0].view(), self._win[1].view()
-            kx, vx = wk.slice(0, n).data["x"], wv.slice(0, n).data["x"]
-            self._append_body(*first.key_codec.encode_pair(first.value_codec, kx, vx, pos), pos)
+            self._append_body(
+                first.key_codec.encode(wk.slice(0, n).data["x"], pos),
+                first.value_codec.encode(wv.slice(0, n).data["x"], pos),
+                pos,
+            )
             self._win[0].drop_front(n)
             self._win[1].drop_front(n)
         for i in range(len(self.tiers) - 1):

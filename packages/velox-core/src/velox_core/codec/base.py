@@ -165,18 +165,6 @@ class Codec(ABC):
     def encode(self, x: mx.array, positions: mx.array | None = None) -> Packed:
         """Shapes: x ``(B, H, T, D)`` with ``T % block == 0``; positions ``(T,)`` int32."""
 
-    def encode_pair(
-        self,
-        value_codec: Codec,
-        keys: mx.array,
-        values: mx.array,
-        positions: mx.array | None = None,
-    ) -> tuple[Packed, Packed]:
-        """``keys`` with this codec and ``values`` with ``value_codec`` (a cache update's two
-        sides): the two :meth:`encode` calls; a codec with a kernel that encodes both sides in
-        one launch overrides it (the same records)."""
-        return self.encode(keys, positions), value_codec.encode(values, positions)
-
     @abstractmethod
     def decode(self, packed: Packed) -> mx.array:
         """Shapes: returns float32 ``(B, H, T, D)``."""

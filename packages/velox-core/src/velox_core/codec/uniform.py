@@ -74,31 +74,6 @@ class Uniform(Codec):
         per_block = frozenset({"scale", "zero"}) if self.axis == "channel" else frozenset()
         return Packed(data, x.shape[2], self.block, per_block)
 
-    def encode_pair(
-        self,
-        value_codec: Codec,
-        keys: mx.array,
-        values: mx.array,
-        positions: mx.array | None = None,
-    ) -> tuple[Packed, Packed]:
-        """Both sides in one encode launch where the kernels apply and ``value_codec`` is the
-        same per-token ``Uniform`` (the records :meth:`encode` makes); else two encodes."""
-        if (
-            self.axis == "token"
-            and type(self) is Uniform
-            and type(value_codec) is Uniform
-            and (value_codec.bits, value_codec.group, value_codec.axis, value_codec.clip)
-            == (self.bits, self.group, self.axis, self.clip)
-            and use_kernels()
-        ):
-            pair = _ke.affine_encode_pair(keys, values, self.bits, self.group, self.clip)
-            if pair is not None:
-                (kc, ks, kz), (vc, vs, vz) = pair
-                t = keys.shape[2]
-                kp = Packed({"codes": kc, "scale": ks, "zero": kz}, t)
-                return kp, Packed({"codes": vc, "scale": vs, "zero": vz}, t)
-        return super().encode_pair(value_codec, keys, values, positions)
-
     def _codes(self, packed: Packed) -> mx.array:
         d = packed.data["scale"].shape[-1] * (self.group if self.axis == "token" else 1)
         return unpack(packed.data["codes"], self.bits, d)

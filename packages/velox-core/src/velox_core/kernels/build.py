@@ -112,9 +112,6 @@ class KernelSpec:
             itself, so the header re-defines ``__global__`` to carry the bounds (NVRTC and
             nvcc define it as a macro; the CPU emulation ignores it). Specs with different
             bounds need different names: MLX caches compiled kernels by name.
-        defines: preprocessor names defined (as 1) in the header, for both backends: one
-            body instantiated as two kernels whose argument lists differ (their names must
-            differ too).
     """
 
     name: str
@@ -125,15 +122,11 @@ class KernelSpec:
     package: str = "velox_core"
     cuda_headers: tuple[str, ...] = ()
     cuda_launch_bounds: tuple[int, int] | None = None
-    defines: tuple[str, ...] = ()
 
     def header(self, backend: str) -> str:
         if backend not in PROLOGUE:
             raise ValueError(f"kernel backend must be 'metal' or 'cuda', got {backend!r}")
-        text = f"#define VX_{backend.upper()} 1\n" + "".join(
-            f"#define {d} 1\n" for d in self.defines
-        )
-        text += compact(kernel_source("velox_kernels.h"))
+        text = f"#define VX_{backend.upper()} 1\n" + compact(kernel_source("velox_kernels.h"))
         if backend == "cuda":
             for name in self.cuda_headers:
                 text += "\n" + compact(kernel_source(name))
@@ -149,10 +142,7 @@ class KernelSpec:
     def body(self, backend: str) -> str:
         if backend not in PROLOGUE:
             raise ValueError(f"kernel backend must be 'metal' or 'cuda', got {backend!r}")
-        body = PROLOGUE[backend] + _SILENCE + compact(kernel_source(self.source, self.package))
-        # the header's defines end with the body: a translation unit holding several kernels
-        # (the compile checks) must not pass them on to the next
-        return body + "".join(f"\n#undef {d}" for d in self.defines)
+        return PROLOGUE[backend] + _SILENCE + compact(kernel_source(self.source, self.package))
 
     def build(self, backend: str) -> Any:
         """The MLX kernel object for ``backend`` (call it with inputs, grid, template...)."""

@@ -1,8 +1,7 @@
 """Encode kernels: quantize and bit-pack in one pass, matching the MLX reference bit for bit.
 
 * :func:`affine_encode`: :func:`velox_core.ops.affine_quantize` (``axis="token"``) followed by
-  :func:`velox_core.ops.pack` (``metal/encode_affine.metal``); :func:`affine_encode_pair`: the
-  same for a cache update's keys and values in one launch.
+  :func:`velox_core.ops.pack` (``metal/encode_affine.metal``).
 * :func:`codebook_encode`: :meth:`velox_core.ops.Codebook.encode` followed by
   :func:`velox_core.ops.pack` (``metal/encode_codebook.metal``).
 
@@ -22,29 +21,13 @@ import mlx.core as mx
 from ..ops.quant import scale_dtype
 from .build import KernelSpec
 
-__all__ = [
-    "AFFINE_ENCODE",
-    "AFFINE_ENCODE_PAIR",
-    "CODEBOOK_ENCODE",
-    "affine_encode",
-    "affine_encode_pair",
-    "codebook_encode",
-]
+__all__ = ["AFFINE_ENCODE", "CODEBOOK_ENCODE", "affine_encode", "codebook_encode"]
 
 AFFINE_ENCODE = KernelSpec(
     name="velox_encode_affine",
     source="encode_affine.metal",
     inputs=("x",),
     outputs=("codes", "scale", "zero"),
-)
-# the same body for two record sets of one shape and codec (a cache update's keys and values):
-# one launch, each set in outputs of its own (no slices of a stacked output)
-AFFINE_ENCODE_PAIR = KernelSpec(
-    name="velox_encode_affine_pair",
-    source="encode_affine.metal",
-    inputs=("x", "y"),
-    outputs=("codes", "scale", "zero", "codes_y", "scale_y", "zero_y"),
-    defines=("VX_ENCODE_PAIR",),
 )
 CODEBOOK_ENCODE = KernelSpec(
     name="velox_encode_codebook",
@@ -71,27 +54,6 @@ def affine_encode(
         codes ``(..., ceil(D*bits/32))`` uint32 and scale, zero ``(..., D // group)`` in
         :func:`velox_core.ops.scale_dtype` of ``x.dtype``.
     """
-    return _affine(x, None, bits, group, clip)
-
-
-def affine_encode_pair(
-    x: mx.array, y: mx.array, bits: int, group: int, clip: float = 1.0
-) -> tuple[tuple[mx.array, mx.array, mx.array], tuple[mx.array, mx.array, mx.array]] | None:
-    """:func:`affine_encode` of ``x`` and of ``y`` (same shape and dtype, same codec: a cache
-    update's keys and values) in one launch, or None if the kernel does not apply.
-
-    Shapes:
-        as :func:`affine_encode`, for each of ``x`` and ``y``.
-    """
-    if x.shape != y.shape or x.dtype != y.dtype:
-        return None
-    out = _affine(x, y, bits, group, clip)
-    if out is None:
-        return None
-    return out[:3], out[3:]
-
-
-def _affine(x: mx.array, y: mx.array | None, bits: int, group: int, clip: float):
     *lead, dim = x.shape
     if x.dtype not in _FLOATS or not 1 <= bits <= 8 or group < 1 or dim % group:
         return None
@@ -104,13 +66,8 @@ def _affine(x: mx.array, y: mx.array | None, bits: int, group: int, clip: float)
         return None
     words = -(-dim * bits // 32)
     sdt = scale_dtype(x.dtype)
-    inputs = [x.reshape(rows, dim)] if y is None else [x.reshape(rows, dim), y.reshape(rows, dim)]
-    total = rows * len(inputs)
-    # outputs in their final shapes (the kernel writes rows in order): no reshapes; a pair's
-    # second set in outputs of its own
-    shapes = [(*lead, words), (*lead, dim // group), (*lead, dim // group)] * len(inputs)
-    out = (AFFINE_ENCODE if y is None else AFFINE_ENCODE_PAIR).kernel()(
-        inputs=inputs,
+    codes, scale, zero = AFFINE_ENCODE.kernel()(
+        inputs=[x.reshape(rows, dim)],
         template=[
             ("BITS", bits),
             ("HD", dim),
@@ -118,12 +75,13 @@ def _affine(x: mx.array, y: mx.array | None, bits: int, group: int, clip: float)
             ("CLIPB", clip_bits(clip)),
             ("ST", sdt),
         ],
-        grid=(total, 1, 1),
-        threadgroup=(min(THREADS, total), 1, 1),
-        output_shapes=shapes,
-        output_dtypes=[mx.uint32, sdt, sdt] * len(inputs),
+        grid=(rows, 1, 1),
+        threadgroup=(min(THREADS, rows), 1, 1),
+        # outputs in their final shapes (the kernel writes rows in order): no reshapes
+        output_shapes=[(*lead, words), (*lead, dim // group), (*lead, dim // group)],
+        output_dtypes=[mx.uint32, sdt, sdt],
     )
-    return tuple(out)
+    return codes, scale, zero
 
 
 def codebook_encode(y: mx.array, bounds: mx.array, bits: int) -> mx.array | None:
