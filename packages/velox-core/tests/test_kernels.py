@@ -893,7 +893,11 @@ MMA_CASES = {
     "k8v4-g128-keys-five-rows": (1, 2, 150, 5, 8, 4, 128, 64, 2, 1, 2, 0),
     "k4v2-values-one-byte-group": (1, 2, 150, 4, 4, 2, 64, 128, 4, 1, 2, 0),
     "8bit-fold-four-value-groups": (1, 1, 150, 8, 8, 8, 64, 32, 2, 1, 2, 0),
+    "hd64-folds": (1, 2, 130, 4, 2, 4, 64, 64, 4, 2, 2, 0),
+    "hd256-folds-four-value-groups": (1, 2, 100, 4, 4, 2, 128, 64, 2, 1, 2, 0),
 }
+# head dims other than 128 (the lanes' channel blocks, m-tiles and groups scale with it)
+MMA_DIMS = {"hd64-folds": 64, "hd256-folds-four-value-groups": 256}
 FP16_QUERY = {
     "4bit-fp16-query",
     "2bit-fp16-query-gqa8-strided",
@@ -943,41 +947,43 @@ def mma_emulated(tmp_path_factory):
     emu = CudaEmulator(tmp_path_factory.mktemp("cuemu"))
     cases = {}
     for name, (b, h, t, m, kb, vb, kg, vg, nw, sub, s, pad) in MMA_CASES.items():
+        d = MMA_DIMS.get(name, 128)
         k1, k2, k3 = mx.random.split(mx.random.key(len(cases)), 3)
-        k = mx.random.normal((b, h, t, 128), key=k1).astype(mx.float16)
-        v = mx.random.normal((b, h, t, 128), key=k2).astype(mx.float16)
-        q = mx.random.normal((b, h, m, 128), key=k3) * 0.3
+        k = mx.random.normal((b, h, t, d), key=k1).astype(mx.float16)
+        v = mx.random.normal((b, h, t, d), key=k2).astype(mx.float16)
+        q = mx.random.normal((b, h, m, d), key=k3) * 0.3
         if name in FP16_QUERY:
             q = q.astype(mx.float16)
         kc, vc = Uniform(kb, group=kg), Uniform(vb, group=vg)
         kp, vp = kc.encode(k), vc.encode(v)
         keys = dk.Codes(dk.AFFINE, kb, kg, kp.data["codes"], kp.data["scale"], kp.data["zero"])
         vals = dk.Codes(dk.AFFINE, vb, vg, vp.data["codes"], vp.data["scale"], vp.data["zero"])
-        assert dk.mma_supported(m, 128, keys, vals)
-        stages = dk.mma_stages(128, keys, vals, nw, sub)
+        assert dk.mma_supported(m, d, keys, vals)
+        stages = dk.mma_stages(d, keys, vals, nw, sub)
         ins = [np_input(q)] + [
             _padded(x, pad) for x in (keys.codes, keys.a, keys.b, vals.codes, vals.a, vals.b)
         ]
         pres, pipe = name in P_RESIDUAL, name not in NO_PIPELINE
         fold = name not in NO_FOLDS
         tmpl = dk.mma_template(
-            128, keys, vals, m, nw, stages, sub, None, q.dtype, pres, pipe, fold, key_fold=fold
+            d, keys, vals, m, nw, stages, sub, None, q.dtype, pres, pipe, fold, key_fold=fold
         )
         tm = dict(tmpl)
         assert tm["QLO"] == (0 if name in FP16_QUERY else 1)
         assert tm["PIPE"] == int(pipe and not pres and stages >= 3)
-        assert tm["VFOLD"] == int(fold and not pres and vg % (64 if vb == 4 else 32) == 0)
-        assert tm["KFOLD"] == int(fold and kg % (128 // kb) == 0 and kg >= 64)
+        vunit = 64 if vb == 4 else 32  # 8 words at 4 and 8 bits, 8 bytes at 2
+        assert tm["VFOLD"] == int(fold and not pres and vg % vunit == 0 and d // vg <= 4)
+        assert tm["KFOLD"] == int(fold and kg % (128 // kb) == 0 and d // kg <= 2)
         spec = dk.mma_spec(nw, dk.mma_sm_blocks(nw))
-        lay = dk.mma_layout(b, h, s, m, 128)
+        lay = dk.mma_layout(b, h, s, m, d)
         handle = emu.kernel(spec, ins, ["float32"], tmpl)
         launch = ((s * nw * 32, b * h, 1), (nw * 32, 1, 1))
         fused = None
         if name in FUSED:  # the same kernel merging its own splits (FUSE = 1)
             out_dt = mx.float16 if name in FP16_QUERY else mx.float32
-            flay = dk.mma_layout(b, h, s, m, 128, out_dt)
+            flay = dk.mma_layout(b, h, s, m, d, out_dt)
             ftmpl = dk.mma_template(
-                128,
+                d,
                 keys,
                 vals,
                 m,
