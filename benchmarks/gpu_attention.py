@@ -280,71 +280,17 @@ def decode_check(name, codec_k, codec_v, b, h, t, m, dtype=mx.float16, seed=0, t
     check_guard(name, run)
 
 
-SUBNORMAL_MMA = r"""
-  const int lane = threadIdx.x;
-  unsigned int a[4], b[2];
-  for (int i = 0; i < 4; ++i) a[i] = A[lane * 4 + i];
-  for (int i = 0; i < 2; ++i) b[i] = B[lane * 2 + i];
-  float d[4] = {0.f, 0.f, 0.f, 0.f};
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  for (int i = 0; i < 4; ++i) D[lane * 4 + i] = d[i];
-"""
-
-
 def subnormal_mma_check(name: str) -> None:
     """The tensor-core kernel's folds put codes into fp16 MMAs as subnormals (code x 2^(o-24),
-    the masked bits alone): one m16n8k16 MMA of such an A (codes 0-15 at bit offsets 0-6)
-    with normal and with subnormal B operands, against float64 products."""
+    the masked bits alone): the library's probe (one MMA of such codes times ones, against the
+    exact row sums: ``velox_core.kernels.decode.run_subnormal_probe``) for three salts, and
+    the verdict the launch plan takes (``mma_subnormals_exact``)."""
 
     def run():
-        import numpy as np
+        from velox_core.kernels import decode as dk
 
-        kernel = mx.fast.cuda_kernel(
-            name="velox_check_subnormal_mma",
-            input_names=["A", "B"],
-            output_names=["D"],
-            source=SUBNORMAL_MMA,
-        )
-        rng = np.random.default_rng(0)
-        worst = 0.0
-        for trial in range(4):
-            bits = (rng.integers(0, 16, (16, 16)) << rng.integers(0, 7, (16, 16))).astype(np.uint16)
-            scale = 2.0**-20 if trial == 3 else 10.0 ** int(rng.integers(-3, 3))
-            bm = (rng.standard_normal((16, 8)) * scale).astype(np.float16)
-            # PTX fragment layouts: A (r, k) in lane 4 (r % 8) + (k % 8) // 2, register
-            # (r >= 8) + 2 (k >= 8), half k % 2; B (k, n) in lane 4 n + (k % 8) // 2, register
-            # (k >= 8); D (r, n) in lane 4 (r % 8) + n // 2, element 2 (r >= 8) + n % 2
-            af = np.zeros((32, 4), np.uint32)
-            bf = np.zeros((32, 2), np.uint32)
-            bb = bm.view(np.uint16)
-            for r in range(16):
-                for k in range(16):
-                    af[4 * (r % 8) + (k % 8) // 2, int(r >= 8) + 2 * int(k >= 8)] |= np.uint32(
-                        bits[r, k]
-                    ) << np.uint32(16 * (k % 2))
-            for k in range(16):
-                for n in range(8):
-                    bf[4 * n + (k % 8) // 2, int(k >= 8)] |= np.uint32(bb[k, n]) << np.uint32(
-                        16 * (k % 2)
-                    )
-            (d,) = kernel(
-                inputs=[mx.array(af.reshape(-1)), mx.array(bf.reshape(-1))],
-                output_shapes=[(128,)],
-                output_dtypes=[mx.float32],
-                grid=(32, 1, 1),
-                threadgroup=(32, 1, 1),
-            )
-            d = np.array(d).reshape(32, 4)
-            got = np.zeros((16, 8))
-            for lane in range(32):
-                for e in range(4):
-                    got[lane // 4 + 8 * (e >> 1), 2 * (lane % 4) + (e & 1)] = d[lane, e]
-            ref = bits.view(np.float16).astype(np.float64) @ bm.astype(np.float64)
-            worst = max(worst, float(np.abs(got - ref).max() / np.abs(ref).max()))
-        record_check(name, worst <= 1e-6, max_rel=worst)
+        worst = max(dk.run_subnormal_probe(salt) for salt in (0, dk.SUBNORMAL_SALT, 11))
+        record_check(name, worst <= 1e-6 and dk.mma_subnormals_exact(), max_rel=worst)
 
     check_guard(name, run)
 

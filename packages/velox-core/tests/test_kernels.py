@@ -570,7 +570,8 @@ def test_cuda_instantiations_compile_without_spills(tmp_path):
     Against MLX's real device headers when ``VELOX_MLX_CUDA_INCLUDE`` names them (the
     ``include`` folder holding ``mlx/backend/cuda/device/utils.cuh``), else the stand-in in
     ``metal/shim/cuda``."""
-    _nvcc_without_spills([cuda_source(*v)[0] for v in _decode_variants()], tmp_path)
+    probe = cuda_source(dk.PROBE_SUBNORMAL, [ArgInfo("uint32", 1, 1)], ["float32"], [])[0]
+    _nvcc_without_spills([cuda_source(*v)[0] for v in _decode_variants()] + [probe], tmp_path)
 
 
 # -- emulation: the Metal instantiation run on the CPU --------------------------------------------
@@ -1037,6 +1038,40 @@ def test_tensor_core_kernel_matches_the_reference(mma_emulated, name):
     top = np.asarray(mx.max(scores, axis=-1, keepdims=True))
     assert np.all(mm <= top + 1e-4) and np.all(mm >= top - 8 * math.log(2) - 1e-4)
     assert np.all(np.isfinite(o_part)) and np.all(ml[..., 1] >= 0)
+
+
+@needs_gxx
+def test_subnormal_probe_finds_exact_sums_and_flushed_operands(tmp_path):
+    """The probe the folds depend on (one MMA of subnormal codes times ones), emulated lane
+    by lane: its row sums equal the host's for several salts; outputs of a device that
+    flushed subnormals to zero (all zeros) or dropped one code's offset are told apart."""
+    emu = CudaEmulator(tmp_path)
+    salt = np.array([dk.SUBNORMAL_SALT], np.uint32)
+    handle = emu.kernel(dk.PROBE_SUBNORMAL, [salt], ["float32"], [])
+    for s in (0, dk.SUBNORMAL_SALT, 11):
+        (out,) = emu.run(handle, [np.array([s], np.uint32)], [(128,)], (32, 1, 1), (32, 1, 1))
+        assert dk.subnormal_probe_error(out, s) == 0.0
+    assert dk.subnormal_probe_error(np.zeros(128, np.float32), 3) == 1.0
+    want = np.array(dk.subnormal_probe_expected(3), np.float32)
+    off = want.copy()
+    off[5] += 2.0**-24  # one code one unit off
+    assert 0 < dk.subnormal_probe_error(off, 3) < 1e-3
+    with pytest.raises(ValueError, match="128"):
+        dk.subnormal_probe_error(want[:64], 3)
+
+
+def test_folds_stay_off_where_subnormal_operands_are_not_exact(monkeypatch):
+    """Both folds need exact subnormal MMA operands: with the probe failing, the launch plan
+    decodes both sides (KFOLD = VFOLD = 0) whatever the settings ask; with no CUDA device
+    nothing is probed and the folds follow the settings."""
+    z = mx.zeros((1, 8, 600, 2), mx.float16)
+    k = dk.Codes(dk.AFFINE, 4, 64, mx.zeros((1, 8, 600, 16), mx.uint32), z, z)
+    q_shape = (1, 8, 4, 128)
+    on = dict(dk.mma_launch(q_shape, mx.float16, k, k).template)
+    assert dk.mma_subnormals_exact() and on["KFOLD"] == on["VFOLD"] == 1
+    monkeypatch.setattr(dk, "mma_subnormals_exact", lambda: False)
+    off = dict(dk.mma_launch(q_shape, mx.float16, k, k, value_fold=True, key_fold=True).template)
+    assert off["KFOLD"] == off["VFOLD"] == 0
 
 
 @needs_gxx

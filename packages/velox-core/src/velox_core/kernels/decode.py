@@ -104,6 +104,14 @@ DECODE_MMA = KernelSpec(
     row_contiguous=False,
     cuda_headers=("velox_mma.cuh",),
 )
+# one MMA on subnormal codes: whether the tensor cores take them exactly (the folds rely on it)
+PROBE_SUBNORMAL = KernelSpec(
+    name="velox_probe_subnormal_mma",
+    source="probe_subnormal_mma.cu",
+    inputs=("salt_in",),
+    outputs=("out",),
+    cuda_headers=("velox_mma.cuh",),
+)
 MERGE = KernelSpec(
     name="velox_decode_merge",
     source="decode_merge.metal",
@@ -487,6 +495,66 @@ MMA_FOLD_GROUPS = 4  # at most this many value groups per token take VFOLD (regi
 MMA_KEY_FOLD_GROUPS = 2  # at most this many key groups per token take KFOLD (one chain each)
 
 
+def _probe_code_bits(r: int, k: int, salt: int) -> int:
+    """The fp16 bits of element ``(r, k)`` of the probe's A operand (``probe_subnormal_mma.cu``:
+    a 4-bit code at bit offset 0 to 6, the subnormal ``code x 2^(o - 24)``)."""
+    return ((16 * r + k + salt) % 15 + 1) << ((r + 3 * k + salt) % 7)
+
+
+def subnormal_probe_expected(salt: int) -> list[float]:
+    """The probe's outputs in its C-fragment order (lane ``4 (r % 8) + n // 2``, element
+    ``2 (r >= 8) + n % 2``): the row sums of its A operand, exact."""
+    sums = [sum(_probe_code_bits(r, k, salt) for k in range(16)) * 2.0**-24 for r in range(16)]
+    return [sums[lane // 4 + 8 * (e >> 1)] for lane in range(32) for e in range(4)]
+
+
+def subnormal_probe_error(out: Any, salt: int) -> float:
+    """The probe's largest error relative to the largest expected sum (0.0: exact)."""
+    want = subnormal_probe_expected(salt)
+    got = [float(x) for x in (out.tolist() if hasattr(out, "tolist") else out)]
+    if len(got) != len(want):
+        raise ValueError(f"subnormal probe: {len(got)} outputs, expected {len(want)}")
+    return max(abs(g - w) for g, w in zip(got, want)) / max(want)
+
+
+SUBNORMAL_SALT = 5
+_SUBNORMALS: dict[int, bool] = {}
+
+
+def run_subnormal_probe(salt: int = SUBNORMAL_SALT) -> float:
+    """Run the probe on the default device (a CUDA GPU): its error (0.0: exact)."""
+    (out,) = PROBE_SUBNORMAL.kernel()(
+        inputs=[mx.array([salt], dtype=mx.uint32)],
+        grid=(32, 1, 1),
+        threadgroup=(32, 1, 1),
+        output_shapes=[(128,)],
+        output_dtypes=[mx.float32],
+    )
+    return subnormal_probe_error(out, salt)
+
+
+def mma_subnormals_exact() -> bool:
+    """Whether the CUDA device MLX computes on takes fp16 subnormal MMA operands exactly,
+    which both folds (``KFOLD``, ``VFOLD``) rely on: the probe is run once per device (checked
+    on an H200; a device that flushed them would get scores and values of zero, so the folds
+    are then left off). True where no CUDA device computes (nothing runs the folds on
+    hardware; the CPU emulation takes subnormals exactly). A probe that cannot run (e.g.
+    inside a traced function) leaves the folds off on that device for the process (the
+    decoded path is exact either way)."""
+    if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
+        return True
+    dev = mx.default_device()
+    if dev.type != mx.DeviceType.gpu:
+        return True
+    ordinal = getattr(dev, "index", 0) or 0
+    if ordinal not in _SUBNORMALS:
+        try:
+            _SUBNORMALS[ordinal] = run_subnormal_probe() <= 1e-6
+        except Exception:  # any failure to run the probe: fold nothing
+            _SUBNORMALS[ordinal] = False
+    return _SUBNORMALS[ordinal]
+
+
 def mma_key_fold() -> bool:
     """Whether the tensor-core kernel folds the key scales and zeros out of the score MMA
     where the layout allows it (see :func:`mma_key_fold_ok`): ``VELOX_DECODE_KFOLD``
@@ -719,6 +787,7 @@ def mma_launch(
         value_fold,
         out_dtype,
         key_fold,
+        mma_subnormals_exact(),  # both folds put codes into the MMAs as fp16 subnormals
         tuple(map(env_setting, _MMA_SETTINGS)),
     )
     if plan is None:
@@ -745,11 +814,13 @@ def _mma_plan(
     value_fold: bool | None,
     out_dtype: mx.Dtype | None,
     key_fold: bool | None,
+    exact: bool,
     settings: tuple[str | None, ...],
 ) -> tuple[KernelSpec, tuple[tuple[str, int | mx.Dtype], ...], int, int] | None:
     """:func:`mma_launch`'s plan without the splits: (spec, template, warps, threadgroups
-    per SM). ``settings`` (the environment's values of :data:`_MMA_SETTINGS`) only keys the
-    cache: the helpers read the same values."""
+    per SM). ``exact``: whether the device takes subnormal MMA operands exactly
+    (:func:`mma_subnormals_exact`; both folds need it). ``settings`` (the environment's
+    values of :data:`_MMA_SETTINGS`) only keys the cache: the helpers read the same values."""
     keys = Codes(AFFINE, kside[0], kside[1], None, None)
     values = Codes(AFFINE, vside[0], vside[1], None, None)
     nwarps = mma_warps()
@@ -773,9 +844,9 @@ def _mma_plan(
         query_dtype,
         mma_p_residual() if p_residual is None else p_residual,
         mma_pipeline() if pipeline is None else pipeline,
-        mma_value_fold() if value_fold is None else value_fold,
+        exact and (mma_value_fold() if value_fold is None else value_fold),
         out_dtype,
-        key_fold=mma_key_fold() if key_fold is None else key_fold,
+        key_fold=exact and (mma_key_fold() if key_fold is None else key_fold),
     )
     return mma_spec(nwarps, sm_blocks), tuple(tmpl), nwarps, sm_blocks
 
