@@ -75,9 +75,14 @@ class Packed:
                 f"Packed.slice({start}, {stop}) must be block-aligned ({self.block}) "
                 f"within {self.tokens} tokens"
             )
-        return self.map(
-            lambda k, a: a[:, :, self.rows(k, start) : self.rows(k, stop)], tokens=stop - start
-        )
+        # written out rather than through map: a cache's every attention call slices its
+        # stores' buffers, so the per-array Python cost counts
+        per_block, block = self.per_block, self.block
+        data = {
+            k: a[:, :, start // block : stop // block] if k in per_block else a[:, :, start:stop]
+            for k, a in self.data.items()
+        }
+        return Packed(data, stop - start, block, per_block)
 
     def take(self, index: mx.array) -> Packed:
         """Gather tokens by index along axis 2 (per-token records only).

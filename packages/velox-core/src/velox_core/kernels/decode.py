@@ -895,9 +895,12 @@ class MmaLayout:
         """``FUSE`` 1: the merged ``(o, m, l)`` as views of the MLX array ``ws`` (``o`` in
         the output dtype, ``m`` and ``l`` ``(B, H, M, 1)``), without the partials' views."""
         b, h, m, d = self.b, self.h, self.rows, self.dim
-        out = ws[: self.mlo_off].view(self.out_dtype)[: b * h * m * d].reshape(b, h, m, d)
+        n = b * h * m * d
+        out = ws[: self.mlo_off].view(self.out_dtype)
+        if self.mlo_off * 4 != n * self.out_dtype.size:  # the region's padding to 16 bytes
+            out = out[:n]
         mlo = ws[self.mlo_off : self.mlo_off + b * h * m * 2].reshape(b, h, m, 2)
-        return out, mlo[..., 0:1], mlo[..., 1:2]
+        return out.reshape(b, h, m, d), mlo[..., 0:1], mlo[..., 1:2]
 
 
 def _words16(n: int) -> int:
