@@ -10,9 +10,9 @@ launch bounds and splits), then:
   key MMAs or no value MMAs (each replaced by a fold that keeps its inputs live), no value
   step at all, no exponentials, the copies alone; plus template settings (the weights'
   residual, the software pipeline, the value scales folded into the weights, the key scales
-  folded out of the score MMA). The edited
-  kernels compute wrong results on purpose: only their time is of interest. An edit that
-  no longer matches the source stops the run with the text it looked for.
+  folded out of the score MMA). The edited kernels compute wrong results on purpose: only
+  their time is of interest. An edit that no longer matches the source stops the run with
+  the text it looked for.
 * **timers**: the shipped kernel with ``%globaltimer`` and ``clock64`` read at its start,
   around its tile loop and at its end (one thread per threadgroup writes them over its
   ``ml_part`` row): the kernel's span on the GPU, the threadgroups' start spread, prologue /

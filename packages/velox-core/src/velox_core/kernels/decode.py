@@ -703,11 +703,10 @@ def mma_template(
     the MMA as they are stored, one instruction per pair instead of three. ``key_fold``: fold
     the key scales and zeros out of the score MMA (``KFOLD`` 1, where :func:`mma_key_fold_ok`):
     the key codes likewise go in as stored, and each score is put together from the group
-    sums afterwards. ``out_dtype`` given:
-    the last threadgroup of each (batch, head) merges the splits into an output of that dtype
-    (``FUSE`` 1, ``OT``; the launch must zero its output: ``init_value=0``); ``fuse_chunk`` (tests):
-    that merge takes the splits' weights in chunks of at most this many (0: as many as fit in
-    shared memory)."""
+    sums afterwards. ``out_dtype`` given: the last threadgroup of each (batch, head) merges
+    the splits into an output of that dtype (``FUSE`` 1, ``OT``; the launch must zero its
+    output: ``init_value=0``); ``fuse_chunk`` (tests): that merge takes the splits' weights in
+    chunks of at most this many (0: as many as fit in shared memory)."""
     return [
         ("HD", dim),
         ("KBITS", keys.bits),
@@ -855,8 +854,9 @@ def _mma_plan(
 class MmaLayout:
     """Where the tensor-core kernel's results lie in its one float32 output (offsets and the
     total in float32 elements, every region whole 16 bytes): with ``FUSE`` 1 the merged
-    output (in its dtype), its (max, sum) and the threadgroup counts, then the partials;
-    without, the partials alone (the ``*_off`` of the merged parts are 0, their sizes 0)."""
+    output (in its dtype, from offset 0), its (max, sum) and the threadgroup counts, then the
+    partials; without, the partials alone (``mlo_off`` and ``count_off`` 0, the merged parts'
+    sizes 0)."""
 
     b: int
     h: int
@@ -864,7 +864,6 @@ class MmaLayout:
     rows: int
     dim: int
     out_dtype: mx.Dtype | None
-    out_off: int
     mlo_off: int
     count_off: int
     ml_off: int
@@ -886,7 +885,7 @@ class MmaLayout:
             import numpy as np
 
             odt, cdt = np.dtype(str(self.out_dtype).replace("mlx.core.", "")), np.uint32
-        out = ws[self.out_off : self.mlo_off].view(odt)[:n].reshape(b, h, m, d)
+        out = ws[: self.mlo_off].view(odt)[:n].reshape(b, h, m, d)
         mlo = ws[self.mlo_off : self.mlo_off + b * h * m * 2].reshape(b, h, m, 2)
         count = ws[self.count_off : self.count_off + b * h].view(cdt)
         return o_part, ml_part, out, mlo, count
@@ -921,7 +920,7 @@ def mma_layout(
     ml = n_out + n_mlo + n_cnt
     o = ml + _words16(b * h * s * m * 2)
     size = o + b * h * s * m * dim
-    return MmaLayout(b, h, s, m, dim, out_dtype, 0, n_out, n_out + n_mlo, ml, o, size)
+    return MmaLayout(b, h, s, m, dim, out_dtype, n_out, n_out + n_mlo, ml, o, size)
 
 
 def _decode_mma(
