@@ -119,7 +119,7 @@ def make_variants(src: str) -> dict[str, str]:
     )
     v["no exponentials"] = edit(
         src,
-        "      p4[i] = v4[u][i] ? vx_exp2(s4[u][i] - mrow[i & 1]) : 0.0f;",
+        "      p4[i] = v4[u][i] ? vx_exp2_ftz(s4[u][i] - mrow[i & 1]) : 0.0f;",
         "      p4[i] = v4[u][i] ? (s4[u][i] - mrow[i & 1]) : 0.0f;",
     )
     copies = between(

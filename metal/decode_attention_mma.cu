@@ -38,7 +38,8 @@
 //           The factor 2^-o takes query channels below 2^(o - 14) into fp16 subnormals, whose
 //           spacing (2^-24) rounds them: at most 2^(-25 + o) absolute per channel (2^-19 at
 //           2 bits), and a split query's lo part keeps about 2^-15 of it instead of 2^-22.
-//   softmax online per query row (log2 domain): p = exp2(s - m) against a running max m that
+//   softmax online per query row (log2 domain): p = exp2(s - m) (one MUFU.EX2 each,
+//           vx_exp2_ftz: weights below 2^-126 flush to zero) against a running max m that
 //           is raised lazily (the accumulators are rescaled only when a score exceeds m by
 //           more than RESCALE, found with one vote and no reduction), so the partial's m is at
 //           most RESCALE below the true max (any m gives the same merged softmax). A lane's two
@@ -63,9 +64,11 @@
 //           fragment is P s (the weights times the tokens' scales, per group), the float32
 //           sums of p z per row and group are kept beside it, and at the end each channel's sum
 //           is multiplied by 2^(24 - o) and its group's p z added. For this each m-tile's 16
-//           channels must lie in one group: lane g takes words g, 8 + g, ... of a token's row
-//           (4 and 8 bits), or bytes g, 8 + g, ... (2 bits: a word holds 16 channels). The
-//           running max is then exact (RESCALE = 0: p <= 1, so P s stays in fp16 range).
+//           channels must lie in one group: lane g takes units g, 8 + g, ... of a token's row:
+//           16-bit units with LDSM (VLD: a transposing ldmatrix hands the lane unit g of tokens
+//           2t and 2t + 1 in one register, the fragment's token pair, with no byte permute),
+//           else words (4 and 8 bits) or bytes (2 bits: a word holds 16 channels). The running
+//           max is then exact (RESCALE = 0: p <= 1, so P s stays in fp16 range).
 //   codes   are decoded without shifts where they sit in the low byte of a 16-bit half
 //           (vx_dequant_at: the code OR-ed into the mantissa of 2^(10 - bit offset)), so a
 //           pair of decoded halves costs three instructions (KFOLD keys, VFOLD values: one).
@@ -88,7 +91,8 @@
 // two per token), VFOLD (1: value scales and zeros folded into the weights: groups of 8 whole
 // words, or of 32 channels at 2 bits, at most four per token, PLO = 0), FUSE (1: the split merge at the end of this launch), OT (the merged
 // output's type, FUSE = 1), FCHUNK (0, or the most splits whose weights the merge at the end
-// holds at once, fewer than fit: a test of its chunks).
+// holds at once, fewer than fit: a test of its chunks), LDSM (1: the code words through
+// ldmatrix, see KLD / VLD below).
 // The host (velox_core.kernels.decode.mma_supported) checks the layout: HD / 4 channels of
 // keys and HD / 8 of values fill whole words, and a lane's channels meet whole groups.
 
@@ -117,9 +121,21 @@ static_assert(!KFOLD || (KGROUP % (4 * KCW) == 0 && HD / KGROUP <= 2),
 // VFOLD: the unit a lane takes of a value row's, interleaved 8 ways (lane g takes units g,
 // 8 + g, ...): whole words at 4 and 8 bits, bytes at 2 bits (a word holds 16 channels, so 8
 // words would span 128). Each m-tile's 16 channels (two per lane) then lie in 8 adjacent units.
-constexpr bool VBYTE = VFOLD && VBITS == 2;
-constexpr int VU = VBYTE ? 8 / VBITS : VCW;   // channels per interleaved unit
-constexpr int VLW = VBYTE ? VCL / VU : VWL;   // words a lane loads per token
+// LDSM = 1: the code words come out of the ring through ldmatrix, four 8 x 8 matrices of
+// 16-bit units per instruction: the keys with KFOLD (KLD: a non-transposed load hands lane
+// (g, t) word t of each 16-byte segment of tokens g and 8 + g, KFOLD's layout), the values
+// with VFOLD where a group holds 8 whole 16-bit units of each lane (VLD): a transposed load
+// hands lane (g, t) unit g of an 8-unit block of tokens 2t and 2t + 1 (+ 8) in one register,
+// the V^T fragment's token pair, so no byte permute puts two tokens' words together; lane g
+// takes units g, 8 + g, ... of a row (VU channels each).
+constexpr bool KLD = LDSM && KFOLD;
+constexpr bool VLD = LDSM && VFOLD && VGROUP % (8 * (16 / VBITS)) == 0;
+constexpr int VBLK = HD * VBITS / 128;        // VLD: 8-unit blocks of a value row (even)
+static_assert(!VLD || VBLK % 2 == 0, "VLD loads two 8-unit blocks of both token halves at once");
+static_assert(!KLD || (HD * KBITS) % 128 == 0, "KLD loads whole 16-byte key segments");
+constexpr bool VBYTE = VFOLD && VBITS == 2 && !VLD;
+constexpr int VU = VLD ? 16 / VBITS : VBYTE ? 8 / VBITS : VCW;  // channels per interleaved unit
+constexpr int VLW = VBYTE ? VCL / VU : VWL;   // words a lane loads per token (without VLD)
 static_assert(!VFOLD || (VGROUP % (8 * VU) == 0 && HD / VGROUP <= 4 && !PLO),
               "VFOLD needs groups of 8 whole units, at most four per token, P rounded to fp16");
 
@@ -152,44 +168,6 @@ unsigned int qa[KSTEPS][4];
 // query's sums per group for rows 2t and 2t + 1 (times the scores' factor: the zeros' term)
 auto kgroup = [](int kk) { return (4 * ((2 * kk) / KPW) * KCW) / KGROUP; };
 float qz[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
-{
-  const bool qrow = g < MROWS;
-  const int64_t qb = (int64_t)b * q_strides[0] + (int64_t)h * q_strides[1] +
-                     (int64_t)(qrow ? g : 0) * q_strides[2];
-  float qsum[2] = {0.0f, 0.0f};  // KFOLD: this lane's channels of row g, per group
-#pragma unroll
-  for (int kk = 0; kk < KSTEPS; ++kk) {
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int p = 2 * kk + u;  // the lane's fp16 pair of this k-step (u = 1: k + 8)
-      const int wl = p / KPW;
-      const int jj = p - wl * KPW;
-      // channel of the low half (the high half's is KPW more)
-      const int c0 = (KFOLD ? (4 * wl + t) * KCW : t * KCL + wl * KCW) + jj;
-      const int c1 = c0 + KPW;
-      // KFOLD: the codes enter as c 2^(o - 24) at bit offset o of their byte
-      const float sub = KFOLD ? 1.0f / static_cast<float>(1 << ((jj * KBITS) & 7)) : 1.0f;
-      const float x0 = qrow ? static_cast<float>(q[qb + (int64_t)c0 * q_strides[3]]) * qin : 0.0f;
-      const float x1 = qrow ? static_cast<float>(q[qb + (int64_t)c1 * q_strides[3]]) * qin : 0.0f;
-      const __half2 hi = __floats2half2_rn(x0 * sub, x1 * sub);
-      const float2 hf = __half22float2(hi);
-      qa[kk][2 * u] = vx_h2u(hi);
-      qa[kk][2 * u + 1] = QLO ? vx_pack_h2(x0 * sub - hf.x, x1 * sub - hf.y) : 0u;
-      if (KFOLD) {
-        qsum[kgroup(kk)] += x0 + x1;
-      }
-    }
-  }
-  if (KFOLD) {  // rows' sums over the 4 lanes of g, then rows 2t, 2t + 1 from lanes 8t, 8t + 4
-#pragma unroll
-    for (int gr = 0; gr < 2; ++gr) {
-      qsum[gr] += vx_shfl_xor(qsum[gr], 1);
-      qsum[gr] += vx_shfl_xor(qsum[gr], 2);
-      qz[gr][0] = sout * __shfl_sync(0xffffffffu, qsum[gr], 8 * t);
-      qz[gr][1] = sout * __shfl_sync(0xffffffffu, qsum[gr], 8 * t + 4);
-    }
-  }
-}
 const float kmul = sout * 16777216.0f;  // KFOLD: 2^24 (the codes' subnormal unit) x the factor
 
 // ---- each warp's ring of NSTAGE tiles in shared memory, filled with cp.async ------------------
@@ -437,12 +415,25 @@ auto score_step = [&](const unsigned int* st, float (&sc)[NSUB][2][4]) {
   for (int u = 0; u < NSUB; ++u) {
     unsigned int kw[2][KWL], kw8[2][KWL];  // tokens g, 8 + g: the lane's words, shifted a byte
     __half2 s2[2][KNG], z2[2][KNG];
+    if (KLD) {  // matrix (token half n, 16-byte segment w) -> kw[n][w], two segments a load
+      const unsigned int* row =
+          st + O_KC + (SUB * u + 8 * ((lane >> 3) & 1) + (lane & 7)) * KWT + 4 * (lane >> 4);
+#pragma unroll
+      for (int w = 0; w + 1 < KWL; w += 2) {
+        vx_ldmatrix_x4<0>(kw[0][w], kw[1][w], kw[0][w + 1], kw[1][w + 1], row + 4 * w);
+      }
+      if (KWL % 2) {
+        vx_ldmatrix_x2<0>(kw[0][KWL - 1], kw[1][KWL - 1], row + 4 * (KWL - 1));
+      }
+    }
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
       const int tr = SUB * u + 8 * n + g;
 #pragma unroll
       for (int w = 0; w < KWL; ++w) {
-        kw[n][w] = st[O_KC + tr * KWT + (KFOLD ? 4 * w + t : t * KWL + w)];
+        if (!KLD) {
+          kw[n][w] = st[O_KC + tr * KWT + (KFOLD ? 4 * w + t : t * KWL + w)];
+        }
         kw8[n][w] = kw[n][w] >> 8;
       }
 #pragma unroll
@@ -512,6 +503,45 @@ for (int s = 0; s < NSTAGE - 1; ++s) {
     issue(warp + s * NWARPS, s);
   }
   vx_cp_commit();  // an empty group keeps the count uniform
+}
+// the query fragments (computed while the ring's first tiles are in flight)
+{
+  const bool qrow = g < MROWS;
+  const int64_t qb = (int64_t)b * q_strides[0] + (int64_t)h * q_strides[1] +
+                     (int64_t)(qrow ? g : 0) * q_strides[2];
+  float qsum[2] = {0.0f, 0.0f};  // KFOLD: this lane's channels of row g, per group
+#pragma unroll
+  for (int kk = 0; kk < KSTEPS; ++kk) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int p = 2 * kk + u;  // the lane's fp16 pair of this k-step (u = 1: k + 8)
+      const int wl = p / KPW;
+      const int jj = p - wl * KPW;
+      // channel of the low half (the high half's is KPW more)
+      const int c0 = (KFOLD ? (4 * wl + t) * KCW : t * KCL + wl * KCW) + jj;
+      const int c1 = c0 + KPW;
+      // KFOLD: the codes enter as c 2^(o - 24) at bit offset o of their byte
+      const float sub = KFOLD ? 1.0f / static_cast<float>(1 << ((jj * KBITS) & 7)) : 1.0f;
+      const float x0 = qrow ? static_cast<float>(q[qb + (int64_t)c0 * q_strides[3]]) * qin : 0.0f;
+      const float x1 = qrow ? static_cast<float>(q[qb + (int64_t)c1 * q_strides[3]]) * qin : 0.0f;
+      const __half2 hi = __floats2half2_rn(x0 * sub, x1 * sub);
+      const float2 hf = __half22float2(hi);
+      qa[kk][2 * u] = vx_h2u(hi);
+      qa[kk][2 * u + 1] = QLO ? vx_pack_h2(x0 * sub - hf.x, x1 * sub - hf.y) : 0u;
+      if (KFOLD) {
+        qsum[kgroup(kk)] += x0 + x1;
+      }
+    }
+  }
+  if (KFOLD) {  // rows' sums over the 4 lanes of g, then rows 2t, 2t + 1 from lanes 8t, 8t + 4
+#pragma unroll
+    for (int gr = 0; gr < 2; ++gr) {
+      qsum[gr] += vx_shfl_xor(qsum[gr], 1);
+      qsum[gr] += vx_shfl_xor(qsum[gr], 2);
+      qz[gr][0] = sout * __shfl_sync(0xffffffffu, qsum[gr], 8 * t);
+      qz[gr][1] = sout * __shfl_sync(0xffffffffu, qsum[gr], 8 * t + 4);
+    }
+  }
 }
 float sc[NSUB][2][4];  // score accumulators of the step to consume (PIPE: computed one step early)
 if (PIPE && nmine > 0) {
@@ -601,7 +631,7 @@ for (int k = 0; k < nmine; ++k) {
       tmax = vx_max(tmax, vx_shfl_xor(tmax, 8));
       tmax = vx_max(tmax, vx_shfl_xor(tmax, 16));
       const float mnew = vx_max(mrow[c], tmax);
-      alpha[c] = vx_exp2(mrow[c] - mnew);
+      alpha[c] = vx_exp2_ftz(mrow[c] - mnew);
       lrow[c] *= alpha[c];
       mrow[c] = mnew;
     }
@@ -627,7 +657,7 @@ for (int k = 0; k < nmine; ++k) {
     float p4[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      p4[i] = v4[u][i] ? vx_exp2(s4[u][i] - mrow[i & 1]) : 0.0f;
+      p4[i] = v4[u][i] ? vx_exp2_ftz(s4[u][i] - mrow[i & 1]) : 0.0f;
       lrow[i & 1] += p4[i];
     }
 #pragma unroll
@@ -650,16 +680,27 @@ for (int k = 0; k < nmine; ++k) {
 
   // values: the lane's words of tokens 2t, 2t + 1, 2t + 8, 2t + 9 and their scales as pairs
   // (VFOLD: the words of its interleaved units; at 2 bits word w holds the lane's byte w)
+  // (VLD: vr[u][blk][n] = unit 8 blk + g of tokens 2t + 8n, 2t + 8n + 1, low half first)
   unsigned int vw[NSUB][4][VLW];
+  unsigned int vr[NSUB][VLD ? VBLK : 1][2];
   __half2 vs2[NSUB][2][VNG], vz2[NSUB][2][VNG];
   const unsigned int bsel = VBYTE ? (g & 3) * 0x0011u + (4 + (g & 3)) * 0x1100u : 0u;
 #pragma unroll
   for (int u = 0; u < NSUB; ++u) {
+    if (VLD) {  // matrix (token half n, block blk) -> vr[u][blk][n], two blocks a load
+      const unsigned int* row =
+          st + O_VC + (SUB * u + 8 * ((lane >> 3) & 1) + (lane & 7)) * VWT + 4 * (lane >> 4);
+#pragma unroll
+      for (int blk = 0; blk < (VLD ? VBLK : 0); blk += 2) {
+        vx_ldmatrix_x4<1>(vr[u][blk][0], vr[u][blk][1], vr[u][blk + 1][0], vr[u][blk + 1][1],
+                          row + 4 * blk);
+      }
+    }
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
       const int tr = SUB * u + 2 * t + (n & 1) + 8 * (n >> 1);
 #pragma unroll
-      for (int w = 0; w < VLW; ++w) {
+      for (int w = 0; w < (VLD ? 0 : VLW); ++w) {
         vw[u][n][w] = st[O_VC + tr * VWT + (VBYTE ? 2 * w + (g >> 2) : VFOLD ? w * 8 + g : g * VWL + w)];
       }
     }
@@ -695,6 +736,13 @@ for (int k = 0; k < nmine; ++k) {
       for (int e = 0; e < 4; ++e) {
         const int ch = 2 * j + (e & 1);  // the lane's channel (row g or g + 8 of the m-tile)
         const int n = e >> 1;            // token pair (2t, 2t + 1) or (2t + 8, 2t + 9)
+        if (VLD) {  // the channel's code in unit ch / VU of both tokens (past bit 8: shifted)
+          const int blk = ch / VU;
+          const int bit = (ch - blk * VU) * VBITS;
+          const unsigned int y = bit < 8 ? vr[u][blk][n] : vr[u][blk][n] >> 8;
+          af[e] = vx_code_sub(y, bit & 7, VBITS);
+          continue;
+        }
         if (VBYTE) {  // the lane's byte ch / 4 of both tokens, in the low bytes of the halves
           const unsigned int y = __byte_perm(vw[u][2 * n][ch / 4], vw[u][2 * n + 1][ch / 4], bsel);
           af[e] = vx_code_sub(y, (ch & 3) * 2, 2);

@@ -38,12 +38,51 @@ VX_FN void vx_mma16816(float (&d)[4], unsigned int a0, unsigned int a1, unsigned
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// 2^x as one MUFU.EX2 (ex2.approx.ftz: about 2 ulp, results below 2^-126 flushed to zero) for
+// the softmax weights, where exp2f adds a range check and two scalings per call to keep
+// subnormal results: a weight below 2^-126 vanishes beside its row's sum, which holds the
+// row's max at weight 1 or more.
+VX_FN float vx_exp2_ftz(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+  return r;
+}
+
 // The transpose of an 8 x 8 fp16 matrix held in the C layout (lane 4 r + c / 2 holds row r,
 // columns c, c + 1 as one f16x2 register): lane 4 r + c / 2 gets rows c, c + 1 of column r.
 VX_FN unsigned int vx_movmatrix_trans(unsigned int x) {
   unsigned int r;
   asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
   return r;
+}
+
+// Four (two) 8 x 8 matrices of 16-bit elements from shared memory (ldmatrix, sm_75+): lane
+// 8 i + r gives the address of row r of matrix i (16 bytes, 16-byte aligned; with two
+// matrices lanes 16 to 31 give ignored addresses). Lane 4 g + t gets, in register i, matrix
+// i's row g, elements 2t and 2t + 1 (TRANS = 0), or its elements (2t, g) and (2t + 1, g)
+// (TRANS = 1: row g of the transpose), the first in the low half.
+template <int TRANS>
+VX_FN void vx_ldmatrix_x4(unsigned int& r0, unsigned int& r1, unsigned int& r2, unsigned int& r3,
+                          const void* row) {
+  const unsigned int a = static_cast<unsigned int>(__cvta_generic_to_shared(row));
+  if (TRANS) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(a) : "memory");
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(a) : "memory");
+  }
+}
+template <int TRANS>
+VX_FN void vx_ldmatrix_x2(unsigned int& r0, unsigned int& r1, const void* row) {
+  const unsigned int a = static_cast<unsigned int>(__cvta_generic_to_shared(row));
+  if (TRANS) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(r0), "=r"(r1) : "r"(a) : "memory");
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(r0), "=r"(r1) : "r"(a) : "memory");
+  }
 }
 
 // Asynchronous global -> shared copies (cp.async, sm_80+): `src_bytes` of 4 copied, the rest
@@ -116,6 +155,11 @@ VX_FN void vx_bulk_copy(void* dst, const void* src, unsigned int bytes, unsigned
 
 VX_FN unsigned int vx_and_or(unsigned int x, unsigned int m, unsigned int c) { return (x & m) | c; }
 
+VX_FN float vx_exp2_ftz(float x) {
+  const float r = exp2f(x);
+  return r < 1.17549435e-38f ? 0.0f : r;
+}
+
 VX_FN float vx_emu_half(unsigned int reg, int hi) {
   const __half2 h = vx_u2h(reg);
   return float(hi ? h.y : h.x);
@@ -171,6 +215,48 @@ VX_FN unsigned int vx_movmatrix_trans(unsigned int x) {
   const unsigned int out = vx_h2u(__halves2half2(r % 2 ? lo.y : lo.x, r % 2 ? hi.y : hi.x));
   w.bar.wait();
   return out;
+}
+
+// ldmatrix: every lane publishes its row address; each reads its elements through them
+template <int TRANS>
+VX_FN void vx_emu_ldmatrix(unsigned int* r, int n, const void* row) {
+  vx_cuemu::Warp& w = vx_cuemu::warp();
+  const int lane = vx_cuemu::g_lane;
+  w.slot[lane] = reinterpret_cast<uint64_t>(row);
+  w.bar.wait();
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  auto at = [&](int m, int rr, int c) {  // element (rr, c) of matrix m
+    unsigned short e;
+    std::memcpy(&e, reinterpret_cast<const unsigned char*>(w.slot[8 * m + rr]) + 2 * c, 2);
+    return static_cast<unsigned int>(e);
+  };
+  unsigned int out[4];
+  for (int m = 0; m < n; ++m) {
+    out[m] = TRANS ? at(m, 2 * t, g) | (at(m, 2 * t + 1, g) << 16)
+                   : at(m, g, 2 * t) | (at(m, g, 2 * t + 1) << 16);
+  }
+  w.bar.wait();
+  for (int m = 0; m < n; ++m) {
+    r[m] = out[m];
+  }
+}
+template <int TRANS>
+VX_FN void vx_ldmatrix_x4(unsigned int& r0, unsigned int& r1, unsigned int& r2, unsigned int& r3,
+                          const void* row) {
+  unsigned int r[4];
+  vx_emu_ldmatrix<TRANS>(r, 4, row);
+  r0 = r[0];
+  r1 = r[1];
+  r2 = r[2];
+  r3 = r[3];
+}
+template <int TRANS>
+VX_FN void vx_ldmatrix_x2(unsigned int& r0, unsigned int& r1, const void* row) {
+  unsigned int r[4];
+  vx_emu_ldmatrix<TRANS>(r, 2, row);
+  r0 = r[0];
+  r1 = r[1];
 }
 
 VX_FN void vx_cp_async4(void* dst, const void* src, int src_bytes) {

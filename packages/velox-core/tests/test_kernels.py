@@ -388,6 +388,7 @@ def _mma_variants():
             dk.mma_value_fold(),
             getattr(mx, merged) if merged else None,
             key_fold=dk.mma_key_fold(),
+            ldsm=dk.mma_ldsm(),
         )
         infos = [ArgInfo(*qd), *[ArgInfo(*a) for a in (U32, H16, H16)] * 2]
         spec = dk.mma_spec(nw, dk.mma_sm_blocks(nw))
@@ -447,17 +448,30 @@ def test_mma_launch_settings():
 
 
 def test_value_fold_takes_only_the_layouts_it_covers(monkeypatch):
-    """VFOLD: groups of 8 whole interleaved units (words at 4 and 8 bits, bytes at 2), at
-    most four groups a token, weights rounded to fp16; the setting is a 0/1 flag and its
-    template constant follows it."""
+    """VFOLD: groups of 8 whole interleaved units (16-bit units with LDSM; else words at 4
+    and 8 bits, bytes at 2), at most four groups a token, weights rounded to fp16; the
+    settings are 0/1 flags and the template constants follow them."""
     ok = dk.mma_fold_ok
-    assert ok(_mma_codes(4, 64), 128, False) and ok(_mma_codes(4, 128), 128, False)
-    assert ok(_mma_codes(8, 64), 128, False) and ok(_mma_codes(8, 32), 128, False)
-    assert ok(_mma_codes(2, 64), 128, False) and ok(_mma_codes(2, 32), 128, False)  # bytes
-    assert not ok(_mma_codes(4, 64), 128, True)  # the weights' residual MMA
-    assert not ok(_mma_codes(4, 32), 128, False)  # a group of 4 words
-    assert not ok(_mma_codes(2, 16), 128, False)  # a group of 4 bytes
-    assert not ok(_mma_codes(8, 32), 256, False)  # eight groups a token
+    for ldsm in (False, True):
+        assert ok(_mma_codes(4, 64), 128, False, ldsm) and ok(_mma_codes(4, 128), 128, False, ldsm)
+        assert ok(_mma_codes(8, 64), 128, False, ldsm) and ok(_mma_codes(8, 32), 128, False, ldsm)
+        assert ok(_mma_codes(2, 64), 128, False, ldsm) and ok(_mma_codes(2, 32), 128, False, ldsm)
+        assert not ok(_mma_codes(4, 64), 128, True, ldsm)  # the weights' residual MMA
+        assert not ok(_mma_codes(2, 16), 128, False, ldsm)  # 4 bytes, 2 units
+        assert not ok(_mma_codes(8, 32), 256, False, ldsm)  # eight groups a token
+    assert not ok(_mma_codes(4, 32), 128, False, False)  # a group of 4 words
+    assert ok(_mma_codes(4, 32), 128, False, True)  # ... and of 8 16-bit units
+    assert not ok(_mma_codes(8, 16), 64, False, False) and ok(_mma_codes(8, 16), 64, False, True)
+    units = dk.mma_value_units
+    assert [units(_mma_codes(b, 64), True) for b in (2, 4, 8)] == [8, 4, 2]
+    assert [units(_mma_codes(b, 64), False) for b in (2, 4, 8)] == [4, 8, 4]
+    assert units(_mma_codes(2, 32), True) == 4  # 2 bits, 32 channels a group: bytes
+    monkeypatch.setenv("VELOX_DECODE_LDSM", "0")
+    assert dk.mma_ldsm() is False
+    monkeypatch.setenv("VELOX_DECODE_LDSM", "on")
+    with pytest.raises(ValueError, match="VELOX_DECODE_LDSM must be 0 or 1"):
+        dk.mma_ldsm()
+    monkeypatch.delenv("VELOX_DECODE_LDSM")
     k = v = _mma_codes(4, 64)
     fold = dict(dk.mma_template(128, k, v, 4, 4, 2, 2, None, mx.float16, False, True, True))
     assert fold["VFOLD"] == 1
@@ -923,6 +937,9 @@ NO_PIPELINE = {"4bit-no-pipeline"}
 # VFOLD = 1 and KFOLD = 1 (scales folded into the weights / out of the score MMA) wherever the
 # layout allows it, except here
 NO_FOLDS = {"4bit-no-folds"}
+# LDSM = 1 (code words through ldmatrix: keys with KFOLD, values with VFOLD in 16-bit units
+# where a group holds 8) except here: the word (4, 8 bits) and byte (2 bits) value layouts
+NO_LDSM = {"2bit-steps-of-four", "4bit-fp16-query", "8bit-fold-four-value-groups", "hd64-folds"}
 
 
 def _padded(x, pad: int):
@@ -965,15 +982,29 @@ def mma_emulated(tmp_path_factory):
             _padded(x, pad) for x in (keys.codes, keys.a, keys.b, vals.codes, vals.a, vals.b)
         ]
         pres, pipe = name in P_RESIDUAL, name not in NO_PIPELINE
-        fold = name not in NO_FOLDS
+        fold, ldsm = name not in NO_FOLDS, name not in NO_LDSM
         tmpl = dk.mma_template(
-            d, keys, vals, m, nw, stages, sub, None, q.dtype, pres, pipe, fold, key_fold=fold
+            d,
+            keys,
+            vals,
+            m,
+            nw,
+            stages,
+            sub,
+            None,
+            q.dtype,
+            pres,
+            pipe,
+            fold,
+            key_fold=fold,
+            ldsm=ldsm,
         )
         tm = dict(tmpl)
         assert tm["QLO"] == (0 if name in FP16_QUERY else 1)
         assert tm["PIPE"] == int(pipe and not pres and stages >= 3)
-        vunit = 64 if vb == 4 else 32  # 8 words at 4 and 8 bits, 8 bytes at 2
-        assert tm["VFOLD"] == int(fold and not pres and vg % vunit == 0 and d // vg <= 4)
+        # 8 16-bit units (LDSM), else 8 words at 4 and 8 bits, 8 bytes at 2
+        vok = (ldsm and vg % (128 // vb) == 0) or vg % (64 if vb == 4 else 32) == 0
+        assert tm["VFOLD"] == int(fold and not pres and vok and d // vg <= 4)
         assert tm["KFOLD"] == int(fold and kg % (128 // kb) == 0 and d // kg <= 2)
         spec = dk.mma_spec(nw, dk.mma_sm_blocks(nw))
         lay = dk.mma_layout(b, h, s, m, d)
@@ -999,6 +1030,7 @@ def mma_emulated(tmp_path_factory):
                 out_dt,
                 FUSE_CHUNK.get(name, 0),
                 key_fold=fold,
+                ldsm=ldsm,
             )
             fused = (emu.kernel(spec, ins, ["float32"], ftmpl), flay)
         # the reference: keys and values decoded, rounded to fp16 as the kernel decodes them;

@@ -576,16 +576,35 @@ def mma_fuse_merge() -> bool:
     return _env_flag("VELOX_DECODE_FUSE", True)
 
 
-def mma_fold_ok(values: Codes, dim: int, p_residual: bool) -> bool:
+def mma_value_units(values: Codes, ldsm: bool) -> int:
+    """Channels per unit of the lanes' interleaved values with ``VFOLD`` (lane g takes units
+    g, 8 + g, ... of a row; an m-tile's 16 channels lie in 8 adjacent units): 16-bit units
+    (``ldsm``, the ``VLD`` layout, read by transposing ldmatrix loads) where a group holds 8
+    of them; else words at 4 and 8 bits, bytes at 2 bits."""
+    units = 16 // values.bits
+    if ldsm and values.group % (8 * units) == 0:
+        return units
+    return 8 // values.bits if values.bits == 2 else 32 // values.bits
+
+
+def mma_fold_ok(values: Codes, dim: int, p_residual: bool, ldsm: bool = True) -> bool:
     """Whether the value scales can be folded into the weights (``VFOLD``): a group holds 8
-    whole units of the lanes' interleaved values (the 16 channels of an m-tile: words at 4 and
-    8 bits, 64 and 32 channels; bytes at 2 bits, 32 channels), a token has at most
+    whole units of the lanes' interleaved values (:func:`mma_value_units`: with ``ldsm``
+    16-bit units, 64, 32 and 16 channels at 2, 4 and 8 bits; else words at 4 and 8 bits, 64
+    and 32 channels, and bytes at 2 bits, 32 channels), a token has at most
     :data:`MMA_FOLD_GROUPS` groups (each adds two float32 sums a lane), and the weights go in
     rounded to fp16 (no residual MMA)."""
-    unit = 8 // values.bits if values.bits == 2 else 32 // values.bits
+    unit = mma_value_units(values, ldsm)
     return (
         not p_residual and values.group % (8 * unit) == 0 and dim // values.group <= MMA_FOLD_GROUPS
     )
+
+
+def mma_ldsm() -> bool:
+    """Whether the tensor-core kernel reads code words out of its ring with ldmatrix (the
+    keys with ``KFOLD``, the values with ``VFOLD`` in 16-bit units: ``LDSM`` 1):
+    ``VELOX_DECODE_LDSM`` (default 1)."""
+    return _env_flag("VELOX_DECODE_LDSM", True)
 
 
 def mma_subtiles() -> int:
@@ -692,6 +711,7 @@ def mma_template(
     out_dtype: mx.Dtype | None = None,
     fuse_chunk: int = 0,
     key_fold: bool = False,
+    ldsm: bool = False,
 ) -> list[tuple[str, int | mx.Dtype]]:
     """The tensor-core body's compile-time constants (``decode_attention_mma.cu``). An fp16
     query goes into the MMA as it is (``QLO`` 0); any other dtype as fp16 hi and lo parts.
@@ -706,7 +726,11 @@ def mma_template(
     sums afterwards. ``out_dtype`` given: the last threadgroup of each (batch, head) merges
     the splits into an output of that dtype (``FUSE`` 1, ``OT``; the launch must zero its
     output: ``init_value=0``); ``fuse_chunk`` (tests): that merge takes the splits' weights in
-    chunks of at most this many (0: as many as fit in shared memory)."""
+    chunks of at most this many (0: as many as fit in shared memory). ``ldsm``: read the code
+    words out of the ring with ldmatrix (``LDSM`` 1): the keys with ``KFOLD`` (four 16-byte
+    segments a load), the values with ``VFOLD`` in the 16-bit unit layout where a group holds
+    8 units (:func:`mma_value_units`; transposing loads hand each lane two tokens' codes in one
+    register, so no byte permute)."""
     return [
         ("HD", dim),
         ("KBITS", keys.bits),
@@ -721,11 +745,12 @@ def mma_template(
         ("QLO", 0 if query_dtype == mx.float16 else 1),
         ("PLO", int(p_residual)),
         ("PIPE", int(pipeline and stages >= 3 and not p_residual)),
-        ("VFOLD", int(value_fold and mma_fold_ok(values, dim, p_residual))),
+        ("VFOLD", int(value_fold and mma_fold_ok(values, dim, p_residual, ldsm))),
         ("KFOLD", int(key_fold and mma_key_fold_ok(keys, dim))),
         ("FUSE", int(out_dtype is not None)),
         ("OT", mx.float32 if out_dtype is None else out_dtype),
         ("FCHUNK", int(fuse_chunk)),
+        ("LDSM", int(ldsm)),
     ]
 
 
@@ -749,6 +774,7 @@ _MMA_SETTINGS = (
     "VELOX_DECODE_PIPELINE",
     "VELOX_DECODE_VFOLD",
     "VELOX_DECODE_KFOLD",
+    "VELOX_DECODE_LDSM",
 )
 
 
@@ -846,6 +872,7 @@ def _mma_plan(
         exact and (mma_value_fold() if value_fold is None else value_fold),
         out_dtype,
         key_fold=exact and (mma_key_fold() if key_fold is None else key_fold),
+        ldsm=mma_ldsm(),
     )
     return mma_spec(nwarps, sm_blocks), tuple(tmpl), nwarps, sm_blocks
 
