@@ -497,12 +497,16 @@ def section_checks(quick: bool) -> None:
         lambda: UniformCache(bits=4, window=32, sinks=4),
         t=1200 if quick else 5000,
     )
-    for bits, t in ((4, 5000), (2, 40_961)):  # no fp16 segments: the kernel merges its splits
-        cache_check(
-            f"UniformCache {bits}-bit T{t}, splits merged in the kernel",
-            lambda bits=bits: UniformCache(bits=bits),
-            t=1200 if quick else t,
-        )
+    # no fp16 segments: the kernel merges its splits (by default up to 16k tokens), or a
+    # second launch does (past them)
+    for bits, t, fuse in ((4, 5000, None), (2, 40_961, 1), (2, 40_961, None)):
+        how = "splits merged in the kernel" if fuse or t <= 16384 else "separate merge"
+        with env(**({} if fuse is None else {"VELOX_DECODE_FUSE": fuse})):
+            cache_check(
+                f"UniformCache {bits}-bit T{t}, {how}",
+                lambda bits=bits: UniformCache(bits=bits),
+                t=1200 if quick else t,
+            )
     cache_check(
         "TurboQuantCache 3-bit (buffer slice)",
         lambda: TurboQuantCache(bits=3, window=16),

@@ -447,6 +447,20 @@ def test_mma_launch_settings():
         assert 1 <= s <= t and (s == 1 or span >= dk.MMA_MIN_SPAN)
 
 
+def test_fused_merge_follows_the_context_unless_set(monkeypatch):
+    """The decode kernel merges its own splits up to MMA_FUSE_TOKENS tokens (a launch saved),
+    a second launch past them (no fill of the partials); VELOX_DECODE_FUSE 0 / 1 decides."""
+    monkeypatch.delenv("VELOX_DECODE_FUSE", raising=False)
+    assert dk.mma_fuse_merge(dk.MMA_FUSE_TOKENS) and not dk.mma_fuse_merge(dk.MMA_FUSE_TOKENS + 1)
+    monkeypatch.setenv("VELOX_DECODE_FUSE", "1")
+    assert dk.mma_fuse_merge(131072)
+    monkeypatch.setenv("VELOX_DECODE_FUSE", "0")
+    assert not dk.mma_fuse_merge(16)
+    monkeypatch.setenv("VELOX_DECODE_FUSE", "auto")
+    with pytest.raises(ValueError, match="VELOX_DECODE_FUSE must be 0 or 1"):
+        dk.mma_fuse_merge(16)
+
+
 def test_value_fold_takes_only_the_layouts_it_covers(monkeypatch):
     """VFOLD: groups of 8 whole interleaved units (16-bit units with LDSM; else words at 4
     and 8 bits, bytes at 2), at most four groups a token, weights rounded to fp16; the

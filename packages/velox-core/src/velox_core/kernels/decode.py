@@ -570,9 +570,23 @@ def mma_key_fold_ok(keys: Codes, dim: int) -> bool:
     return keys.group % (4 * (32 // keys.bits)) == 0 and dim // keys.group <= MMA_KEY_FOLD_GROUPS
 
 
-def mma_fuse_merge() -> bool:
+MMA_FUSE_TOKENS = 16384  # the longest context whose splits the decode kernel merges itself
+
+
+def mma_fuse_merge(tokens: int) -> bool:
     """Whether the tensor-core kernel merges its splits itself where the call has no fp16
-    segments (``VELOX_DECODE_FUSE``, default 1: one launch per call instead of two)."""
+    segments: ``VELOX_DECODE_FUSE`` 1 or 0, else up to :data:`MMA_FUSE_TOKENS` tokens.
+
+    Merging in the kernel saves a launch (about 22 µs of host time a call on the H200's host,
+    ``gpu_dispatch.py``), but its counters need a zeroed output, and MLX zeroes the whole
+    output, partials included, with a fill launch whose device time grows with them (about 5
+    µs for 49 splits at batch 1, 128k) while the last threadgroup's merge runs alone at the
+    end; a separate merge launch took 4 µs. So short contexts, where a call's host time is
+    its cost, merge in the kernel, and long ones in a second launch (batch 1, 128k, 2 bits:
+    43.6 µs against 49.5 of device time, docs/performance.md)."""
+    v = env_setting("VELOX_DECODE_FUSE")
+    if v is None:
+        return tokens <= MMA_FUSE_TOKENS
     return _env_flag("VELOX_DECODE_FUSE", True)
 
 
@@ -1164,7 +1178,7 @@ def decode_attention(
         _check("key", keys, b, h, t, dim)
         _check("value", values, b, h, t, dim)
         plain = fp16 is not None and not any(k.shape[2] for k, _ in fp16)
-        if plain and rot is None and mma_fuse_merge():
+        if plain and rot is None and mma_fuse_merge(t):
             # no fp16 tokens to join: the kernel merges its own splits (one launch)
             merged = _decode_mma(q, keys, values, splits, scale, out_dtype)
             if merged is not None:
