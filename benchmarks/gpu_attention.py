@@ -829,6 +829,44 @@ def section_tuning(quick: bool) -> None:
             mx.clear_cache()
 
 
+def device_time(call, calls: int = 20, passes: int = 3) -> tuple[float, float, dict]:
+    """Device time of one ``call`` (µs): after three warm-up calls, ``calls`` calls are built
+    and evaluated together under a CUPTI timeline (``torch.profiler``; ImportError without
+    torch), and a call's time is the sum of its kernels' durations (fills and copies
+    included), the least of ``passes`` passes. Returns it, the kernels a call launched and
+    the time per kernel name. Calls run in series only where MLX launches them on the stream
+    in order: with ``MLX_USE_CUDA_GRAPHS=0`` set before MLX starts."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.init()
+    for _ in range(3):
+        mx.eval(call())
+    mx.synchronize()
+    best = None
+    for _ in range(passes):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            outs = [call() for _ in range(calls)]
+            mx.eval(outs)
+            mx.synchronize()
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                events = json.load(f)["traceEvents"]
+        kinds = ("kernel", "gpu_memset", "gpu_memcpy")
+        found = [e for e in events if e.get("cat") in kinds]
+        if not found:
+            raise RuntimeError(f"no {kinds} events in the timeline (CUPTI saw nothing)")
+        per_name: dict = {}
+        for e in found:
+            per_name[e["name"]] = per_name.get(e["name"], 0.0) + e["dur"] / calls
+        got = (sum(e["dur"] for e in found) / calls, len(found) / calls, per_name)
+        if best is None or got[0] < best[0]:
+            best = got
+    return best
+
+
 def device_rows(b: int, t: int, quick: bool) -> list[dict]:
     """Device time per call of each method at one shape (run in a child process started
     with ``MLX_USE_CUDA_GRAPHS=0``, so that every kernel is launched on the stream in order
@@ -837,10 +875,6 @@ def device_rows(b: int, t: int, quick: bool) -> list[dict]:
     kernels' durations (fills and copies included), the least of three passes; ``kernels``
     how many it launched. The kernels' settings are the environment's (``VELOX_DECODE_*``,
     passed on to the child)."""
-    import torch  # the CUPTI timeline; ImportError: no rows
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.init()
     calls = 4 if quick else 20
     methods = make_methods(
         b, t, seed=t + b, bits_mlx=(4,), bits_uniform=(2, 4), bits_tq=(), portable_row=True
@@ -849,26 +883,7 @@ def device_rows(b: int, t: int, quick: bool) -> list[dict]:
     for name, bits, call, _ in methods:
         row = {"context": t, "batch": b, "method": name, "bits": bits}
         try:
-            for _ in range(3):
-                mx.eval(call())
-            mx.synchronize()
-            passes = []
-            for _ in range(3):  # the least of three passes
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    outs = [call() for _ in range(calls)]
-                    mx.eval(outs)
-                    mx.synchronize()
-                with tempfile.TemporaryDirectory() as tmp:
-                    path = os.path.join(tmp, "trace.json")
-                    prof.export_chrome_trace(path)
-                    with open(path) as f:
-                        events = json.load(f)["traceEvents"]
-                kinds = ("kernel", "gpu_memset", "gpu_memcpy")
-                durs = [e["dur"] for e in events if e.get("cat") in kinds]
-                if not durs:
-                    raise RuntimeError(f"no {kinds} events in the timeline (CUPTI saw nothing)")
-                passes.append((sum(durs) / calls, len(durs) / calls))
-            device_us, nk = min(passes)
+            device_us, nk, _ = device_time(call, calls)
             row.update(device_us=device_us, kernels=nk)
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"

@@ -4,19 +4,25 @@ Without a GPU profiler on the machine, this script answers "what limits the kern
 measurement. It builds ``metal/decode_attention_mma.cu`` as the library does (same template,
 launch bounds and splits), then:
 
-* **variants**: the kernel alone, timed against fp16 ``mx.fast.scaled_dot_product_attention``
-  in the same run (evaluation only, median of repeats), as shipped and with one part removed
-  by a text edit of the source: no copies (computing on whatever shared memory holds), no
-  key MMAs or no value MMAs (each replaced by a fold that keeps its inputs live), no value
-  step at all, no exponentials, the copies alone; plus template settings (the weights'
-  residual, the software pipeline, the value scales folded into the weights, the key scales
-  folded out of the score MMA). The edited kernels compute wrong results on purpose: only
-  their time is of interest. An edit that no longer matches the source stops the run with
-  the text it looked for.
+* **variants**: the kernel alone (as the library launches it, merging its own splits: a fill
+  and the kernel), in device time against fp16 ``mx.fast.scaled_dot_product_attention`` in
+  the same run (``gpu_attention.device_time``: calls in series, the sum of their CUPTI kernel
+  durations, least of three passes; the script sets ``MLX_USE_CUDA_GRAPHS=0`` before MLX
+  starts), as shipped and with one part removed by a text edit of the source: no copies
+  (computing on whatever shared memory holds), no key MMAs or no value MMAs (each replaced by
+  a fold that keeps its inputs live), no value step at all, no exponentials, the copies
+  alone, no key decode or no value decode (the code words go into the MMAs unmasked); plus
+  template settings (the weights' residual, the software pipeline, the value scales folded
+  into the weights, the key scales folded out of the score MMA, the code words through
+  ldmatrix). The edited kernels compute wrong results on purpose: only their time is of
+  interest. An edit that no longer matches the source stops the run with the text it looked
+  for.
 * **timers**: the shipped kernel with ``%globaltimer`` and ``clock64`` read at its start,
-  around its tile loop and at its end (one thread per threadgroup writes them over its
-  ``ml_part`` row): the kernel's span on the GPU, the threadgroups' start spread, prologue /
-  loop / epilogue time, the SM clock under load and the time per loop step (16 or 32 tokens).
+  around its tile loop and at its end, and its SM (``%smid``; one thread per threadgroup
+  writes them over its ``ml_part`` row): the kernel's span on the GPU, the threadgroups'
+  start spread, prologue / loop / epilogue time, the SM clock under load, the time per loop
+  step, and where the loop times differ: by the number of threadgroups an SM ran, and across
+  the (batch, head) rows (the threadgroups an SM holds at once run at different speeds).
 
 Run on the GPU machine from the repository root::
 
@@ -38,6 +44,8 @@ import re
 import sys
 from pathlib import Path
 
+os.environ.setdefault("MLX_USE_CUDA_GRAPHS", "0")  # calls in series: device time per call
+
 import mlx.core as mx
 import numpy as np
 
@@ -46,7 +54,7 @@ from velox_core import Uniform
 from velox_core.kernels import decode as dk
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_attention import timeit_split  # the benchmarks' one timing rule
+from gpu_attention import device_time  # the benchmarks' device-time rule
 
 SOURCE = "decode_attention_mma.cu"
 _ORIGINAL = build.kernel_source
@@ -117,6 +125,16 @@ def make_variants(src: str) -> dict[str, str]:
     v["no value step"] = between(
         src, "  // values: the lane's words", "  __syncwarp();  // every lane is done", consume
     )
+    v["no key decode"] = edit(
+        src,
+        "af[n + 2 * uu] = KFOLD ? vx_code_sub(x, pos & 7, KBITS)",
+        "af[n + 2 * uu] = KFOLD ? x",
+    )
+    v["no value decode"] = edit(
+        src,
+        "af[e] = vx_code_sub(y, bit & 7, VBITS);\n          continue;",
+        "af[e] = y;\n          continue;",
+    )
     v["no exponentials"] = edit(
         src,
         "      p4[i] = v4[u][i] ? vx_exp2_ftz(s4[u][i] - mrow[i & 1]) : 0.0f;",
@@ -146,13 +164,16 @@ if (tid == 0) {
   w[4] = __uint_as_float((unsigned)gt3);
   w[5] = (float)(ck1 - ck0);
   w[6] = (float)nmine;
+  unsigned int smid;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+  w[7] = (float)smid;
 }
 """
 
 
 def timed_source(src: str) -> str:
-    """The shipped kernel with timers; thread 0 writes them over its threadgroup's ml_part
-    row block (needs MROWS >= 4: 7 floats)."""
+    """The shipped kernel with timers; thread 0 writes them and its SM id over its
+    threadgroup's ml_part row block (needs MROWS >= 4: 8 floats)."""
     gt = 'unsigned long long gt{0}; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gt{0}));\n'
     s = edit(
         src,
@@ -170,11 +191,6 @@ def timed_source(src: str) -> str:
     return s.rstrip() + "\n" + TIMED
 
 
-def timeit(fn, warmup: int = 3, reps: int = 7, inner: int = 20) -> float:
-    """Median ms per call of the evaluation alone (gpu_attention.py's timing)."""
-    return timeit_split(fn, warmup, reps, inner)[1] * 1e3
-
-
 def launcher(
     variant: str,
     q,
@@ -185,27 +201,38 @@ def launcher(
     value_fold=None,
     fuse=True,
     key_fold=None,
+    ldsm=None,
 ):
     """A call of the tensor-core kernel (source ``variant``) as the library launches it: by
     default merging its own splits into a ``q.dtype`` output (``FUSE`` 1, one zeroed output,
-    what a cache without fp16 segments runs); ``fuse=False``: the partials alone. Returns the
-    call (it returns the kernel's one output) and the launch's settings, ``layout`` among
-    them (:func:`velox_core.kernels.decode.mma_layout`)."""
+    what a cache without fp16 segments runs up to 16k tokens); ``fuse=False``: the partials
+    alone; ``ldsm`` given: ``VELOX_DECODE_LDSM`` for the plan. Returns the call (it returns
+    the kernel's one output) and the launch's settings, ``layout`` among them
+    (:func:`velox_core.kernels.decode.mma_layout`)."""
     b, h, m, d = q.shape
     out_dtype = q.dtype if fuse else None
-    launch = dk.mma_launch(
-        q.shape,
-        q.dtype,
-        keys,
-        values,
-        None,
-        d**-0.5,
-        p_residual,
-        pipeline,
-        value_fold,
-        out_dtype=out_dtype,
-        key_fold=key_fold,
-    )
+    old = os.environ.get("VELOX_DECODE_LDSM")
+    if ldsm is not None:
+        os.environ["VELOX_DECODE_LDSM"] = str(int(ldsm))
+    try:
+        launch = dk.mma_launch(
+            q.shape,
+            q.dtype,
+            keys,
+            values,
+            None,
+            d**-0.5,
+            p_residual,
+            pipeline,
+            value_fold,
+            out_dtype=out_dtype,
+            key_fold=key_fold,
+        )
+    finally:
+        if old is None:
+            os.environ.pop("VELOX_DECODE_LDSM", None)
+        else:
+            os.environ["VELOX_DECODE_LDSM"] = old
     base = launch.spec
     tag = f"{abs(hash(variant)) % 10**8}"
     spec = dataclasses.replace(base, name=f"{base.name}_v{tag}", source="variant:" + variant)
@@ -234,6 +261,7 @@ def launcher(
         pipeline=t["PIPE"],
         value_fold=t["VFOLD"],
         key_fold=t["KFOLD"],
+        ldsm=t["LDSM"],
         fuse=t["FUSE"],
     )
     return call, {**info, "layout": layout}
@@ -257,16 +285,19 @@ def shape_data(b: int, t: int, bits: int):
 
 def section_variants(b: int, t: int, bits: int, rows: list) -> None:
     k, v, q, qg, keys, values = shape_data(b, t, bits)
-    fp16 = timeit(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=128**-0.5))
-    rows.append(dict(section="variants", batch=b, context=t, bits=bits, what="fp16 sdpa", ms=fp16))
-    print(f"  B{b} T{t} fp16 sdpa {fp16:.3f} ms", flush=True)
+    fp16 = device_time(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=128**-0.5))[0]
+    rows.append(
+        dict(section="variants", batch=b, context=t, bits=bits, what="fp16 sdpa", device_us=fp16)
+    )
+    print(f"  B{b} T{t} fp16 sdpa {fp16:.1f} us", flush=True)
     runs = [(name, {}) for name in _VARIANTS if name != "timed"]
     runs += [("shipped", dict(p_residual=True)), ("shipped", dict(pipeline=False))]
     runs += [("shipped", dict(value_fold=False)), ("shipped", dict(key_fold=False))]
+    runs += [("shipped", dict(ldsm=False))]
     for name, kw in runs:
         call, info = launcher(name, qg, keys, values, **kw)
         info.pop("layout")
-        ms = timeit(call)
+        us = device_time(call)[0]
         label = name + "".join(f" {k}={int(v)}" for k, v in kw.items())
         rows.append(
             dict(
@@ -275,14 +306,54 @@ def section_variants(b: int, t: int, bits: int, rows: list) -> None:
                 context=t,
                 bits=bits,
                 what=label,
-                ms=ms,
-                x_fp16=fp16 / ms,
+                device_us=us,
+                x_fp16=fp16 / us,
                 **info,
             )
         )
         print(
-            f"  B{b} T{t} {bits}-bit {label:28s} {ms:.3f} ms  x{fp16 / ms:.2f} vs fp16", flush=True
+            f"  B{b} T{t} {bits}-bit {label:28s} {us:7.1f} us  x{fp16 / us:.2f} vs fp16", flush=True
         )
+
+
+def timer_summary(w: np.ndarray, splits: int) -> dict:
+    """The timed kernel's per-threadgroup words (rows in launch order, (batch, head) major:
+    ``timed_source``'s eight floats) summed up: span, start spread, median prologue / loop /
+    epilogue (µs), the slowest loop, SM clock, steps per warp and cycles per step, and where
+    the loop times differ: the median loop of the SMs that ran each number of threadgroups,
+    and the (batch, head) rows' median loops (percentiles 0, 10, 50, 90, 100)."""
+    u = w[:, :8].view(np.uint32).astype(np.int64)
+    start = (u[:, 1] << 32) | u[:, 0]
+
+    def gap(x, y):
+        return ((y - x) % (1 << 32)).astype(np.float64)
+
+    pro, loop, epi = gap(u[:, 0], u[:, 2]), gap(u[:, 2], u[:, 3]), gap(u[:, 3], u[:, 4])
+    st = (start - start.min()).astype(np.float64)
+    end = st + pro + loop + epi
+    tiles = np.maximum(w[:, 6].astype(np.float64), 1)
+    sm = w[:, 7].astype(np.int64)
+    per_sm = np.bincount(sm)
+    by_count = {
+        int(c): float(np.median(loop[per_sm[sm] == c]) / 1e3) for c in np.unique(per_sm[sm])
+    }
+    rows_bh = loop.reshape(-1, splits)
+    pct = [0, 10, 50, 90, 100]
+    return dict(
+        threadgroups=len(st),
+        span_us=end.max() / 1e3,
+        start_spread_us=st.max() / 1e3,
+        prologue_us=np.median(pro) / 1e3,
+        loop_us=np.median(loop) / 1e3,
+        loop_max_us=loop.max() / 1e3,
+        epilogue_us=np.median(epi) / 1e3,
+        sm_ghz=float(np.median(w[:, 5] / np.maximum(loop, 1))),
+        tiles_per_warp=float(np.median(tiles)),
+        cycles_per_tile_per_warp=float(np.median(w[:, 5] / tiles)),
+        sms=int(np.count_nonzero(per_sm)),
+        loop_us_by_sm_threadgroups=by_count,
+        loop_us_by_row_pct=[float(x) / 1e3 for x in np.percentile(np.median(rows_bh, 1), pct)],
+    )
 
 
 def section_timers(b: int, t: int, bits: int, rows: list) -> None:
@@ -295,43 +366,20 @@ def section_timers(b: int, t: int, bits: int, rows: list) -> None:
     mx.synchronize()
     ml = layout.parts(ws)[1]  # the timers, written over the partials' (m, l) rows
     m = qg.shape[2]
-    w = np.array(ml).reshape(-1, 2 * m)[:, :7].copy()
-    u = w.view(np.uint32).astype(np.int64)
-    start = (u[:, 1] << 32) | u[:, 0]
-
-    def gap(x, y):
-        return ((y - x) % (1 << 32)).astype(np.float64)
-
-    pro, loop, epi = gap(u[:, 0], u[:, 2]), gap(u[:, 2], u[:, 3]), gap(u[:, 3], u[:, 4])
-    st = (start - start.min()).astype(np.float64)
-    end = st + pro + loop + epi
-    tiles = np.maximum(w[:, 6].astype(np.float64), 1)
-    ghz = np.median(w[:, 5] / np.maximum(loop, 1))
-    row = dict(
-        section="timers",
-        batch=b,
-        context=t,
-        bits=bits,
-        threadgroups=len(st),
-        span_us=end.max() / 1e3,
-        start_spread_us=st.max() / 1e3,
-        prologue_us=np.median(pro) / 1e3,
-        loop_us=np.median(loop) / 1e3,
-        loop_max_us=loop.max() / 1e3,
-        epilogue_us=np.median(epi) / 1e3,
-        sm_ghz=float(ghz),
-        tiles_per_warp=float(np.median(tiles)),
-        cycles_per_tile_per_warp=float(np.median(w[:, 5] / tiles)),
-        **info,
-    )
+    w = np.array(ml).reshape(-1, 2 * m)[:, :8].copy()
+    row = dict(section="timers", batch=b, context=t, bits=bits)
+    row.update(timer_summary(w, info["splits"]), **info)
     row = {k: (float(x) if isinstance(x, np.floating) else x) for k, x in row.items()}
     rows.append(row)
+    by = ", ".join(f"{k} a SM: {v:.1f}" for k, v in row["loop_us_by_sm_threadgroups"].items())
+    rpct = " / ".join(f"{x:.1f}" for x in row["loop_us_by_row_pct"])
     print(
         f"  B{b} T{t} {bits}-bit timers: span {row['span_us']:.1f} us, prologue "
-        f"{row['prologue_us']:.1f}, loop {row['loop_us']:.1f} "
-        f"({row['tiles_per_warp']:.0f} steps of {16 * row['subtiles']} tokens a warp, "
+        f"{row['prologue_us']:.1f}, loop {row['loop_us']:.1f} (max {row['loop_max_us']:.1f}; "
+        f"{row['tiles_per_warp']:.0f} steps of {16 * row['subtiles']} tokens a warp, "
         f"{row['cycles_per_tile_per_warp']:.0f} cycles each), epilogue "
-        f"{row['epilogue_us']:.1f}; SM clock {row['sm_ghz']:.2f} GHz",
+        f"{row['epilogue_us']:.1f}; SM clock {row['sm_ghz']:.2f} GHz; median loop by "
+        f"threadgroups {by}; rows' loops (pct 0/10/50/90/100) {rpct}",
         flush=True,
     )
 

@@ -40,8 +40,38 @@ def test_every_variant_edits_the_current_kernel(profile):
     assert len(set(edited.values())) == len(edited)  # no two edits collapse into one
     timed = profile.timed_source(src)
     assert timed.count("%%globaltimer") == 4 and timed.count("clock64()") == 2
+    assert timed.count("%%smid") == 1
     with pytest.raises(SystemExit, match="variant edit not found"):
         profile.edit(src, "no such text in the kernel", "")
+
+
+def test_timer_summary_reads_the_timed_words(profile):
+    """The timers' words (start as two 32-bit halves, loop start, loop end, end, cycles,
+    steps, SM id) become prologue / loop / epilogue times and the loop's spread by SM and row."""
+    import numpy as np
+
+    # 2 (batch, head) rows x 3 splits; SM 0 runs three threadgroups, SM 1 two, SM 2 one
+    t0 = np.array([0, 100, 200, 0, 100, 50], np.int64) + (5 << 32)
+    loop = np.array([3000, 4000, 5000, 2000, 2500, 1000], np.int64)
+    sm = np.array([0, 0, 0, 1, 1, 2])
+    words = np.zeros((6, 8), np.uint32)
+    words[:, 0] = t0 & 0xFFFFFFFF
+    words[:, 1] = t0 >> 32
+    words[:, 2] = (t0 + 500) & 0xFFFFFFFF  # prologue 0.5 us
+    words[:, 3] = (t0 + 500 + loop) & 0xFFFFFFFF
+    words[:, 4] = (t0 + 700 + loop) & 0xFFFFFFFF  # epilogue 0.2 us
+    w = words.view(np.float32).copy()
+    w[:, 5] = loop * 1.5  # cycles: 1.5 GHz
+    w[:, 6] = 10
+    w[:, 7] = sm
+    got = profile.timer_summary(w, 3)
+    assert got["threadgroups"] == 6 and got["sms"] == 3
+    assert got["prologue_us"] == 0.5 and got["epilogue_us"] == 0.2
+    assert got["loop_max_us"] == 5.0 and got["loop_us"] == 2.75
+    assert got["span_us"] == (200 + 700 + 5000) / 1e3
+    assert abs(got["sm_ghz"] - 1.5) < 1e-6 and got["cycles_per_tile_per_warp"] == 412.5
+    assert got["loop_us_by_sm_threadgroups"] == {3: 4.0, 2: 2.25, 1: 1.0}
+    assert got["loop_us_by_row_pct"][0] == 2.0 and got["loop_us_by_row_pct"][-1] == 4.0
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
@@ -59,8 +89,9 @@ def test_variants_compile(profile, tmp_path):
         infos = [ArgInfo("float16", 4, 1 << 20)]
         infos += [ArgInfo(*a) for a in (("uint32", 4, 1 << 20), *[("float16", 4, 1 << 20)] * 2)] * 2
         tmpl = dk.mma_template(
-            128, k, k, 4, 4, 4, 1, None, mx.float16, False, True, True, mx.float16
+            128, k, k, 4, 4, 4, 1, None, mx.float16, False, True, True, mx.float16, key_fold=True
         )
+        tmpl = [(n, 1 if n == "LDSM" else v) for n, v in tmpl]  # as the library plans it
         for i, name in enumerate(texts):
             spec = dataclasses.replace(dk.mma_spec(4, 3), name=f"v{i}", source="variant:" + name)
             cu = tmp_path / f"v{i}.cu"
