@@ -444,6 +444,9 @@ def section_checks(quick: bool) -> None:
     decode_check(  # 2-bit values in groups of 32 (four a token, folded through bytes)
         "uniform2 decode g32 values, g128 keys", Uniform(2, 128), Uniform(2, 32), 1, 4, 3001, 4
     )
+    decode_check(  # 4-bit values in groups of 32: folded in 16-bit units only (ldmatrix)
+        "uniform4 decode g32 values (unit fold)", Uniform(4), Uniform(4, 32), 1, 4, 3001, 4
+    )
     decode_check("uniform4 decode B2 H8 M8 T5000 (GQA 8)", Uniform(4), Uniform(4), 2, 8, 5000, 8)
     decode_check(
         "uniform4/2 decode M6 g32 (K4 V2 bits)", Uniform(4, 32), Uniform(2, 32), 1, 4, 3001, 6

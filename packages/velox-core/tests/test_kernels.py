@@ -924,9 +924,16 @@ MMA_CASES = {
     "8bit-fold-four-value-groups": (1, 1, 150, 8, 8, 8, 64, 32, 2, 1, 2, 0),
     "hd64-folds": (1, 2, 130, 4, 2, 4, 64, 64, 4, 2, 2, 0),
     "hd256-folds-four-value-groups": (1, 2, 100, 4, 4, 2, 128, 64, 2, 1, 2, 0),
+    # folds only the 16-bit-unit layout allows: 4-bit values in groups of 32, 8-bit in 16
+    "4bit-g32-values-ldsm-fold": (1, 2, 140, 4, 4, 4, 64, 32, 4, 2, 2, 0),
+    "hd64-8bit-g16-values-ldsm-fold": (1, 2, 90, 4, 8, 8, 32, 16, 2, 1, 2, 0),
 }
 # head dims other than 128 (the lanes' channel blocks, m-tiles and groups scale with it)
-MMA_DIMS = {"hd64-folds": 64, "hd256-folds-four-value-groups": 256}
+MMA_DIMS = {
+    "hd64-folds": 64,
+    "hd256-folds-four-value-groups": 256,
+    "hd64-8bit-g16-values-ldsm-fold": 64,
+}
 FP16_QUERY = {
     "4bit-fp16-query",
     "2bit-fp16-query-gqa8-strided",
