@@ -502,13 +502,15 @@ def section_checks(quick: bool) -> None:
     )
     # no fp16 segments: the kernel merges its splits (by default up to 16k tokens), or a
     # second launch does (past them)
-    for bits, t, fuse in ((4, 5000, None), (2, 40_961, 1), (2, 40_961, None)):
-        how = "splits merged in the kernel" if fuse or t <= 16384 else "separate merge"
+    for bits, t, fuse in ((4, 5000, None), (2, 40_961, 1), (2, 40_961, 0)):
+        t = 1200 if quick else t
+        merged = fuse == 1 or (fuse is None and t <= 16384)
+        how = "splits merged in the kernel" if merged else "separate merge"
         with env(**({} if fuse is None else {"VELOX_DECODE_FUSE": fuse})):
             cache_check(
                 f"UniformCache {bits}-bit T{t}, {how}",
                 lambda bits=bits: UniformCache(bits=bits),
-                t=1200 if quick else t,
+                t=t,
             )
     cache_check(
         "TurboQuantCache 3-bit (buffer slice)",
@@ -765,9 +767,9 @@ def section_tuning(quick: bool) -> None:
     # 0/3/4, stages 2): docs/data/*mma2*.json; 512 blocks against wave-sized splits: *mma3*.json;
     # one tile a step, the register cap lifted, no pipeline: *mma5-tuning.json
     variants = [
-        (4, 4, None, 0, None, 0, 1, 1, 1, 1),  # the defaults: steps of up to four tiles
+        (4, 4, None, 0, None, 0, 1, 1, 1, 1),  # steps of up to four tiles, the kernel's merge
         (4, 2, None, 0, None, 0, 1, 1, 1, 1),  # at most two tiles a step
-        (4, 4, None, 0, None, 0, 1, 1, 0, 1),  # the splits merged by a second launch
+        (4, 4, None, 0, None, 0, 1, 1, 0, 1),  # merged by a second launch (default past 16k)
         (4, 4, None, 0, 4, 0, 1, 1, 1, 1),  # 16 warps per SM (128 registers)
         (4, 4, None, 0, None, 0, 1, 0, 1, 1),  # value scales not folded into the weights
         (4, 4, None, 0, None, 0, 1, 1, 1, 0),  # key scales not folded out of the scores

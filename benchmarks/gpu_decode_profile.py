@@ -4,19 +4,20 @@ Without a GPU profiler on the machine, this script answers "what limits the kern
 measurement. It builds ``metal/decode_attention_mma.cu`` as the library does (same template,
 launch bounds and splits), then:
 
-* **variants**: the kernel alone (as the library launches it, merging its own splits: a fill
-  and the kernel), in device time against fp16 ``mx.fast.scaled_dot_product_attention`` in
-  the same run (``gpu_attention.device_time``: calls in series, the sum of their CUPTI kernel
-  durations, least of three passes; the script sets ``MLX_USE_CUDA_GRAPHS=0`` before MLX
-  starts), as shipped and with one part removed by a text edit of the source: no copies
-  (computing on whatever shared memory holds), no key MMAs or no value MMAs (each replaced by
-  a fold that keeps its inputs live), no value step at all, no exponentials, the copies
-  alone, no key decode or no value decode (the code words go into the MMAs unmasked); plus
-  template settings (the weights' residual, the software pipeline, the value scales folded
-  into the weights, the key scales folded out of the score MMA, the code words through
-  ldmatrix). The edited kernels compute wrong results on purpose: only their time is of
-  interest. An edit that no longer matches the source stops the run with the text it looked
-  for.
+* **variants**: the kernel alone, merging its own splits (a fill and the kernel, as the
+  library launches it up to 16k tokens; past them the library merges in a second launch),
+  in device time against fp16 ``mx.fast.scaled_dot_product_attention`` in the same run
+  (``gpu_attention.device_time``: calls in series, the sum of their CUPTI kernel durations,
+  least of three passes; it needs torch, present on the lent machine; the script sets
+  ``MLX_USE_CUDA_GRAPHS=0`` before MLX starts), as shipped and with one part removed by a
+  text edit of the source: no copies (computing on whatever shared memory holds), no key
+  MMAs or no value MMAs (each replaced by a fold that keeps its inputs live), no value step
+  at all, no exponentials, the copies alone, no key decode or no value decode (the code
+  words go into the MMAs unmasked); plus template settings (the weights' residual, the
+  software pipeline, the value scales folded into the weights, the key scales folded out of
+  the score MMA, the code words through ldmatrix). The edited kernels compute wrong results
+  on purpose: only their time is of interest. An edit that no longer matches the source
+  stops the run with the text it looked for.
 * **timers**: the shipped kernel with ``%globaltimer`` and ``clock64`` read at its start,
   around its tile loop and at its end, and its SM (``%smid``; one thread per threadgroup
   writes them over its ``ml_part`` row): the kernel's span on the GPU, the threadgroups'

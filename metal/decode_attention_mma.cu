@@ -89,7 +89,8 @@
 // PIPE (1: score one step ahead; needs NSTAGE >= 3, and the host sets it only with PLO = 0),
 // KFOLD (1: key scales and zeros folded out of the score MMA: groups of 4 whole words, one or
 // two per token), VFOLD (1: value scales and zeros folded into the weights: groups of 8 whole
-// words, or of 32 channels at 2 bits, at most four per token, PLO = 0), FUSE (1: the split merge at the end of this launch), OT (the merged
+// units of a lane, 16-bit units with LDSM where they fit (VLD), else words, or bytes at 2
+// bits; at most four per token, PLO = 0), FUSE (1: the split merge at the end of this launch), OT (the merged
 // output's type, FUSE = 1), FCHUNK (0, or the most splits whose weights the merge at the end
 // holds at once, fewer than fit: a test of its chunks), LDSM (1: the code words through
 // ldmatrix, see KLD / VLD below).

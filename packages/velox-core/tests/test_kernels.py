@@ -461,6 +461,29 @@ def test_fused_merge_follows_the_context_unless_set(monkeypatch):
         dk.mma_fuse_merge(16)
 
 
+def test_decode_attention_merges_in_the_kernel_up_to_the_fuse_limit(monkeypatch):
+    """decode_attention without fp16 segments on the CUDA path asks the tensor-core kernel to
+    merge its own splits (an out_dtype) up to MMA_FUSE_TOKENS coded tokens, for the partials
+    past them (no out_dtype: the separate merge)."""
+
+    class Routed(Exception):
+        pass
+
+    def fake(q, keys, values, splits, scale, out_dtype=None):
+        raise Routed(out_dtype)
+
+    monkeypatch.delenv("VELOX_DECODE_FUSE", raising=False)
+    monkeypatch.setattr(dk._kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(dk, "_decode_mma", fake)
+    q = mx.zeros((1, 1, 4, 128), mx.float16)
+    for t, want in ((dk.MMA_FUSE_TOKENS, mx.float16), (dk.MMA_FUSE_TOKENS + 1, None)):
+        z = mx.zeros((1, 1, t, 2), mx.float16)
+        c = dk.Codes(dk.AFFINE, 4, 64, mx.zeros((1, 1, t, 16), mx.uint32), z, z)
+        with pytest.raises(Routed) as got:
+            dk.decode_attention(q, c, c, fp16=[], out_dtype=mx.float16)
+        assert got.value.args[0] == want, t
+
+
 def test_value_fold_takes_only_the_layouts_it_covers(monkeypatch):
     """VFOLD: groups of 8 whole interleaved units (16-bit units with LDSM; else words at 4
     and 8 bits, bytes at 2), at most four groups a token, weights rounded to fp16; the
@@ -927,12 +950,17 @@ MMA_CASES = {
     # folds only the 16-bit-unit layout allows: 4-bit values in groups of 32, 8-bit in 16
     "4bit-g32-values-ldsm-fold": (1, 2, 140, 4, 4, 4, 64, 32, 4, 2, 2, 0),
     "hd64-8bit-g16-values-ldsm-fold": (1, 2, 90, 4, 8, 8, 32, 16, 2, 1, 2, 0),
+    # key rows of an odd number of 16-byte segments: an ldmatrix.x2 after the x4 loads
+    "hd64-2bit-keys-ldsm": (1, 2, 130, 4, 2, 4, 64, 64, 4, 2, 2, 0),
+    "hd96-4bit-keys-three-segments": (1, 2, 100, 4, 4, 8, 96, 48, 4, 1, 2, 0),
 }
 # head dims other than 128 (the lanes' channel blocks, m-tiles and groups scale with it)
 MMA_DIMS = {
     "hd64-folds": 64,
     "hd256-folds-four-value-groups": 256,
     "hd64-8bit-g16-values-ldsm-fold": 64,
+    "hd64-2bit-keys-ldsm": 64,
+    "hd96-4bit-keys-three-segments": 96,
 }
 FP16_QUERY = {
     "4bit-fp16-query",

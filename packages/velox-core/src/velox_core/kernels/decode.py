@@ -725,7 +725,7 @@ def mma_template(
     out_dtype: mx.Dtype | None = None,
     fuse_chunk: int = 0,
     key_fold: bool = False,
-    ldsm: bool = False,
+    ldsm: bool = True,
 ) -> list[tuple[str, int | mx.Dtype]]:
     """The tensor-core body's compile-time constants (``decode_attention_mma.cu``). An fp16
     query goes into the MMA as it is (``QLO`` 0); any other dtype as fp16 hi and lo parts.
