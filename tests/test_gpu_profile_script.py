@@ -4,10 +4,8 @@ edited kernels must compile (with nvcc, where installed)."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -21,14 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def profile():
-    spec = importlib.util.spec_from_file_location(
-        "gpu_decode_profile", ROOT / "benchmarks" / "gpu_decode_profile.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_decode_profile"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def profile(load_benchmark):
+    return load_benchmark("gpu_decode_profile")
 
 
 def test_every_variant_edits_the_current_kernel(profile):

@@ -4,7 +4,6 @@ where nvcc and cuobjdump are installed)."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 import sys
@@ -26,14 +25,8 @@ LISTING = """
 
 
 @pytest.fixture(scope="module")
-def sass():
-    spec = importlib.util.spec_from_file_location(
-        "kernel_sass", ROOT / "benchmarks" / "kernel_sass.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["kernel_sass"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def sass(load_benchmark):
+    return load_benchmark("kernel_sass")
 
 
 def test_the_loop_runs_from_the_branch_target_to_the_branch(sass):

@@ -1032,22 +1032,8 @@ def mma_emulated(tmp_path_factory):
         ]
         pres, pipe = name in P_RESIDUAL, name not in NO_PIPELINE
         fold, ldsm = name not in NO_FOLDS, name not in NO_LDSM
-        tmpl = dk.mma_template(
-            d,
-            keys,
-            vals,
-            m,
-            nw,
-            stages,
-            sub,
-            None,
-            q.dtype,
-            pres,
-            pipe,
-            fold,
-            key_fold=fold,
-            ldsm=ldsm,
-        )
+        args = (d, keys, vals, m, nw, stages, sub, None, q.dtype, pres, pipe, fold)
+        tmpl = dk.mma_template(*args, key_fold=fold, ldsm=ldsm)
         tm = dict(tmpl)
         assert tm["QLO"] == (0 if name in FP16_QUERY else 1)
         assert tm["PIPE"] == int(pipe and not pres and stages >= 3)
@@ -1063,24 +1049,8 @@ def mma_emulated(tmp_path_factory):
         if name in FUSED:  # the same kernel merging its own splits (FUSE = 1)
             out_dt = mx.float16 if name in FP16_QUERY else mx.float32
             flay = dk.mma_layout(b, h, s, m, d, out_dt)
-            ftmpl = dk.mma_template(
-                d,
-                keys,
-                vals,
-                m,
-                nw,
-                stages,
-                sub,
-                None,
-                q.dtype,
-                pres,
-                pipe,
-                fold,
-                out_dt,
-                FUSE_CHUNK.get(name, 0),
-                key_fold=fold,
-                ldsm=ldsm,
-            )
+            chunk = FUSE_CHUNK.get(name, 0)
+            ftmpl = dk.mma_template(*args, out_dt, chunk, key_fold=fold, ldsm=ldsm)
             fused = (emu.kernel(spec, ins, ["float32"], ftmpl), flay)
         # the reference: keys and values decoded, rounded to fp16 as the kernel decodes them;
         # folded sides are not decoded (their products carry fp16 roundings of q, P s instead)
