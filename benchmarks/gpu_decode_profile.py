@@ -207,9 +207,10 @@ def launcher(
     """A call of the tensor-core kernel (source ``variant``) as the library launches it: by
     default merging its own splits into a ``q.dtype`` output (``FUSE`` 1, one zeroed output,
     what a cache without fp16 segments runs up to 16k tokens); ``fuse=False``: the partials
-    alone; ``ldsm`` given: ``VELOX_DECODE_LDSM`` for the plan. Returns the call (it returns
-    the kernel's one output) and the launch's settings, ``layout`` among them
-    (:func:`velox_core.kernels.decode.mma_layout`)."""
+    alone (the kernel's two outputs, as past 16k tokens); ``ldsm`` given:
+    ``VELOX_DECODE_LDSM`` for the plan. Returns the call (it returns the kernel's first
+    output) and the launch's settings, ``layout`` among them (with ``fuse``:
+    :func:`velox_core.kernels.decode.mma_layout`; else None)."""
     b, h, m, d = q.shape
     out_dtype = q.dtype if fuse else None
     old = os.environ.get("VELOX_DECODE_LDSM")
@@ -240,7 +241,9 @@ def launcher(
     kernel = spec.kernel()
     tmpl, splits, nt = launch.template, launch.splits, launch.nwarps * 32
     inputs = [q, keys.codes, keys.a, keys.b, values.codes, values.a, values.b]
-    layout = dk.mma_layout(b, h, splits, m, d, out_dtype)
+    layout = dk.mma_layout(b, h, splits, m, d, out_dtype) if fuse else None
+    # merging: one zeroed workspace; else the partials' two outputs, (m, l) and o
+    shapes = [(layout.size,)] if fuse else [(b, h, splits, m, 2), (b, h, splits, m, d)]
 
     def call():
         return kernel(
@@ -248,8 +251,8 @@ def launcher(
             template=tmpl,
             grid=(splits * nt, b * h, 1),
             threadgroup=(nt, 1, 1),
-            output_shapes=[(layout.size,)],
-            output_dtypes=[mx.float32],
+            output_shapes=shapes,
+            output_dtypes=[mx.float32] * len(shapes),
             init_value=0 if fuse else None,
         )[0]
 

@@ -75,8 +75,10 @@
 // Partials as decode_attention.metal's: o_part (B, H, S, MROWS, HD) = sum_t 2^(s_t - m) v_t,
 // ml_part (B, H, S, MROWS, 2) = (m, l) in log2 units; the host merges the splits (FUSE = 0) or
 // the last threadgroup of each (batch, head) does (FUSE = 1: out, mlo and count, see the end).
-// All of them live in the launch's one output, the float32 workspace `ws` (see the end): one
-// output, so the one fill a FUSE launch needs (its counts start at zero) is one launch.
+// With FUSE = 1 all of them live in the launch's one output, the float32 workspace `ws` (see
+// the end): one output, so the one fill the launch needs (its counts start at zero) is one
+// launch. With FUSE = 0 the host declares two outputs (VX_MMA_PARTS): ml_part is `ws`, o_part
+// `wo`, each of its own shape, so the merge launch reads them without views.
 //
 // Template constants: HD (head dim), KBITS / VBITS in {2, 4, 8}, KGROUP / VGROUP (channels per
 // scale), MROWS (query rows per KV head, 1 to 8), NWARPS, NSTAGE (steps per warp ring),
@@ -808,7 +810,9 @@ if (g == 0) {
 }
 // ---- the launch's one output: a float32 workspace, regions of whole 16 bytes -----------------
 // FUSE = 1 (zeroed by the launch, init_value 0): [out | mlo | count | ml_part | o_part];
-// FUSE = 0: [ml_part | o_part]. velox_core.kernels.decode.mma_layout is the host's twin.
+// FUSE = 0 (VX_MMA_PARTS, the host's DECODE_MMA_PARTS): ml_part is ws and o_part a second
+// output, wo, each of its own shape. velox_core.kernels.decode.mma_layout is the host's twin
+// of the FUSE = 1 layout.
 const int64_t nbh = (int64_t)kc_shape[0] * H;
 const int64_t n_out = FUSE ? ((nbh * MROWS * HD * (int64_t)sizeof(OT) + 15) / 16) * 4 : 0;
 const int64_t n_mlo = FUSE ? ((nbh * MROWS * 2 + 3) / 4) * 4 : 0;
@@ -818,7 +822,13 @@ OT* const out = reinterpret_cast<OT*>(ws);
 float* const mlo = ws + n_out;
 unsigned int* const count = reinterpret_cast<unsigned int*>(ws + n_out + n_mlo);
 float* const ml_part = ws + n_out + n_mlo + n_cnt;
+#if defined(VX_MMA_PARTS)  // the partials as two outputs: (m, l) in ws, o_part in wo
+static_assert(!FUSE, "the partials as two outputs go with the merge in a second launch");
+float* const o_part = wo;
+#else
+static_assert(FUSE, "without the merge the partials are two outputs (VX_MMA_PARTS)");
 float* const o_part = ml_part + n_ml;
+#endif
 VX_BARRIER();
 const int64_t row0 = ((int64_t)bh * nsplit + split) * MROWS;
 for (int i = tid; i < MROWS * HD; i += NT) {

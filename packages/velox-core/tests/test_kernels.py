@@ -391,8 +391,8 @@ def _mma_variants():
             ldsm=dk.mma_ldsm(),
         )
         infos = [ArgInfo(*qd), *[ArgInfo(*a) for a in (U32, H16, H16)] * 2]
-        spec = dk.mma_spec(nw, dk.mma_sm_blocks(nw))
-        out.append((spec, infos, ["float32"], tmpl))
+        spec = dk.mma_spec(nw, dk.mma_sm_blocks(nw), merged is None)  # as _mma_plan pairs them
+        out.append((spec, infos, ["float32"] * len(spec.outputs), tmpl))
     return out
 
 
@@ -1041,9 +1041,10 @@ def mma_emulated(tmp_path_factory):
         vok = (ldsm and vg % (128 // vb) == 0) or vg % (64 if vb == 4 else 32) == 0
         assert tm["VFOLD"] == int(fold and not pres and vok and d // vg <= 4)
         assert tm["KFOLD"] == int(fold and kg % (128 // kb) == 0 and d // kg <= 2)
-        spec = dk.mma_spec(nw, dk.mma_sm_blocks(nw))
-        lay = dk.mma_layout(b, h, s, m, d)
-        handle = emu.kernel(spec, ins, ["float32"], tmpl)
+        # the partials as the kernel's two outputs, as the library launches it without a merge
+        spec = dk.mma_spec(nw, dk.mma_sm_blocks(nw), parts=True)
+        lay = (b, h, s, m, d)
+        handle = emu.kernel(spec, ins, ["float32", "float32"], tmpl)
         launch = ((s * nw * 32, b * h, 1), (nw * 32, 1, 1))
         fused = None
         if name in FUSED:  # the same kernel merging its own splits (FUSE = 1)
@@ -1051,7 +1052,8 @@ def mma_emulated(tmp_path_factory):
             flay = dk.mma_layout(b, h, s, m, d, out_dt)
             chunk = FUSE_CHUNK.get(name, 0)
             ftmpl = dk.mma_template(*args, out_dt, chunk, key_fold=fold, ldsm=ldsm)
-            fused = (emu.kernel(spec, ins, ["float32"], ftmpl), flay)
+            fspec = dk.mma_spec(nw, dk.mma_sm_blocks(nw))
+            fused = (emu.kernel(fspec, ins, ["float32"], ftmpl), flay)
         # the reference: keys and values decoded, rounded to fp16 as the kernel decodes them;
         # folded sides are not decoded (their products carry fp16 roundings of q, P s instead)
         kd = kc.decode(kp).astype(mx.float32)
@@ -1075,10 +1077,8 @@ def test_tensor_core_kernel_matches_the_reference(mma_emulated, name):
     side, float32 where it folds its scales); no split's max exceeds the true max (the lazy
     max may only lag)."""
     emu, merge, cases = mma_emulated
-    handle, ins, lay, (grid, tg), scores, vd, _ = cases[name]
-    (ws,) = emu.run(handle, ins, [(lay.size,)], grid, tg)
-    o_part, ml, *_ = lay.parts(ws)
-    b, h, m, d = lay.b, lay.h, lay.rows, lay.dim
+    handle, ins, (b, h, s, m, d), (grid, tg), scores, vd, _ = cases[name]
+    ml, o_part = emu.run(handle, ins, [(b, h, s, m, 2), (b, h, s, m, d)], grid, tg)
     mgrid, mtg = dk.merge_launch(b * h * m, d)
     o, mm, ll = emu.run(merge, [o_part, ml], [(b, h, m, d), (b, h, m, 1), (b, h, m, 1)], mgrid, mtg)
     want = np.asarray(mx.softmax(scores, axis=-1) @ vd)
@@ -1132,10 +1132,8 @@ def test_tensor_core_kernel_merges_its_own_splits(mma_emulated, name):
     same launch (counted on a zeroed output): the normalized output, its max and its sum
     equal the separate merge kernel's over the same partials."""
     emu, merge, cases = mma_emulated
-    handle, ins, lay, (grid, tg), scores, vd, (fhandle, flay) = cases[name]
-    (ws,) = emu.run(handle, ins, [(lay.size,)], grid, tg)
-    o_part, ml, *_ = lay.parts(ws)
-    b, h, s, m, d = lay.b, lay.h, lay.splits, lay.rows, lay.dim
+    handle, ins, (b, h, s, m, d), (grid, tg), scores, vd, (fhandle, flay) = cases[name]
+    ml, o_part = emu.run(handle, ins, [(b, h, s, m, 2), (b, h, s, m, d)], grid, tg)
     mgrid, mtg = dk.merge_launch(b * h * m, d)
     o, mm, ll = emu.run(merge, [o_part, ml], [(b, h, m, d), (b, h, m, 1), (b, h, m, 1)], mgrid, mtg)
     (fws,) = emu.run(fhandle, ins, [(flay.size,)], grid, tg, init=0)
@@ -1168,9 +1166,15 @@ def test_cache_on_an_emulated_cuda_gpu_takes_the_tensor_core_kernel(
     fake = EmulatedKernels(tmp_path, backend="cuda").install(monkeypatch)
     got = cache.attend(q, 0.088)
     names = fake.names
-    mma = dk.mma_spec(dk.mma_warps(), dk.mma_sm_blocks(dk.mma_warps()))
-    # no fp16 tokens: the tensor-core kernel merges its own splits (one launch)
-    assert names == ([mma.name] if window == sinks == 0 else [mma.name, "velox_decode_merge_fp16"])
+    nw = dk.mma_warps()
+    # no fp16 tokens: the tensor-core kernel merges its own splits (one launch); with them its
+    # partials are two outputs of their own, which the merge reads
+    fused, parts = (
+        dk.mma_spec(nw, dk.mma_sm_blocks(nw)),
+        dk.mma_spec(nw, dk.mma_sm_blocks(nw), True),
+    )
+    want = [fused.name] if window == sinks == 0 else [parts.name, "velox_decode_merge_fp16"]
+    assert names == want
     err = np.abs(np.asarray((got - ref).astype(mx.float32))).max()
     assert err < 2e-3 * np.abs(np.asarray(ref.astype(mx.float32))).max()
 

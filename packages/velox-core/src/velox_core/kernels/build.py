@@ -112,6 +112,8 @@ class KernelSpec:
             itself, so the header re-defines ``__global__`` to carry the bounds (NVRTC and
             nvcc define it as a macro; the CPU emulation ignores it). Specs with different
             bounds need different names: MLX caches compiled kernels by name.
+        defines: macros defined at the top of the header (``"NAME VALUE"``), for a body whose
+            variants differ in what MLX declares (an output present in one spec only).
     """
 
     name: str
@@ -122,11 +124,14 @@ class KernelSpec:
     package: str = "velox_core"
     cuda_headers: tuple[str, ...] = ()
     cuda_launch_bounds: tuple[int, int] | None = None
+    defines: tuple[str, ...] = ()
 
     def header(self, backend: str) -> str:
         if backend not in PROLOGUE:
             raise ValueError(f"kernel backend must be 'metal' or 'cuda', got {backend!r}")
-        text = f"#define VX_{backend.upper()} 1\n" + compact(kernel_source("velox_kernels.h"))
+        text = f"#define VX_{backend.upper()} 1\n"
+        text += "".join(f"#define {d}\n" for d in self.defines)
+        text += compact(kernel_source("velox_kernels.h"))
         if backend == "cuda":
             for name in self.cuda_headers:
                 text += "\n" + compact(kernel_source(name))

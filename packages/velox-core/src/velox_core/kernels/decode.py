@@ -104,6 +104,14 @@ DECODE_MMA = KernelSpec(
     row_contiguous=False,
     cuda_headers=("velox_mma.cuh",),
 )
+# the same kernel leaving the merge to a second launch (FUSE = 0): the partials as two outputs
+# of their own shapes, (m, l) in ws and the outputs in wo, so the merge reads them without views
+DECODE_MMA_PARTS = dataclasses.replace(
+    DECODE_MMA,
+    name="velox_decode_attention_mma_parts",
+    outputs=("ws", "wo"),
+    defines=("VX_MMA_PARTS 1",),
+)
 # one MMA on subnormal codes: whether the tensor cores take them exactly (the folds rely on it)
 PROBE_SUBNORMAL = KernelSpec(
     name="velox_probe_subnormal_mma",
@@ -449,14 +457,17 @@ def mma_sm_blocks(nwarps: int) -> int:
 
 
 @functools.cache
-def mma_spec(nwarps: int, sm_blocks: int) -> KernelSpec:
+def mma_spec(nwarps: int, sm_blocks: int, parts: bool = False) -> KernelSpec:
     """The tensor-core kernel declared for ``nwarps`` warps and ``sm_blocks`` threadgroups per
-    SM (0: no bounds); one MLX kernel name per bound, since MLX caches kernels by name."""
+    SM (0: no bounds); one MLX kernel name per bound, since MLX caches kernels by name.
+    ``parts``: the variant that writes its partials as two outputs, ``ml_part (B, H, S, M, 2)``
+    and ``o_part (B, H, S, M, D)`` (``FUSE`` 0 only; :data:`DECODE_MMA_PARTS`)."""
+    base = DECODE_MMA_PARTS if parts else DECODE_MMA
     if sm_blocks == 0:
-        return DECODE_MMA
+        return base
     return dataclasses.replace(
-        DECODE_MMA,
-        name=f"{DECODE_MMA.name}_lb{nwarps}x{sm_blocks}",
+        base,
+        name=f"{base.name}_lb{nwarps}x{sm_blocks}",
         cuda_launch_bounds=(32 * nwarps, sm_blocks),
     )
 
@@ -888,23 +899,23 @@ def _mma_plan(
         key_fold=exact and (mma_key_fold() if key_fold is None else key_fold),
         ldsm=mma_ldsm(),
     )
-    return mma_spec(nwarps, sm_blocks), tuple(tmpl), nwarps, sm_blocks
+    return mma_spec(nwarps, sm_blocks, out_dtype is None), tuple(tmpl), nwarps, sm_blocks
 
 
 @dataclass(frozen=True)
 class MmaLayout:
-    """Where the tensor-core kernel's results lie in its one float32 output (offsets and the
-    total in float32 elements, every region whole 16 bytes): with ``FUSE`` 1 the merged
-    output (in its dtype, from offset 0), its (max, sum) and the threadgroup counts, then the
-    partials; without, the partials alone (``mlo_off`` and ``count_off`` 0, the merged parts'
-    sizes 0)."""
+    """Where the results of the tensor-core kernel merging its own splits (``FUSE`` 1) lie in
+    its one float32 output (offsets and the total in float32 elements, every region whole 16
+    bytes): the merged output (in its dtype, from offset 0), its (max, sum) and the
+    threadgroup counts, then the partials. Without the merge the partials are the kernel's two
+    outputs (:func:`mma_spec` with ``parts``)."""
 
     b: int
     h: int
     splits: int
     rows: int
     dim: int
-    out_dtype: mx.Dtype | None
+    out_dtype: mx.Dtype
     mlo_off: int
     count_off: int
     ml_off: int
@@ -913,12 +924,10 @@ class MmaLayout:
 
     def parts(self, ws: Any) -> tuple[Any, Any, Any, Any, Any]:
         """``(o_part, ml_part, out, mlo, count)``: views of ``ws`` (an MLX array, or the numpy
-        array of the CPU emulation), ``out``, ``mlo`` and ``count`` None without ``FUSE``."""
+        array of the CPU emulation)."""
         b, h, s, m, d = self.b, self.h, self.splits, self.rows, self.dim
         o_part = ws[self.o_off : self.o_off + b * h * s * m * d].reshape(b, h, s, m, d)
         ml_part = ws[self.ml_off : self.ml_off + b * h * s * m * 2].reshape(b, h, s, m, 2)
-        if self.out_dtype is None:
-            return o_part, ml_part, None, None, None
         n = b * h * m * d
         if isinstance(ws, mx.array):
             odt, cdt = self.out_dtype, mx.uint32
@@ -948,16 +957,18 @@ def _words16(n: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def mma_layout(
-    b: int, h: int, s: int, m: int, dim: int, out_dtype: mx.Dtype | None = None
-) -> MmaLayout:
-    """The tensor-core kernel's output layout (``decode_attention_mma.cu``'s ``ws``) for ``b``
-    x ``h`` KV heads, ``s`` splits, ``m`` query rows, head dim ``dim``; ``out_dtype`` given:
-    the kernel merges its splits (``FUSE`` 1) into an output of that dtype."""
-    fuse = out_dtype is not None
-    n_out = _words16((b * h * m * dim * out_dtype.size + 3) // 4) if fuse else 0
-    n_mlo = _words16(b * h * m * 2) if fuse else 0
-    n_cnt = _words16(b * h) if fuse else 0
+def mma_layout(b: int, h: int, s: int, m: int, dim: int, out_dtype: mx.Dtype) -> MmaLayout:
+    """The output layout (``decode_attention_mma.cu``'s ``ws``) of the tensor-core kernel
+    merging its splits (``FUSE`` 1) into an output of ``out_dtype``, for ``b`` x ``h`` KV
+    heads, ``s`` splits, ``m`` query rows, head dim ``dim``."""
+    if out_dtype is None:
+        raise ValueError(
+            "mma_layout: the workspace layout is the merging kernel's; without the merge the "
+            "partials are the kernel's two outputs (mma_spec(..., parts=True))"
+        )
+    n_out = _words16((b * h * m * dim * out_dtype.size + 3) // 4)
+    n_mlo = _words16(b * h * m * 2)
+    n_cnt = _words16(b * h)
     ml = n_out + n_mlo + n_cnt
     o = ml + _words16(b * h * s * m * 2)
     size = o + b * h * s * m * dim
@@ -981,20 +992,29 @@ def _decode_mma(
         return None
     b, h, m, dim = q.shape
     s, nt = launch.splits, launch.nwarps * 32
+    inputs = [q, keys.codes, keys.a, keys.b, values.codes, values.a, values.b]
+    grid, tg = (s * nt, b * h, 1), (nt, 1, 1)
+    if not fuse:  # the partials as the kernel's two outputs (DECODE_MMA_PARTS): no views
+        ml_part, o_part = launch.spec.kernel()(
+            inputs=inputs,
+            template=launch.template,
+            grid=grid,
+            threadgroup=tg,
+            output_shapes=[(b, h, s, m, 2), (b, h, s, m, dim)],
+            output_dtypes=[mx.float32, mx.float32],
+        )
+        return o_part, ml_part, q
     lay = mma_layout(b, h, s, m, dim, out_dtype)
     (ws,) = launch.spec.kernel()(
-        inputs=[q, keys.codes, keys.a, keys.b, values.codes, values.a, values.b],
+        inputs=inputs,
         template=launch.template,
-        grid=(s * nt, b * h, 1),
-        threadgroup=(nt, 1, 1),
+        grid=grid,
+        threadgroup=tg,
         output_shapes=[(lay.size,)],
         output_dtypes=[mx.float32],
-        init_value=0 if fuse else None,
+        init_value=0,
     )
-    if fuse:
-        return lay.merged(ws)
-    o_part, ml_part, *_ = lay.parts(ws)
-    return o_part, ml_part, q
+    return lay.merged(ws)
 
 
 def _decode_portable(

@@ -257,7 +257,7 @@ class Emulator:
         """The program: every registered Metal instantiation plus a ``main`` that loads the
         inputs, runs the kernel named on the command line over its grid, saves the outputs."""
         lines = ["#define VX_SHIM_EMULATE 1", '#include "metal_shim.h"']
-        lines += [k.source for k in self._kernels]
+        lines += [_scoped(k) for k in self._kernels]
         lines += [
             *_IO_HELPERS,
             "  uint3 grid, tg; lf >> grid.x >> grid.y >> grid.z >> tg.x >> tg.y >> tg.z;",
@@ -367,7 +367,7 @@ class CudaEmulator(Emulator):
         return lines + _saves(k)
 
     def source(self) -> str:
-        lines = [k.source for k in self._kernels]
+        lines = [_scoped(k) for k in self._kernels]
         lines += [
             *_IO_HELPERS,
             "  dim3 grid, block;",
@@ -379,6 +379,14 @@ class CudaEmulator(Emulator):
             lines += self._case(idx, k)
         lines.append("  return 3;\n}")
         return "\n".join(lines) + "\n"
+
+
+def _scoped(k: _Kernel) -> str:
+    """A kernel's source for the emulator's one translation unit: its spec's header macros
+    (``KernelSpec.defines``) undefined after it, so they do not reach the kernels that follow
+    (MLX compiles every kernel on its own)."""
+    ends = "".join(f"\n#undef {d.split()[0]}" for d in k.spec.defines)
+    return k.source + ends
 
 
 _CUDA_EMU_TYPES = {
