@@ -96,7 +96,8 @@ def build(args) -> tuple[str, list[tuple[str, object]]]:
     infos = [ArgInfo(args.query, 4, big)]
     infos += [ArgInfo("uint32", 4, big), ArgInfo("float16", 4, big), ArgInfo("float16", 4, big)]
     infos += infos[1:]
-    return cuda_source(spec, infos, ["float32"], list(tmpl))[0], list(tmpl)
+    outs = ["float32"] * len(spec.outputs)  # without the merge: the partials' two outputs
+    return cuda_source(spec, infos, outs, list(tmpl))[0], list(tmpl)
 
 
 def main() -> int:

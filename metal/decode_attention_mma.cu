@@ -817,7 +817,6 @@ const int64_t nbh = (int64_t)kc_shape[0] * H;
 const int64_t n_out = FUSE ? ((nbh * MROWS * HD * (int64_t)sizeof(OT) + 15) / 16) * 4 : 0;
 const int64_t n_mlo = FUSE ? ((nbh * MROWS * 2 + 3) / 4) * 4 : 0;
 const int64_t n_cnt = FUSE ? ((nbh + 3) / 4) * 4 : 0;
-const int64_t n_ml = ((nbh * nsplit * MROWS * 2 + 3) / 4) * 4;
 OT* const out = reinterpret_cast<OT*>(ws);
 float* const mlo = ws + n_out;
 unsigned int* const count = reinterpret_cast<unsigned int*>(ws + n_out + n_mlo);
@@ -827,6 +826,7 @@ static_assert(!FUSE, "the partials as two outputs go with the merge in a second 
 float* const o_part = wo;
 #else
 static_assert(FUSE, "without the merge the partials are two outputs (VX_MMA_PARTS)");
+const int64_t n_ml = ((nbh * nsplit * MROWS * 2 + 3) / 4) * 4;
 float* const o_part = ml_part + n_ml;
 #endif
 VX_BARRIER();

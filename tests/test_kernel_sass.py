@@ -54,3 +54,26 @@ def test_the_script_counts_the_shipped_kernel():
     )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "main loop:" in res.stdout and "HMMA 64" in res.stdout
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_both_merges_build_and_compile(sass, tmp_path):
+    """The source kernel_sass.py hands nvcc, for the kernel merging its own splits and for
+    the two-output kernel the library launches without the merge, compiles."""
+    import argparse
+
+    from velox_core.kernels.emulate import shim_dir
+
+    for merge in ("kernel", "separate"):
+        args = argparse.Namespace(
+            kbits=2, vbits=2, kgroup=64, vgroup=64, rows=4, dim=128, query="float16", merge=merge
+        )
+        src, tmpl = sass.build(args)
+        assert dict(tmpl)["FUSE"] == (merge == "kernel")
+        cu = tmp_path / f"{merge}.cu"
+        cu.write_text(src)
+        cmd = ["nvcc", "-std=c++17", "-arch=sm_90a", "-I", str(shim_dir() / "cuda"), "-c"]
+        res = subprocess.run(
+            [*cmd, str(cu), "-o", str(tmp_path / f"{merge}.o")], capture_output=True, text=True
+        )
+        assert res.returncode == 0, (merge, res.stderr[-3000:])

@@ -461,6 +461,17 @@ def test_fused_merge_follows_the_context_unless_set(monkeypatch):
         dk.mma_fuse_merge(16)
 
 
+def test_sources_take_one_dtype_per_output():
+    """The CUDA and Metal sources (MLX's generators' twins) want one dtype per declared output,
+    as an MLX launch does: the two-output tensor-core kernel with one dtype is an error."""
+    infos = [ArgInfo("float16", 4, 1 << 20)] + [ArgInfo("uint32", 4, 1 << 20)] * 6
+    parts = dk.mma_spec(4, 3, parts=True)
+    with pytest.raises(ValueError, match="1 output dtypes for the outputs"):
+        cuda_source(parts, infos, ["float32"])
+    with pytest.raises(ValueError, match="2 output dtypes"):
+        metal_source(dk.MERGE, infos[:2], ["float32", "float32"])
+
+
 def test_decode_attention_merges_in_the_kernel_up_to_the_fuse_limit(monkeypatch):
     """decode_attention without fp16 segments on the CUDA path asks the tensor-core kernel to
     merge its own splits (an out_dtype) up to MMA_FUSE_TOKENS coded tokens, for the partials

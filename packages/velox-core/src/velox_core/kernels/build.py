@@ -256,6 +256,14 @@ def _template_value(v: Any, backend: str) -> str:
     return (_CUDA_TYPES if backend == "cuda" else _METAL_TYPES)[_dtype_name(v)]
 
 
+def _check_outputs(spec: KernelSpec, output_dtypes: Sequence[Any]) -> None:
+    """One dtype per output the spec declares, as MLX requires of a launch."""
+    if len(output_dtypes) != len(spec.outputs):
+        raise ValueError(
+            f"{spec.name}: {len(output_dtypes)} output dtypes for the outputs {spec.outputs}"
+        )
+
+
 def metal_source(
     spec: KernelSpec,
     inputs: Sequence[ArgInfo],
@@ -266,6 +274,7 @@ def metal_source(
 
     The source starts with the header; MLX puts its own ``metal::utils()`` before it.
     """
+    _check_outputs(spec, output_dtypes)
     body = spec.body("metal")
     infos = _shape_infos(body, spec.inputs)
     kname = "custom_kernel_" + spec.name
@@ -333,6 +342,7 @@ def cuda_source(
 ) -> tuple[str, str]:
     """The full CUDA source MLX compiles with NVRTC for ``spec`` (``build_kernel``), and the
     kernel name."""
+    _check_outputs(spec, output_dtypes)
     body = spec.body("cuda")
     infos = _shape_infos(body, spec.inputs)
     thash = ""

@@ -573,6 +573,10 @@ class EmulatedKernels:
     ):
         import mlx.core as mx
 
+        if len(output_shapes) != len(spec.outputs):
+            raise ValueError(
+                f"{spec.name}: {len(output_shapes)} output shapes for the outputs {spec.outputs}"
+            )
         ins = [np_input(a) for a in inputs]
         tmpl = tuple(template or ())
         dnames = [str(d).replace("mlx.core.", "") for d in output_dtypes]
