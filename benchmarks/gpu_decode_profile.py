@@ -55,7 +55,7 @@ from velox_core import Uniform
 from velox_core.kernels import decode as dk
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_attention import device_time  # the benchmarks' device-time rule
+from gpu_attention import device_time, env  # the benchmarks' device-time rule, settings
 
 SOURCE = "decode_attention_mma.cu"
 _ORIGINAL = build.kernel_source
@@ -213,10 +213,7 @@ def launcher(
     :func:`velox_core.kernels.decode.mma_layout`; else None)."""
     b, h, m, d = q.shape
     out_dtype = q.dtype if fuse else None
-    old = os.environ.get("VELOX_DECODE_LDSM")
-    if ldsm is not None:
-        os.environ["VELOX_DECODE_LDSM"] = str(int(ldsm))
-    try:
+    with env(**({} if ldsm is None else {"VELOX_DECODE_LDSM": int(ldsm)})):
         launch = dk.mma_launch(
             q.shape,
             q.dtype,
@@ -230,11 +227,6 @@ def launcher(
             out_dtype=out_dtype,
             key_fold=key_fold,
         )
-    finally:
-        if old is None:
-            os.environ.pop("VELOX_DECODE_LDSM", None)
-        else:
-            os.environ["VELOX_DECODE_LDSM"] = old
     base = launch.spec
     tag = f"{abs(hash(variant)) % 10**8}"
     spec = dataclasses.replace(base, name=f"{base.name}_v{tag}", source="variant:" + variant)

@@ -1,9 +1,9 @@
 """The tensor-core decode kernel's machine code, without a GPU: registers and its loop's
 instructions by opcode.
 
-Builds ``metal/decode_attention_mma.cu`` for one shape as the library plans it (the launch
-settings are the environment's ``VELOX_DECODE_*``, as for a call; the subnormal probe is
-taken to pass, so the folds follow their settings), writes the full source MLX would hand
+Builds ``metal/decode_attention_mma.cu`` for one shape as the library plans it
+(``mma_launch``: the launch settings are the environment's ``VELOX_DECODE_*``, as for a call;
+without a CUDA device the folds follow their settings), writes the full source MLX would hand
 NVRTC, compiles it with ``nvcc -cubin`` (the register count and spills from ``ptxas -v``),
 disassembles it with ``cuobjdump -sass`` and counts the instructions of the main loop: the
 code from the target of the first backward branch after the last ``HMMA`` to that branch, cold
@@ -67,31 +67,22 @@ def main_loop(insns: list[tuple[int, str]]) -> list[tuple[int, str]]:
 
 def build(args) -> tuple[str, list[tuple[str, object]]]:
     """The full CUDA source of the planned kernel, and its template."""
-    z = mx.zeros((1,), mx.float16)
-    keys = dk.Codes(dk.AFFINE, args.kbits, args.kgroup, mx.zeros((1,), mx.uint32), z, z)
-    values = dk.Codes(dk.AFFINE, args.vbits, args.vgroup, mx.zeros((1,), mx.uint32), z, z)
+
+    def codes(bits: int, group: int) -> dk.Codes:  # 16 tokens of zeros: only shapes matter
+        z = mx.zeros((1, 1, 16, args.dim // group), mx.float16)
+        return dk.Codes(
+            dk.AFFINE, bits, group, mx.zeros((1, 1, 16, args.dim * bits // 32), mx.uint32), z, z
+        )
+
+    keys, values = codes(args.kbits, args.kgroup), codes(args.vbits, args.vgroup)
     if not dk.mma_supported(args.rows, args.dim, keys, values):
         raise SystemExit("the tensor-core kernel does not take this shape (mma_supported)")
     qd = getattr(mx, args.query)
     out = None if args.merge == "separate" else qd
-    plan = dk._mma_plan(
-        args.rows,
-        args.dim,
-        qd,
-        (args.kbits, args.kgroup),
-        (args.vbits, args.vgroup),
-        None,
-        None,
-        None,
-        None,
-        out,
-        None,
-        True,
-        tuple(map(dk.env_setting, dk._MMA_SETTINGS)),
-    )
-    if plan is None:
+    launch = dk.mma_launch((1, 1, args.rows, args.dim), qd, keys, values, out_dtype=out)
+    if launch is None:
         raise SystemExit("no ring fits in shared memory for this shape")
-    spec, tmpl, _, _ = plan
+    spec, tmpl = launch.spec, launch.template
     big = 1 << 20
     infos = [ArgInfo(args.query, 4, big)]
     infos += [ArgInfo("uint32", 4, big), ArgInfo("float16", 4, big), ArgInfo("float16", 4, big)]

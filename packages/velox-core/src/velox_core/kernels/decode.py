@@ -472,9 +472,10 @@ def mma_spec(nwarps: int, sm_blocks: int, parts: bool = False) -> KernelSpec:
     )
 
 
-def _env_flag(name: str, default: bool) -> bool:
-    """A 0/1 setting from the environment (anything else is a clear error)."""
-    v = env_setting(name, "1" if default else "0").strip()
+def _env_flag(name: str, default: bool, value: str | None = None) -> bool:
+    """A 0/1 setting from the environment, or its ``value`` already read (anything else is a
+    clear error)."""
+    v = (env_setting(name, "1" if default else "0") if value is None else value).strip()
     if v not in ("0", "1"):
         raise ValueError(f"{name} must be 0 or 1, got {v!r}")
     return v == "1"
@@ -598,7 +599,7 @@ def mma_fuse_merge(tokens: int) -> bool:
     v = env_setting("VELOX_DECODE_FUSE")
     if v is None:
         return tokens <= MMA_FUSE_TOKENS
-    return _env_flag("VELOX_DECODE_FUSE", True)
+    return _env_flag("VELOX_DECODE_FUSE", True, v)
 
 
 def mma_value_units(values: Codes, ldsm: bool) -> int:
