@@ -69,6 +69,12 @@ VX_FN float vx_code_unit(unsigned int w, int sh, int bits) {
   return vx_bits_to_float((v & mask) | 0x3F800000u);
 }
 
+// +1.0f where bit `i` of w is set, -1.0f where it is clear: the bit moved to the sign
+// position and flipped into -1.0f (with `i` known at compile time, a shift and a LOP).
+VX_FN float vx_sign_unit(unsigned int w, int i) {
+  return vx_bits_to_float(0xBF800000u ^ ((w << (31 - i)) & 0x80000000u));
+}
+
 VX_FN float vx_max(float a, float b) { return a > b ? a : b; }
 VX_FN float vx_min(float a, float b) { return a < b ? a : b; }
 VX_FN int vx_imin(int a, int b) { return a < b ? a : b; }

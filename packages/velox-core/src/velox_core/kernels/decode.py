@@ -11,7 +11,9 @@ merges the chunks with the log-sum-exp rule (``metal/decode_merge.metal``).
 Keys and values are each either **affine** per-group codes (``x = scale * code + zero``, one
 scale and zero per ``group`` channels of a token: :class:`velox_core.Uniform` with
 ``axis="token"``) or **codebook** codes (``x = norm * levels[code]``, one norm per token:
-TurboQuant_mse in the rotated domain). Codes are uint32 words in velox's packing layout
+TurboQuant_mse in the rotated domain). Keys may also be **sketch** codes (:data:`SKETCH`,
+QJL: ``m`` sign bits of ``S k`` and ``||k||`` per token, with per-block outlier channels and
+their own sketch, see :class:`SketchKeys`). Codes are uint32 words in velox's packing layout
 (:mod:`velox_core.ops.packing`), any width 1 to 8 where a lane's channels fill whole words.
 
 :func:`plan` says whether (and how) a shape is supported; :func:`decode_attention` returns
@@ -48,10 +50,13 @@ __all__ = [
     "FP16_MAX",
     "MERGE",
     "MERGE_FP16",
+    "SKETCH",
     "Codes",
     "MmaLaunch",
     "MmaLayout",
     "Plan",
+    "SketchKeys",
+    "block_splits",
     "choose_splits",
     "decode_attention",
     "fit_splits",
@@ -73,12 +78,15 @@ __all__ = [
     "mma_template",
     "mma_warps",
     "plan",
+    "plan_for",
     "qmul_bits",
+    "sketch_lanes",
+    "sketch_matrix",
     "template",
     "tuning",
 ]
 
-AFFINE, CODEBOOK, AFFINE_CHANNEL = 0, 1, 2
+AFFINE, CODEBOOK, AFFINE_CHANNEL, SKETCH = 0, 1, 2, 3
 NWARPS = 4  # warps per threadgroup (VELOX_DECODE_WARPS overrides: 1, 2, 4 or 8)
 UNROLL = 4  # tokens per lane per loop iteration, loads issued together (VELOX_DECODE_UNROLL)
 MAX_REGS = 64  # query rows x channels per lane held in registers (and as many accumulators)
@@ -90,7 +98,10 @@ MIN_SPAN = 256  # fewest tokens per split (unless the context is shorter)
 DECODE = KernelSpec(
     name="velox_decode_attention",
     source="decode_attention.metal",
-    inputs=("q", "kc", "ka", "kb", "klv", "vc", "va", "vb", "vlv", "ksg", "krn", "qsk"),
+    inputs=(
+        *("q", "kc", "ka", "kb", "klv", "vc", "va", "vb", "vlv"),
+        *("ksg", "krn", "qsk", "kix", "kst"),
+    ),
     outputs=("o_part", "ml_part"),
     row_contiguous=False,  # the body reads strides: slices of a cache buffer are not copied
 )
@@ -141,8 +152,12 @@ def qmul_bits(scale: float | None = None) -> int:
     """The ``QMUL`` template value: the float32 bits of ``log2(e)`` (times ``scale``, for
     queries that come unscaled), the factor the tensor-core kernel and the fp16 merge apply to
     the queries."""
-    f = struct.pack("<f", LOG2E * (1.0 if scale is None else float(scale)))
-    return struct.unpack("<i", f)[0]
+    return _float_bits(LOG2E * (1.0 if scale is None else float(scale)))
+
+
+def _float_bits(x: float) -> int:
+    """The float32 bits of ``x`` as a signed int (a template value)."""
+    return struct.unpack("<i", struct.pack("<f", float(x)))[0]
 
 
 @dataclass(frozen=True)
@@ -164,6 +179,10 @@ class Codes:
             uint32, bit ``e`` set where channel ``e`` of the residual's sketch is positive;
             the caller passes the sketched query to :func:`decode_attention`. None otherwise.
         rnorm: with ``signs``: the residual norms ``(B, H, T)``.
+        sketch: :data:`SKETCH` keys only (QJL): the sketch's sizes and its other arrays; then
+            ``codes`` holds the ``m`` sign bits ``(B, H, T, m/32)``, ``a`` the norms
+            ``(B, H, T)``, ``b`` the outlier parts' norms (None without outliers), ``bits``
+            is 1 and ``group`` the tokens per outlier block (1 without outliers).
     """
 
     kind: int
@@ -175,6 +194,62 @@ class Codes:
     levels: mx.array | None = None
     signs: mx.array | None = None
     rnorm: mx.array | None = None
+    sketch: SketchKeys | None = None
+
+
+@dataclass(frozen=True)
+class SketchKeys:
+    """QJL keys (velox-qjl's codec) as the portable kernel reads them, beside :class:`Codes`.
+
+    A key's score is ``c/m ||k_in|| <S q - S P q, sign(S k_in)> + c/m_o ||k_o|| <S P q,
+    sign(S k_o)>``: ``P`` keeps the block's outlier channels, ``k_o = P k``, ``k_in = k - k_o``,
+    the outlier sketch using the first ``m_o`` rows of ``S``. The kernel forms ``S P q`` per
+    block of tokens from the block's channel indices and ``S``'s columns, which it reads from
+    ``S`` laid out in its lanes' order (:func:`sketch_matrix`); the host passes ``S q`` in
+    the same order (the query times that matrix's first ``m`` columns).
+
+    Attributes:
+        m: sign bits of the main sketch.
+        mo: sign bits of the outlier sketch (0 without outliers).
+        outliers: outlier channels per block (0: none).
+        index_bits: bits of one packed channel index.
+        const: the estimator's ``c``.
+        lanes: the lanes per token :func:`sketch_lanes` gave, for which ``matrix`` is laid out.
+        matrix: :func:`sketch_matrix` of ``S`` for ``lanes`` (any float dtype).
+        osign: the outlier sketch's sign bits ``(B, H, T, mo/32)`` uint32, or None.
+        idx: the packed channel indices ``(B, H, T/block, W)`` uint32, or None.
+    """
+
+    m: int
+    mo: int
+    outliers: int
+    index_bits: int
+    const: float
+    lanes: int
+    matrix: mx.array
+    osign: mx.array | None = None
+    idx: mx.array | None = None
+
+
+def sketch_matrix(proj: mx.array, m: int, mo: int, lanes: int) -> mx.array:
+    """``S`` (``proj``, ``(R, D)``) as the sketch keys' pass reads it: its first ``m`` rows
+    (and, when ``mo`` differs from ``m``, then its first ``mo`` rows) transposed, each set's
+    rows in the lanes' order: lane ``j`` of ``lanes`` owns rows ``j * n / lanes + i``, stored
+    in column ``i * lanes + j``, so that a warp's lanes read one contiguous run of a channel's
+    row. ``q @ sketch_matrix(...)[:, :m]`` is ``S q`` in the order the kernel reads it.
+
+    Shapes:
+        proj ``(R, D)``, ``R >= max(m, mo)``; returns ``(D, m)`` or ``(D, m + mo)``.
+    """
+    d = proj.shape[1]
+
+    def block(n: int) -> mx.array:
+        rows = proj[:n].reshape(lanes, n // lanes, d)
+        return mx.transpose(rows, (2, 1, 0)).reshape(d, n)
+
+    if not mo or mo == m:
+        return mx.contiguous(block(m))
+    return mx.contiguous(mx.concatenate([block(m), block(mo)], axis=1))
 
 
 @dataclass(frozen=True)
@@ -190,6 +265,7 @@ class Plan:
         unroll: tokens per lane per loop iteration.
         step: tokens a threadgroup consumes per loop iteration.
         max_span: most tokens one split may hold (its scores stay in threadgroup memory).
+        klanes: :data:`SKETCH` keys: lanes per token of the key pass (0 otherwise).
     """
 
     cpl: int
@@ -200,6 +276,7 @@ class Plan:
     unroll: int
     step: int
     max_span: int
+    klanes: int = 0
 
 
 def _pow2_ceil(n: int) -> int:
@@ -207,6 +284,8 @@ def _pow2_ceil(n: int) -> int:
 
 
 def _side_ok(kind: int, bits: int, group: int, dim: int, cpl: int) -> bool:
+    if kind == SKETCH:  # the key pass has its own lane layout (sketch_lanes)
+        return True
     if not 1 <= bits <= 8 or (cpl * bits) % 32:
         return False
     if kind == AFFINE:
@@ -242,6 +321,7 @@ def plan(
     vbits: int,
     vgroup: int,
     sketch: bool = False,
+    qjl: tuple[int, int] | None = None,
 ) -> Plan | None:
     """The kernel's layout for ``m`` query rows of head dim ``dim``, or None if unsupported.
 
@@ -251,12 +331,25 @@ def plan(
     (half of it with a key ``sketch``: the sketched query takes the other half); rows per
     threadgroup are a power of two (at most 8). A sketch needs codebook keys and a head dim
     that is a multiple of 32.
+
+    :data:`SKETCH` keys (QJL) pass ``qjl = (m, mo)``, their sketches' sign bits: the key pass
+    spreads a token's bits over :func:`sketch_lanes` lanes, and its rows hold that many
+    weights each (``m / lanes + mo / lanes``) within the same register budget.
     """
     if m < 1 or dim < 1 or vkind == AFFINE_CHANNEL:  # per-channel groups: keys only
         return None
     if sketch and (kkind != CODEBOOK or dim % 32):
         return None
+    if (kkind == SKETCH) != (qjl is not None):
+        raise ValueError("plan: sketch keys (SKETCH) and qjl=(m, mo) go together")
+    klanes = 0
     budget = MAX_REGS // 2 if sketch else MAX_REGS
+    if qjl is not None:
+        klanes = sketch_lanes(*qjl)
+        if not klanes:
+            return None
+        if (qjl[0] + qjl[1]) // klanes > MAX_REGS:  # the weights of one row
+            return None
     nwarps, unroll = tuning()
     order = (32, 16, 8) if m <= 2 else (16, 32, 8) if m <= 4 else (8, 16, 32)
     for cpl in order:
@@ -276,8 +369,54 @@ def plan(
         mb = _pow2_floor(mb)
         lanes = _pow2_ceil(dim // cpl)
         step = nwarps * (32 // lanes) * unroll
-        return Plan(cpl, mb, -(-m // mb), lanes, nwarps, unroll, step, SCORE_SLOTS // mb)
+        if qjl is not None:
+            mb = min(mb, _pow2_floor(MAX_REGS // ((qjl[0] + qjl[1]) // klanes)))
+        return Plan(cpl, mb, -(-m // mb), lanes, nwarps, unroll, step, SCORE_SLOTS // mb, klanes)
     return None
+
+
+def _word_fit(bits: int) -> bool:
+    """A lane's run of sign bits is at most one word (read from the one or two words it
+    lies in) or whole words."""
+    return 1 <= bits <= 32 or bits % 32 == 0
+
+
+SKETCH_LANES = 32  # most lanes per token of the sketch keys' pass (VELOX_DECODE_SKETCH_LANES)
+
+
+def sketch_lanes(m: int, mo: int) -> int:
+    """Lanes per token of the key pass for sketch keys of ``m`` (and ``mo`` outlier) sign
+    bits: the most (a power of two, at most ``VELOX_DECODE_SKETCH_LANES``, default
+    :data:`SKETCH_LANES`: the fewest weights per lane) that split both sketches evenly into
+    shares of at most one word or of whole words; 0 when none does."""
+    top = int(env_setting("VELOX_DECODE_SKETCH_LANES", SKETCH_LANES))
+    if top not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"VELOX_DECODE_SKETCH_LANES must be 1, 2, 4, 8, 16 or 32, got {top}")
+    for lanes in (32, 16, 8, 4, 2, 1):
+        if lanes > top:
+            continue
+        if m % lanes or mo % lanes:
+            continue
+        if _word_fit(m // lanes) and (mo == 0 or _word_fit(mo // lanes)):
+            return lanes
+    return 0
+
+
+def plan_for(m: int, dim: int, keys: Codes, values: Codes) -> Plan | None:
+    """:func:`plan` for the two sides of a segment."""
+    qjl = None if keys.sketch is None else (keys.sketch.m, keys.sketch.mo)
+    return plan(
+        m,
+        dim,
+        keys.kind,
+        keys.bits,
+        keys.group,
+        values.kind,
+        values.bits,
+        values.group,
+        keys.signs is not None,
+        qjl,
+    )
 
 
 def choose_splits(tokens: int, rows: int, p: Plan) -> int:
@@ -297,6 +436,23 @@ def fit_splits(tokens: int, splits: int, p: Plan) -> int:
     """``splits`` adjusted so that no split is empty and none holds more than ``p.max_span``."""
     s = max(1, min(int(splits), tokens), math.ceil(tokens / p.max_span))
     return math.ceil(tokens / math.ceil(tokens / s))
+
+
+def block_splits(tokens: int, splits: int, p: Plan, keys: Codes) -> int:
+    """``splits`` raised where needed so that splits start on whole outlier blocks of sketch
+    keys (the kernel rounds a split's ``ceil(T / splits)`` tokens up to whole blocks) and
+    still fit ``p.max_span``; unchanged for other keys."""
+    if keys.sketch is None or not keys.sketch.outliers or keys.group <= 1:
+        return splits
+    g = keys.group
+    if g > p.max_span:
+        raise ValueError(
+            f"decode_attention: outlier blocks of {g} tokens exceed a split's {p.max_span}"
+        )
+    s = splits
+    while math.ceil(math.ceil(tokens / s) / g) * g > p.max_span:  # the kernel's span
+        s += 1
+    return s
 
 
 MERGE_THREADS = 256  # the merge body assumes 8 warps per threadgroup
@@ -321,6 +477,8 @@ def _dummy(dtype: mx.Dtype) -> mx.array:
 def _inputs(c: Codes) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     if c.kind in (AFFINE, AFFINE_CHANNEL):
         return c.codes, c.a, c.b, _dummy(mx.float32)
+    if c.kind == SKETCH:  # sign words, norms, outlier norms
+        return c.codes, c.a, c.b if c.b is not None else _dummy(c.a.dtype), _dummy(mx.float32)
     levels = c.levels.astype(mx.float32)
     if levels.size < 8:  # keep it in device memory on Metal (the body only indexes it)
         levels = mx.concatenate([levels, mx.zeros((8 - levels.size,), mx.float32)])
@@ -328,14 +486,61 @@ def _inputs(c: Codes) -> tuple[mx.array, mx.array, mx.array, mx.array]:
 
 
 def _sketch_inputs(keys: Codes, q_sketch: mx.array | None, rows: int) -> list[mx.array]:
-    """The portable kernel's last three inputs: the keys' residual sketch, its norms and the
-    sketched query (rows padded to ``rows``), or unused placeholders."""
+    """The portable kernel's last five inputs (``ksg, krn, qsk, kix, kst``): the keys'
+    residual sketch, its norms and the sketched query (rows padded to ``rows``); for
+    :data:`SKETCH` keys the outlier sketch, a placeholder, the sketched query, the outlier
+    indices and ``S``; unused placeholders where a side has none of them."""
+    u32, f16, f32 = _dummy(mx.uint32), _dummy(mx.float16), _dummy(mx.float32)
+    if keys.sketch is not None:
+        sk = keys.sketch
+        qs = _pad_rows(q_sketch.astype(mx.float32), rows)
+        if not sk.outliers:
+            return [u32, f16, qs, u32, f32]
+        return [sk.osign, f16, qs, sk.idx, sk.matrix]
     if keys.signs is None:
-        return [_dummy(mx.uint32), _dummy(mx.float16), _dummy(mx.float32)]
-    return [keys.signs, keys.rnorm, _pad_rows(q_sketch.astype(mx.float32), rows)]
+        return [u32, f16, f32, u32, f32]
+    return [keys.signs, keys.rnorm, _pad_rows(q_sketch.astype(mx.float32), rows), u32, f32]
+
+
+def _check_sketch(c: Codes, b: int, h: int, t: int, dim: int) -> None:
+    """Shapes of :data:`SKETCH` keys (see :class:`SketchKeys`)."""
+    sk = c.sketch
+    if sk is None or c.signs is not None:
+        raise ValueError("decode_attention: sketch keys carry a SketchKeys record, no signs")
+    want = {"codes": (b, h, t, -(-sk.m // 32)), "a": (b, h, t)}
+    got = {"codes": c.codes, "a": c.a}
+    if sk.outliers:
+        blocks = -(-t // c.group)
+        want.update(
+            b=(b, h, t),
+            osign=(b, h, t, -(-sk.mo // 32)),
+            idx=(b, h, blocks, -(-sk.outliers * sk.index_bits // 32)),
+        )
+        got.update(b=c.b, osign=sk.osign, idx=sk.idx)
+    elif c.b is not None or sk.osign is not None or sk.idx is not None or sk.mo:
+        raise ValueError("decode_attention: sketch keys without outliers have no outlier arrays")
+    for name, shape in want.items():
+        a = got[name]
+        if a is None or tuple(a.shape) != shape:
+            have = None if a is None else tuple(a.shape)
+            raise ValueError(f"decode_attention: sketch keys' {name} is {have}, expected {shape}")
+    for name in ("codes", "osign", "idx"):
+        if name in got and got[name].dtype != mx.uint32:
+            raise ValueError(f"decode_attention: sketch keys' {name} must be uint32")
+    cols = sk.m if not sk.mo or sk.mo == sk.m else sk.m + sk.mo
+    if sk.outliers and tuple(sk.matrix.shape) != (dim, cols):
+        raise ValueError(
+            f"decode_attention: the sketch matrix is {tuple(sk.matrix.shape)}, expected "
+            f"{(dim, cols)} (sketch_matrix)"
+        )
 
 
 def _check(name: str, c: Codes, b: int, h: int, t: int, dim: int) -> None:
+    if c.kind == SKETCH:
+        if name != "key":
+            raise ValueError("decode_attention: sketch codes are for keys only")
+        _check_sketch(c, b, h, t, dim)
+        return
     if (c.signs is None) != (c.rnorm is None) or (c.signs is not None and c.kind != CODEBOOK):
         raise ValueError(f"decode_attention: {name} signs and rnorm go together, codebook only")
     if c.signs is not None:
@@ -384,6 +589,25 @@ def template(
         ("UNROLL", p.unroll),
         ("QMUL", qmul_bits(scale)),
         ("KQJL", int(k.signs is not None)),
+        *sketch_template(p, k),
+    ]
+
+
+def sketch_template(p: Plan, k: Codes) -> list[tuple[str, int]]:
+    """The key pass's constants for :data:`SKETCH` keys (zeros for the other kinds): the
+    sketches' sizes, outliers per block and their index bits, lanes per token, and the float32
+    bits of ``c/m`` and ``c/m_o``."""
+    sk = k.sketch
+    if sk is None:
+        return [(n, 0) for n in ("KSK", "KOSK", "KOUT", "KIB", "KLPT", "KCIN", "KCOUT")]
+    return [
+        ("KSK", sk.m),
+        ("KOSK", sk.mo),
+        ("KOUT", sk.outliers),
+        ("KIB", sk.index_bits if sk.outliers else 0),
+        ("KLPT", p.klanes),
+        ("KCIN", _float_bits(sk.const / sk.m)),
+        ("KCOUT", _float_bits(sk.const / sk.mo) if sk.outliers else 0),
     ]
 
 
@@ -1030,12 +1254,14 @@ def _decode_portable(
     the padded query it took, or None where it has no layout for the shape."""
     b, h, m, dim = q.shape
     t = keys.codes.shape[2]
-    sketch = keys.signs is not None
-    p = plan(
-        m, dim, keys.kind, keys.bits, keys.group, values.kind, values.bits, values.group, sketch
-    )
+    p = plan_for(m, dim, keys, values)
     if p is None:
         return None
+    if keys.sketch is not None and keys.sketch.lanes != p.klanes:
+        raise ValueError(
+            f"decode_attention: the sketch matrix is laid out for {keys.sketch.lanes} lanes, "
+            f"the plan takes {p.klanes} (sketch_lanes at call time)"
+        )
     _check("key", keys, b, h, t, dim)
     _check("value", values, b, h, t, dim)
     mp = p.nmb * p.mb
@@ -1043,6 +1269,7 @@ def _decode_portable(
     qf = _pad_rows(qf, mp)
     extra = _sketch_inputs(keys, q_sketch, mp)
     s = choose_splits(t, b * h, p) if splits is None else fit_splits(t, splits, p)
+    s = block_splits(t, s, p, keys)
     nt = p.nwarps * 32
     o_part, ml_part = DECODE.kernel()(
         inputs=[qf, *_inputs(keys), *_inputs(values), *extra],
@@ -1168,7 +1395,9 @@ def decode_attention(
             ``rot`` the ``(D, D)`` float32 map back (``o @ rot``, see
             :func:`merge_splits_fp16`).
         q_sketch: with keys that carry a residual sketch (``keys.signs``): the sketched query
-            ``(B, H, M, D)`` (times the sketch's constant), scaled like ``q``.
+            ``(B, H, M, D)`` (times the sketch's constant), scaled like ``q``; with
+            :data:`SKETCH` keys: ``S q`` ``(B, H, M, m)`` float32 (no constant), from the same
+            ``q`` as the kernel takes (scaled or not).
 
     Shapes:
         returns ``o (B, H, M, D)``, ``m (B, H, M, 1)``, ``l (B, H, M, 1)``, float32 (``o`` in
@@ -1188,11 +1417,18 @@ def decode_attention(
         raise ValueError(
             f"decode_attention: merge_q {tuple(merge_q.shape)} must match q {tuple(q.shape)}"
         )
-    if (q_sketch is None) != (keys.signs is None):
-        raise ValueError("decode_attention: q_sketch goes with keys that carry signs")
-    if q_sketch is not None and q_sketch.shape != q.shape:
+    if (q_sketch is not None) != (keys.signs is not None or keys.sketch is not None):
         raise ValueError(
-            f"decode_attention: q_sketch {tuple(q_sketch.shape)} must match q {tuple(q.shape)}"
+            "decode_attention: q_sketch goes with keys that carry signs or a sketch (SKETCH)"
+        )
+    if keys.sketch is not None and keys.kind != SKETCH:
+        raise ValueError("decode_attention: a SketchKeys record goes with SKETCH keys")
+    if values.kind == SKETCH:
+        raise ValueError("decode_attention: sketch codes are for keys only")
+    want_qs = q.shape if keys.sketch is None else (b, h, m, keys.sketch.m)
+    if q_sketch is not None and tuple(q_sketch.shape) != tuple(want_qs):
+        raise ValueError(
+            f"decode_attention: q_sketch {tuple(q_sketch.shape)} must be {tuple(want_qs)}"
         )
     parts = None
     if _kernels.backend() == "cuda" and mma_enabled() and mma_supported(m, dim, keys, values):

@@ -453,17 +453,7 @@ class DecodeRun:
 
         b, h, m, dim = q.shape
         t = keys.codes.shape[2]
-        p = dk.plan(
-            m,
-            dim,
-            keys.kind,
-            keys.bits,
-            keys.group,
-            values.kind,
-            values.bits,
-            values.group,
-            keys.signs is not None,
-        )
+        p = dk.plan_for(m, dim, keys, values)
         if p is None:
             raise ValueError("DecodeRun: the kernel does not support this case")
         self.plan, self.m = p, m
@@ -472,19 +462,23 @@ class DecodeRun:
         if mp > m:
             qf = mx.concatenate([qf, mx.zeros((b, h, mp - m, dim), mx.float32)], axis=2)
         self.s = dk.choose_splits(t, b * h, p) if splits is None else dk.fit_splits(t, splits, p)
+        self.s = dk.block_splits(t, self.s, p, keys)
         rng = np.random.default_rng(0)
         ins = [np_input(qf)]
         for side in (keys, values):
             arrays = dk._inputs(side)
             for i, a in enumerate(arrays):
                 x = np_input(a)
-                if pad and i < 3 and not (side.kind == dk.CODEBOOK and i == 2):
+                unused = i == 2 and (side.kind == dk.CODEBOOK or side.b is None)
+                if pad and i < 3 and not unused:
                     x = _padded_view(x, pad, rng)
                 ins.append(x)
         for i, a in enumerate(dk._sketch_inputs(keys, q_sketch, mp)):
             x = np_input(a)
             if pad and keys.signs is not None and i < 2:  # signs and residual norms
                 x = _padded_view(x, pad, rng)
+            if pad and keys.sketch is not None and keys.sketch.outliers and i in (0, 3):
+                x = _padded_view(x, pad, rng)  # the outlier sketch and the block indices
             ins.append(x)
         self.inputs = ins
         self.shapes = [(b, h, self.s, mp, dim), (b, h, self.s, mp, 2)]
