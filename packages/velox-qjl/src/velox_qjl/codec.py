@@ -30,9 +30,11 @@ from typing import Any
 import mlx.core as mx
 
 from velox_core import Codec, Packed
+from velox_core.kernels.decode import sketch_matrix
 from velox_core.ops import pack, scale_dtype, sign_sketch, sketch_inner, unpack
 from velox_core.validation import check_bits, check_int
 
+from . import kernels as _kernels
 from .projection import estimator_constant, index_bits, outlier_mask, projection, top_channels
 
 __all__ = ["QJL"]
@@ -78,6 +80,7 @@ class QJL(Codec):
         self.block = 1 if outliers == 0 else self.group
         self.dim: int | None = None
         self.proj: mx.array | None = None
+        self._kernel_mats: dict[int, mx.array] = {}
 
     def config(self) -> dict[str, Any]:
         return {
@@ -123,13 +126,31 @@ class QJL(Codec):
         """The projection ``S`` (float16, resident): seeded, regenerated and checked on load."""
         return {} if self.proj is None else {"proj": self.proj}
 
+    @property
+    def state_nbytes(self) -> int:
+        """The projection's bytes, and those of its copy for the decode kernel once made."""
+        extra = sum(a.nbytes for a in self._kernel_mats.values())
+        return super().state_nbytes + extra
+
+    def kernel_matrix(self, lanes: int) -> mx.array:
+        """``S`` as the decode kernel reads it for ``lanes`` lanes a token
+        (``velox_core.kernels.decode.sketch_matrix``, float16), made once and kept (resident,
+        counted in :attr:`state_nbytes`)."""
+        mat = self._kernel_mats.get(lanes)
+        if mat is None:
+            m, k, mo = self.sizes(self.dim)
+            mat = sketch_matrix(self.proj, m, mo if k else 0, lanes)
+            mx.eval(mat)
+            self._kernel_mats = {lanes: mat}  # one layout at a time
+        return mat
+
     def set_state(self, state: dict[str, mx.array]) -> None:
         if not state:
             return
         if set(state) != {"proj"}:
             raise ValueError(f"qjl: expected state {{'proj'}}, got {sorted(state)}")
         dim = state["proj"].shape[-1]
-        self.dim, self.proj = None, None
+        self.dim, self.proj, self._kernel_mats = None, None, {}
         self._ensure(dim)
         if not mx.array_equal(self.proj, state["proj"]):
             raise ValueError("qjl: the saved projection does not match the one of this seed")
@@ -174,6 +195,27 @@ class QJL(Codec):
         onorm = p["onorm"].astype(mx.float32)[..., None] * (c / mo)
         k_out = (self._signs(p["osign"], mo) @ s[:mo]) * onorm
         return mx.where(mask, k_out, k_hat)
+
+    def attend_partial(
+        self, q: mx.array, keys: Packed, value_codec: Codec, values: Packed
+    ) -> tuple[mx.array, mx.array, mx.array] | None:
+        """Fused decode attention over the sign sketches (GPU kernel, :mod:`velox_qjl.kernels`),
+        or None where it does not apply (the caller takes :meth:`scores` and ``mix``)."""
+        return _kernels.attend_partial(self, q, keys, value_codec, values)
+
+    def attend_joint(
+        self,
+        q: mx.array,
+        keys: Packed,
+        value_codec: Codec,
+        values: Packed,
+        fp16: list[tuple[mx.array, mx.array]],
+        out_dtype: mx.Dtype,
+        scale: float | None = None,
+    ) -> mx.array | None:
+        """Attention over the sign sketches and a cache's fp16 segments in one softmax (GPU
+        kernels, :mod:`velox_qjl.kernels`), or None where they do not apply."""
+        return _kernels.attend_joint(self, q, keys, value_codec, values, fp16, out_dtype, scale)
 
     def _indices(self, packed: Packed) -> mx.array:
         _, k, _ = self.sizes(self.dim)

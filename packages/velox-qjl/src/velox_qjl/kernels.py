@@ -1,0 +1,139 @@
+"""GPU kernel path of QJL keys: fused decode attention over the sign sketches.
+
+velox-core's portable decode kernel (``metal/decode_attention.metal``) takes QJL keys as
+*sketch* codes (``velox_core.kernels.decode.SKETCH``): it reads each key's packed sign bits,
+norms and, per block of ``group`` tokens, the outlier channels' indices and their own sketch,
+and scores them against the sketched query without unpacking anything to float:
+
+* ``S`` is kept a second time, transposed with its rows in the kernel's lane order
+  (:meth:`velox_qjl.QJL.kernel_matrix`: as many bytes as the projection, counted with it), so
+  that a warp reads contiguous runs of it;
+* the host computes ``S q`` once per call (MLX matmuls, split so that a GPU's TF32 products
+  keep float32 precision: :func:`_query_sketch`);
+* the kernel forms ``S P q`` per block (the query's outlier coordinates times the matching
+  columns of ``S``: ``outliers`` multiply-adds per sign bit and block), and adds
+  ``c/m ||k_in|| <S q - S P q, sign(S k_in)> + c/m_o ||k_o|| <S P q, sign(S k_o)>`` per token,
+  the reference's estimator term for term;
+* values are mixed from their per-token ``Uniform`` codes in the same pass, and the splits
+  merged (with a cache's fp16 window and sinks in one softmax, :func:`attend_joint`).
+
+Where the kernel does not apply (kernels off or the CPU, values not per-token ``Uniform``, a
+sketch size the key pass does not lay out: see ``velox_core.kernels.decode.sketch_lanes``)
+the functions return None and the caller takes the reference path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+from velox_core import Packed, Uniform
+from velox_core.kernels import decode as _kd
+from velox_core.kernels import use_kernels
+
+from .projection import index_bits
+
+if TYPE_CHECKING:
+    from .codec import QJL
+
+__all__ = ["attend_joint", "attend_partial", "kernel_sides"]
+
+
+def kernel_sides(
+    codec: QJL, keys: Packed, value_codec, values: Packed
+) -> tuple[_kd.Codes, _kd.Codes] | None:
+    """The decode kernel's view of both records (``velox_core.kernels.decode.Codes``), or
+    None where no kernel applies (kernels off or the CPU, values not a per-token
+    ``Uniform``, a codec not yet bound to a head dim)."""
+    if not use_kernels() or codec.dim is None:
+        return None
+    if not isinstance(value_codec, Uniform) or value_codec.axis != "token":
+        return None
+    m, k, mo = codec.sizes(codec.dim)
+    mo = mo if k else 0
+    lanes = _kd.sketch_lanes(m, mo)
+    if not lanes:
+        return None
+    p = keys.data
+    sk = _kd.SketchKeys(
+        m=m,
+        mo=mo,
+        outliers=k,
+        index_bits=index_bits(codec.dim),
+        const=codec._const(),
+        lanes=lanes,
+        matrix=codec.kernel_matrix(lanes),
+        osign=p["osign"] if k else None,
+        idx=p["idx"] if k else None,
+    )
+    kc = _kd.Codes(
+        _kd.SKETCH, 1, codec.block, p["sign"], p["norm"], p["onorm"] if k else None, sketch=sk
+    )
+    v = values.data
+    vc = _kd.Codes(
+        _kd.AFFINE, value_codec.bits, value_codec.group, v["codes"], v["scale"], v["zero"]
+    )
+    return kc, vc
+
+
+def _query_sketch(keys: _kd.Codes, q: mx.array) -> mx.array:
+    """``S q`` over the main sketch's rows, in the kernel's lane order, float32.
+
+    A GPU runs float32 matmuls in TF32 unless ``MLX_ENABLE_TF32=0`` (MLX's default on CUDA
+    and on recent Apple GPUs): 10-bit mantissas. ``S`` is float16, exact in TF32, so only
+    the query is split, into its bfloat16 part and the rest: ``S q_hi + S q_lo`` is exact to
+    about ``2^-19`` of ``q``, as the float32 product."""
+    sk = keys.sketch
+    s = sk.matrix[:, : sk.m]
+    qf = q.astype(mx.float32)
+    hi = qf.astype(mx.bfloat16).astype(mx.float32)
+    return hi @ s + (qf - hi) @ s
+
+
+def attend_partial(
+    codec: QJL, q: mx.array, keys: Packed, value_codec, values: Packed
+) -> tuple[mx.array, mx.array, mx.array] | None:
+    """Partial ``(o, m, l)`` of one segment from its codes (GPU kernel), or None.
+
+    Shapes:
+        q ``(B, H, M, D)`` float32, scale applied; returns ``(B, H, M, D)``,
+        ``(B, H, M, 1)``, ``(B, H, M, 1)`` float32.
+    """
+    sides = kernel_sides(codec, keys, value_codec, values)
+    if sides is None or q.shape[-1] != codec.dim:
+        return None
+    return _kd.decode_attention(q, *sides, q_sketch=_query_sketch(sides[0], q))
+
+
+def attend_joint(
+    codec: QJL,
+    q: mx.array,
+    keys: Packed,
+    value_codec,
+    values: Packed,
+    fp16: list[tuple[mx.array, mx.array]],
+    out_dtype: mx.Dtype,
+    scale: float | None = None,
+) -> mx.array | None:
+    """Normalized attention over this segment's codes and up to two fp16 segments (a cache's
+    sinks and window) in one softmax (the decode kernel and the fused merge), or None where
+    :func:`attend_partial` would decline.
+
+    Shapes:
+        q ``(B, H, M, D)``: float32 with the scale applied, or unscaled (any float dtype)
+        with ``scale``; fp16 pairs ``(B, H, T_i, D)``; returns ``(B, H, M, D)`` in
+        ``out_dtype``.
+    """
+    sides = kernel_sides(codec, keys, value_codec, values)
+    if sides is None or q.shape[-1] != codec.dim:
+        return None
+    out = _kd.decode_attention(
+        q,
+        *sides,
+        fp16=fp16,
+        out_dtype=out_dtype,
+        scale=scale,
+        q_sketch=_query_sketch(sides[0], q),
+    )
+    return None if out is None else out[0]

@@ -1,0 +1,162 @@
+"""QJL's kernel path, checked on a machine without a GPU.
+
+The decode kernel is velox-core's portable one with sketch keys
+(``velox_core.kernels.decode.SKETCH``); here the QJL glue is checked: which records take
+it, the kernel's copy of ``S`` (its layout and its bytes), and, with the kernels' Metal and
+CUDA instantiations emulated on the CPU (``velox_core.kernels.emulate``), that attention
+through the kernel equals the codec's reference path for the paper's setting, the
+recommended ones and no outliers.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import velox_core.kernels as vk
+from velox_core import Uniform
+from velox_core.cache.attention import Segment, partial
+from velox_core.kernels import decode as dk
+from velox_core.kernels.emulate import EmulatedKernels
+from velox_core.testing import kv_data
+from velox_qjl import METHOD, QJL, QJLCache
+from velox_qjl.kernels import _query_sketch, kernel_sides
+
+needs_gxx = pytest.mark.skipif(
+    shutil.which("g++") is None, reason="g++ is not installed: the kernels cannot be emulated"
+)
+
+# the paper's setting, the recommended "4-bit" keys (m = 320: shares straddling words,
+# blocks of 128), 1-bit keys with 8-bit outliers, and no outliers
+KEY_SETTINGS = {
+    "paper": {},
+    "m320": {"sketch": 320, "outlier_bits": 8, "group": 128},
+    "1bit": {"bits": 1, "outlier_bits": 8, "group": 64},
+    "no-outliers": {"outliers": 0},
+}
+
+
+def records(kw, t=256, seed=0, value_bits=2):
+    k, v = kv_data(t=t, seed=seed)
+    kc, vc = QJL(**kw), Uniform(value_bits, 32)
+    kc.check(128, mx.float16)
+    return kc, kc.encode(k), vc, vc.encode(v)
+
+
+@pytest.fixture
+def emulated_gpu(monkeypatch, tmp_path):
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is not installed: the kernels cannot be emulated")
+    return EmulatedKernels(tmp_path).install(monkeypatch)
+
+
+def test_attend_partial_is_none_on_the_cpu():
+    if mx.default_device().type == mx.DeviceType.gpu:
+        pytest.skip("the default device is a GPU")
+    kc, kp, vc, vp = records({})
+    assert kc.attend_partial(mx.zeros((1, 2, 4, 128)), kp, vc, vp) is None
+
+
+def test_the_kernel_declines_what_it_does_not_lay_out(monkeypatch):
+    kc, kp, vc, vp = records({})
+    channel = Uniform(2, 32, axis="channel")
+    cp = channel.encode(kv_data(t=256)[1])
+    odd = records({"sketch": 100, "outliers": 3, "outlier_bits": 5})  # 15 outlier bits
+    monkeypatch.setattr(vk, "backend", lambda: "cuda")  # a GPU as far as dispatch can tell
+    called = []
+    monkeypatch.setattr(dk, "decode_attention", lambda *a, **k: called.append(a) or None)
+    q = mx.zeros((1, 2, 4, 128))
+    assert kernel_sides(kc, kp, vc, vp) is not None  # (the paper's setting is taken)
+    assert kc.attend_partial(q, kp, channel, cp) is None  # per-channel values
+    assert kernel_sides(*odd) is None  # no lane count splits 15 outlier bits evenly
+    assert odd[0].attend_partial(q, *odd[1:]) is None
+    assert not called
+    monkeypatch.setenv("VELOX_KERNELS", "0")
+    assert kernel_sides(kc, kp, vc, vp) is None
+
+
+def test_kernel_matrix_is_s_in_the_lanes_order_and_counted(monkeypatch):
+    """Column ``i * lanes + j`` of the kernel's matrix is row ``j * m / lanes + i`` of ``S``
+    (then the outlier sketch's rows when its size differs), so ``q`` times its first ``m``
+    columns is ``S q`` permuted; the copy is made once and counted in the codec's bytes."""
+    for kw, cols in (({}, 256), ({"sketch": 320, "outlier_bits": 8}, 384)):
+        kc = QJL(**kw)
+        kc.check(128, mx.float16)
+        m, k, mo = kc.sizes(128)
+        lanes = dk.sketch_lanes(m, mo)
+        before = kc.state_nbytes
+        mat = kc.kernel_matrix(lanes)
+        assert mat.shape == (128, cols) and mat.dtype == mx.float16
+        assert kc.kernel_matrix(lanes) is mat
+        assert kc.state_nbytes == before + mat.nbytes
+        s = np.asarray(kc.proj)
+        got = np.asarray(mat)
+        share = m // lanes
+        for j in (0, 5, lanes - 1):
+            for i in (0, share - 1):
+                assert np.array_equal(got[:, i * lanes + j], s[j * share + i])
+        if cols > m:
+            oshare = mo // lanes
+            assert np.array_equal(got[:, m + 1 * lanes + 3], s[3 * oshare + 1])
+        q = mx.random.normal((1, 2, 3, 128), key=mx.random.key(1))
+        k, v = kv_data(t=kc.group * 2)
+        vc = Uniform(2, 32)
+        kp, vp = kc.encode(k), vc.encode(v)
+        with monkeypatch.context() as mp:
+            mp.setattr(vk, "backend", lambda: "metal")  # so that kernel_sides applies
+            keys = kernel_sides(kc, kp, vc, vp)[0]
+        assert keys.sketch.matrix is mat and keys.sketch.lanes == lanes
+        perm = np.asarray(_query_sketch(keys, q))
+        ref = np.asarray(q) @ s[:m].astype(np.float32).T
+        order = [j * share + i for i in range(share) for j in range(lanes)]
+        assert np.abs(perm - ref[..., order]).max() <= 1e-4 * np.abs(ref).max()
+
+
+@needs_gxx
+@pytest.mark.parametrize("name", list(KEY_SETTINGS))
+def test_emulated_kernel_attention_matches_the_reference(emulated_gpu, name):
+    """The kernel's partial (sign sketches scored against the sketched query, outlier
+    blocks' ``S P q`` formed in the kernel, values mixed in the same pass) equals the codec's
+    reference scores/mix path."""
+    kc, kp, vc, vp = records(KEY_SETTINGS[name], t=384)
+    q = mx.random.normal((1, 2, 4, 128), key=mx.random.key(3)) * 0.3
+    emulated_gpu.calls.clear()  # (the values were encoded by the emulated encode kernel)
+    got = kc.attend_partial(q, kp, vc, vp)
+    assert emulated_gpu.names == ["velox_decode_attention", "velox_decode_merge"]
+    ref = partial(q, Segment(kc, kp, vc, vp))
+    for g, r in zip(got, ref):
+        g, r = np.asarray(g), np.asarray(r)
+        assert g.shape == r.shape
+        assert np.abs(g - r).max() <= 5e-5 * max(1.0, np.abs(r).max())
+
+
+@needs_gxx
+@pytest.mark.parametrize("backend,i", [("metal", 0), ("metal", 3), ("cuda", 1)])
+def test_emulated_cache_attends_like_the_reference(monkeypatch, tmp_path, backend, i):
+    """A QJLCache (velox-qjl's recommended settings, with sinks on one) attends through the
+    decode kernel and the merge that joins its fp16 window and sinks in one softmax, on the
+    emulated Metal and CUDA instantiations, and matches the reference cache."""
+    kw = dict(METHOD.recommended[i])
+    if i == 3:
+        kw["sinks"] = 4
+    k, v = kv_data(t=700)
+    q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(5)).astype(mx.float16)
+    fake = EmulatedKernels(tmp_path, backend=backend).install(monkeypatch)
+    cache = QJLCache(**kw)
+    cache.update_and_fetch(k, v)
+    fake.calls.clear()
+    got = cache.attend(q, 0.088)
+    assert fake.names == ["velox_decode_attention", "velox_decode_merge_fp16"]
+    monkeypatch.setattr(vk, "backend", lambda: "cpu")  # the reference path
+    ref_cache = QJLCache(**kw)
+    ref_cache.update_and_fetch(k, v)
+    ref = ref_cache.attend(q, 0.088)
+    assert np.abs(np.asarray((got - ref).astype(mx.float32))).max() < 2e-3
+    # the kernel's copy of S is resident and counted, once per layer's key codec
+    body = next(s for s in cache.segments() if isinstance(s.key_codec, QJL))
+    assert cache.nbytes == ref_cache.nbytes + sum(
+        a.nbytes for a in body.key_codec._kernel_mats.values()
+    )
