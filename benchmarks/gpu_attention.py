@@ -495,6 +495,29 @@ def section_checks(quick: bool) -> None:
             4,
             seed=30 + bits,
         )
+    from velox_qjl import QJL, QJLCache
+
+    for label, kw, m, t in (  # QJL keys (sign sketches, outlier blocks), 2-bit values
+        ("m 256, 8 outliers x 32 bits", {}, 4, t_big),
+        ("m 320, 8 x 8 bits, blocks of 128 (straddling)", QJL_4BIT, 4, t_big),
+        ("m 128, no outliers", {"bits": 1, "outliers": 0}, 4, 3001),
+        ("m 256, GQA 8 (two row blocks)", {}, 8, 5000),
+    ):
+        decode_check(
+            f"qjl decode {label}",
+            QJL(**kw),
+            Uniform(2, 32),
+            1,
+            8,
+            t // 128 * 128,
+            m,
+            seed=50 + m,
+        )
+    cache_check(
+        "QJLCache (window 128, 4 sinks)",
+        lambda: QJLCache(sinks=4),
+        t=1200 if quick else 5000,
+    )
     cache_check(
         "UniformCache 4-bit window+sinks (buffer slice)",
         lambda: UniformCache(bits=4, window=32, sinks=4),
@@ -553,8 +576,22 @@ def section_bandwidth(quick: bool) -> None:
     mx.clear_cache()
 
 
-def make_methods(b: int, t: int, seed: int, bits_mlx, bits_uniform, bits_tq, portable_row=False):
-    """Per-method (name, bits, call, bytes_read) closures over one shape's K/V."""
+# velox-qjl's recommended "4-bit" keys (METHOD.recommended[0], without its value settings)
+QJL_4BIT = {"sketch": 320, "outlier_bits": 8, "group": 128}
+
+
+def make_methods(
+    b: int,
+    t: int,
+    seed: int,
+    bits_mlx,
+    bits_uniform,
+    bits_tq,
+    portable_row=False,
+    qjl: bool = False,
+):
+    """Per-method (name, bits, call, bytes_read) closures over one shape's K/V (``qjl``: QJL
+    keys with 2-bit values, the paper's sketch and velox-qjl's recommended "4-bit" one)."""
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
     from velox_core import Uniform
@@ -651,6 +688,49 @@ def make_methods(b: int, t: int, seed: int, bits_mlx, bits_uniform, bits_tq, por
             return out.reshape(b, hq, 1, d)
 
         methods.append((f"velox turboquant{bits}", bits, call, kp.nbytes + vp.nbytes + qbytes))
+    if qjl:
+        from velox_core import Packed, Uniform
+        from velox_qjl import QJL
+        from velox_qjl.kernels import kernel_sides
+
+        def chunked(codec, x, chunk=16384):
+            # a cache encodes a prompt chunk by chunk; one QJL encode of 8 x 8 x 131,072
+            # tokens fails on MLX's CUDA backend (a launch with an invalid argument)
+            parts = [codec.encode(x[:, :, i : i + chunk]) for i in range(0, x.shape[2], chunk)]
+            return parts[0] if len(parts) == 1 else Packed.concat(parts)
+
+        for label, kw in (("qjl m256", {}), ("qjl m320", QJL_4BIT)):
+            kc, vc = QJL(**kw), Uniform(2, 32)
+            kc.check(d, mx.float16)
+            tq = t // 128 * 128
+            kp, vp = chunked(kc, k[:, :, :tq]), chunked(vc, v[:, :, :tq])
+            mx.eval(kp.data, vp.data)
+
+            def call(kc=kc, vc=vc, kp=kp, vp=vp):
+                # the query sketch, the decode kernel over the sign bits and the merge
+                qg = q.reshape(b, hk, hq // hk, d)
+                out = kc.attend_joint(qg, kp, vc, vp, [], mx.float16, scale)
+                if out is None:
+                    raise RuntimeError("kernel declined")
+                return out.reshape(b, hq, 1, d)
+
+            kernel_sides(kc, kp, vc, vp)  # makes the kernel's copy of S (counted in nb)
+            nb = kp.nbytes + vp.nbytes + qbytes + kc.state_nbytes
+            methods.append((f"velox {label}", 2, call, nb))
+            if b == 1 and label == "qjl m256":
+                from velox_core.cache.attention import Segment, partial
+
+                seg = Segment(kc, kp, vc, vp)
+                qf = q.reshape(b, hk, hq // hk, d).astype(mx.float32) * scale
+
+                def reference(seg=seg, qf=qf):
+                    # what the codec computes without the kernel (scores from the unpacked
+                    # sign bits, then the values' mix): the path the kernel replaces
+                    with kernels(False):
+                        o, _, l = partial(qf, seg)
+                        return (o / l).reshape(b, hq, 1, d)
+
+                methods.append((f"velox {label} reference", 2, reference, nb))
     return methods
 
 
@@ -882,7 +962,14 @@ def device_rows(b: int, t: int, quick: bool) -> list[dict]:
     passed on to the child)."""
     calls = 4 if quick else 20
     methods = make_methods(
-        b, t, seed=t + b, bits_mlx=(4,), bits_uniform=(2, 4), bits_tq=(), portable_row=True
+        b,
+        t,
+        seed=t + b,
+        bits_mlx=(4,),
+        bits_uniform=(2, 4),
+        bits_tq=(),
+        portable_row=True,
+        qjl=True,
     )
     rows = []
     for name, bits, call, _ in methods:
