@@ -689,21 +689,15 @@ def make_methods(
 
         methods.append((f"velox turboquant{bits}", bits, call, kp.nbytes + vp.nbytes + qbytes))
     if qjl:
-        from velox_core import Packed, Uniform
+        from velox_core import Uniform
         from velox_qjl import QJL
         from velox_qjl.kernels import kernel_sides
-
-        def chunked(codec, x, chunk=16384):
-            # a cache encodes a prompt chunk by chunk; one QJL encode of 8 x 8 x 131,072
-            # tokens fails on MLX's CUDA backend (a launch with an invalid argument)
-            parts = [codec.encode(x[:, :, i : i + chunk]) for i in range(0, x.shape[2], chunk)]
-            return parts[0] if len(parts) == 1 else Packed.concat(parts)
 
         for label, kw in (("qjl m256", {}), ("qjl m320", QJL_4BIT)):
             kc, vc = QJL(**kw), Uniform(2, 32)
             kc.check(d, mx.float16)
             tq = t // 128 * 128
-            kp, vp = chunked(kc, k[:, :, :tq]), chunked(vc, v[:, :, :tq])
+            kp, vp = kc.encode(k[:, :, :tq]), vc.encode(v[:, :, :tq])  # (QJL: in chunks)
             mx.eval(kp.data, vp.data)
 
             def call(kc=kc, vc=vc, kp=kp, vp=vp):

@@ -300,3 +300,26 @@ def test_bad_settings(bad):
 def test_bits_one_with_value_bits_is_a_1bit_per_channel_sketch():
     c = QJLCache(bits=1, value_bits=2).tiers[0]
     assert c.key_codec.sizes(D)[0] == D and c.value_codec.bits == 2
+
+
+@pytest.mark.parametrize("kw", [{}, {"outliers": 0}, {"group": 48}])
+def test_long_inputs_encode_in_chunks_to_the_same_record(monkeypatch, kw):
+    """Past ENCODE_ROWS (batch x head x token) rows the codec encodes whole blocks at a time
+    (one call over 8 x 8 x 131,072 tokens failed on MLX's CUDA backend): the record is the
+    one a single call gives, bit for bit."""
+    import velox_qjl.codec as qc
+
+    k, _ = kv_data(t=480, seed=3)
+    codec = QJL(**kw)
+    codec.check(D, k.dtype)
+    whole = codec.encode(k)
+    calls = []
+    inner = QJL._encode
+    monkeypatch.setattr(QJL, "_encode", lambda self, x: calls.append(x.shape[2]) or inner(self, x))
+    monkeypatch.setattr(qc, "ENCODE_ROWS", 2 * 100)  # kv_data: 1 x 2 heads, so 100 tokens
+    parts = codec.encode(k)
+    step = 100 // codec.block * codec.block
+    assert calls == [step] * (480 // step) + ([480 % step] if 480 % step else [])
+    assert parts.tokens == whole.tokens and set(parts.data) == set(whole.data)
+    for name in whole.data:
+        assert mx.array_equal(parts.data[name], whole.data[name]).item(), name

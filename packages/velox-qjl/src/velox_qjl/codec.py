@@ -40,6 +40,10 @@ from .projection import estimator_constant, index_bits, outlier_mask, projection
 __all__ = ["QJL"]
 
 _SQRT_HALF_PI = estimator_constant(1, orthogonal=False)
+# most (batch x head x token) rows one encode call takes: one call over 8 x 8 x 131,072 tokens
+# failed on MLX 0.32.4's CUDA backend (a kernel launch with an invalid argument), while
+# 1 x 8 x 131,072 and 8 x 8 x 16,384 ran (an H200, eighth session)
+ENCODE_ROWS = 1 << 20
 
 
 class QJL(Codec):
@@ -160,6 +164,16 @@ class QJL(Codec):
         return estimator_constant(self.dim, self.orthogonal)
 
     def encode(self, x: mx.array, positions: mx.array | None = None) -> Packed:
+        """Sketches, norms and (per block) outlier channels of ``x``; long inputs are coded in
+        chunks of whole blocks of at most :data:`ENCODE_ROWS` (batch x head x token) rows,
+        the same record as one call (a cache's chunked prefill never reaches the limit)."""
+        b, h, t = x.shape[:3]
+        step = max(1, ENCODE_ROWS // max(1, b * h)) // self.block * self.block
+        if t > step >= self.block:
+            return Packed.concat([self._encode(x[:, :, i : i + step]) for i in range(0, t, step)])
+        return self._encode(x)
+
+    def _encode(self, x: mx.array) -> Packed:
         t, d = x.shape[2], x.shape[3]
         self._ensure(d)
         m, k, mo = self.sizes(d)
