@@ -405,6 +405,10 @@ def test_metal_instantiations_compile_through_the_shim(tmp_path):
     for spec, infos, outs, tmpl in _decode_variants():
         src, name = metal_source(spec, infos, outs, tmpl)
         assert f"[[kernel]] void {name}(" in src
+        # a Metal kernel binds at most 31 buffers (inputs, outputs, and the shapes and
+        # strides the body reads); the g++ shim would not notice more
+        slots = [int(i) for i in re.findall(r"\[\[buffer\((\d+)\)\]\]", src)]
+        assert sorted(slots) == list(range(len(slots))) and len(slots) <= 31, (name, slots)
         units.append(src)
     cpp = tmp_path / "metal_kernels.cpp"
     cpp.write_text('#include "metal_shim.h"\n' + "\n".join(units))
