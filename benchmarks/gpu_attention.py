@@ -708,7 +708,7 @@ def make_methods(
                     raise RuntimeError("kernel declined")
                 return out.reshape(b, hq, 1, d)
 
-            kernel_sides(kc, kp, vc, vp)  # makes the kernel's copy of S (counted in nb)
+            kernel_sides(kc, kp, vc, vp, hq // hk)  # makes the copy of S (counted in nb)
             nb = kp.nbytes + vp.nbytes + qbytes + kc.state_nbytes
             methods.append((f"velox {label}", 2, call, nb))
             if b == 1 and label == "qjl m256":

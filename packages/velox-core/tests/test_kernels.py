@@ -259,6 +259,14 @@ def test_sketch_keys_lanes_and_plan():
             span = math.ceil(math.ceil(t / s) / 96) * 96  # what the kernel takes
             assert span <= p.max_span and s * span >= t
     assert dk.block_splits(4000, 5, p, _sketch_codes(256, 0, 0)) == 5  # no blocks: unchanged
+    for t, s0 in ((1000, 7), (4000, 3), (97, 2)):
+        s = dk.block_splits(t, s0, p, keys)
+        span = math.ceil(math.ceil(t / s) / 96) * 96
+        assert (s - 1) * span < t <= s * span  # no split left empty
+    assert dk.plan_for(4, 128, _sketch_codes(256, 256, 8, group=2048), vals) is None
+    assert dk.plan_for(1, 128, _sketch_codes(256, 256, 8, group=2048), vals) is not None
+    p = dk.plan_for(4, 128, _sketch_codes(128, 128, 16), vals)
+    assert p.mb == 2  # 16 outlier coordinates a row: two rows within half the budget
 
 
 def test_sketch_keys_bad_input_is_refused(monkeypatch):
@@ -292,6 +300,9 @@ def test_sketch_keys_bad_input_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="laid out for 16 lanes"):
         other = dk.SketchKeys(m, m, 8, 7, 1.25, 16, dk.sketch_matrix(proj, m, m, 16), **good)
         dk.decode_attention(q, dk.Codes(**{**keys.__dict__, "sketch": other}), vals, q_sketch=qs)
+    with pytest.raises(ValueError, match="index_bits"):
+        six = dk.SketchKeys(m, m, 8, 6, 1.25, 32, mat, **good)  # 6 bits cannot index 128
+        dk.decode_attention(q, dk.Codes(**{**keys.__dict__, "sketch": six}), vals, q_sketch=qs)
     with pytest.raises(ValueError, match="keys only"):
         dk.decode_attention(q, vals, keys)
     monkeypatch.setenv("VELOX_DECODE_SKETCH_LANES", "3")
@@ -825,27 +836,33 @@ def test_decode_kernel_adds_the_keys_residual_sketch(tmp_path, m, pad):
 
 @needs_gxx
 @pytest.mark.parametrize(
-    "m_sk,mo,k,group,rows,pad,splits",
+    "m_sk,mo,k,group,rows,pad,splits,lanes",
     [
-        (256, 256, 8, 32, 4, 0, 3),  # the paper's setting: both sketches on the same rows
-        (320, 64, 8, 48, 3, 5, 4),  # shares straddling words, blocks across split targets
-        (128, 0, 0, 1, 4, 3, 3),  # no outliers
+        (256, 256, 8, 32, 4, 0, 3, 32),  # the paper's setting: both sketches on the same rows
+        (320, 64, 8, 48, 3, 5, 4, 32),  # shares straddling words, blocks across split targets
+        (128, 0, 0, 1, 4, 3, 3, 32),  # no outliers
+        (128, 512, 4, 64, 2, 0, 3, 32),  # a larger outlier sketch, a partial last block
+        (256, 256, 8, 32, 4, 2, 5, 8),  # 8 lanes: 32-bit shares, one query row a block
     ],
 )
-def test_decode_kernel_scores_sketch_keys(tmp_path, m_sk, mo, k, group, rows, pad, splits):
+def test_decode_kernel_scores_sketch_keys(
+    monkeypatch, tmp_path, m_sk, mo, k, group, rows, pad, splits, lanes
+):
     """QJL keys (SKETCH): per token ``c/m n_in <S q - S P q, sign_in> + c/m_o n_o <S P q,
     sign_o>`` with ``P`` the block's outlier channels, against a numpy reference built from
     random signs, norms, indices and ``S`` (strided slices with garbage beyond when ``pad``;
-    blocks of 48 tokens, split starts rounded up to them)."""
+    blocks of 48 tokens, split starts rounded up to them; a partial last block; 8 lanes a
+    token through ``VELOX_DECODE_SKETCH_LANES``)."""
     rng = np.random.default_rng(m_sk + k)
     b, h, t, d, vbits = 1, 2, 480, 128, 4
-    nb = t // group
+    nb = -(-t // group)
+    monkeypatch.setenv("VELOX_DECODE_SKETCH_LANES", str(lanes))
     sgn = rng.integers(0, 2, size=(b, h, t, m_sk))
     norm = (rng.random((b, h, t)) + 0.5).astype(np.float16)
     proj = rng.standard_normal((max(m_sk, mo), d)).astype(np.float16)
     q = rng.standard_normal((b, h, rows, d)).astype(np.float32) * 0.3
     sq = q @ proj[:m_sk].astype(np.float32).T  # (B, H, M, m)
-    lanes = dk.sketch_lanes(m_sk, mo)
+    assert dk.sketch_lanes(m_sk, mo) == lanes
     mat = dk.sketch_matrix(mx.array(proj), m_sk, mo, lanes)
     sq_lanes = mx.array(q) @ mat[:, :m_sk].astype(mx.float32)  # S q in the lanes' order
     c = 1.2533

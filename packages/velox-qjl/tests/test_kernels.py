@@ -65,17 +65,28 @@ def test_the_kernel_declines_what_it_does_not_lay_out(monkeypatch):
     channel = Uniform(2, 32, axis="channel")
     cp = channel.encode(kv_data(t=256)[1])
     odd = records({"sketch": 100, "outliers": 3, "outlier_bits": 5})  # 15 outlier bits
+    # layouts the plan declines make no copy of S: blocks longer than a split (4 rows: 1,024
+    # tokens), or more weights a query row than registers (m = 2048, m_o = 512 at d = 256)
+    long = records({"group": 2048}, t=2048)
+    k256 = QJL(bits=8)
+    k256.check(256, mx.float16)
+    wide = (k256, k256.encode(mx.zeros((1, 2, 32, 256), mx.float16)))
+    wide_v = Uniform(2, 32).encode(mx.zeros((1, 2, 32, 256), mx.float16))
     monkeypatch.setattr(vk, "backend", lambda: "cuda")  # a GPU as far as dispatch can tell
     called = []
     monkeypatch.setattr(dk, "decode_attention", lambda *a, **k: called.append(a) or None)
     q = mx.zeros((1, 2, 4, 128))
-    assert kernel_sides(kc, kp, vc, vp) is not None  # (the paper's setting is taken)
+    assert kernel_sides(kc, kp, vc, vp, 4) is not None  # (the paper's setting is taken)
     assert kc.attend_partial(q, kp, channel, cp) is None  # per-channel values
-    assert kernel_sides(*odd) is None  # no lane count splits 15 outlier bits evenly
+    assert kernel_sides(*odd, 4) is None  # no lane count splits 15 outlier bits evenly
     assert odd[0].attend_partial(q, *odd[1:]) is None
     assert not called
+    for codec, sides in ((long[0], long), (k256, (*wide, Uniform(2, 32), wide_v))):
+        before = codec.state_nbytes
+        assert kernel_sides(*sides, 4) is None
+        assert codec.state_nbytes == before and not codec._kernel_mats
     monkeypatch.setenv("VELOX_KERNELS", "0")
-    assert kernel_sides(kc, kp, vc, vp) is None
+    assert kernel_sides(kc, kp, vc, vp, 4) is None
 
 
 def test_kernel_matrix_is_s_in_the_lanes_order_and_counted(monkeypatch):
@@ -107,7 +118,7 @@ def test_kernel_matrix_is_s_in_the_lanes_order_and_counted(monkeypatch):
         kp, vp = kc.encode(k), vc.encode(v)
         with monkeypatch.context() as mp:
             mp.setattr(vk, "backend", lambda: "metal")  # so that kernel_sides applies
-            keys = kernel_sides(kc, kp, vc, vp)[0]
+            keys = kernel_sides(kc, kp, vc, vp, 3)[0]
         assert keys.sketch.matrix is mat and keys.sketch.lanes == lanes
         perm = np.asarray(_query_sketch(keys, q))
         ref = np.asarray(q) @ s[:m].astype(np.float32).T

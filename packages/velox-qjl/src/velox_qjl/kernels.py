@@ -24,6 +24,7 @@ the functions return None and the caller takes the reference path.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -41,11 +42,13 @@ __all__ = ["attend_joint", "attend_partial", "kernel_sides"]
 
 
 def kernel_sides(
-    codec: QJL, keys: Packed, value_codec, values: Packed
+    codec: QJL, keys: Packed, value_codec, values: Packed, rows: int
 ) -> tuple[_kd.Codes, _kd.Codes] | None:
-    """The decode kernel's view of both records (``velox_core.kernels.decode.Codes``), or
-    None where no kernel applies (kernels off or the CPU, values not a per-token
-    ``Uniform``, a codec not yet bound to a head dim)."""
+    """The decode kernel's view of both records (``velox_core.kernels.decode.Codes``) for
+    ``rows`` query rows per KV head, or None where no kernel applies: kernels off or the CPU,
+    values not a per-token ``Uniform``, a codec not yet bound to a head dim, or a layout the
+    kernel's plan declines (``velox_core.kernels.decode.plan_for``), checked before the
+    kernel's copy of ``S`` is made."""
     if not use_kernels() or codec.dim is None:
         return None
     if not isinstance(value_codec, Uniform) or value_codec.axis != "token":
@@ -63,7 +66,7 @@ def kernel_sides(
         index_bits=index_bits(codec.dim),
         const=codec._const(),
         lanes=lanes,
-        matrix=codec.kernel_matrix(lanes),
+        matrix=None,  # made below, once the plan takes the layout
         osign=p["osign"] if k else None,
         idx=p["idx"] if k else None,
     )
@@ -74,7 +77,10 @@ def kernel_sides(
     vc = _kd.Codes(
         _kd.AFFINE, value_codec.bits, value_codec.group, v["codes"], v["scale"], v["zero"]
     )
-    return kc, vc
+    if _kd.plan_for(rows, codec.dim, kc, vc) is None:
+        return None
+    sk = dataclasses.replace(sk, matrix=codec.kernel_matrix(lanes))
+    return dataclasses.replace(kc, sketch=sk), vc
 
 
 def _query_sketch(keys: _kd.Codes, q: mx.array) -> mx.array:
@@ -100,8 +106,10 @@ def attend_partial(
         q ``(B, H, M, D)`` float32, scale applied; returns ``(B, H, M, D)``,
         ``(B, H, M, 1)``, ``(B, H, M, 1)`` float32.
     """
-    sides = kernel_sides(codec, keys, value_codec, values)
-    if sides is None or q.shape[-1] != codec.dim:
+    if q.shape[-1] != codec.dim:
+        return None
+    sides = kernel_sides(codec, keys, value_codec, values, q.shape[2])
+    if sides is None:
         return None
     return _kd.decode_attention(q, *sides, q_sketch=_query_sketch(sides[0], q))
 
@@ -125,8 +133,10 @@ def attend_joint(
         with ``scale``; fp16 pairs ``(B, H, T_i, D)``; returns ``(B, H, M, D)`` in
         ``out_dtype``.
     """
-    sides = kernel_sides(codec, keys, value_codec, values)
-    if sides is None or q.shape[-1] != codec.dim:
+    if q.shape[-1] != codec.dim:
+        return None
+    sides = kernel_sides(codec, keys, value_codec, values, q.shape[2])
+    if sides is None:
         return None
     out = _kd.decode_attention(
         q,

@@ -332,23 +332,23 @@ def plan(
     threadgroup are a power of two (at most 8). A sketch needs codebook keys and a head dim
     that is a multiple of 32.
 
-    :data:`SKETCH` keys (QJL) pass ``qjl = (m, mo)``, their sketches' sign bits: the key pass
-    spreads a token's bits over :func:`sketch_lanes` lanes, and its rows hold that many
-    weights each (``m / lanes + mo / lanes``) within the same register budget.
+    :data:`SKETCH` keys (QJL) pass ``qjl = (m, mo, outliers)``: the key pass spreads a
+    token's sign bits over :func:`sketch_lanes` lanes, and each query row holds
+    ``m / lanes + mo / lanes`` weights (at most :data:`MAX_REGS` for all rows) and the query's
+    ``outliers`` coordinates of a block (at most half of it); with outliers, a block of
+    ``kgroup`` tokens must fit one split.
     """
     if m < 1 or dim < 1 or vkind == AFFINE_CHANNEL:  # per-channel groups: keys only
         return None
     if sketch and (kkind != CODEBOOK or dim % 32):
         return None
     if (kkind == SKETCH) != (qjl is not None):
-        raise ValueError("plan: sketch keys (SKETCH) and qjl=(m, mo) go together")
+        raise ValueError("plan: sketch keys (SKETCH) and qjl=(m, mo, outliers) go together")
     klanes = 0
     budget = MAX_REGS // 2 if sketch else MAX_REGS
     if qjl is not None:
-        klanes = sketch_lanes(*qjl)
-        if not klanes:
-            return None
-        if (qjl[0] + qjl[1]) // klanes > MAX_REGS:  # the weights of one row
+        klanes = sketch_lanes(qjl[0], qjl[1])
+        if not klanes or _sketch_rows(qjl, klanes) < 1:
             return None
     nwarps, unroll = tuning()
     order = (32, 16, 8) if m <= 2 else (16, 32, 8) if m <= 4 else (8, 16, 32)
@@ -370,9 +370,19 @@ def plan(
         lanes = _pow2_ceil(dim // cpl)
         step = nwarps * (32 // lanes) * unroll
         if qjl is not None:
-            mb = min(mb, _pow2_floor(MAX_REGS // ((qjl[0] + qjl[1]) // klanes)))
+            mb = min(mb, _pow2_floor(_sketch_rows(qjl, klanes)))
+            if qjl[2] and kgroup > SCORE_SLOTS // mb:  # a block must fit one split
+                return None
         return Plan(cpl, mb, -(-m // mb), lanes, nwarps, unroll, step, SCORE_SLOTS // mb, klanes)
     return None
+
+
+def _sketch_rows(qjl: tuple[int, int, int], lanes: int) -> int:
+    """The most query rows the sketch key pass holds in registers: their weights within
+    :data:`MAX_REGS`, their outlier coordinates within half of it."""
+    m, mo, outliers = qjl
+    rows = MAX_REGS // ((m + mo) // lanes)
+    return min(rows, (MAX_REGS // 2) // outliers) if outliers else rows
 
 
 def _word_fit(bits: int) -> bool:
@@ -404,7 +414,8 @@ def sketch_lanes(m: int, mo: int) -> int:
 
 def plan_for(m: int, dim: int, keys: Codes, values: Codes) -> Plan | None:
     """:func:`plan` for the two sides of a segment."""
-    qjl = None if keys.sketch is None else (keys.sketch.m, keys.sketch.mo)
+    sk = keys.sketch
+    qjl = None if sk is None else (sk.m, sk.mo, sk.outliers)
     return plan(
         m,
         dim,
@@ -439,20 +450,23 @@ def fit_splits(tokens: int, splits: int, p: Plan) -> int:
 
 
 def block_splits(tokens: int, splits: int, p: Plan, keys: Codes) -> int:
-    """``splits`` raised where needed so that splits start on whole outlier blocks of sketch
-    keys (the kernel rounds a split's ``ceil(T / splits)`` tokens up to whole blocks) and
-    still fit ``p.max_span``; unchanged for other keys."""
+    """``splits`` adjusted for sketch keys with outlier blocks: the kernel rounds a split's
+    ``ceil(T / splits)`` tokens up to whole blocks, so the count is raised until that span
+    fits ``p.max_span``, then lowered to the splits the span needs (none empty). Unchanged
+    for other keys; :func:`plan` declines blocks longer than a split."""
     if keys.sketch is None or not keys.sketch.outliers or keys.group <= 1:
         return splits
     g = keys.group
     if g > p.max_span:
-        raise ValueError(
-            f"decode_attention: outlier blocks of {g} tokens exceed a split's {p.max_span}"
-        )
+        raise ValueError(f"block_splits: blocks of {g} tokens exceed a split's {p.max_span}")
+
+    def span(s: int) -> int:  # the kernel's tokens per split
+        return math.ceil(math.ceil(tokens / s) / g) * g
+
     s = splits
-    while math.ceil(math.ceil(tokens / s) / g) * g > p.max_span:  # the kernel's span
+    while span(s) > p.max_span:
         s += 1
-    return s
+    return math.ceil(tokens / span(s))
 
 
 MERGE_THREADS = 256  # the merge body assumes 8 warps per threadgroup
@@ -509,6 +523,11 @@ def _check_sketch(c: Codes, b: int, h: int, t: int, dim: int) -> None:
         raise ValueError("decode_attention: sketch keys carry a SketchKeys record, no signs")
     want = {"codes": (b, h, t, -(-sk.m // 32)), "a": (b, h, t)}
     got = {"codes": c.codes, "a": c.a}
+    if sk.outliers and (sk.mo < 1 or sk.index_bits != max(1, (dim - 1).bit_length())):
+        raise ValueError(
+            "decode_attention: sketch keys with outliers need an outlier sketch (mo >= 1) and "
+            f"indices of ceil(log2 {dim}) bits, got mo={sk.mo}, index_bits={sk.index_bits}"
+        )
     if sk.outliers:
         blocks = -(-t // c.group)
         want.update(
