@@ -606,6 +606,20 @@ def make_methods(
     mx.eval(k, v, q)
     methods = []
     qbytes = q.nbytes
+
+    def joint_call(kc, kp, vc, vp):
+        """What a cache's ``attend()`` runs on its coded segment: the codec's kernels (query
+        rotation or sketch where the codec has one, the decode kernel, the merge that
+        normalizes), the queries unscaled."""
+
+        def call():
+            out = kc.attend_joint(q.reshape(b, hk, hq // hk, d), kp, vc, vp, [], mx.float16, scale)
+            if out is None:
+                raise RuntimeError("kernel declined")
+            return out.reshape(b, hq, 1, d)
+
+        return call
+
     methods.append(
         (
             "fp16 sdpa",
@@ -632,15 +646,7 @@ def make_methods(
         kp, vp = codec.encode(k), codec.encode(v)
         mx.eval(kp.data, vp.data)
 
-        def call(codec=codec, kp=kp, vp=vp):
-            # the decode kernel and the merge that normalizes, the queries unscaled (what a
-            # cache's attend() runs)
-            qg = q.reshape(b, hk, hq // hk, d)
-            out = codec.attend_joint(qg, kp, codec, vp, [], mx.float16, scale)
-            if out is None:
-                raise RuntimeError("kernel declined")
-            return out.reshape(b, hq, 1, d)
-
+        call = joint_call(codec, kp, codec, vp)
         methods.append((f"velox uniform{bits}", bits, call, kp.nbytes + vp.nbytes + qbytes))
         if bits == 4 and portable_row:
 
@@ -678,16 +684,14 @@ def make_methods(
         kp, vp = kc.encode(k), vc.encode(v)
         mx.eval(kp.data, vp.data)
 
-        def call(kc=kc, vc=vc, kp=kp, vp=vp):
-            # the query rotation, the decode kernel and the merge that rotates back and
-            # normalizes (what a TurboQuantCache's attend() runs)
-            qg = q.reshape(b, hk, hq // hk, d)
-            out = kc.attend_joint(qg, kp, vc, vp, [], mx.float16, scale)
-            if out is None:
-                raise RuntimeError("kernel declined")
-            return out.reshape(b, hq, 1, d)
-
-        methods.append((f"velox turboquant{bits}", bits, call, kp.nbytes + vp.nbytes + qbytes))
+        methods.append(
+            (
+                f"velox turboquant{bits}",
+                bits,
+                joint_call(kc, kp, vc, vp),
+                kp.nbytes + vp.nbytes + qbytes,
+            )
+        )
     if qjl:
         from velox_core import Uniform
         from velox_qjl import QJL
@@ -700,17 +704,9 @@ def make_methods(
             kp, vp = kc.encode(k[:, :, :tq]), vc.encode(v[:, :, :tq])  # (QJL: in chunks)
             mx.eval(kp.data, vp.data)
 
-            def call(kc=kc, vc=vc, kp=kp, vp=vp):
-                # the query sketch, the decode kernel over the sign bits and the merge
-                qg = q.reshape(b, hk, hq // hk, d)
-                out = kc.attend_joint(qg, kp, vc, vp, [], mx.float16, scale)
-                if out is None:
-                    raise RuntimeError("kernel declined")
-                return out.reshape(b, hq, 1, d)
-
             kernel_sides(kc, kp, vc, vp, hq // hk)  # makes the copy of S (counted in nb)
             nb = kp.nbytes + vp.nbytes + qbytes + kc.state_nbytes
-            methods.append((f"velox {label}", 2, call, nb))
+            methods.append((f"velox {label}", 2, joint_call(kc, kp, vc, vp), nb))
             if b == 1 and label == "qjl m256":
                 from velox_core.cache.attention import Segment, partial
 

@@ -24,7 +24,6 @@ the functions return None and the caller takes the reference path.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -55,32 +54,30 @@ def kernel_sides(
         return None
     m, k, mo = codec.sizes(codec.dim)
     mo = mo if k else 0
-    lanes = _kd.sketch_lanes(m, mo)
-    if not lanes:
+    vbits, vgroup = value_codec.bits, value_codec.group
+    plan = _kd.plan(
+        rows, codec.dim, _kd.SKETCH, 1, codec.block, _kd.AFFINE, vbits, vgroup, qjl=(m, mo, k)
+    )
+    if plan is None:  # (before the kernel's copy of S is made)
         return None
-    p = keys.data
+    p, v = keys.data, values.data
     sk = _kd.SketchKeys(
         m=m,
         mo=mo,
         outliers=k,
         index_bits=index_bits(codec.dim),
         const=codec._const(),
-        lanes=lanes,
-        matrix=None,  # made below, once the plan takes the layout
+        lanes=plan.klanes,
+        matrix=codec.kernel_matrix(plan.klanes),
         osign=p["osign"] if k else None,
         idx=p["idx"] if k else None,
     )
-    kc = _kd.Codes(
-        _kd.SKETCH, 1, codec.block, p["sign"], p["norm"], p["onorm"] if k else None, sketch=sk
+    return (
+        _kd.Codes(
+            _kd.SKETCH, 1, codec.block, p["sign"], p["norm"], p["onorm"] if k else None, sketch=sk
+        ),
+        _kd.Codes(_kd.AFFINE, vbits, vgroup, v["codes"], v["scale"], v["zero"]),
     )
-    v = values.data
-    vc = _kd.Codes(
-        _kd.AFFINE, value_codec.bits, value_codec.group, v["codes"], v["scale"], v["zero"]
-    )
-    if _kd.plan_for(rows, codec.dim, kc, vc) is None:
-        return None
-    sk = dataclasses.replace(sk, matrix=codec.kernel_matrix(lanes))
-    return dataclasses.replace(kc, sketch=sk), vc
 
 
 def _query_sketch(keys: _kd.Codes, q: mx.array) -> mx.array:
