@@ -42,6 +42,11 @@
 // whole blocks: it forms S P q on its lanes' rows from the block's indices, then scores the
 // block's tokens.
 // Splits start on whole blocks (the kernel rounds its span up to KGROUP tokens).
+// KKIND / VKIND 4 = vector codes (VecInfer): each sub-vector of KGROUP / VGROUP channels is
+// the index (KBITS / VBITS bits) of a codeword of its (batch row, KV head)'s codebook: klv /
+// vlv hold B * H tables of 2^bits x group floats (contiguous), the threadgroup's own table is
+// copied to threadgroup memory and every index reads its codeword from there (the query
+// dotted with it; for values, p times it added to the lane's accumulators).
 // Affine codes are read as 1 + code / 2^bits (an exact float bit trick, no conversion), with
 // the scale and zero folded in per sub-block; codebook codes index a table in threadgroup
 // memory.
@@ -50,7 +55,8 @@
 //   q   (B, H, MP, HD) float32, scale applied          kc, vc  (B, H, T, W) uint32 codes
 //   ka, va  affine: scale (B, H, T, HD / group); codebook: norm (B, H, T)
 //   kb, vb  affine: zero  (B, H, T, HD / group); codebook: unused
-//   klv, vlv  codebook levels (2^bits, contiguous); unused for affine
+//   klv, vlv  codebook levels (2^bits, contiguous); VQ: (B, H, 2^bits, group) codebooks;
+//   unused for affine
 //   ksg (B, H, T, HD / 32) uint32 sign bits, krn (B, H, T) residual norms, qsk (B, H, MP, HD)
 //   float32 sketched query: KQJL = 1 only (else unused)
 //   KKIND 3: ksg (B, H, T, KOSK / 32) outlier sign bits, qsk (B, H, MP, KSK) = S q (lanes'
@@ -71,14 +77,16 @@ constexpr int LPT =
 constexpr int TPW = 32 / LPT;
 constexpr int NT = NWARPS * 32;
 constexpr int STEP = NWARPS * TPW * UNROLL;
-constexpr int KW = KKIND == 3 ? 1 : CPL * KBITS / 32;  // (KKIND 3 reads its own words)
-constexpr int VW = CPL * VBITS / 32;
+constexpr int KCODES = KKIND == 4 ? CPL / KGROUP : CPL;  // codes a lane holds per token
+constexpr int VCODES = VKIND == 4 ? CPL / VGROUP : CPL;
+constexpr int KW = KKIND == 3 ? 1 : KCODES * KBITS / 32;  // (KKIND 3 reads its own words)
+constexpr int VW = VCODES * VBITS / 32;
 constexpr int KSUB = (KKIND == 0 && KGROUP < CPL) ? KGROUP : CPL;
 constexpr int KNSUB = CPL / KSUB;
 constexpr int VSUB = (VKIND == 0 && VGROUP < CPL) ? VGROUP : CPL;
 constexpr int VNSUB = CPL / VSUB;
-constexpr int KLV = KKIND == 1 ? (1 << KBITS) : 1;
-constexpr int VLV = VKIND == 1 ? (1 << VBITS) : 1;
+constexpr int KLV = KKIND == 1 ? (1 << KBITS) : KKIND == 4 ? (1 << KBITS) * KGROUP : 1;
+constexpr int VLV = VKIND == 1 ? (1 << VBITS) : VKIND == 4 ? (1 << VBITS) * VGROUP : 1;
 constexpr unsigned int KMASK = (1u << KBITS) - 1u;
 constexpr unsigned int VMASK = (1u << VBITS) - 1u;
 constexpr float KPOW = (float)(1 << KBITS);
@@ -116,14 +124,16 @@ VX_SHARED float red_ml[NWARPS * MB];
 VX_SHARED float red_top[MB];
 VX_SHARED float klv_s[KLV];
 VX_SHARED float vlv_s[VLV];
-if (KKIND == 1) {
+if (KKIND == 1 || KKIND == 4) {  // VQ: this (batch row, KV head)'s codebook
+  const int64_t base = KKIND == 4 ? (int64_t)bh * KLV : 0;
   for (int i = tid; i < KLV; i += NT) {
-    klv_s[i] = static_cast<float>(klv[i]);
+    klv_s[i] = static_cast<float>(klv[base + i]);
   }
 }
-if (VKIND == 1) {
+if (VKIND == 1 || VKIND == 4) {
+  const int64_t base = VKIND == 4 ? (int64_t)bh * VLV : 0;
   for (int i = tid; i < VLV; i += NT) {
-    vlv_s[i] = static_cast<float>(vlv[i]);
+    vlv_s[i] = static_cast<float>(vlv[base + i]);
   }
 }
 VX_BARRIER();
@@ -183,8 +193,9 @@ if (KKIND != 3) {
     }
   }
   const int64_t kc_b = (int64_t)b * kc_strides[0] + (int64_t)h * kc_strides[1];
-  const int64_t ka_b = (int64_t)b * ka_strides[0] + (int64_t)h * ka_strides[1];
-  const int64_t kb_b = KKIND != 1 ? (int64_t)b * kb_strides[0] + (int64_t)h * kb_strides[1] : 0;
+  const int64_t ka_b = KKIND != 4 ? (int64_t)b * ka_strides[0] + (int64_t)h * ka_strides[1] : 0;
+  const int64_t kb_b =
+      KKIND != 1 && KKIND != 4 ? (int64_t)b * kb_strides[0] + (int64_t)h * kb_strides[1] : 0;
 
   for (int it = t0; it < t1; it += STEP) {
     unsigned int kw[UNROLL][KW];
@@ -230,7 +241,7 @@ if (KKIND != 3) {
           const float nv = static_cast<float>(ka[ka_b + tk * ka_strides[2]]);
           ksc[r][sb] = ld ? nv : 0.0f;
           kzr[r][sb] = 0.0f;
-        } else {  // per-channel scales are read with each code (below)
+        } else {  // per-channel scales are read with each code (below); VQ has none
           ksc[r][sb] = 0.0f;
           kzr[r][sb] = 0.0f;
         }
@@ -245,8 +256,30 @@ if (KKIND != 3) {
       }
       // KKIND 2: the token's group row of the per-channel scales and zeros
       const int64_t kgrp = KKIND == 2 ? (int64_t)(vx_imin(tok[r], t1 - 1) / KGROUP) : 0;
+      if (KKIND == 4) {
+        // the lane's sub-vectors: each index reads its codeword from threadgroup memory
 #pragma unroll
-      for (int sb = 0; sb < KNSUB; ++sb) {
+        for (int u = 0; u < KCODES; ++u) {
+          const int bit = u * KBITS;
+          const int wi = bit >> 5;
+          const int sh = bit & 31;
+          unsigned int code = kw[r][wi] >> sh;
+          if (sh + KBITS > 32) {  // the index straddles two words
+            code |= kw[r][wi + 1 < KW ? wi + 1 : wi] << (32 - sh);
+          }
+          const int cw = static_cast<int>(code & KMASK) * KGROUP;
+#pragma unroll
+          for (int g = 0; g < KGROUP; ++g) {
+            const float f = klv_s[cw + g];
+#pragma unroll
+            for (int m = 0; m < MB; ++m) {
+              part[m] = vx_fma(qr[m][u * KGROUP + g], f, part[m]);
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int sb = 0; sb < (KKIND == 4 ? 0 : KNSUB); ++sb) {
         float dot[MB];
 #pragma unroll
         for (int m = 0; m < MB; ++m) {
@@ -632,7 +665,7 @@ float acc[MB][CPL];
     }
   }
   const int64_t vc_b = (int64_t)b * vc_strides[0] + (int64_t)h * vc_strides[1];
-  const int64_t va_b = (int64_t)b * va_strides[0] + (int64_t)h * va_strides[1];
+  const int64_t va_b = VKIND != 4 ? (int64_t)b * va_strides[0] + (int64_t)h * va_strides[1] : 0;
   const int64_t vb_b = VKIND == 0 ? (int64_t)b * vb_strides[0] + (int64_t)h * vb_strides[1] : 0;
 
   for (int it = t0; it < t1; it += STEP) {
@@ -662,9 +695,12 @@ float acc[MB][CPL];
           const float zv = static_cast<float>(vb[vb_b + tk * vb_strides[2] + gi * vb_strides[3]]);
           vsc[r][sb] = ld ? sv : 0.0f;
           vzr[r][sb] = ld ? zv : 0.0f;
-        } else {
+        } else if (VKIND == 1) {
           const float nv = static_cast<float>(va[va_b + tk * va_strides[2]]);
           vsc[r][sb] = ld ? nv : 0.0f;
+          vzr[r][sb] = 0.0f;
+        } else {  // VQ: no per-token scale
+          vsc[r][sb] = 0.0f;
           vzr[r][sb] = 0.0f;
         }
       }
@@ -706,6 +742,27 @@ float acc[MB][CPL];
 #pragma unroll
             for (int m = 0; m < MB; ++m) {
               acc[m][e] = vx_fma(pa[m], f, acc[m][e]);
+            }
+          }
+        }
+      } else if (VKIND == 4) {
+        // the lane's sub-vectors: p times each index's codeword
+#pragma unroll
+        for (int u = 0; u < VCODES; ++u) {
+          const int bit = u * VBITS;
+          const int wi = bit >> 5;
+          const int sh = bit & 31;
+          unsigned int code = vw[r][wi] >> sh;
+          if (sh + VBITS > 32) {  // the index straddles two words
+            code |= vw[r][wi + 1 < VW ? wi + 1 : wi] << (32 - sh);
+          }
+          const int cw = static_cast<int>(code & VMASK) * VGROUP;
+#pragma unroll
+          for (int g = 0; g < VGROUP; ++g) {
+            const float f = vlv_s[cw + g];
+#pragma unroll
+            for (int m = 0; m < MB; ++m) {
+              acc[m][u * VGROUP + g] = vx_fma(p[m], f, acc[m][u * VGROUP + g]);
             }
           }
         }

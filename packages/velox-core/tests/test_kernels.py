@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import math
 import os
 import re
@@ -369,6 +370,13 @@ def _decode_variants():
     infos = [ArgInfo(*F32), *(ArgInfo(*a) for a in ins), *(ArgInfo(*a) for a in ins)]
     infos += [ArgInfo(*DUMMY)] * 5
     out.append((dk.DECODE, infos, ["float32"] * 2, dk.template(p, 128, kside, vside)))
+    # VQ codes (VecInfer): 256 codewords of 4 channels on both sides, and 16 pairs of keys
+    for kb, kg, vb, vg in ((8, 4, 8, 4), (4, 2, 8, 4)):
+        kside, vq = dk.Codes(dk.VQ, kb, kg, None, None), dk.Codes(dk.VQ, vb, vg, None, None)
+        p = dk.plan_for(4, 128, kside, vq)
+        ins = [U32, ("float16", 1, 8), ("float16", 1, 8), ("float32", 1, 1 << 16)]
+        infos = [ArgInfo(*a) for a in [F32, *ins, *ins]] + [ArgInfo(*DUMMY)] * 5
+        out.append((dk.DECODE, infos, ["float32"] * 2, dk.template(p, 128, kside, vq)))
     # QJL sketch keys: outliers with one row set for both sketches, two row sets with shares
     # straddling words, and no outliers
     for m, mo, k, m_rows in ((256, 256, 8, 4), (320, 64, 8, 8), (256, 0, 0, 4)):
@@ -927,6 +935,80 @@ def test_decode_kernel_scores_sketch_keys(
     p = np.exp(sc - mref)
     ref = (p @ vx, mref, p.sum(axis=-1, keepdims=True))
     assert_partial_close(got, ref, tol=5e-5)
+
+
+def _vq_side(rng, b, h, t, d, bits, group, spread=1.0):
+    """Random VQ codes and codebooks (one per batch row and KV head) and the vectors they
+    stand for, float64."""
+    k = 1 << bits
+    idx = rng.integers(0, k, size=(b, h, t, d // group))
+    book = (rng.standard_normal((b, h, k, group)) * spread).astype(np.float16)
+    bi, hi = np.arange(b)[:, None, None, None], np.arange(h)[None, :, None, None]
+    vec = book.astype(np.float64)[bi, hi, idx]  # (B, H, T, S, G)
+    side = dk.Codes(
+        dk.VQ,
+        bits,
+        group,
+        pack(mx.array(idx.astype(np.int32)), bits),
+        None,
+        None,
+        levels=mx.array(book),
+    )
+    return side, vec.reshape(b, h, t, d)
+
+
+@needs_gxx
+@pytest.mark.parametrize(
+    "kbits,kgroup,vbits,vgroup,rows,pad,splits",
+    [
+        (8, 4, 8, 4, 4, 0, 3),  # the 2-bit setting: 256 codewords of 4 channels
+        (4, 2, 8, 2, 1, 5, 4),  # 16 pairs keys (2 bits), 256 pairs values (4 bits)
+        (6, 2, 3, 1, 8, 3, 2),  # indices straddling words, 8 query rows in blocks
+        (2, 1, 4, 2, 2, 0, 5),  # scalar codebooks of their own per head (group 1)
+    ],
+)
+def test_decode_kernel_reads_vq_codes(tmp_path, kbits, kgroup, vbits, vgroup, rows, pad, splits):
+    """VQ codes (VecInfer): each sub-vector's index reads a codeword of its (batch row, KV
+    head)'s codebook, for keys and values, against a numpy reference (two batch rows with
+    different codebooks; strided slices with garbage beyond when ``pad``)."""
+    rng = np.random.default_rng(kbits * 10 + vbits)
+    b, h, t, d = 2, 2, 400, 128
+    keys, kx = _vq_side(rng, b, h, t, d, kbits, kgroup, 0.4)
+    vals, vx = _vq_side(rng, b, h, t, d, vbits, vgroup)
+    q = rng.standard_normal((b, h, rows, d)).astype(np.float32) * 0.3
+    assert dk.plan_for(rows, d, keys, vals) is not None
+    got = DecodeRun(Emulator(tmp_path), mx.array(q), keys, vals, splits=splits, pad=pad)()
+    sc = np.einsum("bhmd,bhtd->bhmt", q.astype(np.float64), kx)
+    mref = sc.max(axis=-1, keepdims=True)
+    p = np.exp(sc - mref)
+    assert_partial_close(got, (p @ vx, mref, p.sum(axis=-1, keepdims=True)), tol=5e-5)
+
+
+def test_vq_codes_layout_rules_and_bad_input(monkeypatch):
+    """The plan takes VQ codes whose lane holds whole sub-vectors and whole index words and
+    whose codebook fits threadgroup memory; malformed records are refused."""
+    ok = dk.plan(4, 128, dk.VQ, 8, 4, dk.AFFINE, 4, 64)
+    assert ok is not None and (ok.cpl // 4 * 8) % 32 == 0
+    assert dk.plan(4, 128, dk.VQ, 8, 8, dk.AFFINE, 4, 64) is None  # 2,048 floats: too large
+    assert dk.plan(4, 128, dk.VQ, 8, 3, dk.AFFINE, 4, 64) is None  # 3 channels a sub-vector
+    assert dk.plan(4, 128, dk.AFFINE, 4, 64, dk.VQ, 9, 1) is None  # 9-bit indices
+    assert dk._side_ok(dk.VQ, 5, 4, 128, 16) is False  # 4 x 5 bits: not whole words
+    assert dk._side_ok(dk.VQ, 5, 4, 128, 32) is False  # 8 x 5 = 40 bits
+    assert dk._side_ok(dk.VQ, 4, 2, 128, 16) is True
+    rng = np.random.default_rng(0)
+    keys, _ = _vq_side(rng, 1, 2, 64, 128, 8, 4)
+    vals, _ = _vq_side(rng, 1, 2, 64, 128, 8, 4)
+    q = mx.zeros((1, 2, 4, 128))
+    monkeypatch.setattr(vk, "backend", lambda: "metal")
+    for bad, msg in (
+        (dataclasses.replace(keys, levels=keys.levels[:, :, :128]), "codebooks"),
+        (dataclasses.replace(keys, levels=None), "codebooks"),
+        (dataclasses.replace(keys, codes=keys.codes[..., :4]), "VQ codes"),
+        (dataclasses.replace(keys, a=mx.zeros((1, 2, 64))), "only codes and codebooks"),
+        (dataclasses.replace(keys, levels=keys.levels.astype(mx.int32)), "codebooks"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            dk._decode_portable(q, bad, vals, None, None)
 
 
 @needs_gxx

@@ -11,7 +11,9 @@ merges the chunks with the log-sum-exp rule (``metal/decode_merge.metal``).
 Keys and values are each either **affine** per-group codes (``x = scale * code + zero``, one
 scale and zero per ``group`` channels of a token: :class:`velox_core.Uniform` with
 ``axis="token"``) or **codebook** codes (``x = norm * levels[code]``, one norm per token:
-TurboQuant_mse in the rotated domain). Keys may also be **sketch** codes (:data:`SKETCH`,
+TurboQuant_mse in the rotated domain) or **vector** codes (:data:`VQ`: each sub-vector of
+``group`` channels is the index of a codeword, ``x = codebook[code]``, one codebook per batch
+row and KV head: VecInfer). Keys may also be **sketch** codes (:data:`SKETCH`,
 QJL: ``m`` sign bits of ``S k`` and ``||k||`` per token, with per-block outlier channels and
 their own sketch, see :class:`SketchKeys`). Codes are uint32 words in velox's packing layout
 (:mod:`velox_core.ops.packing`), any width 1 to 8 where a lane's channels fill whole words.
@@ -51,6 +53,8 @@ __all__ = [
     "MERGE",
     "MERGE_FP16",
     "SKETCH",
+    "VQ",
+    "VQ_MAX_TABLE",
     "Codes",
     "MmaLaunch",
     "MmaLayout",
@@ -86,7 +90,10 @@ __all__ = [
     "tuning",
 ]
 
-AFFINE, CODEBOOK, AFFINE_CHANNEL, SKETCH = 0, 1, 2, 3
+AFFINE, CODEBOOK, AFFINE_CHANNEL, SKETCH, VQ = 0, 1, 2, 3, 4
+# most floats of one side's VQ codebook (codewords x channels) the portable kernel keeps in
+# threadgroup memory: 4 KiB a side beside the 16 KiB of scores (Metal allows 32 KiB)
+VQ_MAX_TABLE = 1024
 NWARPS = 4  # warps per threadgroup (VELOX_DECODE_WARPS overrides: 1, 2, 4 or 8)
 UNROLL = 4  # tokens per lane per loop iteration, loads issued together (VELOX_DECODE_UNROLL)
 MAX_REGS = 64  # query rows x channels per lane held in registers (and as many accumulators)
@@ -165,16 +172,19 @@ class Codes:
     """One side (keys or values) of a segment, as the kernel reads it.
 
     Attributes:
-        kind: :data:`AFFINE`, :data:`CODEBOOK` or :data:`AFFINE_CHANNEL` (keys only:
-            per-channel groups along tokens, KIVI's keys).
-        bits: code width, 1 to 8.
+        kind: :data:`AFFINE`, :data:`CODEBOOK`, :data:`AFFINE_CHANNEL` (keys only:
+            per-channel groups along tokens, KIVI's keys), :data:`VQ` or :data:`SKETCH`.
+        bits: code width, 1 to 8 (:data:`VQ`: bits of one codeword index).
         group: affine: channels per (scale, zero); per-channel affine: tokens per (scale,
-            zero); codebook: ignored.
-        codes: ``(B, H, T, W)`` uint32 packed codes.
+            zero); VQ: channels per sub-vector (1, 2, 4 or 8); codebook: ignored.
+        codes: ``(B, H, T, W)`` uint32 packed codes (:data:`VQ`: the ``D / group`` indices of a
+            token, ``bits`` each, in one bit stream).
         a: affine scale ``(B, H, T, D/group)``, per-channel scale ``(B, H, T/group, D)``, or
-            codebook norm ``(B, H, T)``.
-        b: affine zero, shaped like ``a``; None for a codebook.
-        levels: codebook levels ``(2**bits,)`` float32; None for affine.
+            codebook norm ``(B, H, T)``; None for :data:`VQ`.
+        b: affine zero, shaped like ``a``; None for a codebook and :data:`VQ`.
+        levels: codebook levels ``(2**bits,)`` float32; :data:`VQ`: the codebooks ``(B, H,
+            2**bits, group)`` (any float dtype; row ``code`` of ``(b, h)`` is the sub-vector);
+            None for affine.
         signs: codebook keys with a QJL residual sketch (TurboQuant_prod): ``(B, H, T, D/32)``
             uint32, bit ``e`` set where channel ``e`` of the residual's sketch is positive;
             the caller passes the sketched query to :func:`decode_attention`. None otherwise.
@@ -189,7 +199,7 @@ class Codes:
     bits: int
     group: int
     codes: mx.array
-    a: mx.array
+    a: mx.array | None
     b: mx.array | None = None
     levels: mx.array | None = None
     signs: mx.array | None = None
@@ -286,6 +296,14 @@ def _pow2_ceil(n: int) -> int:
 def _side_ok(kind: int, bits: int, group: int, dim: int, cpl: int) -> bool:
     if kind == SKETCH:  # the key pass has its own lane layout (sketch_lanes)
         return True
+    if kind == VQ:  # whole sub-vectors a lane, its indices in whole words; the table fits
+        return (
+            1 <= bits <= 8
+            and group in (1, 2, 4, 8)
+            and cpl % group == 0
+            and (cpl // group * bits) % 32 == 0
+            and (1 << bits) * group <= VQ_MAX_TABLE
+        )
     if not 1 <= bits <= 8 or (cpl * bits) % 32:
         return False
     if kind == AFFINE:
@@ -330,7 +348,8 @@ def plan(
     of one. Query rows and channels per lane share a register budget of :data:`MAX_REGS`
     (half of it with a key ``sketch``: the sketched query takes the other half); rows per
     threadgroup are a power of two (at most 8). A sketch needs codebook keys and a head dim
-    that is a multiple of 32.
+    that is a multiple of 32. :data:`VQ` codes need whole sub-vectors per lane, a lane's
+    indices filling whole words, and a codebook of at most :data:`VQ_MAX_TABLE` floats.
 
     :data:`SKETCH` keys (QJL) pass ``qjl = (m, mo, outliers)``: the key pass spreads a
     token's sign bits over :func:`sketch_lanes` lanes, and each query row holds
@@ -493,6 +512,11 @@ def _inputs(c: Codes) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         return c.codes, c.a, c.b, _dummy(mx.float32)
     if c.kind == SKETCH:  # sign words, norms, outlier norms
         return c.codes, c.a, c.b if c.b is not None else _dummy(c.a.dtype), _dummy(mx.float32)
+    if c.kind == VQ:  # indices; the codebooks (B * H tables, contiguous) in the levels' place
+        table = mx.contiguous(c.levels.astype(mx.float32)).reshape(-1)
+        if table.size < 8:
+            table = mx.concatenate([table, mx.zeros((8 - table.size,), mx.float32)])
+        return c.codes, _dummy(mx.float16), _dummy(mx.float16), table
     levels = c.levels.astype(mx.float32)
     if levels.size < 8:  # keep it in device memory on Metal (the body only indexes it)
         levels = mx.concatenate([levels, mx.zeros((8 - levels.size,), mx.float32)])
@@ -554,7 +578,35 @@ def _check_sketch(c: Codes, b: int, h: int, t: int, dim: int) -> None:
         )
 
 
+def _check_vq(name: str, c: Codes, b: int, h: int, t: int, dim: int) -> None:
+    """Shapes of :data:`VQ` codes: indices and one codebook per batch row and KV head."""
+    if c.a is not None or c.b is not None or c.signs is not None or c.sketch is not None:
+        raise ValueError(f"decode_attention: {name} VQ codes carry only codes and codebooks")
+    if dim % c.group:
+        raise ValueError(
+            f"decode_attention: {name} sub-vectors of {c.group} channels do not divide the "
+            f"head dim {dim}"
+        )
+    words = -(-(dim // c.group) * c.bits // 32)
+    if tuple(c.codes.shape) != (b, h, t, words) or c.codes.dtype != mx.uint32:
+        raise ValueError(
+            f"decode_attention: {name} VQ codes {tuple(c.codes.shape)} {c.codes.dtype} do not "
+            f"match (B, H, T, W) = {(b, h, t, words)} uint32"
+        )
+    want = (b, h, 1 << c.bits, c.group)
+    lv = c.levels
+    if lv is None or tuple(lv.shape) != want or not mx.issubdtype(lv.dtype, mx.floating):
+        have = None if lv is None else (tuple(lv.shape), lv.dtype)
+        raise ValueError(
+            f"decode_attention: {name} codebooks are {have}, expected float (B, H, 2**bits, "
+            f"group) = {want}"
+        )
+
+
 def _check(name: str, c: Codes, b: int, h: int, t: int, dim: int) -> None:
+    if c.kind == VQ:
+        _check_vq(name, c, b, h, t, dim)
+        return
     if c.kind == SKETCH:
         if name != "key":
             raise ValueError("decode_attention: sketch codes are for keys only")
@@ -602,7 +654,7 @@ def template(
         ("KKIND", k.kind),
         ("VKIND", v.kind),
         ("KGROUP", k.group if k.kind != CODEBOOK else dim),
-        ("VGROUP", v.group if v.kind == AFFINE else dim),
+        ("VGROUP", v.group if v.kind in (AFFINE, VQ) else dim),
         ("CPL", p.cpl),
         ("NWARPS", p.nwarps),
         ("UNROLL", p.unroll),
@@ -1412,7 +1464,8 @@ def decode_attention(
         merge_q, rot: with ``fp16``, for codes in a rotated domain (TurboQuant): ``q`` is the
             rotated query, ``merge_q`` the unrotated one (scored against the fp16 keys) and
             ``rot`` the ``(D, D)`` float32 map back (``o @ rot``, see
-            :func:`merge_splits_fp16`).
+            :func:`merge_splits_fp16`). ``merge_q`` alone: keys coded in another domain than
+            the fp16 keys, values in the same one (VecInfer's transformed keys).
         q_sketch: with keys that carry a residual sketch (``keys.signs``): the sketched query
             ``(B, H, M, D)`` (times the sketch's constant), scaled like ``q``; with
             :data:`SKETCH` keys: ``S q`` ``(B, H, M, m)`` float32 (no constant), from the same
@@ -1430,8 +1483,8 @@ def decode_attention(
         raise ValueError("decode_attention: fp16 segments and out_dtype go together")
     if fp16 is not None and (len(fp16) > 2 or sum(k.shape[2] for k, _ in fp16) > FP16_MAX):
         return None
-    if (merge_q is None) != (rot is None) or (rot is not None and fp16 is None):
-        raise ValueError("decode_attention: merge_q and rot go together, with fp16 segments")
+    if (rot is not None and merge_q is None) or (merge_q is not None and fp16 is None):
+        raise ValueError("decode_attention: rot needs merge_q, and merge_q fp16 segments")
     if merge_q is not None and merge_q.shape != q.shape:
         raise ValueError(
             f"decode_attention: merge_q {tuple(merge_q.shape)} must match q {tuple(q.shape)}"

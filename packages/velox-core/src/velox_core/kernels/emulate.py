@@ -470,6 +470,7 @@ class DecodeRun:
             for i, a in enumerate(arrays):
                 x = np_input(a)
                 unused = i == 2 and (side.kind == dk.CODEBOOK or side.b is None)
+                unused = unused or (side.kind == dk.VQ and i in (1, 2))
                 if pad and i < 3 and not unused:
                     x = _padded_view(x, pad, rng)
                 ins.append(x)
