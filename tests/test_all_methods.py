@@ -40,6 +40,7 @@ def test_every_package_registered():
         "qjl",
         "skvq",
         "kvquant",
+        "vecinfer",
         "agetiered",
         "streamingllm",
         "snapkv",

@@ -1,0 +1,112 @@
+"""``VecInferCache``: VecInfer's vector-quantized keys (smooth + Hadamard) and values.
+
+Keys are smoothed per channel, Hadamard-transformed and vector-quantized; values are
+vector-quantized as they are (VecInfer, arXiv 2510.06175). Deviations from the paper:
+
+* **Calibration on the sequence, not offline.** The paper fits the smoothing scales and trains
+  "task-independent" codebooks offline on calibration data. A cache has none, so the first
+  ``calibration`` tokens after the sinks wait in fp16; once they are all there both codecs fit
+  on exactly those tokens (scales, then k-means on every sub-vector of them), code them, and
+  code every later token with that fit.
+* **Codebooks per layer, KV head and sequence**: one codebook per (layer, KV head, batch row)
+  for keys and one for values, shared by all sub-vector positions of the head. A batched cache
+  therefore holds exactly what its single-sequence caches would, and ``merge`` / ``extract`` /
+  ``filter`` / ``extend`` keep the fitted rows aligned with the stored tokens.
+* **Smoothing scale floor**: ``lambda`` is floored at ``1e-3`` of the head's largest channel
+  maximum (and ``1e-6``), see :mod:`velox_vecinfer.codec`.
+* **Block Hadamard** for head dims that are not powers of two (blocks of the largest power of
+  two dividing the head dim).
+* ``sinks`` and ``window`` (fp16 first and recent tokens) are not in the paper; both 0 by
+  default.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import mlx.core as mx
+
+from velox_core import PresetCache
+from velox_core.validation import check_kv
+
+from .codec import VecInfer
+from .config import VecInferConfig
+
+__all__ = ["VecInferCache"]
+
+
+class VecInferCache(PresetCache):
+    """VecInfer's cache for one layer. Parameters: see :class:`VecInferConfig`."""
+
+    method = "vecinfer"
+    Config = VecInferConfig
+
+    def build(self, cfg: VecInferConfig) -> dict[str, Any]:
+        (kb, kv), (vb, vv) = cfg.sides()
+        return {
+            "key_codec": VecInfer(kb, kv, cfg.smooth, cfg.hadamard, cfg.iters, cfg.seed),
+            "value_codec": VecInfer(vb, vv, False, False, cfg.iters, cfg.seed),
+            "window": cfg.window,
+            "sinks": cfg.sinks,
+        }
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether both codecs have fitted their scales and codebooks."""
+        t = self.tiers[0]
+        return t.key_codec.fitted and t.value_codec.fitted
+
+    def before_coding(self) -> bool:
+        """Until calibrated, the window also holds the calibration tokens: nothing is coded
+        before ``window + calibration`` tokens are stored; then both codecs fit on exactly the
+        first ``calibration`` of them (however long the chunk that completed them), and
+        coding starts."""
+        if self.calibrated:
+            return True
+        n = self.cfg.calibration
+        if self._win[0].tokens < self.window + n:
+            return False
+        t = self.tiers[0]
+        t.key_codec.fit(self._win[0].view().slice(0, n).data["x"])
+        t.value_codec.fit(self._win[1].view().slice(0, n).data["x"])
+        return True
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """As :meth:`VeloxCache.update_and_fetch`; the first call also checks that
+        ``calibration`` tokens give each codebook enough sub-vectors at these head dims."""
+        if self._dims is None:
+            check_kv(keys, values)
+            self._check_calibration(keys.shape[-1], values.shape[-1], keys.dtype)
+        return super().update_and_fetch(keys, values)
+
+    def _check_calibration(self, dk: int, dv: int, dtype: mx.Dtype) -> None:
+        t = self.tiers[0]
+        for side, codec, dim in (("key", t.key_codec, dk), ("value", t.value_codec, dv)):
+            codec.check(dim, dtype)
+            subs = dim // codec.vector
+            if self.cfg.calibration * subs < codec.size:
+                raise ValueError(
+                    f"vecinfer: calibration={self.cfg.calibration} tokens give "
+                    f"{self.cfg.calibration * subs} {side} sub-vectors per head (head dim {dim} / "
+                    f"vector {codec.vector}), fewer than the {codec.size} codewords of the "
+                    f"{side} codebook ({codec.index_bits} index bits); raise calibration to at "
+                    f"least {math.ceil(codec.size / subs)} or lower {side}_bits / vector"
+                )
+
+    # -- batching: the fitted arrays have one row per sequence ---------------------------------
+    def filter(self, batch_indices) -> None:
+        super().filter(batch_indices)
+        idx = batch_indices if isinstance(batch_indices, mx.array) else mx.array(batch_indices)
+        for c in self._codecs():
+            c.filter_batch(idx)
+
+    def extend(self, other: VecInferCache) -> None:
+        if type(other) is type(self) and self.calibrated != other.calibrated:
+            raise ValueError(
+                "extend: both caches must be calibrated, or neither (feed each past its "
+                f"{self.cfg.calibration} calibration tokens)"
+            )
+        super().extend(other)
+        for mine, theirs in zip(self._codecs(), other._codecs()):
+            mine.extend_batch(theirs)

@@ -1,0 +1,130 @@
+"""GPU kernel path of VecInfer: fused decode attention over the codeword indices.
+
+velox-core's portable decode kernel (``metal/decode_attention.metal``) takes VecInfer's
+records as *vector* codes (``velox_core.kernels.decode.VQ``): a threadgroup copies its (batch
+row, KV head)'s codebook (``2**index_bits x vector`` floats) to threadgroup memory, reads each
+token's packed indices once, and dots the query with each index's codeword (keys) or adds the
+softmax weight times it to its accumulators (values): no key or value is rebuilt in memory.
+This is the paper's fused dequantize-and-compute kernel, as one body for Metal and CUDA.
+
+* The keys live in the smoothed, Hadamard-transformed domain: the host transforms the query
+  once per call (``(q * lambda) H``, :meth:`velox_vecinfer.VecInfer.transform_query`), so
+  ``q' . k'`` is the score; a cache's fp16 sinks and window are scored against the original
+  query in the same softmax (the fused merge's ``merge_q``).
+* Values coded by VecInfer without a transform (the cache's setting) mix straight into the
+  output; per-token ``Uniform`` values are taken too (composed caches). Transformed values
+  are undone on the partial (:func:`attend_partial`); the one-softmax path with fp16 segments
+  declines them (the merge has no per-head map back).
+
+Where the kernel does not apply (kernels off or the CPU, a codec not yet fitted, a layout the
+kernel's plan declines: a codebook larger than ``VQ_MAX_TABLE`` floats, a lane's indices not
+filling whole words) the functions return None and the caller takes the reference path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+from velox_core import Packed, Uniform
+from velox_core.kernels import decode as _kd
+from velox_core.kernels import use_kernels
+
+if TYPE_CHECKING:
+    from .codec import VecInfer
+
+__all__ = ["attend_joint", "attend_partial", "kernel_side"]
+
+
+def kernel_side(codec, packed: Packed) -> _kd.Codes | None:
+    """The decode kernel's view of one side's record (``velox_core.kernels.decode.Codes``):
+    :data:`~velox_core.kernels.decode.VQ` codes for a fitted :class:`VecInfer`, affine codes
+    for a per-token ``Uniform``; None for anything else."""
+    from .codec import VecInfer
+
+    if isinstance(codec, VecInfer):
+        if not codec.fitted:
+            return None
+        return _kd.Codes(
+            _kd.VQ,
+            codec.index_bits,
+            codec.vector,
+            packed.data["codes"],
+            None,
+            levels=codec.codebook,
+        )
+    if isinstance(codec, Uniform) and codec.axis == "token":
+        p = packed.data
+        return _kd.Codes(_kd.AFFINE, codec.bits, codec.group, p["codes"], p["scale"], p["zero"])
+    return None
+
+
+def _sides(codec: VecInfer, keys: Packed, value_codec, values: Packed):
+    if not use_kernels() or not codec.fitted:
+        return None
+    ks, vs = kernel_side(codec, keys), kernel_side(value_codec, values)
+    return None if ks is None or vs is None else (ks, vs)
+
+
+def _values_transformed(value_codec) -> bool:
+    from .codec import VecInfer
+
+    return isinstance(value_codec, VecInfer) and (value_codec.smooth or value_codec.hadamard)
+
+
+def attend_partial(
+    codec: VecInfer, q: mx.array, keys: Packed, value_codec, values: Packed
+) -> tuple[mx.array, mx.array, mx.array] | None:
+    """Partial ``(o, m, l)`` of one segment from its codes (GPU kernel), or None.
+
+    Shapes:
+        q ``(B, H, M, D)`` float32, scale applied; returns ``(B, H, M, D)``,
+        ``(B, H, M, 1)``, ``(B, H, M, 1)`` float32.
+    """
+    if q.shape[-1] != codec.dim:
+        return None
+    sides = _sides(codec, keys, value_codec, values)
+    if sides is None:
+        return None
+    out = _kd.decode_attention(codec.transform_query(q), *sides)
+    if out is None or not _values_transformed(value_codec):
+        return out
+    o, m, l = out
+    return value_codec.untransform(o), m, l
+
+
+def attend_joint(
+    codec: VecInfer,
+    q: mx.array,
+    keys: Packed,
+    value_codec,
+    values: Packed,
+    fp16: list[tuple[mx.array, mx.array]],
+    out_dtype: mx.Dtype,
+    scale: float | None = None,
+) -> mx.array | None:
+    """Normalized attention over this segment's codes and up to two fp16 segments (a cache's
+    sinks and window) in one softmax (the decode kernel and the fused merge), or None where
+    :func:`attend_partial` would decline or the values are coded in a transformed domain.
+
+    Shapes:
+        q ``(B, H, M, D)``: float32 with the scale applied, or unscaled (any float dtype)
+        with ``scale``; fp16 pairs ``(B, H, T_i, D)``; returns ``(B, H, M, D)`` in
+        ``out_dtype``.
+    """
+    if q.shape[-1] != codec.dim or _values_transformed(value_codec):
+        return None
+    sides = _sides(codec, keys, value_codec, values)
+    if sides is None:
+        return None
+    # the codes are scored against the transformed query, the fp16 keys against q itself
+    out = _kd.decode_attention(
+        codec.transform_query(q),
+        *sides,
+        fp16=fp16,
+        out_dtype=out_dtype,
+        scale=scale,
+        merge_q=q,
+    )
+    return None if out is None else out[0]

@@ -1,0 +1,140 @@
+"""VecInfer's kernel path, checked on a machine without a GPU.
+
+The decode kernel is velox-core's portable one with vector codes
+(``velox_core.kernels.decode.VQ``); here the VecInfer glue is checked: which records take it,
+and, with the kernels' Metal and CUDA instantiations emulated on the CPU
+(``velox_core.kernels.emulate``), that attention through the kernel equals the codec's
+reference path (keys in the smoothed, Hadamard-transformed domain against the transformed
+query; values mixed from their codewords) and that a cache's fp16 window and sinks join the
+codes in one softmax.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import velox_core.kernels as vk
+from velox_core import Uniform
+from velox_core.cache.attention import Segment, partial
+from velox_core.kernels import decode as dk
+from velox_core.kernels.emulate import EmulatedKernels
+from velox_core.testing import kv_data
+from velox_vecinfer import VecInfer, VecInferCache
+from velox_vecinfer.kernels import kernel_side
+
+needs_gxx = pytest.mark.skipif(
+    shutil.which("g++") is None, reason="g++ is not installed: the kernels cannot be emulated"
+)
+
+# (keys, values): the paper's 2 bits (256 codewords of 4 channels) on both sides; 16 pairs
+# of keys (2 bits) with 256 pairs of values (4 bits); values smoothed and rotated too (the
+# partial is transformed back); per-token Uniform values (a composed cache)
+SETTINGS = {
+    "2bit": ({}, {"smooth": False, "hadamard": False}),
+    "pairs": ({"vector": 2}, {"bits": 4, "vector": 2, "smooth": False, "hadamard": False}),
+    "values-transformed": ({}, {}),
+    "uniform-values": ({}, None),
+}
+
+
+def records(name, t=256, seed=0):
+    kw, vkw = SETTINGS[name]
+    k, v = kv_data(t=t, seed=seed)
+    kc = VecInfer(**kw, iters=4)
+    vc = Uniform(2, 32) if vkw is None else VecInfer(**vkw, iters=4)
+    return kc, kc.encode(k), vc, vc.encode(v)
+
+
+@pytest.fixture
+def emulated_gpu(monkeypatch, tmp_path):
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is not installed: the kernels cannot be emulated")
+    return EmulatedKernels(tmp_path).install(monkeypatch)
+
+
+def test_attend_partial_is_none_on_the_cpu():
+    if mx.default_device().type == mx.DeviceType.gpu:
+        pytest.skip("the default device is a GPU")
+    kc, kp, vc, vp = records("2bit")
+    assert kc.attend_partial(mx.zeros((1, 2, 4, 128)), kp, vc, vp) is None
+
+
+def test_kernel_sides_and_what_the_kernel_declines(monkeypatch):
+    kc, kp, vc, vp = records("2bit")
+    side = kernel_side(kc, kp)
+    assert side.kind == dk.VQ and (side.bits, side.group) == (8, 4)
+    assert side.codes is kp.data["codes"] and side.levels is kc.codebook
+    channel = Uniform(2, 32, axis="channel")
+    cp = channel.encode(kv_data(t=256)[1])
+    assert kernel_side(channel, cp) is None
+    assert kernel_side(VecInfer(), kp) is None  # not fitted
+    monkeypatch.setattr(vk, "backend", lambda: "cuda")  # a GPU as far as dispatch can tell
+    called = []
+    monkeypatch.setattr(dk, "decode_attention", lambda *a, **k: called.append(a) or None)
+    q = mx.zeros((1, 2, 4, 128))
+    assert kc.attend_partial(q, kp, channel, cp) is None  # per-channel values
+    assert not called
+    # 5-bit indices of 4 channels: a lane's indices never fill whole words (the plan declines)
+    odd = VecInfer(bits=1.25, vector=4, iters=2)
+    op = odd.encode(kv_data(t=256)[0])
+    assert dk.plan_for(4, 128, kernel_side(odd, op), kernel_side(vc, vp)) is None
+    called.clear()
+    monkeypatch.setattr(dk, "decode_attention", _real_decode_attention)
+    assert odd.attend_partial(q, op, vc, vp) is None
+    # transformed values: the one-softmax path with fp16 segments declines them
+    tk, tkp, tv, tvp = records("values-transformed")
+    assert tk.attend_joint(q, tkp, tv, tvp, [], mx.float16, 0.1) is None
+    monkeypatch.setenv("VELOX_KERNELS", "0")
+    assert kc.attend_partial(q, kp, vc, vp) is None
+
+
+_real_decode_attention = dk.decode_attention
+
+
+@needs_gxx
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_emulated_kernel_attention_matches_the_reference(emulated_gpu, name):
+    """The kernel's partial (the transformed query dotted with each key index's codeword,
+    values mixed from theirs in the same pass) equals the codec's reference scores/mix."""
+    kc, kp, vc, vp = records(name, t=300)
+    q = mx.random.normal((1, 2, 4, 128), key=mx.random.key(3)) * 0.3
+    emulated_gpu.calls.clear()
+    got = kc.attend_partial(q, kp, vc, vp)
+    assert emulated_gpu.names == ["velox_decode_attention", "velox_decode_merge"]
+    ref = partial(q, Segment(kc, kp, vc, vp))
+    for g, r in zip(got, ref):
+        g, r = np.asarray(g), np.asarray(r)
+        assert g.shape == r.shape
+        assert np.abs(g - r).max() <= 5e-5 * max(1.0, np.abs(r).max())
+
+
+@needs_gxx
+@pytest.mark.parametrize(
+    "backend,kw",
+    [
+        ("metal", {"window": 32, "sinks": 4, "calibration": 64}),
+        ("cuda", {"calibration": 64}),
+        ("metal", {"bits": 2, "vector": 2, "window": 16, "calibration": 64}),
+    ],
+)
+def test_emulated_cache_attends_like_the_reference(monkeypatch, tmp_path, backend, kw):
+    """A VecInferCache attends through the decode kernel and the merge that joins its fp16
+    window and sinks (scored against the untransformed query) in one softmax, on the
+    emulated Metal and CUDA instantiations, and matches the reference cache."""
+    k, v = kv_data(t=500)
+    q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(5)).astype(mx.float16)
+    fake = EmulatedKernels(tmp_path, backend=backend).install(monkeypatch)
+    cache = VecInferCache(**kw, iters=4)
+    cache.update_and_fetch(k, v)
+    fake.calls.clear()
+    got = cache.attend(q, 0.088)
+    assert fake.names == ["velox_decode_attention", "velox_decode_merge_fp16"]
+    monkeypatch.setattr(vk, "backend", lambda: "cpu")  # the reference path
+    ref_cache = VecInferCache(**kw, iters=4)
+    ref_cache.update_and_fetch(k, v)
+    ref = ref_cache.attend(q, 0.088)
+    assert np.abs(np.asarray((got - ref).astype(mx.float32))).max() < 2e-3
