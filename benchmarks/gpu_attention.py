@@ -518,6 +518,35 @@ def section_checks(quick: bool) -> None:
         lambda: QJLCache(sinks=4),
         t=1200 if quick else 5000,
     )
+    from velox_vecinfer import VecInfer, VecInferCache
+
+    plain = {"smooth": False, "hadamard": False}  # VecInfer's values: no transform
+    for label, kkw, vkw, m in (  # VQ codes: codebooks in threadgroup memory, both sides
+        ("2 bits (256 x 4) keys and values", {}, plain, 4),
+        ("16 x 2 keys, 256 x 2 values", {"vector": 2}, {"bits": 4, "vector": 2, **plain}, 4),
+        ("2 bits, GQA 8 (two row blocks)", {}, plain, 8),
+        ("2 bits, transformed values", {}, {}, 4),
+    ):
+        decode_check(
+            f"vecinfer decode {label}",
+            VecInfer(**kkw, iters=8),
+            VecInfer(**vkw, iters=8),
+            2,
+            8,
+            3001,
+            m,
+            seed=60 + m,
+        )
+    cache_check(
+        "VecInferCache (window 128, 4 sinks)",
+        lambda: VecInferCache(window=128, sinks=4, iters=8),
+        t=1200 if quick else 5000,
+    )
+    cache_check(
+        "VecInferCache (no fp16 segments)",
+        lambda: VecInferCache(iters=8),
+        t=1200 if quick else 5000,
+    )
     cache_check(
         "UniformCache 4-bit window+sinks (buffer slice)",
         lambda: UniformCache(bits=4, window=32, sinks=4),
@@ -589,9 +618,12 @@ def make_methods(
     bits_tq,
     portable_row=False,
     qjl: bool = False,
+    vecinfer: bool = False,
 ):
     """Per-method (name, bits, call, bytes_read) closures over one shape's K/V (``qjl``: QJL
-    keys with 2-bit values, the paper's sketch and velox-qjl's recommended "4-bit" one)."""
+    keys with 2-bit values, the paper's sketch and velox-qjl's recommended "4-bit" one;
+    ``vecinfer``: VecInfer's 2-bit keys and values, 256 codewords of 4 channels, fitted on
+    the first 512 tokens as a cache's calibration would)."""
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
     from velox_core import Uniform
@@ -721,6 +753,29 @@ def make_methods(
                         return (o / l).reshape(b, hq, 1, d)
 
                 methods.append((f"velox {label} reference", 2, reference, nb))
+    if vecinfer:
+        from velox_core.cache.attention import Segment, partial
+        from velox_vecinfer import VecInfer
+
+        kc, vc = VecInfer(iters=8), VecInfer(smooth=False, hadamard=False, iters=8)
+        kc.fit(k[:, :, :512])
+        vc.fit(v[:, :, :512])
+        kp, vp = kc.encode(k), vc.encode(v)
+        mx.eval(kp.data, vp.data)
+        nb = kp.nbytes + vp.nbytes + qbytes + kc.state_nbytes + vc.state_nbytes
+        methods.append(("velox vecinfer2", 2, joint_call(kc, kp, vc, vp), nb))
+        if b == 1:
+            seg = Segment(kc, kp, vc, vp)
+            qf = q.reshape(b, hk, hq // hk, d).astype(mx.float32) * scale
+
+            def vq_reference(seg=seg, qf=qf):
+                # the codec without the kernel: the transformed query against the gathered
+                # codewords, then the values' codewords mixed (the path the kernel replaces)
+                with kernels(False):
+                    o, _, l = partial(qf, seg)
+                    return (o / l).reshape(b, hq, 1, d)
+
+            methods.append(("velox vecinfer2 reference", 2, vq_reference, nb))
     return methods
 
 
@@ -960,6 +1015,7 @@ def device_rows(b: int, t: int, quick: bool) -> list[dict]:
         bits_tq=(),
         portable_row=True,
         qjl=True,
+        vecinfer=True,
     )
     rows = []
     for name, bits, call, _ in methods:
@@ -1058,6 +1114,22 @@ def section_encode(quick: bool) -> None:
                 f"  {label:12s} B{b} {n:6d} tokens  kernel {s * 1e3:8.3f} ms "
                 f"({s * 1e6 / (b * n):8.3f} us/token)  reference {s_ref * 1e3:8.3f} ms"
             )
+    # VecInfer's encode is MLX ops (the smoothing, the Hadamard transform, the nearest
+    # codeword as one matmul and an argmin, bit packing), fitted on 512 tokens first
+    from velox_vecinfer import VecInfer
+
+    for b, n in ((1, 1), (8, 1), (1, 512 if quick else 16384)):
+        kc, vc = VecInfer(iters=8), VecInfer(smooth=False, hadamard=False, iters=8)
+        fit = mx.random.normal((b, 8, 512, 128)).astype(mx.float16)
+        kc.fit(fit)
+        vc.fit(fit)
+        x = mx.random.normal((b, 8, n, 128)).astype(mx.float16)
+        mx.eval(x, kc.codebook, vc.codebook)
+        s = timeit(lambda x=x, kc=kc, vc=vc: (kc.encode(x).data, vc.encode(x).data), 3, 7, 5)
+        row = {"method": "vecinfer2", "batch": b, "tokens": n, "ms": s * 1e3}
+        row["us_per_token"] = s * 1e6 / (b * n)
+        RESULTS["encode"].append(row)
+        print(f"  vecinfer2    B{b} {n:6d} tokens  MLX ops {s * 1e3:8.3f} ms")
 
 
 # =============================================================================================
