@@ -72,21 +72,21 @@ def test_kernel_sides_and_what_the_kernel_declines(monkeypatch):
     cp = channel.encode(kv_data(t=256)[1])
     assert kernel_side(channel, cp) is None
     assert kernel_side(VecInfer(), kp) is None  # not fitted
+    # 5-bit indices of 4 channels: a lane's indices never fill whole words (the plan declines)
+    odd = VecInfer(bits=1.25, vector=4, iters=2)
+    op = odd.encode(kv_data(t=256)[0])
+    tk, tkp, tv, tvp = records("values-transformed")
     monkeypatch.setattr(vk, "backend", lambda: "cuda")  # a GPU as far as dispatch can tell
     called = []
     monkeypatch.setattr(dk, "decode_attention", lambda *a, **k: called.append(a) or None)
     q = mx.zeros((1, 2, 4, 128))
     assert kc.attend_partial(q, kp, channel, cp) is None  # per-channel values
     assert not called
-    # 5-bit indices of 4 channels: a lane's indices never fill whole words (the plan declines)
-    odd = VecInfer(bits=1.25, vector=4, iters=2)
-    op = odd.encode(kv_data(t=256)[0])
     assert dk.plan_for(4, 128, kernel_side(odd, op), kernel_side(vc, vp)) is None
     called.clear()
     monkeypatch.setattr(dk, "decode_attention", _real_decode_attention)
     assert odd.attend_partial(q, op, vc, vp) is None
     # transformed values: the one-softmax path with fp16 segments declines them
-    tk, tkp, tv, tvp = records("values-transformed")
     assert tk.attend_joint(q, tkp, tv, tvp, [], mx.float16, 0.1) is None
     monkeypatch.setenv("VELOX_KERNELS", "0")
     assert kc.attend_partial(q, kp, vc, vp) is None
@@ -138,3 +138,20 @@ def test_emulated_cache_attends_like_the_reference(monkeypatch, tmp_path, backen
     ref_cache.update_and_fetch(k, v)
     ref = ref_cache.attend(q, 0.088)
     assert np.abs(np.asarray((got - ref).astype(mx.float32))).max() < 2e-3
+
+
+@needs_gxx
+@pytest.mark.parametrize("kw", [{}, {"bits": 3, "vector": 2}, {"bits": 1.25, "vector": 4}])
+def test_emulated_encode_kernel_gives_the_reference_codes(monkeypatch, tmp_path, kw):
+    """On a GPU the codec's encode runs the VQ encode kernel on the transformed vectors: the
+    same words as the reference (nearest codeword by matmul, then packing), indices
+    straddling words included (3 and 5 bits)."""
+    k, _ = kv_data(t=200, seed=4)
+    ref = VecInfer(**kw, iters=4)
+    want = ref.encode(k)  # fits, then the reference path on the CPU
+    got_codec = VecInfer(**kw, iters=4)
+    got_codec.set_state(ref.state())
+    fake = EmulatedKernels(tmp_path).install(monkeypatch)
+    got = got_codec.encode(k)
+    assert fake.names == ["velox_encode_vq"]
+    assert np.array_equal(np.asarray(got.data["codes"]), np.asarray(want.data["codes"]))

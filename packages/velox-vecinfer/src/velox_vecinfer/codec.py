@@ -243,8 +243,13 @@ class VecInfer(Codec):
         self._rows(x.shape, "x")
         if x.shape[-1] != self.dim:
             raise ValueError(f"vecinfer: fitted on head dim {self.dim}, got {x.shape[-1]}")
-        codes = self._assign(self.transform(x))
-        return Packed({"codes": pack(codes, self.index_bits)}, x.shape[2])
+        from .kernels import encode_codes
+
+        y = self.transform(x)
+        words = encode_codes(self, y)  # the encode kernel on a GPU
+        if words is None:
+            words = pack(self._assign(y), self.index_bits)
+        return Packed({"codes": words}, x.shape[2])
 
     def codewords(self, packed: Packed) -> mx.array:
         """The tokens' codewords joined into vectors, still in the transformed domain.

@@ -19,6 +19,10 @@ This is the paper's fused dequantize-and-compute kernel, as one body for Metal a
 Where the kernel does not apply (kernels off or the CPU, a codec not yet fitted, a layout the
 kernel's plan declines: a codebook larger than ``VQ_MAX_TABLE`` floats, a lane's indices not
 filling whole words) the functions return None and the caller takes the reference path.
+
+Encoding (:func:`encode_codes`): the host transforms the new vectors (MLX ops: the smoothing
+and the Hadamard transform), then one kernel finds each sub-vector's nearest codeword (exact
+float32 squared distances over the head's codebook) and packs the indices.
 """
 
 from __future__ import annotations
@@ -30,11 +34,24 @@ import mlx.core as mx
 from velox_core import Packed, Uniform
 from velox_core.kernels import decode as _kd
 from velox_core.kernels import use_kernels
+from velox_core.kernels.encode import vq_encode
 
 if TYPE_CHECKING:
     from .codec import VecInfer
 
-__all__ = ["attend_joint", "attend_partial", "kernel_side"]
+__all__ = ["attend_joint", "attend_partial", "encode_codes", "kernel_side"]
+
+
+def encode_codes(codec: VecInfer, y: mx.array) -> mx.array | None:
+    """The packed indices of the nearest codewords of transformed vectors ``y`` (one pass of
+    the VQ encode kernel, ``metal/encode_vq.metal``), or None where kernels do not run.
+
+    Shapes:
+        y ``(B, H, T, D)`` (``codec.transform`` of the input); returns ``(B, H, T, W)`` uint32.
+    """
+    if not use_kernels() or not codec.fitted:
+        return None
+    return vq_encode(y, codec.codebook, codec.index_bits, codec.vector)
 
 
 def kernel_side(codec, packed: Packed) -> _kd.Codes | None:
