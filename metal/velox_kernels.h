@@ -35,6 +35,7 @@ VX_FN float vx_bits_to_float(unsigned int u) { return __uint_as_float(u); }
 VX_FN float vx_exp2(float x) { return exp2f(x); }
 VX_FN float vx_rint(float x) { return rintf(x); }
 VX_FN float vx_fma(float a, float b, float c) { return fmaf(a, b, c); }
+VX_FN float vx_sqrt(float x) { return __fsqrt_rn(x); }
 
 #elif defined(VX_METAL)
 
@@ -52,6 +53,7 @@ VX_FN float vx_bits_to_float(uint u) { return as_type<float>(u); }
 VX_FN float vx_exp2(float x) { return metal::exp2(x); }
 VX_FN float vx_rint(float x) { return metal::rint(x); }
 VX_FN float vx_fma(float a, float b, float c) { return metal::fma(a, b, c); }
+VX_FN float vx_sqrt(float x) { return metal::precise::sqrt(x); }
 
 #else
 #error "define VX_METAL or VX_CUDA before including velox_kernels.h"

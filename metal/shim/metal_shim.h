@@ -183,6 +183,9 @@ inline bool simd_any(bool p) {
 inline float exp2(float x) { return std::exp2(x); }
 inline float rint(float x) { return std::rint(x); }
 inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
+namespace precise {
+inline float sqrt(float x) { return std::sqrt(x); }
+}  // namespace precise
 
 }  // namespace metal
 

@@ -56,6 +56,7 @@ SOURCES = (
     "decode_merge.metal",
     "encode_affine.metal",
     "encode_codebook.metal",
+    "encode_sketch.metal",
     "encode_vq.metal",
     "velox_kernels.h",
 )
@@ -420,6 +421,18 @@ def _decode_variants():
     for bits, group in ((8, 4), (5, 8)):
         tmpl = [("BITS", bits), ("GROUP", group), ("HD", 128)]
         out.append((ek.VQ_ENCODE, infos, ["uint32"], tmpl))
+    # QJL sketches: the paper's outliers (m = m_o = 256), m = 320 with m_o = 64 in blocks of
+    # 128, and no outliers with a partial last word
+    for dtype, m, mo, k, group in (
+        ("float16", 256, 256, 8, 32),
+        ("bfloat16", 320, 64, 8, 128),
+        ("float32", 100, 0, 0, 1),
+    ):
+        nt = mx.bfloat16 if dtype == "bfloat16" else mx.float16
+        idx = ArgInfo("int32", 2, 1 << 16) if k else ArgInfo("int32", 1, 1)
+        infos = [ArgInfo(dtype, 2, 1 << 20), ArgInfo("float16", 2, 1 << 16), idx]
+        tmpl = [("D", 128), ("M", m), ("MO", mo), ("K", k), ("GROUP", group), ("NT", nt)]
+        out.append((ek.SKETCH_ENCODE, infos, ["uint32", nt, "uint32", nt], tmpl))
     return out
 
 
@@ -1201,6 +1214,107 @@ def test_vq_encode_kernel_finds_the_nearest_codewords(tmp_path, bits, group):
     ref = assign(mx.array(sub.astype(np.float32)), mx.array(book.reshape(b * h, k, group)))
     want = pack(ref.reshape(b, h, t, d // group), bits)
     assert np.array_equal(codes.reshape(b, h, t, words), np.asarray(want))
+
+
+SKETCH_CASES = {
+    # name: (m, outliers, m_o, group, x dtype)
+    "paper-outliers": (256, 8, 256, 32, mx.float16),
+    "m320-ob8": (320, 8, 64, 16, mx.bfloat16),
+    "no-outliers": (256, 0, 0, 1, mx.float16),
+    "partial-word": (100, 0, 0, 1, mx.bfloat16),
+    "partial-both": (100, 3, 15, 8, mx.float32),
+}
+
+
+def _sketch_case(name):
+    """x (2, 2, 32, 128) with strong channels, S (R, 128) float16, and per block of ``group``
+    tokens sorted distinct outlier channels (int32 ``(2, 2, 32 / group, k)``) or None."""
+    m, k, mo, group, dtype = SKETCH_CASES[name]
+    rng = np.random.default_rng(len(name))
+    b, h, t, d = 2, 2, 32, 128
+    x = rng.standard_normal((b, h, t, d)) * np.where(np.arange(d) % 19 == 0, 6.0, 1.0)
+    x = mx.array(x.astype(np.float32)).astype(dtype)
+    s = mx.array(rng.standard_normal((max(m, mo) + 3, d)).astype(np.float16))
+    if not k:
+        return x, s, None
+    idx = np.stack([np.sort(rng.choice(d, k, replace=False)) for _ in range(b * h * t // group)])
+    return x, s, mx.array(idx.reshape(b, h, t // group, k).astype(np.int32))
+
+
+def _bits_of(sx: np.ndarray) -> np.ndarray:
+    """velox's packing of sign bits (1 where ``S x >= 0``): row i is bit i % 32 of word
+    i // 32, the last word's bits past the rows zero."""
+    n = sx.shape[-1]
+    bits = np.zeros((*sx.shape[:-1], -(-n // 32) * 32), np.uint64)
+    bits[..., :n] = sx >= 0
+    words = bits.reshape(*sx.shape[:-1], -1, 32) << np.arange(32, dtype=np.uint64)
+    return words.sum(-1).astype(np.uint32)
+
+
+@pytest.fixture(scope="module")
+def sketch_encoders(tmp_path_factory):
+    if GXX is None:
+        pytest.skip("g++ is not installed: the kernels cannot be emulated here")
+    emu = Emulator(tmp_path_factory.mktemp("emu_sketch"))
+    handles = {}
+    for name, (m, k, mo, group, dtype) in SKETCH_CASES.items():
+        x, s, idx = _sketch_case(name)
+        nt = ek.scale_dtype(dtype)
+        ins = [np_input(x.reshape(-1, 128)), np.asarray(s)]
+        ins.append(np.asarray(idx).reshape(-1, k) if k else np.zeros((1,), np.int32))
+        tmpl = [("D", 128), ("M", m), ("MO", mo), ("K", k), ("GROUP", group), ("NT", nt)]
+        handles[name] = (emu.kernel(ek.SKETCH_ENCODE, ins, ["uint32", nt, "uint32", nt], tmpl), ins)
+    return emu, handles
+
+
+@pytest.mark.parametrize("name", list(SKETCH_CASES))
+def test_sketch_encode_kernel_matches_a_float64_reference(sketch_encoders, name):
+    """The sketch encode kernel's sign words are those of the exact (float64) ``S x_in`` and
+    ``S x_o`` (outlier channels zeroed / kept alone, per block), packed as ``pack(bits, 1)``
+    with a partial last word's high bits zero, and its norms are the exact norms rounded to
+    the norm dtype (the launch leaves outputs uninitialized: every word must be written).
+    Random data has (almost) no ``S x`` within float32 rounding of 0, so the bits are exact;
+    the MLX reference (``sign_sketch`` + ``pack``) gives the same words."""
+    from velox_core.ops import sign_sketch
+
+    emu, handles = sketch_encoders
+    handle, ins = handles[name]
+    m, k, mo, group, dtype = SKETCH_CASES[name]
+    x, s, idx = _sketch_case(name)
+    rows = x.size // 128
+    w, wo = -(-m // 32), -(-mo // 32)
+    shapes = [(rows, w), (rows,), (rows, wo) if k else (1,), (rows,) if k else (1,)]
+    sign, norm, osign, onorm = emu.run(
+        handle, ins, shapes, (rows * (w + wo), 1, 1), (ek.THREADS, 1, 1)
+    )
+    xf = np.asarray(x.astype(mx.float32)).astype(np.float64).reshape(rows, 128)
+    sf = np.asarray(s).astype(np.float64)
+    mask = np.zeros((rows, 128), bool)
+    if k:
+        blocks = np.asarray(idx).reshape(-1, k)
+        mask[np.arange(rows)[:, None], blocks[np.arange(rows) // group]] = True
+    x_in, x_o = np.where(mask, 0.0, xf), np.where(mask, xf, 0.0)
+
+    def as_float(a):
+        if dtype == mx.bfloat16:
+            return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        return a.astype(np.float64)
+
+    ulp = 2.0**-7 if dtype == mx.bfloat16 else 2.0**-10  # one unit of the norm's last place
+    for part, words, got_sign, got_norm, n in (
+        (x_in, w, sign, norm, m),
+        *(((x_o, wo, osign, onorm, mo),) if k else ()),
+    ):
+        sx = part @ sf[:n].T
+        # float32 sums of D products are within D * 2^-24 * sum |x_c s_c| of exact; the
+        # rows' few entries nearer 0 than that still come out exact on this data
+        near = np.abs(sx) <= 128 * 2.0**-24 * (np.abs(part) @ np.abs(sf[:n]).T)
+        assert near.mean() < 1e-3
+        assert np.array_equal(got_sign, _bits_of(sx))
+        want = np.linalg.norm(part, axis=-1)
+        assert np.all(np.abs(as_float(got_norm) - want) <= ulp * want)
+        ref = pack(sign_sketch(mx.array(part.astype(np.float32)), s[:n]), 1)
+        assert got_sign.shape == (rows, words) and np.array_equal(got_sign, np.asarray(ref))
 
 
 # -- the library's own host code, with the kernels emulated ---------------------------------------

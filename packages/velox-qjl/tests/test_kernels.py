@@ -5,7 +5,8 @@ The decode kernel is velox-core's portable one with sketch keys
 it, the kernel's copy of ``S`` (its layout and its bytes), and, with the kernels' Metal and
 CUDA instantiations emulated on the CPU (``velox_core.kernels.emulate``), that attention
 through the kernel equals the codec's reference path for the paper's setting, the
-recommended ones and no outliers.
+recommended ones and no outliers. Encoding goes through velox-core's sketch encode kernel
+(``velox_core.kernels.encode.SKETCH_ENCODE``) and gives the reference's record.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from velox_core.kernels import decode as dk
 from velox_core.kernels.emulate import EmulatedKernels
 from velox_core.testing import kv_data
 from velox_qjl import METHOD, QJL, QJLCache
-from velox_qjl.kernels import _query_sketch, kernel_sides
+from velox_qjl.kernels import _query_sketch, encode_sketch, kernel_sides
 
 needs_gxx = pytest.mark.skipif(
     shutil.which("g++") is None, reason="g++ is not installed: the kernels cannot be emulated"
@@ -58,6 +59,61 @@ def test_attend_partial_is_none_on_the_cpu():
         pytest.skip("the default device is a GPU")
     kc, kp, vc, vp = records({})
     assert kc.attend_partial(mx.zeros((1, 2, 4, 128)), kp, vc, vp) is None
+
+
+def test_encode_sketch_is_none_on_the_cpu(monkeypatch):
+    kc = QJL()
+    kc.check(128, mx.float16)
+    k = kv_data(t=32)[0]
+    if mx.default_device().type != mx.DeviceType.gpu:
+        assert encode_sketch(kc, k, None) is None
+    monkeypatch.setattr(vk, "backend", lambda: "cuda")
+    monkeypatch.setenv("VELOX_KERNELS", "0")
+    assert encode_sketch(kc, k, None) is None
+
+
+def test_prompts_past_the_row_limit_take_the_matmul_path(monkeypatch, tmp_path):
+    """The sketch encode kernel takes a block (a decode step's) and declines a prompt of more
+    than ``ENCODE_KERNEL_ROWS`` (batch x head x token) rows, whose matmuls are faster."""
+    from velox_qjl import kernels as qk
+
+    kc = QJL()
+    kc.check(128, mx.float16)
+    k = kv_data(t=64)[0]  # 2 heads x 64 tokens = 128 rows
+    fake = EmulatedKernels(tmp_path).install(monkeypatch)
+    monkeypatch.setattr(qk, "ENCODE_KERNEL_ROWS", 127)
+    kc.encode(k)
+    assert fake.names == []
+    monkeypatch.setattr(qk, "ENCODE_KERNEL_ROWS", 128)
+    kc.encode(k)
+    assert fake.names == ["velox_encode_sketch"]
+
+
+@needs_gxx
+@pytest.mark.parametrize(
+    "name,dtype",
+    [("paper", mx.float16), ("m320", mx.bfloat16), ("no-outliers", mx.float16)],
+)
+def test_emulated_encode_kernel_gives_the_reference_record(monkeypatch, tmp_path, name, dtype):
+    """On a GPU ``encode`` selects the outlier channels with MLX ops and runs the sketch
+    encode kernel once: the same record as the reference path (MLX matmul signs, norms),
+    field for field and bit for bit. The two sum ``S x`` in different orders, so a sign could
+    differ where ``|S x|`` is within float32 rounding of 0, and a norm where its float32
+    value lies within rounding of a float16 / bfloat16 tie: none does on this data."""
+    kw = KEY_SETTINGS[name]
+    k = kv_data(t=256, seed=7, dtype=dtype)[0]
+    ref = QJL(**kw).encode(k)  # the CPU: the reference path
+    fake = EmulatedKernels(tmp_path).install(monkeypatch)
+    got = QJL(**kw).encode(k)
+    assert fake.names == ["velox_encode_sketch"]
+    assert (got.tokens, got.block, got.per_block) == (ref.tokens, ref.block, ref.per_block)
+    assert list(got.data) == list(ref.data)
+    for field, want in ref.data.items():
+        have = got.data[field]
+        assert have.dtype == want.dtype and have.shape == want.shape, field
+        if want.dtype == mx.bfloat16:
+            have, want = have.view(mx.uint16), want.view(mx.uint16)
+        assert np.array_equal(np.asarray(have), np.asarray(want)), field
 
 
 def test_the_kernel_declines_what_it_does_not_lay_out(monkeypatch):

@@ -176,22 +176,32 @@ class QJL(Codec):
     def _encode(self, x: mx.array) -> Packed:
         t, d = x.shape[2], x.shape[3]
         self._ensure(d)
-        m, k, mo = self.sizes(d)
-        s = self.proj.astype(mx.float32)
+        _, k, _ = self.sizes(d)
         xf = x.astype(mx.float32)
-        ndt = scale_dtype(x.dtype)
         data: dict[str, mx.array] = {}
-        if k:
+        idx = None
+        if k:  # the outlier selection stays MLX ops on either path
             idx = top_channels(xf, k, self.group)
-            mask = outlier_mask(idx, d, self.group)
+            data["idx"] = pack(idx, index_bits(d))
+        fields = _kernels.encode_sketch(self, x, idx)  # one kernel launch on a GPU
+        data.update(self._sketches(xf, idx, scale_dtype(x.dtype)) if fields is None else fields)
+        return Packed(data, t, self.block, frozenset({"idx"}) if k else frozenset())
+
+    def _sketches(self, xf: mx.array, idx: mx.array | None, ndt: mx.Dtype) -> dict[str, mx.array]:
+        """The reference's sketches and norms (MLX ops): ``osign``, ``onorm`` (with
+        outliers), ``sign``, ``norm``."""
+        m, _, mo = self.sizes(self.dim)
+        s = self.proj.astype(mx.float32)
+        data: dict[str, mx.array] = {}
+        if idx is not None:
+            mask = outlier_mask(idx, self.dim, self.group)
             xo = mx.where(mask, xf, 0.0)
             xf = mx.where(mask, 0.0, xf)
-            data["idx"] = pack(idx, index_bits(d))
             data["osign"] = pack(sign_sketch(xo, s[:mo]), 1)
             data["onorm"] = mx.linalg.norm(xo, axis=-1).astype(ndt)
         data["sign"] = pack(sign_sketch(xf, s[:m]), 1)
         data["norm"] = mx.linalg.norm(xf, axis=-1).astype(ndt)
-        return Packed(data, t, self.block, frozenset({"idx"}) if k else frozenset())
+        return data
 
     def _signs(self, words: mx.array, n: int) -> mx.array:
         return unpack(words, 1, n).astype(mx.float32) * 2 - 1

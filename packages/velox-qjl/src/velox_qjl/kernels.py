@@ -20,6 +20,11 @@ and scores them against the sketched query without unpacking anything to float:
 Where the kernel does not apply (kernels off or the CPU, values not per-token ``Uniform``, a
 sketch size the key pass does not lay out: see ``velox_core.kernels.decode.sketch_lanes``)
 the functions return None and the caller takes the reference path.
+
+Encoding (:func:`encode_sketch`): the outlier channels of each block stay MLX ops (energies,
+``argpartition``, sort: :func:`velox_qjl.projection.top_channels`), then one launch of
+velox-core's sketch encode kernel (``metal/encode_sketch.metal``) writes both packed sign
+sketches and both norms, one thread per output word.
 """
 
 from __future__ import annotations
@@ -31,13 +36,49 @@ import mlx.core as mx
 from velox_core import Packed, Uniform
 from velox_core.kernels import decode as _kd
 from velox_core.kernels import use_kernels
+from velox_core.kernels.encode import sketch_encode
 
 from .projection import index_bits
 
 if TYPE_CHECKING:
     from .codec import QJL
 
-__all__ = ["attend_joint", "attend_partial", "kernel_sides"]
+__all__ = ["attend_joint", "attend_partial", "encode_sketch", "kernel_sides"]
+
+
+# most (batch x head x token) rows the sketch encode kernel takes: on an H200 it beat the
+# matmul reference for a 32-token block (1 x 8 heads: 0.219 against 0.468 ms; 8 x 8 heads:
+# 0.344 against 0.429) and lost on a prompt (1 x 8 x 16,384 tokens: 8.88 against 4.98 ms,
+# the reference's matmuls on tensor cores); the crossover between was not measured
+ENCODE_KERNEL_ROWS = 4096
+
+
+def encode_sketch(codec: QJL, x: mx.array, idx: mx.array | None) -> dict[str, mx.array] | None:
+    """The record's sketches and norms of keys ``x`` in one launch of the sketch encode
+    kernel (``metal/encode_sketch.metal``), or None where kernels do not run (kernels off or
+    the CPU), the kernel declines, or ``x`` holds more than :data:`ENCODE_KERNEL_ROWS`
+    (batch x head x token) rows (a prompt: the matmul path is faster there).
+
+    Shapes:
+        x ``(B, H, T, D)`` (the codec bound to ``D``); idx ``(B, H, T // group, k)`` int32,
+        each block's outlier channels sorted ascending (``top_channels``), or None without
+        outliers. Returns ``{"osign", "onorm"}`` (with outliers) and ``{"sign", "norm"}``
+        as :meth:`velox_qjl.QJL.encode` records them (without ``idx``).
+    """
+    if not use_kernels() or codec.dim is None:
+        return None
+    if x.size // x.shape[-1] > ENCODE_KERNEL_ROWS:  # bulk (a prompt): the matmul path
+        return None
+    m, _, mo = codec.sizes(codec.dim)
+    if idx is None:
+        got = sketch_encode(x, codec.proj, m)
+    else:
+        got = sketch_encode(x, codec.proj, m, idx, mo, codec.group)
+    if got is None:
+        return None
+    sign, norm, osign, onorm = got
+    out = {} if idx is None else {"osign": osign, "onorm": onorm}
+    return {**out, "sign": sign, "norm": norm}
 
 
 def kernel_sides(

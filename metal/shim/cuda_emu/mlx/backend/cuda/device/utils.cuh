@@ -127,6 +127,7 @@ inline T __ldcg(const T* p) {
   return *p;
 }
 inline float rintf(float x) { return std::rint(x); }
+inline float __fsqrt_rn(float x) { return std::sqrt(x); }
 inline float fmaf(float a, float b, float c) { return std::fma(a, b, c); }
 
 namespace vx_cuemu {
