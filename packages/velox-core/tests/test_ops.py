@@ -1,5 +1,6 @@
 """Primitives checked against mathematics, not against themselves."""
 
+import importlib
 import math
 
 import mlx.core as mx
@@ -207,3 +208,93 @@ def test_kmeans_finds_separated_clusters():
     for center in centers:
         assert np.min(np.linalg.norm(found - center, axis=1)) < 0.2
     assert len(set(np.array(a).tolist())) == 3
+
+
+def _kmeanspp_reference(x, k, seed):
+    """k-means++ seeding, one group after another, in the plainest numpy."""
+    g, n, _ = x.shape
+    rng = np.random.default_rng(seed)
+    out = np.empty((g, k, x.shape[-1]), dtype=np.float32)
+    for i in range(g):
+        pts = x[i]
+        c = [pts[rng.integers(n)]]
+        d2 = np.sum((pts - c[0]) ** 2, axis=-1)
+        for _ in range(1, k):
+            p = d2 / d2.sum() if d2.sum() > 0 else np.full(n, 1.0 / n)
+            c.append(pts[rng.choice(n, p=p)])
+            d2 = np.minimum(d2, np.sum((pts - c[-1]) ** 2, axis=-1))
+        out[i] = np.stack(c)
+    return out
+
+
+def _lloyd_reference(x, c, iters):
+    """Lloyd steps in float64 numpy: each vector to its nearest centroid, each centroid to the
+    mean of its vectors; a centroid with no vectors stays where it is."""
+    x = x.astype(np.float64)
+    c = c.astype(np.float64)
+
+    def nearest(c):
+        return np.argmin(np.sum((x[:, :, None, :] - c[:, None, :, :]) ** 2, axis=-1), axis=-1)
+
+    a = nearest(c)
+    for _ in range(iters):
+        c = c.copy()
+        for i in range(x.shape[0]):
+            for j in range(c.shape[1]):
+                members = x[i][a[i] == j]
+                if len(members):
+                    c[i, j] = members.mean(axis=0)
+        a = nearest(c)
+    return c, a
+
+
+@pytest.mark.parametrize(
+    ("g", "n", "d", "k", "duplicates"),
+    [(3, 300, 2, 16, False), (2, 500, 8, 40, False), (2, 200, 9, 7, False), (2, 60, 3, 9, True)],
+)
+def test_kmeans_seeding_is_kmeanspp_of_each_group_in_turn(g, n, d, k, duplicates):
+    rng = np.random.default_rng(n + d)
+    if duplicates:  # four distinct vectors: the last seeds are drawn uniformly (all d2 are 0)
+        x = rng.normal(size=(g, 4, d))[:, rng.integers(0, 4, size=n)]
+    else:
+        x = rng.normal(size=(g, n, d)) * rng.choice([1e-3, 1.0, 1e3], size=(g, n, 1))
+    x = x.astype(np.float32)
+    c, a = kmeans(mx.array(x), k, iters=0, seed=11)
+    np.testing.assert_array_equal(np.array(c), _kmeanspp_reference(x, k, 11))
+    assert c.dtype == mx.float32 and a.dtype == mx.uint32 and a.shape == (g, n)
+    one, _ = kmeans(mx.array(x[1]), k, iters=0, seed=11)
+    np.testing.assert_array_equal(np.array(one), _kmeanspp_reference(x[1:2], k, 11)[0])
+
+
+@pytest.mark.parametrize("path", ["numpy", "mlx"])
+@pytest.mark.parametrize("iters", [1, 4])
+def test_kmeans_lloyd_steps_match_a_numpy_reference(path, iters):
+    km = importlib.import_module("velox_core.ops.kmeans")
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(3, 300, 3)).astype(np.float32)
+    c0 = x[:, :7].copy()
+    c0[:, 6] = 50.0  # nearest to no vector: an empty cluster, which keeps its centroid
+    if path == "numpy":
+        c, a = km._lloyd_numpy(x, c0, iters)
+    else:
+        c, a = km._lloyd_mlx(mx.array(x), mx.array(c0), iters)
+        assert c.dtype == mx.float32 and a.dtype == mx.uint32
+        c, a = np.array(c), np.array(a)
+    ref_c, ref_a = _lloyd_reference(x, c0, iters)
+    assert c.dtype == np.float32 and c.shape == (3, 7, 3) and a.shape == (3, 300)
+    np.testing.assert_array_equal(a, ref_a)
+    np.testing.assert_allclose(c, ref_c, rtol=1e-5, atol=1e-6)
+    assert np.all(c[:, 6] == 50.0)
+    assert np.all(np.bincount(a.reshape(-1) % 7, minlength=7)[:6] > 0)
+
+
+def test_kmeans_is_its_seeding_then_lloyd_steps():
+    """The public path (numpy steps on the CPU), with empty clusters: duplicated seeds."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(2, 5, 2))[:, rng.integers(0, 5, size=80)].astype(np.float32)
+    seeds, _ = kmeans(mx.array(x), 8, iters=0, seed=2)
+    c, a = kmeans(mx.array(x), 8, iters=3, seed=2)
+    ref_c, ref_a = _lloyd_reference(x, np.array(seeds), 3)
+    assert len(np.unique(np.array(seeds)[0], axis=0)) < 8  # some cluster is empty
+    np.testing.assert_array_equal(np.array(a), ref_a)
+    np.testing.assert_allclose(np.array(c), ref_c, rtol=1e-5, atol=1e-6)
