@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import mlx.core as mx
-
 from velox_core import PresetCache, resolve_bits
 
 from .config import KVQuantConfig
@@ -58,13 +56,8 @@ class KVQuantCache(PresetCache):
         before ``window + calibration`` tokens are stored (the codecs fit on encode)."""
         return self.calibrated or self._win[0].tokens >= self.window + self.cfg.calibration
 
-    # -- batching: the fitted arrays have one row per sequence ---------------------------------
-    def filter(self, batch_indices) -> None:
-        super().filter(batch_indices)
-        idx = batch_indices if isinstance(batch_indices, mx.array) else mx.array(batch_indices)
-        for c in self._codecs():
-            c.filter_batch(idx)
-
+    # -- batching: the codecs' fitted arrays have one row per sequence (velox-core's filter and
+    # extend slice and join them through the codecs' filter_batch / extend_batch)
     def extend(self, other: KVQuantCache) -> None:
         if type(other) is type(self) and self.calibrated != other.calibrated:
             raise ValueError(
@@ -72,5 +65,3 @@ class KVQuantCache(PresetCache):
                 f"{self.cfg.calibration} calibration tokens)"
             )
         super().extend(other)
-        for mine, theirs in zip(self._codecs(), other._codecs()):
-            mine.extend_batch(theirs)

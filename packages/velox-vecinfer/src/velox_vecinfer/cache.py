@@ -94,13 +94,8 @@ class VecInferCache(PresetCache):
                     f"least {math.ceil(codec.size / subs)} or lower {side}_bits / vector"
                 )
 
-    # -- batching: the fitted arrays have one row per sequence ---------------------------------
-    def filter(self, batch_indices) -> None:
-        super().filter(batch_indices)
-        idx = batch_indices if isinstance(batch_indices, mx.array) else mx.array(batch_indices)
-        for c in self._codecs():
-            c.filter_batch(idx)
-
+    # -- batching: the codecs' fitted arrays have one row per sequence (velox-core's filter and
+    # extend slice and join them through the codecs' filter_batch / extend_batch)
     def extend(self, other: VecInferCache) -> None:
         if type(other) is type(self) and self.calibrated != other.calibrated:
             raise ValueError(
@@ -108,5 +103,3 @@ class VecInferCache(PresetCache):
                 f"{self.cfg.calibration} calibration tokens)"
             )
         super().extend(other)
-        for mine, theirs in zip(self._codecs(), other._codecs()):
-            mine.extend_batch(theirs)

@@ -451,6 +451,10 @@ class VeloxCache(RetentionMixin):
     def _codecs(self) -> list[Codec]:
         return [c for t in self.tiers for c in (t.key_codec, t.value_codec)]
 
+    def _distinct_codecs(self) -> list[Codec]:
+        """Each codec once (a codec object shared by two places holds one fitted state)."""
+        return list({id(c): c for c in self._codecs()}.values())
+
     @property
     def nbytes(self) -> int:
         """Resident bytes: every buffer (capacity included) and every fitted codec array."""
@@ -608,6 +612,8 @@ class VeloxCache(RetentionMixin):
             self._dims = (int(idx.size), *self._dims[1:])
         if self.policy is not None:
             self.policy.filter_batch(idx)
+        for c in self._distinct_codecs():
+            c.filter_batch(idx)
 
     def extract(self, idx: int) -> VeloxCache:
         """A new single-sequence cache holding batch row ``idx``."""
@@ -634,6 +640,9 @@ class VeloxCache(RetentionMixin):
             self._dims = (self._dims[0] + other._dims[0], *self._dims[1:])
         if self.policy is not None:
             self.policy.extend_batch(other.policy)
+        theirs = other._distinct_codecs()
+        for i, c in enumerate(self._distinct_codecs()):
+            c.extend_batch(theirs[i])
 
     @classmethod
     def merge(cls, caches: list[VeloxCache]) -> VeloxCache:

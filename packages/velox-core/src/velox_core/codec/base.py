@@ -165,6 +165,14 @@ class Codec(ABC):
     def state_nbytes(self) -> int:
         return sum(a.nbytes for a in self.state().values())
 
+    def filter_batch(self, index: mx.array) -> None:  # noqa: B027 (optional hook)
+        """Keep the fitted state of the given batch rows (codecs that fit one state per
+        sequence; the cache calls it from ``filter``)."""
+
+    def extend_batch(self, other: Codec) -> None:  # noqa: B027 (optional hook)
+        """Append ``other``'s per-sequence fitted state (the cache calls it from ``extend``,
+        after its own checks)."""
+
     # -- coding ------------------------------------------------------------------------------
     @abstractmethod
     def encode(self, x: mx.array, positions: mx.array | None = None) -> Packed:
