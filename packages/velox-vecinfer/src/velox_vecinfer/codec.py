@@ -37,6 +37,7 @@ from velox_core import Codec, Packed
 from velox_core.ops import assign, block_size, hadamard, kmeans, pack, unpack
 from velox_core.validation import check_int
 
+from . import kernels as _kernels
 from .config import check_bool, check_vector, index_bits
 
 __all__ = ["VecInfer"]
@@ -243,10 +244,8 @@ class VecInfer(Codec):
         self._rows(x.shape, "x")
         if x.shape[-1] != self.dim:
             raise ValueError(f"vecinfer: fitted on head dim {self.dim}, got {x.shape[-1]}")
-        from .kernels import encode_codes
-
         y = self.transform(x)
-        words = encode_codes(self, y)  # the encode kernel on a GPU
+        words = _kernels.encode_codes(self, y)  # the encode kernel on a GPU
         if words is None:
             words = pack(self._assign(y), self.index_bits)
         return Packed({"codes": words}, x.shape[2])
@@ -292,9 +291,7 @@ class VecInfer(Codec):
         """Fused decode attention over this segment's codes (GPU kernel,
         :mod:`velox_vecinfer.kernels`), or None where it does not apply (the caller then
         uses :meth:`scores` and :meth:`mix`). Shapes: q ``(B, H, M, D)`` float32, scaled."""
-        from .kernels import attend_partial
-
-        return attend_partial(self, q, keys, value_codec, values)
+        return _kernels.attend_partial(self, q, keys, value_codec, values)
 
     def attend_joint(
         self,
@@ -309,9 +306,7 @@ class VecInfer(Codec):
         """This segment's codes and up to two fp16 segments in one softmax (GPU kernels,
         :mod:`velox_vecinfer.kernels`), or None. Shapes: q ``(B, H, M, D)``; returns
         ``(B, H, M, D)`` in ``out_dtype``."""
-        from .kernels import attend_joint
-
-        return attend_joint(self, q, keys, value_codec, values, fp16, out_dtype, scale)
+        return _kernels.attend_joint(self, q, keys, value_codec, values, fp16, out_dtype, scale)
 
     # -- fitted state, one row per sequence -------------------------------------------------------
     def state(self) -> dict[str, mx.array]:
