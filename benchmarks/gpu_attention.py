@@ -376,14 +376,15 @@ def sketch_encode_check(name, kw):
     check_guard(name, run)
 
 
-def cache_check(name, make, t=5000, steps=3, tol=2e-3):
+def cache_check(name, make, t=5000, steps=3, tol=2e-3, dtype=mx.float16):
     """A cache filled chunk by chunk (its coded segment is a slice of a larger buffer),
-    attended at decode steps with and without kernels."""
+    attended at decode steps with and without kernels (keys, values and queries in
+    ``dtype``: a bfloat16 model's cache keeps bfloat16 scales)."""
 
     def run():
         k1, k2 = mx.random.split(mx.random.key(7), 2)
-        k = mx.random.normal((2, 8, t + steps, 128), key=k1).astype(mx.float16)
-        v = mx.random.normal((2, 8, t + steps, 128), key=k2).astype(mx.float16)
+        k = mx.random.normal((2, 8, t + steps, 128), key=k1).astype(dtype)
+        v = mx.random.normal((2, 8, t + steps, 128), key=k2).astype(dtype)
         with kernels(True):
             cache = make()
             for i in range(0, t, 1024):
@@ -392,7 +393,7 @@ def cache_check(name, make, t=5000, steps=3, tol=2e-3):
         for s in range(steps):
             with kernels(True):
                 cache.update_and_fetch(k[:, :, t + s : t + s + 1], v[:, :, t + s : t + s + 1])
-            q = mx.random.normal((2, 32, 1, 128), key=mx.random.key(1000 + s)).astype(mx.float16)
+            q = mx.random.normal((2, 32, 1, 128), key=mx.random.key(1000 + s)).astype(dtype)
             with kernels(True):
                 got = cache.attend(q, 1 / math.sqrt(128)).astype(mx.float32)
             with kernels(False):
@@ -633,6 +634,40 @@ def section_checks(quick: bool) -> None:
         lambda: UniformCache(bits=4, window=32, sinks=4),
         t=1200 if quick else 5000,
     )
+    # a bfloat16 model's cache: bfloat16 scales and zeros into the tensor-core kernel (KSBF,
+    # VSBF), a bfloat16 query and output (tolerance: bfloat16's 2^-9 rounding of the outputs)
+    for bits, t, kw in ((4, 5000, {"window": 32, "sinks": 4}), (2, 40_961, {})):
+        t = 1200 if quick else t
+        cache_check(
+            f"UniformCache {bits}-bit bf16 T{t}" + (" window+sinks" if kw else ""),
+            lambda bits=bits, kw=kw: UniformCache(bits=bits, **kw),
+            t=t,
+            tol=1e-2,
+            dtype=mx.bfloat16,
+        )
+    decode_check(
+        f"uniform4 decode B1 H8 M4 T{t_big} bf16 scales",
+        Uniform(4),
+        Uniform(4),
+        1,
+        8,
+        t_big,
+        4,
+        dtype=mx.bfloat16,
+        seed=70,
+    )
+    with env(VELOX_DECODE_KFOLD=0, VELOX_DECODE_VFOLD=0):  # bf16 scales decoded to fp16 pairs
+        decode_check(
+            "uniform2 decode B2 H8 M4 T3001 bf16 scales (keys and values unfolded)",
+            Uniform(2),
+            Uniform(2),
+            2,
+            8,
+            3001,
+            4,
+            dtype=mx.bfloat16,
+            seed=71,
+        )
     # no fp16 segments: the kernel merges its splits (by default up to 16k tokens), or a
     # second launch does (past them)
     for bits, t, fuse in ((4, 5000, None), (2, 40_961, 1), (2, 40_961, 0)):
@@ -708,11 +743,14 @@ def make_methods(
     portable_row=False,
     qjl: bool = False,
     vecinfer: bool = False,
+    bf16: bool = False,
 ):
     """Per-method (name, bits, call, bytes_read) closures over one shape's K/V (``qjl``: QJL
     keys with 2-bit values, the paper's sketch and velox-qjl's recommended "4-bit" one;
     ``vecinfer``: VecInfer's 2-bit keys and values, 256 codewords of 4 channels, fitted on
-    the first 512 tokens as a cache's calibration would)."""
+    the first 512 tokens as a cache's calibration would; ``bf16``: the same K/V and query in
+    bfloat16, a bfloat16 model's: bfloat16 SDPA and velox 2- and 4-bit codes with bfloat16
+    scales, and the 4-bit ones through the portable kernel)."""
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
     from velox_core import Uniform
@@ -728,13 +766,14 @@ def make_methods(
     methods = []
     qbytes = q.nbytes
 
-    def joint_call(kc, kp, vc, vp):
+    def joint_call(kc, kp, vc, vp, q=q):
         """What a cache's ``attend()`` runs on its coded segment: the codec's kernels (query
         rotation or sketch where the codec has one, the decode kernel, the merge that
-        normalizes), the queries unscaled."""
+        normalizes), the queries unscaled, the output in the query's dtype."""
 
         def call():
-            out = kc.attend_joint(q.reshape(b, hk, hq // hk, d), kp, vc, vp, [], mx.float16, scale)
+            qg = q.reshape(b, hk, hq // hk, d)
+            out = kc.attend_joint(qg, kp, vc, vp, [], q.dtype, scale)
             if out is None:
                 raise RuntimeError("kernel declined")
             return out.reshape(b, hq, 1, d)
@@ -761,6 +800,31 @@ def make_methods(
             )
 
         methods.append((f"mlx-lm q{bits}", bits, call, nbytes(*qk, *qv) + qbytes))
+    if bf16:
+        kb, vb, qb = (x.astype(mx.bfloat16) for x in (k, v, q))
+        mx.eval(kb, vb, qb)
+        methods.append(
+            (
+                "bf16 sdpa",
+                16,
+                lambda: mx.fast.scaled_dot_product_attention(qb, kb, vb, scale=scale),
+                nbytes(kb, vb) + qbytes,
+            )
+        )
+        for bits in (2, 4):
+            codec = Uniform(bits)
+            kp, vp = codec.encode(kb), codec.encode(vb)
+            mx.eval(kp.data, vp.data)
+            call = joint_call(codec, kp, codec, vp, qb)
+            nb = kp.nbytes + vp.nbytes + qbytes
+            methods.append((f"velox uniform{bits} bf16", bits, call, nb))
+            if bits == 4:
+
+                def bf16_portable(call=call):
+                    with env(VELOX_DECODE_MMA=0):
+                        return call()
+
+                methods.append((f"velox uniform{bits} bf16 portable", bits, bf16_portable, nb))
 
     for bits in bits_uniform:
         codec = Uniform(bits)
@@ -1105,6 +1169,7 @@ def device_rows(b: int, t: int, quick: bool) -> list[dict]:
         portable_row=True,
         qjl=True,
         vecinfer=True,
+        bf16=True,
     )
     rows = []
     for name, bits, call, _ in methods:
@@ -1115,10 +1180,16 @@ def device_rows(b: int, t: int, quick: bool) -> list[dict]:
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"
         rows.append(row)
-    fp16 = next((r for r in rows if r["method"] == "fp16 sdpa" and "device_us" in r), None)
+
+    def base(name):
+        return next((r for r in rows if r["method"] == name and "device_us" in r), None)
+
+    fp16, bf = base("fp16 sdpa"), base("bf16 sdpa")
     for r in rows:
         if fp16 and "device_us" in r:
             r["device_speedup_vs_fp16"] = fp16["device_us"] / r["device_us"]
+        if bf and "device_us" in r and "bf16" in r["method"]:
+            r["device_speedup_vs_bf16"] = bf["device_us"] / r["device_us"]
     return rows
 
 
@@ -1147,9 +1218,12 @@ def section_device(quick: bool) -> None:
             RESULTS["device_time"].append(r)
             if "device_us" in r:
                 x = r.get("device_speedup_vs_fp16")
+                xb = r.get("device_speedup_vs_bf16")
                 print(
                     f"  B{b} T{t:6d} {r['method']:22s} {r['device_us']:8.1f} us on the device, "
-                    f"{r['kernels']:.0f} kernels a call" + (f"  x{x:.2f} vs fp16" if x else "")
+                    f"{r['kernels']:.0f} kernels a call"
+                    + (f"  x{x:.2f} vs fp16" if x else "")
+                    + (f"  x{xb:.2f} vs bf16" if xb else "")
                 )
             else:
                 print(f"  B{b} T{t:6d} {r['method']:22s} error: {r.get('error')}")

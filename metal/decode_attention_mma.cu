@@ -1,6 +1,6 @@
 // Fused decode attention over packed affine codes on NVIDIA tensor cores (sm_80 and later):
 // the CUDA twin of decode_attention.metal for per-token affine codes at 2, 4 and 8 bits with
-// fp16 scales, the case a decode step of a Uniform / KIVI-style cache takes. Same inputs
+// fp16 or bfloat16 scales, the case a decode step of a Uniform / KIVI-style cache takes. Same inputs
 // (minus the codebook levels) and the same per-split partial, merged by decode_merge.metal
 // or decode_merge_fp16.metal.
 // A twin because the tensor-core fragments (mma.sync, PTX layouts) have no Metal spelling;
@@ -22,8 +22,8 @@
 //           whole words, coalesced; the code OR-ed into the mantissa of a power of two, minus
 //           that power, then scale * code + zero in one fp16 FMA: the key rounded once to
 //           fp16, as an fp16 cache holds it) and the query rows the B fragment (n = 8: one MMA
-//           per k-step, no padding rows in registers). An fp16 query (QLO = 0) goes in as it
-//           is; any other is split into its fp16 rounding and the residual, two MMAs per
+//           per k-step, no padding rows in registers). An fp16 or bf16 query (QLO = 0) goes
+//           in as it is (converted to fp16); any other is split into its fp16 rounding and the residual, two MMAs per
 //           k-step into two chains, so S_hi + S_lo is the score of the float32 query to about
 //           2^-22 (QLO = 1; with KFOLD about 2^-15: see there). The head dim is permuted consistently in Q and K (a pair of halves
 //           holds channels j and j + 16/bits of one code word), which leaves every dot product
@@ -95,7 +95,9 @@
 // bits; at most four per token, PLO = 0), FUSE (1: the split merge at the end of this launch), OT (the merged
 // output's type, FUSE = 1), FCHUNK (0, or the most splits whose weights the merge at the end
 // holds at once, fewer than fit: a test of its chunks), LDSM (1: the code words through
-// ldmatrix, see KLD / VLD below).
+// ldmatrix, see KLD / VLD below); KSBF / VSBF (1: that side's scales and zeros are bfloat16,
+// else fp16: both are read as 16-bit units, to float32 where a fold applies them, to fp16 pairs
+// where the codes are decoded or P s is formed; see vx_s16h2 for the range that is exact).
 // The host (velox_core.kernels.decode.mma_supported) checks the layout: HD / 4 channels of
 // keys and HD / 8 of values fill whole words, and a lane's channels meet whole groups.
 
@@ -160,7 +162,7 @@ const int t1 = vx_imin(T, t0 + span);
 const int ntiles = t1 > t0 ? (t1 - t0 + TILE - 1) / TILE : 0;
 
 // ---- the query rows as A fragments: hi in rows 0..7, lo in rows 8..15 --------------------------
-// QLO = 0 (an fp16 query, exact in fp16): the query goes in as it is, rows 8..15 are zero (no
+// QLO = 0 (an fp16 or bf16 query, exact in fp16): the query goes in as it is, rows 8..15 are zero (no
 // registers), and the scores are multiplied by log2(e) x scale after the MMA. QLO = 1 (any
 // other dtype): the scaled query is split into its fp16 rounding (hi) and the residual (lo).
 const float qmul = vx_bits_to_float(static_cast<unsigned int>(QMUL));  // log2(e) x scale
@@ -212,8 +214,8 @@ auto code_plane = [&](const unsigned int* a, const int64_t* st, int words) {
                     (reinterpret_cast<uintptr_t>(p) & 15) == 0;
   return Plane{p, fast, fast && st[2] == words};
 };
-auto scale_plane = [&](const __half* a, const int64_t* st, int groups) {
-  const __half* p = a + (int64_t)b * st[0] + (int64_t)h * st[1];
+auto scale_plane = [&](const void* a, const int64_t* st, int groups) {
+  const unsigned short* p = static_cast<const unsigned short*>(a) + (int64_t)b * st[0] + (int64_t)h * st[1];
   const bool aligned = (reinterpret_cast<uintptr_t>(p) & 3) == 0;
   const bool fast = aligned && (groups % 2 == 0 ? st[3] == 1 && st[2] % 2 == 0
                                                  : groups == 1 && st[2] == 1);
@@ -306,7 +308,7 @@ auto copy_codes = [&](unsigned int* dst, const Plane& pl, const int64_t* st, int
 // the fp16 scales of rows [tb, tb + 16) of a (T, groups) plane, two halves per word
 auto copy_scales = [&](unsigned int* dst, const Plane& pl, const int64_t* st, int groups, int nwords,
                        int tb) {
-  const __half* src = static_cast<const __half*>(pl.p);
+  const unsigned short* src = static_cast<const unsigned short*>(pl.p);
   if (pl.dense && tb + TILE <= T) {  // whole tile, dense rows: its halves in 16-byte chunks
     const unsigned char* tile_src = reinterpret_cast<const unsigned char*>(src) +
                                     static_cast<uint64_t>(static_cast<unsigned int>(tb)) * (2u * groups);
@@ -335,7 +337,7 @@ auto copy_scales = [&](unsigned int* dst, const Plane& pl, const int64_t* st, in
       const int nb = tok + 1 < T ? 4 : (tok < T ? 2 : 0);
       vx_cp_async4(dst + w, src + (nb ? (int64_t)tok : 0), nb);
     } else {
-      __half* hd = reinterpret_cast<__half*>(dst + w);
+      unsigned short* hd = reinterpret_cast<unsigned short*>(dst + w);
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         const int ei = e + i;
@@ -412,8 +414,8 @@ const int vg0 = (g * VCL) / VGROUP;  // first value group of this lane's channel
 // query; KFOLD with two key groups: one per group, hi and lo parts alike); C element i is
 // token g + 8 (i >> 1) for query row 2t + (i & 1).
 auto score_step = [&](const unsigned int* st, float (&sc)[NSUB][2][4]) {
-  const __half* sks = reinterpret_cast<const __half*>(st + O_KS);
-  const __half* skz = reinterpret_cast<const __half*>(st + O_KZ);
+  const unsigned short* sks = reinterpret_cast<const unsigned short*>(st + O_KS);
+  const unsigned short* skz = reinterpret_cast<const unsigned short*>(st + O_KZ);
 #pragma unroll
   for (int u = 0; u < NSUB; ++u) {
     unsigned int kw[2][KWL], kw8[2][KWL];  // tokens g, 8 + g: the lane's words, shifted a byte
@@ -441,8 +443,8 @@ auto score_step = [&](const unsigned int* st, float (&sc)[NSUB][2][4]) {
       }
 #pragma unroll
       for (int lg = 0; lg < (KFOLD ? 0 : KNG); ++lg) {
-        s2[n][lg] = __half2half2(sks[tr * KG + kg0 + lg]);
-        z2[n][lg] = __half2half2(skz[tr * KG + kg0 + lg]);
+        s2[n][lg] = vx_s16h2<KSBF>(sks + tr * KG + kg0 + lg, sks + tr * KG + kg0 + lg);
+        z2[n][lg] = vx_s16h2<KSBF>(skz + tr * KG + kg0 + lg, skz + tr * KG + kg0 + lg);
       }
     }
 #pragma unroll
@@ -560,8 +562,8 @@ for (int k = 0; k < nmine; ++k) {
   }
   vx_cp_commit();
   const unsigned int* st = my_ring + (k % NSTAGE) * SW;
-  const __half* svs = reinterpret_cast<const __half*>(st + O_VS);
-  const __half* svz = reinterpret_cast<const __half*>(st + O_VZ);
+  const unsigned short* svs = reinterpret_cast<const unsigned short*>(st + O_VS);
+  const unsigned short* svz = reinterpret_cast<const unsigned short*>(st + O_VZ);
   const int base = t0 + (warp + k * NWARPS) * TILE;
   if (!PIPE) {
     vx_cp_wait<NSTAGE - 1>();  // tile k
@@ -574,8 +576,8 @@ for (int k = 0; k < nmine; ++k) {
   // (KFOLD: 2^24 (s0 acc0 + s1 acc1) + z0 Q0 + z1 Q1 with the tokens' key scales and zeros)
   float s4[NSUB][4];
   bool v4[NSUB][4];
-  const __half* sks = reinterpret_cast<const __half*>(st + O_KS);
-  const __half* skz = reinterpret_cast<const __half*>(st + O_KZ);
+  const unsigned short* sks = reinterpret_cast<const unsigned short*>(st + O_KS);
+  const unsigned short* skz = reinterpret_cast<const unsigned short*>(st + O_KZ);
 #pragma unroll
   for (int u = 0; u < NSUB; ++u) {
     float ks[2][2], kz[2][2];  // KFOLD: tokens g, 8 + g; groups
@@ -583,8 +585,8 @@ for (int k = 0; k < nmine; ++k) {
     for (int n = 0; n < (KFOLD ? 2 : 0); ++n) {
 #pragma unroll
       for (int gr = 0; gr < KG; ++gr) {
-        ks[n][gr] = __half2float(sks[(SUB * u + 8 * n + g) * KG + gr]) * kmul;
-        kz[n][gr] = __half2float(skz[(SUB * u + 8 * n + g) * KG + gr]);
+        ks[n][gr] = vx_s16f<KSBF>(sks + (SUB * u + 8 * n + g) * KG + gr) * kmul;
+        kz[n][gr] = vx_s16f<KSBF>(skz + (SUB * u + 8 * n + g) * KG + gr);
       }
     }
 #pragma unroll
@@ -667,7 +669,7 @@ for (int k = 0; k < nmine; ++k) {
     for (int gi = 0; gi < (VFOLD ? VG : 0); ++gi) {  // p z of tokens g, 8 + g (float32)
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
-        const float zv = __half2float(svz[(SUB * u + 8 * n + g) * VG + gi]);
+        const float zv = vx_s16f<VSBF>(svz + (SUB * u + 8 * n + g) * VG + gi);
         zacc[gi][0] += p4[2 * n] * zv;
         zacc[gi][1] += p4[2 * n + 1] * zv;
       }
@@ -712,8 +714,8 @@ for (int k = 0; k < nmine; ++k) {
       const int tr = SUB * u + 2 * t + 8 * n;
 #pragma unroll
       for (int lg = 0; lg < VNG; ++lg) {
-        vs2[u][n][lg] = __halves2half2(svs[tr * VG + vg0 + lg], svs[(tr + 1) * VG + vg0 + lg]);
-        vz2[u][n][lg] = __halves2half2(svz[tr * VG + vg0 + lg], svz[(tr + 1) * VG + vg0 + lg]);
+        vs2[u][n][lg] = vx_s16h2<VSBF>(svs + tr * VG + vg0 + lg, svs + (tr + 1) * VG + vg0 + lg);
+        vz2[u][n][lg] = vx_s16h2<VSBF>(svz + tr * VG + vg0 + lg, svz + (tr + 1) * VG + vg0 + lg);
       }
     }
   }
@@ -727,7 +729,7 @@ for (int k = 0; k < nmine; ++k) {
 #pragma unroll
         for (int n = 0; n < 2; ++n) {
           const int tr = SUB * u + 2 * t + 8 * n;
-          const __half2 s2 = __halves2half2(svs[tr * VG + gi], svs[(tr + 1) * VG + gi]);
+          const __half2 s2 = vx_s16h2<VSBF>(svs + tr * VG + gi, svs + (tr + 1) * VG + gi);
           pf[u][n] = vx_h2u(__hmul2(vx_u2h(pb[u][0][n]), s2));
         }
       }

@@ -18,6 +18,26 @@ VX_FN __half2 vx_u2h(unsigned int u) { return *reinterpret_cast<__half2*>(&u); }
 // Two floats as one f16x2 register (lo in the low half), rounded to nearest.
 VX_FN unsigned int vx_pack_h2(float lo, float hi) { return vx_h2u(__floats2half2_rn(lo, hi)); }
 
+// A stored 16-bit scale or zero as a float: fp16 (BF = 0) or bfloat16 (BF = 1: its bits are
+// a float32's high half), read as raw 16-bit units whatever the input's declared type.
+template <int BF>
+VX_FN float vx_s16f(const unsigned short* p) {
+  if (BF) {
+    return vx_bits_to_float(static_cast<unsigned int>(*p) << 16);
+  }
+  return __half2float(*reinterpret_cast<const __half*>(p));
+}
+// Two stored 16-bit scales (or zeros) as one f16x2 pair, the first in the low half: fp16 as
+// they are, bfloat16 rounded to fp16 (exact for magnitudes in [2^-14, 65504]: bfloat16's 8
+// significant bits fit fp16's 11; smaller ones become fp16 subnormals, larger ones infinity).
+template <int BF>
+VX_FN __half2 vx_s16h2(const unsigned short* p0, const unsigned short* p1) {
+  if (BF) {
+    return __floats2half2_rn(vx_s16f<1>(p0), vx_s16f<1>(p1));
+  }
+  return __halves2half2(*reinterpret_cast<const __half*>(p0), *reinterpret_cast<const __half*>(p1));
+}
+
 #if !defined(VX_CUDA_EMULATE)
 
 // (x & m) | c as one LOP3 (written in C, the compiler emits two, one per immediate constant)

@@ -482,7 +482,8 @@ def _mma_variants():
     pipeline as the defaults set them), float32 and float16 queries."""
     out = []
     plo = dk.mma_p_residual()
-    for kb, vb, m, kg, vg, nw, sub, qd, merged in (
+    bf = ("bfloat16", 4, 1 << 20)
+    for kb, vb, m, kg, vg, nw, sub, qd, merged, *sdt in (
         (4, 4, 4, 64, 64, 4, 1, F32, None),
         (4, 4, 4, 64, 64, 4, 1, H16, None),
         (2, 2, 4, 64, 64, 4, 1, H16, None),
@@ -492,8 +493,13 @@ def _mma_variants():
         (8, 8, 4, 64, 64, 2, 2, F32, "float32"),
         (4, 4, 8, 32, 32, 4, 2, F32, "bfloat16"),
         (4, 2, 1, 128, 16, 4, 1, F32, None),
+        # bfloat16 scales (a bfloat16 model's cache): both sides merged, and on the keys alone
+        (4, 4, 4, 64, 64, 4, 2, bf, "bfloat16", bf, bf),
+        (2, 4, 4, 64, 64, 4, 1, bf, None, bf, H16),
     ):
-        k, v = _mma_codes(kb, kg), _mma_codes(vb, vg)
+        ks, vs = sdt or (H16, H16)
+        k = _mma_codes(kb, kg, getattr(mx, ks[0]))
+        v = _mma_codes(vb, vg, getattr(mx, vs[0]))
         assert dk.mma_supported(m, 128, k, v)
         stages = dk.mma_stages(128, k, v, nw, sub)
         assert stages >= 2
@@ -514,7 +520,7 @@ def _mma_variants():
             key_fold=dk.mma_key_fold(),
             ldsm=dk.mma_ldsm(),
         )
-        infos = [ArgInfo(*qd), *[ArgInfo(*a) for a in (U32, H16, H16)] * 2]
+        infos = [ArgInfo(*qd), *[ArgInfo(*a) for a in (U32, ks, ks, U32, vs, vs)]]
         spec = dk.mma_spec(nw, dk.mma_sm_blocks(nw), merged is None)  # as _mma_plan pairs them
         out.append((spec, infos, ["float32"] * len(spec.outputs), tmpl))
     return out
@@ -526,7 +532,11 @@ def test_mma_kernel_takes_only_the_shapes_it_lays_out():
     assert ok(8, 128, _mma_codes(2, 64), _mma_codes(8, 32))
     assert not ok(9, 128, _mma_codes(4, 64), _mma_codes(4, 64))  # more rows than a tile holds
     assert not ok(4, 128, _mma_codes(3, 32), _mma_codes(4, 64))  # 3-bit codes straddle words
-    assert not ok(4, 128, _mma_codes(4, 64, mx.bfloat16), _mma_codes(4, 64))  # fp16 scales only
+    assert ok(4, 128, _mma_codes(4, 64, mx.bfloat16), _mma_codes(4, 64))  # bf16 scales, one side
+    assert not ok(4, 128, _mma_codes(4, 64, mx.float32), _mma_codes(4, 64))  # fp16 or bf16 only
+    z16, zb = mx.zeros((1,), mx.float16), mx.zeros((1,), mx.bfloat16)
+    mixed = dk.Codes(dk.AFFINE, 4, 64, mx.zeros((1,), mx.uint32), zb, z16)
+    assert not ok(4, 128, mixed, _mma_codes(4, 64))  # scales and zeros of one dtype a side
     assert not ok(4, 128, _mma_codes(4, 4), _mma_codes(4, 64))  # a word spans two groups
     assert not ok(4, 64, _mma_codes(4, 64), _mma_codes(2, 64))  # 8 value channels of 2 bits
     assert not ok(4, 72, _mma_codes(4, 8), _mma_codes(4, 8))  # head dim not a multiple of 16
@@ -1387,6 +1397,16 @@ MMA_CASES = {
     # key rows of an odd number of 16-byte segments: an ldmatrix.x2 after the x4 loads
     "hd64-2bit-keys-ldsm": (1, 2, 130, 4, 2, 4, 64, 64, 4, 2, 2, 0),
     "hd96-4bit-keys-three-segments": (1, 2, 100, 4, 4, 8, 96, 48, 4, 1, 2, 0),
+    # bfloat16 inputs (a bfloat16 model's cache: bfloat16 scales and zeros, query and output)
+    "4bit-bf16-folds-merged": (1, 2, 150, 4, 4, 4, 64, 64, 4, 2, 3, 0),
+    "2bit-bf16-no-folds": (1, 2, 130, 4, 2, 2, 64, 64, 4, 1, 2, 0),
+    "k4-bf16-v2-fp16-byte-values": (1, 2, 120, 4, 4, 2, 64, 32, 4, 1, 2, 0),
+}
+# the inputs' dtype per side where not float16 (keys, values): the scales' dtype follows it
+BF16_SIDES = {
+    "4bit-bf16-folds-merged": ("bfloat16", "bfloat16"),
+    "2bit-bf16-no-folds": ("bfloat16", "bfloat16"),
+    "k4-bf16-v2-fp16-byte-values": ("bfloat16", "float16"),
 }
 # head dims other than 128 (the lanes' channel blocks, m-tiles and groups scale with it)
 MMA_DIMS = {
@@ -1414,15 +1434,22 @@ FUSED = {
     "2bit-fp16-query-gqa8-strided",
     "mha-many-splits",  # one query row: four threads share each row's 4 channels
     "two-rows-merge-in-chunks",
+    "4bit-bf16-folds-merged",  # a bfloat16 query and output
 }
 FUSE_CHUNK = {"two-rows-merge-in-chunks": 4}  # the splits' weights 4 at a time (9 splits)
 NO_PIPELINE = {"4bit-no-pipeline"}
 # VFOLD = 1 and KFOLD = 1 (scales folded into the weights / out of the score MMA) wherever the
 # layout allows it, except here
-NO_FOLDS = {"4bit-no-folds"}
+NO_FOLDS = {"4bit-no-folds", "2bit-bf16-no-folds"}
 # LDSM = 1 (code words through ldmatrix: keys with KFOLD, values with VFOLD in 16-bit units
 # where a group holds 8) except here: the word (4, 8 bits) and byte (2 bits) value layouts
-NO_LDSM = {"2bit-steps-of-four", "4bit-fp16-query", "8bit-fold-four-value-groups", "hd64-folds"}
+NO_LDSM = {
+    "2bit-steps-of-four",
+    "4bit-fp16-query",
+    "8bit-fold-four-value-groups",
+    "hd64-folds",
+    "k4-bf16-v2-fp16-byte-values",
+}
 
 
 def _padded(x, pad: int):
@@ -1450,11 +1477,14 @@ def mma_emulated(tmp_path_factory):
     for name, (b, h, t, m, kb, vb, kg, vg, nw, sub, s, pad) in MMA_CASES.items():
         d = MMA_DIMS.get(name, 128)
         k1, k2, k3 = mx.random.split(mx.random.key(len(cases)), 3)
-        k = mx.random.normal((b, h, t, d), key=k1).astype(mx.float16)
-        v = mx.random.normal((b, h, t, d), key=k2).astype(mx.float16)
+        kdt, vdt = (getattr(mx, x) for x in BF16_SIDES.get(name, ("float16", "float16")))
+        k = mx.random.normal((b, h, t, d), key=k1).astype(kdt)
+        v = mx.random.normal((b, h, t, d), key=k2).astype(vdt)
         q = mx.random.normal((b, h, m, d), key=k3) * 0.3
         if name in FP16_QUERY:
             q = q.astype(mx.float16)
+        elif name in BF16_SIDES:
+            q = q.astype(mx.bfloat16)
         kc, vc = Uniform(kb, group=kg), Uniform(vb, group=vg)
         kp, vp = kc.encode(k), vc.encode(v)
         keys = dk.Codes(dk.AFFINE, kb, kg, kp.data["codes"], kp.data["scale"], kp.data["zero"])
@@ -1469,7 +1499,8 @@ def mma_emulated(tmp_path_factory):
         args = (d, keys, vals, m, nw, stages, sub, None, q.dtype, pres, pipe, fold)
         tmpl = dk.mma_template(*args, key_fold=fold, ldsm=ldsm)
         tm = dict(tmpl)
-        assert tm["QLO"] == (0 if name in FP16_QUERY else 1)
+        assert tm["QLO"] == (0 if name in FP16_QUERY or name in BF16_SIDES else 1)
+        assert (tm["KSBF"], tm["VSBF"]) == (kdt == mx.bfloat16, vdt == mx.bfloat16)
         assert tm["PIPE"] == int(pipe and not pres and stages >= 3)
         # 8 16-bit units (LDSM), else 8 words at 4 and 8 bits, 8 bytes at 2
         vok = (ldsm and vg % (128 // vb) == 0) or vg % (64 if vb == 4 else 32) == 0
@@ -1482,7 +1513,7 @@ def mma_emulated(tmp_path_factory):
         launch = ((s * nw * 32, b * h, 1), (nw * 32, 1, 1))
         fused = None
         if name in FUSED:  # the same kernel merging its own splits (FUSE = 1)
-            out_dt = mx.float16 if name in FP16_QUERY else mx.float32
+            out_dt = mx.float16 if name in FP16_QUERY else q.dtype
             flay = dk.mma_layout(b, h, s, m, d, out_dt)
             chunk = FUSE_CHUNK.get(name, 0)
             ftmpl = dk.mma_template(*args, out_dt, chunk, key_fold=fold, ldsm=ldsm)
@@ -1575,25 +1606,38 @@ def test_tensor_core_kernel_merges_its_own_splits(mma_emulated, name):
     assert np.array_equal(fo_part, o_part) and np.array_equal(fml, ml)
     assert np.array_equal(count, np.full(b * h, s, np.uint32))  # every threadgroup counted
     ref = o / ll
-    tol = 2e-3 if out.dtype == np.float16 else 1e-6  # the output dtype's rounding
+    # the output dtype's rounding (a bfloat16 output comes widened to float32)
+    tol = {"float16": 2e-3, "bfloat16": 8e-3}.get(str(flay.out_dtype).split(".")[-1], 1e-6)
     assert np.abs(out.astype(np.float32) - ref).max() <= tol * max(1.0, np.abs(ref).max())
     assert np.allclose(mlo[..., :1], mm, rtol=1e-6, atol=1e-6)
     assert np.allclose(mlo[..., 1:], ll, rtol=1e-5)
     want = np.asarray(mx.softmax(scores, axis=-1) @ vd)
-    assert np.abs(out.astype(np.float32) - want).max() <= 2e-3 * max(1.0, np.abs(want).max())
+    bound = max(tol, 2e-3) * max(1.0, np.abs(want).max())
+    assert np.abs(out.astype(np.float32) - want).max() <= bound
 
 
 @needs_gxx
-@pytest.mark.parametrize("window,sinks", [(16, 4), (16, 0), (0, 4), (0, 0)])
+@pytest.mark.parametrize(
+    "window,sinks,dtype",
+    [
+        (16, 4, "float16"),
+        (16, 0, "float16"),
+        (0, 4, "float16"),
+        (0, 0, "float16"),
+        (16, 4, "bfloat16"),
+        (0, 0, "bfloat16"),
+    ],
+)
 def test_cache_on_an_emulated_cuda_gpu_takes_the_tensor_core_kernel(
-    monkeypatch, tmp_path, window, sinks
+    monkeypatch, tmp_path, window, sinks, dtype
 ):
-    """A float16 UniformCache attended with the backend reported as CUDA: its coded body goes
-    through the tensor-core kernel and its sinks and window through the merge, in one softmax
-    (both emulated); attention matches the reference path to the fp16 rounding of the
-    decoded values."""
-    k, v = kv_data(t=300, dtype=mx.float16)
-    q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(9)).astype(mx.float16)
+    """A float16 or bfloat16 UniformCache (a bfloat16 model's: bfloat16 scales and zeros)
+    attended with the backend reported as CUDA: its coded body goes through the tensor-core
+    kernel and its sinks and window through the merge, in one softmax (both emulated);
+    attention matches the reference path to the rounding of the decoded values."""
+    dt = getattr(mx, dtype)
+    k, v = kv_data(t=300, dtype=dt)
+    q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(9)).astype(dt)
     cache = UniformCache(bits=4, window=window, sinks=sinks)
     cache.update_and_fetch(k, v)  # encoded on the CPU path
     ref = cache.attend(q, 0.088)
@@ -1609,8 +1653,10 @@ def test_cache_on_an_emulated_cuda_gpu_takes_the_tensor_core_kernel(
     )
     want = [fused.name] if window == sinks == 0 else [parts.name, "velox_decode_merge_fp16"]
     assert names == want
+    assert got.dtype == ref.dtype == dt
     err = np.abs(np.asarray((got - ref).astype(mx.float32))).max()
-    assert err < 2e-3 * np.abs(np.asarray(ref.astype(mx.float32))).max()
+    tol = 2e-3 if dt == mx.float16 else 1e-2  # bfloat16 outputs: 2^-9 relative rounding
+    assert err < tol * np.abs(np.asarray(ref.astype(mx.float32))).max()
 
 
 def test_mlx_quantized_matmul_is_not_used_on_cuda(monkeypatch):

@@ -693,21 +693,31 @@ def mma_enabled() -> bool:
     return env_setting("VELOX_DECODE_MMA", "1").strip() not in ("0", "false", "no", "off")
 
 
+# scale and zero dtypes the tensor-core kernel reads (KSBF / VSBF pick bfloat16 per side)
+MMA_SCALE_DTYPES = (mx.float16, mx.bfloat16)
+# query dtypes that go into the score MMA as they are (QLO = 0), converted to fp16: exact for
+# fp16, and for bfloat16 channels of magnitude 2^-17 to 65504 (8 significant bits within fp16's
+# 11 and its subnormal spacing 2^-24; with the key fold's factor 2^-o, from 2^(o - 17)); smaller
+# ones round to 2^-25 absolute (QLO = 1 would only add a second MMA of near-zero lo parts)
+MMA_HALF_QUERY = (mx.float16, mx.bfloat16)
+
+
 def _mma_side(c: Codes, dim: int, lane_channels: int) -> bool:
     if c.kind != AFFINE or c.bits not in MMA_BITS or dim % c.group:
         return False
     if (lane_channels * c.bits) % 32 or c.group % (32 // c.bits):
         return False
-    if c.a.dtype != mx.float16 or c.b is None or c.b.dtype != mx.float16:
+    if c.a.dtype not in MMA_SCALE_DTYPES or c.b is None or c.b.dtype != c.a.dtype:
         return False
     return lane_channels % c.group == 0 or c.group % lane_channels == 0
 
 
 def mma_supported(m: int, dim: int, keys: Codes, values: Codes) -> bool:
     """Whether ``decode_attention_mma.cu`` lays out this shape: affine codes of 2, 4 or 8 bits
-    with float16 scales and zeros on both sides, at most :data:`MMA_MAX_ROWS` query rows, a
-    head dim that is a multiple of 16 whose quarter (keys) and eighth (values) fill whole code
-    words, and groups that hold whole code words and whole lanes (or lanes whole groups)."""
+    with float16 or bfloat16 scales and zeros (one dtype a side) on both sides, at most
+    :data:`MMA_MAX_ROWS` query rows, a head dim that is a multiple of 16 whose quarter (keys)
+    and eighth (values) fill whole code words, and groups that hold whole code words and whole
+    lanes (or lanes whole groups)."""
     if not 1 <= m <= MMA_MAX_ROWS or dim % 16:
         return False
     return _mma_side(keys, dim, dim // 4) and _mma_side(values, dim, dim // 8)
@@ -1035,7 +1045,9 @@ def mma_template(
     ldsm: bool = True,
 ) -> list[tuple[str, int | mx.Dtype]]:
     """The tensor-core body's compile-time constants (``decode_attention_mma.cu``). An fp16
-    query goes into the MMA as it is (``QLO`` 0); any other dtype as fp16 hi and lo parts.
+    or bfloat16 query goes into the MMA as it is (``QLO`` 0: a bfloat16 channel is exact in
+    fp16 from ``2^-17`` to 65504, see :data:`MMA_HALF_QUERY`); any other dtype as fp16 hi and
+    lo parts.
     ``p_residual``: the softmax weights as fp16 plus their rounding residual (``PLO`` 1), or
     rounded to fp16 (one value MMA instead of two). ``pipeline``: score the next step before
     consuming this one (``PIPE`` 1; it needs at least 3 ring stages and the registers the
@@ -1051,7 +1063,8 @@ def mma_template(
     words out of the ring with ldmatrix (``LDSM`` 1): the keys with ``KFOLD`` (four 16-byte
     segments a load), the values with ``VFOLD`` in the 16-bit unit layout where a group holds
     8 units (:func:`mma_value_units`; transposing loads hand each lane two tokens' codes in one
-    register, so no byte permute)."""
+    register, so no byte permute). ``KSBF`` / ``VSBF``: a side's scales and zeros are
+    bfloat16 (from ``keys.a`` / ``values.a``; else float16)."""
     return [
         ("HD", dim),
         ("KBITS", keys.bits),
@@ -1063,7 +1076,7 @@ def mma_template(
         ("NSTAGE", stages),
         ("NSUB", subtiles),
         ("QMUL", qmul_bits(scale)),
-        ("QLO", 0 if query_dtype == mx.float16 else 1),
+        ("QLO", 0 if query_dtype in MMA_HALF_QUERY else 1),
         ("PLO", int(p_residual)),
         ("PIPE", int(pipeline and stages >= 3 and not p_residual)),
         ("VFOLD", int(value_fold and mma_fold_ok(values, dim, p_residual, ldsm))),
@@ -1072,6 +1085,8 @@ def mma_template(
         ("OT", mx.float32 if out_dtype is None else out_dtype),
         ("FCHUNK", int(fuse_chunk)),
         ("LDSM", int(ldsm)),
+        ("KSBF", int(keys.a is not None and keys.a.dtype == mx.bfloat16)),
+        ("VSBF", int(values.a is not None and values.a.dtype == mx.bfloat16)),
     ]
 
 
@@ -1125,8 +1140,8 @@ def mma_launch(
         m,
         dim,
         query_dtype,
-        (keys.bits, keys.group),
-        (values.bits, values.group),
+        (keys.bits, keys.group, keys.a.dtype),
+        (values.bits, values.group, values.a.dtype),
         scale,
         p_residual,
         pipeline,
@@ -1152,8 +1167,8 @@ def _mma_plan(
     m: int,
     dim: int,
     query_dtype: mx.Dtype,
-    kside: tuple[int, int],
-    vside: tuple[int, int],
+    kside: tuple[int, int, mx.Dtype],
+    vside: tuple[int, int, mx.Dtype],
     scale: float | None,
     p_residual: bool | None,
     pipeline: bool | None,
@@ -1167,8 +1182,8 @@ def _mma_plan(
     per SM). ``exact``: whether the device takes subnormal MMA operands exactly
     (:func:`mma_subnormals_exact`; both folds need it). ``settings`` (the environment's
     values of :data:`_MMA_SETTINGS`) only keys the cache: the helpers read the same values."""
-    keys = Codes(AFFINE, kside[0], kside[1], None, None)
-    values = Codes(AFFINE, vside[0], vside[1], None, None)
+    keys = Codes(AFFINE, kside[0], kside[1], None, _dummy(kside[2]))
+    values = Codes(AFFINE, vside[0], vside[1], None, _dummy(vside[2]))
     nwarps = mma_warps()
     sub = mma_subtiles()
     stages = mma_stages(dim, keys, values, nwarps, sub)
@@ -1220,18 +1235,21 @@ class MmaLayout:
 
     def parts(self, ws: Any) -> tuple[Any, Any, Any, Any, Any]:
         """``(o_part, ml_part, out, mlo, count)``: views of ``ws`` (an MLX array, or the numpy
-        array of the CPU emulation)."""
+        array of the CPU emulation, where a bfloat16 ``out`` comes widened to float32)."""
         b, h, s, m, d = self.b, self.h, self.splits, self.rows, self.dim
         o_part = ws[self.o_off : self.o_off + b * h * s * m * d].reshape(b, h, s, m, d)
         ml_part = ws[self.ml_off : self.ml_off + b * h * s * m * 2].reshape(b, h, s, m, 2)
         n = b * h * m * d
         if isinstance(ws, mx.array):
             odt, cdt = self.out_dtype, mx.uint32
-        else:  # numpy (the emulation): the same dtype by name
+        else:  # numpy (the emulation): the same dtype by name; bfloat16 widened to float32
             import numpy as np
 
-            odt, cdt = np.dtype(str(self.out_dtype).replace("mlx.core.", "")), np.uint32
+            name = str(self.out_dtype).replace("mlx.core.", "")
+            odt, cdt = np.dtype("uint16" if name == "bfloat16" else name), np.uint32
         out = ws[: self.mlo_off].view(odt)[:n].reshape(b, h, m, d)
+        if not isinstance(ws, mx.array) and self.out_dtype == mx.bfloat16:
+            out = (out.astype(np.uint32) << 16).view(np.float32)
         mlo = ws[self.mlo_off : self.mlo_off + b * h * m * 2].reshape(b, h, m, 2)
         count = ws[self.count_off : self.count_off + b * h].view(cdt)
         return o_part, ml_part, out, mlo, count
