@@ -21,7 +21,8 @@ Sections (each guarded: a failure is printed with its traceback and the run goes
      (``MLX_USE_CUDA_GRAPHS=0``, in a child process), every kernel's duration read from a
      CUPTI timeline (``torch.profiler``, where torch is installed): the GPU time one call
      occupies as a model's layers run it, in series, with MLX's dispatch taken out; the
-     ratio against fp16 SDPA's device time in the same child.
+     ratio against fp16 SDPA's device time in the same child (bf16 rows: the same K/V and
+     query in bf16, a bf16 model's cache, also against bf16 SDPA's).
   c. end to end: decode tokens/s of the reference model (shared/reference-model) at a 32k
      context, fp16 KVCache vs mlx-lm QuantizedKVCache 4-bit vs velox UniformCache 4-bit:
      step by step (building each step's graph, then evaluating it; the building time is

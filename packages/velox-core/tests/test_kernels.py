@@ -1659,6 +1659,22 @@ def test_cache_on_an_emulated_cuda_gpu_takes_the_tensor_core_kernel(
     assert err < tol * np.abs(np.asarray(ref.astype(mx.float32))).max()
 
 
+def test_uniform_kernel_codes_are_its_record_as_the_kernels_read_it():
+    """``Uniform.kernel_codes``: the kernels' view of a record (what the codec's own kernel
+    sides and QJL's and VecInfer's value sides take): per-token codes as AFFINE, per-channel
+    keys as AFFINE_CHANNEL, with the record's own arrays, bits and group."""
+    x = mx.random.normal((1, 2, 64, 128), key=mx.random.key(3)).astype(mx.float16)
+    for codec, kind in (
+        (Uniform(4, 32), dk.AFFINE),
+        (Uniform(2, 32, "channel"), dk.AFFINE_CHANNEL),
+    ):
+        rec = codec.encode(x)
+        c = codec.kernel_codes(rec)
+        assert (c.kind, c.bits, c.group) == (kind, codec.bits, 32)
+        assert c.codes is rec.data["codes"] and c.a is rec.data["scale"]
+        assert c.b is rec.data["zero"] and c.levels is None
+
+
 def test_mlx_quantized_matmul_is_not_used_on_cuda(monkeypatch):
     """Codes in MLX's layout go through mx.quantized_matmul, except on MLX's CUDA backend
     (which lacks shapes a cache meets): one rule for every codec that uses it."""

@@ -101,7 +101,7 @@ def kernel_sides(
     )
     if plan is None:  # (before the kernel's copy of S is made)
         return None
-    p, v = keys.data, values.data
+    p = keys.data
     sk = _kd.SketchKeys(
         m=m,
         mo=mo,
@@ -117,7 +117,7 @@ def kernel_sides(
         _kd.Codes(
             _kd.SKETCH, 1, codec.block, p["sign"], p["norm"], p["onorm"] if k else None, sketch=sk
         ),
-        _kd.Codes(_kd.AFFINE, vbits, vgroup, v["codes"], v["scale"], v["zero"]),
+        value_codec.kernel_codes(values),
     )
 
 

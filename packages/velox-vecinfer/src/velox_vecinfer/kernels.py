@@ -72,8 +72,7 @@ def kernel_side(codec, packed: Packed) -> _kd.Codes | None:
             levels=codec.codebook,
         )
     if isinstance(codec, Uniform) and codec.axis == "token":
-        p = packed.data
-        return _kd.Codes(_kd.AFFINE, codec.bits, codec.group, p["codes"], p["scale"], p["zero"])
+        return codec.kernel_codes(packed)
     return None
 
 

@@ -162,14 +162,16 @@ class Uniform(Codec):
             return None
         if value_codec.axis != "token":
             return None
-        k, v = keys.data, values.data
+        return self.kernel_codes(keys), value_codec.kernel_codes(values)
+
+    def kernel_codes(self, packed: Packed) -> _kd.Codes:
+        """The decode kernels' view of one of this codec's records
+        (``velox_core.kernels.decode.Codes``): affine codes with their scales and zeros, per
+        token or (``axis="channel"``, keys only) per channel. Other codecs' kernel glue uses
+        it for a ``Uniform`` side of theirs (QJL's and VecInfer's values)."""
+        p = packed.data
         kind = _kd.AFFINE if self.axis == "token" else _kd.AFFINE_CHANNEL
-        return (
-            _kd.Codes(kind, self.bits, self.group, k["codes"], k["scale"], k["zero"]),
-            _kd.Codes(
-                _kd.AFFINE, value_codec.bits, value_codec.group, v["codes"], v["scale"], v["zero"]
-            ),
-        )
+        return _kd.Codes(kind, self.bits, self.group, p["codes"], p["scale"], p["zero"])
 
     def attend_joint(
         self,
