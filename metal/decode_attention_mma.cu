@@ -1,7 +1,7 @@
 // Fused decode attention over packed affine codes on NVIDIA tensor cores (sm_80 and later):
 // the CUDA twin of decode_attention.metal for per-token affine codes at 2, 4 and 8 bits with
-// fp16 or bfloat16 scales, the case a decode step of a Uniform / KIVI-style cache takes. Same inputs
-// (minus the codebook levels) and the same per-split partial, merged by decode_merge.metal
+// fp16 or bfloat16 scales, the case a decode step of a Uniform / KIVI-style cache takes. Same
+// inputs (minus the codebook levels) and the same per-split partial, merged by decode_merge.metal
 // or decode_merge_fp16.metal.
 // A twin because the tensor-core fragments (mma.sync, PTX layouts) have no Metal spelling;
 // everything else goes through the portable body.
@@ -23,8 +23,8 @@
 //           that power, then scale * code + zero in one fp16 FMA: the key rounded once to
 //           fp16, as an fp16 cache holds it) and the query rows the B fragment (n = 8: one MMA
 //           per k-step, no padding rows in registers). An fp16 or bf16 query (QLO = 0) goes
-//           in as it is (converted to fp16); any other is split into its fp16 rounding and the residual, two MMAs per
-//           k-step into two chains, so S_hi + S_lo is the score of the float32 query to about
+//           in as it is (converted to fp16); any other is split into its fp16 rounding and
+//           the residual, two MMAs per k-step into two chains, so S_hi + S_lo is the score of the float32 query to about
 //           2^-22 (QLO = 1; with KFOLD about 2^-15: see there). The head dim is permuted consistently in Q and K (a pair of halves
 //           holds channels j and j + 16/bits of one code word), which leaves every dot product
 //           unchanged. Lane (g, t) ends with tokens g, 8 + g of query rows 2t, 2t + 1.
@@ -162,9 +162,10 @@ const int t1 = vx_imin(T, t0 + span);
 const int ntiles = t1 > t0 ? (t1 - t0 + TILE - 1) / TILE : 0;
 
 // ---- the query rows as A fragments: hi in rows 0..7, lo in rows 8..15 --------------------------
-// QLO = 0 (an fp16 or bf16 query, exact in fp16): the query goes in as it is, rows 8..15 are zero (no
-// registers), and the scores are multiplied by log2(e) x scale after the MMA. QLO = 1 (any
-// other dtype): the scaled query is split into its fp16 rounding (hi) and the residual (lo).
+// QLO = 0 (an fp16 or bf16 query, exact in fp16 over the range the host's MMA_HALF_QUERY
+// notes): the query goes in as it is, rows 8..15 are zero (no registers), and the scores are
+// multiplied by log2(e) x scale after the MMA. QLO = 1 (any other dtype): the scaled query is
+// split into its fp16 rounding (hi) and the residual (lo).
 const float qmul = vx_bits_to_float(static_cast<unsigned int>(QMUL));  // log2(e) x scale
 const float qin = QLO ? qmul : 1.0f;   // applied to q before the MMA
 const float sout = QLO ? 1.0f : qmul;  // applied to the scores after it
@@ -305,7 +306,7 @@ auto copy_codes = [&](unsigned int* dst, const Plane& pl, const int64_t* st, int
     }
   }
 };
-// the fp16 scales of rows [tb, tb + 16) of a (T, groups) plane, two halves per word
+// the 16-bit scales (fp16 or bf16) of rows [tb, tb + 16) of a (T, groups) plane, two per word
 auto copy_scales = [&](unsigned int* dst, const Plane& pl, const int64_t* st, int groups, int nwords,
                        int tb) {
   const unsigned short* src = static_cast<const unsigned short*>(pl.p);
