@@ -227,19 +227,45 @@ def dense_partial(q, kc, kp, vc, vp, fp16: tuple[bool, bool] = (False, False)):
 
 def mma_plan(codec_k, kp, codec_v, vp, q) -> dict | None:
     """The tensor-core kernel's template constants for this decode, or None where it does not
-    go through that kernel (CUDA, affine 2/4/8 bits...)."""
+    go through that kernel (CUDA; affine 2/4/8 bits, or TurboQuant_mse's 2/4-bit codebook
+    codes...)."""
     from velox_core import Uniform
     from velox_core.kernels import backend
     from velox_core.kernels import decode as dk
+    from velox_turboquant import TurboQuant
+    from velox_turboquant.kernels import _kernel_sides as tq_sides
 
-    if backend() != "cuda" or not dk.mma_enabled() or not isinstance(codec_k, Uniform):
+    if backend() != "cuda" or not dk.mma_enabled():
         return None
-    sides = codec_k._kernel_sides(kp, codec_v, vp)
-    dim = kp.data["codes"].shape[-1] * 32 // codec_k.bits
+    if isinstance(codec_k, Uniform):
+        sides = codec_k._kernel_sides(kp, codec_v, vp)
+    elif isinstance(codec_k, TurboQuant):
+        sides = tq_sides(codec_k, q, kp, codec_v, vp)
+        sides = None if sides is None else sides[2:]
+    else:
+        return None
+    dim = q.shape[-1]
     if sides is None or not dk.mma_supported(q.shape[2], dim, *sides):
         return None
     launch = dk.mma_launch(q.shape, q.dtype, *sides)
     return None if launch is None else dict(launch.template)
+
+
+@contextlib.contextmanager
+def fp16_levels(*codecs):
+    """The codecs' Lloyd-Max levels rounded to fp16 for the while (TurboQuant's quantizers):
+    the precision the tensor-core kernel's register tables hold them at, for its reference."""
+    saved = []
+    for c in codecs:
+        for _, quant in getattr(c, "parts", []):
+            if getattr(quant, "levels", None) is not None:
+                saved.append((quant, quant.levels))
+                quant.levels = quant.levels.astype(mx.float16).astype(mx.float32)
+    try:
+        yield
+    finally:
+        for quant, lev in saved:
+            quant.levels = lev
 
 
 def decode_check(name, codec_k, codec_v, b, h, t, m, dtype=mx.float16, seed=0, tol=1e-3):
@@ -262,14 +288,19 @@ def decode_check(name, codec_k, codec_v, b, h, t, m, dtype=mx.float16, seed=0, t
         mx.eval(got)
         mma = plan is not None
         rounded = (mma and not plan["KFOLD"], mma and not plan["VFOLD"])
-        ref = dense_partial(q, codec_k, kp, codec_v, vp, fp16=rounded)
+        sides = ((codec_k, mma and plan["KCB"]), (codec_v, mma and plan["VCB"]))
+        tables = [c for c, on in sides if on]
+        with fp16_levels(*tables):  # codebook levels as the tensor-core kernel holds them
+            ref = dense_partial(q, codec_k, kp, codec_v, vp, fp16=rounded)
         errs = partial_errors(got, ref)
         errs["kernel"] = "tensor-core" if mma else "portable"
         if mma:
             errs["folds"] = f"keys {plan['KFOLD']} values {plan['VFOLD']}"
+            if tables:
+                errs["codebook"] = f"keys {plan['KCB']} values {plan['VCB']} (fp16 levels)"
         errs["out_rel_vs_fp32"] = (
             partial_errors(got, dense_partial(q, codec_k, kp, codec_v, vp))["out_rel"]
-            if any(rounded)
+            if any(rounded) or tables
             else errs["out_rel"]
         )
         nums = {
@@ -870,14 +901,16 @@ def make_methods(
         kp, vp = kc.encode(k), vc.encode(v)
         mx.eval(kp.data, vp.data)
 
-        methods.append(
-            (
-                f"velox turboquant{bits}",
-                bits,
-                joint_call(kc, kp, vc, vp),
-                kp.nbytes + vp.nbytes + qbytes,
-            )
-        )
+        call = joint_call(kc, kp, vc, vp)
+        methods.append((f"velox turboquant{bits}", bits, call, kp.nbytes + vp.nbytes + qbytes))
+        if portable_row and bits in (2, 4):  # what 2- and 4-bit codes took before KCB / VCB
+
+            def tq_portable(call=call):
+                with env(VELOX_DECODE_MMA=0):
+                    return call()
+
+            nb = kp.nbytes + vp.nbytes + qbytes
+            methods.append((f"velox turboquant{bits} portable", bits, tq_portable, nb))
     if qjl:
         from velox_core import Uniform
         from velox_qjl import QJL
@@ -1166,7 +1199,7 @@ def device_rows(b: int, t: int, quick: bool) -> list[dict]:
         seed=t + b,
         bits_mlx=(4,),
         bits_uniform=(2, 4),
-        bits_tq=(),
+        bits_tq=(2, 4),
         portable_row=True,
         qjl=True,
         vecinfer=True,

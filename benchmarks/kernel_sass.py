@@ -69,6 +69,11 @@ def build(args) -> tuple[str, list[tuple[str, object]]]:
     """The full CUDA source of the planned kernel, and its template."""
 
     def codes(bits: int, group: int) -> dk.Codes:  # 16 tokens of zeros: only shapes matter
+        words = mx.zeros((1, 1, 16, args.dim * bits // 32), mx.uint32)
+        if group == 0:  # codebook codes (TurboQuant_mse): one norm a token, 2**bits levels
+            lev = mx.zeros((1 << bits,), mx.float32)
+            norm = mx.zeros((1, 1, 16), mx.float16)
+            return dk.Codes(dk.CODEBOOK, bits, args.dim, words, norm, None, lev)
         z = mx.zeros((1, 1, 16, args.dim // group), mx.float16)
         return dk.Codes(
             dk.AFFINE, bits, group, mx.zeros((1, 1, 16, args.dim * bits // 32), mx.uint32), z, z
@@ -87,6 +92,7 @@ def build(args) -> tuple[str, list[tuple[str, object]]]:
     infos = [ArgInfo(args.query, 4, big)]
     infos += [ArgInfo("uint32", 4, big), ArgInfo("float16", 4, big), ArgInfo("float16", 4, big)]
     infos += infos[1:]
+    infos += [ArgInfo("float32", 1, 16)] * 2  # the levels (codebook sides; else dummies)
     outs = ["float32"] * len(spec.outputs)  # without the merge: the partials' two outputs
     return cuda_source(spec, infos, outs, list(tmpl))[0], list(tmpl)
 
@@ -96,8 +102,8 @@ def main() -> int:
     p.add_argument("--bits", type=int, default=4, help="key and value bits (2, 4 or 8)")
     p.add_argument("--kbits", type=int, default=None)
     p.add_argument("--vbits", type=int, default=None)
-    p.add_argument("--kgroup", type=int, default=64)
-    p.add_argument("--vgroup", type=int, default=64)
+    p.add_argument("--kgroup", type=int, default=64, help="0: codebook keys (TurboQuant_mse)")
+    p.add_argument("--vgroup", type=int, default=64, help="0: codebook values")
     p.add_argument("--rows", type=int, default=4, help="query rows per KV head")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--query", default="float16", choices=("float16", "float32", "bfloat16"))
@@ -130,6 +136,7 @@ def main() -> int:
     loop = main_loop(parse_sass(sass))
     counts = collections.Counter(opcode(s) for _, s in loop)
     keys = ("NSUB", "NSTAGE", "NWARPS", "KFOLD", "VFOLD", "LDSM", "PIPE", "FUSE", "QLO")
+    keys += ("KCB", "VCB")
     print("template:", ", ".join(f"{k}={t[k]}" for k in keys))
     print("\n".join(regs[-2:]))
     print(f"main loop: {len(loop)} instructions, one step of {16 * t['NSUB']} tokens a warp")

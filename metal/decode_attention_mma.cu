@@ -97,7 +97,13 @@
 // holds at once, fewer than fit: a test of its chunks), LDSM (1: the code words through
 // ldmatrix, see KLD / VLD below); KSBF / VSBF (1: that side's scales and zeros are bfloat16,
 // else fp16: both are read as 16-bit units, to float32 where a fold applies them, to fp16 pairs
-// where the codes are decoded or P s is formed; see vx_s16h2 for the range that is exact).
+// where the codes are decoded or P s is formed; see vx_s16h2 for the range that is exact);
+// KCB / VCB (1: that side's codes index the 2^bits float32 levels kl / vl, a codebook with one
+// scale per token and no zero: TurboQuant_mse's Lloyd-Max codes and norms. 2 or 4 bits, with
+// that side's fold and ldmatrix layout: the codes become their fp16 levels by byte permutes on
+// level registers (vx_lut2_pair, vx_lut4_word) where affine codes go in masked; the fold's
+// scale is the norm, the subnormal factors and the zeros' terms drop out; the host passes the
+// norms as the zero plane too, so the copies stay as they are).
 // The host (velox_core.kernels.decode.mma_supported) checks the layout: HD / 4 channels of
 // keys and HD / 8 of values fill whole words, and a lane's channels meet whole groups.
 
@@ -141,6 +147,10 @@ static_assert(!KLD || (HD * KBITS) % 128 == 0, "KLD loads whole 16-byte key segm
 constexpr bool VBYTE = VFOLD && VBITS == 2 && !VLD;
 constexpr int VU = VLD ? 16 / VBITS : VBYTE ? 8 / VBITS : VCW;  // channels per interleaved unit
 constexpr int VLW = VBYTE ? VCL / VU : VWL;   // words a lane loads per token (without VLD)
+static_assert(!KCB || (KFOLD && KLD && KGROUP == HD && (KBITS == 2 || KBITS == 4)),
+              "codebook keys take the key fold's ldmatrix layout, one norm a token, 2 or 4 bits");
+static_assert(!VCB || (VFOLD && VLD && VGROUP == HD && (VBITS == 2 || VBITS == 4)),
+              "codebook values take the value fold's ldmatrix layout, one norm a token, 2 or 4 bits");
 static_assert(!VFOLD || (VGROUP % (8 * VU) == 0 && HD / VGROUP <= 4 && !PLO),
               "VFOLD needs groups of 8 whole units, at most four per token, P rounded to fp16");
 
@@ -174,7 +184,16 @@ unsigned int qa[KSTEPS][4];
 // query's sums per group for rows 2t and 2t + 1 (times the scores' factor: the zeros' term)
 auto kgroup = [](int kk) { return (4 * ((2 * kk) / KPW) * KCW) / KGROUP; };
 float qz[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
-const float kmul = sout * 16777216.0f;  // KFOLD: 2^24 (the codes' subnormal unit) x the factor
+// KFOLD: 2^24 (the codes' subnormal unit) x the factor; codebook keys: their levels as they are
+const float kmul = KCB ? sout : sout * 16777216.0f;
+// KCB / VCB: the levels as fp16 lookup registers (vx_lut_load)
+unsigned int klut[8], vlut[8];
+if (KCB) {
+  vx_lut_load<KBITS>(klut, kl);
+}
+if (VCB) {
+  vx_lut_load<VBITS>(vlut, vl);
+}
 
 // ---- each warp's ring of NSTAGE tiles in shared memory, filled with cp.async ------------------
 // A stage holds one 16-token tile as stored: key words, value words, then the key and value
@@ -468,6 +487,10 @@ auto score_step = [&](const unsigned int* st, float (&sc)[NSUB][2][4]) {
           const int pos = jj * KBITS;  // bit offset of the pair's codes in each half
           const int lg = KCL > KGROUP ? (wl * KCW) / KGROUP : 0;
           const unsigned int x = pos < 8 ? kw[n][wl] : kw8[n][wl];
+          if (KCB) {  // the pair's fp16 levels (4 bits: the word's four pairs, computed once)
+            af[n + 2 * uu] = KBITS == 4 ? vx_lut4_pair(kw[n][wl], jj, klut) : vx_lut2_pair(x, pos & 7, klut);
+            continue;
+          }
           af[n + 2 * uu] = KFOLD ? vx_code_sub(x, pos & 7, KBITS)
                                  : vx_dequant_at(x, pos & 7, KBITS, s2[n][lg], z2[n][lg]);
         }
@@ -527,7 +550,7 @@ for (int s = 0; s < NSTAGE - 1; ++s) {
       const int c0 = (KFOLD ? (4 * wl + t) * KCW : t * KCL + wl * KCW) + jj;
       const int c1 = c0 + KPW;
       // KFOLD: the codes enter as c 2^(o - 24) at bit offset o of their byte
-      const float sub = KFOLD ? 1.0f / static_cast<float>(1 << ((jj * KBITS) & 7)) : 1.0f;
+      const float sub = KFOLD && !KCB ? 1.0f / static_cast<float>(1 << ((jj * KBITS) & 7)) : 1.0f;
       const float x0 = qrow ? static_cast<float>(q[qb + (int64_t)c0 * q_strides[3]]) * qin : 0.0f;
       const float x1 = qrow ? static_cast<float>(q[qb + (int64_t)c1 * q_strides[3]]) * qin : 0.0f;
       const __half2 hi = __floats2half2_rn(x0 * sub, x1 * sub);
@@ -597,7 +620,7 @@ for (int k = 0; k < nmine; ++k) {
         float a = KG == 2 ? ks[n][0] * sc[u][0][i] + ks[n][1] * sc[u][1][i]
                           : ks[n][0] * (sc[u][0][i] + sc[u][1][i]);
 #pragma unroll
-        for (int gr = 0; gr < KG; ++gr) {
+        for (int gr = 0; gr < (KCB ? 0 : KG); ++gr) {  // (codebook keys: no zeros)
           a += kz[n][gr] * qz[gr][i & 1];
         }
         s4[u][i] = a;
@@ -667,7 +690,7 @@ for (int k = 0; k < nmine; ++k) {
       lrow[i & 1] += p4[i];
     }
 #pragma unroll
-    for (int gi = 0; gi < (VFOLD ? VG : 0); ++gi) {  // p z of tokens g, 8 + g (float32)
+    for (int gi = 0; gi < (VFOLD && !VCB ? VG : 0); ++gi) {  // p z of tokens g, 8 + g (float32)
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
         const float zv = vx_s16f<VSBF>(svz + (SUB * u + 8 * n + g) * VG + gi);
@@ -746,6 +769,10 @@ for (int k = 0; k < nmine; ++k) {
           const int blk = ch / VU;
           const int bit = (ch - blk * VU) * VBITS;
           const unsigned int y = bit < 8 ? vr[u][blk][n] : vr[u][blk][n] >> 8;
+          if (VCB) {  // the channel's fp16 levels for both tokens (4 bits: the unit's four, once)
+            af[e] = VBITS == 4 ? vx_lut4_pair(vr[u][blk][n], ch - blk * VU, vlut) : vx_lut2_pair(y, bit & 7, vlut);
+            continue;
+          }
           af[e] = vx_code_sub(y, bit & 7, VBITS);
           continue;
         }
@@ -802,7 +829,8 @@ for (int j = 0; j < NTM; ++j) {
     const int ch = VFOLD ? ((lc / VU) * 8 + g) * VU + lc % VU : g * VCL + lc;
     const int o = ((lc % VU) * VBITS) & 7;
     red_o[(warp * 8 + 2 * t + (i & 1)) * HD + ch] =
-        VFOLD ? oacc[j][i] * static_cast<float>(1 << (24 - o)) + zacc[vgroup(j)][i & 1] : oacc[j][i];
+        VCB ? oacc[j][i]
+        : VFOLD ? oacc[j][i] * static_cast<float>(1 << (24 - o)) + zacc[vgroup(j)][i & 1] : oacc[j][i];
   }
 }
 if (g == 0) {

@@ -38,6 +38,64 @@ VX_FN __half2 vx_s16h2(const unsigned short* p0, const unsigned short* p1) {
   return __halves2half2(*reinterpret_cast<const __half*>(p0), *reinterpret_cast<const __half*>(p1));
 }
 
+// Codebook codes (KCB / VCB: TurboQuant's Lloyd-Max levels) as fp16 MMA operands, looked up
+// in registers with byte permutes. The 2^BITS float32 levels become fp16 once per thread:
+// at 2 bits the four levels as two f16x2 words (r[0] = levels 0, 1; r[1] = 2, 3); at 4 bits
+// the low bytes of the 16 levels in r[0..3] (levels 4i .. 4i + 3 in word i) and their high
+// bytes in r[4..7], since a byte permute picks bytes out of 8.
+template <int BITS>
+VX_FN void vx_lut_load(unsigned int (&r)[8], const float* lev) {
+  if (BITS == 2) {
+    r[0] = vx_pack_h2(lev[0], lev[1]);
+    r[1] = vx_pack_h2(lev[2], lev[3]);
+    return;
+  }
+  for (int i = 0; i < 4; ++i) {
+    const unsigned int u0 = vx_pack_h2(lev[4 * i], lev[4 * i + 1]);
+    const unsigned int u1 = vx_pack_h2(lev[4 * i + 2], lev[4 * i + 3]);
+    r[i] = __byte_perm(u0, u1, 0x6420u);      // low bytes of levels 4i .. 4i + 3
+    r[4 + i] = __byte_perm(u0, u1, 0x7531u);  // their high bytes
+  }
+}
+// 2-bit codes: the levels of the codes at bit o (even, below 8) of each 16-bit half of x as one
+// f16x2 pair (the low half's first): the two codes become the byte selector (2a, 2a + 1, 2b,
+// 2b + 1) and one permute of the two level words picks both fp16 levels. 5 instructions.
+VX_FN unsigned int vx_lut2_pair(unsigned int x, int o, const unsigned int (&r)[8]) {
+  const unsigned int c = (x >> o) & 0x00030003u;           // a at bit 0, b at bit 16
+  const unsigned int z = c * 0x22u + 0x00100010u;          // bytes 0 and 2: (2a, 2a + 1), (2b, 2b + 1)
+  return __byte_perm(r[0], r[1], __byte_perm(z, 0u, 0x0020u));
+}
+// 4-bit codes: a word's 8 codes (a0..a3 in the low half, b0..b3 in the high half) as the four
+// f16x2 pairs out[j] = (L[a_j], L[b_j]), the pairs a fragment takes (a key word's channels j
+// and j + 4; a value unit pair's token pair). Per half and byte plane, one permute picks the
+// bytes of levels c & 7 among 0..7, one among 8..15, and a third keeps, byte by byte, the one
+// bit 3 of the code names (its selector nibble i + 4 bit3); eight permutes then interleave the
+// low and high bytes into fp16 pairs. 27 instructions a word.
+VX_FN void vx_lut4_word(unsigned int x, const unsigned int (&r)[8], unsigned int (&out)[4]) {
+  const unsigned int xs = x >> 16;
+  const unsigned int sa = x & 0x7777u, sb = xs & 0x7777u;
+  const unsigned int ma = ((x >> 1) & 0x4444u) | 0x3210u;
+  const unsigned int mb = ((xs >> 1) & 0x4444u) | 0x3210u;
+  const unsigned int loa = __byte_perm(__byte_perm(r[0], r[1], sa), __byte_perm(r[2], r[3], sa), ma);
+  const unsigned int lob = __byte_perm(__byte_perm(r[0], r[1], sb), __byte_perm(r[2], r[3], sb), mb);
+  const unsigned int hia = __byte_perm(__byte_perm(r[4], r[5], sa), __byte_perm(r[6], r[7], sa), ma);
+  const unsigned int hib = __byte_perm(__byte_perm(r[4], r[5], sb), __byte_perm(r[6], r[7], sb), mb);
+  const unsigned int x01 = __byte_perm(loa, lob, 0x5140u);  // lo a0, lo b0, lo a1, lo b1
+  const unsigned int y01 = __byte_perm(hia, hib, 0x5140u);  // hi a0, hi b0, hi a1, hi b1
+  const unsigned int x23 = __byte_perm(loa, lob, 0x7362u);
+  const unsigned int y23 = __byte_perm(hia, hib, 0x7362u);
+  out[0] = __byte_perm(x01, y01, 0x5140u);  // lo a0, hi a0, lo b0, hi b0
+  out[1] = __byte_perm(x01, y01, 0x7362u);
+  out[2] = __byte_perm(x23, y23, 0x5140u);
+  out[3] = __byte_perm(x23, y23, 0x7362u);
+}
+// pair j of vx_lut4_word (the compiler computes a word's lookups once for its four pairs)
+VX_FN unsigned int vx_lut4_pair(unsigned int x, int j, const unsigned int (&r)[8]) {
+  unsigned int out[4];
+  vx_lut4_word(x, r, out);
+  return out[j];
+}
+
 #if !defined(VX_CUDA_EMULATE)
 
 // (x & m) | c as one LOP3 (written in C, the compiler emits two, one per immediate constant)

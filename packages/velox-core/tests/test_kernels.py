@@ -473,6 +473,12 @@ def test_the_shim_catches_a_broken_body(tmp_path):
 
 
 def _mma_codes(bits: int, group: int, dtype=mx.float16) -> dk.Codes:
+    """An affine side's shape for the launch plan; ``group`` 0: a codebook side (one norm a
+    token, ``2**bits`` levels) of head dim 128."""
+    if group == 0:
+        lev = mx.zeros((1 << bits,), mx.float32)
+        norm = mx.zeros((1, 1, 1), dtype)
+        return dk.Codes(dk.CODEBOOK, bits, 128, mx.zeros((1,), mx.uint32), norm, None, lev)
     z = mx.zeros((1,), dtype)
     return dk.Codes(dk.AFFINE, bits, group, mx.zeros((1,), mx.uint32), z, z)
 
@@ -496,6 +502,10 @@ def _mma_variants():
         # bfloat16 scales (a bfloat16 model's cache): both sides merged, and on the keys alone
         (4, 4, 4, 64, 64, 4, 2, bf, "bfloat16", bf, bf),
         (2, 4, 4, 64, 64, 4, 1, bf, None, bf, H16),
+        # codebook codes (group 0: TurboQuant_mse's levels and norms), both sides or one
+        (4, 4, 4, 0, 0, 4, 2, H16, None),
+        (2, 2, 4, 0, 0, 4, 2, bf, "bfloat16", bf, bf),
+        (4, 4, 8, 0, 64, 4, 2, F32, None),
     ):
         ks, vs = sdt or (H16, H16)
         k = _mma_codes(kb, kg, getattr(mx, ks[0]))
@@ -521,6 +531,7 @@ def _mma_variants():
             ldsm=dk.mma_ldsm(),
         )
         infos = [ArgInfo(*qd), *[ArgInfo(*a) for a in (U32, ks, ks, U32, vs, vs)]]
+        infos += [ArgInfo("float32", 1, 16)] * 2  # the levels (dummies for affine sides)
         spec = dk.mma_spec(nw, dk.mma_sm_blocks(nw), merged is None)  # as _mma_plan pairs them
         out.append((spec, infos, ["float32"] * len(spec.outputs), tmpl))
     return out
@@ -540,8 +551,17 @@ def test_mma_kernel_takes_only_the_shapes_it_lays_out():
     assert not ok(4, 128, _mma_codes(4, 4), _mma_codes(4, 64))  # a word spans two groups
     assert not ok(4, 64, _mma_codes(4, 64), _mma_codes(2, 64))  # 8 value channels of 2 bits
     assert not ok(4, 72, _mma_codes(4, 8), _mma_codes(4, 8))  # head dim not a multiple of 16
-    codebook = dk.Codes(dk.CODEBOOK, 4, 128, None, mx.zeros((1,), mx.float16))
-    assert not ok(4, 128, codebook, _mma_codes(4, 64))
+    assert ok(4, 128, _mma_codes(4, 0), _mma_codes(2, 0))  # codebook codes, 2 and 4 bits
+    assert ok(8, 128, _mma_codes(2, 64), _mma_codes(4, 0, mx.bfloat16))
+    lev = mx.zeros((16,), mx.float32)
+    norm = mx.zeros((1, 1, 1), mx.float16)
+    u32 = mx.zeros((1,), mx.uint32)
+    assert not ok(4, 128, dk.Codes(dk.CODEBOOK, 3, 128, u32, norm, None, lev[:8]), _mma_codes(4, 0))
+    assert not ok(4, 128, dk.Codes(dk.CODEBOOK, 4, 128, u32, norm, None, lev[:8]), _mma_codes(4, 0))
+    assert not ok(4, 128, dk.Codes(dk.CODEBOOK, 4, 128, u32, norm, None, None), _mma_codes(4, 0))
+    prod = dk.Codes(dk.CODEBOOK, 4, 128, u32, norm, None, lev, signs=u32, rnorm=norm)
+    assert not ok(4, 128, prod, _mma_codes(4, 0))  # a residual sketch (TurboQuant_prod)
+    assert not ok(4, 64, _mma_codes(4, 64), dk.Codes(dk.CODEBOOK, 2, 64, u32, norm, None, lev[:4]))
 
 
 def test_env_setting_reads_the_environment_as_os_environ(monkeypatch):
@@ -1401,12 +1421,28 @@ MMA_CASES = {
     "4bit-bf16-folds-merged": (1, 2, 150, 4, 4, 4, 64, 64, 4, 2, 3, 0),
     "2bit-bf16-no-folds": (1, 2, 130, 4, 2, 2, 64, 64, 4, 1, 2, 0),
     "k4-bf16-v2-fp16-byte-values": (1, 2, 120, 4, 4, 2, 64, 32, 4, 1, 2, 0),
+    # codebook codes (TurboQuant_mse: levels looked up in registers, one norm a token); the
+    # group fields of a codebook side are unused
+    "cb4-keys-and-values": (1, 2, 150, 4, 4, 4, 0, 0, 4, 2, 3, 0),
+    "cb2-bf16-norms-strided": (2, 2, 130, 4, 2, 2, 0, 0, 4, 1, 2, 5),
+    "cb4-keys-affine4-values-merged": (1, 2, 140, 4, 4, 4, 0, 64, 4, 2, 2, 0),
+    "affine2-keys-cb2-values-gqa8": (1, 1, 120, 8, 2, 2, 64, 0, 2, 2, 2, 0),
+    "cb4-keys-cb2-values-one-token": (1, 2, 1, 4, 4, 2, 0, 0, 4, 1, 1, 0),
+}
+# which sides hold codebook codes (keys, values)
+CODEBOOK_SIDES = {
+    "cb4-keys-and-values": (True, True),
+    "cb2-bf16-norms-strided": (True, True),
+    "cb4-keys-affine4-values-merged": (True, False),
+    "affine2-keys-cb2-values-gqa8": (False, True),
+    "cb4-keys-cb2-values-one-token": (True, True),
 }
 # the inputs' dtype per side where not float16 (keys, values): the scales' dtype follows it
 BF16_SIDES = {
     "4bit-bf16-folds-merged": ("bfloat16", "bfloat16"),
     "2bit-bf16-no-folds": ("bfloat16", "bfloat16"),
     "k4-bf16-v2-fp16-byte-values": ("bfloat16", "float16"),
+    "cb2-bf16-norms-strided": ("bfloat16", "bfloat16"),
 }
 # head dims other than 128 (the lanes' channel blocks, m-tiles and groups scale with it)
 MMA_DIMS = {
@@ -1435,6 +1471,7 @@ FUSED = {
     "mha-many-splits",  # one query row: four threads share each row's 4 channels
     "two-rows-merge-in-chunks",
     "4bit-bf16-folds-merged",  # a bfloat16 query and output
+    "cb4-keys-affine4-values-merged",
 }
 FUSE_CHUNK = {"two-rows-merge-in-chunks": 4}  # the splits' weights 4 at a time (9 splits)
 NO_PIPELINE = {"4bit-no-pipeline"}
@@ -1452,11 +1489,38 @@ NO_LDSM = {
 }
 
 
+def _codebook_side(bits: int, shape, dtype, key):
+    """A codebook record as the kernels read it (random codes, norms and unsorted-sign,
+    non-symmetric levels: nothing the lookup may assume) and its float32 decode with the
+    levels rounded to fp16, as the tensor-core kernel holds them."""
+    k1, k2, k3 = mx.random.split(key, 3)
+    codes = mx.random.randint(0, 1 << bits, shape, key=k1).astype(mx.uint32)
+    norm = mx.random.uniform(0.5, 2.0, shape[:-1], key=k2).astype(dtype)
+    levels = mx.sort(mx.random.normal((1 << bits,), key=k3)) * 0.2 + 0.01
+    side = dk.Codes(dk.CODEBOOK, bits, shape[-1], pack(codes, bits), norm, None, levels)
+    lev16 = levels.astype(mx.float16).astype(mx.float32)
+    return side, lev16[codes.astype(mx.int32)] * norm.astype(mx.float32)[..., None]
+
+
+def _padded_bits(x: tuple, pad: int):
+    """A bfloat16 emulator input ``(uint16 array, "bfloat16")`` as a token-axis slice of a
+    larger buffer of random bit patterns."""
+    arr, name = x
+    shape = list(arr.shape)
+    shape[2] += pad
+    big = np.random.default_rng(1).integers(0, 1 << 16, size=shape, dtype=np.uint16)
+    big[:, :, : arr.shape[2]] = arr
+    return big[:, :, : arr.shape[2]], name
+
+
 def _padded(x, pad: int):
     """``x`` as a token-axis slice of a larger buffer whose extra rows hold garbage."""
     if not pad:
         return np_input(x)
-    arr = np.asarray(np_input(x))
+    arr = np_input(x)
+    if isinstance(arr, tuple):  # bfloat16: its uint16 bit pattern, padded the same way
+        return _padded_bits(arr, pad)
+    arr = np.asarray(arr)
     shape = list(arr.shape)
     shape[2] += pad
     rng = np.random.default_rng(1)
@@ -1485,15 +1549,21 @@ def mma_emulated(tmp_path_factory):
             q = q.astype(mx.float16)
         elif name in BF16_SIDES:
             q = q.astype(mx.bfloat16)
-        kc, vc = Uniform(kb, group=kg), Uniform(vb, group=vg)
+        kcb, vcb = CODEBOOK_SIDES.get(name, (False, False))
+        kc, vc = Uniform(kb, group=kg or 64), Uniform(vb, group=vg or 64)
         kp, vp = kc.encode(k), vc.encode(v)
         keys = dk.Codes(dk.AFFINE, kb, kg, kp.data["codes"], kp.data["scale"], kp.data["zero"])
         vals = dk.Codes(dk.AFFINE, vb, vg, vp.data["codes"], vp.data["scale"], vp.data["zero"])
+        kd, vd = kc.decode(kp).astype(mx.float32), vc.decode(vp).astype(mx.float32)
+        if kcb:
+            keys, kd = _codebook_side(kb, (b, h, t, d), kdt, mx.random.key(100 + len(cases)))
+        if vcb:
+            vals, vd = _codebook_side(vb, (b, h, t, d), vdt, mx.random.key(200 + len(cases)))
         assert dk.mma_supported(m, d, keys, vals)
         stages = dk.mma_stages(d, keys, vals, nw, sub)
-        ins = [np_input(q)] + [
-            _padded(x, pad) for x in (keys.codes, keys.a, keys.b, vals.codes, vals.a, vals.b)
-        ]
+        planes = [*dk._mma_inputs(keys)[:3], *dk._mma_inputs(vals)[:3]]
+        levels = [dk._mma_inputs(keys)[3], dk._mma_inputs(vals)[3]]
+        ins = [np_input(q)] + [_padded(x, pad) for x in planes] + [np_input(x) for x in levels]
         pres, pipe = name in P_RESIDUAL, name not in NO_PIPELINE
         fold, ldsm = name not in NO_FOLDS, name not in NO_LDSM
         args = (d, keys, vals, m, nw, stages, sub, None, q.dtype, pres, pipe, fold)
@@ -1501,8 +1571,11 @@ def mma_emulated(tmp_path_factory):
         tm = dict(tmpl)
         assert tm["QLO"] == (0 if name in FP16_QUERY or name in BF16_SIDES else 1)
         assert (tm["KSBF"], tm["VSBF"]) == (kdt == mx.bfloat16, vdt == mx.bfloat16)
+        assert (tm["KCB"], tm["VCB"]) == (kcb, vcb)
+        assert not (kcb and not tm["KFOLD"]) and not (vcb and not tm["VFOLD"])
         assert tm["PIPE"] == int(pipe and not pres and stages >= 3)
         # 8 16-bit units (LDSM), else 8 words at 4 and 8 bits, 8 bytes at 2
+        kg, vg = kg or d, vg or d  # a codebook side: one norm a token
         vok = (ldsm and vg % (128 // vb) == 0) or vg % (64 if vb == 4 else 32) == 0
         assert tm["VFOLD"] == int(fold and not pres and vok and d // vg <= 4)
         assert tm["KFOLD"] == int(fold and kg % (128 // kb) == 0 and d // kg <= 2)
@@ -1520,9 +1593,8 @@ def mma_emulated(tmp_path_factory):
             fspec = dk.mma_spec(nw, dk.mma_sm_blocks(nw))
             fused = (emu.kernel(fspec, ins, ["float32"], ftmpl), flay)
         # the reference: keys and values decoded, rounded to fp16 as the kernel decodes them;
-        # folded sides are not decoded (their products carry fp16 roundings of q, P s instead)
-        kd = kc.decode(kp).astype(mx.float32)
-        vd = vc.decode(vp).astype(mx.float32)
+        # folded sides are not decoded (their products carry fp16 roundings of q, P s instead;
+        # a codebook side's levels are fp16, its norms float32 or in P s)
         if not tm["KFOLD"]:
             kd = kd.astype(mx.float16).astype(mx.float32)
         if not tm["VFOLD"]:

@@ -189,17 +189,33 @@ def test_prod_keys_keep_the_reference_encode(emulated_gpu):
 
 
 @needs_gxx
-def test_cache_on_an_emulated_cuda_gpu_rotates_back_in_the_merge(monkeypatch, tmp_path):
-    """The CUDA instantiations (portable decode kernel with codebook codes, the fused merge
-    with its rotation), emulated: a float16 TurboQuantCache with sinks and window attends in
-    two kernel launches and matches the reference path."""
-    k, v = kv_data(t=150, dtype=mx.float16)
-    q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(5)).astype(mx.float16)
-    cache = TurboQuantCache(bits=4, window=16, sinks=4)
+@pytest.mark.parametrize(
+    "bits,window,sinks,dtype",
+    [(4, 16, 4, "float16"), (2, 0, 0, "bfloat16"), (3, 16, 4, "float16")],
+)
+def test_cache_on_an_emulated_cuda_gpu_rotates_back_in_the_merge(
+    monkeypatch, tmp_path, bits, window, sinks, dtype
+):
+    """The CUDA instantiations, emulated: a TurboQuantCache attends its codes through the
+    tensor-core kernel at 2 and 4 bits (the Lloyd-Max levels looked up in registers, the
+    norms folded like scales; a bf16 model's bf16 norms too) and through the portable kernel
+    at 3 bits, then the fused merge rotates the codes' partial back and joins the sinks and
+    window: two launches, matching the reference path."""
+    from velox_core.kernels import decode as dk
+
+    dt = getattr(mx, dtype)
+    k, v = kv_data(t=150, dtype=dt)
+    q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(5)).astype(dt)
+    cache = TurboQuantCache(bits=bits, window=window, sinks=sinks)
     cache.update_and_fetch(k, v)  # encoded on the CPU path
     ref = cache.attend(q, 0.088)
     fake = EmulatedKernels(tmp_path, backend="cuda").install(monkeypatch)
     got = cache.attend(q, 0.088)
-    assert fake.names == ["velox_decode_attention", "velox_decode_merge_fp16"]
+    nw = dk.mma_warps()
+    mma = dk.mma_spec(nw, dk.mma_sm_blocks(nw), True).name
+    first = "velox_decode_attention" if bits == 3 else mma
+    assert fake.names == [first, "velox_decode_merge_fp16"]
+    assert got.dtype == ref.dtype == dt
     err = np.abs(np.asarray((got - ref).astype(mx.float32))).max()
-    assert err < 2e-3 * np.abs(np.asarray(ref.astype(mx.float32))).max()
+    tol = 2e-3 if dt == mx.float16 else 1e-2  # bf16 outputs: 2^-9 relative rounding
+    assert err < tol * np.abs(np.asarray(ref.astype(mx.float32))).max()

@@ -115,7 +115,8 @@ DECODE = KernelSpec(
 DECODE_MMA = KernelSpec(
     name="velox_decode_attention_mma",
     source="decode_attention_mma.cu",
-    inputs=("q", "kc", "ka", "kb", "vc", "va", "vb"),
+    # kl / vl: a codebook side's levels (KCB / VCB), else unused
+    inputs=("q", "kc", "ka", "kb", "vc", "va", "vb", "kl", "vl"),
     # one float32 workspace: the partials, and with FUSE = 1 the merged result and the counts
     # (mma_layout); one output, so the launch's zero fill (FUSE = 1) is one fill
     outputs=("ws",),
@@ -702,6 +703,26 @@ MMA_SCALE_DTYPES = (mx.float16, mx.bfloat16)
 MMA_HALF_QUERY = (mx.float16, mx.bfloat16)
 
 
+# codebook code widths the tensor-core kernel looks up in registers (KCB / VCB)
+MMA_CODEBOOK_BITS = (2, 4)
+
+
+def _mma_codebook_side(c: Codes, dim: int, key: bool) -> bool:
+    """A codebook side (TurboQuant_mse: one norm a token, ``2**bits`` levels, no residual
+    sketch) the tensor-core kernel lays out: 2 or 4 bits, fp16 or bf16 norms, and a head dim
+    whose rows fill the fold's ldmatrix layout (keys: whole 16-byte segments and 4 words a
+    k-step; values: 8 16-bit units a lane and an even count of 8-unit blocks)."""
+    if c.bits not in MMA_CODEBOOK_BITS or c.signs is not None or c.b is not None:
+        return False
+    if c.a is None or c.a.dtype not in MMA_SCALE_DTYPES or c.a.ndim != 3:
+        return False
+    if c.levels is None or tuple(c.levels.shape) != (1 << c.bits,):
+        return False
+    if key:
+        return dim % (4 * (32 // c.bits)) == 0 and (dim * c.bits) % 128 == 0
+    return dim % (8 * (16 // c.bits)) == 0 and (dim * c.bits // 128) % 2 == 0
+
+
 def _mma_side(c: Codes, dim: int, lane_channels: int) -> bool:
     if c.kind != AFFINE or c.bits not in MMA_BITS or dim % c.group:
         return False
@@ -717,10 +738,21 @@ def mma_supported(m: int, dim: int, keys: Codes, values: Codes) -> bool:
     with float16 or bfloat16 scales and zeros (one dtype a side) on both sides, at most
     :data:`MMA_MAX_ROWS` query rows, a head dim that is a multiple of 16 whose quarter (keys)
     and eighth (values) fill whole code words, and groups that hold whole code words and whole
-    lanes (or lanes whole groups)."""
+    lanes (or lanes whole groups); or codebook codes of 2 or 4 bits with one fp16 or bf16 norm
+    a token (TurboQuant_mse, :func:`_mma_codebook_side`) on either side."""
     if not 1 <= m <= MMA_MAX_ROWS or dim % 16:
         return False
-    return _mma_side(keys, dim, dim // 4) and _mma_side(values, dim, dim // 8)
+    kok = (
+        _mma_codebook_side(keys, dim, True)
+        if keys.kind == CODEBOOK
+        else _mma_side(keys, dim, dim // 4)
+    )
+    vok = (
+        _mma_codebook_side(values, dim, False)
+        if values.kind == CODEBOOK
+        else _mma_side(values, dim, dim // 8)
+    )
+    return kok and vok
 
 
 # static shared memory of one threadgroup (the rest of 48 KiB: row stats and mbarriers)
@@ -1064,7 +1096,9 @@ def mma_template(
     segments a load), the values with ``VFOLD`` in the 16-bit unit layout where a group holds
     8 units (:func:`mma_value_units`; transposing loads hand each lane two tokens' codes in one
     register, so no byte permute). ``KSBF`` / ``VSBF``: a side's scales and zeros are
-    bfloat16 (from ``keys.a`` / ``values.a``; else float16)."""
+    bfloat16 (from ``keys.a`` / ``values.a``; else float16). ``KCB`` / ``VCB``: a side's codes
+    index a codebook's levels (``kind`` :data:`CODEBOOK`: one norm a token, no zeros; it needs
+    that side's fold and ``ldsm``, which :func:`mma_launch` checks)."""
     return [
         ("HD", dim),
         ("KBITS", keys.bits),
@@ -1087,6 +1121,8 @@ def mma_template(
         ("LDSM", int(ldsm)),
         ("KSBF", int(keys.a is not None and keys.a.dtype == mx.bfloat16)),
         ("VSBF", int(values.a is not None and values.a.dtype == mx.bfloat16)),
+        ("KCB", int(keys.kind == CODEBOOK)),
+        ("VCB", int(values.kind == CODEBOOK)),
     ]
 
 
@@ -1140,8 +1176,8 @@ def mma_launch(
         m,
         dim,
         query_dtype,
-        (keys.bits, keys.group, keys.a.dtype),
-        (values.bits, values.group, values.a.dtype),
+        (keys.kind, keys.bits, keys.group, keys.a.dtype),
+        (values.kind, values.bits, values.group, values.a.dtype),
         scale,
         p_residual,
         pipeline,
@@ -1167,8 +1203,8 @@ def _mma_plan(
     m: int,
     dim: int,
     query_dtype: mx.Dtype,
-    kside: tuple[int, int, mx.Dtype],
-    vside: tuple[int, int, mx.Dtype],
+    kside: tuple[int, int, int, mx.Dtype],
+    vside: tuple[int, int, int, mx.Dtype],
     scale: float | None,
     p_residual: bool | None,
     pipeline: bool | None,
@@ -1182,8 +1218,8 @@ def _mma_plan(
     per SM). ``exact``: whether the device takes subnormal MMA operands exactly
     (:func:`mma_subnormals_exact`; both folds need it). ``settings`` (the environment's
     values of :data:`_MMA_SETTINGS`) only keys the cache: the helpers read the same values."""
-    keys = Codes(AFFINE, kside[0], kside[1], None, _dummy(kside[2]))
-    values = Codes(AFFINE, vside[0], vside[1], None, _dummy(vside[2]))
+    keys = Codes(kside[0], kside[1], kside[2], None, _dummy(kside[3]))
+    values = Codes(vside[0], vside[1], vside[2], None, _dummy(vside[3]))
     nwarps = mma_warps()
     sub = mma_subtiles()
     stages = mma_stages(dim, keys, values, nwarps, sub)
@@ -1210,6 +1246,11 @@ def _mma_plan(
         key_fold=exact and (mma_key_fold() if key_fold is None else key_fold),
         ldsm=mma_ldsm(),
     )
+    tm = dict(tmpl)
+    if (tm["KCB"] and not (tm["KFOLD"] and tm["LDSM"])) or (
+        tm["VCB"] and not (tm["VFOLD"] and tm["LDSM"])
+    ):
+        return None  # codebook codes go in only through the folds' ldmatrix layouts
     return mma_spec(nwarps, sm_blocks, out_dtype is None), tuple(tmpl), nwarps, sm_blocks
 
 
@@ -1306,7 +1347,9 @@ def _decode_mma(
         return None
     b, h, m, dim = q.shape
     s, nt = launch.splits, launch.nwarps * 32
-    inputs = [q, keys.codes, keys.a, keys.b, values.codes, values.a, values.b]
+    kc, ka, kb, kl = _mma_inputs(keys)
+    vc, va, vb, vl = _mma_inputs(values)
+    inputs = [q, kc, ka, kb, vc, va, vb, kl, vl]
     grid, tg = (s * nt, b * h, 1), (nt, 1, 1)
     if not fuse:  # the partials as the kernel's two outputs (DECODE_MMA_PARTS): no views
         ml_part, o_part = launch.spec.kernel()(
@@ -1329,6 +1372,16 @@ def _decode_mma(
         init_value=0,
     )
     return lay.merged(ws)
+
+
+def _mma_inputs(c: Codes) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """One side's inputs of the tensor-core kernel: codes, scales, zeros and levels. A codebook
+    side has no zeros: its norms stand in for them (the kernel copies the plane but never
+    reads it), and its levels are float32; an affine side's levels are a dummy."""
+    if c.kind == CODEBOOK:
+        lev = c.levels if c.levels.dtype == mx.float32 else c.levels.astype(mx.float32)
+        return c.codes, c.a, c.a, lev
+    return c.codes, c.a, c.b, _dummy(mx.float32)
 
 
 def _decode_portable(
