@@ -232,7 +232,9 @@ def launcher(
     spec = dataclasses.replace(base, name=f"{base.name}_v{tag}", source="variant:" + variant)
     kernel = spec.kernel()
     tmpl, splits, nt = launch.template, launch.splits, launch.nwarps * 32
-    inputs = [q, keys.codes, keys.a, keys.b, values.codes, values.a, values.b]
+    kc, ka, kb, kl = dk.mma_inputs(keys)
+    vc, va, vb, vl = dk.mma_inputs(values)
+    inputs = [q, kc, ka, kb, vc, va, vb, kl, vl]
     layout = dk.mma_layout(b, h, splits, m, d, out_dtype) if fuse else None
     # merging: one zeroed workspace; else the partials' two outputs, (m, l) and o
     shapes = [(layout.size,)] if fuse else [(b, h, splits, m, 2), (b, h, splits, m, d)]

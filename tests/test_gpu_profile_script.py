@@ -80,6 +80,7 @@ def test_variants_compile(profile, tmp_path):
         k = dk.Codes(dk.AFFINE, 4, 64, mx.zeros((1,), mx.uint32), z, z)
         infos = [ArgInfo("float16", 4, 1 << 20)]
         infos += [ArgInfo(*a) for a in (("uint32", 4, 1 << 20), *[("float16", 4, 1 << 20)] * 2)] * 2
+        infos += [ArgInfo("float32", 1, 16)] * 2  # the codebook levels (dummies here)
         tmpl = dk.mma_template(
             128, k, k, 4, 4, 4, 1, None, mx.float16, False, True, True, mx.float16, key_fold=True
         )

@@ -1561,8 +1561,8 @@ def mma_emulated(tmp_path_factory):
             vals, vd = _codebook_side(vb, (b, h, t, d), vdt, mx.random.key(200 + len(cases)))
         assert dk.mma_supported(m, d, keys, vals)
         stages = dk.mma_stages(d, keys, vals, nw, sub)
-        planes = [*dk._mma_inputs(keys)[:3], *dk._mma_inputs(vals)[:3]]
-        levels = [dk._mma_inputs(keys)[3], dk._mma_inputs(vals)[3]]
+        planes = [*dk.mma_inputs(keys)[:3], *dk.mma_inputs(vals)[:3]]
+        levels = [dk.mma_inputs(keys)[3], dk.mma_inputs(vals)[3]]
         ins = [np_input(q)] + [_padded(x, pad) for x in planes] + [np_input(x) for x in levels]
         pres, pipe = name in P_RESIDUAL, name not in NO_PIPELINE
         fold, ldsm = name not in NO_FOLDS, name not in NO_LDSM

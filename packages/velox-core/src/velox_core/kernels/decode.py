@@ -1347,8 +1347,8 @@ def _decode_mma(
         return None
     b, h, m, dim = q.shape
     s, nt = launch.splits, launch.nwarps * 32
-    kc, ka, kb, kl = _mma_inputs(keys)
-    vc, va, vb, vl = _mma_inputs(values)
+    kc, ka, kb, kl = mma_inputs(keys)
+    vc, va, vb, vl = mma_inputs(values)
     inputs = [q, kc, ka, kb, vc, va, vb, kl, vl]
     grid, tg = (s * nt, b * h, 1), (nt, 1, 1)
     if not fuse:  # the partials as the kernel's two outputs (DECODE_MMA_PARTS): no views
@@ -1374,8 +1374,9 @@ def _decode_mma(
     return lay.merged(ws)
 
 
-def _mma_inputs(c: Codes) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-    """One side's inputs of the tensor-core kernel: codes, scales, zeros and levels. A codebook
+def mma_inputs(c: Codes) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """One side's inputs of the tensor-core kernel (``kc, ka, kb`` or ``vc, va, vb``, then
+    ``kl`` or ``vl``): codes, scales, zeros and levels. A codebook
     side has no zeros: its norms stand in for them (the kernel copies the plane but never
     reads it), and its levels are float32; an affine side's levels are a dummy."""
     if c.kind == CODEBOOK:
