@@ -103,7 +103,9 @@
 // that side's fold and ldmatrix layout: the codes become their fp16 levels by byte permutes on
 // level registers (vx_lut2_pair, vx_lut4_word) where affine codes go in masked; the fold's
 // scale is the norm, the subnormal factors and the zeros' terms drop out; the host passes the
-// norms as the zero plane too, so the copies stay as they are).
+// norms as the zero plane too, so the copies stay as they are; 2: the same with levels the
+// host found symmetric and ascending, L[n - 1 - c] = -L[c]: 4-bit codes looked up in half the
+// table, vx_lut4s_word; 2-bit ones put together without a permute, vx_lut2s_pair).
 // The host (velox_core.kernels.decode.mma_supported) checks the layout: HD / 4 channels of
 // keys and HD / 8 of values fill whole words, and a lane's channels meet whole groups.
 
@@ -189,10 +191,10 @@ const float kmul = KCB ? sout : sout * 16777216.0f;
 // KCB / VCB: the levels as fp16 lookup registers (vx_lut_load)
 unsigned int klut[8], vlut[8];
 if (KCB) {
-  vx_lut_load<KBITS>(klut, kl);
+  vx_lut_load<KBITS, KCB == 2>(klut, kl);
 }
 if (VCB) {
-  vx_lut_load<VBITS>(vlut, vl);
+  vx_lut_load<VBITS, VCB == 2>(vlut, vl);
 }
 
 // ---- each warp's ring of NSTAGE tiles in shared memory, filled with cp.async ------------------
@@ -488,7 +490,8 @@ auto score_step = [&](const unsigned int* st, float (&sc)[NSUB][2][4]) {
           const int lg = KCL > KGROUP ? (wl * KCW) / KGROUP : 0;
           const unsigned int x = pos < 8 ? kw[n][wl] : kw8[n][wl];
           if (KCB) {  // the pair's fp16 levels (4 bits: the word's four pairs, computed once)
-            af[n + 2 * uu] = KBITS == 4 ? vx_lut4_pair(kw[n][wl], jj, klut) : vx_lut2_pair(x, pos & 7, klut);
+            af[n + 2 * uu] = KBITS == 4 ? vx_lut4_pair<KCB == 2>(kw[n][wl], jj, klut)
+                         : KCB == 2 ? vx_lut2s_pair(x, pos & 7, klut) : vx_lut2_pair(x, pos & 7, klut);
             continue;
           }
           af[n + 2 * uu] = KFOLD ? vx_code_sub(x, pos & 7, KBITS)
@@ -770,7 +773,8 @@ for (int k = 0; k < nmine; ++k) {
           const int bit = (ch - blk * VU) * VBITS;
           const unsigned int y = bit < 8 ? vr[u][blk][n] : vr[u][blk][n] >> 8;
           if (VCB) {  // the channel's fp16 levels for both tokens (4 bits: the unit's four, once)
-            af[e] = VBITS == 4 ? vx_lut4_pair(vr[u][blk][n], ch - blk * VU, vlut) : vx_lut2_pair(y, bit & 7, vlut);
+            af[e] = VBITS == 4 ? vx_lut4_pair<VCB == 2>(vr[u][blk][n], ch - blk * VU, vlut)
+                         : VCB == 2 ? vx_lut2s_pair(y, bit & 7, vlut) : vx_lut2_pair(y, bit & 7, vlut);
             continue;
           }
           af[e] = vx_code_sub(y, bit & 7, VBITS);

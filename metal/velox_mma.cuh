@@ -42,9 +42,17 @@ VX_FN __half2 vx_s16h2(const unsigned short* p0, const unsigned short* p1) {
 // in registers with byte permutes. The 2^BITS float32 levels become fp16 once per thread:
 // at 2 bits the four levels as two f16x2 words (r[0] = levels 0, 1; r[1] = 2, 3); at 4 bits
 // the low bytes of the 16 levels in r[0..3] (levels 4i .. 4i + 3 in word i) and their high
-// bytes in r[4..7], since a byte permute picks bytes out of 8.
-template <int BITS>
+// bytes in r[4..7], since a byte permute picks bytes out of 8. SYM (levels the host found
+// symmetric and ascending) at 2 bits: the inner magnitude L[2] in both halves of r[0], and the
+// outer one's fp16 bits less the inner one's (L[3] - L[2] as fp16 bit patterns) in r[1].
+template <int BITS, int SYM>
 VX_FN void vx_lut_load(unsigned int (&r)[8], const float* lev) {
+  if (BITS == 2 && SYM) {
+    const unsigned int u = vx_pack_h2(lev[2], lev[3]);
+    r[0] = (u & 0xffffu) * 0x00010001u;
+    r[1] = (u >> 16) - (u & 0xffffu);
+    return;
+  }
   if (BITS == 2) {
     r[0] = vx_pack_h2(lev[0], lev[1]);
     r[1] = vx_pack_h2(lev[2], lev[3]);
@@ -64,6 +72,14 @@ VX_FN unsigned int vx_lut2_pair(unsigned int x, int o, const unsigned int (&r)[8
   const unsigned int c = (x >> o) & 0x00030003u;           // a at bit 0, b at bit 16
   const unsigned int z = c * 0x22u + 0x00100010u;          // bytes 0 and 2: (2a, 2a + 1), (2b, 2b + 1)
   return __byte_perm(r[0], r[1], __byte_perm(z, 0u, 0x0020u));
+}
+// vx_lut2_pair for symmetric ascending levels (-L3, -L2, L2, L3, which the host checks) without
+// a permute: codes 0 and 3 take the outer magnitude (bits 0 and 1 equal), added to the inner
+// one's bit pattern in each half by one multiply-add, and codes 0 and 1 (bit 1 clear) the sign.
+VX_FN unsigned int vx_lut2s_pair(unsigned int x, int o, const unsigned int (&r)[8]) {
+  const unsigned int outer = ~(x ^ (x >> 1));  // bit 2i: code i is 0 or 3 (once a word)
+  const unsigned int v = ((outer >> o) & 0x00010001u) * r[1] + r[0];
+  return v ^ (~(x << (14 - o)) & 0x80008000u);  // bits o + 1 (clear: negative) to 15 and 31
 }
 // 4-bit codes: a word's 8 codes (a0..a3 in the low half, b0..b3 in the high half) as the four
 // f16x2 pairs out[j] = (L[a_j], L[b_j]), the pairs a fragment takes (a key word's channels j
@@ -89,10 +105,37 @@ VX_FN void vx_lut4_word(unsigned int x, const unsigned int (&r)[8], unsigned int
   out[2] = __byte_perm(x23, y23, 0x5140u);
   out[3] = __byte_perm(x23, y23, 0x7362u);
 }
-// pair j of vx_lut4_word (the compiler computes a word's lookups once for its four pairs)
+// vx_lut4_word for a symmetric codebook (L[15 - c] = -L[c] in fp16, which the host checks):
+// L[c] = N[k] for c < 8 and -N[k] for c >= 8, with k = c ^ (7 if bit 3 of c) and N the levels
+// 0..7 (their low bytes in r[0..1], high bytes in r[4..5], as vx_lut_load leaves them). One
+// permute first orders the word's codes a0 a1 b0 b1 | a2 a3 b2 b3 (nibbles), so that one
+// lookup a byte plane and half covers two output pairs; the codes' bits 3, moved to the tops
+// of the high bytes by one permute a half, flip the signs; four permutes interleave the low
+// and high bytes into the pairs. 19 instructions a word (11 PRMTs).
+VX_FN void vx_lut4s_word(unsigned int x, const unsigned int (&r)[8], unsigned int (&out)[4]) {
+  const unsigned int y = __byte_perm(x, 0u, 0x3120u);  // bytes (a1 a0) (b1 b0) (a3 a2) (b3 b2)
+  const unsigned int k = (y ^ (((y >> 3) & 0x11111111u) * 7u)) & 0x77777777u;
+  const unsigned int kh = k >> 16;
+  const unsigned int y4 = y << 4;  // bits 3 of nibbles 0, 2 (4, 6) at the tops of bytes 0, 1 (2, 3)
+  const unsigned int lo01 = __byte_perm(r[0], r[1], k);   // lo a0, lo a1, lo b0, lo b1
+  const unsigned int lo23 = __byte_perm(r[0], r[1], kh);  // lo a2, lo a3, lo b2, lo b3
+  const unsigned int hi01 = __byte_perm(r[4], r[5], k) ^ (__byte_perm(y4, y, 0x5140u) & 0x80808080u);
+  const unsigned int hi23 = __byte_perm(r[4], r[5], kh) ^ (__byte_perm(y4, y, 0x7362u) & 0x80808080u);
+  out[0] = __byte_perm(lo01, hi01, 0x6240u);  // lo a0, hi a0, lo b0, hi b0
+  out[1] = __byte_perm(lo01, hi01, 0x7351u);
+  out[2] = __byte_perm(lo23, hi23, 0x6240u);
+  out[3] = __byte_perm(lo23, hi23, 0x7351u);
+}
+// pair j of vx_lut4_word (SYM: vx_lut4s_word; the compiler computes a word's lookups once for
+// its four pairs)
+template <int SYM>
 VX_FN unsigned int vx_lut4_pair(unsigned int x, int j, const unsigned int (&r)[8]) {
   unsigned int out[4];
-  vx_lut4_word(x, r, out);
+  if (SYM) {
+    vx_lut4s_word(x, r, out);
+  } else {
+    vx_lut4_word(x, r, out);
+  }
   return out[j];
 }
 

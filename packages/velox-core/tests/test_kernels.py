@@ -474,11 +474,12 @@ def test_the_shim_catches_a_broken_body(tmp_path):
 
 def _mma_codes(bits: int, group: int, dtype=mx.float16) -> dk.Codes:
     """An affine side's shape for the launch plan; ``group`` 0: a codebook side (one norm a
-    token, ``2**bits`` levels) of head dim 128."""
-    if group == 0:
+    token, ``2**bits`` levels) of head dim 128, -1: one with symmetric levels."""
+    if group <= 0:
         lev = mx.zeros((1 << bits,), mx.float32)
         norm = mx.zeros((1, 1, 1), dtype)
-        return dk.Codes(dk.CODEBOOK, bits, 128, mx.zeros((1,), mx.uint32), norm, None, lev)
+        u32 = mx.zeros((1,), mx.uint32)
+        return dk.Codes(dk.CODEBOOK, bits, 128, u32, norm, None, lev, symmetric=group < 0)
     z = mx.zeros((1,), dtype)
     return dk.Codes(dk.AFFINE, bits, group, mx.zeros((1,), mx.uint32), z, z)
 
@@ -502,9 +503,10 @@ def _mma_variants():
         # bfloat16 scales (a bfloat16 model's cache): both sides merged, and on the keys alone
         (4, 4, 4, 64, 64, 4, 2, bf, "bfloat16", bf, bf),
         (2, 4, 4, 64, 64, 4, 1, bf, None, bf, H16),
-        # codebook codes (group 0: TurboQuant_mse's levels and norms), both sides or one
-        (4, 4, 4, 0, 0, 4, 2, H16, None),
-        (2, 2, 4, 0, 0, 4, 2, bf, "bfloat16", bf, bf),
+        # codebook codes (group 0: TurboQuant_mse's levels and norms; -1: symmetric levels,
+        # half-table lookups), both sides or one
+        (4, 4, 4, -1, -1, 4, 2, H16, None),
+        (2, 2, 4, -1, 0, 4, 2, bf, "bfloat16", bf, bf),
         (4, 4, 8, 0, 64, 4, 2, F32, None),
     ):
         ks, vs = sdt or (H16, H16)
@@ -562,6 +564,34 @@ def test_mma_kernel_takes_only_the_shapes_it_lays_out():
     prod = dk.Codes(dk.CODEBOOK, 4, 128, u32, norm, None, lev, signs=u32, rnorm=norm)
     assert not ok(4, 128, prod, _mma_codes(4, 0))  # a residual sketch (TurboQuant_prod)
     assert not ok(4, 64, _mma_codes(4, 64), dk.Codes(dk.CODEBOOK, 2, 64, u32, norm, None, lev[:4]))
+
+
+def test_symmetric_levels_are_found_on_the_host_and_vouched_for_codebooks_only():
+    """``levels_symmetric`` holds for Lloyd-Max levels (symmetric laws) and fails for a level
+    that differs from its mirror after rounding to fp16; ``Codes.symmetric`` picks the
+    half-table lookups of 4-bit codebook codes only, and is refused on affine codes."""
+    from velox_core.ops import lloyd_max_gaussian, lloyd_max_sphere
+
+    for cb in (lloyd_max_sphere(4, 128), lloyd_max_sphere(2, 64), lloyd_max_gaussian(4)):
+        assert dk.levels_symmetric(cb.centroids)
+    lev = lloyd_max_sphere(4, 128).centroids.copy()
+    lev[3] *= np.float32(1 + 1e-5)  # a float32 change that fp16 rounds away
+    assert dk.levels_symmetric(lev)
+    lev[3] *= np.float32(1.01)
+    assert not dk.levels_symmetric(lev)
+    assert not dk.levels_symmetric(np.arange(16, dtype=np.float32))
+    assert not dk.levels_symmetric(np.array([-1.0, -3.0, 3.0, 1.0], np.float32))  # unsorted
+    assert not dk.levels_symmetric(np.array([-1e5, -1.0, 1.0, 1e5], np.float32))  # fp16 inf
+    cb4 = dataclasses.replace(_mma_codes(4, 0), symmetric=True)
+    cb2 = dataclasses.replace(_mma_codes(2, 0), symmetric=True)
+    modes = [dk._codebook_mode(c) for c in (_mma_codes(4, 64), _mma_codes(4, 0), cb4, cb2)]
+    assert modes == [0, 1, 2, 2]
+    k = mx.zeros((1, 1, 8, 16), mx.uint32)
+    s = mx.ones((1, 1, 8, 2), mx.float16)
+    bad = dk.Codes(dk.AFFINE, 4, 64, k, s, s, symmetric=True)
+    good = dk.Codes(dk.AFFINE, 4, 64, k, s, s)
+    with pytest.raises(ValueError, match="codebook codes only"):
+        dk.decode_attention(mx.zeros((1, 1, 1, 128)), bad, good)
 
 
 def test_env_setting_reads_the_environment_as_os_environ(monkeypatch):
@@ -1428,6 +1458,12 @@ MMA_CASES = {
     "cb4-keys-affine4-values-merged": (1, 2, 140, 4, 4, 4, 0, 64, 4, 2, 2, 0),
     "affine2-keys-cb2-values-gqa8": (1, 1, 120, 8, 2, 2, 64, 0, 2, 2, 2, 0),
     "cb4-keys-cb2-values-one-token": (1, 2, 1, 4, 4, 2, 0, 0, 4, 1, 1, 0),
+    # symmetric levels (Lloyd-Max's, KCB / VCB 2: 4 bits in half the table, 2 bits without
+    # permutes)
+    "cb4-symmetric-bf16-norms-strided": (2, 2, 130, 4, 4, 4, 0, 0, 4, 2, 2, 5),
+    "cb4-symmetric-keys-general-values-merged": (1, 2, 140, 4, 4, 4, 0, 0, 4, 1, 3, 0),
+    "cb2-symmetric-keys-and-values-strided": (2, 2, 130, 4, 2, 2, 0, 0, 4, 2, 2, 3),
+    "cb2-symmetric-keys-cb4-values-gqa8": (1, 1, 120, 8, 2, 4, 0, 0, 2, 2, 2, 0),
 }
 # which sides hold codebook codes (keys, values)
 CODEBOOK_SIDES = {
@@ -1436,6 +1472,17 @@ CODEBOOK_SIDES = {
     "cb4-keys-affine4-values-merged": (True, False),
     "affine2-keys-cb2-values-gqa8": (False, True),
     "cb4-keys-cb2-values-one-token": (True, True),
+    "cb4-symmetric-bf16-norms-strided": (True, True),
+    "cb4-symmetric-keys-general-values-merged": (True, True),
+    "cb2-symmetric-keys-and-values-strided": (True, True),
+    "cb2-symmetric-keys-cb4-values-gqa8": (True, True),
+}
+# the codebook sides whose levels are symmetric (keys, values): KCB / VCB 2
+SYMMETRIC_SIDES = {
+    "cb4-symmetric-bf16-norms-strided": (True, True),
+    "cb4-symmetric-keys-general-values-merged": (True, False),
+    "cb2-symmetric-keys-and-values-strided": (True, True),
+    "cb2-symmetric-keys-cb4-values-gqa8": (True, False),
 }
 # the inputs' dtype per side where not float16 (keys, values): the scales' dtype follows it
 BF16_SIDES = {
@@ -1443,6 +1490,7 @@ BF16_SIDES = {
     "2bit-bf16-no-folds": ("bfloat16", "bfloat16"),
     "k4-bf16-v2-fp16-byte-values": ("bfloat16", "float16"),
     "cb2-bf16-norms-strided": ("bfloat16", "bfloat16"),
+    "cb4-symmetric-bf16-norms-strided": ("bfloat16", "bfloat16"),
 }
 # head dims other than 128 (the lanes' channel blocks, m-tiles and groups scale with it)
 MMA_DIMS = {
@@ -1472,6 +1520,7 @@ FUSED = {
     "two-rows-merge-in-chunks",
     "4bit-bf16-folds-merged",  # a bfloat16 query and output
     "cb4-keys-affine4-values-merged",
+    "cb4-symmetric-keys-general-values-merged",
 }
 FUSE_CHUNK = {"two-rows-merge-in-chunks": 4}  # the splits' weights 4 at a time (9 splits)
 NO_PIPELINE = {"4bit-no-pipeline"}
@@ -1489,15 +1538,21 @@ NO_LDSM = {
 }
 
 
-def _codebook_side(bits: int, shape, dtype, key):
+def _codebook_side(bits: int, shape, dtype, key, symmetric: bool = False):
     """A codebook record as the kernels read it (random codes, norms and unsorted-sign,
-    non-symmetric levels: nothing the lookup may assume) and its float32 decode with the
-    levels rounded to fp16, as the tensor-core kernel holds them."""
+    non-symmetric levels: nothing the lookup may assume; ``symmetric``: levels with
+    ``L[n - 1 - c] = -L[c]``, vouched for) and its float32 decode with the levels rounded to
+    fp16, as the tensor-core kernel holds them."""
     k1, k2, k3 = mx.random.split(key, 3)
     codes = mx.random.randint(0, 1 << bits, shape, key=k1).astype(mx.uint32)
     norm = mx.random.uniform(0.5, 2.0, shape[:-1], key=k2).astype(dtype)
     levels = mx.sort(mx.random.normal((1 << bits,), key=k3)) * 0.2 + 0.01
-    side = dk.Codes(dk.CODEBOOK, bits, shape[-1], pack(codes, bits), norm, None, levels)
+    if symmetric:
+        levels = (levels - levels[::-1]) / 2
+        assert dk.levels_symmetric(np.asarray(levels))
+    side = dk.Codes(
+        dk.CODEBOOK, bits, shape[-1], pack(codes, bits), norm, None, levels, symmetric=symmetric
+    )
     lev16 = levels.astype(mx.float16).astype(mx.float32)
     return side, lev16[codes.astype(mx.int32)] * norm.astype(mx.float32)[..., None]
 
@@ -1550,15 +1605,18 @@ def mma_emulated(tmp_path_factory):
         elif name in BF16_SIDES:
             q = q.astype(mx.bfloat16)
         kcb, vcb = CODEBOOK_SIDES.get(name, (False, False))
+        ksym, vsym = SYMMETRIC_SIDES.get(name, (False, False))
         kc, vc = Uniform(kb, group=kg or 64), Uniform(vb, group=vg or 64)
         kp, vp = kc.encode(k), vc.encode(v)
         keys = dk.Codes(dk.AFFINE, kb, kg, kp.data["codes"], kp.data["scale"], kp.data["zero"])
         vals = dk.Codes(dk.AFFINE, vb, vg, vp.data["codes"], vp.data["scale"], vp.data["zero"])
         kd, vd = kc.decode(kp).astype(mx.float32), vc.decode(vp).astype(mx.float32)
         if kcb:
-            keys, kd = _codebook_side(kb, (b, h, t, d), kdt, mx.random.key(100 + len(cases)))
+            kkey = mx.random.key(100 + len(cases))
+            keys, kd = _codebook_side(kb, (b, h, t, d), kdt, kkey, ksym)
         if vcb:
-            vals, vd = _codebook_side(vb, (b, h, t, d), vdt, mx.random.key(200 + len(cases)))
+            vkey = mx.random.key(200 + len(cases))
+            vals, vd = _codebook_side(vb, (b, h, t, d), vdt, vkey, vsym)
         assert dk.mma_supported(m, d, keys, vals)
         stages = dk.mma_stages(d, keys, vals, nw, sub)
         planes = [*dk.mma_inputs(keys)[:3], *dk.mma_inputs(vals)[:3]]
@@ -1571,7 +1629,7 @@ def mma_emulated(tmp_path_factory):
         tm = dict(tmpl)
         assert tm["QLO"] == (0 if name in FP16_QUERY or name in BF16_SIDES else 1)
         assert (tm["KSBF"], tm["VSBF"]) == (kdt == mx.bfloat16, vdt == mx.bfloat16)
-        assert (tm["KCB"], tm["VCB"]) == (kcb, vcb)
+        assert (tm["KCB"], tm["VCB"]) == (kcb + ksym, vcb + vsym)
         assert not (kcb and not tm["KFOLD"]) and not (vcb and not tm["VFOLD"])
         assert tm["PIPE"] == int(pipe and not pres and stages >= 3)
         # 8 16-bit units (LDSM), else 8 words at 4 and 8 bits, 8 bytes at 2

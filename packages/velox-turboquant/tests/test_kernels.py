@@ -197,8 +197,9 @@ def test_cache_on_an_emulated_cuda_gpu_rotates_back_in_the_merge(
     monkeypatch, tmp_path, bits, window, sinks, dtype
 ):
     """The CUDA instantiations, emulated: a TurboQuantCache attends its codes through the
-    tensor-core kernel at 2 and 4 bits (the Lloyd-Max levels looked up in registers, the
-    norms folded like scales; a bf16 model's bf16 norms too) and through the portable kernel
+    tensor-core kernel at 2 and 4 bits (the Lloyd-Max levels, symmetric, looked up in
+    registers: at 4 bits in half the table, at 2 bits without permutes; the norms folded like
+    scales; a bf16 model's bf16 norms too) and through the portable kernel
     at 3 bits, then the fused merge rotates the codes' partial back and joins the sinks and
     window: two launches, matching the reference path."""
     from velox_core.kernels import decode as dk
@@ -215,6 +216,9 @@ def test_cache_on_an_emulated_cuda_gpu_rotates_back_in_the_merge(
     mma = dk.mma_spec(nw, dk.mma_sm_blocks(nw), True).name
     first = "velox_decode_attention" if bits == 3 else mma
     assert fake.names == [first, "velox_decode_merge_fp16"]
+    if bits != 3:  # Lloyd-Max levels are symmetric: the kernel's symmetric lookups
+        tm = dict(fake.calls[0][1])
+        assert (tm["KCB"], tm["VCB"]) == (2, 2)
     assert got.dtype == ref.dtype == dt
     err = np.abs(np.asarray((got - ref).astype(mx.float32))).max()
     tol = 2e-3 if dt == mx.float16 else 1e-2  # bf16 outputs: 2^-9 relative rounding

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from .. import kernels as _kernels  # backend() looked up per call (tests report another)
 from . import env_setting
@@ -194,6 +195,12 @@ class Codes:
             ``codes`` holds the ``m`` sign bits ``(B, H, T, m/32)``, ``a`` the norms
             ``(B, H, T)``, ``b`` the outlier parts' norms (None without outliers), ``bits``
             is 1 and ``group`` the tokens per outlier block (1 without outliers).
+        symmetric: codebook only: the caller vouches that the levels are ascending and
+            ``levels[2**bits - 1 - c] == -levels[c]`` in fp16 (Lloyd-Max levels of a law
+            symmetric about 0, checked on the host once per codebook:
+            :func:`levels_symmetric`); the tensor-core kernel then looks 4-bit codes up in
+            half the table and forms 2-bit ones without a permute (``KCB`` / ``VCB`` 2).
+            False: any levels.
     """
 
     kind: int
@@ -206,6 +213,20 @@ class Codes:
     signs: mx.array | None = None
     rnorm: mx.array | None = None
     sketch: SketchKeys | None = None
+    symmetric: bool = False
+
+
+def levels_symmetric(levels) -> bool:
+    """Whether codebook ``levels`` (host values: a numpy array or a list of floats) are
+    ascending and symmetric about 0 in fp16, ``fp16(L[n - 1 - c]) == -fp16(L[c])`` for every
+    code ``c``: what :attr:`Codes.symmetric` vouches for. One host check per codebook; never
+    on a device array in a decode step (it would wait for the device)."""
+    lev = np.asarray(levels, dtype=np.float32).reshape(-1)
+    with np.errstate(over="ignore"):  # past fp16's range: infinite, refused below
+        half = lev.astype(np.float16)
+    if lev.size < 2 or not np.all(np.isfinite(half)) or np.any(np.diff(half) < 0):
+        return False
+    return bool(np.array_equal(half[::-1], -half))
 
 
 @dataclass(frozen=True)
@@ -605,6 +626,8 @@ def _check_vq(name: str, c: Codes, b: int, h: int, t: int, dim: int) -> None:
 
 
 def _check(name: str, c: Codes, b: int, h: int, t: int, dim: int) -> None:
+    if c.symmetric and c.kind != CODEBOOK:
+        raise ValueError(f"decode_attention: {name} symmetric=True is for codebook codes only")
     if c.kind == VQ:
         _check_vq(name, c, b, h, t, dim)
         return
@@ -721,6 +744,14 @@ def _mma_codebook_side(c: Codes, dim: int, key: bool) -> bool:
     if key:
         return dim % (4 * (32 // c.bits)) == 0 and (dim * c.bits) % 128 == 0
     return dim % (8 * (16 // c.bits)) == 0 and (dim * c.bits // 128) % 2 == 0
+
+
+def _codebook_mode(c: Codes) -> int:
+    """``KCB`` / ``VCB``: 0 affine, 1 codebook, 2 a codebook the caller vouches is symmetric
+    (:attr:`Codes.symmetric`: 4 bits in half the table, 2 bits without permutes)."""
+    if c.kind != CODEBOOK:
+        return 0
+    return 2 if c.symmetric else 1
 
 
 def _mma_side(c: Codes, dim: int, lane_channels: int) -> bool:
@@ -1121,8 +1152,8 @@ def mma_template(
         ("LDSM", int(ldsm)),
         ("KSBF", int(keys.a is not None and keys.a.dtype == mx.bfloat16)),
         ("VSBF", int(values.a is not None and values.a.dtype == mx.bfloat16)),
-        ("KCB", int(keys.kind == CODEBOOK)),
-        ("VCB", int(values.kind == CODEBOOK)),
+        ("KCB", _codebook_mode(keys)),
+        ("VCB", _codebook_mode(values)),
     ]
 
 
@@ -1176,8 +1207,8 @@ def mma_launch(
         m,
         dim,
         query_dtype,
-        (keys.kind, keys.bits, keys.group, keys.a.dtype),
-        (values.kind, values.bits, values.group, values.a.dtype),
+        (keys.kind, keys.bits, keys.group, keys.a.dtype, keys.symmetric),
+        (values.kind, values.bits, values.group, values.a.dtype, values.symmetric),
         scale,
         p_residual,
         pipeline,
@@ -1203,8 +1234,8 @@ def _mma_plan(
     m: int,
     dim: int,
     query_dtype: mx.Dtype,
-    kside: tuple[int, int, int, mx.Dtype],
-    vside: tuple[int, int, int, mx.Dtype],
+    kside: tuple[int, int, int, mx.Dtype, bool],
+    vside: tuple[int, int, int, mx.Dtype, bool],
     scale: float | None,
     p_residual: bool | None,
     pipeline: bool | None,
@@ -1218,8 +1249,8 @@ def _mma_plan(
     per SM). ``exact``: whether the device takes subnormal MMA operands exactly
     (:func:`mma_subnormals_exact`; both folds need it). ``settings`` (the environment's
     values of :data:`_MMA_SETTINGS`) only keys the cache: the helpers read the same values."""
-    keys = Codes(kside[0], kside[1], kside[2], None, _dummy(kside[3]))
-    values = Codes(vside[0], vside[1], vside[2], None, _dummy(vside[3]))
+    keys = Codes(kside[0], kside[1], kside[2], None, _dummy(kside[3]), symmetric=kside[4])
+    values = Codes(vside[0], vside[1], vside[2], None, _dummy(vside[3]), symmetric=vside[4])
     nwarps = mma_warps()
     sub = mma_subtiles()
     stages = mma_stages(dim, keys, values, nwarps, sub)
