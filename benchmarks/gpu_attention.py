@@ -722,6 +722,20 @@ def section_checks(quick: bool) -> None:
         lambda: TurboQuantCache(bits=3, key_variant="prod", window=16, sinks=4),
         t=1200 if quick else 5000,
     )
+    # TurboQuant_mse's 2/4-bit codes through the tensor-core kernel (4 bits: the symmetric
+    # levels' half-table lookups), against the reference path's float32 levels
+    cache_check(
+        "TurboQuantCache 4-bit window+sinks",
+        lambda: TurboQuantCache(bits=4, window=32, sinks=4),
+        t=1200 if quick else 5000,
+    )
+    cache_check(
+        "TurboQuantCache 2-bit bf16",
+        lambda: TurboQuantCache(bits=2),
+        t=1200 if quick else 40_961,
+        tol=1e-2,
+        dtype=mx.bfloat16,
+    )
     for bits in (2, 3, 4, 5, 8):
         encode_check(f"uniform{bits} encode fp16 (bit exact)", Uniform(bits))
     encode_check("uniform4 encode bf16 clip 0.9 (bit exact)", Uniform(4, clip=0.9), mx.bfloat16)
@@ -911,6 +925,18 @@ def make_methods(
 
             nb = kp.nbytes + vp.nbytes + qbytes
             methods.append((f"velox turboquant{bits} portable", bits, tq_portable, nb))
+            # the lookups of any levels, which the symmetric levels' replaced (KCB / VCB 1)
+            import velox_turboquant.kernels as tqk
+
+            def tq_general(call=call, tqk=tqk):
+                saved = tqk._symmetric
+                tqk._symmetric = lambda quant: False
+                try:
+                    return call()
+                finally:
+                    tqk._symmetric = saved
+
+            methods.append((f"velox turboquant{bits} general levels", bits, tq_general, nb))
     if qjl:
         from velox_core import Uniform
         from velox_qjl import QJL

@@ -70,10 +70,11 @@ def build(args) -> tuple[str, list[tuple[str, object]]]:
 
     def codes(bits: int, group: int) -> dk.Codes:  # 16 tokens of zeros: only shapes matter
         words = mx.zeros((1, 1, 16, args.dim * bits // 32), mx.uint32)
-        if group == 0:  # codebook codes (TurboQuant_mse): one norm a token, 2**bits levels
+        if group <= 0:  # codebook codes (TurboQuant_mse): one norm a token, 2**bits levels
             lev = mx.zeros((1 << bits,), mx.float32)
             norm = mx.zeros((1, 1, 16), mx.float16)
-            return dk.Codes(dk.CODEBOOK, bits, args.dim, words, norm, None, lev)
+            sym = group < 0  # symmetric levels (Lloyd-Max's): half-table lookups at 4 bits
+            return dk.Codes(dk.CODEBOOK, bits, args.dim, words, norm, None, lev, symmetric=sym)
         z = mx.zeros((1, 1, 16, args.dim // group), mx.float16)
         return dk.Codes(
             dk.AFFINE, bits, group, mx.zeros((1, 1, 16, args.dim * bits // 32), mx.uint32), z, z
@@ -102,8 +103,15 @@ def main() -> int:
     p.add_argument("--bits", type=int, default=4, help="key and value bits (2, 4 or 8)")
     p.add_argument("--kbits", type=int, default=None)
     p.add_argument("--vbits", type=int, default=None)
-    p.add_argument("--kgroup", type=int, default=64, help="0: codebook keys (TurboQuant_mse)")
-    p.add_argument("--vgroup", type=int, default=64, help="0: codebook values")
+    p.add_argument(
+        "--kgroup",
+        type=int,
+        default=64,
+        help="0: codebook keys (TurboQuant_mse), -1: symmetric levels",
+    )
+    p.add_argument(
+        "--vgroup", type=int, default=64, help="0: codebook values, -1: symmetric levels"
+    )
     p.add_argument("--rows", type=int, default=4, help="query rows per KV head")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--query", default="float16", choices=("float16", "float32", "bfloat16"))
