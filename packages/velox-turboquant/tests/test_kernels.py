@@ -18,7 +18,7 @@ import pytest
 import velox_core.kernels as vk
 from velox_core import Packed, Uniform
 from velox_core.cache.attention import Segment, partial
-from velox_core.kernels.emulate import EmulatedKernels
+from velox_core.kernels.emulate import EmulatedKernels, emulated_or_skip
 from velox_core.testing import kv_data
 from velox_turboquant import TurboQuant, TurboQuantCache
 
@@ -37,10 +37,7 @@ def records(bits, t=200, key_variant="mse", seed=0, value_variant="mse"):
 
 @pytest.fixture
 def emulated_gpu(monkeypatch, tmp_path):
-    if shutil.which("g++") is None:
-        pytest.skip("g++ is not installed: the kernels cannot be emulated")
-    fake = EmulatedKernels(tmp_path).install(monkeypatch)
-    return fake
+    return emulated_or_skip(monkeypatch, tmp_path)
 
 
 def test_attend_partial_is_none_on_the_cpu():

@@ -21,7 +21,7 @@ import velox_core.kernels as vk
 from velox_core import Uniform
 from velox_core.cache.attention import Segment, partial
 from velox_core.kernels import decode as dk
-from velox_core.kernels.emulate import EmulatedKernels
+from velox_core.kernels.emulate import EmulatedKernels, emulated_or_skip
 from velox_core.testing import kv_data
 from velox_vecinfer import VecInfer, VecInferCache
 from velox_vecinfer.kernels import kernel_side
@@ -51,9 +51,7 @@ def records(name, t=256, seed=0):
 
 @pytest.fixture
 def emulated_gpu(monkeypatch, tmp_path):
-    if shutil.which("g++") is None:
-        pytest.skip("g++ is not installed: the kernels cannot be emulated")
-    return EmulatedKernels(tmp_path).install(monkeypatch)
+    return emulated_or_skip(monkeypatch, tmp_path)
 
 
 def test_attend_partial_is_none_on_the_cpu():

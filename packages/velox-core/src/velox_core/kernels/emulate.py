@@ -75,6 +75,17 @@ def compiler() -> str | None:
     return shutil.which(cxx)
 
 
+def emulated_or_skip(monkeypatch, tmp_path: Path, backend: str = "metal") -> EmulatedKernels:
+    """One test's kernel launches sent to the emulator (:meth:`EmulatedKernels.install`,
+    working in ``tmp_path``), or the test skipped (``pytest.skip``) where no C++ compiler is
+    installed: the fixture the method packages' kernel tests share."""
+    import pytest
+
+    if compiler() is None:
+        pytest.skip("no C++ compiler (g++ or $CXX): the kernels cannot be emulated")
+    return EmulatedKernels(tmp_path, backend=backend).install(monkeypatch)
+
+
 def shim_dir() -> Path:
     """``metal/shim`` of the repository checkout."""
     for d in _source_dirs("velox_core"):
