@@ -24,7 +24,8 @@ Sections (each guarded: a failure is printed with its traceback and the run goes
      ratio against fp16 SDPA's device time in the same child (bf16 rows: the same K/V and
      query in bf16, a bf16 model's cache, also against bf16 SDPA's).
   c. end to end: decode tokens/s of the reference model (shared/reference-model) at a 32k
-     context, fp16 KVCache vs mlx-lm QuantizedKVCache 4-bit vs velox UniformCache 4-bit:
+     context, fp16 KVCache vs mlx-lm QuantizedKVCache 4-bit vs velox UniformCache 4-bit and
+     TurboQuantCache 4-bit:
      step by step (building each step's graph, then evaluating it; the building time is
      reported) and as mlx-lm's ``generate_step`` runs (the next step built while the device
      evaluates this one).
@@ -1422,9 +1423,15 @@ def section_e2e(quick: bool) -> None:
     def velox_u4():
         return velox_core.make_cache(model, default=UniformCache(bits=4))
 
+    def velox_tq4():
+        from velox_turboquant import TurboQuantCache
+
+        return velox_core.make_cache(model, default=TurboQuantCache(bits=4))
+
     for name, make in (
         ("fp16 KVCache", fp16),
         ("velox UniformCache 4-bit", velox_u4),
+        ("velox TurboQuantCache 4-bit", velox_tq4),
         ("mlx-lm QuantizedKVCache q4", mlx_q4),
     ):
         if over_budget(f"e2e {name}"):
