@@ -107,7 +107,9 @@ class RandomizedHadamard:
             self.perm = self.inv_perm = None
 
     def forward(self, x: mx.array) -> mx.array:
-        y = x.astype(mx.float32) * self.signs
+        # x * signs promotes x to float32 in the multiply itself (exact: a sign flip of a
+        # float16 or bfloat16 value), one launch instead of a cast and a multiply
+        y = x * self.signs
         if self.perm is not None:
             y = mx.take(y, self.perm, axis=-1)
         return hadamard(y, self.block)
