@@ -652,16 +652,11 @@ def section_checks(quick: bool) -> None:
             m,
             seed=60 + m,
         )
-    cache_check(
-        "VecInferCache (window 128, 4 sinks)",
-        lambda: VecInferCache(window=128, sinks=4, iters=8),
-        t=1200 if quick else 5000,
-    )
-    cache_check(
-        "VecInferCache (no fp16 segments)",
-        lambda: VecInferCache(iters=8),
-        t=1200 if quick else 5000,
-    )
+    for name, kw in (
+        ("VecInferCache (window 128, 4 sinks)", {"window": 128, "sinks": 4}),
+        ("VecInferCache (no fp16 segments)", {}),
+    ):
+        cache_check(name, lambda kw=kw: VecInferCache(iters=8, **kw), t=1200 if quick else 5000)
     cache_check(
         "UniformCache 4-bit window+sinks (buffer slice)",
         lambda: UniformCache(bits=4, window=32, sinks=4),
@@ -713,23 +708,17 @@ def section_checks(quick: bool) -> None:
                 lambda bits=bits: UniformCache(bits=bits),
                 t=t,
             )
-    cache_check(
-        "TurboQuantCache 3-bit (buffer slice)",
-        lambda: TurboQuantCache(bits=3, window=16),
-        t=1200 if quick else 5000,
-    )
-    cache_check(
-        "TurboQuantCache 3-bit prod keys (buffer slice)",
-        lambda: TurboQuantCache(bits=3, key_variant="prod", window=16, sinks=4),
-        t=1200 if quick else 5000,
-    )
-    # TurboQuant_mse's 2/4-bit codes through the tensor-core kernel (4 bits: the symmetric
-    # levels' half-table lookups), against the reference path's float32 levels
-    cache_check(
-        "TurboQuantCache 4-bit window+sinks",
-        lambda: TurboQuantCache(bits=4, window=32, sinks=4),
-        t=1200 if quick else 5000,
-    )
+    # 3 bits: the portable kernel; 4 bits (and 2, below): the tensor-core kernel with the
+    # symmetric levels' lookups, against the reference path's float32 levels
+    for name, kw in (
+        ("TurboQuantCache 3-bit (buffer slice)", {"bits": 3, "window": 16}),
+        (
+            "TurboQuantCache 3-bit prod keys (buffer slice)",
+            {"bits": 3, "key_variant": "prod", "window": 16, "sinks": 4},
+        ),
+        ("TurboQuantCache 4-bit window+sinks", {"bits": 4, "window": 32, "sinks": 4}),
+    ):
+        cache_check(name, lambda kw=kw: TurboQuantCache(**kw), t=1200 if quick else 5000)
     cache_check(
         "TurboQuantCache 2-bit bf16",
         lambda: TurboQuantCache(bits=2),
