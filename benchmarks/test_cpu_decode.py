@@ -77,3 +77,58 @@ def test_encode_one_token(benchmark, bits):
     codec = Uniform(bits)
     x = mx.random.normal((1, H_KV, 1, D)).astype(mx.float16)
     _bench(benchmark, lambda: codec.encode(x).arrays())
+
+
+@pytest.mark.benchmark(group="decode-step-host")
+@pytest.mark.parametrize("name", ["fp16", "velox-uniform4", "velox-turboquant4"])
+def test_decode_step_host_time(benchmark, kv, name):
+    """Host time of one layer's decode step as a GPU runs it: the cache update of one token
+    and the attention call built (not evaluated) on the CUDA code path, velox's kernel calls
+    stubbed (``host_profile.stubbed_kernels``: zeroed outputs of the shapes they ask for), the
+    cache routed as under ``velox_core.routed``. The fp16 row stubs SDPA the same way (one
+    zeroed output: on a GPU it is one fused primitive, on the CPU a graph of many ops), so
+    both sides count their caches' bookkeeping and the building of their calls. A small
+    model's decode step is this time (see docs/performance.md, What is left); each round's
+    graph is evaluated before the next."""
+    from host_profile import stubbed_kernels
+    from mlx_lm.models.cache import KVCache
+
+    import velox_core
+
+    k, v = kv
+    q = mx.random.normal((1, H_Q, 1, D)).astype(mx.float16)
+    k1 = mx.random.normal((1, H_KV, 1, D)).astype(mx.float16)
+    mx.eval(q, k1)
+    scale = D**-0.5
+    if name == "fp16":
+        cache = KVCache()
+        cache.update_and_fetch(k, v)
+
+        def step():
+            kk, vv = cache.update_and_fetch(k1, k1)
+            return [kk, vv, mx.zeros(q.shape, q.dtype)]  # SDPA stubbed: one output
+
+    else:
+        if name == "velox-turboquant4":
+            from velox_turboquant import TurboQuantCache
+
+            cache = _filled(TurboQuantCache(bits=4), k, v)
+        else:
+            cache = _filled(UniformCache(bits=4), k, v)
+        cache.fetch_decoded = False  # as make_cache sets it for mlx-lm's llama-like models
+
+        def step():
+            cache.update_and_fetch(k1, k1)
+            return cache.attend(q, scale)
+
+    out = []
+
+    def settle():  # untimed: evaluate the last round's graph and the cache
+        mx.eval(out, [a for a in getattr(cache, "state", []) if isinstance(a, mx.array)])
+        out.clear()
+
+    with stubbed_kernels(name != "fp16"), velox_core.routed():
+        for _ in range(5):
+            out.append(step())
+            settle()
+        benchmark.pedantic(lambda: out.append(step()), setup=settle, rounds=300, iterations=1)

@@ -38,7 +38,14 @@ from .build import (
     source_digest,
 )
 
-__all__ = ["CudaEmulator", "EmulatedKernels", "Emulator", "compiler", "shim_dir"]
+__all__ = [
+    "CudaEmulator",
+    "EmulatedKernels",
+    "Emulator",
+    "compiler",
+    "emulated_or_skip",
+    "shim_dir",
+]
 
 _CXX_TYPES = {
     "float32": "float",
