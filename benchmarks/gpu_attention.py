@@ -126,6 +126,17 @@ def env(**values):
                 os.environ[k] = v
 
 
+def in_env(call, **values):
+    """``call`` with the environment settings ``values`` in force while it builds its graph
+    (a method row timed with a kernel setting changed, e.g. ``VELOX_DECODE_MMA=0``)."""
+
+    def wrapped():
+        with env(**values):
+            return call()
+
+    return wrapped
+
+
 def timeit(fn, warmup: int, reps: int, inner: int) -> float:
     """Median seconds per call: ``inner`` calls per repeat, all outputs evaluated together."""
     return timeit_split(fn, warmup, reps, inner)[0]
@@ -855,12 +866,8 @@ def make_methods(
             nb = kp.nbytes + vp.nbytes + qbytes
             methods.append((f"velox uniform{bits} bf16", bits, call, nb))
             if bits == 4:
-
-                def bf16_portable(call=call):
-                    with env(VELOX_DECODE_MMA=0):
-                        return call()
-
-                methods.append((f"velox uniform{bits} bf16 portable", bits, bf16_portable, nb))
+                portable = in_env(call, VELOX_DECODE_MMA=0)
+                methods.append((f"velox uniform{bits} bf16 portable", bits, portable, nb))
 
     for bits in bits_uniform:
         codec = Uniform(bits)
@@ -870,19 +877,9 @@ def make_methods(
         call = joint_call(codec, kp, codec, vp)
         methods.append((f"velox uniform{bits}", bits, call, kp.nbytes + vp.nbytes + qbytes))
         if bits == 4 and portable_row:
-
-            def call_portable(call=call):
-                with env(VELOX_DECODE_MMA=0):
-                    return call()
-
-            methods.append(
-                (
-                    f"velox uniform{bits} portable",
-                    bits,
-                    call_portable,
-                    kp.nbytes + vp.nbytes + qbytes,
-                )
-            )
+            nb = kp.nbytes + vp.nbytes + qbytes
+            portable = in_env(call, VELOX_DECODE_MMA=0)
+            methods.append((f"velox uniform{bits} portable", bits, portable, nb))
             # a whole cache (4 fp16 sinks, a 128-token fp16 window, the coded body) attended
             # the way a model's layer does it
             from velox_core import UniformCache
@@ -908,25 +905,12 @@ def make_methods(
         call = joint_call(kc, kp, vc, vp)
         methods.append((f"velox turboquant{bits}", bits, call, kp.nbytes + vp.nbytes + qbytes))
         if portable_row and bits in (2, 4):  # what 2- and 4-bit codes took before KCB / VCB
-
-            def tq_portable(call=call):
-                with env(VELOX_DECODE_MMA=0):
-                    return call()
-
             nb = kp.nbytes + vp.nbytes + qbytes
-            methods.append((f"velox turboquant{bits} portable", bits, tq_portable, nb))
+            portable = in_env(call, VELOX_DECODE_MMA=0)
+            methods.append((f"velox turboquant{bits} portable", bits, portable, nb))
             # the lookups of any levels, which the symmetric levels' replaced (KCB / VCB 1)
-            import velox_turboquant.kernels as tqk
-
-            def tq_general(call=call, tqk=tqk):
-                saved = tqk._symmetric
-                tqk._symmetric = lambda quant: False
-                try:
-                    return call()
-                finally:
-                    tqk._symmetric = saved
-
-            methods.append((f"velox turboquant{bits} general levels", bits, tq_general, nb))
+            general = in_env(call, VELOX_DECODE_SYMMETRIC=0)
+            methods.append((f"velox turboquant{bits} general levels", bits, general, nb))
     if qjl:
         from velox_core import Uniform
         from velox_qjl import QJL

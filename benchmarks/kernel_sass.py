@@ -76,9 +76,7 @@ def build(args) -> tuple[str, list[tuple[str, object]]]:
             sym = group < 0  # symmetric levels (Lloyd-Max's): half-table lookups at 4 bits
             return dk.Codes(dk.CODEBOOK, bits, args.dim, words, norm, None, lev, symmetric=sym)
         z = mx.zeros((1, 1, 16, args.dim // group), mx.float16)
-        return dk.Codes(
-            dk.AFFINE, bits, group, mx.zeros((1, 1, 16, args.dim * bits // 32), mx.uint32), z, z
-        )
+        return dk.Codes(dk.AFFINE, bits, group, words, z, z)
 
     keys, values = codes(args.kbits, args.kgroup), codes(args.vbits, args.vgroup)
     if not dk.mma_supported(args.rows, args.dim, keys, values):

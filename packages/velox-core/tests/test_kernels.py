@@ -566,10 +566,11 @@ def test_mma_kernel_takes_only_the_shapes_it_lays_out():
     assert not ok(4, 64, _mma_codes(4, 64), dk.Codes(dk.CODEBOOK, 2, 64, u32, norm, None, lev[:4]))
 
 
-def test_symmetric_levels_are_found_on_the_host_and_vouched_for_codebooks_only():
+def test_symmetric_levels_are_found_on_the_host_and_vouched_for_codebooks_only(monkeypatch):
     """``levels_symmetric`` holds for Lloyd-Max levels (symmetric laws) and fails for a level
     that differs from its mirror after rounding to fp16; ``Codes.symmetric`` picks the
-    half-table lookups of 4-bit codebook codes only, and is refused on affine codes."""
+    symmetric lookups of codebook codes only (unless ``VELOX_DECODE_SYMMETRIC=0``), and is
+    refused on affine codes."""
     from velox_core.ops import lloyd_max_gaussian, lloyd_max_sphere
 
     for cb in (lloyd_max_sphere(4, 128), lloyd_max_sphere(2, 64), lloyd_max_gaussian(4)):
@@ -586,6 +587,12 @@ def test_symmetric_levels_are_found_on_the_host_and_vouched_for_codebooks_only()
     cb2 = dataclasses.replace(_mma_codes(2, 0), symmetric=True)
     modes = [dk._codebook_mode(c) for c in (_mma_codes(4, 64), _mma_codes(4, 0), cb4, cb2)]
     assert modes == [0, 1, 2, 2]
+    monkeypatch.setenv("VELOX_DECODE_SYMMETRIC", "0")  # general lookups, for comparison
+    assert [dk._codebook_mode(c) for c in (cb4, cb2)] == [1, 1]
+    monkeypatch.setenv("VELOX_DECODE_SYMMETRIC", "2")
+    with pytest.raises(ValueError, match="VELOX_DECODE_SYMMETRIC"):
+        dk._codebook_mode(cb4)
+    monkeypatch.delenv("VELOX_DECODE_SYMMETRIC")
     k = mx.zeros((1, 1, 8, 16), mx.uint32)
     s = mx.ones((1, 1, 8, 2), mx.float16)
     bad = dk.Codes(dk.AFFINE, 4, 64, k, s, s, symmetric=True)

@@ -216,6 +216,7 @@ def test_cache_on_an_emulated_cuda_gpu_rotates_back_in_the_merge(
     if bits != 3:  # Lloyd-Max levels are symmetric: the kernel's symmetric lookups
         tm = dict(fake.calls[0][1])
         assert (tm["KCB"], tm["VCB"]) == (2, 2)
+        assert cache.tiers[0].key_codec.parts[0][1].levels_symmetric
     assert got.dtype == ref.dtype == dt
     err = np.abs(np.asarray((got - ref).astype(mx.float32))).max()
     tol = 2e-3 if dt == mx.float16 else 1e-2  # bf16 outputs: 2^-9 relative rounding

@@ -38,7 +38,7 @@ import mlx.core as mx
 
 from velox_core import Packed
 from velox_core.kernels import use_kernels
-from velox_core.kernels.decode import CODEBOOK, Codes, decode_attention, levels_symmetric
+from velox_core.kernels.decode import CODEBOOK, Codes, decode_attention
 from velox_core.kernels.encode import codebook_encode
 
 if TYPE_CHECKING:
@@ -63,18 +63,6 @@ def _single_part(codec, variants: tuple[str, ...]) -> SphereQuantizer | None:
 
 # per quantizer: [S_hi^T; S_hi^T; S_lo^T] for the split product of _query_sketch
 _SKETCH_SPLIT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# per quantizer: whether its Lloyd-Max levels are symmetric in fp16 (Codes.symmetric)
-_SYMMETRIC: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _symmetric(quant: SphereQuantizer) -> bool:
-    """Whether ``quant``'s levels are symmetric about 0 in fp16 (the tensor-core kernel's
-    half-table lookups of 4-bit codes), checked once per quantizer on the host values."""
-    hit = _SYMMETRIC.get(quant)
-    if hit is None:
-        hit = levels_symmetric(quant.codebook.centroids)
-        _SYMMETRIC[quant] = hit
-    return hit
 
 
 def _bf16_parts(x: mx.array) -> tuple[mx.array, mx.array]:
@@ -146,7 +134,7 @@ def _kernel_sides(key_codec, q: mx.array, keys: Packed, value_codec, values: Pac
             kq.levels,
             k["signs"] if sketch else None,
             k["rnorm"] if sketch else None,
-            symmetric=_symmetric(kq),
+            symmetric=kq.levels_symmetric,
         ),
         Codes(
             CODEBOOK,
@@ -156,7 +144,7 @@ def _kernel_sides(key_codec, q: mx.array, keys: Packed, value_codec, values: Pac
             v["norm"],
             None,
             vq.levels,
-            symmetric=_symmetric(vq),
+            symmetric=vq.levels_symmetric,
         ),
     )
 

@@ -23,6 +23,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from velox_core.kernels.decode import levels_symmetric
 from velox_core.ops import (
     RandomizedHadamard,
     block_size,
@@ -114,6 +115,11 @@ class SphereQuantizer:
         self.codebook = lloyd_max_sphere(self.mse_bits, dim) if self.mse_bits else None
         self.levels = None if self.codebook is None else self.codebook.levels()
         self.bounds = None if self.codebook is None else mx.array(self.codebook.boundaries)
+        # the levels' symmetry in fp16, which the tensor-core kernel's lookups use (checked
+        # once here, on the host values: Codes.symmetric)
+        self.levels_symmetric = self.codebook is not None and levels_symmetric(
+            self.codebook.centroids
+        )
         self.sketch = jl_matrix(dim, dim, derive_seed(seed, 1)) if variant == "prod" else None
         self.qjl = math.sqrt(math.pi / 2) / dim  # the QJL constant for m = dim sketch rows
 

@@ -748,12 +748,20 @@ def _mma_codebook_side(c: Codes, dim: int, key: bool) -> bool:
     return dim % (8 * (16 // c.bits)) == 0 and (dim * c.bits // 128) % 2 == 0
 
 
+def mma_symmetric() -> bool:
+    """Whether the tensor-core kernel uses the symmetry of levels a caller vouches for
+    (:attr:`Codes.symmetric`; ``KCB`` / ``VCB`` 2): ``VELOX_DECODE_SYMMETRIC`` (default 1; 0
+    looks every codebook up as general levels, for comparison)."""
+    return _env_flag("VELOX_DECODE_SYMMETRIC", True)
+
+
 def _codebook_mode(c: Codes) -> int:
     """``KCB`` / ``VCB``: 0 affine, 1 codebook, 2 a codebook the caller vouches is symmetric
-    (:attr:`Codes.symmetric`: 4 bits in half the table, 2 bits without permutes)."""
+    (:attr:`Codes.symmetric`: 4 bits in half the table, 2 bits without permutes) while
+    :func:`mma_symmetric` allows it."""
     if c.kind != CODEBOOK:
         return 0
-    return 2 if c.symmetric else 1
+    return 2 if c.symmetric and mma_symmetric() else 1
 
 
 def _mma_side(c: Codes, dim: int, lane_channels: int) -> bool:
@@ -1180,6 +1188,7 @@ _MMA_SETTINGS = (
     "VELOX_DECODE_VFOLD",
     "VELOX_DECODE_KFOLD",
     "VELOX_DECODE_LDSM",
+    "VELOX_DECODE_SYMMETRIC",
 )
 
 
