@@ -36,6 +36,7 @@ VX_FN float vx_exp2(float x) { return exp2f(x); }
 VX_FN float vx_rint(float x) { return rintf(x); }
 VX_FN float vx_fma(float a, float b, float c) { return fmaf(a, b, c); }
 VX_FN float vx_sqrt(float x) { return __fsqrt_rn(x); }
+VX_FN int vx_popcount(unsigned int x) { return __popc(x); }
 
 #elif defined(VX_METAL)
 
@@ -54,6 +55,7 @@ VX_FN float vx_exp2(float x) { return metal::exp2(x); }
 VX_FN float vx_rint(float x) { return metal::rint(x); }
 VX_FN float vx_fma(float a, float b, float c) { return metal::fma(a, b, c); }
 VX_FN float vx_sqrt(float x) { return metal::precise::sqrt(x); }
+VX_FN int vx_popcount(uint x) { return static_cast<int>(metal::popcount(x)); }
 
 #else
 #error "define VX_METAL or VX_CUDA before including velox_kernels.h"

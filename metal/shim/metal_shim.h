@@ -11,7 +11,7 @@
 //
 // Covered: address-space qualifiers (device, constant, thread, threadgroup -> a static local,
 // shared by the threads of the one threadgroup that runs at a time), uint/ushort/uint3, half
-// (float16_t, as _Float16) and bfloat16_t, as_type, and metal:: exp2, rint, fma,
+// (float16_t, as _Float16) and bfloat16_t, as_type, and metal:: exp2, rint, fma, popcount,
 // threadgroup_barrier, simd_shuffle_xor, simd_any. Not covered: anything else (a kernel that
 // uses more fails to compile here, which is the point).
 #ifndef VELOX_METAL_SHIM_H
@@ -183,6 +183,7 @@ inline bool simd_any(bool p) {
 inline float exp2(float x) { return std::exp2(x); }
 inline float rint(float x) { return std::rint(x); }
 inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
+inline unsigned int popcount(unsigned int x) { return static_cast<unsigned int>(__builtin_popcount(x)); }
 namespace precise {
 inline float sqrt(float x) { return std::sqrt(x); }
 }  // namespace precise

@@ -31,6 +31,7 @@ from velox_core import Identity, Uniform, UniformCache
 from velox_core.cache.attention import Segment, attend, merge_partials, partial
 from velox_core.kernels import decode as dk
 from velox_core.kernels import encode as ek
+from velox_core.kernels import outlier as ok
 from velox_core.kernels.build import PROLOGUE, ArgInfo, cuda_source, metal_source
 from velox_core.kernels.emulate import (
     CudaEmulator,
@@ -391,6 +392,31 @@ def _decode_variants():
         extra += [U32, ("float16", 2, 1 << 16)] if k else [DUMMY, DUMMY]
         infos = [ArgInfo(*a) for a in [F32, *ins, *extra]]
         out.append((dk.DECODE, infos, ["float32"] * 2, dk.template(p, 128, kside, vside)))
+    # channels split per group into outliers and the rest (TurboQuant's fractional widths)
+    for parts_k, parts_v, m_rows, norm in (
+        (((64, 4, 64), (64, 3, 64)), ((64, 4, 64), (64, 3, 64)), 4, "float16"),  # 3.5 bits
+        (((64, 3, 64), (64, 2, 64)), ((128, 4, 128),), 8, "bfloat16"),  # 2.5 keys, 4-bit values
+        (((32, 4, 32), (96, 3, 32)), ((32, 4, 32), (96, 3, 32)), 1, "float16"),  # 3.25 bits
+    ):
+        sides = []
+        for parts in (parts_k, parts_v):
+            rp = tuple(ok.RotatedPart(bits, n, None, None, None, blk) for n, bits, blk in parts)
+            sides.append(
+                ok.OutlierSide(rp, (), (), mx.zeros((1,)) if len(rp) == 2 else None, 64, None)
+            )
+        launch = ok.outlier_launch(m_rows, 128, *sides)
+        assert launch is not None
+        n16 = (norm, 3, 1 << 20)
+        infos = [ArgInfo(*F32)]
+        for side in sides:
+            if side.mask is not None:
+                infos += [ArgInfo(*a) for a in (U32, n16, U32, n16, U32, ("float32", 1, 1024))]
+            else:
+                small = [("uint32", 4, 8), ("float16", 3, 8)]
+                infos += [ArgInfo(*a) for a in (small[0], small[1], U32, n16, small[0])]
+                infos += [ArgInfo("float32", 1, 1024)]
+        tmpl = ok.outlier_template(launch, 128, *sides, 0.088)
+        out.append((ok.OUTLIER, infos, ["float32"] * 2, tmpl))
     out.append((dk.MERGE, [ArgInfo("float32", 5, 1 << 20)] * 2, ["float32"] * 3, []))
     part, seg, dummy = ArgInfo("float32", 5, 1 << 20), ArgInfo(*H16), ArgInfo("float16", 1, 8)
     for has_a, has_b, odt, rd in (

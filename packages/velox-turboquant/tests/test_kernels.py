@@ -50,7 +50,7 @@ def test_attend_partial_is_none_on_the_cpu():
 def test_attend_partial_declines_what_the_kernel_does_not_cover(monkeypatch):
     sketch_only = records(1, t=64, key_variant="prod")  # 1-bit prod: no Lloyd-Max codes
     prod_values = records(3, t=64, value_variant="prod")
-    frac = records(2.5, t=64)
+    frac_prod = records(2.5, t=64, key_variant="prod")  # fractional prod keys
     kc, kp, _, _ = records(4, t=64)
     u = Uniform(4)
     up = u.encode(kv_data(t=64)[1])
@@ -62,7 +62,7 @@ def test_attend_partial_declines_what_the_kernel_does_not_cover(monkeypatch):
     q = mx.zeros((1, 2, 4, 128))
     assert sketch_only[0].attend_partial(q, *sketch_only[1:]) is None  # the sketch alone
     assert prod_values[0].attend_partial(q, *prod_values[1:]) is None  # prod values
-    assert frac[0].attend_partial(q, *frac[1:]) is None  # fractional widths
+    assert frac_prod[0].attend_partial(q, *frac_prod[1:]) is None  # fractional prod keys
     assert kc.attend_partial(q, kp, u, up) is None  # another value codec
     assert not called
 
@@ -221,3 +221,54 @@ def test_cache_on_an_emulated_cuda_gpu_rotates_back_in_the_merge(
     err = np.abs(np.asarray((got - ref).astype(mx.float32))).max()
     tol = 2e-3 if dt == mx.float16 else 1e-2  # bf16 outputs: 2^-9 relative rounding
     assert err < tol * np.abs(np.asarray(ref.astype(mx.float32))).max()
+
+
+@needs_gxx
+@pytest.mark.parametrize(
+    "key_bits,value_bits,rows,dtype",
+    [(3.5, 3.5, 4, "float16"), (2.5, 4, 3, "bfloat16"), (4, 3.25, 8, "float16")],
+)
+def test_emulated_outlier_kernel_matches_the_reference(
+    emulated_gpu, key_bits, value_bits, rows, dtype
+):
+    """Fractional widths (outlier channels per group of 64 tokens, two rotated parts each):
+    the outlier kernel places and rotates the query per group, scores both parts' codes,
+    mixes the values in their rotated domain and brings them back per group: its partial
+    equals the codec's reference scores/mix path. Covers a side of one part beside a
+    fractional one (4-bit keys or values), bf16 norms, padded query rows (3 of 4, 8) and
+    parts of 96 channels (Hadamard blocks of 32 after a permutation: 3.25 bits)."""
+    dt = getattr(mx, dtype)
+    k, v = kv_data(t=320, seed=3, dtype=dt)
+    kc, vc = TurboQuant(key_bits), TurboQuant(value_bits, seed=1)
+    for c in (kc, vc):
+        c.check(128, dt)
+    kp, vp = kc.encode(k), vc.encode(v)
+    emulated_gpu.calls.clear()
+    q = mx.random.normal((1, 2, rows, 128), key=mx.random.key(rows)) * 0.2
+    got = kc.attend_partial(q, kp, vc, vp)
+    assert emulated_gpu.names == ["velox_decode_attention_outlier", "velox_decode_merge"]
+    ref = partial(q, Segment(kc, kp, vc, vp))
+    for g, r in zip(got, ref):
+        g, r = np.asarray(g), np.asarray(r)
+        assert g.shape == r.shape
+        assert np.abs(g - r).max() <= 2e-5 * max(1.0, np.abs(r).max())
+
+
+@needs_gxx
+@pytest.mark.parametrize("backend", ["metal", "cuda"])
+def test_emulated_fractional_cache_attends_like_the_reference(monkeypatch, tmp_path, backend):
+    """TurboQuantCache(bits=3.5) with sinks and a window, on an emulated GPU (the Metal and
+    the CUDA instantiations): the coded body (a slice of the cache's buffers, whole groups)
+    goes through the outlier kernel and the fp16 tokens join in the merge's softmax, two
+    launches, matching the reference cache."""
+    k, v = kv_data(t=300)
+    q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(9)).astype(mx.float16)
+    cache = TurboQuantCache(bits=3.5, window=8, sinks=4)
+    cache.update_and_fetch(k, v)  # encoded on the CPU path
+    ref = cache.attend(q, 0.088)
+    fake = EmulatedKernels(tmp_path, backend=backend).install(monkeypatch)
+    got = cache.attend(q, 0.088)
+    assert fake.names == ["velox_decode_attention_outlier", "velox_decode_merge_fp16"]
+    assert got.dtype == ref.dtype == mx.float16
+    err = np.abs(np.asarray((got - ref).astype(mx.float32))).max()
+    assert err < 2e-3 * np.abs(np.asarray(ref.astype(mx.float32))).max()

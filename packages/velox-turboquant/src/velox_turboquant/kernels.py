@@ -24,9 +24,15 @@ rotated domain, ``x = norm * levels[code]`` per coordinate, with one norm per to
   kernel adds ``rnorm * <S R q, sign(S r)>`` to each token's codebook score before the norm
   multiplies it. Values are TurboQuant_mse (``prod`` values have no kernel).
 
-Fractional widths (outlier channel split), ``prod`` values and 1-bit ``prod`` keys (the
-sketch alone) fall back to the reference (the functions return None); the fused encode
-covers mse codes only.
+* Fractional widths (TurboQuant_mse on both sides, one of them fractional: the outlier
+  channels chosen per group of tokens, two rotated parts) take velox-core's outlier kernel
+  (:mod:`velox_core.kernels.outlier`): the query is placed and rotated per group inside the
+  kernel, and the values come back to the model's domain there, so neither needs an MLX op
+  around the launch; a cache's fp16 tokens join in the same merge.
+
+Fractional ``prod`` keys, ``prod`` values, 1-bit ``prod`` keys (the sketch alone) and parts
+rotated by a dense Haar matrix (parts whose Hadamard block would be under 16 channels) fall
+back to the reference (the functions return None); the fused encode covers mse codes only.
 """
 
 from __future__ import annotations
@@ -35,11 +41,18 @@ import weakref
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
+import numpy as np
 
 from velox_core import Packed
 from velox_core.kernels import use_kernels
 from velox_core.kernels.decode import CODEBOOK, Codes, decode_attention
 from velox_core.kernels.encode import codebook_encode
+from velox_core.kernels.outlier import (
+    OutlierSide,
+    RotatedPart,
+    decode_attention_outlier,
+    side_table,
+)
 
 if TYPE_CHECKING:
     from .codec import TurboQuant
@@ -100,7 +113,8 @@ def attend_partial(
     """
     sides = _kernel_sides(key_codec, q, keys, value_codec, values)
     if sides is None:
-        return None
+        split = _outlier_sides(key_codec, q, keys, value_codec, values)
+        return None if split is None else decode_attention_outlier(q, *split)
     kq, vq, kc, vc = sides
     q_rot = kq.rotation.forward(q)
     out = decode_attention(q_rot, kc, vc, q_sketch=_query_sketch(kq, q_rot))
@@ -149,6 +163,71 @@ def _kernel_sides(key_codec, q: mx.array, keys: Packed, value_codec, values: Pac
     )
 
 
+# per codec: (head dim, the static parts, their side_table)
+_OUTLIER_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _outlier_parts(codec) -> tuple[tuple[RotatedPart, ...], mx.array] | None:
+    """The static parts of an mse codec (outliers first) and their table, or None where the
+    outlier kernel does not apply (``prod``, no codebook, a Haar rotation)."""
+    from .codec import TurboQuant
+
+    if not isinstance(codec, TurboQuant) or codec.variant != "mse" or codec.dim is None:
+        return None
+    hit = _OUTLIER_TABLES.get(codec)
+    if hit is not None and hit[0] == codec.dim:
+        return hit[1]
+    parts = []
+    for _, quant in codec.parts:
+        had = quant.rotation.hadamard
+        if quant.codebook is None or had is None:
+            return None
+        parts.append(
+            RotatedPart(
+                bits=quant.mse_bits,
+                channels=quant.dim,
+                levels=quant.codebook.centroids,
+                signs=np.asarray(had.signs),
+                inv_perm=None if had.inv_perm is None else np.asarray(had.inv_perm),
+                block=had.block,
+            )
+        )
+    parts = tuple(parts)
+    hit = (codec.dim, (parts, side_table(parts)))
+    _OUTLIER_TABLES[codec] = hit
+    return hit[1]
+
+
+def _outlier_side(codec, packed: Packed) -> OutlierSide | None:
+    static = _outlier_parts(codec)
+    if static is None:
+        return None
+    parts, table = static
+    d = packed.data
+    if codec.fractional:
+        return OutlierSide(
+            parts,
+            (d["hi.codes"], d["lo.codes"]),
+            (d["hi.norm"], d["lo.norm"]),
+            d["mask"],
+            codec.group,
+            table,
+        )
+    return OutlierSide(parts, (d["codes"],), (d["norm"],), None, 1, table)
+
+
+def _outlier_sides(key_codec, q: mx.array, keys: Packed, value_codec, values: Packed):
+    """Both sides for the outlier kernel (TurboQuant_mse, at least one fractional), or None."""
+    if not use_kernels():
+        return None
+    if not (getattr(key_codec, "fractional", False) or getattr(value_codec, "fractional", False)):
+        return None
+    ks, vs = _outlier_side(key_codec, keys), _outlier_side(value_codec, values)
+    if ks is None or vs is None or key_codec.dim != q.shape[-1] or value_codec.dim != key_codec.dim:
+        return None
+    return ks, vs
+
+
 _INVERSE: dict[int, tuple[object, mx.array]] = {}
 
 
@@ -188,7 +267,11 @@ def attend_joint(
     """
     sides = _kernel_sides(key_codec, q, keys, value_codec, values)
     if sides is None:
-        return None
+        split = _outlier_sides(key_codec, q, keys, value_codec, values)
+        if split is None:
+            return None
+        out = decode_attention_outlier(q, *split, fp16=fp16, out_dtype=out_dtype, scale=scale)
+        return None if out is None else out[0]
     kq, vq, kc, vc = sides
     q_rot = kq.rotation.forward(q)
     out = decode_attention(

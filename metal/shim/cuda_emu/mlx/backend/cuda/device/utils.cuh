@@ -176,6 +176,8 @@ inline T __shfl_sync(unsigned int, T v, int src) {
   return vx_emu_sync::shuffle(w.bar, w.slot, vx_cuemu::g_lane, v, src);
 }
 
+inline int __popc(unsigned int x) { return __builtin_popcount(x); }
+
 inline int __any_sync(unsigned int, int p) {
   vx_cuemu::Warp& w = vx_cuemu::warp();
   return vx_emu_sync::any(w.bar, w.slot, vx_cuemu::g_lane, p != 0) ? 1 : 0;

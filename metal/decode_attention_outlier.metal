@@ -1,0 +1,438 @@
+// Fused decode attention over rotated codebook codes whose channels are split per group of
+// tokens into an outlier part and the rest (TurboQuant's fractional widths: 3.5 bits = 64
+// channels at 4 bits and 64 at 3 bits, chosen per group of GROUP tokens), one split of the
+// context per threadgroup (flash-decoding). Body written once for Metal and CUDA.
+//
+// Record of one side (keys or values), per token: the hi part's codes (NH channels at BH
+// bits, hc (B, H, T, WH) uint32) and norm (hn (B, H, T)), the lo part's codes (HD - NH
+// channels at BL bits, lc) and norm (ln), and per group of GROUP tokens the outlier mask
+// (mk (B, H, T / GROUP, ceil(HD / 32)) uint32, bit c set: channel c is in the hi part). A
+// group's channel order puts the outliers first, both sets ascending; each part of that
+// order was rotated by its own randomized Hadamard R x = H_blk(P(s * x)) (signs s,
+// permutation P, orthonormal Hadamard blocks of BK channels) and coded as norm * levels[code]
+// in the rotated domain. NH = 0: a side of one part (an integer width): no mask, all HD
+// channels in the lo part.
+//
+// Per group the threadgroup (NT = 128 threads) does, all in threadgroup memory:
+//   A. stage the group's key codes, norms and mask; place the query in each key part's
+//      rotated input order (channel c -> its part's slot dst[j], times s[j] / sqrt(BK)) and
+//      run the Hadamard butterflies: the query as this group's key codes see it;
+//   B. score the group's tokens: LPT lanes per token, lane j taking the part channels
+//      j, j + LPT, ... (query values in registers), norms times level sums, lanes reduced
+//      by shuffles; scores in the log2 domain (QMUL);
+//   C. online softmax: the group's max per query row, the running (max, sum) rescaled,
+//      weights p = exp2(s - max) in place; the value codes staged meanwhile;
+//   D. values in the value parts' rotated domain: one thread per rotated channel adds
+//      p times norm * level over the group's tokens, into threadgroup memory;
+//   E. the Hadamard butterflies on that sum (R^T = P^T H s, H symmetric), then each output
+//      channel gathers its slot (times its sign) and adds it to the running output, which
+//      was rescaled by the softmax's factor: the output stays in the model's domain.
+// The split's partial (o = sum of p v, max, sum in log2 units) goes to decode_merge.metal or
+// decode_merge_fp16.metal, as the other decode kernels' partials do.
+//
+// Inputs (strided: slices of cache buffers are read in place):
+//   q (B, H, MP, HD): float32 with the scale applied, or any float dtype with QMUL carrying
+//   the scale. khc, khn, klc, kln, kmk / vhc, vhn, vlc, vln, vmk: the records above (NH = 0:
+//   the hi ones and the mask unused). kax / vax (contiguous float32), per side:
+//   [s_hi / sqrt(BKH) (NH), dst_hi (NH), s_lo / sqrt(BKL) (NL), dst_lo (NL), levels_hi
+//   (2^BH, NH > 0 only), levels_lo (2^BL)], dst[j] = P^-1(j) as a float.
+// Outputs: o_part (B, H, S, MP, HD), ml_part (B, H, S, MP, 2). Grid: x = split (whole groups,
+// ceil(G / S) each), y = b * H + h, z = block of MB query rows.
+
+constexpr int NT = 128;
+constexpr int NWARPS = NT / 32;
+constexpr int KNL = HD - KNH;
+constexpr int VNL = HD - VNH;
+constexpr int KWH = (KNH * KBH + 31) / 32;
+constexpr int KWL = (KNL * KBL + 31) / 32;
+constexpr int KW = KWH + KWL;
+constexpr int VWH = (VNH * VBH + 31) / 32;
+constexpr int VWL = (VNL * VBL + 31) / 32;
+constexpr int VW = VWH + VWL;
+constexpr int CW = KW > VW ? KW : VW;
+constexpr int MW = (HD + 31) / 32;
+constexpr int KLVH = KNH > 0 ? (1 << KBH) : 0;
+constexpr int VLVH = VNH > 0 ? (1 << VBH) : 0;
+constexpr int KAX = 2 * HD + KLVH + (1 << KBL);
+constexpr int VAX = 2 * HD + VLVH + (1 << VBL);
+constexpr unsigned int KMH = (1u << KBH) - 1u;
+constexpr unsigned int KML = (1u << KBL) - 1u;
+constexpr unsigned int VMH = (1u << VBH) - 1u;
+constexpr unsigned int VML = (1u << VBL) - 1u;
+constexpr int KCH = (KNH + LPT - 1) / LPT;  // hi channels a scoring lane holds
+constexpr int KCL = (KNL + LPT - 1) / LPT;
+constexpr int TPP = NT / LPT;               // tokens scored per pass
+constexpr int VR = (HD + NT - 1) / NT;      // rotated value channels per thread
+constexpr int OR = (MB * HD + NT - 1) / NT; // (row, channel) outputs per thread
+constexpr int KBK = KBKH > KBKL ? KBKH : KBKL;
+constexpr int VBK = VBKH > VBKL ? VBKH : VBKL;
+constexpr float NEG = -1.0e30f;
+
+const int tid = vx_tid;
+const int lane = tid & 31;
+const int warp = tid >> 5;
+const int nsplit = vx_ngx;
+const int split = vx_gx;
+const int bh = vx_gy;
+const int mblk = vx_gz;
+const int H = klc_shape[1];
+const int T = klc_shape[2];
+const int MP = q_shape[2];
+const int b = bh / H;
+const int h = bh - b * H;
+const int ngroups = T / GROUP;
+const int gspan = (ngroups + nsplit - 1) / nsplit;
+const int g0 = split * gspan;
+const int g1 = vx_imin(ngroups, g0 + gspan);
+const float qmul = vx_bits_to_float(static_cast<unsigned int>(QMUL));
+
+VX_SHARED float kax_s[KAX];
+VX_SHARED float vax_s[VAX];
+VX_SHARED float buf[MB * HD];
+VX_SHARED unsigned int cw[GROUP * CW];
+VX_SHARED float nrm[2 * GROUP];
+VX_SHARED float sc[GROUP * MB];
+VX_SHARED unsigned int kmk_s[MW];
+VX_SHARED unsigned int vmk_s[MW];
+VX_SHARED float run_max[MB];
+VX_SHARED float run_sum[MB];
+VX_SHARED float alpha[MB];
+
+for (int i = tid; i < KAX; i += NT) {
+  kax_s[i] = kax[i];
+}
+for (int i = tid; i < VAX; i += NT) {
+  vax_s[i] = vax[i];
+}
+if (tid < MB) {
+  run_max[tid] = NEG;
+  run_sum[tid] = 0.0f;
+}
+
+const int64_t q_b = (int64_t)b * q_strides[0] + (int64_t)h * q_strides[1];
+const int64_t khc_b = KNH > 0 ? (int64_t)b * khc_strides[0] + (int64_t)h * khc_strides[1] : 0;
+const int64_t khn_b = KNH > 0 ? (int64_t)b * khn_strides[0] + (int64_t)h * khn_strides[1] : 0;
+const int64_t kmk_b = KNH > 0 ? (int64_t)b * kmk_strides[0] + (int64_t)h * kmk_strides[1] : 0;
+const int64_t klc_b = (int64_t)b * klc_strides[0] + (int64_t)h * klc_strides[1];
+const int64_t kln_b = (int64_t)b * kln_strides[0] + (int64_t)h * kln_strides[1];
+const int64_t vhc_b = VNH > 0 ? (int64_t)b * vhc_strides[0] + (int64_t)h * vhc_strides[1] : 0;
+const int64_t vhn_b = VNH > 0 ? (int64_t)b * vhn_strides[0] + (int64_t)h * vhn_strides[1] : 0;
+const int64_t vmk_b = VNH > 0 ? (int64_t)b * vmk_strides[0] + (int64_t)h * vmk_strides[1] : 0;
+const int64_t vlc_b = (int64_t)b * vlc_strides[0] + (int64_t)h * vlc_strides[1];
+const int64_t vln_b = (int64_t)b * vln_strides[0] + (int64_t)h * vln_strides[1];
+
+// the running output: (row, channel) pairs tid + NT r, in the model's domain
+float out[OR];
+#pragma unroll
+for (int r = 0; r < OR; ++r) {
+  out[r] = 0.0f;
+}
+
+for (int g = g0; g < g1; ++g) {
+  const int t0 = g * GROUP;
+  // ---- A. key codes, norms and mask to threadgroup memory; the rotated query ----------
+  for (int i = tid; i < GROUP * KW; i += NT) {
+    const int tok = i / KW;
+    const int w = i - tok * KW;
+    unsigned int word;
+    if (KNH > 0 && w < KWH) {
+      word = khc[khc_b + (int64_t)(t0 + tok) * khc_strides[2] + (int64_t)w * khc_strides[3]];
+    } else {
+      word = klc[klc_b + (int64_t)(t0 + tok) * klc_strides[2] +
+                 (int64_t)(w - KWH) * klc_strides[3]];
+    }
+    cw[tok * CW + w] = word;
+  }
+  for (int i = tid; i < GROUP; i += NT) {
+    nrm[i] = KNH > 0 ? static_cast<float>(khn[khn_b + (int64_t)(t0 + i) * khn_strides[2]]) : 0.0f;
+    nrm[GROUP + i] = static_cast<float>(kln[kln_b + (int64_t)(t0 + i) * kln_strides[2]]);
+  }
+  if (KNH > 0 && tid < MW) {
+    kmk_s[tid] = kmk[kmk_b + (int64_t)g * kmk_strides[2] + (int64_t)tid * kmk_strides[3]];
+  }
+  VX_BARRIER();
+  for (int i = tid; i < MB * HD; i += NT) {
+    const int m = i / HD;
+    const int c = i - m * HD;
+    int j = c;
+    bool hi = false;
+    if (KNH > 0) {
+      const int wc = c >> 5;
+      const unsigned int below = kmk_s[wc] & ((1u << (c & 31)) - 1u);
+      int rank = vx_popcount(below);
+      for (int w = 0; w < wc; ++w) {
+        rank += vx_popcount(kmk_s[w]);
+      }
+      hi = ((kmk_s[wc] >> (c & 31)) & 1u) != 0u;
+      j = hi ? vx_imin(rank, KNH - 1) : vx_imin(c - rank, KNL - 1);
+    }
+    const int sgi = hi ? j : 2 * KNH + j;
+    const int dst = hi ? (int)kax_s[KNH + j] : KNH + (int)kax_s[2 * KNH + KNL + j];
+    const float qv = static_cast<float>(q[q_b + (int64_t)(mblk * MB + m) * q_strides[2] +
+                                          (int64_t)c * q_strides[3]]);
+    buf[m * HD + dst] = qv * qmul * kax_s[sgi];
+  }
+  VX_BARRIER();
+  for (int hs = 1; hs < KBK; hs <<= 1) {
+    for (int i = tid; i < MB * (HD / 2); i += NT) {
+      const int m = i / (HD / 2);
+      const int p = i - m * (HD / 2);
+      const bool hi = p < KNH / 2;
+      const int blk = hi ? KBKH : KBKL;
+      const int pp = hi ? p : p - KNH / 2;
+      if (hs < blk) {
+        const int i0 = m * HD + (hi ? 0 : KNH) + (pp / hs) * 2 * hs + (pp % hs);
+        const float x0 = buf[i0];
+        const float x1 = buf[i0 + hs];
+        buf[i0] = x0 + x1;
+        buf[i0 + hs] = x0 - x1;
+      }
+    }
+    VX_BARRIER();
+  }
+  // ---- B. scores of the group's tokens -> sc[tok * MB + m] ----------------------------
+  {
+    const int ts = tid / LPT;
+    const int jj = tid - ts * LPT;
+    float qh[MB][KCH > 0 ? KCH : 1];
+    float ql[MB][KCL];
+#pragma unroll
+    for (int m = 0; m < MB; ++m) {
+#pragma unroll
+      for (int k = 0; k < KCH; ++k) {
+        const int i = jj + LPT * k;
+        qh[m][k] = i < KNH ? buf[m * HD + i] : 0.0f;
+      }
+#pragma unroll
+      for (int k = 0; k < KCL; ++k) {
+        const int i = jj + LPT * k;
+        ql[m][k] = i < KNL ? buf[m * HD + KNH + i] : 0.0f;
+      }
+    }
+    for (int base = 0; base < GROUP; base += TPP) {
+      const int tok = vx_imin(base + ts, GROUP - 1);
+      const int rb = tok * CW;
+      float dh[MB];
+      float dl[MB];
+#pragma unroll
+      for (int m = 0; m < MB; ++m) {
+        dh[m] = 0.0f;
+        dl[m] = 0.0f;
+      }
+#pragma unroll
+      for (int k = 0; k < KCH; ++k) {
+        const int i = jj + LPT * k;
+        if (i < KNH) {
+          const int off = i * KBH;
+          const int wi = off >> 5;
+          const int sh = off & 31;
+          unsigned int code = cw[rb + wi] >> sh;
+          if (sh + KBH > 32) {
+            code |= cw[rb + wi + 1] << (32 - sh);
+          }
+          const float f = kax_s[2 * HD + (code & KMH)];
+#pragma unroll
+          for (int m = 0; m < MB; ++m) {
+            dh[m] = vx_fma(qh[m][k], f, dh[m]);
+          }
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < KCL; ++k) {
+        const int i = jj + LPT * k;
+        if (i < KNL) {
+          const int off = i * KBL;
+          const int wi = KWH + (off >> 5);
+          const int sh = off & 31;
+          unsigned int code = cw[rb + wi] >> sh;
+          if (sh + KBL > 32) {
+            code |= cw[rb + wi + 1] << (32 - sh);
+          }
+          const float f = kax_s[2 * HD + KLVH + (code & KML)];
+#pragma unroll
+          for (int m = 0; m < MB; ++m) {
+            dl[m] = vx_fma(ql[m][k], f, dl[m]);
+          }
+        }
+      }
+      const float nh = nrm[tok];
+      const float nl = nrm[GROUP + tok];
+      float s[MB];
+#pragma unroll
+      for (int m = 0; m < MB; ++m) {
+        s[m] = nh * dh[m] + nl * dl[m];
+      }
+#pragma unroll
+      for (int off = 1; off < LPT; off <<= 1) {
+#pragma unroll
+        for (int m = 0; m < MB; ++m) {
+          s[m] += vx_shfl_xor(s[m], off);
+        }
+      }
+      if (jj == 0 && base + ts < GROUP) {
+#pragma unroll
+        for (int m = 0; m < MB; ++m) {
+          sc[tok * MB + m] = s[m];
+        }
+      }
+    }
+  }
+  VX_BARRIER();
+  // ---- C. online softmax over the group; value codes, norms and mask staged ------------
+  for (int m = warp; m < MB; m += NWARPS) {
+    float top = NEG;
+    for (int tok = lane; tok < GROUP; tok += 32) {
+      top = vx_max(top, sc[tok * MB + m]);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      top = vx_max(top, vx_shfl_xor(top, off));
+    }
+    const float old = run_max[m];
+    const float nm = vx_max(old, top);
+    float sum = 0.0f;
+    for (int tok = lane; tok < GROUP; tok += 32) {
+      const float p = vx_exp2(sc[tok * MB + m] - nm);
+      sc[tok * MB + m] = p;
+      sum += p;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      sum += vx_shfl_xor(sum, off);
+    }
+    if (lane == 0) {
+      const float a = vx_exp2(old - nm);
+      alpha[m] = a;
+      run_sum[m] = run_sum[m] * a + sum;
+      run_max[m] = nm;
+    }
+  }
+  for (int i = tid; i < GROUP * VW; i += NT) {
+    const int tok = i / VW;
+    const int w = i - tok * VW;
+    unsigned int word;
+    if (VNH > 0 && w < VWH) {
+      word = vhc[vhc_b + (int64_t)(t0 + tok) * vhc_strides[2] + (int64_t)w * vhc_strides[3]];
+    } else {
+      word = vlc[vlc_b + (int64_t)(t0 + tok) * vlc_strides[2] +
+                 (int64_t)(w - VWH) * vlc_strides[3]];
+    }
+    cw[tok * CW + w] = word;
+  }
+  for (int i = tid; i < GROUP; i += NT) {
+    nrm[i] = VNH > 0 ? static_cast<float>(vhn[vhn_b + (int64_t)(t0 + i) * vhn_strides[2]]) : 0.0f;
+    nrm[GROUP + i] = static_cast<float>(vln[vln_b + (int64_t)(t0 + i) * vln_strides[2]]);
+  }
+  if (VNH > 0 && tid < MW) {
+    vmk_s[tid] = vmk[vmk_b + (int64_t)g * vmk_strides[2] + (int64_t)tid * vmk_strides[3]];
+  }
+  VX_BARRIER();
+  // ---- D. weighted sum of the value levels, in the value parts' rotated domain ---------
+  {
+    float acc[VR][MB];
+#pragma unroll
+    for (int r = 0; r < VR; ++r) {
+#pragma unroll
+      for (int m = 0; m < MB; ++m) {
+        acc[r][m] = 0.0f;
+      }
+    }
+    for (int tok = 0; tok < GROUP; ++tok) {
+      const int rb = tok * CW;
+      const float nh = nrm[tok];
+      const float nl = nrm[GROUP + tok];
+#pragma unroll
+      for (int r = 0; r < VR; ++r) {
+        const int i = tid + NT * r;
+        if (i < HD) {
+          const bool hi = i < VNH;
+          const int off = hi ? i * VBH : VWH * 32 + (i - VNH) * VBL;
+          const int bits = hi ? VBH : VBL;
+          const int wi = off >> 5;
+          const int sh = off & 31;
+          unsigned int code = cw[rb + wi] >> sh;
+          if (sh + bits > 32) {
+            code |= cw[rb + wi + 1] << (32 - sh);
+          }
+          const float f = hi ? vax_s[2 * HD + (code & VMH)] * nh
+                             : vax_s[2 * HD + VLVH + (code & VML)] * nl;
+#pragma unroll
+          for (int m = 0; m < MB; ++m) {
+            acc[r][m] = vx_fma(sc[tok * MB + m], f, acc[r][m]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < VR; ++r) {
+      const int i = tid + NT * r;
+      if (i < HD) {
+#pragma unroll
+        for (int m = 0; m < MB; ++m) {
+          buf[m * HD + i] = acc[r][m];
+        }
+      }
+    }
+  }
+  VX_BARRIER();
+  // ---- E. back to the model's domain: butterflies, then each channel gathers its slot --
+  for (int hs = 1; hs < VBK; hs <<= 1) {
+    for (int i = tid; i < MB * (HD / 2); i += NT) {
+      const int m = i / (HD / 2);
+      const int p = i - m * (HD / 2);
+      const bool hi = p < VNH / 2;
+      const int blk = hi ? VBKH : VBKL;
+      const int pp = hi ? p : p - VNH / 2;
+      if (hs < blk) {
+        const int i0 = m * HD + (hi ? 0 : VNH) + (pp / hs) * 2 * hs + (pp % hs);
+        const float x0 = buf[i0];
+        const float x1 = buf[i0 + hs];
+        buf[i0] = x0 + x1;
+        buf[i0 + hs] = x0 - x1;
+      }
+    }
+    VX_BARRIER();
+  }
+#pragma unroll
+  for (int r = 0; r < OR; ++r) {
+    const int i = tid + NT * r;
+    if (i < MB * HD) {
+      const int m = i / HD;
+      const int c = i - m * HD;
+      int j = c;
+      bool hi = false;
+      if (VNH > 0) {
+        const int wc = c >> 5;
+        const unsigned int below = vmk_s[wc] & ((1u << (c & 31)) - 1u);
+        int rank = vx_popcount(below);
+        for (int w = 0; w < wc; ++w) {
+          rank += vx_popcount(vmk_s[w]);
+        }
+        hi = ((vmk_s[wc] >> (c & 31)) & 1u) != 0u;
+        j = hi ? vx_imin(rank, VNH - 1) : vx_imin(c - rank, VNL - 1);
+      }
+      const int sgi = hi ? j : 2 * VNH + j;
+      const int src = hi ? (int)vax_s[VNH + j] : VNH + (int)vax_s[2 * VNH + VNL + j];
+      out[r] = vx_fma(out[r], alpha[m], buf[m * HD + src] * vax_s[sgi]);
+    }
+  }
+  // (the next group's first writes to buf, cw, nrm and the masks follow a barrier that every
+  // thread reaches after this gather)
+}
+
+// ---- the split's partial --------------------------------------------------------------
+const int64_t row0 = ((int64_t)bh * nsplit + split) * MP + (int64_t)mblk * MB;
+#pragma unroll
+for (int r = 0; r < OR; ++r) {
+  const int i = tid + NT * r;
+  if (i < MB * HD) {
+    const int m = i / HD;
+    const int c = i - m * HD;
+    o_part[(row0 + m) * HD + c] = out[r];
+  }
+}
+VX_BARRIER();
+if (tid < MB) {
+  ml_part[(row0 + tid) * 2] = run_max[tid];
+  ml_part[(row0 + tid) * 2 + 1] = run_sum[tid];
+}

@@ -1,0 +1,304 @@
+"""Decode attention over rotated codebook codes whose channels split per group of tokens into
+an outlier part and the rest (``metal/decode_attention_outlier.metal``).
+
+TurboQuant's fractional widths (3.5 bits: 64 channels at 4 bits and 64 at 3 bits at head dim
+128) choose the outlier channels per group of tokens, keep a mask per group, and code each
+part in its own randomized-Hadamard-rotated domain with its own norm and Lloyd-Max levels.
+The rotated query therefore differs from group to group, and so does the map that brings the
+values back: the kernel places the query in each group's key parts, runs the Hadamard
+butterflies in threadgroup memory, scores the group's tokens from both parts' codes, mixes
+the values in their parts' rotated domain and brings that sum back (butterflies, signs,
+the mask's channel order) into a running output in the model's domain, with an online
+softmax along the split. One pass over the codes; the partials go to the same merge kernels
+as the other decode kernels'.
+
+A side of one part (an integer width beside a fractional one, e.g. 3.5-bit keys with 4-bit
+values) takes the same kernel without a mask.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from .build import KernelSpec
+from .decode import FP16_MAX, _pad_rows, merge_splits, merge_splits_fp16, qmul_bits
+
+__all__ = [
+    "OUTLIER",
+    "OutlierSide",
+    "RotatedPart",
+    "decode_attention_outlier",
+    "outlier_launch",
+    "outlier_template",
+    "side_table",
+]
+
+OUTLIER = KernelSpec(
+    name="velox_decode_attention_outlier",
+    source="decode_attention_outlier.metal",
+    inputs=(
+        *("q", "khc", "khn", "klc", "kln", "kmk", "kax"),
+        *("vhc", "vhn", "vlc", "vln", "vmk", "vax"),
+    ),
+    outputs=("o_part", "ml_part"),
+    row_contiguous=False,  # the body reads strides: slices of a cache buffer are not copied
+)
+THREADS = 128  # the body's NT
+SMEM_BYTES = 32 * 1024  # Metal's threadgroup memory (the body's arrays must fit)
+MAX_ROWS = 8  # query rows per threadgroup
+MAX_OUT = 1024  # rows x head dim per threadgroup (8 running outputs a thread)
+QUERY_REGS = 64  # query values a scoring lane holds (rows x channels / lanes per token)
+MIN_SPAN = 256  # fewest tokens per split (unless the context is shorter)
+DEFAULT_BLOCKS = 1024  # threadgroups to aim for
+
+
+@dataclass(frozen=True)
+class RotatedPart:
+    """The static side of one part: its width, channels, levels and rotation.
+
+    Attributes:
+        bits: code width (1 to 8).
+        channels: channels of the part.
+        levels: ``(2**bits,)`` codebook levels (float32 host values or an array).
+        signs: ``(channels,)`` the rotation's sign flips.
+        inv_perm: ``(channels,)`` the inverse of the rotation's channel permutation (None:
+            none), so that channel ``j`` lands in slot ``inv_perm[j]`` of the Hadamard input.
+        block: the orthonormal Hadamard blocks' size (a power of two dividing ``channels``).
+    """
+
+    bits: int
+    channels: int
+    levels: object
+    signs: object
+    inv_perm: object | None
+    block: int
+
+
+def side_table(parts: tuple[RotatedPart, ...]) -> mx.array:
+    """A side's static table (``kax`` / ``vax``): per part its signs over ``sqrt(block)`` and
+    its slots, then the parts' levels, float32 (see the kernel's header). ``parts``: the
+    outlier part and the rest, or the one part of an integer width."""
+    signs, slots, levels = [], [], []
+    for p in parts:
+        if p.block < 2 or p.block & (p.block - 1) or p.channels % p.block:
+            raise ValueError(
+                f"side_table: Hadamard block {p.block} must be a power of two dividing "
+                f"{p.channels} channels"
+            )
+        s = np.asarray(p.signs, dtype=np.float32).reshape(-1)
+        slot = (
+            np.arange(p.channels)
+            if p.inv_perm is None
+            else np.asarray(p.inv_perm, dtype=np.int64).reshape(-1)
+        )
+        lev = np.asarray(p.levels, dtype=np.float32).reshape(-1)
+        if s.size != p.channels or slot.size != p.channels or lev.size != 1 << p.bits:
+            raise ValueError(
+                f"side_table: a part of {p.channels} channels at {p.bits} bits needs as many "
+                f"signs and slots and {1 << p.bits} levels, got {s.size}, {slot.size}, "
+                f"{lev.size}"
+            )
+        signs.append(s / math.sqrt(p.block))
+        slots.append(slot.astype(np.float32))
+        levels.append(lev)
+    table = [x for pair in zip(signs, slots) for x in pair] + levels
+    return mx.array(np.concatenate(table).astype(np.float32))
+
+
+@dataclass
+class OutlierSide:
+    """One side (keys or values) of a segment, as the kernel reads it.
+
+    Attributes:
+        parts: the static parts: ``(outliers, rest)``, or ``(whole,)`` for a side of one part.
+        codes: per part ``(B, H, T, W)`` uint32 packed codes, in the order of ``parts``.
+        norms: per part ``(B, H, T)`` norms (fp16, bf16 or float32).
+        mask: two parts: ``(B, H, T / group, ceil(D / 32))`` uint32, bit ``c`` set where
+            channel ``c`` is an outlier (as many set bits as the outlier part's channels);
+            None for one part.
+        group: tokens per mask (two parts).
+        table: :func:`side_table` of ``parts`` (kept by the caller: static per codec).
+    """
+
+    parts: tuple[RotatedPart, ...]
+    codes: tuple[mx.array, ...]
+    norms: tuple[mx.array, ...]
+    mask: mx.array | None
+    group: int
+    table: mx.array
+
+    @property
+    def outliers(self) -> int:
+        return self.parts[0].channels if len(self.parts) == 2 else 0
+
+
+def _check_side(name: str, s: OutlierSide, b: int, h: int, t: int, dim: int) -> None:
+    n = len(s.parts)
+    if n not in (1, 2) or len(s.codes) != n or len(s.norms) != n:
+        raise ValueError(f"{name}: one or two parts, with codes and norms for each")
+    if sum(p.channels for p in s.parts) != dim:
+        raise ValueError(
+            f"{name}: the parts' channels {[p.channels for p in s.parts]} must add up to the "
+            f"head dim {dim}"
+        )
+    if (n == 2) != (s.mask is not None):
+        raise ValueError(f"{name}: a mask goes with two parts, and only with two")
+    for p, c, nm in zip(s.parts, s.codes, s.norms):
+        words = (p.channels * p.bits + 31) // 32
+        if c.dtype != mx.uint32 or tuple(c.shape) != (b, h, t, words):
+            raise ValueError(
+                f"{name}: codes of a {p.channels}-channel {p.bits}-bit part must be uint32 "
+                f"{(b, h, t, words)}, got {c.dtype} {tuple(c.shape)}"
+            )
+        if tuple(nm.shape) != (b, h, t):
+            raise ValueError(f"{name}: norms must be {(b, h, t)}, got {tuple(nm.shape)}")
+    if s.mask is not None:
+        want = (b, h, t // s.group, (dim + 31) // 32)
+        if s.mask.dtype != mx.uint32 or tuple(s.mask.shape) != want:
+            raise ValueError(
+                f"{name}: the mask must be uint32 {want}, got {s.mask.dtype} {tuple(s.mask.shape)}"
+            )
+
+
+def _words(p: RotatedPart) -> int:
+    return (p.channels * p.bits + 31) // 32
+
+
+def outlier_launch(m: int, dim: int, keys: OutlierSide, values: OutlierSide):
+    """``(rows per threadgroup, lanes per scored token, group)`` for the shape, or None where
+    the kernel has no layout for it (more than :data:`MAX_OUT` outputs per row block, a
+    group that does not fit threadgroup memory, sides with different groups)."""
+    groups = {s.group for s in (keys, values) if s.mask is not None}
+    if len(groups) != 1:
+        return None  # no fractional side (the other kernels take it), or two groups
+    group = groups.pop()
+    mb = 1
+    while mb < min(m, MAX_ROWS):
+        mb *= 2
+    while mb > 1 and mb * dim > MAX_OUT:
+        mb //= 2
+    if mb * dim > MAX_OUT:
+        return None
+    lanes = 4
+    while lanes < 32 and mb * dim > QUERY_REGS * lanes:
+        lanes *= 2
+    cw = max(sum(_words(p) for p in keys.parts), sum(_words(p) for p in values.parts))
+    table = sum(2 * p.channels + (1 << p.bits) for p in keys.parts + values.parts)
+    floats = table + mb * dim + group * cw + 2 * group + group * mb + 2 * ((dim + 31) // 32)
+    if 4 * (floats + 3 * mb) > SMEM_BYTES:
+        return None
+    return mb, lanes, group
+
+
+def outlier_template(
+    launch: tuple[int, int, int],
+    dim: int,
+    keys: OutlierSide,
+    values: OutlierSide,
+    scale: float | None,
+) -> list[tuple[str, int]]:
+    """The kernel's template constants for a launch of :func:`outlier_launch`."""
+    mb, lanes, group = launch
+    out = [("HD", dim), ("MB", mb), ("LPT", lanes), ("GROUP", group), ("QMUL", qmul_bits(scale))]
+    for pre, s in (("K", keys), ("V", values)):
+        hi, lo = (s.parts[0], s.parts[1]) if len(s.parts) == 2 else (None, s.parts[0])
+        out += [
+            (pre + "NH", 0 if hi is None else hi.channels),
+            (pre + "BH", 1 if hi is None else hi.bits),
+            (pre + "BL", lo.bits),
+            (pre + "BKH", 1 if hi is None else hi.block),
+            (pre + "BKL", lo.block),
+        ]
+    return out
+
+
+def _inputs(s: OutlierSide, dummy_u: mx.array, dummy_f: mx.array) -> list[mx.array]:
+    if len(s.parts) == 2:
+        return [s.codes[0], s.norms[0], s.codes[1], s.norms[1], s.mask, s.table]
+    return [dummy_u, dummy_f, s.codes[0], s.norms[0], dummy_u, s.table]
+
+
+_DUMMY: dict[str, mx.array] = {}
+
+
+def _dummies() -> tuple[mx.array, mx.array]:
+    if not _DUMMY:
+        _DUMMY["u"] = mx.zeros((1, 1, 1, 8), dtype=mx.uint32)
+        _DUMMY["f"] = mx.zeros((1, 1, 8), dtype=mx.float16)
+    return _DUMMY["u"], _DUMMY["f"]
+
+
+def decode_attention_outlier(
+    q: mx.array,
+    keys: OutlierSide,
+    values: OutlierSide,
+    splits: int | None = None,
+    fp16: list[tuple[mx.array, mx.array]] | None = None,
+    out_dtype: mx.Dtype | None = None,
+    scale: float | None = None,
+) -> tuple[mx.array, mx.array, mx.array] | None:
+    """Partial attention ``(o, m, l)`` of ``q`` over one segment, or None where the kernel has
+    no layout for the shape (see :func:`outlier_launch`).
+
+    Args:
+        q: ``(B, H, M, D)`` grouped queries in the model's domain: float32 with the scale
+            applied, or (with ``scale``) unscaled in any float dtype.
+        keys, values: the segment's sides; at least one with two parts (a mask).
+        splits: number of context chunks (whole groups each; default: about
+            :data:`DEFAULT_BLOCKS` threadgroups of at least :data:`MIN_SPAN` tokens).
+        fp16, out_dtype: up to two fp16 segments joined in the same softmax by the merge
+            (:func:`velox_core.kernels.decode.merge_splits_fp16`); ``o`` is then the
+            normalized attention over all of them, in ``out_dtype``.
+        scale: the attention scale, when ``q`` comes without it.
+
+    Shapes:
+        returns ``o (B, H, M, D)``, ``m (B, H, M, 1)``, ``l (B, H, M, 1)``, float32 (``o`` in
+        ``out_dtype`` and normalized when ``out_dtype`` is given).
+    """
+    if (fp16 is not None) != (out_dtype is not None):
+        raise ValueError("decode_attention_outlier: fp16 segments and out_dtype go together")
+    if fp16 is not None and (len(fp16) > 2 or sum(k.shape[2] for k, _ in fp16) > FP16_MAX):
+        return None
+    b, h, m, dim = q.shape
+    t = keys.codes[-1].shape[2]
+    launch = outlier_launch(m, dim, keys, values)
+    if t < 1 or launch is None:
+        return None
+    mb, _, group = launch
+    if t % group:
+        raise ValueError(
+            f"decode_attention_outlier: {t} tokens are not whole groups of {group} (the "
+            "masks cover groups of tokens)"
+        )
+    _check_side("keys", keys, b, h, t, dim)
+    _check_side("values", values, b, h, t, dim)
+    nmb = (m + mb - 1) // mb
+    mp = nmb * mb
+    qf = q if scale is not None else q.astype(mx.float32)
+    qf = _pad_rows(qf, mp)
+    groups = t // group
+    if splits is None:
+        want = max(1, math.ceil(DEFAULT_BLOCKS / max(1, b * h * nmb)))
+        splits = min(want, math.ceil(groups / max(1, math.ceil(MIN_SPAN / group))))
+    s = max(1, min(int(splits), groups))
+    s = math.ceil(groups / math.ceil(groups / s))  # no empty split
+    du, df = _dummies()
+    o_part, ml_part = OUTLIER.kernel()(
+        inputs=[qf, *_inputs(keys, du, df), *_inputs(values, du, df)],
+        template=outlier_template(launch, dim, keys, values, scale),
+        grid=(s * THREADS, b * h, nmb),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(b, h, s, mp, dim), (b, h, s, mp, 2)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    if out_dtype is not None:
+        o, mm, ll = merge_splits_fp16(o_part, ml_part, qf, fp16 or [], out_dtype, scale)
+    else:
+        o, mm, ll = merge_splits(o_part, ml_part)
+    if mp > m:
+        o, mm, ll = o[:, :, :m], mm[:, :, :m], ll[:, :, :m]
+    return o, mm, ll
