@@ -737,6 +737,36 @@ def section_checks(quick: bool) -> None:
         tol=1e-2,
         dtype=mx.bfloat16,
     )
+    # fractional widths: the outlier kernel (channels split per group of 64 tokens)
+    for kb, vb, dtype, m in (
+        (3.5, 3.5, mx.float16, 4),
+        (2.5, 4, mx.bfloat16, 4),
+        (3.25, 3.25, mx.float16, 8),
+    ):
+        dname = str(dtype).replace("mlx.core.", "")
+        decode_check(
+            f"turboquant{kb}/{vb} decode B2 H8 M{m} T20480 {dname} (outlier kernel)",
+            TurboQuant(kb),
+            TurboQuant(vb, seed=1),
+            2,
+            8,
+            1280 if quick else 20_480,
+            m,
+            dtype=dtype,
+            seed=83,
+        )
+    cache_check(
+        "TurboQuantCache 3.5-bit window+sinks (outlier kernel)",
+        lambda: TurboQuantCache(bits=3.5, window=32, sinks=4),
+        t=1200 if quick else 5000,
+    )
+    cache_check(
+        "TurboQuantCache 2.5-bit bf16 (outlier kernel)",
+        lambda: TurboQuantCache(bits=2.5),
+        t=1200 if quick else 40_961,
+        tol=1e-2,
+        dtype=mx.bfloat16,
+    )
     for bits in (2, 3, 4, 5, 8):
         encode_check(f"uniform{bits} encode fp16 (bit exact)", Uniform(bits))
     encode_check("uniform4 encode bf16 clip 0.9 (bit exact)", Uniform(4, clip=0.9), mx.bfloat16)
@@ -778,6 +808,22 @@ def section_bandwidth(quick: bool) -> None:
 
 # velox-qjl's recommended "4-bit" keys (METHOD.recommended[0], without its value settings)
 QJL_4BIT = {"sketch": 320, "outlier_bits": 8, "group": 128}
+
+
+def encode_rows(codec, x):
+    """``codec.encode(x)`` one batch row at a time (a fractional TurboQuant encode of a whole
+    (8, 8, 131072, 128) tensor failed to launch on the H200: MLX's ops on it exceed a launch
+    limit; a cache encodes prefill chunks, far smaller), joined along the batch axis."""
+    from velox_core import Packed
+
+    parts = [codec.encode(x[i : i + 1]) for i in range(x.shape[0])]
+    for p in parts:
+        mx.eval(p.data)
+    if len(parts) == 1:
+        return parts[0]
+    data = {n: mx.concatenate([p.data[n] for p in parts], axis=0) for n in parts[0].data}
+    mx.eval(data)
+    return Packed(data, parts[0].tokens, parts[0].block, parts[0].per_block)
 
 
 def make_methods(
@@ -899,11 +945,24 @@ def make_methods(
         kc, vc = TurboQuant(bits), TurboQuant(bits, seed=1)
         kc.check(d, mx.float16)
         vc.check(d, mx.float16)
-        kp, vp = kc.encode(k), vc.encode(v)
-        mx.eval(kp.data, vp.data)
+        kp, vp = encode_rows(kc, k), encode_rows(vc, v)
 
         call = joint_call(kc, kp, vc, vp)
         methods.append((f"velox turboquant{bits}", bits, call, kp.nbytes + vp.nbytes + qbytes))
+        if isinstance(bits, float) and b == 1:
+            # fractional widths before the outlier kernel: the codec's reference path (the
+            # query rotated per group and part, the scores and the values' mix as MLX ops)
+            from velox_core.cache.attention import Segment, partial
+
+            seg = Segment(kc, kp, vc, vp)
+            qf = q.reshape(b, hk, hq // hk, d).astype(mx.float32) * scale
+
+            def tq_reference(seg=seg, qf=qf):
+                o, _, l = partial(qf, seg)
+                return (o / l).reshape(b, hq, 1, d)
+
+            nb = kp.nbytes + vp.nbytes + qbytes
+            methods.append((f"velox turboquant{bits} reference", bits, tq_reference, nb))
         if portable_row and bits in (2, 4):  # what 2- and 4-bit codes took before KCB / VCB
             nb = kp.nbytes + vp.nbytes + qbytes
             portable = in_env(call, VELOX_DECODE_MMA=0)
@@ -1199,7 +1258,7 @@ def device_rows(b: int, t: int, quick: bool) -> list[dict]:
         seed=t + b,
         bits_mlx=(4,),
         bits_uniform=(2, 4),
-        bits_tq=(2, 4),
+        bits_tq=(2, 4, 2.5, 3.5),
         portable_row=True,
         qjl=True,
         vecinfer=True,

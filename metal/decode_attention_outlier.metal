@@ -13,7 +13,7 @@
 // in the rotated domain. NH = 0: a side of one part (an integer width): no mask, all HD
 // channels in the lo part.
 //
-// Per group the threadgroup (NT = 128 threads) does, all in threadgroup memory:
+// Per group the threadgroup (NT threads, a template value) does, all in threadgroup memory:
 //   A. stage the group's key codes, norms and mask; place the query in each key part's
 //      rotated input order (channel c -> its part's slot dst[j], times s[j] / sqrt(BK)) and
 //      run the Hadamard butterflies: the query as this group's key codes see it;
@@ -39,7 +39,6 @@
 // Outputs: o_part (B, H, S, MP, HD), ml_part (B, H, S, MP, 2). Grid: x = split (whole groups,
 // ceil(G / S) each), y = b * H + h, z = block of MB query rows.
 
-constexpr int NT = 128;
 constexpr int NWARPS = NT / 32;
 constexpr int KNL = HD - KNH;
 constexpr int VNL = HD - VNH;
@@ -62,7 +61,10 @@ constexpr unsigned int VML = (1u << VBL) - 1u;
 constexpr int KCH = (KNH + LPT - 1) / LPT;  // hi channels a scoring lane holds
 constexpr int KCL = (KNL + LPT - 1) / LPT;
 constexpr int TPP = NT / LPT;               // tokens scored per pass
-constexpr int VR = (HD + NT - 1) / NT;      // rotated value channels per thread
+constexpr int NTP = NT >= HD ? NT / HD : 1;  // thread sets sharing the value channels
+constexpr int DCH = NT >= HD ? HD : NT;       // channels one thread set takes at a time
+constexpr int VR = (HD + DCH - 1) / DCH;      // rotated value channels per thread
+constexpr int RED = NTP > 1 ? (NTP - 1) * MB * DCH : 1;
 constexpr int OR = (MB * HD + NT - 1) / NT; // (row, channel) outputs per thread
 constexpr int KBK = KBKH > KBKL ? KBKH : KBKL;
 constexpr int VBK = VBKH > VBKL ? VBKH : VBKL;
@@ -89,6 +91,7 @@ const float qmul = vx_bits_to_float(static_cast<unsigned int>(QMUL));
 VX_SHARED float kax_s[KAX];
 VX_SHARED float vax_s[VAX];
 VX_SHARED float buf[MB * HD];
+VX_SHARED float red[RED];
 VX_SHARED unsigned int cw[GROUP * CW];
 VX_SHARED float nrm[2 * GROUP];
 VX_SHARED float sc[GROUP * MB];
@@ -181,7 +184,7 @@ for (int g = g0; g < g1; ++g) {
       const int blk = hi ? KBKH : KBKL;
       const int pp = hi ? p : p - KNH / 2;
       if (hs < blk) {
-        const int i0 = m * HD + (hi ? 0 : KNH) + (pp / hs) * 2 * hs + (pp % hs);
+        const int i0 = m * HD + (hi ? 0 : KNH) + ((pp & ~(hs - 1)) << 1) + (pp & (hs - 1));
         const float x0 = buf[i0];
         const float x1 = buf[i0 + hs];
         buf[i0] = x0 + x1;
@@ -209,6 +212,7 @@ for (int g = g0; g < g1; ++g) {
         ql[m][k] = i < KNL ? buf[m * HD + KNH + i] : 0.0f;
       }
     }
+#pragma unroll 2
     for (int base = 0; base < GROUP; base += TPP) {
       const int tok = vx_imin(base + ts, GROUP - 1);
       const int rb = tok * CW;
@@ -328,6 +332,8 @@ for (int g = g0; g < g1; ++g) {
   }
   VX_BARRIER();
   // ---- D. weighted sum of the value levels, in the value parts' rotated domain ---------
+  // (thread tid takes rotated channel tid % HD of the tokens tp, tp + NTP, ... with
+  // tp = tid / HD; the NTP thread sets' sums are added in threadgroup memory)
   {
     float acc[VR][MB];
 #pragma unroll
@@ -337,39 +343,62 @@ for (int g = g0; g < g1; ++g) {
         acc[r][m] = 0.0f;
       }
     }
-    for (int tok = 0; tok < GROUP; ++tok) {
-      const int rb = tok * CW;
-      const float nh = nrm[tok];
-      const float nl = nrm[GROUP + tok];
+    const int tp = tid / DCH;
+    const int dc = tid - tp * DCH;
+    if (tp < NTP) {
+#pragma unroll 4
+      for (int tok = tp; tok < GROUP; tok += NTP) {
+        const int rb = tok * CW;
+        const float nh = nrm[tok];
+        const float nl = nrm[GROUP + tok];
 #pragma unroll
-      for (int r = 0; r < VR; ++r) {
-        const int i = tid + NT * r;
-        if (i < HD) {
-          const bool hi = i < VNH;
-          const int off = hi ? i * VBH : VWH * 32 + (i - VNH) * VBL;
-          const int bits = hi ? VBH : VBL;
-          const int wi = off >> 5;
-          const int sh = off & 31;
-          unsigned int code = cw[rb + wi] >> sh;
-          if (sh + bits > 32) {
-            code |= cw[rb + wi + 1] << (32 - sh);
-          }
-          const float f = hi ? vax_s[2 * HD + (code & VMH)] * nh
-                             : vax_s[2 * HD + VLVH + (code & VML)] * nl;
+        for (int r = 0; r < VR; ++r) {
+          const int i = dc + DCH * r;
+          if (i < HD) {
+            const bool hi = i < VNH;
+            const int off = hi ? i * VBH : VWH * 32 + (i - VNH) * VBL;
+            const int bits = hi ? VBH : VBL;
+            const int wi = off >> 5;
+            const int sh = off & 31;
+            unsigned int code = cw[rb + wi] >> sh;
+            if (sh + bits > 32) {
+              code |= cw[rb + wi + 1] << (32 - sh);
+            }
+            const float f = hi ? vax_s[2 * HD + (code & VMH)] * nh
+                               : vax_s[2 * HD + VLVH + (code & VML)] * nl;
 #pragma unroll
-          for (int m = 0; m < MB; ++m) {
-            acc[r][m] = vx_fma(sc[tok * MB + m], f, acc[r][m]);
+            for (int m = 0; m < MB; ++m) {
+              acc[r][m] = vx_fma(sc[tok * MB + m], f, acc[r][m]);
+            }
           }
         }
       }
     }
+    if (NTP > 1) {
+      if (tp > 0 && tp < NTP) {
 #pragma unroll
-    for (int r = 0; r < VR; ++r) {
-      const int i = tid + NT * r;
-      if (i < HD) {
+        for (int r = 0; r < VR; ++r) {
 #pragma unroll
-        for (int m = 0; m < MB; ++m) {
-          buf[m * HD + i] = acc[r][m];
+          for (int m = 0; m < MB; ++m) {
+            red[((tp - 1) * MB + m) * DCH + dc] = acc[r][m];
+          }
+        }
+      }
+      VX_BARRIER();
+    }
+    if (tp == 0) {
+#pragma unroll
+      for (int r = 0; r < VR; ++r) {
+        const int i = dc + DCH * r;
+        if (i < HD) {
+#pragma unroll
+          for (int m = 0; m < MB; ++m) {
+            float a = acc[r][m];
+            for (int u = 1; u < NTP; ++u) {
+              a += red[((u - 1) * MB + m) * DCH + dc];
+            }
+            buf[m * HD + i] = a;
+          }
         }
       }
     }
@@ -384,7 +413,7 @@ for (int g = g0; g < g1; ++g) {
       const int blk = hi ? VBKH : VBKL;
       const int pp = hi ? p : p - VNH / 2;
       if (hs < blk) {
-        const int i0 = m * HD + (hi ? 0 : VNH) + (pp / hs) * 2 * hs + (pp % hs);
+        const int i0 = m * HD + (hi ? 0 : VNH) + ((pp & ~(hs - 1)) << 1) + (pp & (hs - 1));
         const float x0 = buf[i0];
         const float x1 = buf[i0 + hs];
         buf[i0] = x0 + x1;

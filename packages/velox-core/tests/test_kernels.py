@@ -462,6 +462,41 @@ def _decode_variants():
     return out
 
 
+def test_outlier_kernel_inputs_are_checked(monkeypatch):
+    """The outlier kernel's host side refuses what it cannot read, with what was wrong."""
+    part = ok.RotatedPart(4, 64, np.zeros(16), np.ones(64), None, 64)
+    with pytest.raises(ValueError, match="power of two"):
+        ok.side_table((dataclasses.replace(part, block=48),))
+    with pytest.raises(ValueError, match="16 levels"):
+        ok.side_table((dataclasses.replace(part, levels=np.zeros(8)),))
+    table = ok.side_table((part, dataclasses.replace(part, bits=3, levels=np.zeros(8))))
+    assert table.shape == (4 * 64 + 16 + 8,)
+    monkeypatch.setenv("VELOX_OUTLIER_THREADS", "96")
+    with pytest.raises(ValueError, match="128 or 256"):
+        ok.outlier_threads()
+    monkeypatch.delenv("VELOX_OUTLIER_THREADS")
+    lo = dataclasses.replace(part, bits=3, levels=np.zeros(8))
+    codes = (mx.zeros((1, 2, 64, 8), mx.uint32), mx.zeros((1, 2, 64, 6), mx.uint32))
+    norms = (mx.zeros((1, 2, 64), mx.float16),) * 2
+    mask = mx.zeros((1, 2, 1, 4), mx.uint32)
+    side = ok.OutlierSide((part, lo), codes, norms, mask, 64, table)
+    q = mx.zeros((1, 2, 4, 128))
+    bad = dataclasses.replace(side, mask=mx.zeros((1, 2, 2, 4), mx.uint32))
+    with pytest.raises(ValueError, match="mask must be"):
+        ok.decode_attention_outlier(q, side, bad)
+    bad = dataclasses.replace(side, codes=(codes[0], codes[0]))
+    with pytest.raises(ValueError, match="3-bit part"):
+        ok.decode_attention_outlier(q, bad, side)
+    short = dataclasses.replace(side, codes=tuple(c[:, :, :40] for c in codes))
+    with pytest.raises(ValueError, match="whole groups"):
+        ok.decode_attention_outlier(q, short, short)
+    # no side with a mask, or sides with two groups: another kernel's layout, None
+    one = ok.OutlierSide((dataclasses.replace(part, channels=128),), (), (), None, 1, table)
+    assert ok.outlier_launch(4, 128, one, one) is None
+    assert ok.outlier_launch(4, 128, side, dataclasses.replace(side, group=32)) is None
+    assert ok.outlier_launch(4, 128, side, side) == (4, 8, 64, 128)
+
+
 @needs_gxx
 def test_metal_instantiations_compile_through_the_shim(tmp_path):
     units = []

@@ -13,8 +13,10 @@ Attention reads the codes: the query is rotated (and sketched, for ``prod``) onc
 once per group and part when channels are split; scores are its products with codebook levels
 times norms; values are mixed as weighted sums of levels in the rotated domain and rotated
 back once per part and group, never rebuilding the keys or values. On a GPU with kernels
-enabled, integer-width mse segments attend through one fused split-K kernel
-(:meth:`TurboQuant.attend_partial`, :mod:`velox_turboquant.kernels`).
+enabled, mse segments attend through one fused split-K kernel
+(:meth:`TurboQuant.attend_partial`, :mod:`velox_turboquant.kernels`): integer widths through
+velox-core's decode kernels, fractional widths through its outlier kernel (the query
+placed and rotated, the values rotated back, per group inside the kernel).
 
 Deviations from the paper: the rotation is a randomized (block-)Hadamard transform instead of
 a dense Haar matrix (a Haar matrix where the Hadamard block would be under 16, e.g. a 40-dim
@@ -238,8 +240,9 @@ class TurboQuant(Codec):
 
         Returns the partial ``(o, m, l)`` of :func:`velox_core.cache.attention.partial`, or
         None where the kernel does not apply (CPU backend or kernels disabled, fractional
-        widths, 1-bit ``prod`` keys, a value codec that is not an integer-width
-        TurboQuant_mse). ``prod`` keys add their residual sketch's estimate in the kernel.
+        ``prod`` keys, 1-bit ``prod`` keys, a value codec that is not a TurboQuant_mse).
+        ``prod`` keys add their residual sketch's estimate in the kernel; fractional mse
+        widths take the outlier kernel.
         Shapes: q ``(B, H, M, D)`` float32 with the scale applied.
         """
         from .kernels import attend_partial

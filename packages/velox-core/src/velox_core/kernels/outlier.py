@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from . import env_setting
 from .build import KernelSpec
 from .decode import FP16_MAX, _pad_rows, merge_splits, merge_splits_fp16, qmul_bits
 
@@ -34,6 +35,7 @@ __all__ = [
     "decode_attention_outlier",
     "outlier_launch",
     "outlier_template",
+    "outlier_threads",
     "side_table",
 ]
 
@@ -47,7 +49,7 @@ OUTLIER = KernelSpec(
     outputs=("o_part", "ml_part"),
     row_contiguous=False,  # the body reads strides: slices of a cache buffer are not copied
 )
-THREADS = 128  # the body's NT
+THREADS = 128  # threads per threadgroup, the body's NT (VELOX_OUTLIER_THREADS: 128 or 256)
 SMEM_BYTES = 32 * 1024  # Metal's threadgroup memory (the body's arrays must fit)
 MAX_ROWS = 8  # query rows per threadgroup
 MAX_OUT = 1024  # rows x head dim per threadgroup (8 running outputs a thread)
@@ -168,10 +170,20 @@ def _words(p: RotatedPart) -> int:
     return (p.channels * p.bits + 31) // 32
 
 
+def outlier_threads() -> int:
+    """Threads per threadgroup: :data:`THREADS`, or ``VELOX_OUTLIER_THREADS`` (128 or 256)."""
+    value = env_setting("VELOX_OUTLIER_THREADS")
+    if value is None:
+        return THREADS
+    if value.strip() not in ("128", "256"):
+        raise ValueError(f"VELOX_OUTLIER_THREADS must be 128 or 256, got {value!r}")
+    return int(value)
+
+
 def outlier_launch(m: int, dim: int, keys: OutlierSide, values: OutlierSide):
-    """``(rows per threadgroup, lanes per scored token, group)`` for the shape, or None where
-    the kernel has no layout for it (more than :data:`MAX_OUT` outputs per row block, a
-    group that does not fit threadgroup memory, sides with different groups)."""
+    """``(rows per threadgroup, lanes per scored token, group, threads)`` for the shape, or
+    None where the kernel has no layout for it (more than :data:`MAX_OUT` outputs per row
+    block, a group that does not fit threadgroup memory, sides with different groups)."""
     groups = {s.group for s in (keys, values) if s.mask is not None}
     if len(groups) != 1:
         return None  # no fractional side (the other kernels take it), or two groups
@@ -188,22 +200,26 @@ def outlier_launch(m: int, dim: int, keys: OutlierSide, values: OutlierSide):
         lanes *= 2
     cw = max(sum(_words(p) for p in keys.parts), sum(_words(p) for p in values.parts))
     table = sum(2 * p.channels + (1 << p.bits) for p in keys.parts + values.parts)
+    nt = outlier_threads()
+    sets = nt // dim if nt >= dim else 1  # thread sets sharing the value channels
+    red = (sets - 1) * mb * min(dim, nt)
     floats = table + mb * dim + group * cw + 2 * group + group * mb + 2 * ((dim + 31) // 32)
-    if 4 * (floats + 3 * mb) > SMEM_BYTES:
+    if 4 * (floats + red + 3 * mb) > SMEM_BYTES:
         return None
-    return mb, lanes, group
+    return mb, lanes, group, nt
 
 
 def outlier_template(
-    launch: tuple[int, int, int],
+    launch: tuple[int, int, int, int],
     dim: int,
     keys: OutlierSide,
     values: OutlierSide,
     scale: float | None,
 ) -> list[tuple[str, int]]:
     """The kernel's template constants for a launch of :func:`outlier_launch`."""
-    mb, lanes, group = launch
-    out = [("HD", dim), ("MB", mb), ("LPT", lanes), ("GROUP", group), ("QMUL", qmul_bits(scale))]
+    mb, lanes, group, nt = launch
+    out = [("HD", dim), ("MB", mb), ("LPT", lanes), ("GROUP", group), ("NT", nt)]
+    out.append(("QMUL", qmul_bits(scale)))
     for pre, s in (("K", keys), ("V", values)):
         hi, lo = (s.parts[0], s.parts[1]) if len(s.parts) == 2 else (None, s.parts[0])
         out += [
@@ -268,7 +284,7 @@ def decode_attention_outlier(
     launch = outlier_launch(m, dim, keys, values)
     if t < 1 or launch is None:
         return None
-    mb, _, group = launch
+    mb, _, group, nt = launch
     if t % group:
         raise ValueError(
             f"decode_attention_outlier: {t} tokens are not whole groups of {group} (the "
@@ -290,8 +306,8 @@ def decode_attention_outlier(
     o_part, ml_part = OUTLIER.kernel()(
         inputs=[qf, *_inputs(keys, du, df), *_inputs(values, du, df)],
         template=outlier_template(launch, dim, keys, values, scale),
-        grid=(s * THREADS, b * h, nmb),
-        threadgroup=(THREADS, 1, 1),
+        grid=(s * nt, b * h, nmb),
+        threadgroup=(nt, 1, 1),
         output_shapes=[(b, h, s, mp, dim), (b, h, s, mp, 2)],
         output_dtypes=[mx.float32, mx.float32],
     )
