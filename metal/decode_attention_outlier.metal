@@ -13,13 +13,14 @@
 // in the rotated domain. NH = 0: a side of one part (an integer width): no mask, all HD
 // channels in the lo part.
 //
-// Per group the threadgroup (NT threads, a template value) does, all in threadgroup memory:
+// Per group the threadgroup (NT = 128 threads) does, all in threadgroup memory:
 //   A. stage the group's key codes, norms and mask; place the query in each key part's
 //      rotated input order (channel c -> its part's slot dst[j], times s[j] / sqrt(BK)) and
 //      run the Hadamard butterflies: the query as this group's key codes see it;
-//   B. score the group's tokens: LPT lanes per token, lane j taking the part channels
-//      j, j + LPT, ... (query values in registers), norms times level sums, lanes reduced
-//      by shuffles; scores in the log2 domain (QMUL);
+//   B. score the group's tokens: LPT lanes per token, lane j taking a contiguous chunk of
+//      each part's channels (at most 32 bits of codes, so shifts known at compile time;
+//      its query values in registers), norms times level sums, lanes reduced by shuffles;
+//      scores in the log2 domain (QMUL: the query is scaled once, into threadgroup memory);
 //   C. online softmax: the group's max per query row, the running (max, sum) rescaled,
 //      weights p = exp2(s - max) in place; the value codes staged meanwhile;
 //   D. values in the value parts' rotated domain: one thread per rotated channel adds
@@ -58,14 +59,15 @@ constexpr unsigned int KMH = (1u << KBH) - 1u;
 constexpr unsigned int KML = (1u << KBL) - 1u;
 constexpr unsigned int VMH = (1u << VBH) - 1u;
 constexpr unsigned int VML = (1u << VBL) - 1u;
-constexpr int KCH = (KNH + LPT - 1) / LPT;  // hi channels a scoring lane holds
-constexpr int KCL = (KNL + LPT - 1) / LPT;
+constexpr int KCH = KNH / LPT;  // hi channels a scoring lane holds (the host: LPT divides)
+constexpr int KCL = KNL / LPT;
 constexpr int TPP = NT / LPT;               // tokens scored per pass
 constexpr int NTP = NT >= HD ? NT / HD : 1;  // thread sets sharing the value channels
 constexpr int DCH = NT >= HD ? HD : NT;       // channels one thread set takes at a time
 constexpr int VR = (HD + DCH - 1) / DCH;      // rotated value channels per thread
 constexpr int RED = NTP > 1 ? (NTP - 1) * MB * DCH : 1;
 constexpr int OR = (MB * HD + NT - 1) / NT; // (row, channel) outputs per thread
+constexpr int EPT = MB * HD / NT;  // butterfly entries per thread (the host: NT divides MB HD)
 constexpr int KBK = KBKH > KBKL ? KBKH : KBKL;
 constexpr int VBK = VBKH > VBKL ? VBKH : VBKL;
 constexpr float NEG = -1.0e30f;
@@ -92,7 +94,8 @@ VX_SHARED float kax_s[KAX];
 VX_SHARED float vax_s[VAX];
 VX_SHARED float buf[MB * HD];
 VX_SHARED float red[RED];
-VX_SHARED unsigned int cw[GROUP * CW];
+VX_SHARED float qs[MB * HD];
+VX_SHARED unsigned int cw[GROUP * CW + 1];  // (+1: a chunk's second word)
 VX_SHARED float nrm[2 * GROUP];
 VX_SHARED float sc[GROUP * MB];
 VX_SHARED unsigned int kmk_s[MW];
@@ -113,6 +116,16 @@ if (tid < MB) {
 }
 
 const int64_t q_b = (int64_t)b * q_strides[0] + (int64_t)h * q_strides[1];
+for (int i = tid; i < MB * HD; i += NT) {
+  const int m = i / HD;
+  const int c = i - m * HD;
+  qs[i] = static_cast<float>(q[q_b + (int64_t)(mblk * MB + m) * q_strides[2] +
+                               (int64_t)c * q_strides[3]]) * qmul;
+}
+if (tid == 0) {
+  cw[GROUP * CW] = 0u;
+}
+
 const int64_t khc_b = KNH > 0 ? (int64_t)b * khc_strides[0] + (int64_t)h * khc_strides[1] : 0;
 const int64_t khn_b = KNH > 0 ? (int64_t)b * khn_strides[0] + (int64_t)h * khn_strides[1] : 0;
 const int64_t kmk_b = KNH > 0 ? (int64_t)b * kmk_strides[0] + (int64_t)h * kmk_strides[1] : 0;
@@ -171,29 +184,73 @@ for (int g = g0; g < g1; ++g) {
     }
     const int sgi = hi ? j : 2 * KNH + j;
     const int dst = hi ? (int)kax_s[KNH + j] : KNH + (int)kax_s[2 * KNH + KNL + j];
-    const float qv = static_cast<float>(q[q_b + (int64_t)(mblk * MB + m) * q_strides[2] +
-                                          (int64_t)c * q_strides[3]]);
-    buf[m * HD + dst] = qv * qmul * kax_s[sgi];
+    buf[m * HD + dst] = qs[i] * kax_s[sgi];
   }
   VX_BARRIER();
-  for (int hs = 1; hs < KBK; hs <<= 1) {
-    for (int i = tid; i < MB * (HD / 2); i += NT) {
-      const int m = i / (HD / 2);
-      const int p = i - m * (HD / 2);
-      const bool hi = p < KNH / 2;
-      const int blk = hi ? KBKH : KBKL;
-      const int pp = hi ? p : p - KNH / 2;
-      if (hs < blk) {
-        const int i0 = m * HD + (hi ? 0 : KNH) + ((pp & ~(hs - 1)) << 1) + (pp & (hs - 1));
-        const float x0 = buf[i0];
-        const float x1 = buf[i0 + hs];
-        buf[i0] = x0 + x1;
-        buf[i0 + hs] = x0 - x1;
+  {
+    // each thread holds EPT consecutive entries of the (rows x channels) buffer: stages
+    // shorter than EPT in registers, shorter than 32 EPT across the warp's lanes (shuffles),
+    // longer ones through threadgroup memory
+    float x[EPT];
+    const int e0 = tid * EPT;
+    const int blk = e0 % HD < KNH ? KBKH : KBKL;
+#pragma unroll
+    for (int e = 0; e < EPT; ++e) {
+      x[e] = buf[e0 + e];
+    }
+#pragma unroll
+    for (int hs = 1; hs < KBK; hs <<= 1) {
+      if (hs < EPT) {
+#pragma unroll
+        for (int e = 0; e < EPT; ++e) {
+          if ((e & hs) == 0 && hs < blk) {
+            const float x0 = x[e];
+            const float x1 = x[e + hs];
+            x[e] = x0 + x1;
+            x[e + hs] = x0 - x1;
+          }
+        }
+      } else if (hs < 32 * EPT) {
+        const int lm = hs / EPT;
+        const bool lower = (lane & lm) == 0;
+#pragma unroll
+        for (int e = 0; e < EPT; ++e) {
+          const float y = vx_shfl_xor(x[e], lm);
+          if (hs < blk) {
+            x[e] = lower ? x[e] + y : y - x[e];
+          }
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < EPT; ++e) {
+          buf[e0 + e] = x[e];
+        }
+        VX_BARRIER();
+        const bool lower = (e0 & hs) == 0;
+        float y[EPT];
+#pragma unroll
+        for (int e = 0; e < EPT; ++e) {
+          y[e] = buf[(e0 + e) ^ hs];
+        }
+        VX_BARRIER();
+#pragma unroll
+        for (int e = 0; e < EPT; ++e) {
+          if (hs < blk) {
+            x[e] = lower ? x[e] + y[e] : y[e] - x[e];
+          }
+        }
       }
     }
-    VX_BARRIER();
+#pragma unroll
+    for (int e = 0; e < EPT; ++e) {
+      buf[e0 + e] = x[e];
+    }
   }
+  VX_BARRIER();
   // ---- B. scores of the group's tokens -> sc[tok * MB + m] ----------------------------
+  // lane jj of a token takes channels [jj KCH, (jj + 1) KCH) of the hi part and
+  // [jj KCL, (jj + 1) KCL) of the lo part: one chunk of at most 32 bits each (the host's
+  // choice of LPT), so the codes come out at shifts known at compile time
   {
     const int ts = tid / LPT;
     const int jj = tid - ts * LPT;
@@ -202,69 +259,70 @@ for (int g = g0; g < g1; ++g) {
 #pragma unroll
     for (int m = 0; m < MB; ++m) {
 #pragma unroll
-      for (int k = 0; k < KCH; ++k) {
-        const int i = jj + LPT * k;
-        qh[m][k] = i < KNH ? buf[m * HD + i] : 0.0f;
+      for (int e = 0; e < KCH; ++e) {
+        qh[m][e] = buf[m * HD + jj * KCH + e];
       }
 #pragma unroll
-      for (int k = 0; k < KCL; ++k) {
-        const int i = jj + LPT * k;
-        ql[m][k] = i < KNL ? buf[m * HD + KNH + i] : 0.0f;
+      for (int e = 0; e < KCL; ++e) {
+        ql[m][e] = buf[m * HD + KNH + jj * KCL + e];
       }
     }
+    const int hb = jj * (KCH * KBH);
+    const int lb = KWH * 32 + jj * (KCL * KBL);
 #pragma unroll 2
     for (int base = 0; base < GROUP; base += TPP) {
       const int tok = vx_imin(base + ts, GROUP - 1);
       const int rb = tok * CW;
-      float dh[MB];
-      float dl[MB];
-#pragma unroll
-      for (int m = 0; m < MB; ++m) {
-        dh[m] = 0.0f;
-        dl[m] = 0.0f;
-      }
-#pragma unroll
-      for (int k = 0; k < KCH; ++k) {
-        const int i = jj + LPT * k;
-        if (i < KNH) {
-          const int off = i * KBH;
-          const int wi = off >> 5;
-          const int sh = off & 31;
-          unsigned int code = cw[rb + wi] >> sh;
-          if (sh + KBH > 32) {
-            code |= cw[rb + wi + 1] << (32 - sh);
-          }
-          const float f = kax_s[2 * HD + (code & KMH)];
-#pragma unroll
-          for (int m = 0; m < MB; ++m) {
-            dh[m] = vx_fma(qh[m][k], f, dh[m]);
-          }
-        }
-      }
-#pragma unroll
-      for (int k = 0; k < KCL; ++k) {
-        const int i = jj + LPT * k;
-        if (i < KNL) {
-          const int off = i * KBL;
-          const int wi = KWH + (off >> 5);
-          const int sh = off & 31;
-          unsigned int code = cw[rb + wi] >> sh;
-          if (sh + KBL > 32) {
-            code |= cw[rb + wi + 1] << (32 - sh);
-          }
-          const float f = kax_s[2 * HD + KLVH + (code & KML)];
-#pragma unroll
-          for (int m = 0; m < MB; ++m) {
-            dl[m] = vx_fma(ql[m][k], f, dl[m]);
-          }
-        }
-      }
-      const float nh = nrm[tok];
-      const float nl = nrm[GROUP + tok];
       float s[MB];
 #pragma unroll
       for (int m = 0; m < MB; ++m) {
-        s[m] = nh * dh[m] + nl * dl[m];
+        s[m] = 0.0f;
+      }
+      if (KCH > 0) {
+        const int wi = rb + (hb >> 5);
+        const int sh = hb & 31;
+        const unsigned int chunk = sh == 0 ? cw[wi] : (cw[wi] >> sh) | (cw[wi + 1] << (32 - sh));
+        float dh[MB];
+#pragma unroll
+        for (int m = 0; m < MB; ++m) {
+          dh[m] = 0.0f;
+        }
+#pragma unroll
+        for (int e = 0; e < KCH; ++e) {
+          const float f = kax_s[2 * HD + ((chunk >> (e * KBH)) & KMH)];
+#pragma unroll
+          for (int m = 0; m < MB; ++m) {
+            dh[m] = vx_fma(qh[m][e], f, dh[m]);
+          }
+        }
+        const float nh = nrm[tok];
+#pragma unroll
+        for (int m = 0; m < MB; ++m) {
+          s[m] = nh * dh[m];
+        }
+      }
+      {
+        const int wi = rb + (lb >> 5);
+        const int sh = lb & 31;
+        const unsigned int chunk = sh == 0 ? cw[wi] : (cw[wi] >> sh) | (cw[wi + 1] << (32 - sh));
+        float dl[MB];
+#pragma unroll
+        for (int m = 0; m < MB; ++m) {
+          dl[m] = 0.0f;
+        }
+#pragma unroll
+        for (int e = 0; e < KCL; ++e) {
+          const float f = kax_s[2 * HD + KLVH + ((chunk >> (e * KBL)) & KML)];
+#pragma unroll
+          for (int m = 0; m < MB; ++m) {
+            dl[m] = vx_fma(ql[m][e], f, dl[m]);
+          }
+        }
+        const float nl = nrm[GROUP + tok];
+#pragma unroll
+        for (int m = 0; m < MB; ++m) {
+          s[m] = vx_fma(nl, dl[m], s[m]);
+        }
       }
 #pragma unroll
       for (int off = 1; off < LPT; off <<= 1) {
@@ -405,23 +463,66 @@ for (int g = g0; g < g1; ++g) {
   }
   VX_BARRIER();
   // ---- E. back to the model's domain: butterflies, then each channel gathers its slot --
-  for (int hs = 1; hs < VBK; hs <<= 1) {
-    for (int i = tid; i < MB * (HD / 2); i += NT) {
-      const int m = i / (HD / 2);
-      const int p = i - m * (HD / 2);
-      const bool hi = p < VNH / 2;
-      const int blk = hi ? VBKH : VBKL;
-      const int pp = hi ? p : p - VNH / 2;
-      if (hs < blk) {
-        const int i0 = m * HD + (hi ? 0 : VNH) + ((pp & ~(hs - 1)) << 1) + (pp & (hs - 1));
-        const float x0 = buf[i0];
-        const float x1 = buf[i0 + hs];
-        buf[i0] = x0 + x1;
-        buf[i0 + hs] = x0 - x1;
+  {
+    // each thread holds EPT consecutive entries of the (rows x channels) buffer: stages
+    // shorter than EPT in registers, shorter than 32 EPT across the warp's lanes (shuffles),
+    // longer ones through threadgroup memory
+    float x[EPT];
+    const int e0 = tid * EPT;
+    const int blk = e0 % HD < VNH ? VBKH : VBKL;
+#pragma unroll
+    for (int e = 0; e < EPT; ++e) {
+      x[e] = buf[e0 + e];
+    }
+#pragma unroll
+    for (int hs = 1; hs < VBK; hs <<= 1) {
+      if (hs < EPT) {
+#pragma unroll
+        for (int e = 0; e < EPT; ++e) {
+          if ((e & hs) == 0 && hs < blk) {
+            const float x0 = x[e];
+            const float x1 = x[e + hs];
+            x[e] = x0 + x1;
+            x[e + hs] = x0 - x1;
+          }
+        }
+      } else if (hs < 32 * EPT) {
+        const int lm = hs / EPT;
+        const bool lower = (lane & lm) == 0;
+#pragma unroll
+        for (int e = 0; e < EPT; ++e) {
+          const float y = vx_shfl_xor(x[e], lm);
+          if (hs < blk) {
+            x[e] = lower ? x[e] + y : y - x[e];
+          }
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < EPT; ++e) {
+          buf[e0 + e] = x[e];
+        }
+        VX_BARRIER();
+        const bool lower = (e0 & hs) == 0;
+        float y[EPT];
+#pragma unroll
+        for (int e = 0; e < EPT; ++e) {
+          y[e] = buf[(e0 + e) ^ hs];
+        }
+        VX_BARRIER();
+#pragma unroll
+        for (int e = 0; e < EPT; ++e) {
+          if (hs < blk) {
+            x[e] = lower ? x[e] + y[e] : y[e] - x[e];
+          }
+        }
       }
     }
-    VX_BARRIER();
+#pragma unroll
+    for (int e = 0; e < EPT; ++e) {
+      buf[e0 + e] = x[e];
+    }
   }
+  VX_BARRIER();
 #pragma unroll
   for (int r = 0; r < OR; ++r) {
     const int i = tid + NT * r;

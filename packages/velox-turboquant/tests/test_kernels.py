@@ -226,7 +226,7 @@ def test_cache_on_an_emulated_cuda_gpu_rotates_back_in_the_merge(
 @needs_gxx
 @pytest.mark.parametrize(
     "key_bits,value_bits,rows,dtype",
-    [(3.5, 3.5, 4, "float16"), (2.5, 4, 3, "bfloat16"), (4, 3.25, 8, "float16")],
+    [(3.5, 3.5, 1, "float16"), (2.5, 4, 3, "bfloat16"), (4, 3.25, 8, "float16")],
 )
 def test_emulated_outlier_kernel_matches_the_reference(
     emulated_gpu, key_bits, value_bits, rows, dtype
@@ -235,8 +235,9 @@ def test_emulated_outlier_kernel_matches_the_reference(
     the outlier kernel places and rotates the query per group, scores both parts' codes,
     mixes the values in their rotated domain and brings them back per group: its partial
     equals the codec's reference scores/mix path. Covers a side of one part beside a
-    fractional one (4-bit keys or values), bf16 norms, padded query rows (3 of 4, 8) and
-    parts of 96 channels (Hadamard blocks of 32 after a permutation: 3.25 bits)."""
+    fractional one (4-bit keys or values), bf16 norms, padded query rows (3 of 4), parts of
+    96 channels (Hadamard blocks of 32 after a permutation: 3.25 bits), and the butterflies
+    with 1, 4 and 8 entries a thread (1 row: a stage across warps; the cache test below: 2)."""
     dt = getattr(mx, dtype)
     k, v = kv_data(t=320, seed=3, dtype=dt)
     kc, vc = TurboQuant(key_bits), TurboQuant(value_bits, seed=1)
