@@ -490,7 +490,7 @@ def test_outlier_kernel_inputs_are_checked():
     one = ok.OutlierSide((dataclasses.replace(part, channels=128),), (), (), None, 1, table)
     assert ok.outlier_launch(4, 128, one, one) is None
     assert ok.outlier_launch(4, 128, side, dataclasses.replace(side, group=32)) is None
-    assert ok.outlier_launch(4, 128, side, side) == (4, 8, 64, 128)
+    assert ok.outlier_launch(4, 128, side, side) == (4, 16, 64, 128)
 
 
 @needs_gxx
@@ -881,7 +881,13 @@ def test_cuda_instantiations_compile_without_spills(tmp_path):
     ``include`` folder holding ``mlx/backend/cuda/device/utils.cuh``), else the stand-in in
     ``metal/shim/cuda``."""
     probe = cuda_source(dk.PROBE_SUBNORMAL, [ArgInfo("uint32", 1, 1)], ["float32"], [])[0]
-    _nvcc_without_spills([cuda_source(*v)[0] for v in _decode_variants()] + [probe], tmp_path)
+    variants = _decode_variants()
+    plain = [cuda_source(*v)[0] for v in variants if v[0].cuda_launch_bounds is None]
+    _nvcc_without_spills([*plain, probe], tmp_path)
+    # a unit with launch bounds re-defines __global__ for the rest of its translation unit
+    bounded = [cuda_source(*v)[0] for v in variants if v[0].cuda_launch_bounds is not None]
+    assert bounded  # the outlier kernel's
+    _nvcc_without_spills(bounded, tmp_path, separate=True)
 
 
 # -- emulation: the Metal instantiation run on the CPU --------------------------------------------

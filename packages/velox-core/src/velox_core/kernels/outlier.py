@@ -54,7 +54,7 @@ THREADS = 128  # threads per threadgroup (the body's NT; the launch bounds above
 SMEM_BYTES = 32 * 1024  # Metal's threadgroup memory (the body's arrays must fit)
 MAX_ROWS = 8  # query rows per threadgroup
 MAX_OUT = 1024  # rows x head dim per threadgroup (8 running outputs a thread)
-QUERY_REGS = 64  # query values a scoring lane holds (rows x channels / lanes per token)
+QUERY_REGS = 32  # query values a scoring lane holds (rows x channels / lanes per token)
 MIN_SPAN = 256  # fewest tokens per split (unless the context is shorter)
 DEFAULT_BLOCKS = 1024  # threadgroups to aim for
 
