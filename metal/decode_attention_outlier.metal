@@ -50,6 +50,9 @@ constexpr int VWH = (VNH * VBH + 31) / 32;
 constexpr int VWL = (VNL * VBL + 31) / 32;
 constexpr int VW = VWH + VWL;
 constexpr int CW = KW > VW ? KW : VW;
+constexpr int KPT = (GROUP * KW + NT - 1) / NT;  // words a thread loads ahead
+constexpr int VPT = (GROUP * VW + NT - 1) / NT;
+constexpr int NPT = (2 * GROUP + NT - 1) / NT;  // norms a thread loads ahead
 constexpr int MW = (HD + 31) / 32;
 constexpr int KLVH = KNH > 0 ? (1 << KBH) : 0;
 constexpr int VLVH = VNH > 0 ? (1 << VBH) : 0;
@@ -144,410 +147,495 @@ for (int r = 0; r < OR; ++r) {
   out[r] = 0.0f;
 }
 
-for (int g = g0; g < g1; ++g) {
+// records are loaded into registers one phase ahead of their use (the next group's keys
+// during this group's values, this group's values during its scoring), so the loads'
+// latency overlaps the other phases; the loop starts one group early to load the first keys
+unsigned int kpre[KPT];
+unsigned int vpre[VPT];
+float knpre[NPT];
+float vnpre[NPT];
+unsigned int kmpre = 0u;
+unsigned int vmpre = 0u;
+for (int g = g0 - 1; g < g1; ++g) {
   const int t0 = g * GROUP;
-  // ---- A. key codes, norms and mask to threadgroup memory; the rotated query ----------
-  for (int i = tid; i < GROUP * KW; i += NT) {
-    const int tok = i / KW;
-    const int w = i - tok * KW;
-    unsigned int word;
-    if (KNH > 0 && w < KWH) {
-      word = khc[khc_b + (int64_t)(t0 + tok) * khc_strides[2] + (int64_t)w * khc_strides[3]];
-    } else {
-      word = klc[klc_b + (int64_t)(t0 + tok) * klc_strides[2] +
-                 (int64_t)(w - KWH) * klc_strides[3]];
-    }
-    cw[tok * CW + w] = word;
-  }
-  for (int i = tid; i < GROUP; i += NT) {
-    nrm[i] = KNH > 0 ? static_cast<float>(khn[khn_b + (int64_t)(t0 + i) * khn_strides[2]]) : 0.0f;
-    nrm[GROUP + i] = static_cast<float>(kln[kln_b + (int64_t)(t0 + i) * kln_strides[2]]);
-  }
-  if (KNH > 0 && tid < MW) {
-    kmk_s[tid] = kmk[kmk_b + (int64_t)g * kmk_strides[2] + (int64_t)tid * kmk_strides[3]];
-  }
-  VX_BARRIER();
-  for (int i = tid; i < MB * HD; i += NT) {
-    const int m = i / HD;
-    const int c = i - m * HD;
-    int j = c;
-    bool hi = false;
-    if (KNH > 0) {
-      const int wc = c >> 5;
-      const unsigned int below = kmk_s[wc] & ((1u << (c & 31)) - 1u);
-      int rank = vx_popcount(below);
-      for (int w = 0; w < wc; ++w) {
-        rank += vx_popcount(kmk_s[w]);
+  if (g >= g0) {  // (g = g0 - 1: the first group's keys are only loaded, below)
+    // ---- A. key records to threadgroup memory (this group's values loaded); the query --
+    // the key records loaded ahead, to threadgroup memory
+#pragma unroll
+    for (int r = 0; r < KPT; ++r) {
+      const int i = tid + NT * r;
+      if (i < GROUP * KW) {
+        const int tok = i / KW;
+        cw[tok * CW + (i - tok * KW)] = kpre[r];
       }
-      hi = ((kmk_s[wc] >> (c & 31)) & 1u) != 0u;
-      j = hi ? vx_imin(rank, KNH - 1) : vx_imin(c - rank, KNL - 1);
-    }
-    const int sgi = hi ? j : 2 * KNH + j;
-    const int dst = hi ? (int)kax_s[KNH + j] : KNH + (int)kax_s[2 * KNH + KNL + j];
-    buf[m * HD + dst] = qs[i] * kax_s[sgi];
-  }
-  VX_BARRIER();
-  {
-    // each thread holds EPT consecutive entries of the (rows x channels) buffer: stages
-    // shorter than EPT in registers, shorter than 32 EPT across the warp's lanes (shuffles),
-    // longer ones through threadgroup memory
-    float x[EPT];
-    const int e0 = tid * EPT;
-    const int blk = e0 % HD < KNH ? KBKH : KBKL;
-#pragma unroll
-    for (int e = 0; e < EPT; ++e) {
-      x[e] = buf[e0 + e];
     }
 #pragma unroll
-    for (int hs = 1; hs < KBK; hs <<= 1) {
-      if (hs < EPT) {
+    for (int r = 0; r < NPT; ++r) {
+      const int i = tid + NT * r;
+      if (i < 2 * GROUP) {
+        nrm[i] = knpre[r];
+      }
+    }
+    if (KNH > 0 && tid < MW) {
+      kmk_s[tid] = kmpre;
+    }
+    {  // value codes, norms and mask of group g into registers
+      const int tq = t0;
 #pragma unroll
-        for (int e = 0; e < EPT; ++e) {
-          if ((e & hs) == 0 && hs < blk) {
-            const float x0 = x[e];
-            const float x1 = x[e + hs];
-            x[e] = x0 + x1;
-            x[e + hs] = x0 - x1;
+      for (int r = 0; r < VPT; ++r) {
+        const int i = tid + NT * r;
+        const int tok = i / VW;
+        const int w = i - tok * VW;
+        unsigned int word = 0u;
+        if (i < GROUP * VW) {
+          if (VNH > 0 && w < VWH) {
+            word = vhc[vhc_b + (int64_t)(tq + tok) * vhc_strides[2] + (int64_t)w * vhc_strides[3]];
+          } else {
+            word = vlc[vlc_b + (int64_t)(tq + tok) * vlc_strides[2] +
+                       (int64_t)(w - VWH) * vlc_strides[3]];
           }
         }
-      } else if (hs < 32 * EPT) {
-        const int lm = hs / EPT;
-        const bool lower = (lane & lm) == 0;
+        vpre[r] = word;
+      }
 #pragma unroll
-        for (int e = 0; e < EPT; ++e) {
-          const float y = vx_shfl_xor(x[e], lm);
-          if (hs < blk) {
-            x[e] = lower ? x[e] + y : y - x[e];
+      for (int r = 0; r < NPT; ++r) {
+        const int i = tid + NT * r;
+        float nv = 0.0f;
+        if (i < GROUP) {
+          if (VNH > 0) {
+            nv = static_cast<float>(vhn[vhn_b + (int64_t)(tq + i) * vhn_strides[2]]);
           }
+        } else if (i < 2 * GROUP) {
+          nv = static_cast<float>(vln[vln_b + (int64_t)(tq + i - GROUP) * vln_strides[2]]);
         }
-      } else {
-#pragma unroll
-        for (int e = 0; e < EPT; ++e) {
-          buf[e0 + e] = x[e];
-        }
-        VX_BARRIER();
-        const bool lower = (e0 & hs) == 0;
-        float y[EPT];
-#pragma unroll
-        for (int e = 0; e < EPT; ++e) {
-          y[e] = buf[(e0 + e) ^ hs];
-        }
-        VX_BARRIER();
-#pragma unroll
-        for (int e = 0; e < EPT; ++e) {
-          if (hs < blk) {
-            x[e] = lower ? x[e] + y[e] : y[e] - x[e];
-          }
-        }
+        vnpre[r] = nv;
+      }
+      if (VNH > 0 && tid < MW) {
+        vmpre = vmk[vmk_b + (int64_t)(g) * vmk_strides[2] + (int64_t)tid * vmk_strides[3]];
       }
     }
-#pragma unroll
-    for (int e = 0; e < EPT; ++e) {
-      buf[e0 + e] = x[e];
-    }
-  }
-  VX_BARRIER();
-  // ---- B. scores of the group's tokens -> sc[tok * MB + m] ----------------------------
-  // lane jj of a token takes channels [jj KCH, (jj + 1) KCH) of the hi part and
-  // [jj KCL, (jj + 1) KCL) of the lo part: one chunk of at most 32 bits each (the host's
-  // choice of LPT), so the codes come out at shifts known at compile time
-  {
-    const int ts = tid / LPT;
-    const int jj = tid - ts * LPT;
-    float qh[MB][KCH > 0 ? KCH : 1];
-    float ql[MB][KCL];
-#pragma unroll
-    for (int m = 0; m < MB; ++m) {
-#pragma unroll
-      for (int e = 0; e < KCH; ++e) {
-        qh[m][e] = buf[m * HD + jj * KCH + e];
-      }
-#pragma unroll
-      for (int e = 0; e < KCL; ++e) {
-        ql[m][e] = buf[m * HD + KNH + jj * KCL + e];
-      }
-    }
-    const int hb = jj * (KCH * KBH);
-    const int lb = KWH * 32 + jj * (KCL * KBL);
-#pragma unroll 2
-    for (int base = 0; base < GROUP; base += TPP) {
-      const int tok = vx_imin(base + ts, GROUP - 1);
-      const int rb = tok * CW;
-      float s[MB];
-#pragma unroll
-      for (int m = 0; m < MB; ++m) {
-        s[m] = 0.0f;
-      }
-      if (KCH > 0) {
-        const int wi = rb + (hb >> 5);
-        const int sh = hb & 31;
-        const unsigned int chunk = sh == 0 ? cw[wi] : (cw[wi] >> sh) | (cw[wi + 1] << (32 - sh));
-        float dh[MB];
-#pragma unroll
-        for (int m = 0; m < MB; ++m) {
-          dh[m] = 0.0f;
-        }
-#pragma unroll
-        for (int e = 0; e < KCH; ++e) {
-          const float f = kax_s[2 * HD + ((chunk >> (e * KBH)) & KMH)];
-#pragma unroll
-          for (int m = 0; m < MB; ++m) {
-            dh[m] = vx_fma(qh[m][e], f, dh[m]);
-          }
-        }
-        const float nh = nrm[tok];
-#pragma unroll
-        for (int m = 0; m < MB; ++m) {
-          s[m] = nh * dh[m];
-        }
-      }
-      {
-        const int wi = rb + (lb >> 5);
-        const int sh = lb & 31;
-        const unsigned int chunk = sh == 0 ? cw[wi] : (cw[wi] >> sh) | (cw[wi + 1] << (32 - sh));
-        float dl[MB];
-#pragma unroll
-        for (int m = 0; m < MB; ++m) {
-          dl[m] = 0.0f;
-        }
-#pragma unroll
-        for (int e = 0; e < KCL; ++e) {
-          const float f = kax_s[2 * HD + KLVH + ((chunk >> (e * KBL)) & KML)];
-#pragma unroll
-          for (int m = 0; m < MB; ++m) {
-            dl[m] = vx_fma(ql[m][e], f, dl[m]);
-          }
-        }
-        const float nl = nrm[GROUP + tok];
-#pragma unroll
-        for (int m = 0; m < MB; ++m) {
-          s[m] = vx_fma(nl, dl[m], s[m]);
-        }
-      }
-#pragma unroll
-      for (int off = 1; off < LPT; off <<= 1) {
-#pragma unroll
-        for (int m = 0; m < MB; ++m) {
-          s[m] += vx_shfl_xor(s[m], off);
-        }
-      }
-      if (jj == 0 && base + ts < GROUP) {
-#pragma unroll
-        for (int m = 0; m < MB; ++m) {
-          sc[tok * MB + m] = s[m];
-        }
-      }
-    }
-  }
-  VX_BARRIER();
-  // ---- C. online softmax over the group; value codes, norms and mask staged ------------
-  for (int m = warp; m < MB; m += NWARPS) {
-    float top = NEG;
-    for (int tok = lane; tok < GROUP; tok += 32) {
-      top = vx_max(top, sc[tok * MB + m]);
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      top = vx_max(top, vx_shfl_xor(top, off));
-    }
-    const float old = run_max[m];
-    const float nm = vx_max(old, top);
-    float sum = 0.0f;
-    for (int tok = lane; tok < GROUP; tok += 32) {
-      const float p = vx_exp2(sc[tok * MB + m] - nm);
-      sc[tok * MB + m] = p;
-      sum += p;
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      sum += vx_shfl_xor(sum, off);
-    }
-    if (lane == 0) {
-      const float a = vx_exp2(old - nm);
-      alpha[m] = a;
-      run_sum[m] = run_sum[m] * a + sum;
-      run_max[m] = nm;
-    }
-  }
-  for (int i = tid; i < GROUP * VW; i += NT) {
-    const int tok = i / VW;
-    const int w = i - tok * VW;
-    unsigned int word;
-    if (VNH > 0 && w < VWH) {
-      word = vhc[vhc_b + (int64_t)(t0 + tok) * vhc_strides[2] + (int64_t)w * vhc_strides[3]];
-    } else {
-      word = vlc[vlc_b + (int64_t)(t0 + tok) * vlc_strides[2] +
-                 (int64_t)(w - VWH) * vlc_strides[3]];
-    }
-    cw[tok * CW + w] = word;
-  }
-  for (int i = tid; i < GROUP; i += NT) {
-    nrm[i] = VNH > 0 ? static_cast<float>(vhn[vhn_b + (int64_t)(t0 + i) * vhn_strides[2]]) : 0.0f;
-    nrm[GROUP + i] = static_cast<float>(vln[vln_b + (int64_t)(t0 + i) * vln_strides[2]]);
-  }
-  if (VNH > 0 && tid < MW) {
-    vmk_s[tid] = vmk[vmk_b + (int64_t)g * vmk_strides[2] + (int64_t)tid * vmk_strides[3]];
-  }
-  VX_BARRIER();
-  // ---- D. weighted sum of the value levels, in the value parts' rotated domain ---------
-  // (thread tid takes rotated channel tid % HD of the tokens tp, tp + NTP, ... with
-  // tp = tid / HD; the NTP thread sets' sums are added in threadgroup memory)
-  {
-    float acc[VR][MB];
-#pragma unroll
-    for (int r = 0; r < VR; ++r) {
-#pragma unroll
-      for (int m = 0; m < MB; ++m) {
-        acc[r][m] = 0.0f;
-      }
-    }
-    const int tp = tid / DCH;
-    const int dc = tid - tp * DCH;
-    if (tp < NTP) {
-#pragma unroll 4
-      for (int tok = tp; tok < GROUP; tok += NTP) {
-        const int rb = tok * CW;
-        const float nh = nrm[tok];
-        const float nl = nrm[GROUP + tok];
-#pragma unroll
-        for (int r = 0; r < VR; ++r) {
-          const int i = dc + DCH * r;
-          if (i < HD) {
-            const bool hi = i < VNH;
-            const int off = hi ? i * VBH : VWH * 32 + (i - VNH) * VBL;
-            const int bits = hi ? VBH : VBL;
-            const int wi = off >> 5;
-            const int sh = off & 31;
-            unsigned int code = cw[rb + wi] >> sh;
-            if (sh + bits > 32) {
-              code |= cw[rb + wi + 1] << (32 - sh);
-            }
-            const float f = hi ? vax_s[2 * HD + (code & VMH)] * nh
-                               : vax_s[2 * HD + VLVH + (code & VML)] * nl;
-#pragma unroll
-            for (int m = 0; m < MB; ++m) {
-              acc[r][m] = vx_fma(sc[tok * MB + m], f, acc[r][m]);
-            }
-          }
-        }
-      }
-    }
-    if (NTP > 1) {
-      if (tp > 0 && tp < NTP) {
-#pragma unroll
-        for (int r = 0; r < VR; ++r) {
-#pragma unroll
-          for (int m = 0; m < MB; ++m) {
-            red[((tp - 1) * MB + m) * DCH + dc] = acc[r][m];
-          }
-        }
-      }
-      VX_BARRIER();
-    }
-    if (tp == 0) {
-#pragma unroll
-      for (int r = 0; r < VR; ++r) {
-        const int i = dc + DCH * r;
-        if (i < HD) {
-#pragma unroll
-          for (int m = 0; m < MB; ++m) {
-            float a = acc[r][m];
-            for (int u = 1; u < NTP; ++u) {
-              a += red[((u - 1) * MB + m) * DCH + dc];
-            }
-            buf[m * HD + i] = a;
-          }
-        }
-      }
-    }
-  }
-  VX_BARRIER();
-  // ---- E. back to the model's domain: butterflies, then each channel gathers its slot --
-  {
-    // each thread holds EPT consecutive entries of the (rows x channels) buffer: stages
-    // shorter than EPT in registers, shorter than 32 EPT across the warp's lanes (shuffles),
-    // longer ones through threadgroup memory
-    float x[EPT];
-    const int e0 = tid * EPT;
-    const int blk = e0 % HD < VNH ? VBKH : VBKL;
-#pragma unroll
-    for (int e = 0; e < EPT; ++e) {
-      x[e] = buf[e0 + e];
-    }
-#pragma unroll
-    for (int hs = 1; hs < VBK; hs <<= 1) {
-      if (hs < EPT) {
-#pragma unroll
-        for (int e = 0; e < EPT; ++e) {
-          if ((e & hs) == 0 && hs < blk) {
-            const float x0 = x[e];
-            const float x1 = x[e + hs];
-            x[e] = x0 + x1;
-            x[e + hs] = x0 - x1;
-          }
-        }
-      } else if (hs < 32 * EPT) {
-        const int lm = hs / EPT;
-        const bool lower = (lane & lm) == 0;
-#pragma unroll
-        for (int e = 0; e < EPT; ++e) {
-          const float y = vx_shfl_xor(x[e], lm);
-          if (hs < blk) {
-            x[e] = lower ? x[e] + y : y - x[e];
-          }
-        }
-      } else {
-#pragma unroll
-        for (int e = 0; e < EPT; ++e) {
-          buf[e0 + e] = x[e];
-        }
-        VX_BARRIER();
-        const bool lower = (e0 & hs) == 0;
-        float y[EPT];
-#pragma unroll
-        for (int e = 0; e < EPT; ++e) {
-          y[e] = buf[(e0 + e) ^ hs];
-        }
-        VX_BARRIER();
-#pragma unroll
-        for (int e = 0; e < EPT; ++e) {
-          if (hs < blk) {
-            x[e] = lower ? x[e] + y[e] : y[e] - x[e];
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int e = 0; e < EPT; ++e) {
-      buf[e0 + e] = x[e];
-    }
-  }
-  VX_BARRIER();
-#pragma unroll
-  for (int r = 0; r < OR; ++r) {
-    const int i = tid + NT * r;
-    if (i < MB * HD) {
+    VX_BARRIER();
+    for (int i = tid; i < MB * HD; i += NT) {
       const int m = i / HD;
       const int c = i - m * HD;
       int j = c;
       bool hi = false;
-      if (VNH > 0) {
+      if (KNH > 0) {
         const int wc = c >> 5;
-        const unsigned int below = vmk_s[wc] & ((1u << (c & 31)) - 1u);
+        const unsigned int below = kmk_s[wc] & ((1u << (c & 31)) - 1u);
         int rank = vx_popcount(below);
         for (int w = 0; w < wc; ++w) {
-          rank += vx_popcount(vmk_s[w]);
+          rank += vx_popcount(kmk_s[w]);
         }
-        hi = ((vmk_s[wc] >> (c & 31)) & 1u) != 0u;
-        j = hi ? vx_imin(rank, VNH - 1) : vx_imin(c - rank, VNL - 1);
+        hi = ((kmk_s[wc] >> (c & 31)) & 1u) != 0u;
+        j = hi ? vx_imin(rank, KNH - 1) : vx_imin(c - rank, KNL - 1);
       }
-      const int sgi = hi ? j : 2 * VNH + j;
-      const int src = hi ? (int)vax_s[VNH + j] : VNH + (int)vax_s[2 * VNH + VNL + j];
-      out[r] = vx_fma(out[r], alpha[m], buf[m * HD + src] * vax_s[sgi]);
+      const int sgi = hi ? j : 2 * KNH + j;
+      const int dst = hi ? (int)kax_s[KNH + j] : KNH + (int)kax_s[2 * KNH + KNL + j];
+      buf[m * HD + dst] = qs[i] * kax_s[sgi];
+    }
+    VX_BARRIER();
+    {
+      // each thread holds EPT consecutive entries of the (rows x channels) buffer: stages
+      // shorter than EPT in registers, shorter than 32 EPT across the warp's lanes (shuffles),
+      // longer ones through threadgroup memory
+      float x[EPT];
+      const int e0 = tid * EPT;
+      const int blk = e0 % HD < KNH ? KBKH : KBKL;
+#pragma unroll
+      for (int e = 0; e < EPT; ++e) {
+        x[e] = buf[e0 + e];
+      }
+#pragma unroll
+      for (int hs = 1; hs < KBK; hs <<= 1) {
+        if (hs < EPT) {
+#pragma unroll
+          for (int e = 0; e < EPT; ++e) {
+            if ((e & hs) == 0 && hs < blk) {
+              const float x0 = x[e];
+              const float x1 = x[e + hs];
+              x[e] = x0 + x1;
+              x[e + hs] = x0 - x1;
+            }
+          }
+        } else if (hs < 32 * EPT) {
+          const int lm = hs / EPT;
+          const bool lower = (lane & lm) == 0;
+#pragma unroll
+          for (int e = 0; e < EPT; ++e) {
+            const float y = vx_shfl_xor(x[e], lm);
+            if (hs < blk) {
+              x[e] = lower ? x[e] + y : y - x[e];
+            }
+          }
+        } else {
+#pragma unroll
+          for (int e = 0; e < EPT; ++e) {
+            buf[e0 + e] = x[e];
+          }
+          VX_BARRIER();
+          const bool lower = (e0 & hs) == 0;
+          float y[EPT];
+#pragma unroll
+          for (int e = 0; e < EPT; ++e) {
+            y[e] = buf[(e0 + e) ^ hs];
+          }
+          VX_BARRIER();
+#pragma unroll
+          for (int e = 0; e < EPT; ++e) {
+            if (hs < blk) {
+              x[e] = lower ? x[e] + y[e] : y[e] - x[e];
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < EPT; ++e) {
+        buf[e0 + e] = x[e];
+      }
+    }
+    VX_BARRIER();
+    // ---- B. scores of the group's tokens -> sc[tok * MB + m] ----------------------------
+    // lane jj of a token takes channels [jj KCH, (jj + 1) KCH) of the hi part and
+    // [jj KCL, (jj + 1) KCL) of the lo part: one chunk of at most 32 bits each (the host's
+    // choice of LPT), so the codes come out at shifts known at compile time
+    {
+      const int ts = tid / LPT;
+      const int jj = tid - ts * LPT;
+      float qh[MB][KCH > 0 ? KCH : 1];
+      float ql[MB][KCL];
+#pragma unroll
+      for (int m = 0; m < MB; ++m) {
+#pragma unroll
+        for (int e = 0; e < KCH; ++e) {
+          qh[m][e] = buf[m * HD + jj * KCH + e];
+        }
+#pragma unroll
+        for (int e = 0; e < KCL; ++e) {
+          ql[m][e] = buf[m * HD + KNH + jj * KCL + e];
+        }
+      }
+      const int hb = jj * (KCH * KBH);
+      const int lb = KWH * 32 + jj * (KCL * KBL);
+#pragma unroll 2
+      for (int base = 0; base < GROUP; base += TPP) {
+        const int tok = vx_imin(base + ts, GROUP - 1);
+        const int rb = tok * CW;
+        float s[MB];
+#pragma unroll
+        for (int m = 0; m < MB; ++m) {
+          s[m] = 0.0f;
+        }
+        if (KCH > 0) {
+          const int wi = rb + (hb >> 5);
+          const int sh = hb & 31;
+          const unsigned int chunk = sh == 0 ? cw[wi] : (cw[wi] >> sh) | (cw[wi + 1] << (32 - sh));
+          float dh[MB];
+#pragma unroll
+          for (int m = 0; m < MB; ++m) {
+            dh[m] = 0.0f;
+          }
+#pragma unroll
+          for (int e = 0; e < KCH; ++e) {
+            const float f = kax_s[2 * HD + ((chunk >> (e * KBH)) & KMH)];
+#pragma unroll
+            for (int m = 0; m < MB; ++m) {
+              dh[m] = vx_fma(qh[m][e], f, dh[m]);
+            }
+          }
+          const float nh = nrm[tok];
+#pragma unroll
+          for (int m = 0; m < MB; ++m) {
+            s[m] = nh * dh[m];
+          }
+        }
+        {
+          const int wi = rb + (lb >> 5);
+          const int sh = lb & 31;
+          const unsigned int chunk = sh == 0 ? cw[wi] : (cw[wi] >> sh) | (cw[wi + 1] << (32 - sh));
+          float dl[MB];
+#pragma unroll
+          for (int m = 0; m < MB; ++m) {
+            dl[m] = 0.0f;
+          }
+#pragma unroll
+          for (int e = 0; e < KCL; ++e) {
+            const float f = kax_s[2 * HD + KLVH + ((chunk >> (e * KBL)) & KML)];
+#pragma unroll
+            for (int m = 0; m < MB; ++m) {
+              dl[m] = vx_fma(ql[m][e], f, dl[m]);
+            }
+          }
+          const float nl = nrm[GROUP + tok];
+#pragma unroll
+          for (int m = 0; m < MB; ++m) {
+            s[m] = vx_fma(nl, dl[m], s[m]);
+          }
+        }
+#pragma unroll
+        for (int off = 1; off < LPT; off <<= 1) {
+#pragma unroll
+          for (int m = 0; m < MB; ++m) {
+            s[m] += vx_shfl_xor(s[m], off);
+          }
+        }
+        if (jj == 0 && base + ts < GROUP) {
+#pragma unroll
+          for (int m = 0; m < MB; ++m) {
+            sc[tok * MB + m] = s[m];
+          }
+        }
+      }
+    }
+    VX_BARRIER();
+    // ---- C. online softmax over the group; value codes, norms and mask staged ------------
+    for (int m = warp; m < MB; m += NWARPS) {
+      float top = NEG;
+      for (int tok = lane; tok < GROUP; tok += 32) {
+        top = vx_max(top, sc[tok * MB + m]);
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        top = vx_max(top, vx_shfl_xor(top, off));
+      }
+      const float old = run_max[m];
+      const float nm = vx_max(old, top);
+      float sum = 0.0f;
+      for (int tok = lane; tok < GROUP; tok += 32) {
+        const float p = vx_exp2(sc[tok * MB + m] - nm);
+        sc[tok * MB + m] = p;
+        sum += p;
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        sum += vx_shfl_xor(sum, off);
+      }
+      if (lane == 0) {
+        const float a = vx_exp2(old - nm);
+        alpha[m] = a;
+        run_sum[m] = run_sum[m] * a + sum;
+        run_max[m] = nm;
+      }
+    }
+    // the value records loaded ahead, to threadgroup memory
+#pragma unroll
+    for (int r = 0; r < VPT; ++r) {
+      const int i = tid + NT * r;
+      if (i < GROUP * VW) {
+        const int tok = i / VW;
+        cw[tok * CW + (i - tok * VW)] = vpre[r];
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < NPT; ++r) {
+      const int i = tid + NT * r;
+      if (i < 2 * GROUP) {
+        nrm[i] = vnpre[r];
+      }
+    }
+    if (VNH > 0 && tid < MW) {
+      vmk_s[tid] = vmpre;
     }
   }
-  // (the next group's first writes to buf, cw, nrm and the masks follow a barrier that every
-  // thread reaches after this gather)
+  if (g + 1 < g1) {  // key codes, norms and mask of group g + 1 into registers
+    {
+      const int tq = t0 + GROUP;
+#pragma unroll
+      for (int r = 0; r < KPT; ++r) {
+        const int i = tid + NT * r;
+        const int tok = i / KW;
+        const int w = i - tok * KW;
+        unsigned int word = 0u;
+        if (i < GROUP * KW) {
+          if (KNH > 0 && w < KWH) {
+            word = khc[khc_b + (int64_t)(tq + tok) * khc_strides[2] + (int64_t)w * khc_strides[3]];
+          } else {
+            word = klc[klc_b + (int64_t)(tq + tok) * klc_strides[2] +
+                       (int64_t)(w - KWH) * klc_strides[3]];
+          }
+        }
+        kpre[r] = word;
+      }
+#pragma unroll
+      for (int r = 0; r < NPT; ++r) {
+        const int i = tid + NT * r;
+        float nv = 0.0f;
+        if (i < GROUP) {
+          if (KNH > 0) {
+            nv = static_cast<float>(khn[khn_b + (int64_t)(tq + i) * khn_strides[2]]);
+          }
+        } else if (i < 2 * GROUP) {
+          nv = static_cast<float>(kln[kln_b + (int64_t)(tq + i - GROUP) * kln_strides[2]]);
+        }
+        knpre[r] = nv;
+      }
+      if (KNH > 0 && tid < MW) {
+        kmpre = kmk[kmk_b + (int64_t)(g + 1) * kmk_strides[2] + (int64_t)tid * kmk_strides[3]];
+      }
+    }
+  }
+  if (g >= g0) {
+    VX_BARRIER();
+    // ---- D. weighted sum of the value levels, in the value parts' rotated domain ---------
+    // (thread tid takes rotated channel tid % HD of the tokens tp, tp + NTP, ... with
+    // tp = tid / HD; the NTP thread sets' sums are added in threadgroup memory)
+    {
+      float acc[VR][MB];
+#pragma unroll
+      for (int r = 0; r < VR; ++r) {
+#pragma unroll
+        for (int m = 0; m < MB; ++m) {
+          acc[r][m] = 0.0f;
+        }
+      }
+      const int tp = tid / DCH;
+      const int dc = tid - tp * DCH;
+      if (tp < NTP) {
+#pragma unroll 4
+        for (int tok = tp; tok < GROUP; tok += NTP) {
+          const int rb = tok * CW;
+          const float nh = nrm[tok];
+          const float nl = nrm[GROUP + tok];
+#pragma unroll
+          for (int r = 0; r < VR; ++r) {
+            const int i = dc + DCH * r;
+            if (i < HD) {
+              const bool hi = i < VNH;
+              const int off = hi ? i * VBH : VWH * 32 + (i - VNH) * VBL;
+              const int bits = hi ? VBH : VBL;
+              const int wi = off >> 5;
+              const int sh = off & 31;
+              unsigned int code = cw[rb + wi] >> sh;
+              if (sh + bits > 32) {
+                code |= cw[rb + wi + 1] << (32 - sh);
+              }
+              const float f = hi ? vax_s[2 * HD + (code & VMH)] * nh
+                                 : vax_s[2 * HD + VLVH + (code & VML)] * nl;
+#pragma unroll
+              for (int m = 0; m < MB; ++m) {
+                acc[r][m] = vx_fma(sc[tok * MB + m], f, acc[r][m]);
+              }
+            }
+          }
+        }
+      }
+      if (NTP > 1) {
+        if (tp > 0 && tp < NTP) {
+#pragma unroll
+          for (int r = 0; r < VR; ++r) {
+#pragma unroll
+            for (int m = 0; m < MB; ++m) {
+              red[((tp - 1) * MB + m) * DCH + dc] = acc[r][m];
+            }
+          }
+        }
+        VX_BARRIER();
+      }
+      if (tp == 0) {
+#pragma unroll
+        for (int r = 0; r < VR; ++r) {
+          const int i = dc + DCH * r;
+          if (i < HD) {
+#pragma unroll
+            for (int m = 0; m < MB; ++m) {
+              float a = acc[r][m];
+              for (int u = 1; u < NTP; ++u) {
+                a += red[((u - 1) * MB + m) * DCH + dc];
+              }
+              buf[m * HD + i] = a;
+            }
+          }
+        }
+      }
+    }
+    VX_BARRIER();
+    // ---- E. back to the model's domain: butterflies, then each channel gathers its slot --
+    {
+      // each thread holds EPT consecutive entries of the (rows x channels) buffer: stages
+      // shorter than EPT in registers, shorter than 32 EPT across the warp's lanes (shuffles),
+      // longer ones through threadgroup memory
+      float x[EPT];
+      const int e0 = tid * EPT;
+      const int blk = e0 % HD < VNH ? VBKH : VBKL;
+#pragma unroll
+      for (int e = 0; e < EPT; ++e) {
+        x[e] = buf[e0 + e];
+      }
+#pragma unroll
+      for (int hs = 1; hs < VBK; hs <<= 1) {
+        if (hs < EPT) {
+#pragma unroll
+          for (int e = 0; e < EPT; ++e) {
+            if ((e & hs) == 0 && hs < blk) {
+              const float x0 = x[e];
+              const float x1 = x[e + hs];
+              x[e] = x0 + x1;
+              x[e + hs] = x0 - x1;
+            }
+          }
+        } else if (hs < 32 * EPT) {
+          const int lm = hs / EPT;
+          const bool lower = (lane & lm) == 0;
+#pragma unroll
+          for (int e = 0; e < EPT; ++e) {
+            const float y = vx_shfl_xor(x[e], lm);
+            if (hs < blk) {
+              x[e] = lower ? x[e] + y : y - x[e];
+            }
+          }
+        } else {
+#pragma unroll
+          for (int e = 0; e < EPT; ++e) {
+            buf[e0 + e] = x[e];
+          }
+          VX_BARRIER();
+          const bool lower = (e0 & hs) == 0;
+          float y[EPT];
+#pragma unroll
+          for (int e = 0; e < EPT; ++e) {
+            y[e] = buf[(e0 + e) ^ hs];
+          }
+          VX_BARRIER();
+#pragma unroll
+          for (int e = 0; e < EPT; ++e) {
+            if (hs < blk) {
+              x[e] = lower ? x[e] + y[e] : y[e] - x[e];
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < EPT; ++e) {
+        buf[e0 + e] = x[e];
+      }
+    }
+    VX_BARRIER();
+#pragma unroll
+    for (int r = 0; r < OR; ++r) {
+      const int i = tid + NT * r;
+      if (i < MB * HD) {
+        const int m = i / HD;
+        const int c = i - m * HD;
+        int j = c;
+        bool hi = false;
+        if (VNH > 0) {
+          const int wc = c >> 5;
+          const unsigned int below = vmk_s[wc] & ((1u << (c & 31)) - 1u);
+          int rank = vx_popcount(below);
+          for (int w = 0; w < wc; ++w) {
+            rank += vx_popcount(vmk_s[w]);
+          }
+          hi = ((vmk_s[wc] >> (c & 31)) & 1u) != 0u;
+          j = hi ? vx_imin(rank, VNH - 1) : vx_imin(c - rank, VNL - 1);
+        }
+        const int sgi = hi ? j : 2 * VNH + j;
+        const int src = hi ? (int)vax_s[VNH + j] : VNH + (int)vax_s[2 * VNH + VNL + j];
+        out[r] = vx_fma(out[r], alpha[m], buf[m * HD + src] * vax_s[sgi]);
+      }
+    }
+    // (the next group's first writes to buf, cw, nrm and the masks follow a barrier that every
+    // thread reaches after this gather)
+  }
 }
 
 // ---- the split's partial --------------------------------------------------------------
