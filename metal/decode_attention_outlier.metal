@@ -65,10 +65,8 @@ constexpr unsigned int VML = (1u << VBL) - 1u;
 constexpr int KCH = KNH / LPT;  // hi channels a scoring lane holds (the host: LPT divides)
 constexpr int KCL = KNL / LPT;
 constexpr int TPP = NT / LPT;               // tokens scored per pass
-constexpr int NTP = NT >= HD ? NT / HD : 1;  // thread sets sharing the value channels
-constexpr int DCH = NT >= HD ? HD : NT;       // channels one thread set takes at a time
-constexpr int VR = (HD + DCH - 1) / DCH;      // rotated value channels per thread
-constexpr int RED = NTP > 1 ? (NTP - 1) * MB * DCH : 1;
+constexpr int VCH = VNH > 0 ? VCHH : 1;   // value channels a chunk holds (hi part; the host's)
+constexpr int VCM = VCH > VCL ? VCH : VCL;
 constexpr int OR = (MB * HD + NT - 1) / NT; // (row, channel) outputs per thread
 constexpr int EPT = MB * HD / NT;  // butterfly entries per thread (the host: NT divides MB HD)
 constexpr int KBK = KBKH > KBKL ? KBKH : KBKL;
@@ -96,7 +94,6 @@ const float qmul = vx_bits_to_float(static_cast<unsigned int>(QMUL));
 VX_SHARED float kax_s[KAX];
 VX_SHARED float vax_s[VAX];
 VX_SHARED float buf[MB * HD];
-VX_SHARED float red[RED];
 VX_SHARED float qs[MB * HD];
 VX_SHARED unsigned int cw[GROUP * CW + 1];  // (+1: a chunk's second word)
 VX_SHARED float nrm[2 * GROUP];
@@ -477,72 +474,76 @@ for (int g = g0 - 1; g < g1; ++g) {
   if (g >= g0) {
     VX_BARRIER();
     // ---- D. weighted sum of the value levels, in the value parts' rotated domain ---------
-    // (thread tid takes rotated channel tid % HD of the tokens tp, tp + NTP, ... with
-    // tp = tid / HD; the NTP thread sets' sums are added in threadgroup memory)
+    // thread tid takes chunk tid / VTS of the parts' channels (VCH hi or VCL lo channels, at
+    // most 32 bits of codes: shifts known at compile time) for the tokens tid % VTS,
+    // tid % VTS + VTS, ...; the VTS token sets' sums are added by shuffles
     {
-      float acc[VR][MB];
+      const int ts = tid & (VTS - 1);
+      const int ck = tid / VTS;
+      const bool vhi = ck < VNH / VCH;
+      const bool vact = ck < VNH / VCH + (HD - VNH) / VCL;
+      float acc[VCM][MB];
 #pragma unroll
-      for (int r = 0; r < VR; ++r) {
+      for (int e = 0; e < VCM; ++e) {
 #pragma unroll
         for (int m = 0; m < MB; ++m) {
-          acc[r][m] = 0.0f;
+          acc[e][m] = 0.0f;
         }
       }
-      const int tp = tid / DCH;
-      const int dc = tid - tp * DCH;
-      if (tp < NTP) {
-#pragma unroll 4
-        for (int tok = tp; tok < GROUP; tok += NTP) {
-          const int rb = tok * CW;
-          const float nh = nrm[tok];
-          const float nl = nrm[GROUP + tok];
+      if (vact) {
+        const int cb = vhi ? ck * (VCH * VBH) : VWH * 32 + (ck - VNH / VCH) * (VCL * VBL);
+        const int wi0 = cb >> 5;
+        const int sh = cb & 31;
+        for (int tok = ts; tok < GROUP; tok += VTS) {
+          const int wi = tok * CW + wi0;
+          const unsigned int chunk =
+              sh == 0 ? cw[wi] : (cw[wi] >> sh) | (cw[wi + 1] << (32 - sh));
+          const float nv = vhi ? nrm[tok] : nrm[GROUP + tok];
+          float pn[MB];
 #pragma unroll
-          for (int r = 0; r < VR; ++r) {
-            const int i = dc + DCH * r;
-            if (i < HD) {
-              const bool hi = i < VNH;
-              const int off = hi ? i * VBH : VWH * 32 + (i - VNH) * VBL;
-              const int bits = hi ? VBH : VBL;
-              const int wi = off >> 5;
-              const int sh = off & 31;
-              unsigned int code = cw[rb + wi] >> sh;
-              if (sh + bits > 32) {
-                code |= cw[rb + wi + 1] << (32 - sh);
-              }
-              const float f = hi ? vax_s[2 * HD + (code & VMH)] * nh
-                                 : vax_s[2 * HD + VLVH + (code & VML)] * nl;
+          for (int m = 0; m < MB; ++m) {
+            pn[m] = sc[tok * MB + m] * nv;
+          }
+          if (vhi) {
+#pragma unroll
+            for (int e = 0; e < VCH; ++e) {
+              const float f = vax_s[2 * HD + ((chunk >> (e * VBH)) & VMH)];
 #pragma unroll
               for (int m = 0; m < MB; ++m) {
-                acc[r][m] = vx_fma(sc[tok * MB + m], f, acc[r][m]);
+                acc[e][m] = vx_fma(pn[m], f, acc[e][m]);
+              }
+            }
+          } else {
+#pragma unroll
+            for (int e = 0; e < VCL; ++e) {
+              const float f = vax_s[2 * HD + VLVH + ((chunk >> (e * VBL)) & VML)];
+#pragma unroll
+              for (int m = 0; m < MB; ++m) {
+                acc[e][m] = vx_fma(pn[m], f, acc[e][m]);
               }
             }
           }
         }
       }
-      if (NTP > 1) {
-        if (tp > 0 && tp < NTP) {
 #pragma unroll
-          for (int r = 0; r < VR; ++r) {
+      for (int off = 1; off < VTS; off <<= 1) {
 #pragma unroll
-            for (int m = 0; m < MB; ++m) {
-              red[((tp - 1) * MB + m) * DCH + dc] = acc[r][m];
-            }
+        for (int e = 0; e < VCM; ++e) {
+#pragma unroll
+          for (int m = 0; m < MB; ++m) {
+            acc[e][m] += vx_shfl_xor(acc[e][m], off);
           }
         }
-        VX_BARRIER();
       }
-      if (tp == 0) {
+      if (vact && ts == 0) {
+        const int c0 = vhi ? ck * VCH : VNH + (ck - VNH / VCH) * VCL;
+        const int n = vhi ? VCH : VCL;
 #pragma unroll
-        for (int r = 0; r < VR; ++r) {
-          const int i = dc + DCH * r;
-          if (i < HD) {
+        for (int e = 0; e < VCM; ++e) {
+          if (e < n) {
 #pragma unroll
             for (int m = 0; m < MB; ++m) {
-              float a = acc[r][m];
-              for (int u = 1; u < NTP; ++u) {
-                a += red[((u - 1) * MB + m) * DCH + dc];
-              }
-              buf[m * HD + i] = a;
+              buf[m * HD + c0 + e] = acc[e][m];
             }
           }
         }

@@ -183,6 +183,26 @@ def _score_lanes(mb: int, dim: int, keys: OutlierSide) -> int | None:
     return None
 
 
+def _value_chunks(mb: int, values: OutlierSide) -> tuple[tuple[int, ...], int] | None:
+    """Channels per chunk of each value part (a power of two dividing the part, at most 32
+    bits of codes and 32 accumulators of ``mb`` rows) and the token sets sharing a chunk (a
+    power of two: threads = chunks x sets at most); None where the chunks outnumber the
+    threads."""
+    sizes = []
+    for p in values.parts:
+        c = p.channels & -p.channels
+        while c > 1 and (c * p.bits > 32 or c * mb > 32):
+            c //= 2
+        sizes.append(c)
+    chunks = sum(p.channels // c for p, c in zip(values.parts, sizes))
+    if chunks > THREADS:
+        return None
+    sets = 1
+    while sets < 32 and chunks * sets * 2 <= THREADS:
+        sets *= 2
+    return tuple(sizes), sets
+
+
 def outlier_launch(m: int, dim: int, keys: OutlierSide, values: OutlierSide):
     """``(rows per threadgroup, lanes per scored token, group, threads)`` for the shape, or
     None where the kernel has no layout for it (more than :data:`MAX_OUT` outputs per row
@@ -213,10 +233,10 @@ def outlier_launch(m: int, dim: int, keys: OutlierSide, values: OutlierSide):
     cw = max(sum(_words(p) for p in keys.parts), sum(_words(p) for p in values.parts))
     table = sum(2 * p.channels + (1 << p.bits) for p in keys.parts + values.parts)
     nt = THREADS
-    sets = nt // dim if nt >= dim else 1  # thread sets sharing the value channels
-    red = (sets - 1) * mb * min(dim, nt)
+    if _value_chunks(mb, values) is None:
+        return None
     floats = table + 2 * mb * dim + group * cw + 1 + 2 * group + group * mb + 2 * ((dim + 31) // 32)
-    if 4 * (floats + red + 3 * mb) > SMEM_BYTES:
+    if 4 * (floats + 3 * mb) > SMEM_BYTES:
         return None
     return mb, lanes, group, nt
 
@@ -232,6 +252,8 @@ def outlier_template(
     mb, lanes, group, nt = launch
     out = [("HD", dim), ("MB", mb), ("LPT", lanes), ("GROUP", group), ("NT", nt)]
     out.append(("QMUL", qmul_bits(scale)))
+    sizes, sets = _value_chunks(mb, values)
+    out += [("VCHH", sizes[0] if len(sizes) == 2 else 1), ("VCL", sizes[-1]), ("VTS", sets)]
     for pre, s in (("K", keys), ("V", values)):
         hi, lo = (s.parts[0], s.parts[1]) if len(s.parts) == 2 else (None, s.parts[0])
         out += [
