@@ -30,7 +30,11 @@ Run on the GPU machine from the repository root::
     source .gpu/wheels/activate && python3 benchmarks/gpu_decode_profile.py
 
 ``--shapes 1x131072,8x131072`` (batch x context, 32 query heads, 8 KV heads, head dim 128),
-``--bits 4,2``, ``--skip variants`` or ``--skip timers``. Writes
+``--bits 4,2``, ``--skip variants``, ``--skip timers`` or ``--skip outlier``.
+
+* **outlier** (``--fractional 3.5``): TurboQuant's fractional widths through their own
+  kernel (``metal/decode_attention_outlier.metal``), as shipped and without its scoring
+  loop, its value loop or both (``outlier_variants``). Writes
 ``$OUT/gpu_decode_profile.json`` (``./out`` without ``$OUT``). About a minute per shape on
 an H200, first-call compiles included.
 """
@@ -74,6 +78,7 @@ def install() -> None:
     src = _ORIGINAL(SOURCE)
     _VARIANTS.update(make_variants(src))
     _VARIANTS["timed"] = timed_source(src)
+    _VARIANTS.update(outlier_variants(_ORIGINAL(OUTLIER_SOURCE)))
     build.kernel_source = _kernel_source
 
 
@@ -288,7 +293,7 @@ def section_variants(b: int, t: int, bits: int, rows: list) -> None:
         dict(section="variants", batch=b, context=t, bits=bits, what="fp16 sdpa", device_us=fp16)
     )
     print(f"  B{b} T{t} fp16 sdpa {fp16:.1f} us", flush=True)
-    runs = [(name, {}) for name in _VARIANTS if name != "timed"]
+    runs = [(n, {}) for n in _VARIANTS if n != "timed" and not n.startswith("outlier-")]
     runs += [("shipped", dict(p_residual=True)), ("shipped", dict(pipeline=False))]
     runs += [("shipped", dict(value_fold=False)), ("shipped", dict(key_fold=False))]
     runs += [("shipped", dict(ldsm=False))]
@@ -312,6 +317,58 @@ def section_variants(b: int, t: int, bits: int, rows: list) -> None:
         print(
             f"  B{b} T{t} {bits}-bit {label:28s} {us:7.1f} us  x{fp16 / us:.2f} vs fp16", flush=True
         )
+
+
+OUTLIER_SOURCE = "decode_attention_outlier.metal"
+_SCORES = "for (int base = 0; base < GROUP; base += TPP) {"
+_VALUES = "for (int tok = ts; tok < GROUP; tok += VTS) {"
+
+
+def outlier_variants(src: str) -> dict[str, str]:
+    """The outlier kernel (TurboQuant's fractional widths) without its scoring loop, its
+    value loop, or both (text edits that skip the loops; results wrong on purpose)."""
+    no_scores = edit(src, _SCORES, _SCORES.replace("base < GROUP", "base < 0"))
+    no_values = edit(src, _VALUES, _VALUES.replace("tok < GROUP", "tok < 0"))
+    neither = edit(no_scores, _VALUES, _VALUES.replace("tok < GROUP", "tok < 0"))
+    return {
+        "outlier-shipped": src,
+        "outlier-no-scores": no_scores,
+        "outlier-no-values": no_values,
+        "outlier-neither": neither,
+    }
+
+
+def section_outlier(b: int, t: int, bits: float, rows: list) -> None:
+    """Device time of a fractional TurboQuant decode (``attend_joint``: the outlier kernel
+    and the merge) as shipped and with its scoring or value loop removed: what the loops
+    cost, and what the rest (staging, the query's placement and butterflies, the softmax,
+    the values' butterflies and gather, the barriers) does."""
+    from velox_core.kernels import outlier as ok
+    from velox_turboquant import TurboQuant
+
+    hk, hq, d = 8, 32, 128
+    k1, k2, k3 = mx.random.split(mx.random.key(t + b), 3)
+    k = mx.random.normal((b, hk, t, d), key=k1).astype(mx.float16)
+    v = mx.random.normal((b, hk, t, d), key=k2).astype(mx.float16)
+    q = mx.random.normal((b, hk, hq // hk, d), key=k3).astype(mx.float16)
+    kc, vc = TurboQuant(bits), TurboQuant(bits, seed=1)
+    kc.check(d, mx.float16)
+    vc.check(d, mx.float16)
+    kp, vp = kc.encode(k), vc.encode(v)
+    mx.eval(kp.data, vp.data)
+    shipped = ok.OUTLIER
+    try:
+        for name in outlier_variants(build.kernel_source(OUTLIER_SOURCE)):
+            ok.OUTLIER = dataclasses.replace(
+                shipped, name=f"{shipped.name}_{name.replace('-', '_')}", source="variant:" + name
+            )
+            us = device_time(lambda: kc.attend_joint(q, kp, vc, vp, [], mx.float16, d**-0.5))[0]
+            rows.append(
+                dict(section="outlier", batch=b, context=t, bits=bits, what=name, device_us=us)
+            )
+            print(f"  B{b} T{t} {bits}-bit {name:28s} {us:7.1f} us", flush=True)
+    finally:
+        ok.OUTLIER = shipped
 
 
 def timer_summary(w: np.ndarray, splits: int) -> dict:
@@ -386,11 +443,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="1x131072,8x131072", help="BxT items")
     parser.add_argument("--bits", default="4,2", help="code widths (2, 4 or 8)")
-    parser.add_argument("--skip", default="", help="variants and/or timers")
+    parser.add_argument("--skip", default="", help="variants, timers and/or outlier")
+    parser.add_argument(
+        "--fractional", default="3.5", help="TurboQuant widths for the outlier section"
+    )
     args = parser.parse_args()
     try:
         shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(",")]
         bits = [int(x) for x in args.bits.split(",")]
+        fractional = [float(x) for x in args.fractional.split(",")]
     except ValueError:
         parser.error("--shapes takes BxT items (1x131072) and --bits integers")
     if any(len(s) != 2 or min(s) < 1 for s in shapes) or any(x not in dk.MMA_BITS for x in bits):
@@ -415,6 +476,10 @@ def main() -> int:
             if "timers" not in skip:
                 section_timers(b, t, w, rows)
             path.write_text(json.dumps({"device": device, "rows": rows}, indent=1))  # so far
+        if "outlier" not in skip:
+            for fb in fractional:
+                section_outlier(b, t, fb, rows)
+            path.write_text(json.dumps({"device": device, "rows": rows}, indent=1))
     print(f"wrote {path}")
     return 0
 

@@ -13,18 +13,23 @@
 // in the rotated domain. NH = 0: a side of one part (an integer width): no mask, all HD
 // channels in the lo part.
 //
-// Per group the threadgroup (NT = 128 threads) does, all in threadgroup memory:
-//   A. stage the group's key codes, norms and mask; place the query in each key part's
-//      rotated input order (channel c -> its part's slot dst[j], times s[j] / sqrt(BK)) and
-//      run the Hadamard butterflies: the query as this group's key codes see it;
+// Per group the threadgroup (NT = 128 threads) does, in threadgroup memory and registers:
+//   A. store the group's key codes, norms and mask (loaded into registers during the
+//      previous group's value mix); place the query in each key part's rotated input order
+//      (channel c -> its part's slot dst[j], times s[j] / sqrt(BK); j from the mask's
+//      popcounts) and run the Hadamard butterflies, each thread on EPT consecutive entries:
+//      short stages in registers, longer ones across a warp's lanes by shuffles (one
+//      barrier a transform): the query as this group's key codes see it;
 //   B. score the group's tokens: LPT lanes per token, lane j taking a contiguous chunk of
 //      each part's channels (at most 32 bits of codes, so shifts known at compile time;
 //      its query values in registers), norms times level sums, lanes reduced by shuffles;
 //      scores in the log2 domain (QMUL: the query is scaled once, into threadgroup memory);
 //   C. online softmax: the group's max per query row, the running (max, sum) rescaled,
-//      weights p = exp2(s - max) in place; the value codes staged meanwhile;
-//   D. values in the value parts' rotated domain: one thread per rotated channel adds
-//      p times norm * level over the group's tokens, into threadgroup memory;
+//      weights p = exp2(s - max) in place; the value records (loaded during A and B)
+//      stored, the next group's keys loaded into registers;
+//   D. values in the value parts' rotated domain: each thread takes a chunk of a part's
+//      channels (at most 32 bits of codes) for a set of the group's tokens, adding
+//      p * norm * level; the token sets are summed by shuffles into threadgroup memory;
 //   E. the Hadamard butterflies on that sum (R^T = P^T H s, H symmetric), then each output
 //      channel gathers its slot (times its sign) and adds it to the running output, which
 //      was rescaled by the softmax's factor: the output stays in the model's domain.
