@@ -37,6 +37,16 @@ def test_every_variant_edits_the_current_kernel(profile):
         profile.edit(src, "no such text in the kernel", "")
 
 
+def test_outlier_variants_edit_the_current_kernel(profile):
+    """The outlier section's edits (no scoring loop, no value loop, neither) still match the
+    outlier kernel's source, each into a different text."""
+    src = profile._ORIGINAL(profile.OUTLIER_SOURCE)
+    variants = profile.outlier_variants(src)
+    assert variants["outlier-shipped"] == src
+    edited = [text for name, text in variants.items() if name != "outlier-shipped"]
+    assert len(edited) == 3 and len(set(edited)) == 3 and src not in edited
+
+
 def test_timer_summary_reads_the_timed_words(profile):
     """The timers' words (start as two 32-bit halves, loop start, loop end, end, cycles,
     steps, SM id) become prologue / loop / epilogue times and the loop's spread by SM and row."""
