@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from .build import KernelSpec
-from .decode import FP16_MAX, _pad_rows, merge_splits, merge_splits_fp16, qmul_bits
+from .decode import FP16_MAX, _dummy, _pad_rows, merge_splits, merge_splits_fp16, qmul_bits
 
 __all__ = [
     "OUTLIER",
@@ -263,20 +263,13 @@ def outlier_template(
     return out
 
 
-def _inputs(s: OutlierSide, dummy_u: mx.array, dummy_f: mx.array) -> list[mx.array]:
+def _inputs(s: OutlierSide) -> list[mx.array]:
+    """One side's six inputs; a side of one part has no hi part and no mask (the decode
+    kernels' unused-input dummies stand in, never read)."""
     if len(s.parts) == 2:
         return [s.codes[0], s.norms[0], s.codes[1], s.norms[1], s.mask, s.table]
-    return [dummy_u, dummy_f, s.codes[0], s.norms[0], dummy_u, s.table]
-
-
-_DUMMY: dict[str, mx.array] = {}
-
-
-def _dummies() -> tuple[mx.array, mx.array]:
-    if not _DUMMY:
-        _DUMMY["u"] = mx.zeros((1, 1, 1, 8), dtype=mx.uint32)
-        _DUMMY["f"] = mx.zeros((1, 1, 8), dtype=mx.float16)
-    return _DUMMY["u"], _DUMMY["f"]
+    du, df = _dummy(mx.uint32), _dummy(mx.float16)
+    return [du, df, s.codes[0], s.norms[0], du, s.table]
 
 
 def decode_attention_outlier(
@@ -333,9 +326,8 @@ def decode_attention_outlier(
         splits = min(want, math.ceil(groups / max(1, math.ceil(MIN_SPAN / group))))
     s = max(1, min(int(splits), groups))
     s = math.ceil(groups / math.ceil(groups / s))  # no empty split
-    du, df = _dummies()
     o_part, ml_part = OUTLIER.kernel()(
-        inputs=[qf, *_inputs(keys, du, df), *_inputs(values, du, df)],
+        inputs=[qf, *_inputs(keys), *_inputs(values)],
         template=outlier_template(launch, dim, keys, values, scale),
         grid=(s * nt, b * h, nmb),
         threadgroup=(nt, 1, 1),
