@@ -19,7 +19,7 @@ import velox_core.kernels as vk
 from velox_core import Packed, Uniform
 from velox_core.cache.attention import Segment, partial
 from velox_core.kernels.emulate import EmulatedKernels, emulated_or_skip
-from velox_core.testing import kv_data
+from velox_core.testing import assert_partials_close, kv_data
 from velox_turboquant import TurboQuant, TurboQuantCache
 
 needs_gxx = pytest.mark.skipif(
@@ -81,10 +81,7 @@ def test_emulated_kernel_attention_matches_the_reference(emulated_gpu, bits):
         "velox_decode_attention",
         "velox_decode_merge",
     ]
-    for g, r in zip(got, ref):
-        g, r = np.asarray(g), np.asarray(r)
-        assert g.shape == r.shape
-        assert np.abs(g - r).max() <= 2e-5 * max(1.0, np.abs(r).max())
+    assert_partials_close(got, ref, 2e-5)
 
 
 @needs_gxx
@@ -100,10 +97,7 @@ def test_emulated_kernel_attention_with_prod_keys_matches_the_reference(emulated
     got = kc.attend_partial(q, kp, vc, vp)
     ref = partial(q, Segment(kc, kp, vc, vp))
     assert emulated_gpu.names == ["velox_decode_attention", "velox_decode_merge"]
-    for g, r in zip(got, ref):
-        g, r = np.asarray(g), np.asarray(r)
-        assert g.shape == r.shape
-        assert np.abs(g - r).max() <= 2e-5 * max(1.0, np.abs(r).max())
+    assert_partials_close(got, ref, 2e-5)
 
 
 @needs_gxx
@@ -249,10 +243,7 @@ def test_emulated_outlier_kernel_matches_the_reference(
     got = kc.attend_partial(q, kp, vc, vp)
     assert emulated_gpu.names == ["velox_decode_attention_outlier", "velox_decode_merge"]
     ref = partial(q, Segment(kc, kp, vc, vp))
-    for g, r in zip(got, ref):
-        g, r = np.asarray(g), np.asarray(r)
-        assert g.shape == r.shape
-        assert np.abs(g - r).max() <= 2e-5 * max(1.0, np.abs(r).max())
+    assert_partials_close(got, ref, 2e-5)
 
 
 @needs_gxx

@@ -4,12 +4,19 @@ Importing this module needs pytest (the ``test`` extra).
 """
 
 from .baselines import attention_errors_vs_mlx_quant, fill_chunks
-from .conformance import CacheConformance, greedy_agreement, kv_data, rel_error
+from .conformance import (
+    CacheConformance,
+    assert_partials_close,
+    greedy_agreement,
+    kv_data,
+    rel_error,
+)
 from .models import FAMILIES, tiny_model, tiny_tokenizer
 
 __all__ = [
     "FAMILIES",
     "CacheConformance",
+    "assert_partials_close",
     "attention_errors_vs_mlx_quant",
     "fill_chunks",
     "greedy_agreement",

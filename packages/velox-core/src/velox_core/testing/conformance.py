@@ -57,6 +57,16 @@ def rel_error(a: mx.array, b: mx.array) -> float:
     return float(mx.sqrt(mx.sum((a - b) ** 2) / mx.sum(b * b)).item())
 
 
+def assert_partials_close(got, ref, rel: float) -> None:
+    """A fused kernel's partial ``(o, m, l)`` against the reference's: same shapes, each
+    array within ``rel`` of the reference's largest magnitude (at least 1)."""
+    assert got is not None, "the kernel path declined (returned None)"
+    for g, r in zip(got, ref):
+        g, r = np.asarray(g), np.asarray(r)
+        assert g.shape == r.shape, (g.shape, r.shape)
+        assert np.abs(g - r).max() <= rel * max(1.0, np.abs(r).max())
+
+
 def greedy_agreement(model, prompt: mx.array, spec, steps: int = 32, tie: float = 0.1):
     """Greedy tokens of ``model`` with fp16 caches, and with ``spec`` caches on the same path.
 
