@@ -11,7 +11,10 @@ recommended ones and no outliers. Encoding goes through velox-core's sketch enco
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
+import subprocess
 
 import mlx.core as mx
 import numpy as np
@@ -21,8 +24,10 @@ import velox_core.kernels as vk
 from velox_core import Uniform
 from velox_core.cache.attention import Segment, partial
 from velox_core.kernels import decode as dk
-from velox_core.kernels.emulate import EmulatedKernels, emulated_or_skip
-from velox_core.testing import assert_partials_close, kv_data
+from velox_core.kernels import sketch_mma as sm
+from velox_core.kernels.build import ArgInfo, cuda_source
+from velox_core.kernels.emulate import EmulatedKernels, emulated_or_skip, shim_dir
+from velox_core.testing import assert_partials_close, assert_partials_equivalent, kv_data
 from velox_qjl import METHOD, QJL, QJLCache
 from velox_qjl.kernels import _query_sketch, encode_sketch, kernel_sides
 
@@ -126,7 +131,9 @@ def test_the_kernel_declines_what_it_does_not_lay_out(monkeypatch):
     k256.check(256, mx.float16)
     wide = (k256, k256.encode(mx.zeros((1, 2, 32, 256), mx.float16)))
     wide_v = Uniform(2, 32).encode(mx.zeros((1, 2, 32, 256), mx.float16))
-    monkeypatch.setattr(vk, "backend", lambda: "cuda")  # a GPU as far as dispatch can tell
+    # a GPU as far as dispatch can tell (Metal: the portable kernel's plan; on CUDA the
+    # tensor-core sketch kernel takes the long blocks, see the tests below)
+    monkeypatch.setattr(vk, "backend", lambda: "metal")
     called = []
     monkeypatch.setattr(dk, "decode_attention", lambda *a, **k: called.append(a) or None)
     q = mx.zeros((1, 2, 4, 128))
@@ -222,3 +229,139 @@ def test_emulated_cache_attends_like_the_reference(monkeypatch, tmp_path, backen
     assert cache.nbytes == ref_cache.nbytes + sum(
         a.nbytes for a in body.key_codec._kernel_mats.values()
     )
+
+
+# -- the tensor-core sketch kernel (CUDA): decode_attention_sketch_mma.cu -------------------------
+
+MMA_SETTINGS = {
+    # name: (codec settings, value bits, query rows, tokens)
+    "paper-4-rows": ({}, 2, 4, 384),
+    "no-outliers-4bit-values-1-row": ({"outliers": 0}, 4, 1, 200),
+    "mo-128-8bit-values": ({"bits": 3, "outlier_bits": 16, "group": 64}, 8, 3, 448),
+    "16-outliers-8-rows": ({"outliers": 16, "outlier_bits": 8}, 2, 8, 256),
+}
+
+
+def test_sketch_mma_order_is_whole_words_a_lane():
+    """The tensor-core kernel's order of the sketch rows is a permutation in which lane ``t``
+    of a k-step reads only words ``[t n/128, (t + 1) n/128)``, its column pairs ``(2t, 2t + 1)``
+    bits ``j`` and ``j + 16`` of one word; ``sketch_mma_matrix`` is ``S`` in that order."""
+    for n in (128, 256, 384):
+        o = sm.order(n)
+        assert sorted(o) == list(range(n))
+        cols = np.arange(n)
+        lane_t = (cols % 16 % 8) // 2
+        assert np.array_equal(o // 32 // (n // 128), lane_t)
+        pairs = o.reshape(-1, 2)  # columns 2c, 2c + 1
+        assert np.array_equal(pairs[:, 1] - pairs[:, 0], np.full(n // 2, 16))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        sm.order(96)
+    kc = QJL(bits=3, outlier_bits=16)
+    kc.check(128, mx.float16)
+    m, _, mo = kc.sizes(128)
+    mat = np.asarray(kc.kernel_matrix(0))
+    s = np.asarray(kc.proj)
+    assert mat.shape == (128, m + mo)
+    assert np.array_equal(mat[:, :m], s[sm.order(m)].T)
+    assert np.array_equal(mat[:, m:], s[sm.order(mo)].T)
+
+
+@needs_gxx
+@pytest.mark.parametrize("name", list(MMA_SETTINGS))
+def test_emulated_tensor_core_kernel_matches_the_reference(monkeypatch, tmp_path, name):
+    """On CUDA the tensor-core sketch kernel takes QJL keys with 128-bit lane rows (the signs
+    as fp16 +-1 MMA operands, each outlier block's ``S P q`` by MMAs, values mixed by MMAs):
+    emulated lane by lane, its partial matches the codec's reference path, up to its lazy
+    running max and the fp16 roundings of the weights and the decoded values."""
+    kw, vbits, rows, t = MMA_SETTINGS[name]
+    kc, kp, vc, vp = records(kw, t=t, value_bits=vbits)
+    q = mx.random.normal((1, 2, rows, 128), key=mx.random.key(3)) * 0.3
+    fake = EmulatedKernels(tmp_path, backend="cuda").install(monkeypatch)
+    fake.calls.clear()
+    got = kc.attend_partial(q, kp, vc, vp)
+    assert fake.names == ["velox_decode_sketch_mma", "velox_decode_merge"]
+    monkeypatch.setattr(vk, "backend", lambda: "cpu")
+    ref = partial(q, Segment(kc, kp, vc, vp))
+    assert_partials_equivalent(got, ref, 1e-3)
+
+
+@needs_gxx
+def test_emulated_tensor_core_kernel_takes_a_bf16_cache_and_declines_odd_sketches(
+    monkeypatch, tmp_path
+):
+    """A bfloat16 model's QJLCache (bf16 norms, scales and zeros, fp16 window joined in the
+    merge) attends through the tensor-core sketch kernel and matches the reference cache;
+    sketches of rows that do not split into 128-bit lane rows (m = 320, the recommended
+    "4-bit" keys) keep the portable kernel, and ``VELOX_DECODE_MMA=0`` sends all to it."""
+    k, v = kv_data(t=700, dtype=mx.bfloat16)
+    q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(5)).astype(mx.bfloat16)
+    fake = EmulatedKernels(tmp_path, backend="cuda").install(monkeypatch)
+    cache = QJLCache()
+    cache.update_and_fetch(k, v)
+    fake.calls.clear()
+    got = cache.attend(q, 0.088)
+    assert fake.names == ["velox_decode_sketch_mma", "velox_decode_merge_fp16"]
+    kc, kp, vc, vp = records(KEY_SETTINGS["m320"], t=256)
+    assert kernel_sides(kc, kp, vc, vp, 4)[0].sketch.mma is False
+    kc, kp, vc, vp = records({}, t=256)
+    assert kernel_sides(kc, kp, vc, vp, 4)[0].sketch.mma is True
+    assert kernel_sides(kc, kp, vc, vp, 9)[0].sketch.mma is False  # more rows than a tile
+    monkeypatch.setenv("VELOX_DECODE_MMA", "0")
+    assert kernel_sides(kc, kp, vc, vp, 4)[0].sketch.mma is False
+    monkeypatch.setattr(vk, "backend", lambda: "cpu")  # the reference path
+    ref_cache = QJLCache()
+    ref_cache.update_and_fetch(k, v)
+    ref = ref_cache.attend(q, 0.088)
+    assert np.abs(np.asarray((got - ref).astype(mx.float32))).max() < 1e-2
+
+
+def test_sketch_mma_checks_its_inputs():
+    """A segment laid out for the tensor-core kernel that it does not take is an error, not a
+    silent fallback with the wrong matrix; a query sketch of the wrong shape is rejected."""
+    kc, kp, vc, vp = records({}, t=256)
+    keys = _sides_for_cuda(kc, kp, vc, vp)
+    values = vc.kernel_codes(vp)
+    q = mx.zeros((1, 2, 4, 128))
+    with pytest.raises(ValueError, match="q_sketch"):
+        sm.decode_sketch_mma(q, keys, values, None, None, mx.zeros((1, 2, 4, 3)))
+    channel = Uniform(2, 32, axis="channel")
+    cvals = channel.kernel_codes(channel.encode(kv_data(t=256)[1]))
+    assert not sm.supported(4, 128, keys, cvals)
+    with pytest.raises(ValueError, match="tensor-core sketch kernel"):
+        dk.decode_attention(q, keys, cvals, q_sketch=_query_sketch(keys, q))
+
+
+def _sides_for_cuda(kc, kp, vc, vp):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(vk, "backend", lambda: "cuda")
+        return kernel_sides(kc, kp, vc, vp, 4)[0]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_tensor_core_sketch_kernel_compiles_for_sm90_without_spills(tmp_path):
+    """nvcc compiles the paper setting's instantiation (the sketched query as fp16 hi and lo
+    parts) for sm_90a, as MLX compiles it: no spills, within the 48 KiB of static shared
+    memory, and in at most 256 registers, so that the :data:`sm.SM_BLOCKS` threadgroups
+    the split count assumes fit on one SM."""
+    kc, kp, vc, vp = records({}, t=256)
+    keys, values = _sides_for_cuda(kc, kp, vc, vp), vc.kernel_codes(vp)
+    q = mx.zeros((1, 2, 4, 128))
+    inputs = [q, _query_sketch(keys, q), keys.codes, keys.a, keys.sketch.osign, keys.b]
+    inputs += [keys.sketch.idx, keys.sketch.matrix, values.codes, values.a, values.b]
+    src = cuda_source(
+        sm.DECODE_SKETCH_MMA,
+        [ArgInfo.of(a) for a in inputs],
+        ["float32", "float32"],
+        sm.sketch_mma_template(128, 4, keys, values),
+    )[0]
+    cu = tmp_path / "sketch.cu"
+    cu.write_text(src)
+    inc = os.environ.get("VELOX_MLX_CUDA_INCLUDE") or str(shim_dir() / "cuda")
+    cmd = ["nvcc", "-std=c++17", "-arch=sm_90a", "-Xptxas", "-v", "-I", inc, "-cubin", str(cu)]
+    res = subprocess.run([*cmd, "-o", str(tmp_path / "k.cubin")], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert re.findall(r"(\d+) bytes spill stores", res.stderr) == ["0"], res.stderr[-2000:]
+    (regs,) = (int(x) for x in re.findall(r"Used (\d+) registers", res.stderr))
+    (smem,) = (int(x) for x in re.findall(r"(\d+) bytes smem", res.stderr))
+    assert smem <= 48 * 1024
+    assert sm.SM_BLOCKS * sm.NWARPS * 32 * -(-regs // 8) * 8 <= 65536, regs

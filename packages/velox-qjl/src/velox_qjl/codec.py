@@ -31,6 +31,7 @@ import mlx.core as mx
 
 from velox_core import Codec, Packed
 from velox_core.kernels.decode import sketch_matrix
+from velox_core.kernels.sketch_mma import sketch_mma_matrix
 from velox_core.ops import pack, scale_dtype, sign_sketch, sketch_inner, unpack
 from velox_core.validation import check_bits, check_int
 
@@ -138,12 +139,16 @@ class QJL(Codec):
 
     def kernel_matrix(self, lanes: int) -> mx.array:
         """``S`` as the decode kernel reads it for ``lanes`` lanes a token
-        (``velox_core.kernels.decode.sketch_matrix``, float16), made once and kept (resident,
-        counted in :attr:`state_nbytes`)."""
+        (``velox_core.kernels.decode.sketch_matrix``, float16), or, with ``lanes`` 0, as the
+        tensor-core sketch kernel reads it (``velox_core.kernels.sketch_mma.sketch_mma_matrix``);
+        made once and kept (resident, counted in :attr:`state_nbytes`)."""
         mat = self._kernel_mats.get(lanes)
         if mat is None:
             m, k, mo = self.sizes(self.dim)
-            mat = sketch_matrix(self.proj, m, mo if k else 0, lanes)
+            if lanes == 0:
+                mat = sketch_mma_matrix(self.proj, m, mo if k else 0)
+            else:
+                mat = sketch_matrix(self.proj, m, mo if k else 0, lanes)
             mx.eval(mat)
             self._kernel_mats = {lanes: mat}  # one layout at a time
         return mat

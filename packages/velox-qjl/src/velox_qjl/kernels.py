@@ -35,6 +35,7 @@ import mlx.core as mx
 
 from velox_core import Packed, Uniform
 from velox_core.kernels import decode as _kd
+from velox_core.kernels import sketch_mma as _sm
 from velox_core.kernels import use_kernels
 from velox_core.kernels.encode import sketch_encode
 
@@ -95,12 +96,17 @@ def kernel_sides(
         return None
     m, k, mo = codec.sizes(codec.dim)
     mo = mo if k else 0
-    vbits, vgroup = value_codec.bits, value_codec.group
-    plan = _kd.plan(
-        rows, codec.dim, _kd.SKETCH, 1, codec.block, _kd.AFFINE, vbits, vgroup, qjl=(m, mo, k)
-    )
-    if plan is None:  # (before the kernel's copy of S is made)
-        return None
+    vcodes = value_codec.kernel_codes(values)
+    if _sm.wanted(rows, codec.dim, m, mo, k, codec.block, vcodes):
+        lanes = 0  # the tensor-core sketch kernel (CUDA)
+    else:
+        vbits, vgroup = value_codec.bits, value_codec.group
+        plan = _kd.plan(
+            rows, codec.dim, _kd.SKETCH, 1, codec.block, _kd.AFFINE, vbits, vgroup, qjl=(m, mo, k)
+        )
+        if plan is None:  # (before the kernel's copy of S is made)
+            return None
+        lanes = plan.klanes
     p = keys.data
     sk = _kd.SketchKeys(
         m=m,
@@ -108,16 +114,17 @@ def kernel_sides(
         outliers=k,
         index_bits=index_bits(codec.dim),
         const=codec._const(),
-        lanes=plan.klanes,
-        matrix=codec.kernel_matrix(plan.klanes),
+        lanes=lanes,
+        matrix=codec.kernel_matrix(lanes),
         osign=p["osign"] if k else None,
         idx=p["idx"] if k else None,
+        mma=lanes == 0,
     )
     return (
         _kd.Codes(
             _kd.SKETCH, 1, codec.block, p["sign"], p["norm"], p["onorm"] if k else None, sketch=sk
         ),
-        value_codec.kernel_codes(values),
+        vcodes,
     )
 
 

@@ -252,6 +252,9 @@ class SketchKeys:
         matrix: :func:`sketch_matrix` of ``S`` for ``lanes`` (any float dtype).
         osign: the outlier sketch's sign bits ``(B, H, T, mo/32)`` uint32, or None.
         idx: the packed channel indices ``(B, H, T/block, W)`` uint32, or None.
+        mma: ``matrix`` is laid out for the tensor-core sketch kernel instead
+            (:func:`velox_core.kernels.sketch_mma.sketch_mma_matrix`, float16; ``lanes`` 0),
+            which then takes the segment (:func:`velox_core.kernels.sketch_mma.supported`).
     """
 
     m: int
@@ -263,6 +266,7 @@ class SketchKeys:
     matrix: mx.array
     osign: mx.array | None = None
     idx: mx.array | None = None
+    mma: bool = False
 
 
 def sketch_matrix(proj: mx.array, m: int, mo: int, lanes: int) -> mx.array:
@@ -1618,7 +1622,16 @@ def decode_attention(
             f"decode_attention: q_sketch {tuple(q_sketch.shape)} must be {tuple(want_qs)}"
         )
     parts = None
-    if _kernels.backend() == "cuda" and mma_enabled() and mma_supported(m, dim, keys, values):
+    if keys.sketch is not None and keys.sketch.mma:  # QJL keys laid out for the tensor cores
+        from .sketch_mma import decode_sketch_mma
+
+        parts = decode_sketch_mma(q, keys, values, splits, scale, q_sketch)
+        if parts is None:
+            raise ValueError(
+                "decode_attention: the sketch keys are laid out for the tensor-core sketch "
+                "kernel (SketchKeys.mma), which does not take this segment (sketch_mma.supported)"
+            )
+    elif _kernels.backend() == "cuda" and mma_enabled() and mma_supported(m, dim, keys, values):
         _check("key", keys, b, h, t, dim)
         _check("value", values, b, h, t, dim)
         plain = fp16 is not None and not any(k.shape[2] for k, _ in fp16)

@@ -7,6 +7,7 @@ from .baselines import attention_errors_vs_mlx_quant, fill_chunks
 from .conformance import (
     CacheConformance,
     assert_partials_close,
+    assert_partials_equivalent,
     greedy_agreement,
     kv_data,
     rel_error,
@@ -17,6 +18,7 @@ __all__ = [
     "FAMILIES",
     "CacheConformance",
     "assert_partials_close",
+    "assert_partials_equivalent",
     "attention_errors_vs_mlx_quant",
     "fill_chunks",
     "greedy_agreement",

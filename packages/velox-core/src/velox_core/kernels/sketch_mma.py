@@ -1,0 +1,269 @@
+"""Decode attention over QJL keys on NVIDIA tensor cores (``metal/decode_attention_sketch_mma.cu``).
+
+QJL keys are sign sketches: a key's score is ``c/m ||k_in|| <S q - S P q, sign(S k_in)> +
+c/m_o ||k_o|| <S P q, sign(S k_o)>`` (:class:`velox_core.kernels.decode.SketchKeys`). The
+signs are ``+-1``, so per 16-token tile both inner products are fp16 MMAs with float32
+accumulation: the tokens' signs (exact as fp16 ``+-1``, two per register from one shift and
+one logic op) against the sketched query; per outlier block, ``S P q`` is an MMA of the query's
+outlier coordinates (fp16 hi and lo parts) and the block's columns of ``S``, whose result lands
+in the layout the score MMAs take; the values (per-token affine codes) are mixed by MMAs as in
+the affine tensor-core kernel (``decode_attention_mma.cu``). The portable kernel
+(``decode_attention.metal``, sketch keys) spends one FMA per sign bit and query row instead.
+
+The kernel reads ``S`` and ``S q`` in its own order of the sketch's rows (:func:`order`): lane
+``t`` of a token takes a contiguous quarter of its sign words, and register pairs hold bits
+``j`` and ``j + 16`` of a word. :func:`sketch_mma_matrix` is ``S`` laid out so (velox-qjl keeps
+it beside the projection, as it keeps the portable kernel's copy), and ``q`` times its first
+``m`` columns is ``S q`` in that order.
+
+Layouts it takes (:func:`supported`): sketches of whole 128-bit rows a lane (``m`` and ``m_o``
+multiples of 128, at most :data:`MAX_SKETCH`), at most 16 outlier channels per block of a
+multiple of 16 tokens, at most 8 query rows per KV head, and per-token affine values of 2, 4
+or 8 bits whose eighth of the head dim fills whole words, with fp16 or bfloat16 norms, scales
+and zeros. Others take the portable kernel.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import mlx.core as mx
+import numpy as np
+
+from .. import kernels as _kernels  # backend() looked up per call (tests report another)
+from . import env_setting
+from .build import KernelSpec
+from .decode import (
+    AFFINE,
+    SKETCH,
+    Codes,
+    _check,
+    _dummy,
+    mma_enabled,
+    mma_splits,
+    qmul_bits,
+)
+
+__all__ = [
+    "DECODE_SKETCH_MMA",
+    "decode_sketch_mma",
+    "layout_supported",
+    "order",
+    "sketch_mma_matrix",
+    "sketch_mma_template",
+    "sketch_splits",
+    "supported",
+    "wanted",
+]
+
+DECODE_SKETCH_MMA = KernelSpec(
+    name="velox_decode_sketch_mma",
+    source="decode_attention_sketch_mma.cu",
+    inputs=("q", "qs", "ks", "kn", "ko", "kon", "kix", "kst", "vc", "va", "vb"),
+    outputs=("ml_part", "o_part"),
+    row_contiguous=False,  # the body reads strides: slices of a cache buffer are not copied
+    cuda_headers=("velox_mma.cuh",),
+)
+NWARPS = 4  # warps per threadgroup
+# threadgroups an SM runs at once, for the split count: 4 warps at 254 registers (nvcc, sm_90a)
+# fit twice (an H200, 128k, batch 1: 235.3 us a call against 294.9 sized for 3; batch 8
+# 1,666.6 against 2,010.4)
+SM_BLOCKS = 2
+MAX_SKETCH = 1024  # most sign bits of either sketch (S q in shared memory)
+MAX_OUTLIERS = 16  # outlier channels per block (one MMA's k)
+MAX_DIM = 256  # head dims up to this (the query in shared memory)
+SMEM_FLOATS = 12 * 1024  # 48 KiB of static shared memory
+_SCALE_DTYPES = (mx.float16, mx.bfloat16)
+
+
+def order(n: int) -> np.ndarray:
+    """The kernel's order of ``n`` sketch rows (``n`` a multiple of 128): ``order(n)[r]`` is
+    the sketch row (the bit of the packed sign words) of the kernel's column ``r``.
+
+    Column ``r = 16 i + c`` is k-step ``i``'s column ``c`` of the MMA; lane ``t = (c % 8) // 2``
+    reads words ``[t n/128, (t + 1) n/128)`` of a token's row, and its register pair ``j`` holds
+    bits ``j`` (column ``c`` even) and ``j + 16`` (odd) of word ``i // 8``, with ``j = 2 (i % 8)``
+    for columns below 8 and ``j + 1`` above."""
+    if n % 128 or n < 128:
+        raise ValueError(f"sketch_mma.order: n must be a positive multiple of 128, got {n}")
+    r = np.arange(n)
+    i, c = r // 16, r % 16
+    t, odd, upper = (c % 8) // 2, c % 2, c // 8
+    word = t * (n // 128) + i // 8
+    return 32 * word + 2 * (i % 8) + upper + 16 * odd
+
+
+def sketch_mma_matrix(proj: mx.array, m: int, mo: int) -> mx.array:
+    """``S`` (``proj``, ``(R, D)``) as the kernel reads it: its first ``m`` rows in
+    :func:`order`, transposed, then (when ``mo`` is neither 0 nor ``m``) its first ``mo`` rows
+    likewise; float16 (the codec keeps ``S`` in float16, so this is exact).
+
+    Shapes:
+        returns ``(D, m)`` or ``(D, m + mo)``."""
+
+    def block(n: int) -> mx.array:
+        return mx.take(proj[:n], mx.array(order(n).astype(np.int32)), axis=0).T
+
+    cols = block(m) if not mo or mo == m else mx.concatenate([block(m), block(mo)], axis=1)
+    return mx.contiguous(cols.astype(mx.float16))
+
+
+def layout_supported(rows: int, dim: int, m: int, mo: int, outliers: int, group: int) -> bool:
+    """Whether the kernel lays out QJL keys of ``m`` (and ``mo``) sign bits, ``outliers``
+    channels per block of ``group`` tokens, for ``rows`` query rows and head dim ``dim``
+    (the key side of :func:`supported`, checked before the kernel's copy of ``S`` is made)."""
+    if not 1 <= rows <= 8 or dim % 16 or not 16 <= dim <= MAX_DIM:
+        return False
+    if m % 128 or not 128 <= m <= MAX_SKETCH:
+        return False
+    if outliers:
+        if outliers > MAX_OUTLIERS or mo % 128 or not 128 <= mo <= MAX_SKETCH or group % 16:
+            return False
+    elif mo:
+        return False
+    return rows * (m + (dim if outliers else 0)) <= SMEM_FLOATS and NWARPS * 8 * dim <= SMEM_FLOATS
+
+
+def _values_supported(dim: int, values: Codes) -> bool:
+    if values.kind != AFFINE or values.bits not in (2, 4, 8) or values.levels is not None:
+        return False
+    if values.a is None or values.b is None or values.a.dtype not in _SCALE_DTYPES:
+        return False
+    if values.b.dtype != values.a.dtype:
+        return False
+    lane = dim // 8  # channels a lane decodes
+    if (lane * values.bits) % 32 or dim % values.group:
+        return False
+    g = values.group
+    return g % lane == 0 if lane <= g else lane % g == 0
+
+
+def supported(rows: int, dim: int, keys: Codes, values: Codes) -> bool:
+    """Whether the kernel takes this segment: :data:`SKETCH` keys with their matrix laid out
+    for it (``SketchKeys.mma``, float16), a layout :func:`layout_supported` takes, fp16 or
+    bfloat16 norms, and per-token affine values (2, 4 or 8 bits, whole words a lane)."""
+    sk = keys.sketch
+    if keys.kind != SKETCH or sk is None or not sk.mma or sk.matrix.dtype != mx.float16:
+        return False
+    if keys.a is None or keys.a.dtype not in _SCALE_DTYPES:
+        return False
+    if sk.outliers and (keys.b is None or keys.b.dtype != keys.a.dtype):
+        return False
+    if not layout_supported(rows, dim, sk.m, sk.mo, sk.outliers, keys.group):
+        return False
+    return _values_supported(dim, values)
+
+
+def wanted(rows: int, dim: int, m: int, mo: int, outliers: int, group: int, values: Codes) -> bool:
+    """Whether a QJL segment should be laid out for this kernel: CUDA kernels on (MLX on an
+    NVIDIA GPU, ``VELOX_DECODE_MMA`` not 0) and a layout it takes."""
+    if _kernels.backend() != "cuda" or not mma_enabled():
+        return False
+    return layout_supported(rows, dim, m, mo, outliers, group) and _values_supported(dim, values)
+
+
+def b_residual() -> bool:
+    """Whether the sketched query goes into the score MMAs as fp16 plus its rounding residual
+    (two MMAs a k-step, the float32 product to about ``2^-22``; the default) or rounded to fp16
+    (``VELOX_SKETCH_MMA_LO=0``: one MMA, about ``2^-12`` relative per entry)."""
+    return env_setting("VELOX_SKETCH_MMA_LO", "1").strip() not in ("0", "false", "no", "off")
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", float(x)))[0]
+
+
+def sketch_mma_template(
+    dim: int, rows: int, keys: Codes, values: Codes, scale: float | None = None
+) -> list[tuple[str, object]]:
+    """The kernel's template arguments for a segment :func:`supported` takes."""
+    sk = keys.sketch
+    k = sk.outliers
+    return [
+        ("HD", dim),
+        ("MROWS", rows),
+        ("SKM", sk.m),
+        ("SKO", sk.mo if k else 0),
+        ("KOUT", k),
+        ("KIB", sk.index_bits if k else 1),
+        ("KGRP", keys.group if k else 16),
+        ("SHARE", int(bool(k) and sk.mo == sk.m)),
+        ("NSBF", int(keys.a.dtype == mx.bfloat16)),
+        ("VSBF", int(values.a.dtype == mx.bfloat16)),
+        ("VBITS", values.bits),
+        ("VGROUP", values.group),
+        ("QMUL", qmul_bits(scale)),
+        ("CMB", _float_bits(sk.const / sk.m)),
+        ("COB", _float_bits(sk.const / sk.mo) if k else 0),
+        ("BLO", int(b_residual())),
+        ("NWARPS", NWARPS),
+    ]
+
+
+def sketch_splits(tokens: int, rows: int, group: int) -> int:
+    """Splits of ``tokens`` for ``rows`` (batch x KV head) threadgroup rows: the tensor-core
+    kernel's wave sizing (:func:`velox_core.kernels.decode.mma_splits`), each split a whole
+    number of outlier blocks (the kernel rounds a split's span up to them)."""
+    s = mma_splits(tokens, rows, NWARPS, SM_BLOCKS)
+    align = max(16, group)
+    span = math.ceil(math.ceil(tokens / s) / align) * align
+    return math.ceil(tokens / span)
+
+
+def decode_sketch_mma(
+    q: mx.array,
+    keys: Codes,
+    values: Codes,
+    splits: int | None,
+    scale: float | None,
+    q_sketch: mx.array | None,
+) -> tuple[mx.array, mx.array, mx.array] | None:
+    """The kernel's per-split partials ``(o_part, ml_part)`` and the query it took, or None
+    where :func:`supported` declines.
+
+    Shapes:
+        q ``(B, H, M, D)``: float32 with the scale applied, or unscaled with ``scale``;
+        q_sketch ``(B, H, M, m)`` float32: ``q`` times ``keys.sketch.matrix[:, :m]``.
+        Returns ``(B, H, S, M, D)``, ``(B, H, S, M, 2)`` float32 and ``q``.
+    """
+    b, h, m, dim = q.shape
+    t = keys.codes.shape[2]
+    if not supported(m, dim, keys, values):
+        return None
+    sk = keys.sketch
+    if q_sketch is None or tuple(q_sketch.shape) != (b, h, m, sk.m):
+        raise ValueError(f"decode_sketch_mma: q_sketch must be {(b, h, m, sk.m)} float32")
+    _check("key", keys, b, h, t, dim)
+    _check("value", values, b, h, t, dim)
+    grp = keys.group if sk.outliers else 16
+    if splits is None:
+        s = sketch_splits(t, b * h, grp)
+    else:
+        if not isinstance(splits, int) or isinstance(splits, bool) or splits < 1:
+            raise ValueError(f"decode_sketch_mma: splits must be a positive int, got {splits!r}")
+        s = splits
+    k = sk.outliers
+    u32, nd = _dummy(mx.uint32), _dummy(keys.a.dtype)
+    nt = NWARPS * 32
+    ml_part, o_part = DECODE_SKETCH_MMA.kernel()(
+        inputs=[
+            q,
+            q_sketch.astype(mx.float32),
+            keys.codes,
+            keys.a,
+            sk.osign if k else u32,
+            keys.b if k else nd,
+            sk.idx if k else u32,
+            sk.matrix,
+            values.codes,
+            values.a,
+            values.b,
+        ],
+        template=sketch_mma_template(dim, m, keys, values, scale),
+        grid=(s * nt, b * h, 1),
+        threadgroup=(nt, 1, 1),
+        output_shapes=[(b, h, s, m, 2), (b, h, s, m, dim)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    return o_part, ml_part, q
