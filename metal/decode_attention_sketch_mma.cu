@@ -22,13 +22,19 @@
 //           which leaves every inner product unchanged.
 //   S P q   per outlier block, on the tensor cores too: S P q (8 query rows x m) = (P q)^T (8
 //           rows x KOUT channels, padded to 16) S_P^T (KOUT x m), one MMA a chunk of 8 sketch
-//           rows: A is the query rows' outlier coordinates (fp16 hi and lo parts, two MMAs into
-//           one accumulator), B the block's KOUT columns of S (the host's kst: S's rows in the
-//           kernel's order, transposed, fp16 as the codec keeps S). Chunks 2i and 2i + 1 land in
-//           the C layout exactly as k-step i's B fragment wants them (lane (g, t): row g, rows
-//           2t, 2t + 1 of the chunk), so no transpose: the main sketch's B is S q - S P q (S q
-//           from shared memory, float32) and the outlier sketch's S P q, each rounded once to
-//           fp16. Without outliers B is S q, made once.
+//           rows: A is the query rows' outlier coordinates (fp16 hi and lo parts, two MMAs, the
+//           first with a zero accumulator), B the block's KOUT columns of S (the host's kst: S's
+//           rows in the kernel's order, transposed, contiguous, fp16 as the codec keeps S).
+//           Chunks 2i and 2i + 1 land in the C layout exactly as k-step i's B fragment wants
+//           them (lane (g, t): row g, rows 2t, 2t + 1 of the chunk), so no transpose. The main
+//           sketch's score is <S q, s> - <S P q, s>: B = S q is made once (from shared memory,
+//           float32) and a block converts only S P q, which is also the outlier sketch's B
+//           (SHARE) or has columns of its own. B goes in as fp16 plus its rounding residual
+//           (BLO 1: two MMAs a k-step; BLO 2, at most 4 query rows: the residuals in B's
+//           columns 4..7, one MMA, the two columns added by one shuffle).
+//   loads   a tile's words, norms, value codes, scales and zeros (and its block's outlier
+//           channels) are loaded one tile ahead of their use, into registers, through 32-bit
+//           offsets within the (b, h) slice.
 //   softmax online per query row (log2 units) as decode_attention_mma.cu's: a lane's two rows,
 //           a running max raised lazily (by more than RESCALE), weights rounded to fp16 and
 //           made the B fragment of P^T by one transposing move per 8 x 8 block (movmatrix).
@@ -47,10 +53,11 @@
 // scales and zeros are bfloat16, else fp16), VBITS (2, 4, 8), VGROUP (value channels per scale),
 // QMUL (float32 bits of log2(e), times the attention scale for an unscaled query), CMB / COB
 // (float32 bits of c / m and c / m_o), BLO (1: B as fp16 hi and lo parts, two MMAs a k-step;
-// 0: B rounded to fp16, about 2^-12 relative per entry), NWARPS.
+// 2: the same with the lo parts in B's columns 4..7, one MMA a k-step, MROWS <= 4; 0: B
+// rounded to fp16, about 2^-12 relative per entry), NWARPS.
 // Inputs: q (B, H, MROWS, HD) any float dtype; qs (B, H, MROWS, SKM) float32 = S q in the kernel's
 // order; ks (B, H, T, SKM / 32), kn (B, H, T) norms; ko (B, H, T, SKO / 32), kon (B, H, T) outlier
-// norms; kix (B, H, T / KGRP, W) packed outlier channels; kst (HD, SKM [+ SKO]) fp16; vc, va, vb
+// norms; kix (B, H, T / KGRP, W) packed outlier channels; kst (HD, SKM [+ SKO]) fp16, contiguous; vc, va, vb
 // (B, H, T, ...) value codes, scales, zeros. Outputs: ml_part, o_part.
 
 constexpr int SUB = 16;               // tokens of one MMA tile
@@ -59,11 +66,12 @@ constexpr int KSO = SKO / 16;         // k-steps of the outlier sketch
 constexpr int WM = SKM / 128;         // main sketch words per lane and token
 constexpr int WO = SKO / 128;         // outlier sketch words per lane and token
 constexpr int OCOL = SHARE ? 0 : SKM; // kst's first column of the outlier sketch
+constexpr int NCOL = SKM + (SHARE ? 0 : SKO);  // kst's columns
 constexpr int VCL = HD / 8;           // value channels per lane (lane g)
 constexpr int VWL = VCL * VBITS / 32; // value code words per lane and token
 constexpr int VCW = 32 / VBITS;       // channels per value word
 constexpr int NTM = HD / 16;          // m-tiles of the value MMA
-constexpr int VG = HD / VGROUP;       // value scales per token
+constexpr int VNGA = VCL > VGROUP ? VCL / VGROUP : 1;  // value groups a lane's channels meet
 constexpr int NT = NWARPS * 32;
 constexpr float NEG = -1.0e30f;
 constexpr float RESCALE = 8.0f;
@@ -126,41 +134,56 @@ VX_BARRIER();
 const float qmul = vx_bits_to_float(static_cast<unsigned int>(QMUL));
 const float cm = vx_bits_to_float(static_cast<unsigned int>(CMB)) * qmul;
 const float co = vx_bits_to_float(static_cast<unsigned int>(COB)) * qmul;
-const bool qrow = g < MROWS;
+// BLO = 2: B columns 4..7 hold the residuals of rows 0..3 (lane (g, t): query row g & 3, its
+// residual where g >= 4), so one MMA a k-step scores both parts, added by one shuffle
+const int qr = BLO == 2 ? (g & 3) : g;
+const bool qrow = qr < MROWS;
+const bool lo_lane = BLO == 2 && g >= 4;
+static_assert(BLO != 2 || MROWS <= 4, "BLO = 2: the residuals take B's columns 4..7");
 
-// B fragments of the main sketch (S q, less S P q with outliers) and of the outlier sketch;
-// BLO: each as its fp16 rounding and the residual (two MMAs a k-step, about 2^-22 relative)
-unsigned int bin[KSM][2], bin_lo[BLO ? KSM : 1][2];
-unsigned int bo[KSO > 0 ? KSO : 1][2], bo_lo[BLO && KSO > 0 ? KSO : 1][2];
-// x0, x1 as an f16x2 pair into hi[..] and (BLO) their rounding residual into lo[..]
-auto split2 = [](float x0, float x1, unsigned int& hi, unsigned int& lo) {
+// B fragments: S q (made once), and per outlier block S P q over the main sketch's columns
+// (bsp; with SHARE also the outlier sketch's) and over the outlier sketch's own (bo, without
+// SHARE). The main sketch's score is <S q, s> - <S P q, s> (the same A fragments twice), so
+// a block converts only S P q. BLO 1: each as its fp16 rounding and the residual (two MMAs a
+// k-step, about 2^-22 relative); BLO 2: the residual in the lanes of B's columns 4..7 (one MMA
+// a k-step)
+constexpr int KSP = KOUT > 0 ? KSM : 1;
+constexpr int KSB = KOUT > 0 && !SHARE ? KSO : 1;
+unsigned int bin[KSM][2], bin_lo[BLO == 1 ? KSM : 1][2];
+unsigned int bsp[KSP][2], bsp_lo[BLO == 1 ? KSP : 1][2];
+unsigned int bo[KSB][2], bo_lo[BLO == 1 ? KSB : 1][2];
+// x0, x1 as an f16x2 pair into hi[..] and (BLO 1) their rounding residual into lo[..]
+auto split2 = [&](float x0, float x1, unsigned int& hi, unsigned int& lo) {
   const __half2 hh = __floats2half2_rn(x0, x1);
   hi = vx_h2u(hh);
   if (BLO) {
     const float2 hf = __half22float2(hh);
-    lo = vx_pack_h2(x0 - hf.x, x1 - hf.y);
+    const unsigned int r = vx_pack_h2(x0 - hf.x, x1 - hf.y);
+    if (BLO == 1) {
+      lo = r;
+    } else if (lo_lane) {
+      hi = r;
+    }
   }
 };
 // k-step i's S q entries of row g: columns 16 i + 2t, + 1 (b0) and 16 i + 8 + 2t, + 1 (b1)
 auto sq_at = [&](int i, int hi) {
-  return qrow ? *reinterpret_cast<const float2*>(sq_s + g * SKM + 16 * i + 8 * hi + 2 * t)
+  return qrow ? *reinterpret_cast<const float2*>(sq_s + qr * SKM + 16 * i + 8 * hi + 2 * t)
               : float2{0.0f, 0.0f};
 };
-if (KOUT == 0) {
 #pragma unroll
-  for (int i = 0; i < KSM; ++i) {
+for (int i = 0; i < KSM; ++i) {
 #pragma unroll
-    for (int hi = 0; hi < 2; ++hi) {
-      const float2 s = sq_at(i, hi);
-      split2(s.x, s.y, bin[i][hi], bin_lo[BLO ? i : 0][hi]);
-    }
+  for (int hi = 0; hi < 2; ++hi) {
+    const float2 s = sq_at(i, hi);
+    split2(s.x, s.y, bin[i][hi], bin_lo[BLO == 1 ? i : 0][hi]);
   }
 }
 
 // per outlier block: S P q by MMAs (see the top), then both sketches' B fragments
 const int64_t kix_b = KOUT > 0 ? (int64_t)b * kix_strides[0] + (int64_t)h * kix_strides[1] : 0;
-auto block_frags = [&](int blk) {
-  int ix[4];  // the lane's outlier slots 2t, 2t + 1, 2t + 8, 2t + 9 (channel, or -1)
+// the lane's outlier slots 2t, 2t + 1, 2t + 8, 2t + 9 of block blk (channel, or -1)
+auto load_ix = [&](int blk, int (&ix)[4]) {
   const int64_t ib = kix_b + (int64_t)blk * kix_strides[2];
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
@@ -177,31 +200,36 @@ auto block_frags = [&](int blk) {
       ix[e] = static_cast<int>(x & ((1u << KIB) - 1u));
     }
   }
+};
+auto block_frags = [&](const int (&ix)[4]) {
   // A: the query rows' outlier coordinates (row g; rows 8..15 zero), fp16 hi and lo parts
   unsigned int ahi[2], alo[2];
 #pragma unroll
   for (int p = 0; p < 2; ++p) {
-    const float x0 = qrow && ix[2 * p] >= 0 ? q_s[g * HD + ix[2 * p]] : 0.0f;
-    const float x1 = qrow && ix[2 * p + 1] >= 0 ? q_s[g * HD + ix[2 * p + 1]] : 0.0f;
+    const float x0 = qrow && ix[2 * p] >= 0 ? q_s[qr * HD + ix[2 * p]] : 0.0f;
+    const float x1 = qrow && ix[2 * p + 1] >= 0 ? q_s[qr * HD + ix[2 * p + 1]] : 0.0f;
     const __half2 hh = __floats2half2_rn(x0, x1);
     const float2 hf = __half22float2(hh);
     ahi[p] = vx_h2u(hh);
     alo[p] = vx_pack_h2(x0 - hf.x, x1 - hf.y);
   }
   // chunk c: lane (g, t) holds S P q of row g at the chunk's columns 2t, 2t + 1
+  // the lane's slots' rows of kst (contiguous, NCOL columns), at its column g: a chunk's
+  // loads are these pointers at a constant offset (an unused slot reads row 0, times 0)
+  const unsigned short* sp[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    sp[e] = reinterpret_cast<const unsigned short*>(kst) + (ix[e] < 0 ? 0 : ix[e]) * NCOL + g;
+  }
   auto chunk = [&](int col0, float (&acc)[4]) {
     unsigned short sv[4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      sv[e] = ix[e] >= 0 ? reinterpret_cast<const unsigned short*>(kst)[
-                               (int64_t)ix[e] * kst_strides[0] + (int64_t)(col0 + g) * kst_strides[1]]
-                         : static_cast<unsigned short>(0);
+    for (int e = 0; e < 4; ++e) {  // slots 2t + 8.. exist only past 8 outliers
+      sv[e] = KOUT > 8 || e < 2 ? sp[e][col0] : static_cast<unsigned short>(0);
     }
     const unsigned int b0 = static_cast<unsigned int>(sv[0]) | (static_cast<unsigned int>(sv[1]) << 16);
     const unsigned int b1 = static_cast<unsigned int>(sv[2]) | (static_cast<unsigned int>(sv[3]) << 16);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[e] = 0.0f;
-    vx_mma16816(acc, ahi[0], 0u, ahi[1], 0u, b0, b1);
+    vx_mma16816_zc(acc, ahi[0], 0u, ahi[1], 0u, b0, b1);
     vx_mma16816(acc, alo[0], 0u, alo[1], 0u, b0, b1);
   };
 #pragma unroll
@@ -210,11 +238,7 @@ auto block_frags = [&](int blk) {
     for (int hi = 0; hi < 2; ++hi) {
       float acc[4];
       chunk(8 * (2 * i + hi), acc);
-      const float2 s = sq_at(i, hi);
-      split2(s.x - acc[0], s.y - acc[1], bin[i][hi], bin_lo[BLO ? i : 0][hi]);
-      if (SHARE) {
-        split2(acc[0], acc[1], bo[i < KSO ? i : 0][hi], bo_lo[BLO && i < KSO ? i : 0][hi]);
-      }
+      split2(acc[0], acc[1], bsp[KOUT > 0 ? i : 0][hi], bsp_lo[BLO == 1 && KOUT > 0 ? i : 0][hi]);
     }
   }
 #pragma unroll
@@ -223,7 +247,7 @@ auto block_frags = [&](int blk) {
     for (int hi = 0; hi < 2; ++hi) {
       float acc[4];
       chunk(OCOL + 8 * (2 * i + hi), acc);
-      split2(acc[0], acc[1], bo[i][hi], bo_lo[BLO ? i : 0][hi]);
+      split2(acc[0], acc[1], bo[KSB > 1 ? i : 0][hi], bo_lo[BLO == 1 && KSB > 1 ? i : 0][hi]);
     }
   }
 };
@@ -243,6 +267,23 @@ const unsigned short* const kon16 = reinterpret_cast<const unsigned short*>(kon)
 const unsigned short* const va16 = reinterpret_cast<const unsigned short*>(va);
 const unsigned short* const vb16 = reinterpret_cast<const unsigned short*>(vb);
 const int vg0 = VCL > VGROUP ? 0 : (g * VCL) / VGROUP;  // the lane's first value group
+// each input's (b, h) slice and its strides within it as 32-bit ints (a head's slice of a
+// cache buffer holds fewer than 2^31 elements)
+const unsigned int* const ksh = ks + ks_b;
+const unsigned int* const koh = KOUT > 0 ? ko + ko_b : ks;
+const unsigned short* const knh = kn16 + kn_b;
+const unsigned short* const konh = KOUT > 0 ? kon16 + kon_b : kn16;
+const unsigned int* const vch = vc + vc_b;
+const unsigned short* const vah = va16 + va_b;
+const unsigned short* const vbh = vb16 + vb_b;
+const int ks_s2 = static_cast<int>(ks_strides[2]), ks_s3 = static_cast<int>(ks_strides[3]);
+const int ko_s2 = KOUT > 0 ? static_cast<int>(ko_strides[2]) : 0;
+const int ko_s3 = KOUT > 0 ? static_cast<int>(ko_strides[3]) : 0;
+const int kn_s2 = static_cast<int>(kn_strides[2]);
+const int kon_s2 = KOUT > 0 ? static_cast<int>(kon_strides[2]) : 0;
+const int vc_s2 = static_cast<int>(vc_strides[2]), vc_s3 = static_cast<int>(vc_strides[3]);
+const int va_s2 = static_cast<int>(va_strides[2]), va_s3 = static_cast<int>(va_strides[3]);
+const int vb_s2 = static_cast<int>(vb_strides[2]), vb_s3 = static_cast<int>(vb_strides[3]);
 
 float oacc[NTM][4];
 #pragma unroll
@@ -254,66 +295,145 @@ float mrow[2] = {NEG, NEG};
 float lrow[2] = {0.0f, 0.0f};
 int cur = -1;
 
+// A tile's inputs as loaded (raw words and 16-bit units), one tile ahead of their use: the
+// loads of tile k + 1 are in flight while tile k is computed
+struct Raw {
+  unsigned int wm[2][WM];                 // main sketch words of tokens g, 8 + g (inverted)
+  unsigned int wo[2][WO > 0 ? WO : 1];    // outlier sketch words
+  unsigned short nm[2], no[2];            // norms of tokens g, 8 + g
+  unsigned int vw[4][VWL];                // value words of tokens 2t, 2t + 1, 2t + 8, 2t + 9
+  unsigned short vs[4][VNGA], vz[4][VNGA];  // their scales and zeros
+  int ix[4];                              // the tile's outlier block's slots (load_ix)
+};
+auto load_tile = [&](int tb, Raw& r) {
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    const int tk = vx_imin(tb + 8 * n + g, T - 1);
+#pragma unroll
+    for (int w = 0; w < WM; ++w) {
+      r.wm[n][w] = ~static_cast<unsigned int>(ksh[tk * ks_s2 + (t * WM + w) * ks_s3]);
+    }
+#pragma unroll
+    for (int w = 0; w < WO; ++w) {
+      r.wo[n][w] = ~static_cast<unsigned int>(koh[tk * ko_s2 + (t * WO + w) * ko_s3]);
+    }
+    r.nm[n] = knh[tk * kn_s2];
+    r.no[n] = KOUT > 0 ? konh[tk * kon_s2] : static_cast<unsigned short>(0);
+  }
+#pragma unroll
+  for (int n = 0; n < 4; ++n) {
+    const int tr = vx_imin(tb + 2 * t + (n & 1) + 8 * (n >> 1), T - 1);
+#pragma unroll
+    for (int w = 0; w < VWL; ++w) {
+      r.vw[n][w] = vch[tr * vc_s2 + (g * VWL + w) * vc_s3];
+    }
+#pragma unroll
+    for (int lg = 0; lg < VNGA; ++lg) {
+      const int gi = VCL > VGROUP ? (g * VCL) / VGROUP + lg : vg0;
+      r.vs[n][lg] = vah[tr * va_s2 + gi * va_s3];
+      r.vz[n][lg] = vbh[tr * vb_s2 + gi * vb_s3];
+    }
+  }
+  if (KOUT > 0) {
+    load_ix(tb / KGRP, r.ix);
+  }
+};
+// a stored 16-bit norm as a float; two stored scales (zeros) as an f16x2 pair (vx_s16h2)
+auto n16f = [](unsigned short u) {
+  return NSBF ? vx_bits_to_float(static_cast<unsigned int>(u) << 16)
+              : __half2float(*reinterpret_cast<const __half*>(&u));
+};
+auto s16h2 = [](unsigned short a, unsigned short c) {
+  if (VSBF) {
+    return __floats2half2_rn(vx_bits_to_float(static_cast<unsigned int>(a) << 16),
+                             vx_bits_to_float(static_cast<unsigned int>(c) << 16));
+  }
+  return vx_u2h(static_cast<unsigned int>(a) | (static_cast<unsigned int>(c) << 16));
+};
+
+Raw rc, rn;
+if (my0 < my1) {
+  load_tile(t0 + my0 * SUB, rc);
+}
 for (int tile = my0; tile < my1; ++tile) {
   const int tb = t0 + tile * SUB;
+  if (tile + 1 < my1) {
+    load_tile(tb + SUB, rn);
+  }
   if (KOUT > 0) {
     const int blk = tb / KGRP;
     if (blk != cur) {
-      block_frags(blk);
+      block_frags(rc.ix);
       cur = blk;
     }
   }
   // ---- scores: tokens g, 8 + g (rows clamped into the context; their weights are zeroed)
-  int tk[2];
-  unsigned int wm[2][WM], wo[2][WO > 0 ? WO : 1];
   float nm[2], no[2];
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
-    tk[n] = vx_imin(tb + 8 * n + g, T - 1);
-#pragma unroll
-    for (int w = 0; w < WM; ++w) {
-      wm[n][w] = ~static_cast<unsigned int>(
-          ks[ks_b + (int64_t)tk[n] * ks_strides[2] + (int64_t)(t * WM + w) * ks_strides[3]]);
-    }
-#pragma unroll
-    for (int w = 0; w < WO; ++w) {
-      wo[n][w] = ~static_cast<unsigned int>(
-          ko[ko_b + (int64_t)tk[n] * ko_strides[2] + (int64_t)(t * WO + w) * ko_strides[3]]);
-    }
-    nm[n] = vx_s16f<NSBF>(kn16 + kn_b + (int64_t)tk[n] * kn_strides[2]) * cm;
-    no[n] = KOUT > 0 ? vx_s16f<NSBF>(kon16 + kon_b + (int64_t)tk[n] * kon_strides[2]) * co : 0.0f;
+    nm[n] = n16f(rc.nm[n]) * cm;
+    no[n] = KOUT > 0 ? n16f(rc.no[n]) * co : 0.0f;
   }
-  float sa[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-  float so[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  // independent accumulator chains: <S q, s_in> (sa), <S P q, s_in> (sp), <S P q, s_o> (so);
+  // BLO 1: hi parts and residuals in chains of their own
+  float sa[2][4], sp[2][4], so[2][4];
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      sa[c][e] = 0.0f;
+      sp[c][e] = 0.0f;
+      so[c][e] = 0.0f;
+    }
+  }
 #pragma unroll
   for (int i = 0; i < KSM; ++i) {
     const int w = i / 8;
     const int j = 2 * (i % 8);
-    const unsigned int a0 = pm(wm[0][w], j), a1 = pm(wm[1][w], j);
-    const unsigned int a2 = pm(wm[0][w], j + 1), a3 = pm(wm[1][w], j + 1);
-    vx_mma16816(sa[BLO ? 0 : i & 1], a0, a1, a2, a3, bin[i][0], bin[i][1]);
-    if (BLO) {
-      vx_mma16816(sa[1], a0, a1, a2, a3, bin_lo[BLO ? i : 0][0], bin_lo[BLO ? i : 0][1]);
+    const unsigned int a0 = pm(rc.wm[0][w], j), a1 = pm(rc.wm[1][w], j);
+    const unsigned int a2 = pm(rc.wm[0][w], j + 1), a3 = pm(rc.wm[1][w], j + 1);
+    const int c = BLO == 1 ? 0 : i & 1;
+    vx_mma16816(sa[c], a0, a1, a2, a3, bin[i][0], bin[i][1]);
+    if (BLO == 1) {
+      vx_mma16816(sa[1], a0, a1, a2, a3, bin_lo[BLO == 1 ? i : 0][0], bin_lo[BLO == 1 ? i : 0][1]);
+    }
+    if (KOUT > 0) {
+      const int ip = KOUT > 0 ? i : 0;
+      vx_mma16816(sp[c], a0, a1, a2, a3, bsp[ip][0], bsp[ip][1]);
+      if (BLO == 1) {
+        vx_mma16816(sp[1], a0, a1, a2, a3, bsp_lo[BLO == 1 ? ip : 0][0], bsp_lo[BLO == 1 ? ip : 0][1]);
+      }
     }
   }
 #pragma unroll
   for (int i = 0; i < KSO; ++i) {
     const int w = i / 8;
     const int j = 2 * (i % 8);
-    const unsigned int a0 = pm(wo[0][w], j), a1 = pm(wo[1][w], j);
-    const unsigned int a2 = pm(wo[0][w], j + 1), a3 = pm(wo[1][w], j + 1);
-    vx_mma16816(so, a0, a1, a2, a3, bo[i][0], bo[i][1]);
-    if (BLO) {
-      vx_mma16816(so, a0, a1, a2, a3, bo_lo[BLO ? i : 0][0], bo_lo[BLO ? i : 0][1]);
+    const unsigned int a0 = pm(rc.wo[0][w], j), a1 = pm(rc.wo[1][w], j);
+    const unsigned int a2 = pm(rc.wo[0][w], j + 1), a3 = pm(rc.wo[1][w], j + 1);
+    const int c = BLO == 1 ? 0 : i & 1;
+    // SHARE: the outlier sketch's B is the main one's S P q
+    const unsigned int* b = SHARE ? bsp[KSP > 1 ? i : 0] : bo[KSB > 1 ? i : 0];
+    vx_mma16816(so[c], a0, a1, a2, a3, b[0], b[1]);
+    if (BLO == 1) {
+      const unsigned int* bl = SHARE ? bsp_lo[BLO == 1 && KSP > 1 ? i : 0]
+                                     : bo_lo[BLO == 1 && KSB > 1 ? i : 0];
+      vx_mma16816(so[1], a0, a1, a2, a3, bl[0], bl[1]);
     }
   }
-  // element i: token g + 8 (i >> 1), query row 2t + (i & 1)
+  // (BLO 2: lane t < 2 adds the residuals' columns from lane t + 2, which adds its own)
   float s4[4];
   bool v4[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int n = i >> 1;
-    s4[i] = nm[n] * (sa[0][i] + sa[1][i]) + (KOUT > 0 ? no[n] * so[i] : 0.0f);
+    float ra = (sa[0][i] + sa[1][i]) - (KOUT > 0 ? sp[0][i] + sp[1][i] : 0.0f);
+    float ro = so[0][i] + so[1][i];
+    if (BLO == 2) {
+      ra += vx_shfl_xor(ra, 2);
+      ro += KOUT > 0 ? vx_shfl_xor(ro, 2) : 0.0f;
+    }
+    s4[i] = nm[n] * ra + (KOUT > 0 ? no[n] * ro : 0.0f);
     v4[i] = tb + 8 * n + g < t1;
   }
 
@@ -358,27 +478,13 @@ for (int tile = my0; tile < my1; ++tile) {
   }
 
   // ---- values: the lane's words of tokens 2t, 2t + 1, 2t + 8, 2t + 9, scales as token pairs
-  unsigned int vw[4][VWL];
-  __half2 vs2[2][VCL > VGROUP ? VCL / VGROUP : 1], vz2[2][VCL > VGROUP ? VCL / VGROUP : 1];
-#pragma unroll
-  for (int n = 0; n < 4; ++n) {
-    const int tr = vx_imin(tb + 2 * t + (n & 1) + 8 * (n >> 1), T - 1);
-#pragma unroll
-    for (int w = 0; w < VWL; ++w) {
-      vw[n][w] = vc[vc_b + (int64_t)tr * vc_strides[2] + (int64_t)(g * VWL + w) * vc_strides[3]];
-    }
-  }
+  __half2 vs2[2][VNGA], vz2[2][VNGA];
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
-    const int64_t ta = vx_imin(tb + 2 * t + 8 * n, T - 1);
-    const int64_t tc = vx_imin(tb + 2 * t + 8 * n + 1, T - 1);
 #pragma unroll
-    for (int lg = 0; lg < (VCL > VGROUP ? VCL / VGROUP : 1); ++lg) {
-      const int gi = VCL > VGROUP ? (g * VCL) / VGROUP + lg : vg0;
-      vs2[n][lg] = vx_s16h2<VSBF>(va16 + va_b + ta * va_strides[2] + (int64_t)gi * va_strides[3],
-                                  va16 + va_b + tc * va_strides[2] + (int64_t)gi * va_strides[3]);
-      vz2[n][lg] = vx_s16h2<VSBF>(vb16 + vb_b + ta * vb_strides[2] + (int64_t)gi * vb_strides[3],
-                                  vb16 + vb_b + tc * vb_strides[2] + (int64_t)gi * vb_strides[3]);
+    for (int lg = 0; lg < VNGA; ++lg) {
+      vs2[n][lg] = s16h2(rc.vs[2 * n][lg], rc.vs[2 * n + 1][lg]);
+      vz2[n][lg] = s16h2(rc.vz[2 * n][lg], rc.vz[2 * n + 1][lg]);
     }
   }
 #pragma unroll
@@ -393,11 +499,12 @@ for (int tile = my0; tile < my1; ++tile) {
       const int bi = bit >> 3;
       const int sel = bi | (bi << 4) | ((4 + bi) << 8) | ((4 + bi) << 12);
       const int lg = VCL > VGROUP ? ch / VGROUP : 0;
-      const unsigned int y = __byte_perm(vw[2 * n][wl], vw[2 * n + 1][wl], sel);
+      const unsigned int y = __byte_perm(rc.vw[2 * n][wl], rc.vw[2 * n + 1][wl], sel);
       af[e] = vx_dequant_at(y, bit & 7, VBITS, vs2[n][lg], vz2[n][lg]);
     }
     vx_mma16816(oacc[j], af[0], af[1], af[2], af[3], pb[0], pb[1]);
   }
+  rc = rn;
 }
 
 // ---- merge the warps: row r's (m, l) and its HD outputs, through shared memory -------------------

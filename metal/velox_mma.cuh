@@ -159,6 +159,17 @@ VX_FN void vx_mma16816(float (&d)[4], unsigned int a0, unsigned int a1, unsigned
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// D = A * B for one m16n8k16 tile (no accumulator in: the C operand is zero, which ptxas
+// takes from the zero register instead of four moves)
+VX_FN void vx_mma16816_zc(float (&d)[4], unsigned int a0, unsigned int a1, unsigned int a2,
+                          unsigned int a3, unsigned int b0, unsigned int b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %10, %10, %10};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(0.0f));
+}
+
 // 2^x as one MUFU.EX2 (ex2.approx.ftz: about 2 ulp, results below 2^-126 flushed to zero) for
 // the softmax weights, where exp2f adds a range check and two scalings per call to keep
 // subnormal results: a weight below 2^-126 vanishes beside its row's sum, which holds the
@@ -322,6 +333,13 @@ VX_FN void vx_mma16816(float (&d)[4], unsigned int a0, unsigned int a1, unsigned
   for (int e = 0; e < 4; ++e) {
     d[e] = out[e];
   }
+}
+
+// emulated: zero the accumulators, then the MMA
+VX_FN void vx_mma16816_zc(float (&d)[4], unsigned int a0, unsigned int a1, unsigned int a2,
+                          unsigned int a3, unsigned int b0, unsigned int b1) {
+  d[0] = d[1] = d[2] = d[3] = 0.0f;
+  vx_mma16816(d, a0, a1, a2, a3, b0, b1);
 }
 
 VX_FN unsigned int vx_movmatrix_trans(unsigned int x) {

@@ -196,7 +196,7 @@ def sketch_mma_template(
         ("QMUL", qmul_bits(scale)),
         ("CMB", _float_bits(sk.const / sk.m)),
         ("COB", _float_bits(sk.const / sk.mo) if k else 0),
-        ("BLO", int(b_residual())),
+        ("BLO", (2 if rows <= 4 else 1) if b_residual() else 0),
         ("NWARPS", NWARPS),
     ]
 
