@@ -263,6 +263,19 @@ def mma_plan(codec_k, kp, codec_v, vp, q) -> dict | None:
     return None if launch is None else dict(launch.template)
 
 
+def sketch_mma_taken(codec_k, kp, codec_v, vp, q) -> bool:
+    """Whether QJL keys go through the tensor-core sketch kernel for this decode
+    (``velox_core.kernels.sketch_mma``)."""
+    from velox_qjl import QJL
+    from velox_qjl.kernels import kernel_sides
+
+    if not isinstance(codec_k, QJL):
+        return False
+    with kernels(True):
+        sides = kernel_sides(codec_k, kp, codec_v, vp, q.shape[2])
+    return sides is not None and sides[0].sketch.mma
+
+
 @contextlib.contextmanager
 def fp16_levels(*codecs):
     """The codecs' Lloyd-Max levels rounded to fp16 for the while (TurboQuant's quantizers):
@@ -305,7 +318,8 @@ def decode_check(name, codec_k, codec_v, b, h, t, m, dtype=mx.float16, seed=0, t
         with fp16_levels(*tables):  # codebook levels as the tensor-core kernel holds them
             ref = dense_partial(q, codec_k, kp, codec_v, vp, fp16=rounded)
         errs = partial_errors(got, ref)
-        errs["kernel"] = "tensor-core" if mma else "portable"
+        sketch = sketch_mma_taken(codec_k, kp, codec_v, vp, q)
+        errs["kernel"] = "tensor-core" if mma else "tensor-core sketch" if sketch else "portable"
         if mma:
             errs["folds"] = f"keys {plan['KFOLD']} values {plan['VFOLD']}"
             if tables:
@@ -628,11 +642,13 @@ def section_checks(quick: bool) -> None:
         ("m 320, 8 x 8 bits, blocks of 128 (straddling)", QJL_4BIT, 4, t_big),
         ("m 128, no outliers", {"bits": 1, "outliers": 0}, 4, 3001),
         ("m 256, GQA 8 (two row blocks)", {}, 8, 5000),
+        ("m 256, 16 outliers x 16 bits, 1 row", {"outliers": 16, "outlier_bits": 16}, 1, 5000),
+        ("m 384, m_o 128 (own columns), 4-bit values", {"bits": 3, "outlier_bits": 16}, 4, 5000),
     ):
         decode_check(
             f"qjl decode {label}",
             QJL(**kw),
-            Uniform(2, 32),
+            Uniform(4 if "4-bit values" in label else 2, 32),
             1,
             8,
             t // 128 * 128,
@@ -643,6 +659,13 @@ def section_checks(quick: bool) -> None:
         "QJLCache (window 128, 4 sinks)",
         lambda: QJLCache(sinks=4),
         t=1200 if quick else 5000,
+    )
+    cache_check(  # bf16 norms, scales and zeros, bf16 outputs (the bf16 rows' bound)
+        "QJLCache bf16 (window 128)",
+        QJLCache,
+        t=1200 if quick else 5000,
+        tol=1e-2,
+        dtype=mx.bfloat16,
     )
     from velox_vecinfer import VecInfer, VecInferCache
 
@@ -985,6 +1008,9 @@ def make_methods(
             kernel_sides(kc, kp, vc, vp, hq // hk)  # makes the copy of S (counted in nb)
             nb = kp.nbytes + vp.nbytes + qbytes + kc.state_nbytes
             methods.append((f"velox {label}", 2, joint_call(kc, kp, vc, vp), nb))
+            if label == "qjl m256":  # the portable kernel, which the tensor-core one replaced
+                portable = in_env(joint_call(kc, kp, vc, vp), VELOX_DECODE_MMA="0")
+                methods.append((f"velox {label} portable", 2, portable, nb))
             if b == 1 and label == "qjl m256":
                 from velox_core.cache.attention import Segment, partial
 
