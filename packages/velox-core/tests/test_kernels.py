@@ -835,7 +835,7 @@ def test_tensor_core_instantiations_compile_within_their_register_cap(tmp_path):
     most a few words (32 bytes: the cap trades them for a third threadgroup per SM, measured
     faster on an H200), and fits the static shared memory its host code assumes (48 KiB)."""
     log = _nvcc_without_spills(
-        [cuda_source(*v)[0] for v in _mma_variants()], tmp_path, spill_bytes=32, separate=True
+        [[cuda_source(*v)[0]] for v in _mma_variants()], tmp_path, spill_bytes=32
     )
     smem = [int(x) for x in re.findall(r"(\d+) bytes smem", log)]
     assert smem and max(smem) <= 48 * 1024, smem
@@ -846,31 +846,30 @@ def test_tensor_core_instantiations_compile_within_their_register_cap(tmp_path):
             assert r <= 65536 // (lb[0] * lb[1]), (r, lb)
 
 
-def _nvcc_without_spills(
-    units: list[str], tmp_path, spill_bytes: int = 0, separate: bool = False
-) -> str:
-    """Compile CUDA units with nvcc for sm_90a; assert success and spill stores of at most
-    ``spill_bytes`` per kernel; ptxas' log in unit order. ``separate``: each unit as its own
-    translation unit (as MLX compiles each kernel), needed where a unit re-defines
-    ``__global__`` with ``__launch_bounds__``, which must not reach the next unit."""
+def _nvcc_without_spills(units: list[list[str]], tmp_path, spill_bytes: int = 0) -> str:
+    """Compile CUDA translation units (each a list of kernels' sources) with nvcc for sm_90a,
+    two at a time; assert success and spill stores of at most ``spill_bytes`` per kernel;
+    ptxas' log in unit order. A kernel with ``__launch_bounds__`` re-defines ``__global__``
+    for the rest of its unit: it must be a unit of its own (as MLX compiles each kernel).
+    Device code only (``-cubin``, as MLX compiles a kernel through NVRTC): the host pass that
+    ``-c`` adds took half to two thirds of the time and compiles no code a launch runs."""
     inc = os.environ.get("VELOX_MLX_CUDA_INCLUDE") or str(shim_dir() / "cuda")
-    groups = [[u] for u in units] if separate else [units]
 
-    def compile_group(i: int) -> str:
+    def compile_unit(i: int) -> str:
         cu = tmp_path / f"kernels{i}.cu"
-        cu.write_text("\n".join(groups[i]))
-        cmd = [NVCC, "-std=c++17", "-arch=sm_90a", "-Xptxas", "-v", "-I", inc, "-c", str(cu)]
+        cu.write_text("\n".join(units[i]))
+        cmd = [NVCC, "-std=c++17", "-arch=sm_90a", "-Xptxas", "-v", "-I", inc, "-cubin", str(cu)]
         res = subprocess.run(
-            [*cmd, "-o", str(tmp_path / f"k{i}.o")], capture_output=True, text=True, check=False
+            [*cmd, "-o", str(tmp_path / f"k{i}.cubin")], capture_output=True, text=True, check=False
         )
         assert res.returncode == 0, res.stderr[-6000:]
         found = re.findall(r"(\d+) bytes spill stores", res.stderr)
-        assert len(found) == len(groups[i]), res.stderr[-3000:]
+        assert len(found) == len(units[i]), res.stderr[-3000:]
         assert all(int(f) <= spill_bytes for f in found), res.stderr[-3000:]
         return res.stderr
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        return "".join(pool.map(compile_group, range(len(groups))))
+        return "".join(pool.map(compile_unit, range(len(units))))
 
 
 @needs_nvcc
@@ -883,11 +882,11 @@ def test_cuda_instantiations_compile_without_spills(tmp_path):
     probe = cuda_source(dk.PROBE_SUBNORMAL, [ArgInfo("uint32", 1, 1)], ["float32"], [])[0]
     variants = _decode_variants()
     plain = [cuda_source(*v)[0] for v in variants if v[0].cuda_launch_bounds is None]
-    _nvcc_without_spills([*plain, probe], tmp_path)
     # a unit with launch bounds re-defines __global__ for the rest of its translation unit
     bounded = [cuda_source(*v)[0] for v in variants if v[0].cuda_launch_bounds is not None]
     assert bounded  # the outlier kernel's
-    _nvcc_without_spills(bounded, tmp_path, separate=True)
+    # the plain kernels in one unit, the bounded ones each in their own, compiled alongside
+    _nvcc_without_spills([[*plain, probe], *([u] for u in bounded)], tmp_path)
 
 
 # -- emulation: the Metal instantiation run on the CPU --------------------------------------------
@@ -1502,7 +1501,7 @@ MMA_CASES = {
     "8bit-fold-gqa8": (1, 1, 150, 8, 8, 8, 64, 64, 2, 1, 2, 0),
     "k2v4-fold-g128-strided": (1, 2, 200, 4, 2, 4, 64, 128, 4, 1, 2, 3),
     "4bit-fold-g128-fp16-query": (1, 2, 260, 3, 4, 4, 128, 128, 4, 2, 3, 0),
-    "mha-many-splits": (1, 2, 700, 1, 4, 4, 64, 64, 4, 1, 40, 0),  # 18 of them empty
+    "mha-many-splits": (1, 1, 700, 1, 4, 4, 64, 64, 4, 1, 40, 0),  # 18 of them empty
     "2bit-steps-of-four": (1, 2, 300, 4, 2, 2, 64, 64, 4, 4, 2, 0),
     "two-rows-merge-in-chunks": (1, 1, 570, 2, 4, 4, 64, 64, 4, 2, 9, 0),  # 64 tokens a split
     "k2v2-g32-values-fp16-query": (1, 2, 200, 4, 2, 2, 128, 32, 4, 4, 2, 0),  # 4 value groups
@@ -1661,9 +1660,13 @@ def _padded(x, pad: int):
 def mma_emulated(tmp_path_factory):
     if GXX is None:
         pytest.skip("g++ is not installed: the kernels cannot be emulated here")
-    emu = CudaEmulator(tmp_path_factory.mktemp("cuemu"))
+    # two programs, the cases taking turns, compiled side by side (one g++ each)
+    emus = [CudaEmulator(tmp_path_factory.mktemp(f"cuemu{i}")) for i in range(2)]
+    parts = [np.zeros((1, 1, 2, 4, 128), np.float32)] * 2
+    merges = [e.kernel(dk.MERGE, parts, ["float32"] * 3) for e in emus]
     cases = {}
     for name, (b, h, t, m, kb, vb, kg, vg, nw, sub, s, pad) in MMA_CASES.items():
+        emu, merge = emus[len(cases) % 2], merges[len(cases) % 2]
         d = MMA_DIMS.get(name, 128)
         k1, k2, k3 = mx.random.split(mx.random.key(len(cases)), 3)
         kdt, vdt = (getattr(mx, x) for x in BF16_SIDES.get(name, ("float16", "float16")))
@@ -1728,9 +1731,41 @@ def mma_emulated(tmp_path_factory):
         if not tm["VFOLD"]:
             vd = vd.astype(mx.float16).astype(mx.float32)
         scores = q.astype(mx.float32) @ mx.swapaxes(kd, -1, -2)
-        cases[name] = (handle, ins, lay, launch, scores, vd, fused)
-    merge = emu.kernel(dk.MERGE, [np.zeros((1, 1, 2, 4, 128), np.float32)] * 2, ["float32"] * 3)
-    return emu, merge, cases
+        cases[name] = _MmaCase(emu, merge, handle, ins, lay, launch, scores, vd, fused)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        list(pool.map(CudaEmulator.build, emus))
+    return cases
+
+
+@dataclasses.dataclass
+class _MmaCase:
+    """One tensor-core case: its program and the merge kernel's handle in it, its launch (the
+    partials as two outputs), inputs, the reference's scores and values, and the FUSE = 1
+    launch where the case has one."""
+
+    emu: CudaEmulator
+    merge: int
+    handle: int
+    ins: list
+    lay: tuple[int, int, int, int, int]
+    launch: tuple[tuple[int, int, int], tuple[int, int, int]]
+    scores: mx.array
+    vd: mx.array
+    fused: tuple | None
+    out: tuple | None = None
+
+    def run(self) -> tuple[np.ndarray, ...]:
+        """``(ml, o_part)`` of the launch and ``(o, m, l)`` of the separate merge over them,
+        computed once (emulation is slow; both tests read them)."""
+        if self.out is None:
+            b, h, s, m, d = self.lay
+            ml, o_part = self.emu.run(
+                self.handle, self.ins, [(b, h, s, m, 2), (b, h, s, m, d)], *self.launch
+            )
+            shapes = [(b, h, m, d), (b, h, m, 1), (b, h, m, 1)]
+            grid, tg = dk.merge_launch(b * h * m, d)
+            self.out = (ml, o_part, *self.emu.run(self.merge, [o_part, ml], shapes, grid, tg))
+        return self.out
 
 
 @needs_gxx
@@ -1741,12 +1776,10 @@ def test_tensor_core_kernel_matches_the_reference(mma_emulated, name):
     reference over the decoded keys and values (rounded to fp16 where the kernel decodes a
     side, float32 where it folds its scales); no split's max exceeds the true max (the lazy
     max may only lag)."""
-    emu, merge, cases = mma_emulated
-    handle, ins, (b, h, s, m, d), (grid, tg), scores, vd, _ = cases[name]
-    ml, o_part = emu.run(handle, ins, [(b, h, s, m, 2), (b, h, s, m, d)], grid, tg)
-    mgrid, mtg = dk.merge_launch(b * h * m, d)
-    o, mm, ll = emu.run(merge, [o_part, ml], [(b, h, m, d), (b, h, m, 1), (b, h, m, 1)], mgrid, mtg)
-    want = np.asarray(mx.softmax(scores, axis=-1) @ vd)
+    case = mma_emulated[name]
+    ml, o_part, o, mm, ll = case.run()
+    scores = case.scores
+    want = np.asarray(mx.softmax(scores, axis=-1) @ case.vd)
     got = o / ll
     # fp16 weights: each rounded to 2^-11 relative; with the residual exact to float32 sums
     tol = 1e-5 if name in P_RESIDUAL else 1e-3
@@ -1796,12 +1829,11 @@ def test_tensor_core_kernel_merges_its_own_splits(mma_emulated, name):
     """FUSE = 1: the last threadgroup of each (batch, head) merges the splits' partials in the
     same launch (counted on a zeroed output): the normalized output, its max and its sum
     equal the separate merge kernel's over the same partials."""
-    emu, merge, cases = mma_emulated
-    handle, ins, (b, h, s, m, d), (grid, tg), scores, vd, (fhandle, flay) = cases[name]
-    ml, o_part = emu.run(handle, ins, [(b, h, s, m, 2), (b, h, s, m, d)], grid, tg)
-    mgrid, mtg = dk.merge_launch(b * h * m, d)
-    o, mm, ll = emu.run(merge, [o_part, ml], [(b, h, m, d), (b, h, m, 1), (b, h, m, 1)], mgrid, mtg)
-    (fws,) = emu.run(fhandle, ins, [(flay.size,)], grid, tg, init=0)
+    case = mma_emulated[name]
+    b, h, s, _, _ = case.lay
+    (fhandle, flay) = case.fused
+    ml, o_part, o, mm, ll = case.run()  # the separate merge's (computed once per case)
+    (fws,) = case.emu.run(fhandle, case.ins, [(flay.size,)], *case.launch, init=0)
     fo_part, fml, out, mlo, count = flay.parts(fws)
     assert np.array_equal(fo_part, o_part) and np.array_equal(fml, ml)
     assert np.array_equal(count, np.full(b * h, s, np.uint32))  # every threadgroup counted
@@ -1811,7 +1843,7 @@ def test_tensor_core_kernel_merges_its_own_splits(mma_emulated, name):
     assert np.abs(out.astype(np.float32) - ref).max() <= tol * max(1.0, np.abs(ref).max())
     assert np.allclose(mlo[..., :1], mm, rtol=1e-6, atol=1e-6)
     assert np.allclose(mlo[..., 1:], ll, rtol=1e-5)
-    want = np.asarray(mx.softmax(scores, axis=-1) @ vd)
+    want = np.asarray(mx.softmax(case.scores, axis=-1) @ case.vd)
     bound = max(tol, 2e-3) * max(1.0, np.abs(want).max())
     assert np.abs(out.astype(np.float32) - want).max() <= bound
 
