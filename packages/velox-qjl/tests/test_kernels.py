@@ -317,9 +317,16 @@ def test_emulated_tensor_core_kernel_takes_a_bf16_cache_and_declines_odd_sketche
 
 def test_sketch_mma_checks_its_inputs():
     """A segment laid out for the tensor-core kernel that it does not take is an error, not a
-    silent fallback with the wrong matrix; a query sketch of the wrong shape is rejected."""
+    silent fallback with the wrong matrix; a query sketch of the wrong shape is rejected;
+    norms other than fp16 and bf16 are laid out for the portable kernel."""
     kc, kp, vc, vp = records({}, t=256)
     keys = _sides_for_cuda(kc, kp, vc, vp)
+    assert keys.sketch.mma
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(vk, "backend", lambda: "cuda")
+        values = vc.kernel_codes(vp)
+        assert sm.wanted(4, 128, 256, 256, 8, 32, mx.float16, values)
+        assert not sm.wanted(4, 128, 256, 256, 8, 32, mx.float32, values)
     values = vc.kernel_codes(vp)
     q = mx.zeros((1, 2, 4, 128))
     with pytest.raises(ValueError, match="q_sketch"):

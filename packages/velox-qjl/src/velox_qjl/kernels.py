@@ -1,6 +1,11 @@
 """GPU kernel path of QJL keys: fused decode attention over the sign sketches.
 
-velox-core's portable decode kernel (``metal/decode_attention.metal``) takes QJL keys as
+On NVIDIA GPUs, segments whose sketches split into 128-bit rows a lane (the paper's setting,
+among others; ``velox_core.kernels.sketch_mma.supported``) take velox-core's tensor-core
+sketch kernel (``metal/decode_attention_sketch_mma.cu``): the signs as fp16 ``+-1`` MMA
+operands, each outlier block's ``S P q`` by MMAs, ``S`` and ``S q`` in that kernel's order
+(:meth:`velox_qjl.QJL.kernel_matrix` with ``lanes`` 0). Everywhere else, velox-core's
+portable decode kernel (``metal/decode_attention.metal``) takes QJL keys as
 *sketch* codes (``velox_core.kernels.decode.SKETCH``): it reads each key's packed sign bits,
 norms and, per block of ``group`` tokens, the outlier channels' indices and their own sketch,
 and scores them against the sketched query without unpacking anything to float:
@@ -97,7 +102,8 @@ def kernel_sides(
     m, k, mo = codec.sizes(codec.dim)
     mo = mo if k else 0
     vcodes = value_codec.kernel_codes(values)
-    if _sm.wanted(rows, codec.dim, m, mo, k, codec.block, vcodes):
+    p = keys.data
+    if _sm.wanted(rows, codec.dim, m, mo, k, codec.block, p["norm"].dtype, vcodes):
         lanes = 0  # the tensor-core sketch kernel (CUDA)
     else:
         vbits, vgroup = value_codec.bits, value_codec.group
@@ -107,7 +113,6 @@ def kernel_sides(
         if plan is None:  # (before the kernel's copy of S is made)
             return None
         lanes = plan.klanes
-    p = keys.data
     sk = _kd.SketchKeys(
         m=m,
         mo=mo,

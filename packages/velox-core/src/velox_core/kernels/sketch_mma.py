@@ -155,10 +155,20 @@ def supported(rows: int, dim: int, keys: Codes, values: Codes) -> bool:
     return _values_supported(dim, values)
 
 
-def wanted(rows: int, dim: int, m: int, mo: int, outliers: int, group: int, values: Codes) -> bool:
+def wanted(
+    rows: int,
+    dim: int,
+    m: int,
+    mo: int,
+    outliers: int,
+    group: int,
+    norm_dtype: mx.Dtype,
+    values: Codes,
+) -> bool:
     """Whether a QJL segment should be laid out for this kernel: CUDA kernels on (MLX on an
-    NVIDIA GPU, ``VELOX_DECODE_MMA`` not 0) and a layout it takes."""
-    if _kernels.backend() != "cuda" or not mma_enabled():
+    NVIDIA GPU, ``VELOX_DECODE_MMA`` not 0), fp16 or bfloat16 norms (a float32 model's keep
+    the portable kernel) and a layout it takes."""
+    if _kernels.backend() != "cuda" or not mma_enabled() or norm_dtype not in _SCALE_DTYPES:
         return False
     return layout_supported(rows, dim, m, mo, outliers, group) and _values_supported(dim, values)
 
