@@ -66,9 +66,9 @@ DECODE_SKETCH_MMA = KernelSpec(
     cuda_headers=("velox_mma.cuh",),
 )
 NWARPS = 4  # warps per threadgroup
-# threadgroups an SM runs at once, for the split count: 4 warps at 254 registers (nvcc, sm_90a)
-# fit twice (an H200, 128k, batch 1: 235.3 us a call against 294.9 sized for 3; batch 8
-# 1,666.6 against 2,010.4)
+# threadgroups an SM runs at once, for the split count: 4 warps at 250-254 registers (nvcc,
+# sm_90a) fit twice (an H200, 128k, batch 1: 235.3 us a call against 294.9 sized for 3; batch 8
+# 1,666.6 against 2,010.4; the first version)
 SM_BLOCKS = 2
 MAX_SKETCH = 1024  # most sign bits of either sketch (S q in shared memory)
 MAX_OUTLIERS = 16  # outlier channels per block (one MMA's k)
@@ -141,7 +141,8 @@ def _values_supported(dim: int, values: Codes) -> bool:
 
 def supported(rows: int, dim: int, keys: Codes, values: Codes) -> bool:
     """Whether the kernel takes this segment: :data:`SKETCH` keys with their matrix laid out
-    for it (``SketchKeys.mma``, float16), a layout :func:`layout_supported` takes, fp16 or
+    for it (``SketchKeys.mma``: :func:`sketch_mma_matrix`'s contiguous float16 array, which
+    the kernel indexes without strides), a layout :func:`layout_supported` takes, fp16 or
     bfloat16 norms, and per-token affine values (2, 4 or 8 bits, whole words a lane)."""
     sk = keys.sketch
     if keys.kind != SKETCH or sk is None or not sk.mma or sk.matrix.dtype != mx.float16:
