@@ -655,25 +655,8 @@ for (int k = 0; k < nmine; ++k) {
       lmax[i & 1] = v4[u][i] ? vx_max(lmax[i & 1], s4[u][i]) : lmax[i & 1];
     }
   }
-  if (vx_any(lmax[0] > mrow[0] + RESCALE || lmax[1] > mrow[1] + RESCALE)) {
-    float alpha[2];
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      float tmax = vx_max(lmax[c], vx_shfl_xor(lmax[c], 4));
-      tmax = vx_max(tmax, vx_shfl_xor(tmax, 8));
-      tmax = vx_max(tmax, vx_shfl_xor(tmax, 16));
-      const float mnew = vx_max(mrow[c], tmax);
-      alpha[c] = vx_exp2_ftz(mrow[c] - mnew);
-      lrow[c] *= alpha[c];
-      mrow[c] = mnew;
-    }
-#pragma unroll
-    for (int j = 0; j < NTM; ++j) {
-      oacc[j][0] *= alpha[0];
-      oacc[j][1] *= alpha[1];
-      oacc[j][2] *= alpha[0];
-      oacc[j][3] *= alpha[1];
-    }
+  float alpha[2];
+  if (vx_softmax_raise<NTM>(lmax, mrow, lrow, oacc, RESCALE, alpha)) {
 #pragma unroll
     for (int c = 0; c < (VFOLD ? VZG : 0); ++c) {
       zacc[c][0] *= alpha[0];
@@ -837,12 +820,7 @@ for (int j = 0; j < NTM; ++j) {
         : VFOLD ? oacc[j][i] * static_cast<float>(1 << (24 - o)) + zacc[vgroup(j)][i & 1] : oacc[j][i];
   }
 }
-if (g == 0) {
-  red_m[warp * 8 + 2 * t] = mrow[0];
-  red_m[warp * 8 + 2 * t + 1] = mrow[1];
-  red_l[warp * 8 + 2 * t] = lrow[0];
-  red_l[warp * 8 + 2 * t + 1] = lrow[1];
-}
+vx_store_warp_rows(red_m, red_l, warp, g, t, mrow, lrow);
 // ---- the launch's one output: a float32 workspace, regions of whole 16 bytes -----------------
 // FUSE = 1 (zeroed by the launch, init_value 0): [out | mlo | count | ml_part | o_part];
 // FUSE = 0 (VX_MMA_PARTS, the host's DECODE_MMA_PARTS): ml_part is ws and o_part a second
@@ -866,28 +844,7 @@ float* const o_part = ml_part + n_ml;
 #endif
 VX_BARRIER();
 const int64_t row0 = ((int64_t)bh * nsplit + split) * MROWS;
-for (int i = tid; i < MROWS * HD; i += NT) {
-  const int r = i / HD;
-  const int d = i - r * HD;
-  float top = NEG;
-#pragma unroll
-  for (int w = 0; w < NWARPS; ++w) {
-    top = vx_max(top, red_m[w * 8 + r]);
-  }
-  float o_sum = 0.0f;
-  float l_sum = 0.0f;
-#pragma unroll
-  for (int w = 0; w < NWARPS; ++w) {
-    const float wt = vx_exp2(red_m[w * 8 + r] - top);
-    o_sum += red_o[(w * 8 + r) * HD + d] * wt;
-    l_sum += red_l[w * 8 + r] * wt;
-  }
-  o_part[(row0 + r) * HD + d] = o_sum;
-  if (d == 0) {
-    ml_part[(row0 + r) * 2] = top;
-    ml_part[(row0 + r) * 2 + 1] = l_sum;
-  }
-}
+vx_merge_warps<NWARPS, MROWS, HD, NT>(tid, red_m, red_l, red_o, o_part, ml_part, row0);
 
 // ---- FUSE = 1: the split merge in this launch (one kernel per call instead of two) ----------
 // Every threadgroup publishes its partial (the stores above, then a device-wide fence) and

@@ -451,4 +451,81 @@ VX_FN unsigned int vx_code_sub(unsigned int x, int o, int bits) {
   return x & ((((1u << bits) - 1u) << o) * 0x00010001u);
 }
 
+// ---- shared by the tensor-core decode kernels (decode_attention_mma.cu, _sketch_mma.cu) --------
+// Lane 4 g + t holds the C layout's columns 2t, 2t + 1: two query rows, with a running max
+// mrow and sum lrow each and, per m-tile j, the output accumulators oacc[j] (elements 0, 2 of
+// row 2t, 1, 3 of row 2t + 1).
+
+// One online-softmax step of the lane's two rows with a lazy max: where any lane's new scores
+// (its maxima lmax) exceed its rows' running max by more than `rescale` (one vote), the rows'
+// maxima are reduced over the 8 lanes of t and raised, and lrow and oacc rescaled; returns
+// whether they were, with the factors in alpha (for the caller's other accumulators).
+template <int NTM>
+VX_FN bool vx_softmax_raise(const float (&lmax)[2], float (&mrow)[2], float (&lrow)[2],
+                            float (&oacc)[NTM][4], float rescale, float (&alpha)[2]) {
+  if (!vx_any(lmax[0] > mrow[0] + rescale || lmax[1] > mrow[1] + rescale)) {
+    return false;
+  }
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    float tmax = vx_max(lmax[c], vx_shfl_xor(lmax[c], 4));
+    tmax = vx_max(tmax, vx_shfl_xor(tmax, 8));
+    tmax = vx_max(tmax, vx_shfl_xor(tmax, 16));
+    const float mnew = vx_max(mrow[c], tmax);
+    alpha[c] = vx_exp2_ftz(mrow[c] - mnew);
+    lrow[c] *= alpha[c];
+    mrow[c] = mnew;
+  }
+#pragma unroll
+  for (int j = 0; j < NTM; ++j) {
+    oacc[j][0] *= alpha[0];
+    oacc[j][1] *= alpha[1];
+    oacc[j][2] *= alpha[0];
+    oacc[j][3] *= alpha[1];
+  }
+  return true;
+}
+
+// A warp's rows' (m, l) into the threadgroup's red_m / red_l (8 rows a warp), from the lanes of
+// g = 0 (lrow already summed over the 8 lanes of t).
+VX_FN void vx_store_warp_rows(float* red_m, float* red_l, int warp, int g, int t,
+                              const float (&mrow)[2], const float (&lrow)[2]) {
+  if (g == 0) {
+    red_m[warp * 8 + 2 * t] = mrow[0];
+    red_m[warp * 8 + 2 * t + 1] = mrow[1];
+    red_l[warp * 8 + 2 * t] = lrow[0];
+    red_l[warp * 8 + 2 * t + 1] = lrow[1];
+  }
+}
+
+// The threadgroup's partial of its MROWS rows from its warps' (m, l) and outputs red_o
+// (NWARPS * 8 rows of HD), all in shared memory: o_part[(row0 + r) HD + d] and
+// ml_part[(row0 + r) 2 + {0, 1}] = (m, l) in log2 units (call after a barrier).
+template <int NWARPS, int MROWS, int HD, int NT>
+VX_FN void vx_merge_warps(int tid, const float* red_m, const float* red_l, const float* red_o,
+                          float* o_part, float* ml_part, int64_t row0) {
+  for (int i = tid; i < MROWS * HD; i += NT) {
+    const int r = i / HD;
+    const int d = i - r * HD;
+    float top = -1.0e30f;
+#pragma unroll
+    for (int w = 0; w < NWARPS; ++w) {
+      top = vx_max(top, red_m[w * 8 + r]);
+    }
+    float o_sum = 0.0f;
+    float l_sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < NWARPS; ++w) {
+      const float wt = vx_exp2(red_m[w * 8 + r] - top);
+      o_sum += red_o[(w * 8 + r) * HD + d] * wt;
+      l_sum += red_l[w * 8 + r] * wt;
+    }
+    o_part[(row0 + r) * HD + d] = o_sum;
+    if (d == 0) {
+      ml_part[(row0 + r) * 2] = top;
+      ml_part[(row0 + r) * 2 + 1] = l_sum;
+    }
+  }
+}
+
 #endif  // VELOX_MMA_CUH
