@@ -26,7 +26,6 @@ and zeros. Others take the portable kernel.
 from __future__ import annotations
 
 import math
-import struct
 
 import mlx.core as mx
 import numpy as np
@@ -36,10 +35,12 @@ from . import env_setting
 from .build import KernelSpec
 from .decode import (
     AFFINE,
+    MMA_SCALE_DTYPES,
     SKETCH,
     Codes,
     _check,
     _dummy,
+    _float_bits,
     mma_enabled,
     mma_splits,
     qmul_bits,
@@ -74,7 +75,6 @@ MAX_SKETCH = 1024  # most sign bits of either sketch (S q in shared memory)
 MAX_OUTLIERS = 16  # outlier channels per block (one MMA's k)
 MAX_DIM = 256  # head dims up to this (the query in shared memory)
 SMEM_FLOATS = 12 * 1024  # 48 KiB of static shared memory
-_SCALE_DTYPES = (mx.float16, mx.bfloat16)
 
 
 def order(n: int) -> np.ndarray:
@@ -128,7 +128,7 @@ def layout_supported(rows: int, dim: int, m: int, mo: int, outliers: int, group:
 def _values_supported(dim: int, values: Codes) -> bool:
     if values.kind != AFFINE or values.bits not in (2, 4, 8) or values.levels is not None:
         return False
-    if values.a is None or values.b is None or values.a.dtype not in _SCALE_DTYPES:
+    if values.a is None or values.b is None or values.a.dtype not in MMA_SCALE_DTYPES:
         return False
     if values.b.dtype != values.a.dtype:
         return False
@@ -147,7 +147,7 @@ def supported(rows: int, dim: int, keys: Codes, values: Codes) -> bool:
     sk = keys.sketch
     if keys.kind != SKETCH or sk is None or not sk.mma or sk.matrix.dtype != mx.float16:
         return False
-    if keys.a is None or keys.a.dtype not in _SCALE_DTYPES:
+    if keys.a is None or keys.a.dtype not in MMA_SCALE_DTYPES:
         return False
     if sk.outliers and (keys.b is None or keys.b.dtype != keys.a.dtype):
         return False
@@ -169,7 +169,7 @@ def wanted(
     """Whether a QJL segment should be laid out for this kernel: CUDA kernels on (MLX on an
     NVIDIA GPU, ``VELOX_DECODE_MMA`` not 0), fp16 or bfloat16 norms (a float32 model's keep
     the portable kernel) and a layout it takes."""
-    if _kernels.backend() != "cuda" or not mma_enabled() or norm_dtype not in _SCALE_DTYPES:
+    if _kernels.backend() != "cuda" or not mma_enabled() or norm_dtype not in MMA_SCALE_DTYPES:
         return False
     return layout_supported(rows, dim, m, mo, outliers, group) and _values_supported(dim, values)
 
@@ -179,10 +179,6 @@ def b_residual() -> bool:
     (two MMAs a k-step, the float32 product to about ``2^-22``; the default) or rounded to fp16
     (``VELOX_SKETCH_MMA_LO=0``: one MMA, about ``2^-12`` relative per entry)."""
     return env_setting("VELOX_SKETCH_MMA_LO", "1").strip() not in ("0", "false", "no", "off")
-
-
-def _float_bits(x: float) -> int:
-    return struct.unpack("<i", struct.pack("<f", float(x)))[0]
 
 
 def sketch_mma_template(
