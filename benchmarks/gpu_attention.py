@@ -640,21 +640,25 @@ def section_checks(quick: bool) -> None:
     for label, kw, m, t in (  # QJL keys (sign sketches, outlier blocks), 2-bit values
         ("m 256, 8 outliers x 32 bits", {}, 4, t_big),
         ("m 320, 8 x 8 bits, blocks of 128 (straddling)", QJL_4BIT, 4, t_big),
+        ("m 320, 8 x 8 bits, portable kernel", QJL_4BIT, 4, 5000),
         ("m 128, no outliers", {"bits": 1, "outliers": 0}, 4, 3001),
         ("m 256, GQA 8 (two row blocks)", {}, 8, 5000),
         ("m 256, 16 outliers x 16 bits, 1 row", {"outliers": 16, "outlier_bits": 16}, 1, 5000),
         ("m 384, m_o 128 (own columns), 4-bit values", {"bits": 3, "outlier_bits": 16}, 4, 5000),
+        ("m 224, m_o 32 (64- and 32-bit parts)", {"sketch": 224, "outlier_bits": 4}, 4, 5000),
     ):
-        decode_check(
-            f"qjl decode {label}",
-            QJL(**kw),
-            Uniform(4 if "4-bit values" in label else 2, 32),
-            1,
-            8,
-            t // 128 * 128,
-            m,
-            seed=50 + m,
-        )
+        portable = env(VELOX_DECODE_MMA="0") if "portable" in label else contextlib.nullcontext()
+        with portable:
+            decode_check(
+                f"qjl decode {label}",
+                QJL(**kw),
+                Uniform(4 if "4-bit values" in label else 2, 32),
+                1,
+                8,
+                t // 128 * 128,
+                m,
+                seed=50 + m,
+            )
     cache_check(
         "QJLCache (window 128, 4 sinks)",
         lambda: QJLCache(sinks=4),
@@ -1008,9 +1012,9 @@ def make_methods(
             kernel_sides(kc, kp, vc, vp, hq // hk)  # makes the copy of S (counted in nb)
             nb = kp.nbytes + vp.nbytes + qbytes + kc.state_nbytes
             methods.append((f"velox {label}", 2, joint_call(kc, kp, vc, vp), nb))
-            if label == "qjl m256":  # the portable kernel, which the tensor-core one replaced
-                portable = in_env(joint_call(kc, kp, vc, vp), VELOX_DECODE_MMA="0")
-                methods.append((f"velox {label} portable", 2, portable, nb))
+            # the portable kernel, which the tensor-core one replaced
+            portable = in_env(joint_call(kc, kp, vc, vp), VELOX_DECODE_MMA="0")
+            methods.append((f"velox {label} portable", 2, portable, nb))
             if b == 1 and label == "qjl m256":
                 from velox_core.cache.attention import Segment, partial
 

@@ -13,13 +13,19 @@
 // Grid: x = split of the context, y = b * H + h. Threadgroup: NWARPS warps; warp w takes a
 // contiguous run of the split's 16-token tiles, so that consecutive tiles share an outlier block.
 // Lane = 4 g + t (g = groupID, t = threadID_in_group of the PTX fragment layouts).
-//   signs   lane (g, t) takes the contiguous words [t W, (t + 1) W) (W = m / 128) of tokens g and
-//           8 + g. Bits j and j + 16 of a word are one f16x2 register (the word inverted and
-//           shifted left by 15 - j, its bits 15 and 31 kept and OR-ed into 1.0: a set bit, a
-//           positive sign, is +1; a shift and one LOP3 a pair, exact); k-step i takes pairs j = 2
-//           (i % 8) (columns 2t, 2t + 1) and j + 1 (columns 2t + 8, 2t + 9) of word i / 8. The
-//           host lays out S q and S's rows in that order (velox_core.kernels.sketch_mma.order),
-//           which leaves every inner product unchanged.
+//   signs   lane (g, t) takes the contiguous words [t W, (t + 1) W) (W = n / 128) of an n-bit
+//           sketch of tokens g and 8 + g. Bits j and j + 16 of a word are one f16x2 register
+//           (the word inverted and shifted left by 15 - j, its bits 15 and 31 kept and OR-ed into
+//           1.0: a set bit, a positive sign, is +1; a shift and one LOP3 a pair, exact); k-step i
+//           takes pairs j = 2 (i % 8) (columns 2t, 2t + 1) and j + 1 (columns 2t + 8, 2t + 9) of
+//           word i / 8. Sketches of a multiple of 32 bits end in up to two shared words after the
+//           4 W whole ones: a 64-bit part (n % 128 >= 64: lane t takes pairs [8 (t & 1), + 8) of
+//           its word 4 W + t / 2) and a 32-bit part (n % 64: pairs [4 t, + 4) of word 4 W + 2 if
+//           there is a 64-bit part, else 4 W); such a word is loaded shifted right to its lane's
+//           first pair, so that k-step 8 W + i' takes pairs 2 (i' % 4), + 1 of register W + i' / 4
+//           (the m = 320, m_o = 64 sketches of velox-qjl's recommended keys). The host lays out
+//           S q and S's rows in that order (velox_core.kernels.sketch_mma.order), which leaves
+//           every inner product unchanged.
 //   S P q   per outlier block, on the tensor cores too: S P q (8 query rows x m) = (P q)^T (8
 //           rows x KOUT channels, padded to 16) S_P^T (KOUT x m), one MMA a chunk of 8 sketch
 //           rows: A is the query rows' outlier coordinates (fp16 hi and lo parts, two MMAs, the
@@ -46,7 +52,7 @@
 // ml_part (B, H, S, MROWS, 2) = (m, l) in log2 units.
 //
 // Template constants: HD (head dim), MROWS (query rows per KV head, 1 to 8), SKM / SKO (sign
-// bits of the main and the outlier sketch: multiples of 128; SKO 0 without outliers), KOUT
+// bits of the main and the outlier sketch: multiples of 32; SKO 0 without outliers), KOUT
 // (outlier channels per block, 0 to 16), KIB (bits of a packed channel index), KGRP (tokens per
 // outlier block, a multiple of 16), SHARE (1: SKO == SKM, the outlier sketch's B fragments are
 // the main's S P q; else kst holds SKO more columns), NSBF / VSBF (1: the key norms / the value
@@ -54,7 +60,8 @@
 // QMUL (float32 bits of log2(e), times the attention scale for an unscaled query), CMB / COB
 // (float32 bits of c / m and c / m_o), BLO (1: B as fp16 hi and lo parts, two MMAs a k-step;
 // 2: the same with the lo parts in B's columns 4..7, one MMA a k-step, MROWS <= 4; 0: B
-// rounded to fp16, about 2^-12 relative per entry), NWARPS.
+// rounded to fp16, about 2^-12 relative per entry), BSM (1: S q's B fragments in shared
+// memory, see below), NWARPS.
 // Inputs: q (B, H, MROWS, HD) any float dtype; qs (B, H, MROWS, SKM) float32 = S q in the kernel's
 // order; ks (B, H, T, SKM / 32), kn (B, H, T) norms; ko (B, H, T, SKO / 32), kon (B, H, T) outlier
 // norms; kix (B, H, T / KGRP, W) packed outlier channels; kst (HD, SKM [+ SKO]) fp16, contiguous; vc, va, vb
@@ -63,8 +70,11 @@
 constexpr int SUB = 16;               // tokens of one MMA tile
 constexpr int KSM = SKM / 16;         // k-steps of the main sketch
 constexpr int KSO = SKO / 16;         // k-steps of the outlier sketch
-constexpr int WM = SKM / 128;         // main sketch words per lane and token
-constexpr int WO = SKO / 128;         // outlier sketch words per lane and token
+constexpr int WM = SKM / 128;         // main sketch: whole words per lane and token
+constexpr int WO = SKO / 128;         // outlier sketch: whole words per lane and token
+// registers of a lane's sign words of a token: the whole words, then the shared ones (see the top)
+constexpr int RM = WM + (SKM % 128) / 64 + (SKM % 64) / 32;
+constexpr int RO = WO + (SKO % 128) / 64 + (SKO % 64) / 32;
 constexpr int OCOL = SHARE ? 0 : SKM; // kst's first column of the outlier sketch
 constexpr int NCOL = SKM + (SHARE ? 0 : SKO);  // kst's columns
 constexpr int VCL = HD / 8;           // value channels per lane (lane g)
@@ -75,7 +85,7 @@ constexpr int VNGA = VCL > VGROUP ? VCL / VGROUP : 1;  // value groups a lane's 
 constexpr int NT = NWARPS * 32;
 constexpr float NEG = -1.0e30f;
 constexpr float RESCALE = 8.0f;
-static_assert(SKM % 128 == 0 && SKO % 128 == 0 && SKM > 0, "sketches of whole 128-bit rows a lane");
+static_assert(SKM % 32 == 0 && SKO % 32 == 0 && SKM > 0, "sketches of whole 32-bit words");
 static_assert(KOUT >= 0 && KOUT <= 16 && (KOUT == 0) == (SKO == 0), "0 to 16 outlier channels");
 static_assert(KOUT == 0 || KGRP % SUB == 0, "outlier blocks of whole tiles");
 static_assert(!SHARE || SKO == SKM, "SHARE: the outlier sketch takes the main one's columns");
@@ -104,8 +114,10 @@ const int per = (ntiles + NWARPS - 1) / NWARPS;
 const int my0 = vx_imin(ntiles, warp * per);
 const int my1 = vx_imin(ntiles, my0 + per);
 
-// ---- shared memory: S q and the query (float32), later the warps' merge --------------------------
-constexpr int NQS = KOUT > 0 ? MROWS * (SKM + HD) : MROWS * SKM;
+// ---- shared memory: S q and the query (float32), S q's B fragments (BSM), later the warps' merge -
+constexpr int BW = BLO == 1 ? 4 : 2;  // words of a k-step's B fragment a lane (BLO 1: + residuals)
+constexpr int NBQ = BSM ? KSM * 32 * BW : 0;
+constexpr int NQS = (KOUT > 0 ? MROWS * (SKM + HD) : MROWS * SKM) + NBQ;
 constexpr int RED = NWARPS * 8 * HD;
 constexpr int SMEM = NQS > RED ? NQS : RED;
 VX_SHARED __align__(16) float smem[SMEM];
@@ -113,6 +125,8 @@ VX_SHARED float red_m[NWARPS * 8];
 VX_SHARED float red_l[NWARPS * 8];
 float* const sq_s = smem;              // (MROWS, SKM): S q
 float* const q_s = smem + MROWS * SKM; // (MROWS, HD): q (outliers only)
+// (KSM, 32 lanes, BW): S q's B fragments (BSM 1)
+unsigned int* const bq_s = reinterpret_cast<unsigned int*>(q_s + (KOUT > 0 ? MROWS * HD : 0));
 {
   const int64_t sb = (int64_t)b * qs_strides[0] + (int64_t)h * qs_strides[1];
   for (int i = tid; i < MROWS * SKM; i += NT) {
@@ -136,7 +150,8 @@ const float cm = vx_bits_to_float(static_cast<unsigned int>(CMB)) * qmul;
 const float co = vx_bits_to_float(static_cast<unsigned int>(COB)) * qmul;
 // BLO = 2: B columns 4..7 hold the residuals of rows 0..3 (lane (g, t): query row g & 3, its
 // residual where g >= 4), so one MMA a k-step scores both parts, added by one shuffle
-const int qr = BLO == 2 ? (g & 3) : g;
+auto qrow_of = [](int gl) { return BLO == 2 ? (gl & 3) : gl; };
+const int qr = qrow_of(g);
 const bool qrow = qr < MROWS;
 const bool lo_lane = BLO == 2 && g >= 4;
 static_assert(BLO != 2 || MROWS <= 4, "BLO = 2: the residuals take B's columns 4..7");
@@ -146,14 +161,18 @@ static_assert(BLO != 2 || MROWS <= 4, "BLO = 2: the residuals take B's columns 4
 // SHARE). The main sketch's score is <S q, s> - <S P q, s> (the same A fragments twice), so
 // a block converts only S P q. BLO 1: each as its fp16 rounding and the residual (two MMAs a
 // k-step, about 2^-22 relative); BLO 2: the residual in the lanes of B's columns 4..7 (one MMA
-// a k-step)
+// a k-step). BSM 1: S q's fragments are made once by the threadgroup into shared memory (one
+// 8- or 16-byte load a k-step and lane), which leaves the registers to S P q's (for sketches
+// whose fragments do not fit in registers together: velox_core.kernels.sketch_mma.frags_shared)
 constexpr int KSP = KOUT > 0 ? KSM : 1;
 constexpr int KSB = KOUT > 0 && !SHARE ? KSO : 1;
-unsigned int bin[KSM][2], bin_lo[BLO == 1 ? KSM : 1][2];
+constexpr int KSQ = BSM ? 1 : KSM;
+unsigned int bin[KSQ][2], bin_lo[BLO == 1 ? KSQ : 1][2];
 unsigned int bsp[KSP][2], bsp_lo[BLO == 1 ? KSP : 1][2];
 unsigned int bo[KSB][2], bo_lo[BLO == 1 ? KSB : 1][2];
-// x0, x1 as an f16x2 pair into hi[..] and (BLO 1) their rounding residual into lo[..]
-auto split2 = [&](float x0, float x1, unsigned int& hi, unsigned int& lo) {
+// x0, x1 as an f16x2 pair into hi[..] and (BLO 1) their rounding residual into lo[..] (BLO 2:
+// the residual into hi[..] in a lane of B's columns 4..7, lol)
+auto split2 = [&](float x0, float x1, unsigned int& hi, unsigned int& lo, bool lol) {
   const __half2 hh = __floats2half2_rn(x0, x1);
   hi = vx_h2u(hh);
   if (BLO) {
@@ -161,22 +180,41 @@ auto split2 = [&](float x0, float x1, unsigned int& hi, unsigned int& lo) {
     const unsigned int r = vx_pack_h2(x0 - hf.x, x1 - hf.y);
     if (BLO == 1) {
       lo = r;
-    } else if (lo_lane) {
+    } else if (lol) {
       hi = r;
     }
   }
 };
-// k-step i's S q entries of row g: columns 16 i + 2t, + 1 (b0) and 16 i + 8 + 2t, + 1 (b1)
-auto sq_at = [&](int i, int hi) {
-  return qrow ? *reinterpret_cast<const float2*>(sq_s + qr * SKM + 16 * i + 8 * hi + 2 * t)
-              : float2{0.0f, 0.0f};
+// k-step i's S q entries of lane (gl, tl)'s query row: columns 16 i + 2 tl, + 1 (b0) and
+// 16 i + 8 + 2 tl, + 1 (b1)
+auto sq_at = [&](int i, int hi, int gl, int tl) {
+  const int r = qrow_of(gl);
+  return r < MROWS ? *reinterpret_cast<const float2*>(sq_s + r * SKM + 16 * i + 8 * hi + 2 * tl)
+                   : float2{0.0f, 0.0f};
 };
+if (BSM) {
+  for (int e = tid; e < KSM * 32; e += NT) {  // e: k-step e / 32, lane e % 32
+    const int gl = (e & 31) >> 2;
+    unsigned int f[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
-for (int i = 0; i < KSM; ++i) {
+    for (int hi = 0; hi < 2; ++hi) {
+      const float2 s = sq_at(e >> 5, hi, gl, e & 3);
+      split2(s.x, s.y, f[hi], f[2 + hi], BLO == 2 && gl >= 4);
+    }
 #pragma unroll
-  for (int hi = 0; hi < 2; ++hi) {
-    const float2 s = sq_at(i, hi);
-    split2(s.x, s.y, bin[i][hi], bin_lo[BLO == 1 ? i : 0][hi]);
+    for (int w = 0; w < BW; ++w) {
+      bq_s[e * BW + w] = f[w];
+    }
+  }
+  VX_BARRIER();
+} else {
+#pragma unroll
+  for (int i = 0; i < KSM; ++i) {
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+      const float2 s = sq_at(i, hi, g, t);
+      split2(s.x, s.y, bin[BSM ? 0 : i][hi], bin_lo[BLO == 1 && !BSM ? i : 0][hi], lo_lane);
+    }
   }
 }
 
@@ -238,7 +276,8 @@ auto block_frags = [&](const int (&ix)[4]) {
     for (int hi = 0; hi < 2; ++hi) {
       float acc[4];
       chunk(8 * (2 * i + hi), acc);
-      split2(acc[0], acc[1], bsp[KOUT > 0 ? i : 0][hi], bsp_lo[BLO == 1 && KOUT > 0 ? i : 0][hi]);
+      split2(acc[0], acc[1], bsp[KOUT > 0 ? i : 0][hi], bsp_lo[BLO == 1 && KOUT > 0 ? i : 0][hi],
+             lo_lane);
     }
   }
 #pragma unroll
@@ -247,13 +286,27 @@ auto block_frags = [&](const int (&ix)[4]) {
     for (int hi = 0; hi < 2; ++hi) {
       float acc[4];
       chunk(OCOL + 8 * (2 * i + hi), acc);
-      split2(acc[0], acc[1], bo[KSB > 1 ? i : 0][hi], bo_lo[BLO == 1 && KSB > 1 ? i : 0][hi]);
+      split2(acc[0], acc[1], bo[KSB > 1 ? i : 0][hi], bo_lo[BLO == 1 && KSB > 1 ? i : 0][hi], lo_lane);
     }
   }
 };
 
 // bits j and j + 16 of the inverted word as an f16x2 pair of +-1 (a set sign bit: +1)
 auto pm = [](unsigned int nx, int j) { return vx_and_or(nx << (15 - j), 0x80008000u, 0x3C003C00u); };
+// register r of the lane's sign words of a token's n-bit sketch row (inverted; the shared words
+// shifted to the lane's pairs) and, for k-step i, its register and pair (see the top)
+auto sign_word = [&](const unsigned int* row, int s3, int n, int r) {
+  const int w = n / 128;
+  if (r < w) {
+    return ~static_cast<unsigned int>(row[(t * w + r) * s3]);
+  }
+  if (r == w && n % 128 >= 64) {
+    return ~static_cast<unsigned int>(row[(4 * w + (t >> 1)) * s3]) >> (8 * (t & 1));
+  }
+  return ~static_cast<unsigned int>(row[(4 * w + 2 * (n % 128 / 64)) * s3]) >> (4 * t);
+};
+auto kreg = [](int i, int n) { return i < n / 128 * 8 ? i / 8 : n / 128 + (i - n / 128 * 8) / 4; };
+auto kpair = [](int i, int n) { return 2 * (i < n / 128 * 8 ? i % 8 : (i - n / 128 * 8) % 4); };
 
 const int64_t ks_b = (int64_t)b * ks_strides[0] + (int64_t)h * ks_strides[1];
 const int64_t kn_b = (int64_t)b * kn_strides[0] + (int64_t)h * kn_strides[1];
@@ -298,8 +351,8 @@ int cur = -1;
 // A tile's inputs as loaded (raw words and 16-bit units), one tile ahead of their use: the
 // loads of tile k + 1 are in flight while tile k is computed
 struct Raw {
-  unsigned int wm[2][WM];                 // main sketch words of tokens g, 8 + g (inverted)
-  unsigned int wo[2][WO > 0 ? WO : 1];    // outlier sketch words
+  unsigned int wm[2][RM];                 // main sketch words of tokens g, 8 + g (sign_word)
+  unsigned int wo[2][RO > 0 ? RO : 1];    // outlier sketch words
   unsigned short nm[2], no[2];            // norms of tokens g, 8 + g
   unsigned int vw[4][VWL];                // value words of tokens 2t, 2t + 1, 2t + 8, 2t + 9
   unsigned short vs[4][VNGA], vz[4][VNGA];  // their scales and zeros
@@ -310,12 +363,12 @@ auto load_tile = [&](int tb, Raw& r) {
   for (int n = 0; n < 2; ++n) {
     const int tk = vx_imin(tb + 8 * n + g, T - 1);
 #pragma unroll
-    for (int w = 0; w < WM; ++w) {
-      r.wm[n][w] = ~static_cast<unsigned int>(ksh[tk * ks_s2 + (t * WM + w) * ks_s3]);
+    for (int w = 0; w < RM; ++w) {
+      r.wm[n][w] = sign_word(ksh + tk * ks_s2, ks_s3, SKM, w);
     }
 #pragma unroll
-    for (int w = 0; w < WO; ++w) {
-      r.wo[n][w] = ~static_cast<unsigned int>(koh[tk * ko_s2 + (t * WO + w) * ko_s3]);
+    for (int w = 0; w < RO; ++w) {
+      r.wo[n][w] = sign_word(koh + tk * ko_s2, ko_s3, SKO, w);
     }
     r.nm[n] = knh[tk * kn_s2];
     r.no[n] = KOUT > 0 ? konh[tk * kon_s2] : static_cast<unsigned short>(0);
@@ -388,14 +441,25 @@ for (int tile = my0; tile < my1; ++tile) {
   }
 #pragma unroll
   for (int i = 0; i < KSM; ++i) {
-    const int w = i / 8;
-    const int j = 2 * (i % 8);
+    const int w = kreg(i, SKM);
+    const int j = kpair(i, SKM);
     const unsigned int a0 = pm(rc.wm[0][w], j), a1 = pm(rc.wm[1][w], j);
     const unsigned int a2 = pm(rc.wm[0][w], j + 1), a3 = pm(rc.wm[1][w], j + 1);
     const int c = BLO == 1 ? 0 : i & 1;
-    vx_mma16816(sa[c], a0, a1, a2, a3, bin[i][0], bin[i][1]);
+    unsigned int bf[4];  // S q's B fragment (BLO 1: and its residuals)
+    if (BSM && BLO == 1) {
+      const uint4 f = reinterpret_cast<const uint4*>(bq_s)[i * 32 + lane];
+      bf[0] = f.x, bf[1] = f.y, bf[2] = f.z, bf[3] = f.w;
+    } else if (BSM) {
+      const uint2 f = reinterpret_cast<const uint2*>(bq_s)[i * 32 + lane];
+      bf[0] = f.x, bf[1] = f.y;
+    } else {
+      bf[0] = bin[BSM ? 0 : i][0], bf[1] = bin[BSM ? 0 : i][1];
+      bf[2] = bin_lo[BLO == 1 && !BSM ? i : 0][0], bf[3] = bin_lo[BLO == 1 && !BSM ? i : 0][1];
+    }
+    vx_mma16816(sa[c], a0, a1, a2, a3, bf[0], bf[1]);
     if (BLO == 1) {
-      vx_mma16816(sa[1], a0, a1, a2, a3, bin_lo[BLO == 1 ? i : 0][0], bin_lo[BLO == 1 ? i : 0][1]);
+      vx_mma16816(sa[1], a0, a1, a2, a3, bf[2], bf[3]);
     }
     if (KOUT > 0) {
       const int ip = KOUT > 0 ? i : 0;
@@ -407,8 +471,8 @@ for (int tile = my0; tile < my1; ++tile) {
   }
 #pragma unroll
   for (int i = 0; i < KSO; ++i) {
-    const int w = i / 8;
-    const int j = 2 * (i % 8);
+    const int w = kreg(i, SKO);
+    const int j = kpair(i, SKO);
     const unsigned int a0 = pm(rc.wo[0][w], j), a1 = pm(rc.wo[1][w], j);
     const unsigned int a2 = pm(rc.wo[0][w], j + 1), a3 = pm(rc.wo[1][w], j + 1);
     const int c = BLO == 1 ? 0 : i & 1;

@@ -239,23 +239,44 @@ MMA_SETTINGS = {
     "no-outliers-4bit-values-1-row": ({"outliers": 0}, 4, 1, 200),
     "mo-128-8bit-values": ({"bits": 3, "outlier_bits": 16, "group": 64}, 8, 3, 448),
     "16-outliers-8-rows": ({"outliers": 16, "outlier_bits": 8}, 2, 8, 256),
+    # velox-qjl's recommended keys: m 320 and m_o 64 end in 64-bit parts shared by lane pairs
+    "recommended-m320-mo64": (KEY_SETTINGS["m320"], 2, 4, 384),
+    # m 224 = 128 + 64 + 32 and m_o 32 (a 32-bit part alone), 8 rows (residuals in own MMAs)
+    "m224-mo32-8-rows": ({"sketch": 224, "outlier_bits": 4, "group": 64}, 2, 8, 256),
 }
 
 
 def test_sketch_mma_order_is_whole_words_a_lane():
     """The tensor-core kernel's order of the sketch rows is a permutation in which lane ``t``
-    of a k-step reads only words ``[t n/128, (t + 1) n/128)``, its column pairs ``(2t, 2t + 1)``
-    bits ``j`` and ``j + 16`` of one word; ``sketch_mma_matrix`` is ``S`` in that order."""
-    for n in (128, 256, 384):
+    of a k-step reads only words ``[t W, (t + 1) W)`` (``W = n // 128``) and, past them, the
+    row's last words, which hold a 64-bit part shared by lane pairs and a 32-bit part shared
+    by all four (each lane's bits a contiguous run of them); its column pairs ``(2t, 2t + 1)``
+    are bits ``j`` and ``j + 16`` of one word; ``sketch_mma_matrix`` is ``S`` in that order."""
+    for n in (32, 64, 96, 128, 224, 256, 320, 384):
         o = sm.order(n)
         assert sorted(o) == list(range(n))
-        cols = np.arange(n)
+        w, cols = n // 128, np.arange(n)
         lane_t = (cols % 16 % 8) // 2
-        assert np.array_equal(o // 32 // (n // 128), lane_t)
+        whole = cols // 16 < 8 * w
+        assert np.array_equal(o[whole] // 32 // w, lane_t[whole])
+        assert np.all(o[~whole] // 32 >= 4 * w)
+        for part, first, lanes in ((64, 4 * w, 2), (32, 4 * w + 2 * (n % 128 >= 64), 4)):
+            if n % (2 * part) < part:
+                continue
+            # the part's words: lane t's bits within them a contiguous run of 16 / lanes pairs
+            at = (o // 32 >= first) & (o // 32 < first + part // 32) & ~whole
+            for lt in range(4):
+                bits = o[at & (lane_t == lt)]
+                assert len(bits) == part // 4
+                word = set(bits // 32)
+                assert len(word) == 1 and word.pop() == first + lt // (4 // (part // 32))
+                low = np.sort(bits % 32 % 16)
+                start = (lt % lanes) * (16 // lanes)
+                assert np.array_equal(np.unique(low), np.arange(start, start + 16 // lanes))
         pairs = o.reshape(-1, 2)  # columns 2c, 2c + 1
         assert np.array_equal(pairs[:, 1] - pairs[:, 0], np.full(n // 2, 16))
-    with pytest.raises(ValueError, match="multiple of 128"):
-        sm.order(96)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        sm.order(112)
     kc = QJL(bits=3, outlier_bits=16)
     kc.check(128, mx.float16)
     m, _, mo = kc.sizes(128)
@@ -269,8 +290,9 @@ def test_sketch_mma_order_is_whole_words_a_lane():
 @needs_gxx
 @pytest.mark.parametrize("name", list(MMA_SETTINGS))
 def test_emulated_tensor_core_kernel_matches_the_reference(monkeypatch, tmp_path, name):
-    """On CUDA the tensor-core sketch kernel takes QJL keys with 128-bit lane rows (the signs
-    as fp16 +-1 MMA operands, each outlier block's ``S P q`` by MMAs, values mixed by MMAs):
+    """On CUDA the tensor-core sketch kernel takes QJL keys of whole 32-bit words (the signs
+    as fp16 +-1 MMA operands, each outlier block's ``S P q`` by MMAs, values mixed by MMAs;
+    ``S q``'s fragments in registers or, past :data:`sm.FRAG_WORDS`, in shared memory):
     emulated lane by lane, its partial matches the codec's reference path, up to its lazy
     running max and the fp16 roundings of the weights and the decoded values."""
     kw, vbits, rows, t = MMA_SETTINGS[name]
@@ -291,8 +313,8 @@ def test_emulated_tensor_core_kernel_takes_a_bf16_cache_and_declines_odd_sketche
 ):
     """A bfloat16 model's QJLCache (bf16 norms, scales and zeros, fp16 window joined in the
     merge) attends through the tensor-core sketch kernel and matches the reference cache;
-    sketches of rows that do not split into 128-bit lane rows (m = 320, the recommended
-    "4-bit" keys) keep the portable kernel, and ``VELOX_DECODE_MMA=0`` sends all to it."""
+    sketches that are not whole 32-bit words (m = 336) keep the portable kernel, as do more
+    query rows than a tile's 8, and ``VELOX_DECODE_MMA=0`` sends all to it."""
     k, v = kv_data(t=700, dtype=mx.bfloat16)
     q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(5)).astype(mx.bfloat16)
     fake = EmulatedKernels(tmp_path, backend="cuda").install(monkeypatch)
@@ -302,6 +324,8 @@ def test_emulated_tensor_core_kernel_takes_a_bf16_cache_and_declines_odd_sketche
     got = cache.attend(q, 0.088)
     assert fake.names == ["velox_decode_sketch_mma", "velox_decode_merge_fp16"]
     kc, kp, vc, vp = records(KEY_SETTINGS["m320"], t=256)
+    assert kernel_sides(kc, kp, vc, vp, 4)[0].sketch.mma is True  # the recommended keys
+    kc, kp, vc, vp = records({"sketch": 336}, t=256)
     assert kernel_sides(kc, kp, vc, vp, 4)[0].sketch.mma is False
     kc, kp, vc, vp = records({}, t=256)
     assert kernel_sides(kc, kp, vc, vp, 4)[0].sketch.mma is True
@@ -338,28 +362,32 @@ def test_sketch_mma_checks_its_inputs():
         dk.decode_attention(q, keys, cvals, q_sketch=_query_sketch(keys, q))
 
 
-def _sides_for_cuda(kc, kp, vc, vp):
+def _sides_for_cuda(kc, kp, vc, vp, rows=4):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(vk, "backend", lambda: "cuda")
-        return kernel_sides(kc, kp, vc, vp, 4)[0]
+        return kernel_sides(kc, kp, vc, vp, rows)[0]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-def test_tensor_core_sketch_kernel_compiles_for_sm90_without_spills(tmp_path):
-    """nvcc compiles the paper setting's instantiation (the sketched query as fp16 hi and lo
-    parts) for sm_90a, as MLX compiles it: no spills, within the 48 KiB of static shared
-    memory, and in at most 256 registers, so that the :data:`sm.SM_BLOCKS` threadgroups
-    the split count assumes fit on one SM."""
-    kc, kp, vc, vp = records({}, t=256)
-    keys, values = _sides_for_cuda(kc, kp, vc, vp), vc.kernel_codes(vp)
-    q = mx.zeros((1, 2, 4, 128))
+@pytest.mark.parametrize(
+    "kw,rows", [({}, 4), (KEY_SETTINGS["m320"], 4), ({}, 8)], ids=["paper", "m320", "paper-8-rows"]
+)
+def test_tensor_core_sketch_kernel_compiles_for_sm90_without_spills(tmp_path, kw, rows):
+    """nvcc compiles the instantiations of the paper's setting (4 query rows: ``S q``'s
+    fragments in registers; 8: in shared memory) and of the recommended keys (m 320, m_o 64:
+    in shared memory) for sm_90a, as MLX compiles them: no spills, within the 48 KiB of
+    static shared memory, and in at most 256 registers, so that the :data:`sm.SM_BLOCKS`
+    threadgroups the split count assumes fit on one SM."""
+    kc, kp, vc, vp = records(kw, t=256)
+    keys, values = _sides_for_cuda(kc, kp, vc, vp, rows), vc.kernel_codes(vp)
+    q = mx.zeros((1, 2, rows, 128))
     inputs = [q, _query_sketch(keys, q), keys.codes, keys.a, keys.sketch.osign, keys.b]
     inputs += [keys.sketch.idx, keys.sketch.matrix, values.codes, values.a, values.b]
     src = cuda_source(
         sm.DECODE_SKETCH_MMA,
         [ArgInfo.of(a) for a in inputs],
         ["float32", "float32"],
-        sm.sketch_mma_template(128, 4, keys, values),
+        sm.sketch_mma_template(128, rows, keys, values),
     )[0]
     cu = tmp_path / "sketch.cu"
     cu.write_text(src)

@@ -16,8 +16,8 @@ The kernel reads ``S`` and ``S q`` in its own order of the sketch's rows (:func:
 it beside the projection, as it keeps the portable kernel's copy), and ``q`` times its first
 ``m`` columns is ``S q`` in that order.
 
-Layouts it takes (:func:`supported`): sketches of whole 128-bit rows a lane (``m`` and ``m_o``
-multiples of 128, at most :data:`MAX_SKETCH`), at most 16 outlier channels per block of a
+Layouts it takes (:func:`supported`): sketches of whole 32-bit words (``m`` and ``m_o``
+multiples of 32, at most :data:`MAX_SKETCH`), at most 16 outlier channels per block of a
 multiple of 16 tokens, at most 8 query rows per KV head, and per-token affine values of 2, 4
 or 8 bits whose eighth of the head dim fills whole words, with fp16 or bfloat16 norms, scales
 and zeros. Others take the portable kernel.
@@ -49,6 +49,7 @@ from .decode import (
 __all__ = [
     "DECODE_SKETCH_MMA",
     "decode_sketch_mma",
+    "frags_shared",
     "layout_supported",
     "order",
     "sketch_mma_matrix",
@@ -75,23 +76,39 @@ MAX_SKETCH = 1024  # most sign bits of either sketch (S q in shared memory)
 MAX_OUTLIERS = 16  # outlier channels per block (one MMA's k)
 MAX_DIM = 256  # head dims up to this (the query in shared memory)
 SMEM_FLOATS = 12 * 1024  # 48 KiB of static shared memory
+# B-fragment words a lane keeps in registers: the paper's setting (m 256, outliers sharing it,
+# at most 4 query rows) holds 66 and compiles to 250 registers without spills (nvcc 13, sm_90a);
+# m 320 with m_o 64 (88) spilled 292 bytes, so past this S q's fragments go to shared memory
+FRAG_WORDS = 66
 
 
 def order(n: int) -> np.ndarray:
-    """The kernel's order of ``n`` sketch rows (``n`` a multiple of 128): ``order(n)[r]`` is
+    """The kernel's order of ``n`` sketch rows (``n`` a multiple of 32): ``order(n)[r]`` is
     the sketch row (the bit of the packed sign words) of the kernel's column ``r``.
 
-    Column ``r = 16 i + c`` is k-step ``i``'s column ``c`` of the MMA; lane ``t = (c % 8) // 2``
-    reads words ``[t n/128, (t + 1) n/128)`` of a token's row, and its register pair ``j`` holds
-    bits ``j`` (column ``c`` even) and ``j + 16`` (odd) of word ``i // 8``, with ``j = 2 (i % 8)``
-    for columns below 8 and ``j + 1`` above."""
-    if n % 128 or n < 128:
-        raise ValueError(f"sketch_mma.order: n must be a positive multiple of 128, got {n}")
+    Column ``r = 16 i + c`` is k-step ``i``'s column ``c`` of the MMA; with ``W = n // 128``,
+    lane ``t = (c % 8) // 2`` reads words ``[t W, (t + 1) W)`` of a token's row, and its
+    register pair ``j`` holds bits ``j`` (column ``c`` even) and ``j + 16`` (odd) of word
+    ``i // 8``, with ``j = 2 (i % 8)`` for columns below 8 and ``j + 1`` above. The k-steps past
+    ``8 W`` read the row's last words, shared: a 64-bit part (``n % 128 >= 64``), lane ``t``
+    taking pairs ``8 (t % 2)`` on of word ``4 W + t // 2``, then a 32-bit part (``n % 64``),
+    lane ``t`` taking pairs ``4 t`` on of the last word; k-step ``8 W + i'`` takes the part's
+    pairs ``2 (i' % 4)`` (below 8) and ``+ 1`` (above) past the lane's first."""
+    if n % 32 or n < 32:
+        raise ValueError(f"sketch_mma.order: n must be a positive multiple of 32, got {n}")
+    w, half = n // 128, n % 128 >= 64
     r = np.arange(n)
     i, c = r // 16, r % 16
     t, odd, upper = (c % 8) // 2, c % 2, c // 8
-    word = t * (n // 128) + i // 8
-    return 32 * word + 2 * (i % 8) + upper + 16 * odd
+    whole = i < 8 * w
+    rest = i - 8 * w  # k-steps into the shared words
+    pair = 2 * (rest % 4) + upper + 16 * odd  # the bit in the lane's shifted word
+    in64 = half & (rest < 4)
+    word = np.where(whole, t * w + i // 8, np.where(in64, 4 * w + t // 2, 4 * w + 2 * half))
+    bit = np.where(
+        whole, 2 * (i % 8) + upper + 16 * odd, np.where(in64, pair + 8 * (t % 2), pair + 4 * t)
+    )
+    return 32 * word + bit
 
 
 def sketch_mma_matrix(proj: mx.array, m: int, mo: int) -> mx.array:
@@ -115,14 +132,16 @@ def layout_supported(rows: int, dim: int, m: int, mo: int, outliers: int, group:
     (the key side of :func:`supported`, checked before the kernel's copy of ``S`` is made)."""
     if not 1 <= rows <= 8 or dim % 16 or not 16 <= dim <= MAX_DIM:
         return False
-    if m % 128 or not 128 <= m <= MAX_SKETCH:
+    if m % 32 or not 32 <= m <= MAX_SKETCH:
         return False
     if outliers:
-        if outliers > MAX_OUTLIERS or mo % 128 or not 128 <= mo <= MAX_SKETCH or group % 16:
+        if outliers > MAX_OUTLIERS or mo % 32 or not 32 <= mo <= MAX_SKETCH or group % 16:
             return False
     elif mo:
         return False
-    return rows * (m + (dim if outliers else 0)) <= SMEM_FLOATS and NWARPS * 8 * dim <= SMEM_FLOATS
+    frags = 2 * m * (4 if _blo(rows) == 1 else 2) if frags_shared(rows, m, mo, outliers) else 0
+    need = rows * (m + (dim if outliers else 0)) + frags
+    return need <= SMEM_FLOATS and NWARPS * 8 * dim <= SMEM_FLOATS
 
 
 def _values_supported(dim: int, values: Codes) -> bool:
@@ -181,6 +200,26 @@ def b_residual() -> bool:
     return env_setting("VELOX_SKETCH_MMA_LO", "1").strip() not in ("0", "false", "no", "off")
 
 
+def _blo(rows: int) -> int:
+    """The kernel's ``BLO`` for ``rows`` query rows (:func:`b_residual`)."""
+    return (2 if rows <= 4 else 1) if b_residual() else 0
+
+
+def frags_shared(rows: int, m: int, mo: int, outliers: int) -> bool:
+    """Whether ``S q``'s B fragments go to shared memory (``BSM`` 1) rather than registers:
+    when all the fragments a lane holds (``S q``'s and an outlier block's ``S P q``, with their
+    residuals at more than 4 query rows) exceed :data:`FRAG_WORDS`; ``VELOX_SKETCH_MMA_BSM``
+    (0 or 1) sets it."""
+    forced = env_setting("VELOX_SKETCH_MMA_BSM", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    per = 2 if _blo(rows) == 1 else 1
+    words = 2 * per * (m // 16)
+    if outliers:
+        words += 2 * per * (m // 16 + (0 if mo == m else mo // 16))
+    return words > FRAG_WORDS
+
+
 def sketch_mma_template(
     dim: int, rows: int, keys: Codes, values: Codes, scale: float | None = None
 ) -> list[tuple[str, object]]:
@@ -203,7 +242,8 @@ def sketch_mma_template(
         ("QMUL", qmul_bits(scale)),
         ("CMB", _float_bits(sk.const / sk.m)),
         ("COB", _float_bits(sk.const / sk.mo) if k else 0),
-        ("BLO", (2 if rows <= 4 else 1) if b_residual() else 0),
+        ("BLO", _blo(rows)),
+        ("BSM", int(frags_shared(rows, sk.m, sk.mo if k else 0, k))),
         ("NWARPS", NWARPS),
     ]
 
