@@ -1,8 +1,8 @@
 """GPU kernel path of QJL keys: fused decode attention over the sign sketches.
 
-On NVIDIA GPUs, segments whose sketches split into 128-bit rows a lane (the paper's setting,
-among others; ``velox_core.kernels.sketch_mma.supported``) take velox-core's tensor-core
-sketch kernel (``metal/decode_attention_sketch_mma.cu``): the signs as fp16 ``+-1`` MMA
+On NVIDIA GPUs, segments whose sketches are whole 32-bit words (the paper's setting and the
+recommended keys among them; ``velox_core.kernels.sketch_mma.supported``) take velox-core's
+tensor-core sketch kernel (``metal/decode_attention_sketch_mma.cu``): the signs as fp16 ``+-1`` MMA
 operands, each outlier block's ``S P q`` by MMAs, ``S`` and ``S q`` in that kernel's order
 (:meth:`velox_qjl.QJL.kernel_matrix` with ``lanes`` 0). Everywhere else, velox-core's
 portable decode kernel (``metal/decode_attention.metal``) takes QJL keys as
