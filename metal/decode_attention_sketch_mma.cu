@@ -33,14 +33,17 @@
 //           rows in the kernel's order, transposed, contiguous, fp16 as the codec keeps S).
 //           Chunks 2i and 2i + 1 land in the C layout exactly as k-step i's B fragment wants
 //           them (lane (g, t): row g, rows 2t, 2t + 1 of the chunk), so no transpose. The main
-//           sketch's score is <S q, s> - <S P q, s>: B = S q is made once (from shared memory,
-//           float32) and a block converts only S P q, which is also the outlier sketch's B
-//           (SHARE) or has columns of its own. B goes in as fp16 plus its rounding residual
+//           sketch's score is <S q - S P q, s>: with DIFF (an outlier sketch of columns of its
+//           own) a block converts S q - S P q (S q from shared memory, float32), one MMA a
+//           k-step; without DIFF it is <S q, s> - <S P q, s>, two MMAs on the same A, B = S q
+//           made once and a block converting only S P q, which is also the outlier sketch's B
+//           (SHARE) (the host's choice: velox_core.kernels.sketch_mma.b_diff). B goes in as fp16
+//           plus its rounding residual
 //           (BLO 1: two MMAs a k-step; BLO 2, at most 4 query rows: the residuals in B's
 //           columns 4..7, one MMA, the two columns added by one shuffle).
 //   loads   a tile's words, norms, value codes, scales and zeros (and its block's outlier
-//           channels) are loaded one tile ahead of their use, into registers, through 32-bit
-//           offsets within the (b, h) slice.
+//           channels) are loaded AHEAD tiles ahead of their use (1; 2 where DIFF leaves the
+//           registers), into registers, through 32-bit offsets within the (b, h) slice.
 //   softmax online per query row (log2 units) as decode_attention_mma.cu's: a lane's two rows,
 //           a running max raised lazily (by more than RESCALE), weights rounded to fp16 and
 //           made the B fragment of P^T by one transposing move per 8 x 8 block (movmatrix).
@@ -61,7 +64,8 @@
 // (float32 bits of c / m and c / m_o), BLO (1: B as fp16 hi and lo parts, two MMAs a k-step;
 // 2: the same with the lo parts in B's columns 4..7, one MMA a k-step, MROWS <= 4; 0: B
 // rounded to fp16, about 2^-12 relative per entry), BSM (1: S q's B fragments in shared
-// memory, see below), NWARPS.
+// memory, see below), DIFF (1: the main sketch's B is S q - S P q per block, see below), AHEAD
+// (tiles whose loads are in flight: 1 or 2, see below), NWARPS.
 // Inputs: q (B, H, MROWS, HD) any float dtype; qs (B, H, MROWS, SKM) float32 = S q in the kernel's
 // order; ks (B, H, T, SKM / 32), kn (B, H, T) norms; ko (B, H, T, SKO / 32), kon (B, H, T) outlier
 // norms; kix (B, H, T / KGRP, W) packed outlier channels; kst (HD, SKM [+ SKO]) fp16, contiguous; vc, va, vb
@@ -90,6 +94,7 @@ static_assert(KOUT >= 0 && KOUT <= 16 && (KOUT == 0) == (SKO == 0), "0 to 16 out
 static_assert(KOUT == 0 || KGRP % SUB == 0, "outlier blocks of whole tiles");
 static_assert(!SHARE || SKO == SKM, "SHARE: the outlier sketch takes the main one's columns");
 static_assert(MROWS >= 1 && MROWS <= 8, "at most 8 query rows per KV head");
+static_assert(AHEAD == 1 || AHEAD == 2, "tiles loaded 1 or 2 ahead");
 static_assert(HD % 16 == 0 && VWL * 32 == VCL * VBITS && VWL >= 1, "whole value words a lane");
 static_assert(VCL <= VGROUP ? VGROUP % VCL == 0 : VCL % VGROUP == 0, "a lane's channels meet whole groups");
 
@@ -117,29 +122,33 @@ const int my1 = vx_imin(ntiles, my0 + per);
 // ---- shared memory: S q and the query (float32), S q's B fragments (BSM), later the warps' merge -
 constexpr int BW = BLO == 1 ? 4 : 2;  // words of a k-step's B fragment a lane (BLO 1: + residuals)
 constexpr int NBQ = BSM ? KSM * 32 * BW : 0;
-constexpr int NQS = (KOUT > 0 ? MROWS * (SKM + HD) : MROWS * SKM) + NBQ;
+// S q and q are held for QR rows, those past MROWS zero, so that no lane tests its row
+// (with BLO 2 lane (g, t) takes row g & 3, else row g: every row < QR)
+constexpr int QR = BLO == 2 ? 4 : 8;
+constexpr int NQS = (KOUT > 0 ? QR * (SKM + HD) : QR * SKM) + NBQ;
 constexpr int RED = NWARPS * 8 * HD;
 constexpr int SMEM = NQS > RED ? NQS : RED;
 VX_SHARED __align__(16) float smem[SMEM];
 VX_SHARED float red_m[NWARPS * 8];
 VX_SHARED float red_l[NWARPS * 8];
-float* const sq_s = smem;              // (MROWS, SKM): S q
-float* const q_s = smem + MROWS * SKM; // (MROWS, HD): q (outliers only)
+float* const sq_s = smem;            // (QR, SKM): S q
+float* const q_s = smem + QR * SKM;  // (QR, HD): q (outliers only)
 // (KSM, 32 lanes, BW): S q's B fragments (BSM 1)
-unsigned int* const bq_s = reinterpret_cast<unsigned int*>(q_s + (KOUT > 0 ? MROWS * HD : 0));
+unsigned int* const bq_s = reinterpret_cast<unsigned int*>(q_s + (KOUT > 0 ? QR * HD : 0));
 {
   const int64_t sb = (int64_t)b * qs_strides[0] + (int64_t)h * qs_strides[1];
-  for (int i = tid; i < MROWS * SKM; i += NT) {
+  for (int i = tid; i < QR * SKM; i += NT) {
     const int r = i / SKM;
     const int c = i - r * SKM;
-    sq_s[i] = qs[sb + (int64_t)r * qs_strides[2] + (int64_t)c * qs_strides[3]];
+    sq_s[i] = r < MROWS ? qs[sb + (int64_t)r * qs_strides[2] + (int64_t)c * qs_strides[3]] : 0.0f;
   }
   if (KOUT > 0) {
     const int64_t qb = (int64_t)b * q_strides[0] + (int64_t)h * q_strides[1];
-    for (int i = tid; i < MROWS * HD; i += NT) {
+    for (int i = tid; i < QR * HD; i += NT) {
       const int r = i / HD;
       const int c = i - r * HD;
-      q_s[i] = static_cast<float>(q[qb + (int64_t)r * q_strides[2] + (int64_t)c * q_strides[3]]);
+      q_s[i] = r < MROWS ? static_cast<float>(q[qb + (int64_t)r * q_strides[2] + (int64_t)c * q_strides[3]])
+                         : 0.0f;
     }
   }
 }
@@ -152,7 +161,6 @@ const float co = vx_bits_to_float(static_cast<unsigned int>(COB)) * qmul;
 // residual where g >= 4), so one MMA a k-step scores both parts, added by one shuffle
 auto qrow_of = [](int gl) { return BLO == 2 ? (gl & 3) : gl; };
 const int qr = qrow_of(g);
-const bool qrow = qr < MROWS;
 const bool lo_lane = BLO == 2 && g >= 4;
 static_assert(BLO != 2 || MROWS <= 4, "BLO = 2: the residuals take B's columns 4..7");
 
@@ -163,10 +171,15 @@ static_assert(BLO != 2 || MROWS <= 4, "BLO = 2: the residuals take B's columns 4
 // k-step, about 2^-22 relative); BLO 2: the residual in the lanes of B's columns 4..7 (one MMA
 // a k-step). BSM 1: S q's fragments are made once by the threadgroup into shared memory (one
 // 8- or 16-byte load a k-step and lane), which leaves the registers to S P q's (for sketches
-// whose fragments do not fit in registers together: velox_core.kernels.sketch_mma.frags_shared)
+// whose fragments do not fit in registers together: velox_core.kernels.sketch_mma.frags_shared).
+// DIFF 1 (outliers with sketch columns of their own): a block converts S q - S P q (S q from
+// shared memory, float32) into bsp, the main sketch's whole B (one MMA a k-step for its score
+// instead of two), and S q has no fragments
+constexpr bool DIFFON = DIFF && KOUT > 0;
 constexpr int KSP = KOUT > 0 ? KSM : 1;
 constexpr int KSB = KOUT > 0 && !SHARE ? KSO : 1;
-constexpr int KSQ = BSM ? 1 : KSM;
+constexpr int KSQ = BSM || DIFFON ? 1 : KSM;
+static_assert(!(DIFFON && (BSM || SHARE)), "DIFF: outlier columns of their own, no S q fragments");
 unsigned int bin[KSQ][2], bin_lo[BLO == 1 ? KSQ : 1][2];
 unsigned int bsp[KSP][2], bsp_lo[BLO == 1 ? KSP : 1][2];
 unsigned int bo[KSB][2], bo_lo[BLO == 1 ? KSB : 1][2];
@@ -188,9 +201,7 @@ auto split2 = [&](float x0, float x1, unsigned int& hi, unsigned int& lo, bool l
 // k-step i's S q entries of lane (gl, tl)'s query row: columns 16 i + 2 tl, + 1 (b0) and
 // 16 i + 8 + 2 tl, + 1 (b1)
 auto sq_at = [&](int i, int hi, int gl, int tl) {
-  const int r = qrow_of(gl);
-  return r < MROWS ? *reinterpret_cast<const float2*>(sq_s + r * SKM + 16 * i + 8 * hi + 2 * tl)
-                   : float2{0.0f, 0.0f};
+  return *reinterpret_cast<const float2*>(sq_s + qrow_of(gl) * SKM + 16 * i + 8 * hi + 2 * tl);
 };
 if (BSM) {
   for (int e = tid; e < KSM * 32; e += NT) {  // e: k-step e / 32, lane e % 32
@@ -244,8 +255,8 @@ auto block_frags = [&](const int (&ix)[4]) {
   unsigned int ahi[2], alo[2];
 #pragma unroll
   for (int p = 0; p < 2; ++p) {
-    const float x0 = qrow && ix[2 * p] >= 0 ? q_s[qr * HD + ix[2 * p]] : 0.0f;
-    const float x1 = qrow && ix[2 * p + 1] >= 0 ? q_s[qr * HD + ix[2 * p + 1]] : 0.0f;
+    const float x0 = ix[2 * p] >= 0 ? q_s[qr * HD + ix[2 * p]] : 0.0f;
+    const float x1 = ix[2 * p + 1] >= 0 ? q_s[qr * HD + ix[2 * p + 1]] : 0.0f;
     const __half2 hh = __floats2half2_rn(x0, x1);
     const float2 hf = __half22float2(hh);
     ahi[p] = vx_h2u(hh);
@@ -276,8 +287,13 @@ auto block_frags = [&](const int (&ix)[4]) {
     for (int hi = 0; hi < 2; ++hi) {
       float acc[4];
       chunk(8 * (2 * i + hi), acc);
-      split2(acc[0], acc[1], bsp[KOUT > 0 ? i : 0][hi], bsp_lo[BLO == 1 && KOUT > 0 ? i : 0][hi],
-             lo_lane);
+      const int ip = KOUT > 0 ? i : 0;
+      if (DIFFON) {
+        const float2 sq = sq_at(i, hi, g, t);
+        split2(sq.x - acc[0], sq.y - acc[1], bsp[ip][hi], bsp_lo[BLO == 1 ? ip : 0][hi], lo_lane);
+      } else {
+        split2(acc[0], acc[1], bsp[ip][hi], bsp_lo[BLO == 1 ? ip : 0][hi], lo_lane);
+      }
     }
   }
 #pragma unroll
@@ -404,14 +420,18 @@ auto s16h2 = [](unsigned short a, unsigned short c) {
   return vx_u2h(static_cast<unsigned int>(a) | (static_cast<unsigned int>(c) << 16));
 };
 
-Raw rc, rn;
+// AHEAD 2: two tiles ahead (rn holds tile k + 1, loaded during tile k - 1; rn2 tile k + 2)
+Raw rc, rn, rn2;
 if (my0 < my1) {
   load_tile(t0 + my0 * SUB, rc);
 }
+if (AHEAD == 2 && my0 + 1 < my1) {
+  load_tile(t0 + (my0 + 1) * SUB, rn);
+}
 for (int tile = my0; tile < my1; ++tile) {
   const int tb = t0 + tile * SUB;
-  if (tile + 1 < my1) {
-    load_tile(tb + SUB, rn);
+  if (tile + AHEAD < my1) {
+    load_tile(tb + AHEAD * SUB, AHEAD == 2 ? rn2 : rn);
   }
   if (KOUT > 0) {
     const int blk = tb / KGRP;
@@ -446,22 +466,26 @@ for (int tile = my0; tile < my1; ++tile) {
     const unsigned int a0 = pm(rc.wm[0][w], j), a1 = pm(rc.wm[1][w], j);
     const unsigned int a2 = pm(rc.wm[0][w], j + 1), a3 = pm(rc.wm[1][w], j + 1);
     const int c = BLO == 1 ? 0 : i & 1;
-    unsigned int bf[4];  // S q's B fragment (BLO 1: and its residuals)
-    if (BSM && BLO == 1) {
+    unsigned int bf[4];  // S q's B fragment (BLO 1: and its residuals); DIFF: S q - S P q
+    if (DIFFON) {
+      const int ip = KOUT > 0 ? i : 0;
+      bf[0] = bsp[ip][0], bf[1] = bsp[ip][1];
+      bf[2] = bsp_lo[BLO == 1 ? ip : 0][0], bf[3] = bsp_lo[BLO == 1 ? ip : 0][1];
+    } else if (BSM && BLO == 1) {
       const uint4 f = reinterpret_cast<const uint4*>(bq_s)[i * 32 + lane];
       bf[0] = f.x, bf[1] = f.y, bf[2] = f.z, bf[3] = f.w;
     } else if (BSM) {
       const uint2 f = reinterpret_cast<const uint2*>(bq_s)[i * 32 + lane];
       bf[0] = f.x, bf[1] = f.y;
     } else {
-      bf[0] = bin[BSM ? 0 : i][0], bf[1] = bin[BSM ? 0 : i][1];
-      bf[2] = bin_lo[BLO == 1 && !BSM ? i : 0][0], bf[3] = bin_lo[BLO == 1 && !BSM ? i : 0][1];
+      bf[0] = bin[KSQ > 1 ? i : 0][0], bf[1] = bin[KSQ > 1 ? i : 0][1];
+      bf[2] = bin_lo[BLO == 1 && KSQ > 1 ? i : 0][0], bf[3] = bin_lo[BLO == 1 && KSQ > 1 ? i : 0][1];
     }
     vx_mma16816(sa[c], a0, a1, a2, a3, bf[0], bf[1]);
     if (BLO == 1) {
       vx_mma16816(sa[1], a0, a1, a2, a3, bf[2], bf[3]);
     }
-    if (KOUT > 0) {
+    if (KOUT > 0 && !DIFFON) {
       const int ip = KOUT > 0 ? i : 0;
       vx_mma16816(sp[c], a0, a1, a2, a3, bsp[ip][0], bsp[ip][1]);
       if (BLO == 1) {
@@ -491,7 +515,7 @@ for (int tile = my0; tile < my1; ++tile) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int n = i >> 1;
-    float ra = (sa[0][i] + sa[1][i]) - (KOUT > 0 ? sp[0][i] + sp[1][i] : 0.0f);
+    float ra = (sa[0][i] + sa[1][i]) - (KOUT > 0 && !DIFFON ? sp[0][i] + sp[1][i] : 0.0f);
     float ro = so[0][i] + so[1][i];
     if (BLO == 2) {
       ra += vx_shfl_xor(ra, 2);
@@ -551,6 +575,9 @@ for (int tile = my0; tile < my1; ++tile) {
     vx_mma16816(oacc[j], af[0], af[1], af[2], af[3], pb[0], pb[1]);
   }
   rc = rn;
+  if (AHEAD == 2) {
+    rn = rn2;
+  }
 }
 
 // ---- merge the warps: row r's (m, l) and its HD outputs, through shared memory -------------------

@@ -243,7 +243,32 @@ MMA_SETTINGS = {
     "recommended-m320-mo64": (KEY_SETTINGS["m320"], 2, 4, 384),
     # m 224 = 128 + 64 + 32 and m_o 32 (a 32-bit part alone), 8 rows (residuals in own MMAs)
     "m224-mo32-8-rows": ({"sketch": 224, "outlier_bits": 4, "group": 64}, 2, 8, 256),
+    # m = m_o = 384 (shared columns, too many fragments: S q's in shared memory), 2 rows
+    "m384-shared-2-rows": ({"bits": 3, "outlier_bits": 48, "group": 64}, 4, 2, 256),
 }
+
+
+def test_sketch_mma_plans_fragments_and_loads(monkeypatch):
+    """Where the B fragments go and how far ahead tiles load, per layout: the recommended keys
+    (own outlier columns) take ``S q - S P q`` per block and load two tiles ahead; the paper's
+    setting (shared columns) keeps ``S q``'s fragments in registers, or in shared memory at 8
+    rows; the environment overrides, and rejects values it does not know."""
+    assert sm.b_diff(4, 320, 64, 8) and sm.tiles_ahead(4, 320, 64, 8) == 2
+    assert not sm.frags_shared(4, 320, 64, 8)
+    assert not sm.b_diff(4, 256, 256, 8) and not sm.frags_shared(4, 256, 256, 8)
+    assert sm.tiles_ahead(4, 256, 256, 8) == 1 and sm.frags_shared(8, 256, 256, 8)
+    assert sm.b_diff(4, 384, 128, 8) and sm.tiles_ahead(4, 384, 128, 8) == 1  # 64 words
+    assert not sm.b_diff(4, 256, 0, 0) and not sm.frags_shared(4, 256, 0, 0)
+    monkeypatch.setenv("VELOX_SKETCH_MMA_DIFF", "0")
+    assert not sm.b_diff(4, 320, 64, 8) and sm.frags_shared(4, 320, 64, 8)
+    assert sm.tiles_ahead(4, 320, 64, 8) == 1
+    monkeypatch.setenv("VELOX_SKETCH_MMA_DIFF", "yes")
+    with pytest.raises(ValueError, match="VELOX_SKETCH_MMA_DIFF must be 0 or 1"):
+        sm.b_diff(4, 320, 64, 8)
+    monkeypatch.delenv("VELOX_SKETCH_MMA_DIFF")
+    monkeypatch.setenv("VELOX_SKETCH_MMA_AHEAD", "3")
+    with pytest.raises(ValueError, match="VELOX_SKETCH_MMA_AHEAD must be 1 or 2"):
+        sm.tiles_ahead(4, 320, 64, 8)
 
 
 def test_sketch_mma_order_is_whole_words_a_lane():
@@ -370,12 +395,15 @@ def _sides_for_cuda(kc, kp, vc, vp, rows=4):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 @pytest.mark.parametrize(
-    "kw,rows", [({}, 4), (KEY_SETTINGS["m320"], 4), ({}, 8)], ids=["paper", "m320", "paper-8-rows"]
+    "kw,rows",
+    [({}, 4), (KEY_SETTINGS["m320"], 4), (KEY_SETTINGS["m320"], 1), ({}, 8)],
+    ids=["paper", "m320", "m320-1-row", "paper-8-rows"],
 )
 def test_tensor_core_sketch_kernel_compiles_for_sm90_without_spills(tmp_path, kw, rows):
     """nvcc compiles the instantiations of the paper's setting (4 query rows: ``S q``'s
     fragments in registers; 8: in shared memory) and of the recommended keys (m 320, m_o 64:
-    in shared memory) for sm_90a, as MLX compiles them: no spills, within the 48 KiB of
+    ``S q - S P q`` per block, tiles loaded two ahead; 1 row: the rows padded to 4) for
+    sm_90a, as MLX compiles them: no spills, within the 48 KiB of
     static shared memory, and in at most 256 registers, so that the :data:`sm.SM_BLOCKS`
     threadgroups the split count assumes fit on one SM."""
     kc, kp, vc, vp = records(kw, t=256)

@@ -48,6 +48,7 @@ from .decode import (
 
 __all__ = [
     "DECODE_SKETCH_MMA",
+    "b_diff",
     "decode_sketch_mma",
     "frags_shared",
     "layout_supported",
@@ -56,6 +57,7 @@ __all__ = [
     "sketch_mma_template",
     "sketch_splits",
     "supported",
+    "tiles_ahead",
     "wanted",
 ]
 
@@ -77,9 +79,10 @@ MAX_OUTLIERS = 16  # outlier channels per block (one MMA's k)
 MAX_DIM = 256  # head dims up to this (the query in shared memory)
 SMEM_FLOATS = 12 * 1024  # 48 KiB of static shared memory
 # B-fragment words a lane keeps in registers: the paper's setting (m 256, outliers sharing it,
-# at most 4 query rows) holds 66 and compiles to 250 registers without spills (nvcc 13, sm_90a);
+# at most 4 query rows) holds 64 and compiles to 250 registers without spills (nvcc 13, sm_90a);
 # m 320 with m_o 64 (88) spilled 292 bytes, so past this S q's fragments go to shared memory
 FRAG_WORDS = 66
+AHEAD_WORDS = 48  # fragment words up to which tiles are loaded two ahead (tiles_ahead)
 
 
 def order(n: int) -> np.ndarray:
@@ -140,7 +143,8 @@ def layout_supported(rows: int, dim: int, m: int, mo: int, outliers: int, group:
     elif mo:
         return False
     frags = 2 * m * (4 if _blo(rows) == 1 else 2) if frags_shared(rows, m, mo, outliers) else 0
-    need = rows * (m + (dim if outliers else 0)) + frags
+    held = 4 if _blo(rows) == 2 else 8  # the kernel's rows of S q and q (QR: zero past rows)
+    need = held * (m + (dim if outliers else 0)) + frags
     return need <= SMEM_FLOATS and NWARPS * 8 * dim <= SMEM_FLOATS
 
 
@@ -205,19 +209,70 @@ def _blo(rows: int) -> int:
     return (2 if rows <= 4 else 1) if b_residual() else 0
 
 
+def _frag_words(rows: int, m: int, mo: int, outliers: int, diff: bool) -> int:
+    """B-fragment words a lane holds in registers: ``S q``'s (made once; none with ``diff``)
+    and an outlier block's (``S P q`` over the main sketch's columns, or ``S q - S P q`` with
+    ``diff``, and ``S P q`` over the outlier sketch's own columns), doubled for the residuals
+    at more than 4 query rows."""
+    per = 2 if _blo(rows) == 1 else 1
+    main = 2 * per * (m // 16)
+    if not outliers:
+        return main
+    own = 0 if mo == m else 2 * per * (mo // 16)
+    return main + own if diff else 2 * main + own
+
+
+def _forced(name: str) -> bool | None:
+    """An environment switch: None unset, else 0 or 1 (anything else is an error)."""
+    value = env_setting(name, "").strip()
+    if not value:
+        return None
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def b_diff(rows: int, m: int, mo: int, outliers: int) -> bool:
+    """Whether the main sketch's B is ``S q - S P q``, converted per outlier block (``DIFF`` 1:
+    one MMA a k-step for the main score, against two for ``<S q, s> - <S P q, s>`` with ``S q``
+    made once, and no registers for ``S q``'s fragments): for outlier sketches of columns of
+    their own (``mo != m``) whose fragments fit in :data:`FRAG_WORDS`; there
+    ``VELOX_SKETCH_MMA_DIFF=0`` turns it off. On an H200 (128k, fourteenth session) the
+    recommended keys (m 320, m_o 64) took 165.1 us a call with it against 153.0 without, and
+    143.6 with the loads two tiles ahead that its registers allow (:func:`tiles_ahead`); where
+    the outlier sketch shares the main one's columns (the paper's setting), converting ``S P
+    q`` twice a block took 187.6 against 176.6, so such layouts keep two MMAs."""
+    if not outliers or mo == m or _forced("VELOX_SKETCH_MMA_DIFF") is False:
+        return False
+    return _frag_words(rows, m, mo, outliers, True) <= FRAG_WORDS
+
+
+def tiles_ahead(rows: int, m: int, mo: int, outliers: int) -> int:
+    """Tiles whose loads are in flight while one is computed (``AHEAD``): 2 with
+    :func:`b_diff` and at most :data:`AHEAD_WORDS` fragment words (the registers ``S q``'s
+    fragments would take hold a third tile's loads: 246 registers at m 320 / m_o 64, no
+    spills; m 384 / m_o 128, 64 words, spilled 484 bytes), else 1 (the paper's setting spilled
+    288 bytes with 2 and ran 251.2 us against 176.6); ``VELOX_SKETCH_MMA_AHEAD`` (1 or 2) sets
+    it."""
+    value = env_setting("VELOX_SKETCH_MMA_AHEAD", "").strip()
+    if value:
+        if value not in ("1", "2"):
+            raise ValueError(f"VELOX_SKETCH_MMA_AHEAD must be 1 or 2, got {value!r}")
+        return int(value)
+    diff = b_diff(rows, m, mo, outliers)
+    return 2 if diff and _frag_words(rows, m, mo, outliers, True) <= AHEAD_WORDS else 1
+
+
 def frags_shared(rows: int, m: int, mo: int, outliers: int) -> bool:
     """Whether ``S q``'s B fragments go to shared memory (``BSM`` 1) rather than registers:
-    when all the fragments a lane holds (``S q``'s and an outlier block's ``S P q``, with their
-    residuals at more than 4 query rows) exceed :data:`FRAG_WORDS`; ``VELOX_SKETCH_MMA_BSM``
-    (0 or 1) sets it."""
-    forced = env_setting("VELOX_SKETCH_MMA_BSM", "").strip()
-    if forced in ("0", "1"):
-        return forced == "1"
-    per = 2 if _blo(rows) == 1 else 1
-    words = 2 * per * (m // 16)
-    if outliers:
-        words += 2 * per * (m // 16 + (0 if mo == m else mo // 16))
-    return words > FRAG_WORDS
+    when it has fragments (not :func:`b_diff`) and all those a lane holds exceed
+    :data:`FRAG_WORDS`; ``VELOX_SKETCH_MMA_BSM`` (0 or 1) sets it."""
+    if b_diff(rows, m, mo, outliers):
+        return False
+    forced = _forced("VELOX_SKETCH_MMA_BSM")
+    if forced is not None:
+        return forced
+    return _frag_words(rows, m, mo, outliers, False) > FRAG_WORDS
 
 
 def sketch_mma_template(
@@ -244,6 +299,8 @@ def sketch_mma_template(
         ("COB", _float_bits(sk.const / sk.mo) if k else 0),
         ("BLO", _blo(rows)),
         ("BSM", int(frags_shared(rows, sk.m, sk.mo if k else 0, k))),
+        ("DIFF", int(b_diff(rows, sk.m, sk.mo if k else 0, k))),
+        ("AHEAD", tiles_ahead(rows, sk.m, sk.mo if k else 0, k)),
         ("NWARPS", NWARPS),
     ]
 
