@@ -3,7 +3,8 @@
 // generates) compiles with g++ on Linux, and can even run on the CPU.
 //
 // Compile checks: `g++ -std=c++17 -fsyntax-only -I metal/shim kernel.cpp`.
-// Emulation: every threadgroup runs as real threads (std::thread) with a real barrier, and
+// Emulation: every threadgroup runs as real threads (std::thread, made once a dispatch and
+// reused by the threadgroups, which run one at a time) with a real barrier, and
 // SIMD-group shuffles exchange values through a per-SIMD-group slot array and barrier, so the
 // body's cross-lane logic (reductions, votes, threadgroup memory) is exercised as written. A
 // barrier or shuffle reached by only some threads deadlocks on a GPU; here it aborts after a
@@ -111,7 +112,9 @@ struct Ids {
 
 // Run fn(ids) for every thread of a 1-D-threadgroup grid (`grid` in threads, as
 // dispatchThreads). Threadgroups run one at a time; their threads run concurrently
-// (`sequential`: one after another, for kernels without barriers or SIMD ops).
+// (`sequential`: one after another, for kernels without barriers or SIMD ops). The threads
+// are made once and run the threadgroups one after another: all of them done with one (its
+// threadgroup memory) before the next is set up (the last may hold fewer threads).
 inline void run_grid(uint3 grid, uint3 tg, bool sequential, const std::function<void(const Ids&)>& fn) {
   if (tg.y != 1 || tg.z != 1) {
     std::fprintf(stderr, "vx_emu: only 1-D threadgroups are emulated\n");
@@ -119,40 +122,62 @@ inline void run_grid(uint3 grid, uint3 tg, bool sequential, const std::function<
   }
   const uint ngx = (grid.x + tg.x - 1) / tg.x;
   const uint3 groups{ngx, grid.y, grid.z};
-  for (uint gz = 0; gz < grid.z; ++gz) {
-    for (uint gy = 0; gy < grid.y; ++gy) {
-      for (uint gx = 0; gx < ngx; ++gx) {
-        const uint n = std::min(tg.x, grid.x - gx * tg.x);
-        Group group;
-        group.tg.n = static_cast<int>(n);
-        for (uint s = 0; s * 32 < n; ++s) {
-          group.simd.emplace_back(new Simd());
-          group.simd.back()->bar.n = static_cast<int>(std::min<uint>(32, n - s * 32));
-        }
-        auto body = [&, gx, gy, gz](uint t) {
-          g_group = &group;
-          g_lane = static_cast<int>(t & 31);
-          g_simd = static_cast<int>(t >> 5);
-          g_sequential = sequential;
-          Ids ids{uint3{gx, gy, gz}, groups, tg, t};
-          fn(ids);
-        };
-        if (sequential) {
+  Group group;
+  for (uint s = 0; s * 32 < tg.x; ++s) {
+    group.simd.emplace_back(new Simd());
+  }
+  auto setup = [&](uint n) {  // the group's barriers for n threads
+    group.tg.n = static_cast<int>(n);
+    for (uint s = 0; s * 32 < n; ++s) {
+      group.simd[s]->bar.n = static_cast<int>(std::min<uint>(32, n - s * 32));
+    }
+  };
+  auto run = [&](uint t, uint gx, uint gy, uint gz) {
+    g_group = &group;
+    g_lane = static_cast<int>(t & 31);
+    g_simd = static_cast<int>(t >> 5);
+    g_sequential = sequential;
+    Ids ids{uint3{gx, gy, gz}, groups, tg, t};
+    fn(ids);
+  };
+  if (sequential) {
+    for (uint gz = 0; gz < grid.z; ++gz) {
+      for (uint gy = 0; gy < grid.y; ++gy) {
+        for (uint gx = 0; gx < ngx; ++gx) {
+          const uint n = std::min(tg.x, grid.x - gx * tg.x);
           for (uint t = 0; t < n; ++t) {
-            body(t);
-          }
-        } else {
-          std::vector<std::thread> threads;
-          threads.reserve(n);
-          for (uint t = 0; t < n; ++t) {
-            threads.emplace_back(body, t);
-          }
-          for (auto& th : threads) {
-            th.join();
+            run(t, gx, gy, gz);
           }
         }
       }
     }
+    return;
+  }
+  Barrier between;
+  between.n = static_cast<int>(tg.x);
+  std::vector<std::thread> threads;
+  threads.reserve(tg.x);
+  for (uint t = 0; t < tg.x; ++t) {
+    threads.emplace_back([&, t] {
+      for (uint gz = 0; gz < grid.z; ++gz) {
+        for (uint gy = 0; gy < grid.y; ++gy) {
+          for (uint gx = 0; gx < ngx; ++gx) {
+            const uint n = std::min(tg.x, grid.x - gx * tg.x);
+            if (t == 0) {
+              setup(n);
+            }
+            between.wait();  // the group set up
+            if (t < n) {
+              run(t, gx, gy, gz);
+            }
+            between.wait();  // every thread done with it
+          }
+        }
+      }
+    });
+  }
+  for (auto& th : threads) {
+    th.join();
   }
 }
 

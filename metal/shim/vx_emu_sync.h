@@ -13,8 +13,56 @@
 #include <cstring>
 #include <mutex>
 
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <climits>
+#endif
+
 namespace vx_emu_sync {
 
+#if defined(__linux__)
+// On Linux: an arrival counter and a generation word the waiters sleep on (futex), so that a
+// barrier costs each waiter one sleep and the last arrival one wake-up (a mutex and condition
+// variable cost every waiter the mutex twice, and most of the emulated kernels' time went to
+// those system calls). A waiter first yields a few times: with more threads than cores, the
+// others usually arrive meanwhile.
+struct Barrier {
+  int n = 1;
+  std::atomic<int> waiting{0};
+  std::atomic<int> gen{0};
+  void wait() {
+    const int g = gen.load(std::memory_order_acquire);
+    if (waiting.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
+      waiting.store(0, std::memory_order_relaxed);
+      gen.fetch_add(1, std::memory_order_acq_rel);
+      syscall(SYS_futex, reinterpret_cast<int*>(&gen), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr,
+              nullptr, 0);
+      return;
+    }
+    for (int i = 0; i < 4; ++i) {
+      if (gen.load(std::memory_order_acquire) != g) {
+        return;
+      }
+      sched_yield();
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (gen.load(std::memory_order_acquire) == g) {
+      timespec ts{1, 0};
+      syscall(SYS_futex, reinterpret_cast<int*>(&gen), FUTEX_WAIT_PRIVATE, g, &ts, nullptr, 0);
+      if (gen.load(std::memory_order_acquire) == g && std::chrono::steady_clock::now() > deadline) {
+        std::fprintf(stderr, "vx_emu: barrier timeout: not every thread reached it\n");
+        std::abort();
+      }
+    }
+  }
+};
+#else
 struct Barrier {
   std::mutex mu;
   std::condition_variable cv;
@@ -36,6 +84,7 @@ struct Barrier {
     }
   }
 };
+#endif
 
 // The value of lane `src` among the `bar.n` lanes that share `slot` and `bar`.
 template <typename T>

@@ -1,7 +1,8 @@
 // CPU emulation of the CUDA subset velox's CUDA-only kernels use (a test aid), standing in for
 // MLX's mlx/backend/cuda/device/utils.cuh so that the source MLX's cuda_kernel generates
-// compiles with g++ and runs on the CPU: every block runs as real threads (std::thread), one
-// block at a time, with real __syncthreads / __syncwarp barriers and warp shuffles and votes
+// compiles with g++ and runs on the CPU: every block runs as real threads (std::thread, made
+// once a launch), one block at a time, with real __syncthreads / __syncwarp barriers (futexes
+// on Linux: vx_emu_sync.h) and warp shuffles and votes
 // through per-warp slots. `__shared__` arrays are static locals (shared by the one block that
 // runs). velox_mma.cuh sees VX_CUDA_EMULATE and emulates mma.sync (each lane publishes its
 // fragment registers; every lane computes its outputs from the PTX fragment layouts) and
@@ -191,39 +192,45 @@ inline int __any_sync(unsigned int, int p) {
 
 namespace vx_cuemu {
 
-// Run fn() for every thread of a grid of 1-D blocks (CUDA launch: grid in blocks).
+// Run fn() for every thread of a grid of 1-D blocks (CUDA launch: grid in blocks). The
+// block's threads are made once and run the blocks one after another, all of them done with
+// a block (its shared memory) before any starts the next.
 inline void launch(dim3 grid, dim3 block, const std::function<void()>& fn) {
   if (block.y != 1 || block.z != 1 || block.x % 32) {
     std::fprintf(stderr, "vx_cuemu: only 1-D blocks of whole warps are emulated\n");
     std::abort();
   }
-  for (unsigned int bz = 0; bz < grid.z; ++bz) {
-    for (unsigned int by = 0; by < grid.y; ++by) {
-      for (unsigned int bx = 0; bx < grid.x; ++bx) {
-        Block blk;
-        blk.all.n = static_cast<int>(block.x);
-        for (unsigned int w = 0; w < block.x / 32; ++w) {
-          blk.warps.emplace_back(new Warp());
-          blk.warps.back()->bar.n = 32;
-        }
-        std::vector<std::thread> threads;
-        for (unsigned int t = 0; t < block.x; ++t) {
-          threads.emplace_back([&, t, bx, by, bz] {
-            g_block = &blk;
-            g_lane = static_cast<int>(t & 31);
-            g_warp = static_cast<int>(t >> 5);
-            threadIdx = dim3{t, 0, 0};
+  Block blk;
+  blk.all.n = static_cast<int>(block.x);
+  for (unsigned int w = 0; w < block.x / 32; ++w) {
+    blk.warps.emplace_back(new Warp());
+    blk.warps.back()->bar.n = 32;
+  }
+  Barrier between;
+  between.n = static_cast<int>(block.x);
+  std::vector<std::thread> threads;
+  threads.reserve(block.x);
+  for (unsigned int t = 0; t < block.x; ++t) {
+    threads.emplace_back([&, t] {
+      g_block = &blk;
+      g_lane = static_cast<int>(t & 31);
+      g_warp = static_cast<int>(t >> 5);
+      threadIdx = dim3{t, 0, 0};
+      blockDim = block;
+      gridDim = grid;
+      for (unsigned int bz = 0; bz < grid.z; ++bz) {
+        for (unsigned int by = 0; by < grid.y; ++by) {
+          for (unsigned int bx = 0; bx < grid.x; ++bx) {
             blockIdx = dim3{bx, by, bz};
-            blockDim = block;
-            gridDim = grid;
             fn();
-          });
-        }
-        for (auto& th : threads) {
-          th.join();
+            between.wait();
+          }
         }
       }
-    }
+    });
+  }
+  for (auto& th : threads) {
+    th.join();
   }
 }
 
