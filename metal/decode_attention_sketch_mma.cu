@@ -218,13 +218,13 @@ if (BSM) {
     }
   }
   VX_BARRIER();
-} else {
+} else if (!DIFFON) {
 #pragma unroll
   for (int i = 0; i < KSM; ++i) {
 #pragma unroll
     for (int hi = 0; hi < 2; ++hi) {
       const float2 s = sq_at(i, hi, g, t);
-      split2(s.x, s.y, bin[BSM ? 0 : i][hi], bin_lo[BLO == 1 && !BSM ? i : 0][hi], lo_lane);
+      split2(s.x, s.y, bin[KSQ > 1 ? i : 0][hi], bin_lo[BLO == 1 && KSQ > 1 ? i : 0][hi], lo_lane);
     }
   }
 }
@@ -364,8 +364,8 @@ float mrow[2] = {NEG, NEG};
 float lrow[2] = {0.0f, 0.0f};
 int cur = -1;
 
-// A tile's inputs as loaded (raw words and 16-bit units), one tile ahead of their use: the
-// loads of tile k + 1 are in flight while tile k is computed
+// A tile's inputs as loaded (raw words and 16-bit units), AHEAD tiles ahead of their use: the
+// loads of tile k + 1 (and k + 2) are in flight while tile k is computed
 struct Raw {
   unsigned int wm[2][RM];                 // main sketch words of tokens g, 8 + g (sign_word)
   unsigned int wo[2][RO > 0 ? RO : 1];    // outlier sketch words

@@ -80,7 +80,8 @@ MAX_DIM = 256  # head dims up to this (the query in shared memory)
 SMEM_FLOATS = 12 * 1024  # 48 KiB of static shared memory
 # B-fragment words a lane keeps in registers: the paper's setting (m 256, outliers sharing it,
 # at most 4 query rows) holds 64 and compiles to 250 registers without spills (nvcc 13, sm_90a);
-# m 320 with m_o 64 (88) spilled 292 bytes, so past this S q's fragments go to shared memory
+# m 320 with m_o 64 (88 with S q's fragments) spilled 292 bytes, so past this the main sketch's
+# B is S q - S P q (b_diff, 48 there) or S q's fragments go to shared memory (frags_shared)
 FRAG_WORDS = 66
 AHEAD_WORDS = 48  # fragment words up to which tiles are loaded two ahead (tiles_ahead)
 
@@ -266,7 +267,7 @@ def tiles_ahead(rows: int, m: int, mo: int, outliers: int) -> int:
 def frags_shared(rows: int, m: int, mo: int, outliers: int) -> bool:
     """Whether ``S q``'s B fragments go to shared memory (``BSM`` 1) rather than registers:
     when it has fragments (not :func:`b_diff`) and all those a lane holds exceed
-    :data:`FRAG_WORDS`; ``VELOX_SKETCH_MMA_BSM`` (0 or 1) sets it."""
+    :data:`FRAG_WORDS`; where it has them, ``VELOX_SKETCH_MMA_BSM`` (0 or 1) sets it."""
     if b_diff(rows, m, mo, outliers):
         return False
     forced = _forced("VELOX_SKETCH_MMA_BSM")
