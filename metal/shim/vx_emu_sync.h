@@ -24,6 +24,11 @@
 #include <climits>
 #endif
 
+// Seconds a barrier waits for every thread before it aborts (a test may compile it shorter).
+#ifndef VX_EMU_BARRIER_TIMEOUT_S
+#define VX_EMU_BARRIER_TIMEOUT_S 60
+#endif
+
 namespace vx_emu_sync {
 
 #if defined(__linux__)
@@ -51,7 +56,7 @@ struct Barrier {
       }
       sched_yield();
     }
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(VX_EMU_BARRIER_TIMEOUT_S);
     while (gen.load(std::memory_order_acquire) == g) {
       timespec ts{1, 0};
       syscall(SYS_futex, reinterpret_cast<int*>(&gen), FUTEX_WAIT_PRIVATE, g, &ts, nullptr, 0);
@@ -78,7 +83,7 @@ struct Barrier {
       cv.notify_all();
       return;
     }
-    if (!cv.wait_for(lk, std::chrono::seconds(60), [&] { return gen != g; })) {
+    if (!cv.wait_for(lk, std::chrono::seconds(VX_EMU_BARRIER_TIMEOUT_S), [&] { return gen != g; })) {
       std::fprintf(stderr, "vx_emu: barrier timeout: not every thread reached it\n");
       std::abort();
     }
