@@ -217,24 +217,37 @@ for (int g = g0 - 1; g < g1; ++g) {
       }
     }
     VX_BARRIER();
-    for (int i = tid; i < MB * HD; i += NT) {
-      const int m = i / HD;
-      const int c = i - m * HD;
-      int j = c;
-      bool hi = false;
-      if (KNH > 0) {
-        const int wc = c >> 5;
-        const unsigned int below = kmk_s[wc] & ((1u << (c & 31)) - 1u);
-        int rank = vx_popcount(below);
-        for (int w = 0; w < wc; ++w) {
-          rank += vx_popcount(kmk_s[w]);
+    {
+      // entry i = tid + NT r: row i / HD, channel i % HD, whose slot comes from the mask's
+      // popcounts; where NT is a multiple of HD a thread's entries share one channel, so its
+      // slot is found once
+      int dst = 0;
+      float f = 0.0f;
+#pragma unroll
+      for (int r = 0; r < OR; ++r) {
+        const int i = tid + NT * r;
+        if (i < MB * HD) {
+          const int m = i / HD;
+          const int c = i - m * HD;
+          if (r == 0 || NT % HD != 0) {
+            int j = c;
+            bool hi = false;
+            if (KNH > 0) {
+              const int wc = c >> 5;
+              const unsigned int below = kmk_s[wc] & ((1u << (c & 31)) - 1u);
+              int rank = vx_popcount(below);
+              for (int w = 0; w < wc; ++w) {
+                rank += vx_popcount(kmk_s[w]);
+              }
+              hi = ((kmk_s[wc] >> (c & 31)) & 1u) != 0u;
+              j = hi ? vx_imin(rank, KNH - 1) : vx_imin(c - rank, KNL - 1);
+            }
+            dst = hi ? (int)kax_s[KNH + j] : KNH + (int)kax_s[2 * KNH + KNL + j];
+            f = kax_s[hi ? j : 2 * KNH + j];
+          }
+          buf[m * HD + dst] = qs[i] * f;
         }
-        hi = ((kmk_s[wc] >> (c & 31)) & 1u) != 0u;
-        j = hi ? vx_imin(rank, KNH - 1) : vx_imin(c - rank, KNL - 1);
       }
-      const int sgi = hi ? j : 2 * KNH + j;
-      const int dst = hi ? (int)kax_s[KNH + j] : KNH + (int)kax_s[2 * KNH + KNL + j];
-      buf[m * HD + dst] = qs[i] * kax_s[sgi];
     }
     VX_BARRIER();
     {
@@ -616,27 +629,35 @@ for (int g = g0 - 1; g < g1; ++g) {
       }
     }
     VX_BARRIER();
+    {
+      // (as the query's placement: a thread's one channel's slot found once where NT is a
+      // multiple of HD)
+      int src = 0;
+      float f = 0.0f;
 #pragma unroll
-    for (int r = 0; r < OR; ++r) {
-      const int i = tid + NT * r;
-      if (i < MB * HD) {
-        const int m = i / HD;
-        const int c = i - m * HD;
-        int j = c;
-        bool hi = false;
-        if (VNH > 0) {
-          const int wc = c >> 5;
-          const unsigned int below = vmk_s[wc] & ((1u << (c & 31)) - 1u);
-          int rank = vx_popcount(below);
-          for (int w = 0; w < wc; ++w) {
-            rank += vx_popcount(vmk_s[w]);
+      for (int r = 0; r < OR; ++r) {
+        const int i = tid + NT * r;
+        if (i < MB * HD) {
+          const int m = i / HD;
+          const int c = i - m * HD;
+          if (r == 0 || NT % HD != 0) {
+            int j = c;
+            bool hi = false;
+            if (VNH > 0) {
+              const int wc = c >> 5;
+              const unsigned int below = vmk_s[wc] & ((1u << (c & 31)) - 1u);
+              int rank = vx_popcount(below);
+              for (int w = 0; w < wc; ++w) {
+                rank += vx_popcount(vmk_s[w]);
+              }
+              hi = ((vmk_s[wc] >> (c & 31)) & 1u) != 0u;
+              j = hi ? vx_imin(rank, VNH - 1) : vx_imin(c - rank, VNL - 1);
+            }
+            src = hi ? (int)vax_s[VNH + j] : VNH + (int)vax_s[2 * VNH + VNL + j];
+            f = vax_s[hi ? j : 2 * VNH + j];
           }
-          hi = ((vmk_s[wc] >> (c & 31)) & 1u) != 0u;
-          j = hi ? vx_imin(rank, VNH - 1) : vx_imin(c - rank, VNL - 1);
+          out[r] = vx_fma(out[r], alpha[m], buf[m * HD + src] * f);
         }
-        const int sgi = hi ? j : 2 * VNH + j;
-        const int src = hi ? (int)vax_s[VNH + j] : VNH + (int)vax_s[2 * VNH + VNL + j];
-        out[r] = vx_fma(out[r], alpha[m], buf[m * HD + src] * vax_s[sgi]);
       }
     }
     // (the next group's first writes to buf, cw, nrm and the masks follow a barrier that every
