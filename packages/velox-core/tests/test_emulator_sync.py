@@ -71,7 +71,7 @@ def _build(tmp_path):
     src = tmp_path / "sync.cpp"
     src.write_text(PROGRAM)
     exe = tmp_path / "sync"
-    cmd = ["g++", "-std=c++17", "-O1", "-pthread", "-DVX_EMU_BARRIER_TIMEOUT_S=2"]
+    cmd = ["g++", "-std=c++17", "-O1", "-pthread", "-DVX_EMU_BARRIER_TIMEOUT_S=5"]
     cmd += ["-I", str(shim_dir()), str(src), "-o", str(exe)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
