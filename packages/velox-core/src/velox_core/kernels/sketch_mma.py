@@ -50,6 +50,7 @@ __all__ = [
     "DECODE_SKETCH_MMA",
     "b_diff",
     "decode_sketch_mma",
+    "fragment_plan",
     "frags_shared",
     "layout_supported",
     "order",
@@ -233,6 +234,28 @@ def _forced(name: str) -> bool | None:
     return value == "1"
 
 
+def fragment_plan(rows: int, m: int, mo: int, outliers: int) -> tuple[bool, bool, int]:
+    """Where the kernel keeps its B fragments and how far ahead it loads, for a layout:
+    ``(diff, shared, ahead)`` = (:func:`b_diff`, :func:`frags_shared`, :func:`tiles_ahead`),
+    worked out in one pass (the template asks for all three)."""
+    diff = bool(outliers) and mo != m and _forced("VELOX_SKETCH_MMA_DIFF") is not False
+    diff = diff and _frag_words(rows, m, mo, outliers, True) <= FRAG_WORDS
+    shared = False
+    if not diff:
+        forced = _forced("VELOX_SKETCH_MMA_BSM")
+        shared = (
+            forced if forced is not None else _frag_words(rows, m, mo, outliers, False) > FRAG_WORDS
+        )
+    value = env_setting("VELOX_SKETCH_MMA_AHEAD", "").strip()
+    if value:
+        if value not in ("1", "2"):
+            raise ValueError(f"VELOX_SKETCH_MMA_AHEAD must be 1 or 2, got {value!r}")
+        ahead = int(value)
+    else:
+        ahead = 2 if diff and _frag_words(rows, m, mo, outliers, True) <= AHEAD_WORDS else 1
+    return diff, shared, ahead
+
+
 def b_diff(rows: int, m: int, mo: int, outliers: int) -> bool:
     """Whether the main sketch's B is ``S q - S P q``, converted per outlier block (``DIFF`` 1:
     one MMA a k-step for the main score, against two for ``<S q, s> - <S P q, s>`` with ``S q``
@@ -243,9 +266,7 @@ def b_diff(rows: int, m: int, mo: int, outliers: int) -> bool:
     143.6 with the loads two tiles ahead that its registers allow (:func:`tiles_ahead`); where
     the outlier sketch shares the main one's columns (the paper's setting), converting ``S P
     q`` twice a block took 187.6 against 176.6, so such layouts keep two MMAs."""
-    if not outliers or mo == m or _forced("VELOX_SKETCH_MMA_DIFF") is False:
-        return False
-    return _frag_words(rows, m, mo, outliers, True) <= FRAG_WORDS
+    return fragment_plan(rows, m, mo, outliers)[0]
 
 
 def tiles_ahead(rows: int, m: int, mo: int, outliers: int) -> int:
@@ -255,25 +276,14 @@ def tiles_ahead(rows: int, m: int, mo: int, outliers: int) -> int:
     spills; m 384 / m_o 128, 64 words, spilled 484 bytes), else 1 (the paper's setting spilled
     288 bytes with 2 and ran 251.2 us against 176.6); ``VELOX_SKETCH_MMA_AHEAD`` (1 or 2) sets
     it."""
-    value = env_setting("VELOX_SKETCH_MMA_AHEAD", "").strip()
-    if value:
-        if value not in ("1", "2"):
-            raise ValueError(f"VELOX_SKETCH_MMA_AHEAD must be 1 or 2, got {value!r}")
-        return int(value)
-    diff = b_diff(rows, m, mo, outliers)
-    return 2 if diff and _frag_words(rows, m, mo, outliers, True) <= AHEAD_WORDS else 1
+    return fragment_plan(rows, m, mo, outliers)[2]
 
 
 def frags_shared(rows: int, m: int, mo: int, outliers: int) -> bool:
     """Whether ``S q``'s B fragments go to shared memory (``BSM`` 1) rather than registers:
     when it has fragments (not :func:`b_diff`) and all those a lane holds exceed
     :data:`FRAG_WORDS`; where it has them, ``VELOX_SKETCH_MMA_BSM`` (0 or 1) sets it."""
-    if b_diff(rows, m, mo, outliers):
-        return False
-    forced = _forced("VELOX_SKETCH_MMA_BSM")
-    if forced is not None:
-        return forced
-    return _frag_words(rows, m, mo, outliers, False) > FRAG_WORDS
+    return fragment_plan(rows, m, mo, outliers)[1]
 
 
 def sketch_mma_template(
@@ -282,6 +292,7 @@ def sketch_mma_template(
     """The kernel's template arguments for a segment :func:`supported` takes."""
     sk = keys.sketch
     k = sk.outliers
+    diff, shared, ahead = fragment_plan(rows, sk.m, sk.mo if k else 0, k)
     return [
         ("HD", dim),
         ("MROWS", rows),
@@ -299,9 +310,9 @@ def sketch_mma_template(
         ("CMB", _float_bits(sk.const / sk.m)),
         ("COB", _float_bits(sk.const / sk.mo) if k else 0),
         ("BLO", _blo(rows)),
-        ("BSM", int(frags_shared(rows, sk.m, sk.mo if k else 0, k))),
-        ("DIFF", int(b_diff(rows, sk.m, sk.mo if k else 0, k))),
-        ("AHEAD", tiles_ahead(rows, sk.m, sk.mo if k else 0, k)),
+        ("BSM", int(shared)),
+        ("DIFF", int(diff)),
+        ("AHEAD", ahead),
         ("NWARPS", NWARPS),
     ]
 
