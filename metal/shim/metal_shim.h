@@ -155,18 +155,23 @@ inline void run_grid(uint3 grid, uint3 tg, bool sequential, const std::function<
   }
   Barrier between;
   between.n = static_cast<int>(tg.x);
+  setup(tg.x);
   std::vector<std::thread> threads;
   threads.reserve(tg.x);
   for (uint t = 0; t < tg.x; ++t) {
     threads.emplace_back([&, t] {
+      uint held = tg.x;  // the threads the group's barriers are set up for
       for (uint gz = 0; gz < grid.z; ++gz) {
         for (uint gy = 0; gy < grid.y; ++gy) {
           for (uint gx = 0; gx < ngx; ++gx) {
             const uint n = std::min(tg.x, grid.x - gx * tg.x);
-            if (t == 0) {
-              setup(n);
+            if (n != held) {  // (a partial last threadgroup, and the full one after it)
+              if (t == 0) {
+                setup(n);
+              }
+              between.wait();  // set up before any thread runs it
+              held = n;
             }
-            between.wait();  // the group set up
             if (t < n) {
               run(t, gx, gy, gz);
             }
