@@ -13,7 +13,9 @@
 // in the rotated domain. NH = 0: a side of one part (an integer width): no mask, all HD
 // channels in the lo part.
 //
-// Per group the threadgroup (NT = 128 threads) does, in threadgroup memory and registers:
+// Per group the threadgroup (NT = 64 or 128 threads) does, in threadgroup memory and registers
+// (each side's records are loaded ahead in two runs, the group's hi words then its lo words,
+// so that each load's buffer is known at compile time):
 //   A. store the group's key codes, norms and mask (loaded into registers during the
 //      previous group's value mix); place the query in each key part's rotated input order
 //      (channel c -> its part's slot dst[j], times s[j] / sqrt(BK); j from the mask's
@@ -22,14 +24,16 @@
 //      barrier a transform): the query as this group's key codes see it;
 //   B. score the group's tokens: LPT lanes per token, lane j taking a contiguous chunk of
 //      each part's channels (at most 32 bits of codes, so shifts known at compile time;
-//      its query values in registers), norms times level sums, lanes reduced by shuffles;
+//      its query values in registers), norms times level sums, the lanes' rows summed by a
+//      reduce-scatter of shuffles (one shuffle a row a step while a lane holds several);
 //      scores in the log2 domain (QMUL: the query is scaled once, into threadgroup memory);
 //   C. online softmax: the group's max per query row, the running (max, sum) rescaled,
 //      weights p = exp2(s - max) in place; the value records (loaded during A and B)
 //      stored, the next group's keys loaded into registers;
 //   D. values in the value parts' rotated domain: each thread takes a chunk of a part's
 //      channels (at most 32 bits of codes) for a set of the group's tokens, adding
-//      p * norm * level; the token sets are summed by shuffles into threadgroup memory;
+//      p * norm * level; the token sets are summed by a reduce-scatter of shuffles, each
+//      set's lane storing its share into threadgroup memory;
 //   E. the Hadamard butterflies on that sum (R^T = P^T H s, H symmetric), then each output
 //      channel gathers its slot (times its sign) and adds it to the running output, which
 //      was rescaled by the softmax's factor: the output stays in the model's domain.
@@ -55,8 +59,14 @@ constexpr int VWH = (VNH * VBH + 31) / 32;
 constexpr int VWL = (VNL * VBL + 31) / 32;
 constexpr int VW = VWH + VWL;
 constexpr int CW = KW > VW ? KW : VW;
-constexpr int KPT = (GROUP * KW + NT - 1) / NT;  // words a thread loads ahead
-constexpr int VPT = (GROUP * VW + NT - 1) / NT;
+// words a thread loads ahead, per part (the hi words of the group's tokens, then the lo ones:
+// each load's buffer is known at compile time)
+constexpr int KWHD = KWH > 0 ? KWH : 1;
+constexpr int VWHD = VWH > 0 ? VWH : 1;
+constexpr int KPH = (GROUP * KWH + NT - 1) / NT;
+constexpr int KPL = (GROUP * KWL + NT - 1) / NT;
+constexpr int VPH = (GROUP * VWH + NT - 1) / NT;
+constexpr int VPL = (GROUP * VWL + NT - 1) / NT;
 constexpr int NPT = (2 * GROUP + NT - 1) / NT;  // norms a thread loads ahead
 constexpr int MW = (HD + 31) / 32;
 constexpr int KLVH = KNH > 0 ? (1 << KBH) : 0;
@@ -73,12 +83,18 @@ constexpr int TPP = NT / LPT;               // tokens scored per pass
 constexpr int VCH = VNH > 0 ? VCHH : 1;   // value channels a chunk holds (hi part; the host's)
 constexpr int VCM = VCH > VCL ? VCH : VCL;
 constexpr int OR = (MB * HD + NT - 1) / NT; // (row, channel) outputs per thread
+constexpr int CPT = NT % HD == 0 ? 1 : (HD % NT == 0 ? HD / NT : OR);  // channels among them
+constexpr int SRL = LPT < MB ? LPT : MB;  // a token's lanes holding rows after the reduce-scatter
+constexpr int SRN = MB / SRL;             // rows each of them holds
+constexpr int VRL = VTS < VCM * MB ? VTS : VCM * MB;  // as SRL, SRN for the value sums
+constexpr int VRN = VCM * MB / VRL;
 constexpr int EPT = MB * HD / NT;  // butterfly entries per thread (the host: NT divides MB HD)
 constexpr int KBK = KBKH > KBKL ? KBKH : KBKL;
 constexpr int VBK = VBKH > VBKL ? VBKH : VBKL;
 constexpr float NEG = -1.0e30f;
 
 const int tid = vx_tid;
+VX_ASSUME(tid >= 0 && tid < NT);  // (the host launches NT threads a threadgroup)
 const int lane = tid & 31;
 const int warp = tid >> 5;
 const int nsplit = vx_ngx;
@@ -152,8 +168,8 @@ for (int r = 0; r < OR; ++r) {
 // records are loaded into registers one phase ahead of their use (the next group's keys
 // during this group's values, this group's values during its scoring), so the loads'
 // latency overlaps the other phases; the loop starts one group early to load the first keys
-unsigned int kpre[KPT];
-unsigned int vpre[VPT];
+unsigned int kpre[KPH + KPL];
+unsigned int vpre[VPH + VPL];
 float knpre[NPT];
 float vnpre[NPT];
 unsigned int kmpre = 0u;
@@ -164,11 +180,19 @@ for (int g = g0 - 1; g < g1; ++g) {
     // ---- A. key records to threadgroup memory (this group's values loaded); the query --
     // the key records loaded ahead, to threadgroup memory
 #pragma unroll
-    for (int r = 0; r < KPT; ++r) {
+    for (int r = 0; r < KPH; ++r) {
       const int i = tid + NT * r;
-      if (i < GROUP * KW) {
-        const int tok = i / KW;
-        cw[tok * CW + (i - tok * KW)] = kpre[r];
+      if (i < GROUP * KWH) {
+        const int tok = i / KWHD;
+        cw[tok * CW + (i - tok * KWHD)] = kpre[r];
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < KPL; ++r) {
+      const int i = tid + NT * r;
+      if (i < GROUP * KWL) {
+        const int tok = i / KWL;
+        cw[tok * CW + KWH + (i - tok * KWL)] = kpre[KPH + r];
       }
     }
 #pragma unroll
@@ -183,21 +207,23 @@ for (int g = g0 - 1; g < g1; ++g) {
     }
     {  // value codes, norms and mask of group g into registers
       const int tq = t0;
+      const int64_t hg = vhc_b + (int64_t)tq * (VNH > 0 ? vhc_strides[2] : 0);
+      const int64_t lg = vlc_b + (int64_t)tq * vlc_strides[2];
 #pragma unroll
-      for (int r = 0; r < VPT; ++r) {
+      for (int r = 0; r < VPH; ++r) {
         const int i = tid + NT * r;
-        const int tok = i / VW;
-        const int w = i - tok * VW;
-        unsigned int word = 0u;
-        if (i < GROUP * VW) {
-          if (VNH > 0 && w < VWH) {
-            word = vhc[vhc_b + (int64_t)(tq + tok) * vhc_strides[2] + (int64_t)w * vhc_strides[3]];
-          } else {
-            word = vlc[vlc_b + (int64_t)(tq + tok) * vlc_strides[2] +
-                       (int64_t)(w - VWH) * vlc_strides[3]];
-          }
-        }
-        vpre[r] = word;
+        const int tok = i / VWHD;
+        vpre[r] = i < GROUP * VWH ? vhc[hg + (int64_t)tok * vhc_strides[2] +
+                                        (int64_t)(i - tok * VWHD) * vhc_strides[3]]
+                                  : 0u;
+      }
+#pragma unroll
+      for (int r = 0; r < VPL; ++r) {
+        const int i = tid + NT * r;
+        const int tok = i / VWL;
+        vpre[VPH + r] = i < GROUP * VWL ? vlc[lg + (int64_t)tok * vlc_strides[2] +
+                                              (int64_t)(i - tok * VWL) * vlc_strides[3]]
+                                        : 0u;
       }
 #pragma unroll
       for (int r = 0; r < NPT; ++r) {
@@ -219,33 +245,35 @@ for (int g = g0 - 1; g < g1; ++g) {
     VX_BARRIER();
     {
       // entry i = tid + NT r: row i / HD, channel i % HD, whose slot comes from the mask's
-      // popcounts; where NT is a multiple of HD a thread's entries share one channel, so its
-      // slot is found once
-      int dst = 0;
-      float f = 0.0f;
+      // popcounts; a thread's entries cycle through CPT channels (one where NT is a multiple
+      // of HD, HD / NT where NT divides HD), so each channel's slot is found once
+      int dsts[CPT];
+      float fs[CPT];
 #pragma unroll
       for (int r = 0; r < OR; ++r) {
         const int i = tid + NT * r;
         if (i < MB * HD) {
           const int m = i / HD;
           const int c = i - m * HD;
-          if (r == 0 || NT % HD != 0) {
+          const int k = r % CPT;
+          if (r < CPT) {
             int j = c;
             bool hi = false;
             if (KNH > 0) {
               const int wc = c >> 5;
               const unsigned int below = kmk_s[wc] & ((1u << (c & 31)) - 1u);
               int rank = vx_popcount(below);
-              for (int w = 0; w < wc; ++w) {
-                rank += vx_popcount(kmk_s[w]);
+#pragma unroll
+              for (int w = 0; w < MW - 1; ++w) {
+                rank += w < wc ? vx_popcount(kmk_s[w]) : 0;
               }
               hi = ((kmk_s[wc] >> (c & 31)) & 1u) != 0u;
               j = hi ? vx_imin(rank, KNH - 1) : vx_imin(c - rank, KNL - 1);
             }
-            dst = hi ? (int)kax_s[KNH + j] : KNH + (int)kax_s[2 * KNH + KNL + j];
-            f = kax_s[hi ? j : 2 * KNH + j];
+            dsts[k] = hi ? (int)kax_s[KNH + j] : KNH + (int)kax_s[2 * KNH + KNL + j];
+            fs[k] = kax_s[hi ? j : 2 * KNH + j];
           }
-          buf[m * HD + dst] = qs[i] * f;
+          buf[m * HD + dsts[k]] = qs[i] * fs[k];
         }
       }
     }
@@ -387,17 +415,36 @@ for (int g = g0 - 1; g < g1; ++g) {
             s[m] = vx_fma(nl, dl[m], s[m]);
           }
         }
+        // the token's LPT lanes add up their rows by a reduce-scatter: while a lane holds
+        // more than one row, each step halves them (the lane with bit off set keeps the
+        // upper half, its partner the lower: one shuffle a kept value); then the remaining
+        // steps add the one row left. Lane jj ends with SRN rows from row srow(jj) on
 #pragma unroll
         for (int off = 1; off < LPT; off <<= 1) {
+          if (off < MB) {
+            const int n = MB / (2 * off);  // rows a lane keeps after this step
+            const bool up = (jj & off) != 0;
 #pragma unroll
-          for (int m = 0; m < MB; ++m) {
-            s[m] += vx_shfl_xor(s[m], off);
+            for (int e = 0; e < MB / 2; ++e) {
+              if (e < n) {
+                const float send = up ? s[e] : s[e + n];
+                const float keep = up ? s[e + n] : s[e];
+                s[e] = keep + vx_shfl_xor(send, off);
+              }
+            }
+          } else {
+            s[0] += vx_shfl_xor(s[0], off);
           }
         }
-        if (jj == 0 && base + ts < GROUP) {
+        if (jj < SRL && base + ts < GROUP) {
+          int row = 0;
 #pragma unroll
-          for (int m = 0; m < MB; ++m) {
-            sc[tok * MB + m] = s[m];
+          for (int off = 1; off < SRL; off <<= 1) {
+            row += (jj & off) != 0 ? MB / (2 * off) : 0;
+          }
+#pragma unroll
+          for (int e = 0; e < SRN; ++e) {
+            sc[tok * MB + row + e] = s[e];
           }
         }
       }
@@ -434,11 +481,19 @@ for (int g = g0 - 1; g < g1; ++g) {
     }
     // the value records loaded ahead, to threadgroup memory
 #pragma unroll
-    for (int r = 0; r < VPT; ++r) {
+    for (int r = 0; r < VPH; ++r) {
       const int i = tid + NT * r;
-      if (i < GROUP * VW) {
-        const int tok = i / VW;
-        cw[tok * CW + (i - tok * VW)] = vpre[r];
+      if (i < GROUP * VWH) {
+        const int tok = i / VWHD;
+        cw[tok * CW + (i - tok * VWHD)] = vpre[r];
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < VPL; ++r) {
+      const int i = tid + NT * r;
+      if (i < GROUP * VWL) {
+        const int tok = i / VWL;
+        cw[tok * CW + VWH + (i - tok * VWL)] = vpre[VPH + r];
       }
     }
 #pragma unroll
@@ -455,21 +510,23 @@ for (int g = g0 - 1; g < g1; ++g) {
   if (g + 1 < g1) {  // key codes, norms and mask of group g + 1 into registers
     {
       const int tq = t0 + GROUP;
+      const int64_t hg = khc_b + (int64_t)tq * (KNH > 0 ? khc_strides[2] : 0);
+      const int64_t lg = klc_b + (int64_t)tq * klc_strides[2];
 #pragma unroll
-      for (int r = 0; r < KPT; ++r) {
+      for (int r = 0; r < KPH; ++r) {
         const int i = tid + NT * r;
-        const int tok = i / KW;
-        const int w = i - tok * KW;
-        unsigned int word = 0u;
-        if (i < GROUP * KW) {
-          if (KNH > 0 && w < KWH) {
-            word = khc[khc_b + (int64_t)(tq + tok) * khc_strides[2] + (int64_t)w * khc_strides[3]];
-          } else {
-            word = klc[klc_b + (int64_t)(tq + tok) * klc_strides[2] +
-                       (int64_t)(w - KWH) * klc_strides[3]];
-          }
-        }
-        kpre[r] = word;
+        const int tok = i / KWHD;
+        kpre[r] = i < GROUP * KWH ? khc[hg + (int64_t)tok * khc_strides[2] +
+                                        (int64_t)(i - tok * KWHD) * khc_strides[3]]
+                                  : 0u;
+      }
+#pragma unroll
+      for (int r = 0; r < KPL; ++r) {
+        const int i = tid + NT * r;
+        const int tok = i / KWL;
+        kpre[KPH + r] = i < GROUP * KWL ? klc[lg + (int64_t)tok * klc_strides[2] +
+                                              (int64_t)(i - tok * KWL) * klc_strides[3]]
+                                        : 0u;
       }
 #pragma unroll
       for (int r = 0; r < NPT; ++r) {
@@ -500,13 +557,10 @@ for (int g = g0 - 1; g < g1; ++g) {
       const int ck = tid / VTS;
       const bool vhi = ck < VNH / VCH;
       const bool vact = ck < VNH / VCH + (HD - VNH) / VCL;
-      float acc[VCM][MB];
+      float acc[VCM * MB];  // (channel e, row m) at e MB + m
 #pragma unroll
-      for (int e = 0; e < VCM; ++e) {
-#pragma unroll
-        for (int m = 0; m < MB; ++m) {
-          acc[e][m] = 0.0f;
-        }
+      for (int e = 0; e < VCM * MB; ++e) {
+        acc[e] = 0.0f;
       }
       if (vact) {
         const int cb = vhi ? ck * (VCH * VBH) : VWH * 32 + (ck - VNH / VCH) * (VCL * VBL);
@@ -528,7 +582,7 @@ for (int g = g0 - 1; g < g1; ++g) {
               const float f = vax_s[2 * HD + ((chunk >> (e * VBH)) & VMH)];
 #pragma unroll
               for (int m = 0; m < MB; ++m) {
-                acc[e][m] = vx_fma(pn[m], f, acc[e][m]);
+                acc[e * MB + m] = vx_fma(pn[m], f, acc[e * MB + m]);
               }
             }
           } else {
@@ -537,32 +591,45 @@ for (int g = g0 - 1; g < g1; ++g) {
               const float f = vax_s[2 * HD + VLVH + ((chunk >> (e * VBL)) & VML)];
 #pragma unroll
               for (int m = 0; m < MB; ++m) {
-                acc[e][m] = vx_fma(pn[m], f, acc[e][m]);
+                acc[e * MB + m] = vx_fma(pn[m], f, acc[e * MB + m]);
               }
             }
           }
         }
       }
+      // the VTS token sets' sums by a reduce-scatter over the VCM MB accumulators (as the
+      // scores' lanes above): set ts ends with VRN of them from index vrow(ts) on
 #pragma unroll
       for (int off = 1; off < VTS; off <<= 1) {
+        if (off < VCM * MB) {
+          const int n = VCM * MB / (2 * off);
+          const bool up = (ts & off) != 0;
 #pragma unroll
-        for (int e = 0; e < VCM; ++e) {
-#pragma unroll
-          for (int m = 0; m < MB; ++m) {
-            acc[e][m] += vx_shfl_xor(acc[e][m], off);
+          for (int e = 0; e < VCM * MB / 2; ++e) {
+            if (e < n) {
+              const float send = up ? acc[e] : acc[e + n];
+              const float keep = up ? acc[e + n] : acc[e];
+              acc[e] = keep + vx_shfl_xor(send, off);
+            }
           }
+        } else {
+          acc[0] += vx_shfl_xor(acc[0], off);
         }
       }
-      if (vact && ts == 0) {
+      if (vact && ts < VRL) {
         const int c0 = vhi ? ck * VCH : VNH + (ck - VNH / VCH) * VCL;
         const int n = vhi ? VCH : VCL;
+        int idx = 0;
 #pragma unroll
-        for (int e = 0; e < VCM; ++e) {
-          if (e < n) {
+        for (int off = 1; off < VRL; off <<= 1) {
+          idx += (ts & off) != 0 ? VCM * MB / (2 * off) : 0;
+        }
 #pragma unroll
-            for (int m = 0; m < MB; ++m) {
-              buf[m * HD + c0 + e] = acc[e][m];
-            }
+        for (int e = 0; e < VRN; ++e) {
+          const int ce = (idx + e) / MB;  // channel and row of the accumulator
+          const int m = (idx + e) - ce * MB;
+          if (ce < n) {
+            buf[m * HD + c0 + ce] = acc[e];
           }
         }
       }
@@ -630,33 +697,34 @@ for (int g = g0 - 1; g < g1; ++g) {
     }
     VX_BARRIER();
     {
-      // (as the query's placement: a thread's one channel's slot found once where NT is a
-      // multiple of HD)
-      int src = 0;
-      float f = 0.0f;
+      // (as the query's placement: each of a thread's CPT channels' slots found once)
+      int srcs[CPT];
+      float fs[CPT];
 #pragma unroll
       for (int r = 0; r < OR; ++r) {
         const int i = tid + NT * r;
         if (i < MB * HD) {
           const int m = i / HD;
           const int c = i - m * HD;
-          if (r == 0 || NT % HD != 0) {
+          const int k = r % CPT;
+          if (r < CPT) {
             int j = c;
             bool hi = false;
             if (VNH > 0) {
               const int wc = c >> 5;
               const unsigned int below = vmk_s[wc] & ((1u << (c & 31)) - 1u);
               int rank = vx_popcount(below);
-              for (int w = 0; w < wc; ++w) {
-                rank += vx_popcount(vmk_s[w]);
+#pragma unroll
+              for (int w = 0; w < MW - 1; ++w) {
+                rank += w < wc ? vx_popcount(vmk_s[w]) : 0;
               }
               hi = ((vmk_s[wc] >> (c & 31)) & 1u) != 0u;
               j = hi ? vx_imin(rank, VNH - 1) : vx_imin(c - rank, VNL - 1);
             }
-            src = hi ? (int)vax_s[VNH + j] : VNH + (int)vax_s[2 * VNH + VNL + j];
-            f = vax_s[hi ? j : 2 * VNH + j];
+            srcs[k] = hi ? (int)vax_s[VNH + j] : VNH + (int)vax_s[2 * VNH + VNL + j];
+            fs[k] = vax_s[hi ? j : 2 * VNH + j];
           }
-          out[r] = vx_fma(out[r], alpha[m], buf[m * HD + src] * f);
+          out[r] = vx_fma(out[r], alpha[m], buf[m * HD + srcs[k]] * fs[k]);
         }
       }
     }

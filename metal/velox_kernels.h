@@ -15,6 +15,9 @@
 // (the prologue must name Metal's attributes literally: MLX adds an attribute argument to the
 // generated signature only when its name appears in the body).
 //
+// VX_ASSUME(c) tells the CUDA compiler that c holds (e.g. vx_tid < the threadgroup size a
+// kernel is launched with, so that bounds tests known to pass fold away); a no-op elsewhere.
+//
 // Shared state: VX_SHARED declares threadgroup (Metal) / __shared__ (CUDA) arrays in the body;
 // VX_BARRIER() synchronizes the threadgroup. Warp/SIMD-group operations assume 32 lanes (every
 // NVIDIA GPU and every Apple GPU) and full participation of the 32 lanes.
@@ -37,6 +40,11 @@ VX_FN float vx_rint(float x) { return rintf(x); }
 VX_FN float vx_fma(float a, float b, float c) { return fmaf(a, b, c); }
 VX_FN float vx_sqrt(float x) { return __fsqrt_rn(x); }
 VX_FN int vx_popcount(unsigned int x) { return __popc(x); }
+#if defined(VX_CUDA_EMULATE)
+#define VX_ASSUME(c) ((void)0)
+#else
+#define VX_ASSUME(c) __builtin_assume(c)
+#endif
 
 #elif defined(VX_METAL)
 
@@ -56,6 +64,7 @@ VX_FN float vx_rint(float x) { return metal::rint(x); }
 VX_FN float vx_fma(float a, float b, float c) { return metal::fma(a, b, c); }
 VX_FN float vx_sqrt(float x) { return metal::precise::sqrt(x); }
 VX_FN int vx_popcount(uint x) { return static_cast<int>(metal::popcount(x)); }
+#define VX_ASSUME(c) ((void)0)
 
 #else
 #error "define VX_METAL or VX_CUDA before including velox_kernels.h"

@@ -393,10 +393,13 @@ def _decode_variants():
         infos = [ArgInfo(*a) for a in [F32, *ins, *extra]]
         out.append((dk.DECODE, infos, ["float32"] * 2, dk.template(p, 128, kside, vside)))
     # channels split per group into outliers and the rest (TurboQuant's fractional widths)
-    for parts_k, parts_v, m_rows, norm in (
-        (((64, 4, 64), (64, 3, 64)), ((64, 4, 64), (64, 3, 64)), 4, "float16"),  # 3.5 bits
-        (((64, 3, 64), (64, 2, 64)), ((128, 4, 128),), 8, "bfloat16"),  # 2.5 keys, 4-bit values
-        (((32, 4, 32), (96, 3, 32)), ((32, 4, 32), (96, 3, 32)), 1, "float16"),  # 3.25 bits
+    for parts_k, parts_v, m_rows, norm, nt in (
+        (((64, 4, 64), (64, 3, 64)), ((64, 4, 64), (64, 3, 64)), 4, "float16", 64),  # 3.5 bits
+        (((64, 3, 64), (64, 2, 64)), ((128, 4, 128),), 8, "bfloat16", 64),  # 2.5 / 4-bit
+        (((32, 4, 32), (96, 3, 32)), ((32, 4, 32), (96, 3, 32)), 1, "float16", 64),  # 3.25
+        # threadgroups of four warps (VELOX_OUTLIER_THREADS=128)
+        (((64, 4, 64), (64, 3, 64)), ((64, 4, 64), (64, 3, 64)), 4, "float16", 128),
+        (((64, 3, 64), (64, 2, 64)), ((64, 3, 64), (64, 2, 64)), 8, "bfloat16", 128),
     ):
         sides = []
         for parts in (parts_k, parts_v):
@@ -404,8 +407,8 @@ def _decode_variants():
             sides.append(
                 ok.OutlierSide(rp, (), (), mx.zeros((1,)) if len(rp) == 2 else None, 64, None)
             )
-        launch = ok.outlier_launch(m_rows, 128, *sides)
-        assert launch is not None
+        launch = ok.outlier_launch(m_rows, 128, *sides, threads=nt)
+        assert launch is not None and launch[3] == nt
         n16 = (norm, 3, 1 << 20)
         infos = [ArgInfo(*F32)]
         for side in sides:
@@ -416,7 +419,7 @@ def _decode_variants():
                 infos += [ArgInfo(*a) for a in (small[0], small[1], U32, n16, small[0])]
                 infos += [ArgInfo("float32", 1, 1024)]
         tmpl = ok.outlier_template(launch, 128, *sides, 0.088)
-        out.append((ok.OUTLIER, infos, ["float32"] * 2, tmpl))
+        out.append((ok.outlier_spec(nt), infos, ["float32"] * 2, tmpl))
     out.append((dk.MERGE, [ArgInfo("float32", 5, 1 << 20)] * 2, ["float32"] * 3, []))
     part, seg, dummy = ArgInfo("float32", 5, 1 << 20), ArgInfo(*H16), ArgInfo("float16", 1, 8)
     for has_a, has_b, odt, rd in (
@@ -462,7 +465,7 @@ def _decode_variants():
     return out
 
 
-def test_outlier_kernel_inputs_are_checked():
+def test_outlier_kernel_inputs_are_checked(monkeypatch):
     """The outlier kernel's host side refuses what it cannot read, with what was wrong."""
     part = ok.RotatedPart(4, 64, np.zeros(16), np.ones(64), None, 64)
     with pytest.raises(ValueError, match="power of two"):
@@ -490,7 +493,13 @@ def test_outlier_kernel_inputs_are_checked():
     one = ok.OutlierSide((dataclasses.replace(part, channels=128),), (), (), None, 1, table)
     assert ok.outlier_launch(4, 128, one, one) is None
     assert ok.outlier_launch(4, 128, side, dataclasses.replace(side, group=32)) is None
-    assert ok.outlier_launch(4, 128, side, side) == (4, 16, 64, 128)
+    assert ok.outlier_launch(4, 128, side, side) == (4, 16, 64, 64)
+    assert ok.outlier_launch(4, 128, side, side, threads=128) == (4, 16, 64, 128)
+    monkeypatch.setenv("VELOX_OUTLIER_THREADS", "96")
+    with pytest.raises(ValueError, match="VELOX_OUTLIER_THREADS must be one of"):
+        ok.outlier_launch(4, 128, side, side)
+    with pytest.raises(ValueError, match="threads must be one of"):
+        ok.outlier_launch(4, 128, side, side, threads=32)
 
 
 @needs_gxx

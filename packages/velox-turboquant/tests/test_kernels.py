@@ -219,19 +219,29 @@ def test_cache_on_an_emulated_cuda_gpu_rotates_back_in_the_merge(
 
 @needs_gxx
 @pytest.mark.parametrize(
-    "key_bits,value_bits,rows,dtype",
-    [(3.5, 3.5, 1, "float16"), (2.5, 4, 3, "bfloat16"), (4, 3.25, 8, "float16")],
+    "key_bits,value_bits,rows,dtype,threads",
+    [
+        (3.5, 3.5, 1, "float16", 64),
+        (2.5, 4, 3, "bfloat16", 64),
+        (4, 3.25, 8, "float16", 64),
+        (3.5, 3.5, 4, "float16", 128),
+        (2.5, 4, 1, "bfloat16", 128),
+    ],
 )
 def test_emulated_outlier_kernel_matches_the_reference(
-    emulated_gpu, key_bits, value_bits, rows, dtype
+    emulated_gpu, monkeypatch, key_bits, value_bits, rows, dtype, threads
 ):
     """Fractional widths (outlier channels per group of 64 tokens, two rotated parts each):
     the outlier kernel places and rotates the query per group, scores both parts' codes,
     mixes the values in their rotated domain and brings them back per group: its partial
     equals the codec's reference scores/mix path. Covers a side of one part beside a
     fractional one (4-bit keys or values), bf16 norms, padded query rows (3 of 4), parts of
-    96 channels (Hadamard blocks of 32 after a permutation: 3.25 bits), and the butterflies
-    with 1, 4 and 8 entries a thread (1 row: a stage across warps; the cache test below: 2)."""
+    96 channels (Hadamard blocks of 32 after a permutation: 3.25 bits), the butterflies with
+    2 to 16 entries a thread (every stage in registers or shuffles; the cache test below:
+    4), 8, 16 and 32 lanes a scored token (the rows' sums by a reduce-scatter), a thread's
+    entries over one or two channels, and threadgroups of two warps (the default) and of
+    four (``VELOX_OUTLIER_THREADS=128``)."""
+    monkeypatch.setenv("VELOX_OUTLIER_THREADS", str(threads))
     dt = getattr(mx, dtype)
     k, v = kv_data(t=320, seed=3, dtype=dt)
     kc, vc = TurboQuant(key_bits), TurboQuant(value_bits, seed=1)
@@ -241,7 +251,8 @@ def test_emulated_outlier_kernel_matches_the_reference(
     emulated_gpu.calls.clear()
     q = mx.random.normal((1, 2, rows, 128), key=mx.random.key(rows)) * 0.2
     got = kc.attend_partial(q, kp, vc, vp)
-    assert emulated_gpu.names == ["velox_decode_attention_outlier", "velox_decode_merge"]
+    name = f"velox_decode_attention_outlier_t{threads}"
+    assert emulated_gpu.names == [name, "velox_decode_merge"]
     ref = partial(q, Segment(kc, kp, vc, vp))
     assert_partials_close(got, ref, 2e-5)
 
@@ -260,7 +271,7 @@ def test_emulated_fractional_cache_attends_like_the_reference(monkeypatch, tmp_p
     ref = cache.attend(q, 0.088)
     fake = EmulatedKernels(tmp_path, backend=backend).install(monkeypatch)
     got = cache.attend(q, 0.088)
-    assert fake.names == ["velox_decode_attention_outlier", "velox_decode_merge_fp16"]
+    assert fake.names == ["velox_decode_attention_outlier_t64", "velox_decode_merge_fp16"]
     assert got.dtype == ref.dtype == mx.float16
     err = np.abs(np.asarray((got - ref).astype(mx.float32))).max()
     assert err < 2e-3 * np.abs(np.asarray(ref.astype(mx.float32))).max()

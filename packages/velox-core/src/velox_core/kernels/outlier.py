@@ -18,7 +18,9 @@ values) takes the same kernel without a mask.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -33,7 +35,9 @@ __all__ = [
     "RotatedPart",
     "decode_attention_outlier",
     "outlier_launch",
+    "outlier_spec",
     "outlier_template",
+    "outlier_threads",
     "side_table",
 ]
 
@@ -46,18 +50,42 @@ OUTLIER = KernelSpec(
     ),
     outputs=("o_part", "ml_part"),
     row_contiguous=False,  # the body reads strides: slices of a cache buffer are not copied
-    # CUDA: at most 128 registers a thread, four threadgroups an SM (on an H200 the first
-    # version took 150 registers unbounded and ran 27% faster bounded; the present one fits
-    # 128 without the bound and runs the same with it, which keeps it from growing)
-    cuda_launch_bounds=(128, 4),
+    # (launched through outlier_spec, which adds CUDA launch bounds for the threadgroup size:
+    # at most 128 registers a thread, 512 threads an SM; on an H200 the first version took
+    # 150 registers unbounded and ran 27% faster bounded)
 )
-THREADS = 128  # threads per threadgroup (the body's NT; the launch bounds above)
+THREADS = 64  # threads per threadgroup by default (the body's NT; 128 measured 3-6% slower)
+THREAD_CHOICES = (64, 128)  # what VELOX_OUTLIER_THREADS may ask for
+SM_THREADS = 512  # threads an SM under the launch bounds (128 registers each)
 SMEM_BYTES = 32 * 1024  # Metal's threadgroup memory (the body's arrays must fit)
 MAX_ROWS = 8  # query rows per threadgroup
-MAX_OUT = 1024  # rows x head dim per threadgroup (8 running outputs a thread)
+MAX_OUT = 1024  # rows x head dim per threadgroup (16 running outputs a thread at 64 threads)
 QUERY_REGS = 32  # query values a scoring lane holds (rows x channels / lanes per token)
 MIN_SPAN = 256  # fewest tokens per split (unless the context is shorter)
-DEFAULT_BLOCKS = 1024  # threadgroups to aim for
+DEFAULT_THREADS = 1024 * 128  # threads to aim for over the grid
+
+
+def outlier_threads() -> int:
+    """Threads per threadgroup: :data:`THREADS`, or ``VELOX_OUTLIER_THREADS`` (64 or 128).
+    (One warp a threadgroup needs about 250 registers a thread: its share of a group's
+    records loaded ahead, its entries of the butterflies, its query values; under a
+    128-register bound it spills, with 255 it ran 1.5x slower on an H200.)"""
+    env = os.environ.get("VELOX_OUTLIER_THREADS")
+    if env is None:
+        return THREADS
+    if not env.isdigit() or int(env) not in THREAD_CHOICES:
+        raise ValueError(f"VELOX_OUTLIER_THREADS must be one of {THREAD_CHOICES}, got {env!r}")
+    return int(env)
+
+
+def outlier_spec(nt: int) -> KernelSpec:
+    """The kernel's spec for threadgroups of ``nt`` threads: :data:`OUTLIER` with launch
+    bounds for :data:`SM_THREADS` threads an SM (its own name: its own build)."""
+    if nt not in THREAD_CHOICES:
+        raise ValueError(f"outlier_spec: threads must be one of {THREAD_CHOICES}, got {nt}")
+    return dataclasses.replace(
+        OUTLIER, name=f"{OUTLIER.name}_t{nt}", cuda_launch_bounds=(nt, SM_THREADS // nt)
+    )
 
 
 @dataclass(frozen=True)
@@ -171,7 +199,9 @@ def _words(p: RotatedPart) -> int:
 def _score_lanes(mb: int, dim: int, keys: OutlierSide) -> int | None:
     """Lanes per scored token: each takes a contiguous chunk of every key part's channels,
     at most 32 bits of codes (read as one word at a shift), and the chunks' query values of
-    ``mb`` rows fit :data:`QUERY_REGS` registers; None where no power of two up to 32 does."""
+    ``mb`` rows fit :data:`QUERY_REGS` registers; None where no power of two up to 32 does.
+    (64 values at 8 lanes a token, 4 rows and 128 threads, fit 128 registers too, with fewer
+    instructions a token, but measured 6% slower on an H200 than 16 lanes.)"""
     for lanes in (4, 8, 16, 32):
         if mb * dim > QUERY_REGS * lanes:
             continue
@@ -180,10 +210,12 @@ def _score_lanes(mb: int, dim: int, keys: OutlierSide) -> int | None:
     return None
 
 
-def _value_chunks(mb: int, values: OutlierSide) -> tuple[tuple[int, ...], int] | None:
+def _value_chunks(
+    mb: int, values: OutlierSide, nt: int = THREADS
+) -> tuple[tuple[int, ...], int] | None:
     """Channels per chunk of each value part (a power of two dividing the part, at most 32
     bits of codes and 32 accumulators of ``mb`` rows) and the token sets sharing a chunk (a
-    power of two: threads = chunks x sets at most); None where the chunks outnumber the
+    power of two: chunks x sets at most ``nt`` threads); None where the chunks outnumber the
     threads."""
     sizes = []
     for p in values.parts:
@@ -192,33 +224,39 @@ def _value_chunks(mb: int, values: OutlierSide) -> tuple[tuple[int, ...], int] |
             c //= 2
         sizes.append(c)
     chunks = sum(p.channels // c for p, c in zip(values.parts, sizes))
-    if chunks > THREADS:
+    if chunks > nt:
         return None
     sets = 1
-    while sets < 32 and chunks * sets * 2 <= THREADS:
+    while sets < 32 and chunks * sets * 2 <= nt:
         sets *= 2
     return tuple(sizes), sets
 
 
-def outlier_launch(m: int, dim: int, keys: OutlierSide, values: OutlierSide):
+def outlier_launch(
+    m: int, dim: int, keys: OutlierSide, values: OutlierSide, threads: int | None = None
+):
     """``(rows per threadgroup, lanes per scored token, group, threads)`` for the shape, or
     None where the kernel has no layout for it (more than :data:`MAX_OUT` outputs per row
-    block, a group that does not fit threadgroup memory, sides with different groups)."""
+    block, a group that does not fit threadgroup memory, sides with different groups).
+    ``threads``: per threadgroup (default :func:`outlier_threads`)."""
+    nt = outlier_threads() if threads is None else threads
+    if nt not in THREAD_CHOICES:
+        raise ValueError(f"outlier_launch: threads must be one of {THREAD_CHOICES}, got {nt}")
     groups = {s.group for s in (keys, values) if s.mask is not None}
     if len(groups) != 1:
         return None  # no fractional side (the other kernels take it), or two groups
     group = groups.pop()
     mb = 1
-    while mb < min(m, MAX_ROWS) or mb * dim < THREADS:
+    while mb < min(m, MAX_ROWS) or mb * dim < nt:
         mb *= 2  # (the butterflies take whole entries per thread: padded rows below that)
     while mb > 1 and mb * dim > MAX_OUT:
         mb //= 2
-    if mb * dim > MAX_OUT or (mb * dim) % THREADS:
+    if mb * dim > MAX_OUT or (mb * dim) % nt:
         return None
     for side in (keys, values):
         # the butterflies pair entries by index: each part starts at a multiple of its
         # blocks, and a thread's entries lie in one part
-        ept = mb * dim // THREADS
+        ept = mb * dim // nt
         start = 0
         for p in side.parts:
             if start % p.block or dim % p.block or start % ept:
@@ -229,8 +267,7 @@ def outlier_launch(m: int, dim: int, keys: OutlierSide, values: OutlierSide):
         return None
     cw = max(sum(_words(p) for p in keys.parts), sum(_words(p) for p in values.parts))
     table = sum(2 * p.channels + (1 << p.bits) for p in keys.parts + values.parts)
-    nt = THREADS
-    if _value_chunks(mb, values) is None:
+    if _value_chunks(mb, values, nt) is None:
         return None
     floats = table + 2 * mb * dim + group * cw + 1 + 2 * group + group * mb + 2 * ((dim + 31) // 32)
     if 4 * (floats + 3 * mb) > SMEM_BYTES:
@@ -249,7 +286,7 @@ def outlier_template(
     mb, lanes, group, nt = launch
     out = [("HD", dim), ("MB", mb), ("LPT", lanes), ("GROUP", group), ("NT", nt)]
     out.append(("QMUL", qmul_bits(scale)))
-    sizes, sets = _value_chunks(mb, values)
+    sizes, sets = _value_chunks(mb, values, nt)
     out += [("VCHH", sizes[0] if len(sizes) == 2 else 1), ("VCL", sizes[-1]), ("VTS", sets)]
     for pre, s in (("K", keys), ("V", values)):
         hi, lo = (s.parts[0], s.parts[1]) if len(s.parts) == 2 else (None, s.parts[0])
@@ -289,7 +326,8 @@ def decode_attention_outlier(
             applied, or (with ``scale``) unscaled in any float dtype.
         keys, values: the segment's sides; at least one with two parts (a mask).
         splits: number of context chunks (whole groups each; default: about
-            :data:`DEFAULT_BLOCKS` threadgroups of at least :data:`MIN_SPAN` tokens).
+            :data:`DEFAULT_THREADS` threads in threadgroups of at least :data:`MIN_SPAN`
+            tokens).
         fp16, out_dtype: up to two fp16 segments joined in the same softmax by the merge
             (:func:`velox_core.kernels.decode.merge_splits_fp16`); ``o`` is then the
             normalized attention over all of them, in ``out_dtype``.
@@ -322,11 +360,11 @@ def decode_attention_outlier(
     qf = _pad_rows(qf, mp)
     groups = t // group
     if splits is None:
-        want = max(1, math.ceil(DEFAULT_BLOCKS / max(1, b * h * nmb)))
+        want = max(1, math.ceil(DEFAULT_THREADS / nt / max(1, b * h * nmb)))
         splits = min(want, math.ceil(groups / max(1, math.ceil(MIN_SPAN / group))))
     s = max(1, min(int(splits), groups))
     s = math.ceil(groups / math.ceil(groups / s))  # no empty split
-    o_part, ml_part = OUTLIER.kernel()(
+    o_part, ml_part = outlier_spec(nt).kernel()(
         inputs=[qf, *_inputs(keys), *_inputs(values)],
         template=outlier_template(launch, dim, keys, values, scale),
         grid=(s * nt, b * h, nmb),
