@@ -326,15 +326,20 @@ _VALUES = "for (int tok = ts; tok < GROUP; tok += VTS) {"
 
 def outlier_variants(src: str) -> dict[str, str]:
     """The outlier kernel (TurboQuant's fractional widths) without its scoring loop, its
-    value loop, or both (text edits that skip the loops; results wrong on purpose)."""
+    value loop, or both; without the two transforms' butterflies; without its threadgroup
+    barriers (text edits; results wrong on purpose)."""
     no_scores = edit(src, _SCORES, _SCORES.replace("base < GROUP", "base < 0"))
     no_values = edit(src, _VALUES, _VALUES.replace("tok < GROUP", "tok < 0"))
     neither = edit(no_scores, _VALUES, _VALUES.replace("tok < GROUP", "tok < 0"))
+    no_fly = edit_all(src, r"hs < (K|V)BK; hs <<= 1", "hs < 0; hs <<= 1", 2)
+    no_bar = "#undef VX_BARRIER\n#define VX_BARRIER()\n" + src
     return {
         "outlier-shipped": src,
         "outlier-no-scores": no_scores,
         "outlier-no-values": no_values,
         "outlier-neither": neither,
+        "outlier-no-butterflies": no_fly,
+        "outlier-no-barriers": no_bar,
     }
 
 

@@ -38,13 +38,14 @@ def test_every_variant_edits_the_current_kernel(profile):
 
 
 def test_outlier_variants_edit_the_current_kernel(profile):
-    """The outlier section's edits (no scoring loop, no value loop, neither) still match the
-    outlier kernel's source, each into a different text."""
+    """The outlier section's edits (no scoring loop, no value loop, neither, no butterflies,
+    no barriers) still match the outlier kernel's source, each into a different text."""
     src = profile._ORIGINAL(profile.OUTLIER_SOURCE)
     variants = profile.outlier_variants(src)
     assert variants["outlier-shipped"] == src
     edited = [text for name, text in variants.items() if name != "outlier-shipped"]
-    assert len(edited) == 3 and len(set(edited)) == 3 and src not in edited
+    assert len(edited) == 5 and len(set(edited)) == 5 and src not in edited
+    assert variants["outlier-no-butterflies"].count("hs < 0; hs <<= 1") == 2
 
 
 def test_timer_summary_reads_the_timed_words(profile):
