@@ -418,7 +418,8 @@ for (int g = g0 - 1; g < g1; ++g) {
         // the token's LPT lanes add up their rows by a reduce-scatter: while a lane holds
         // more than one row, each step halves them (the lane with bit off set keeps the
         // upper half, its partner the lower: one shuffle a kept value); then the remaining
-        // steps add the one row left. Lane jj ends with SRN rows from row srow(jj) on
+        // steps add the one row left. Lanes jj < SRL end with SRN rows each, from row
+        // sum over the bits off of jj of MB / (2 off) on
 #pragma unroll
         for (int off = 1; off < LPT; off <<= 1) {
           if (off < MB) {
@@ -598,7 +599,8 @@ for (int g = g0 - 1; g < g1; ++g) {
         }
       }
       // the VTS token sets' sums by a reduce-scatter over the VCM MB accumulators (as the
-      // scores' lanes above): set ts ends with VRN of them from index vrow(ts) on
+      // scores' lanes above): sets ts < VRL end with VRN of them each, from index sum over
+      // the bits off of ts of VCM MB / (2 off) on
 #pragma unroll
       for (int off = 1; off < VTS; off <<= 1) {
         if (off < VCM * MB) {
