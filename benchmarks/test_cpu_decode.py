@@ -80,7 +80,9 @@ def test_encode_one_token(benchmark, bits):
 
 
 @pytest.mark.benchmark(group="decode-step-host")
-@pytest.mark.parametrize("name", ["fp16", "velox-uniform4", "velox-turboquant4"])
+@pytest.mark.parametrize(
+    "name", ["fp16", "velox-uniform4", "velox-turboquant4", "velox-turboquant3.5"]
+)
 def test_decode_step_host_time(benchmark, kv, name):
     """Host time of one layer's decode step as a GPU runs it: the cache update of one token
     and the attention call built (not evaluated) on the CUDA code path, velox's kernel calls
@@ -109,10 +111,12 @@ def test_decode_step_host_time(benchmark, kv, name):
             return [kk, vv, mx.zeros(q.shape, q.dtype)]  # SDPA stubbed: one output
 
     else:
-        if name == "velox-turboquant4":
+        if name.startswith("velox-turboquant"):
             from velox_turboquant import TurboQuantCache
 
-            cache = _filled(TurboQuantCache(bits=4), k, v)
+            bits = name.removeprefix("velox-turboquant")
+            bits = float(bits) if "." in bits else int(bits)
+            cache = _filled(TurboQuantCache(bits=bits), k, v)
         else:
             cache = _filled(UniformCache(bits=4), k, v)
         cache.fetch_decoded = False  # as make_cache sets it for mlx-lm's llama-like models

@@ -502,6 +502,33 @@ def test_outlier_kernel_inputs_are_checked(monkeypatch):
         ok.outlier_launch(4, 128, side, side, threads=32)
 
 
+def test_outlier_layout_is_worked_out_once_per_shape(monkeypatch):
+    """A decode step asks every layer for the same launch and template: they are worked out
+    once per shape, scale and threadgroup size, and again when any of them changes."""
+    part = ok.RotatedPart(4, 64, np.zeros(16), np.ones(64), None, 64)
+    lo = dataclasses.replace(part, bits=3, levels=np.zeros(8))
+    side = ok.OutlierSide((part, lo), (), (), mx.zeros((1,)), 64, None)
+    real, calls = ok.outlier_launch, []
+
+    def counted(*a, **kw):
+        calls.append(a)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ok, "outlier_launch", counted)
+    ok._LAYOUTS.clear()
+    first = ok._layout(4, 128, side, side, 0.088)
+    assert ok._layout(4, 128, side, side, 0.088) is first and len(calls) == 1
+    assert first[0] == real(4, 128, side, side) == (4, 16, 64, 64)
+    assert first[1] == ok.outlier_template(first[0], 128, side, side, 0.088)
+    assert ok._layout(4, 128, side, side, 0.1)[1] != first[1] and len(calls) == 2  # QMUL
+    monkeypatch.setenv("VELOX_OUTLIER_THREADS", "128")
+    assert ok._layout(4, 128, side, side, 0.088)[0] == (4, 16, 64, 128)
+    other = dataclasses.replace(side, group=32)
+    assert ok._layout(4, 128, other, other, 0.088)[0][2] == 32
+    one = ok.OutlierSide((dataclasses.replace(part, channels=128),), (), (), None, 1, None)
+    assert ok._layout(4, 128, one, one, 0.088) == (None, None) and len(calls) == 5
+
+
 @needs_gxx
 def test_metal_instantiations_compile_through_the_shim(tmp_path):
     units = []

@@ -83,9 +83,41 @@ def outlier_spec(nt: int) -> KernelSpec:
     bounds for :data:`SM_THREADS` threads an SM (its own name: its own build)."""
     if nt not in THREAD_CHOICES:
         raise ValueError(f"outlier_spec: threads must be one of {THREAD_CHOICES}, got {nt}")
-    return dataclasses.replace(
-        OUTLIER, name=f"{OUTLIER.name}_t{nt}", cuda_launch_bounds=(nt, SM_THREADS // nt)
-    )
+    key = (OUTLIER, nt)  # (OUTLIER itself: a profiling script may swap in a variant)
+    spec = _SPECS.get(key)
+    if spec is None:
+        spec = _SPECS[key] = dataclasses.replace(
+            OUTLIER, name=f"{OUTLIER.name}_t{nt}", cuda_launch_bounds=(nt, SM_THREADS // nt)
+        )
+    return spec
+
+
+_SPECS: dict = {}
+# (rows, head dim, threads, scale, keys' and values' shape keys) -> (launch, template): a
+# decode step asks for the same layout in every layer
+_LAYOUTS: dict = {}
+_LAYOUTS_MAX = 256
+
+
+def _shape_key(s: OutlierSide) -> tuple:
+    """What :func:`outlier_launch` and :func:`outlier_template` read of a side."""
+    parts = tuple((p.bits, p.channels, p.block) for p in s.parts)
+    return (s.group if s.mask is not None else None, parts)
+
+
+def _layout(m: int, dim: int, keys: OutlierSide, values: OutlierSide, scale: float | None):
+    """``(launch, template)`` for the shape (None, None where the kernel has none), worked
+    out once per shape and threadgroup size."""
+    nt = outlier_threads()
+    key = (m, dim, nt, scale, _shape_key(keys), _shape_key(values))
+    hit = _LAYOUTS.get(key)
+    if hit is None:
+        launch = outlier_launch(m, dim, keys, values, nt)
+        tmpl = None if launch is None else outlier_template(launch, dim, keys, values, scale)
+        if len(_LAYOUTS) >= _LAYOUTS_MAX:
+            _LAYOUTS.clear()
+        hit = _LAYOUTS[key] = (launch, tmpl)
+    return hit
 
 
 @dataclass(frozen=True)
@@ -343,7 +375,7 @@ def decode_attention_outlier(
         return None
     b, h, m, dim = q.shape
     t = keys.codes[-1].shape[2]
-    launch = outlier_launch(m, dim, keys, values)
+    launch, tmpl = _layout(m, dim, keys, values, scale)
     if t < 1 or launch is None:
         return None
     mb, _, group, nt = launch
@@ -366,7 +398,7 @@ def decode_attention_outlier(
     s = math.ceil(groups / math.ceil(groups / s))  # no empty split
     o_part, ml_part = outlier_spec(nt).kernel()(
         inputs=[qf, *_inputs(keys), *_inputs(values)],
-        template=outlier_template(launch, dim, keys, values, scale),
+        template=tmpl,
         grid=(s * nt, b * h, nmb),
         threadgroup=(nt, 1, 1),
         output_shapes=[(b, h, s, mp, dim), (b, h, s, mp, 2)],
