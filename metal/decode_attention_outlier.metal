@@ -567,6 +567,7 @@ for (int g = g0 - 1; g < g1; ++g) {
         const int cb = vhi ? ck * (VCH * VBH) : VWH * 32 + (ck - VNH / VCH) * (VCL * VBL);
         const int wi0 = cb >> 5;
         const int sh = cb & 31;
+#pragma unroll 2
         for (int tok = ts; tok < GROUP; tok += VTS) {
           const int wi = tok * CW + wi0;
           const unsigned int chunk =
