@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
+from . import env_setting
 from .build import KernelSpec
 from .decode import FP16_MAX, _dummy, _pad_rows, merge_splits, merge_splits_fp16, qmul_bits
 
@@ -63,6 +63,7 @@ MAX_OUT = 1024  # rows x head dim per threadgroup (16 running outputs a thread a
 QUERY_REGS = 32  # query values a scoring lane holds (rows x channels / lanes per token)
 MIN_SPAN = 256  # fewest tokens per split (unless the context is shorter)
 DEFAULT_THREADS = 1024 * 128  # threads to aim for over the grid
+_SPECS: dict = {}  # (OUTLIER, threads) -> its spec
 
 
 def outlier_threads() -> int:
@@ -70,7 +71,7 @@ def outlier_threads() -> int:
     (One warp a threadgroup needs about 250 registers a thread: its share of a group's
     records loaded ahead, its entries of the butterflies, its query values; under a
     128-register bound it spills, with 255 it ran 1.5x slower on an H200.)"""
-    env = os.environ.get("VELOX_OUTLIER_THREADS")
+    env = env_setting("VELOX_OUTLIER_THREADS")
     if env is None:
         return THREADS
     if not env.isdigit() or int(env) not in THREAD_CHOICES:
@@ -92,7 +93,6 @@ def outlier_spec(nt: int) -> KernelSpec:
     return spec
 
 
-_SPECS: dict = {}
 # (rows, head dim, threads, scale, keys' and values' shape keys) -> (launch, template): a
 # decode step asks for the same layout in every layer
 _LAYOUTS: dict = {}
