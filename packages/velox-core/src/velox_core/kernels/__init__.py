@@ -30,6 +30,7 @@ import mlx.core as mx
 
 __all__ = [
     "backend",
+    "env_choice",
     "env_setting",
     "get_kernel",
     "kernel_source",
@@ -59,6 +60,20 @@ def env_setting(name: str, default: str | None = None) -> str | None:
         key = _ENV_KEYS[name] = os.fsencode(name)
     value = data.get(key)
     return default if value is None else os.fsdecode(value)
+
+
+def env_choice(name: str, choices: tuple[str, ...]) -> str | None:
+    """A kernel setting that takes one of ``choices``: None where the environment leaves it
+    unset (or empty), else its value; anything else is a ValueError naming the choices."""
+    value = (env_setting(name) or "").strip()
+    if not value:
+        return None
+    if value not in choices:
+        alts = (
+            " or ".join((", ".join(choices[:-1]), choices[-1])) if len(choices) > 1 else choices[0]
+        )
+        raise ValueError(f"{name} must be {alts}, got {value!r}")
+    return value
 
 
 def kernels_enabled() -> bool:

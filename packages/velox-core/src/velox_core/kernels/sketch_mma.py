@@ -31,7 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import kernels as _kernels  # backend() looked up per call (tests report another)
-from . import env_setting
+from . import env_choice, env_setting
 from .build import KernelSpec
 from .decode import (
     AFFINE,
@@ -226,33 +226,28 @@ def _frag_words(rows: int, m: int, mo: int, outliers: int, diff: bool) -> int:
 
 def _forced(name: str) -> bool | None:
     """An environment switch: None unset, else 0 or 1 (anything else is an error)."""
-    value = env_setting(name, "").strip()
-    if not value:
-        return None
-    if value not in ("0", "1"):
-        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
-    return value == "1"
+    value = env_choice(name, ("0", "1"))
+    return None if value is None else value == "1"
 
 
 def fragment_plan(rows: int, m: int, mo: int, outliers: int) -> tuple[bool, bool, int]:
     """Where the kernel keeps its B fragments and how far ahead it loads, for a layout:
     ``(diff, shared, ahead)`` = (:func:`b_diff`, :func:`frags_shared`, :func:`tiles_ahead`),
     worked out in one pass (the template asks for all three)."""
+    diff_words = _frag_words(rows, m, mo, outliers, True)
     diff = bool(outliers) and mo != m and _forced("VELOX_SKETCH_MMA_DIFF") is not False
-    diff = diff and _frag_words(rows, m, mo, outliers, True) <= FRAG_WORDS
+    diff = diff and diff_words <= FRAG_WORDS
     shared = False
     if not diff:
         forced = _forced("VELOX_SKETCH_MMA_BSM")
         shared = (
             forced if forced is not None else _frag_words(rows, m, mo, outliers, False) > FRAG_WORDS
         )
-    value = env_setting("VELOX_SKETCH_MMA_AHEAD", "").strip()
-    if value:
-        if value not in ("1", "2"):
-            raise ValueError(f"VELOX_SKETCH_MMA_AHEAD must be 1 or 2, got {value!r}")
+    value = env_choice("VELOX_SKETCH_MMA_AHEAD", ("1", "2"))
+    if value is not None:
         ahead = int(value)
     else:
-        ahead = 2 if diff and _frag_words(rows, m, mo, outliers, True) <= AHEAD_WORDS else 1
+        ahead = 2 if diff and diff_words <= AHEAD_WORDS else 1
     return diff, shared, ahead
 
 
