@@ -10,9 +10,10 @@
 // threadgroup memory), so the query registers and the value accumulators are never live
 // together:
 //   1. scores: each lane decodes its key codes and dots them with the query rows held in
-//      registers; the LPT lanes of a token reduce with shuffles; scores (log2 domain: the
-//      query is multiplied by log2(e) once) go to threadgroup memory, and the split's exact
-//      max is reduced over the threadgroup;
+//      registers; the LPT lanes of a token add up their rows by a reduce-scatter of shuffles
+//      (each of the first min(LPT, MB) lanes ends with its share of the rows); scores (log2
+//      domain: the query is multiplied by log2(e) once) go to threadgroup memory, and the
+//      split's exact max is reduced over the threadgroup;
 //   2. weights p = exp2(s - max) are computed once per (token, row) in place, with their sum;
 //   3. values: each lane adds p times its decoded value codes to its accumulators.
 // The token slots and warps are then summed (shuffles, threadgroup memory) and the split's
@@ -92,6 +93,13 @@ constexpr unsigned int VMASK = (1u << VBITS) - 1u;
 constexpr float KPOW = (float)(1 << KBITS);
 constexpr float VPOW = (float)(1 << VBITS);
 constexpr float NEG = -1.0e30f;
+// a scored token's lanes that reduce-scatter its rows' sums (LPT), and those of them that
+// hold the sums after it (SRL, SRN rows each). Sketch keys keep a butterfly (every lane ends
+// with every row: SLN 1): on an H200 the reduce-scatter took the paper's sketch keys from
+// 166 to 176 registers, three threadgroups an SM to two, and 8-13% more time.
+constexpr int SLN = KKIND == 3 ? 1 : LPT;
+constexpr int SRL = SLN < MB ? SLN : MB;
+constexpr int SRN = MB / SRL;
 constexpr int SC = 4096;                // (token, row) score slots in threadgroup memory
 constexpr int CH = SC / MB;             // most tokens per split
 constexpr int RED = NWARPS * MB * HD;   // the final warp merge (reuses the score slots)
@@ -139,10 +147,12 @@ if (VKIND == 1 || VKIND == 4) {
 VX_BARRIER();
 
 // ================= pass 1: scores of the split's tokens -> smem[(t - t0) * MB + m] =========
-float wmax[MB];
+// the lane's running max of the rows it holds after a token's reduce-scatter (srow on)
+const int srow = vx_scatter_first<MB, SLN>(lane & (SLN - 1));
+float wmax[SRN];
 #pragma unroll
-for (int m = 0; m < MB; ++m) {
-  wmax[m] = NEG;
+for (int e = 0; e < SRN; ++e) {
+  wmax[e] = NEG;
 }
 if (KKIND != 3) {
   // query rows of this block in registers, in the log2 domain (QMUL: the float32 bits of
@@ -347,22 +357,18 @@ if (KKIND != 3) {
           part[m] *= ksc[r][0];
         }
       }
-#pragma unroll
-      for (int off = LPT / 2; off > 0; off >>= 1) {
-#pragma unroll
-        for (int m = 0; m < MB; ++m) {
-          part[m] += vx_shfl_xor(part[m], off);
-        }
-      }
+      // the token's lanes add up their rows by a reduce-scatter (velox_kernels.h): lanes
+      // j < SRL end with SRN rows each, from srow on
+      vx_reduce_scatter<MB, LPT>(part, j);
       if (tv[r]) {
 #pragma unroll
-        for (int m = 0; m < MB; ++m) {
-          wmax[m] = vx_max(wmax[m], part[m]);
+        for (int e = 0; e < SRN; ++e) {
+          wmax[e] = vx_max(wmax[e], part[e]);
         }
-        if (j == 0) {  // every lane of the token holds its MB scores; one stores them
+        if (j < SRL) {
 #pragma unroll
-          for (int m = 0; m < MB; ++m) {
-            smem[(tok[r] - t0) * MB + m] = part[m];
+          for (int e = 0; e < SRN; ++e) {
+            smem[(tok[r] - t0) * MB + srow + e] = part[e];
           }
         }
       }
@@ -594,12 +600,12 @@ if (KKIND != 3) {
             part[m] += vx_shfl_xor(part[m], off);
           }
         }
-        if (tv[r]) {
+        if (tv[r]) {  // SRN = MB here: every lane holds the token's scores; one stores them
 #pragma unroll
           for (int m = 0; m < MB; ++m) {
             wmax[m] = vx_max(wmax[m], part[m]);
           }
-          if (kj == 0) {  // every lane of the token holds its MB scores; one stores them
+          if (kj == 0) {
 #pragma unroll
             for (int m = 0; m < MB; ++m) {
               smem[(tok[r] - t0) * MB + m] = part[m];
@@ -611,18 +617,19 @@ if (KKIND != 3) {
   }
 }
 
-// the split's max of every row
+// the split's max of every row: over the lanes that hold the same rows (lane bits from SRL
+// up), then lanes 0 .. SRL - 1 store theirs
 #pragma unroll
-for (int m = 0; m < MB; ++m) {
+for (int e = 0; e < SRN; ++e) {
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    wmax[m] = vx_max(wmax[m], vx_shfl_xor(wmax[m], off));
+  for (int off = 16; off >= SRL; off >>= 1) {
+    wmax[e] = vx_max(wmax[e], vx_shfl_xor(wmax[e], off));
   }
 }
-if (lane == 0) {
+if (lane < SRL) {
 #pragma unroll
-  for (int m = 0; m < MB; ++m) {
-    red_ml[warp * MB + m] = wmax[m];
+  for (int e = 0; e < SRN; ++e) {
+    red_ml[warp * MB + srow + e] = wmax[e];
   }
 }
 VX_BARRIER();

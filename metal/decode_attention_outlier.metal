@@ -415,34 +415,11 @@ for (int g = g0 - 1; g < g1; ++g) {
             s[m] = vx_fma(nl, dl[m], s[m]);
           }
         }
-        // the token's LPT lanes add up their rows by a reduce-scatter: while a lane holds
-        // more than one row, each step halves them (the lane with bit off set keeps the
-        // upper half, its partner the lower: one shuffle a kept value); then the remaining
-        // steps add the one row left. Lanes jj < SRL end with SRN rows each, from row
-        // sum over the bits off of jj of MB / (2 off) on
-#pragma unroll
-        for (int off = 1; off < LPT; off <<= 1) {
-          if (off < MB) {
-            const int n = MB / (2 * off);  // rows a lane keeps after this step
-            const bool up = (jj & off) != 0;
-#pragma unroll
-            for (int e = 0; e < MB / 2; ++e) {
-              if (e < n) {
-                const float send = up ? s[e] : s[e + n];
-                const float keep = up ? s[e + n] : s[e];
-                s[e] = keep + vx_shfl_xor(send, off);
-              }
-            }
-          } else {
-            s[0] += vx_shfl_xor(s[0], off);
-          }
-        }
+        // the token's LPT lanes add up their rows by a reduce-scatter (velox_kernels.h):
+        // lanes jj < SRL end with SRN rows each
+        vx_reduce_scatter<MB, LPT>(s, jj);
         if (jj < SRL && base + ts < GROUP) {
-          int row = 0;
-#pragma unroll
-          for (int off = 1; off < SRL; off <<= 1) {
-            row += (jj & off) != 0 ? MB / (2 * off) : 0;
-          }
+          const int row = vx_scatter_first<MB, LPT>(jj);
 #pragma unroll
           for (int e = 0; e < SRN; ++e) {
             sc[tok * MB + row + e] = s[e];
@@ -600,33 +577,12 @@ for (int g = g0 - 1; g < g1; ++g) {
         }
       }
       // the VTS token sets' sums by a reduce-scatter over the VCM MB accumulators (as the
-      // scores' lanes above): sets ts < VRL end with VRN of them each, from index sum over
-      // the bits off of ts of VCM MB / (2 off) on
-#pragma unroll
-      for (int off = 1; off < VTS; off <<= 1) {
-        if (off < VCM * MB) {
-          const int n = VCM * MB / (2 * off);
-          const bool up = (ts & off) != 0;
-#pragma unroll
-          for (int e = 0; e < VCM * MB / 2; ++e) {
-            if (e < n) {
-              const float send = up ? acc[e] : acc[e + n];
-              const float keep = up ? acc[e + n] : acc[e];
-              acc[e] = keep + vx_shfl_xor(send, off);
-            }
-          }
-        } else {
-          acc[0] += vx_shfl_xor(acc[0], off);
-        }
-      }
+      // scores' lanes above): sets ts < VRL end with VRN of them each
+      vx_reduce_scatter<VCM * MB, VTS>(acc, ts);
       if (vact && ts < VRL) {
         const int c0 = vhi ? ck * VCH : VNH + (ck - VNH / VCH) * VCL;
         const int n = vhi ? VCH : VCL;
-        int idx = 0;
-#pragma unroll
-        for (int off = 1; off < VRL; off <<= 1) {
-          idx += (ts & off) != 0 ? VCM * MB / (2 * off) : 0;
-        }
+        const int idx = vx_scatter_first<VCM * MB, VTS>(ts);
 #pragma unroll
         for (int e = 0; e < VRN; ++e) {
           const int ce = (idx + e) / MB;  // channel and row of the accumulator

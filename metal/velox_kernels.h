@@ -18,6 +18,9 @@
 // VX_ASSUME(c) tells the CUDA compiler that c holds (e.g. vx_tid < the threadgroup size a
 // kernel is launched with, so that bounds tests known to pass fold away); a no-op elsewhere.
 //
+// VX_THREAD qualifies a reference to a thread's own (register) array in a helper's parameters
+// (Metal's `thread` address space; nothing on CUDA).
+//
 // Shared state: VX_SHARED declares threadgroup (Metal) / __shared__ (CUDA) arrays in the body;
 // VX_BARRIER() synchronizes the threadgroup. Warp/SIMD-group operations assume 32 lanes (every
 // NVIDIA GPU and every Apple GPU) and full participation of the 32 lanes.
@@ -27,6 +30,7 @@
 #if defined(VX_CUDA)
 
 #define VX_FN __device__ __forceinline__
+#define VX_THREAD
 #define VX_SHARED __shared__
 #define VX_BARRIER() __syncthreads()
 
@@ -51,6 +55,7 @@ VX_FN int vx_popcount(unsigned int x) { return __popc(x); }
 #include <metal_stdlib>
 
 #define VX_FN inline
+#define VX_THREAD thread
 #define VX_SHARED threadgroup
 #define VX_BARRIER() metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup)
 
@@ -86,6 +91,45 @@ VX_FN float vx_code_unit(unsigned int w, int sh, int bits) {
 // position and flipped into -1.0f (with `i` known at compile time, a shift and a LOP).
 VX_FN float vx_sign_unit(unsigned int w, int i) {
   return vx_bits_to_float(0xBF800000u ^ ((w << (31 - i)) & 0x80000000u));
+}
+
+// Reduce-scatter of VN partial sums over the VL lanes whose lane indices differ only in the
+// bits below VL (VN, VL powers of two; jj = lane % VL): while a lane holds more than one
+// value, each step halves them (the lane with bit `off` set keeps the upper half, its
+// partner the lower: one shuffle a kept value), then the remaining steps add the one value
+// left. A butterfly would take VN shuffles a step. After it, s[0 .. VN / min(VN, VL)) holds
+// the sums of the indices from vx_scatter_first<VN, VL>(jj) on (lanes whose jj agree in the
+// bits below min(VN, VL) hold the same ones); the rest of s is spent.
+template <int VN, int VL>
+VX_FN void vx_reduce_scatter(VX_THREAD float (&s)[VN], int jj) {
+#pragma unroll
+  for (int off = 1; off < VL; off <<= 1) {
+    if (off < VN) {
+      const int n = VN / (2 * off);  // values a lane keeps after this step
+      const bool up = (jj & off) != 0;
+#pragma unroll
+      for (int e = 0; e < VN / 2; ++e) {
+        if (e < n) {
+          const float send = up ? s[e] : s[e + n];
+          const float keep = up ? s[e + n] : s[e];
+          s[e] = keep + vx_shfl_xor(send, off);
+        }
+      }
+    } else {
+      s[0] += vx_shfl_xor(s[0], off);
+    }
+  }
+}
+
+// the first index whose sum vx_reduce_scatter<VN, VL> leaves in s[0] of lane jj
+template <int VN, int VL>
+VX_FN int vx_scatter_first(int jj) {
+  int idx = 0;
+#pragma unroll
+  for (int off = 1; off < VL && off < VN; off <<= 1) {
+    idx += (jj & off) != 0 ? VN / (2 * off) : 0;
+  }
+  return idx;
 }
 
 VX_FN float vx_max(float a, float b) { return a > b ? a : b; }
