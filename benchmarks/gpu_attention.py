@@ -391,19 +391,19 @@ def vq_encode_check(name, kw):
     check_guard(name, run)
 
 
-def sketch_encode_check(name, kw):
-    """QJL's encode kernel against the reference (sign-sketch matmuls, norms, packing) on
-    8 x 8 heads x 4,096 tokens: the outlier indices are the same MLX ops on both paths; a
-    sign bit may differ only where ``S x`` is within the reference matmul's rounding of 0
-    (TF32 on a GPU), so the check passes when at most 1e-3 of the bits differ and the norms
-    agree within float16 rounding, and reports both."""
+def sketch_encode_check(name, make):
+    """A sketch-coding encode kernel against the reference on 8 x 8 heads x 4,096 tokens:
+    QJL's keys (sign-sketch matmuls, norms, packing; the outlier indices are the same MLX ops
+    on both paths) or TurboQuant_prod's (Lloyd-Max codes, then the residual's sign sketch and
+    norm). A sign bit may differ only where ``S x`` is within the reference matmul's rounding
+    of 0 (TF32 on a GPU), so the check passes when at most 1e-3 of the bits differ, indices
+    and codes are equal and the norms agree within float16 rounding, and reports each."""
 
     def run():
         from velox_core.ops import unpack
-        from velox_qjl import QJL
 
         x = mx.random.normal((8, 8, 4096, 128), key=mx.random.key(11)).astype(mx.float16)
-        codec = QJL(**kw)
+        codec = make()
         codec.check(128, mx.float16)
         with kernels(True):
             got = codec.encode(x).data
@@ -412,17 +412,18 @@ def sketch_encode_check(name, kw):
         errs, ok = {}, True
         for key, r in ref.items():
             g = got[key]
+            field = key.rsplit(".", 1)[-1]  # a fractional record's parts: "hi.signs", ...
             if g.shape != r.shape or g.dtype != r.dtype:
                 errs[key] = f"shape/dtype {g.shape} {g.dtype} vs {r.shape} {r.dtype}"
                 ok = False
-            elif key in ("sign", "osign"):
+            elif field in ("sign", "osign", "signs"):
                 n = r.shape[-1] * 32
                 share = mx.mean((unpack(g, 1, n) != unpack(r, 1, n)).astype(mx.float32)).item()
                 errs[f"{key}_differing"] = share
                 ok = ok and share <= 1e-3
-            elif key == "idx":
+            elif field in ("idx", "codes", "mask"):
                 diff = mx.sum(g != r).item()
-                errs["idx_mismatch"] = int(diff)
+                errs[f"{key}_mismatch"] = int(diff)
                 ok = ok and diff == 0
             else:
                 gf, rf = g.astype(mx.float32), r.astype(mx.float32)
@@ -526,6 +527,7 @@ def codebook_check(name, bits, rows=(2, 8, 777)):
 @guarded("checks")
 def section_checks(quick: bool) -> None:
     from velox_core import Uniform, UniformCache
+    from velox_qjl import QJL
     from velox_turboquant import TurboQuant, TurboQuantCache
 
     print("\n== a. kernels against the reference MLX path ==")
@@ -635,7 +637,7 @@ def section_checks(quick: bool) -> None:
             4,
             seed=30 + bits,
         )
-    from velox_qjl import QJL, QJLCache
+    from velox_qjl import QJLCache
 
     for label, kw, m, t in (  # QJL keys (sign sketches, outlier blocks), 2-bit values
         ("m 256, 8 outliers x 32 bits", {}, 4, t_big),
@@ -807,7 +809,11 @@ def section_checks(quick: bool) -> None:
         ("m 320 (recommended)", QJL_4BIT),
         ("no outliers", {"outliers": 0}),
     ):
-        sketch_encode_check(f"qjl encode {label}", kw)
+        sketch_encode_check(f"qjl encode {label}", lambda kw=kw: QJL(**kw))
+    for bits in (1, 3, 3.5):
+        sketch_encode_check(
+            f"turboquant{bits} prod encode", lambda bits=bits: TurboQuant(bits, "prod")
+        )
 
 
 # =============================================================================================

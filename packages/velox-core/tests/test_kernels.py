@@ -1482,6 +1482,66 @@ def test_sketch_encode_kernel_matches_a_float64_reference(sketch_encoders, name)
         assert got_sign.shape == (rows, words) and np.array_equal(got_sign, np.asarray(ref))
 
 
+RESIDUAL_CASES = {
+    # name: (code bits, sketch rows m, norm dtype)
+    "2-bit codes, m 128, fp16 norms": (2, 128, mx.float16),
+    "3-bit codes, m 128, bf16 norms": (3, 128, mx.bfloat16),
+    "1-bit codes, m 100 (a partial word), fp32 norms": (1, 100, mx.float32),
+}
+
+
+@needs_gxx
+@pytest.mark.parametrize("name", list(RESIDUAL_CASES))
+def test_residual_sketch_encode_kernel_matches_a_float64_reference(tmp_path, name):
+    """TurboQuant_prod's residual kernel: the residual is ``y - levels[code]`` with the codes
+    the codebook kernel packs (so the reference's, bit for bit), its sign words are those of
+    the exact (float64) ``S r`` packed as ``pack(bits, 1)`` (a partial last word's high bits
+    zero), and its norm is ``||r||`` rounded to the norm dtype; the MLX reference
+    (``sign_sketch`` + ``pack``) gives the same words. Mutating the residual (levels off by
+    one code, another row of S) changes the words."""
+    from velox_core.ops import sign_sketch
+
+    bits, m, ndt = RESIDUAL_CASES[name]
+    rng = np.random.default_rng(bits * 1000 + m)
+    rows, d = 2 * 3 * 21, 128
+    y = rng.standard_normal((rows, d)).astype(np.float32)
+    y /= np.linalg.norm(y, axis=-1, keepdims=True)
+    book = lloyd_max_sphere(bits, d)
+    s = rng.standard_normal((m + 5, d)).astype(np.float16)[:m]
+    bounds = np.asarray(book.boundaries, np.float32)
+    levels = np.asarray(book.centroids, np.float32)
+    emu = Emulator(tmp_path)
+    ins = [y, s, bounds, levels]
+    tmpl = [("D", d), ("M", m), ("BITS", bits), ("NT", ndt)]
+    handle = emu.kernel(ek.RESIDUAL_SKETCH_ENCODE, ins, ["uint32", ndt], tmpl)
+    w = -(-m // 32)
+    sign, rnorm = emu.run(handle, ins, [(rows, w), (rows,)], (rows * w, 1, 1), (ek.THREADS, 1, 1))
+    codes = np.asarray(book.encode(mx.array(y))).astype(np.int64)
+    r32 = y - levels[codes]  # the reference's float32 residual
+    r = r32.astype(np.float64)
+    sr = r @ s.astype(np.float64).T
+    near = np.abs(sr) <= d * 2.0**-24 * (np.abs(r) @ np.abs(s.astype(np.float64)).T)
+    assert near.mean() < 1e-3
+    assert sign.shape == (rows, w) and np.array_equal(sign, _bits_of(sr))
+    ref = pack(sign_sketch(mx.array(r32), mx.array(s)), 1)
+    assert np.array_equal(sign, np.asarray(ref))
+    got = (
+        rnorm.astype(np.float64)
+        if ndt != mx.bfloat16
+        else ((rnorm.astype(np.uint32) << 16).view(np.float32).astype(np.float64))
+    )
+    want = np.linalg.norm(r, axis=-1)
+    # one unit of the norm's last place; float32: the sum of 128 squares' rounding
+    ulp = {mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7, mx.float32: 2.0**-17}[ndt]
+    assert np.all(np.abs(got - want) <= ulp * want)
+    # the same launch with levels one code off (a residual that is not the codes') differs
+    shifted = np.roll(levels, 1)
+    bad, _ = emu.run(
+        handle, [y, s, bounds, shifted], [(rows, w), (rows,)], (rows * w, 1, 1), (ek.THREADS, 1, 1)
+    )
+    assert not np.array_equal(bad, sign)
+
+
 # -- the library's own host code, with the kernels emulated ---------------------------------------
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import velox_core.kernels as vk
-from velox_core import Packed, Uniform
+from velox_core import Uniform
 from velox_core.cache.attention import Segment, partial
 from velox_core.kernels.emulate import EmulatedKernels, emulated_or_skip
 from velox_core.testing import assert_partials_close, kv_data
@@ -168,15 +168,38 @@ def test_emulated_cache_encodes_bit_exact_and_attends(emulated_gpu, monkeypatch,
 
 
 @needs_gxx
-def test_prod_keys_keep_the_reference_encode(emulated_gpu):
-    """The fused encode covers mse only: prod codes (with their residual sketch) take the
-    reference path even when kernels are on."""
-    k, _ = kv_data(t=16)
-    kc = TurboQuant(3, "prod")
-    kc.check(128, mx.float16)
+@pytest.mark.parametrize("bits,dtype", [(3, mx.float16), (2, mx.bfloat16), (1, mx.float16)])
+def test_emulated_prod_encode_gives_the_reference_record(emulated_gpu, monkeypatch, bits, dtype):
+    """prod keys encode through the kernels (emulated): the codes kernel and the residual's
+    sketch kernel (1 bit: QJL's sketch kernel, the residual being the vector), with the
+    reference's codes and norms, its sign words (random data puts no ``S r`` within rounding
+    of 0) and its residual norms within a rounding of their dtype."""
+    k, _ = kv_data(t=48)
+    k = k.astype(dtype)
+    kc = TurboQuant(bits, "prod")
+    kc.check(128, dtype)
     rec = kc.encode(k)
-    assert "signs" in rec.data and not emulated_gpu.calls
-    assert isinstance(rec, Packed)
+    mx.eval(rec.data)
+    want = (
+        ["velox_encode_sketch"]
+        if bits == 1
+        else [
+            "velox_encode_codebook",
+            "velox_encode_residual_sketch",
+        ]
+    )
+    assert emulated_gpu.names == want
+    monkeypatch.setattr(vk, "backend", lambda: "cpu")  # the reference path
+    ref = kc.encode(k)
+    assert set(rec.data) == set(ref.data)
+    for name in ("codes", "norm", "signs"):
+        if name in ref.data:
+            assert rec.data[name].dtype == ref.data[name].dtype
+            assert mx.array_equal(rec.data[name], ref.data[name]).item(), name
+    got, want_rn = (np.asarray(r.data["rnorm"].astype(mx.float32)) for r in (rec, ref))
+    assert rec.data["rnorm"].dtype == ref.data["rnorm"].dtype == dtype
+    ulp = 2.0**-7 if dtype == mx.bfloat16 else 2.0**-10
+    assert np.all(np.abs(got - want_rn) <= ulp * np.abs(want_rn))
 
 
 @needs_gxx

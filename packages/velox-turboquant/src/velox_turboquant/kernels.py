@@ -16,7 +16,10 @@ rotated domain, ``x = norm * levels[code]`` per coordinate, with one norm per to
   (query rotation, kernel, merge) for a layer's attention.
 * Encode: the norm and the rotation stay MLX ops; the kernel does the Lloyd-Max search
   (the same threshold comparisons as :meth:`velox_core.ops.Codebook.encode`) and packs the
-  codes, bit for bit the reference.
+  codes, bit for bit the reference. ``prod`` records (any width, 1-bit included) take the
+  same codes kernel and a second launch for the residual's sign sketch and norm
+  (``metal/encode_residual_sketch.metal``; 1 bit: QJL's sketch kernel, the residual being
+  the vector itself).
 
 * ``prod`` keys (TurboQuant_prod: ``bits - 1`` of Lloyd-Max codes and a 1-bit QJL sketch of
   the residual, at least 2 bits) take the same kernel with the sketch term: the host also
@@ -32,7 +35,8 @@ rotated domain, ``x = norm * levels[code]`` per coordinate, with one norm per to
 
 Fractional ``prod`` keys, ``prod`` values, 1-bit ``prod`` keys (the sketch alone) and parts
 rotated by a dense Haar matrix (parts whose Hadamard block would be under 16 channels) fall
-back to the reference (the functions return None); the fused encode covers mse codes only.
+back to the reference in attention (the functions return None); every integer-width record
+(mse or prod) and each part of a fractional one is encoded by the kernels.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ import numpy as np
 from velox_core import Packed
 from velox_core.kernels import use_kernels
 from velox_core.kernels.decode import CODEBOOK, Codes, decode_attention
-from velox_core.kernels.encode import codebook_encode
+from velox_core.kernels.encode import codebook_encode, residual_sketch_encode, sketch_encode
 from velox_core.kernels.outlier import (
     OutlierSide,
     RotatedPart,
@@ -58,7 +62,7 @@ if TYPE_CHECKING:
     from .codec import TurboQuant
     from .quantizer import SphereQuantizer
 
-__all__ = ["attend_joint", "attend_partial", "encode_codes"]
+__all__ = ["attend_joint", "attend_partial", "encode_codes", "encode_prod"]
 
 
 def _single_part(codec, variants: tuple[str, ...]) -> SphereQuantizer | None:
@@ -297,3 +301,35 @@ def encode_codes(quant: SphereQuantizer, y: mx.array) -> mx.array | None:
     if not use_kernels() or quant.codebook is None or quant.sketch is not None:
         return None
     return codebook_encode(y, quant.bounds, quant.mse_bits)
+
+
+def encode_prod(
+    quant: SphereQuantizer, y: mx.array, norm_dtype: mx.Dtype
+) -> dict[str, mx.array] | None:
+    """TurboQuant_prod's record fields but the norm (``codes``, ``signs``, ``rnorm``) of
+    rotated unit vectors ``y`` (GPU kernels), or None.
+
+    The codes through the codebook kernel (bit for bit the reference's), the residual's sign
+    sketch and norm through the residual-sketch kernel (the residual the reference's bit for
+    bit; a sign differs only where ``S r`` is within rounding of 0). 1-bit keys (QJL alone:
+    no codes, the residual is ``y``) take the QJL keys' sketch kernel without outliers.
+
+    Shapes:
+        y ``(..., T, dim)`` float32; returns the fields as ``SphereQuantizer.encode`` does.
+    """
+    if not use_kernels() or quant.sketch is None:
+        return None
+    if quant.codebook is None:
+        res = sketch_encode(y, quant.sketch, quant.sketch.shape[0])
+        if res is None:
+            return None
+        return {"signs": res[0], "rnorm": res[1].astype(norm_dtype)}
+    codes = codebook_encode(y, quant.bounds, quant.mse_bits)
+    if codes is None:
+        return None
+    res = residual_sketch_encode(
+        y, quant.sketch, quant.bounds, quant.levels, quant.mse_bits, norm_dtype
+    )
+    if res is None:
+        return None
+    return {"codes": codes, "signs": res[0], "rnorm": res[1]}

@@ -13,7 +13,8 @@ Everything here works in the rotated domain: scores come from the rotated query 
 codebook levels, and :meth:`SphereQuantizer.mix_rotated` returns weighted sums of levels,
 which the caller rotates back once. On a GPU with kernels enabled, TurboQuant_mse codes are
 searched and packed by one kernel (:mod:`velox_turboquant.kernels`, bit for bit the
-reference).
+reference); TurboQuant_prod's codes by the same kernel and its residual's sign sketch and
+norm by a second one.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from velox_core.ops import (
     unpack,
 )
 
-from .kernels import encode_codes
+from .kernels import encode_codes, encode_prod
 
 __all__ = ["MIN_HADAMARD_BLOCK", "Rotation", "SphereQuantizer", "derive_seed"]
 
@@ -139,9 +140,13 @@ class SphereQuantizer:
         norm = mx.sqrt(mx.sum(x * x, axis=-1))
         y = self.rotation.forward(x / mx.maximum(norm, 1e-30)[..., None])
         out = {"norm": norm.astype(norm_dtype)}
-        fused = encode_codes(self, y)  # GPU kernel (mse only), or None
+        fused = encode_codes(self, y)  # GPU kernel (mse), or None
         if fused is not None:
             out["codes"] = fused
+            return out
+        fields = encode_prod(self, y, norm_dtype)  # GPU kernels (prod), or None
+        if fields is not None:
+            out.update(fields)
             return out
         y_hat = mx.zeros_like(y)
         if self.codebook is not None:

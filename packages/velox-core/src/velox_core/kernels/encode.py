@@ -9,6 +9,8 @@
 * :func:`sketch_encode`: QJL keys' sign sketches (:func:`velox_core.ops.sign_sketch` followed
   by ``pack(bits, 1)``) and norms, of the inlier part and of the given outlier channels
   (``metal/encode_sketch.metal``).
+* :func:`residual_sketch_encode`: the sign sketch and norm of a Lloyd-Max code's residual
+  ``y - levels[code(y)]`` (TurboQuant_prod keys; ``metal/encode_residual_sketch.metal``).
 
 All return None where the kernel does not apply (the caller then runs the reference). The
 affine kernel computes the same float32 operations as the reference in the same order
@@ -18,7 +20,8 @@ its codes are identical everywhere. The VQ kernel ranks codewords by the exact f
 squared distance, where the reference ranks ``||c||^2 - 2 y.c`` from a matmul: the two agree
 except where two codewords are equally near within rounding. The sketch kernel sums ``S x``
 in channel order where the reference's matmul sums in its own: a sign bit can differ only
-where ``|S x|`` is within float32 rounding of 0, a norm by a rounding of its dtype.
+where ``|S x|`` is within float32 rounding of 0, a norm by a rounding of its dtype; so does
+the residual sketch kernel, whose residuals are the reference's bit for bit.
 """
 
 from __future__ import annotations
@@ -33,10 +36,12 @@ from .build import KernelSpec
 __all__ = [
     "AFFINE_ENCODE",
     "CODEBOOK_ENCODE",
+    "RESIDUAL_SKETCH_ENCODE",
     "SKETCH_ENCODE",
     "VQ_ENCODE",
     "affine_encode",
     "codebook_encode",
+    "residual_sketch_encode",
     "sketch_encode",
     "vq_encode",
 ]
@@ -64,6 +69,12 @@ SKETCH_ENCODE = KernelSpec(
     source="encode_sketch.metal",
     inputs=("x", "s", "idx"),
     outputs=("sign", "norm", "osign", "onorm"),
+)
+RESIDUAL_SKETCH_ENCODE = KernelSpec(
+    name="velox_encode_residual_sketch",
+    source="encode_residual_sketch.metal",
+    inputs=("y", "s", "bounds", "levels"),
+    outputs=("sign", "rnorm"),
 )
 THREADS = 64
 _FLOATS = (mx.float16, mx.bfloat16, mx.float32)
@@ -244,3 +255,47 @@ def sketch_encode(
     if not k:
         return sign, norm, None, None
     return sign, norm, osign, onorm
+
+
+def residual_sketch_encode(
+    y: mx.array, s: mx.array, bounds: mx.array, levels: mx.array, bits: int, norm_dtype: mx.Dtype
+) -> tuple[mx.array, mx.array] | None:
+    """The packed sign sketch and the norm of the Lloyd-Max residual ``r = y - levels[c]``
+    (``c`` the codes :func:`codebook_encode` packs) in one launch, or None if the kernel does
+    not apply.
+
+    Shapes:
+        y ``(..., D)`` (cast to float32); s ``(m, D)`` the projection (any float dtype);
+        bounds ``(2**bits - 1,)`` ascending thresholds, levels ``(2**bits,)``. Returns sign
+        ``(..., ceil(m / 32))`` uint32 (``pack(sign_sketch(r, s), 1)``) and rnorm ``(...)``
+        ``||r||`` in ``norm_dtype``.
+    """
+    if y.ndim < 2 or s.ndim != 2 or s.dtype not in _FLOATS or not 1 <= bits <= 8:
+        return None
+    *lead, dim = y.shape
+    m = s.shape[0]
+    n = 1 << bits
+    if s.shape[1] != dim or m < 1 or bounds.shape != (n - 1,) or levels.shape != (n,):
+        return None
+    if norm_dtype not in _FLOATS:
+        return None
+    rows = 1
+    for r in lead:
+        rows *= r
+    words = -(-m // 32)
+    if rows == 0 or rows * words >= 1 << 31:  # (the grid's x is a 32-bit int)
+        return None
+    sign, rnorm = RESIDUAL_SKETCH_ENCODE.kernel()(
+        inputs=[
+            y.astype(mx.float32).reshape(rows, dim),
+            s,
+            bounds.astype(mx.float32),
+            levels.astype(mx.float32),
+        ],
+        template=[("D", dim), ("M", m), ("BITS", bits), ("NT", norm_dtype)],
+        grid=(rows * words, 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(*lead, words), tuple(lead)],
+        output_dtypes=[mx.uint32, norm_dtype],
+    )
+    return sign, rnorm
