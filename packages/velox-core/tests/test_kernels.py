@@ -233,6 +233,24 @@ def test_plan_layouts_and_declines():
     assert dk.plan(4, 2048, dk.AFFINE, 4, 64, dk.AFFINE, 4, 64) is None  # more than 32 lanes
 
 
+def test_plan_widens_the_register_budget_for_32_channel_lanes_on_cuda(monkeypatch):
+    """On CUDA, lanes of 32 channels (3-, 5-, 7-bit codes) hold 4 query rows (one pass over
+    the codes where two would read them twice); Metal keeps the budget, as do lanes of 16
+    channels, sketches and GQA beyond 4 rows at 16 channels."""
+    three = (dk.CODEBOOK, 3, 128, dk.CODEBOOK, 3, 128)
+    for backend, want in (("cuda", (32, 4, 1)), ("metal", (32, 2, 2)), ("cpu", (32, 2, 2))):
+        monkeypatch.setattr(vk, "backend", lambda b=backend: b)
+        p = dk.plan(4, 128, *three)
+        assert (p.cpl, p.mb, p.nmb) == want, backend
+        assert p.max_span == dk.SCORE_SLOTS // p.mb
+    monkeypatch.setattr(vk, "backend", lambda: "cuda")
+    assert dk.plan(8, 128, dk.AFFINE, 5, 32, dk.AFFINE, 7, 32).mb == 4  # 8 rows: two passes
+    p = dk.plan(4, 128, dk.AFFINE, 4, 64, dk.AFFINE, 4, 64)
+    assert (p.cpl, p.mb) == (16, 4)  # unchanged
+    assert dk.plan(8, 128, dk.AFFINE, 2, 64, dk.AFFINE, 2, 64).mb == 4  # 16 channels: as before
+    assert dk.plan(4, 128, dk.CODEBOOK, 3, 128, dk.CODEBOOK, 3, 128, sketch=True).mb == 1
+
+
 def _sketch_codes(m: int, mo: int, k: int, group: int = 32) -> dk.Codes:
     sk = dk.SketchKeys(m, mo, k, 7, 1.25, dk.sketch_lanes(m, mo), None)
     return dk.Codes(dk.SKETCH, 1, group if k else 1, None, None, sketch=sk)
@@ -365,6 +383,19 @@ def _decode_variants():
         tmpl = dk.template(p, 128, ks if sketch else side, side)
         assert dict(tmpl)["KQJL"] == int(sketch)
         out.append((dk.DECODE, infos, ["float32"] * 2, tmpl))
+    # 3-bit codes with 4 rows a pass (lanes of 32 channels on CUDA: CUDA_WIDE_REGS)
+    for kind in (dk.AFFINE, dk.CODEBOOK):
+        grp = 64 if kind == dk.AFFINE else 128
+        p = dk.plan(4, 128, kind, 3, grp, kind, 3, grp)
+        p = dataclasses.replace(p, mb=4, nmb=1, max_span=dk.SCORE_SLOTS // 4)
+        side = dk.Codes(kind, 3, grp, None, None)
+        if kind == dk.AFFINE:
+            ins = [U32, H16, H16, DUMMY]
+        else:
+            ins = [U32, ("float16", 3, 1 << 20), ("float16", 1, 8), ("float32", 1, 16)]
+        infos = [ArgInfo(*F32), *(ArgInfo(*a) for a in ins), *(ArgInfo(*a) for a in ins)]
+        infos += [ArgInfo(*DUMMY)] * 5
+        out.append((dk.DECODE, infos, ["float32"] * 2, dk.template(p, 128, side, side)))
     # KIVI's layout: per-channel key scales (B, H, T / 32, D), per-token values
     p = dk.plan(4, 128, dk.AFFINE_CHANNEL, 4, 32, dk.AFFINE, 4, 64)
     kside = dk.Codes(dk.AFFINE_CHANNEL, 4, 32, None, None)
@@ -971,6 +1002,20 @@ class _Memo:
 def test_decode_kernel_matches_the_reference_partial(emulated, name):
     _, cases = emulated
     run, ref, *_ = cases[name]
+    assert_partial_close(run(), ref)
+
+
+@needs_gxx
+@pytest.mark.parametrize("m,bits,pad", [(4, 3, 3), (3, 5, 0)])
+def test_decode_kernel_takes_four_rows_a_pass_at_32_channels_a_lane(
+    monkeypatch, tmp_path, m, bits, pad
+):
+    """The layout CUDA plans for lanes of 32 channels (4 query rows a pass, 128 query
+    values a lane), run through the emulator against the reference partial."""
+    q, keys, vals, ref = uniform_case(1, 2, 300, m, bits, 32, mx.float16, seed=5)
+    monkeypatch.setattr(vk, "backend", lambda: "cuda")  # the plan CUDA takes
+    run = DecodeRun(Emulator(tmp_path), q, keys, vals, splits=2, pad=pad)
+    assert (run.plan.cpl, run.plan.mb, run.plan.nmb) == (32, 4, 1)
     assert_partial_close(run(), ref)
 
 
