@@ -3,7 +3,8 @@
 //
 // Matches velox_core.ops.Codebook.encode + velox_core.ops.pack bit for bit: the code of x is
 // found by a binary search over the sorted decision thresholds (x >= bounds[cand - 1] moves
-// up), and code i of the row occupies bits [i*bits, (i+1)*bits) of the row's uint32 words.
+// up: vx_codebook_code in velox_kernels.h), and code i of the row occupies bits
+// [i*bits, (i+1)*bits) of the row's uint32 words.
 //
 // Template: BITS, HD (row length). Inputs: y (rows, HD) float32, contiguous;
 // bounds (2^BITS - 1,) float32. Output: codes (rows, W) uint32 (row-major; the host gives it the
@@ -22,13 +23,7 @@ if (row < rows) {
 #pragma unroll
   for (int e = 0; e < HD; ++e) {
     const float v = static_cast<float>(y[yb + e]);
-    int idx = 0;
-#pragma unroll
-    for (int k = BITS - 1; k >= 0; --k) {
-      const int cand = idx + (1 << k);
-      idx = v >= static_cast<float>(bounds[cand - 1]) ? cand : idx;
-    }
-    const unsigned int code = (unsigned int)idx;
+    const unsigned int code = (unsigned int)vx_codebook_code<BITS>(v, bounds);
     const int bit = e * BITS;
     const int wi = bit >> 5;
     const int sh = bit & 31;

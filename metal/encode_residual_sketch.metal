@@ -2,8 +2,8 @@
 // the sign sketch and the norm of the Lloyd-Max residual of each row.
 // Body written once for Metal and CUDA (see velox_kernels.h). One thread per output word.
 //
-// For a row y (a rotated unit vector) with Lloyd-Max codes c_e (the binary search of
-// encode_codebook.metal over the same thresholds, so the codes are those the codebook kernel
+// For a row y (a rotated unit vector) with Lloyd-Max codes c_e (vx_codebook_code, the search
+// of encode_codebook.metal over the same thresholds, so the codes are those the codebook kernel
 // packs) and levels L, the residual is r_e = y_e - L[c_e] (one float32 subtraction, as the
 // reference's y - y_hat), and
 //   sign  bit i%32 of word i/32 = (S[i] . r >= 0)  for sketch rows i < M  (1 at +-0),
@@ -39,13 +39,7 @@ if (gid < rows * W) {
   float ss = 0.0f;
   for (int c = 0; c < D; ++c) {
     const float v = static_cast<float>(y[yb + c]);
-    int idx = 0;
-#pragma unroll
-    for (int k = BITS - 1; k >= 0; --k) {
-      const int cand = idx + (1 << k);
-      idx = v >= static_cast<float>(bounds[cand - 1]) ? cand : idx;
-    }
-    const float r = v - static_cast<float>(levels[idx]);
+    const float r = v - static_cast<float>(levels[vx_codebook_code<BITS>(v, bounds)]);
     ss = vx_fma(r, r, ss);
 #pragma unroll
     for (int j = 0; j < 32; ++j) {

@@ -132,6 +132,20 @@ VX_FN int vx_scatter_first(int jj) {
   return idx;
 }
 
+// The Lloyd-Max code of v: a binary search over the 2^BITS - 1 ascending thresholds of a
+// codebook (v >= bounds[cand - 1] moves up), the comparisons velox_core.ops.Codebook.encode
+// makes; `bounds` points to them in device memory.
+template <int BITS, typename P>
+VX_FN int vx_codebook_code(float v, P bounds) {
+  int idx = 0;
+#pragma unroll
+  for (int k = BITS - 1; k >= 0; --k) {
+    const int cand = idx + (1 << k);
+    idx = v >= static_cast<float>(bounds[cand - 1]) ? cand : idx;
+  }
+  return idx;
+}
+
 VX_FN float vx_max(float a, float b) { return a > b ? a : b; }
 VX_FN float vx_min(float a, float b) { return a < b ? a : b; }
 VX_FN int vx_imin(int a, int b) { return a < b ? a : b; }

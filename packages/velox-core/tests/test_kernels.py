@@ -493,6 +493,12 @@ def _decode_variants():
         infos = [ArgInfo(dtype, 2, 1 << 20), ArgInfo("float16", 2, 1 << 16), idx]
         tmpl = [("D", 128), ("M", m), ("MO", mo), ("K", k), ("GROUP", group), ("NT", nt)]
         out.append((ek.SKETCH_ENCODE, infos, ["uint32", nt, "uint32", nt], tmpl))
+    # TurboQuant_prod's residual sketches: S float32 (TurboQuant's) or float16, a partial word
+    for bits, m, s_dtype, nt in ((2, 128, "float32", mx.float16), (3, 100, "float16", mx.bfloat16)):
+        infos = [ArgInfo("float32", 2, 1 << 20), ArgInfo(s_dtype, 2, 1 << 14)]
+        infos += [ArgInfo("float32", 1, (1 << bits) - 1), ArgInfo("float32", 1, 1 << bits)]
+        tmpl = [("D", 128), ("M", m), ("BITS", bits), ("NT", nt)]
+        out.append((ek.RESIDUAL_SKETCH_ENCODE, infos, ["uint32", nt], tmpl))
     return out
 
 
