@@ -26,6 +26,7 @@ the residual sketch kernel, whose residuals are the reference's bit for bit.
 
 from __future__ import annotations
 
+import math
 import struct
 
 import mlx.core as mx
@@ -100,9 +101,7 @@ def affine_encode(
         return None
     if not 0.0 < clip <= 1.0:
         return None
-    rows = 1
-    for n in lead:
-        rows *= n
+    rows = math.prod(lead)
     if rows == 0:
         return None
     words = -(-dim * bits // 32)
@@ -135,9 +134,7 @@ def codebook_encode(y: mx.array, bounds: mx.array, bits: int) -> mx.array | None
     *lead, dim = y.shape
     if not 1 <= bits <= 8 or bounds.shape != ((1 << bits) - 1,):
         return None
-    rows = 1
-    for n in lead:
-        rows *= n
+    rows = math.prod(lead)
     if rows == 0:
         return None
     words = -(-dim * bits // 32)
@@ -219,9 +216,7 @@ def sketch_encode(
             return None
     if s.shape[0] < max(m, mo if k else 0):
         return None
-    rows = t
-    for n in lead:
-        rows *= n
+    rows = t * math.prod(lead)
     words = -(-m // 32)
     owords = -(-mo // 32) if k else 0
     if rows == 0 or rows * (words + owords) >= 1 << 31:  # (the grid's x is a 32-bit int)
@@ -279,9 +274,7 @@ def residual_sketch_encode(
         return None
     if norm_dtype not in _FLOATS:
         return None
-    rows = 1
-    for r in lead:
-        rows *= r
+    rows = math.prod(lead)
     words = -(-m // 32)
     if rows == 0 or rows * words >= 1 << 31:  # (the grid's x is a 32-bit int)
         return None
