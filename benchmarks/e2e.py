@@ -1,0 +1,363 @@
+"""End to end: what a user of mlx-lm sees with each cache on a model of real size.
+
+For each context, batch size and cache, in one process: the prompt is prefilled the way
+mlx-lm's ``generate_step`` prefills it (chunks of ``--chunk`` tokens, the cache's state
+evaluated after each, the last token left for the first step), then ``--steps`` tokens are
+decoded through mlx-lm's own ``generate_step`` (batch 1) or the same pipelined loop over a
+``(B, 1)`` token batch (batch > 1: mlx-lm's ``batch_generate`` needs a batch protocol that
+issue 31 adds). Per row:
+
+- ``prefill_s``: the whole prefill; ``first_chunk_s``: its first chunk and ``first_step_s``
+  the first decode step (kernel builds show up there in a fresh process);
+- ``decode_tok_s``: decoded tokens per second and sequence (the pipelined loop: the next step's
+  graph is built while the device runs this one, as ``generate_step`` does);
+- ``host_ms_per_step``: median time to build one decode step's graph (``model(token)``
+  without evaluating it); ``sync_ms_per_step``: median time of a step built and evaluated
+  before the next one (host plus device, no overlap);
+- ``peak_bytes``: MLX's peak memory over prefill and decode (reset at the start of each row),
+  ``prefill_peak_bytes`` the same over the prefill only, ``base_bytes`` what was active
+  before the row (weights), ``cache_bytes`` the caches' resident bytes after the prefill;
+- ratios ``x_fp16_*`` against the fp16 row of the same context and batch.
+
+Models are mlx-lm architectures built at a named shape with random weights (bf16, 4-bit by
+``nn.quantize``, or fp32 for the CPU, where MLX's float16 matmuls are slow: there the
+``fp16`` row's ``KVCache`` holds float32, as given). Caches: ``fp16`` (mlx-lm's
+``KVCache``), ``mlx-q4`` / ``mlx-q8`` (mlx-lm's ``QuantizedKVCache``, group 64), or any velox
+spec (``uniform:bits=4``), run with attention routed to velox.
+
+    python3 benchmarks/e2e.py --shape llama3-8b --weights 4bit --contexts 32768,131072 \
+        --caches fp16,uniform:bits=4,kivi:bits=2 --json out/e2e.json
+    python3 benchmarks/e2e.py --shape small --weights fp32 --contexts 2048   # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+# Architecture shapes (mlx-lm config fields). Weights are random: the shapes decide the cost.
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama3-8b": {
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 131072,
+        "rope_scaling": {
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "tie_word_embeddings": False,
+    },
+    "qwen2.5-7b": {
+        "model_type": "qwen2",
+        "hidden_size": 3584,
+        "num_hidden_layers": 28,
+        "intermediate_size": 18944,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+    },
+    # small enough for a CPU; 8 KV heads so that the cache, not the weights, grows with context
+    "small": {
+        "model_type": "llama",
+        "hidden_size": 512,
+        "num_hidden_layers": 4,
+        "intermediate_size": 1024,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 2048,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": True,
+    },
+}
+WEIGHTS = ("bf16", "4bit", "fp32")
+MLX_QUANTIZED = {"mlx-q4": 4, "mlx-q8": 8}
+
+
+def build_model(shape: str, weights: str, seed: int = 0) -> nn.Module:
+    """An mlx-lm model of ``shape`` with random weights in ``weights``, evaluated."""
+    if shape not in SHAPES:
+        raise ValueError(f"--shape must be one of {', '.join(SHAPES)}, got {shape!r}")
+    if weights not in WEIGHTS:
+        raise ValueError(f"--weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    cfg = dict(SHAPES[shape])
+    module = importlib.import_module(f"mlx_lm.models.{cfg['model_type']}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(cfg))
+    model.set_dtype(mx.float32 if weights == "fp32" else mx.bfloat16)
+    if weights == "4bit":
+        nn.quantize(model, group_size=64, bits=4)
+    # evaluated layer by layer, so that no more than one layer's unquantized weights exist
+    for layer in model.layers:
+        mx.eval(layer.parameters())
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def make_caches(model: nn.Module, spec: str) -> list:
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    import velox_core
+
+    if spec == "fp16":
+        return velox_core.make_cache(model, default="fp16")
+    if spec in MLX_QUANTIZED:
+        return [QuantizedKVCache(group_size=64, bits=MLX_QUANTIZED[spec]) for _ in model.layers]
+    return velox_core.make_cache(model, default=spec)
+
+
+def cache_bytes(caches: list) -> int:
+    return int(sum(getattr(c, "nbytes", 0) for c in caches))
+
+
+def prefill(model, caches, prompt: mx.array, chunk: int) -> tuple[float, float]:
+    """``generate_step``'s prefill: all but the last token in chunks, each chunk's cache state
+    evaluated (its logits never are). Returns (seconds in all, seconds of the first chunk)."""
+    t0 = time.perf_counter()
+    first = None
+    done, total = 0, prompt.shape[1]
+    while total - done > 1:
+        n = min(chunk, total - done - 1)
+        model(prompt[:, done : done + n], cache=caches)
+        mx.eval([c.state for c in caches])
+        done += n
+        if first is None:
+            first = time.perf_counter() - t0
+        mx.clear_cache()
+    return time.perf_counter() - t0, first or 0.0
+
+
+def decode_generate_step(model, caches, last: mx.array, steps: int) -> tuple[float, float]:
+    """mlx-lm's ``generate_step`` from the prefilled caches (batch 1): (tokens per second,
+    seconds to its first token). The rate's clock starts at the first yielded token (its own
+    step over the one prompt token left, where a fresh process builds its decode kernels)."""
+    from mlx_lm.generate import generate_step
+
+    t0 = time.perf_counter()
+    gen = generate_step(last[0], model, max_tokens=steps + 1, prompt_cache=caches)
+    next(gen)
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    n = 0
+    for _ in gen:
+        n += 1
+    return n / (time.perf_counter() - t0), first
+
+
+def decode_batched(model, caches, last: mx.array, steps: int) -> tuple[float, float]:
+    """``generate_step``'s pipelined loop over a ``(B, 1)`` token batch (greedy): (tokens per
+    second and sequence, seconds to the first token)."""
+
+    def step(tok):
+        logits = model(tok, cache=caches)[:, -1, :]
+        return mx.argmax(logits, axis=-1)[:, None]
+
+    t0 = time.perf_counter()
+    y = step(last)
+    mx.async_eval(y)
+    mx.eval(y)
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        nxt = step(y)
+        mx.async_eval(nxt)
+        y.tolist()  # what generate_step's y.item() waits for
+        y = nxt
+    mx.eval(y)
+    return steps / (time.perf_counter() - t0), first
+
+
+def step_times(model, caches, tok: mx.array, steps: int) -> tuple[float, float]:
+    """Median ms to build one decode step's graph, and of a step built then evaluated."""
+    build, total = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        logits = model(tok, cache=caches)
+        t1 = time.perf_counter()
+        tok = mx.argmax(logits[:, -1, :], axis=-1)[:, None]
+        mx.eval(tok)
+        build.append(t1 - t0)
+        total.append(time.perf_counter() - t0)
+    return statistics.median(build) * 1e3, statistics.median(total) * 1e3
+
+
+def run_row(model, spec: str, context: int, batch: int, args) -> dict[str, Any]:
+    import velox_core
+
+    vocab = SHAPES[args.shape]["vocab_size"]
+    row: dict[str, Any] = {
+        "shape": args.shape,
+        "weights": args.weights,
+        "cache": spec,
+        "context": context,
+        "batch": batch,
+    }
+    gc.collect()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    prompt = mx.random.randint(0, vocab, (batch, context), key=mx.random.key(context + batch))
+    mx.eval(prompt)
+    caches = make_caches(model, spec)
+    try:
+        with velox_core.routed(model):
+            row["prefill_s"], row["first_chunk_s"] = prefill(model, caches, prompt, args.chunk)
+            row["prefill_peak_bytes"] = mx.get_peak_memory()
+            row["cache_bytes"] = cache_bytes(caches)
+            last = prompt[:, -1:]
+            decode = decode_generate_step if batch == 1 else decode_batched
+            row["decode_tok_s"], row["first_step_s"] = decode(model, caches, last, args.steps)
+            row["peak_bytes"] = mx.get_peak_memory()
+            tok = mx.zeros((batch, 1), dtype=mx.int32)
+            row["host_ms_per_step"], row["sync_ms_per_step"] = step_times(
+                model, caches, tok, args.timed_steps
+            )
+    finally:
+        row["base_bytes"] = base
+        del caches, prompt
+        gc.collect()
+        mx.clear_cache()
+    return row
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    fp16 = {
+        (r["context"], r["batch"]): r for r in rows if r["cache"] == "fp16" and "error" not in r
+    }
+    keys = ("decode_tok_s", "host_ms_per_step", "peak_bytes", "prefill_s", "cache_bytes")
+    for r in rows:
+        ref = fp16.get((r["context"], r["batch"]))
+        if ref is None or "error" in r:
+            continue
+        for k in keys:
+            if ref.get(k):
+                r[f"x_fp16_{k}"] = r[k] / ref[k]
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        "| context | batch | cache | prefill s | first chunk s | decode tok/s | x fp16 "
+        "| host ms/step | x fp16 | sync ms/step | cache GiB | peak GB | x fp16 | prefill peak GB |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+
+    def f(r, k, fmt):
+        v = r.get(k)
+        return "" if v is None else format(v, fmt)
+
+    for r in rows:
+        if "error" in r:
+            lines.append(
+                f"| {r['context']} | {r['batch']} | {r['cache']} | error: {r['error']} |"
+                + " |" * 10
+            )
+            continue
+        lines.append(
+            f"| {r['context']} | {r['batch']} | {r['cache']} | {f(r, 'prefill_s', '.2f')} "
+            f"| {f(r, 'first_chunk_s', '.2f')} | {f(r, 'decode_tok_s', '.1f')} "
+            f"| {f(r, 'x_fp16_decode_tok_s', '.2f')} | {f(r, 'host_ms_per_step', '.2f')} "
+            f"| {f(r, 'x_fp16_host_ms_per_step', '.2f')} | {f(r, 'sync_ms_per_step', '.2f')} "
+            f"| {r['cache_bytes'] / 2**30:.3f} | {r['peak_bytes'] / 1e9:.2f} "
+            f"| {f(r, 'x_fp16_peak_bytes', '.2f')} | {r['prefill_peak_bytes'] / 1e9:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_ints(text: str, name: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"{name} must be comma-separated integers, got {text!r}") from None
+    if not out or any(x < 2 for x in out):
+        raise SystemExit(f"{name} must list integers of at least 2, got {text!r}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    p.add_argument("--weights", default="4bit", choices=WEIGHTS)
+    p.add_argument("--caches", default="fp16,uniform:bits=4,turboquant:bits=4,kivi:bits=2")
+    p.add_argument("--contexts", default="4096,32768,131072")
+    p.add_argument("--batch", default="1", help="comma-separated batch sizes")
+    p.add_argument("--steps", type=int, default=64, help="decoded tokens timed per row")
+    p.add_argument("--timed-steps", type=int, default=16, help="steps timed for host/sync ms")
+    p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (mlx-lm's default)")
+    p.add_argument("--json", type=Path, default=None, help="write the rows to this file")
+    args = p.parse_args(argv)
+    contexts = parse_ints(args.contexts, "--contexts")
+    batches = [int(b) for b in args.batch.split(",")]
+    specs = [s.strip() for s in args.caches.split(",") if s.strip()]
+    if "fp16" in specs:  # the reference row first, for the ratios
+        specs = ["fp16", *[s for s in specs if s != "fp16"]]
+    t0 = time.perf_counter()
+    model = build_model(args.shape, args.weights)
+    info = {
+        "device": str(mx.default_device()),
+        "mlx": mx.__version__,
+        "model_build_s": time.perf_counter() - t0,
+        "weights_bytes": mx.get_active_memory(),
+    }
+    print(
+        f"model {args.shape} ({args.weights}) built in {info['model_build_s']:.1f} s, "
+        f"{info['weights_bytes'] / 1e9:.2f} GB active",
+        flush=True,
+    )
+    rows: list[dict[str, Any]] = []
+    for context in contexts:
+        for batch in batches:
+            for spec in specs:
+                try:
+                    row = run_row(model, spec, context, batch, args)
+                except Exception as exc:  # one failing cache must not lose the other rows
+                    row = {
+                        "shape": args.shape,
+                        "weights": args.weights,
+                        "cache": spec,
+                        "context": context,
+                        "batch": batch,
+                        "error": f"{type(exc).__name__}: {exc}",
+                        "traceback": traceback.format_exc(),
+                    }
+                    print(row["traceback"], file=sys.stderr)
+                rows.append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
+    add_ratios(rows)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"info": info, "rows": rows}, indent=1) + "\n")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
