@@ -220,6 +220,7 @@ def run_row(model, spec: str, context: int, batch: int, args) -> dict[str, Any]:
         "cache": spec,
         "context": context,
         "batch": batch,
+        "eval_chunks": not args.no_eval_chunks,
     }
     gc.collect()
     mx.clear_cache()
@@ -313,7 +314,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timed-steps", type=int, default=16, help="steps timed for host/sync ms")
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (mlx-lm's default)")
     p.add_argument("--json", type=Path, default=None, help="write the rows to this file")
+    p.add_argument(
+        "--no-eval-chunks",
+        action="store_true",
+        help="velox caches leave a prefill chunk's codes unevaluated (VeloxCache.eval_chunks)",
+    )
     args = p.parse_args(argv)
+    if args.no_eval_chunks:
+        from velox_core import VeloxCache
+
+        VeloxCache.eval_chunks = False
     contexts = parse_ints(args.contexts, "--contexts")
     batches = [int(b) for b in args.batch.split(",")]
     specs = [s.strip() for s in args.caches.split(",") if s.strip()]

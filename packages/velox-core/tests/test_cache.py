@@ -15,13 +15,16 @@ def sdpa(q, k, v, scale, mask=None, sinks=None):
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
 
 
-def test_lossless_cache_equals_fp16_attention_in_every_mode():
+@pytest.mark.parametrize("flush,segments", [(1, [4, 264, 32]), (64, [4, 214, 82])])
+def test_lossless_cache_equals_fp16_attention_in_every_mode(flush, segments):
+    """The window passes tokens to the body ``flush`` at a time: after 250 tokens at once and
+    50 one by one, the default quantum (64) has not been reached again; 1 passes each."""
     k, v = kv_data(t=300)
-    c = VeloxCache(window=32, sinks=4)
+    c = VeloxCache(window=32, sinks=4, flush=flush)
     c.update_and_fetch(k[:, :, :250], v[:, :, :250])
     for i in range(250, 300):
         c.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
-    assert [s.tokens for s in c.segments()] == [4, 264, 32]
+    assert [s.tokens for s in c.segments()] == segments
     kk, vv = c.keys_and_values()
     assert mx.array_equal(kk, k) and mx.array_equal(vv, v)
     scale = 1 / math.sqrt(128)
@@ -112,7 +115,10 @@ def test_trim_splits_a_block_and_restores_its_tokens():
     kk, _ = c.keys_and_values()
     assert rel_error(kk, k[:, :, :76]) < 0.01
     c.update_and_fetch(k[:, :, 76:], v[:, :, 76:])
-    assert c.size() == 96 and [s.tokens for s in c.segments()] == [96]
+    # 32 tokens wait in the window: fewer than the flush quantum (64)
+    assert c.size() == 96 and [s.tokens for s in c.segments()] == [64, 32]
+    c.update_and_fetch(k[:, :, :32], v[:, :, :32])
+    assert c.size() == 128 and [s.tokens for s in c.segments()] == [128]
 
 
 def test_age_tiers_recode_once_and_keep_order():
@@ -281,3 +287,49 @@ def test_partials_merge_for_any_reference_max():
     shifted = (o * math.exp(3.0), m - 3.0, l * math.exp(3.0))
     assert rel_error(merge_partials([shifted, *parts[1:]]), merge_partials(parts)) < 1e-5
     assert rel_error(merge_partials([shifted]), o / l) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"bits": 4},
+        {"bits": 4, "sinks": 3, "window": 5},
+        {"bits": 2, "group": 32, "key_axis": "channel", "window": 8, "flush": 40},
+    ],
+)
+def test_decode_steps_written_into_the_window_in_place_hold_what_the_general_path_holds(
+    monkeypatch, kw
+):
+    """A decode step's fast path (the token written into the window's buffer, nothing else)
+    leaves the cache as the general path does: same segments, same records, same state."""
+    k, v = kv_data(t=260)
+
+    def run():
+        c = UniformCache(**kw)
+        c.update_and_fetch(k[:, :, :100], v[:, :, :100])
+        for i in range(100, 260):
+            c.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
+        return c
+
+    fast = run()
+    monkeypatch.setattr(VeloxCache, "_write_window", lambda self, k, v: False)
+    general = run()
+    assert fast.offset == general.offset == 260
+    assert [s.tokens for s in fast.segments()] == [s.tokens for s in general.segments()]
+    for a, b in zip(fast.state, general.state, strict=True):
+        assert a == b if isinstance(a, str) else mx.array_equal(a, b)
+
+
+def test_flush_is_a_setting_of_every_cache_and_survives_its_config():
+    from velox_core import make
+
+    c = make("uniform:bits=4,flush=8")
+    assert c.flush == 8 and c.config()["flush"] == 8 and c.fresh().flush == 8
+    assert UniformCache(bits=4).flush == 64 and VeloxCache(window=4).flush == 64
+    k, v = kv_data(t=20)
+    c.update_and_fetch(k[:, :, :3], v[:, :, :3])
+    for i in range(3, 20):
+        c.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
+    assert [s.tokens for s in c.segments()] == [16, 4]  # 3 + 5 steps, 8 more, then 4 wait
+    with pytest.raises(ValueError, match="flush"):
+        UniformCache(bits=4, flush=0)

@@ -138,10 +138,11 @@ def test_uniform_encode_and_attend_route_to_the_kernels_on_a_gpu(monkeypatch):
     monkeypatch.setattr(vk, "backend", lambda: "cuda")
     seen = {}
 
+    def spy_plan(q_shape, q_dtype, keys, values, splits=None, fp16_tokens=None, **kw):
+        seen["joint"] = (q_shape, fp16_tokens)  # the joint call (sinks and window): declined
+        return None
+
     def spy_decode(qq, keys, values, splits=None, fp16=None, out_dtype=None, scale=None):
-        if fp16 is not None:  # the joint call (with the sinks and window): declined here
-            seen["joint"] = [k.shape for k, _ in fp16]
-            return None
         seen["decode"] = (qq.shape, keys.bits, keys.kind, values.kind, keys.codes.shape)
         kc, vc = Uniform(keys.bits, keys.group), Uniform(values.bits, values.group)
         kp = {"codes": keys.codes, "scale": keys.a, "zero": keys.b}
@@ -156,10 +157,11 @@ def test_uniform_encode_and_attend_route_to_the_kernels_on_a_gpu(monkeypatch):
         codes, scale, zero = affine_quantize(x, bits, group, "token", clip)
         return pack(codes, bits), scale, zero
 
+    monkeypatch.setattr(dk, "plan_decode", spy_plan)
     monkeypatch.setattr(dk, "decode_attention", spy_decode)
     monkeypatch.setattr(ek, "affine_encode", spy_encode)
     got = cache.attend(q, 0.1)
-    assert seen["joint"] == [(1, 2, 4, 128), (1, 2, 16, 128)]  # sinks and window offered
+    assert seen["joint"] == ((1, 2, 2, 128), 4 + 16)  # sinks and window offered
     assert seen["decode"] == ((1, 2, 2, 128), 4, dk.AFFINE, dk.AFFINE, (1, 2, 280, 16))
     assert mx.allclose(got, ref, atol=2e-3).item()
     Uniform(3, 32).encode(k[:, :, :8])
@@ -801,12 +803,12 @@ def test_decode_attention_merges_in_the_kernel_up_to_the_fuse_limit(monkeypatch)
     class Routed(Exception):
         pass
 
-    def fake(q, keys, values, splits, scale, out_dtype=None):
+    def fake(q_shape, q_dtype, keys, values, splits, scale, out_dtype=None):
         raise Routed(out_dtype)
 
     monkeypatch.delenv("VELOX_DECODE_FUSE", raising=False)
     monkeypatch.setattr(dk._kernels, "backend", lambda: "cuda")
-    monkeypatch.setattr(dk, "_decode_mma", fake)
+    monkeypatch.setattr(dk, "_plan_mma", fake)
     q = mx.zeros((1, 1, 4, 128), mx.float16)
     for t, want in ((dk.MMA_FUSE_TOKENS, mx.float16), (dk.MMA_FUSE_TOKENS + 1, None)):
         z = mx.zeros((1, 1, t, 2), mx.float16)
@@ -1616,7 +1618,9 @@ def test_cache_on_an_emulated_gpu_matches_the_reference(monkeypatch, tmp_path):
     cache.update_and_fetch(k[:, :, 290:], v[:, :, 290:])
     got = cache.attend(q, 0.088)
     names = fake.names
-    assert names.count("velox_encode_affine") == 4  # keys and values, two flushes
+    # keys and values, one flush: the second update's 10 tokens wait in the window (fewer
+    # than the flush quantum)
+    assert names.count("velox_encode_affine") == 2
     assert names[-2:] == ["velox_decode_attention", "velox_decode_merge_fp16"]  # one softmax
     body, ref_body = cache.segments()[1], ref_cache.segments()[1]
     for name in ("codes", "scale", "zero"):
@@ -2063,3 +2067,41 @@ def test_mlx_quantized_matmul_is_not_used_on_cuda(monkeypatch):
     monkeypatch.setattr(vk, "backend", lambda: "cuda")
     assert not mlx_readable(4, 64)
     assert not Uniform(4)._mlx_layout()
+
+
+@needs_gxx
+def test_decode_steps_reuse_one_plan_until_the_codes_grow(monkeypatch, tmp_path):
+    """Decode steps over an emulated GPU (Metal): the cache plans its joint attention once
+    per coded segment (``plan_decode`` again only after a flush), each step's output matches
+    attention over the decoded cache, and a step launches only the decode kernel and the
+    merge (and, at the flush, the encode kernel for keys and values)."""
+    k, v = kv_data(t=120, dtype=mx.float16)
+    cache = UniformCache(bits=4, sinks=2, flush=8)
+    cache.update_and_fetch(k[:, :, :100], v[:, :, :100])  # encoded on the CPU path
+    fake = EmulatedKernels(tmp_path).install(monkeypatch)
+    planned = []
+    plan = dk.plan_decode
+
+    def counting(*a, **kw):
+        planned.append(a[2].codes.shape[2])
+        return plan(*a, **kw)
+
+    monkeypatch.setattr(dk, "plan_decode", counting)
+    for i in range(100, 112):
+        cache.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
+        q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(i)).astype(mx.float16)
+        got = cache.attend(q, 0.088)
+        kk, vv = (x.astype(mx.float32) for x in cache.keys_and_values())
+        ref = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), kk, vv, scale=0.088)
+        err = float(mx.max(mx.abs(got.astype(mx.float32) - ref)).item())
+        assert err < 2e-3 * float(mx.max(mx.abs(ref)).item()), (i, err)
+    # 98 coded tokens after the prefill (2 sinks), 106 after the flush at step 8
+    assert planned == [98, 106]
+    names = fake.names
+    assert set(names) == {
+        "velox_decode_attention",
+        "velox_decode_merge_fp16",
+        "velox_encode_affine",
+    }
+    assert names.count("velox_decode_attention") == names.count("velox_decode_merge_fp16") == 12
+    assert names.count("velox_encode_affine") == 2

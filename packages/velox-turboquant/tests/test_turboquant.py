@@ -178,7 +178,9 @@ def test_attention_reads_the_codes(bits, monkeypatch):
 def test_no_worse_than_mlx_4bit_and_no_larger(setting):
     """Attention output error on kv_data (four draws, 16 queries per head, GQA 8/2) no worse
     than mx.quantize 4-bit group 64 of keys and values, and no more bytes than
-    QuantizedKVCache(group_size=64, bits=4) fed the same tokens."""
+    QuantizedKVCache(group_size=64, bits=4) fed the same tokens: with every token coded
+    (``flush=1``), and by default beside the newest tokens that wait as given until a whole
+    flush quantum (64) is coded at once."""
     assert setting in METHOD.recommended
     num = ref_num = den = 0.0
     for seed in range(4):
@@ -186,11 +188,14 @@ def test_no_worse_than_mlx_4bit_and_no_larger(setting):
         q = mx.random.normal((1, 8, 16, 128), key=mx.random.key(seed)) + k[:, :1, -1:] / 4
         q, scale = q.astype(mx.float16), 128**-0.5
         ours, theirs = TurboQuantCache(**setting), QuantizedKVCache(group_size=64, bits=4)
-        for cache in (ours, theirs):
+        coded = TurboQuantCache(**setting, flush=1)
+        for cache in (ours, theirs, coded):
             cache.update_and_fetch(k[:, :, :1000], v[:, :, :1000])
             for i in range(1000, 1024):
                 cache.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
-        assert ours.nbytes <= theirs.nbytes, (ours.nbytes, theirs.nbytes)
+        assert coded.nbytes <= theirs.nbytes, (coded.nbytes, theirs.nbytes)
+        assert ours._win[0].tokens < 64  # waiting as given, counted in nbytes
+        assert ours.nbytes - ours._win[0].nbytes - ours._win[1].nbytes <= theirs.nbytes
 
         def q4(x):
             return mx.dequantize(*mx.quantize(x, group_size=64, bits=4), group_size=64, bits=4)

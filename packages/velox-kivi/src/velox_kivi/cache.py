@@ -8,9 +8,10 @@ tokens stay in fp16 in a residual window and are quantized as it fills.
 
 Deviation from the paper: KIVI's reference code keeps between 0 and ``R`` key tokens in fp16
 (it quantizes the residual all at once when it reaches ``R``) while it streams values out of
-an ``R``-token window. Here keys and values leave the window together, a whole key group
-(``group`` tokens) at a time, so between ``window`` and ``window + group - 1`` of the newest
-tokens are fp16 for both. Attention reads the codes directly: per-token value codes through
+an ``R``-token window. Here keys and values leave the window together, ``flush`` tokens
+(velox's default 64, whole key groups) at a time, so between ``window`` and
+``window + flush - 1`` of the newest tokens are fp16 for both (``window=0, flush=R`` is the
+reference code's key residual). Attention reads the codes directly: per-token value codes through
 ``mx.quantized_matmul``, per-channel key codes with the scales folded into the query.
 """
 

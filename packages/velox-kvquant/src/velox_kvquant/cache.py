@@ -24,6 +24,8 @@ class KVQuantCache(PresetCache):
     """KVQuant's cache for one layer. Parameters: see :class:`KVQuantConfig`."""
 
     method = "kvquant"
+    # calibration decides in the window when coding starts: tokens leave it one at a time
+    default_flush = 1
     Config = KVQuantConfig
 
     def build(self, cfg: KVQuantConfig) -> dict[str, Any]:

@@ -29,6 +29,8 @@ class SKVQCache(PresetCache):
     """SKVQ's cache for one layer. Parameters: see :class:`SKVQConfig`."""
 
     method = "skvq"
+    # calibration decides in the window when coding starts: tokens leave it one at a time
+    default_flush = 1
     Config = SKVQConfig
 
     def build(self, cfg: SKVQConfig) -> dict[str, Any]:

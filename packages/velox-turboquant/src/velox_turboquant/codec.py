@@ -249,21 +249,25 @@ class TurboQuant(Codec):
 
         return attend_partial(self, q, keys, value_codec, values)
 
-    def attend_joint(
+    def joint_call(
         self,
-        q: mx.array,
+        q_shape: tuple[int, int, int, int],
+        q_dtype: mx.Dtype,
         keys: Packed,
         value_codec: Codec,
         values: Packed,
-        fp16: list[tuple[mx.array, mx.array]],
+        fp16_tokens: int,
         out_dtype: mx.Dtype,
         scale: float | None = None,
-    ) -> mx.array | None:
-        """Normalized attention over this segment's codes and up to two fp16 segments in one
-        softmax (GPU kernels: the fused decode kernel and a merge that rotates the coded part
-        back and attends the fp16 tokens), or None where :meth:`attend_partial` would
-        decline. Shapes: q ``(B, H, M, D)``, float32 scaled or unscaled with ``scale``;
-        returns ``(B, H, M, D)`` in ``out_dtype``."""
-        from .kernels import attend_joint
+    ):
+        """Attention over this segment's codes and up to two fp16 segments in one softmax,
+        planned once (:meth:`velox_core.Codec.joint_call`; GPU kernels: the fused decode
+        kernel and a merge that rotates the coded part back and attends the fp16 tokens), or
+        None where :meth:`attend_partial` would decline. Shapes: q ``(B, H, M, D)``, float32
+        scaled or unscaled with ``scale``; ``run`` returns ``(B, H, M, D)`` in
+        ``out_dtype``."""
+        from .kernels import joint_call
 
-        return attend_joint(self, q, keys, value_codec, values, fp16, out_dtype, scale)
+        return joint_call(
+            self, q_shape, q_dtype, keys, value_codec, values, fp16_tokens, out_dtype, scale
+        )

@@ -9,11 +9,11 @@ rotated domain, ``x = norm * levels[code]`` per coordinate, with one norm per to
   norms with the softmax weights, all in the rotated domain, in one pass over the codes
   split along the context; the ``(M, D)`` output is rotated back once (``R^T o``, the
   existing MLX op). ``m`` and ``l`` need no rotation.
-* Decode attention with a cache's fp16 sinks and window (:func:`attend_joint`): the same
-  kernel on the rotated query, then velox-core's fused merge, which rotates the splits'
-  weighted sum back (a ``(D, D)`` matrix, the value rotation's inverse, kept per quantizer)
-  and joins the fp16 tokens, scored with the unrotated query, in one softmax: three launches
-  (query rotation, kernel, merge) for a layer's attention.
+* Decode attention with a cache's fp16 sinks and window (:func:`joint_call`, planned once per
+  segment): the same kernel on the rotated query, then velox-core's fused merge, which
+  rotates the splits' weighted sum back (a ``(D, D)`` matrix, the value rotation's inverse,
+  kept per quantizer) and joins the fp16 tokens, scored with the unrotated query, in one
+  softmax: three launches (query rotation, kernel, merge) for a layer's attention.
 * Encode: the norm and the rotation stay MLX ops; the kernel does the Lloyd-Max search
   (the same threshold comparisons as :meth:`velox_core.ops.Codebook.encode`) and packs the
   codes, bit for bit the reference. ``prod`` records (any width, 1-bit included) take the
@@ -49,7 +49,7 @@ import numpy as np
 
 from velox_core import Packed
 from velox_core.kernels import use_kernels
-from velox_core.kernels.decode import CODEBOOK, Codes, decode_attention
+from velox_core.kernels.decode import CODEBOOK, Codes, decode_attention, plan_decode
 from velox_core.kernels.encode import codebook_encode, residual_sketch_encode, sketch_encode
 from velox_core.kernels.outlier import (
     OutlierSide,
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from .codec import TurboQuant
     from .quantizer import SphereQuantizer
 
-__all__ = ["attend_joint", "attend_partial", "encode_codes", "encode_prod"]
+__all__ = ["attend_partial", "encode_codes", "encode_prod", "joint_call"]
 
 
 def _single_part(codec, variants: tuple[str, ...]) -> SphereQuantizer | None:
@@ -250,46 +250,77 @@ def _inverse_matrix(quant: SphereQuantizer) -> mx.array:
     return hit[1]
 
 
-def attend_joint(
+def joint_call(
     key_codec: TurboQuant,
-    q: mx.array,
+    q_shape: tuple[int, int, int, int],
+    q_dtype: mx.Dtype,
     keys: Packed,
     value_codec,
     values: Packed,
-    fp16: list[tuple[mx.array, mx.array]],
+    fp16_tokens: int,
     out_dtype: mx.Dtype,
     scale: float | None = None,
-) -> mx.array | None:
-    """Normalized attention over this segment's codes and up to two fp16 segments (a cache's
-    sinks and window) in one softmax (GPU kernels), or None where :func:`attend_partial`
-    would decline.
+):
+    """Normalized attention over this segment's codes and up to two fp16 segments (a
+    cache's sinks and window) in one softmax (GPU kernels), planned once for the segment and
+    the query shape: ``run(q, fp16)``, or None where :func:`attend_partial` would decline.
 
     Shapes:
         q ``(B, H, M, D)``: float32 with the scale applied, or unscaled (any float dtype)
-        with ``scale``; fp16 pairs ``(B, H, T_i, D)`` in the model's domain; returns
+        with ``scale``; fp16 pairs ``(B, H, T_i, D)`` in the model's domain; ``run`` returns
         ``(B, H, M, D)`` in ``out_dtype``.
     """
-    sides = _kernel_sides(key_codec, q, keys, value_codec, values)
+    q_like = _QueryShape(q_shape)
+    sides = _kernel_sides(key_codec, q_like, keys, value_codec, values)
     if sides is None:
-        split = _outlier_sides(key_codec, q, keys, value_codec, values)
+        split = _outlier_sides(key_codec, q_like, keys, value_codec, values)
         if split is None:
             return None
-        out = decode_attention_outlier(q, *split, fp16=fp16, out_dtype=out_dtype, scale=scale)
-        return None if out is None else out[0]
+
+        def run_outlier(q, fp16):
+            out = decode_attention_outlier(q, *split, fp16=fp16, out_dtype=out_dtype, scale=scale)
+            return None if out is None else out[0]
+
+        return run_outlier
     kq, vq, kc, vc = sides
-    q_rot = kq.rotation.forward(q)
-    out = decode_attention(
-        q_rot,
-        kc,
-        vc,
-        fp16=fp16,
-        out_dtype=out_dtype,
-        scale=scale,
-        merge_q=q,
-        rot=_inverse_matrix(vq),
-        q_sketch=_query_sketch(kq, q_rot),
-    )
-    return None if out is None else out[0]
+    sketch = kq.sketch is not None
+    rot = _inverse_matrix(vq)
+
+    def plan(dtype):
+        return plan_decode(
+            q_shape,
+            dtype,
+            kc,
+            vc,
+            fp16_tokens=fp16_tokens,
+            out_dtype=out_dtype,
+            scale=scale,
+            merge_q=True,
+            rot=rot,
+            q_sketch=sketch,
+        )
+
+    plans = {q_dtype: plan(q_dtype)}  # per dtype of the rotated query
+    if plans[q_dtype] is None:
+        return None
+
+    def call(q, fp16):
+        q_rot = kq.rotation.forward(q)
+        run = plans.get(q_rot.dtype)
+        if run is None:
+            run = plans[q_rot.dtype] = plan(q_rot.dtype)
+        qs = _query_sketch(kq, q_rot) if sketch else None
+        out = run(q_rot, fp16, q, qs)
+        return None if out is None else out[0]
+
+    return call
+
+
+class _QueryShape:
+    """Stands in for a query where only its shape is read (planning before the first call)."""
+
+    def __init__(self, shape):
+        self.shape = tuple(shape)
 
 
 def encode_codes(quant: SphereQuantizer, y: mx.array) -> mx.array | None:

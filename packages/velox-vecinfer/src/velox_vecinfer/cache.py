@@ -40,6 +40,8 @@ class VecInferCache(PresetCache):
     """VecInfer's cache for one layer. Parameters: see :class:`VecInferConfig`."""
 
     method = "vecinfer"
+    # calibration decides in the window when coding starts: tokens leave it one at a time
+    default_flush = 1
     Config = VecInferConfig
 
     def build(self, cfg: VecInferConfig) -> dict[str, Any]:

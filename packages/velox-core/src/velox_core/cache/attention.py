@@ -47,8 +47,8 @@ def decode_segments(segments: list[Segment], dtype: mx.Dtype) -> tuple[mx.array,
     Shapes:
         returns ``(B, H, T, Dk)`` and ``(B, H, T, Dv)`` in ``dtype``.
     """
-    ks = [s.key_codec.decode(s.keys).astype(dtype) for s in segments]
-    vs = [s.value_codec.decode(s.values).astype(dtype) for s in segments]
+    ks = [s.key_codec.decode_as(s.keys, dtype) for s in segments]
+    vs = [s.value_codec.decode_as(s.values, dtype) for s in segments]
     if len(ks) == 1:
         return ks[0], vs[0]
     return mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2)

@@ -48,26 +48,28 @@ class PresetCache(VeloxCache):
 
     Config: ClassVar[type]
 
-    def __init__(self, **params: Any):
+    def __init__(self, flush: int | None = None, **params: Any):
         names = [f.name for f in dataclasses.fields(self.Config)]
         unknown = sorted(set(params) - set(names))
         if unknown:
             raise ValueError(
                 f"{self.method}: unknown parameter {', '.join(map(repr, unknown))}; "
-                f"allowed: {', '.join(names)}"
+                f"allowed: {', '.join([*names, 'flush'])}"
             )
         self.cfg = self.Config(**params)
-        super().__init__(**self.build(self.cfg))
+        super().__init__(**self.build(self.cfg), flush=flush)
 
     def build(self, cfg) -> dict[str, Any]:
         raise NotImplementedError(f"{type(self).__name__} must define build(config)")
 
     @classmethod
     def defaults(cls) -> dict[str, Any]:
-        return {f.name: f.default for f in dataclasses.fields(cls.Config)}
+        """Every parameter with its default: the config's fields, then the cache's ``flush``
+        (None: :data:`velox_core.cache.velox.FLUSH`, or 1 for caches with a retention policy)."""
+        return {**{f.name: f.default for f in dataclasses.fields(cls.Config)}, "flush": None}
 
     def config(self) -> dict[str, Any]:
-        return dataclasses.asdict(self.cfg)
+        return {**dataclasses.asdict(self.cfg), "flush": self.flush}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> PresetCache:

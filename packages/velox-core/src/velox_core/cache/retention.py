@@ -100,6 +100,7 @@ class RetentionMixin:
 
     # -- storing and evicting ------------------------------------------------------------------
     def _append_body(self, kp: Packed, vp: Packed, positions: mx.array) -> None:
+        self._planned.clear()  # the coded segment changes: its decode plan with it
         if self._pos is None:
             self._tier[0][0].append(kp)
             self._tier[0][1].append(vp)
@@ -124,6 +125,7 @@ class RetentionMixin:
                 ``(n,)`` shared by every head, ``(B, H, n)`` per head, or a list of one
                 ``(n_h,)`` array per KV head (per-head budgets; batch 1 only).
         """
+        self._planned.clear()
         if self.policy is None:
             raise ValueError("evict: this cache has no retention policy")
         if isinstance(keep, (list, tuple)):

@@ -5,12 +5,17 @@ Tokens flow through segments in temporal order::
     sinks (kept as given) | tier n-1 ... tier 0 (coded) | window (kept as given)
 
 New tokens enter the window (after the first ``sinks`` tokens, which stay as given). When
-the window holds more than ``window`` tokens, the oldest are encoded into tier 0, in whole
-codec blocks (with ``window=0`` and nothing waiting, new tokens are encoded at once, without
-passing through the window's store). A tier with a ``span`` passes its oldest tokens to the
-next tier when it holds more than ``span`` (decoded and re-encoded once, at the next tier's
-precision). A retention policy, if any, then cuts the cache back to its budget. ``offset``
-is always the number of tokens seen; ``size()`` the number stored.
+the window holds ``window + flush`` tokens or more, every token past the newest ``window`` is
+encoded into tier 0 at once, in whole codec blocks: a decode step only writes its token into
+the window's buffer (which grows 16 tokens at a time), and the codes grow ``flush`` tokens at
+a time (KIVI's
+residual: between ``window`` and ``window + flush - 1`` of the newest tokens stay as given).
+With ``window=0``, nothing waiting and a chunk of at least ``flush`` tokens (a prefill), its
+whole blocks are encoded at once, without passing through the window's store. A tier with a
+``span`` passes its oldest tokens to the next tier when it holds more than ``span`` (decoded
+and re-encoded once, at the next tier's precision). A retention policy, if any, then cuts the
+cache back to its budget. ``offset`` is always the number of tokens seen; ``size()`` the number
+stored.
 """
 
 from __future__ import annotations
@@ -27,12 +32,15 @@ from ..codec.base import Codec, Packed
 from ..codec.identity import Identity
 from ..validation import FLOAT_DTYPES, check_int, check_kv
 from .attention import Segment, attend, decode_segments
+from .planned import PlannedAttention
 from .retention import RetentionMixin
 from .store import PackedStore
 
 __all__ = ["Tier", "VeloxCache"]
 
 STATE_VERSION = 1
+FLUSH = 64  # tokens the window passes to the codes at once, by default
+WINDOW_STEP = 16  # the window's growth quantum, in tokens
 
 
 @dataclass
@@ -70,9 +78,19 @@ class VeloxCache(RetentionMixin):
         step: growth quantum of the buffers, in tokens.
         fused_above: prefill chunks longer than this attend through fused SDPA over decoded
             segments; shorter ones (decode) attend from the codes.
+        flush: tokens the window passes to the codes at once (rounded up to whole codec
+            blocks): up to ``flush - 1`` tokens past ``window`` wait as given. 1 encodes every
+            token as soon as it leaves the window. Default: :attr:`default_flush`
+            (:data:`FLUSH`), or 1 with a retention policy (which decides token by token what
+            stays) or age tiers.
     """
 
     method: ClassVar[str] = "velox"
+    # ``flush`` when not given (single tier, no policy); a preset whose calibration watches
+    # the window token by token (``before_coding``) sets 1
+    default_flush: ClassVar[int] = FLUSH
+    # prefill chunks (more than ``fused_above`` tokens) are evaluated when stored
+    eval_chunks: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -85,8 +103,15 @@ class VeloxCache(RetentionMixin):
         policy: Any = None,
         step: int = 256,
         fused_above: int = 16,
+        flush: int | None = None,
     ):
         self.window = check_int("window", window, minimum=0)
+        # a retention policy decides per token what stays, and age tiers pass tokens on
+        # token by token: their caches pass each token on
+        if flush is None:
+            single = policy is None and (tiers is None or len(tiers) == 1)
+            flush = self.default_flush if single else 1
+        self.flush = check_int("flush", flush, minimum=1)
         self.sinks = check_int("sinks", sinks, minimum=0)
         self.step = check_int("step", step, minimum=1)
         self.fused_above = check_int("fused_above", fused_above, minimum=0)
@@ -114,10 +139,12 @@ class VeloxCache(RetentionMixin):
         self.offset = 0
         self._dims: tuple[int, int, int, int] | None = None  # (B, H, Dk, Dv)
         self._dtype: mx.Dtype | None = None
-        # sinks and window are sized exactly (no slack); coded tiers grow by ``step``
+        # sinks are sized exactly (no slack); the window grows by WINDOW_STEP tokens, so most
+        # decode steps write their token in place, and shrinks to what it keeps at a flush;
+        # coded tiers grow by ``step``
         self._sink = (PackedStore(1), PackedStore(1))
         self._tier = [(PackedStore(step), PackedStore(step)) for _ in tiers]
-        self._win = (PackedStore(1), PackedStore(1))
+        self._win = (PackedStore(WINDOW_STEP), PackedStore(WINDOW_STEP))
         self._ident = Identity()
         self.storage_dtype: mx.Dtype | None = None
         self._io_dtype: mx.Dtype | None = None
@@ -125,7 +152,10 @@ class VeloxCache(RetentionMixin):
         # as given, not every stored token decoded (make_cache sets it for model types whose
         # layers read their keys only through mlx-lm's shared attention function)
         self.fetch_decoded = True
+        self._planned = PlannedAttention()  # decode attention, planned once per coded segment
         self._init_retention()
+        # window tokens past ``window`` at which the window passes them to the codes
+        self._flush_at = self._quantum()
 
     def set_storage_dtype(self, dtype: mx.Dtype | None) -> None:
         """Store unquantized tokens (and scales) in ``dtype`` whatever the model computes in.
@@ -153,6 +183,7 @@ class VeloxCache(RetentionMixin):
             "sinks": self.sinks,
             "step": self.step,
             "fused_above": self.fused_above,
+            "flush": self.flush,
             "policy": None if self.policy is None else _spec(self.policy),
         }
 
@@ -219,6 +250,10 @@ class VeloxCache(RetentionMixin):
         Shapes:
             keys ``(B, H, T, Dk)``, values ``(B, H, T, Dv)``, fp16, bf16 or fp32.
         """
+        if self._write_window(keys, values):
+            if not self.fetch_decoded and _routing_on():
+                return keys, values  # unused: routed attention reads the cache itself
+            return self.keys_and_values()
         check_kv(keys, values)
         if self.ragged:
             _require_routing()
@@ -236,7 +271,8 @@ class VeloxCache(RetentionMixin):
             self._sink[1].append(self._ident.encode(values[:, :, :take]))
             keys, values = keys[:, :, take:], values[:, :, take:]
         left = keys.shape[2]  # after the sinks
-        n = self._encode_direct(keys, values, self.offset - left) if left and self._direct() else 0
+        direct = left >= self._flush_at and self._direct()
+        n = self._encode_direct(keys, values, self.offset - left) if direct else 0
         if n < left:
             if n:
                 keys, values = keys[:, :, n:], values[:, :, n:]
@@ -245,12 +281,54 @@ class VeloxCache(RetentionMixin):
         self._flush()
         if self.policy is not None:
             self.policy.after_update(self, start)
+        if t > self.fused_above and self.eval_chunks:
+            # a prefill chunk: its codes evaluated now, layer by layer, so that the device
+            # frees each layer's fp16 keys, values and encode intermediates before the next
+            # layer's exist (the graph of a whole chunk otherwise holds every layer's)
+            mx.eval([a for s in self._stores() for a in s.arrays()])
         if self.ragged:
             _require_routing()
             return new  # unused: routed attention reads the cache itself
         if not self.fetch_decoded and _routing_on():
             return new  # unused: routed attention reads the cache itself
         return self.keys_and_values()
+
+    def _write_window(self, keys: mx.array, values: mx.array) -> bool:
+        """A decode step's fast path: with the sinks full, no policy and no calibration hook,
+        tokens that leave the window below the flush quantum are written into its buffer in
+        place and nothing else happens (what the general path would do, without its checks
+        and records). Returns False where the general path must run."""
+        win_k, win_v = self._win
+        if (
+            self._dims is None
+            or self.policy is not None
+            or self._sink[0].tokens < self.sinks
+            or type(self).before_coding is not VeloxCache.before_coding
+            or not isinstance(keys, mx.array)
+            or not isinstance(values, mx.array)
+            or keys.ndim != 4
+            or values.ndim != 4
+            or keys.dtype != self._dtype
+            or values.dtype != self._dtype
+        ):
+            return False
+        (b, h, t, dk), (vb, vh, vt, dv) = keys.shape, values.shape
+        n = win_k.tokens
+        if (
+            (b, h, dk, dv) != self._dims
+            or (vb, vh, vt) != (b, h, t)
+            or t == 0
+            or n + t - self.window >= self._flush_at
+            or n + t > win_k.capacity
+        ):
+            return False
+        wk, wv = win_k.buf.data["x"], win_v.buf.data["x"]
+        wk[:, :, n : n + t] = keys
+        wv[:, :, n : n + t] = values
+        win_k.tokens += t
+        win_v.tokens += t
+        self.offset += t
+        return True
 
     def _direct(self) -> bool:
         """Whether new tokens go straight into tier 0 (no window, nothing waiting in it, and
@@ -289,13 +367,20 @@ class VeloxCache(RetentionMixin):
         """
         return True
 
+    def _quantum(self) -> int:
+        """Tokens the window passes to tier 0 at once: ``flush`` in whole codec blocks."""
+        first = self.tiers[0]
+        return _lcm(self.flush, _lcm(first.key_codec.block, first.value_codec.block))
+
     def _flush(self) -> None:
-        """Move window overflow into tier 0 and tier overflow down the tiers."""
+        """Move window overflow into tier 0 (once it reaches the flush quantum) and tier
+        overflow down the tiers."""
         if not self.before_coding():
             return
         first = self.tiers[0]
         block = _lcm(first.key_codec.block, first.value_codec.block)
-        n = (self._win[0].tokens - self.window) // block * block
+        over = self._win[0].tokens - self.window
+        n = over // block * block if over >= self._flush_at else 0
         if n > 0:
             pos0 = self.offset - self._win[0].tokens
             pos = mx.arange(pos0, pos0 + n, dtype=mx.int32)
@@ -377,6 +462,11 @@ class VeloxCache(RetentionMixin):
             self.policy.observe(self, queries, scale)
         if self.ragged:
             return self._attend_ragged(queries, scale, mask, sinks)
+        lq = queries.shape[2]
+        if lq <= self.fused_above and (mask is None or lq == 1) and sinks is None:
+            out = self._planned(self, queries, scale)
+            if out is not None:
+                return out
         return attend(queries, self.segments(), scale, mask, sinks, self.fused_above)
 
     def size(self) -> int:
@@ -395,6 +485,7 @@ class VeloxCache(RetentionMixin):
 
         Raises ``ValueError`` when ``n`` exceeds the stored tokens (or is negative).
         """
+        self._planned.clear()
         check_int("n", n, minimum=0)
         if n > self.size():
             raise ValueError(f"cannot trim {n} tokens: the cache stores {self.size()}")
@@ -565,6 +656,7 @@ class VeloxCache(RetentionMixin):
         return meta, arrays
 
     def _load_state_dict(self, meta: dict, arrays: dict[str, mx.array]) -> None:
+        self._planned.clear()
         if meta.get("version") != STATE_VERSION:
             raise ValueError(f"unsupported VeloxCache state version {meta.get('version')!r}")
         self.offset = int(meta["offset"])
@@ -605,6 +697,7 @@ class VeloxCache(RetentionMixin):
     # -- batching ---------------------------------------------------------------------------
     def filter(self, batch_indices) -> None:
         """Keep only the given batch rows (in place)."""
+        self._planned.clear()
         idx = mx.array(batch_indices) if not isinstance(batch_indices, mx.array) else batch_indices
         for s in self._stores():
             s.map_batch(lambda a: a[idx])
@@ -623,6 +716,7 @@ class VeloxCache(RetentionMixin):
 
     def extend(self, other: VeloxCache) -> None:
         """Append the batch rows of ``other`` (same settings and same stored layout)."""
+        self._planned.clear()
         if type(other) is not type(self) or other.config() != self.config():
             raise ValueError("extend: both caches must have the same class and settings")
         mine, theirs = self._named_stores(), other._named_stores()

@@ -182,6 +182,14 @@ class Codec(ABC):
     def decode(self, packed: Packed) -> mx.array:
         """Shapes: returns float32 ``(B, H, T, D)``."""
 
+    def decode_as(self, packed: Packed, dtype: mx.Dtype) -> mx.array:
+        """:meth:`decode` in ``dtype`` (a prefill attends the decoded tokens in the model's
+        dtype); codecs with a fused dequantization skip the float32 intermediate.
+
+        Shapes: returns ``(B, H, T, D)`` in ``dtype``.
+        """
+        return self.decode(packed).astype(dtype)
+
     def scores(self, q: mx.array, packed: Packed) -> mx.array:
         """``q @ k_hat.T`` for grouped queries.
 
@@ -212,6 +220,27 @@ class Codec(ABC):
         """
         return None
 
+    def joint_call(
+        self,
+        q_shape: tuple[int, int, int, int],
+        q_dtype: mx.Dtype,
+        keys: Packed,
+        value_codec: Codec,
+        values: Packed,
+        fp16_tokens: int,
+        out_dtype: mx.Dtype,
+        scale: float | None = None,
+    ) -> Callable[[mx.array, list[tuple[mx.array, mx.array]]], mx.array | None] | None:
+        """:meth:`attend_joint` planned once for this segment and a query shape: a callable
+        ``run(q, fp16)`` that only launches the kernels (a cache keeps it for the decode
+        steps that attend the same segment), or None (the default: no fused kernel).
+
+        ``fp16_tokens`` is the fp16 tokens ``run`` will be given (0: none, which lets a
+        kernel merge its own splits); ``run`` returns None where the fp16 segments it is
+        given do not fit the merge.
+        """
+        return None
+
     def attend_joint(
         self,
         q: mx.array,
@@ -223,12 +252,17 @@ class Codec(ABC):
         scale: float | None = None,
     ) -> mx.array | None:
         """Normalized attention over this segment's codes and up to two fp16 segments (a
-        cache's sinks and window) in one softmax, by fused kernels, or None (the default: the
-        caller merges per-segment partials).
+        cache's sinks and window) in one softmax, by fused kernels, or None (no such path:
+        the caller merges per-segment partials). The default plans it with
+        :meth:`joint_call` and runs the plan once.
 
         Shapes:
             q ``(B, H, M, D)``: float32 with the scale applied, or unscaled (any float dtype)
             with ``scale``; fp16 pairs ``(B, H, T_i, D)``; returns ``(B, H, M, D)`` in
             ``out_dtype``.
         """
-        return None
+        if len(fp16) > 2:
+            return None
+        tokens = sum(k.shape[2] for k, _ in fp16)
+        run = self.joint_call(q.shape, q.dtype, keys, value_codec, values, tokens, out_dtype, scale)
+        return None if run is None else run(q, fp16)

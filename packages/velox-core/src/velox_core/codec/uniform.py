@@ -24,7 +24,7 @@ import mlx.core as mx
 from ..kernels import decode as _kd
 from ..kernels import encode as _ke
 from ..kernels import use_kernels
-from ..ops.packing import mlx_readable, pack, unpack
+from ..ops.packing import MLX_BITS, MLX_GROUPS, mlx_readable, pack, unpack
 from ..ops.quant import AXES, affine_dequantize, affine_quantize
 from ..validation import check_bits, check_choice, check_float, check_int
 from .base import Codec, Packed
@@ -81,6 +81,17 @@ class Uniform(Codec):
     def decode(self, packed: Packed) -> mx.array:
         p = packed.data
         return affine_dequantize(self._codes(packed), p["scale"], p["zero"], self.group, self.axis)
+
+    def decode_as(self, packed: Packed, dtype: mx.Dtype) -> mx.array:
+        """Per-token codes in MLX's layout: ``mx.dequantize`` straight to the scales' dtype
+        (one op, no float32 copy of the block), then ``dtype``; others as :meth:`decode`."""
+        p = packed.data
+        if self.axis == "token" and self.bits in MLX_BITS and self.group in MLX_GROUPS:
+            out = mx.dequantize(
+                p["codes"], p["scale"], p["zero"], group_size=self.group, bits=self.bits
+            )
+            return out if out.dtype == dtype else out.astype(dtype)
+        return super().decode_as(packed, dtype)
 
     def _mlx_layout(self) -> bool:
         return self.axis == "token" and mlx_readable(self.bits, self.group)
@@ -173,31 +184,36 @@ class Uniform(Codec):
         kind = _kd.AFFINE if self.axis == "token" else _kd.AFFINE_CHANNEL
         return _kd.Codes(kind, self.bits, self.group, p["codes"], p["scale"], p["zero"])
 
-    def attend_joint(
+    def joint_call(
         self,
-        q: mx.array,
+        q_shape: tuple[int, int, int, int],
+        q_dtype: mx.Dtype,
         keys: Packed,
         value_codec: Codec,
         values: Packed,
-        fp16: list[tuple[mx.array, mx.array]],
+        fp16_tokens: int,
         out_dtype: mx.Dtype,
         scale: float | None = None,
-    ) -> mx.array | None:
-        """Normalized attention over this segment's codes and up to two fp16 segments (a
-        cache's sinks and window) in one softmax: the fused decode kernel and a merge that
-        also attends the fp16 tokens (GPU kernels), or None where :meth:`attend_partial`
-        would decline or the fp16 segments are too long (``FP16_MAX`` tokens).
-
-        Shapes:
-            q ``(B, H, M, D)`` float32 with the scale applied, or unscaled (any float dtype)
-            with ``scale``; fp16 pairs ``(B, H, T_i, D)``; returns ``(B, H, M, D)`` in
-            ``out_dtype``.
-        """
+    ):
+        """Attention over this segment's codes and up to two fp16 segments (a cache's sinks
+        and window) in one softmax, planned once (:meth:`Codec.joint_call`): the fused
+        decode kernel and a merge that also attends the fp16 tokens (GPU kernels), or None
+        where :meth:`attend_partial` would decline or the fp16 segments are too long
+        (``FP16_MAX`` tokens)."""
         sides = self._kernel_sides(keys, value_codec, values)
         if sides is None:
             return None
-        out = _kd.decode_attention(q, *sides, fp16=fp16, out_dtype=out_dtype, scale=scale)
-        return None if out is None else out[0]
+        run = _kd.plan_decode(
+            q_shape, q_dtype, *sides, fp16_tokens=fp16_tokens, out_dtype=out_dtype, scale=scale
+        )
+        if run is None:
+            return None
+
+        def call(q: mx.array, fp16: list[tuple[mx.array, mx.array]]) -> mx.array | None:
+            out = run(q, fp16)
+            return None if out is None else out[0]
+
+        return call
 
 
 def _divisors(n: int) -> str:

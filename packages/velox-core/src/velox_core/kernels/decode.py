@@ -1385,6 +1385,62 @@ def mma_layout(b: int, h: int, s: int, m: int, dim: int, out_dtype: mx.Dtype) ->
     return MmaLayout(b, h, s, m, dim, out_dtype, n_out, n_out + n_mlo, ml, o, size)
 
 
+def _plan_mma(
+    q_shape: tuple[int, int, int, int],
+    q_dtype: mx.Dtype,
+    keys: Codes,
+    values: Codes,
+    splits: int | None,
+    scale: float | None,
+    out_dtype: mx.Dtype | None = None,
+):
+    """The tensor-core kernel's launch for a fixed query shape, as ``run(q)``, or None where
+    no ring fits. ``run`` returns the per-split partials and the query it took; with
+    ``out_dtype`` the kernel merges its splits itself and ``run`` returns the merged
+    ``(o, m, l)`` (``o`` normalized, in ``out_dtype``)."""
+    launch = mma_launch(q_shape, q_dtype, keys, values, splits, scale, out_dtype=out_dtype)
+    if launch is None:
+        return None
+    b, h, m, dim = q_shape
+    s, nt = launch.splits, launch.nwarps * 32
+    kc, ka, kb, kl = mma_inputs(keys)
+    vc, va, vb, vl = mma_inputs(values)
+    rest = [kc, ka, kb, vc, va, vb, kl, vl]
+    kernel, tmpl = launch.spec.kernel(), launch.template
+    grid, tg = (s * nt, b * h, 1), (nt, 1, 1)
+    if out_dtype is None:  # the partials as the kernel's two outputs (DECODE_MMA_PARTS)
+        shapes = [(b, h, s, m, 2), (b, h, s, m, dim)]
+
+        def run_parts(q):
+            ml_part, o_part = kernel(
+                inputs=[q, *rest],
+                template=tmpl,
+                grid=grid,
+                threadgroup=tg,
+                output_shapes=shapes,
+                output_dtypes=[mx.float32, mx.float32],
+            )
+            return o_part, ml_part, q
+
+        return run_parts
+    lay = mma_layout(b, h, s, m, dim, out_dtype)
+    size = [(lay.size,)]
+
+    def run_fused(q):
+        (ws,) = kernel(
+            inputs=[q, *rest],
+            template=tmpl,
+            grid=grid,
+            threadgroup=tg,
+            output_shapes=size,
+            output_dtypes=[mx.float32],
+            init_value=0,
+        )
+        return lay.merged(ws)
+
+    return run_fused
+
+
 def _decode_mma(
     q: mx.array,
     keys: Codes,
@@ -1396,37 +1452,8 @@ def _decode_mma(
     """The tensor-core kernel's per-split partials and the query it took, or None. With
     ``out_dtype``: the kernel merges its splits itself and this returns the merged
     ``(o, m, l)`` (``o`` normalized, in ``out_dtype``)."""
-    fuse = out_dtype is not None
-    launch = mma_launch(q.shape, q.dtype, keys, values, splits, scale, out_dtype=out_dtype)
-    if launch is None:
-        return None
-    b, h, m, dim = q.shape
-    s, nt = launch.splits, launch.nwarps * 32
-    kc, ka, kb, kl = mma_inputs(keys)
-    vc, va, vb, vl = mma_inputs(values)
-    inputs = [q, kc, ka, kb, vc, va, vb, kl, vl]
-    grid, tg = (s * nt, b * h, 1), (nt, 1, 1)
-    if not fuse:  # the partials as the kernel's two outputs (DECODE_MMA_PARTS): no views
-        ml_part, o_part = launch.spec.kernel()(
-            inputs=inputs,
-            template=launch.template,
-            grid=grid,
-            threadgroup=tg,
-            output_shapes=[(b, h, s, m, 2), (b, h, s, m, dim)],
-            output_dtypes=[mx.float32, mx.float32],
-        )
-        return o_part, ml_part, q
-    lay = mma_layout(b, h, s, m, dim, out_dtype)
-    (ws,) = launch.spec.kernel()(
-        inputs=inputs,
-        template=launch.template,
-        grid=grid,
-        threadgroup=tg,
-        output_shapes=[(lay.size,)],
-        output_dtypes=[mx.float32],
-        init_value=0,
-    )
-    return lay.merged(ws)
+    run = _plan_mma(q.shape, q.dtype, keys, values, splits, scale, out_dtype)
+    return None if run is None else run(q)
 
 
 def mma_inputs(c: Codes) -> tuple[mx.array, mx.array, mx.array, mx.array]:
@@ -1440,17 +1467,17 @@ def mma_inputs(c: Codes) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     return c.codes, c.a, c.b, _dummy(mx.float32)
 
 
-def _decode_portable(
-    q: mx.array,
+def _plan_portable(
+    q_shape: tuple[int, int, int, int],
     keys: Codes,
     values: Codes,
     splits: int | None,
     scale: float | None,
-    q_sketch: mx.array | None = None,
-) -> tuple[mx.array, mx.array, mx.array] | None:
-    """The portable kernel's per-split partials (query rows padded to its row blocks) and
-    the padded query it took, or None where it has no layout for the shape."""
-    b, h, m, dim = q.shape
+):
+    """The portable kernel's launch for a fixed query shape, as ``run(q, q_sketch)``
+    returning the per-split partials (query rows padded to its row blocks) and the padded
+    query it took, or None where it has no layout for the shape."""
+    b, h, m, dim = q_shape
     t = keys.codes.shape[2]
     p = plan_for(m, dim, keys, values)
     if p is None:
@@ -1463,21 +1490,45 @@ def _decode_portable(
     _check("key", keys, b, h, t, dim)
     _check("value", values, b, h, t, dim)
     mp = p.nmb * p.mb
-    qf = q if scale is not None else q.astype(mx.float32)  # unscaled: the kernel scales it
-    qf = _pad_rows(qf, mp)
-    extra = _sketch_inputs(keys, q_sketch, mp)
     s = choose_splits(t, b * h, p) if splits is None else fit_splits(t, splits, p)
     s = block_splits(t, s, p, keys)
     nt = p.nwarps * 32
-    o_part, ml_part = DECODE.kernel()(
-        inputs=[qf, *_inputs(keys), *_inputs(values), *extra],
-        template=template(p, dim, keys, values, scale),
-        grid=(s * nt, b * h, p.nmb),
-        threadgroup=(nt, 1, 1),
-        output_shapes=[(b, h, s, mp, dim), (b, h, s, mp, 2)],
-        output_dtypes=[mx.float32, mx.float32],
-    )
-    return o_part, ml_part, qf
+    kernel, tmpl = DECODE.kernel(), template(p, dim, keys, values, scale)
+    codes = [*_inputs(keys), *_inputs(values)]
+    grid, tg = (s * nt, b * h, p.nmb), (nt, 1, 1)
+    shapes = [(b, h, s, mp, dim), (b, h, s, mp, 2)]
+    plain = keys.sketch is None and keys.signs is None
+    extra = _sketch_inputs(keys, None, mp) if plain else None
+
+    def run(q, q_sketch=None):
+        qf = q if scale is not None else q.astype(mx.float32)  # unscaled: the kernel scales it
+        qf = _pad_rows(qf, mp)
+        more = extra if plain else _sketch_inputs(keys, q_sketch, mp)
+        o_part, ml_part = kernel(
+            inputs=[qf, *codes, *more],
+            template=tmpl,
+            grid=grid,
+            threadgroup=tg,
+            output_shapes=shapes,
+            output_dtypes=[mx.float32, mx.float32],
+        )
+        return o_part, ml_part, qf
+
+    return run
+
+
+def _decode_portable(
+    q: mx.array,
+    keys: Codes,
+    values: Codes,
+    splits: int | None,
+    scale: float | None,
+    q_sketch: mx.array | None = None,
+) -> tuple[mx.array, mx.array, mx.array] | None:
+    """The portable kernel's per-split partials (query rows padded to its row blocks) and
+    the padded query it took, or None where it has no layout for the shape."""
+    run = _plan_portable(q.shape, keys, values, splits, scale)
+    return None if run is None else run(q, q_sketch)
 
 
 def _pad_rows(x: mx.array, rows: int) -> mx.array:
@@ -1563,6 +1614,160 @@ def merge_splits_fp16(
     return o, mm, ll
 
 
+def _plan_merge_fp16(b: int, h: int, rows: int, dim: int, out_dtype, scale, rot):
+    """:func:`merge_splits_fp16` for fixed shapes, as ``run(o_part, ml_part, q, fp16)``: its
+    template (per number of non-empty fp16 segments) and launch worked out once."""
+    if rot is not None and (rot.shape != (dim, dim) or rot.dtype != mx.float32):
+        raise ValueError(
+            f"merge_splits_fp16: rot must be float32 ({dim}, {dim}), got {rot.dtype} "
+            f"{tuple(rot.shape)}"
+        )
+    kernel = MERGE_FP16.kernel()
+    grid, tg = merge_launch(b * h * rows, dim)
+    common = [("FMAX", FP16_MAX), ("QMUL", qmul_bits(scale)), ("RD", 1 if rot is None else dim)]
+    templates = [[("HAS_A", int(n > 0)), ("HAS_B", int(n > 1)), *common] for n in range(3)]
+    dummy = _dummy(mx.float16)
+    last = _dummy(mx.float32) if rot is None else rot
+    shapes = [(b, h, rows, dim), (b, h, rows, 1), (b, h, rows, 1)]
+    dtypes = [out_dtype, mx.float32, mx.float32]
+
+    def run(o_part, ml_part, q, fp16):
+        segs = [(k, v) for k, v in fp16 if k.shape[2] > 0]
+        ak, av = segs[0] if segs else (dummy, dummy)
+        bk, bv = segs[1] if len(segs) > 1 else (dummy, dummy)
+        return kernel(
+            inputs=[o_part, ml_part, q, ak, av, bk, bv, last],
+            template=templates[len(segs)],
+            grid=grid,
+            threadgroup=tg,
+            output_shapes=shapes,
+            output_dtypes=dtypes,
+        )
+
+    return run
+
+
+def _check_call(
+    q_shape, keys: Codes, values: Codes, fp16_tokens, out_dtype, merge_q, rot, q_sketch
+) -> None:
+    """The argument checks of :func:`decode_attention` that do not depend on array values."""
+    if (fp16_tokens is not None) != (out_dtype is not None):
+        raise ValueError("decode_attention: fp16 segments and out_dtype go together")
+    if (rot is not None and not merge_q) or (merge_q and fp16_tokens is None):
+        raise ValueError("decode_attention: rot needs merge_q, and merge_q fp16 segments")
+    if q_sketch != (keys.signs is not None or keys.sketch is not None):
+        raise ValueError(
+            "decode_attention: q_sketch goes with keys that carry signs or a sketch (SKETCH)"
+        )
+    if keys.sketch is not None and keys.kind != SKETCH:
+        raise ValueError("decode_attention: a SketchKeys record goes with SKETCH keys")
+    if values.kind == SKETCH:
+        raise ValueError("decode_attention: sketch codes are for keys only")
+
+
+def plan_decode(
+    q_shape: tuple[int, int, int, int],
+    q_dtype: mx.Dtype,
+    keys: Codes,
+    values: Codes,
+    splits: int | None = None,
+    fp16_tokens: int | None = None,
+    out_dtype: mx.Dtype | None = None,
+    scale: float | None = None,
+    merge_q: bool = False,
+    rot: mx.array | None = None,
+    q_sketch: bool = False,
+):
+    """:func:`decode_attention` planned once for one coded segment and one query shape.
+
+    The checks, the kernel's layout, template, splits and grid (and the merge's) are worked
+    out here; the returned ``run(q, fp16=None, merge_q=None, q_sketch=None)`` only launches
+    the kernels, so a decode step reuses it while the segment is unchanged (a cache passes
+    tokens to its codes ``flush`` at a time). ``run`` returns what :func:`decode_attention`
+    returns, or None where the fp16 segments it is given exceed :data:`FP16_MAX` tokens.
+    Returns None where no kernel takes the shape.
+
+    Args:
+        q_shape, q_dtype: the queries ``run`` takes (see :func:`decode_attention`).
+        fp16_tokens: with ``out_dtype``: the fp16 tokens of the segments ``run`` will join
+            (0 lets the tensor-core kernel merge its own splits where it can; ``run`` must
+            then be given none).
+        merge_q, q_sketch: whether ``run`` is given these queries.
+        Others: as :func:`decode_attention`.
+    """
+    b, h, m, dim = q_shape
+    t = keys.codes.shape[2]
+    if t < 1 or values.codes.shape[2] != t:
+        return None
+    _check_call(q_shape, keys, values, fp16_tokens, out_dtype, merge_q, rot, q_sketch)
+    if fp16_tokens is not None and fp16_tokens > FP16_MAX:
+        return None
+    parts = None
+    if keys.sketch is not None and keys.sketch.mma:  # QJL keys laid out for the tensor cores
+        from .sketch_mma import decode_sketch_mma, supported
+
+        if not supported(m, dim, keys, values):
+            raise ValueError(
+                "decode_attention: the sketch keys are laid out for the tensor-core sketch "
+                "kernel (SketchKeys.mma), which does not take this segment (sketch_mma.supported)"
+            )
+
+        def parts(q, qs):
+            return decode_sketch_mma(q, keys, values, splits, scale, qs)
+
+    elif _kernels.backend() == "cuda" and mma_enabled() and mma_supported(m, dim, keys, values):
+        _check("key", keys, b, h, t, dim)
+        _check("value", values, b, h, t, dim)
+        if fp16_tokens == 0 and rot is None and mma_fuse_merge(t):
+            # no fp16 tokens to join: the kernel merges its own splits (one launch)
+            fused = _plan_mma(q_shape, q_dtype, keys, values, splits, scale, out_dtype)
+            if fused is not None:
+
+                def run_fused(q, fp16=None, merge_q=None, q_sketch=None):
+                    if fp16 and any(k.shape[2] for k, _ in fp16):
+                        raise ValueError("decode_attention: planned without fp16 tokens")
+                    return fused(q)
+
+                return run_fused
+        else:
+            mma = _plan_mma(q_shape, q_dtype, keys, values, splits, scale)
+            if mma is not None:
+
+                def parts(q, qs):
+                    return mma(q)
+
+    if parts is None:
+        portable = _plan_portable(q_shape, keys, values, splits, scale)
+        if portable is None:
+            return None
+        parts = portable
+    want_qs = q_shape if keys.sketch is None else (b, h, m, keys.sketch.m)
+    merges: dict[int, Any] = {}  # the merge, per query rows the decode kernel took
+
+    def run(q, fp16=None, merge_q=None, q_sketch=None):
+        if q_sketch is not None and tuple(q_sketch.shape) != tuple(want_qs):
+            raise ValueError(
+                f"decode_attention: q_sketch {tuple(q_sketch.shape)} must be {tuple(want_qs)}"
+            )
+        if fp16 is not None and (len(fp16) > 2 or sum(k.shape[2] for k, _ in fp16) > FP16_MAX):
+            return None
+        o_part, ml_part, qk = parts(q, q_sketch)  # qk: the query the kernel took (rows padded)
+        rows = o_part.shape[3]
+        if out_dtype is not None:
+            merge = merges.get(rows)
+            if merge is None:
+                merge = merges[rows] = _plan_merge_fp16(b, h, rows, dim, out_dtype, scale, rot)
+            mq = qk if merge_q is None else _pad_rows(merge_q, rows)
+            o, mm, ll = merge(o_part, ml_part, mq, fp16 or [])
+        else:
+            o, mm, ll = merge_splits(o_part, ml_part)
+        if rows > m:
+            o, mm, ll = o[:, :, :m], mm[:, :, :m], ll[:, :, :m]
+        return o, mm, ll
+
+    return run
+
+
 def decode_attention(
     q: mx.array,
     keys: Codes,
@@ -1598,69 +1803,31 @@ def decode_attention(
             :data:`SKETCH` keys: ``S q`` ``(B, H, M, m)`` float32 (no constant), from the same
             ``q`` as the kernel takes (scaled or not).
 
+    One call of :func:`plan_decode`'s plan; a caller attending the same segment again
+    (a decode step) keeps the plan instead.
+
     Shapes:
         returns ``o (B, H, M, D)``, ``m (B, H, M, 1)``, ``l (B, H, M, 1)``, float32 (``o`` in
         ``out_dtype`` and normalized when ``out_dtype`` is given).
     """
-    b, h, m, dim = q.shape
-    t = keys.codes.shape[2]
-    if t < 1 or values.codes.shape[2] != t:
+    if fp16 is not None and len(fp16) > 2:
         return None
-    if (fp16 is not None) != (out_dtype is not None):
-        raise ValueError("decode_attention: fp16 segments and out_dtype go together")
-    if fp16 is not None and (len(fp16) > 2 or sum(k.shape[2] for k, _ in fp16) > FP16_MAX):
-        return None
-    if (rot is not None and merge_q is None) or (merge_q is not None and fp16 is None):
-        raise ValueError("decode_attention: rot needs merge_q, and merge_q fp16 segments")
     if merge_q is not None and merge_q.shape != q.shape:
         raise ValueError(
             f"decode_attention: merge_q {tuple(merge_q.shape)} must match q {tuple(q.shape)}"
         )
-    if (q_sketch is not None) != (keys.signs is not None or keys.sketch is not None):
-        raise ValueError(
-            "decode_attention: q_sketch goes with keys that carry signs or a sketch (SKETCH)"
-        )
-    if keys.sketch is not None and keys.kind != SKETCH:
-        raise ValueError("decode_attention: a SketchKeys record goes with SKETCH keys")
-    if values.kind == SKETCH:
-        raise ValueError("decode_attention: sketch codes are for keys only")
-    want_qs = q.shape if keys.sketch is None else (b, h, m, keys.sketch.m)
-    if q_sketch is not None and tuple(q_sketch.shape) != tuple(want_qs):
-        raise ValueError(
-            f"decode_attention: q_sketch {tuple(q_sketch.shape)} must be {tuple(want_qs)}"
-        )
-    parts = None
-    if keys.sketch is not None and keys.sketch.mma:  # QJL keys laid out for the tensor cores
-        from .sketch_mma import decode_sketch_mma
-
-        parts = decode_sketch_mma(q, keys, values, splits, scale, q_sketch)
-        if parts is None:
-            raise ValueError(
-                "decode_attention: the sketch keys are laid out for the tensor-core sketch "
-                "kernel (SketchKeys.mma), which does not take this segment (sketch_mma.supported)"
-            )
-    elif _kernels.backend() == "cuda" and mma_enabled() and mma_supported(m, dim, keys, values):
-        _check("key", keys, b, h, t, dim)
-        _check("value", values, b, h, t, dim)
-        plain = fp16 is not None and not any(k.shape[2] for k, _ in fp16)
-        if plain and rot is None and mma_fuse_merge(t):
-            # no fp16 tokens to join: the kernel merges its own splits (one launch)
-            merged = _decode_mma(q, keys, values, splits, scale, out_dtype)
-            if merged is not None:
-                return merged
-        else:
-            parts = _decode_mma(q, keys, values, splits, scale)
-    if parts is None:
-        parts = _decode_portable(q, keys, values, splits, scale, q_sketch)
-    if parts is None:
-        return None
-    o_part, ml_part, qk = parts  # qk: the query the kernel took (rows padded to its blocks)
-    mp = o_part.shape[3]
-    if out_dtype is not None:
-        mq = qk if merge_q is None else _pad_rows(merge_q, mp)
-        o, mm, ll = merge_splits_fp16(o_part, ml_part, mq, fp16 or [], out_dtype, scale, rot)
-    else:
-        o, mm, ll = merge_splits(o_part, ml_part)
-    if mp > m:
-        o, mm, ll = o[:, :, :m], mm[:, :, :m], ll[:, :, :m]
-    return o, mm, ll
+    fp16_tokens = None if fp16 is None else sum(k.shape[2] for k, _ in fp16)
+    run = plan_decode(
+        q.shape,
+        q.dtype,
+        keys,
+        values,
+        splits,
+        fp16_tokens,
+        out_dtype,
+        scale,
+        merge_q is not None,
+        rot,
+        q_sketch is not None,
+    )
+    return None if run is None else run(q, fp16, merge_q, q_sketch)

@@ -16,10 +16,11 @@ import numpy as np
 
 from ..validation import check_array, check_bits, check_int
 
-__all__ = ["mlx_readable", "pack", "packed_words", "unpack"]
+__all__ = ["MLX_BITS", "MLX_GROUPS", "mlx_readable", "pack", "packed_words", "unpack"]
 
-_MLX_BITS = (2, 3, 4, 5, 6, 8)
-_MLX_GROUPS = (32, 64, 128)
+# widths and groups whose codes are laid out as MLX's affine quantization lays them out
+MLX_BITS = (2, 3, 4, 5, 6, 8)
+MLX_GROUPS = (32, 64, 128)
 
 
 def mlx_readable(bits: int, group: int) -> bool:
@@ -30,7 +31,7 @@ def mlx_readable(bits: int, group: int) -> bool:
     decoded path, and decode steps the fused kernels."""
     from ..kernels import backend
 
-    return bits in _MLX_BITS and group in _MLX_GROUPS and backend() != "cuda"
+    return bits in MLX_BITS and group in MLX_GROUPS and backend() != "cuda"
 
 
 def packed_words(n: int, bits: int) -> int:

@@ -1,0 +1,94 @@
+"""A decode step's attention, planned once per coded segment.
+
+A cache passes tokens to its codes ``flush`` at a time, so between two flushes every decode
+step attends the same coded segment: the same records, the same shapes. The first step asks
+the key codec for a plan (:meth:`velox_core.Codec.joint_call`: the kernels' layouts,
+templates, splits and checks worked out once) and the steps after it only launch the kernels
+over that segment and the cache's fp16 sinks and window. The plan is keyed by everything it
+was made for (the query's shape and dtype, the scale, the segment's tokens and buffers, the
+sinks' buffer, whether the window holds tokens) and dropped when the segment changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from ..kernels import use_kernels
+from ..kernels.decode import FP16_MAX
+
+__all__ = ["PlannedAttention"]
+
+
+class PlannedAttention:
+    """The joint decode attention of one :class:`~velox_core.cache.VeloxCache`, planned once
+    per coded segment (see the module)."""
+
+    __slots__ = ("_hold", "_key", "_run", "_sink")
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        """Drop the plan (the cache's coded segment or sinks changed)."""
+        self._key: tuple | None = None
+        self._run: Any = None
+        self._sink: tuple[mx.array, mx.array] | None = None
+        self._hold: tuple | None = None
+
+    def __call__(self, cache: Any, queries: mx.array, scale: float) -> mx.array | None:
+        """Attention of ``queries`` (``(B, Hq, L, D)``, a few rows) over ``cache``'s sinks,
+        single coded tier and window in one softmax, or None where no fused kernel takes the
+        shape (the caller attends through the segments)."""
+        if len(cache.tiers) != 1 or not use_kernels():
+            return None
+        ks, vs = cache._tier[0]
+        sk = cache._sink[0]
+        n_sink, n_win = sk.tokens, cache._win[0].tokens
+        if ks.tokens == 0 or n_sink + n_win > FP16_MAX:
+            return None
+        b, hq, lq, d = queries.shape
+        h = cache._dims[1]
+        key = (
+            queries.shape,
+            queries.dtype,
+            scale,
+            ks.tokens,
+            id(ks.buf),
+            id(vs.buf),
+            n_sink,
+            id(sk.buf),
+            n_sink + n_win > 0,  # no fp16 tokens: a kernel may merge its own splits
+        )
+        if key != self._key:
+            self._plan(cache, key, (b, h, (hq // h) * lq, d), queries.dtype, scale)
+        if self._run is None:
+            return None
+        fp16 = [] if self._sink is None else [self._sink]
+        if n_win:
+            wk, wv = cache._win[0].buf.data["x"], cache._win[1].buf.data["x"]
+            fp16.append((wk[:, :, :n_win], wv[:, :, :n_win]))
+        out = self._run(queries.reshape(b, h, (hq // h) * lq, d), fp16)
+        return None if out is None else out.reshape(b, hq, lq, -1)
+
+    def _plan(self, cache: Any, key: tuple, q_shape, dtype: mx.Dtype, scale: float) -> None:
+        ks, vs = cache._tier[0]
+        tier = cache.tiers[0]
+        n_sink, n_win = key[6], cache._win[0].tokens
+        self.clear()
+        self._run = tier.key_codec.joint_call(
+            q_shape,
+            dtype,
+            ks.view(),
+            tier.value_codec,
+            vs.view(),
+            n_sink + n_win,
+            dtype,
+            scale,
+        )
+        if n_sink:
+            self._sink = (cache._sink[0].view().data["x"], cache._sink[1].view().data["x"])
+        # the key holds the buffers' ids: holding the records keeps those ids theirs
+        self._hold = (ks.buf, vs.buf, cache._sink[0].buf)
+        self._key = key
