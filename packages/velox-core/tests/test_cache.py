@@ -117,8 +117,9 @@ def test_trim_splits_a_block_and_restores_its_tokens():
     c.update_and_fetch(k[:, :, 76:], v[:, :, 76:])
     # 32 tokens wait in the window: fewer than the flush quantum (64)
     assert c.size() == 96 and [s.tokens for s in c.segments()] == [64, 32]
-    c.update_and_fetch(k[:, :, :32], v[:, :, :32])
-    assert c.size() == 128 and [s.tokens for s in c.segments()] == [128]
+    c.update_and_fetch(k[:, :, :33], v[:, :, :33])
+    # 65 wait: a quantum (two key groups) moves and one token stays as given
+    assert c.size() == 129 and [s.tokens for s in c.segments()] == [128, 1]
 
 
 def test_age_tiers_recode_once_and_keep_order():

@@ -2094,7 +2094,8 @@ def test_decode_steps_reuse_one_plan_until_the_codes_grow(monkeypatch, tmp_path)
         kk, vv = (x.astype(mx.float32) for x in cache.keys_and_values())
         ref = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), kk, vv, scale=0.088)
         err = float(mx.max(mx.abs(got.astype(mx.float32) - ref)).item())
-        assert err < 2e-3 * float(mx.max(mx.abs(ref)).item()), (i, err)
+        # fp16 output and fp16 weights in the value mix (a stale plan errs by O(1))
+        assert err < 5e-3 * float(mx.max(mx.abs(ref)).item()), (i, err)
     # 98 coded tokens after the prefill (2 sinks), 106 after the flush at step 8
     assert planned == [98, 106]
     names = fake.names

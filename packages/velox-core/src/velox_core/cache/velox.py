@@ -5,8 +5,8 @@ Tokens flow through segments in temporal order::
     sinks (kept as given) | tier n-1 ... tier 0 (coded) | window (kept as given)
 
 New tokens enter the window (after the first ``sinks`` tokens, which stay as given). When
-the window holds ``window + flush`` tokens or more, every token past the newest ``window`` is
-encoded into tier 0 at once, in whole codec blocks: a decode step only writes its token into
+the window holds ``window + flush`` tokens or more, every token past the newest ``window``
+(at least one stays) is encoded into tier 0 at once, in whole codec blocks: a decode step only writes its token into
 the window's buffer (which grows 16 tokens at a time), and the codes grow ``flush`` tokens at
 a time (KIVI's
 residual: between ``window`` and ``window + flush - 1`` of the newest tokens stay as given).
@@ -154,8 +154,12 @@ class VeloxCache(RetentionMixin):
         self.fetch_decoded = True
         self._planned = PlannedAttention()  # decode attention, planned once per coded segment
         self._init_retention()
-        # window tokens past ``window`` at which the window passes them to the codes
+        # window tokens past ``_keep`` at which the window passes them to the codes; a flush
+        # of more than one token leaves at least one as given (with ``window=0`` too), so that
+        # decode steps always join fp16 tokens and keep one kernel variant (the first flush
+        # would otherwise build the variant without them in the middle of a generation)
         self._flush_at = self._quantum()
+        self._keep = self.window if self.flush == 1 else max(self.window, 1)
 
     def set_storage_dtype(self, dtype: mx.Dtype | None) -> None:
         """Store unquantized tokens (and scales) in ``dtype`` whatever the model computes in.
@@ -318,7 +322,7 @@ class VeloxCache(RetentionMixin):
             (b, h, dk, dv) != self._dims
             or (vb, vh, vt) != (b, h, t)
             or t == 0
-            or n + t - self.window >= self._flush_at
+            or n + t - self._keep >= self._flush_at
             or n + t > win_k.capacity
         ):
             return False
@@ -379,7 +383,7 @@ class VeloxCache(RetentionMixin):
             return
         first = self.tiers[0]
         block = _lcm(first.key_codec.block, first.value_codec.block)
-        over = self._win[0].tokens - self.window
+        over = self._win[0].tokens - self._keep
         n = over // block * block if over >= self._flush_at else 0
         if n > 0:
             pos0 = self.offset - self._win[0].tokens
