@@ -5,17 +5,17 @@ Tokens flow through segments in temporal order::
     sinks (kept as given) | tier n-1 ... tier 0 (coded) | window (kept as given)
 
 New tokens enter the window (after the first ``sinks`` tokens, which stay as given). When
-the window holds ``window + flush`` tokens or more, every token past the newest ``window``
-(at least one stays) is encoded into tier 0 at once, in whole codec blocks: a decode step only writes its token into
-the window's buffer (which grows 16 tokens at a time), and the codes grow ``flush`` tokens at
-a time (KIVI's
-residual: between ``window`` and ``window + flush - 1`` of the newest tokens stay as given).
-With ``window=0``, nothing waiting and a chunk of at least ``flush`` tokens (a prefill), its
-whole blocks are encoded at once, without passing through the window's store. A tier with a
-``span`` passes its oldest tokens to the next tier when it holds more than ``span`` (decoded
-and re-encoded once, at the next tier's precision). A retention policy, if any, then cuts the
-cache back to its budget. ``offset`` is always the number of tokens seen; ``size()`` the number
-stored.
+the window holds ``window + flush`` tokens or more, every token past the newest ``window`` is
+encoded into tier 0 at once, in whole codec blocks (with ``flush`` above 1 at least one token
+stays as given, ``window=0`` included): a decode step only writes its token into the window's
+buffer (which grows 16 tokens at a time), and the codes grow ``flush`` tokens at a time
+(KIVI's residual: between ``window`` and ``window + flush - 1`` of the newest tokens stay as
+given). With ``window=0``, nothing waiting and a chunk of at least ``flush`` tokens (a
+prefill), its whole blocks are encoded at once, without passing through the window's store.
+A tier with a ``span`` passes its oldest tokens to the next tier when it holds more than
+``span`` (decoded and re-encoded once, at the next tier's precision). A retention policy, if
+any, then cuts the cache back to its budget. ``offset`` is always the number of tokens seen;
+``size()`` the number stored.
 """
 
 from __future__ import annotations
