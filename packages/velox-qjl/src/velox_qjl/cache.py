@@ -16,8 +16,9 @@ Deviations from the paper (arXiv 2406.03482) and its code (docs/qjl.md lists the
 - one sketch size for every layer (the code uses m = 512 in the first 15 layers): use
   ``make_cache(model, layers={...})`` for per-layer settings;
 - the code quantizes its key buffer all at once every 128 tokens while values stream out of a
-  128-token window; here keys and values leave the window together, a whole outlier block at
-  a time, so between ``window`` and ``window + group - 1`` of the newest tokens are fp16;
+  128-token window; here keys and values leave the window together, ``flush`` tokens (in
+  whole outlier blocks) at a time, so between ``window`` and ``window + flush - 1`` of the
+  newest tokens are fp16;
 - the prompt attends over the stored (sketched) keys beyond the window, where the paper's
   prefill uses the exact keys; trimming inside a block re-sketches that block's surviving
   tokens from their reconstruction (velox-core's block trim).
