@@ -153,3 +153,16 @@ def test_decode_logits_close_to_fp16_at_8_bits():
     with routed(model):
         got = model(prompt, cache=make_cache(model, "uniform:bits=8"))[:, -1].astype(mx.float32)
     assert float(mx.max(mx.abs(got - ref)).item()) < 0.05 * float(mx.max(mx.abs(ref)).item())
+
+
+def test_make_cache_refuses_a_head_dim_the_method_cannot_code_before_the_first_forward():
+    """A head dim the codecs cannot take is refused at make_cache, naming the layer, the head
+    dim and the cache (not at the first forward, deep in an encode)."""
+    from velox_core import make_cache
+    from velox_core.testing import tiny_model
+
+    model = tiny_model("llama", head_dim=80, hidden_size=160)
+    with pytest.raises(ValueError, match=r"layer 0 \(head dim 80\), uniform: .*group=64"):
+        make_cache(model, "uniform:bits=4")
+    caches = make_cache(model, "uniform:bits=4,group=16")  # 16 divides 80
+    assert all(c.tiers[0].key_codec.group == 16 for c in caches)

@@ -134,6 +134,24 @@ def _layer_count(model: Any) -> int:
     return len(layers)
 
 
+def _head_dim(model: Any, index: int) -> int | None:
+    """The head dim of layer ``index``'s attention, where the model states it (mlx-lm's
+    attention modules keep ``head_dim``; else its args' ``head_dim`` or hidden size per
+    head), or None."""
+    attn = getattr(model.layers[index], "self_attn", None)
+    dim = getattr(attn, "head_dim", None)
+    if isinstance(dim, int) and dim > 0:
+        return dim
+    args = getattr(model, "args", None)
+    dim = getattr(args, "head_dim", None)
+    if isinstance(dim, int) and dim > 0:
+        return dim
+    hidden, heads = getattr(args, "hidden_size", None), getattr(args, "num_attention_heads", None)
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads == 0:
+        return hidden // heads
+    return None
+
+
 def _build(spec: Any, index: int) -> Any:
     from mlx_lm.models.cache import KVCache
 
@@ -200,6 +218,14 @@ def make_cache(
         cache = _build(overrides.get(i, default), i)
         if isinstance(cache, VeloxCache):
             cache.bind(model, i)
+            dim = _head_dim(model, i)
+            if dim is not None:  # refuse a head dim the method cannot code now, not mid-forward
+                try:
+                    cache.check_dims(dim, dim, storage_dtype)
+                except ValueError as exc:
+                    raise ValueError(
+                        f"make_cache: layer {i} (head dim {dim}), {cache.describe()}: {exc}"
+                    ) from None
             if routed_only:
                 cache.fetch_decoded = False
             if storage_dtype is not None:

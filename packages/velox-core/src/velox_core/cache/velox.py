@@ -227,6 +227,15 @@ class VeloxCache(RetentionMixin):
         if self.policy is not None:
             self.policy.bind(model, layer)
 
+    def check_dims(self, key_dim: int, value_dim: int, dtype: mx.Dtype | None = None) -> None:
+        """Ask every codec whether it codes keys of ``key_dim`` and values of ``value_dim``
+        channels (``make_cache`` does, from the model, before the first forward); raises the
+        codec's ``ValueError`` otherwise."""
+        dt = dtype or self.storage_dtype or mx.float16
+        for t in self.tiers:
+            t.key_codec.check(key_dim, dt)
+            t.value_codec.check(value_dim, dt)
+
     # -- the mlx-lm protocol ----------------------------------------------------------------
     def _check_first(self, keys: mx.array, values: mx.array) -> None:
         b, h, _, dk = keys.shape
