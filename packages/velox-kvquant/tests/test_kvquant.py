@@ -304,12 +304,12 @@ def test_datatype_is_fitted_per_layer_and_per_sequence():
         assert mx.array_equal(a, batched.tiers[0].key_codec.state()[name][-a.shape[0] :]), name
     one = batched.extract(1)
     assert mx.array_equal(one.keys_and_values()[0], single.keys_and_values()[0])
-    merged = KVQuantCache.merge([single, single])
+    merged = KVQuantCache.stack([single, single])
     assert merged.tiers[0].key_codec.state()["zero"].shape[0] == 2
     fresh = KVQuantCache(bits=3, rope_base=BASE)
     fresh.update_and_fetch(k2[:, :, :10], v2[:, :, :10])
     with pytest.raises(ValueError, match="calibrated"):
-        KVQuantCache.merge([single, fresh])
+        KVQuantCache.stack([single, fresh])
 
 
 def test_saved_model_cache_keeps_its_rope(tmp_path):

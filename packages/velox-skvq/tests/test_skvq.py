@@ -204,7 +204,7 @@ def test_batch_rows_are_fitted_apart_and_follow_filter_and_extend():
     assert not mx.array_equal(perms[0], perms[1])
     one = c.extract(1)
     assert mx.array_equal(one.tiers[0].key_codec.perm, perms[1:])
-    both = SKVQCache.merge([c.extract(0), one])
+    both = SKVQCache.stack([c.extract(0), one])
     assert mx.array_equal(both.tiers[0].key_codec.perm, perms)
     q = mx.random.normal((2, 4, 1, 128)).astype(mx.float16)
     assert mx.array_equal(both.attend(q, scale=0.1), c.attend(q, scale=0.1))

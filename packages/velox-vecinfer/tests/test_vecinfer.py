@@ -209,13 +209,13 @@ def test_codebooks_are_fitted_per_layer_head_and_sequence():
     # filter keeps the fitted rows aligned; merge (extend) joins them
     batched.filter([1])
     assert mx.array_equal(batched.attend(q, scale=0.1), single.attend(q, scale=0.1))
-    merged = VecInferCache.merge([single, one])
+    merged = VecInferCache.stack([single, one])
     assert merged.tiers[0].key_codec.codebook.shape[0] == 2
     q2 = mx.concatenate([q, q])
     assert mx.array_equal(merged.attend(q2, scale=0.1)[1:], single.attend(q, scale=0.1))
     fresh = _fill(VecInferCache(bits=2, calibration=64), k2, v2, (10,))
     with pytest.raises(ValueError, match="calibrated"):
-        VecInferCache.merge([single, fresh])
+        VecInferCache.stack([single, fresh])
 
 
 def test_state_round_trip_keeps_the_fit_and_the_attention():

@@ -8,7 +8,7 @@ the method registry (:mod:`velox_core.registry`). Importing it has no side effec
 
 from importlib.metadata import PackageNotFoundError, version
 
-from .cache import PackedStore, Segment, Tier, VeloxCache, attend
+from .cache import PackedStore, Segment, Tier, VeloxBatch, VeloxCache, attend
 from .cache.preset import PresetCache, check_kept_codes, kept_codecs, resolve_bits
 from .cache.uniform import UniformCache, UniformConfig
 from .codec import Codec, Identity, Packed, Uniform
@@ -35,6 +35,7 @@ __all__ = [
     "Uniform",
     "UniformCache",
     "UniformConfig",
+    "VeloxBatch",
     "VeloxCache",
     "__version__",
     "attend",

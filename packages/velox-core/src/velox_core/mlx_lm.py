@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from .cache.batch import VeloxBatch
 from .cache.velox import VeloxCache
 from .registry import make
 
@@ -44,7 +45,7 @@ def _original() -> Callable:
 
 def _make_router(original: Callable) -> Callable:
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None, **kw):
-        if isinstance(cache, VeloxCache):
+        if isinstance(cache, (VeloxCache, VeloxBatch)):
             return cache.attend(queries, scale=scale, mask=mask, sinks=sinks)
         return original(
             queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks, **kw

@@ -1,7 +1,16 @@
 """Caches: segments of coded tokens behind the mlx-lm cache protocol."""
 
 from .attention import Segment, attend, decode_segments
+from .batch import VeloxBatch
 from .store import PackedStore
 from .velox import Tier, VeloxCache
 
-__all__ = ["PackedStore", "Segment", "Tier", "VeloxCache", "attend", "decode_segments"]
+__all__ = [
+    "PackedStore",
+    "Segment",
+    "Tier",
+    "VeloxBatch",
+    "VeloxCache",
+    "attend",
+    "decode_segments",
+]

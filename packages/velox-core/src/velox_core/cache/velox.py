@@ -605,8 +605,17 @@ class VeloxCache(RetentionMixin):
         return cache
 
     def copy(self) -> VeloxCache:
-        """An independent cache with the same settings and contents."""
-        return type(self).from_state(self.state)
+        """An independent cache with the same settings and contents (arrays are shared: MLX
+        arrays are values, and a write into a shared buffer copies it)."""
+        out = type(self).from_state(self.state)
+        out.fetch_decoded = self.fetch_decoded
+        return out
+
+    def __deepcopy__(self, memo) -> VeloxCache:
+        # mlx-lm's batch generator and server deep-copy prompt caches
+        out = self.copy()
+        memo[id(self)] = out
+        return out
 
     def _named_stores(self) -> dict[str, PackedStore]:
         out = {
@@ -752,14 +761,23 @@ class VeloxCache(RetentionMixin):
             c.extend_batch(theirs[i])
 
     @classmethod
-    def merge(cls, caches: list[VeloxCache]) -> VeloxCache:
-        """One batched cache from several single-sequence caches of equal length."""
+    def stack(cls, caches: list[VeloxCache]) -> VeloxCache:
+        """One cache holding the rows of several caches of equal length and layout (raises
+        otherwise): one kernel launch attends all of them."""
         if not caches:
-            raise ValueError("merge needs at least one cache")
+            raise ValueError("stack needs at least one cache")
         out = caches[0].copy()
         for c in caches[1:]:
             out.extend(c)
         return out
+
+    @classmethod
+    def merge(cls, caches: list[VeloxCache]):
+        """mlx-lm's batch protocol: a :class:`~velox_core.cache.batch.VeloxBatch` of the
+        caches, whatever their lengths (equal-length ones share one cache)."""
+        from .batch import VeloxBatch
+
+        return VeloxBatch.merge(caches)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.describe()} offset={self.offset} size={self.size()}>"

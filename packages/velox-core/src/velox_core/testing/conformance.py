@@ -116,6 +116,11 @@ def _sdpa(q, k, v, scale, mask=None):
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
+def _same(a: mx.array, b: mx.array) -> bool:
+    """Equal to a few units of fp16 rounding (attention outputs of about unit size)."""
+    return a.shape == b.shape and mx.allclose(a, b, rtol=2e-3, atol=1e-4).item()
+
+
 def _fill(cache, k, v, chunks=(100, 1, 60, 1, 1)):
     """Feed ``k, v`` in uneven chunks (a prefill, decode steps, another chunk...)."""
     t, start, i = k.shape[2], 0, 0
@@ -215,14 +220,15 @@ class CacheConformance:
         assert c2.offset == c.offset and c2.size() == c.size()
         assert c2.config() == c.config()
         q = mx.random.normal((1, 4, 1, self.head_dim), key=mx.random.key(2)).astype(mx.float16)
-        a = c.attend(q, scale=0.1)
-        b = c2.attend(q, scale=0.1)
-        assert mx.array_equal(a, b)
+        # equal to fp16 rounding: the restored stores hold the same values, but may be laid out
+        # otherwise (contiguous, or without the live buffers' slack), and a BLAS may sum a
+        # product in another order for each (OpenBLAS does at head dim 128)
+        assert _same(c.attend(q, scale=0.1), c2.attend(q, scale=0.1))
         # both keep working the same after more tokens
         k2, v2 = kv_data(t=20, d=self.head_dim, seed=5)
         _fill(c, k2, v2, chunks=(1,))
         _fill(c2, k2, v2, chunks=(1,))
-        assert mx.array_equal(c.attend(q, scale=0.1), c2.attend(q, scale=0.1))
+        assert _same(c.attend(q, scale=0.1), c2.attend(q, scale=0.1))
 
     def test_save_load(self, tmp_path):
         k, v = kv_data(t=130, d=self.head_dim)
@@ -233,7 +239,9 @@ class CacheConformance:
         assert meta == {"note": "x"}
         assert type(loaded[0]) is type(caches[0]) and type(loaded[1]) is KVCache
         q = mx.random.normal((1, 4, 1, self.head_dim), key=mx.random.key(3)).astype(mx.float16)
-        assert mx.array_equal(loaded[0].attend(q, scale=0.1), caches[0].attend(q, scale=0.1))
+        # the loaded arrays are contiguous, the live ones slices of larger buffers (see
+        # test_state_round_trip)
+        assert _same(loaded[0].attend(q, scale=0.1), caches[0].attend(q, scale=0.1))
         assert loaded[1].offset == 130
         raw = path.read_bytes()
         bad = tmp_path / "truncated.safetensors"
@@ -315,6 +323,38 @@ class CacheConformance:
             assert rel_error(out[i : i + 1], ref) < 1e-2
         one = batched.extract(1)
         assert rel_error(one.attend(q[1:2], scale=0.1), out[1:2]) < 1e-3
+
+    def test_batch_generate_ragged(self):
+        """mlx-lm's batch_generate over prompts of different lengths (right-padded prefill in
+        chunks, rows finishing at different steps) gives each row the greedy tokens of its
+        own single-sequence run with the same prefill chunks."""
+        from mlx_lm.generate import batch_generate, generate_step
+
+        model = tiny_model("llama", head_dim=self.head_dim, hidden_size=2 * self.head_dim)
+        tok = tiny_tokenizer()
+        prompts = [
+            mx.random.randint(0, 512, (n,), key=mx.random.key(20 + n)).tolist()
+            for n in (45, 18, 31)
+        ]
+        steps = [7, 3, 5]
+        with routed(model):
+            singles = []
+            for p, n in zip(prompts, steps):
+                caches = make_cache(model, self.make())
+                gen = generate_step(
+                    mx.array(p), model, prompt_cache=caches, max_tokens=n, prefill_step_size=16
+                )
+                singles.append([int(t) for t, _ in gen])
+            out = batch_generate(
+                model,
+                tok,
+                prompts,
+                max_tokens=steps,
+                prompt_caches=[make_cache(model, self.make()) for _ in prompts],
+                prefill_step_size=16,
+                return_token_ids=True,
+            )
+        assert out.token_ids == singles
 
     # -- memory and accuracy -------------------------------------------------------------------
     def test_memory_vs_fp16(self):
