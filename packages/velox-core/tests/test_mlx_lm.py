@@ -166,3 +166,29 @@ def test_make_cache_refuses_a_head_dim_the_method_cannot_code_before_the_first_f
         make_cache(model, "uniform:bits=4")
     caches = make_cache(model, "uniform:bits=4,group=16")  # 16 divides 80
     assert all(c.tiers[0].key_codec.group == 16 for c in caches)
+
+
+def test_install_gives_mlx_lm_entry_points_velox_caches_until_uninstalled():
+    """install: mlx-lm's make_prompt_cache (used by batch_generate and the server) makes
+    velox caches and attention is routed; batch_generate then needs no caches passed in;
+    uninstall restores the model's own caches and the routing level."""
+    from mlx_lm.generate import batch_generate
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="nosuch"):
+        velox_core.install(model, "nosuch:bits=4")
+    assert not hasattr(model, "__velox_installed__") or not model.__velox_installed__
+    velox_core.install(model, "uniform:bits=4,window=4")
+    try:
+        caches = make_prompt_cache(model)
+        assert all(type(c) is UniformCache and c.window == 4 for c in caches)
+        assert caches[0] is not make_prompt_cache(model)[0] and is_enabled()
+        with pytest.raises(ValueError, match="already installed"):
+            velox_core.install(model, "uniform:bits=8")
+        prompts = [[1, 5, 9, 13, 17, 21, 25], [2, 4], [7, 7, 7, 8]]
+        out = batch_generate(model, tiny_tokenizer(), prompts, max_tokens=4, return_token_ids=True)
+        assert [len(t) for t in out.token_ids] == [4, 4, 4]
+    finally:
+        velox_core.uninstall(model)
+    assert all(type(c) is KVCache for c in make_prompt_cache(model)) and not is_enabled()

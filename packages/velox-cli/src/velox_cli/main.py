@@ -5,6 +5,7 @@
     velox generate --method SPEC [--model PATH] [--prompt TEXT] [--max-tokens N]
     velox methods [--json]
     velox inspect FILE
+    velox serve --method SPEC --model PATH [--storage-dtype D] [mlx_lm.server options]
 
 Bad input (an unknown method, a bad parameter, a missing path) prints one line and exits 2.
 """
@@ -67,6 +68,13 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--json", action="store_true")
     i = sub.add_parser("inspect", help="a saved compressed cache: method, layers, tokens, bytes")
     i.add_argument("file")
+    s = sub.add_parser(
+        "serve",
+        help="mlx_lm.server with velox caches (OpenAI API, batching, prompt cache); "
+        "other options go to mlx_lm.server (--model, --host, --port...)",
+    )
+    s.add_argument("--method", required=True, metavar="SPEC")
+    s.add_argument("--storage-dtype", choices=("float16", "bfloat16", "float32"))
     return p
 
 
@@ -234,15 +242,33 @@ def _preload_openblas() -> None:
     os.execve(sys.executable, [sys.executable, "-m", "velox_cli", *sys.argv[1:]], env)
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    from .serve import serve
+
+    dtype = None
+    if a.storage_dtype:
+        import mlx.core as mx
+
+        dtype = getattr(mx, a.storage_dtype)
+    serve(a.method, a.rest, storage_dtype=dtype)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
         _preload_openblas()
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.cmd != "serve":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.cmd == "serve":
+        args.rest = rest
     handler = {
         "bench": cmd_bench,
         "generate": cmd_generate,
         "methods": cmd_methods,
         "inspect": cmd_inspect,
+        "serve": cmd_serve,
     }[args.cmd]
     try:
         return handler(args)

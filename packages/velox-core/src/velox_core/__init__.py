@@ -13,7 +13,16 @@ from .cache.preset import PresetCache, check_kept_codes, kept_codecs, resolve_bi
 from .cache.uniform import UniformCache, UniformConfig
 from .codec import Codec, Identity, Packed, Uniform
 from .io import inspect_cache_file, load_cache, save_cache
-from .mlx_lm import disable, enable, generate, make_cache, routed, stream_generate
+from .mlx_lm import (
+    disable,
+    enable,
+    generate,
+    install,
+    make_cache,
+    routed,
+    stream_generate,
+    uninstall,
+)
 from .policy import RetentionPolicy
 from .registry import Method, get_method, make, methods, parse_spec
 
@@ -45,6 +54,7 @@ __all__ = [
     "generate",
     "get_method",
     "inspect_cache_file",
+    "install",
     "kept_codecs",
     "load_cache",
     "make",
@@ -55,4 +65,5 @@ __all__ = [
     "routed",
     "save_cache",
     "stream_generate",
+    "uninstall",
 ]

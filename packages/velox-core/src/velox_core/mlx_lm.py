@@ -26,10 +26,12 @@ __all__ = [
     "disable",
     "enable",
     "generate",
+    "install",
     "is_enabled",
     "make_cache",
     "routed",
     "stream_generate",
+    "uninstall",
 ]
 
 _patched: dict[str, Callable] = {}
@@ -199,10 +201,10 @@ def make_cache(
     of building every stored token decoded, which only the model's own attention would read
     (without routing it still returns them decoded).
     """
-    from mlx_lm.models.cache import KVCache, make_prompt_cache
+    from mlx_lm.models.cache import KVCache
 
     n = _layer_count(model)
-    native = make_prompt_cache(model)
+    native = _native_caches(model)
     if len(native) != n:
         raise ValueError(f"make_cache: the model made {len(native)} caches for {n} layers")
     overrides: dict[int, Any] = {}
@@ -233,6 +235,52 @@ def make_cache(
                 cache.set_storage_dtype(storage_dtype)
         out.append(cache)
     return out
+
+
+def _native_caches(model: Any) -> list:
+    """The caches the model's own class makes (mlx-lm's ``make_prompt_cache`` without the
+    override set by :func:`install`): its ``make_cache`` where the class has one, else a
+    ``KVCache`` per layer."""
+    from mlx_lm.models.cache import KVCache
+
+    own = getattr(type(model), "make_cache", None)
+    if own is not None:
+        return own(model)
+    return [KVCache() for _ in range(_layer_count(model))]
+
+
+def install(
+    model: Any,
+    default: Any = "uniform",
+    layers: dict[int, Any] | None = None,
+    storage_dtype: Any = None,
+) -> None:
+    """Give ``model`` velox caches wherever mlx-lm makes its caches, and route attention.
+
+    Sets ``model.make_cache`` (which mlx-lm's ``make_prompt_cache`` calls: ``generate``,
+    ``batch_generate``, ``BatchGenerator`` and the server) to :func:`make_cache` with these
+    arguments, checked once now, and turns routing on (:func:`enable`) until
+    :func:`uninstall`. Arguments as for :func:`make_cache`.
+    """
+    if getattr(model, "__velox_installed__", False):
+        raise ValueError("install: velox caches are already installed on this model")
+    make_cache(model, default, layers, storage_dtype)  # refuse a bad spec now
+
+    def velox_caches() -> list:
+        return make_cache(model, default, layers, storage_dtype)
+
+    model.make_cache = velox_caches
+    model.__velox_installed__ = True
+    enable(model)
+
+
+def uninstall(model: Any) -> None:
+    """Undo :func:`install`: the model makes its own caches again; one routing level off."""
+    if not getattr(model, "__velox_installed__", False):
+        return
+    del model.make_cache
+    model.__velox_installed__ = False
+    disable()
 
 
 def _caches(model: Any, cache: Any) -> list:
