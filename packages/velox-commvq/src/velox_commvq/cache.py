@@ -1,0 +1,48 @@
+"""``CommVQCache``: CommVQ keys (arXiv 2506.18879) with ``Uniform`` values, as a velox preset.
+
+Keys are coded by :class:`~velox_commvq.codec.CommVQKeys` (pre-RoPE, normalized, residual
+commutative VQ with the model's fitted codebooks) and attended from their codes; values by
+``velox_core.Uniform`` per-token codes (``value_bits``, ``group``), read directly by
+``mx.quantized_matmul``. The paper learns a value encoder too; any velox codec composes
+instead, e.g. CommVQ keys over TurboQuant values::
+
+    VeloxCache(key_codec=CommVQKeys(bits=2), value_codec=TurboQuant(bits=3))
+
+Codebooks are found when ``velox_core.make_cache`` binds the cache to its model and layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from velox_core import PresetCache, Uniform, resolve_bits
+
+from .codec import CommVQKeys
+from .config import CommVQConfig
+
+__all__ = ["CommVQCache"]
+
+
+class CommVQCache(PresetCache):
+    """CommVQ's cache for one layer. Parameters: see :class:`CommVQConfig`."""
+
+    method = "commvq"
+    Config = CommVQConfig
+
+    def build(self, cfg: CommVQConfig) -> dict[str, Any]:
+        kb, vb = resolve_bits(cfg.bits, cfg.key_bits, cfg.value_bits)
+        keys = CommVQKeys(
+            kb,
+            codebooks=cfg.codebooks,
+            layer=cfg.layer,
+            rope_base=cfg.rope_base,
+            rope_traditional=cfg.rope_traditional,
+            rope_scale=cfg.rope_scale,
+            rope_dims=cfg.rope_dims,
+        )
+        return {
+            "key_codec": keys,
+            "value_codec": Uniform(vb, cfg.group),
+            "window": cfg.window,
+            "sinks": cfg.sinks,
+        }
