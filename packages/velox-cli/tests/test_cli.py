@@ -76,6 +76,7 @@ def test_bench_quick_writes_rows_table_and_chart(model_dir, text_file, tmp_path,
         (["bench", "--context", "0"], "--context"),
         (["generate", "--method", "nope:x=1"], "unknown method"),
         (["inspect", "/no/such/file.safetensors"], "no such file"),
+        (["generate", "--temp", "-1"], "--temp"),
         (["bench", "--frobnicate"], "unrecognized arguments"),
     ],
 )
@@ -104,6 +105,11 @@ def test_inspect_a_saved_cache(model_dir, tmp_path, capsys):
     assert main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
     assert "uniform" in out and "50" in out
+    raw = bytearray(path.read_bytes())
+    raw[raw.index(b"offset")] = ord("O")  # one byte of the header
+    path.write_bytes(bytes(raw))
+    assert main(["inspect", str(path)]) == 2
+    assert "checksum" in capsys.readouterr().err
 
 
 def test_generate_prints_text_and_measured_memory(model_dir, capsys):
@@ -114,7 +120,7 @@ def test_generate_prints_text_and_measured_memory(model_dir, capsys):
                 "--model",
                 model_dir,
                 "--method",
-                "uniform:bits=4",
+                "uniform:bits=4,flush=1",
                 "--prompt",
                 "def add(a, b):",
                 "--max-tokens",
@@ -124,4 +130,8 @@ def test_generate_prints_text_and_measured_memory(model_dir, capsys):
         == 0
     )
     out = capsys.readouterr().out
-    assert "[velox] uniform:bits=4" in out and "MiB resident" in out and "fp16 cache" in out
+    assert "[velox] uniform:bits=4,flush=1" in out and "MiB resident" in out and "fp16 cache" in out
+    # the ratio compares the stored tokens' bytes (every token coded at once by flush=1: 4-bit
+    # codes and group-64 scales, about 3.6x), not fp16's 256-token allocation
+    ratio = float(out.rsplit("(", 1)[1].split("x)")[0])
+    assert 3.0 < ratio < 4.5, out

@@ -139,6 +139,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     spec = parse(a.method)
     _positive("--max-tokens", a.max_tokens)
+    if not a.temp >= 0:
+        raise ValueError(f"--temp must be 0 (greedy) or more, got {a.temp}")
     model, tokenizer, store, _ = load_model(a.model)
     mx.random.seed(a.seed)
     caches = build_caches(spec, model, store)
@@ -156,15 +158,29 @@ def cmd_generate(a: argparse.Namespace) -> int:
             tokens.append(r.token)
     print()
     nbytes = sum(c.nbytes for c in caches)
+    used = sum(_used_bytes(c) for c in caches)
     seen = tokenizer.encode(a.prompt) + tokens[:-1]
     fp16 = build_caches(Spec("fp16", "fp16"), model, store)  # measured, same tokens
     prefill(model, fp16, seen)
-    ref = sum(c.nbytes for c in fp16)
+    ref = sum(_used_bytes(c) for c in fp16)
     print(
-        f"[velox] {spec.text}: {caches[0].offset} tokens, cache {nbytes / 2**20:.2f} MiB resident; "
-        f"fp16 cache for the same tokens {ref / 2**20:.2f} MiB ({ref / nbytes:.2f}x)"
+        f"[velox] {spec.text}: {caches[0].offset} tokens, cache {used / 2**20:.2f} MiB in use "
+        f"({nbytes / 2**20:.2f} MiB resident with growth slack); fp16 cache for the same "
+        f"tokens {ref / 2**20:.2f} MiB in use ({ref / used:.2f}x)"
     )
     return 0
+
+
+def _used_bytes(cache: Any) -> int:
+    """Bytes of the stored tokens, without the buffers' growth slack (mlx-lm's KVCache
+    allocates 256 tokens at a time, a velox cache its own quantum)."""
+    if hasattr(cache, "logical_nbytes"):
+        return cache.logical_nbytes
+    keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)
+    if keys is None or not hasattr(cache, "offset") or not isinstance(cache.offset, int):
+        return cache.nbytes
+    n = min(cache.offset, keys.shape[2])
+    return keys[..., :n, :].nbytes + values[..., :n, :].nbytes
 
 
 def cmd_methods(a: argparse.Namespace) -> int:

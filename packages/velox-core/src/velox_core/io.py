@@ -1,10 +1,13 @@
 """Saving and loading compressed caches: safetensors with a versioned header.
 
 The file holds every layer's arrays (as stored: packed codes, scales...) and, in the
-safetensors metadata, a JSON description of each layer plus a SHA-256 of all array bytes.
+safetensors metadata, a JSON description of each layer, the layer count, the user metadata
+and a SHA-256 over all of that header and every array's name, dtype, shape and bytes.
 Loading rebuilds velox caches only through the registered methods and mlx-lm caches only from
 a fixed allow-list of plain classes; nothing is unpickled or imported by name from the file.
-A truncated, altered or foreign file raises ``ValueError``.
+A truncated, altered or foreign file, an inconsistent layer (a negative offset, more tokens
+than its offset), or a file whose layer count differs from the model's (``model=``) raises
+``ValueError``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from .registry import get_method
 __all__ = ["FORMAT", "VERSION", "inspect_cache_file", "load_cache", "save_cache"]
 
 FORMAT = "velox-cache"
-VERSION = 1
+VERSION = 2  # 2: the checksum covers the header
 _MLX_CLASSES = {
     "KVCache": mlx_cache.KVCache,
     "RotatingKVCache": mlx_cache.RotatingKVCache,
@@ -32,8 +35,14 @@ _MLX_CLASSES = {
 }
 
 
-def _digest(arrays: dict[str, mx.array]) -> str:
+_SIGNED = ("format", "version", "n_layers", "layers", "user")  # header fields in the checksum
+
+
+def _digest(arrays: dict[str, mx.array], header: dict[str, str]) -> str:
     h = hashlib.sha256()
+    for key in _SIGNED:
+        value = header.get(key, "")
+        h.update(f"{key}={len(value)}:".encode() + value.encode())
     for name in sorted(arrays):
         a = arrays[name]
         h.update(name.encode())
@@ -102,10 +111,11 @@ def save_cache(path: str | Path, caches: list, metadata: dict[str, str] | None =
     header = {
         "format": FORMAT,
         "version": str(VERSION),
+        "n_layers": str(len(layers)),
         "layers": json.dumps(layers),
         "user": json.dumps(metadata or {}),
-        "sha256": _digest(arrays),
     }
+    header["sha256"] = _digest(arrays, header)
     path = str(path)
     if not path.endswith(".safetensors"):
         raise ValueError(f"save_cache: the file name must end in .safetensors, got {path!r}")
@@ -123,25 +133,47 @@ def _read(path: str | Path) -> tuple[dict[str, mx.array], dict[str, str], list[d
     if header.get("format") != FORMAT:
         raise ValueError(f"{path}: not a velox cache file (format {header.get('format')!r})")
     if header.get("version") != str(VERSION):
-        raise ValueError(f"{path}: unsupported velox cache version {header.get('version')!r}")
-    if _digest(arrays) != header.get("sha256"):
+        raise ValueError(
+            f"{path}: unsupported velox cache version {header.get('version')!r} (this velox "
+            f"reads version {VERSION}; re-save the cache)"
+        )
+    if _digest(arrays, header) != header.get("sha256"):
         raise ValueError(f"{path}: checksum mismatch: the file was altered or truncated")
     try:
         layers = json.loads(header["layers"])
-        if not isinstance(layers, list):
-            raise TypeError("layers is not a list")
+        if not isinstance(layers, list) or not all(isinstance(x, dict) for x in layers):
+            raise TypeError("layers is not a list of objects")
+        if str(len(layers)) != header.get("n_layers"):
+            raise TypeError(f"{len(layers)} layers against n_layers {header.get('n_layers')}")
     except (KeyError, TypeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: corrupt layer header ({e})") from None
     return arrays, header, layers
 
 
-def load_cache(path: str | Path, return_metadata: bool = False):
+def _check_layer(path: str, i: int, cache: Any) -> None:
+    """Refuse a layer whose counts disagree: a negative offset, more tokens than seen."""
+    offset = cache.offset
+    tokens = cache.size() if hasattr(cache, "size") else offset
+    if not isinstance(offset, int) or offset < 0 or tokens < 0 or tokens > offset:
+        raise ValueError(
+            f"{path}: layer {i} is inconsistent (offset {offset!r}, {tokens} stored tokens)"
+        )
+
+
+def load_cache(path: str | Path, return_metadata: bool = False, model: Any = None):
     """Read caches written by :func:`save_cache`.
+
+    Args:
+        model: when given, the file must hold one cache per layer of this model.
 
     Returns:
         the list of caches, and the user metadata dict if ``return_metadata``.
     """
     arrays, header, layers = _read(path)
+    if model is not None:
+        n = len(getattr(model, "layers", ()))
+        if n != len(layers):
+            raise ValueError(f"{path}: {len(layers)} cached layers for a model of {n} layers")
     out = []
     for i, layer in enumerate(layers):
         kind = layer.get("kind") if isinstance(layer, dict) else None
@@ -175,13 +207,16 @@ def load_cache(path: str | Path, return_metadata: bool = False):
             out.append(cls.from_state(_nest(flat, layer["nested"])))
         else:
             raise ValueError(f"{path}: layer {i} has unknown kind {kind!r}")
+        _check_layer(str(path), i, out[-1])
     if return_metadata:
         return out, json.loads(header.get("user", "{}"))
     return out
 
 
 def inspect_cache_file(path: str | Path) -> dict[str, Any]:
-    """Summary of a saved cache without rebuilding it: method, tokens and bytes per layer."""
+    """Summary of a saved cache: method, tokens and bytes per layer. Raises ``ValueError``
+    for every file :func:`load_cache` refuses (it is loaded first)."""
+    load_cache(path)
     arrays, header, layers = _read(path)
     rows = []
     for i, layer in enumerate(layers):
