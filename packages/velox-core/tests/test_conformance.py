@@ -16,6 +16,19 @@ class TestUniform4(CacheConformance):
         return UniformCache(bits=8, group=64)
 
 
+class TestUniformExactTrim(CacheConformance):
+    """Every token coded on arrival (flush=1, no window): trim is exact, is_trimmable()."""
+
+    max_memory_ratio = 0.3
+    attention_error = 0.3
+
+    def make(self):
+        return UniformCache(bits=4, group=64, flush=1)
+
+    def make_precise(self):
+        return UniformCache(bits=8, group=64, flush=1)
+
+
 class TestUniformWindowSinksChannel(CacheConformance):
     max_memory_ratio = 0.45
     attention_error = 0.3  # 3-bit values

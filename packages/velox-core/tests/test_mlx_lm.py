@@ -192,3 +192,22 @@ def test_install_gives_mlx_lm_entry_points_velox_caches_until_uninstalled():
     finally:
         velox_core.uninstall(model)
     assert all(type(c) is KVCache for c in make_prompt_cache(model)) and not is_enabled()
+
+
+def test_speculative_decoding_gets_draft_caches_and_trimmable_caches_only():
+    """generate(draft_model=...) makes the draft model's caches too; mlx-lm's speculative
+    decoding trims after every draft, so it refuses caches whose trim is not exact and runs
+    with those whose is (every token coded alone on arrival), giving the tokens of the same
+    cache without a draft."""
+    model, draft = tiny_model("llama"), tiny_model("llama", num_hidden_layers=1)
+    tok = tiny_tokenizer()
+    assert not UniformCache(bits=4).is_trimmable()
+    with pytest.raises(ValueError, match="trimmable"):
+        velox_core.generate(model, tok, "def f(x):", cache="uniform:bits=4", draft_model=draft)
+    exact = "uniform:bits=8,flush=1"
+    assert velox_core.make(exact).is_trimmable()
+    plain = velox_core.generate(model, tok, "def f(x):", cache=exact, max_tokens=12)
+    spec = velox_core.generate(
+        model, tok, "def f(x):", cache=exact, max_tokens=12, draft_model=draft
+    )
+    assert spec == plain

@@ -300,13 +300,17 @@ def generate(model: Any, tokenizer: Any, prompt: Any, cache: Any = None, **kwarg
 
     Args:
         cache: a method spec (``"uniform:bits=4"``), a template cache, or a list from
-            :func:`make_cache` (then it is filled in place and can be inspected afterwards).
-        kwargs: passed to ``mlx_lm.generate`` (``max_tokens``, ``sampler``, ``verbose``...).
+            :func:`make_cache` (then it is filled in place and can be inspected afterwards;
+            with ``draft_model``, the target's caches followed by the draft model's).
+        kwargs: passed to ``mlx_lm.generate`` (``max_tokens``, ``sampler``, ``verbose``,
+            ``draft_model``...). Speculative decoding trims the caches after each draft, so
+            mlx-lm refuses caches whose ``is_trimmable()`` is False (see
+            :meth:`VeloxCache.is_trimmable`).
     """
     import mlx_lm
 
-    caches = _caches(model, cache)
-    with routed(model):
+    caches = _speculative(_caches(model, cache), cache, kwargs.get("draft_model"))
+    with routed(model), routed(kwargs.get("draft_model")):
         return mlx_lm.generate(model, tokenizer, prompt, prompt_cache=caches, **kwargs)
 
 
@@ -314,6 +318,15 @@ def stream_generate(model: Any, tokenizer: Any, prompt: Any, cache: Any = None, 
     """``mlx_lm.stream_generate`` with velox caches; routing is on while it yields."""
     import mlx_lm
 
-    caches = _caches(model, cache)
-    with routed(model):
+    caches = _speculative(_caches(model, cache), cache, kwargs.get("draft_model"))
+    with routed(model), routed(kwargs.get("draft_model")):
         yield from mlx_lm.stream_generate(model, tokenizer, prompt, prompt_cache=caches, **kwargs)
+
+
+def _speculative(caches: list, cache: Any, draft_model: Any) -> list:
+    """With a draft model (speculative decoding), the target's caches followed by the draft
+    model's (mlx-lm splits the list at the target's layer count), made from the same spec;
+    a list of caches passed in must then already hold both."""
+    if draft_model is None or isinstance(cache, list):
+        return caches
+    return caches + make_cache(draft_model, default=cache if cache is not None else "uniform")

@@ -491,7 +491,29 @@ class VeloxCache(RetentionMixin):
         return self.size() == 0
 
     def is_trimmable(self) -> bool:
-        return True
+        """Whether :meth:`trim` leaves exactly the cache that never stored the trimmed tokens,
+        for any count (mlx-lm asks before speculative decoding and before reusing a longer
+        prompt cache; False makes it refuse or prefill instead).
+
+        True when nothing is evicted (no retention policy) and every token is either kept as
+        given (no codec) or coded alone the moment it arrives: one tier, ``window=0``,
+        ``flush=1`` and codecs of one token a block (``uniform:bits=4,flush=1``, say).
+        Otherwise a trim past the fp16 tokens would decode coded tokens back into the window,
+        which the cache that never saw the trimmed tokens would hold as given; :meth:`trim`
+        still does that when called.
+        """
+        if self.policy is not None or self.ragged:
+            return False
+        t = self.tiers[0]
+        if all(isinstance(c, Identity) for x in self.tiers for c in (x.key_codec, x.value_codec)):
+            return True  # nothing is coded: every token stays as given
+        return (
+            len(self.tiers) == 1
+            and self.window == 0
+            and self.flush == 1
+            and t.key_codec.block == 1
+            and t.value_codec.block == 1
+        )
 
     def trim(self, n: int) -> int:
         """Remove the last ``n`` tokens; returns ``n``.

@@ -171,7 +171,7 @@ class CacheConformance:
         # mlx-lm would route a cache with `bits` to its own quantized attention
         assert not hasattr(c, "bits") and not hasattr(c, "to_quantized")
         assert c.offset == 0 and c.size() == 0 and c.empty() and c.nbytes == 0
-        assert c.is_trimmable()
+        assert isinstance(c.is_trimmable(), bool)
 
     def test_offsets_and_fetch(self):
         k, v = kv_data(t=200, d=self.head_dim)
@@ -211,6 +211,19 @@ class CacheConformance:
             c.trim(c.size() + 1)
         with pytest.raises((ValueError, TypeError)):
             c.trim(-1)
+
+    def test_trim_is_exact_where_the_cache_says_so(self):
+        """is_trimmable() promises that trim leaves the cache that never saw the tokens."""
+        c = self.make()
+        if not c.is_trimmable():
+            return  # trim is approximate past the fp16 tokens, and the cache says so
+        k, v = kv_data(t=180, d=self.head_dim)
+        _fill(c, k, v)
+        c.trim(40)
+        ref = _fill(self.make(), k[:, :, :140], v[:, :, :140])
+        q = mx.random.normal((1, 4, 1, self.head_dim), key=mx.random.key(4)).astype(mx.float16)
+        assert c.offset == ref.offset and c.size() == ref.size()
+        assert _same(c.attend(q, scale=0.1), ref.attend(q, scale=0.1))
 
     # -- state and files ------------------------------------------------------------------------
     def test_state_round_trip(self):
