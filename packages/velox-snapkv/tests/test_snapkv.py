@@ -28,11 +28,18 @@ class TestSnapKV(CacheConformance):
 
 
 class TestSnapKVEvicting(CacheConformance):
-    """A small budget, decode cuts and 4-bit codes: evicting, lossy, bounded."""
+    """A small budget, decode cuts and 4-bit codes: evicting, lossy, bounded. The suite fills
+    caches with update_and_fetch alone, so every test runs routed (a cut without routing is
+    refused); where no query has reached the cache, a cut keeps the most recent tokens."""
 
     max_memory_ratio = 0.1  # measured right after a 512-token chunk: budget + chunk are held
     attention_error = None  # most of the context is evicted: no fp16 reference applies
     model_logit_cosine = 0.5
+
+    @pytest.fixture(autouse=True)
+    def _routed(self):
+        with routed():
+            yield
 
     def make(self):
         return SnapKVCache(budget=64, observe=8, every=8, bits=4)
@@ -389,20 +396,28 @@ def test_memory_follows_the_packed_layout(bits):
     """Per kept token and KV head: keys, values and an int32 position (docs/snapkv.md)."""
     k, v = kv_data(t=301, d=128)
     c = SnapKVCache(budget=64, observe=8, **({} if bits is None else {"bits": bits, "group": 32}))
-    c.update_and_fetch(k[:, :, :300], v[:, :, :300])
-    c.update_and_fetch(k[:, :, 300:], v[:, :, 300:])  # the cut, then one more token
+    with routed():  # no query reaches the cache: the cut keeps the newest tokens
+        c.update_and_fetch(k[:, :, :300], v[:, :, :300])
+        c.update_and_fetch(k[:, :, 300:], v[:, :, 300:])  # the cut, then one more token
     mx.eval(c.state)
     per_token = 516 if bits is None else 2 * (64 + 4 * 128 // 32) + 4
     assert c.size() == 65 and c.logical_nbytes == 65 * 2 * per_token
     assert c.nbytes >= c.logical_nbytes and c.policy.nbytes == 0
 
 
-def test_without_observed_queries_the_most_recent_tokens_stay():
-    """Attention not routed to the cache: nothing votes, so the cut keeps the newest."""
+def test_without_observed_queries_the_cut_is_refused_unless_routed():
+    """Attention not routed: no query can reach the policy, and the cut raises rather than
+    evict by recency behind the user's back. Routed, before any query has reached the cache
+    (update_and_fetch alone), the cut keeps the newest tokens."""
     k, v = kv_data(t=300, d=D)
     c = SnapKVCache(budget=40, observe=8)
     c.update_and_fetch(k[:, :, :299], v[:, :, :299])
-    c.update_and_fetch(k[:, :, 299:], v[:, :, 299:])
+    with pytest.raises(ValueError, match="routed"):
+        c.update_and_fetch(k[:, :, 299:], v[:, :, 299:])
+    c = SnapKVCache(budget=40, observe=8)
+    with routed():
+        c.update_and_fetch(k[:, :, :299], v[:, :, :299])
+        c.update_and_fetch(k[:, :, 299:], v[:, :, 299:])
     assert kept(c, 0) == kept(c, 1) == set(range(259, 300))
 
 

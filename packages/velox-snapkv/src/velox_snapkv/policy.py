@@ -33,8 +33,8 @@ Deviations from the paper (also in docs/snapkv.md):
   are averaged, and each KV head keeps one selection.
 * **Decode.** The paper does not evict generated tokens; with ``every`` set, the cache is
   cut again every ``every`` decode steps, voted by the latest ``observe`` queries.
-* **No observed queries** (attention not routed to the cache): the policy cannot vote and
-  keeps the most recent tokens instead.
+* **No observed queries**: without routing a cut raises (no query can ever vote); routed
+  but before any query reached the cache, a cut keeps the most recent tokens.
 * Votes are computed from the stored keys, i.e. from their codes when the kept tokens are
   quantized; learned per-head sink logits (gpt-oss) are not part of the vote's softmax.
 """
@@ -46,6 +46,7 @@ from typing import Any
 import mlx.core as mx
 
 from velox_core import RetentionPolicy
+from velox_core.mlx_lm import is_enabled
 from velox_core.validation import check_int
 
 from .votes import check_kernel, check_pooling, pool_votes, window_votes
@@ -132,7 +133,13 @@ class SnapKVPolicy(RetentionPolicy):
         body_pos = mx.stack(pos, axis=1)  # (B, H, T)
         recent = body_pos >= cache.offset - self.n_observe
         votes = self._votes(cache, body_pos)
-        if votes is None:  # no queries seen (attention not routed): keep the most recent
+        if votes is None and not is_enabled():
+            raise ValueError(
+                "snapkv: the observation window's queries vote for the tokens to keep, and "
+                "only velox attention sees them: run the model inside "
+                "velox_core.routed(model) (velox_core.generate does)"
+            )
+        if votes is None:  # routed, but no query has reached the cache yet: the most recent
             s = body_pos.astype(mx.float32)
         else:
             s = pool_votes(votes, body_pos, mx.logical_not(recent), self.kernel, self.pooling)
