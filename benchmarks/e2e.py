@@ -4,8 +4,8 @@ For each context, batch size and cache, in one process: the prompt is prefilled 
 mlx-lm's ``generate_step`` prefills it (chunks of ``--chunk`` tokens, the cache's state
 evaluated after each, the last token left for the first step), then ``--steps`` tokens are
 decoded through mlx-lm's own ``generate_step`` (batch 1) or the same pipelined loop over a
-``(B, 1)`` token batch (batch > 1: mlx-lm's ``batch_generate`` needs a batch protocol that
-issue 31 adds). Per row:
+``(B, 1)`` token batch (batch > 1, prompts of one length; ``benchmarks/batch_serve.py``
+measures mlx-lm's own ``batch_generate``). Per row:
 
 - ``prefill_s``: the whole prefill; ``first_chunk_s``: its first chunk and ``first_step_s``
   the first decode step (kernel builds show up there in a fresh process);
