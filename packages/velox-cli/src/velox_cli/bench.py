@@ -18,6 +18,7 @@ import numpy as np
 
 from velox_core.kernels import backend
 
+from .blas import active_blas
 from .data import find_shared, load_text, recall_prompts, token_stream
 from .evaluate import Row, decode_quality, reference_run, retrieval
 from .specs import Spec, build_caches
@@ -152,6 +153,7 @@ def run_bench(
         "fp16_cache_bytes": ref.cache_bytes,
         "fp16_tokens": ref.tokens,
         "data": data or "shared/data/heldout.jsonl.gz",
+        "blas": active_blas(),
     }
     return rows, info
 

@@ -87,7 +87,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .bench import BenchSettings, chart, run_bench, write_json
+    from .bench import DEPTHS, BenchSettings, chart, run_bench, write_json
+    from .blas import active_blas
     from .report import markdown, table
     from .specs import default_specs, parse
 
@@ -98,6 +99,15 @@ def cmd_bench(a: argparse.Namespace) -> int:
         a.context, a.samples, a.continuation, a.recall_trials, a.chunk, a.quick
     )
     console = Console(width=max(150, Console().width))
+    s = settings.resolved()
+    what = "as given" if a.methods else "baselines + every installed method's recommended"
+    recall = len(DEPTHS) * s.recall_trials
+    console.print(  # what this run measures, before it starts
+        f"velox bench: {len(specs)} specs ({what}) and the fp16 reference | context {s.context}"
+        f" | {s.samples} samples x {s.continuation} decode steps | {recall} recall prompts"
+        f" | chunk {s.chunk} | BLAS: {active_blas()}",
+        highlight=False,
+    )
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -238,26 +248,6 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     return 0
 
 
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
-
-
-def _preload_openblas() -> None:
-    """MLX's Linux CPU wheel bundles a reference BLAS about 35x slower than OpenBLAS; when
-    Debian's OpenBLAS is installed, re-run this command with it preloaded (once; opt out with
-    VELOX_NO_OPENBLAS=1). Nothing happens on macOS or when a GPU backend is installed."""
-    import os
-
-    if (
-        sys.platform != "linux"
-        or os.environ.get("VELOX_NO_OPENBLAS")
-        or "openblas" in os.environ.get("LD_PRELOAD", "")
-        or not os.path.exists(OPENBLAS)
-    ):
-        return
-    env = dict(os.environ, LD_PRELOAD=OPENBLAS, VELOX_NO_OPENBLAS="1")
-    os.execve(sys.executable, [sys.executable, "-m", "velox_cli", *sys.argv[1:]], env)
-
-
 def cmd_serve(a: argparse.Namespace) -> int:
     from .serve import serve
 
@@ -271,8 +261,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None:
-        _preload_openblas()
+    if argv is None and sys.argv[1:2] in (["bench"], ["generate"], ["serve"]):
+        from .blas import preload
+
+        preload(sys.argv[1:])  # re-executes with OpenBLAS where MLX bundles a reference BLAS
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
     if rest and args.cmd != "serve":
