@@ -77,6 +77,7 @@ def test_bench_quick_writes_rows_table_and_chart(model_dir, text_file, tmp_path,
         (["generate", "--method", "nope:x=1"], "unknown method"),
         (["inspect", "/no/such/file.safetensors"], "no such file"),
         (["generate", "--temp", "-1"], "--temp"),
+        (["fit", "nosuch", "--model", "x"], "no fitter for 'nosuch'"),
         (["bench", "--frobnicate"], "unrecognized arguments"),
     ],
 )
@@ -135,3 +136,26 @@ def test_generate_prints_text_and_measured_memory(model_dir, capsys):
     # codes and group-64 scales, about 3.6x), not fp16's 256-token allocation
     ratio = float(out.rsplit("(", 1)[1].split("x)")[0])
     assert 3.0 < ratio < 4.5, out
+
+
+def test_fit_dispatches_to_the_methods_entry_point(monkeypatch):
+    """velox fit NAME ARGS calls the fitter a method package registers in `velox.fit` with
+    the rest of the command line, and returns its exit code."""
+    import importlib.metadata
+
+    calls = []
+
+    class Fitter:
+        name = "demo"
+
+        def load(self):
+            return lambda argv: calls.append(argv) or 3
+
+    real = importlib.metadata.entry_points
+    monkeypatch.setattr(
+        importlib.metadata,
+        "entry_points",
+        lambda group=None, **kw: [Fitter()] if group == "velox.fit" else real(group=group, **kw),
+    )
+    assert main(["fit", "demo", "--model", "m", "--tokens", "64"]) == 3
+    assert calls == [["--model", "m", "--tokens", "64"]]

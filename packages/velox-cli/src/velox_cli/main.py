@@ -6,6 +6,7 @@
     velox methods [--json]
     velox inspect FILE
     velox serve --method SPEC --model PATH [--storage-dtype D] [mlx_lm.server options]
+    velox fit NAME [the method's fit options]
 
 Bad input (an unknown method, a bad parameter, a missing path) prints one line and exits 2.
 """
@@ -75,6 +76,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--method", required=True, metavar="SPEC")
     s.add_argument("--storage-dtype", choices=("float16", "bfloat16", "float32"))
+    f = sub.add_parser(  # no -h of its own: `velox fit NAME --help` is the method's help
+        "fit",
+        add_help=False,
+        help="fit a method's per-model artifact (velox fit commvq --model PATH ...); the "
+        "options are the method's own",
+    )
+    f.add_argument("name", help="the method whose fitter to run")
     return p
 
 
@@ -260,6 +268,19 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return 0
 
 
+FIT_GROUP = "velox.fit"  # entry points: method name -> fit_main(argv) -> exit code
+
+
+def cmd_fit(a: argparse.Namespace) -> int:
+    from importlib.metadata import entry_points
+
+    found = {e.name: e for e in entry_points(group=FIT_GROUP)}
+    if a.name not in found:
+        have = ", ".join(sorted(found)) or "none installed"
+        raise ValueError(f"no fitter for {a.name!r} (methods with one: {have})")
+    return int(found[a.name].load()(a.rest) or 0)
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None and sys.argv[1:2] in (["bench"], ["generate"], ["serve"]):
         from .blas import preload
@@ -267,16 +288,16 @@ def main(argv: list[str] | None = None) -> int:
         preload(sys.argv[1:])  # re-executes with OpenBLAS where MLX bundles a reference BLAS
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
-    if rest and args.cmd != "serve":
+    if rest and args.cmd not in ("serve", "fit"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.cmd == "serve":
-        args.rest = rest
+    args.rest = rest
     handler = {
         "bench": cmd_bench,
         "generate": cmd_generate,
         "methods": cmd_methods,
         "inspect": cmd_inspect,
         "serve": cmd_serve,
+        "fit": cmd_fit,
     }[args.cmd]
     try:
         return handler(args)

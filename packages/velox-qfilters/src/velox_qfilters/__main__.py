@@ -90,5 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def fit_main(argv: list[str] | None = None) -> int:
+    """``velox fit qfilters ARGS``: ``python -m velox_qfilters fit ARGS``."""
+    return main(["fit", *(sys.argv[1:] if argv is None else argv)])
+
+
 if __name__ == "__main__":
     sys.exit(main())
