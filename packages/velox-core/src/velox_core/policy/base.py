@@ -11,7 +11,9 @@ When eviction runs (:meth:`before_update`, called before new tokens are stored):
 * after a multi-token chunk (chunked prefill): the next update first cuts the cache back to
   ``budget``, so peak memory stays at ``budget`` plus one chunk, not the prompt;
 * during decode, when ``every`` is set and the cache exceeds ``budget`` by ``every`` tokens:
-  long generations stay bounded (at most ``budget + every`` tokens).
+  long generations stay bounded (at most ``budget + every`` tokens). Without ``every`` decode
+  tokens accumulate (the prompt-only compression of SnapKV's paper): once the cache holds
+  twice its budget a ``UserWarning`` says so, once per policy class and process.
 
 ``budget`` counts every token kept per KV head: sinks, body and window. A subclass defines
 :meth:`score` (higher keeps) or, for per-head budgets, overrides :meth:`select`.
@@ -19,6 +21,7 @@ When eviction runs (:meth:`before_update`, called before new tokens are stored):
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, ClassVar
 
 import mlx.core as mx
@@ -98,6 +101,8 @@ class RetentionPolicy:
         if self.budget is None:
             return
         over = cache.size() - self.budget
+        if self.every is None and over >= self.budget and not after_chunk:
+            _warn_unbounded(self, cache.size())
         if over <= 0 or not (after_chunk or (self.every is not None and over >= self.every)):
             return
         keep = self.select(cache, max(self.budget - cache.protected(), 0))
@@ -141,3 +146,21 @@ class RetentionPolicy:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.state().values())
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_unbounded(policy: RetentionPolicy, size: int) -> None:
+    """Once per policy class and process: ``budget`` bounds the prompt, not the decode."""
+    name = getattr(policy, "name", type(policy).__name__)
+    if name in _WARNED:
+        return
+    _WARNED.add(name)
+    warnings.warn(
+        f"{name}: budget={policy.budget} bounds the prompt only, and decode tokens accumulate "
+        f"past it (now {size} tokens per KV head); pass every=N to cut the cache again once "
+        f"it holds budget + N tokens",
+        UserWarning,
+        stacklevel=4,
+    )
