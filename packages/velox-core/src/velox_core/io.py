@@ -208,6 +208,8 @@ def load_cache(path: str | Path, return_metadata: bool = False, model: Any = Non
         else:
             raise ValueError(f"{path}: layer {i} has unknown kind {kind!r}")
         _check_layer(str(path), i, out[-1])
+    for cls in dict.fromkeys(type(c) for c in out if isinstance(c, VeloxCache)):
+        cls.link_layers(out)  # caches whose layers share state link them again
     if return_metadata:
         return out, json.loads(header.get("user", "{}"))
     return out

@@ -196,6 +196,10 @@ def make_cache(
         storage_dtype: dtype velox caches keep unquantized tokens and scales in (default: the
             model's); e.g. ``mx.float16`` for a model computing in float32 on a CPU.
 
+    Once every layer's cache is built and bound, each velox cache class is given the whole
+    list (:meth:`VeloxCache.link_layers`), so that a method whose layers share state (a
+    coordinator of a group of layers, as xKV's) can link them; ``load_cache`` does the same.
+
     For model types in :data:`ROUTED_ONLY_MODEL_TYPES` the caches get ``fetch_decoded =
     False``: while attention is routed, ``update_and_fetch`` returns the new tokens instead
     of building every stored token decoded, which only the model's own attention would read
@@ -234,7 +238,14 @@ def make_cache(
             if storage_dtype is not None:
                 cache.set_storage_dtype(storage_dtype)
         out.append(cache)
+    _link(out)
     return out
+
+
+def _link(caches: list) -> None:
+    """Let each velox cache class link the layers' caches it shares state across."""
+    for cls in dict.fromkeys(type(c) for c in caches if isinstance(c, VeloxCache)):
+        cls.link_layers(caches)
 
 
 def _native_caches(model: Any) -> list:

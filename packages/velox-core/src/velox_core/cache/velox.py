@@ -227,6 +227,13 @@ class VeloxCache(RetentionMixin):
         if self.policy is not None:
             self.policy.bind(model, layer)
 
+    @classmethod
+    def link_layers(cls, caches: list) -> None:
+        """Called once per velox cache class by ``make_cache`` (after every layer is built and
+        bound) and by ``load_cache``, with the whole model's caches (one per layer, any
+        classes). A method whose layers share state (a coordinator of a group of layers)
+        links its caches here; the default links nothing."""
+
     def check_dims(self, key_dim: int, value_dim: int, dtype: mx.Dtype | None = None) -> None:
         """Ask every codec whether it codes keys of ``key_dim`` and values of ``value_dim``
         channels (``make_cache`` does, from the model, before the first forward); raises the

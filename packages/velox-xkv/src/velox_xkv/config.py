@@ -1,0 +1,68 @@
+"""Settings of the xKV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from velox_core.validation import check_float, check_int
+
+__all__ = ["XKVConfig", "check_bool"]
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return value
+
+
+@dataclass
+class XKVConfig:
+    """xKV (arXiv 2503.18893) settings.
+
+    Attributes:
+        layer_group: adjacent layers that share one token latent (the paper's layer group
+            size ``G``): layers ``0..G-1``, ``G..2G-1``, ... of the model (the last group may be
+            smaller). A cache used alone is a group of one (the paper's single-layer SVD).
+        key_rank: width of the group's key latent: the rank kept of the cross-layer SVD of the
+            group's pre-RoPE keys (the authors' ``rank_k``, for the whole group). The stored
+            width is ``min(key_rank, G * kv_heads * head_dim, tokens)``.
+        value_rank: the same for the values (the authors' ``rank_v``).
+        pre_rope: factorize keys before RoPE (the paper); False factorizes post-RoPE keys,
+            which lets attention score keys in the latent without rebuilding them.
+        rope_base, rope_traditional, rope_scale, rope_dims: the RoPE of a standalone cache
+            (``mlx.nn.RoPE`` settings). Leave ``rope_base`` unset with a model:
+            ``make_cache`` binds each layer's own RoPE.
+    """
+
+    layer_group: int = 2
+    key_rank: int = 192
+    value_rank: int = 256
+    pre_rope: bool = True
+    rope_base: float | None = None
+    rope_traditional: bool = False
+    rope_scale: float = 1.0
+    rope_dims: int | None = None
+
+    def __post_init__(self):
+        check_int("layer_group", self.layer_group, minimum=1)
+        check_int("key_rank", self.key_rank, minimum=1)
+        check_int("value_rank", self.value_rank, minimum=1)
+        check_bool("pre_rope", self.pre_rope)
+        check_bool("rope_traditional", self.rope_traditional)
+        custom = self.rope_traditional or self.rope_scale != 1.0 or self.rope_dims is not None
+        if self.rope_base is not None:
+            check_float("rope_base", self.rope_base)
+            if self.rope_base <= 1.0:
+                raise ValueError(f"rope_base must be > 1, got {self.rope_base}")
+        check_float("rope_scale", self.rope_scale)
+        if self.rope_scale <= 0:
+            raise ValueError(f"rope_scale must be > 0, got {self.rope_scale}")
+        if self.rope_dims is not None:
+            check_int("rope_dims", self.rope_dims, minimum=2)
+            if self.rope_dims % 2:
+                raise ValueError(f"rope_dims must be even, got {self.rope_dims}")
+        if not self.pre_rope and (self.rope_base is not None or custom):
+            raise ValueError("rope_base/rope_traditional/rope_scale/rope_dims need pre_rope=True")
+        if self.rope_base is None and custom:
+            raise ValueError("rope_traditional/rope_scale/rope_dims need rope_base")
