@@ -16,13 +16,26 @@ SPECS = [format_spec(name, params) for name, m in methods().items() for params i
 
 
 @pytest.fixture(scope="module", autouse=True)
-def qfilters_artifact(tmp_path_factory):
-    """Q-Filters needs filters fitted on the model; fit them once for the tiny model."""
-    fit = pytest.importorskip("velox_qfilters")
+def fitted_artifacts(tmp_path_factory):
+    """Q-Filters and CommVQ need artifacts fitted on the model; fit them once for the tiny
+    model (CommVQ with a short EM: these tests check the plumbing, not its quality)."""
     out = tmp_path_factory.mktemp("artifacts")
     prompt = mx.random.randint(0, 512, (4, 256), key=mx.random.key(0))
-    filters = fit.fit_filters(MODEL, prompt)
-    fit.save_filters(filters, out / "tiny.safetensors")
+    try:
+        import velox_qfilters as qf
+    except ImportError:
+        qf = None
+    if qf is not None:
+        qf.save_filters(qf.fit_filters(MODEL, prompt), out / "tiny.safetensors")
+    try:
+        import velox_commvq as cvq
+    except ImportError:
+        cvq = None
+    if cvq is not None:
+        books = cvq.fit_codebooks(
+            MODEL, prompt.reshape(-1).tolist(), seq_len=256, samples=512, iters=4
+        )
+        cvq.save_codebooks(books, out / "tiny-commvq.safetensors")
     old = os.environ.get("VELOX_ARTIFACTS")
     os.environ["VELOX_ARTIFACTS"] = str(out)
     yield
