@@ -5,10 +5,10 @@ Per cache, in one process, on an mlx-lm architecture of a named shape with rando
 (``benchmarks/e2e.py``'s shapes): prompt tokens per second and generated tokens per second
 as ``batch_generate`` reports them (all sequences together), MLX's peak memory over the run
 (reset per row), the wall time, and ratios against the fp16 row. Each row follows a short
-run of the same cache (4 tokens), so that kernels built on first use are not timed. Rows of one length share a
-velox cache and one kernel launch per layer and step; rows of other lengths are attended
-group by group (``velox_core.VeloxBatch``), so ``--lengths`` with all lengths equal and with
-different lengths measure both.
+run of the same cache (4 tokens), so that kernels built on first use are not timed. Rows of
+one length share a velox cache and one kernel launch per layer and step; rows of other
+lengths are attended group by group (``velox_core.VeloxBatch``), so ``--lengths`` with all
+lengths equal and with different lengths measure both.
 
     python3 benchmarks/batch_serve.py --shape llama3-8b --weights 4bit \
         --lengths 8192,6144,4096,2048 --steps 64 --caches fp16,uniform:bits=4 --json out/b.json
@@ -23,12 +23,11 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e import SHAPES, WEIGHTS, build_model, parse_ints  # noqa: E402
+from e2e import SHAPES, WEIGHTS, build_model, parse_ints
 
 
 class _Tokens:

@@ -502,8 +502,9 @@ class VeloxCache(RetentionMixin):
         for any count (mlx-lm asks before speculative decoding and before reusing a longer
         prompt cache; False makes it refuse or prefill instead).
 
-        True when nothing is evicted (no retention policy) and every token is either kept as
-        given (no codec) or coded alone the moment it arrives: one tier, ``window=0``,
+        True when nothing is evicted (no retention policy), no codec is fitted on the stored
+        tokens (``before_coding``), and every token is either kept as given (no codec) or
+        coded alone the moment it arrives: one tier, ``window=0``,
         ``flush=1`` and codecs of one token a block (``uniform:bits=4,flush=1``, say).
         Otherwise a trim past the fp16 tokens would decode coded tokens back into the window,
         which the cache that never saw the trimmed tokens would hold as given; :meth:`trim`
@@ -511,6 +512,8 @@ class VeloxCache(RetentionMixin):
         """
         if self.policy is not None or self.ragged:
             return False
+        if type(self).before_coding is not VeloxCache.before_coding:
+            return False  # codecs fitted on the stored tokens: a trim cannot undo a fit
         t = self.tiers[0]
         if all(isinstance(c, Identity) for x in self.tiers for c in (x.key_codec, x.value_codec)):
             return True  # nothing is coded: every token stays as given
