@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import time
 from functools import partial
 from pathlib import Path
@@ -52,6 +53,17 @@ CONFIG = {
     "eos_token_id": 0,
     "torch_dtype": "float16",
 }
+# The reference model's sibling, for cross-model KV transfer (velox-transfer): the same
+# family, tokenizer, data and RoPE, another depth, width and KV-head count.
+SIBLING = {
+    **CONFIG,
+    "hidden_size": 192,
+    "num_hidden_layers": 4,
+    "intermediate_size": 576,
+    "num_attention_heads": 3,
+    "num_key_value_heads": 1,
+}
+SIZES = {"reference": CONFIG, "sibling": SIBLING}
 
 
 class Recall:
@@ -114,10 +126,10 @@ def batches(
         yield x[:, :-1], x[:, 1:]
 
 
-def build_model():
+def build_model(config: dict):
     from mlx_lm.models import llama
 
-    return llama.Model(llama.ModelArgs.from_dict(CONFIG))
+    return llama.Model(llama.ModelArgs.from_dict(config))
 
 
 def loss_fn(model, x, y):
@@ -145,9 +157,14 @@ def train(args) -> None:
     rng = np.random.default_rng(args.seed)
     tokens = np.load(args.tokens / "train.npy")
     heldout = np.load(args.tokens / "heldout.npy")
-    tok = Tokenizer.from_file(str(args.out / "tokenizer.json"))
+    tok_dir = args.tokenizer or args.out
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    if tok_dir != args.out:  # the sibling shares the reference model's tokenizer files
+        args.out.mkdir(parents=True, exist_ok=True)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(tok_dir / name, args.out / name)
     recall = Recall(tok, words_from(tokens, tok), args.seed)
-    model = build_model()
+    model = build_model(SIZES[args.size])
     model.set_dtype(mx.float32)
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     print(f"model: {n_params / 1e6:.2f}M parameters, device {mx.default_device()}", flush=True)
@@ -184,7 +201,7 @@ def train(args) -> None:
                 f"phase {k}: {per:.3f} s/step at {seq}x{batch} -> {phases[k][2]} steps", flush=True
             )
         mx.random.seed(args.seed)  # start over from the seeded initialization
-        model = build_model()
+        model = build_model(SIZES[args.size])
         model.set_dtype(mx.float32)
     total = sum(s for _, _, s in phases)
     warm = max(1, min(200, total // 10))
@@ -230,16 +247,18 @@ def train(args) -> None:
             "heldout_perplexity": {str(k): round(v, 3) for k, v in ppl.items()},
             "log": log,
             "device": str(mx.default_device()),
+            "size": args.size,
         },
+        SIZES[args.size],
     )
 
 
-def save(model, out: Path, run: dict) -> None:
+def save(model, out: Path, run: dict, config: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.set_dtype(mx.float16)
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(out / "model.safetensors"), weights, {"format": "mlx"})
-    (out / "config.json").write_text(json.dumps(CONFIG, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "train.json").write_text(json.dumps(run, indent=1) + "\n")
     print(f"saved {out}", flush=True)
 
@@ -250,6 +269,10 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=Path, default=Path("shared/reference-model"))
     ap.add_argument(
         "--budget", type=float, default=0.0, help="seconds of training (sets the steps)"
+    )
+    ap.add_argument("--size", choices=sorted(SIZES), default="reference")
+    ap.add_argument(
+        "--tokenizer", type=Path, default=None, help="directory of tokenizer.json (default: --out)"
     )
     ap.add_argument("--steps1", type=int, default=3000)
     ap.add_argument("--steps2", type=int, default=600)
