@@ -8,8 +8,8 @@ import pytest
 from _commvq_util import BASE, conformance_codebooks, conformance_model, kv_codebooks, synthetic
 
 from velox_commvq import METHOD, CommVQCache, CommVQKeys, RopeSpec
-from velox_commvq.rope import from_pairs
 from velox_core import make, make_cache
+from velox_core.ops.rope import from_pairs
 from velox_core.testing import CacheConformance, kv_data, rel_error
 
 

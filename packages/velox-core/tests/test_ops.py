@@ -298,3 +298,37 @@ def test_kmeans_is_its_seeding_then_lloyd_steps():
     assert len(np.unique(np.array(seeds)[0], axis=0)) < 8  # some cluster is empty
     np.testing.assert_array_equal(np.array(a), ref_a)
     np.testing.assert_allclose(np.array(c), ref_c, rtol=1e-5, atol=1e-6)
+
+
+# -- RoPE ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("dims", [64, 32])
+def test_rope_rotate_matches_mlx_fast_rope(traditional, dims):
+    from velox_core.ops.rope import RopeSpec, from_pairs, rotate, to_pairs
+
+    x = mx.random.normal((1, 2, 7, 64), key=mx.random.key(3))
+    spec = RopeSpec.from_base(10000.0, dims, traditional)
+    ref = mx.fast.rope(x, dims, traditional=traditional, base=10000.0, scale=1.0, offset=5)
+    np.testing.assert_allclose(np.array(rotate(x, 5, spec)), np.array(ref), atol=2e-5)
+    pos = mx.arange(5, 12)[None, None]  # the same positions as an array
+    np.testing.assert_allclose(np.array(rotate(x, pos, spec)), np.array(ref), atol=2e-5)
+    back = rotate(rotate(x, 5, spec), 5, spec, inverse=True)
+    np.testing.assert_allclose(np.array(back), np.array(x), atol=2e-5)
+    np.testing.assert_array_equal(np.array(from_pairs(to_pairs(x, spec), spec)), np.array(x))
+
+
+def test_rope_spec_reads_modules_and_refuses_others():
+    import mlx.nn as nn
+    from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE
+
+    from velox_core.ops.rope import find_rope, rope_spec
+    from velox_core.testing import tiny_model
+
+    spec = rope_spec(nn.RoPE(32, traditional=True, base=500.0))
+    assert spec.layout == [32, 1] and np.isclose(spec.theta[1], 500.0 ** (-2 / 32))
+    with pytest.raises(TypeError, match="mymethod: unsupported RoPE class .*base with the seq"):
+        rope_spec(DynamicNTKScalingRoPE(32, 4096, False, 10000.0, 2.0), "mymethod")
+    model = tiny_model("llama")
+    assert isinstance(find_rope(model, 0), nn.RoPE)
+    with pytest.raises(ValueError, match="mymethod: the model has no layer 99"):
+        find_rope(model, 99, "mymethod")

@@ -40,10 +40,18 @@ import mlx.core as mx
 
 from velox_core import Codec, Packed
 from velox_core.ops import pack, unpack
+from velox_core.ops.rope import (
+    RopeSpec,
+    angles,
+    find_rope,
+    from_pairs,
+    rope_spec,
+    rotate_pairs,
+    to_pairs,
+)
 from velox_core.validation import check_bits, check_float, check_int
 
 from .artifact import load_cached, resolve_codebooks
-from .rope import RopeSpec, angles, find_rope, from_pairs, rope_spec, rotate_pairs, to_pairs
 from .scores import code_scores
 from .vq import Geometry, decode_pairs, encode_pairs, jrot
 
@@ -132,7 +140,7 @@ class CommVQKeys(Codec):
             self.layer = check_int("layer", layer, minimum=0)
         if model is None or self.layer is None:
             return
-        spec = rope_spec(find_rope(model, self.layer))
+        spec = rope_spec(find_rope(model, self.layer, "commvq"), "commvq")
         if self.rope_base is not None and not self._config_rope(spec.dims).same_as(spec):
             raise ValueError(
                 f"commvq: rope_base={self.rope_base} (and rope_traditional/rope_scale/rope_dims) "
@@ -155,7 +163,7 @@ class CommVQKeys(Codec):
                     "cache"
                 )
             self._rope = self._config_rope(dim if self.rope_dims is None else self.rope_dims)
-        self._rope.pairs(dim)  # raises if the RoPE does not pair this head
+        self._rope.pairs(dim, "commvq")  # raises if the RoPE does not pair this head
         return self._rope
 
     def _select(self, books, dim: int | None) -> dict[str, mx.array]:

@@ -18,12 +18,12 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from velox_core import VeloxCache, make_cache
+from velox_core.ops.rope import angles, find_rope, rope_spec, rotate_pairs, to_pairs
 from velox_core.validation import check_float, check_int
 
 from .artifact import Codebooks
 from .em import fit_residual
 from .fingerprint import fingerprint, identity
-from .rope import angles, find_rope, rope_spec, rotate_pairs, to_pairs
 from .vq import Geometry
 
 __all__ = ["fit_codebooks", "pre_rope_units"]
@@ -127,7 +127,7 @@ def fit_codebooks(
         for i, cache in enumerate(caches):
             if not isinstance(cache, VeloxCache):
                 continue
-            spec = specs.setdefault(i, rope_spec(find_rope(model, i)))
+            spec = specs.setdefault(i, rope_spec(find_rope(model, i, "commvq"), "commvq"))
             u = pre_rope_units(cache.keys_and_values()[0], spec)[0]  # (H, T, P, 2)
             keys.setdefault(i, []).append(u)
             mx.eval(keys[i][-1])

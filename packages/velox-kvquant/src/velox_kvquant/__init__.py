@@ -2,11 +2,11 @@
 outliers and an fp16 attention sink (arXiv 2401.18079)."""
 
 from velox_core import Method
+from velox_core.ops.rope import RopeSpec, find_rope, rope_spec, rotate
 
 from .cache import KVQuantCache
 from .config import KVQuantConfig
 from .keys import KVQuantKeys
-from .rope import RopeSpec, find_rope, rope_spec, rotate
 from .values import KVQuantValues
 
 __all__ = [

@@ -29,11 +29,11 @@ import numpy as np
 from velox_core import Packed
 from velox_core.ops import pack
 from velox_core.ops.quant import scale_dtype
+from velox_core.ops.rope import RopeSpec, find_rope, rope_spec, rotate
 from velox_core.validation import check_float, check_int
 
 from .base import NuqCodec, check_bool
 from .nuq import dequantize, outlier_count
-from .rope import RopeSpec, find_rope, rope_spec, rotate
 
 __all__ = ["KVQuantKeys"]
 
@@ -104,7 +104,11 @@ class KVQuantKeys(NuqCodec):
         """Read the RoPE of ``model.layers[layer]`` (pre-RoPE codecs only)."""
         if not self.pre_rope or model is None or layer is None:
             return
-        spec = rope_spec(find_rope(model, layer))
+        spec = rope_spec(
+            find_rope(model, layer, "kvquant", "pass rope_base=... or use pre_rope=False"),
+            "kvquant",
+            "pass rope_base=... or use pre_rope=False",
+        )
         if self.rope_base is not None:
             mine = self._config_rope(spec.dims if self.rope_dims is None else self.rope_dims)
             if not mine.same_as(spec):

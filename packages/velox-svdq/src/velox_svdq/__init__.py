@@ -2,11 +2,11 @@
 with the singular value, low channels dropped (arXiv 2502.15304)."""
 
 from velox_core import Method
+from velox_core.ops.rope import RopeSpec, find_rope, rope_spec, rotate
 
 from .cache import SVDqCache
 from .codec import SVDqKeys, channel_widths
 from .config import SVDqConfig, parse_schedule
-from .rope import RopeSpec, find_rope, rope_spec, rotate
 
 __all__ = [
     "METHOD",

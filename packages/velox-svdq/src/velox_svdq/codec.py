@@ -45,10 +45,10 @@ import numpy as np
 
 from velox_core import Codec, Packed
 from velox_core.ops import affine_dequantize, affine_quantize, pack, unpack
+from velox_core.ops.rope import RopeSpec, find_rope, rope_spec, rotate
 from velox_core.validation import check_float, check_int
 
 from .config import check_bool, format_schedule, parse_schedule
-from .rope import RopeSpec, find_rope, rope_spec, rotate
 
 __all__ = ["SVDqKeys", "channel_widths"]
 
@@ -165,7 +165,11 @@ class SVDqKeys(Codec):
         """Read the RoPE of ``model.layers[layer]`` (pre-RoPE codecs only)."""
         if not self.pre_rope or model is None or layer is None:
             return
-        spec = rope_spec(find_rope(model, layer))
+        spec = rope_spec(
+            find_rope(model, layer, "svdq", "pass rope_base=... or use pre_rope=False"),
+            "svdq",
+            "pass rope_base=... or use pre_rope=False",
+        )
         if self.rope_base is not None:
             mine = self._config_rope(spec.dims if self.rope_dims is None else self.rope_dims)
             if not mine.same_as(spec):

@@ -2,12 +2,12 @@
 cross-layer SVD of their pre-RoPE keys and of their values (arXiv 2503.18893)."""
 
 from velox_core import Method
+from velox_core.ops.rope import RopeSpec, find_rope, rope_spec, rotate
 
 from .cache import XKVCache
 from .config import XKVConfig
 from .group import XKVGroup, truncated_svd
 from .latent import LatentKeys, LatentValues
-from .rope import RopeSpec, find_rope, rope_spec, rotate
 
 __all__ = [
     "METHOD",

@@ -31,12 +31,12 @@ import mlx.core as mx
 from velox_core import PresetCache
 from velox_core.cache.attention import Segment
 from velox_core.cache.velox import _routing_on, _trim_store
+from velox_core.ops.rope import RopeSpec, find_rope, rope_spec, rotate
 from velox_core.validation import check_int, check_kv
 
 from .config import XKVConfig
 from .group import XKVGroup
 from .latent import LatentKeys, LatentValues
-from .rope import RopeSpec, find_rope, rope_spec, rotate
 
 __all__ = ["XKVCache"]
 
@@ -85,7 +85,11 @@ class XKVCache(PresetCache):
         self.layer = layer
         if not self.cfg.pre_rope or model is None or layer is None:
             return
-        spec = rope_spec(find_rope(model, layer))
+        spec = rope_spec(
+            find_rope(model, layer, "xkv", "pass rope_base=... or use pre_rope=False"),
+            "xkv",
+            "pass rope_base=... or use pre_rope=False",
+        )
         if self.cfg.rope_base is not None and not self._config_rope(spec.dims).same_as(spec):
             raise ValueError(
                 f"xkv: rope_base={self.cfg.rope_base} (and rope_traditional/rope_scale/"

@@ -26,9 +26,9 @@ from typing import Any
 import mlx.core as mx
 
 from velox_core import Codec, Packed
+from velox_core.ops.rope import RopeSpec, rotate
 
 from .config import check_bool
-from .rope import RopeSpec, rotate
 
 __all__ = ["LatentKeys", "LatentValues"]
 
