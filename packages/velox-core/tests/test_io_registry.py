@@ -206,3 +206,50 @@ def test_save_rejects_bad_input(tmp_path):
         save_cache(tmp_path / "x.bin", [_filled(UniformCache())])
     with pytest.raises(ValueError, match="not supported"):
         save_cache(tmp_path / "x.safetensors", [object()])
+
+
+# -- per-model artifacts ---------------------------------------------------------------------------
+def test_artifacts_fingerprint_and_resolution(tmp_path, monkeypatch):
+    import mlx.core as mx
+    import pytest
+
+    from velox_core import artifacts
+    from velox_core.testing import tiny_model
+
+    model, other = tiny_model("llama"), tiny_model("llama", seed=1)
+    fp = artifacts.fingerprint(model)
+    assert fp != artifacts.fingerprint(other)
+    model.set_dtype(mx.bfloat16)  # a cast keeps the fingerprint
+    assert artifacts.fingerprint(model) == fp
+
+    def write(name, fmt="velox-test", version="1", fingerprint=fp):
+        path = tmp_path / name
+        meta = {"format": fmt, "version": version, "fingerprint": fingerprint}
+        mx.save_safetensors(str(path), {"w": mx.zeros((2,))}, meta)
+        return path
+
+    kw = dict(fmt="velox-test", version="1", what="Test", how_to_fit="fit-it", param="art")
+    monkeypatch.setenv(artifacts.ENV, str(tmp_path))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    with pytest.raises(LookupError, match="no Test artifact .*fit-it.*art=FILE"):
+        artifacts.resolve_artifact(model, None, missing=LookupError, **kw)
+    foreign = write("a.safetensors", fingerprint=artifacts.fingerprint(other))
+    wrong = write("b.safetensors", fmt="velox-other")
+    old = write("c.safetensors", version="0")
+    mine = write("d.safetensors")
+    assert artifacts.resolve_artifact(model, None, **kw) == mine  # found by fingerprint
+    assert artifacts.resolve_artifact(model, mine, **kw) == mine
+    with pytest.raises(ValueError, match="art=.* was fitted for another model"):
+        artifacts.resolve_artifact(model, foreign, **kw)
+    with pytest.raises(ValueError, match="not a Test artifact"):
+        artifacts.resolve_artifact(model, wrong, **kw)
+    with pytest.raises(ValueError, match="unsupported Test artifact version"):
+        artifacts.resolve_artifact(model, old, **kw)
+    with pytest.raises(ValueError, match="no such file"):
+        artifacts.resolve_artifact(model, tmp_path / "none.safetensors", **kw)
+    (tmp_path / "junk.safetensors").write_bytes(b"junk")
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        artifacts.read_metadata(tmp_path / "junk.safetensors")
+    calls = []
+    load = lambda p: calls.append(p) or len(calls)  # noqa: E731
+    assert artifacts.load_cached(load, mine) == artifacts.load_cached(load, mine) == 1

@@ -2,6 +2,7 @@
 attended from the codes (arXiv 2506.18879)."""
 
 from velox_core import Method, Uniform
+from velox_core.artifacts import fingerprint, identity
 from velox_core.ops.rope import RopeSpec, find_rope, rope_spec
 
 from .artifact import (
@@ -17,7 +18,6 @@ from .cache import CommVQCache
 from .codec import CommVQKeys
 from .config import CommVQConfig
 from .em import fit_residual, fit_stage
-from .fingerprint import fingerprint, identity
 from .fit import fit_codebooks, pre_rope_units
 from .scores import code_scores, query_tables
 from .vq import Geometry, decode_pairs, encode_pairs

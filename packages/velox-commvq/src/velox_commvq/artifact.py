@@ -3,7 +3,7 @@
 A file holds, per attention layer ``i``, ``layer.<i>.a`` and ``layer.<i>.b``: float16
 ``(H_kv, S, P, K, 2)`` codebooks (:mod:`velox_commvq.vq`), and in its metadata
 ``format="velox-commvq"``, a version, the model's fingerprint
-(:func:`velox_commvq.fingerprint`) and identifying config, the pairs per code ``G``, each
+(:func:`velox_core.artifacts.fingerprint`) and identifying config, the pairs per code ``G``, each
 layer's RoPE pair layout ``[dims, traditional]`` and how the codebooks were fitted. A cache
 finds the file of its model by that fingerprint (:func:`resolve_codebooks`): an explicit path
 wins; otherwise the directories of ``$VELOX_ARTIFACTS`` (colon-separated), then
@@ -14,15 +14,22 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
-from .fingerprint import fingerprint, identity
+from velox_core.artifacts import (
+    ENV,
+    check_format,
+    find_artifact,
+    read_metadata,
+    resolve_artifact,
+    search_dirs,
+)
+from velox_core.artifacts import load_cached as _load_cached
+
 from .vq import Geometry
 
 __all__ = [
@@ -41,7 +48,6 @@ __all__ = [
 
 FORMAT = "velox-commvq"
 VERSION = "1"
-ENV = "VELOX_ARTIFACTS"
 HOW_TO_FIT = "python -m velox_commvq fit --model PATH --text CALIBRATION.txt --out FILE"
 
 
@@ -110,35 +116,11 @@ def save_codebooks(books: Codebooks, path: str | os.PathLike) -> Path:
     return path
 
 
-def read_metadata(path: str | os.PathLike) -> dict[str, str]:
-    """The safetensors metadata of ``path``, read from its header only."""
-    path = Path(path).expanduser()
-    try:
-        with path.open("rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > 1 << 26:
-                raise ValueError("header too large")
-            header = json.loads(f.read(n))
-    except FileNotFoundError:
-        raise ValueError(f"{path}: no such file") from None
-    except (OSError, struct.error, ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not a safetensors file ({e})") from None
-    meta = header.get("__metadata__", {}) if isinstance(header, dict) else {}
-    return meta if isinstance(meta, dict) else {}
-
-
-def _check_format(path: Path, meta: dict[str, str]) -> None:
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a CommVQ artifact (format {meta.get('format')!r})")
-    if meta.get("version") != VERSION:
-        raise ValueError(f"{path}: unsupported CommVQ artifact version {meta.get('version')!r}")
-
-
 def load_codebooks(path: str | os.PathLike) -> Codebooks:
     """Read a file written by :func:`save_codebooks` (``ValueError`` if it is not one)."""
     path = Path(path).expanduser()
     meta = read_metadata(path)
-    _check_format(path, meta)
+    check_format(path, meta, FORMAT, VERSION, "CommVQ")
     try:
         arrays = mx.load(str(path))
         ids = [int(i) for i in json.loads(meta["layers"])]
@@ -162,40 +144,14 @@ def load_codebooks(path: str | os.PathLike) -> Codebooks:
     return out
 
 
-@lru_cache(maxsize=16)
-def _load_cached(path: str, mtime_ns: int, size: int) -> Codebooks:
-    return load_codebooks(path)
-
-
 def load_cached(path: str | os.PathLike) -> Codebooks:
     """:func:`load_codebooks`, read once per file version (every layer's cache shares it)."""
-    p = Path(path).expanduser()
-    try:
-        st = p.stat()
-    except FileNotFoundError:
-        raise ValueError(f"{p}: no such file") from None
-    return _load_cached(str(p), st.st_mtime_ns, st.st_size)
-
-
-def search_dirs() -> list[Path]:
-    """Where artifacts are looked up: ``$VELOX_ARTIFACTS`` (in order), then ``~/.cache/velox``."""
-    env = [Path(d).expanduser() for d in os.environ.get(ENV, "").split(":") if d]
-    return [*env, Path("~/.cache/velox").expanduser()]
+    return _load_cached(load_codebooks, path)
 
 
 def find_codebooks(fp: str, dirs: list[Path] | None = None) -> Path | None:
     """The first artifact (directories in order, files sorted by name) fitted for ``fp``."""
-    for d in search_dirs() if dirs is None else dirs:
-        if not d.is_dir():
-            continue
-        for p in sorted(d.glob("*.safetensors")):
-            try:
-                meta = read_metadata(p)
-            except ValueError:
-                continue
-            if meta.get("format") == FORMAT and meta.get("fingerprint") == fp:
-                return p
-    return None
+    return find_artifact(FORMAT, fp, dirs, VERSION)
 
 
 def resolve_codebooks(model: Any, codebooks: str | os.PathLike | None = None) -> Path:
@@ -205,25 +161,13 @@ def resolve_codebooks(model: Any, codebooks: str | os.PathLike | None = None) ->
         ValueError: ``codebooks`` is not a CommVQ artifact or was fitted for another model.
         MissingCodebooksError: nothing in the search directories was fitted for this model.
     """
-    fp = fingerprint(model)
-    if codebooks is not None:
-        path = Path(codebooks).expanduser()
-        meta = read_metadata(path)
-        _check_format(path, meta)
-        if meta.get("fingerprint") != fp:
-            raise ValueError(
-                f"codebooks={str(codebooks)!r} were fitted for another model (fingerprint "
-                f"{meta.get('fingerprint')}); this model's fingerprint is {fp} "
-                f"({json.dumps(identity(model), sort_keys=True)}). Fit codebooks for it: "
-                f"{HOW_TO_FIT}"
-            )
-        return path
-    found = find_codebooks(fp)
-    if found is None:
-        where = ", ".join(str(d) for d in search_dirs())
-        raise MissingCodebooksError(
-            f"no CommVQ codebooks for this model (fingerprint {fp}) in {where}. CommVQ needs "
-            f"codebooks fitted on the model's own keys: fit them with `{HOW_TO_FIT}` and put "
-            f"FILE in ~/.cache/velox or a directory listed in ${ENV}, or pass codebooks=FILE"
-        )
-    return found
+    return resolve_artifact(
+        model,
+        codebooks,
+        fmt=FORMAT,
+        version=VERSION,
+        what="CommVQ",
+        how_to_fit=HOW_TO_FIT,
+        param="codebooks",
+        missing=MissingCodebooksError,
+    )

@@ -18,12 +18,12 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from velox_core import VeloxCache, make_cache
+from velox_core.artifacts import fingerprint, identity
 from velox_core.ops.rope import angles, find_rope, rope_spec, rotate_pairs, to_pairs
 from velox_core.validation import check_float, check_int
 
 from .artifact import Codebooks
 from .em import fit_residual
-from .fingerprint import fingerprint, identity
 from .vq import Geometry
 
 __all__ = ["fit_codebooks", "pre_rope_units"]

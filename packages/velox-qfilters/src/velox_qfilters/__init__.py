@@ -2,6 +2,7 @@
 (arXiv 2503.02812)."""
 
 from velox_core import Method, Uniform
+from velox_core.artifacts import fingerprint, identity
 
 from .artifact import (
     Filters,
@@ -14,7 +15,6 @@ from .artifact import (
 )
 from .cache import QFiltersCache
 from .config import QFiltersConfig
-from .fingerprint import fingerprint, identity
 from .fit import fit_filters, principal_filters
 from .policy import QFiltersPolicy
 

@@ -22,10 +22,10 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from velox_core import RetentionPolicy, VeloxCache, make_cache, routed
+from velox_core.artifacts import fingerprint, identity
 from velox_core.validation import check_int
 
 from .artifact import Filters
-from .fingerprint import fingerprint, identity
 
 __all__ = ["fit_filters", "principal_filters"]
 
