@@ -96,10 +96,10 @@ def cases(tokens: int):
     mx.eval(k_new)
 
     def decode_only():
-        return dk._decode_mma(qg, ks, vs, None, scale)[0]
+        return dk.decode_mma(qg, ks, vs, None, scale)[0]
 
     def decode_merge():
-        o_part, ml_part, qk = dk._decode_mma(qg, ks, vs, None, scale)
+        o_part, ml_part, qk = dk.decode_mma(qg, ks, vs, None, scale)
         return dk.merge_splits_fp16(o_part, ml_part, qk, [], mx.float16, scale)[0]
 
     def attend_joint():

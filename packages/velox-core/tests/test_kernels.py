@@ -717,13 +717,13 @@ def test_symmetric_levels_are_found_on_the_host_and_vouched_for_codebooks_only(m
     assert not dk.levels_symmetric(np.array([-1e5, -1.0, 1.0, 1e5], np.float32))  # fp16 inf
     cb4 = dataclasses.replace(_mma_codes(4, 0), symmetric=True)
     cb2 = dataclasses.replace(_mma_codes(2, 0), symmetric=True)
-    modes = [dk._codebook_mode(c) for c in (_mma_codes(4, 64), _mma_codes(4, 0), cb4, cb2)]
+    modes = [dk.codebook_mode(c) for c in (_mma_codes(4, 64), _mma_codes(4, 0), cb4, cb2)]
     assert modes == [0, 1, 2, 2]
     monkeypatch.setenv("VELOX_DECODE_SYMMETRIC", "0")  # general lookups, for comparison
-    assert [dk._codebook_mode(c) for c in (cb4, cb2)] == [1, 1]
+    assert [dk.codebook_mode(c) for c in (cb4, cb2)] == [1, 1]
     monkeypatch.setenv("VELOX_DECODE_SYMMETRIC", "2")
     with pytest.raises(ValueError, match="VELOX_DECODE_SYMMETRIC"):
-        dk._codebook_mode(cb4)
+        dk.codebook_mode(cb4)
     monkeypatch.delenv("VELOX_DECODE_SYMMETRIC")
     k = mx.zeros((1, 1, 8, 16), mx.uint32)
     s = mx.ones((1, 1, 8, 2), mx.float16)
@@ -808,7 +808,7 @@ def test_decode_attention_merges_in_the_kernel_up_to_the_fuse_limit(monkeypatch)
 
     monkeypatch.delenv("VELOX_DECODE_FUSE", raising=False)
     monkeypatch.setattr(dk._kernels, "backend", lambda: "cuda")
-    monkeypatch.setattr(dk, "_plan_mma", fake)
+    monkeypatch.setattr(dk, "plan_mma", fake)
     q = mx.zeros((1, 1, 4, 128), mx.float16)
     for t, want in ((dk.MMA_FUSE_TOKENS, mx.float16), (dk.MMA_FUSE_TOKENS + 1, None)):
         z = mx.zeros((1, 1, t, 2), mx.float16)
@@ -1228,9 +1228,9 @@ def test_vq_codes_layout_rules_and_bad_input(monkeypatch):
     assert dk.plan(4, 128, dk.VQ, 8, 8, dk.AFFINE, 4, 64) is None  # 2,048 floats: too large
     assert dk.plan(4, 128, dk.VQ, 8, 3, dk.AFFINE, 4, 64) is None  # 3 channels a sub-vector
     assert dk.plan(4, 128, dk.AFFINE, 4, 64, dk.VQ, 9, 1) is None  # 9-bit indices
-    assert dk._side_ok(dk.VQ, 5, 4, 128, 16) is False  # 4 x 5 bits: not whole words
-    assert dk._side_ok(dk.VQ, 5, 4, 128, 32) is False  # 8 x 5 = 40 bits
-    assert dk._side_ok(dk.VQ, 4, 2, 128, 16) is True
+    assert dk.side_ok(dk.VQ, 5, 4, 128, 16) is False  # 4 x 5 bits: not whole words
+    assert dk.side_ok(dk.VQ, 5, 4, 128, 32) is False  # 8 x 5 = 40 bits
+    assert dk.side_ok(dk.VQ, 4, 2, 128, 16) is True
     rng = np.random.default_rng(0)
     keys, _ = _vq_side(rng, 1, 2, 64, 128, 8, 4)
     vals, _ = _vq_side(rng, 1, 2, 64, 128, 8, 4)
@@ -1244,7 +1244,7 @@ def test_vq_codes_layout_rules_and_bad_input(monkeypatch):
         (dataclasses.replace(keys, levels=keys.levels.astype(mx.int32)), "codebooks"),
     ):
         with pytest.raises(ValueError, match=msg):
-            dk._decode_portable(q, bad, vals, None, None)
+            dk.decode_portable(q, bad, vals, None, None)
 
 
 @needs_gxx
@@ -1969,7 +1969,7 @@ def test_folds_stay_off_where_subnormal_operands_are_not_exact(monkeypatch):
     q_shape = (1, 8, 4, 128)
     on = dict(dk.mma_launch(q_shape, mx.float16, k, k).template)
     assert dk.mma_subnormals_exact() and on["KFOLD"] == on["VFOLD"] == 1
-    monkeypatch.setattr(dk, "mma_subnormals_exact", lambda: False)
+    monkeypatch.setattr("velox_core.kernels.mma.mma_subnormals_exact", lambda: False)
     off = dict(dk.mma_launch(q_shape, mx.float16, k, k, value_fold=True, key_fold=True).template)
     assert off["KFOLD"] == off["VFOLD"] == 0
 

@@ -484,7 +484,7 @@ class DecodeRun:
         rng = np.random.default_rng(0)
         ins = [np_input(qf)]
         for side in (keys, values):
-            arrays = dk._inputs(side)
+            arrays = dk.code_inputs(side)
             for i, a in enumerate(arrays):
                 x = np_input(a)
                 unused = i == 2 and (side.kind == dk.CODEBOOK or side.b is None)
@@ -492,7 +492,7 @@ class DecodeRun:
                 if pad and i < 3 and not unused:
                     x = _padded_view(x, pad, rng)
                 ins.append(x)
-        for i, a in enumerate(dk._sketch_inputs(keys, q_sketch, mp)):
+        for i, a in enumerate(dk.sketch_inputs(keys, q_sketch, mp)):
             x = np_input(a)
             if pad and keys.signs is not None and i < 2:  # signs and residual norms
                 x = _padded_view(x, pad, rng)

@@ -27,7 +27,8 @@ import numpy as np
 
 from . import env_setting
 from .build import KernelSpec
-from .decode import FP16_MAX, _dummy, _pad_rows, merge_splits, merge_splits_fp16, qmul_bits
+from .codes import FP16_MAX, pad_rows, qmul_bits, unused_input
+from .merge import merge_splits, merge_splits_fp16
 
 __all__ = [
     "OUTLIER",
@@ -337,7 +338,7 @@ def _inputs(s: OutlierSide) -> list[mx.array]:
     kernels' unused-input dummies stand in, never read)."""
     if len(s.parts) == 2:
         return [s.codes[0], s.norms[0], s.codes[1], s.norms[1], s.mask, s.table]
-    du, df = _dummy(mx.uint32), _dummy(mx.float16)
+    du, df = unused_input(mx.uint32), unused_input(mx.float16)
     return [du, df, s.codes[0], s.norms[0], du, s.table]
 
 
@@ -389,7 +390,7 @@ def decode_attention_outlier(
     nmb = (m + mb - 1) // mb
     mp = nmb * mb
     qf = q if scale is not None else q.astype(mx.float32)
-    qf = _pad_rows(qf, mp)
+    qf = pad_rows(qf, mp)
     groups = t // group
     if splits is None:
         want = max(1, math.ceil(DEFAULT_THREADS / nt / max(1, b * h * nmb)))

@@ -33,18 +33,8 @@ import numpy as np
 from .. import kernels as _kernels  # backend() looked up per call (tests report another)
 from . import env_choice, env_setting
 from .build import KernelSpec
-from .decode import (
-    AFFINE,
-    MMA_SCALE_DTYPES,
-    SKETCH,
-    Codes,
-    _check,
-    _dummy,
-    _float_bits,
-    mma_enabled,
-    mma_splits,
-    qmul_bits,
-)
+from .codes import AFFINE, SKETCH, Codes, check_codes, float_bits, qmul_bits, unused_input
+from .mma_support import MMA_SCALE_DTYPES, mma_enabled, mma_splits
 
 __all__ = [
     "DECODE_SKETCH_MMA",
@@ -302,8 +292,8 @@ def sketch_mma_template(
         ("VBITS", values.bits),
         ("VGROUP", values.group),
         ("QMUL", qmul_bits(scale)),
-        ("CMB", _float_bits(sk.const / sk.m)),
-        ("COB", _float_bits(sk.const / sk.mo) if k else 0),
+        ("CMB", float_bits(sk.const / sk.m)),
+        ("COB", float_bits(sk.const / sk.mo) if k else 0),
         ("BLO", _blo(rows)),
         ("BSM", int(shared)),
         ("DIFF", int(diff)),
@@ -345,8 +335,8 @@ def decode_sketch_mma(
     sk = keys.sketch
     if q_sketch is None or tuple(q_sketch.shape) != (b, h, m, sk.m):
         raise ValueError(f"decode_sketch_mma: q_sketch must be {(b, h, m, sk.m)} float32")
-    _check("key", keys, b, h, t, dim)
-    _check("value", values, b, h, t, dim)
+    check_codes("key", keys, b, h, t, dim)
+    check_codes("value", values, b, h, t, dim)
     grp = keys.group if sk.outliers else 16
     if splits is None:
         s = sketch_splits(t, b * h, grp)
@@ -355,7 +345,7 @@ def decode_sketch_mma(
             raise ValueError(f"decode_sketch_mma: splits must be a positive int, got {splits!r}")
         s = splits
     k = sk.outliers
-    u32, nd = _dummy(mx.uint32), _dummy(keys.a.dtype)
+    u32, nd = unused_input(mx.uint32), unused_input(keys.a.dtype)
     nt = NWARPS * 32
     ml_part, o_part = DECODE_SKETCH_MMA.kernel()(
         inputs=[

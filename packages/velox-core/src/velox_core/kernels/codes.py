@@ -1,0 +1,318 @@
+"""The code layouts the decode kernels read, one record per side of a coded segment.
+
+:class:`Codes` describes a segment's keys or values: **affine** per-group codes
+(``x = scale * code + zero``, :data:`AFFINE` per token, :data:`AFFINE_CHANNEL` per channel),
+**codebook** codes (``x = norm * levels[code]``, :data:`CODEBOOK`), **vector** codes
+(:data:`VQ`, a codeword per sub-vector) or **sketch** keys (:data:`SKETCH`, QJL sign bits with
+:class:`SketchKeys`). Here too: the kernels' inputs built from a record (:func:`code_inputs`,
+:func:`sketch_inputs`) and the shape checks (:func:`check_codes`).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+AFFINE, CODEBOOK, AFFINE_CHANNEL, SKETCH, VQ = 0, 1, 2, 3, 4
+
+# most floats of one side's VQ codebook (codewords x channels) the portable kernel keeps in
+# threadgroup memory: 4 KiB a side beside the 16 KiB of scores (Metal allows 32 KiB)
+VQ_MAX_TABLE = 1024
+
+FP16_MAX = 2048  # most fp16 tokens (sinks + window) the fused merge takes
+
+LOG2E = 1.4426950408889634
+
+
+def qmul_bits(scale: float | None = None) -> int:
+    """The ``QMUL`` template value: the float32 bits of ``log2(e)`` (times ``scale``, for
+    queries that come unscaled), the factor the tensor-core kernel and the fp16 merge apply to
+    the queries."""
+    return float_bits(LOG2E * (1.0 if scale is None else float(scale)))
+
+
+def float_bits(x: float) -> int:
+    """The float32 bits of ``x`` as a signed int (a template value)."""
+    return struct.unpack("<i", struct.pack("<f", float(x)))[0]
+
+
+# not frozen: a decode step builds two of these per layer, and a frozen dataclass's
+# __init__ (object.__setattr__ per field) costs several times a plain one's; treat as immutable
+@dataclass
+class Codes:
+    """One side (keys or values) of a segment, as the kernel reads it.
+
+    Attributes:
+        kind: :data:`AFFINE`, :data:`CODEBOOK`, :data:`AFFINE_CHANNEL` (keys only:
+            per-channel groups along tokens, KIVI's keys), :data:`VQ` or :data:`SKETCH`.
+        bits: code width, 1 to 8 (:data:`VQ`: bits of one codeword index).
+        group: affine: channels per (scale, zero); per-channel affine: tokens per (scale,
+            zero); VQ: channels per sub-vector (1, 2, 4 or 8); codebook: ignored.
+        codes: ``(B, H, T, W)`` uint32 packed codes (:data:`VQ`: the ``D / group`` indices of a
+            token, ``bits`` each, in one bit stream).
+        a: affine scale ``(B, H, T, D/group)``, per-channel scale ``(B, H, T/group, D)``, or
+            codebook norm ``(B, H, T)``; None for :data:`VQ`.
+        b: affine zero, shaped like ``a``; None for a codebook and :data:`VQ`.
+        levels: codebook levels ``(2**bits,)`` float32; :data:`VQ`: the codebooks ``(B, H,
+            2**bits, group)`` (any float dtype; row ``code`` of ``(b, h)`` is the sub-vector);
+            None for affine.
+        signs: codebook keys with a QJL residual sketch (TurboQuant_prod): ``(B, H, T, D/32)``
+            uint32, bit ``e`` set where channel ``e`` of the residual's sketch is positive;
+            the caller passes the sketched query to :func:`decode_attention`. None otherwise.
+        rnorm: with ``signs``: the residual norms ``(B, H, T)``.
+        sketch: :data:`SKETCH` keys only (QJL): the sketch's sizes and its other arrays; then
+            ``codes`` holds the ``m`` sign bits ``(B, H, T, m/32)``, ``a`` the norms
+            ``(B, H, T)``, ``b`` the outlier parts' norms (None without outliers), ``bits``
+            is 1 and ``group`` the tokens per outlier block (1 without outliers).
+        symmetric: codebook only: the caller vouches that the levels are ascending and
+            ``levels[2**bits - 1 - c] == -levels[c]`` in fp16 (Lloyd-Max levels of a law
+            symmetric about 0, checked on the host once per codebook:
+            :func:`levels_symmetric`); the tensor-core kernel then looks 4-bit codes up in
+            half the table and forms 2-bit ones without a permute (``KCB`` / ``VCB`` 2).
+            False: any levels.
+    """
+
+    kind: int
+    bits: int
+    group: int
+    codes: mx.array
+    a: mx.array | None
+    b: mx.array | None = None
+    levels: mx.array | None = None
+    signs: mx.array | None = None
+    rnorm: mx.array | None = None
+    sketch: SketchKeys | None = None
+    symmetric: bool = False
+
+
+def levels_symmetric(levels) -> bool:
+    """Whether codebook ``levels`` (host values: a numpy array or a list of floats) are
+    ascending and symmetric about 0 in fp16, ``fp16(L[n - 1 - c]) == -fp16(L[c])`` for every
+    code ``c``: what :attr:`Codes.symmetric` vouches for. One host check per codebook; never
+    on a device array in a decode step (it would wait for the device)."""
+    lev = np.asarray(levels, dtype=np.float32).reshape(-1)
+    with np.errstate(over="ignore"):  # past fp16's range: infinite, refused below
+        half = lev.astype(np.float16)
+    if lev.size < 2 or not np.all(np.isfinite(half)) or np.any(np.diff(half) < 0):
+        return False
+    return bool(np.array_equal(half[::-1], -half))
+
+
+@dataclass(frozen=True)
+class SketchKeys:
+    """QJL keys (velox-qjl's codec) as the portable kernel reads them, beside :class:`Codes`.
+
+    A key's score is ``c/m ||k_in|| <S q - S P q, sign(S k_in)> + c/m_o ||k_o|| <S P q,
+    sign(S k_o)>``: ``P`` keeps the block's outlier channels, ``k_o = P k``, ``k_in = k - k_o``,
+    the outlier sketch using the first ``m_o`` rows of ``S``. The kernel forms ``S P q`` per
+    block of tokens from the block's channel indices and ``S``'s columns, which it reads from
+    ``S`` laid out in its lanes' order (:func:`sketch_matrix`); the host passes ``S q`` in
+    the same order (the query times that matrix's first ``m`` columns).
+
+    Attributes:
+        m: sign bits of the main sketch.
+        mo: sign bits of the outlier sketch (0 without outliers).
+        outliers: outlier channels per block (0: none).
+        index_bits: bits of one packed channel index.
+        const: the estimator's ``c``.
+        lanes: the lanes per token :func:`sketch_lanes` gave, for which ``matrix`` is laid out.
+        matrix: :func:`sketch_matrix` of ``S`` for ``lanes`` (any float dtype).
+        osign: the outlier sketch's sign bits ``(B, H, T, mo/32)`` uint32, or None.
+        idx: the packed channel indices ``(B, H, T/block, W)`` uint32, or None.
+        mma: ``matrix`` is laid out for the tensor-core sketch kernel instead
+            (:func:`velox_core.kernels.sketch_mma.sketch_mma_matrix`, float16; ``lanes`` 0),
+            which then takes the segment (:func:`velox_core.kernels.sketch_mma.supported`).
+    """
+
+    m: int
+    mo: int
+    outliers: int
+    index_bits: int
+    const: float
+    lanes: int
+    matrix: mx.array
+    osign: mx.array | None = None
+    idx: mx.array | None = None
+    mma: bool = False
+
+
+def sketch_matrix(proj: mx.array, m: int, mo: int, lanes: int) -> mx.array:
+    """``S`` (``proj``, ``(R, D)``) as the sketch keys' pass reads it: its first ``m`` rows
+    (and, when ``mo`` differs from ``m``, then its first ``mo`` rows) transposed, each set's
+    rows in the lanes' order: lane ``j`` of ``lanes`` owns rows ``j * n / lanes + i``, stored
+    in column ``i * lanes + j``, so that a warp's lanes read one contiguous run of a channel's
+    row. ``q @ sketch_matrix(...)[:, :m]`` is ``S q`` in the order the kernel reads it.
+
+    Shapes:
+        proj ``(R, D)``, ``R >= max(m, mo)``; returns ``(D, m)`` or ``(D, m + mo)``.
+    """
+    d = proj.shape[1]
+
+    def block(n: int) -> mx.array:
+        rows = proj[:n].reshape(lanes, n // lanes, d)
+        return mx.transpose(rows, (2, 1, 0)).reshape(d, n)
+
+    if not mo or mo == m:
+        return mx.contiguous(block(m))
+    return mx.contiguous(mx.concatenate([block(m), block(mo)], axis=1))
+
+
+_DUMMY: dict[mx.Dtype, mx.array] = {}
+
+
+def unused_input(dtype: mx.Dtype) -> mx.array:
+    """An unused 8-element input (kept at 8 so Metal passes it in device memory)."""
+    hit = _DUMMY.get(dtype)
+    if hit is None:
+        hit = _DUMMY[dtype] = mx.zeros((8,), dtype=dtype)
+    return hit
+
+
+def code_inputs(c: Codes) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    if c.kind in (AFFINE, AFFINE_CHANNEL):
+        return c.codes, c.a, c.b, unused_input(mx.float32)
+    if c.kind == SKETCH:  # sign words, norms, outlier norms
+        return (
+            c.codes,
+            c.a,
+            c.b if c.b is not None else unused_input(c.a.dtype),
+            unused_input(mx.float32),
+        )
+    if c.kind == VQ:  # indices; the codebooks (B * H tables, contiguous) in the levels' place
+        table = mx.contiguous(c.levels.astype(mx.float32)).reshape(-1)
+        if table.size < 8:
+            table = mx.concatenate([table, mx.zeros((8 - table.size,), mx.float32)])
+        return c.codes, unused_input(mx.float16), unused_input(mx.float16), table
+    levels = c.levels.astype(mx.float32)
+    if levels.size < 8:  # keep it in device memory on Metal (the body only indexes it)
+        levels = mx.concatenate([levels, mx.zeros((8 - levels.size,), mx.float32)])
+    return c.codes, c.a, unused_input(c.a.dtype), levels
+
+
+def sketch_inputs(keys: Codes, q_sketch: mx.array | None, rows: int) -> list[mx.array]:
+    """The portable kernel's last five inputs (``ksg, krn, qsk, kix, kst``): the keys'
+    residual sketch, its norms and the sketched query (rows padded to ``rows``); for
+    :data:`SKETCH` keys the outlier sketch, a placeholder, the sketched query, the outlier
+    indices and ``S``; unused placeholders where a side has none of them."""
+    u32, f16, f32 = unused_input(mx.uint32), unused_input(mx.float16), unused_input(mx.float32)
+    if keys.sketch is not None:
+        sk = keys.sketch
+        qs = pad_rows(q_sketch.astype(mx.float32), rows)
+        if not sk.outliers:
+            return [u32, f16, qs, u32, f32]
+        return [sk.osign, f16, qs, sk.idx, sk.matrix]
+    if keys.signs is None:
+        return [u32, f16, f32, u32, f32]
+    return [keys.signs, keys.rnorm, pad_rows(q_sketch.astype(mx.float32), rows), u32, f32]
+
+
+def _check_sketch(c: Codes, b: int, h: int, t: int, dim: int) -> None:
+    """Shapes of :data:`SKETCH` keys (see :class:`SketchKeys`)."""
+    sk = c.sketch
+    if sk is None or c.signs is not None:
+        raise ValueError("decode_attention: sketch keys carry a SketchKeys record, no signs")
+    want = {"codes": (b, h, t, -(-sk.m // 32)), "a": (b, h, t)}
+    got = {"codes": c.codes, "a": c.a}
+    if sk.outliers and (sk.mo < 1 or sk.index_bits != max(1, (dim - 1).bit_length())):
+        raise ValueError(
+            "decode_attention: sketch keys with outliers need an outlier sketch (mo >= 1) and "
+            f"indices of ceil(log2 {dim}) bits, got mo={sk.mo}, index_bits={sk.index_bits}"
+        )
+    if sk.outliers:
+        blocks = -(-t // c.group)
+        want.update(
+            b=(b, h, t),
+            osign=(b, h, t, -(-sk.mo // 32)),
+            idx=(b, h, blocks, -(-sk.outliers * sk.index_bits // 32)),
+        )
+        got.update(b=c.b, osign=sk.osign, idx=sk.idx)
+    elif c.b is not None or sk.osign is not None or sk.idx is not None or sk.mo:
+        raise ValueError("decode_attention: sketch keys without outliers have no outlier arrays")
+    for name, shape in want.items():
+        a = got[name]
+        if a is None or tuple(a.shape) != shape:
+            have = None if a is None else tuple(a.shape)
+            raise ValueError(f"decode_attention: sketch keys' {name} is {have}, expected {shape}")
+    for name in ("codes", "osign", "idx"):
+        if name in got and got[name].dtype != mx.uint32:
+            raise ValueError(f"decode_attention: sketch keys' {name} must be uint32")
+    cols = sk.m if not sk.mo or sk.mo == sk.m else sk.m + sk.mo
+    if sk.outliers and tuple(sk.matrix.shape) != (dim, cols):
+        raise ValueError(
+            f"decode_attention: the sketch matrix is {tuple(sk.matrix.shape)}, expected "
+            f"{(dim, cols)} (sketch_matrix)"
+        )
+
+
+def _check_vq(name: str, c: Codes, b: int, h: int, t: int, dim: int) -> None:
+    """Shapes of :data:`VQ` codes: indices and one codebook per batch row and KV head."""
+    if c.a is not None or c.b is not None or c.signs is not None or c.sketch is not None:
+        raise ValueError(f"decode_attention: {name} VQ codes carry only codes and codebooks")
+    if dim % c.group:
+        raise ValueError(
+            f"decode_attention: {name} sub-vectors of {c.group} channels do not divide the "
+            f"head dim {dim}"
+        )
+    words = -(-(dim // c.group) * c.bits // 32)
+    if tuple(c.codes.shape) != (b, h, t, words) or c.codes.dtype != mx.uint32:
+        raise ValueError(
+            f"decode_attention: {name} VQ codes {tuple(c.codes.shape)} {c.codes.dtype} do not "
+            f"match (B, H, T, W) = {(b, h, t, words)} uint32"
+        )
+    want = (b, h, 1 << c.bits, c.group)
+    lv = c.levels
+    if lv is None or tuple(lv.shape) != want or not mx.issubdtype(lv.dtype, mx.floating):
+        have = None if lv is None else (tuple(lv.shape), lv.dtype)
+        raise ValueError(
+            f"decode_attention: {name} codebooks are {have}, expected float (B, H, 2**bits, "
+            f"group) = {want}"
+        )
+
+
+def check_codes(name: str, c: Codes, b: int, h: int, t: int, dim: int) -> None:
+    if c.symmetric and c.kind != CODEBOOK:
+        raise ValueError(f"decode_attention: {name} symmetric=True is for codebook codes only")
+    if c.kind == VQ:
+        _check_vq(name, c, b, h, t, dim)
+        return
+    if c.kind == SKETCH:
+        if name != "key":
+            raise ValueError("decode_attention: sketch codes are for keys only")
+        _check_sketch(c, b, h, t, dim)
+        return
+    if (c.signs is None) != (c.rnorm is None) or (c.signs is not None and c.kind != CODEBOOK):
+        raise ValueError(f"decode_attention: {name} signs and rnorm go together, codebook only")
+    if c.signs is not None:
+        if tuple(c.signs.shape) != (b, h, t, dim // 32) or c.signs.dtype != mx.uint32:
+            raise ValueError(
+                f"decode_attention: {name} signs {tuple(c.signs.shape)} {c.signs.dtype} do not "
+                f"match (B, H, T, D/32) = {(b, h, t, dim // 32)} uint32"
+            )
+        if tuple(c.rnorm.shape) != (b, h, t):
+            raise ValueError(f"decode_attention: {name} rnorm does not have shape {(b, h, t)}")
+    words = -(-dim * c.bits // 32)
+    if tuple(c.codes.shape) != (b, h, t, words) or c.codes.dtype != mx.uint32:
+        raise ValueError(
+            f"decode_attention: {name} codes {tuple(c.codes.shape)} {c.codes.dtype} do not match "
+            f"(B, H, T, W) = {(b, h, t, words)} uint32"
+        )
+    if c.kind == AFFINE_CHANNEL and t % c.group:
+        raise ValueError(
+            f"decode_attention: {name} tokens ({t}) must be whole groups of {c.group} for "
+            "per-channel scales"
+        )
+    want = {
+        AFFINE: (b, h, t, dim // c.group),
+        AFFINE_CHANNEL: (b, h, t // c.group, dim),
+    }.get(c.kind, (b, h, t))
+    if tuple(c.a.shape) != want or (c.kind != CODEBOOK and tuple(c.b.shape) != want):
+        raise ValueError(f"decode_attention: {name} scales/norms do not have shape {want}")
+
+
+def pad_rows(x: mx.array, rows: int) -> mx.array:
+    """``x (B, H, R, D)`` with zero rows appended up to ``rows``."""
+    b, h, r, d = x.shape
+    return x if rows <= r else mx.concatenate([x, mx.zeros((b, h, rows - r, d), x.dtype)], axis=2)

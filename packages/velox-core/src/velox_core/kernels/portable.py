@@ -1,0 +1,400 @@
+"""The portable decode kernel (``metal/decode_attention.metal``): the one Metal runs for
+every code layout, and CUDA for the layouts without a tensor-core path.
+
+:func:`plan` says whether and how a shape runs (lanes per token, query rows per pass, the
+warps and unroll of :func:`tuning`); :func:`plan_for` is that plan for two :class:`Codes`;
+:func:`choose_splits` / :func:`block_splits` split the context so a sequence fills the GPU;
+:func:`template` is the kernel's template; :func:`plan_portable` works all of it out once per
+shape and returns the launch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .. import kernels as _kernels  # backend() looked up per call (tests report another)
+from . import env_setting
+from .build import KernelSpec
+from .codes import (
+    AFFINE,
+    AFFINE_CHANNEL,
+    CODEBOOK,
+    SKETCH,
+    VQ,
+    VQ_MAX_TABLE,
+    Codes,
+    check_codes,
+    code_inputs,
+    float_bits,
+    pad_rows,
+    qmul_bits,
+    sketch_inputs,
+)
+
+NWARPS = 4  # warps per threadgroup (VELOX_DECODE_WARPS overrides: 1, 2, 4 or 8)
+
+UNROLL = 4  # tokens per lane per loop iteration, loads issued together (VELOX_DECODE_UNROLL)
+
+MAX_REGS = 64  # query rows x channels per lane held in registers (and as many accumulators)
+
+# the same on CUDA for lanes of 32 channels (3-, 5- and 7-bit codes): 4 query rows a pass, where
+# 64 would take 2 and read the codes twice; 208-247 registers, no spills (nvcc sm_90a); on
+# an H200 at 128k, 3-bit codes 13-17% faster at batch 1 (sixteenth session)
+CUDA_WIDE_REGS = 128
+
+SCORE_SLOTS = 4096  # (token, row) scores a threadgroup keeps (16 KiB): a split's tokens <= 4096/mb
+
+MAX_MERGE_FLOATS = 4096  # the warp merge (nwarps x mb x head dim floats) reuses those 16 KiB
+
+DEFAULT_BLOCKS = 1024  # threadgroups to aim for (several waves on a large GPU)
+
+MIN_SPAN = 256  # fewest tokens per split (unless the context is shorter)
+
+DECODE = KernelSpec(
+    name="velox_decode_attention",
+    source="decode_attention.metal",
+    inputs=(
+        *("q", "kc", "ka", "kb", "klv", "vc", "va", "vb", "vlv"),
+        *("ksg", "krn", "qsk", "kix", "kst"),
+    ),
+    outputs=("o_part", "ml_part"),
+    row_contiguous=False,  # the body reads strides: slices of a cache buffer are not copied
+)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How the kernel lays out one shape (all compile-time constants of the body).
+
+    Attributes:
+        cpl: channels per lane; a token's row is spread over ``lanes = D / cpl`` lanes.
+        mb: query rows per threadgroup (``nmb`` blocks of them cover the ``M`` rows).
+        nmb: query-row blocks (grid z).
+        lanes: lanes per token, a power of two (``D / cpl`` rounded up).
+        nwarps: warps per threadgroup.
+        unroll: tokens per lane per loop iteration.
+        step: tokens a threadgroup consumes per loop iteration.
+        max_span: most tokens one split may hold (its scores stay in threadgroup memory).
+        klanes: :data:`SKETCH` keys: lanes per token of the key pass (0 otherwise).
+    """
+
+    cpl: int
+    mb: int
+    nmb: int
+    lanes: int
+    nwarps: int
+    unroll: int
+    step: int
+    max_span: int
+    klanes: int = 0
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def side_ok(kind: int, bits: int, group: int, dim: int, cpl: int) -> bool:
+    if kind == SKETCH:  # the key pass has its own lane layout (sketch_lanes)
+        return True
+    if kind == VQ:  # whole sub-vectors a lane, its indices in whole words; the table fits
+        return (
+            1 <= bits <= 8
+            and group in (1, 2, 4, 8)
+            and cpl % group == 0
+            and (cpl // group * bits) % 32 == 0
+            and (1 << bits) * group <= VQ_MAX_TABLE
+        )
+    if not 1 <= bits <= 8 or (cpl * bits) % 32:
+        return False
+    if kind == AFFINE:
+        return group >= 1 and dim % group == 0 and (group % cpl == 0 or cpl % group == 0)
+    if kind == AFFINE_CHANNEL:
+        return group >= 1
+    return kind == CODEBOOK
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def tuning() -> tuple[int, int]:
+    """``(warps per threadgroup, unroll)``: the defaults, or ``VELOX_DECODE_WARPS`` and
+    ``VELOX_DECODE_UNROLL`` (for tuning on a new GPU)."""
+    nw = int(env_setting("VELOX_DECODE_WARPS", NWARPS))
+    un = int(env_setting("VELOX_DECODE_UNROLL", UNROLL))
+    if nw not in (1, 2, 4, 8):
+        raise ValueError(f"VELOX_DECODE_WARPS must be 1, 2, 4 or 8, got {nw}")
+    if not 1 <= un <= 16:
+        raise ValueError(f"VELOX_DECODE_UNROLL must be 1 to 16, got {un}")
+    return nw, un
+
+
+def plan(
+    m: int,
+    dim: int,
+    kkind: int,
+    kbits: int,
+    kgroup: int,
+    vkind: int,
+    vbits: int,
+    vgroup: int,
+    sketch: bool = False,
+    qjl: tuple[int, int] | None = None,
+) -> Plan | None:
+    """The kernel's layout for ``m`` query rows of head dim ``dim``, or None if unsupported.
+
+    Channels per lane (8, 16 or 32) must fill whole code words for both widths and divide the
+    head dim into at most 32 lanes; affine groups must hold whole lanes or whole sub-blocks
+    of one. Query rows and channels per lane share a register budget of :data:`MAX_REGS`
+    (:data:`CUDA_WIDE_REGS` for 32 channels a lane on CUDA; half of :data:`MAX_REGS` with a
+    key ``sketch``: the sketched query takes the other half); rows per
+    threadgroup are a power of two (at most 8). A sketch needs codebook keys and a head dim
+    that is a multiple of 32. :data:`VQ` codes need whole sub-vectors per lane, a lane's
+    indices filling whole words, and a codebook of at most :data:`VQ_MAX_TABLE` floats.
+
+    :data:`SKETCH` keys (QJL) pass ``qjl = (m, mo, outliers)``: the key pass spreads a
+    token's sign bits over :func:`sketch_lanes` lanes, and each query row holds
+    ``m / lanes + mo / lanes`` weights (at most :data:`MAX_REGS` for all rows) and the query's
+    ``outliers`` coordinates of a block (at most half of it); with outliers, a block of
+    ``kgroup`` tokens must fit one split.
+    """
+    if m < 1 or dim < 1 or vkind == AFFINE_CHANNEL:  # per-channel groups: keys only
+        return None
+    if sketch and (kkind != CODEBOOK or dim % 32):
+        return None
+    if (kkind == SKETCH) != (qjl is not None):
+        raise ValueError("plan: sketch keys (SKETCH) and qjl=(m, mo, outliers) go together")
+    klanes = 0
+    budget = MAX_REGS // 2 if sketch else MAX_REGS
+    if qjl is not None:
+        klanes = sketch_lanes(qjl[0], qjl[1])
+        if not klanes or _sketch_rows(qjl, klanes) < 1:
+            return None
+    nwarps, unroll = tuning()
+    order = (32, 16, 8) if m <= 2 else (16, 32, 8) if m <= 4 else (8, 16, 32)
+    for cpl in order:
+        if dim % cpl or dim // cpl > 32:
+            continue
+        if not (
+            side_ok(kkind, kbits, kgroup, dim, cpl) and side_ok(vkind, vbits, vgroup, dim, cpl)
+        ):
+            continue
+        regs = budget
+        if cpl == 32 and not sketch and qjl is None and kkind != VQ and vkind != VQ:
+            regs = CUDA_WIDE_REGS if _kernels.backend() == "cuda" else budget
+        if regs < cpl:
+            continue
+        mb = min(regs // cpl, _pow2_ceil(m), 8)
+        while mb > 1 and nwarps * mb * dim > MAX_MERGE_FLOATS:
+            mb //= 2
+        if nwarps * mb * dim > MAX_MERGE_FLOATS:
+            continue
+        mb = _pow2_floor(mb)
+        lanes = _pow2_ceil(dim // cpl)
+        step = nwarps * (32 // lanes) * unroll
+        if qjl is not None:
+            mb = min(mb, _pow2_floor(_sketch_rows(qjl, klanes)))
+            if qjl[2] and kgroup > SCORE_SLOTS // mb:  # a block must fit one split
+                return None
+        return Plan(cpl, mb, -(-m // mb), lanes, nwarps, unroll, step, SCORE_SLOTS // mb, klanes)
+    return None
+
+
+def _sketch_rows(qjl: tuple[int, int, int], lanes: int) -> int:
+    """The most query rows the sketch key pass holds in registers: their weights within
+    :data:`MAX_REGS`, their outlier coordinates within half of it."""
+    m, mo, outliers = qjl
+    rows = MAX_REGS // ((m + mo) // lanes)
+    return min(rows, (MAX_REGS // 2) // outliers) if outliers else rows
+
+
+def _word_fit(bits: int) -> bool:
+    """A lane's run of sign bits is at most one word (read from the one or two words it
+    lies in) or whole words."""
+    return 1 <= bits <= 32 or bits % 32 == 0
+
+
+SKETCH_LANES = 32  # most lanes per token of the sketch keys' pass (VELOX_DECODE_SKETCH_LANES)
+
+
+def sketch_lanes(m: int, mo: int) -> int:
+    """Lanes per token of the key pass for sketch keys of ``m`` (and ``mo`` outlier) sign
+    bits: the most (a power of two, at most ``VELOX_DECODE_SKETCH_LANES``, default
+    :data:`SKETCH_LANES`: the fewest weights per lane) that split both sketches evenly into
+    shares of at most one word or of whole words; 0 when none does."""
+    top = int(env_setting("VELOX_DECODE_SKETCH_LANES", SKETCH_LANES))
+    if top not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"VELOX_DECODE_SKETCH_LANES must be 1, 2, 4, 8, 16 or 32, got {top}")
+    for lanes in (32, 16, 8, 4, 2, 1):
+        if lanes > top:
+            continue
+        if m % lanes or mo % lanes:
+            continue
+        if _word_fit(m // lanes) and (mo == 0 or _word_fit(mo // lanes)):
+            return lanes
+    return 0
+
+
+def plan_for(m: int, dim: int, keys: Codes, values: Codes) -> Plan | None:
+    """:func:`plan` for the two sides of a segment."""
+    sk = keys.sketch
+    qjl = None if sk is None else (sk.m, sk.mo, sk.outliers)
+    return plan(
+        m,
+        dim,
+        keys.kind,
+        keys.bits,
+        keys.group,
+        values.kind,
+        values.bits,
+        values.group,
+        keys.signs is not None,
+        qjl,
+    )
+
+
+def choose_splits(tokens: int, rows: int, p: Plan) -> int:
+    """Splits of a ``tokens``-long context for ``rows`` (batch x KV heads) sequences.
+
+    Aims at ``VELOX_DECODE_BLOCKS`` threadgroups (default :data:`DEFAULT_BLOCKS`) with at least
+    :data:`MIN_SPAN` tokens each, and never more than ``p.max_span`` tokens per split; every
+    split is non-empty (the kernel takes ``ceil(T / splits)`` tokens per split).
+    """
+    target = int(env_setting("VELOX_DECODE_BLOCKS", DEFAULT_BLOCKS))
+    want = max(1, math.ceil(target / max(1, rows * p.nmb)))
+    s = max(1, min(want, math.ceil(tokens / max(MIN_SPAN, p.step))))
+    return fit_splits(tokens, s, p)
+
+
+def fit_splits(tokens: int, splits: int, p: Plan) -> int:
+    """``splits`` adjusted so that no split is empty and none holds more than ``p.max_span``."""
+    s = max(1, min(int(splits), tokens), math.ceil(tokens / p.max_span))
+    return math.ceil(tokens / math.ceil(tokens / s))
+
+
+def block_splits(tokens: int, splits: int, p: Plan, keys: Codes) -> int:
+    """``splits`` adjusted for sketch keys with outlier blocks: the kernel rounds a split's
+    ``ceil(T / splits)`` tokens up to whole blocks, so the count is raised until that span
+    fits ``p.max_span``, then lowered to the splits the span needs (none empty). Unchanged
+    for other keys; :func:`plan` declines blocks longer than a split."""
+    if keys.sketch is None or not keys.sketch.outliers or keys.group <= 1:
+        return splits
+    g = keys.group
+    if g > p.max_span:
+        raise ValueError(f"block_splits: blocks of {g} tokens exceed a split's {p.max_span}")
+
+    def span(s: int) -> int:  # the kernel's tokens per split
+        return math.ceil(math.ceil(tokens / s) / g) * g
+
+    s = splits
+    while span(s) > p.max_span:
+        s += 1
+    return math.ceil(tokens / span(s))
+
+
+def template(
+    p: Plan, dim: int, k: Codes, v: Codes, scale: float | None = None
+) -> list[tuple[str, int]]:
+    """The body's compile-time constants for a plan (``scale``: the attention scale the kernel
+    applies to unscaled queries; None when they come scaled)."""
+    return [
+        ("MB", p.mb),
+        ("HD", dim),
+        ("KBITS", k.bits),
+        ("VBITS", v.bits),
+        ("KKIND", k.kind),
+        ("VKIND", v.kind),
+        ("KGROUP", k.group if k.kind != CODEBOOK else dim),
+        ("VGROUP", v.group if v.kind in (AFFINE, VQ) else dim),
+        ("CPL", p.cpl),
+        ("NWARPS", p.nwarps),
+        ("UNROLL", p.unroll),
+        ("QMUL", qmul_bits(scale)),
+        ("KQJL", int(k.signs is not None)),
+        *sketch_template(p, k),
+    ]
+
+
+def sketch_template(p: Plan, k: Codes) -> list[tuple[str, int]]:
+    """The key pass's constants for :data:`SKETCH` keys (zeros for the other kinds): the
+    sketches' sizes, outliers per block and their index bits, lanes per token, and the float32
+    bits of ``c/m`` and ``c/m_o``."""
+    sk = k.sketch
+    if sk is None:
+        return [(n, 0) for n in ("KSK", "KOSK", "KOUT", "KIB", "KLPT", "KCIN", "KCOUT")]
+    return [
+        ("KSK", sk.m),
+        ("KOSK", sk.mo),
+        ("KOUT", sk.outliers),
+        ("KIB", sk.index_bits if sk.outliers else 0),
+        ("KLPT", p.klanes),
+        ("KCIN", float_bits(sk.const / sk.m)),
+        ("KCOUT", float_bits(sk.const / sk.mo) if sk.outliers else 0),
+    ]
+
+
+def plan_portable(
+    q_shape: tuple[int, int, int, int],
+    keys: Codes,
+    values: Codes,
+    splits: int | None,
+    scale: float | None,
+):
+    """The portable kernel's launch for a fixed query shape, as ``run(q, q_sketch)``
+    returning the per-split partials (query rows padded to its row blocks) and the padded
+    query it took, or None where it has no layout for the shape."""
+    b, h, m, dim = q_shape
+    t = keys.codes.shape[2]
+    p = plan_for(m, dim, keys, values)
+    if p is None:
+        return None
+    if keys.sketch is not None and keys.sketch.lanes != p.klanes:
+        raise ValueError(
+            f"decode_attention: the sketch matrix is laid out for {keys.sketch.lanes} lanes, "
+            f"the plan takes {p.klanes} (sketch_lanes at call time)"
+        )
+    check_codes("key", keys, b, h, t, dim)
+    check_codes("value", values, b, h, t, dim)
+    mp = p.nmb * p.mb
+    s = choose_splits(t, b * h, p) if splits is None else fit_splits(t, splits, p)
+    s = block_splits(t, s, p, keys)
+    nt = p.nwarps * 32
+    kernel, tmpl = DECODE.kernel(), template(p, dim, keys, values, scale)
+    codes = [*code_inputs(keys), *code_inputs(values)]
+    grid, tg = (s * nt, b * h, p.nmb), (nt, 1, 1)
+    shapes = [(b, h, s, mp, dim), (b, h, s, mp, 2)]
+    plain = keys.sketch is None and keys.signs is None
+    extra = sketch_inputs(keys, None, mp) if plain else None
+
+    def run(q, q_sketch=None):
+        qf = q if scale is not None else q.astype(mx.float32)  # unscaled: the kernel scales it
+        qf = pad_rows(qf, mp)
+        more = extra if plain else sketch_inputs(keys, q_sketch, mp)
+        o_part, ml_part = kernel(
+            inputs=[qf, *codes, *more],
+            template=tmpl,
+            grid=grid,
+            threadgroup=tg,
+            output_shapes=shapes,
+            output_dtypes=[mx.float32, mx.float32],
+        )
+        return o_part, ml_part, qf
+
+    return run
+
+
+def decode_portable(
+    q: mx.array,
+    keys: Codes,
+    values: Codes,
+    splits: int | None,
+    scale: float | None,
+    q_sketch: mx.array | None = None,
+) -> tuple[mx.array, mx.array, mx.array] | None:
+    """The portable kernel's per-split partials (query rows padded to its row blocks) and
+    the padded query it took, or None where it has no layout for the shape."""
+    run = plan_portable(q.shape, keys, values, splits, scale)
+    return None if run is None else run(q, q_sketch)
