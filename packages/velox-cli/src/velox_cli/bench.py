@@ -49,12 +49,16 @@ class BenchSettings:
 
 
 def load_model(path: str | None):
-    """``mlx_lm.load`` of ``path`` (default: the reference model in ``shared/``).
+    """``mlx_lm.load`` of ``path``: an mlx-lm directory, a ``.gguf`` file or a model name such
+    as ``smollm2`` (a GGUF converted once into velox's cache, see ``velox_cli.models``);
+    default: the reference model in ``shared/``.
 
     On a CPU the model computes in float32 and caches store float16 (see ``specs``).
     Returns ``(model, tokenizer, storage dtype or None, resolved path)``.
     """
     import mlx_lm
+
+    from .models import resolve
 
     if path is None:
         found = find_shared("reference-model")
@@ -63,8 +67,8 @@ def load_model(path: str | None):
                 "reference model not found (shared/reference-model); pass --model PATH"
             )
         path = str(found)
-    elif not Path(path).exists():
-        raise FileNotFoundError(f"--model: no such path {path!r}")
+    else:
+        path = str(resolve(path))
     model, tokenizer = mlx_lm.load(path)
     artifacts = find_shared("artifacts")  # fitted per-model artifacts (e.g. Q-Filters' filters)
     if artifacts is not None:

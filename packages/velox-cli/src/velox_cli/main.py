@@ -33,7 +33,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     b = sub.add_parser("bench", help="memory, quality and speed of methods on a real model")
-    b.add_argument("--model", help="mlx-lm model path (default: the reference model in shared/)")
+    b.add_argument(
+        "--model",
+        help="an mlx-lm model directory, a .gguf file or a name (smollm2); default: the "
+        "reference model in shared/",
+    )
     b.add_argument(
         "--methods",
         nargs="+",
@@ -60,7 +64,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--chart", default="velox-bench.png", help="PNG chart path ('' for none)")
     g = sub.add_parser("generate", help="mlx_lm.generate with a velox cache")
     g.add_argument("--method", default="uniform:bits=4", metavar="SPEC")
-    g.add_argument("--model", help="mlx-lm model path (default: the reference model)")
+    g.add_argument(
+        "--model",
+        help="mlx-lm directory, .gguf file or name (smollm2); default: the reference model",
+    )
     g.add_argument("--prompt", default="import os\n\n\ndef ")
     g.add_argument("--max-tokens", type=int, default=100)
     g.add_argument("--temp", type=float, default=0.0)
