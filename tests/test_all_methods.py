@@ -17,7 +17,7 @@ SPECS = [format_spec(name, params) for name, m in methods().items() for params i
 
 @pytest.fixture(scope="module", autouse=True)
 def fitted_artifacts(tmp_path_factory):
-    """Q-Filters and CommVQ need artifacts fitted on the model; fit them once for the tiny
+    """Q-Filters, CommVQ and Palu need artifacts fitted on the model; fit them once for the tiny
     model (CommVQ with a short EM: these tests check the plumbing, not its quality)."""
     out = tmp_path_factory.mktemp("artifacts")
     prompt = mx.random.randint(0, 512, (4, 256), key=mx.random.key(0))
@@ -36,6 +36,13 @@ def fitted_artifacts(tmp_path_factory):
             MODEL, prompt.reshape(-1).tolist(), seq_len=256, samples=512, iters=4
         )
         cvq.save_codebooks(books, out / "tiny-commvq.safetensors")
+    try:
+        import velox_palu as palu
+    except ImportError:
+        palu = None
+    if palu is not None:
+        bases = palu.fit_palu(MODEL, prompt.reshape(-1).tolist(), seq_len=256)
+        palu.save_bases(bases, out / "tiny-palu.safetensors")
     old = os.environ.get("VELOX_ARTIFACTS")
     os.environ["VELOX_ARTIFACTS"] = str(out)
     yield
@@ -60,6 +67,12 @@ def test_every_package_registered():
         "qfilters",
         "nestedkv",
         "adakv",
+        "rabitq",
+        "commvq",
+        "svdq",
+        "xkv",
+        "palu",
+        "minicache",
     }
     assert expected <= set(methods())
 

@@ -332,3 +332,18 @@ def test_rope_spec_reads_modules_and_refuses_others():
     assert isinstance(find_rope(model, 0), nn.RoPE)
     with pytest.raises(ValueError, match="mymethod: the model has no layer 99"):
         find_rope(model, 99, "mymethod")
+
+
+def test_fast_rotate_matches_rotate_with_an_offset_per_row():
+    from velox_core.ops.rope import RopeSpec, fast_rotate, rotate
+
+    x = mx.random.normal((2, 2, 5, 64), key=mx.random.key(4))
+    spec = RopeSpec.from_base(10000.0, 48, False)
+    off = mx.array([3, 11], mx.int32)
+    got = fast_rotate(x, off, spec)
+    for i, o in enumerate((3, 11)):
+        np.testing.assert_allclose(
+            np.array(got[i]), np.array(rotate(x[i : i + 1], o, spec)[0]), atol=3e-5
+        )
+    back = fast_rotate(got, off, spec, inverse=True)
+    np.testing.assert_allclose(np.array(back), np.array(x), atol=3e-5)

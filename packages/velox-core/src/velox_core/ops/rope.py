@@ -27,6 +27,7 @@ import numpy as np
 __all__ = [
     "RopeSpec",
     "angles",
+    "fast_rotate",
     "find_rope",
     "from_pairs",
     "rope_spec",
@@ -185,6 +186,29 @@ def rotate(x: mx.array, positions: int | mx.array, spec: RopeSpec, inverse: bool
         x1, x2 = x[..., :half], x[..., half:d]
         rot = mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
     return rot if d == x.shape[-1] else mx.concatenate([rot, x[..., d:]], axis=-1)
+
+
+def fast_rotate(x: mx.array, offset: mx.array, spec: RopeSpec, inverse: bool = False) -> mx.array:
+    """:func:`rotate` of tokens at positions ``offset, offset + 1, ...`` through
+    ``mx.fast.rope``, with the offset an array (one per batch row: no host synchronization).
+    Negated frequencies give the inverse rotation.
+
+    Shapes:
+        x ``(B, H, T, D)``; offset int32 ``(B,)`` (or ``(1,)``); returns float32
+        ``(B, H, T, D)``.
+    """
+    with np.errstate(divide="ignore"):
+        freqs = 1.0 / np.asarray(spec.theta, dtype=np.float64)  # an inf period: unrotated
+    freqs = mx.array((-freqs if inverse else freqs).astype(np.float32))
+    return mx.fast.rope(
+        x.astype(mx.float32),
+        spec.dims,
+        traditional=spec.traditional,
+        base=None,
+        scale=1.0,
+        offset=offset,
+        freqs=freqs,
+    )
 
 
 def to_pairs(x: mx.array, spec: RopeSpec) -> mx.array:

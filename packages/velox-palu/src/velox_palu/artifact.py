@@ -1,0 +1,202 @@
+"""Palu artifacts: a model's fitted head-group bases of keys and values, in a safetensors file.
+
+A file holds, per attention layer ``i`` and side ``s`` (``key``, ``value``):
+
+* ``layer.<i>.<s>.basis``: float16 ``(G, gD, gD)``, for each of the ``G`` head groups (``g``
+  KV heads each, ``D`` channels per head) the orthonormal right-singular vectors of the
+  group's calibration outputs (pre-RoPE keys, or values; ``gD`` channels, heads in order),
+  as columns sorted by singular value, largest first;
+* ``layer.<i>.<s>.sigma``: float32 ``(G, gD)``, those singular values divided by
+  ``sqrt(N)`` (``N`` calibration tokens): the RMS of each latent coordinate;
+* ``layer.<i>.<s>.bias``: float32 ``(H, D)``, only where the projection has a bias (it is
+  taken off before the fit and added back to every rebuilt vector, as Palu keeps the bias
+  outside its low-rank factors).
+
+Its metadata: ``format="velox-palu"``, a version, the model's fingerprint and identifying
+config, ``g`` (``heads_per_group``), each layer's RoPE pair layout ``[dims, traditional]``,
+the Fisher information of each layer's key and value projections (rank allocation,
+:mod:`velox_palu.ranks`) and how it was fitted. Caches keep only the first ``r`` columns of
+each basis; one artifact serves every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from velox_core.artifacts import load_cached, read_metadata, resolve_artifact
+
+__all__ = [
+    "FORMAT",
+    "HOW_TO_FIT",
+    "SIDES",
+    "MissingArtifactError",
+    "PaluBases",
+    "load_bases",
+    "load_bases_cached",
+    "resolve_bases",
+    "save_bases",
+]
+
+FORMAT = "velox-palu"
+VERSION = "1"
+SIDES = ("key", "value")
+HOW_TO_FIT = "velox fit palu --model PATH --text CALIBRATION.txt [--out FILE]"
+
+
+class MissingArtifactError(FileNotFoundError):
+    """No Palu artifact was found for a model."""
+
+
+@dataclass
+class PaluBases:
+    """Fitted Palu bases of one model.
+
+    Attributes:
+        bases: ``(layer, side)`` -> ``(basis (G, gD, gD), sigma (G, gD))``.
+        biases: ``(layer, side)`` -> ``(H, D)`` for projections with a bias.
+        heads_per_group: KV heads per group ``g``.
+        layouts: layer -> ``[dims, traditional]`` of the RoPE the keys were un-rotated with.
+        fisher: layer -> ``[key, value]`` Fisher information of the projections (empty when
+            fitted without it).
+        fingerprint: the model's fingerprint.
+        model: the model's identifying config.
+        calibration: how the bases were fitted.
+    """
+
+    bases: dict[tuple[int, str], tuple[mx.array, mx.array]]
+    biases: dict[tuple[int, str], mx.array]
+    heads_per_group: int
+    layouts: dict[int, list[int]]
+    fisher: dict[int, list[float]]
+    fingerprint: str
+    model: dict[str, Any] = field(default_factory=dict)
+    calibration: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted({i for i, _ in self.bases})
+
+    def side(self, layer: int, side: str) -> tuple[mx.array, mx.array, mx.array | None]:
+        """``(basis, sigma, bias or None)`` of one layer's keys or values."""
+        if (layer, side) not in self.bases:
+            raise ValueError(
+                f"palu: this artifact has no layer {layer} (fitted: {self.layers}); it was "
+                "fitted for another model"
+            )
+        basis, sigma = self.bases[(layer, side)]
+        return basis, sigma, self.biases.get((layer, side))
+
+
+def _check(b: PaluBases, where: str) -> None:
+    g = b.heads_per_group
+    if not isinstance(g, int) or g < 1:
+        raise ValueError(f"{where}: heads_per_group must be a positive int, got {g!r}")
+    for (i, s), (basis, sigma) in b.bases.items():
+        if s not in SIDES or basis.ndim != 3 or basis.shape[1] != basis.shape[2]:
+            raise ValueError(f"{where}: layer {i} {s}: basis must be (G, gD, gD)")
+        if sigma.shape != basis.shape[:2] or basis.shape[1] % g:
+            raise ValueError(f"{where}: layer {i} {s}: sigma must be (G, gD) with gD % g == 0")
+        bias = b.biases.get((i, s))
+        d = basis.shape[1] // g
+        if bias is not None and tuple(bias.shape) != (basis.shape[0] * g, d):
+            raise ValueError(
+                f"{where}: layer {i} {s}: bias must be (H, D) = {(basis.shape[0] * g, d)}"
+            )
+        if i not in b.layouts:
+            raise ValueError(f"{where}: layer {i} has no RoPE layout")
+    if b.fisher and set(b.fisher) != set(b.layers):
+        raise ValueError(f"{where}: Fisher information must cover every layer or none")
+
+
+def save_bases(b: PaluBases, path: str | os.PathLike) -> Path:
+    """Write ``b`` to ``path`` (``.safetensors``; parent directories are created)."""
+    path = Path(path).expanduser()
+    if path.suffix != ".safetensors":
+        raise ValueError(f"save_bases: the file name must end in .safetensors, got {path}")
+    if not b.bases:
+        raise ValueError("save_bases: no layers to save")
+    _check(b, "save_bases")
+    arrays = {}
+    for (i, s), (basis, sigma) in b.bases.items():
+        arrays[f"layer.{i}.{s}.basis"] = basis.astype(mx.float16)
+        arrays[f"layer.{i}.{s}.sigma"] = sigma.astype(mx.float32)
+    for (i, s), bias in b.biases.items():
+        arrays[f"layer.{i}.{s}.bias"] = bias.astype(mx.float32)
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "fingerprint": b.fingerprint,
+        "layers": json.dumps(b.layers),
+        "heads_per_group": str(b.heads_per_group),
+        "layouts": json.dumps({str(i): v for i, v in sorted(b.layouts.items())}),
+        "fisher": json.dumps({str(i): v for i, v in sorted(b.fisher.items())}),
+        "model": json.dumps(b.model, sort_keys=True),
+        "calibration": json.dumps(b.calibration, sort_keys=True),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path), arrays, meta)
+    return path
+
+
+def load_bases(path: str | os.PathLike) -> PaluBases:
+    """Read a file written by :func:`save_bases` (``ValueError`` if it is not one)."""
+    path = Path(path).expanduser()
+    meta = read_metadata(path)
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a Palu artifact (format {meta.get('format')!r})")
+    if meta.get("version") != VERSION:
+        raise ValueError(f"{path}: unsupported Palu artifact version {meta.get('version')!r}")
+    try:
+        arrays = mx.load(str(path))
+        ids = [int(i) for i in json.loads(meta["layers"])]
+        bases, biases = {}, {}
+        for i in ids:
+            for s in SIDES:
+                bases[(i, s)] = (arrays[f"layer.{i}.{s}.basis"], arrays[f"layer.{i}.{s}.sigma"])
+                if f"layer.{i}.{s}.bias" in arrays:
+                    biases[(i, s)] = arrays[f"layer.{i}.{s}.bias"]
+        out = PaluBases(
+            bases,
+            biases,
+            int(meta["heads_per_group"]),
+            {int(i): [int(x) for x in v] for i, v in json.loads(meta["layouts"]).items()},
+            {int(i): [float(x) for x in v] for i, v in json.loads(meta["fisher"]).items()},
+            meta["fingerprint"],
+            json.loads(meta["model"]),
+            json.loads(meta["calibration"]),
+        )
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{path}: corrupt Palu artifact ({e})") from None
+    _check(out, str(path))
+    return out
+
+
+def load_bases_cached(path: str | os.PathLike) -> PaluBases:
+    """:func:`load_bases`, read once per file version (every layer's cache shares it)."""
+    return load_cached(load_bases, path)
+
+
+def resolve_bases(model: Any, artifact: str | os.PathLike | None = None) -> Path:
+    """The artifact for ``model``: ``artifact`` if given (checked), else the one found by the
+    model's fingerprint in ``$VELOX_ARTIFACTS``, then ``~/.cache/velox``.
+
+    Raises:
+        ValueError: ``artifact`` is not a Palu artifact or was fitted for another model.
+        MissingArtifactError: nothing in the search directories was fitted for this model.
+    """
+    return resolve_artifact(
+        model,
+        artifact,
+        fmt=FORMAT,
+        version=VERSION,
+        what="Palu",
+        how_to_fit=HOW_TO_FIT,
+        param="artifact",
+        missing=MissingArtifactError,
+    )

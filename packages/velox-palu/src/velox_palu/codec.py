@@ -1,0 +1,437 @@
+"""``PaluKeys`` and ``PaluValues``: a head group's low-rank latent (arXiv 2407.21118).
+
+Palu factors each head group's key (and value) projection ``W_g`` (``gD x hidden``, the
+``g`` KV heads of the group) as ``W_g ~ L_g R_g`` by an SVD whitened with the calibration
+inputs, caches the latent ``h = x R_g^T`` (``r`` numbers per group and token) and rebuilds
+``k = h L_g^T`` when attending. mlx-lm hands a cache the projected keys, not ``x``; but the
+whitened SVD's rank-``r`` optimum is, for every input, the projection of the exact output
+``y = x W_g^T`` onto the top-``r`` right-singular subspace ``U_r`` of the calibration outputs
+(:mod:`velox_palu.fit` derives it; the tests check it). So the codec stores
+``h = (y - b) U_r`` (orthonormal ``U_r``, ``b`` the projection's bias), which is Palu's latent
+up to the fixed diagonal ``Sigma_r^(1/2)`` Palu splits between its factors, and rebuilds
+``y ~ h U_r^T + b``: the same vectors Palu rebuilds, from the model's unmodified weights.
+
+Keys arrive post-RoPE: each is turned back at its position first, and rebuilt keys are turned
+forward again, one tile of tokens at a time inside attention (the paper's
+reconstruct-then-RoPE; nothing rebuilt is kept). Values are never rebuilt: the attention
+weights meet the latent first, ``p @ (h U_r^T) = (p @ h) U_r^T`` (the paper folds ``U_r``
+into the output projection; velox, which leaves the model as it is, applies it to the
+``r``-wide mix).
+
+With ``bits`` the latent is quantized after a Hadamard rotation of the group's ``r``
+dimensions (folded into the basis, ``U_r H``), per token, as Palu's low-rank-aware
+quantization; the codes are ``velox_core.Uniform``'s.
+
+Layout: a group's ``r`` latent dimensions are split over its ``g`` heads' rows of the record
+(``r / g`` each), so the record has the cache's ``(B, H, T, ...)`` shape and holds exactly
+the latent's bytes. Tokens of one record are consecutive (the cache codes them in order);
+keys keep their positions, int32 ``(B, 1, T)``. Such a latent mixes a group's heads, so the
+codecs take no retention policy (``per_head = False``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import mlx.core as mx
+
+from velox_core import Codec, Packed, Uniform
+from velox_core.ops import block_size, hadamard
+from velox_core.ops.rope import RopeSpec, find_rope, rope_spec
+from velox_core.ops.rope import fast_rotate as rope_at
+from velox_core.validation import check_bits, check_choice, check_float, check_int
+
+from .artifact import PaluBases, load_bases_cached, resolve_bases
+from .ranks import ALLOCATIONS, allocate
+
+__all__ = ["PaluKeys", "PaluValues", "check_bool"]
+
+TILE = 1024  # tokens rebuilt at a time inside attention
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return value
+
+
+class _PaluLatent(Codec):
+    side = "key"
+    per_head = False  # a group's latent mixes its heads: no per-head retention
+
+    def __init__(
+        self,
+        rank: int | None = None,
+        ratio: float = 0.5,
+        allocation: str = "fisher",
+        bits: int | None = None,
+        group: int | None = None,
+        artifact: str | os.PathLike | None = None,
+        layer: int | None = None,
+    ):
+        self.rank = None if rank is None else check_int(f"{self.side}_rank", rank, minimum=1)
+        self.ratio = check_float("ratio", ratio, minimum=0.0, maximum=1.0, open_min=True)
+        self.allocation = check_choice("allocation", allocation, ALLOCATIONS)
+        self.bits = None if bits is None else check_bits(f"{self.side}_bits", bits, 2, 8)
+        self.group = None if group is None else check_int("group", group, minimum=1)
+        if group is not None and bits is None:
+            raise ValueError("group (channels per quantization scale) needs bits")
+        if artifact is not None and not isinstance(artifact, (str, os.PathLike)):
+            raise TypeError(f"artifact must be a path or None, got {artifact!r}")
+        self.artifact = None if artifact is None else os.fspath(artifact)
+        self.layer = None if layer is None else check_int("layer", layer, minimum=0)
+        self._path = self.artifact
+        self._fit: dict[str, mx.array] | None = None  # basis (G, gD, r) fp16, bias (H, D)
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "ratio": self.ratio,
+            "allocation": self.allocation,
+            "bits": self.bits,
+            "group": self.group,
+            "artifact": self.artifact,
+            "layer": self.layer,
+        }
+
+    def fresh(self):
+        """An empty copy that keeps what ``bind`` found and the basis once read (the model's,
+        not the sequence's: a loaded cache needs no artifact for its fresh copies)."""
+        out = type(self).from_config(self.config())
+        out._path, out._fit = self._path, self._fit
+        return out
+
+    # -- the model's artifact ----------------------------------------------------------------
+    def bind(self, model: Any = None, layer: int | None = None) -> None:
+        """Find the artifact fitted for ``model`` and select this layer's basis."""
+        if layer is not None:
+            self.layer = check_int("layer", layer, minimum=0)
+        if model is None or self.layer is None:
+            return
+        self._path, self._fit = str(resolve_bases(model, self.artifact)), None
+        self._select(load_bases_cached(self._path), None, None)  # fail now, not at first use
+
+    def rank_of(self, art: PaluBases) -> int:
+        """This layer's rank per group: the explicit one, or the allocation's."""
+        basis = art.side(self.layer, self.side)[0]
+        g, full = art.heads_per_group, int(basis.shape[1])
+        step = g * (self.group or 1)
+        if self.rank is not None:
+            if self.rank % step or self.rank > full:
+                raise ValueError(
+                    f"palu: {self.side}_rank={self.rank} must be a multiple of {step} (heads per "
+                    f"group {g}" + (f" x group {self.group}" if self.group else "") + f") and at "
+                    f"most the group's {full} dimensions"
+                )
+            return self.rank
+        if self.allocation == "fisher":
+            if not art.fisher:
+                raise ValueError(
+                    "palu: allocation='fisher' needs an artifact fitted with Fisher information "
+                    "(velox fit palu ... without --no-fisher); or pass allocation='uniform'"
+                )
+            w = {
+                (i, s): art.fisher[i][j] for i in art.layers for j, s in enumerate(("key", "value"))
+            }
+        else:
+            w = {(i, s): 1.0 for i in art.layers for s in ("key", "value")}
+        return allocate(w, full, self.ratio, step)[(self.layer, self.side)]
+
+    def _select(self, art: PaluBases, heads: int | None, dim: int | None) -> dict[str, mx.array]:
+        basis, _, bias = art.side(self.layer, self.side)
+        g = art.heads_per_group
+        if heads is not None and (heads != basis.shape[0] * g or basis.shape[1] != g * dim):
+            raise ValueError(
+                f"palu: layer {self.layer}'s bases are for {basis.shape[0] * g} KV heads of "
+                f"{basis.shape[1] // g} channels, the cache holds {heads} heads of {dim}: they "
+                "were fitted for another model"
+            )
+        self._check_layout(art)
+        r = self.rank_of(art)
+        u = basis[:, :, :r].astype(mx.float32)  # (G, gD, r)
+        if self.bits is not None:  # Palu's Hadamard on the latent, folded into the basis
+            u = hadamard(u, block_size(r))
+        out = {"basis": u.astype(mx.float16)}
+        if bias is not None:
+            out["bias"] = bias.astype(mx.float16)
+        return out
+
+    def _check_layout(self, art: PaluBases) -> None:  # keys check their RoPE
+        pass
+
+    def check(self, dim: int, dtype: mx.Dtype) -> None:
+        if self._fit is None:
+            if self._path is None or self.layer is None:
+                raise ValueError(
+                    "palu: no bases for this cache; Palu projects onto bases fitted on the model "
+                    f"({'velox fit palu --model PATH ...'}). Make caches with "
+                    "velox_core.make_cache(model, ...), which finds the model's artifact, or pass "
+                    "artifact=PATH and layer=i"
+                )
+            self._fit = self._select(load_bases_cached(self._path), None, None)
+        full = self._fit["basis"].shape[1]
+        if full % dim:
+            raise ValueError(
+                f"palu: bases of {full}-channel groups, the cache holds {dim}-dim heads"
+            )
+
+    # -- state -------------------------------------------------------------------------------
+    def state(self) -> dict[str, mx.array]:
+        return {} if self._fit is None else dict(self._fit)
+
+    def set_state(self, state: dict[str, mx.array]) -> None:
+        state = dict(state)
+        if not state:
+            self._fit = None
+            return
+        if not set(state) <= {"basis", "bias"} or "basis" not in state or state["basis"].ndim != 3:
+            raise ValueError(f"{self.name}: state must hold basis (G, gD, r) and optionally bias")
+        self._fit = state
+
+    @property
+    def width(self) -> int:
+        """Latent dimensions per group ``r``."""
+        return int(self._fit["basis"].shape[2])
+
+    # -- coding ------------------------------------------------------------------------------
+    def _quantizer(self, chunk: int) -> Uniform:
+        return Uniform(self.bits, self.group or chunk)
+
+    def _project(self, y: mx.array) -> dict[str, mx.array]:
+        """Latent rows of vectors. Shapes: y float32 ``(B, H, T, D)``; returns arrays
+        ``(B, H, T, ...)``: the group's ``r`` dimensions, ``r / g`` per head."""
+        b, h, t, d = y.shape
+        basis = self._fit["basis"]
+        groups = basis.shape[0]
+        g = basis.shape[1] // d
+        if groups * g != h:
+            raise ValueError(f"palu: bases for {groups * g} KV heads, the cache holds {h}")
+        if "bias" in self._fit:
+            y = y - self._fit["bias"].astype(mx.float32)[None, :, None]
+        yg = y.reshape(b, groups, g, t, d).transpose(0, 1, 3, 2, 4).reshape(b, groups, t, g * d)
+        lat = yg @ basis.astype(mx.float32)  # (B, G, T, r)
+        c = self.width // g
+        rows = lat.reshape(b, groups, t, g, c).transpose(0, 1, 3, 2, 4).reshape(b, h, t, c)
+        if self.bits is None:
+            return {"latent": rows.astype(mx.float16)}
+        return self._quantizer(c).encode(rows).data
+
+    def latent(self, packed: Packed) -> mx.array:
+        """The groups' latents. Shapes: returns float32 ``(B, G, T, r)``."""
+        p = packed.data
+        groups = self._fit["basis"].shape[0]
+        g = self.heads(packed) // groups
+        if self.bits is None:
+            rows = p["latent"].astype(mx.float32)
+        else:
+            sub = Packed({k: p[k] for k in ("codes", "scale", "zero")}, packed.tokens)
+            rows = self._quantizer(self.width // g).decode(sub)
+        b, _, t, c = rows.shape
+        return (
+            rows.reshape(b, groups, g, t, c).transpose(0, 1, 3, 2, 4).reshape(b, groups, t, g * c)
+        )
+
+    def rebuild(self, packed: Packed, heads: int) -> mx.array:
+        """``h U_r^T + b``, float32 ``(B, H, T, D)`` (pre-RoPE keys, or values)."""
+        lat = self.latent(packed)
+        b, groups, t, _ = lat.shape
+        basis = self._fit["basis"]
+        g = heads // groups
+        d = basis.shape[1] // g
+        y = lat @ mx.swapaxes(basis.astype(mx.float32), -1, -2)  # (B, G, T, gD)
+        y = y.reshape(b, groups, t, g, d).transpose(0, 1, 3, 2, 4).reshape(b, heads, t, d)
+        if "bias" in self._fit:
+            y = y + self._fit["bias"].astype(mx.float32)[None, :, None]
+        return y
+
+    @staticmethod
+    def heads(packed: Packed) -> int:
+        return next(iter(packed.data.values())).shape[1]
+
+
+class PaluValues(_PaluLatent):
+    """Palu's value codec. Args: see :class:`PaluKeys` (no RoPE).
+
+    Packed layout (``r`` dimensions per group of ``g`` heads, ``c = r / g``): ``latent``
+    float16 ``(B, H, T, c)``; with ``bits``, ``velox_core.Uniform``'s ``codes`` uint32
+    ``(B, H, T, ceil(c * bits / 32))`` and fp16 ``scale`` and ``zero`` ``(B, H, T, c / group)``.
+    State: ``basis`` fp16 ``(G, gD, r)``, ``bias`` fp16 ``(H, D)`` where the projection has one.
+    """
+
+    name = "palu-value"
+    side = "value"
+    compressed_mix = True
+
+    def encode(self, x: mx.array, positions: mx.array | None = None) -> Packed:
+        self.check(x.shape[-1], x.dtype)
+        return Packed(self._project(x.astype(mx.float32)), x.shape[2])
+
+    def decode(self, packed: Packed) -> mx.array:
+        return self.rebuild(packed, self.heads(packed))
+
+    def mix(self, w: mx.array, packed: Packed) -> mx.array:
+        """``(w @ h) U_r^T (+ sum(w) b)`` per head, never rebuilding a value.
+
+        Shapes: w ``(B, H, M, T)`` float32; returns float32 ``(B, H, M, D)``.
+        """
+        b, h, m, t = w.shape
+        lat = self.latent(packed)  # (B, G, T, r)
+        basis = self._fit["basis"].astype(mx.float32)  # (G, gD, r)
+        groups = basis.shape[0]
+        g = h // groups
+        d = basis.shape[1] // g
+        wl = w.reshape(b, groups, g, m, t) @ lat[:, :, None]  # (B, G, g, M, r)
+        per_head = mx.swapaxes(basis.reshape(groups, g, d, basis.shape[2]), -1, -2)  # (G,g,r,D)
+        out = (wl @ per_head).reshape(b, h, m, d)
+        if "bias" in self._fit:
+            bias = self._fit["bias"].astype(mx.float32)[None, :, None]
+            out = out + mx.sum(w, axis=-1, keepdims=True) * bias
+        return out
+
+
+class PaluKeys(_PaluLatent):
+    """Palu's key codec.
+
+    Args:
+        rank: latent dimensions per head group (None: from ``ratio`` and ``allocation``).
+        ratio: kept fraction of all key and value dimensions of the model (Palu's
+            ``param_ratio_target``), allocated over layers by ``allocation``.
+        allocation: ``"fisher"`` (Palu's Fisher-information rank search, from the artifact)
+            or ``"uniform"``.
+        bits: quantize the latent to this many bits after a Hadamard rotation (None: fp16).
+        group: latent channels per quantization scale (None: a head's whole share ``r / g``).
+        artifact: path of the Palu artifact; None finds the model's at ``bind``.
+        layer: the model layer (set by ``bind``).
+        rope_base, rope_traditional, rope_scale, rope_dims: the RoPE of a standalone codec
+            (``mlx.nn.RoPE`` settings); with a model, ``bind`` reads each layer's own.
+
+    Packed layout: as :class:`PaluValues`, plus ``pos`` int32 ``(B, 1, T)``.
+    """
+
+    name = "palu-key"
+    side = "key"
+
+    def __init__(
+        self,
+        rank: int | None = None,
+        ratio: float = 0.5,
+        allocation: str = "fisher",
+        bits: int | None = None,
+        group: int | None = None,
+        artifact: str | os.PathLike | None = None,
+        layer: int | None = None,
+        rope_base: float | None = None,
+        rope_traditional: bool = False,
+        rope_scale: float = 1.0,
+        rope_dims: int | None = None,
+    ):
+        super().__init__(rank, ratio, allocation, bits, group, artifact, layer)
+        self.rope_base = None if rope_base is None else check_float("rope_base", rope_base)
+        if self.rope_base is not None and self.rope_base <= 1.0:
+            raise ValueError(f"rope_base must be > 1, got {rope_base}")
+        self.rope_traditional = check_bool("rope_traditional", rope_traditional)
+        self.rope_scale = check_float("rope_scale", rope_scale, minimum=0.0, open_min=True)
+        self.rope_dims = None if rope_dims is None else check_int("rope_dims", rope_dims, minimum=2)
+        if self.rope_dims is not None and self.rope_dims % 2:
+            raise ValueError(f"rope_dims must be even, got {rope_dims}")
+        if rope_base is None and (rope_traditional or rope_scale != 1.0 or rope_dims is not None):
+            raise ValueError("rope_traditional/rope_scale/rope_dims need rope_base")
+        self._rope: RopeSpec | None = None
+
+    def config(self) -> dict[str, Any]:
+        return {
+            **super().config(),
+            "rope_base": self.rope_base,
+            "rope_traditional": self.rope_traditional,
+            "rope_scale": self.rope_scale,
+            "rope_dims": self.rope_dims,
+        }
+
+    def fresh(self):
+        out = super().fresh()
+        out._rope = self._rope
+        return out
+
+    def bind(self, model: Any = None, layer: int | None = None) -> None:
+        if layer is not None:
+            self.layer = check_int("layer", layer, minimum=0)
+        if model is not None and self.layer is not None:
+            spec = rope_spec(find_rope(model, self.layer, method="palu"), method="palu")
+            if self.rope_base is not None and not self._config_rope(spec.dims).same_as(spec):
+                raise ValueError(
+                    f"palu: rope_base={self.rope_base} (and rope_traditional/rope_scale/"
+                    f"rope_dims) disagree with layer {self.layer}'s RoPE; leave rope_base unset "
+                    "to use the model's"
+                )
+            self._rope = spec
+        super().bind(model, layer)
+
+    def _config_rope(self, dims: int) -> RopeSpec:
+        return RopeSpec.from_base(self.rope_base, dims, self.rope_traditional, self.rope_scale)
+
+    def _check_layout(self, art: PaluBases) -> None:
+        if self._rope is not None and art.layouts[self.layer] != self._rope_layout():
+            raise ValueError(
+                f"palu: layer {self.layer}'s key bases were fitted under the RoPE pair layout "
+                f"[dims, traditional] = {art.layouts[self.layer]}, this cache's RoPE has "
+                f"{self._rope_layout()}"
+            )
+
+    def _rope_layout(self) -> list[int]:
+        return [int(self._rope.dims), int(self._rope.traditional)]
+
+    def check(self, dim: int, dtype: mx.Dtype) -> None:
+        if self._rope is None:
+            if self.rope_base is None:
+                raise ValueError(
+                    "palu: pre-RoPE keys need the model's RoPE: build the caches with "
+                    "velox_core.make_cache(model, ...), or pass rope_base=... for a standalone "
+                    "cache"
+                )
+            self._rope = self._config_rope(dim if self.rope_dims is None else self.rope_dims)
+        if self._rope.dims > dim:
+            raise ValueError(f"palu: RoPE of {self._rope.dims} dims on {dim}-dim heads")
+        super().check(dim, dtype)
+
+    def state(self) -> dict[str, mx.array]:
+        out = super().state()
+        if out and self._rope is not None:
+            out.update(self._rope.arrays())
+        return out
+
+    def set_state(self, state: dict[str, mx.array]) -> None:
+        state = dict(state)
+        theta, layout = state.pop("rope_theta", None), state.pop("rope_layout", None)
+        if (theta is None) != (layout is None):
+            raise ValueError(f"{self.name}: rope_theta and rope_layout go together")
+        if theta is not None:
+            self._rope = RopeSpec.from_arrays(theta, layout)
+        super().set_state(state)
+
+    def encode(self, x: mx.array, positions: mx.array | None = None) -> Packed:
+        b, _, t, d = x.shape
+        if positions is None or positions.shape != (t,):
+            raise ValueError(f"palu: pre-RoPE keys need positions of shape ({t},)")
+        self.check(d, x.dtype)
+        pos = positions.astype(mx.int32)
+        pre = rope_at(x, mx.broadcast_to(pos[:1], (b,)), self._rope, inverse=True)
+        data = self._project(pre)
+        data["pos"] = mx.broadcast_to(pos.reshape(1, 1, t), (b, 1, t))
+        return Packed(data, t)
+
+    def decode(self, packed: Packed) -> mx.array:
+        y = self.rebuild(packed, self.heads(packed))
+        return rope_at(y, packed.data["pos"][:, 0, 0], self._rope)
+
+    def scores(self, q: mx.array, packed: Packed) -> mx.array:
+        """``q @ k^T``, the keys rebuilt and rotated ``TILE`` tokens at a time.
+
+        Shapes: q ``(B, H, M, D)`` float32, scale applied; returns float32 ``(B, H, M, T)``.
+        """
+        n = packed.tokens
+        parts = [
+            q @ mx.swapaxes(self.decode(packed.slice(s, min(s + TILE, n))), -1, -2)
+            for s in range(0, n, TILE)
+        ]
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)

@@ -1,0 +1,68 @@
+"""Shared helpers of the Palu tests: fitted and synthetic artifacts."""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from velox_core.artifacts import fingerprint
+from velox_core.ops.rope import RopeSpec
+from velox_core.ops.rope import fast_rotate as rope_at
+from velox_core.testing import kv_data, tiny_model
+from velox_palu import PaluBases, bases_from_gram, fit_palu, group_gram, save_bases
+
+BASE = 10000.0
+_TMP = Path(tempfile.mkdtemp(prefix="velox-palu-tests-"))
+atexit.register(shutil.rmtree, _TMP, True)
+
+
+def conformance_model():
+    """The tiny llama of the conformance suite's model-level tests (head_dim 128)."""
+    return tiny_model("llama", head_dim=128, hidden_size=256)
+
+
+@lru_cache(maxsize=1)
+def model_artifact() -> str:
+    """Bases and Fisher weights fitted on :func:`conformance_model` (1,024 random tokens)."""
+    ids = np.random.default_rng(0).integers(0, 512, 1024)
+    art = fit_palu(conformance_model(), ids, seq_len=512)
+    return str(save_bases(art, _TMP / "model.safetensors"))
+
+
+@lru_cache(maxsize=1)
+def kv_artifact() -> str:
+    """Bases fitted on tokens of ``kv_data``'s law (other seeds' noise, not the test tokens),
+    taken as post-RoPE keys at positions 0..T-1 as the conformance suite feeds them, for both
+    layers of :func:`conformance_model` under its fingerprint (so make_cache accepts it)."""
+    spec = RopeSpec.from_base(BASE, 128)
+    kg, vg, n = 0, 0, 0
+    for s in range(2):
+        rng = np.random.default_rng(0)  # kv_data's channel law (seed 0)
+        scale = np.exp(rng.normal(0, 0.5, size=128))
+        scale[rng.choice(128, size=4, replace=False)] *= 6.0
+        mean = rng.normal(0, 1.0, size=128)
+        noise = np.random.default_rng(100 + s).normal(0, 1, size=(1, 2, 2048, 128))
+        k = mx.array((noise * scale + mean).astype(np.float32))
+        _, v = kv_data(t=2048, seed=100 + s)
+        pre = rope_at(k, mx.zeros((1,), mx.int32), spec, inverse=True)
+        kg, vg, n = kg + group_gram(pre, 2), vg + group_gram(v.astype(mx.float32), 2), n + 2048
+    kb, vb = bases_from_gram(np.array(kg), n), bases_from_gram(np.array(vg), n)
+    art = PaluBases(
+        {(i, s): b for i in (0, 1) for s, b in (("key", kb), ("value", vb))},
+        {},
+        2,
+        {0: [128, 0], 1: [128, 0]},
+        {0: [1.0, 1.0], 1: [1.0, 1.0]},
+        fingerprint(conformance_model()),
+    )
+    return str(save_bases(art, _TMP / "kv.safetensors"))
+
+
+def tmp(name: str) -> Path:
+    return _TMP / name
