@@ -7,6 +7,7 @@
     velox inspect FILE
     velox serve --method SPEC --model PATH [--storage-dtype D] [mlx_lm.server options]
     velox fit NAME [the method's fit options]
+    velox transfer fit|apply|eval [options]  (velox-transfer: map one model's cache to another's)
 
 Bad input (an unknown method, a bad parameter, a missing path) prints one line and exits 2.
 """
@@ -90,6 +91,11 @@ def _parser() -> argparse.ArgumentParser:
         "options are the method's own",
     )
     f.add_argument("name", help="the method whose fitter to run")
+    sub.add_parser(  # its options are velox-transfer's own (`velox transfer fit --help`)
+        "transfer",
+        add_help=False,
+        help="cross-model KV transfer (velox-transfer): fit a mapper, apply it, evaluate it",
+    )
     return p
 
 
@@ -288,14 +294,24 @@ def cmd_fit(a: argparse.Namespace) -> int:
     return int(found[a.name].load()(a.rest) or 0)
 
 
+def cmd_transfer(a: argparse.Namespace) -> int:
+    try:
+        from velox_transfer.__main__ import main as transfer_main
+    except ImportError:
+        raise ValueError(
+            "velox transfer needs velox-transfer: pip install ./packages/velox-transfer"
+        ) from None
+    return int(transfer_main(a.rest) or 0)
+
+
 def main(argv: list[str] | None = None) -> int:
-    if argv is None and sys.argv[1:2] in (["bench"], ["generate"], ["serve"]):
+    if argv is None and sys.argv[1:2] in (["bench"], ["generate"], ["serve"], ["transfer"]):
         from .blas import preload
 
         preload(sys.argv[1:])  # re-executes with OpenBLAS where MLX bundles a reference BLAS
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
-    if rest and args.cmd not in ("serve", "fit"):
+    if rest and args.cmd not in ("serve", "fit", "transfer"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.rest = rest
     handler = {
@@ -305,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         "inspect": cmd_inspect,
         "serve": cmd_serve,
         "fit": cmd_fit,
+        "transfer": cmd_transfer,
     }[args.cmd]
     try:
         return handler(args)

@@ -1,0 +1,233 @@
+"""Fitting a mapper: closed-form ridge regressions from the source's K/V to the target's.
+
+Both models prefill the same calibration sequences (each from position 0) into mlx-lm
+``KVCache``; every layer's keys are taken back to content space (RoPE undone,
+:func:`velox_transfer.spec.layer_features`). For each target layer, the regressors are the
+concatenated content-space keys and values (every KV head) of a few source layers, and the
+responses the target layer's content-space keys and values (every KV head; each head's
+columns are its own regression, they only share the inputs). The fit needs only second
+moments, accumulated sequence by sequence in float64 over the source's and target's rows
+side by side, so calibration length costs time, not memory.
+
+Which source layers: greedy forward selection by held-out fit. Starting from none, the
+source layer whose addition gives the best held-out score (the mean of the keys' and the
+values' R²) is added, up to ``layers_per_target``, stopping early when no layer adds at
+least ``MIN_GAIN`` to it.
+The ridge strength is chosen per candidate from ``alphas`` (relative to the mean eigenvalue
+of the regressors' covariance) on the same held-out rows. The held-out rows come from
+calibration documents the regressions never see.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+from velox_core.validation import check_int
+
+from .mapper import LayerMap, Mapper
+from .spec import ModelSpec, layer_features
+
+__all__ = ["ALPHAS", "fit_mapper", "model_rows"]
+
+ALPHAS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)
+CHUNK = 512  # prefill chunk, tokens
+MIN_GAIN = 1e-3  # held-out score a further source layer must add to be taken
+
+
+def model_rows(model: Any, spec: ModelSpec, tokens: np.ndarray) -> np.ndarray:
+    """Every layer's content-space rows for one sequence, layers side by side.
+
+    Shapes:
+        tokens ``(T,)``; returns float32 ``(T, sum of the layers' features)``.
+    """
+    caches = [KVCache() for _ in spec.layers]
+    ids = mx.array(np.asarray(tokens, dtype=np.int32))[None]
+    for s in range(0, ids.shape[1], CHUNK):
+        model(ids[:, s : s + CHUNK], cache=caches)
+        mx.eval([c.keys for c in caches], [c.values for c in caches])
+    rows = [layer_features(*c.keys_and_values(), 0, ls)[0] for c, ls in zip(caches, spec.layers)]
+    out = mx.concatenate(rows, axis=-1)
+    mx.eval(out)
+    return np.asarray(out, dtype=np.float32)
+
+
+class _Moments:
+    """Count, sums and cross products of regressor rows ``x`` and response rows ``y``
+    (shifted by fixed vectors for float precision; of ``y`` only each column's square)."""
+
+    def __init__(self, shift_x: np.ndarray, shift_y: np.ndarray):
+        self.hx, self.hy = shift_x.astype(np.float64), shift_y.astype(np.float64)
+        self.n = 0
+        self.sx, self.sy = np.zeros(self.hx.size), np.zeros(self.hy.size)
+        self.gxx = np.zeros((self.hx.size, self.hx.size))
+        self.gxy = np.zeros((self.hx.size, self.hy.size))
+        self.syy = np.zeros(self.hy.size)
+
+    def add(self, x: np.ndarray, y: np.ndarray) -> None:
+        u, v = x - self.hx.astype(np.float32), y - self.hy.astype(np.float32)
+        self.n += u.shape[0]
+        self.sx += u.sum(axis=0, dtype=np.float64)
+        self.sy += v.sum(axis=0, dtype=np.float64)
+        self.gxx += (u.T @ u).astype(np.float64)
+        self.gxy += (u.T @ v).astype(np.float64)
+        self.syy += np.einsum("ij,ij->j", v, v, dtype=np.float64)
+
+    def means(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.hx + self.sx / self.n, self.hy + self.sy / self.n
+
+    def centered(self, mx_: np.ndarray, my: np.ndarray) -> tuple:
+        """``sum dx dx^T``, ``sum dx dy^T`` and ``sum dy**2`` (per column) about the means
+        ``mx_``, ``my`` (``dx = x - mx_``, ``dy = y - my``)."""
+        a, c = mx_ - self.hx, my - self.hy
+        sa = np.outer(self.sx, a)
+        cxx = self.gxx - sa - sa.T + self.n * np.outer(a, a)
+        cxy = self.gxy - np.outer(self.sx, c) - np.outer(a, self.sy) + self.n * np.outer(a, c)
+        cyy = self.syy - 2 * c * self.sy + self.n * c * c
+        return cxx, cxy, cyy
+
+
+def _offsets(spec: ModelSpec) -> list[slice]:
+    out, at = [], 0
+    for ls in spec.layers:
+        out.append(slice(at, at + ls.features))
+        at += ls.features
+    return out
+
+
+class _Selector:
+    """Held-out scores of ridge fits on subsets of source layers, with each subset's
+    eigendecomposition reused across target layers."""
+
+    def __init__(self, train: _Moments, val: _Moments, alphas):
+        self.mx, self.my = train.means()
+        self.cxx, self.cxy, _ = train.centered(self.mx, self.my)  # fit moments
+        # held-out moments about the fit's means, and the held-out spread about its own
+        self.vxx, self.vxy, self.vyy = val.centered(self.mx, self.my)
+        self.sst = val.centered(*val.means())[2]
+        self.alphas, self._eig = alphas, {}
+
+    def _decomp(self, idx: np.ndarray, key: tuple) -> tuple:
+        if key not in self._eig:
+            e, q = np.linalg.eigh(self.cxx[np.ix_(idx, idx)])
+            e = np.maximum(e, 0.0)
+            a = q.T @ self.vxx[np.ix_(idx, idx)] @ q
+            self._eig[key] = (e, q, a)
+        return self._eig[key]
+
+    def fit(self, idx: np.ndarray, key: tuple, cols: np.ndarray, nk: int) -> dict:
+        """The best ridge (over ``alphas``) from features ``idx`` to outputs ``cols`` (the
+        first ``nk`` of them keys): its score, alpha, weights and held-out SSE per column."""
+        e, q, a = self._decomp(idx, key)
+        p = q.T @ self.cxy[np.ix_(idx, cols)]
+        bv = q.T @ self.vxy[np.ix_(idx, cols)]
+        vyy = self.vyy[cols]
+        sst = self.sst[cols]
+        best = None
+        for alpha in self.alphas:
+            wq = p / (e + alpha * max(e.mean(), 1e-12))[:, None]
+            sse = vyy - 2 * np.sum(wq * bv, axis=0) + np.sum(wq * (a @ wq), axis=0)
+            r2k = 1 - sse[:nk].sum() / max(sst[:nk].sum(), 1e-30)
+            r2v = 1 - sse[nk:].sum() / max(sst[nk:].sum(), 1e-30)
+            score = 0.5 * (r2k + r2v)
+            if best is None or score > best["score"]:
+                best = {"score": score, "alpha": alpha, "wq": wq, "sse": sse, "r2": (r2k, r2v)}
+        best["w"] = q @ best.pop("wq")
+        return best
+
+
+def fit_mapper(
+    source: Any,
+    target: Any,
+    fit_sequences: list[np.ndarray],
+    heldout_sequences: list[np.ndarray],
+    *,
+    layers_per_target: int = 3,
+    alphas: tuple[float, ...] = ALPHAS,
+    calibration: dict[str, Any] | None = None,
+) -> Mapper:
+    """Fit the mapper from ``source``'s caches to ``target``'s.
+
+    Args:
+        source, target: mlx-lm models sharing a tokenizer.
+        fit_sequences: token sequences (each ``(T,)`` int, from position 0) the regressions
+            are fitted on.
+        heldout_sequences: other sequences, for the choice of source layers and ridge
+            strength and for the R² the manifest reports.
+        layers_per_target: most source layers feeding one target layer.
+        alphas: candidate ridge strengths, relative to the mean eigenvalue of the regressors'
+            covariance.
+        calibration: recorded in the manifest (where the tokens came from).
+    """
+    k = check_int("layers_per_target", layers_per_target, minimum=1)
+    if not alphas or any(not isinstance(a, (int, float)) or a <= 0 for a in alphas):
+        raise ValueError(f"alphas must be positive numbers, got {alphas!r}")
+    if not fit_sequences or not heldout_sequences:
+        raise ValueError("fit_mapper needs fit and held-out sequences (neither may be empty)")
+    src, tgt = ModelSpec.of(source, "source"), ModelSpec.of(target, "target")
+    k = min(k, len(src.layers))
+    train = val = None
+    tokens = {"fit": 0, "heldout": 0}
+    for name, seqs in (("fit", fit_sequences), ("heldout", heldout_sequences)):
+        for seq in seqs:
+            x, y = model_rows(source, src, seq), model_rows(target, tgt, seq)
+            if train is None:
+                train = _Moments(x.mean(axis=0), y.mean(axis=0))
+                val = _Moments(train.hx, train.hy)
+            (train if name == "fit" else val).add(x, y)
+            tokens[name] += x.shape[0]
+    sel = _Selector(train, val, tuple(float(a) for a in alphas))
+    src_at, tgt_at = _offsets(src), _offsets(tgt)
+    layers: dict[int, LayerMap] = {}
+    info: list[dict[str, Any]] = []
+    for i, ls in enumerate(tgt.layers):
+        cols = np.arange(tgt_at[i].start, tgt_at[i].stop)
+        nk = ls.kv_heads * ls.key_dim
+        chosen: list[int] = []
+        best = None
+        while len(chosen) < k:
+            trials = []
+            for j in range(len(src.layers)):
+                if j in chosen:
+                    continue
+                key = tuple(sorted([*chosen, j]))
+                idx = np.concatenate([np.arange(src_at[x].start, src_at[x].stop) for x in key])
+                trials.append((sel.fit(idx, key, cols, nk), key, idx))
+            res, key, idx = max(trials, key=lambda t: t[0]["score"])
+            if best is not None and res["score"] < best[0]["score"] + MIN_GAIN:
+                break
+            best, chosen = (res, key, idx), list(key)
+        res, key, idx = best
+        w = res["w"]
+        b = sel.my[cols] - sel.mx[idx] @ w
+        layers[i] = LayerMap(key, mx.array(w.astype(np.float32)), mx.array(b.astype(np.float32)))
+        info.append(_layer_info(key, res, sel.sst[cols], ls))
+    calib = {**(calibration or {}), "tokens": tokens, "alphas": list(sel.alphas)}
+    return Mapper(src, tgt, info, calib, layers=layers)
+
+
+def _layer_info(key: tuple, res: dict, sst: np.ndarray, ls) -> dict[str, Any]:
+    """The manifest's record of one target layer: sources, alpha, held-out R² (all heads and
+    per head)."""
+    h, dk, dv = ls.kv_heads, ls.key_dim, ls.value_dim
+    sse = res["sse"]
+    per_head = []
+    for x in range(h):
+        kc = slice(x * dk, (x + 1) * dk)
+        vc = slice(h * dk + x * dv, h * dk + (x + 1) * dv)
+        per_head.append(
+            [
+                float(1 - sse[kc].sum() / max(sst[kc].sum(), 1e-30)),
+                float(1 - sse[vc].sum() / max(sst[vc].sum(), 1e-30)),
+            ]
+        )
+    return {
+        "sources": list(key),
+        "alpha": res["alpha"],
+        "r2_key": float(res["r2"][0]),
+        "r2_value": float(res["r2"][1]),
+        "r2_heads": per_head,
+    }
