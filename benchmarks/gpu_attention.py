@@ -100,30 +100,32 @@ def guarded(name: str):
 
 @contextlib.contextmanager
 def kernels(enabled: bool):
-    """VELOX_KERNELS for the block (read at call time by velox_core.kernels)."""
-    old = os.environ.get("VELOX_KERNELS")
-    os.environ["VELOX_KERNELS"] = "1" if enabled else "0"
-    try:
+    """The kernels on or off for the block (``KernelConfig.enabled``)."""
+    from velox_core.kernels.config import configured
+
+    with configured(enabled=enabled):
         yield
-    finally:
-        if old is None:
-            os.environ.pop("VELOX_KERNELS", None)
-        else:
-            os.environ["VELOX_KERNELS"] = old
 
 
 @contextlib.contextmanager
 def env(**values):
+    """The kernel settings ``values`` (their ``VELOX_*`` names, velox_core.kernels.config's
+    ENVIRONMENT) in force for the block: the configuration read from the environment with
+    them, restored after."""
+    from velox_core.kernels.config import KernelConfig, configured
+
     old = {k: os.environ.get(k) for k in values}
     os.environ.update({k: str(v) for k, v in values.items()})
     try:
-        yield
+        cfg = KernelConfig.from_environ()
     finally:
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+    with configured(cfg):
+        yield
 
 
 def in_env(call, **values):

@@ -12,7 +12,6 @@ then fused SDPA) matches attention over the float32 decoded cache.
 from __future__ import annotations
 
 import math
-import os
 import sys
 
 import mlx.core as mx
@@ -52,7 +51,9 @@ MAKERS = _makers()
 
 
 def _kernels(on: bool):
-    os.environ["VELOX_KERNELS"] = "1" if on else "0"
+    from velox_core.kernels.config import configure
+
+    configure(enabled=on)
 
 
 def _data(t: int, dtype):

@@ -42,7 +42,7 @@ from velox_core.kernels.emulate import (
     shim_dir,
 )
 from velox_core.ops import affine_quantize, lloyd_max_sphere, pack
-from velox_core.testing import kv_data
+from velox_core.testing import kernel_env, kv_data
 
 GXX = shutil.which(os.environ.get("CXX", "g++"))
 NVCC = shutil.which("nvcc")
@@ -106,9 +106,9 @@ def test_cpu_backend_takes_the_reference():
 def test_velox_kernels_0_forces_the_reference(monkeypatch):
     monkeypatch.setattr(vk, "backend", lambda: "cuda")
     for off in ("0", "false", "off", "no"):
-        monkeypatch.setenv("VELOX_KERNELS", off)
+        kernel_env(monkeypatch, "VELOX_KERNELS", off)
         assert not vk.kernels_enabled() and not vk.use_kernels()
-    monkeypatch.setenv("VELOX_KERNELS", "1")
+    kernel_env(monkeypatch, "VELOX_KERNELS", "1")
     assert vk.kernels_enabled() and vk.use_kernels()
 
 
@@ -329,9 +329,8 @@ def test_sketch_keys_bad_input_is_refused(monkeypatch):
         dk.decode_attention(q, dk.Codes(**{**keys.__dict__, "sketch": six}), vals, q_sketch=qs)
     with pytest.raises(ValueError, match="keys only"):
         dk.decode_attention(q, vals, keys)
-    monkeypatch.setenv("VELOX_DECODE_SKETCH_LANES", "3")
     with pytest.raises(ValueError, match="VELOX_DECODE_SKETCH_LANES"):
-        dk.sketch_lanes(m, m)
+        kernel_env(monkeypatch, "VELOX_DECODE_SKETCH_LANES", "3")
 
 
 @pytest.mark.parametrize("t", [1, 7, 255, 256, 1000, 4097, 32768, 131072, 131071])
@@ -347,11 +346,10 @@ def test_splits_cover_the_context_without_empty_or_oversized_splits(t, rows):
 def test_splits_follow_the_block_target(monkeypatch):
     p = dk.plan(4, 128, dk.AFFINE, 4, 64, dk.AFFINE, 4, 64)
     assert dk.choose_splits(131072, 8, p) == 128  # 1024 threadgroups of 1024 tokens
-    monkeypatch.setenv("VELOX_DECODE_BLOCKS", "4096")
+    kernel_env(monkeypatch, "VELOX_DECODE_BLOCKS", "4096")
     assert dk.choose_splits(131072, 8, p) == 512
-    monkeypatch.setenv("VELOX_DECODE_WARPS", "3")
     with pytest.raises(ValueError, match="VELOX_DECODE_WARPS"):
-        dk.plan(4, 128, dk.AFFINE, 4, 64, dk.AFFINE, 4, 64)
+        kernel_env(monkeypatch, "VELOX_DECODE_WARPS", "3")
 
 
 # -- compile checks (no GPU needed) ---------------------------------------------------------------
@@ -534,9 +532,8 @@ def test_outlier_kernel_inputs_are_checked(monkeypatch):
     assert ok.outlier_launch(4, 128, side, dataclasses.replace(side, group=32)) is None
     assert ok.outlier_launch(4, 128, side, side) == (4, 16, 64, 64)
     assert ok.outlier_launch(4, 128, side, side, threads=128) == (4, 16, 64, 128)
-    monkeypatch.setenv("VELOX_OUTLIER_THREADS", "96")
     with pytest.raises(ValueError, match="VELOX_OUTLIER_THREADS must be one of"):
-        ok.outlier_launch(4, 128, side, side)
+        kernel_env(monkeypatch, "VELOX_OUTLIER_THREADS", "96")
     with pytest.raises(ValueError, match="threads must be one of"):
         ok.outlier_launch(4, 128, side, side, threads=32)
 
@@ -560,7 +557,7 @@ def test_outlier_layout_is_worked_out_once_per_shape(monkeypatch):
     assert first[0] == real(4, 128, side, side) == (4, 16, 64, 64)
     assert first[1] == ok.outlier_template(first[0], 128, side, side, 0.088)
     assert ok._layout(4, 128, side, side, 0.1)[1] != first[1] and len(calls) == 2  # QMUL
-    monkeypatch.setenv("VELOX_OUTLIER_THREADS", "128")
+    kernel_env(monkeypatch, "VELOX_OUTLIER_THREADS", "128")
     assert ok._layout(4, 128, side, side, 0.088)[0] == (4, 16, 64, 128)
     other = dataclasses.replace(side, group=32)
     assert ok._layout(4, 128, other, other, 0.088)[0][2] == 32
@@ -719,12 +716,11 @@ def test_symmetric_levels_are_found_on_the_host_and_vouched_for_codebooks_only(m
     cb2 = dataclasses.replace(_mma_codes(2, 0), symmetric=True)
     modes = [dk.codebook_mode(c) for c in (_mma_codes(4, 64), _mma_codes(4, 0), cb4, cb2)]
     assert modes == [0, 1, 2, 2]
-    monkeypatch.setenv("VELOX_DECODE_SYMMETRIC", "0")  # general lookups, for comparison
+    kernel_env(monkeypatch, "VELOX_DECODE_SYMMETRIC", "0")  # general lookups, for comparison
     assert [dk.codebook_mode(c) for c in (cb4, cb2)] == [1, 1]
-    monkeypatch.setenv("VELOX_DECODE_SYMMETRIC", "2")
     with pytest.raises(ValueError, match="VELOX_DECODE_SYMMETRIC"):
-        dk.codebook_mode(cb4)
-    monkeypatch.delenv("VELOX_DECODE_SYMMETRIC")
+        kernel_env(monkeypatch, "VELOX_DECODE_SYMMETRIC", "2")
+    kernel_env(monkeypatch, "VELOX_DECODE_SYMMETRIC", None)
     k = mx.zeros((1, 1, 8, 16), mx.uint32)
     s = mx.ones((1, 1, 8, 2), mx.float16)
     bad = dk.Codes(dk.AFFINE, 4, 64, k, s, s, symmetric=True)
@@ -733,20 +729,34 @@ def test_symmetric_levels_are_found_on_the_host_and_vouched_for_codebooks_only(m
         dk.decode_attention(mx.zeros((1, 1, 1, 128)), bad, good)
 
 
-def test_env_setting_reads_the_environment_as_os_environ(monkeypatch):
-    """The settings reader (a dict lookup on POSIX) follows every write through os.environ,
-    monkeypatch's included, and gives the default when a name is unset."""
-    name = "VELOX_TEST_SETTING_\u00e9"
-    monkeypatch.delenv(name, raising=False)
-    assert vk.env_setting(name) is None and vk.env_setting(name, "d") == "d"
-    monkeypatch.setenv(name, "4")
-    assert vk.env_setting(name, "d") == "4" == os.environ.get(name)
-    os.environ[name] = "x\u00e9"
-    assert vk.env_setting(name) == "x\u00e9"
-    monkeypatch.delenv(name)
-    assert vk.env_setting(name, "d") == "d"
-    monkeypatch.setenv("VELOX_KERNELS", "0")
-    assert not vk.kernels_enabled()
+def test_kernel_config_is_read_once_and_typed(monkeypatch):
+    """The configuration comes from the environment when first used, then stays (no read on
+    the hot path); configure / configured replace it; bad values are refused naming the
+    setting, bad fields naming the field."""
+    from velox_core.kernels import config
+
+    monkeypatch.setattr(config, "_CURRENT", [])
+    monkeypatch.setenv("VELOX_DECODE_MMA_WARPS", "8")
+    monkeypatch.setenv("VELOX_KERNELS", "off")
+    cfg = vk.kernel_config()
+    assert cfg.mma_warps == 8 and not cfg.enabled and dk.mma_warps() == 8
+    monkeypatch.setenv("VELOX_DECODE_MMA_WARPS", "2")  # read once: a later write changes nothing
+    assert vk.kernel_config() is cfg and dk.mma_warps() == 8
+    with vk.configured(mma_warps=1, enabled=True):
+        assert dk.mma_warps() == 1 and vk.kernels_enabled()
+    assert vk.kernel_config() is cfg
+    old = vk.configure(config.KernelConfig.from_environ())
+    assert old is cfg and dk.mma_warps() == 2
+    with pytest.raises(ValueError, match="VELOX_DECODE_MMA_WARPS must be one of 1, 2, 4, 8"):
+        config.KernelConfig.from_environ({"VELOX_DECODE_MMA_WARPS": "3"})
+    with pytest.raises(ValueError, match="VELOX_DECODE_STAGES must be an integer"):
+        config.KernelConfig.from_environ({"VELOX_DECODE_STAGES": "many"})
+    with pytest.raises(ValueError, match="KernelConfig.subtiles must be one of 1, 2, 4"):
+        config.KernelConfig(subtiles=3)
+    with pytest.raises(TypeError, match="KernelConfig.pipeline must be True or False"):
+        config.KernelConfig(pipeline=1)
+    with pytest.raises(TypeError):
+        vk.configure(no_such_setting=1)
 
 
 def test_query_factor_is_log2e_times_the_scale():
@@ -773,15 +783,14 @@ def test_mma_launch_settings():
 def test_fused_merge_follows_the_context_unless_set(monkeypatch):
     """The decode kernel merges its own splits up to MMA_FUSE_TOKENS tokens (a launch saved),
     a second launch past them (no fill of the partials); VELOX_DECODE_FUSE 0 / 1 decides."""
-    monkeypatch.delenv("VELOX_DECODE_FUSE", raising=False)
+    kernel_env(monkeypatch, "VELOX_DECODE_FUSE", None)
     assert dk.mma_fuse_merge(dk.MMA_FUSE_TOKENS) and not dk.mma_fuse_merge(dk.MMA_FUSE_TOKENS + 1)
-    monkeypatch.setenv("VELOX_DECODE_FUSE", "1")
+    kernel_env(monkeypatch, "VELOX_DECODE_FUSE", "1")
     assert dk.mma_fuse_merge(131072)
-    monkeypatch.setenv("VELOX_DECODE_FUSE", "0")
+    kernel_env(monkeypatch, "VELOX_DECODE_FUSE", "0")
     assert not dk.mma_fuse_merge(16)
-    monkeypatch.setenv("VELOX_DECODE_FUSE", "auto")
     with pytest.raises(ValueError, match="VELOX_DECODE_FUSE must be 0 or 1"):
-        dk.mma_fuse_merge(16)
+        kernel_env(monkeypatch, "VELOX_DECODE_FUSE", "auto")
 
 
 def test_sources_take_one_dtype_per_output():
@@ -806,7 +815,7 @@ def test_decode_attention_merges_in_the_kernel_up_to_the_fuse_limit(monkeypatch)
     def fake(q_shape, q_dtype, keys, values, splits, scale, out_dtype=None):
         raise Routed(out_dtype)
 
-    monkeypatch.delenv("VELOX_DECODE_FUSE", raising=False)
+    kernel_env(monkeypatch, "VELOX_DECODE_FUSE", None)
     monkeypatch.setattr(dk._kernels, "backend", lambda: "cuda")
     monkeypatch.setattr(dk, "plan_mma", fake)
     q = mx.zeros((1, 1, 4, 128), mx.float16)
@@ -837,12 +846,11 @@ def test_value_fold_takes_only_the_layouts_it_covers(monkeypatch):
     assert [units(_mma_codes(b, 64), True) for b in (2, 4, 8)] == [8, 4, 2]
     assert [units(_mma_codes(b, 64), False) for b in (2, 4, 8)] == [4, 8, 4]
     assert units(_mma_codes(2, 32), True) == 4  # 2 bits, 32 channels a group: bytes
-    monkeypatch.setenv("VELOX_DECODE_LDSM", "0")
+    kernel_env(monkeypatch, "VELOX_DECODE_LDSM", "0")
     assert dk.mma_ldsm() is False
-    monkeypatch.setenv("VELOX_DECODE_LDSM", "on")
     with pytest.raises(ValueError, match="VELOX_DECODE_LDSM must be 0 or 1"):
-        dk.mma_ldsm()
-    monkeypatch.delenv("VELOX_DECODE_LDSM")
+        kernel_env(monkeypatch, "VELOX_DECODE_LDSM", "on")
+    kernel_env(monkeypatch, "VELOX_DECODE_LDSM", None)
     k = v = _mma_codes(4, 64)
     fold = dict(dk.mma_template(128, k, v, 4, 4, 2, 2, None, mx.float16, False, True, True))
     assert fold["VFOLD"] == 1
@@ -850,11 +858,10 @@ def test_value_fold_takes_only_the_layouts_it_covers(monkeypatch):
         dict(dk.mma_template(128, k, v, 4, 4, 2, 2, None, mx.float16, True, False, True))["VFOLD"]
         == 0
     )
-    monkeypatch.setenv("VELOX_DECODE_VFOLD", "0")
+    kernel_env(monkeypatch, "VELOX_DECODE_VFOLD", "0")
     assert dk.mma_value_fold() is False
-    monkeypatch.setenv("VELOX_DECODE_VFOLD", "yes")
     with pytest.raises(ValueError, match="VELOX_DECODE_VFOLD must be 0 or 1"):
-        dk.mma_value_fold()
+        kernel_env(monkeypatch, "VELOX_DECODE_VFOLD", "yes")
 
 
 def test_key_fold_takes_only_the_layouts_it_covers(monkeypatch):
@@ -872,11 +879,10 @@ def test_key_fold_takes_only_the_layouts_it_covers(monkeypatch):
     assert dict(dk.mma_template(*args))["KFOLD"] == 0
     k32 = _mma_codes(4, 32)
     assert dict(dk.mma_template(128, k32, k, 4, 4, 2, 2, key_fold=True))["KFOLD"] == 0
-    monkeypatch.setenv("VELOX_DECODE_KFOLD", "0")
+    kernel_env(monkeypatch, "VELOX_DECODE_KFOLD", "0")
     assert dk.mma_key_fold() is False
-    monkeypatch.setenv("VELOX_DECODE_KFOLD", "2")
     with pytest.raises(ValueError, match="VELOX_DECODE_KFOLD must be 0 or 1"):
-        dk.mma_key_fold()
+        kernel_env(monkeypatch, "VELOX_DECODE_KFOLD", "2")
 
 
 def test_mma_splits_fill_whole_waves_of_the_sms(monkeypatch):
@@ -885,7 +891,7 @@ def test_mma_splits_fill_whole_waves_of_the_sms(monkeypatch):
     49 splits (392 of 396 slots), 64 take 6 (384); the busiest SM's share of the context is
     never more than with the block target."""
     assert dk.sm_count() is None  # the CPU: no CUDA device
-    monkeypatch.setenv("VELOX_DECODE_SMS", "132")
+    kernel_env(monkeypatch, "VELOX_DECODE_SMS", "132")
     assert dk.sm_count() == 132
     assert dk.mma_splits(131072, 8, 4, 3) == 49
     assert dk.mma_splits(131072, 64, 4, 3) == 6
@@ -894,13 +900,12 @@ def test_mma_splits_fill_whole_waves_of_the_sms(monkeypatch):
     for t, rows in ((131072, 8), (65536, 16), (131072, 64), (40000, 24), (700, 2)):
         s = dk.mma_splits(t, rows, 4, 3)
         assert 1 <= s <= t and (s == 1 or -(-t // s) >= dk.MMA_MIN_SPAN)
-        monkeypatch.setenv("VELOX_DECODE_BLOCKS", str(dk.MMA_BLOCKS))
+        kernel_env(monkeypatch, "VELOX_DECODE_BLOCKS", str(dk.MMA_BLOCKS))
         old = dk.mma_splits(t, rows, 4, 3)
-        monkeypatch.delenv("VELOX_DECODE_BLOCKS")
+        kernel_env(monkeypatch, "VELOX_DECODE_BLOCKS", None)
         assert -(-rows * s // slots) * -(-t // s) <= -(-rows * old // slots) * -(-t // old)
-    monkeypatch.setenv("VELOX_DECODE_SMS", "0")
     with pytest.raises(ValueError, match="VELOX_DECODE_SMS"):
-        dk.sm_count()
+        kernel_env(monkeypatch, "VELOX_DECODE_SMS", "0")
 
 
 @needs_nvcc
@@ -1100,7 +1105,7 @@ def test_decode_kernel_scores_sketch_keys(
     rng = np.random.default_rng(m_sk + k)
     b, h, t, d, vbits = 1, 2, 480, 128, 4
     nb = -(-t // group)
-    monkeypatch.setenv("VELOX_DECODE_SKETCH_LANES", str(lanes))
+    kernel_env(monkeypatch, "VELOX_DECODE_SKETCH_LANES", str(lanes))
     sgn = rng.integers(0, 2, size=(b, h, t, m_sk))
     norm = (rng.random((b, h, t)) + 0.5).astype(np.float16)
     proj = rng.standard_normal((max(m_sk, mo), d)).astype(np.float16)

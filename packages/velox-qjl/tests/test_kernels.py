@@ -27,7 +27,12 @@ from velox_core.kernels import decode as dk
 from velox_core.kernels import sketch_mma as sm
 from velox_core.kernels.build import ArgInfo, cuda_source
 from velox_core.kernels.emulate import EmulatedKernels, emulated_or_skip, shim_dir
-from velox_core.testing import assert_partials_close, assert_partials_equivalent, kv_data
+from velox_core.testing import (
+    assert_partials_close,
+    assert_partials_equivalent,
+    kernel_env,
+    kv_data,
+)
 from velox_qjl import METHOD, QJL, QJLCache
 from velox_qjl.kernels import _query_sketch, encode_sketch, kernel_sides
 
@@ -71,7 +76,7 @@ def test_encode_sketch_is_none_on_the_cpu(monkeypatch):
     if mx.default_device().type != mx.DeviceType.gpu:
         assert encode_sketch(kc, k, None) is None
     monkeypatch.setattr(vk, "backend", lambda: "cuda")
-    monkeypatch.setenv("VELOX_KERNELS", "0")
+    kernel_env(monkeypatch, "VELOX_KERNELS", "0")
     assert encode_sketch(kc, k, None) is None
 
 
@@ -146,7 +151,7 @@ def test_the_kernel_declines_what_it_does_not_lay_out(monkeypatch):
         before = codec.state_nbytes
         assert kernel_sides(*sides, 4) is None
         assert codec.state_nbytes == before and not codec._kernel_mats
-    monkeypatch.setenv("VELOX_KERNELS", "0")
+    kernel_env(monkeypatch, "VELOX_KERNELS", "0")
     assert kernel_sides(kc, kp, vc, vp, 4) is None
 
 
@@ -259,16 +264,14 @@ def test_sketch_mma_plans_fragments_and_loads(monkeypatch):
     assert sm.tiles_ahead(4, 256, 256, 8) == 1 and sm.frags_shared(8, 256, 256, 8)
     assert sm.b_diff(4, 384, 128, 8) and sm.tiles_ahead(4, 384, 128, 8) == 1  # 64 words
     assert not sm.b_diff(4, 256, 0, 0) and not sm.frags_shared(4, 256, 0, 0)
-    monkeypatch.setenv("VELOX_SKETCH_MMA_DIFF", "0")
+    kernel_env(monkeypatch, "VELOX_SKETCH_MMA_DIFF", "0")
     assert not sm.b_diff(4, 320, 64, 8) and sm.frags_shared(4, 320, 64, 8)
     assert sm.tiles_ahead(4, 320, 64, 8) == 1
-    monkeypatch.setenv("VELOX_SKETCH_MMA_DIFF", "yes")
     with pytest.raises(ValueError, match="VELOX_SKETCH_MMA_DIFF must be 0 or 1"):
-        sm.b_diff(4, 320, 64, 8)
-    monkeypatch.delenv("VELOX_SKETCH_MMA_DIFF")
-    monkeypatch.setenv("VELOX_SKETCH_MMA_AHEAD", "3")
-    with pytest.raises(ValueError, match="VELOX_SKETCH_MMA_AHEAD must be 1 or 2"):
-        sm.tiles_ahead(4, 320, 64, 8)
+        kernel_env(monkeypatch, "VELOX_SKETCH_MMA_DIFF", "yes")
+    kernel_env(monkeypatch, "VELOX_SKETCH_MMA_DIFF", None)
+    with pytest.raises(ValueError, match="VELOX_SKETCH_MMA_AHEAD must be one of 1, 2"):
+        kernel_env(monkeypatch, "VELOX_SKETCH_MMA_AHEAD", "3")
 
 
 def test_sketch_mma_order_is_whole_words_a_lane():
@@ -355,7 +358,7 @@ def test_emulated_tensor_core_kernel_takes_a_bf16_cache_and_declines_odd_sketche
     kc, kp, vc, vp = records({}, t=256)
     assert kernel_sides(kc, kp, vc, vp, 4)[0].sketch.mma is True
     assert kernel_sides(kc, kp, vc, vp, 9)[0].sketch.mma is False  # more rows than a tile
-    monkeypatch.setenv("VELOX_DECODE_MMA", "0")
+    kernel_env(monkeypatch, "VELOX_DECODE_MMA", "0")
     assert kernel_sides(kc, kp, vc, vp, 4)[0].sketch.mma is False
     monkeypatch.setattr(vk, "backend", lambda: "cpu")  # the reference path
     ref_cache = QJLCache()

@@ -19,7 +19,7 @@ import velox_core.kernels as vk
 from velox_core import Uniform
 from velox_core.cache.attention import Segment, partial
 from velox_core.kernels.emulate import EmulatedKernels, emulated_or_skip
-from velox_core.testing import assert_partials_close, kv_data
+from velox_core.testing import assert_partials_close, kernel_env, kv_data
 from velox_turboquant import TurboQuant, TurboQuantCache
 
 needs_gxx = pytest.mark.skipif(
@@ -264,7 +264,7 @@ def test_emulated_outlier_kernel_matches_the_reference(
     4), 8, 16 and 32 lanes a scored token (the rows' sums by a reduce-scatter), a thread's
     entries over one or two channels, and threadgroups of two warps (the default) and of
     four (``VELOX_OUTLIER_THREADS=128``)."""
-    monkeypatch.setenv("VELOX_OUTLIER_THREADS", str(threads))
+    kernel_env(monkeypatch, "VELOX_OUTLIER_THREADS", str(threads))
     dt = getattr(mx, dtype)
     k, v = kv_data(t=320, seed=3, dtype=dt)
     kc, vc = TurboQuant(key_bits), TurboQuant(value_bits, seed=1)

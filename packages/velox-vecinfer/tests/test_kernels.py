@@ -22,7 +22,7 @@ from velox_core import Uniform
 from velox_core.cache.attention import Segment, partial
 from velox_core.kernels import decode as dk
 from velox_core.kernels.emulate import EmulatedKernels, emulated_or_skip
-from velox_core.testing import assert_partials_close, kv_data
+from velox_core.testing import assert_partials_close, kernel_env, kv_data
 from velox_vecinfer import VecInfer, VecInferCache
 from velox_vecinfer.kernels import kernel_side
 
@@ -86,7 +86,7 @@ def test_kernel_sides_and_what_the_kernel_declines(monkeypatch):
     assert odd.attend_partial(q, op, vc, vp) is None
     # transformed values: the one-softmax path with fp16 segments declines them
     assert tk.attend_joint(q, tkp, tv, tvp, [], mx.float16, 0.1) is None
-    monkeypatch.setenv("VELOX_KERNELS", "0")
+    kernel_env(monkeypatch, "VELOX_KERNELS", "0")
     assert kc.attend_partial(q, kp, vc, vp) is None
 
 

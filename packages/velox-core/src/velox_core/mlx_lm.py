@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from . import routing
 from .cache.batch import VeloxBatch
 from .cache.velox import VeloxCache
 from .registry import make
@@ -35,7 +36,6 @@ __all__ = [
 ]
 
 _patched: dict[str, Callable] = {}
-_depth = 0
 
 
 def _original() -> Callable:
@@ -80,8 +80,7 @@ def enable(model: Any = None) -> None:
     that uses the shared attention function. Calls nest: routing stays on until the matching
     number of :func:`disable` calls.
     """
-    global _depth
-    _depth += 1
+    routing.enter()
     extra = []
     if model is not None and hasattr(model, "modules"):
         extra = sorted({type(m).__module__ for m in model.modules()})
@@ -90,11 +89,9 @@ def enable(model: Any = None) -> None:
 
 def disable() -> None:
     """Undo one :func:`enable`; the last one restores every original function."""
-    global _depth
-    if _depth == 0:
+    if not routing.is_enabled():
         return
-    _depth -= 1
-    if _depth == 0:
+    if routing.leave() == 0:
         for name, original in _patched.items():
             mod = sys.modules.get(name)
             if mod is not None:
@@ -103,7 +100,8 @@ def disable() -> None:
 
 
 def is_enabled() -> bool:
-    return _depth > 0
+    """Whether attention is routed now (:mod:`velox_core.routing`)."""
+    return routing.is_enabled()
 
 
 @contextmanager

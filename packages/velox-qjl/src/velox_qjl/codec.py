@@ -41,9 +41,8 @@ from .projection import estimator_constant, index_bits, outlier_mask, projection
 __all__ = ["QJL"]
 
 _SQRT_HALF_PI = estimator_constant(1, orthogonal=False)
-# most (batch x head x token) rows one encode call takes: one call over 8 x 8 x 131,072 tokens
-# failed on MLX 0.32.4's CUDA backend (a kernel launch with an invalid argument), while
-# 1 x 8 x 131,072 and 8 x 8 x 16,384 ran (an H200, eighth session)
+# most (batch x head x token) rows one encode call takes: MLX 0.32.4's CUDA backend refuses
+# the launch of one call over 8 x 8 x 131,072 tokens (an invalid argument), 2^20 rows run
 ENCODE_ROWS = 1 << 20
 
 

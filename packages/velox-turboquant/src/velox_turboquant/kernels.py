@@ -65,12 +65,16 @@ if TYPE_CHECKING:
 __all__ = ["attend_partial", "encode_codes", "encode_prod", "joint_call"]
 
 
+def _is_turboquant(codec) -> bool:
+    """Whether ``codec`` is a TurboQuant codec, by its registered name (this glue depends on
+    the codec's public attributes, never imports it: the codec imports the glue)."""
+    return getattr(codec, "name", None) == "turboquant"
+
+
 def _single_part(codec, variants: tuple[str, ...]) -> SphereQuantizer | None:
     """The single quantizer of an integer-width codec of one of ``variants`` (with Lloyd-Max
     codes: a ``prod`` codec of at least 2 bits), else None."""
-    from .codec import TurboQuant
-
-    if not isinstance(codec, TurboQuant) or codec.fractional or codec.variant not in variants:
+    if not _is_turboquant(codec) or codec.fractional or codec.variant not in variants:
         return None
     if codec.dim is None or len(codec.parts) != 1:
         return None
@@ -174,9 +178,7 @@ _OUTLIER_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _outlier_parts(codec) -> tuple[tuple[RotatedPart, ...], mx.array] | None:
     """The static parts of an mse codec (outliers first) and their table, or None where the
     outlier kernel does not apply (``prod``, no codebook, a Haar rotation)."""
-    from .codec import TurboQuant
-
-    if not isinstance(codec, TurboQuant) or codec.variant != "mse" or codec.dim is None:
+    if not _is_turboquant(codec) or codec.variant != "mse" or codec.dim is None:
         return None
     hit = _OUTLIER_TABLES.get(codec)
     if hit is not None and hit[0] == codec.dim:

@@ -42,6 +42,12 @@ if TYPE_CHECKING:
 __all__ = ["attend_joint", "attend_partial", "encode_codes", "kernel_side"]
 
 
+def _is_vecinfer(codec) -> bool:
+    """Whether ``codec`` is a VecInfer codec, by its registered name (this glue depends on the
+    codec's public attributes, never imports it: the codec imports the glue)."""
+    return getattr(codec, "name", None) == "vecinfer"
+
+
 def encode_codes(codec: VecInfer, y: mx.array) -> mx.array | None:
     """The packed indices of the nearest codewords of transformed vectors ``y`` (one pass of
     the VQ encode kernel, ``metal/encode_vq.metal``), or None where kernels do not run.
@@ -58,9 +64,7 @@ def kernel_side(codec, packed: Packed) -> _kd.Codes | None:
     """The decode kernel's view of one side's record (``velox_core.kernels.decode.Codes``):
     :data:`~velox_core.kernels.decode.VQ` codes for a fitted :class:`VecInfer`, affine codes
     for a per-token ``Uniform``; None for anything else."""
-    from .codec import VecInfer
-
-    if isinstance(codec, VecInfer):
+    if _is_vecinfer(codec):
         if not codec.fitted:
             return None
         return _kd.Codes(
@@ -84,9 +88,7 @@ def _sides(codec: VecInfer, keys: Packed, value_codec, values: Packed):
 
 
 def _values_transformed(value_codec) -> bool:
-    from .codec import VecInfer
-
-    return isinstance(value_codec, VecInfer) and (value_codec.smooth or value_codec.hadamard)
+    return _is_vecinfer(value_codec) and (value_codec.smooth or value_codec.hadamard)
 
 
 def attend_partial(

@@ -5,6 +5,8 @@ from .batch import VeloxBatch
 from .store import PackedStore
 from .velox import Tier, VeloxCache
 
+VeloxCache._batch_class = VeloxBatch  # what VeloxCache.merge builds
+
 __all__ = [
     "PackedStore",
     "Segment",

@@ -30,6 +30,7 @@ from mlx_lm.models.cache import create_attention_mask
 
 from ..codec.base import Codec, Packed
 from ..codec.identity import Identity
+from ..routing import is_enabled as is_routed
 from ..validation import FLOAT_DTYPES, check_int, check_kv
 from .attention import Segment, attend, decode_segments
 from .planned import PlannedAttention
@@ -84,6 +85,10 @@ class VeloxCache(RetentionMixin):
             (:data:`FLUSH`), or 1 with a retention policy (which decides token by token what
             stays) or age tiers.
     """
+
+    # the batched cache merge() makes: velox_core.cache.batch.VeloxBatch, set by the cache
+    # package when it imports both (the batch module builds on this one, never back)
+    _batch_class: ClassVar[type]
 
     method: ClassVar[str] = "velox"
     # ``flush`` when not given (single tier, no policy); a preset whose calibration watches
@@ -807,25 +812,15 @@ class VeloxCache(RetentionMixin):
     def merge(cls, caches: list[VeloxCache]):
         """mlx-lm's batch protocol: a :class:`~velox_core.cache.batch.VeloxBatch` of the
         caches, whatever their lengths (equal-length ones share one cache)."""
-        from .batch import VeloxBatch
-
-        return VeloxBatch.merge(caches)
+        return cls._batch_class.merge(caches)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.describe()} offset={self.offset} size={self.size()}>"
 
 
-_IS_ENABLED = None
-
-
 def _routing_on() -> bool:
-    """Whether attention is routed to velox caches now (``velox_core.mlx_lm.is_enabled``)."""
-    global _IS_ENABLED
-    if _IS_ENABLED is None:
-        from ..mlx_lm import is_enabled
-
-        _IS_ENABLED = is_enabled
-    return _IS_ENABLED()
+    """Whether attention is routed to velox caches now (:mod:`velox_core.routing`)."""
+    return is_routed()
 
 
 def _require_routing() -> None:

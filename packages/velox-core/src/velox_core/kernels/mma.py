@@ -15,9 +15,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import env_setting
 from .build import KernelSpec
 from .codes import CODEBOOK, Codes, qmul_bits, unused_input
+from .config import KernelConfig, kernel_config
 from .mma_support import (
     MMA_HALF_QUERY,
     codebook_mode,
@@ -152,21 +152,6 @@ class MmaLaunch:
     nwarps: int
 
 
-# the settings the launch plan reads from the environment (besides the split count's)
-_MMA_SETTINGS = (
-    "VELOX_DECODE_MMA_WARPS",
-    "VELOX_DECODE_SUBTILES",
-    "VELOX_DECODE_STAGES",
-    "VELOX_DECODE_MMA_SM_BLOCKS",
-    "VELOX_DECODE_P_RESIDUAL",
-    "VELOX_DECODE_PIPELINE",
-    "VELOX_DECODE_VFOLD",
-    "VELOX_DECODE_KFOLD",
-    "VELOX_DECODE_LDSM",
-    "VELOX_DECODE_SYMMETRIC",
-)
-
-
 def mma_launch(
     q_shape: tuple[int, int, int, int],
     query_dtype: mx.Dtype,
@@ -185,7 +170,7 @@ def mma_launch(
     stages, register cap, splits; ``p_residual``, ``pipeline``, ``value_fold`` and
     ``key_fold`` default to theirs; ``out_dtype`` given: the kernel merges its splits into an
     output of that dtype), or None where no ring fits in shared memory. Everything but the
-    split count is planned once per shape, codes and settings (the environment's values are
+    split count is planned once per shape, codes and settings (the configuration record is
     part of the key)."""
     b, h, m, dim = q_shape
     t = keys.codes.shape[2]
@@ -202,7 +187,7 @@ def mma_launch(
         out_dtype,
         key_fold,
         mma_subnormals_exact(),  # both folds put codes into the MMAs as fp16 subnormals
-        tuple(map(env_setting, _MMA_SETTINGS)),
+        kernel_config(),  # the settings in force (the plan reads them)
     )
     if plan is None:
         return None
@@ -229,12 +214,12 @@ def _mma_plan(
     out_dtype: mx.Dtype | None,
     key_fold: bool | None,
     exact: bool,
-    settings: tuple[str | None, ...],
+    settings: KernelConfig,
 ) -> tuple[KernelSpec, tuple[tuple[str, int | mx.Dtype], ...], int, int] | None:
     """:func:`mma_launch`'s plan without the splits: (spec, template, warps, threadgroups
     per SM). ``exact``: whether the device takes subnormal MMA operands exactly
-    (:func:`mma_subnormals_exact`; both folds need it). ``settings`` (the environment's
-    values of :data:`_MMA_SETTINGS`) only keys the cache: the helpers read the same values."""
+    (:func:`mma_subnormals_exact`; both folds need it). ``settings`` (the configuration in
+    force) only keys the cache: the helpers read the same record."""
     keys = Codes(kside[0], kside[1], kside[2], None, unused_input(kside[3]), symmetric=kside[4])
     values = Codes(vside[0], vside[1], vside[2], None, unused_input(vside[3]), symmetric=vside[4])
     nwarps = mma_warps()

@@ -16,9 +16,9 @@ from typing import Any
 import mlx.core as mx
 
 from .. import kernels as _kernels  # backend() looked up per call (tests report another)
-from . import env_setting
 from .build import KernelSpec
 from .codes import AFFINE, CODEBOOK, Codes
+from .config import kernel_config
 
 # one MMA on subnormal codes: whether the tensor cores take them exactly (the folds rely on it)
 PROBE_SUBNORMAL = KernelSpec(
@@ -39,8 +39,8 @@ MMA_BLOCKS = 512  # threadgroups the tensor-core kernel aims for (measured on an
 
 
 def mma_enabled() -> bool:
-    """The tensor-core kernel is used on CUDA unless ``VELOX_DECODE_MMA=0``."""
-    return env_setting("VELOX_DECODE_MMA", "1").strip() not in ("0", "false", "no", "off")
+    """The tensor-core kernel is used on CUDA unless ``KernelConfig.mma`` 0."""
+    return kernel_config().mma
 
 
 # scale and zero dtypes the tensor-core kernel reads (KSBF / VSBF pick bfloat16 per side)
@@ -74,9 +74,9 @@ def _mma_codebook_side(c: Codes, dim: int, key: bool) -> bool:
 
 def mma_symmetric() -> bool:
     """Whether the tensor-core kernel uses the symmetry of levels a caller vouches for
-    (:attr:`Codes.symmetric`; ``KCB`` / ``VCB`` 2): ``VELOX_DECODE_SYMMETRIC`` (default 1; 0
+    (:attr:`Codes.symmetric`; ``KCB`` / ``VCB`` 2): ``KernelConfig.symmetric`` (default 1; 0
     looks every codebook up as general levels, for comparison)."""
-    return _env_flag("VELOX_DECODE_SYMMETRIC", True)
+    return kernel_config().symmetric
 
 
 def codebook_mode(c: Codes) -> int:
@@ -123,70 +123,53 @@ def mma_supported(m: int, dim: int, keys: Codes, values: Codes) -> bool:
 # static shared memory of one threadgroup (the rest of 48 KiB: row stats and mbarriers)
 MMA_SMEM = 48 * 1024 - 1024
 
-# 16-token MMA tiles per loop step (VELOX_DECODE_SUBTILES: 1, 2 or 4), at most: a step takes
+# 16-token MMA tiles per loop step (KernelConfig.subtiles: 1, 2 or 4), at most: a step takes
 # fewer where two ring stages of it do not fit (at four warps: 4 for 2-bit keys and values, 2
 # for 4-bit and mixed 2/4-bit codes, 1 for 8-bit ones)
 MMA_SUBTILES = 4
 
-MMA_WARPS = 4  # warps per threadgroup of the tensor-core kernel (VELOX_DECODE_MMA_WARPS)
+MMA_WARPS = 4  # warps per threadgroup of the tensor-core kernel (KernelConfig.mma_warps)
 
 
 def mma_warps() -> int:
-    """Warps per threadgroup of the tensor-core kernel: ``VELOX_DECODE_MMA_WARPS`` or
+    """Warps per threadgroup of the tensor-core kernel: ``KernelConfig.mma_warps`` or
     :data:`MMA_WARPS`."""
-    n = int(env_setting("VELOX_DECODE_MMA_WARPS", MMA_WARPS))
-    if n not in (1, 2, 4, 8):
-        raise ValueError(f"VELOX_DECODE_MMA_WARPS must be 1, 2, 4 or 8, got {n}")
-    return n
+    return kernel_config().mma_warps
 
 
-MMA_SM_BLOCKS = 3  # threadgroups per SM the register cap aims for (VELOX_DECODE_MMA_SM_BLOCKS)
+MMA_SM_BLOCKS = 3  # threadgroups per SM the register cap aims for (KernelConfig.mma_sm_blocks)
 
 
 def mma_sm_blocks(nwarps: int) -> int:
     """Threadgroups of ``nwarps`` warps per SM that the tensor-core kernel's register cap
-    (``__launch_bounds__``) allows: ``VELOX_DECODE_MMA_SM_BLOCKS``, else
+    (``__launch_bounds__``) allows: ``KernelConfig.mma_sm_blocks``, else
     :data:`MMA_SM_BLOCKS` x 4 warps' worth of threadgroups (12 warps per SM, 168 registers,
     for steps of one or two tiles alike: with the scores transposed both fit); 0 leaves the
     registers to the compiler."""
-    want = env_setting("VELOX_DECODE_MMA_SM_BLOCKS")
-    if want is None:
-        return MMA_SM_BLOCKS * 4 // nwarps
-    n = int(want)
-    if not 0 <= n <= 32:
-        raise ValueError(f"VELOX_DECODE_MMA_SM_BLOCKS must be 0 to 32, got {n}")
-    return n
-
-
-def _env_flag(name: str, default: bool, value: str | None = None) -> bool:
-    """A 0/1 setting from the environment, or its ``value`` already read (anything else is a
-    clear error)."""
-    v = (env_setting(name, "1" if default else "0") if value is None else value).strip()
-    if v not in ("0", "1"):
-        raise ValueError(f"{name} must be 0 or 1, got {v!r}")
-    return v == "1"
+    n = kernel_config().mma_sm_blocks
+    return MMA_SM_BLOCKS * 4 // nwarps if n is None else n
 
 
 def mma_p_residual() -> bool:
     """Whether the tensor-core kernel carries the softmax weights' fp16 rounding residual (a
-    second value MMA): ``VELOX_DECODE_P_RESIDUAL`` (default 0: the weights rounded to fp16, as
+    second value MMA): ``KernelConfig.p_residual`` (default 0: the weights rounded to fp16, as
     flash attention does; about 2^-11 relative per weight)."""
-    return _env_flag("VELOX_DECODE_P_RESIDUAL", False)
+    return kernel_config().p_residual
 
 
 def mma_pipeline() -> bool:
     """Whether the tensor-core kernel scores the next step before consuming the current one
     (a software pipeline; it needs at least 3 ring stages and applies without the weights'
-    residual, see :func:`mma_template`): ``VELOX_DECODE_PIPELINE`` (default 1; with steps of
+    residual, see :func:`mma_template`): ``KernelConfig.pipeline`` (default 1; with steps of
     two tiles, on and off measured within the run-to-run spread on an H200, see
     docs/performance.md)."""
-    return _env_flag("VELOX_DECODE_PIPELINE", True)
+    return kernel_config().pipeline
 
 
 def mma_value_fold() -> bool:
     """Whether the tensor-core kernel folds the value scales into the softmax weights where
-    the layout allows it (see :func:`mma_fold_ok`): ``VELOX_DECODE_VFOLD`` (default 1)."""
-    return _env_flag("VELOX_DECODE_VFOLD", True)
+    the layout allows it (see :func:`mma_fold_ok`): ``KernelConfig.value_fold`` (default 1)."""
+    return kernel_config().value_fold
 
 
 MMA_FOLD_GROUPS = 4  # at most this many value groups per token take VFOLD (registers)
@@ -257,9 +240,9 @@ def mma_subnormals_exact() -> bool:
 
 def mma_key_fold() -> bool:
     """Whether the tensor-core kernel folds the key scales and zeros out of the score MMA
-    where the layout allows it (see :func:`mma_key_fold_ok`): ``VELOX_DECODE_KFOLD``
+    where the layout allows it (see :func:`mma_key_fold_ok`): ``KernelConfig.key_fold``
     (default 1)."""
-    return _env_flag("VELOX_DECODE_KFOLD", True)
+    return kernel_config().key_fold
 
 
 def mma_key_fold_ok(keys: Codes, dim: int) -> bool:
@@ -275,7 +258,7 @@ MMA_FUSE_TOKENS = 16384  # the longest context whose splits the decode kernel me
 
 def mma_fuse_merge(tokens: int) -> bool:
     """Whether the tensor-core kernel merges its splits itself where the call has no fp16
-    segments: ``VELOX_DECODE_FUSE`` 1 or 0, else up to :data:`MMA_FUSE_TOKENS` tokens.
+    segments: ``KernelConfig.fuse`` 1 or 0, else up to :data:`MMA_FUSE_TOKENS` tokens.
 
     Merging in the kernel saves a launch (about 22 µs of host time a call on the H200's host,
     ``gpu_dispatch.py``), but its counters need a zeroed output, and MLX zeroes the whole
@@ -284,10 +267,8 @@ def mma_fuse_merge(tokens: int) -> bool:
     end; a separate merge launch took 4 µs. So short contexts, where a call's host time is
     its cost, merge in the kernel, and long ones in a second launch (batch 1, 128k, 2 bits:
     43.6 µs against 49.5 of device time, docs/performance.md)."""
-    v = env_setting("VELOX_DECODE_FUSE")
-    if v is None:
-        return tokens <= MMA_FUSE_TOKENS
-    return _env_flag("VELOX_DECODE_FUSE", True, v)
+    fuse = kernel_config().fuse
+    return tokens <= MMA_FUSE_TOKENS if fuse is None else fuse
 
 
 def mma_value_units(values: Codes, ldsm: bool) -> int:
@@ -317,22 +298,19 @@ def mma_fold_ok(values: Codes, dim: int, p_residual: bool, ldsm: bool = True) ->
 def mma_ldsm() -> bool:
     """Whether the tensor-core kernel reads code words out of its ring with ldmatrix (the
     keys with ``KFOLD``, the values with ``VFOLD`` in 16-bit units: ``LDSM`` 1):
-    ``VELOX_DECODE_LDSM`` (default 1)."""
-    return _env_flag("VELOX_DECODE_LDSM", True)
+    ``KernelConfig.ldsm`` (default 1)."""
+    return kernel_config().ldsm
 
 
 def mma_subtiles() -> int:
     """16-token MMA tiles per loop step of the tensor-core kernel, at most (the plan halves
-    it until two ring stages fit): ``VELOX_DECODE_SUBTILES`` or :data:`MMA_SUBTILES`."""
-    n = int(env_setting("VELOX_DECODE_SUBTILES", MMA_SUBTILES))
-    if n not in (1, 2, 4):
-        raise ValueError(f"VELOX_DECODE_SUBTILES must be 1, 2 or 4, got {n}")
-    return n
+    it until two ring stages fit): ``KernelConfig.subtiles`` or :data:`MMA_SUBTILES`."""
+    return kernel_config().subtiles
 
 
 def mma_stages(dim: int, keys: Codes, values: Codes, nwarps: int, subtiles: int = 1) -> int:
     """Steps (of ``16 * subtiles`` tokens) in each warp's shared-memory ring:
-    ``VELOX_DECODE_STAGES`` or the most (up to 4) that fit in 48 KiB of static shared
+    ``KernelConfig.stages`` or the most (up to 4) that fit in 48 KiB of static shared
     memory; 0 if not even 2 fit."""
     tile = 16 * subtiles
     words = tile * dim * (keys.bits + values.bits) // 32
@@ -340,11 +318,8 @@ def mma_stages(dim: int, keys: Codes, values: Codes, nwarps: int, subtiles: int 
     if nwarps * 8 * dim * 4 > MMA_SMEM:
         return 0
     fit = [n for n in (4, 3, 2) if nwarps * n * words * 4 <= MMA_SMEM]
-    want = env_setting("VELOX_DECODE_STAGES")
-    if want is not None:
-        n = int(want)
-        if not 2 <= n <= 8:
-            raise ValueError(f"VELOX_DECODE_STAGES must be 2 to 8, got {n}")
+    n = kernel_config().stages
+    if n is not None:
         return n if nwarps * n * words * 4 <= MMA_SMEM else 0
     return fit[0] if fit else 0
 
@@ -365,13 +340,11 @@ def _sm_count(ordinal: int) -> int | None:
 
 
 def sm_count() -> int | None:
-    """Streaming multiprocessors of the CUDA device MLX computes on (``VELOX_DECODE_SMS``, else
+    """Streaming multiprocessors of the CUDA device MLX computes on (``KernelConfig.sms``, else
     the CUDA driver's count), or None where neither is known."""
-    want = env_setting("VELOX_DECODE_SMS")
+    want = kernel_config().sms
     if want is not None:
-        if not want.strip().isdigit() or int(want) < 1:
-            raise ValueError(f"VELOX_DECODE_SMS must be a positive integer, got {want!r}")
-        return int(want)
+        return want
     if _kernels.backend() != "cuda":
         return None
     return _sm_count(getattr(mx.default_device(), "index", 0) or 0)
@@ -390,12 +363,12 @@ def mma_splits(tokens: int, rows: int, nwarps: int, sm_blocks: int = MMA_SM_BLOC
     waves: ``rows x splits`` threadgroups run ``sm_blocks`` per SM at once (the register cap's
     occupancy), and a partly filled last wave costs nearly as much as a full one, so the count
     minimizes the busiest SM's work, ``waves x (tokens per split + MMA_SPLIT_COST)``, over
-    split counts that fill 1 to :data:`MMA_MAX_WAVES` waves. ``VELOX_DECODE_BLOCKS`` (or an
+    split counts that fill 1 to :data:`MMA_MAX_WAVES` waves. ``KernelConfig.blocks`` (or an
     unknown SM count) asks for about that many threadgroups instead (default
     :data:`MMA_BLOCKS`)."""
     rows = max(1, rows)
     most = max(1, tokens // max(MMA_MIN_SPAN, 32 * nwarps))
-    target = env_setting("VELOX_DECODE_BLOCKS")
+    target = kernel_config().blocks
     sms = sm_count() if target is None else None
     if sms is None:
         s = min(max(1, math.ceil(int(target or MMA_BLOCKS) / rows)), most)

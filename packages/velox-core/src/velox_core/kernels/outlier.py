@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from . import env_setting
 from .build import KernelSpec
 from .codes import FP16_MAX, pad_rows, qmul_bits, unused_input
+from .config import kernel_config
 from .merge import merge_splits, merge_splits_fp16
 
 __all__ = [
@@ -56,7 +56,7 @@ OUTLIER = KernelSpec(
     # 150 registers unbounded and ran 27% faster bounded)
 )
 THREADS = 64  # threads per threadgroup by default (the body's NT; 128 measured 3-6% slower)
-THREAD_CHOICES = (64, 128)  # what VELOX_OUTLIER_THREADS may ask for
+THREAD_CHOICES = (64, 128)  # what KernelConfig.outlier_threads may ask for
 SM_THREADS = 512  # threads an SM under the launch bounds (128 registers each)
 SMEM_BYTES = 32 * 1024  # Metal's threadgroup memory (the body's arrays must fit)
 MAX_ROWS = 8  # query rows per threadgroup
@@ -68,16 +68,11 @@ _SPECS: dict = {}  # (OUTLIER, threads) -> its spec
 
 
 def outlier_threads() -> int:
-    """Threads per threadgroup: :data:`THREADS`, or ``VELOX_OUTLIER_THREADS`` (64 or 128).
+    """Threads per threadgroup: :data:`THREADS`, or ``KernelConfig.outlier_threads`` (64 or 128).
     (One warp a threadgroup needs about 250 registers a thread: its share of a group's
     records loaded ahead, its entries of the butterflies, its query values; under a
     128-register bound it spills, with 255 it ran 1.5x slower on an H200.)"""
-    env = env_setting("VELOX_OUTLIER_THREADS")
-    if env is None:
-        return THREADS
-    if not env.isdigit() or int(env) not in THREAD_CHOICES:
-        raise ValueError(f"VELOX_OUTLIER_THREADS must be one of {THREAD_CHOICES}, got {env!r}")
-    return int(env)
+    return kernel_config().outlier_threads or THREADS
 
 
 def outlier_spec(nt: int) -> KernelSpec:

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .. import kernels as _kernels  # backend() looked up per call (tests report another)
-from . import env_setting
 from .build import KernelSpec
 from .codes import (
     AFFINE,
@@ -33,16 +32,16 @@ from .codes import (
     qmul_bits,
     sketch_inputs,
 )
+from .config import kernel_config
 
-NWARPS = 4  # warps per threadgroup (VELOX_DECODE_WARPS overrides: 1, 2, 4 or 8)
+NWARPS = 4  # warps per threadgroup (KernelConfig.decode_warps overrides: 1, 2, 4 or 8)
 
-UNROLL = 4  # tokens per lane per loop iteration, loads issued together (VELOX_DECODE_UNROLL)
+UNROLL = 4  # tokens per lane per loop iteration, loads issued together (KernelConfig.decode_unroll)
 
 MAX_REGS = 64  # query rows x channels per lane held in registers (and as many accumulators)
 
 # the same on CUDA for lanes of 32 channels (3-, 5- and 7-bit codes): 4 query rows a pass, where
-# 64 would take 2 and read the codes twice; 208-247 registers, no spills (nvcc sm_90a); on
-# an H200 at 128k, 3-bit codes 13-17% faster at batch 1 (sixteenth session)
+# 64 would take 2 and read the codes twice; 208-247 registers, no spills (nvcc sm_90a)
 CUDA_WIDE_REGS = 128
 
 SCORE_SLOTS = 4096  # (token, row) scores a threadgroup keeps (16 KiB): a split's tokens <= 4096/mb
@@ -121,15 +120,10 @@ def _pow2_floor(n: int) -> int:
 
 
 def tuning() -> tuple[int, int]:
-    """``(warps per threadgroup, unroll)``: the defaults, or ``VELOX_DECODE_WARPS`` and
-    ``VELOX_DECODE_UNROLL`` (for tuning on a new GPU)."""
-    nw = int(env_setting("VELOX_DECODE_WARPS", NWARPS))
-    un = int(env_setting("VELOX_DECODE_UNROLL", UNROLL))
-    if nw not in (1, 2, 4, 8):
-        raise ValueError(f"VELOX_DECODE_WARPS must be 1, 2, 4 or 8, got {nw}")
-    if not 1 <= un <= 16:
-        raise ValueError(f"VELOX_DECODE_UNROLL must be 1 to 16, got {un}")
-    return nw, un
+    """``(warps per threadgroup, unroll)``: the defaults, or ``KernelConfig.decode_warps`` and
+    ``KernelConfig.decode_unroll`` (for tuning on a new GPU)."""
+    cfg = kernel_config()
+    return cfg.decode_warps, cfg.decode_unroll
 
 
 def plan(
@@ -217,17 +211,15 @@ def _word_fit(bits: int) -> bool:
     return 1 <= bits <= 32 or bits % 32 == 0
 
 
-SKETCH_LANES = 32  # most lanes per token of the sketch keys' pass (VELOX_DECODE_SKETCH_LANES)
+SKETCH_LANES = 32  # most lanes per token of the sketch keys' pass (KernelConfig.sketch_lanes)
 
 
 def sketch_lanes(m: int, mo: int) -> int:
     """Lanes per token of the key pass for sketch keys of ``m`` (and ``mo`` outlier) sign
-    bits: the most (a power of two, at most ``VELOX_DECODE_SKETCH_LANES``, default
+    bits: the most (a power of two, at most ``KernelConfig.sketch_lanes``, default
     :data:`SKETCH_LANES`: the fewest weights per lane) that split both sketches evenly into
     shares of at most one word or of whole words; 0 when none does."""
-    top = int(env_setting("VELOX_DECODE_SKETCH_LANES", SKETCH_LANES))
-    if top not in (1, 2, 4, 8, 16, 32):
-        raise ValueError(f"VELOX_DECODE_SKETCH_LANES must be 1, 2, 4, 8, 16 or 32, got {top}")
+    top = kernel_config().sketch_lanes
     for lanes in (32, 16, 8, 4, 2, 1):
         if lanes > top:
             continue
@@ -259,11 +251,11 @@ def plan_for(m: int, dim: int, keys: Codes, values: Codes) -> Plan | None:
 def choose_splits(tokens: int, rows: int, p: Plan) -> int:
     """Splits of a ``tokens``-long context for ``rows`` (batch x KV heads) sequences.
 
-    Aims at ``VELOX_DECODE_BLOCKS`` threadgroups (default :data:`DEFAULT_BLOCKS`) with at least
+    Aims at ``KernelConfig.blocks`` threadgroups (default :data:`DEFAULT_BLOCKS`) with at least
     :data:`MIN_SPAN` tokens each, and never more than ``p.max_span`` tokens per split; every
     split is non-empty (the kernel takes ``ceil(T / splits)`` tokens per split).
     """
-    target = int(env_setting("VELOX_DECODE_BLOCKS", DEFAULT_BLOCKS))
+    target = kernel_config().blocks or DEFAULT_BLOCKS
     want = max(1, math.ceil(target / max(1, rows * p.nmb)))
     s = max(1, min(want, math.ceil(tokens / max(MIN_SPAN, p.step))))
     return fit_splits(tokens, s, p)

@@ -31,9 +31,9 @@ import mlx.core as mx
 import numpy as np
 
 from .. import kernels as _kernels  # backend() looked up per call (tests report another)
-from . import env_choice, env_setting
 from .build import KernelSpec
 from .codes import AFFINE, SKETCH, Codes, check_codes, float_bits, qmul_bits, unused_input
+from .config import kernel_config
 from .mma_support import MMA_SCALE_DTYPES, mma_enabled, mma_splits
 
 __all__ = [
@@ -182,7 +182,7 @@ def wanted(
     values: Codes,
 ) -> bool:
     """Whether a QJL segment should be laid out for this kernel: CUDA kernels on (MLX on an
-    NVIDIA GPU, ``VELOX_DECODE_MMA`` not 0), fp16 or bfloat16 norms (a float32 model's keep
+    NVIDIA GPU, ``KernelConfig.mma`` not 0), fp16 or bfloat16 norms (a float32 model's keep
     the portable kernel) and a layout it takes."""
     if _kernels.backend() != "cuda" or not mma_enabled() or norm_dtype not in MMA_SCALE_DTYPES:
         return False
@@ -192,8 +192,8 @@ def wanted(
 def b_residual() -> bool:
     """Whether the sketched query goes into the score MMAs as fp16 plus its rounding residual
     (two MMAs a k-step, the float32 product to about ``2^-22``; the default) or rounded to fp16
-    (``VELOX_SKETCH_MMA_LO=0``: one MMA, about ``2^-12`` relative per entry)."""
-    return env_setting("VELOX_SKETCH_MMA_LO", "1").strip() not in ("0", "false", "no", "off")
+    (``KernelConfig.sketch_mma_lo`` 0: one MMA, about ``2^-12`` relative per entry)."""
+    return kernel_config().sketch_mma_lo
 
 
 def _blo(rows: int) -> int:
@@ -214,28 +214,22 @@ def _frag_words(rows: int, m: int, mo: int, outliers: int, diff: bool) -> int:
     return main + own if diff else 2 * main + own
 
 
-def _forced(name: str) -> bool | None:
-    """An environment switch: None unset, else 0 or 1 (anything else is an error)."""
-    value = env_choice(name, ("0", "1"))
-    return None if value is None else value == "1"
-
-
 def fragment_plan(rows: int, m: int, mo: int, outliers: int) -> tuple[bool, bool, int]:
     """Where the kernel keeps its B fragments and how far ahead it loads, for a layout:
     ``(diff, shared, ahead)`` = (:func:`b_diff`, :func:`frags_shared`, :func:`tiles_ahead`),
     worked out in one pass (the template asks for all three)."""
     diff_words = _frag_words(rows, m, mo, outliers, True)
-    diff = bool(outliers) and mo != m and _forced("VELOX_SKETCH_MMA_DIFF") is not False
+    cfg = kernel_config()
+    diff = bool(outliers) and mo != m and cfg.sketch_mma_diff is not False
     diff = diff and diff_words <= FRAG_WORDS
     shared = False
     if not diff:
-        forced = _forced("VELOX_SKETCH_MMA_BSM")
+        forced = cfg.sketch_mma_bsm
         shared = (
             forced if forced is not None else _frag_words(rows, m, mo, outliers, False) > FRAG_WORDS
         )
-    value = env_choice("VELOX_SKETCH_MMA_AHEAD", ("1", "2"))
-    if value is not None:
-        ahead = int(value)
+    if cfg.sketch_mma_ahead is not None:
+        ahead = cfg.sketch_mma_ahead
     else:
         ahead = 2 if diff and diff_words <= AHEAD_WORDS else 1
     return diff, shared, ahead
@@ -245,29 +239,25 @@ def b_diff(rows: int, m: int, mo: int, outliers: int) -> bool:
     """Whether the main sketch's B is ``S q - S P q``, converted per outlier block (``DIFF`` 1:
     one MMA a k-step for the main score, against two for ``<S q, s> - <S P q, s>`` with ``S q``
     made once, and no registers for ``S q``'s fragments): for outlier sketches of columns of
-    their own (``mo != m``) whose fragments fit in :data:`FRAG_WORDS`; there
-    ``VELOX_SKETCH_MMA_DIFF=0`` turns it off. On an H200 (128k, fourteenth session) the
-    recommended keys (m 320, m_o 64) took 165.1 us a call with it against 153.0 without, and
-    143.6 with the loads two tiles ahead that its registers allow (:func:`tiles_ahead`); where
-    the outlier sketch shares the main one's columns (the paper's setting), converting ``S P
-    q`` twice a block took 187.6 against 176.6, so such layouts keep two MMAs."""
+    their own (``mo != m``) whose fragments fit in :data:`FRAG_WORDS`
+    (``KernelConfig.sketch_mma_diff`` False turns it off). Where the outlier sketch shares the
+    main one's columns (the paper's setting) converting ``S P q`` twice a block costs more than
+    the second MMA, so such layouts keep two MMAs (docs/performance.md has the timings)."""
     return fragment_plan(rows, m, mo, outliers)[0]
 
 
 def tiles_ahead(rows: int, m: int, mo: int, outliers: int) -> int:
     """Tiles whose loads are in flight while one is computed (``AHEAD``): 2 with
     :func:`b_diff` and at most :data:`AHEAD_WORDS` fragment words (the registers ``S q``'s
-    fragments would take hold a third tile's loads: 246 registers at m 320 / m_o 64, no
-    spills; m 384 / m_o 128, 64 words, spilled 484 bytes), else 1 (the paper's setting spilled
-    288 bytes with 2 and ran 251.2 us against 176.6); ``VELOX_SKETCH_MMA_AHEAD`` (1 or 2) sets
-    it."""
+    fragments would take hold a third tile's loads; larger sketches spill), else 1;
+    ``KernelConfig.sketch_mma_ahead`` (1 or 2) sets it."""
     return fragment_plan(rows, m, mo, outliers)[2]
 
 
 def frags_shared(rows: int, m: int, mo: int, outliers: int) -> bool:
     """Whether ``S q``'s B fragments go to shared memory (``BSM`` 1) rather than registers:
     when it has fragments (not :func:`b_diff`) and all those a lane holds exceed
-    :data:`FRAG_WORDS`; where it has them, ``VELOX_SKETCH_MMA_BSM`` (0 or 1) sets it."""
+    :data:`FRAG_WORDS`; where it has them, ``KernelConfig.sketch_mma_bsm`` (0 or 1) sets it."""
     return fragment_plan(rows, m, mo, outliers)[1]
 
 

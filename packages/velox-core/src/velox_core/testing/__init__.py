@@ -12,6 +12,7 @@ from .conformance import (
     kv_data,
     rel_error,
 )
+from .kernel_env import kernel_env
 from .models import FAMILIES, tiny_model, tiny_tokenizer
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "attention_errors_vs_mlx_quant",
     "fill_chunks",
     "greedy_agreement",
+    "kernel_env",
     "kv_data",
     "rel_error",
     "tiny_model",
