@@ -166,33 +166,3 @@ def write_json(path: str, rows: list[Row], info: dict) -> None:
     """A JSON list of rows, one per spec; each carries the run's settings under ``run``."""
     out = [{**r.to_json(), "run": info} for r in rows]
     Path(path).write_text(json.dumps(out, indent=1) + "\n")
-
-
-def chart(path: str, rows: list[Row]) -> None:
-    """Quality (KL vs fp16, symlog) against memory (bytes per token)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in rows if r.error is None and r.bytes_per_token]
-    fig, ax = plt.subplots(figsize=(9, 6))
-    for r in ok:
-        color = "black" if r.method in ("fp16", "mlx-q4", "mlx-q8") else None
-        ax.scatter(r.bytes_per_token / 1024, max(r.kl, 0.0), color=color, s=30)
-        ax.annotate(
-            r.spec,
-            (r.bytes_per_token / 1024, max(r.kl, 0.0)),
-            fontsize=7,
-            xytext=(4, 2),
-            textcoords="offset points",
-        )
-    ax.set_xscale("log")
-    ax.set_yscale("symlog", linthresh=1e-4)
-    ax.set_xlabel("cache bytes per token (KiB, measured)")
-    ax.set_ylabel("KL(fp16 || cache), decode path")
-    ax.set_title("velox bench: quality against memory")
-    ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -108,8 +108,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .bench import DEPTHS, BenchSettings, chart, run_bench, write_json
+    from .bench import DEPTHS, BenchSettings, run_bench, write_json
     from .blas import active_blas
+    from .chart import chart
     from .report import markdown, table
     from .specs import default_specs, parse
 
@@ -152,7 +153,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
             f.write(markdown(rows) + "\n")
         console.print(f"markdown table written to {a.markdown}")
     if a.chart:
-        chart(a.chart, rows)
+        chart(a.chart, rows, info)
         console.print(f"chart written to {a.chart}")
     return 0
 
