@@ -288,3 +288,19 @@ def test_four_bit_setting_beats_mlx_q4_at_4k(seed):
     mlx = mx.fast.scaled_dot_product_attention(q, _mlx_q4(k), _mlx_q4(v), scale=scale)
     err = rel_error(ours.attend(q, scale=scale), ref)
     assert err <= rel_error(mlx, ref), (err, rel_error(mlx, ref))
+
+
+def test_make_cache_refuses_a_head_dim_naming_agetiered_and_its_parameter():
+    """A head dim the defaults cannot code is refused at make_cache, before the first forward,
+    in agetiered's own terms (its parameter, not the codec underneath)."""
+    from velox_core import make_cache
+    from velox_core.testing import tiny_model
+
+    model = tiny_model("llama", head_dim=80, hidden_size=160)
+    with pytest.raises(
+        ValueError,
+        match=r"layer 0 \(head dim 80\): agetiered: group=64 must divide the value head dim 80",
+    ) as err:
+        make_cache(model, "agetiered")
+    assert "uniform:" not in str(err.value)
+    assert all(c.method == "agetiered" for c in make_cache(model, "agetiered:group=16"))

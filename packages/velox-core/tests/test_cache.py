@@ -212,7 +212,7 @@ def test_bad_settings_raise_clear_errors():
         UniformCache(window=-1)
     c = UniformCache(bits=4, group=64)
     k, v = kv_data(t=4, d=80)
-    with pytest.raises(ValueError, match="group=64 must divide the head dim 80"):
+    with pytest.raises(ValueError, match="uniform: group=64 must divide the key head dim 80"):
         c.update_and_fetch(k, v)
     assert c.offset == 0
 
@@ -408,3 +408,37 @@ def test_prepare_takes_only_each_rows_real_tokens():
     assert rel_error(out[1:, :, :3], ref.attend(q[1:, :, :3], 0.1, mask="causal")) < 5e-4
     with pytest.raises(ValueError, match="right_padding needs lengths"):
         batch.prepare(right_padding=[1, 0])
+
+
+def test_check_finite_refuses_nan_and_inf_before_storing_anything():
+    """check_finite=True: a NaN or inf key or value is refused at update_and_fetch, naming the
+    layer, the positions and the counts, and nothing of that update is stored (prefill chunks
+    and decode steps alike); off by default (the check costs a sync), kept by fresh(), set by
+    a spec parameter, and a non-bool is refused."""
+    from velox_core import make
+    from velox_core.cache.uniform import UniformCache as Uni
+
+    k = mx.random.normal((1, 2, 8, 64), key=mx.random.key(1)).astype(mx.float16)
+    hole = (mx.arange(64) == 7)[None, None, None, :] & (mx.arange(8) == 5)[None, None, :, None]
+    cache = Uni(bits=4, check_finite=True)
+    cache.bind(None, 3)
+    cache.update_and_fetch(k, k)
+    with pytest.raises(
+        ValueError,
+        match=r"uniform \(layer 3\): non-finite input at positions 8 to 15: keys hold 2 NaN",
+    ):
+        cache.update_and_fetch(mx.where(hole, mx.array(float("nan"), mx.float16), k), k)
+    one = k[:, :, :1]
+    with pytest.raises(ValueError, match=r"positions 8 to 8: values hold 0 NaN and 128 inf of 128"):
+        cache.update_and_fetch(one, mx.full(one.shape, float("inf"), mx.float16))
+    assert cache.offset == cache.size() == 8
+    cache.update_and_fetch(one, one)  # a finite step is stored as usual
+    assert cache.offset == 9
+    plain = Uni(bits=4)
+    plain.update_and_fetch(mx.where(hole, mx.array(float("nan"), mx.float16), k), k)  # unchecked
+    assert plain.offset == 8 and not plain.check_finite
+    spec = make("uniform:bits=4,check_finite=true")
+    assert spec.check_finite and spec.fresh().check_finite and "check_finite" in spec.config()
+    assert "check_finite" not in plain.config()  # saved configs unchanged by the default
+    with pytest.raises(TypeError, match="check_finite must be True or False"):
+        Uni(bits=4, check_finite="yes")

@@ -162,7 +162,7 @@ def test_make_cache_refuses_a_head_dim_the_method_cannot_code_before_the_first_f
     from velox_core.testing import tiny_model
 
     model = tiny_model("llama", head_dim=80, hidden_size=160)
-    with pytest.raises(ValueError, match=r"layer 0 \(head dim 80\), uniform: .*group=64"):
+    with pytest.raises(ValueError, match=r"layer 0 \(head dim 80\): uniform: group=64 .*80"):
         make_cache(model, "uniform:bits=4")
     caches = make_cache(model, "uniform:bits=4,group=16")  # 16 divides 80
     assert all(c.tiers[0].key_codec.group == 16 for c in caches)
@@ -211,3 +211,67 @@ def test_speculative_decoding_gets_draft_caches_and_trimmable_caches_only():
         model, tok, "def f(x):", cache=exact, max_tokens=12, draft_model=draft
     )
     assert spec == plain
+
+
+def test_latent_attention_layers_keep_the_models_cache_and_say_so_once():
+    """DeepSeek-V3's multi-head latent attention caches a latent (kv_lora_rank channels, one
+    head) and a RoPE key, then attends with projections of them: make_cache leaves those
+    layers to the model's KVCache with one warning per model naming the layers and why, and
+    generate with a velox spec gives the fp16 cache's tokens."""
+    import warnings
+
+    import mlx_lm
+
+    from velox_core.mlx_lm import layer_routes
+
+    model = tiny_model("deepseek_v3")
+    routes = layer_routes(model)
+    assert [(r.routed, r.key_dim, r.value_dim) for r in routes.values()] == [(False, 64, 16)] * 2
+    with pytest.warns(UserWarning, match=r"layers 0, 1 keep the model's own cache.*latent"):
+        caches = make_cache(model, "uniform:bits=4")
+    assert [type(c) for c in caches] == [KVCache, KVCache]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once per model
+        make_cache(model, "kivi", layers={0: "uniform:bits=8"})
+    tok = tiny_tokenizer()
+    prompt = mx.random.randint(0, 512, (40,), key=mx.random.key(3)).tolist()
+    got = velox_core.generate(model, tok, prompt, cache="uniform:bits=4", max_tokens=8)
+    ref = mlx_lm.generate(model, tok, prompt, max_tokens=8)
+    assert got == ref and len(ref) > 0
+
+
+def test_layers_with_their_own_attention_keep_velox_caches_without_a_policy():
+    """Gemma 2 computes attention itself (logit soft-capping) from what update_and_fetch
+    returns: a codec-only velox cache serves it (decoded tokens, nothing routed) and follows the
+    fp16 tokens at 8 bits; a cache with a retention policy, which needs the queries only routed
+    attention shows it, is refused there with a warning and the layer keeps its KVCache."""
+    from velox_core.mlx_lm import layer_routes
+    from velox_core.policy.base import RetentionPolicy
+
+    model = tiny_model("gemma2")
+    assert not any(r.routed for r in layer_routes(model).values())
+    caches = make_cache(model, "uniform:bits=8")
+    assert all(type(c) is UniformCache and c.fetch_decoded for c in caches)
+    prompt = mx.random.randint(0, 512, (1, 80), key=mx.random.key(8))  # past one flush
+    fp16 = [KVCache() for _ in model.layers]
+    outs = []
+    with routed(model):
+        for x in (prompt, mx.array([[5]]), mx.array([[9]])):
+            ref = model(x, cache=fp16)[:, -1].astype(mx.float32)
+            got = model(x, cache=caches)[:, -1].astype(mx.float32)
+            outs.append(float(mx.max(mx.abs(got - ref)).item()) / float(mx.max(mx.abs(ref)).item()))
+    assert max(outs) < 0.05, outs
+    assert caches[0].size() == 82 and caches[0]._tier[0][0].tokens > 0  # coded, then decoded
+    template = VeloxCache(policy=RetentionPolicy(budget=32))
+    with pytest.warns(UserWarning, match=r"own cache .*retention policy needs the queries"):
+        caches = make_cache(model, template)
+    assert [type(c) for c in caches] == [KVCache, KVCache]
+
+
+def test_make_cache_checks_the_dims_the_layer_stores():
+    """The head dims checked at make_cache are those the layer's attention stores (probed),
+    not a guess from the config: a model whose head_dim differs from hidden / heads."""
+    model = tiny_model("llama", head_dim=48, hidden_size=128)  # 128 / 4 heads = 32
+    with pytest.raises(ValueError, match=r"layer 0 \(head dim 48\): uniform: group=32 .* 48"):
+        make_cache(model, "uniform:bits=4,group=32")
+    assert all(isinstance(c, UniformCache) for c in make_cache(model, "uniform:group=16"))

@@ -73,3 +73,19 @@ def test_separate_key_and_value_bits():
 def test_bad_settings(bad):
     with pytest.raises((ValueError, TypeError)):
         KIVICache(**bad)
+
+
+def test_make_cache_refuses_a_head_dim_naming_kivi_and_its_parameter():
+    """A head dim the defaults cannot code is refused at make_cache, before the first forward,
+    in kivi's own terms (its parameter, not the codec underneath)."""
+    from velox_core import make_cache
+    from velox_core.testing import tiny_model
+
+    model = tiny_model("llama", head_dim=80, hidden_size=160)
+    with pytest.raises(
+        ValueError,
+        match=r"layer 0 \(head dim 80\): kivi: group=32 must divide the value head dim 80",
+    ) as err:
+        make_cache(model, "kivi")
+    assert "uniform:" not in str(err.value)
+    assert all(c.method == "kivi" for c in make_cache(model, "kivi:group=16"))

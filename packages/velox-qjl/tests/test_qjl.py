@@ -323,3 +323,19 @@ def test_long_inputs_encode_in_chunks_to_the_same_record(monkeypatch, kw):
     assert parts.tokens == whole.tokens and set(parts.data) == set(whole.data)
     for name in whole.data:
         assert mx.array_equal(parts.data[name], whole.data[name]).item(), name
+
+
+def test_make_cache_refuses_a_head_dim_naming_qjl_and_its_parameter():
+    """A head dim the defaults cannot code is refused at make_cache, before the first forward,
+    in qjl's own terms (its parameter, not the codec underneath)."""
+    from velox_core import make_cache
+    from velox_core.testing import tiny_model
+
+    model = tiny_model("llama", head_dim=80, hidden_size=160)
+    with pytest.raises(
+        ValueError,
+        match=r"layer 0 \(head dim 80\): qjl: group=32 must divide the value head dim 80",
+    ) as err:
+        make_cache(model, "qjl")
+    assert "uniform:" not in str(err.value)
+    assert all(c.method == "qjl" for c in make_cache(model, "qjl:group=16"))

@@ -261,3 +261,18 @@ def test_group_must_divide_the_head_dim():
     k, v = kv_data(t=8, d=96)
     with pytest.raises(ValueError, match="group"):
         SKVQCache(group=64, window=0, sinks=0).update_and_fetch(k, v)
+
+
+def test_make_cache_refuses_a_head_dim_naming_skvq_and_its_parameter():
+    """A head dim the defaults cannot code is refused at make_cache, before the first forward,
+    in skvq's own terms (its parameter, not the codec underneath)."""
+    from velox_core import make_cache
+    from velox_core.testing import tiny_model
+
+    model = tiny_model("llama", head_dim=80, hidden_size=160)
+    with pytest.raises(
+        ValueError, match=r"layer 0 \(head dim 80\): skvq: group=64 must divide the key head dim 80"
+    ) as err:
+        make_cache(model, "skvq")
+    assert "uniform:" not in str(err.value)
+    assert all(c.method == "skvq" for c in make_cache(model, "skvq:group=16"))

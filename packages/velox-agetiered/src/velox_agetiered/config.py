@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from velox_core.ops.quant import AXES
-from velox_core.validation import check_bits, check_choice, check_int
+from velox_core.validation import check_bits, check_choice, check_divides, check_int
 
 __all__ = ["AgeTieredConfig"]
 
@@ -73,6 +73,23 @@ class AgeTieredConfig:
                 )
         check_int("window", self.window, minimum=0)
         check_int("sinks", self.sinks, minimum=0)
+
+    def check_dims(self, key_dim: int, value_dim: int) -> None:
+        """A side with per-token groups (``axis="token"``) splits each token's channels into
+        groups of ``group``, which must divide that head dim."""
+        for side, axis, dim in (
+            ("key", self.key_axis, key_dim),
+            ("value", self.value_axis, value_dim),
+        ):
+            if axis == "token":
+                check_divides(
+                    "agetiered",
+                    "group",
+                    self.group,
+                    dim,
+                    f"{side} head dim",
+                    f"{side}s are quantized per token in groups of `group` channels",
+                )
 
     @property
     def block(self) -> int:

@@ -15,7 +15,11 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 
 from . import routing
 from .cache.batch import VeloxBatch
@@ -24,11 +28,13 @@ from .registry import make
 
 __all__ = [
     "ROUTED_ONLY_MODEL_TYPES",
+    "Route",
     "disable",
     "enable",
     "generate",
     "install",
     "is_enabled",
+    "layer_routes",
     "make_cache",
     "routed",
     "stream_generate",
@@ -49,6 +55,8 @@ def _make_router(original: Callable) -> Callable:
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None, **kw):
         if isinstance(cache, (VeloxCache, VeloxBatch)):
             return cache.attend(queries, scale=scale, mask=mask, sinks=sinks)
+        if isinstance(cache, _Probe):
+            cache.record(queries, keys, values)
         return original(
             queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks, **kw
         )
@@ -135,27 +143,111 @@ def _layer_count(model: Any) -> int:
     return len(layers)
 
 
-def _head_dim(model: Any, index: int) -> int | None:
-    """The head dim of layer ``index``'s attention, where the model states it (mlx-lm's
-    attention modules keep ``head_dim``; else its args' ``head_dim`` or hidden size per
-    head), or None."""
-    attn = getattr(model.layers[index], "self_attn", None)
-    dim = getattr(attn, "head_dim", None)
-    if isinstance(dim, int) and dim > 0:
-        return dim
-    args = getattr(model, "args", None)
-    dim = getattr(args, "head_dim", None)
-    if isinstance(dim, int) and dim > 0:
-        return dim
-    hidden, heads = getattr(args, "hidden_size", None), getattr(args, "num_attention_heads", None)
-    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads == 0:
-        return hidden // heads
-    return None
+class _Probe(KVCache):
+    """Stands in for a layer's ``KVCache`` while :func:`layer_routes` runs the model once: it
+    records the shapes the layer's attention stores and what it then hands mlx-lm's shared
+    attention function (the router calls :meth:`record`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stored: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self.fetched: tuple[Any, Any] | None = None
+        # one entry per shared-attention call made with this cache:
+        # (query shape, keys are the fetched keys, values are the fetched values)
+        self.calls: list[tuple[tuple[int, ...], bool, bool]] = []
+
+    def update_and_fetch(self, keys, values):
+        self.stored = (tuple(keys.shape), tuple(values.shape))
+        self.fetched = super().update_and_fetch(keys, values)
+        return self.fetched
+
+    def record(self, queries, keys, values) -> None:
+        fk, fv = self.fetched if self.fetched is not None else (None, None)
+        self.calls.append((tuple(queries.shape), keys is fk, values is fv))
+
+
+@dataclass(frozen=True)
+class Route:
+    """How ``make_cache`` treats one layer whose model cache is a plain ``KVCache``.
+
+    Attributes:
+        routed: its attention passes the keys and values its cache returns to mlx-lm's
+            shared ``scaled_dot_product_attention``, with queries of the key dim: a velox
+            cache there is attended from its codes (:meth:`VeloxCache.attend`).
+        key_dim, value_dim: channels of the keys and values the layer stores (None where it
+            stores none).
+        reason: why the layer is not routed ("" where it is).
+    """
+
+    routed: bool
+    key_dim: int | None
+    value_dim: int | None
+    reason: str = ""
+
+
+def layer_routes(model: Any) -> dict[int, Route]:
+    """What each ``KVCache`` layer of ``model`` does with its cache, found by running the model
+    once on two tokens and then one (a lazy graph: nothing is computed) with recording caches.
+
+    A layer is routed when every shared-attention call it makes passes exactly the arrays its
+    cache returned, with queries of the key dim. Multi-head latent attention (DeepSeek-V3 and
+    the models built on its attention) stores a latent and a RoPE key but attends with
+    projections of them, so it is not; a layer with its own attention code calls no shared
+    attention. Cached on the model (the probe runs once per model).
+    """
+    layers = getattr(model, "layers", None)
+    key = tuple(id(m) for m in layers) if layers is not None else ()
+    known = getattr(model, "__velox_routes__", None)
+    if isinstance(known, _Routes) and known.key == key:
+        return known.routes
+    native = _native_caches(model)
+    probes = [_Probe() if type(c) is KVCache else c for c in native]
+    with routed(model):
+        model(mx.array([[0, 0]], dtype=mx.int32), cache=probes)
+        model(mx.array([[0]], dtype=mx.int32), cache=probes)
+    routes = {i: _verdict(p) for i, p in enumerate(probes) if isinstance(p, _Probe)}
+    model.__velox_routes__ = _Routes(key, routes)
+    return routes
+
+
+@dataclass(frozen=True)
+class _Routes:
+    key: tuple[int, ...]  # ids of the model's layer modules when probed
+    routes: dict[int, Route]
+    warned: list = field(default_factory=list)  # warnings already given, once per model
+
+
+_OWN_ATTENTION = "its attention does not call mlx-lm's shared scaled_dot_product_attention"
+
+
+def _verdict(p: _Probe) -> Route:
+    if p.stored is None:
+        return Route(False, None, None, "its attention stores nothing in its own cache")
+    (kshape, vshape) = p.stored
+    kd, vd = kshape[-1], vshape[-1]
+    if not p.calls:
+        return Route(
+            False,
+            kd,
+            vd,
+            "its attention does not call mlx-lm's shared scaled_dot_product_attention",
+        )
+    for qshape, same_k, same_v in p.calls:
+        if not (same_k and same_v):
+            return Route(
+                False,
+                kd,
+                vd,
+                f"its cache stores keys of {kshape[1]} head(s) x {kd} channels and values of "
+                f"{vshape[1]} head(s) x {vd}, but its attention is given other arrays (multi-head "
+                "latent attention stores a latent and a RoPE key and attends with projections)",
+            )
+        if qshape[-1] != kd:
+            return Route(False, kd, vd, f"its queries have {qshape[-1]} channels, its keys {kd}")
+    return Route(True, kd, vd)
 
 
 def _build(spec: Any, index: int) -> Any:
-    from mlx_lm.models.cache import KVCache
-
     if spec is None or spec == "fp16":
         return KVCache()
     if isinstance(spec, VeloxCache):
@@ -183,7 +275,15 @@ def make_cache(
 
     Layers whose native cache is a plain ``KVCache`` get a velox cache from ``default`` or
     from ``layers[i]`` (negative indices count from the end); other layers (sliding-window,
-    linear attention / SSM state) keep the model's own cache.
+    linear attention / SSM state) keep the model's own cache. So does a ``KVCache`` layer whose
+    attention velox cannot serve (:func:`layer_routes`: multi-head latent attention, say), with
+    one warning per model naming the layers and why; a layer with its own attention code (no
+    call to mlx-lm's shared attention) keeps a velox cache only without a retention policy,
+    whose attention reads the decoded tokens ``update_and_fetch`` returns.
+
+    Each velox cache is asked, before the first forward, whether it codes the key and value
+    dims the layer stores (:meth:`VeloxCache.check_dims`): a ``ValueError`` naming the layer,
+    the head dims and the method otherwise.
 
     Args:
         model: an mlx-lm model.
@@ -203,8 +303,6 @@ def make_cache(
     of building every stored token decoded, which only the model's own attention would read
     (without routing it still returns them decoded).
     """
-    from mlx_lm.models.cache import KVCache
-
     n = _layer_count(model)
     native = _native_caches(model)
     if len(native) != n:
@@ -216,28 +314,76 @@ def make_cache(
         overrides[k % n] = spec
     out = []
     routed_only = _model_type(model) in ROUTED_ONLY_MODEL_TYPES
+    routes: dict[int, Route] | None = None
+    kept: dict[str, list[int]] = {}  # reason -> layers left to the model's own cache
     for i, c in enumerate(native):
         if type(c) is not KVCache:
             out.append(c)
             continue
         cache = _build(overrides.get(i, default), i)
         if isinstance(cache, VeloxCache):
+            routes = layer_routes(model) if routes is None else routes
+            route = routes[i]
+            reason = _unserved(route, cache)
+            if reason:
+                kept.setdefault(reason, []).append(i)
+                out.append(c)
+                continue
             cache.bind(model, i)
-            dim = _head_dim(model, i)
-            if dim is not None:  # refuse a head dim the method cannot code now, not mid-forward
+            if route.key_dim is not None:  # refuse dims the method cannot code now
                 try:
-                    cache.check_dims(dim, dim, storage_dtype)
+                    cache.check_dims(route.key_dim, route.value_dim, storage_dtype)
                 except ValueError as exc:
-                    raise ValueError(
-                        f"make_cache: layer {i} (head dim {dim}), {cache.describe()}: {exc}"
-                    ) from None
+                    dims = _dims_text(route)
+                    raise ValueError(f"make_cache: layer {i} ({dims}): {exc}") from None
             if routed_only:
                 cache.fetch_decoded = False
             if storage_dtype is not None:
                 cache.set_storage_dtype(storage_dtype)
         out.append(cache)
     _link(out)
+    if kept:
+        _warn_kept(model, kept)
     return out
+
+
+def _unserved(route: Route, cache: VeloxCache) -> str:
+    """Why ``cache`` cannot serve a layer of this route ("" where it can): a layer with its
+    own attention code reads the decoded tokens ``update_and_fetch`` returns, which serves a
+    cache without a retention policy."""
+    if route.routed:
+        return ""
+    if route.reason != _OWN_ATTENTION:
+        return route.reason
+    if cache.policy is not None:
+        return (
+            f"{route.reason}, and a retention policy needs the queries that only velox's "
+            "routed attention shows it"
+        )
+    return ""
+
+
+def _dims_text(route: Route) -> str:
+    if route.key_dim == route.value_dim:
+        return f"head dim {route.key_dim}"
+    return f"key head dim {route.key_dim}, value head dim {route.value_dim}"
+
+
+def _warn_kept(model: Any, kept: dict[str, list[int]]) -> None:
+    """Warn once per model and message that layers keep the model's own cache."""
+    import warnings
+
+    state = getattr(model, "__velox_routes__", None)
+    for reason, idx in kept.items():
+        msg = (
+            f"make_cache: layer{'s' if len(idx) > 1 else ''} {', '.join(map(str, idx))} keep "
+            f"the model's own cache (not compressed): {reason}"
+        )
+        if state is not None and msg in state.warned:
+            continue
+        if state is not None:
+            state.warned.append(msg)
+        warnings.warn(msg, UserWarning, stacklevel=3)
 
 
 def _link(caches: list) -> None:
@@ -250,8 +396,6 @@ def _native_caches(model: Any) -> list:
     """The caches the model's own class makes (mlx-lm's ``make_prompt_cache`` without the
     override set by :func:`install`): its ``make_cache`` where the class has one, else a
     ``KVCache`` per layer."""
-    from mlx_lm.models.cache import KVCache
-
     own = getattr(type(model), "make_cache", None)
     if own is not None:
         return own(model)

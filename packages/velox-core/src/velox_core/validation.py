@@ -12,6 +12,7 @@ __all__ = [
     "check_array",
     "check_bits",
     "check_choice",
+    "check_divides",
     "check_float",
     "check_int",
     "check_kv",
@@ -32,6 +33,18 @@ def check_int(
     if maximum is not None and value > maximum:
         raise ValueError(f"{name} must be <= {maximum}, got {value}")
     return value
+
+
+def check_divides(method: str, name: str, group: int, dim: int, what: str, why: str) -> None:
+    """Raise ``ValueError`` unless ``group`` divides ``dim``, naming the method, the parameter,
+    the head dim (``what``: "key head dim", "value head dim"), why it must and divisors to use.
+    """
+    if dim % group:
+        fits = [d for d in (8, 16, 32, 64, 128) if dim % d == 0] or [1]
+        raise ValueError(
+            f"{method}: {name}={group} must divide the {what} {dim} ({why}); choose a "
+            f"divisor of {dim}, e.g. {', '.join(map(str, fits))}"
+        )
 
 
 def check_float(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from velox_core.validation import check_bits, check_int, check_widths
+from velox_core.validation import check_bits, check_divides, check_int, check_widths
 
 
 @dataclass
@@ -33,3 +33,15 @@ class KIVIConfig:
         check_int("group", self.group, minimum=1)
         check_int("window", self.window, minimum=0)
         check_int("sinks", self.sinks, minimum=0)
+
+    def check_dims(self, key_dim: int, value_dim: int) -> None:
+        """Values are quantized per token in groups of ``group`` channels, so ``group`` must
+        divide the value head dim (key groups run along tokens: any key head dim works)."""
+        check_divides(
+            "kivi",
+            "group",
+            self.group,
+            value_dim,
+            "value head dim",
+            "values are quantized per token in groups of `group` channels",
+        )

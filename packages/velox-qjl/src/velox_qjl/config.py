@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from velox_core.validation import check_bits, check_int
+from velox_core.validation import check_bits, check_divides, check_int
 
 
 @dataclass
@@ -69,3 +69,16 @@ class QJLConfig:
         check_int("window", self.window, minimum=0)
         check_int("sinks", self.sinks, minimum=0)
         check_int("seed", self.seed, minimum=0)
+
+    def check_dims(self, key_dim: int, value_dim: int) -> None:
+        """Values are quantized per token in groups of ``group`` channels, so ``group`` must
+        divide the value head dim (the key sketch takes any head dim; the QJL codec checks
+        its outlier count)."""
+        check_divides(
+            "qjl",
+            "group",
+            self.group,
+            value_dim,
+            "value head dim",
+            "values are quantized per token in groups of `group` channels",
+        )

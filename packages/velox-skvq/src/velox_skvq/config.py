@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from velox_core.validation import check_float, check_int
+from velox_core.validation import check_divides, check_float, check_int
 
 __all__ = ["SKVQConfig", "check_bits"]
 
@@ -68,3 +68,20 @@ class SKVQConfig:
         self.clip_min = check_float("clip_min", self.clip_min, minimum=0.5, maximum=1.0)
         if not isinstance(self.reorder, bool):
             raise TypeError(f"reorder must be True or False, got {self.reorder!r}")
+
+    def check_dims(self, key_dim: int, value_dim: int) -> None:
+        """Each token's (reordered) channels are split into groups: the key group must divide
+        the key head dim, the value group the value head dim."""
+        for side, own, dim in (
+            ("key", self.key_group, key_dim),
+            ("value", self.value_group, value_dim),
+        ):
+            name, group = (f"{side}_group", own) if own is not None else ("group", self.group)
+            check_divides(
+                "skvq",
+                name,
+                group,
+                dim,
+                f"{side} head dim",
+                f"each token's reordered {side} channels are quantized in groups of {name}",
+            )

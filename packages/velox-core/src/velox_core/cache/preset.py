@@ -48,28 +48,39 @@ class PresetCache(VeloxCache):
 
     Config: ClassVar[type]
 
-    def __init__(self, flush: int | None = None, **params: Any):
+    def __init__(self, flush: int | None = None, check_finite: bool = False, **params: Any):
         names = [f.name for f in dataclasses.fields(self.Config)]
         unknown = sorted(set(params) - set(names))
         if unknown:
             raise ValueError(
                 f"{self.method}: unknown parameter {', '.join(map(repr, unknown))}; "
-                f"allowed: {', '.join([*names, 'flush'])}"
+                f"allowed: {', '.join([*names, 'flush', 'check_finite'])}"
             )
         self.cfg = self.Config(**params)
-        super().__init__(**self.build(self.cfg), flush=flush)
+        super().__init__(**self.build(self.cfg), flush=flush, check_finite=check_finite)
 
     def build(self, cfg) -> dict[str, Any]:
         raise NotImplementedError(f"{type(self).__name__} must define build(config)")
 
+    def check_dims(self, key_dim: int, value_dim: int, dtype: Any = None) -> None:
+        """The config's own head-dim rules first (``Config.check_dims(key_dim, value_dim)``,
+        where it has one: its message names the method's parameters), then the codecs'."""
+        own = getattr(self.cfg, "check_dims", None)
+        if own is not None:
+            own(key_dim, value_dim)
+        super().check_dims(key_dim, value_dim, dtype)
+
     @classmethod
     def defaults(cls) -> dict[str, Any]:
         """Every parameter with its default: the config's fields, then the cache's ``flush``
-        (None: :data:`velox_core.cache.velox.FLUSH`, or 1 for caches with a retention policy)."""
-        return {**{f.name: f.default for f in dataclasses.fields(cls.Config)}, "flush": None}
+        (None: :data:`velox_core.cache.velox.FLUSH`, or 1 for caches with a retention policy)
+        and ``check_finite`` (refuse NaN/inf keys and values; off)."""
+        fields = {f.name: f.default for f in dataclasses.fields(cls.Config)}
+        return {**fields, "flush": None, "check_finite": False}
 
     def config(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self.cfg), "flush": self.flush}
+        extra = {"check_finite": True} if self.check_finite else {}
+        return {**dataclasses.asdict(self.cfg), "flush": self.flush, **extra}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> PresetCache:

@@ -7,7 +7,14 @@ from typing import Any
 
 from ..codec.uniform import Uniform
 from ..ops.quant import AXES
-from ..validation import check_bits, check_choice, check_float, check_int, check_widths
+from ..validation import (
+    check_bits,
+    check_choice,
+    check_divides,
+    check_float,
+    check_int,
+    check_widths,
+)
 from .preset import PresetCache, resolve_bits
 
 __all__ = ["UniformCache", "UniformConfig"]
@@ -36,6 +43,22 @@ class UniformConfig:
         check_float("clip", self.clip, minimum=0.0, maximum=1.0, open_min=True)
         check_int("window", self.window, minimum=0)
         check_int("sinks", self.sinks, minimum=0)
+
+    def check_dims(self, key_dim: int, value_dim: int) -> None:
+        """Per-token groups split a token's channels: ``group`` must divide that head dim."""
+        for side, axis, dim in (
+            ("key", self.key_axis, key_dim),
+            ("value", self.value_axis, value_dim),
+        ):
+            if axis == "token":
+                check_divides(
+                    "uniform",
+                    "group",
+                    self.group,
+                    dim,
+                    f"{side} head dim",
+                    f"{side}s are quantized per token in groups of `group` channels",
+                )
 
 
 class UniformCache(PresetCache):

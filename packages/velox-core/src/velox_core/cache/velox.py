@@ -84,6 +84,9 @@ class VeloxCache(RetentionMixin):
             token as soon as it leaves the window. Default: :attr:`default_flush`
             (:data:`FLUSH`), or 1 with a retention policy (which decides token by token what
             stays) or age tiers.
+        check_finite: refuse keys or values holding a NaN or an inf at ``update_and_fetch``
+            (a ``ValueError`` naming the layer and the positions; nothing is stored). Off by
+            default: the check reads the new tokens back, one device sync per layer and step.
     """
 
     # the batched cache merge() makes: velox_core.cache.batch.VeloxBatch, set by the cache
@@ -109,6 +112,7 @@ class VeloxCache(RetentionMixin):
         step: int = 256,
         fused_above: int = 16,
         flush: int | None = None,
+        check_finite: bool = False,
     ):
         self.window = check_int("window", window, minimum=0)
         # a retention policy decides per token what stays, and age tiers pass tokens on
@@ -120,6 +124,10 @@ class VeloxCache(RetentionMixin):
         self.sinks = check_int("sinks", sinks, minimum=0)
         self.step = check_int("step", step, minimum=1)
         self.fused_above = check_int("fused_above", fused_above, minimum=0)
+        if not isinstance(check_finite, bool):
+            raise TypeError(f"check_finite must be True or False, got {check_finite!r}")
+        self.check_finite = check_finite
+        self._bound_layer: int | None = None  # the model's layer index, once bound (messages)
         if tiers is not None:
             if key_codec is not None or value_codec is not None:
                 raise ValueError("pass either tiers or key_codec/value_codec, not both")
@@ -194,6 +202,7 @@ class VeloxCache(RetentionMixin):
             "fused_above": self.fused_above,
             "flush": self.flush,
             "policy": None if self.policy is None else _spec(self.policy),
+            **({"check_finite": True} if self.check_finite else {}),
         }
 
     @classmethod
@@ -226,6 +235,7 @@ class VeloxCache(RetentionMixin):
 
     def bind(self, model: Any = None, layer: int | None = None) -> None:
         """Give codecs and the policy the model and layer index they may need."""
+        self._bound_layer = layer
         for t in self.tiers:
             t.key_codec.bind(model, layer)
             t.value_codec.bind(model, layer)
@@ -241,27 +251,34 @@ class VeloxCache(RetentionMixin):
 
     def check_dims(self, key_dim: int, value_dim: int, dtype: mx.Dtype | None = None) -> None:
         """Ask every codec whether it codes keys of ``key_dim`` and values of ``value_dim``
-        channels (``make_cache`` does, from the model, before the first forward); raises the
-        codec's ``ValueError`` otherwise."""
+        channels (``make_cache`` does, from the model, before the first forward; the first
+        ``update_and_fetch`` does for a cache made by hand); raises a ``ValueError`` naming
+        the method, the side and the head dim otherwise."""
         dt = dtype or self.storage_dtype or mx.float16
         for t in self.tiers:
-            t.key_codec.check(key_dim, dt)
-            t.value_codec.check(value_dim, dt)
+            for side, codec, dim in (
+                ("key", t.key_codec, key_dim),
+                ("value", t.value_codec, value_dim),
+            ):
+                try:
+                    codec.check(dim, dt)
+                except ValueError as exc:
+                    raise ValueError(
+                        f"{self.method}: its {side} codec {codec.describe()} cannot code a "
+                        f"{side} head dim of {dim}: {exc}"
+                    ) from None
 
     # -- the mlx-lm protocol ----------------------------------------------------------------
     def _check_first(self, keys: mx.array, values: mx.array) -> None:
         b, h, _, dk = keys.shape
         dv = values.shape[-1]
         if self._dims is None:
-            for _i, t in enumerate(self.tiers):
-                t.key_codec.check(dk, keys.dtype)
-                t.value_codec.check(dv, values.dtype)
+            self.check_dims(dk, dv, keys.dtype)
             self._dims = (b, h, dk, dv)
             self._io_dtype = keys.dtype
             self._dtype = self.storage_dtype or keys.dtype
-            for t in self.tiers:
-                t.key_codec.check(dk, self._dtype)
-                t.value_codec.check(dv, self._dtype)
+            if self._dtype != keys.dtype:
+                self.check_dims(dk, dv, self._dtype)
             return
         if (b, h, dk, dv) != self._dims:
             raise ValueError(
@@ -275,6 +292,8 @@ class VeloxCache(RetentionMixin):
         Shapes:
             keys ``(B, H, T, Dk)``, values ``(B, H, T, Dv)``, fp16, bf16 or fp32.
         """
+        if self.check_finite:
+            self._refuse_nonfinite(keys, values)
         if self._write_window(keys, values):
             if not self.fetch_decoded and _routing_on():
                 return keys, values  # unused: routed attention reads the cache itself
@@ -317,6 +336,25 @@ class VeloxCache(RetentionMixin):
         if not self.fetch_decoded and _routing_on():
             return new  # unused: routed attention reads the cache itself
         return self.keys_and_values()
+
+    def _refuse_nonfinite(self, keys: mx.array, values: mx.array) -> None:
+        """``check_finite``: raise before anything is stored if a key or value is NaN or inf
+        (one sync reads both flags back)."""
+        check_kv(keys, values)
+        ok = mx.stack([mx.all(mx.isfinite(keys)), mx.all(mx.isfinite(values))]).tolist()
+        if all(ok):
+            return
+        parts = []
+        for name, x, fine in (("keys", keys, ok[0]), ("values", values, ok[1])):
+            if not fine:
+                nan, inf = (int(mx.sum(f(x)).item()) for f in (mx.isnan, mx.isinf))
+                parts.append(f"{name} hold {nan} NaN and {inf} inf of {x.size} entries")
+        t = keys.shape[2]
+        where = "" if self._bound_layer is None else f" (layer {self._bound_layer})"
+        raise ValueError(
+            f"{self.method}{where}: non-finite input at positions {self.offset} to "
+            f"{self.offset + t - 1}: {'; '.join(parts)}; nothing was stored (check_finite=True)"
+        )
 
     def _write_window(self, keys: mx.array, values: mx.array) -> bool:
         """A decode step's fast path: with the sinks full, no policy and no calibration hook,

@@ -9,7 +9,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_map
 
-__all__ = ["FAMILIES", "tiny_config", "tiny_model", "tiny_tokenizer"]
+__all__ = ["FAMILIES", "OTHER_FAMILIES", "tiny_config", "tiny_model", "tiny_tokenizer"]
 
 _BASE = {
     "hidden_size": 128,
@@ -45,13 +45,35 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "phi3": ("phi3", {"hidden_size": 256}),
 }
+# families whose attention does not take mlx-lm's shared attention path with the keys and
+# values its cache returns: DeepSeek-V3's multi-head latent attention caches a latent
+# (kv_lora_rank channels, one head) and a RoPE key (qk_rope_head_dim channels) and attends
+# with projections of them (dense MLPs only: MLX's CPU gather matmul of the MoE layers takes
+# float32 only); Gemma 2 has its own attention code (logit soft-capping)
+OTHER_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "deepseek_v3": (
+        "deepseek_v3",
+        {
+            "num_key_value_heads": 4,
+            "kv_lora_rank": 64,
+            "q_lora_rank": None,
+            "qk_rope_head_dim": 16,
+            "qk_nope_head_dim": 32,
+            "v_head_dim": 32,
+            "n_routed_experts": None,
+            "max_position_embeddings": 4096,
+        },
+    ),
+    "gemma2": ("gemma2", {"head_dim": 64, "query_pre_attn_scalar": 64}),
+}
 
 
 def tiny_config(family: str = "llama", **overrides: Any) -> dict[str, Any]:
     """The mlx-lm config (``config.json`` contents) of :func:`tiny_model`'s ``family``."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; choose from {', '.join(FAMILIES)}")
-    module, extra = FAMILIES[family]
+    known = {**FAMILIES, **OTHER_FAMILIES}
+    if family not in known:
+        raise ValueError(f"unknown family {family!r}; choose from {', '.join(known)}")
+    module, extra = known[family]
     return {
         "model_type": "mistral" if family == "mistral" else module,
         **_BASE,
@@ -67,14 +89,16 @@ def tiny_model(
     weight_scale: float = 2.0,
     **overrides: Any,
 ):
-    """A small randomly initialized mlx-lm model of ``family`` (see :data:`FAMILIES`).
+    """A small randomly initialized mlx-lm model of ``family`` (see :data:`FAMILIES` and
+    :data:`OTHER_FAMILIES`).
 
     Matrices are multiplied by ``weight_scale``: at mlx-lm's default initialization a random
     model's greedy output collapses to one repeated token, which would make token-level
     comparisons between caches vacuous.
     """
     cfg = tiny_config(family, **overrides)
-    arch = importlib.import_module(f"mlx_lm.models.{FAMILIES[family][0]}")
+    module = {**FAMILIES, **OTHER_FAMILIES}[family][0]
+    arch = importlib.import_module(f"mlx_lm.models.{module}")
     mx.random.seed(seed)
     model = arch.Model(arch.ModelArgs.from_dict(cfg))
     if weight_scale != 1.0:
