@@ -19,18 +19,11 @@ Writes ``shared/artifacts/commvq-reference-model.safetensors`` (float16 codebook
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-import numpy as np
+from reference_calibration import ARTIFACTS, calibration_ids, load_reference, source
 
-ROOT = Path(__file__).resolve().parent.parent
-MODEL_DIR = ROOT / "shared" / "reference-model"
-OUT = ROOT / "shared" / "artifacts" / "commvq-reference-model.safetensors"
-EOT = "<|endoftext|>"
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fit_qfilters_reference import calibration_files, held_out  # noqa: E402
+OUT = ARTIFACTS / "commvq-reference-model.safetensors"
 
 
 def main() -> None:
@@ -43,35 +36,19 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
 
-    import mlx.core as mx
-    import mlx_lm
-
     from velox_commvq import fit_codebooks, save_codebooks
 
-    mx.set_default_device(mx.cpu)
-    model, tokenizer = mlx_lm.load(str(MODEL_DIR))
-    model.set_dtype(mx.float32)
-    eot = tokenizer.convert_tokens_to_ids(EOT)
-    ids: list[int] = []
-    used: list[str] = []
-    for rel, text in calibration_files(args.seed):
-        if len(ids) >= args.tokens:
-            break
-        ids.extend([*tokenizer.encode(text, add_special_tokens=False), eot][: args.per_file])
-        used.append(rel)
-    if len(ids) < args.tokens:
-        raise SystemExit(f"only {len(ids)} calibration tokens found (need {args.tokens})")
-    if any(held_out(p) for p in used):
-        raise SystemExit("a held-out file was selected for calibration")
+    model, tokenizer = load_reference()
+    ids, used = calibration_ids(tokenizer, args.tokens, args.per_file, args.seed)
     books = fit_codebooks(
         model,
-        np.asarray(ids[: args.tokens]),
+        ids,
         max_tokens=args.tokens,
         seq_len=2048,
         samples=args.samples,
         iters=args.iters,
         seed=args.seed,
-        source="reference corpus, train split: " + ", ".join(used),
+        source=source(used),
     )
     path = save_codebooks(books, args.out)
     print(

@@ -20,18 +20,11 @@ bench`` adds it).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-import numpy as np
+from reference_calibration import ARTIFACTS, calibration_ids, load_reference, source
 
-ROOT = Path(__file__).resolve().parent.parent
-MODEL_DIR = ROOT / "shared" / "reference-model"
-OUT = ROOT / "shared" / "artifacts" / "palu-reference-model.safetensors"
-EOT = "<|endoftext|>"
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fit_qfilters_reference import calibration_files, held_out  # noqa: E402
+OUT = ARTIFACTS / "palu-reference-model.safetensors"
 
 
 def main() -> None:
@@ -42,31 +35,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
 
-    import mlx.core as mx
-    import mlx_lm
-
     from velox_palu import fit_palu, save_bases
 
-    mx.set_default_device(mx.cpu)
-    model, tokenizer = mlx_lm.load(str(MODEL_DIR))
-    model.set_dtype(mx.float32)
-    eot = tokenizer.convert_tokens_to_ids(EOT)
-    ids: list[int] = []
-    used: list[str] = []
-    for rel, text in calibration_files(args.seed):
-        if len(ids) >= args.tokens:
-            break
-        ids.extend([*tokenizer.encode(text, add_special_tokens=False), eot][: args.per_file])
-        used.append(rel)
-    if len(ids) < args.tokens:
-        raise SystemExit(f"only {len(ids)} calibration tokens found (need {args.tokens})")
-    if any(held_out(p) for p in used):
-        raise SystemExit("a held-out file was selected for calibration")
+    model, tokenizer = load_reference()
+    ids, used = calibration_ids(tokenizer, args.tokens, args.per_file, args.seed)
     art = fit_palu(
         model,
-        np.asarray(ids[: args.tokens]),
+        ids,
         seq_len=2048,
-        source="reference corpus, train split: " + ", ".join(used),
+        source=source(used),
     )
     path = save_bases(art, args.out)
     print(

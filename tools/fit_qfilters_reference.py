@@ -18,40 +18,11 @@ per layer, a few KB), which ``velox_qfilters`` finds when ``$VELOX_ARTIFACTS`` l
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
-import sysconfig
 from pathlib import Path
 
-import numpy as np
+from reference_calibration import ARTIFACTS, calibration_ids, load_reference, source
 
-ROOT = Path(__file__).resolve().parent.parent
-MODEL_DIR = ROOT / "shared" / "reference-model"
-OUT = ROOT / "shared" / "artifacts" / "qfilters-reference-model.safetensors"
-EOT = "<|endoftext|>"
-
-
-def held_out(rel: str) -> bool:
-    """The corpus split rule (tools/reference_corpus.py)."""
-    return hashlib.sha1(rel.encode()).digest()[0] < 10
-
-
-def calibration_files(seed: int) -> list[tuple[str, str]]:
-    """(path, text) of the train-split files present locally with the manifest's SHA-256."""
-    manifest = json.loads((MODEL_DIR / "corpus.json").read_text())
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    train = [f for f in manifest["files"] if f["split"] == "train" and not held_out(f["path"])]
-    order = np.random.default_rng(seed).permutation(len(train))
-    out = []
-    for i in order:
-        f = train[i]
-        p = stdlib / f["path"]
-        if not p.is_file():
-            continue
-        text = p.read_bytes().decode("utf-8", errors="replace")
-        if hashlib.sha256(text.encode()).hexdigest() == f["sha256"]:
-            out.append((f["path"], text))
-    return out
+OUT = ARTIFACTS / "qfilters-reference-model.safetensors"
 
 
 def main() -> None:
@@ -63,33 +34,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
 
-    import mlx.core as mx
-    import mlx_lm
-
     from velox_qfilters import fit_filters, save_filters
 
-    mx.set_default_device(mx.cpu)
-    model, tokenizer = mlx_lm.load(str(MODEL_DIR))
-    model.set_dtype(mx.float32)
-    eot = tokenizer.convert_tokens_to_ids(EOT)
-    ids: list[int] = []
-    used: list[str] = []
-    for rel, text in calibration_files(args.seed):
-        if len(ids) >= args.tokens:
-            break
-        ids.extend([*tokenizer.encode(text, add_special_tokens=False), eot][: args.per_file])
-        used.append(rel)
-    if len(ids) < args.tokens:
-        raise SystemExit(f"only {len(ids)} calibration tokens found (need {args.tokens})")
-    assert not any(held_out(p) for p in used)
+    model, tokenizer = load_reference()
+    ids, used = calibration_ids(tokenizer, args.tokens, args.per_file, args.seed)
     filters = fit_filters(
         model,
-        np.asarray(ids[: args.tokens]),
+        ids,
         max_tokens=args.tokens,
         seq_len=2048,
         samples=args.samples,
         seed=args.seed,
-        source="reference corpus, train split: " + ", ".join(used),
+        source=source(used),
     )
     path = save_filters(filters, args.out)
     print(
