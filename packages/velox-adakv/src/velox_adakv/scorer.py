@@ -50,27 +50,19 @@ def pool(s: mx.array, pos: mx.array, kernel: int, mode: str) -> mx.array:
 
 
 def protected_keys(cache) -> tuple[mx.array | None, mx.array | None]:
-    """Keys and absolute positions of the sinks and the window (never evicted, but part of
-    every query's softmax).
-
-    velox-core exposes no public view of them; this reads the cache's sink and window stores
-    (kept as given, Identity codec).
+    """Keys and absolute positions of the sinks and the window together (never evicted, but
+    part of every query's softmax), from the cache's ``protected_keys()``.
 
     Shapes:
         returns float32 ``(B, H, P, D)`` and int32 ``(P,)``, or ``(None, None)``.
     """
-    parts, pos = [], []
-    sink, win = cache._sink[0].view(), cache._win[0].view()
-    if sink is not None:
-        parts.append(sink.data["x"])
-        pos.extend(range(sink.tokens))
-    if win is not None:
-        parts.append(win.data["x"])
-        pos.extend(range(cache.offset - win.tokens, cache.offset))
+    sk, wk, sp, wp = cache.protected_keys()
+    parts = [(k, p) for k, p in ((sk, sp), (wk, wp)) if k is not None]
     if not parts:
         return None, None
-    keys = mx.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
-    return keys.astype(mx.float32), mx.array(pos, dtype=mx.int32)
+    keys = mx.concatenate([k for k, _ in parts], axis=2) if len(parts) > 1 else parts[0][0]
+    pos = mx.concatenate([p for _, p in parts]) if len(parts) > 1 else parts[0][1]
+    return keys.astype(mx.float32), pos.astype(mx.int32)
 
 
 class ObservationWindow:

@@ -35,11 +35,11 @@ class Stored(NamedTuple):
 def segment(cache, which: str) -> mx.array | None:
     """Keys of the cache's ``"sink"`` or ``"win"`` segment ``(B, H, n, D)``, or None.
 
-    velox-core shows policies the body (``body_keys``, ``body_positions``) but not these two
-    fp16 segments; this reads them from the cache's stores (``Identity`` records).
+    From the cache's ``protected_keys()`` (the body comes from ``body_keys`` and
+    ``body_positions``).
     """
-    view = (cache._sink[0] if which == "sink" else cache._win[0]).view()
-    return None if view is None else view.data["x"]
+    sink, win, _, _ = cache.protected_keys()
+    return sink if which == "sink" else win
 
 
 def read(cache) -> Stored:

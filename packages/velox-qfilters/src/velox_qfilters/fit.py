@@ -70,7 +70,7 @@ class _Recorder(RetentionPolicy):
         sel = pos[(pos >= start) & (pos < start + n)] - start
         if sel.size:
             picked = queries[0][:, mx.array(sel)].astype(mx.float32)  # (Hq, s, D)
-            self.store.setdefault(self.layer, {"q": [], "kv": cache._dims[1]})["q"].append(picked)
+            self.store.setdefault(self.layer, {"q": [], "kv": cache.kv_heads})["q"].append(picked)
 
 
 def _token_ids(model: Any, source: Any, text: Any) -> tuple[np.ndarray, str]:

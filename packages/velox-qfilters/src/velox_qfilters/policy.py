@@ -87,7 +87,7 @@ class QFiltersPolicy(RetentionPolicy):
                     "model), or pass filters=PATH and layer=i"
                 )
             self._f = load_cached(self._path).layer(self.layer)
-        h, d = cache._dims[1], cache._dims[2]
+        h, d = cache.kv_heads, cache.key_dim
         if tuple(self._f.shape) != (h, d):
             raise ValueError(
                 f"qfilters: the filters of layer {self.layer} are {tuple(self._f.shape)} but the "

@@ -164,7 +164,7 @@ class SnapKVPolicy(RetentionPolicy):
             return None
         q, q_pos = q[:, :, :seen], mx.arange(first, first + seen, dtype=mx.int32)
         keys, _ = cache.keys_and_values()  # sinks | body | window, decoded
-        n_sink = cache._sink[0].tokens  # velox-core has no public accessor for this count
+        n_sink = cache.sink_count()
         n_win = keys.shape[2] - n_sink - t
         k_pos = mx.concatenate(
             [

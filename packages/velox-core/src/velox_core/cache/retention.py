@@ -59,7 +59,18 @@ class RetentionMixin:
         return self._sink[0].tokens + self._win[0].tokens
 
     def sink_count(self) -> int:
+        """Tokens held as attention sinks (the first ones, never evicted)."""
         return self._sink[0].tokens
+
+    @property
+    def kv_heads(self) -> int | None:
+        """KV heads of the stored tokens (None before the first update)."""
+        return self._dims[1] if self._dims else None
+
+    @property
+    def key_dim(self) -> int | None:
+        """Channels of a stored key (None before the first update)."""
+        return self._dims[2] if self._dims else None
 
     def protected_keys(self) -> tuple[mx.array | None, mx.array | None, mx.array, mx.array]:
         """Keys and absolute positions of the sinks and the window (never evicted).
