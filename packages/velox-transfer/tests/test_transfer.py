@@ -20,7 +20,8 @@ from velox_transfer import (
     transfer_cache,
 )
 from velox_transfer.data import split
-from velox_transfer.fit import model_rows
+from velox_transfer.fit import lagged, model_rows
+from velox_transfer.mapper import _manifest_sha
 from velox_transfer.spec import ModelSpec
 
 F32 = mx.float32
@@ -40,9 +41,11 @@ def _prefill(model, tokens) -> tuple[list, mx.array]:
 
 @pytest.fixture(scope="module")
 def same():
-    """A model and itself: every target layer is exactly its own source layer."""
+    """A model and itself: every target layer is exactly its own source layer (chosen by
+    the greedy selection, one source layer each; no lags: with 288 fit rows, four lags'
+    features would outnumber them)."""
     m = tiny_model("llama", seed=0, dtype=F32)
-    return m, fit_mapper(m, m, _seqs(3, 96, 1), _seqs(1, 96, 2), layers_per_target=2)
+    return m, fit_mapper(m, m, _seqs(3, 96, 1), _seqs(1, 96, 2), layers_per_target=1, lags=(0,))
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +64,14 @@ def pair():
         rope_theta=1e5,
     )
     held = _seqs(2, 96, 4)
-    return src, tgt, fit_mapper(src, tgt, _seqs(6, 96, 3), held, layers_per_target=2), held
+    mapper = fit_mapper(src, tgt, _seqs(6, 96, 3), held, layers_per_target=2, lags=(0, 2))
+    return src, tgt, mapper, held
 
 
 def test_self_transfer_is_exact(same):
     m, mapper = same
-    assert [mapper.sources(i)[0] for i in range(2)] == [0, 1]
+    assert [mapper.sources(i) for i in range(2)] == [(0,), (1,)]
+    assert all(mapper.lags(i) == (0,) for i in range(2))
     assert all(r["r2_key"] > 0.999 and r["r2_value"] > 0.999 for r in mapper.info)
     toks = _seqs(1, 40, 5)[0]
     ref, ref_logits = _prefill(m, toks)
@@ -87,7 +92,7 @@ def test_rope_of_each_model_is_used():
     mapped keys must be the target's own keys, rotated at the target's frequencies."""
     src = tiny_model("llama", seed=0, dtype=F32, rope_theta=1e4)
     tgt = tiny_model("llama", seed=0, dtype=F32, rope_theta=1e6, rope_traditional=True)
-    mapper = fit_mapper(src, tgt, _seqs(3, 96, 6), _seqs(1, 96, 7), layers_per_target=1)
+    mapper = fit_mapper(src, tgt, _seqs(3, 96, 6), _seqs(1, 96, 7), layers_per_target=1, lags=(0,))
     assert mapper.sources(0) == (0,) and mapper.info[0]["r2_key"] > 0.999
     toks = _seqs(1, 48, 8)[0]
     ref, _ = _prefill(tgt, toks)
@@ -112,7 +117,18 @@ def test_heldout_r2_matches_direct_computation(pair):
     yo = np.cumsum([0] + [ls.features for ls in ts.layers])
     for i, ls in enumerate(ts.layers):
         m = mapper.layer(i)
-        xi = np.concatenate([x[:, xo[j] : xo[j + 1]] for j in m.sources], axis=1)
+        assert m.lags == (0, 2) and m.w.shape[0] == 2 * sum(
+            ss.layers[j].features for j in m.sources
+        )
+        xi = np.concatenate(  # lag-major, then source layer; lags within each sequence
+            [
+                np.concatenate(
+                    [lagged(r[:, xo[j] : xo[j + 1]], (lag,)) for lag in m.lags for j in m.sources],
+                    axis=1,
+                )
+                for r in np.split(x, len(held))
+            ]
+        )
         yi = y[:, yo[i] : yo[i + 1]]
         pred = xi @ np.array(m.w) + np.array(m.b)
         nk = ls.kv_heads * ls.key_dim
@@ -152,6 +168,37 @@ def test_save_load_apply_fp16_and_codec(pair, tmp_path):
         ref = tgt(mx.array(toks[64:])[None], cache=fp16)[:, -1]
     p, q = mx.softmax(ref, -1), mx.softmax(logits, -1)
     assert float(mx.sum(p * (mx.log(p) - mx.log(q)))) < 0.1
+
+
+def test_apply_matches_the_fitted_regression_across_chunks(pair):
+    """``transfer_cache``'s values (no RoPE on them) are the regression applied to the lagged
+    source rows, at any chunk size (lags reach into the previous chunk), and its keys are
+    the same regression's keys with the target's RoPE."""
+    src, tgt, mapper, _ = pair
+    ss, ts = ModelSpec.of(src), ModelSpec.of(tgt)
+    toks = _seqs(1, 50, 12)[0]
+    x = model_rows(src, ss, toks)
+    xo = np.cumsum([0] + [ls.features for ls in ss.layers])
+    src_c, _ = _prefill(src, toks)
+    whole = transfer_cache(src_c, mapper, model=tgt, dtype=F32, chunk=1000)
+    bits = transfer_cache(src_c, mapper, model=tgt, dtype=F32, chunk=3)
+    for i, ls in enumerate(ts.layers):
+        m = mapper.layer(i)
+        xi = np.concatenate(
+            [lagged(x[:, xo[j] : xo[j + 1]], (lag,)) for lag in m.lags for j in m.sources], axis=1
+        )
+        pred = xi @ np.array(m.w) + np.array(m.b)
+        nk = ls.kv_heads * ls.key_dim
+        v_pred = pred[:, nk:].reshape(50, ls.kv_heads, ls.value_dim).transpose(1, 0, 2)
+        for out in (whole, bits):
+            v = out[i].keys_and_values()[1]
+            np.testing.assert_allclose(np.array(v[0]), v_pred, atol=2e-3, rtol=1e-3)
+        np.testing.assert_allclose(
+            np.array(bits[i].keys_and_values()[0]),
+            np.array(whole[i].keys_and_values()[0]),
+            atol=2e-3,
+            rtol=1e-3,
+        )
 
 
 def test_evaluate_rows(same):
@@ -209,6 +256,16 @@ def test_refusals(pair, tmp_path):
         load_mapper(root)
     with pytest.raises(MapperError, match="no manifest.json"):
         load_mapper(tmp_path)
+    # a version-1 mapper (no lags; another layer file layout), its checksum intact
+    root = mapper.save(tmp_path / "m")
+    man = json.loads((root / "manifest.json").read_text())
+    man["version"] = 1
+    for rec in man["layers"]:
+        del rec["lags"]
+    man["checksum"] = _manifest_sha(man)
+    (root / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(MapperError, match="version 1.*reads version 2 only.*fit"):
+        load_mapper(root)
 
 
 def test_unsupported_models_refused():
@@ -227,6 +284,11 @@ def test_unsupported_models_refused():
         fit_mapper(gemma, base, _seqs(1, 32, 0), _seqs(1, 32, 1))
     with pytest.raises(ValueError, match="layers_per_target"):
         fit_mapper(base, base, _seqs(1, 32, 0), _seqs(1, 32, 1), layers_per_target=0)
+    for lags in ((), (0, 0), (-1,), (0.5,), "01"):
+        with pytest.raises(ValueError, match="lags must be"):
+            fit_mapper(base, base, _seqs(1, 32, 0), _seqs(1, 32, 1), lags=lags)
+    with pytest.raises(ValueError, match="alphas must be"):
+        fit_mapper(base, base, _seqs(1, 32, 0), _seqs(1, 32, 1), alphas=(1.0, 0.0))
     assert isinstance(Mapper, type)
 
 

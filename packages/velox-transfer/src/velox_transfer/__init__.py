@@ -3,7 +3,8 @@
 A user who switches models mid-session (a small model for easy turns and a larger one for
 hard ones, a draft and a target) would re-run the whole prefill on the new model. A mapper
 fitted once per model pair (:func:`fit_mapper`: closed-form ridge regressions from the
-source's content-space keys and values of a few source layers to each target layer's) turns
+source's content-space keys and values, of its layers at each position and a few before it,
+to each target layer's) turns
 the source's caches into the target's (:func:`transfer_cache`), as fp16 ``KVCache`` or
 straight into any velox codec. It saves the receiver's prefill; it does not shrink the cache.
 
@@ -15,13 +16,14 @@ straight into any velox codec. It saves the receiver's prefill; it does not shri
 
 from .apply import transfer_cache
 from .evaluate import Row, evaluate, format_table
-from .fit import ALPHAS, fit_mapper
+from .fit import ALPHAS, LAGS, fit_mapper
 from .mapper import FORMAT, VERSION, LayerMap, Mapper, MapperError, load_mapper
 from .spec import LayerSpec, ModelSpec
 
 __all__ = [
     "ALPHAS",
     "FORMAT",
+    "LAGS",
     "VERSION",
     "LayerMap",
     "LayerSpec",

@@ -1,8 +1,9 @@
 """``python -m velox_transfer``: fit a mapper between two models, apply it, measure it.
 
     python -m velox_transfer fit --source SRC --target TGT --out DIR [--data FILE]
-        [--every 5] [--tokens 16384] [--heldout-tokens 4096] [--seq-len 2048]
-        [--layers-per-target 3] [--alphas 1e-4,1e-3,1e-2,1e-1,1] [--dtype float32]
+        [--every 5] [--tokens 131072] [--heldout-tokens 16384] [--seq-len 2048]
+        [--layers-per-target N (default: all)] [--lags 0,1,2,3]
+        [--alphas 1e-6,1e-5,...,10,100] [--dtype float32]
     python -m velox_transfer apply --source SRC --target TGT --mapper DIR
         (--prompt TEXT | --prompt-file FILE) [--cache fp16|SPEC] [--max-tokens 32]
     python -m velox_transfer eval --source SRC --target TGT --mapper DIR [--data FILE]
@@ -91,6 +92,7 @@ def _fit(args: argparse.Namespace) -> int:
         fit_seqs,
         held_seqs,
         layers_per_target=args.layers_per_target,
+        lags=args.lags,
         alphas=args.alphas,
         calibration=calibration,
     )
@@ -180,7 +182,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line (``velox transfer`` calls this); returns the exit status."""
-    from .fit import ALPHAS
+    from .fit import ALPHAS, LAGS
 
     ap = argparse.ArgumentParser(prog="velox transfer", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -189,11 +191,20 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--out", required=True, help="the mapper's directory")
     f.add_argument("--data", help="JSONL (or text) calibration data")
     f.add_argument("--every", type=int, default=5, help="1 document in EVERY is for eval")
-    f.add_argument("--tokens", type=int, default=16384, help="fit tokens")
-    f.add_argument("--heldout-tokens", type=int, default=4096, help="held-out tokens")
+    f.add_argument("--tokens", type=int, default=131072, help="fit tokens")
+    f.add_argument("--heldout-tokens", type=int, default=16384, help="held-out tokens")
     f.add_argument("--seq-len", type=int, default=2048, help="calibration sequence length")
     f.add_argument(
-        "--layers-per-target", type=int, default=3, help="most source layers per target layer"
+        "--layers-per-target",
+        type=int,
+        default=None,
+        help="most source layers per target layer, chosen greedily (default: all of them)",
+    )
+    f.add_argument(
+        "--lags",
+        type=_ints,
+        default=LAGS,
+        help="source positions back from each target position used as regressors",
     )
     f.add_argument("--alphas", type=_floats, default=ALPHAS, help="ridge strengths")
     a = sub.add_parser("apply", help="map a prompt's source cache and decode with the target")

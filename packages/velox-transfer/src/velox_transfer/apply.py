@@ -1,8 +1,10 @@
 """Applying a mapper: the target model's caches from the source model's, ready to decode.
 
 For each target layer, chunk by chunk along the tokens: the source layers it reads are taken
-to content space at their positions, concatenated, mapped (``x @ w + b``), and the target's
-RoPE is applied to the mapped keys at the same positions; the chunk is then written into the
+to content space at their positions (from ``max(lags)`` positions before the chunk, for the
+lagged regressors: position 0's where a lag reaches before it, as in the fit), concatenated,
+mapped (``x @ w + b``), and the target's RoPE is applied to the mapped keys at the chunk's
+positions; the chunk is then written into the
 target layer's cache through ``update_and_fetch``, as a prefill chunk would be. Into a velox
 cache whose window is smaller than a chunk, each chunk is encoded as it arrives, so the
 target's keys and values are never all resident in fp16 (one chunk of one layer at a time).
@@ -32,13 +34,11 @@ def _target_caches(target: Any, model: Any, mapper: Mapper) -> list:
         if len(target) != n:
             raise ValueError(f"target: a list of {len(target)} caches for {n} target layers")
         for i, c in enumerate(target):
-            if not isinstance(c, (KVCache, VeloxCache)) or (
-                type(c) is not KVCache and not isinstance(c, VeloxCache)
-            ):
+            if not isinstance(c, (KVCache, VeloxCache)):  # KVCache subclasses included
                 raise TypeError(
                     f"target[{i}] is a {type(c).__name__}; give mlx-lm KVCache or velox caches"
                 )
-            if (c.keys is not None) if type(c) is KVCache else not c.empty():
+            if (c.keys is not None) if isinstance(c, KVCache) else not c.empty():
                 raise ValueError(f"target[{i}] already holds tokens; give empty caches")
         return target
     if model is not None:
@@ -108,16 +108,22 @@ def transfer_cache(
     out = _target_caches(target, model, mapper)
     for i, ls in enumerate(mapper.target.layers):
         m = mapper.layer(i)
+        back = max(m.lags)
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            x = mx.concatenate(
+            a = max(0, s - back)  # the first position a lag of this chunk reads
+            rows = mx.concatenate(  # (B, e - a, features of the sources), positions a .. e-1
                 [
                     layer_features(
-                        src[j][0][:, :, s:e], src[j][1][:, :, s:e], s, mapper.source.layers[j]
+                        src[j][0][:, :, a:e], src[j][1][:, :, a:e], a, mapper.source.layers[j]
                     )
                     for j in m.sources
                 ],
                 axis=-1,
+            )
+            at = mx.arange(s, e)
+            x = mx.concatenate(  # (B, e - s, len(lags) * features), lag-major
+                [mx.take(rows, mx.maximum(at - lag, 0) - a, axis=1) for lag in m.lags], axis=-1
             )
             k, v = split_outputs(x @ m.w + m.b, s, ls, dtype)
             out[i].update_and_fetch(k, v)

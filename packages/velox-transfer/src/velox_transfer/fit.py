@@ -2,20 +2,23 @@
 
 Both models prefill the same calibration sequences (each from position 0) into mlx-lm
 ``KVCache``; every layer's keys are taken back to content space (RoPE undone,
-:func:`velox_transfer.spec.layer_features`). For each target layer, the regressors are the
-concatenated content-space keys and values (every KV head) of a few source layers, and the
-responses the target layer's content-space keys and values (every KV head; each head's
-columns are its own regression, they only share the inputs). The fit needs only second
+:func:`velox_transfer.spec.layer_features`). For each target layer, the regressors at
+position ``t`` are the concatenated content-space keys and values (every KV head) of the
+chosen source layers at positions ``t - l`` for each lag ``l`` in ``lags`` (position 0's
+where ``t - l < 0``: :func:`lagged`); all of them are in the source's cache. The responses
+are the target layer's content-space keys and values at ``t`` (every KV head; each head's
+columns are their own regression, they only share the inputs). The fit needs only second
 moments, accumulated sequence by sequence in float64 over the source's and target's rows
 side by side, so calibration length costs time, not memory.
 
-Which source layers: greedy forward selection by held-out fit. Starting from none, the
-source layer whose addition gives the best held-out score (the mean of the keys' and the
-values' R²) is added, up to ``layers_per_target``, stopping early when no layer adds at
-least ``MIN_GAIN`` to it.
-The ridge strength is chosen per candidate from ``alphas`` (relative to the mean eigenvalue
-of the regressors' covariance) on the same held-out rows. The held-out rows come from
-calibration documents the regressions never see.
+Which source layers: every one by default (one eigendecomposition shared by all target
+layers). With ``layers_per_target`` below the source's layer count, greedy forward
+selection by held-out fit: starting from none, the source layer whose addition gives the
+best held-out score (the mean of the keys' and the values' R²) is added, up to
+``layers_per_target``, stopping early when no layer adds at least ``MIN_GAIN`` to it.
+The ridge strength is chosen per target layer (and candidate) from ``alphas`` (relative to
+the mean eigenvalue of the regressors' covariance) on the same held-out rows. The held-out
+rows come from calibration documents the regressions never see.
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ from velox_core.validation import check_int
 from .mapper import LayerMap, Mapper
 from .spec import ModelSpec, layer_features
 
-__all__ = ["ALPHAS", "fit_mapper", "model_rows"]
+__all__ = ["ALPHAS", "LAGS", "fit_mapper", "lagged", "model_rows"]
 
-ALPHAS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)
+ALPHAS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0)
+LAGS = (0, 1, 2, 3)  # source positions t, t-1, t-2, t-3 feed target position t
 CHUNK = 512  # prefill chunk, tokens
 MIN_GAIN = 1e-3  # held-out score a further source layer must add to be taken
 
@@ -53,6 +57,30 @@ def model_rows(model: Any, spec: ModelSpec, tokens: np.ndarray) -> np.ndarray:
     out = mx.concatenate(rows, axis=-1)
     mx.eval(out)
     return np.asarray(out, dtype=np.float32)
+
+
+def lagged(rows: np.ndarray, lags: tuple[int, ...]) -> np.ndarray:
+    """Each position's row with those ``lags`` positions back beside it (position 0's row
+    where a lag reaches before the sequence).
+
+    Shapes:
+        rows ``(T, F)`` of positions ``0 .. T-1``; returns ``(T, len(lags) * F)``: lag
+        ``lags[0]``'s ``F`` columns first.
+    """
+    at = np.arange(rows.shape[0])
+    return np.concatenate([rows[np.maximum(at - lag, 0)] for lag in lags], axis=1)
+
+
+def check_lags(lags) -> tuple[int, ...]:
+    """``lags`` as a tuple of distinct non-negative ints, or a ``ValueError``."""
+    if (
+        not isinstance(lags, (tuple, list))
+        or not lags
+        or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in lags)
+        or len(set(lags)) != len(lags)
+    ):
+        raise ValueError(f"lags must be distinct non-negative ints (e.g. (0, 1)), got {lags!r}")
+    return tuple(int(x) for x in lags)
 
 
 class _Moments:
@@ -145,7 +173,8 @@ def fit_mapper(
     fit_sequences: list[np.ndarray],
     heldout_sequences: list[np.ndarray],
     *,
-    layers_per_target: int = 3,
+    layers_per_target: int | None = None,
+    lags: tuple[int, ...] = LAGS,
     alphas: tuple[float, ...] = ALPHAS,
     calibration: dict[str, Any] | None = None,
 ) -> Mapper:
@@ -157,61 +186,87 @@ def fit_mapper(
             are fitted on.
         heldout_sequences: other sequences, for the choice of source layers and ridge
             strength and for the R² the manifest reports.
-        layers_per_target: most source layers feeding one target layer.
+        layers_per_target: most source layers feeding one target layer (``None``: all of
+            them, no selection).
+        lags: source positions back from each target position whose rows are regressors.
         alphas: candidate ridge strengths, relative to the mean eigenvalue of the regressors'
             covariance.
         calibration: recorded in the manifest (where the tokens came from).
     """
-    k = check_int("layers_per_target", layers_per_target, minimum=1)
-    if not alphas or any(not isinstance(a, (int, float)) or a <= 0 for a in alphas):
+    lags = check_lags(lags)
+    if layers_per_target is not None:
+        check_int("layers_per_target", layers_per_target, minimum=1)
+    if (
+        not isinstance(alphas, (tuple, list))
+        or not alphas
+        or any(isinstance(a, bool) or not isinstance(a, (int, float)) or a <= 0 for a in alphas)
+    ):
         raise ValueError(f"alphas must be positive numbers, got {alphas!r}")
     if not fit_sequences or not heldout_sequences:
         raise ValueError("fit_mapper needs fit and held-out sequences (neither may be empty)")
     src, tgt = ModelSpec.of(source, "source"), ModelSpec.of(target, "target")
-    k = min(k, len(src.layers))
+    n_src = len(src.layers)
+    k = n_src if layers_per_target is None else min(layers_per_target, n_src)
     train = val = None
     tokens = {"fit": 0, "heldout": 0}
     for name, seqs in (("fit", fit_sequences), ("heldout", heldout_sequences)):
         for seq in seqs:
-            x, y = model_rows(source, src, seq), model_rows(target, tgt, seq)
+            x = lagged(model_rows(source, src, seq), lags)
+            y = model_rows(target, tgt, seq)
             if train is None:
                 train = _Moments(x.mean(axis=0), y.mean(axis=0))
                 val = _Moments(train.hx, train.hy)
             (train if name == "fit" else val).add(x, y)
             tokens[name] += x.shape[0]
-    sel = _Selector(train, val, tuple(float(a) for a in alphas))
+    sel = _Selector(train, val, tuple(sorted(float(a) for a in alphas)))
     src_at, tgt_at = _offsets(src), _offsets(tgt)
+    width = src_at[-1].stop  # one lag's columns: every source layer's features
+
+    def columns(key: tuple) -> np.ndarray:  # lag-major, then source layer (the w row order)
+        return np.concatenate(
+            [
+                np.arange(src_at[j].start, src_at[j].stop) + li * width
+                for li in range(len(lags))
+                for j in key
+            ]
+        )
+
     layers: dict[int, LayerMap] = {}
     info: list[dict[str, Any]] = []
     for i, ls in enumerate(tgt.layers):
         cols = np.arange(tgt_at[i].start, tgt_at[i].stop)
         nk = ls.kv_heads * ls.key_dim
-        chosen: list[int] = []
-        best = None
-        while len(chosen) < k:
-            trials = []
-            for j in range(len(src.layers)):
-                if j in chosen:
-                    continue
-                key = tuple(sorted([*chosen, j]))
-                idx = np.concatenate([np.arange(src_at[x].start, src_at[x].stop) for x in key])
-                trials.append((sel.fit(idx, key, cols, nk), key, idx))
-            res, key, idx = max(trials, key=lambda t: t[0]["score"])
-            if best is not None and res["score"] < best[0]["score"] + MIN_GAIN:
-                break
-            best, chosen = (res, key, idx), list(key)
+        if k == n_src:  # every source layer: nothing to select
+            key = tuple(range(n_src))
+            best = (sel.fit(columns(key), key, cols, nk), key, columns(key))
+        else:
+            chosen: list[int] = []
+            best = None
+            while len(chosen) < k:
+                trials = []
+                for j in range(n_src):
+                    if j in chosen:
+                        continue
+                    key = tuple(sorted([*chosen, j]))
+                    trials.append((sel.fit(columns(key), key, cols, nk), key, columns(key)))
+                res, key, idx = max(trials, key=lambda t: t[0]["score"])
+                if best is not None and res["score"] < best[0]["score"] + MIN_GAIN:
+                    break
+                best, chosen = (res, key, idx), list(key)
         res, key, idx = best
         w = res["w"]
         b = sel.my[cols] - sel.mx[idx] @ w
-        layers[i] = LayerMap(key, mx.array(w.astype(np.float32)), mx.array(b.astype(np.float32)))
-        info.append(_layer_info(key, res, sel.sst[cols], ls))
+        layers[i] = LayerMap(
+            key, lags, mx.array(w.astype(np.float32)), mx.array(b.astype(np.float32))
+        )
+        info.append(_layer_info(key, lags, res, sel.sst[cols], ls, sel.alphas))
     calib = {**(calibration or {}), "tokens": tokens, "alphas": list(sel.alphas)}
     return Mapper(src, tgt, info, calib, layers=layers)
 
 
-def _layer_info(key: tuple, res: dict, sst: np.ndarray, ls) -> dict[str, Any]:
-    """The manifest's record of one target layer: sources, alpha, held-out R² (all heads and
-    per head)."""
+def _layer_info(key: tuple, lags: tuple, res: dict, sst: np.ndarray, ls, alphas) -> dict:
+    """The manifest's record of one target layer: sources, lags, alpha (and whether it is at
+    an end of the grid), held-out R² (all heads and per head)."""
     h, dk, dv = ls.kv_heads, ls.key_dim, ls.value_dim
     sse = res["sse"]
     per_head = []
@@ -226,7 +281,9 @@ def _layer_info(key: tuple, res: dict, sst: np.ndarray, ls) -> dict[str, Any]:
         )
     return {
         "sources": list(key),
+        "lags": list(lags),
         "alpha": res["alpha"],
+        "alpha_at_edge": len(alphas) > 1 and res["alpha"] in (alphas[0], alphas[-1]),
         "r2_key": float(res["r2"][0]),
         "r2_value": float(res["r2"][1]),
         "r2_heads": per_head,

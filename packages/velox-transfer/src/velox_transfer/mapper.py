@@ -1,11 +1,12 @@
 """A fitted mapper and its directory: a JSON manifest and one safetensors file per layer.
 
 ``manifest.json`` holds the format and version, both models' fingerprints, identities and
-specs (:class:`velox_transfer.spec.ModelSpec`), per target layer its source layers, ridge
-strength, held-out R² (keys and values, all heads and per head), file name, byte size and
-SHA-256, the calibration record, and a SHA-256 of the manifest itself (over its canonical
-JSON without that field). ``layer.<i>.safetensors`` holds ``w`` (float32 ``(F, O)``: the
-concatenated source features to the target layer's keys and values) and ``b`` (``(O,)``).
+specs (:class:`velox_transfer.spec.ModelSpec`), per target layer its source layers and
+lags, ridge strength, held-out R² (keys and values, all heads and per head), file name, byte
+size and SHA-256, the calibration record, and a SHA-256 of the manifest itself (over its
+canonical JSON without that field). ``layer.<i>.safetensors`` holds ``w`` (float32
+``(F, O)``: the concatenated source features, lag-major then source layer, to the target
+layer's keys and values) and ``b`` (``(O,)``).
 A loaded mapper reads a layer file when that layer is first mapped, and refuses it unless
 its size and checksum are the manifest's.
 """
@@ -28,7 +29,7 @@ from .spec import ModelSpec
 __all__ = ["FORMAT", "VERSION", "LayerMap", "Mapper", "MapperError", "load_mapper"]
 
 FORMAT = "velox-transfer"
-VERSION = 1
+VERSION = 2  # 2: per-layer lags (w's rows are lag-major); 1 had none
 MANIFEST = "manifest.json"
 HOW_TO_FIT = "python -m velox_transfer fit --source SRC --target TGT --out DIR"
 
@@ -39,9 +40,11 @@ class MapperError(ValueError):
 
 @dataclass(frozen=True)
 class LayerMap:
-    """One target layer's map: ``y = x @ w + b`` from the ``sources`` layers' features."""
+    """One target layer's map: ``y[t] = x @ w + b``, ``x`` the ``sources`` layers' features
+    at positions ``t - l`` for ``l`` in ``lags`` (lag-major, then source layer)."""
 
     sources: tuple[int, ...]
+    lags: tuple[int, ...]
     w: mx.array
     b: mx.array
 
@@ -80,6 +83,7 @@ class Mapper:
             raise MapperError(f"{len(info)} layer records for {len(target.layers)} target layers")
         self.source, self.target, self.info, self.calibration = source, target, info, calibration
         self.path = path
+        self.version = VERSION
         self._layers: dict[int, LayerMap] = dict(layers or {})
         if path is None and len(self._layers) != len(target.layers):
             raise MapperError("a mapper without a directory needs every target layer's map")
@@ -87,9 +91,12 @@ class Mapper:
     def sources(self, i: int) -> tuple[int, ...]:
         return tuple(self.info[i]["sources"])
 
+    def lags(self, i: int) -> tuple[int, ...]:
+        return tuple(self.info[i]["lags"])
+
     def shape(self, i: int) -> tuple[int, int]:
         """``(F, O)`` of target layer ``i``'s weights."""
-        f = sum(self.source.layers[j].features for j in self.sources(i))
+        f = sum(self.source.layers[j].features for j in self.sources(i)) * len(self.lags(i))
         return f, self.target.layers[i].features
 
     def layer(self, i: int) -> LayerMap:
@@ -121,7 +128,7 @@ class Mapper:
             raise MapperError(
                 f"{path}: w {tuple(w.shape)} / b {tuple(b.shape)}, expected ({f}, {o}) / ({o},)"
             )
-        return LayerMap(self.sources(i), w.astype(mx.float32), b.astype(mx.float32))
+        return LayerMap(self.sources(i), self.lags(i), w.astype(mx.float32), b.astype(mx.float32))
 
     # -- models -------------------------------------------------------------------------
     def check_models(self, source: Any = None, target: Any = None) -> None:
@@ -165,7 +172,8 @@ class Mapper:
     def describe(self) -> list[str]:
         """One line per target layer: its sources and held-out R²."""
         return [
-            f"target layer {i}: source layers {rec['sources']}, alpha {rec['alpha']:g}, "
+            f"target layer {i}: source layers {rec['sources']}, lags {rec['lags']}, alpha "
+            f"{rec['alpha']:g}{' (an end of the grid)' if rec.get('alpha_at_edge') else ''}, "
             f"held-out R² keys {rec['r2_key']:.3f} values {rec['r2_value']:.3f}"
             for i, rec in enumerate(self.info)
         ]
@@ -193,7 +201,8 @@ def load_mapper(path: str | os.PathLike, source: Any = None, target: Any = None)
     if manifest.get("version") != VERSION:
         raise MapperError(
             f"{root}: mapper format version {manifest.get('version')!r}; this velox-transfer "
-            f"reads version {VERSION}. Fit it again: {HOW_TO_FIT}"
+            f"reads version {VERSION} only (the layer files' layout differs). Fit it again: "
+            f"{HOW_TO_FIT}"
         )
     if manifest.get("checksum") != _manifest_sha(manifest):
         raise MapperError(f"{root / MANIFEST}: its checksum does not match; it was altered")
@@ -204,6 +213,9 @@ def load_mapper(path: str | os.PathLike, source: Any = None, target: Any = None)
         for i, rec in enumerate(info):
             if not all(0 <= int(j) < len(src.layers) for j in rec["sources"]) or not rec["sources"]:
                 raise ValueError(f"layer {i} lists source layers {rec['sources']}")
+            lags = rec["lags"]
+            if not lags or any(not isinstance(x, int) or x < 0 for x in lags):
+                raise ValueError(f"layer {i} lists lags {lags}")
             size = (root / rec["file"]).stat().st_size
             if size != rec["bytes"]:
                 raise ValueError(
