@@ -96,3 +96,43 @@ def test_storage_dtype_keeps_float16_bytes_for_a_float32_model():
         got = sum(c.nbytes for c in stored) / sum(c.nbytes for c in native)
         assert got == pytest.approx(ratio, rel=1e-3), spec
     assert isinstance(build_caches(Spec("fp16", "fp16"), m32, mx.float16)[0], StoredKVCache)
+
+
+def test_non_finite_logits_and_cache_entries_are_counted_and_shown():
+    """A method whose codes decode to NaN does not look fine: the row counts the steps with
+    non-finite log-probs and the layers whose cache holds NaN/inf, and the table prints NaN
+    quality and those counts (a finite row prints 0)."""
+    from velox_cli.report import COLUMNS, markdown
+    from velox_core import Uniform, VeloxCache
+
+    class NaNScales(Uniform):
+        name = "nan-scales"
+
+        def encode(self, x, positions=None):
+            packed = super().encode(x, positions)
+            packed.data["scale"] = packed.data["scale"] * float("nan")
+            return packed
+
+    def poisoned():  # layer 0's key codes carry NaN scales; 96 tokens pass one flush
+        return make_cache(
+            MODEL,
+            lambda i: VeloxCache(
+                key_codec=NaNScales(8) if i == 0 else Uniform(8), value_codec=Uniform(8)
+            ),
+        )
+
+    s = samples()
+    ref = reference_run(MODEL, lambda: make_cache(MODEL, None), s)
+    bad = Row("nan", "velox", {}, 96)
+    decode_quality(MODEL, poisoned, s, ref, bad)
+    # layer 0 stores NaN scales; layer 1 then stores the NaN keys and values it is fed
+    assert bad.nonfinite_steps == 2 * 12 and bad.nonfinite_layers == 2
+    good = Row("uniform:bits=8", "uniform", {"bits": 8}, 96)
+    decode_quality(MODEL, lambda: make_cache(MODEL, "uniform:bits=8"), s, ref, good)
+    assert good.nonfinite_steps == good.nonfinite_layers == 0
+    lines = markdown([bad, good]).splitlines()
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    col = {name: i for i, name in enumerate(COLUMNS)}
+    assert cells[0][col["KL"]] == "NaN" and cells[0][col["non-finite"]] == "24 steps, 2 layers"
+    assert cells[1][col["KL"]] != "NaN" and cells[1][col["non-finite"]] == "0"
+    assert bad.to_json()["nonfinite_steps"] == 24

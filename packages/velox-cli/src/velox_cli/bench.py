@@ -113,10 +113,20 @@ def run_bench(
     data: str | None,
     settings: BenchSettings,
     progress=None,
+    transfer: tuple[str, str] | None = None,
 ) -> tuple[list[Row], dict]:
-    """Measure every spec; ``progress(description, advance)`` is called as work completes."""
+    """Measure every spec; ``progress(description, advance)`` is called as work completes.
+
+    ``transfer``: ``(mapper directory, source model)`` adds the transfer row
+    (:mod:`velox_cli.transfer_row`) after the specs'; both are checked before any row runs.
+    """
     s = settings.resolved()
     model, tokenizer, store, path = load_model(model_path)
+    xfer = None
+    if transfer is not None:
+        from .transfer_row import open_transfer
+
+        xfer = open_transfer(*transfer, model, tokenizer, store)
     stream = token_stream(tokenizer, load_text(data))
     samples = _samples(stream, s)
     prompts = recall_prompts(tokenizer, stream, s.recall_lengths(), DEPTHS, s.recall_trials)
@@ -143,6 +153,11 @@ def run_bench(
         row.peak_memory = int(mx.get_peak_memory())
         rows.append(row)
         tick(f"{spec.text} ({time.perf_counter() - t0:.0f}s)", 1)
+    if xfer is not None:
+        tick(xfer.spec, 0)
+        t0 = time.perf_counter()
+        rows.append(xfer.measure(model, tokenizer, samples, ref, prompts, s.chunk))
+        tick(f"{xfer.spec} ({time.perf_counter() - t0:.0f}s)", 1)
     info = {
         "model": path,
         "backend": backend(),
@@ -159,6 +174,8 @@ def run_bench(
         "data": data or "shared/data/heldout.jsonl.gz",
         "blas": active_blas(),
     }
+    if xfer is not None:
+        info["transfer"] = xfer.describe()
     return rows, info
 
 

@@ -11,6 +11,9 @@
   same tokens; MLX's peak memory during the first sample's chunked prefill and over the whole
   run, and its active memory after the first sample (weights included).
 * Speed: prefill and decode tokens per second.
+* Finiteness: how many teacher-forced steps gave a next-token distribution holding a NaN or
+  an inf, and how many layers' caches hold one after the first sample (their KL, top-1 and
+  perplexity are then NaN, and the table says why).
 
 Attention is routed to velox caches (:func:`velox_core.routed`) for every run.
 """
@@ -34,6 +37,7 @@ __all__ = [
     "Reference",
     "Row",
     "decode_quality",
+    "nonfinite_layers",
     "prefill",
     "reference_run",
     "retrieval",
@@ -102,6 +106,8 @@ class Row:
     prefill_peak_memory: int = 0
     active_memory: int = 0
     tokens: int = 0
+    nonfinite_steps: int = 0  # teacher-forced steps (all samples) with NaN/inf log-probs
+    nonfinite_layers: int = 0  # layers whose cache holds a NaN/inf after the first sample
     error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -150,6 +156,8 @@ def decode_quality(
             row.cache_bytes = int(sum(c.nbytes for c in caches))
             row.tokens = int(caches[0].offset)
             row.active_memory = int(mx.get_active_memory())
+            row.nonfinite_layers = nonfinite_layers(caches)
+        row.nonfinite_steps += int(np.sum(~np.all(np.isfinite(lp), axis=-1)))
         pre_t, pre_n = pre_t + tp, pre_n + len(prefix)
         dec_t, dec_n = dec_t + td, dec_n + len(cont) - 1
         p = np.exp(ref.logprobs[i])
@@ -166,6 +174,26 @@ def decode_quality(
     row.bytes_per_token = row.cache_bytes / max(row.tokens, 1)
     if row.tokens == ref.tokens and row.cache_bytes:
         row.compression_ratio = ref.cache_bytes / row.cache_bytes
+
+
+def nonfinite_layers(caches: list) -> int:
+    """Layers whose cache holds a NaN or an inf in any floating-point array of its state
+    (tokens kept as given, scales, norms, fitted codec arrays; any cache class)."""
+
+    def arrays(x):
+        if isinstance(x, mx.array):
+            yield x
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                yield from arrays(y)
+
+    flags = []
+    for c in caches:
+        fl = [a for a in arrays(c.state) if mx.issubdtype(a.dtype, mx.floating)]
+        flags.append(
+            mx.array(True) if not fl else mx.all(mx.stack([mx.all(mx.isfinite(a)) for a in fl]))
+        )
+    return sum(not ok for ok in mx.stack(flags).tolist()) if flags else 0
 
 
 def retrieval(

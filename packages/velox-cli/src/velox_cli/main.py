@@ -1,7 +1,7 @@
 """The ``velox`` command.
 
     velox bench [--model PATH] [--methods SPEC ...] [--context N] [--data FILE] [--quick]
-                [--json PATH]
+                [--json PATH] [--transfer-mapper DIR --transfer-source MODEL]
     velox generate --method SPEC [--model PATH] [--prompt TEXT] [--max-tokens N]
     velox methods [--json]
     velox inspect FILE
@@ -63,6 +63,15 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--json", dest="json_path", metavar="PATH", help="write the rows as JSON")
     b.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown")
     b.add_argument("--chart", default="velox-bench.png", help="PNG chart path ('' for none)")
+    b.add_argument(
+        "--transfer-mapper",
+        metavar="DIR",
+        help="a velox-transfer mapper into --model: adds a row of the model decoding from "
+        "--transfer-source's cache mapped by it (with --transfer-source)",
+    )
+    b.add_argument(
+        "--transfer-source", metavar="MODEL", help="the mapper's source model (see above)"
+    )
     g = sub.add_parser("generate", help="mlx_lm.generate with a velox cache")
     g.add_argument("--method", default="uniform:bits=4", metavar="SPEC")
     g.add_argument(
@@ -116,6 +125,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
     for name in ("context", "samples", "continuation", "recall_trials", "chunk"):
         _positive("--" + name.replace("_", "-"), getattr(a, name))
+    if (a.transfer_mapper is None) != (a.transfer_source is None):
+        raise ValueError("--transfer-mapper and --transfer-source go together: give both")
+    transfer = (a.transfer_mapper, a.transfer_source) if a.transfer_mapper else None
     specs = [parse(t) for t in a.methods] if a.methods else default_specs()
     settings = BenchSettings(
         a.context, a.samples, a.continuation, a.recall_trials, a.chunk, a.quick
@@ -138,12 +150,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
         console=console,
         transient=False,
     ) as prog:
-        task = prog.add_task("loading", total=len(specs))
+        task = prog.add_task("loading", total=len(specs) + (transfer is not None))
 
         def tick(desc: str, n: int = 1) -> None:
             prog.update(task, description=desc, advance=n)
 
-        rows, info = run_bench(specs, a.model, a.data, settings, tick)
+        rows, info = run_bench(specs, a.model, a.data, settings, tick, transfer)
     console.print(table(rows, info))
     if a.json_path:
         write_json(a.json_path, rows, info)

@@ -22,6 +22,14 @@ COLUMNS = (
     "decode tok/s",
     "prefill peak MiB",
     "peak MiB",
+    "non-finite",
+)
+
+TRANSFER_NOTE = (
+    "transfer:source=NAME: this model decoding from {source}'s cache of the prefix, mapped "
+    "into its own by the velox-transfer mapper {mapper} (no prefill of its own but the last "
+    "prefix token); its prefill tok/s times the mapping and that token, not the source's "
+    "prefill"
 )
 
 
@@ -32,19 +40,30 @@ def _cells(r: Row) -> list[str]:
     def f(v, fmt):
         return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
 
+    def q(v, fmt):  # quality: a NaN from non-finite logits is a result, not a gap
+        return "NaN" if r.nonfinite_steps and math.isnan(v) else f(v, fmt)
+
     return [
         r.spec,
         f"{r.bytes_per_token:,.0f}",
         f(r.compression_ratio, ".2f") + "x",
-        f(r.kl, ".4f"),
-        f(r.top1, ".3f"),
-        f(r.ppl, ".3f"),
+        q(r.kl, ".4f"),
+        q(r.top1, ".3f"),
+        q(r.ppl, ".3f"),
         f(r.retrieval, ".2f"),
         f(r.prefill_tps, ",.0f"),
         f(r.decode_tps, ",.1f"),
         f(r.prefill_peak_memory / 2**20, ",.1f"),
         f(r.peak_memory / 2**20, ",.0f"),
+        _nonfinite(r),
     ]
+
+
+def _nonfinite(r: Row) -> str:
+    """Steps with NaN/inf logits and layers whose cache holds NaN/inf ("0": none)."""
+    if not (r.nonfinite_steps or r.nonfinite_layers):
+        return "0"
+    return f"{r.nonfinite_steps} steps, {r.nonfinite_layers} layers"
 
 
 def table(rows: list[Row], info: dict) -> Table:
@@ -56,6 +75,8 @@ def table(rows: list[Row], info: dict) -> Table:
         t.add_column(c, justify="left" if c == "spec" else "right")
     for r in rows:
         t.add_row(*_cells(r))
+    if "transfer" in info:
+        t.caption = TRANSFER_NOTE.format(**info["transfer"])
     return t
 
 
