@@ -232,7 +232,7 @@ def test_latent_attention_layers_keep_the_models_cache_and_say_so_once():
     assert [type(c) for c in caches] == [KVCache, KVCache]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once per model
-        make_cache(model, "kivi", layers={0: "uniform:bits=8"})
+        make_cache(model, "uniform:bits=2", layers={0: "uniform:bits=8"})
     tok = tiny_tokenizer()
     prompt = mx.random.randint(0, 512, (40,), key=mx.random.key(3)).tolist()
     got = velox_core.generate(model, tok, prompt, cache="uniform:bits=4", max_tokens=8)
