@@ -13,5 +13,5 @@ METHOD = Method(
     summary="keys per channel, values per token, 2/4-bit asymmetric, fp16 residual window",
     paper="https://arxiv.org/abs/2402.02750",
     codecs=(Uniform,),
-    recommended=({"bits": 4, "group": 128, "window": 0}, {"bits": 2, "group": 32, "window": 128}),
+    recommended=({"bits": 4, "group": 64, "window": 0}, {"bits": 2, "group": 32, "window": 128}),
 )
