@@ -141,39 +141,60 @@ def reference_run(model, make_caches: Callable[[], list], samples, chunk: int = 
     return Reference(lps, nbytes, tokens)
 
 
+class Tally:
+    """Quality and speed of one spec over samples, against the fp16 reference: KL, top-1,
+    perplexity and non-finite steps from each sample's log-probs, prefill and decode speed
+    from its times; the first sample's caches give bytes, tokens and memory."""
+
+    def __init__(self, row: Row, ref: Reference):
+        self.row, self.ref = row, ref
+        self.kls: list[float] = []
+        self.agree = self.steps = self.pre_n = self.dec_n = 0
+        self.nll = self.pre_t = self.dec_t = 0.0
+
+    def first(self, caches: list, prefill_peak: int) -> None:
+        r = self.row
+        r.prefill_peak_memory = prefill_peak
+        r.cache_bytes = int(sum(c.nbytes for c in caches))
+        r.tokens = int(caches[0].offset)
+        r.active_memory = int(mx.get_active_memory())
+        r.nonfinite_layers = nonfinite_layers(caches)
+
+    def add(self, i: int, lp: np.ndarray, prefix, cont, prefill_s: float, decode_s: float):
+        ref = self.ref.logprobs[i]
+        self.row.nonfinite_steps += int(np.sum(~np.all(np.isfinite(lp), axis=-1)))
+        self.pre_t, self.pre_n = self.pre_t + prefill_s, self.pre_n + len(prefix)
+        self.dec_t, self.dec_n = self.dec_t + decode_s, self.dec_n + len(cont) - 1
+        self.kls.extend(np.sum(np.exp(ref) * (ref - lp), axis=-1).tolist())
+        self.agree += int(np.sum(np.argmax(lp, -1) == np.argmax(ref, -1)))
+        self.nll -= float(np.sum(lp[np.arange(len(cont)), np.asarray(cont)]))
+        self.steps += len(cont)
+
+    def finish(self) -> None:
+        r = self.row
+        r.kl = float(np.mean(self.kls))
+        r.top1 = self.agree / self.steps
+        r.ppl = math.exp(self.nll / self.steps)
+        r.prefill_tps = self.pre_n / self.pre_t if self.pre_t else 0.0
+        r.decode_tps = self.dec_n / self.dec_t if self.dec_t else 0.0
+        r.bytes_per_token = r.cache_bytes / max(r.tokens, 1)
+        if r.tokens == self.ref.tokens and r.cache_bytes:
+            r.compression_ratio = self.ref.cache_bytes / r.cache_bytes
+
+
 def decode_quality(
     model, make_caches: Callable[[], list], samples, ref: Reference, row: Row, chunk: int = 512
 ) -> None:
     """Fill ``row`` with KL, top-1, perplexity, bytes and speed over ``samples``."""
-    kls, agree, nll, steps = [], 0, 0.0, 0
-    pre_t = dec_t = 0.0
-    pre_n = dec_n = 0
+    tally = Tally(row, ref)
     for i, (prefix, cont) in enumerate(samples):
         caches = make_caches()
         lp, tp, td, peak = _run_sample(model, caches, prefix, cont, chunk)
         if i == 0:
-            row.prefill_peak_memory = peak
-            row.cache_bytes = int(sum(c.nbytes for c in caches))
-            row.tokens = int(caches[0].offset)
-            row.active_memory = int(mx.get_active_memory())
-            row.nonfinite_layers = nonfinite_layers(caches)
-        row.nonfinite_steps += int(np.sum(~np.all(np.isfinite(lp), axis=-1)))
-        pre_t, pre_n = pre_t + tp, pre_n + len(prefix)
-        dec_t, dec_n = dec_t + td, dec_n + len(cont) - 1
-        p = np.exp(ref.logprobs[i])
-        kls.extend(np.sum(p * (ref.logprobs[i] - lp), axis=-1).tolist())
-        agree += int(np.sum(np.argmax(lp, -1) == np.argmax(ref.logprobs[i], -1)))
-        nll -= float(np.sum(lp[np.arange(len(cont)), np.asarray(cont)]))
-        steps += len(cont)
+            tally.first(caches, peak)
+        tally.add(i, lp, prefix, cont, tp, td)
         del caches
-    row.kl = float(np.mean(kls))
-    row.top1 = agree / steps
-    row.ppl = math.exp(nll / steps)
-    row.prefill_tps = pre_n / pre_t if pre_t else 0.0
-    row.decode_tps = dec_n / dec_t if dec_t else 0.0
-    row.bytes_per_token = row.cache_bytes / max(row.tokens, 1)
-    if row.tokens == ref.tokens and row.cache_bytes:
-        row.compression_ratio = ref.cache_bytes / row.cache_bytes
+    tally.finish()
 
 
 def nonfinite_layers(caches: list) -> int:

@@ -15,19 +15,17 @@ in the use it serves (a session switching models) the source has already run it.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from velox_core import routed
 
-from .evaluate import Reference, Row, prefill, teacher_force
+from .evaluate import Reference, Row, Tally, prefill, teacher_force
 from .specs import StoredKVCache
 
 __all__ = ["TransferRow", "open_transfer"]
@@ -83,9 +81,7 @@ class TransferRow:
             {**self.describe(), "mapped_tokens": context - 1},
             context,
         )
-        kls, agree, nll, steps = [], 0, 0.0, 0
-        pre_t = dec_t = 0.0
-        pre_n = dec_n = 0
+        tally = Tally(row, ref)
         for i, (prefix, cont) in enumerate(samples):
             mx.clear_cache()
             mx.reset_peak_memory()
@@ -98,32 +94,12 @@ class TransferRow:
                 lp = teacher_force(model, caches, logits, cont)
             t2 = time.perf_counter()
             if i == 0:
-                row.prefill_peak_memory = int(mx.get_peak_memory())
-                row.cache_bytes = int(sum(c.nbytes for c in caches))
-                row.tokens = int(caches[0].offset)
-                row.active_memory = int(mx.get_active_memory())
-                if hasattr(row, "nonfinite_layers"):  # the bench's finiteness columns
-                    from .evaluate import nonfinite_layers
-
-                    row.nonfinite_layers = nonfinite_layers(caches)
-            if hasattr(row, "nonfinite_steps"):
-                row.nonfinite_steps += int(np.sum(~np.all(np.isfinite(lp), axis=-1)))
-            pre_t, pre_n = pre_t + t_map + (t1 - t0), pre_n + len(prefix)
-            dec_t, dec_n = dec_t + (t2 - t1), dec_n + len(cont) - 1
-            p = np.exp(ref.logprobs[i])
-            kls.extend(np.sum(p * (ref.logprobs[i] - lp), axis=-1).tolist())
-            agree += int(np.sum(np.argmax(lp, -1) == np.argmax(ref.logprobs[i], -1)))
-            nll -= float(np.sum(lp[np.arange(len(cont)), np.asarray(cont)]))
-            steps += len(cont)
+                tally.first(caches, int(mx.get_peak_memory()))
+            # its prefill: the mapping and the last prefix token (the source's own prefill is
+            # not counted: in use the source has already run it)
+            tally.add(i, lp, prefix, cont, t_map + (t1 - t0), t2 - t1)
             del caches
-        row.kl = float(np.mean(kls))
-        row.top1 = agree / steps
-        row.ppl = math.exp(nll / steps)
-        row.prefill_tps = pre_n / pre_t if pre_t else 0.0
-        row.decode_tps = dec_n / dec_t if dec_t else 0.0
-        row.bytes_per_token = row.cache_bytes / max(row.tokens, 1)
-        if row.tokens == ref.tokens and row.cache_bytes:
-            row.compression_ratio = ref.cache_bytes / row.cache_bytes
+        tally.finish()
         row.retrieval, row.retrieval_by_length = self._retrieval(model, tokenizer, prompts, chunk)
         row.peak_memory = int(mx.get_peak_memory())  # since the last sample (source included)
         return row
