@@ -126,7 +126,7 @@ def run_bench(
     if transfer is not None:
         from .transfer_row import open_transfer
 
-        xfer = open_transfer(*transfer, model, tokenizer, store)
+        xfer = open_transfer(*transfer, model, tokenizer, store, load_model)
     stream = token_stream(tokenizer, load_text(data))
     samples = _samples(stream, s)
     prompts = recall_prompts(tokenizer, stream, s.recall_lengths(), DEPTHS, s.recall_trials)

@@ -16,6 +16,7 @@ in the use it serves (a session switching models) the source has already run it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,9 +126,15 @@ class TransferRow:
 
 
 def open_transfer(
-    mapper_path: str, source_path: str, model: Any, tokenizer: Any, store: mx.Dtype | None
+    mapper_path: str,
+    source_path: str,
+    model: Any,
+    tokenizer: Any,
+    store: mx.Dtype | None,
+    load_model: Callable[[str], tuple],
 ) -> TransferRow:
-    """Load the source model and the mapper, checked against both models, before any row runs.
+    """Load the source model (with the bench's ``load_model``) and the mapper, checked against
+    both models, before any row runs.
 
     Raises:
         ValueError: velox-transfer not installed, a mapper that is not for this pair (its
@@ -140,8 +147,6 @@ def open_transfer(
         raise ValueError(
             "--transfer-mapper needs velox-transfer: pip install ./packages/velox-transfer"
         ) from None
-    from .bench import load_model
-
     source, src_tok, _, resolved = load_model(source_path)
     mapper = load_mapper(mapper_path, source=source, target=model)
     if src_tok.encode(PROBE) != tokenizer.encode(PROBE):
