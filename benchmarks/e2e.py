@@ -14,6 +14,15 @@ measures mlx-lm's own ``batch_generate``). Per row:
 - ``host_ms_per_step``: median time to build one decode step's graph (``model(token)``
   without evaluating it); ``sync_ms_per_step``: median time of a step built and evaluated
   before the next one (host plus device, no overlap);
+- where a pipelined step's time goes, medians over the timed steps of the loop in
+  ``generate_step``'s order (build step n+1, ``mx.async_eval`` it, wait for step n):
+  ``build_ms_per_step`` (Python builds the graph), ``encode_ms_per_step`` (``async_eval``:
+  MLX turns the graph into launches on the host) and ``wait_ms_per_step`` (the host waits for
+  the device; near 0 means the step is host-bound: the device idles between launches);
+- with ``--repeats N`` the rows of one context and batch run N times in rotation (fp16, the
+  next cache, ..., fp16 again), so that a drift of the host's speed reaches every cache
+  alike; a row then reports the median of its runs (``decode_tok_s_runs`` lists them) and
+  the largest peak;
 - ``peak_bytes``: MLX's peak memory over prefill and decode (reset at the start of each row),
   ``prefill_peak_bytes`` the same over the prefill only, ``base_bytes`` what was active
   before the row (weights), ``cache_bytes`` the caches' resident bytes after the prefill;
@@ -210,6 +219,32 @@ def step_times(model, caches, tok: mx.array, steps: int) -> tuple[float, float]:
     return statistics.median(build) * 1e3, statistics.median(total) * 1e3
 
 
+def step_timeline(model, caches, tok: mx.array, steps: int) -> tuple[float, float, float]:
+    """Median ms per pipelined step spent building the graph, in ``mx.async_eval`` and
+    waiting for the previous step, in ``generate_step``'s order."""
+
+    def step(t):
+        return mx.argmax(model(t, cache=caches)[:, -1, :], axis=-1)[:, None]
+
+    y = step(tok)
+    mx.async_eval(y)
+    build, encode, wait = [], [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        nxt = step(y)
+        t1 = time.perf_counter()
+        mx.async_eval(nxt)
+        t2 = time.perf_counter()
+        y.tolist()
+        t3 = time.perf_counter()
+        build.append(t1 - t0)
+        encode.append(t2 - t1)
+        wait.append(t3 - t2)
+        y = nxt
+    mx.eval(y)
+    return tuple(statistics.median(v) * 1e3 for v in (build, encode, wait))
+
+
 def run_row(model, spec: str, context: int, batch: int, args) -> dict[str, Any]:
     import velox_core
 
@@ -242,11 +277,61 @@ def run_row(model, spec: str, context: int, batch: int, args) -> dict[str, Any]:
             row["host_ms_per_step"], row["sync_ms_per_step"] = step_times(
                 model, caches, tok, args.timed_steps
             )
+            timeline = step_timeline(model, caches, tok, args.timed_steps)
+            for key, ms in zip(("build", "encode", "wait"), timeline, strict=True):
+                row[f"{key}_ms_per_step"] = ms
     finally:
         row["base_bytes"] = base
         del caches, prompt
         gc.collect()
         mx.clear_cache()
+    return row
+
+
+def safe_row(model, spec: str, context: int, batch: int, args) -> dict[str, Any]:
+    """:func:`run_row`, or a row holding the error (one failing cache must not lose the
+    other rows)."""
+    try:
+        return run_row(model, spec, context, batch, args)
+    except Exception as exc:
+        row = {
+            "shape": args.shape,
+            "weights": args.weights,
+            "cache": spec,
+            "context": context,
+            "batch": batch,
+            "error": f"{type(exc).__name__}: {exc}",
+            "traceback": traceback.format_exc(),
+        }
+        print(row["traceback"], file=sys.stderr)
+        return row
+
+
+# a repeated row's fields that take the median of its runs (the peaks take the largest)
+MEDIAN_FIELDS = (
+    "prefill_s",
+    "first_chunk_s",
+    "decode_tok_s",
+    "host_ms_per_step",
+    "sync_ms_per_step",
+    "build_ms_per_step",
+    "encode_ms_per_step",
+    "wait_ms_per_step",
+)
+
+
+def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from the runs of one cache: medians of the times, the largest peaks, the first
+    step of the first run (where a fresh process builds kernels); an error if any run failed."""
+    failed = [r for r in runs if "error" in r]
+    if failed or len(runs) == 1:
+        return failed[0] if failed else runs[0]
+    row = dict(runs[0])
+    for key in MEDIAN_FIELDS:
+        row[key] = statistics.median(r[key] for r in runs)
+    for key in ("peak_bytes", "prefill_peak_bytes"):
+        row[key] = max(r[key] for r in runs)
+    row["decode_tok_s_runs"] = [r["decode_tok_s"] for r in runs]
     return row
 
 
@@ -267,7 +352,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
         "| context | batch | cache | prefill s | first chunk s | decode tok/s | x fp16 "
-        "| host ms/step | x fp16 | sync ms/step | cache GiB | peak GB | x fp16 | prefill peak GB |"
+        "| host ms/step | x fp16 | sync ms/step | build / encode / wait ms | cache GiB | peak GB "
+        "| x fp16 | prefill peak GB |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
 
@@ -279,7 +365,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         if "error" in r:
             lines.append(
                 f"| {r['context']} | {r['batch']} | {r['cache']} | error: {r['error']} |"
-                + " |" * 10
+                + " |" * 11
             )
             continue
         lines.append(
@@ -287,7 +373,9 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {f(r, 'first_chunk_s', '.2f')} | {f(r, 'decode_tok_s', '.1f')} "
             f"| {f(r, 'x_fp16_decode_tok_s', '.2f')} | {f(r, 'host_ms_per_step', '.2f')} "
             f"| {f(r, 'x_fp16_host_ms_per_step', '.2f')} | {f(r, 'sync_ms_per_step', '.2f')} "
-            f"| {r['cache_bytes'] / 2**30:.3f} | {r['peak_bytes'] / 1e9:.2f} "
+            f"| {f(r, 'build_ms_per_step', '.2f')} / {f(r, 'encode_ms_per_step', '.2f')} / "
+            f"{f(r, 'wait_ms_per_step', '.2f')} | {r['cache_bytes'] / 2**30:.3f} "
+            f"| {r['peak_bytes'] / 1e9:.2f} "
             f"| {f(r, 'x_fp16_peak_bytes', '.2f')} | {r['prefill_peak_bytes'] / 1e9:.2f} |"
         )
     return "\n".join(lines)
@@ -313,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=64, help="decoded tokens timed per row")
     p.add_argument("--timed-steps", type=int, default=16, help="steps timed for host/sync ms")
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (mlx-lm's default)")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="runs of each row, in rotation (medians kept)"
+    )
     p.add_argument("--json", type=Path, default=None, help="write the rows to this file")
     p.add_argument(
         "--no-warmup", action="store_true", help="no unrecorded fp16 row first (MLX's kernels)"
@@ -323,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         help="velox caches leave a prefill chunk's codes unevaluated (VeloxCache.eval_chunks)",
     )
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
     if args.no_eval_chunks:
         from velox_core import VeloxCache
 
@@ -357,22 +450,13 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for context in contexts:
         for batch in batches:
-            for spec in specs:
-                try:
-                    row = run_row(model, spec, context, batch, args)
-                except Exception as exc:  # one failing cache must not lose the other rows
-                    row = {
-                        "shape": args.shape,
-                        "weights": args.weights,
-                        "cache": spec,
-                        "context": context,
-                        "batch": batch,
-                        "error": f"{type(exc).__name__}: {exc}",
-                        "traceback": traceback.format_exc(),
-                    }
-                    print(row["traceback"], file=sys.stderr)
-                rows.append(row)
-                print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
+            runs: dict[str, list[dict[str, Any]]] = {spec: [] for spec in specs}
+            for _ in range(args.repeats):
+                for spec in specs:
+                    row = safe_row(model, spec, context, batch, args)
+                    runs[spec].append(row)
+                    print(json.dumps({k: v for k, v in row.items() if k != "traceback"}))
+            rows.extend(median_row(runs[spec]) for spec in specs)
     add_ratios(rows)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

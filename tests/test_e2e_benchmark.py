@@ -29,6 +29,9 @@ FIELDS = (
     "decode_tok_s",
     "host_ms_per_step",
     "sync_ms_per_step",
+    "build_ms_per_step",
+    "encode_ms_per_step",
+    "wait_ms_per_step",
     "peak_bytes",
     "prefill_peak_bytes",
     "base_bytes",
@@ -59,11 +62,30 @@ def test_small_shape_rows(tmp_path, batch):
     assert velox["x_fp16_cache_bytes"] == velox["cache_bytes"] / fp16["cache_bytes"]
 
 
+def test_repeats_rotate_the_caches_and_keep_medians(tmp_path, capsys):
+    out = tmp_path / "e2e.json"
+    argv = ["--shape", "small", "--weights", "fp32", "--contexts", "200", "--repeats", "3"]
+    argv += ["--caches", "fp16,uniform:bits=4", "--steps", "2", "--timed-steps", "2"]
+    argv += ["--chunk", "128", "--json", str(out), "--no-warmup"]
+    assert _e2e().main(argv) == 0
+    runs = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line[:1] == "{"]
+    assert [r["cache"] for r in runs] == ["fp16", "uniform:bits=4"] * 3  # in rotation
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["cache"] for r in rows] == ["fp16", "uniform:bits=4"]
+    for row in rows:
+        mine = [r for r in runs if r["cache"] == row["cache"]]
+        assert row["decode_tok_s_runs"] == [r["decode_tok_s"] for r in mine]
+        assert row["decode_tok_s"] == sorted(row["decode_tok_s_runs"])[1]
+        assert row["peak_bytes"] == max(r["peak_bytes"] for r in mine)
+
+
 def test_bad_arguments_are_refused():
     e2e = _e2e()
     with pytest.raises(SystemExit):
         e2e.main(["--shape", "nope"])
     with pytest.raises(SystemExit):
         e2e.main(["--contexts", "12,x"])
+    with pytest.raises(SystemExit, match="repeats"):
+        e2e.main(["--shape", "small", "--weights", "fp32", "--repeats", "0"])
     with pytest.raises(ValueError, match="weights"):
         e2e.build_model("small", "int3")
