@@ -44,6 +44,9 @@ VX_FN float vx_rint(float x) { return rintf(x); }
 VX_FN float vx_fma(float a, float b, float c) { return fmaf(a, b, c); }
 VX_FN float vx_sqrt(float x) { return __fsqrt_rn(x); }
 VX_FN int vx_popcount(unsigned int x) { return __popc(x); }
+// full-range sine and cosine (MLX compiles without --use_fast_math: no __sinf)
+VX_FN float vx_sin(float x) { return sinf(x); }
+VX_FN float vx_cos(float x) { return cosf(x); }
 #if defined(VX_CUDA_EMULATE)
 #define VX_ASSUME(c) ((void)0)
 #else
@@ -69,6 +72,9 @@ VX_FN float vx_rint(float x) { return metal::rint(x); }
 VX_FN float vx_fma(float a, float b, float c) { return metal::fma(a, b, c); }
 VX_FN float vx_sqrt(float x) { return metal::precise::sqrt(x); }
 VX_FN int vx_popcount(uint x) { return static_cast<int>(metal::popcount(x)); }
+// full-range sine and cosine, whatever the compile's fast-math setting
+VX_FN float vx_sin(float x) { return metal::precise::sin(x); }
+VX_FN float vx_cos(float x) { return metal::precise::cos(x); }
 #define VX_ASSUME(c) ((void)0)
 
 #else

@@ -68,20 +68,17 @@ def _rel(got, ref) -> float:
     return (mx.max(mx.abs(got - ref)) / mx.max(mx.abs(ref))).item()
 
 
-@needs_gpu
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("name", sorted(MAKERS))
-def test_decode_steps_past_a_flush_match_the_reference(name, dtype):
-    dt = getattr(mx, dtype)
-    t, steps = 5000, 70  # 70 steps: a flush of 64 tokens (or a fractional width's block)
-    k, v = _data(t + steps, dt)
-    cache = MAKERS[name]()
+def _worst_decode_step(cache, k: mx.array, v: mx.array, t: int) -> float:
+    """Fill ``cache`` with the first ``t`` tokens in chunks (a prefill), then decode the rest
+    one token at a time; returns the worst :func:`_rel` of a step's attention with kernels
+    against kernels off."""
+    dt = k.dtype
     _kernels(True)
     for i in range(0, t, 2048):
         cache.update_and_fetch(k[:, :, i : min(t, i + 2048)], v[:, :, i : min(t, i + 2048)])
     worst = 0.0
     try:
-        for s in range(steps):
+        for s in range(k.shape[2] - t):
             _kernels(True)
             cache.update_and_fetch(k[:, :, t + s : t + s + 1], v[:, :, t + s : t + s + 1])
             q = mx.random.normal((1, 32, 1, 128), key=mx.random.key(1000 + s)).astype(dt)
@@ -91,6 +88,16 @@ def test_decode_steps_past_a_flush_match_the_reference(name, dtype):
             worst = max(worst, _rel(got, ref))
     finally:
         _kernels(True)
+    return worst
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_decode_steps_past_a_flush_match_the_reference(name, dtype):
+    dt = getattr(mx, dtype)
+    # 70 steps: past a flush of 64 tokens (or a fractional width's block)
+    worst = _worst_decode_step(MAKERS[name](), *_data(5070, dt), 5000)
     tol = 2e-3 if dt == mx.float16 else 1e-2
     assert math.isfinite(worst) and worst <= tol, (name, dtype, worst)
 
@@ -113,6 +120,56 @@ def test_prefill_chunk_attention_matches_the_decoded_cache(name):
     assert _rel(got, ref) <= 2e-2, (name, _rel(got, ref))
 
 
+def _rabitq_makers():
+    try:
+        from velox_rabitq import RaBitQCache
+    except ImportError:
+        return {}
+    return {
+        "rabitq4": lambda: RaBitQCache(bits=4),
+        "rabitq2": lambda: RaBitQCache(bits=2),
+        "rabitq1-centroid32-sinks": lambda: RaBitQCache(
+            key_bits=1, value_bits=4, centroid=32, sinks=4
+        ),
+        "rabitq4-centroid0-window": lambda: RaBitQCache(bits=4, centroid=0, window=16),
+    }
+
+
+RABITQ = _rabitq_makers()
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", sorted(RABITQ))
+def test_rabitq_decode_takes_the_kernel_path_and_matches_the_reference(name, dtype):
+    """RaBitQ keys on velox-core's decode kernels (``velox_rabitq.kernels``: affine codes of
+    one group a token, one split per centroid block with the block's ``q . c`` added to its
+    max): every decode plan past a flush is the kernel path, and each step matches the
+    reference (the codec's score estimator, kernels off). The keys share an offset, so the
+    centroid term counts. The kernel's scale and zero are rounded to the record's dtype, which
+    the reference does not do: hence the looser bound than the other caches'."""
+    from velox_rabitq import RaBitQ
+
+    dt = getattr(mx, dtype)
+    k, v = _data(5140, dt)  # 140 steps: past a flush of a 128-token centroid block
+    k = k + (2.0 * mx.random.normal((1, 8, 1, 128), key=mx.random.key(8))).astype(dt)
+    plans, real = [], RaBitQ.joint_call
+
+    def spy(*args, **kwargs):
+        run = real(*args, **kwargs)
+        plans.append(run is not None)
+        return run
+
+    RaBitQ.joint_call = spy
+    try:
+        worst = _worst_decode_step(RABITQ[name](), k, v, 5000)
+    finally:
+        RaBitQ.joint_call = real
+    assert len(plans) >= 2 and all(plans), (name, dtype, plans)  # a plan per flush, all taken
+    tol = 5e-3 if dt == mx.float16 else 3e-2
+    assert math.isfinite(worst) and worst <= tol, (name, dtype, worst)
+
+
 def main() -> int:
     """Run every case without pytest; print one line per case, return 1 on any failure."""
     failed = 0
@@ -122,6 +179,11 @@ def main() -> int:
         for d in ("float16", "bfloat16")
     ]
     cases += [(test_prefill_chunk_attention_matches_the_decoded_cache, (n,)) for n in MAKERS]
+    cases += [
+        (test_rabitq_decode_takes_the_kernel_path_and_matches_the_reference, (n, d))
+        for n in sorted(RABITQ)
+        for d in ("float16", "bfloat16")
+    ]
     for fn, args in cases:
         try:
             fn(*args)

@@ -18,45 +18,22 @@ Writes ``shared/artifacts/commvq-reference-model.safetensors`` (float16 codebook
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
+from reference_calibration import fit_reference
 
-from reference_calibration import ARTIFACTS, calibration_ids, load_reference, source
-
-OUT = ARTIFACTS / "commvq-reference-model.safetensors"
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=16384, help="calibration tokens")
-    parser.add_argument("--per-file", type=int, default=1024, help="tokens per file at most")
-    parser.add_argument("--samples", type=int, default=4096, help="tokens sampled per head")
-    parser.add_argument("--iters", type=int, default=16, help="EM iterations per stage")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the file order and fit")
-    parser.add_argument("--out", type=Path, default=OUT)
-    args = parser.parse_args()
-
-    from velox_commvq import fit_codebooks, save_codebooks
-
-    model, tokenizer = load_reference()
-    ids, used = calibration_ids(tokenizer, args.tokens, args.per_file, args.seed)
-    books = fit_codebooks(
-        model,
-        ids,
-        max_tokens=args.tokens,
-        seq_len=2048,
-        samples=args.samples,
-        iters=args.iters,
-        seed=args.seed,
-        source=source(used),
-    )
-    path = save_codebooks(books, args.out)
-    print(
-        f"{len(books.layers)} layers, fingerprint {books.fingerprint}, "
-        f"{books.calibration['tokens']} tokens from {len(used)} train files -> {path} "
-        f"({path.stat().st_size / 1024:.0f} KB)"
-    )
-
+from velox_commvq import fit_codebooks, save_codebooks
+from velox_core.artifacts_cli import Option
 
 if __name__ == "__main__":
-    main()
+    fit_reference(
+        __doc__,
+        "commvq",
+        fit_codebooks,
+        save_codebooks,
+        tokens=16384,
+        per_file=1024,
+        options=(
+            Option("--samples", int, 4096, "tokens sampled per head"),
+            Option("--iters", int, 16, "EM iterations per stage"),
+        ),
+        seeded=True,
+    )

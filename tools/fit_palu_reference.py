@@ -19,39 +19,17 @@ bench`` adds it).
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
+from reference_calibration import fit_reference
 
-from reference_calibration import ARTIFACTS, calibration_ids, load_reference, source
-
-OUT = ARTIFACTS / "palu-reference-model.safetensors"
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=16384, help="calibration tokens")
-    parser.add_argument("--per-file", type=int, default=1024, help="tokens per file at most")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the file order")
-    parser.add_argument("--out", type=Path, default=OUT)
-    args = parser.parse_args()
-
-    from velox_palu import fit_palu, save_bases
-
-    model, tokenizer = load_reference()
-    ids, used = calibration_ids(tokenizer, args.tokens, args.per_file, args.seed)
-    art = fit_palu(
-        model,
-        ids,
-        seq_len=2048,
-        source=source(used),
-    )
-    path = save_bases(art, args.out)
-    print(
-        f"{len(art.layers)} layers, fingerprint {art.fingerprint}, "
-        f"{art.calibration['tokens']} tokens from {len(used)} train files -> {path} "
-        f"({path.stat().st_size / 1024:.0f} KB); Fisher {art.fisher}"
-    )
-
+from velox_palu import fit_palu, save_bases
 
 if __name__ == "__main__":
-    main()
+    fit_reference(
+        __doc__,
+        "palu",
+        fit_palu,
+        save_bases,
+        tokens=16384,
+        per_file=1024,
+        note=lambda art: f"; Fisher {art.fisher}",
+    )

@@ -17,42 +17,19 @@ per layer, a few KB), which ``velox_qfilters`` finds when ``$VELOX_ARTIFACTS`` l
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
+from reference_calibration import fit_reference
 
-from reference_calibration import ARTIFACTS, calibration_ids, load_reference, source
-
-OUT = ARTIFACTS / "qfilters-reference-model.safetensors"
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=4096, help="calibration tokens")
-    parser.add_argument("--per-file", type=int, default=512, help="tokens per file at most")
-    parser.add_argument("--samples", type=int, default=3000, help="queries sampled per head")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the file order and sample")
-    parser.add_argument("--out", type=Path, default=OUT)
-    args = parser.parse_args()
-
-    from velox_qfilters import fit_filters, save_filters
-
-    model, tokenizer = load_reference()
-    ids, used = calibration_ids(tokenizer, args.tokens, args.per_file, args.seed)
-    filters = fit_filters(
-        model,
-        ids,
-        max_tokens=args.tokens,
-        seq_len=2048,
-        samples=args.samples,
-        seed=args.seed,
-        source=source(used),
-    )
-    path = save_filters(filters, args.out)
-    print(
-        f"{len(filters.layers)} layers, fingerprint {filters.fingerprint}, "
-        f"{filters.calibration['tokens']} tokens from {len(used)} train files -> {path}"
-    )
-
+from velox_core.artifacts_cli import Option
+from velox_qfilters import fit_filters, save_filters
 
 if __name__ == "__main__":
-    main()
+    fit_reference(
+        __doc__,
+        "qfilters",
+        fit_filters,
+        save_filters,
+        tokens=4096,
+        per_file=512,
+        options=(Option("--samples", int, 3000, "queries sampled per head"),),
+        seeded=True,
+    )

@@ -216,6 +216,8 @@ inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
 inline unsigned int popcount(unsigned int x) { return static_cast<unsigned int>(__builtin_popcount(x)); }
 namespace precise {
 inline float sqrt(float x) { return std::sqrt(x); }
+inline float sin(float x) { return std::sin(x); }
+inline float cos(float x) { return std::cos(x); }
 }  // namespace precise
 
 }  // namespace metal

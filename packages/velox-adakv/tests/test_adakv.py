@@ -22,15 +22,17 @@ from velox_core import (
     routed,
     save_cache,
 )
-from velox_core.testing import CacheConformance, kv_data, rel_error, tiny_model
+from velox_core.testing import (
+    EvictingConformance,
+    FullBudgetConformance,
+    Routed,
+    feed,
+    kv_data,
+    rel_error,
+    tiny_model,
+)
 
 SDPA = mx.fast.scaled_dot_product_attention
-
-
-def feed(cache, k, v, chunk):
-    for s in range(0, k.shape[2], chunk):
-        cache.update_and_fetch(k[:, :, s : s + chunk], v[:, :, s : s + chunk])
-    return cache
 
 
 def evicted(cache, k, v, q, chunk=100, scale=0.1):
@@ -45,32 +47,29 @@ def evicted(cache, k, v, q, chunk=100, scale=0.1):
     return cache
 
 
-class TestAdaKV(CacheConformance):
-    """With a budget above the test lengths nothing is evicted: exact fp16 attention."""
-
+class TestAdaKV(FullBudgetConformance):
     max_memory_ratio = 1.03  # int32 positions (0.8%) and the body's growth slack beside the window
-    attention_error = 5e-3
-    model_logit_cosine = 0.9999
-    same_greedy_tokens = 32
+
+    bad_settings = (
+        {"budget": 32},
+        {"alpha": 1.5},
+        {"alpha": "0.2"},
+        {"observe": 0},
+        {"kernel": 4},
+        {"pooling": "min"},
+        {"base": "h2o"},
+        {"ratio": 0.5},
+    )
 
     def make(self):
         return AdaKVCache(budget=4096)
 
 
-class TestAdaKVEvicting(CacheConformance):
+class TestAdaKVEvicting(Routed, EvictingConformance):
     """Small budget, 4-bit codes, per-head storage (batch 1). Per-head storage is read only by
     velox attention, so every test runs under routed attention. Two tests are replaced by
     their per-head forms: ``keys_and_values`` has no single layout once heads differ, and a
     batch of 2 uses the documented uniform split."""
-
-    max_memory_ratio = 0.1  # measured right after a 512-token chunk: budget + chunk are held
-    attention_error = None  # most of the context is evicted: no fp16 reference applies
-    model_logit_cosine = 0.5
-
-    @pytest.fixture(autouse=True)
-    def _routed(self):
-        with routed():
-            yield
 
     def make(self, **kw):
         return AdaKVCache(**{"budget": 64, "window": 16, "every": 8, "bits": 4, **kw})
@@ -449,25 +448,3 @@ def test_recommended_settings_build():
     for s in METHOD.recommended:
         c = AdaKVCache(**s)
         assert isinstance(c.policy, AdaKVPolicy) and c.policy.alpha == 0.2 and c.window == 32
-
-
-@pytest.mark.parametrize(
-    "bad",
-    [
-        {"budget": 32},
-        {"budget": 0},
-        {"alpha": 1.5},
-        {"alpha": "0.2"},
-        {"observe": 0},
-        {"kernel": 4},
-        {"pooling": "min"},
-        {"base": "h2o"},
-        {"every": 0},
-        {"bits": 1},
-        {"key_bits": 4},
-        {"ratio": 0.5},
-    ],
-)
-def test_bad_settings(bad):
-    with pytest.raises((ValueError, TypeError)):
-        AdaKVCache(**bad)

@@ -9,7 +9,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 
 from velox_agetiered import METHOD, AgeTieredCache
 from velox_core import Codec, Tier, Uniform, get_method, make
-from velox_core.testing import CacheConformance, kv_data, rel_error
+from velox_core.testing import CacheConformance, assert_head_dim_refused, feed, kv_data, rel_error
 
 FOUR, THREE, TWO = METHOD.recommended
 
@@ -20,6 +20,24 @@ class TestAgeTiered(CacheConformance):
     max_memory_ratio = 0.35  # 2,048 tokens: 64 at 8 bits, 1,216 at 6, 768 at 3: 0.34
     attention_error = 0.06  # measured 0.037 (8- and 6-bit tiers only at 512 tokens)
     same_greedy_tokens = 32
+
+    bad_settings = (
+        ({"recent_bits": 9}, "recent_bits"),
+        ({"old_bits": 1}, "old_bits"),
+        ({"middle_bits": 8, "recent_bits": 6}, "middle_bits"),
+        ({"old_bits": 4, "middle_bits": 3}, "old_bits"),
+        ({"recent": 0}, "recent"),
+        ({"middle": -64}, "middle"),
+        ({"recent": 100}, "recent"),  # not a multiple of the key group (64)
+        ({"middle": 96}, "middle"),
+        ({"value_axis": "channel", "key_axis": "token", "recent": 48}, "recent"),
+        ({"recent": 64.0}, "recent"),
+        ({"recent_bits": 4.5}, "recent_bits"),
+        ({"key_axis": "head"}, "key_axis"),
+        ({"value_axis": None}, "value_axis"),
+        ({"sinks": -2}, "sinks"),
+        ({"budget": 512}, "budget"),
+    )
 
     def make(self):
         return AgeTieredCache()
@@ -69,15 +87,6 @@ class Counting(Codec):
         return self.inner.decode(packed)
 
 
-def _fill(cache, k, v, chunks):
-    t, start, i = k.shape[2], 0, 0
-    while start < t:
-        n = min(chunks[i % len(chunks)], t - start)
-        cache.update_and_fetch(k[:, :, start : start + n], v[:, :, start : start + n])
-        start, i = start + n, i + 1
-    return cache
-
-
 def _tier_sizes(cache):
     """Tokens per segment, newest tier first: (sinks, [tier0, tier1, ...], window)."""
     return (
@@ -118,33 +127,6 @@ def test_registry_and_shared_names():
         AgeTieredCache(bits=4)  # tiers set the widths: the shared `bits` is not accepted
 
 
-@pytest.mark.parametrize(
-    ("bad", "name"),
-    [
-        ({"recent_bits": 9}, "recent_bits"),
-        ({"old_bits": 1}, "old_bits"),
-        ({"middle_bits": 8, "recent_bits": 6}, "middle_bits"),
-        ({"old_bits": 4, "middle_bits": 3}, "old_bits"),
-        ({"recent": 0}, "recent"),
-        ({"middle": -64}, "middle"),
-        ({"recent": 100}, "recent"),  # not a multiple of the key group (64)
-        ({"middle": 96}, "middle"),
-        ({"value_axis": "channel", "key_axis": "token", "recent": 48}, "recent"),
-        ({"recent": 64.0}, "recent"),
-        ({"recent_bits": 4.5}, "recent_bits"),
-        ({"group": 0}, "group"),
-        ({"key_axis": "head"}, "key_axis"),
-        ({"value_axis": None}, "value_axis"),
-        ({"window": -1}, "window"),
-        ({"sinks": -2}, "sinks"),
-        ({"budget": 512}, "budget"),
-    ],
-)
-def test_bad_settings_are_rejected(bad, name):
-    with pytest.raises((ValueError, TypeError), match=name):
-        AgeTieredCache(**bad)
-
-
 def test_per_token_groups_must_divide_the_head_dim():
     k, v = kv_data(t=8, d=96)
     c = AgeTieredCache(key_axis="token", recent=8, middle=8, group=64)
@@ -158,7 +140,7 @@ def test_layout_is_exact_for_any_chunking(chunks):
     k, v = kv_data(t=700, d=64)
     cfg = dict(recent=64, middle=128, group=32, sinks=3, window=5)
     c = AgeTieredCache(**cfg)
-    _fill(c, k, v, chunks)
+    feed(c, k, v, chunks)
     n = c.cfg.layout(700)
     assert _tier_sizes(c) == (n["sinks"], [n["recent"], n["middle"], n["old"]], n["window"])
     assert (n["recent"], n["middle"]) == (64, 128) and 5 <= n["window"] < 5 + 32
@@ -187,7 +169,7 @@ def test_each_token_is_coded_once_per_tier():
     k, v = kv_data(t=700, d=64)
     c = AgeTieredCache(recent=64, middle=128, group=32, sinks=3, window=5)
     c.tiers = [Tier(Counting(t.key_codec), Counting(t.value_codec), t.span) for t in c.tiers]
-    _fill(c, k, v, (100, 1, 60, 1, 1, 7))
+    feed(c, k, v, (100, 1, 60, 1, 1, 7))
     sinks, (n0, n1, n2), win = _tier_sizes(c)
     assert n2 > 0 and win < 5 + 32
     # tier 0 coded every token that left the window, tier 1 those older than tier 0, ...
@@ -215,7 +197,7 @@ def test_same_codes_for_any_chunking(cfg):
     k, v = kv_data(t=600, d=64)
     states = []
     for chunks in ((600,), (1,), (100, 1, 60, 1, 1), (2, 333, 17)):
-        meta, arrays = _fill(AgeTieredCache(**cfg), k, v, chunks)._state_dict()
+        meta, arrays = feed(AgeTieredCache(**cfg), k, v, chunks)._state_dict()
         states.append((meta["stores"], arrays))
     stores, arrays = states[0]
     assert sum(s["tokens"] for s in stores.values()) == 2 * 600
@@ -276,8 +258,8 @@ def test_four_bit_setting_beats_mlx_q4_at_4k(seed):
     t, d = 4096, 128
     k, v = kv_data(t=t, d=d, seed=seed)
     for chunks in ((t,), (512,)):
-        ours = _fill(AgeTieredCache(**FOUR), k, v, chunks)
-        theirs = _fill(QuantizedKVCache(group_size=64, bits=4), k, v, chunks)
+        ours = feed(AgeTieredCache(**FOUR), k, v, chunks)
+        theirs = feed(QuantizedKVCache(group_size=64, bits=4), k, v, chunks)
         mx.eval(theirs.state, *[a for a in ours.state if isinstance(a, mx.array)])
         assert ours.nbytes <= theirs.nbytes, (chunks, ours.nbytes, theirs.nbytes)
     keys = [mx.random.key(s) for s in range(10, 26)]
@@ -291,16 +273,6 @@ def test_four_bit_setting_beats_mlx_q4_at_4k(seed):
 
 
 def test_make_cache_refuses_a_head_dim_naming_agetiered_and_its_parameter():
-    """A head dim the defaults cannot code is refused at make_cache, before the first forward,
-    in agetiered's own terms (its parameter, not the codec underneath)."""
-    from velox_core import make_cache
-    from velox_core.testing import tiny_model
-
-    model = tiny_model("llama", head_dim=80, hidden_size=160)
-    with pytest.raises(
-        ValueError,
-        match=r"layer 0 \(head dim 80\): agetiered: group=64 must divide the value head dim 80",
-    ) as err:
-        make_cache(model, "agetiered")
-    assert "uniform:" not in str(err.value)
-    assert all(c.method == "agetiered" for c in make_cache(model, "agetiered:group=16"))
+    assert_head_dim_refused(
+        "agetiered", "group=64 must divide the value head dim 80", "agetiered:group=16"
+    )

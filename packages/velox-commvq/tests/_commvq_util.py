@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
-import shutil
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
@@ -21,20 +18,14 @@ from velox_commvq import (
     pre_rope_units,
     save_codebooks,
 )
-from velox_core.testing import tiny_model
+from velox_core.testing import conformance_model, kv_like, scratch_dir
 
 ROOT = Path(__file__).resolve().parents[3]
 REFERENCE = ROOT / "shared" / "reference-model"
 REFERENCE_ARTIFACT = ROOT / "shared" / "artifacts" / "commvq-reference-model.safetensors"
 BASE = 10000.0
 SMALL = {"pairs": 2, "entries": 4, "stages": 2}
-_TMP = Path(tempfile.mkdtemp(prefix="velox-commvq-tests-"))
-atexit.register(shutil.rmtree, _TMP, True)
-
-
-def conformance_model():
-    """The tiny llama of the conformance suite's model-level tests (head_dim 128)."""
-    return tiny_model("llama", head_dim=128, hidden_size=256)
+_TMP = scratch_dir("velox-commvq-tests-")
 
 
 @lru_cache(maxsize=1)
@@ -44,20 +35,6 @@ def conformance_codebooks() -> str:
     ids = np.random.default_rng(0).integers(0, 512, 2048)
     books = fit_codebooks(conformance_model(), ids, seq_len=1024, samples=2048, iters=8, **SMALL)
     return str(save_codebooks(books, _TMP / "conformance.safetensors"))
-
-
-def kv_like(t: int, seed: int = 0, noise_seed: int = 1000, h: int = 2, d: int = 128) -> mx.array:
-    """Keys of the law of ``kv_data(seed=seed)`` (its channel scales, outlier channels and
-    mean, drawn as it draws them) with independent noise: new tokens of the same "model".
-
-    Shapes: returns float32 ``(1, h, t, d)``.
-    """
-    rng = np.random.default_rng(seed)
-    scale = np.exp(rng.normal(0, 0.5, size=d))
-    scale[rng.choice(d, size=max(1, d // 32), replace=False)] *= 6.0
-    mean = rng.normal(0, 1.0, size=d)
-    noise = np.random.default_rng(noise_seed).normal(0, 1, size=(1, h, t, d))
-    return mx.array((noise * scale + mean).astype(np.float32))
 
 
 @lru_cache(maxsize=1)

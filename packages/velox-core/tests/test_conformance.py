@@ -1,43 +1,34 @@
 """velox-core's own method, ``uniform``, passes the shared conformance suite."""
 
-from velox_core import UniformCache, VeloxCache
+from velox_core import VeloxCache
 from velox_core.testing import CacheConformance
 
 
 class TestUniform4(CacheConformance):
+    spec = "uniform:bits=4,group=64"
+    precise_spec = "uniform:bits=8,group=64"
+
     max_memory_ratio = 0.3  # 4-bit codes + fp16 scale and zero per 64: 0.281 of fp16
     attention_error = 0.3  # per-token groups suffer from the outlier key channels of kv_data
     same_greedy_tokens = 32
-
-    def make(self):
-        return UniformCache(bits=4, group=64)
-
-    def make_precise(self):
-        return UniformCache(bits=8, group=64)
 
 
 class TestUniformExactTrim(CacheConformance):
     """Every token coded on arrival (flush=1, no window): trim is exact, is_trimmable()."""
 
+    spec = "uniform:bits=4,group=64,flush=1"
+    precise_spec = "uniform:bits=8,group=64,flush=1"
+
     max_memory_ratio = 0.3
     attention_error = 0.3
 
-    def make(self):
-        return UniformCache(bits=4, group=64, flush=1)
-
-    def make_precise(self):
-        return UniformCache(bits=8, group=64, flush=1)
-
 
 class TestUniformWindowSinksChannel(CacheConformance):
+    spec = "uniform:bits=3,key_bits=4,group=32,key_axis=channel,window=16,sinks=4"
+    precise_spec = "uniform:bits=8,group=32,key_axis=channel,window=16,sinks=4"
+
     max_memory_ratio = 0.45
     attention_error = 0.3  # 3-bit values
-
-    def make(self):
-        return UniformCache(bits=3, key_bits=4, group=32, key_axis="channel", window=16, sinks=4)
-
-    def make_precise(self):
-        return UniformCache(bits=8, group=32, key_axis="channel", window=16, sinks=4)
 
 
 class TestLossless(CacheConformance):

@@ -411,6 +411,15 @@ def _decode_variants():
         ins = [U32, ("float16", 1, 8), ("float16", 1, 8), ("float32", 1, 1 << 16)]
         infos = [ArgInfo(*a) for a in [F32, *ins, *ins]] + [ArgInfo(*DUMMY)] * 5
         out.append((dk.DECODE, infos, ["float32"] * 2, dk.template(p, 128, kside, vq)))
+    # CommVQ table keys: the default geometry (2 stages of 4-bit indices per 4 pairs) at 2 and
+    # 8 query rows (a lane's indices whole words / a share of one), 3-bit indices straddling
+    for kb, kg, m_rows in ((4, 4, 2), (4, 4, 8), (3, 1, 2)):
+        kside = dk.Codes(dk.TABLE, kb, kg, None, None, table=dk.TableKeys(2, None))
+        p = dk.plan_for(m_rows, 128, kside, vside)
+        ins = [U32, ("float16", 3, 1 << 20), ("int32", 3, 1 << 20), ("float32", 1, 64)]
+        infos = [ArgInfo(*a) for a in [F32, *ins, U32, H16, H16, DUMMY]]
+        infos += [ArgInfo(*a) for a in (DUMMY, DUMMY, F32, DUMMY, DUMMY)]
+        out.append((dk.DECODE, infos, ["float32"] * 2, dk.template(p, 128, kside, vside)))
     # QJL sketch keys: outliers with one row set for both sketches, two row sets with shares
     # straddling words, and no outliers
     for m, mo, k, m_rows in ((256, 256, 8, 4), (320, 64, 8, 8), (256, 0, 0, 4)):

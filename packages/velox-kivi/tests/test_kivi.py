@@ -1,34 +1,29 @@
 """KIVI: the conformance suite, and what is KIVI's own."""
 
 import mlx.core as mx
-import pytest
 
 from velox_core import Uniform, make
-from velox_core.testing import CacheConformance, kv_data, rel_error
+from velox_core.testing import CacheConformance, assert_head_dim_refused, kv_data, rel_error
 from velox_kivi import KIVICache
 
 
 class TestKIVI4(CacheConformance):
+    spec = "kivi:bits=4"
+    precise_spec = "kivi:bits=8"
+
     max_memory_ratio = 0.38  # 4-bit codes, fp16 scale/zero per 32, a 128-token fp16 window
     attention_error = 0.1
     same_greedy_tokens = 32
 
-    def make(self):
-        return KIVICache(bits=4)
-
-    def make_precise(self):
-        return KIVICache(bits=8)
+    bad_settings = ({"bits": 1},)
 
 
 class TestKIVI2(CacheConformance):
+    spec = "kivi:bits=2,group=32,window=32"
+    precise_spec = "kivi:bits=8,group=32,window=32"
+
     max_memory_ratio = 0.27
     attention_error = 0.9  # 2-bit keys move the peaked logits of kv_data a lot
-
-    def make(self):
-        return KIVICache(bits=2, group=32, window=32)
-
-    def make_precise(self):
-        return KIVICache(bits=8, group=32, window=32)
 
 
 def test_codecs_follow_the_paper():
@@ -67,25 +62,5 @@ def test_separate_key_and_value_bits():
     assert c.tiers[0].key_codec.bits == 2 and c.tiers[0].value_codec.bits == 4
 
 
-@pytest.mark.parametrize(
-    "bad", [{"bits": 1}, {"bits": 9}, {"group": 0}, {"window": -1}, {"rank": 3}]
-)
-def test_bad_settings(bad):
-    with pytest.raises((ValueError, TypeError)):
-        KIVICache(**bad)
-
-
 def test_make_cache_refuses_a_head_dim_naming_kivi_and_its_parameter():
-    """A head dim the defaults cannot code is refused at make_cache, before the first forward,
-    in kivi's own terms (its parameter, not the codec underneath)."""
-    from velox_core import make_cache
-    from velox_core.testing import tiny_model
-
-    model = tiny_model("llama", head_dim=80, hidden_size=160)
-    with pytest.raises(
-        ValueError,
-        match=r"layer 0 \(head dim 80\): kivi: group=32 must divide the value head dim 80",
-    ) as err:
-        make_cache(model, "kivi")
-    assert "uniform:" not in str(err.value)
-    assert all(c.method == "kivi" for c in make_cache(model, "kivi:group=16"))
+    assert_head_dim_refused("kivi", "group=32 must divide the value head dim 80", "kivi:group=16")

@@ -1,6 +1,5 @@
 """MiniCache: the conformance suite, the layer pairs through make_cache, and the mathematics."""
 
-import copy
 import math
 
 import mlx.core as mx
@@ -8,7 +7,13 @@ import numpy as np
 import pytest
 
 from velox_core import load_cache, make, make_cache, routed, save_cache
-from velox_core.testing import CacheConformance, kv_data, rel_error, tiny_model
+from velox_core.testing import (
+    CacheConformance,
+    assert_linked_copies,
+    conformance_model,
+    kv_data,
+    rel_error,
+)
 from velox_minicache import (
     MergedPair,
     MiniCache,
@@ -29,6 +34,18 @@ class TestMiniCache(CacheConformance):
     max_memory_ratio = 1.0
     model_logit_cosine = 0.95
 
+    bad_settings = (
+        {"t": -0.1},
+        {"t": 1.5},
+        {"t": "half"},
+        {"gamma": 2.0},
+        {"gamma": -0.01},
+        {"start_layer": -1},
+        {"start_layer": 1.5},
+        {"flush": 4},
+        {"bits": 4},
+    )
+
     def make(self):
         return MiniCache(start_layer=0)
 
@@ -43,9 +60,9 @@ class TestMiniCache(CacheConformance):
 
         from velox_core.testing import tiny_tokenizer
 
-        model = tiny_model("llama", head_dim=128, hidden_size=256)
+        model = conformance_model()
         caches = make_cache(model, self.make())
-        assert caches[0].pair is caches[1].pair
+        assert caches[0].group is caches[1].group
         with pytest.raises(ValueError, match="merged pair"):
             caches[0].merge([caches[0]])
         prompts = [[5, 6, 7, 8], [9, 10, 11]]
@@ -61,7 +78,7 @@ class TestMiniCache(CacheConformance):
 
 # -- helpers ---------------------------------------------------------------------------------------
 def _model(layers=2):
-    return tiny_model("llama", head_dim=128, hidden_size=256, num_hidden_layers=layers)
+    return conformance_model(num_hidden_layers=layers)
 
 
 def _pair(**kw):
@@ -145,13 +162,13 @@ def test_a_pair_stores_eq_3_with_per_layer_norms_and_the_retained_tokens_as_give
     c0.update_and_fetch(k1, v1)
     c1.update_and_fetch(k2, v2)
     c0.update_and_fetch(k1[:, :, :1], v1[:, :, :1])  # the next update merges the chunk
-    assert c0._merged == c1._merged == c0.pair.tokens == 150
+    assert c0._merged == c1._merged == c0.group.tokens == 150
     for kind, (x1, x2) in enumerate(((k1, k2), (v1, v2))):
         e, n1, n2, d = _np_slerp(_f32(x1), _f32(x2), 0.5)
         flat = d.reshape(1, -1)
         keep = d > flat.max() - 0.3 * (flat.max() - flat.min())
         assert 0 < keep.sum() < keep.size
-        pos = np.array(c0.pair.pos[kind])
+        pos = np.array(c0.group.pos[kind])
         assert set(map(tuple, pos)) == {(h, t) for h, t in zip(*np.nonzero(keep[0]))}
         for c, x, n in ((c0, x1, n1), (c1, x2, n2)):
             got = _f32(c.keys_and_values()[kind][:, :, :150])
@@ -163,13 +180,13 @@ def test_a_pair_stores_eq_3_with_per_layer_norms_and_the_retained_tokens_as_give
 # -- the pairs ------------------------------------------------------------------------------------
 def test_make_cache_pairs_adjacent_layers_from_the_middle():
     caches = make_cache(_model(6), "minicache")
-    assert [c.pair is not None for c in caches] == [False, False, False, True, True, False]
-    assert caches[3].pair is caches[4].pair and caches[3].pair.layers == [3, 4]
+    assert [c.group is not None for c in caches] == [False, False, False, True, True, False]
+    assert caches[3].group is caches[4].group and caches[3].group.layers == [3, 4]
     caches = make_cache(_model(6), "minicache:start_layer=1")
-    assert caches[1].pair is caches[2].pair is not caches[3].pair
-    assert caches[3].pair is caches[4].pair and caches[5].pair is None
+    assert caches[1].group is caches[2].group is not caches[3].group
+    assert caches[3].group is caches[4].group and caches[5].group is None
     again = make_cache(_model(6), "minicache:start_layer=1")
-    assert again[1].pair is not caches[1].pair  # each make_cache call makes new pairs
+    assert again[1].group is not caches[1].group  # each make_cache call makes new pairs
     with pytest.raises(ValueError, match="no pair"):
         make_cache(_model(6), "minicache:start_layer=5")
     with pytest.raises(ValueError, match="same settings"):
@@ -205,7 +222,7 @@ def test_the_shared_tokens_count_once_in_the_models_bytes():
         model(mx.array([[7]]), cache=caches)  # merges the prompt
     h, d, t = 2, 128, 300
     for first, second in ((0, 1), (2, 3)):
-        pair = caches[first].pair
+        pair = caches[first].group
         shared = sum(a.nbytes for s in pair.dirs for a in s.arrays()) + sum(
             a.nbytes for a in pair.shared_arrays().values()
         )
@@ -250,10 +267,10 @@ def test_trim_into_the_merged_tokens_then_continue():
     c0.update_and_fetch(k[:, :, 150:151], v[:, :, 150:151])
     c1.update_and_fetch(k[:, :, 150:151], v[:, :, 150:151])
     c0.trim(31)  # one window token, then 30 merged ones: the pair keeps them for layer 1
-    assert c0.size() == c0.offset == 120 and c0.pair.tokens == 150
+    assert c0.size() == c0.offset == 120 and c0.group.tokens == 150
     assert c0.keys_and_values()[0].shape[2] == 120
     c1.trim(31)
-    assert c0.pair.tokens == 120 and all(int(p[:, 1].max()) < 120 for p in c0.pair.pos)
+    assert c0.group.tokens == 120 and all(int(p[:, 1].max()) < 120 for p in c0.group.pos)
     for c in (c0, c1):
         c.update_and_fetch(k[:, :, 120:200], v[:, :, 120:200])
     c0.update_and_fetch(k[:, :, :1], v[:, :, :1])
@@ -262,34 +279,12 @@ def test_trim_into_the_merged_tokens_then_continue():
 
 
 # -- files and copies -----------------------------------------------------------------------------
-def _decode(model, caches, steps):
-    out = []
-    with routed(model):
-        for t in steps:
-            out.append(model(mx.array([[t]]), cache=caches)[:, -1])
-    return mx.concatenate(out).astype(mx.float32)
-
-
 def test_save_load_and_deepcopy_of_the_whole_model_keep_the_pairs(tmp_path):
     model = _model(5)  # pairs [0, 1] and [2, 3]; layer 4 fp16
     caches = make_cache(model, "minicache:start_layer=0,gamma=0.2")
-    with routed(model):
-        model(mx.random.randint(0, 512, (1, 120), key=mx.random.key(1)), cache=caches)
-    _decode(model, caches, [5, 9])
-    path = tmp_path / "m.safetensors"
-    save_cache(path, caches)
-    names = list(mx.load(str(path)))
-    assert sorted({n.split(".")[0] for n in names if ".dir." in n}) == ["layer0", "layer2"]
-    loaded = load_cache(path)
-    twin = copy.deepcopy(caches)
-    for other in (loaded, twin):
-        assert other[0].pair is other[1].pair is not caches[0].pair
-        assert other[2].pair is other[3].pair is not other[0].pair and other[4].pair is None
-        assert sum(c.logical_nbytes for c in other) == sum(c.logical_nbytes for c in caches)
-    ref = _decode(model, caches, [3, 7, 11])
-    for other in (loaded, twin):
-        assert rel_error(_decode(model, other, [3, 7, 11]), ref) < 1e-3
-        assert other[1]._merged == caches[1]._merged
+    for other in assert_linked_copies(model, caches, tmp_path / "m.safetensors", "dir"):
+        assert other[0].group is other[1].group is not other[2].group is other[3].group
+        assert other[4].group is None and other[1]._merged == caches[1]._merged
 
 
 def test_a_layer_saved_without_its_pair_is_refused(tmp_path):
@@ -302,34 +297,15 @@ def test_a_layer_saved_without_its_pair_is_refused(tmp_path):
     with pytest.raises(ValueError, match="missing"):
         load_cache(tmp_path / "one.safetensors")
     alone = caches[1].copy()  # a copy of one layer holds the shared tokens itself
-    assert alone.pair.owner is alone and alone.size() == caches[1].size()
+    assert alone.group.owner is alone and alone.size() == caches[1].size()
     assert rel_error(alone.keys_and_values()[0], caches[1].keys_and_values()[0]) < 1e-6
 
 
-# -- parameters ------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "bad",
-    [
-        {"t": -0.1},
-        {"t": 1.5},
-        {"t": "half"},
-        {"gamma": 2.0},
-        {"gamma": -0.01},
-        {"start_layer": -1},
-        {"start_layer": 1.5},
-        {"flush": 4},
-        {"bits": 4},
-    ],
-)
-def test_bad_settings(bad):
-    with pytest.raises((ValueError, TypeError)):
-        MiniCache(**bad)
-
-
+# -- parameters (the bad settings: TestMiniCache.bad_settings) -------------------------------------
 def test_bad_specs_are_refused_early():
     with pytest.raises(ValueError, match="flush"):
         make("minicache:flush=2")
     with pytest.raises(ValueError, match="no pair"):
         make_cache(_model(2), "minicache:start_layer=1")  # layer 1 has no partner
     caches = make_cache(_model(2), "minicache")  # by default a 2-layer model merges (0, 1)
-    assert caches[0].pair is caches[1].pair is not None
+    assert caches[0].group is caches[1].group is not None

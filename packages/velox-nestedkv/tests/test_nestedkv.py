@@ -7,7 +7,8 @@ from mlx_lm.models.cache import QuantizedKVCache
 
 from velox_core import Uniform, VeloxCache, load_cache, make, make_cache, routed, save_cache
 from velox_core.testing import (
-    CacheConformance,
+    EvictingConformance,
+    FullBudgetConformance,
     attention_errors_vs_mlx_quant,
     fill_chunks,
     kv_data,
@@ -19,26 +20,27 @@ from velox_nestedkv import METHOD, NestedKVCache, NestedKVPolicy, head_budgets, 
 FP16, FOUR_BIT = METHOD.recommended
 
 
-class TestNestedKV(CacheConformance):
-    """With a budget above the test lengths nothing is evicted: exact fp16 attention."""
-
-    max_memory_ratio = 1.01
-    attention_error = 5e-3
-    model_logit_cosine = 0.9999
-    same_greedy_tokens = 32
+class TestNestedKV(FullBudgetConformance):
+    bad_settings = (
+        {"recent": 0},
+        {"block": 0},
+        {"beta": -1.0},
+        {"kappa": -1.0},
+        {"prior": (0.5, 0.5)},
+        {"prior": (0.5, 0.5, 0.0)},
+        {"safeguard": 1.5},
+        {"heads": "mixed"},
+        {"tau": "high"},
+    )
 
     def make(self):
         return NestedKVCache(budget=4096)
 
 
-class TestNestedKVEvicting(CacheConformance):
+class TestNestedKVEvicting(EvictingConformance):
     """A small budget with 4-bit codes, re-compressed during decode: lossy, bounded.
     (Per-head budgets store one record per head, which the protocol checks cannot read, so
     this class keeps ``budget`` tokens in every head.)"""
-
-    max_memory_ratio = 0.1  # measured right after a 512-token chunk: budget + chunk are held
-    attention_error = None  # most of the context is evicted: no fp16 reference applies
-    model_logit_cosine = 0.5
 
     def make(self):
         return NestedKVCache(budget=64, every=8, bits=4, heads="uniform")
@@ -420,28 +422,3 @@ def test_recommended_settings():
         (0.4, 0.4, 0.2),
         0.2,
     )
-
-
-@pytest.mark.parametrize(
-    "bad",
-    [
-        {"budget": 4, "sinks": 4},
-        {"budget": 0},
-        {"every": 0},
-        {"recent": 0},
-        {"block": 0},
-        {"beta": -1.0},
-        {"kappa": -1.0},
-        {"prior": (0.5, 0.5)},
-        {"prior": (0.5, 0.5, 0.0)},
-        {"safeguard": 1.5},
-        {"heads": "mixed"},
-        {"bits": 1},
-        {"key_bits": 4},
-        {"tau": "high"},
-        {"rank": 3},
-    ],
-)
-def test_bad_settings(bad):
-    with pytest.raises((ValueError, TypeError)):
-        NestedKVCache(**bad)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
-import shutil
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
@@ -14,17 +11,11 @@ import numpy as np
 from velox_core.artifacts import fingerprint
 from velox_core.ops.rope import RopeSpec
 from velox_core.ops.rope import fast_rotate as rope_at
-from velox_core.testing import kv_data, tiny_model
+from velox_core.testing import conformance_model, kv_data, kv_like, scratch_dir
 from velox_palu import PaluBases, bases_from_gram, fit_palu, group_gram, save_bases
 
 BASE = 10000.0
-_TMP = Path(tempfile.mkdtemp(prefix="velox-palu-tests-"))
-atexit.register(shutil.rmtree, _TMP, True)
-
-
-def conformance_model():
-    """The tiny llama of the conformance suite's model-level tests (head_dim 128)."""
-    return tiny_model("llama", head_dim=128, hidden_size=256)
+_TMP = scratch_dir("velox-palu-tests-")
 
 
 @lru_cache(maxsize=1)
@@ -43,12 +34,7 @@ def kv_artifact() -> str:
     spec = RopeSpec.from_base(BASE, 128)
     kg, vg, n = 0, 0, 0
     for s in range(2):
-        rng = np.random.default_rng(0)  # kv_data's channel law (seed 0)
-        scale = np.exp(rng.normal(0, 0.5, size=128))
-        scale[rng.choice(128, size=4, replace=False)] *= 6.0
-        mean = rng.normal(0, 1.0, size=128)
-        noise = np.random.default_rng(100 + s).normal(0, 1, size=(1, 2, 2048, 128))
-        k = mx.array((noise * scale + mean).astype(np.float32))
+        k = kv_like(2048, seed=0, noise_seed=100 + s)  # kv_data's channel law, other noise
         _, v = kv_data(t=2048, seed=100 + s)
         pre = rope_at(k, mx.zeros((1,), mx.int32), spec, inverse=True)
         kg, vg, n = kg + group_gram(pre, 2), vg + group_gram(v.astype(mx.float32), 2), n + 2048

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
-import shutil
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
@@ -12,19 +9,13 @@ import mlx.core as mx
 import numpy as np
 
 from velox_core import RetentionPolicy, VeloxCache, make_cache, routed
-from velox_core.testing import tiny_model
+from velox_core.testing import conformance_model, scratch_dir
 from velox_qfilters import Filters, fit_filters, save_filters
 
 ROOT = Path(__file__).resolve().parents[3]
 REFERENCE = ROOT / "shared" / "reference-model"
 REFERENCE_ARTIFACT = ROOT / "shared" / "artifacts" / "qfilters-reference-model.safetensors"
-_TMP = Path(tempfile.mkdtemp(prefix="velox-qfilters-tests-"))
-atexit.register(shutil.rmtree, _TMP, True)
-
-
-def conformance_model():
-    """The tiny llama of the conformance suite's model-level tests (head_dim 128)."""
-    return tiny_model("llama", head_dim=128, hidden_size=256)
+_TMP = scratch_dir("velox-qfilters-tests-")
 
 
 @lru_cache(maxsize=1)

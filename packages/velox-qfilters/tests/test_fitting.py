@@ -10,14 +10,13 @@ from _qfilters_util import (
     REFERENCE,
     REFERENCE_ARTIFACT,
     conformance_filters,
-    conformance_model,
     keys_and_queries,
     received_attention,
     spearman,
 )
 
 from velox_core import make_cache, routed
-from velox_core.testing import tiny_model, tiny_tokenizer
+from velox_core.testing import conformance_model, tiny_model, tiny_tokenizer
 from velox_qfilters import (
     MissingFiltersError,
     QFiltersCache,
@@ -103,7 +102,7 @@ def _prediction(model, filters, ids, last=64):
 def test_fitted_filters_predict_attention_on_a_tiny_model():
     """A tiny llama whose queries lean on a direction (query biases, as in Qwen2): the fitted
     filters rank keys by the attention they receive, and flipping them ranks them backwards."""
-    model = tiny_model("llama", head_dim=128, hidden_size=256, attention_bias=True)
+    model = conformance_model(attention_bias=True)
     for i, layer in enumerate(model.model.layers):
         b = mx.random.normal(layer.self_attn.q_proj.bias.shape, key=mx.random.key(10 + i))
         layer.self_attn.q_proj.bias = b.astype(mx.float16)

@@ -5,34 +5,33 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from _qfilters_util import artifact, conformance_filters, conformance_model
+from _qfilters_util import artifact, conformance_filters
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from velox_core import Uniform, VeloxCache, load_cache, make_cache, routed, save_cache
-from velox_core.testing import CacheConformance, kv_data
+from velox_core.testing import (
+    EvictingConformance,
+    FullBudgetConformance,
+    conformance_model,
+    feed,
+    kv_data,
+)
 from velox_qfilters import METHOD, QFiltersCache, QFiltersPolicy, principal_filters
 
 
-class TestQFilters(CacheConformance):
-    """With a budget above the test lengths nothing is evicted: exact fp16 attention."""
-
+class TestQFilters(FullBudgetConformance):
     # the body's growth slack (the 64-token window leaves it 1,984 tokens in a 2,048 buffer),
     # int32 positions beside it and the 1 KB of filters: 4% over fp16
     max_memory_ratio = 1.045
-    attention_error = 5e-3
-    model_logit_cosine = 0.9999
-    same_greedy_tokens = 32
+
+    bad_settings = ({"filters": 3}, {"layer": -1}, {"alpha": 1})
 
     def make(self):
         return QFiltersCache(budget=4096, filters=conformance_filters(), layer=0)
 
 
-class TestQFiltersEvicting(CacheConformance):
-    """A small budget with 4-bit codes: evicting, lossy, bounded."""
-
-    max_memory_ratio = 0.1  # measured right after a 512-token chunk: budget + chunk are held
-    attention_error = None  # most of the context is evicted: no fp16 reference applies
-    model_logit_cosine = 0.5
+class TestQFiltersEvicting(EvictingConformance):
+    """4-bit codes of the kept tokens."""
 
     def make(self):
         return QFiltersCache(
@@ -48,12 +47,6 @@ class TestQFiltersEvicting(CacheConformance):
         return QFiltersCache(budget=64, window=32, every=8, filters=conformance_filters(), layer=0)
 
 
-def _feed(cache, k, v, chunk):
-    for s in range(0, k.shape[2], chunk):
-        cache.update_and_fetch(k[:, :, s : s + chunk], v[:, :, s : s + chunk])
-    return cache
-
-
 def _unit(shape, seed):
     f = mx.random.normal(shape, key=mx.random.key(seed))
     return f / mx.linalg.norm(f, axis=-1, keepdims=True)
@@ -64,7 +57,7 @@ def test_each_head_keeps_the_keys_with_the_largest_projection(chunk):
     k, v = kv_data(t=701)
     f = _unit((2, 128), 0)
     c = QFiltersCache(budget=100, window=0, every=1, filters=artifact(f, "proj"), layer=0)
-    _feed(c, k[:, :, :700], v[:, :, :700], chunk)
+    feed(c, k[:, :, :700], v[:, :, :700], chunk)
     c.update_and_fetch(k[:, :, 700:], v[:, :, 700:])  # the next update cuts back to the budget
     # scores never change, so evicting step by step or at once keeps the same top 100
     for h in range(2):
@@ -81,7 +74,7 @@ def test_flipped_filters_keep_the_other_end():
     kept = []
     for sign, name in ((1.0, "plus"), (-1.0, "minus")):
         c = QFiltersCache(budget=50, window=0, filters=artifact(sign * f, name), layer=0)
-        _feed(c, k, v, 400).update_and_fetch(k[:, :, :1], v[:, :, :1])
+        feed(c, k, v, 400).update_and_fetch(k[:, :, :1], v[:, :, :1])
         kept.append(set(np.array(c.body_positions()[0][0][:-1]).tolist()))
     assert not kept[0] & kept[1]
 
@@ -92,8 +85,8 @@ def test_kept_keys_keep_their_positions(bits):
     k, v = kv_data(t=640)
     path = artifact(_unit((2, 128), 2), "positions")
     c = QFiltersCache(budget=80, sinks=4, window=16, every=4, bits=bits, filters=path, layer=0)
-    _feed(c, k[:, :, :600], v[:, :, :600], 100)
-    _feed(c, k[:, :, 600:], v[:, :, 600:], 1)  # decode steps evict every 4 tokens
+    feed(c, k[:, :, :600], v[:, :, :600], 100)
+    feed(c, k[:, :, 600:], v[:, :, 600:], 1)  # decode steps evict every 4 tokens
     assert c.offset == 640 and c.size() <= 80 + 4
     ref = k if bits is None else Uniform(bits).decode(Uniform(bits).encode(k)).astype(k.dtype)
     for h, (keys, pos) in enumerate(zip(c.body_keys(), c.body_positions())):
@@ -171,7 +164,7 @@ def test_composes_with_turboquant_3bit():
         value_codec=tq.TurboQuant(bits=3),
         policy=QFiltersPolicy(budget=64, filters=conformance_filters(), layer=0),
     )
-    _feed(c, k, v, 100).update_and_fetch(k[:, :, :1], v[:, :, :1])
+    feed(c, k, v, 100).update_and_fetch(k[:, :, :1], v[:, :, :1])
     kept = np.array(c.body_positions()[0][0][:-1])
     f = np.array(mx.load(conformance_filters())["layer.0"][0])
     proj = np.array(k[0, 0].astype(mx.float32)) @ f
@@ -200,7 +193,7 @@ def test_four_bit_setting_against_mlx_q4(t):
         ours = QFiltersCache(**setting, filters=path, layer=0)
         theirs = QuantizedKVCache(group_size=64, bits=4)
         for cache in (ours, theirs):
-            _feed(cache, k[:, :, : t - 32], v[:, :, : t - 32], 512)
+            feed(cache, k[:, :, : t - 32], v[:, :, : t - 32], 512)
             for i in range(t - 32, t):
                 cache.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
         mx.eval(theirs.state)
@@ -233,21 +226,3 @@ def test_no_filters_is_a_clear_error():
         QFiltersCache(budget=128, filters=wrong, layer=0).update_and_fetch(k, v)
     with pytest.raises(ValueError, match="no layer 3"):
         QFiltersCache(budget=128, filters=wrong, layer=3).update_and_fetch(k, v)
-
-
-@pytest.mark.parametrize(
-    "bad",
-    [
-        {"budget": 64, "window": 64},
-        {"budget": 0},
-        {"every": 0},
-        {"bits": 1},
-        {"key_bits": 4},
-        {"filters": 3},
-        {"layer": -1},
-        {"alpha": 1},
-    ],
-)
-def test_bad_settings(bad):
-    with pytest.raises((ValueError, TypeError)):
-        QFiltersCache(**bad)

@@ -1,7 +1,6 @@
 """QJL: the conformance suite, and what is QJL's own (the estimator's mathematics, outliers,
 the packed layout, the settings)."""
 
-import json
 import math
 
 import mlx.core as mx
@@ -10,7 +9,12 @@ import pytest
 from mlx_lm.models.cache import QuantizedKVCache
 
 from velox_core import Uniform, make
-from velox_core.testing import CacheConformance, kv_data
+from velox_core.testing import (
+    CacheConformance,
+    assert_head_dim_refused,
+    assert_tampered_state_refused,
+    kv_data,
+)
 from velox_qjl import METHOD, QJL, QJLCache
 
 D = 128
@@ -24,6 +28,16 @@ class TestQJL(CacheConformance):
     # and 0.72 (trim test); mlx's own 4-bit codes give about 0.3 on the same data
     attention_error = 0.85
     same_greedy_tokens = 32
+
+    bad_settings = (
+        {"bits": 1},  # values need 2 bits at least
+        {"value_bits": 1},
+        {"key_bits": 2, "sketch": 256},
+        {"sketch": 0},
+        {"outliers": -1},
+        {"outlier_bits": 0},
+        {"orthogonal": 1},
+    )
 
     def make(self):
         return QJLCache()
@@ -265,36 +279,7 @@ def test_saved_projection_must_match_the_seed():
     k, v = kv_data(t=64)
     c = QJLCache(window=0)
     c.update_and_fetch(k, v)
-    state = c.state
-    names = json.loads(state[0])["arrays"]
-    i = 1 + names.index("codec.tier0.k.proj")
-    state[i] = state[i] * -1
-    with pytest.raises(ValueError, match="projection"):
-        QJLCache.from_state(state)
-
-
-@pytest.mark.parametrize(
-    "bad",
-    [
-        {"bits": 0},
-        {"bits": 1},  # values need 2 bits at least
-        {"value_bits": 1},
-        {"key_bits": 9},
-        {"key_bits": 2, "sketch": 256},
-        {"sketch": 0},
-        {"outliers": -1},
-        {"outlier_bits": 0},
-        {"group": 0},
-        {"orthogonal": 1},
-        {"window": -1},
-        {"sinks": -1},
-        {"seed": -1},
-        {"rank": 3},
-    ],
-)
-def test_bad_settings(bad):
-    with pytest.raises((ValueError, TypeError)):
-        QJLCache(**bad)
+    assert_tampered_state_refused(c, "codec.tier0.k.proj", "projection")
 
 
 def test_bits_one_with_value_bits_is_a_1bit_per_channel_sketch():
@@ -326,16 +311,4 @@ def test_long_inputs_encode_in_chunks_to_the_same_record(monkeypatch, kw):
 
 
 def test_make_cache_refuses_a_head_dim_naming_qjl_and_its_parameter():
-    """A head dim the defaults cannot code is refused at make_cache, before the first forward,
-    in qjl's own terms (its parameter, not the codec underneath)."""
-    from velox_core import make_cache
-    from velox_core.testing import tiny_model
-
-    model = tiny_model("llama", head_dim=80, hidden_size=160)
-    with pytest.raises(
-        ValueError,
-        match=r"layer 0 \(head dim 80\): qjl: group=32 must divide the value head dim 80",
-    ) as err:
-        make_cache(model, "qjl")
-    assert "uniform:" not in str(err.value)
-    assert all(c.method == "qjl" for c in make_cache(model, "qjl:group=16"))
+    assert_head_dim_refused("qjl", "group=32 must divide the value head dim 80", "qjl:group=16")

@@ -10,6 +10,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 from velox_core import make
 from velox_core.testing import (
     CacheConformance,
+    assert_head_dim_refused,
     attention_errors_vs_mlx_quant,
     fill_chunks,
     kv_data,
@@ -26,6 +27,17 @@ class TestSKVQ4(CacheConformance):
     max_memory_ratio = 0.28  # 4-bit codes, fp16 scale+zero per 64 (keys) / 128 (values)
     attention_error = 0.25  # no fp16 window: the recent tokens kv_data's query favours are coded
     same_greedy_tokens = 32
+
+    bad_settings = (
+        {"bits": 1},
+        {"bits": 1.7},
+        {"value_bits": "2"},
+        {"key_group": 0},
+        {"clip_min": 0.3},
+        {"clip_min": 1.2},
+        {"reorder": "yes"},
+        {"sinks": -2},
+    )
 
     def make(self):
         return SKVQCache(**FOUR_BIT)
@@ -235,28 +247,6 @@ def test_spec_and_separate_settings():
     assert type(c).from_config(c.config()).config() == c.config()
 
 
-@pytest.mark.parametrize(
-    "bad",
-    [
-        {"bits": 1},
-        {"bits": 1.7},
-        {"bits": 9},
-        {"value_bits": "2"},
-        {"group": 0},
-        {"key_group": 0},
-        {"clip_min": 0.3},
-        {"clip_min": 1.2},
-        {"reorder": "yes"},
-        {"window": -1},
-        {"sinks": -2},
-        {"rank": 3},
-    ],
-)
-def test_bad_settings(bad):
-    with pytest.raises((ValueError, TypeError)):
-        SKVQCache(**bad)
-
-
 def test_group_must_divide_the_head_dim():
     k, v = kv_data(t=8, d=96)
     with pytest.raises(ValueError, match="group"):
@@ -264,15 +254,4 @@ def test_group_must_divide_the_head_dim():
 
 
 def test_make_cache_refuses_a_head_dim_naming_skvq_and_its_parameter():
-    """A head dim the defaults cannot code is refused at make_cache, before the first forward,
-    in skvq's own terms (its parameter, not the codec underneath)."""
-    from velox_core import make_cache
-    from velox_core.testing import tiny_model
-
-    model = tiny_model("llama", head_dim=80, hidden_size=160)
-    with pytest.raises(
-        ValueError, match=r"layer 0 \(head dim 80\): skvq: group=64 must divide the key head dim 80"
-    ) as err:
-        make_cache(model, "skvq")
-    assert "uniform:" not in str(err.value)
-    assert all(c.method == "skvq" for c in make_cache(model, "skvq:group=16"))
+    assert_head_dim_refused("skvq", "group=64 must divide the key head dim 80", "skvq:group=16")

@@ -8,38 +8,40 @@ import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from velox_core import Uniform, VeloxCache, load_cache, make, make_cache, routed, save_cache
-from velox_core.testing import CacheConformance, kv_data, rel_error, tiny_model
+from velox_core.testing import (
+    EvictingConformance,
+    FullBudgetConformance,
+    Routed,
+    kv_data,
+    rel_error,
+    tiny_model,
+)
 from velox_snapkv import METHOD, SnapKVCache, SnapKVPolicy, pool_votes, window_votes
 
 D = 64
 SCALE = D**-0.5
 
 
-class TestSnapKV(CacheConformance):
-    """With a budget above the test lengths nothing is evicted: exact fp16 attention."""
-
-    max_memory_ratio = 1.01  # fp16 tokens plus the body's int32 positions
-    attention_error = 5e-3
-    model_logit_cosine = 0.9999
-    same_greedy_tokens = 32
+class TestSnapKV(FullBudgetConformance):
+    bad_settings = (
+        {"budget": 32},  # no room beyond the 32-token observation window
+        {"budget": 40, "sinks": 8},
+        {"observe": 0},
+        {"kernel": 4},
+        {"kernel": 0},
+        {"pooling": "mean"},
+        {"observe": 8.0},
+        {"window_size": 32},
+    )
 
     def make(self):
         return SnapKVCache(budget=4096)
 
 
-class TestSnapKVEvicting(CacheConformance):
+class TestSnapKVEvicting(Routed, EvictingConformance):
     """A small budget, decode cuts and 4-bit codes: evicting, lossy, bounded. The suite fills
     caches with update_and_fetch alone, so every test runs routed (a cut without routing is
     refused); where no query has reached the cache, a cut keeps the most recent tokens."""
-
-    max_memory_ratio = 0.1  # measured right after a 512-token chunk: budget + chunk are held
-    attention_error = None  # most of the context is evicted: no fp16 reference applies
-    model_logit_cosine = 0.5
-
-    @pytest.fixture(autouse=True)
-    def _routed(self):
-        with routed():
-            yield
 
     def make(self):
         return SnapKVCache(budget=64, observe=8, every=8, bits=4)
@@ -471,29 +473,6 @@ def test_recommended_settings():
         "kernel": 7,
         "pooling": "max",
     }
-
-
-@pytest.mark.parametrize(
-    "bad",
-    [
-        {"budget": 0},
-        {"budget": 32},  # no room beyond the 32-token observation window
-        {"budget": 40, "sinks": 8},
-        {"budget": 64, "window": 64},
-        {"observe": 0},
-        {"kernel": 4},
-        {"kernel": 0},
-        {"pooling": "mean"},
-        {"every": 0},
-        {"bits": 1},
-        {"key_bits": 4},
-        {"observe": 8.0},
-        {"window_size": 32},
-    ],
-)
-def test_bad_settings(bad):
-    with pytest.raises((ValueError, TypeError)):
-        SnapKVCache(**bad)
 
 
 def test_bad_policy_settings():

@@ -2,31 +2,19 @@
 
 import mlx.core as mx
 import numpy as np
-import pytest
 
 from velox_core import make_cache, routed
-from velox_core.testing import CacheConformance, kv_data, tiny_model
+from velox_core.testing import EvictingConformance, FullBudgetConformance, kv_data, tiny_model
 from velox_streamingllm import StreamingLLMCache
 
 
-class TestStreamingLLM(CacheConformance):
-    """With a budget above the test lengths nothing is evicted: exact fp16 attention."""
-
-    max_memory_ratio = 1.01
-    attention_error = 5e-3
-    model_logit_cosine = 0.9999
-    same_greedy_tokens = 32
-
+class TestStreamingLLM(FullBudgetConformance):
     def make(self):
         return StreamingLLMCache(budget=4096)
 
 
-class TestStreamingLLMEvicting(CacheConformance):
-    """A small budget with 4-bit codes: evicting, lossy, bounded."""
-
-    max_memory_ratio = 0.1  # measured right after a 512-token chunk: budget + chunk are held
-    attention_error = None  # most of the context is evicted: no fp16 reference applies
-    model_logit_cosine = 0.5
+class TestStreamingLLMEvicting(EvictingConformance):
+    """4-bit codes of the kept tokens."""
 
     def make(self):
         return StreamingLLMCache(budget=64, sinks=4, every=8, bits=4)
@@ -62,11 +50,3 @@ def test_bounded_prefill_and_model_positions():
     assert max(sizes) <= 96 + 64
     assert all(c.size() <= 97 for c in caches)
     assert out.shape == (1, 1, 512)
-
-
-@pytest.mark.parametrize(
-    "bad", [{"budget": 4, "sinks": 4}, {"budget": 0}, {"every": 0}, {"bits": 1}, {"key_bits": 4}]
-)
-def test_bad_settings(bad):
-    with pytest.raises((ValueError, TypeError)):
-        StreamingLLMCache(**bad)

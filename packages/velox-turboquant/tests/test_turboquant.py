@@ -245,30 +245,6 @@ def test_method_is_registered_with_its_recommended_settings():
     assert isinstance(c, TurboQuantCache) and c.cfg.bits == 2.5 and c.window == 8
 
 
-@pytest.mark.parametrize(
-    "bad",
-    [
-        {"bits": 0},
-        {"bits": 9},
-        {"bits": 8.5},
-        {"bits": "4"},
-        {"bits": True},
-        {"bits": float("nan")},
-        {"key_bits": 0.5},
-        {"key_variant": "qjl"},
-        {"group": 32},  # integer widths have no outlier groups
-        {"bits": 2.5, "group": 0},
-        {"window": -1},
-        {"sinks": -1},
-        {"seed": -1},
-        {"rank": 3},
-    ],
-)
-def test_bad_settings(bad):
-    with pytest.raises((ValueError, TypeError)):
-        TurboQuantCache(**bad)
-
-
 def test_bad_codec_arguments():
     with pytest.raises(ValueError, match="variant"):
         TurboQuant(4, "inner")

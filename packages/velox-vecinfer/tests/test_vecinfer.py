@@ -9,7 +9,7 @@ import pytest
 
 from velox_core import make
 from velox_core.ops import assign, pack, unpack
-from velox_core.testing import CacheConformance, kv_data, rel_error
+from velox_core.testing import CacheConformance, feed, kv_data, rel_error
 from velox_vecinfer import METHOD, VecInfer, VecInferCache
 
 
@@ -17,6 +17,25 @@ class TestVecInfer2(CacheConformance):
     max_memory_ratio = 0.14  # 8-bit indices of 4 channels: 64 B of 512 per token and head
     attention_error = 0.75  # 2 bits a channel move the peaked logits of kv_data a lot
     same_greedy_tokens = 32
+
+    bad_settings = (
+        ({"bits": 2, "vector": 8}, "16 index bits"),
+        ({"bits": 3}, "12 index bits"),
+        ({"bits": 1.3}, "whole number"),
+        ({"bits": 0.1, "vector": 1}, "whole number"),
+        ({"bits": 0}, "positive"),
+        ({"bits": "2"}, "number"),
+        ({"bits": True}, "number"),
+        ({"key_bits": 3}, "key_bits"),
+        ({"value_bits": 3, "value_vector": 4}, "value_bits"),
+        ({"vector": 3}, "1, 2, 4, 8"),
+        ({"vector": 2.0}, "int"),
+        ({"key_vector": 16}, "key_vector"),
+        ({"smooth": 1}, "smooth"),
+        ({"hadamard": "yes"}, "hadamard"),
+        ({"iters": -1}, "iters"),
+        ({"group": 64}, "unknown parameter"),
+    )
 
     def make(self):
         return VecInferCache(bits=2, calibration=64)
@@ -34,14 +53,6 @@ class TestVecInfer4Window(CacheConformance):
 
     def make_precise(self):
         return VecInferCache(bits=8, vector=1, calibration=16, sinks=2, window=32)
-
-
-def _fill(cache, k, v, chunks):
-    start = 0
-    for n in chunks:
-        cache.update_and_fetch(k[:, :, start : start + n], v[:, :, start : start + n])
-        start += n
-    return cache
 
 
 def _keys(t=256, h=2, d=128, seed=0, b=1):
@@ -189,7 +200,7 @@ def test_codebooks_are_fitted_per_layer_head_and_sequence():
     k1, v1 = kv_data(t=100, seed=9)
     k2, v2 = kv_data(t=100, seed=10)
     k2, v2 = 3 * k2, v2 * v2  # a second sequence with other statistics
-    batched = _fill(
+    batched = feed(
         VecInferCache(bits=2, calibration=64),
         mx.concatenate([k1, k2]),
         mx.concatenate([v1, v2]),
@@ -198,7 +209,7 @@ def test_codebooks_are_fitted_per_layer_head_and_sequence():
     kc = batched.tiers[0].key_codec
     assert kc.codebook.shape == (2, 2, 256, 4) and kc.scale.shape == (2, 2, 128)
     assert not mx.allclose(kc.codebook[0], kc.codebook[1])
-    single = _fill(VecInferCache(bits=2, calibration=64), k2, v2, (70, 1, 29))
+    single = feed(VecInferCache(bits=2, calibration=64), k2, v2, (70, 1, 29))
     for codec, mine in zip(single._codecs(), batched._codecs()):
         for name, a in codec.state().items():
             b = mine.state()[name]
@@ -213,14 +224,14 @@ def test_codebooks_are_fitted_per_layer_head_and_sequence():
     assert merged.tiers[0].key_codec.codebook.shape[0] == 2
     q2 = mx.concatenate([q, q])
     assert mx.array_equal(merged.attend(q2, scale=0.1)[1:], single.attend(q, scale=0.1))
-    fresh = _fill(VecInferCache(bits=2, calibration=64), k2, v2, (10,))
+    fresh = feed(VecInferCache(bits=2, calibration=64), k2[:, :, :10], v2[:, :, :10], 10)
     with pytest.raises(ValueError, match="calibrated"):
         VecInferCache.stack([single, fresh])
 
 
 def test_state_round_trip_keeps_the_fit_and_the_attention():
     k, v = kv_data(t=120, seed=12)
-    c = _fill(VecInferCache(bits=1.5, calibration=32, window=8), k, v, (50, 1, 69))
+    c = feed(VecInferCache(bits=1.5, calibration=32, window=8), k, v, (50, 1, 69))
     c2 = VecInferCache.from_state(c.state)
     for a, b in zip(c._codecs(), c2._codecs()):
         assert set(a.state()) == set(b.state())
@@ -257,34 +268,6 @@ def test_recommended_settings():
 
 
 # -- bad input -------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("bad", "match"),
-    [
-        ({"bits": 2, "vector": 8}, "16 index bits"),
-        ({"bits": 3}, "12 index bits"),
-        ({"bits": 1.3}, "whole number"),
-        ({"bits": 0.1, "vector": 1}, "whole number"),
-        ({"bits": 0}, "positive"),
-        ({"bits": "2"}, "number"),
-        ({"bits": True}, "number"),
-        ({"key_bits": 3}, "key_bits"),
-        ({"value_bits": 3, "value_vector": 4}, "value_bits"),
-        ({"vector": 3}, "1, 2, 4, 8"),
-        ({"vector": 2.0}, "int"),
-        ({"key_vector": 16}, "key_vector"),
-        ({"smooth": 1}, "smooth"),
-        ({"hadamard": "yes"}, "hadamard"),
-        ({"calibration": 0}, "calibration"),
-        ({"iters": -1}, "iters"),
-        ({"seed": -1}, "seed"),
-        ({"sinks": -1}, "sinks"),
-        ({"window": -1}, "window"),
-        ({"group": 64}, "unknown parameter"),
-    ],
-)
-def test_bad_settings(bad, match):
-    with pytest.raises((ValueError, TypeError), match=match):
-        VecInferCache(**bad)
 
 
 def test_bits_may_be_set_per_side():

@@ -1,6 +1,6 @@
 """velox-adakv: Ada-KV, head-wise adaptive budget allocation for KV eviction (arXiv 2407.11550)."""
 
-from velox_core import Method, Uniform
+from velox_core.cache.eviction import eviction_method
 
 from .allocate import adaptive_keep, allocate
 from .cache import AdaKVCache
@@ -18,12 +18,8 @@ __all__ = [
     "allocate",
 ]
 
-METHOD = Method(
-    name="adakv",
-    cache_class=AdaKVCache,
+METHOD = eviction_method(
+    AdaKVCache,
     summary="head-wise adaptive budgets (joint top-k over heads, safeguard floor) over SnapKV",
     paper="https://arxiv.org/abs/2407.11550",
-    codecs=(Uniform,),
-    policies=(AdaKVPolicy,),
-    recommended=({"budget": 1024}, {"budget": 1024, "bits": 4}),
 )

@@ -19,9 +19,7 @@ the queries it observed last, and keeps absolute positions (no re-positioning).
 
 from __future__ import annotations
 
-from typing import Any
-
-from velox_core import PresetCache, kept_codecs
+from velox_core.cache.eviction import EvictionCache
 
 from .config import AdaKVConfig
 from .policy import AdaKVPolicy
@@ -29,21 +27,10 @@ from .policy import AdaKVPolicy
 __all__ = ["AdaKVCache"]
 
 
-class AdaKVCache(PresetCache):
+class AdaKVCache(EvictionCache):
     """Ada-KV's cache for one layer. Parameters: see :class:`AdaKVConfig`."""
 
     method = "adakv"
     Config = AdaKVConfig
-
-    def build(self, cfg: AdaKVConfig) -> dict[str, Any]:
-        codecs = kept_codecs(cfg)
-        policy = AdaKVPolicy(
-            budget=cfg.budget,
-            every=cfg.every,
-            alpha=cfg.alpha,
-            observe=cfg.observe,
-            kernel=cfg.kernel,
-            pooling=cfg.pooling,
-            base=cfg.base,
-        )
-        return {**codecs, "sinks": cfg.sinks, "window": cfg.window, "policy": policy}
+    Policy = AdaKVPolicy
+    policy_params = ("budget", "every", "alpha", "observe", "kernel", "pooling", "base")

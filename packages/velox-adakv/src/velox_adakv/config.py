@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from velox_core import check_kept_codes
+from velox_core.cache.eviction import EvictionConfig
 from velox_core.validation import check_choice, check_float, check_int
 
 __all__ = ["BASES", "POOLINGS", "AdaKVConfig"]
@@ -14,8 +14,9 @@ POOLINGS = ("max", "avg")
 
 
 @dataclass
-class AdaKVConfig:
-    """Ada-KV (arXiv 2407.11550) settings, with the shared parameter names.
+class AdaKVConfig(EvictionConfig):
+    """Ada-KV (arXiv 2407.11550) settings, with the shared parameter names
+    (:class:`~velox_core.cache.eviction.EvictionConfig`).
 
     Attributes:
         budget: tokens kept per KV head *on average* (sinks + body + window): the layer keeps
@@ -34,31 +35,17 @@ class AdaKVConfig:
         pooling: ``"max"`` (the paper's code) or ``"avg"``.
         base: the per-token scorer: ``"snapkv"`` (built in) or ``"qfilters"`` (the optional
             ``velox_qfilters`` package's per-key scores).
-        bits, key_bits, value_bits: code the kept tokens with ``velox_core.Uniform`` at these
-            widths (None keeps them in fp16, as the paper does).
-        group: group size of those codes.
     """
 
-    budget: int = 1024
-    sinks: int = 0
     window: int = 32
-    every: int | None = None
     alpha: float = 0.2
     observe: int = 32
     kernel: int = 7
     pooling: str = "max"
     base: str = "snapkv"
-    bits: int | None = None
-    key_bits: int | None = None
-    value_bits: int | None = None
-    group: int = 64
 
     def __post_init__(self):
-        check_int("budget", self.budget, minimum=1)
-        check_int("sinks", self.sinks, minimum=0)
-        check_int("window", self.window, minimum=0)
-        if self.every is not None:
-            check_int("every", self.every, minimum=1)
+        super().__post_init__()
         check_float("alpha", self.alpha, minimum=0.0, maximum=1.0)
         check_int("observe", self.observe, minimum=1)
         check_int("kernel", self.kernel, minimum=1)
@@ -66,8 +53,3 @@ class AdaKVConfig:
             raise ValueError(f"kernel must be odd (centred pooling), got {self.kernel}")
         check_choice("pooling", self.pooling, POOLINGS)
         check_choice("base", self.base, BASES)
-        check_kept_codes(self)
-        if self.budget <= self.sinks + self.window:
-            raise ValueError(
-                f"budget={self.budget} must exceed sinks + window = {self.sinks + self.window}"
-            )

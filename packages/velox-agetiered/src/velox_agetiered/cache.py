@@ -72,6 +72,4 @@ class AgeTieredCache(PresetCache):
                 )
                 for bits, span in tiers
             ],
-            "window": cfg.window,
-            "sinks": cfg.sinks,
         }

@@ -5,7 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from velox_core.ops.quant import AXES
-from velox_core.validation import check_bits, check_choice, check_divides, check_int
+from velox_core.validation import (
+    check_bits,
+    check_choice,
+    check_counts,
+    check_int,
+    check_token_groups,
+)
 
 __all__ = ["AgeTieredConfig"]
 
@@ -71,25 +77,13 @@ class AgeTieredConfig:
                     f"{name} must be a multiple of group={self.group} when an axis is "
                     f"'channel' (tokens move between tiers in whole groups); got {span}"
                 )
-        check_int("window", self.window, minimum=0)
-        check_int("sinks", self.sinks, minimum=0)
+        check_counts(self, "window", "sinks")
 
     def check_dims(self, key_dim: int, value_dim: int) -> None:
         """A side with per-token groups (``axis="token"``) splits each token's channels into
         groups of ``group``, which must divide that head dim."""
-        for side, axis, dim in (
-            ("key", self.key_axis, key_dim),
-            ("value", self.value_axis, value_dim),
-        ):
-            if axis == "token":
-                check_divides(
-                    "agetiered",
-                    "group",
-                    self.group,
-                    dim,
-                    f"{side} head dim",
-                    f"{side}s are quantized per token in groups of `group` channels",
-                )
+        axes = (self.key_axis, self.value_axis)
+        check_token_groups("agetiered", self.group, key_dim, value_dim, *axes)
 
     @property
     def block(self) -> int:

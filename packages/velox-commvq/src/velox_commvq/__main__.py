@@ -12,65 +12,46 @@ tokenizer (each file followed by the EOS token) and writes the artifact to ``--o
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
-from velox_core.artifacts_cli import ArtifactCommand, default_out
+from velox_core.artifacts_cli import ArtifactCommand, Option
 
-
-def _options(fit: argparse.ArgumentParser) -> None:
-    fit.add_argument("--samples", type=int, default=4096, help="tokens sampled per head")
-    fit.add_argument("--pairs", type=int, default=4, help="RoPE pairs per code")
-    fit.add_argument("--entries", type=int, default=16, help="entries per small codebook")
-    fit.add_argument("--stages", type=int, default=2, help="residual stages (2: up to 2 bits)")
-    fit.add_argument("--iters", type=int, default=16, help="EM iterations per stage")
-    fit.add_argument("--seed", type=int, default=0, help="seed of the sample and initialization")
+from .artifact import Codebooks, load_codebooks, save_codebooks
+from .fit import fit_codebooks
 
 
-def _fit(args: argparse.Namespace, model, tokenizer, texts: list[str]) -> str:
-    from .artifact import save_codebooks
-    from .fit import fit_codebooks
-
-    books = fit_codebooks(
-        model,
-        tokenizer,
-        texts,
-        max_tokens=args.tokens,
-        seq_len=args.seq_len,
-        samples=args.samples,
-        pairs=args.pairs,
-        entries=args.entries,
-        stages=args.stages,
-        iters=args.iters,
-        seed=args.seed,
-        source=", ".join(Path(t).name for t in args.text),
-    )
-    path = save_codebooks(books, default_out("commvq", books.fingerprint, args.out))
-    g = books.geometry
-    return (
-        f"CommVQ codebooks for {args.model} ({len(books.layers)} layers, {g.stages} stages of "
-        f"{g.entries}+{g.entries} entries per {g.pairs} pairs, fingerprint {books.fingerprint}) "
-        f"from {books.calibration['tokens']} tokens -> {path}"
-    )
+def _summary(b: Codebooks) -> str:
+    g = b.geometry
+    return f"{g.stages} stages of {g.entries}+{g.entries} entries per {g.pairs} pairs"
 
 
-def _show(path: str) -> dict:
-    from .artifact import load_codebooks
-
-    b = load_codebooks(path)
+def _describe(b: Codebooks) -> dict:
     g = b.geometry
     return {
-        "fingerprint": b.fingerprint,
-        "model": b.model,
         "geometry": {"pairs": g.pairs, "entries": g.entries, "stages": g.stages},
-        "calibration": b.calibration,
         "layers": {i: list(a.shape) for i, (a, _) in sorted(b.layers.items())},
         "layouts": b.layouts,
     }
 
 
-COMMAND = ArtifactCommand("commvq", "the CommVQ key codebooks", _options, _fit, _show, doc=__doc__)
+COMMAND = ArtifactCommand(
+    "commvq",
+    "CommVQ key codebooks",
+    fit_codebooks,
+    save_codebooks,
+    load_codebooks,
+    _describe,
+    _summary,
+    options=(
+        Option("--samples", int, 4096, "tokens sampled per head"),
+        Option("--pairs", int, 4, "RoPE pairs per code"),
+        Option("--entries", int, 16, "entries per small codebook"),
+        Option("--stages", int, 2, "residual stages (2: up to 2 bits)"),
+        Option("--iters", int, 16, "EM iterations per stage"),
+        Option("--seed", int, 0, "seed of the sample and initialization"),
+    ),
+    doc=__doc__,
+)
 parser, main, fit_main = COMMAND.parser, COMMAND.main, COMMAND.fit_main
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ wins; otherwise the directories of ``$VELOX_ARTIFACTS`` (colon-separated), then
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,14 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_core.artifacts import (
-    ENV,
-    check_format,
-    find_artifact,
-    read_metadata,
-    resolve_artifact,
-    search_dirs,
-)
+from velox_core.artifacts import ENV, ArtifactFile, ArtifactKind, read_metadata, search_dirs
 from velox_core.artifacts import load_cached as _load_cached
 
 from .vq import Geometry
@@ -53,6 +45,9 @@ HOW_TO_FIT = "python -m velox_commvq fit --model PATH --text CALIBRATION.txt --o
 
 class MissingCodebooksError(FileNotFoundError):
     """No CommVQ artifact was found for a model."""
+
+
+KIND = ArtifactKind(FORMAT, VERSION, "CommVQ", "codebooks", HOW_TO_FIT, MissingCodebooksError)
 
 
 @dataclass
@@ -91,51 +86,29 @@ class Codebooks:
 
 def save_codebooks(books: Codebooks, path: str | os.PathLike) -> Path:
     """Write ``books`` to ``path`` (``.safetensors``; parent directories are created)."""
-    path = Path(path).expanduser()
-    if path.suffix != ".safetensors":
-        raise ValueError(f"save_codebooks: the file name must end in .safetensors, got {path}")
-    if not books.layers:
-        raise ValueError("save_codebooks: no layers to save")
     arrays = {}
     for i, (a, b) in books.layers.items():
         if a.ndim != 5 or a.shape != b.shape or a.shape[-1] != 2:
             raise ValueError(f"save_codebooks: layer {i} must be two (H, S, P, K, 2) arrays")
         arrays[f"layer.{i}.a"], arrays[f"layer.{i}.b"] = a.astype(mx.float16), b.astype(mx.float16)
     meta = {
-        "format": FORMAT,
-        "version": VERSION,
         "fingerprint": books.fingerprint,
-        "layers": json.dumps(sorted(books.layers)),
-        "layouts": json.dumps({str(i): v for i, v in sorted(books.layouts.items())}),
+        "layouts": books.layouts,
         "pairs": str(books.pairs),
-        "model": json.dumps(books.model, sort_keys=True),
-        "calibration": json.dumps(books.calibration, sort_keys=True),
+        "model": books.model,
+        "calibration": books.calibration,
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(path), arrays, meta)
-    return path
+    return KIND.write(path, arrays, list(books.layers), meta, "save_codebooks")
+
+
+def _codebooks(f: ArtifactFile) -> Codebooks:
+    layers = {i: (f.arrays[f"layer.{i}.a"], f.arrays[f"layer.{i}.b"]) for i in f.layers}
+    return Codebooks(layers, f.per_layer("layouts", int), int(f.meta["pairs"]), **f.provenance())
 
 
 def load_codebooks(path: str | os.PathLike) -> Codebooks:
     """Read a file written by :func:`save_codebooks` (``ValueError`` if it is not one)."""
-    path = Path(path).expanduser()
-    meta = read_metadata(path)
-    check_format(path, meta, FORMAT, VERSION, "CommVQ")
-    try:
-        arrays = mx.load(str(path))
-        ids = [int(i) for i in json.loads(meta["layers"])]
-        layers = {i: (arrays[f"layer.{i}.a"], arrays[f"layer.{i}.b"]) for i in ids}
-        layouts = {int(i): [int(x) for x in v] for i, v in json.loads(meta["layouts"]).items()}
-        out = Codebooks(
-            layers,
-            layouts,
-            int(meta["pairs"]),
-            meta["fingerprint"],
-            json.loads(meta["model"]),
-            json.loads(meta["calibration"]),
-        )
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise ValueError(f"{path}: corrupt CommVQ artifact ({e})") from None
+    out = KIND.read(path, _codebooks)
     for i, (a, b) in out.layers.items():
         if a.ndim != 5 or a.shape != b.shape or a.shape[-1] != 2 or i not in out.layouts:
             raise ValueError(f"{path}: layer {i} is not two (H, S, P, K, 2) arrays with a layout")
@@ -151,7 +124,7 @@ def load_cached(path: str | os.PathLike) -> Codebooks:
 
 def find_codebooks(fp: str, dirs: list[Path] | None = None) -> Path | None:
     """The first artifact (directories in order, files sorted by name) fitted for ``fp``."""
-    return find_artifact(FORMAT, fp, dirs, VERSION)
+    return KIND.find(fp, dirs)
 
 
 def resolve_codebooks(model: Any, codebooks: str | os.PathLike | None = None) -> Path:
@@ -161,13 +134,4 @@ def resolve_codebooks(model: Any, codebooks: str | os.PathLike | None = None) ->
         ValueError: ``codebooks`` is not a CommVQ artifact or was fitted for another model.
         MissingCodebooksError: nothing in the search directories was fitted for this model.
     """
-    return resolve_artifact(
-        model,
-        codebooks,
-        fmt=FORMAT,
-        version=VERSION,
-        what="CommVQ",
-        how_to_fit=HOW_TO_FIT,
-        param="codebooks",
-        missing=MissingCodebooksError,
-    )
+    return KIND.resolve(model, codebooks)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from velox_core import PresetCache, Uniform, resolve_bits
+from velox_core.codec.prerope import rope_settings
 
 from .codec import CommVQKeys
 from .config import CommVQConfig
@@ -31,18 +32,5 @@ class CommVQCache(PresetCache):
 
     def build(self, cfg: CommVQConfig) -> dict[str, Any]:
         kb, vb = resolve_bits(cfg.bits, cfg.key_bits, cfg.value_bits)
-        keys = CommVQKeys(
-            kb,
-            codebooks=cfg.codebooks,
-            layer=cfg.layer,
-            rope_base=cfg.rope_base,
-            rope_traditional=cfg.rope_traditional,
-            rope_scale=cfg.rope_scale,
-            rope_dims=cfg.rope_dims,
-        )
-        return {
-            "key_codec": keys,
-            "value_codec": Uniform(vb, cfg.group),
-            "window": cfg.window,
-            "sinks": cfg.sinks,
-        }
+        keys = CommVQKeys(kb, codebooks=cfg.codebooks, layer=cfg.layer, **rope_settings(cfg))
+        return {"key_codec": keys, "value_codec": Uniform(vb, cfg.group)}

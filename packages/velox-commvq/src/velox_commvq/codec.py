@@ -27,8 +27,11 @@ Deviations from the paper and the authors' code:
   over all KV heads together.
 * Codes are bit-packed (``velox_core.ops.pack``), not int16 per index.
 * Values go through any velox codec; the paper's learned value encoder is not implemented.
-* No GPU kernel: scores from the codes run the pure-MLX reference (:func:`code_scores`) on
-  every backend (``attend_partial`` / ``joint_call`` return None).
+
+On a GPU with kernels enabled, decode steps attend through velox-core's portable decode
+kernel on the codes (:mod:`velox_commvq.kernels`: query tables built once per call, RoPE on
+the looked-up sums in the kernel); elsewhere scores from the codes run the pure-MLX reference
+(:func:`code_scores`).
 """
 
 from __future__ import annotations
@@ -37,20 +40,15 @@ import os
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from velox_core import Codec, Packed
+from velox_core.codec.prerope import PreRope
 from velox_core.ops import pack, unpack
-from velox_core.ops.rope import (
-    RopeSpec,
-    angles,
-    find_rope,
-    from_pairs,
-    rope_spec,
-    rotate_pairs,
-    to_pairs,
-)
-from velox_core.validation import check_bits, check_float, check_int
+from velox_core.ops.rope import RopeSpec, angles, from_pairs, rotate_pairs, to_pairs
+from velox_core.validation import check_bits, check_int, check_path
 
+from . import kernels as _kernels
 from .artifact import load_cached, resolve_codebooks
 from .scores import code_scores
 from .vq import Geometry, decode_pairs, encode_pairs, jrot
@@ -60,13 +58,7 @@ __all__ = ["CommVQKeys"]
 _EPS = 1e-12
 
 
-def check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
-    return value
-
-
-class CommVQKeys(Codec):
+class CommVQKeys(PreRope, Codec):
     """CommVQ's key codec.
 
     Args:
@@ -75,7 +67,7 @@ class CommVQKeys(Codec):
         codebooks: path of the artifact; None finds the one fitted for the model at ``bind``.
         layer: the model layer whose codebooks to use (set by ``bind``).
         rope_base, rope_traditional, rope_scale, rope_dims: the RoPE of a standalone codec
-            (``mlx.nn.RoPE`` settings); with a model, ``bind`` reads each layer's own.
+            (:class:`~velox_core.codec.prerope.PreRope`).
 
     Packed layout per token: ``codes`` uint32 ``(ceil(S * P/G * 2 * log2(K) / 32),)`` (stage
     by stage, group by group, ``c1`` then ``c2``), ``norm`` float16 ``()`` per head, and
@@ -83,6 +75,7 @@ class CommVQKeys(Codec):
     """
 
     name = "commvq-key"
+    rope_method = "commvq"
     compressed_scores = True
 
     def __init__(
@@ -96,33 +89,19 @@ class CommVQKeys(Codec):
         rope_dims: int | None = None,
     ):
         self.bits = check_bits("key_bits", bits, 1, 8)
-        if codebooks is not None and not isinstance(codebooks, (str, os.PathLike)):
-            raise TypeError(f"codebooks must be a path or None, got {codebooks!r}")
-        self.codebooks = None if codebooks is None else os.fspath(codebooks)
+        self.codebooks = check_path("codebooks", codebooks)
         self.layer = None if layer is None else check_int("layer", layer, minimum=0)
-        self.rope_base = None if rope_base is None else check_float("rope_base", rope_base)
-        if self.rope_base is not None and self.rope_base <= 1.0:
-            raise ValueError(f"rope_base must be > 1, got {rope_base}")
-        self.rope_traditional = check_bool("rope_traditional", rope_traditional)
-        self.rope_scale = check_float("rope_scale", rope_scale, minimum=0.0, open_min=True)
-        self.rope_dims = None if rope_dims is None else check_int("rope_dims", rope_dims, minimum=2)
-        if self.rope_dims is not None and self.rope_dims % 2:
-            raise ValueError(f"rope_dims must be even, got {rope_dims}")
-        if rope_base is None and (rope_traditional or rope_scale != 1.0 or rope_dims is not None):
-            raise ValueError("rope_traditional/rope_scale/rope_dims need rope_base")
+        self.init_rope(rope_base, rope_traditional, rope_scale, rope_dims)
         self._path = self.codebooks
-        self._rope: RopeSpec | None = None  # from the model (bind) or the state
         self._books: dict[str, mx.array] | None = None
+        self._theta: tuple[RopeSpec, int, mx.array] | None = None  # pair_theta, once
 
     def config(self) -> dict[str, Any]:
         return {
             "bits": self.bits,
             "codebooks": self.codebooks,
             "layer": self.layer,
-            "rope_base": self.rope_base,
-            "rope_traditional": self.rope_traditional,
-            "rope_scale": self.rope_scale,
-            "rope_dims": self.rope_dims,
+            **self.rope_config(),
         }
 
     def fresh(self) -> CommVQKeys:
@@ -140,31 +119,9 @@ class CommVQKeys(Codec):
             self.layer = check_int("layer", layer, minimum=0)
         if model is None or self.layer is None:
             return
-        spec = rope_spec(find_rope(model, self.layer, "commvq"), "commvq")
-        if self.rope_base is not None and not self._config_rope(spec.dims).same_as(spec):
-            raise ValueError(
-                f"commvq: rope_base={self.rope_base} (and rope_traditional/rope_scale/rope_dims) "
-                f"disagree with layer {self.layer}'s RoPE ({spec.describe()}); leave rope_base "
-                "unset to use the model's"
-            )
-        path = resolve_codebooks(model, self.codebooks)
-        self._rope, self._path, self._books = spec, str(path), None
-        self._select(load_cached(path), None)  # fail now if the layer or the bits are missing
-
-    def _config_rope(self, dims: int) -> RopeSpec:
-        return RopeSpec.from_base(self.rope_base, dims, self.rope_traditional, self.rope_scale)
-
-    def _rope_for(self, dim: int) -> RopeSpec:
-        if self._rope is None:
-            if self.rope_base is None:
-                raise ValueError(
-                    "commvq: pre-RoPE keys need the model's RoPE: build the caches with "
-                    "velox_core.make_cache(model, ...), or pass rope_base=... for a standalone "
-                    "cache"
-                )
-            self._rope = self._config_rope(dim if self.rope_dims is None else self.rope_dims)
-        self._rope.pairs(dim, "commvq")  # raises if the RoPE does not pair this head
-        return self._rope
+        self.bind_rope(model, self.layer)
+        self._path, self._books = str(resolve_codebooks(model, self.codebooks)), None
+        self._select(load_cached(self._path), None)  # fail now if the layer or the bits are missing
 
     def _select(self, books, dim: int | None) -> dict[str, mx.array]:
         a, b = books.layer(self.layer)
@@ -189,7 +146,7 @@ class CommVQKeys(Codec):
         return {"a": a.astype(mx.float16), "b": b.astype(mx.float16), "pairs": pairs}
 
     def check(self, dim: int, dtype: mx.Dtype) -> None:
-        self._rope_for(dim)
+        self.rope_for(dim).pairs(dim, "commvq")  # raises if the RoPE does not pair this head
         if self._books is None:
             if self._path is None or self.layer is None:
                 raise ValueError(
@@ -204,18 +161,10 @@ class CommVQKeys(Codec):
 
     # -- state: the codebooks and the RoPE, once known --------------------------------------
     def state(self) -> dict[str, mx.array]:
-        out = {} if self._books is None else dict(self._books)
-        if self._books is not None and self._rope is not None:
-            out.update(self._rope.arrays())
-        return out
+        return {} if self._books is None else {**self._books, **self.rope_state()}
 
     def set_state(self, state: dict[str, mx.array]) -> None:
-        state = dict(state)
-        theta, layout = state.pop("rope_theta", None), state.pop("rope_layout", None)
-        if (theta is None) != (layout is None):
-            raise ValueError(f"{self.name}: rope_theta and rope_layout go together")
-        if theta is not None:
-            self._rope = RopeSpec.from_arrays(theta, layout)
+        state = self.pop_rope_state(state)
         if not state:
             self._books = None
             return
@@ -240,16 +189,48 @@ class CommVQKeys(Codec):
         a = self._books["a"]
         return Geometry(int(self._books["pairs"].item()), int(a.shape[3]), int(a.shape[1]))
 
+    @property
+    def ready(self) -> bool:
+        """Whether the codebooks and the RoPE are known (after the first tokens, or loaded)."""
+        return self._books is not None and self._rope is not None
+
+    @property
+    def rope(self) -> RopeSpec:
+        """The RoPE the keys were un-rotated with (the layer's, or the standalone settings)."""
+        if self._rope is None:
+            raise ValueError("commvq: the RoPE is not known before the cache receives keys")
+        return self._rope
+
+    @property
+    def stages(self) -> int:
+        """Residual stages of the codes (``stages_for(bits)`` of the fitted ones)."""
+        return int(self._books["a"].shape[1])
+
+    def codewords(self) -> tuple[mx.array, mx.array]:
+        """The small codebooks ``A`` and ``B`` (``B`` with its implicit zero entry 0).
+
+        Shapes: two float16 ``(H, S, P, K, 2)``.
+        """
+        return self._books["a"], self._b()
+
+    def pair_theta(self) -> mx.array:
+        """Each RoPE pair's frequency (radians per position, 0 for unrotated channels), in
+        the codes' pair order, made once. Shapes: float32 ``(D/2,)``."""
+        dim = 2 * int(self._books["a"].shape[2])
+        hit = self._theta
+        if hit is None or hit[0] is not self._rope or hit[1] != dim:
+            theta = np.asarray(self.rope.pairs(dim, "commvq")[2], dtype=np.float32)
+            hit = self._theta = (self._rope, dim, mx.array(theta))
+        return hit[2]
+
     # -- coding ------------------------------------------------------------------------------
     def encode(self, x: mx.array, positions: mx.array | None = None) -> Packed:
         b, h, t, d = x.shape
-        if positions is None or positions.shape != (t,):
-            raise ValueError(f"commvq: pre-RoPE keys need positions of shape ({t},)")
+        pos = self.key_positions(positions, b, t)
         self.check(d, x.dtype)
         bk = self._books
         if bk["a"].shape[0] != h:
             raise ValueError(f"commvq: codebooks for {bk['a'].shape[0]} KV heads, keys have {h}")
-        pos = mx.broadcast_to(positions.astype(mx.int32).reshape(1, 1, t), (b, 1, t))
         cos, sin = angles(pos, self._rope, d)  # (B, 1, T, P)
         z = rotate_pairs(to_pairs(x, self._rope), cos, sin, inverse=True)
         norm = mx.sqrt(mx.sum(z * z, axis=(-2, -1)))  # (B, H, T)
@@ -288,3 +269,8 @@ class CommVQKeys(Codec):
         return code_scores(
             qp, self.codes(packed), p["norm"], cos, sin, bk["a"], self._b(), self.geometry.pairs
         )
+
+    # -- the GPU kernel path: velox_commvq.kernels' functions (codec first) as the methods ----
+    # Codec.attend_partial and Codec.joint_call, which return None where no kernel applies
+    attend_partial = _kernels.attend_partial
+    joint_call = _kernels.joint_call

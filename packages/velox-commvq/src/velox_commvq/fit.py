@@ -15,10 +15,9 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
 
 from velox_core import VeloxCache, make_cache
-from velox_core.artifacts import fingerprint, identity
+from velox_core.artifacts import calibration_ids, fingerprint, identity, model_dtype
 from velox_core.ops.rope import angles, find_rope, rope_spec, rotate_pairs, to_pairs
 from velox_core.validation import check_float, check_int
 
@@ -43,29 +42,6 @@ def pre_rope_units(keys: mx.array, spec, start: int = 0) -> mx.array:
     return z / mx.maximum(n, 1e-12)
 
 
-def _token_ids(source: Any, text: Any) -> tuple[np.ndarray, str]:
-    if hasattr(source, "encode") and not isinstance(source, (str, bytes)):
-        docs = [text] if isinstance(text, str) else list(text or [])
-        if not docs or not all(isinstance(t, str) for t in docs):
-            raise TypeError("fit_codebooks: with a tokenizer, pass text= (a str or list of str)")
-        eos = getattr(source, "eos_token_id", None)
-        ids: list[int] = []
-        for doc in docs:
-            ids.extend(int(t) for t in source.encode(doc))
-            ids.extend([] if eos is None else [int(eos)])
-        return np.asarray(ids, dtype=np.int64), f"{len(docs)} text(s) tokenized by the model"
-    if text is not None:
-        raise TypeError("fit_codebooks: text= is only for a tokenizer; token ids were given")
-    arr = np.asarray(source)
-    if (
-        isinstance(source, (str, bytes))
-        or arr.size == 0
-        or not np.issubdtype(arr.dtype, np.integer)
-    ):
-        raise TypeError("fit_codebooks: pass a tokenizer (and text=) or a non-empty array of ids")
-    return arr.reshape(-1).astype(np.int64), "token ids"
-
-
 def fit_codebooks(
     model: Any,
     tokenizer_or_token_ids: Any,
@@ -87,9 +63,8 @@ def fit_codebooks(
 
     Args:
         model: an mlx-lm model (run as it is: cast it first to fit in another dtype).
-        tokenizer_or_token_ids: the model's tokenizer (then pass ``text``: a str or a list of
-            documents, each followed by the EOS token) or the calibration token ids.
-        max_tokens: calibration tokens used at most (None: all).
+        tokenizer_or_token_ids, text, max_tokens: the calibration tokens, as
+            :func:`velox_core.artifacts.calibration_ids` takes them.
         seq_len: tokens per calibration sequence, each run from position 0.
         samples: tokens sampled (uniformly, without replacement) to fit each head.
         pairs: RoPE pairs sharing one code per stage (``G``; must divide ``D/2``).
@@ -104,9 +79,7 @@ def fit_codebooks(
     Returns:
         :class:`~velox_commvq.artifact.Codebooks` for every attention layer with a velox cache.
     """
-    ids, how = _token_ids(tokenizer_or_token_ids, text)
-    if max_tokens is not None:
-        ids = ids[: check_int("max_tokens", max_tokens, minimum=1)]
+    ids, how = calibration_ids(tokenizer_or_token_ids, text, "fit_codebooks", max_tokens)
     for name, v in (("seq_len", seq_len), ("samples", samples), ("iters", iters), ("chunk", chunk)):
         check_int(name, v, minimum=1)
     check_int("seed", seed, minimum=0)
@@ -146,7 +119,6 @@ def fit_codebooks(
         layers[i] = (mx.stack([x[0] for x in books]), mx.stack([x[1] for x in books]))
         errors[str(i)] = [round(float(np.mean(e)), 6) for e in zip(*(x[2] for x in books))]
         mx.eval(layers[i])
-    params = tree_flatten(model.parameters())
     calibration = {
         "tokens": int(ids.size),
         "samples": int(min(samples, ids.size)),
@@ -157,7 +129,7 @@ def fit_codebooks(
         "stage_errors": errors,
         "input": how,
         "source": source or "",
-        "dtype": str(params[0][1].dtype) if params else "",
+        "dtype": model_dtype(model),
     }
     layouts = {i: specs[i].layout for i in layers}
     return Codebooks(layers, layouts, pairs, fingerprint(model), identity(model), calibration)

@@ -16,8 +16,9 @@ because ``e^{i t theta}``, ``J = i`` and the codewords are all complex numbers: 
 3. RoPE acts on those accumulated 2-vectors by the key's angle, ``Re(e^{i t theta_p} W_p) =
    cos W_p.re - sin W_p.im``, and the pairs add up; the norm scales the sum.
 
-No key is decoded and no key-sized vector is rotated. This is the reference path (pure MLX);
-a fused GPU kernel would do steps 2-3 in one pass over the codes.
+No key is decoded and no key-sized vector is rotated. This is the reference path (pure MLX).
+On a GPU the decode kernel does steps 2-3 in one pass over the codes from the per-codeword
+tables of step 1 (:func:`codeword_tables`, :mod:`velox_commvq.kernels`).
 """
 
 from __future__ import annotations
@@ -26,13 +27,29 @@ import mlx.core as mx
 
 from .vq import jrot, pair_codes
 
-__all__ = ["code_scores", "query_tables"]
+__all__ = ["code_scores", "codeword_tables", "query_tables"]
 
 
 def _conj_mul(q: mx.array, c: mx.array) -> mx.array:
     """``conj(q) * c`` of pairs seen as complex numbers. Shapes: ``(..., 2)`` broadcast."""
     q0, q1, c0, c1 = q[..., 0], q[..., 1], c[..., 0], c[..., 1]
     return mx.stack([q0 * c0 + q1 * c1, q0 * c1 - q1 * c0], axis=-1)
+
+
+def codeword_tables(q: mx.array, a: mx.array, b: mx.array) -> mx.array:
+    """The query against each small codebook's entries: ``conj(q_p) A[s, p, k]`` and
+    ``conj(q_p) J B[s, p, k]``, ``2 K`` complex numbers per query, stage and pair (a stage's
+    ``K**2`` codewords are sums of one of each).
+
+    Shapes:
+        q ``(B, H, M, P, 2)`` float32 query pairs; a, b ``(H, S, P, K, 2)``; returns float32
+        ``(B, H, M, S, P, 2, K, 2)``: ``[..., 0, k, :]`` from ``A``, ``[..., 1, k, :]`` from
+        ``J B``, each ``(real, imaginary)``.
+    """
+    qq = q[:, :, :, None, :, None]  # (B, H, M, 1, P, 1, 2)
+    ta = _conj_mul(qq, a.astype(mx.float32)[None, :, None])  # (B, H, M, S, P, K, 2)
+    tb = _conj_mul(qq, jrot(b.astype(mx.float32))[None, :, None])
+    return mx.stack([ta, tb], axis=5)
 
 
 def query_tables(q: mx.array, a: mx.array, b: mx.array) -> mx.array:
@@ -45,9 +62,8 @@ def query_tables(q: mx.array, a: mx.array, b: mx.array) -> mx.array:
     """
     bq, h, m, p, _ = q.shape
     s, k = a.shape[1], a.shape[3]
-    qq = q[:, :, :, None, :, None]  # (B, H, M, 1, P, 1, 2)
-    ta = _conj_mul(qq, a.astype(mx.float32)[None, :, None])  # (B, H, M, S, P, K, 2)
-    tb = _conj_mul(qq, jrot(b.astype(mx.float32))[None, :, None])
+    tab = codeword_tables(q, a, b)  # (B, H, M, S, P, 2, K, 2)
+    ta, tb = tab[:, :, :, :, :, 0], tab[:, :, :, :, :, 1]  # (B, H, M, S, P, K, 2)
     t = ta[:, :, :, :, :, :, None] + tb[:, :, :, :, :, None]  # (B, H, M, S, P, K, K, 2)
     t = t.reshape(bq, h, m, s, p, k * k, 2).transpose(0, 1, 3, 4, 5, 6, 2)
     return t.reshape(bq, h, s, p, k * k, 2 * m)

@@ -15,6 +15,11 @@ entries rounded to bfloat16, so casting a checkpoint between float32, float16 an
 e.g. to run it in float32 on a CPU, keeps its fingerprint; integer entries, such as packed
 quantized weights, as raw bytes). Another checkpoint (another model, a fine-tune, a
 quantization) changes it; one model has one fingerprint whatever the method.
+
+A method describes its artifact once, as an :class:`ArtifactKind` (format, version, names for
+messages), which writes, reads, finds and resolves its files; the method keeps only its arrays
+and its own metadata fields. Every file of a kind carries ``layers`` (the JSON list of layer
+indices), ``fingerprint``, ``model`` (:func:`identity`) and ``calibration`` (how it was fitted).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import json
 import os
 import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,16 +39,23 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from .validation import check_int
+
 __all__ = [
     "ENV",
+    "ArtifactFile",
+    "ArtifactKind",
+    "calibration_ids",
     "check_format",
     "find_artifact",
     "fingerprint",
     "identity",
     "load_cached",
+    "model_dtype",
     "read_metadata",
     "resolve_artifact",
     "search_dirs",
+    "token_stream",
 ]
 
 ENV = "VELOX_ARTIFACTS"
@@ -106,6 +119,69 @@ def fingerprint(model: Any) -> str:
         h.update(tag)
         h.update(np.asarray(s).tobytes())
     return h.hexdigest()[:32]
+
+
+def token_stream(tokenizer: Any, docs: list[str], special_tokens: bool = False) -> np.ndarray:
+    """Documents tokenized and joined, each followed by the EOS token (where the tokenizer
+    has one): calibration and evaluation text. ``special_tokens=False`` encodes without the
+    tokenizer's own special tokens (a BOS), as the corpus was tokenized for training.
+
+    Shapes: returns int32 ``(N,)``.
+    """
+    eos = getattr(tokenizer, "eos_token_id", None)
+    out: list[int] = []
+    kwargs = {} if special_tokens else {"add_special_tokens": False}
+    for d in docs:
+        out.extend(tokenizer.encode(d, **kwargs))
+        if eos is not None:
+            out.append(int(eos))
+    return np.asarray(out, dtype=np.int32)
+
+
+def calibration_ids(
+    tokenizer_or_token_ids: Any,
+    text: str | list[str] | None = None,
+    who: str = "fit",
+    max_tokens: int | None = None,
+) -> tuple[np.ndarray, str]:
+    """The calibration token ids of a fit, and how they were given (kept in the artifact).
+
+    ``tokenizer_or_token_ids`` is the model's tokenizer, with ``text`` a str or a list of
+    documents (each encoded and followed by the EOS token), or the token ids themselves (a
+    non-empty array or list of ints, no ``text``). ``max_tokens`` keeps the first ones
+    (None: all); ``who`` names the fit in errors.
+
+    Returns:
+        ``(ids, how)``: int64 ``(N,)`` and ``"<n> text(s) tokenized by the model"`` or
+        ``"token ids"``.
+    """
+    source = tokenizer_or_token_ids
+    if hasattr(source, "encode") and not isinstance(source, (str, bytes)):
+        docs = [text] if isinstance(text, str) else list(text or [])
+        if not docs or not all(isinstance(t, str) for t in docs):
+            raise TypeError(f"{who}: with a tokenizer, pass text= (a str or a list of str)")
+        out = token_stream(source, docs, special_tokens=True).astype(np.int64)
+        how = f"{len(docs)} text(s) tokenized by the model"
+    else:
+        if text is not None:
+            raise TypeError(f"{who}: text= is only for a tokenizer; token ids were given")
+        arr = np.asarray(source)
+        if (
+            isinstance(source, (str, bytes))
+            or arr.size == 0
+            or not np.issubdtype(arr.dtype, np.integer)
+        ):
+            raise TypeError(f"{who}: pass a tokenizer (and text=) or a non-empty array of ids")
+        out, how = arr.reshape(-1).astype(np.int64), "token ids"
+    if max_tokens is not None:
+        out = out[: check_int("max_tokens", max_tokens, minimum=1)]
+    return out, how
+
+
+def model_dtype(model: Any) -> str:
+    """The dtype of the model's first parameter, as a fit records it (``""``: none)."""
+    params = tree_flatten(model.parameters())
+    return str(params[0][1].dtype) if params else ""
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:
@@ -203,25 +279,132 @@ def resolve_artifact(
         ValueError: ``path`` is not such an artifact, or was fitted for another model.
         missing: nothing in the search directories was fitted for this model.
     """
-    fp = fingerprint(model)
-    if path is not None:
-        p = Path(path).expanduser()
-        meta = read_metadata(p)
-        check_format(p, meta, fmt, version, what)
-        if meta.get("fingerprint") != fp:
-            raise ValueError(
-                f"{param}={str(path)!r} was fitted for another model (fingerprint "
-                f"{meta.get('fingerprint')}, {meta.get('model')}); this model's fingerprint is "
-                f"{fp} ({json.dumps(identity(model), sort_keys=True)}). Fit one for it: "
-                f"{how_to_fit}"
+    return ArtifactKind(fmt, version, what, param, how_to_fit, missing).resolve(model, path)
+
+
+@dataclass
+class ArtifactFile:
+    """An artifact as read from its file: metadata strings and arrays (no checks of its own)."""
+
+    path: Path
+    meta: dict[str, str]
+    arrays: dict[str, mx.array]
+
+    def json(self, name: str) -> Any:
+        """The metadata field ``name``, JSON-decoded."""
+        return json.loads(self.meta[name])
+
+    @property
+    def layers(self) -> list[int]:
+        """The layer indices the file holds."""
+        return [int(i) for i in self.json("layers")]
+
+    def per_layer(self, name: str, cast: Callable[[Any], Any]) -> dict[int, list[Any]]:
+        """A metadata field of one list per layer, ``{"<i>": [...]}``, each entry cast."""
+        return {int(i): [cast(x) for x in v] for i, v in self.json(name).items()}
+
+    def provenance(self) -> dict[str, Any]:
+        """``fingerprint``, ``model`` and ``calibration``, as keyword arguments."""
+        return {
+            "fingerprint": self.meta["fingerprint"],
+            "model": self.json("model"),
+            "calibration": self.json("calibration"),
+        }
+
+
+@dataclass(frozen=True)
+class ArtifactKind:
+    """One method's artifact: ``fmt`` and ``version`` in its metadata, ``what`` naming it in
+    messages (``"CommVQ"``), ``param`` the cache parameter that takes its path
+    (``"codebooks"``), ``how_to_fit`` the command that makes one and ``missing`` the error
+    raised when a model has none."""
+
+    fmt: str
+    version: str
+    what: str
+    param: str
+    how_to_fit: str
+    missing: type[Exception] = FileNotFoundError
+
+    def write(
+        self,
+        path: str | os.PathLike,
+        arrays: dict[str, mx.array],
+        layers: list[int],
+        meta: dict[str, Any],
+        who: str,
+    ) -> Path:
+        """Write ``arrays`` of ``layers`` to ``path`` (``.safetensors``; parent directories are
+        created), with this kind's format and version and ``meta`` (``fingerprint``,
+        ``model``, ``calibration`` and the method's own fields; values that are not strings
+        are stored as JSON). ``who`` names the caller in errors (``"save_codebooks"``)."""
+        path = Path(path).expanduser()
+        if path.suffix != ".safetensors":
+            raise ValueError(f"{who}: the file name must end in .safetensors, got {path}")
+        if not layers:
+            raise ValueError(f"{who}: no layers to save")
+        missing = {"fingerprint", "model", "calibration"} - set(meta)
+        if missing:
+            raise ValueError(f"{who}: the metadata lacks {sorted(missing)}")
+        fields = {"format": self.fmt, "version": self.version, "layers": sorted(layers), **meta}
+        text = {
+            k: v if isinstance(v, str) else json.dumps(v, sort_keys=True) for k, v in fields.items()
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        mx.save_safetensors(str(path), arrays, text)
+        return path
+
+    def read(self, path: str | os.PathLike, build: Callable[[ArtifactFile], T]) -> T:
+        """``build(file)`` of the artifact at ``path``, after its format and version are
+        checked; a missing field or array, or one of the wrong type, is reported as a corrupt
+        artifact.
+
+        Raises:
+            ValueError: no such file, not a safetensors file, another format or version, or
+                corrupt.
+        """
+        path = Path(path).expanduser()
+        meta = read_metadata(path)
+        check_format(path, meta, self.fmt, self.version, self.what)
+        try:
+            return build(ArtifactFile(path, meta, mx.load(str(path))))
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise ValueError(f"{path}: corrupt {self.what} artifact ({e})") from None
+
+    def find(self, fp: str, dirs: list[Path] | None = None) -> Path | None:
+        """The first file of this kind (directories in order, files sorted by name) fitted for
+        fingerprint ``fp``."""
+        return find_artifact(self.fmt, fp, dirs, self.version)
+
+    def resolve(self, model: Any, path: str | os.PathLike | None) -> Path:
+        """The artifact of this kind for ``model``: ``path`` if given (checked: this kind,
+        fitted for this model), else the first found by the model's fingerprint in
+        :func:`search_dirs`.
+
+        Raises:
+            ValueError: ``path`` is not such an artifact, or was fitted for another model.
+            self.missing: nothing in the search directories was fitted for this model.
+        """
+        fp = fingerprint(model)
+        if path is not None:
+            p = Path(path).expanduser()
+            meta = read_metadata(p)
+            check_format(p, meta, self.fmt, self.version, self.what)
+            if meta.get("fingerprint") != fp:
+                raise ValueError(
+                    f"{self.param}={str(path)!r} was fitted for another model (fingerprint "
+                    f"{meta.get('fingerprint')}, {meta.get('model')}); this model's fingerprint "
+                    f"is {fp} ({json.dumps(identity(model), sort_keys=True)}). Fit one for it: "
+                    f"{self.how_to_fit}"
+                )
+            return p
+        found = self.find(fp)
+        if found is None:
+            where = ", ".join(str(d) for d in search_dirs())
+            raise self.missing(
+                f"no {self.what} artifact for this model (fingerprint {fp}) in {where}. It is "
+                f"fitted on the model's own activations: fit one with `{self.how_to_fit}` and "
+                f"put FILE in ~/.cache/velox or a directory listed in ${ENV}, or pass "
+                f"{self.param}=FILE"
             )
-        return p
-    found = find_artifact(fmt, fp, version=version)
-    if found is None:
-        where = ", ".join(str(d) for d in search_dirs())
-        raise missing(
-            f"no {what} artifact for this model (fingerprint {fp}) in {where}. It is fitted on "
-            f"the model's own activations: fit one with `{how_to_fit}` and put FILE in "
-            f"~/.cache/velox or a directory listed in ${ENV}, or pass {param}=FILE"
-        )
-    return found
+        return found

@@ -1,11 +1,12 @@
 """The command line of a per-model artifact: ``python -m velox_<method> fit|show``.
 
 A method that fits an artifact (:mod:`velox_core.artifacts`) gives :class:`ArtifactCommand`
-its name, its own ``fit`` options, the function that fits and writes, and the one that
-describes a file; the shared parts live here: the common ``fit`` options (``--model``,
-``--text``, ``--out``, ``--tokens``, ``--seq-len``, ``--dtype``), reading the calibration
-text, loading the model, the default output path (``~/.cache/velox/<method>-<fingerprint>``,
-where caches look) and the exit codes (2 on a bad argument, with one line).
+its fit function, its own ``fit`` options, and how to save, load and describe a file; the
+shared parts live here: the common ``fit`` options (``--model``, ``--text``, ``--out``,
+``--tokens``, ``--seq-len``, ``--dtype``), reading the calibration text, loading the model,
+the call of the fit, the default output path (``~/.cache/velox/<method>-<fingerprint>``,
+where caches look), the fields every artifact shows (fingerprint, model, calibration) and the
+exit codes (2 on a bad argument, with one line).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DTYPES", "ArtifactCommand", "default_out", "load_for_fit", "read_texts"]
+__all__ = ["DTYPES", "ArtifactCommand", "Option", "default_out", "load_for_fit", "read_texts"]
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -51,23 +52,62 @@ def default_out(method: str, fingerprint: str, out: str | None) -> Path:
 
 
 @dataclass(frozen=True)
+class Option:
+    """One of a method's own ``fit`` options, passed to its fit function as ``dest``.
+
+    A ``bool`` option is a switch: ``--no-x`` (``default=True``) stores False, ``--x``
+    (``default=False``) stores True.
+    """
+
+    flag: str
+    type: type
+    default: Any
+    help: str
+    dest: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.dest or self.flag.lstrip("-").replace("-", "_")
+
+    def add(self, parser: argparse.ArgumentParser) -> None:
+        if self.type is bool:
+            action = "store_false" if self.default else "store_true"
+            parser.add_argument(self.flag, dest=self.name, action=action, help=self.help)
+        else:
+            parser.add_argument(
+                self.flag, dest=self.name, type=self.type, default=self.default, help=self.help
+            )
+
+
+@dataclass(frozen=True)
 class ArtifactCommand:
     """``python -m velox_<method> fit|show`` for one method's artifact.
 
     Attributes:
         method: the method's name (the default file's prefix, the program's name).
-        what: what the artifact holds, for help texts ("the CommVQ key codebooks").
-        add_fit_options: adds the method's own ``fit`` options to the parser.
-        fit: ``fit(args, model, tokenizer, texts) -> message`` fits, writes and says what.
-        show: ``show(path) -> dict`` describes a file (printed as JSON).
+        what: what the artifact holds, for help texts and messages ("CommVQ key codebooks").
+        fit: ``fit(model, tokenizer, texts, *, max_tokens, seq_len, source, **options)``
+            returns the artifact (with ``layers``, ``fingerprint``, ``model`` and
+            ``calibration``, whose ``tokens`` it used).
+        save: ``save(artifact, path) -> path`` writes it.
+        load: ``load(path) -> artifact`` reads one.
+        describe: ``describe(artifact) -> dict``: its own fields (``layers`` included),
+            shown after the fingerprint, model and calibration.
+        summary: ``summary(artifact) -> str``: its geometry in a few words, for the line
+            ``fit`` prints ("" for none).
+        options: the method's own ``fit`` options.
         tokens: the default of ``--tokens``.
+        doc: the program's description.
     """
 
     method: str
     what: str
-    add_fit_options: Callable[[argparse.ArgumentParser], None]
-    fit: Callable[[argparse.Namespace, Any, Any, list[str]], str]
-    show: Callable[[str], dict]
+    fit: Callable[..., Any]
+    save: Callable[[Any, Path], Path]
+    load: Callable[[str], Any]
+    describe: Callable[[Any], dict]
+    summary: Callable[[Any], str] = lambda _: ""
+    options: tuple[Option, ...] = ()
     tokens: int = 16384
     doc: str = ""
 
@@ -85,17 +125,38 @@ class ArtifactCommand:
             "--seq-len", type=int, default=2048, help="tokens per calibration sequence"
         )
         fit.add_argument("--dtype", choices=DTYPES, default="auto", help="run the model so")
-        self.add_fit_options(fit)
+        for option in self.options:
+            option.add(fit)
         fit.set_defaults(run=self._fit)
         show = sub.add_parser("show", help="print what an artifact holds")
         show.add_argument("file")
         show.set_defaults(run=lambda a: print(json.dumps(self.show(a.file), indent=1)) or 0)
         return p
 
+    def show(self, path: str) -> dict:
+        """What ``show`` prints: the artifact's provenance, then its own fields."""
+        art = self.load(path)
+        provenance = {"fingerprint": art.fingerprint, "model": art.model}
+        return {**provenance, "calibration": art.calibration, **self.describe(art)}
+
     def _fit(self, args: argparse.Namespace) -> int:
         texts = read_texts(args.text)
         model, tokenizer = load_for_fit(args.model, args.dtype)
-        print(self.fit(args, model, tokenizer, texts))
+        art = self.fit(
+            model,
+            tokenizer,
+            texts,
+            max_tokens=args.tokens,
+            seq_len=args.seq_len,
+            source=", ".join(Path(t).name for t in args.text),
+            **{o.name: getattr(args, o.name) for o in self.options},
+        )
+        path = self.save(art, default_out(self.method, art.fingerprint, args.out))
+        shape = ", ".join(x for x in (f"{len(art.layers)} layers", self.summary(art)) if x)
+        print(
+            f"{self.what} of {args.model} ({shape}, fingerprint {art.fingerprint}) from "
+            f"{art.calibration['tokens']} tokens -> {path}"
+        )
         return 0
 
     def main(self, argv: list[str] | None = None) -> int:

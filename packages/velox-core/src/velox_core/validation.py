@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import os
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import mlx.core as mx
@@ -11,11 +12,16 @@ __all__ = [
     "FLOAT_DTYPES",
     "check_array",
     "check_bits",
+    "check_bool",
     "check_choice",
+    "check_counts",
     "check_divides",
     "check_float",
     "check_int",
+    "check_key_value_widths",
     "check_kv",
+    "check_path",
+    "check_token_groups",
     "check_widths",
 ]
 
@@ -47,6 +53,27 @@ def check_divides(method: str, name: str, group: int, dim: int, what: str, why: 
         )
 
 
+def check_token_groups(
+    method: str,
+    group: int,
+    key_dim: int,
+    value_dim: int,
+    key_axis: str | None = "token",
+    value_axis: str | None = "token",
+) -> None:
+    """``group`` divides the head dim of each side coded in per-token groups (axis
+    ``"token"``: a token's channels split into groups of ``group``); a side with per-channel
+    groups (``"channel"``) or none (None) takes any head dim.
+
+    Raises:
+        ValueError: :func:`check_divides`'s, naming ``method``, the side and its head dim.
+    """
+    for side, axis, dim in (("key", key_axis, key_dim), ("value", value_axis, value_dim)):
+        if axis == "token":
+            why = f"{side}s are quantized per token in groups of `group` channels"
+            check_divides(method, "group", group, dim, f"{side} head dim", why)
+
+
 def check_float(
     name: str,
     value: Any,
@@ -67,6 +94,23 @@ def check_float(
     return value
 
 
+def check_bool(name: str, value: Any) -> bool:
+    """Return ``value`` if it is ``True`` or ``False`` (not 0, 1 or a string), else raise."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_path(name: str, value: Any) -> str | None:
+    """``value`` as a string path (``os.fspath``) if it is a ``str`` or ``os.PathLike``,
+    ``None`` if it is ``None``, else raise ``TypeError``."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a path or None, got {value!r}")
+    return os.fspath(value)
+
+
 def check_choice(name: str, value: Any, choices: Iterable[Any]) -> Any:
     choices = tuple(choices)
     if value not in choices:
@@ -80,12 +124,47 @@ def check_bits(name: str, value: Any, minimum: int = 1, maximum: int = 8) -> int
     return check_int(name, value, minimum=minimum, maximum=maximum)
 
 
-def check_widths(cfg: Any, minimum: int = 2, maximum: int = 8) -> None:
-    """Check a config's shared width names: ``bits``, and ``key_bits``/``value_bits`` when set
-    (ints in ``[minimum, maximum]``; ``bits=None`` is left to the caller)."""
+def check_widths(
+    cfg: Any,
+    minimum: int = 2,
+    maximum: int = 8,
+    *,
+    check: Callable[[str, Any], Any] | None = None,
+    bits_required: bool = False,
+) -> None:
+    """Check a config's shared width names, ``bits`` and ``key_bits``/``value_bits`` where set:
+    ints in ``[minimum, maximum]``, or what ``check(name, value)`` accepts (a method's own rule,
+    such as fractional widths), whose return value replaces the field. ``bits=None`` is left
+    to the caller unless ``bits_required``."""
     for name in ("bits", "key_bits", "value_bits"):
-        if getattr(cfg, name, None) is not None:
-            check_bits(name, getattr(cfg, name), minimum, maximum)
+        value = getattr(cfg, name, None)
+        if value is None and not (bits_required and name == "bits"):
+            continue
+        ok = check_bits(name, value, minimum, maximum) if check is None else check(name, value)
+        setattr(cfg, name, ok)
+
+
+def check_key_value_widths(cfg: Any, key_minimum: int, low_bits: str) -> None:
+    """Widths of a config whose keys take ``key_minimum`` to 8 bits and whose values are
+    ``velox_core.Uniform`` codes (2 to 8): ``bits`` and ``key_bits`` in ``[key_minimum, 8]``,
+    ``value_bits`` in ``[2, 8]``. A ``bits`` below 2 sets only the keys, so it needs
+    ``value_bits``; ``low_bits`` says what such a ``bits`` gives the keys ("the key sketch")."""
+    check_bits("bits", cfg.bits, key_minimum, 8)
+    if cfg.key_bits is not None:
+        check_bits("key_bits", cfg.key_bits, key_minimum, 8)
+    if cfg.value_bits is not None:
+        check_bits("value_bits", cfg.value_bits, 2, 8)
+    elif cfg.bits < 2:
+        raise ValueError(
+            f"value_bits must be 2 to 8 (velox_core.Uniform); bits={cfg.bits} sets only "
+            f"{low_bits}, so pass value_bits with it, e.g. key_bits={cfg.bits}, value_bits=4"
+        )
+
+
+def check_counts(cfg: Any, *names: str) -> None:
+    """Each named field of ``cfg`` is an int >= 0 (``window``, ``sinks``, ``seed``...)."""
+    for name in names:
+        check_int(name, getattr(cfg, name), minimum=0)
 
 
 def check_array(

@@ -37,6 +37,4 @@ class KIVICache(PresetCache):
         return {
             "key_codec": Uniform(kb, cfg.group, axis="channel"),
             "value_codec": Uniform(vb, cfg.group, axis="token"),
-            "window": cfg.window,
-            "sinks": cfg.sinks,
         }

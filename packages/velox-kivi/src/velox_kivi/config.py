@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from velox_core.validation import check_bits, check_divides, check_int, check_widths
+from velox_core.validation import check_counts, check_int, check_token_groups, check_widths
 
 
 @dataclass
@@ -28,20 +28,11 @@ class KIVIConfig:
     sinks: int = 0
 
     def __post_init__(self):
-        check_bits("bits", self.bits, 2, 8)
-        check_widths(self)
+        check_widths(self, bits_required=True)
         check_int("group", self.group, minimum=1)
-        check_int("window", self.window, minimum=0)
-        check_int("sinks", self.sinks, minimum=0)
+        check_counts(self, "window", "sinks")
 
     def check_dims(self, key_dim: int, value_dim: int) -> None:
         """Values are quantized per token in groups of ``group`` channels, so ``group`` must
         divide the value head dim (key groups run along tokens: any key head dim works)."""
-        check_divides(
-            "kivi",
-            "group",
-            self.group,
-            value_dim,
-            "value head dim",
-            "values are quantized per token in groups of `group` channels",
-        )
+        check_token_groups("kivi", self.group, key_dim, value_dim, key_axis="channel")

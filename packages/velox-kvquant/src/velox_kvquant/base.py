@@ -18,17 +18,11 @@ import numpy as np
 from velox_core import Codec, Packed
 from velox_core.ops import pack, unpack
 from velox_core.ops.quant import scale_dtype
-from velox_core.validation import check_bits, check_choice, check_float
+from velox_core.validation import check_bits, check_bool, check_choice, check_float
 
 from .nuq import DATATYPES, dequantize, fit_levels, outlier_count, quantize
 
-__all__ = ["NuqCodec", "check_bool"]
-
-
-def check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
-    return value
+__all__ = ["NuqCodec"]
 
 
 class NuqCodec(Codec):

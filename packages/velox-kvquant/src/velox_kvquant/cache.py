@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from velox_core import PresetCache, resolve_bits
+from velox_core import resolve_bits
+from velox_core.cache.preset import CalibratedPreset
+from velox_core.codec.prerope import rope_settings
 
 from .config import KVQuantConfig
 from .keys import KVQuantKeys
@@ -20,7 +22,7 @@ from .values import KVQuantValues
 __all__ = ["KVQuantCache"]
 
 
-class KVQuantCache(PresetCache):
+class KVQuantCache(CalibratedPreset):
     """KVQuant's cache for one layer. Parameters: see :class:`KVQuantConfig`."""
 
     method = "kvquant"
@@ -31,39 +33,7 @@ class KVQuantCache(PresetCache):
     def build(self, cfg: KVQuantConfig) -> dict[str, Any]:
         kb, vb = resolve_bits(cfg.bits, cfg.key_bits, cfg.value_bits)
         shared = {"outliers": cfg.outliers, "datatype": cfg.datatype, "qnorm": cfg.qnorm}
-        keys = KVQuantKeys(
-            kb,
-            **shared,
-            pre_rope=cfg.pre_rope,
-            rope_base=cfg.rope_base,
-            rope_traditional=cfg.rope_traditional,
-            rope_scale=cfg.rope_scale,
-            rope_dims=cfg.rope_dims,
-        )
         return {
-            "key_codec": keys,
+            "key_codec": KVQuantKeys(kb, **shared, **rope_settings(cfg)),
             "value_codec": KVQuantValues(vb, **shared),
-            "window": cfg.window,
-            "sinks": cfg.sinks,
         }
-
-    @property
-    def calibrated(self) -> bool:
-        """Whether the codecs have fitted their scales and datatypes."""
-        t = self.tiers[0]
-        return t.key_codec.fitted and t.value_codec.fitted
-
-    def before_coding(self) -> bool:
-        """Until calibrated, the window also holds the calibration tokens: nothing is coded
-        before ``window + calibration`` tokens are stored (the codecs fit on encode)."""
-        return self.calibrated or self._win[0].tokens >= self.window + self.cfg.calibration
-
-    # -- batching: the codecs' fitted arrays have one row per sequence (velox-core's filter and
-    # extend slice and join them through the codecs' filter_batch / extend_batch)
-    def extend(self, other: KVQuantCache) -> None:
-        if type(other) is type(self) and self.calibrated != other.calibrated:
-            raise ValueError(
-                "extend: both caches must be calibrated, or neither (feed each past its "
-                f"{self.cfg.calibration} calibration tokens)"
-            )
-        super().extend(other)

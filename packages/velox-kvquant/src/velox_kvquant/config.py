@@ -4,9 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from velox_core.validation import check_bits, check_choice, check_float, check_int
+from velox_core.codec.prerope import check_rope_settings, rope_settings
+from velox_core.validation import (
+    check_bool,
+    check_choice,
+    check_counts,
+    check_float,
+    check_int,
+    check_widths,
+)
 
-from .base import check_bool
 from .nuq import DATATYPES
 
 
@@ -27,9 +34,8 @@ class KVQuantConfig:
             spaced levels on the same normalization: the paper's ``intX`` ablation).
         qnorm: Q-Norm the fitted levels (the paper's refinement for 2 bits).
         pre_rope: quantize keys before RoPE (the paper); False codes the post-RoPE keys.
-        rope_base, rope_traditional, rope_scale, rope_dims: the RoPE of a standalone cache
-            (``mlx.nn.RoPE`` settings). Leave ``rope_base`` unset with a model:
-            ``make_cache`` binds each layer's own RoPE.
+        rope_base, rope_traditional, rope_scale, rope_dims: the RoPE of a standalone cache,
+            unset with a model (:mod:`velox_core.codec.prerope`).
     """
 
     bits: int = 4
@@ -48,16 +54,10 @@ class KVQuantConfig:
     rope_dims: int | None = None
 
     def __post_init__(self):
-        check_bits("bits", self.bits, 2, 8)
-        for name in ("key_bits", "value_bits"):
-            if getattr(self, name) is not None:
-                check_bits(name, getattr(self, name), 2, 8)
+        check_widths(self, bits_required=True)
         check_float("outliers", self.outliers, minimum=0.0, maximum=0.5)
-        check_int("sinks", self.sinks, minimum=0)
-        check_int("window", self.window, minimum=0)
+        check_counts(self, "sinks", "window")
         check_int("calibration", self.calibration, minimum=1)
         check_choice("datatype", self.datatype, DATATYPES)
         check_bool("qnorm", self.qnorm)
-        check_bool("pre_rope", self.pre_rope)
-        check_bool("rope_traditional", self.rope_traditional)
-        # rope_base / rope_scale / rope_dims are checked by the key codec (with pre_rope)
+        check_rope_settings(**rope_settings(self))

@@ -27,12 +27,12 @@ import mlx.core as mx
 import numpy as np
 
 from velox_core import Packed
+from velox_core.codec.prerope import PreRope
 from velox_core.ops import pack
 from velox_core.ops.quant import scale_dtype
-from velox_core.ops.rope import RopeSpec, find_rope, rope_spec, rotate
-from velox_core.validation import check_float, check_int
+from velox_core.validation import check_bool
 
-from .base import NuqCodec, check_bool
+from .base import NuqCodec
 from .nuq import dequantize, outlier_count
 
 __all__ = ["KVQuantKeys"]
@@ -40,17 +40,15 @@ __all__ = ["KVQuantKeys"]
 _MIN_RANGE = 1e-4
 
 
-class KVQuantKeys(NuqCodec):
+class KVQuantKeys(PreRope, NuqCodec):
     """KVQuant's key codec.
 
     Args:
         bits, outliers, datatype, qnorm: see :class:`~velox_kvquant.base.NuqCodec`.
         pre_rope: quantize keys before RoPE (the paper); False quantizes the post-RoPE keys
             per channel (the paper's ablation baseline).
-        rope_base: the RoPE base for a standalone codec (no model bound). With a model,
-            :meth:`bind` reads the model's RoPE; a ``rope_base`` that disagrees is an error.
-        rope_traditional, rope_scale, rope_dims: the rest of ``mlx.nn.RoPE``'s settings,
-            used with ``rope_base`` (``rope_dims`` defaults to the head dim).
+        rope_base, rope_traditional, rope_scale, rope_dims: the RoPE of a standalone codec
+            (:class:`~velox_core.codec.prerope.PreRope`).
 
     Packed layout per token: ``codes`` uint32 ``(ceil(D*bits/32),)``, ``sparse_val`` fp16
     ``(k,)``, ``sparse_idx`` uint8 ``(k,)``, and (pre-RoPE) ``pos`` int32 stored once per token
@@ -58,6 +56,8 @@ class KVQuantKeys(NuqCodec):
     """
 
     name = "kvquant-key"
+    rope_method = "kvquant"
+    rope_optional = True
     _batch_state = ("levels", "bounds", "zero", "range")
 
     def __init__(
@@ -74,99 +74,36 @@ class KVQuantKeys(NuqCodec):
     ):
         super().__init__(bits, outliers, datatype, qnorm)
         self.pre_rope = check_bool("pre_rope", pre_rope)
-        self.rope_base = None if rope_base is None else check_float("rope_base", rope_base)
-        if self.rope_base is not None and self.rope_base <= 1.0:
-            raise ValueError(f"rope_base must be > 1, got {rope_base}")
-        self.rope_traditional = check_bool("rope_traditional", rope_traditional)
-        self.rope_scale = check_float("rope_scale", rope_scale, minimum=0.0, open_min=True)
-        self.rope_dims = None if rope_dims is None else check_int("rope_dims", rope_dims, minimum=2)
-        if self.rope_dims is not None and self.rope_dims % 2:
-            raise ValueError(f"rope_dims must be even, got {rope_dims}")
-        custom = rope_traditional or rope_scale != 1.0 or rope_dims is not None
-        if not pre_rope and (rope_base is not None or custom):
-            raise ValueError("rope_base/rope_traditional/rope_scale/rope_dims need pre_rope=True")
-        if rope_base is None and custom:
-            raise ValueError("rope_traditional/rope_scale/rope_dims need rope_base")
-        self._rope: RopeSpec | None = None  # from the model (bind) or the state
+        self.init_rope(rope_base, rope_traditional, rope_scale, rope_dims)
 
     def config(self) -> dict[str, Any]:
-        return {
-            **super().config(),
-            "pre_rope": self.pre_rope,
-            "rope_base": self.rope_base,
-            "rope_traditional": self.rope_traditional,
-            "rope_scale": self.rope_scale,
-            "rope_dims": self.rope_dims,
-        }
+        return {**super().config(), **self.rope_config()}
 
-    # -- RoPE --------------------------------------------------------------------------------
     def bind(self, model: Any = None, layer: int | None = None) -> None:
         """Read the RoPE of ``model.layers[layer]`` (pre-RoPE codecs only)."""
-        if not self.pre_rope or model is None or layer is None:
-            return
-        spec = rope_spec(
-            find_rope(model, layer, "kvquant", "pass rope_base=... or use pre_rope=False"),
-            "kvquant",
-            "pass rope_base=... or use pre_rope=False",
-        )
-        if self.rope_base is not None:
-            mine = self._config_rope(spec.dims if self.rope_dims is None else self.rope_dims)
-            if not mine.same_as(spec):
-                raise ValueError(
-                    f"kvquant: rope_base={self.rope_base} (and rope_traditional/rope_scale/"
-                    f"rope_dims) disagree with layer {layer}'s RoPE ({spec.describe()}); "
-                    "leave rope_base unset to use the model's"
-                )
-        self._rope = spec
-
-    def _config_rope(self, dims: int) -> RopeSpec:
-        return RopeSpec.from_base(self.rope_base, dims, self.rope_traditional, self.rope_scale)
-
-    def _rope_for(self, dim: int) -> RopeSpec:
-        if self._rope is None:
-            if self.rope_base is None:
-                raise ValueError(
-                    "kvquant: pre-RoPE keys need the model's RoPE: build the caches with "
-                    "velox_core.make_cache(model, ...), or pass rope_base=... for a "
-                    "standalone cache, or pre_rope=False"
-                )
-            self._rope = self._config_rope(dim if self.rope_dims is None else self.rope_dims)
-        if self._rope.dims > dim:
-            raise ValueError(f"kvquant: RoPE rotates {self._rope.dims} channels of {dim}")
-        return self._rope
+        if model is not None and layer is not None:
+            self.bind_rope(model, layer)
 
     def check(self, dim: int, dtype: mx.Dtype) -> None:
         super().check(dim, dtype)
         if self.pre_rope:
-            self._rope_for(dim)
+            self.rope_for(dim)
 
     # -- state: the fit, and the RoPE once known (so copies and files need no model) ----------
     def state(self) -> dict[str, mx.array]:
-        out = super().state()
-        if self.pre_rope and self._rope is not None:
-            out.update(self._rope.arrays())
-        return out
+        return {**super().state(), **self.rope_state()}
 
     def set_state(self, state: dict[str, mx.array]) -> None:
-        state = dict(state)
-        theta, layout = state.pop("rope_theta", None), state.pop("rope_layout", None)
-        if (theta is None) != (layout is None) or (theta is not None and not self.pre_rope):
-            raise ValueError(f"{self.name}: rope_theta and rope_layout go together, pre-RoPE only")
-        if theta is not None:
-            self._rope = RopeSpec.from_arrays(theta, layout)
-        super().set_state(state)
+        super().set_state(self.pop_rope_state(state))
 
     # -- coding ------------------------------------------------------------------------------
     def encode(self, x: mx.array, positions: mx.array | None = None) -> Packed:
-        b, _, t, d = x.shape
+        b, _, t, _ = x.shape
         xf = x.astype(mx.float32)
         extra = {}
         if self.pre_rope:
-            if positions is None or positions.shape != (t,):
-                raise ValueError(f"kvquant: pre-RoPE keys need positions of shape ({t},)")
-            spec = self._rope_for(d)
-            pos = mx.broadcast_to(positions.astype(mx.int32).reshape(1, 1, t), (b, 1, t))
-            xf = rotate(xf, pos, spec, inverse=True)
+            pos = self.key_positions(positions, b, t)
+            xf = self.unrotate(xf, pos)
             extra = {"pos": pos}
         if not self.fitted:
             self._calibrate(xf, x.dtype)
@@ -184,7 +121,7 @@ class KVQuantKeys(NuqCodec):
         rng = self._fit["range"].astype(mx.float32)[:, :, None]
         x = self._unsparse(self._undense(packed.data["codes"]) * rng + zero, packed)
         if self.pre_rope:
-            x = rotate(x, packed.data["pos"], self._rope)
+            x = self.rerotate(x, packed.data["pos"])
         return x
 
     def _calibrate(self, xf: mx.array, dtype: mx.Dtype) -> None:

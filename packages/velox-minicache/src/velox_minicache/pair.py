@@ -24,13 +24,14 @@ import mlx.core as mx
 import numpy as np
 
 from velox_core import Packed, PackedStore
+from velox_core.cache.linked import LayerGroup
 
 from .merge import distance_range, retained, slerp_merge
 
 __all__ = ["MergedPair"]
 
 
-class MergedPair:
+class MergedPair(LayerGroup):
     """Two adjacent layers' shared merged tokens.
 
     Args:
@@ -38,28 +39,14 @@ class MergedPair:
             layer alone).
     """
 
+    title, noun, shared = "a merged pair", "pair", "merged tokens"
+
     def __init__(self, members: list[Any]):
-        self.members = list(members)
         self.dirs = (PackedStore(256), PackedStore(256))  # Packed {"e": (B, H, T, D)}
         self.pos: list[mx.array | None] = [None, None]  # keys, values: (N, 2) int32
         self.lo: list[mx.array | None] = [None, None]  # (B,) smallest distance so far
         self.hi: list[mx.array | None] = [None, None]  # (B,) largest distance so far
-        for i, m in enumerate(self.members):
-            if m is not None:
-                m.pair, m.member = self, i
-
-    @property
-    def present(self) -> list[Any]:
-        return [m for m in self.members if m is not None]
-
-    @property
-    def owner(self) -> Any:
-        """The layer whose bytes and file record include the shared arrays (the first)."""
-        return self.present[0]
-
-    @property
-    def layers(self) -> list[int | None]:
-        return [m.layer for m in self.present]
+        super().__init__(members)
 
     @property
     def tokens(self) -> int:
@@ -79,6 +66,13 @@ class MergedPair:
             self.pos[i] = arrays.get(f"pos.{kind}")
             self.lo[i] = arrays.get(f"lo.{kind}")
             self.hi[i] = arrays.get(f"hi.{kind}")
+
+    def named_stores(self) -> dict[str, PackedStore]:
+        return {"dir.k": self.dirs[0], "dir.v": self.dirs[1]}
+
+    def take_shared(self, other: MergedPair) -> None:
+        self.dirs = other.dirs
+        self.set_shared(other.shared_arrays())
 
     # -- merging ----------------------------------------------------------------------------
     def ready(self) -> int:

@@ -1,6 +1,6 @@
 """velox-nestedkv: NestedKV, key-only eviction by multi-time-scale anomaly (arXiv 2605.26678)."""
 
-from velox_core import Method, Uniform
+from velox_core.cache.eviction import eviction_method
 
 from .cache import NestedKVCache
 from .config import NestedKVConfig
@@ -18,12 +18,8 @@ __all__ = [
     "nested_score",
 ]
 
-METHOD = Method(
-    name="nestedkv",
-    cache_class=NestedKVCache,
+METHOD = eviction_method(
+    NestedKVCache,
     summary="key-only eviction: stable/episodic/current cosine anomaly, head-adaptive budgets",
     paper="https://arxiv.org/abs/2605.26678",
-    codecs=(Uniform,),
-    policies=(NestedKVPolicy,),
-    recommended=({"budget": 1024}, {"budget": 1024, "bits": 4}),
 )

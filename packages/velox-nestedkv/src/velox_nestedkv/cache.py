@@ -13,9 +13,7 @@ more than one sequence fall back to ``budget`` tokens per head.
 
 from __future__ import annotations
 
-from typing import Any
-
-from velox_core import PresetCache, kept_codecs
+from velox_core.cache.eviction import EvictionCache
 
 from .config import NestedKVConfig
 from .policy import NestedKVPolicy
@@ -23,24 +21,21 @@ from .policy import NestedKVPolicy
 __all__ = ["NestedKVCache"]
 
 
-class NestedKVCache(PresetCache):
+class NestedKVCache(EvictionCache):
     """NestedKV's cache for one layer. Parameters: see :class:`NestedKVConfig`."""
 
     method = "nestedkv"
     Config = NestedKVConfig
-
-    def build(self, cfg: NestedKVConfig) -> dict[str, Any]:
-        codecs = kept_codecs(cfg)
-        policy = NestedKVPolicy(
-            budget=cfg.budget,
-            every=cfg.every,
-            recent=cfg.recent,
-            block=cfg.block,
-            beta=cfg.beta,
-            tau=cfg.tau,
-            kappa=cfg.kappa,
-            prior=cfg.prior,
-            safeguard=cfg.safeguard,
-            heads=cfg.heads,
-        )
-        return {**codecs, "sinks": cfg.sinks, "window": cfg.window, "policy": policy}
+    Policy = NestedKVPolicy
+    policy_params = (
+        "budget",
+        "every",
+        "recent",
+        "block",
+        "beta",
+        "tau",
+        "kappa",
+        "prior",
+        "safeguard",
+        "heads",
+    )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from velox_core import check_kept_codes
+from velox_core.cache.eviction import EvictionConfig
 from velox_core.validation import check_choice, check_float, check_int
 
 from .policy import HEADS, check_prior
@@ -12,8 +12,9 @@ from .scores import PRIOR
 
 
 @dataclass
-class NestedKVConfig:
-    """NestedKV (arXiv 2605.26678) settings, with the shared parameter names.
+class NestedKVConfig(EvictionConfig):
+    """NestedKV (arXiv 2605.26678) settings, with the shared parameter names
+    (:class:`~velox_core.cache.eviction.EvictionConfig`).
 
     Attributes:
         budget: tokens kept per KV head (sinks + body + window); with ``heads="adaptive"``
@@ -31,15 +32,9 @@ class NestedKVConfig:
         safeguard: ``α_s``, share of its budget each head keeps by its own ranking (0.2).
         heads: ``"adaptive"`` (the paper's head-wise competition; batch 1, routed attention)
             or ``"uniform"`` (``budget`` tokens per head).
-        bits, key_bits, value_bits: code the kept tokens with ``velox_core.Uniform`` at these
-            widths (None keeps them in fp16, as the paper does).
-        group: group size of those codes.
-        window: most recent tokens kept in fp16 and never evicted.
     """
 
-    budget: int = 1024
     sinks: int = 4
-    every: int | None = None
     recent: int = 64
     block: int | None = None
     beta: float = 3.0
@@ -48,17 +43,9 @@ class NestedKVConfig:
     prior: tuple[float, float, float] = PRIOR
     safeguard: float = 0.2
     heads: str = "adaptive"
-    bits: int | None = None
-    key_bits: int | None = None
-    value_bits: int | None = None
-    group: int = 64
-    window: int = 0
 
     def __post_init__(self):
-        check_int("budget", self.budget, minimum=1)
-        check_int("sinks", self.sinks, minimum=0)
-        if self.every is not None:
-            check_int("every", self.every, minimum=1)
+        super().__post_init__()
         check_int("recent", self.recent, minimum=1)
         if self.block is not None:
             check_int("block", self.block, minimum=1)
@@ -68,9 +55,3 @@ class NestedKVConfig:
         self.prior = check_prior(self.prior)
         check_float("safeguard", self.safeguard, minimum=0.0, maximum=1.0)
         check_choice("heads", self.heads, HEADS)
-        check_kept_codes(self)
-        check_int("window", self.window, minimum=0)
-        if self.budget <= self.sinks + self.window:
-            raise ValueError(
-                f"budget={self.budget} must exceed sinks + window = {self.sinks + self.window}"
-            )

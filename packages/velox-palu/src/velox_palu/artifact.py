@@ -21,7 +21,6 @@ each basis; one artifact serves every rank.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_core.artifacts import load_cached, read_metadata, resolve_artifact
+from velox_core.artifacts import ArtifactFile, ArtifactKind, load_cached
 
 __all__ = [
     "FORMAT",
@@ -51,6 +50,9 @@ HOW_TO_FIT = "velox fit palu --model PATH --text CALIBRATION.txt [--out FILE]"
 
 class MissingArtifactError(FileNotFoundError):
     """No Palu artifact was found for a model."""
+
+
+KIND = ArtifactKind(FORMAT, VERSION, "Palu", "artifact", HOW_TO_FIT, MissingArtifactError)
 
 
 @dataclass
@@ -116,11 +118,6 @@ def _check(b: PaluBases, where: str) -> None:
 
 def save_bases(b: PaluBases, path: str | os.PathLike) -> Path:
     """Write ``b`` to ``path`` (``.safetensors``; parent directories are created)."""
-    path = Path(path).expanduser()
-    if path.suffix != ".safetensors":
-        raise ValueError(f"save_bases: the file name must end in .safetensors, got {path}")
-    if not b.bases:
-        raise ValueError("save_bases: no layers to save")
     _check(b, "save_bases")
     arrays = {}
     for (i, s), (basis, sigma) in b.bases.items():
@@ -129,51 +126,38 @@ def save_bases(b: PaluBases, path: str | os.PathLike) -> Path:
     for (i, s), bias in b.biases.items():
         arrays[f"layer.{i}.{s}.bias"] = bias.astype(mx.float32)
     meta = {
-        "format": FORMAT,
-        "version": VERSION,
         "fingerprint": b.fingerprint,
-        "layers": json.dumps(b.layers),
         "heads_per_group": str(b.heads_per_group),
-        "layouts": json.dumps({str(i): v for i, v in sorted(b.layouts.items())}),
-        "fisher": json.dumps({str(i): v for i, v in sorted(b.fisher.items())}),
-        "model": json.dumps(b.model, sort_keys=True),
-        "calibration": json.dumps(b.calibration, sort_keys=True),
+        "layouts": b.layouts,
+        "fisher": b.fisher,
+        "model": b.model,
+        "calibration": b.calibration,
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(path), arrays, meta)
-    return path
+    return KIND.write(path, arrays, b.layers, meta, "save_bases")
+
+
+def _bases(f: ArtifactFile) -> PaluBases:
+    bases, biases = {}, {}
+    for i in f.layers:
+        for s in SIDES:
+            name = f"layer.{i}.{s}"
+            bases[(i, s)] = (f.arrays[f"{name}.basis"], f.arrays[f"{name}.sigma"])
+            if f"{name}.bias" in f.arrays:
+                biases[(i, s)] = f.arrays[f"{name}.bias"]
+    return PaluBases(
+        bases,
+        biases,
+        int(f.meta["heads_per_group"]),
+        f.per_layer("layouts", int),
+        f.per_layer("fisher", float),
+        **f.provenance(),
+    )
 
 
 def load_bases(path: str | os.PathLike) -> PaluBases:
     """Read a file written by :func:`save_bases` (``ValueError`` if it is not one)."""
-    path = Path(path).expanduser()
-    meta = read_metadata(path)
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a Palu artifact (format {meta.get('format')!r})")
-    if meta.get("version") != VERSION:
-        raise ValueError(f"{path}: unsupported Palu artifact version {meta.get('version')!r}")
-    try:
-        arrays = mx.load(str(path))
-        ids = [int(i) for i in json.loads(meta["layers"])]
-        bases, biases = {}, {}
-        for i in ids:
-            for s in SIDES:
-                bases[(i, s)] = (arrays[f"layer.{i}.{s}.basis"], arrays[f"layer.{i}.{s}.sigma"])
-                if f"layer.{i}.{s}.bias" in arrays:
-                    biases[(i, s)] = arrays[f"layer.{i}.{s}.bias"]
-        out = PaluBases(
-            bases,
-            biases,
-            int(meta["heads_per_group"]),
-            {int(i): [int(x) for x in v] for i, v in json.loads(meta["layouts"]).items()},
-            {int(i): [float(x) for x in v] for i, v in json.loads(meta["fisher"]).items()},
-            meta["fingerprint"],
-            json.loads(meta["model"]),
-            json.loads(meta["calibration"]),
-        )
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise ValueError(f"{path}: corrupt Palu artifact ({e})") from None
-    _check(out, str(path))
+    out = KIND.read(path, _bases)
+    _check(out, str(Path(path).expanduser()))
     return out
 
 
@@ -190,13 +174,4 @@ def resolve_bases(model: Any, artifact: str | os.PathLike | None = None) -> Path
         ValueError: ``artifact`` is not a Palu artifact or was fitted for another model.
         MissingArtifactError: nothing in the search directories was fitted for this model.
     """
-    return resolve_artifact(
-        model,
-        artifact,
-        fmt=FORMAT,
-        version=VERSION,
-        what="Palu",
-        how_to_fit=HOW_TO_FIT,
-        param="artifact",
-        missing=MissingArtifactError,
-    )
+    return KIND.resolve(model, artifact)

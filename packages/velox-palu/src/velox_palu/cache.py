@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from velox_core import PresetCache
+from velox_core.codec.prerope import rope_settings
 
 from .codec import PaluKeys, PaluValues
 from .config import PaluConfig
@@ -35,10 +36,7 @@ class PaluCache(PresetCache):
             bits=kb,
             group=cfg.group if kb is not None else None,
             layer=cfg.layer,
-            rope_base=cfg.rope_base,
-            rope_traditional=cfg.rope_traditional,
-            rope_scale=cfg.rope_scale,
-            rope_dims=cfg.rope_dims,
+            **rope_settings(cfg),
             **common,
         )
         values = PaluValues(
@@ -48,4 +46,4 @@ class PaluCache(PresetCache):
             layer=cfg.layer,
             **common,
         )
-        return {"key_codec": keys, "value_codec": values, "window": cfg.window, "sinks": cfg.sinks}
+        return {"key_codec": keys, "value_codec": values}

@@ -37,23 +37,17 @@ from typing import Any
 import mlx.core as mx
 
 from velox_core import Codec, Packed, Uniform
+from velox_core.codec.prerope import PreRope
 from velox_core.ops import block_size, hadamard
-from velox_core.ops.rope import RopeSpec, find_rope, rope_spec
 from velox_core.ops.rope import fast_rotate as rope_at
-from velox_core.validation import check_bits, check_choice, check_float, check_int
+from velox_core.validation import check_bits, check_choice, check_float, check_int, check_path
 
 from .artifact import PaluBases, load_bases_cached, resolve_bases
 from .ranks import ALLOCATIONS, allocate
 
-__all__ = ["PaluKeys", "PaluValues", "check_bool"]
+__all__ = ["PaluKeys", "PaluValues"]
 
 TILE = 1024  # tokens rebuilt at a time inside attention
-
-
-def check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
-    return value
 
 
 class _PaluLatent(Codec):
@@ -77,9 +71,7 @@ class _PaluLatent(Codec):
         self.group = None if group is None else check_int("group", group, minimum=1)
         if group is not None and bits is None:
             raise ValueError("group (channels per quantization scale) needs bits")
-        if artifact is not None and not isinstance(artifact, (str, os.PathLike)):
-            raise TypeError(f"artifact must be a path or None, got {artifact!r}")
-        self.artifact = None if artifact is None else os.fspath(artifact)
+        self.artifact = check_path("artifact", artifact)
         self.layer = None if layer is None else check_int("layer", layer, minimum=0)
         self._path = self.artifact
         self._fit: dict[str, mx.array] | None = None  # basis (G, gD, r) fp16, bias (H, D)
@@ -290,7 +282,7 @@ class PaluValues(_PaluLatent):
         return out
 
 
-class PaluKeys(_PaluLatent):
+class PaluKeys(PreRope, _PaluLatent):
     """Palu's key codec.
 
     Args:
@@ -304,12 +296,13 @@ class PaluKeys(_PaluLatent):
         artifact: path of the Palu artifact; None finds the model's at ``bind``.
         layer: the model layer (set by ``bind``).
         rope_base, rope_traditional, rope_scale, rope_dims: the RoPE of a standalone codec
-            (``mlx.nn.RoPE`` settings); with a model, ``bind`` reads each layer's own.
+            (:class:`~velox_core.codec.prerope.PreRope`).
 
     Packed layout: as :class:`PaluValues`, plus ``pos`` int32 ``(B, 1, T)``.
     """
 
     name = "palu-key"
+    rope_method = "palu"
     side = "key"
 
     def __init__(
@@ -327,26 +320,10 @@ class PaluKeys(_PaluLatent):
         rope_dims: int | None = None,
     ):
         super().__init__(rank, ratio, allocation, bits, group, artifact, layer)
-        self.rope_base = None if rope_base is None else check_float("rope_base", rope_base)
-        if self.rope_base is not None and self.rope_base <= 1.0:
-            raise ValueError(f"rope_base must be > 1, got {rope_base}")
-        self.rope_traditional = check_bool("rope_traditional", rope_traditional)
-        self.rope_scale = check_float("rope_scale", rope_scale, minimum=0.0, open_min=True)
-        self.rope_dims = None if rope_dims is None else check_int("rope_dims", rope_dims, minimum=2)
-        if self.rope_dims is not None and self.rope_dims % 2:
-            raise ValueError(f"rope_dims must be even, got {rope_dims}")
-        if rope_base is None and (rope_traditional or rope_scale != 1.0 or rope_dims is not None):
-            raise ValueError("rope_traditional/rope_scale/rope_dims need rope_base")
-        self._rope: RopeSpec | None = None
+        self.init_rope(rope_base, rope_traditional, rope_scale, rope_dims)
 
     def config(self) -> dict[str, Any]:
-        return {
-            **super().config(),
-            "rope_base": self.rope_base,
-            "rope_traditional": self.rope_traditional,
-            "rope_scale": self.rope_scale,
-            "rope_dims": self.rope_dims,
-        }
+        return {**super().config(), **self.rope_config()}
 
     def fresh(self):
         out = super().fresh()
@@ -357,67 +334,35 @@ class PaluKeys(_PaluLatent):
         if layer is not None:
             self.layer = check_int("layer", layer, minimum=0)
         if model is not None and self.layer is not None:
-            spec = rope_spec(find_rope(model, self.layer, method="palu"), method="palu")
-            if self.rope_base is not None and not self._config_rope(spec.dims).same_as(spec):
-                raise ValueError(
-                    f"palu: rope_base={self.rope_base} (and rope_traditional/rope_scale/"
-                    f"rope_dims) disagree with layer {self.layer}'s RoPE; leave rope_base unset "
-                    "to use the model's"
-                )
-            self._rope = spec
+            self.bind_rope(model, self.layer)
         super().bind(model, layer)
 
-    def _config_rope(self, dims: int) -> RopeSpec:
-        return RopeSpec.from_base(self.rope_base, dims, self.rope_traditional, self.rope_scale)
-
     def _check_layout(self, art: PaluBases) -> None:
-        if self._rope is not None and art.layouts[self.layer] != self._rope_layout():
+        if self._rope is not None and art.layouts[self.layer] != self._rope.layout:
             raise ValueError(
                 f"palu: layer {self.layer}'s key bases were fitted under the RoPE pair layout "
                 f"[dims, traditional] = {art.layouts[self.layer]}, this cache's RoPE has "
-                f"{self._rope_layout()}"
+                f"{self._rope.layout}"
             )
 
-    def _rope_layout(self) -> list[int]:
-        return [int(self._rope.dims), int(self._rope.traditional)]
-
     def check(self, dim: int, dtype: mx.Dtype) -> None:
-        if self._rope is None:
-            if self.rope_base is None:
-                raise ValueError(
-                    "palu: pre-RoPE keys need the model's RoPE: build the caches with "
-                    "velox_core.make_cache(model, ...), or pass rope_base=... for a standalone "
-                    "cache"
-                )
-            self._rope = self._config_rope(dim if self.rope_dims is None else self.rope_dims)
-        if self._rope.dims > dim:
-            raise ValueError(f"palu: RoPE of {self._rope.dims} dims on {dim}-dim heads")
+        self.rope_for(dim)
         super().check(dim, dtype)
 
     def state(self) -> dict[str, mx.array]:
         out = super().state()
-        if out and self._rope is not None:
-            out.update(self._rope.arrays())
-        return out
+        return {**out, **self.rope_state()} if out else out
 
     def set_state(self, state: dict[str, mx.array]) -> None:
-        state = dict(state)
-        theta, layout = state.pop("rope_theta", None), state.pop("rope_layout", None)
-        if (theta is None) != (layout is None):
-            raise ValueError(f"{self.name}: rope_theta and rope_layout go together")
-        if theta is not None:
-            self._rope = RopeSpec.from_arrays(theta, layout)
-        super().set_state(state)
+        super().set_state(self.pop_rope_state(state))
 
     def encode(self, x: mx.array, positions: mx.array | None = None) -> Packed:
         b, _, t, d = x.shape
-        if positions is None or positions.shape != (t,):
-            raise ValueError(f"palu: pre-RoPE keys need positions of shape ({t},)")
+        pos = self.key_positions(positions, b, t)
         self.check(d, x.dtype)
-        pos = positions.astype(mx.int32)
-        pre = rope_at(x, mx.broadcast_to(pos[:1], (b,)), self._rope, inverse=True)
-        data = self._project(pre)
-        data["pos"] = mx.broadcast_to(pos.reshape(1, 1, t), (b, 1, t))
+        # one rotation offset per row: the block's positions are consecutive
+        data = self._project(rope_at(x, pos[:, 0, 0], self._rope, inverse=True))
+        data["pos"] = pos
         return Packed(data, t)
 
     def decode(self, packed: Packed) -> mx.array:

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-from velox_core.validation import check_bits, check_choice, check_float, check_int
+from velox_core.codec.prerope import check_rope_settings, rope_settings
+from velox_core.validation import (
+    check_choice,
+    check_counts,
+    check_float,
+    check_int,
+    check_path,
+    check_widths,
+)
 
-from .codec import check_bool
 from .ranks import ALLOCATIONS
 
 __all__ = ["PaluConfig"]
@@ -30,11 +36,11 @@ class PaluConfig:
             its group's latent, per token); needs bits.
         window: most recent tokens kept in fp16 (0 by default).
         sinks: first tokens kept in fp16 (0 by default).
-        artifact: path of the Palu artifact; None finds the one fitted for the model
-            (``$VELOX_ARTIFACTS``, then ``~/.cache/velox``) when the cache is bound.
+        artifact: path of the Palu artifact (None: the model's, found when the cache is
+            bound, :func:`~velox_palu.artifact.resolve_bases`).
         layer: the model layer whose bases to use; ``velox_core.make_cache`` sets it.
-        rope_base, rope_traditional, rope_scale, rope_dims: the RoPE of a standalone cache
-            (``mlx.nn.RoPE`` settings); with a model, ``make_cache`` binds each layer's own.
+        rope_base, rope_traditional, rope_scale, rope_dims: the RoPE of a standalone cache,
+            unset with a model (:mod:`velox_core.codec.prerope`).
     """
 
     ratio: float = 0.5
@@ -60,20 +66,13 @@ class PaluConfig:
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), minimum=1)
         check_choice("allocation", self.allocation, ALLOCATIONS)
-        for name in ("bits", "key_bits", "value_bits"):
-            if getattr(self, name) is not None:
-                check_bits(name, getattr(self, name), 2, 8)
+        check_widths(self)
         if self.group is not None:
             check_int("group", self.group, minimum=1)
             if self.bits is None and self.key_bits is None and self.value_bits is None:
                 raise ValueError("group (latent channels per quantization scale) needs bits")
-        check_int("window", self.window, minimum=0)
-        check_int("sinks", self.sinks, minimum=0)
-        if self.artifact is not None:
-            if not isinstance(self.artifact, (str, os.PathLike)):
-                raise TypeError(f"artifact must be a path or None, got {self.artifact!r}")
-            self.artifact = os.fspath(self.artifact)
+        check_counts(self, "window", "sinks")
+        self.artifact = check_path("artifact", self.artifact)
         if self.layer is not None:
             check_int("layer", self.layer, minimum=0)
-        check_bool("rope_traditional", self.rope_traditional)
-        # rope_base / rope_scale / rope_dims are checked by the key codec
+        check_rope_settings(**rope_settings(self))

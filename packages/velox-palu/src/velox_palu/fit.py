@@ -31,7 +31,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from velox_core import VeloxCache, make_cache
-from velox_core.artifacts import fingerprint, identity
+from velox_core.artifacts import calibration_ids, fingerprint, identity, model_dtype
 from velox_core.ops.rope import fast_rotate as rope_at
 from velox_core.ops.rope import find_rope, rope_spec
 from velox_core.validation import check_int
@@ -129,28 +129,32 @@ def fisher_information(model: Any, sequences: list[mx.array]) -> dict[int, list[
 
 def fit_palu(
     model: Any,
-    token_ids: Any,
+    tokenizer_or_token_ids: Any,
+    text: str | list[str] | None = None,
     *,
+    max_tokens: int | None = None,
     heads_per_group: int | None = None,
     seq_len: int = 2048,
     fisher: bool = True,
     chunk: int = 512,
-    source: str = "",
+    source: str | None = None,
 ) -> PaluBases:
     """Fit the Palu bases (and Fisher weights) of ``model`` on calibration tokens.
 
     Args:
         model: an mlx-lm model (run as it is: cast it first to fit in another dtype).
-        token_ids: calibration token ids (1-D ints), cut into sequences of ``seq_len``.
+        tokenizer_or_token_ids, text, max_tokens: the calibration tokens, as
+            :func:`velox_core.artifacts.calibration_ids` takes them.
+        seq_len: tokens per calibration sequence (the Fisher pass runs the same sequences).
         heads_per_group: KV heads per group ``g`` (Palu's G-LRD; default 4, or all KV heads
             where a layer has fewer); must divide every layer's KV heads.
         fisher: compute the Fisher information for rank allocation.
         chunk: prefill chunk length (bounds the attention memory).
         source: a description of the calibration text, stored in the artifact.
     """
-    ids = np.asarray(token_ids)
-    if ids.ndim != 1 or ids.size < 2 or not np.issubdtype(ids.dtype, np.integer):
-        raise TypeError("fit_palu: token_ids must be a 1-D array of at least 2 token ids")
+    ids, how = calibration_ids(tokenizer_or_token_ids, text, "fit_palu", max_tokens)
+    if ids.size < 2:
+        raise ValueError(f"fit_palu: the calibration holds {ids.size} token; it needs 2 at least")
     check_int("seq_len", seq_len, minimum=2)
     check_int("chunk", chunk, minimum=1)
     if heads_per_group is not None:
@@ -203,13 +207,13 @@ def fit_palu(
                 "palu: Fisher information was found for layers "
                 f"{sorted(weights)} of {sorted(heads)}; fit with --no-fisher"
             )
-    params = tree_flatten(model.parameters())
     calibration = {
         "tokens": int(tokens),
         "seq_len": seq_len,
         "fisher": bool(fisher),
-        "source": source,
-        "dtype": str(params[0][1].dtype) if params else "",
+        "input": how,
+        "source": source or "",
+        "dtype": model_dtype(model),
     }
     layouts = {i: [int(s.dims), int(s.traditional)] for i, s in specs.items()}
     return PaluBases(

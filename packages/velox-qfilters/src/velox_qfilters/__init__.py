@@ -1,8 +1,8 @@
 """velox-qfilters: Q-Filters, KV eviction by a context-agnostic projection of the keys
 (arXiv 2503.02812)."""
 
-from velox_core import Method, Uniform
 from velox_core.artifacts import fingerprint, identity
+from velox_core.cache.eviction import eviction_method
 
 from .artifact import (
     Filters,
@@ -36,12 +36,9 @@ __all__ = [
     "search_dirs",
 ]
 
-METHOD = Method(
-    name="qfilters",
-    cache_class=QFiltersCache,
+METHOD = eviction_method(
+    QFiltersCache,
     summary="evict keys with the smallest projection on a per-head query direction fitted once",
     paper="https://arxiv.org/abs/2503.02812",
-    codecs=(Uniform,),
-    policies=(QFiltersPolicy,),
     recommended=({"budget": 1024}, {"budget": 1024, "bits": 4, "group": 32}),
 )

@@ -11,56 +11,32 @@ tokenizer (each file followed by the EOS token) and writes the artifact to ``--o
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
-from velox_core.artifacts_cli import ArtifactCommand, default_out
+from velox_core.artifacts_cli import ArtifactCommand, Option
 
-
-def _options(fit: argparse.ArgumentParser) -> None:
-    fit.add_argument("--samples", type=int, default=3000, help="queries sampled for the SVD")
-    fit.add_argument("--seed", type=int, default=0, help="seed of the query sample")
+from .artifact import Filters, load_filters, save_filters
+from .fit import fit_filters
 
 
-def _fit(args: argparse.Namespace, model, tokenizer, texts: list[str]) -> str:
-    from .artifact import save_filters
-    from .fit import fit_filters
-
-    filters = fit_filters(
-        model,
-        tokenizer,
-        texts,
-        max_tokens=args.tokens,
-        seq_len=args.seq_len,
-        samples=args.samples,
-        seed=args.seed,
-        source=", ".join(Path(t).name for t in args.text),
-    )
-    path = save_filters(filters, default_out("qfilters", filters.fingerprint, args.out))
-    cal = filters.calibration
-    return (
-        f"Q-Filters for {args.model} ({len(filters.layers)} layers, fingerprint "
-        f"{filters.fingerprint}) from {cal['tokens']} tokens, {cal['samples']} sampled queries "
-        f"-> {path}"
-    )
-
-
-def _show(path: str) -> dict:
-    from .artifact import load_filters
-
-    f = load_filters(path)
-    shapes = {i: list(a.shape) for i, a in sorted(f.layers.items())}
-    return {
-        "fingerprint": f.fingerprint,
-        "model": f.model,
-        "calibration": f.calibration,
-        "layers": shapes,
-    }
+def _describe(f: Filters) -> dict:
+    return {"layers": {i: list(a.shape) for i, a in sorted(f.layers.items())}}
 
 
 COMMAND = ArtifactCommand(
-    "qfilters", "the Q-Filters", _options, _fit, _show, tokens=8192, doc=__doc__
+    "qfilters",
+    "Q-Filters",
+    fit_filters,
+    save_filters,
+    load_filters,
+    _describe,
+    lambda f: f"{f.calibration['samples']} sampled queries",
+    options=(
+        Option("--samples", int, 3000, "queries sampled for the SVD"),
+        Option("--seed", int, 0, "seed of the query sample"),
+    ),
+    tokens=8192,
+    doc=__doc__,
 )
 parser, main, fit_main = COMMAND.parser, COMMAND.main, COMMAND.fit_main
 

@@ -13,7 +13,6 @@ model's name; velox keeps them in a local file matched to the model by its weigh
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,14 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_core.artifacts import (
-    ENV,
-    check_format,
-    find_artifact,
-    read_metadata,
-    resolve_artifact,
-    search_dirs,
-)
+from velox_core.artifacts import ENV, ArtifactFile, ArtifactKind, read_metadata, search_dirs
 from velox_core.artifacts import load_cached as _load_cached
 
 __all__ = [
@@ -51,6 +43,9 @@ HOW_TO_FIT = "python -m velox_qfilters fit --model PATH --text CALIBRATION.txt -
 
 class MissingFiltersError(FileNotFoundError):
     """No Q-Filters artifact was found for a model."""
+
+
+KIND = ArtifactKind(FORMAT, VERSION, "Q-Filters", "filters", HOW_TO_FIT, MissingFiltersError)
 
 
 @dataclass
@@ -80,42 +75,26 @@ class Filters:
 
 def save_filters(filters: Filters, path: str | os.PathLike) -> Path:
     """Write ``filters`` to ``path`` (``.safetensors``; parent directories are created)."""
-    path = Path(path).expanduser()
-    if path.suffix != ".safetensors":
-        raise ValueError(f"save_filters: the file name must end in .safetensors, got {path}")
-    if not filters.layers:
-        raise ValueError("save_filters: no layers to save")
     arrays = {}
     for i, f in filters.layers.items():
         if f.ndim != 2:
             raise ValueError(f"save_filters: layer {i} must be (H_kv, D), got {tuple(f.shape)}")
         arrays[f"layer.{i}"] = f.astype(mx.float32)
     meta = {
-        "format": FORMAT,
-        "version": VERSION,
         "fingerprint": filters.fingerprint,
-        "layers": json.dumps(sorted(filters.layers)),
-        "model": json.dumps(filters.model, sort_keys=True),
-        "calibration": json.dumps(filters.calibration, sort_keys=True),
+        "model": filters.model,
+        "calibration": filters.calibration,
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(path), arrays, meta)
-    return path
+    return KIND.write(path, arrays, list(filters.layers), meta, "save_filters")
+
+
+def _filters(f: ArtifactFile) -> Filters:
+    return Filters({i: f.arrays[f"layer.{i}"] for i in f.layers}, **f.provenance())
 
 
 def load_filters(path: str | os.PathLike) -> Filters:
     """Read a file written by :func:`save_filters` (``ValueError`` if it is not one)."""
-    path = Path(path).expanduser()
-    meta = read_metadata(path)
-    check_format(path, meta, FORMAT, VERSION, "Q-Filters")
-    try:
-        arrays = mx.load(str(path))
-        layers = {int(i): arrays[f"layer.{i}"] for i in json.loads(meta["layers"])}
-        out = Filters(
-            layers, meta["fingerprint"], json.loads(meta["model"]), json.loads(meta["calibration"])
-        )
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise ValueError(f"{path}: corrupt Q-Filters artifact ({e})") from None
+    out = KIND.read(path, _filters)
     for i, f in out.layers.items():
         if f.ndim != 2 or f.dtype != mx.float32:
             raise ValueError(f"{path}: layer {i} is not a float32 (H_kv, D) array")
@@ -129,7 +108,7 @@ def load_cached(path: str | os.PathLike) -> Filters:
 
 def find_filters(fp: str, dirs: list[Path] | None = None) -> Path | None:
     """The first artifact (directories in order, files sorted by name) fitted for ``fp``."""
-    return find_artifact(FORMAT, fp, dirs, VERSION)
+    return KIND.find(fp, dirs)
 
 
 def resolve_filters(model: Any, filters: str | os.PathLike | None = None) -> Path:
@@ -139,13 +118,4 @@ def resolve_filters(model: Any, filters: str | os.PathLike | None = None) -> Pat
         ValueError: ``filters`` is not a Q-Filters artifact or was fitted for another model.
         MissingFiltersError: nothing in the search directories was fitted for this model.
     """
-    return resolve_artifact(
-        model,
-        filters,
-        fmt=FORMAT,
-        version=VERSION,
-        what="Q-Filters",
-        how_to_fit=HOW_TO_FIT,
-        param="filters",
-        missing=MissingFiltersError,
-    )
+    return KIND.resolve(model, filters)

@@ -15,9 +15,7 @@ The same policy composes with any per-token codec, e.g. Q-Filters over TurboQuan
 
 from __future__ import annotations
 
-from typing import Any
-
-from velox_core import PresetCache, kept_codecs
+from velox_core.cache.eviction import EvictionCache
 
 from .config import QFiltersConfig
 from .policy import QFiltersPolicy
@@ -25,13 +23,10 @@ from .policy import QFiltersPolicy
 __all__ = ["QFiltersCache"]
 
 
-class QFiltersCache(PresetCache):
+class QFiltersCache(EvictionCache):
     """Q-Filters' cache for one layer. Parameters: see :class:`QFiltersConfig`."""
 
     method = "qfilters"
     Config = QFiltersConfig
-
-    def build(self, cfg: QFiltersConfig) -> dict[str, Any]:
-        codecs = kept_codecs(cfg)
-        policy = QFiltersPolicy(cfg.budget, cfg.every, cfg.filters, cfg.layer)
-        return {**codecs, "sinks": cfg.sinks, "window": cfg.window, "policy": policy}
+    Policy = QFiltersPolicy
+    policy_params = ("budget", "every", "filters", "layer")

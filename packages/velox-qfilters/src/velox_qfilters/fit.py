@@ -19,10 +19,9 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
 
 from velox_core import RetentionPolicy, VeloxCache, make_cache, routed
-from velox_core.artifacts import fingerprint, identity
+from velox_core.artifacts import calibration_ids, fingerprint, identity, model_dtype
 from velox_core.validation import check_int
 
 from .artifact import Filters
@@ -73,30 +72,6 @@ class _Recorder(RetentionPolicy):
             self.store.setdefault(self.layer, {"q": [], "kv": cache.kv_heads})["q"].append(picked)
 
 
-def _token_ids(model: Any, source: Any, text: Any) -> tuple[np.ndarray, str]:
-    if hasattr(source, "encode") and not isinstance(source, (str, bytes)):
-        if text is None:
-            raise TypeError("fit_filters: with a tokenizer, pass the calibration text as text=")
-        docs = [text] if isinstance(text, str) else list(text)
-        if not docs or not all(isinstance(t, str) for t in docs):
-            raise TypeError("fit_filters: text must be a str or a list of str")
-        eos = getattr(source, "eos_token_id", None)
-        ids: list[int] = []
-        for doc in docs:
-            ids.extend(int(t) for t in source.encode(doc))
-            if eos is not None:
-                ids.append(int(eos))
-        return np.asarray(ids, dtype=np.int64), f"{len(docs)} text(s) tokenized by the model"
-    if text is not None:
-        raise TypeError("fit_filters: text= is only for a tokenizer; token ids were given")
-    if isinstance(source, (str, bytes)):
-        raise TypeError("fit_filters: pass a tokenizer (and text=) or token ids, not a string")
-    arr = np.asarray(source)
-    if arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError("fit_filters: token ids must be a non-empty array or list of ints")
-    return arr.reshape(-1).astype(np.int64), "token ids"
-
-
 def fit_filters(
     model: Any,
     tokenizer_or_token_ids: Any,
@@ -113,9 +88,8 @@ def fit_filters(
 
     Args:
         model: an mlx-lm model (run as it is: cast it first to fit in another dtype).
-        tokenizer_or_token_ids: the model's tokenizer (then pass ``text``: a str or a list of
-            documents, each followed by the EOS token) or the calibration token ids.
-        max_tokens: calibration tokens used at most (None: all).
+        tokenizer_or_token_ids, text, max_tokens: the calibration tokens, as
+            :func:`velox_core.artifacts.calibration_ids` takes them.
         seq_len: the tokens are cut into sequences of this length, each run from position 0.
         samples: query positions sampled (uniformly, without replacement) for the SVD.
         seed: seed of that sample.
@@ -125,9 +99,7 @@ def fit_filters(
     Returns:
         :class:`Filters` with one float32 ``(H_kv, D)`` array per attention layer.
     """
-    ids, how = _token_ids(model, tokenizer_or_token_ids, text)
-    if max_tokens is not None:
-        ids = ids[: check_int("max_tokens", max_tokens, minimum=1)]
+    ids, how = calibration_ids(tokenizer_or_token_ids, text, "fit_filters", max_tokens)
     check_int("seq_len", seq_len, minimum=1)
     check_int("samples", samples, minimum=1)
     check_int("seed", seed, minimum=0)
@@ -151,7 +123,6 @@ def fit_filters(
         for i, rec in sorted(store.items())
     }
     mx.eval(layers)
-    params = tree_flatten(model.parameters())
     calibration = {
         "tokens": int(ids.size),
         "samples": int(pick.size),
@@ -159,6 +130,6 @@ def fit_filters(
         "seed": seed,
         "input": how,
         "source": source or "",
-        "dtype": str(params[0][1].dtype) if params else "",
+        "dtype": model_dtype(model),
     }
     return Filters(layers, fingerprint(model), identity(model), calibration)

@@ -53,9 +53,4 @@ class QJLCache(PresetCache):
             orthogonal=cfg.orthogonal,
             seed=cfg.seed,
         )
-        return {
-            "key_codec": keys,
-            "value_codec": Uniform(vb, cfg.group, axis="token"),
-            "window": cfg.window,
-            "sinks": cfg.sinks,
-        }
+        return {"key_codec": keys, "value_codec": Uniform(vb, cfg.group, axis="token")}

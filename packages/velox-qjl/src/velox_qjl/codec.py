@@ -61,6 +61,7 @@ class QJL(Codec):
 
     name = "qjl"
     compressed_scores = True
+    kernels = _kernels  # fused decode attention over the sign sketches (GPU)
 
     def __init__(
         self,
@@ -223,27 +224,6 @@ class QJL(Codec):
         onorm = p["onorm"].astype(mx.float32)[..., None] * (c / mo)
         k_out = (self._signs(p["osign"], mo) @ s[:mo]) * onorm
         return mx.where(mask, k_out, k_hat)
-
-    def attend_partial(
-        self, q: mx.array, keys: Packed, value_codec: Codec, values: Packed
-    ) -> tuple[mx.array, mx.array, mx.array] | None:
-        """Fused decode attention over the sign sketches (GPU kernel, :mod:`velox_qjl.kernels`),
-        or None where it does not apply (the caller takes :meth:`scores` and ``mix``)."""
-        return _kernels.attend_partial(self, q, keys, value_codec, values)
-
-    def attend_joint(
-        self,
-        q: mx.array,
-        keys: Packed,
-        value_codec: Codec,
-        values: Packed,
-        fp16: list[tuple[mx.array, mx.array]],
-        out_dtype: mx.Dtype,
-        scale: float | None = None,
-    ) -> mx.array | None:
-        """Attention over the sign sketches and a cache's fp16 segments in one softmax (GPU
-        kernels, :mod:`velox_qjl.kernels`), or None where they do not apply."""
-        return _kernels.attend_joint(self, q, keys, value_codec, values, fp16, out_dtype, scale)
 
     def _indices(self, packed: Packed) -> mx.array:
         _, k, _ = self.sizes(self.dim)

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from velox_core.validation import check_bits, check_divides, check_int
+from velox_core.validation import (
+    check_bool,
+    check_counts,
+    check_int,
+    check_key_value_widths,
+    check_token_groups,
+)
 
 
 @dataclass
@@ -43,16 +49,7 @@ class QJLConfig:
     seed: int = 0
 
     def __post_init__(self):
-        check_bits("bits", self.bits, 1, 8)
-        if self.key_bits is not None:
-            check_bits("key_bits", self.key_bits, 1, 8)
-        if self.value_bits is not None:
-            check_bits("value_bits", self.value_bits, 2, 8)
-        elif self.bits < 2:
-            raise ValueError(
-                "value_bits must be 2 to 8 (velox_core.Uniform); bits=1 sets only the key "
-                "sketch, so pass value_bits with it"
-            )
+        check_key_value_widths(self, 1, "the key sketch")
         if self.sketch is not None:
             check_int("sketch", self.sketch, minimum=1)
             if self.key_bits is not None:
@@ -64,21 +61,11 @@ class QJLConfig:
             check_int("outliers", self.outliers, minimum=0)
         check_int("outlier_bits", self.outlier_bits, minimum=1)
         check_int("group", self.group, minimum=1)
-        if not isinstance(self.orthogonal, bool):
-            raise TypeError(f"orthogonal must be a bool, got {type(self.orthogonal).__name__}")
-        check_int("window", self.window, minimum=0)
-        check_int("sinks", self.sinks, minimum=0)
-        check_int("seed", self.seed, minimum=0)
+        check_bool("orthogonal", self.orthogonal)
+        check_counts(self, "window", "sinks", "seed")
 
     def check_dims(self, key_dim: int, value_dim: int) -> None:
         """Values are quantized per token in groups of ``group`` channels, so ``group`` must
         divide the value head dim (the key sketch takes any head dim; the QJL codec checks
         its outlier count)."""
-        check_divides(
-            "qjl",
-            "group",
-            self.group,
-            value_dim,
-            "value head dim",
-            "values are quantized per token in groups of `group` channels",
-        )
+        check_token_groups("qjl", self.group, key_dim, value_dim, key_axis=None)

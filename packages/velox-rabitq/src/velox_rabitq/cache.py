@@ -37,6 +37,4 @@ class RaBitQCache(PresetCache):
         return {
             "key_codec": RaBitQ(kb, cfg.centroid, cfg.rounds, cfg.seed),
             "value_codec": Uniform(vb, cfg.group, axis="token"),
-            "window": cfg.window,
-            "sinks": cfg.sinks,
         }

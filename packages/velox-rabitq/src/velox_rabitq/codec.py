@@ -22,6 +22,9 @@ most ``2 exp(-c0 eps0^2)`` (Equation 14, :meth:`RaBitQ.bound`).
 :meth:`RaBitQ.decode` returns ``c + Delta P y / <o_bar, o>``, the key whose inner products
 are the estimator's, so the prefill path (decoded keys, fused SDPA) and the decode path
 (:meth:`RaBitQ.scores`) attend the same scores.
+
+On a GPU with kernels enabled, decode steps attend through velox-core's fused decode kernels,
+which read the codes as affine codes of one group a token (:mod:`velox_rabitq.kernels`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from velox_core import Codec, Packed
 from velox_core.ops import mlx_readable, pack, scale_dtype, unpack
 from velox_core.validation import check_bits, check_float, check_int
 
+from . import kernels as _kernels
 from .quantizer import grid, quantize
 from .rotation import Rotation, check_dim
 
@@ -207,6 +211,11 @@ class RaBitQ(Codec):
             qc = q @ mx.swapaxes(packed.data["centroid"].astype(mx.float32), -1, -2)
             out = out + mx.repeat(qc, self.centroid, axis=-1)
         return out
+
+    # decode attention over the codes on a GPU (velox-core's fused kernels, with the
+    # Codec.attend_partial / Codec.joint_call interfaces), or None: the reference path
+    attend_partial = _kernels.attend_partial
+    joint_call = _kernels.joint_call
 
     def bound(self, q: mx.array, packed: Packed, eps0: float = EPS0) -> mx.array:
         """The half-width of the estimator's confidence interval for each score (Equation 16

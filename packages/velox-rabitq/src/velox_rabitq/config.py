@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from velox_core.validation import check_bits, check_int
+from velox_core.validation import check_counts, check_int, check_key_value_widths
 
 __all__ = ["RaBitQConfig"]
 
@@ -43,19 +43,7 @@ class RaBitQConfig:
     seed: int = 0
 
     def __post_init__(self):
-        check_bits("bits", self.bits, 1, 8)
-        if self.key_bits is not None:
-            check_bits("key_bits", self.key_bits, 1, 8)
-        if self.value_bits is not None:
-            check_bits("value_bits", self.value_bits, 2, 8)
-        elif self.bits < 2:
-            raise ValueError(
-                "value_bits must be 2 to 8 (velox_core.Uniform); bits=1 sets only the keys' "
-                "sign code, so pass value_bits with it"
-            )
+        check_key_value_widths(self, 1, "the keys' sign code")
         check_int("group", self.group, minimum=1)
-        check_int("centroid", self.centroid, minimum=0)
         check_int("rounds", self.rounds, minimum=1, maximum=8)
-        check_int("window", self.window, minimum=0)
-        check_int("sinks", self.sinks, minimum=0)
-        check_int("seed", self.seed, minimum=0)
+        check_counts(self, "centroid", "window", "sinks", "seed")

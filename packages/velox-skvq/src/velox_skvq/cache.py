@@ -40,8 +40,6 @@ class SKVQCache(PresetCache):
         return {
             "key_codec": SKVQ(kb, kg, cfg.clip_min, cfg.reorder),
             "value_codec": SKVQ(vb, vg, cfg.clip_min, cfg.reorder),
-            "window": cfg.window,
-            "sinks": cfg.sinks,
         }
 
     def _codecs_skvq(self) -> list[SKVQ]:

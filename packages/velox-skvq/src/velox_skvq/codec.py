@@ -35,7 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 from velox_core import Codec, Packed
-from velox_core.ops import mlx_readable, scale_dtype
+from velox_core.ops import affine_matmul, mlx_readable, scale_dtype
 from velox_core.validation import check_float, check_int
 
 from .config import TERNARY, check_bits
@@ -198,15 +198,8 @@ class SKVQ(Codec):
 
     def _mlx(self, packed: Packed, x: mx.array, transpose: bool) -> mx.array:
         p = packed.data
-        return mx.quantized_matmul(
-            x,
-            p["codes"],
-            p["scale"],
-            p["zero"],
-            transpose=transpose,
-            group_size=self.group,
-            bits=int(self.bits),
-        )
+        bits, group = int(self.bits), self.group
+        return affine_matmul(x, p["codes"], p["scale"], p["zero"], bits, group, transpose)
 
     def _mlx_layout(self) -> bool:
         return self.bits != TERNARY and mlx_readable(int(self.bits), self.group)

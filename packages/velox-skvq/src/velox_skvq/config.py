@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from velox_core.validation import check_divides, check_float, check_int
+from velox_core.validation import (
+    check_bool,
+    check_counts,
+    check_divides,
+    check_float,
+    check_int,
+    check_widths,
+)
 
 __all__ = ["SKVQConfig", "check_bits"]
 
@@ -55,19 +62,14 @@ class SKVQConfig:
     reorder: bool = True
 
     def __post_init__(self):
-        self.bits = check_bits("bits", self.bits)
-        for name in ("key_bits", "value_bits"):
-            if getattr(self, name) is not None:
-                setattr(self, name, check_bits(name, getattr(self, name)))
+        check_widths(self, check=check_bits, bits_required=True)
         check_int("group", self.group, minimum=1)
         for name in ("key_group", "value_group"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), minimum=1)
-        check_int("window", self.window, minimum=0)
-        check_int("sinks", self.sinks, minimum=0)
+        check_counts(self, "window", "sinks")
         self.clip_min = check_float("clip_min", self.clip_min, minimum=0.5, maximum=1.0)
-        if not isinstance(self.reorder, bool):
-            raise TypeError(f"reorder must be True or False, got {self.reorder!r}")
+        check_bool("reorder", self.reorder)
 
     def check_dims(self, key_dim: int, value_dim: int) -> None:
         """Each token's (reordered) channels are split into groups: the key group must divide

@@ -1,6 +1,6 @@
 """velox-snapkv: SnapKV, keep what the observation window votes for (arXiv 2404.14469)."""
 
-from velox_core import Method, Uniform
+from velox_core.cache.eviction import eviction_method
 
 from .cache import SnapKVCache
 from .config import SnapKVConfig
@@ -9,12 +9,9 @@ from .votes import pool_votes, window_votes
 
 __all__ = ["METHOD", "SnapKVCache", "SnapKVConfig", "SnapKVPolicy", "pool_votes", "window_votes"]
 
-METHOD = Method(
-    name="snapkv",
-    cache_class=SnapKVCache,
+METHOD = eviction_method(
+    SnapKVCache,
     summary="prompt tokens voted by an observation window (pooled), per KV head; rest evicted",
     paper="https://arxiv.org/abs/2404.14469",
-    codecs=(Uniform,),
-    policies=(SnapKVPolicy,),
     recommended=({"budget": 1024}, {"budget": 1024, "bits": 4, "group": 32}),
 )

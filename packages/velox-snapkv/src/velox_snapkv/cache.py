@@ -10,9 +10,7 @@ the paper. The paper keeps fp16 tokens; ``bits`` codes the kept tokens with ``Un
 
 from __future__ import annotations
 
-from typing import Any
-
-from velox_core import PresetCache, kept_codecs
+from velox_core.cache.eviction import EvictionCache
 
 from .config import SnapKVConfig
 from .policy import SnapKVPolicy
@@ -20,19 +18,10 @@ from .policy import SnapKVPolicy
 __all__ = ["SnapKVCache"]
 
 
-class SnapKVCache(PresetCache):
+class SnapKVCache(EvictionCache):
     """SnapKV's cache for one layer. Parameters: see :class:`SnapKVConfig`."""
 
     method = "snapkv"
     Config = SnapKVConfig
-
-    def build(self, cfg: SnapKVConfig) -> dict[str, Any]:
-        codecs = kept_codecs(cfg)
-        policy = SnapKVPolicy(
-            budget=cfg.budget,
-            every=cfg.every,
-            observe=cfg.observe,
-            kernel=cfg.kernel,
-            pooling=cfg.pooling,
-        )
-        return {**codecs, "sinks": cfg.sinks, "window": cfg.window, "policy": policy}
+    Policy = SnapKVPolicy
+    policy_params = ("budget", "every", "observe", "kernel", "pooling")

@@ -16,26 +16,17 @@ may be coded with ``Uniform`` (``bits``), which the paper does not do.
 
 from __future__ import annotations
 
-from typing import Any
-
-from velox_core import PresetCache, RetentionPolicy, kept_codecs
+from velox_core import RetentionPolicy
+from velox_core.cache.eviction import EvictionCache
 
 from .config import StreamingLLMConfig
 
 __all__ = ["StreamingLLMCache"]
 
 
-class StreamingLLMCache(PresetCache):
+class StreamingLLMCache(EvictionCache):
     """StreamingLLM's cache for one layer. Parameters: see :class:`StreamingLLMConfig`."""
 
     method = "streamingllm"
     Config = StreamingLLMConfig
-
-    def build(self, cfg: StreamingLLMConfig) -> dict[str, Any]:
-        codecs = kept_codecs(cfg)
-        return {
-            **codecs,
-            "sinks": cfg.sinks,
-            "window": cfg.window,
-            "policy": RetentionPolicy(budget=cfg.budget, every=cfg.every),
-        }
+    Policy = RetentionPolicy  # the most recent tokens, after the sinks

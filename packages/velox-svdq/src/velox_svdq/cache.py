@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from velox_core import Identity, PresetCache, Uniform
+from velox_core import Identity, Uniform
+from velox_core.cache.preset import CalibratedPreset
+from velox_core.codec.prerope import rope_settings
 
 from .codec import SVDqKeys
 from .config import FP16_VALUES, SVDqConfig
@@ -24,7 +26,7 @@ from .config import FP16_VALUES, SVDqConfig
 __all__ = ["SVDqCache"]
 
 
-class SVDqCache(PresetCache):
+class SVDqCache(CalibratedPreset):
     """SVDq's cache for one layer. Parameters: see :class:`~velox_svdq.config.SVDqConfig`."""
 
     method = "svdq"
@@ -36,33 +38,15 @@ class SVDqCache(PresetCache):
             rank=cfg.rank,
             group=cfg.group,
             center=cfg.center,
-            pre_rope=cfg.pre_rope,
-            rope_base=cfg.rope_base,
-            rope_traditional=cfg.rope_traditional,
-            rope_scale=cfg.rope_scale,
-            rope_dims=cfg.rope_dims,
+            **rope_settings(cfg),
         )
         if cfg.value_bits == FP16_VALUES:
             values = Identity()
         else:
             values = Uniform(cfg.value_bits, cfg.group, axis="token")
-        return {"key_codec": keys, "value_codec": values, "window": cfg.window, "sinks": cfg.sinks}
+        return {"key_codec": keys, "value_codec": values}
 
     @property
     def fitted(self) -> bool:
-        """Whether the key codec has fitted its basis."""
-        return self.tiers[0].key_codec.fitted
-
-    def before_coding(self) -> bool:
-        """Until the basis is fitted, the window also holds the calibration tokens: nothing is
-        coded before ``window + calibration`` tokens are stored (the key codec fits on its first
-        encode, which takes every whole block past the window)."""
-        return self.fitted or self._win[0].tokens >= self.window + self.cfg.calibration
-
-    def extend(self, other: SVDqCache) -> None:
-        if type(other) is type(self) and self.fitted != other.fitted:
-            raise ValueError(
-                "extend: both caches must have fitted their basis, or neither (feed each past "
-                f"its {self.cfg.calibration} calibration tokens)"
-            )
-        super().extend(other)
+        """Whether the key codec has fitted its basis (:attr:`calibrated`)."""
+        return self.calibrated

@@ -44,11 +44,11 @@ import mlx.core as mx
 import numpy as np
 
 from velox_core import Codec, Packed
+from velox_core.codec.prerope import PreRope
 from velox_core.ops import affine_dequantize, affine_quantize, pack, unpack
-from velox_core.ops.rope import RopeSpec, find_rope, rope_spec, rotate
-from velox_core.validation import check_float, check_int
+from velox_core.validation import check_bool, check_int
 
-from .config import check_bool, format_schedule, parse_schedule
+from .config import format_schedule, parse_schedule
 
 __all__ = ["SVDqKeys", "channel_widths"]
 
@@ -91,7 +91,7 @@ def _runs(per: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-class SVDqKeys(Codec):
+class SVDqKeys(PreRope, Codec):
     """SVDq's key codec.
 
     Args:
@@ -102,7 +102,7 @@ class SVDqKeys(Codec):
         center: subtract the fitting block's mean key before the SVD.
         pre_rope: fit and code keys before RoPE (the paper); False codes post-RoPE keys.
         rope_base, rope_traditional, rope_scale, rope_dims: the RoPE of a standalone codec
-            (no model bound); with a model, :meth:`bind` reads each layer's RoPE.
+            (:class:`~velox_core.codec.prerope.PreRope`).
 
     Packed layout (``r`` kept channels, ``n_w`` of them ``w`` bits wide): ``codes<w>`` uint32
     ``(B, H, T, ceil(n_w * w / 32))`` for each width, ``scale`` and ``zero`` fp16
@@ -112,6 +112,8 @@ class SVDqKeys(Codec):
     """
 
     name = "svdq-key"
+    rope_method = "svdq"
+    rope_optional = True
 
     def __init__(
         self,
@@ -131,20 +133,7 @@ class SVDqKeys(Codec):
         self.block = self.group
         self.center = check_bool("center", center)
         self.pre_rope = check_bool("pre_rope", pre_rope)
-        self.rope_base = None if rope_base is None else check_float("rope_base", rope_base)
-        if self.rope_base is not None and self.rope_base <= 1.0:
-            raise ValueError(f"rope_base must be > 1, got {rope_base}")
-        self.rope_traditional = check_bool("rope_traditional", rope_traditional)
-        self.rope_scale = check_float("rope_scale", rope_scale, minimum=0.0, open_min=True)
-        self.rope_dims = None if rope_dims is None else check_int("rope_dims", rope_dims, minimum=2)
-        if self.rope_dims is not None and self.rope_dims % 2:
-            raise ValueError(f"rope_dims must be even, got {rope_dims}")
-        custom = rope_traditional or rope_scale != 1.0 or rope_dims is not None
-        if not pre_rope and (rope_base is not None or custom):
-            raise ValueError("rope_base/rope_traditional/rope_scale/rope_dims need pre_rope=True")
-        if rope_base is None and custom:
-            raise ValueError("rope_traditional/rope_scale/rope_dims need rope_base")
-        self._rope: RopeSpec | None = None  # from the model (bind) or the state
+        self.init_rope(rope_base, rope_traditional, rope_scale, rope_dims)
         self._fit: dict[str, mx.array] = {}
 
     def config(self) -> dict[str, Any]:
@@ -153,55 +142,20 @@ class SVDqKeys(Codec):
             "rank": self.rank,
             "group": self.group,
             "center": self.center,
-            "pre_rope": self.pre_rope,
-            "rope_base": self.rope_base,
-            "rope_traditional": self.rope_traditional,
-            "rope_scale": self.rope_scale,
-            "rope_dims": self.rope_dims,
+            **self.rope_config(),
         }
 
-    # -- RoPE ----------------------------------------------------------------------------------
     def bind(self, model: Any = None, layer: int | None = None) -> None:
         """Read the RoPE of ``model.layers[layer]`` (pre-RoPE codecs only)."""
-        if not self.pre_rope or model is None or layer is None:
-            return
-        spec = rope_spec(
-            find_rope(model, layer, "svdq", "pass rope_base=... or use pre_rope=False"),
-            "svdq",
-            "pass rope_base=... or use pre_rope=False",
-        )
-        if self.rope_base is not None:
-            mine = self._config_rope(spec.dims if self.rope_dims is None else self.rope_dims)
-            if not mine.same_as(spec):
-                raise ValueError(
-                    f"svdq: rope_base={self.rope_base} (and rope_traditional/rope_scale/"
-                    f"rope_dims) disagree with layer {layer}'s RoPE ({spec.describe()}); "
-                    "leave rope_base unset to use the model's"
-                )
-        self._rope = spec
-
-    def _config_rope(self, dims: int) -> RopeSpec:
-        return RopeSpec.from_base(self.rope_base, dims, self.rope_traditional, self.rope_scale)
-
-    def _rope_for(self, dim: int) -> RopeSpec:
-        if self._rope is None:
-            if self.rope_base is None:
-                raise ValueError(
-                    "svdq: pre-RoPE keys need the model's RoPE: build the caches with "
-                    "velox_core.make_cache(model, ...), or pass rope_base=... for a "
-                    "standalone cache, or pre_rope=False"
-                )
-            self._rope = self._config_rope(dim if self.rope_dims is None else self.rope_dims)
-        if self._rope.dims > dim:
-            raise ValueError(f"svdq: RoPE rotates {self._rope.dims} channels of {dim}")
-        return self._rope
+        if model is not None and layer is not None:
+            self.bind_rope(model, layer)
 
     def check(self, dim: int, dtype: mx.Dtype) -> None:
         channel_widths(self.widths, dim, self.rank)
         if self.fitted and dim != self.dim:
             raise ValueError(f"svdq: fitted on head dim {self.dim}, got {dim}")
         if self.pre_rope:
-            self._rope_for(dim)
+            self.rope_for(dim)
 
     # -- fitted state: the basis (and mean) per batch row, and the RoPE ------------------------
     @property
@@ -213,18 +167,10 @@ class SVDqKeys(Codec):
         return int(self._fit["basis"].shape[2])
 
     def state(self) -> dict[str, mx.array]:
-        out = dict(self._fit)
-        if self.pre_rope and self._rope is not None:
-            out.update(self._rope.arrays())
-        return out
+        return {**self._fit, **self.rope_state()}
 
     def set_state(self, state: dict[str, mx.array]) -> None:
-        state = dict(state)
-        theta, layout = state.pop("rope_theta", None), state.pop("rope_layout", None)
-        if (theta is None) != (layout is None) or (theta is not None and not self.pre_rope):
-            raise ValueError(f"{self.name}: rope_theta and rope_layout go together, pre-RoPE only")
-        if theta is not None:
-            self._rope = RopeSpec.from_arrays(theta, layout)
+        state = self.pop_rope_state(state)
         need = {"basis", "mean"} if self.center else {"basis"}
         if state and set(state) != need:
             raise ValueError(f"{self.name}: state must hold {sorted(need)}, got {sorted(state)}")
@@ -266,20 +212,19 @@ class SVDqKeys(Codec):
         return _runs(channel_widths(self.widths, self.dim, self.rank))
 
     def encode(self, x: mx.array, positions: mx.array | None = None) -> Packed:
-        b, _, t, d = x.shape
+        b, _, t, _ = x.shape
         if t % self.group:
             raise ValueError(f"svdq: {t} tokens is not a multiple of group={self.group}")
         xf = x.astype(mx.float32)
         extra = {}
         if self.pre_rope:
-            if positions is None or positions.shape != (t,):
-                raise ValueError(f"svdq: pre-RoPE keys need positions of shape ({t},)")
-            pos = np.array(positions).astype(np.int64).reshape(t // self.group, self.group)
-            if np.any(pos - pos[:, :1] != np.arange(self.group)):
+            pos = self.key_positions(positions, b, t)
+            blocks = np.array(pos[0, 0]).astype(np.int64).reshape(t // self.group, self.group)
+            if np.any(blocks - blocks[:, :1] != np.arange(self.group)):
                 raise ValueError("svdq: each block of group tokens must hold consecutive positions")
-            start = mx.array(pos[:, 0].astype(np.int32)).reshape(1, 1, -1)
+            start = mx.array(blocks[:, 0].astype(np.int32)).reshape(1, 1, -1)
             extra = {"pos": mx.broadcast_to(start, (b, 1, t // self.group))}
-            xf = rotate(xf, positions.astype(mx.int32).reshape(1, 1, t), self._rope_for(d), True)
+            xf = self.unrotate(xf, pos)
         if not self.fitted:
             self._fit_basis(xf)
         if self.center:
@@ -314,7 +259,7 @@ class SVDqKeys(Codec):
         k = self.latent(packed) @ mx.swapaxes(self._fit["basis"].astype(mx.float32), -1, -2)
         if self.center:
             k = k + self._fit["mean"].astype(mx.float32)[:, :, None]
-        return rotate(k, self.positions(packed), self._rope) if self.pre_rope else k
+        return self.rerotate(k, self.positions(packed)) if self.pre_rope else k
 
     def scores(self, q: mx.array, packed: Packed) -> mx.array:
         """``q @ k_hat.T``: post-RoPE codes attend in the latent (the query rotated into the

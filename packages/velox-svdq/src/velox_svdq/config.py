@@ -6,17 +6,12 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from velox_core.validation import check_bits, check_float, check_int
+from velox_core.codec.prerope import check_rope_settings, rope_settings
+from velox_core.validation import check_bits, check_bool, check_counts, check_int
 
-__all__ = ["SVDqConfig", "check_bool", "parse_schedule"]
+__all__ = ["SVDqConfig", "parse_schedule"]
 
 FP16_VALUES = 16  # value_bits that keeps values as given (no value codec)
-
-
-def check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
-    return value
 
 
 def parse_schedule(schedule: Any) -> tuple[int, ...]:
@@ -88,9 +83,8 @@ class SVDqConfig:
         window: most recent tokens kept in fp16 (0 by default).
         sinks: first tokens kept in fp16 (0 by default).
         pre_rope: fit and code keys before RoPE (as the paper does); False codes post-RoPE keys.
-        rope_base, rope_traditional, rope_scale, rope_dims: the RoPE of a standalone cache
-            (``mlx.nn.RoPE`` settings). Leave ``rope_base`` unset with a model:
-            ``make_cache`` binds each layer's own RoPE.
+        rope_base, rope_traditional, rope_scale, rope_dims: the RoPE of a standalone cache,
+            unset with a model (:mod:`velox_core.codec.prerope`).
     """
 
     schedule: str = "8-4-2-1-1-0-0-0"
@@ -121,11 +115,5 @@ class SVDqConfig:
                 ) from None
         check_int("calibration", self.calibration, minimum=1)
         check_bool("center", self.center)
-        check_int("window", self.window, minimum=0)
-        check_int("sinks", self.sinks, minimum=0)
-        check_bool("pre_rope", self.pre_rope)
-        check_bool("rope_traditional", self.rope_traditional)
-        if self.rope_base is not None:
-            check_float("rope_base", self.rope_base)
-        check_float("rope_scale", self.rope_scale, minimum=0.0, open_min=True)
-        # the RoPE settings' combinations are checked by the key codec, built next
+        check_counts(self, "window", "sinks")
+        check_rope_settings(**rope_settings(self))

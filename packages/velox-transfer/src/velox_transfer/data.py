@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from velox_core.artifacts import token_stream
+
 __all__ = ["documents", "sequences", "split", "token_stream"]
 
 
@@ -46,17 +48,6 @@ def split(n: int, every: int) -> dict[str, list[int]]:
     held = [d for k, d in enumerate(cal) if k % every == every - 1]
     fit = [d for k, d in enumerate(cal) if k % every != every - 1]
     return {"fit": fit, "heldout": held, "eval": ev}
-
-
-def token_stream(tokenizer, docs: list[str]) -> np.ndarray:
-    """The documents tokenized and joined, each followed by the EOS token if there is one."""
-    eos = getattr(tokenizer, "eos_token_id", None)
-    out: list[int] = []
-    for d in docs:
-        out.extend(tokenizer.encode(d, add_special_tokens=False))
-        if eos is not None:
-            out.append(int(eos))
-    return np.asarray(out, dtype=np.int32)
 
 
 def sequences(stream: np.ndarray, seq_len: int, max_tokens: int) -> list[np.ndarray]:

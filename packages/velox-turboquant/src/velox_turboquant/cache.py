@@ -37,6 +37,4 @@ class TurboQuantCache(PresetCache):
         return {
             "key_codec": TurboQuant(kb, cfg.key_variant, group(kb), cfg.seed),
             "value_codec": TurboQuant(vb, "mse", group(vb), cfg.seed),
-            "window": cfg.window,
-            "sinks": cfg.sinks,
         }

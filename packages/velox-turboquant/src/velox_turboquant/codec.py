@@ -36,6 +36,7 @@ from velox_core import Codec, Packed
 from velox_core.ops import pack, scale_dtype, unpack
 from velox_core.validation import check_choice, check_int
 
+from . import kernels as _kernels
 from .config import DEFAULT_GROUP, VARIANTS, check_width, split_width
 from .quantizer import SphereQuantizer, derive_seed
 
@@ -57,6 +58,7 @@ class TurboQuant(Codec):
     name = "turboquant"
     compressed_scores = True
     compressed_mix = True
+    kernels = _kernels  # fused decode attention over the codes (GPU)
 
     def __init__(
         self,
@@ -232,42 +234,3 @@ class TurboQuant(Codec):
         yp = mx.concatenate(outs, axis=-1)  # (B, H, G, M, D), channels in group order
         inv = mx.argsort(self._mask_order(packed), axis=-1)[:, :, :, None, :]
         return mx.sum(mx.take_along_axis(yp, inv, axis=-1), axis=2)
-
-    def attend_partial(
-        self, q: mx.array, keys: Packed, value_codec: Codec, values: Packed
-    ) -> tuple[mx.array, mx.array, mx.array] | None:
-        """Fused decode attention over this segment's codes (GPU kernel), or None.
-
-        Returns the partial ``(o, m, l)`` of :func:`velox_core.cache.attention.partial`, or
-        None where the kernel does not apply (CPU backend or kernels disabled, fractional
-        ``prod`` keys, 1-bit ``prod`` keys, a value codec that is not a TurboQuant_mse).
-        ``prod`` keys add their residual sketch's estimate in the kernel; fractional mse
-        widths take the outlier kernel.
-        Shapes: q ``(B, H, M, D)`` float32 with the scale applied.
-        """
-        from .kernels import attend_partial
-
-        return attend_partial(self, q, keys, value_codec, values)
-
-    def joint_call(
-        self,
-        q_shape: tuple[int, int, int, int],
-        q_dtype: mx.Dtype,
-        keys: Packed,
-        value_codec: Codec,
-        values: Packed,
-        fp16_tokens: int,
-        out_dtype: mx.Dtype,
-        scale: float | None = None,
-    ):
-        """Attention over this segment's codes and up to two fp16 segments in one softmax,
-        planned once (:meth:`velox_core.Codec.joint_call`; GPU kernels: the fused decode
-        kernel and a merge that rotates the coded part back and attends the fp16 tokens), or
-        None where :meth:`attend_partial` would decline. Shapes: q ``(B, H, M, D)``, float32
-        scaled or unscaled with ``scale``; ``run`` returns ``(B, H, M, D)`` in
-        ``out_dtype``."""
-        from .kernels import joint_call
-
-        return joint_call(
-            self, q_shape, q_dtype, keys, value_codec, values, fp16_tokens, out_dtype, scale
-        )

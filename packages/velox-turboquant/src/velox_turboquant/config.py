@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from velox_core.validation import check_choice, check_int
+from velox_core import resolve_bits
+from velox_core.validation import check_choice, check_counts, check_int, check_widths
 
 __all__ = ["DEFAULT_GROUP", "VARIANTS", "TurboQuantConfig", "check_width", "split_width"]
 
@@ -90,20 +91,14 @@ class TurboQuantConfig:
     seed: int = 0
 
     def __post_init__(self):
-        self.bits = check_width("bits", self.bits)
-        for name in ("key_bits", "value_bits"):
-            if getattr(self, name) is not None:
-                setattr(self, name, check_width(name, getattr(self, name)))
+        check_widths(self, check=check_width, bits_required=True)
         check_choice("key_variant", self.key_variant, VARIANTS)
         if self.group is not None:
             check_int("group", self.group, minimum=1)
-            kb = self.bits if self.key_bits is None else self.key_bits
-            vb = self.bits if self.value_bits is None else self.value_bits
+            kb, vb = resolve_bits(self.bits, self.key_bits, self.value_bits)
             if isinstance(kb, int) and isinstance(vb, int):
                 raise ValueError(
                     f"group={self.group} only applies to fractional widths (e.g. bits=3.5); "
                     f"key and value widths are {kb} and {vb}: leave group unset"
                 )
-        check_int("window", self.window, minimum=0)
-        check_int("sinks", self.sinks, minimum=0)
-        check_int("seed", self.seed, minimum=0)
+        check_counts(self, "window", "sinks", "seed")

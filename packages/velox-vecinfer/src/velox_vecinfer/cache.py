@@ -27,7 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_core import PresetCache
+from velox_core.cache.preset import CalibratedPreset
 from velox_core.validation import check_kv
 
 from .codec import VecInfer
@@ -36,7 +36,7 @@ from .config import VecInferConfig
 __all__ = ["VecInferCache"]
 
 
-class VecInferCache(PresetCache):
+class VecInferCache(CalibratedPreset):
     """VecInfer's cache for one layer. Parameters: see :class:`VecInferConfig`."""
 
     method = "vecinfer"
@@ -49,30 +49,14 @@ class VecInferCache(PresetCache):
         return {
             "key_codec": VecInfer(kb, kv, cfg.smooth, cfg.hadamard, cfg.iters, cfg.seed),
             "value_codec": VecInfer(vb, vv, False, False, cfg.iters, cfg.seed),
-            "window": cfg.window,
-            "sinks": cfg.sinks,
         }
 
-    @property
-    def calibrated(self) -> bool:
-        """Whether both codecs have fitted their scales and codebooks."""
+    def calibrate(self, tokens: int) -> None:
+        """Both codecs fit on exactly the first ``calibration`` tokens (however long the chunk
+        that completed them)."""
         t = self.tiers[0]
-        return t.key_codec.fitted and t.value_codec.fitted
-
-    def before_coding(self) -> bool:
-        """Until calibrated, the window also holds the calibration tokens: nothing is coded
-        before ``window + calibration`` tokens are stored; then both codecs fit on exactly the
-        first ``calibration`` of them (however long the chunk that completed them), and
-        coding starts."""
-        if self.calibrated:
-            return True
-        n = self.cfg.calibration
-        if self._win[0].tokens < self.window + n:
-            return False
-        t = self.tiers[0]
-        t.key_codec.fit(self._win[0].view().slice(0, n).data["x"])
-        t.value_codec.fit(self._win[1].view().slice(0, n).data["x"])
-        return True
+        t.key_codec.fit(self._win[0].view().slice(0, tokens).data["x"])
+        t.value_codec.fit(self._win[1].view().slice(0, tokens).data["x"])
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """As :meth:`VeloxCache.update_and_fetch`; the first call also checks that
@@ -95,13 +79,3 @@ class VecInferCache(PresetCache):
                     f"{side} codebook ({codec.index_bits} index bits); raise calibration to at "
                     f"least {math.ceil(codec.size / subs)} or lower {side}_bits / vector"
                 )
-
-    # -- batching: the codecs' fitted arrays have one row per sequence (velox-core's filter and
-    # extend slice and join them through the codecs' filter_batch / extend_batch)
-    def extend(self, other: VecInferCache) -> None:
-        if type(other) is type(self) and self.calibrated != other.calibrated:
-            raise ValueError(
-                "extend: both caches must be calibrated, or neither (feed each past its "
-                f"{self.cfg.calibration} calibration tokens)"
-            )
-        super().extend(other)

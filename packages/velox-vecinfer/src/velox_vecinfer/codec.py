@@ -35,10 +35,10 @@ import mlx.core as mx
 
 from velox_core import Codec, Packed
 from velox_core.ops import assign, block_size, hadamard, kmeans, pack, unpack
-from velox_core.validation import check_int
+from velox_core.validation import check_bool, check_int
 
 from . import kernels as _kernels
-from .config import check_bool, check_vector, index_bits
+from .config import check_vector, index_bits
 
 __all__ = ["VecInfer"]
 
@@ -69,6 +69,7 @@ class VecInfer(Codec):
     name = "vecinfer"
     compressed_scores = True
     compressed_mix = True
+    kernels = _kernels  # fused decode attention over the codes (GPU)
 
     def __init__(
         self,
@@ -284,29 +285,6 @@ class VecInfer(Codec):
         Shapes: w ``(B, H, M, T)``; returns ``(B, H, M, D)``.
         """
         return self.untransform(w @ self.codewords(packed))
-
-    def attend_partial(
-        self, q: mx.array, keys: Packed, value_codec: Codec, values: Packed
-    ) -> tuple[mx.array, mx.array, mx.array] | None:
-        """Fused decode attention over this segment's codes (GPU kernel,
-        :mod:`velox_vecinfer.kernels`), or None where it does not apply (the caller then
-        uses :meth:`scores` and :meth:`mix`). Shapes: q ``(B, H, M, D)`` float32, scaled."""
-        return _kernels.attend_partial(self, q, keys, value_codec, values)
-
-    def attend_joint(
-        self,
-        q: mx.array,
-        keys: Packed,
-        value_codec: Codec,
-        values: Packed,
-        fp16: list[tuple[mx.array, mx.array]],
-        out_dtype: mx.Dtype,
-        scale: float | None = None,
-    ) -> mx.array | None:
-        """This segment's codes and up to two fp16 segments in one softmax (GPU kernels,
-        :mod:`velox_vecinfer.kernels`), or None. Shapes: q ``(B, H, M, D)``; returns
-        ``(B, H, M, D)`` in ``out_dtype``."""
-        return _kernels.attend_joint(self, q, keys, value_codec, values, fp16, out_dtype, scale)
 
     # -- fitted state, one row per sequence -------------------------------------------------------
     def state(self) -> dict[str, mx.array]:

@@ -6,12 +6,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from velox_core.validation import check_int
+from velox_core.validation import check_bool, check_counts, check_int
 
 __all__ = [
     "VECTORS",
     "VecInferConfig",
-    "check_bool",
     "check_vector",
     "check_width",
     "index_bits",
@@ -19,12 +18,6 @@ __all__ = [
 
 VECTORS = (1, 2, 4, 8)  # sub-vector lengths (channels coded together by one index)
 MAX_INDEX_BITS = 8  # codebooks of at most 256 entries
-
-
-def check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
-    return value
 
 
 def check_vector(name: str, value: Any) -> int:
@@ -130,11 +123,8 @@ class VecInferConfig:
             self.value_bits = index_bits("value_bits", self.value_bits, vv)[0]
         check_bool("smooth", self.smooth)
         check_bool("hadamard", self.hadamard)
-        check_int("sinks", self.sinks, minimum=0)
-        check_int("window", self.window, minimum=0)
+        check_counts(self, "sinks", "window", "iters", "seed")
         check_int("calibration", self.calibration, minimum=1)
-        check_int("iters", self.iters, minimum=0)
-        check_int("seed", self.seed, minimum=0)
 
     def sides(self) -> tuple[tuple[int | float, int], tuple[int | float, int]]:
         """``((key_bits, key_vector), (value_bits, value_vector))`` with the defaults resolved."""

@@ -28,11 +28,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_core import PresetCache
 from velox_core.cache.attention import Segment
-from velox_core.cache.velox import _routing_on, _trim_store
+from velox_core.cache.linked import LinkedLayers
+from velox_core.cache.velox import _routing_on
 from velox_core.ops.rope import RopeSpec, find_rope, rope_spec, rotate
-from velox_core.validation import check_int, check_kv
+from velox_core.validation import check_kv
 
 from .config import XKVConfig
 from .group import XKVGroup
@@ -41,35 +41,28 @@ from .latent import LatentKeys, LatentValues
 __all__ = ["XKVCache"]
 
 
-class XKVCache(PresetCache):
-    """xKV's cache for one layer. Parameters: see :class:`XKVConfig`."""
+class XKVCache(LinkedLayers):
+    """xKV's cache for one layer (``group``: its :class:`XKVGroup`). Parameters: see
+    :class:`XKVConfig`."""
 
     method = "xkv"
     Config = XKVConfig
+    Group = XKVGroup
+    no_flush = (
+        "prefill chunks join the group's latent once every layer of the group holds them; "
+        "decode tokens stay fp16"
+    )
+    batch_hint = "use layer_group=1 to batch sequences"
 
-    def __init__(self, flush: int | None = None, **params: Any):
-        if flush is not None:
-            raise ValueError(
-                "xkv: flush does not apply (prefill chunks join the group's latent once every "
-                "layer of the group holds them; decode tokens stay fp16)"
-            )
+    def __init__(self, **params: Any):
         super().__init__(**params)
-        self.layer: int | None = None
         self._lat = 0  # tokens of the group's latent this layer uses (a prefix)
         self._pending = False  # a prefill chunk waits in the window for the group's fit
         self._kc, self._vc = LatentKeys(self.cfg.pre_rope), LatentValues()
-        self._saved: dict | None = None  # group record of a loaded layer, until linked
         XKVGroup([self])
 
     def build(self, cfg: XKVConfig) -> dict[str, Any]:
         return {"window": 0, "sinks": 0}  # the cache keeps its own segments (below)
-
-    @classmethod
-    def defaults(cls) -> dict[str, Any]:
-        return {k: v for k, v in super().defaults().items() if k != "flush"}
-
-    def config(self) -> dict[str, Any]:
-        return {k: v for k, v in super().config().items() if k != "flush"}
 
     def describe(self) -> str:
         c = self.cfg
@@ -82,7 +75,7 @@ class XKVCache(PresetCache):
     # -- the model: RoPE, and the group --------------------------------------------------------
     def bind(self, model: Any = None, layer: int | None = None) -> None:
         """Record the layer index and read its RoPE (pre-RoPE keys)."""
-        self.layer = layer
+        super().bind(model, layer)
         if not self.cfg.pre_rope or model is None or layer is None:
             return
         spec = rope_spec(
@@ -123,24 +116,18 @@ class XKVCache(PresetCache):
         return rotate(keys, start, self._kc.rope, inverse=True)
 
     @classmethod
-    def link_layers(cls, caches: list) -> None:
-        """Group the model's xKV caches (``make_cache``: layers ``i // layer_group``, same
-        settings; ``load_cache``: the groups recorded in the file)."""
+    def group_fresh(cls, caches: list) -> None:
+        """Group the model's fresh xKV caches: layers ``i // layer_group``, same settings."""
         fresh: dict[tuple, list[XKVCache]] = {}
-        loaded: dict[tuple, list[XKVCache]] = {}
         for i, c in enumerate(caches):
-            if not isinstance(c, XKVCache):
+            if not isinstance(c, XKVCache) or c._saved is not None:
                 continue
-            if c._saved is not None:
-                loaded.setdefault(tuple(c._saved["layers"]), []).append(c)
-            elif len(c.group.members) == 1 and c._dims is None:
+            if len(c.group.members) == 1 and c._dims is None:
                 c.layer = i if c.layer is None else c.layer
                 key = (c.layer // c.cfg.layer_group, json.dumps(c.config(), sort_keys=True))
                 fresh.setdefault(key, []).append(c)
         for members in fresh.values():
             XKVGroup(sorted(members, key=lambda m: m.layer))
-        for layers, members in loaded.items():
-            _relink(list(layers), members)
 
     # -- the mlx-lm protocol --------------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -189,31 +176,20 @@ class XKVCache(PresetCache):
     def size(self) -> int:
         return self._lat + self._win[0].tokens
 
-    def is_trimmable(self) -> bool:
-        """False: a trim into the latent leaves the factorization fitted with the trimmed tokens,
-        not the one a cache that never saw them would hold (:meth:`trim` still removes them)."""
-        return False
-
     def trim(self, n: int) -> int:
-        """Remove the newest ``n`` tokens (window first, then the latent's last rows)."""
-        check_int("n", n, minimum=0)
-        if n > self.size():
-            raise ValueError(f"cannot trim {n} tokens: the cache stores {self.size()}")
-        left = _trim_store(self._win, n)
-        if left:
-            self._lat -= left
-            self.group.shrink()
+        """Remove the newest ``n`` tokens (window first, then the latent's last rows; not
+        trimmable: the factorization stays fitted with the trimmed tokens)."""
+        out = super().trim(n)
         self._pending = self._pending and self._win[0].tokens > 0
-        self.offset -= n
-        self._planned.clear()
-        return n
+        return out
+
+    def _trim_shared(self, n: int) -> None:
+        self._lat -= n
+        self.group.shrink()
 
     # -- memory ----------------------------------------------------------------------------------
-    def _named_stores(self) -> dict:
-        out = {"win.k": self._win[0], "win.v": self._win[1]}
-        if self.group.owner is self:  # the shared latent, recorded once for the group
-            out["lat.k"], out["lat.v"] = self.group.store
-        return out
+    def _layer_stores(self) -> dict:
+        return {"win.k": self._win[0], "win.v": self._win[1]}
 
     def _named_codecs(self) -> dict:
         return {"lat.k": self._kc, "lat.v": self._vc}
@@ -235,110 +211,24 @@ class XKVCache(PresetCache):
             c.state_nbytes for c in self._codecs()
         )
 
-    # -- state -------------------------------------------------------------------------------------
-    def _state_dict(self, detached: bool = False) -> tuple[dict, dict[str, mx.array]]:
-        """The cache's record; ``detached`` records it as a group of its own (latent included)."""
-        meta, arrays = super()._state_dict()
-        if detached and self.group.owner is not self:
-            for kind, s in zip("kv", self.group.store):
-                v = s.view()
-                if v is not None:
-                    meta["stores"][f"lat.{kind}"] = {
-                        "tokens": v.tokens,
-                        "block": 1,
-                        "per_block": [],
-                        "fields": ["a"],
-                    }
-                    arrays[f"store.lat.{kind}.a"] = v.data["a"]
+    # -- state: the group's record (velox_core.cache.linked), and this layer's -----------------
+    def _record(self, info: dict, arrays: dict) -> None:
         if self._kc.rope is not None:
             for f, a in self._kc.rope.arrays().items():
                 arrays[f"xkv.{f}"] = a
-        solo = detached or len(self.group.present) == 1
-        meta["xkv"] = {
-            "layer": self.layer,
-            "layers": [self.layer] if solo else [m.layer for m in self.group.present],
-            "owner": solo or self.group.owner is self,
-            "lat": self._lat,
-            "pending": self._pending,
-        }
-        meta["arrays"] = list(arrays)
-        return meta, arrays
+        info.update(lat=self._lat, pending=self._pending, dirty=self.group.dirty)
 
-    def _load_state_dict(self, meta: dict, arrays: dict[str, mx.array]) -> None:
-        info = meta.get("xkv")
-        if not isinstance(info, dict):
-            raise ValueError("xkv: the state has no xkv record")
-        XKVGroup([self])  # a group of its own; load_cache links the recorded group again
-        super()._load_state_dict(meta, arrays)  # a layer recorded without the latent has none
-        self.layer, self._lat, self._pending = info["layer"], int(info["lat"]), info["pending"]
+    def _restore(self, info: dict, arrays: dict) -> None:
+        self._lat, self._pending = int(info["lat"]), info["pending"]
+        self.group.dirty = bool(info.get("dirty", False))  # A not orthonormal (a trim)
         if "xkv.rope_theta" in arrays:
             self._kc.rope = RopeSpec.from_arrays(
                 arrays["xkv.rope_theta"], arrays["xkv.rope_layout"]
             )
-        self._saved = info if len(info["layers"]) > 1 else None
-
-    def copy(self) -> XKVCache:
-        """An independent cache of this layer, as a group of its own (holding the latent)."""
-        meta, arrays = self._state_dict(detached=True)
-        out = type(self).from_state([json.dumps(meta), *arrays.values()])
-        out.fetch_decoded = self.fetch_decoded
-        return out
-
-    def __deepcopy__(self, memo) -> XKVCache:
-        """Copies of a model's caches made in one deepcopy share one copy of each group."""
-        out = self.copy()
-        memo[id(self)] = out
-        if len(self.group.members) > 1:
-            clone = memo.get(id(self.group))
-            if clone is None:
-                clone = memo[id(self.group)] = XKVGroup([None] * len(self.group.members))
-                clone.store, clone.dirty = out.group.store, self.group.dirty
-            clone.members[self.member] = out
-            out.group, out.member = clone, self.member
-        return out
-
-    # -- batching: a cross-layer group cannot be batched one layer at a time --------------------
-    def _solo(self, what: str) -> None:
-        if len(self.group.members) > 1:
-            raise ValueError(
-                f"xkv: {what} is not supported for a layer of a cross-layer group "
-                f"(layers {[m.layer for m in self.group.present]} share one latent and mlx-lm "
-                "batches each layer alone); use layer_group=1 to batch sequences"
-            )
-
-    def filter(self, batch_indices) -> None:
-        self._solo("filter")
-        super().filter(batch_indices)
 
     def extend(self, other: XKVCache) -> None:
-        self._solo("extend")
-        other._solo("extend")
-        if self._lat != other._lat or self._pending != other._pending:
+        self._solo("extend")  # a group's layer refuses batching before the layout check
+        mine = (self._lat, self._pending)
+        if isinstance(other, XKVCache) and mine != (other._lat, other._pending):
             raise ValueError("extend: both caches must hold the same tokens in the same layout")
         super().extend(other)
-
-    @classmethod
-    def merge(cls, caches: list):
-        for c in caches:
-            if isinstance(c, XKVCache):
-                c._solo("merge (batching sequences)")
-        return super().merge(caches)
-
-
-def _relink(layers: list, members: list[XKVCache]) -> None:
-    """Rebuild a loaded group: its recorded layers, the latent from the owner's record."""
-    by_layer = {m.layer: m for m in members}
-    owner = next((m for m in members if m._saved["owner"]), None)
-    if owner is None or set(by_layer) != set(layers):
-        missing = sorted(set(layers) - set(by_layer), key=str)
-        raise ValueError(
-            f"xkv: the file holds layers {sorted(by_layer, key=str)} of group "
-            f"{layers}, missing {missing} or the group's latent"
-        )
-    store = owner.group.store
-    group = XKVGroup([by_layer[i] for i in layers])
-    group.store = store
-    for m in members:
-        m._saved = None
-    if group.owner is not owner:
-        raise ValueError("xkv: the group's latent must be recorded by its first layer")

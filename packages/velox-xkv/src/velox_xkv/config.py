@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from velox_core.validation import check_float, check_int
+from velox_core.codec.prerope import check_rope_settings
+from velox_core.validation import check_bool, check_int
 
-__all__ = ["XKVConfig", "check_bool"]
-
-
-def check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
-    return value
+__all__ = ["XKVConfig"]
 
 
 @dataclass
@@ -49,20 +43,6 @@ class XKVConfig:
         check_int("key_rank", self.key_rank, minimum=1)
         check_int("value_rank", self.value_rank, minimum=1)
         check_bool("pre_rope", self.pre_rope)
-        check_bool("rope_traditional", self.rope_traditional)
-        custom = self.rope_traditional or self.rope_scale != 1.0 or self.rope_dims is not None
-        if self.rope_base is not None:
-            check_float("rope_base", self.rope_base)
-            if self.rope_base <= 1.0:
-                raise ValueError(f"rope_base must be > 1, got {self.rope_base}")
-        check_float("rope_scale", self.rope_scale)
-        if self.rope_scale <= 0:
-            raise ValueError(f"rope_scale must be > 0, got {self.rope_scale}")
-        if self.rope_dims is not None:
-            check_int("rope_dims", self.rope_dims, minimum=2)
-            if self.rope_dims % 2:
-                raise ValueError(f"rope_dims must be even, got {self.rope_dims}")
-        if not self.pre_rope and (self.rope_base is not None or custom):
-            raise ValueError("rope_base/rope_traditional/rope_scale/rope_dims need pre_rope=True")
-        if self.rope_base is None and custom:
-            raise ValueError("rope_traditional/rope_scale/rope_dims need rope_base")
+        check_rope_settings(
+            self.rope_base, self.rope_traditional, self.rope_scale, self.rope_dims, self.pre_rope
+        )

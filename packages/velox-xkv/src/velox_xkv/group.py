@@ -30,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from velox_core import Packed, PackedStore
+from velox_core.cache.linked import LayerGroup
 
 __all__ = ["XKVGroup", "truncated_svd"]
 
@@ -57,7 +58,7 @@ def truncated_svd(c: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:
     return u, svt
 
 
-class XKVGroup:
+class XKVGroup(LayerGroup):
     """The layers of one group and their shared token latent.
 
     Args:
@@ -65,27 +66,23 @@ class XKVGroup:
             holds only some layers).
     """
 
+    title, noun, shared = "a cross-layer group", "group", "latent"
+
     def __init__(self, members: list[Any]):
-        self.members = list(members)
         # the shared latent, keys and values: Packed {"a": (B, 1, T, r)}, sized exactly
         self.store = (PackedStore(1), PackedStore(1))
         self.dirty = False  # A's columns are no longer orthonormal (after a trim)
-        for i, m in enumerate(self.members):
-            if m is not None:
-                m.group, m.member = self, i
-
-    @property
-    def present(self) -> list[Any]:
-        return [m for m in self.members if m is not None]
-
-    @property
-    def owner(self) -> Any:
-        """The layer whose bytes and file record include the shared latent (the first)."""
-        return self.present[0]
+        super().__init__(members)
 
     @property
     def tokens(self) -> int:
         return self.store[0].tokens
+
+    def named_stores(self) -> dict[str, PackedStore]:
+        return {"lat.k": self.store[0], "lat.v": self.store[1]}
+
+    def take_shared(self, other: XKVGroup) -> None:
+        self.store, self.dirty = other.store, other.dirty
 
     def latent(self, kind: int, tokens: int, heads: int) -> Packed:
         """The first ``tokens`` of the key (0) or value (1) latent as a layer's record."""

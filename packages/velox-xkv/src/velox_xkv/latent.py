@@ -27,8 +27,7 @@ import mlx.core as mx
 
 from velox_core import Codec, Packed
 from velox_core.ops.rope import RopeSpec, rotate
-
-from .config import check_bool
+from velox_core.validation import check_bool
 
 __all__ = ["LatentKeys", "LatentValues"]
 

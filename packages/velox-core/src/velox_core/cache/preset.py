@@ -2,8 +2,9 @@
 
 A method package subclasses it with ``Config`` (a dataclass that validates itself in
 ``__post_init__``) and ``build(config)`` (returning the ``VeloxCache`` keyword arguments:
-codecs, tiers, window, sinks, policy). Parameters are keyword-only, checked by name, and
-saved with the cache as the config.
+codecs, tiers, policy; ``window`` and ``sinks`` default to the config's fields of those
+names, the shared parameters every method passes on as they are). Parameters are
+keyword-only, checked by name, and saved with the cache as the config.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, ClassVar
 
 from .velox import VeloxCache
 
-__all__ = ["PresetCache", "check_kept_codes", "kept_codecs", "resolve_bits"]
+__all__ = ["CalibratedPreset", "PresetCache", "check_kept_codes", "kept_codecs", "resolve_bits"]
 
 
 def resolve_bits(bits, key_bits, value_bits):
@@ -57,7 +58,11 @@ class PresetCache(VeloxCache):
                 f"allowed: {', '.join([*names, 'flush', 'check_finite'])}"
             )
         self.cfg = self.Config(**params)
-        super().__init__(**self.build(self.cfg), flush=flush, check_finite=check_finite)
+        kwargs = self.build(self.cfg)
+        for name in ("window", "sinks"):  # the shared names, as the config has them
+            if name not in kwargs and hasattr(self.cfg, name):
+                kwargs[name] = getattr(self.cfg, name)
+        super().__init__(**kwargs, flush=flush, check_finite=check_finite)
 
     def build(self, cfg) -> dict[str, Any]:
         raise NotImplementedError(f"{type(self).__name__} must define build(config)")
@@ -85,3 +90,40 @@ class PresetCache(VeloxCache):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> PresetCache:
         return cls(**config)
+
+
+class CalibratedPreset(PresetCache):
+    """A preset whose codecs fit once per sequence, on the first ``calibration`` tokens after
+    the sinks (the config's ``calibration``), where the papers calibrate offline: until those
+    tokens are all stored they wait in fp16 in the window and nothing is coded; the update
+    that completes them fits the codecs (:meth:`calibrate`) and coding starts.
+
+    The fitted arrays have one row per sequence (the codecs' ``filter_batch`` and
+    ``extend_batch``), so two caches join only both calibrated or neither.
+    """
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether the codecs have fitted (those of the first tier that fit at all)."""
+        t = self.tiers[0]
+        return all(getattr(c, "fitted", True) for c in (t.key_codec, t.value_codec))
+
+    def calibrate(self, tokens: int) -> None:
+        """Fit the codecs on the window's first ``tokens`` tokens. The default leaves it to the
+        codecs, which fit on their first encode (every whole block past the window)."""
+
+    def before_coding(self) -> bool:
+        if self.calibrated:
+            return True
+        if self._win[0].tokens < self.window + self.cfg.calibration:
+            return False
+        self.calibrate(self.cfg.calibration)
+        return True
+
+    def extend(self, other: PresetCache) -> None:
+        if type(other) is type(self) and self.calibrated != other.calibrated:
+            raise ValueError(
+                "extend: both caches must be calibrated, or neither (feed each past its "
+                f"{self.cfg.calibration} calibration tokens)"
+            )
+        super().extend(other)

@@ -8,11 +8,11 @@ from typing import Any
 from ..codec.uniform import Uniform
 from ..ops.quant import AXES
 from ..validation import (
-    check_bits,
     check_choice,
-    check_divides,
+    check_counts,
     check_float,
     check_int,
+    check_token_groups,
     check_widths,
 )
 from .preset import PresetCache, resolve_bits
@@ -35,30 +35,18 @@ class UniformConfig:
     sinks: int = 0
 
     def __post_init__(self):
-        check_bits("bits", self.bits, 2, 8)
-        check_widths(self)
+        check_widths(self, bits_required=True)
         check_int("group", self.group, minimum=1)
         check_choice("key_axis", self.key_axis, AXES)
         check_choice("value_axis", self.value_axis, AXES)
         check_float("clip", self.clip, minimum=0.0, maximum=1.0, open_min=True)
-        check_int("window", self.window, minimum=0)
-        check_int("sinks", self.sinks, minimum=0)
+        check_counts(self, "window", "sinks")
 
     def check_dims(self, key_dim: int, value_dim: int) -> None:
         """Per-token groups split a token's channels: ``group`` must divide that head dim."""
-        for side, axis, dim in (
-            ("key", self.key_axis, key_dim),
-            ("value", self.value_axis, value_dim),
-        ):
-            if axis == "token":
-                check_divides(
-                    "uniform",
-                    "group",
-                    self.group,
-                    dim,
-                    f"{side} head dim",
-                    f"{side}s are quantized per token in groups of `group` channels",
-                )
+        check_token_groups(
+            "uniform", self.group, key_dim, value_dim, self.key_axis, self.value_axis
+        )
 
 
 class UniformCache(PresetCache):
@@ -73,6 +61,4 @@ class UniformCache(PresetCache):
         return {
             "key_codec": Uniform(kb, cfg.group, cfg.key_axis, cfg.clip),
             "value_codec": Uniform(vb, cfg.group, cfg.value_axis, cfg.clip),
-            "window": cfg.window,
-            "sinks": cfg.sinks,
         }

@@ -634,25 +634,20 @@ class VeloxCache(RetentionMixin):
         """Each codec once (a codec object shared by two places holds one fitted state)."""
         return list({id(c): c for c in self._codecs()}.values())
 
+    def _fitted_nbytes(self) -> int:
+        """Bytes outside the token buffers: fitted codec arrays and the policy's state."""
+        policy = 0 if self.policy is None else self.policy.nbytes
+        return sum(c.state_nbytes for c in self._codecs()) + policy
+
     @property
     def nbytes(self) -> int:
         """Resident bytes: every buffer (capacity included) and every fitted codec array."""
-        extra = 0 if self.policy is None else self.policy.nbytes
-        return (
-            sum(s.nbytes for s in self._stores())
-            + sum(c.state_nbytes for c in self._codecs())
-            + extra
-        )
+        return sum(s.nbytes for s in self._stores()) + self._fitted_nbytes()
 
     @property
     def logical_nbytes(self) -> int:
         """Resident bytes without the unused capacity of the buffers."""
-        extra = 0 if self.policy is None else self.policy.nbytes
-        return (
-            sum(s.logical_nbytes for s in self._stores())
-            + sum(c.state_nbytes for c in self._codecs())
-            + extra
-        )
+        return sum(s.logical_nbytes for s in self._stores()) + self._fitted_nbytes()
 
     # -- state ------------------------------------------------------------------------------
     @property

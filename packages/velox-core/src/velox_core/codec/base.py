@@ -12,9 +12,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any, ClassVar
 
 import mlx.core as mx
+
+from ..configured import Configured
 
 __all__ = ["Codec", "Packed"]
 
@@ -115,42 +118,36 @@ class Packed:
         return Packed(data, sum(p.tokens for p in parts), first.block, first.per_block)
 
 
-class Codec(ABC):
+class Codec(Configured, ABC):
     """Turns ``(B, H, T, D)`` vectors into a :class:`Packed` record and back.
 
     Subclasses set ``name`` (the registry name), ``block`` (tokens coded together),
     implement :meth:`encode`, :meth:`decode` and :meth:`config`, and may override
     :meth:`scores` / :meth:`mix` with compressed-domain versions (then set
     ``compressed_scores`` / ``compressed_mix`` to True).
+
+    A codec with fused attention kernels names their module in ``kernels``: its functions
+    ``attend_partial``, ``joint_call`` and ``attend_joint`` (those it defines) then serve the
+    methods of the same name, called with the codec first and the methods' arguments, and
+    return None where their kernels do not apply.
     """
 
     name: ClassVar[str] = "codec"
     compressed_scores: ClassVar[bool] = False
     compressed_mix: ClassVar[bool] = False
+    kernels: ClassVar[ModuleType | None] = None
     block: int = 1
 
-    # -- configuration -------------------------------------------------------------------
+    # -- configuration (from_config, fresh, describe: velox_core.configured) ---------------
     @abstractmethod
     def config(self) -> dict[str, Any]:
         """JSON-serializable constructor arguments: ``type(self)(**self.config())``."""
 
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> Codec:
-        return cls(**config)
-
-    def fresh(self) -> Codec:
-        """An unfitted copy with the same settings (one per layer and per cache)."""
-        return type(self).from_config(self.config())
-
-    def describe(self) -> str:
-        args = ",".join(f"{k}={v}" for k, v in self.config().items())
-        return f"{self.name}({args})"
-
     # -- fitted state ----------------------------------------------------------------------
-    def check(self, dim: int, dtype: mx.Dtype) -> None:  # noqa: B027 (optional hook)
+    def check(self, dim: int, dtype: mx.Dtype) -> None:
         """Validate the head dim and dtype on first use; raise ``ValueError`` if unsupported."""
 
-    def bind(self, model: Any = None, layer: int | None = None) -> None:  # noqa: B027
+    def bind(self, model: Any = None, layer: int | None = None) -> None:
         """Called by ``make_cache`` with the model and layer index, for codecs that need them."""
 
     def state(self) -> dict[str, mx.array]:
@@ -165,11 +162,11 @@ class Codec(ABC):
     def state_nbytes(self) -> int:
         return sum(a.nbytes for a in self.state().values())
 
-    def filter_batch(self, index: mx.array) -> None:  # noqa: B027 (optional hook)
+    def filter_batch(self, index: mx.array) -> None:
         """Keep the fitted state of the given batch rows (codecs that fit one state per
         sequence; the cache calls it from ``filter``)."""
 
-    def extend_batch(self, other: Codec) -> None:  # noqa: B027 (optional hook)
+    def extend_batch(self, other: Codec) -> None:
         """Append ``other``'s per-sequence fitted state (the cache calls it from ``extend``,
         after its own checks)."""
 
@@ -211,14 +208,15 @@ class Codec(ABC):
         self, q: mx.array, keys: Packed, value_codec: Codec, values: Packed
     ) -> tuple[mx.array, mx.array, mx.array] | None:
         """A fused kernel's partial ``(o, m, l)`` over this segment (keys coded by this codec,
-        values by ``value_codec``), or None (the default: no kernel; the caller computes
+        values by ``value_codec``), or None (no kernel applies: the caller computes
         :func:`velox_core.cache.attention.partial` from :meth:`scores` and :meth:`mix`).
 
         Shapes:
             q ``(B, H, M, D)`` float32 with the scale applied; returns ``(B, H, M, D)``,
             ``(B, H, M, 1)``, ``(B, H, M, 1)`` float32.
         """
-        return None
+        fn = getattr(self.kernels, "attend_partial", None)
+        return None if fn is None else fn(self, q, keys, value_codec, values)
 
     def joint_call(
         self,
@@ -239,7 +237,10 @@ class Codec(ABC):
         kernel merge its own splits); ``run`` returns None where the fp16 segments it is
         given do not fit the merge.
         """
-        return None
+        fn = getattr(self.kernels, "joint_call", None)
+        if fn is None:
+            return None
+        return fn(self, q_shape, q_dtype, keys, value_codec, values, fp16_tokens, out_dtype, scale)
 
     def attend_joint(
         self,
@@ -253,14 +254,17 @@ class Codec(ABC):
     ) -> mx.array | None:
         """Normalized attention over this segment's codes and up to two fp16 segments (a
         cache's sinks and window) in one softmax, by fused kernels, or None (no such path:
-        the caller merges per-segment partials). The default plans it with
-        :meth:`joint_call` and runs the plan once.
+        the caller merges per-segment partials): the ``kernels`` module's ``attend_joint``
+        where it has one, else :meth:`joint_call`'s plan, run once.
 
         Shapes:
             q ``(B, H, M, D)``: float32 with the scale applied, or unscaled (any float dtype)
             with ``scale``; fp16 pairs ``(B, H, T_i, D)``; returns ``(B, H, M, D)`` in
             ``out_dtype``.
         """
+        fn = getattr(self.kernels, "attend_joint", None)
+        if fn is not None:
+            return fn(self, q, keys, value_codec, values, fp16, out_dtype, scale)
         if len(fp16) > 2:
             return None
         tokens = sum(k.shape[2] for k, _ in fp16)

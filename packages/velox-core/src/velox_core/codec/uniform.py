@@ -25,7 +25,7 @@ from ..kernels import decode as _kd
 from ..kernels import encode as _ke
 from ..kernels import use_kernels
 from ..ops.packing import MLX_BITS, MLX_GROUPS, mlx_readable, pack, unpack
-from ..ops.quant import AXES, affine_dequantize, affine_quantize
+from ..ops.quant import AXES, affine_dequantize, affine_matmul, affine_quantize
 from ..validation import check_bits, check_choice, check_float, check_int
 from .base import Codec, Packed
 
@@ -96,51 +96,41 @@ class Uniform(Codec):
     def _mlx_layout(self) -> bool:
         return self.axis == "token" and mlx_readable(self.bits, self.group)
 
-    def scores(self, q: mx.array, packed: Packed) -> mx.array:
+    def _matmul(self, x: mx.array, packed: Packed, transpose: bool) -> mx.array:
         p = packed.data
+        return affine_matmul(x, p["codes"], p["scale"], p["zero"], self.bits, self.group, transpose)
+
+    def _channel_groups(self, packed: Packed) -> tuple[mx.array, mx.array, mx.array]:
+        """Per-channel records by token group: codes float32 ``(B, H, T/g, g, D)``, scale and
+        zero float32 ``(B, H, T/g, 1, D)``."""
+        p = packed.data
+        b, h, t = p["codes"].shape[:3]
+        c = self._codes(packed).astype(mx.float32).reshape(b, h, t // self.group, self.group, -1)
+        s = p["scale"].astype(mx.float32)[:, :, :, None, :]
+        z = p["zero"].astype(mx.float32)[:, :, :, None, :]
+        return c, s, z
+
+    def scores(self, q: mx.array, packed: Packed) -> mx.array:
         if self._mlx_layout():
-            return mx.quantized_matmul(
-                q,
-                p["codes"],
-                p["scale"],
-                p["zero"],
-                transpose=True,
-                group_size=self.group,
-                bits=self.bits,
-            )
+            return self._matmul(q, packed, transpose=True)
         if self.axis == "token":
             return super().scores(q, packed)
         # per-channel groups: fold each token group's scales into the query
-        b, h, t = p["codes"].shape[:3]
-        g = self.group
-        c = self._codes(packed).astype(mx.float32).reshape(b, h, t // g, g, -1)
-        s = p["scale"].astype(mx.float32)[:, :, :, None, :]  # (B, H, T/g, 1, D)
-        z = p["zero"].astype(mx.float32)[:, :, :, None, :]
+        c, s, z = self._channel_groups(packed)
         qg = q[:, :, None]  # (B, H, 1, M, D)
         out = (qg * s) @ mx.swapaxes(c, -1, -2) + mx.sum(qg * z, axis=-1, keepdims=True)
-        return mx.swapaxes(out, 2, 3).reshape(b, h, q.shape[2], t)
+        b, h = q.shape[:2]
+        return mx.swapaxes(out, 2, 3).reshape(b, h, q.shape[2], packed.tokens)
 
     def mix(self, w: mx.array, packed: Packed) -> mx.array:
-        p = packed.data
         if self._mlx_layout():
-            return mx.quantized_matmul(
-                w,
-                p["codes"],
-                p["scale"],
-                p["zero"],
-                transpose=False,
-                group_size=self.group,
-                bits=self.bits,
-            )
+            return self._matmul(w, packed, transpose=False)
         if self.axis == "token":
             return super().mix(w, packed)
         # per-channel groups: sum the weights of each token group against the zeros
-        b, h, t = p["codes"].shape[:3]
-        g = self.group
-        c = self._codes(packed).astype(mx.float32).reshape(b, h, t // g, g, -1)
-        wg = mx.swapaxes(w.reshape(b, h, w.shape[2], t // g, g), 2, 3)  # (B, H, T/g, M, g)
-        s = p["scale"].astype(mx.float32)[:, :, :, None, :]
-        z = p["zero"].astype(mx.float32)[:, :, :, None, :]
+        c, s, z = self._channel_groups(packed)
+        b, h, m, t = w.shape
+        wg = mx.swapaxes(w.reshape(b, h, m, t // self.group, self.group), 2, 3)  # (B,H,T/g,M,g)
         out = (wg @ c) * s + mx.sum(wg, axis=-1, keepdims=True) * z  # (B, H, T/g, M, D)
         return mx.sum(out, axis=2)
 

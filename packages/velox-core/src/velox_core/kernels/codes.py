@@ -3,9 +3,11 @@
 :class:`Codes` describes a segment's keys or values: **affine** per-group codes
 (``x = scale * code + zero``, :data:`AFFINE` per token, :data:`AFFINE_CHANNEL` per channel),
 **codebook** codes (``x = norm * levels[code]``, :data:`CODEBOOK`), **vector** codes
-(:data:`VQ`, a codeword per sub-vector) or **sketch** keys (:data:`SKETCH`, QJL sign bits with
-:class:`SketchKeys`). Here too: the kernels' inputs built from a record (:func:`code_inputs`,
-:func:`sketch_inputs`) and the shape checks (:func:`check_codes`).
+(:data:`VQ`, a codeword per sub-vector), **sketch** keys (:data:`SKETCH`, QJL sign bits with
+:class:`SketchKeys`) or **table** keys (:data:`TABLE`, CommVQ's RoPE-commutative codes with
+:class:`TableKeys`, scored from per-call query tables). Here too: the kernels' inputs built
+from a record (:func:`code_inputs`, :func:`sketch_inputs`) and the shape checks
+(:func:`check_codes`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-AFFINE, CODEBOOK, AFFINE_CHANNEL, SKETCH, VQ = 0, 1, 2, 3, 4
+AFFINE, CODEBOOK, AFFINE_CHANNEL, SKETCH, VQ, TABLE = 0, 1, 2, 3, 4, 5
 
 # most floats of one side's VQ codebook (codewords x channels) the portable kernel keeps in
 # threadgroup memory: 4 KiB a side beside the 16 KiB of scores (Metal allows 32 KiB)
@@ -47,15 +49,19 @@ class Codes:
 
     Attributes:
         kind: :data:`AFFINE`, :data:`CODEBOOK`, :data:`AFFINE_CHANNEL` (keys only:
-            per-channel groups along tokens, KIVI's keys), :data:`VQ` or :data:`SKETCH`.
-        bits: code width, 1 to 8 (:data:`VQ`: bits of one codeword index).
+            per-channel groups along tokens, KIVI's keys), :data:`VQ`, :data:`SKETCH` or
+            :data:`TABLE` (keys only).
+        bits: code width, 1 to 8 (:data:`VQ`: bits of one codeword index; :data:`TABLE`: bits
+            of one of a group's two indices, ``log2 K``).
         group: affine: channels per (scale, zero); per-channel affine: tokens per (scale,
-            zero); VQ: channels per sub-vector (1, 2, 4 or 8); codebook: ignored.
+            zero); VQ: channels per sub-vector (1, 2, 4 or 8); :data:`TABLE`: RoPE pairs per
+            code (``G``); codebook: ignored.
         codes: ``(B, H, T, W)`` uint32 packed codes (:data:`VQ`: the ``D / group`` indices of a
-            token, ``bits`` each, in one bit stream).
+            token, ``bits`` each, in one bit stream; :data:`TABLE`: see :class:`TableKeys`).
         a: affine scale ``(B, H, T, D/group)``, per-channel scale ``(B, H, T/group, D)``, or
-            codebook norm ``(B, H, T)``; None for :data:`VQ`.
-        b: affine zero, shaped like ``a``; None for a codebook and :data:`VQ`.
+            codebook / :data:`TABLE` norm ``(B, H, T)``; None for :data:`VQ`.
+        b: affine zero, shaped like ``a``; :data:`TABLE`: the keys' positions ``(B, 1, T)``
+            int32 (one per token for all heads); None for a codebook and :data:`VQ`.
         levels: codebook levels ``(2**bits,)`` float32; :data:`VQ`: the codebooks ``(B, H,
             2**bits, group)`` (any float dtype; row ``code`` of ``(b, h)`` is the sub-vector);
             None for affine.
@@ -67,6 +73,7 @@ class Codes:
             ``codes`` holds the ``m`` sign bits ``(B, H, T, m/32)``, ``a`` the norms
             ``(B, H, T)``, ``b`` the outlier parts' norms (None without outliers), ``bits``
             is 1 and ``group`` the tokens per outlier block (1 without outliers).
+        table: :data:`TABLE` keys only (CommVQ): their stages and RoPE frequencies.
         symmetric: codebook only: the caller vouches that the levels are ascending and
             ``levels[2**bits - 1 - c] == -levels[c]`` in fp16 (Lloyd-Max levels of a law
             symmetric about 0, checked on the host once per codebook:
@@ -85,6 +92,7 @@ class Codes:
     signs: mx.array | None = None
     rnorm: mx.array | None = None
     sketch: SketchKeys | None = None
+    table: TableKeys | None = None
     symmetric: bool = False
 
 
@@ -139,6 +147,43 @@ class SketchKeys:
     mma: bool = False
 
 
+@dataclass(frozen=True)
+class TableKeys:
+    """CommVQ keys (velox-commvq's codec) as the portable kernel reads them, beside
+    :class:`Codes` (arXiv 2506.18879).
+
+    A key is ``k_p = n e^{i t theta_p} sum_s (A[s, p, c1] + J B[s, p, c2])`` per RoPE pair
+    ``p`` (pairs as complex numbers: ``n`` its norm, ``t`` its position, ``c1, c2`` the
+    indices its group of ``G`` pairs took at stage ``s``). The codewords, ``J`` and the
+    rotation commute, so ``q . k = n sum_p Re(e^{i t theta_p} W_p)`` with ``W_p = sum_s
+    (TA[s, p, c1] + TB[s, p, c2])``, ``TA = conj(q_p) A``, ``TB = conj(q_p) J B``: the host
+    builds those tables once per call (the query against every codeword, MLX ops) and passes
+    them as the kernel's query-side input, ``(B, H, M, E)`` float32 with ``E =``
+    :func:`table_entries`, entry ``(((s * P + p) * 2 + book) * K + k) * 2 + c`` (``book`` 0:
+    ``TA``, 1: ``TB``; ``c`` 0: real part, 1: imaginary part). The kernel reads each key's
+    codes, sums its looked-up 2-vectors per pair, rotates the sums by the key's angle
+    (``t theta_p``, from its position and ``theta``), adds the pairs and scales by the norm;
+    no key is decoded.
+
+    ``Codes.codes`` holds per token the ``S * (P / G) * 2`` indices of ``Codes.bits`` bits in
+    one bit stream (velox's packing), stage by stage, group by group, ``c1`` then ``c2``.
+
+    Attributes:
+        stages: residual stages ``S``.
+        theta: ``(D/2,)`` float32: radians per position of each pair, in the codes' pair
+            order (0 for the channels RoPE leaves alone).
+    """
+
+    stages: int
+    theta: mx.array
+
+
+def table_entries(stages: int, dim: int, bits: int) -> int:
+    """Floats of one query row's tables for :data:`TABLE` keys (see :class:`TableKeys`):
+    ``stages * (dim / 2) * 2 * 2**bits * 2``."""
+    return stages * (dim // 2) * 2 * (1 << bits) * 2
+
+
 def sketch_matrix(proj: mx.array, m: int, mo: int, lanes: int) -> mx.array:
     """``S`` (``proj``, ``(R, D)``) as the sketch keys' pass reads it: its first ``m`` rows
     (and, when ``mo`` differs from ``m``, then its first ``mo`` rows) transposed, each set's
@@ -182,22 +227,32 @@ def code_inputs(c: Codes) -> tuple[mx.array, mx.array, mx.array, mx.array]:
             unused_input(mx.float32),
         )
     if c.kind == VQ:  # indices; the codebooks (B * H tables, contiguous) in the levels' place
-        table = mx.contiguous(c.levels.astype(mx.float32)).reshape(-1)
-        if table.size < 8:
-            table = mx.concatenate([table, mx.zeros((8 - table.size,), mx.float32)])
+        table = _device_floats(mx.contiguous(c.levels.astype(mx.float32)).reshape(-1))
         return c.codes, unused_input(mx.float16), unused_input(mx.float16), table
-    levels = c.levels.astype(mx.float32)
-    if levels.size < 8:  # keep it in device memory on Metal (the body only indexes it)
-        levels = mx.concatenate([levels, mx.zeros((8 - levels.size,), mx.float32)])
+    if c.kind == TABLE:  # indices, norms, positions; the pairs' frequencies in the levels' place
+        return c.codes, c.a, c.b, _device_floats(c.table.theta.astype(mx.float32))
+    levels = _device_floats(c.levels.astype(mx.float32))
     return c.codes, c.a, unused_input(c.a.dtype), levels
+
+
+def _device_floats(x: mx.array) -> mx.array:
+    """A 1-D float32 input padded to 8 elements at least: kept in device memory on Metal
+    (MLX passes smaller inputs as constants; the body only indexes it)."""
+    if x.size < 8:
+        return mx.concatenate([x, mx.zeros((8 - x.size,), mx.float32)])
+    return x
 
 
 def sketch_inputs(keys: Codes, q_sketch: mx.array | None, rows: int) -> list[mx.array]:
     """The portable kernel's last five inputs (``ksg, krn, qsk, kix, kst``): the keys'
     residual sketch, its norms and the sketched query (rows padded to ``rows``); for
     :data:`SKETCH` keys the outlier sketch, a placeholder, the sketched query, the outlier
-    indices and ``S``; unused placeholders where a side has none of them."""
+    indices and ``S``; for :data:`TABLE` keys the query tables (``q_sketch``, see
+    :class:`TableKeys`) in the sketched query's place; unused placeholders where a side has
+    none of them."""
     u32, f16, f32 = unused_input(mx.uint32), unused_input(mx.float16), unused_input(mx.float32)
+    if keys.table is not None:
+        return [u32, f16, pad_rows(q_sketch.astype(mx.float32), rows), u32, f32]
     if keys.sketch is not None:
         sk = keys.sketch
         qs = pad_rows(q_sketch.astype(mx.float32), rows)
@@ -272,9 +327,50 @@ def _check_vq(name: str, c: Codes, b: int, h: int, t: int, dim: int) -> None:
         )
 
 
+def _check_table(c: Codes, b: int, h: int, t: int, dim: int) -> None:
+    """Shapes of :data:`TABLE` keys (see :class:`TableKeys`)."""
+    tk = c.table
+    if tk is None or c.signs is not None or c.sketch is not None or c.levels is not None:
+        raise ValueError("decode_attention: table keys carry a TableKeys record, no signs")
+    if not 1 <= c.bits <= 8 or c.group < 1 or dim % 2 or (dim // 2) % c.group:
+        raise ValueError(
+            f"decode_attention: table keys of {c.bits}-bit indices per {c.group} pairs do not "
+            f"code a {dim}-dim head (bits 1 to 8, pairs per code dividing {dim // 2})"
+        )
+    if not isinstance(tk.stages, int) or tk.stages < 1:
+        raise ValueError(f"decode_attention: table keys need stages >= 1, got {tk.stages!r}")
+    words = -(-tk.stages * (dim // 2 // c.group) * 2 * c.bits // 32)
+    if tuple(c.codes.shape) != (b, h, t, words) or c.codes.dtype != mx.uint32:
+        raise ValueError(
+            f"decode_attention: table keys' codes {tuple(c.codes.shape)} {c.codes.dtype} do not "
+            f"match (B, H, T, W) = {(b, h, t, words)} uint32"
+        )
+    if c.a is None or tuple(c.a.shape) != (b, h, t):
+        have = None if c.a is None else tuple(c.a.shape)
+        raise ValueError(f"decode_attention: table keys' norms are {have}, expected {(b, h, t)}")
+    if c.b is None or tuple(c.b.shape) != (b, 1, t) or c.b.dtype != mx.int32:
+        have = None if c.b is None else (tuple(c.b.shape), c.b.dtype)
+        raise ValueError(
+            f"decode_attention: table keys' positions are {have}, expected (B, 1, T) = "
+            f"{(b, 1, t)} int32"
+        )
+    if tuple(tk.theta.shape) != (dim // 2,) or tk.theta.dtype != mx.float32:
+        raise ValueError(
+            f"decode_attention: table keys' theta is {tuple(tk.theta.shape)} {tk.theta.dtype}, "
+            f"expected ({dim // 2},) float32"
+        )
+
+
 def check_codes(name: str, c: Codes, b: int, h: int, t: int, dim: int) -> None:
     if c.symmetric and c.kind != CODEBOOK:
         raise ValueError(f"decode_attention: {name} symmetric=True is for codebook codes only")
+    if (c.table is not None) != (c.kind == TABLE):
+        raise ValueError(f"decode_attention: {name} TableKeys go with TABLE codes")
+    if c.kind == TABLE:
+        if name != "key":
+            raise ValueError("decode_attention: table codes are for keys only")
+        _check_table(c, b, h, t, dim)
+        return
     if c.kind == VQ:
         _check_vq(name, c, b, h, t, dim)
         return

@@ -69,6 +69,9 @@ class KernelConfig:
         sketch_mma_diff / sketch_mma_bsm: force the sketch kernel's ``DIFF`` / ``BSM``
             layouts on or off (None: chosen per layout).
         sketch_mma_ahead: tiles loaded ahead by the sketch kernel (1, 2; None: per layout).
+        table_codes: take the portable kernel's table-code (CommVQ) path (off by default: it
+            equals the reference in CPU emulation of its Metal and CUDA builds, but not yet
+            on an NVIDIA H200, where decode steps through it differ from the reference).
     """
 
     enabled: bool = True
@@ -94,6 +97,7 @@ class KernelConfig:
     sketch_mma_diff: bool | None = None
     sketch_mma_bsm: bool | None = None
     sketch_mma_ahead: int | None = None
+    table_codes: bool = False
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -184,6 +188,7 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     "sketch_mma_diff": ("VELOX_SKETCH_MMA_DIFF", "flag"),
     "sketch_mma_bsm": ("VELOX_SKETCH_MMA_BSM", "flag"),
     "sketch_mma_ahead": ("VELOX_SKETCH_MMA_AHEAD", "int"),
+    "table_codes": ("VELOX_DECODE_TABLE", "flag"),
 }
 
 _CURRENT: list[KernelConfig] = []  # the configuration in force (empty until first use)

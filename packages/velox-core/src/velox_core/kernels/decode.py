@@ -15,7 +15,9 @@ TurboQuant_mse in the rotated domain) or **vector** codes (:data:`VQ`: each sub-
 ``group`` channels is the index of a codeword, ``x = codebook[code]``, one codebook per batch
 row and KV head: VecInfer). Keys may also be **sketch** codes (:data:`SKETCH`,
 QJL: ``m`` sign bits of ``S k`` and ``||k||`` per token, with per-block outlier channels and
-their own sketch, see :class:`SketchKeys`). Codes are uint32 words in velox's packing layout
+their own sketch, see :class:`SketchKeys`) or **table** codes (:data:`TABLE`, CommVQ: indices
+of RoPE-commutative codewords, a norm and a position per token, scored from query tables the
+host builds per call, see :class:`TableKeys`). Codes are uint32 words in velox's packing layout
 (:mod:`velox_core.ops.packing`), any width 1 to 8 where a lane's channels fill whole words.
 
 :func:`plan` says whether (and how) a shape is supported; :func:`decode_attention` returns
@@ -41,10 +43,12 @@ from .codes import (  # re-exported: velox_core.kernels.decode is the entry poin
     FP16_MAX,
     LOG2E,
     SKETCH,
+    TABLE,
     VQ,
     VQ_MAX_TABLE,
     Codes,
     SketchKeys,
+    TableKeys,
     check_codes,
     code_inputs,
     float_bits,
@@ -53,6 +57,7 @@ from .codes import (  # re-exported: velox_core.kernels.decode is the entry poin
     qmul_bits,
     sketch_inputs,
     sketch_matrix,
+    table_entries,
     unused_input,
 )
 from .merge import (  # re-exported: velox_core.kernels.decode is the entry point
@@ -185,6 +190,7 @@ __all__ = [
     "SKETCH",
     "SKETCH_LANES",
     "SUBNORMAL_SALT",
+    "TABLE",
     "UNROLL",
     "VQ",
     "VQ_MAX_TABLE",
@@ -193,6 +199,7 @@ __all__ = [
     "MmaLayout",
     "Plan",
     "SketchKeys",
+    "TableKeys",
     "block_splits",
     "check_codes",
     "choose_splits",
@@ -247,6 +254,7 @@ __all__ = [
     "sm_count",
     "subnormal_probe_error",
     "subnormal_probe_expected",
+    "table_entries",
     "template",
     "tuning",
     "unused_input",
@@ -261,14 +269,17 @@ def _check_call(
         raise ValueError("decode_attention: fp16 segments and out_dtype go together")
     if (rot is not None and not merge_q) or (merge_q and fp16_tokens is None):
         raise ValueError("decode_attention: rot needs merge_q, and merge_q fp16 segments")
-    if q_sketch != (keys.signs is not None or keys.sketch is not None):
+    if q_sketch != (keys.signs is not None or keys.sketch is not None or keys.table is not None):
         raise ValueError(
-            "decode_attention: q_sketch goes with keys that carry signs or a sketch (SKETCH)"
+            "decode_attention: q_sketch goes with keys that carry signs, a sketch (SKETCH) or "
+            "query tables (TABLE)"
         )
     if keys.sketch is not None and keys.kind != SKETCH:
         raise ValueError("decode_attention: a SketchKeys record goes with SKETCH keys")
-    if values.kind == SKETCH:
-        raise ValueError("decode_attention: sketch codes are for keys only")
+    if (keys.table is not None) != (keys.kind == TABLE):
+        raise ValueError("decode_attention: a TableKeys record goes with TABLE keys")
+    if values.kind in (SKETCH, TABLE):
+        raise ValueError("decode_attention: sketch and table codes are for keys only")
 
 
 def plan_decode(
@@ -347,7 +358,11 @@ def plan_decode(
         if portable is None:
             return None
         parts = portable
-    want_qs = q_shape if keys.sketch is None else (b, h, m, keys.sketch.m)
+    want_qs = q_shape
+    if keys.sketch is not None:
+        want_qs = (b, h, m, keys.sketch.m)
+    elif keys.table is not None:
+        want_qs = (b, h, m, table_entries(keys.table.stages, dim, keys.bits))
     merges: dict[int, Any] = {}  # the merge, per query rows the decode kernel took
 
     def run(q, fp16=None, merge_q=None, q_sketch=None):
@@ -407,7 +422,10 @@ def decode_attention(
         q_sketch: with keys that carry a residual sketch (``keys.signs``): the sketched query
             ``(B, H, M, D)`` (times the sketch's constant), scaled like ``q``; with
             :data:`SKETCH` keys: ``S q`` ``(B, H, M, m)`` float32 (no constant), from the same
-            ``q`` as the kernel takes (scaled or not).
+            ``q`` as the kernel takes (scaled or not); with :data:`TABLE` keys: the query
+            tables ``(B, H, M, table_entries(...))`` float32 (:class:`TableKeys`), from the
+            same ``q`` (scaled or not; the kernel then scores only from them and passes ``q``
+            to the merge for the fp16 segments).
 
     One call of :func:`plan_decode`'s plan; a caller attending the same segment again
     (a decode step) keeps the plan instead.

@@ -22,6 +22,7 @@ from .codes import (
     AFFINE_CHANNEL,
     CODEBOOK,
     SKETCH,
+    TABLE,
     VQ,
     VQ_MAX_TABLE,
     Codes,
@@ -98,6 +99,12 @@ def _pow2_ceil(n: int) -> int:
 def side_ok(kind: int, bits: int, group: int, dim: int, cpl: int) -> bool:
     if kind == SKETCH:  # the key pass has its own lane layout (sketch_lanes)
         return True
+    if kind == TABLE:  # a lane's pairs are whole code groups, its indices one word or whole words
+        pairs = cpl // 2
+        if not 1 <= bits <= 8 or group < 1 or pairs % group:
+            return False
+        lane_bits = pairs // group * 2 * bits  # of one stage
+        return lane_bits % 32 == 0 or 32 % lane_bits == 0
     if kind == VQ:  # whole sub-vectors a lane, its indices in whole words; the table fits
         return (
             1 <= bits <= 8
@@ -148,6 +155,9 @@ def plan(
     threadgroup are a power of two (at most 8). A sketch needs codebook keys and a head dim
     that is a multiple of 32. :data:`VQ` codes need whole sub-vectors per lane, a lane's
     indices filling whole words, and a codebook of at most :data:`VQ_MAX_TABLE` floats.
+    :data:`TABLE` keys (CommVQ, ``kgroup`` pairs per code) need a lane's ``cpl / 2`` pairs to
+    be whole code groups whose indices of one stage fill one word's aligned share or whole
+    words; they are keys only.
 
     :data:`SKETCH` keys (QJL) pass ``qjl = (m, mo, outliers)``: the key pass spreads a
     token's sign bits over :func:`sketch_lanes` lanes, and each query row holds
@@ -155,7 +165,7 @@ def plan(
     ``outliers`` coordinates of a block (at most half of it); with outliers, a block of
     ``kgroup`` tokens must fit one split.
     """
-    if m < 1 or dim < 1 or vkind == AFFINE_CHANNEL:  # per-channel groups: keys only
+    if m < 1 or dim < 1 or vkind in (AFFINE_CHANNEL, TABLE):  # keys only
         return None
     if sketch and (kkind != CODEBOOK or dim % 32):
         return None
@@ -177,7 +187,7 @@ def plan(
         ):
             continue
         regs = budget
-        if cpl == 32 and not sketch and qjl is None and kkind != VQ and vkind != VQ:
+        if cpl == 32 and not sketch and qjl is None and kkind not in (VQ, TABLE) and vkind != VQ:
             regs = CUDA_WIDE_REGS if _kernels.backend() == "cuda" else budget
         if regs < cpl:
             continue
@@ -307,6 +317,7 @@ def template(
         ("QMUL", qmul_bits(scale)),
         ("KQJL", int(k.signs is not None)),
         *sketch_template(p, k),
+        ("KSTG", k.table.stages if k.table is not None else 0),
     ]
 
 
@@ -358,7 +369,7 @@ def plan_portable(
     codes = [*code_inputs(keys), *code_inputs(values)]
     grid, tg = (s * nt, b * h, p.nmb), (nt, 1, 1)
     shapes = [(b, h, s, mp, dim), (b, h, s, mp, 2)]
-    plain = keys.sketch is None and keys.signs is None
+    plain = keys.sketch is None and keys.signs is None and keys.table is None
     extra = sketch_inputs(keys, None, mp) if plain else None
 
     def run(q, q_sketch=None):

@@ -4,7 +4,7 @@ from .hadamard import RandomizedHadamard, block_size, fwht, hadamard
 from .kmeans import assign, kmeans
 from .lloyd_max import Codebook, lloyd_max, lloyd_max_gaussian, lloyd_max_sphere
 from .packing import mlx_readable, pack, packed_words, unpack
-from .quant import affine_dequantize, affine_quantize, scale_dtype
+from .quant import affine_dequantize, affine_matmul, affine_quantize, scale_dtype
 from .rotation import random_orthogonal
 from .sketch import jl_matrix, sign_sketch, sketch_inner
 
@@ -12,6 +12,7 @@ __all__ = [
     "Codebook",
     "RandomizedHadamard",
     "affine_dequantize",
+    "affine_matmul",
     "affine_quantize",
     "assign",
     "block_size",

@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from ..validation import check_array, check_bits, check_choice, check_float, check_int
 
-__all__ = ["affine_dequantize", "affine_quantize", "scale_dtype"]
+__all__ = ["affine_dequantize", "affine_matmul", "affine_quantize", "scale_dtype"]
 
 AXES = ("token", "channel")
 
@@ -80,3 +80,26 @@ def affine_dequantize(
     s = mx.expand_dims(scale.astype(mx.float32), red)
     z = mx.expand_dims(zero.astype(mx.float32), red)
     return (g * s + z).reshape(codes.shape)
+
+
+def affine_matmul(
+    x: mx.array,
+    codes: mx.array,
+    scale: mx.array,
+    zero: mx.array,
+    bits: int,
+    group: int,
+    transpose: bool,
+) -> mx.array:
+    """``x @ w.T`` (``transpose``) or ``x @ w`` with ``w`` the per-token affine codes' values
+    (``scale * code + zero``), read from the packed words by ``mx.quantized_matmul``: the
+    words must be in MLX's layout (:func:`velox_core.ops.packing.mlx_readable`).
+
+    Shapes:
+        x ``(..., M, D)`` (``transpose``) or ``(..., M, T)``; codes uint32 ``(..., T,
+        D * bits / 32)``; scale and zero ``(..., T, D / group)``; returns ``(..., M, T)`` or
+        ``(..., M, D)``.
+    """
+    return mx.quantized_matmul(
+        x, codes, scale, zero, transpose=transpose, group_size=group, bits=bits
+    )

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 
 import mlx.core as mx
 
+from ..configured import Configured
 from ..validation import check_int
 
 __all__ = ["RetentionPolicy", "top_k_sorted"]
@@ -46,7 +47,7 @@ def top_k_sorted(scores: mx.array, k: int) -> mx.array:
     return mx.sort(idx, axis=-1).astype(mx.int32)
 
 
-class RetentionPolicy:
+class RetentionPolicy(Configured):
     """Base class, and the simplest policy: keep the most recent tokens (``budget=None``
     keeps every token).
 
@@ -65,17 +66,6 @@ class RetentionPolicy:
 
     def config(self) -> dict[str, Any]:
         return {"budget": self.budget, "every": self.every}
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> RetentionPolicy:
-        return cls(**config)
-
-    def fresh(self) -> RetentionPolicy:
-        return type(self).from_config(self.config())
-
-    def describe(self) -> str:
-        args = ",".join(f"{k}={v}" for k, v in self.config().items())
-        return f"{self.name}({args})"
 
     # -- hooks the cache calls ------------------------------------------------------------
     def attach(self, cache) -> None:

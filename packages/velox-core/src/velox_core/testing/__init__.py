@@ -1,4 +1,5 @@
-"""Test helpers shipped with velox-core: the conformance suite and tiny models.
+"""Test helpers shipped with velox-core: the conformance suite, tiny models, and the helpers
+and checks the method packages' tests share.
 
 Importing this module needs pytest (the ``test`` extra).
 """
@@ -8,24 +9,42 @@ from .conformance import (
     CacheConformance,
     assert_partials_close,
     assert_partials_equivalent,
+    decode_logits,
+    feed,
     greedy_agreement,
     kv_data,
+    kv_like,
     rel_error,
 )
+from .eviction import EvictingConformance, FullBudgetConformance, Routed
 from .kernel_env import kernel_env
-from .models import FAMILIES, tiny_model, tiny_tokenizer
+from .linked import assert_linked_copies
+from .models import FAMILIES, conformance_model, tiny_model, tiny_tokenizer
+from .refusals import assert_head_dim_refused, assert_tampered_state_refused
+from .scratch import scratch_dir
 
 __all__ = [
     "FAMILIES",
     "CacheConformance",
+    "EvictingConformance",
+    "FullBudgetConformance",
+    "Routed",
+    "assert_head_dim_refused",
+    "assert_linked_copies",
     "assert_partials_close",
     "assert_partials_equivalent",
+    "assert_tampered_state_refused",
     "attention_errors_vs_mlx_quant",
+    "conformance_model",
+    "decode_logits",
+    "feed",
     "fill_chunks",
     "greedy_agreement",
     "kernel_env",
     "kv_data",
+    "kv_like",
     "rel_error",
+    "scratch_dir",
     "tiny_model",
     "tiny_tokenizer",
 ]

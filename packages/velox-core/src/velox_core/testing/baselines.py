@@ -6,20 +6,19 @@ import math
 
 import mlx.core as mx
 
-from .conformance import rel_error
+from .conformance import feed, rel_error
 
 __all__ = ["attention_errors_vs_mlx_quant", "fill_chunks"]
 
 
 def fill_chunks(caches, k: mx.array, v: mx.array, chunk: int = 300) -> None:
-    """Feed the same keys and values to every cache, ``chunk`` tokens per update.
+    """Feed the same keys and values to every cache, ``chunk`` tokens per update (a prefill
+    in chunks, as the comparisons below run it).
 
     Shapes:
         k, v ``(B, H, T, D)``.
     """
-    for s in range(0, k.shape[2], chunk):
-        for c in caches:
-            c.update_and_fetch(k[:, :, s : s + chunk], v[:, :, s : s + chunk])
+    feed(list(caches), k, v, chunk)
 
 
 def attention_errors_vs_mlx_quant(

@@ -5,12 +5,11 @@ A method package subclasses :class:`CacheConformance` in its tests and sets what
     from velox_core.testing import CacheConformance
 
     class TestKIVI(CacheConformance):
-        def make(self):            # the cache under test (default settings)
-            return KIVICache(bits=4)
-        def make_precise(self):    # its highest-fidelity settings (model-level checks)
-            return KIVICache(bits=8)
-        max_memory_ratio = 0.35    # resident bytes vs fp16 at 2,048 tokens
-        attention_error = 0.15     # relative error of attention outputs vs fp16
+        spec = "kivi:bits=4"            # the cache under test (or def make(self): ...)
+        precise_spec = "kivi:bits=8"    # its highest-fidelity settings (model-level checks)
+        max_memory_ratio = 0.35         # resident bytes vs fp16 at 2,048 tokens
+        attention_error = 0.15          # relative error of attention outputs vs fp16
+        bad_settings = ({"bits": 1},)   # settings its class refuses
 
 pytest then runs every ``test_*`` below against it: the mlx-lm protocol, trim, state round
 trip, save/load, RoPE/offset correctness inside a real mlx-lm model, batch > 1, resident
@@ -20,7 +19,11 @@ decoded path, bad input, and ``mlx_lm.generate``.
 
 from __future__ import annotations
 
+import inspect
 import math
+import re
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import mlx.core as mx
 import numpy as np
@@ -30,9 +33,26 @@ from mlx_lm.models.cache import KVCache
 from ..cache.velox import VeloxCache
 from ..io import load_cache, save_cache
 from ..mlx_lm import generate, make_cache, routed
-from .models import tiny_model, tiny_tokenizer
+from ..registry import make as make_spec
+from .models import conformance_model, tiny_tokenizer
 
-__all__ = ["CacheConformance", "greedy_agreement", "kv_data", "rel_error"]
+__all__ = [
+    "CacheConformance",
+    "decode_logits",
+    "feed",
+    "greedy_agreement",
+    "kv_data",
+    "kv_like",
+    "rel_error",
+]
+
+
+def _key_law(rng: np.random.Generator, d: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`kv_data`'s key channels, drawn from ``rng``: a scale per channel (a few outlier
+    channels 6x larger) and a mean (a shared direction), each ``(d,)``."""
+    scale = np.exp(rng.normal(0, 0.5, size=d))
+    scale[rng.choice(d, size=max(1, d // 32), replace=False)] *= 6.0
+    return scale, rng.normal(0, 1.0, size=d)
 
 
 def kv_data(
@@ -41,14 +61,24 @@ def kv_data(
     """Keys and values shaped like a real model's: channel-wise scales, a few outlier
     channels in the keys, and a shared direction (so attention is not uniform)."""
     rng = np.random.default_rng(seed)
-    scale = np.exp(rng.normal(0, 0.5, size=d))
-    scale[rng.choice(d, size=max(1, d // 32), replace=False)] *= 6.0
-    mean = rng.normal(0, 1.0, size=d)
+    scale, mean = _key_law(rng, d)
     k = rng.normal(0, 1, size=(b, h, t, d)) * scale + mean
     v = rng.normal(0, 1, size=(b, h, t, d))
     return mx.array(k.astype(np.float32)).astype(dtype), mx.array(v.astype(np.float32)).astype(
         dtype
     )
+
+
+def kv_like(t: int, seed: int = 0, noise_seed: int = 1000, h: int = 2, d: int = 128) -> mx.array:
+    """Keys of the law of ``kv_data(seed=seed)`` (its channel scales, outlier channels and
+    mean) with independent noise: new tokens of the same "model", to fit an artifact on
+    without fitting it on the test tokens themselves.
+
+    Shapes: returns float32 ``(1, h, t, d)``.
+    """
+    scale, mean = _key_law(np.random.default_rng(seed), d)
+    noise = np.random.default_rng(noise_seed).normal(0, 1, size=(1, h, t, d))
+    return mx.array((noise * scale + mean).astype(np.float32))
 
 
 def rel_error(a: mx.array, b: mx.array) -> float:
@@ -82,6 +112,15 @@ def assert_partials_equivalent(got, ref, rel: float, lazy_bits: float = 8.0) -> 
         assert np.abs(g - r).max() <= rel * max(1.0, np.abs(r).max())
 
 
+def decode_logits(model, caches, tokens, prompt: mx.array | None = None) -> mx.array:
+    """The model's last-position logits: after ``prompt`` ``(1, T)`` if given, then after each
+    decode step of ``tokens`` (ints or scalar arrays), float32 ``(steps, vocab)``."""
+    out = [] if prompt is None else [model(prompt, cache=caches)[:, -1]]
+    for t in tokens:
+        out.append(model(mx.array(t).reshape(1, 1), cache=caches)[:, -1])
+    return mx.concatenate(out, axis=0).astype(mx.float32)
+
+
 def greedy_agreement(model, prompt: mx.array, spec, steps: int = 32, tie: float = 0.1):
     """Greedy tokens of ``model`` with fp16 caches, and with ``spec`` caches on the same path.
 
@@ -112,6 +151,33 @@ def greedy_agreement(model, prompt: mx.array, spec, steps: int = 32, tie: float 
     return ref, got, [m < tie for m in margins]
 
 
+# bad values of the settings velox cache classes share (the shared parameter names, the
+# standalone RoPE settings of velox_core.codec.prerope) and a name none has, as (settings, a
+# regex of the message): the suite tries those whose parameters a class has all of
+SHARED_BAD: tuple[tuple[dict[str, Any], str], ...] = (
+    ({"window": -1}, "window"),
+    ({"sinks": -1}, "sinks"),
+    ({"flush": 0}, "flush"),
+    ({"check_finite": 1}, "check_finite"),
+    ({"seed": -1}, "seed"),
+    ({"budget": 0}, "budget"),
+    ({"group": 0}, "group"),
+    ({"calibration": 0}, "calibration"),
+    ({"bits": 0}, "bits"),
+    ({"bits": 9}, "bits"),
+    ({"bits": "4"}, "bits"),
+    ({"bits": True}, "bits"),
+    ({"key_bits": 9}, "key_bits"),
+    ({"value_bits": 9}, "value_bits"),
+    ({"rope_base": 1.0}, "rope_base"),
+    ({"rope_traditional": True}, "rope_base"),  # without rope_base
+    ({"rope_base": 10000.0, "rope_dims": 63}, "rope_dims"),
+    ({"rope_base": 10000.0, "rope_scale": 0.0}, "rope_scale"),
+    ({"pre_rope": False, "rope_base": 10000.0}, "pre_rope"),
+    ({"no_such_parameter": 1}, "no_such_parameter"),
+)
+
+
 def _sdpa(q, k, v, scale, mask=None):
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
@@ -121,15 +187,24 @@ def _same(a: mx.array, b: mx.array) -> bool:
     return a.shape == b.shape and mx.allclose(a, b, rtol=2e-3, atol=1e-4).item()
 
 
-def _fill(cache, k, v, chunks=(100, 1, 60, 1, 1)):
-    """Feed ``k, v`` in uneven chunks (a prefill, decode steps, another chunk...)."""
+def feed(caches, k: mx.array, v: mx.array, chunks: int | Sequence[int] = (100, 1, 60, 1, 1)):
+    """Store ``k, v`` in a cache, or in each of a list of caches, one chunk per update: chunks
+    of ``chunks`` tokens, or of the sizes ``chunks`` lists taken in turn (again from the first
+    when they run out) until every token is stored. By default uneven chunks: a prefill,
+    decode steps, another chunk... Returns ``caches``.
+
+    Shapes:
+        k, v ``(B, H, T, D)``.
+    """
+    sizes = (chunks,) if isinstance(chunks, int) else tuple(chunks)
+    targets = caches if isinstance(caches, (list, tuple)) else [caches]
     t, start, i = k.shape[2], 0, 0
     while start < t:
-        n = min(chunks[i % len(chunks)], t - start)
-        cache.update_and_fetch(k[:, :, start : start + n], v[:, :, start : start + n])
-        start += n
-        i += 1
-    return cache
+        n = min(sizes[i % len(sizes)], t - start)
+        for c in targets:
+            c.update_and_fetch(k[:, :, start : start + n], v[:, :, start : start + n])
+        start, i = start + n, i + 1
+    return caches
 
 
 class CacheConformance:
@@ -142,12 +217,22 @@ class CacheConformance:
     model_logit_cosine: float = 0.99
     same_greedy_tokens: int = 0  # with make_precise(): greedy tokens equal to fp16 (tiny llama)
     head_dim: int = 128
+    # settings of the method's own that its cache class must refuse (ValueError or TypeError):
+    # each a dict of keyword arguments, or (dict, regex the message must match); the shared
+    # settings' bad values are tried as well (shared_bad_settings)
+    bad_settings: ClassVar[tuple[dict[str, Any] | tuple[dict[str, Any], str], ...]] = ()
+
+    # the cache under test as a spec (``velox_core.make``), unless the class defines make()
+    spec: ClassVar[str | None] = None
+    precise_spec: ClassVar[str | None] = None  # make_precise()'s spec (default: make())
 
     def make(self) -> VeloxCache:
-        raise NotImplementedError("a conformance test class must define make()")
+        if self.spec is None:
+            raise NotImplementedError("a conformance test class must define spec or make()")
+        return make_spec(self.spec)
 
     def make_precise(self) -> VeloxCache:
-        return self.make()
+        return self.make() if self.precise_spec is None else make_spec(self.precise_spec)
 
     # -- protocol ---------------------------------------------------------------------------
     def test_protocol(self):
@@ -198,7 +283,7 @@ class CacheConformance:
     # -- trim ---------------------------------------------------------------------------------
     def test_trim(self):
         k, v = kv_data(t=180, d=self.head_dim)
-        c = _fill(self.make(), k, v)
+        c = feed(self.make(), k, v)
         size = c.size()
         assert c.trim(10) == 10
         assert c.offset == 170 and c.size() == size - 10
@@ -218,9 +303,9 @@ class CacheConformance:
         if not c.is_trimmable():
             return  # trim is approximate past the fp16 tokens, and the cache says so
         k, v = kv_data(t=180, d=self.head_dim)
-        _fill(c, k, v)
+        feed(c, k, v)
         c.trim(40)
-        ref = _fill(self.make(), k[:, :, :140], v[:, :, :140])
+        ref = feed(self.make(), k[:, :, :140], v[:, :, :140])
         q = mx.random.normal((1, 4, 1, self.head_dim), key=mx.random.key(4)).astype(mx.float16)
         assert c.offset == ref.offset and c.size() == ref.size()
         assert _same(c.attend(q, scale=0.1), ref.attend(q, scale=0.1))
@@ -228,7 +313,7 @@ class CacheConformance:
     # -- state and files ------------------------------------------------------------------------
     def test_state_round_trip(self):
         k, v = kv_data(t=150, d=self.head_dim)
-        c = _fill(self.make(), k, v)
+        c = feed(self.make(), k, v)
         c2 = type(c).from_state(c.state)
         assert c2.offset == c.offset and c2.size() == c.size()
         assert c2.config() == c.config()
@@ -239,13 +324,13 @@ class CacheConformance:
         assert _same(c.attend(q, scale=0.1), c2.attend(q, scale=0.1))
         # both keep working the same after more tokens
         k2, v2 = kv_data(t=20, d=self.head_dim, seed=5)
-        _fill(c, k2, v2, chunks=(1,))
-        _fill(c2, k2, v2, chunks=(1,))
+        feed(c, k2, v2, chunks=(1,))
+        feed(c2, k2, v2, chunks=(1,))
         assert _same(c.attend(q, scale=0.1), c2.attend(q, scale=0.1))
 
     def test_save_load(self, tmp_path):
         k, v = kv_data(t=130, d=self.head_dim)
-        caches = [_fill(self.make(), k, v), _fill(KVCache(), k, v)]
+        caches = [feed(self.make(), k, v), feed(KVCache(), k, v)]
         path = tmp_path / "c.safetensors"
         save_cache(path, caches, {"note": "x"})
         loaded, meta = load_cache(path, return_metadata=True)
@@ -268,20 +353,14 @@ class CacheConformance:
             load_cache(bad)
 
     # -- correctness inside a real model ----------------------------------------------------------
-    def _decode_logits(self, model, caches, prompt, steps):
-        out = [model(prompt, cache=caches)[:, -1]]
-        for t in steps:
-            out.append(model(t[None, None], cache=caches)[:, -1])
-        return mx.concatenate(out, axis=0).astype(mx.float32)
-
     def test_rope_offset_in_model(self):
-        model = tiny_model("llama", head_dim=self.head_dim, hidden_size=2 * self.head_dim)
+        model = conformance_model(self.head_dim)
         prompt = mx.random.randint(0, 512, (1, 70), key=mx.random.key(4))
         steps = mx.random.randint(0, 512, (12,), key=mx.random.key(5))
-        ref = self._decode_logits(model, [KVCache() for _ in model.layers], prompt, steps)
+        ref = decode_logits(model, [KVCache() for _ in model.layers], steps, prompt)
         caches = make_cache(model, self.make_precise())
         with routed(model):
-            got = self._decode_logits(model, caches, prompt, steps)
+            got = decode_logits(model, caches, steps, prompt)
         assert all(c.offset == 82 for c in caches)
         cos = mx.sum(ref * got, -1) / (mx.linalg.norm(ref, axis=-1) * mx.linalg.norm(got, axis=-1))
         assert float(mx.min(cos).item()) > self.model_logit_cosine
@@ -291,25 +370,25 @@ class CacheConformance:
             model(prompt, cache=shifted)
             for c in shifted:
                 c.offset += 1
-            bad = self._decode_logits(model, shifted, prompt[:, -1:], steps)
+            bad = decode_logits(model, shifted, steps, prompt[:, -1:])
         cos_bad = mx.sum(ref[1:] * bad[1:], -1) / (
             mx.linalg.norm(ref[1:], axis=-1) * mx.linalg.norm(bad[1:], axis=-1)
         )
         assert float(mx.min(cos_bad).item()) < float(mx.min(cos).item())
 
     def test_routed_equals_unrouted(self):
-        model = tiny_model("llama", head_dim=self.head_dim, hidden_size=2 * self.head_dim)
+        model = conformance_model(self.head_dim)
         prompt = mx.random.randint(0, 512, (1, 40), key=mx.random.key(6))
         steps = mx.random.randint(0, 512, (6,), key=mx.random.key(7))
         with routed(model):
-            a = self._decode_logits(model, make_cache(model, self.make()), prompt, steps)
-        b = self._decode_logits(model, make_cache(model, self.make()), prompt, steps)
+            a = decode_logits(model, make_cache(model, self.make()), steps, prompt)
+        b = decode_logits(model, make_cache(model, self.make()), steps, prompt)
         assert rel_error(a, b) < 2e-2
 
     def test_greedy_tokens_match_fp16(self):
         if not self.same_greedy_tokens:
             pytest.skip("no greedy-token claim for this method")
-        model = tiny_model("llama", head_dim=self.head_dim, hidden_size=2 * self.head_dim)
+        model = conformance_model(self.head_dim)
         prompt = mx.random.randint(0, 512, (1, 48), key=mx.random.key(8))
         ref, got, ties = greedy_agreement(
             model, prompt, self.make_precise(), self.same_greedy_tokens
@@ -318,7 +397,7 @@ class CacheConformance:
         assert all(a == b or t for a, b, t in zip(ref, got, ties)), (ref, got)
 
     def test_generate_runs(self):
-        model = tiny_model("llama", head_dim=self.head_dim, hidden_size=2 * self.head_dim)
+        model = conformance_model(self.head_dim)
         caches = make_cache(model, self.make())
         text = generate(model, tiny_tokenizer(), "def add(a, b):", cache=caches, max_tokens=6)
         assert isinstance(text, str)
@@ -327,11 +406,11 @@ class CacheConformance:
     # -- batches -------------------------------------------------------------------------------
     def test_batch(self):
         k, v = kv_data(b=2, t=140, d=self.head_dim)
-        batched = _fill(self.make(), k, v)
+        batched = feed(self.make(), k, v)
         q = mx.random.normal((2, 4, 1, self.head_dim), key=mx.random.key(9)).astype(mx.float16)
         out = batched.attend(q, scale=0.1)
         for i in range(2):
-            single = _fill(self.make(), k[i : i + 1], v[i : i + 1])
+            single = feed(self.make(), k[i : i + 1], v[i : i + 1])
             ref = single.attend(q[i : i + 1], scale=0.1)
             assert rel_error(out[i : i + 1], ref) < 1e-2
         one = batched.extract(1)
@@ -343,7 +422,7 @@ class CacheConformance:
         own single-sequence run with the same prefill chunks."""
         from mlx_lm.generate import batch_generate, generate_step
 
-        model = tiny_model("llama", head_dim=self.head_dim, hidden_size=2 * self.head_dim)
+        model = conformance_model(self.head_dim)
         tok = tiny_tokenizer()
         prompts = [
             mx.random.randint(0, 512, (n,), key=mx.random.key(20 + n)).tolist()
@@ -385,7 +464,7 @@ class CacheConformance:
         if self.attention_error is None:
             pytest.skip("evicting settings: no fp16 reference over all tokens")
         k, v = kv_data(t=512, d=self.head_dim)
-        c = _fill(self.make(), k, v, chunks=(300, 1, 1, 210))
+        c = feed(self.make(), k, v, chunks=(300, 1, 1, 210))
         q = (
             mx.random.normal((1, 4, 1, self.head_dim), key=mx.random.key(10)) + k[:, :1, -1:] / 4
         ).astype(mx.float16)
@@ -398,7 +477,7 @@ class CacheConformance:
     def test_attend_matches_decoded(self):
         """Compressed-domain attention equals SDPA over the cache's own decoded tokens."""
         k, v = kv_data(t=300, d=self.head_dim)
-        c = _fill(self.make(), k, v)
+        c = feed(self.make(), k, v)
         kk, vv = c.keys_and_values()
         scale = 1 / math.sqrt(self.head_dim)
         for lq, mask in ((1, None), (3, "causal")):
@@ -427,6 +506,28 @@ class CacheConformance:
         with pytest.raises(ValueError):
             c.update_and_fetch(k[:, :1], v[:, :1])  # head count changed
         assert c.offset == 8
+
+    def shared_bad_settings(self, cls: type) -> list[tuple[dict[str, Any], str]]:
+        """The bad settings every class of this kind refuses, as ``(settings, match)``: by
+        default those of :data:`SHARED_BAD` whose parameters ``cls`` has."""
+        if hasattr(cls, "defaults"):
+            names = set(cls.defaults()) | {"no_such_parameter"}
+        else:
+            names = set(inspect.signature(cls).parameters) | {"no_such_parameter"}
+        return [(bad, m) for bad, m in SHARED_BAD if set(bad) <= names]
+
+    def test_bad_settings(self):
+        """The class refuses each of ``bad_settings`` and of :meth:`shared_bad_settings`."""
+        cls = type(self.make())
+        for bad in [*self.shared_bad_settings(cls), *self.bad_settings]:
+            settings, match = bad if isinstance(bad, tuple) else (bad, None)
+            try:
+                cls(**settings)
+            except (ValueError, TypeError) as e:
+                if match is not None and not re.search(match, str(e)):
+                    pytest.fail(f"{cls.__name__}(**{settings!r}): {e!r} does not match {match!r}")
+                continue
+            pytest.fail(f"{cls.__name__}(**{settings!r}) was accepted")
 
     def test_dtypes(self):
         for dt in (mx.float16, mx.bfloat16, mx.float32):

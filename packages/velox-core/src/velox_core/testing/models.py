@@ -108,6 +108,12 @@ def tiny_model(
     return model
 
 
+def conformance_model(head_dim: int = 128, **overrides: Any):
+    """The tiny llama of the conformance suite's model-level tests: ``head_dim`` channels per
+    head and hidden size ``2 * head_dim`` (other :func:`tiny_model` settings as given)."""
+    return tiny_model("llama", head_dim=head_dim, hidden_size=2 * head_dim, **overrides)
+
+
 _CORPUS = (
     "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n"
     "        self.x = x\n        self.y = y\n\nfor i in range(10):\n    print(i, add(i, 1))\n"

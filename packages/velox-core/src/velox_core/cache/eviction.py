@@ -1,0 +1,95 @@
+"""``EvictionCache``: the preset of an eviction method, and the settings such presets share.
+
+An eviction preset (StreamingLLM, SnapKV, Q-Filters, NestedKV, Ada-KV) is a
+:class:`~velox_core.cache.VeloxCache` with the method's retention policy, ``sinks`` and a
+``window`` kept as given around the body the policy keeps, and optionally ``Uniform`` codes
+of the kept tokens (:func:`~velox_core.cache.preset.kept_codecs`). Its config subclasses
+:class:`EvictionConfig`, which holds and validates the settings they share, and its package
+registers it with :func:`eviction_method`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ..codec.uniform import Uniform
+from ..registry import Method
+from ..validation import check_counts, check_int
+from .preset import PresetCache, check_kept_codes, kept_codecs
+
+__all__ = ["EvictionCache", "EvictionConfig", "eviction_method"]
+
+# what ``velox bench`` runs by default: the kept tokens in fp16, and in 4-bit codes
+RECOMMENDED = ({"budget": 1024}, {"budget": 1024, "bits": 4})
+
+
+@dataclass
+class EvictionConfig:
+    """The settings every eviction preset shares. A method's config subclasses it, adds its
+    own fields (after these) and declares a shared field again to give it its own default.
+
+    Attributes:
+        budget: tokens kept per KV head: the sinks, the body the policy keeps and the window.
+        sinks: first tokens always kept, as given (attention sinks).
+        window: most recent tokens always kept, as given (fp16 when ``bits`` is set).
+        every: during decode, evict again once ``budget`` is exceeded by ``every`` tokens
+            (None, where :attr:`every_none` allows it: evict only after prefill chunks).
+        bits, key_bits, value_bits: code the kept tokens with ``velox_core.Uniform`` at these
+            widths (None keeps them in fp16, as the papers do).
+        group: group size of those codes.
+    """
+
+    every_none: ClassVar[bool] = True  # whether ``every=None`` is allowed
+
+    budget: int = 1024
+    sinks: int = 0
+    window: int = 0
+    every: int | None = None
+    bits: int | None = None
+    key_bits: int | None = None
+    value_bits: int | None = None
+    group: int = 64
+
+    def __post_init__(self):
+        check_int("budget", self.budget, minimum=1)
+        check_counts(self, "sinks", "window")
+        if self.every is not None or not self.every_none:
+            check_int("every", self.every, minimum=1)
+        check_kept_codes(self)
+        if self.budget <= self.sinks + self.window:
+            raise ValueError(
+                f"budget={self.budget} must exceed sinks + window = {self.sinks + self.window} "
+                "(those tokens are always kept)"
+            )
+
+
+class EvictionCache(PresetCache):
+    """Base of the eviction presets: ``Policy`` built from the config fields named in
+    ``policy_params``, the config's ``sinks`` and ``window``, and the kept tokens' codecs."""
+
+    Policy: ClassVar[type]
+    policy_params: ClassVar[tuple[str, ...]] = ("budget", "every")
+
+    def build(self, cfg: Any) -> dict[str, Any]:
+        policy = self.Policy(**{name: getattr(cfg, name) for name in self.policy_params})
+        return {**kept_codecs(cfg), "policy": policy}
+
+
+def eviction_method(
+    cache_class: type[EvictionCache],
+    summary: str,
+    paper: str,
+    recommended: tuple[dict[str, Any], ...] = RECOMMENDED,
+) -> Method:
+    """The registration (``METHOD``) of an eviction preset: named after its cache class, it
+    brings the class's policy and the ``Uniform`` codes of the kept tokens."""
+    return Method(
+        name=cache_class.method,
+        cache_class=cache_class,
+        summary=summary,
+        paper=paper,
+        codecs=(Uniform,),
+        policies=(cache_class.Policy,),
+        recommended=recommended,
+    )
