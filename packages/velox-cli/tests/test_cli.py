@@ -66,6 +66,28 @@ def test_bench_quick_writes_rows_table_and_chart(model_dir, text_file, tmp_path,
     assert "uniform:bits=4" in capsys.readouterr().out
 
 
+def test_bench_in_worker_processes_gives_the_rows_of_one_process(model_dir, text_file, tmp_path):
+    """--jobs 2 measures the specs in two worker processes: every quality, recall and byte
+    figure equals a one-process run's (speeds and peak memory are measurements, not compared),
+    rows keep the order of --methods, and the run records its jobs."""
+    specs = ["fp16", "mlx-q8", "uniform:bits=2", "snapkv:budget=128"]
+    got = {}
+    for jobs in (1, 2):
+        out = tmp_path / f"rows{jobs}.json"
+        argv = ["bench", "--model", model_dir, "--data", text_file, "--context", "256"]
+        argv += ["--samples", "2", "--continuation", "8", "--methods", *specs]
+        assert main([*argv, "--jobs", str(jobs), "--json", str(out), "--chart", ""]) == 0
+        got[jobs] = json.loads(out.read_text())
+    for jobs, rows in got.items():
+        assert [r["spec"] for r in rows] == specs
+        assert all(r["error"] is None and r["peak_memory"] > 0 for r in rows)
+        assert rows[0]["run"]["jobs"] == jobs
+    keys = ("kl", "top1", "ppl", "retrieval", "cache_bytes", "tokens", "compression_ratio")
+    for a, b in zip(got[1], got[2]):
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, a["spec"]
+    assert got[1][2]["kl"] > 0  # the compared figures are not trivially equal
+
+
 @pytest.mark.parametrize(
     "argv,needle",
     [
@@ -79,6 +101,7 @@ def test_bench_quick_writes_rows_table_and_chart(model_dir, text_file, tmp_path,
         (["generate", "--temp", "-1"], "--temp"),
         (["fit", "nosuch", "--model", "x"], "no fitter for 'nosuch'"),
         (["bench", "--frobnicate"], "unrecognized arguments"),
+        (["bench", "--jobs", "-1"], "--jobs"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(argv, needle, capsys):

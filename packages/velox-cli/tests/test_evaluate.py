@@ -39,6 +39,41 @@ def test_fp16_against_itself_has_zero_kl_and_full_agreement():
     assert row.tokens == 96 + 12 - 1 and row.bytes_per_token > 0
 
 
+def test_the_reference_run_fills_the_fp16_row_as_a_second_run_would():
+    s = samples()
+    make = lambda: make_cache(MODEL, None)  # noqa: E731
+    own = Row("fp16", "fp16", {}, 96)
+    ref = reference_run(MODEL, make, s, row=own)
+    again = Row("fp16", "fp16", {}, 96)
+    decode_quality(MODEL, make, s, ref, again)
+    assert own.kl == 0.0 and own.top1 == 1.0 and own.compression_ratio == 1.0
+    assert own.ppl == pytest.approx(again.ppl, rel=1e-6) and 1 < own.ppl < float("inf")
+    for k in ("cache_bytes", "tokens", "bytes_per_token", "nonfinite_steps", "nonfinite_layers"):
+        assert getattr(own, k) == getattr(again, k), k
+    assert own.prefill_tps > 0 and own.decode_tps > 0 and own.prefill_peak_memory > 0
+    assert ref.cache_bytes == own.cache_bytes and ref.tokens == own.tokens == 96 + 12 - 1
+
+
+def test_jobs_follow_cores_backend_and_memory(monkeypatch):
+    import velox_cli.bench as bench
+
+    monkeypatch.setattr(bench, "backend", lambda: "cpu")
+    monkeypatch.setattr(bench, "_usable_cpus", lambda: 4)
+    monkeypatch.setattr(bench, "_available_memory", lambda: None)
+    assert bench.auto_jobs(10) == 4 and bench.auto_jobs(3) == 3 and bench.auto_jobs(0) == 1
+    # each job is counted at 4x the weights plus its own overhead
+    per_job = 4 * 2**30 + bench.WORKER_OVERHEAD
+    monkeypatch.setattr(bench, "_available_memory", lambda: 2 * per_job + 1)
+    assert bench.auto_jobs(10, weight_bytes=2**30) == 2
+    monkeypatch.setattr(bench, "_available_memory", lambda: 100)
+    assert bench.auto_jobs(10, weight_bytes=2**30) == 1
+    monkeypatch.setattr(bench, "_available_memory", lambda: None)
+    monkeypatch.setattr(bench, "backend", lambda: "gpu")
+    assert bench.auto_jobs(10) == 1
+    with pytest.raises(ValueError, match="jobs"):
+        bench.run_bench([], None, None, bench.BenchSettings(jobs=-2))
+
+
 def test_kl_grows_as_bits_fall_and_bytes_are_measured():
     s = samples(3)
     ref = reference_run(MODEL, lambda: make_cache(MODEL, None), s)

@@ -1,17 +1,29 @@
 """``velox bench``: every spec on one model, offline, in one run.
 
 The fp16 run comes first (its distributions are the reference for KL and top-1, its bytes the
-reference for compression); then each spec runs the same samples and recall prompts. Results
-are printed as a table, optionally written as JSON rows and drawn as a PNG chart of quality
-(KL) against memory (bytes per token).
+reference for compression, and its own measurements the fp16 row's); then each spec runs the
+same samples and recall prompts. Results are printed as a table, optionally written as JSON
+rows and drawn as a PNG chart of quality (KL) against memory (bytes per token).
+
+On a CPU backend the specs run in ``jobs`` worker processes at once (default: one per CPU core
+this process may use, fewer where memory would not hold that many copies of the model), each
+loading the model once and measuring whole specs; the rows are the same as one process's
+(each spec's caches, samples and prompts are its own), their speeds are measured beside the
+other jobs. ``jobs=1`` measures every spec in this process, one after another.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import multiprocessing
+import os
 import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -23,26 +35,28 @@ from .data import find_shared, load_text, recall_prompts, token_stream
 from .evaluate import Row, decode_quality, reference_run, retrieval
 from .specs import Spec, build_caches
 
-__all__ = ["DEPTHS", "BenchSettings", "load_model", "run_bench"]
+__all__ = ["DEPTHS", "BenchSettings", "auto_jobs", "load_model", "run_bench"]
 
 DEPTHS = (0.1, 0.5, 0.9)  # where the recalled definition sits in the context
 
 
 @dataclass
 class BenchSettings:
-    """How much to measure. ``quick`` shrinks everything for a smoke run."""
+    """How much to measure. ``quick`` shrinks everything for a smoke run. ``jobs``: worker
+    processes measuring specs at once (0: :func:`auto_jobs`; 1: all in this process)."""
 
     context: int = 2048
-    samples: int = 2
-    continuation: int = 24
+    samples: int = 1
+    continuation: int = 32
     recall_trials: int = 1
     chunk: int = 512
     quick: bool = False
+    jobs: int = 1
 
     def resolved(self) -> BenchSettings:
         if not self.quick:
             return self
-        return BenchSettings(min(self.context, 1024), 1, 16, 1, self.chunk, True)
+        return BenchSettings(min(self.context, 1024), 1, 16, 1, self.chunk, True, self.jobs)
 
     def recall_lengths(self) -> list[int]:
         return [self.context]
@@ -85,6 +99,41 @@ def load_model(path: str | None):
     return model, tokenizer, store, path
 
 
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory available to new processes (Linux ``MemAvailable``), None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+WORKER_OVERHEAD = 512 * 2**20  # a worker's own memory beside the weights (imports, caches)
+
+
+def auto_jobs(specs: int, weight_bytes: int = 0) -> int:
+    """Worker processes for ``specs`` specs: one per usable CPU core on MLX's CPU backend (a
+    GPU is one device: 1), at most one per spec, and no more than available memory holds at
+    four times the weights' bytes plus :data:`WORKER_OVERHEAD` each."""
+    if backend() != "cpu":
+        return 1
+    jobs = min(_usable_cpus(), max(specs, 1))
+    avail = _available_memory()
+    if avail is not None:
+        jobs = min(jobs, avail // (4 * weight_bytes + WORKER_OVERHEAD))
+    return max(1, jobs)
+
+
 def _params(model):
     from mlx.utils import tree_flatten
 
@@ -107,6 +156,65 @@ def _samples(stream: np.ndarray, s: BenchSettings) -> list[tuple[list[int], list
     ]
 
 
+def _measure(spec: Spec, w: dict[str, Any], ref, quality: Row | None) -> Row:
+    """One spec's row on the bench's model and data ``w``. ``quality``: the fp16 row that the
+    reference run already filled (only its recall is left to measure); otherwise the samples
+    run first. A method that raises gets its error in the row, not the run's end."""
+    s = w["settings"]
+    row = (
+        quality if quality is not None else Row(spec.text, spec.name, dict(spec.params), s.context)
+    )
+    model, store = w["model"], w["store"]
+    make = lambda: build_caches(spec, model, store)  # noqa: E731
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    try:
+        if quality is None:
+            decode_quality(model, make, w["samples"], ref, row, s.chunk)
+        row.retrieval, row.retrieval_by_length = retrieval(
+            model, w["tokenizer"], make, w["prompts"], s.chunk
+        )
+    except Exception as e:  # one broken method must not lose the others' results
+        row.error = f"{type(e).__name__}: {e}"
+    row.peak_memory = max(row.peak_memory, int(mx.get_peak_memory()))
+    return row
+
+
+_WORKER: dict[str, Any] = {}  # a worker process's model, tokenizer, samples and prompts
+
+
+def _workspace(model, tokenizer, store, samples, prompts, settings: BenchSettings) -> dict:
+    """What measuring a spec reads: the model, its data and the settings."""
+    return {
+        "model": model,
+        "tokenizer": tokenizer,
+        "store": store,
+        "samples": samples,
+        "prompts": prompts,
+        "settings": settings,
+    }
+
+
+def _worker_init(path: str, samples, prompts, settings: BenchSettings) -> None:
+    model, tokenizer, store, _ = load_model(path)
+    _WORKER.update(_workspace(model, tokenizer, store, samples, prompts, settings))
+
+
+def _worker_ready() -> int:
+    return os.getpid()
+
+
+def _worker_measure(spec: Spec, ref, quality: Row | None) -> tuple[Row, float]:
+    t0 = time.perf_counter()
+    row = _measure(spec, _WORKER, ref, quality)
+    return row, time.perf_counter() - t0
+
+
+def _fp16_quality(spec: Spec, fp16: Row | None) -> Row | None:
+    """The reference run's fp16 row for a plain ``fp16`` spec (a copy each), else None."""
+    return copy.deepcopy(fp16) if fp16 is not None and spec.name == "fp16" else None
+
+
 def run_bench(
     specs: list[Spec],
     model_path: str | None,
@@ -121,6 +229,8 @@ def run_bench(
     (:mod:`velox_cli.transfer_row`) after the specs'; both are checked before any row runs.
     """
     s = settings.resolved()
+    if s.jobs < 0:
+        raise ValueError(f"jobs must be 0 (one per CPU core) or a positive count, got {s.jobs}")
     model, tokenizer, store, path = load_model(model_path)
     xfer = None
     if transfer is not None:
@@ -131,28 +241,45 @@ def run_bench(
     samples = _samples(stream, s)
     prompts = recall_prompts(tokenizer, stream, s.recall_lengths(), DEPTHS, s.recall_trials)
     tick = progress or (lambda desc, n=1: None)
-    tick("fp16 reference", 0)
-    ref = reference_run(
-        model, lambda: build_caches(Spec("fp16", "fp16"), model, store), samples, s.chunk
-    )
-    rows = []
-    for spec in specs:
-        tick(spec.text, 0)
-        row = Row(spec.text, spec.name, dict(spec.params), s.context)
-        make = lambda spec=spec: build_caches(spec, model, store)  # noqa: E731
+    weights = sum(v.nbytes for _, v in _params(model))
+    jobs = min(s.jobs or auto_jobs(len(specs), weights), max(len(specs), 1))
+    w = _workspace(model, tokenizer, store, samples, prompts, s)
+    pool = None
+    if jobs > 1:  # workers start (import, load the model) while the reference runs here
+        pool = ProcessPoolExecutor(
+            jobs,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_worker_init,
+            initargs=(str(path), samples, prompts, s),
+        )
+        for _ in range(jobs):
+            pool.submit(_worker_ready)
+    try:
+        tick("fp16 reference", 0)
+        fp16 = Row("fp16", "fp16", {}, s.context) if any(x.name == "fp16" for x in specs) else None
         mx.clear_cache()
         mx.reset_peak_memory()
-        t0 = time.perf_counter()
-        try:
-            decode_quality(model, make, samples, ref, row, s.chunk)
-            row.retrieval, row.retrieval_by_length = retrieval(
-                model, tokenizer, make, prompts, s.chunk
-            )
-        except Exception as e:  # one broken method must not lose the others' results
-            row.error = f"{type(e).__name__}: {e}"
-        row.peak_memory = int(mx.get_peak_memory())
-        rows.append(row)
-        tick(f"{spec.text} ({time.perf_counter() - t0:.0f}s)", 1)
+        ref = reference_run(
+            model,
+            lambda: build_caches(Spec("fp16", "fp16"), model, store),
+            samples,
+            s.chunk,
+            row=fp16,
+        )
+        if fp16 is not None:
+            fp16.peak_memory = int(mx.get_peak_memory())
+        if pool is None:
+            rows = []
+            for spec in specs:
+                tick(spec.text, 0)
+                t0 = time.perf_counter()
+                rows.append(_measure(spec, w, ref, _fp16_quality(spec, fp16)))
+                tick(f"{spec.text} ({time.perf_counter() - t0:.0f}s)", 1)
+        else:
+            rows = _measure_in(pool, jobs, specs, ref, fp16, s.context, tick)
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
     if xfer is not None:
         tick(xfer.spec, 0)
         t0 = time.perf_counter()
@@ -173,10 +300,38 @@ def run_bench(
         "fp16_tokens": ref.tokens,
         "data": data or "shared/data/heldout.jsonl.gz",
         "blas": active_blas(),
+        "jobs": jobs,
     }
     if xfer is not None:
         info["transfer"] = xfer.describe()
     return rows, info
+
+
+def _measure_in(
+    pool, jobs: int, specs: list[Spec], ref, fp16: Row | None, context: int, tick
+) -> list[Row]:
+    """Every spec's row measured by the worker processes of ``pool``, in the order of
+    ``specs``. A worker that dies (a crash in native code) leaves an error in the rows of the
+    specs that were still to measure."""
+    tick(f"{len(specs)} specs in {jobs} worker processes", 0)
+    todo = {
+        pool.submit(_worker_measure, spec, ref, _fp16_quality(spec, fp16)): i
+        for i, spec in enumerate(specs)
+    }
+    rows: list[Row | None] = [None] * len(specs)
+    while todo:
+        done, _ = wait(todo, return_when=FIRST_COMPLETED)
+        for f in done:
+            i = todo.pop(f)
+            spec = specs[i]
+            try:
+                rows[i], secs = f.result()
+            except BrokenProcessPool as e:
+                rows[i] = Row(spec.text, spec.name, dict(spec.params), context)
+                rows[i].error = f"the worker process measuring it died ({e})"
+                secs = 0.0
+            tick(f"{spec.text} ({secs:.0f}s)", 1)
+    return rows
 
 
 def write_json(path: str, rows: list[Row], info: dict) -> None:

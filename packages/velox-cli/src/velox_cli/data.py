@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from velox_core.artifacts import token_stream
+
 __all__ = ["RecallPrompt", "find_shared", "load_text", "recall_prompts", "token_stream"]
 
 _FALLBACK_WORDS = (
@@ -95,17 +97,6 @@ def load_text(data: str | None) -> list[str]:
         )
     with gzip.open(path, "rt", encoding="utf-8") as f:
         return [json.loads(line)["text"] for line in f if line.strip()]
-
-
-def token_stream(tokenizer, docs: list[str]) -> np.ndarray:
-    """All documents tokenized and joined (each followed by the EOS token when there is one)."""
-    eos = getattr(tokenizer, "eos_token_id", None)
-    out: list[int] = []
-    for d in docs:
-        out.extend(tokenizer.encode(d, add_special_tokens=False))
-        if eos is not None:
-            out.append(int(eos))
-    return np.asarray(out, dtype=np.int32)
 
 
 def _words(tokenizer) -> list[str]:

@@ -128,17 +128,33 @@ def _run_sample(model, caches, prefix, cont, chunk) -> tuple[np.ndarray, float, 
     return lp, t1 - t0, t2 - t1, peak
 
 
-def reference_run(model, make_caches: Callable[[], list], samples, chunk: int = 512) -> Reference:
-    """The fp16 run every other spec is compared with."""
-    lps, nbytes, tokens = [], 0, 0
+def reference_run(
+    model, make_caches: Callable[[], list], samples, chunk: int = 512, row: Row | None = None
+) -> Reference:
+    """The fp16 run every other spec is compared with.
+
+    ``row``, when given, is filled from this same run as :func:`decode_quality` would fill it
+    (KL 0 and top-1 1 by construction; perplexity, bytes, memory and speeds measured), so the
+    fp16 spec does not run the samples a second time.
+    """
+    ref = Reference([], 0, 0)
+    tally = None
     for i, (prefix, cont) in enumerate(samples):
         caches = make_caches()
-        lp, _, _, _ = _run_sample(model, caches, prefix, cont, chunk)
-        lps.append(lp)
+        lp, tp, td, peak = _run_sample(model, caches, prefix, cont, chunk)
+        ref.logprobs.append(lp)
         if i == 0:
-            nbytes = sum(c.nbytes for c in caches)
-            tokens = caches[0].offset
-    return Reference(lps, nbytes, tokens)
+            ref.cache_bytes = int(sum(c.nbytes for c in caches))
+            ref.tokens = int(caches[0].offset)
+            if row is not None:
+                tally = Tally(row, ref)
+                tally.first(caches, peak)
+        if tally is not None:
+            tally.add(i, lp, prefix, cont, tp, td)
+        del caches
+    if tally is not None:
+        tally.finish()
+    return ref
 
 
 class Tally:
@@ -217,23 +233,43 @@ def nonfinite_layers(caches: list) -> int:
     return sum(not ok for ok in mx.stack(flags).tolist()) if flags else 0
 
 
-def retrieval(
-    model, tokenizer, make_caches: Callable[[], list], prompts: list[RecallPrompt], chunk: int = 512
+def greedy(model, caches: list, logits: mx.array, n: int) -> list[int]:
+    """``n`` greedy tokens, the first from ``logits``, each fed back (run inside ``routed``).
+
+    Shapes: logits ``(1, V)``.
+    """
+    out = []
+    for _ in range(n):
+        y = mx.argmax(logits, axis=-1)
+        out.append(int(y.item()))
+        logits = model(y[:, None], cache=caches)[:, -1]
+    return out
+
+
+def recall_accuracy(
+    prompts: list[RecallPrompt], tokenizer, answer: Callable[[RecallPrompt], list[int]]
 ) -> tuple[float, dict[str, float]]:
-    """Exact-match accuracy of greedy answers to recall prompts (overall and per length)."""
+    """Exact-match accuracy of ``answer(prompt)`` (token ids) over recall prompts, overall and
+    per prompt length."""
     hits: dict[int, list[bool]] = {}
     for p in prompts:
-        caches = make_caches()
-        with routed(model):
-            logits = prefill(model, caches, p.tokens, chunk)
-            out = []
-            for _ in range(p.answer_tokens):
-                y = mx.argmax(logits, axis=-1)
-                out.append(int(y.item()))
-                logits = model(y[:, None], cache=caches)[:, -1]
-        hits.setdefault(p.length, []).append(p.correct(tokenizer.decode(out)))
+        hits.setdefault(p.length, []).append(p.correct(tokenizer.decode(answer(p))))
     flat = [h for v in hits.values() for h in v]
     return (
         sum(flat) / len(flat) if flat else float("nan"),
         {str(k): sum(v) / len(v) for k, v in sorted(hits.items())},
     )
+
+
+def retrieval(
+    model, tokenizer, make_caches: Callable[[], list], prompts: list[RecallPrompt], chunk: int = 512
+) -> tuple[float, dict[str, float]]:
+    """Exact-match accuracy of greedy answers to recall prompts (overall and per length)."""
+
+    def answer(p: RecallPrompt) -> list[int]:
+        caches = make_caches()
+        with routed(model):
+            logits = prefill(model, caches, p.tokens, chunk)
+            return greedy(model, caches, logits, p.answer_tokens)
+
+    return recall_accuracy(prompts, tokenizer, answer)

@@ -1,7 +1,7 @@
 """The ``velox`` command.
 
     velox bench [--model PATH] [--methods SPEC ...] [--context N] [--data FILE] [--quick]
-                [--json PATH] [--transfer-mapper DIR --transfer-source MODEL]
+                [--jobs N] [--json PATH] [--transfer-mapper DIR --transfer-source MODEL]
     velox generate --method SPEC [--model PATH] [--prompt TEXT] [--max-tokens N]
     velox methods [--json]
     velox inspect FILE
@@ -47,9 +47,9 @@ def _parser() -> argparse.ArgumentParser:
         "(default: baselines + every installed method at its recommended settings)",
     )
     b.add_argument("--context", type=int, default=2048, help="prefix tokens (default 2048)")
-    b.add_argument("--samples", type=int, default=2, help="quality samples (default 2)")
+    b.add_argument("--samples", type=int, default=1, help="quality samples (default 1)")
     b.add_argument(
-        "--continuation", type=int, default=24, help="decode steps per sample (default 24)"
+        "--continuation", type=int, default=32, help="decode steps per sample (default 32)"
     )
     b.add_argument(
         "--recall-trials",
@@ -60,6 +60,14 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--chunk", type=int, default=512, help="prefill chunk size (default 512)")
     b.add_argument("--data", help="evaluate on this text file (or .jsonl[.gz] of {'text': ...})")
     b.add_argument("--quick", action="store_true", help="a small, fast run")
+    b.add_argument(
+        "--jobs",
+        type=int,
+        default=0,
+        help="specs measured at once, each in a worker process (default 0: one per CPU core on "
+        "MLX's CPU backend, 1 on a GPU; 1 measures every spec alone, for speeds without "
+        "neighbours)",
+    )
     b.add_argument("--json", dest="json_path", metavar="PATH", help="write the rows as JSON")
     b.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown")
     b.add_argument("--chart", default="velox-bench.png", help="PNG chart path ('' for none)")
@@ -117,7 +125,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .bench import DEPTHS, BenchSettings, run_bench, write_json
+    from .bench import DEPTHS, BenchSettings, auto_jobs, run_bench, write_json
     from .blas import active_blas
     from .chart import chart
     from .report import markdown, table
@@ -125,21 +133,25 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
     for name in ("context", "samples", "continuation", "recall_trials", "chunk"):
         _positive("--" + name.replace("_", "-"), getattr(a, name))
+    if a.jobs < 0:
+        raise ValueError(f"--jobs must be 0 (one per CPU core) or a positive count, got {a.jobs}")
     if (a.transfer_mapper is None) != (a.transfer_source is None):
         raise ValueError("--transfer-mapper and --transfer-source go together: give both")
     transfer = (a.transfer_mapper, a.transfer_source) if a.transfer_mapper else None
     specs = [parse(t) for t in a.methods] if a.methods else default_specs()
     settings = BenchSettings(
-        a.context, a.samples, a.continuation, a.recall_trials, a.chunk, a.quick
+        a.context, a.samples, a.continuation, a.recall_trials, a.chunk, a.quick, a.jobs
     )
     console = Console(width=max(150, Console().width))
     s = settings.resolved()
     what = "as given" if a.methods else "baselines + every installed method's recommended"
     recall = len(DEPTHS) * s.recall_trials
+    jobs = min(s.jobs, len(specs)) if s.jobs else f"up to {auto_jobs(len(specs))}"
     console.print(  # what this run measures, before it starts
         f"velox bench: {len(specs)} specs ({what}) and the fp16 reference | context {s.context}"
-        f" | {s.samples} samples x {s.continuation} decode steps | {recall} recall prompts"
-        f" | chunk {s.chunk} | BLAS: {active_blas()}",
+        f" | {s.samples} sample{'s' * (s.samples != 1)} x {s.continuation} decode steps"
+        f" | {recall} recall prompts"
+        f" | chunk {s.chunk} | BLAS: {active_blas()} | {jobs} jobs",
         highlight=False,
     )
     with Progress(

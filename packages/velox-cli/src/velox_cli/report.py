@@ -33,6 +33,12 @@ TRANSFER_NOTE = (
 )
 
 
+JOBS_NOTE = (
+    "{jobs} specs measured at once, each in a worker process: speeds are beside the others' "
+    "(--jobs 1 measures each spec alone)"
+)
+
+
 def _cells(r: Row) -> list[str]:
     if r.error:
         return [r.spec, "error: " + r.error[:60], *[""] * (len(COLUMNS) - 2)]
@@ -75,8 +81,13 @@ def table(rows: list[Row], info: dict) -> Table:
         t.add_column(c, justify="left" if c == "spec" else "right")
     for r in rows:
         t.add_row(*_cells(r))
+    notes = []
+    if info.get("jobs", 1) > 1:
+        notes.append(JOBS_NOTE.format(jobs=info["jobs"]))
     if "transfer" in info:
-        t.caption = TRANSFER_NOTE.format(**info["transfer"])
+        notes.append(TRANSFER_NOTE.format(**info["transfer"]))
+    if notes:
+        t.caption = "\n".join(notes)
     return t
 
 

@@ -26,7 +26,7 @@ from mlx_lm.models.cache import KVCache
 
 from velox_core import routed
 
-from .evaluate import Reference, Row, Tally, prefill, teacher_force
+from .evaluate import Reference, Row, Tally, greedy, prefill, recall_accuracy, teacher_force
 from .specs import StoredKVCache
 
 __all__ = ["TransferRow", "open_transfer"]
@@ -107,22 +107,14 @@ class TransferRow:
 
     def _retrieval(self, model, tokenizer, prompts, chunk) -> tuple[float, dict[str, float]]:
         """Exact-match recall decoding from each prompt's transferred cache."""
-        hits: dict[int, list[bool]] = {}
-        for p in prompts:
+
+        def answer(p) -> list[int]:
             caches, _ = self._caches(model, p.tokens, chunk)
             with routed(model):
                 logits = model(mx.array([[int(p.tokens[-1])]]), cache=caches)[:, -1]
-                out = []
-                for _ in range(p.answer_tokens):
-                    y = mx.argmax(logits, axis=-1)
-                    out.append(int(y.item()))
-                    logits = model(y[:, None], cache=caches)[:, -1]
-            hits.setdefault(p.length, []).append(p.correct(tokenizer.decode(out)))
-        flat = [h for v in hits.values() for h in v]
-        return (
-            sum(flat) / len(flat) if flat else float("nan"),
-            {str(k): sum(v) / len(v) for k, v in sorted(hits.items())},
-        )
+                return greedy(model, caches, logits, p.answer_tokens)
+
+        return recall_accuracy(prompts, tokenizer, answer)
 
 
 def open_transfer(
