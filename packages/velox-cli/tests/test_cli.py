@@ -70,7 +70,7 @@ def test_bench_in_worker_processes_gives_the_rows_of_one_process(model_dir, text
     """--jobs 2 measures the specs in two worker processes: every quality, recall and byte
     figure equals a one-process run's (speeds and peak memory are measurements, not compared),
     rows keep the order of --methods, and the run records its jobs."""
-    specs = ["fp16", "mlx-q8", "uniform:bits=2", "snapkv:budget=128"]
+    specs = ["fp16", "mlx-q8", "uniform:bits=2", "uniform:bits=4,group=32"]
     got = {}
     for jobs in (1, 2):
         out = tmp_path / f"rows{jobs}.json"
