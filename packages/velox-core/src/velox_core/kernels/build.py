@@ -14,13 +14,17 @@ body (the signature ``write_signature`` / ``build_kernel`` write in MLX's
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
 from . import get_kernel, kernel_source
+from .config import kernel_config
+from .disk_cache import wrap, write_whole
 
 __all__ = [
     "PROLOGUE",
@@ -149,21 +153,64 @@ class KernelSpec:
             raise ValueError(f"kernel backend must be 'metal' or 'cuda', got {backend!r}")
         return PROLOGUE[backend] + _SILENCE + compact(kernel_source(self.source, self.package))
 
+    def mlx_texts(self, backend: str) -> tuple[str, str]:
+        """(header, body) as handed to MLX: the texts themselves, or on CUDA (with
+        ``KernelConfig.cuda_include``, the default) two ``#include`` lines of files holding
+        them, in ``$XDG_CACHE_HOME`` (or ``~/.cache``) ``/velox/cuda-src``.
+
+        MLX copies a custom kernel's header and body into every call's source and hashes that
+        source on every evaluation (``CustomKernel``): host time per call that grows with the
+        text, 43,000 characters for the tensor-core kernel, in every layer of every step.
+        Included by absolute path, the texts reach NVRTC whole while MLX handles two short
+        lines. The files are named by their content's digest, so a changed text is a new
+        name (and a new module for MLX's caches). The body's line keeps the names of the
+        shape, stride and rank arguments it uses in a comment: MLX declares those arguments
+        for the names it finds in the body text. Without a writable folder, the texts.
+        """
+        header, body = self.header(backend), self.body(backend)
+        if backend != "cuda" or not kernel_config().cuda_include:
+            return header, body
+        used = [
+            f"{n}_{w}"
+            for n in self.inputs
+            for w in ("shape", "strides", "ndim")
+            if f"{n}_{w}" in body
+        ]
+        inner = body.removeprefix(PROLOGUE["cuda"] + _SILENCE)
+        note = f"  // uses {' '.join(used)}\n" if used else ""
+        try:
+            head_file, body_file = _text_file(header, ".cuh"), _text_file(inner, ".inc")
+        except OSError:  # no writable cache folder: MLX takes the texts themselves
+            return header, body
+        return (
+            f'#include "{head_file}"\n',
+            PROLOGUE["cuda"] + _SILENCE + note + f'#include "{body_file}"\n',
+        )
+
     def build(self, backend: str) -> Any:
         """The MLX kernel object for ``backend`` (call it with inputs, grid, template...)."""
+        header, body = self.mlx_texts(backend)
         common = {
             "name": self.name,
             "input_names": list(self.inputs),
             "output_names": list(self.outputs),
-            "source": self.body(backend),
-            "header": self.header(backend),
+            "source": body,
+            "header": header,
             "ensure_row_contiguous": self.row_contiguous,
         }
         if backend == "metal":
             return mx.fast.metal_kernel(**common)
         if backend == "cuda":
-            return mx.fast.cuda_kernel(**common)
+            return wrap(mx.fast.cuda_kernel(**common), self.mlx_source)
         raise ValueError(f"no kernel build for backend {backend!r}")
+
+    def mlx_source(
+        self, inputs: Sequence[Any], output_dtypes: Sequence[Any], template: Sequence[Any] = ()
+    ) -> tuple[str, str]:
+        """The full CUDA source MLX generates for a call with these arguments, and the
+        kernel's name (:func:`cuda_source` of :meth:`mlx_texts`)."""
+        infos = [ArgInfo.of(a) for a in inputs]
+        return cuda_source(self, infos, output_dtypes, template, self.mlx_texts("cuda"))
 
     def kernel(self) -> Any:
         """The kernel for the current backend, built once per process."""
@@ -339,11 +386,13 @@ def cuda_source(
     inputs: Sequence[ArgInfo],
     output_dtypes: Sequence[Any],
     template: Sequence[tuple[str, Any]] = (),
+    texts: tuple[str, str] | None = None,
 ) -> tuple[str, str]:
     """The full CUDA source MLX compiles with NVRTC for ``spec`` (``build_kernel``), and the
-    kernel name."""
+    kernel name. ``texts``: the (header, body) handed to MLX (:meth:`KernelSpec.mlx_texts`;
+    default the spec's full texts)."""
     _check_outputs(spec, output_dtypes)
-    body = spec.body("cuda")
+    header, body = texts if texts is not None else (spec.header("cuda"), spec.body("cuda"))
     infos = _shape_infos(body, spec.inputs)
     thash = ""
     for _, v in template:
@@ -354,7 +403,7 @@ def cuda_source(
         else:
             thash += "_" + _METAL_TYPES[_dtype_name(v)]
     kname = "custom_kernel_" + spec.name + thash
-    src = _CUDA_DEFAULT_HEADER + spec.header("cuda")
+    src = _CUDA_DEFAULT_HEADER + header
     src += "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
     src += f"__global__ void {kname}(\n"
     parts = []
@@ -381,6 +430,19 @@ def cuda_source(
         src += "\n"
     src += body + "\n}\n\n} // namespace mlx::core::cu\n"
     return src, kname
+
+
+def _text_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "velox" / "cuda-src"
+
+
+def _text_file(text: str, suffix: str) -> Path:
+    """``text`` in a file named by its digest (written once, whole, by a rename)."""
+    path = _text_dir() / (hashlib.sha256(text.encode()).hexdigest()[:24] + suffix)
+    if not path.exists() or path.read_text() != text:
+        write_whole(path, text.encode())
+    return path
 
 
 def source_digest(text: str) -> str:

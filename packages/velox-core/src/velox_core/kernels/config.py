@@ -72,6 +72,11 @@ class KernelConfig:
         table_codes: take the portable kernel's table-code (CommVQ) path (off by default: it
             equals the reference in CPU emulation of its Metal and CUDA builds, but not yet
             on an NVIDIA H200, where decode steps through it differ from the reference).
+        disk_cache: on CUDA, compile each kernel into MLX's PTX disk cache, so that later
+            processes load it instead of compiling it (:mod:`velox_core.kernels.disk_cache`).
+        cuda_include: on CUDA, hand MLX each kernel's texts as ``#include`` lines of files
+            holding them, which shortens MLX's work per call
+            (:meth:`velox_core.kernels.build.KernelSpec.mlx_texts`).
     """
 
     enabled: bool = True
@@ -98,6 +103,8 @@ class KernelConfig:
     sketch_mma_bsm: bool | None = None
     sketch_mma_ahead: int | None = None
     table_codes: bool = False
+    disk_cache: bool = True
+    cuda_include: bool = True
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -189,6 +196,8 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     "sketch_mma_bsm": ("VELOX_SKETCH_MMA_BSM", "flag"),
     "sketch_mma_ahead": ("VELOX_SKETCH_MMA_AHEAD", "int"),
     "table_codes": ("VELOX_DECODE_TABLE", "flag"),
+    "disk_cache": ("VELOX_KERNEL_CACHE", "switch"),
+    "cuda_include": ("VELOX_CUDA_INCLUDE", "flag"),
 }
 
 _CURRENT: list[KernelConfig] = []  # the configuration in force (empty until first use)

@@ -11,7 +11,8 @@ What it cannot show is GPU-specific behaviour (memory ordering without barriers,
 Needs a C++17 compiler (``g++``, or ``$CXX``) and a repository checkout (the shim is not
 shipped in wheels). Inputs are numpy arrays, possibly strided views (their strides are passed
 to the kernel like MLX passes ``name_strides``); bfloat16 inputs are given as ``(uint16 array,
-"bfloat16")``.
+"bfloat16")``. The C++ around the kernels (types, file I/O, each case's loads and saves) is in
+:mod:`velox_core.kernels.emulate_io`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,17 @@ from .build import (
     metal_source,
     source_digest,
 )
+from .emulate_io import (
+    CUDA_TYPES,
+    CXX_TYPES,
+    IO_HELPERS,
+    METAL_IDS,
+    NP_TYPES,
+    case_arguments,
+    case_saves,
+    scoped_source,
+    write_input,
+)
 
 __all__ = [
     "CudaEmulator",
@@ -46,34 +58,6 @@ __all__ = [
     "emulated_or_skip",
     "shim_dir",
 ]
-
-_CXX_TYPES = {
-    "float32": "float",
-    "float16": "half",
-    "bfloat16": "bfloat16_t",
-    "uint32": "uint32_t",
-    "int32": "int32_t",
-    "uint16": "uint16_t",
-    "uint8": "uint8_t",
-}
-_NP_TYPES = {
-    "float32": np.float32,
-    "float16": np.float16,
-    "bfloat16": np.uint16,
-    "uint32": np.uint32,
-    "int32": np.int32,
-    "uint16": np.uint16,
-    "uint8": np.uint8,
-}
-_ATTRS = {
-    "thread_index_in_threadgroup": "id.tid",
-    "threads_per_threadgroup": "id.tg_size",
-    "threadgroup_position_in_grid": "id.group",
-    "threadgroups_per_grid": "id.groups",
-    "thread_position_in_grid": "uint3{id.group.x * id.tg_size.x + id.tid, id.group.y, id.group.z}",
-    "thread_index_in_simdgroup": "(id.tid & 31u)",
-    "simdgroup_index_in_threadgroup": "(id.tid >> 5)",
-}
 
 
 def compiler() -> str | None:
@@ -107,85 +91,6 @@ def _name_of(a: Any) -> tuple[np.ndarray, str]:
         return np.asarray(arr), name
     arr = np.asarray(a)
     return arr, str(arr.dtype)
-
-
-def _write_input(path: Path, arr: np.ndarray) -> None:
-    item = arr.itemsize
-    if any(s < 0 for s in arr.strides) or any(s % item for s in arr.strides):
-        arr = np.ascontiguousarray(arr)
-    strides = [s // item for s in arr.strides]
-    span = 0 if arr.size == 0 else 1 + sum((n - 1) * s for n, s in zip(arr.shape, strides))
-    flat = np.lib.stride_tricks.as_strided(arr, shape=(span,), strides=(item,))
-    path.with_suffix(".bin").write_bytes(flat.tobytes())
-    meta = [arr.ndim, *arr.shape, *strides]
-    path.with_suffix(".meta").write_text(" ".join(str(v) for v in meta))
-
-
-# file I/O of the emulator programs: inputs (raw bytes + a .meta of ndim, shape, strides in
-# elements), outputs, and the start of main (the kernel's index on the command line)
-_IO_HELPERS = [
-    "#include <cstring>",
-    "#include <fstream>",
-    "#include <sstream>",
-    "#include <string>",
-    "template <typename T> static std::vector<T> vx_load(const std::string& p) {",
-    "  std::ifstream f(p, std::ios::binary); std::stringstream ss; ss << f.rdbuf();",
-    "  std::string s = ss.str(); std::vector<T> v(s.size() / sizeof(T) + 1);",
-    "  std::memcpy((void*)v.data(), s.data(), s.size()); return v; }",
-    "static void vx_meta(const std::string& p, std::vector<int>& sh, std::vector<int64_t>& st) {",
-    "  std::ifstream f(p); int nd; f >> nd;",
-    "  sh.resize(nd > 0 ? nd : 1); st.resize(nd > 0 ? nd : 1);",
-    "  for (int i = 0; i < nd; ++i) f >> sh[i]; for (int i = 0; i < nd; ++i) f >> st[i]; }",
-    "template <typename T> static void vx_save(const std::string& p, const std::vector<T>& v) {",
-    "  std::ofstream f(p, std::ios::binary); "
-    "f.write(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T)); }",
-    "int main(int argc, char** argv) {",
-    "  if (argc < 3) return 2;",
-    "  const std::string dir = argv[1];",
-    "  const int which = std::atoi(argv[2]);",
-    '  std::ifstream lf(dir + "/launch.meta");',
-]
-
-
-def _arguments(k, used, types: dict[str, str], cuda: bool) -> tuple[list[str], list[str]]:
-    """Lines of an emulator case that load every input and allocate every output, and the
-    kernel call's arguments (shapes and strides as pointers for Metal, as MLX's
-    ``Shape`` / ``Strides`` arrays for CUDA)."""
-    lines, call = [], []
-    for i, (info, (sh, st, nd)) in enumerate(zip(k.infos, used)):
-        lines.append(f'    auto in{i} = vx_load<{types[info.dtype]}>(dir + "/in{i}.bin");')
-        lines.append(f"    std::vector<int> in{i}_sh; std::vector<int64_t> in{i}_st;")
-        lines.append(f'    vx_meta(dir + "/in{i}.meta", in{i}_sh, in{i}_st);')
-        shape, strides = f"in{i}_sh.data()", f"in{i}_st.data()"
-        if cuda:
-            lines.append(
-                f"    mlx::core::cu::Shape a{i}_sh{{}}; mlx::core::cu::Strides a{i}_st{{}};"
-            )
-            lines.append(
-                f"    for (size_t j = 0; j < in{i}_sh.size(); ++j) "
-                f"{{ a{i}_sh[j] = in{i}_sh[j]; a{i}_st[j] = in{i}_st[j]; }}"
-            )
-            shape, strides = f"a{i}_sh", f"a{i}_st"
-        call.append(f"in{i}.data()")
-        if info.ndim > 0:
-            call += [shape] if sh else []
-            call += [strides] if st else []
-            call += [f"(int)in{i}_sh.size()"] if nd else []
-    for i, d in enumerate(k.dnames):
-        lines.append(f"    size_t n{i}; lf >> n{i}; std::vector<{types[d]}> out{i}(n{i});")
-        call.append(f"out{i}.data()")
-    # every output byte set to the launch's fill byte: 0 as MLX's init_value=0 zeroes them,
-    # 255 standing for the uninitialized memory a launch without init_value gets
-    lines.append("    int vx_fill; lf >> vx_fill;")
-    for i, d in enumerate(k.dnames):
-        lines.append(f"    std::memset((void*)out{i}.data(), vx_fill, n{i} * sizeof({types[d]}));")
-    return lines, call
-
-
-def _saves(k) -> list[str]:
-    """The end of an emulator case: every output saved."""
-    lines = [f'    vx_save(dir + "/out{i}.bin", out{i});' for i in range(len(k.dnames))]
-    return [*lines, "    return 0;\n  }"]
 
 
 @dataclass
@@ -256,28 +161,28 @@ class Emulator:
                 elif isinstance(v, int):
                     vals.append(str(v))
                 else:
-                    vals.append(_CXX_TYPES[str(v).replace("mlx.core.", "")])
+                    vals.append(CXX_TYPES[str(v).replace("mlx.core.", "")])
             targs = "<" + ", ".join(vals) + ">"
-        lines, call = _arguments(k, used, _CXX_TYPES, cuda=False)
+        lines, call = case_arguments(k, used, CXX_TYPES, cuda=False)
         lines.insert(0, f"  if (which == {idx}) {{")
         for attr, _ in metal_attributes(body):
-            if attr not in _ATTRS:
+            if attr not in METAL_IDS:
                 raise ValueError(f"emulator: Metal attribute {attr!r} is not emulated")
-            call.append(_ATTRS[attr])
+            call.append(METAL_IDS[attr])
         seq = "true" if k.sequential else "false"
         lines.append(
             f"    vx_emu::run_grid(grid, tg, {seq}, [&](const vx_emu::Ids& id) {{ "
             f"{k.name}{targs}({', '.join(call)}); }});"
         )
-        return lines + _saves(k)
+        return lines + case_saves(k)
 
     def source(self) -> str:
         """The program: every registered Metal instantiation plus a ``main`` that loads the
         inputs, runs the kernel named on the command line over its grid, saves the outputs."""
         lines = ["#define VX_SHIM_EMULATE 1", '#include "metal_shim.h"']
-        lines += [_scoped(k) for k in self._kernels]
+        lines += [scoped_source(k) for k in self._kernels]
         lines += [
-            *_IO_HELPERS,
+            *IO_HELPERS,
             "  uint3 grid, tg; lf >> grid.x >> grid.y >> grid.z >> tg.x >> tg.y >> tg.z;",
         ]
         for idx, k in enumerate(self._kernels):
@@ -338,7 +243,7 @@ class Emulator:
         with tempfile.TemporaryDirectory(dir=self.workdir) as tmp:
             d = Path(tmp)
             for i, (arr, _) in enumerate(arrs):
-                _write_input(d / f"in{i}", arr)
+                write_input(d / f"in{i}", arr)
             sizes = [int(np.prod(s)) for s in output_shapes]
             launch = [*grid, *threadgroup, *sizes, 255 if init is None else 0]
             (d / "launch.meta").write_text(" ".join(str(v) for v in launch))
@@ -351,7 +256,7 @@ class Emulator:
                 )
             outs = []
             for i, (shape, name) in enumerate(zip(output_shapes, k.dnames)):
-                raw = np.fromfile(d / f"out{i}.bin", dtype=_NP_TYPES[name])
+                raw = np.fromfile(d / f"out{i}.bin", dtype=NP_TYPES[name])
                 outs.append(raw.reshape(tuple(shape)))
             return outs
 
@@ -368,7 +273,7 @@ class CudaEmulator(Emulator):
     _small_inputs_differ = False
 
     def _generate(self, spec, infos, dnames, template) -> tuple[str, str]:
-        return cuda_source(spec, infos, dnames, template)
+        return cuda_source(spec, infos, dnames, template, spec.mlx_texts("cuda"))
 
     def _include_dirs(self) -> list[Path]:
         return [shim_dir() / "cuda_emu", shim_dir()]
@@ -376,18 +281,18 @@ class CudaEmulator(Emulator):
     def _case(self, idx: int, k: _Kernel) -> list[str]:
         body = k.spec.body("cuda")
         used = _shape_infos(body, k.spec.inputs)
-        lines, call = _arguments(k, used, _CUDA_EMU_TYPES, cuda=True)
+        lines, call = case_arguments(k, used, CUDA_TYPES, cuda=True)
         lines.insert(0, f"  if (which == {idx}) {{")
         lines.append(
             "    vx_cuemu::launch(blocks, block, [&] { "
             f"mlx::core::cu::{k.name}({', '.join(call)}); }});"
         )
-        return lines + _saves(k)
+        return lines + case_saves(k)
 
     def source(self) -> str:
-        lines = [_scoped(k) for k in self._kernels]
+        lines = [scoped_source(k) for k in self._kernels]
         lines += [
-            *_IO_HELPERS,
+            *IO_HELPERS,
             "  dim3 grid, block;",
             "  lf >> grid.x >> grid.y >> grid.z >> block.x >> block.y >> block.z;",
             "  dim3 blocks{(grid.x + block.x - 1) / block.x, (grid.y + block.y - 1) / block.y,",
@@ -397,25 +302,6 @@ class CudaEmulator(Emulator):
             lines += self._case(idx, k)
         lines.append("  return 3;\n}")
         return "\n".join(lines) + "\n"
-
-
-def _scoped(k: _Kernel) -> str:
-    """A kernel's source for the emulator's one translation unit: its spec's header macros
-    (``KernelSpec.defines``) undefined after it, so they do not reach the kernels that follow
-    (MLX compiles every kernel on its own)."""
-    ends = "".join(f"\n#undef {d.split()[0]}" for d in k.spec.defines)
-    return k.source + ends
-
-
-_CUDA_EMU_TYPES = {
-    "float32": "float",
-    "float16": "__half",
-    "bfloat16": "__nv_bfloat16",
-    "uint32": "uint32_t",
-    "int32": "int32_t",
-    "uint16": "uint16_t",
-    "uint8": "uint8_t",
-}
 
 
 def np_input(a: Any) -> Any:
