@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 from ..validation import check_int
 from .preset import PresetCache
 from .store import PackedStore
-from .velox import _trim_store
+from .tiers import trim_stores
 
 __all__ = ["LayerGroup", "LinkedLayers"]
 
@@ -165,7 +165,7 @@ class LinkedLayers(PresetCache):
         check_int("n", n, minimum=0)
         if n > self.size():
             raise ValueError(f"cannot trim {n} tokens: the cache stores {self.size()}")
-        left = _trim_store(self._win, n)
+        left = trim_stores(self._win, n)
         if left:
             self._trim_shared(left)
         self.offset -= n

@@ -16,30 +16,36 @@ A tier with a ``span`` passes its oldest tokens to the next tier when it holds m
 ``span`` (decoded and re-encoded once, at the next tier's precision). A retention policy, if
 any, then cuts the cache back to its budget. ``offset`` is always the number of tokens seen;
 ``size()`` the number stored.
+
+This module holds the class, its construction and the per-step mlx-lm protocol
+(``update_and_fetch`` with the window's in-place write, ``attend``); the rest is mixed in
+from its siblings: the coded tiers (flushing, segments, trimming) from :mod:`.tiers`, bytes,
+state and copies from :mod:`.state`, the batch rows from :mod:`.rows`, and eviction with
+per-head storage from :mod:`.retention`.
 """
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import mlx.core as mx
 from mlx_lm.models.cache import create_attention_mask
 
-from ..codec.base import Codec, Packed
+from ..codec.base import Codec
 from ..codec.identity import Identity
 from ..routing import is_enabled as is_routed
 from ..validation import FLOAT_DTYPES, check_int, check_kv
-from .attention import Segment, attend, decode_segments
+from .attention import attend, decode_segments
 from .planned import PlannedAttention
 from .retention import RetentionMixin
+from .rows import BatchRowsMixin
+from .state import StateMixin
 from .store import PackedStore
+from .tiers import TierMixin
 
 __all__ = ["Tier", "VeloxCache"]
 
-STATE_VERSION = 1
 FLUSH = 64  # tokens the window passes to the codes at once, by default
 WINDOW_STEP = 16  # the window's growth quantum, in tokens
 
@@ -64,7 +70,7 @@ def _codec(c: Codec | None, name: str) -> Codec:
     return c
 
 
-class VeloxCache(RetentionMixin):
+class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
     """A compressed KV cache for one attention layer.
 
     Args:
@@ -88,10 +94,6 @@ class VeloxCache(RetentionMixin):
             (a ``ValueError`` naming the layer and the positions; nothing is stored). Off by
             default: the check reads the new tokens back, one device sync per layer and step.
     """
-
-    # the batched cache merge() makes: velox_core.cache.batch.VeloxBatch, set by the cache
-    # package when it imports both (the batch module builds on this one, never back)
-    _batch_class: ClassVar[type]
 
     method: ClassVar[str] = "velox"
     # ``flush`` when not given (single tier, no policy); a preset whose calibration watches
@@ -393,111 +395,6 @@ class VeloxCache(RetentionMixin):
         self.offset += t
         return True
 
-    def _direct(self) -> bool:
-        """Whether new tokens go straight into tier 0 (no window, nothing waiting in it, and
-        no calibration hook): the same records as passing through the window, without
-        storing them there first."""
-        return (
-            self.window == 0
-            and self._win[0].tokens == 0
-            and type(self).before_coding is VeloxCache.before_coding
-        )
-
-    def _encode_direct(self, keys: mx.array, values: mx.array, pos0: int) -> int:
-        """Encode the whole codec blocks of ``keys``/``values`` (absolute positions from
-        ``pos0``) into tier 0; returns how many tokens that took (the rest, less than a
-        block, waits in the window)."""
-        first = self.tiers[0]
-        block = _lcm(first.key_codec.block, first.value_codec.block)
-        t = keys.shape[2]
-        n = t // block * block
-        if n == 0:
-            return 0
-        if n < t:
-            keys, values = keys[:, :, :n], values[:, :, :n]
-        pos = mx.arange(pos0, pos0 + n, dtype=mx.int32)
-        self._append_body(
-            first.key_codec.encode(keys, pos), first.value_codec.encode(values, pos), pos
-        )
-        return n
-
-    def before_coding(self) -> bool:
-        """Hook run on every update before window overflow moves into the coded tiers.
-
-        Methods that fit their codecs on stored tokens (calibration) override it: fit from
-        the window when it holds enough tokens and return True, or return False to keep every
-        token in the window for now (nothing moves this update). The default moves at once.
-        """
-        return True
-
-    def _quantum(self) -> int:
-        """Tokens the window passes to tier 0 at once: ``flush`` in whole codec blocks."""
-        first = self.tiers[0]
-        return _lcm(self.flush, _lcm(first.key_codec.block, first.value_codec.block))
-
-    def _flush(self) -> None:
-        """Move window overflow into tier 0 (once it reaches the flush quantum) and tier
-        overflow down the tiers."""
-        if not self.before_coding():
-            return
-        first = self.tiers[0]
-        block = _lcm(first.key_codec.block, first.value_codec.block)
-        over = self._win[0].tokens - self._keep
-        n = over // block * block if over >= self._flush_at else 0
-        if n > 0:
-            pos0 = self.offset - self._win[0].tokens
-            pos = mx.arange(pos0, pos0 + n, dtype=mx.int32)
-            wk, wv = self._win[0].view(), self._win[1].view()
-            self._append_body(
-                first.key_codec.encode(wk.slice(0, n).data["x"], pos),
-                first.value_codec.encode(wv.slice(0, n).data["x"], pos),
-                pos,
-            )
-            self._win[0].drop_front(n)
-            self._win[1].drop_front(n)
-        for i in range(len(self.tiers) - 1):
-            src, dst = self.tiers[i], self.tiers[i + 1]
-            blk = _lcm(
-                _lcm(src.key_codec.block, src.value_codec.block),
-                _lcm(dst.key_codec.block, dst.value_codec.block),
-            )
-            over = self._tier[i][0].tokens - src.span
-            n = over // blk * blk
-            if n <= 0:
-                continue
-            kp = self._tier[i][0].view().slice(0, n)
-            vp = self._tier[i][1].view().slice(0, n)
-            pos0 = self._body_start(i)
-            pos = mx.arange(pos0, pos0 + n, dtype=mx.int32)
-            k = src.key_codec.decode(kp).astype(self._dtype)
-            v = src.value_codec.decode(vp).astype(self._dtype)
-            self._tier[i + 1][0].append(dst.key_codec.encode(k, pos))
-            self._tier[i + 1][1].append(dst.value_codec.encode(v, pos))
-            self._tier[i][0].drop_front(n)
-            self._tier[i][1].drop_front(n)
-
-    def _body_start(self, i: int) -> int:
-        """Absolute position of the oldest token of tier ``i`` (no eviction assumed)."""
-        after = self._win[0].tokens + sum(self._tier[j][0].tokens for j in range(i + 1))
-        return self.offset - after
-
-    def segments(self) -> list[Segment]:
-        """Stored tokens in temporal order, as (codec, record) pairs for keys and values."""
-        if self.ragged:
-            raise ValueError("per-head budgets: segments differ by head (see _head_segments)")
-        out = []
-        pairs = [(self._sink, self._ident, self._ident)]
-        pairs += [
-            (self._tier[i], t.key_codec, t.value_codec)
-            for i, t in reversed(list(enumerate(self.tiers)))
-        ]
-        pairs += [(self._win, self._ident, self._ident)]
-        for (ks, vs), kc, vc in pairs:
-            k = ks.view()
-            if k is not None:
-                out.append(Segment(kc, k, vc, vs.view()))
-        return out
-
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
         """Every stored token decoded, in the input dtype (lazy: costs nothing unless used)."""
         segs = self.segments()
@@ -540,312 +437,9 @@ class VeloxCache(RetentionMixin):
     def empty(self) -> bool:
         return self.size() == 0
 
-    def is_trimmable(self) -> bool:
-        """Whether :meth:`trim` leaves exactly the cache that never stored the trimmed tokens,
-        for any count (mlx-lm asks before speculative decoding and before reusing a longer
-        prompt cache; False makes it refuse or prefill instead).
-
-        True when nothing is evicted (no retention policy), no codec is fitted on the stored
-        tokens (``before_coding``), and every token is either kept as given (no codec) or
-        coded alone the moment it arrives: one tier, ``window=0``,
-        ``flush=1`` and codecs of one token a block (``uniform:bits=4,flush=1``, say).
-        Otherwise a trim past the fp16 tokens would decode coded tokens back into the window,
-        which the cache that never saw the trimmed tokens would hold as given; :meth:`trim`
-        still does that when called.
-        """
-        if self.policy is not None or self.ragged:
-            return False
-        if type(self).before_coding is not VeloxCache.before_coding:
-            return False  # codecs fitted on the stored tokens: a trim cannot undo a fit
-        t = self.tiers[0]
-        if all(isinstance(c, Identity) for x in self.tiers for c in (x.key_codec, x.value_codec)):
-            return True  # nothing is coded: every token stays as given
-        return (
-            len(self.tiers) == 1
-            and self.window == 0
-            and self.flush == 1
-            and t.key_codec.block == 1
-            and t.value_codec.block == 1
-        )
-
-    def trim(self, n: int) -> int:
-        """Remove the last ``n`` tokens; returns ``n``.
-
-        Raises ``ValueError`` when ``n`` exceeds the stored tokens (or is negative).
-        """
-        self._planned.clear()
-        check_int("n", n, minimum=0)
-        if n > self.size():
-            raise ValueError(f"cannot trim {n} tokens: the cache stores {self.size()}")
-        if self.ragged and n > self._win[0].tokens:
-            raise ValueError(
-                f"cannot trim {n} tokens: with per-head budgets only the {self._win[0].tokens} "
-                "window tokens can be trimmed"
-            )
-        left = n
-        left = _trim_store(self._win, left)
-        for i in range(len(self.tiers)):
-            if left == 0:
-                break
-            left = self._trim_tier(i, left)
-        if left:
-            _trim_store(self._sink, left)
-        self.offset -= n
-        return n
-
-    def _trim_tier(self, i: int, n: int) -> int:
-        ks, vs = self._tier[i]
-        if n >= ks.tokens:
-            rest = n - ks.tokens
-            ks.truncate(0), vs.truncate(0)
-            if i == 0 and self._pos is not None:
-                self._pos.truncate(0)
-            return rest
-        t = self.tiers[i]
-        block = _lcm(t.key_codec.block, t.value_codec.block)
-        keep = ks.tokens - n
-        cut = keep // block * block
-        if cut != keep:
-            # a block is split: decode its surviving tokens back into the window
-            k = t.key_codec.decode(ks.view().slice(cut, cut + block)).astype(self._dtype)
-            v = t.value_codec.decode(vs.view().slice(cut, cut + block)).astype(self._dtype)
-            ks.truncate(cut), vs.truncate(cut)
-            win_k, win_v = self._win[0].view(), self._win[1].view()
-            self._win[0].replace(Packed.concat([self._ident.encode(k[:, :, : keep - cut]), win_k]))
-            self._win[1].replace(Packed.concat([self._ident.encode(v[:, :, : keep - cut]), win_v]))
-        else:
-            ks.truncate(keep), vs.truncate(keep)
-        if i == 0 and self._pos is not None:
-            self._pos.truncate(ks.tokens)
-        return 0
-
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """The causal mask of ``N`` new queries over the stored tokens (mlx-lm semantics)."""
         return create_attention_mask(N, self.size(), return_array, window_size)
-
-    # -- memory -----------------------------------------------------------------------------
-    def _stores(self) -> list[PackedStore]:
-        return list(self._named_stores().values())
-
-    def _codecs(self) -> list[Codec]:
-        return [c for t in self.tiers for c in (t.key_codec, t.value_codec)]
-
-    def _distinct_codecs(self) -> list[Codec]:
-        """Each codec once (a codec object shared by two places holds one fitted state)."""
-        return list({id(c): c for c in self._codecs()}.values())
-
-    def _fitted_nbytes(self) -> int:
-        """Bytes outside the token buffers: fitted codec arrays and the policy's state."""
-        policy = 0 if self.policy is None else self.policy.nbytes
-        return sum(c.state_nbytes for c in self._codecs()) + policy
-
-    @property
-    def nbytes(self) -> int:
-        """Resident bytes: every buffer (capacity included) and every fitted codec array."""
-        return sum(s.nbytes for s in self._stores()) + self._fitted_nbytes()
-
-    @property
-    def logical_nbytes(self) -> int:
-        """Resident bytes without the unused capacity of the buffers."""
-        return sum(s.logical_nbytes for s in self._stores()) + self._fitted_nbytes()
-
-    # -- state ------------------------------------------------------------------------------
-    @property
-    def state(self) -> list:
-        """``[meta (JSON str), *arrays]``: everything needed to rebuild the cache."""
-        meta, arrays = self._state_dict()
-        return [json.dumps(meta), *arrays.values()]
-
-    @state.setter
-    def state(self, v) -> None:
-        if not v or not isinstance(v[0], str):
-            raise ValueError("VeloxCache state must start with its JSON meta string")
-        meta = json.loads(v[0])
-        names = meta.get("arrays", [])
-        if len(names) != len(v) - 1:
-            raise ValueError(f"VeloxCache state lists {len(names)} arrays, got {len(v) - 1}")
-        self._load_state_dict(meta, dict(zip(names, v[1:])))
-
-    @classmethod
-    def from_state(cls, state) -> VeloxCache:
-        if not state or not isinstance(state[0], str):
-            raise ValueError("VeloxCache state must start with its JSON meta string")
-        cache = cls.from_config(json.loads(state[0])["config"])
-        cache.state = state
-        return cache
-
-    def copy(self) -> VeloxCache:
-        """An independent cache with the same settings and contents (arrays are shared: MLX
-        arrays are values, and a write into a shared buffer copies it)."""
-        out = type(self).from_state(self.state)
-        out.fetch_decoded = self.fetch_decoded
-        return out
-
-    def __deepcopy__(self, memo) -> VeloxCache:
-        # mlx-lm's batch generator and server deep-copy prompt caches
-        out = self.copy()
-        memo[id(self)] = out
-        return out
-
-    def _named_stores(self) -> dict[str, PackedStore]:
-        out = {
-            "sink.k": self._sink[0],
-            "sink.v": self._sink[1],
-            "win.k": self._win[0],
-            "win.v": self._win[1],
-        }
-        for i, (k, v) in enumerate(self._tier):
-            out[f"tier{i}.k"], out[f"tier{i}.v"] = k, v
-        if self._pos is not None:
-            out["pos"] = self._pos
-        for i, (k, v, p) in enumerate(self._heads or []):
-            out[f"head{i}.k"], out[f"head{i}.v"], out[f"head{i}.pos"] = k, v, p
-        return out
-
-    def _named_codecs(self) -> dict[str, Codec]:
-        out = {}
-        for i, t in enumerate(self.tiers):
-            out[f"tier{i}.k"], out[f"tier{i}.v"] = t.key_codec, t.value_codec
-        return out
-
-    def _state_dict(self) -> tuple[dict, dict[str, mx.array]]:
-        arrays: dict[str, mx.array] = {}
-        stores = {}
-        for name, s in self._named_stores().items():
-            v = s.view()
-            if v is None:
-                continue
-            stores[name] = {
-                "tokens": v.tokens,
-                "block": v.block,
-                "per_block": sorted(v.per_block),
-                "fields": list(v.data),
-            }
-            for f, a in v.data.items():
-                arrays[f"store.{name}.{f}"] = a
-        for name, c in self._named_codecs().items():
-            for f, a in c.state().items():
-                arrays[f"codec.{name}.{f}"] = a
-        if self.policy is not None:
-            for f, a in self.policy.state().items():
-                arrays[f"policy.{f}"] = a
-        meta = {
-            "version": STATE_VERSION,
-            "method": self.method,
-            "config": self.config(),
-            "offset": self.offset,
-            "dims": self._dims,
-            "dtype": None if self._dtype is None else _dtype_name(self._dtype),
-            "stores": stores,
-            "arrays": list(arrays),
-            "ragged": len(self._heads) if self.ragged else None,
-            "storage_dtype": None
-            if self.storage_dtype is None
-            else _dtype_name(self.storage_dtype),
-            "io_dtype": None if self._io_dtype is None else _dtype_name(self._io_dtype),
-            "policy_meta": None if self.policy is None else self.policy.meta(),
-        }
-        return meta, arrays
-
-    def _load_state_dict(self, meta: dict, arrays: dict[str, mx.array]) -> None:
-        self._planned.clear()
-        if meta.get("version") != STATE_VERSION:
-            raise ValueError(f"unsupported VeloxCache state version {meta.get('version')!r}")
-        self.offset = int(meta["offset"])
-        self._dims = None if meta["dims"] is None else tuple(meta["dims"])
-        dt = meta["dtype"]
-        if dt is not None and getattr(mx, dt, None) not in FLOAT_DTYPES:
-            raise ValueError(f"VeloxCache state has an unsupported dtype {dt!r}")
-        self._dtype = None if dt is None else getattr(mx, dt)
-        self.storage_dtype = _dtype_from(meta.get("storage_dtype"))
-        self._io_dtype = _dtype_from(meta.get("io_dtype")) or self._dtype
-        if meta.get("ragged"):
-            if self._pos is None:
-                raise ValueError("VeloxCache state has per-head storage but no retention policy")
-            self._heads = [
-                [PackedStore(self.step) for _ in range(3)] for _ in range(meta["ragged"])
-            ]
-        named = self._named_stores()
-        for name, s in named.items():
-            info = meta["stores"].get(name)
-            if info is None:
-                s.replace(None)
-                continue
-            data = {f: arrays[f"store.{name}.{f}"] for f in info["fields"]}
-            s.replace(Packed(data, info["tokens"], info["block"], frozenset(info["per_block"])))
-        for name, c in self._named_codecs().items():
-            pre = f"codec.{name}."
-            c.set_state({k[len(pre) :]: a for k, a in arrays.items() if k.startswith(pre)})
-        if self.policy is not None:
-            self.policy.set_state(
-                {k[7:]: a for k, a in arrays.items() if k.startswith("policy.")},
-                meta.get("policy_meta"),
-            )
-        if self._dims is not None and self.size() and self._win[0].view() is not None:
-            got = self._win[0].view().data["x"].shape
-            if (got[0], got[1], got[3]) != (self._dims[0], self._dims[1], self._dims[2]):
-                raise ValueError("VeloxCache state: window arrays disagree with the recorded dims")
-
-    # -- batching ---------------------------------------------------------------------------
-    def filter(self, batch_indices) -> None:
-        """Keep only the given batch rows (in place)."""
-        self._planned.clear()
-        idx = mx.array(batch_indices) if not isinstance(batch_indices, mx.array) else batch_indices
-        for s in self._stores():
-            s.map_batch(lambda a: a[idx])
-        if self._dims is not None:
-            self._dims = (int(idx.size), *self._dims[1:])
-        if self.policy is not None:
-            self.policy.filter_batch(idx)
-        for c in self._distinct_codecs():
-            c.filter_batch(idx)
-
-    def extract(self, idx: int) -> VeloxCache:
-        """A new single-sequence cache holding batch row ``idx``."""
-        out = self.copy()
-        out.filter([idx])
-        return out
-
-    def extend(self, other: VeloxCache) -> None:
-        """Append the batch rows of ``other`` (same settings and same stored layout)."""
-        self._planned.clear()
-        if type(other) is not type(self) or other.config() != self.config():
-            raise ValueError("extend: both caches must have the same class and settings")
-        mine, theirs = self._named_stores(), other._named_stores()
-        for name, s in mine.items():
-            if s.tokens != theirs[name].tokens or self.offset != other.offset:
-                raise ValueError(
-                    "extend: caches must hold the same tokens in every segment (equal-length "
-                    "sequences); velox caches do not pad"
-                )
-        for name, s in mine.items():
-            o = theirs[name].view()
-            if o is not None:
-                s.replace(s.view().map(lambda k, a, o=o: mx.concatenate([a, o.data[k]], axis=0)))
-        if self._dims is not None:
-            self._dims = (self._dims[0] + other._dims[0], *self._dims[1:])
-        if self.policy is not None:
-            self.policy.extend_batch(other.policy)
-        theirs = other._distinct_codecs()
-        for i, c in enumerate(self._distinct_codecs()):
-            c.extend_batch(theirs[i])
-
-    @classmethod
-    def stack(cls, caches: list[VeloxCache]) -> VeloxCache:
-        """One cache holding the rows of several caches of equal length and layout (raises
-        otherwise): one kernel launch attends all of them."""
-        if not caches:
-            raise ValueError("stack needs at least one cache")
-        out = caches[0].copy()
-        for c in caches[1:]:
-            out.extend(c)
-        return out
-
-    @classmethod
-    def merge(cls, caches: list[VeloxCache]):
-        """mlx-lm's batch protocol: a :class:`~velox_core.cache.batch.VeloxBatch` of the
-        caches, whatever their lengths (equal-length ones share one cache)."""
-        return cls._batch_class.merge(caches)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.describe()} offset={self.offset} size={self.size()}>"
@@ -864,29 +458,5 @@ def _require_routing() -> None:
         )
 
 
-def _dtype_name(dt: mx.Dtype) -> str:
-    return str(dt).split(".")[-1]
-
-
-def _dtype_from(name: str | None) -> mx.Dtype | None:
-    if name is None:
-        return None
-    dt = getattr(mx, name, None)
-    if dt not in FLOAT_DTYPES:
-        raise ValueError(f"VeloxCache state has an unsupported dtype {name!r}")
-    return dt
-
-
 def _spec(obj) -> dict[str, Any]:
     return {"name": obj.name, "config": obj.config()}
-
-
-def _lcm(a: int, b: int) -> int:
-    return a * b // math.gcd(a, b)
-
-
-def _trim_store(pair: tuple[PackedStore, PackedStore], n: int) -> int:
-    k, v = pair
-    take = min(n, k.tokens)
-    k.truncate(k.tokens - take), v.truncate(v.tokens - take)
-    return n - take

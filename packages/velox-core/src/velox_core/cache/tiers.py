@@ -1,0 +1,224 @@
+"""The coded tiers of :class:`~velox_core.cache.VeloxCache`: tokens into and out of the codes.
+
+:class:`TierMixin` moves tokens along the segments (sinks | tier n-1 ... tier 0 | window):
+window overflow encoded into tier 0 once it reaches the flush quantum (or a prefill's whole
+blocks straight into tier 0, with ``window=0``), a tier's overflow decoded and re-encoded into
+the next tier, the stored segments listed in temporal order, and trims that cut the newest
+tokens back through the window and the tiers (decoding a split block back into the window).
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from ..codec.base import Packed
+from ..codec.identity import Identity
+from ..validation import check_int
+from .attention import Segment
+from .store import PackedStore
+
+__all__ = ["TierMixin", "trim_stores"]
+
+
+class TierMixin:
+    """The coded tiers of a VeloxCache: flushing, segments, trimming (mixed in; uses its
+    stores ``_sink``, ``_tier``, ``_win``, its ``tiers`` and the retention mixin's ``_pos``)."""
+
+    def _direct(self) -> bool:
+        """Whether new tokens go straight into tier 0 (no window, nothing waiting in it, and
+        no calibration hook): the same records as passing through the window, without
+        storing them there first."""
+        return (
+            self.window == 0
+            and self._win[0].tokens == 0
+            and type(self).before_coding is TierMixin.before_coding
+        )
+
+    def _encode_direct(self, keys: mx.array, values: mx.array, pos0: int) -> int:
+        """Encode the whole codec blocks of ``keys``/``values`` (absolute positions from
+        ``pos0``) into tier 0; returns how many tokens that took (the rest, less than a
+        block, waits in the window)."""
+        first = self.tiers[0]
+        block = _lcm(first.key_codec.block, first.value_codec.block)
+        t = keys.shape[2]
+        n = t // block * block
+        if n == 0:
+            return 0
+        if n < t:
+            keys, values = keys[:, :, :n], values[:, :, :n]
+        pos = mx.arange(pos0, pos0 + n, dtype=mx.int32)
+        self._append_body(
+            first.key_codec.encode(keys, pos), first.value_codec.encode(values, pos), pos
+        )
+        return n
+
+    def before_coding(self) -> bool:
+        """Hook run on every update before window overflow moves into the coded tiers.
+
+        Methods that fit their codecs on stored tokens (calibration) override it: fit from
+        the window when it holds enough tokens and return True, or return False to keep every
+        token in the window for now (nothing moves this update). The default moves at once.
+        """
+        return True
+
+    def _quantum(self) -> int:
+        """Tokens the window passes to tier 0 at once: ``flush`` in whole codec blocks."""
+        first = self.tiers[0]
+        return _lcm(self.flush, _lcm(first.key_codec.block, first.value_codec.block))
+
+    def _flush(self) -> None:
+        """Move window overflow into tier 0 (once it reaches the flush quantum) and tier
+        overflow down the tiers."""
+        if not self.before_coding():
+            return
+        first = self.tiers[0]
+        block = _lcm(first.key_codec.block, first.value_codec.block)
+        over = self._win[0].tokens - self._keep
+        n = over // block * block if over >= self._flush_at else 0
+        if n > 0:
+            pos0 = self.offset - self._win[0].tokens
+            pos = mx.arange(pos0, pos0 + n, dtype=mx.int32)
+            wk, wv = self._win[0].view(), self._win[1].view()
+            self._append_body(
+                first.key_codec.encode(wk.slice(0, n).data["x"], pos),
+                first.value_codec.encode(wv.slice(0, n).data["x"], pos),
+                pos,
+            )
+            self._win[0].drop_front(n)
+            self._win[1].drop_front(n)
+        for i in range(len(self.tiers) - 1):
+            src, dst = self.tiers[i], self.tiers[i + 1]
+            blk = _lcm(
+                _lcm(src.key_codec.block, src.value_codec.block),
+                _lcm(dst.key_codec.block, dst.value_codec.block),
+            )
+            over = self._tier[i][0].tokens - src.span
+            n = over // blk * blk
+            if n <= 0:
+                continue
+            kp = self._tier[i][0].view().slice(0, n)
+            vp = self._tier[i][1].view().slice(0, n)
+            pos0 = self._body_start(i)
+            pos = mx.arange(pos0, pos0 + n, dtype=mx.int32)
+            k = src.key_codec.decode(kp).astype(self._dtype)
+            v = src.value_codec.decode(vp).astype(self._dtype)
+            self._tier[i + 1][0].append(dst.key_codec.encode(k, pos))
+            self._tier[i + 1][1].append(dst.value_codec.encode(v, pos))
+            self._tier[i][0].drop_front(n)
+            self._tier[i][1].drop_front(n)
+
+    def _body_start(self, i: int) -> int:
+        """Absolute position of the oldest token of tier ``i`` (no eviction assumed)."""
+        after = self._win[0].tokens + sum(self._tier[j][0].tokens for j in range(i + 1))
+        return self.offset - after
+
+    def segments(self) -> list[Segment]:
+        """Stored tokens in temporal order, as (codec, record) pairs for keys and values."""
+        if self.ragged:
+            raise ValueError("per-head budgets: segments differ by head (see _head_segments)")
+        out = []
+        pairs = [(self._sink, self._ident, self._ident)]
+        pairs += [
+            (self._tier[i], t.key_codec, t.value_codec)
+            for i, t in reversed(list(enumerate(self.tiers)))
+        ]
+        pairs += [(self._win, self._ident, self._ident)]
+        for (ks, vs), kc, vc in pairs:
+            k = ks.view()
+            if k is not None:
+                out.append(Segment(kc, k, vc, vs.view()))
+        return out
+
+    def is_trimmable(self) -> bool:
+        """Whether :meth:`trim` leaves exactly the cache that never stored the trimmed tokens,
+        for any count (mlx-lm asks before speculative decoding and before reusing a longer
+        prompt cache; False makes it refuse or prefill instead).
+
+        True when nothing is evicted (no retention policy), no codec is fitted on the stored
+        tokens (``before_coding``), and every token is either kept as given (no codec) or
+        coded alone the moment it arrives: one tier, ``window=0``,
+        ``flush=1`` and codecs of one token a block (``uniform:bits=4,flush=1``, say).
+        Otherwise a trim past the fp16 tokens would decode coded tokens back into the window,
+        which the cache that never saw the trimmed tokens would hold as given; :meth:`trim`
+        still does that when called.
+        """
+        if self.policy is not None or self.ragged:
+            return False
+        if type(self).before_coding is not TierMixin.before_coding:
+            return False  # codecs fitted on the stored tokens: a trim cannot undo a fit
+        t = self.tiers[0]
+        if all(isinstance(c, Identity) for x in self.tiers for c in (x.key_codec, x.value_codec)):
+            return True  # nothing is coded: every token stays as given
+        return (
+            len(self.tiers) == 1
+            and self.window == 0
+            and self.flush == 1
+            and t.key_codec.block == 1
+            and t.value_codec.block == 1
+        )
+
+    def trim(self, n: int) -> int:
+        """Remove the last ``n`` tokens; returns ``n``.
+
+        Raises ``ValueError`` when ``n`` exceeds the stored tokens (or is negative).
+        """
+        self._planned.clear()
+        check_int("n", n, minimum=0)
+        if n > self.size():
+            raise ValueError(f"cannot trim {n} tokens: the cache stores {self.size()}")
+        if self.ragged and n > self._win[0].tokens:
+            raise ValueError(
+                f"cannot trim {n} tokens: with per-head budgets only the {self._win[0].tokens} "
+                "window tokens can be trimmed"
+            )
+        left = n
+        left = trim_stores(self._win, left)
+        for i in range(len(self.tiers)):
+            if left == 0:
+                break
+            left = self._trim_tier(i, left)
+        if left:
+            trim_stores(self._sink, left)
+        self.offset -= n
+        return n
+
+    def _trim_tier(self, i: int, n: int) -> int:
+        ks, vs = self._tier[i]
+        if n >= ks.tokens:
+            rest = n - ks.tokens
+            ks.truncate(0), vs.truncate(0)
+            if i == 0 and self._pos is not None:
+                self._pos.truncate(0)
+            return rest
+        t = self.tiers[i]
+        block = _lcm(t.key_codec.block, t.value_codec.block)
+        keep = ks.tokens - n
+        cut = keep // block * block
+        if cut != keep:
+            # a block is split: decode its surviving tokens back into the window
+            k = t.key_codec.decode(ks.view().slice(cut, cut + block)).astype(self._dtype)
+            v = t.value_codec.decode(vs.view().slice(cut, cut + block)).astype(self._dtype)
+            ks.truncate(cut), vs.truncate(cut)
+            win_k, win_v = self._win[0].view(), self._win[1].view()
+            self._win[0].replace(Packed.concat([self._ident.encode(k[:, :, : keep - cut]), win_k]))
+            self._win[1].replace(Packed.concat([self._ident.encode(v[:, :, : keep - cut]), win_v]))
+        else:
+            ks.truncate(keep), vs.truncate(keep)
+        if i == 0 and self._pos is not None:
+            self._pos.truncate(ks.tokens)
+        return 0
+
+
+def _lcm(a: int, b: int) -> int:
+    return a * b // math.gcd(a, b)
+
+
+def trim_stores(pair: tuple[PackedStore, PackedStore], n: int) -> int:
+    """Drop up to ``n`` of the newest tokens of a (keys, values) store pair; returns how many
+    of the ``n`` are left to drop from older segments."""
+    k, v = pair
+    take = min(n, k.tokens)
+    k.truncate(k.tokens - take), v.truncate(v.tokens - take)
+    return n - take
