@@ -11,7 +11,6 @@ import pytest
 from mlx_lm.models.cache import QuantizedKVCache
 
 from velox_adakv import METHOD, AdaKVCache, AdaKVPolicy, adaptive_keep, allocate
-from velox_adakv.scorer import pool
 from velox_core import (
     Method,
     RetentionPolicy,
@@ -22,6 +21,7 @@ from velox_core import (
     routed,
     save_cache,
 )
+from velox_core.policy import pool_votes
 from velox_core.testing import (
     EvictingConformance,
     FullBudgetConformance,
@@ -197,8 +197,8 @@ def test_snapkv_vote_matches_a_direct_computation():
 def test_pooling_joins_positions_not_storage_neighbours():
     s = mx.array([[1.0, 0.0, 0.0, 5.0, 0.0]])
     pos = mx.array([[0, 1, 2, 20, 21]], dtype=mx.int32)
-    assert np.array(pool(s, pos, 3, "max")).tolist() == [[1.0, 1.0, 0.0, 5.0, 5.0]]
-    avg = np.array(pool(s, pos, 3, "avg"))[0]
+    assert np.array(pool_votes(s, pos, None, 3, "max")).tolist() == [[1.0, 1.0, 0.0, 5.0, 5.0]]
+    avg = np.array(pool_votes(s, pos, None, 3, "avg"))[0]
     np.testing.assert_allclose(avg, [1 / 3, 1 / 3, 0.0, 5 / 3, 5 / 3], rtol=1e-6)
 
 

@@ -28,6 +28,7 @@ from velox_core.kernels import decode as dk
 from velox_core.kernels.emulate import emulated_or_skip
 from velox_core.ops import unpack
 from velox_core.testing import (
+    assert_cpu_declines,
     assert_partials_close,
     assert_partials_equivalent,
     kernel_env,
@@ -71,11 +72,7 @@ def emu_dir(tmp_path_factory):
 
 
 def test_attend_partial_is_none_on_the_cpu():
-    if mx.default_device().type == mx.DeviceType.gpu:
-        pytest.skip("the default device is a GPU")
-    kc, kp, vc, vp = records(4, 128)
-    assert kc.attend_partial(query(), kp, vc, vp) is None
-    assert kc.joint_call((2, 2, 4, D), mx.float16, kp, vc, vp, 0, mx.float16, 0.1) is None
+    assert_cpu_declines(*records(4, 128), q_shape=(2, 2, 4, D))
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])

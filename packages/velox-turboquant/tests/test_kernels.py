@@ -19,7 +19,7 @@ import velox_core.kernels as vk
 from velox_core import Uniform
 from velox_core.cache.attention import Segment, partial
 from velox_core.kernels.emulate import EmulatedKernels, emulated_or_skip
-from velox_core.testing import assert_partials_close, kernel_env, kv_data
+from velox_core.testing import assert_cpu_declines, assert_partials_close, kernel_env, kv_data
 from velox_turboquant import TurboQuant, TurboQuantCache
 
 needs_gxx = pytest.mark.skipif(
@@ -41,10 +41,7 @@ def emulated_gpu(monkeypatch, tmp_path):
 
 
 def test_attend_partial_is_none_on_the_cpu():
-    if mx.default_device().type == mx.DeviceType.gpu:
-        pytest.skip("the default device is a GPU")
-    kc, kp, vc, vp = records(4, t=32)
-    assert kc.attend_partial(mx.zeros((1, 2, 4, 128)), kp, vc, vp) is None
+    assert_cpu_declines(*records(4, t=32))
 
 
 def test_attend_partial_declines_what_the_kernel_does_not_cover(monkeypatch):

@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from velox_core.cache.eviction import EvictionConfig
-from velox_core.validation import check_choice, check_float, check_int
+from velox_core.policy import WindowVote
+from velox_core.validation import check_choice, check_float
 
-__all__ = ["BASES", "POOLINGS", "AdaKVConfig"]
+__all__ = ["BASES", "AdaKVConfig"]
 
 BASES = ("snapkv", "qfilters")
-POOLINGS = ("max", "avg")
 
 
 @dataclass
@@ -47,9 +47,5 @@ class AdaKVConfig(EvictionConfig):
     def __post_init__(self):
         super().__post_init__()
         check_float("alpha", self.alpha, minimum=0.0, maximum=1.0)
-        check_int("observe", self.observe, minimum=1)
-        check_int("kernel", self.kernel, minimum=1)
-        if self.kernel % 2 == 0:
-            raise ValueError(f"kernel must be odd (centred pooling), got {self.kernel}")
-        check_choice("pooling", self.pooling, POOLINGS)
+        WindowVote(self.observe, self.kernel, self.pooling)  # raises on a bad setting
         check_choice("base", self.base, BASES)

@@ -25,11 +25,11 @@ import mlx.core as mx
 
 from velox_core import RetentionPolicy
 from velox_core.mlx_lm import is_enabled
-from velox_core.policy import top_k_sorted
-from velox_core.validation import check_choice, check_float, check_int
+from velox_core.policy import WindowVote, top_k_sorted
+from velox_core.validation import check_choice, check_float
 
 from .allocate import adaptive_keep
-from .config import BASES, POOLINGS
+from .config import BASES
 from .scorer import ObservationWindow
 
 __all__ = ["AdaKVPolicy"]
@@ -68,6 +68,7 @@ class AdaKVPolicy(RetentionPolicy):
     """
 
     name: ClassVar[str] = "adakv"
+    settings: ClassVar[tuple[str, ...]] = ("alpha", "base")
 
     def __init__(
         self,
@@ -81,24 +82,13 @@ class AdaKVPolicy(RetentionPolicy):
     ):
         super().__init__(budget, every)
         self.alpha = check_float("alpha", alpha, minimum=0.0, maximum=1.0)
-        self.n_observe = check_int("observe", observe, minimum=1)
-        self.kernel = check_int("kernel", kernel, minimum=1)
-        if kernel % 2 == 0:
-            raise ValueError(f"kernel must be odd (centred pooling), got {kernel}")
-        self.pooling = check_choice("pooling", pooling, POOLINGS)
+        self.vote = WindowVote(observe, kernel, pooling)
         self.base = check_choice("base", base, BASES)
-        self._window = ObservationWindow(observe, kernel, pooling)
+        self._window = ObservationWindow(self.vote)
         self._inner = _qfilters_policy(budget) if base == "qfilters" else None
 
     def config(self) -> dict[str, Any]:
-        return {
-            **super().config(),
-            "alpha": self.alpha,
-            "observe": self.n_observe,
-            "kernel": self.kernel,
-            "pooling": self.pooling,
-            "base": self.base,
-        }
+        return {**super().config(), **self.vote.config()}
 
     # -- hooks -----------------------------------------------------------------------------
     def attach(self, cache) -> None:

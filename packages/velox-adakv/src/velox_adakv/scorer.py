@@ -25,28 +25,9 @@ from typing import Any
 
 import mlx.core as mx
 
-__all__ = ["ObservationWindow", "pool", "protected_keys"]
+from velox_core.policy import WindowVote, window_votes
 
-
-def pool(s: mx.array, pos: mx.array, kernel: int, mode: str) -> mx.array:
-    """Max or average of each score with those within ``kernel // 2`` positions.
-
-    Average pooling divides by ``kernel`` (missing neighbours count as 0, as torch's
-    ``avg_pool1d`` with zero padding); max pooling ignores missing neighbours.
-
-    Shapes:
-        s float32 ``(B, T)``, pos int32 ``(B, T)`` ascending; returns ``(B, T)``.
-    """
-    r, t = kernel // 2, s.shape[-1]
-    fill = -mx.inf if mode == "max" else 0.0
-    acc = s
-    for d in range(1, min(r, t - 1) + 1):
-        near = (pos[..., d:] - pos[..., :-d]) <= r  # pairs (i, i + d)
-        pad = mx.full((*s.shape[:-1], d), fill, dtype=s.dtype)
-        right = mx.concatenate([mx.where(near, s[..., d:], fill), pad], axis=-1)
-        left = mx.concatenate([pad, mx.where(near, s[..., :-d], fill)], axis=-1)
-        acc = mx.maximum(acc, mx.maximum(right, left)) if mode == "max" else acc + right + left
-    return acc if mode == "max" else acc / kernel
+__all__ = ["ObservationWindow", "protected_keys"]
 
 
 def protected_keys(cache) -> tuple[mx.array | None, mx.array | None]:
@@ -66,16 +47,14 @@ def protected_keys(cache) -> tuple[mx.array | None, mx.array | None]:
 
 
 class ObservationWindow:
-    """The last ``size`` queries a layer attended with, and the SnapKV vote they cast.
-
-    Args:
-        size: queries kept (the observation window).
-        kernel: pooling width (odd).
-        pooling: ``"max"`` or ``"avg"``.
+    """The last ``vote.observe`` queries a layer attended with, and the SnapKV vote they cast
+    (:func:`velox_core.policy.window_votes`, averaged over the window's queries, pooled by
+    ``vote``).
     """
 
-    def __init__(self, size: int, kernel: int, pooling: str):
-        self.size, self.kernel, self.pooling = size, kernel, pooling
+    def __init__(self, vote: WindowVote):
+        self.vote = vote
+        self.size = vote.observe
         self.q: mx.array | None = None  # (B, Hq, W, D), as the model computes
         self.pos: list[int] = []  # absolute position of each kept query
         self.scale = 1.0
@@ -104,26 +83,22 @@ class ObservationWindow:
         if self.q is None:
             return [None if p is None else p.astype(mx.float32) for p in positions]
         pk, pp = protected_keys(cache)
-        qpos = mx.array(self.pos, dtype=mx.int32)[:, None]  # (W, 1)
-        q = self.q.astype(mx.float32) * self.scale
-        r = q.shape[1] // len(keys)
+        qpos = mx.array(self.pos, dtype=mx.int32)  # (W,)
+        r = self.q.shape[1] // len(keys)
         out = []
         for h, (k, p) in enumerate(zip(keys, positions)):
             if k is None:
                 out.append(None)
                 continue
-            qh = q[:, h * r : (h + 1) * r]  # (B, R, W, D)
-            logits = qh @ mx.swapaxes(k, -1, -2)  # (B, R, W, T)
-            logits = mx.where(p[:, None, None, :] <= qpos, logits, -mx.inf)
-            every = logits
+            t = k.shape[2]
+            every, every_pos = k, p  # (B, 1, T, D), (B, T): the body, then the protected keys
             if pk is not None:
-                lp = qh @ mx.swapaxes(pk[:, h : h + 1], -1, -2)  # (B, R, W, P)
-                lp = mx.where(pp[None, :] <= qpos, lp, -mx.inf)
-                every = mx.concatenate([logits, lp], axis=-1)
-            lse = mx.logsumexp(every, axis=-1, keepdims=True)
-            weights = mx.where(mx.isfinite(lse), mx.exp(logits - lse), 0.0)
-            vote = mx.mean(weights, axis=(1, 2))  # window queries and the query group
-            out.append(pool(vote, p, self.kernel, self.pooling))
+                every = mx.concatenate([k.astype(mx.float32), pk[:, h : h + 1]], axis=2)
+                every_pos = mx.concatenate([p, mx.broadcast_to(pp, (p.shape[0], pp.size))], -1)
+            qh = self.q[:, h * r : (h + 1) * r]  # (B, R, W, D)
+            votes = window_votes(qh, qpos, every, every_pos[:, None], self.scale)  # (B, 1, T + P)
+            vote = votes[:, 0, :t] / qpos.size  # the mean over the window's queries
+            out.append(self.vote.pool(vote, p))
         return out
 
     # -- state ---------------------------------------------------------------------------

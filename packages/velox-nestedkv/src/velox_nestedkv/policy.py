@@ -77,6 +77,7 @@ class NestedKVPolicy(RetentionPolicy):
     """
 
     name = "nestedkv"
+    settings = ("recent", "block", "beta", "tau", "kappa", "prior", "safeguard", "heads")
 
     def __init__(
         self,
@@ -111,19 +112,6 @@ class NestedKVPolicy(RetentionPolicy):
         self._ae: list[mx.array] = []
         self._batch = 0
         self._sizes: list[int] = []
-
-    def config(self) -> dict[str, Any]:
-        return {
-            **super().config(),
-            "recent": self.recent,
-            "block": self.block,
-            "beta": self.beta,
-            "tau": self.tau,
-            "kappa": self.kappa,
-            "prior": list(self.prior),
-            "safeguard": self.safeguard,
-            "heads": self.heads,
-        }
 
     # -- hooks ---------------------------------------------------------------------------------
     def before_update(self, cache, incoming: int) -> None:

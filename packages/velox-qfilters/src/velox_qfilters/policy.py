@@ -47,6 +47,7 @@ class QFiltersPolicy(RetentionPolicy):
     """
 
     name = "qfilters"
+    settings = ("filters", "layer")
 
     def __init__(
         self,
@@ -62,9 +63,6 @@ class QFiltersPolicy(RetentionPolicy):
         self.layer = None if layer is None else check_int("layer", layer, minimum=0)
         self._path = self.filters
         self._f: mx.array | None = None
-
-    def config(self) -> dict[str, Any]:
-        return {**super().config(), "filters": self.filters, "layer": self.layer}
 
     def bind(self, model: Any = None, layer: int | None = None) -> None:
         """Find the artifact fitted for ``model`` (raises if none) and use its ``layer``."""

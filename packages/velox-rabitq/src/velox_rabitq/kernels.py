@@ -48,6 +48,7 @@ from velox_core import Packed, Uniform
 from velox_core import kernels as _vk  # backend() looked up per call (tests report another)
 from velox_core.kernels import decode as _kd
 from velox_core.kernels import use_kernels
+from velox_core.kernels.joint import JointQuery, JointRun, joint_glue, plan_joint
 
 if TYPE_CHECKING:
     from .codec import RaBitQ
@@ -201,29 +202,21 @@ def attend_partial(
     return run(q) if run.ready() else None
 
 
-def joint_call(
-    codec: RaBitQ,
-    q_shape: tuple[int, int, int, int],
-    q_dtype: mx.Dtype,
-    keys: Packed,
-    value_codec,
-    values: Packed,
-    fp16_tokens: int,
-    out_dtype: mx.Dtype,
-    scale: float | None = None,
-):
+def _plan_joint(
+    codec: RaBitQ, query: JointQuery, keys: Packed, value_codec, values: Packed
+) -> JointRun | None:
     """:meth:`velox_core.Codec.joint_call` of RaBitQ keys: this segment's codes and up to two
     fp16 segments (a cache's sinks and window, scored against the unrotated query) in one
     softmax, planned once for the segment and the query shape, or None where
     :func:`attend_partial` would decline."""
-    if q_shape[-1] != codec.dim or fp16_tokens > _kd.FP16_MAX:
+    if query.shape[-1] != codec.dim or query.fp16_tokens > _kd.FP16_MAX:
         return None
     sides = kernel_sides(codec, keys, value_codec, values)
     if sides is None:
         return None
-    q_shape = tuple(q_shape)
     if codec.centroid:
-        blocks = _Blocks(codec, q_shape, *sides, keys.data["centroid"], scale, out_dtype=out_dtype)
+        centroids, out_dtype = keys.data["centroid"], query.out_dtype
+        blocks = _Blocks(codec, query.shape, *sides, centroids, query.scale, out_dtype=out_dtype)
         if not blocks.ready():
             return None
 
@@ -234,20 +227,13 @@ def joint_call(
 
         return run_blocks
     # the codes are scored against the rotated query (float32), the fp16 keys against q
-    run = _kd.plan_decode(
-        q_shape,
-        mx.float32,
+    return plan_joint(
+        query,
         *sides,
-        fp16_tokens=fp16_tokens,
-        out_dtype=out_dtype,
-        scale=scale,
+        lambda q: (codec.rotation.forward(q), q, None),
+        kernel_dtype=mx.float32,
         merge_q=True,
     )
-    if run is None:
-        return None
 
-    def call(q, fp16):
-        out = run(codec.rotation.forward(q), fp16, q)
-        return None if out is None else out[0]
 
-    return call
+joint_call = joint_glue(_plan_joint)

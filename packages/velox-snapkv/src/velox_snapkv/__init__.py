@@ -1,11 +1,11 @@
 """velox-snapkv: SnapKV, keep what the observation window votes for (arXiv 2404.14469)."""
 
 from velox_core.cache.eviction import eviction_method
+from velox_core.policy import pool_votes, window_votes
 
 from .cache import SnapKVCache
 from .config import SnapKVConfig
 from .policy import SnapKVPolicy
-from .votes import pool_votes, window_votes
 
 __all__ = ["METHOD", "SnapKVCache", "SnapKVConfig", "SnapKVPolicy", "pool_votes", "window_votes"]
 

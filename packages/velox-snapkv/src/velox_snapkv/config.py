@@ -5,9 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from velox_core.cache.eviction import EvictionConfig
-from velox_core.validation import check_int
-
-from .votes import check_kernel, check_pooling
+from velox_core.policy import WindowVote
 
 
 @dataclass
@@ -34,9 +32,7 @@ class SnapKVConfig(EvictionConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        check_int("observe", self.observe, minimum=1)
-        check_kernel(self.kernel)
-        check_pooling(self.pooling)
+        WindowVote(self.observe, self.kernel, self.pooling)  # raises on a bad setting
         if self.budget <= self.sinks + max(self.window, self.observe):
             raise ValueError(
                 f"budget={self.budget} must exceed sinks + max(window, observe) = "

@@ -3,8 +3,8 @@
 SnapKV observes that each attention head keeps attending, during generation, to the prompt
 tokens that the last few prompt tokens (the *observation window*) attend to. So it lets the
 window vote: the window's attention weights over the prefix, summed over its queries
-(:func:`~velox_snapkv.votes.window_votes`), pooled along the tokens so that neighbours come
-along (:func:`~velox_snapkv.votes.pool_votes`); each head keeps its top ``budget - protected``
+(:func:`velox_core.policy.window_votes`), pooled along the tokens so that neighbours come
+along (:func:`velox_core.policy.pool_votes`); each head keeps its top ``budget - protected``
 prefix tokens plus the window itself.
 
 How it runs in velox: :meth:`SnapKVPolicy.observe` keeps the newest ``observe`` queries it
@@ -47,9 +47,7 @@ import mlx.core as mx
 
 from velox_core import RetentionPolicy
 from velox_core.mlx_lm import is_enabled
-from velox_core.validation import check_int
-
-from .votes import check_kernel, check_pooling, pool_votes, window_votes
+from velox_core.policy import WindowVote, window_votes
 
 __all__ = ["SnapKVPolicy"]
 
@@ -77,27 +75,20 @@ class SnapKVPolicy(RetentionPolicy):
         pooling: str = "max",
     ):
         super().__init__(budget, every)
-        self.n_observe = check_int("observe", observe, minimum=1)
-        self.kernel = check_kernel(kernel)
-        self.pooling = check_pooling(pooling)
+        self.vote = WindowVote(observe, kernel, pooling)
         self._queries: mx.array | None = None  # (B, Hq, n <= observe, D), the newest queries
         self._q_end = 0  # absolute position just after the last buffered query
         self._scale: float | None = None
 
     def config(self) -> dict[str, Any]:
-        return {
-            **super().config(),
-            "observe": self.n_observe,
-            "kernel": self.kernel,
-            "pooling": self.pooling,
-        }
+        return {**super().config(), **self.vote.config()}
 
     def attach(self, cache) -> None:
         super().attach(cache)
-        if self.budget is not None and self.budget <= cache.sinks + self.n_observe:
+        if self.budget is not None and self.budget <= cache.sinks + self.vote.observe:
             raise ValueError(
                 f"budget={self.budget} must exceed sinks + observe = "
-                f"{cache.sinks + self.n_observe} (the observation window is always kept)"
+                f"{cache.sinks + self.vote.observe} (the observation window is always kept)"
             )
 
     # -- the observation window's queries ---------------------------------------------------
@@ -111,13 +102,13 @@ class SnapKVPolicy(RetentionPolicy):
             return  # no cut will use these queries (none, or none before the next chunk)
         total = queries.shape[2]
         start = cache.offset - total  # position of this call's first query
-        new = queries[:, :, -self.n_observe :]
+        new = queries[:, :, -self.vote.observe :]
         old = self._queries
-        if old is not None and new.shape[2] < self.n_observe:
+        if old is not None and new.shape[2] < self.vote.observe:
             keep = start - (self._q_end - old.shape[2])  # buffered queries before `start`
             same = all(old.shape[i] == new.shape[i] for i in (0, 1, 3))
             if self._q_end >= start and keep > 0 and same:
-                old = old[:, :, :keep][:, :, -(self.n_observe - new.shape[2]) :]
+                old = old[:, :, :keep][:, :, -(self.vote.observe - new.shape[2]) :]
                 new = mx.concatenate([old.astype(new.dtype), new], axis=2)
         self._queries = mx.contiguous(new)
         self._q_end = cache.offset
@@ -131,7 +122,7 @@ class SnapKVPolicy(RetentionPolicy):
         if any(p is None for p in pos):
             return pos
         body_pos = mx.stack(pos, axis=1)  # (B, H, T)
-        recent = body_pos >= cache.offset - self.n_observe
+        recent = body_pos >= cache.offset - self.vote.observe
         votes = self._votes(cache, body_pos)
         if votes is None and not is_enabled():
             raise ValueError(
@@ -142,7 +133,7 @@ class SnapKVPolicy(RetentionPolicy):
         if votes is None:  # routed, but no query has reached the cache yet: the most recent
             s = body_pos.astype(mx.float32)
         else:
-            s = pool_votes(votes, body_pos, mx.logical_not(recent), self.kernel, self.pooling)
+            s = self.vote.pool(votes, body_pos, mx.logical_not(recent))
         s = mx.where(recent, mx.inf, s)
         return [s[:, h] for h in range(s.shape[1])]
 

@@ -49,8 +49,9 @@ import numpy as np
 
 from velox_core import Packed
 from velox_core.kernels import use_kernels
-from velox_core.kernels.decode import CODEBOOK, Codes, decode_attention, plan_decode
+from velox_core.kernels.decode import CODEBOOK, Codes, decode_attention
 from velox_core.kernels.encode import codebook_encode, residual_sketch_encode, sketch_encode
+from velox_core.kernels.joint import JointQuery, JointRun, joint_glue, plan_joint
 from velox_core.kernels.outlier import (
     OutlierSide,
     RotatedPart,
@@ -252,17 +253,9 @@ def _inverse_matrix(quant: SphereQuantizer) -> mx.array:
     return hit[1]
 
 
-def joint_call(
-    key_codec: TurboQuant,
-    q_shape: tuple[int, int, int, int],
-    q_dtype: mx.Dtype,
-    keys: Packed,
-    value_codec,
-    values: Packed,
-    fp16_tokens: int,
-    out_dtype: mx.Dtype,
-    scale: float | None = None,
-):
+def _plan_joint(
+    key_codec: TurboQuant, query: JointQuery, keys: Packed, value_codec, values: Packed
+) -> JointRun | None:
     """Normalized attention over this segment's codes and up to two fp16 segments (a
     cache's sinks and window) in one softmax (GPU kernels), planned once for the segment and
     the query shape: ``run(q, fp16)``, or None where :func:`attend_partial` would decline.
@@ -272,12 +265,13 @@ def joint_call(
         with ``scale``; fp16 pairs ``(B, H, T_i, D)`` in the model's domain; ``run`` returns
         ``(B, H, M, D)`` in ``out_dtype``.
     """
-    q_like = _QueryShape(q_shape)
+    q_like = _QueryShape(query.shape)
     sides = _kernel_sides(key_codec, q_like, keys, value_codec, values)
     if sides is None:
         split = _outlier_sides(key_codec, q_like, keys, value_codec, values)
         if split is None:
             return None
+        out_dtype, scale = query.out_dtype, query.scale
 
         def run_outlier(q, fp16):
             out = decode_attention_outlier(q, *split, fp16=fp16, out_dtype=out_dtype, scale=scale)
@@ -286,36 +280,16 @@ def joint_call(
         return run_outlier
     kq, vq, kc, vc = sides
     sketch = kq.sketch is not None
-    rot = _inverse_matrix(vq)
 
-    def plan(dtype):
-        return plan_decode(
-            q_shape,
-            dtype,
-            kc,
-            vc,
-            fp16_tokens=fp16_tokens,
-            out_dtype=out_dtype,
-            scale=scale,
-            merge_q=True,
-            rot=rot,
-            q_sketch=sketch,
-        )
-
-    plans = {q_dtype: plan(q_dtype)}  # per dtype of the rotated query
-    if plans[q_dtype] is None:
-        return None
-
-    def call(q, fp16):
+    def prepare(q):  # the rotated query (and its sketch) for the kernel, q for the merge
         q_rot = kq.rotation.forward(q)
-        run = plans.get(q_rot.dtype)
-        if run is None:
-            run = plans[q_rot.dtype] = plan(q_rot.dtype)
-        qs = _query_sketch(kq, q_rot) if sketch else None
-        out = run(q_rot, fp16, q, qs)
-        return None if out is None else out[0]
+        return q_rot, q, _query_sketch(kq, q_rot) if sketch else None
 
-    return call
+    rot = _inverse_matrix(vq)
+    return plan_joint(query, kc, vc, prepare, merge_q=True, rot=rot, q_sketch=sketch)
+
+
+joint_call = joint_glue(_plan_joint)
 
 
 class _QueryShape:

@@ -58,6 +58,9 @@ class RetentionPolicy(Configured):
     """
 
     name: ClassVar[str] = "recent"
+    # the constructor arguments :meth:`config` saves beside budget and every, each held by
+    # the attribute of the same name (a tuple is saved as a list, as JSON holds it)
+    settings: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, budget: int | None = None, every: int | None = None):
         self.budget = None if budget is None else check_int("budget", budget, minimum=1)
@@ -65,7 +68,12 @@ class RetentionPolicy(Configured):
         self._chunk_pending = False
 
     def config(self) -> dict[str, Any]:
-        return {"budget": self.budget, "every": self.every}
+        own = ((name, getattr(self, name)) for name in self.settings)
+        return {
+            "budget": self.budget,
+            "every": self.every,
+            **{name: list(v) if isinstance(v, tuple) else v for name, v in own},
+        }
 
     # -- hooks the cache calls ------------------------------------------------------------
     def attach(self, cache) -> None:

@@ -18,6 +18,7 @@ from .conformance import (
 )
 from .eviction import EvictingConformance, FullBudgetConformance, Routed
 from .kernel_env import kernel_env
+from .kernel_path import assert_cpu_declines
 from .linked import assert_linked_copies
 from .models import FAMILIES, conformance_model, tiny_model, tiny_tokenizer
 from .refusals import assert_head_dim_refused, assert_tampered_state_refused
@@ -29,6 +30,7 @@ __all__ = [
     "EvictingConformance",
     "FullBudgetConformance",
     "Routed",
+    "assert_cpu_declines",
     "assert_head_dim_refused",
     "assert_linked_copies",
     "assert_partials_close",

@@ -1,6 +1,5 @@
-"""SnapKV's vote: what the observation window attends to, aggregated per KV head and pooled.
-
-Two pure functions (arXiv 2404.14469, section 4):
+"""SnapKV's observation-window vote (arXiv 2404.14469, section 4), for the policies that score
+tokens by it (velox-snapkv, and velox-adakv's base scorer).
 
 * :func:`window_votes`: the softmax attention weights of the window's queries over every
   stored token (each query normalized over the whole context it can see, causally), summed
@@ -10,15 +9,19 @@ Two pure functions (arXiv 2404.14469, section 4):
   absolute position: on a contiguous prefix this is exactly the paper's ``pool1d`` with
   stride 1 and ``kernel // 2`` zero padding; once earlier cuts have left gaps, an evicted
   neighbour counts as a zero vote instead of letting a token pool with a distant one.
+* :class:`WindowVote`: the vote's settings (``observe``, ``kernel``, ``pooling``), checked
+  once, as a policy saves them.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 
-from velox_core.validation import check_choice, check_int
+from ..validation import check_choice, check_int
 
-__all__ = ["POOLING", "check_kernel", "check_pooling", "pool_votes", "window_votes"]
+__all__ = ["POOLING", "WindowVote", "check_kernel", "check_pooling", "pool_votes", "window_votes"]
 
 POOLING = ("max", "avg")
 
@@ -77,21 +80,27 @@ def _shift(x: mx.array, s: int, fill) -> mx.array:
 
 
 def pool_votes(
-    votes: mx.array, positions: mx.array, candidate: mx.array, kernel: int, pooling: str
+    votes: mx.array,
+    positions: mx.array,
+    candidate: mx.array | None,
+    kernel: int,
+    pooling: str,
 ) -> mx.array:
     """Max or average of the votes of the tokens within ``kernel // 2`` positions.
 
-    Only ``candidate`` tokens (the prefix: not the observation window) contribute, as the
-    paper pools the prefix's votes alone; absent neighbours count as zero (the paper's zero
-    padding; ``"avg"`` always divides by ``kernel``, as ``avg_pool1d`` does by default).
+    Only ``candidate`` tokens contribute (SnapKV pools the prefix's votes alone, not the
+    observation window's; None: every token); absent neighbours count as zero (the paper's
+    zero padding; ``"avg"`` always divides by ``kernel``, as ``avg_pool1d`` does by default).
 
     Shapes:
-        votes float32 ``(B, H, T)`` (non-negative), positions int ``(B, H, T)`` strictly
-        increasing along T, candidate bool ``(B, H, T)``; returns float32 ``(B, H, T)``.
+        votes float32 ``(..., T)`` (non-negative), positions int ``(..., T)`` strictly
+        increasing along T, candidate bool ``(..., T)`` or None; returns float32 ``(..., T)``.
     """
     check_kernel(kernel)
     check_pooling(pooling)
-    v = mx.where(candidate, votes.astype(mx.float32), 0.0)
+    v = votes.astype(mx.float32)
+    if candidate is not None:
+        v = mx.where(candidate, v, 0.0)
     out, half, t = v, kernel // 2, v.shape[-1]
     # positions strictly increase, so a token within `half` positions is within `half` slots
     for step in range(1, min(half, t - 1) + 1):
@@ -101,3 +110,24 @@ def pool_votes(
             w = mx.where(near, _shift(v, s, 0.0), 0.0)
             out = out + w if pooling == "avg" else mx.maximum(out, w)
     return out / kernel if pooling == "avg" else out
+
+
+class WindowVote:
+    """The vote's settings, checked: the newest ``observe`` queries vote, and their votes are
+    pooled over ``kernel`` positions by ``pooling`` (``"max"`` or ``"avg"``).
+
+    A method's config constructs one to check its fields; its policy holds one and saves
+    :meth:`config` among its own settings.
+    """
+
+    def __init__(self, observe: int = 32, kernel: int = 7, pooling: str = "max"):
+        self.observe = check_int("observe", observe, minimum=1)
+        self.kernel = check_kernel(kernel)
+        self.pooling = check_pooling(pooling)
+
+    def config(self) -> dict[str, Any]:
+        return {"observe": self.observe, "kernel": self.kernel, "pooling": self.pooling}
+
+    def pool(self, votes: mx.array, positions: mx.array, candidate: mx.array | None = None):
+        """:func:`pool_votes` with these settings (shapes as there)."""
+        return pool_votes(votes, positions, candidate, self.kernel, self.pooling)
