@@ -170,6 +170,62 @@ def test_rabitq_decode_takes_the_kernel_path_and_matches_the_reference(name, dty
     assert math.isfinite(worst) and worst <= tol, (name, dtype, worst)
 
 
+def _commvq_codebooks(path, heads: int) -> str:
+    """Random codebooks for layer 0 (4 pairs a code, 16 entries, 2 stages: 2 bits a
+    coordinate), saved as an artifact."""
+    from velox_commvq import Codebooks, save_codebooks
+
+    shape = (heads, 2, 64, 16, 2)
+    a = 0.1 * mx.random.normal(shape, key=mx.random.key(0))
+    b = 0.1 * mx.random.normal(shape, key=mx.random.key(1))
+    books = Codebooks({0: (a, b)}, {0: [128, 0]}, 4, "synthetic", {"test": True})
+    return str(save_codebooks(books, path / f"commvq-h{heads}.safetensors"))
+
+
+COMMVQ_CASES = [(2, 403), (8, 1024), (8, 2048), (8, 5070)]
+
+
+@needs_gpu
+@pytest.mark.parametrize("heads,t", COMMVQ_CASES)
+def test_commvq_kernel_and_reference_match_the_cpu(tmp_path, heads, t):
+    """CommVQ keys (``velox_commvq``): the table-code decode kernel and the reference path
+    (the code-domain scores as MLX ops, run on the GPU) each equal the reference path run on
+    the CPU. Heads x tokens up to 40,560: where a gather over a table broadcast along the
+    tokens went wrong on MLX's CUDA backend."""
+    pytest.importorskip("velox_commvq")
+    from velox_commvq import CommVQKeys
+    from velox_commvq.kernels import kernel_sides, kernel_tables
+    from velox_core import Uniform
+    from velox_core.cache.attention import Segment, partial
+    from velox_core.kernels import decode as dk
+
+    c = CommVQKeys(bits=2, codebooks=_commvq_codebooks(tmp_path, heads), layer=0, rope_base=1e4)
+    k = mx.random.normal((1, heads, t, 128), key=mx.random.key(1))
+    keys = c.encode(k, mx.arange(t).astype(mx.int32))
+    vc = Uniform(4, 64)
+    values = vc.encode(mx.random.normal((1, heads, t, 128), key=mx.random.key(2)))
+    q = mx.random.normal((1, heads, 4, 128), key=mx.random.key(3)) * 0.2
+    gpu = partial(q, Segment(c, keys, vc, values))
+    with mx.stream(mx.cpu):
+        cpu = partial(q, Segment(c, keys, vc, values))
+        mx.eval(cpu)
+    sides = kernel_sides(c, keys, vc, values)
+    assert sides is not None  # the kernel takes CommVQ records by default
+    got = dk.decode_attention(q, *sides, q_sketch=kernel_tables(c, q))
+    # the GPU reference's float32 matmuls may round as TF32 does: a looser bound than the kernel's
+    for name, part, tol in (("kernel", got, 1e-4), ("gpu reference", gpu, 5e-3)):
+        for g, r in zip(part, cpu):
+            assert _rel(g, r) <= tol, (name, heads, t, _rel(g, r))
+
+
+def _commvq_case(heads: int, t: int) -> None:
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        test_commvq_kernel_and_reference_match_the_cpu(Path(d), heads, t)
+
+
 def main() -> int:
     """Run every case without pytest; print one line per case, return 1 on any failure."""
     failed = 0
@@ -184,6 +240,7 @@ def main() -> int:
         for n in sorted(RABITQ)
         for d in ("float16", "bfloat16")
     ]
+    cases += [(_commvq_case, hc) for hc in COMMVQ_CASES]
     for fn, args in cases:
         try:
             fn(*args)

@@ -34,7 +34,7 @@ from velox_core.kernels.emulate import (
     compiler,
     emulated_or_skip,
 )
-from velox_core.testing import assert_partials_close, kernel_env
+from velox_core.testing import assert_cpu_declines, assert_partials_close, kernel_env
 
 needs_gxx = pytest.mark.skipif(
     compiler() is None, reason="no C++ compiler (g++ or $CXX): the kernels cannot be emulated"
@@ -78,21 +78,15 @@ def queries(b, m, seed=3):
     return mx.random.normal((b, 2, m, 128), key=mx.random.key(seed)) * 0.2
 
 
-@pytest.fixture(autouse=True)
-def table_codes_on(monkeypatch):
-    """The table-code kernel path is off by default (``KernelConfig.table_codes``): on here."""
-    kernel_env(monkeypatch, "VELOX_DECODE_TABLE", "1")
-
-
-def test_the_table_code_path_is_off_by_default(monkeypatch):
+def test_the_table_code_path_is_on_by_default_and_can_be_turned_off(monkeypatch):
     kernel_env(monkeypatch, "VELOX_DECODE_TABLE", None)
-    assert vk.kernel_config().table_codes is False
+    assert vk.kernel_config().table_codes is True
     c = codec(bits=2)
     kp, vc, vp = records(c, t=16)
     monkeypatch.setattr(vk, "backend", lambda: "cuda")  # a GPU as far as dispatch can tell
-    assert kernel_sides(c, kp, vc, vp) is None
-    kernel_env(monkeypatch, "VELOX_DECODE_TABLE", "1")
     assert kernel_sides(c, kp, vc, vp) is not None
+    kernel_env(monkeypatch, "VELOX_DECODE_TABLE", "0")
+    assert kernel_sides(c, kp, vc, vp) is None
 
 
 @pytest.fixture
@@ -104,12 +98,9 @@ def emulated_gpu(monkeypatch, tmp_path):
 # -- which records take the kernel ---------------------------------------------------------------
 
 
-@pytest.mark.skipif(vk.backend() != "cpu", reason="the default device is a GPU")
 def test_attend_partial_is_none_on_the_cpu():
     c = codec()
-    kp, vc, vp = records(c, t=16)
-    assert c.attend_partial(queries(1, 2) * 0.1, kp, vc, vp) is None
-    assert c.joint_call((1, 2, 2, 128), mx.float16, kp, vc, vp, 0, mx.float16, 0.1) is None
+    assert_cpu_declines(c, *records(c, t=16), q_shape=(1, 2, 2, 128))
 
 
 def test_kernel_record_is_the_stored_codes(monkeypatch):

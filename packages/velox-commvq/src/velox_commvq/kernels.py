@@ -36,6 +36,7 @@ import mlx.core as mx
 from velox_core import Packed, Uniform
 from velox_core.kernels import decode as _kd
 from velox_core.kernels import kernel_config, use_kernels
+from velox_core.kernels.joint import JointQuery, JointRun, joint_glue, plan_joint
 from velox_core.ops.rope import to_pairs
 
 from .scores import codeword_tables
@@ -68,7 +69,7 @@ def kernel_sides(
     codec: CommVQKeys, keys: Packed, value_codec, values: Packed
 ) -> tuple[_kd.Codes, _kd.Codes] | None:
     """Both records as the decode kernel reads them, or None where no kernel applies
-    (kernels off or the CPU, the table-code path not turned on: ``KernelConfig.table_codes``,
+    (kernels off or the CPU, the table-code path turned off: ``KernelConfig.table_codes``,
     codebooks not read, values not a per-token ``Uniform``)."""
     if not (use_kernels() and kernel_config().table_codes):
         return None
@@ -90,52 +91,39 @@ def kernel_tables(codec: CommVQKeys, q: mx.array) -> mx.array:
     return tab.reshape(*q.shape[:3], -1)
 
 
+def _sides_for(codec: CommVQKeys, dim: int, keys: Packed, value_codec, values: Packed):
+    """:func:`kernel_sides` where the query's head dim ``dim`` is the codec's, else None."""
+    sides = kernel_sides(codec, keys, value_codec, values)
+    if sides is None or dim != 2 * sides[0].table.theta.shape[0]:
+        return None
+    return sides
+
+
 def attend_partial(
     codec: CommVQKeys, q: mx.array, keys: Packed, value_codec, values: Packed
 ) -> tuple[mx.array, mx.array, mx.array] | None:
     """``CommVQKeys.attend_partial``: the partial ``(o, m, l)`` of one segment from its codes
     (the decode kernel and the split merge), or None where no kernel applies. Shapes as
     ``velox_core.Codec.attend_partial`` (q float32 with the scale applied)."""
-    sides = kernel_sides(codec, keys, value_codec, values)
-    if sides is None or q.shape[-1] != 2 * sides[0].table.theta.shape[0]:
+    sides = _sides_for(codec, q.shape[-1], keys, value_codec, values)
+    if sides is None:
         return None
     return _kd.decode_attention(q, *sides, q_sketch=kernel_tables(codec, q))
 
 
-def joint_call(
-    codec: CommVQKeys,
-    q_shape: tuple[int, int, int, int],
-    q_dtype: mx.Dtype,
-    keys: Packed,
-    value_codec,
-    values: Packed,
-    fp16_tokens: int,
-    out_dtype: mx.Dtype,
-    scale: float | None = None,
-):
+def _plan_joint(
+    codec: CommVQKeys, query: JointQuery, keys: Packed, value_codec, values: Packed
+) -> JointRun | None:
     """``CommVQKeys.joint_call``: attention over this segment's codes and up to two fp16
     segments (a cache's sinks and window) in one softmax, planned once: a callable
     ``run(q, fp16)`` that builds the query tables from ``q`` (unscaled with ``scale``, else
     float32 with it applied) and launches the decode kernel and the merge that joins the fp16
     tokens, returning ``(B, H, M, D)`` in ``out_dtype``; or None where :func:`attend_partial`
     would decline. See ``velox_core.Codec.joint_call``."""
-    sides = kernel_sides(codec, keys, value_codec, values)
-    if sides is None or q_shape[-1] != 2 * sides[0].table.theta.shape[0]:
+    sides = _sides_for(codec, query.shape[-1], keys, value_codec, values)
+    if sides is None:
         return None
-    run = _kd.plan_decode(
-        q_shape,
-        q_dtype,
-        *sides,
-        fp16_tokens=fp16_tokens,
-        out_dtype=out_dtype,
-        scale=scale,
-        q_sketch=True,
-    )
-    if run is None:
-        return None
+    return plan_joint(query, *sides, lambda q: (q, None, kernel_tables(codec, q)), q_sketch=True)
 
-    def call(q: mx.array, fp16: list[tuple[mx.array, mx.array]]) -> mx.array | None:
-        out = run(q, fp16, None, kernel_tables(codec, q))
-        return None if out is None else out[0]
 
-    return call
+joint_call = joint_glue(_plan_joint)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .vq import jrot, pair_codes
+from .vq import jrot, lookup, pair_codes
 
 __all__ = ["code_scores", "codeword_tables", "query_tables"]
 
@@ -93,13 +93,16 @@ def code_scores(
         float32 ``(B, H, M, T)``.
     """
     m, k = q.shape[2], a.shape[3]
-    tables = query_tables(q, a, b)
+    tables = query_tables(q, a, b)  # (B, H, S, P, K*K, 2M)
+    bq, h, _, p, kk, width = tables.shape
     c = pair_codes(codes, pairs)  # (B, H, T, S, P, 2)
+    t = c.shape[2]
     idx = c[..., 0] * k + c[..., 1]  # (B, H, T, S, P): one table entry per stage and pair
     w = None
     for s in range(a.shape[1]):
-        got = mx.take_along_axis(tables[:, :, None, s], idx[:, :, :, s, :, None, None], axis=4)
-        w = got[..., 0, :] if w is None else w + got[..., 0, :]  # (B, H, T, P, 2M)
+        rows = tables[:, :, s].reshape(bq * h, p, kk, width)
+        got = lookup(rows, idx[:, :, :, s].reshape(bq * h, t, p)).reshape(bq, h, t, p, width)
+        w = got if w is None else w + got  # (B, H, T, P, 2M)
     rot = cos[..., None] * w[..., :m] - sin[..., None] * w[..., m:]  # RoPE on the sums
     out = mx.sum(rot, axis=3) * norm.astype(mx.float32)[..., None]  # (B, H, T, M)
     return mx.swapaxes(out, -1, -2)

@@ -155,6 +155,21 @@ def pair_codes(codes: mx.array, pairs: int) -> mx.array:
     return mx.repeat(c, pairs, axis=4)
 
 
+def lookup(src: mx.array, idx: mx.array) -> mx.array:
+    """``out[n, t, p] = src[n, p, idx[n, t, p]]``: one entry per row, token and pair.
+
+    A gather from the flattened table by flat indices, not ``take_along_axis`` over a table
+    broadcast along the tokens: on MLX's CUDA backend the latter gives wrong entries once
+    the gather is large (about 16,384 heads x tokens of 64 pairs).
+
+    Shapes: src ``(N, P, K, C)``; idx integer ``(N, T, P)``; returns ``(N, T, P, C)``.
+    """
+    n, p, k, c = src.shape
+    base = (mx.arange(n, dtype=mx.int32)[:, None, None] * p + mx.arange(p, dtype=mx.int32)) * k
+    flat = (idx.astype(mx.int32) + base).reshape(-1)
+    return mx.take(src.reshape(n * p * k, c), flat, axis=0).reshape(*idx.shape, c)
+
+
 def decode_pairs(codes: mx.array, a: mx.array, b: mx.array, pairs: int) -> mx.array:
     """The sum of each key's codewords, pair by pair (the normalized pre-RoPE key).
 
@@ -163,10 +178,13 @@ def decode_pairs(codes: mx.array, a: mx.array, b: mx.array, pairs: int) -> mx.ar
         ``(B, H, T, P, 2)``.
     """
     c = pair_codes(codes, pairs)
+    bq, h, t = c.shape[:3]
     out = None
     for s in range(a.shape[1]):
         for part, book in ((0, a[:, s]), (1, jrot(b[:, s].astype(mx.float32)))):
-            idx = c[:, :, :, s, :, part][..., None, None]  # (B, H, T, P, 1, 1)
-            got = mx.take_along_axis(book.astype(mx.float32)[None, :, None], idx, axis=4)
-            out = got[..., 0, :] if out is None else out + got[..., 0, :]
+            rows = mx.broadcast_to(book.astype(mx.float32)[None], (bq, *book.shape))
+            rows = rows.reshape(bq * h, *book.shape[1:])  # (B*H, P, K, 2)
+            idx = c[:, :, :, s, :, part].reshape(bq * h, t, -1)  # (B*H, T, P)
+            got = lookup(rows, idx).reshape(bq, h, t, -1, 2)
+            out = got if out is None else out + got
     return out

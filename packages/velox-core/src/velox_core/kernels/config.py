@@ -69,9 +69,7 @@ class KernelConfig:
         sketch_mma_diff / sketch_mma_bsm: force the sketch kernel's ``DIFF`` / ``BSM``
             layouts on or off (None: chosen per layout).
         sketch_mma_ahead: tiles loaded ahead by the sketch kernel (1, 2; None: per layout).
-        table_codes: take the portable kernel's table-code (CommVQ) path (off by default: it
-            equals the reference in CPU emulation of its Metal and CUDA builds, but not yet
-            on an NVIDIA H200, where decode steps through it differ from the reference).
+        table_codes: take the portable kernel's table-code (CommVQ) path.
         disk_cache: on CUDA, compile each kernel into MLX's PTX disk cache, so that later
             processes load it instead of compiling it (:mod:`velox_core.kernels.disk_cache`).
         cuda_include: on CUDA, hand MLX each kernel's texts as ``#include`` lines of files
@@ -102,7 +100,7 @@ class KernelConfig:
     sketch_mma_diff: bool | None = None
     sketch_mma_bsm: bool | None = None
     sketch_mma_ahead: int | None = None
-    table_codes: bool = False
+    table_codes: bool = True
     disk_cache: bool = True
     cuda_include: bool = True
 
