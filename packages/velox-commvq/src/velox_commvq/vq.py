@@ -120,7 +120,10 @@ def distances(r: mx.array, a: mx.array, bp: mx.array) -> mx.array:
 
 def _take(c: mx.array, idx: mx.array) -> mx.array:
     """Rows ``c[h, n, idx[b, h, n, t]]``. Shapes: c ``(H, n, K, C)``, idx ``(B, H, n, T)``."""
-    return mx.take_along_axis(c[None, :, :, None], idx[..., None, None], axis=4)[..., 0, :]
+    b, h, n, t = idx.shape
+    rows = mx.broadcast_to(c[None], (b, *c.shape)).reshape(b * h * n, 1, *c.shape[2:])
+    got = lookup(rows, idx.reshape(b * h * n, t, 1))  # (B*H*n, T, 1, C)
+    return got.reshape(b, h, n, t, c.shape[-1])
 
 
 def encode_pairs(u: mx.array, a: mx.array, b: mx.array, pairs: int) -> mx.array:
