@@ -133,6 +133,9 @@ def test_disk_cache_switch(monkeypatch):
         assert disk_cache.wrap(inner, SPEC.mlx_source) is inner
     with configured(disk_cache=True):
         assert isinstance(disk_cache.wrap(inner, SPEC.mlx_source), disk_cache.CachedKernel)
+    with configured(disk_cache=True):
+        monkeypatch.setattr(disk_cache.mx, "__version__", "0.99.0")  # a release not followed
+        assert disk_cache.wrap(inner, SPEC.mlx_source) is inner
     from velox_core.kernels.config import KernelConfig
 
     assert KernelConfig.from_environ({"VELOX_KERNEL_CACHE": "0"}).disk_cache is False

@@ -28,8 +28,8 @@ the module name hashes it with libstdc++'s ``std::hash<std::string>``
 (:func:`std_hash`), which MLX's Linux wheels use. Where any of it does not match an MLX
 version, MLX finds no file under the name it computes and compiles the kernel itself, as
 it does without this module: a mismatch costs time, never a wrong result, since the file
-is the compiled form of MLX's own source. ``KernelConfig.disk_cache`` (``VELOX_KERNEL_CACHE=0``)
-turns it off.
+is the compiled form of MLX's own source. It applies to the MLX releases it follows
+(:data:`MLX_VERSIONS`); ``KernelConfig.disk_cache`` (``VELOX_KERNEL_CACHE=0``) turns it off.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ import mlx.core as mx
 from .config import kernel_config
 
 __all__ = [
+    "MLX_VERSIONS",
     "CachedKernel",
     "compile_cuda",
     "ensure_compiled",
@@ -310,6 +311,15 @@ class CachedKernel:
         return self.kernel(inputs=inputs, output_dtypes=output_dtypes, template=template, **kwargs)
 
 
+# MLX releases whose module naming, cache layout and generated source this module follows
+# (checked on an NVIDIA GPU: the source MLX prints with verbose=True equals cuda_source's)
+MLX_VERSIONS = ("0.32.",)
+
+
 def wrap(kernel: Any, render: Callable[..., tuple[str, str]]) -> Any:
-    """``kernel`` with its compiled forms kept on disk, where the configuration asks for it."""
-    return CachedKernel(kernel, render) if kernel_config().disk_cache else kernel
+    """``kernel`` with its compiled forms kept on disk, where the configuration asks for it
+    and MLX is a release this module follows (:data:`MLX_VERSIONS`; others compile every
+    kernel themselves, as without this module)."""
+    if not kernel_config().disk_cache or not mx.__version__.startswith(MLX_VERSIONS):
+        return kernel
+    return CachedKernel(kernel, render)
