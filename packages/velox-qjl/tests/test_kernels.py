@@ -26,19 +26,18 @@ from velox_core.cache.attention import Segment, partial
 from velox_core.kernels import decode as dk
 from velox_core.kernels import sketch_mma as sm
 from velox_core.kernels.build import ArgInfo, cuda_source
-from velox_core.kernels.emulate import EmulatedKernels, emulated_or_skip, shim_dir
+from velox_core.kernels.emulate import EmulatedKernels, shim_dir
 from velox_core.testing import (
-    assert_partials_close,
+    assert_cpu_declines,
+    assert_kernel_partial,
     assert_partials_equivalent,
+    emulated_gpu_fixture,
     kernel_env,
     kv_data,
+    needs_gxx,
 )
 from velox_qjl import METHOD, QJL, QJLCache
 from velox_qjl.kernels import _query_sketch, encode_sketch, kernel_sides
-
-needs_gxx = pytest.mark.skipif(
-    shutil.which("g++") is None, reason="g++ is not installed: the kernels cannot be emulated"
-)
 
 # the paper's setting, the recommended "4-bit" keys (m = 320: shares straddling words,
 # blocks of 128), 1-bit keys with 8-bit outliers, and no outliers
@@ -57,16 +56,11 @@ def records(kw, t=256, seed=0, value_bits=2):
     return kc, kc.encode(k), vc, vc.encode(v)
 
 
-@pytest.fixture
-def emulated_gpu(monkeypatch, tmp_path):
-    return emulated_or_skip(monkeypatch, tmp_path)
+emulated_gpu = emulated_gpu_fixture()
 
 
 def test_attend_partial_is_none_on_the_cpu():
-    if mx.default_device().type == mx.DeviceType.gpu:
-        pytest.skip("the default device is a GPU")
-    kc, kp, vc, vp = records({})
-    assert kc.attend_partial(mx.zeros((1, 2, 4, 128)), kp, vc, vp) is None
+    assert_cpu_declines(*records({}))
 
 
 def test_encode_sketch_is_none_on_the_cpu(monkeypatch):
@@ -200,11 +194,7 @@ def test_emulated_kernel_attention_matches_the_reference(emulated_gpu, name):
     reference scores/mix path."""
     kc, kp, vc, vp = records(KEY_SETTINGS[name], t=384)
     q = mx.random.normal((1, 2, 4, 128), key=mx.random.key(3)) * 0.3
-    emulated_gpu.calls.clear()  # (the values were encoded by the emulated encode kernel)
-    got = kc.attend_partial(q, kp, vc, vp)
-    assert emulated_gpu.names == ["velox_decode_attention", "velox_decode_merge"]
-    ref = partial(q, Segment(kc, kp, vc, vp))
-    assert_partials_close(got, ref, 5e-5)
+    assert_kernel_partial(emulated_gpu, q, kc, kp, vc, vp, 5e-5)
 
 
 @needs_gxx

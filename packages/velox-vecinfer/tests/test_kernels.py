@@ -11,24 +11,24 @@ codes in one softmax.
 
 from __future__ import annotations
 
-import shutil
-
 import mlx.core as mx
 import numpy as np
 import pytest
 
 import velox_core.kernels as vk
 from velox_core import Uniform
-from velox_core.cache.attention import Segment, partial
 from velox_core.kernels import decode as dk
-from velox_core.kernels.emulate import EmulatedKernels, emulated_or_skip
-from velox_core.testing import assert_partials_close, kernel_env, kv_data
+from velox_core.kernels.emulate import EmulatedKernels
+from velox_core.testing import (
+    assert_cpu_declines,
+    assert_kernel_partial,
+    emulated_gpu_fixture,
+    kernel_env,
+    kv_data,
+    needs_gxx,
+)
 from velox_vecinfer import VecInfer, VecInferCache
 from velox_vecinfer.kernels import kernel_side
-
-needs_gxx = pytest.mark.skipif(
-    shutil.which("g++") is None, reason="g++ is not installed: the kernels cannot be emulated"
-)
 
 # (keys, values): the paper's 2 bits (256 codewords of 4 channels) on both sides; 16 pairs
 # of keys (2 bits) with 256 pairs of values (4 bits); values smoothed and rotated too (the
@@ -49,16 +49,11 @@ def records(name, t=256, seed=0):
     return kc, kc.encode(k), vc, vc.encode(v)
 
 
-@pytest.fixture
-def emulated_gpu(monkeypatch, tmp_path):
-    return emulated_or_skip(monkeypatch, tmp_path)
+emulated_gpu = emulated_gpu_fixture()
 
 
 def test_attend_partial_is_none_on_the_cpu():
-    if mx.default_device().type == mx.DeviceType.gpu:
-        pytest.skip("the default device is a GPU")
-    kc, kp, vc, vp = records("2bit")
-    assert kc.attend_partial(mx.zeros((1, 2, 4, 128)), kp, vc, vp) is None
+    assert_cpu_declines(*records("2bit"))
 
 
 def test_kernel_sides_and_what_the_kernel_declines(monkeypatch):
@@ -100,11 +95,7 @@ def test_emulated_kernel_attention_matches_the_reference(emulated_gpu, name):
     values mixed from theirs in the same pass) equals the codec's reference scores/mix."""
     kc, kp, vc, vp = records(name, t=300)
     q = mx.random.normal((1, 2, 4, 128), key=mx.random.key(3)) * 0.3
-    emulated_gpu.calls.clear()
-    got = kc.attend_partial(q, kp, vc, vp)
-    assert emulated_gpu.names == ["velox_decode_attention", "velox_decode_merge"]
-    ref = partial(q, Segment(kc, kp, vc, vp))
-    assert_partials_close(got, ref, 5e-5)
+    assert_kernel_partial(emulated_gpu, q, kc, kp, vc, vp, 5e-5)
 
 
 @needs_gxx

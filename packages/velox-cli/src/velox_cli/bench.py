@@ -86,11 +86,11 @@ def load_model(path: str | None):
     model, tokenizer = mlx_lm.load(path)
     artifacts = find_shared("artifacts")  # fitted per-model artifacts (e.g. Q-Filters' filters)
     if artifacts is not None:
-        import os
+        from velox_core import environment
 
-        dirs = [d for d in os.environ.get("VELOX_ARTIFACTS", "").split(":") if d]
+        dirs = [d for d in (environment.get("VELOX_ARTIFACTS") or "").split(":") if d]
         if str(artifacts) not in dirs:
-            os.environ["VELOX_ARTIFACTS"] = ":".join([*dirs, str(artifacts)])
+            environment.put("VELOX_ARTIFACTS", ":".join([*dirs, str(artifacts)]))
     store = None
     if backend() == "cpu":
         first = next(iter(v for _, v in _params(model)))

@@ -34,6 +34,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from velox_core import environment
+
 __all__ = ["active_blas", "find_blas", "preload"]
 
 OFF = ("off", "0", "no", "none", "false")
@@ -114,7 +116,7 @@ def find_blas() -> tuple[Path | None, str, list[str]]:
     Returns ``(None, "", reasons)`` when none can be loaded.
     """
     reasons: list[str] = []
-    env = os.environ.get("VELOX_BLAS", "").strip()
+    env = environment.get("VELOX_BLAS")
     if env:
         p = Path(env).expanduser()
         why = _loads(p) if p.is_file() else f"VELOX_BLAS={env}: no such file"
@@ -143,12 +145,12 @@ def preload(argv: list[str]) -> None:
     """Re-execute ``python -m velox_cli argv`` with a fast BLAS preloaded, once, when MLX would
     otherwise compute with its bundled reference BLAS; print one line saying what it does (or
     why it cannot). Returns only when it does not re-execute."""
-    setting = os.environ.get("VELOX_BLAS", "").strip().lower()
+    setting = (environment.get("VELOX_BLAS") or "").lower()
     if (
         sys.platform != "linux"
         or setting in OFF
-        or os.environ.get("VELOX_NO_OPENBLAS")  # the earlier opt-out, still honoured
-        or ACTIVE in os.environ
+        or environment.get("VELOX_NO_OPENBLAS")  # the earlier opt-out, still honoured
+        or environment.get(ACTIVE)
         or "blas" in os.environ.get("LD_PRELOAD", "").lower()
         or mlx_reference_blas() is None
     ):
@@ -171,13 +173,13 @@ def preload(argv: list[str]) -> None:
         flush=True,
     )
     pre = os.environ.get("LD_PRELOAD", "")
-    env = dict(os.environ, LD_PRELOAD=f"{lib}:{pre}" if pre else str(lib))
+    env = environment.with_setting(**{ACTIVE: str(lib)})
+    env["LD_PRELOAD"] = f"{lib}:{pre}" if pre else str(lib)
     # one BLAS thread unless asked otherwise: MLX runs its CPU ops on a thread of its own
     # beside Python's, its products here are small (512-token chunks), and a second OpenBLAS
     # thread spinning between them took CPU from both (on 2 cores, 3 specs of velox bench
     # took 2.2x the wall time with 2 threads)
     env["OPENBLAS_NUM_THREADS"] = threads
-    env[ACTIVE] = str(lib)
     os.execve(sys.executable, [sys.executable, "-m", "velox_cli", *argv], env)
 
 
@@ -206,7 +208,7 @@ def active_blas() -> str:
         if glob.dladdr(ctypes.cast(fn, ctypes.c_void_p), ctypes.byref(info)):
             path = (info.dli_fname or b"").decode(errors="replace")
     except AttributeError:
-        path = os.environ.get(ACTIVE, "")
+        path = environment.get(ACTIVE) or ""
     if ref is not None and path and os.path.realpath(path) == os.path.realpath(ref):
         return default
     name = "a preloaded BLAS"

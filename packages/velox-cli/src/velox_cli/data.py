@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from velox_core import environment
 from velox_core.artifacts import token_stream
 
 __all__ = ["RecallPrompt", "find_shared", "load_text", "recall_prompts", "token_stream"]
@@ -66,9 +66,7 @@ _FALLBACK_WORDS = (
 def find_shared(*parts: str) -> Path | None:
     """A path under the repository's ``shared/`` (searched from the working directory up),
     or under ``$VELOX_SHARED``; None if absent."""
-    roots = []
-    if os.environ.get("VELOX_SHARED"):
-        roots.append(Path(os.environ["VELOX_SHARED"]))
+    roots = environment.paths("VELOX_SHARED")
     here = Path.cwd().resolve()
     roots += [p / "shared" for p in (here, *here.parents)]
     roots.append(Path(__file__).resolve().parents[4] / "shared")  # a source checkout

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from velox_core import environment
+
 __all__ = [
     "ARCHITECTURES",
     "NAMED",
@@ -106,8 +108,9 @@ _TOKEN_CONTROL, _TOKEN_USER = 3, 4  # llama.cpp's token types marking added toke
 
 def cache_root() -> Path:
     """Where converted models live (``<root>/models/<name>-<sha256 prefix>-<dtype>``)."""
-    if os.environ.get("VELOX_CACHE_DIR"):
-        return Path(os.environ["VELOX_CACHE_DIR"])
+    own = environment.get("VELOX_CACHE_DIR")
+    if own:
+        return Path(own)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "velox"
 

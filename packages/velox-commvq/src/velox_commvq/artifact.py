@@ -19,51 +19,37 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_core.artifacts import ENV, ArtifactFile, ArtifactKind, read_metadata, search_dirs
+from velox_core.artifacts import ArtifactFile, ArtifactKind, FittedLayers, search_dirs
 from velox_core.artifacts import load_cached as _load_cached
 
 from .vq import Geometry
 
 __all__ = [
-    "ENV",
     "FORMAT",
     "Codebooks",
     "MissingCodebooksError",
     "find_codebooks",
     "load_cached",
     "load_codebooks",
-    "read_metadata",
     "resolve_codebooks",
     "save_codebooks",
     "search_dirs",
 ]
 
-FORMAT = "velox-commvq"
-VERSION = "1"
-HOW_TO_FIT = "python -m velox_commvq fit --model PATH --text CALIBRATION.txt --out FILE"
-
-
-class MissingCodebooksError(FileNotFoundError):
-    """No CommVQ artifact was found for a model."""
-
-
-KIND = ArtifactKind(FORMAT, VERSION, "CommVQ", "codebooks", HOW_TO_FIT, MissingCodebooksError)
-
 
 @dataclass
-class Codebooks:
-    """Fitted CommVQ key codebooks of one model.
+class Codebooks(FittedLayers):
+    """Fitted CommVQ key codebooks of one model (``fingerprint``, ``model``, ``calibration``
+    and ``layer(i)``: :class:`~velox_core.artifacts.FittedLayers`).
 
     Attributes:
         layers: layer index -> ``(a, b)``, each ``(H_kv, S, P, K, 2)``; pair ``p`` of stage
             ``s`` codes as ``a[h, s, p, c1] + J b[h, s, p, c2]``.
         layouts: layer index -> ``[dims, traditional]`` of the RoPE it was fitted under.
         pairs: RoPE pairs sharing one code per stage (``G``).
-        fingerprint: the model's fingerprint.
-        model: the model's identifying config.
-        calibration: how the codebooks were fitted.
     """
 
+    what = "CommVQ codebooks"
     layers: dict[int, tuple[mx.array, mx.array]]
     layouts: dict[int, list[int]]
     pairs: int
@@ -71,17 +57,19 @@ class Codebooks:
     model: dict[str, Any] = field(default_factory=dict)
     calibration: dict[str, Any] = field(default_factory=dict)
 
-    def layer(self, i: int) -> tuple[mx.array, mx.array]:
-        if i not in self.layers:
-            raise ValueError(
-                f"these CommVQ codebooks have no layer {i} (fitted: {sorted(self.layers)})"
-            )
-        return self.layers[i]
-
     @property
     def geometry(self) -> Geometry:
         a = next(iter(self.layers.values()))[0]
         return Geometry(self.pairs, int(a.shape[3]), int(a.shape[1]))
+
+
+class MissingCodebooksError(FileNotFoundError):
+    """No CommVQ artifact was found for a model."""
+
+
+HOW_TO_FIT = "python -m velox_commvq fit --model PATH --text CALIBRATION.txt --out FILE"
+KIND = ArtifactKind("velox-commvq", "1", "CommVQ", "codebooks", HOW_TO_FIT, MissingCodebooksError)
+FORMAT, VERSION = KIND.fmt, KIND.version
 
 
 def save_codebooks(books: Codebooks, path: str | os.PathLike) -> Path:
@@ -91,13 +79,7 @@ def save_codebooks(books: Codebooks, path: str | os.PathLike) -> Path:
         if a.ndim != 5 or a.shape != b.shape or a.shape[-1] != 2:
             raise ValueError(f"save_codebooks: layer {i} must be two (H, S, P, K, 2) arrays")
         arrays[f"layer.{i}.a"], arrays[f"layer.{i}.b"] = a.astype(mx.float16), b.astype(mx.float16)
-    meta = {
-        "fingerprint": books.fingerprint,
-        "layouts": books.layouts,
-        "pairs": str(books.pairs),
-        "model": books.model,
-        "calibration": books.calibration,
-    }
+    meta = {**books.provenance(), "layouts": books.layouts, "pairs": str(books.pairs)}
     return KIND.write(path, arrays, list(books.layers), meta, "save_codebooks")
 
 
@@ -122,16 +104,7 @@ def load_cached(path: str | os.PathLike) -> Codebooks:
     return _load_cached(load_codebooks, path)
 
 
-def find_codebooks(fp: str, dirs: list[Path] | None = None) -> Path | None:
-    """The first artifact (directories in order, files sorted by name) fitted for ``fp``."""
-    return KIND.find(fp, dirs)
-
-
-def resolve_codebooks(model: Any, codebooks: str | os.PathLike | None = None) -> Path:
-    """The artifact to use for ``model``: ``codebooks`` if given (checked), else the lookup.
-
-    Raises:
-        ValueError: ``codebooks`` is not a CommVQ artifact or was fitted for another model.
-        MissingCodebooksError: nothing in the search directories was fitted for this model.
-    """
-    return KIND.resolve(model, codebooks)
+# find_codebooks(fp, dirs=None): the first CommVQ artifact fitted for fingerprint ``fp``;
+# resolve_codebooks(model, path=None): the one to use for ``model`` (``path`` if given, checked;
+# MissingCodebooksError where none is found): :class:`~velox_core.artifacts.ArtifactKind`.
+find_codebooks, resolve_codebooks = KIND.find, KIND.resolve

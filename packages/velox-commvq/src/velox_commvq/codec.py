@@ -43,6 +43,7 @@ import mlx.core as mx
 import numpy as np
 
 from velox_core import Codec, Packed
+from velox_core.artifacts import bound_layer
 from velox_core.codec.prerope import PreRope
 from velox_core.ops import pack, unpack
 from velox_core.ops.rope import RopeSpec, angles, from_pairs, rotate_pairs, to_pairs
@@ -115,9 +116,7 @@ class CommVQKeys(PreRope, Codec):
     # -- the model: its RoPE and its artifact ---------------------------------------------------
     def bind(self, model: Any = None, layer: int | None = None) -> None:
         """Read ``model.layers[layer]``'s RoPE and find the artifact fitted for ``model``."""
-        if layer is not None:
-            self.layer = check_int("layer", layer, minimum=0)
-        if model is None or self.layer is None:
+        if not bound_layer(self, model, layer):
             return
         self.bind_rope(model, self.layer)
         self._path, self._books = str(resolve_codebooks(model, self.codebooks)), None

@@ -16,8 +16,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from velox_core import VeloxCache, make_cache
-from velox_core.artifacts import calibration_ids, fingerprint, identity, model_dtype
+from velox_core.artifacts import calibration_ids, fitted, prefilled
 from velox_core.ops.rope import angles, find_rope, rope_spec, rotate_pairs, to_pairs
 from velox_core.validation import check_float, check_int
 
@@ -62,9 +61,6 @@ def fit_codebooks(
     """Fit the CommVQ key codebooks of ``model`` on calibration text.
 
     Args:
-        model: an mlx-lm model (run as it is: cast it first to fit in another dtype).
-        tokenizer_or_token_ids, text, max_tokens: the calibration tokens, as
-            :func:`velox_core.artifacts.calibration_ids` takes them.
         seq_len: tokens per calibration sequence, each run from position 0.
         samples: tokens sampled (uniformly, without replacement) to fit each head.
         pairs: RoPE pairs sharing one code per stage (``G``; must divide ``D/2``).
@@ -73,8 +69,10 @@ def fit_codebooks(
             defaults: 2 stages of 1 bit, so 1-bit caches use the first, 2-bit both).
         iters, temperature: EM iterations and relative temperatures (:mod:`velox_commvq.em`).
         seed: seed of the token sample and of the EM initialization.
-        chunk: prefill chunk length (bounds the attention memory).
-        source: a description of the calibration text, stored in the artifact.
+        model, tokenizer_or_token_ids, text, max_tokens, chunk, source: the model (run as it
+            is: cast it first to fit in another dtype) and its calibration, as
+            :func:`velox_core.artifacts.calibration_ids`, :func:`~velox_core.artifacts.prefilled`
+            and :func:`~velox_core.artifacts.fitted` take them.
 
     Returns:
         :class:`~velox_commvq.artifact.Codebooks` for every attention layer with a velox cache.
@@ -92,14 +90,8 @@ def fit_codebooks(
     t0, t1 = (check_float("temperature", t, minimum=0.0, open_min=True) for t in temperature)
     keys: dict[int, list[mx.array]] = {}
     specs: dict[int, Any] = {}
-    for s in range(0, ids.size, seq_len):
-        seq = mx.array(ids[s : s + seq_len])[None]
-        caches = make_cache(model, lambda i: VeloxCache())
-        for c in range(0, seq.shape[1], chunk):
-            model(seq[:, c : c + chunk], cache=caches)
-        for i, cache in enumerate(caches):
-            if not isinstance(cache, VeloxCache):
-                continue
+    for _, caches in prefilled(model, ids, seq_len, chunk):
+        for i, cache in caches:
             spec = specs.setdefault(i, rope_spec(find_rope(model, i, "commvq"), "commvq"))
             u = pre_rope_units(cache.keys_and_values()[0], spec)[0]  # (H, T, P, 2)
             keys.setdefault(i, []).append(u)
@@ -119,17 +111,16 @@ def fit_codebooks(
         layers[i] = (mx.stack([x[0] for x in books]), mx.stack([x[1] for x in books]))
         errors[str(i)] = [round(float(np.mean(e)), 6) for e in zip(*(x[2] for x in books))]
         mx.eval(layers[i])
-    calibration = {
-        "tokens": int(ids.size),
-        "samples": int(min(samples, ids.size)),
-        "seq_len": seq_len,
-        "iters": iters,
-        "temperature": [t0, t1],
-        "seed": seed,
-        "stage_errors": errors,
-        "input": how,
-        "source": source or "",
-        "dtype": model_dtype(model),
-    }
-    layouts = {i: specs[i].layout for i in layers}
-    return Codebooks(layers, layouts, pairs, fingerprint(model), identity(model), calibration)
+    provenance = fitted(
+        model,
+        how,
+        source,
+        tokens=int(ids.size),
+        samples=int(min(samples, ids.size)),
+        seq_len=seq_len,
+        iters=iters,
+        temperature=[t0, t1],
+        seed=seed,
+        stage_errors=errors,
+    )
+    return Codebooks(layers, {i: specs[i].layout for i in layers}, pairs, **provenance)

@@ -20,6 +20,8 @@ A method describes its artifact once, as an :class:`ArtifactKind` (format, versi
 messages), which writes, reads, finds and resolves its files; the method keeps only its arrays
 and its own metadata fields. Every file of a kind carries ``layers`` (the JSON list of layer
 indices), ``fingerprint``, ``model`` (:func:`identity`) and ``calibration`` (how it was fitted).
+A method's record of a file derives from :class:`Fitted` (the provenance; :class:`FittedLayers`
+adds the per-layer lookup) and a fit ends with :func:`fitted` (the provenance of a fit made now).
 """
 
 from __future__ import annotations
@@ -29,29 +31,37 @@ import hashlib
 import json
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from . import environment
+from .cache.velox import VeloxCache
+from .mlx_lm import make_cache
 from .validation import check_int
 
 __all__ = [
     "ENV",
     "ArtifactFile",
     "ArtifactKind",
+    "Fitted",
+    "FittedLayers",
+    "bound_layer",
     "calibration_ids",
     "check_format",
     "find_artifact",
     "fingerprint",
+    "fitted",
     "identity",
     "load_cached",
     "model_dtype",
+    "prefilled",
     "read_metadata",
     "resolve_artifact",
     "search_dirs",
@@ -178,6 +188,25 @@ def calibration_ids(
     return out, how
 
 
+def prefilled(
+    model: Any, ids: np.ndarray, seq_len: int, chunk: int
+) -> Iterator[tuple[mx.array, list[tuple[int, Any]]]]:
+    """Run ``model`` on the calibration tokens ``ids`` cut into sequences of ``seq_len``
+    tokens, each from position 0 in fresh :class:`~velox_core.VeloxCache` caches, prefilled
+    ``chunk`` tokens at a time (bounds the attention memory).
+
+    Yields:
+        per sequence, ``(tokens, caches)``: int ``(1, T)`` and ``(layer, cache)`` of every
+        layer with a velox cache, holding the sequence's keys and values.
+    """
+    for s in range(0, ids.size, seq_len):
+        seq = mx.array(ids[s : s + seq_len])[None]
+        caches = make_cache(model, lambda i: VeloxCache())
+        for c in range(0, seq.shape[1], chunk):
+            model(seq[:, c : c + chunk], cache=caches)
+        yield seq, [(i, c) for i, c in enumerate(caches) if isinstance(c, VeloxCache)]
+
+
 def model_dtype(model: Any) -> str:
     """The dtype of the model's first parameter, as a fit records it (``""``: none)."""
     params = tree_flatten(model.parameters())
@@ -235,8 +264,7 @@ def load_cached(loader: Callable[[Path], T], path: str | os.PathLike) -> T:
 
 def search_dirs() -> list[Path]:
     """Where artifacts are looked up: ``$VELOX_ARTIFACTS`` (in order), then ``~/.cache/velox``."""
-    env = [Path(d).expanduser() for d in os.environ.get(ENV, "").split(":") if d]
-    return [*env, Path("~/.cache/velox").expanduser()]
+    return [*environment.paths(ENV), Path("~/.cache/velox").expanduser()]
 
 
 def find_artifact(
@@ -312,6 +340,66 @@ class ArtifactFile:
         }
 
 
+class Fitted:
+    """What the record of every fitted artifact shares, as a base of a method's dataclass:
+    the dataclass declares, after its own fields, ``fingerprint: str``, ``model`` and
+    ``calibration`` (dicts, empty by default)."""
+
+    fingerprint: str
+    model: dict[str, Any]
+    calibration: dict[str, Any]
+
+    def provenance(self) -> dict[str, Any]:
+        """``fingerprint``, ``model`` and ``calibration``: the metadata every file carries."""
+        return {
+            "fingerprint": self.fingerprint,
+            "model": self.model,
+            "calibration": self.calibration,
+        }
+
+
+class FittedLayers(Fitted):
+    """A :class:`Fitted` record whose ``layers`` maps layer index -> that layer's arrays;
+    ``what`` names them in messages (``"CommVQ codebooks"``)."""
+
+    what: ClassVar[str] = "fitted artifacts"
+    layers: dict[int, Any]
+
+    def layer(self, i: int) -> Any:
+        """``layers[i]``, or ``ValueError`` naming the layers that were fitted."""
+        if i not in self.layers:
+            raise ValueError(f"these {self.what} have no layer {i} (fitted: {sorted(self.layers)})")
+        return self.layers[i]
+
+
+def bound_layer(obj: Any, model: Any, layer: int | None) -> bool:
+    """``bind(model, layer)``'s first step for a codec or policy that uses one layer of a
+    model's artifact: ``layer``, when given, is checked (an int >= 0) and set as
+    ``obj.layer``; returns True when ``model`` and a layer are both known (the artifact's
+    layer can be looked up), False when ``bind`` has nothing more to do."""
+    if layer is not None:
+        obj.layer = check_int("layer", layer, minimum=0)
+    return model is not None and obj.layer is not None
+
+
+def fitted(model: Any, how: str, source: str | None, **calibration: Any) -> dict[str, Any]:
+    """The provenance keyword arguments of an artifact fitted on ``model`` now:
+    ``fingerprint``, ``model`` (:func:`identity`) and ``calibration``, which holds the fit's
+    own ``calibration`` entries and ``input`` (``how``, from :func:`calibration_ids`),
+    ``source`` (a description of the calibration text, ``""`` for none) and ``dtype``
+    (:func:`model_dtype`)."""
+    return {
+        "fingerprint": fingerprint(model),
+        "model": identity(model),
+        "calibration": {
+            **calibration,
+            "input": how,
+            "source": source or "",
+            "dtype": model_dtype(model),
+        },
+    }
+
+
 @dataclass(frozen=True)
 class ArtifactKind:
     """One method's artifact: ``fmt`` and ``version`` in its metadata, ``what`` naming it in
@@ -376,7 +464,7 @@ class ArtifactKind:
         fingerprint ``fp``."""
         return find_artifact(self.fmt, fp, dirs, self.version)
 
-    def resolve(self, model: Any, path: str | os.PathLike | None) -> Path:
+    def resolve(self, model: Any, path: str | os.PathLike | None = None) -> Path:
         """The artifact of this kind for ``model``: ``path`` if given (checked: this kind,
         fitted for this model), else the first found by the model's fingerprint in
         :func:`search_dirs`.

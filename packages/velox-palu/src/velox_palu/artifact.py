@@ -28,7 +28,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_core.artifacts import ArtifactFile, ArtifactKind, load_cached
+from velox_core.artifacts import ArtifactFile, ArtifactKind, Fitted, load_cached
 
 __all__ = [
     "FORMAT",
@@ -56,8 +56,9 @@ KIND = ArtifactKind(FORMAT, VERSION, "Palu", "artifact", HOW_TO_FIT, MissingArti
 
 
 @dataclass
-class PaluBases:
-    """Fitted Palu bases of one model.
+class PaluBases(Fitted):
+    """Fitted Palu bases of one model (``fingerprint``, ``model`` and ``calibration``: how
+    they were fitted, :class:`~velox_core.artifacts.Fitted`).
 
     Attributes:
         bases: ``(layer, side)`` -> ``(basis (G, gD, gD), sigma (G, gD))``.
@@ -66,9 +67,6 @@ class PaluBases:
         layouts: layer -> ``[dims, traditional]`` of the RoPE the keys were un-rotated with.
         fisher: layer -> ``[key, value]`` Fisher information of the projections (empty when
             fitted without it).
-        fingerprint: the model's fingerprint.
-        model: the model's identifying config.
-        calibration: how the bases were fitted.
     """
 
     bases: dict[tuple[int, str], tuple[mx.array, mx.array]]
@@ -126,12 +124,10 @@ def save_bases(b: PaluBases, path: str | os.PathLike) -> Path:
     for (i, s), bias in b.biases.items():
         arrays[f"layer.{i}.{s}.bias"] = bias.astype(mx.float32)
     meta = {
-        "fingerprint": b.fingerprint,
+        **b.provenance(),
         "heads_per_group": str(b.heads_per_group),
         "layouts": b.layouts,
         "fisher": b.fisher,
-        "model": b.model,
-        "calibration": b.calibration,
     }
     return KIND.write(path, arrays, b.layers, meta, "save_bases")
 
@@ -166,12 +162,7 @@ def load_bases_cached(path: str | os.PathLike) -> PaluBases:
     return load_cached(load_bases, path)
 
 
-def resolve_bases(model: Any, artifact: str | os.PathLike | None = None) -> Path:
-    """The artifact for ``model``: ``artifact`` if given (checked), else the one found by the
-    model's fingerprint in ``$VELOX_ARTIFACTS``, then ``~/.cache/velox``.
-
-    Raises:
-        ValueError: ``artifact`` is not a Palu artifact or was fitted for another model.
-        MissingArtifactError: nothing in the search directories was fitted for this model.
-    """
-    return KIND.resolve(model, artifact)
+# resolve_bases(model, path=None): the Palu artifact for ``model`` (``path`` if given, checked;
+# else found by the model's fingerprint; MissingArtifactError where none is):
+# :meth:`velox_core.artifacts.ArtifactKind.resolve`.
+resolve_bases = KIND.resolve

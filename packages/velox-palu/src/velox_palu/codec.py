@@ -37,6 +37,7 @@ from typing import Any
 import mlx.core as mx
 
 from velox_core import Codec, Packed, Uniform
+from velox_core.artifacts import bound_layer
 from velox_core.codec.prerope import PreRope
 from velox_core.ops import block_size, hadamard
 from velox_core.ops.rope import fast_rotate as rope_at
@@ -97,9 +98,7 @@ class _PaluLatent(Codec):
     # -- the model's artifact ----------------------------------------------------------------
     def bind(self, model: Any = None, layer: int | None = None) -> None:
         """Find the artifact fitted for ``model`` and select this layer's basis."""
-        if layer is not None:
-            self.layer = check_int("layer", layer, minimum=0)
-        if model is None or self.layer is None:
+        if not bound_layer(self, model, layer):
             return
         self._path, self._fit = str(resolve_bases(model, self.artifact)), None
         self._select(load_bases_cached(self._path), None, None)  # fail now, not at first use
@@ -331,9 +330,7 @@ class PaluKeys(PreRope, _PaluLatent):
         return out
 
     def bind(self, model: Any = None, layer: int | None = None) -> None:
-        if layer is not None:
-            self.layer = check_int("layer", layer, minimum=0)
-        if model is not None and self.layer is not None:
+        if bound_layer(self, model, layer):
             self.bind_rope(model, self.layer)
         super().bind(model, layer)
 

@@ -30,8 +30,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from velox_core import VeloxCache, make_cache
-from velox_core.artifacts import calibration_ids, fingerprint, identity, model_dtype
+from velox_core.artifacts import calibration_ids, fitted, prefilled
 from velox_core.ops.rope import fast_rotate as rope_at
 from velox_core.ops.rope import find_rope, rope_spec
 from velox_core.validation import check_int
@@ -142,15 +141,14 @@ def fit_palu(
     """Fit the Palu bases (and Fisher weights) of ``model`` on calibration tokens.
 
     Args:
-        model: an mlx-lm model (run as it is: cast it first to fit in another dtype).
-        tokenizer_or_token_ids, text, max_tokens: the calibration tokens, as
-            :func:`velox_core.artifacts.calibration_ids` takes them.
         seq_len: tokens per calibration sequence (the Fisher pass runs the same sequences).
         heads_per_group: KV heads per group ``g`` (Palu's G-LRD; default 4, or all KV heads
             where a layer has fewer); must divide every layer's KV heads.
         fisher: compute the Fisher information for rank allocation.
-        chunk: prefill chunk length (bounds the attention memory).
-        source: a description of the calibration text, stored in the artifact.
+        model, tokenizer_or_token_ids, text, max_tokens, chunk, source: the model (run as it
+            is: cast it first to fit in another dtype) and its calibration, as
+            :func:`velox_core.artifacts.calibration_ids`, :func:`~velox_core.artifacts.prefilled`
+            and :func:`~velox_core.artifacts.fitted` take them.
     """
     ids, how = calibration_ids(tokenizer_or_token_ids, text, "fit_palu", max_tokens)
     if ids.size < 2:
@@ -161,15 +159,11 @@ def fit_palu(
         check_int("heads_per_group", heads_per_group, minimum=1)
     grams: dict[tuple[int, str], mx.array] = {}
     specs, heads, tokens = {}, {}, 0
-    sequences = [mx.array(ids[s : s + seq_len])[None] for s in range(0, ids.size, seq_len)]
-    for seq in sequences:
-        caches = make_cache(model, lambda i: VeloxCache())
-        for c in range(0, seq.shape[1], chunk):
-            model(seq[:, c : c + chunk], cache=caches)
+    sequences = []  # (1, T) each, run again by the Fisher pass
+    for seq, caches in prefilled(model, ids, seq_len, chunk):
+        sequences.append(seq)
         tokens += seq.shape[1]
-        for i, cache in enumerate(caches):
-            if not isinstance(cache, VeloxCache):
-                continue
+        for i, cache in caches:
             k, v = cache.keys_and_values()
             h, d = k.shape[1], k.shape[3]
             if i not in specs:
@@ -207,22 +201,8 @@ def fit_palu(
                 "palu: Fisher information was found for layers "
                 f"{sorted(weights)} of {sorted(heads)}; fit with --no-fisher"
             )
-    calibration = {
-        "tokens": int(tokens),
-        "seq_len": seq_len,
-        "fisher": bool(fisher),
-        "input": how,
-        "source": source or "",
-        "dtype": model_dtype(model),
-    }
     layouts = {i: [int(s.dims), int(s.traditional)] for i, s in specs.items()}
-    return PaluBases(
-        bases,
-        biases,
-        gs.pop(),
-        layouts,
-        weights,
-        fingerprint(model),
-        identity(model),
-        calibration,
+    provenance = fitted(
+        model, how, source, tokens=int(tokens), seq_len=seq_len, fisher=bool(fisher)
     )
+    return PaluBases(bases, biases, gs.pop(), layouts, weights, **provenance)

@@ -20,57 +20,41 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_core.artifacts import ENV, ArtifactFile, ArtifactKind, read_metadata, search_dirs
+from velox_core.artifacts import ArtifactFile, ArtifactKind, FittedLayers, search_dirs
 from velox_core.artifacts import load_cached as _load_cached
 
 __all__ = [
-    "ENV",
     "FORMAT",
     "Filters",
     "MissingFiltersError",
     "find_filters",
     "load_filters",
-    "read_metadata",
     "resolve_filters",
     "save_filters",
     "search_dirs",
 ]
 
-FORMAT = "velox-qfilters"
-VERSION = "1"
-HOW_TO_FIT = "python -m velox_qfilters fit --model PATH --text CALIBRATION.txt --out FILE"
+
+@dataclass
+class Filters(FittedLayers):
+    """Fitted Q-Filters of one model: ``layers`` maps layer index -> float32 ``(H_kv, D)``
+    filter of each KV head (``fingerprint``, ``model`` and ``calibration``: how they were
+    fitted; ``layer(i)``: :class:`~velox_core.artifacts.FittedLayers`)."""
+
+    what = "Q-Filters"
+    layers: dict[int, mx.array]
+    fingerprint: str
+    model: dict[str, Any] = field(default_factory=dict)
+    calibration: dict[str, Any] = field(default_factory=dict)
 
 
 class MissingFiltersError(FileNotFoundError):
     """No Q-Filters artifact was found for a model."""
 
 
-KIND = ArtifactKind(FORMAT, VERSION, "Q-Filters", "filters", HOW_TO_FIT, MissingFiltersError)
-
-
-@dataclass
-class Filters:
-    """Fitted Q-Filters of one model.
-
-    Attributes:
-        layers: layer index -> float32 ``(H_kv, D)`` filter of each KV head.
-        fingerprint: the model's fingerprint (:func:`velox_core.artifacts.fingerprint`).
-        model: the model's identifying config (model type, heads, head dim, RoPE...).
-        calibration: how the filters were fitted (tokens, samples, seed, source...).
-    """
-
-    layers: dict[int, mx.array]
-    fingerprint: str
-    model: dict[str, Any] = field(default_factory=dict)
-    calibration: dict[str, Any] = field(default_factory=dict)
-
-    def layer(self, i: int) -> mx.array:
-        """The ``(H_kv, D)`` filters of layer ``i``."""
-        if i not in self.layers:
-            raise ValueError(
-                f"these Q-Filters have no layer {i} (fitted layers: {sorted(self.layers)})"
-            )
-        return self.layers[i]
+HOW_TO_FIT = "python -m velox_qfilters fit --model PATH --text CALIBRATION.txt --out FILE"
+KIND = ArtifactKind("velox-qfilters", "1", "Q-Filters", "filters", HOW_TO_FIT, MissingFiltersError)
+FORMAT, VERSION = KIND.fmt, KIND.version
 
 
 def save_filters(filters: Filters, path: str | os.PathLike) -> Path:
@@ -80,12 +64,7 @@ def save_filters(filters: Filters, path: str | os.PathLike) -> Path:
         if f.ndim != 2:
             raise ValueError(f"save_filters: layer {i} must be (H_kv, D), got {tuple(f.shape)}")
         arrays[f"layer.{i}"] = f.astype(mx.float32)
-    meta = {
-        "fingerprint": filters.fingerprint,
-        "model": filters.model,
-        "calibration": filters.calibration,
-    }
-    return KIND.write(path, arrays, list(filters.layers), meta, "save_filters")
+    return KIND.write(path, arrays, list(filters.layers), filters.provenance(), "save_filters")
 
 
 def _filters(f: ArtifactFile) -> Filters:
@@ -106,16 +85,7 @@ def load_cached(path: str | os.PathLike) -> Filters:
     return _load_cached(load_filters, path)
 
 
-def find_filters(fp: str, dirs: list[Path] | None = None) -> Path | None:
-    """The first artifact (directories in order, files sorted by name) fitted for ``fp``."""
-    return KIND.find(fp, dirs)
-
-
-def resolve_filters(model: Any, filters: str | os.PathLike | None = None) -> Path:
-    """The artifact to use for ``model``: ``filters`` if given (checked), else the lookup.
-
-    Raises:
-        ValueError: ``filters`` is not a Q-Filters artifact or was fitted for another model.
-        MissingFiltersError: nothing in the search directories was fitted for this model.
-    """
-    return KIND.resolve(model, filters)
+# find_filters(fp, dirs=None): the first Q-Filters artifact fitted for fingerprint ``fp``;
+# resolve_filters(model, path=None): the one to use for ``model`` (``path`` if given, checked;
+# MissingFiltersError where none is found): :class:`~velox_core.artifacts.ArtifactKind`.
+find_filters, resolve_filters = KIND.find, KIND.resolve

@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from velox_core import RetentionPolicy, VeloxCache, make_cache, routed
-from velox_core.artifacts import calibration_ids, fingerprint, identity, model_dtype
+from velox_core.artifacts import calibration_ids, fitted
 from velox_core.validation import check_int
 
 from .artifact import Filters
@@ -87,14 +87,13 @@ def fit_filters(
     """Fit the Q-Filters of ``model`` on calibration text.
 
     Args:
-        model: an mlx-lm model (run as it is: cast it first to fit in another dtype).
-        tokenizer_or_token_ids, text, max_tokens: the calibration tokens, as
-            :func:`velox_core.artifacts.calibration_ids` takes them.
         seq_len: the tokens are cut into sequences of this length, each run from position 0.
         samples: query positions sampled (uniformly, without replacement) for the SVD.
         seed: seed of that sample.
-        chunk: prefill chunk length (bounds the attention memory).
-        source: a description of the calibration text, stored in the artifact.
+        model, tokenizer_or_token_ids, text, max_tokens, chunk, source: the model (run as it
+            is: cast it first to fit in another dtype) and its calibration, as
+            :func:`velox_core.artifacts.calibration_ids`, :func:`~velox_core.artifacts.prefilled`
+            and :func:`~velox_core.artifacts.fitted` take them.
 
     Returns:
         :class:`Filters` with one float32 ``(H_kv, D)`` array per attention layer.
@@ -123,13 +122,7 @@ def fit_filters(
         for i, rec in sorted(store.items())
     }
     mx.eval(layers)
-    calibration = {
-        "tokens": int(ids.size),
-        "samples": int(pick.size),
-        "seq_len": seq_len,
-        "seed": seed,
-        "input": how,
-        "source": source or "",
-        "dtype": model_dtype(model),
-    }
-    return Filters(layers, fingerprint(model), identity(model), calibration)
+    provenance = fitted(
+        model, how, source, tokens=int(ids.size), samples=int(pick.size), seq_len=seq_len, seed=seed
+    )
+    return Filters(layers, **provenance)

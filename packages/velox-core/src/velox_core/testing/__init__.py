@@ -18,7 +18,12 @@ from .conformance import (
 )
 from .eviction import EvictingConformance, FullBudgetConformance, Routed
 from .kernel_env import kernel_env
-from .kernel_path import assert_cpu_declines
+from .kernel_path import (
+    assert_cpu_declines,
+    assert_kernel_partial,
+    emulated_gpu_fixture,
+    needs_gxx,
+)
 from .linked import assert_linked_copies
 from .models import FAMILIES, conformance_model, tiny_model, tiny_tokenizer
 from .refusals import assert_head_dim_refused, assert_tampered_state_refused
@@ -32,6 +37,7 @@ __all__ = [
     "Routed",
     "assert_cpu_declines",
     "assert_head_dim_refused",
+    "assert_kernel_partial",
     "assert_linked_copies",
     "assert_partials_close",
     "assert_partials_equivalent",
@@ -39,12 +45,14 @@ __all__ = [
     "attention_errors_vs_mlx_quant",
     "conformance_model",
     "decode_logits",
+    "emulated_gpu_fixture",
     "feed",
     "fill_chunks",
     "greedy_agreement",
     "kernel_env",
     "kv_data",
     "kv_like",
+    "needs_gxx",
     "rel_error",
     "scratch_dir",
     "tiny_model",
