@@ -1,16 +1,15 @@
-"""GPU benchmark of velox's kernels: correctness first, then decode-attention speed.
+"""GPU benchmark of velox's kernels: decode-attention speed, encode cost, end to end.
 
 Run from the repository root on the GPU machine::
 
-    python3 benchmarks/gpu_attention.py            # the full run (about 3-5 minutes on an H200)
+    python3 benchmarks/gpu_attention.py            # the full run
     python3 benchmarks/gpu_attention.py --quick    # tiny shapes: a smoke test, any device
+
+The kernels' correctness against the reference MLX path is checked by
+``tests/test_gpu_attention.py`` (``python3 -m pytest -q -m gpu tests/test_gpu_attention.py``).
 
 Sections (each guarded: a failure is printed with its traceback and the run goes on):
 
-  a. checks: every kernel against the reference MLX path (``VELOX_KERNELS=0``): fused decode
-     attention for Uniform 2/3/4/8 bits and TurboQuant 2/3/4 bits at several shapes (B=2,
-     odd T, T not a multiple of the split, grouped-query blocks, bf16 scales, a cache buffer
-     slice), the encode kernels bit for bit; PASS/FAIL with the max errors.
   b. decode attention, 32 query heads / 8 KV heads / head dim 128 / fp16, contexts 4k-128k,
      batch 1 and 8: fp16 ``mx.fast.scaled_dot_product_attention``, mlx-lm's quantized SDPA
      (``mx.quantize``, group 64) at 2/4/8 bits, velox Uniform 2/4/8 bits and TurboQuant 3/4
@@ -55,7 +54,6 @@ BUDGET_S = 420.0  # sections stop starting new shapes past this (compiles and sl
 OPTIONS: dict = {}  # --contexts / --batches
 
 RESULTS: dict = {
-    "checks": [],
     "bandwidth": {},
     "attention": [],
     "tuning": [],
@@ -168,654 +166,6 @@ def timeit_split(fn, warmup: int, reps: int, inner: int) -> tuple[float, float]:
 
 def nbytes(*arrays) -> int:
     return sum(a.nbytes for a in arrays)
-
-
-# =============================================================================================
-# a. correctness against the reference MLX path
-# =============================================================================================
-
-
-def record_check(name: str, ok: bool, **errs) -> None:
-    status = "PASS" if ok else "FAIL"
-    detail = " ".join(
-        f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in errs.items()
-    )
-    print(f"  {status}  {name:44s} {detail}")
-    RESULTS["checks"].append({"name": name, "status": status, **errs})
-
-
-def check_guard(name: str, fn) -> None:
-    from velox_core.kernels import backend, use_kernels
-
-    with kernels(True):
-        active = use_kernels()
-    if not active:  # both arms would run the reference: the check would prove nothing
-        record_check(name, False, error=f"kernels not active on backend {backend()!r}")
-        return
-    try:
-        fn()
-    except Exception as exc:
-        tb = traceback.format_exc()
-        print(f"  FAIL  {name:44s} {type(exc).__name__}: {exc}\n{tb}")
-        RESULTS["checks"].append(
-            {"name": name, "status": "FAIL", "error": repr(exc), "traceback": tb}
-        )
-
-
-def partial_errors(got, ref) -> dict:
-    """Errors of a partial ``(o, m, l)`` against the reference. A partial's ``m`` may lie below
-    its scores' max (the tensor-core kernel raises it lazily), so ``o`` and ``l`` are compared
-    after moving them to the reference's ``m``; ``m_excess`` is how far ``m`` lies above the
-    true max (it must not: the weights would underflow)."""
-    o, m, l = (x.astype(mx.float32) for x in got)
-    ro, rm, rl = (x.astype(mx.float32) for x in ref)
-    w = mx.exp(m - rm)
-    out, rout = o / l, ro / rl
-    return {
-        "out_rel": (mx.max(mx.abs(out - rout)) / mx.max(mx.abs(rout))).item(),
-        "m_excess": max(0.0, mx.max(m - rm).item() - 1e-3 * max(1.0, mx.max(mx.abs(rm)).item())),
-        "l_rel": (mx.max(mx.abs(l * w - rl)) / mx.max(mx.abs(rl))).item(),
-        "o_rel": (mx.max(mx.abs(o * w - ro)) / mx.max(mx.abs(ro))).item(),
-    }
-
-
-def dense_partial(q, kc, kp, vc, vp, fp16: tuple[bool, bool] = (False, False)):
-    """The reference partial from decoded float32 keys and values (plain MLX matmuls on the
-    CPU, so that no TF32 or reduced-precision GPU matmul enters the reference); with
-    ``fp16`` (keys, values) a side's decoded values are first rounded to float16, the
-    precision of an fp16 cache and of the tensor-core kernel's decoded fragments (a side whose
-    scales the kernel folds is not decoded, so not rounded)."""
-    with mx.stream(mx.cpu):
-        k, v = kc.decode(kp), vc.decode(vp)
-        if fp16[0]:
-            k = k.astype(mx.float16).astype(mx.float32)
-        if fp16[1]:
-            v = v.astype(mx.float16).astype(mx.float32)
-        s = q @ mx.swapaxes(k, -1, -2)
-        m = mx.max(s, axis=-1, keepdims=True)
-        p = mx.exp(s - m)
-        out = p @ v, m, mx.sum(p, axis=-1, keepdims=True)
-        mx.eval(out)
-    return out
-
-
-def mma_plan(codec_k, kp, codec_v, vp, q) -> dict | None:
-    """The tensor-core kernel's template constants for this decode, or None where it does not
-    go through that kernel (CUDA; affine 2/4/8 bits, or TurboQuant_mse's 2/4-bit codebook
-    codes...)."""
-    from velox_core import Uniform
-    from velox_core.kernels import backend
-    from velox_core.kernels import decode as dk
-    from velox_turboquant import TurboQuant
-    from velox_turboquant.kernels import _kernel_sides as tq_sides
-
-    if backend() != "cuda" or not dk.mma_enabled():
-        return None
-    if isinstance(codec_k, Uniform):
-        sides = codec_k._kernel_sides(kp, codec_v, vp)
-    elif isinstance(codec_k, TurboQuant):
-        sides = tq_sides(codec_k, q, kp, codec_v, vp)
-        sides = None if sides is None else sides[2:]
-    else:
-        return None
-    dim = q.shape[-1]
-    if sides is None or not dk.mma_supported(q.shape[2], dim, *sides):
-        return None
-    launch = dk.mma_launch(q.shape, q.dtype, *sides)
-    return None if launch is None else dict(launch.template)
-
-
-def sketch_mma_taken(codec_k, kp, codec_v, vp, q) -> bool:
-    """Whether QJL keys go through the tensor-core sketch kernel for this decode
-    (``velox_core.kernels.sketch_mma``)."""
-    from velox_qjl import QJL
-    from velox_qjl.kernels import kernel_sides
-
-    if not isinstance(codec_k, QJL):
-        return False
-    with kernels(True):
-        sides = kernel_sides(codec_k, kp, codec_v, vp, q.shape[2])
-    return sides is not None and sides[0].sketch.mma
-
-
-@contextlib.contextmanager
-def fp16_levels(*codecs):
-    """The codecs' Lloyd-Max levels rounded to fp16 for the while (TurboQuant's quantizers):
-    the precision the tensor-core kernel's register tables hold them at, for its reference."""
-    saved = []
-    for c in codecs:
-        for _, quant in getattr(c, "parts", []):
-            if getattr(quant, "levels", None) is not None:
-                saved.append((quant, quant.levels))
-                quant.levels = quant.levels.astype(mx.float16).astype(mx.float32)
-    try:
-        yield
-    finally:
-        for quant, lev in saved:
-            quant.levels = lev
-
-
-def decode_check(name, codec_k, codec_v, b, h, t, m, dtype=mx.float16, seed=0, tol=1e-3):
-    def run():
-        k1, k2, k3 = mx.random.split(mx.random.key(seed), 3)
-        k = mx.random.normal((b, h, t, 128), key=k1).astype(dtype)
-        v = mx.random.normal((b, h, t, 128), key=k2).astype(dtype)
-        q = mx.random.normal((b, h, m, 128), key=k3) * 0.3
-        with kernels(False):
-            for c in (codec_k, codec_v):
-                c.check(128, dtype)
-            kp, vp = codec_k.encode(k), codec_v.encode(v)
-            mx.eval(kp.data, vp.data)
-        with kernels(True):
-            plan = mma_plan(codec_k, kp, codec_v, vp, q)
-            got = codec_k.attend_partial(q, kp, codec_v, vp)
-        if got is None:
-            record_check(name, False, error="kernel declined (attend_partial returned None)")
-            return
-        mx.eval(got)
-        mma = plan is not None
-        rounded = (mma and not plan["KFOLD"], mma and not plan["VFOLD"])
-        sides = ((codec_k, mma and plan["KCB"]), (codec_v, mma and plan["VCB"]))
-        tables = [c for c, on in sides if on]
-        with fp16_levels(*tables):  # codebook levels as the tensor-core kernel holds them
-            ref = dense_partial(q, codec_k, kp, codec_v, vp, fp16=rounded)
-        errs = partial_errors(got, ref)
-        sketch = sketch_mma_taken(codec_k, kp, codec_v, vp, q)
-        errs["kernel"] = "tensor-core" if mma else "tensor-core sketch" if sketch else "portable"
-        if mma:
-            errs["folds"] = f"keys {plan['KFOLD']} values {plan['VFOLD']}"
-            if tables:
-                errs["codebook"] = f"keys {plan['KCB']} values {plan['VCB']} (fp16 levels)"
-        errs["out_rel_vs_fp32"] = (
-            partial_errors(got, dense_partial(q, codec_k, kp, codec_v, vp))["out_rel"]
-            if any(rounded) or tables
-            else errs["out_rel"]
-        )
-        nums = {
-            k2: v2 for k2, v2 in errs.items() if k2 in ("out_rel", "m_excess", "l_rel", "o_rel")
-        }
-        ok = all(math.isfinite(v2) and v2 <= tol for v2 in nums.values())
-        record_check(name, ok, **errs)
-
-    check_guard(name, run)
-
-
-def subnormal_mma_check(name: str) -> None:
-    """The tensor-core kernel's folds put codes into fp16 MMAs as subnormals (code x 2^(o-24),
-    the masked bits alone): the library's probe (one MMA of such codes times ones, against the
-    exact row sums: ``velox_core.kernels.decode.run_subnormal_probe``) for three salts, and
-    the verdict the launch plan takes (``mma_subnormals_exact``)."""
-
-    def run():
-        from velox_core.kernels import decode as dk
-
-        worst = max(dk.run_subnormal_probe(salt) for salt in (0, dk.SUBNORMAL_SALT, 11))
-        record_check(name, worst <= 1e-6 and dk.mma_subnormals_exact(), max_rel=worst)
-
-    check_guard(name, run)
-
-
-def vq_encode_check(name, kw):
-    """VecInfer's encode kernel against the reference (matmul distances, argmin, packing)
-    on 8 x 8 heads x 4,096 tokens: indices may differ only where two codewords are equally
-    near within rounding, so the check asks that no kernel index be farther than the
-    reference's (exact float32 distances, relative 1e-5) and reports the differing share."""
-
-    def run():
-        from velox_core.ops import unpack
-        from velox_vecinfer import VecInfer
-
-        x = mx.random.normal((8, 8, 4096, 128), key=mx.random.key(9)).astype(mx.float16)
-        codec = VecInfer(**kw, iters=8)
-        codec.fit(x[:, :, :512])
-        with kernels(True):
-            got = codec.encode(x).data["codes"]
-        with kernels(False):
-            ref = codec.encode(x).data["codes"]
-        subs = 128 // codec.vector
-        y = codec.transform(x).reshape(64, -1, codec.vector)
-        book = codec.codebook.reshape(64, -1, codec.vector)
-
-        def dist(words):
-            idx = unpack(words, codec.index_bits, subs).reshape(64, -1).astype(mx.int32)
-            c = mx.take_along_axis(book, idx[..., None], axis=1)
-            return mx.sum((y - c) ** 2, axis=-1)
-
-        dg, dr = dist(got), dist(ref)
-        worse = mx.sum(dg > dr * (1 + 1e-5) + 1e-12).item()
-        differ = mx.mean(
-            (unpack(got, codec.index_bits, subs) != unpack(ref, codec.index_bits, subs)).astype(
-                mx.float32
-            )
-        ).item()
-        record_check(name, worse == 0, farther=int(worse), differing_share=differ)
-
-    check_guard(name, run)
-
-
-def sketch_encode_check(name, make):
-    """A sketch-coding encode kernel against the reference on 8 x 8 heads x 4,096 tokens:
-    QJL's keys (sign-sketch matmuls, norms, packing; the outlier indices are the same MLX ops
-    on both paths) or TurboQuant_prod's (Lloyd-Max codes, then the residual's sign sketch and
-    norm). A sign bit may differ only where ``S x`` is within the reference matmul's rounding
-    of 0 (TF32 on a GPU), so the check passes when at most 1e-3 of the bits differ, indices
-    and codes are equal and the norms agree within float16 rounding, and reports each."""
-
-    def run():
-        from velox_core.ops import unpack
-
-        x = mx.random.normal((8, 8, 4096, 128), key=mx.random.key(11)).astype(mx.float16)
-        codec = make()
-        codec.check(128, mx.float16)
-        with kernels(True):
-            got = codec.encode(x).data
-        with kernels(False):
-            ref = codec.encode(x).data
-        errs, ok = {}, True
-        for key, r in ref.items():
-            g = got[key]
-            field = key.rsplit(".", 1)[-1]  # a fractional record's parts: "hi.signs", ...
-            if g.shape != r.shape or g.dtype != r.dtype:
-                errs[key] = f"shape/dtype {g.shape} {g.dtype} vs {r.shape} {r.dtype}"
-                ok = False
-            elif field in ("sign", "osign", "signs"):
-                n = r.shape[-1] * 32
-                share = mx.mean((unpack(g, 1, n) != unpack(r, 1, n)).astype(mx.float32)).item()
-                errs[f"{key}_differing"] = share
-                ok = ok and share <= 1e-3
-            elif field in ("idx", "codes", "mask"):
-                diff = mx.sum(g != r).item()
-                errs[f"{key}_mismatch"] = int(diff)
-                ok = ok and diff == 0
-            else:
-                gf, rf = g.astype(mx.float32), r.astype(mx.float32)
-                rel = (mx.max(mx.abs(gf - rf)) / mx.max(mx.abs(rf))).item()
-                errs[f"{key}_rel"] = rel
-                ok = ok and rel <= 1e-3
-        record_check(name, ok, **errs)
-
-    check_guard(name, run)
-
-
-def cache_check(name, make, t=5000, steps=3, tol=2e-3, dtype=mx.float16):
-    """A cache filled chunk by chunk (its coded segment is a slice of a larger buffer),
-    attended at decode steps with and without kernels (keys, values and queries in
-    ``dtype``: a bfloat16 model's cache keeps bfloat16 scales)."""
-
-    def run():
-        k1, k2 = mx.random.split(mx.random.key(7), 2)
-        k = mx.random.normal((2, 8, t + steps, 128), key=k1).astype(dtype)
-        v = mx.random.normal((2, 8, t + steps, 128), key=k2).astype(dtype)
-        with kernels(True):
-            cache = make()
-            for i in range(0, t, 1024):
-                cache.update_and_fetch(k[:, :, i : min(t, i + 1024)], v[:, :, i : min(t, i + 1024)])
-        worst = 0.0
-        for s in range(steps):
-            with kernels(True):
-                cache.update_and_fetch(k[:, :, t + s : t + s + 1], v[:, :, t + s : t + s + 1])
-            q = mx.random.normal((2, 32, 1, 128), key=mx.random.key(1000 + s)).astype(dtype)
-            with kernels(True):
-                got = cache.attend(q, 1 / math.sqrt(128)).astype(mx.float32)
-            with kernels(False):
-                ref = cache.attend(q, 1 / math.sqrt(128)).astype(mx.float32)
-            worst = max(worst, (mx.max(mx.abs(got - ref)) / mx.max(mx.abs(ref))).item())
-        record_check(name, worst <= tol and math.isfinite(worst), out_rel=worst)
-
-    check_guard(name, run)
-
-
-def compare_records(ref, got, prefix: str = "") -> tuple[bool, dict]:
-    """Whether two ``Packed`` records are identical, and each array's mismatch count (or its
-    shape/dtype difference), keyed ``<prefix><array>_mismatch``."""
-    errs, ok = {}, True
-    for key, r in ref.data.items():
-        g = got.data[key]
-        if g.shape != r.shape or g.dtype != r.dtype:
-            ok = False
-            errs[prefix + key] = f"shape/dtype {g.shape} {g.dtype} vs {r.shape} {r.dtype}"
-            continue
-        diff = mx.sum(g != r).item()
-        errs[f"{prefix}{key}_mismatch"] = int(diff)
-        ok = ok and diff == 0
-    return ok, errs
-
-
-def encode_check(name, codec, dtype=mx.float16, rows=(2, 8, 777)):
-    """Codes (and scales/zeros or norms) of the fused encode against the reference."""
-
-    def run():
-        x = mx.random.normal((*rows, 128), key=mx.random.key(3)) * 3.0
-        x = mx.where(mx.arange(128) % 13 == 0, x * 10.0, x).astype(dtype)
-        codec.check(128, dtype)
-        with kernels(False):
-            ref = codec.encode(x)
-            mx.eval(ref.data)
-        with kernels(True):
-            got = codec.encode(x)
-            mx.eval(got.data)
-        ok, errs = compare_records(ref, got)
-        record_check(name, ok, **errs)
-
-    check_guard(name, run)
-
-
-def codebook_check(name, bits, rows=(2, 8, 777)):
-    """TurboQuant_mse's fused search-and-pack against Codebook.encode + pack, on the same
-    rotated vectors (the rotation is an MLX op either way)."""
-    from velox_core.ops import pack
-    from velox_turboquant import TurboQuant
-    from velox_turboquant.kernels import encode_codes
-
-    def run():
-        codec = TurboQuant(bits)
-        codec.check(128, mx.float16)
-        quant = codec.parts[0][1]
-        x = mx.random.normal((*rows, 128), key=mx.random.key(bits))
-        y = quant.rotation.forward(x / mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True)))
-        mx.eval(y)
-        with kernels(True):
-            got = encode_codes(quant, y)
-        if got is None:
-            record_check(name, False, error="kernel declined (encode_codes returned None)")
-            return
-        ref = pack(quant.codebook.encode(y), bits)
-        diff = mx.sum(got != ref).item() if got.shape == ref.shape else -1
-        record_check(name, diff == 0, codes_mismatch=int(diff))
-
-    check_guard(name, run)
-
-
-@guarded("checks")
-def section_checks(quick: bool) -> None:
-    from velox_core import Uniform, UniformCache
-    from velox_qjl import QJL
-    from velox_turboquant import TurboQuant, TurboQuantCache
-
-    print("\n== a. kernels against the reference MLX path ==")
-    t_big = 2000 if quick else 40_961
-    from velox_core.kernels import backend
-
-    if backend() == "cuda":
-        subnormal_mma_check("fp16 MMA takes subnormal codes exactly (folds)")
-    for bits in (2, 4, 8):
-        decode_check(
-            f"uniform{bits} decode B1 H8 M4 T{t_big}",
-            Uniform(bits),
-            Uniform(bits),
-            1,
-            8,
-            t_big,
-            4,
-            seed=bits,
-        )
-        decode_check(
-            f"uniform{bits} decode B2 H8 M4 T1023 (odd)",
-            Uniform(bits),
-            Uniform(bits),
-            2,
-            8,
-            1023,
-            4,
-            seed=10 + bits,
-        )
-    decode_check(
-        "uniform3 decode B2 H4 M4 T777 (2 row blocks)", Uniform(3, 32), Uniform(3, 32), 2, 4, 777, 4
-    )
-    decode_check("uniform4 decode B1 H2 M1 T333 (MHA)", Uniform(4), Uniform(4), 1, 2, 333, 1)
-    with env(VELOX_DECODE_VFOLD=0):  # the tensor-core kernel with the value scales applied per code
-        decode_check(
-            f"uniform4 decode B1 H8 M4 T{t_big} (values unfolded)",
-            Uniform(4),
-            Uniform(4),
-            1,
-            8,
-            t_big,
-            4,
-            seed=41,
-        )
-    with env(VELOX_DECODE_KFOLD=0, VELOX_DECODE_VFOLD=0):  # both sides decoded per code
-        decode_check(
-            f"uniform2 decode B1 H8 M4 T{t_big} (keys and values unfolded)",
-            Uniform(2),
-            Uniform(2),
-            1,
-            8,
-            t_big,
-            4,
-            seed=42,
-        )
-    decode_check(  # 2-bit values in groups of 32 (four a token, folded through bytes)
-        "uniform2 decode g32 values, g128 keys", Uniform(2, 128), Uniform(2, 32), 1, 4, 3001, 4
-    )
-    decode_check(  # 4-bit values in groups of 32: folded in 16-bit units only (ldmatrix)
-        "uniform4 decode g32 values (unit fold)", Uniform(4), Uniform(4, 32), 1, 4, 3001, 4
-    )
-    decode_check("uniform4 decode B2 H8 M8 T5000 (GQA 8)", Uniform(4), Uniform(4), 2, 8, 5000, 8)
-    decode_check(
-        "uniform4/2 decode M6 g32 (K4 V2 bits)", Uniform(4, 32), Uniform(2, 32), 1, 4, 3001, 6
-    )
-    decode_check(  # KIVI's keys: per-channel scales for each group of 32 tokens
-        "uniform4 per-channel keys decode B2 H8 M4 T4096",
-        Uniform(4, 32, axis="channel"),
-        Uniform(4),
-        2,
-        8,
-        4096,
-        4,
-    )
-    decode_check(
-        "uniform4 decode bf16 scales T4097",
-        Uniform(4),
-        Uniform(4),
-        2,
-        8,
-        4097,
-        4,
-        dtype=mx.bfloat16,
-    )
-    for bits in (2, 3, 4):
-        decode_check(
-            f"turboquant{bits} decode B2 H8 M4 T{t_big // 2 + 1}",
-            TurboQuant(bits),
-            TurboQuant(bits, seed=1),
-            2,
-            8,
-            t_big // 2 + 1,
-            4,
-            seed=20 + bits,
-        )
-    decode_check(
-        "turboquant4 decode B1 H8 M1 T999", TurboQuant(4), TurboQuant(4, seed=1), 1, 8, 999, 1
-    )
-    for bits in (2, 4):  # prod keys: Lloyd-Max codes and the residual's QJL sketch
-        decode_check(
-            f"turboquant{bits} prod keys decode B2 H8 M4 T{t_big // 2 + 1}",
-            TurboQuant(bits, "prod"),
-            TurboQuant(bits, seed=1),
-            2,
-            8,
-            t_big // 2 + 1,
-            4,
-            seed=30 + bits,
-        )
-    from velox_qjl import QJLCache
-
-    for label, kw, m, t in (  # QJL keys (sign sketches, outlier blocks), 2-bit values
-        ("m 256, 8 outliers x 32 bits", {}, 4, t_big),
-        ("m 320, 8 x 8 bits, blocks of 128 (straddling)", QJL_4BIT, 4, t_big),
-        ("m 320, 8 x 8 bits, portable kernel", QJL_4BIT, 4, 5000),
-        ("m 128, no outliers", {"bits": 1, "outliers": 0}, 4, 3001),
-        ("m 256, GQA 8 (two row blocks)", {}, 8, 5000),
-        ("m 256, 16 outliers x 16 bits, 1 row", {"outliers": 16, "outlier_bits": 16}, 1, 5000),
-        ("m 384, m_o 128 (own columns), 4-bit values", {"bits": 3, "outlier_bits": 16}, 4, 5000),
-        ("m 224, m_o 32 (64- and 32-bit parts)", {"sketch": 224, "outlier_bits": 4}, 4, 5000),
-    ):
-        portable = env(VELOX_DECODE_MMA="0") if "portable" in label else contextlib.nullcontext()
-        with portable:
-            decode_check(
-                f"qjl decode {label}",
-                QJL(**kw),
-                Uniform(4 if "4-bit values" in label else 2, 32),
-                1,
-                8,
-                t // 128 * 128,
-                m,
-                seed=50 + m,
-            )
-    cache_check(
-        "QJLCache (window 128, 4 sinks)",
-        lambda: QJLCache(sinks=4),
-        t=1200 if quick else 5000,
-    )
-    cache_check(  # bf16 norms, scales and zeros, bf16 outputs (the bf16 rows' bound)
-        "QJLCache bf16 (window 128)",
-        QJLCache,
-        t=1200 if quick else 5000,
-        tol=1e-2,
-        dtype=mx.bfloat16,
-    )
-    from velox_vecinfer import VecInfer, VecInferCache
-
-    plain = {"smooth": False, "hadamard": False}  # VecInfer's values: no transform
-    for label, kkw, vkw, m in (  # VQ codes: codebooks in threadgroup memory, both sides
-        ("2 bits (256 x 4) keys and values", {}, plain, 4),
-        ("16 x 2 keys, 256 x 2 values", {"vector": 2}, {"bits": 4, "vector": 2, **plain}, 4),
-        ("2 bits, GQA 8 (two row blocks)", {}, plain, 8),
-        ("2 bits, transformed values", {}, {}, 4),
-    ):
-        decode_check(
-            f"vecinfer decode {label}",
-            VecInfer(**kkw, iters=8),
-            VecInfer(**vkw, iters=8),
-            2,
-            8,
-            3001,
-            m,
-            seed=60 + m,
-        )
-    for name, kw in (
-        ("VecInferCache (window 128, 4 sinks)", {"window": 128, "sinks": 4}),
-        ("VecInferCache (no fp16 segments)", {}),
-    ):
-        cache_check(name, lambda kw=kw: VecInferCache(iters=8, **kw), t=1200 if quick else 5000)
-    cache_check(
-        "UniformCache 4-bit window+sinks (buffer slice)",
-        lambda: UniformCache(bits=4, window=32, sinks=4),
-        t=1200 if quick else 5000,
-    )
-    # a bfloat16 model's cache: bfloat16 scales and zeros into the tensor-core kernel (KSBF,
-    # VSBF), a bfloat16 query and output (tolerance: bfloat16's 2^-9 rounding of the outputs)
-    for bits, t, kw in ((4, 5000, {"window": 32, "sinks": 4}), (2, 40_961, {})):
-        t = 1200 if quick else t
-        cache_check(
-            f"UniformCache {bits}-bit bf16 T{t}" + (" window+sinks" if kw else ""),
-            lambda bits=bits, kw=kw: UniformCache(bits=bits, **kw),
-            t=t,
-            tol=1e-2,
-            dtype=mx.bfloat16,
-        )
-    decode_check(
-        f"uniform4 decode B1 H8 M4 T{t_big} bf16 scales",
-        Uniform(4),
-        Uniform(4),
-        1,
-        8,
-        t_big,
-        4,
-        dtype=mx.bfloat16,
-        seed=70,
-    )
-    with env(VELOX_DECODE_KFOLD=0, VELOX_DECODE_VFOLD=0):  # bf16 scales decoded to fp16 pairs
-        decode_check(
-            "uniform2 decode B2 H8 M4 T3001 bf16 scales (keys and values unfolded)",
-            Uniform(2),
-            Uniform(2),
-            2,
-            8,
-            3001,
-            4,
-            dtype=mx.bfloat16,
-            seed=71,
-        )
-    # no fp16 segments: the kernel merges its splits (by default up to 16k tokens), or a
-    # second launch does (past them)
-    for bits, t, fuse in ((4, 5000, None), (2, 40_961, 1), (2, 40_961, 0)):
-        t = 1200 if quick else t
-        merged = fuse == 1 or (fuse is None and t <= 16384)
-        how = "splits merged in the kernel" if merged else "separate merge"
-        with env(**({} if fuse is None else {"VELOX_DECODE_FUSE": fuse})):
-            cache_check(
-                f"UniformCache {bits}-bit T{t}, {how}",
-                lambda bits=bits: UniformCache(bits=bits),
-                t=t,
-            )
-    # 3 bits: the portable kernel; 4 bits (and 2, below): the tensor-core kernel with the
-    # symmetric levels' lookups, against the reference path's float32 levels
-    for name, kw in (
-        ("TurboQuantCache 3-bit (buffer slice)", {"bits": 3, "window": 16}),
-        (
-            "TurboQuantCache 3-bit prod keys (buffer slice)",
-            {"bits": 3, "key_variant": "prod", "window": 16, "sinks": 4},
-        ),
-        ("TurboQuantCache 4-bit window+sinks", {"bits": 4, "window": 32, "sinks": 4}),
-    ):
-        cache_check(name, lambda kw=kw: TurboQuantCache(**kw), t=1200 if quick else 5000)
-    cache_check(
-        "TurboQuantCache 2-bit bf16",
-        lambda: TurboQuantCache(bits=2),
-        t=1200 if quick else 40_961,
-        tol=1e-2,
-        dtype=mx.bfloat16,
-    )
-    # fractional widths: the outlier kernel (channels split per group of 64 tokens)
-    for kb, vb, dtype, m in (
-        (3.5, 3.5, mx.float16, 4),
-        (2.5, 4, mx.bfloat16, 4),
-        (3.25, 3.25, mx.float16, 8),
-    ):
-        dname = str(dtype).replace("mlx.core.", "")
-        decode_check(
-            f"turboquant{kb}/{vb} decode B2 H8 M{m} T20480 {dname} (outlier kernel)",
-            TurboQuant(kb),
-            TurboQuant(vb, seed=1),
-            2,
-            8,
-            1280 if quick else 20_480,
-            m,
-            dtype=dtype,
-            seed=83,
-        )
-    cache_check(
-        "TurboQuantCache 3.5-bit window+sinks (outlier kernel)",
-        lambda: TurboQuantCache(bits=3.5, window=32, sinks=4),
-        t=1200 if quick else 5000,
-    )
-    cache_check(
-        "TurboQuantCache 2.5-bit bf16 (outlier kernel)",
-        lambda: TurboQuantCache(bits=2.5),
-        t=1200 if quick else 40_961,
-        tol=1e-2,
-        dtype=mx.bfloat16,
-    )
-    for bits in (2, 3, 4, 5, 8):
-        encode_check(f"uniform{bits} encode fp16 (bit exact)", Uniform(bits))
-    encode_check("uniform4 encode bf16 clip 0.9 (bit exact)", Uniform(4, clip=0.9), mx.bfloat16)
-    encode_check("uniform8 encode fp32 g32 (bit exact)", Uniform(8, 32), mx.float32)
-    for bits in (2, 3, 4):
-        codebook_check(f"turboquant{bits} encode (bit exact)", bits)
-    for kw in ({}, {"bits": 3, "vector": 2}):
-        vq_encode_check(f"vecinfer encode {kw or 'bits 2, vector 4'}", kw)
-    for label, kw in (
-        ("m 256, 8 outliers", {}),
-        ("m 320 (recommended)", QJL_4BIT),
-        ("no outliers", {"outliers": 0}),
-    ):
-        sketch_encode_check(f"qjl encode {label}", lambda kw=kw: QJL(**kw))
-    for bits in (1, 3, 3.5):
-        sketch_encode_check(
-            f"turboquant{bits} prod encode", lambda bits=bits: TurboQuant(bits, "prod")
-        )
 
 
 # =============================================================================================
@@ -1603,12 +953,6 @@ def write_json() -> Path:
 
 def print_table() -> None:
     print("\n== summary ==")
-    checks = RESULTS["checks"]
-    failed = [c["name"] for c in checks if c["status"] != "PASS"]
-    print(
-        f"checks: {len(checks) - len(failed)}/{len(checks)} PASS"
-        + (f"; FAIL: {failed}" if failed else "")
-    )
     bw = RESULTS["bandwidth"]
     if bw:
         print(f"copy bandwidth {bw['copy_GBps']:.0f} GB/s, read {bw['read_GBps']:.0f} GB/s")
@@ -1646,14 +990,24 @@ def print_table() -> None:
     print(f"elapsed {elapsed():.0f}s")
 
 
-def main() -> int:
+SECTIONS = {  # in run order
+    "bandwidth": section_bandwidth,
+    "attention": section_attention,
+    "tuning": section_tuning,
+    "device": section_device,
+    "encode": section_encode,
+    "e2e": section_e2e,
+}
+
+
+def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked: ``skip`` a set of :data:`SECTIONS` names, ``contexts`` and
+    ``batches`` tuples of positive ints, ``shapes`` a list of (batch, context) pairs. A bad
+    value exits with a usage error naming it and what is allowed."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
     parser.add_argument(
-        "--skip",
-        default="",
-        help="comma-separated sections to skip: checks,bandwidth,attention,tuning,device,"
-        "encode,e2e",
+        "--skip", default="", help="comma-separated sections to skip: " + ",".join(SECTIONS)
     )
     parser.add_argument("--contexts", default="", help="attention contexts, e.g. 16384,131072")
     parser.add_argument("--batches", default="", help="attention batch sizes, e.g. 1,8")
@@ -1668,18 +1022,43 @@ def main() -> int:
     )
     parser.add_argument("--mlx-lm", default=None, help=argparse.SUPPRESS)  # B,T: child rows
     parser.add_argument("--device-rows", default=None, help=argparse.SUPPRESS)  # B,T: child
-    args = parser.parse_args()
-    OPTIONS["budget"] = args.budget
-    OPTIONS["contexts"] = tuple(int(x) for x in args.contexts.split(",") if x.strip())
-    OPTIONS["batches"] = tuple(int(x) for x in args.batches.split(",") if x.strip())
+    args = parser.parse_args(argv)
+    args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    if "checks" in args.skip:
+        parser.error(
+            "--skip: the checks are not a section of this script; "
+            "python3 -m pytest -q -m gpu tests/test_gpu_attention.py runs them"
+        )
+    unknown = sorted(args.skip - set(SECTIONS))
+    if unknown:
+        parser.error(f"--skip: unknown sections {unknown}; the sections: {','.join(SECTIONS)}")
+    for name in ("contexts", "batches"):
+        text = getattr(args, name)
+        try:
+            values = tuple(int(x) for x in text.split(",") if x.strip())
+            ok = all(v >= 1 for v in values)
+        except ValueError:
+            ok = False
+        if not ok:
+            parser.error(f"--{name} takes positive integers such as 1,8, got {text!r}")
+        setattr(args, name, values)
+    items = [x for x in args.shapes.split(",") if x.strip()]
     try:
-        OPTIONS["shapes"] = [
-            tuple(int(v) for v in x.lower().split("x")) for x in args.shapes.split(",") if x.strip()
-        ]
+        shapes = [tuple(int(v) for v in x.lower().split("x")) for x in items]
     except ValueError:
         parser.error(f"--shapes takes BxT items such as 1x131072, got {args.shapes!r}")
-    if any(len(x) != 2 or min(x) < 1 for x in OPTIONS["shapes"]):
+    if any(len(x) != 2 or min(x) < 1 for x in shapes):
         parser.error(f"--shapes takes BxT items such as 1x131072, got {args.shapes!r}")
+    args.shapes = shapes
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_options(argv)
+    OPTIONS["budget"] = args.budget
+    OPTIONS["contexts"] = args.contexts
+    OPTIONS["batches"] = args.batches
+    OPTIONS["shapes"] = args.shapes
     if args.mlx_lm:
         b, t = (int(x) for x in args.mlx_lm.split(","))
         methods = make_methods(b, t, seed=t + b, bits_mlx=(2, 4, 8), bits_uniform=(), bits_tq=())
@@ -1689,23 +1068,13 @@ def main() -> int:
         b, t = (int(x) for x in args.device_rows.split(","))
         print(json.dumps(device_rows(b, t, args.quick)))
         return 0
-    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     RESULTS["device"] = device_info()
     print(f"velox gpu_attention: {RESULTS['device']}")
-    sections = (
-        ("checks", section_checks),
-        ("bandwidth", section_bandwidth),
-        ("attention", section_attention),
-        ("tuning", section_tuning),
-        ("device", section_device),
-        ("encode", section_encode),
-        ("e2e", section_e2e),
-    )
-    for name, fn in sections:
-        if name in skip:
+    for name, section in SECTIONS.items():
+        if name in args.skip:
             RESULTS["skipped"].append(f"{name} (--skip)")
             continue
-        fn(args.quick)
+        section(args.quick)
         write_json()  # keep what was measured even if a later section dies
     path = write_json()
     print_table()

@@ -444,7 +444,7 @@ VX_FN unsigned int vx_dequant_at(unsigned int x, int o, int bits, __half2 s2, __
 // The codes at bits [o, o + bits) and [16 + o, 16 + o + bits) of x masked in place (one LOP3):
 // with o + bits <= 10 no exponent bit is set, so each half is the fp16 subnormal
 // code * 2^(o - 24), exactly, and fp16 MMAs take subnormal operands exactly (checked on an
-// H200: benchmarks/gpu_attention.py). A product with such codes carries the factor
+// H200: tests/test_gpu_attention.py). A product with such codes carries the factor
 // 2^(o - 24), taken out by the other operand (the query's channels times 2^-o) or by the sum
 // (the value accumulators times 2^(24 - o)); no power of two is added, so nothing cancels.
 VX_FN unsigned int vx_code_sub(unsigned int x, int o, int bits) {
