@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The GPU checks and the end-to-end timings, stage by stage, each stage one command under ten
+# minutes on an H200; results (text and JSON) under $OUT (default ./gpu-out).
+#
+#   bash benchmarks/gpu_run.sh tests       # every -m gpu test (caches, decode kernels)
+#   bash benchmarks/gpu_run.sh first-use   # benchmarks/first_use.py, two processes
+#   bash benchmarks/gpu_run.sh e2e-32k     # fp16 and the velox specs of issue 26 at 4k and 32k
+#   bash benchmarks/gpu_run.sh e2e-128k    # the same at 128k
+#   bash benchmarks/gpu_run.sh batch       # batch 8 at 32k, and batch_serve.py's two runs
+#
+# The first stage on a fresh machine also builds MLX's own kernels (about a minute).
+set -u
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+specs=fp16,uniform:bits=4,kivi:bits=2,turboquant:bits=4
+case "${1:-}" in
+  tests)
+    python3 -m pytest -q -m gpu tests/test_gpu_caches.py tests/test_gpu_attention.py \
+      -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.txt" | tail -25
+    ;;
+  first-use)
+    for i in 1 2; do
+      python3 benchmarks/first_use.py --cache uniform:bits=4 | tee "$out/first-use-$i.jsonl"
+    done
+    ;;
+  e2e-32k)
+    python3 benchmarks/e2e.py --shape llama3-8b --weights 4bit --contexts 4096,32768 \
+      --caches "$specs" --steps 64 --repeats 2 --json "$out/e2e-32k.json" | tail -12
+    ;;
+  e2e-128k)
+    python3 benchmarks/e2e.py --shape llama3-8b --weights 4bit --contexts 131072 \
+      --caches "$specs" --steps 48 --json "$out/e2e-128k.json" | tail -8
+    ;;
+  batch)
+    python3 benchmarks/e2e.py --shape llama3-8b --weights 4bit --contexts 32768 --batch 8 \
+      --caches fp16,uniform:bits=4 --steps 24 --json "$out/e2e-b8.json" | tail -5
+    ;;
+  *)
+    echo "usage: bash benchmarks/gpu_run.sh tests|first-use|e2e-32k|e2e-128k|batch" >&2
+    exit 2
+    ;;
+esac
