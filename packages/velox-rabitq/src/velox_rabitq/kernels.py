@@ -11,8 +11,9 @@ the whole head, one group of ``D`` channels a token:
 and ``u`` is packed by velox-core's packing (:func:`velox_core.ops.pack`), the layout of
 ``velox_core.Uniform``'s codes. So velox-core's decode kernels read RaBitQ records as
 :data:`~velox_core.kernels.decode.AFFINE` keys of ``B`` bits (1 to 8) and group ``D``, with
-the per-token ``scale`` and ``zero`` computed from the record's ``delta`` and ``ip`` in the
-record's scale dtype (fp16, bf16 for bf16 models): the portable kernel
+the per-token ``scale`` and ``zero`` computed from the record's ``delta`` and ``ip`` in fp16
+(also for a bf16 model's records: in bf16 the zero's rounding cancels more of each score):
+the portable kernel
 (``metal/decode_attention.metal``) on Metal and for 1, 3, 5, 6, 7 bits on CUDA, the
 tensor-core kernel (``metal/decode_attention_mma.cu``) for 2, 4 and 8 bits on CUDA. Values are
 mixed from their per-token ``Uniform`` codes in the same pass.
@@ -59,9 +60,9 @@ __all__ = ["attend_partial", "joint_call", "kernel_keys", "kernel_sides"]
 def kernel_keys(codec: RaBitQ, keys: Packed) -> _kd.Codes:
     """The decode kernels' view of a RaBitQ key record: :data:`~velox_core.kernels.decode.AFFINE`
     codes of ``codec.bits`` bits in one group of ``D`` channels, ``scale = Delta / <o_bar, o>``
-    and ``zero = -scale (2^B - 1)/2`` per token, in the record's scale dtype (the zero from
-    the rounded scale, so that ``scale * u + zero`` is the scaled grid point up to the zero's
-    own rounding). The centroid is not part of it (see the module).
+    and ``zero = -scale (2^B - 1)/2`` per token, in fp16 for fp16 and bf16 records (the zero
+    from the rounded scale, so that ``scale * u + zero`` is the scaled grid point up to the
+    zero's own rounding). The centroid is not part of it (see the module).
 
     Shapes:
         codes ``(B, H, T, ceil(D bits / 32))`` uint32 (the record's); scale and zero
@@ -69,6 +70,9 @@ def kernel_keys(codec: RaBitQ, keys: Packed) -> _kd.Codes:
     """
     p = keys.data
     dt = p["delta"].dtype
+    # a bf16 record's scale and zero go to the kernel as fp16 (3 more mantissa bits, so the
+    # zero's rounding cancels less of each score); fp16 holds them up to residual norms ~4e5
+    dt = mx.float16 if dt == mx.bfloat16 else dt
     scale = (p["delta"].astype(mx.float32) / p["ip"].astype(mx.float32)).astype(dt)
     zero = (scale.astype(mx.float32) * -(((1 << codec.bits) - 1) / 2)).astype(dt)
     return _kd.Codes(
