@@ -85,7 +85,7 @@ def test_transfer_row_exact_for_a_self_map_and_measured_for_a_pair(setup, tmp_pa
     assert [r["spec"] for r in rows] == ["fp16", "transfer:source=a"]
     t = rows[1]
     assert t["error"] is None and t["method"] == "transfer"
-    assert t["params"]["mapped_tokens"] == 127 and t["params"]["mapper_version"] == 2
+    assert t["params"]["mapped_tokens"] == 127 and t["params"]["mapper_version"] == 3
     assert t["run"]["transfer"]["source"] == a
     # a model's own cache mapped to itself: the target's own distributions
     assert t["kl"] == pytest.approx(0, abs=1e-3) and t["top1"] == 1.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import mlx.core as mx
@@ -110,6 +111,10 @@ def test_heldout_r2_matches_direct_computation(pair):
     """The manifest's R², computed from second moments, equals the R² of the saved weights
     applied to the held-out rows directly."""
     src, tgt, mapper, held = pair
+    _check_heldout_r2(src, tgt, mapper, held)
+
+
+def _check_heldout_r2(src, tgt, mapper, held):
     ss, ts = ModelSpec.of(src), ModelSpec.of(tgt)
     x = np.concatenate([model_rows(src, ss, s) for s in held])
     y = np.concatenate([model_rows(tgt, ts, s) for s in held])
@@ -117,7 +122,7 @@ def test_heldout_r2_matches_direct_computation(pair):
     yo = np.cumsum([0] + [ls.features for ls in ts.layers])
     for i, ls in enumerate(ts.layers):
         m = mapper.layer(i)
-        assert m.lags == (0, 2) and m.w.shape[0] == 2 * sum(
+        assert m.lags == (0, 2) and m.u.shape[0] == 2 * sum(
             ss.layers[j].features for j in m.sources
         )
         xi = np.concatenate(  # lag-major, then source layer; lags within each sequence
@@ -130,7 +135,7 @@ def test_heldout_r2_matches_direct_computation(pair):
             ]
         )
         yi = y[:, yo[i] : yo[i + 1]]
-        pred = xi @ np.array(m.w) + np.array(m.b)
+        pred = xi @ np.array(m.u) @ np.array(m.v) + np.array(m.b)
         nk = ls.kv_heads * ls.key_dim
         for cols, name in ((slice(0, nk), "r2_key"), (slice(nk, None), "r2_value")):
             sse = ((yi[:, cols] - pred[:, cols]) ** 2).sum()
@@ -187,7 +192,7 @@ def test_apply_matches_the_fitted_regression_across_chunks(pair):
         xi = np.concatenate(
             [lagged(x[:, xo[j] : xo[j + 1]], (lag,)) for lag in m.lags for j in m.sources], axis=1
         )
-        pred = xi @ np.array(m.w) + np.array(m.b)
+        pred = xi @ np.array(m.u) @ np.array(m.v) + np.array(m.b)
         nk = ls.kv_heads * ls.key_dim
         v_pred = pred[:, nk:].reshape(50, ls.kv_heads, ls.value_dim).transpose(1, 0, 2)
         for out in (whole, bits):
@@ -247,25 +252,112 @@ def test_refusals(pair, tmp_path):
     m.layer(0)
     with pytest.raises(MapperError, match="truncated or altered"):
         transfer_cache(src_c, m)
+    # a group's file (the shared projection): truncated at load, altered at first use
+    _corrupt(root, "group.0.safetensors", lambda b: b[:-8])
+    with pytest.raises(MapperError, match="group.0.safetensors has .* bytes"):
+        load_mapper(root)
+    root = mapper.save(tmp_path / "m")
+    _corrupt(root, "group.0.safetensors", lambda b: b[:-1] + bytes([b[-1] ^ 1]))
+    with pytest.raises(MapperError, match="group.0.safetensors.*truncated or altered"):
+        load_mapper(root).layer(0)
     # an altered manifest, another version, not a mapper
     root = mapper.save(tmp_path / "m")
     man = json.loads((root / "manifest.json").read_text())
-    man["layers"][0]["sources"] = [1]
+    man["groups"][0]["rank"] += 1
     (root / "manifest.json").write_text(json.dumps(man))
     with pytest.raises(MapperError, match="altered"):
         load_mapper(root)
     with pytest.raises(MapperError, match="no manifest.json"):
         load_mapper(tmp_path)
-    # a version-1 mapper (no lags; another layer file layout), its checksum intact
-    root = mapper.save(tmp_path / "m")
+    # mappers of earlier versions (1: no lags; 2: one unfactorised w per layer), their
+    # checksums intact
+    for version in (1, 2):
+        root = mapper.save(tmp_path / "m")
+        man = json.loads((root / "manifest.json").read_text())
+        man["version"] = version
+        man["checksum"] = _manifest_sha(man)
+        (root / "manifest.json").write_text(json.dumps(man))
+        with pytest.raises(MapperError, match=f"version {version}.*reads version 3 only.*fit"):
+            load_mapper(root)
+
+
+def _rewrite(root, edit):
+    """Apply ``edit`` to the manifest and sign it again (a consistent but wrong manifest)."""
     man = json.loads((root / "manifest.json").read_text())
-    man["version"] = 1
-    for rec in man["layers"]:
-        del rec["lags"]
+    edit(man)
     man["checksum"] = _manifest_sha(man)
     (root / "manifest.json").write_text(json.dumps(man))
-    with pytest.raises(MapperError, match="version 1.*reads version 2 only.*fit"):
+
+
+def test_inconsistent_manifests_refused(pair, tmp_path):
+    """Manifests whose checksum is intact but whose records do not describe the files or a
+    map of the two models: refused with what is wrong."""
+    src, tgt, mapper, _ = pair
+    root = mapper.save(tmp_path / "m")
+    _rewrite(root, lambda m: m["layers"][1].update(group=len(m["groups"])))
+    with pytest.raises(MapperError, match="corrupt mapper.*layer 1 is in group"):
         load_mapper(root)
+    for edit, what in (
+        (lambda m: m["groups"][0].update(sources=[7]), "source layers"),
+        (lambda m: m["groups"][0].update(lags=[-1]), "lags"),
+        (lambda m: m["groups"][0].update(rank=0), "rank"),
+        (lambda m: m["groups"][0]["layers"].append(m["groups"][0]["layers"][0]), "target layers"),
+        (lambda m: m.update(weights_dtype="int8"), "weights dtype"),
+    ):
+        root = mapper.save(tmp_path / "m")
+        _rewrite(root, edit)
+        with pytest.raises(MapperError, match=f"corrupt mapper.*{what}"):
+            load_mapper(root)
+    # a layer file whose v is stored in another dtype than the manifest's (its record signed
+    # again): refused at first use, naming the array and both dtypes
+    root = mapper.save(tmp_path / "m")
+    m0 = mapper.layer(0)
+    mx.save_safetensors(str(root / "layer.0.safetensors"), {"v": m0.v, "b": m0.b})
+    data = (root / "layer.0.safetensors").read_bytes()
+    _rewrite(
+        root,
+        lambda m: m["layers"][0].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest()),
+    )
+    with pytest.raises(MapperError, match="v is mlx.core.float32.*says mlx.core.float16"):
+        load_mapper(root, source=src, target=tgt).layer(0)
+
+
+def test_factorised_maps(pair, tmp_path):
+    """Target layers reading the same source layers share one projection ``u``; a given rank
+    is kept (its manifest R² checked on the held-out rows directly); ``rank_tol=0``
+    keeps the unfactorised map's R²; the weights are stored in float16 and ``nbytes`` counts
+    them."""
+    src, tgt, mapper, held = pair
+    covered = sorted(i for g in mapper.groups for i in g["layers"])
+    assert covered == list(range(len(mapper.target.layers)))
+    for g, rec in enumerate(mapper.groups):
+        us = {id(mapper.layer(i).u) for i in rec["layers"]}
+        assert len(us) == 1 and all(mapper.group(i) == g for i in rec["layers"])
+        assert mapper.layer(rec["layers"][0]).u.shape[1] == rec["rank"]
+    root = mapper.save(tmp_path / "m")
+    stored = 0
+    for f in root.glob("*.safetensors"):
+        for name, a in mx.load(str(f)).items():
+            assert a.dtype == (mx.float32 if name == "b" else mx.float16)
+            stored += a.nbytes
+    assert mapper.nbytes() == stored
+    low = fit_mapper(src, tgt, _seqs(6, 96, 3), held, layers_per_target=2, lags=(0, 2), rank=2)
+    assert all(g["rank"] == 2 for g in low.groups)
+    _check_heldout_r2(src, tgt, low, held)
+    exact = fit_mapper(
+        src, tgt, _seqs(6, 96, 3), held, layers_per_target=2, lags=(0, 2), rank_tol=0.0
+    )
+    for a, b, c in zip(low.info, exact.info, mapper.info):
+        assert b["r2_key"] == pytest.approx(b["r2_key_full"], abs=2e-3)
+        assert b["r2_value"] == pytest.approx(b["r2_value_full"], abs=2e-3)
+        assert (a["r2_key_full"], a["r2_value_full"]) == (c["r2_key_full"], c["r2_value_full"])
+    for bad, kw in (
+        ("rank", {"rank": 0}),
+        ("rank_tol", {"rank_tol": -0.5}),
+        ("weights_dtype", {"weights_dtype": "int8"}),
+    ):
+        with pytest.raises(ValueError, match=bad):
+            fit_mapper(src, src, _seqs(1, 32, 0), _seqs(1, 32, 1), **kw)
 
 
 def test_unsupported_models_refused():

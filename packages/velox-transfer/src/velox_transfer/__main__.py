@@ -3,7 +3,8 @@
     python -m velox_transfer fit --source SRC --target TGT --out DIR [--data FILE]
         [--every 5] [--tokens 131072] [--heldout-tokens 16384] [--seq-len 2048]
         [--layers-per-target N (default: all)] [--lags 0,1,2,3]
-        [--alphas 1e-6,1e-5,...,10,100] [--dtype float32]
+        [--alphas 1e-6,1e-5,...,10,100] [--rank N (default: chosen on held-out rows)]
+        [--rank-tol 0.01] [--weights-dtype float16] [--dtype float32]
     python -m velox_transfer apply --source SRC --target TGT --mapper DIR
         (--prompt TEXT | --prompt-file FILE) [--cache fp16|SPEC] [--max-tokens 32]
     python -m velox_transfer eval --source SRC --target TGT --mapper DIR [--data FILE]
@@ -19,10 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
+
+from velox_core import environment
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -36,7 +38,7 @@ def _ints(s: str) -> tuple[int, ...]:
 
 
 def _default_data() -> Path:
-    roots = [Path(os.environ["VELOX_SHARED"])] if os.environ.get("VELOX_SHARED") else []
+    roots = environment.paths("VELOX_SHARED")
     here = Path.cwd().resolve()
     roots += [p / "shared" for p in (here, *here.parents)]
     for r in roots:
@@ -94,13 +96,17 @@ def _fit(args: argparse.Namespace) -> int:
         layers_per_target=args.layers_per_target,
         lags=args.lags,
         alphas=args.alphas,
+        rank=args.rank,
+        rank_tol=args.rank_tol,
+        weights_dtype=args.weights_dtype,
         calibration=calibration,
     )
     out = mapper.save(args.out)
     tokens = mapper.calibration["tokens"]
     print(
         f"mapper {args.source} -> {args.target}: fitted on {tokens['fit']} tokens, held out "
-        f"{tokens['heldout']}, in {time.perf_counter() - t0:.1f} s -> {out}"
+        f"{tokens['heldout']}, in {time.perf_counter() - t0:.1f} s -> {out} "
+        f"({mapper.nbytes():,} bytes of {mapper.weights_dtype} weights)"
     )
     print("\n".join(mapper.describe()))
     return 0
@@ -172,17 +178,24 @@ def _eval(args: argparse.Namespace) -> int:
         cache=args.cache,
     )
     print(format_table(rows))
+    print(f"\nmapper: {mapper.nbytes():,} bytes of {mapper.weights_dtype} weights")
     print("\nheld-out R² of the mapped keys and values (content space), per target layer:")
     print("\n".join(mapper.describe()))
     if args.json:
-        payload = {"rows": [r.to_json() for r in rows], "layers": mapper.info, "cache": args.cache}
+        payload = {
+            "rows": [r.to_json() for r in rows],
+            "layers": mapper.info,
+            "groups": mapper.groups,
+            "mapper_bytes": mapper.nbytes(),
+            "cache": args.cache,
+        }
         Path(args.json).write_text(json.dumps(payload, indent=1) + "\n")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line (``velox transfer`` calls this); returns the exit status."""
-    from .fit import ALPHAS, LAGS
+    from .fit import ALPHAS, LAGS, RANK_TOL
 
     ap = argparse.ArgumentParser(prog="velox transfer", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -207,6 +220,24 @@ def main(argv: list[str] | None = None) -> int:
         help="source positions back from each target position used as regressors",
     )
     f.add_argument("--alphas", type=_floats, default=ALPHAS, help="ridge strengths")
+    f.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        help="rank of the factorised maps (default: the smallest within --rank-tol)",
+    )
+    f.add_argument(
+        "--rank-tol",
+        type=float,
+        default=RANK_TOL,
+        help="held-out error the factorisation may add, relative to the unfactorised maps'",
+    )
+    f.add_argument(
+        "--weights-dtype",
+        choices=("float16", "bfloat16", "float32"),
+        default="float16",
+        help="storage dtype of the mapper's weights (applying computes in float32)",
+    )
     a = sub.add_parser("apply", help="map a prompt's source cache and decode with the target")
     _common(a)
     a.add_argument("--mapper", required=True)

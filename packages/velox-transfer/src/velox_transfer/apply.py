@@ -1,13 +1,15 @@
 """Applying a mapper: the target model's caches from the source model's, ready to decode.
 
-For each target layer, chunk by chunk along the tokens: the source layers it reads are taken
-to content space at their positions (from ``max(lags)`` positions before the chunk, for the
-lagged regressors: position 0's where a lag reaches before it, as in the fit), concatenated,
-mapped (``x @ w + b``), and the target's RoPE is applied to the mapped keys at the chunk's
-positions; the chunk is then written into the
-target layer's cache through ``update_and_fetch``, as a prefill chunk would be. Into a velox
-cache whose window is smaller than a chunk, each chunk is encoded as it arrives, so the
-target's keys and values are never all resident in fp16 (one chunk of one layer at a time).
+Chunk by chunk along the tokens: the source layers the mapper reads are taken to content
+space at their positions once (from ``max(lags)`` positions before the chunk, for the lagged
+regressors: position 0's where a lag reaches before it, as in the fit). For each group of
+target layers, the group's source layers are concatenated at its lags (``x``, ``(B, T, F)``)
+and projected once (``z = x @ u``, ``(B, T, r)``); each layer of the group maps
+``z @ v + b``, the target's RoPE is applied to its keys at the chunk's positions, and the
+chunk is written into the target layer's cache through ``update_and_fetch``, as a prefill
+chunk would be. The chunk is evaluated once, every layer together. Into a velox cache whose
+window is smaller than a chunk, each chunk is encoded as it arrives, so the target's keys and
+values are never all resident in fp16 (one chunk of every layer at a time).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def transfer_cache(
     model: Any = None,
     source_model: Any = None,
     tokens: int | None = None,
-    chunk: int = 256,
+    chunk: int = 512,
     dtype: mx.Dtype = mx.float16,
 ) -> list:
     """The target model's caches for the tokens in ``source_caches``.
@@ -106,28 +108,31 @@ def transfer_cache(
     if n > total:
         raise ValueError(f"tokens={n}, but the source caches hold {total}")
     out = _target_caches(target, model, mapper)
-    for i, ls in enumerate(mapper.target.layers):
-        m = mapper.layer(i)
-        back = max(m.lags)
-        for s in range(0, n, chunk):
-            e = min(n, s + chunk)
-            a = max(0, s - back)  # the first position a lag of this chunk reads
-            rows = mx.concatenate(  # (B, e - a, features of the sources), positions a .. e-1
-                [
-                    layer_features(
-                        src[j][0][:, :, a:e], src[j][1][:, :, a:e], a, mapper.source.layers[j]
-                    )
-                    for j in m.sources
-                ],
-                axis=-1,
+    maps = [mapper.layer(i) for i in range(len(mapper.target.layers))]  # read and checked
+    groups: dict[int, list[int]] = {}  # group -> its target layers
+    for i, m in enumerate(maps):
+        groups.setdefault(m.group, []).append(i)
+    back = max(max(m.lags) for m in maps)
+    used = sorted({j for m in maps for j in m.sources})
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        a = max(0, s - back)  # the first position a lag of this chunk reads
+        feats = {  # source layer -> (B, e - a, its features), positions a .. e-1
+            j: layer_features(
+                src[j][0][:, :, a:e], src[j][1][:, :, a:e], a, mapper.source.layers[j]
             )
-            at = mx.arange(s, e)
-            x = mx.concatenate(  # (B, e - s, len(lags) * features), lag-major
+            for j in used
+        }
+        at = mx.arange(s, e)
+        for members in groups.values():
+            m = maps[members[0]]
+            rows = mx.concatenate([feats[j] for j in m.sources], axis=-1)
+            x = mx.concatenate(  # (B, e - s, F), lag-major
                 [mx.take(rows, mx.maximum(at - lag, 0) - a, axis=1) for lag in m.lags], axis=-1
             )
-            k, v = split_outputs(x @ m.w + m.b, s, ls, dtype)
-            out[i].update_and_fetch(k, v)
-            mx.eval(
-                out[i].state[1:] if isinstance(out[i], VeloxCache) else [out[i].keys, out[i].values]
-            )
+            z = x @ m.u  # (B, e - s, r): shared by the group's layers
+            for i in members:
+                y = z @ maps[i].v + maps[i].b
+                out[i].update_and_fetch(*split_outputs(y, s, mapper.target.layers[i], dtype))
+        mx.eval([c.state[1:] if isinstance(c, VeloxCache) else [c.keys, c.values] for c in out])
     return out
