@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from velox_core.codec.prerope import check_rope_settings, rope_settings
+from velox_core.codec.prerope import check_rope_settings, rope_fields, rope_settings
 from velox_core.validation import check_counts, check_int, check_key_value_widths, check_path
 
 __all__ = ["CommVQConfig"]
 
 
 @dataclass
+@rope_fields
 class CommVQConfig:
     """CommVQ (arXiv 2506.18879) settings, with the shared parameter names.
 
@@ -38,10 +39,6 @@ class CommVQConfig:
     sinks: int = 0
     codebooks: str | None = None
     layer: int | None = None
-    rope_base: float | None = None
-    rope_traditional: bool = False
-    rope_scale: float = 1.0
-    rope_dims: int | None = None
 
     def __post_init__(self):
         check_key_value_widths(self, 1, "the keys' codes")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from velox_core.codec.prerope import check_rope_settings, rope_settings
+from velox_core.codec.prerope import check_rope_settings, rope_fields, rope_settings
 from velox_core.validation import (
     check_bool,
     check_choice,
@@ -18,6 +18,7 @@ from .nuq import DATATYPES
 
 
 @dataclass
+@rope_fields
 class KVQuantConfig:
     """KVQuant (arXiv 2401.18079) settings, with the shared parameter names.
 
@@ -48,10 +49,6 @@ class KVQuantConfig:
     datatype: str = "nuq"
     qnorm: bool = False
     pre_rope: bool = True
-    rope_base: float | None = None
-    rope_traditional: bool = False
-    rope_scale: float = 1.0
-    rope_dims: int | None = None
 
     def __post_init__(self):
         check_widths(self, bits_required=True)

@@ -295,7 +295,7 @@ class PaluKeys(PreRope, _PaluLatent):
         artifact: path of the Palu artifact; None finds the model's at ``bind``.
         layer: the model layer (set by ``bind``).
         rope_base, rope_traditional, rope_scale, rope_dims: the RoPE of a standalone codec
-            (:class:`~velox_core.codec.prerope.PreRope`).
+            (:class:`~velox_core.codec.prerope.PreRope`), by name only.
 
     Packed layout: as :class:`PaluValues`, plus ``pos`` int32 ``(B, 1, T)``.
     """
@@ -306,19 +306,15 @@ class PaluKeys(PreRope, _PaluLatent):
 
     def __init__(
         self,
-        rank: int | None = None,
-        ratio: float = 0.5,
-        allocation: str = "fisher",
-        bits: int | None = None,
-        group: int | None = None,
-        artifact: str | os.PathLike | None = None,
-        layer: int | None = None,
+        *latent: Any,
         rope_base: float | None = None,
         rope_traditional: bool = False,
         rope_scale: float = 1.0,
         rope_dims: int | None = None,
+        **settings: Any,
     ):
-        super().__init__(rank, ratio, allocation, bits, group, artifact, layer)
+        # latent, settings: rank ... layer, positional or by name, as PaluValues takes them
+        super().__init__(*latent, **settings)
         self.init_rope(rope_base, rope_traditional, rope_scale, rope_dims)
 
     def config(self) -> dict[str, Any]:

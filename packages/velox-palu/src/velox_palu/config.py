@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from velox_core.codec.prerope import check_rope_settings, rope_settings
+from velox_core.codec.prerope import check_rope_settings, rope_fields, rope_settings
 from velox_core.validation import (
     check_choice,
     check_counts,
@@ -20,6 +20,7 @@ __all__ = ["PaluConfig"]
 
 
 @dataclass
+@rope_fields
 class PaluConfig:
     """Palu (arXiv 2407.21118) settings, with the shared parameter names.
 
@@ -55,10 +56,6 @@ class PaluConfig:
     sinks: int = 0
     artifact: str | None = None
     layer: int | None = None
-    rope_base: float | None = None
-    rope_traditional: bool = False
-    rope_scale: float = 1.0
-    rope_dims: int | None = None
 
     def __post_init__(self):
         check_float("ratio", self.ratio, minimum=0.0, maximum=1.0, open_min=True)

@@ -20,7 +20,7 @@ and scores them against the sketched query without unpacking anything to float:
   ``c/m ||k_in|| <S q - S P q, sign(S k_in)> + c/m_o ||k_o|| <S P q, sign(S k_o)>`` per token,
   the reference's estimator term for term;
 * values are mixed from their per-token ``Uniform`` codes in the same pass, and the splits
-  merged (with a cache's fp16 window and sinks in one softmax, :func:`attend_joint`).
+  merged (with a cache's fp16 window and sinks in one softmax, :func:`joint_call`).
 
 Where the kernel does not apply (kernels off or the CPU, values not per-token ``Uniform``, a
 sketch size the key pass does not lay out: see ``velox_core.kernels.decode.sketch_lanes``)
@@ -43,13 +43,14 @@ from velox_core.kernels import decode as _kd
 from velox_core.kernels import sketch_mma as _sm
 from velox_core.kernels import use_kernels
 from velox_core.kernels.encode import sketch_encode
+from velox_core.kernels.joint import JointQuery, JointRun, joint_glue, plan_joint
 
 from .projection import index_bits
 
 if TYPE_CHECKING:
     from .codec import QJL
 
-__all__ = ["attend_joint", "attend_partial", "encode_sketch", "kernel_sides"]
+__all__ = ["attend_partial", "encode_sketch", "joint_call", "kernel_sides"]
 
 
 # most (batch x head x token) rows the sketch encode kernel takes: on an H200 it beat the
@@ -150,12 +151,9 @@ def _query_sketch(keys: _kd.Codes, q: mx.array) -> mx.array:
 def attend_partial(
     codec: QJL, q: mx.array, keys: Packed, value_codec, values: Packed
 ) -> tuple[mx.array, mx.array, mx.array] | None:
-    """Partial ``(o, m, l)`` of one segment from its codes (GPU kernel), or None.
-
-    Shapes:
-        q ``(B, H, M, D)`` float32, scale applied; returns ``(B, H, M, D)``,
-        ``(B, H, M, 1)``, ``(B, H, M, 1)`` float32.
-    """
+    """:meth:`velox_core.Codec.attend_partial` of QJL keys: this segment's partial
+    ``(o, m, l)`` from its sign sketches through the decode kernels (shapes as there: q
+    float32 with the scale applied), or None where they do not apply."""
     if q.shape[-1] != codec.dim:
         return None
     sides = kernel_sides(codec, keys, value_codec, values, q.shape[2])
@@ -164,36 +162,25 @@ def attend_partial(
     return _kd.decode_attention(q, *sides, q_sketch=_query_sketch(sides[0], q))
 
 
-def attend_joint(
-    codec: QJL,
-    q: mx.array,
-    keys: Packed,
-    value_codec,
-    values: Packed,
-    fp16: list[tuple[mx.array, mx.array]],
-    out_dtype: mx.Dtype,
-    scale: float | None = None,
-) -> mx.array | None:
-    """Normalized attention over this segment's codes and up to two fp16 segments (a cache's
-    sinks and window) in one softmax (the decode kernel and the fused merge), or None where
-    :func:`attend_partial` would decline.
+def _plan_joint(
+    codec: QJL, query: JointQuery, keys: Packed, value_codec, values: Packed
+) -> JointRun | None:
+    """:meth:`velox_core.Codec.joint_call` of QJL keys: attention over this segment's codes
+    and up to two fp16 segments (a cache's sinks and window) in one softmax (the decode
+    kernel and the fused merge), planned once for the query shape: ``run(q, fp16)``, or
+    None where :func:`attend_partial` would decline.
 
     Shapes:
         q ``(B, H, M, D)``: float32 with the scale applied, or unscaled (any float dtype)
-        with ``scale``; fp16 pairs ``(B, H, T_i, D)``; returns ``(B, H, M, D)`` in
+        with ``scale``; fp16 pairs ``(B, H, T_i, D)``; ``run`` returns ``(B, H, M, D)`` in
         ``out_dtype``.
     """
-    if q.shape[-1] != codec.dim:
+    if query.shape[-1] != codec.dim:
         return None
-    sides = kernel_sides(codec, keys, value_codec, values, q.shape[2])
+    sides = kernel_sides(codec, keys, value_codec, values, query.shape[2])
     if sides is None:
         return None
-    out = _kd.decode_attention(
-        q,
-        *sides,
-        fp16=fp16,
-        out_dtype=out_dtype,
-        scale=scale,
-        q_sketch=_query_sketch(sides[0], q),
-    )
-    return None if out is None else out[0]
+    return plan_joint(query, *sides, lambda q: (q, None, _query_sketch(sides[0], q)), q_sketch=True)
+
+
+joint_call = joint_glue(_plan_joint)

@@ -6,7 +6,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from velox_core.codec.prerope import check_rope_settings, rope_settings
+from velox_core.codec.prerope import check_rope_settings, rope_fields, rope_settings
 from velox_core.validation import check_bits, check_bool, check_counts, check_int
 
 __all__ = ["SVDqConfig", "parse_schedule"]
@@ -62,6 +62,7 @@ def format_schedule(widths: tuple[int, ...]) -> str:
 
 
 @dataclass
+@rope_fields
 class SVDqConfig:
     """SVDq (arXiv 2502.15304) settings, with the shared parameter names.
 
@@ -96,10 +97,6 @@ class SVDqConfig:
     window: int = 0
     sinks: int = 0
     pre_rope: bool = True
-    rope_base: float | None = None
-    rope_traditional: bool = False
-    rope_scale: float = 1.0
-    rope_dims: int | None = None
 
     def __post_init__(self):
         self.schedule = format_schedule(parse_schedule(self.schedule))

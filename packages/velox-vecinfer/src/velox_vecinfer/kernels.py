@@ -35,11 +35,12 @@ from velox_core import Packed, Uniform
 from velox_core.kernels import decode as _kd
 from velox_core.kernels import use_kernels
 from velox_core.kernels.encode import vq_encode
+from velox_core.kernels.joint import JointQuery, JointRun, joint_glue, plan_joint
 
 if TYPE_CHECKING:
     from .codec import VecInfer
 
-__all__ = ["attend_joint", "attend_partial", "encode_codes", "kernel_side"]
+__all__ = ["attend_partial", "encode_codes", "joint_call", "kernel_side"]
 
 
 def _is_vecinfer(codec) -> bool:
@@ -94,12 +95,10 @@ def _values_transformed(value_codec) -> bool:
 def attend_partial(
     codec: VecInfer, q: mx.array, keys: Packed, value_codec, values: Packed
 ) -> tuple[mx.array, mx.array, mx.array] | None:
-    """Partial ``(o, m, l)`` of one segment from its codes (GPU kernel), or None.
-
-    Shapes:
-        q ``(B, H, M, D)`` float32, scale applied; returns ``(B, H, M, D)``,
-        ``(B, H, M, 1)``, ``(B, H, M, 1)`` float32.
-    """
+    """:meth:`velox_core.Codec.attend_partial` of VecInfer keys: this segment's partial
+    ``(o, m, l)`` from its codeword indices through the decode kernel, the query transformed
+    and transformed values undone on the partial (shapes as there: q float32 with the scale
+    applied), or None where no kernel applies."""
     if q.shape[-1] != codec.dim:
         return None
     sides = _sides(codec, keys, value_codec, values)
@@ -112,37 +111,33 @@ def attend_partial(
     return value_codec.untransform(o), m, l
 
 
-def attend_joint(
-    codec: VecInfer,
-    q: mx.array,
-    keys: Packed,
-    value_codec,
-    values: Packed,
-    fp16: list[tuple[mx.array, mx.array]],
-    out_dtype: mx.Dtype,
-    scale: float | None = None,
-) -> mx.array | None:
-    """Normalized attention over this segment's codes and up to two fp16 segments (a cache's
-    sinks and window) in one softmax (the decode kernel and the fused merge), or None where
-    :func:`attend_partial` would decline or the values are coded in a transformed domain.
+def _plan_joint(
+    codec: VecInfer, query: JointQuery, keys: Packed, value_codec, values: Packed
+) -> JointRun | None:
+    """:meth:`velox_core.Codec.joint_call` of VecInfer keys: attention over this segment's
+    codes and up to two fp16 segments (a cache's sinks and window) in one softmax (the
+    decode kernel and the fused merge), planned once for the query shape: ``run(q, fp16)``,
+    or None where :func:`attend_partial` would decline or the values are coded in a
+    transformed domain.
 
     Shapes:
         q ``(B, H, M, D)``: float32 with the scale applied, or unscaled (any float dtype)
-        with ``scale``; fp16 pairs ``(B, H, T_i, D)``; returns ``(B, H, M, D)`` in
+        with ``scale``; fp16 pairs ``(B, H, T_i, D)``; ``run`` returns ``(B, H, M, D)`` in
         ``out_dtype``.
     """
-    if q.shape[-1] != codec.dim or _values_transformed(value_codec):
+    if query.shape[-1] != codec.dim or _values_transformed(value_codec):
         return None
     sides = _sides(codec, keys, value_codec, values)
     if sides is None:
         return None
-    # the codes are scored against the transformed query, the fp16 keys against q itself
-    out = _kd.decode_attention(
-        codec.transform_query(q),
+    # the codes are scored against the transformed query (float32), the fp16 keys against q
+    return plan_joint(
+        query,
         *sides,
-        fp16=fp16,
-        out_dtype=out_dtype,
-        scale=scale,
-        merge_q=q,
+        lambda q: (codec.transform_query(q), q, None),
+        kernel_dtype=mx.float32,
+        merge_q=True,
     )
-    return None if out is None else out[0]
+
+
+joint_call = joint_glue(_plan_joint)

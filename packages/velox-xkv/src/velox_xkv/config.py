@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from velox_core.codec.prerope import check_rope_settings
+from velox_core.codec.prerope import check_rope_settings, rope_fields, rope_settings
 from velox_core.validation import check_bool, check_int
 
 __all__ = ["XKVConfig"]
 
 
 @dataclass
+@rope_fields
 class XKVConfig:
     """xKV (arXiv 2503.18893) settings.
 
@@ -33,16 +34,10 @@ class XKVConfig:
     key_rank: int = 192
     value_rank: int = 256
     pre_rope: bool = True
-    rope_base: float | None = None
-    rope_traditional: bool = False
-    rope_scale: float = 1.0
-    rope_dims: int | None = None
 
     def __post_init__(self):
         check_int("layer_group", self.layer_group, minimum=1)
         check_int("key_rank", self.key_rank, minimum=1)
         check_int("value_rank", self.value_rank, minimum=1)
         check_bool("pre_rope", self.pre_rope)
-        check_rope_settings(
-            self.rope_base, self.rope_traditional, self.rope_scale, self.rope_dims, self.pre_rope
-        )
+        check_rope_settings(**rope_settings(self))

@@ -16,6 +16,7 @@ from one of three places:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, ClassVar
 
 import mlx.core as mx
@@ -23,9 +24,17 @@ import mlx.core as mx
 from ..ops.rope import RopeSpec, find_rope, rope_spec, rotate
 from ..validation import check_bool, check_float, check_int
 
-__all__ = ["ROPE_SETTINGS", "PreRope", "check_rope_settings", "rope_settings"]
+__all__ = ["ROPE_SETTINGS", "PreRope", "check_rope_settings", "rope_fields", "rope_settings"]
 
 ROPE_SETTINGS = ("rope_base", "rope_traditional", "rope_scale", "rope_dims")
+
+# the standalone RoPE settings as config fields: (annotation, default), mlx.nn.RoPE's defaults
+_ROPE_FIELDS = {
+    "rope_base": ("float | None", None),
+    "rope_traditional": ("bool", False),
+    "rope_scale": ("float", 1.0),
+    "rope_dims": ("int | None", None),
+}
 
 
 def check_rope_settings(
@@ -55,6 +64,26 @@ def check_rope_settings(
     if base is None and custom:
         raise ValueError("rope_traditional/rope_scale/rope_dims need rope_base")
     return base, traditional, scale, dims
+
+
+def rope_fields(cls: type) -> type:
+    """Class decorator, applied under ``@dataclass``: appends the fields :data:`ROPE_SETTINGS`
+    (``rope_base: float | None = None``, ``rope_traditional: bool = False``,
+    ``rope_scale: float = 1.0``, ``rope_dims: int | None = None``) after the class's own, so
+    a pre-RoPE method's config declares them once; check them with
+    ``check_rope_settings(**rope_settings(self))`` in ``__post_init__``.
+
+    Raises:
+        TypeError: ``cls`` already declares one of them.
+    """
+    own = inspect.get_annotations(cls)  # the class's own, not its bases'
+    taken = sorted(set(own) & set(_ROPE_FIELDS))
+    if taken:
+        raise TypeError(f"rope_fields: {cls.__name__} already declares {', '.join(taken)}")
+    cls.__annotations__ = {**own, **{name: kind for name, (kind, _) in _ROPE_FIELDS.items()}}
+    for name, (_, default) in _ROPE_FIELDS.items():
+        setattr(cls, name, default)
+    return cls
 
 
 def rope_settings(cfg: Any) -> dict[str, Any]:

@@ -24,12 +24,25 @@ import mlx.core as mx
 from ..kernels import decode as _kd
 from ..kernels import encode as _ke
 from ..kernels import use_kernels
+from ..kernels.joint import JointQuery, JointRun, joint_glue, plan_joint
 from ..ops.packing import MLX_BITS, MLX_GROUPS, mlx_readable, pack, unpack
 from ..ops.quant import AXES, affine_dequantize, affine_matmul, affine_quantize
 from ..validation import check_bits, check_choice, check_float, check_int
 from .base import Codec, Packed
 
 __all__ = ["Uniform"]
+
+
+def _plan_joint(
+    codec: Uniform, query: JointQuery, keys: Packed, value_codec: Codec, values: Packed
+) -> JointRun | None:
+    """Attention over this segment's codes and up to two fp16 segments (a cache's sinks
+    and window) in one softmax, planned once (:meth:`Codec.joint_call`): the fused
+    decode kernel and a merge that also attends the fp16 tokens (GPU kernels), or None
+    where :meth:`Uniform.attend_partial` would decline or the fp16 segments are too long
+    (``FP16_MAX`` tokens)."""
+    sides = codec._kernel_sides(keys, value_codec, values)
+    return None if sides is None else plan_joint(query, *sides)
 
 
 class Uniform(Codec):
@@ -174,36 +187,7 @@ class Uniform(Codec):
         kind = _kd.AFFINE if self.axis == "token" else _kd.AFFINE_CHANNEL
         return _kd.Codes(kind, self.bits, self.group, p["codes"], p["scale"], p["zero"])
 
-    def joint_call(
-        self,
-        q_shape: tuple[int, int, int, int],
-        q_dtype: mx.Dtype,
-        keys: Packed,
-        value_codec: Codec,
-        values: Packed,
-        fp16_tokens: int,
-        out_dtype: mx.Dtype,
-        scale: float | None = None,
-    ):
-        """Attention over this segment's codes and up to two fp16 segments (a cache's sinks
-        and window) in one softmax, planned once (:meth:`Codec.joint_call`): the fused
-        decode kernel and a merge that also attends the fp16 tokens (GPU kernels), or None
-        where :meth:`attend_partial` would decline or the fp16 segments are too long
-        (``FP16_MAX`` tokens)."""
-        sides = self._kernel_sides(keys, value_codec, values)
-        if sides is None:
-            return None
-        run = _kd.plan_decode(
-            q_shape, q_dtype, *sides, fp16_tokens=fp16_tokens, out_dtype=out_dtype, scale=scale
-        )
-        if run is None:
-            return None
-
-        def call(q: mx.array, fp16: list[tuple[mx.array, mx.array]]) -> mx.array | None:
-            out = run(q, fp16)
-            return None if out is None else out[0]
-
-        return call
+    joint_call = joint_glue(_plan_joint)
 
 
 def _divisors(n: int) -> str:

@@ -21,8 +21,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from . import decode as _kd  # plan_decode looked up per plan (tests spy on it)
 from .codes import Codes
-from .decode import plan_decode
 
 __all__ = ["JointQuery", "JointRun", "joint_glue", "plan_joint"]
 
@@ -99,7 +99,7 @@ def plan_joint(
     flags = {"merge_q": merge_q, "rot": rot, "q_sketch": q_sketch}
 
     def plan(dtype: mx.Dtype):
-        return plan_decode(query.shape, dtype, keys, values, **merge, **flags)
+        return _kd.plan_decode(query.shape, dtype, keys, values, **merge, **flags)
 
     first = query.dtype if kernel_dtype is None else kernel_dtype
     plans = {first: plan(first)}  # per dtype of the kernel's query
