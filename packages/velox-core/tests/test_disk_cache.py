@@ -211,3 +211,14 @@ def test_a_changed_text_file_is_rewritten(tmp_path, monkeypatch):
         path.write_text("garbage")
         assert dk.MERGE.mlx_texts("cuda")[0] == header
     assert path.read_text() == dk.MERGE.header("cuda")
+
+
+def test_cached_kernel_skips_the_key_for_the_same_template_object(monkeypatch):
+    renders = []
+    monkeypatch.setattr(disk_cache, "ensure_compiled", lambda *a: None)
+    k = disk_cache.CachedKernel(_Kernel(), lambda i, o, t: renders.append(t) or ("s", "n"))
+    tmpl = [("N", 8)]
+    for _ in range(3):
+        k(inputs=[], output_dtypes=[mx.float16], template=tmpl)
+    k(inputs=[], output_dtypes=[mx.float16], template=[("N", 9)])
+    assert renders == [[("N", 8)], [("N", 9)]]
