@@ -8,6 +8,7 @@ through it there; ``benchmarks/first_use.py`` times a second process's first use
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -222,3 +223,28 @@ def test_cached_kernel_skips_the_key_for_the_same_template_object(monkeypatch):
         k(inputs=[], output_dtypes=[mx.float16], template=tmpl)
     k(inputs=[], output_dtypes=[mx.float16], template=[("N", 9)])
     assert renders == [[("N", 8)], [("N", 9)]]
+
+
+def test_a_planned_merge_calls_the_wrapper_once_per_variant_then_mlx_kernel(monkeypatch):
+    """plan_merge_fp16's run launches through the CachedKernel the first time a template is
+    used (compiling it into the disk cache) and straight through MLX's kernel after that."""
+    from velox_core.kernels import merge
+
+    monkeypatch.setattr(disk_cache, "ensure_compiled", lambda *a: None)
+    inner, wrapped = _Kernel(), []
+    cached = disk_cache.CachedKernel(inner, lambda i, o, t: ("s", "n"))
+    real_call = disk_cache.CachedKernel.__call__
+
+    def counting(self, **kw):
+        wrapped.append(kw["template"])
+        return real_call(self, **kw)
+
+    monkeypatch.setattr(disk_cache.CachedKernel, "__call__", counting)
+    monkeypatch.setattr(merge, "MERGE_FP16", SimpleNamespace(kernel=lambda: cached))
+    assert disk_cache.direct(cached) is inner and disk_cache.direct(inner) is inner
+    run = merge.plan_merge_fp16(1, 2, 4, 8, mx.float16, None, None)
+    seg = (mx.zeros((1, 2, 3, 8), mx.float16),) * 2
+    for fp16 in ([seg], [seg], [seg, seg], [seg]):
+        run(mx.zeros((1, 2, 1, 4, 8)), mx.zeros((1, 2, 1, 4, 2)), mx.zeros((1, 2, 4, 8)), fp16)
+    assert len(inner.calls) == 4
+    assert [dict(t)["HAS_B"] for t in wrapped] == [0, 1]  # each template's first launch only

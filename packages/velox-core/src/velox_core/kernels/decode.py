@@ -214,6 +214,7 @@ def plan_decode(
     merge_q: bool = False,
     rot: mx.array | None = None,
     q_sketch: bool = False,
+    out_only: bool = False,
 ):
     """:func:`decode_attention` planned once for one coded segment and one query shape.
 
@@ -230,6 +231,8 @@ def plan_decode(
             (0 lets the tensor-core kernel merge its own splits where it can; ``run`` must
             then be given none).
         merge_q, q_sketch: whether ``run`` is given these queries.
+        out_only: with ``out_dtype``: ``run`` returns only ``o``, the normalized output (what
+            a joint plan returns: :func:`velox_core.kernels.joint.plan_joint`).
         Others: as :func:`decode_attention`.
     """
     b, h, m, dim = q_shape
@@ -237,9 +240,12 @@ def plan_decode(
     if t < 1 or values.codes.shape[2] != t:
         return None
     _check_call(q_shape, keys, values, fp16_tokens, out_dtype, merge_q, rot, q_sketch)
+    if out_only and out_dtype is None:
+        raise ValueError("decode_attention: out_only needs out_dtype (the normalized output)")
     if fp16_tokens is not None and fp16_tokens > FP16_MAX:
         return None
-    parts = None
+    parts = None  # parts(q[, q_sketch]) -> (o_part, ml_part, the query the kernel took)
+    takes_qs = True
     if keys.sketch is not None and keys.sketch.mma:  # QJL keys laid out for the tensor cores
         from .sketch_mma import decode_sketch_mma, supported
 
@@ -263,21 +269,19 @@ def plan_decode(
                 def run_fused(q, fp16=None, merge_q=None, q_sketch=None):
                     if fp16 and any(k.shape[2] for k, _ in fp16):
                         raise ValueError("decode_attention: planned without fp16 tokens")
-                    return fused(q)
+                    out = fused(q)
+                    return out[0] if out_only else out
 
                 return run_fused
         else:
-            mma = plan_mma(q_shape, q_dtype, keys, values, splits, scale)
-            if mma is not None:
-
-                def parts(q, qs):
-                    return mma(q)
+            parts = plan_mma(q_shape, q_dtype, keys, values, splits, scale)
+            takes_qs = False  # the tensor-core kernel takes no query sketch: run(q)
 
     if parts is None:
-        portable = plan_portable(q_shape, keys, values, splits, scale)
-        if portable is None:
+        parts = plan_portable(q_shape, keys, values, splits, scale)
+        if parts is None:
             return None
-        parts = portable
+        takes_qs = True
     want_qs = q_shape
     if keys.sketch is not None:
         want_qs = (b, h, m, keys.sketch.m)
@@ -292,7 +296,7 @@ def plan_decode(
             )
         if fp16 is not None and (len(fp16) > 2 or sum(k.shape[2] for k, _ in fp16) > FP16_MAX):
             return None
-        o_part, ml_part, qk = parts(q, q_sketch)  # qk: the query the kernel took (rows padded)
+        o_part, ml_part, qk = parts(q, q_sketch) if takes_qs else parts(q)  # qk: rows padded
         rows = o_part.shape[3]
         if out_dtype is not None:
             merge = merges.get(rows)
@@ -302,6 +306,8 @@ def plan_decode(
             o, mm, ll = merge(o_part, ml_part, mq, fp16 or [])
         else:
             o, mm, ll = merge_splits(o_part, ml_part)
+        if out_only:
+            return o[:, :, :m] if rows > m else o
         if rows > m:
             o, mm, ll = o[:, :, :m], mm[:, :, :m], ll[:, :, :m]
         return o, mm, ll

@@ -319,6 +319,13 @@ class CachedKernel:
 MLX_VERSIONS = ("0.32.",)
 
 
+def direct(kernel: Any) -> Any:
+    """The MLX kernel behind ``kernel`` (a :class:`CachedKernel`'s, else ``kernel``): what a
+    launch plan calls once its variant went through ``kernel`` (compiled into the disk cache),
+    so that the hot path skips the wrapper."""
+    return kernel.kernel if isinstance(kernel, CachedKernel) else kernel
+
+
 def wrap(kernel: Any, render: Callable[..., tuple[str, str]]) -> Any:
     """``kernel`` with its compiled forms kept on disk, where the configuration asks for it
     and MLX is a release this module follows (:data:`MLX_VERSIONS`; others compile every

@@ -10,7 +10,8 @@ method packages' glue shares two pieces here:
 * :func:`plan_joint` plans :func:`velox_core.kernels.decode.plan_decode` for the record and
   returns ``run``: each call prepares the kernel's query from the model's (a rotation, query
   tables), launches the decode kernel and the merge that joins the fp16 tokens, and returns
-  the normalized output.
+  the normalized output. Where the model's query goes to the kernel as it is (no ``prepare``:
+  affine codes), ``run`` is the decode plan's own.
 """
 
 from __future__ import annotations
@@ -96,11 +97,15 @@ def plan_joint(
     """
 
     merge = {"fp16_tokens": query.fp16_tokens, "out_dtype": query.out_dtype, "scale": query.scale}
-    flags = {"merge_q": merge_q, "rot": rot, "q_sketch": q_sketch}
+    flags = {"merge_q": merge_q, "rot": rot, "q_sketch": q_sketch, "out_only": True}
 
     def plan(dtype: mx.Dtype):
         return _kd.plan_decode(query.shape, dtype, keys, values, **merge, **flags)
 
+    if prepare is None and kernel_dtype in (None, query.dtype):
+        # the model's query is the kernel's, of the planned dtype: the decode plan's own run
+        # (returning the normalized output) is the joint run, one Python frame fewer a step
+        return plan(query.dtype)
     first = query.dtype if kernel_dtype is None else kernel_dtype
     plans = {first: plan(first)}  # per dtype of the kernel's query
     if plans[first] is None:
@@ -111,7 +116,6 @@ def plan_joint(
         if kernel_q.dtype not in plans:
             plans[kernel_q.dtype] = plan(kernel_q.dtype)
         launch = plans[kernel_q.dtype]
-        out = None if launch is None else launch(kernel_q, fp16, mq, qs)
-        return None if out is None else out[0]
+        return None if launch is None else launch(kernel_q, fp16, mq, qs)
 
     return run
