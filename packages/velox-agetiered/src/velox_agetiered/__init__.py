@@ -12,11 +12,9 @@ from .config import AgeTieredConfig
 
 __all__ = ["METHOD", "AgeTieredCache", "AgeTieredConfig"]
 
-METHOD = Method(
-    name="agetiered",
-    cache_class=AgeTieredCache,
+METHOD = Method.of(
+    AgeTieredCache,
     summary="precision by token age: recent tokens at high bits, older at fewer, oldest fewest",
-    paper=None,
     codecs=(Uniform,),
     recommended=(
         # 3.97 bits at 4,096 tokens: no more bytes than mlx-lm's 4-bit cache there

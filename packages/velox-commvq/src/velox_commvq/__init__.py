@@ -50,9 +50,8 @@ __all__ = [
     "search_dirs",
 ]
 
-METHOD = Method(
-    name="commvq",
-    cache_class=CommVQCache,
+METHOD = Method.of(
+    CommVQCache,
     summary="pre-RoPE keys as RoPE-commutative residual VQ codes fitted per model, "
     "scored from the codes; Uniform values",
     paper="https://arxiv.org/abs/2506.18879",

@@ -13,9 +13,7 @@ Codebooks are found when ``velox_core.make_cache`` binds the cache to its model 
 
 from __future__ import annotations
 
-from typing import Any
-
-from velox_core import PresetCache, Uniform, resolve_bits
+from velox_core import Codec, PresetCache, Uniform
 from velox_core.codec.prerope import rope_settings
 
 from .codec import CommVQKeys
@@ -30,7 +28,6 @@ class CommVQCache(PresetCache):
     method = "commvq"
     Config = CommVQConfig
 
-    def build(self, cfg: CommVQConfig) -> dict[str, Any]:
-        kb, vb = resolve_bits(cfg.bits, cfg.key_bits, cfg.value_bits)
+    def make_codecs(self, cfg: CommVQConfig, kb: int, vb: int) -> tuple[Codec, Codec]:
         keys = CommVQKeys(kb, codebooks=cfg.codebooks, layer=cfg.layer, **rope_settings(cfg))
-        return {"key_codec": keys, "value_codec": Uniform(vb, cfg.group)}
+        return keys, Uniform(vb, cfg.group)

@@ -4,15 +4,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from velox_core import CodeWidths
 from velox_core.codec.prerope import check_rope_settings, rope_fields, rope_settings
-from velox_core.validation import check_counts, check_int, check_key_value_widths, check_path
+from velox_core.validation import (
+    check_counts,
+    check_int,
+    check_key_value_widths,
+    check_optional,
+    check_path,
+)
 
 __all__ = ["CommVQConfig"]
 
 
 @dataclass
 @rope_fields
-class CommVQConfig:
+class CommVQConfig(CodeWidths):
     """CommVQ (arXiv 2506.18879) settings, with the shared parameter names.
 
     Attributes:
@@ -32,8 +39,6 @@ class CommVQConfig:
     """
 
     bits: int = 2
-    key_bits: int | None = None
-    value_bits: int | None = None
     group: int = 64
     window: int = 0
     sinks: int = 0
@@ -45,6 +50,5 @@ class CommVQConfig:
         check_int("group", self.group, minimum=1)
         check_counts(self, "window", "sinks")
         self.codebooks = check_path("codebooks", self.codebooks)
-        if self.layer is not None:
-            check_int("layer", self.layer, minimum=0)
+        check_optional(self, "layer", minimum=0)
         check_rope_settings(**rope_settings(self))

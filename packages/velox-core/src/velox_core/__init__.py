@@ -9,7 +9,14 @@ the method registry (:mod:`velox_core.registry`). Importing it has no side effec
 from importlib.metadata import PackageNotFoundError, version
 
 from .cache import PackedStore, Segment, Tier, VeloxBatch, VeloxCache, attend
-from .cache.preset import PresetCache, check_kept_codes, kept_codecs, resolve_bits
+from .cache.preset import (
+    CodeWidths,
+    PresetCache,
+    check_kept_codes,
+    config_fields,
+    kept_codecs,
+    resolve_bits,
+)
 from .cache.uniform import UniformCache, UniformConfig
 from .codec import Codec, Identity, Packed, Uniform
 from .io import inspect_cache_file, load_cache, save_cache
@@ -32,6 +39,7 @@ except PackageNotFoundError:  # running from a source tree
     __version__ = "0.0.0+source"
 
 __all__ = [
+    "CodeWidths",
     "Codec",
     "Identity",
     "Method",
@@ -49,6 +57,7 @@ __all__ = [
     "__version__",
     "attend",
     "check_kept_codes",
+    "config_fields",
     "disable",
     "enable",
     "generate",

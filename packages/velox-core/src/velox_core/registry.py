@@ -65,6 +65,14 @@ class Method:
     policies: tuple[type[RetentionPolicy], ...] = ()
     recommended: tuple[dict[str, Any], ...] = field(default_factory=lambda: ({},))
 
+    @classmethod
+    def of(cls, cache_class: type, summary: str, **rest: Any) -> Method:
+        """The registration of ``cache_class`` under the name it carries (its ``method``, the
+        name its errors, descriptions and saved files use), so the name is stated once;
+        ``rest``: the other attributes (``paper``, ``codecs``, ``policies``, ``recommended``).
+        """
+        return cls(name=cache_class.method, cache_class=cache_class, summary=summary, **rest)
+
 
 _methods: dict[str, Method] | None = None
 _BUILTIN_CODECS: dict[str, type[Codec]] = {Identity.name: Identity, Uniform.name: Uniform}

@@ -20,6 +20,7 @@ __all__ = [
     "check_int",
     "check_key_value_widths",
     "check_kv",
+    "check_optional",
     "check_path",
     "check_token_groups",
     "check_widths",
@@ -165,6 +166,14 @@ def check_counts(cfg: Any, *names: str) -> None:
     """Each named field of ``cfg`` is an int >= 0 (``window``, ``sinks``, ``seed``...)."""
     for name in names:
         check_int(name, getattr(cfg, name), minimum=0)
+
+
+def check_optional(cfg: Any, *names: str, minimum: int = 1) -> None:
+    """Each named field of ``cfg`` is None (unset) or an int >= ``minimum`` (``layer``,
+    ``rank``, ``key_group``...)."""
+    for name in names:
+        if getattr(cfg, name) is not None:
+            check_int(name, getattr(cfg, name), minimum=minimum)
 
 
 def check_array(

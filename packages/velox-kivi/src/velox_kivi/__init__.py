@@ -7,9 +7,8 @@ from .config import KIVIConfig
 
 __all__ = ["METHOD", "KIVICache", "KIVIConfig"]
 
-METHOD = Method(
-    name="kivi",
-    cache_class=KIVICache,
+METHOD = Method.of(
+    KIVICache,
     summary="keys per channel, values per token, 2/4-bit asymmetric, fp16 residual window",
     paper="https://arxiv.org/abs/2402.02750",
     codecs=(Uniform,),

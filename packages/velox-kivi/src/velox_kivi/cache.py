@@ -17,9 +17,7 @@ reference code's key residual). Attention reads the codes directly: per-token va
 
 from __future__ import annotations
 
-from typing import Any
-
-from velox_core import PresetCache, Uniform, resolve_bits
+from velox_core import Codec, PresetCache, Uniform
 
 from .config import KIVIConfig
 
@@ -32,9 +30,5 @@ class KIVICache(PresetCache):
     method = "kivi"
     Config = KIVIConfig
 
-    def build(self, cfg: KIVIConfig) -> dict[str, Any]:
-        kb, vb = resolve_bits(cfg.bits, cfg.key_bits, cfg.value_bits)
-        return {
-            "key_codec": Uniform(kb, cfg.group, axis="channel"),
-            "value_codec": Uniform(vb, cfg.group, axis="token"),
-        }
+    def make_codecs(self, cfg: KIVIConfig, kb: int, vb: int) -> tuple[Codec, Codec]:
+        return Uniform(kb, cfg.group, axis="channel"), Uniform(vb, cfg.group, axis="token")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from velox_core import CodeWidths
 from velox_core.validation import check_counts, check_int, check_token_groups, check_widths
 
 
 @dataclass
-class KIVIConfig:
+class KIVIConfig(CodeWidths):
     """KIVI (arXiv 2402.02750) settings, with the shared parameter names.
 
     Attributes:
@@ -20,9 +21,6 @@ class KIVIConfig:
         sinks: first tokens kept in fp16 (not in the paper; 0 by default).
     """
 
-    bits: int = 4
-    key_bits: int | None = None
-    value_bits: int | None = None
     group: int = 32
     window: int = 128
     sinks: int = 0

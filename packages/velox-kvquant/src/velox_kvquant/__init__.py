@@ -21,9 +21,8 @@ __all__ = [
     "rotate",
 ]
 
-METHOD = Method(
-    name="kvquant",
-    cache_class=KVQuantCache,
+METHOD = Method.of(
+    KVQuantCache,
     summary="per-channel pre-RoPE keys, per-token values, nuq datatypes, 1% sparse outliers",
     paper="https://arxiv.org/abs/2401.18079",
     codecs=(KVQuantKeys, KVQuantValues),

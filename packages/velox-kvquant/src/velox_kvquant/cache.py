@@ -9,9 +9,7 @@ per sequence of the batch), codes them, and codes every later token with the sam
 
 from __future__ import annotations
 
-from typing import Any
-
-from velox_core import resolve_bits
+from velox_core import Codec, config_fields
 from velox_core.cache.preset import CalibratedPreset
 from velox_core.codec.prerope import rope_settings
 
@@ -30,10 +28,6 @@ class KVQuantCache(CalibratedPreset):
     default_flush = 1
     Config = KVQuantConfig
 
-    def build(self, cfg: KVQuantConfig) -> dict[str, Any]:
-        kb, vb = resolve_bits(cfg.bits, cfg.key_bits, cfg.value_bits)
-        shared = {"outliers": cfg.outliers, "datatype": cfg.datatype, "qnorm": cfg.qnorm}
-        return {
-            "key_codec": KVQuantKeys(kb, **shared, **rope_settings(cfg)),
-            "value_codec": KVQuantValues(vb, **shared),
-        }
+    def make_codecs(self, cfg: KVQuantConfig, kb: int, vb: int) -> tuple[Codec, Codec]:
+        shared = config_fields(cfg, "outliers", "datatype", "qnorm")
+        return KVQuantKeys(kb, **shared, **rope_settings(cfg)), KVQuantValues(vb, **shared)

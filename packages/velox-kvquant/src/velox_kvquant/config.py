@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from velox_core import CodeWidths
 from velox_core.codec.prerope import check_rope_settings, rope_fields, rope_settings
 from velox_core.validation import (
     check_bool,
@@ -19,7 +20,7 @@ from .nuq import DATATYPES
 
 @dataclass
 @rope_fields
-class KVQuantConfig:
+class KVQuantConfig(CodeWidths):
     """KVQuant (arXiv 2401.18079) settings, with the shared parameter names.
 
     Attributes:
@@ -39,9 +40,6 @@ class KVQuantConfig:
             unset with a model (:mod:`velox_core.codec.prerope`).
     """
 
-    bits: int = 4
-    key_bits: int | None = None
-    value_bits: int | None = None
     outliers: float = 0.01
     sinks: int = 1
     window: int = 0

@@ -22,11 +22,9 @@ __all__ = [
     "slerp_merge",
 ]
 
-METHOD = Method(
-    name="minicache",
-    cache_class=MiniCache,
+METHOD = Method.of(
+    MiniCache,
     summary="cross-layer merging: adjacent layers share SLERP token directions, own magnitudes",
     paper="https://arxiv.org/abs/2405.14366",
-    codecs=(),
     recommended=({"t": 0.5, "gamma": 0.05},),
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from velox_core.validation import check_float, check_int
+from velox_core.validation import check_float, check_optional
 
 __all__ = ["MiniCacheConfig"]
 
@@ -34,5 +34,4 @@ class MiniCacheConfig:
     def __post_init__(self):
         check_float("t", self.t, minimum=0.0, maximum=1.0)
         check_float("gamma", self.gamma, minimum=0.0, maximum=1.0)
-        if self.start_layer is not None:
-            check_int("start_layer", self.start_layer, minimum=0)
+        check_optional(self, "start_layer", minimum=0)

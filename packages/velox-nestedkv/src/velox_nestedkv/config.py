@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from velox_core.cache.eviction import EvictionConfig
-from velox_core.validation import check_choice, check_float, check_int
+from velox_core.validation import check_choice, check_float, check_int, check_optional
 
 from .policy import HEADS, check_prior
 from .scores import PRIOR
@@ -47,8 +47,7 @@ class NestedKVConfig(EvictionConfig):
     def __post_init__(self):
         super().__post_init__()
         check_int("recent", self.recent, minimum=1)
-        if self.block is not None:
-            check_int("block", self.block, minimum=1)
+        check_optional(self, "block")
         check_float("beta", self.beta, minimum=0.0)
         check_float("tau", self.tau)
         check_float("kappa", self.kappa, minimum=0.0)

@@ -34,9 +34,8 @@ __all__ = [
     "save_bases",
 ]
 
-METHOD = Method(
-    name="palu",
-    cache_class=PaluCache,
+METHOD = Method.of(
+    PaluCache,
     summary="keys and values as head-group low-rank latents (bases fitted per model, ranks "
     "by Fisher information); keys rebuilt with RoPE inside attention",
     paper="https://arxiv.org/abs/2407.21118",

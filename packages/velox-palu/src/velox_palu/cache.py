@@ -10,9 +10,7 @@ model and layer.
 
 from __future__ import annotations
 
-from typing import Any
-
-from velox_core import PresetCache
+from velox_core import Codec, PresetCache, config_fields
 from velox_core.codec.prerope import rope_settings
 
 from .codec import PaluKeys, PaluValues
@@ -27,15 +25,12 @@ class PaluCache(PresetCache):
     method = "palu"
     Config = PaluConfig
 
-    def build(self, cfg: PaluConfig) -> dict[str, Any]:
-        kb = cfg.bits if cfg.key_bits is None else cfg.key_bits
-        vb = cfg.bits if cfg.value_bits is None else cfg.value_bits
-        common = {"ratio": cfg.ratio, "allocation": cfg.allocation, "artifact": cfg.artifact}
+    def make_codecs(self, cfg: PaluConfig, kb: int | None, vb: int | None) -> tuple[Codec, Codec]:
+        common = config_fields(cfg, "ratio", "allocation", "artifact", "layer")
         keys = PaluKeys(
             cfg.key_rank,
             bits=kb,
             group=cfg.group if kb is not None else None,
-            layer=cfg.layer,
             **rope_settings(cfg),
             **common,
         )
@@ -43,7 +38,6 @@ class PaluCache(PresetCache):
             cfg.value_rank,
             bits=vb,
             group=cfg.group if vb is not None else None,
-            layer=cfg.layer,
             **common,
         )
-        return {"key_codec": keys, "value_codec": values}
+        return keys, values

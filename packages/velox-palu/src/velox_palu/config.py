@@ -10,6 +10,7 @@ from velox_core.validation import (
     check_counts,
     check_float,
     check_int,
+    check_optional,
     check_path,
     check_widths,
 )
@@ -59,9 +60,7 @@ class PaluConfig:
 
     def __post_init__(self):
         check_float("ratio", self.ratio, minimum=0.0, maximum=1.0, open_min=True)
-        for name in ("key_rank", "value_rank"):
-            if getattr(self, name) is not None:
-                check_int(name, getattr(self, name), minimum=1)
+        check_optional(self, "key_rank", "value_rank")
         check_choice("allocation", self.allocation, ALLOCATIONS)
         check_widths(self)
         if self.group is not None:
@@ -70,6 +69,5 @@ class PaluConfig:
                 raise ValueError("group (latent channels per quantization scale) needs bits")
         check_counts(self, "window", "sinks")
         self.artifact = check_path("artifact", self.artifact)
-        if self.layer is not None:
-            check_int("layer", self.layer, minimum=0)
+        check_optional(self, "layer", minimum=0)
         check_rope_settings(**rope_settings(self))

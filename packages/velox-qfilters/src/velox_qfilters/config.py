@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import ClassVar
 
 from velox_core.cache.eviction import EvictionConfig
-from velox_core.validation import check_int
+from velox_core.validation import check_optional, check_path
 
 
 @dataclass
@@ -36,9 +35,5 @@ class QFiltersConfig(EvictionConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.filters is not None:
-            if not isinstance(self.filters, (str, os.PathLike)):
-                raise TypeError(f"filters must be a path or None, got {self.filters!r}")
-            self.filters = os.fspath(self.filters)
-        if self.layer is not None:
-            check_int("layer", self.layer, minimum=0)
+        self.filters = check_path("filters", self.filters)
+        check_optional(self, "layer", minimum=0)

@@ -8,9 +8,8 @@ from .config import QJLConfig
 
 __all__ = ["METHOD", "QJL", "QJLCache", "QJLConfig"]
 
-METHOD = Method(
-    name="qjl",
-    cache_class=QJLCache,
+METHOD = Method.of(
+    QJLCache,
     summary="keys as 1-bit JL sign sketches + norm (unbiased scores), outlier channels apart",
     paper="https://arxiv.org/abs/2406.03482",
     codecs=(QJL, Uniform),

@@ -26,9 +26,7 @@ Deviations from the paper (arXiv 2406.03482) and its code (docs/qjl.md lists the
 
 from __future__ import annotations
 
-from typing import Any
-
-from velox_core import PresetCache, Uniform, resolve_bits
+from velox_core import Codec, PresetCache, Uniform, config_fields
 
 from .codec import QJL
 from .config import QJLConfig
@@ -42,15 +40,6 @@ class QJLCache(PresetCache):
     method = "qjl"
     Config = QJLConfig
 
-    def build(self, cfg: QJLConfig) -> dict[str, Any]:
-        kb, vb = resolve_bits(cfg.bits, cfg.key_bits, cfg.value_bits)
-        keys = QJL(
-            bits=kb,
-            sketch=cfg.sketch,
-            outliers=cfg.outliers,
-            outlier_bits=cfg.outlier_bits,
-            group=cfg.group,
-            orthogonal=cfg.orthogonal,
-            seed=cfg.seed,
-        )
-        return {"key_codec": keys, "value_codec": Uniform(vb, cfg.group, axis="token")}
+    def make_codecs(self, cfg: QJLConfig, kb: int, vb: int) -> tuple[Codec, Codec]:
+        names = ("sketch", "outliers", "outlier_bits", "group", "orthogonal", "seed")
+        return QJL(kb, **config_fields(cfg, *names)), Uniform(vb, cfg.group, axis="token")

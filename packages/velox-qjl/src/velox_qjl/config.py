@@ -4,17 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from velox_core import CodeWidths
 from velox_core.validation import (
     check_bool,
     check_counts,
     check_int,
     check_key_value_widths,
+    check_optional,
     check_token_groups,
 )
 
 
 @dataclass
-class QJLConfig:
+class QJLConfig(CodeWidths):
     """QJL (arXiv 2406.03482) settings, with the shared parameter names.
 
     Keys are 1-bit sign sketches, so a key "bit width" is the sketch size per channel:
@@ -37,8 +39,6 @@ class QJLConfig:
     """
 
     bits: int = 2
-    key_bits: int | None = None
-    value_bits: int | None = None
     sketch: int | None = None
     outliers: int | None = None
     outlier_bits: int = 32
@@ -57,8 +57,7 @@ class QJLConfig:
                     "pass either key_bits (sketch = key_bits x head dim) or sketch (sign bits "
                     "per key), not both"
                 )
-        if self.outliers is not None:
-            check_int("outliers", self.outliers, minimum=0)
+        check_optional(self, "outliers", minimum=0)
         check_int("outlier_bits", self.outlier_bits, minimum=1)
         check_int("group", self.group, minimum=1)
         check_bool("orthogonal", self.orthogonal)

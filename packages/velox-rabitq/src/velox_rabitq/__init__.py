@@ -10,9 +10,8 @@ from .quantizer import quantize
 
 __all__ = ["EPS0", "METHOD", "RaBitQ", "RaBitQCache", "RaBitQConfig", "quantize"]
 
-METHOD = Method(
-    name="rabitq",
-    cache_class=RaBitQCache,
+METHOD = Method.of(
+    RaBitQCache,
     summary="rotated keys as RaBitQ sign / extended codes + norm, <o_bar,o> (unbiased scores)",
     paper="https://arxiv.org/abs/2405.12497",
     codecs=(RaBitQ, Uniform),

@@ -16,9 +16,7 @@ models); the extended code is searched over every critical value of the rescale 
 
 from __future__ import annotations
 
-from typing import Any
-
-from velox_core import PresetCache, Uniform, resolve_bits
+from velox_core import Codec, PresetCache, Uniform
 
 from .codec import RaBitQ
 from .config import RaBitQConfig
@@ -32,9 +30,5 @@ class RaBitQCache(PresetCache):
     method = "rabitq"
     Config = RaBitQConfig
 
-    def build(self, cfg: RaBitQConfig) -> dict[str, Any]:
-        kb, vb = resolve_bits(cfg.bits, cfg.key_bits, cfg.value_bits)
-        return {
-            "key_codec": RaBitQ(kb, cfg.centroid, cfg.rounds, cfg.seed),
-            "value_codec": Uniform(vb, cfg.group, axis="token"),
-        }
+    def make_codecs(self, cfg: RaBitQConfig, kb: int, vb: int) -> tuple[Codec, Codec]:
+        return RaBitQ(kb, cfg.centroid, cfg.rounds, cfg.seed), Uniform(vb, cfg.group, axis="token")

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from velox_core import CodeWidths
 from velox_core.validation import check_counts, check_int, check_key_value_widths
 
 __all__ = ["RaBitQConfig"]
 
 
 @dataclass
-class RaBitQConfig:
+class RaBitQConfig(CodeWidths):
     """RaBitQ (arXiv 2405.12497, 2409.09913) settings, with the shared parameter names.
 
     Keys are RaBitQ codes (1 bit per coordinate: the sign code; 2 to 8 bits: the extended
@@ -32,9 +33,6 @@ class RaBitQConfig:
         seed: seed of the key rotation.
     """
 
-    bits: int = 4
-    key_bits: int | None = None
-    value_bits: int | None = None
     group: int = 64
     centroid: int = 128
     rounds: int = 2

@@ -8,9 +8,8 @@ from .config import SKVQConfig
 
 __all__ = ["METHOD", "SKVQ", "SKVQCache", "SKVQConfig"]
 
-METHOD = Method(
-    name="skvq",
-    cache_class=SKVQCache,
+METHOD = Method.of(
+    SKVQCache,
     summary="reordered channels, clipped dynamic group quantization, fp16 window and sinks",
     paper="https://arxiv.org/abs/2405.06219",
     codecs=(SKVQ,),

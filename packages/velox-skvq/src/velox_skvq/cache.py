@@ -13,11 +13,9 @@ Batching: each sequence has its own fitted state, so ``filter`` / ``extend`` (an
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.core as mx
 
-from velox_core import PresetCache, resolve_bits
+from velox_core import Codec, PresetCache
 
 from .codec import SKVQ
 from .config import SKVQConfig
@@ -33,14 +31,10 @@ class SKVQCache(PresetCache):
     default_flush = 1
     Config = SKVQConfig
 
-    def build(self, cfg: SKVQConfig) -> dict[str, Any]:
-        kb, vb = resolve_bits(cfg.bits, cfg.key_bits, cfg.value_bits)
+    def make_codecs(self, cfg: SKVQConfig, kb: int | float, vb: int | float) -> tuple[Codec, Codec]:
         kg = cfg.group if cfg.key_group is None else cfg.key_group
         vg = cfg.group if cfg.value_group is None else cfg.value_group
-        return {
-            "key_codec": SKVQ(kb, kg, cfg.clip_min, cfg.reorder),
-            "value_codec": SKVQ(vb, vg, cfg.clip_min, cfg.reorder),
-        }
+        return SKVQ(kb, kg, cfg.clip_min, cfg.reorder), SKVQ(vb, vg, cfg.clip_min, cfg.reorder)
 
     def _codecs_skvq(self) -> list[SKVQ]:
         return [c for c in self._codecs() if isinstance(c, SKVQ)]

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from velox_core import CodeWidths
 from velox_core.validation import (
     check_bool,
     check_counts,
     check_divides,
     check_float,
     check_int,
+    check_optional,
     check_widths,
 )
 
@@ -33,7 +35,7 @@ def check_bits(name: str, value) -> int | float:
 
 
 @dataclass
-class SKVQConfig:
+class SKVQConfig(CodeWidths):
     """SKVQ (arXiv 2405.06219) settings, with the shared parameter names.
 
     Attributes:
@@ -51,8 +53,6 @@ class SKVQConfig:
     """
 
     bits: int | float = 2
-    key_bits: int | float | None = None
-    value_bits: int | float | None = None
     group: int = 64
     key_group: int | None = None
     value_group: int | None = None
@@ -64,9 +64,7 @@ class SKVQConfig:
     def __post_init__(self):
         check_widths(self, check=check_bits, bits_required=True)
         check_int("group", self.group, minimum=1)
-        for name in ("key_group", "value_group"):
-            if getattr(self, name) is not None:
-                check_int(name, getattr(self, name), minimum=1)
+        check_optional(self, "key_group", "value_group")
         check_counts(self, "window", "sinks")
         self.clip_min = check_float("clip_min", self.clip_min, minimum=0.5, maximum=1.0)
         check_bool("reorder", self.reorder)

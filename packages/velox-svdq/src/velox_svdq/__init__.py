@@ -21,9 +21,8 @@ __all__ = [
     "rotate",
 ]
 
-METHOD = Method(
-    name="svdq",
-    cache_class=SVDqCache,
+METHOD = Method.of(
+    SVDqCache,
     summary="pre-RoPE keys in SVD latent channels, mixed precision falling with the singular value",
     paper="https://arxiv.org/abs/2502.15304",
     codecs=(SVDqKeys,),

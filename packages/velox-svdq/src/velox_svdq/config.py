@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from velox_core.codec.prerope import check_rope_settings, rope_fields, rope_settings
-from velox_core.validation import check_bits, check_bool, check_counts, check_int
+from velox_core.validation import check_bits, check_bool, check_counts, check_int, check_optional
 
 __all__ = ["SVDqConfig", "parse_schedule"]
 
@@ -100,8 +100,7 @@ class SVDqConfig:
 
     def __post_init__(self):
         self.schedule = format_schedule(parse_schedule(self.schedule))
-        if self.rank is not None:
-            check_int("rank", self.rank, minimum=1)
+        check_optional(self, "rank")
         check_int("group", self.group, minimum=1)
         if self.value_bits != FP16_VALUES:
             try:

@@ -10,9 +10,8 @@ from .quantizer import SphereQuantizer
 
 __all__ = ["METHOD", "SphereQuantizer", "TurboQuant", "TurboQuantCache", "TurboQuantConfig"]
 
-METHOD = Method(
-    name="turboquant",
-    cache_class=TurboQuantCache,
+METHOD = Method.of(
+    TurboQuantCache,
     summary="random rotation + Lloyd-Max codes on the sphere law; QJL residual for unbiased q.k",
     paper="https://arxiv.org/abs/2504.19874",
     codecs=(TurboQuant,),

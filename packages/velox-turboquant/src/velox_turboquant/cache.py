@@ -12,9 +12,7 @@ listed in :mod:`velox_turboquant.codec` and docs/turboquant.md.
 
 from __future__ import annotations
 
-from typing import Any
-
-from velox_core import PresetCache, resolve_bits
+from velox_core import Codec, PresetCache
 
 from .codec import TurboQuant
 from .config import TurboQuantConfig
@@ -28,13 +26,11 @@ class TurboQuantCache(PresetCache):
     method = "turboquant"
     Config = TurboQuantConfig
 
-    def build(self, cfg: TurboQuantConfig) -> dict[str, Any]:
-        kb, vb = resolve_bits(cfg.bits, cfg.key_bits, cfg.value_bits)
-
-        def group(bits):
+    def make_codecs(
+        self, cfg: TurboQuantConfig, kb: int | float, vb: int | float
+    ) -> tuple[Codec, Codec]:
+        def group(bits):  # tokens sharing the outlier channels: fractional widths only
             return cfg.group if isinstance(bits, float) else None
 
-        return {
-            "key_codec": TurboQuant(kb, cfg.key_variant, group(kb), cfg.seed),
-            "value_codec": TurboQuant(vb, "mse", group(vb), cfg.seed),
-        }
+        keys = TurboQuant(kb, cfg.key_variant, group(kb), cfg.seed)
+        return keys, TurboQuant(vb, "mse", group(vb), cfg.seed)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from velox_core import resolve_bits
+from velox_core import CodeWidths
 from velox_core.validation import check_choice, check_counts, check_int, check_widths
 
 __all__ = ["DEFAULT_GROUP", "VARIANTS", "TurboQuantConfig", "check_width", "split_width"]
@@ -63,7 +63,7 @@ def split_width(name: str, bits: int | float, dim: int) -> tuple[int, int, int]:
 
 
 @dataclass
-class TurboQuantConfig:
+class TurboQuantConfig(CodeWidths):
     """TurboQuant (arXiv 2504.19874) settings, with the shared parameter names.
 
     Attributes:
@@ -81,9 +81,6 @@ class TurboQuantConfig:
         seed: seed of the rotations and sketch matrices.
     """
 
-    bits: int | float = 4
-    key_bits: int | float | None = None
-    value_bits: int | float | None = None
     key_variant: str = "mse"
     group: int | None = None
     window: int = 0
@@ -95,7 +92,7 @@ class TurboQuantConfig:
         check_choice("key_variant", self.key_variant, VARIANTS)
         if self.group is not None:
             check_int("group", self.group, minimum=1)
-            kb, vb = resolve_bits(self.bits, self.key_bits, self.value_bits)
+            kb, vb = self.widths
             if isinstance(kb, int) and isinstance(vb, int):
                 raise ValueError(
                     f"group={self.group} only applies to fractional widths (e.g. bits=3.5); "

@@ -9,9 +9,8 @@ from .config import VecInferConfig
 
 __all__ = ["METHOD", "VecInfer", "VecInferCache", "VecInferConfig"]
 
-METHOD = Method(
-    name="vecinfer",
-    cache_class=VecInferCache,
+METHOD = Method.of(
+    VecInferCache,
     summary="smooth + Hadamard keys, then k-means codebooks over sub-vectors of keys and values",
     paper="https://arxiv.org/abs/2510.06175",
     codecs=(VecInfer,),

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from velox_core import CodeWidths
 from velox_core.validation import check_bool, check_counts, check_int
 
 __all__ = [
@@ -65,7 +66,7 @@ def index_bits(name: str, bits: Any, vector: int) -> tuple[int | float, int]:
 
 
 @dataclass
-class VecInferConfig:
+class VecInferConfig(CodeWidths):
     """VecInfer (arXiv 2510.06175) settings, with the shared parameter names.
 
     Attributes:
@@ -90,8 +91,6 @@ class VecInferConfig:
     """
 
     bits: int | float = 2
-    key_bits: int | float | None = None
-    value_bits: int | float | None = None
     vector: int = 4
     key_vector: int | None = None
     value_vector: int | None = None
@@ -128,8 +127,7 @@ class VecInferConfig:
 
     def sides(self) -> tuple[tuple[int | float, int], tuple[int | float, int]]:
         """``((key_bits, key_vector), (value_bits, value_vector))`` with the defaults resolved."""
-        kb = self.bits if self.key_bits is None else self.key_bits
-        vb = self.bits if self.value_bits is None else self.value_bits
+        kb, vb = self.widths
         kv = self.vector if self.key_vector is None else self.key_vector
         vv = self.vector if self.value_vector is None else self.value_vector
         return (kb, kv), (vb, vv)

@@ -23,11 +23,9 @@ __all__ = [
     "truncated_svd",
 ]
 
-METHOD = Method(
-    name="xkv",
-    cache_class=XKVCache,
+METHOD = Method.of(
+    XKVCache,
     summary="cross-layer SVD: a token latent shared by adjacent layers, pre-RoPE keys",
     paper="https://arxiv.org/abs/2503.18893",
-    codecs=(),
     recommended=({"layer_group": 2, "key_rank": 192, "value_rank": 256},),
 )

@@ -1,25 +1,65 @@
 """``PresetCache``: a :class:`VeloxCache` built from a method's typed config dataclass.
 
 A method package subclasses it with ``Config`` (a dataclass that validates itself in
-``__post_init__``) and ``build(config)`` (returning the ``VeloxCache`` keyword arguments:
-codecs, tiers, policy; ``window`` and ``sinks`` default to the config's fields of those
-names, the shared parameters every method passes on as they are). Parameters are
-keyword-only, checked by name, and saved with the cache as the config.
+``__post_init__``) and either ``make_codecs(config, kb, vb)`` (its key and value codec at
+the widths the config resolves, see :class:`CodeWidths`) or ``build(config)`` (returning
+the ``VeloxCache`` keyword arguments: codecs, tiers, policy). ``window`` and ``sinks``
+default to the config's fields of those names, the shared parameters every method passes on
+as they are. Parameters are keyword-only, checked by name, and saved with the cache as the
+config.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from ..codec.base import Codec
 from .velox import VeloxCache
 
-__all__ = ["CalibratedPreset", "PresetCache", "check_kept_codes", "kept_codecs", "resolve_bits"]
+__all__ = [
+    "CalibratedPreset",
+    "CodeWidths",
+    "PresetCache",
+    "check_kept_codes",
+    "config_fields",
+    "kept_codecs",
+    "resolve_bits",
+]
 
 
 def resolve_bits(bits, key_bits, value_bits):
     """``key_bits`` and ``value_bits`` default to ``bits``."""
     return (bits if key_bits is None else key_bits, bits if value_bits is None else value_bits)
+
+
+@dataclass
+class CodeWidths:
+    """The code widths a method config opens with: ``bits`` (keys and values), ``key_bits``
+    and ``value_bits`` (either side alone; None: ``bits``).
+
+    A config subclasses it, so these are its first fields, in this order, and declares
+    ``bits`` again where its default differs (``bits: int = 2``). The annotations admit every
+    width a method may take; the config's ``__post_init__`` checks its own
+    (:func:`~velox_core.validation.check_widths`: whole numbers, or the fractional widths its
+    method allows).
+    """
+
+    bits: int | float = 4
+    key_bits: int | float | None = None
+    value_bits: int | float | None = None
+
+    @property
+    def widths(self) -> tuple[Any, Any]:
+        """``(key width, value width)``: ``key_bits`` and ``value_bits``, default ``bits``."""
+        return resolve_bits(self.bits, self.key_bits, self.value_bits)
+
+
+def config_fields(cfg: Any, *names: str) -> dict[str, Any]:
+    """The config's fields ``names`` as keyword arguments, for a codec or policy whose
+    parameters have the config's names."""
+    return {name: getattr(cfg, name) for name in names}
 
 
 def check_kept_codes(cfg: Any) -> None:
@@ -45,7 +85,8 @@ def kept_codecs(cfg: Any) -> dict[str, Any]:
 
 
 class PresetCache(VeloxCache):
-    """Base of the method caches. Subclasses set ``method``, ``Config`` and ``build``."""
+    """Base of the method caches. Subclasses set ``method``, ``Config`` and ``make_codecs`` or
+    ``build``."""
 
     Config: ClassVar[type]
 
@@ -65,7 +106,19 @@ class PresetCache(VeloxCache):
         super().__init__(**kwargs, flush=flush, check_finite=check_finite)
 
     def build(self, cfg) -> dict[str, Any]:
-        raise NotImplementedError(f"{type(self).__name__} must define build(config)")
+        """The ``VeloxCache`` keyword arguments. By default one tier: the key and value codec
+        of :meth:`make_codecs` at the config's widths (``key_bits``/``value_bits``, default
+        ``bits``)."""
+        widths = resolve_bits(cfg.bits, cfg.key_bits, cfg.value_bits)
+        key_codec, value_codec = self.make_codecs(cfg, *widths)
+        return {"key_codec": key_codec, "value_codec": value_codec}
+
+    def make_codecs(self, cfg: Any, kb: Any, vb: Any) -> tuple[Codec, Codec]:
+        """The key codec at width ``kb`` and the value codec at ``vb`` (the config's
+        ``key_bits`` and ``value_bits``, default ``bits``)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must define make_codecs(config, kb, vb) or build(config)"
+        )
 
     def check_dims(self, key_dim: int, value_dim: int, dtype: Any = None) -> None:
         """The config's own head-dim rules first (``Config.check_dims(key_dim, value_dim)``,
