@@ -112,12 +112,13 @@ def make_variants(src: str) -> dict[str, str]:
         "  if (tile >= 0 || stage >= 0) {\n    return;\n  }\n",
     )
     v["no copies"] = edit(s, "    vx_mbar_wait(my_bar + k", "    if (0) vx_mbar_wait(my_bar + k")
-    # every score MMA (one chain per group with the key fold, two chains without)
+    # every score MMA (one chain per group with the key fold, two chains without; the same
+    # three shapes again for per-channel keys)
     v["no key MMAs"] = edit_all(
         src,
         r"vx_mma16816\((sc\[u\]\[[^\]]+\]), af\[0\], af\[1\], af\[2\], af\[3\], [^;]+\);",
         r"\1[0] += __uint_as_float(af[0] ^ af[1] ^ af[2] ^ af[3]);",
-        5,
+        8,
     )
     s = src
     for old in (
@@ -133,8 +134,8 @@ def make_variants(src: str) -> dict[str, str]:
     )
     v["no key decode"] = edit(
         src,
-        "af[n + 2 * uu] = KFOLD ? vx_code_sub(x, pos & 7, KBITS)",
-        "af[n + 2 * uu] = KFOLD ? x",
+        "af[n + 2 * uu] = KIL ? vx_code_sub(x, pos & 7, KBITS)",
+        "af[n + 2 * uu] = KIL ? x",
     )
     v["no value decode"] = edit(
         src,
@@ -148,9 +149,9 @@ def make_variants(src: str) -> dict[str, str]:
     )
     copies = between(
         v["no value step"],
-        "auto score_step = [&](const unsigned int* st, float (&sc)[NSUB][2][4]) {\n",
+        "auto score_step = [&](const unsigned int* st, int tb, float (&sc)[NSUB][2][4]) {\n",
         "// the tile's copies have landed",
-        "auto score_step = [&](const unsigned int* st, float (&sc)[NSUB][2][4]) {\n"
+        "auto score_step = [&](const unsigned int* st, int tb, float (&sc)[NSUB][2][4]) {\n"
         "  sc[0][0][0] = __uint_as_float(st[O_KC + lane] ^ st[O_KS + (lane & 7)]);\n};\n",
     )
     v["copies alone"] = copies

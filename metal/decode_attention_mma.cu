@@ -38,6 +38,23 @@
 //           The factor 2^-o takes query channels below 2^(o - 14) into fp16 subnormals, whose
 //           spacing (2^-24) rounds them: at most 2^(-25 + o) absolute per channel (2^-19 at
 //           2 bits), and a split query's lo part keeps about 2^-15 of it instead of 2^-22.
+//           KCH = 1 takes per-channel keys (KIVI's: a scale and zero per channel and group of
+//           KGROUP tokens, planes (B, H, T / KGROUP, HD)): KFOLD's lane layout and its codes
+//           masked in place, with the scales folded into the query instead. A 16-token tile
+//           lies in one group (KGROUP % 16 == 0), so its scores are S^T = C (Q s)^T + Q z:
+//           per group, lane (g, t) forms its B fragments as the fp16 products q s 2^-o of
+//           query row g and the group's scales of its channels (QLO: plus the products'
+//           residuals and the lo parts times s, a second chain; else rounded once, about
+//           2^-12 relative per product, as an fp16 key's rounding), and one MMA chain of the
+//           group's zeros (the same in every token row, as fp16 z 2^(o - KOMAX)) times the
+//           query fragments gives Q z in the C layout, which starts the tile's score
+//           accumulators (times 2^(KOMAX - 24)); each score is then 2^24 (acc0 + acc1). A
+//           step of NSUB tiles may meet several groups: the stage holds the KCR scale and
+//           zero rows it meets (copied with its codes), and the fragments are formed again
+//           where a tile starts a group. The query fragments then live in shared memory
+//           (qsh, written once), so that the registers hold the group's q s instead. The
+//           factor 2^-o rounds products below 2^(o - 14) to fp16 subnormals: at most
+//           2^(o - 25) c absolute per channel of a score.
 //   softmax online per query row (log2 domain): p = exp2(s - m) (one MUFU.EX2 each,
 //           vx_exp2_ftz: weights below 2^-126 flush to zero) against a running max m that
 //           is raised lazily (the accumulators are rescaled only when a score exceeds m by
@@ -105,9 +122,12 @@
 // scale is the norm, the subnormal factors and the zeros' terms drop out; the host passes the
 // norms as the zero plane too, so the copies stay as they are; 2: the same with levels the
 // host found symmetric and ascending, L[n - 1 - c] = -L[c]: 4-bit codes looked up in half the
-// table, vx_lut4s_word; 2-bit ones put together without a permute, vx_lut2s_pair).
+// table, vx_lut4s_word; 2-bit ones put together without a permute, vx_lut2s_pair);
+// KCH (1: per-channel keys, KGROUP tokens a group, a multiple of 16; KFOLD = KCB = 0, see
+// the scores above).
 // The host (velox_core.kernels.decode.mma_supported) checks the layout: HD / 4 channels of
-// keys and HD / 8 of values fill whole words, and a lane's channels meet whole groups.
+// keys and HD / 8 of values fill whole words, and a lane's channels meet whole groups (KCH:
+// the context is whole groups of tokens).
 
 constexpr int KCL = HD / 4;            // key channels per lane (lane t of a token)
 constexpr int VCL = HD / 8;            // value channels per lane (lane g)
@@ -131,17 +151,28 @@ constexpr float NEG = -1.0e30f;
 // the fold.
 static_assert(!KFOLD || (KGROUP % (4 * KCW) == 0 && HD / KGROUP <= 2),
               "KFOLD needs groups of 4 whole key words, at most two per token");
+// KCH: KFOLD's lane layout (KIL) and masked codes; the key scale rows a step meets (KCR: one
+// where a group holds whole steps, the step's groups where whole groups fill it, else at most
+// (TILE - 16) / KGROUP + 2), and the codes' largest bit offset in a byte (KOMAX: the zeros'
+// fp16 factor 2^(o - KOMAX) is at most 1)
+static_assert(!KCH || (KGROUP % SUB == 0 && !KFOLD && !KCB),
+              "per-channel keys need groups of whole 16-token tiles, without KFOLD or a codebook");
+constexpr bool KIL = KFOLD || KCH;  // lane t's key words are t, 4 + t, ... of a token's row
+constexpr int KCR = !KCH || KGROUP % TILE == 0 ? 1
+                    : TILE % KGROUP == 0       ? TILE / KGROUP
+                    : (TILE - SUB) / KGROUP + 2 < NSUB ? (TILE - SUB) / KGROUP + 2 : NSUB;
+constexpr int KOMAX = KBITS >= 8 ? 0 : 8 - KBITS;
 // VFOLD: the unit a lane takes of a value row's, interleaved 8 ways (lane g takes units g,
 // 8 + g, ...): whole words at 4 and 8 bits, bytes at 2 bits (a word holds 16 channels, so 8
 // words would span 128). Each m-tile's 16 channels (two per lane) then lie in 8 adjacent units.
 // LDSM = 1: the code words come out of the ring through ldmatrix, four 8 x 8 matrices of
-// 16-bit units per instruction: the keys with KFOLD (KLD: a non-transposed load hands lane
-// (g, t) word t of each 16-byte segment of tokens g and 8 + g, KFOLD's layout), the values
+// 16-bit units per instruction: the keys with KFOLD or KCH (KLD: a non-transposed load hands
+// lane (g, t) word t of each 16-byte segment of tokens g and 8 + g, KFOLD's layout), the values
 // with VFOLD where a group holds 8 whole 16-bit units of each lane (VLD): a transposed load
 // hands lane (g, t) unit g of an 8-unit block of tokens 2t and 2t + 1 (+ 8) in one register,
 // the V^T fragment's token pair, so no byte permute puts two tokens' words together; lane g
 // takes units g, 8 + g, ... of a row (VU channels each).
-constexpr bool KLD = LDSM && KFOLD;
+constexpr bool KLD = LDSM && KIL;
 constexpr bool VLD = LDSM && VFOLD && VGROUP % (8 * (16 / VBITS)) == 0;
 constexpr int VBLK = HD * VBITS / 128;        // VLD: 8-unit blocks of a value row (even)
 static_assert(!VLD || VBLK % 2 == 0, "VLD loads two 8-unit blocks of both token halves at once");
@@ -182,6 +213,11 @@ const float qmul = vx_bits_to_float(static_cast<unsigned int>(QMUL));  // log2(e
 const float qin = QLO ? qmul : 1.0f;   // applied to q before the MMA
 const float sout = QLO ? 1.0f : qmul;  // applied to the scores after it
 unsigned int qa[KSTEPS][4];
+// KCH: the query fragments in shared memory instead (the registers hold the current key
+// group's q s): word (kk QW + j) 32 + lane is lane's qa[kk][2j] (j < 2; QLO: j >= 2 the lo parts
+// qa[kk][2 (j - 2) + 1]), written once by warp 0; a k-step's words of the 32 lanes adjacent
+constexpr int QW = QLO ? 4 : 2;
+VX_SHARED __align__(16) unsigned int qsh[KCH ? KSTEPS * QW * 32 : 1];
 // KFOLD: the group of k-step kk (its lane word is 2 kk / KPW, row words 4 w .. 4 w + 3), the
 // query's sums per group for rows 2t and 2t + 1 (times the scores' factor: the zeros' term)
 auto kgroup = [](int kk) { return (4 * ((2 * kk) / KPW) * KCW) / KGROUP; };
@@ -202,12 +238,14 @@ if (VCB) {
 // scales and zeros (fp16, two per 32-bit word). Inputs are read through their strides; code
 // rows are copied 16 bytes at a time where the layout allows it (contiguous 16-byte-aligned
 // rows), else one word at a time; scales two halves per copy where they are adjacent and
-// aligned, else through registers.
+// aligned, else through registers. KCH: the key scales and zeros are the KCR rows of HD
+// halves (the groups the step meets, KCR above), 16 bytes per copy where rows are contiguous
+// and 16-byte aligned.
 constexpr int KWT = HD * KBITS / 32;       // words per key row
 constexpr int VWT = HD * VBITS / 32;       // words per value row
-constexpr int KG = HD / KGROUP;            // key scales per token
+constexpr int KG = KCH ? 1 : HD / KGROUP;  // key scales per token (KCH: unused)
 constexpr int VG = HD / VGROUP;            // value scales per token
-constexpr int KSW = (TILE * KG + 1) / 2;   // words of a tile's key scales (and of its zeros)
+constexpr int KSW = KCH ? KCR * HD / 2 : (TILE * KG + 1) / 2;  // words of a tile's key scales (and zeros)
 constexpr int VSW = (TILE * VG + 1) / 2;
 constexpr int O_KC = 0;
 constexpr int O_VC = O_KC + TILE * KWT;
@@ -247,8 +285,16 @@ auto scale_plane = [&](const void* a, const int64_t* st, int groups) {
 };
 const Plane kcp = code_plane(kc, kc_strides.data(), KWT);
 const Plane vcp = code_plane(vc, vc_strides.data(), VWT);
-const Plane kap = scale_plane(ka, ka_strides.data(), KG);
-const Plane kbp = scale_plane(kb, kb_strides.data(), KG);
+// KCH: a (T / KGROUP, HD) plane of key scale (zero) rows: fast, channels in adjacent aligned
+// pairs; dense, rows of whole 16-byte chunks (copied by cp.async even beside bulk copies, which
+// take a tile of every other plane where all six are dense)
+auto row_plane = [&](const void* a, const int64_t* st) {
+  const unsigned short* p = static_cast<const unsigned short*>(a) + (int64_t)b * st[0] + (int64_t)h * st[1];
+  const bool fast = st[3] == 1 && st[2] % 2 == 0 && (reinterpret_cast<uintptr_t>(p) & 3) == 0;
+  return Plane{p, fast, fast && st[2] % 8 == 0 && (reinterpret_cast<uintptr_t>(p) & 15) == 0};
+};
+const Plane kap = KCH ? row_plane(ka, ka_strides.data()) : scale_plane(ka, ka_strides.data(), KG);
+const Plane kbp = KCH ? row_plane(kb, kb_strides.data()) : scale_plane(kb, kb_strides.data(), KG);
 const Plane vap = scale_plane(va, va_strides.data(), VG);
 const Plane vbp = scale_plane(vb, vb_strides.data(), VG);
 
@@ -257,8 +303,10 @@ const Plane vbp = scale_plane(vb, vb_strides.data(), VG);
 // copy whose bytes are counted on the stage's mbarrier (lane 0 arrives expecting all six).
 // Per tile that is one copy instruction per lane instead of a 16-byte cp.async per lane and
 // chunk with its address arithmetic. A split's partial last tile (rows to clamp) and
-// non-dense layouts take the cp.async copies below.
-constexpr unsigned int BULK_BYTES = 4u * TILE * (KWT + VWT) + 4u * TILE * (KG + VG);
+// non-dense layouts take the cp.async copies below. KCH: lanes 2 and 3 copy nothing; the key
+// scale rows (dense: 16-byte chunks, row_plane) take cp.async copies beside the bulk ones (the
+// step waits for both).
+constexpr unsigned int BULK_BYTES = 4u * TILE * (KWT + VWT) + 4u * TILE * ((KCH ? 0 : KG) + VG);
 #if VX_HAS_BULK
 VX_SHARED __align__(8) unsigned long long bars[NWARPS * NSTAGE];
 struct BulkDesc {
@@ -369,16 +417,57 @@ auto copy_scales = [&](unsigned int* dst, const Plane& pl, const int64_t* st, in
     }
   }
 };
+// KCH: the KCR key scale (or zero) rows of the groups a step from token tb meets, HD halves
+// each (rows past the last group repeat it)
+auto copy_rows = [&](unsigned int* dst, const Plane& pl, const int64_t* st, int tb) {
+  const unsigned short* src = static_cast<const unsigned short*>(pl.p);
+  const int g0 = tb / KGROUP;
+  const int glast = T / KGROUP - 1;
+  constexpr int RW = HD / 2;  // words of a row
+  if (pl.dense) {  // 16-byte chunks, HD / 8 a row
+    constexpr int CH = KCR * HD / 8;
+#pragma unroll
+    for (int i = 0; i < (CH + 31) / 32; ++i) {
+      const int c = lane + 32 * i;
+      if (CH % 32 == 0 || c < CH) {
+        const int r = c / (HD / 8);
+        const int64_t grp = vx_imin(g0 + r, glast);
+        vx_cp_async16(dst + 4 * c, src + grp * st[2] + 8 * (c - r * (HD / 8)));
+      }
+    }
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < (KCR * RW + 31) / 32; ++i) {
+    const int w = lane + 32 * i;
+    if (w < KCR * RW) {
+      const int r = w / RW;
+      const int col = 2 * (w - r * RW);
+      const int64_t grp = vx_imin(g0 + r, glast);
+      if (pl.fast) {  // the word's two halves, adjacent and aligned
+        vx_cp_async4(dst + w, src + grp * st[2] + col, 4);
+      } else {
+        unsigned short* hd = reinterpret_cast<unsigned short*>(dst + w);
+        hd[0] = src[grp * st[2] + (int64_t)col * st[3]];
+        hd[1] = src[grp * st[2] + (int64_t)(col + 1) * st[3]];
+      }
+    }
+  }
+};
 auto issue = [&](int tile, int stage) {
   unsigned int* st = my_ring + stage * SW;
   const int tb = t0 + tile * TILE;
+  if (KCH) {  // the key scale and zero rows (cp.async, beside bulk copies too)
+    copy_rows(st + O_KS, kap, ka_strides.data(), tb);
+    copy_rows(st + O_KZ, kbp, kb_strides.data(), tb);
+  }
 #if VX_HAS_BULK
   if (bulk) {
     if (tb + TILE <= T) {
       if (lane == 0) {
         vx_mbar_arrive_tx(my_bar + stage, BULK_BYTES);
       }
-      if (lane < 6) {
+      if (lane < 6 && (!KCH || lane < 2 || lane > 3)) {
         const BulkDesc d = bdesc[lane];
         const uint64_t src = ((static_cast<uint64_t>(d.hi) << 32) | d.lo) + static_cast<uint64_t>(tile) * d.bytes;
         vx_bulk_copy(st + d.dst, reinterpret_cast<const void*>(src), d.bytes, my_bar + stage);
@@ -392,8 +481,10 @@ auto issue = [&](int tile, int stage) {
 #endif
   copy_codes(st + O_KC, kcp, kc_strides.data(), KWT, tb);
   copy_codes(st + O_VC, vcp, vc_strides.data(), VWT, tb);
-  copy_scales(st + O_KS, kap, ka_strides.data(), KG, KSW, tb);
-  copy_scales(st + O_KZ, kbp, kb_strides.data(), KG, KSW, tb);
+  if (!KCH) {
+    copy_scales(st + O_KS, kap, ka_strides.data(), KG, KSW, tb);
+    copy_scales(st + O_KZ, kbp, kb_strides.data(), KG, KSW, tb);
+  }
   copy_scales(st + O_VS, vap, va_strides.data(), VG, VSW, tb);
   copy_scales(st + O_VZ, vbp, vb_strides.data(), VG, VSW, tb);
 };
@@ -434,14 +525,74 @@ const int vg0 = (g * VCL) / VGROUP;  // first value group of this lane's channel
 // g + 8) and the query rows as the B fragment (n = 8: no padding rows, one MMA per k-step).
 // sc[u][c] are two independent chains (k-steps even / odd; QLO: the hi and lo parts of the
 // query; KFOLD with two key groups: one per group, hi and lo parts alike); C element i is
-// token g + 8 (i >> 1) for query row 2t + (i & 1).
-auto score_step = [&](const unsigned int* st, float (&sc)[NSUB][2][4]) {
+// token g + 8 (i >> 1) for query row 2t + (i & 1). KCH: chains as without KFOLD, with the B
+// fragments q s of the sub-tile's key group (key_group) and its Q z to start chain 0.
+// KCH: the stage row of sub-tile u's key group for a step from token tb (rows from the step's
+// first group), and whether sub-tile u surely shares sub-tile u - 1's group
+auto krow = [](int tb, int u) {
+  return KGROUP % TILE == 0   ? 0
+         : TILE % KGROUP == 0 ? SUB * u / KGROUP
+                              : (tb + SUB * u) / KGROUP - tb / KGROUP;
+};
+auto ksame = [](int u) {
+  return u > 0 && (KGROUP % TILE == 0 || (TILE % KGROUP == 0 && (SUB * u) % KGROUP != 0));
+};
+// KCH: one key group's B fragments bq[kk][c][uu] (pair uu of k-step kk: q s 2^-o, query row g
+// and the lane's channels, with the group's scales from row `srow`; c = 0: the products' fp16
+// roundings, c = 1 (QLO): their residuals plus the lo parts times s) and bz, its zeros' term
+// Q z for rows 2t and 2t + 1 times 2^(KOMAX - 24): one MMA chain of the zeros from `zrow` (as
+// fp16 z 2^(o - KOMAX), the same in every token row) times the query fragments (QLO: the lo
+// parts in a second chain).
+auto key_group = [&](const unsigned int* srow, const unsigned int* zrow,
+                     unsigned int (&bq)[KCH ? KSTEPS : 1][2][2], float (&bz)[2]) {
+  float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};  // (QLO: lo in acc[1])
+#pragma unroll
+  for (int kk = 0; kk < (KCH ? KSTEPS : 0); ++kk) {
+    unsigned int za[2], qk[4];  // qk: the query fragments of k-step kk (qa[kk], from qsh)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      qk[j] = j & 1 && !QLO ? 0u : qsh[(kk * QW + (j & 1) * 2 + (j >> 1)) * 32 + lane];
+    }
+#pragma unroll
+    for (int uu = 0; uu < 2; ++uu) {
+      const int p = 2 * kk + uu;
+      const int wl = p / KPW;
+      const int jj = p - wl * KPW;
+      const int o = (jj * KBITS) & 7;
+      const int hc = (4 * wl + t) * KCW + jj;  // the pair's low channel (the high one: + KPW)
+      const __half2 s2 = vx_s16h2_words<KSBF>(srow[hc / 2], srow[(hc + KPW) / 2], jj & 1, 1.0f);
+      const float zmul = 1.0f / static_cast<float>(1 << (KOMAX - o));
+      za[uu] = vx_h2u(vx_s16h2_words<KSBF>(zrow[hc / 2], zrow[(hc + KPW) / 2], jj & 1, zmul));
+      const __half2 qh = vx_u2h(qk[2 * uu]);
+      const __half2 hi = __hmul2(qh, s2);
+      bq[kk][0][uu] = vx_h2u(hi);
+      bq[kk][1][uu] = QLO ? vx_h2u(__hfma2(vx_u2h(qk[2 * uu + 1]), s2,
+                                           __hfma2(qh, s2, vx_u2h(vx_h2u(hi) ^ 0x80008000u))))
+                          : 0u;
+    }
+    vx_mma16816(acc[0], za[0], za[0], za[1], za[1], qk[0], qk[2]);
+    if (QLO) {
+      vx_mma16816(acc[1], za[0], za[0], za[1], za[1], qk[1], qk[3]);
+    }
+  }
+  const float f = 1.0f / static_cast<float>(1 << (24 - KOMAX));
+  bz[0] = (acc[0][0] + acc[1][0]) * f;
+  bz[1] = (acc[0][1] + acc[1][1]) * f;
+};
+auto score_step = [&](const unsigned int* st, int tb, float (&sc)[NSUB][2][4]) {
   const unsigned short* sks = reinterpret_cast<const unsigned short*>(st + O_KS);
   const unsigned short* skz = reinterpret_cast<const unsigned short*>(st + O_KZ);
+  unsigned int bq[KCH ? KSTEPS : 1][2][2];  // KCH: the current key group's B fragments
+  float bz[2] = {0.0f, 0.0f};               // KCH: its Q z (rows 2t, 2t + 1), scaled
+  (void)tb;
 #pragma unroll
   for (int u = 0; u < NSUB; ++u) {
     unsigned int kw[2][KWL], kw8[2][KWL];  // tokens g, 8 + g: the lane's words, shifted a byte
     __half2 s2[2][KNG], z2[2][KNG];
+    if (KCH && !ksame(u)) {  // a new key group
+      const int r = krow(tb, u);
+      key_group(st + O_KS + r * (HD / 2), st + O_KZ + r * (HD / 2), bq, bz);
+    }
     if (KLD) {  // matrix (token half n, 16-byte segment w) -> kw[n][w], two segments a load
       const unsigned int* row =
           st + O_KC + (SUB * u + 8 * ((lane >> 3) & 1) + (lane & 7)) * KWT + 4 * (lane >> 4);
@@ -459,12 +610,12 @@ auto score_step = [&](const unsigned int* st, float (&sc)[NSUB][2][4]) {
 #pragma unroll
       for (int w = 0; w < KWL; ++w) {
         if (!KLD) {
-          kw[n][w] = st[O_KC + tr * KWT + (KFOLD ? 4 * w + t : t * KWL + w)];
+          kw[n][w] = st[O_KC + tr * KWT + (KIL ? 4 * w + t : t * KWL + w)];
         }
         kw8[n][w] = kw[n][w] >> 8;
       }
 #pragma unroll
-      for (int lg = 0; lg < (KFOLD ? 0 : KNG); ++lg) {
+      for (int lg = 0; lg < (KIL ? 0 : KNG); ++lg) {
         s2[n][lg] = vx_s16h2<KSBF>(sks + tr * KG + kg0 + lg, sks + tr * KG + kg0 + lg);
         z2[n][lg] = vx_s16h2<KSBF>(skz + tr * KG + kg0 + lg, skz + tr * KG + kg0 + lg);
       }
@@ -473,7 +624,7 @@ auto score_step = [&](const unsigned int* st, float (&sc)[NSUB][2][4]) {
     for (int c = 0; c < 2; ++c) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        sc[u][c][i] = 0.0f;
+        sc[u][c][i] = KCH && c == 0 ? bz[i & 1] : 0.0f;
       }
     }
 #pragma unroll
@@ -494,11 +645,16 @@ auto score_step = [&](const unsigned int* st, float (&sc)[NSUB][2][4]) {
                          : KCB == 2 ? vx_lut2s_pair(x, pos & 7, klut) : vx_lut2_pair(x, pos & 7, klut);
             continue;
           }
-          af[n + 2 * uu] = KFOLD ? vx_code_sub(x, pos & 7, KBITS)
-                                 : vx_dequant_at(x, pos & 7, KBITS, s2[n][lg], z2[n][lg]);
+          af[n + 2 * uu] = KIL ? vx_code_sub(x, pos & 7, KBITS)
+                               : vx_dequant_at(x, pos & 7, KBITS, s2[n][lg], z2[n][lg]);
         }
       }
-      if (KFOLD && KG == 2) {  // one chain per group (QLO: hi and lo parts into the same)
+      if (KCH && QLO) {  // the group's q s: products and residuals in two chains
+        vx_mma16816(sc[u][0], af[0], af[1], af[2], af[3], bq[kk][0][0], bq[kk][0][1]);
+        vx_mma16816(sc[u][1], af[0], af[1], af[2], af[3], bq[kk][1][0], bq[kk][1][1]);
+      } else if (KCH) {
+        vx_mma16816(sc[u][kk & 1], af[0], af[1], af[2], af[3], bq[kk][0][0], bq[kk][0][1]);
+      } else if (KFOLD && KG == 2) {  // one chain per group (QLO: hi and lo parts into the same)
         vx_mma16816(sc[u][kgroup(kk)], af[0], af[1], af[2], af[3], qa[kk][0], qa[kk][2]);
         if (QLO) {
           vx_mma16816(sc[u][kgroup(kk)], af[0], af[1], af[2], af[3], qa[kk][1], qa[kk][3]);
@@ -550,10 +706,10 @@ for (int s = 0; s < NSTAGE - 1; ++s) {
       const int wl = p / KPW;
       const int jj = p - wl * KPW;
       // channel of the low half (the high half's is KPW more)
-      const int c0 = (KFOLD ? (4 * wl + t) * KCW : t * KCL + wl * KCW) + jj;
+      const int c0 = (KIL ? (4 * wl + t) * KCW : t * KCL + wl * KCW) + jj;
       const int c1 = c0 + KPW;
-      // KFOLD: the codes enter as c 2^(o - 24) at bit offset o of their byte
-      const float sub = KFOLD && !KCB ? 1.0f / static_cast<float>(1 << ((jj * KBITS) & 7)) : 1.0f;
+      // KFOLD, KCH: the codes enter as c 2^(o - 24) at bit offset o of their byte
+      const float sub = KIL && !KCB ? 1.0f / static_cast<float>(1 << ((jj * KBITS) & 7)) : 1.0f;
       const float x0 = qrow ? static_cast<float>(q[qb + (int64_t)c0 * q_strides[3]]) * qin : 0.0f;
       const float x1 = qrow ? static_cast<float>(q[qb + (int64_t)c1 * q_strides[3]]) * qin : 0.0f;
       const __half2 hi = __floats2half2_rn(x0 * sub, x1 * sub);
@@ -574,13 +730,25 @@ for (int s = 0; s < NSTAGE - 1; ++s) {
       qz[gr][1] = sout * __shfl_sync(0xffffffffu, qsum[gr], 8 * t + 4);
     }
   }
+  if (KCH) {  // the fragments to shared memory (every warp computed the same)
+    if (warp == 0) {
+#pragma unroll
+      for (int kk = 0; kk < KSTEPS; ++kk) {
+#pragma unroll
+        for (int j = 0; j < QW; ++j) {
+          qsh[(kk * QW + j) * 32 + lane] = qa[kk][j < 2 ? 2 * j : 2 * (j - 2) + 1];
+        }
+      }
+    }
+    VX_BARRIER();
+  }
 }
 float sc[NSUB][2][4];  // score accumulators of the step to consume (PIPE: computed one step early)
 if (PIPE && nmine > 0) {
   vx_cp_wait<NSTAGE - 2>();
   wait_tile(0);
   __syncwarp();
-  score_step(my_ring, sc);
+  score_step(my_ring, t0 + warp * TILE, sc);
 }
 for (int k = 0; k < nmine; ++k) {
   const int pre = k + NSTAGE - 1;
@@ -596,7 +764,7 @@ for (int k = 0; k < nmine; ++k) {
     vx_cp_wait<NSTAGE - 1>();  // tile k
     wait_tile(k);
     __syncwarp();
-    score_step(st, sc);
+    score_step(st, base, sc);
   }
 
   // this step's scores: per sub-tile, tokens g and 8 + g of query rows 2t and 2t + 1
@@ -628,7 +796,9 @@ for (int k = 0; k < nmine; ++k) {
         }
         s4[u][i] = a;
       } else {
-        s4[u][i] = QLO ? sc[u][0][i] + sc[u][1][i] : (sc[u][0][i] + sc[u][1][i]) * sout;
+        // (KCH: the chains start with Q z, both times 2^-24 as the codes' products)
+        s4[u][i] = KCH ? (sc[u][0][i] + sc[u][1][i]) * kmul
+                   : QLO ? sc[u][0][i] + sc[u][1][i] : (sc[u][0][i] + sc[u][1][i]) * sout;
       }
       v4[u][i] = base + SUB * u + 8 * (i >> 1) + g < t1;
     }
@@ -641,7 +811,7 @@ for (int k = 0; k < nmine; ++k) {
       wait_tile(k + 1);
     }
     __syncwarp();
-    score_step(my_ring + ((k + 1) % NSTAGE) * SW, sc);
+    score_step(my_ring + ((k + 1) % NSTAGE) * SW, base + NWARPS * TILE, sc);
   }
 
   // online softmax of rows 2t and 2t + 1 over the step's TILE tokens: one vote decides whether

@@ -37,6 +37,18 @@ VX_FN __half2 vx_s16h2(const unsigned short* p0, const unsigned short* p1) {
   }
   return __halves2half2(*reinterpret_cast<const __half*>(p0), *reinterpret_cast<const __half*>(p1));
 }
+// Two stored 16-bit scales (or zeros) from words of a row (two units each, the first in the
+// low half) as one f16x2 pair times `mul` (a power of two, at most 1): unit `odd` of word lo
+// in the low half, the same unit of word hi in the high half (one permute). fp16 as they are
+// (times mul by one HMUL2 where it is not 1), bfloat16 rounded to fp16 as vx_s16h2 does.
+template <int BF>
+VX_FN __half2 vx_s16h2_words(unsigned int lo, unsigned int hi, int odd, float mul) {
+  const unsigned int u = __byte_perm(lo, hi, odd ? 0x7632u : 0x5410u);
+  if (BF) {
+    return __floats2half2_rn(vx_bits_to_float(u << 16) * mul, vx_bits_to_float(u & 0xffff0000u) * mul);
+  }
+  return mul == 1.0f ? vx_u2h(u) : __hmul2(vx_u2h(u), __float2half2_rn(mul));
+}
 
 // Codebook codes (KCB / VCB: TurboQuant's Lloyd-Max levels) as fp16 MMA operands, looked up
 // in registers with byte permutes. The 2^BITS float32 levels become fp16 once per thread:

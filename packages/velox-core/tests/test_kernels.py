@@ -41,7 +41,7 @@ from velox_core.kernels.emulate import (
     np_input,
     shim_dir,
 )
-from velox_core.ops import affine_quantize, lloyd_max_sphere, pack
+from velox_core.ops import affine_quantize, lloyd_max_sphere, pack, unpack
 from velox_core.testing import kernel_env, kv_data
 
 GXX = shutil.which(os.environ.get("CXX", "g++"))
@@ -610,9 +610,15 @@ def test_the_shim_catches_a_broken_body(tmp_path):
     assert res.returncode != 0 and "tpo" in res.stderr
 
 
-def _mma_codes(bits: int, group: int, dtype=mx.float16) -> dk.Codes:
+def _mma_codes(bits: int, group, dtype=mx.float16, t: int = 256, dim: int = 128) -> dk.Codes:
     """An affine side's shape for the launch plan; ``group`` 0: a codebook side (one norm a
-    token, ``2**bits`` levels) of head dim 128, -1: one with symmetric levels."""
+    token, ``2**bits`` levels) of head dim 128, -1: one with symmetric levels; ``"c32"``:
+    per-channel keys (KIVI's) in groups of 32 tokens, ``t`` tokens of ``dim`` channels."""
+    if isinstance(group, str):
+        g = int(group[1:])
+        codes = mx.zeros((1, 1, t, dim * bits // 32), mx.uint32)
+        rows = mx.zeros((1, 1, t // g, dim), dtype)
+        return dk.Codes(dk.AFFINE_CHANNEL, bits, g, codes, rows, rows)
     if group <= 0:
         lev = mx.zeros((1 << bits,), mx.float32)
         norm = mx.zeros((1, 1, 1), dtype)
@@ -646,12 +652,16 @@ def _mma_variants():
         (4, 4, 4, -1, -1, 4, 2, H16, None),
         (2, 2, 4, -1, 0, 4, 2, bf, "bfloat16", bf, bf),
         (4, 4, 8, 0, 64, 4, 2, F32, None),
+        # per-channel keys (KIVI's: "c32", groups of 32 tokens), as the plan takes them
+        (2, 2, 4, "c32", 32, 4, 2, H16, None),
+        (2, 2, 1, "c64", 32, 4, 4, bf, "bfloat16", bf, bf),
+        (4, 4, 8, "c128", 64, 4, 2, F32, None),
     ):
         ks, vs = sdt or (H16, H16)
         k = _mma_codes(kb, kg, getattr(mx, ks[0]))
         v = _mma_codes(vb, vg, getattr(mx, vs[0]))
         assert dk.mma_supported(m, 128, k, v)
-        stages = dk.mma_stages(128, k, v, nw, sub)
+        stages = dk.mma_stages(128, k, v, nw, sub, getattr(mx, qd[0]) not in dk.MMA_HALF_QUERY)
         assert stages >= 2
         tmpl = dk.mma_template(
             128,
@@ -1821,14 +1831,19 @@ def _padded(x, pad: int):
     return big[:, :, : arr.shape[2]]
 
 
-@pytest.fixture(scope="module")
-def mma_emulated(tmp_path_factory):
+def _mma_emulators(tmp_path_factory, tag: str):
+    """Two CUDA emulator programs (the cases take turns; compiled side by side, one g++
+    each) and the split merge's handle in each; the test skipped without g++."""
     if GXX is None:
         pytest.skip("g++ is not installed: the kernels cannot be emulated here")
-    # two programs, the cases taking turns, compiled side by side (one g++ each)
-    emus = [CudaEmulator(tmp_path_factory.mktemp(f"cuemu{i}")) for i in range(2)]
+    emus = [CudaEmulator(tmp_path_factory.mktemp(f"{tag}{i}")) for i in range(2)]
     parts = [np.zeros((1, 1, 2, 4, 128), np.float32)] * 2
-    merges = [e.kernel(dk.MERGE, parts, ["float32"] * 3) for e in emus]
+    return emus, [e.kernel(dk.MERGE, parts, ["float32"] * 3) for e in emus]
+
+
+@pytest.fixture(scope="module")
+def mma_emulated(tmp_path_factory):
+    emus, merges = _mma_emulators(tmp_path_factory, "cuemu")
     cases = {}
     for name, (b, h, t, m, kb, vb, kg, vg, nw, sub, s, pad) in MMA_CASES.items():
         emu, merge = emus[len(cases) % 2], merges[len(cases) % 2]
@@ -1857,9 +1872,6 @@ def mma_emulated(tmp_path_factory):
             vals, vd = _codebook_side(vb, (b, h, t, d), vdt, vkey, vsym)
         assert dk.mma_supported(m, d, keys, vals)
         stages = dk.mma_stages(d, keys, vals, nw, sub)
-        planes = [*dk.mma_inputs(keys)[:3], *dk.mma_inputs(vals)[:3]]
-        levels = [dk.mma_inputs(keys)[3], dk.mma_inputs(vals)[3]]
-        ins = [np_input(q)] + [_padded(x, pad) for x in planes] + [np_input(x) for x in levels]
         pres, pipe = name in P_RESIDUAL, name not in NO_PIPELINE
         fold, ldsm = name not in NO_FOLDS, name not in NO_LDSM
         args = (d, keys, vals, m, nw, stages, sub, None, q.dtype, pres, pipe, fold)
@@ -1875,19 +1887,12 @@ def mma_emulated(tmp_path_factory):
         vok = (ldsm and vg % (128 // vb) == 0) or vg % (64 if vb == 4 else 32) == 0
         assert tm["VFOLD"] == int(fold and not pres and vok and d // vg <= 4)
         assert tm["KFOLD"] == int(fold and kg % (128 // kb) == 0 and d // kg <= 2)
-        # the partials as the kernel's two outputs, as the library launches it without a merge
-        spec = dk.mma_spec(nw, dk.mma_sm_blocks(nw), parts=True)
+        out_dt = (mx.float16 if name in FP16_QUERY else q.dtype) if name in FUSED else None
+        ftmpl = dk.mma_template(*args, out_dt, FUSE_CHUNK.get(name, 0), key_fold=fold, ldsm=ldsm)
         lay = (b, h, s, m, d)
-        handle = emu.kernel(spec, ins, ["float32", "float32"], tmpl)
-        launch = ((s * nw * 32, b * h, 1), (nw * 32, 1, 1))
-        fused = None
-        if name in FUSED:  # the same kernel merging its own splits (FUSE = 1)
-            out_dt = mx.float16 if name in FP16_QUERY else q.dtype
-            flay = dk.mma_layout(b, h, s, m, d, out_dt)
-            chunk = FUSE_CHUNK.get(name, 0)
-            ftmpl = dk.mma_template(*args, out_dt, chunk, key_fold=fold, ldsm=ldsm)
-            fspec = dk.mma_spec(nw, dk.mma_sm_blocks(nw))
-            fused = (emu.kernel(fspec, ins, ["float32"], ftmpl), flay)
+        handle, ins, launch, fused = _register_mma(
+            emu, q, keys, vals, pad, lay, tmpl, ftmpl, out_dt
+        )
         # the reference: keys and values decoded, rounded to fp16 as the kernel decodes them;
         # folded sides are not decoded (their products carry fp16 roundings of q, P s instead;
         # a codebook side's levels are fp16, its norms float32 or in P s)
@@ -1900,6 +1905,26 @@ def mma_emulated(tmp_path_factory):
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
         list(pool.map(CudaEmulator.build, emus))
     return cases
+
+
+def _register_mma(emu, q, keys, vals, pad, lay, tmpl, ftmpl, out_dt):
+    """One tensor-core case's kernels in ``emu``: the launch with its partials as two outputs,
+    as the library launches it without a merge, and with ``out_dt`` the same kernel merging
+    its own splits (FUSE = 1, template ``ftmpl``); the planes strided with ``pad`` garbage
+    rows. Returns ``(handle, inputs, launch, fused)`` for :class:`_MmaCase`."""
+    b, h, s, m, d = lay
+    nw = dict(tmpl)["NWARPS"]
+    planes = [*dk.mma_inputs(keys)[:3], *dk.mma_inputs(vals)[:3]]
+    levels = [dk.mma_inputs(keys)[3], dk.mma_inputs(vals)[3]]
+    ins = [np_input(q)] + [_padded(x, pad) for x in planes] + [np_input(x) for x in levels]
+    spec = dk.mma_spec(nw, dk.mma_sm_blocks(nw), parts=True)
+    handle = emu.kernel(spec, ins, ["float32", "float32"], tmpl)
+    launch = ((s * nw * 32, b * h, 1), (nw * 32, 1, 1))
+    fused = None
+    if out_dt is not None:
+        fspec = dk.mma_spec(nw, dk.mma_sm_blocks(nw))
+        fused = (emu.kernel(fspec, ins, ["float32"], ftmpl), dk.mma_layout(b, h, s, m, d, out_dt))
+    return handle, ins, launch, fused
 
 
 @dataclasses.dataclass
@@ -1941,17 +1966,23 @@ def test_tensor_core_kernel_matches_the_reference(mma_emulated, name):
     reference over the decoded keys and values (rounded to fp16 where the kernel decodes a
     side, float32 where it folds its scales); no split's max exceeds the true max (the lazy
     max may only lag)."""
-    case = mma_emulated[name]
+    # fp16 weights: each rounded to 2^-11 relative; with the residual exact to float32 sums
+    _check_softmax(mma_emulated[name], 1e-5 if name in P_RESIDUAL else 1e-3)
+
+
+def _check_softmax(case: _MmaCase, tol: float) -> float:
+    """A case's softmax output (its partials merged) against its reference within ``tol``
+    relative, its splits' maxima at most 8 bits below the true max and none above it;
+    returns the output's largest error relative to the reference's largest magnitude."""
     ml, o_part, o, mm, ll = case.run()
     scores = case.scores
     want = np.asarray(mx.softmax(scores, axis=-1) @ case.vd)
-    got = o / ll
-    # fp16 weights: each rounded to 2^-11 relative; with the residual exact to float32 sums
-    tol = 1e-5 if name in P_RESIDUAL else 1e-3
-    assert np.abs(got - want).max() <= tol * max(1.0, np.abs(want).max()), name
+    err = float(np.abs(o / ll - want).max() / max(1.0, np.abs(want).max()))
+    assert err <= tol, err
     top = np.asarray(mx.max(scores, axis=-1, keepdims=True))
     assert np.all(mm <= top + 1e-4) and np.all(mm >= top - 8 * math.log(2) - 1e-4)
     assert np.all(np.isfinite(o_part)) and np.all(ml[..., 1] >= 0)
+    return err
 
 
 @needs_gxx
@@ -1994,7 +2025,12 @@ def test_tensor_core_kernel_merges_its_own_splits(mma_emulated, name):
     """FUSE = 1: the last threadgroup of each (batch, head) merges the splits' partials in the
     same launch (counted on a zeroed output): the normalized output, its max and its sum
     equal the separate merge kernel's over the same partials."""
-    case = mma_emulated[name]
+    _check_fused(mma_emulated[name])
+
+
+def _check_fused(case: _MmaCase) -> None:
+    """A case's FUSE = 1 launch: its partials are the separate launch's bit for bit, every
+    threadgroup counted, and its merged output, max and sum the separate merge's."""
     b, h, s, _, _ = case.lay
     (fhandle, flay) = case.fused
     ml, o_part, o, mm, ll = case.run()  # the separate merge's (computed once per case)
@@ -2013,29 +2049,163 @@ def test_tensor_core_kernel_merges_its_own_splits(mma_emulated, name):
     assert np.abs(out.astype(np.float32) - want).max() <= bound
 
 
+# per-channel keys (KIVI's: KCH = 1, scale rows per group of tokens folded into the query)
+KIVI_CASES = {
+    # name: (B, H, T, M, key bits, value bits, key group (tokens), value group, head dim, warps,
+    #        subtiles, splits, pad, scales' dtype, query dtype: KIVI_DTYPES)
+    # steps of 64 tokens over groups of 32 (two scale rows a stage), the last step partial
+    "k2v2-g32-partial-step": (1, 2, 96, 4, 2, 2, 32, 32, 128, 2, 4, 2, 0, "f16", "f16"),
+    "k4v4-g64-b2-bf16-scales-strided": (2, 2, 320, 4, 4, 4, 64, 64, 128, 4, 2, 3, 5, "bf16", "f32"),
+    "k2v4-g128-hd64-one-row": (1, 2, 256, 1, 2, 4, 128, 32, 64, 4, 2, 2, 0, "f16", "f16"),
+    "k4v4-g32-hd64-bf16": (1, 2, 128, 4, 4, 4, 32, 32, 64, 2, 2, 3, 0, "bf16", "bf16"),
+    "k2v2-g32-tiny-query": (1, 2, 160, 4, 2, 2, 32, 32, 128, 4, 2, 2, 0, "f16", "f16"),
+    # groups that neither hold nor fill whole steps: three rows a stage, found per tile
+    "k4v4-g48-steps-of-four": (1, 2, 240, 2, 4, 4, 48, 64, 128, 2, 4, 2, 0, "f16", "f32"),
+    "k8v8-g16-no-ldsm": (1, 2, 112, 3, 8, 8, 16, 32, 128, 2, 2, 2, 0, "f16", "f32"),
+    "k2v2-g32-gqa8-five-splits": (1, 1, 640, 8, 2, 2, 32, 32, 128, 4, 2, 5, 0, "f16", "bf16"),
+    "k2v2-g64-weights-residual": (1, 2, 192, 4, 2, 2, 64, 32, 128, 4, 2, 2, 3, "f16", "f16"),
+}
+KIVI_DTYPES = {"f16": mx.float16, "bf16": mx.bfloat16, "f32": mx.float32}
+KIVI_FUSED = {
+    "k2v2-g32-partial-step",
+    "k2v4-g128-hd64-one-row",
+    "k4v4-g32-hd64-bf16",
+    "k2v2-g32-gqa8-five-splits",
+}
+KIVI_NO_LDSM = {"k8v8-g16-no-ldsm"}
+KIVI_P_RESIDUAL = {"k2v2-g64-weights-residual"}  # PLO = 1: the values decoded, no pipeline
+
+
+def _kivi_scores(q, kc: Uniform, kp, half_query: bool) -> mx.array:
+    """The reference scores over per-channel keys: ``q . k`` with the keys decoded in
+    float32, or, for a query that goes into the MMA as it is (fp16 or bf16: QLO = 0), as the
+    kernel rounds them: ``sum_d fp16(q_d s_Gd) c_td + q . z_G`` (``s`` as fp16)."""
+    kd = kc.decode(kp).astype(mx.float32)
+    qf = q.astype(mx.float32)
+    if not half_query:
+        return qf @ mx.swapaxes(kd, -1, -2)
+    b, h, t, d = kd.shape
+    g = kc.group
+    s = kp.data["scale"].astype(mx.float16).astype(mx.float32)  # (B, H, T / g, D)
+    z = kp.data["zero"].astype(mx.float32)
+    c = unpack(kp.data["codes"], kc.bits, d).astype(mx.float32).reshape(b, h, t // g, g, d)
+    qs = (qf[:, :, :, None, :] * s[:, :, None]).astype(mx.float16).astype(mx.float32)
+    sc = mx.einsum("bhmnd,bhngd->bhmng", qs, c).reshape(b, h, q.shape[2], t)
+    return sc + mx.repeat(mx.einsum("bhmd,bhnd->bhmn", qf, z), g, axis=-1)
+
+
+@pytest.fixture(scope="module")
+def kivi_emulated(tmp_path_factory):
+    emus, merges = _mma_emulators(tmp_path_factory, "kiviemu")
+    cases = {}
+    for i, (name, case) in enumerate(KIVI_CASES.items()):
+        b, h, t, m, kb, vb, kg, vg, d, nw, sub, s, pad, sdt, qdt = case
+        k1, k2, k3, k4 = mx.random.split(mx.random.key(300 + i), 4)
+        # keys with outlier channels (KIVI's case: an offset per channel, large zeros)
+        k = mx.random.normal((b, h, t, d), key=k1) + 3.0 * mx.random.normal((d,), key=k4)
+        k, v = k.astype(KIVI_DTYPES[sdt]), mx.random.normal((b, h, t, d), key=k2)
+        q = mx.random.normal((b, h, m, d), key=k3) * (3e-4 if "tiny" in name else 0.3)
+        q = q.astype(KIVI_DTYPES[qdt])
+        kc, vc = Uniform(kb, group=kg, axis="channel"), Uniform(vb, group=vg)
+        kp, vp = kc.encode(k), vc.encode(v.astype(KIVI_DTYPES[sdt]))
+        keys = kc.kernel_codes(kp)
+        vals = vc.kernel_codes(vp)
+        assert keys.kind == dk.AFFINE_CHANNEL and dk.mma_supported(m, d, keys, vals)
+        half = q.dtype in dk.MMA_HALF_QUERY
+        stages = dk.mma_stages(d, keys, vals, nw, sub, not half)
+        pres, ldsm = name in KIVI_P_RESIDUAL, name not in KIVI_NO_LDSM
+        args = (d, keys, vals, m, nw, stages, sub, None, q.dtype, pres, True, True)
+        tmpl = dk.mma_template(*args, key_fold=True, ldsm=ldsm)
+        tm = dict(tmpl)
+        assert (tm["KCH"], tm["KFOLD"], tm["QLO"], tm["LDSM"]) == (1, 0, int(not half), ldsm)
+        assert tm["KSBF"] == (sdt == "bf16") and tm["VFOLD"] == int(not pres)
+        out_dt = q.dtype if name in KIVI_FUSED else None
+        ftmpl = dk.mma_template(*args, out_dt, key_fold=True, ldsm=ldsm)
+        lay = (b, h, s, m, d)
+        emu = emus[i % 2]
+        handle, ins, launch, fused = _register_mma(
+            emu, q, keys, vals, pad, lay, tmpl, ftmpl, out_dt
+        )
+        vd = vc.decode(vp).astype(mx.float32)
+        if pres:  # decoded values: rounded to fp16 as the kernel decodes them
+            vd = vd.astype(mx.float16).astype(mx.float32)
+        scores = _kivi_scores(q, kc, kp, half)
+        cases[name] = _MmaCase(emu, merges[i % 2], handle, ins, lay, launch, scores, vd, fused)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        list(pool.map(CudaEmulator.build, emus))
+    return cases
+
+
+@needs_gxx
+@pytest.mark.parametrize("name", list(KIVI_CASES))
+def test_tensor_core_kernel_folds_per_channel_key_scales(kivi_emulated, name):
+    """Per-channel keys (KIVI's, KCH = 1), emulated lane by lane: each group's scales folded
+    into the query's B fragments, its zeros' term from one MMA chain, the scale rows of the
+    groups a step meets in its ring stage; the softmax output equals the reference over the
+    decoded keys (float32 for a float32 query; for an fp16 or bf16 one with q s rounded to
+    fp16 as the kernel forms it) and values, for 2, 4 and 8 bits, groups of 16 to 128
+    tokens, fp16 and bf16 scales, head dims 64 and 128, 1 to 8 query rows, partial steps,
+    several splits and a tiny query; FUSE = 1 where it runs merges as the separate merge."""
+    case = kivi_emulated[name]
+    _check_softmax(case, 1e-5 if name in KIVI_P_RESIDUAL else 1e-3)
+    if case.fused is not None:
+        _check_fused(case)
+
+
+def test_per_channel_keys_take_the_tensor_core_kernel_in_whole_tile_groups():
+    """The tensor-core kernel takes per-channel keys of 2, 4 or 8 bits in groups of a multiple
+    of 16 tokens over whole groups (KCH, no KFOLD; the stage's scale rows as the kernel counts
+    them), and not other groups, bit widths, values or scale dtypes."""
+    ok = dk.mma_supported
+    v = _mma_codes(2, 32)
+    for bits, group in ((2, 32), (4, 64), (2, 128), (8, 16), (4, 48)):
+        k = _mma_codes(bits, f"c{group}", t=768 if group == 48 else 256)
+        assert ok(4, 128, k, v), (bits, group)
+        tm = dict(dk.mma_launch((1, 1, 4, 128), mx.float16, k, v).template)
+        assert tm["KCH"] == 1 and tm["KFOLD"] == 0 and tm["NSTAGE"] >= 2
+    assert ok(8, 128, _mma_codes(2, "c32", mx.bfloat16), v)
+    assert ok(1, 64, _mma_codes(4, "c32", dim=64), _mma_codes(4, 32))
+    assert not ok(4, 128, _mma_codes(2, "c8"), v)  # a 16-token tile would span groups
+    assert not ok(4, 128, _mma_codes(2, "c40"), v)
+    assert not ok(4, 128, _mma_codes(3, "c32"), v)  # 3-bit codes straddle words
+    assert not ok(4, 128, _mma_codes(2, "c32", mx.float32), v)  # fp16 or bf16 scales only
+    assert not ok(4, 128, v, _mma_codes(2, "c32"))  # per-channel groups are for keys only
+    k = _mma_codes(2, "c32")
+    assert not ok(4, 128, dataclasses.replace(k, codes=k.codes[:, :, :200]), v)  # 6.25 groups
+    assert not ok(4, 128, dataclasses.replace(k, b=k.b.astype(mx.bfloat16)), v)  # two dtypes
+    assert not dk.mma_key_fold_ok(_mma_codes(4, "c64"), 128)
+    assert (dk.mma_key_rows(32, 64), dk.mma_key_rows(64, 32), dk.mma_key_rows(64, 48)) == (1, 2, 3)
+    assert dk.mma_key_rows(32, 48) == 2 and dk.mma_key_rows(64, 16) == 4
+
+
 @needs_gxx
 @pytest.mark.parametrize(
-    "window,sinks,dtype",
+    "window,sinks,dtype,axis",
     [
-        (16, 4, "float16"),
-        (16, 0, "float16"),
-        (0, 4, "float16"),
-        (0, 0, "float16"),
-        (16, 4, "bfloat16"),
-        (0, 0, "bfloat16"),
+        (16, 4, "float16", "token"),
+        (16, 0, "float16", "token"),
+        (0, 4, "float16", "token"),
+        (0, 0, "float16", "token"),
+        (16, 4, "bfloat16", "token"),
+        (0, 0, "bfloat16", "token"),
+        # KIVI's layout: 2-bit per-channel keys in groups of 32 tokens (KCH)
+        (16, 4, "float16", "channel"),
+        (0, 0, "bfloat16", "channel"),
     ],
 )
 def test_cache_on_an_emulated_cuda_gpu_takes_the_tensor_core_kernel(
-    monkeypatch, tmp_path, window, sinks, dtype
+    monkeypatch, tmp_path, window, sinks, dtype, axis
 ):
-    """A float16 or bfloat16 UniformCache (a bfloat16 model's: bfloat16 scales and zeros)
-    attended with the backend reported as CUDA: its coded body goes through the tensor-core
-    kernel and its sinks and window through the merge, in one softmax (both emulated);
-    attention matches the reference path to the rounding of the decoded values."""
+    """A float16 or bfloat16 UniformCache (a bfloat16 model's: bfloat16 scales and zeros),
+    per-token or with KIVI's per-channel keys, attended with the backend reported as CUDA:
+    its coded body goes through the tensor-core kernel and its sinks and window through the
+    merge, in one softmax (both emulated); attention matches the reference path to the
+    rounding of the decoded values."""
     dt = getattr(mx, dtype)
-    k, v = kv_data(t=300, dtype=dt)
+    k, v = kv_data(t=300 if axis == "token" else 256, dtype=dt)
     q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(9)).astype(dt)
-    cache = UniformCache(bits=4, window=window, sinks=sinks)
+    kivi = {"bits": 2, "group": 32} if axis == "channel" else {"bits": 4}
+    cache = UniformCache(**kivi, key_axis=axis, window=window, sinks=sinks)
     cache.update_and_fetch(k, v)  # encoded on the CPU path
     ref = cache.attend(q, 0.088)
     fake = EmulatedKernels(tmp_path, backend="cuda").install(monkeypatch)

@@ -170,8 +170,9 @@ class Uniform(Codec):
     def _kernel_sides(self, keys: Packed, value_codec: Codec, values: Packed):
         """The decode kernels' view of both records (``velox_core.kernels.decode.Codes``), or
         None where no kernel applies: kernels off or the CPU, a value codec that is not a
-        ``Uniform``, per-channel groups on the values (per-channel keys, KIVI's, are read
-        by the portable kernel)."""
+        ``Uniform``, per-channel groups on the values. Per-channel keys (KIVI's) are taken:
+        the tensor-core kernel reads them on CUDA where the plan allows, the portable kernel
+        elsewhere."""
         if not use_kernels() or not isinstance(value_codec, Uniform):
             return None
         if value_codec.axis != "token":

@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 
 from .build import KernelSpec
-from .codes import CODEBOOK, Codes, qmul_bits, unused_input
+from .codes import AFFINE_CHANNEL, CODEBOOK, Codes, qmul_bits, unused_input
 from .config import KernelConfig, kernel_config
 from .disk_cache import direct
 from .mma_support import (
@@ -115,7 +115,10 @@ def mma_template(
     register, so no byte permute). ``KSBF`` / ``VSBF``: a side's scales and zeros are
     bfloat16 (from ``keys.a`` / ``values.a``; else float16). ``KCB`` / ``VCB``: a side's codes
     index a codebook's levels (``kind`` :data:`CODEBOOK`: one norm a token, no zeros; it needs
-    that side's fold and ``ldsm``, which :func:`mma_launch` checks)."""
+    that side's fold and ``ldsm``, which :func:`mma_launch` checks). ``KCH``: per-channel
+    affine keys (``kind`` :data:`AFFINE_CHANNEL`, KIVI's: ``keys.group`` tokens a scale row,
+    a multiple of 16): their scales are folded into the query per group of tokens and their
+    zeros' term added to the scores (no ``KFOLD``)."""
     return [
         ("HD", dim),
         ("KBITS", keys.bits),
@@ -140,6 +143,7 @@ def mma_template(
         ("VSBF", int(values.a is not None and values.a.dtype == mx.bfloat16)),
         ("KCB", codebook_mode(keys)),
         ("VCB", codebook_mode(values)),
+        ("KCH", int(keys.kind == AFFINE_CHANNEL)),
     ]
 
 
@@ -225,10 +229,11 @@ def _mma_plan(
     values = Codes(vside[0], vside[1], vside[2], None, unused_input(vside[3]), symmetric=vside[4])
     nwarps = mma_warps()
     sub = mma_subtiles()
-    stages = mma_stages(dim, keys, values, nwarps, sub)
+    qlo = query_dtype not in MMA_HALF_QUERY
+    stages = mma_stages(dim, keys, values, nwarps, sub, qlo)
     while stages == 0 and sub > 1:  # fewer tiles a step where two stages do not fit
         sub //= 2
-        stages = mma_stages(dim, keys, values, nwarps, sub)
+        stages = mma_stages(dim, keys, values, nwarps, sub, qlo)
     if stages == 0:
         return None
     sm_blocks = mma_sm_blocks(nwarps)

@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from .. import kernels as _kernels  # backend() looked up per call (tests report another)
 from .build import KernelSpec
-from .codes import AFFINE, CODEBOOK, Codes
+from .codes import AFFINE, AFFINE_CHANNEL, CODEBOOK, Codes
 from .config import kernel_config
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "mma_fuse_merge",
     "mma_key_fold",
     "mma_key_fold_ok",
+    "mma_key_rows",
     "mma_ldsm",
     "mma_p_residual",
     "mma_pipeline",
@@ -142,20 +143,49 @@ def _mma_side(c: Codes, dim: int, lane_channels: int) -> bool:
     return lane_channels % c.group == 0 or c.group % lane_channels == 0
 
 
+def _mma_channel_side(c: Codes, dim: int) -> bool:
+    """Per-channel affine keys (KIVI's, ``KCH``): 2, 4 or 8 bits whose quarter of a row fills
+    whole code words, groups of whole 16-token tiles (a multiple of 16 tokens), a context of
+    whole groups, and fp16 or bf16 scale and zero rows ``(B, H, T / group, D)`` of one dtype."""
+    if c.bits not in MMA_BITS or c.group < 16 or c.group % 16 or (dim // 4 * c.bits) % 32:
+        return False
+    if c.a is None or c.b is None or c.a.dtype not in MMA_SCALE_DTYPES or c.b.dtype != c.a.dtype:
+        return False
+    if c.codes.ndim != 4 or c.signs is not None or c.levels is not None:
+        return False
+    b, h, t, _ = c.codes.shape
+    rows = (b, h, t // c.group, dim)
+    return t % c.group == 0 and tuple(c.a.shape) == rows and tuple(c.b.shape) == rows
+
+
+def mma_key_rows(tile: int, group: int) -> int:
+    """Key scale (and zero) rows of per-channel keys a loop step of ``tile`` tokens meets, as
+    the kernel's ring stage holds them (``KCR``; steps start at multiples of ``tile``, groups
+    of ``group`` tokens, both multiples of 16): one where a group holds whole steps, the
+    step's groups where whole groups fill it, else at most ``(tile - 16) // group + 2``."""
+    if group % tile == 0:
+        return 1
+    if tile % group == 0:
+        return tile // group
+    return min(tile // 16, (tile - 16) // group + 2)
+
+
 def mma_supported(m: int, dim: int, keys: Codes, values: Codes) -> bool:
     """Whether ``decode_attention_mma.cu`` lays out this shape: affine codes of 2, 4 or 8 bits
     with float16 or bfloat16 scales and zeros (one dtype a side) on both sides, at most
     :data:`MMA_MAX_ROWS` query rows, a head dim that is a multiple of 16 whose quarter (keys)
     and eighth (values) fill whole code words, and groups that hold whole code words and whole
     lanes (or lanes whole groups); or codebook codes of 2 or 4 bits with one fp16 or bf16 norm
-    a token (TurboQuant_mse, :func:`_mma_codebook_side`) on either side."""
+    a token (TurboQuant_mse, :func:`_mma_codebook_side`) on either side; or per-channel affine
+    keys (KIVI's, :func:`_mma_channel_side`)."""
     if not 1 <= m <= MMA_MAX_ROWS or dim % 16:
         return False
-    kok = (
-        _mma_codebook_side(keys, dim, True)
-        if keys.kind == CODEBOOK
-        else _mma_side(keys, dim, dim // 4)
-    )
+    if keys.kind == CODEBOOK:
+        kok = _mma_codebook_side(keys, dim, True)
+    elif keys.kind == AFFINE_CHANNEL:
+        kok = _mma_channel_side(keys, dim)
+    else:
+        kok = _mma_side(keys, dim, dim // 4)
     vok = (
         _mma_codebook_side(values, dim, False)
         if values.kind == CODEBOOK
@@ -293,7 +323,10 @@ def mma_key_fold_ok(keys: Codes, dim: int) -> bool:
     """Whether the key scales and zeros can be folded out of the score MMA (``KFOLD``): a
     group holds 4 whole code words (the four lanes of a k-step read adjacent words: 64
     channels or more at 2 bits, 32 at 4, 16 at 8) and a token has at most
-    :data:`MMA_KEY_FOLD_GROUPS` groups (one accumulator chain each)."""
+    :data:`MMA_KEY_FOLD_GROUPS` groups (one accumulator chain each). Per-channel keys fold
+    their scales into the query instead (``KCH``)."""
+    if keys.kind == AFFINE_CHANNEL:
+        return False
     return keys.group % (4 * (32 // keys.bits)) == 0 and dim // keys.group <= MMA_KEY_FOLD_GROUPS
 
 
@@ -352,19 +385,29 @@ def mma_subtiles() -> int:
     return kernel_config().subtiles
 
 
-def mma_stages(dim: int, keys: Codes, values: Codes, nwarps: int, subtiles: int = 1) -> int:
+def mma_stages(
+    dim: int, keys: Codes, values: Codes, nwarps: int, subtiles: int = 1, query_lo: bool = True
+) -> int:
     """Steps (of ``16 * subtiles`` tokens) in each warp's shared-memory ring:
     ``KernelConfig.stages`` or the most (up to 4) that fit in 48 KiB of static shared
-    memory; 0 if not even 2 fit."""
+    memory; 0 if not even 2 fit. Per-channel keys hold :func:`mma_key_rows` rows of ``dim``
+    scales and zeros a step, and the query fragments beside the ring (``dim / 16`` k-steps of
+    2 words a lane, 4 with ``query_lo``: the query's fp16 residual, ``QLO``)."""
     tile = 16 * subtiles
     words = tile * dim * (keys.bits + values.bits) // 32
-    words += 2 * (-(-tile * (dim // keys.group) // 2)) + 2 * (-(-tile * (dim // values.group) // 2))
+    budget = MMA_SMEM
+    if keys.kind == AFFINE_CHANNEL:
+        words += mma_key_rows(tile, keys.group) * dim
+        budget -= 4 * 32 * (dim // 16) * (4 if query_lo else 2)
+    else:
+        words += 2 * (-(-tile * (dim // keys.group) // 2))
+    words += 2 * (-(-tile * (dim // values.group) // 2))
     if nwarps * 8 * dim * 4 > MMA_SMEM:
         return 0
-    fit = [n for n in (4, 3, 2) if nwarps * n * words * 4 <= MMA_SMEM]
+    fit = [n for n in (4, 3, 2) if nwarps * n * words * 4 <= budget]
     n = kernel_config().stages
     if n is not None:
-        return n if nwarps * n * words * 4 <= MMA_SMEM else 0
+        return n if nwarps * n * words * 4 <= budget else 0
     return fit[0] if fit else 0
 
 
