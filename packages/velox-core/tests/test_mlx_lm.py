@@ -79,6 +79,26 @@ def test_routing_is_explicit_and_reversible():
     assert patched == []
 
 
+def test_routing_is_state_on_each_cache_copies_included():
+    """routed() sets ``routed`` on every live velox cache (made before or inside the block,
+    and deep copies, as batch_generate and the server make them) and clears it on leaving;
+    nested blocks keep it on until the outer one ends."""
+    import copy
+
+    before = UniformCache(bits=4)
+    assert before.routed is False
+    with routed():
+        inside = UniformCache(bits=4)
+        dup = copy.deepcopy(before)
+        assert before.routed and inside.routed and dup.routed
+        with routed():
+            pass
+        assert before.routed and dup.routed
+    assert not (before.routed or inside.routed or dup.routed)
+    after = copy.deepcopy(inside)
+    assert after.routed is False
+
+
 def test_routed_attention_reads_codes_not_fetched_arrays():
     """With routing on, the velox path ignores what update_and_fetch returned."""
     model = tiny_model("llama")

@@ -24,7 +24,6 @@ from typing import Any, ClassVar
 import mlx.core as mx
 
 from velox_core import RetentionPolicy
-from velox_core.mlx_lm import is_enabled
 from velox_core.policy import WindowVote, top_k_sorted
 from velox_core.validation import check_choice, check_float
 
@@ -119,17 +118,17 @@ class AdaKVPolicy(RetentionPolicy):
             over = sum(sizes) - len(sizes) * k
             every = self.every is not None and over >= self.every * len(sizes)
             if over > 0 and (after_chunk or every):
-                self._check_routed(_batch(cache))
+                self._check_routed(cache)
                 cache.evict(self.select(cache, k))
         self._chunk_pending = incoming > 1
 
-    def _check_routed(self, batch: int) -> None:
+    def _check_routed(self, cache) -> None:
         why = []
-        if batch == 1 and self.alpha < 1.0:
+        if _batch(cache) == 1 and self.alpha < 1.0:
             why.append("per-head budgets are read only by velox attention")
         if self.base == "snapkv":
             why.append("the SnapKV scorer sees queries only there")
-        if why and not is_enabled():
+        if why and not cache.routed:
             raise ValueError(
                 f"adakv: eviction needs routed attention ({'; '.join(why)}): run the model "
                 "inside velox_core.routed(model) or use velox_core.generate"

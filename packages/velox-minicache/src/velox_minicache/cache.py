@@ -29,7 +29,6 @@ import numpy as np
 from velox_core import Packed, PackedStore
 from velox_core.cache.attention import Segment
 from velox_core.cache.linked import LinkedLayers
-from velox_core.cache.velox import _routing_on
 from velox_core.validation import check_kv
 
 from .codec import MergedStates
@@ -120,7 +119,7 @@ class MiniCache(LinkedLayers):
         self._planned.clear()
         if keys.shape[2] > self.fused_above:
             mx.eval(self._win[0].arrays(), self._win[1].arrays())
-        if not self.fetch_decoded and _routing_on():
+        if self.routed and not self.fetch_decoded:
             return keys, values  # unused: routed attention reads the cache itself
         return self.keys_and_values()
 

@@ -46,7 +46,6 @@ from typing import Any
 import mlx.core as mx
 
 from velox_core import RetentionPolicy
-from velox_core.mlx_lm import is_enabled
 from velox_core.policy import WindowVote, window_votes
 
 __all__ = ["SnapKVPolicy"]
@@ -124,7 +123,7 @@ class SnapKVPolicy(RetentionPolicy):
         body_pos = mx.stack(pos, axis=1)  # (B, H, T)
         recent = body_pos >= cache.offset - self.vote.observe
         votes = self._votes(cache, body_pos)
-        if votes is None and not is_enabled():
+        if votes is None and not cache.routed:
             raise ValueError(
                 "snapkv: the observation window's queries vote for the tokens to keep, and "
                 "only velox attention sees them: run the model inside "

@@ -30,7 +30,6 @@ import mlx.core as mx
 
 from velox_core.cache.attention import Segment
 from velox_core.cache.linked import LinkedLayers
-from velox_core.cache.velox import _routing_on
 from velox_core.ops.rope import RopeSpec, find_rope, rope_spec, rotate
 from velox_core.validation import check_kv
 
@@ -150,7 +149,7 @@ class XKVCache(LinkedLayers):
         if t > self.fused_above:
             self._pending = True
             self.group.maybe_fit()
-        if not self.fetch_decoded and _routing_on():
+        if self.routed and not self.fetch_decoded:
             return keys, values  # unused: routed attention reads the cache itself
         return self.keys_and_values()
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .velox import VeloxCache, _routing_on
+from .velox import VeloxCache
 
 __all__ = ["VeloxBatch"]
 
@@ -241,7 +241,7 @@ class VeloxBatch:
             raise ValueError(f"update_and_fetch: {b} rows for a batch of {self.batch_size}")
         if self._span is None and len(self.groups) == 1:
             return self.groups[0].update_and_fetch(keys, values)
-        if not _routing_on():
+        if not self.groups[0].routed:
             raise ValueError(
                 "a batch of velox caches with rows of different lengths needs velox "
                 "attention: run the model inside velox_core.routed(model)"

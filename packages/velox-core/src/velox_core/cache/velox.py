@@ -32,9 +32,9 @@ from typing import Any, ClassVar
 import mlx.core as mx
 from mlx_lm.models.cache import create_attention_mask
 
+from .. import routing
 from ..codec.base import Codec
 from ..codec.identity import Identity
-from ..routing import is_enabled as is_routed
 from ..validation import FLOAT_DTYPES, check_int, check_kv
 from .attention import attend, decode_segments
 from .planned import PlannedAttention
@@ -167,6 +167,10 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
         # as given, not every stored token decoded (make_cache sets it for model types whose
         # layers read their keys only through mlx-lm's shared attention function)
         self.fetch_decoded = True
+        # True while attention is routed to velox caches (velox_core.routed): set by
+        # velox_core.routing on every live cache when routing turns on or off
+        self.routed = False
+        routing.track(self)
         self._planned = PlannedAttention()  # decode attention, planned once per coded segment
         self._init_retention()
         # window tokens past ``_keep`` at which the window passes them to the codes; a flush
@@ -297,12 +301,12 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
         if self.check_finite:
             self._refuse_nonfinite(keys, values)
         if self._write_window(keys, values):
-            if not self.fetch_decoded and _routing_on():
+            if self.routed and not self.fetch_decoded:
                 return keys, values  # unused: routed attention reads the cache itself
             return self.keys_and_values()
         check_kv(keys, values)
         if self.ragged:
-            _require_routing()
+            self._require_routing()
         self._check_first(keys, values)
         keys, values = keys.astype(self._dtype), values.astype(self._dtype)
         new = (keys, values)
@@ -333,11 +337,18 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
             # layer's exist (the graph of a whole chunk otherwise holds every layer's)
             mx.eval([a for s in self._stores() for a in s.arrays()])
         if self.ragged:
-            _require_routing()
+            self._require_routing()
             return new  # unused: routed attention reads the cache itself
-        if not self.fetch_decoded and _routing_on():
+        if self.routed and not self.fetch_decoded:
             return new  # unused: routed attention reads the cache itself
         return self.keys_and_values()
+
+    def _require_routing(self) -> None:
+        if not self.routed:
+            raise ValueError(
+                "this cache keeps per-head budgets, which only velox attention can read: "
+                "run the model inside velox_core.routed(model) (or generate())"
+            )
 
     def _refuse_nonfinite(self, keys: mx.array, values: mx.array) -> None:
         """``check_finite``: raise before anything is stored if a key or value is NaN or inf
@@ -443,19 +454,6 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.describe()} offset={self.offset} size={self.size()}>"
-
-
-def _routing_on() -> bool:
-    """Whether attention is routed to velox caches now (:mod:`velox_core.routing`)."""
-    return is_routed()
-
-
-def _require_routing() -> None:
-    if not _routing_on():
-        raise ValueError(
-            "this cache keeps per-head budgets, which only velox attention can read: "
-            "run the model inside velox_core.routed(model) (or generate())"
-        )
 
 
 def _spec(obj) -> dict[str, Any]:
