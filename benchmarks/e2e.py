@@ -10,7 +10,10 @@ measures mlx-lm's own ``batch_generate``). Per row:
 - ``prefill_s``: the whole prefill; ``first_chunk_s``: its first chunk and ``first_step_s``
   the first decode step (kernel builds show up there in a fresh process);
 - ``decode_tok_s``: decoded tokens per second and sequence (the pipelined loop: the next step's
-  graph is built while the device runs this one, as ``generate_step`` does);
+  graph is built while the device runs this one, as ``generate_step`` does); ``step_ms``: the
+  median, 90th percentile and largest interval between two tokens of that loop, and
+  ``slow_steps`` the loop's steps over twice the median (``[step, ms]``, at most 8: a velox
+  cache's window flushes every ``flush`` tokens, and its stores grow in steps);
 - ``host_ms_per_step``: median time to build one decode step's graph (``model(token)``
   without evaluating it); ``sync_ms_per_step``: median time of a step built and evaluated
   before the next one (host plus device, no overlap);
@@ -165,26 +168,29 @@ def prefill(model, caches, prompt: mx.array, chunk: int) -> tuple[float, float]:
     return time.perf_counter() - t0, first or 0.0
 
 
-def decode_generate_step(model, caches, last: mx.array, steps: int) -> tuple[float, float]:
+def decode_generate_step(model, caches, last: mx.array, steps: int):
     """mlx-lm's ``generate_step`` from the prefilled caches (batch 1): (tokens per second,
-    seconds to its first token). The rate's clock starts at the first yielded token (its own
-    step over the one prompt token left, where a fresh process builds its decode kernels)."""
+    seconds to its first token, the seconds between tokens). The rate's clock starts at the
+    first yielded token (its own step over the one prompt token left, where a fresh process
+    builds its decode kernels)."""
     from mlx_lm.generate import generate_step
 
     t0 = time.perf_counter()
     gen = generate_step(last[0], model, max_tokens=steps + 1, prompt_cache=caches)
     next(gen)
     first = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    n = 0
+    start = t0 = time.perf_counter()
+    times = []
     for _ in gen:
-        n += 1
-    return n / (time.perf_counter() - t0), first
+        t1 = time.perf_counter()
+        times.append(t1 - t0)
+        t0 = t1
+    return len(times) / (t0 - start), first, times
 
 
-def decode_batched(model, caches, last: mx.array, steps: int) -> tuple[float, float]:
+def decode_batched(model, caches, last: mx.array, steps: int):
     """``generate_step``'s pipelined loop over a ``(B, 1)`` token batch (greedy): (tokens per
-    second and sequence, seconds to the first token)."""
+    second and sequence, seconds to the first token, the seconds between steps)."""
 
     def step(tok):
         logits = model(tok, cache=caches)[:, -1, :]
@@ -195,14 +201,30 @@ def decode_batched(model, caches, last: mx.array, steps: int) -> tuple[float, fl
     mx.async_eval(y)
     mx.eval(y)
     first = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    start = t0 = time.perf_counter()
+    times = []
     for _ in range(steps):
         nxt = step(y)
         mx.async_eval(nxt)
         y.tolist()  # what generate_step's y.item() waits for
         y = nxt
+        t1 = time.perf_counter()
+        times.append(t1 - t0)
+        t0 = t1
     mx.eval(y)
-    return steps / (time.perf_counter() - t0), first
+    return steps / (time.perf_counter() - start), first, times
+
+
+def step_stats(times: list[float]) -> dict[str, Any]:
+    """``step_ms`` (median, 90th percentile, largest) and ``slow_steps`` of a decode loop's
+    intervals between tokens (seconds)."""
+    ms = [t * 1e3 for t in times]
+    if not ms:
+        return {"step_ms": None, "slow_steps": []}
+    med = statistics.median(ms)
+    p90 = sorted(ms)[min(len(ms) - 1, int(0.9 * len(ms)))]
+    slow = [[i, round(t, 2)] for i, t in enumerate(ms) if t > 2 * med]
+    return {"step_ms": [med, p90, max(ms)], "slow_steps": slow[:8]}
 
 
 def step_times(model, caches, tok: mx.array, steps: int) -> tuple[float, float]:
@@ -271,7 +293,10 @@ def run_row(model, spec: str, context: int, batch: int, args) -> dict[str, Any]:
             row["cache_bytes"] = cache_bytes(caches)
             last = prompt[:, -1:]
             decode = decode_generate_step if batch == 1 else decode_batched
-            row["decode_tok_s"], row["first_step_s"] = decode(model, caches, last, args.steps)
+            row["decode_tok_s"], row["first_step_s"], times = decode(
+                model, caches, last, args.steps
+            )
+            row.update(step_stats(times))
             row["peak_bytes"] = mx.get_peak_memory()
             tok = mx.zeros((batch, 1), dtype=mx.int32)
             row["host_ms_per_step"], row["sync_ms_per_step"] = step_times(
@@ -352,8 +377,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
         "| context | batch | cache | prefill s | first chunk s | decode tok/s | x fp16 "
-        "| host ms/step | x fp16 | sync ms/step | build / encode / wait ms | cache GiB | peak GB "
-        "| x fp16 | prefill peak GB |"
+        "| step ms median / p90 / max | host ms/step | x fp16 | sync ms/step "
+        "| build / encode / wait ms | cache GiB | peak GB | x fp16 | prefill peak GB |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
 
@@ -361,17 +386,22 @@ def table(rows: list[dict[str, Any]]) -> str:
         v = r.get(k)
         return "" if v is None else format(v, fmt)
 
+    def steps(r):
+        ms = r.get("step_ms")
+        return "" if not ms else " / ".join(f"{v:.1f}" for v in ms)
+
     for r in rows:
         if "error" in r:
             lines.append(
                 f"| {r['context']} | {r['batch']} | {r['cache']} | error: {r['error']} |"
-                + " |" * 11
+                + " |" * 12
             )
             continue
         lines.append(
             f"| {r['context']} | {r['batch']} | {r['cache']} | {f(r, 'prefill_s', '.2f')} "
             f"| {f(r, 'first_chunk_s', '.2f')} | {f(r, 'decode_tok_s', '.1f')} "
-            f"| {f(r, 'x_fp16_decode_tok_s', '.2f')} | {f(r, 'host_ms_per_step', '.2f')} "
+            f"| {f(r, 'x_fp16_decode_tok_s', '.2f')} | {steps(r)} "
+            f"| {f(r, 'host_ms_per_step', '.2f')} "
             f"| {f(r, 'x_fp16_host_ms_per_step', '.2f')} | {f(r, 'sync_ms_per_step', '.2f')} "
             f"| {f(r, 'build_ms_per_step', '.2f')} / {f(r, 'encode_ms_per_step', '.2f')} / "
             f"{f(r, 'wait_ms_per_step', '.2f')} | {r['cache_bytes'] / 2**30:.3f} "

@@ -10,6 +10,15 @@ path, which is not what a GPU runs).
 
     python3 benchmarks/host_profile.py --cache uniform:bits=4 --context 4096 --steps 50
 
+``--shape llama3-8b --weights 4bit`` profiles a model of that shape instead (random weights,
+``benchmarks/e2e.py``'s shapes), and ``--generate`` profiles mlx-lm's own ``generate_step``
+token by token (building, ``async_eval`` and waiting, as a user's loop runs), printing the
+intervals between tokens beside the profile: on a GPU, where the host's time of a whole step
+goes, MLX's calls included (a custom kernel call's source assembly shows as its builtin).
+
+    python3 benchmarks/host_profile.py --shape llama3-8b --weights 4bit --context 32768 \
+        --cache uniform:bits=4,kivi:bits=2 --generate --steps 128
+
 ``--stub-kernels`` measures the GPU code path's Python side on any machine (a CPU one
 included): after the prefill, velox's kernel backend reports CUDA and every velox kernel call
 returns zeroed outputs of the shapes it asks for, so the steps build what they would build on
@@ -43,6 +52,25 @@ def load_model():
 
         model, _ = load_model(ROOT / "shared" / "reference-model")
     return model
+
+
+def generate_times(model, cache, steps: int, profile: cProfile.Profile | None = None):
+    """Seconds between the tokens of ``steps`` tokens of mlx-lm's ``generate_step`` from
+    ``cache`` (each ``next`` under the profiler)."""
+    from mlx_lm.generate import generate_step
+
+    gen = generate_step(mx.array([5]), model, max_tokens=steps + 1, prompt_cache=cache)
+    next(gen)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        if profile is not None:
+            profile.enable()
+        next(gen)
+        if profile is not None:
+            profile.disable()
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def build_times(model, cache, steps: int, profile: cProfile.Profile | None = None) -> float:
@@ -84,45 +112,74 @@ def stubbed_kernels(on: bool):
 
 
 def main() -> int:
+    import statistics
+
     import velox_core
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cache", default="uniform:bits=4", help="a velox method spec")
+    parser.add_argument("--cache", default="uniform:bits=4", help="velox method specs, commas")
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--shape", default=None, help="an e2e.py shape (default: reference)")
+    parser.add_argument("--weights", default="4bit", help="with --shape: bf16, 4bit or fp32")
+    parser.add_argument(
+        "--generate", action="store_true", help="profile generate_step's tokens, not builds"
+    )
     parser.add_argument(
         "--stub-kernels",
         action="store_true",
         help="build the CUDA kernel path with the kernel calls stubbed (any machine)",
     )
     args = parser.parse_args()
-    model = load_model()
-    prompt = mx.random.randint(1, 8000, (1, args.context), key=mx.random.key(0))
-    rows = {}
-    for name, spec in (("fp16 KVCache", "fp16"), (args.cache, args.cache)):
+    if args.shape is None:
+        model = load_model()
+        vocab = 8000
+    else:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from e2e import SHAPES, build_model
+
+        model = build_model(args.shape, args.weights)
+        vocab = SHAPES[args.shape]["vocab_size"]
+    prompt = mx.random.randint(1, vocab, (1, args.context), key=mx.random.key(0))
+    specs = ["fp16", *[c.strip() for c in args.cache.split(",") if c.strip()]]
+    stub = " (velox kernel calls stubbed, CUDA path)" if args.stub_kernels else ""
+    what = "a generate_step token" if args.generate else "building a step's graph"
+    for spec in specs:
         cache = velox_core.make_cache(model, default=spec)
+        prof = cProfile.Profile()
         with velox_core.routed(model):
             for i in range(0, args.context, 2048):
-                mx.eval(model(prompt[:, i : i + 2048], cache=cache))
+                model(prompt[:, i : i + 2048], cache=cache)
+                mx.eval([c.state for c in cache])
+                mx.clear_cache()
             with stubbed_kernels(args.stub_kernels and spec != "fp16"):
-                build_times(model, cache, 5)  # warm-up
-                rows[name] = build_times(model, cache, args.steps)
-                if spec != "fp16":
-                    prof = cProfile.Profile()
+                if args.generate:
+                    generate_times(model, cache, 8)  # warm-up
+                    times = generate_times(model, cache, args.steps)
+                    generate_times(model, cache, args.steps, prof)
+                else:
+                    build_times(model, cache, 5)  # warm-up
+                    times = [build_times(model, cache, args.steps)]
                     build_times(model, cache, args.steps, prof)
-    stub = " (velox kernel calls stubbed, CUDA path)" if args.stub_kernels else ""
-    for name, t in rows.items():
+        ms = [t * 1e3 for t in times]
+        med = statistics.median(ms)
+        slow = [(i, round(t, 1)) for i, t in enumerate(ms) if t > 2 * med][:8]
         print(
-            f"{name:28s} building a step's graph: {t * 1e3:.3f} ms"
-            + (stub if name != "fp16 KVCache" else "")
+            f"{spec:28s} {what}: median {med:.3f} ms, mean {statistics.mean(ms):.3f} ms, "
+            f"max {max(ms):.3f} ms"
+            + (stub if spec != "fp16" else "")
+            + (f"; steps over twice the median: {slow}" if slow else ""),
+            flush=True,
         )
-    for key in ("tottime", "cumulative"):
-        out = io.StringIO()
-        stats = pstats.Stats(prof, stream=out).strip_dirs().sort_stats(key)
-        stats.print_stats(args.top)
-        print(f"\n== by {key} ({args.steps} steps) ==")
-        print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:12000])
+        for key in ("tottime", "cumulative"):
+            out = io.StringIO()
+            stats = pstats.Stats(prof, stream=out).strip_dirs().sort_stats(key)
+            stats.print_stats(args.top)
+            print(f"\n== {spec} by {key} ({args.steps} steps) ==")
+            print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:12000])
+        del cache
+        mx.clear_cache()
     return 0
 
 

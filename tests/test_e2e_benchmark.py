@@ -29,6 +29,8 @@ ROW_FIELDS = (
     "prefill_peak_bytes",
     "base_bytes",
     "cache_bytes",
+    "step_ms",
+    "slow_steps",
 )
 
 
@@ -50,6 +52,9 @@ def test_small_shape_rows(tmp_path, batch):
         assert r["batch"] == int(batch) and r["context"] == 300
         assert r["decode_tok_s"] > 0 and r["prefill_s"] > 0 and r["host_ms_per_step"] > 0
         assert r["peak_bytes"] >= r["prefill_peak_bytes"] >= r["base_bytes"] > 0
+        med, p90, top = r["step_ms"]
+        assert 0 < med <= p90 <= top
+        assert all(ms > 2 * med for _, ms in r["slow_steps"])
     fp16, velox = rows[0], rows[1]
     assert fp16["x_fp16_decode_tok_s"] == 1.0
     # 4-bit codes of float32 tokens: well under the float32 KVCache (its 256-token steps)
