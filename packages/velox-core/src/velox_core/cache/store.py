@@ -32,12 +32,20 @@ class PackedStore:
 
     def _grow(self, like: Packed, need: int) -> None:
         # round up to a power-of-two quantum near an eighth of what is needed (at least 16, at
-        # most `step` tokens), so small or just-evicted stores do not double on their next
-        # append
+        # most `step` tokens), so small or just-evicted stores do not double on their next append
         q = 1 << max(4, (max(need // 8, 1)).bit_length() - 1)
         quantum = -(-min(self.step, q) // like.block) * like.block
         cap = -(-need // quantum) * quantum
-        self.buf = _fresh(like, cap, self.view())
+
+        def alloc(name: str, a: mx.array) -> mx.array:
+            rows = like.rows(name, cap)
+            return mx.zeros((a.shape[0], a.shape[1], rows, *a.shape[3:]), dtype=a.dtype)
+
+        fresh = like.map(alloc, tokens=cap)
+        if self.buf is not None and self.tokens:
+            used = self.view()
+            fresh = fresh.map(lambda k, a: _write(a, used.data[k], 0))
+        self.buf = fresh
 
     def append(self, packed: Packed) -> None:
         """Add tokens at the end (``tokens`` must stay a multiple of the block)."""
@@ -79,20 +87,11 @@ class PackedStore:
         self.buf = packed.map(lambda _, a: mx.contiguous(a))
         self.tokens = packed.tokens
 
-    def drop_front(self, n: int, capacity: int = 0) -> None:
-        """Remove the oldest ``n`` tokens (copies what remains), keeping room for ``capacity``
-        tokens (0: exactly what remains; a window that refills to a known size keeps that
-        size, so that its next tokens are written in place)."""
+    def drop_front(self, n: int) -> None:
+        """Remove the oldest ``n`` tokens (copies what remains)."""
         if n <= 0:
             return
-        rest = self.view().slice(n, self.tokens) if n < self.tokens else None
-        left = 0 if rest is None else rest.tokens
-        cap = -(-capacity // self.buf.block) * self.buf.block
-        if cap <= left:
-            self.replace(rest)
-            return
-        self.buf = _fresh(self.buf, cap, rest)
-        self.tokens = left
+        self.replace(self.view().slice(n, self.tokens) if n < self.tokens else None)
 
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` tokens (block-aligned); capacity is kept for reuse."""
@@ -118,19 +117,6 @@ class PackedStore:
 
     def arrays(self) -> list[mx.array]:
         return [] if self.buf is None else self.buf.arrays()
-
-
-def _fresh(like: Packed, cap: int, used: Packed | None) -> Packed:
-    """Zeroed buffers of ``like``'s layout for ``cap`` tokens, ``used`` written at the front."""
-
-    def alloc(name: str, a: mx.array) -> mx.array:
-        rows = like.rows(name, cap)
-        return mx.zeros((a.shape[0], a.shape[1], rows, *a.shape[3:]), dtype=a.dtype)
-
-    fresh = like.map(alloc, tokens=cap)
-    if used is not None and used.tokens:
-        fresh = fresh.map(lambda k, a: _write(a, used.data[k], 0))
-    return fresh
 
 
 def _write(dst: mx.array, src: mx.array, row: int) -> mx.array:

@@ -86,13 +86,8 @@ class TierMixin:
                 first.value_codec.encode(wv.slice(0, n).data["x"], pos),
                 pos,
             )
-            # a window that filled token by token (a decode) keeps room for what it holds
-            # until the next flush, so the steps between two flushes write their tokens in
-            # place; after a prefill chunk it keeps exactly what remains
-            room = self._keep + self._flush_at
-            room = room if self._win[0].tokens <= room else 0
-            self._win[0].drop_front(n, room)
-            self._win[1].drop_front(n, room)
+            self._win[0].drop_front(n)
+            self._win[1].drop_front(n)
         for i in range(len(self.tiers) - 1):
             src, dst = self.tiers[i], self.tiers[i + 1]
             blk = _lcm(

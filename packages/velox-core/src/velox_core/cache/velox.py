@@ -154,9 +154,9 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
         self.offset = 0
         self._dims: tuple[int, int, int, int] | None = None  # (B, H, Dk, Dv)
         self._dtype: mx.Dtype | None = None
-        # sinks are sized exactly (no slack); the window grows by WINDOW_STEP tokens and keeps
-        # room for what it holds between two flushes (what it keeps plus the flush quantum),
-        # so decode steps write their token in place; coded tiers grow by ``step``
+        # sinks are sized exactly (no slack); the window grows by WINDOW_STEP tokens, so most
+        # decode steps write their token in place, and shrinks to what it keeps at a flush;
+        # coded tiers grow by ``step``
         self._sink = (PackedStore(1), PackedStore(1))
         self._tier = [(PackedStore(step), PackedStore(step)) for _ in tiers]
         self._win = (PackedStore(WINDOW_STEP), PackedStore(WINDOW_STEP))
