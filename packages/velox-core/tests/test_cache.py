@@ -442,3 +442,46 @@ def test_check_finite_refuses_nan_and_inf_before_storing_anything():
     assert "check_finite" not in plain.config()  # saved configs unchanged by the default
     with pytest.raises(TypeError, match="check_finite must be True or False"):
         Uni(bits=4, check_finite="yes")
+
+
+@pytest.mark.parametrize("window,flush", [(16, 32), (0, 64)])
+def test_decode_steps_flush_and_grow_ahead_of_their_write(window, flush, monkeypatch):
+    """A decode step that fills the window to the flush quantum, or past its buffer, does
+    that upkeep before writing its token and evaluates it on its own (``mx.async_eval`` of
+    the stores), through the fast path: the general path's checks never run, and the stored
+    tokens and attention equal a cache fed through the general path (``window=0``: the
+    flush empties the window, which keeps its buffer's layout)."""
+    import velox_core.cache.velox as vc
+
+    k, v = kv_data(t=400)
+    ref = UniformCache(bits=4, window=window, flush=flush)
+    c = UniformCache(bits=4, window=window, flush=flush)
+    for cache in (ref, c):
+        cache.update_and_fetch(k[:, :, :300], v[:, :, :300])
+        # the first step (an empty window has no buffer yet, with window=0)
+        cache.update_and_fetch(k[:, :, 300:301], v[:, :, 300:301])
+    monkeypatch.setattr(ref, "_write_window", lambda *_: False)  # the general path only
+    for i in range(301, 400):
+        ref.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
+
+    upkeep = []
+    real = mx.async_eval
+    monkeypatch.setattr(vc.mx, "async_eval", lambda *a: (upkeep.append(len(a[0])), real(*a)))
+
+    def general(*_):
+        raise AssertionError("a decode step took the general path")
+
+    monkeypatch.setattr(vc, "check_kv", general)
+    flushes = grows = 0
+    for i in range(301, 400):
+        tier, cap = c._tier[0][0].tokens, c._win[0].capacity
+        c.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
+        flushes += c._tier[0][0].tokens > tier
+        grows += c._win[0].capacity > cap
+    assert flushes == 100 // flush and grows > 0 and len(upkeep) >= flushes + 1
+    assert [s.tokens for s in c.segments()] == [s.tokens for s in ref.segments()]
+    kk, vv = c.keys_and_values()
+    rk, rv = ref.keys_and_values()
+    assert mx.array_equal(kk, rk).item() and mx.array_equal(vv, rv).item()
+    q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(3)).astype(mx.float16)
+    assert mx.array_equal(c.attend(q, 0.1), ref.attend(q, 0.1)).item()

@@ -47,6 +47,15 @@ class PackedStore:
             fresh = fresh.map(lambda k, a: _write(a, used.data[k], 0))
         self.buf = fresh
 
+    def reserve(self, need: int, like: Packed | None = None) -> None:
+        """Grow (as an append would) until ``need`` tokens fit; an empty store takes the
+        layout of ``like`` (a record of the tokens it will hold)."""
+        like = self.buf if self.buf is not None else like
+        if like is None:
+            raise ValueError("PackedStore.reserve: an empty store needs a record to copy")
+        if need > self.capacity:
+            self._grow(like, need)
+
     def append(self, packed: Packed) -> None:
         """Add tokens at the end (``tokens`` must stay a multiple of the block)."""
         if packed.tokens == 0:

@@ -68,15 +68,23 @@ class TierMixin:
         first = self.tiers[0]
         return _lcm(self.flush, _lcm(first.key_codec.block, first.value_codec.block))
 
-    def _flush(self) -> None:
+    def _flush_count(self, tokens: int) -> int:
+        """Tokens a window holding ``tokens`` passes to tier 0: the whole codec blocks past
+        what it keeps, once they reach the flush quantum (else 0)."""
+        first = self.tiers[0]
+        block = _lcm(first.key_codec.block, first.value_codec.block)
+        over = tokens - self._keep
+        return over // block * block if over >= self._flush_at else 0
+
+    def _flush(self, ahead: int = 0) -> None:
         """Move window overflow into tier 0 (once it reaches the flush quantum) and tier
-        overflow down the tiers."""
+        overflow down the tiers. ``ahead``: tokens about to be written into the window,
+        counted as if they were there (the caller checks that the tokens passed on are all
+        stored already)."""
         if not self.before_coding():
             return
         first = self.tiers[0]
-        block = _lcm(first.key_codec.block, first.value_codec.block)
-        over = self._win[0].tokens - self._keep
-        n = over // block * block if over >= self._flush_at else 0
+        n = self._flush_count(self._win[0].tokens + ahead)
         if n > 0:
             pos0 = self.offset - self._win[0].tokens
             pos = mx.arange(pos0, pos0 + n, dtype=mx.int32)

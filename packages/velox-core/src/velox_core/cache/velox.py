@@ -371,9 +371,16 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
 
     def _write_window(self, keys: mx.array, values: mx.array) -> bool:
         """A decode step's fast path: with the sinks full, no policy and no calibration hook,
-        tokens that leave the window below the flush quantum are written into its buffer in
-        place and nothing else happens (what the general path would do, without its checks
-        and records). Returns False where the general path must run."""
+        the step's tokens are written into the window's buffer in place (what the general
+        path would do, without its checks and records). Returns False where the general
+        path must run.
+
+        The store upkeep a step needs first, a flush of the window's oldest tokens (when the
+        step fills it to the flush quantum and every token passed on is stored already) or
+        the window's growth, runs before the write and is evaluated on its own
+        (``mx.async_eval``): every decode step's graph is then the same, a write in place
+        and the attention that reads the stores. MLX's CUDA backend replays a graph it has
+        seen, while a flush or a growth inside the step would change it."""
         win_k, win_v = self._win
         if (
             self._dims is None
@@ -394,10 +401,21 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
             (b, h, dk, dv) != self._dims
             or (vb, vh, vt) != (b, h, t)
             or t == 0
-            or n + t - self._keep >= self._flush_at
-            or n + t > win_k.capacity
+            or t > self.fused_above
+            or win_k.buf is None
         ):
             return False
+        flush = self._flush_count(n + t)
+        if flush > n:
+            return False  # the flush would pass on this step's own tokens
+        if flush or n + t > win_k.capacity:
+            like = (win_k.buf, win_v.buf)  # a flush may empty the window: its layout kept
+            if flush:
+                self._flush(ahead=t)
+            n = win_k.tokens
+            win_k.reserve(n + t, like[0])
+            win_v.reserve(n + t, like[1])
+            mx.async_eval([a for s in self._stores() for a in s.arrays()])
         wk, wv = win_k.buf.data["x"], win_v.buf.data["x"]
         wk[:, :, n : n + t] = keys
         wv[:, :, n : n + t] = values
