@@ -18,10 +18,15 @@ class Configured:
     """Settings as constructor arguments: ``type(obj)(**obj.config())`` is a fresh copy."""
 
     name: ClassVar[str]
+    # the constructor arguments kept as attributes of the same names: what the default
+    # config() returns (a class whose settings are not plain attributes defines config())
+    settings: ClassVar[tuple[str, ...]] = ()
 
     def config(self) -> dict[str, Any]:
         """JSON-serializable constructor arguments: ``type(self)(**self.config())``."""
-        raise NotImplementedError(f"{type(self).__name__} must define config()")
+        if not self.settings:
+            raise NotImplementedError(f"{type(self).__name__} must define config() or settings")
+        return {name: getattr(self, name) for name in self.settings}
 
     @classmethod
     def from_config(cls: type[T], config: dict[str, Any]) -> T:

@@ -10,8 +10,6 @@ arrays aligned with the batch rows of the stored tokens.
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.core as mx
 import numpy as np
 
@@ -39,6 +37,7 @@ class NuqCodec(Codec):
 
     # fitted arrays with a leading batch axis (sliced by filter_batch, joined by extend_batch)
     _batch_state: tuple[str, ...] = ("levels", "bounds")
+    settings = ("bits", "outliers", "datatype", "qnorm")
 
     def __init__(
         self, bits: int = 4, outliers: float = 0.01, datatype: str = "nuq", qnorm: bool = False
@@ -48,14 +47,6 @@ class NuqCodec(Codec):
         self.datatype = check_choice("datatype", datatype, DATATYPES)
         self.qnorm = check_bool("qnorm", qnorm)
         self._fit: dict[str, mx.array] = {}
-
-    def config(self) -> dict[str, Any]:
-        return {
-            "bits": self.bits,
-            "outliers": self.outliers,
-            "datatype": self.datatype,
-            "qnorm": self.qnorm,
-        }
 
     @property
     def fitted(self) -> bool:

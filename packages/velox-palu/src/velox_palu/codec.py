@@ -54,6 +54,7 @@ TILE = 1024  # tokens rebuilt at a time inside attention
 class _PaluLatent(Codec):
     side = "key"
     per_head = False  # a group's latent mixes its heads: no per-head retention
+    settings = ("rank", "ratio", "allocation", "bits", "group", "artifact", "layer")
 
     def __init__(
         self,
@@ -76,17 +77,6 @@ class _PaluLatent(Codec):
         self.layer = None if layer is None else check_int("layer", layer, minimum=0)
         self._path = self.artifact
         self._fit: dict[str, mx.array] | None = None  # basis (G, gD, r) fp16, bias (H, D)
-
-    def config(self) -> dict[str, Any]:
-        return {
-            "rank": self.rank,
-            "ratio": self.ratio,
-            "allocation": self.allocation,
-            "bits": self.bits,
-            "group": self.group,
-            "artifact": self.artifact,
-            "layer": self.layer,
-        }
 
     def fresh(self):
         """An empty copy that keeps what ``bind`` found and the basis once read (the model's,

@@ -25,8 +25,6 @@ the projection kept (and counted) in float16.
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.core as mx
 
 from velox_core import Codec, Packed
@@ -60,6 +58,7 @@ class QJL(Codec):
     """
 
     name = "qjl"
+    settings = ("bits", "sketch", "outliers", "outlier_bits", "group", "orthogonal", "seed")
     compressed_scores = True
     kernels = _kernels  # fused decode attention over the sign sketches (GPU)
 
@@ -86,17 +85,6 @@ class QJL(Codec):
         self.dim: int | None = None
         self.proj: mx.array | None = None
         self._kernel_mats: dict[int, mx.array] = {}
-
-    def config(self) -> dict[str, Any]:
-        return {
-            "bits": self.bits,
-            "sketch": self.sketch,
-            "outliers": self.outliers,
-            "outlier_bits": self.outlier_bits,
-            "group": self.group,
-            "orthogonal": self.orthogonal,
-            "seed": self.seed,
-        }
 
     # -- sizes and state -----------------------------------------------------------------
     def sizes(self, dim: int) -> tuple[int, int, int]:

@@ -30,7 +30,6 @@ which read the codes as affine codes of one group a token (:mod:`velox_rabitq.ke
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import mlx.core as mx
 
@@ -64,6 +63,7 @@ class RaBitQ(Codec):
     """
 
     name = "rabitq"
+    settings = ("bits", "centroid", "rounds", "seed")
     compressed_scores = True
 
     def __init__(self, bits: int = 4, centroid: int = 128, rounds: int = 2, seed: int = 0):
@@ -74,14 +74,6 @@ class RaBitQ(Codec):
         self.block = max(1, self.centroid)
         self.dim: int | None = None
         self.rotation: Rotation | None = None
-
-    def config(self) -> dict[str, Any]:
-        return {
-            "bits": self.bits,
-            "centroid": self.centroid,
-            "rounds": self.rounds,
-            "seed": self.seed,
-        }
 
     # -- set-up and state ------------------------------------------------------------------
     def check(self, dim: int, dtype: mx.Dtype) -> None:

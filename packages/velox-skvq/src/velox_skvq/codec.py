@@ -29,8 +29,6 @@ gathers (``Packed.take`` with a ``(B, H, n)`` index) do not apply to it.
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.core as mx
 import numpy as np
 
@@ -68,6 +66,7 @@ class SKVQ(Codec):
     """
 
     name = "skvq"
+    settings = ("bits", "group", "clip_min", "reorder")
     compressed_scores = True
     compressed_mix = True
 
@@ -81,14 +80,6 @@ class SKVQ(Codec):
         self.top = levels(self.bits)
         self.perm: mx.array | None = None  # (B, H*D), the narrowest unsigned int that fits
         self.clip: mx.array | None = None  # (B, H, D // group)
-
-    def config(self) -> dict[str, Any]:
-        return {
-            "bits": self.bits,
-            "group": self.group,
-            "clip_min": self.clip_min,
-            "reorder": self.reorder,
-        }
 
     def check(self, dim: int, dtype: mx.Dtype) -> None:
         if dim % self.group:

@@ -28,8 +28,6 @@ norms are fp16 (bf16 for bf16 models). See docs/turboquant.md.
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.core as mx
 
 from velox_core import Codec, Packed
@@ -56,6 +54,7 @@ class TurboQuant(Codec):
     """
 
     name = "turboquant"
+    settings = ("bits", "variant", "group", "seed")
     compressed_scores = True
     compressed_mix = True
     kernels = _kernels  # fused decode attention over the codes (GPU)
@@ -83,9 +82,6 @@ class TurboQuant(Codec):
         self.dim: int | None = None
         self.parts: list[tuple[str, SphereQuantizer]] = []
         self.outliers = 0
-
-    def config(self) -> dict[str, Any]:
-        return {"bits": self.bits, "variant": self.variant, "group": self.group, "seed": self.seed}
 
     # -- set-up and state -------------------------------------------------------------------
     def check(self, dim: int, dtype: mx.Dtype) -> None:

@@ -29,7 +29,6 @@ the largest power of two dividing the head dim (16 for 80 and 112, 32 for 96).
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import mlx.core as mx
 
@@ -67,6 +66,7 @@ class VecInfer(Codec):
     """
 
     name = "vecinfer"
+    settings = ("bits", "vector", "smooth", "hadamard", "iters", "seed")
     compressed_scores = True
     compressed_mix = True
     kernels = _kernels  # fused decode attention over the codes (GPU)
@@ -89,16 +89,6 @@ class VecInfer(Codec):
         self.codebook: mx.array | None = None
         self.scale: mx.array | None = None
         self.dim: int | None = None
-
-    def config(self) -> dict[str, Any]:
-        return {
-            "bits": self.bits,
-            "vector": self.vector,
-            "smooth": self.smooth,
-            "hadamard": self.hadamard,
-            "iters": self.iters,
-            "seed": self.seed,
-        }
 
     @property
     def size(self) -> int:

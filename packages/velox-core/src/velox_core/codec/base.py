@@ -138,10 +138,8 @@ class Codec(Configured, ABC):
     kernels: ClassVar[ModuleType | None] = None
     block: int = 1
 
-    # -- configuration (from_config, fresh, describe: velox_core.configured) ---------------
-    @abstractmethod
-    def config(self) -> dict[str, Any]:
-        """JSON-serializable constructor arguments: ``type(self)(**self.config())``."""
+    # -- configuration (settings or config(), from_config, fresh, describe:
+    # velox_core.configured) ------------------------------------------------------------------
 
     # -- fitted state ----------------------------------------------------------------------
     def check(self, dim: int, dtype: mx.Dtype) -> None:

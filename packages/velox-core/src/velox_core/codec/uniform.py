@@ -17,8 +17,6 @@ attend through the fused split-K kernel of :mod:`velox_core.kernels.decode`
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.core as mx
 
 from ..kernels import decode as _kd
@@ -56,6 +54,7 @@ class Uniform(Codec):
     """
 
     name = "uniform"
+    settings = ("bits", "group", "axis", "clip")
     compressed_scores = True
     compressed_mix = True
 
@@ -65,9 +64,6 @@ class Uniform(Codec):
         self.axis = check_choice("axis", axis, AXES)
         self.clip = check_float("clip", clip, minimum=0.0, maximum=1.0, open_min=True)
         self.block = self.group if axis == "channel" else 1
-
-    def config(self) -> dict[str, Any]:
-        return {"bits": self.bits, "group": self.group, "axis": self.axis, "clip": self.clip}
 
     def check(self, dim: int, dtype: mx.Dtype) -> None:
         if self.axis == "token" and dim % self.group:
