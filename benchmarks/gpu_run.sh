@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_run.sh e2e-32k     # fp16 and the velox specs of issue 26 at 4k and 32k
 #   bash benchmarks/gpu_run.sh e2e-128k    # the same at 128k
 #   bash benchmarks/gpu_run.sh batch       # batch 8 at 32k, and batch_serve.py's two runs
+#   bash benchmarks/gpu_run.sh steps       # decode_steps.py at 32k: the slow steps per cache
 #
 # The first stage on a fresh machine also builds MLX's own kernels (about a minute).
 set -u
@@ -25,18 +26,22 @@ case "${1:-}" in
     ;;
   e2e-32k)
     python3 benchmarks/e2e.py --shape llama3-8b --weights 4bit --contexts 4096,32768 \
-      --caches "$specs" --steps 64 --repeats 2 --json "$out/e2e-32k.json" | tail -12
+      --caches "$specs" --steps 256 --repeats 2 --json "$out/e2e-32k.json" | tail -12
     ;;
   e2e-128k)
     python3 benchmarks/e2e.py --shape llama3-8b --weights 4bit --contexts 131072 \
-      --caches "$specs" --steps 48 --json "$out/e2e-128k.json" | tail -8
+      --caches "$specs" --steps 128 --json "$out/e2e-128k.json" | tail -8
     ;;
   batch)
     python3 benchmarks/e2e.py --shape llama3-8b --weights 4bit --contexts 32768 --batch 8 \
       --caches fp16,uniform:bits=4 --steps 24 --json "$out/e2e-b8.json" | tail -5
     ;;
+  steps)
+    python3 benchmarks/decode_steps.py --shape llama3-8b --weights 4bit --context 32768 \
+      --caches "$specs" --steps 256 --sync --json "$out/decode-steps-32k.json" | tail -20
+    ;;
   *)
-    echo "usage: bash benchmarks/gpu_run.sh tests|first-use|e2e-32k|e2e-128k|batch" >&2
+    echo "usage: bash benchmarks/gpu_run.sh tests|first-use|e2e-32k|e2e-128k|batch|steps" >&2
     exit 2
     ;;
 esac
