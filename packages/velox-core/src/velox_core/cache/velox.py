@@ -401,7 +401,6 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
             (b, h, dk, dv) != self._dims
             or (vb, vh, vt) != (b, h, t)
             or t == 0
-            or t > self.fused_above
             or win_k.buf is None
         ):
             return False
