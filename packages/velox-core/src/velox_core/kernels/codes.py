@@ -18,7 +18,55 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-AFFINE, CODEBOOK, AFFINE_CHANNEL, SKETCH, VQ, TABLE = 0, 1, 2, 3, 4, 5
+from .records import (  # re-exported: the typed records, one per code layout
+    AFFINE,
+    AFFINE_CHANNEL,
+    CODEBOOK,
+    SKETCH,
+    TABLE,
+    VQ,
+    AffineCodes,
+    ChannelAffineCodes,
+    CodebookCodes,
+    CodeRecord,
+    SketchCodes,
+    SketchKeys,
+    TableCodes,
+    TableKeys,
+    VQCodes,
+)
+
+__all__ = [
+    "AFFINE",
+    "AFFINE_CHANNEL",
+    "CODEBOOK",
+    "FP16_MAX",
+    "LOG2E",
+    "SKETCH",
+    "TABLE",
+    "VQ",
+    "VQ_MAX_TABLE",
+    "AffineCodes",
+    "ChannelAffineCodes",
+    "CodeRecord",
+    "CodebookCodes",
+    "Codes",
+    "SketchCodes",
+    "SketchKeys",
+    "TableCodes",
+    "TableKeys",
+    "VQCodes",
+    "check_codes",
+    "code_inputs",
+    "float_bits",
+    "levels_symmetric",
+    "pad_rows",
+    "qmul_bits",
+    "sketch_inputs",
+    "sketch_matrix",
+    "table_entries",
+    "unused_input",
+]
 
 # most floats of one side's VQ codebook (codewords x channels) the portable kernel keeps in
 # threadgroup memory: 4 KiB a side beside the 16 KiB of scores (Metal allows 32 KiB)
@@ -107,75 +155,6 @@ def levels_symmetric(levels) -> bool:
     if lev.size < 2 or not np.all(np.isfinite(half)) or np.any(np.diff(half) < 0):
         return False
     return bool(np.array_equal(half[::-1], -half))
-
-
-@dataclass(frozen=True)
-class SketchKeys:
-    """QJL keys (velox-qjl's codec) as the portable kernel reads them, beside :class:`Codes`.
-
-    A key's score is ``c/m ||k_in|| <S q - S P q, sign(S k_in)> + c/m_o ||k_o|| <S P q,
-    sign(S k_o)>``: ``P`` keeps the block's outlier channels, ``k_o = P k``, ``k_in = k - k_o``,
-    the outlier sketch using the first ``m_o`` rows of ``S``. The kernel forms ``S P q`` per
-    block of tokens from the block's channel indices and ``S``'s columns, which it reads from
-    ``S`` laid out in its lanes' order (:func:`sketch_matrix`); the host passes ``S q`` in
-    the same order (the query times that matrix's first ``m`` columns).
-
-    Attributes:
-        m: sign bits of the main sketch.
-        mo: sign bits of the outlier sketch (0 without outliers).
-        outliers: outlier channels per block (0: none).
-        index_bits: bits of one packed channel index.
-        const: the estimator's ``c``.
-        lanes: the lanes per token :func:`sketch_lanes` gave, for which ``matrix`` is laid out.
-        matrix: :func:`sketch_matrix` of ``S`` for ``lanes`` (any float dtype).
-        osign: the outlier sketch's sign bits ``(B, H, T, mo/32)`` uint32, or None.
-        idx: the packed channel indices ``(B, H, T/block, W)`` uint32, or None.
-        mma: ``matrix`` is laid out for the tensor-core sketch kernel instead
-            (:func:`velox_core.kernels.sketch_mma.sketch_mma_matrix`, float16; ``lanes`` 0),
-            which then takes the segment (:func:`velox_core.kernels.sketch_mma.supported`).
-    """
-
-    m: int
-    mo: int
-    outliers: int
-    index_bits: int
-    const: float
-    lanes: int
-    matrix: mx.array
-    osign: mx.array | None = None
-    idx: mx.array | None = None
-    mma: bool = False
-
-
-@dataclass(frozen=True)
-class TableKeys:
-    """CommVQ keys (velox-commvq's codec) as the portable kernel reads them, beside
-    :class:`Codes` (arXiv 2506.18879).
-
-    A key is ``k_p = n e^{i t theta_p} sum_s (A[s, p, c1] + J B[s, p, c2])`` per RoPE pair
-    ``p`` (pairs as complex numbers: ``n`` its norm, ``t`` its position, ``c1, c2`` the
-    indices its group of ``G`` pairs took at stage ``s``). The codewords, ``J`` and the
-    rotation commute, so ``q . k = n sum_p Re(e^{i t theta_p} W_p)`` with ``W_p = sum_s
-    (TA[s, p, c1] + TB[s, p, c2])``, ``TA = conj(q_p) A``, ``TB = conj(q_p) J B``: the host
-    builds those tables once per call (the query against every codeword, MLX ops) and passes
-    them as the kernel's query-side input, ``(B, H, M, E)`` float32 with ``E =``
-    :func:`table_entries`, entry ``(((s * P + p) * 2 + book) * K + k) * 2 + c`` (``book`` 0:
-    ``TA``, 1: ``TB``; ``c`` 0: real part, 1: imaginary part). The kernel reads each key's
-    codes, sums its looked-up 2-vectors per pair, rotates the sums by the key's angle
-    (``t theta_p``, from its position and ``theta``), adds the pairs and scales by the norm;
-    no key is decoded.
-
-    ``Codes.codes`` holds per token the ``S * (P / G) * 2`` indices of ``Codes.bits`` bits in
-    one bit stream (velox's packing), stage by stage, group by group, ``c1`` then ``c2``.
-
-    Attributes:
-        stages: residual stages ``S``.
-        theta: ``(D/2,)`` float32: radians per position of each pair, in the codes' pair
-            order (0 for the channels RoPE leaves alone).
-    """
-
-    stages: int
-    theta: mx.array
 
 
 def table_entries(stages: int, dim: int, bits: int) -> int:

@@ -1,0 +1,401 @@
+"""The code layouts the decode kernels read: one typed record per layout of a coded side.
+
+A segment's keys and values are each one record: :class:`AffineCodes` (per-token groups,
+``x = scale * code + zero``), :class:`ChannelAffineCodes` (KIVI's per-channel keys),
+:class:`CodebookCodes` (``x = norm * levels[code]``, TurboQuant), :class:`VQCodes` (a codeword
+per sub-vector, VecInfer), :class:`SketchCodes` (QJL's sign sketches, with
+:class:`SketchKeys`) or :class:`TableCodes` (CommVQ's RoPE-commutative codes, with
+:class:`TableKeys`). Each carries its layout as the class constant ``kind`` (:data:`AFFINE`,
+:data:`AFFINE_CHANNEL`, :data:`CODEBOOK`, :data:`VQ`, :data:`SKETCH`, :data:`TABLE`: the
+kernels' ``KKIND`` / ``VKIND``), is built by keyword and checks its widths and the presence of
+its arrays when built (no device work: shapes are checked against the query's head dim by
+:func:`velox_core.kernels.codes.check_codes`). :class:`CodeRecord` is their base, for type
+hints and isinstance checks, and gives the kernels one read-only view of every record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import mlx.core as mx
+
+AFFINE, CODEBOOK, AFFINE_CHANNEL, SKETCH, VQ, TABLE = 0, 1, 2, 3, 4, 5
+
+__all__ = [
+    "AFFINE",
+    "AFFINE_CHANNEL",
+    "CODEBOOK",
+    "SKETCH",
+    "TABLE",
+    "VQ",
+    "AffineCodes",
+    "ChannelAffineCodes",
+    "CodeRecord",
+    "CodebookCodes",
+    "SketchCodes",
+    "SketchKeys",
+    "TableCodes",
+    "TableKeys",
+    "VQCodes",
+]
+
+
+class CodeRecord:
+    """One side (keys or values) of a coded segment as the decode kernels read it: the base of
+    the typed records (:class:`AffineCodes`, :class:`ChannelAffineCodes`,
+    :class:`CodebookCodes`, :class:`VQCodes`, :class:`SketchCodes`, :class:`TableCodes`).
+
+    The kernel builders read every record through one view: ``kind`` (the record class's
+    layout constant), ``bits``, ``group``, ``codes``, ``a`` (the scales or norms), ``b`` (the
+    zeros, the outlier norms or the positions; None where the layout has none), ``levels``
+    (codebook levels, or VQ's codebooks), ``signs`` and ``rnorm`` (a codebook's residual
+    sketch), ``sketch`` (:class:`SketchKeys`), ``table`` (:class:`TableKeys`) and
+    ``symmetric``. Each record maps them to its named fields; the parts a layout lacks are
+    this base's class attributes (None, ``symmetric`` False), read-only on the records.
+    """
+
+    __slots__ = ()
+
+    kind: ClassVar[int]
+    levels: ClassVar[mx.array | None] = None
+    signs: ClassVar[mx.array | None] = None
+    rnorm: ClassVar[mx.array | None] = None
+    sketch: ClassVar[SketchKeys | None] = None
+    table: ClassVar[TableKeys | None] = None
+    symmetric: ClassVar[bool] = False
+
+    @property
+    def a(self) -> mx.array:
+        """The kernels' ``ka`` / ``va``: the scales or norms."""
+        raise NotImplementedError
+
+    @property
+    def b(self) -> mx.array | None:
+        """The kernels' ``kb`` / ``vb``: the zeros, outlier norms or positions, or None."""
+        return None
+
+
+def _check(
+    rec: CodeRecord, arrays: tuple[str, ...], width: bool = True, group: str = "group"
+) -> None:
+    """The construction checks the records share (host-side only, no device work): ``bits``
+    an int from 1 to 8 (``width``), the field named ``group`` a positive int, each of
+    ``arrays`` an ``mx.array``."""
+    name = type(rec).__name__
+    if width and (type(rec.bits) is not int or not 1 <= rec.bits <= 8):
+        raise ValueError(f"{name}: bits must be an int from 1 to 8, got {rec.bits!r}")
+    g = getattr(rec, group)
+    if type(g) is not int or g < 1:
+        raise ValueError(f"{name}: {group} must be a positive int, got {g!r}")
+    for n in arrays:
+        x = getattr(rec, n)
+        if not isinstance(x, mx.array):
+            if x is None:
+                raise ValueError(f"{name}: {n} is required (got None)")
+            raise TypeError(f"{name}: {n} must be an mx.array, got {type(x).__name__}")
+
+
+# The records are not frozen: a decode step may build two of them per layer, and a frozen
+# dataclass's __init__ (object.__setattr__ per field) costs several times a plain one's; treat
+# them as immutable (dataclasses.replace makes a changed copy, checked again).
+# A required field named like a view attribute of CodeRecord (levels, sketch, table) is
+# declared with field(): a bare annotation would take the base's class attribute as default.
+
+
+@dataclass(slots=True, kw_only=True)
+class AffineCodes(CodeRecord):
+    """Affine codes in groups of a token's channels, ``x = scale * code + zero``:
+    :class:`velox_core.Uniform` with ``axis="token"``, and RaBitQ's keys (one group of the
+    whole head).
+
+    Attributes:
+        bits: code width, 1 to 8.
+        group: channels per (scale, zero).
+        codes: ``(B, H, T, ceil(D * bits / 32))`` uint32 packed codes (velox's packing).
+        scale: ``(B, H, T, D / group)``.
+        zero: shaped like ``scale``.
+    """
+
+    kind: ClassVar[int] = AFFINE
+    bits: int
+    group: int
+    codes: mx.array
+    scale: mx.array
+    zero: mx.array
+
+    def __post_init__(self) -> None:
+        _check(self, ("codes", "scale", "zero"))
+
+    @property
+    def a(self) -> mx.array:
+        return self.scale
+
+    @property
+    def b(self) -> mx.array:
+        return self.zero
+
+
+@dataclass(slots=True, kw_only=True)
+class ChannelAffineCodes(CodeRecord):
+    """Affine codes with one (scale, zero) per channel for each group of tokens (keys only:
+    KIVI's keys, :class:`velox_core.Uniform` with ``axis="channel"``).
+
+    Attributes:
+        bits: code width, 1 to 8.
+        group: tokens per scale row (a segment holds whole groups).
+        codes: ``(B, H, T, ceil(D * bits / 32))`` uint32 packed codes.
+        scale: ``(B, H, T / group, D)``.
+        zero: shaped like ``scale``.
+    """
+
+    kind: ClassVar[int] = AFFINE_CHANNEL
+    bits: int
+    group: int
+    codes: mx.array
+    scale: mx.array
+    zero: mx.array
+
+    def __post_init__(self) -> None:
+        _check(self, ("codes", "scale", "zero"))
+
+    @property
+    def a(self) -> mx.array:
+        return self.scale
+
+    @property
+    def b(self) -> mx.array:
+        return self.zero
+
+
+@dataclass(slots=True, kw_only=True)
+class CodebookCodes(CodeRecord):
+    """Codebook codes, ``x = norm * levels[code]`` with one norm a token (TurboQuant_mse in
+    its rotated domain), keys optionally with TurboQuant_prod's QJL residual sketch.
+
+    Attributes:
+        bits: code width, 1 to 8.
+        dim: the head dim, the channels one norm covers (the kernels' group of a codebook
+            side; the tensor-core kernel requires it to be the head dim).
+        codes: ``(B, H, T, ceil(D * bits / 32))`` uint32 packed codes.
+        norm: ``(B, H, T)``.
+        levels: ``(2**bits,)`` float32 levels.
+        symmetric: the caller vouches that the levels are ascending and
+            ``levels[2**bits - 1 - c] == -levels[c]`` in fp16 (Lloyd-Max levels of a law
+            symmetric about 0, checked on the host once per codebook:
+            :func:`velox_core.kernels.codes.levels_symmetric`); the tensor-core kernel then
+            looks 4-bit codes up in half the table and forms 2-bit ones without a permute
+            (``KCB`` / ``VCB`` 2). False: any levels.
+        signs: keys with a QJL residual sketch (TurboQuant_prod): ``(B, H, T, D/32)`` uint32,
+            bit ``e`` set where channel ``e`` of the residual's sketch is positive; the caller
+            passes the sketched query to ``decode_attention``. None otherwise.
+        rnorm: with ``signs`` (and only with them): the residual norms ``(B, H, T)``.
+    """
+
+    kind: ClassVar[int] = CODEBOOK
+    bits: int
+    dim: int
+    codes: mx.array
+    norm: mx.array
+    levels: mx.array = field()
+    symmetric: bool = False
+    signs: mx.array | None = None
+    rnorm: mx.array | None = None
+
+    def __post_init__(self) -> None:
+        if self.signs is None and self.rnorm is None:
+            _check(self, ("codes", "norm", "levels"), group="dim")
+        elif self.signs is None or self.rnorm is None:
+            raise ValueError("CodebookCodes: signs and rnorm go together (a residual sketch)")
+        else:
+            _check(self, ("codes", "norm", "levels", "signs", "rnorm"), group="dim")
+
+    @property
+    def group(self) -> int:
+        """The kernels' group of a codebook side: the head dim (one norm a token)."""
+        return self.dim
+
+    @property
+    def a(self) -> mx.array:
+        return self.norm
+
+
+@dataclass(slots=True, kw_only=True)
+class VQCodes(CodeRecord):
+    """Vector codes: each sub-vector of ``group`` channels is the index of a codeword, ``x =
+    codebooks[b, h, code]``, one codebook per batch row and KV head (VecInfer).
+
+    Attributes:
+        bits: bits of one codeword index, 1 to 8.
+        group: channels per sub-vector (the portable kernel takes 1, 2, 4 or 8).
+        codes: ``(B, H, T, ceil(D / group * bits / 32))`` uint32: a token's ``D / group``
+            indices, ``bits`` each, in one bit stream.
+        codebooks: ``(B, H, 2**bits, group)``, any float dtype: row ``code`` of ``(b, h)`` is
+            the sub-vector (the kernels read it as ``levels``).
+    """
+
+    kind: ClassVar[int] = VQ
+    bits: int
+    group: int
+    codes: mx.array
+    codebooks: mx.array
+
+    def __post_init__(self) -> None:
+        _check(self, ("codes", "codebooks"))
+
+    @property
+    def levels(self) -> mx.array:
+        return self.codebooks
+
+    @property
+    def a(self) -> None:
+        return None
+
+
+@dataclass(slots=True, kw_only=True)
+class SketchCodes(CodeRecord):
+    """QJL keys (velox-qjl's codec): the sign bits of a sketch of each key, its norm and, per
+    block of ``group`` tokens, outlier channels with their own sketch (:class:`SketchKeys`).
+    Keys only; one bit a sign (``bits`` is 1).
+
+    Attributes:
+        codes: ``(B, H, T, m/32)`` uint32: the ``m`` sign bits of the main sketch.
+        norm: the norms ``||k_in||`` ``(B, H, T)``.
+        onorm: the outlier parts' norms ``||k_o||`` ``(B, H, T)``, None without outliers.
+        group: tokens per outlier block (1 where there are none).
+        sketch: the sketch's sizes and its other arrays.
+    """
+
+    kind: ClassVar[int] = SKETCH
+    bits: ClassVar[int] = 1
+    codes: mx.array
+    norm: mx.array
+    sketch: SketchKeys = field()
+    onorm: mx.array | None = None
+    group: int = 1
+
+    def __post_init__(self) -> None:
+        arrays = ("codes", "norm") if self.onorm is None else ("codes", "norm", "onorm")
+        _check(self, arrays, width=False)
+        if not isinstance(self.sketch, SketchKeys):
+            raise ValueError(
+                f"SketchCodes: sketch must be a SketchKeys record, got {type(self.sketch).__name__}"
+            )
+
+    @property
+    def a(self) -> mx.array:
+        return self.norm
+
+    @property
+    def b(self) -> mx.array | None:
+        return self.onorm
+
+
+@dataclass(slots=True, kw_only=True)
+class TableCodes(CodeRecord):
+    """CommVQ keys (velox-commvq's codec): indices of RoPE-commutative codewords, a norm and a
+    position a token, scored from per-call query tables (:class:`TableKeys`). Keys only.
+
+    Attributes:
+        bits: bits of one of a group's two indices, ``log2 K`` (1 to 8).
+        group: RoPE pairs per code (``G``).
+        codes: ``(B, H, T, W)`` uint32: per token the ``S * (P / G) * 2`` indices, ``bits``
+            each, in one bit stream (see :class:`TableKeys`).
+        norm: ``(B, H, T)``.
+        positions: ``(B, 1, T)`` int32, one a token for all heads.
+        table: the stages and RoPE frequencies.
+    """
+
+    kind: ClassVar[int] = TABLE
+    bits: int
+    group: int
+    codes: mx.array
+    norm: mx.array
+    positions: mx.array
+    table: TableKeys = field()
+
+    def __post_init__(self) -> None:
+        _check(self, ("codes", "norm", "positions"))
+        if not isinstance(self.table, TableKeys):
+            raise ValueError(
+                f"TableCodes: table must be a TableKeys record, got {type(self.table).__name__}"
+            )
+
+    @property
+    def a(self) -> mx.array:
+        return self.norm
+
+    @property
+    def b(self) -> mx.array:
+        return self.positions
+
+
+@dataclass(frozen=True)
+class SketchKeys:
+    """QJL keys (velox-qjl's codec) as the portable kernel reads them, beside
+    :class:`SketchCodes`.
+
+    A key's score is ``c/m ||k_in|| <S q - S P q, sign(S k_in)> + c/m_o ||k_o|| <S P q,
+    sign(S k_o)>``: ``P`` keeps the block's outlier channels, ``k_o = P k``, ``k_in = k - k_o``,
+    the outlier sketch using the first ``m_o`` rows of ``S``. The kernel forms ``S P q`` per
+    block of tokens from the block's channel indices and ``S``'s columns, which it reads from
+    ``S`` laid out in its lanes' order (:func:`velox_core.kernels.codes.sketch_matrix`); the
+    host passes ``S q`` in the same order (the query times that matrix's first ``m`` columns).
+
+    Attributes:
+        m: sign bits of the main sketch.
+        mo: sign bits of the outlier sketch (0 without outliers).
+        outliers: outlier channels per block (0: none).
+        index_bits: bits of one packed channel index.
+        const: the estimator's ``c``.
+        lanes: the lanes per token ``sketch_lanes`` gave, for which ``matrix`` is laid out.
+        matrix: ``sketch_matrix`` of ``S`` for ``lanes`` (any float dtype).
+        osign: the outlier sketch's sign bits ``(B, H, T, mo/32)`` uint32, or None.
+        idx: the packed channel indices ``(B, H, T/block, W)`` uint32, or None.
+        mma: ``matrix`` is laid out for the tensor-core sketch kernel instead
+            (:func:`velox_core.kernels.sketch_mma.sketch_mma_matrix`, float16; ``lanes`` 0),
+            which then takes the segment (:func:`velox_core.kernels.sketch_mma.supported`).
+    """
+
+    m: int
+    mo: int
+    outliers: int
+    index_bits: int
+    const: float
+    lanes: int
+    matrix: mx.array
+    osign: mx.array | None = None
+    idx: mx.array | None = None
+    mma: bool = False
+
+
+@dataclass(frozen=True)
+class TableKeys:
+    """CommVQ keys (velox-commvq's codec) as the portable kernel reads them, beside
+    :class:`TableCodes` (arXiv 2506.18879).
+
+    A key is ``k_p = n e^{i t theta_p} sum_s (A[s, p, c1] + J B[s, p, c2])`` per RoPE pair
+    ``p`` (pairs as complex numbers: ``n`` its norm, ``t`` its position, ``c1, c2`` the
+    indices its group of ``G`` pairs took at stage ``s``). The codewords, ``J`` and the
+    rotation commute, so ``q . k = n sum_p Re(e^{i t theta_p} W_p)`` with ``W_p = sum_s
+    (TA[s, p, c1] + TB[s, p, c2])``, ``TA = conj(q_p) A``, ``TB = conj(q_p) J B``: the host
+    builds those tables once per call (the query against every codeword, MLX ops) and passes
+    them as the kernel's query-side input, ``(B, H, M, E)`` float32 with ``E =``
+    :func:`velox_core.kernels.codes.table_entries`, entry ``(((s * P + p) * 2 + book) * K +
+    k) * 2 + c`` (``book`` 0: ``TA``, 1: ``TB``; ``c`` 0: real part, 1: imaginary part). The
+    kernel reads each key's codes, sums its looked-up 2-vectors per pair, rotates the sums by
+    the key's angle (``t theta_p``, from its position and ``theta``), adds the pairs and
+    scales by the norm; no key is decoded.
+
+    ``TableCodes.codes`` holds per token the ``S * (P / G) * 2`` indices of
+    ``TableCodes.bits`` bits in one bit stream (velox's packing), stage by stage, group by
+    group, ``c1`` then ``c2``.
+
+    Attributes:
+        stages: residual stages ``S``.
+        theta: ``(D/2,)`` float32: radians per position of each pair, in the codes' pair
+            order (0 for the channels RoPE leaves alone).
+    """
+
+    stages: int
+    theta: mx.array
