@@ -1,7 +1,7 @@
 """CommVQ's kernel path, checked on a machine without a GPU.
 
 The decode kernel is velox-core's portable one with table keys
-(``velox_core.kernels.decode.TABLE``); here the CommVQ glue is checked: which records take it
+(``velox_core.kernels.decode.TableCodes``); here the CommVQ glue is checked: which records take it
 and what the kernel declines, and, with the kernels' Metal and CUDA instantiations emulated
 on the CPU (``velox_core.kernels.emulate``), that attention through the kernel (query tables
 built once per call, each key's looked-up sums rotated by its angle in the kernel, values
@@ -13,6 +13,7 @@ offsets, and a cache's fp16 window and sinks joined in one softmax over decode s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import mlx.core as mx
@@ -107,9 +108,10 @@ def test_kernel_record_is_the_stored_codes(monkeypatch):
     c = codec(bits=2)
     kp, vc, vp = records(c, t=16, starts=(5, 70))
     keys = kernel_keys(c, kp)
-    assert keys.kind == dk.TABLE and (keys.bits, keys.group) == (4, 4)
-    assert keys.codes is kp.data["codes"] and keys.a is kp.data["norm"]
-    assert keys.b is kp.data["pos"] and keys.table.stages == 2
+    assert type(keys) is dk.TableCodes and keys.kind == dk.TABLE
+    assert (keys.bits, keys.group) == (4, 4)
+    assert keys.codes is kp.data["codes"] and keys.norm is kp.data["norm"] is keys.a
+    assert keys.positions is kp.data["pos"] is keys.b and keys.table.stages == 2
     first, second, theta = c.rope.pairs(128)
     assert np.array_equal(np.asarray(keys.table.theta), theta)
     assert c.pair_theta() is keys.table.theta  # made once
@@ -163,18 +165,18 @@ def test_bad_table_keys_are_refused(monkeypatch):
         dk.decode_attention(q, keys, values)  # no tables
     with pytest.raises(ValueError, match=r"q_sketch \(1, 2, 2, 100\)"):
         dk.decode_attention(q, keys, values, q_sketch=tab[..., :100])
-    pos = keys.b.astype(mx.float32)
+    pos = keys.positions.astype(mx.float32)
     with pytest.raises(ValueError, match="positions"):
-        dk.decode_attention(q, dk.Codes(**{**keys.__dict__, "b": pos}), values, q_sketch=tab)
+        dk.decode_attention(q, dataclasses.replace(keys, positions=pos), values, q_sketch=tab)
     theta = mx.zeros((32,))
-    bad = dk.Codes(**{**keys.__dict__, "table": dk.TableKeys(2, theta)})
+    bad = dataclasses.replace(keys, table=dk.TableKeys(2, theta))
     with pytest.raises(ValueError, match="theta"):
         dk.decode_attention(q, bad, values, q_sketch=tab)
-    three = dk.Codes(**{**keys.__dict__, "table": dk.TableKeys(3, keys.table.theta)})
+    three = dataclasses.replace(keys, table=dk.TableKeys(3, keys.table.theta))
     with pytest.raises(ValueError, match="codes"):  # 3 stages need more words a token
         dk.decode_attention(q, three, values, q_sketch=kernel_tables(c, q))
-    with pytest.raises(ValueError, match="TableKeys"):
-        dk.decode_attention(q, dk.Codes(**{**keys.__dict__, "table": None}), values)
+    with pytest.raises(ValueError, match="TableKeys"):  # refused when built
+        dataclasses.replace(keys, table=None)
     with pytest.raises(ValueError, match="keys only"):
         dk.decode_attention(q, values, keys)
 

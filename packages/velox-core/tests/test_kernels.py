@@ -73,9 +73,24 @@ def uniform_case(b, h, t, m, bits, group=64, dtype=mx.float16, dim=128, seed=0, 
     kc, vc = Uniform(bits, group), Uniform(vbits or bits, group)
     kp, vp = kc.encode(k), vc.encode(v)
     ref = partial(q, Segment(kc, kp, vc, vp))
-    keys = dk.Codes(dk.AFFINE, kc.bits, group, kp.data["codes"], kp.data["scale"], kp.data["zero"])
-    vals = dk.Codes(dk.AFFINE, vc.bits, group, vp.data["codes"], vp.data["scale"], vp.data["zero"])
+    keys, vals = kc.kernel_codes(kp), vc.kernel_codes(vp)  # AffineCodes of the records
     return q, keys, vals, ref
+
+
+# placeholder arrays for records that only the plans and templates read (their layout)
+_U32, _F16 = mx.zeros((1,), mx.uint32), mx.zeros((1,), mx.float16)
+
+
+def _layout(kind: int, bits: int, group: int, **kw) -> dk.CodeRecord:
+    """A record of one layout with placeholder arrays (``kw``: its other fields)."""
+    if kind == dk.CODEBOOK:
+        return dk.CodebookCodes(bits=bits, dim=group, codes=_U32, norm=_F16, levels=_F16, **kw)
+    if kind == dk.VQ:
+        return dk.VQCodes(bits=bits, group=group, codes=_U32, codebooks=_F16)
+    if kind == dk.TABLE:
+        return dk.TableCodes(bits=bits, group=group, codes=_U32, norm=_F16, positions=_U32, **kw)
+    record = dk.AffineCodes if kind == dk.AFFINE else dk.ChannelAffineCodes
+    return record(bits=bits, group=group, codes=_U32, scale=_F16, zero=_F16)
 
 
 def assert_partial_close(got, ref, tol=2e-5):
@@ -95,8 +110,8 @@ def test_cpu_backend_takes_the_reference():
         pytest.skip("the default device is a GPU")
     assert vk.backend() == "cpu" and not vk.use_kernels()
     q, keys, vals, _ = uniform_case(1, 1, 16, 4, 4)
-    kp = {"codes": keys.codes, "scale": keys.a, "zero": keys.b}
-    vp = {"codes": vals.codes, "scale": vals.a, "zero": vals.b}
+    kp = {"codes": keys.codes, "scale": keys.scale, "zero": keys.zero}
+    vp = {"codes": vals.codes, "scale": vals.scale, "zero": vals.zero}
     from velox_core import Packed
 
     out = Uniform(4).attend_partial(q, Packed(kp, 16), Uniform(4), Packed(vp, 16))
@@ -145,8 +160,8 @@ def test_uniform_encode_and_attend_route_to_the_kernels_on_a_gpu(monkeypatch):
     def spy_decode(qq, keys, values, splits=None, fp16=None, out_dtype=None, scale=None):
         seen["decode"] = (qq.shape, keys.bits, keys.kind, values.kind, keys.codes.shape)
         kc, vc = Uniform(keys.bits, keys.group), Uniform(values.bits, values.group)
-        kp = {"codes": keys.codes, "scale": keys.a, "zero": keys.b}
-        vp = {"codes": values.codes, "scale": values.a, "zero": values.b}
+        kp = {"codes": keys.codes, "scale": keys.scale, "zero": keys.zero}
+        vp = {"codes": values.codes, "scale": values.scale, "zero": values.zero}
         from velox_core import Packed
 
         t = keys.codes.shape[2]
@@ -253,9 +268,10 @@ def test_plan_widens_the_register_budget_for_32_channel_lanes_on_cuda(monkeypatc
     assert dk.plan(4, 128, dk.CODEBOOK, 3, 128, dk.CODEBOOK, 3, 128, sketch=True).mb == 1
 
 
-def _sketch_codes(m: int, mo: int, k: int, group: int = 32) -> dk.Codes:
+def _sketch_codes(m: int, mo: int, k: int, group: int = 32) -> dk.SketchCodes:
     sk = dk.SketchKeys(m, mo, k, 7, 1.25, dk.sketch_lanes(m, mo), None)
-    return dk.Codes(dk.SKETCH, 1, group if k else 1, None, None, sketch=sk)
+    onorm = _F16 if k else None
+    return dk.SketchCodes(codes=_U32, norm=_F16, onorm=onorm, group=group if k else 1, sketch=sk)
 
 
 def test_sketch_keys_lanes_and_plan():
@@ -267,7 +283,7 @@ def test_sketch_keys_lanes_and_plan():
     assert dk.sketch_lanes(128, 0) == 32
     assert dk.sketch_lanes(100, 15) == 0  # 15 outlier bits: one lane with 100 bits
     assert dk.sketch_lanes(96, 0) == 32 and dk.sketch_lanes(192, 0) == 32
-    vals = dk.Codes(dk.AFFINE, 4, 64, None, None)
+    vals = _layout(dk.AFFINE, 4, 64)
     p = dk.plan_for(4, 128, _sketch_codes(256, 256, 8), vals)
     assert (p.klanes, p.mb, p.cpl) == (32, 4, 16)  # 16 weights a row: 4 rows
     p = dk.plan_for(8, 128, _sketch_codes(1024, 1024, 8), vals)
@@ -305,9 +321,13 @@ def test_sketch_keys_bad_input_is_refused(monkeypatch):
     good = dict(osign=u32(b, h, t, 8), idx=u32(b, h, t // 32, 2))
     sk = dk.SketchKeys(m, m, 8, 7, 1.25, 32, mat, **good)
     norm = mx.ones((b, h, t), mx.float16)
-    keys = dk.Codes(dk.SKETCH, 1, 32, u32(b, h, t, 8), norm, norm, sketch=sk)
-    vals = dk.Codes(
-        dk.AFFINE, 4, 64, u32(b, h, t, 16), mx.ones((b, h, t, 2)), mx.zeros((b, h, t, 2))
+    keys = dk.SketchCodes(codes=u32(b, h, t, 8), norm=norm, onorm=norm, group=32, sketch=sk)
+    vals = dk.AffineCodes(
+        bits=4,
+        group=64,
+        codes=u32(b, h, t, 16),
+        scale=mx.ones((b, h, t, 2)),
+        zero=mx.zeros((b, h, t, 2)),
     )
     q = mx.zeros((b, h, 4, d))
     with pytest.raises(ValueError, match="q_sketch"):
@@ -317,16 +337,16 @@ def test_sketch_keys_bad_input_is_refused(monkeypatch):
     qs = mx.zeros((b, h, 4, m))
     bad = dk.SketchKeys(m, m, 8, 7, 1.25, 32, mat, good["osign"], u32(b, h, t // 16, 2))
     with pytest.raises(ValueError, match="idx"):
-        dk.decode_attention(q, dk.Codes(**{**keys.__dict__, "sketch": bad}), vals, q_sketch=qs)
+        dk.decode_attention(q, dataclasses.replace(keys, sketch=bad), vals, q_sketch=qs)
     with pytest.raises(ValueError, match="sketch matrix"):
         wrong = dk.SketchKeys(m, m, 8, 7, 1.25, 32, proj, **good)  # S itself, not its layout
-        dk.decode_attention(q, dk.Codes(**{**keys.__dict__, "sketch": wrong}), vals, q_sketch=qs)
+        dk.decode_attention(q, dataclasses.replace(keys, sketch=wrong), vals, q_sketch=qs)
     with pytest.raises(ValueError, match="laid out for 16 lanes"):
         other = dk.SketchKeys(m, m, 8, 7, 1.25, 16, dk.sketch_matrix(proj, m, m, 16), **good)
-        dk.decode_attention(q, dk.Codes(**{**keys.__dict__, "sketch": other}), vals, q_sketch=qs)
+        dk.decode_attention(q, dataclasses.replace(keys, sketch=other), vals, q_sketch=qs)
     with pytest.raises(ValueError, match="index_bits"):
         six = dk.SketchKeys(m, m, 8, 6, 1.25, 32, mat, **good)  # 6 bits cannot index 128
-        dk.decode_attention(q, dk.Codes(**{**keys.__dict__, "sketch": six}), vals, q_sketch=qs)
+        dk.decode_attention(q, dataclasses.replace(keys, sketch=six), vals, q_sketch=qs)
     with pytest.raises(ValueError, match="keys only"):
         dk.decode_attention(q, vals, keys)
     with pytest.raises(ValueError, match="VELOX_DECODE_SKETCH_LANES"):
@@ -370,8 +390,8 @@ def _decode_variants():
         (dk.CODEBOOK, 2, 4, 128, True),  # TurboQuant_prod keys: the residual sketch term
     ):
         p = dk.plan(m, 128, kind, bits, group, kind, bits, group, sketch)
-        side = dk.Codes(kind, bits, group, None, None)
-        ks = dk.Codes(kind, bits, group, None, None, signs=mx.zeros((1,)), rnorm=mx.zeros((1,)))
+        side = _layout(kind, bits, group)
+        ks = _layout(kind, bits, group, signs=_U32, rnorm=_F16) if sketch else side
         if kind == dk.AFFINE:
             ins = [U32, H16, H16, DUMMY]
         else:
@@ -388,7 +408,7 @@ def _decode_variants():
         grp = 64 if kind == dk.AFFINE else 128
         p = dk.plan(4, 128, kind, 3, grp, kind, 3, grp)
         p = dataclasses.replace(p, mb=4, nmb=1, max_span=dk.SCORE_SLOTS // 4)
-        side = dk.Codes(kind, 3, grp, None, None)
+        side = _layout(kind, 3, grp)
         if kind == dk.AFFINE:
             ins = [U32, H16, H16, DUMMY]
         else:
@@ -398,15 +418,15 @@ def _decode_variants():
         out.append((dk.DECODE, infos, ["float32"] * 2, dk.template(p, 128, side, side)))
     # KIVI's layout: per-channel key scales (B, H, T / 32, D), per-token values
     p = dk.plan(4, 128, dk.AFFINE_CHANNEL, 4, 32, dk.AFFINE, 4, 64)
-    kside = dk.Codes(dk.AFFINE_CHANNEL, 4, 32, None, None)
-    vside = dk.Codes(dk.AFFINE, 4, 64, None, None)
+    kside = _layout(dk.AFFINE_CHANNEL, 4, 32)
+    vside = _layout(dk.AFFINE, 4, 64)
     ins = [U32, H16, H16, DUMMY]
     infos = [ArgInfo(*F32), *(ArgInfo(*a) for a in ins), *(ArgInfo(*a) for a in ins)]
     infos += [ArgInfo(*DUMMY)] * 5
     out.append((dk.DECODE, infos, ["float32"] * 2, dk.template(p, 128, kside, vside)))
     # VQ codes (VecInfer): 256 codewords of 4 channels on both sides, and 16 pairs of keys
     for kb, kg, vb, vg in ((8, 4, 8, 4), (4, 2, 8, 4)):
-        kside, vq = dk.Codes(dk.VQ, kb, kg, None, None), dk.Codes(dk.VQ, vb, vg, None, None)
+        kside, vq = _layout(dk.VQ, kb, kg), _layout(dk.VQ, vb, vg)
         p = dk.plan_for(4, 128, kside, vq)
         ins = [U32, ("float16", 1, 8), ("float16", 1, 8), ("float32", 1, 1 << 16)]
         infos = [ArgInfo(*a) for a in [F32, *ins, *ins]] + [ArgInfo(*DUMMY)] * 5
@@ -414,7 +434,7 @@ def _decode_variants():
     # CommVQ table keys: the default geometry (2 stages of 4-bit indices per 4 pairs) at 2 and
     # 8 query rows (a lane's indices whole words / a share of one), 3-bit indices straddling
     for kb, kg, m_rows in ((4, 4, 2), (4, 4, 8), (3, 1, 2)):
-        kside = dk.Codes(dk.TABLE, kb, kg, None, None, table=dk.TableKeys(2, None))
+        kside = _layout(dk.TABLE, kb, kg, table=dk.TableKeys(2, None))
         p = dk.plan_for(m_rows, 128, kside, vside)
         ins = [U32, ("float16", 3, 1 << 20), ("int32", 3, 1 << 20), ("float32", 1, 64)]
         infos = [ArgInfo(*a) for a in [F32, *ins, U32, H16, H16, DUMMY]]
@@ -423,8 +443,7 @@ def _decode_variants():
     # QJL sketch keys: outliers with one row set for both sketches, two row sets with shares
     # straddling words, and no outliers
     for m, mo, k, m_rows in ((256, 256, 8, 4), (320, 64, 8, 8), (256, 0, 0, 4)):
-        sk = dk.SketchKeys(m, mo, k, 7, 1.25, dk.sketch_lanes(m, mo), None)
-        kside = dk.Codes(dk.SKETCH, 1, 32 if k else 1, None, None, sketch=sk)
+        kside = _sketch_codes(m, mo, k)
         p = dk.plan_for(m_rows, 128, kside, vside)
         f16 = ("float16", 3, 1 << 20)
         ins = [U32, f16, f16 if k else ("float16", 1, 8), DUMMY, U32, H16, H16, DUMMY]
@@ -610,7 +629,7 @@ def test_the_shim_catches_a_broken_body(tmp_path):
     assert res.returncode != 0 and "tpo" in res.stderr
 
 
-def _mma_codes(bits: int, group, dtype=mx.float16, t: int = 256, dim: int = 128) -> dk.Codes:
+def _mma_codes(bits: int, group, dtype=mx.float16, t: int = 256, dim: int = 128) -> dk.CodeRecord:
     """An affine side's shape for the launch plan; ``group`` 0: a codebook side (one norm a
     token, ``2**bits`` levels) of head dim 128, -1: one with symmetric levels; ``"c32"``:
     per-channel keys (KIVI's) in groups of 32 tokens, ``t`` tokens of ``dim`` channels."""
@@ -618,14 +637,16 @@ def _mma_codes(bits: int, group, dtype=mx.float16, t: int = 256, dim: int = 128)
         g = int(group[1:])
         codes = mx.zeros((1, 1, t, dim * bits // 32), mx.uint32)
         rows = mx.zeros((1, 1, t // g, dim), dtype)
-        return dk.Codes(dk.AFFINE_CHANNEL, bits, g, codes, rows, rows)
+        return dk.ChannelAffineCodes(bits=bits, group=g, codes=codes, scale=rows, zero=rows)
     if group <= 0:
         lev = mx.zeros((1 << bits,), mx.float32)
         norm = mx.zeros((1, 1, 1), dtype)
         u32 = mx.zeros((1,), mx.uint32)
-        return dk.Codes(dk.CODEBOOK, bits, 128, u32, norm, None, lev, symmetric=group < 0)
+        return dk.CodebookCodes(
+            bits=bits, dim=128, codes=u32, norm=norm, levels=lev, symmetric=group < 0
+        )
     z = mx.zeros((1,), dtype)
-    return dk.Codes(dk.AFFINE, bits, group, mx.zeros((1,), mx.uint32), z, z)
+    return dk.AffineCodes(bits=bits, group=group, codes=mx.zeros((1,), mx.uint32), scale=z, zero=z)
 
 
 def _mma_variants():
@@ -696,7 +717,7 @@ def test_mma_kernel_takes_only_the_shapes_it_lays_out():
     assert ok(4, 128, _mma_codes(4, 64, mx.bfloat16), _mma_codes(4, 64))  # bf16 scales, one side
     assert not ok(4, 128, _mma_codes(4, 64, mx.float32), _mma_codes(4, 64))  # fp16 or bf16 only
     z16, zb = mx.zeros((1,), mx.float16), mx.zeros((1,), mx.bfloat16)
-    mixed = dk.Codes(dk.AFFINE, 4, 64, mx.zeros((1,), mx.uint32), zb, z16)
+    mixed = dk.AffineCodes(bits=4, group=64, codes=mx.zeros((1,), mx.uint32), scale=zb, zero=z16)
     assert not ok(4, 128, mixed, _mma_codes(4, 64))  # scales and zeros of one dtype a side
     assert not ok(4, 128, _mma_codes(4, 4), _mma_codes(4, 64))  # a word spans two groups
     assert not ok(4, 64, _mma_codes(4, 64), _mma_codes(2, 64))  # 8 value channels of 2 bits
@@ -706,19 +727,24 @@ def test_mma_kernel_takes_only_the_shapes_it_lays_out():
     lev = mx.zeros((16,), mx.float32)
     norm = mx.zeros((1, 1, 1), mx.float16)
     u32 = mx.zeros((1,), mx.uint32)
-    assert not ok(4, 128, dk.Codes(dk.CODEBOOK, 3, 128, u32, norm, None, lev[:8]), _mma_codes(4, 0))
-    assert not ok(4, 128, dk.Codes(dk.CODEBOOK, 4, 128, u32, norm, None, lev[:8]), _mma_codes(4, 0))
-    assert not ok(4, 128, dk.Codes(dk.CODEBOOK, 4, 128, u32, norm, None, None), _mma_codes(4, 0))
-    prod = dk.Codes(dk.CODEBOOK, 4, 128, u32, norm, None, lev, signs=u32, rnorm=norm)
+
+    def cb(bits, dim, levels, **kw):
+        return dk.CodebookCodes(bits=bits, dim=dim, codes=u32, norm=norm, levels=levels, **kw)
+
+    assert not ok(4, 128, cb(3, 128, lev[:8]), _mma_codes(4, 0))
+    assert not ok(4, 128, cb(4, 128, lev[:8]), _mma_codes(4, 0))
+    with pytest.raises(ValueError, match="levels is required"):  # no record without levels
+        cb(4, 128, None)
+    prod = cb(4, 128, lev, signs=u32, rnorm=norm)
     assert not ok(4, 128, prod, _mma_codes(4, 0))  # a residual sketch (TurboQuant_prod)
-    assert not ok(4, 64, _mma_codes(4, 64), dk.Codes(dk.CODEBOOK, 2, 64, u32, norm, None, lev[:4]))
+    assert not ok(4, 64, _mma_codes(4, 64), cb(2, 64, lev[:4]))
 
 
 def test_symmetric_levels_are_found_on_the_host_and_vouched_for_codebooks_only(monkeypatch):
     """``levels_symmetric`` holds for Lloyd-Max levels (symmetric laws) and fails for a level
-    that differs from its mirror after rounding to fp16; ``Codes.symmetric`` picks the
+    that differs from its mirror after rounding to fp16; ``CodebookCodes.symmetric`` picks the
     symmetric lookups of codebook codes only (unless ``VELOX_DECODE_SYMMETRIC=0``), and is
-    refused on affine codes."""
+    refused on affine codes (they have no such field)."""
     from velox_core.ops import lloyd_max_gaussian, lloyd_max_sphere
 
     for cb in (lloyd_max_sphere(4, 128), lloyd_max_sphere(2, 64), lloyd_max_gaussian(4)):
@@ -742,10 +768,12 @@ def test_symmetric_levels_are_found_on_the_host_and_vouched_for_codebooks_only(m
     kernel_env(monkeypatch, "VELOX_DECODE_SYMMETRIC", None)
     k = mx.zeros((1, 1, 8, 16), mx.uint32)
     s = mx.ones((1, 1, 8, 2), mx.float16)
-    bad = dk.Codes(dk.AFFINE, 4, 64, k, s, s, symmetric=True)
-    good = dk.Codes(dk.AFFINE, 4, 64, k, s, s)
-    with pytest.raises(ValueError, match="codebook codes only"):
-        dk.decode_attention(mx.zeros((1, 1, 1, 128)), bad, good)
+    with pytest.raises(TypeError, match="symmetric"):
+        dk.AffineCodes(bits=4, group=64, codes=k, scale=s, zero=s, symmetric=True)
+    good = dk.AffineCodes(bits=4, group=64, codes=k, scale=s, zero=s)
+    assert good.symmetric is False
+    with pytest.raises(AttributeError):
+        good.symmetric = True
 
 
 def test_kernel_config_is_read_once_and_typed(monkeypatch):
@@ -840,7 +868,9 @@ def test_decode_attention_merges_in_the_kernel_up_to_the_fuse_limit(monkeypatch)
     q = mx.zeros((1, 1, 4, 128), mx.float16)
     for t, want in ((dk.MMA_FUSE_TOKENS, mx.float16), (dk.MMA_FUSE_TOKENS + 1, None)):
         z = mx.zeros((1, 1, t, 2), mx.float16)
-        c = dk.Codes(dk.AFFINE, 4, 64, mx.zeros((1, 1, t, 16), mx.uint32), z, z)
+        c = dk.AffineCodes(
+            bits=4, group=64, codes=mx.zeros((1, 1, t, 16), mx.uint32), scale=z, zero=z
+        )
         with pytest.raises(Routed) as got:
             dk.decode_attention(q, c, c, fp16=[], out_dtype=mx.float16)
         assert got.value.args[0] == want, t
@@ -1069,19 +1099,17 @@ def test_decode_kernel_adds_the_keys_residual_sketch(tmp_path, m, pad):
     rnorm = (rng.random((b, h, t)) * 0.3).astype(np.float16)
     vcodes = rng.integers(0, 1 << bits, size=(b, h, t, d))
     vnorm = (rng.random((b, h, t)) + 0.5).astype(np.float16)
-    keys = dk.Codes(
-        dk.CODEBOOK,
-        bits,
-        d,
-        pack(mx.array(codes), bits),
-        mx.array(norm),
-        None,
-        levels,
-        pack(mx.array(signs), 1),
-        mx.array(rnorm),
+    keys = dk.CodebookCodes(
+        bits=bits,
+        dim=d,
+        codes=pack(mx.array(codes), bits),
+        norm=mx.array(norm),
+        levels=levels,
+        signs=pack(mx.array(signs), 1),
+        rnorm=mx.array(rnorm),
     )
-    vals = dk.Codes(
-        dk.CODEBOOK, bits, d, pack(mx.array(vcodes), bits), mx.array(vnorm), None, levels
+    vals = dk.CodebookCodes(
+        bits=bits, dim=d, codes=pack(mx.array(vcodes), bits), norm=mx.array(vnorm), levels=levels
     )
     q = mx.array(rng.standard_normal((b, h, m, d)).astype(np.float32) * 0.5)
     qs = mx.array(rng.standard_normal((b, h, m, d)).astype(np.float32) * 0.05)
@@ -1152,20 +1180,22 @@ def test_decode_kernel_scores_sketch_keys(
             pack(mx.array(osgn), 1),
             pack(mx.array(idx.astype(np.int32)), 7),
         )
-    keys = dk.Codes(
-        dk.SKETCH,
-        1,
-        group,
-        pack(mx.array(sgn), 1),
-        mx.array(norm),
-        None if onorm is None else mx.array(onorm),
+    keys = dk.SketchCodes(
+        codes=pack(mx.array(sgn), 1),
+        norm=mx.array(norm),
+        onorm=None if onorm is None else mx.array(onorm),
+        group=group,
         sketch=sketch,
     )
     vcodes = rng.integers(0, 1 << vbits, size=(b, h, t, d))
     vscale = (rng.random((b, h, t, 2)) * 0.1).astype(np.float16)
     vzero = (rng.standard_normal((b, h, t, 2)) * 0.1).astype(np.float16)
-    vals = dk.Codes(
-        dk.AFFINE, vbits, 64, pack(mx.array(vcodes), vbits), mx.array(vscale), mx.array(vzero)
+    vals = dk.AffineCodes(
+        bits=vbits,
+        group=64,
+        codes=pack(mx.array(vcodes), vbits),
+        scale=mx.array(vscale),
+        zero=mx.array(vzero),
     )
     got = DecodeRun(
         Emulator(tmp_path), mx.array(q), keys, vals, splits=splits, pad=pad, q_sketch=sq_lanes
@@ -1205,14 +1235,11 @@ def _vq_side(rng, b, h, t, d, bits, group, spread=1.0):
     book = (rng.standard_normal((b, h, k, group)) * spread).astype(np.float16)
     bi, hi = np.arange(b)[:, None, None, None], np.arange(h)[None, :, None, None]
     vec = book.astype(np.float64)[bi, hi, idx]  # (B, H, T, S, G)
-    side = dk.Codes(
-        dk.VQ,
-        bits,
-        group,
-        pack(mx.array(idx.astype(np.int32)), bits),
-        None,
-        None,
-        levels=mx.array(book),
+    side = dk.VQCodes(
+        bits=bits,
+        group=group,
+        codes=pack(mx.array(idx.astype(np.int32)), bits),
+        codebooks=mx.array(book),
     )
     return side, vec.reshape(b, h, t, d)
 
@@ -1261,14 +1288,16 @@ def test_vq_codes_layout_rules_and_bad_input(monkeypatch):
     q = mx.zeros((1, 2, 4, 128))
     monkeypatch.setattr(vk, "backend", lambda: "metal")
     for bad, msg in (
-        (dataclasses.replace(keys, levels=keys.levels[:, :, :128]), "codebooks"),
-        (dataclasses.replace(keys, levels=None), "codebooks"),
+        (dataclasses.replace(keys, codebooks=keys.codebooks[:, :, :128]), "codebooks"),
         (dataclasses.replace(keys, codes=keys.codes[..., :4]), "VQ codes"),
-        (dataclasses.replace(keys, a=mx.zeros((1, 2, 64))), "only codes and codebooks"),
-        (dataclasses.replace(keys, levels=keys.levels.astype(mx.int32)), "codebooks"),
+        (dataclasses.replace(keys, codebooks=keys.codebooks.astype(mx.int32)), "codebooks"),
     ):
         with pytest.raises(ValueError, match=msg):
             dk.decode_portable(q, bad, vals, None, None)
+    with pytest.raises(ValueError, match="codebooks is required"):  # refused when built
+        dataclasses.replace(keys, codebooks=None)
+    with pytest.raises(TypeError, match="scale"):  # VQ codes carry only codes and codebooks
+        dk.VQCodes(bits=8, group=4, codes=keys.codes, codebooks=keys.codebooks, scale=_F16)
 
 
 @needs_gxx
@@ -1280,10 +1309,7 @@ def test_decode_kernel_reads_per_channel_keys(tmp_path, bits, group, pad):
     k, v = kv_data(h=2, t=8 * group, seed=bits)
     kc, vc = Uniform(bits, group=group, axis="channel"), Uniform(bits, group=64)
     kp, vp = kc.encode(k), vc.encode(v)
-    keys = dk.Codes(
-        dk.AFFINE_CHANNEL, bits, group, kp.data["codes"], kp.data["scale"], kp.data["zero"]
-    )
-    vals = dk.Codes(dk.AFFINE, bits, 64, vp.data["codes"], vp.data["scale"], vp.data["zero"])
+    keys, vals = kc.kernel_codes(kp), vc.kernel_codes(vp)  # ChannelAffineCodes, AffineCodes
     q = mx.random.normal((1, 2, 4, 128), key=mx.random.key(bits)) * 0.3
     got = DecodeRun(Emulator(tmp_path), q, keys, vals, splits=3, pad=pad)()
     ref = partial(q, Segment(kc, kp, vc, vp))
@@ -1330,7 +1356,9 @@ def test_decode_kernel_partials_merge_with_other_segments(emulated):
 def _packed(side):
     from velox_core import Packed
 
-    return Packed({"codes": side.codes, "scale": side.a, "zero": side.b}, side.codes.shape[2])
+    return Packed(
+        {"codes": side.codes, "scale": side.scale, "zero": side.zero}, side.codes.shape[2]
+    )
 
 
 def test_split_partials_are_split_local(emulated):
@@ -1794,8 +1822,13 @@ def _codebook_side(bits: int, shape, dtype, key, symmetric: bool = False):
     if symmetric:
         levels = (levels - levels[::-1]) / 2
         assert dk.levels_symmetric(np.asarray(levels))
-    side = dk.Codes(
-        dk.CODEBOOK, bits, shape[-1], pack(codes, bits), norm, None, levels, symmetric=symmetric
+    side = dk.CodebookCodes(
+        bits=bits,
+        dim=shape[-1],
+        codes=pack(codes, bits),
+        norm=norm,
+        levels=levels,
+        symmetric=symmetric,
     )
     lev16 = levels.astype(mx.float16).astype(mx.float32)
     return side, lev16[codes.astype(mx.int32)] * norm.astype(mx.float32)[..., None]
@@ -1861,8 +1894,7 @@ def mma_emulated(tmp_path_factory):
         ksym, vsym = SYMMETRIC_SIDES.get(name, (False, False))
         kc, vc = Uniform(kb, group=kg or 64), Uniform(vb, group=vg or 64)
         kp, vp = kc.encode(k), vc.encode(v)
-        keys = dk.Codes(dk.AFFINE, kb, kg, kp.data["codes"], kp.data["scale"], kp.data["zero"])
-        vals = dk.Codes(dk.AFFINE, vb, vg, vp.data["codes"], vp.data["scale"], vp.data["zero"])
+        keys, vals = kc.kernel_codes(kp), vc.kernel_codes(vp)  # (codebook sides replace them)
         kd, vd = kc.decode(kp).astype(mx.float32), vc.decode(vp).astype(mx.float32)
         if kcb:
             kkey = mx.random.key(100 + len(cases))
@@ -2010,7 +2042,9 @@ def test_folds_stay_off_where_subnormal_operands_are_not_exact(monkeypatch):
     decodes both sides (KFOLD = VFOLD = 0) whatever the settings ask; with no CUDA device
     nothing is probed and the folds follow the settings."""
     z = mx.zeros((1, 8, 600, 2), mx.float16)
-    k = dk.Codes(dk.AFFINE, 4, 64, mx.zeros((1, 8, 600, 16), mx.uint32), z, z)
+    k = dk.AffineCodes(
+        bits=4, group=64, codes=mx.zeros((1, 8, 600, 16), mx.uint32), scale=z, zero=z
+    )
     q_shape = (1, 8, 4, 128)
     on = dict(dk.mma_launch(q_shape, mx.float16, k, k).template)
     assert dk.mma_subnormals_exact() and on["KFOLD"] == on["VFOLD"] == 1
@@ -2172,7 +2206,7 @@ def test_per_channel_keys_take_the_tensor_core_kernel_in_whole_tile_groups():
     assert not ok(4, 128, v, _mma_codes(2, "c32"))  # per-channel groups are for keys only
     k = _mma_codes(2, "c32")
     assert not ok(4, 128, dataclasses.replace(k, codes=k.codes[:, :, :200]), v)  # 6.25 groups
-    assert not ok(4, 128, dataclasses.replace(k, b=k.b.astype(mx.bfloat16)), v)  # two dtypes
+    assert not ok(4, 128, dataclasses.replace(k, zero=k.zero.astype(mx.bfloat16)), v)  # two dtypes
     assert not dk.mma_key_fold_ok(_mma_codes(4, "c64"), 128)
     assert (dk.mma_key_rows(32, 64), dk.mma_key_rows(64, 32), dk.mma_key_rows(64, 48)) == (1, 2, 3)
     assert dk.mma_key_rows(32, 48) == 2 and dk.mma_key_rows(64, 16) == 4
@@ -2228,18 +2262,20 @@ def test_cache_on_an_emulated_cuda_gpu_takes_the_tensor_core_kernel(
 
 def test_uniform_kernel_codes_are_its_record_as_the_kernels_read_it():
     """``Uniform.kernel_codes``: the kernels' view of a record (what the codec's own kernel
-    sides and QJL's and VecInfer's value sides take): per-token codes as AFFINE, per-channel
-    keys as AFFINE_CHANNEL, with the record's own arrays, bits and group."""
+    sides and QJL's and VecInfer's value sides take): per-token codes as AffineCodes,
+    per-channel keys as ChannelAffineCodes, with the record's own arrays, bits and group (and
+    the kernels' view of them: ``a`` the scales, ``b`` the zeros, no levels)."""
     x = mx.random.normal((1, 2, 64, 128), key=mx.random.key(3)).astype(mx.float16)
-    for codec, kind in (
-        (Uniform(4, 32), dk.AFFINE),
-        (Uniform(2, 32, "channel"), dk.AFFINE_CHANNEL),
+    for codec, record, kind in (
+        (Uniform(4, 32), dk.AffineCodes, dk.AFFINE),
+        (Uniform(2, 32, "channel"), dk.ChannelAffineCodes, dk.AFFINE_CHANNEL),
     ):
         rec = codec.encode(x)
         c = codec.kernel_codes(rec)
-        assert (c.kind, c.bits, c.group) == (kind, codec.bits, 32)
-        assert c.codes is rec.data["codes"] and c.a is rec.data["scale"]
-        assert c.b is rec.data["zero"] and c.levels is None
+        assert type(c) is record and (c.kind, c.bits, c.group) == (kind, codec.bits, 32)
+        assert c.codes is rec.data["codes"] and c.scale is rec.data["scale"]
+        assert c.zero is rec.data["zero"] and c.a is c.scale and c.b is c.zero
+        assert c.levels is None
 
 
 def test_mlx_quantized_matmul_is_not_used_on_cuda(monkeypatch):

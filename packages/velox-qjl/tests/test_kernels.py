@@ -1,7 +1,7 @@
 """QJL's kernel path, checked on a machine without a GPU.
 
 The decode kernel is velox-core's portable one with sketch keys
-(``velox_core.kernels.decode.SKETCH``); here the QJL glue is checked: which records take
+(``velox_core.kernels.decode.SketchCodes``); here the QJL glue is checked: which records take
 it, the kernel's copy of ``S`` (its layout and its bytes), and, with the kernels' Metal and
 CUDA instantiations emulated on the CPU (``velox_core.kernels.emulate``), that attention
 through the kernel equals the codec's reference path for the paper's setting, the

@@ -1,7 +1,7 @@
 """VecInfer's kernel path, checked on a machine without a GPU.
 
 The decode kernel is velox-core's portable one with vector codes
-(``velox_core.kernels.decode.VQ``); here the VecInfer glue is checked: which records take it,
+(``velox_core.kernels.decode.VQCodes``); here the VecInfer glue is checked: which records take it,
 and, with the kernels' Metal and CUDA instantiations emulated on the CPU
 (``velox_core.kernels.emulate``), that attention through the kernel equals the codec's
 reference path (keys in the smoothed, Hadamard-transformed domain against the transformed
@@ -59,8 +59,8 @@ def test_attend_partial_is_none_on_the_cpu():
 def test_kernel_sides_and_what_the_kernel_declines(monkeypatch):
     kc, kp, vc, vp = records("2bit")
     side = kernel_side(kc, kp)
-    assert side.kind == dk.VQ and (side.bits, side.group) == (8, 4)
-    assert side.codes is kp.data["codes"] and side.levels is kc.codebook
+    assert type(side) is dk.VQCodes and side.kind == dk.VQ and (side.bits, side.group) == (8, 4)
+    assert side.codes is kp.data["codes"] and side.codebooks is kc.codebook is side.levels
     channel = Uniform(2, 32, axis="channel")
     cp = channel.encode(kv_data(t=256)[1])
     assert kernel_side(channel, cp) is None

@@ -1,8 +1,8 @@
 """GPU kernel path of CommVQ keys: fused decode attention on the codes (arXiv 2506.18879).
 
 velox-core's portable decode kernel (``metal/decode_attention.metal``, one body for Metal and
-CUDA) takes CommVQ's records as *table* codes (``velox_core.kernels.decode.TABLE``, described
-by ``TableKeys``), the method's decode step as the paper defines it, on the codes:
+CUDA) takes CommVQ's records as *table* codes (``velox_core.kernels.decode.TableCodes``, with
+``TableKeys``), the method's decode step as the paper defines it, on the codes:
 
 * once per call the host (MLX ops) meets the query with every codeword:
   ``conj(q_p) A[s, p, k]`` and ``conj(q_p) J B[s, p, k]`` per KV head, query row, stage, pair
@@ -47,27 +47,26 @@ if TYPE_CHECKING:
 __all__ = ["attend_partial", "joint_call", "kernel_keys", "kernel_sides", "kernel_tables"]
 
 
-def kernel_keys(codec: CommVQKeys, packed: Packed) -> _kd.Codes | None:
-    """The decode kernel's view of a key record (``velox_core.kernels.decode.Codes``, kind
-    ``TABLE``): the packed indices, the norms and the positions as stored, the stages and
-    each pair's RoPE frequency; None before the codec has read its codebooks."""
+def kernel_keys(codec: CommVQKeys, packed: Packed) -> _kd.TableCodes | None:
+    """The decode kernel's view of a key record (``velox_core.kernels.decode.TableCodes``):
+    the packed indices, the norms and the positions as stored, the stages and each pair's
+    RoPE frequency (``TableKeys``); None before the codec has read its codebooks."""
     if not codec.ready:
         return None
     g, p = codec.geometry, packed.data
-    return _kd.Codes(
-        _kd.TABLE,
-        g.index_bits,
-        g.pairs,
-        p["codes"],
-        p["norm"],
-        p["pos"],
+    return _kd.TableCodes(
+        bits=g.index_bits,
+        group=g.pairs,
+        codes=p["codes"],
+        norm=p["norm"],
+        positions=p["pos"],
         table=_kd.TableKeys(codec.stages, codec.pair_theta()),
     )
 
 
 def kernel_sides(
     codec: CommVQKeys, keys: Packed, value_codec, values: Packed
-) -> tuple[_kd.Codes, _kd.Codes] | None:
+) -> tuple[_kd.TableCodes, _kd.AffineCodes] | None:
     """Both records as the decode kernel reads them, or None where no kernel applies
     (kernels off or the CPU, the table-code path turned off: ``KernelConfig.table_codes``,
     codebooks not read, values not a per-token ``Uniform``)."""

@@ -6,7 +6,7 @@ tensor-core sketch kernel (``metal/decode_attention_sketch_mma.cu``): the signs 
 operands, each outlier block's ``S P q`` by MMAs, ``S`` and ``S q`` in that kernel's order
 (:meth:`velox_qjl.QJL.kernel_matrix` with ``lanes`` 0). Everywhere else, velox-core's
 portable decode kernel (``metal/decode_attention.metal``) takes QJL keys as
-*sketch* codes (``velox_core.kernels.decode.SKETCH``): it reads each key's packed sign bits,
+*sketch* codes (``velox_core.kernels.decode.SketchCodes``): it reads each key's packed sign bits,
 norms and, per block of ``group`` tokens, the outlier channels' indices and their own sketch,
 and scores them against the sketched query without unpacking anything to float:
 
@@ -90,12 +90,13 @@ def encode_sketch(codec: QJL, x: mx.array, idx: mx.array | None) -> dict[str, mx
 
 def kernel_sides(
     codec: QJL, keys: Packed, value_codec, values: Packed, rows: int
-) -> tuple[_kd.Codes, _kd.Codes] | None:
-    """The decode kernel's view of both records (``velox_core.kernels.decode.Codes``) for
-    ``rows`` query rows per KV head, or None where no kernel applies: kernels off or the CPU,
-    values not a per-token ``Uniform``, a codec not yet bound to a head dim, or a layout the
-    kernel's plan declines (``velox_core.kernels.decode.plan_for``), checked before the
-    kernel's copy of ``S`` is made."""
+) -> tuple[_kd.SketchCodes, _kd.AffineCodes] | None:
+    """The decode kernel's view of both records (``velox_core.kernels.decode.SketchCodes``
+    with its ``SketchKeys``, and the values' ``AffineCodes``) for ``rows`` query rows per KV
+    head, or None where no kernel applies: kernels off or the CPU, values not a per-token
+    ``Uniform``, a codec not yet bound to a head dim, or a layout the kernel's plan declines
+    (``velox_core.kernels.decode.plan_for``), checked before the kernel's copy of ``S`` is
+    made."""
     if not use_kernels() or codec.dim is None:
         return None
     if not isinstance(value_codec, Uniform) or value_codec.axis != "token":
@@ -127,14 +128,18 @@ def kernel_sides(
         mma=lanes == 0,
     )
     return (
-        _kd.Codes(
-            _kd.SKETCH, 1, codec.block, p["sign"], p["norm"], p["onorm"] if k else None, sketch=sk
+        _kd.SketchCodes(
+            codes=p["sign"],
+            norm=p["norm"],
+            onorm=p["onorm"] if k else None,
+            group=codec.block,
+            sketch=sk,
         ),
         vcodes,
     )
 
 
-def _query_sketch(keys: _kd.Codes, q: mx.array) -> mx.array:
+def _query_sketch(keys: _kd.SketchCodes, q: mx.array) -> mx.array:
     """``S q`` over the main sketch's rows, in the kernel's lane order, float32.
 
     A GPU runs float32 matmuls in TF32 unless ``MLX_ENABLE_TF32=0`` (MLX's default on CUDA

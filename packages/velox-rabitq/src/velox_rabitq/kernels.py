@@ -10,8 +10,8 @@ the whole head, one group of ``D`` channels a token:
 
 and ``u`` is packed by velox-core's packing (:func:`velox_core.ops.pack`), the layout of
 ``velox_core.Uniform``'s codes. So velox-core's decode kernels read RaBitQ records as
-:data:`~velox_core.kernels.decode.AFFINE` keys of ``B`` bits (1 to 8) and group ``D``, with
-the per-token ``scale`` and ``zero`` computed from the record's ``delta`` and ``ip`` in fp16
+:class:`~velox_core.kernels.decode.AffineCodes` keys of ``B`` bits (1 to 8) and group ``D``,
+with the per-token ``scale`` and ``zero`` computed from the record's ``delta`` and ``ip`` in fp16
 (also for a bf16 model's records: in bf16 the zero's rounding cancels more of each score):
 the portable kernel
 (``metal/decode_attention.metal``) on Metal and for 1, 3, 5, 6, 7 bits on CUDA, the
@@ -57,9 +57,9 @@ if TYPE_CHECKING:
 __all__ = ["attend_partial", "joint_call", "kernel_keys", "kernel_sides"]
 
 
-def kernel_keys(codec: RaBitQ, keys: Packed) -> _kd.Codes:
-    """The decode kernels' view of a RaBitQ key record: :data:`~velox_core.kernels.decode.AFFINE`
-    codes of ``codec.bits`` bits in one group of ``D`` channels, ``scale = Delta / <o_bar, o>``
+def kernel_keys(codec: RaBitQ, keys: Packed) -> _kd.AffineCodes:
+    """The decode kernels' view of a RaBitQ key record: ``velox_core.kernels.decode.AffineCodes``
+    of ``codec.bits`` bits in one group of ``D`` channels, ``scale = Delta / <o_bar, o>``
     and ``zero = -scale (2^B - 1)/2`` per token, in fp16 for fp16 and bf16 records (the zero
     from the rounded scale, so that ``scale * u + zero`` is the scaled grid point up to the
     zero's own rounding). The centroid is not part of it (see the module).
@@ -75,14 +75,18 @@ def kernel_keys(codec: RaBitQ, keys: Packed) -> _kd.Codes:
     dt = mx.float16 if dt == mx.bfloat16 else dt
     scale = (p["delta"].astype(mx.float32) / p["ip"].astype(mx.float32)).astype(dt)
     zero = (scale.astype(mx.float32) * -(((1 << codec.bits) - 1) / 2)).astype(dt)
-    return _kd.Codes(
-        _kd.AFFINE, codec.bits, codec.dim, p["codes"], scale[..., None], zero[..., None]
+    return _kd.AffineCodes(
+        bits=codec.bits,
+        group=codec.dim,
+        codes=p["codes"],
+        scale=scale[..., None],
+        zero=zero[..., None],
     )
 
 
 def kernel_sides(
     codec: RaBitQ, keys: Packed, value_codec, values: Packed
-) -> tuple[_kd.Codes, _kd.Codes] | None:
+) -> tuple[_kd.AffineCodes, _kd.AffineCodes] | None:
     """Both records as the decode kernels read them, or None where no kernel applies: kernels
     off or the CPU, a codec not yet bound to a head dim, values not a per-token ``Uniform``.
     (A record holds whole centroid blocks: ``Packed`` checks it.)"""
@@ -93,7 +97,7 @@ def kernel_sides(
     return kernel_keys(codec, keys), value_codec.kernel_codes(values)
 
 
-def _tensor_core_blocks(q_shape, q_dtype, keys: _kd.Codes, values: _kd.Codes, block, scale):
+def _tensor_core_blocks(q_shape, q_dtype, keys: _kd.AffineCodes, values, block, scale):
     """The tensor-core kernel's per-split launch with one split per centroid block, as
     ``run(q) -> (o_part, ml_part, q)``, or None where it does not take the shape or its tiles
     (``16 x NSUB`` tokens, a split's span rounded up to them) do not divide the block."""
@@ -112,7 +116,7 @@ def _tensor_core_blocks(q_shape, q_dtype, keys: _kd.Codes, values: _kd.Codes, bl
     return _kd.plan_mma(q_shape, q_dtype, keys, values, nblk, scale)
 
 
-def _portable_blocks(q_shape, keys: _kd.Codes, values: _kd.Codes, block, scale):
+def _portable_blocks(q_shape, keys: _kd.AffineCodes, values, block, scale):
     """The portable kernel's launch with one split per centroid block, as
     ``run(q) -> (o_part, ml_part, q padded)``, or None where it has no layout for the shape
     or a block exceeds a split's ``max_span`` tokens."""

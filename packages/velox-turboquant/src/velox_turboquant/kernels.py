@@ -2,7 +2,9 @@
 
 Both reuse velox-core's kernels (:mod:`velox_core.kernels.decode`,
 :mod:`velox_core.kernels.encode`) with *codebook* codes: a TurboQuant_mse record is, in the
-rotated domain, ``x = norm * levels[code]`` per coordinate, with one norm per token.
+rotated domain, ``x = norm * levels[code]`` per coordinate, with one norm per token, which the
+decode kernels read as ``velox_core.kernels.decode.CodebookCodes`` (``prod`` keys with the
+residual sketch's ``signs`` and ``rnorm``).
 
 * Decode attention: the query is rotated once (``R q``, an MLX op); the kernel scores it
   against the key levels times the key norms, and mixes the value levels times the value
@@ -49,7 +51,7 @@ import numpy as np
 
 from velox_core import Packed
 from velox_core.kernels import use_kernels
-from velox_core.kernels.decode import CODEBOOK, Codes, decode_attention
+from velox_core.kernels.decode import CodebookCodes, decode_attention
 from velox_core.kernels.encode import codebook_encode, residual_sketch_encode, sketch_encode
 from velox_core.kernels.joint import JointQuery, JointRun, joint_glue, plan_joint
 from velox_core.kernels.outlier import (
@@ -147,26 +149,22 @@ def _kernel_sides(key_codec, q: mx.array, keys: Packed, value_codec, values: Pac
     return (
         kq,
         vq,
-        Codes(
-            CODEBOOK,
-            kq.mse_bits,
-            kq.dim,
-            k["codes"],
-            k["norm"],
-            None,
-            kq.levels,
-            k["signs"] if sketch else None,
-            k["rnorm"] if sketch else None,
+        CodebookCodes(
+            bits=kq.mse_bits,
+            dim=kq.dim,
+            codes=k["codes"],
+            norm=k["norm"],
+            levels=kq.levels,
             symmetric=kq.levels_symmetric,
+            signs=k["signs"] if sketch else None,
+            rnorm=k["rnorm"] if sketch else None,
         ),
-        Codes(
-            CODEBOOK,
-            vq.mse_bits,
-            vq.dim,
-            v["codes"],
-            v["norm"],
-            None,
-            vq.levels,
+        CodebookCodes(
+            bits=vq.mse_bits,
+            dim=vq.dim,
+            codes=v["codes"],
+            norm=v["norm"],
+            levels=vq.levels,
             symmetric=vq.levels_symmetric,
         ),
     )

@@ -117,7 +117,7 @@ class SphereQuantizer:
         self.levels = None if self.codebook is None else self.codebook.levels()
         self.bounds = None if self.codebook is None else mx.array(self.codebook.boundaries)
         # the levels' symmetry in fp16, which the tensor-core kernel's lookups use (checked
-        # once here, on the host values: Codes.symmetric)
+        # once here, on the host values: CodebookCodes.symmetric)
         self.levels_symmetric = self.codebook is not None and levels_symmetric(
             self.codebook.centroids
         )

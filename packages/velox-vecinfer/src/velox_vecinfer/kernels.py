@@ -1,10 +1,11 @@
 """GPU kernel path of VecInfer: fused decode attention over the codeword indices.
 
 velox-core's portable decode kernel (``metal/decode_attention.metal``) takes VecInfer's
-records as *vector* codes (``velox_core.kernels.decode.VQ``): a threadgroup copies its (batch
-row, KV head)'s codebook (``2**index_bits x vector`` floats) to threadgroup memory, reads each
-token's packed indices once, and dots the query with each index's codeword (keys) or adds the
-softmax weight times it to its accumulators (values): no key or value is rebuilt in memory.
+records as *vector* codes (``velox_core.kernels.decode.VQCodes``): a threadgroup copies its
+(batch row, KV head)'s codebook (``2**index_bits x vector`` floats) to threadgroup memory,
+reads each token's packed indices once, and dots the query with each index's codeword (keys)
+or adds the softmax weight times it to its accumulators (values): no key or value is rebuilt
+in memory.
 This is the paper's fused dequantize-and-compute kernel, as one body for Metal and CUDA.
 
 * The keys live in the smoothed, Hadamard-transformed domain: the host transforms the query
@@ -61,20 +62,18 @@ def encode_codes(codec: VecInfer, y: mx.array) -> mx.array | None:
     return vq_encode(y, codec.codebook, codec.index_bits, codec.vector)
 
 
-def kernel_side(codec, packed: Packed) -> _kd.Codes | None:
-    """The decode kernel's view of one side's record (``velox_core.kernels.decode.Codes``):
-    :data:`~velox_core.kernels.decode.VQ` codes for a fitted :class:`VecInfer`, affine codes
+def kernel_side(codec, packed: Packed) -> _kd.VQCodes | _kd.AffineCodes | None:
+    """The decode kernel's view of one side's record: ``velox_core.kernels.decode.VQCodes``
+    (the codeword indices and the codebooks) for a fitted :class:`VecInfer`, ``AffineCodes``
     for a per-token ``Uniform``; None for anything else."""
     if _is_vecinfer(codec):
         if not codec.fitted:
             return None
-        return _kd.Codes(
-            _kd.VQ,
-            codec.index_bits,
-            codec.vector,
-            packed.data["codes"],
-            None,
-            levels=codec.codebook,
+        return _kd.VQCodes(
+            bits=codec.index_bits,
+            group=codec.vector,
+            codes=packed.data["codes"],
+            codebooks=codec.codebook,
         )
     if isinstance(codec, Uniform) and codec.axis == "token":
         return codec.kernel_codes(packed)

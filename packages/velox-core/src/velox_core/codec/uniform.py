@@ -164,25 +164,26 @@ class Uniform(Codec):
         return _kd.decode_attention(q, *sides)
 
     def _kernel_sides(self, keys: Packed, value_codec: Codec, values: Packed):
-        """The decode kernels' view of both records (``velox_core.kernels.decode.Codes``), or
-        None where no kernel applies: kernels off or the CPU, a value codec that is not a
-        ``Uniform``, per-channel groups on the values. Per-channel keys (KIVI's) are taken:
-        the tensor-core kernel reads them on CUDA where the plan allows, the portable kernel
-        elsewhere."""
+        """The decode kernels' view of both records (:meth:`kernel_codes`), or None where no
+        kernel applies: kernels off or the CPU, a value codec that is not a ``Uniform``,
+        per-channel groups on the values. Per-channel keys (KIVI's) are taken: the tensor-core
+        kernel reads them on CUDA where the plan allows, the portable kernel elsewhere."""
         if not use_kernels() or not isinstance(value_codec, Uniform):
             return None
         if value_codec.axis != "token":
             return None
         return self.kernel_codes(keys), value_codec.kernel_codes(values)
 
-    def kernel_codes(self, packed: Packed) -> _kd.Codes:
-        """The decode kernels' view of one of this codec's records
-        (``velox_core.kernels.decode.Codes``): affine codes with their scales and zeros, per
-        token or (``axis="channel"``, keys only) per channel. Other codecs' kernel glue uses
-        it for a ``Uniform`` side of theirs (QJL's and VecInfer's values)."""
+    def kernel_codes(self, packed: Packed) -> _kd.AffineCodes | _kd.ChannelAffineCodes:
+        """The decode kernels' view of one of this codec's records: affine codes with their
+        scales and zeros, per token (``velox_core.kernels.decode.AffineCodes``) or
+        (``axis="channel"``, keys only) per channel (``ChannelAffineCodes``). Other codecs'
+        kernel glue uses it for a ``Uniform`` side of theirs (QJL's and VecInfer's values)."""
         p = packed.data
-        kind = _kd.AFFINE if self.axis == "token" else _kd.AFFINE_CHANNEL
-        return _kd.Codes(kind, self.bits, self.group, p["codes"], p["scale"], p["zero"])
+        record = _kd.AffineCodes if self.axis == "token" else _kd.ChannelAffineCodes
+        return record(
+            bits=self.bits, group=self.group, codes=p["codes"], scale=p["scale"], zero=p["zero"]
+        )
 
     joint_call = joint_glue(_plan_joint)
 

@@ -1,13 +1,14 @@
-"""The code layouts the decode kernels read, one record per side of a coded segment.
+"""What the decode kernels take from the code records (:mod:`velox_core.kernels.records`).
 
-:class:`Codes` describes a segment's keys or values: **affine** per-group codes
-(``x = scale * code + zero``, :data:`AFFINE` per token, :data:`AFFINE_CHANNEL` per channel),
-**codebook** codes (``x = norm * levels[code]``, :data:`CODEBOOK`), **vector** codes
-(:data:`VQ`, a codeword per sub-vector), **sketch** keys (:data:`SKETCH`, QJL sign bits with
-:class:`SketchKeys`) or **table** keys (:data:`TABLE`, CommVQ's RoPE-commutative codes with
-:class:`TableKeys`, scored from per-call query tables). Here too: the kernels' inputs built
-from a record (:func:`code_inputs`, :func:`sketch_inputs`) and the shape checks
-(:func:`check_codes`).
+One record describes a segment's keys or values, one record class per code layout
+(re-exported here): :class:`AffineCodes` (``x = scale * code + zero`` per token groups),
+:class:`ChannelAffineCodes` (per-channel groups, KIVI's keys), :class:`CodebookCodes` (``x =
+norm * levels[code]``), :class:`VQCodes` (a codeword per sub-vector), :class:`SketchCodes`
+(QJL sign bits with :class:`SketchKeys`) and :class:`TableCodes` (CommVQ's RoPE-commutative
+codes with :class:`TableKeys`, scored from per-call query tables), all :class:`CodeRecord`.
+Here: the kernels' inputs built from a record (:func:`code_inputs`, :func:`sketch_inputs`),
+the shape checks against the query's head dim (:func:`check_codes`) and the helpers of the
+layouts (:func:`levels_symmetric`, :func:`sketch_matrix`, :func:`table_entries`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .records import (  # re-exported: the typed records, one per code layout
+from .records import (  # re-exported: the records are built from here and from .decode
     AFFINE,
     AFFINE_CHANNEL,
     CODEBOOK,
@@ -147,8 +148,8 @@ class Codes:
 def levels_symmetric(levels) -> bool:
     """Whether codebook ``levels`` (host values: a numpy array or a list of floats) are
     ascending and symmetric about 0 in fp16, ``fp16(L[n - 1 - c]) == -fp16(L[c])`` for every
-    code ``c``: what :attr:`Codes.symmetric` vouches for. One host check per codebook; never
-    on a device array in a decode step (it would wait for the device)."""
+    code ``c``: what :attr:`CodebookCodes.symmetric` vouches for. One host check per codebook;
+    never on a device array in a decode step (it would wait for the device)."""
     lev = np.asarray(levels, dtype=np.float32).reshape(-1)
     with np.errstate(over="ignore"):  # past fp16's range: infinite, refused below
         half = lev.astype(np.float16)
@@ -195,23 +196,26 @@ def unused_input(dtype: mx.Dtype) -> mx.array:
     return hit
 
 
-def code_inputs(c: Codes) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-    if c.kind in (AFFINE, AFFINE_CHANNEL):
-        return c.codes, c.a, c.b, unused_input(mx.float32)
-    if c.kind == SKETCH:  # sign words, norms, outlier norms
+def code_inputs(c: CodeRecord) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """One side's four inputs of the portable kernel (``kc, ka, kb, klv`` or ``vc, va, vb,
+    vlv``), per record type; placeholders where a layout has none."""
+    kind = c.kind
+    if kind in (AFFINE, AFFINE_CHANNEL):
+        return c.codes, c.scale, c.zero, unused_input(mx.float32)
+    if kind == SKETCH:  # sign words, norms, outlier norms
         return (
             c.codes,
-            c.a,
-            c.b if c.b is not None else unused_input(c.a.dtype),
+            c.norm,
+            c.onorm if c.onorm is not None else unused_input(c.norm.dtype),
             unused_input(mx.float32),
         )
-    if c.kind == VQ:  # indices; the codebooks (B * H tables, contiguous) in the levels' place
-        table = _device_floats(mx.contiguous(c.levels.astype(mx.float32)).reshape(-1))
+    if kind == VQ:  # indices; the codebooks (B * H tables, contiguous) in the levels' place
+        table = _device_floats(mx.contiguous(c.codebooks.astype(mx.float32)).reshape(-1))
         return c.codes, unused_input(mx.float16), unused_input(mx.float16), table
-    if c.kind == TABLE:  # indices, norms, positions; the pairs' frequencies in the levels' place
-        return c.codes, c.a, c.b, _device_floats(c.table.theta.astype(mx.float32))
+    if kind == TABLE:  # indices, norms, positions; the pairs' frequencies in the levels' place
+        return c.codes, c.norm, c.positions, _device_floats(c.table.theta.astype(mx.float32))
     levels = _device_floats(c.levels.astype(mx.float32))
-    return c.codes, c.a, unused_input(c.a.dtype), levels
+    return c.codes, c.norm, unused_input(c.norm.dtype), levels
 
 
 def _device_floats(x: mx.array) -> mx.array:
@@ -222,11 +226,11 @@ def _device_floats(x: mx.array) -> mx.array:
     return x
 
 
-def sketch_inputs(keys: Codes, q_sketch: mx.array | None, rows: int) -> list[mx.array]:
+def sketch_inputs(keys: CodeRecord, q_sketch: mx.array | None, rows: int) -> list[mx.array]:
     """The portable kernel's last five inputs (``ksg, krn, qsk, kix, kst``): the keys'
     residual sketch, its norms and the sketched query (rows padded to ``rows``); for
-    :data:`SKETCH` keys the outlier sketch, a placeholder, the sketched query, the outlier
-    indices and ``S``; for :data:`TABLE` keys the query tables (``q_sketch``, see
+    :class:`SketchCodes` the outlier sketch, a placeholder, the sketched query, the outlier
+    indices and ``S``; for :class:`TableCodes` the query tables (``q_sketch``, see
     :class:`TableKeys`) in the sketched query's place; unused placeholders where a side has
     none of them."""
     u32, f16, f32 = unused_input(mx.uint32), unused_input(mx.float16), unused_input(mx.float32)
@@ -243,13 +247,11 @@ def sketch_inputs(keys: Codes, q_sketch: mx.array | None, rows: int) -> list[mx.
     return [keys.signs, keys.rnorm, pad_rows(q_sketch.astype(mx.float32), rows), u32, f32]
 
 
-def _check_sketch(c: Codes, b: int, h: int, t: int, dim: int) -> None:
-    """Shapes of :data:`SKETCH` keys (see :class:`SketchKeys`)."""
+def _check_sketch(c: SketchCodes, b: int, h: int, t: int, dim: int) -> None:
+    """Shapes of :class:`SketchCodes` (see :class:`SketchKeys`)."""
     sk = c.sketch
-    if sk is None or c.signs is not None:
-        raise ValueError("decode_attention: sketch keys carry a SketchKeys record, no signs")
-    want = {"codes": (b, h, t, -(-sk.m // 32)), "a": (b, h, t)}
-    got = {"codes": c.codes, "a": c.a}
+    want = {"codes": (b, h, t, -(-sk.m // 32)), "norm": (b, h, t)}
+    got = {"codes": c.codes, "norm": c.norm}
     if sk.outliers and (sk.mo < 1 or sk.index_bits != max(1, (dim - 1).bit_length())):
         raise ValueError(
             "decode_attention: sketch keys with outliers need an outlier sketch (mo >= 1) and "
@@ -258,12 +260,12 @@ def _check_sketch(c: Codes, b: int, h: int, t: int, dim: int) -> None:
     if sk.outliers:
         blocks = -(-t // c.group)
         want.update(
-            b=(b, h, t),
+            onorm=(b, h, t),
             osign=(b, h, t, -(-sk.mo // 32)),
             idx=(b, h, blocks, -(-sk.outliers * sk.index_bits // 32)),
         )
-        got.update(b=c.b, osign=sk.osign, idx=sk.idx)
-    elif c.b is not None or sk.osign is not None or sk.idx is not None or sk.mo:
+        got.update(onorm=c.onorm, osign=sk.osign, idx=sk.idx)
+    elif c.onorm is not None or sk.osign is not None or sk.idx is not None or sk.mo:
         raise ValueError("decode_attention: sketch keys without outliers have no outlier arrays")
     for name, shape in want.items():
         a = got[name]
@@ -281,10 +283,8 @@ def _check_sketch(c: Codes, b: int, h: int, t: int, dim: int) -> None:
         )
 
 
-def _check_vq(name: str, c: Codes, b: int, h: int, t: int, dim: int) -> None:
-    """Shapes of :data:`VQ` codes: indices and one codebook per batch row and KV head."""
-    if c.a is not None or c.b is not None or c.signs is not None or c.sketch is not None:
-        raise ValueError(f"decode_attention: {name} VQ codes carry only codes and codebooks")
+def _check_vq(name: str, c: VQCodes, b: int, h: int, t: int, dim: int) -> None:
+    """Shapes of :class:`VQCodes`: indices and one codebook per batch row and KV head."""
     if dim % c.group:
         raise ValueError(
             f"decode_attention: {name} sub-vectors of {c.group} channels do not divide the "
@@ -297,21 +297,18 @@ def _check_vq(name: str, c: Codes, b: int, h: int, t: int, dim: int) -> None:
             f"match (B, H, T, W) = {(b, h, t, words)} uint32"
         )
     want = (b, h, 1 << c.bits, c.group)
-    lv = c.levels
-    if lv is None or tuple(lv.shape) != want or not mx.issubdtype(lv.dtype, mx.floating):
-        have = None if lv is None else (tuple(lv.shape), lv.dtype)
+    cb = c.codebooks
+    if tuple(cb.shape) != want or not mx.issubdtype(cb.dtype, mx.floating):
         raise ValueError(
-            f"decode_attention: {name} codebooks are {have}, expected float (B, H, 2**bits, "
-            f"group) = {want}"
+            f"decode_attention: {name} codebooks are {(tuple(cb.shape), cb.dtype)}, expected "
+            f"float (B, H, 2**bits, group) = {want}"
         )
 
 
-def _check_table(c: Codes, b: int, h: int, t: int, dim: int) -> None:
-    """Shapes of :data:`TABLE` keys (see :class:`TableKeys`)."""
+def _check_table(c: TableCodes, b: int, h: int, t: int, dim: int) -> None:
+    """Shapes of :class:`TableCodes` (see :class:`TableKeys`)."""
     tk = c.table
-    if tk is None or c.signs is not None or c.sketch is not None or c.levels is not None:
-        raise ValueError("decode_attention: table keys carry a TableKeys record, no signs")
-    if not 1 <= c.bits <= 8 or c.group < 1 or dim % 2 or (dim // 2) % c.group:
+    if dim % 2 or (dim // 2) % c.group:
         raise ValueError(
             f"decode_attention: table keys of {c.bits}-bit indices per {c.group} pairs do not "
             f"code a {dim}-dim head (bits 1 to 8, pairs per code dividing {dim // 2})"
@@ -324,14 +321,15 @@ def _check_table(c: Codes, b: int, h: int, t: int, dim: int) -> None:
             f"decode_attention: table keys' codes {tuple(c.codes.shape)} {c.codes.dtype} do not "
             f"match (B, H, T, W) = {(b, h, t, words)} uint32"
         )
-    if c.a is None or tuple(c.a.shape) != (b, h, t):
-        have = None if c.a is None else tuple(c.a.shape)
-        raise ValueError(f"decode_attention: table keys' norms are {have}, expected {(b, h, t)}")
-    if c.b is None or tuple(c.b.shape) != (b, 1, t) or c.b.dtype != mx.int32:
-        have = None if c.b is None else (tuple(c.b.shape), c.b.dtype)
+    if tuple(c.norm.shape) != (b, h, t):
         raise ValueError(
-            f"decode_attention: table keys' positions are {have}, expected (B, 1, T) = "
-            f"{(b, 1, t)} int32"
+            f"decode_attention: table keys' norms are {tuple(c.norm.shape)}, expected {(b, h, t)}"
+        )
+    pos = c.positions
+    if tuple(pos.shape) != (b, 1, t) or pos.dtype != mx.int32:
+        raise ValueError(
+            f"decode_attention: table keys' positions are {(tuple(pos.shape), pos.dtype)}, "
+            f"expected (B, 1, T) = {(b, 1, t)} int32"
         )
     if tuple(tk.theta.shape) != (dim // 2,) or tk.theta.dtype != mx.float32:
         raise ValueError(
@@ -340,26 +338,24 @@ def _check_table(c: Codes, b: int, h: int, t: int, dim: int) -> None:
         )
 
 
-def check_codes(name: str, c: Codes, b: int, h: int, t: int, dim: int) -> None:
-    if c.symmetric and c.kind != CODEBOOK:
-        raise ValueError(f"decode_attention: {name} symmetric=True is for codebook codes only")
-    if (c.table is not None) != (c.kind == TABLE):
-        raise ValueError(f"decode_attention: {name} TableKeys go with TABLE codes")
-    if c.kind == TABLE:
+def check_codes(name: str, c: CodeRecord, b: int, h: int, t: int, dim: int) -> None:
+    """Shapes and dtypes of one side's record (``name``: ``"key"`` or ``"value"``) against a
+    ``(B, H, T)`` segment of head dim ``dim``; sketch and table codes are keys only. What the
+    record's construction checked (widths, its arrays present) is not checked again."""
+    kind = c.kind
+    if kind == TABLE:
         if name != "key":
             raise ValueError("decode_attention: table codes are for keys only")
         _check_table(c, b, h, t, dim)
         return
-    if c.kind == VQ:
+    if kind == VQ:
         _check_vq(name, c, b, h, t, dim)
         return
-    if c.kind == SKETCH:
+    if kind == SKETCH:
         if name != "key":
             raise ValueError("decode_attention: sketch codes are for keys only")
         _check_sketch(c, b, h, t, dim)
         return
-    if (c.signs is None) != (c.rnorm is None) or (c.signs is not None and c.kind != CODEBOOK):
-        raise ValueError(f"decode_attention: {name} signs and rnorm go together, codebook only")
     if c.signs is not None:
         if tuple(c.signs.shape) != (b, h, t, dim // 32) or c.signs.dtype != mx.uint32:
             raise ValueError(
@@ -374,7 +370,7 @@ def check_codes(name: str, c: Codes, b: int, h: int, t: int, dim: int) -> None:
             f"decode_attention: {name} codes {tuple(c.codes.shape)} {c.codes.dtype} do not match "
             f"(B, H, T, W) = {(b, h, t, words)} uint32"
         )
-    if c.kind == AFFINE_CHANNEL and t % c.group:
+    if kind == AFFINE_CHANNEL and t % c.group:
         raise ValueError(
             f"decode_attention: {name} tokens ({t}) must be whole groups of {c.group} for "
             "per-channel scales"
@@ -382,8 +378,8 @@ def check_codes(name: str, c: Codes, b: int, h: int, t: int, dim: int) -> None:
     want = {
         AFFINE: (b, h, t, dim // c.group),
         AFFINE_CHANNEL: (b, h, t // c.group, dim),
-    }.get(c.kind, (b, h, t))
-    if tuple(c.a.shape) != want or (c.kind != CODEBOOK and tuple(c.b.shape) != want):
+    }.get(kind, (b, h, t))
+    if tuple(c.a.shape) != want or (kind != CODEBOOK and tuple(c.b.shape) != want):
         raise ValueError(f"decode_attention: {name} scales/norms do not have shape {want}")
 
 

@@ -8,15 +8,17 @@ softmax. The context is split into chunks so that one sequence fills the GPU: ev
 threadgroup handles one chunk (``metal/decode_attention.metal``) and a second small kernel
 merges the chunks with the log-sum-exp rule (``metal/decode_merge.metal``).
 
-Keys and values are each either **affine** per-group codes (``x = scale * code + zero``, one
+Keys and values are each one record of :mod:`velox_core.kernels.records`, one class per code
+layout: **affine** per-group codes (:class:`AffineCodes`, ``x = scale * code + zero``, one
 scale and zero per ``group`` channels of a token: :class:`velox_core.Uniform` with
-``axis="token"``) or **codebook** codes (``x = norm * levels[code]``, one norm per token:
-TurboQuant_mse in the rotated domain) or **vector** codes (:data:`VQ`: each sub-vector of
-``group`` channels is the index of a codeword, ``x = codebook[code]``, one codebook per batch
-row and KV head: VecInfer). Keys may also be **sketch** codes (:data:`SKETCH`,
-QJL: ``m`` sign bits of ``S k`` and ``||k||`` per token, with per-block outlier channels and
-their own sketch, see :class:`SketchKeys`) or **table** codes (:data:`TABLE`, CommVQ: indices
-of RoPE-commutative codewords, a norm and a position per token, scored from query tables the
+``axis="token"``), **codebook** codes (:class:`CodebookCodes`, ``x = norm * levels[code]``, one
+norm per token: TurboQuant_mse in the rotated domain) or **vector** codes (:class:`VQCodes`:
+each sub-vector of ``group`` channels is the index of a codeword, ``x = codebook[code]``, one
+codebook per batch row and KV head: VecInfer). Keys may also be **per-channel affine** codes
+(:class:`ChannelAffineCodes`, KIVI's), **sketch** codes (:class:`SketchCodes`, QJL: ``m``
+sign bits of ``S k`` and ``||k||`` per token, with per-block outlier channels and their own
+sketch, see :class:`SketchKeys`) or **table** codes (:class:`TableCodes`, CommVQ: indices of
+RoPE-commutative codewords, a norm and a position per token, scored from query tables the
 host builds per call, see :class:`TableKeys`). Codes are uint32 words in velox's packing layout
 (:mod:`velox_core.ops.packing`), any width 1 to 8 where a lane's channels fill whole words.
 
@@ -196,7 +198,7 @@ __all__ = [
 
 
 def _check_call(
-    q_shape, keys: Codes, values: Codes, fp16_tokens, out_dtype, merge_q, rot, q_sketch
+    q_shape, keys: CodeRecord, values: CodeRecord, fp16_tokens, out_dtype, merge_q, rot, q_sketch
 ) -> None:
     """The argument checks of :func:`decode_attention` that do not depend on array values."""
     if (fp16_tokens is not None) != (out_dtype is not None):
@@ -208,10 +210,6 @@ def _check_call(
             "decode_attention: q_sketch goes with keys that carry signs, a sketch (SKETCH) or "
             "query tables (TABLE)"
         )
-    if keys.sketch is not None and keys.kind != SKETCH:
-        raise ValueError("decode_attention: a SketchKeys record goes with SKETCH keys")
-    if (keys.table is not None) != (keys.kind == TABLE):
-        raise ValueError("decode_attention: a TableKeys record goes with TABLE keys")
     if values.kind in (SKETCH, TABLE):
         raise ValueError("decode_attention: sketch and table codes are for keys only")
 
@@ -219,8 +217,8 @@ def _check_call(
 def plan_decode(
     q_shape: tuple[int, int, int, int],
     q_dtype: mx.Dtype,
-    keys: Codes,
-    values: Codes,
+    keys: CodeRecord,
+    values: CodeRecord,
     splits: int | None = None,
     fp16_tokens: int | None = None,
     out_dtype: mx.Dtype | None = None,
@@ -331,8 +329,8 @@ def plan_decode(
 
 def decode_attention(
     q: mx.array,
-    keys: Codes,
-    values: Codes,
+    keys: CodeRecord,
+    values: CodeRecord,
     splits: int | None = None,
     fp16: list[tuple[mx.array, mx.array]] | None = None,
     out_dtype: mx.Dtype | None = None,
@@ -347,7 +345,8 @@ def decode_attention(
         q: ``(B, H, M, D)`` grouped queries, float32, scale applied; or, with ``scale``, the
             unscaled queries in any float dtype (the kernels apply the scale themselves,
             saving the cast and the multiply).
-        keys, values: the segment's codes (see :class:`Codes`); same head dim as ``q``.
+        keys, values: the segment's code records (:class:`CodeRecord`: one class per
+            layout, see :mod:`velox_core.kernels.records`); same head dim as ``q``.
         splits: number of context chunks (default :func:`choose_splits`).
         fp16: with ``out_dtype``: up to two fp16 segments ``(keys, values)`` joined in the same
             softmax by the merge (:func:`merge_splits_fp16`); ``o`` is then the normalized

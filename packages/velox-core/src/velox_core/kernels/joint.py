@@ -23,7 +23,7 @@ from typing import Any
 import mlx.core as mx
 
 from . import decode as _kd  # plan_decode looked up per plan (tests spy on it)
-from .codes import Codes
+from .codes import CodeRecord
 
 __all__ = ["JointQuery", "JointRun", "joint_glue", "plan_joint"]
 
@@ -72,8 +72,8 @@ def joint_glue(plan: Callable[[Any, JointQuery, Any, Any, Any], JointRun | None]
 
 def plan_joint(
     query: JointQuery,
-    keys: Codes,
-    values: Codes,
+    keys: CodeRecord,
+    values: CodeRecord,
     prepare: Callable[[mx.array], tuple[mx.array, mx.array | None, mx.array | None]] | None = None,
     *,
     kernel_dtype: mx.Dtype | None = None,

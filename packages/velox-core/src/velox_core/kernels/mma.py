@@ -16,7 +16,17 @@ from typing import Any
 import mlx.core as mx
 
 from .build import KernelSpec
-from .codes import AFFINE_CHANNEL, CODEBOOK, Codes, qmul_bits, unused_input
+from .codes import (
+    AFFINE,
+    AFFINE_CHANNEL,
+    CODEBOOK,
+    AffineCodes,
+    ChannelAffineCodes,
+    CodebookCodes,
+    CodeRecord,
+    qmul_bits,
+    unused_input,
+)
 from .config import KernelConfig, kernel_config
 from .disk_cache import direct
 from .mma_support import (
@@ -77,8 +87,8 @@ def mma_spec(nwarps: int, sm_blocks: int, parts: bool = False) -> KernelSpec:
 
 def mma_template(
     dim: int,
-    keys: Codes,
-    values: Codes,
+    keys: CodeRecord,
+    values: CodeRecord,
     rows: int,
     nwarps: int,
     stages: int,
@@ -160,8 +170,8 @@ class MmaLaunch:
 def mma_launch(
     q_shape: tuple[int, int, int, int],
     query_dtype: mx.Dtype,
-    keys: Codes,
-    values: Codes,
+    keys: CodeRecord,
+    values: CodeRecord,
     splits: int | None = None,
     scale: float | None = None,
     p_residual: bool | None = None,
@@ -205,6 +215,24 @@ def mma_launch(
     return MmaLaunch(spec, list(tmpl), s, nwarps)
 
 
+def _layout_record(
+    kind: int, bits: int, group: int, dtype: mx.Dtype, symmetric: bool
+) -> CodeRecord:
+    """A record of one side's layout as :func:`_mma_plan` is keyed by it (kind, width, group,
+    the scales' or norms' dtype, symmetric levels): placeholder arrays, for the plan's helpers,
+    which read only the layout."""
+    u32, s, f32 = unused_input(mx.uint32), unused_input(dtype), unused_input(mx.float32)
+    if kind == CODEBOOK:
+        return CodebookCodes(
+            bits=bits, dim=group, codes=u32, norm=s, levels=f32, symmetric=symmetric
+        )
+    if kind == AFFINE_CHANNEL:
+        return ChannelAffineCodes(bits=bits, group=group, codes=u32, scale=s, zero=s)
+    if kind == AFFINE:
+        return AffineCodes(bits=bits, group=group, codes=u32, scale=s, zero=s)
+    raise ValueError(f"mma_launch: the tensor-core kernel takes no codes of kind {kind}")
+
+
 @functools.lru_cache(maxsize=512)
 def _mma_plan(
     m: int,
@@ -225,8 +253,7 @@ def _mma_plan(
     per SM). ``exact``: whether the device takes subnormal MMA operands exactly
     (:func:`mma_subnormals_exact`; both folds need it). ``settings`` (the configuration in
     force) only keys the cache: the helpers read the same record."""
-    keys = Codes(kside[0], kside[1], kside[2], None, unused_input(kside[3]), symmetric=kside[4])
-    values = Codes(vside[0], vside[1], vside[2], None, unused_input(vside[3]), symmetric=vside[4])
+    keys, values = _layout_record(*kside), _layout_record(*vside)
     nwarps = mma_warps()
     sub = mma_subtiles()
     qlo = query_dtype not in MMA_HALF_QUERY
@@ -342,8 +369,8 @@ def mma_layout(b: int, h: int, s: int, m: int, dim: int, out_dtype: mx.Dtype) ->
 def plan_mma(
     q_shape: tuple[int, int, int, int],
     q_dtype: mx.Dtype,
-    keys: Codes,
-    values: Codes,
+    keys: CodeRecord,
+    values: CodeRecord,
     splits: int | None,
     scale: float | None,
     out_dtype: mx.Dtype | None = None,
@@ -402,8 +429,8 @@ def plan_mma(
 
 def decode_mma(
     q: mx.array,
-    keys: Codes,
-    values: Codes,
+    keys: CodeRecord,
+    values: CodeRecord,
     splits: int | None,
     scale: float | None,
     out_dtype: mx.Dtype | None = None,
@@ -415,7 +442,7 @@ def decode_mma(
     return None if run is None else run(q)
 
 
-def mma_inputs(c: Codes) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+def mma_inputs(c: CodeRecord) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """One side's inputs of the tensor-core kernel (``kc, ka, kb`` or ``vc, va, vb``, then
     ``kl`` or ``vl``): codes, scales, zeros and levels. A codebook
     side has no zeros: its norms stand in for them (the kernel copies the plane but never

@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from .. import kernels as _kernels  # backend() looked up per call (tests report another)
 from .build import KernelSpec
-from .codes import AFFINE, AFFINE_CHANNEL, CODEBOOK, Codes
+from .codes import AFFINE, AFFINE_CHANNEL, CODEBOOK, CodeRecord
 from .config import kernel_config
 
 __all__ = [
@@ -101,7 +101,7 @@ MMA_HALF_QUERY = (mx.float16, mx.bfloat16)
 MMA_CODEBOOK_BITS = (2, 4)
 
 
-def _mma_codebook_side(c: Codes, dim: int, key: bool) -> bool:
+def _mma_codebook_side(c: CodeRecord, dim: int, key: bool) -> bool:
     """A codebook side (TurboQuant_mse: one norm a token, ``2**bits`` levels, no residual
     sketch) the tensor-core kernel lays out: 2 or 4 bits, fp16 or bf16 norms, and a head dim
     whose rows fill the fold's ldmatrix layout (keys: whole 16-byte segments and 4 words a
@@ -119,21 +119,21 @@ def _mma_codebook_side(c: Codes, dim: int, key: bool) -> bool:
 
 def mma_symmetric() -> bool:
     """Whether the tensor-core kernel uses the symmetry of levels a caller vouches for
-    (:attr:`Codes.symmetric`; ``KCB`` / ``VCB`` 2): ``KernelConfig.symmetric`` (default 1; 0
-    looks every codebook up as general levels, for comparison)."""
+    (:attr:`CodebookCodes.symmetric`; ``KCB`` / ``VCB`` 2): ``KernelConfig.symmetric`` (default 1;
+    0 looks every codebook up as general levels, for comparison)."""
     return kernel_config().symmetric
 
 
-def codebook_mode(c: Codes) -> int:
+def codebook_mode(c: CodeRecord) -> int:
     """``KCB`` / ``VCB``: 0 affine, 1 codebook, 2 a codebook the caller vouches is symmetric
-    (:attr:`Codes.symmetric`: 4 bits in half the table, 2 bits without permutes) while
+    (:attr:`CodebookCodes.symmetric`: 4 bits in half the table, 2 bits without permutes) while
     :func:`mma_symmetric` allows it."""
     if c.kind != CODEBOOK:
         return 0
     return 2 if c.symmetric and mma_symmetric() else 1
 
 
-def _mma_side(c: Codes, dim: int, lane_channels: int) -> bool:
+def _mma_side(c: CodeRecord, dim: int, lane_channels: int) -> bool:
     if c.kind != AFFINE or c.bits not in MMA_BITS or dim % c.group:
         return False
     if (lane_channels * c.bits) % 32 or c.group % (32 // c.bits):
@@ -143,7 +143,7 @@ def _mma_side(c: Codes, dim: int, lane_channels: int) -> bool:
     return lane_channels % c.group == 0 or c.group % lane_channels == 0
 
 
-def _mma_channel_side(c: Codes, dim: int) -> bool:
+def _mma_channel_side(c: CodeRecord, dim: int) -> bool:
     """Per-channel affine keys (KIVI's, ``KCH``): 2, 4 or 8 bits whose quarter of a row fills
     whole code words, groups of whole 16-token tiles (a multiple of 16 tokens), a context of
     whole groups, and fp16 or bf16 scale and zero rows ``(B, H, T / group, D)`` of one dtype."""
@@ -170,7 +170,7 @@ def mma_key_rows(tile: int, group: int) -> int:
     return min(tile // 16, (tile - 16) // group + 2)
 
 
-def mma_supported(m: int, dim: int, keys: Codes, values: Codes) -> bool:
+def mma_supported(m: int, dim: int, keys: CodeRecord, values: CodeRecord) -> bool:
     """Whether ``decode_attention_mma.cu`` lays out this shape: affine codes of 2, 4 or 8 bits
     with float16 or bfloat16 scales and zeros (one dtype a side) on both sides, at most
     :data:`MMA_MAX_ROWS` query rows, a head dim that is a multiple of 16 whose quarter (keys)
@@ -319,7 +319,7 @@ def mma_key_fold() -> bool:
     return kernel_config().key_fold
 
 
-def mma_key_fold_ok(keys: Codes, dim: int) -> bool:
+def mma_key_fold_ok(keys: CodeRecord, dim: int) -> bool:
     """Whether the key scales and zeros can be folded out of the score MMA (``KFOLD``): a
     group holds 4 whole code words (the four lanes of a k-step read adjacent words: 64
     channels or more at 2 bits, 32 at 4, 16 at 8) and a token has at most
@@ -348,7 +348,7 @@ def mma_fuse_merge(tokens: int) -> bool:
     return tokens <= MMA_FUSE_TOKENS if fuse is None else fuse
 
 
-def mma_value_units(values: Codes, ldsm: bool) -> int:
+def mma_value_units(values: CodeRecord, ldsm: bool) -> int:
     """Channels per unit of the lanes' interleaved values with ``VFOLD`` (lane g takes units
     g, 8 + g, ... of a row; an m-tile's 16 channels lie in 8 adjacent units): 16-bit units
     (``ldsm``, the ``VLD`` layout, read by transposing ldmatrix loads) where a group holds 8
@@ -359,7 +359,7 @@ def mma_value_units(values: Codes, ldsm: bool) -> int:
     return 8 // values.bits if values.bits == 2 else 32 // values.bits
 
 
-def mma_fold_ok(values: Codes, dim: int, p_residual: bool, ldsm: bool = True) -> bool:
+def mma_fold_ok(values: CodeRecord, dim: int, p_residual: bool, ldsm: bool = True) -> bool:
     """Whether the value scales can be folded into the weights (``VFOLD``): a group holds 8
     whole units of the lanes' interleaved values (:func:`mma_value_units`: with ``ldsm``
     16-bit units, 64, 32 and 16 channels at 2, 4 and 8 bits; else words at 4 and 8 bits, 64
@@ -386,7 +386,12 @@ def mma_subtiles() -> int:
 
 
 def mma_stages(
-    dim: int, keys: Codes, values: Codes, nwarps: int, subtiles: int = 1, query_lo: bool = True
+    dim: int,
+    keys: CodeRecord,
+    values: CodeRecord,
+    nwarps: int,
+    subtiles: int = 1,
+    query_lo: bool = True,
 ) -> int:
     """Steps (of ``16 * subtiles`` tokens) in each warp's shared-memory ring:
     ``KernelConfig.stages`` or the most (up to 4) that fit in 48 KiB of static shared

@@ -2,7 +2,8 @@
 every code layout, and CUDA for the layouts without a tensor-core path.
 
 :func:`plan` says whether and how a shape runs (lanes per token, query rows per pass, the
-warps and unroll of :func:`tuning`); :func:`plan_for` is that plan for two :class:`Codes`;
+warps and unroll of :func:`tuning`); :func:`plan_for` is that plan for two code records
+(:class:`~velox_core.kernels.records.CodeRecord`, read through their uniform view);
 :func:`choose_splits` / :func:`block_splits` split the context so a sequence fills the GPU;
 :func:`template` is the kernel's template; :func:`plan_portable` works all of it out once per
 shape and returns the launch.
@@ -25,7 +26,7 @@ from .codes import (
     TABLE,
     VQ,
     VQ_MAX_TABLE,
-    Codes,
+    CodeRecord,
     check_codes,
     code_inputs,
     float_bits,
@@ -240,7 +241,7 @@ def sketch_lanes(m: int, mo: int) -> int:
     return 0
 
 
-def plan_for(m: int, dim: int, keys: Codes, values: Codes) -> Plan | None:
+def plan_for(m: int, dim: int, keys: CodeRecord, values: CodeRecord) -> Plan | None:
     """:func:`plan` for the two sides of a segment."""
     sk = keys.sketch
     qjl = None if sk is None else (sk.m, sk.mo, sk.outliers)
@@ -277,7 +278,7 @@ def fit_splits(tokens: int, splits: int, p: Plan) -> int:
     return math.ceil(tokens / math.ceil(tokens / s))
 
 
-def block_splits(tokens: int, splits: int, p: Plan, keys: Codes) -> int:
+def block_splits(tokens: int, splits: int, p: Plan, keys: CodeRecord) -> int:
     """``splits`` adjusted for sketch keys with outlier blocks: the kernel rounds a split's
     ``ceil(T / splits)`` tokens up to whole blocks, so the count is raised until that span
     fits ``p.max_span``, then lowered to the splits the span needs (none empty). Unchanged
@@ -298,7 +299,7 @@ def block_splits(tokens: int, splits: int, p: Plan, keys: Codes) -> int:
 
 
 def template(
-    p: Plan, dim: int, k: Codes, v: Codes, scale: float | None = None
+    p: Plan, dim: int, k: CodeRecord, v: CodeRecord, scale: float | None = None
 ) -> list[tuple[str, int]]:
     """The body's compile-time constants for a plan (``scale``: the attention scale the kernel
     applies to unscaled queries; None when they come scaled)."""
@@ -321,7 +322,7 @@ def template(
     ]
 
 
-def sketch_template(p: Plan, k: Codes) -> list[tuple[str, int]]:
+def sketch_template(p: Plan, k: CodeRecord) -> list[tuple[str, int]]:
     """The key pass's constants for :data:`SKETCH` keys (zeros for the other kinds): the
     sketches' sizes, outliers per block and their index bits, lanes per token, and the float32
     bits of ``c/m`` and ``c/m_o``."""
@@ -341,8 +342,8 @@ def sketch_template(p: Plan, k: Codes) -> list[tuple[str, int]]:
 
 def plan_portable(
     q_shape: tuple[int, int, int, int],
-    keys: Codes,
-    values: Codes,
+    keys: CodeRecord,
+    values: CodeRecord,
     splits: int | None,
     scale: float | None,
 ):
@@ -391,8 +392,8 @@ def plan_portable(
 
 def decode_portable(
     q: mx.array,
-    keys: Codes,
-    values: Codes,
+    keys: CodeRecord,
+    values: CodeRecord,
     splits: int | None,
     scale: float | None,
     q_sketch: mx.array | None = None,

@@ -32,7 +32,7 @@ import numpy as np
 
 from .. import kernels as _kernels  # backend() looked up per call (tests report another)
 from .build import KernelSpec
-from .codes import AFFINE, SKETCH, Codes, check_codes, float_bits, qmul_bits, unused_input
+from .codes import AFFINE, SKETCH, CodeRecord, check_codes, float_bits, qmul_bits, unused_input
 from .config import kernel_config
 from .mma_support import MMA_SCALE_DTYPES, mma_enabled, mma_splits
 
@@ -140,7 +140,7 @@ def layout_supported(rows: int, dim: int, m: int, mo: int, outliers: int, group:
     return need <= SMEM_FLOATS and NWARPS * 8 * dim <= SMEM_FLOATS
 
 
-def _values_supported(dim: int, values: Codes) -> bool:
+def _values_supported(dim: int, values: CodeRecord) -> bool:
     if values.kind != AFFINE or values.bits not in (2, 4, 8) or values.levels is not None:
         return False
     if values.a is None or values.b is None or values.a.dtype not in MMA_SCALE_DTYPES:
@@ -154,7 +154,7 @@ def _values_supported(dim: int, values: Codes) -> bool:
     return g % lane == 0 if lane <= g else lane % g == 0
 
 
-def supported(rows: int, dim: int, keys: Codes, values: Codes) -> bool:
+def supported(rows: int, dim: int, keys: CodeRecord, values: CodeRecord) -> bool:
     """Whether the kernel takes this segment: :data:`SKETCH` keys with their matrix laid out
     for it (``SketchKeys.mma``: :func:`sketch_mma_matrix`'s contiguous float16 array, which
     the kernel indexes without strides), a layout :func:`layout_supported` takes, fp16 or
@@ -179,7 +179,7 @@ def wanted(
     outliers: int,
     group: int,
     norm_dtype: mx.Dtype,
-    values: Codes,
+    values: CodeRecord,
 ) -> bool:
     """Whether a QJL segment should be laid out for this kernel: CUDA kernels on (MLX on an
     NVIDIA GPU, ``KernelConfig.mma`` not 0), fp16 or bfloat16 norms (a float32 model's keep
@@ -262,7 +262,7 @@ def frags_shared(rows: int, m: int, mo: int, outliers: int) -> bool:
 
 
 def sketch_mma_template(
-    dim: int, rows: int, keys: Codes, values: Codes, scale: float | None = None
+    dim: int, rows: int, keys: CodeRecord, values: CodeRecord, scale: float | None = None
 ) -> list[tuple[str, object]]:
     """The kernel's template arguments for a segment :func:`supported` takes."""
     sk = keys.sketch
@@ -304,8 +304,8 @@ def sketch_splits(tokens: int, rows: int, group: int) -> int:
 
 def decode_sketch_mma(
     q: mx.array,
-    keys: Codes,
-    values: Codes,
+    keys: CodeRecord,
+    values: CodeRecord,
     splits: int | None,
     scale: float | None,
     q_sketch: mx.array | None,
