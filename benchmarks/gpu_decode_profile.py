@@ -280,10 +280,7 @@ def shape_data(b: int, t: int, bits: int):
     codec = Uniform(bits)
     kp, vp = codec.encode(k), codec.encode(v)
     mx.eval(k, v, q, kp.data, vp.data)
-    keys = dk.Codes(dk.AFFINE, bits, codec.group, *(kp.data[n] for n in ("codes", "scale", "zero")))
-    values = dk.Codes(
-        dk.AFFINE, bits, codec.group, *(vp.data[n] for n in ("codes", "scale", "zero"))
-    )
+    keys, values = codec.kernel_codes(kp), codec.kernel_codes(vp)  # AffineCodes
     return k, v, q, q.reshape(b, hk, hq // hk, d), keys, values
 
 

@@ -68,15 +68,17 @@ def main_loop(insns: list[tuple[int, str]]) -> list[tuple[int, str]]:
 def build(args) -> tuple[str, list[tuple[str, object]]]:
     """The full CUDA source of the planned kernel, and its template."""
 
-    def codes(bits: int, group: int) -> dk.Codes:  # 16 tokens of zeros: only shapes matter
+    def codes(bits: int, group: int) -> dk.CodeRecord:  # 16 tokens of zeros: only shapes matter
         words = mx.zeros((1, 1, 16, args.dim * bits // 32), mx.uint32)
         if group <= 0:  # codebook codes (TurboQuant_mse): one norm a token, 2**bits levels
             lev = mx.zeros((1 << bits,), mx.float32)
             norm = mx.zeros((1, 1, 16), mx.float16)
             sym = group < 0  # symmetric levels (Lloyd-Max's): half-table lookups at 4 bits
-            return dk.Codes(dk.CODEBOOK, bits, args.dim, words, norm, None, lev, symmetric=sym)
+            return dk.CodebookCodes(
+                bits=bits, dim=args.dim, codes=words, norm=norm, levels=lev, symmetric=sym
+            )
         z = mx.zeros((1, 1, 16, args.dim // group), mx.float16)
-        return dk.Codes(dk.AFFINE, bits, group, words, z, z)
+        return dk.AffineCodes(bits=bits, group=group, codes=words, scale=z, zero=z)
 
     keys, values = codes(args.kbits, args.kgroup), codes(args.vbits, args.vgroup)
     if not dk.mma_supported(args.rows, args.dim, keys, values):

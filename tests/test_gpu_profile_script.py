@@ -88,7 +88,7 @@ def test_variants_compile(profile, tmp_path):
     profile.build.kernel_source = profile._kernel_source
     try:
         z = mx.zeros((1,), mx.float16)
-        k = dk.Codes(dk.AFFINE, 4, 64, mx.zeros((1,), mx.uint32), z, z)
+        k = dk.AffineCodes(bits=4, group=64, codes=mx.zeros((1,), mx.uint32), scale=z, zero=z)
         infos = [ArgInfo("float16", 4, 1 << 20)]
         infos += [ArgInfo(*a) for a in (("uint32", 4, 1 << 20), *[("float16", 4, 1 << 20)] * 2)] * 2
         infos += [ArgInfo("float32", 1, 16)] * 2  # the codebook levels (dummies here)
