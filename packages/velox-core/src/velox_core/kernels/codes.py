@@ -14,7 +14,6 @@ layouts (:func:`levels_symmetric`, :func:`sketch_matrix`, :func:`table_entries`)
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -51,7 +50,6 @@ __all__ = [
     "ChannelAffineCodes",
     "CodeRecord",
     "CodebookCodes",
-    "Codes",
     "SketchCodes",
     "SketchKeys",
     "TableCodes",
@@ -88,61 +86,6 @@ def qmul_bits(scale: float | None = None) -> int:
 def float_bits(x: float) -> int:
     """The float32 bits of ``x`` as a signed int (a template value)."""
     return struct.unpack("<i", struct.pack("<f", float(x)))[0]
-
-
-# not frozen: a decode step builds two of these per layer, and a frozen dataclass's
-# __init__ (object.__setattr__ per field) costs several times a plain one's; treat as immutable
-@dataclass
-class Codes:
-    """One side (keys or values) of a segment, as the kernel reads it.
-
-    Attributes:
-        kind: :data:`AFFINE`, :data:`CODEBOOK`, :data:`AFFINE_CHANNEL` (keys only:
-            per-channel groups along tokens, KIVI's keys), :data:`VQ`, :data:`SKETCH` or
-            :data:`TABLE` (keys only).
-        bits: code width, 1 to 8 (:data:`VQ`: bits of one codeword index; :data:`TABLE`: bits
-            of one of a group's two indices, ``log2 K``).
-        group: affine: channels per (scale, zero); per-channel affine: tokens per (scale,
-            zero); VQ: channels per sub-vector (1, 2, 4 or 8); :data:`TABLE`: RoPE pairs per
-            code (``G``); codebook: ignored.
-        codes: ``(B, H, T, W)`` uint32 packed codes (:data:`VQ`: the ``D / group`` indices of a
-            token, ``bits`` each, in one bit stream; :data:`TABLE`: see :class:`TableKeys`).
-        a: affine scale ``(B, H, T, D/group)``, per-channel scale ``(B, H, T/group, D)``, or
-            codebook / :data:`TABLE` norm ``(B, H, T)``; None for :data:`VQ`.
-        b: affine zero, shaped like ``a``; :data:`TABLE`: the keys' positions ``(B, 1, T)``
-            int32 (one per token for all heads); None for a codebook and :data:`VQ`.
-        levels: codebook levels ``(2**bits,)`` float32; :data:`VQ`: the codebooks ``(B, H,
-            2**bits, group)`` (any float dtype; row ``code`` of ``(b, h)`` is the sub-vector);
-            None for affine.
-        signs: codebook keys with a QJL residual sketch (TurboQuant_prod): ``(B, H, T, D/32)``
-            uint32, bit ``e`` set where channel ``e`` of the residual's sketch is positive;
-            the caller passes the sketched query to :func:`decode_attention`. None otherwise.
-        rnorm: with ``signs``: the residual norms ``(B, H, T)``.
-        sketch: :data:`SKETCH` keys only (QJL): the sketch's sizes and its other arrays; then
-            ``codes`` holds the ``m`` sign bits ``(B, H, T, m/32)``, ``a`` the norms
-            ``(B, H, T)``, ``b`` the outlier parts' norms (None without outliers), ``bits``
-            is 1 and ``group`` the tokens per outlier block (1 without outliers).
-        table: :data:`TABLE` keys only (CommVQ): their stages and RoPE frequencies.
-        symmetric: codebook only: the caller vouches that the levels are ascending and
-            ``levels[2**bits - 1 - c] == -levels[c]`` in fp16 (Lloyd-Max levels of a law
-            symmetric about 0, checked on the host once per codebook:
-            :func:`levels_symmetric`); the tensor-core kernel then looks 4-bit codes up in
-            half the table and forms 2-bit ones without a permute (``KCB`` / ``VCB`` 2).
-            False: any levels.
-    """
-
-    kind: int
-    bits: int
-    group: int
-    codes: mx.array
-    a: mx.array | None
-    b: mx.array | None = None
-    levels: mx.array | None = None
-    signs: mx.array | None = None
-    rnorm: mx.array | None = None
-    sketch: SketchKeys | None = None
-    table: TableKeys | None = None
-    symmetric: bool = False
 
 
 def levels_symmetric(levels) -> bool:
