@@ -1,0 +1,171 @@
+"""The code records the decode kernels read (``velox_core.kernels.records``): one typed
+record per layout, built by keyword, its kind a class constant, checked when built."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+import pytest
+
+from velox_core.kernels import decode as dk
+from velox_core.kernels import records
+
+U32 = mx.zeros((1, 1, 4, 16), mx.uint32)
+F16 = mx.zeros((1, 1, 4), mx.float16)
+LEV = mx.zeros((16,), mx.float32)
+SK = dk.SketchKeys(m=256, mo=0, outliers=0, index_bits=7, const=1.25, lanes=32, matrix=LEV)
+TK = dk.TableKeys(stages=2, theta=mx.zeros((64,), mx.float32))
+
+# each record class, its kind, the arguments of a valid record, and its kernels' view (a, b,
+# levels) as the fields it maps to
+CASES = [
+    (
+        dk.AffineCodes,
+        dk.AFFINE,
+        dict(bits=4, group=64, codes=U32, scale=F16, zero=F16),
+        ("scale", "zero", None),
+    ),
+    (
+        dk.ChannelAffineCodes,
+        dk.AFFINE_CHANNEL,
+        dict(bits=2, group=32, codes=U32, scale=F16, zero=F16),
+        ("scale", "zero", None),
+    ),
+    (
+        dk.CodebookCodes,
+        dk.CODEBOOK,
+        dict(bits=4, dim=128, codes=U32, norm=F16, levels=LEV),
+        ("norm", None, "levels"),
+    ),
+    (
+        dk.VQCodes,
+        dk.VQ,
+        dict(bits=8, group=4, codes=U32, codebooks=LEV),
+        (None, None, "codebooks"),
+    ),
+    (
+        dk.SketchCodes,
+        dk.SKETCH,
+        dict(codes=U32, norm=F16, sketch=SK),
+        ("norm", "onorm", None),
+    ),
+    (
+        dk.TableCodes,
+        dk.TABLE,
+        dict(bits=4, group=4, codes=U32, norm=F16, positions=U32, table=TK),
+        ("norm", "positions", None),
+    ),
+]
+IDS = [c[0].__name__ for c in CASES]
+
+
+@pytest.mark.parametrize("cls,kind,kw,view", CASES, ids=IDS)
+def test_each_record_builds_by_keyword_and_carries_its_kind(cls, kind, kw, view):
+    rec = cls(**kw)
+    assert isinstance(rec, dk.CodeRecord) and rec.kind == cls.kind == kind
+    for name, value in kw.items():
+        assert getattr(rec, name) is value
+    for attr, field in zip(("a", "b", "levels"), view):
+        assert getattr(rec, attr) is (None if field is None else getattr(rec, field)), attr
+    assert rec.codes is U32 and not hasattr(rec, "__dict__")  # slots: no stray attributes
+    with pytest.raises(TypeError):
+        cls(*kw.values())  # keyword only
+    assert dataclasses.replace(rec).kind == kind
+
+
+def test_the_kernels_view_of_the_optional_parts():
+    """What a layout lacks reads as None (``symmetric`` False) and cannot be set; a codebook's
+    group is its head dim, a sketch's width one bit."""
+    affine = dk.AffineCodes(bits=4, group=64, codes=U32, scale=F16, zero=F16)
+    assert (affine.signs, affine.rnorm, affine.sketch, affine.table) == (None,) * 4
+    assert affine.symmetric is False
+    with pytest.raises(AttributeError):
+        affine.symmetric = True
+    cb = dk.CodebookCodes(bits=2, dim=96, codes=U32, norm=F16, levels=LEV[:4], symmetric=True)
+    assert cb.group == 96 and cb.symmetric is True and cb.signs is None
+    prod = dataclasses.replace(cb, signs=U32, rnorm=F16)
+    assert prod.signs is U32 and prod.rnorm is F16
+    sketch = dk.SketchCodes(codes=U32, norm=F16, sketch=SK)
+    assert (sketch.bits, sketch.group, sketch.onorm, sketch.b) == (1, 1, None, None)
+    assert sketch.sketch is SK and dk.TableCodes(**CASES[5][2]).table is TK
+
+
+def test_required_fields_take_no_default():
+    """Only the optional parts have defaults: a field named like one of the base's view
+    attributes (``levels``, ``sketch``, ``table``) must not take that attribute as its."""
+    optional = {
+        (dk.CodebookCodes, "symmetric"): False,
+        (dk.CodebookCodes, "signs"): None,
+        (dk.CodebookCodes, "rnorm"): None,
+        (dk.SketchCodes, "onorm"): None,
+        (dk.SketchCodes, "group"): 1,
+    }
+    for cls, *_ in CASES:
+        for f in dataclasses.fields(cls):
+            want = optional.get((cls, f.name), dataclasses.MISSING)
+            assert f.default is want and f.kw_only, (cls.__name__, f.name)
+
+
+@pytest.mark.parametrize("bits", [0, 9, 3.0, None, True])
+def test_widths_outside_1_to_8_are_refused(bits):
+    with pytest.raises(ValueError, match="bits must be an int from 1 to 8"):
+        dk.AffineCodes(bits=bits, group=64, codes=U32, scale=F16, zero=F16)
+    with pytest.raises(ValueError, match="CodebookCodes: bits"):
+        dk.CodebookCodes(bits=bits, dim=128, codes=U32, norm=F16, levels=LEV)
+    with pytest.raises(ValueError, match="TableCodes: bits"):
+        dk.TableCodes(bits=bits, group=4, codes=U32, norm=F16, positions=U32, table=TK)
+
+
+def test_bad_groups_are_refused():
+    with pytest.raises(ValueError, match="VQCodes: group must be a positive int, got 0"):
+        dk.VQCodes(bits=8, group=0, codes=U32, codebooks=LEV)
+    with pytest.raises(ValueError, match="ChannelAffineCodes: group"):
+        dk.ChannelAffineCodes(bits=2, group=-32, codes=U32, scale=F16, zero=F16)
+    with pytest.raises(ValueError, match="CodebookCodes: dim must be a positive int"):
+        dk.CodebookCodes(bits=4, dim=None, codes=U32, norm=F16, levels=LEV)
+    with pytest.raises(ValueError, match="SketchCodes: group"):
+        dk.SketchCodes(codes=U32, norm=F16, sketch=SK, group=0)
+
+
+@pytest.mark.parametrize("cls,kind,kw,view", CASES, ids=IDS)
+def test_missing_or_wrong_arrays_are_refused(cls, kind, kw, view):
+    arrays = [n for n, v in kw.items() if isinstance(v, mx.array)]
+    for name in arrays:
+        with pytest.raises(TypeError, match=name):  # left out
+            cls(**{k: v for k, v in kw.items() if k != name})
+        with pytest.raises(ValueError, match=f"{cls.__name__}: {name} is required"):
+            cls(**{**kw, name: None})
+        with pytest.raises(TypeError, match=f"{name} must be an mx.array, got list"):
+            cls(**{**kw, name: [0, 1]})
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        cls(**kw, kind=dk.AFFINE)  # the kind is the class's
+
+
+def test_records_refuse_what_their_layout_does_not_hold():
+    with pytest.raises(ValueError, match="signs and rnorm go together"):
+        dk.CodebookCodes(bits=4, dim=128, codes=U32, norm=F16, levels=LEV, signs=U32)
+    with pytest.raises(ValueError, match="go together"):  # via replace: checked again
+        dataclasses.replace(dk.CodebookCodes(**CASES[2][2], signs=U32, rnorm=F16), rnorm=None)
+    with pytest.raises(TypeError, match="rnorm must be an mx.array"):
+        dk.CodebookCodes(bits=4, dim=128, codes=U32, norm=F16, levels=LEV, signs=U32, rnorm=1.0)
+    with pytest.raises(ValueError, match="sketch must be a SketchKeys record"):
+        dk.SketchCodes(codes=U32, norm=F16, sketch=TK)
+    with pytest.raises(TypeError, match="onorm must be an mx.array"):
+        dk.SketchCodes(codes=U32, norm=F16, sketch=SK, onorm=0.0)
+    with pytest.raises(ValueError, match="table must be a TableKeys record"):
+        dk.TableCodes(bits=4, group=4, codes=U32, norm=F16, positions=U32, table=None)
+    with pytest.raises(TypeError, match="symmetric"):
+        dk.VQCodes(bits=8, group=4, codes=U32, codebooks=LEV, symmetric=True)
+    with pytest.raises(TypeError, match="signs"):
+        dk.AffineCodes(bits=4, group=64, codes=U32, scale=F16, zero=F16, signs=U32)
+
+
+def test_records_are_exported_where_the_kernels_are():
+    from velox_core.kernels import codes
+
+    names = [c[0].__name__ for c in CASES] + ["CodeRecord", "SketchKeys", "TableKeys"]
+    for name in names:
+        assert getattr(dk, name) is getattr(codes, name) is getattr(records, name)
+        assert name in dk.__all__ and name in records.__all__
+    assert not hasattr(dk, "Codes") and not hasattr(codes, "Codes")
