@@ -397,12 +397,7 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
             return False
         (b, h, t, dk), (vb, vh, vt, dv) = keys.shape, values.shape
         n = win_k.tokens
-        if (
-            (b, h, dk, dv) != self._dims
-            or (vb, vh, vt) != (b, h, t)
-            or t == 0
-            or win_k.buf is None
-        ):
+        if (b, h, dk, dv) != self._dims or (vb, vh, vt) != (b, h, t) or t == 0 or win_k.buf is None:
             return False
         flush = self._flush_count(n + t)
         if flush > n:
