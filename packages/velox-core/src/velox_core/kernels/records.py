@@ -104,20 +104,10 @@ def _check(
 
 
 @dataclass(slots=True, kw_only=True)
-class AffineCodes(CodeRecord):
-    """Affine codes in groups of a token's channels, ``x = scale * code + zero``:
-    :class:`velox_core.Uniform` with ``axis="token"``, and RaBitQ's keys (one group of the
-    whole head).
+class _Affine(CodeRecord):
+    """The fields of both affine layouts, ``x = scale * code + zero``, one (scale, zero) a
+    group (:class:`AffineCodes`, :class:`ChannelAffineCodes` say along which axis)."""
 
-    Attributes:
-        bits: code width, 1 to 8.
-        group: channels per (scale, zero).
-        codes: ``(B, H, T, ceil(D * bits / 32))`` uint32 packed codes (velox's packing).
-        scale: ``(B, H, T, D / group)``.
-        zero: shaped like ``scale``.
-    """
-
-    kind: ClassVar[int] = AFFINE
     bits: int
     group: int
     codes: mx.array
@@ -137,7 +127,24 @@ class AffineCodes(CodeRecord):
 
 
 @dataclass(slots=True, kw_only=True)
-class ChannelAffineCodes(CodeRecord):
+class AffineCodes(_Affine):
+    """Affine codes in groups of a token's channels, ``x = scale * code + zero``:
+    :class:`velox_core.Uniform` with ``axis="token"``, and RaBitQ's keys (one group of the
+    whole head).
+
+    Attributes:
+        bits: code width, 1 to 8.
+        group: channels per (scale, zero).
+        codes: ``(B, H, T, ceil(D * bits / 32))`` uint32 packed codes (velox's packing).
+        scale: ``(B, H, T, D / group)``.
+        zero: shaped like ``scale``.
+    """
+
+    kind: ClassVar[int] = AFFINE
+
+
+@dataclass(slots=True, kw_only=True)
+class ChannelAffineCodes(_Affine):
     """Affine codes with one (scale, zero) per channel for each group of tokens (keys only:
     KIVI's keys, :class:`velox_core.Uniform` with ``axis="channel"``).
 
@@ -150,22 +157,6 @@ class ChannelAffineCodes(CodeRecord):
     """
 
     kind: ClassVar[int] = AFFINE_CHANNEL
-    bits: int
-    group: int
-    codes: mx.array
-    scale: mx.array
-    zero: mx.array
-
-    def __post_init__(self) -> None:
-        _check(self, ("codes", "scale", "zero"))
-
-    @property
-    def a(self) -> mx.array:
-        return self.scale
-
-    @property
-    def b(self) -> mx.array:
-        return self.zero
 
 
 @dataclass(slots=True, kw_only=True)
