@@ -1,7 +1,7 @@
 """What the decode kernels take from the code records (:mod:`velox_core.kernels.records`).
 
-One record describes a segment's keys or values, one record class per code layout
-(re-exported here): :class:`AffineCodes` (``x = scale * code + zero`` per token groups),
+One record describes a segment's keys or values, one record class per code layout:
+:class:`AffineCodes` (``x = scale * code + zero`` per token groups),
 :class:`ChannelAffineCodes` (per-channel groups, KIVI's keys), :class:`CodebookCodes` (``x =
 norm * levels[code]``), :class:`VQCodes` (a codeword per sub-vector), :class:`SketchCodes`
 (QJL sign bits with :class:`SketchKeys`) and :class:`TableCodes` (CommVQ's RoPE-commutative
@@ -18,43 +18,23 @@ import struct
 import mlx.core as mx
 import numpy as np
 
-from .records import (  # re-exported: the records are built from here and from .decode
+from .records import (
     AFFINE,
     AFFINE_CHANNEL,
     CODEBOOK,
     SKETCH,
     TABLE,
     VQ,
-    AffineCodes,
-    ChannelAffineCodes,
-    CodebookCodes,
     CodeRecord,
     SketchCodes,
-    SketchKeys,
     TableCodes,
-    TableKeys,
     VQCodes,
 )
 
 __all__ = [
-    "AFFINE",
-    "AFFINE_CHANNEL",
-    "CODEBOOK",
     "FP16_MAX",
     "LOG2E",
-    "SKETCH",
-    "TABLE",
-    "VQ",
     "VQ_MAX_TABLE",
-    "AffineCodes",
-    "ChannelAffineCodes",
-    "CodeRecord",
-    "CodebookCodes",
-    "SketchCodes",
-    "SketchKeys",
-    "TableCodes",
-    "TableKeys",
-    "VQCodes",
     "check_codes",
     "code_inputs",
     "float_bits",

@@ -39,24 +39,9 @@ import mlx.core as mx
 
 from .. import kernels as _kernels  # backend() looked up per call (tests report another)
 from .codes import (  # re-exported: velox_core.kernels.decode is the entry point
-    AFFINE,
-    AFFINE_CHANNEL,
-    CODEBOOK,
     FP16_MAX,
     LOG2E,
-    SKETCH,
-    TABLE,
-    VQ,
     VQ_MAX_TABLE,
-    AffineCodes,
-    ChannelAffineCodes,
-    CodebookCodes,
-    CodeRecord,
-    SketchCodes,
-    SketchKeys,
-    TableCodes,
-    TableKeys,
-    VQCodes,
     check_codes,
     code_inputs,
     float_bits,
@@ -117,6 +102,23 @@ from .portable import (  # re-exported: velox_core.kernels.decode is the entry p
     sketch_template,
     template,
     tuning,
+)
+from .records import (  # re-exported: velox_core.kernels.decode is the entry point
+    AFFINE,
+    AFFINE_CHANNEL,
+    CODEBOOK,
+    SKETCH,
+    TABLE,
+    VQ,
+    AffineCodes,
+    ChannelAffineCodes,
+    CodebookCodes,
+    CodeRecord,
+    SketchCodes,
+    SketchKeys,
+    TableCodes,
+    TableKeys,
+    VQCodes,
 )
 
 __all__ = [

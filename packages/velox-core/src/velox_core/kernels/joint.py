@@ -23,7 +23,7 @@ from typing import Any
 import mlx.core as mx
 
 from . import decode as _kd  # plan_decode looked up per plan (tests spy on it)
-from .codes import CodeRecord
+from .records import CodeRecord
 
 __all__ = ["JointQuery", "JointRun", "joint_glue", "plan_joint"]
 

@@ -16,17 +16,7 @@ from typing import Any
 import mlx.core as mx
 
 from .build import KernelSpec
-from .codes import (
-    AFFINE,
-    AFFINE_CHANNEL,
-    CODEBOOK,
-    AffineCodes,
-    ChannelAffineCodes,
-    CodebookCodes,
-    CodeRecord,
-    qmul_bits,
-    unused_input,
-)
+from .codes import qmul_bits, unused_input
 from .config import KernelConfig, kernel_config
 from .disk_cache import direct
 from .mma_support import (
@@ -45,6 +35,15 @@ from .mma_support import (
     mma_subtiles,
     mma_value_fold,
     mma_warps,
+)
+from .records import (
+    AFFINE,
+    AFFINE_CHANNEL,
+    CODEBOOK,
+    AffineCodes,
+    ChannelAffineCodes,
+    CodebookCodes,
+    CodeRecord,
 )
 
 DECODE_MMA = KernelSpec(

@@ -17,8 +17,8 @@ import mlx.core as mx
 
 from .. import kernels as _kernels  # backend() looked up per call (tests report another)
 from .build import KernelSpec
-from .codes import AFFINE, AFFINE_CHANNEL, CODEBOOK, CodeRecord
 from .config import kernel_config
+from .records import AFFINE, AFFINE_CHANNEL, CODEBOOK, CodeRecord
 
 __all__ = [
     "MMA_BITS",

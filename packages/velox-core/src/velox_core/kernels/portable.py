@@ -19,14 +19,7 @@ import mlx.core as mx
 from .. import kernels as _kernels  # backend() looked up per call (tests report another)
 from .build import KernelSpec
 from .codes import (
-    AFFINE,
-    AFFINE_CHANNEL,
-    CODEBOOK,
-    SKETCH,
-    TABLE,
-    VQ,
     VQ_MAX_TABLE,
-    CodeRecord,
     check_codes,
     code_inputs,
     float_bits,
@@ -35,6 +28,7 @@ from .codes import (
     sketch_inputs,
 )
 from .config import kernel_config
+from .records import AFFINE, AFFINE_CHANNEL, CODEBOOK, SKETCH, TABLE, VQ, CodeRecord
 
 NWARPS = 4  # warps per threadgroup (KernelConfig.decode_warps overrides: 1, 2, 4 or 8)
 

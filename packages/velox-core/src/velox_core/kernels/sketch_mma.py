@@ -32,9 +32,10 @@ import numpy as np
 
 from .. import kernels as _kernels  # backend() looked up per call (tests report another)
 from .build import KernelSpec
-from .codes import AFFINE, SKETCH, CodeRecord, check_codes, float_bits, qmul_bits, unused_input
+from .codes import check_codes, float_bits, qmul_bits, unused_input
 from .config import kernel_config
 from .mma_support import MMA_SCALE_DTYPES, mma_enabled, mma_splits
+from .records import AFFINE, SKETCH, CodeRecord
 
 __all__ = [
     "DECODE_SKETCH_MMA",
