@@ -144,29 +144,23 @@ def _kernel_sides(key_codec, q: mx.array, keys: Packed, value_codec, values: Pac
     kq, vq = _single_part(key_codec, ("mse", "prod")), _single_part(value_codec, ("mse",))
     if kq is None or vq is None or kq.dim != vq.dim or kq.dim != q.shape[-1]:
         return None
-    k, v = keys.data, values.data
-    sketch = kq.sketch is not None
-    return (
-        kq,
-        vq,
-        CodebookCodes(
-            bits=kq.mse_bits,
-            dim=kq.dim,
-            codes=k["codes"],
-            norm=k["norm"],
-            levels=kq.levels,
-            symmetric=kq.levels_symmetric,
-            signs=k["signs"] if sketch else None,
-            rnorm=k["rnorm"] if sketch else None,
-        ),
-        CodebookCodes(
-            bits=vq.mse_bits,
-            dim=vq.dim,
-            codes=v["codes"],
-            norm=v["norm"],
-            levels=vq.levels,
-            symmetric=vq.levels_symmetric,
-        ),
+    return kq, vq, _codebook_codes(kq, keys.data), _codebook_codes(vq, values.data)
+
+
+def _codebook_codes(quant, data: dict[str, mx.array]) -> CodebookCodes:
+    """One side's record for the kernels: its quantizer's codes and norms over its levels,
+    with the residual sketch's ``signs`` and ``rnorm`` where the quantizer sketches (prod
+    keys)."""
+    sketch = quant.sketch is not None
+    return CodebookCodes(
+        bits=quant.mse_bits,
+        dim=quant.dim,
+        codes=data["codes"],
+        norm=data["norm"],
+        levels=quant.levels,
+        symmetric=quant.levels_symmetric,
+        signs=data["signs"] if sketch else None,
+        rnorm=data["rnorm"] if sketch else None,
     )
 
 
