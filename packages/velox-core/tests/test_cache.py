@@ -485,3 +485,55 @@ def test_decode_steps_flush_and_grow_ahead_of_their_write(window, flush, monkeyp
     assert mx.array_equal(kk, rk).item() and mx.array_equal(vv, rv).item()
     q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(3)).astype(mx.float16)
     assert mx.array_equal(c.attend(q, 0.1), ref.attend(q, 0.1)).item()
+
+
+class _Rotated(Uniform):
+    """Uniform codes of ``R x``: a codec that stores rotated vectors (as TurboQuant does)."""
+
+    def __init__(self, seed: int = 0, **kw):
+        super().__init__(**kw)
+        from velox_core.ops import RandomizedHadamard
+
+        self.rot = RandomizedHadamard(128, seed)
+
+    def rotation(self):
+        return self.rot
+
+    def encode(self, x, positions=None):
+        return super().encode(self.rot.forward(x).astype(x.dtype), positions)
+
+    def decode(self, packed):
+        return self.rot.inverse(super().decode(packed))
+
+    def decode_as(self, packed, dtype):
+        return self.decode(packed).astype(dtype)
+
+    def decode_rotated_as(self, packed, dtype):
+        return super().decode_as(packed, dtype)
+
+
+@pytest.mark.parametrize("seeds", [(0, 0), (0, 1)])
+def test_prefill_over_rotated_codes_equals_the_decoded_tokens(seeds, monkeypatch):
+    """Tiers whose codecs share one rotation attend a prefill chunk in the rotated domain;
+    tiers with two rotations decode to the model's coordinates. Either way the result is fused
+    SDPA over the decoded tokens."""
+    from velox_core.cache.attention import decode_segments
+
+    k, v = kv_data(t=200)
+    a, b = (_Rotated(seed=s, bits=8) for s in seeds)
+    shared = seeds[0] == seeds[1]
+    if shared:
+        b.rot = a.rot
+    c = VeloxCache(tiers=[Tier(a, a, span=64), Tier(b, b)], window=8, sinks=2)
+    c.update_and_fetch(k, v)
+    q = mx.random.normal((1, 4, 32, 128), key=mx.random.key(3)).astype(mx.float16)
+    dk, dv = decode_segments(c.segments(), mx.float16)
+    want = mx.fast.scaled_dot_product_attention(q, dk, dv, scale=0.1, mask="causal")
+    rotated_back = []
+    decode = _Rotated.decode
+    monkeypatch.setattr(_Rotated, "decode", lambda s, p: rotated_back.append(1) or decode(s, p))
+    got = c.attend(q, scale=0.1, mask="causal")
+    assert bool(rotated_back) != shared  # shared: no stored token rotated back
+    assert rel_error(got, want) < 5e-3
+    with pytest.raises(TypeError, match="rotation"):
+        Uniform(bits=4).decode_rotated_as(c.segments()[1].keys, mx.float16)

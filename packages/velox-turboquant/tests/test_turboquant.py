@@ -174,6 +174,68 @@ def test_attention_reads_the_codes(bits, monkeypatch):
     assert mx.array_equal(c.attend(q, scale=0.1), want)
 
 
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("dim", [128, 100])
+def test_rotated_decode_in_the_model_dtype(bits, dim):
+    """The prefill's decode (levels looked up a byte of codes at a time) is the float32
+    rotated reconstruction, rounded once to the dtype."""
+    quant = SphereQuantizer(dim, bits, "mse", seed=3)
+    x = mx.random.normal((2, 3, 40, dim), key=mx.random.key(bits)).astype(mx.float16)
+    data = quant.encode(x, mx.float16)
+    want = quant.decode_rotated(data)
+    assert mx.array_equal(quant.decode_rotated_as(data, mx.float32), want)
+    for dtype in (mx.float16, mx.bfloat16):
+        got = quant.decode_rotated_as(data, dtype)
+        assert got.dtype == dtype and got.shape == want.shape
+        assert rel_close(got, want, dtype)
+
+
+def rel_close(got, want, dtype) -> bool:
+    """Within two roundings to ``dtype`` (levels and product) of the float32 values."""
+    eps = 2.0**-8 if dtype == mx.bfloat16 else 2.0**-11
+    return bool(mx.all(mx.abs(got.astype(mx.float32) - want) <= 2.5 * eps * mx.abs(want) + 1e-6))
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [{"bits": 4}, {"bits": 3, "key_variant": "prod"}, {"bits": 2, "value_bits": 3.5}],
+)
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_prefill_attends_in_the_rotated_domain(setting, dtype, monkeypatch):
+    """A prefill chunk over the codes, the sinks and the window equals fused SDPA over the
+    tokens decoded to the model's coordinates, without rotating a stored token back (only
+    the fractional value side, which has no single rotation, is decoded there)."""
+    from velox_core.cache.attention import decode_segments
+
+    k, v = kv_data(t=300, dtype=dtype)
+    c = TurboQuantCache(**setting, sinks=4, window=16)
+    c.update_and_fetch(k, v)
+    segments = c.segments()
+    assert len(segments) == 3  # sinks, codes, window
+    q = mx.random.normal((1, 4, 40, 128), key=mx.random.key(1)).astype(dtype)
+    mask = mx.random.uniform(shape=(40, 300), key=mx.random.key(2)) > 0.2
+    dk, dv = decode_segments(segments, mx.float32)
+    exact = mx.fast.scaled_dot_product_attention(
+        q.astype(mx.float32), dk, dv, scale=0.09, mask=mask
+    )
+    dk, dv = decode_segments(segments, dtype)
+    want = mx.fast.scaled_dot_product_attention(q, dk, dv, scale=0.09, mask=mask)
+
+    def boom(*_):
+        raise AssertionError("the prefill rotated the stored keys back")
+
+    if "value_bits" not in setting:
+        monkeypatch.setattr(SphereQuantizer, "decode", boom)
+    got = c.attend(q, scale=0.09, mask=mask)
+    assert got.dtype == dtype and got.shape == want.shape
+
+    def err(x):  # against the float32 attention over the same decoded tokens
+        return mx.sqrt(mx.mean((x.astype(mx.float32) - exact) ** 2)).item()
+
+    # the rounding to the model's dtype, in the rotated domain instead of the model's
+    assert err(got) < 1.5 * err(want) + 1e-4
+
+
 @pytest.mark.parametrize("setting", [{"bits": 4}, {"bits": 3.5}])
 def test_no_worse_than_mlx_4bit_and_no_larger(setting):
     """Attention output error on kv_data (four draws, 16 queries per head, GQA 8/2) no worse

@@ -195,6 +195,22 @@ class TurboQuant(Codec):
         b, h, gs, g, d = x.shape
         return x.reshape(b, h, gs * g, d)
 
+    def rotation(self):
+        """The rotation of an integer width's one quantizer (fractional widths rotate each
+        channel set on its own: None)."""
+        if self.fractional or not self.parts:
+            return None
+        return self.parts[0][1].rotation
+
+    def decode_rotated_as(self, packed: Packed, dtype: mx.Dtype) -> mx.array:
+        """Integer widths: the rotated reconstruction ``||x|| * y_hat`` straight in ``dtype``.
+
+        Shapes: returns ``(B, H, T, D)`` in ``dtype``.
+        """
+        if self.rotation() is None:
+            return super().decode_rotated_as(packed, dtype)
+        return self.parts[0][1].decode_rotated_as(packed.data, dtype)
+
     # -- compressed-domain attention ----------------------------------------------------------
     def scores(self, q: mx.array, packed: Packed) -> mx.array:
         """``q @ k_hat.T`` from the codes. Shapes: q ``(B, H, M, D)``; returns ``(B, H, M, T)``."""

@@ -123,6 +123,7 @@ class SphereQuantizer:
         )
         self.sketch = jl_matrix(dim, dim, derive_seed(seed, 1)) if variant == "prod" else None
         self.qjl = math.sqrt(math.pi / 2) / dim  # the QJL constant for m = dim sketch rows
+        self._byte_luts: dict[mx.Dtype, mx.array] = {}  # per dtype: _byte_levels
 
     def arrays(self) -> dict[str, mx.array]:
         """The resident arrays: rotation, codebook, sketch matrix."""
@@ -159,10 +160,19 @@ class SphereQuantizer:
             out["rnorm"] = mx.sqrt(mx.sum(r * r, axis=-1)).astype(norm_dtype)
         return out
 
-    def _levels(self, data: dict[str, mx.array]) -> mx.array | None:
+    def _levels(self, data: dict[str, mx.array], dtype: mx.Dtype = mx.float32) -> mx.array | None:
+        """The codes' levels ``(..., T, dim)`` in ``dtype`` (None without a codebook)."""
         if self.codebook is None:
             return None
-        return mx.take(self.levels, unpack(data["codes"], self.mse_bits, self.dim).astype(mx.int32))
+        if self.mse_bits not in (1, 2, 4, 8):
+            codes = unpack(data["codes"], self.mse_bits, self.dim).astype(mx.int32)
+            return mx.take(self.levels if dtype == mx.float32 else self.levels.astype(dtype), codes)
+        # one gather: each byte of the packed words indexes the levels of its 8 / bits codes
+        # (codes are packed from the least significant bit, words little-endian)
+        by = mx.view(data["codes"], mx.uint8)  # (..., T, 4 * words)
+        y = mx.take(self._byte_levels(dtype), by, axis=0)  # (..., T, 4 * words, 8 / bits)
+        y = y.reshape(*by.shape[:-1], -1)
+        return y if y.shape[-1] == self.dim else y[..., : self.dim]
 
     def _signs(self, data: dict[str, mx.array]) -> mx.array:
         return unpack(data["signs"], 1, self.dim).astype(mx.float32) * 2 - 1
@@ -179,6 +189,26 @@ class SphereQuantizer:
             z = g * (self._signs(data) @ self.sketch)
             y = z if y is None else y + z
         return y * norm
+
+    def decode_rotated_as(self, data: dict[str, mx.array], dtype: mx.Dtype) -> mx.array:
+        """:meth:`decode_rotated` in ``dtype``; ``mse`` codes look their levels up in ``dtype``
+        and scale them by the norm there, without a float32 copy of the block.
+
+        Shapes: returns ``(..., T, dim)`` in ``dtype``.
+        """
+        if self.sketch is not None:
+            return self.decode_rotated(data).astype(dtype)
+        return self._levels(data, dtype) * data["norm"].astype(dtype)[..., None]
+
+    def _byte_levels(self, dtype: mx.Dtype) -> mx.array:
+        """``(256, 8 / bits)`` in ``dtype``: the levels of the codes each byte value holds."""
+        luts = self._byte_luts
+        if dtype not in luts:
+            b = self.mse_bits
+            shifts = mx.arange(0, 8, b, dtype=mx.uint32)
+            codes = (mx.arange(256, dtype=mx.uint32)[:, None] >> shifts) & ((1 << b) - 1)
+            luts[dtype] = mx.take(self.levels, codes.astype(mx.int32)).astype(dtype)
+        return luts[dtype]
 
     def decode(self, data: dict[str, mx.array]) -> mx.array:
         """Shapes: returns float32 ``(..., T, dim)`` in the original coordinates."""

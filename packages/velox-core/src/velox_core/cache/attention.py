@@ -24,7 +24,15 @@ from ..codec.base import Codec, Packed
 from ..codec.identity import Identity
 from ..kernels import use_kernels
 
-__all__ = ["Segment", "attend", "decode_segments", "joint_attention", "merge_partials", "partial"]
+__all__ = [
+    "Segment",
+    "attend",
+    "decode_segments",
+    "joint_attention",
+    "merge_partials",
+    "partial",
+    "prefill_attention",
+]
 
 
 @dataclass
@@ -52,6 +60,52 @@ def decode_segments(segments: list[Segment], dtype: mx.Dtype) -> tuple[mx.array,
     if len(ks) == 1:
         return ks[0], vs[0]
     return mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2)
+
+
+def _shared_rotation(codecs: list[Codec]):
+    """The one rotation the rotated codecs among ``codecs`` store in, or None (none, or
+    several)."""
+    rots = [r for r in (c.rotation() for c in codecs) if r is not None]
+    return rots[0] if rots and all(r is rots[0] for r in rots) else None
+
+
+def _decode_in(codec: Codec, packed: Packed, rot, dtype: mx.Dtype) -> mx.array:
+    """``packed`` decoded in ``dtype``, in ``rot``'s domain when ``rot`` is given."""
+    if rot is None:
+        return codec.decode_as(packed, dtype)
+    if codec.rotation() is rot:
+        return codec.decode_rotated_as(packed, dtype)
+    return rot.forward(codec.decode_as(packed, dtype)).astype(dtype)
+
+
+def prefill_attention(
+    queries: mx.array, segments: list[Segment], scale: float, mask=None, sinks=None
+) -> mx.array:
+    """Fused SDPA of many query tokens over the segments decoded in the model's dtype.
+
+    Where the coded segments store rotated vectors (:meth:`Codec.rotation`, one rotation a
+    side), keys and values stay in the rotated domain: the queries are rotated, the other
+    segments' few tokens (sinks, window) are rotated to match, and the output is rotated back,
+    so no stored token is rotated back (``q . k = (R q) . (R k)``, and the inverse rotation
+    is linear in the softmax-weighted sum of values).
+
+    Shapes:
+        queries ``(B, Hq, L, Dk)``; returns ``(B, Hq, L, Dv)`` in ``queries.dtype``.
+    """
+    dtype = queries.dtype
+    rk = _shared_rotation([s.key_codec for s in segments])
+    rv = _shared_rotation([s.value_codec for s in segments])
+    if rk is None and rv is None:
+        k, v = decode_segments(segments, dtype)
+    else:
+        ks = [_decode_in(s.key_codec, s.keys, rk, dtype) for s in segments]
+        vs = [_decode_in(s.value_codec, s.values, rv, dtype) for s in segments]
+        k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
+        v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
+        if rk is not None:
+            queries = rk.forward(queries).astype(dtype)
+    out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask, sinks=sinks)
+    return out if rv is None else rv.inverse(out).astype(dtype)
 
 
 def _mask_5d(mask, b: int, h: int, r: int, lq: int, t: int) -> mx.array | None:
@@ -173,10 +227,7 @@ def attend(
     if not segments:
         raise ValueError("attend: the cache holds no tokens")
     if lq > fused_above:
-        k, v = decode_segments(segments, queries.dtype)
-        return mx.fast.scaled_dot_product_attention(
-            queries, k, v, scale=scale, mask=mask, sinks=sinks
-        )
+        return prefill_attention(queries, segments, scale, mask, sinks)
     h = segments[0].keys.data[next(iter(segments[0].keys.data))].shape[1]
     if hq % h:
         raise ValueError(f"attend: {hq} query heads is not a multiple of {h} KV heads")

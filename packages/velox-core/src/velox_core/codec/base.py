@@ -185,6 +185,28 @@ class Codec(Configured, ABC):
         """
         return self.decode(packed).astype(dtype)
 
+    def rotation(self) -> Any | None:
+        """The orthogonal rotation ``R`` this codec stores its vectors in, or None.
+
+        A codec that codes ``R x`` (``forward(x) = R x`` and ``inverse`` on ``(..., D)``)
+        returns it, so that a prefill can attend in the rotated domain: ``q . x`` is
+        ``(R q) . (R x)`` and ``sum_i p_i x_i`` is ``inverse(sum_i p_i R x_i)``, which spares
+        rotating every stored token back (:meth:`decode_rotated_as`).
+        """
+        return None
+
+    def decode_rotated_as(self, packed: Packed, dtype: mx.Dtype) -> mx.array:
+        """``R x_hat`` in ``dtype``, for the :meth:`rotation` ``R``: codecs that store rotated
+        vectors return them without the inverse rotation; this default rotates
+        :meth:`decode_as`'s output.
+
+        Shapes: returns ``(B, H, T, D)`` in ``dtype``.
+        """
+        rot = self.rotation()
+        if rot is None:
+            raise TypeError(f"{self.name}: decode_rotated_as needs a codec with a rotation")
+        return rot.forward(self.decode_as(packed, dtype)).astype(dtype)
+
     def scores(self, q: mx.array, packed: Packed) -> mx.array:
         """``q @ k_hat.T`` for grouped queries.
 
