@@ -496,7 +496,7 @@ class _Rotated(Uniform):
 
         self.rot = RandomizedHadamard(128, seed)
 
-    def rotation(self):
+    def stored_rotation(self):
         return self.rot
 
     def encode(self, x, positions=None):

@@ -169,3 +169,14 @@ def test_records_are_exported_where_the_kernels_are():
         assert getattr(dk, name) is getattr(records, name)
         assert name in dk.__all__ and name in records.__all__
     assert not hasattr(dk, "Codes") and not hasattr(codes, "Codes")
+
+
+def test_codebook_codes_for_another_head_dim_are_refused():
+    from velox_core.kernels.codes import check_codes
+
+    codes = mx.zeros((1, 1, 4, 128 * 4 // 32), mx.uint32)
+    cb = dk.CodebookCodes(bits=4, dim=128, codes=codes, norm=F16, levels=LEV)
+    check_codes("key", cb, 1, 1, 4, 128)
+    wrong = dataclasses.replace(cb, dim=96)
+    with pytest.raises(ValueError, match="head dim 96, the segment's is 128"):
+        check_codes("key", wrong, 1, 1, 4, 128)

@@ -195,7 +195,7 @@ class TurboQuant(Codec):
         b, h, gs, g, d = x.shape
         return x.reshape(b, h, gs * g, d)
 
-    def rotation(self):
+    def stored_rotation(self):
         """The rotation of an integer width's one quantizer (fractional widths rotate each
         channel set on its own: None)."""
         if self.fractional or not self.parts:
@@ -207,7 +207,7 @@ class TurboQuant(Codec):
 
         Shapes: returns ``(B, H, T, D)`` in ``dtype``.
         """
-        if self.rotation() is None:
+        if self.stored_rotation() is None:
             return super().decode_rotated_as(packed, dtype)
         return self.parts[0][1].decode_rotated_as(packed.data, dtype)
 

@@ -65,7 +65,7 @@ def decode_segments(segments: list[Segment], dtype: mx.Dtype) -> tuple[mx.array,
 def _shared_rotation(codecs: list[Codec]):
     """The one rotation the rotated codecs among ``codecs`` store in, or None (none, or
     several)."""
-    rots = [r for r in (c.rotation() for c in codecs) if r is not None]
+    rots = [r for r in (c.stored_rotation() for c in codecs) if r is not None]
     return rots[0] if rots and all(r is rots[0] for r in rots) else None
 
 
@@ -73,7 +73,7 @@ def _decode_in(codec: Codec, packed: Packed, rot, dtype: mx.Dtype) -> mx.array:
     """``packed`` decoded in ``dtype``, in ``rot``'s domain when ``rot`` is given."""
     if rot is None:
         return codec.decode_as(packed, dtype)
-    if codec.rotation() is rot:
+    if codec.stored_rotation() is rot:
         return codec.decode_rotated_as(packed, dtype)
     return rot.forward(codec.decode_as(packed, dtype)).astype(dtype)
 
@@ -83,11 +83,11 @@ def prefill_attention(
 ) -> mx.array:
     """Fused SDPA of many query tokens over the segments decoded in the model's dtype.
 
-    Where the coded segments store rotated vectors (:meth:`Codec.rotation`, one rotation a
-    side), keys and values stay in the rotated domain: the queries are rotated, the other
-    segments' few tokens (sinks, window) are rotated to match, and the output is rotated back,
-    so no stored token is rotated back (``q . k = (R q) . (R k)``, and the inverse rotation
-    is linear in the softmax-weighted sum of values).
+    Where the coded segments store rotated vectors (:meth:`Codec.stored_rotation`, one
+    rotation a side), keys and values stay in the rotated domain: the queries are rotated,
+    the other segments' few tokens (sinks, window) are rotated to match, and the output is
+    rotated back, so no stored token is rotated back (``q . k = (R q) . (R k)``, and the
+    inverse rotation is linear in the softmax-weighted sum of values).
 
     Shapes:
         queries ``(B, Hq, L, Dk)``; returns ``(B, Hq, L, Dv)`` in ``queries.dtype``.

@@ -185,7 +185,7 @@ class Codec(Configured, ABC):
         """
         return self.decode(packed).astype(dtype)
 
-    def rotation(self) -> Any | None:
+    def stored_rotation(self) -> Any | None:
         """The orthogonal rotation ``R`` this codec stores its vectors in, or None.
 
         A codec that codes ``R x`` (``forward(x) = R x`` and ``inverse`` on ``(..., D)``)
@@ -196,13 +196,13 @@ class Codec(Configured, ABC):
         return None
 
     def decode_rotated_as(self, packed: Packed, dtype: mx.Dtype) -> mx.array:
-        """``R x_hat`` in ``dtype``, for the :meth:`rotation` ``R``: codecs that store rotated
-        vectors return them without the inverse rotation; this default rotates
+        """``R x_hat`` in ``dtype``, for the :meth:`stored_rotation` ``R``: codecs that store
+        rotated vectors return them without the inverse rotation; this default rotates
         :meth:`decode_as`'s output.
 
         Shapes: returns ``(B, H, T, D)`` in ``dtype``.
         """
-        rot = self.rotation()
+        rot = self.stored_rotation()
         if rot is None:
             raise TypeError(f"{self.name}: decode_rotated_as needs a codec with a rotation")
         return rot.forward(self.decode_as(packed, dtype)).astype(dtype)

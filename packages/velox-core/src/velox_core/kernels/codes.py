@@ -279,6 +279,11 @@ def check_codes(name: str, c: CodeRecord, b: int, h: int, t: int, dim: int) -> N
             raise ValueError("decode_attention: sketch codes are for keys only")
         _check_sketch(c, b, h, t, dim)
         return
+    if kind == CODEBOOK and c.dim != dim:
+        raise ValueError(
+            f"decode_attention: {name} codebook codes are for head dim {c.dim}, the segment's "
+            f"is {dim}"
+        )
     if c.signs is not None:
         if tuple(c.signs.shape) != (b, h, t, dim // 32) or c.signs.dtype != mx.uint32:
             raise ValueError(
