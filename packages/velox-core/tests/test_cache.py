@@ -537,3 +537,19 @@ def test_prefill_over_rotated_codes_equals_the_decoded_tokens(seeds, monkeypatch
     assert rel_error(got, want) < 5e-3
     with pytest.raises(TypeError, match="rotation"):
         Uniform(bits=4).decode_rotated_as(c.segments()[1].keys, mx.float16)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_channel_codes_decode_in_the_model_dtype(bits, dtype):
+    """Per-channel codes (KIVI's keys) decode for a prefill straight in the model's dtype:
+    the float32 decode rounded to it (within a rounding of the product and of the sum)."""
+    k, _ = kv_data(t=96, dtype=mx.float16)
+    codec = Uniform(bits=bits, group=32, axis="channel")
+    packed = codec.encode(k)
+    want = codec.decode(packed)
+    got = codec.decode_as(packed, dtype)
+    assert got.dtype == dtype and got.shape == want.shape
+    eps = {mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8, mx.float32: 2.0**-23}[dtype]
+    bound = 3 * eps * (mx.abs(want) + mx.abs(packed.data["zero"]).max()) + 1e-6
+    assert bool(mx.all(mx.abs(got.astype(mx.float32) - want) <= bound))

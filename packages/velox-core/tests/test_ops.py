@@ -14,12 +14,14 @@ from velox_core.ops import (
     affine_dequantize,
     affine_quantize,
     block_size,
+    byte_table,
     fwht,
     hadamard,
     jl_matrix,
     kmeans,
     lloyd_max_gaussian,
     lloyd_max_sphere,
+    lookup,
     pack,
     packed_words,
     random_orthogonal,
@@ -145,6 +147,29 @@ def test_pack_layout_matches_mlx_quantize(bits):
     deq = mx.dequantize(wq, s, z, group_size=64, bits=bits)
     codes = mx.round((deq - mx.repeat(z, 64, axis=-1)) / mx.repeat(s, 64, axis=-1)).astype(mx.uint8)
     assert mx.array_equal(pack(codes, bits), wq)
+
+
+@settings(max_examples=40, deadline=None)
+@given(bits=st.sampled_from([1, 2, 4, 8]), n=st.integers(1, 300), seed=st.integers(0, 10**6))
+def test_lookup_reads_the_codes_a_byte_at_a_time(bits, n, seed):
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 2**bits, size=(2, 3, n)).astype(np.uint8)
+    values = mx.array(rng.normal(size=2**bits).astype(np.float32))
+    got = lookup(pack(mx.array(codes), bits), bits, n, byte_table(values, bits))
+    assert got.shape == (2, 3, n) and got.dtype == mx.float32
+    assert np.array_equal(np.array(got), np.array(values)[codes])
+
+
+def test_lookup_bad_input():
+    words = pack(mx.zeros((2, 32), dtype=mx.uint8), 4)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        byte_table(mx.zeros((8,)), 3)
+    with pytest.raises(ValueError, match=r"values must be \(16,\)"):
+        byte_table(mx.zeros((8,)), 4)
+    with pytest.raises(ValueError, match="table"):
+        lookup(words, 4, 32, mx.zeros((256, 4)))
+    with pytest.raises(ValueError, match="uint32 words"):
+        lookup(words, 4, 40, byte_table(mx.zeros((16,)), 4))
 
 
 def test_pack_bad_input():

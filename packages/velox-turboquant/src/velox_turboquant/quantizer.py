@@ -26,10 +26,13 @@ import numpy as np
 
 from velox_core.kernels.decode import levels_symmetric
 from velox_core.ops import (
+    BYTE_BITS,
     RandomizedHadamard,
     block_size,
+    byte_table,
     jl_matrix,
     lloyd_max_sphere,
+    lookup,
     pack,
     random_orthogonal,
     sign_sketch,
@@ -123,7 +126,7 @@ class SphereQuantizer:
         )
         self.sketch = jl_matrix(dim, dim, derive_seed(seed, 1)) if variant == "prod" else None
         self.qjl = math.sqrt(math.pi / 2) / dim  # the QJL constant for m = dim sketch rows
-        self._byte_luts: dict[mx.Dtype, mx.array] = {}  # per dtype: _byte_levels
+        self._byte_luts: dict[mx.Dtype, mx.array] = {}  # per dtype: the levels' byte_table
 
     def arrays(self) -> dict[str, mx.array]:
         """The resident arrays: rotation, codebook, sketch matrix."""
@@ -164,15 +167,12 @@ class SphereQuantizer:
         """The codes' levels ``(..., T, dim)`` in ``dtype`` (None without a codebook)."""
         if self.codebook is None:
             return None
-        if self.mse_bits not in (1, 2, 4, 8):
+        if self.mse_bits not in BYTE_BITS:
             codes = unpack(data["codes"], self.mse_bits, self.dim).astype(mx.int32)
             return mx.take(self.levels if dtype == mx.float32 else self.levels.astype(dtype), codes)
-        # one gather: each byte of the packed words indexes the levels of its 8 / bits codes
-        # (codes are packed from the least significant bit, words little-endian)
-        by = mx.view(data["codes"], mx.uint8)  # (..., T, 4 * words)
-        y = mx.take(self._byte_levels(dtype), by, axis=0)  # (..., T, 4 * words, 8 / bits)
-        y = y.reshape(*by.shape[:-1], -1)
-        return y if y.shape[-1] == self.dim else y[..., : self.dim]
+        if dtype not in self._byte_luts:
+            self._byte_luts[dtype] = byte_table(self.levels, self.mse_bits).astype(dtype)
+        return lookup(data["codes"], self.mse_bits, self.dim, self._byte_luts[dtype])
 
     def _signs(self, data: dict[str, mx.array]) -> mx.array:
         return unpack(data["signs"], 1, self.dim).astype(mx.float32) * 2 - 1
@@ -199,16 +199,6 @@ class SphereQuantizer:
         if self.sketch is not None:
             return self.decode_rotated(data).astype(dtype)
         return self._levels(data, dtype) * data["norm"].astype(dtype)[..., None]
-
-    def _byte_levels(self, dtype: mx.Dtype) -> mx.array:
-        """``(256, 8 / bits)`` in ``dtype``: the levels of the codes each byte value holds."""
-        luts = self._byte_luts
-        if dtype not in luts:
-            b = self.mse_bits
-            shifts = mx.arange(0, 8, b, dtype=mx.uint32)
-            codes = (mx.arange(256, dtype=mx.uint32)[:, None] >> shifts) & ((1 << b) - 1)
-            luts[dtype] = mx.take(self.levels, codes.astype(mx.int32)).astype(dtype)
-        return luts[dtype]
 
     def decode(self, data: dict[str, mx.array]) -> mx.array:
         """Shapes: returns float32 ``(..., T, dim)`` in the original coordinates."""

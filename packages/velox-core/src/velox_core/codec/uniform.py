@@ -23,7 +23,16 @@ from ..kernels import decode as _kd
 from ..kernels import encode as _ke
 from ..kernels import use_kernels
 from ..kernels.joint import JointQuery, JointRun, joint_glue, plan_joint
-from ..ops.packing import MLX_BITS, MLX_GROUPS, mlx_readable, pack, unpack
+from ..ops.packing import (
+    BYTE_BITS,
+    MLX_BITS,
+    MLX_GROUPS,
+    byte_table,
+    lookup,
+    mlx_readable,
+    pack,
+    unpack,
+)
 from ..ops.quant import AXES, affine_dequantize, affine_matmul, affine_quantize
 from ..validation import check_bits, check_choice, check_float, check_int
 from .base import Codec, Packed
@@ -64,6 +73,7 @@ class Uniform(Codec):
         self.axis = check_choice("axis", axis, AXES)
         self.clip = check_float("clip", clip, minimum=0.0, maximum=1.0, open_min=True)
         self.block = self.group if axis == "channel" else 1
+        self._byte_tables: dict[mx.Dtype, mx.array] = {}  # per dtype: byte_table of the codes
 
     def check(self, dim: int, dtype: mx.Dtype) -> None:
         if self.axis == "token" and dim % self.group:
@@ -100,6 +110,18 @@ class Uniform(Codec):
                 p["codes"], p["scale"], p["zero"], group_size=self.group, bits=self.bits
             )
             return out if out.dtype == dtype else out.astype(dtype)
+        if self.axis == "channel" and self.bits in BYTE_BITS:
+            # per-channel scales over groups of tokens: the codes' values a byte per gather,
+            # scaled in ``dtype`` (no unpacked or float32 copy of the block)
+            if dtype not in self._byte_tables:
+                values = mx.arange(1 << self.bits, dtype=mx.float32).astype(dtype)
+                self._byte_tables[dtype] = byte_table(values, self.bits)
+            d = p["scale"].shape[-1]
+            x = lookup(p["codes"], self.bits, d, self._byte_tables[dtype])  # (B, H, T, D)
+            *lead, t, _ = x.shape
+            g = x.reshape(*lead, t // self.group, self.group, d)
+            s, z = (p[n].astype(dtype)[..., None, :] for n in ("scale", "zero"))
+            return (g * s + z).reshape(x.shape)
         return super().decode_as(packed, dtype)
 
     def _mlx_layout(self) -> bool:

@@ -3,12 +3,13 @@
 from .hadamard import RandomizedHadamard, block_size, fwht, hadamard
 from .kmeans import assign, kmeans
 from .lloyd_max import Codebook, lloyd_max, lloyd_max_gaussian, lloyd_max_sphere
-from .packing import mlx_readable, pack, packed_words, unpack
+from .packing import BYTE_BITS, byte_table, lookup, mlx_readable, pack, packed_words, unpack
 from .quant import affine_dequantize, affine_matmul, affine_quantize, scale_dtype
 from .rotation import random_orthogonal
 from .sketch import jl_matrix, sign_sketch, sketch_inner
 
 __all__ = [
+    "BYTE_BITS",
     "Codebook",
     "RandomizedHadamard",
     "affine_dequantize",
@@ -16,6 +17,7 @@ __all__ = [
     "affine_quantize",
     "assign",
     "block_size",
+    "byte_table",
     "fwht",
     "hadamard",
     "jl_matrix",
@@ -23,6 +25,7 @@ __all__ = [
     "lloyd_max",
     "lloyd_max_gaussian",
     "lloyd_max_sphere",
+    "lookup",
     "mlx_readable",
     "pack",
     "packed_words",

@@ -16,7 +16,20 @@ import numpy as np
 
 from ..validation import check_array, check_bits, check_int
 
-__all__ = ["MLX_BITS", "MLX_GROUPS", "mlx_readable", "pack", "packed_words", "unpack"]
+__all__ = [
+    "BYTE_BITS",
+    "MLX_BITS",
+    "MLX_GROUPS",
+    "byte_table",
+    "lookup",
+    "mlx_readable",
+    "pack",
+    "packed_words",
+    "unpack",
+]
+
+# widths whose codes never straddle a byte: :func:`lookup` reads them a byte at a time
+BYTE_BITS = (1, 2, 4, 8)
 
 # widths and groups whose codes are laid out as MLX's affine quantization lays them out
 MLX_BITS = (2, 3, 4, 5, 6, 8)
@@ -118,3 +131,40 @@ def unpack(words: mx.array, bits: int, n: int) -> mx.array:
         hi = mx.left_shift(mx.take(words, word2, axis=-1), shift2)
         out = mx.where(straddle, out | hi, out)
     return (out & mask).astype(mx.uint8)
+
+
+def byte_table(values: mx.array, bits: int) -> mx.array:
+    """``(256, 8 / bits)``: for each byte value, ``values[code]`` of the codes it holds, lowest
+    bits first (the table :func:`lookup` reads).
+
+    Shapes: values ``(2**bits,)``; returns ``(256, 8 // bits)`` in ``values.dtype``.
+    """
+    if bits not in BYTE_BITS:
+        raise ValueError(f"byte_table: bits must be one of {BYTE_BITS}, got {bits}")
+    if tuple(values.shape) != (1 << bits,):
+        raise ValueError(f"byte_table: values must be ({1 << bits},), got {tuple(values.shape)}")
+    shifts = mx.arange(0, 8, bits, dtype=mx.uint32)
+    codes = (mx.arange(256, dtype=mx.uint32)[:, None] >> shifts) & ((1 << bits) - 1)
+    return mx.take(values, codes.astype(mx.int32))
+
+
+def lookup(words: mx.array, bits: int, n: int, table: mx.array) -> mx.array:
+    """``values[code]`` of the ``n`` codes packed in each row of ``words``, in one gather: each
+    byte of the words (little-endian) indexes its row of ``table`` (:func:`byte_table`), with
+    no unpacked copy of the codes.
+
+    Shapes: words ``(..., ceil(n*bits/32))`` uint32; returns ``(..., n)`` in ``table.dtype``.
+    """
+    if bits not in BYTE_BITS or tuple(table.shape) != (256, 8 // bits):
+        raise ValueError(
+            f"lookup: bits must be one of {BYTE_BITS} with a (256, 8 / bits) table, got {bits} "
+            f"and {tuple(table.shape)}"
+        )
+    if words.dtype != mx.uint32 or words.shape[-1] != packed_words(n, bits):
+        raise ValueError(
+            f"lookup: {n} codes of {bits} bits need {packed_words(n, bits)} uint32 words, got "
+            f"{tuple(words.shape)} {words.dtype}"
+        )
+    by = mx.view(words, mx.uint8)  # (..., 4 * words)
+    out = mx.take(table, by, axis=0).reshape(*by.shape[:-1], -1)  # (..., 32 * words / bits)
+    return out if out.shape[-1] == n else out[..., :n]
