@@ -2,6 +2,8 @@
 
     velox bench [--model PATH] [--methods SPEC ...] [--context N] [--data FILE] [--quick]
                 [--jobs N] [--json PATH] [--transfer-mapper DIR --transfer-source MODEL]
+    velox eval [--model M] [--methods SPEC ...] [--tasks T ...] [--lengths N ...] [--prompts N]
+               [--question after|inside] [--json PATH] [--chart PNG]  (the long-context suite)
     velox generate --method SPEC [--model PATH] [--prompt TEXT] [--max-tokens N]
     velox methods [--json]
     velox inspect FILE
@@ -79,6 +81,61 @@ def _parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--transfer-source", metavar="MODEL", help="the mapper's source model (see above)"
+    )
+    e = sub.add_parser(
+        "eval",
+        help="the long-context suite: RULER-style tasks (passkey, needles, variable tracking, "
+        "common words) at long lengths, every spec against fp16 on the same prompts",
+    )
+    e.add_argument(
+        "--model",
+        help="an mlx-lm directory, a .gguf file or a name (smollm2, gemma3); default: the "
+        "reference model in shared/",
+    )
+    e.add_argument(
+        "--methods",
+        nargs="+",
+        metavar="SPEC",
+        help="specs as velox bench takes them; a budget may be a share of each prompt "
+        "(snapkv:budget=25%%); default: fp16, mlx-q8, mlx-q4 and every installed method at "
+        "the --points operating points",
+    )
+    e.add_argument(
+        "--points",
+        nargs="+",
+        default=["4x", "8x"],
+        help="operating points of the default specs: 4x, 8x, 16x (default: 4x 8x)",
+    )
+    e.add_argument(
+        "--tasks",
+        nargs="+",
+        default=["passkey", "multikey", "multivalue", "multiquery", "vartrack", "cwe"],
+        help="tasks, with parameters as name:key=value (multikey:keys=8); default: all six",
+    )
+    e.add_argument(
+        "--lengths", nargs="+", type=int, default=[4096], help="prompt tokens (default 4096)"
+    )
+    e.add_argument("--prompts", type=int, default=8, help="prompts per task and length (8)")
+    e.add_argument(
+        "--question",
+        choices=("after", "inside"),
+        default="after",
+        help="after: the question comes after the compressed context (kvpress's protocol, "
+        "the default); inside: context and question are compressed together (query-aware)",
+    )
+    e.add_argument("--haystack", choices=("prose", "code", "noise"), default="prose")
+    e.add_argument("--chunk", type=int, default=2048, help="prefill chunk (default 2048)")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument(
+        "--jobs", type=int, default=0, help="worker processes (0: one per CPU core on a CPU)"
+    )
+    e.add_argument("--json", dest="json_path", metavar="PATH", help="write cells and trials")
+    e.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown")
+    e.add_argument("--chart", default="velox-eval.png", help="PNG chart path ('' for none)")
+    e.add_argument(
+        "--from-json",
+        metavar="PATH",
+        help="report an earlier run's JSON (table, markdown, chart) instead of running",
     )
     g = sub.add_parser("generate", help="mlx_lm.generate with a velox cache")
     g.add_argument("--method", default="uniform:bits=4", metavar="SPEC")
@@ -178,6 +235,69 @@ def cmd_bench(a: argparse.Namespace) -> int:
         console.print(f"markdown table written to {a.markdown}")
     if a.chart:
         chart(a.chart, rows, info)
+        console.print(f"chart written to {a.chart}")
+    return 0
+
+
+def cmd_eval(a: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .longctx import report
+    from .longctx.grid import default_specs
+    from .longctx.run import EvalSettings, aggregate, run_eval, spec_check
+
+    console = Console(width=max(150, Console().width))
+    if a.from_json:
+        trials, info = report.load_json(a.from_json)
+    else:
+        specs = [spec_check(t) for t in (a.methods or default_specs(a.points))]
+        if not any(s.text == "fp16" for s in specs):
+            specs.insert(0, spec_check("fp16"))
+        settings = EvalSettings(
+            list(a.tasks),
+            list(a.lengths),
+            a.prompts,
+            a.question,
+            a.haystack,
+            a.chunk,
+            a.seed,
+            a.jobs,
+        )
+        tasks = settings.check()
+        total = len(tasks) * len(settings.lengths) * settings.prompts
+        console.print(
+            f"velox eval: {len(specs)} specs x {len(tasks)} tasks x lengths "
+            f"{', '.join(map(str, settings.lengths))} x {settings.prompts} prompts "
+            f"({total} prompts, fp16 first on each) | question {settings.question} | "
+            f"haystack {settings.haystack}",
+            highlight=False,
+        )
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total} prompts"),
+            TimeElapsedColumn(),
+            console=console,
+        ) as prog:
+            bar = prog.add_task("loading", total=total)
+            trials, info = run_eval(
+                specs,
+                a.model,
+                settings,
+                lambda desc, n=1: prog.update(bar, description=desc, advance=n),
+            )
+        if a.json_path:
+            report.write_json(a.json_path, trials, info)
+            console.print(f"cells and trials written to {a.json_path}")
+    cells = aggregate(trials)
+    console.print(report.table(cells, info))
+    if a.markdown:
+        with open(a.markdown, "w") as f:
+            f.write(report.markdown(cells))
+        console.print(f"markdown table written to {a.markdown}")
+    if a.chart:
+        report.chart(a.chart, cells, info)
         console.print(f"chart written to {a.chart}")
     return 0
 
@@ -330,7 +450,13 @@ def cmd_transfer(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None and sys.argv[1:2] in (["bench"], ["generate"], ["serve"], ["transfer"]):
+    if argv is None and sys.argv[1:2] in (
+        ["bench"],
+        ["eval"],
+        ["generate"],
+        ["serve"],
+        ["transfer"],
+    ):
         from .blas import preload
 
         preload(sys.argv[1:])  # re-executes with OpenBLAS where MLX bundles a reference BLAS
@@ -341,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     args.rest = rest
     handler = {
         "bench": cmd_bench,
+        "eval": cmd_eval,
         "generate": cmd_generate,
         "methods": cmd_methods,
         "inspect": cmd_inspect,

@@ -13,6 +13,7 @@ the baselines through the two thin subclasses below, so bytes are those of a flo
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +36,19 @@ __all__ = [
 BASELINES = ("fp16", "mlx-q4", "mlx-q8")
 
 
-class StoredKVCache(KVCache):
+class _Stored:
+    """Deep copies (batch_generate's, the long-context suite's) share the storage dtype:
+    an ``mx.Dtype`` cannot be pickled, so the default deep copy fails on it."""
+
+    def __deepcopy__(self, memo):
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            new.__dict__[k] = v if isinstance(v, mx.Dtype) else copy.deepcopy(v, memo)
+        return new
+
+
+class StoredKVCache(_Stored, KVCache):
     """mlx-lm's KVCache keeping its tokens in ``store`` dtype, returning the model's dtype."""
 
     def __init__(self, store: mx.Dtype = mx.float16):
@@ -48,7 +61,7 @@ class StoredKVCache(KVCache):
         return k.astype(dt), v.astype(dt)
 
 
-class StoredQuantizedKVCache(QuantizedKVCache):
+class StoredQuantizedKVCache(_Stored, QuantizedKVCache):
     """mlx-lm's QuantizedKVCache quantizing ``store``-dtype tokens (so scales are float16)."""
 
     def __init__(self, group_size: int = 64, bits: int = 4, store: mx.Dtype = mx.float16):

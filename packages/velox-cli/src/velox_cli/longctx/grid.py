@@ -1,0 +1,81 @@
+"""The suite's operating points: the specs ``velox eval`` runs when none are given.
+
+Every installed method at two compression points, about 4x and about 8x fewer held bytes
+than fp16, and compositions (eviction x quantization) that reach 8x-16x; the ratio each
+reaches is measured on every prompt (``vs fp16`` in the table), never assumed. A budget is
+a share of each prompt (``budget=25%``), so eviction compresses the same at every length.
+Methods whose package is not installed are left out; ``velox eval --methods`` runs any
+other spec.
+"""
+
+from __future__ import annotations
+
+from velox_core.registry import methods
+
+__all__ = ["BASELINES", "POINTS", "default_specs"]
+
+BASELINES = ("fp16", "mlx-q8", "mlx-q4")
+
+# point -> method name -> specs (a composition is listed under its first method)
+POINTS: dict[str, dict[str, tuple[str, ...]]] = {
+    "4x": {
+        "uniform": ("uniform:bits=4",),
+        "kivi": ("kivi:bits=4,group=64,window=0",),
+        "turboquant": ("turboquant:bits=4", "turboquant:bits=3.5"),
+        "qjl": ("qjl:sketch=320,outlier_bits=8,group=128,value_bits=2,window=384",),
+        "skvq": ("skvq:bits=4,key_group=64,value_group=128,window=0,sinks=0",),
+        "kvquant": ("kvquant:bits=4",),
+        "vecinfer": ("vecinfer:bits=4,vector=2,window=32",),
+        "rabitq": ("rabitq:bits=4",),
+        "svdq": ("svdq:schedule=8-8-4-4-2-2-1-1,center=True",),
+        "agetiered": ("agetiered:recent_bits=8,middle_bits=6,old_bits=3,recent=64,middle=1216",),
+        "commvq": ("commvq:key_bits=2,value_bits=4",),
+        "palu": ("palu:ratio=0.5,bits=4",),
+        "xkv": ("xkv:layer_group=2,key_rank=192,value_rank=256",),
+        "minicache": ("minicache:t=0.5,gamma=0.05",),
+        "streamingllm": ("streamingllm:budget=25%",),
+        "snapkv": ("snapkv:budget=25%",),
+        "qfilters": ("qfilters:budget=25%",),
+        "nestedkv": ("nestedkv:budget=25%",),
+        "adakv": ("adakv:budget=25%",),
+    },
+    "8x": {
+        "uniform": ("uniform:bits=2",),
+        "kivi": ("kivi:bits=2,group=32,window=128",),
+        "turboquant": ("turboquant:bits=2", "turboquant:bits=2.5"),
+        "qjl": ("qjl:key_bits=1,value_bits=2,outlier_bits=8,group=64,window=0",),
+        "skvq": ("skvq:bits=2,key_group=64,value_group=128,window=128,sinks=5",),
+        "kvquant": ("kvquant:bits=2",),
+        "vecinfer": ("vecinfer:bits=2",),
+        "rabitq": ("rabitq:bits=2",),
+        "svdq": ("svdq:schedule=8-4-2-1-1-0-0-0",),
+        "agetiered": ("agetiered:recent_bits=8,middle_bits=4,old_bits=2,recent=64,middle=128",),
+        "streamingllm": ("streamingllm:budget=12.5%",),
+        "snapkv": (
+            "snapkv:budget=12.5%",
+            "snapkv:budget=50%+uniform:bits=4",
+            "snapkv:budget=50%+turboquant:bits=4",
+        ),
+        "qfilters": ("qfilters:budget=12.5%",),
+        "nestedkv": ("nestedkv:budget=12.5%",),
+        "adakv": ("adakv:budget=12.5%",),
+    },
+    "16x": {
+        "snapkv": ("snapkv:budget=25%+uniform:bits=4", "snapkv:budget=50%+uniform:bits=2"),
+        "streamingllm": ("streamingllm:budget=25%+uniform:bits=4",),
+    },
+}
+
+
+def default_specs(points: list[str]) -> list[str]:
+    """The baselines, then each installed method's specs at ``points`` (in that order)."""
+    bad = [p for p in points if p not in POINTS]
+    if bad:
+        raise ValueError(f"unknown operating point {bad[0]!r}; points: {', '.join(POINTS)}")
+    have = set(methods())
+    out = list(BASELINES)
+    for p in points:
+        for name, specs in POINTS[p].items():
+            if name in have:
+                out += [s for s in specs if all(m.split(":")[0] in have for m in s.split("+"))]
+    return out

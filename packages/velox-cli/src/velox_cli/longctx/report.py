@@ -1,0 +1,219 @@
+"""Tables, JSON and charts of the long-context suite (``velox eval``)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from .run import Cell, Trial, aggregate
+
+__all__ = ["chart", "columns", "markdown", "summary", "table", "write_json"]
+
+
+def columns(cells: Sequence[Cell]) -> list[tuple[str, int]]:
+    """The (task, length) pairs of the cells, in the order they appear."""
+    return list(dict.fromkeys((c.task, c.length) for c in cells))
+
+
+def summary(cells: Sequence[Cell]) -> list[dict[str, Any]]:
+    """One row per spec: bytes, ratio, accuracy per (task, length), their mean, the mean's
+    difference from fp16's, KL and top-1 over the answer tokens, prompts and errors."""
+    by_spec: dict[str, list[Cell]] = {}
+    for c in cells:
+        by_spec.setdefault(c.spec, []).append(c)
+    fp16 = {(c.task, c.length): c.accuracy for c in by_spec.get("fp16", [])}
+    rows = []
+    for spec, cs in by_spec.items():
+        ok = [c for c in cs if c.prompts]
+        mean = _mean([c.accuracy for c in ok])
+        worst = min(
+            (c.accuracy - fp16[(c.task, c.length)] for c in ok if (c.task, c.length) in fp16),
+            default=float("nan"),
+        )
+        rows.append(
+            {
+                "spec": spec,
+                "ratio": _mean([c.ratio for c in ok]),
+                "bytes_per_token": _mean([c.bytes_per_token for c in ok]),
+                "accuracy": {f"{c.task}@{c.length}": c.accuracy for c in cs},
+                "mean": mean,
+                "delta": mean - _mean([fp16.get((c.task, c.length), math.nan) for c in ok]),
+                "worst_delta": worst,
+                "kl": _mean([c.kl for c in ok]),
+                "top1": _mean([c.top1 for c in ok]),
+                "prompts": sum(c.prompts for c in cs),
+                "errors": sum(c.errors for c in cs),
+                "error": next((c.error for c in cs if c.error), None),
+            }
+        )
+    return rows
+
+
+def _mean(xs) -> float:
+    xs = [x for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _f(x: float, fmt: str = "{:.2f}") -> str:
+    return "-" if not isinstance(x, (int, float)) or not math.isfinite(x) else fmt.format(x)
+
+
+def _note(cells: Sequence[Cell]) -> str:
+    n = min((c.prompts for c in cells if c.prompts), default=0)
+    widest = max(((c.high - c.low) / 2 for c in cells if c.prompts), default=float("nan"))
+    return (
+        f"accuracy: the share of expected answers found (RULER's string match), {n}+ prompts "
+        f"per cell; the widest 95% interval (Wilson) is +-{_f(widest * 100, '{:.0f}')} "
+        "points. vs fp16: fp16's held bytes over the spec's on the same prompts. delta: "
+        "mean accuracy minus fp16's; worst: the lowest per-cell difference. KL / top-1: over "
+        "the fp16 answer's tokens, teacher-forced."
+    )
+
+
+def table(cells: Sequence[Cell], info: dict) -> Table:
+    cols = columns(cells)
+    t = Table(
+        title=f"velox eval: {Path(str(info.get('model', ''))).name} | question "
+        f"{info.get('question')} | haystack {info.get('haystack')}",
+        caption=_note(cells),
+    )
+    t.add_column("spec", no_wrap=True)
+    for name in ("vs fp16", "B/token"):
+        t.add_column(name, justify="right")
+    for task, length in cols:
+        t.add_column(f"{task}\n@{length}", justify="right")
+    for name in ("mean", "delta", "worst", "KL", "top-1"):
+        t.add_column(name, justify="right")
+    for r in summary(cells):
+        acc = [_f(r["accuracy"].get(f"{task}@{length}", math.nan)) for task, length in cols]
+        t.add_row(
+            r["spec"] + (f" ({r['errors']} errors: {r['error']})" if r["errors"] else ""),
+            _f(r["ratio"], "{:.2f}x"),
+            _f(r["bytes_per_token"], "{:,.0f}"),
+            *acc,
+            _f(r["mean"]),
+            _f(r["delta"], "{:+.2f}"),
+            _f(r["worst_delta"], "{:+.2f}"),
+            _f(r["kl"], "{:.3f}"),
+            _f(r["top1"]),
+        )
+    return t
+
+
+def markdown(cells: Sequence[Cell]) -> str:
+    cols = columns(cells)
+    head = ["spec", "vs fp16", "B/token", *[f"{t} @{n}" for t, n in cols]]
+    head += ["mean", "delta", "worst", "KL", "top-1"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in summary(cells):
+        acc = [_f(r["accuracy"].get(f"{t}@{n}", math.nan)) for t, n in cols]
+        row = [
+            f"`{r['spec']}`" + (f" ({r['errors']} errors)" if r["errors"] else ""),
+            _f(r["ratio"], "{:.2f}x"),
+            _f(r["bytes_per_token"], "{:,.0f}"),
+            *acc,
+            _f(r["mean"]),
+            _f(r["delta"], "{:+.2f}"),
+            _f(r["worst_delta"], "{:+.2f}"),
+            _f(r["kl"], "{:.3f}"),
+            _f(r["top1"]),
+        ]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n\n" + _note(cells) + "\n"
+
+
+def write_json(path: str, trials: Sequence[Trial], info: dict) -> None:
+    """``{"run": settings, "cells": [...], "trials": [...]}``: every prompt's answer kept."""
+
+    def clean(d: dict) -> dict:
+        return {
+            k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()
+        }
+
+    out = {
+        "run": info,
+        "cells": [c.to_json() for c in aggregate(list(trials))],
+        "trials": [clean(vars(t)) for t in trials],
+    }
+    Path(path).write_text(json.dumps(out, indent=1) + "\n")
+
+
+def load_json(path: str) -> tuple[list[Trial], dict]:
+    data = json.loads(Path(path).read_text())
+    trials = []
+    for d in data["trials"]:
+        d = {
+            k: (float("nan") if v is None and k in ("score", "kl", "top1") else v)
+            for k, v in d.items()
+        }
+        trials.append(Trial(**d))
+    return trials, data["run"]
+
+
+def chart(path: str, cells: Sequence[Cell], info: dict) -> None:
+    """Mean accuracy over the tasks against held bytes per token, one panel per length, one
+    line per method family (its specs by bytes), the baselines marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..chart import family
+
+    lengths = sorted({c.length for c in cells})
+    fig, axes = plt.subplots(
+        1, len(lengths), figsize=(6.5 * len(lengths), 5.2), squeeze=False, sharey=True
+    )
+    for ax, length in zip(axes[0], lengths):
+        rows = summary([c for c in cells if c.length == length])
+        fams: dict[str, list[dict]] = {}
+        for r in rows:
+            if math.isfinite(r["mean"]) and math.isfinite(r["bytes_per_token"]):
+                name = r["spec"].split(":", 1)[0] if "+" not in r["spec"] else "composition"
+                fams.setdefault(name, []).append(r)
+        for name, rs in sorted(fams.items()):
+            rs.sort(key=lambda r: r["bytes_per_token"])
+            xs = [r["bytes_per_token"] for r in rs]
+            ys = [r["mean"] for r in rs]
+            if name == "fp16" or name.startswith("mlx-q"):
+                for r in rs:
+                    ax.scatter(
+                        [r["bytes_per_token"]],
+                        [r["mean"]],
+                        marker="*",
+                        s=160,
+                        zorder=5,
+                        color="black" if name == "fp16" else "grey",
+                        label=r["spec"],
+                    )
+                continue
+            ax.plot(xs, ys, marker="o", label=f"{name} ({family(name)})")
+            for r in rs:
+                ax.annotate(
+                    r["spec"].split(":", 1)[-1][:24],
+                    (r["bytes_per_token"], r["mean"]),
+                    fontsize=6,
+                    xytext=(3, 3),
+                    textcoords="offset points",
+                )
+        ax.set_xscale("log")
+        ax.set_xlabel("held bytes per token (log)")
+        ax.set_title(f"{length:,} tokens")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("mean accuracy over tasks")
+    axes[0][0].set_ylim(-0.03, 1.03)
+    handles, labels = axes[0][-1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center right", fontsize=7)
+    model = Path(str(info.get("model", ""))).name
+    fig.suptitle(
+        f"velox eval: {model}, tasks {', '.join(info.get('tasks', []))}, question "
+        f"{info.get('question')}"
+    )
+    fig.tight_layout(rect=(0, 0, 0.8, 0.95))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

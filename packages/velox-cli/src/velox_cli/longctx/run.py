@@ -1,0 +1,386 @@
+"""Run the long-context suite: every spec on every prompt, scored against the fp16 run.
+
+For each prompt (:mod:`velox_cli.longctx.tasks`) the fp16 cache runs first: its greedy answer
+is scored and its tokens, with their log-probabilities, are the reference. Then each spec's
+caches take the same prompt:
+
+- ``question="after"`` (the default): the context is prefilled (in ``chunk``-token pieces, as
+  mlx-lm prefills) and compressed as the cache compresses it, then the question is prefilled
+  on top: the cache was compressed without knowing the question (kvpress's protocol);
+- ``question="inside"``: context and question are one prompt, prefilled and compressed
+  together, so a method that votes with the newest queries (SnapKV) sees the question.
+
+After the prompt, the caches' bytes are counted (:func:`held_bytes`), a copy of the caches
+answers greedily (``max_new`` tokens; scored by string match) and the caches themselves are
+teacher-forced along the fp16 answer: KL(fp16 || spec) and top-1 agreement over the answer
+tokens. Attention is routed to velox caches (:func:`velox_core.routed`).
+
+Specs are those of ``velox bench`` (baselines, methods, ``A+B`` compositions), and a
+``budget`` may be a share of the prompt: ``snapkv:budget=25%`` keeps a quarter of each
+prompt's tokens.
+
+The work is prompt-major: one worker process per CPU core (on MLX's CPU backend) takes whole
+prompts and runs fp16 then every spec on each, so the reference never leaves its process.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import multiprocessing
+import re
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from velox_core import routed
+
+from ..evaluate import greedy, prefill, teacher_force
+from ..specs import Spec, build_caches, parse
+from .tasks import Prompt, TaskSpec, make_prompts, parse_task
+
+__all__ = [
+    "QUESTION_MODES",
+    "Cell",
+    "EvalSettings",
+    "Trial",
+    "aggregate",
+    "held_bytes",
+    "resolve_spec",
+    "run_eval",
+    "spec_check",
+    "wilson",
+]
+
+QUESTION_MODES = ("after", "inside")
+_SHARE = re.compile(r"budget=(\d+(?:\.\d+)?)%")
+
+
+def resolve_spec(text: str, tokens: int) -> str:
+    """``text`` with every ``budget=P%`` replaced by that share of ``tokens`` (at least 16)."""
+    return _SHARE.sub(lambda m: f"budget={max(16, round(float(m.group(1)) / 100 * tokens))}", text)
+
+
+def spec_check(text: str) -> Spec:
+    """Parse and validate a suite spec (a ``budget=P%`` share needs ``0 < P <= 100``)."""
+    for m in _SHARE.finditer(text):
+        if not 0 < float(m.group(1)) <= 100:
+            raise ValueError(f"{text!r}: a budget share must be in (0, 100]%, got {m.group(0)}")
+    parse(resolve_spec(text, 4096))  # validates names and parameters
+    return Spec(text, parse(resolve_spec(text, 4096)).name)
+
+
+def held_bytes(cache: Any) -> int:
+    """Bytes of the tokens a cache holds, counted the same way for every cache class: a velox
+    cache's buffers without their unused capacity (plus fitted and policy state), and for
+    mlx-lm's ``KVCache`` / ``QuantizedKVCache`` / ``RotatingKVCache`` the slices of their
+    buffers that hold tokens (mlx-lm allocates 256 tokens at a time)."""
+    if hasattr(cache, "logical_nbytes"):
+        return int(cache.logical_nbytes)
+    keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)
+    offset = getattr(cache, "offset", None)
+    if keys is None or not isinstance(offset, int):
+        return int(getattr(cache, "nbytes", 0))
+
+    def part(x) -> int:
+        if isinstance(x, (tuple, list)):
+            return sum(part(y) for y in x)
+        n = min(offset, x.shape[-2])
+        return x[..., :n, :].nbytes
+
+    return part(keys) + part(values)
+
+
+@dataclass
+class EvalSettings:
+    """What to run: tasks, lengths, prompts per cell, where the question goes, the
+    haystack, prefill chunk, seed and worker processes (0: one per CPU core on MLX's CPU
+    backend, 1 on a GPU)."""
+
+    tasks: list[str] = field(default_factory=lambda: ["passkey"])
+    lengths: list[int] = field(default_factory=lambda: [4096])
+    prompts: int = 8
+    question: str = "after"
+    haystack: str = "prose"
+    chunk: int = 2048
+    seed: int = 0
+    jobs: int = 0
+
+    def check(self) -> list[TaskSpec]:
+        if self.question not in QUESTION_MODES:
+            raise ValueError(
+                f"question must be one of {', '.join(QUESTION_MODES)}, got {self.question!r}"
+            )
+        for name in ("prompts", "chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.lengths or any(n < 256 for n in self.lengths):
+            raise ValueError(f"lengths must be at least 256 tokens, got {self.lengths}")
+        if self.jobs < 0:
+            raise ValueError(f"jobs must be 0 (auto) or positive, got {self.jobs}")
+        return [parse_task(t) for t in self.tasks]
+
+
+@dataclass
+class Trial:
+    """One spec on one prompt."""
+
+    spec: str
+    task: str
+    length: int
+    index: int
+    depth: float
+    tokens: int
+    score: float = float("nan")
+    output: str = ""
+    kl: float = float("nan")
+    top1: float = float("nan")
+    bytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+
+def _prompt(model, caches, prompt: Prompt, mode: str, chunk: int) -> mx.array:
+    """Prefill the prompt (the question after the context's prefill, or inside it); the
+    logits of its last position."""
+    if mode == "after":
+        prefill(model, caches, prompt.context, chunk)
+        return prefill(model, caches, prompt.question, chunk)
+    return prefill(model, caches, prompt.context + prompt.question, chunk)
+
+
+def _greedy_logprobs(model, caches, logits: mx.array, n: int) -> tuple[list[int], np.ndarray]:
+    """``n`` greedy tokens and the log-probabilities that chose each (rows ``(n, V)``)."""
+    ids, rows = [], []
+    for i in range(n):
+        lp = logits.astype(mx.float32)
+        lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+        y = mx.argmax(lp, axis=-1)
+        mx.eval(lp, y)
+        rows.append(np.array(lp))
+        ids.append(int(y.item()))
+        if i + 1 < n:
+            logits = model(y[:, None], cache=caches)[:, -1]
+    return ids, np.concatenate(rows, axis=0)
+
+
+def _cut(ids: list[int], eos: set[int]) -> list[int]:
+    for i, t in enumerate(ids):
+        if t in eos:
+            return ids[:i]
+    return ids
+
+
+def run_prompt(model, tokenizer, store, prompt: Prompt, i: int, specs: list[Spec], s) -> list:
+    """fp16 then every spec on one prompt: one :class:`Trial` each (fp16 first)."""
+    eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        eos.add(tokenizer.eos_token_id)
+    base = dict(
+        task=prompt.task, length=prompt.length, index=i, depth=prompt.depth, tokens=prompt.tokens
+    )
+    t0 = time.perf_counter()
+    caches = build_caches(Spec("fp16", "fp16"), model, store)
+    with routed(model):
+        logits = _prompt(model, caches, prompt, s.question, s.chunk)
+        ref_bytes = sum(held_bytes(c) for c in caches)
+        ref_ids, ref_lp = _greedy_logprobs(model, caches, logits, prompt.max_new)
+    del caches
+    ref_ids = _cut(ref_ids, eos) or ref_ids[:1]
+    ref_lp = ref_lp[: len(ref_ids)]
+    ref_text = tokenizer.decode(ref_ids)
+    fp16 = Trial("fp16", **base, score=prompt.score(ref_text), output=ref_text, kl=0.0, top1=1.0)
+    fp16.bytes, fp16.seconds = ref_bytes, time.perf_counter() - t0
+    trials = [fp16]
+    for spec in specs:
+        if spec.text == "fp16":
+            continue
+        t = Trial(spec.text, **base)
+        t0 = time.perf_counter()
+        try:
+            caches = build_caches(parse(resolve_spec(spec.text, prompt.tokens)), model, store)
+            with routed(model):
+                logits = _prompt(model, caches, prompt, s.question, s.chunk)
+                t.bytes = sum(held_bytes(c) for c in caches)
+                twin = copy.deepcopy(caches)  # answers greedily; the caches are teacher-forced
+                out = greedy(model, twin, logits, prompt.max_new)
+                del twin
+                lp = teacher_force(model, caches, logits, ref_ids)
+            del caches
+            t.output = tokenizer.decode(_cut(out, eos))
+            t.score = prompt.score(t.output)
+            t.kl = float(np.mean(np.sum(np.exp(ref_lp) * (ref_lp - lp), axis=-1)))
+            t.top1 = float(np.mean(np.argmax(lp, axis=-1) == np.asarray(ref_ids)))
+        except Exception as e:  # one broken method must not lose the others' results
+            t.error = f"{type(e).__name__}: {e}"
+        t.seconds = time.perf_counter() - t0
+        trials.append(t)
+        mx.clear_cache()
+    return trials
+
+
+@dataclass
+class Cell:
+    """One spec on one task at one length: accuracy with its 95% interval, the share of
+    fully correct answers, KL and top-1 over the answer tokens against fp16, bytes."""
+
+    spec: str
+    task: str
+    length: int
+    prompts: int
+    accuracy: float
+    low: float
+    high: float
+    exact: float
+    kl: float
+    top1: float
+    bytes: float
+    bytes_per_token: float
+    ratio: float  # fp16's held bytes / this spec's, on the same prompts
+    tokens: float
+    seconds: float
+    errors: int = 0
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in asdict(self).items()
+        }
+
+
+def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson's 95% score interval for a share ``p`` of ``n`` trials."""
+    if n == 0 or not math.isfinite(p):
+        return float("nan"), float("nan")
+    d = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / d
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return max(0.0, mid - half), min(1.0, mid + half)
+
+
+def aggregate(trials: list[Trial]) -> list[Cell]:
+    """Cells (spec, task, length) from trials, in the order specs first appear."""
+    groups: dict[tuple[str, str, int], list[Trial]] = {}
+    for t in trials:
+        groups.setdefault((t.spec, t.task, t.length), []).append(t)
+    ref = {(k[1], k[2], t.index): t.bytes for k, ts in groups.items() if k[0] == "fp16" for t in ts}
+    cells = []
+    for (spec, task, length), ts in groups.items():
+        ok = [t for t in ts if t.error is None]
+        errors = len(ts) - len(ok)
+        acc = float(np.mean([t.score for t in ok])) if ok else float("nan")
+        lo, hi = wilson(acc, len(ok))
+        ratios = [ref[(task, length, t.index)] / t.bytes for t in ok if t.bytes]
+        cells.append(
+            Cell(
+                spec,
+                task,
+                length,
+                len(ok),
+                acc,
+                lo,
+                hi,
+                float(np.mean([t.score == 1.0 for t in ok])) if ok else float("nan"),
+                float(np.mean([t.kl for t in ok])) if ok else float("nan"),
+                float(np.mean([t.top1 for t in ok])) if ok else float("nan"),
+                float(np.mean([t.bytes for t in ok])) if ok else float("nan"),
+                float(np.mean([t.bytes / t.tokens for t in ok])) if ok else float("nan"),
+                float(np.mean(ratios)) if ratios else float("nan"),
+                float(np.mean([t.tokens for t in ts])),
+                float(np.sum([t.seconds for t in ts])),
+                errors,
+                next((t.error for t in ts if t.error), None),
+            )
+        )
+    return cells
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _worker_init(path: str) -> None:
+    from ..bench import load_model
+
+    model, tokenizer, store, _ = load_model(path)
+    _WORKER.update(model=model, tokenizer=tokenizer, store=store)
+
+
+def _worker_run(prompt: Prompt, i: int, specs: list[Spec], s: EvalSettings) -> list[Trial]:
+    w = _WORKER
+    return run_prompt(w["model"], w["tokenizer"], w["store"], prompt, i, specs, s)
+
+
+def run_eval(
+    specs: list[Spec],
+    model_path: str | None,
+    settings: EvalSettings,
+    progress: Callable[[str, int], None] | None = None,
+) -> tuple[list[Trial], dict]:
+    """Every spec on every prompt of every task and length. ``progress(description,
+    advance)`` is called as prompts complete. Returns the trials and the run's settings."""
+    from ..bench import _usable_cpus, load_model
+
+    tasks = settings.check()
+    tick = progress or (lambda desc, n=1: None)
+    model, tokenizer, store, path = load_model(model_path)
+    work = []
+    for length in settings.lengths:
+        for task in tasks:
+            ps = make_prompts(
+                tokenizer,
+                task,
+                length,
+                settings.prompts,
+                haystack=settings.haystack,
+                seed=settings.seed,
+            )
+            work += [(p, i) for i, p in enumerate(ps)]
+    from velox_core.kernels import backend
+
+    jobs = settings.jobs or (min(_usable_cpus(), len(work)) if backend() == "cpu" else 1)
+    trials: list[Trial] = []
+    t_start = time.perf_counter()
+    if jobs <= 1:
+        for p, i in work:
+            tick(f"{p.task} @ {p.length} #{i}", 0)
+            trials += run_prompt(model, tokenizer, store, p, i, specs, settings)
+            tick(f"{p.task} @ {p.length} #{i}", 1)
+    else:
+        del model
+        with ProcessPoolExecutor(
+            jobs,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_worker_init,
+            initargs=(str(path),),
+        ) as pool:
+            todo = {pool.submit(_worker_run, p, i, specs, settings): (p, i) for p, i in work}
+            while todo:
+                done, _ = wait(todo, return_when=FIRST_COMPLETED)
+                for f in done:
+                    p, i = todo.pop(f)
+                    trials += f.result()
+                    tick(f"{p.task} @ {p.length} #{i}", 1)
+    info = {
+        "model": str(path),
+        "backend": backend(),
+        "tasks": [t.label for t in tasks],
+        "lengths": list(settings.lengths),
+        "prompts": settings.prompts,
+        "question": settings.question,
+        "haystack": settings.haystack,
+        "chunk": settings.chunk,
+        "seed": settings.seed,
+        "jobs": jobs,
+        "storage_dtype": None if store is None else str(store),
+        "seconds": round(time.perf_counter() - t_start, 1),
+        "specs": [s.text for s in specs],
+    }
+    order = {t: k for k, t in enumerate(["fp16", *[s.text for s in specs]])}
+    trials.sort(key=lambda t: (t.length, t.task, t.index, order.get(t.spec, 0)))
+    return trials, info

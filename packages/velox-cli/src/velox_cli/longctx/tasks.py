@@ -1,0 +1,483 @@
+"""The long-context tasks: RULER-style prompts generated offline from a seed.
+
+Each task hides facts ("needles") in a haystack of ``length`` tokens and asks for them at
+the end; a model answers greedily after an answer prefix and is scored by string match, as
+RULER scores (arXiv 2404.06654): the share of the expected strings found in the answer (one
+string for the single-answer tasks, so 1 or 0: exact match). The haystacks ship with
+velox-cli (``haystack/prose.txt.gz``: CPython's documentation prose; ``code.txt.gz``:
+standard-library modules; ``tools/make_haystacks.py`` makes them), or are RULER's repeated
+"noise" sentences, so every machine builds the same prompts from the same seed and tokenizer.
+
+Tasks (``name`` or ``name:key=value,...``, like method specs):
+
+- ``passkey``: one pass key (``digits`` digits) at a depth, asked at the end (the passkey
+  test of Mohtashami and Jaggi, RULER's niah_single).
+- ``multikey``: ``keys`` needles "One of the special magic numbers for KEY is: N." with
+  distinct keys; one is asked, the others are distractors (niah_multikey).
+- ``multivalue``: one key with ``values`` numbers at spread depths; all are asked
+  (niah_multivalue).
+- ``multiquery``: ``keys`` needles, ``queries`` of them asked at once (niah_multiquery).
+- ``vartrack``: a chain of ``hops`` assignments ``VAR B = VAR A`` from ``VAR A = N`` spread
+  through the context, plus ``chains - 1`` distractor chains; every variable holding N is
+  asked (RULER's variable tracking).
+- ``cwe``: aggregation: a numbered list of words in which ``common`` words appear ``freq``
+  times and the rest ``rare`` times, after one solved example (RULER's common-words
+  extraction, few-shot).
+
+The depth of the asked needle runs evenly from 0 to 1 over a task's prompts; everything else
+(haystack offset, keys, values, distractor depths) comes from the seed.
+
+A prompt is cut in two: ``context`` (instruction and haystack with its needles) and
+``question`` (the question and the answer prefix). Where the question goes is the
+evaluation's choice (:mod:`velox_cli.longctx.run`): after the compressed context (the cache is
+compressed without knowing the question, kvpress's protocol) or inside the prompt the cache
+compresses (query-aware: a method such as SnapKV votes with the question's queries).
+"""
+
+from __future__ import annotations
+
+import gzip
+import re
+from dataclasses import dataclass, field
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "HAYSTACKS",
+    "TASKS",
+    "Prompt",
+    "TaskSpec",
+    "make_prompts",
+    "parse_task",
+    "score",
+]
+
+HAYSTACKS = ("prose", "code", "noise")
+
+# name -> (parameter defaults); parse_task validates against these
+TASKS: dict[str, dict[str, Any]] = {
+    "passkey": {"digits": 5},
+    "multikey": {"keys": 4, "digits": 6},
+    "multivalue": {"values": 4, "digits": 6},
+    "multiquery": {"keys": 4, "queries": 2, "digits": 6},
+    "vartrack": {"hops": 2, "chains": 1, "digits": 5},
+    "cwe": {"common": 3, "freq": 12, "rare": 2},
+}
+_LIMITS = {  # parameter -> (lowest, highest) allowed
+    "digits": (3, 9),
+    "keys": (1, 32),
+    "values": (1, 16),
+    "queries": (1, 16),
+    "hops": (1, 16),
+    "chains": (1, 8),
+    "common": (1, 20),
+    "freq": (2, 200),
+    "rare": (1, 50),
+}
+
+# Keys and distractor words: short, common, single-token-ish English words.
+_WORDS = (  # noqa: SIM905 - a word list reads better as one string
+    "apple anchor arrow autumn badge bamboo banner basket beacon berry blanket blossom bottle "
+    "breeze bridge bucket butter cabin cactus camera candle canvas canyon carpet castle cedar "
+    "chalk cherry circle citrus clover cobalt comet copper coral cotton crystal dagger daisy "
+    "desert dolphin dragon eagle ember engine falcon feather fiddle forest fossil garden garlic "
+    "ginger glacier hammer harbor hazel helmet honey island ivory jacket jungle kettle ladder "
+    "lantern lemon lizard magnet mango maple marble meadow mirror monkey needle nickel oasis "
+    "olive orbit otter paddle panda pepper pillow planet pocket quartz rabbit raven ribbon "
+    "rocket saddle salmon silver socket spider spring summer sunset tiger timber tomato tunnel "
+    "turtle velvet violet walnut whistle willow window winter yellow zebra"
+).split()
+_NOISE = (
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+)
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """A parsed task: its name and every parameter (defaults filled in)."""
+
+    name: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        own = {k: v for k, v in self.params.items() if TASKS[self.name][k] != v}
+        return self.name + (":" + ",".join(f"{k}={v}" for k, v in own.items()) if own else "")
+
+
+def parse_task(text: str) -> TaskSpec:
+    """``name`` or ``name:key=value,...``; unknown names, parameters or values raise
+    ``ValueError`` naming what is allowed."""
+    name, _, rest = text.strip().partition(":")
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; tasks: {', '.join(TASKS)}")
+    params = dict(TASKS[name])
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in params:
+            allowed = ", ".join(f"{k}=" for k in TASKS[name]) or "none"
+            raise ValueError(f"task {name}: bad parameter {item!r}; parameters: {allowed}")
+        try:
+            v = int(value)
+        except ValueError:
+            raise ValueError(f"task {name}: {key} must be an integer, got {value!r}") from None
+        lo, hi = _LIMITS[key]
+        if not lo <= v <= hi:
+            raise ValueError(f"task {name}: {key} must be in [{lo}, {hi}], got {v}")
+        params[key] = v
+    if name == "multiquery" and params["queries"] > params["keys"]:
+        raise ValueError(
+            f"task multiquery: queries ({params['queries']}) cannot exceed keys ({params['keys']})"
+        )
+    return TaskSpec(name, params)
+
+
+@dataclass
+class Prompt:
+    """One trial: the context and question as token ids, the expected strings, where the
+    asked needle sits (0: start of the haystack, 1: its end) and the haystack's name."""
+
+    task: str
+    length: int  # the target length in tokens (context + question)
+    context: list[int]
+    question: list[int]
+    answers: list[str]
+    depth: float
+    haystack: str
+    max_new: int  # greedy tokens to decode for the answer
+    text: str = ""  # the whole prompt as text (context + question)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.context) + len(self.question)
+
+    def score(self, output: str) -> float:
+        return score(output, self.answers)
+
+
+def score(output: str, answers: list[str]) -> float:
+    """RULER's ``string_match_all``: the share of ``answers`` found in ``output`` (case
+    ignored). Numbers must stand alone (``12345`` is not found in ``123456``)."""
+    low = output.lower()
+    hits = 0
+    for a in answers:
+        pat = re.escape(a.lower())
+        if a.isdigit():
+            pat = rf"(?<!\d){pat}(?!\d)"
+        hits += re.search(pat, low) is not None
+    return hits / len(answers)
+
+
+@cache
+def haystack_text(name: str) -> str:
+    """The text of a shipped haystack (``prose`` or ``code``), or the repeated noise."""
+    if name == "noise":
+        return _NOISE * 2000
+    if name not in HAYSTACKS:
+        raise ValueError(f"unknown haystack {name!r}; haystacks: {', '.join(HAYSTACKS)}")
+    data = resources.files("velox_cli.longctx").joinpath("haystack", f"{name}.txt.gz")
+    return gzip.decompress(data.read_bytes()).decode("utf-8")
+
+
+def _units(name: str) -> list[str]:
+    """The haystack cut where a needle may go: sentences of prose and noise, lines of code."""
+    text = haystack_text(name)
+    if name == "code":
+        return [line + "\n" for line in text.split("\n")]
+    return [s for s in re.split(r"(?<=[.!?])(\s+)", text) if s]
+
+
+class _Builder:
+    """Token counts of haystack units, for cutting a haystack of a given token length."""
+
+    def __init__(self, tokenizer, haystack: str):
+        self.tok = tokenizer
+        self.name = haystack
+        self.units = _units(haystack)
+        self.counts = np.array(
+            [len(self.enc(u)) for u in self.units] if haystack != "noise" else [], dtype=np.int64
+        )
+        if haystack == "noise":
+            n = len(self.enc(self.units[0] + self.units[1])) / 2
+            self.counts = np.full(len(self.units), max(1, round(n / 2)), dtype=np.int64)
+
+    def enc(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def take(self, tokens: int, rng: np.random.Generator) -> list[str]:
+        """Consecutive units (wrapping around) from a seeded start, about ``tokens`` long."""
+        start = int(rng.integers(0, len(self.units)))
+        out, n, i = [], 0, start
+        while n < tokens:
+            out.append(self.units[i % len(self.units)])
+            n += int(self.counts[i % len(self.units)])
+            i += 1
+        return out
+
+
+def _join(units: list[str], needles: list[tuple[float, str]], sep: str) -> str:
+    """Units with each needle inserted at its depth (a fraction of the unit boundaries)."""
+    slots: dict[int, list[str]] = {}
+    for depth, text in needles:
+        at = min(len(units), max(0, round(depth * len(units))))
+        slots.setdefault(at, []).append(text)
+    out = []
+    for i in range(len(units) + 1):
+        for text in slots.get(i, []):
+            out.append(sep + text + sep)
+        if i < len(units):
+            out.append(units[i])
+    return "".join(out)
+
+
+def _number(rng: np.random.Generator, digits: int, taken: set[str]) -> str:
+    while True:
+        v = str(int(rng.integers(10 ** (digits - 1), 10**digits)))
+        if v not in taken:
+            taken.add(v)
+            return v
+
+
+def _keys(rng: np.random.Generator, n: int) -> list[str]:
+    picks = rng.choice(len(_WORDS), size=(n, 2), replace=True)
+    out: list[str] = []
+    for a, b in picks:
+        k = f"{_WORDS[a]}-{_WORDS[b]}"
+        while k in out or a == b:
+            a, b = rng.choice(len(_WORDS), size=2, replace=False)
+            k = f"{_WORDS[a]}-{_WORDS[b]}"
+        out.append(k)
+    return out
+
+
+def _var_names(rng: np.random.Generator, n: int) -> list[str]:
+    letters = np.array(list("ABCDEFGHIJKLMNOPQRSTUVWXYZ"))
+    out: list[str] = []
+    while len(out) < n:
+        name = "".join(rng.choice(letters, size=5))
+        if name not in out:
+            out.append(name)
+    return out
+
+
+_MAGIC = "One of the special magic numbers for {key} is: {value}."
+_INTRO = {
+    "passkey": "There is an important piece of information hidden inside a lot of irrelevant "
+    "text. Find it and memorize it. I will quiz you about it afterwards.",
+    "multikey": "Some special magic numbers are hidden within the following text. Make sure "
+    "to memorize them. I will quiz you about the numbers afterwards.",
+    "vartrack": "Memorize and track the chain(s) of variable assignment hidden in the "
+    "following text.",
+}
+_INTRO["multivalue"] = _INTRO["multiquery"] = _INTRO["multikey"]
+
+
+def _needles(task: TaskSpec, depth: float, rng: np.random.Generator):
+    """The needles ``[(depth, text)]``, the question, the expected strings and their length
+    in characters (for the decode budget) of one prompt."""
+    p = task.params
+    taken: set[str] = set()
+    if task.name == "passkey":
+        v = _number(rng, p["digits"], taken)
+        needle = f"The pass key is {v}. Remember it. {v} is the pass key."
+        return [(depth, needle)], "What is the pass key? The pass key is", [v]
+    if task.name in ("multikey", "multiquery"):
+        keys = _keys(rng, p["keys"])
+        values = [_number(rng, p["digits"], taken) for _ in keys]
+        asked = 1 if task.name == "multikey" else p["queries"]
+        depths = [depth] + [float(d) for d in rng.uniform(0, 1, size=len(keys) - 1)]
+        if asked > 1:  # the asked needles: the first at `depth`, the others spread from it
+            depths[:asked] = [(depth + i / asked) % 1.0 for i in range(asked)]
+        needles = [(d, _MAGIC.format(key=k, value=v)) for d, k, v in zip(depths, keys, values)]
+        if task.name == "multikey":
+            k = keys[0]
+            q = (
+                f"What is the special magic number for {k} mentioned in the provided text? "
+                f"The special magic number for {k} mentioned in the provided text is"
+            )
+            return needles, q, [values[0]]
+        ks = " and ".join(keys[:asked]) if asked <= 2 else ", ".join(keys[:asked])
+        q = (
+            f"What are the special magic numbers for {ks} mentioned in the provided text? "
+            f"The special magic numbers for {ks} mentioned in the provided text are"
+        )
+        return needles, q, values[:asked]
+    if task.name == "multivalue":
+        (k,) = _keys(rng, 1)
+        values = [_number(rng, p["digits"], taken) for _ in range(p["values"])]
+        n = p["values"]
+        depths = [(depth + i / n) % 1.0 for i in range(n)]
+        needles = [(d, _MAGIC.format(key=k, value=v)) for d, v in zip(depths, values)]
+        q = (
+            f"What are all the special magic numbers for {k} mentioned in the provided text? "
+            f"The special magic numbers for {k} mentioned in the provided text are"
+        )
+        return needles, q, values
+    if task.name == "vartrack":
+        hops, chains = p["hops"], p["chains"]
+        names = _var_names(rng, (hops + 1) * chains)
+        values = [_number(rng, p["digits"], taken) for _ in range(chains)]
+        needles = []
+        for c in range(chains):
+            chain = names[c * (hops + 1) : (c + 1) * (hops + 1)]
+            start = depth if c == 0 else float(rng.uniform(0, 1))
+            span = (1.0 - start) if start < 1.0 else 0.0
+            for j, name in enumerate(chain):
+                d = start + span * j / (hops + 1)
+                text = (
+                    f"VAR {name} = {values[c]}." if j == 0 else f"VAR {name} = VAR {chain[j - 1]}."
+                )
+                needles.append((d, text))
+        asked = names[: hops + 1]
+        q = (
+            f"Question: Find all variables that are assigned the value {values[0]} in the text "
+            f"above. Answer: According to the chain(s) of variable assignment in the text "
+            f"above, {hops + 1} variables are assigned the value {values[0]}, they are:"
+        )
+        return needles, q, asked
+    raise AssertionError(task.name)
+
+
+def _cwe(tokenizer, task: TaskSpec, length: int, rng: np.random.Generator):
+    """The common-words prompt: one solved example, then a list of words whose rare words
+    fill the prompt to about ``length`` tokens (bisection over their count)."""
+    p = task.params
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    intro = (
+        "Below is a numbered list of words. In these words, some appear more often than "
+        "others. Memorize the ones that appear most often."
+    )
+    order_seed = int(rng.integers(0, 2**31))
+
+    def listing(rare: list[str], common: list[str], seed: int) -> str:
+        items = [w for w in common for _ in range(p["freq"])]
+        items += [w for w in rare for _ in range(p["rare"])]
+        order = np.random.default_rng(seed).permutation(len(items))
+        return "\n".join(f"{i + 1}. {items[j]}" for i, j in enumerate(order))
+
+    def question(n: int) -> str:
+        return (
+            f"Question: What are the {n} most common words in the above list? Answer: The "
+            f"top {n} words that appear most often in the list are:"
+        )
+
+    k = p["common"]
+    perm = [_WORDS[i] for i in rng.permutation(len(_WORDS))]
+    ex_common, ex_rare, common = perm[:k], perm[k : k + 8], perm[k + 8 : 2 * k + 8]
+    example = f"{intro}\n{listing(ex_rare, ex_common, order_seed + 1)}\n{question(k)} "
+    example += ", ".join(ex_common) + ".\n\n"
+    pool = [w for w in _WORDS if w not in common and w not in ex_common]
+    pool = [pool[i] for i in rng.permutation(len(pool))]
+
+    def context(n: int) -> str:
+        rare = [
+            pool[i % len(pool)] + ("" if i < len(pool) else str(i // len(pool))) for i in range(n)
+        ]
+        return f"{example}{intro}\n{listing(rare, common, order_seed)}\n"
+
+    budget = length - len(enc("\n\n" + question(k)))
+    lo, hi = 0, max(1, length // max(1, p["rare"]))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(enc(context(mid))) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    if len(enc(context(lo))) > budget:
+        raise ValueError(
+            f"task {task.label}: {length} tokens cannot hold its example and common words; "
+            "give a longer length or fewer common words (common=, freq=)"
+        )
+    return context(lo), question(k), common
+
+
+def make_prompts(
+    tokenizer,
+    task: TaskSpec | str,
+    length: int,
+    n: int,
+    *,
+    haystack: str = "prose",
+    seed: int = 0,
+) -> list[Prompt]:
+    """``n`` prompts of about ``length`` tokens (context and question together, BOS
+    included), the asked needle's depth running evenly over ``[0, 1]``."""
+    if isinstance(task, str):
+        task = parse_task(task)
+    if n < 1:
+        raise ValueError(f"prompts per cell must be positive, got {n}")
+    if length < 256:
+        raise ValueError(f"length must be at least 256 tokens, got {length}")
+    if haystack not in HAYSTACKS:
+        raise ValueError(f"unknown haystack {haystack!r}; haystacks: {', '.join(HAYSTACKS)}")
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    bos = [] if getattr(tokenizer, "bos_token_id", None) is None else [tokenizer.bos_token_id]
+    if bos and not _adds_bos(tokenizer):
+        bos = []
+    rng = np.random.default_rng([seed, length, sum(map(ord, task.label))])
+    builder = None if task.name == "cwe" else _Builder(tokenizer, haystack)
+    out = []
+    for i in range(n):
+        depth = i / (n - 1) if n > 1 else 0.5
+        if task.name == "cwe":
+            ctx_text, q_text, answers = _cwe(tokenizer, task, length, rng)
+            source = "words"
+        else:
+            needles, q_text, answers = _needles(task, depth, rng)
+            intro = _INTRO[task.name]
+            fixed = len(enc(intro + "\n\n" + "\n\n" + q_text)) + len(bos)
+            fixed += sum(len(enc(" " + t + " ")) for _, t in needles)
+            if fixed >= length - 32:
+                raise ValueError(
+                    f"task {task.label}: {length} tokens cannot hold its needles and question "
+                    f"({fixed} tokens); give a longer length"
+                )
+            units = builder.take(max(1, (length - fixed) * 5 // 4 + 64), rng)
+            units = _fit(builder, units, length - fixed)
+            sep = "\n" if haystack == "code" else " "
+            body = _join(units, needles, sep)
+            ctx_text = intro + "\n\n" + body
+            source = haystack
+        context = bos + enc(ctx_text)
+        question = enc("\n\n" + q_text)
+        answer_chars = sum(len(a) + 2 for a in answers)
+        max_new = len(enc(" " + ", ".join(answers) + ".")) + 4 + answer_chars // 16
+        out.append(
+            Prompt(
+                task.label,
+                length,
+                context,
+                question,
+                list(answers),
+                depth,
+                source,
+                max_new,
+                ctx_text + "\n\n" + q_text,
+            )
+        )
+    return out
+
+
+def _fit(builder: _Builder, units: list[str], tokens: int) -> list[str]:
+    """The longest run ``units[:k]`` whose joined text holds at most ``tokens`` tokens
+    (bisection: a unit's tokens alone differ from its tokens in context)."""
+    lo, hi = 1, len(units)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(builder.enc("".join(units[:mid]))) <= tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    return units[:lo]
+
+
+def _adds_bos(tokenizer) -> bool:
+    """Whether the tokenizer adds BOS to an encoded text (the model was trained so)."""
+    try:
+        ids = tokenizer.encode("a")
+    except Exception:  # a tokenizer that cannot tell: add none
+        return False
+    return bool(ids) and ids[0] == tokenizer.bos_token_id

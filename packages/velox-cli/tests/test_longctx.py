@@ -1,0 +1,260 @@
+"""The long-context suite: task generation, scoring, byte counting, and ``velox eval``'s
+small version on the reference model (one short task, a few prompts)."""
+
+import json
+import re
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+
+from velox_cli.data import find_shared
+from velox_cli.longctx.grid import POINTS, default_specs
+from velox_cli.longctx.run import (
+    EvalSettings,
+    Trial,
+    aggregate,
+    held_bytes,
+    resolve_spec,
+    spec_check,
+    wilson,
+)
+from velox_cli.longctx.tasks import TASKS, make_prompts, parse_task, score
+from velox_cli.main import main
+from velox_core import make_cache
+from velox_core.registry import make
+from velox_core.testing.models import _tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return _tokenizer()
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+@pytest.mark.parametrize("haystack", ["prose", "code", "noise"])
+def test_prompts_have_the_length_asked_and_hold_every_answer(tok, task, haystack):
+    n = 2048 if task == "cwe" else 1024  # its solved example takes ~1,000 bytes
+    ps = make_prompts(tok, task, n, 3, haystack=haystack, seed=1)
+    assert [p.depth for p in ps] == [0.0, 0.5, 1.0]
+    for p in ps:
+        assert n * 0.8 <= p.tokens <= n + 8, p.tokens  # whole sentences or lines
+        ctx = tok.decode(p.context)
+        for a in p.answers:  # every expected string is in the context, the question ends it
+            assert a in ctx
+        assert p.text.endswith(tok.decode(p.question).lstrip("\n")) or p.question
+        assert p.max_new >= 4
+
+
+def test_prompts_are_seeded_and_differ_by_seed(tok):
+    a = make_prompts(tok, "multikey", 1024, 2, seed=3)
+    b = make_prompts(tok, "multikey", 1024, 2, seed=3)
+    c = make_prompts(tok, "multikey", 1024, 2, seed=4)
+    assert [p.context for p in a] == [p.context for p in b]
+    assert [p.answers for p in a] != [p.answers for p in c]
+
+
+def test_needle_depth_moves_the_needle(tok):
+    first, last = make_prompts(tok, "passkey", 2048, 2)
+    v0, v1 = first.answers[0], last.answers[0]
+    assert first.text.index(v0) < len(first.text) * 0.1
+    assert last.text.index(v1) > len(last.text) * 0.8
+
+
+def test_multikey_asks_one_key_among_distractors(tok):
+    (p,) = make_prompts(tok, "multikey:keys=5", 1024, 1)
+    assert len(re.findall(r"special magic numbers for [a-z]+-[a-z]+ is", p.text)) == 5
+    assert len(p.answers) == 1
+
+
+def test_vartrack_chain_leads_to_the_value(tok):
+    (p,) = make_prompts(tok, "vartrack:hops=3,chains=2", 1024, 1)
+    assigns = dict(re.findall(r"VAR ([A-Z]+) = (VAR [A-Z]+|\d+)\.", p.text))
+    assert len(assigns) == 8
+    for name in p.answers:  # every asked variable resolves to the asked value
+        v = assigns[name]
+        while v.startswith("VAR "):
+            v = assigns[v[4:]]
+        assert f"value {v} " in p.text
+
+
+def test_cwe_answers_are_the_most_frequent_words(tok):
+    (p,) = make_prompts(tok, "cwe:common=3,freq=10,rare=2", 2048, 1)
+    listing = p.text.rsplit("Memorize the ones that appear most often.", 1)[1]
+    words = re.findall(r"^\d+\. (\w+)$", listing, flags=re.M)
+    counts = {w: words.count(w) for w in set(words)}
+    top = sorted(counts, key=lambda w: -counts[w])[:3]
+    assert sorted(top) == sorted(p.answers)
+    assert all(counts[w] == 10 for w in p.answers)
+
+
+@pytest.mark.parametrize(
+    "text, msg",
+    [
+        ("needle", "unknown task"),
+        ("passkey:keys=3", "bad parameter"),
+        ("multikey:keys=x", "must be an integer"),
+        ("passkey:digits=1", "must be in"),
+        ("multiquery:keys=2,queries=3", "cannot exceed"),
+    ],
+)
+def test_bad_tasks_are_refused(text, msg):
+    with pytest.raises(ValueError, match=msg):
+        parse_task(text)
+
+
+def test_a_length_too_short_for_the_task_is_refused(tok):
+    with pytest.raises(ValueError, match="cannot hold"):
+        make_prompts(tok, "cwe", 512, 1)
+    with pytest.raises(ValueError, match="cannot hold"):
+        make_prompts(tok, "multivalue:values=16,digits=9", 256, 1)
+
+
+def test_score_is_rulers_string_match():
+    assert score("The pass key is 12345.", ["12345"]) == 1.0
+    assert score("123456", ["12345"]) == 0.0  # a number must stand alone
+    assert score("111, 333", ["111", "222", "333", "444"]) == 0.5
+    assert score("Apple and PEAR", ["apple", "pear"]) == 1.0
+
+
+def test_budget_shares_resolve_per_prompt():
+    assert resolve_spec("snapkv:budget=25%", 4000) == "snapkv:budget=1000"
+    assert resolve_spec("snapkv:budget=50%+uniform:bits=4", 1000) == (
+        "snapkv:budget=500+uniform:bits=4"
+    )
+    assert resolve_spec("uniform:bits=4", 1000) == "uniform:bits=4"
+    with pytest.raises(ValueError, match="budget share"):
+        spec_check("snapkv:budget=0%")
+    with pytest.raises(ValueError):
+        spec_check("nosuchmethod:bits=4")
+
+
+def test_default_specs_are_valid_and_cover_each_point():
+    specs = default_specs(["4x", "8x", "16x"])
+    assert specs[:3] == ["fp16", "mlx-q8", "mlx-q4"]
+    for s in specs:
+        spec_check(s)
+    assert "uniform:bits=4" in specs and "uniform:bits=2" in specs
+    assert set(POINTS) == {"4x", "8x", "16x"}
+    with pytest.raises(ValueError, match="operating point"):
+        default_specs(["3x"])
+
+
+def test_held_bytes_counts_every_cache_class_by_its_tokens():
+    k = mx.random.normal((1, 2, 300, 64)).astype(mx.float16)
+    fp = KVCache()
+    fp.update_and_fetch(k, k)
+    assert fp.nbytes > held_bytes(fp) == 2 * k.nbytes  # mlx-lm allocates 256 at a time
+    q = QuantizedKVCache(group_size=64, bits=4)
+    q.update_and_fetch(k, k)
+    per_token = 2 * 2 * (64 * 4 // 8 + 2 * 2)  # K and V, 2 heads: 4-bit codes, fp16 scale, bias
+    assert held_bytes(q) == 300 * per_token
+    r = RotatingKVCache(max_size=128)
+    r.update_and_fetch(k[..., :1, :], k[..., :1, :])
+    for _ in range(200):
+        r.update_and_fetch(k[..., :1, :], k[..., :1, :])
+    assert held_bytes(r) == 2 * 128 * 2 * 64 * 2
+    v = make("uniform:bits=4")
+    v.update_and_fetch(k, k)
+    assert held_bytes(v) == v.logical_nbytes
+
+
+def test_wilson_interval():
+    lo, hi = wilson(0.9, 100)
+    assert 0.82 < lo < 0.84 and 0.94 < hi < 0.95
+    assert wilson(1.0, 10)[1] == 1.0
+    assert wilson(0.0, 10)[0] == 0.0
+
+
+def test_aggregate_ratio_and_errors():
+    ts = [
+        Trial("fp16", "passkey", 512, i, 0.0, 500, score=1.0, kl=0.0, top1=1.0, bytes=1000)
+        for i in range(2)
+    ]
+    ts += [
+        Trial("a", "passkey", 512, 0, 0.0, 500, score=1.0, kl=0.1, top1=0.5, bytes=250),
+        Trial("a", "passkey", 512, 1, 0.0, 500, score=0.0, kl=0.3, top1=0.5, bytes=500),
+        Trial("b", "passkey", 512, 0, 0.0, 500, error="ValueError: x"),
+    ]
+    cells = {c.spec: c for c in aggregate(ts)}
+    assert cells["fp16"].ratio == 1.0 and cells["fp16"].accuracy == 1.0
+    assert cells["a"].ratio == pytest.approx(3.0) and cells["a"].accuracy == 0.5
+    assert cells["a"].kl == pytest.approx(0.2)
+    assert cells["b"].errors == 1 and cells["b"].prompts == 0 and "ValueError" in cells["b"].error
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError, match="question"):
+        EvalSettings(question="before").check()
+    with pytest.raises(ValueError, match="lengths"):
+        EvalSettings(lengths=[100]).check()
+    with pytest.raises(ValueError, match="prompts"):
+        EvalSettings(prompts=0).check()
+
+
+def test_eval_small_version_on_the_reference_model(tmp_path, capsys):
+    """The suite's CI run: one short task, a few prompts, the reference model; fp16 is its
+    own reference (KL 0, top-1 1), compressed caches hold fewer bytes, baselines included."""
+    if find_shared("reference-model") is None:
+        pytest.skip("the reference model (shared/reference-model) is not here")
+    out, png, md = tmp_path / "eval.json", tmp_path / "eval.png", tmp_path / "eval.md"
+    rc = main(
+        [
+            "eval",
+            "--methods",
+            "fp16",
+            "uniform:bits=4",
+            "snapkv:budget=25%",
+            "mlx-q4",
+            "--tasks",
+            "passkey",
+            "--lengths",
+            "512",
+            "--prompts",
+            "2",
+            "--jobs",
+            "1",
+            "--json",
+            str(out),
+            "--chart",
+            str(png),
+            "--markdown",
+            str(md),
+        ]
+    )
+    assert rc == 0
+    data = json.loads(out.read_text())
+    cells = {c["spec"]: c for c in data["cells"]}
+    assert set(cells) == {"fp16", "uniform:bits=4", "snapkv:budget=25%", "mlx-q4"}
+    assert all(c["prompts"] == 2 and c["errors"] == 0 for c in cells.values())
+    assert cells["fp16"]["kl"] == 0.0 and cells["fp16"]["top1"] == 1.0
+    assert cells["fp16"]["ratio"] == 1.0
+    for spec in ("uniform:bits=4", "mlx-q4"):
+        assert 2.5 < cells[spec]["ratio"] < 4.5, (spec, cells[spec]["ratio"])
+        assert cells[spec]["kl"] >= 0.0
+    assert cells["snapkv:budget=25%"]["ratio"] > 2.0
+    assert len(data["trials"]) == 8 and data["run"]["tasks"] == ["passkey"]
+    assert png.stat().st_size > 10_000
+    assert "`uniform:bits=4`" in md.read_text()
+    printed = capsys.readouterr().out
+    assert "velox eval" in printed and "snapkv:budget=25%" in printed
+    # the report alone, from the JSON
+    assert main(["eval", "--from-json", str(out), "--chart", ""]) == 0
+
+
+def test_eval_rejects_bad_input_in_one_line(capsys):
+    assert main(["eval", "--tasks", "needle", "--methods", "fp16"]) == 2
+    assert "unknown task" in capsys.readouterr().err
+    assert main(["eval", "--methods", "snapkv:budget=150%"]) == 2
+    assert "budget share" in capsys.readouterr().err
+
+
+def test_sliding_layers_count_in_held_bytes(tmp_path):
+    """A model's own rotating caches stay beside velox's and count in the bytes."""
+    from velox_core.testing import tiny_model
+
+    model = tiny_model("llama", head_dim=64, hidden_size=128, vocab_size=512)
+    caches = make_cache(model, "uniform:bits=4")
+    x = mx.array([[1, 2, 3, 4] * 40])
+    model(x, cache=caches)
+    assert sum(held_bytes(c) for c in caches) == sum(c.logical_nbytes for c in caches)
