@@ -258,3 +258,21 @@ def test_sliding_layers_count_in_held_bytes(tmp_path):
     x = mx.array([[1, 2, 3, 4] * 40])
     model(x, cache=caches)
     assert sum(held_bytes(c) for c in caches) == sum(c.logical_nbytes for c in caches)
+
+
+def test_chat_template_wraps_context_and_question(tok):
+    """The user's turn holds context and question, the assistant's starts with the prefix."""
+    tok.chat_template = (
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    try:
+        (p,) = make_prompts(tok, "passkey", 1024, 1, template="chat")
+    finally:
+        tok.chat_template = None
+    assert p.text.startswith("<|user|>There is an important")
+    assert p.text.endswith("What is the pass key?<|end|><|assistant|>The pass key is")
+    with pytest.raises(ValueError, match="chat template"):
+        make_prompts(tok, "passkey", 1024, 1, template="chat")
+    with pytest.raises(ValueError, match="unknown template"):
+        make_prompts(tok, "passkey", 1024, 1, template="fancy")

@@ -124,6 +124,13 @@ def _parser() -> argparse.ArgumentParser:
         "the default); inside: context and question are compressed together (query-aware)",
     )
     e.add_argument("--haystack", choices=("prose", "code", "noise"), default="prose")
+    e.add_argument(
+        "--template",
+        choices=("raw", "chat"),
+        default="raw",
+        help="raw: the prompt as plain text (default); chat: the user turn of the model's chat "
+        "template, the answer prefix starting the assistant's turn",
+    )
     e.add_argument("--chunk", type=int, default=2048, help="prefill chunk (default 2048)")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument(
@@ -260,6 +267,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
             a.prompts,
             a.question,
             a.haystack,
+            a.template,
             a.chunk,
             a.seed,
             a.jobs,

@@ -99,14 +99,15 @@ def held_bytes(cache: Any) -> int:
 @dataclass
 class EvalSettings:
     """What to run: tasks, lengths, prompts per cell, where the question goes, the
-    haystack, prefill chunk, seed and worker processes (0: one per CPU core on MLX's CPU
-    backend, 1 on a GPU)."""
+    haystack, the prompt template (raw text or the chat template), prefill chunk, seed and
+    worker processes (0: one per CPU core on MLX's CPU backend, 1 on a GPU)."""
 
     tasks: list[str] = field(default_factory=lambda: ["passkey"])
     lengths: list[int] = field(default_factory=lambda: [4096])
     prompts: int = 8
     question: str = "after"
     haystack: str = "prose"
+    template: str = "raw"
     chunk: int = 2048
     seed: int = 0
     jobs: int = 0
@@ -339,6 +340,7 @@ def run_eval(
                 settings.prompts,
                 haystack=settings.haystack,
                 seed=settings.seed,
+                template=settings.template,
             )
             work += [(p, i) for i, p in enumerate(ps)]
     from velox_core.kernels import backend
@@ -374,6 +376,7 @@ def run_eval(
         "prompts": settings.prompts,
         "question": settings.question,
         "haystack": settings.haystack,
+        "template": settings.template,
         "chunk": settings.chunk,
         "seed": settings.seed,
         "jobs": jobs,

@@ -48,6 +48,7 @@ import numpy as np
 __all__ = [
     "HAYSTACKS",
     "TASKS",
+    "TEMPLATES",
     "Prompt",
     "TaskSpec",
     "make_prompts",
@@ -56,6 +57,7 @@ __all__ = [
 ]
 
 HAYSTACKS = ("prose", "code", "noise")
+TEMPLATES = ("raw", "chat")
 
 # name -> (parameter defaults); parse_task validates against these
 TASKS: dict[str, dict[str, Any]] = {
@@ -283,7 +285,7 @@ def _needles(task: TaskSpec, depth: float, rng: np.random.Generator):
     if task.name == "passkey":
         v = _number(rng, p["digits"], taken)
         needle = f"The pass key is {v}. Remember it. {v} is the pass key."
-        return [(depth, needle)], "What is the pass key? The pass key is", [v]
+        return [(depth, needle)], ("What is the pass key?", "The pass key is"), [v]
     if task.name in ("multikey", "multiquery"):
         keys = _keys(rng, p["keys"])
         values = [_number(rng, p["digits"], taken) for _ in keys]
@@ -295,14 +297,14 @@ def _needles(task: TaskSpec, depth: float, rng: np.random.Generator):
         if task.name == "multikey":
             k = keys[0]
             q = (
-                f"What is the special magic number for {k} mentioned in the provided text? "
-                f"The special magic number for {k} mentioned in the provided text is"
+                f"What is the special magic number for {k} mentioned in the provided text?",
+                f"The special magic number for {k} mentioned in the provided text is",
             )
             return needles, q, [values[0]]
         ks = " and ".join(keys[:asked]) if asked <= 2 else ", ".join(keys[:asked])
         q = (
-            f"What are the special magic numbers for {ks} mentioned in the provided text? "
-            f"The special magic numbers for {ks} mentioned in the provided text are"
+            f"What are the special magic numbers for {ks} mentioned in the provided text?",
+            f"The special magic numbers for {ks} mentioned in the provided text are",
         )
         return needles, q, values[:asked]
     if task.name == "multivalue":
@@ -312,8 +314,8 @@ def _needles(task: TaskSpec, depth: float, rng: np.random.Generator):
         depths = [(depth + i / n) % 1.0 for i in range(n)]
         needles = [(d, _MAGIC.format(key=k, value=v)) for d, v in zip(depths, values)]
         q = (
-            f"What are all the special magic numbers for {k} mentioned in the provided text? "
-            f"The special magic numbers for {k} mentioned in the provided text are"
+            f"What are all the special magic numbers for {k} mentioned in the provided text?",
+            f"The special magic numbers for {k} mentioned in the provided text are",
         )
         return needles, q, values
     if task.name == "vartrack":
@@ -334,8 +336,9 @@ def _needles(task: TaskSpec, depth: float, rng: np.random.Generator):
         asked = names[: hops + 1]
         q = (
             f"Question: Find all variables that are assigned the value {values[0]} in the text "
-            f"above. Answer: According to the chain(s) of variable assignment in the text "
-            f"above, {hops + 1} variables are assigned the value {values[0]}, they are:"
+            "above.",
+            f"Answer: According to the chain(s) of variable assignment in the text above, "
+            f"{hops + 1} variables are assigned the value {values[0]}, they are:",
         )
         return needles, q, asked
     raise AssertionError(task.name)
@@ -358,16 +361,16 @@ def _cwe(tokenizer, task: TaskSpec, length: int, rng: np.random.Generator):
         order = np.random.default_rng(seed).permutation(len(items))
         return "\n".join(f"{i + 1}. {items[j]}" for i, j in enumerate(order))
 
-    def question(n: int) -> str:
+    def question(n: int) -> tuple[str, str]:
         return (
-            f"Question: What are the {n} most common words in the above list? Answer: The "
-            f"top {n} words that appear most often in the list are:"
+            f"Question: What are the {n} most common words in the above list?",
+            f"Answer: The top {n} words that appear most often in the list are:",
         )
 
     k = p["common"]
     perm = [_WORDS[i] for i in rng.permutation(len(_WORDS))]
     ex_common, ex_rare, common = perm[:k], perm[k : k + 8], perm[k + 8 : 2 * k + 8]
-    example = f"{intro}\n{listing(ex_rare, ex_common, order_seed + 1)}\n{question(k)} "
+    example = f"{intro}\n{listing(ex_rare, ex_common, order_seed + 1)}\n{' '.join(question(k))} "
     example += ", ".join(ex_common) + ".\n\n"
     pool = [w for w in _WORDS if w not in common and w not in ex_common]
     pool = [pool[i] for i in rng.permutation(len(pool))]
@@ -378,7 +381,7 @@ def _cwe(tokenizer, task: TaskSpec, length: int, rng: np.random.Generator):
         ]
         return f"{example}{intro}\n{listing(rare, common, order_seed)}\n"
 
-    budget = length - len(enc("\n\n" + question(k)))
+    budget = length - len(enc("\n\n" + " ".join(question(k))))
     lo, hi = 0, max(1, length // max(1, p["rare"]))
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -402,9 +405,15 @@ def make_prompts(
     *,
     haystack: str = "prose",
     seed: int = 0,
+    template: str = "raw",
 ) -> list[Prompt]:
     """``n`` prompts of about ``length`` tokens (context and question together, BOS
-    included), the asked needle's depth running evenly over ``[0, 1]``."""
+    included), the asked needle's depth running evenly over ``[0, 1]``.
+
+    ``template``: ``"raw"`` writes the question and its answer prefix after the context as
+    plain text; ``"chat"`` makes context and question the user's turn of the tokenizer's
+    chat template and the answer prefix the start of the assistant's (an instruct model's
+    format; the tokenizer must have a template)."""
     if isinstance(task, str):
         task = parse_task(task)
     if n < 1:
@@ -413,22 +422,28 @@ def make_prompts(
         raise ValueError(f"length must be at least 256 tokens, got {length}")
     if haystack not in HAYSTACKS:
         raise ValueError(f"unknown haystack {haystack!r}; haystacks: {', '.join(HAYSTACKS)}")
+    if template not in TEMPLATES:
+        raise ValueError(f"unknown template {template!r}; templates: {', '.join(TEMPLATES)}")
     enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
     bos = [] if getattr(tokenizer, "bos_token_id", None) is None else [tokenizer.bos_token_id]
     if bos and not _adds_bos(tokenizer):
         bos = []
+    head, tail = _chat(tokenizer) if template == "chat" else ("", " ")
+    if head.startswith(tokenizer.bos_token or "\0"):
+        bos = []  # the template writes its own BOS
     rng = np.random.default_rng([seed, length, sum(map(ord, task.label))])
     builder = None if task.name == "cwe" else _Builder(tokenizer, haystack)
     out = []
     for i in range(n):
         depth = i / (n - 1) if n > 1 else 0.5
         if task.name == "cwe":
-            ctx_text, q_text, answers = _cwe(tokenizer, task, length, rng)
+            ctx_text, (q_text, prefix), answers = _cwe(tokenizer, task, length, rng)
             source = "words"
         else:
-            needles, q_text, answers = _needles(task, depth, rng)
+            needles, (q_text, prefix), answers = _needles(task, depth, rng)
             intro = _INTRO[task.name]
-            fixed = len(enc(intro + "\n\n" + "\n\n" + q_text)) + len(bos)
+            fixed = len(enc(head + intro + "\n\n" + "\n\n" + q_text + tail + prefix))
+            fixed += len(bos)
             fixed += sum(len(enc(" " + t + " ")) for _, t in needles)
             if fixed >= length - 32:
                 raise ValueError(
@@ -441,8 +456,8 @@ def make_prompts(
             body = _join(units, needles, sep)
             ctx_text = intro + "\n\n" + body
             source = haystack
-        context = bos + enc(ctx_text)
-        question = enc("\n\n" + q_text)
+        context = bos + enc(head + ctx_text)
+        question = enc("\n\n" + q_text + tail + prefix)
         answer_chars = sum(len(a) + 2 for a in answers)
         max_new = len(enc(" " + ", ".join(answers) + ".")) + 4 + answer_chars // 16
         out.append(
@@ -455,10 +470,28 @@ def make_prompts(
                 depth,
                 source,
                 max_new,
-                ctx_text + "\n\n" + q_text,
+                head + ctx_text + "\n\n" + q_text + tail + prefix,
             )
         )
     return out
+
+
+def _chat(tokenizer) -> tuple[str, str]:
+    """The chat template's text before and after a user message (the latter ending where the
+    assistant's answer starts)."""
+    mark = "\x00VELOX\x00"
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": mark}], tokenize=False, add_generation_prompt=True
+        )
+    except Exception as e:  # no template, or one that refuses a lone user turn
+        raise ValueError(
+            f"template 'chat': the tokenizer has no usable chat template ({e})"
+        ) from None
+    if not isinstance(text, str) or text.count(mark) != 1:
+        raise ValueError("template 'chat': the chat template does not render the message once")
+    head, tail = text.split(mark)
+    return head, tail
 
 
 def _fit(builder: _Builder, units: list[str], tokens: int) -> list[str]:
