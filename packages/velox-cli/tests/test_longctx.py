@@ -238,8 +238,11 @@ def test_eval_small_version_on_the_reference_model(tmp_path, capsys):
     assert "`uniform:bits=4`" in md.read_text()
     printed = capsys.readouterr().out
     assert "velox eval" in printed and "snapkv:budget=25%" in printed
-    # the report alone, from the JSON
+    # the report alone, from the JSON, and from the record kept as the run went
     assert main(["eval", "--from-json", str(out), "--chart", ""]) == 0
+    record = str(out) + ".trials.jsonl"
+    assert len(open(record).read().splitlines()) == 8
+    assert main(["eval", "--from-json", record, "--chart", ""]) == 0
 
 
 def test_eval_rejects_bad_input_in_one_line(capsys):

@@ -142,7 +142,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--from-json",
         metavar="PATH",
-        help="report an earlier run's JSON (table, markdown, chart) instead of running",
+        help="report an earlier run's JSON (table, markdown, chart) instead of running; a "
+        "run stopped midway left its trials in PATH.trials.jsonl, which this reads too",
     )
     g = sub.add_parser("generate", help="mlx_lm.generate with a velox cache")
     g.add_argument("--method", default="uniform:bits=4", metavar="SPEC")
@@ -289,11 +290,16 @@ def cmd_eval(a: argparse.Namespace) -> int:
             console=console,
         ) as prog:
             bar = prog.add_task("loading", total=total)
+            record = None
+            if a.json_path:  # each prompt's trials as they come: a stopped run keeps them
+                record = a.json_path + ".trials.jsonl"
+                open(record, "w").close()
             trials, info = run_eval(
                 specs,
                 a.model,
                 settings,
                 lambda desc, n=1: prog.update(bar, description=desc, advance=n),
+                None if record is None else lambda ts: report.append_trials(record, ts),
             )
         if a.json_path:
             report.write_json(a.json_path, trials, info)

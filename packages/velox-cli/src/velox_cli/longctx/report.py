@@ -12,7 +12,16 @@ from rich.table import Table
 
 from .run import Cell, Trial, aggregate
 
-__all__ = ["chart", "columns", "markdown", "summary", "table", "write_json"]
+__all__ = [
+    "append_trials",
+    "chart",
+    "columns",
+    "load_json",
+    "markdown",
+    "summary",
+    "table",
+    "write_json",
+]
 
 
 def columns(cells: Sequence[Cell]) -> list[tuple[str, int]]:
@@ -129,22 +138,35 @@ def markdown(cells: Sequence[Cell]) -> str:
 
 def write_json(path: str, trials: Sequence[Trial], info: dict) -> None:
     """``{"run": settings, "cells": [...], "trials": [...]}``: every prompt's answer kept."""
-
-    def clean(d: dict) -> dict:
-        return {
-            k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()
-        }
-
     out = {
         "run": info,
         "cells": [c.to_json() for c in aggregate(list(trials))],
-        "trials": [clean(vars(t)) for t in trials],
+        "trials": [_clean(vars(t)) for t in trials],
     }
     Path(path).write_text(json.dumps(out, indent=1) + "\n")
 
 
+def append_trials(path: str, trials: Sequence[Trial]) -> None:
+    """Append trials to a JSON-lines file, one per line (a run's record as it goes)."""
+    with open(path, "a") as f:
+        for t in trials:
+            f.write(json.dumps(_clean(vars(t))) + "\n")
+
+
+def _clean(d: dict) -> dict:
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
+
+
 def load_json(path: str) -> tuple[list[Trial], dict]:
-    data = json.loads(Path(path).read_text())
+    """A run's trials and settings from ``write_json``'s file, or trials alone from the
+    JSON-lines record of a run that did not finish (``velox eval --json PATH`` keeps it
+    beside the JSON as ``PATH.trials.jsonl``)."""
+    text = Path(path).read_text()
+    if path.endswith(".jsonl"):
+        data = {"trials": [json.loads(line) for line in text.splitlines() if line.strip()]}
+        data["run"] = {"model": "", "question": "?", "haystack": "?", "partial": True}
+    else:
+        data = json.loads(text)
     trials = []
     for d in data["trials"]:
         d = {

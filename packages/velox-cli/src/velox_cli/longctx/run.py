@@ -322,9 +322,12 @@ def run_eval(
     model_path: str | None,
     settings: EvalSettings,
     progress: Callable[[str, int], None] | None = None,
+    on_trials: Callable[[list[Trial]], None] | None = None,
 ) -> tuple[list[Trial], dict]:
     """Every spec on every prompt of every task and length. ``progress(description,
-    advance)`` is called as prompts complete. Returns the trials and the run's settings."""
+    advance)`` is called as prompts complete, ``on_trials(trials)`` with each prompt's
+    trials (so a run stopped midway keeps what it measured). Returns the trials and the
+    run's settings."""
     from ..bench import _usable_cpus, load_model
 
     tasks = settings.check()
@@ -351,7 +354,10 @@ def run_eval(
     if jobs <= 1:
         for p, i in work:
             tick(f"{p.task} @ {p.length} #{i}", 0)
-            trials += run_prompt(model, tokenizer, store, p, i, specs, settings)
+            done = run_prompt(model, tokenizer, store, p, i, specs, settings)
+            trials += done
+            if on_trials is not None:
+                on_trials(done)
             tick(f"{p.task} @ {p.length} #{i}", 1)
     else:
         del model
@@ -366,7 +372,10 @@ def run_eval(
                 done, _ = wait(todo, return_when=FIRST_COMPLETED)
                 for f in done:
                     p, i = todo.pop(f)
-                    trials += f.result()
+                    done = f.result()
+                    trials += done
+                    if on_trials is not None:
+                        on_trials(done)
                     tick(f"{p.task} @ {p.length} #{i}", 1)
     info = {
         "model": str(path),
