@@ -69,8 +69,8 @@ TORCH_CPU = "torch==2.13.0+cpu"
 
 @nox.session
 def smollm2(session: nox.Session) -> None:
-    """velox-cli's GGUF tests on the real SmolLM2-135M-Instruct GGUF, checked against
-    transformers' own GGUF load (torch, CPU wheel)."""
+    """velox-cli's GGUF tests on the real SmolLM2-135M-Instruct and Gemma 3 270M GGUFs,
+    checked against transformers' own GGUF load (torch, CPU wheel)."""
     links = [
         d
         for d in (os.environ.get("PIP_FIND_LINKS") or "/opt/wheels").split()

@@ -3,6 +3,7 @@ small version on the reference model (one short task, a few prompts)."""
 
 import json
 import re
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -241,7 +242,7 @@ def test_eval_small_version_on_the_reference_model(tmp_path, capsys):
     # the report alone, from the JSON, and from the record kept as the run went
     assert main(["eval", "--from-json", str(out), "--chart", ""]) == 0
     record = str(out) + ".trials.jsonl"
-    assert len(open(record).read().splitlines()) == 8
+    assert len(Path(record).read_text().splitlines()) == 8
     assert main(["eval", "--from-json", record, "--chart", ""]) == 0
 
 

