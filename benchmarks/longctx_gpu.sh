@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The long-context suite's grid (velox eval) on the lent GPU machine, with the real models
+# carried as their GGUF files in pieces (a device call carries at most 64 MiB).
+#
+# Here, once (after ../shared/gpu/prepare, which readies MLX's CUDA wheels in .gpu/):
+#   benchmarks/longctx_gpu.sh pack
+# writes .gpu/models/<piece> (the SmolLM2 and Gemma 3 GGUFs cut into 60 MB pieces, and the
+# gguf wheel that reads K-quants) and prints the device calls to make:
+#   one call per piece:  carry [".gpu/models/NAME"]  command: bash benchmarks/longctx_gpu.sh take NAME
+#   then:                carry [".gpu/wheels", ...]  command: source .gpu/wheels/activate && \
+#                            bash benchmarks/longctx_gpu.sh run
+# `take` keeps a piece under /tmp/models (the machine stays warm between calls); `run`
+# reassembles the files, checks their SHA-256, and runs the grid, one velox eval per model,
+# length and question placement, each writing its JSON and chart under $OUT.
+#
+# What `run` measures is set by environment variables (defaults in brackets):
+#   MODELS [smollm2 gemma3]  LENGTHS_smollm2 [4096 8192]  LENGTHS_gemma3 [4096 8192 16384 32768]
+#   TASKS [passkey multikey multivalue multiquery vartrack cwe]  PROMPTS [16]
+#   POINTS [4x 8x]  QUESTION [after]  METHODS [the points' default specs]
+set -euo pipefail
+root=$(git rev-parse --show-toplevel 2>/dev/null || pwd)
+cd "$root"
+SMOLLM2_SHA=b179c9523d0e6a0f
+GEMMA3_SHA=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
+
+pack() {
+  mkdir -p .git/info .gpu/models
+  grep -qx "/.gpu/" .git/info/exclude 2>/dev/null || echo "/.gpu/" >> .git/info/exclude
+  rm -f .gpu/models/*
+  local smol gemma
+  smol=$(python3 -c "from velox_cli.models import gguf_path; print(gguf_path('smollm2'))")
+  gemma=$(python3 -c "from velox_cli.models import gguf_path; print(gguf_path('gemma3'))")
+  split -b 60m -d "$smol" .gpu/models/smollm2.gguf.
+  split -b 60m -d "$gemma" .gpu/models/gemma3.gguf.
+  python3 -m pip download -q --no-deps -d .gpu/models gguf 2>&1 | grep -v "is ignored" || true
+  echo "pieces to carry, one device call each (command: bash benchmarks/longctx_gpu.sh take NAME):"
+  (cd .gpu/models && ls -1)
+}
+
+take() {
+  mkdir -p /tmp/models
+  cp ".gpu/models/$1" /tmp/models/
+  ls -la /tmp/models
+}
+
+assemble() {
+  local name=$1 want=$2
+  if [[ ! -f /tmp/models/$name.gguf ]]; then
+    cat /tmp/models/"$name".gguf.[0-9]* > /tmp/models/"$name".gguf
+  fi
+  local got
+  got=$(sha256sum /tmp/models/"$name".gguf | cut -d' ' -f1)
+  [[ $got == "$want"* ]] || { echo "$name.gguf: SHA-256 $got, expected $want..."; exit 1; }
+}
+
+run() {
+  : "${OUT:?run this on the device machine, where OUT is set}"
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/models/gguf-*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  export VELOX_CACHE_DIR=/tmp/velox-cache
+  local models=${MODELS:-smollm2 gemma3}
+  for m in $models; do
+    local sha=$SMOLLM2_SHA lengths=${LENGTHS_smollm2:-4096 8192}
+    if [[ $m == gemma3 ]]; then sha=$GEMMA3_SHA lengths=${LENGTHS_gemma3:-4096 8192 16384 32768}; fi
+    assemble "$m" "$sha"
+    # Gemma 3 computes in bfloat16 (float16 overflows in its activations); SmolLM2 in float16
+    local dtype=float16
+    [[ $m == gemma3 ]] && dtype=bfloat16
+    local dir
+    dir=$(python3 -c "from velox_cli.models import convert_gguf as c; print(c('/tmp/models/$m.gguf', dtype='$dtype'))")
+    for n in $lengths; do
+      local q=${QUESTION:-after}
+      # shellcheck disable=SC2086
+      velox eval --model "$dir" --lengths "$n" --question "$q" \
+        --prompts "${PROMPTS:-16}" --points ${POINTS:-4x 8x} \
+        --tasks ${TASKS:-passkey multikey multivalue multiquery vartrack cwe} \
+        ${METHODS:+--methods $METHODS} \
+        --json "$OUT/eval-$m-$n-$q.json" --chart "$OUT/eval-$m-$n-$q.png"
+    done
+  done
+}
+
+case "${1:-}" in
+  pack) pack ;;
+  take) take "$2" ;;
+  run) run ;;
+  *) echo "usage: $0 pack | take NAME | run" >&2; exit 2 ;;
+esac
