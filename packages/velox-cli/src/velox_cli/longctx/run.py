@@ -10,10 +10,12 @@ caches take the same prompt:
 - ``question="inside"``: context and question are one prompt, prefilled and compressed
   together, so a method that votes with the newest queries (SnapKV) sees the question.
 
-After the prompt, the caches' bytes are counted (:func:`held_bytes`), a copy of the caches
-answers greedily (``max_new`` tokens; scored by string match) and the caches themselves are
-teacher-forced along the fp16 answer: KL(fp16 || spec) and top-1 agreement over the answer
-tokens. Attention is routed to velox caches (:func:`velox_core.routed`).
+After the prompt a copy of the caches answers greedily (``max_new`` tokens; scored by string
+match) and the caches themselves are teacher-forced along the fp16 answer: KL(fp16 || spec)
+and top-1 agreement over the answer tokens. The bytes are counted (:func:`held_bytes`) on
+the caches that answered, after the answer: what a user's decode holds, every deferred cut
+made (a retention policy cuts a prefill chunk's tokens when the next tokens arrive).
+Attention is routed to velox caches (:func:`velox_core.routed`).
 
 Specs are those of ``velox bench`` (baselines, methods, ``A+B`` compositions), and a
 ``budget`` may be a share of the prompt: ``snapkv:budget=25%`` keeps a quarter of each
@@ -189,8 +191,8 @@ def run_prompt(model, tokenizer, store, prompt: Prompt, i: int, specs: list[Spec
     caches = build_caches(Spec("fp16", "fp16"), model, store)
     with routed(model):
         logits = _prompt(model, caches, prompt, s.question, s.chunk)
-        ref_bytes = sum(held_bytes(c) for c in caches)
         ref_ids, ref_lp = _greedy_logprobs(model, caches, logits, prompt.max_new)
+        ref_bytes = sum(held_bytes(c) for c in caches)
     del caches
     ref_ids = _cut(ref_ids, eos) or ref_ids[:1]
     ref_lp = ref_lp[: len(ref_ids)]
@@ -207,9 +209,9 @@ def run_prompt(model, tokenizer, store, prompt: Prompt, i: int, specs: list[Spec
             caches = build_caches(parse(resolve_spec(spec.text, prompt.tokens)), model, store)
             with routed(model):
                 logits = _prompt(model, caches, prompt, s.question, s.chunk)
-                t.bytes = sum(held_bytes(c) for c in caches)
                 twin = copy.deepcopy(caches)  # answers greedily; the caches are teacher-forced
                 out = greedy(model, twin, logits, prompt.max_new)
+                t.bytes = sum(held_bytes(c) for c in twin)
                 del twin
                 lp = teacher_force(model, caches, logits, ref_ids)
             del caches
