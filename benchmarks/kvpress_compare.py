@@ -1,0 +1,724 @@
+"""velox's eviction methods against NVIDIA kvpress's presses, on the same long-context prompts.
+
+What it measures: for each press velox also implements (SnapKV, StreamingLLM, Ada-KV over
+SnapKV) and each compression ratio ``r``, the accuracy of kvpress's press and of velox's
+method on the suite's prompts (:mod:`velox_cli.longctx.tasks`, the same tokenizer, seed,
+tasks, lengths and count as ``velox eval``), side by side; the per-prompt agreement (the
+share of prompts both score alike, and of identical answers); and, on the first ``--overlap``
+prompts of each task and length, the overlap of the context positions each side keeps
+(Jaccard per layer and KV head, averaged). kvpress's no-press run (full cache) and velox's
+``fp16`` run are the baselines.
+
+The protocol is kvpress's on both sides: the context is prefilled with the compression
+active, then the question (and answer prefix) is fed without it, then ``max_new`` tokens are
+decoded greedily; answers are cut at the first EOS, decoded with the suite's tokenizer and
+scored with ``Prompt.score`` (RULER's string match).
+
+- kvpress: the model is loaded in transformers from the GGUF velox converts
+  (``AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)``, float32, SDPA
+  attention); each press is kvpress's own (``SnapKVPress``, ``StreamingLLMPress``,
+  ``AdaKVPress(SnapKVPress)``, their default settings at ``compression_ratio=r``), used as a
+  context manager around the context's prefill (``model.model(context)``, compressed at its
+  end); the question then runs at positions after the full context and the answer is decoded
+  token by token, as ``KVPressTextGenerationPipeline`` does (its ``preprocess`` would apply
+  the chat template and re-tokenize, so the token ids are fed directly).
+- velox: :func:`velox_cli.longctx.run.run_eval` with ``question="after"`` and the specs
+  ``snapkv:budget=P%``, ``streamingllm:budget=P%``, ``adakv:budget=P%``, ``P = 100 (1 - r)``
+  (velox's defaults); with ``--matched`` also SnapKV and Ada-KV with kvpress's vote
+  settings (``observe=64,kernel=5,pooling=avg``; Ada-KV ``window=64``), which separates the
+  settings from the implementations.
+
+Not compared: kvpress's ``QFilterPress`` downloads its filters from the Hugging Face Hub
+(``nthngdy/<model>_qfilt``, none for SmolLM2) and this benchmark runs offline; KnormPress has
+no velox counterpart.
+
+Kept positions: kvpress's scorer presses gather the kept keys, which are matched row by row
+to the no-press run's keys of the same prompt; ``AdaKVPress`` keeps every key and masks the
+pruned ones (``masked_key_indices`` on each attention module), its kept set is the rest.
+velox's caches hold the absolute positions of what they keep (``body_positions``, sinks and
+window); they are read after the question's prefill (the context as the question saw it) and
+after the first decoded token (velox cuts the cache back to the budget there, voted by the
+question's queries: see the report's ``velox_decode_kept``).
+
+Two environments: kvpress 0.5.5 requires ``transformers<5.3`` and mlx-lm 0.32.2
+``transformers>=5.7``, so no environment holds both. This script runs in velox's
+environment and starts itself in kvpress's (``--kvpress-python``: torch, transformers,
+kvpress, gguf) for the kvpress half; the prompts go there as token ids in a JSON file and the
+generated token ids (and the kept positions as packed bit masks) come back.
+
+    nox -s kvpress
+    python benchmarks/kvpress_compare.py --kvpress-python /tmp/kvpress-venv/bin/python \\
+        --tasks passkey multikey --lengths 2048 --prompts 8 --ratios 0.75 0.5 \\
+        --json out/kvpress_compare.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PRESSES = ("snapkv", "streamingllm", "adakv")
+# velox's counterpart of each press: its defaults, and kvpress's vote settings (--matched)
+VELOX_SPECS = {
+    "snapkv": "snapkv:budget={p}%",
+    "streamingllm": "streamingllm:budget={p}%",
+    "adakv": "adakv:budget={p}%",
+}
+MATCHED_SPECS = {
+    "snapkv": "snapkv:budget={p}%,observe=64,kernel=5,pooling=avg",
+    "adakv": "adakv:budget={p}%,window=64,observe=64,kernel=5,pooling=avg",
+}
+KVPRESS_LABELS = {
+    "snapkv": "SnapKVPress",
+    "streamingllm": "StreamingLLMPress",
+    "adakv": "AdaKVPress(SnapKVPress)",
+}
+
+
+def _share(ratio: float) -> str:
+    """The budget share velox keeps at kvpress's compression ratio, as ``budget=P%`` writes it."""
+    return f"{round(100 * (1 - ratio), 6):g}"
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# -- the kvpress half (runs in kvpress's environment: torch, transformers, kvpress) ------------
+
+
+def _kvpress_worker(job_path: str, out_path: str) -> None:
+    """Every press at every ratio on every prompt of the job, plus the no-press run; writes
+    the generated token ids (JSON) and the kept context positions (``.npz`` beside it)."""
+    import kvpress
+    import torch
+    import transformers
+    from kvpress import AdaKVPress, SnapKVPress, StreamingLLMPress
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    job = json.loads(Path(job_path).read_text())
+    if job["threads"]:
+        torch.set_num_threads(job["threads"])
+    gguf = Path(job["gguf"])
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+    _log(f"kvpress: {gguf.name} loaded in transformers ({time.perf_counter() - t0:.1f} s)")
+    layers = model.model.layers
+    stop = set(job["eos"])
+    gen_eos = model.generation_config.eos_token_id
+    stop.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+
+    def make(name: str, ratio: float):
+        if name == "snapkv":
+            return SnapKVPress(compression_ratio=ratio)
+        if name == "streamingllm":
+            return StreamingLLMPress(compression_ratio=ratio)
+        if name == "adakv":
+            return AdaKVPress(SnapKVPress(compression_ratio=ratio))
+        raise ValueError(f"unknown press {name!r}")
+
+    @torch.inference_mode()
+    def run(press, context: list[int], question: list[int], max_new: int):
+        """kvpress's protocol: the context prefilled under the press, the question and the
+        greedy answer without it. Returns the answer's ids, the cache's keys after the
+        context (one ``(1, H, n, D)`` tensor per layer) and AdaKV's pruned indices."""
+        cache = DynamicCache()
+        with press(model) if press is not None else nullcontext():
+            model.model(input_ids=torch.tensor([context]), past_key_values=cache)
+        keys = [cache.layers[i].keys for i in range(len(layers))]
+        pruned = [getattr(layer.self_attn, "masked_key_indices", None) for layer in layers]
+        n = len(context)
+        pos = torch.arange(n, n + len(question))[None]
+        out = model(
+            input_ids=torch.tensor([question]),
+            past_key_values=cache,
+            position_ids=pos,
+            logits_to_keep=1,
+        )
+        ids = [int(out.logits[0, -1].argmax())]
+        at = n + len(question)
+        while len(ids) < max_new and ids[-1] not in stop:
+            out = model(
+                input_ids=torch.tensor([[ids[-1]]]),
+                past_key_values=cache,
+                position_ids=torch.tensor([[at]]),
+            )
+            ids.append(int(out.logits[0, -1].argmax()))
+            at += 1
+        return ids, keys, pruned
+
+    def kept_mask(full: list, keys: list, pruned: list) -> np.ndarray:
+        """``(L, H, n)`` bool: the context positions each layer and KV head keeps."""
+        rows = []
+        for f, k, p in zip(full, keys, pruned):
+            h, n = f.shape[1], f.shape[2]
+            m = np.zeros((h, n), dtype=bool)
+            if p is not None:  # AdaKVPress: every key stays, the pruned ones are masked
+                m[:] = True
+                b, hh, ss = (t.cpu().numpy() for t in p)
+                m[hh[b == 0], ss[b == 0]] = False
+            elif k.shape[2] == n:
+                m[:] = True
+            else:  # a scorer press gathered the kept keys: find each in the full keys
+                where = torch.cdist(k[0].float(), f[0].float()).argmin(-1).cpu().numpy()
+                for i in range(h):
+                    m[i, where[i]] = True
+            rows.append(m)
+        return np.stack(rows)
+
+    overlap = set(job["overlap"])
+    results, masks = [], {}
+    t_all = time.perf_counter()
+    for j, p in enumerate(job["prompts"]):
+        t_p = time.perf_counter()
+        ids, full, _ = run(None, p["context"], p["question"], p["max_new"])
+        results.append({"key": p["key"], "press": "none", "ratio": 0.0, "ids": ids})
+        for name in job["presses"]:
+            for ratio in job["ratios"]:
+                t = time.perf_counter()
+                ids, keys, pruned = run(
+                    make(name, ratio), p["context"], p["question"], p["max_new"]
+                )
+                row = {"key": p["key"], "press": name, "ratio": ratio, "ids": ids}
+                row["seconds"] = round(time.perf_counter() - t, 2)
+                m = kept_mask(full, keys, pruned)
+                row["kept_per_head"] = float(m.sum(-1).mean())
+                if p["key"] in overlap:
+                    row["mask"] = f"m{len(masks)}"
+                    masks[row["mask"]] = np.packbits(m, axis=-1)
+                results.append(row)
+        _log(
+            f"kvpress: prompt {j + 1}/{len(job['prompts'])} {p['key']} "
+            f"({time.perf_counter() - t_p:.0f} s)"
+        )
+    info = {
+        "kvpress": getattr(kvpress, "__version__", None) or _version("kvpress"),
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "attention": model.config._attn_implementation,
+        "seconds": round(time.perf_counter() - t_all, 1),
+    }
+    np.savez_compressed(Path(out_path).with_suffix(".npz"), **masks)
+    Path(out_path).write_text(json.dumps({"info": info, "runs": results}))
+
+
+def _version(dist: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+# -- the velox half (velox's environment: MLX, mlx-lm, velox) ----------------------------------
+
+
+def _preload_blas() -> None:
+    """Re-execute this script once with a fast BLAS preloaded where MLX would compute with its
+    bundled reference BLAS (as the ``velox`` command does: :mod:`velox_cli.blas`)."""
+    from velox_cli import blas
+    from velox_core import environment
+
+    if (
+        sys.platform != "linux"
+        or (environment.get("VELOX_BLAS") or "").lower() in blas.OFF
+        or environment.get(blas.ACTIVE)
+        or "blas" in os.environ.get("LD_PRELOAD", "").lower()
+        or blas.mlx_reference_blas() is None
+    ):
+        return
+    lib, what, reasons = blas.find_blas()
+    if lib is None:
+        _log(f"kvpress_compare: MLX keeps its reference BLAS (slow): {'; '.join(reasons)}")
+        return
+    _log(f"kvpress_compare: preloading {what} for MLX")
+    env = environment.with_setting(**{blas.ACTIVE: str(lib)})
+    pre = env.get("LD_PRELOAD", "")
+    env["LD_PRELOAD"] = f"{lib}:{pre}" if pre else str(lib)
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env)
+
+
+def _kept_positions(caches: list, n: int) -> np.ndarray | None:
+    """``(L, H, n)`` bool: the context positions (``< n``) each velox cache holds per KV
+    head, from its sinks, window and body positions; None for a cache that tracks none."""
+    rows = []
+    for c in caches:
+        if not (hasattr(c, "body_positions") and hasattr(c, "protected_keys")):
+            return None
+        m = np.zeros((c.kv_heads, n), dtype=bool)
+        _, _, sink_pos, win_pos = c.protected_keys()
+        fixed = np.concatenate([np.array(sink_pos), np.array(win_pos)]).astype(np.int64)
+        m[:, fixed[fixed < n]] = True
+        for h, pos in enumerate(c.body_positions()):
+            if pos is not None:
+                q = np.array(pos[0]).astype(np.int64)
+                m[h, q[q < n]] = True
+        rows.append(m)
+    return np.stack(rows)
+
+
+def _velox_masks(model, store, prompt, spec: str, chunk: int):
+    """velox's kept context positions for one prompt: after the question's prefill, and after
+    the first decoded token (the prompt path of ``velox_cli.longctx.run``, question after)."""
+    import mlx.core as mx
+
+    from velox_cli.evaluate import prefill
+    from velox_cli.longctx.run import resolve_spec
+    from velox_cli.specs import build_caches, parse
+    from velox_core import routed
+
+    caches = build_caches(parse(resolve_spec(spec, prompt.tokens)), model, store)
+    n = len(prompt.context)
+    with routed(model):
+        prefill(model, caches, prompt.context, chunk)
+        logits = prefill(model, caches, prompt.question, chunk)
+        at_question = _kept_positions(caches, n)
+        y = mx.argmax(logits, axis=-1)
+        mx.eval(model(y[:, None], cache=caches))
+        at_decode = _kept_positions(caches, n)
+    return at_question, at_decode
+
+
+def _jaccard(a: np.ndarray, b: np.ndarray) -> float:
+    """Jaccard index of two ``(L, H, n)`` kept sets, per layer and head, averaged."""
+    inter = (a & b).sum(-1)
+    union = (a | b).sum(-1)
+    return float(np.mean(np.where(union > 0, inter / np.maximum(union, 1), 1.0)))
+
+
+def _mean(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None and np.isfinite(x)]
+    return float(np.mean(xs)) if xs else None
+
+
+def _cut(ids: list[int], eos: set[int]) -> list[int]:
+    for i, t in enumerate(ids):
+        if t in eos:
+            return ids[:i]
+    return ids
+
+
+def _cell(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Accuracy of both sides and their per-prompt agreement over ``rows`` (one per prompt)."""
+    ok = [r for r in rows if r["velox_score"] is not None]
+    out: dict[str, Any] = {
+        "prompts": len(rows),
+        "kvpress_accuracy": _mean([r["kvpress_score"] for r in rows]),
+        "velox_accuracy": _mean([r["velox_score"] for r in ok]),
+        "agreement": _mean([float(r["kvpress_score"] == r["velox_score"]) for r in ok]),
+        "same_answer": _mean([float(r["kvpress_output"] == r["velox_output"]) for r in ok]),
+        "velox_errors": len(rows) - len(ok),
+    }
+    if "matched_score" in rows[0]:
+        out["matched_accuracy"] = _mean([r["matched_score"] for r in rows])
+        out["matched_agreement"] = _mean(
+            [float(r["kvpress_score"] == r["matched_score"]) for r in rows]
+        )
+    for k in (
+        "kvpress_kept",
+        "velox_budget",
+        "velox_question_kept",
+        "velox_decode_kept",
+        "jaccard",
+        "jaccard_decode",
+        "matched_jaccard",
+    ):
+        vals = [r[k] for r in rows if r.get(k) is not None]
+        if vals:
+            out[k] = float(np.mean(vals))
+    return out
+
+
+def _fmt(x: float | None, pct: bool = True) -> str:
+    if x is None:
+        return "-"
+    return f"{100 * x:.1f}" if pct else f"{x:.3f}"
+
+
+def _table(cells: list[dict[str, Any]], matched: bool) -> str:
+    head = ["press", "ratio", "task", "length", "n", "kvpress", "velox", "delta", "agree"]
+    head += ["velox matched"] if matched else []
+    head += ["kept kvpress", "budget velox", "jaccard q", "jaccard dec"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in cells:
+        kv, vx = c["kvpress_accuracy"], c["velox_accuracy"]
+        delta = None if kv is None or vx is None else vx - kv
+        row = [
+            c["press"],
+            f"{c['ratio']:g}",
+            c["task"],
+            str(c["length"]),
+            str(c["prompts"]),
+            _fmt(kv),
+            _fmt(vx),
+            "-" if delta is None else f"{100 * delta:+.1f}",
+            _fmt(c["agreement"]),
+        ]
+        if matched:
+            row.append(_fmt(c.get("matched_accuracy")))
+        row += [
+            "-" if "kvpress_kept" not in c else f"{c['kvpress_kept']:.0f}",
+            "-" if "velox_budget" not in c else f"{c['velox_budget']:.0f}",
+            _fmt(c.get("jaccard"), pct=False),
+            _fmt(c.get("jaccard_decode"), pct=False),
+        ]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description="velox's SnapKV / StreamingLLM / Ada-KV against NVIDIA kvpress's presses on "
+        "the long-context suite's prompts",
+    )
+    ap.add_argument("--model", default="smollm2", help="a velox model name or a .gguf file")
+    ap.add_argument("--tasks", nargs="+", default=["passkey", "multikey"])
+    ap.add_argument("--lengths", nargs="+", type=int, default=[2048])
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per task and length")
+    ap.add_argument(
+        "--ratios", nargs="+", type=float, default=[0.75, 0.5], help="kvpress compression ratios"
+    )
+    ap.add_argument("--presses", nargs="+", choices=PRESSES, default=list(PRESSES))
+    ap.add_argument("--haystack", default="prose")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chunk", type=int, default=2048, help="velox's prefill chunk")
+    ap.add_argument("--jobs", type=int, default=0, help="velox worker processes (0: auto)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument(
+        "--matched",
+        action="store_true",
+        help="also run velox's SnapKV and Ada-KV with kvpress's vote settings",
+    )
+    ap.add_argument(
+        "--overlap",
+        type=int,
+        default=2,
+        help="measure kept-position overlap on the first N prompts of each task and length "
+        "(0: none; each costs velox one more prefill per spec)",
+    )
+    ap.add_argument(
+        "--kvpress-python",
+        default=sys.executable,
+        help="python of an environment with kvpress, torch, transformers and gguf",
+    )
+    ap.add_argument(
+        "--kvpress-from",
+        metavar="JSON",
+        help="reuse the kvpress half of an earlier run's --json output (same prompts)",
+    )
+    ap.add_argument(
+        "--json", help="write the results here (and the kvpress masks beside it, .masks.npz)"
+    )
+    ap.add_argument("--worker", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+
+    if a.worker:
+        _kvpress_worker(*a.worker)
+        return 0
+    for r in a.ratios:
+        if not 0 < r < 1:
+            ap.error(f"a compression ratio must be in (0, 1), got {r}")
+    _preload_blas()
+    return _compare(a)
+
+
+def _digest(prompt) -> str:
+    """A short hash of a prompt's token ids (an earlier run's kvpress half must match it)."""
+    return hashlib.sha256(json.dumps([prompt.context, prompt.question]).encode()).hexdigest()[:16]
+
+
+def _run_kvpress(a: argparse.Namespace, gguf: Path, eos: set[int], prompts: dict, overlap: list):
+    """The kvpress half in ``--kvpress-python``: its output and its kept-position masks."""
+    with tempfile.TemporaryDirectory(prefix="kvpress-compare-") as tmp:
+        job = {
+            "gguf": str(gguf),
+            "eos": sorted(eos),
+            "presses": a.presses,
+            "ratios": a.ratios,
+            "threads": a.threads,
+            "overlap": overlap,
+            "prompts": [
+                {"key": k, "context": p.context, "question": p.question, "max_new": p.max_new}
+                for k, p in prompts.items()
+            ],
+        }
+        job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "kvpress.json"
+        job_path.write_text(json.dumps(job))
+        # torch brings its own BLAS (not velox's preloaded OpenBLAS); no progress bars
+        env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "VELOX_BLAS_ACTIVE")}
+        env["TQDM_DISABLE"] = "1"
+        subprocess.run(
+            [a.kvpress_python, os.path.abspath(__file__), "--worker", str(job_path), str(out_path)],
+            check=True,
+            env=env,
+        )
+        kv = json.loads(out_path.read_text())
+        with np.load(out_path.with_suffix(".npz")) as z:
+            masks = {name: z[name] for name in z.files}
+    return kv, masks
+
+
+def _load_kvpress(path: Path, digests: dict[str, str], presses: list[str], ratios: list[float]):
+    """The kvpress half of an earlier run's ``--json`` output (and its masks beside it),
+    checked to hold every press and ratio asked on the same prompts."""
+    old = json.loads(path.read_text())["kvpress"]
+    masks: dict[str, np.ndarray] = {}
+    if path.with_suffix(".masks.npz").is_file():
+        with np.load(path.with_suffix(".masks.npz")) as z:
+            masks = {name: z[name] for name in z.files}
+    have = {(r["press"], r["ratio"], r["key"]) for r in old["runs"]}
+    for key, d in digests.items():
+        if old["digests"].get(key) != d:
+            raise SystemExit(f"--kvpress-from {path}: prompt {key} is not the one it ran")
+        for need in [("none", 0.0), *((n, r) for n in presses for r in ratios)]:
+            if (*need, key) not in have:
+                raise SystemExit(f"--kvpress-from {path}: no run of {need[0]} at {need[1]}")
+    runs = [
+        r if r.get("mask", "") in masks else {k: v for k, v in r.items() if k != "mask"}
+        for r in old["runs"]
+    ]
+    return {**old, "runs": runs}, masks
+
+
+def _compare(a: argparse.Namespace) -> int:
+    from velox_cli.bench import load_model
+    from velox_cli.longctx.run import EvalSettings, resolve_spec, run_eval, spec_check
+    from velox_cli.longctx.tasks import make_prompts, parse_task
+    from velox_cli.models import NAMED, gguf_path
+    from velox_cli.specs import parse
+
+    t_start = time.perf_counter()
+    gguf = gguf_path(a.model) if a.model.lower() in NAMED else Path(a.model).expanduser()
+    if gguf.suffix.lower() != ".gguf" or not gguf.is_file():
+        raise SystemExit(f"--model {a.model}: both sides load a GGUF; none found at {gguf}")
+    model, tokenizer, store, path = load_model(a.model)
+    eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        eos.add(tokenizer.eos_token_id)
+
+    # the suite's prompts, as run_eval builds them
+    tasks = [parse_task(t) for t in a.tasks]
+    prompts: dict[str, Any] = {}
+    for length in a.lengths:
+        for task in tasks:
+            ps = make_prompts(tokenizer, task, length, a.prompts, haystack=a.haystack, seed=a.seed)
+            for i, p in enumerate(ps):
+                prompts[f"{p.task}|{length}|{i}"] = p
+    overlap = [k for k in prompts if int(k.rsplit("|", 1)[1]) < a.overlap]
+    _log(
+        f"kvpress_compare: {len(prompts)} prompts ({', '.join(t.label for t in tasks)} at "
+        f"{', '.join(map(str, a.lengths))} tokens), ratios {a.ratios}, presses {a.presses}"
+    )
+
+    # kvpress's half, in its own environment (or an earlier run's, --kvpress-from)
+    digests = {k: _digest(p) for k, p in prompts.items()}
+    t = time.perf_counter()
+    if a.kvpress_from:
+        kv, kv_masks = _load_kvpress(Path(a.kvpress_from), digests, a.presses, a.ratios)
+    else:
+        kv, kv_masks = _run_kvpress(a, gguf, eos, prompts, overlap)
+        kv["digests"] = digests
+    kv_seconds = time.perf_counter() - t
+    kv_runs = {(r["press"], r["ratio"], r["key"]): r for r in kv["runs"]}
+
+    # velox's half: run_eval, question after the context
+    shares = {r: _share(r) for r in a.ratios}
+    spec_of = {(n, r): VELOX_SPECS[n].format(p=shares[r]) for n in a.presses for r in a.ratios}
+    matched_of = {}
+    if a.matched:
+        matched_of = {
+            (n, r): MATCHED_SPECS[n].format(p=shares[r])
+            for n in a.presses
+            if n in MATCHED_SPECS
+            for r in a.ratios
+        }
+    texts = list(dict.fromkeys([*spec_of.values(), *matched_of.values()]))
+    settings = EvalSettings(
+        tasks=[t.label for t in tasks],
+        lengths=list(a.lengths),
+        prompts=a.prompts,
+        question="after",
+        haystack=a.haystack,
+        chunk=a.chunk,
+        seed=a.seed,
+        jobs=a.jobs,
+    )
+    t = time.perf_counter()
+    done = [0]
+
+    def tick(desc: str, n: int) -> None:
+        if n:
+            done[0] += n
+            _log(f"velox: prompt {done[0]}/{len(prompts)} {desc} ({time.perf_counter() - t:.0f} s)")
+
+    trials, info = run_eval([spec_check(s) for s in texts], a.model, settings, progress=tick)
+    vx_seconds = time.perf_counter() - t
+    vx = {(tr.spec, f"{tr.task}|{tr.length}|{tr.index}"): tr for tr in trials}
+    for key, p in prompts.items():  # run_eval built the same prompts
+        ref = vx[("fp16", key)]
+        if ref.tokens != p.tokens or abs(ref.depth - p.depth) > 1e-9:
+            raise RuntimeError(f"{key}: run_eval's prompt differs from this script's")
+
+    # kept-position overlap on the first --overlap prompts
+    t = time.perf_counter()
+    vx_masks: dict[tuple[str, str], tuple] = {}
+    for key in overlap:
+        for spec in [*spec_of.values(), *matched_of.values()]:
+            vx_masks[(spec, key)] = _velox_masks(model, store, prompts[key], spec, a.chunk)
+        _log(f"velox: kept positions of {key} ({time.perf_counter() - t:.0f} s)")
+    ov_seconds = time.perf_counter() - t
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(_cut(ids, eos))
+
+    per_prompt, baseline = [], []
+    for key, p in prompts.items():
+        none = kv_runs[("none", 0.0, key)]
+        text = decode(none["ids"])
+        ref = vx[("fp16", key)]
+        baseline.append(
+            {
+                "key": key,
+                "task": p.task,
+                "length": p.length,
+                "kvpress_score": p.score(text),
+                "kvpress_output": text,
+                "velox_score": ref.score if ref.error is None else None,
+                "velox_output": ref.output,
+            }
+        )
+        for name in a.presses:
+            for ratio in a.ratios:
+                run = kv_runs[(name, ratio, key)]
+                text = decode(run["ids"])
+                tr = vx[(spec_of[(name, ratio)], key)]
+                row: dict[str, Any] = {
+                    "key": key,
+                    "task": p.task,
+                    "length": p.length,
+                    "depth": p.depth,
+                    "press": name,
+                    "ratio": ratio,
+                    "velox_spec": spec_of[(name, ratio)],
+                    "answers": p.answers,
+                    "kvpress_score": p.score(text),
+                    "kvpress_output": text,
+                    "kvpress_kept": run["kept_per_head"],
+                    "velox_score": tr.score if tr.error is None else None,
+                    "velox_output": tr.output,
+                    "velox_error": tr.error,
+                    "velox_budget": parse(resolve_spec(spec_of[(name, ratio)], p.tokens)).params[
+                        "budget"
+                    ],
+                }
+                if (name, ratio) in matched_of:
+                    mt = vx[(matched_of[(name, ratio)], key)]
+                    row["matched_spec"] = matched_of[(name, ratio)]
+                    row["matched_score"] = mt.score if mt.error is None else None
+                    row["matched_output"] = mt.output
+                if "mask" in run:
+                    km = np.unpackbits(kv_masks[run["mask"]], axis=-1)[..., : len(p.context)]
+                    km = km.astype(bool)
+                    q, d = vx_masks[(spec_of[(name, ratio)], key)]
+                    if q is not None:
+                        row["jaccard"] = _jaccard(km, q)
+                        row["jaccard_decode"] = _jaccard(km, d)
+                        row["velox_question_kept"] = float(q.sum(-1).mean())
+                        row["velox_decode_kept"] = float(d.sum(-1).mean())
+                    if (name, ratio) in matched_of:
+                        mq, _ = vx_masks[(matched_of[(name, ratio)], key)]
+                        if mq is not None:
+                            row["matched_jaccard"] = _jaccard(km, mq)
+                per_prompt.append(row)
+
+    cells = []
+    for name in a.presses:
+        for ratio in a.ratios:
+            mine = [r for r in per_prompt if r["press"] == name and r["ratio"] == ratio]
+            groups: dict[tuple[str, Any], list] = {}
+            for r in mine:
+                groups.setdefault((r["task"], r["length"]), []).append(r)
+            for (task, length), rows in groups.items():
+                cells.append({"press": name, "ratio": ratio, "task": task, "length": length})
+                cells[-1].update(_cell(rows))
+            if len(groups) > 1:
+                cells.append({"press": name, "ratio": ratio, "task": "all", "length": "all"})
+                cells[-1].update(_cell(mine))
+    base_cells = []
+    groups = {}
+    for r in baseline:
+        groups.setdefault((r["task"], r["length"]), []).append(r)
+    for (task, length), rows in groups.items():
+        base_cells.append({"press": "none / fp16", "ratio": 0.0, "task": task, "length": length})
+        base_cells[-1].update(_cell(rows))
+
+    print()
+    print("Baseline: kvpress without a press (float32 cache) | velox fp16 cache")
+    print(_table(base_cells, False))
+    print()
+    print(f"Presses (velox at budget = 100 (1 - ratio) % of each prompt; {len(prompts)} prompts)")
+    print(_table(cells, bool(matched_of)))
+    total = time.perf_counter() - t_start
+    print(
+        f"\ntime: kvpress {kv_seconds:.0f} s, velox {vx_seconds:.0f} s, kept positions "
+        f"{ov_seconds:.0f} s, total {total:.0f} s"
+    )
+    if a.json:
+        out = {
+            "settings": {
+                "model": a.model,
+                "gguf": str(gguf),
+                "velox_model": str(path),
+                "tasks": [t.label for t in tasks],
+                "lengths": a.lengths,
+                "prompts": a.prompts,
+                "ratios": a.ratios,
+                "presses": {n: KVPRESS_LABELS[n] for n in a.presses},
+                "velox_specs": {f"{n}@{r:g}": s for (n, r), s in spec_of.items()},
+                "matched_specs": {f"{n}@{r:g}": s for (n, r), s in matched_of.items()},
+                "haystack": a.haystack,
+                "seed": a.seed,
+                "chunk": a.chunk,
+                "question": "after",
+                "overlap_prompts": overlap,
+            },
+            "kvpress": {"info": kv["info"], "digests": kv["digests"], "runs": kv["runs"]},
+            "velox_info": info,
+            "seconds": {
+                "kvpress": round(kv_seconds, 1),
+                "velox": round(vx_seconds, 1),
+                "kept_positions": round(ov_seconds, 1),
+                "total": round(total, 1),
+            },
+            "baseline": base_cells,
+            "cells": cells,
+            "per_prompt": per_prompt,
+            "baseline_per_prompt": baseline,
+        }
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(out, indent=1))
+        np.savez_compressed(Path(a.json).with_suffix(".masks.npz"), **kv_masks)
+        print(f"wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
