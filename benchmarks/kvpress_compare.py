@@ -357,6 +357,7 @@ def _table(cells: list[dict[str, Any]], matched: bool) -> str:
     head = ["press", "ratio", "task", "length", "n", "kvpress", "velox", "delta", "agree"]
     head += ["velox matched"] if matched else []
     head += ["kept kvpress", "budget velox", "jaccard q", "jaccard dec"]
+    head += ["jaccard matched"] if matched else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in cells:
         kv, vx = c["kvpress_accuracy"], c["velox_accuracy"]
@@ -380,6 +381,8 @@ def _table(cells: list[dict[str, Any]], matched: bool) -> str:
             _fmt(c.get("jaccard"), pct=False),
             _fmt(c.get("jaccard_decode"), pct=False),
         ]
+        if matched:
+            row.append(_fmt(c.get("matched_jaccard"), pct=False))
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
