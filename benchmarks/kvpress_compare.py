@@ -24,9 +24,9 @@ scored with ``Prompt.score`` (RULER's string match).
   the chat template and re-tokenize, so the token ids are fed directly).
 - velox: :func:`velox_cli.longctx.run.run_eval` with ``question="after"`` and the specs
   ``snapkv:budget=P%``, ``streamingllm:budget=P%``, ``adakv:budget=P%``, ``P = 100 (1 - r)``
-  (velox's defaults); with ``--matched`` also SnapKV and Ada-KV with kvpress's vote
-  settings (``observe=64,kernel=5,pooling=avg``; Ada-KV ``window=64``), which separates the
-  settings from the implementations.
+  of the context's tokens (velox's defaults); with ``--matched`` also SnapKV and Ada-KV with
+  kvpress's vote settings (``observe=64,kernel=5,pooling=avg``; Ada-KV ``window=64``), which
+  separates the settings from the implementations.
 
 Not compared: kvpress's ``QFilterPress`` downloads its filters from the Hugging Face Hub
 (``nthngdy/<model>_qfilt``, none for SmolLM2) and this benchmark runs offline; KnormPress has
@@ -37,8 +37,8 @@ to the no-press run's keys of the same prompt; ``AdaKVPress`` keeps every key an
 pruned ones (``masked_key_indices`` on each attention module), its kept set is the rest.
 velox's caches hold the absolute positions of what they keep (``body_positions``, sinks and
 window); they are read after the question's prefill (the context as the question saw it) and
-after the first decoded token (velox cuts the cache back to the budget there, voted by the
-question's queries: see the report's ``velox_decode_kept``).
+after the first decoded token (``velox_decode_kept``: the same set, since
+:func:`velox_cli.longctx.run.prompt_caches` holds the question whole and cuts nothing more).
 
 Two environments: kvpress 0.5.5 requires ``transformers<5.3`` and mlx-lm 0.32.2
 ``transformers>=5.7``, so no environment holds both. This script runs in velox's
@@ -280,16 +280,14 @@ def _velox_masks(model, store, prompt, spec: str, chunk: int):
     the first decoded token (the prompt path of ``velox_cli.longctx.run``, question after)."""
     import mlx.core as mx
 
-    from velox_cli.evaluate import prefill
-    from velox_cli.longctx.run import resolve_spec
+    from velox_cli.longctx.run import budget_tokens, prompt_caches, resolve_spec
     from velox_cli.specs import build_caches, parse
     from velox_core import routed
 
-    caches = build_caches(parse(resolve_spec(spec, prompt.tokens)), model, store)
+    caches = build_caches(parse(resolve_spec(spec, budget_tokens(prompt, "after"))), model, store)
     n = len(prompt.context)
     with routed(model):
-        prefill(model, caches, prompt.context, chunk)
-        logits = prefill(model, caches, prompt.question, chunk)
+        logits = prompt_caches(model, caches, prompt, "after", chunk)
         at_question = _kept_positions(caches, n)
         y = mx.argmax(logits, axis=-1)
         mx.eval(model(y[:, None], cache=caches))
@@ -503,7 +501,13 @@ def _load_kvpress(path: Path, digests: dict[str, str], presses: list[str], ratio
 
 def _compare(a: argparse.Namespace) -> int:
     from velox_cli.bench import load_model
-    from velox_cli.longctx.run import EvalSettings, resolve_spec, run_eval, spec_check
+    from velox_cli.longctx.run import (
+        EvalSettings,
+        budget_tokens,
+        resolve_spec,
+        run_eval,
+        spec_check,
+    )
     from velox_cli.longctx.tasks import make_prompts, parse_task
     from velox_cli.models import NAMED, gguf_path
     from velox_cli.specs import parse
@@ -628,9 +632,9 @@ def _compare(a: argparse.Namespace) -> int:
                     "velox_score": tr.score if tr.error is None else None,
                     "velox_output": tr.output,
                     "velox_error": tr.error,
-                    "velox_budget": parse(resolve_spec(spec_of[(name, ratio)], p.tokens)).params[
-                        "budget"
-                    ],
+                    "velox_budget": parse(
+                        resolve_spec(spec_of[(name, ratio)], budget_tokens(p, "after"))
+                    ).params["budget"],
                 }
                 if (name, ratio) in matched_of:
                     mt = vx[(matched_of[(name, ratio)], key)]

@@ -26,6 +26,7 @@ def test_eviction_and_composition_on_the_reference_model(question):
             "fp16",
             "snapkv:budget=25%",
             "streamingllm:budget=25%",
+            "snapkv:budget=50%",
             "snapkv:budget=50%+uniform:bits=4",
         )
     ]
@@ -44,5 +45,49 @@ def test_eviction_and_composition_on_the_reference_model(question):
     # a quarter of the prompt's tokens kept (plus the window and the question's tokens)
     assert 2.0 < cells["snapkv:budget=25%"].ratio < 4.5
     assert 2.0 < cells["streamingllm:budget=25%"].ratio < 4.5
-    # half the tokens at 4 bits: more than either alone
-    assert cells["snapkv:budget=50%+uniform:bits=4"].ratio > cells["snapkv:budget=25%"].ratio
+    # half the tokens at 4 bits: fewer bytes than half the tokens in fp16
+    assert cells["snapkv:budget=50%+uniform:bits=4"].ratio > cells["snapkv:budget=50%"].ratio
+
+
+@pytest.mark.parametrize("spec", ["snapkv:budget=25%", "adakv:budget=25%"])
+def test_question_after_compresses_the_context_once(spec):
+    """kvpress's protocol: the context is cut to a share of the context's own tokens as the
+    question arrives, the question is held whole, and the first answer token cuts nothing
+    more (no vote by the question's queries)."""
+    if find_shared("reference-model") is None:
+        pytest.skip("the reference model (shared/reference-model) is not here")
+    import mlx.core as mx
+    import numpy as np
+
+    from velox_cli.bench import load_model
+    from velox_cli.longctx.run import budget_tokens, prompt_caches, resolve_spec
+    from velox_cli.longctx.tasks import make_prompts, parse_task
+    from velox_cli.specs import build_caches, parse
+    from velox_core import routed
+
+    model, tokenizer, store, _ = load_model(None)
+    (prompt,) = make_prompts(tokenizer, parse_task("multikey:keys=2"), 512, 1)
+    n, q = len(prompt.context), len(prompt.question)
+    budget = parse(resolve_spec(spec, budget_tokens(prompt, "after"))).params["budget"]
+    assert budget == round(0.25 * n)
+
+    def held(caches):  # per layer and KV head, the positions held (sinks, window, body)
+        out = []
+        for c in caches:
+            _, _, sink_pos, win_pos = c.protected_keys()
+            fixed = set(np.array(sink_pos).tolist()) | set(np.array(win_pos).tolist())
+            out.append([fixed | set(np.array(p[0]).tolist()) for p in c.body_positions()])
+        return out
+
+    caches = build_caches(parse(resolve_spec(spec, n)), model, store)
+    with routed(model):
+        logits = prompt_caches(model, caches, prompt, "after", 2048)
+        before = held(caches)
+        mx.eval(model(mx.argmax(logits, axis=-1)[:, None], cache=caches))
+        after = held(caches)
+    for layer_b, layer_a in zip(before, after):
+        for b, a in zip(layer_b, layer_a):
+            assert set(range(n, n + q)) <= b  # the question, whole
+            assert a == b | {n + q}  # nothing cut at the first answer token
+        # the layer's context: the budget per KV head (Ada-KV: on average over its heads)
+        assert sum(len({t for t in b if t < n}) for b in layer_b) == len(layer_b) * budget

@@ -4,9 +4,11 @@ For each prompt (:mod:`velox_cli.longctx.tasks`) the fp16 cache runs first: its 
 is scored and its tokens, with their log-probabilities, are the reference. Then each spec's
 caches take the same prompt:
 
-- ``question="after"`` (the default): the context is prefilled (in ``chunk``-token pieces, as
-  mlx-lm prefills) and compressed as the cache compresses it, then the question is prefilled
-  on top: the cache was compressed without knowing the question (kvpress's protocol);
+- ``question="after"`` (the default): kvpress's protocol. The context is prefilled (in
+  ``chunk``-token pieces, as mlx-lm prefills) and compressed as the cache compresses it, then
+  the question is prefilled on top and held whole (:func:`prompt_caches`): the context is
+  compressed without knowing the question, and a ``budget=P%`` share is of the context's
+  tokens, as kvpress's compression ratio is;
 - ``question="inside"``: context and question are one prompt, prefilled and compressed
   together, so a method that votes with the newest queries (SnapKV) sees the question.
 
@@ -19,7 +21,7 @@ Attention is routed to velox caches (:func:`velox_core.routed`).
 
 Specs are those of ``velox bench`` (baselines, methods, ``A+B`` compositions), and a
 ``budget`` may be a share of the prompt: ``snapkv:budget=25%`` keeps a quarter of each
-prompt's tokens.
+prompt's context (question after) or of the whole prompt (question inside).
 
 The work is prompt-major: one worker process per CPU core (on MLX's CPU backend) takes whole
 prompts and runs fp16 then every spec on each, so the reference never leaves its process.
@@ -52,7 +54,9 @@ __all__ = [
     "EvalSettings",
     "Trial",
     "aggregate",
+    "budget_tokens",
     "held_bytes",
+    "prompt_caches",
     "resolve_spec",
     "run_eval",
     "spec_check",
@@ -148,13 +152,34 @@ class Trial:
     error: str | None = None
 
 
-def _prompt(model, caches, prompt: Prompt, mode: str, chunk: int) -> mx.array:
-    """Prefill the prompt (the question after the context's prefill, or inside it); the
-    logits of its last position."""
-    if mode == "after":
-        prefill(model, caches, prompt.context, chunk)
-        return prefill(model, caches, prompt.question, chunk)
-    return prefill(model, caches, prompt.context + prompt.question, chunk)
+def budget_tokens(prompt: Prompt, mode: str) -> int:
+    """The tokens a ``budget=P%`` share is taken of: the context alone with the question
+    after it (kvpress's compression ratio is of the context), the whole prompt inside."""
+    return len(prompt.context) if mode == "after" else prompt.tokens
+
+
+def prompt_caches(model, caches: list, prompt: Prompt, mode: str, chunk: int) -> mx.array:
+    """Prefill the prompt into ``caches``; the logits of its last position.
+
+    ``mode="inside"``: context and question as one prompt. ``mode="after"``: kvpress's
+    protocol. The context is prefilled, then the question; a retention policy cuts the
+    context back to its budget as the question arrives (voted by the context's own newest
+    queries), and the question is held whole. Left alone, a policy would cut once more at
+    the first answer token, after the question's chunk: voted by the question's queries and
+    trimming the question's length off the context, so the context would no longer be
+    compressed without knowing the question. Each policy's ``budget`` is raised by the
+    question's length once it is stored, which leaves that cut nothing to remove; decode
+    then runs as the spec says (``every`` cuts, if set, from the raised budget).
+    """
+    if mode == "inside":
+        return prefill(model, caches, prompt.context + prompt.question, chunk)
+    prefill(model, caches, prompt.context, chunk)
+    logits = prefill(model, caches, prompt.question, chunk)
+    for c in caches:
+        policy = getattr(c, "policy", None)
+        if policy is not None and policy.budget is not None:
+            policy.budget += len(prompt.question)
+    return logits
 
 
 def _greedy_logprobs(model, caches, logits: mx.array, n: int) -> tuple[list[int], np.ndarray]:
@@ -190,7 +215,7 @@ def run_prompt(model, tokenizer, store, prompt: Prompt, i: int, specs: list[Spec
     t0 = time.perf_counter()
     caches = build_caches(Spec("fp16", "fp16"), model, store)
     with routed(model):
-        logits = _prompt(model, caches, prompt, s.question, s.chunk)
+        logits = prompt_caches(model, caches, prompt, s.question, s.chunk)
         ref_ids, ref_lp = _greedy_logprobs(model, caches, logits, prompt.max_new)
         ref_bytes = sum(held_bytes(c) for c in caches)
     del caches
@@ -206,9 +231,10 @@ def run_prompt(model, tokenizer, store, prompt: Prompt, i: int, specs: list[Spec
         t = Trial(spec.text, **base)
         t0 = time.perf_counter()
         try:
-            caches = build_caches(parse(resolve_spec(spec.text, prompt.tokens)), model, store)
+            share_of = budget_tokens(prompt, s.question)
+            caches = build_caches(parse(resolve_spec(spec.text, share_of)), model, store)
             with routed(model):
-                logits = _prompt(model, caches, prompt, s.question, s.chunk)
+                logits = prompt_caches(model, caches, prompt, s.question, s.chunk)
                 twin = copy.deepcopy(caches)  # answers greedily; the caches are teacher-forced
                 out = greedy(model, twin, logits, prompt.max_new)
                 t.bytes = sum(held_bytes(c) for c in twin)
