@@ -84,55 +84,54 @@ def _note(cells: Sequence[Cell]) -> str:
     )
 
 
-def table(cells: Sequence[Cell], info: dict) -> Table:
+_STATS = ("mean", "delta", "worst", "KL", "top-1")
+
+
+def _rows(cells: Sequence[Cell]) -> list[tuple[dict[str, Any], list[str]]]:
+    """Each spec's summary row and its formatted cells after the spec: vs fp16, B/token,
+    accuracy per (task, length), then :data:`_STATS`."""
     cols = columns(cells)
+    out = []
+    for r in summary(cells):
+        out.append(
+            (
+                r,
+                [
+                    _f(r["ratio"], "{:.2f}x"),
+                    _f(r["bytes_per_token"], "{:,.0f}"),
+                    *[_f(r["accuracy"].get(f"{t}@{n}", math.nan)) for t, n in cols],
+                    _f(r["mean"]),
+                    _f(r["delta"], "{:+.2f}"),
+                    _f(r["worst_delta"], "{:+.2f}"),
+                    _f(r["kl"], "{:.3f}"),
+                    _f(r["top1"]),
+                ],
+            )
+        )
+    return out
+
+
+def table(cells: Sequence[Cell], info: dict) -> Table:
     t = Table(
         title=f"velox eval: {Path(str(info.get('model', ''))).name} | question "
         f"{info.get('question')} | haystack {info.get('haystack')}",
         caption=_note(cells),
     )
     t.add_column("spec", no_wrap=True)
-    for name in ("vs fp16", "B/token"):
+    for name in ("vs fp16", "B/token", *[f"{t}\n@{n}" for t, n in columns(cells)], *_STATS):
         t.add_column(name, justify="right")
-    for task, length in cols:
-        t.add_column(f"{task}\n@{length}", justify="right")
-    for name in ("mean", "delta", "worst", "KL", "top-1"):
-        t.add_column(name, justify="right")
-    for r in summary(cells):
-        acc = [_f(r["accuracy"].get(f"{task}@{length}", math.nan)) for task, length in cols]
-        t.add_row(
-            r["spec"] + (f" ({r['errors']} errors: {r['error']})" if r["errors"] else ""),
-            _f(r["ratio"], "{:.2f}x"),
-            _f(r["bytes_per_token"], "{:,.0f}"),
-            *acc,
-            _f(r["mean"]),
-            _f(r["delta"], "{:+.2f}"),
-            _f(r["worst_delta"], "{:+.2f}"),
-            _f(r["kl"], "{:.3f}"),
-            _f(r["top1"]),
-        )
+    for r, row in _rows(cells):
+        errors = f" ({r['errors']} errors: {r['error']})" if r["errors"] else ""
+        t.add_row(r["spec"] + errors, *row)
     return t
 
 
 def markdown(cells: Sequence[Cell]) -> str:
-    cols = columns(cells)
-    head = ["spec", "vs fp16", "B/token", *[f"{t} @{n}" for t, n in cols]]
-    head += ["mean", "delta", "worst", "KL", "top-1"]
+    head = ["spec", "vs fp16", "B/token", *[f"{t} @{n}" for t, n in columns(cells)], *_STATS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in summary(cells):
-        acc = [_f(r["accuracy"].get(f"{t}@{n}", math.nan)) for t, n in cols]
-        row = [
-            f"`{r['spec']}`" + (f" ({r['errors']} errors)" if r["errors"] else ""),
-            _f(r["ratio"], "{:.2f}x"),
-            _f(r["bytes_per_token"], "{:,.0f}"),
-            *acc,
-            _f(r["mean"]),
-            _f(r["delta"], "{:+.2f}"),
-            _f(r["worst_delta"], "{:+.2f}"),
-            _f(r["kl"], "{:.3f}"),
-            _f(r["top1"]),
-        ]
-        lines.append("| " + " | ".join(row) + " |")
+    for r, row in _rows(cells):
+        errors = f" ({r['errors']} errors)" if r["errors"] else ""
+        lines.append("| " + " | ".join([f"`{r['spec']}`{errors}", *row]) + " |")
     return "\n".join(lines) + "\n\n" + _note(cells) + "\n"
 
 
