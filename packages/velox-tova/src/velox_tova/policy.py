@@ -1,0 +1,172 @@
+"""``TOVAPolicy``: evict the tokens the last query attends to least (arXiv 2401.06104).
+
+TOVA (Token Omission Via Attention; Oren et al., *Transformers are Multi-State RNNs*)
+treats a decoder with a bounded cache as a multi-state RNN: once the cache holds more than
+``budget`` tokens, it keeps the ``budget`` tokens to which the *current* (last)
+query gives the most attention, **averaged over the layer's heads**, and drops the rest;
+during decode that is one token per step. All heads of a layer keep the same tokens.
+
+How it runs in velox: :meth:`TOVAPolicy.observe` keeps the last query of each attention call
+(post-RoPE, as ``VeloxCache.attend`` passes them, so only inside ``velox_core.routed(model)``
+or ``velox_core.generate``). velox-core calls
+:meth:`~velox_core.RetentionPolicy.before_update` before the next tokens are stored: after a
+prefill chunk, and during decode once the cache holds ``budget + every`` tokens (``every=1``:
+the paper's step-by-step eviction). The cut recomputes the kept query's softmax weights over
+every stored token (sinks, body, window: the same weights its attention computed, since
+nothing was stored since), averages them over all query heads (GQA: over the query heads of
+every KV head) and keeps the top ``budget - protected`` body tokens, one selection shared by
+the layer's KV heads. Deferring the paper's post-attention eviction to the next update keeps
+the same tokens and the same cache sizes: attention always runs over ``budget`` tokens plus
+the new one, as in the authors' cache.
+
+Deviations from the paper (also in docs/tova.md):
+
+* **Chunked prefill.** The authors reduce the prompt's cache once, with the last prompt
+  query; here each prefill chunk is followed by a cut scored by that chunk's last query, so
+  peak memory stays at ``budget`` plus one chunk. A prompt in one chunk gets exactly the
+  paper's rule. mlx-lm's ``generate`` feeds the last prompt token as a step of its own: the
+  prompt's cut is then scored by the second-to-last prompt token's query.
+* **``every`` > 1** evicts ``every`` tokens at once, scored by the latest query alone (the
+  paper evicts one per step, each scored by its own query). ``every=None`` compresses the
+  prompt only (kvpress's ``TOVAPress`` as a prefill press).
+* **Unseen tokens.** Tokens stored after the kept query (never seen by any query; only when
+  ``update_and_fetch`` runs without attention) are kept at the cut.
+* **No observed query**: without routing a cut raises (no query can ever score); routed but
+  before any query reached the cache, a cut keeps the most recent tokens.
+* Weights come from the stored keys (their codes when ``bits`` is set); learned per-head
+  sink logits (gpt-oss) are not part of their softmax. ``sinks`` and ``window`` (always
+  kept) are velox settings; ``window=1`` keeps the newest token as kvpress does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from velox_core import RetentionPolicy
+from velox_core.policy import top_k_sorted, window_votes
+
+__all__ = ["TOVAPolicy"]
+
+
+class TOVAPolicy(RetentionPolicy):
+    """TOVA's retention policy: one head-averaged selection per layer.
+
+    Args:
+        budget: tokens kept per KV head (sinks + body + window), or None (keep all).
+        every: during decode, cut once the cache holds ``budget + every`` tokens (1: the
+            paper, one token per step; None: only after prefill chunks).
+    """
+
+    name = "tova"
+
+    def __init__(self, budget: int | None = None, every: int | None = 1):
+        super().__init__(budget, every)
+        self._query: mx.array | None = None  # (B, Hq, 1, D): the last query seen
+        self._q_pos = -1  # its absolute position
+        self._scale: float | None = None
+
+    # -- the last query ---------------------------------------------------------------------
+    def observe(self, cache, queries: mx.array, scale: float) -> None:
+        """Keep the last query of this call (it sits at the newest stored position).
+
+        Without ``every`` single decode queries never score a cut and are not kept, and the
+        query is dropped after the cut it scores, so decode holds no policy state.
+        """
+        if self.budget is None or (self.every is None and queries.shape[2] == 1):
+            return
+        self._query = mx.contiguous(queries[:, :, -1:])
+        self._q_pos = cache.offset - 1
+        self._scale = float(scale)
+        mx.async_eval(self._query)  # detach from the call's graph (no growing chain)
+
+    # -- choosing ---------------------------------------------------------------------------
+    def score(self, cache) -> list[mx.array | None]:
+        """Per KV head ``(B, T)`` float32, the same for every head: the last query's attention
+        weight on each body token, averaged over all query heads (unseen tokens ``+inf``)."""
+        pos = cache.body_positions()
+        if any(p is None for p in pos):
+            return pos
+        s = self._layer_scores(cache, mx.stack(pos, axis=1))
+        return [s] * len(pos)
+
+    def select(self, cache, k: int):
+        """One top-``k`` selection, shared by the layer's KV heads: ``(B, H, k)``."""
+        scores = self.score(cache)
+        if any(s is None for s in scores):
+            keep = mx.zeros((cache._dims[0], len(scores), 0), dtype=mx.int32)
+        else:
+            idx = top_k_sorted(scores[0], k)
+            keep = mx.broadcast_to(idx[:, None], (idx.shape[0], len(scores), idx.shape[-1]))
+        if self.every is None:
+            self._query = None  # no decode cuts: this query will not score again
+        return keep
+
+    def _layer_scores(self, cache, body_pos: mx.array) -> mx.array:
+        w = self._weights(cache, body_pos)
+        if w is None and not cache.routed:
+            raise ValueError(
+                "tova: the last query's attention chooses the tokens to keep, and only velox "
+                "attention sees it: run the model inside velox_core.routed(model) "
+                "(velox_core.generate does)"
+            )
+        first = body_pos[:, 0]  # every head holds the same tokens (one selection per layer)
+        if w is None:  # routed, but no query has reached the cache yet: the most recent
+            return first.astype(mx.float32)
+        s = mx.mean(w, axis=1)  # mean over KV heads of the group means = over query heads
+        return mx.where(first > self._q_pos, mx.inf, s)
+
+    def _weights(self, cache, body_pos: mx.array) -> mx.array | None:
+        """The kept query's softmax weights on the body tokens ``(B, H, T)``, or None."""
+        q = self._query
+        b, h, t = body_pos.shape
+        if q is None or q.shape[0] != b or self._q_pos >= cache.offset:
+            return None  # none, other rows, or its token was trimmed away
+        keys, _ = cache.keys_and_values()  # sinks | body | window, decoded
+        n_sink = cache.sink_count()
+        n_win = keys.shape[2] - n_sink - t
+        k_pos = mx.concatenate(
+            [
+                mx.broadcast_to(mx.arange(n_sink, dtype=mx.int32), (b, h, n_sink)),
+                body_pos.astype(mx.int32),
+                mx.broadcast_to(
+                    mx.arange(cache.offset - n_win, cache.offset, dtype=mx.int32), (b, h, n_win)
+                ),
+            ],
+            axis=2,
+        )
+        q_pos = mx.array([self._q_pos], dtype=mx.int32)
+        w = window_votes(q, q_pos, keys, k_pos, self._scale)
+        return w[:, :, n_sink : n_sink + t]
+
+    # -- batch rows (called by VeloxCache.filter / extend) ----------------------------------
+    def filter_batch(self, idx: mx.array) -> None:
+        if self._query is not None:
+            self._query = self._query[idx]
+
+    def extend_batch(self, other: TOVAPolicy) -> None:
+        a, b = self._query, other._query
+        if a is None or b is None or a.shape[1:] != b.shape[1:] or self._q_pos != other._q_pos:
+            self._query = None  # the queries disagree: score again from the next ones
+            return
+        self._query = mx.concatenate([a, b.astype(a.dtype)], axis=0)
+
+    # -- state ------------------------------------------------------------------------------
+    def state(self) -> dict[str, mx.array]:
+        return {} if self._query is None else {"query": self._query}
+
+    def meta(self) -> Any:
+        return {**super().meta(), "q_pos": self._q_pos, "scale": self._scale}
+
+    def set_state(self, state: dict[str, mx.array], meta: Any) -> None:
+        state = dict(state)
+        query = state.pop("query", None)
+        if query is not None and (query.ndim != 4 or query.shape[2] != 1):
+            raise ValueError(f"tova: the kept query must be (B, Hq, 1, D), got {query.shape}")
+        super().set_state(state, meta)
+        meta = meta or {}
+        self._query = query
+        self._q_pos = int(meta.get("q_pos", -1))
+        scale = meta.get("scale")
+        self._scale = None if scale is None else float(scale)
