@@ -15,30 +15,129 @@ the Hugging Face cache's models, as mlx-lm does, where there is such a cache);
 ``resident_bytes`` is what the prompt cache's velox caches hold (measured from their
 arrays, ``nbytes``). mlx-lm's ``--kv-bits`` (its own quantized cache) is refused: the method
 spec says how the cache is compressed.
+
+``--model`` (and ``--draft-model``) take what ``velox bench`` and ``velox generate`` take: an
+mlx-lm directory, a ``.gguf`` file or a model name (``smollm2``, ``gemma3``; see
+``velox_cli.models``), and also a Hugging Face repo id, which mlx-lm looks up itself. The
+model is loaded, and given its velox caches, before the server listens: a model that fails to
+load or refuses the ``--method`` spec (a ``group`` its head dim does not take, say) stops
+``velox serve`` with the reason instead of a server that answers every request with an error.
+A request whose prompt is empty is answered 400; one whose prompt has no tokens is refused
+without stopping the generation thread (mlx-lm's batch generator raises on it).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
+import threading
+from pathlib import Path
 from typing import Any
 
 __all__ = ["serve"]
 
+# owner/name, as Hugging Face spells repo ids: left to mlx-lm's own lookup when no such path
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+_ORIGINALS: dict[tuple[Any, str], Any] = {}  # mlx-lm's methods, before serve() wraps them
 
-def _provider_class(spec: str, storage_dtype: Any):
+
+def _patch(owner: Any, name: str, make: Any) -> None:
+    """Set ``owner.name`` to ``make(original)``, wrapping mlx-lm's own function however often
+    serve() runs in one process."""
+    key = (owner, name)
+    original = _ORIGINALS.setdefault(key, getattr(owner, name))
+    setattr(owner, name, make(original))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _local_model(value: str) -> str:
+    """The mlx-lm directory for ``--model value`` (``velox_cli.models.resolve``: a name, a
+    ``.gguf`` file or a directory, made absolute), or ``value`` itself where it is no path
+    here but reads as a Hugging Face repo id. Raises resolve's error otherwise."""
+    from . import models
+
+    try:
+        return str(Path(models.resolve(value)).resolve())
+    except FileNotFoundError:
+        if _HUB_ID.fullmatch(value) and not Path(value).expanduser().exists():
+            return value  # mlx-lm fetches it, or fails to; either way before listening
+        raise
+
+
+def _resolve_models(argv: list[str]) -> tuple[list[str], dict[str, dict[str, str]]]:
+    """``argv`` with its ``--model`` and ``--draft-model`` values resolved (see
+    :func:`_local_model`), and the aliases by flag: each value given -> the path it resolved
+    to (so a request naming the model as it was given gets the same, loaded, model)."""
+    out: list[str] = list(argv)
+    aliases: dict[str, dict[str, str]] = {"--model": {}, "--draft-model": {}}
+    for i, arg in enumerate(out):
+        for flag in ("--model", "--draft-model"):
+            if arg == flag and i + 1 < len(out):
+                at, value, fmt = i + 1, out[i + 1], "{}"
+            elif arg.startswith(flag + "="):
+                at, value, fmt = i, arg[len(flag) + 1 :], flag + "={}"
+            else:
+                continue
+            path = _local_model(value)
+            out[at] = fmt.format(path)
+            if path != value:
+                aliases[flag][value] = path
+    return out, aliases
+
+
+def _provider_class(
+    spec: str, storage_dtype: Any, aliases: dict[str, dict[str, str]] | None = None
+):
     import mlx_lm.server as server
 
     import velox_core
 
     class VeloxModelProvider(server.ModelProvider):
-        """mlx-lm's model provider; each model it loads (and its draft) gets velox caches."""
+        """mlx-lm's model provider; each model it loads (and its draft) gets velox caches.
+
+        The default model's load (mlx-lm runs it on its generation thread) is reported through
+        ``loaded`` and ``load_error``, so the server listens only once it has succeeded."""
+
+        def __init__(self, cli_args):
+            super().__init__(cli_args)
+            self.loaded = threading.Event()
+            self.load_error: BaseException | None = None
+            aliases_ = aliases or {}
+            for name, path in aliases_.get("--model", {}).items():  # a request may name it
+                self._model_map.setdefault(name, path)  # as it was given: the same model
+                self._adapter_map.setdefault(name, cli_args.adapter_path)
+            for name, path in aliases_.get("--draft-model", {}).items():
+                self._draft_model_map.setdefault(name, path)
+
+        def load_default(self):
+            try:
+                super().load_default()
+            except Exception as e:
+                self.load_error = e
+                if self.is_distributed:  # no listener waits on the other ranks
+                    raise
+            finally:
+                self.loaded.set()
 
         def _load(self, model_path, adapter_path=None, draft_model_path=None):
-            super()._load(model_path, adapter_path, draft_model_path)
-            velox_core.install(self.model, spec, storage_dtype=storage_dtype)
-            if self.draft_model is not None:
-                velox_core.install(self.draft_model, spec, storage_dtype=storage_dtype)
+            try:
+                super()._load(model_path, adapter_path, draft_model_path)
+            except Exception as e:
+                raise ValueError(f"cannot load the model {model_path!r}: {_first_line(e)}") from e
+            try:
+                velox_core.install(self.model, spec, storage_dtype=storage_dtype)
+                if self.draft_model is not None:
+                    velox_core.install(self.draft_model, spec, storage_dtype=storage_dtype)
+            except Exception as e:
+                self.reset()  # never keep it loaded with mlx-lm's own caches
+                raise ValueError(
+                    f"the model {model_path!r} refuses --method {spec}: {_first_line(e)}"
+                ) from e
             caches = self.model.make_cache()
             self.is_batchable = self.draft_model is None and all(
                 hasattr(c, "merge") for c in caches
@@ -51,6 +150,69 @@ def _provider_class(spec: str, storage_dtype: Any):
             super().reset()
 
     return VeloxModelProvider
+
+
+class _LoadFailed(ValueError):
+    """The served model did not load (or refused the spec); the server never listened."""
+
+
+def _listen_after_load(original):
+    """mlx-lm's ``_run_http_server``, run once the generation thread has loaded the default
+    model; where that failed, the thread is stopped and :class:`_LoadFailed` raised."""
+
+    def run_http_server(host, port, response_generator, *args, **kwargs):
+        provider = response_generator.model_provider
+        loaded = getattr(provider, "loaded", None)
+        if loaded is not None:
+            while not loaded.wait(0.2):
+                if not response_generator.generation_available():
+                    raise _LoadFailed("the generation thread stopped while loading the model")
+            if provider.load_error is not None:
+                response_generator.stop_and_join()
+                raise _LoadFailed(_first_line(provider.load_error))
+        return original(host, port, response_generator, *args, **kwargs)
+
+    return run_http_server
+
+
+class _EmptyPrompt(ValueError):
+    pass
+
+
+def _refuse_empty_tokens(original):
+    """``ResponseGenerator._tokenize`` refusing a prompt of no tokens: mlx-lm puts the error
+    on the request's queue (the request fails) where its batch generator would raise on the
+    generation thread and stop it (every later request then fails)."""
+
+    def _tokenize(self, tokenizer, request, args):
+        out = original(self, tokenizer, request, args)
+        if len(out[0]) == 0:
+            raise _EmptyPrompt("the prompt has no tokens: nothing to generate from")
+        return out
+
+    return _tokenize
+
+
+def _refuse_empty_requests(original):
+    """``APIHandler.handle_completion`` answering 400 to an empty prompt (``""``, ``[]``) or
+    an empty ``messages`` list, before it reaches the generation thread."""
+
+    def handle_completion(self, request, stop_words):
+        if request.request_type == "text":
+            bad = not isinstance(request.prompt, str) or not request.prompt
+            why = "prompt must be a non-empty string"
+        else:
+            bad = not isinstance(request.messages, list) or not request.messages
+            why = "messages must be a non-empty list"
+        if bad:
+            self._set_completion_headers(400)
+            self.end_headers()
+            self.wfile.write(json.dumps({"error": why}).encode())
+            self.wfile.flush()
+            return None
+        return original(self, request, stop_words)
+
+    return handle_completion
 
 
 def _velox_endpoint(spec: str):
@@ -133,7 +295,13 @@ def _hf_models(created: int) -> list[dict]:
 
 def serve(spec: str, argv: list[str], storage_dtype: Any = None) -> None:
     """Run mlx-lm's server with velox caches of ``spec``; ``argv`` are mlx_lm.server's options
-    (``--model``, ``--host``, ``--port``...). Blocks until the server stops."""
+    (``--model``, ``--host``, ``--port``...). Blocks until the server stops.
+
+    Raises:
+        ValueError: a bad spec, ``--kv-bits``, or a model that fails to load or refuses the
+            spec (before the server listens).
+        FileNotFoundError: ``--model`` names no model, file or directory.
+    """
     import mlx_lm.server as server
 
     import velox_core
@@ -144,11 +312,17 @@ def serve(spec: str, argv: list[str], storage_dtype: Any = None) -> None:
             "how velox compresses the cache"
         )
     velox_core.make(spec)  # an unknown method or a bad parameter fails before loading
-    server.ModelProvider = _provider_class(spec, storage_dtype)
+    argv, aliases = _resolve_models(argv)  # named models and GGUF files, as bench takes them
+    server.ModelProvider = _provider_class(spec, storage_dtype, aliases)
     server.APIHandler.do_GET = _velox_endpoint(spec)
+    _patch(server.APIHandler, "handle_completion", _refuse_empty_requests)
+    _patch(server.ResponseGenerator, "_tokenize", _refuse_empty_tokens)
+    _patch(server, "_run_http_server", _listen_after_load)
     old = sys.argv
     sys.argv = ["velox serve", *argv]
     try:
         server.main()
+    except _LoadFailed as e:
+        raise ValueError(f"velox serve: {e}") from None
     finally:
         sys.argv = old

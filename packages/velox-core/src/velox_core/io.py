@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +121,30 @@ def save_cache(path: str | Path, caches: list, metadata: dict[str, str] | None =
     path = str(path)
     if not path.endswith(".safetensors"):
         raise ValueError(f"save_cache: the file name must end in .safetensors, got {path!r}")
-    mx.save_safetensors(path, arrays, header)
+    _write_atomically(path, arrays, header)
+
+
+def _write_atomically(path: str, arrays: dict[str, mx.array], header: dict[str, str]) -> None:
+    """Write to a temporary file beside ``path`` and rename it over ``path``: a save that
+    fails or is interrupted leaves the previous file as it was, and no temporary file. A
+    symbolic link is followed: its target is replaced, the link kept."""
+    if os.path.islink(path):
+        path = os.path.realpath(path)
+    folder, name = os.path.split(path)
+    # a fresh name (not mkstemp) so the file gets the same permissions a direct write would;
+    # it ends in .safetensors because mlx appends that suffix to any other name
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}-{secrets.token_hex(4)}.tmp.safetensors")
+    try:
+        mx.save_safetensors(tmp, arrays, header)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())  # the bytes reach the disk before the name does
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
 
 
 def _read(path: str | Path) -> tuple[dict[str, mx.array], dict[str, str], list[dict]]:

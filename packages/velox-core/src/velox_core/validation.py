@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -16,6 +18,7 @@ __all__ = [
     "check_choice",
     "check_counts",
     "check_divides",
+    "check_finite_params",
     "check_float",
     "check_int",
     "check_key_value_widths",
@@ -82,17 +85,46 @@ def check_float(
     minimum: float | None = None,
     maximum: float | None = None,
     open_min: bool = False,
+    finite: bool = True,
 ) -> float:
-    """Return ``float(value)`` if it is a real number within the bounds, else raise."""
+    """Return ``float(value)`` if it is a real number within the bounds, else raise.
+
+    NaN and +-inf are refused (``ValueError``) unless ``finite=False``; a NaN passes every
+    comparison with a bound, so without this it would slip through any range. A parameter
+    that gives an infinity a meaning says so with ``finite=False`` (NaN is refused still)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     value = float(value)
+    if math.isnan(value) or (finite and math.isinf(value)):
+        raise ValueError(f"{name} must be a finite number, got {value}")
     if minimum is not None and (value < minimum or (open_min and value == minimum)):
         op = ">" if open_min else ">="
         raise ValueError(f"{name} must be {op} {minimum}, got {value}")
     if maximum is not None and value > maximum:
         raise ValueError(f"{name} must be <= {maximum}, got {value}")
     return value
+
+
+def check_finite_params(owner: str, params: dict[str, Any]) -> None:
+    """Refuse (``ValueError`` naming ``owner`` and the parameter) every real, non-integer
+    value among ``params`` that is NaN or +-inf, also inside tuples and lists
+    (``prior[0]``). A method's float parameters pass here before its own checks, so one that
+    has no range to check, or checks its range with comparisons a NaN passes, still refuses
+    them; parameters of other types are left to those checks."""
+
+    def walk(name: str, value: Any) -> None:
+        if isinstance(value, (tuple, list)):
+            for i, v in enumerate(value):
+                walk(f"{name}[{i}]", v)
+        elif (
+            isinstance(value, numbers.Real)
+            and not isinstance(value, numbers.Integral)
+            and not math.isfinite(float(value))
+        ):
+            raise ValueError(f"{owner}: {name} must be a finite number, got {value}")
+
+    for name, value in params.items():
+        walk(name, value)
 
 
 def check_bool(name: str, value: Any) -> bool:

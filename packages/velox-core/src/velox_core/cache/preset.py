@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..codec.base import Codec
+from ..validation import check_finite_params
 from .velox import VeloxCache
 
 __all__ = [
@@ -98,6 +99,7 @@ class PresetCache(VeloxCache):
                 f"{self.method}: unknown parameter {', '.join(map(repr, unknown))}; "
                 f"allowed: {', '.join([*names, 'flush', 'check_finite'])}"
             )
+        check_finite_params(self.method, params)  # every float parameter, of every method
         self.cfg = self.Config(**params)
         kwargs = self.build(self.cfg)
         for name in ("window", "sinks"):  # the shared names, as the config has them
