@@ -26,7 +26,10 @@ FIELDS = {
 }
 
 
-def test_bench_quick_writes_rows_table_and_chart(model_dir, text_file, tmp_path, capsys):
+def test_bench_quick_writes_rows_table_and_chart(
+    model_dir, text_file, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setenv("COLUMNS", "120")
     out = tmp_path / "rows.json"
     chart = tmp_path / "chart.png"
     md = tmp_path / "table.md"
@@ -63,7 +66,14 @@ def test_bench_quick_writes_rows_table_and_chart(model_dir, text_file, tmp_path,
     assert rows[2]["compression_ratio"] > 2.5
     assert chart.read_bytes()[:4] == b"\x89PNG"
     assert "uniform:bits=4" in md.read_text()
-    assert "uniform:bits=4" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "uniform:bits=4" in printed
+    # the table at the terminal's width (COLUMNS), Pareto rows marked, the best near 4x
+    lines = printed.splitlines()
+    assert max(map(len, lines)) <= 120
+    assert any(line.lstrip().startswith("*") for line in lines)
+    assert any(line.startswith("best setting on ") for line in lines)
+    assert {x[:11] for x in lines} >= {"  about 4x:", "  about 8x:"}
 
 
 def test_bench_in_worker_processes_gives_the_rows_of_one_process(model_dir, text_file, tmp_path):

@@ -36,7 +36,9 @@ __all__ = [
     "FAMILY",
     "NOISE_FLOOR",
     "chart",
+    "drawable",
     "family",
+    "front_rows",
     "kl_floor",
     "main",
     "pareto",
@@ -141,22 +143,35 @@ class _Point:
         return self.family == "baselines"
 
 
-def _points(rows: Sequence[Row]) -> tuple[list[_Point], list[Row], float]:
-    def drawable(r: Row) -> bool:
-        return (
-            r.error is None
-            and isinstance(r.bytes_per_token, (int, float))
-            and r.bytes_per_token > 0
-            and isinstance(r.kl, (int, float))
-            and math.isfinite(r.kl)
-        )
+def drawable(r: Row) -> bool:
+    """Whether the chart draws ``r``: no error, bytes per token above 0 and a finite KL."""
+    return (
+        r.error is None
+        and isinstance(r.bytes_per_token, (int, float))
+        and r.bytes_per_token > 0
+        and isinstance(r.kl, (int, float))
+        and math.isfinite(r.kl)
+    )
 
+
+def front_rows(rows: Sequence[Row]) -> list[int]:
+    """Indices into ``rows`` of the Pareto front the chart rings, by rising bytes: among the
+    :func:`drawable` rows, those no other row beats on both bytes per token and KL, KLs at
+    or below :func:`kl_floor` counting as equal (``velox bench``'s table marks the same)."""
+    drawn = [i for i, r in enumerate(rows) if drawable(r)]
+    floor = kl_floor([rows[i].kl for i in drawn])
+    pts = [(rows[i].bytes_per_token, max(rows[i].kl, floor)) for i in drawn]
+    return [drawn[j] for j in pareto(pts)]
+
+
+def _points(rows: Sequence[Row]) -> tuple[list[_Point], list[Row], float]:
     drawn = [r for r in rows if drawable(r)]
     skipped = [r for r in rows if not drawable(r)]
     floor = kl_floor([r.kl for r in drawn])
     pts = [_Point(r, family(r.method), r.bytes_per_token / 1024, max(r.kl, floor)) for r in drawn]
-    for i in pareto([(p.x, p.y) for p in pts]):
-        pts[i].front = True
+    front = {id(rows[i]) for i in front_rows(rows)}
+    for p in pts:
+        p.front = id(p.row) in front
     # Key order: family, then method (first seen), then most bytes first; markers cycle per
     # method within a family.
     order = list(FAMILIES)

@@ -187,13 +187,13 @@ def _positive(name: str, v: int) -> None:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .bench import DEPTHS, BenchSettings, auto_jobs, run_bench, write_json
     from .blas import active_blas
     from .chart import chart
-    from .report import markdown, table
+    from .report import console as report_console
+    from .report import markdown, print_report
     from .specs import default_specs, parse
 
     for name in ("context", "samples", "continuation", "recall_trials", "chunk"):
@@ -207,7 +207,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     settings = BenchSettings(
         a.context, a.samples, a.continuation, a.recall_trials, a.chunk, a.quick, a.jobs
     )
-    console = Console(width=max(150, Console().width))
+    console = report_console()  # the terminal's width, COLUMNS, or 120 when not a terminal
     s = settings.resolved()
     what = "as given" if a.methods else "baselines + every installed method's recommended"
     recall = len(DEPTHS) * s.recall_trials
@@ -233,7 +233,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
             prog.update(task, description=desc, advance=n)
 
         rows, info = run_bench(specs, a.model, a.data, settings, tick, transfer)
-    console.print(table(rows, info))
+    print_report(console, rows, info)  # the table, its notes, the best at about 4x and 8x
     if a.json_path:
         write_json(a.json_path, rows, info)
         console.print(f"rows written to {a.json_path}")
@@ -393,19 +393,15 @@ def cmd_methods(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(out, indent=1))
         return 0
-    from rich.console import Console
-    from rich.table import Table
+    from .report import console, methods_table
 
-    t = Table(title="installed velox methods")
-    for col in ("method", "summary", "parameters (defaults)", "recommended"):
-        t.add_column(col)
-    for m in out:
-        params = ", ".join(f"{k}={v}" for k, v in m["parameters"].items())
-        rec = "; ".join(
-            ",".join(f"{k}={v}" for k, v in r.items()) or "defaults" for r in m["recommended"]
-        )
-        t.add_row(m["name"], m["summary"] + (f"\n{m['paper']}" if m["paper"] else ""), params, rec)
-    Console(width=max(150, Console().width)).print(t)
+    con = console()  # the terminal's width, COLUMNS, or 120 when not a terminal
+    t, broken = methods_table(out, con.width)
+    con.print(t)
+    if broken:  # the specs the table broke over lines, whole, to copy
+        con.print("recommended specs broken over lines above, whole:", highlight=False)
+        for spec in broken:
+            con.print("  " + spec, soft_wrap=True, highlight=False, markup=False)
     return 0
 
 
