@@ -1,6 +1,7 @@
 """PyramidKV: the conformance suite, the pyramid, and SnapKV's rule inside each layer."""
 
 import itertools
+import json
 import math
 
 import mlx.core as mx
@@ -9,6 +10,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from velox_core import VeloxCache, load_cache, make, make_cache, routed, save_cache
+from velox_core.io import _digest
 from velox_core.testing import (
     EvictingConformance,
     FullBudgetConformance,
@@ -362,3 +364,29 @@ def test_bad_policy_settings():
     with pytest.raises(ValueError, match="n_layers"):
         PyramidKVPolicy(budget=64, layer=0)
     assert math.isclose(PyramidKVPolicy(budget=64, beta=3).beta, 3.0)
+
+
+def test_a_file_in_the_saved_format_loads(tmp_path):
+    """The policy's saved state is SnapKV's: the array "policy.queries" and policy meta
+    "chunk_pending", "q_end" and "scale" (the place is part of the config). A file whose
+    policy state is written by hand in that format cuts as the cache it was saved from."""
+    k, v = kv_data(t=301, d=D, seed=3)
+    q = mx.random.normal((1, 4, 301, D), key=mx.random.key(4))
+    c = PyramidKVCache(budget=48, observe=8, every=16, layer=1, n_layers=3)
+    feed(c, k[:, :, :300], v[:, :, :300], q[:, :, :300], chunk=150)
+    path = tmp_path / "c.safetensors"
+    save_cache(path, [c])
+    arrays, header = mx.load(str(path), return_metadata=True)
+    layers = json.loads(header["layers"])
+    assert [a for a in arrays if ".policy." in a] == ["layer0.policy.queries"]
+    assert layers[0]["meta"]["policy_meta"] == {"chunk_pending": True, "q_end": 300, "scale": SCALE}
+    arrays["layer0.policy.queries"] = q[:, :, 292:300]  # the newest 8 queries, by hand
+    layers[0]["meta"]["policy_meta"] = {"chunk_pending": True, "q_end": 300, "scale": SCALE}
+    header["layers"] = json.dumps(layers)
+    header["sha256"] = _digest(arrays, header)
+    mx.save_safetensors(str(path), arrays, header)
+    (d,) = load_cache(path)
+    for x in (c, d):
+        x.update_and_fetch(k[:, :, 300:], v[:, :, 300:])
+    assert kept(c, 0) == kept(d, 0) and kept(c, 1) == kept(d, 1)
+    assert c.size() == d.size() < 300

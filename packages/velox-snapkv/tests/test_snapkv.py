@@ -482,3 +482,29 @@ def test_bad_policy_settings():
         SnapKVPolicy(budget=64, kernel=2)
     with pytest.raises(ValueError, match="pooling"):
         SnapKVPolicy(budget=64, pooling="sum")
+
+
+def test_state_in_the_saved_format_loads():
+    """A saved cache holds the policy's array "queries" (the newest ``observe`` queries) and
+    meta "chunk_pending", "q_end" (the position after them) and "scale": state written by
+    hand in that format votes as the policy's own."""
+    k, v, q, _ = planted(301, {0: [77], 1: [140]}, seed=10)
+    c = SnapKVCache(budget=32, observe=8, every=16)
+    feed(c, k[:, :, :300], v[:, :, :300], q[:, :, :300], chunk=150)  # the second cut pending
+    assert set(c.policy.state()) == {"queries"}
+    assert c.policy.meta() == {"chunk_pending": True, "q_end": 300, "scale": SCALE}
+    d = c.copy()
+    d.policy.set_state(
+        {"queries": q[:, :, 292:300]}, {"chunk_pending": True, "q_end": 300, "scale": SCALE}
+    )
+    for x in (c, d):
+        x.update_and_fetch(k[:, :, 300:], v[:, :, 300:])
+    assert kept(c, 0) == kept(d, 0) and kept(c, 1) == kept(d, 1)
+    assert 77 in kept(d, 0) and 140 in kept(d, 1)
+    p = SnapKVPolicy(budget=32, observe=8)
+    p.set_state({}, {"chunk_pending": False, "q_end": 12, "scale": None})  # nothing kept
+    assert p.state() == {} and p.meta() == {"chunk_pending": False, "q_end": 12, "scale": None}
+    with pytest.raises(ValueError, match="queries"):
+        p.set_state({"queries": q[:, :, :9]}, {"q_end": 9, "scale": SCALE})  # 9 > observe
+    with pytest.raises(ValueError, match="array state"):
+        p.set_state({"queries": q[:, :, :8], "query": q[:, :, :1]}, {})

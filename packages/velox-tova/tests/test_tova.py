@@ -314,3 +314,27 @@ def test_output_attends_only_to_kept_tokens():
     qq = q[:, :, 200:]
     ref = mx.fast.scaled_dot_product_attention(qq, k[:, :, pos], v[:, :, pos], scale=SCALE)
     assert rel_error(c.attend(qq, SCALE), ref) < 1e-4
+
+
+def test_state_in_the_saved_format_loads():
+    """A saved cache holds the policy's array "query" (the last query, ``(B, Hq, 1, D)``) and
+    meta "chunk_pending", "q_pos" (its position) and "scale": state written by hand in that
+    format scores as the policy's own."""
+    k, v, q = data(301, seed=8)
+    c = TOVACache(budget=32)
+    feed(c, k[:, :, :300], v[:, :, :300], q[:, :, :300], chunk=150)  # the second cut pending
+    assert set(c.policy.state()) == {"query"}
+    assert c.policy.meta() == {"chunk_pending": True, "q_pos": 299, "scale": SCALE}
+    d = c.copy()
+    d.policy.set_state(
+        {"query": q[:, :, 299:300]}, {"chunk_pending": True, "q_pos": 299, "scale": SCALE}
+    )
+    for x in (c, d):
+        x.update_and_fetch(k[:, :, 300:], v[:, :, 300:])
+    assert kept(c) == kept(d) and d.size() == 33
+    p = TOVAPolicy(budget=32)
+    assert p.meta() == {"chunk_pending": False, "q_pos": -1, "scale": None}
+    p.set_state({}, {"q_pos": 40, "scale": 0.5})
+    assert p.state() == {} and p.meta() == {"chunk_pending": False, "q_pos": 40, "scale": 0.5}
+    with pytest.raises(ValueError, match=r"\(B, Hq, 1, D\)"):
+        p.set_state({"query": q[:, :, :2]}, {"q_pos": 1})

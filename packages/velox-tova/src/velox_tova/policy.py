@@ -8,7 +8,8 @@ during decode that is one token per step. All heads of a layer keep the same tok
 
 How it runs in velox: :meth:`TOVAPolicy.observe` keeps the last query of each attention call
 (post-RoPE, as ``VeloxCache.attend`` passes them, so only inside ``velox_core.routed(model)``
-or ``velox_core.generate``). velox-core calls
+or ``velox_core.generate``; velox-core's :class:`~velox_core.policy.QueryWindow` of one
+query holds it). velox-core calls
 :meth:`~velox_core.RetentionPolicy.before_update` before the next tokens are stored: after a
 prefill chunk, and during decode once the cache holds ``budget + every`` tokens (``every=1``:
 the paper's step-by-step eviction). The cut recomputes the kept query's softmax weights over
@@ -45,7 +46,7 @@ from typing import Any
 import mlx.core as mx
 
 from velox_core import RetentionPolicy
-from velox_core.policy import top_k_sorted, window_votes
+from velox_core.policy import QueryWindow, top_k_sorted
 
 __all__ = ["TOVAPolicy"]
 
@@ -63,9 +64,16 @@ class TOVAPolicy(RetentionPolicy):
 
     def __init__(self, budget: int | None = None, every: int | None = 1):
         super().__init__(budget, every)
-        self._query: mx.array | None = None  # (B, Hq, 1, D): the last query seen
-        self._q_pos = -1  # its absolute position
-        self._scale: float | None = None
+        self.window = QueryWindow(1)  # the last query seen, (B, Hq, 1, D)
+
+    # the kept query and its absolute position (tests read them)
+    @property
+    def _query(self) -> mx.array | None:
+        return self.window.queries
+
+    @property
+    def _q_pos(self) -> int:
+        return self.window.end - 1
 
     # -- the last query ---------------------------------------------------------------------
     def observe(self, cache, queries: mx.array, scale: float) -> None:
@@ -76,10 +84,7 @@ class TOVAPolicy(RetentionPolicy):
         """
         if self.budget is None or (self.every is None and queries.shape[2] == 1):
             return
-        self._query = mx.contiguous(queries[:, :, -1:])
-        self._q_pos = cache.offset - 1
-        self._scale = float(scale)
-        mx.async_eval(self._query)  # detach from the call's graph (no growing chain)
+        self.window.add(cache, queries, scale)
 
     # -- choosing ---------------------------------------------------------------------------
     def score(self, cache) -> list[mx.array | None]:
@@ -100,11 +105,13 @@ class TOVAPolicy(RetentionPolicy):
             idx = top_k_sorted(scores[0], k)
             keep = mx.broadcast_to(idx[:, None], (idx.shape[0], len(scores), idx.shape[-1]))
         if self.every is None:
-            self._query = None  # no decode cuts: this query will not score again
+            self.window.clear()  # no decode cuts: this query will not score again
         return keep
 
     def _layer_scores(self, cache, body_pos: mx.array) -> mx.array:
-        w = self._weights(cache, body_pos)
+        # the kept query's softmax weights on the body (B, H, T), or None (none, other rows,
+        # or its token was trimmed away)
+        w = self.window.votes(cache, body_pos)
         if w is None and not cache.routed:
             raise ValueError(
                 "tova: the last query's attention chooses the tokens to keep, and only velox "
@@ -117,47 +124,19 @@ class TOVAPolicy(RetentionPolicy):
         s = mx.mean(w, axis=1)  # mean over KV heads of the group means = over query heads
         return mx.where(first > self._q_pos, mx.inf, s)
 
-    def _weights(self, cache, body_pos: mx.array) -> mx.array | None:
-        """The kept query's softmax weights on the body tokens ``(B, H, T)``, or None."""
-        q = self._query
-        b, h, t = body_pos.shape
-        if q is None or q.shape[0] != b or self._q_pos >= cache.offset:
-            return None  # none, other rows, or its token was trimmed away
-        keys, _ = cache.keys_and_values()  # sinks | body | window, decoded
-        n_sink = cache.sink_count()
-        n_win = keys.shape[2] - n_sink - t
-        k_pos = mx.concatenate(
-            [
-                mx.broadcast_to(mx.arange(n_sink, dtype=mx.int32), (b, h, n_sink)),
-                body_pos.astype(mx.int32),
-                mx.broadcast_to(
-                    mx.arange(cache.offset - n_win, cache.offset, dtype=mx.int32), (b, h, n_win)
-                ),
-            ],
-            axis=2,
-        )
-        q_pos = mx.array([self._q_pos], dtype=mx.int32)
-        w = window_votes(q, q_pos, keys, k_pos, self._scale)
-        return w[:, :, n_sink : n_sink + t]
-
     # -- batch rows (called by VeloxCache.filter / extend) ----------------------------------
     def filter_batch(self, idx: mx.array) -> None:
-        if self._query is not None:
-            self._query = self._query[idx]
+        self.window.filter_batch(idx)
 
     def extend_batch(self, other: TOVAPolicy) -> None:
-        a, b = self._query, other._query
-        if a is None or b is None or a.shape[1:] != b.shape[1:] or self._q_pos != other._q_pos:
-            self._query = None  # the queries disagree: score again from the next ones
-            return
-        self._query = mx.concatenate([a, b.astype(a.dtype)], axis=0)
+        self.window.extend_batch(other.window)  # other positions: score from the next query
 
-    # -- state ------------------------------------------------------------------------------
+    # -- state: {"query": (B, Hq, 1, D)}, meta "q_pos" (its position, -1: none) and "scale" --
     def state(self) -> dict[str, mx.array]:
-        return {} if self._query is None else {"query": self._query}
+        return self.window.state("query")
 
     def meta(self) -> Any:
-        return {**super().meta(), "q_pos": self._q_pos, "scale": self._scale}
+        return {**super().meta(), "q_pos": self._q_pos, "scale": self.window.scale}
 
     def set_state(self, state: dict[str, mx.array], meta: Any) -> None:
         state = dict(state)
@@ -166,7 +145,5 @@ class TOVAPolicy(RetentionPolicy):
             raise ValueError(f"tova: the kept query must be (B, Hq, 1, D), got {query.shape}")
         super().set_state(state, meta)
         meta = meta or {}
-        self._query = query
-        self._q_pos = int(meta.get("q_pos", -1))
-        scale = meta.get("scale")
-        self._scale = None if scale is None else float(scale)
+        q_end = int(meta.get("q_pos", -1)) + 1
+        self.window.set_state(query, {"q_end": q_end, "scale": meta.get("scale")})

@@ -1,6 +1,18 @@
-"""Retention policies (which tokens stay)."""
+"""Retention policies (which tokens stay), and the pieces of those that score tokens by
+attention: the vote maths (:mod:`.votes`), the buffered queries (:mod:`.window`) and SnapKV-style
+voting (:mod:`.voting`)."""
 
 from .base import RetentionPolicy, top_k_sorted
 from .votes import WindowVote, pool_votes, window_votes
+from .voting import WindowVotePolicy
+from .window import QueryWindow
 
-__all__ = ["RetentionPolicy", "WindowVote", "pool_votes", "top_k_sorted", "window_votes"]
+__all__ = [
+    "QueryWindow",
+    "RetentionPolicy",
+    "WindowVote",
+    "WindowVotePolicy",
+    "pool_votes",
+    "top_k_sorted",
+    "window_votes",
+]

@@ -1,0 +1,125 @@
+"""SnapKV-style voting: keep the body tokens an observation window votes for (velox-snapkv's
+policy, and velox-pyramidkv's under per-layer budgets).
+
+:class:`WindowVotePolicy` buffers the newest ``observe`` post-RoPE queries of its layer
+(:class:`~velox_core.policy.window.QueryWindow`). A cut scores each body token, per KV head,
+by the pooled votes of those queries over the tokens stored at that moment
+(:func:`~velox_core.policy.votes.window_votes`, then
+:func:`~velox_core.policy.votes.pool_votes` over the tokens outside the window); the newest
+``observe`` positions (the observation window) score ``+inf``, so they are never evicted.
+The top ``budget - protected`` per KV head stay (:meth:`RetentionPolicy.select
+<velox_core.policy.base.RetentionPolicy.select>`).
+
+Without ``every`` no decode cut follows the prompt: single decode queries are not buffered
+and the queries are dropped after the cut they vote for, so decode holds no policy state.
+Without routed attention no query ever reaches the policy and a cut raises; routed but
+before any query arrived, a cut keeps the most recent tokens.
+
+State: ``{"queries": (B, Hq, n <= observe, D)}`` (absent once dropped); meta adds ``q_end``
+(absolute position after the newest query) and ``scale`` to the base policy's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from .base import RetentionPolicy
+from .votes import WindowVote
+from .window import QueryWindow
+
+__all__ = ["WindowVotePolicy"]
+
+
+class WindowVotePolicy(RetentionPolicy):
+    """Keep what the newest ``observe`` queries vote for, per KV head.
+
+    Args:
+        budget: tokens kept per KV head (sinks, voted body and window), or None.
+        every: during decode, cut again once the cache holds ``budget + every`` tokens
+            (None: only after prefill chunks).
+        observe: size of the observation window (queries that vote, newest tokens kept).
+        kernel: odd pooling kernel size along tokens (1: no pooling).
+        pooling: ``"max"`` or ``"avg"``.
+    """
+
+    name = "window-vote"
+
+    def __init__(
+        self,
+        budget: int | None = None,
+        every: int | None = None,
+        observe: int = 32,
+        kernel: int = 7,
+        pooling: str = "max",
+    ):
+        super().__init__(budget, every)
+        self.vote = WindowVote(observe, kernel, pooling)
+        self.window = QueryWindow(self.vote.observe)
+
+    def config(self) -> dict[str, Any]:
+        return {**super().config(), **self.vote.config()}
+
+    def attach(self, cache) -> None:
+        super().attach(cache)
+        if self.budget is not None and self.budget <= cache.sinks + self.vote.observe:
+            raise ValueError(
+                f"budget={self.budget} must exceed sinks + observe = "
+                f"{cache.sinks + self.vote.observe} (the observation window is always kept)"
+            )
+
+    def observe(self, cache, queries: mx.array, scale: float) -> None:
+        """Buffer the newest ``observe`` queries (:meth:`QueryWindow.add`); without ``every``
+        single decode queries are skipped (no cut will use them)."""
+        if self.budget is None or (self.every is None and queries.shape[2] == 1):
+            return
+        self.window.add(cache, queries, scale)
+
+    # -- choosing ---------------------------------------------------------------------------
+    def score(self, cache) -> list[mx.array]:
+        """Per KV head ``(B, T_h)``: pooled votes of the prefix, ``+inf`` for the window."""
+        pos = cache.body_positions()
+        if any(p is None for p in pos):
+            return pos
+        body_pos = mx.stack(pos, axis=1)  # (B, H, T)
+        recent = body_pos >= cache.offset - self.vote.observe
+        votes = self.window.votes(cache, body_pos)
+        if votes is None and not cache.routed:
+            raise ValueError(
+                f"{self.name}: the observation window's queries vote for the tokens to keep, "
+                "and only velox attention sees them: run the model inside "
+                "velox_core.routed(model) (velox_core.generate does)"
+            )
+        if votes is None:  # routed, but no query has reached the cache yet: the most recent
+            s = body_pos.astype(mx.float32)
+        else:
+            s = self.vote.pool(votes, body_pos, mx.logical_not(recent))
+        s = mx.where(recent, mx.inf, s)
+        return [s[:, h] for h in range(s.shape[1])]
+
+    def select(self, cache, k: int):
+        keep = super().select(cache, k)
+        if self.every is None:
+            self.window.clear()  # no decode cuts: these queries will not vote again
+        return keep
+
+    # -- batch rows (called by VeloxCache.filter / extend) ----------------------------------
+    def filter_batch(self, idx: mx.array) -> None:
+        self.window.filter_batch(idx)
+
+    def extend_batch(self, other: WindowVotePolicy) -> None:
+        self.window.extend_batch(other.window)
+
+    # -- state ------------------------------------------------------------------------------
+    def state(self) -> dict[str, mx.array]:
+        return self.window.state("queries")
+
+    def meta(self) -> Any:
+        return {**super().meta(), **self.window.meta()}
+
+    def set_state(self, state: dict[str, mx.array], meta: Any) -> None:
+        state = dict(state)
+        queries = state.pop("queries", None)
+        super().set_state(state, meta)
+        self.window.set_state(queries, meta)

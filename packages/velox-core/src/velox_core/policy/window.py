@@ -1,0 +1,139 @@
+"""The queries a policy keeps to score stored tokens by attention (velox-snapkv, velox-pyramidkv,
+velox-tova).
+
+:class:`QueryWindow` buffers the newest ``size`` post-RoPE queries a layer attended with
+(``size=1``: the last query alone), at consecutive absolute positions ending at ``end``, and
+computes, when a cut is due, their softmax weights over the tokens the cache stores at that
+moment (:func:`~velox_core.policy.votes.window_votes`): the sinks, the body and the window
+together, each token at its absolute position, so each query's softmax runs over everything
+it can see (causally) and the weights never go stale through evictions, appends or trims.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from ..validation import check_int
+from .votes import window_votes
+
+__all__ = ["QueryWindow"]
+
+
+class QueryWindow:
+    """The newest ``size`` queries of a layer, and their weights over its stored tokens.
+
+    Attributes:
+        queries: the buffered queries, as ``VeloxCache.attend`` passes them (post-RoPE),
+            or None: ``(B, Hq, n, D)`` with ``n <= size``.
+        end: absolute position just after the newest buffered query; the queries sit at
+            positions ``end - n ... end - 1``.
+        scale: the model's attention scale of the last :meth:`add` (None before any).
+    """
+
+    def __init__(self, size: int):
+        self.size = check_int("size", size, minimum=1)
+        self.queries: mx.array | None = None
+        self.end = 0
+        self.scale: float | None = None
+
+    def add(self, cache, queries: mx.array, scale: float) -> None:
+        """Buffer the newest ``size`` of one attention call's queries (the call's tokens are
+        the newest stored ones, ending at ``cache.offset``).
+
+        A call with fewer than ``size`` queries keeps the newest buffered ones that precede
+        it (queries at or after its first position, trimmed away since, are replaced), as
+        long as the buffer ends where the call starts or later and the batch and head layout
+        match; otherwise the buffer starts over from this call.
+
+        Shapes:
+            queries ``(B, Hq, L, D)``.
+        """
+        start = cache.offset - queries.shape[2]  # position of this call's first query
+        new, old = queries[:, :, -self.size :], self.queries
+        if old is not None and new.shape[2] < self.size and self.end >= start:
+            before = start - (self.end - old.shape[2])  # buffered queries before `start`
+            same = all(old.shape[i] == new.shape[i] for i in (0, 1, 3))
+            if before > 0 and same:
+                old = old[:, :, :before][:, :, -(self.size - new.shape[2]) :]
+                new = mx.concatenate([old.astype(new.dtype), new], axis=2)
+        self.queries = mx.contiguous(new)
+        self.end = cache.offset
+        self.scale = float(scale)
+        mx.async_eval(self.queries)  # detach from the call's graph (no growing chain)
+
+    def clear(self) -> None:
+        """Drop the buffered queries (``end`` and ``scale`` stay, as saved)."""
+        self.queries = None
+
+    def votes(self, cache, body_pos: mx.array) -> mx.array | None:
+        """The buffered queries' softmax weights on the cache's body tokens, per KV head.
+
+        Each query's softmax runs over every stored token at or before its position (sinks
+        ``0 ... n_sink - 1``, the body at ``body_pos``, the window's newest ``n_win``
+        positions before ``cache.offset``; keys decoded by ``cache.keys_and_values()``); the
+        weights are summed over the queries and averaged over the query heads of each KV head
+        (:func:`~velox_core.policy.votes.window_votes`). Queries whose tokens were trimmed
+        away (at or after ``cache.offset``) do not vote.
+
+        Shapes:
+            body_pos int ``(B, H, T)``, the body's absolute positions (as
+            ``mx.stack(cache.body_positions(), axis=1)``); returns float32 ``(B, H, T)``, or
+            None when no buffered query can vote (none, another batch size, all trimmed).
+        """
+        q = self.queries
+        b, h, t = body_pos.shape
+        if q is None or q.shape[0] != b:
+            return None
+        first = self.end - q.shape[2]  # position of the first buffered query
+        seen = min(q.shape[2], cache.offset - first)  # queries trimmed away do not vote
+        if seen <= 0:
+            return None
+        keys, _ = cache.keys_and_values()  # sinks | body | window, decoded: (B, H, S, D)
+        n_sink = cache.sink_count()
+        n_win = keys.shape[2] - n_sink - t
+        sink_pos = mx.broadcast_to(mx.arange(n_sink, dtype=mx.int32), (b, h, n_sink))
+        win_pos = mx.arange(cache.offset - n_win, cache.offset, dtype=mx.int32)
+        k_pos = mx.concatenate(
+            [sink_pos, body_pos.astype(mx.int32), mx.broadcast_to(win_pos, (b, h, n_win))], axis=2
+        )
+        q_pos = mx.arange(first, first + seen, dtype=mx.int32)
+        votes = window_votes(q[:, :, :seen], q_pos, keys, k_pos, self.scale)
+        return votes[:, :, n_sink : n_sink + t]
+
+    # -- batch rows ---------------------------------------------------------------------------
+    def filter_batch(self, idx: mx.array) -> None:
+        """Keep the queries of these batch rows (``VeloxCache.filter``)."""
+        if self.queries is not None:
+            self.queries = self.queries[idx]
+
+    def extend_batch(self, other: QueryWindow) -> None:
+        """Append ``other``'s rows; buffers of other positions or layouts cannot be joined, so
+        the queries are dropped (the next cut votes with the queries that arrive next)."""
+        a, b = self.queries, other.queries
+        if a is None or b is None or a.shape[1:] != b.shape[1:] or self.end != other.end:
+            self.queries = None
+            return
+        self.queries = mx.concatenate([a, b.astype(a.dtype)], axis=0)
+
+    # -- state --------------------------------------------------------------------------------
+    def state(self, name: str = "queries") -> dict[str, mx.array]:
+        """The queries under ``name`` (the policy's state key), or nothing."""
+        return {} if self.queries is None else {name: self.queries}
+
+    def meta(self) -> dict[str, Any]:
+        """``{"q_end": end, "scale": scale}``."""
+        return {"q_end": self.end, "scale": self.scale}
+
+    def set_state(self, queries: mx.array | None, meta: dict[str, Any] | None) -> None:
+        """Restore from :meth:`state`'s array and :meth:`meta` (missing keys: the defaults)."""
+        if queries is not None and (queries.ndim != 4 or queries.shape[2] > self.size):
+            raise ValueError(
+                f"the kept queries must be (B, Hq, n <= {self.size}, D), got {queries.shape}"
+            )
+        meta = meta or {}
+        self.queries = queries
+        self.end = int(meta.get("q_end", 0))
+        scale = meta.get("scale")
+        self.scale = None if scale is None else float(scale)
