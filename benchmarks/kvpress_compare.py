@@ -170,13 +170,20 @@ def _kvpress_worker(job_path: str, out_path: str) -> None:
         keys = [cache.layers[i].keys for i in range(len(layers))]
         pruned = [getattr(layer.self_attn, "masked_key_indices", None) for layer in layers]
         n = len(context)
-        pos = torch.arange(n, n + len(question))[None]
-        out = model(
-            input_ids=torch.tensor([question]),
-            past_key_values=cache,
-            position_ids=pos,
-            logits_to_keep=1,
-        )
+        if len({k.shape[2] for k in keys}) == 1:
+            out = model(
+                input_ids=torch.tensor([question]),
+                past_key_values=cache,
+                position_ids=torch.arange(n, n + len(question))[None],
+                logits_to_keep=1,
+            )
+        else:  # per-layer lengths (PyramidKVPress): one causal mask cannot serve every layer
+            for i, t in enumerate(question):  # one token at a time needs none
+                out = model(
+                    input_ids=torch.tensor([[t]]),
+                    past_key_values=cache,
+                    position_ids=torch.tensor([[n + i]]),
+                )
         ids = [int(out.logits[0, -1].argmax())]
         at = n + len(question)
         while len(ids) < max_new and ids[-1] not in stop:
