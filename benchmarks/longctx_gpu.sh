@@ -8,15 +8,22 @@
 # gguf wheel that reads K-quants) and prints the device calls to make:
 #   one call per piece:  carry [".gpu/models/NAME"]  command: bash benchmarks/longctx_gpu.sh take NAME
 #   then:                carry [".gpu/wheels", ...]  command: source .gpu/wheels/activate && \
-#                            bash benchmarks/longctx_gpu.sh run
+#                            bash benchmarks/longctx_gpu.sh calibrate   (then ... run)
 # `take` keeps a piece under /tmp/models (the machine stays warm between calls); `run`
 # reassembles the files, checks their SHA-256, and runs the grid, one velox eval per model,
 # length and question placement, each writing its JSON and chart under $OUT.
 #
-# What `run` measures is set by environment variables (defaults in brackets):
+# `calibrate` runs fp16 alone over a ladder of task difficulties (LADDER) at every length, so
+# that each model's tasks can be set where fp16 scores at least 0.8 (a task fp16 fails
+# measures nothing); `run` then takes them per model (TASKS_<model>).
+#
+# What `calibrate` and `run` measure is set by environment variables (defaults in brackets):
 #   MODELS [smollm2 gemma3]  LENGTHS_smollm2 [4096 8192]  LENGTHS_gemma3 [4096 8192 16384 32768]
-#   TASKS [passkey multikey multivalue multiquery vartrack cwe]  PROMPTS [16]
-#   POINTS [4x 8x]  QUESTION [after]  METHODS [the points' default specs]
+#   TASKS_<model> (or TASKS) [passkey multikey multivalue multiquery vartrack cwe]
+#   HAYSTACK_<model> (or HAYSTACK) [prose]  TEMPLATE_<model> (or TEMPLATE) [raw]
+#   PROMPTS [16]  POINTS [4x 8x]  QUESTION [after]  METHODS [the points' default specs]
+#   LADDER [passkey multikey:keys=2 multikey multivalue:values=2 multiquery:keys=2
+#           vartrack:hops=1 vartrack cwe:common=2]  CAL_PROMPTS [8]
 set -euo pipefail
 root=$(git rev-parse --show-toplevel 2>/dev/null || pwd)
 cd "$root"
@@ -53,28 +60,61 @@ assemble() {
   [[ $got == "$want"* ]] || { echo "$name.gguf: SHA-256 $got, expected $want..."; exit 1; }
 }
 
-run() {
+# the per-model setting of $1 (e.g. TASKS_gemma3), else $1, else the default $3
+per_model() {
+  local var="${1}_$2"
+  echo "${!var:-${!1:-$3}}"
+}
+
+prepare() {
   : "${OUT:?run this on the device machine, where OUT is set}"
   python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/models/gguf-*.whl
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   export VELOX_CACHE_DIR=/tmp/velox-cache
-  local models=${MODELS:-smollm2 gemma3}
-  for m in $models; do
-    local sha=$SMOLLM2_SHA lengths=${LENGTHS_smollm2:-4096 8192}
-    if [[ $m == gemma3 ]]; then sha=$GEMMA3_SHA lengths=${LENGTHS_gemma3:-4096 8192 16384 32768}; fi
-    assemble "$m" "$sha"
-    # Gemma 3 computes in bfloat16 (float16 overflows in its activations); SmolLM2 in float16
-    local dtype=float16
-    [[ $m == gemma3 ]] && dtype=bfloat16
-    local dir
-    dir=$(python3 -c "from velox_cli.models import convert_gguf as c; print(c('/tmp/models/$m.gguf', dtype='$dtype'))")
-    for n in $lengths; do
-      local q=${QUESTION:-after}
+}
+
+# the converted model's folder for $1; Gemma 3 computes in bfloat16 (float16 overflows in its
+# activations), SmolLM2 in float16
+model_dir() {
+  local m=$1 sha=$SMOLLM2_SHA dtype=float16
+  if [[ $m == gemma3 ]]; then sha=$GEMMA3_SHA dtype=bfloat16; fi
+  assemble "$m" "$sha" >&2
+  python3 -c "from velox_cli.models import convert_gguf as c; print(c('/tmp/models/$m.gguf', dtype='$dtype'))"
+}
+
+lengths_of() {
+  if [[ $1 == gemma3 ]]; then echo "${LENGTHS_gemma3:-4096 8192 16384 32768}"
+  else echo "${LENGTHS_smollm2:-4096 8192}"; fi
+}
+
+calibrate() {
+  prepare
+  local ladder=${LADDER:-passkey multikey:keys=2 multikey multivalue:values=2 multiquery:keys=2 vartrack:hops=1 vartrack cwe:common=2}
+  for m in ${MODELS:-smollm2 gemma3}; do
+    local dir hay tpl
+    dir=$(model_dir "$m")
+    hay=$(per_model HAYSTACK "$m" prose) tpl=$(per_model TEMPLATE "$m" raw)
+    for n in $(lengths_of "$m"); do
+      # shellcheck disable=SC2086
+      velox eval --model "$dir" --lengths "$n" --methods fp16 --tasks $ladder \
+        --prompts "${CAL_PROMPTS:-8}" --haystack "$hay" --template "$tpl" \
+        --json "$OUT/calibrate-$m-$n-$hay-$tpl.json" --chart ""
+    done
+  done
+}
+
+run() {
+  prepare
+  for m in ${MODELS:-smollm2 gemma3}; do
+    local dir hay tpl tasks q=${QUESTION:-after}
+    dir=$(model_dir "$m")
+    hay=$(per_model HAYSTACK "$m" prose) tpl=$(per_model TEMPLATE "$m" raw)
+    tasks=$(per_model TASKS "$m" "passkey multikey multivalue multiquery vartrack cwe")
+    for n in $(lengths_of "$m"); do
       # shellcheck disable=SC2086
       velox eval --model "$dir" --lengths "$n" --question "$q" \
-        --prompts "${PROMPTS:-16}" --points ${POINTS:-4x 8x} \
-        --tasks ${TASKS:-passkey multikey multivalue multiquery vartrack cwe} \
-        ${METHODS:+--methods $METHODS} \
+        --prompts "${PROMPTS:-16}" --points ${POINTS:-4x 8x} --tasks $tasks \
+        --haystack "$hay" --template "$tpl" ${METHODS:+--methods $METHODS} \
         --json "$OUT/eval-$m-$n-$q.json" --chart "$OUT/eval-$m-$n-$q.png"
     done
   done
@@ -83,6 +123,7 @@ run() {
 case "${1:-}" in
   pack) pack ;;
   take) take "$2" ;;
+  calibrate) calibrate ;;
   run) run ;;
-  *) echo "usage: $0 pack | take NAME | run" >&2; exit 2 ;;
+  *) echo "usage: $0 pack | take NAME | calibrate | run" >&2; exit 2 ;;
 esac
