@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from velox_core import Codec, PresetCache, Uniform
 from velox_core.codec.prerope import rope_settings
+from velox_core.distributed import FITTED_ON_WHOLE_MODEL
 
 from .codec import CommVQKeys
 from .config import CommVQConfig
@@ -27,6 +28,12 @@ class CommVQCache(PresetCache):
 
     method = "commvq"
     Config = CommVQConfig
+
+    @classmethod
+    def split_refusal(cls, config: dict, by_heads: bool, pipelined: bool) -> str:
+        """Why a model split over processes cannot use this cache ("": it can); see
+        :mod:`velox_core.distributed`."""
+        return FITTED_ON_WHOLE_MODEL
 
     def make_codecs(self, cfg: CommVQConfig, kb: int, vb: int) -> tuple[Codec, Codec]:
         keys = CommVQKeys(kb, codebooks=cfg.codebooks, layer=cfg.layer, **rope_settings(cfg))

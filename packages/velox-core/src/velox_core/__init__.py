@@ -19,6 +19,7 @@ from .cache.preset import (
 )
 from .cache.uniform import UniformCache, UniformConfig
 from .codec import Codec, Identity, Packed, Uniform
+from .distributed import recv_cache, send_cache
 from .io import inspect_cache_file, load_cache, save_cache
 from .mlx_lm import (
     disable,
@@ -70,9 +71,11 @@ __all__ = [
     "make_cache",
     "methods",
     "parse_spec",
+    "recv_cache",
     "resolve_bits",
     "routed",
     "save_cache",
+    "send_cache",
     "stream_generate",
     "uninstall",
 ]

@@ -24,6 +24,7 @@ from mlx_lm.models.cache import KVCache
 from . import routing
 from .cache.batch import VeloxBatch
 from .cache.velox import VeloxCache
+from .distributed import split_refusal
 from .registry import make
 
 __all__ = [
@@ -177,12 +178,15 @@ class Route:
         key_dim, value_dim: channels of the keys and values the layer stores (None where it
             stores none).
         reason: why the layer is not routed ("" where it is).
+        kv_heads: KV heads the layer stores (None where it stores none): fewer than the
+            model's on a model sharded by heads (``model.shard(group)``).
     """
 
     routed: bool
     key_dim: int | None
     value_dim: int | None
     reason: str = ""
+    kv_heads: int | None = None
 
 
 def layer_routes(model: Any) -> dict[int, Route]:
@@ -225,13 +229,9 @@ def _verdict(p: _Probe) -> Route:
         return Route(False, None, None, "its attention stores nothing in its own cache")
     (kshape, vshape) = p.stored
     kd, vd = kshape[-1], vshape[-1]
+    heads = kshape[1]
     if not p.calls:
-        return Route(
-            False,
-            kd,
-            vd,
-            "its attention does not call mlx-lm's shared scaled_dot_product_attention",
-        )
+        return Route(False, kd, vd, _OWN_ATTENTION, heads)
     for qshape, same_k, same_v in p.calls:
         if not (same_k and same_v):
             return Route(
@@ -241,10 +241,13 @@ def _verdict(p: _Probe) -> Route:
                 f"its cache stores keys of {kshape[1]} head(s) x {kd} channels and values of "
                 f"{vshape[1]} head(s) x {vd}, but its attention is given other arrays (multi-head "
                 "latent attention stores a latent and a RoPE key and attends with projections)",
+                heads,
             )
         if qshape[-1] != kd:
-            return Route(False, kd, vd, f"its queries have {qshape[-1]} channels, its keys {kd}")
-    return Route(True, kd, vd)
+            return Route(
+                False, kd, vd, f"its queries have {qshape[-1]} channels, its keys {kd}", heads
+            )
+    return Route(True, kd, vd, "", heads)
 
 
 def _build(spec: Any, index: int) -> Any:
@@ -329,6 +332,9 @@ def make_cache(
                 kept.setdefault(reason, []).append(i)
                 out.append(c)
                 continue
+            refusal = split_refusal(model, i, route, cache)  # split models: distributed.py
+            if refusal:
+                raise ValueError(f"make_cache: layer {i}: {refusal}")
             cache.bind(model, i)
             if route.key_dim is not None:  # refuse dims the method cannot code now
                 try:

@@ -54,6 +54,17 @@ class MiniCache(LinkedLayers):
         "make_cache hold any batch size)"
     )
 
+    @classmethod
+    def split_refusal(cls, config: dict, by_heads: bool, pipelined: bool) -> str:
+        """Why a model split over processes cannot use this cache ("": it can); see
+        :mod:`velox_core.distributed`."""
+        if not by_heads or config.get("gamma", 0.05) <= 0:
+            return ""
+        return (
+            "with gamma > 0 its retention threshold is the range of angular distances over all "
+            "the heads of a layer pair (gamma=0, merging every token, splits by heads)"
+        )
+
     def __init__(self, **params: Any):
         self._merged = 0  # tokens of the pair's merged store this layer uses (a prefix)
         self._mag = (PackedStore(256), PackedStore(256))  # Packed {"m": (B, H, T)}

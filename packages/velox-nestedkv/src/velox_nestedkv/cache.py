@@ -39,3 +39,14 @@ class NestedKVCache(EvictionCache):
         "safeguard",
         "heads",
     )
+
+    @classmethod
+    def split_refusal(cls, config: dict, by_heads: bool, pipelined: bool) -> str:
+        """Why a model split over processes cannot use this cache ("": it can); see
+        :mod:`velox_core.distributed`."""
+        if not by_heads or config.get("heads", "adaptive") != "adaptive":
+            return ""
+        return (
+            "with heads='adaptive' its budget is shared among all the layer's KV heads (use "
+            "heads='uniform' on a sharded model)"
+        )

@@ -25,3 +25,14 @@ class TOVACache(EvictionCache):
     method = "tova"
     Config = TOVAConfig
     Policy = TOVAPolicy
+
+    @classmethod
+    def split_refusal(cls, config: dict, by_heads: bool, pipelined: bool) -> str:
+        """Why a model split over processes cannot use this cache ("": it can); see
+        :mod:`velox_core.distributed`."""
+        if not by_heads:
+            return ""
+        return (
+            "it scores tokens by attention averaged over all the layer's heads and keeps the "
+            "same tokens in every head"
+        )

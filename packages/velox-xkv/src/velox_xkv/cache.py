@@ -53,6 +53,17 @@ class XKVCache(LinkedLayers):
     )
     batch_hint = "use layer_group=1 to batch sequences"
 
+    @classmethod
+    def split_refusal(cls, config: dict, by_heads: bool, pipelined: bool) -> str:
+        """Why a model split over processes cannot use this cache ("": it can); see
+        :mod:`velox_core.distributed`."""
+        if not by_heads:
+            return ""
+        return (
+            "its shared basis is an SVD of the channels of all KV heads of a group of layers "
+            "(its ranks count channels of every head)"
+        )
+
     def __init__(self, **params: Any):
         super().__init__(**params)
         self._lat = 0  # tokens of the group's latent this layer uses (a prefix)

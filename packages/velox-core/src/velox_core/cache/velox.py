@@ -255,6 +255,15 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
         classes). A method whose layers share state (a coordinator of a group of layers)
         links its caches here; the default links nothing."""
 
+    @classmethod
+    def split_refusal(cls, config: dict, by_heads: bool, pipelined: bool) -> str:
+        """Why a model split over processes (``by_heads``: ``model.shard``; ``pipelined``:
+        mlx-lm's pipeline stages) cannot use caches of this class with ``config``, or "" where
+        it can (:mod:`velox_core.distributed`). The default: each KV head is treated on its
+        own, so a split by heads holds each process's share; a method that mixes a layer's
+        heads, or needs an artifact fitted on the whole model, says so here."""
+        return ""
+
     def check_dims(self, key_dim: int, value_dim: int, dtype: mx.Dtype | None = None) -> None:
         """Ask every codec whether it codes keys of ``key_dim`` and values of ``value_dim``
         channels (``make_cache`` does, from the model, before the first forward; the first
