@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from velox_core import RetentionPolicy
 from velox_core.policy import WindowVote, top_k_sorted
+from velox_core.policy.base import warn_unbounded
 from velox_core.validation import check_choice, check_float
 
 from .allocate import adaptive_keep
@@ -117,6 +118,8 @@ class AdaKVPolicy(RetentionPolicy):
             k = max(self.budget - cache.protected(), 0)
             over = sum(sizes) - len(sizes) * k
             every = self.every is not None and over >= self.every * len(sizes)
+            if self.every is None and over >= self.budget * len(sizes) and not after_chunk:
+                warn_unbounded(self, cache.size())  # twice the budget per head, on average
             if over > 0 and (after_chunk or every):
                 self._check_routed(cache)
                 cache.evict(self.select(cache, k))

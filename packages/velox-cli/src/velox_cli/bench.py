@@ -15,9 +15,13 @@ other jobs. ``jobs=1`` measures every spec in this process, one after another.
 from __future__ import annotations
 
 import copy
+import ctypes
 import json
 import multiprocessing
 import os
+import signal
+import sys
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -195,7 +199,30 @@ def _workspace(model, tokenizer, store, samples, prompts, settings: BenchSetting
     }
 
 
-def _worker_init(path: str, samples, prompts, settings: BenchSettings) -> None:
+def _die_with_parent(parent: int, poll: float = 0.5) -> None:
+    """End this (worker) process as soon as process ``parent`` is gone, however it ended
+    (a SIGKILL included): on Linux the kernel sends SIGKILL (``PR_SET_PDEATHSIG``), and
+    everywhere a daemon thread polls ``os.getppid()`` (reparented: the parent died)."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll)
+        os._exit(1)
+
+    if os.getppid() != parent:  # it died before the signal was asked for
+        os._exit(1)
+    threading.Thread(target=watch, name="velox-bench-parent", daemon=True).start()
+
+
+def _worker_init(path: str, samples, prompts, settings: BenchSettings, parent: int) -> None:
+    _die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it ends the workers
     model, tokenizer, store, _ = load_model(path)
     _WORKER.update(_workspace(model, tokenizer, store, samples, prompts, settings))
 
@@ -222,11 +249,16 @@ def run_bench(
     settings: BenchSettings,
     progress=None,
     transfer: tuple[str, str] | None = None,
+    on_row=None,
 ) -> tuple[list[Row], dict]:
     """Measure every spec; ``progress(description, advance)`` is called as work completes.
 
     ``transfer``: ``(mapper directory, source model)`` adds the transfer row
     (:mod:`velox_cli.transfer_row`) after the specs'; both are checked before any row runs.
+    ``on_row(rows, info)``: called each time a row is finished, with the rows finished so far
+    (in the order of ``specs``) and the run's info (``velox bench --json`` rewrites its file
+    there, so a stopped run keeps them). An interrupt (KeyboardInterrupt) ends the worker
+    processes at once and propagates.
     """
     s = settings.resolved()
     if s.jobs < 0:
@@ -250,7 +282,7 @@ def run_bench(
             jobs,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_worker_init,
-            initargs=(str(path), samples, prompts, s),
+            initargs=(str(path), samples, prompts, s, os.getpid()),
         )
         for _ in range(jobs):
             pool.submit(_worker_ready)
@@ -268,6 +300,8 @@ def run_bench(
         )
         if fp16 is not None:
             fp16.peak_memory = int(mx.get_peak_memory())
+        info = _run_info(path, s, ref, model, store, data, prompts, jobs, xfer)
+        finished = (lambda rows: on_row(rows, info)) if on_row is not None else None
         if pool is None:
             rows = []
             for spec in specs:
@@ -275,8 +309,15 @@ def run_bench(
                 t0 = time.perf_counter()
                 rows.append(_measure(spec, w, ref, _fp16_quality(spec, fp16)))
                 tick(f"{spec.text} ({time.perf_counter() - t0:.0f}s)", 1)
+                if finished is not None:
+                    finished(list(rows))
         else:
-            rows = _measure_in(pool, jobs, specs, ref, fp16, s.context, tick)
+            rows = _measure_in(pool, jobs, specs, ref, fp16, s.context, tick, finished)
+    except BaseException:
+        if pool is not None:  # an interrupt (or an error) must not wait for running specs
+            _end_workers(pool)
+            pool = None
+        raise
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
@@ -285,6 +326,29 @@ def run_bench(
         t0 = time.perf_counter()
         rows.append(xfer.measure(model, tokenizer, samples, ref, prompts, s.chunk))
         tick(f"{xfer.spec} ({time.perf_counter() - t0:.0f}s)", 1)
+        if on_row is not None:
+            on_row(list(rows), info)
+    return rows, info
+
+
+def _end_workers(pool) -> None:
+    """Kill ``pool``'s worker processes now and shut it down without waiting for its work."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    for p in procs:
+        try:
+            p.kill()
+        except (OSError, ValueError):
+            pass
+    pool.shutdown(wait=False, cancel_futures=True)
+    for p in procs:
+        try:
+            p.join(2)
+        except (OSError, ValueError, AssertionError):
+            pass
+
+
+def _run_info(path, s: BenchSettings, ref, model, store, data, prompts, jobs, xfer) -> dict:
+    """The run's settings and environment, as each JSON row carries them under ``run``."""
     info = {
         "model": path,
         "backend": backend(),
@@ -304,15 +368,16 @@ def run_bench(
     }
     if xfer is not None:
         info["transfer"] = xfer.describe()
-    return rows, info
+    return info
 
 
 def _measure_in(
-    pool, jobs: int, specs: list[Spec], ref, fp16: Row | None, context: int, tick
+    pool, jobs: int, specs: list[Spec], ref, fp16: Row | None, context: int, tick, finished=None
 ) -> list[Row]:
     """Every spec's row measured by the worker processes of ``pool``, in the order of
     ``specs``. A worker that dies (a crash in native code) leaves an error in the rows of the
-    specs that were still to measure."""
+    specs that were still to measure. ``finished(rows)``: called as each row is done, with
+    the rows done so far (in the order of ``specs``)."""
     tick(f"{len(specs)} specs in {jobs} worker processes", 0)
     todo = {
         pool.submit(_worker_measure, spec, ref, _fp16_quality(spec, fp16)): i
@@ -331,10 +396,15 @@ def _measure_in(
                 rows[i].error = f"the worker process measuring it died ({e})"
                 secs = 0.0
             tick(f"{spec.text} ({secs:.0f}s)", 1)
+            if finished is not None:
+                finished([r for r in rows if r is not None])
     return rows
 
 
 def write_json(path: str, rows: list[Row], info: dict) -> None:
     """A JSON list of rows, one per spec; each carries the run's settings under ``run``."""
     out = [{**r.to_json(), "run": info} for r in rows]
-    Path(path).write_text(json.dumps(out, indent=1) + "\n")
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(out, indent=1) + "\n")
+    os.replace(tmp, target)  # a reader (or a stop) never sees half a file

@@ -219,20 +219,44 @@ def cmd_bench(a: argparse.Namespace) -> int:
         f" | chunk {s.chunk} | BLAS: {active_blas()} | {jobs} jobs",
         highlight=False,
     )
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=False,
-    ) as prog:
-        task = prog.add_task("loading", total=len(specs) + (transfer is not None))
+    done: list = []  # the rows finished so far, rewritten to --json as each one finishes
 
-        def tick(desc: str, n: int = 1) -> None:
-            prog.update(task, description=desc, advance=n)
+    def finished(rows: list, info: dict) -> None:
+        done[:] = rows
+        if a.json_path:
+            write_json(a.json_path, rows, info)
 
-        rows, info = run_bench(specs, a.model, a.data, settings, tick, transfer)
+    def terminate(signum, frame):  # SIGTERM stops the run as Ctrl-C does
+        raise KeyboardInterrupt
+
+    import signal
+
+    try:
+        on_term = signal.signal(signal.SIGTERM, terminate)
+    except ValueError:  # not the main thread (main() called by a program): signals stay its own
+        on_term = None
+    try:
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
+        ) as prog:
+            task = prog.add_task("loading", total=len(specs) + (transfer is not None))
+
+            def tick(desc: str, n: int = 1) -> None:
+                prog.update(task, description=desc, advance=n)
+
+            rows, info = run_bench(specs, a.model, a.data, settings, tick, transfer, finished)
+    except KeyboardInterrupt:
+        kept = f"; {len(done)} finished rows are in {a.json_path}" if a.json_path else ""
+        console.print(f"velox bench: interrupted after {len(done)} of {len(specs)} rows{kept}")
+        return 130
+    finally:
+        if on_term is not None:
+            signal.signal(signal.SIGTERM, on_term)
     print_report(console, rows, info)  # the table, its notes, the best at about 4x and 8x
     if a.json_path:
         write_json(a.json_path, rows, info)

@@ -22,16 +22,24 @@ mlx-lm directory, a ``.gguf`` file or a model name (``smollm2``, ``gemma3``; see
 model is loaded, and given its velox caches, before the server listens: a model that fails to
 load or refuses the ``--method`` spec (a ``group`` its head dim does not take, say) stops
 ``velox serve`` with the reason instead of a server that answers every request with an error.
-A request whose prompt is empty is answered 400; one whose prompt has no tokens is refused
-without stopping the generation thread (mlx-lm's batch generator raises on it).
+Whether requests batch is decided then too, by running mlx-lm's batch generator on two short
+prompts: a method whose caches cannot be batched (xKV's and MiniCache's linked layers,
+Q-Filters' copies) is served one request at a time, with a warning. An error raised while a
+request is generated answers that request (500, or a last stream event) and the server serves
+on, where mlx-lm's generation thread would die.
+
+A request whose prompt is empty is answered 400; one whose prompt has no tokens is
+refused without stopping the generation thread (mlx-lm's batch generator raises on it).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import sys
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +150,16 @@ def _provider_class(
             self.is_batchable = self.draft_model is None and all(
                 hasattr(c, "merge") for c in caches
             )
+            if self.is_batchable:  # decided now, not by a generation thread that dies
+                why = _cannot_batch(self.model)
+                if why is not None:
+                    self.is_batchable = False
+                    logging.warning(
+                        "velox serve: --method %s cannot batch sequences (%s); requests are "
+                        "served one at a time",
+                        spec,
+                        why,
+                    )
 
         def reset(self) -> None:
             for m in (self.model, getattr(self, "draft_model", None)):
@@ -150,6 +168,115 @@ def _provider_class(
             super().reset()
 
     return VeloxModelProvider
+
+
+def _cannot_batch(model) -> str | None:
+    """Why mlx-lm's batch generator cannot run ``model`` with its (velox) caches, or None.
+
+    Two prompts of different lengths are generated together, two tokens each, as the server
+    batches requests (``merge``, a padded prefill, decode): a method whose caches refuse to
+    be batched (layers sharing state, as xKV's and MiniCache's) or lose something when copied
+    fails here, while the model loads, instead of on the first request."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(
+        model,
+        max_tokens=2,
+        completion_batch_size=2,
+        prefill_batch_size=2,
+        stream=mx.default_stream(mx.default_device()),
+    )
+    try:
+        gen.insert([[1, 2, 3], [1, 2]], max_tokens=[2, 2])
+        finished = 0
+        for _ in range(16):
+            _, responses = gen.next()
+            finished += sum(r.finish_reason is not None for r in responses)
+            if finished >= 2:
+                return None
+        return "the batch generator did not finish two 2-token requests"
+    except Exception as e:
+        return _first_line(e)
+    finally:
+        gen.close()
+
+
+def _inflight(generator) -> weakref.WeakSet:
+    """The response queues of the requests the generation thread has taken (weakly: a
+    finished request's queue goes with its handler)."""
+    found = generator.__dict__.get("_velox_inflight")
+    if found is None:
+        found = generator.__dict__["_velox_inflight"] = weakref.WeakSet()
+    return found
+
+
+def _track_requests(original):
+    """``ResponseGenerator._next_request`` remembering each request's response queue."""
+
+    def _next_request(self, timeout=None):
+        request = original(self, timeout)
+        if request is not None:
+            _inflight(self).add(request[0])
+        return request
+
+    return _next_request
+
+
+def _survive_request_errors(original):
+    """``ResponseGenerator._run_generate`` that outlives an error raised while serving
+    requests (a cache that cannot serve one, say): the requests in flight get the error (each
+    is answered with it) and the generation loop starts again, where mlx-lm's thread would
+    die and the server answer every later request with an error. An error with no request in
+    flight, or in a distributed server, still ends the thread as mlx-lm's does."""
+
+    def _run_generate(self):
+        while True:
+            try:
+                self._generate()
+                return
+            except Exception as e:
+                queues = list(_inflight(self))
+                _inflight(self).clear()
+                if self._stop or self._is_distributed or not queues:
+                    logging.exception(f"mlx_lm.server generation thread died: {e}")
+                    self._generation_failed = True
+                    return
+                logging.exception(
+                    f"velox serve: {len(queues)} request(s) failed: {_first_line(e)}; serving on"
+                )
+                error = RuntimeError(f"velox serve: the request failed: {_first_line(e)}")
+                for q in queues:
+                    q.put(error)
+
+    return _run_generate
+
+
+def _error_responses(original):
+    """``APIHandler.handle_completion`` answering an error raised while its request was
+    generated (see :func:`_survive_request_errors`) with a 500 and the reason, where mlx-lm
+    would drop the connection: a JSON body while the status line is unsent, else (a stream)
+    a last ``data: {"error": ...}`` event."""
+
+    def handle_completion(self, request, stop_words):
+        try:
+            return original(self, request, stop_words)
+        except Exception as e:
+            body = json.dumps({"error": _first_line(e)})
+            try:
+                if getattr(self, "_headers_buffer", None):  # the 200 is not sent yet
+                    self._headers_buffer = []
+                    self._set_completion_headers(500)
+                    self.end_headers()
+                    self.wfile.write(body.encode())
+                else:
+                    self.wfile.write(f"data: {body}\n\n".encode())
+                self.wfile.flush()
+            except OSError:  # the client went away
+                pass
+            return None
+
+    return handle_completion
 
 
 class _LoadFailed(ValueError):
@@ -315,8 +442,14 @@ def serve(spec: str, argv: list[str], storage_dtype: Any = None) -> None:
     argv, aliases = _resolve_models(argv)  # named models and GGUF files, as bench takes them
     server.ModelProvider = _provider_class(spec, storage_dtype, aliases)
     server.APIHandler.do_GET = _velox_endpoint(spec)
-    _patch(server.APIHandler, "handle_completion", _refuse_empty_requests)
+    _patch(
+        server.APIHandler,
+        "handle_completion",
+        lambda original: _error_responses(_refuse_empty_requests(original)),
+    )
     _patch(server.ResponseGenerator, "_tokenize", _refuse_empty_tokens)
+    _patch(server.ResponseGenerator, "_next_request", _track_requests)
+    _patch(server.ResponseGenerator, "_run_generate", _survive_request_errors)
     _patch(server, "_run_http_server", _listen_after_load)
     old = sys.argv
     sys.argv = ["velox serve", *argv]

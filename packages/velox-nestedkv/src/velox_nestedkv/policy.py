@@ -36,6 +36,7 @@ import mlx.core as mx
 
 from velox_core import RetentionPolicy
 from velox_core.policy import top_k_sorted
+from velox_core.policy.base import warn_unbounded
 from velox_core.validation import check_choice, check_float, check_int
 
 from .memory import absorb
@@ -123,6 +124,8 @@ class NestedKVPolicy(RetentionPolicy):
         sizes = cache.body_sizes()
         held = cache.protected() + (sum(sizes) / len(sizes) if sizes else 0)
         over = held - self.budget
+        if self.every is None and over >= self.budget and not after_chunk:
+            warn_unbounded(self, cache.size())  # decode tokens accumulate: say so, once
         if over <= 0 or not (after_chunk or (self.every is not None and over >= self.every)):
             return
         keep = self.select(cache, max(self.budget - cache.protected(), 0))

@@ -29,7 +29,7 @@ import mlx.core as mx
 from ..configured import Configured
 from ..validation import check_int
 
-__all__ = ["RetentionPolicy", "top_k_sorted"]
+__all__ = ["RetentionPolicy", "top_k_sorted", "warn_unbounded"]
 
 
 def top_k_sorted(scores: mx.array, k: int) -> mx.array:
@@ -100,7 +100,7 @@ class RetentionPolicy(Configured):
             return
         over = cache.size() - self.budget
         if self.every is None and over >= self.budget and not after_chunk:
-            _warn_unbounded(self, cache.size())
+            warn_unbounded(self, cache.size())
         if over <= 0 or not (after_chunk or (self.every is not None and over >= self.every)):
             return
         keep = self.select(cache, max(self.budget - cache.protected(), 0))
@@ -149,7 +149,7 @@ class RetentionPolicy(Configured):
 _WARNED: set[str] = set()
 
 
-def _warn_unbounded(policy: RetentionPolicy, size: int) -> None:
+def warn_unbounded(policy: RetentionPolicy, size: int) -> None:
     """Once per policy class and process: ``budget`` bounds the prompt, not the decode."""
     name = getattr(policy, "name", type(policy).__name__)
     if name in _WARNED:

@@ -1,0 +1,139 @@
+"""Stopping ``velox bench`` (issue 55): its worker processes die with it, Ctrl-C (and SIGTERM)
+stops it within seconds, and ``--json`` holds every row finished so far (written as rows
+finish, not only at the end)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from velox_cli.data import find_shared
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(find_shared("reference-model") is None, reason="needs the reference model"),
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"),
+]
+
+SPECS = [f"uniform:bits={b}" for b in (2, 3, 4, 5, 6, 8)]
+
+
+def _bench(json_path: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "velox_cli", "bench", "--methods", *SPECS]
+    cmd += ["--context", "512", "--continuation", "8", "--chunk", "256", "--jobs", "2"]
+    cmd += ["--json", str(json_path), "--chart", ""]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _children(pid: int) -> set[int]:
+    """The processes ``pid`` started, and theirs (Linux ``/proc/PID/task/*/children``)."""
+    out: set[int] = set()
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                kids = (task / "children").read_text().split()
+            except OSError:
+                continue
+            for k in map(int, kids):
+                if k not in out:
+                    out.add(k)
+                    todo.append(k)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"  # a zombie has exited (nobody reaped it yet)
+
+
+def _rows(path: Path) -> list | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _wait_for(what, seconds: float, proc: subprocess.Popen):
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        got = what()
+        if got:
+            return got
+        if proc.poll() is not None:
+            pytest.fail(f"velox bench ended early: {proc.communicate()[0][-3000:]}")
+        time.sleep(0.2)
+    proc.kill()
+    pytest.fail(f"timed out: {proc.communicate()[0][-3000:]}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupt_stops_within_seconds_and_keeps_the_finished_rows(tmp_path, sig):
+    path = tmp_path / "rows.json"
+    proc = _bench(path)
+    try:
+        _wait_for(lambda: _rows(path), 240, proc)  # a row finished: written while running
+        workers = _children(proc.pid)
+        assert workers, "no worker processes"
+        t0 = time.time()
+        proc.send_signal(sig)
+        out = proc.communicate(timeout=5)[0]
+        elapsed = time.time() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode != 0 and elapsed < 5, (proc.returncode, elapsed, out[-2000:])
+    rows = _rows(path)
+    assert rows and len(rows) < len(SPECS), rows
+    assert {r["spec"] for r in rows} <= set(SPECS)
+    assert all(not r.get("error") for r in rows), rows
+    assert "Traceback" not in out, out[-3000:]
+    deadline = time.time() + 5
+    while any(_alive(w) for w in workers) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(w) for w in workers), "workers outlived velox bench"
+
+
+def test_workers_die_with_a_killed_bench(tmp_path):
+    proc = _bench(tmp_path / "rows.json")
+    try:
+        # the workers are up once both have loaded the model (their /proc cmdline says spawn)
+        def started():
+            kids = _children(proc.pid)
+            spawned = [k for k in kids if "spawn_main" in _cmdline(k)]
+            return kids if len(spawned) >= 2 else None
+
+        workers = _wait_for(started, 120, proc)
+        time.sleep(3)  # past their start: loading the model, or measuring
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)  # not communicate: live workers would hold its stdout open
+        deadline = time.time() + 10
+        while any(_alive(w) for w in workers) and time.time() < deadline:
+            time.sleep(0.2)
+        left = [w for w in workers if _alive(w)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for w in left:  # leave nothing behind, whatever the outcome
+        try:
+            os.kill(w, signal.SIGKILL)
+        except OSError:
+            pass
+    assert not left, f"worker processes {left} outlived the killed velox bench"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""

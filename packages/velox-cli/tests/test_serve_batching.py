@@ -1,0 +1,148 @@
+"""``velox serve`` with methods whose caches cannot be batched by mlx-lm (issue 55): xKV and
+MiniCache share state across layers (mlx-lm batches each layer alone), and Q-Filters' caches
+were copied without their fitted filters. The first request used to kill mlx-lm's generation
+thread; every later request was answered 404. Now such a method is served one request at a
+time (decided when the model loads), and a request a cache cannot serve fails alone."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from velox_cli.data import find_shared
+
+pytestmark = pytest.mark.slow
+
+REF = find_shared("reference-model")
+ARTIFACTS = find_shared("artifacts")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(port: int, path: str, body: dict):
+    import json
+
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
+def _serve(spec: str, port: int):
+    env = dict(os.environ)
+    if ARTIFACTS is not None:  # Q-Filters' filters fitted for the reference model
+        dirs = [d for d in env.get("VELOX_ARTIFACTS", "").split(":") if d]
+        env["VELOX_ARTIFACTS"] = ":".join([*dirs, str(ARTIFACTS)])
+    cmd = [sys.executable, "-m", "velox_cli", "serve", "--method", spec, "--model", str(REF)]
+    proc = subprocess.Popen(
+        [*cmd, "--port", str(port), "--max-tokens", "4"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    deadline = time.time() + 180
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                return proc
+        except urllib.error.HTTPError:
+            return proc
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                pytest.fail(f"velox serve did not start: {proc.communicate()[0][-3000:]}")
+            time.sleep(0.3)
+
+
+def _stop(proc) -> str:
+    proc.terminate()
+    try:
+        return proc.communicate(timeout=30)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate()[0]
+
+
+@pytest.mark.skipif(REF is None, reason="needs shared/reference-model")
+@pytest.mark.parametrize(
+    "spec",
+    ["xkv", "minicache", pytest.param("qfilters:budget=128", id="qfilters")],
+)
+def test_method_that_cannot_batch_serves_every_request(spec):
+    if spec.startswith("qfilters") and ARTIFACTS is None:
+        pytest.skip("needs shared/artifacts (Q-Filters' filters for the reference model)")
+    port = _free_port()
+    proc = _serve(spec, port)
+    log = ""
+    try:
+        for prompt in ("def add(a, b):\n    return", "class Point:\n    def"):
+            body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+            status, got = _post(port, "/v1/completions", body)
+            assert status == 200, (status, got)
+            assert got["choices"][0]["text"] and got["usage"]["completion_tokens"] >= 1, got
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
+            assert r.status == 200
+    finally:
+        log = _stop(proc)
+    assert "generation thread died" not in log, log[-3000:]
+
+
+def test_request_error_fails_that_request_and_generation_goes_on():
+    """An error raised on the generation thread while a request is in flight answers that
+    request with the error and restarts the loop (mlx-lm's thread would die)."""
+    from queue import Queue
+
+    from velox_cli.serve import _survive_request_errors, _track_requests
+
+    taken = [Queue(), Queue()]
+
+    class Generator:
+        _stop = False
+        _is_distributed = False
+        _generation_failed = False
+        runs = 0
+
+        def _next_request(self, timeout=None):
+            return (taken.pop(0), "request", "args") if taken else None
+
+        def _generate(self):
+            self.runs += 1
+            request = self._next_request()
+            if request is not None:
+                raise ValueError("qfilters: no filters for this cache\nmore")
+
+    Generator._next_request = _track_requests(Generator._next_request)
+    Generator._run_generate = _survive_request_errors(None)
+    first, second = taken
+    g = Generator()
+    g._run_generate()
+    assert g.runs == 3 and not g._generation_failed  # two failed requests, then a clean exit
+    for q in (first, second):
+        error = q.get_nowait()
+        assert isinstance(error, RuntimeError) and "no filters for this cache" in str(error)
+        assert q.empty()
+
+    class Broken(Generator):  # an error with no request in flight still ends the thread
+        def _generate(self):
+            self.runs += 1
+            raise ValueError("broken")
+
+    b = Broken()
+    b._run_generate()
+    assert b.runs == 1 and b._generation_failed
