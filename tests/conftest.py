@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# velox serve's test helpers (packages/velox-cli/tests/serving.py) serve these tests too
+sys.path.insert(0, str(ROOT / "packages" / "velox-cli" / "tests"))
 
 
 @pytest.fixture(scope="session")

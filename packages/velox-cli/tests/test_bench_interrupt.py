@@ -21,6 +21,9 @@ pytestmark = [
 ]
 
 SPECS = [f"uniform:bits={b}" for b in (2, 3, 4, 5, 6, 8)]
+# seconds from the signal to the exit: an interrupt that waited for the running specs would
+# take the minutes the remaining rows need (the margin is for a loaded CI machine)
+STOP_WITHIN = 15
 
 
 def _bench(json_path: Path) -> subprocess.Popen:
@@ -86,13 +89,13 @@ def test_interrupt_stops_within_seconds_and_keeps_the_finished_rows(tmp_path, si
         assert workers, "no worker processes"
         t0 = time.time()
         proc.send_signal(sig)
-        out = proc.communicate(timeout=5)[0]
+        out = proc.communicate(timeout=STOP_WITHIN)[0]
         elapsed = time.time() - t0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    assert proc.returncode != 0 and elapsed < 5, (proc.returncode, elapsed, out[-2000:])
+    assert proc.returncode != 0 and elapsed < STOP_WITHIN, (proc.returncode, elapsed, out[-2000:])
     rows = _rows(path)
     assert rows and len(rows) < len(SPECS), rows
     assert {r["spec"] for r in rows} <= set(SPECS)

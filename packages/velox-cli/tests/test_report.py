@@ -2,7 +2,6 @@
 ``velox methods``: it fits the terminal's width and never cuts a spec."""
 
 import io
-import json
 import re
 
 import pytest
@@ -10,7 +9,6 @@ from rich.console import Console
 
 from velox_cli.chart import front_rows
 from velox_cli.evaluate import Row
-from velox_cli.main import main
 from velox_cli.report import BAND, POINTS, best_at, closing_lines, layout, print_report
 
 FP16 = 6400.0
@@ -154,21 +152,3 @@ def test_the_closing_lines_say_when_no_row_is_near_a_point():
     _, at4, at8 = closing_lines(rows, INFO)
     assert at4.startswith("  about 4x: #2 uniform:bits=4 ")
     assert at8 == "  about 8x: no row measured 6.4x-10x fewer bytes than fp16"
-
-
-def test_methods_prints_every_recommended_spec_whole(monkeypatch, capsys):
-    assert main(["methods", "--json"]) == 0
-    specs = [
-        m["name"] + (":" + ",".join(f"{k}={v}" for k, v in r.items()) if r else "")
-        for m in json.loads(capsys.readouterr().out)
-        for r in m["recommended"]
-    ]
-    assert any(len(s) > 60 for s in specs)
-    for width in (120, 80):
-        monkeypatch.setenv("COLUMNS", str(width))
-        assert main(["methods"]) == 0
-        lines = capsys.readouterr().out.splitlines()
-        assert max(map(len, lines)) <= width, width
-        assert not any("…" in x for x in lines)
-        for s in specs:
-            assert any(whole(s, x) for x in lines), (width, s)
