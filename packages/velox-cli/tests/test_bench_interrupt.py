@@ -20,7 +20,9 @@ pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"),
 ]
 
-SPECS = [f"uniform:bits={b}" for b in (2, 3, 4, 5, 6, 8)]
+# enough work that the rows after the first take far longer than a stop (tens of seconds on
+# an idle machine): a run that finished before the signal would prove nothing
+SPECS = [f"uniform:bits={b},group={g}" for b in (2, 3, 4, 5, 6, 8) for g in (32, 64)]
 # seconds from the signal to the exit: an interrupt that waited for the running specs would
 # take the minutes the remaining rows need (the margin is for a loaded CI machine)
 STOP_WITHIN = 15
@@ -28,7 +30,7 @@ STOP_WITHIN = 15
 
 def _bench(json_path: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "velox_cli", "bench", "--methods", *SPECS]
-    cmd += ["--context", "512", "--continuation", "8", "--chunk", "256", "--jobs", "2"]
+    cmd += ["--context", "2048", "--continuation", "16", "--chunk", "512", "--jobs", "2"]
     cmd += ["--json", str(json_path), "--chart", ""]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

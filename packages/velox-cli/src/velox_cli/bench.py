@@ -332,14 +332,15 @@ def run_bench(
 
 
 def _end_workers(pool) -> None:
-    """Kill ``pool``'s worker processes now and shut it down without waiting for its work."""
+    """Kill ``pool``'s worker processes now, then shut it down (its work is cancelled; its
+    thread, finding its workers dead, ends at once: nothing is left for the exit to wake)."""
     procs = list((getattr(pool, "_processes", None) or {}).values())
     for p in procs:
         try:
             p.kill()
         except (OSError, ValueError):
             pass
-    pool.shutdown(wait=False, cancel_futures=True)
+    pool.shutdown(wait=True, cancel_futures=True)  # the workers are dead: its thread ends now
     for p in procs:
         try:
             p.join(2)

@@ -251,6 +251,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
             rows, info = run_bench(specs, a.model, a.data, settings, tick, transfer, finished)
     except KeyboardInterrupt:
+        if on_term is not None:  # stopping: a second signal must not interrupt the exit
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            on_term = signal.SIG_IGN
         kept = f"; {len(done)} finished rows are in {a.json_path}" if a.json_path else ""
         console.print(f"velox bench: interrupted after {len(done)} of {len(specs)} rows{kept}")
         return 130
