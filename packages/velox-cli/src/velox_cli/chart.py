@@ -461,7 +461,7 @@ def _figure(rows: Sequence[Row], info: dict | None):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m velox_cli.chart ROWS.json OUT.png``: redraw a chart from saved rows."""
-    from .report import rows_from_json
+    from .evaluate import rows_from_json
 
     ap = argparse.ArgumentParser(
         prog="python -m velox_cli.chart",

@@ -41,6 +41,7 @@ __all__ = [
     "prefill",
     "reference_run",
     "retrieval",
+    "rows_from_json",
     "teacher_force",
 ]
 
@@ -273,3 +274,22 @@ def retrieval(
             return greedy(model, caches, logits, p.answer_tokens)
 
     return recall_accuracy(prompts, tokenizer, answer)
+
+
+def rows_from_json(path: str) -> tuple[list[Row], dict]:
+    """Rows and run info from a ``velox bench --json`` file."""
+    import json
+    from pathlib import Path
+
+    doc = json.loads(Path(path).read_text())
+    items = doc["rows"] if isinstance(doc, dict) else doc
+    info = doc["info"] if isinstance(doc, dict) else (items[0].get("run", {}) if items else {})
+    rows = []
+    for r in items:
+        r = {k: v for k, v in r.items() if k != "run"}
+        r = {
+            k: (float("nan") if v is None and k in ("kl", "top1", "ppl", "retrieval") else v)
+            for k, v in r.items()
+        }
+        rows.append(Row(**r))
+    return rows, info

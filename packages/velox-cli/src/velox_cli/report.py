@@ -6,7 +6,7 @@ import math
 
 from rich.table import Table
 
-from .evaluate import Row
+from .evaluate import Row, rows_from_json
 
 __all__ = [
     "best_at",
@@ -361,22 +361,3 @@ def markdown(rows: list[Row]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
     return "\n".join(lines)
-
-
-def rows_from_json(path: str) -> tuple[list[Row], dict]:
-    """Rows and run info from a ``velox bench --json`` file."""
-    import json
-    from pathlib import Path
-
-    doc = json.loads(Path(path).read_text())
-    items = doc["rows"] if isinstance(doc, dict) else doc
-    info = doc["info"] if isinstance(doc, dict) else (items[0].get("run", {}) if items else {})
-    rows = []
-    for r in items:
-        r = {k: v for k, v in r.items() if k != "run"}
-        r = {
-            k: (float("nan") if v is None and k in ("kl", "top1", "ppl", "retrieval") else v)
-            for k, v in r.items()
-        }
-        rows.append(Row(**r))
-    return rows, info

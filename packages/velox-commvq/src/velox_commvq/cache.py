@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from velox_core import Codec, PresetCache, Uniform
 from velox_core.codec.prerope import rope_settings
-from velox_core.distributed import FITTED_ON_WHOLE_MODEL
+from velox_core.split import FITTED_ON_WHOLE_MODEL
 
 from .codec import CommVQKeys
 from .config import CommVQConfig

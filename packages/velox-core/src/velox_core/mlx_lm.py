@@ -24,8 +24,8 @@ from mlx_lm.models.cache import KVCache
 from . import routing
 from .cache.batch import VeloxBatch
 from .cache.velox import VeloxCache
-from .distributed import split_refusal
 from .registry import make
+from .split import split_refusal
 
 __all__ = [
     "ROUTED_ONLY_MODEL_TYPES",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from velox_core import Codec, PresetCache, config_fields
 from velox_core.codec.prerope import rope_settings
-from velox_core.distributed import FITTED_ON_WHOLE_MODEL
+from velox_core.split import FITTED_ON_WHOLE_MODEL
 
 from .codec import PaluKeys, PaluValues
 from .config import PaluConfig

@@ -16,7 +16,7 @@ The same policy composes with any per-token codec, e.g. Q-Filters over TurboQuan
 from __future__ import annotations
 
 from velox_core.cache.eviction import EvictionCache
-from velox_core.distributed import FITTED_ON_WHOLE_MODEL
+from velox_core.split import FITTED_ON_WHOLE_MODEL
 
 from .config import QFiltersConfig
 from .policy import QFiltersPolicy

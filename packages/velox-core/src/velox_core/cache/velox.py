@@ -259,7 +259,7 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
     def split_refusal(cls, config: dict, by_heads: bool, pipelined: bool) -> str:
         """Why a model split over processes (``by_heads``: ``model.shard``; ``pipelined``:
         mlx-lm's pipeline stages) cannot use caches of this class with ``config``, or "" where
-        it can (:mod:`velox_core.distributed`). The default: each KV head is treated on its
+        it can (:mod:`velox_core.split`). The default: each KV head is treated on its
         own, so a split by heads holds each process's share; a method that mixes a layer's
         heads, or needs an artifact fitted on the whole model, says so here."""
         return ""
