@@ -32,7 +32,15 @@ def _bench(json_path: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "velox_cli", "bench", "--methods", *SPECS]
     cmd += ["--context", "2048", "--continuation", "16", "--chunk", "512", "--jobs", "2"]
     cmd += ["--json", str(json_path), "--chart", ""]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        # a shell's background job inherits SIGINT ignored (then Python sets no Ctrl-C
+        # handler): the bench gets the default a terminal gives it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 def _children(pid: int) -> set[int]:
