@@ -49,7 +49,9 @@ def test_eviction_and_composition_on_the_reference_model(question):
     assert cells["snapkv:budget=50%+uniform:bits=4"].ratio > cells["snapkv:budget=50%"].ratio
 
 
-@pytest.mark.parametrize("spec", ["snapkv:budget=25%", "adakv:budget=25%"])
+@pytest.mark.parametrize(
+    "spec", ["snapkv:budget=25%", "adakv:budget=25%", "pyramidkv:budget=25%", "tova:budget=25%"]
+)
 def test_question_after_compresses_the_context_once(spec):
     """kvpress's protocol: the context is cut to a share of the context's own tokens as the
     question arrives, the question is held whole, and the first answer token cuts nothing
@@ -89,5 +91,11 @@ def test_question_after_compresses_the_context_once(spec):
         for b, a in zip(layer_b, layer_a):
             assert set(range(n, n + q)) <= b  # the question, whole
             assert a == b | {n + q}  # nothing cut at the first answer token
-        # the layer's context: the budget per KV head (Ada-KV: on average over its heads)
-        assert sum(len({t for t in b if t < n}) for b in layer_b) == len(layer_b) * budget
+    # the context per layer: the budget per KV head (Ada-KV: on average over its heads;
+    # PyramidKV: on average over the layers too)
+    kept = [sum(len({t for t in b if t < n}) for b in layer_b) for layer_b in before]
+    heads = [len(layer_b) for layer_b in before]
+    if spec.startswith("pyramidkv"):
+        assert sum(kept) == sum(heads) * budget, (kept, budget)
+    else:
+        assert kept == [h * budget for h in heads], (kept, budget)

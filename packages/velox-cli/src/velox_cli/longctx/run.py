@@ -167,9 +167,10 @@ def prompt_caches(model, caches: list, prompt: Prompt, mode: str, chunk: int) ->
     queries), and the question is held whole. Left alone, a policy would cut once more at
     the first answer token, after the question's chunk: voted by the question's queries and
     trimming the question's length off the context, so the context would no longer be
-    compressed without knowing the question. Each policy's ``budget`` is raised by the
-    question's length once it is stored, which leaves that cut nothing to remove; decode
-    then runs as the spec says (``every`` cuts, if set, from the raised budget).
+    compressed without knowing the question. So once the question is stored, each policy
+    drops that cut (``RetentionPolicy.hold_stored``) and its ``budget`` is raised by the
+    question's length; decode then runs as the spec says (``every`` cuts, if set, from the
+    raised budget).
     """
     if mode == "inside":
         return prefill(model, caches, prompt.context + prompt.question, chunk)
@@ -178,7 +179,8 @@ def prompt_caches(model, caches: list, prompt: Prompt, mode: str, chunk: int) ->
     for c in caches:
         policy = getattr(c, "policy", None)
         if policy is not None and policy.budget is not None:
-            policy.budget += len(prompt.question)
+            policy.hold_stored()  # no cut after the question's chunk
+            policy.budget += len(prompt.question)  # decode cuts (``every``) keep it too
     return logits
 
 

@@ -106,6 +106,13 @@ class RetentionPolicy(Configured):
         keep = self.select(cache, max(self.budget - cache.protected(), 0))
         cache.evict(keep)
 
+    def hold_stored(self) -> None:
+        """No cut is due for the tokens stored so far: the cut a chunk would get when the next
+        tokens arrive is dropped (a later chunk, or ``every`` during decode, cuts as usual).
+        For a prompt compressed once and then continued uncompressed (kvpress's protocol: the
+        context cut, the question kept whole)."""
+        self._chunk_pending = False
+
     # -- choosing ------------------------------------------------------------------------------
     def score(self, cache) -> list[mx.array]:
         """Per KV head, a ``(B, T_h)`` score of each body token (higher is kept first).
