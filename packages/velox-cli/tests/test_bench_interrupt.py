@@ -150,3 +150,54 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return ""
+
+
+def _eval(json_path: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "velox_cli", "eval", "--methods", "fp16", *SPECS[:6]]
+    cmd += ["--tasks", "passkey", "--lengths", "2048", "--prompts", "12", "--jobs", "2"]
+    cmd += ["--json", str(json_path), "--chart", ""]
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
+def _lines(path: Path) -> int:
+    try:
+        return len(path.read_text().splitlines())
+    except OSError:
+        return 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_eval_interrupt_keeps_the_finished_prompts(tmp_path, sig):
+    """``velox eval`` stopped midway exits within seconds, its workers with it, and its
+    ``--json`` holds the prompts it finished (a GPU run's time limit ends it so)."""
+    path = tmp_path / "eval.json"
+    proc = _eval(path)
+    try:
+        _wait_for(lambda: _lines(Path(str(path) + ".trials.jsonl")), 240, proc)
+        workers = _children(proc.pid)
+        assert workers, "no worker processes"
+        t0 = time.time()
+        proc.send_signal(sig)
+        out = proc.communicate(timeout=STOP_WITHIN)[0]
+        elapsed = time.time() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130 and elapsed < STOP_WITHIN, (proc.returncode, elapsed, out[-2000:])
+    assert "interrupted after" in out and "Traceback" not in out, out[-3000:]
+    data = json.loads(path.read_text())
+    assert data["run"]["partial"] is True
+    done = {(t["task"], t["length"], t["index"]) for t in data["trials"]}
+    assert 1 <= len(done) < 12
+    assert {t["spec"] for t in data["trials"]} == {"fp16", *SPECS[:6]}
+    deadline = time.time() + 5
+    while any(_alive(w) for w in workers) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(w) for w in workers), "workers outlived velox eval"

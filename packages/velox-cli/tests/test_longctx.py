@@ -1,6 +1,7 @@
 """The long-context suite: task generation, scoring, byte counting, and ``velox eval``'s
 small version on the reference model (one short task, a few prompts)."""
 
+import itertools
 import json
 import re
 from pathlib import Path
@@ -10,7 +11,8 @@ import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from velox_cli.data import find_shared
-from velox_cli.longctx.grid import POINTS, default_specs
+from velox_cli.longctx import report
+from velox_cli.longctx.grid import POINTS, default_specs, fit_groups
 from velox_cli.longctx.run import (
     EvalSettings,
     Trial,
@@ -18,6 +20,7 @@ from velox_cli.longctx.run import (
     held_bytes,
     resolve_spec,
     spec_check,
+    spread_order,
     wilson,
 )
 from velox_cli.longctx.tasks import TASKS, make_prompts, parse_task, score
@@ -141,6 +144,46 @@ def test_default_specs_are_valid_and_cover_each_point():
         default_specs(["3x"])
 
 
+def test_default_specs_fit_their_channel_groups_to_the_head_dim():
+    assert fit_groups("qjl:group=128,window=384", 64) == "qjl:group=64,window=384"
+    assert fit_groups("skvq:key_group=64,value_group=128", 64) == (
+        "skvq:key_group=64,value_group=64"
+    )
+    assert fit_groups("skvq:key_group=64,value_group=128", 96) == (
+        "skvq:key_group=32,value_group=32"
+    )
+    assert fit_groups("kivi:group=32", 64) == "kivi:group=32"
+    # xKV's layer_group counts layers, not channels
+    assert fit_groups("xkv:layer_group=2,key_rank=192", 64) == "xkv:layer_group=2,key_rank=192"
+    specs = default_specs(["4x", "8x"], head_dim=64)
+    for s in specs:
+        spec_check(s)
+        for g in re.findall(r"(?<![a-z_])(?:key_|value_)?group=(\d+)", s):
+            assert 64 % int(g) == 0, s
+    assert default_specs(["4x"], head_dim=128) == default_specs(["4x"])
+
+
+def test_spread_order_spreads_every_prefix_over_the_depths():
+    for n in (1, 2, 3, 8, 16, 17):
+        order = spread_order(n)
+        assert sorted(order) == list(range(n))
+    order = spread_order(16)
+    assert order[:2] == [0, 15]
+    for k in range(3, 17):  # any prefix leaves no gap wider than twice the even spacing
+        taken = sorted(order[:k])
+        assert max(b - a for a, b in itertools.pairwise(taken)) <= 2 * 15 / (k - 1) + 1
+
+
+def test_errors_are_footnotes_not_part_of_the_spec_column():
+    long = "ValueError: " + "a long explanation " * 20
+    ts = [Trial("fp16", "passkey", 512, 0, 0.0, 500, score=1.0, kl=0.0, top1=1.0, bytes=1000)]
+    ts += [Trial(f"m{k}", "passkey", 512, 0, 0.0, 500, error=long) for k in range(2)]
+    md = report.markdown(aggregate(ts))
+    rows = [line for line in md.splitlines() if line.startswith("| `m")]
+    assert len(rows) == 2 and all("(1 errors [1])" in r and long not in r for r in rows)
+    assert f"[1] {long}" in md and md.count(long) == 1
+
+
 def test_held_bytes_counts_every_cache_class_by_its_tokens():
     k = mx.random.normal((1, 2, 300, 64)).astype(mx.float16)
     fp = KVCache()
@@ -191,6 +234,27 @@ def test_settings_are_checked():
         EvalSettings(lengths=[100]).check()
     with pytest.raises(ValueError, match="prompts"):
         EvalSettings(prompts=0).check()
+    with pytest.raises(ValueError, match="split"):
+        EvalSettings(split="tasks").check()
+
+
+def test_split_by_specs_gives_the_trials_split_by_prompts_gives(tmp_path):
+    """Workers that each hold a share of the specs (a GPU's split) answer every prompt as
+    one process running all specs does, and keep one fp16 trial per prompt."""
+    if find_shared("reference-model") is None:
+        pytest.skip("the reference model (shared/reference-model) is not here")
+    specs = ["fp16", "uniform:bits=4", "snapkv:budget=25%", "kivi:bits=2"]
+    got = {}
+    for split, jobs in (("prompts", "1"), ("specs", "2")):
+        out = tmp_path / f"{split}.json"
+        args = ["eval", "--methods", *specs, "--tasks", "passkey", "--lengths", "512"]
+        args += ["--prompts", "3", "--jobs", jobs, "--split", split, "--chart", ""]
+        assert main([*args, "--json", str(out)]) == 0
+        data = json.loads(out.read_text())
+        got[split] = {(t["spec"], t["index"]): (t["output"], t["bytes"]) for t in data["trials"]}
+        assert len(data["trials"]) == 12, split
+    assert json.loads((tmp_path / "specs.json").read_text())["run"]["split"] == "specs"
+    assert got["specs"] == got["prompts"]
 
 
 def test_eval_small_version_on_the_reference_model(tmp_path, capsys):

@@ -753,3 +753,19 @@ def test_gemma3_matches_transformers_gguf_load(gemma):
         ref_logits = theirs(ids, at)
         assert np.abs(logits - ref_logits).max() < 2e-3
         assert (logits.argmax(-1) == ref_logits.argmax(-1)).all()
+
+
+def test_a_named_model_converts_to_its_own_dtype(monkeypatch, tmp_path):
+    """By name, Gemma 3 converts to bfloat16 (its activations overflow float16) and SmolLM2
+    to float16; a dtype given is honoured; a GGUF path defaults to float16."""
+    asked = []
+    monkeypatch.setattr(models, "gguf_path", lambda name, cache=None: tmp_path / f"{name}.gguf")
+    monkeypatch.setattr(
+        models, "convert_gguf", lambda path, dtype, cache=None: asked.append(dtype) or path
+    )
+    models.resolve("gemma3")
+    models.resolve("smollm2")
+    models.resolve("gemma3", dtype="float32")
+    (tmp_path / "x.gguf").write_bytes(b"")
+    models.resolve(str(tmp_path / "x.gguf"))
+    assert asked == ["bfloat16", "float16", "float32", "float16"]

@@ -66,6 +66,29 @@ class BenchSettings:
         return [self.context]
 
 
+def model_path(path: str | None) -> str:
+    """The mlx-lm directory ``load_model`` reads for ``path`` (a GGUF or a name is converted
+    once, see ``velox_cli.models``; None: the reference model in ``shared/``)."""
+    from .models import resolve
+
+    if path is None:
+        found = find_shared("reference-model")
+        if found is None:
+            raise FileNotFoundError(
+                "reference model not found (shared/reference-model); pass --model PATH"
+            )
+        return str(found)
+    return str(resolve(path))
+
+
+def model_head_dim(path: str | None) -> int:
+    """The attention head dimension in the model's ``config.json`` (``head_dim``, else
+    ``hidden_size / num_attention_heads``), read without loading the weights."""
+    config = json.loads((Path(model_path(path)) / "config.json").read_text())
+    config = config.get("text_config", config)
+    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+
+
 def load_model(path: str | None):
     """``mlx_lm.load`` of ``path``: an mlx-lm directory, a ``.gguf`` file or a model name such
     as ``smollm2`` (a GGUF converted once into velox's cache, see ``velox_cli.models``);
@@ -76,17 +99,7 @@ def load_model(path: str | None):
     """
     import mlx_lm
 
-    from .models import resolve
-
-    if path is None:
-        found = find_shared("reference-model")
-        if found is None:
-            raise FileNotFoundError(
-                "reference model not found (shared/reference-model); pass --model PATH"
-            )
-        path = str(found)
-    else:
-        path = str(resolve(path))
+    path = model_path(path)
     model, tokenizer = mlx_lm.load(path)
     artifacts = find_shared("artifacts")  # fitted per-model artifacts (e.g. Q-Filters' filters)
     if artifacts is not None:

@@ -136,6 +136,14 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--jobs", type=int, default=0, help="worker processes (0: one per CPU core on a CPU)"
     )
+    e.add_argument(
+        "--split",
+        choices=["auto", "prompts", "specs"],
+        default="auto",
+        help="how --jobs share the work: prompts (each worker runs every spec on its prompts), "
+        "specs (each worker a share of the specs on every prompt: a GPU compiles each "
+        "method's kernels once); auto: prompts on a CPU, specs on a GPU",
+    )
     e.add_argument("--json", dest="json_path", metavar="PATH", help="write cells and trials")
     e.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown")
     e.add_argument("--chart", default="velox-eval.png", help="PNG chart path ('' for none)")
@@ -286,7 +294,13 @@ def cmd_eval(a: argparse.Namespace) -> int:
     if a.from_json:
         trials, info = report.load_json(a.from_json)
     else:
-        specs = [spec_check(t) for t in (a.methods or default_specs(a.points))]
+        if a.methods:
+            texts = list(a.methods)
+        else:
+            from .bench import model_head_dim
+
+            texts = default_specs(a.points, model_head_dim(a.model))
+        specs = [spec_check(t) for t in texts]
         if not any(s.text == "fp16" for s in specs):
             specs.insert(0, spec_check("fp16"))
         settings = EvalSettings(
@@ -299,6 +313,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
             a.chunk,
             a.seed,
             a.jobs,
+            a.split,
         )
         tasks = settings.check()
         total = len(tasks) * len(settings.lengths) * settings.prompts
@@ -309,25 +324,56 @@ def cmd_eval(a: argparse.Namespace) -> int:
             f"haystack {settings.haystack}",
             highlight=False,
         )
-        with Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            TextColumn("{task.completed}/{task.total} prompts"),
-            TimeElapsedColumn(),
-            console=console,
-        ) as prog:
-            bar = prog.add_task("loading", total=total)
-            record = None
-            if a.json_path:  # each prompt's trials as they come: a stopped run keeps them
-                record = a.json_path + ".trials.jsonl"
-                open(record, "w").close()
-            trials, info = run_eval(
-                specs,
-                a.model,
-                settings,
-                lambda desc, n=1: prog.update(bar, description=desc, advance=n),
-                None if record is None else lambda ts: report.append_trials(record, ts),
-            )
+        record = None
+        if a.json_path:  # each prompt's trials as they come: a stopped run keeps them
+            record = a.json_path + ".trials.jsonl"
+            open(record, "w").close()
+        done: list = []
+
+        def finished(ts: list) -> None:
+            done.extend(ts)
+            if record is not None:
+                report.append_trials(record, ts)
+
+        def terminate(signum, frame):  # SIGTERM stops the run as Ctrl-C does
+            raise KeyboardInterrupt
+
+        import signal
+
+        try:
+            on_term = signal.signal(signal.SIGTERM, terminate)
+        except ValueError:  # not the main thread: signals stay the program's own
+            on_term = None
+        try:
+            with Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total} prompts"),
+                TimeElapsedColumn(),
+                console=console,
+            ) as prog:
+                bar = prog.add_task("loading", total=total)
+                trials, info = run_eval(
+                    specs,
+                    a.model,
+                    settings,
+                    lambda desc, n=1: prog.update(bar, description=desc, advance=n),
+                    finished,
+                )
+        except KeyboardInterrupt:
+            if on_term is not None:  # stopping: a second signal must not interrupt the exit
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                on_term = signal.SIG_IGN
+            n = len({(t.task, t.length, t.index) for t in done})
+            console.print(f"velox eval: interrupted after {n} of {total} prompts")
+            if a.json_path and done:
+                info = {"model": str(a.model), "partial": True, **vars(settings)}
+                report.write_json(a.json_path, done, info)
+                console.print(f"the finished prompts' cells and trials are in {a.json_path}")
+            return 130
+        finally:
+            if on_term is not None:
+                signal.signal(signal.SIGTERM, on_term)
         if a.json_path:
             report.write_json(a.json_path, trials, info)
             console.print(f"cells and trials written to {a.json_path}")

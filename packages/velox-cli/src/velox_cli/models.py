@@ -79,6 +79,8 @@ class NamedModel:
     # True: the package ships the GGUF in chunks and joins them with its own
     # ``assemble(output_path, overwrite)``; velox has it write the file into its cache
     assembled: bool = False
+    # the dtype it is converted to by name: Gemma 3's activations overflow float16
+    dtype: str = "float16"
 
 
 NAMED = {
@@ -101,6 +103,7 @@ NAMED = {
         "18 layers (15 sliding-window of 512 tokens, 3 global), 4 query / 1 KV head of dim "
         "256, 32k context",
         assembled=True,
+        dtype="bfloat16",
     ),
 }
 
@@ -224,16 +227,18 @@ def _assemble(known: NamedModel, target: Path) -> Path:
     return target
 
 
-def resolve(model: str, *, dtype: str = "float16", cache: str | Path | None = None) -> Path:
+def resolve(model: str, *, dtype: str | None = None, cache: str | Path | None = None) -> Path:
     """An mlx-lm model directory for ``model``: a name in ``NAMED``, a ``.gguf`` file
-    (converted once, then reused), or an existing directory (returned as it is)."""
+    (converted once, then reused), or an existing directory (returned as it is). ``dtype``
+    defaults to the named model's own (bfloat16 for Gemma 3), float16 for a GGUF file."""
     path = Path(model).expanduser()
     if model.lower() in NAMED and not path.exists():
+        dtype = dtype or NAMED[model.lower()].dtype
         return convert_gguf(gguf_path(model, cache=cache), dtype=dtype, cache=cache)
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"no such path {model!r} (a GGUF file was expected)")
-        return convert_gguf(path, dtype=dtype, cache=cache)
+        return convert_gguf(path, dtype=dtype or "float16", cache=cache)
     if not path.exists():
         raise FileNotFoundError(
             f"no such path {model!r}: a model is an mlx-lm directory, a .gguf file or one of "

@@ -5,14 +5,18 @@ than fp16, and compositions (eviction x quantization) that reach 8x-16x; the rat
 reaches is measured on every prompt (``vs fp16`` in the table), never assumed. A budget is
 a share of each prompt (``budget=25%``), so eviction compresses the same at every length.
 Methods whose package is not installed are left out; ``velox eval --methods`` runs any
-other spec.
+other spec. Channel group sizes are set for head dim 128 and above; on a model whose head
+dim they do not divide (SmolLM2's 64) they are cut to the largest divisor (``fit_groups``).
 """
 
 from __future__ import annotations
 
+import math
+import re
+
 from velox_core.registry import methods
 
-__all__ = ["BASELINES", "POINTS", "default_specs"]
+__all__ = ["BASELINES", "POINTS", "default_specs", "fit_groups"]
 
 BASELINES = ("fp16", "mlx-q8", "mlx-q4")
 
@@ -73,8 +77,9 @@ POINTS: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 
-def default_specs(points: list[str]) -> list[str]:
-    """The baselines, then each installed method's specs at ``points`` (in that order)."""
+def default_specs(points: list[str], head_dim: int | None = None) -> list[str]:
+    """The baselines, then each installed method's specs at ``points`` (in that order),
+    their channel groups fitted to ``head_dim`` where given (:func:`fit_groups`)."""
     bad = [p for p in points if p not in POINTS]
     if bad:
         raise ValueError(f"unknown operating point {bad[0]!r}; points: {', '.join(POINTS)}")
@@ -84,4 +89,19 @@ def default_specs(points: list[str]) -> list[str]:
         for name, specs in POINTS[p].items():
             if name in have:
                 out += [s for s in specs if all(m.split(":")[0] in have for m in s.split("+"))]
-    return out
+    return out if head_dim is None else [fit_groups(s, head_dim) for s in out]
+
+
+_GROUP = re.compile(r"(?<![\w])((?:key_|value_)?group)=(\d+)")
+
+
+def fit_groups(spec: str, head_dim: int) -> str:
+    """``spec`` with each channel group (``group``, ``key_group``, ``value_group``; not
+    xKV's ``layer_group``) that does not divide ``head_dim`` cut to its greatest common
+    divisor with it: ``qjl:group=128`` becomes ``qjl:group=64`` at head dim 64."""
+
+    def cut(m: re.Match) -> str:
+        g = int(m.group(2))
+        return f"{m.group(1)}={g if head_dim % g == 0 else math.gcd(g, head_dim)}"
+
+    return _GROUP.sub(cut, spec)

@@ -120,19 +120,36 @@ def table(cells: Sequence[Cell], info: dict) -> Table:
     t.add_column("spec", no_wrap=True)
     for name in ("vs fp16", "B/token", *[f"{t}\n@{n}" for t, n in columns(cells)], *_STATS):
         t.add_column(name, justify="right")
-    for r, row in _rows(cells):
-        errors = f" ({r['errors']} errors: {r['error']})" if r["errors"] else ""
+    rows = _rows(cells)
+    notes = _error_notes(rows)
+    for r, row in rows:
+        errors = f" ({r['errors']} errors [{notes[r['error']]}])" if r["errors"] else ""
         t.add_row(r["spec"] + errors, *row)
+    if notes:
+        t.caption = (t.caption or "") + "".join(f"\n[{k}] {e}" for e, k in notes.items())
     return t
+
+
+def _error_notes(rows: list[tuple[dict[str, Any], list[str]]]) -> dict[str, int]:
+    """Each distinct first error of the rows, numbered from 1 (the table's footnotes: a
+    long message in the spec column would squeeze every other column out)."""
+    notes: dict[str, int] = {}
+    for r, _ in rows:
+        if r["errors"] and r["error"] not in notes:
+            notes[r["error"]] = len(notes) + 1
+    return notes
 
 
 def markdown(cells: Sequence[Cell]) -> str:
     head = ["spec", "vs fp16", "B/token", *[f"{t} @{n}" for t, n in columns(cells)], *_STATS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r, row in _rows(cells):
-        errors = f" ({r['errors']} errors)" if r["errors"] else ""
+    rows = _rows(cells)
+    notes = _error_notes(rows)
+    for r, row in rows:
+        errors = f" ({r['errors']} errors [{notes[r['error']]}])" if r["errors"] else ""
         lines.append("| " + " | ".join([f"`{r['spec']}`{errors}", *row]) + " |")
-    return "\n".join(lines) + "\n\n" + _note(cells) + "\n"
+    foot = "".join(f"\n[{k}] {e}\n" for e, k in notes.items())
+    return "\n".join(lines) + "\n\n" + _note(cells) + "\n" + foot
 
 
 def write_json(path: str, trials: Sequence[Trial], info: dict) -> None:

@@ -32,7 +32,9 @@ from __future__ import annotations
 import copy
 import math
 import multiprocessing
+import os
 import re
+import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -102,11 +104,17 @@ def held_bytes(cache: Any) -> int:
     return part(keys) + part(values)
 
 
+SPLITS = ("auto", "prompts", "specs")
+
+
 @dataclass
 class EvalSettings:
     """What to run: tasks, lengths, prompts per cell, where the question goes, the
     haystack, the prompt template (raw text or the chat template), prefill chunk, seed and
-    worker processes (0: one per CPU core on MLX's CPU backend, 1 on a GPU)."""
+    worker processes (0: one per CPU core on MLX's CPU backend, 1 on a GPU) and how work is
+    split among them (``prompts``: whole prompts, each worker running every spec; ``specs``:
+    each worker a share of the specs on every prompt, so each compiles its kernels once;
+    ``auto``: prompts on a CPU, specs on a GPU)."""
 
     tasks: list[str] = field(default_factory=lambda: ["passkey"])
     lengths: list[int] = field(default_factory=lambda: [4096])
@@ -117,8 +125,11 @@ class EvalSettings:
     chunk: int = 2048
     seed: int = 0
     jobs: int = 0
+    split: str = "auto"
 
     def check(self) -> list[TaskSpec]:
+        if self.split not in SPLITS:
+            raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {self.split!r}")
         if self.question not in QUESTION_MODES:
             raise ValueError(
                 f"question must be one of {', '.join(QUESTION_MODES)}, got {self.question!r}"
@@ -332,12 +343,26 @@ def aggregate(trials: list[Trial]) -> list[Cell]:
     return cells
 
 
+def spread_order(n: int) -> list[int]:
+    """``range(n)`` reordered so that every prefix is spread over it: the ends first, then
+    each time the index farthest from those taken (prompt ``i``'s needle sits at depth
+    ``i / (n - 1)``, so a prefix of the order samples every depth)."""
+    if n <= 2:
+        return list(range(n))
+    order = [0, n - 1]
+    while len(order) < n:
+        order.append(max(range(n), key=lambda i: (min(abs(i - j) for j in order), -i)))
+    return order
+
+
 _WORKER: dict[str, Any] = {}
 
 
-def _worker_init(path: str) -> None:
-    from ..bench import load_model
+def _worker_init(path: str, parent: int) -> None:
+    from ..bench import _die_with_parent, load_model
 
+    _die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it ends the workers
     model, tokenizer, store, _ = load_model(path)
     _WORKER.update(model=model, tokenizer=tokenizer, store=store)
 
@@ -345,6 +370,59 @@ def _worker_init(path: str) -> None:
 def _worker_run(prompt: Prompt, i: int, specs: list[Spec], s: EvalSettings) -> list[Trial]:
     w = _WORKER
     return run_prompt(w["model"], w["tokenizer"], w["store"], prompt, i, specs, s)
+
+
+def _run_by_specs(
+    path: str,
+    work: list[tuple[Prompt, int]],
+    specs: list[Spec],
+    settings: EvalSettings,
+    jobs: int,
+    tick: Callable[[str, int], None],
+    on_trials: Callable[[list[Trial]], None] | None,
+) -> list[Trial]:
+    """``work`` with the specs dealt out to ``jobs`` worker processes, one share each, every
+    worker running every prompt (fp16 first, as the reference of its share). On a GPU the
+    first use of each method compiles its kernels, in every process that uses it: a worker
+    that keeps to its share compiles each kernel once, where workers that take whole prompts
+    would each compile them all. fp16's trial is kept from the first share alone."""
+    from ..bench import _end_workers
+
+    shares = [specs[k::jobs] for k in range(jobs)]
+    ctx = multiprocessing.get_context("spawn")
+    pools = [
+        ProcessPoolExecutor(
+            1, mp_context=ctx, initializer=_worker_init, initargs=(path, os.getpid())
+        )
+        for _ in shares
+    ]
+    trials: list[Trial] = []
+    left = {(i, p.task, p.length): len(shares) for p, i in work}
+    try:
+        todo = {
+            pool.submit(_worker_run, p, i, share, settings): (k, p, i)
+            for p, i in work
+            for k, (pool, share) in enumerate(zip(pools, shares))
+        }
+        while todo:
+            done, _ = wait(todo, return_when=FIRST_COMPLETED)
+            for f in done:
+                k, p, i = todo.pop(f)
+                got = [t for t in f.result() if k == 0 or t.spec != "fp16"]
+                trials += got
+                if on_trials is not None:
+                    on_trials(got)
+                key = (i, p.task, p.length)
+                left[key] -= 1
+                if not left[key]:
+                    tick(f"{p.task} @ {p.length} #{i}", 1)
+    except BaseException:  # an interrupt (or an error) must not wait for running prompts
+        for pool in pools:
+            _end_workers(pool)
+        raise
+    for pool in pools:
+        pool.shutdown(wait=True)
+    return trials
 
 
 def run_eval(
@@ -363,25 +441,37 @@ def run_eval(
     tasks = settings.check()
     tick = progress or (lambda desc, n=1: None)
     model, tokenizer, store, path = load_model(model_path)
-    work = []
-    for length in settings.lengths:
-        for task in tasks:
-            ps = make_prompts(
-                tokenizer,
-                task,
-                length,
-                settings.prompts,
-                haystack=settings.haystack,
-                seed=settings.seed,
-                template=settings.template,
-            )
-            work += [(p, i) for i, p in enumerate(ps)]
+    made = [
+        make_prompts(
+            tokenizer,
+            task,
+            length,
+            settings.prompts,
+            haystack=settings.haystack,
+            seed=settings.seed,
+            template=settings.template,
+        )
+        for length in settings.lengths
+        for task in tasks
+    ]
+    # prompt index first, depths spread: a run stopped midway holds the same number of
+    # prompts (give or take one) in every task and length, at depths spread over the
+    # context, rather than all of some cells and none of others
+    work = [(ps[i], i) for i in spread_order(settings.prompts) for ps in made]
     from velox_core.kernels import backend
 
-    jobs = settings.jobs or (min(_usable_cpus(), len(work)) if backend() == "cpu" else 1)
+    own = [s for s in specs if s.text != "fp16"]
+    split = settings.split
+    if split == "auto":
+        split = "prompts" if backend() == "cpu" or not own else "specs"
+    units = len(work) if split == "prompts" else len(own)
+    jobs = max(1, min(settings.jobs or (_usable_cpus() if backend() == "cpu" else 1), units))
     trials: list[Trial] = []
     t_start = time.perf_counter()
-    if jobs <= 1:
+    if jobs > 1 and split == "specs":
+        del model
+        trials = _run_by_specs(str(path), work, own, settings, jobs, tick, on_trials)
+    elif jobs <= 1:
         for p, i in work:
             tick(f"{p.task} @ {p.length} #{i}", 0)
             done = run_prompt(model, tokenizer, store, p, i, specs, settings)
@@ -390,13 +480,16 @@ def run_eval(
                 on_trials(done)
             tick(f"{p.task} @ {p.length} #{i}", 1)
     else:
+        from ..bench import _end_workers
+
         del model
-        with ProcessPoolExecutor(
+        pool = ProcessPoolExecutor(
             jobs,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_worker_init,
-            initargs=(str(path),),
-        ) as pool:
+            initargs=(str(path), os.getpid()),
+        )
+        try:
             todo = {pool.submit(_worker_run, p, i, specs, settings): (p, i) for p, i in work}
             while todo:
                 done, _ = wait(todo, return_when=FIRST_COMPLETED)
@@ -407,6 +500,10 @@ def run_eval(
                     if on_trials is not None:
                         on_trials(done)
                     tick(f"{p.task} @ {p.length} #{i}", 1)
+        except BaseException:  # an interrupt (or an error) must not wait for running prompts
+            _end_workers(pool)
+            raise
+        pool.shutdown(wait=True)
     info = {
         "model": str(path),
         "backend": backend(),
@@ -419,6 +516,7 @@ def run_eval(
         "chunk": settings.chunk,
         "seed": settings.seed,
         "jobs": jobs,
+        "split": split if jobs > 1 else None,
         "storage_dtype": None if store is None else str(store),
         "seconds": round(time.perf_counter() - t_start, 1),
         "specs": [s.text for s in specs],
