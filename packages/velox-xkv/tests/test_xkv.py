@@ -283,3 +283,24 @@ def test_bad_specs_and_a_missing_rope_are_refused_early():
     c = XKVCache(pre_rope=False)
     c.update_and_fetch(k, v)
     assert c.offset == 20
+
+
+def test_a_bfloat16_model_is_compressed_as_a_float16_one():
+    """A bfloat16 model (Gemma 3 on a GPU) stores its latent in bfloat16: the group's update
+    reads it through float32 (numpy holds no bfloat16) and stores what a float16 model's
+    would."""
+    model = _model(2)
+    prompt = mx.random.randint(0, 512, (1, 300), key=mx.random.key(0))
+    held = {}
+    for dtype in (mx.float16, mx.bfloat16):
+        model.set_dtype(dtype)
+        caches = make_cache(
+            model, "xkv:layer_group=2,key_rank=32,value_rank=48", storage_dtype=dtype
+        )
+        with routed(model):  # two chunks: the second updates the stored latent
+            mx.eval(model(prompt[:, :150], cache=caches))
+            out = model(prompt[:, 150:], cache=caches)
+        mx.eval(out)
+        assert mx.all(mx.isfinite(out)).item()
+        held[dtype] = sum(c.nbytes for c in caches)
+    assert held[mx.bfloat16] == held[mx.float16]

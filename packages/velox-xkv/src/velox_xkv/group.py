@@ -35,6 +35,11 @@ from velox_core.cache.linked import LayerGroup
 __all__ = ["XKVGroup", "truncated_svd"]
 
 
+def _f64(x: mx.array) -> np.ndarray:
+    """``x`` as a float64 numpy array (through float32: numpy reads no bfloat16 buffer)."""
+    return np.array(x.astype(mx.float32), dtype=np.float64)
+
+
 def truncated_svd(c: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:
     """The rank-``rank`` SVD of each matrix of a stack, as ``(U, S V^T)``.
 
@@ -129,17 +134,17 @@ class XKVGroup(LayerGroup):
                 x = m._win[kind].view().data["x"]  # (B, H, n, D)
                 if kind == 0 and m.cfg.pre_rope:
                     x = m.unrotate(x, lat)
-                xs.append(np.array(_tokens_by_feature(x), dtype=np.float64))
+                xs.append(_f64(_tokens_by_feature(x)))
                 codec = m._kc if kind == 0 else m._vc
                 if lat:
-                    bs.append(np.array(_rows_by_feature(codec.basis), dtype=np.float64))
+                    bs.append(_f64(_rows_by_feature(codec.basis)))
             x = np.concatenate(xs, axis=2)  # (B, n, F)
             c = x if not lat else np.concatenate([np.concatenate(bs, axis=2), x], axis=1)
             u, svt = truncated_svd(c, rank)
             r_old = c.shape[1] - n
             a_new = u[:, r_old:]
             if lat:
-                a_old = np.array(self.store[kind].view().data["a"][:, 0], dtype=np.float64)
+                a_old = _f64(self.store[kind].view().data["a"][:, 0])
                 a_new = np.concatenate([a_old @ u[:, :r_old], a_new], axis=1)
             self.store[kind].replace(Packed({"a": _mx(a_new[:, None]).astype(dtype)}, lat + n))
             start = 0
@@ -159,13 +164,13 @@ class XKVGroup(LayerGroup):
     def _orthonormalize(self) -> None:
         """``A = Q R``: keep ``Q`` as the latent and fold ``R`` into every layer's basis."""
         for kind in (0, 1):
-            a = np.array(self.store[kind].view().data["a"][:, 0], dtype=np.float64)
+            a = _f64(self.store[kind].view().data["a"][:, 0])
             q, r = np.linalg.qr(a)
             dtype = self.store[kind].view().data["a"].dtype
             self.store[kind].replace(Packed({"a": _mx(q[:, None]).astype(dtype)}, q.shape[1]))
             for m in self.present:
                 codec = m._kc if kind == 0 else m._vc
-                b = np.array(codec.basis, dtype=np.float64)  # (B, H, r, D)
+                b = _f64(codec.basis)  # (B, H, r, D)
                 codec.basis = _mx(np.einsum("bij,bhjd->bhid", r, b)).astype(dtype)
         self.dirty = False
 
