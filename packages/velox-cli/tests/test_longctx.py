@@ -3,6 +3,7 @@ small version on the reference model (one short task, a few prompts)."""
 
 import itertools
 import json
+import math
 import re
 from pathlib import Path
 
@@ -225,6 +226,11 @@ def test_aggregate_ratio_and_errors():
     assert cells["a"].ratio == pytest.approx(3.0) and cells["a"].accuracy == 0.5
     assert cells["a"].kl == pytest.approx(0.2)
     assert cells["b"].errors == 1 and cells["b"].prompts == 0 and "ValueError" in cells["b"].error
+    # a run stopped midway may hold a spec's trial on a prompt without fp16's: no ratio there
+    late = Trial("a", "passkey", 512, 7, 0.0, 500, score=1.0, kl=0.1, top1=0.5, bytes=250)
+    cells = {c.spec: c for c in aggregate([*ts, late])}
+    assert cells["a"].prompts == 3 and cells["a"].ratio == pytest.approx(3.0)
+    assert math.isnan(aggregate([late])[0].ratio)
 
 
 def test_settings_are_checked():

@@ -348,7 +348,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
             with Progress(
                 TextColumn("{task.description}"),
                 BarColumn(),
-                TextColumn("{task.completed}/{task.total} prompts"),
+                TextColumn("{task.completed:.0f}/{task.total} prompts"),
                 TimeElapsedColumn(),
                 console=console,
             ) as prog:

@@ -318,7 +318,11 @@ def aggregate(trials: list[Trial]) -> list[Cell]:
         errors = len(ts) - len(ok)
         acc = float(np.mean([t.score for t in ok])) if ok else float("nan")
         lo, hi = wilson(acc, len(ok))
-        ratios = [ref[(task, length, t.index)] / t.bytes for t in ok if t.bytes]
+        ratios = [
+            ref[(task, length, t.index)] / t.bytes
+            for t in ok
+            if t.bytes and (task, length, t.index) in ref  # a stopped run may lack fp16's
+        ]
         cells.append(
             Cell(
                 spec,
@@ -378,14 +382,15 @@ def _run_by_specs(
     specs: list[Spec],
     settings: EvalSettings,
     jobs: int,
-    tick: Callable[[str, int], None],
+    tick: Callable[[str, float], None],
     on_trials: Callable[[list[Trial]], None] | None,
 ) -> list[Trial]:
     """``work`` with the specs dealt out to ``jobs`` worker processes, one share each, every
     worker running every prompt (fp16 first, as the reference of its share). On a GPU the
     first use of each method compiles its kernels, in every process that uses it: a worker
     that keeps to its share compiles each kernel once, where workers that take whole prompts
-    would each compile them all. fp16's trial is kept from the first share alone."""
+    would each compile them all. fp16's trial (the same in every share) is kept from the
+    first share that finishes each prompt."""
     from ..bench import _end_workers
 
     shares = [specs[k::jobs] for k in range(jobs)]
@@ -398,24 +403,28 @@ def _run_by_specs(
     ]
     trials: list[Trial] = []
     left = {(i, p.task, p.length): len(shares) for p, i in work}
+    have_fp16: set[tuple[int, str, int]] = set()
     try:
         todo = {
-            pool.submit(_worker_run, p, i, share, settings): (k, p, i)
+            pool.submit(_worker_run, p, i, share, settings): (p, i)
             for p, i in work
-            for k, (pool, share) in enumerate(zip(pools, shares))
+            for pool, share in zip(pools, shares)
         }
         while todo:
             done, _ = wait(todo, return_when=FIRST_COMPLETED)
             for f in done:
-                k, p, i = todo.pop(f)
-                got = [t for t in f.result() if k == 0 or t.spec != "fp16"]
+                p, i = todo.pop(f)
+                key = (i, p.task, p.length)
+                got = [t for t in f.result() if t.spec != "fp16" or key not in have_fp16]
+                have_fp16.add(key)
                 trials += got
                 if on_trials is not None:
                     on_trials(got)
-                key = (i, p.task, p.length)
-                left[key] -= 1
-                if not left[key]:
-                    tick(f"{p.task} @ {p.length} #{i}", 1)
+                left[key] -= 1  # the bar moves by each share's part of a prompt
+                tick(
+                    f"{p.task} @ {p.length} #{i} ({len(shares) - left[key]}/{len(shares)})",
+                    1 / len(shares),
+                )
     except BaseException:  # an interrupt (or an error) must not wait for running prompts
         for pool in pools:
             _end_workers(pool)
@@ -429,7 +438,7 @@ def run_eval(
     specs: list[Spec],
     model_path: str | None,
     settings: EvalSettings,
-    progress: Callable[[str, int], None] | None = None,
+    progress: Callable[[str, float], None] | None = None,
     on_trials: Callable[[list[Trial]], None] | None = None,
 ) -> tuple[list[Trial], dict]:
     """Every spec on every prompt of every task and length. ``progress(description,
