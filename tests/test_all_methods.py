@@ -67,6 +67,8 @@ def test_every_package_registered():
         "knorm",
         "tova",
         "pyramidkv",
+        "expected-attention",
+        "chunkkv",
         "qfilters",
         "nestedkv",
         "adakv",
