@@ -277,3 +277,34 @@ def test_refusal_needs_no_group():
     caches = make_cache(model, "nestedkv:budget=64,heads=uniform")
     assert len(caches) == len(model.layers)
     assert mx.distributed.init().size() == 1
+
+
+def test_each_class_states_its_split_refusal_by_attribute():
+    """A cache class answers ``split_refusal`` from its attributes: ``mixes_heads`` refuses a
+    split by heads only, ``fitted_on_whole_model`` any split; every installed method's
+    answer is a string, and an override (depending on the settings) still wins."""
+    from velox_core import VeloxCache
+    from velox_core.registry import get_method, methods
+    from velox_core.split import FITTED_ON_WHOLE_MODEL
+
+    def cache_class(name):
+        return get_method(name).cache_class
+
+    class Mixing(VeloxCache):
+        mixes_heads = "it mixes heads"
+
+    class Fitted(VeloxCache):
+        fitted_on_whole_model = True
+
+    assert VeloxCache.split_refusal({}, True, True) == ""
+    assert Mixing.split_refusal({}, True, False) == "it mixes heads"
+    assert Mixing.split_refusal({}, False, True) == ""
+    assert Fitted.split_refusal({}, False, True) == FITTED_ON_WHOLE_MODEL
+    for name in methods():
+        cls = cache_class(name)
+        for by_heads in (True, False):
+            assert isinstance(cls.split_refusal({}, by_heads, not by_heads), str), name
+    assert cache_class("qfilters").split_refusal({}, False, True) == FITTED_ON_WHOLE_MODEL
+    assert cache_class("tova").split_refusal({}, False, True) == ""
+    assert "heads" in cache_class("tova").split_refusal({}, True, False)
+    assert cache_class("nestedkv").split_refusal({"heads": "uniform"}, True, False) == ""

@@ -35,13 +35,8 @@ class AdaKVCache(EvictionCache):
     Policy = AdaKVPolicy
     policy_params = ("budget", "every", "alpha", "observe", "kernel", "pooling", "base")
 
-    @classmethod
-    def split_refusal(cls, config: dict, by_heads: bool, pipelined: bool) -> str:
-        """Why a model split over processes cannot use this cache ("": it can); see
-        :mod:`velox_core.distributed`."""
-        if not by_heads:
-            return ""
-        return (
-            "its budget is shared among all the layer's KV heads (head-wise allocation): a "
-            "process seeing some heads would allocate among those only"
-        )
+    # why a model split by heads cannot use it (VeloxCache.split_refusal)
+    mixes_heads = (
+        "its budget is shared among all the layer's KV heads (head-wise allocation): a "
+        "process seeing some heads would allocate among those only"
+    )

@@ -81,13 +81,8 @@ class ChunkKVCache(EvictionCache):
             out.follow(memo[id(lead)])
         return out
 
-    @classmethod
-    def split_refusal(cls, config: dict, by_heads: bool, pipelined: bool) -> str:
-        """Why a model split over processes cannot use this cache ("": it can); see
-        :mod:`velox_core.distributed`."""
-        if not by_heads:
-            return ""
-        return (
-            "it sums the votes of all the layer's KV heads per chunk and keeps the same chunks "
-            "in every head"
-        )
+    # why a model split by heads cannot use it (VeloxCache.split_refusal)
+    mixes_heads = (
+        "it sums the votes of all the layer's KV heads per chunk and keeps the same chunks "
+        "in every head"
+    )

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from velox_core import Codec, PresetCache, Uniform
 from velox_core.codec.prerope import rope_settings
-from velox_core.split import FITTED_ON_WHOLE_MODEL
 
 from .codec import CommVQKeys
 from .config import CommVQConfig
@@ -29,11 +28,7 @@ class CommVQCache(PresetCache):
     method = "commvq"
     Config = CommVQConfig
 
-    @classmethod
-    def split_refusal(cls, config: dict, by_heads: bool, pipelined: bool) -> str:
-        """Why a model split over processes cannot use this cache ("": it can); see
-        :mod:`velox_core.distributed`."""
-        return FITTED_ON_WHOLE_MODEL
+    fitted_on_whole_model = True  # its artifact: a split model is refused
 
     def make_codecs(self, cfg: CommVQConfig, kb: int, vb: int) -> tuple[Codec, Codec]:
         keys = CommVQKeys(kb, codebooks=cfg.codebooks, layer=cfg.layer, **rope_settings(cfg))

@@ -14,8 +14,9 @@ merging) are refused there, and so is a velox cache on a stage's last layer, who
 mlx-lm ties its send of the hidden state to (``layers={-1: None}`` keeps that layer fp16).
 
 Each method states its own answer: the ``split_refusal(config, by_heads, pipelined)``
-classmethod of its cache class returns the reason ("" where it can be split; the default of
-:class:`~velox_core.VeloxCache`), and this module adds what holds for every method (layers
+classmethod of its cache class returns the reason ("" where it can be split), from the
+class's ``mixes_heads`` and ``fitted_on_whole_model`` attributes (or its own override where
+the answer depends on the settings), and this module adds what holds for every method (layers
 linked across a pipeline's stages, a stage's last layer).
 """
 
@@ -23,16 +24,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .cache.velox import VeloxCache
+from .cache.velox import FITTED_ON_WHOLE_MODEL, VeloxCache
 
 __all__ = ["FITTED_ON_WHOLE_MODEL", "model_kv_heads", "pipeline_stage", "split_refusal"]
-
-# the reason a method needing an artifact fitted on the whole model gives (its
-# split_refusal): the artifact is found by the model's fingerprint, which splitting changes
-FITTED_ON_WHOLE_MODEL = (
-    "it needs an artifact fitted on the whole model (found by the model's fingerprint, which "
-    "splitting changes); slicing it per process is not implemented"
-)
 
 
 def model_kv_heads(model: Any) -> int | None:

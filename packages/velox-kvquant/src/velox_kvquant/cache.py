@@ -28,16 +28,11 @@ class KVQuantCache(CalibratedPreset):
     default_flush = 1
     Config = KVQuantConfig
 
-    @classmethod
-    def split_refusal(cls, config: dict, by_heads: bool, pipelined: bool) -> str:
-        """Why a model split over processes cannot use this cache ("": it can); see
-        :mod:`velox_core.distributed`."""
-        if not by_heads:
-            return ""
-        return (
-            "its non-uniform datatype (the levels of its codes) is fitted over all the layer's "
-            "heads together"
-        )
+    # why a model split by heads cannot use it (VeloxCache.split_refusal)
+    mixes_heads = (
+        "its non-uniform datatype (the levels of its codes) is fitted over all the layer's "
+        "heads together"
+    )
 
     def make_codecs(self, cfg: KVQuantConfig, kb: int, vb: int) -> tuple[Codec, Codec]:
         shared = config_fields(cfg, "outliers", "datatype", "qnorm")

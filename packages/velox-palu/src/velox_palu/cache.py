@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from velox_core import Codec, PresetCache, config_fields
 from velox_core.codec.prerope import rope_settings
-from velox_core.split import FITTED_ON_WHOLE_MODEL
 
 from .codec import PaluKeys, PaluValues
 from .config import PaluConfig
@@ -26,11 +25,7 @@ class PaluCache(PresetCache):
     method = "palu"
     Config = PaluConfig
 
-    @classmethod
-    def split_refusal(cls, config: dict, by_heads: bool, pipelined: bool) -> str:
-        """Why a model split over processes cannot use this cache ("": it can); see
-        :mod:`velox_core.distributed`."""
-        return FITTED_ON_WHOLE_MODEL
+    fitted_on_whole_model = True  # its artifact: a split model is refused
 
     def make_codecs(self, cfg: PaluConfig, kb: int | None, vb: int | None) -> tuple[Codec, Codec]:
         common = config_fields(cfg, "ratio", "allocation", "artifact", "layer")

@@ -16,7 +16,6 @@ The same policy composes with any per-token codec, e.g. Q-Filters over TurboQuan
 from __future__ import annotations
 
 from velox_core.cache.eviction import EvictionCache
-from velox_core.split import FITTED_ON_WHOLE_MODEL
 
 from .config import QFiltersConfig
 from .policy import QFiltersPolicy
@@ -32,8 +31,4 @@ class QFiltersCache(EvictionCache):
     Policy = QFiltersPolicy
     policy_params = ("budget", "every", "filters", "layer")
 
-    @classmethod
-    def split_refusal(cls, config: dict, by_heads: bool, pipelined: bool) -> str:
-        """Why a model split over processes cannot use this cache ("": it can); see
-        :mod:`velox_core.distributed`."""
-        return FITTED_ON_WHOLE_MODEL
+    fitted_on_whole_model = True  # its artifact: a split model is refused

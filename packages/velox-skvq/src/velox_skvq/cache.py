@@ -31,13 +31,8 @@ class SKVQCache(PresetCache):
     default_flush = 1
     Config = SKVQConfig
 
-    @classmethod
-    def split_refusal(cls, config: dict, by_heads: bool, pipelined: bool) -> str:
-        """Why a model split over processes cannot use this cache ("": it can); see
-        :mod:`velox_core.distributed`."""
-        if not by_heads:
-            return ""
-        return "its channel reordering permutes the channels of all the layer's heads together"
+    # why a model split by heads cannot use it (VeloxCache.split_refusal)
+    mixes_heads = "its channel reordering permutes the channels of all the layer's heads together"
 
     def make_codecs(self, cfg: SKVQConfig, kb: int | float, vb: int | float) -> tuple[Codec, Codec]:
         kg = cfg.group if cfg.key_group is None else cfg.key_group

@@ -26,13 +26,8 @@ class TOVACache(EvictionCache):
     Config = TOVAConfig
     Policy = TOVAPolicy
 
-    @classmethod
-    def split_refusal(cls, config: dict, by_heads: bool, pipelined: bool) -> str:
-        """Why a model split over processes cannot use this cache ("": it can); see
-        :mod:`velox_core.distributed`."""
-        if not by_heads:
-            return ""
-        return (
-            "it scores tokens by attention averaged over all the layer's heads and keeps the "
-            "same tokens in every head"
-        )
+    # why a model split by heads cannot use it (VeloxCache.split_refusal)
+    mixes_heads = (
+        "it scores tokens by attention averaged over all the layer's heads and keeps the "
+        "same tokens in every head"
+    )

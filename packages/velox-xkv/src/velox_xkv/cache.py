@@ -53,16 +53,11 @@ class XKVCache(LinkedLayers):
     )
     batch_hint = "use layer_group=1 to batch sequences"
 
-    @classmethod
-    def split_refusal(cls, config: dict, by_heads: bool, pipelined: bool) -> str:
-        """Why a model split over processes cannot use this cache ("": it can); see
-        :mod:`velox_core.distributed`."""
-        if not by_heads:
-            return ""
-        return (
-            "its shared basis is an SVD of the channels of all KV heads of a group of layers "
-            "(its ranks count channels of every head)"
-        )
+    # why a model split by heads cannot use it (VeloxCache.split_refusal)
+    mixes_heads = (
+        "its shared basis is an SVD of the channels of all KV heads of a group of layers "
+        "(its ranks count channels of every head)"
+    )
 
     def __init__(self, **params: Any):
         super().__init__(**params)

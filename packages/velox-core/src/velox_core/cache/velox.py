@@ -70,6 +70,14 @@ def _codec(c: Codec | None, name: str) -> Codec:
     return c
 
 
+# the reason a method needing an artifact fitted on the whole model gives (its
+# split_refusal): the artifact is found by the model's fingerprint, which splitting changes
+FITTED_ON_WHOLE_MODEL = (
+    "it needs an artifact fitted on the whole model (found by the model's fingerprint, which "
+    "splitting changes); slicing it per process is not implemented"
+)
+
+
 class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
     """A compressed KV cache for one attention layer.
 
@@ -101,6 +109,11 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
     default_flush: ClassVar[int] = FLUSH
     # prefill chunks (more than ``fused_above`` tokens) are evaluated when stored
     eval_chunks: ClassVar[bool] = True
+    # a split model (split_refusal): why a split by heads cannot hold a process's share
+    # ("": each KV head is treated on its own), and whether an artifact fitted on the whole
+    # model is needed (then any split is refused)
+    mixes_heads: ClassVar[str] = ""
+    fitted_on_whole_model: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -259,10 +272,15 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
     def split_refusal(cls, config: dict, by_heads: bool, pipelined: bool) -> str:
         """Why a model split over processes (``by_heads``: ``model.shard``; ``pipelined``:
         mlx-lm's pipeline stages) cannot use caches of this class with ``config``, or "" where
-        it can (:mod:`velox_core.split`). The default: each KV head is treated on its
-        own, so a split by heads holds each process's share; a method that mixes a layer's
-        heads, or needs an artifact fitted on the whole model, says so here."""
-        return ""
+        it can (:mod:`velox_core.split`). A class states it with two attributes:
+        ``fitted_on_whole_model`` (True: its artifact is found by the whole model's
+        fingerprint, so any split is refused) and ``mixes_heads`` (why a split by heads
+        cannot hold a process's share: a budget shared among a layer's heads, scores
+        averaged over them, channels permuted across them; "" where each KV head is treated
+        on its own). A class whose answer depends on ``config`` overrides this method."""
+        if cls.fitted_on_whole_model:
+            return FITTED_ON_WHOLE_MODEL
+        return cls.mixes_heads if by_heads else ""
 
     def check_dims(self, key_dim: int, value_dim: int, dtype: mx.Dtype | None = None) -> None:
         """Ask every codec whether it codes keys of ``key_dim`` and values of ``value_dim``
