@@ -1,6 +1,7 @@
 """Every installed method through mlx-lm end to end, and the compositions across packages."""
 
 import os
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -128,3 +129,19 @@ def test_qfilters_over_turboquant_3bit_is_one_composed_cache():
     # 1/8 of the tokens at 3 bits: far below 1/7 of the fp16 cache
     assert sum(c.nbytes for c in caches) < sum(c.nbytes for c in fp16) / 7
     assert isinstance(caches[0].tiers[0].key_codec, tq.TurboQuant)
+
+
+@pytest.mark.parametrize("name", ["commvq", "palu", "qfilters"])
+def test_every_fit_hint_names_one_command_form(name):
+    """A method whose artifact is fitted names its fit the same way in every message (the
+    form that works with the method's package alone installed)."""
+    import importlib
+
+    mod = importlib.import_module(f"velox_{name}.artifact")
+    assert (
+        f"python -m velox_{name} fit --model PATH --text CALIBRATION.txt --out FILE"
+    ) == mod.HOW_TO_FIT
+    assert importlib.util.find_spec(f"velox_{name}.__main__") is not None
+    src = Path(importlib.import_module(f"velox_{name}").__file__).parent
+    for f in src.glob("*.py"):
+        assert "velox fit " not in f.read_text(), f  # not the velox-cli form in one of them

@@ -45,7 +45,7 @@ __all__ = [
 FORMAT = "velox-palu"
 VERSION = "1"
 SIDES = ("key", "value")
-HOW_TO_FIT = "velox fit palu --model PATH --text CALIBRATION.txt [--out FILE]"
+HOW_TO_FIT = "python -m velox_palu fit --model PATH --text CALIBRATION.txt --out FILE"
 
 
 class MissingArtifactError(FileNotFoundError):

@@ -110,7 +110,7 @@ class _PaluLatent(Codec):
             if not art.fisher:
                 raise ValueError(
                     "palu: allocation='fisher' needs an artifact fitted with Fisher information "
-                    "(velox fit palu ... without --no-fisher); or pass allocation='uniform'"
+                    "(python -m velox_palu fit ... without --no-fisher); or pass allocation='uniform'"
                 )
             w = {
                 (i, s): art.fisher[i][j] for i in art.layers for j, s in enumerate(("key", "value"))
@@ -146,7 +146,7 @@ class _PaluLatent(Codec):
             if self._path is None or self.layer is None:
                 raise ValueError(
                     "palu: no bases for this cache; Palu projects onto bases fitted on the model "
-                    f"({'velox fit palu --model PATH ...'}). Make caches with "
+                    "(python -m velox_palu fit ...). Make caches with "
                     "velox_core.make_cache(model, ...), which finds the model's artifact, or pass "
                     "artifact=PATH and layer=i"
                 )
