@@ -57,6 +57,7 @@ def test_every_package_registered():
     expected = {
         "uniform",
         "kivi",
+        "kitty",
         "turboquant",
         "qjl",
         "skvq",
