@@ -233,29 +233,36 @@ def test_speculative_decoding_gets_draft_caches_and_trimmable_caches_only():
     assert spec == plain
 
 
-def test_latent_attention_layers_keep_the_models_cache_and_say_so_once():
+def test_latent_attention_layers_get_a_latent_cache_for_uniform_and_fp16_otherwise():
     """DeepSeek-V3's multi-head latent attention caches a latent (kv_lora_rank channels, one
-    head) and a RoPE key, then attends with projections of them: make_cache leaves those
-    layers to the model's KVCache with one warning per model naming the layers and why, and
-    generate with a velox spec gives the fp16 cache's tokens."""
+    head) and a RoPE key, then attends with projections of them: a uniform spec gives those
+    layers a LatentCache (packed codes, returned decoded; test_latent_cache.py); any other
+    spec leaves them to the model's KVCache with one warning per model naming the layers and
+    why. generate with a velox spec gives the fp16 cache's tokens."""
     import warnings
 
     import mlx_lm
 
+    from velox_core import LatentCache, Uniform, VeloxCache
     from velox_core.mlx_lm import layer_routes
 
     model = tiny_model("deepseek_v3")
     routes = layer_routes(model)
-    assert [(r.routed, r.key_dim, r.value_dim) for r in routes.values()] == [(False, 64, 16)] * 2
+    assert [(r.routed, r.key_dim, r.value_dim, r.latent) for r in routes.values()] == [
+        (False, 64, 16, True)
+    ] * 2
+    caches = make_cache(model, "uniform:bits=4")
+    assert [type(c) for c in caches] == [LatentCache, LatentCache]
+    template = VeloxCache(Uniform(4), Uniform(4))
     with pytest.warns(UserWarning, match=r"layers 0, 1 keep the model's own cache.*latent"):
-        caches = make_cache(model, "uniform:bits=4")
+        caches = make_cache(model, template)
     assert [type(c) for c in caches] == [KVCache, KVCache]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once per model
-        make_cache(model, "uniform:bits=2", layers={0: "uniform:bits=8"})
+        make_cache(model, template, layers={0: VeloxCache(Uniform(8), Uniform(8))})
     tok = tiny_tokenizer()
     prompt = mx.random.randint(0, 512, (40,), key=mx.random.key(3)).tolist()
-    got = velox_core.generate(model, tok, prompt, cache="uniform:bits=4", max_tokens=8)
+    got = velox_core.generate(model, tok, prompt, cache="uniform:bits=8", max_tokens=8)
     ref = mlx_lm.generate(model, tok, prompt, max_tokens=8)
     assert got == ref and len(ref) > 0
 

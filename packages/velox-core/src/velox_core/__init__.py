@@ -9,6 +9,7 @@ the method registry (:mod:`velox_core.registry`). Importing it has no side effec
 from importlib.metadata import PackageNotFoundError, version
 
 from .cache import PackedStore, Segment, Tier, VeloxBatch, VeloxCache, attend
+from .cache.latent import LatentCache
 from .cache.preset import (
     CodeWidths,
     PresetCache,
@@ -43,6 +44,7 @@ __all__ = [
     "CodeWidths",
     "Codec",
     "Identity",
+    "LatentCache",
     "Method",
     "Packed",
     "PackedStore",

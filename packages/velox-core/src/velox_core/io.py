@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
+from .cache.latent import LatentCache
 from .cache.velox import VeloxCache
 from .registry import get_method
 
@@ -60,6 +61,11 @@ def _encode_layer(i: int, c: Any, arrays: dict[str, mx.array]) -> dict[str, Any]
         for k, a in state.items():
             arrays[f"layer{i}.{k}"] = a
         return {"kind": "velox", "method": c.method, "meta": meta}
+    if isinstance(c, LatentCache):
+        meta, *state = c.state
+        for j, a in enumerate(state):
+            arrays[f"layer{i}.{j}"] = a
+        return {"kind": "latent", "meta": json.loads(meta), "arrays": len(state)}
     cls = type(c).__name__
     if _MLX_CLASSES.get(cls) is not type(c):
         raise ValueError(f"cannot save layer {i}: cache class {cls} is not supported")
@@ -214,6 +220,12 @@ def load_cache(path: str | Path, return_metadata: bool = False, model: Any = Non
             except KeyError as e:
                 raise ValueError(f"{path}: layer {i} misses array {e}") from None
             out.append(cls.from_state(state))
+        elif kind == "latent":
+            try:
+                state = [arrays[f"layer{i}.{j}"] for j in range(int(layer["arrays"]))]
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"{path}: layer {i} misses array {e}") from None
+            out.append(LatentCache.from_state([json.dumps(layer["meta"]), *state]))
         elif kind == "mlx_lm":
             cls = _MLX_CLASSES.get(layer.get("class"))
             if cls is None:
@@ -249,14 +261,15 @@ def inspect_cache_file(path: str | Path) -> dict[str, Any]:
     for i, layer in enumerate(layers):
         names = [k for k in arrays if k.startswith(f"layer{i}.")]
         nbytes = sum(arrays[k].nbytes for k in names)
-        if layer.get("kind") == "velox":
-            meta = layer["meta"]
-            tokens = sum(s["tokens"] for n, s in meta["stores"].items() if n.endswith(".k"))
+        if layer.get("kind") in ("velox", "latent"):
+            meta = layer["meta"] if layer["kind"] == "velox" else layer["meta"]["store"] or {}
+            stores = meta.get("stores", {})
+            tokens = sum(s["tokens"] for n, s in stores.items() if n.endswith(".k"))
             rows.append(
                 {
                     "layer": i,
-                    "method": layer["method"],
-                    "offset": meta["offset"],
+                    "method": layer.get("method", "latent"),
+                    "offset": meta.get("offset", 0),
                     "tokens": tokens,
                     "bytes": nbytes,
                 }

@@ -23,8 +23,11 @@ from mlx_lm.models.cache import KVCache
 
 from . import routing
 from .cache.batch import VeloxBatch
+from .cache.latent import METHODS as LATENT_METHODS
+from .cache.latent import LatentCache
+from .cache.uniform import UniformCache
 from .cache.velox import VeloxCache
-from .registry import make
+from .registry import make, parse_spec
 from .split import split_refusal
 
 __all__ = [
@@ -180,6 +183,9 @@ class Route:
         reason: why the layer is not routed ("" where it is).
         kv_heads: KV heads the layer stores (None where it stores none): fewer than the
             model's on a model sharded by heads (``model.shard(group)``).
+        latent: multi-head latent attention: the layer stores one head of a latent (the
+            ``key_dim`` channels) and one of a RoPE key (``value_dim``) and attends with
+            projections of them (a :class:`~velox_core.cache.latent.LatentCache` serves it).
     """
 
     routed: bool
@@ -187,6 +193,7 @@ class Route:
     value_dim: int | None
     reason: str = ""
     kv_heads: int | None = None
+    latent: bool = False
 
 
 def layer_routes(model: Any) -> dict[int, Route]:
@@ -242,6 +249,7 @@ def _verdict(p: _Probe) -> Route:
                 f"{vshape[1]} head(s) x {vd}, but its attention is given other arrays (multi-head "
                 "latent attention stores a latent and a RoPE key and attends with projections)",
                 heads,
+                latent=kshape[1] == 1 and vshape[1] == 1,
             )
         if qshape[-1] != kd:
             return Route(
@@ -279,10 +287,18 @@ def make_cache(
     Layers whose native cache is a plain ``KVCache`` get a velox cache from ``default`` or
     from ``layers[i]`` (negative indices count from the end); other layers (sliding-window,
     linear attention / SSM state) keep the model's own cache. So does a ``KVCache`` layer whose
-    attention velox cannot serve (:func:`layer_routes`: multi-head latent attention, say), with
-    one warning per model naming the layers and why; a layer with its own attention code (no
-    call to mlx-lm's shared attention) keeps a velox cache only without a retention policy,
-    whose attention reads the decoded tokens ``update_and_fetch`` returns.
+    attention velox cannot serve (:func:`layer_routes`), with one warning per model naming the
+    layers and why; a layer with its own attention code (no call to mlx-lm's shared attention)
+    keeps a velox cache only without a retention policy, whose attention reads the decoded
+    tokens ``update_and_fetch`` returns.
+
+    A multi-head latent attention layer (DeepSeek-V3, Kimi K2, GLM-4 MoE-lite: ``Route.latent``)
+    gets a :class:`~velox_core.cache.latent.LatentCache` (its latent and RoPE key as packed
+    affine codes, returned decoded) when its spec is a ``uniform`` spec string, a
+    ``UniformCache`` template or a ``LatentCache`` template (the methods in
+    ``velox_core.cache.latent.METHODS``); any other spec keeps the model's fp16 cache there,
+    with the warning. A ``group`` that does not divide the latent or RoPE-key width, or
+    per-channel groups, raise a ``ValueError`` naming the layer.
 
     Each velox cache is asked, before the first forward, whether it codes the key and value
     dims the layer stores (:meth:`VeloxCache.check_dims`): a ``ValueError`` naming the layer,
@@ -323,11 +339,28 @@ def make_cache(
         if type(c) is not KVCache:
             out.append(c)
             continue
-        cache = _build(overrides.get(i, default), i)
+        spec = overrides.get(i, default)
+        latent = _latent_spec(spec)
+        if latent is not None:
+            routes = layer_routes(model) if routes is None else routes
+            if routes[i].latent:
+                out.append(_latent_cache(latent, routes[i], i, storage_dtype))
+                continue
+            if isinstance(spec, LatentCache):
+                raise ValueError(
+                    f"make_cache: layer {i}: a LatentCache serves only multi-head latent "
+                    "attention layers (DeepSeek-V3's); give this layer a velox spec"
+                )
+        cache = _build(spec, i)
         if isinstance(cache, VeloxCache):
             routes = layer_routes(model) if routes is None else routes
             route = routes[i]
             reason = _unserved(route, cache)
+            if reason and route.latent:
+                reason += (
+                    f"; only {', '.join(sorted(LATENT_METHODS))} specs code a latent "
+                    f"(velox_core.LatentCache), not {cache.method}"
+                )
             if reason:
                 kept.setdefault(reason, []).append(i)
                 out.append(c)
@@ -351,6 +384,42 @@ def make_cache(
     if kept:
         _warn_kept(model, kept)
     return out
+
+
+def _latent_spec(spec: Any) -> Any:
+    """What a multi-head latent attention layer's :class:`LatentCache` is made from: a
+    ``LatentCache`` template, or ``(method, params)`` of a ``uniform`` spec string or
+    ``UniformCache`` template; None for every other spec (the layer keeps its fp16 cache)."""
+    if isinstance(spec, LatentCache):
+        return spec
+    if isinstance(spec, str) and spec != "fp16":
+        name, params = parse_spec(spec)
+        return (name, params) if name in LATENT_METHODS else None
+    if type(spec) is UniformCache:
+        import dataclasses
+
+        # the template's flush (resolved to velox's default) is not carried: a LatentCache's
+        # is 1 unless a spec string names one
+        return (spec.method, {**dataclasses.asdict(spec.cfg), "check_finite": spec.check_finite})
+    return None
+
+
+def _latent_cache(latent: Any, route: Route, index: int, storage_dtype: Any) -> LatentCache:
+    """The layer's :class:`LatentCache`, its widths checked now (``ValueError`` naming the
+    layer and what the groups must divide)."""
+    dims = f"latent attention: latent width {route.key_dim}, k_pe width {route.value_dim}"
+    try:
+        if isinstance(latent, LatentCache):
+            cache = latent.fresh()
+        else:
+            cache = LatentCache.from_params(*latent)
+        cache.layer = index
+        if storage_dtype is not None:
+            cache.set_storage_dtype(storage_dtype)
+        cache.check_dims(route.key_dim, route.value_dim)
+    except ValueError as exc:
+        raise ValueError(f"make_cache: layer {index} ({dims}): {exc}") from None
+    return cache
 
 
 def _unserved(route: Route, cache: VeloxCache) -> str:

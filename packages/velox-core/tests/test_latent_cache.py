@@ -1,0 +1,207 @@
+"""LatentCache: velox codes for multi-head latent attention (mlx-lm's deepseek_v3).
+
+A tiny random DeepSeek-V3 (2 layers, kv_lora_rank 128, qk_rope_head_dim 32) stores a latent
+and a RoPE key per token; make_cache gives those layers a LatentCache for uniform specs.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache
+
+import velox_core
+from velox_core import LatentCache, Uniform, VeloxCache, make_cache, routed
+from velox_core.testing import tiny_model
+
+RANK, PE = 128, 32
+PROMPT, STEPS = 200, 32
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("deepseek_v3", kv_lora_rank=RANK, qk_rope_head_dim=PE)
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return mx.random.randint(0, 512, (1, PROMPT), key=mx.random.key(1))
+
+
+def _logprobs(logits: mx.array) -> mx.array:
+    x = logits[:, -1].astype(mx.float32)
+    return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+
+def _fp16_bytes(tokens: int, layers: int) -> int:
+    """mlx-lm's fp16 cache of an MLA layer, counted by its tokens (not allocated slots)."""
+    return layers * tokens * (RANK + PE) * 2
+
+
+def test_uniform_specs_give_latent_layers_a_latent_cache(model):
+    caches = make_cache(model, "uniform:bits=4,key_bits=8")
+    assert [type(c) for c in caches] == [LatentCache, LatentCache]
+    c = caches[0]
+    assert (c.latent_bits, c.pe_bits, c.group, c.dims) == (4, 8, 64, (RANK, PE))
+    assert not hasattr(c, "bits")  # mlx-lm's attention would take it for its quantized cache
+    template = make_cache(model, velox_core.UniformCache(bits=2, group=32))
+    assert [(t.latent_bits, t.group, t.flush) for t in template] == [(2, 32, 1)] * 2
+
+
+def test_eight_bits_give_the_fp16_greedy_tokens(model, prompt):
+    caches, ref = make_cache(model, "uniform:bits=8"), [KVCache() for _ in model.layers]
+    got, want = [], []
+    with routed(model):  # routing leaves latent layers to the model's own attention
+        a, b = model(prompt, cache=caches), model(prompt, cache=ref)
+        for _ in range(STEPS):
+            got.append(a[:, -1].argmax(-1).item())
+            want.append(b[:, -1].argmax(-1).item())
+            a = model(mx.array([[got[-1]]]), cache=caches)
+            b = model(mx.array([[want[-1]]]), cache=ref)
+    assert got == want
+    assert len(set(want)) > 4  # not a collapsed repetition
+    assert caches[0].offset == ref[0].offset == PROMPT + STEPS
+
+
+def test_four_bits_keep_the_next_token_distribution(model, prompt):
+    """Teacher-forced: both caches read the same tokens; KL(fp16 || 4-bit) per step."""
+    caches, ref = make_cache(model, "uniform:bits=4"), [KVCache() for _ in model.layers]
+    forced = mx.random.randint(0, 512, (STEPS,), key=mx.random.key(2)).tolist()
+    a, b = model(prompt, cache=caches), model(prompt, cache=ref)
+    kls = []
+    for t in forced:
+        pa, pb = _logprobs(a), _logprobs(b)
+        kls.append(mx.sum(mx.exp(pb) * (pb - pa)).item())
+        a, b = model(mx.array([[t]]), cache=caches), model(mx.array([[t]]), cache=ref)
+    mean = sum(kls) / len(kls)
+    assert mean < 0.05, f"mean KL {mean:.4f} (max {max(kls):.4f})"  # measured 0.011
+
+
+def test_four_bit_bytes_are_under_three_tenths_of_fp16(model, prompt):
+    caches = make_cache(model, "uniform:bits=4")
+    model(prompt, cache=caches)
+    for t in range(STEPS):
+        model(mx.array([[t]]), cache=caches)
+    n = PROMPT + STEPS
+    fp16 = _fp16_bytes(n, len(caches))
+    # per token and layer: latent 128 ch x 4 b = 64 B + 2 groups x fp16 scale and zero = 8 B;
+    # k_pe 32 ch x 4 b = 16 B + one group's 4 B: 92 B against 320 B of fp16
+    assert sum(c.logical_nbytes for c in caches) == len(caches) * n * 92
+    ratio = sum(c.nbytes for c in caches) / fp16  # capacity included
+    assert ratio <= 0.3, ratio  # measured 0.297 (logical 0.2875)
+    assert caches[0].nbytes == caches[0]._store.nbytes
+
+
+def test_state_round_trip_through_a_file_gives_the_same_next_logits(model, prompt, tmp_path):
+    caches = make_cache(model, "uniform:bits=4,window=8,sinks=4")
+    model(prompt, cache=caches)
+    model(mx.array([[7]]), cache=caches)
+    path = str(tmp_path / "latent.safetensors")
+    arrays, meta = {}, {}
+    for i, c in enumerate(caches):
+        state = c.state
+        assert state[0] == c.meta_state[0]
+        meta[f"layer{i}"] = json.dumps([state[0], len(state) - 1])
+        arrays.update({f"layer{i}.{j}": a for j, a in enumerate(state[1:])})
+    mx.save_safetensors(path, arrays, meta)
+    loaded_arrays, loaded_meta = mx.load(path, return_metadata=True)
+    loaded = []
+    for i in range(len(caches)):
+        head, n = json.loads(loaded_meta[f"layer{i}"])
+        loaded.append(
+            LatentCache.from_state([head, *(loaded_arrays[f"layer{i}.{j}"] for j in range(n))])
+        )
+    copies = [copy.deepcopy(c) for c in caches]
+    assert [c.offset for c in loaded] == [c.offset for c in caches]
+    assert loaded[0].describe() == caches[0].describe()
+    x = mx.array([[11]])
+    want = model(x, cache=caches)
+    assert mx.array_equal(model(x, cache=loaded), want).item()
+    assert mx.array_equal(model(x, cache=copies), want).item()
+    empty = LatentCache.from_state(LatentCache(bits=3).state)
+    assert empty.empty() and empty.latent_bits == 3
+
+
+def test_trim_equals_the_cache_that_never_saw_the_tokens(model, prompt):
+    full = make_cache(model, "uniform:bits=4")
+    assert all(c.is_trimmable() for c in full)  # flush=1, window=0: coded on arrival
+    model(prompt, cache=full)
+    short = make_cache(model, "uniform:bits=4")
+    model(prompt[:, :-5], cache=short)
+    assert [c.trim(5) for c in full] == [5, 5]
+    assert full[0].offset == full[0].size() == PROMPT - 5
+    x = mx.array([[3]])
+    assert mx.array_equal(model(x, cache=full), model(x, cache=short)).item()
+    # a window keeps the newest tokens as given: not exactly trimmable, trimmed all the same
+    windowed = make_cache(model, "uniform:bits=4,window=16")
+    model(prompt, cache=windowed)
+    assert not windowed[0].is_trimmable()
+    assert windowed[0].trim(30) == 30 and windowed[0].offset == PROMPT - 30
+    with pytest.raises(ValueError, match="cannot trim"):
+        windowed[0].trim(PROMPT)
+
+
+def test_mask_is_the_kv_caches(model, prompt):
+    caches, ref = make_cache(model, "uniform:bits=4"), [KVCache() for _ in model.layers]
+    model(prompt[:, :20], cache=caches), model(prompt[:, :20], cache=ref)
+    for n, arr in ((1, False), (1, True), (5, False), (5, True)):
+        kw = {"return_array": arr, "window_size": None}  # as create_attention_mask calls it
+        got, want = caches[0].make_mask(n, **kw), ref[0].make_mask(n, **kw)
+        if isinstance(want, mx.array):
+            assert mx.array_equal(got, want).item()
+        else:
+            assert got == want
+
+
+def test_bad_latent_specs_are_refused_naming_the_layer(model):
+    with pytest.raises(ValueError, match=r"layer 0 .*group=48 must divide the latent width"):
+        make_cache(model, "uniform:bits=4,group=48")
+    with pytest.raises(ValueError, match=r"layer 1 .*key_axis='channel' is not supported"):
+        make_cache(model, "fp16", layers={1: "uniform:key_axis=channel"})
+    with pytest.raises(ValueError, match="only multi-head latent attention"):
+        make_cache(tiny_model("llama"), LatentCache())
+    with pytest.raises(ValueError, match="not implemented"):
+        LatentCache().merge([LatentCache()])
+
+
+def test_other_methods_keep_the_fp16_cache_with_the_warning(model):
+    template = VeloxCache(Uniform(4), Uniform(4))
+    with pytest.warns(UserWarning, match=r"layers 0, 1 keep the model's own cache.*only uniform"):
+        caches = make_cache(model, template)
+    assert [type(c) for c in caches] == [KVCache, KVCache]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a uniform spec warns of nothing
+        assert type(make_cache(model, "uniform")[0]) is LatentCache
+
+
+def test_batch_rows(model, prompt):
+    a, b = make_cache(model, "uniform:bits=4"), make_cache(model, "uniform:bits=4")
+    model(prompt, cache=a)
+    model(prompt[:, ::-1], cache=b)
+    joined = [x.copy() for x in a]
+    for j, y in zip(joined, b):
+        j.extend(y)
+    back = [j.extract(1) for j in joined]
+    x = mx.array([[5]])
+    assert mx.array_equal(model(x, cache=back), model(x, cache=b)).item()
+
+
+def test_save_cache_and_load_cache_keep_a_latent_cache(model, prompt, tmp_path):
+    """velox's own files hold latent layers: the same next logits after a reload, and
+    ``inspect_cache_file`` counts their tokens and bytes."""
+    caches = make_cache(model, "uniform:bits=4,window=8")
+    model(prompt, cache=caches)
+    path = tmp_path / "latent.safetensors"
+    velox_core.save_cache(path, caches)
+    loaded = velox_core.load_cache(path, model=model)
+    assert all(isinstance(c, LatentCache) for c in loaded)
+    x = mx.array([[11]])
+    assert mx.array_equal(model(x, cache=loaded), model(x, cache=caches)).item()
+    rows = velox_core.inspect_cache_file(path)["layers"]
+    assert [r["offset"] for r in rows] == [PROMPT] * len(caches)
+    assert [r["tokens"] for r in rows] == [PROMPT] * len(caches)  # codes and window
+    assert all(r["bytes"] > 0 for r in rows)
