@@ -57,6 +57,7 @@ def test_every_package_registered():
     expected = {
         "uniform",
         "kivi",
+        "kvsink",
         "kitty",
         "turboquant",
         "qjl",
