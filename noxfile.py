@@ -105,9 +105,10 @@ def smollm2(session: nox.Session) -> None:
 
 @nox.session
 def kvpress(session: nox.Session) -> None:
-    """velox's SnapKV, StreamingLLM, Ada-KV, KNorm, TOVA and PyramidKV against NVIDIA kvpress's
-    presses on the long-context suite's prompts (benchmarks/kvpress_compare.py; not part of
-    the default run; arguments after ``--`` go to the script and override its settings here).
+    """velox's SnapKV, StreamingLLM, Ada-KV, KNorm, TOVA, PyramidKV, ChunkKV and Expected
+    Attention against NVIDIA kvpress's presses on the long-context suite's prompts
+    (benchmarks/kvpress_compare.py; not part of the default run; arguments after ``--`` go to
+    the script and override its settings here).
 
     kvpress 0.5.5 needs transformers<5.3 and mlx-lm 0.32.2 transformers>=5.7, so no
     environment holds both: this session's holds velox, a second one (in the session's tmp)
@@ -123,6 +124,8 @@ def kvpress(session: nox.Session) -> None:
         "velox-knorm",
         "velox-tova",
         "velox-pyramidkv",
+        "velox-chunkkv",
+        "velox-expected-attention",
     )
     session.install("uv", *(_pkg(p) for p in methods))
     # only its GGUF file is read: its llm / llama-cpp-python dependencies are not needed

@@ -74,7 +74,16 @@ from typing import Any
 
 import numpy as np
 
-PRESSES = ("snapkv", "streamingllm", "adakv", "knorm", "tova", "pyramidkv")
+PRESSES = (
+    "snapkv",
+    "streamingllm",
+    "adakv",
+    "knorm",
+    "tova",
+    "pyramidkv",
+    "chunkkv",
+    "expected-attention",
+)
 # velox's counterpart of each press: its defaults, and kvpress's vote settings (--matched)
 VELOX_SPECS = {
     "snapkv": "snapkv:budget={p}%",
@@ -84,11 +93,15 @@ VELOX_SPECS = {
     # kvpress's TOVAPress compresses the context only and always keeps its last token
     "tova": "tova:budget={p}%,every=None,window=1",
     "pyramidkv": "pyramidkv:budget={p}%",
+    "chunkkv": "chunkkv:budget={p}%",
+    "expected-attention": "expected-attention:budget={p}%",
 }
 MATCHED_SPECS = {
     "snapkv": "snapkv:budget={p}%,observe=64,kernel=5,pooling=avg",
     "adakv": "adakv:budget={p}%,window=64,observe=64,kernel=5,pooling=avg",
     "pyramidkv": "pyramidkv:budget={p}%,observe=64,kernel=5,pooling=avg",
+    # kvpress's ChunkKVPress around its SnapKVPress: 20-token chunks, SnapKV's vote settings
+    "chunkkv": "chunkkv:budget={p}%,chunk_length=20,observe=64,kernel=5,pooling=avg",
 }
 KVPRESS_LABELS = {
     "snapkv": "SnapKVPress",
@@ -97,6 +110,8 @@ KVPRESS_LABELS = {
     "knorm": "KnormPress",
     "tova": "TOVAPress",
     "pyramidkv": "PyramidKVPress",
+    "chunkkv": "ChunkKVPress(SnapKVPress)",
+    "expected-attention": "ExpectedAttentionPress",
 }
 
 
@@ -120,6 +135,8 @@ def _kvpress_worker(job_path: str, out_path: str) -> None:
     import transformers
     from kvpress import (
         AdaKVPress,
+        ChunkKVPress,
+        ExpectedAttentionPress,
         KnormPress,
         PyramidKVPress,
         SnapKVPress,
@@ -157,6 +174,10 @@ def _kvpress_worker(job_path: str, out_path: str) -> None:
             return TOVAPress(compression_ratio=ratio)
         if name == "pyramidkv":
             return PyramidKVPress(compression_ratio=ratio)
+        if name == "chunkkv":
+            return ChunkKVPress(press=SnapKVPress(compression_ratio=ratio), chunk_length=20)
+        if name == "expected-attention":
+            return ExpectedAttentionPress(compression_ratio=ratio)
         raise ValueError(f"unknown press {name!r}")
 
     @torch.inference_mode()
