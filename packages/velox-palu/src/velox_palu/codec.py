@@ -110,7 +110,8 @@ class _PaluLatent(Codec):
             if not art.fisher:
                 raise ValueError(
                     "palu: allocation='fisher' needs an artifact fitted with Fisher information "
-                    "(python -m velox_palu fit ... without --no-fisher); or pass allocation='uniform'"
+                    "(python -m velox_palu fit ... without --no-fisher); or pass "
+                    "allocation='uniform'"
                 )
             w = {
                 (i, s): art.fisher[i][j] for i in art.layers for j, s in enumerate(("key", "value"))
