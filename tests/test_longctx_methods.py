@@ -2,11 +2,14 @@
 shares of the prompt and a composition, the question after the compressed context and
 inside it, on the reference model (the suite's small version; the grid is a benchmark)."""
 
+import json
+
 import pytest
 
 from velox_cli.data import find_shared
 from velox_cli.longctx.grid import POINTS, default_specs
 from velox_cli.longctx.run import EvalSettings, aggregate, run_eval, spec_check
+from velox_cli.main import main
 
 
 def test_every_default_spec_parses_with_all_packages():
@@ -99,3 +102,22 @@ def test_question_after_compresses_the_context_once(spec):
         assert sum(kept) == sum(heads) * budget, (kept, budget)
     else:
         assert kept == [h * budget for h in heads], (kept, budget)
+
+
+def test_split_by_specs_gives_the_trials_split_by_prompts_gives(tmp_path):
+    """Workers that each hold a share of the specs (a GPU's split) answer every prompt as
+    one process running all specs does, and keep one fp16 trial per prompt."""
+    if find_shared("reference-model") is None:
+        pytest.skip("the reference model (shared/reference-model) is not here")
+    specs = ["fp16", "uniform:bits=4", "snapkv:budget=25%", "kivi:bits=2"]
+    got = {}
+    for split, jobs in (("prompts", "1"), ("specs", "2")):
+        out = tmp_path / f"{split}.json"
+        args = ["eval", "--methods", *specs, "--tasks", "passkey", "--lengths", "512"]
+        args += ["--prompts", "3", "--jobs", jobs, "--split", split, "--chart", ""]
+        assert main([*args, "--json", str(out)]) == 0
+        data = json.loads(out.read_text())
+        got[split] = {(t["spec"], t["index"]): (t["output"], t["bytes"]) for t in data["trials"]}
+        assert len(data["trials"]) == 12, split
+    assert json.loads((tmp_path / "specs.json").read_text())["run"]["split"] == "specs"
+    assert got["specs"] == got["prompts"]

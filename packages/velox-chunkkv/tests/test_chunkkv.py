@@ -9,6 +9,7 @@ from mlx_lm.models.cache import KVCache
 
 from velox_chunkkv import METHOD, ChunkKVCache, ChunkKVPolicy, select_chunks
 from velox_core import VeloxCache, load_cache, make, make_cache, routed, save_cache
+from velox_core.policy import WindowVotePolicy
 from velox_core.testing import (
     EvictingConformance,
     FullBudgetConformance,
@@ -17,7 +18,6 @@ from velox_core.testing import (
     rel_error,
     tiny_model,
 )
-from velox_snapkv import SnapKVCache
 
 D = 64
 SCALE = D**-0.5
@@ -217,7 +217,7 @@ def test_one_token_chunks_with_one_kv_head_are_snapkv():
     k, v = kv_data(h=1, t=301, d=D, seed=4, dtype=mx.float32)
     q = mx.random.normal((1, 2, 300, D), key=mx.random.key(4))
     a = ChunkKVCache(budget=80, observe=16, chunk_length=1, kernel=7)
-    b = SnapKVCache(budget=80, observe=16, kernel=7)
+    b = VeloxCache(policy=WindowVotePolicy(budget=80, observe=16, kernel=7))  # SnapKV's votes
     with routed():
         for c in (a, b):
             feed(c, k[:, :, :300], v[:, :, :300], q, chunk=150)
@@ -319,12 +319,13 @@ def test_runs_of_reuse_and_layers_with_other_settings():
     caches = make_cache(
         model,
         "chunkkv:budget=80,observe=16,reuse=2",
-        layers={1: "chunkkv:budget=96,observe=16,reuse=2", 3: "snapkv:budget=80"},
+        layers={1: "chunkkv:budget=96,observe=16,reuse=2", 3: "uniform:bits=8"},
     )
-    leaders = [getattr(c, "leader", "snapkv") for c in caches]
+    leaders = [getattr(c, "leader", "other") for c in caches]
     # layer 1's budget differs: it leads a run of its own, and so does layer 2 (not layer
-    # 1's settings), whose run goes on at layer 4 (layer 3 is SnapKV's); layer 5 leads again
-    assert leaders == [None, None, None, "snapkv", caches[2], None]
+    # 1's settings), whose run goes on at layer 4 (layer 3 is another method's); layer 5
+    # leads again
+    assert leaders == [None, None, None, "other", caches[2], None]
     prompt = mx.random.randint(0, 512, (1, 200), key=mx.random.key(2))
     prefill(model, caches, prompt, chunk=100)
     assert kept(caches[4]) == kept(caches[2]) and caches[4].policy.reused == 2

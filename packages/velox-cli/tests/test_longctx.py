@@ -244,25 +244,6 @@ def test_settings_are_checked():
         EvalSettings(split="tasks").check()
 
 
-def test_split_by_specs_gives_the_trials_split_by_prompts_gives(tmp_path):
-    """Workers that each hold a share of the specs (a GPU's split) answer every prompt as
-    one process running all specs does, and keep one fp16 trial per prompt."""
-    if find_shared("reference-model") is None:
-        pytest.skip("the reference model (shared/reference-model) is not here")
-    specs = ["fp16", "uniform:bits=4", "snapkv:budget=25%", "kivi:bits=2"]
-    got = {}
-    for split, jobs in (("prompts", "1"), ("specs", "2")):
-        out = tmp_path / f"{split}.json"
-        args = ["eval", "--methods", *specs, "--tasks", "passkey", "--lengths", "512"]
-        args += ["--prompts", "3", "--jobs", jobs, "--split", split, "--chart", ""]
-        assert main([*args, "--json", str(out)]) == 0
-        data = json.loads(out.read_text())
-        got[split] = {(t["spec"], t["index"]): (t["output"], t["bytes"]) for t in data["trials"]}
-        assert len(data["trials"]) == 12, split
-    assert json.loads((tmp_path / "specs.json").read_text())["run"]["split"] == "specs"
-    assert got["specs"] == got["prompts"]
-
-
 def test_eval_small_version_on_the_reference_model(tmp_path, capsys):
     """The suite's CI run: one short task, a few prompts, the reference model; fp16 is its
     own reference (KL 0, top-1 1), compressed caches hold fewer bytes, baselines included."""

@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from velox_core import make, make_cache
+from velox_core import Uniform, VeloxCache, make, make_cache
 from velox_core.testing import (
     CacheConformance,
     assert_head_dim_refused,
@@ -15,11 +15,18 @@ from velox_core.testing import (
     rel_error,
 )
 from velox_core.testing.models import conformance_model
-from velox_kivi import KIVICache
 from velox_kvsink import METHOD, KVSinkCache, outlier_scores, select_sinks
 
 TWO_BIT = METHOD.recommended[1]
 PLANTED = {**TWO_BIT, "outlier": 4.0}  # above kv_data's own key-norm spread
+
+
+def KIVICache(bits: int, group: int, **kw) -> VeloxCache:
+    """KIVI's cache as velox-kivi makes it (keys per channel, values per token, both in
+    ``group``s), built from velox-core alone: this package's tests install no other method."""
+    return VeloxCache(
+        Uniform(bits, group, axis="channel"), Uniform(bits, group, axis="token"), **kw
+    )
 
 
 class TestKVSink2(CacheConformance):
