@@ -26,6 +26,7 @@ POINTS: dict[str, dict[str, tuple[str, ...]]] = {
         "uniform": ("uniform:bits=4",),
         "kivi": ("kivi:bits=4,group=64,window=0",),
         "kitty": ("kitty",),
+        "kvsink": ("kvsink:bits=2,group=32,window=128",),
         "turboquant": ("turboquant:bits=4", "turboquant:bits=3.5"),
         "qjl": ("qjl:sketch=320,outlier_bits=8,group=128,value_bits=2,window=384",),
         "skvq": ("skvq:bits=4,key_group=64,value_group=128,window=0,sinks=0",),
