@@ -89,12 +89,11 @@ def _wait_for(what, seconds: float, proc: subprocess.Popen):
     pytest.fail(f"timed out: {proc.communicate()[0][-3000:]}")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_interrupt_stops_within_seconds_and_keeps_the_finished_rows(tmp_path, sig):
-    path = tmp_path / "rows.json"
-    proc = _bench(path)
+def _stop_midway(proc: subprocess.Popen, started, sig) -> tuple:
+    """Once ``started()`` holds, send ``sig`` to ``proc`` and wait for its exit (at most
+    STOP_WITHIN seconds). Returns ``(proc, its output, seconds to exit, its workers)``."""
     try:
-        _wait_for(lambda: _rows(path), 240, proc)  # a row finished: written while running
+        _wait_for(started, 240, proc)
         workers = _children(proc.pid)
         assert workers, "no worker processes"
         t0 = time.time()
@@ -105,6 +104,14 @@ def test_interrupt_stops_within_seconds_and_keeps_the_finished_rows(tmp_path, si
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+    return proc, out, elapsed, workers
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupt_stops_within_seconds_and_keeps_the_finished_rows(tmp_path, sig):
+    path = tmp_path / "rows.json"
+    # a row finished: written while running
+    proc, out, elapsed, workers = _stop_midway(_bench(path), lambda: _rows(path), sig)
     assert proc.returncode != 0 and elapsed < STOP_WITHIN, (proc.returncode, elapsed, out[-2000:])
     rows = _rows(path)
     assert rows and len(rows) < len(SPECS), rows
@@ -177,19 +184,8 @@ def test_eval_interrupt_keeps_the_finished_prompts(tmp_path, sig):
     """``velox eval`` stopped midway exits within seconds, its workers with it, and its
     ``--json`` holds the prompts it finished (a GPU run's time limit ends it so)."""
     path = tmp_path / "eval.json"
-    proc = _eval(path)
-    try:
-        _wait_for(lambda: _lines(Path(str(path) + ".trials.jsonl")), 240, proc)
-        workers = _children(proc.pid)
-        assert workers, "no worker processes"
-        t0 = time.time()
-        proc.send_signal(sig)
-        out = proc.communicate(timeout=STOP_WITHIN)[0]
-        elapsed = time.time() - t0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    record = Path(str(path) + ".trials.jsonl")
+    proc, out, elapsed, workers = _stop_midway(_eval(path), lambda: _lines(record), sig)
     assert proc.returncode == 130 and elapsed < STOP_WITHIN, (proc.returncode, elapsed, out[-2000:])
     assert "interrupted after" in out and "Traceback" not in out, out[-3000:]
     data = json.loads(path.read_text())
