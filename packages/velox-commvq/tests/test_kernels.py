@@ -1,7 +1,8 @@
 """CommVQ's kernel path, checked on a machine without a GPU.
 
-The decode kernel is velox-core's portable one with table keys
-(``velox_core.kernels.decode.TableCodes``); here the CommVQ glue is checked: which records take it
+The decode kernel is velox-core's portable one with this package's table keys
+(:mod:`velox_commvq.layout`: ``TableCodes`` and the key pass it ships); here the CommVQ glue
+and layout are checked: which records take it
 and what the kernel declines, and, with the kernels' Metal and CUDA instantiations emulated
 on the CPU (``velox_core.kernels.emulate``), that attention through the kernel (query tables
 built once per call, each key's looked-up sums rotated by its angle in the kernel, values
@@ -24,10 +25,11 @@ from _commvq_util import BASE, synthetic
 import velox_core.kernels as vk
 from velox_commvq import CommVQCache, CommVQKeys
 from velox_commvq.kernels import kernel_keys, kernel_sides, kernel_tables
+from velox_commvq.layout import TABLE, TableCodes, TableKeys, TableLayout, table_entries
 from velox_core import Packed, Uniform
 from velox_core.cache.attention import Segment, partial
 from velox_core.kernels import decode as dk
-from velox_core.kernels.build import KernelSpec
+from velox_core.kernels.build import ArgInfo, KernelSpec, cuda_source, metal_source
 from velox_core.kernels.emulate import (
     DecodeRun,
     EmulatedKernels,
@@ -35,7 +37,14 @@ from velox_core.kernels.emulate import (
     compiler,
     emulated_or_skip,
 )
-from velox_core.testing import assert_cpu_declines, assert_partials_close, kernel_env
+from velox_core.testing import (
+    assert_cpu_declines,
+    assert_partials_close,
+    compile_cuda,
+    compile_metal,
+    kernel_env,
+    needs_nvcc,
+)
 
 needs_gxx = pytest.mark.skipif(
     compiler() is None, reason="no C++ compiler (g++ or $CXX): the kernels cannot be emulated"
@@ -80,13 +89,14 @@ def queries(b, m, seed=3):
 
 
 def test_the_table_code_path_is_on_by_default_and_can_be_turned_off(monkeypatch):
-    kernel_env(monkeypatch, "VELOX_DECODE_TABLE", None)
-    assert vk.kernel_config().table_codes is True
+    kernel_env(monkeypatch, "VELOX_LAYOUTS_OFF", None)
+    assert vk.kernel_config().layouts_off == frozenset()
     c = codec(bits=2)
     kp, vc, vp = records(c, t=16)
     monkeypatch.setattr(vk, "backend", lambda: "cuda")  # a GPU as far as dispatch can tell
     assert kernel_sides(c, kp, vc, vp) is not None
-    kernel_env(monkeypatch, "VELOX_DECODE_TABLE", "0")
+    kernel_env(monkeypatch, "VELOX_LAYOUTS_OFF", "vq, table")
+    assert vk.kernel_config().layouts_off == {"vq", "table"}
     assert kernel_sides(c, kp, vc, vp) is None
 
 
@@ -94,6 +104,83 @@ def test_the_table_code_path_is_on_by_default_and_can_be_turned_off(monkeypatch)
 def emulated_gpu(monkeypatch, tmp_path):
     """The library's kernel launches sent to the emulated Metal instantiation."""
     return emulated_or_skip(monkeypatch, tmp_path)
+
+
+# -- the layout: records, registration, the key pass this package ships ---------------------------
+
+U32 = mx.zeros((1, 1, 4, 16), mx.uint32)
+F16 = mx.zeros((1, 1, 4), mx.float16)
+TK = TableKeys(stages=2, theta=mx.zeros((64,), mx.float32))
+
+
+def test_table_records_are_checked_when_built():
+    rec = TableCodes(bits=4, group=4, codes=U32, norm=F16, positions=U32, table=TK)
+    assert (rec.a, rec.b, rec.table, rec.levels, rec.sketch) == (F16, U32, TK, None, None)
+    for bits in (0, 9, 3.0, None):
+        with pytest.raises(ValueError, match="TableCodes: bits must be an int from 1 to 8"):
+            TableCodes(bits=bits, group=4, codes=U32, norm=F16, positions=U32, table=TK)
+    with pytest.raises(ValueError, match="table must be a TableKeys record"):
+        TableCodes(bits=4, group=4, codes=U32, norm=F16, positions=U32, table=None)
+    with pytest.raises(ValueError, match="TableCodes: positions is required"):
+        TableCodes(bits=4, group=4, codes=U32, norm=F16, positions=None, table=TK)
+
+
+def test_the_table_layout_is_registered_with_its_key_pass():
+    from velox_core.kernels import layout as lay
+
+    rec = TableCodes(bits=4, group=4, codes=U32, norm=F16, positions=U32, table=TK)
+    got = lay.layout_of(rec)
+    assert type(got) is TableLayout and lay.layout_for(TABLE) is got and got.keys_only
+    spec = dk.decode_spec(rec)
+    assert spec.name == "velox_decode_attention_table" and spec is dk.decode_spec(rec)
+    assert spec.inserts == ((dk.KEY_PASS, "decode_table_keys.metal", "velox_commvq"),)
+    body = spec.body("metal")
+    assert "KSTG" in body and "KSTG" not in dk.DECODE.body("metal")
+    assert dk.decode_spec(vals_record()) is dk.DECODE
+    assert dk.side_ok(TABLE, 4, 4, 128, 16) and not dk.side_ok(TABLE, 4, 3, 128, 16)
+
+
+def vals_record():
+    return Uniform(4, 64).kernel_codes(Uniform(4, 64).encode(mx.zeros((1, 1, 4, 128))))
+
+
+# the default geometry (2 stages of 4-bit indices per 4 pairs) at 2 and 8 query rows (a
+# lane's indices whole words / a share of one), 3-bit indices straddling words
+COMPILED = ((4, 4, 2), (4, 4, 8), (3, 1, 2))
+
+
+def _variants():
+    f32, u32, h16, dummy = (
+        ("float32", 4, 1 << 20),
+        ("uint32", 4, 1 << 20),
+        ("float16", 4, 1 << 20),
+        ("float32", 1, 8),
+    )
+    vside = vals_record()
+    out = []
+    for kb, kg, m_rows in COMPILED:
+        kside = TableCodes(bits=kb, group=kg, codes=U32, norm=F16, positions=U32, table=TK)
+        p = dk.plan_for(m_rows, 128, kside, vside)
+        ins = [u32, ("float16", 3, 1 << 20), ("int32", 3, 1 << 20), ("float32", 1, 64)]
+        infos = [ArgInfo(*a) for a in [f32, *ins, u32, h16, h16, dummy]]
+        infos += [ArgInfo(*a) for a in (dummy, dummy, f32, dummy, dummy)]
+        tmpl = dk.template(p, 128, kside, vside)
+        assert dict(tmpl)["KOWN"] == 1 and dict(tmpl)["KOLV"] == 64 and dict(tmpl)["KSTG"] == 2
+        out.append((dk.decode_spec(kside), infos, ["float32"] * 2, tmpl))
+    return out
+
+
+@needs_gxx
+def test_the_key_pass_compiles_in_the_metal_instantiation(tmp_path):
+    """The portable kernel with this package's key pass in place, through the C++ shim of
+    Metal (as velox-core's tests compile its own variants)."""
+    compile_metal([metal_source(*v)[0] for v in _variants()], tmp_path)
+
+
+@needs_nvcc
+def test_the_key_pass_compiles_in_the_cuda_instantiation(tmp_path):
+    """nvcc compiles the CUDA instantiations for sm_90a, without register spills."""
+    compile_cuda([[cuda_source(*v)[0] for v in _variants()]], tmp_path)
 
 
 # -- which records take the kernel ---------------------------------------------------------------
@@ -108,7 +195,7 @@ def test_kernel_record_is_the_stored_codes(monkeypatch):
     c = codec(bits=2)
     kp, vc, vp = records(c, t=16, starts=(5, 70))
     keys = kernel_keys(c, kp)
-    assert type(keys) is dk.TableCodes and keys.kind == dk.TABLE
+    assert type(keys) is TableCodes and keys.kind == TABLE
     assert (keys.bits, keys.group) == (4, 4)
     assert keys.codes is kp.data["codes"] and keys.norm is kp.data["norm"] is keys.a
     assert keys.positions is kp.data["pos"] is keys.b and keys.table.stages == 2
@@ -117,7 +204,7 @@ def test_kernel_record_is_the_stored_codes(monkeypatch):
     assert c.pair_theta() is keys.table.theta  # made once
     # one row of tables per query: S * P * 2 books * K entries * (re, im)
     tab = kernel_tables(c, queries(2, 3))
-    assert tab.shape == (2, 2, 3, dk.table_entries(2, 128, 4)) == (2, 2, 3, 2 * 64 * 2 * 16 * 2)
+    assert tab.shape == (2, 2, 3, table_entries(2, 128, 4)) == (2, 2, 3, 2 * 64 * 2 * 16 * 2)
     # entry (((s * P + p) * 2 + book) * K + k) * 2 + c is conj(q_p) A[s, p, k] (book 0)
     q = queries(2, 3)
     a, _ = c.codewords()
@@ -169,10 +256,10 @@ def test_bad_table_keys_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="positions"):
         dk.decode_attention(q, dataclasses.replace(keys, positions=pos), values, q_sketch=tab)
     theta = mx.zeros((32,))
-    bad = dataclasses.replace(keys, table=dk.TableKeys(2, theta))
+    bad = dataclasses.replace(keys, table=TableKeys(2, theta))
     with pytest.raises(ValueError, match="theta"):
         dk.decode_attention(q, bad, values, q_sketch=tab)
-    three = dataclasses.replace(keys, table=dk.TableKeys(3, keys.table.theta))
+    three = dataclasses.replace(keys, table=TableKeys(3, keys.table.theta))
     with pytest.raises(ValueError, match="codes"):  # 3 stages need more words a token
         dk.decode_attention(q, three, values, q_sketch=kernel_tables(c, q))
     with pytest.raises(ValueError, match="TableKeys"):  # refused when built
@@ -196,7 +283,7 @@ def test_emulated_kernel_attention_matches_the_reference(emulated_gpu, layout, b
     q = queries(2, 2)
     emulated_gpu.calls.clear()
     got = c.attend_partial(q, kp, vc, vp)
-    assert emulated_gpu.names == ["velox_decode_attention", "velox_decode_merge"]
+    assert emulated_gpu.names == ["velox_decode_attention_table", "velox_decode_merge"]
     ref = partial(q, Segment(c, kp, vc, vp))
     assert_partials_close(got, ref, 2e-5)
 
@@ -287,7 +374,7 @@ def test_emulated_cache_decode_steps_match_the_reference(monkeypatch, tmp_path, 
         q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(20 + step)).astype(mx.float16)
         fake.calls.clear()
         got = cache.attend(q, 1 / math.sqrt(128))
-        assert fake.names == ["velox_decode_attention", merge], fake.names
+        assert fake.names == ["velox_decode_attention_table", merge], fake.names
         with vk.configured(enabled=False):
             ref = cache.attend(q, 1 / math.sqrt(128))
         err = np.abs(np.asarray((got - ref).astype(mx.float32))).max()

@@ -15,7 +15,6 @@ U32 = mx.zeros((1, 1, 4, 16), mx.uint32)
 F16 = mx.zeros((1, 1, 4), mx.float16)
 LEV = mx.zeros((16,), mx.float32)
 SK = dk.SketchKeys(m=256, mo=0, outliers=0, index_bits=7, const=1.25, lanes=32, matrix=LEV)
-TK = dk.TableKeys(stages=2, theta=mx.zeros((64,), mx.float32))
 
 # each record class, its kind, the arguments of a valid record, and its kernels' view (a, b,
 # levels) as the fields it maps to
@@ -50,12 +49,6 @@ CASES = [
         dict(codes=U32, norm=F16, sketch=SK),
         ("norm", "onorm", None),
     ),
-    (
-        dk.TableCodes,
-        dk.TABLE,
-        dict(bits=4, group=4, codes=U32, norm=F16, positions=U32, table=TK),
-        ("norm", "positions", None),
-    ),
 ]
 IDS = [c[0].__name__ for c in CASES]
 
@@ -78,7 +71,7 @@ def test_the_kernels_view_of_the_optional_parts():
     """What a layout lacks reads as None (``symmetric`` False) and cannot be set; a codebook's
     group is its head dim, a sketch's width one bit."""
     affine = dk.AffineCodes(bits=4, group=64, codes=U32, scale=F16, zero=F16)
-    assert (affine.signs, affine.rnorm, affine.sketch, affine.table) == (None,) * 4
+    assert (affine.signs, affine.rnorm, affine.sketch) == (None,) * 3
     assert affine.symmetric is False
     with pytest.raises(AttributeError):
         affine.symmetric = True
@@ -88,12 +81,12 @@ def test_the_kernels_view_of_the_optional_parts():
     assert prod.signs is U32 and prod.rnorm is F16
     sketch = dk.SketchCodes(codes=U32, norm=F16, sketch=SK)
     assert (sketch.bits, sketch.group, sketch.onorm, sketch.b) == (1, 1, None, None)
-    assert sketch.sketch is SK and dk.TableCodes(**CASES[5][2]).table is TK
+    assert sketch.sketch is SK
 
 
 def test_required_fields_take_no_default():
     """Only the optional parts have defaults: a field named like one of the base's view
-    attributes (``levels``, ``sketch``, ``table``) must not take that attribute as its."""
+    attributes (``levels``, ``sketch``) must not take that attribute as its."""
     optional = {
         (dk.CodebookCodes, "symmetric"): False,
         (dk.CodebookCodes, "signs"): None,
@@ -113,8 +106,6 @@ def test_widths_outside_1_to_8_are_refused(bits):
         dk.AffineCodes(bits=bits, group=64, codes=U32, scale=F16, zero=F16)
     with pytest.raises(ValueError, match="CodebookCodes: bits"):
         dk.CodebookCodes(bits=bits, dim=128, codes=U32, norm=F16, levels=LEV)
-    with pytest.raises(ValueError, match="TableCodes: bits"):
-        dk.TableCodes(bits=bits, group=4, codes=U32, norm=F16, positions=U32, table=TK)
 
 
 def test_bad_groups_are_refused():
@@ -150,11 +141,9 @@ def test_records_refuse_what_their_layout_does_not_hold():
     with pytest.raises(TypeError, match="rnorm must be an mx.array"):
         dk.CodebookCodes(bits=4, dim=128, codes=U32, norm=F16, levels=LEV, signs=U32, rnorm=1.0)
     with pytest.raises(ValueError, match="sketch must be a SketchKeys record"):
-        dk.SketchCodes(codes=U32, norm=F16, sketch=TK)
+        dk.SketchCodes(codes=U32, norm=F16, sketch=LEV)
     with pytest.raises(TypeError, match="onorm must be an mx.array"):
         dk.SketchCodes(codes=U32, norm=F16, sketch=SK, onorm=0.0)
-    with pytest.raises(ValueError, match="table must be a TableKeys record"):
-        dk.TableCodes(bits=4, group=4, codes=U32, norm=F16, positions=U32, table=None)
     with pytest.raises(TypeError, match="symmetric"):
         dk.VQCodes(bits=8, group=4, codes=U32, codebooks=LEV, symmetric=True)
     with pytest.raises(TypeError, match="signs"):
@@ -164,7 +153,7 @@ def test_records_refuse_what_their_layout_does_not_hold():
 def test_records_are_exported_where_the_kernels_are():
     from velox_core.kernels import codes
 
-    names = [c[0].__name__ for c in CASES] + ["CodeRecord", "SketchKeys", "TableKeys"]
+    names = [c[0].__name__ for c in CASES] + ["CodeRecord", "SketchKeys"]
     for name in names:
         assert getattr(dk, name) is getattr(records, name)
         assert name in dk.__all__ and name in records.__all__
@@ -180,3 +169,64 @@ def test_codebook_codes_for_another_head_dim_are_refused():
     wrong = dataclasses.replace(cb, dim=96)
     with pytest.raises(ValueError, match="head dim 96, the segment's is 128"):
         check_codes("key", wrong, 1, 1, 4, 128)
+
+
+# -- the layouts: how the kernels read each record class ------------------------------------------
+
+
+def test_every_core_record_has_its_registered_layout():
+    from velox_core.kernels import layout as lay
+
+    for cls, kind, kw, _ in CASES:
+        got = lay.layout_of(cls(**kw))
+        assert got.record is cls and got.kind == kind == cls.kind
+        assert lay.layout_for(kind) is got
+    names = [x.name for x in lay.layouts()]
+    assert len(set(names)) == len(names)
+    assert [x.kind for x in lay.layouts()] == sorted(x.kind for x in lay.layouts())
+
+
+def test_a_record_without_a_layout_is_refused_by_name():
+    from velox_core.kernels import layout as lay
+
+    @dataclasses.dataclass(slots=True, kw_only=True)
+    class Orphan(records.CodeRecord):
+        kind = 99
+        bits: int = 4
+
+    with pytest.raises(TypeError, match="no decode kernel layout reads Orphan"):
+        lay.layout_of(Orphan())
+    with pytest.raises(ValueError, match="Orphan already|kind 99|Orphan.kind"):
+
+        class Wrong(lay.Layout):
+            kind = 98  # not the record's
+            record = Orphan
+            name = "orphan"
+
+        lay.register_layout(Wrong())
+    assert lay.layout_for(98) is None and lay.layout_for(99) is None
+
+
+def test_registering_takes_no_second_layout_for_a_kind_or_a_name():
+    from velox_core.kernels import layout as lay
+
+    class Again(lay.AffineLayout):
+        pass
+
+    with pytest.raises(ValueError, match="kind 0 is AffineLayout's"):
+        lay.register_layout(Again())
+    assert lay.register_layout(lay.AffineLayout()) is lay.layout_for(dk.AFFINE)  # a no-op
+
+    @dataclasses.dataclass(slots=True, kw_only=True)
+    class Named(records.CodeRecord):
+        kind = 97
+
+    class Taken(lay.Layout):
+        kind = 97
+        record = Named
+        name = "affine"
+
+    with pytest.raises(ValueError, match="name 'affine' is taken"):
+        lay.register_layout(Taken())
+    with pytest.raises(TypeError, match="expected a Layout"):
+        lay.register_layout(object())

@@ -42,15 +42,11 @@ from velox_core.kernels.emulate import (
     shim_dir,
 )
 from velox_core.ops import affine_quantize, lloyd_max_sphere, pack, unpack
-from velox_core.testing import kernel_env, kv_data
+from velox_core.testing import compile_cuda, compile_metal, kernel_env, kv_data, needs_nvcc
 
 GXX = shutil.which(os.environ.get("CXX", "g++"))
-NVCC = shutil.which("nvcc")
 needs_gxx = pytest.mark.skipif(
     GXX is None, reason="g++ is not installed: the Metal instantiation cannot be compiled here"
-)
-needs_nvcc = pytest.mark.skipif(
-    NVCC is None, reason="nvcc is not installed: the CUDA instantiation cannot be compiled here"
 )
 SOURCES = (
     "decode_attention.metal",
@@ -87,8 +83,6 @@ def _layout(kind: int, bits: int, group: int, **kw) -> dk.CodeRecord:
         return dk.CodebookCodes(bits=bits, dim=group, codes=_U32, norm=_F16, levels=_F16, **kw)
     if kind == dk.VQ:
         return dk.VQCodes(bits=bits, group=group, codes=_U32, codebooks=_F16)
-    if kind == dk.TABLE:
-        return dk.TableCodes(bits=bits, group=group, codes=_U32, norm=_F16, positions=_U32, **kw)
     record = dk.AffineCodes if kind == dk.AFFINE else dk.ChannelAffineCodes
     return record(bits=bits, group=group, codes=_U32, scale=_F16, zero=_F16)
 
@@ -431,15 +425,6 @@ def _decode_variants():
         ins = [U32, ("float16", 1, 8), ("float16", 1, 8), ("float32", 1, 1 << 16)]
         infos = [ArgInfo(*a) for a in [F32, *ins, *ins]] + [ArgInfo(*DUMMY)] * 5
         out.append((dk.DECODE, infos, ["float32"] * 2, dk.template(p, 128, kside, vq)))
-    # CommVQ table keys: the default geometry (2 stages of 4-bit indices per 4 pairs) at 2 and
-    # 8 query rows (a lane's indices whole words / a share of one), 3-bit indices straddling
-    for kb, kg, m_rows in ((4, 4, 2), (4, 4, 8), (3, 1, 2)):
-        kside = _layout(dk.TABLE, kb, kg, table=dk.TableKeys(2, None))
-        p = dk.plan_for(m_rows, 128, kside, vside)
-        ins = [U32, ("float16", 3, 1 << 20), ("int32", 3, 1 << 20), ("float32", 1, 64)]
-        infos = [ArgInfo(*a) for a in [F32, *ins, U32, H16, H16, DUMMY]]
-        infos += [ArgInfo(*a) for a in (DUMMY, DUMMY, F32, DUMMY, DUMMY)]
-        out.append((dk.DECODE, infos, ["float32"] * 2, dk.template(p, 128, kside, vside)))
     # QJL sketch keys: outliers with one row set for both sketches, two row sets with shares
     # straddling words, and no outliers
     for m, mo, k, m_rows in ((256, 256, 8, 4), (320, 64, 8, 8), (256, 0, 0, 4)):
@@ -599,18 +584,8 @@ def test_metal_instantiations_compile_through_the_shim(tmp_path):
     for spec, infos, outs, tmpl in _decode_variants():
         src, name = metal_source(spec, infos, outs, tmpl)
         assert f"[[kernel]] void {name}(" in src
-        # a Metal kernel binds at most 31 buffers (inputs, outputs, and the shapes and
-        # strides the body reads); the g++ shim would not notice more
-        slots = [int(i) for i in re.findall(r"\[\[buffer\((\d+)\)\]\]", src)]
-        assert sorted(slots) == list(range(len(slots))) and len(slots) <= 31, (name, slots)
         units.append(src)
-    cpp = tmp_path / "metal_kernels.cpp"
-    cpp.write_text('#include "metal_shim.h"\n' + "\n".join(units))
-    cmd = [GXX, "-std=c++17", "-fsyntax-only", "-Wall", "-Wno-attributes", "-Wno-unused"]
-    res = subprocess.run(
-        [*cmd, "-I", str(shim_dir()), str(cpp)], capture_output=True, text=True, check=False
-    )
-    assert res.returncode == 0, res.stderr[-6000:]
+    compile_metal(units, tmp_path)
 
 
 @needs_gxx
@@ -802,8 +777,34 @@ def test_kernel_config_is_read_once_and_typed(monkeypatch):
         config.KernelConfig(subtiles=3)
     with pytest.raises(TypeError, match="KernelConfig.pipeline must be True or False"):
         config.KernelConfig(pipeline=1)
+    off = config.KernelConfig.from_environ({"VELOX_LAYOUTS_OFF": " vq, table ,"}).layouts_off
+    assert off == frozenset({"vq", "table"})
+    with pytest.raises(TypeError, match="KernelConfig.layouts_off must be a frozenset"):
+        config.KernelConfig(layouts_off={"vq"})
+    with pytest.raises(ValueError, match="VELOX_LAYOUTS_OFF must be a frozenset of layout names"):
+        config.KernelConfig.from_environ({"VELOX_LAYOUTS_OFF": "v-q"})
     with pytest.raises(TypeError):
         vk.configure(no_such_setting=1)
+
+
+def test_a_layout_turned_off_takes_the_reference_path(monkeypatch):
+    """``KernelConfig.layouts_off`` (``VELOX_LAYOUTS_OFF``) declines a layout's segments in
+    the dispatcher, keys or values, and leaves the others to the kernels."""
+    monkeypatch.setattr(vk, "backend", lambda: "metal")
+    b, h, t, d = 1, 2, 64, 128
+    side = dk.AffineCodes(
+        bits=4,
+        group=64,
+        codes=mx.zeros((b, h, t, d * 4 // 32), mx.uint32),
+        scale=mx.ones((b, h, t, 2)),
+        zero=mx.zeros((b, h, t, 2)),
+    )
+    shape = (b, h, 4, d)
+    assert dk.plan_decode(shape, mx.float32, side, side) is not None
+    with vk.configured(layouts_off=frozenset({"affine"})):
+        assert dk.plan_decode(shape, mx.float32, side, side) is None
+    with vk.configured(layouts_off=frozenset({"codebook", "vq"})):
+        assert dk.plan_decode(shape, mx.float32, side, side) is not None
 
 
 def test_query_factor_is_log2e_times_the_scale():
@@ -963,9 +964,7 @@ def test_tensor_core_instantiations_compile_within_their_register_cap(tmp_path):
     host code declares (``__launch_bounds__``: 168 registers for 12 warps per SM), spilling at
     most a few words (32 bytes: the cap trades them for a third threadgroup per SM, measured
     faster on an H200), and fits the static shared memory its host code assumes (48 KiB)."""
-    log = _nvcc_without_spills(
-        [[cuda_source(*v)[0]] for v in _mma_variants()], tmp_path, spill_bytes=32
-    )
+    log = compile_cuda([[cuda_source(*v)[0]] for v in _mma_variants()], tmp_path, spill_bytes=32)
     smem = [int(x) for x in re.findall(r"(\d+) bytes smem", log)]
     assert smem and max(smem) <= 48 * 1024, smem
     regs = [int(x) for x in re.findall(r"Used (\d+) registers", log)]
@@ -973,32 +972,6 @@ def test_tensor_core_instantiations_compile_within_their_register_cap(tmp_path):
     for r, lb in zip(regs, capped):
         if lb is not None:
             assert r <= 65536 // (lb[0] * lb[1]), (r, lb)
-
-
-def _nvcc_without_spills(units: list[list[str]], tmp_path, spill_bytes: int = 0) -> str:
-    """Compile CUDA translation units (each a list of kernels' sources) with nvcc for sm_90a,
-    two at a time; assert success and spill stores of at most ``spill_bytes`` per kernel;
-    ptxas' log in unit order. A kernel with ``__launch_bounds__`` re-defines ``__global__``
-    for the rest of its unit: it must be a unit of its own (as MLX compiles each kernel).
-    Device code only (``-cubin``, as MLX compiles a kernel through NVRTC): the host pass that
-    ``-c`` adds took half to two thirds of the time and compiles no code a launch runs."""
-    inc = os.environ.get("VELOX_MLX_CUDA_INCLUDE") or str(shim_dir() / "cuda")
-
-    def compile_unit(i: int) -> str:
-        cu = tmp_path / f"kernels{i}.cu"
-        cu.write_text("\n".join(units[i]))
-        cmd = [NVCC, "-std=c++17", "-arch=sm_90a", "-Xptxas", "-v", "-I", inc, "-cubin", str(cu)]
-        res = subprocess.run(
-            [*cmd, "-o", str(tmp_path / f"k{i}.cubin")], capture_output=True, text=True, check=False
-        )
-        assert res.returncode == 0, res.stderr[-6000:]
-        found = re.findall(r"(\d+) bytes spill stores", res.stderr)
-        assert len(found) == len(units[i]), res.stderr[-3000:]
-        assert all(int(f) <= spill_bytes for f in found), res.stderr[-3000:]
-        return res.stderr
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        return "".join(pool.map(compile_unit, range(len(units))))
 
 
 @needs_nvcc
@@ -1015,7 +988,7 @@ def test_cuda_instantiations_compile_without_spills(tmp_path):
     bounded = [cuda_source(*v)[0] for v in variants if v[0].cuda_launch_bounds is not None]
     assert bounded  # the outlier kernel's
     # the plain kernels in one unit, the bounded ones each in their own, compiled alongside
-    _nvcc_without_spills([[*plain, probe], *([u] for u in bounded)], tmp_path)
+    compile_cuda([[*plain, probe], *([u] for u in bounded)], tmp_path)
 
 
 # -- emulation: the Metal instantiation run on the CPU --------------------------------------------

@@ -1,8 +1,10 @@
 """GPU kernel path of CommVQ keys: fused decode attention on the codes (arXiv 2506.18879).
 
 velox-core's portable decode kernel (``metal/decode_attention.metal``, one body for Metal and
-CUDA) takes CommVQ's records as *table* codes (``velox_core.kernels.decode.TableCodes``, with
-``TableKeys``), the method's decode step as the paper defines it, on the codes:
+CUDA) reads CommVQ's keys as *table* codes (:class:`velox_commvq.layout.TableCodes`, with
+``TableKeys``) through the key pass this package ships (``metal/decode_table_keys.metal``,
+:class:`velox_commvq.layout.TableLayout`): the method's decode step as the paper defines it,
+on the codes:
 
 * once per call the host (MLX ops) meets the query with every codeword:
   ``conj(q_p) A[s, p, k]`` and ``conj(q_p) J B[s, p, k]`` per KV head, query row, stage, pair
@@ -21,10 +23,10 @@ the default geometry and D = 128): too large for a threadgroup's memory beside t
 so the kernel reads them from device memory, where every split of the head reads the same
 ones.
 
-Where the kernel does not apply (kernels off or the CPU, codebooks not yet read, values not a
-per-token ``Uniform``, a geometry the kernel's plan declines: see
-``velox_core.kernels.decode.plan``) the functions return None and the caller takes the
-reference path (:func:`velox_commvq.scores.code_scores`).
+Where the kernel does not apply (kernels off or the CPU, the table layout turned off with
+``VELOX_LAYOUTS_OFF=table``, codebooks not yet read, values not a per-token ``Uniform``, a
+geometry the kernel's plan declines: see ``velox_core.kernels.decode.plan``) the functions
+return None and the caller takes the reference path (:func:`velox_commvq.scores.code_scores`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from velox_core.kernels import kernel_config, use_kernels
 from velox_core.kernels.joint import JointQuery, JointRun, joint_glue, plan_joint
 from velox_core.ops.rope import to_pairs
 
+from .layout import TableCodes, TableKeys, TableLayout
 from .scores import codeword_tables
 
 if TYPE_CHECKING:
@@ -47,30 +50,30 @@ if TYPE_CHECKING:
 __all__ = ["attend_partial", "joint_call", "kernel_keys", "kernel_sides", "kernel_tables"]
 
 
-def kernel_keys(codec: CommVQKeys, packed: Packed) -> _kd.TableCodes | None:
-    """The decode kernel's view of a key record (``velox_core.kernels.decode.TableCodes``):
+def kernel_keys(codec: CommVQKeys, packed: Packed) -> TableCodes | None:
+    """The decode kernel's view of a key record (:class:`velox_commvq.layout.TableCodes`):
     the packed indices, the norms and the positions as stored, the stages and each pair's
     RoPE frequency (``TableKeys``); None before the codec has read its codebooks."""
     if not codec.ready:
         return None
     g, p = codec.geometry, packed.data
-    return _kd.TableCodes(
+    return TableCodes(
         bits=g.index_bits,
         group=g.pairs,
         codes=p["codes"],
         norm=p["norm"],
         positions=p["pos"],
-        table=_kd.TableKeys(codec.stages, codec.pair_theta()),
+        table=TableKeys(codec.stages, codec.pair_theta()),
     )
 
 
 def kernel_sides(
     codec: CommVQKeys, keys: Packed, value_codec, values: Packed
-) -> tuple[_kd.TableCodes, _kd.AffineCodes] | None:
+) -> tuple[TableCodes, _kd.AffineCodes] | None:
     """Both records as the decode kernel reads them, or None where no kernel applies
-    (kernels off or the CPU, the table-code path turned off: ``KernelConfig.table_codes``,
+    (kernels off or the CPU, the table layout turned off: ``KernelConfig.layouts_off``,
     codebooks not read, values not a per-token ``Uniform``)."""
-    if not (use_kernels() and kernel_config().table_codes):
+    if not use_kernels() or TableLayout.name in kernel_config().layouts_off:
         return None
     if not isinstance(value_codec, Uniform) or value_codec.axis != "token":
         return None
@@ -79,7 +82,7 @@ def kernel_sides(
 
 
 def kernel_tables(codec: CommVQKeys, q: mx.array) -> mx.array:
-    """The query tables the kernel scores from (``TableKeys``' layout), one row per query.
+    """The query tables the kernel scores from (:class:`TableKeys`' layout), one row per query.
 
     Shapes:
         q ``(B, H, M, D)`` (any float dtype, scaled or not: the scale the kernel applies is

@@ -236,7 +236,7 @@ def read_metadata(path: str | os.PathLike) -> dict[str, str]:
 
 def check_format(path: Path, meta: dict[str, str], fmt: str, version: str, what: str) -> None:
     """Raise ``ValueError`` unless ``meta`` is of format ``fmt`` at ``version``; ``what`` names
-    the artifact in the message (``"CommVQ"``)."""
+    the artifact in the message (the method's name)."""
     if meta.get("format") != fmt:
         raise ValueError(f"{path}: not a {what} artifact (format {meta.get('format')!r})")
     if meta.get("version") != version:
@@ -300,8 +300,8 @@ def resolve_artifact(
 ) -> Path:
     """The artifact to use for ``model``: ``path`` if given (checked), else the lookup.
 
-    ``what`` names the method in messages (``"CommVQ"``), ``param`` the cache's
-    parameter that takes a path (``"codebooks"``), ``how_to_fit`` the command that makes one.
+    ``what`` names the method in messages, ``param`` the cache's parameter that takes a
+    path (``"codebooks"``), ``how_to_fit`` the command that makes one.
 
     Raises:
         ValueError: ``path`` is not such an artifact, or was fitted for another model.
@@ -360,7 +360,7 @@ class Fitted:
 
 class FittedLayers(Fitted):
     """A :class:`Fitted` record whose ``layers`` maps layer index -> that layer's arrays;
-    ``what`` names them in messages (``"CommVQ codebooks"``)."""
+    ``what`` names them in messages (``"<method> codebooks"``)."""
 
     what: ClassVar[str] = "fitted artifacts"
     layers: dict[int, Any]
@@ -403,7 +403,7 @@ def fitted(model: Any, how: str, source: str | None, **calibration: Any) -> dict
 @dataclass(frozen=True)
 class ArtifactKind:
     """One method's artifact: ``fmt`` and ``version`` in its metadata, ``what`` naming it in
-    messages (``"CommVQ"``), ``param`` the cache parameter that takes its path
+    messages (the method's name), ``param`` the cache parameter that takes its path
     (``"codebooks"``), ``how_to_fit`` the command that makes one and ``missing`` the error
     raised when a model has none."""
 

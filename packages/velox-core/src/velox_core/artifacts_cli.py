@@ -85,7 +85,7 @@ class ArtifactCommand:
 
     Attributes:
         method: the method's name (the default file's prefix, the program's name).
-        what: what the artifact holds, for help texts and messages ("CommVQ key codebooks").
+        what: what the artifact holds, for help texts and messages ("<method> key codebooks").
         fit: ``fit(model, tokenizer, texts, *, max_tokens, seq_len, source, **options)``
             returns the artifact (with ``layers``, ``fingerprint``, ``model`` and
             ``calibration``, whose ``tokens`` it used).

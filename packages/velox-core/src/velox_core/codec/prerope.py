@@ -1,6 +1,6 @@
 """``PreRope``: the RoPE of a key codec that codes keys before RoPE.
 
-Keys reach a cache post-RoPE. A pre-RoPE key codec (KVQuant, SVDq, Palu, CommVQ) turns each
+Keys reach a cache post-RoPE. A pre-RoPE key codec (several method packages have one) turns each
 key back at its absolute position before coding it, and turns the keys it rebuilds forward
 again, so it must know the layer's RoPE (:class:`~velox_core.ops.rope.RopeSpec`). It comes
 from one of three places:

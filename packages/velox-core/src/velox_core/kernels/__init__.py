@@ -5,7 +5,8 @@ it. :func:`use_kernels` says whether to take the kernel path now: kernels are en
 (:func:`kernel_config`, :mod:`velox_core.kernels.config`; ``VELOX_KERNELS=0`` turns them
 off) and the default device is a GPU whose backend has a build of the kernel
 (``mx.fast.metal_kernel`` on Apple GPUs, ``mx.fast.cuda_kernel`` on NVIDIA).
-Sources live in the repository's ``metal/`` folder and ship inside the wheels that use them.
+velox-core's sources live in the repository's ``metal/`` folder and ship inside its wheel; a
+method package ships the kernel sources of its own layouts in its ``metal/`` folder.
 
 Submodules (imported on use, never by this package):
 
@@ -71,7 +72,9 @@ def use_kernels() -> bool:
 def _source_dirs(package: str) -> list[Path]:
     dirs = []
     try:
-        dirs.append(Path(str(resources.files(package) / "kernels" / "src")))
+        root = resources.files(package)
+        # velox-core's wheel: kernels/src (copied from metal/); a method package: its metal/
+        dirs += [Path(str(root / "kernels" / "src")), Path(str(root / "metal"))]
     except (ModuleNotFoundError, TypeError):
         pass
     here = Path(__file__).resolve()
@@ -83,7 +86,8 @@ def _source_dirs(package: str) -> list[Path]:
 
 
 def kernel_source(filename: str, package: str = "velox_core") -> str:
-    """Text of a kernel source file, from the installed wheel or the repository's ``metal/``."""
+    """Text of a kernel source file shipped by ``package`` (velox-core's ``kernels/src``, a
+    method package's ``metal/`` folder), or in the repository's ``metal/``."""
     for d in _source_dirs(package):
         p = d / filename
         if p.is_file():

@@ -118,6 +118,9 @@ class KernelSpec:
             bounds need different names: MLX caches compiled kernels by name.
         defines: macros defined at the top of the header (``"NAME VALUE"``), for a body whose
             variants differ in what MLX declares (an output present in one spec only).
+        inserts: ``(marker, file, package)``: the body with each ``marker`` line replaced by
+            the text of ``file`` shipped by ``package`` (a layout's key pass in the portable
+            decode kernel, :func:`velox_core.kernels.portable.decode_spec`).
     """
 
     name: str
@@ -129,6 +132,7 @@ class KernelSpec:
     cuda_headers: tuple[str, ...] = ()
     cuda_launch_bounds: tuple[int, int] | None = None
     defines: tuple[str, ...] = ()
+    inserts: tuple[tuple[str, str, str], ...] = ()
 
     def header(self, backend: str) -> str:
         if backend not in PROLOGUE:
@@ -151,7 +155,12 @@ class KernelSpec:
     def body(self, backend: str) -> str:
         if backend not in PROLOGUE:
             raise ValueError(f"kernel backend must be 'metal' or 'cuda', got {backend!r}")
-        return PROLOGUE[backend] + _SILENCE + compact(kernel_source(self.source, self.package))
+        text = kernel_source(self.source, self.package)
+        for marker, name, package in self.inserts:
+            if text.count(marker) != 1:
+                raise ValueError(f"{self.source}: expected one {marker!r} line for {name}")
+            text = text.replace(marker, kernel_source(name, package))
+        return PROLOGUE[backend] + _SILENCE + compact(text)
 
     def mlx_texts(self, backend: str) -> tuple[str, str]:
         """(header, body) as handed to MLX: the texts themselves, or on CUDA (with

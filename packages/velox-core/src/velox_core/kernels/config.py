@@ -69,7 +69,9 @@ class KernelConfig:
         sketch_mma_diff / sketch_mma_bsm: force the sketch kernel's ``DIFF`` / ``BSM``
             layouts on or off (None: chosen per layout).
         sketch_mma_ahead: tiles loaded ahead by the sketch kernel (1, 2; None: per layout).
-        table_codes: take the portable kernel's table-code (CommVQ) path.
+        layouts_off: names of code layouts the kernels decline
+            (:mod:`velox_core.kernels.layout`; e.g. ``{"vq"}``): their segments take the
+            reference path.
         disk_cache: on CUDA, compile each kernel into MLX's PTX disk cache, so that later
             processes load it instead of compiling it (:mod:`velox_core.kernels.disk_cache`).
         cuda_include: on CUDA, hand MLX each kernel's texts as ``#include`` lines of files
@@ -100,7 +102,7 @@ class KernelConfig:
     sketch_mma_diff: bool | None = None
     sketch_mma_bsm: bool | None = None
     sketch_mma_ahead: int | None = None
-    table_codes: bool = True
+    layouts_off: frozenset[str] = frozenset()
     disk_cache: bool = True
     cuda_include: bool = True
 
@@ -128,6 +130,13 @@ class KernelConfig:
             _choice("KernelConfig.outlier_threads", self.outlier_threads, (64, 128))
         if self.sketch_mma_ahead is not None:
             _choice("KernelConfig.sketch_mma_ahead", self.sketch_mma_ahead, (1, 2))
+        if not isinstance(self.layouts_off, frozenset) or not all(
+            isinstance(n, str) and n.isidentifier() for n in self.layouts_off
+        ):
+            raise TypeError(
+                "KernelConfig.layouts_off must be a frozenset of layout names (identifiers "
+                f"such as 'vq'), got {self.layouts_off!r}"
+            )
 
     def replace(self, **changes: object) -> KernelConfig:
         """A copy with ``changes`` (field names; unknown ones are a TypeError)."""
@@ -150,6 +159,8 @@ class KernelConfig:
             raw = raw.strip()
             if kind == "switch":  # lenient on/off: only the listed words turn it off
                 changes[field] = raw.lower() not in _OFF
+            elif kind == "names":  # comma-separated
+                changes[field] = frozenset(n.strip() for n in raw.split(",") if n.strip())
             elif kind == "flag":
                 if raw not in ("0", "1"):
                     raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
@@ -168,7 +179,7 @@ class KernelConfig:
 
 
 # field -> (environment name, kind): "switch" (on unless 0/false/no/off), "flag" (0 or 1),
-# "int"
+# "int", "names" (comma-separated)
 ENVIRONMENT: dict[str, tuple[str, str]] = {
     "enabled": ("VELOX_KERNELS", "switch"),
     "decode_warps": ("VELOX_DECODE_WARPS", "int"),
@@ -193,7 +204,7 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     "sketch_mma_diff": ("VELOX_SKETCH_MMA_DIFF", "flag"),
     "sketch_mma_bsm": ("VELOX_SKETCH_MMA_BSM", "flag"),
     "sketch_mma_ahead": ("VELOX_SKETCH_MMA_AHEAD", "int"),
-    "table_codes": ("VELOX_DECODE_TABLE", "flag"),
+    "layouts_off": ("VELOX_LAYOUTS_OFF", "names"),
     "disk_cache": ("VELOX_KERNEL_CACHE", "switch"),
     "cuda_include": ("VELOX_CUDA_INCLUDE", "flag"),
 }

@@ -15,11 +15,10 @@ scale and zero per ``group`` channels of a token: :class:`velox_core.Uniform` wi
 norm per token: TurboQuant_mse in the rotated domain) or **vector** codes (:class:`VQCodes`:
 each sub-vector of ``group`` channels is the index of a codeword, ``x = codebook[code]``, one
 codebook per batch row and KV head: VecInfer). Keys may also be **per-channel affine** codes
-(:class:`ChannelAffineCodes`, KIVI's), **sketch** codes (:class:`SketchCodes`, QJL: ``m``
+(:class:`ChannelAffineCodes`, KIVI's), **sketch** codes (:class:`SketchCodes`: ``m``
 sign bits of ``S k`` and ``||k||`` per token, with per-block outlier channels and their own
-sketch, see :class:`SketchKeys`) or **table** codes (:class:`TableCodes`, CommVQ: indices of
-RoPE-commutative codewords, a norm and a position per token, scored from query tables the
-host builds per call, see :class:`TableKeys`). Codes are uint32 words in velox's packing layout
+sketch, see :class:`SketchKeys`) or a layout a method package registers with its own key
+pass (:mod:`velox_core.kernels.layout`). Codes are uint32 words in velox's packing layout
 (:mod:`velox_core.ops.packing`), any width 1 to 8 where a lane's channels fill whole words.
 
 :func:`plan` says whether (and how) a shape is supported; :func:`decode_attention` returns
@@ -50,9 +49,10 @@ from .codes import (  # re-exported: velox_core.kernels.decode is the entry poin
     qmul_bits,
     sketch_inputs,
     sketch_matrix,
-    table_entries,
     unused_input,
 )
+from .config import kernel_config
+from .layout import layout_of
 from .merge import (  # re-exported: velox_core.kernels.decode is the entry point
     MERGE,
     MERGE_FP16,
@@ -82,6 +82,7 @@ from .portable import (  # re-exported: velox_core.kernels.decode is the entry p
     CUDA_WIDE_REGS,
     DECODE,
     DEFAULT_BLOCKS,
+    KEY_PASS,
     MAX_MERGE_FLOATS,
     MAX_REGS,
     MIN_SPAN,
@@ -93,6 +94,7 @@ from .portable import (  # re-exported: velox_core.kernels.decode is the entry p
     block_splits,
     choose_splits,
     decode_portable,
+    decode_spec,
     fit_splits,
     plan,
     plan_for,
@@ -108,7 +110,6 @@ from .records import (  # re-exported: velox_core.kernels.decode is the entry po
     AFFINE_CHANNEL,
     CODEBOOK,
     SKETCH,
-    TABLE,
     VQ,
     AffineCodes,
     ChannelAffineCodes,
@@ -116,8 +117,6 @@ from .records import (  # re-exported: velox_core.kernels.decode is the entry po
     CodeRecord,
     SketchCodes,
     SketchKeys,
-    TableCodes,
-    TableKeys,
     VQCodes,
 )
 
@@ -130,6 +129,7 @@ __all__ = [
     "DECODE_MMA",
     "DECODE_MMA_PARTS",
     "DEFAULT_BLOCKS",
+    "KEY_PASS",
     "FP16_MAX",
     "LOG2E",
     "MAX_MERGE_FLOATS",
@@ -142,7 +142,6 @@ __all__ = [
     "SCORE_SLOTS",
     "SKETCH",
     "SKETCH_LANES",
-    "TABLE",
     "UNROLL",
     "VQ",
     "VQ_MAX_TABLE",
@@ -155,8 +154,6 @@ __all__ = [
     "Plan",
     "SketchCodes",
     "SketchKeys",
-    "TableCodes",
-    "TableKeys",
     "VQCodes",
     "block_splits",
     "check_codes",
@@ -165,6 +162,8 @@ __all__ = [
     "decode_attention",
     "decode_mma",
     "decode_portable",
+    "decode_spec",
+    "layout_of",
     "fit_splits",
     "float_bits",
     "levels_symmetric",
@@ -189,7 +188,6 @@ __all__ = [
     "sketch_lanes",
     "sketch_matrix",
     "sketch_template",
-    "table_entries",
     "template",
     "tuning",
     "unused_input",
@@ -205,13 +203,16 @@ def _check_call(
         raise ValueError("decode_attention: fp16 segments and out_dtype go together")
     if (rot is not None and not merge_q) or (merge_q and fp16_tokens is None):
         raise ValueError("decode_attention: rot needs merge_q, and merge_q fp16 segments")
-    if q_sketch != (keys.signs is not None or keys.sketch is not None or keys.table is not None):
+    klay, vlay = layout_of(keys), layout_of(values)
+    takes = klay.query_shape(keys, *q_shape) is not None
+    if q_sketch != takes:
         raise ValueError(
-            "decode_attention: q_sketch goes with keys that carry signs, a sketch (SKETCH) or "
-            "query tables (TABLE)"
+            f"decode_attention: q_sketch goes with keys that take a query-side input (a "
+            f"sketched query, query tables); these {klay.name} keys take "
+            + ("one" if takes else "none")
         )
-    if values.kind in (SKETCH, TABLE):
-        raise ValueError("decode_attention: sketch and table codes are for keys only")
+    if vlay.keys_only:
+        raise ValueError(f"decode_attention: {vlay.name} codes are for keys only")
 
 
 def plan_decode(
@@ -235,7 +236,8 @@ def plan_decode(
     the kernels, so a decode step reuses it while the segment is unchanged (a cache passes
     tokens to its codes ``flush`` at a time). ``run`` returns what :func:`decode_attention`
     returns, or None where the fp16 segments it is given exceed :data:`FP16_MAX` tokens.
-    Returns None where no kernel takes the shape.
+    Returns None where no kernel takes the shape, or a side's layout is turned off
+    (``KernelConfig.layouts_off``).
 
     Args:
         q_shape, q_dtype: the queries ``run`` takes (see :func:`decode_attention`).
@@ -252,6 +254,9 @@ def plan_decode(
     if t < 1 or values.codes.shape[2] != t:
         return None
     _check_call(q_shape, keys, values, fp16_tokens, out_dtype, merge_q, rot, q_sketch)
+    off = kernel_config().layouts_off
+    if off and (layout_of(keys).name in off or layout_of(values).name in off):
+        return None
     if out_only and out_dtype is None:
         raise ValueError("decode_attention: out_only needs out_dtype (the normalized output)")
     if fp16_tokens is not None and fp16_tokens > FP16_MAX:
@@ -294,11 +299,7 @@ def plan_decode(
         if parts is None:
             return None
         takes_qs = True
-    want_qs = q_shape
-    if keys.sketch is not None:
-        want_qs = (b, h, m, keys.sketch.m)
-    elif keys.table is not None:
-        want_qs = (b, h, m, table_entries(keys.table.stages, dim, keys.bits))
+    want_qs = layout_of(keys).query_shape(keys, b, h, m, dim) or q_shape
     merges: dict[int, Any] = {}  # the merge, per query rows the decode kernel took
 
     def run(q, fp16=None, merge_q=None, q_sketch=None):
@@ -361,10 +362,11 @@ def decode_attention(
         q_sketch: with keys that carry a residual sketch (``keys.signs``): the sketched query
             ``(B, H, M, D)`` (times the sketch's constant), scaled like ``q``; with
             :data:`SKETCH` keys: ``S q`` ``(B, H, M, m)`` float32 (no constant), from the same
-            ``q`` as the kernel takes (scaled or not); with :data:`TABLE` keys: the query
-            tables ``(B, H, M, table_entries(...))`` float32 (:class:`TableKeys`), from the
-            same ``q`` (scaled or not; the kernel then scores only from them and passes ``q``
-            to the merge for the fp16 segments).
+            ``q`` as the kernel takes (scaled or not); with keys of a layout that scores from
+            per-call query tables: the tables in the layout's
+            :meth:`~velox_core.kernels.layout.Layout.query_shape`, from the same ``q``
+            (scaled or not; the kernel then scores only from them and passes ``q`` to the
+            merge for the fp16 segments).
 
     One call of :func:`plan_decode`'s plan; a caller attending the same segment again
     (a decode step) keeps the plan instead.

@@ -393,7 +393,7 @@ class DecodeRun:
         self.rows = b * h * mp
         self.emu = emu
         self.k_decode = emu.kernel(
-            dk.DECODE, ins, ["float32"] * 2, dk.template(p, dim, keys, values)
+            dk.decode_spec(keys), ins, ["float32"] * 2, dk.template(p, dim, keys, values)
         )
         parts = [np.zeros(s, np.float32) for s in self.shapes]
         self.k_merge = emu.kernel(dk.MERGE, parts, ["float32"] * 3)

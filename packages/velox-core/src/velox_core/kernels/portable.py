@@ -11,6 +11,7 @@ shape and returns the launch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -18,17 +19,10 @@ import mlx.core as mx
 
 from .. import kernels as _kernels  # backend() looked up per call (tests report another)
 from .build import KernelSpec
-from .codes import (
-    VQ_MAX_TABLE,
-    check_codes,
-    code_inputs,
-    float_bits,
-    pad_rows,
-    qmul_bits,
-    sketch_inputs,
-)
+from .codes import check_codes, code_inputs, float_bits, qmul_bits, sketch_inputs
 from .config import kernel_config
-from .records import AFFINE, AFFINE_CHANNEL, CODEBOOK, SKETCH, TABLE, VQ, CodeRecord
+from .layout import Layout, layout_for, layout_of, pad_rows
+from .records import CODEBOOK, SKETCH, CodeRecord
 
 NWARPS = 4  # warps per threadgroup (KernelConfig.decode_warps overrides: 1, 2, 4 or 8)
 
@@ -58,6 +52,28 @@ DECODE = KernelSpec(
     outputs=("o_part", "ml_part"),
     row_contiguous=False,  # the body reads strides: slices of a cache buffer are not copied
 )
+
+
+KEY_PASS = "// @key-pass"  # where the body takes a layout's own key pass (KOWN)
+
+_SPECS: dict[type, KernelSpec] = {}
+
+
+def decode_spec(keys: CodeRecord) -> KernelSpec:
+    """The portable kernel for ``keys``: :data:`DECODE`, or for a layout that brings its own
+    key pass (:attr:`~velox_core.kernels.layout.Layout.key_pass`) the body with that pass in
+    place, named after the layout (MLX keeps compiled kernels by name)."""
+    lay: Layout = layout_of(keys)
+    if lay.key_pass is None:
+        return DECODE
+    spec = _SPECS.get(type(lay))
+    if spec is None:
+        spec = _SPECS[type(lay)] = dataclasses.replace(
+            DECODE,
+            name=f"{DECODE.name}_{lay.name}",
+            inserts=((KEY_PASS, lay.key_pass, lay.package),),
+        )
+    return spec
 
 
 @dataclass(frozen=True)
@@ -92,29 +108,10 @@ def _pow2_ceil(n: int) -> int:
 
 
 def side_ok(kind: int, bits: int, group: int, dim: int, cpl: int) -> bool:
-    if kind == SKETCH:  # the key pass has its own lane layout (sketch_lanes)
-        return True
-    if kind == TABLE:  # a lane's pairs are whole code groups, its indices one word or whole words
-        pairs = cpl // 2
-        if not 1 <= bits <= 8 or group < 1 or pairs % group:
-            return False
-        lane_bits = pairs // group * 2 * bits  # of one stage
-        return lane_bits % 32 == 0 or 32 % lane_bits == 0
-    if kind == VQ:  # whole sub-vectors a lane, its indices in whole words; the table fits
-        return (
-            1 <= bits <= 8
-            and group in (1, 2, 4, 8)
-            and cpl % group == 0
-            and (cpl // group * bits) % 32 == 0
-            and (1 << bits) * group <= VQ_MAX_TABLE
-        )
-    if not 1 <= bits <= 8 or (cpl * bits) % 32:
-        return False
-    if kind == AFFINE:
-        return group >= 1 and dim % group == 0 and (group % cpl == 0 or cpl % group == 0)
-    if kind == AFFINE_CHANNEL:
-        return group >= 1
-    return kind == CODEBOOK
+    """Whether lanes of ``cpl`` channels read a side of layout ``kind`` (its
+    :meth:`~velox_core.kernels.layout.Layout.lanes_ok`; False for a kind no layout has)."""
+    lay = layout_for(kind)
+    return lay is not None and lay.lanes_ok(bits, group, dim, cpl)
 
 
 def _pow2_floor(n: int) -> int:
@@ -149,10 +146,9 @@ def plan(
     key ``sketch``: the sketched query takes the other half); rows per
     threadgroup are a power of two (at most 8). A sketch needs codebook keys and a head dim
     that is a multiple of 32. :data:`VQ` codes need whole sub-vectors per lane, a lane's
-    indices filling whole words, and a codebook of at most :data:`VQ_MAX_TABLE` floats.
-    :data:`TABLE` keys (CommVQ, ``kgroup`` pairs per code) need a lane's ``cpl / 2`` pairs to
-    be whole code groups whose indices of one stage fill one word's aligned share or whole
-    words; they are keys only.
+    indices filling whole words, and a codebook of at most ``VQ_MAX_TABLE`` floats. Each
+    side's layout (:mod:`velox_core.kernels.layout`) says which lanes read it
+    (:func:`side_ok`) and whether its value pass mixes it.
 
     :data:`SKETCH` keys (QJL) pass ``qjl = (m, mo, outliers)``: the key pass spreads a
     token's sign bits over :func:`sketch_lanes` lanes, and each query row holds
@@ -160,7 +156,8 @@ def plan(
     ``outliers`` coordinates of a block (at most half of it); with outliers, a block of
     ``kgroup`` tokens must fit one split.
     """
-    if m < 1 or dim < 1 or vkind in (AFFINE_CHANNEL, TABLE):  # keys only
+    klay, vlay = layout_for(kkind), layout_for(vkind)
+    if m < 1 or dim < 1 or klay is None or vlay is None or not vlay.mixes_values:
         return None
     if sketch and (kkind != CODEBOOK or dim % 32):
         return None
@@ -182,7 +179,7 @@ def plan(
         ):
             continue
         regs = budget
-        if cpl == 32 and not sketch and qjl is None and kkind not in (VQ, TABLE) and vkind != VQ:
+        if cpl == 32 and not sketch and qjl is None and klay.wide and vlay.wide:
             regs = CUDA_WIDE_REGS if _kernels.backend() == "cuda" else budget
         if regs < cpl:
             continue
@@ -296,7 +293,11 @@ def template(
     p: Plan, dim: int, k: CodeRecord, v: CodeRecord, scale: float | None = None
 ) -> list[tuple[str, int]]:
     """The body's compile-time constants for a plan (``scale``: the attention scale the kernel
-    applies to unscaled queries; None when they come scaled)."""
+    applies to unscaled queries; None when they come scaled). ``KOWN`` is 1 where the keys'
+    layout brings its own key pass (:attr:`~velox_core.kernels.layout.Layout.key_pass`),
+    ``KOLV`` the floats of its table the kernel copies to threadgroup memory; its own
+    constants (:meth:`~velox_core.kernels.layout.Layout.constants`) come last."""
+    klay, vlay = layout_of(k), layout_of(v)
     return [
         ("MB", p.mb),
         ("HD", dim),
@@ -304,15 +305,17 @@ def template(
         ("VBITS", v.bits),
         ("KKIND", k.kind),
         ("VKIND", v.kind),
-        ("KGROUP", k.group if k.kind != CODEBOOK else dim),
-        ("VGROUP", v.group if v.kind in (AFFINE, VQ) else dim),
+        ("KGROUP", klay.group_constant(k, dim)),
+        ("VGROUP", vlay.group_constant(v, dim)),
         ("CPL", p.cpl),
         ("NWARPS", p.nwarps),
         ("UNROLL", p.unroll),
         ("QMUL", qmul_bits(scale)),
         ("KQJL", int(k.signs is not None)),
         *sketch_template(p, k),
-        ("KSTG", k.table.stages if k.table is not None else 0),
+        ("KOWN", int(klay.key_pass is not None)),
+        ("KOLV", klay.table_floats(k, dim)),
+        *klay.constants(k, dim),
     ]
 
 
@@ -360,11 +363,11 @@ def plan_portable(
     s = choose_splits(t, b * h, p) if splits is None else fit_splits(t, splits, p)
     s = block_splits(t, s, p, keys)
     nt = p.nwarps * 32
-    kernel, tmpl = DECODE.kernel(), template(p, dim, keys, values, scale)
+    kernel, tmpl = decode_spec(keys).kernel(), template(p, dim, keys, values, scale)
     codes = [*code_inputs(keys), *code_inputs(values)]
     grid, tg = (s * nt, b * h, p.nmb), (nt, 1, 1)
     shapes = [(b, h, s, mp, dim), (b, h, s, mp, 2)]
-    plain = keys.sketch is None and keys.signs is None and keys.table is None
+    plain = layout_of(keys).query_shape(keys, b, h, m, dim) is None
     extra = sketch_inputs(keys, None, mp) if plain else None
 
     def run(q, q_sketch=None):

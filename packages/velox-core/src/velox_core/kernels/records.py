@@ -3,11 +3,12 @@
 A segment's keys and values are each one record: :class:`AffineCodes` (per-token groups,
 ``x = scale * code + zero``), :class:`ChannelAffineCodes` (KIVI's per-channel keys),
 :class:`CodebookCodes` (``x = norm * levels[code]``, TurboQuant), :class:`VQCodes` (a codeword
-per sub-vector, VecInfer), :class:`SketchCodes` (QJL's sign sketches, with
-:class:`SketchKeys`) or :class:`TableCodes` (CommVQ's RoPE-commutative codes, with
-:class:`TableKeys`). Each carries its layout as the class constant ``kind`` (:data:`AFFINE`,
-:data:`AFFINE_CHANNEL`, :data:`CODEBOOK`, :data:`VQ`, :data:`SKETCH`, :data:`TABLE`: the
-kernels' ``KKIND`` / ``VKIND``), is built by keyword and checks its widths and the presence of
+per sub-vector, VecInfer), :class:`SketchCodes` (sign sketches, with
+:class:`SketchKeys`), or a record class a method package defines for a layout of its own.
+Each carries its layout as the class constant ``kind`` (:data:`AFFINE`,
+:data:`AFFINE_CHANNEL`, :data:`CODEBOOK`, :data:`VQ`, :data:`SKETCH`: the kernels' ``KKIND``
+/ ``VKIND``; :mod:`velox_core.kernels.layout` says how the kernels read each), is built by
+keyword and checks its widths and the presence of
 its arrays when built (no device work: shapes are checked against the query's head dim by
 :func:`velox_core.kernels.codes.check_codes`). :class:`CodeRecord` is their base, for type
 hints and isinstance checks, and gives the kernels one read-only view of every record.
@@ -20,14 +21,13 @@ from typing import ClassVar
 
 import mlx.core as mx
 
-AFFINE, CODEBOOK, AFFINE_CHANNEL, SKETCH, VQ, TABLE = 0, 1, 2, 3, 4, 5
+AFFINE, CODEBOOK, AFFINE_CHANNEL, SKETCH, VQ = 0, 1, 2, 3, 4
 
 __all__ = [
     "AFFINE",
     "AFFINE_CHANNEL",
     "CODEBOOK",
     "SKETCH",
-    "TABLE",
     "VQ",
     "AffineCodes",
     "ChannelAffineCodes",
@@ -35,24 +35,24 @@ __all__ = [
     "CodebookCodes",
     "SketchCodes",
     "SketchKeys",
-    "TableCodes",
-    "TableKeys",
     "VQCodes",
+    "check_record",
 ]
 
 
 class CodeRecord:
     """One side (keys or values) of a coded segment as the decode kernels read it: the base of
     the typed records (:class:`AffineCodes`, :class:`ChannelAffineCodes`,
-    :class:`CodebookCodes`, :class:`VQCodes`, :class:`SketchCodes`, :class:`TableCodes`).
+    :class:`CodebookCodes`, :class:`VQCodes`, :class:`SketchCodes`, and the records method
+    packages define).
 
     The kernel builders read every record through one view: ``kind`` (the record class's
     layout constant), ``bits``, ``group``, ``codes``, ``a`` (the scales or norms), ``b`` (the
     zeros, the outlier norms or the positions; None where the layout has none), ``levels``
     (codebook levels, or VQ's codebooks), ``signs`` and ``rnorm`` (a codebook's residual
-    sketch), ``sketch`` (:class:`SketchKeys`), ``table`` (:class:`TableKeys`) and
-    ``symmetric``. Each record maps them to its named fields; the parts a layout lacks are
-    this base's class attributes (None, ``symmetric`` False), read-only on the records.
+    sketch), ``sketch`` (:class:`SketchKeys`) and ``symmetric``. Each record maps them to its
+    named fields; the parts a layout lacks are this base's class attributes (None,
+    ``symmetric`` False), read-only on the records.
     """
 
     __slots__ = ()
@@ -62,7 +62,6 @@ class CodeRecord:
     signs: ClassVar[mx.array | None] = None
     rnorm: ClassVar[mx.array | None] = None
     sketch: ClassVar[SketchKeys | None] = None
-    table: ClassVar[TableKeys | None] = None
     symmetric: ClassVar[bool] = False
 
     @property
@@ -76,10 +75,11 @@ class CodeRecord:
         return None
 
 
-def _check(
+def check_record(
     rec: CodeRecord, arrays: tuple[str, ...], width: bool = True, group: str = "group"
 ) -> None:
-    """The construction checks the records share (host-side only, no device work): ``bits``
+    """The construction checks the records share, a method package's records included
+    (host-side only, no device work): ``bits``
     an int from 1 to 8 (``width``), the field named ``group`` a positive int, each of
     ``arrays`` an ``mx.array``."""
     name = type(rec).__name__
@@ -99,7 +99,7 @@ def _check(
 # The records are not frozen: a decode step may build two of them per layer, and a frozen
 # dataclass's __init__ (object.__setattr__ per field) costs several times a plain one's; treat
 # them as immutable (dataclasses.replace makes a changed copy, checked again).
-# A required field named like a view attribute of CodeRecord (levels, sketch, table) is
+# A required field named like a view attribute of CodeRecord (levels, sketch) is
 # declared with field(): a bare annotation would take the base's class attribute as default.
 
 
@@ -115,7 +115,7 @@ class _Affine(CodeRecord):
     zero: mx.array
 
     def __post_init__(self) -> None:
-        _check(self, ("codes", "scale", "zero"))
+        check_record(self, ("codes", "scale", "zero"))
 
     @property
     def a(self) -> mx.array:
@@ -195,11 +195,11 @@ class CodebookCodes(CodeRecord):
 
     def __post_init__(self) -> None:
         if self.signs is None and self.rnorm is None:
-            _check(self, ("codes", "norm", "levels"), group="dim")
+            check_record(self, ("codes", "norm", "levels"), group="dim")
         elif self.signs is None or self.rnorm is None:
             raise ValueError("CodebookCodes: signs and rnorm go together (a residual sketch)")
         else:
-            _check(self, ("codes", "norm", "levels", "signs", "rnorm"), group="dim")
+            check_record(self, ("codes", "norm", "levels", "signs", "rnorm"), group="dim")
 
     @property
     def group(self) -> int:
@@ -232,7 +232,7 @@ class VQCodes(CodeRecord):
     codebooks: mx.array
 
     def __post_init__(self) -> None:
-        _check(self, ("codes", "codebooks"))
+        check_record(self, ("codes", "codebooks"))
 
     @property
     def levels(self) -> mx.array:
@@ -267,7 +267,7 @@ class SketchCodes(CodeRecord):
 
     def __post_init__(self) -> None:
         arrays = ("codes", "norm") if self.onorm is None else ("codes", "norm", "onorm")
-        _check(self, arrays, width=False)
+        check_record(self, arrays, width=False)
         if not isinstance(self.sketch, SketchKeys):
             raise ValueError(
                 f"SketchCodes: sketch must be a SketchKeys record, got {type(self.sketch).__name__}"
@@ -280,45 +280,6 @@ class SketchCodes(CodeRecord):
     @property
     def b(self) -> mx.array | None:
         return self.onorm
-
-
-@dataclass(slots=True, kw_only=True)
-class TableCodes(CodeRecord):
-    """CommVQ keys (velox-commvq's codec): indices of RoPE-commutative codewords, a norm and a
-    position a token, scored from per-call query tables (:class:`TableKeys`). Keys only.
-
-    Attributes:
-        bits: bits of one of a group's two indices, ``log2 K`` (1 to 8).
-        group: RoPE pairs per code (``G``).
-        codes: ``(B, H, T, W)`` uint32: per token the ``S * (P / G) * 2`` indices, ``bits``
-            each, in one bit stream (see :class:`TableKeys`).
-        norm: ``(B, H, T)``.
-        positions: ``(B, 1, T)`` int32, one a token for all heads.
-        table: the stages and RoPE frequencies.
-    """
-
-    kind: ClassVar[int] = TABLE
-    bits: int
-    group: int
-    codes: mx.array
-    norm: mx.array
-    positions: mx.array
-    table: TableKeys = field()
-
-    def __post_init__(self) -> None:
-        _check(self, ("codes", "norm", "positions"))
-        if not isinstance(self.table, TableKeys):
-            raise ValueError(
-                f"TableCodes: table must be a TableKeys record, got {type(self.table).__name__}"
-            )
-
-    @property
-    def a(self) -> mx.array:
-        return self.norm
-
-    @property
-    def b(self) -> mx.array:
-        return self.positions
 
 
 @dataclass(frozen=True)
@@ -358,35 +319,3 @@ class SketchKeys:
     osign: mx.array | None = None
     idx: mx.array | None = None
     mma: bool = False
-
-
-@dataclass(frozen=True)
-class TableKeys:
-    """CommVQ keys (velox-commvq's codec) as the portable kernel reads them, beside
-    :class:`TableCodes` (arXiv 2506.18879).
-
-    A key is ``k_p = n e^{i t theta_p} sum_s (A[s, p, c1] + J B[s, p, c2])`` per RoPE pair
-    ``p`` (pairs as complex numbers: ``n`` its norm, ``t`` its position, ``c1, c2`` the
-    indices its group of ``G`` pairs took at stage ``s``). The codewords, ``J`` and the
-    rotation commute, so ``q . k = n sum_p Re(e^{i t theta_p} W_p)`` with ``W_p = sum_s
-    (TA[s, p, c1] + TB[s, p, c2])``, ``TA = conj(q_p) A``, ``TB = conj(q_p) J B``: the host
-    builds those tables once per call (the query against every codeword, MLX ops) and passes
-    them as the kernel's query-side input, ``(B, H, M, E)`` float32 with ``E =``
-    :func:`velox_core.kernels.codes.table_entries`, entry ``(((s * P + p) * 2 + book) * K +
-    k) * 2 + c`` (``book`` 0: ``TA``, 1: ``TB``; ``c`` 0: real part, 1: imaginary part). The
-    kernel reads each key's codes, sums its looked-up 2-vectors per pair, rotates the sums by
-    the key's angle (``t theta_p``, from its position and ``theta``), adds the pairs and
-    scales by the norm; no key is decoded.
-
-    ``TableCodes.codes`` holds per token the ``S * (P / G) * 2`` indices of
-    ``TableCodes.bits`` bits in one bit stream (velox's packing), stage by stage, group by
-    group, ``c1`` then ``c2``.
-
-    Attributes:
-        stages: residual stages ``S``.
-        theta: ``(D/2,)`` float32: radians per position of each pair, in the codes' pair
-            order (0 for the channels RoPE leaves alone).
-    """
-
-    stages: int
-    theta: mx.array

@@ -1,7 +1,7 @@
 """A model's rotary position embedding (RoPE), read from its modules, undone and redone.
 
-mlx-lm rotates keys before the cache sees them. Methods that work on *pre-RoPE* keys (KVQuant,
-SVDq, CommVQ, xKV, Palu, velox-transfer) turn each key back at its absolute position, and turn
+mlx-lm rotates keys before the cache sees them. Methods that work on *pre-RoPE* keys (the
+pre-RoPE key codecs, cross-model transfer) turn each key back at its absolute position, and turn
 keys rebuilt from their codes forward again. A RoPE is its angular frequencies ``theta``
 (radians per position, one per rotated channel pair), the number ``dims`` of rotated channels
 (the first ones of the head) and the pair layout: ``traditional`` pairs channels

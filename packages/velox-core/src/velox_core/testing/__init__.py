@@ -21,8 +21,11 @@ from .kernel_env import kernel_env
 from .kernel_path import (
     assert_cpu_declines,
     assert_kernel_partial,
+    compile_cuda,
+    compile_metal,
     emulated_gpu_fixture,
     needs_gxx,
+    needs_nvcc,
 )
 from .linked import assert_linked_copies
 from .models import FAMILIES, conformance_model, tiny_model, tiny_tokenizer
@@ -43,6 +46,8 @@ __all__ = [
     "assert_partials_equivalent",
     "assert_tampered_state_refused",
     "attention_errors_vs_mlx_quant",
+    "compile_cuda",
+    "compile_metal",
     "conformance_model",
     "decode_logits",
     "emulated_gpu_fixture",
@@ -53,6 +58,7 @@ __all__ = [
     "kv_data",
     "kv_like",
     "needs_gxx",
+    "needs_nvcc",
     "rel_error",
     "scratch_dir",
     "tiny_model",

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
+import re
 import shutil
-from collections.abc import Callable
+import subprocess
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -15,14 +20,77 @@ from .conformance import assert_partials_close
 __all__ = [
     "assert_cpu_declines",
     "assert_kernel_partial",
+    "compile_cuda",
+    "compile_metal",
     "emulated_gpu_fixture",
     "needs_gxx",
+    "needs_nvcc",
 ]
 
 # marks a test that runs kernels through the C++ emulation (velox_core.kernels.emulate)
 needs_gxx = pytest.mark.skipif(
     shutil.which("g++") is None, reason="g++ is not installed: the kernels cannot be emulated"
 )
+
+
+# marks a test that compiles the CUDA instantiations with nvcc
+needs_nvcc = pytest.mark.skipif(
+    shutil.which("nvcc") is None,
+    reason="nvcc is not installed: the CUDA instantiation cannot be compiled here",
+)
+
+
+def compile_metal(sources: Sequence[str], workdir: Path) -> None:
+    """Compile Metal instantiations (``velox_core.kernels.build.metal_source``'s texts) as one
+    unit through the C++ shim of Metal (``g++ -fsyntax-only``); fails the test with the
+    compiler's message. Each kernel binds at most 31 buffers, its slots numbered from 0."""
+    from ..kernels.emulate import compiler, shim_dir
+
+    for src in sources:
+        slots = [int(i) for i in re.findall(r"\[\[buffer\((\d+)\)\]\]", src)]
+        assert sorted(slots) == list(range(len(slots))) and len(slots) <= 31, slots
+    cpp = Path(workdir) / "metal_kernels.cpp"
+    cpp.write_text('#include "metal_shim.h"\n' + "\n".join(sources))
+    cmd = [compiler() or "g++", "-std=c++17", "-fsyntax-only", "-Wall", "-Wno-attributes"]
+    res = subprocess.run(
+        [*cmd, "-Wno-unused", "-I", str(shim_dir()), str(cpp)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr[-6000:]
+
+
+def compile_cuda(units: Sequence[Sequence[str]], workdir: Path, spill_bytes: int = 0) -> str:
+    """Compile CUDA translation units (each a list of kernels' sources, as
+    ``velox_core.kernels.build.cuda_source`` writes them) with nvcc for sm_90a, two at a time;
+    assert success and spill stores of at most ``spill_bytes`` per kernel; returns ptxas' log
+    in unit order. A kernel with ``__launch_bounds__`` re-defines ``__global__`` for the rest
+    of its unit: it must be a unit of its own (as MLX compiles each kernel). Device code only
+    (``-cubin``, as MLX compiles a kernel through NVRTC). MLX's device headers come from
+    ``VELOX_MLX_CUDA_INCLUDE`` or the stand-in in ``metal/shim/cuda``."""
+    from ..kernels.emulate import shim_dir
+
+    nvcc = shutil.which("nvcc")
+    assert nvcc is not None, "nvcc is not installed"
+    inc = os.environ.get("VELOX_MLX_CUDA_INCLUDE") or str(shim_dir() / "cuda")
+    work = Path(workdir)
+
+    def compile_unit(i: int) -> str:
+        cu = work / f"kernels{i}.cu"
+        cu.write_text("\n".join(units[i]))
+        cmd = [nvcc, "-std=c++17", "-arch=sm_90a", "-Xptxas", "-v", "-I", inc, "-cubin", str(cu)]
+        res = subprocess.run(
+            [*cmd, "-o", str(work / f"k{i}.cubin")], capture_output=True, text=True, check=False
+        )
+        assert res.returncode == 0, res.stderr[-6000:]
+        found = re.findall(r"(\d+) bytes spill stores", res.stderr)
+        assert len(found) == len(units[i]), res.stderr[-3000:]
+        assert all(int(f) <= spill_bytes for f in found), res.stderr[-3000:]
+        return res.stderr
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        return "".join(pool.map(compile_unit, range(len(units))))
 
 
 def emulated_gpu_fixture() -> Callable[..., Any]:

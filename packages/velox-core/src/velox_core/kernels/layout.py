@@ -1,0 +1,442 @@
+"""The seam between code records and the decode kernels: one :class:`Layout` per record class.
+
+A :class:`Layout` says how the portable decode kernel (``metal/decode_attention.metal``)
+reads one record class of :mod:`velox_core.kernels.records`: its ``KKIND`` / ``VKIND``
+value, which lane layouts it takes (:meth:`Layout.lanes_ok`), its four inputs per side
+(:meth:`Layout.inputs`), the per-call query-side input its keys need (:meth:`Layout.query_shape`,
+:meth:`Layout.query_inputs`), its shape checks (:meth:`Layout.check`), its template
+constants, and, for a layout whose keys are scored by code of its own, the key pass it
+brings into the kernel (:attr:`Layout.key_pass`, a file its package ships). The layouts live
+in a registry keyed by record class and by kind (:func:`register_layout`, :func:`layout_of`,
+:func:`layout_for`): the kernels' host code looks a record's layout up instead of branching
+on its kind.
+
+velox-core registers the layouts its own codecs make (:class:`AffineLayout`,
+:class:`ChannelAffineLayout`, :class:`CodebookLayout`) and those not yet moved to the package
+that makes them (:class:`VQLayout`, :class:`SketchLayout`). A method package with a layout of
+its own defines its record class (a :class:`~velox_core.kernels.records.CodeRecord`), a
+:class:`Layout` subclass and, where its keys need their own scoring, the key pass; it
+registers the layout when its kernel module is imported. See docs/contributing.md.
+
+**The key pass contract.** A key pass is a block of kernel body text (Metal, compiled for
+CUDA as well through ``velox_kernels.h``) placed where the portable kernel scores a split's
+tokens, run when the template constant ``KOWN`` is 1. It reads the kernel's names: the split
+``[t0, t1)``, ``STEP``, ``UNROLL``, ``TPW``, ``LPT``, ``LPT_REAL``, ``CPL``, ``MB``, ``HD``,
+``KBITS``, ``KGROUP``, ``KMASK``, ``QMUL``; the lane's ``warp``, ``slot``, ``j``, ``jc``,
+``act``; the row ``b``, ``h``, ``mblk``; the inputs ``kc``, ``ka``, ``kb``, ``qsk`` with their
+strides; ``klv_s``, the ``KOLV`` floats of ``klv`` the kernel copies to threadgroup memory
+first. For each token it computes the score of each of its rows in the log2 domain (times
+``QMUL``), reduce-scatters the token's lanes' sums (``vx_reduce_scatter<MB, LPT>``), keeps
+the running max in ``wmax`` and writes ``smem[(tok - t0) * MB + srow + e]`` on the lanes
+``j < SRL``, as the kernel's own passes do. Its own template constants come from
+:meth:`Layout.constants`.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import mlx.core as mx
+
+from .records import (
+    AFFINE,
+    AFFINE_CHANNEL,
+    CODEBOOK,
+    SKETCH,
+    VQ,
+    AffineCodes,
+    ChannelAffineCodes,
+    CodebookCodes,
+    CodeRecord,
+    SketchCodes,
+    VQCodes,
+)
+
+__all__ = [
+    "VQ_MAX_TABLE",
+    "Layout",
+    "device_floats",
+    "layout_for",
+    "layout_of",
+    "layouts",
+    "pad_rows",
+    "register_layout",
+    "unused_input",
+]
+
+# most floats of one side's VQ codebook (codewords x channels) the portable kernel keeps in
+# threadgroup memory: 4 KiB a side beside the 16 KiB of scores (Metal allows 32 KiB)
+VQ_MAX_TABLE = 1024
+
+_DUMMY: dict[mx.Dtype, mx.array] = {}
+
+
+def unused_input(dtype: mx.Dtype) -> mx.array:
+    """An unused 8-element input (kept at 8 so Metal passes it in device memory)."""
+    hit = _DUMMY.get(dtype)
+    if hit is None:
+        hit = _DUMMY[dtype] = mx.zeros((8,), dtype=dtype)
+    return hit
+
+
+def device_floats(x: mx.array) -> mx.array:
+    """A 1-D float32 input padded to 8 elements at least: kept in device memory on Metal
+    (MLX passes smaller inputs as constants; the body only indexes it)."""
+    if x.size < 8:
+        return mx.concatenate([x, mx.zeros((8 - x.size,), mx.float32)])
+    return x
+
+
+def pad_rows(x: mx.array, rows: int) -> mx.array:
+    """``x (B, H, R, D)`` with zero rows appended up to ``rows``."""
+    b, h, r, d = x.shape
+    return x if rows <= r else mx.concatenate([x, mx.zeros((b, h, rows - r, d), x.dtype)], axis=2)
+
+
+def _placeholders() -> list[mx.array]:
+    """The portable kernel's five query-side inputs where a side takes none."""
+    u32, f16, f32 = unused_input(mx.uint32), unused_input(mx.float16), unused_input(mx.float32)
+    return [u32, f16, f32, u32, f32]
+
+
+class Layout:
+    """How the portable decode kernel reads one record class: the base of the layouts.
+
+    Class attributes:
+        kind: the record's ``KKIND`` / ``VKIND`` value (unique among registered layouts).
+        record: the :class:`CodeRecord` subclass it reads.
+        name: a short name (messages, ``KernelConfig.layouts_off``).
+        keys_only: the layout's records are keys by construction (given as values: an
+            error).
+        mixes_values: the kernel's value pass reads the layout (False: a segment with such
+            values takes the reference path).
+        wide: the layout may take CUDA's wider register budget at 32 channels a lane.
+        key_pass: the file of the key pass this layout brings into the portable kernel
+            (see the module's contract), shipped by ``package``; None: the kernel's own
+            passes read it.
+        package: the package whose ``metal/`` folder ships ``key_pass``.
+    """
+
+    kind: ClassVar[int]
+    record: ClassVar[type[CodeRecord]]
+    name: ClassVar[str]
+    keys_only: ClassVar[bool] = False
+    mixes_values: ClassVar[bool] = True
+    wide: ClassVar[bool] = True
+    key_pass: ClassVar[str | None] = None
+    package: ClassVar[str] = "velox_core"
+
+    def lanes_ok(self, bits: int, group: int, dim: int, cpl: int) -> bool:
+        """Whether a lane of ``cpl`` channels reads a side of this layout (``bits``,
+        ``group``) of a ``dim``-channel head."""
+        raise NotImplementedError
+
+    def inputs(self, c: CodeRecord) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """The side's four inputs (``kc, ka, kb, klv`` or ``vc, va, vb, vlv``)."""
+        raise NotImplementedError
+
+    def check(self, name: str, c: CodeRecord, b: int, h: int, t: int, dim: int) -> None:
+        """Shapes and dtypes of ``c`` (``name``: ``"key"`` or ``"value"``) against a
+        ``(B, H, T)`` segment of head dim ``dim``; raises ValueError naming what is wrong."""
+        raise NotImplementedError
+
+    def query_shape(
+        self, c: CodeRecord, b: int, h: int, m: int, dim: int
+    ) -> tuple[int, ...] | None:
+        """The shape of the per-call query-side input these keys take (a sketched query,
+        query tables), or None where they take none."""
+        return None
+
+    def query_inputs(self, c: CodeRecord, q_side: mx.array | None, rows: int) -> list[mx.array]:
+        """The kernel's five query-side inputs (``ksg, krn, qsk, kix, kst``) for keys ``c``
+        and their query-side input (rows padded to ``rows``); placeholders by default."""
+        return _placeholders()
+
+    def group_constant(self, c: CodeRecord, dim: int) -> int:
+        """The ``KGROUP`` / ``VGROUP`` template value."""
+        return c.group
+
+    def table_floats(self, c: CodeRecord, dim: int) -> int:
+        """``KOLV``: floats of the keys' ``klv`` input that a key pass reads from
+        threadgroup memory (0: none)."""
+        return 0
+
+    def constants(self, c: CodeRecord, dim: int) -> list[tuple[str, int]]:
+        """The template constants of this layout's key pass (keys only)."""
+        return []
+
+
+_BY_RECORD: dict[type, Layout] = {}
+_BY_KIND: dict[int, Layout] = {}
+
+
+def register_layout(layout: Layout) -> Layout:
+    """Add ``layout`` to the registry (again for the same class: a no-op). Raises ValueError
+    where another layout holds its kind, its record class or its name."""
+    if not isinstance(layout, Layout):
+        raise TypeError(f"register_layout: expected a Layout, got {type(layout).__name__}")
+    same = _BY_KIND.get(layout.kind)
+    if same is not None:
+        if type(same) is type(layout):
+            return same
+        raise ValueError(
+            f"register_layout: kind {layout.kind} is {type(same).__name__}'s, not "
+            f"{type(layout).__name__}'s"
+        )
+    if layout.record in _BY_RECORD:
+        raise ValueError(f"register_layout: {layout.record.__name__} already has a layout")
+    if any(other.name == layout.name for other in _BY_KIND.values()):
+        raise ValueError(f"register_layout: the name {layout.name!r} is taken")
+    if getattr(layout.record, "kind", None) != layout.kind:
+        raise ValueError(
+            f"register_layout: {layout.record.__name__}.kind must be {layout.kind}, got "
+            f"{getattr(layout.record, 'kind', None)!r}"
+        )
+    _BY_KIND[layout.kind] = layout
+    _BY_RECORD[layout.record] = layout
+    return layout
+
+
+def layout_of(c: CodeRecord) -> Layout:
+    """The layout of record ``c``; TypeError for a record class no layout reads."""
+    hit = _BY_RECORD.get(type(c))
+    if hit is None:
+        for cls in type(c).__mro__[1:]:
+            if cls in _BY_RECORD:
+                return _BY_RECORD[cls]
+        raise TypeError(
+            f"no decode kernel layout reads {type(c).__name__} (registered: "
+            f"{', '.join(sorted(r.__name__ for r in _BY_RECORD))})"
+        )
+    return hit
+
+
+def layout_for(kind: int) -> Layout | None:
+    """The layout of ``KKIND`` / ``VKIND`` value ``kind``, or None."""
+    return _BY_KIND.get(kind)
+
+
+def layouts() -> tuple[Layout, ...]:
+    """The registered layouts, by kind."""
+    return tuple(_BY_KIND[k] for k in sorted(_BY_KIND))
+
+
+def _check_words(name: str, c: CodeRecord, b: int, h: int, t: int, words: int) -> None:
+    if tuple(c.codes.shape) != (b, h, t, words) or c.codes.dtype != mx.uint32:
+        raise ValueError(
+            f"decode_attention: {name} codes {tuple(c.codes.shape)} {c.codes.dtype} do not match "
+            f"(B, H, T, W) = {(b, h, t, words)} uint32"
+        )
+
+
+def _whole_words(bits: int, cpl: int) -> bool:
+    return 1 <= bits <= 8 and (cpl * bits) % 32 == 0
+
+
+class AffineLayout(Layout):
+    """:class:`AffineCodes`: ``x = scale * code + zero`` per group of a token's channels."""
+
+    kind = AFFINE
+    record = AffineCodes
+    name = "affine"
+
+    def lanes_ok(self, bits, group, dim, cpl):
+        if not _whole_words(bits, cpl):
+            return False
+        return group >= 1 and dim % group == 0 and (group % cpl == 0 or cpl % group == 0)
+
+    def inputs(self, c):
+        return c.codes, c.scale, c.zero, unused_input(mx.float32)
+
+    def _scale_shape(self, name, c, b, h, t, dim):
+        return (b, h, t, dim // c.group)
+
+    def check(self, name, c, b, h, t, dim):
+        _check_words(name, c, b, h, t, -(-dim * c.bits // 32))
+        want = self._scale_shape(name, c, b, h, t, dim)
+        if tuple(c.scale.shape) != want or tuple(c.zero.shape) != want:
+            raise ValueError(f"decode_attention: {name} scales/norms do not have shape {want}")
+
+
+class ChannelAffineLayout(AffineLayout):
+    """:class:`ChannelAffineCodes`: one (scale, zero) per channel and group of tokens (keys
+    only, KIVI's)."""
+
+    kind = AFFINE_CHANNEL
+    record = ChannelAffineCodes
+    name = "affine_channel"
+    mixes_values = False
+
+    def lanes_ok(self, bits, group, dim, cpl):
+        return _whole_words(bits, cpl) and group >= 1
+
+    def _scale_shape(self, name, c, b, h, t, dim):
+        if t % c.group:
+            raise ValueError(
+                f"decode_attention: {name} tokens ({t}) must be whole groups of {c.group} for "
+                "per-channel scales"
+            )
+        return (b, h, t // c.group, dim)
+
+
+class CodebookLayout(Layout):
+    """:class:`CodebookCodes`: ``x = norm * levels[code]``, keys optionally with a residual
+    sign sketch (their query-side input: the sketched query)."""
+
+    kind = CODEBOOK
+    record = CodebookCodes
+    name = "codebook"
+
+    def lanes_ok(self, bits, group, dim, cpl):
+        return _whole_words(bits, cpl)
+
+    def inputs(self, c):
+        levels = device_floats(c.levels.astype(mx.float32))
+        return c.codes, c.norm, unused_input(c.norm.dtype), levels
+
+    def check(self, name, c, b, h, t, dim):
+        if c.dim != dim:
+            raise ValueError(
+                f"decode_attention: {name} codebook codes are for head dim {c.dim}, the "
+                f"segment's is {dim}"
+            )
+        if c.signs is not None:
+            if tuple(c.signs.shape) != (b, h, t, dim // 32) or c.signs.dtype != mx.uint32:
+                raise ValueError(
+                    f"decode_attention: {name} signs {tuple(c.signs.shape)} {c.signs.dtype} do "
+                    f"not match (B, H, T, D/32) = {(b, h, t, dim // 32)} uint32"
+                )
+            if tuple(c.rnorm.shape) != (b, h, t):
+                raise ValueError(f"decode_attention: {name} rnorm does not have shape {(b, h, t)}")
+        _check_words(name, c, b, h, t, -(-dim * c.bits // 32))
+        if tuple(c.norm.shape) != (b, h, t):
+            raise ValueError(f"decode_attention: {name} scales/norms do not have shape {(b, h, t)}")
+
+    def group_constant(self, c, dim):
+        return dim
+
+    def query_shape(self, c, b, h, m, dim):
+        return None if c.signs is None else (b, h, m, dim)
+
+    def query_inputs(self, c, q_side, rows):
+        if c.signs is None:
+            return _placeholders()
+        u32, f32 = unused_input(mx.uint32), unused_input(mx.float32)
+        return [c.signs, c.rnorm, pad_rows(q_side.astype(mx.float32), rows), u32, f32]
+
+
+class VQLayout(Layout):
+    """:class:`VQCodes`: a codeword index per sub-vector of ``group`` channels, one codebook
+    per batch row and KV head."""
+
+    kind = VQ
+    record = VQCodes
+    name = "vq"
+    wide = False
+
+    def lanes_ok(self, bits, group, dim, cpl):
+        return (
+            1 <= bits <= 8
+            and group in (1, 2, 4, 8)
+            and cpl % group == 0
+            and (cpl // group * bits) % 32 == 0
+            and (1 << bits) * group <= VQ_MAX_TABLE
+        )
+
+    def inputs(self, c):  # indices; the codebooks (B * H tables, contiguous) in the levels' place
+        table = device_floats(mx.contiguous(c.codebooks.astype(mx.float32)).reshape(-1))
+        return c.codes, unused_input(mx.float16), unused_input(mx.float16), table
+
+    def check(self, name, c, b, h, t, dim):
+        if dim % c.group:
+            raise ValueError(
+                f"decode_attention: {name} sub-vectors of {c.group} channels do not divide the "
+                f"head dim {dim}"
+            )
+        words = -(-(dim // c.group) * c.bits // 32)
+        if tuple(c.codes.shape) != (b, h, t, words) or c.codes.dtype != mx.uint32:
+            raise ValueError(
+                f"decode_attention: {name} VQ codes {tuple(c.codes.shape)} {c.codes.dtype} do "
+                f"not match (B, H, T, W) = {(b, h, t, words)} uint32"
+            )
+        want = (b, h, 1 << c.bits, c.group)
+        cb = c.codebooks
+        if tuple(cb.shape) != want or not mx.issubdtype(cb.dtype, mx.floating):
+            raise ValueError(
+                f"decode_attention: {name} codebooks are {(tuple(cb.shape), cb.dtype)}, expected "
+                f"float (B, H, 2**bits, group) = {want}"
+            )
+
+
+class SketchLayout(Layout):
+    """:class:`SketchCodes`: sign bits of a sketch of each key with per-block outlier
+    channels (keys only; their query-side input: the sketched query ``S q``). The key pass
+    is the portable kernel's own (``KKIND`` 3) with its lanes' layout (``sketch_lanes``)."""
+
+    kind = SKETCH
+    record = SketchCodes
+    name = "sketch"
+    keys_only = True
+    mixes_values = False
+
+    def lanes_ok(self, bits, group, dim, cpl):
+        return True
+
+    def inputs(self, c):  # sign words, norms, outlier norms
+        onorm = c.onorm if c.onorm is not None else unused_input(c.norm.dtype)
+        return c.codes, c.norm, onorm, unused_input(mx.float32)
+
+    def query_shape(self, c, b, h, m, dim):
+        return (b, h, m, c.sketch.m)
+
+    def query_inputs(self, c, q_side, rows):
+        sk = c.sketch
+        qs = pad_rows(q_side.astype(mx.float32), rows)
+        if not sk.outliers:
+            u32, f16, f32 = (unused_input(d) for d in (mx.uint32, mx.float16, mx.float32))
+            return [u32, f16, qs, u32, f32]
+        return [sk.osign, unused_input(mx.float16), qs, sk.idx, sk.matrix]
+
+    def check(self, name, c, b, h, t, dim):
+        sk = c.sketch
+        want = {"codes": (b, h, t, -(-sk.m // 32)), "norm": (b, h, t)}
+        got = {"codes": c.codes, "norm": c.norm}
+        if sk.outliers and (sk.mo < 1 or sk.index_bits != max(1, (dim - 1).bit_length())):
+            raise ValueError(
+                "decode_attention: sketch keys with outliers need an outlier sketch (mo >= 1) "
+                f"and indices of ceil(log2 {dim}) bits, got mo={sk.mo}, "
+                f"index_bits={sk.index_bits}"
+            )
+        if sk.outliers:
+            blocks = -(-t // c.group)
+            want.update(
+                onorm=(b, h, t),
+                osign=(b, h, t, -(-sk.mo // 32)),
+                idx=(b, h, blocks, -(-sk.outliers * sk.index_bits // 32)),
+            )
+            got.update(onorm=c.onorm, osign=sk.osign, idx=sk.idx)
+        elif c.onorm is not None or sk.osign is not None or sk.idx is not None or sk.mo:
+            raise ValueError(
+                "decode_attention: sketch keys without outliers have no outlier arrays"
+            )
+        for field, shape in want.items():
+            a = got[field]
+            if a is None or tuple(a.shape) != shape:
+                have = None if a is None else tuple(a.shape)
+                raise ValueError(
+                    f"decode_attention: sketch keys' {field} is {have}, expected {shape}"
+                )
+        for field in ("codes", "osign", "idx"):
+            if field in got and got[field].dtype != mx.uint32:
+                raise ValueError(f"decode_attention: sketch keys' {field} must be uint32")
+        cols = sk.m if not sk.mo or sk.mo == sk.m else sk.m + sk.mo
+        if sk.outliers and tuple(sk.matrix.shape) != (dim, cols):
+            raise ValueError(
+                f"decode_attention: the sketch matrix is {tuple(sk.matrix.shape)}, expected "
+                f"{(dim, cols)} (sketch_matrix)"
+            )
+
+
+for _layout in (AffineLayout, ChannelAffineLayout, CodebookLayout, VQLayout, SketchLayout):
+    register_layout(_layout())
+del _layout
