@@ -69,6 +69,7 @@ def test_every_package_registered():
         "snapkv",
         "knorm",
         "tova",
+        "h2o",
         "pyramidkv",
         "expected-attention",
         "chunkkv",

@@ -137,6 +137,7 @@ def _run(folder: Path, where: str) -> tuple[list[dict], str]:
 SHARDED = [
     "uniform:bits=4",
     "snapkv:budget=48",
+    "h2o:budget=48",
     "streamingllm:budget=48,bits=4",
     "minicache:t=0.5,gamma=0,start_layer=0",  # cross-layer: layers 0 and 1 merged
 ]

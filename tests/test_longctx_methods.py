@@ -53,7 +53,14 @@ def test_eviction_and_composition_on_the_reference_model(question):
 
 
 @pytest.mark.parametrize(
-    "spec", ["snapkv:budget=25%", "adakv:budget=25%", "pyramidkv:budget=25%", "tova:budget=25%"]
+    "spec",
+    [
+        "snapkv:budget=25%",
+        "adakv:budget=25%",
+        "pyramidkv:budget=25%",
+        "tova:budget=25%",
+        "h2o:budget=25%",
+    ],
 )
 def test_question_after_compresses_the_context_once(spec):
     """kvpress's protocol: the context is cut to a share of the context's own tokens as the

@@ -1,0 +1,71 @@
+"""Settings of the H2O cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from velox_core.cache.eviction import EvictionConfig
+from velox_core.validation import check_float, check_int
+
+__all__ = ["H2OConfig", "recent_tokens"]
+
+
+def recent_tokens(recent, budget: int) -> int:
+    """``recent`` in tokens: a whole number of tokens as given, a fraction in ``[0, 1)`` of
+    ``budget`` rounded down (the authors' ``int(ratio * length)``)."""
+    if isinstance(recent, bool) or not isinstance(recent, (int, float)):
+        raise TypeError(
+            f"recent must be a whole number of tokens or a fraction of the budget in [0, 1), "
+            f"got {type(recent).__name__} {recent!r}"
+        )
+    if isinstance(recent, int):
+        return check_int("recent", recent, minimum=0)
+    share = check_float("recent", recent, minimum=0.0)
+    if share >= 1.0:
+        raise ValueError(
+            f"recent={recent}: a fraction of the budget must be below 1 (some of the budget "
+            "goes to the heavy hitters); give a whole number for a count of tokens"
+        )
+    return int(share * budget)
+
+
+@dataclass
+class H2OConfig(EvictionConfig):
+    """H2O (arXiv 2306.14048) settings: the shared eviction settings
+    (:class:`~velox_core.cache.eviction.EvictionConfig`), with H2O's defaults and its
+    recent window.
+
+    Attributes:
+        budget: tokens kept per KV head (the paper's KV cache budget): sinks, the heavy
+            hitters, the recent tokens.
+        recent: the newest tokens always kept (the paper's recent window): a whole number of
+            tokens, or a fraction in ``[0, 1)`` of ``budget`` (0.5: the paper's even split
+            between heavy hitters and recent tokens). The rest of the budget, after the
+            sinks, holds the heavy hitters: the tokens with the largest attention
+            accumulated over every query so far.
+        sinks: first tokens always kept, unscored (0, as the paper).
+        window: newest tokens kept as given, unscored and uncoded (0); they count among the
+            ``recent`` tokens, so ``max(recent, window)`` newest tokens are always kept.
+        every: during decode, cut back to ``budget`` once it is exceeded by ``every`` tokens
+            (1: the paper, one eviction per step; None: the prompt only).
+        bits, key_bits, value_bits, group: ``Uniform`` codes of the kept tokens (None: fp16,
+            as the paper).
+    """
+
+    every: int | None = 1
+    recent: int | float = 0.5
+
+    def __post_init__(self):
+        super().__post_init__()
+        always = self.sinks + max(self.window, self.recent_tokens)
+        if self.budget <= always:
+            raise ValueError(
+                f"budget={self.budget} must exceed sinks + max(window, recent) = {always} "
+                f"(recent={self.recent} is {self.recent_tokens} tokens; those tokens are "
+                "always kept, and at least one heavy hitter must fit)"
+            )
+
+    @property
+    def recent_tokens(self) -> int:
+        """``recent`` in tokens (a fraction taken of ``budget``)."""
+        return recent_tokens(self.recent, self.budget)
