@@ -33,8 +33,8 @@ Run on the GPU machine from the repository root::
 ``--bits 4,2``, ``--skip variants``, ``--skip timers`` or ``--skip outlier``.
 
 * **outlier** (``--fractional 3.5``): TurboQuant's fractional widths through their own
-  kernel (``metal/decode_attention_outlier.metal``), as shipped and without its scoring
-  loop, its value loop or both (``outlier_variants``). Writes
+  kernel (velox-turboquant's ``metal/decode_attention_outlier.metal``), as shipped and
+  without its scoring loop, its value loop or both (``outlier_variants``). Writes
 ``$OUT/gpu_decode_profile.json`` (``./out`` without ``$OUT``). About a minute per shape on
 an H200, first-call compiles included.
 """
@@ -78,7 +78,7 @@ def install() -> None:
     src = _ORIGINAL(SOURCE)
     _VARIANTS.update(make_variants(src))
     _VARIANTS["timed"] = timed_source(src)
-    _VARIANTS.update(outlier_variants(_ORIGINAL(OUTLIER_SOURCE)))
+    _VARIANTS.update(outlier_variants(_ORIGINAL(OUTLIER_SOURCE, "velox_turboquant")))
     build.kernel_source = _kernel_source
 
 
@@ -346,8 +346,8 @@ def section_outlier(b: int, t: int, bits: float, rows: list) -> None:
     and the merge) as shipped and with its scoring or value loop removed: what the loops
     cost, and what the rest (staging, the query's placement and butterflies, the softmax,
     the values' butterflies and gather, the barriers) does."""
-    from velox_core.kernels import outlier as ok
     from velox_turboquant import TurboQuant
+    from velox_turboquant import outlier as ok
 
     hk, hq, d = 8, 32, 128
     k1, k2, k3 = mx.random.split(mx.random.key(t + b), 3)
@@ -361,7 +361,7 @@ def section_outlier(b: int, t: int, bits: float, rows: list) -> None:
     mx.eval(kp.data, vp.data)
     shipped = ok.OUTLIER
     try:
-        for name in outlier_variants(build.kernel_source(OUTLIER_SOURCE)):
+        for name in outlier_variants(build.kernel_source(OUTLIER_SOURCE, "velox_turboquant")):
             ok.OUTLIER = dataclasses.replace(
                 shipped, name=f"{shipped.name}_{name.replace('-', '_')}", source="variant:" + name
             )

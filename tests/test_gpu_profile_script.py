@@ -40,7 +40,7 @@ def test_every_variant_edits_the_current_kernel(profile):
 def test_outlier_variants_edit_the_current_kernel(profile):
     """The outlier section's edits (no scoring loop, no value loop, neither, no butterflies,
     no barriers) still match the outlier kernel's source, each into a different text."""
-    src = profile._ORIGINAL(profile.OUTLIER_SOURCE)
+    src = profile._ORIGINAL(profile.OUTLIER_SOURCE, "velox_turboquant")
     variants = profile.outlier_variants(src)
     assert variants["outlier-shipped"] == src
     edited = [text for name, text in variants.items() if name != "outlier-shipped"]

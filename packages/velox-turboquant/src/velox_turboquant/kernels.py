@@ -30,8 +30,8 @@ residual sketch's ``signs`` and ``rnorm``).
   multiplies it. Values are TurboQuant_mse (``prod`` values have no kernel).
 
 * Fractional widths (TurboQuant_mse on both sides, one of them fractional: the outlier
-  channels chosen per group of tokens, two rotated parts) take velox-core's outlier kernel
-  (:mod:`velox_core.kernels.outlier`): the query is placed and rotated per group inside the
+  channels chosen per group of tokens, two rotated parts) take this package's outlier kernel
+  (:mod:`velox_turboquant.outlier`): the query is placed and rotated per group inside the
   kernel, and the values come back to the model's domain there, so neither needs an MLX op
   around the launch; a cache's fp16 tokens join in the same merge.
 
@@ -54,7 +54,8 @@ from velox_core.kernels import use_kernels
 from velox_core.kernels.decode import CodebookCodes, decode_attention
 from velox_core.kernels.encode import codebook_encode, residual_sketch_encode, sketch_encode
 from velox_core.kernels.joint import JointQuery, JointRun, joint_glue, plan_joint
-from velox_core.kernels.outlier import (
+
+from .outlier import (
     OutlierSide,
     RotatedPart,
     decode_attention_outlier,

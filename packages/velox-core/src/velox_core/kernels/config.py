@@ -8,8 +8,9 @@ environment: plans are keyed on the configuration record itself.
 
 The environment is read once, at first use, for these names (each a field below):
 ``VELOX_KERNELS=0`` turns every kernel off (reference MLX everywhere; the one switch meant
-for users); the ``VELOX_DECODE_*``, ``VELOX_SKETCH_MMA_*`` and ``VELOX_OUTLIER_THREADS``
-settings tune the kernels on a new GPU (docs/architecture.md lists them). A field left at
+for users); the ``VELOX_DECODE_*`` and ``VELOX_SKETCH_MMA_*`` settings tune the kernels on a
+new GPU (docs/architecture.md lists them). A method package's own kernel settings live in
+that package, read the same way; it names them with :func:`register_settings`. A field left at
 ``None`` takes the rule its accessor documents (e.g. the tensor-core kernel's split count
 from the device's SM count).
 """
@@ -18,11 +19,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["ENVIRONMENT", "KernelConfig", "configure", "configured", "kernel_config"]
+__all__ = [
+    "ENVIRONMENT",
+    "KernelConfig",
+    "configure",
+    "configured",
+    "kernel_config",
+    "register_settings",
+    "settings_of",
+]
 
 _OFF = ("0", "false", "no", "off")
 
@@ -64,7 +74,6 @@ class KernelConfig:
         value_fold / key_fold: fold the value / key scales out of the MMAs where they can.
         ldsm: read code words out of the ring with ldmatrix.
         fuse: the tensor-core kernel merges its own splits (None: up to 16,384 tokens).
-        outlier_threads: threads per threadgroup of the outlier kernel (64, 128; None: 64).
         sketch_mma_lo: the sketched query as fp16 plus its residual (False: fp16 only).
         sketch_mma_diff / sketch_mma_bsm: force the sketch kernel's ``DIFF`` / ``BSM``
             layouts on or off (None: chosen per layout).
@@ -97,7 +106,6 @@ class KernelConfig:
     key_fold: bool = True
     ldsm: bool = True
     fuse: bool | None = None
-    outlier_threads: int | None = None
     sketch_mma_lo: bool = True
     sketch_mma_diff: bool | None = None
     sketch_mma_bsm: bool | None = None
@@ -126,8 +134,6 @@ class KernelConfig:
         _choice("KernelConfig.subtiles", self.subtiles, (1, 2, 4))
         if self.stages is not None:
             _range("KernelConfig.stages", self.stages, 2, 8)
-        if self.outlier_threads is not None:
-            _choice("KernelConfig.outlier_threads", self.outlier_threads, (64, 128))
         if self.sketch_mma_ahead is not None:
             _choice("KernelConfig.sketch_mma_ahead", self.sketch_mma_ahead, (1, 2))
         if not isinstance(self.layouts_off, frozenset) or not all(
@@ -199,7 +205,6 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     "key_fold": ("VELOX_DECODE_KFOLD", "flag"),
     "ldsm": ("VELOX_DECODE_LDSM", "flag"),
     "fuse": ("VELOX_DECODE_FUSE", "flag"),
-    "outlier_threads": ("VELOX_OUTLIER_THREADS", "int"),
     "sketch_mma_lo": ("VELOX_SKETCH_MMA_LO", "switch"),
     "sketch_mma_diff": ("VELOX_SKETCH_MMA_DIFF", "flag"),
     "sketch_mma_bsm": ("VELOX_SKETCH_MMA_BSM", "flag"),
@@ -210,6 +215,25 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
 }
 
 _CURRENT: list[KernelConfig] = []  # the configuration in force (empty until first use)
+
+# a method package's own setting -> (its module, which holds the record in force in its
+# _CURRENT list, and the function reading the record from the environment)
+_PACKAGE_SETTINGS: dict[str, tuple[Any, Callable[[], Any]]] = {}
+
+
+def register_settings(names: Iterable[str], module: Any, read: Callable[[], Any]) -> None:
+    """Name a method package's own kernel settings (``VELOX_*`` environment names): its
+    ``module`` keeps the record in force in ``module._CURRENT`` and ``read()`` builds it
+    from the environment (what :func:`velox_core.testing.kernel_env` re-reads in a test)."""
+    for name in names:
+        if name in {n for n, _ in ENVIRONMENT.values()}:
+            raise ValueError(f"register_settings: {name} is velox-core's own setting")
+        _PACKAGE_SETTINGS[name] = (module, read)
+
+
+def settings_of(name: str) -> tuple[Any, Callable[[], Any]] | None:
+    """``(module, read)`` of a package's setting :func:`register_settings` named, or None."""
+    return _PACKAGE_SETTINGS.get(name)
 
 
 def kernel_config() -> KernelConfig:

@@ -1,5 +1,6 @@
 """Decode attention over rotated codebook codes whose channels split per group of tokens into
-an outlier part and the rest (``metal/decode_attention_outlier.metal``).
+an outlier part and the rest (``metal/decode_attention_outlier.metal``, shipped by this
+package and built with velox-core's kernel machinery).
 
 TurboQuant's fractional widths (3.5 bits: 64 channels at 4 bits and 64 at 3 bits at head dim
 128) choose the outlier channels per group of tokens, keep a mask per group, and code each
@@ -14,27 +15,38 @@ as the other decode kernels'.
 
 A side of one part (an integer width beside a fractional one, e.g. 3.5-bit keys with 4-bit
 values) takes the same kernel without a mask.
+
+Its one setting, the threadgroup size (``VELOX_OUTLIER_THREADS``: 64 or 128), is
+:class:`OutlierConfig`, read from the environment once (:func:`outlier_config`) and replaced
+for a block by :func:`outlier_configured`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import sys
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
-from .build import KernelSpec
-from .codes import FP16_MAX, pad_rows, qmul_bits, unused_input
-from .config import kernel_config
-from .merge import merge_splits, merge_splits_fp16
+from velox_core.kernels.build import KernelSpec
+from velox_core.kernels.codes import FP16_MAX, pad_rows, qmul_bits, unused_input
+from velox_core.kernels.config import register_settings
+from velox_core.kernels.merge import merge_splits, merge_splits_fp16
 
 __all__ = [
     "OUTLIER",
+    "OutlierConfig",
     "OutlierSide",
     "RotatedPart",
     "decode_attention_outlier",
+    "outlier_config",
+    "outlier_configured",
     "outlier_launch",
     "outlier_spec",
     "outlier_template",
@@ -45,6 +57,7 @@ __all__ = [
 OUTLIER = KernelSpec(
     name="velox_decode_attention_outlier",
     source="decode_attention_outlier.metal",
+    package="velox_turboquant",
     inputs=(
         *("q", "khc", "khn", "klc", "kln", "kmk", "kax"),
         *("vhc", "vhn", "vlc", "vln", "vmk", "vax"),
@@ -56,7 +69,7 @@ OUTLIER = KernelSpec(
     # 150 registers unbounded and ran 27% faster bounded)
 )
 THREADS = 64  # threads per threadgroup by default (the body's NT; 128 measured 3-6% slower)
-THREAD_CHOICES = (64, 128)  # what KernelConfig.outlier_threads may ask for
+THREAD_CHOICES = (64, 128)  # what OutlierConfig.threads may ask for
 SM_THREADS = 512  # threads an SM under the launch bounds (128 registers each)
 SMEM_BYTES = 32 * 1024  # Metal's threadgroup memory (the body's arrays must fit)
 MAX_ROWS = 8  # query rows per threadgroup
@@ -67,12 +80,69 @@ DEFAULT_THREADS = 1024 * 128  # threads to aim for over the grid
 _SPECS: dict = {}  # (OUTLIER, threads) -> its spec
 
 
+@dataclass(frozen=True)
+class OutlierConfig:
+    """The outlier kernel's setting.
+
+    Attributes:
+        threads: threads per threadgroup (64 or 128; None: :data:`THREADS`), from
+            ``VELOX_OUTLIER_THREADS``.
+    """
+
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.threads is not None and self.threads not in THREAD_CHOICES:
+            alts = ", ".join(str(t) for t in THREAD_CHOICES)
+            raise ValueError(f"threads must be one of {alts}, got {self.threads!r}")
+
+    @staticmethod
+    def from_environ(environ: Mapping[str, str] | None = None) -> OutlierConfig:
+        """The default, overridden by ``VELOX_OUTLIER_THREADS`` in ``environ`` (default
+        ``os.environ``); a bad value is a ValueError naming the setting."""
+        raw = (os.environ if environ is None else environ).get(ENVIRONMENT, "").strip()
+        if not raw:
+            return OutlierConfig()
+        try:
+            threads = int(raw)
+        except ValueError:
+            raise ValueError(f"{ENVIRONMENT} must be an integer, got {raw!r}") from None
+        try:
+            return OutlierConfig(threads)
+        except ValueError as e:
+            raise ValueError(f"{ENVIRONMENT} must be{str(e).split('must be', 1)[1]}") from None
+
+
+ENVIRONMENT = "VELOX_OUTLIER_THREADS"
+_CURRENT: list[OutlierConfig] = []  # the setting in force (empty until first use)
+register_settings((ENVIRONMENT,), sys.modules[__name__], OutlierConfig.from_environ)
+
+
+def outlier_config() -> OutlierConfig:
+    """The setting in force: the environment's, read on first use, or what
+    :func:`outlier_configured` set."""
+    if not _CURRENT:
+        _CURRENT.append(OutlierConfig.from_environ())
+    return _CURRENT[0]
+
+
+@contextmanager
+def outlier_configured(**changes: object) -> Iterator[OutlierConfig]:
+    """The setting with ``changes`` in force for a ``with`` block."""
+    old = outlier_config()
+    _CURRENT[0] = dataclasses.replace(old, **changes)
+    try:
+        yield _CURRENT[0]
+    finally:
+        _CURRENT[0] = old
+
+
 def outlier_threads() -> int:
-    """Threads per threadgroup: :data:`THREADS`, or ``KernelConfig.outlier_threads`` (64 or 128).
+    """Threads per threadgroup: :data:`THREADS`, or ``OutlierConfig.threads`` (64 or 128).
     (One warp a threadgroup needs about 250 registers a thread: its share of a group's
     records loaded ahead, its entries of the butterflies, its query values; under a
     128-register bound it spills, with 255 it ran 1.5x slower on an H200.)"""
-    return kernel_config().outlier_threads or THREADS
+    return outlier_config().threads or THREADS
 
 
 def outlier_spec(nt: int) -> KernelSpec:
