@@ -98,6 +98,7 @@ def test_serve_refuses_bad_settings(model_dir):
     for extra, msg in (
         (["--method", "nosuch"], "nosuch"),
         (["--method", SPEC, "--kv-bits", "4"], "--kv-bits"),
+        (["--method", SPEC, "--prompt-cache-bytes", "10K"], "'10K' is not a size"),
     ):
         run = subprocess.run(
             [sys.executable, "-m", "velox_cli", "serve", "--model", model_dir, *extra],

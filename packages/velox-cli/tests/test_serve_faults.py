@@ -30,6 +30,8 @@ def serve_in_process(monkeypatch, capsys):
         (server.APIHandler, "do_GET"),
         (server.APIHandler, "handle_completion"),
         (server.ResponseGenerator, "_tokenize"),
+        (server.ResponseGenerator, "__init__"),
+        (server, "_parse_size"),
     ):
         monkeypatch.setattr(owner, name, getattr(owner, name))
 

@@ -7,14 +7,46 @@ process with every model it loads given velox caches (``velox_core.install``: th
 ``make_cache`` returns them, attention is routed to them). Requests of different lengths
 batch together (``velox_core.VeloxBatch``). One endpoint is added:
 
-    GET /v1/velox   {"method": SPEC, "prompt_cache": {"sequences": n, "resident_bytes": b,
-                     "by_type": {...}}, "active_memory_bytes": .., "peak_memory_bytes": ..}
+    GET /v1/velox   {"method": SPEC,
+                     "prompt_cache": {"sequences": n, "sessions": s, "resident_bytes": b,
+                                      "max_bytes": B, "max_sequences": n,
+                                      "peak_resident_bytes": p, "evicted": e,
+                                      "by_type": {...}},
+                     "active_memory_bytes": .., "peak_memory_bytes": ..}
 
 and ``GET /v1/models`` lists the served model with that object as its ``velox`` field (and
 the Hugging Face cache's models, as mlx-lm does, where there is such a cache);
-``resident_bytes`` is what the prompt cache's velox caches hold (measured from their
-arrays, ``nbytes``). mlx-lm's ``--kv-bits`` (its own quantized cache) is refused: the method
-spec says how the cache is compressed.
+``resident_bytes`` is what the prompt cache's velox caches hold now (measured from their
+arrays, ``nbytes``: every buffer, capacity included, and every fitted codec array). mlx-lm's
+``--kv-bits`` (its own quantized cache) is refused: the method spec says how the cache is
+compressed.
+
+``--prompt-cache-bytes`` (a size as mlx-lm reads it: bytes, or a number with ``M``, ``MB``,
+``G`` or ``GB``, powers of 10) is a budget for the prompt cache, kept in every path, batched
+or one request at a time: each time an entry is stored, the least recently used entries are
+evicted until the entries' bytes are within it (each entry's velox caches' ``nbytes``,
+counted when it is stored: a stored entry never changes, a request gets a copy of it). An
+entry larger than the whole budget is not stored (mlx-lm's eviction would first give up every
+other entry). mlx-lm 0.32 parses the option but never gives it to its prompt cache
+(``mlx_lm.server.run`` makes ``LRUPromptCache(max_size)``, with no byte limit); it only trims
+the cache when it adds a request to a running batch (to the budget less the bytes of the
+batch's caches, ``BatchGenerator.prompt_cache_nbytes``). Its cache therefore outgrows the
+budget as requests finish, and in the one-at-a-time path (``--kv-bits``, a seed, a method
+that cannot batch) only ``--prompt-cache-size``'s count of entries bounds it. That trim still
+runs here too. An entry a request reuses becomes the most recently used one (mlx-lm moves an
+entry only when it is stored again). mlx-lm's order of cache types stays: ``assistant``
+entries go before ``user`` ones, and those before ``system`` prompts, while there are at
+least as many of them; within a type the least recently used goes first. A size that is not
+one (``10K``, ``-1``) stops ``velox serve`` before it listens, with the reason.
+
+In ``prompt_cache``: ``max_bytes`` is the budget (null without one), ``max_sequences``
+mlx-lm's ``--prompt-cache-size``, ``peak_resident_bytes`` the most the cache held after any
+insertion or trim, ``evicted`` the entries given up for either limit (one larger than the
+budget included), and ``sessions`` the entries that are no prefix of another entry. mlx-lm
+stores a batched request's prompt when its prefill ends and the prompt with its answer when
+it finishes: where the cache cannot be trimmed (most velox caches:
+``VeloxCache.is_trimmable``) both stay, two entries of one session; a trimmable cache's
+second entry replaces the first.
 
 ``--model`` (and ``--draft-model``) take what ``velox bench`` and ``velox generate`` take: an
 mlx-lm directory, a ``.gguf`` file or a model name (``smollm2``, ``gemma3``; see
@@ -34,6 +66,9 @@ refused without stopping the generation thread (mlx-lm's batch generator raises 
 
 from __future__ import annotations
 
+import argparse
+import functools
+import itertools
 import json
 import logging
 import re
@@ -279,6 +314,142 @@ def _error_responses(original):
     return handle_completion
 
 
+def _checked_size(original):
+    """mlx-lm's ``_parse_size`` (for ``--prompt-cache-bytes``) answering a value that is no
+    size with the reason (argparse prints it and exits with status 2), where mlx-lm's raises
+    ``decimal.InvalidOperation`` or ``KeyError`` and argparse lets the traceback through."""
+
+    def size(value: str) -> int:
+        try:
+            return int(original(value))
+        except Exception:
+            raise argparse.ArgumentTypeError(
+                f"{value!r} is not a size: give bytes (1000000) or a number with M, MB, G or GB "
+                "(powers of 10: 1.5G is 1500000000 bytes)"
+            ) from None
+
+    return size
+
+
+@functools.cache
+def _prompt_cache_class():
+    """:class:`VeloxPromptCache`, built on mlx-lm's ``LRUPromptCache`` once it is imported."""
+    from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
+
+    class _Order(LRUPromptCache.CacheOrder):
+        """mlx-lm's eviction order, counting the entries it gives up (``pop`` evicts; an
+        entry replaced or made redundant by a longer one leaves through ``remove``)."""
+
+        def __init__(self):
+            super().__init__()
+            self.popped = 0
+
+        def pop(self):
+            out = super().pop()
+            self.popped += 1
+            return out
+
+    class VeloxPromptCache(LRUPromptCache):
+        """mlx-lm's prompt cache held within ``max_bytes`` (``--prompt-cache-bytes``) after
+        every insertion, least recently used first, with an entry a request reuses made the
+        most recent; measured and read under a lock (the HTTP threads read it while the
+        generation thread changes it)."""
+
+        def __init__(self, max_size: int = 10, max_bytes: int | None = None):
+            super().__init__(max_size, (1 << 63) if max_bytes is None else max_bytes)
+            self.budget = max_bytes
+            self._lru = _Order()
+            self._lock = threading.RLock()
+            self.peak_nbytes = 0
+
+        def _reused_key(self, model, tokens):
+            """The entry ``fetch_nearest_cache`` copies for ``tokens`` (its choice), or None."""
+            found = self._trie.search(model, tokens)
+            if found.exact is not None:
+                return found.exact
+            short = len(found.shorter) if found.shorter is not None else 0
+            if found.longer is not None and found.common_prefix > short:
+                entry = self._trie.get(found.model, found.longer)
+                if can_trim_prompt_cache(entry.prompt_cache):
+                    return found.longer
+            return found.shorter if short > 0 else None
+
+        def fetch_nearest_cache(self, model, tokens):
+            with self._lock:
+                key = self._reused_key(model, tokens)
+                if key is not None:
+                    entry = self._trie.get(model, key)
+                    self._lru.remove(model, key)
+                    self._lru.push(model, key, entry.cache_type)
+                return super().fetch_nearest_cache(model, tokens)
+
+        def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
+            with self._lock:
+                if self.budget is not None and sum(c.nbytes for c in prompt_cache) > self.budget:
+                    self._lru.popped += 1  # never stored: mlx-lm would evict every entry,
+                    return  # then this one
+                super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+                self.peak_nbytes = max(self.peak_nbytes, self._n_bytes)
+
+        def trim_to(self, *, n_sequences=None, n_bytes=None):
+            with self._lock:
+                super().trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
+
+        def resident_nbytes(self) -> int:
+            """The stored velox caches' bytes, measured now."""
+            with self._lock:
+                return sum(
+                    c.nbytes
+                    for lru in self._lru._lrus.values()
+                    for model, tokens in lru
+                    for c in self._trie.get(model, tokens).prompt_cache
+                )
+
+        def info(self) -> dict:
+            with self._lock:
+                by_model: dict[Any, list] = {}
+                for lru in self._lru._lrus.values():
+                    for model, tokens in lru:
+                        by_model.setdefault(model, []).append(tokens)
+                return {
+                    "sequences": len(self),
+                    "sessions": sum(_sessions(keys) for keys in by_model.values()),
+                    "resident_bytes": int(self.resident_nbytes()),
+                    "max_bytes": self.budget,
+                    "max_sequences": self.max_size,
+                    "peak_resident_bytes": int(self.peak_nbytes),
+                    "evicted": self._lru.popped,
+                    "by_type": self.stats_by_type(),
+                }
+
+    return VeloxPromptCache
+
+
+def _sessions(keys: list) -> int:
+    """How many of ``keys`` (token lists) are no prefix of another: the distinct sequences a
+    request can resume. mlx-lm stores a batched request's prompt when its prefill ends and
+    the prompt with its answer when it finishes; a cache that cannot be trimmed keeps both
+    entries, which are one session."""
+    ordered = sorted(tuple(k) for k in keys)
+    # a key that is a prefix of another is a prefix of the key sorted right after it
+    return sum(1 for a, b in itertools.pairwise(ordered) if b[: len(a)] != a) + bool(ordered)
+
+
+def _budgeted_prompt_cache(original):
+    """``ResponseGenerator.__init__`` given a :class:`VeloxPromptCache` of mlx-lm's
+    ``--prompt-cache-size`` and ``--prompt-cache-bytes`` in place of mlx-lm's cache, which
+    ``mlx_lm.server.run`` makes without the byte limit."""
+
+    def __init__(self, model_provider, prompt_cache):
+        cls = _prompt_cache_class()
+        if not isinstance(prompt_cache, cls):
+            budget = getattr(model_provider.cli_args, "prompt_cache_bytes", None)
+            prompt_cache = cls(prompt_cache.max_size, budget)
+        original(self, model_provider, prompt_cache)
+
+    return __init__
+
+
 class _LoadFailed(ValueError):
     """The served model did not load (or refused the spec); the server never listened."""
 
@@ -350,14 +521,9 @@ def _velox_endpoint(spec: str):
     original = server.APIHandler.do_GET
 
     def velox_info(self) -> dict:
-        pc = self.response_generator.prompt_cache
         return {
             "method": spec,
-            "prompt_cache": {
-                "sequences": len(pc),
-                "resident_bytes": int(pc.nbytes),
-                "by_type": pc.stats_by_type(),
-            },
+            "prompt_cache": self.response_generator.prompt_cache.info(),
             "active_memory_bytes": int(mx.get_active_memory()),
             "peak_memory_bytes": int(mx.get_peak_memory()),
         }
@@ -427,6 +593,8 @@ def serve(spec: str, argv: list[str], storage_dtype: Any = None) -> None:
     Raises:
         ValueError: a bad spec, ``--kv-bits``, or a model that fails to load or refuses the
             spec (before the server listens).
+        SystemExit: an option mlx-lm's parser refuses (status 2: a ``--prompt-cache-bytes``
+            that is no size, say), with the reason on stderr.
         FileNotFoundError: ``--model`` names no model, file or directory.
     """
     import mlx_lm.server as server
@@ -451,6 +619,8 @@ def serve(spec: str, argv: list[str], storage_dtype: Any = None) -> None:
     _patch(server.ResponseGenerator, "_next_request", _track_requests)
     _patch(server.ResponseGenerator, "_run_generate", _survive_request_errors)
     _patch(server, "_run_http_server", _listen_after_load)
+    _patch(server, "_parse_size", _checked_size)  # --prompt-cache-bytes, read by main()
+    _patch(server.ResponseGenerator, "__init__", _budgeted_prompt_cache)
     old = sys.argv
     sys.argv = ["velox serve", *argv]
     try:

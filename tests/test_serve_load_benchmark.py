@@ -1,0 +1,91 @@
+"""benchmarks/serve_load.py on the CPU at tiny settings: velox serve and mlx-lm's server (fp16
+and ``--kv-bits 4``) start, take the load and stop, and the JSON holds every row's fields (a
+check of the script, not a measurement)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from velox_cli.data import find_shared
+
+ROOT = Path(__file__).resolve().parents[1]
+BUDGET = 2_000_000
+
+ROW_FIELDS = (
+    "server",
+    "command",
+    "requests",
+    "completed",
+    "errors",
+    "wall_s",
+    "generated_tokens",
+    "decode_tok_s",
+    "request_decode_tok_s_median",
+    "ttft_s_median",
+    "ttft_s_p90",
+    "prompt_tokens_mean",
+    "cached_tokens",
+    "mlx_peak_bytes",
+    "rss_peak_bytes",
+    "cache_bytes_max",
+    "cache_budget_bytes",
+    "polls",
+    "polls_over_budget",
+    "sessions_held_max",
+    "cache_entries_max",
+    "streams_concurrent_max",
+)
+
+
+def _serve_load():
+    spec = importlib.util.spec_from_file_location(
+        "serve_load", ROOT / "benchmarks" / "serve_load.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_sessions_are_entries_no_other_extends():
+    sessions = _serve_load().sessions
+    assert sessions([]) == 0
+    assert sessions([[1, 2], [1, 2, 3], [1, 4]]) == 2
+    assert sessions([[5], [1, 2, 0], [1, 2], [1, 2, 3]]) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(find_shared("reference-model") is None, reason="needs the reference model")
+def test_tiny_load_on_every_server(tmp_path, capsys):
+    out = tmp_path / "serve_load.json"
+    argv = [
+        "--clients", "2",
+        "--requests", "3",
+        "--prompt-tokens", "32",
+        "--max-tokens", "4",
+        "--prompt-cache-bytes", str(BUDGET),
+        "--json", str(out),
+    ]  # fmt: skip
+    assert _serve_load().main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["settings"]["requests"] == 3 and data["settings"]["max_tokens"] == 4
+    assert data["machine"]["mlx"] and data["machine"]["blas"]
+    rows = {r["server"]: r for r in data["rows"]}
+    assert list(rows) == ["velox uniform:bits=4", "mlx_lm fp16", "mlx_lm kv4"]
+    for name, row in rows.items():
+        missing = [f for f in ROW_FIELDS if f not in row]
+        assert not missing, (name, missing)
+        assert row["completed"] == 3 and row["errors"] == 0, row
+        assert row["generated_tokens"] == 3 * 4, row  # no answer stops early
+        assert row["decode_tok_s"] > 0 and row["mlx_peak_bytes"] > 0, row
+        assert 0 < row["ttft_s_median"] <= row["ttft_s_p90"], row
+        assert row["cache_budget_bytes"] == BUDGET and row["polls"] >= 1, row
+        assert row["sessions_held_max"] >= 1, row
+    assert "--kv-bits 4" in rows["mlx_lm kv4"]["command"]
+    velox = rows["velox uniform:bits=4"]
+    assert velox["polls_over_budget"] == 0 and velox["cache_bytes_max"] <= BUDGET, velox
+    assert velox["cache_peak_bytes"] <= BUDGET, velox
+    assert rows["mlx_lm kv4"]["streams_concurrent_max"] == 1  # served one at a time
+    printed = capsys.readouterr().out
+    assert all(name in printed for name in rows) and "TTFT med s" in printed
