@@ -24,25 +24,11 @@
 // KKIND 2 (keys only) = affine per channel (KIVI's keys): one scale and zero per channel for
 // each group of KGROUP tokens (ka, kb: (B, H, T / KGROUP, HD)); each code is decoded to
 // scale * code + zero before its product with the query.
-// KQJL = 1 (codebook keys only: TurboQuant_prod): each key also carries a 1-bit sketch of
+// KRSK = 1 (codebook keys only): each key also carries a 1-bit sketch of
 // its residual (ksg: bit e set for a positive sign of channel e of S r) and the residual's
-// norm (krn), and its score gains the QJL estimate of the residual's product:
+// norm (krn), and its score gains the sign-sketch estimate of the residual's product:
 // norm * (sum_e q_e levels[c_e] + rnorm * sum_e qs_e sign_e), qs = the sketched query
 // (S q, times sqrt(pi/2) / D, from the host).
-// KKIND 3 (keys only) = QJL sketch keys (velox-qjl): kc holds m = KSK sign bits of S k_in per
-// token, ka its norm ||k_in||; per block of KGROUP tokens KOUT outlier channels (kix: their
-// indices, KIB bits each) carry their own sketch of KOSK bits (ksg) and norm (kb), made with
-// the first rows of the same S. The score is
-//   c/m ||k_in|| <S q - S P q, sign(S k_in)> + c/m_o ||k_o|| <S P q, sign(S k_o)>
-// (P: the block's outlier channels; KCIN, KCOUT: float32 bits of c/m and c/m_o). KLPT lanes
-// share a token, lane j holding its sketches' bits [j SB, (j + 1) SB) (SB = KSK / KLPT; the
-// same with KOSK) and as many weights per query row. S comes transposed, in the lanes' order
-// (kst (HD, C): row j SB + i of S in column i KLPT + j; the outlier sketch's rows after the
-// KSK main ones unless both sketches take the same rows), and the host passes S q in the
-// same order (qsk (B, H, MP, KSK)), so a warp's lanes read contiguous runs. Each warp takes
-// whole blocks: it forms S P q on its lanes' rows from the block's indices, then scores the
-// block's tokens.
-// Splits start on whole blocks (the kernel rounds its span up to KGROUP tokens).
 // KKIND / VKIND 4 = vector codes (VecInfer): each sub-vector of KGROUP / VGROUP channels is
 // the index (KBITS / VBITS bits) of a codeword of its (batch row, KV head)'s codebook: klv /
 // vlv hold B * H tables of 2^bits x group floats (contiguous), the threadgroup's own table is
@@ -50,7 +36,9 @@
 // dotted with it; for values, p times it added to the lane's accumulators).
 // KOWN = 1: the keys' layout brings its own key pass (a method package's, see
 // velox_core.kernels.layout), placed at the "@key-pass" line below by the host
-// (KernelSpec.inserts); KOLV floats of klv are copied to threadgroup memory (klv_s) for it.
+// (KernelSpec.inserts); KOLV floats of klv are copied to threadgroup memory (klv_s) for it,
+// KFLY = 1 keeps a butterfly for its tokens' sums (every lane ends with every row), and
+// splits start on whole blocks of KSPAN tokens (the host keeps a block within one split).
 // Affine codes are read as 1 + code / 2^bits (an exact float bit trick, no conversion), with
 // the scale and zero folded in per sub-block; codebook codes index a table in threadgroup
 // memory.
@@ -62,10 +50,8 @@
 //   klv, vlv  codebook levels (2^bits, contiguous); VQ: (B, H, 2^bits, group) codebooks;
 //   unused for affine
 //   ksg (B, H, T, HD / 32) uint32 sign bits, krn (B, H, T) residual norms, qsk (B, H, MP, HD)
-//   float32 sketched query: KQJL = 1 only (else unused)
-//   KKIND 3: ksg (B, H, T, KOSK / 32) outlier sign bits, qsk (B, H, MP, KSK) = S q (lanes'
-//   order), kix (B, H, T / KGROUP, W) packed outlier channels, kst (HD, C) S^T (lanes' order),
-//   kb the outlier norms
+//   float32 sketched query: KRSK = 1 only (else unused); a layout's own key pass reads
+//   ksg, krn, qsk, kix and kst as its query-side inputs (velox_core.kernels.layout)
 // Outputs: o_part (B, H, S, MP, HD), ml_part (B, H, S, MP, 2) = (max, sum) in log2 units.
 // The host must choose S >= ceil(T / CH) (velox_core.kernels.decode.choose_splits); tokens
 // past CH in a split would be ignored.
@@ -83,8 +69,8 @@ constexpr int NT = NWARPS * 32;
 constexpr int STEP = NWARPS * TPW * UNROLL;
 constexpr int KCODES = KKIND == 4 ? CPL / KGROUP : CPL;  // codes a lane holds per token
 constexpr int VCODES = VKIND == 4 ? CPL / VGROUP : CPL;
-// (sketch keys and a layout's own key pass read their own words)
-constexpr int KW = (KKIND == 3 || KOWN) ? 1 : KCODES * KBITS / 32;
+// (a layout's own key pass reads its own words)
+constexpr int KW = KOWN ? 1 : KCODES * KBITS / 32;
 constexpr int VW = VCODES * VBITS / 32;
 constexpr int KSUB = (KKIND == 0 && KGROUP < CPL) ? KGROUP : CPL;
 constexpr int KNSUB = CPL / KSUB;
@@ -101,10 +87,9 @@ constexpr float KPOW = (float)(1 << KBITS);
 constexpr float VPOW = (float)(1 << VBITS);
 constexpr float NEG = -1.0e30f;
 // a scored token's lanes that reduce-scatter its rows' sums (LPT), and those of them that
-// hold the sums after it (SRL, SRN rows each). Sketch keys keep a butterfly (every lane ends
-// with every row: SLN 1): on an H200 the reduce-scatter took the paper's sketch keys from
-// 166 to 176 registers, three threadgroups an SM to two, and 8-13% more time.
-constexpr int SLN = KKIND == 3 ? 1 : LPT;
+// hold the sums after it (SRL, SRN rows each); a key pass with KFLY keeps a butterfly
+// (every lane ends with every row: SLN 1)
+constexpr int SLN = KFLY ? 1 : LPT;
 constexpr int SRL = SLN < MB ? SLN : MB;
 constexpr int SRN = MB / SRL;
 constexpr int SC = 4096;                // (token, row) score slots in threadgroup memory
@@ -129,8 +114,8 @@ const int MP = q_shape[2];
 const int b = bh / H;
 const int h = bh - b * H;
 const int span0 = (T + nsplit - 1) / nsplit;
-// sketch keys with outliers: splits of whole blocks (the host keeps them within CH tokens)
-const int span = (KKIND == 3 && KOUT > 0) ? (span0 + KGROUP - 1) / KGROUP * KGROUP : span0;
+// splits of whole blocks of KSPAN tokens (the host keeps a block within CH tokens)
+const int span = KSPAN > 1 ? (span0 + KSPAN - 1) / KSPAN * KSPAN : span0;
 const int t0 = split * span;
 const int t1 = vx_imin(vx_imin(T, t0 + span), t0 + CH);
 
@@ -164,7 +149,7 @@ for (int e = 0; e < SRN; ++e) {
 }
 if (KOWN) {
   // @key-pass
-} else if (KKIND != 3) {
+} else {
   // query rows of this block in registers, in the log2 domain (QMUL: the float32 bits of
   // log2(e), times the attention scale when q comes unscaled)
   const float qmul = vx_bits_to_float(static_cast<unsigned int>(QMUL));
@@ -180,11 +165,11 @@ if (KOWN) {
       qr[m][e] = act ? qv * qmul : 0.0f;
     }
   }
-  // the sketched query (KQJL), in the same log2 domain
-  constexpr int QS_M = KQJL ? MB : 1;
-  constexpr int QS_C = KQJL ? CPL : 1;
+  // the sketched query (KRSK), in the same log2 domain
+  constexpr int QS_M = KRSK ? MB : 1;
+  constexpr int QS_C = KRSK ? CPL : 1;
   float qs[QS_M][QS_C];
-  if (KQJL) {
+  if (KRSK) {
     const int64_t sb0 = (int64_t)b * qsk_strides[0] + (int64_t)h * qsk_strides[1];
 #pragma unroll
     for (int m = 0; m < QS_M; ++m) {
@@ -196,8 +181,8 @@ if (KOWN) {
       }
     }
   }
-  const int64_t ksg_b = KQJL ? (int64_t)b * ksg_strides[0] + (int64_t)h * ksg_strides[1] : 0;
-  const int64_t krn_b = KQJL ? (int64_t)b * krn_strides[0] + (int64_t)h * krn_strides[1] : 0;
+  const int64_t ksg_b = KRSK ? (int64_t)b * ksg_strides[0] + (int64_t)h * ksg_strides[1] : 0;
+  const int64_t krn_b = KRSK ? (int64_t)b * krn_strides[0] + (int64_t)h * krn_strides[1] : 0;
   // per sub-block query sums (affine keys: zero point and the 1 + c / 2^bits offset)
   float kqs[MB][KNSUB];
 #pragma unroll
@@ -219,8 +204,8 @@ if (KOWN) {
 
   for (int it = t0; it < t1; it += STEP) {
     unsigned int kw[UNROLL][KW];
-    unsigned int ksw[UNROLL];  // KQJL: the lane's CPL sign bits, in the low bits
-    float krv[UNROLL];         // KQJL: the residual norm
+    unsigned int ksw[UNROLL];  // KRSK: the lane's CPL sign bits, in the low bits
+    float krv[UNROLL];         // KRSK: the residual norm
     float ksc[UNROLL][KNSUB];
     float kzr[UNROLL][KNSUB];
     int tok[UNROLL];
@@ -238,7 +223,7 @@ if (KOWN) {
             kc[kc_b + tk * kc_strides[2] + (int64_t)(jc * KW + w) * kc_strides[3]]);
         kw[r][w] = ld ? raw : 0u;
       }
-      if (KQJL) {
+      if (KRSK) {
         const int bit0 = jc * CPL;
         const unsigned int sw = static_cast<unsigned int>(
             ksg[ksg_b + tk * ksg_strides[2] + (int64_t)(bit0 >> 5) * ksg_strides[3]]);
@@ -349,7 +334,7 @@ if (KOWN) {
           }
         }
       }
-      if (KQJL) {
+      if (KRSK) {
         // the residual's sketch against the sketched query: sum_e qs_e (+1 | -1)
 #pragma unroll
         for (int m = 0; m < QS_M; ++m) {
@@ -379,247 +364,6 @@ if (KOWN) {
 #pragma unroll
           for (int e = 0; e < SRN; ++e) {
             smem[(tok[r] - t0) * MB + srow + e] = part[e];
-          }
-        }
-      }
-    }
-  }
-} else {
-  // ---- QJL sketch keys (KKIND 3) ----
-  constexpr int KL = KLPT > 0 ? KLPT : 1;           // lanes per token
-  constexpr int KTP = 32 / KL;                      // tokens per warp and load
-  constexpr int SB = KSK / KL > 0 ? KSK / KL : 1;   // main-sketch bits per lane
-  constexpr int OB = KOUT > 0 ? KOSK / KL : 1;      // outlier-sketch bits per lane
-  constexpr int SWN = SB >= 32 ? SB / 32 : 1;       // words per lane
-  constexpr int OWN = OB >= 32 ? OB / 32 : 1;
-  // a share below 32 bits that does not divide 32 may straddle two words
-  constexpr bool SSTR = SB < 32 && 32 % SB != 0;
-  constexpr bool OSTR = OB < 32 && 32 % OB != 0;
-  constexpr int SROW = (KSK + 31) / 32;             // words of a token's sketch
-  constexpr int OROW = KOUT > 0 ? (KOSK + 31) / 32 : 1;
-  constexpr int NO = KOUT > 0 ? KOUT : 1;
-  constexpr int KCH = KOUT > 0 ? KGROUP : KTP * UNROLL;  // tokens per chunk (one block)
-  constexpr bool SAME = KOUT > 0 && KSK == KOSK;    // both sketches take the same rows of S
-  constexpr unsigned int IMASK = KIB > 0 ? (1u << KIB) - 1u : 0u;
-  const int ks = lane / KL;
-  const int kj = lane - ks * KL;
-  const float qmul = vx_bits_to_float(static_cast<unsigned int>(QMUL));
-  const float cin = vx_bits_to_float(static_cast<unsigned int>(KCIN));
-  const float cot = vx_bits_to_float(static_cast<unsigned int>(KCOUT));
-  const int64_t qb = (int64_t)b * q_strides[0] + (int64_t)h * q_strides[1];
-  const int64_t sqb = (int64_t)b * qsk_strides[0] + (int64_t)h * qsk_strides[1];
-  const int64_t kc_b = (int64_t)b * kc_strides[0] + (int64_t)h * kc_strides[1];
-  const int64_t ka_b = (int64_t)b * ka_strides[0] + (int64_t)h * ka_strides[1];
-  const int64_t kb_b = KOUT > 0 ? (int64_t)b * kb_strides[0] + (int64_t)h * kb_strides[1] : 0;
-  const int64_t ksg_b = KOUT > 0 ? (int64_t)b * ksg_strides[0] + (int64_t)h * ksg_strides[1] : 0;
-  const int64_t kix_b = KOUT > 0 ? (int64_t)b * kix_strides[0] + (int64_t)h * kix_strides[1] : 0;
-  // the lane's first word and its bits' offset in it
-  const int sw0 = SB >= 32 ? kj * SWN : (kj * SB) >> 5;
-  const int ssh = SB >= 32 ? 0 : (kj * SB) & 31;
-  const int ow0 = OB >= 32 ? kj * OWN : (kj * OB) >> 5;
-  const int osh = OB >= 32 ? 0 : (kj * OB) & 31;
-  // the weights of the lane's sign bits, per query row, in the log2 domain:
-  // c/m (S q - S P q) for the main sketch and c/m_o S P q for the outlier sketch
-  float din[MB][SB];
-  float dout[MB][OB];
-#pragma unroll
-  for (int m = 0; m < MB; ++m) {
-#pragma unroll
-    for (int i = 0; i < SB; ++i) {
-      din[m][i] = 0.0f;
-    }
-#pragma unroll
-    for (int i = 0; i < OB; ++i) {
-      dout[m][i] = 0.0f;
-    }
-  }
-  if (KOUT == 0) {  // no outliers: the weights hold for every token
-#pragma unroll
-    for (int m = 0; m < MB; ++m) {
-#pragma unroll
-      for (int i = 0; i < SB; ++i) {
-        const int64_t off = sqb + (int64_t)(mblk * MB + m) * qsk_strides[2] +
-                            (int64_t)(i * KL + kj) * qsk_strides[3];
-        din[m][i] = static_cast<float>(qsk[off]) * qmul * cin;
-      }
-    }
-  }
-  const int nch = t1 > t0 ? (t1 - t0 + KCH - 1) / KCH : 0;
-  for (int c = warp; c < nch; c += NWARPS) {
-    const int cs = t0 + c * KCH;
-    const int ce = vx_imin(cs + KCH, t1);
-    if (KOUT > 0) {
-      // the block's outlier channels and the query's coordinates on them
-      const int64_t wb = kix_b + (int64_t)(cs / KGROUP) * kix_strides[2];
-      int oc[NO];
-      float qo[MB][NO];
-#pragma unroll
-      for (int o = 0; o < NO; ++o) {
-        const int bit = o * KIB;
-        const int wi = bit >> 5;
-        const int sh = bit & 31;
-        unsigned int w = static_cast<unsigned int>(kix[wb + (int64_t)wi * kix_strides[3]]) >> sh;
-        if (sh + KIB > 32) {  // the index straddles two words
-          w |= static_cast<unsigned int>(kix[wb + (int64_t)(wi + 1) * kix_strides[3]])
-               << (32 - sh);
-        }
-        oc[o] = static_cast<int>(w & IMASK);
-#pragma unroll
-        for (int m = 0; m < MB; ++m) {
-          const int64_t off =
-              qb + (int64_t)(mblk * MB + m) * q_strides[2] + (int64_t)oc[o] * q_strides[3];
-          qo[m][o] = static_cast<float>(q[off]) * qmul;
-        }
-      }
-      // S P q on the lane's rows of S: the main sketch's weights (and the outlier sketch's
-      // when both take the same rows)
-#pragma unroll
-      for (int i = 0; i < SB; ++i) {
-        const int col = i * KL + kj;  // row kj * SB + i of S
-        float sv[NO];
-#pragma unroll
-        for (int o = 0; o < NO; ++o) {
-          sv[o] = static_cast<float>(
-              kst[(int64_t)oc[o] * kst_strides[0] + (int64_t)col * kst_strides[1]]);
-        }
-#pragma unroll
-        for (int m = 0; m < MB; ++m) {
-          float sp = 0.0f;
-#pragma unroll
-          for (int o = 0; o < NO; ++o) {
-            sp = vx_fma(sv[o], qo[m][o], sp);
-          }
-          const int64_t off =
-              sqb + (int64_t)(mblk * MB + m) * qsk_strides[2] + (int64_t)col * qsk_strides[3];
-          din[m][i] = cin * (static_cast<float>(qsk[off]) * qmul - sp);
-          if (SAME) {
-            dout[m][i < OB ? i : 0] = cot * sp;
-          }
-        }
-      }
-      if (!SAME) {
-#pragma unroll
-        for (int i = 0; i < OB; ++i) {
-          const int col = KSK + i * KL + kj;  // row kj * OB + i of S, after the main rows
-          float sv[NO];
-#pragma unroll
-          for (int o = 0; o < NO; ++o) {
-            sv[o] = static_cast<float>(
-                kst[(int64_t)oc[o] * kst_strides[0] + (int64_t)col * kst_strides[1]]);
-          }
-#pragma unroll
-          for (int m = 0; m < MB; ++m) {
-            float sp = 0.0f;
-#pragma unroll
-            for (int o = 0; o < NO; ++o) {
-              sp = vx_fma(sv[o], qo[m][o], sp);
-            }
-            dout[m][i] = cot * sp;
-          }
-        }
-      }
-    }
-    for (int it = cs; it < ce; it += KTP * UNROLL) {
-      unsigned int sw[UNROLL][SWN];
-      unsigned int ow[UNROLL][OWN];
-      float nv[UNROLL];
-      float onv[UNROLL];
-      int tok[UNROLL];
-      bool tv[UNROLL];
-#pragma unroll
-      for (int r = 0; r < UNROLL; ++r) {
-        tok[r] = it + r * KTP + ks;
-        tv[r] = tok[r] < ce;
-        // unconditional loads from in-bounds addresses (clamped token), then masked
-        const int64_t tk = (int64_t)vx_imin(tok[r], ce - 1);
-#pragma unroll
-        for (int w = 0; w < SWN; ++w) {
-          const unsigned int raw = static_cast<unsigned int>(
-              kc[kc_b + tk * kc_strides[2] + (int64_t)(sw0 + w) * kc_strides[3]]);
-          unsigned int bits = raw >> ssh;
-          if (SSTR && ssh > 0) {  // the next word's low bits (clamped: unused past the row)
-            const int64_t w1 = (int64_t)vx_imin(sw0 + 1, SROW - 1);
-            bits |= static_cast<unsigned int>(kc[kc_b + tk * kc_strides[2] + w1 * kc_strides[3]])
-                    << (32 - ssh);
-          }
-          sw[r][w] = tv[r] ? bits : 0u;
-        }
-        const float n0 = static_cast<float>(ka[ka_b + tk * ka_strides[2]]);
-        nv[r] = tv[r] ? n0 : 0.0f;
-#pragma unroll
-        for (int w = 0; w < OWN; ++w) {
-          ow[r][w] = 0u;
-        }
-        onv[r] = 0.0f;
-        if (KOUT > 0) {
-#pragma unroll
-          for (int w = 0; w < OWN; ++w) {
-            const unsigned int raw = static_cast<unsigned int>(
-                ksg[ksg_b + tk * ksg_strides[2] + (int64_t)(ow0 + w) * ksg_strides[3]]);
-            unsigned int bits = raw >> osh;
-            if (OSTR && osh > 0) {
-              const int64_t w1 = (int64_t)vx_imin(ow0 + 1, OROW - 1);
-              bits |= static_cast<unsigned int>(
-                          ksg[ksg_b + tk * ksg_strides[2] + w1 * ksg_strides[3]])
-                      << (32 - osh);
-            }
-            ow[r][w] = tv[r] ? bits : 0u;
-          }
-          const float n1 = static_cast<float>(kb[kb_b + tk * kb_strides[2]]);
-          onv[r] = tv[r] ? n1 : 0.0f;
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < UNROLL; ++r) {
-        float part[MB];
-        float opart[MB];
-#pragma unroll
-        for (int m = 0; m < MB; ++m) {
-          part[m] = 0.0f;
-          opart[m] = 0.0f;
-        }
-        // sum_i sign_i d_i, sign_i = +1 where the bit is set (S k >= 0), else -1: the bit
-        // moved to the sign of -1.0f (two integer instructions a bit, shared by the rows),
-        // then one FMA a bit and row
-#pragma unroll
-        for (int i = 0; i < SB; ++i) {
-          const float sg = vx_sign_unit(sw[r][i >> 5], i & 31);
-#pragma unroll
-          for (int m = 0; m < MB; ++m) {
-            part[m] = vx_fma(sg, din[m][i], part[m]);
-          }
-        }
-        if (KOUT > 0) {
-#pragma unroll
-          for (int i = 0; i < OB; ++i) {
-            const float sg = vx_sign_unit(ow[r][i >> 5], i & 31);
-#pragma unroll
-            for (int m = 0; m < MB; ++m) {
-              opart[m] = vx_fma(sg, dout[m][i], opart[m]);
-            }
-          }
-        }
-#pragma unroll
-        for (int m = 0; m < MB; ++m) {
-          part[m] = vx_fma(nv[r], part[m], onv[r] * opart[m]);
-        }
-#pragma unroll
-        for (int off = KL / 2; off > 0; off >>= 1) {
-#pragma unroll
-          for (int m = 0; m < MB; ++m) {
-            part[m] += vx_shfl_xor(part[m], off);
-          }
-        }
-        if (tv[r]) {  // SRN = MB here: every lane holds the token's scores; one stores them
-#pragma unroll
-          for (int m = 0; m < MB; ++m) {
-            wmax[m] = vx_max(wmax[m], part[m]);
-          }
-          if (kj == 0) {
-#pragma unroll
-            for (int m = 0; m < MB; ++m) {
-              smem[(tok[r] - t0) * MB + m] = part[m];
-            }
           }
         }
       }

@@ -136,7 +136,7 @@ def mma_plan(codec_k, kp, codec_v, vp, q) -> dict | None:
 
 def sketch_mma_taken(codec_k, kp, codec_v, vp, q) -> bool:
     """Whether QJL keys go through the tensor-core sketch kernel for this decode
-    (``velox_core.kernels.sketch_mma``)."""
+    (``velox_qjl.sketch_mma``)."""
     from velox_qjl import QJL
     from velox_qjl.kernels import kernel_sides
 

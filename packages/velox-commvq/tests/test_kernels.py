@@ -115,7 +115,7 @@ TK = TableKeys(stages=2, theta=mx.zeros((64,), mx.float32))
 
 def test_table_records_are_checked_when_built():
     rec = TableCodes(bits=4, group=4, codes=U32, norm=F16, positions=U32, table=TK)
-    assert (rec.a, rec.b, rec.table, rec.levels, rec.sketch) == (F16, U32, TK, None, None)
+    assert (rec.a, rec.b, rec.table, rec.levels, rec.signs) == (F16, U32, TK, None, None)
     for bits in (0, 9, 3.0, None):
         with pytest.raises(ValueError, match="TableCodes: bits must be an int from 1 to 8"):
             TableCodes(bits=bits, group=4, codes=U32, norm=F16, positions=U32, table=TK)

@@ -14,7 +14,6 @@ from velox_core.kernels import records
 U32 = mx.zeros((1, 1, 4, 16), mx.uint32)
 F16 = mx.zeros((1, 1, 4), mx.float16)
 LEV = mx.zeros((16,), mx.float32)
-SK = dk.SketchKeys(m=256, mo=0, outliers=0, index_bits=7, const=1.25, lanes=32, matrix=LEV)
 
 # each record class, its kind, the arguments of a valid record, and its kernels' view (a, b,
 # levels) as the fields it maps to
@@ -43,12 +42,6 @@ CASES = [
         dict(bits=8, group=4, codes=U32, codebooks=LEV),
         (None, None, "codebooks"),
     ),
-    (
-        dk.SketchCodes,
-        dk.SKETCH,
-        dict(codes=U32, norm=F16, sketch=SK),
-        ("norm", "onorm", None),
-    ),
 ]
 IDS = [c[0].__name__ for c in CASES]
 
@@ -69,9 +62,9 @@ def test_each_record_builds_by_keyword_and_carries_its_kind(cls, kind, kw, view)
 
 def test_the_kernels_view_of_the_optional_parts():
     """What a layout lacks reads as None (``symmetric`` False) and cannot be set; a codebook's
-    group is its head dim, a sketch's width one bit."""
+    group is its head dim."""
     affine = dk.AffineCodes(bits=4, group=64, codes=U32, scale=F16, zero=F16)
-    assert (affine.signs, affine.rnorm, affine.sketch) == (None,) * 3
+    assert (affine.signs, affine.rnorm, affine.levels) == (None,) * 3
     assert affine.symmetric is False
     with pytest.raises(AttributeError):
         affine.symmetric = True
@@ -79,20 +72,15 @@ def test_the_kernels_view_of_the_optional_parts():
     assert cb.group == 96 and cb.symmetric is True and cb.signs is None
     prod = dataclasses.replace(cb, signs=U32, rnorm=F16)
     assert prod.signs is U32 and prod.rnorm is F16
-    sketch = dk.SketchCodes(codes=U32, norm=F16, sketch=SK)
-    assert (sketch.bits, sketch.group, sketch.onorm, sketch.b) == (1, 1, None, None)
-    assert sketch.sketch is SK
 
 
 def test_required_fields_take_no_default():
     """Only the optional parts have defaults: a field named like one of the base's view
-    attributes (``levels``, ``sketch``) must not take that attribute as its."""
+    attributes (``levels``) must not take that attribute as its."""
     optional = {
         (dk.CodebookCodes, "symmetric"): False,
         (dk.CodebookCodes, "signs"): None,
         (dk.CodebookCodes, "rnorm"): None,
-        (dk.SketchCodes, "onorm"): None,
-        (dk.SketchCodes, "group"): 1,
     }
     for cls, *_ in CASES:
         for f in dataclasses.fields(cls):
@@ -115,8 +103,6 @@ def test_bad_groups_are_refused():
         dk.ChannelAffineCodes(bits=2, group=-32, codes=U32, scale=F16, zero=F16)
     with pytest.raises(ValueError, match="CodebookCodes: dim must be a positive int"):
         dk.CodebookCodes(bits=4, dim=None, codes=U32, norm=F16, levels=LEV)
-    with pytest.raises(ValueError, match="SketchCodes: group"):
-        dk.SketchCodes(codes=U32, norm=F16, sketch=SK, group=0)
 
 
 @pytest.mark.parametrize("cls,kind,kw,view", CASES, ids=IDS)
@@ -140,10 +126,6 @@ def test_records_refuse_what_their_layout_does_not_hold():
         dataclasses.replace(dk.CodebookCodes(**CASES[2][2], signs=U32, rnorm=F16), rnorm=None)
     with pytest.raises(TypeError, match="rnorm must be an mx.array"):
         dk.CodebookCodes(bits=4, dim=128, codes=U32, norm=F16, levels=LEV, signs=U32, rnorm=1.0)
-    with pytest.raises(ValueError, match="sketch must be a SketchKeys record"):
-        dk.SketchCodes(codes=U32, norm=F16, sketch=LEV)
-    with pytest.raises(TypeError, match="onorm must be an mx.array"):
-        dk.SketchCodes(codes=U32, norm=F16, sketch=SK, onorm=0.0)
     with pytest.raises(TypeError, match="symmetric"):
         dk.VQCodes(bits=8, group=4, codes=U32, codebooks=LEV, symmetric=True)
     with pytest.raises(TypeError, match="signs"):
@@ -153,7 +135,7 @@ def test_records_refuse_what_their_layout_does_not_hold():
 def test_records_are_exported_where_the_kernels_are():
     from velox_core.kernels import codes
 
-    names = [c[0].__name__ for c in CASES] + ["CodeRecord", "SketchKeys"]
+    names = [c[0].__name__ for c in CASES] + ["CodeRecord"]
     for name in names:
         assert getattr(dk, name) is getattr(records, name)
         assert name in dk.__all__ and name in records.__all__

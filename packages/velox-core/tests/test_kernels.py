@@ -261,91 +261,6 @@ def test_plan_widens_the_register_budget_for_32_channel_lanes_on_cuda(monkeypatc
     assert dk.plan(4, 128, dk.CODEBOOK, 3, 128, dk.CODEBOOK, 3, 128, sketch=True).mb == 1
 
 
-def _sketch_codes(m: int, mo: int, k: int, group: int = 32) -> dk.SketchCodes:
-    sk = dk.SketchKeys(m, mo, k, 7, 1.25, dk.sketch_lanes(m, mo), None)
-    onorm = _F16 if k else None
-    return dk.SketchCodes(codes=_U32, norm=_F16, onorm=onorm, group=group if k else 1, sketch=sk)
-
-
-def test_sketch_keys_lanes_and_plan():
-    """Sketch keys (QJL): the key pass's lanes split both sketches into shares of at most a
-    word or of whole words, the rows' weights fit the register budget, and splits start on
-    whole outlier blocks."""
-    assert dk.sketch_lanes(256, 256) == 32  # 8 bits a lane: the paper's m = 2d at d = 128
-    assert dk.sketch_lanes(320, 64) == 32  # 10 bits a lane, straddling words
-    assert dk.sketch_lanes(128, 0) == 32
-    assert dk.sketch_lanes(100, 15) == 0  # 15 outlier bits: one lane with 100 bits
-    assert dk.sketch_lanes(96, 0) == 32 and dk.sketch_lanes(192, 0) == 32
-    vals = _layout(dk.AFFINE, 4, 64)
-    p = dk.plan_for(4, 128, _sketch_codes(256, 256, 8), vals)
-    assert (p.klanes, p.mb, p.cpl) == (32, 4, 16)  # 16 weights a row: 4 rows
-    p = dk.plan_for(8, 128, _sketch_codes(1024, 1024, 8), vals)
-    assert (p.klanes, p.mb, p.nmb) == (32, 1, 8)  # 64 weights a row: one row a block
-    assert dk.plan_for(4, 128, _sketch_codes(4096, 0, 0), vals) is None  # 128 weights a row
-    with pytest.raises(ValueError, match="qjl"):
-        dk.plan(4, 128, dk.SKETCH, 1, 32, dk.AFFINE, 4, 64)
-    keys = _sketch_codes(256, 256, 8, group=96)
-    p = dk.plan_for(4, 128, keys, vals)  # 1024 tokens at most a split
-    for t in (96, 1000, 4000, 131072):
-        for s0 in (1, 3, 7, 128):
-            s = dk.block_splits(t, dk.fit_splits(t, s0, p), p, keys)
-            span = math.ceil(math.ceil(t / s) / 96) * 96  # what the kernel takes
-            assert span <= p.max_span and s * span >= t
-    assert dk.block_splits(4000, 5, p, _sketch_codes(256, 0, 0)) == 5  # no blocks: unchanged
-    for t, s0 in ((1000, 7), (4000, 3), (97, 2)):
-        s = dk.block_splits(t, s0, p, keys)
-        span = math.ceil(math.ceil(t / s) / 96) * 96
-        assert (s - 1) * span < t <= s * span  # no split left empty
-    assert dk.plan_for(4, 128, _sketch_codes(256, 256, 8, group=2048), vals) is None
-    assert dk.plan_for(1, 128, _sketch_codes(256, 256, 8, group=2048), vals) is not None
-    p = dk.plan_for(4, 128, _sketch_codes(128, 128, 16), vals)
-    assert p.mb == 2  # 16 outlier coordinates a row: two rows within half the budget
-
-
-def test_sketch_keys_bad_input_is_refused(monkeypatch):
-    """Sketch keys' arrays are checked against the sketch's sizes before any launch, and the
-    sketched query must come in their size; sketch codes are for keys only."""
-    monkeypatch.setattr(vk, "backend", lambda: "metal")
-    b, h, t, d, m = 1, 2, 64, 128, 256
-    proj = mx.random.normal((m, d)).astype(mx.float16)
-    mat = dk.sketch_matrix(proj, m, m, 32)
-    assert mat.shape == (d, m)
-    u32 = lambda *shape: mx.zeros(shape, mx.uint32)  # noqa: E731
-    good = dict(osign=u32(b, h, t, 8), idx=u32(b, h, t // 32, 2))
-    sk = dk.SketchKeys(m, m, 8, 7, 1.25, 32, mat, **good)
-    norm = mx.ones((b, h, t), mx.float16)
-    keys = dk.SketchCodes(codes=u32(b, h, t, 8), norm=norm, onorm=norm, group=32, sketch=sk)
-    vals = dk.AffineCodes(
-        bits=4,
-        group=64,
-        codes=u32(b, h, t, 16),
-        scale=mx.ones((b, h, t, 2)),
-        zero=mx.zeros((b, h, t, 2)),
-    )
-    q = mx.zeros((b, h, 4, d))
-    with pytest.raises(ValueError, match="q_sketch"):
-        dk.decode_attention(q, keys, vals)
-    with pytest.raises(ValueError, match="q_sketch"):
-        dk.decode_attention(q, keys, vals, q_sketch=mx.zeros((b, h, 4, d)))
-    qs = mx.zeros((b, h, 4, m))
-    bad = dk.SketchKeys(m, m, 8, 7, 1.25, 32, mat, good["osign"], u32(b, h, t // 16, 2))
-    with pytest.raises(ValueError, match="idx"):
-        dk.decode_attention(q, dataclasses.replace(keys, sketch=bad), vals, q_sketch=qs)
-    with pytest.raises(ValueError, match="sketch matrix"):
-        wrong = dk.SketchKeys(m, m, 8, 7, 1.25, 32, proj, **good)  # S itself, not its layout
-        dk.decode_attention(q, dataclasses.replace(keys, sketch=wrong), vals, q_sketch=qs)
-    with pytest.raises(ValueError, match="laid out for 16 lanes"):
-        other = dk.SketchKeys(m, m, 8, 7, 1.25, 16, dk.sketch_matrix(proj, m, m, 16), **good)
-        dk.decode_attention(q, dataclasses.replace(keys, sketch=other), vals, q_sketch=qs)
-    with pytest.raises(ValueError, match="index_bits"):
-        six = dk.SketchKeys(m, m, 8, 6, 1.25, 32, mat, **good)  # 6 bits cannot index 128
-        dk.decode_attention(q, dataclasses.replace(keys, sketch=six), vals, q_sketch=qs)
-    with pytest.raises(ValueError, match="keys only"):
-        dk.decode_attention(q, vals, keys)
-    with pytest.raises(ValueError, match="VELOX_DECODE_SKETCH_LANES"):
-        kernel_env(monkeypatch, "VELOX_DECODE_SKETCH_LANES", "3")
-
-
 @pytest.mark.parametrize("t", [1, 7, 255, 256, 1000, 4097, 32768, 131072, 131071])
 @pytest.mark.parametrize("rows", [1, 8, 64])
 def test_splits_cover_the_context_without_empty_or_oversized_splits(t, rows):
@@ -394,7 +309,7 @@ def _decode_variants():
         infos = [ArgInfo(*F32), *(ArgInfo(*a) for a in ins), *(ArgInfo(*a) for a in ins)]
         infos += [ArgInfo(*a) for a in extra]
         tmpl = dk.template(p, 128, ks if sketch else side, side)
-        assert dict(tmpl)["KQJL"] == int(sketch)
+        assert dict(tmpl)["KRSK"] == int(sketch)
         out.append((dk.DECODE, infos, ["float32"] * 2, tmpl))
     # 3-bit codes with 4 rows a pass (lanes of 32 channels on CUDA: CUDA_WIDE_REGS)
     for kind in (dk.AFFINE, dk.CODEBOOK):
@@ -424,17 +339,6 @@ def _decode_variants():
         ins = [U32, ("float16", 1, 8), ("float16", 1, 8), ("float32", 1, 1 << 16)]
         infos = [ArgInfo(*a) for a in [F32, *ins, *ins]] + [ArgInfo(*DUMMY)] * 5
         out.append((dk.DECODE, infos, ["float32"] * 2, dk.template(p, 128, kside, vq)))
-    # QJL sketch keys: outliers with one row set for both sketches, two row sets with shares
-    # straddling words, and no outliers
-    for m, mo, k, m_rows in ((256, 256, 8, 4), (320, 64, 8, 8), (256, 0, 0, 4)):
-        kside = _sketch_codes(m, mo, k)
-        p = dk.plan_for(m_rows, 128, kside, vside)
-        f16 = ("float16", 3, 1 << 20)
-        ins = [U32, f16, f16 if k else ("float16", 1, 8), DUMMY, U32, H16, H16, DUMMY]
-        extra = [U32 if k else DUMMY, ("float16", 1, 8), F32]
-        extra += [U32, ("float16", 2, 1 << 16)] if k else [DUMMY, DUMMY]
-        infos = [ArgInfo(*a) for a in [F32, *ins, *extra]]
-        out.append((dk.DECODE, infos, ["float32"] * 2, dk.template(p, 128, kside, vside)))
     out.append((dk.MERGE, [ArgInfo("float32", 5, 1 << 20)] * 2, ["float32"] * 3, []))
     part, seg, dummy = ArgInfo("float32", 5, 1 << 20), ArgInfo(*H16), ArgInfo("float16", 1, 8)
     for has_a, has_b, odt, rd in (
@@ -1006,103 +910,6 @@ def test_decode_kernel_adds_the_keys_residual_sketch(tmp_path, m, pad):
     vx = lv[vcodes] * vnorm.astype(np.float32)[..., None]
     mref = s.max(axis=-1, keepdims=True)
     p = np.exp(s - mref)
-    ref = (p @ vx, mref, p.sum(axis=-1, keepdims=True))
-    assert_partial_close(got, ref, tol=5e-5)
-
-
-@needs_gxx
-@pytest.mark.parametrize(
-    "m_sk,mo,k,group,rows,pad,splits,lanes",
-    [
-        (256, 256, 8, 32, 4, 0, 3, 32),  # the paper's setting: both sketches on the same rows
-        (320, 64, 8, 48, 3, 5, 4, 32),  # shares straddling words, blocks across split targets
-        (128, 0, 0, 1, 4, 3, 3, 32),  # no outliers
-        (128, 512, 4, 64, 2, 0, 3, 32),  # a larger outlier sketch, a partial last block
-        (256, 256, 8, 32, 4, 2, 5, 8),  # 8 lanes: 32-bit shares, one query row a block
-    ],
-)
-def test_decode_kernel_scores_sketch_keys(
-    monkeypatch, tmp_path, m_sk, mo, k, group, rows, pad, splits, lanes
-):
-    """QJL keys (SKETCH): per token ``c/m n_in <S q - S P q, sign_in> + c/m_o n_o <S P q,
-    sign_o>`` with ``P`` the block's outlier channels, against a numpy reference built from
-    random signs, norms, indices and ``S`` (strided slices with garbage beyond when ``pad``;
-    blocks of 48 tokens, split starts rounded up to them; a partial last block; 8 lanes a
-    token through ``VELOX_DECODE_SKETCH_LANES``)."""
-    rng = np.random.default_rng(m_sk + k)
-    b, h, t, d, vbits = 1, 2, 480, 128, 4
-    nb = -(-t // group)
-    kernel_env(monkeypatch, "VELOX_DECODE_SKETCH_LANES", str(lanes))
-    sgn = rng.integers(0, 2, size=(b, h, t, m_sk))
-    norm = (rng.random((b, h, t)) + 0.5).astype(np.float16)
-    proj = rng.standard_normal((max(m_sk, mo), d)).astype(np.float16)
-    q = rng.standard_normal((b, h, rows, d)).astype(np.float32) * 0.3
-    sq = q @ proj[:m_sk].astype(np.float32).T  # (B, H, M, m)
-    assert dk.sketch_lanes(m_sk, mo) == lanes
-    mat = dk.sketch_matrix(mx.array(proj), m_sk, mo, lanes)
-    sq_lanes = mx.array(q) @ mat[:, :m_sk].astype(mx.float32)  # S q in the lanes' order
-    c = 1.2533
-    sketch = dk.SketchKeys(m_sk, mo, k, 7, c, lanes, mat)
-    onorm = None
-    if k:
-        idx = np.array([rng.choice(d, k, replace=False) for _ in range(b * h * nb)])
-        idx = np.sort(idx, -1).reshape(b, h, nb, k)
-        osgn = rng.integers(0, 2, size=(b, h, t, mo))
-        onorm = (rng.random((b, h, t)) * 0.4).astype(np.float16)
-        sketch = dk.SketchKeys(
-            m_sk,
-            mo,
-            k,
-            7,
-            c,
-            lanes,
-            mat,
-            pack(mx.array(osgn), 1),
-            pack(mx.array(idx.astype(np.int32)), 7),
-        )
-    keys = dk.SketchCodes(
-        codes=pack(mx.array(sgn), 1),
-        norm=mx.array(norm),
-        onorm=None if onorm is None else mx.array(onorm),
-        group=group,
-        sketch=sketch,
-    )
-    vcodes = rng.integers(0, 1 << vbits, size=(b, h, t, d))
-    vscale = (rng.random((b, h, t, 2)) * 0.1).astype(np.float16)
-    vzero = (rng.standard_normal((b, h, t, 2)) * 0.1).astype(np.float16)
-    vals = dk.AffineCodes(
-        bits=vbits,
-        group=64,
-        codes=pack(mx.array(vcodes), vbits),
-        scale=mx.array(vscale),
-        zero=mx.array(vzero),
-    )
-    got = DecodeRun(
-        Emulator(tmp_path), mx.array(q), keys, vals, splits=splits, pad=pad, q_sketch=sq_lanes
-    )()
-    # the reference, per block
-    s_in = np.zeros((b, h, rows, t))
-    s_out = np.zeros((b, h, rows, t))
-    pf = proj.astype(np.float64)
-    for blk in range(nb):
-        sl = slice(blk * group, (blk + 1) * group)
-        spq = np.zeros((b, h, rows, max(m_sk, mo)))
-        if k:
-            ch = idx[0, :, blk]  # (H, k)
-            for hh in range(h):
-                spq[0, hh] = q[0, hh][:, ch[hh]] @ pf[:, ch[hh]].T
-        sg = sgn[:, :, sl] * 2.0 - 1.0
-        s_in[..., sl] = np.einsum("bhmi,bhti->bhmt", sq - spq[..., :m_sk], sg) * c / m_sk
-        if k:
-            og = osgn[:, :, sl] * 2.0 - 1.0
-            s_out[..., sl] = np.einsum("bhmi,bhti->bhmt", spq[..., :mo], og) * c / mo
-    sc = s_in * norm.astype(np.float64)[:, :, None]
-    if k:
-        sc = sc + s_out * onorm.astype(np.float64)[:, :, None]
-    vx = vcodes * np.repeat(vscale, 64, -1).astype(np.float64)
-    vx = vx + np.repeat(vzero, 64, -1).astype(np.float64)
-    mref = sc.max(axis=-1, keepdims=True)
-    p = np.exp(sc - mref)
     ref = (p @ vx, mref, p.sum(axis=-1, keepdims=True))
     assert_partial_close(got, ref, tol=5e-5)
 

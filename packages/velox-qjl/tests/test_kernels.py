@@ -1,7 +1,7 @@
 """QJL's kernel path, checked on a machine without a GPU.
 
 The decode kernel is velox-core's portable one with sketch keys
-(``velox_core.kernels.decode.SketchCodes``); here the QJL glue is checked: which records take
+(:class:`velox_qjl.layout.SketchCodes`); here the QJL glue is checked: which records take
 it, the kernel's copy of ``S`` (its layout and its bytes), and, with the kernels' Metal and
 CUDA instantiations emulated on the CPU (``velox_core.kernels.emulate``), that attention
 through the kernel equals the codec's reference path for the paper's setting, the
@@ -24,7 +24,6 @@ import velox_core.kernels as vk
 from velox_core import Uniform
 from velox_core.cache.attention import Segment, partial
 from velox_core.kernels import decode as dk
-from velox_core.kernels import sketch_mma as sm
 from velox_core.kernels.build import ArgInfo, cuda_source
 from velox_core.kernels.emulate import EmulatedKernels, shim_dir
 from velox_core.testing import (
@@ -37,7 +36,9 @@ from velox_core.testing import (
     needs_gxx,
 )
 from velox_qjl import METHOD, QJL, QJLCache
+from velox_qjl import sketch_mma as sm
 from velox_qjl.kernels import _query_sketch, encode_sketch, kernel_sides
+from velox_qjl.layout import sketch_lanes
 
 # the paper's setting, the recommended "4-bit" keys (m = 320: shares straddling words,
 # blocks of 128), 1-bit keys with 8-bit outliers, and no outliers
@@ -157,7 +158,7 @@ def test_kernel_matrix_is_s_in_the_lanes_order_and_counted(monkeypatch):
         kc = QJL(**kw)
         kc.check(128, mx.float16)
         m, k, mo = kc.sizes(128)
-        lanes = dk.sketch_lanes(m, mo)
+        lanes = sketch_lanes(m, mo)
         before = kc.state_nbytes
         mat = kc.kernel_matrix(lanes)
         assert mat.shape == (128, cols) and mat.dtype == mx.float16
@@ -213,7 +214,7 @@ def test_emulated_cache_attends_like_the_reference(monkeypatch, tmp_path, backen
     cache.update_and_fetch(k, v)
     fake.calls.clear()
     got = cache.attend(q, 0.088)
-    assert fake.names == ["velox_decode_attention", "velox_decode_merge_fp16"]
+    assert fake.names == ["velox_decode_attention_sketch", "velox_decode_merge_fp16"]
     monkeypatch.setattr(vk, "backend", lambda: "cpu")  # the reference path
     ref_cache = QJLCache(**kw)
     ref_cache.update_and_fetch(k, v)

@@ -63,15 +63,15 @@ def test_outlier_kernel_inputs_are_checked(monkeypatch):
 
 def test_the_thread_setting_is_read_once_and_configurable(monkeypatch):
     kernel_env(monkeypatch, "VELOX_OUTLIER_THREADS", None)
-    assert ok.outlier_config() == ok.OutlierConfig() and ok.outlier_threads() == ok.THREADS
+    assert ok.OutlierConfig.current() == ok.OutlierConfig() and ok.outlier_threads() == ok.THREADS
     monkeypatch.setenv("VELOX_OUTLIER_THREADS", "128")  # read once: not seen until re-read
     assert ok.outlier_threads() == ok.THREADS
     assert kernel_env(monkeypatch, "VELOX_OUTLIER_THREADS", "128") == ok.OutlierConfig(128)
     assert ok.outlier_threads() == 128
-    with ok.outlier_configured(threads=64):
+    with ok.OutlierConfig.configured(threads=64):
         assert ok.outlier_threads() == 64
     assert ok.outlier_threads() == 128
-    with pytest.raises(ValueError, match="threads must be one of 64, 128, got 32"):
+    with pytest.raises(ValueError, match="OutlierConfig.threads must be one of 64, 128, got 32"):
         ok.OutlierConfig(32)
 
 

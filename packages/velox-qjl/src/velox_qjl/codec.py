@@ -28,13 +28,13 @@ from __future__ import annotations
 import mlx.core as mx
 
 from velox_core import Codec, Packed
-from velox_core.kernels.decode import sketch_matrix
-from velox_core.kernels.sketch_mma import sketch_mma_matrix
 from velox_core.ops import pack, scale_dtype, sign_sketch, sketch_inner, unpack
 from velox_core.validation import check_bits, check_int
 
 from . import kernels as _kernels
+from .layout import sketch_matrix
 from .projection import estimator_constant, index_bits, outlier_mask, projection, top_channels
+from .sketch_mma import sketch_mma_matrix
 
 __all__ = ["QJL"]
 
@@ -127,8 +127,8 @@ class QJL(Codec):
 
     def kernel_matrix(self, lanes: int) -> mx.array:
         """``S`` as the decode kernel reads it for ``lanes`` lanes a token
-        (``velox_core.kernels.decode.sketch_matrix``, float16), or, with ``lanes`` 0, as the
-        tensor-core sketch kernel reads it (``velox_core.kernels.sketch_mma.sketch_mma_matrix``);
+        (:func:`velox_qjl.layout.sketch_matrix`, float16), or, with ``lanes`` 0, as the
+        tensor-core sketch kernel reads it (:func:`velox_qjl.sketch_mma.sketch_mma_matrix`);
         made once and kept (resident, counted in :attr:`state_nbytes`)."""
         mat = self._kernel_mats.get(lanes)
         if mat is None:

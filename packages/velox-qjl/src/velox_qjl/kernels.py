@@ -1,12 +1,13 @@
 """GPU kernel path of QJL keys: fused decode attention over the sign sketches.
 
 On NVIDIA GPUs, segments whose sketches are whole 32-bit words (the paper's setting and the
-recommended keys among them; ``velox_core.kernels.sketch_mma.supported``) take velox-core's
+recommended keys among them; :func:`velox_qjl.sketch_mma.supported`) take this package's
 tensor-core sketch kernel (``metal/decode_attention_sketch_mma.cu``): the signs as fp16 ``+-1`` MMA
 operands, each outlier block's ``S P q`` by MMAs, ``S`` and ``S q`` in that kernel's order
 (:meth:`velox_qjl.QJL.kernel_matrix` with ``lanes`` 0). Everywhere else, velox-core's
-portable decode kernel (``metal/decode_attention.metal``) takes QJL keys as
-*sketch* codes (``velox_core.kernels.decode.SketchCodes``): it reads each key's packed sign bits,
+portable decode kernel (``metal/decode_attention.metal``) reads QJL keys as *sketch* codes
+(:class:`velox_qjl.layout.SketchCodes`) with this package's key pass
+(``metal/decode_sketch_keys.metal``): it reads each key's packed sign bits,
 norms and, per block of ``group`` tokens, the outlier channels' indices and their own sketch,
 and scores them against the sketched query without unpacking anything to float:
 
@@ -23,7 +24,7 @@ and scores them against the sketched query without unpacking anything to float:
   merged (with a cache's fp16 window and sinks in one softmax, :func:`joint_call`).
 
 Where the kernel does not apply (kernels off or the CPU, values not per-token ``Uniform``, a
-sketch size the key pass does not lay out: see ``velox_core.kernels.decode.sketch_lanes``)
+sketch size the key pass does not lay out: see :func:`velox_qjl.layout.sketch_lanes`)
 the functions return None and the caller takes the reference path.
 
 Encoding (:func:`encode_sketch`): the outlier channels of each block stay MLX ops (energies,
@@ -40,11 +41,12 @@ import mlx.core as mx
 
 from velox_core import Packed, Uniform
 from velox_core.kernels import decode as _kd
-from velox_core.kernels import sketch_mma as _sm
 from velox_core.kernels import use_kernels
 from velox_core.kernels.encode import sketch_encode
 from velox_core.kernels.joint import JointQuery, JointRun, joint_glue, plan_joint
 
+from . import sketch_mma as _sm
+from .layout import SKETCH, SketchCodes, SketchKeys, sketch_lanes, sketch_rows
 from .projection import index_bits
 
 if TYPE_CHECKING:
@@ -90,8 +92,8 @@ def encode_sketch(codec: QJL, x: mx.array, idx: mx.array | None) -> dict[str, mx
 
 def kernel_sides(
     codec: QJL, keys: Packed, value_codec, values: Packed, rows: int
-) -> tuple[_kd.SketchCodes, _kd.AffineCodes] | None:
-    """The decode kernel's view of both records (``velox_core.kernels.decode.SketchCodes``
+) -> tuple[SketchCodes, _kd.AffineCodes] | None:
+    """The decode kernel's view of both records (:class:`velox_qjl.layout.SketchCodes`
     with its ``SketchKeys``, and the values' ``AffineCodes``) for ``rows`` query rows per KV
     head, or None where no kernel applies: kernels off or the CPU, values not a per-token
     ``Uniform``, a codec not yet bound to a head dim, or a layout the kernel's plan declines
@@ -109,13 +111,15 @@ def kernel_sides(
         lanes = 0  # the tensor-core sketch kernel (CUDA)
     else:
         vbits, vgroup = value_codec.bits, value_codec.group
+        lanes = sketch_lanes(m, mo)
+        cap = sketch_rows(m, mo, k, lanes) if lanes else 0
+        block = codec.block if k else 1
         plan = _kd.plan(
-            rows, codec.dim, _kd.SKETCH, 1, codec.block, _kd.AFFINE, vbits, vgroup, qjl=(m, mo, k)
+            rows, codec.dim, SKETCH, 1, codec.block, _kd.AFFINE, vbits, vgroup, False, cap, block
         )
         if plan is None:  # (before the kernel's copy of S is made)
             return None
-        lanes = plan.klanes
-    sk = _kd.SketchKeys(
+    sk = SketchKeys(
         m=m,
         mo=mo,
         outliers=k,
@@ -128,7 +132,7 @@ def kernel_sides(
         mma=lanes == 0,
     )
     return (
-        _kd.SketchCodes(
+        SketchCodes(
             codes=p["sign"],
             norm=p["norm"],
             onorm=p["onorm"] if k else None,
@@ -139,7 +143,7 @@ def kernel_sides(
     )
 
 
-def _query_sketch(keys: _kd.SketchCodes, q: mx.array) -> mx.array:
+def _query_sketch(keys: SketchCodes, q: mx.array) -> mx.array:
     """``S q`` over the main sketch's rows, in the kernel's lane order, float32.
 
     A GPU runs float32 matmuls in TF32 unless ``MLX_ENABLE_TF32=0`` (MLX's default on CUDA

@@ -1,14 +1,15 @@
-"""Decode attention over QJL keys on NVIDIA tensor cores (``metal/decode_attention_sketch_mma.cu``).
+"""Decode attention over QJL keys on NVIDIA tensor cores (``metal/decode_attention_sketch_mma.cu``,
+shipped by this package).
 
 QJL keys are sign sketches: a key's score is ``c/m ||k_in|| <S q - S P q, sign(S k_in)> +
-c/m_o ||k_o|| <S P q, sign(S k_o)>`` (:class:`velox_core.kernels.decode.SketchKeys`). The
+c/m_o ||k_o|| <S P q, sign(S k_o)>`` (:class:`velox_qjl.layout.SketchKeys`). The
 signs are ``+-1``, so per 16-token tile both inner products are fp16 MMAs with float32
 accumulation: the tokens' signs (exact as fp16 ``+-1``, two per register from one shift and
 one logic op) against the sketched query; per outlier block, ``S P q`` is an MMA of the query's
 outlier coordinates (fp16 hi and lo parts) and the block's columns of ``S``, whose result lands
 in the layout the score MMAs take; the values (per-token affine codes) are mixed by MMAs as in
-the affine tensor-core kernel (``decode_attention_mma.cu``). The portable kernel
-(``decode_attention.metal``, sketch keys) spends one FMA per sign bit and query row instead.
+velox-core's affine tensor-core kernel (``decode_attention_mma.cu``). The portable kernel
+(with this package's key pass) spends one FMA per sign bit and query row instead.
 
 The kernel reads ``S`` and ``S q`` in its own order of the sketch's rows (:func:`order`): lane
 ``t`` of a token takes a contiguous quarter of its sign words, and register pairs hold bits
@@ -30,12 +31,13 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from .. import kernels as _kernels  # backend() looked up per call (tests report another)
-from .build import KernelSpec
-from .codes import check_codes, float_bits, qmul_bits, unused_input
-from .config import kernel_config
-from .mma_support import MMA_SCALE_DTYPES, mma_enabled, mma_splits
-from .records import AFFINE, SKETCH, CodeRecord
+import velox_core.kernels as _kernels  # backend() looked up per call (tests report another)
+from velox_core.kernels.build import KernelSpec
+from velox_core.kernels.codes import check_codes, float_bits, qmul_bits, unused_input
+from velox_core.kernels.mma_support import MMA_SCALE_DTYPES, mma_enabled, mma_splits
+from velox_core.kernels.records import AFFINE, CodeRecord
+
+from .layout import SKETCH, QJLKernelConfig
 
 __all__ = [
     "DECODE_SKETCH_MMA",
@@ -56,6 +58,7 @@ __all__ = [
 DECODE_SKETCH_MMA = KernelSpec(
     name="velox_decode_sketch_mma",
     source="decode_attention_sketch_mma.cu",
+    package="velox_qjl",
     inputs=("q", "qs", "ks", "kn", "ko", "kon", "kix", "kst", "vc", "va", "vb"),
     outputs=("ml_part", "o_part"),
     row_contiguous=False,  # the body reads strides: slices of a cache buffer are not copied
@@ -193,8 +196,9 @@ def wanted(
 def b_residual() -> bool:
     """Whether the sketched query goes into the score MMAs as fp16 plus its rounding residual
     (two MMAs a k-step, the float32 product to about ``2^-22``; the default) or rounded to fp16
-    (``KernelConfig.sketch_mma_lo`` 0: one MMA, about ``2^-12`` relative per entry)."""
-    return kernel_config().sketch_mma_lo
+    (``QJLKernelConfig.mma_lo`` False, ``VELOX_SKETCH_MMA_LO=0``: one MMA, about ``2^-12``
+    relative per entry)."""
+    return QJLKernelConfig.current().mma_lo
 
 
 def _blo(rows: int) -> int:
@@ -220,17 +224,17 @@ def fragment_plan(rows: int, m: int, mo: int, outliers: int) -> tuple[bool, bool
     ``(diff, shared, ahead)`` = (:func:`b_diff`, :func:`frags_shared`, :func:`tiles_ahead`),
     worked out in one pass (the template asks for all three)."""
     diff_words = _frag_words(rows, m, mo, outliers, True)
-    cfg = kernel_config()
-    diff = bool(outliers) and mo != m and cfg.sketch_mma_diff is not False
+    cfg = QJLKernelConfig.current()
+    diff = bool(outliers) and mo != m and cfg.mma_diff is not False
     diff = diff and diff_words <= FRAG_WORDS
     shared = False
     if not diff:
-        forced = cfg.sketch_mma_bsm
+        forced = cfg.mma_bsm
         shared = (
             forced if forced is not None else _frag_words(rows, m, mo, outliers, False) > FRAG_WORDS
         )
-    if cfg.sketch_mma_ahead is not None:
-        ahead = cfg.sketch_mma_ahead
+    if cfg.mma_ahead is not None:
+        ahead = cfg.mma_ahead
     else:
         ahead = 2 if diff and diff_words <= AHEAD_WORDS else 1
     return diff, shared, ahead
@@ -241,7 +245,7 @@ def b_diff(rows: int, m: int, mo: int, outliers: int) -> bool:
     one MMA a k-step for the main score, against two for ``<S q, s> - <S P q, s>`` with ``S q``
     made once, and no registers for ``S q``'s fragments): for outlier sketches of columns of
     their own (``mo != m``) whose fragments fit in :data:`FRAG_WORDS`
-    (``KernelConfig.sketch_mma_diff`` False turns it off). Where the outlier sketch shares the
+    (``QJLKernelConfig.mma_diff`` False turns it off). Where the outlier sketch shares the
     main one's columns (the paper's setting) converting ``S P q`` twice a block costs more than
     the second MMA, so such layouts keep two MMAs (docs/performance.md has the timings)."""
     return fragment_plan(rows, m, mo, outliers)[0]
@@ -251,14 +255,14 @@ def tiles_ahead(rows: int, m: int, mo: int, outliers: int) -> int:
     """Tiles whose loads are in flight while one is computed (``AHEAD``): 2 with
     :func:`b_diff` and at most :data:`AHEAD_WORDS` fragment words (the registers ``S q``'s
     fragments would take hold a third tile's loads; larger sketches spill), else 1;
-    ``KernelConfig.sketch_mma_ahead`` (1 or 2) sets it."""
+    ``QJLKernelConfig.mma_ahead`` (1 or 2) sets it."""
     return fragment_plan(rows, m, mo, outliers)[2]
 
 
 def frags_shared(rows: int, m: int, mo: int, outliers: int) -> bool:
     """Whether ``S q``'s B fragments go to shared memory (``BSM`` 1) rather than registers:
     when it has fragments (not :func:`b_diff`) and all those a lane holds exceed
-    :data:`FRAG_WORDS`; where it has them, ``KernelConfig.sketch_mma_bsm`` (0 or 1) sets it."""
+    :data:`FRAG_WORDS`; where it has them, ``QJLKernelConfig.mma_bsm`` (0 or 1) sets it."""
     return fragment_plan(rows, m, mo, outliers)[1]
 
 
@@ -295,7 +299,7 @@ def sketch_mma_template(
 
 def sketch_splits(tokens: int, rows: int, group: int) -> int:
     """Splits of ``tokens`` for ``rows`` (batch x KV head) threadgroup rows: the tensor-core
-    kernel's wave sizing (:func:`velox_core.kernels.decode.mma_splits`), each split a whole
+    kernel's wave sizing (:func:`velox_core.kernels.mma_support.mma_splits`), each split a whole
     number of outlier blocks (the kernel rounds a split's span up to them)."""
     s = mma_splits(tokens, rows, NWARPS, SM_BLOCKS)
     align = max(16, group)

@@ -17,26 +17,23 @@ A side of one part (an integer width beside a fractional one, e.g. 3.5-bit keys 
 values) takes the same kernel without a mask.
 
 Its one setting, the threadgroup size (``VELOX_OUTLIER_THREADS``: 64 or 128), is
-:class:`OutlierConfig`, read from the environment once (:func:`outlier_config`) and replaced
-for a block by :func:`outlier_configured`.
+:class:`OutlierConfig`, read from the environment once (``OutlierConfig.current()``) and
+replaced for a block by ``OutlierConfig.configured(threads=...)``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import sys
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import ClassVar
 
 import mlx.core as mx
 import numpy as np
 
 from velox_core.kernels.build import KernelSpec
 from velox_core.kernels.codes import FP16_MAX, pad_rows, qmul_bits, unused_input
-from velox_core.kernels.config import register_settings
+from velox_core.kernels.config import PackageSettings, register_settings
 from velox_core.kernels.merge import merge_splits, merge_splits_fp16
 
 __all__ = [
@@ -45,8 +42,6 @@ __all__ = [
     "OutlierSide",
     "RotatedPart",
     "decode_attention_outlier",
-    "outlier_config",
-    "outlier_configured",
     "outlier_launch",
     "outlier_spec",
     "outlier_template",
@@ -80,61 +75,26 @@ DEFAULT_THREADS = 1024 * 128  # threads to aim for over the grid
 _SPECS: dict = {}  # (OUTLIER, threads) -> its spec
 
 
+@register_settings
 @dataclass(frozen=True)
-class OutlierConfig:
-    """The outlier kernel's setting.
+class OutlierConfig(PackageSettings):
+    """The outlier kernel's setting, read from the environment once
+    (:meth:`~velox_core.kernels.config.PackageSettings.current`).
 
     Attributes:
         threads: threads per threadgroup (64 or 128; None: :data:`THREADS`), from
             ``VELOX_OUTLIER_THREADS``.
     """
 
+    ENVIRONMENT: ClassVar[dict[str, tuple[str, str]]] = {
+        "threads": ("VELOX_OUTLIER_THREADS", "int")
+    }
     threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.threads is not None and self.threads not in THREAD_CHOICES:
             alts = ", ".join(str(t) for t in THREAD_CHOICES)
-            raise ValueError(f"threads must be one of {alts}, got {self.threads!r}")
-
-    @staticmethod
-    def from_environ(environ: Mapping[str, str] | None = None) -> OutlierConfig:
-        """The default, overridden by ``VELOX_OUTLIER_THREADS`` in ``environ`` (default
-        ``os.environ``); a bad value is a ValueError naming the setting."""
-        raw = (os.environ if environ is None else environ).get(ENVIRONMENT, "").strip()
-        if not raw:
-            return OutlierConfig()
-        try:
-            threads = int(raw)
-        except ValueError:
-            raise ValueError(f"{ENVIRONMENT} must be an integer, got {raw!r}") from None
-        try:
-            return OutlierConfig(threads)
-        except ValueError as e:
-            raise ValueError(f"{ENVIRONMENT} must be{str(e).split('must be', 1)[1]}") from None
-
-
-ENVIRONMENT = "VELOX_OUTLIER_THREADS"
-_CURRENT: list[OutlierConfig] = []  # the setting in force (empty until first use)
-register_settings((ENVIRONMENT,), sys.modules[__name__], OutlierConfig.from_environ)
-
-
-def outlier_config() -> OutlierConfig:
-    """The setting in force: the environment's, read on first use, or what
-    :func:`outlier_configured` set."""
-    if not _CURRENT:
-        _CURRENT.append(OutlierConfig.from_environ())
-    return _CURRENT[0]
-
-
-@contextmanager
-def outlier_configured(**changes: object) -> Iterator[OutlierConfig]:
-    """The setting with ``changes`` in force for a ``with`` block."""
-    old = outlier_config()
-    _CURRENT[0] = dataclasses.replace(old, **changes)
-    try:
-        yield _CURRENT[0]
-    finally:
-        _CURRENT[0] = old
+            raise ValueError(f"OutlierConfig.threads must be one of {alts}, got {self.threads!r}")
 
 
 def outlier_threads() -> int:
@@ -142,7 +102,7 @@ def outlier_threads() -> int:
     (One warp a threadgroup needs about 250 registers a thread: its share of a group's
     records loaded ahead, its entries of the butterflies, its query values; under a
     128-register bound it spills, with 255 it ran 1.5x slower on an H200.)"""
-    return outlier_config().threads or THREADS
+    return OutlierConfig.current().threads or THREADS
 
 
 def outlier_spec(nt: int) -> KernelSpec:

@@ -200,7 +200,7 @@ class Uniform(Codec):
         """The decode kernels' view of one of this codec's records: affine codes with their
         scales and zeros, per token (``velox_core.kernels.decode.AffineCodes``) or
         (``axis="channel"``, keys only) per channel (``ChannelAffineCodes``). Other codecs'
-        kernel glue uses it for a ``Uniform`` side of theirs (QJL's and VecInfer's values)."""
+        kernel glue uses it for a ``Uniform`` side of theirs (the values beside their keys)."""
         p = packed.data
         record = _kd.AffineCodes if self.axis == "token" else _kd.ChannelAffineCodes
         return record(

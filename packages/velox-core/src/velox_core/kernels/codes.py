@@ -4,8 +4,8 @@ One record describes a segment's keys or values; its layout
 (:mod:`velox_core.kernels.layout`, looked up by record class) says how the kernels read it.
 Here: the kernels' inputs built from a record (:func:`code_inputs`, :func:`sketch_inputs`),
 the shape checks against the query's head dim (:func:`check_codes`), through the record's
-layout, and the helpers of the core layouts (:func:`levels_symmetric`, :func:`sketch_matrix`,
-:func:`qmul_bits`, :func:`float_bits`).
+layout, and the helpers of the core layouts (:func:`levels_symmetric`, :func:`qmul_bits`,
+:func:`float_bits`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ __all__ = [
     "pad_rows",
     "qmul_bits",
     "sketch_inputs",
-    "sketch_matrix",
     "unused_input",
 ]
 
@@ -61,27 +60,6 @@ def levels_symmetric(levels) -> bool:
     if lev.size < 2 or not np.all(np.isfinite(half)) or np.any(np.diff(half) < 0):
         return False
     return bool(np.array_equal(half[::-1], -half))
-
-
-def sketch_matrix(proj: mx.array, m: int, mo: int, lanes: int) -> mx.array:
-    """``S`` (``proj``, ``(R, D)``) as the sketch keys' pass reads it: its first ``m`` rows
-    (and, when ``mo`` differs from ``m``, then its first ``mo`` rows) transposed, each set's
-    rows in the lanes' order: lane ``j`` of ``lanes`` owns rows ``j * n / lanes + i``, stored
-    in column ``i * lanes + j``, so that a warp's lanes read one contiguous run of a channel's
-    row. ``q @ sketch_matrix(...)[:, :m]`` is ``S q`` in the order the kernel reads it.
-
-    Shapes:
-        proj ``(R, D)``, ``R >= max(m, mo)``; returns ``(D, m)`` or ``(D, m + mo)``.
-    """
-    d = proj.shape[1]
-
-    def block(n: int) -> mx.array:
-        rows = proj[:n].reshape(lanes, n // lanes, d)
-        return mx.transpose(rows, (2, 1, 0)).reshape(d, n)
-
-    if not mo or mo == m:
-        return mx.contiguous(block(m))
-    return mx.contiguous(mx.concatenate([block(m), block(mo)], axis=1))
 
 
 def code_inputs(c: CodeRecord) -> tuple[mx.array, mx.array, mx.array, mx.array]:

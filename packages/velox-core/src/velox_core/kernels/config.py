@@ -8,25 +8,26 @@ environment: plans are keyed on the configuration record itself.
 
 The environment is read once, at first use, for these names (each a field below):
 ``VELOX_KERNELS=0`` turns every kernel off (reference MLX everywhere; the one switch meant
-for users); the ``VELOX_DECODE_*`` and ``VELOX_SKETCH_MMA_*`` settings tune the kernels on a
-new GPU (docs/architecture.md lists them). A method package's own kernel settings live in
-that package, read the same way; it names them with :func:`register_settings`. A field left at
-``None`` takes the rule its accessor documents (e.g. the tensor-core kernel's split count
-from the device's SM count).
+for users); the ``VELOX_DECODE_*`` settings tune the kernels on a new GPU
+(docs/architecture.md lists them). A method package's own kernel settings live in that
+package (a :class:`PackageSettings`), read the same way; it names them with
+:func:`register_settings`. A field left at ``None`` takes the rule its accessor documents
+(e.g. the tensor-core kernel's split count from the device's SM count).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = [
     "ENVIRONMENT",
     "KernelConfig",
+    "PackageSettings",
     "configure",
     "configured",
     "kernel_config",
@@ -58,7 +59,6 @@ class KernelConfig:
         enabled: use the kernels at all (``VELOX_KERNELS``).
         decode_warps: warps per threadgroup of the portable decode kernel (1, 2, 4, 8).
         decode_unroll: tokens per lane per loop iteration of the portable kernel (1 to 16).
-        sketch_lanes: most lanes per token of the sketch keys' pass (1 to 32, a power of 2).
         blocks: threadgroups a split decode aims for (None: 1,024 for the portable kernel;
             the tensor-core kernel sizes whole waves from the SM count).
         sms: the device's SM count (None: asked of the CUDA driver).
@@ -74,10 +74,6 @@ class KernelConfig:
         value_fold / key_fold: fold the value / key scales out of the MMAs where they can.
         ldsm: read code words out of the ring with ldmatrix.
         fuse: the tensor-core kernel merges its own splits (None: up to 16,384 tokens).
-        sketch_mma_lo: the sketched query as fp16 plus its residual (False: fp16 only).
-        sketch_mma_diff / sketch_mma_bsm: force the sketch kernel's ``DIFF`` / ``BSM``
-            layouts on or off (None: chosen per layout).
-        sketch_mma_ahead: tiles loaded ahead by the sketch kernel (1, 2; None: per layout).
         layouts_off: names of code layouts the kernels decline
             (:mod:`velox_core.kernels.layout`; e.g. ``{"vq"}``): their segments take the
             reference path.
@@ -91,7 +87,6 @@ class KernelConfig:
     enabled: bool = True
     decode_warps: int = 4
     decode_unroll: int = 4
-    sketch_lanes: int = 32
     blocks: int | None = None
     sms: int | None = None
     mma: bool = True
@@ -106,10 +101,6 @@ class KernelConfig:
     key_fold: bool = True
     ldsm: bool = True
     fuse: bool | None = None
-    sketch_mma_lo: bool = True
-    sketch_mma_diff: bool | None = None
-    sketch_mma_bsm: bool | None = None
-    sketch_mma_ahead: int | None = None
     layouts_off: frozenset[str] = frozenset()
     disk_cache: bool = True
     cuda_include: bool = True
@@ -123,7 +114,6 @@ class KernelConfig:
                 raise TypeError(f"KernelConfig.{f.name} must be True or False, got {v!r}")
         _choice("KernelConfig.decode_warps", self.decode_warps, (1, 2, 4, 8))
         _range("KernelConfig.decode_unroll", self.decode_unroll, 1, 16)
-        _choice("KernelConfig.sketch_lanes", self.sketch_lanes, (1, 2, 4, 8, 16, 32))
         if self.blocks is not None:
             _range("KernelConfig.blocks", self.blocks, 1, None)
         if self.sms is not None:
@@ -134,8 +124,6 @@ class KernelConfig:
         _choice("KernelConfig.subtiles", self.subtiles, (1, 2, 4))
         if self.stages is not None:
             _range("KernelConfig.stages", self.stages, 2, 8)
-        if self.sketch_mma_ahead is not None:
-            _choice("KernelConfig.sketch_mma_ahead", self.sketch_mma_ahead, (1, 2))
         if not isinstance(self.layouts_off, frozenset) or not all(
             isinstance(n, str) and n.isidentifier() for n in self.layouts_off
         ):
@@ -156,32 +144,39 @@ class KernelConfig:
         Raises:
             ValueError: a setting's value is not one it takes (the message names it).
         """
-        env = os.environ if environ is None else environ
-        changes: dict[str, object] = {}
-        for field, (name, kind) in ENVIRONMENT.items():
-            raw = env.get(name)
-            if raw is None or (kind != "switch" and not raw.strip()):
-                continue
-            raw = raw.strip()
-            if kind == "switch":  # lenient on/off: only the listed words turn it off
-                changes[field] = raw.lower() not in _OFF
-            elif kind == "names":  # comma-separated
-                changes[field] = frozenset(n.strip() for n in raw.split(",") if n.strip())
-            elif kind == "flag":
-                if raw not in ("0", "1"):
-                    raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
-                changes[field] = raw == "1"
-            else:
-                try:
-                    changes[field] = int(raw)
-                except ValueError:
-                    raise ValueError(f"{name} must be an integer, got {raw!r}") from None
-        try:
-            return KernelConfig(**changes)
-        except (ValueError, TypeError) as e:
-            field = str(e).split(" ", 1)[0].removeprefix("KernelConfig.")
-            name = ENVIRONMENT.get(field, (field,))[0]
-            raise ValueError(str(e).replace(f"KernelConfig.{field}", name, 1)) from None
+        return _from_environ(KernelConfig, ENVIRONMENT, environ)
+
+
+def _from_environ(cls: type, table: Mapping[str, tuple[str, str]], environ) -> Any:
+    """``cls`` (a frozen dataclass) from the settings of ``environ`` named in ``table``
+    (field -> (environment name, kind)); a bad value is a ValueError naming the setting."""
+    env = os.environ if environ is None else environ
+    changes: dict[str, object] = {}
+    for field, (name, kind) in table.items():
+        raw = env.get(name)
+        if raw is None or (kind != "switch" and not raw.strip()):
+            continue
+        raw = raw.strip()
+        if kind == "switch":  # lenient on/off: only the listed words turn it off
+            changes[field] = raw.lower() not in _OFF
+        elif kind == "names":  # comma-separated
+            changes[field] = frozenset(n.strip() for n in raw.split(",") if n.strip())
+        elif kind == "flag":
+            if raw not in ("0", "1"):
+                raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
+            changes[field] = raw == "1"
+        else:
+            try:
+                changes[field] = int(raw)
+            except ValueError:
+                raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+    try:
+        return cls(**changes)
+    except (ValueError, TypeError) as e:
+        prefix = f"{cls.__name__}."
+        field = str(e).split(" ", 1)[0].removeprefix(prefix)
+        name = table.get(field, (field,))[0]
+        raise ValueError(str(e).replace(f"{prefix}{field}", name, 1)) from None
 
 
 # field -> (environment name, kind): "switch" (on unless 0/false/no/off), "flag" (0 or 1),
@@ -190,7 +185,6 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     "enabled": ("VELOX_KERNELS", "switch"),
     "decode_warps": ("VELOX_DECODE_WARPS", "int"),
     "decode_unroll": ("VELOX_DECODE_UNROLL", "int"),
-    "sketch_lanes": ("VELOX_DECODE_SKETCH_LANES", "int"),
     "blocks": ("VELOX_DECODE_BLOCKS", "int"),
     "sms": ("VELOX_DECODE_SMS", "int"),
     "mma": ("VELOX_DECODE_MMA", "switch"),
@@ -205,10 +199,6 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     "key_fold": ("VELOX_DECODE_KFOLD", "flag"),
     "ldsm": ("VELOX_DECODE_LDSM", "flag"),
     "fuse": ("VELOX_DECODE_FUSE", "flag"),
-    "sketch_mma_lo": ("VELOX_SKETCH_MMA_LO", "switch"),
-    "sketch_mma_diff": ("VELOX_SKETCH_MMA_DIFF", "flag"),
-    "sketch_mma_bsm": ("VELOX_SKETCH_MMA_BSM", "flag"),
-    "sketch_mma_ahead": ("VELOX_SKETCH_MMA_AHEAD", "int"),
     "layouts_off": ("VELOX_LAYOUTS_OFF", "names"),
     "disk_cache": ("VELOX_KERNEL_CACHE", "switch"),
     "cuda_include": ("VELOX_CUDA_INCLUDE", "flag"),
@@ -216,24 +206,63 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
 
 _CURRENT: list[KernelConfig] = []  # the configuration in force (empty until first use)
 
-# a method package's own setting -> (its module, which holds the record in force in its
-# _CURRENT list, and the function reading the record from the environment)
-_PACKAGE_SETTINGS: dict[str, tuple[Any, Callable[[], Any]]] = {}
+_PACKAGE: dict[type, Any] = {}  # a package's settings class -> the record in force
+_PACKAGE_NAMES: dict[str, type] = {}  # a package's environment name -> its settings class
 
 
-def register_settings(names: Iterable[str], module: Any, read: Callable[[], Any]) -> None:
-    """Name a method package's own kernel settings (``VELOX_*`` environment names): its
-    ``module`` keeps the record in force in ``module._CURRENT`` and ``read()`` builds it
-    from the environment (what :func:`velox_core.testing.kernel_env` re-reads in a test)."""
-    for name in names:
-        if name in {n for n, _ in ENVIRONMENT.values()}:
+class PackageSettings:
+    """The base of a method package's own kernel settings: a frozen dataclass whose fields
+    are read, once, from the environment names in its ``ENVIRONMENT`` (field -> (name,
+    kind), the kinds of :data:`ENVIRONMENT`), like :class:`KernelConfig`. A subclass checks
+    its fields in ``__post_init__`` (messages starting with ``ClassName.field``, which the
+    environment's name replaces) and is named to velox-core with :func:`register_settings`;
+    :meth:`current` is the record in force, :meth:`configured` replaces it for a block."""
+
+    ENVIRONMENT: ClassVar[dict[str, tuple[str, str]]] = {}
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> Any:
+        """The defaults, overridden by the settings of ``environ`` (default ``os.environ``)."""
+        return _from_environ(cls, cls.ENVIRONMENT, environ)
+
+    @classmethod
+    def current(cls) -> Any:
+        """The record in force: the environment's, read on first use, or what
+        :meth:`configured` set."""
+        hit = _PACKAGE.get(cls)
+        if hit is None:
+            hit = _PACKAGE[cls] = cls.from_environ()
+        return hit
+
+    @classmethod
+    @contextmanager
+    def configured(cls, **changes: object) -> Iterator[Any]:
+        """The record in force with ``changes``, for a ``with`` block."""
+        old = cls.current()
+        _PACKAGE[cls] = dataclasses.replace(old, **changes)
+        try:
+            yield _PACKAGE[cls]
+        finally:
+            _PACKAGE[cls] = old
+
+
+def register_settings(cls: type[PackageSettings]) -> type[PackageSettings]:
+    """Name a method package's settings class to velox-core (its environment names become
+    kernel settings :func:`velox_core.testing.kernel_env` sets); usable as a decorator."""
+    core = {n for n, _ in ENVIRONMENT.values()}
+    for name, _ in cls.ENVIRONMENT.values():
+        if name in core:
             raise ValueError(f"register_settings: {name} is velox-core's own setting")
-        _PACKAGE_SETTINGS[name] = (module, read)
+        other = _PACKAGE_NAMES.get(name)
+        if other is not None and other.__qualname__ != cls.__qualname__:
+            raise ValueError(f"register_settings: {name} is {other.__name__}'s")
+        _PACKAGE_NAMES[name] = cls
+    return cls
 
 
-def settings_of(name: str) -> tuple[Any, Callable[[], Any]] | None:
-    """``(module, read)`` of a package's setting :func:`register_settings` named, or None."""
-    return _PACKAGE_SETTINGS.get(name)
+def settings_of(name: str) -> type[PackageSettings] | None:
+    """The settings class a package registered for environment name ``name``, or None."""
+    return _PACKAGE_NAMES.get(name)
 
 
 def kernel_config() -> KernelConfig:

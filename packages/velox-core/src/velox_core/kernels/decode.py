@@ -12,12 +12,10 @@ Keys and values are each one record of :mod:`velox_core.kernels.records`, one cl
 layout: **affine** per-group codes (:class:`AffineCodes`, ``x = scale * code + zero``, one
 scale and zero per ``group`` channels of a token: :class:`velox_core.Uniform` with
 ``axis="token"``), **codebook** codes (:class:`CodebookCodes`, ``x = norm * levels[code]``, one
-norm per token: TurboQuant_mse in the rotated domain) or **vector** codes (:class:`VQCodes`:
+norm per token, in a rotated domain) or **vector** codes (:class:`VQCodes`:
 each sub-vector of ``group`` channels is the index of a codeword, ``x = codebook[code]``, one
-codebook per batch row and KV head: VecInfer). Keys may also be **per-channel affine** codes
-(:class:`ChannelAffineCodes`, KIVI's), **sketch** codes (:class:`SketchCodes`: ``m``
-sign bits of ``S k`` and ``||k||`` per token, with per-block outlier channels and their own
-sketch, see :class:`SketchKeys`) or a layout a method package registers with its own key
+codebook per batch row and KV head). Keys may also be **per-channel affine** codes
+(:class:`ChannelAffineCodes`), or of a layout a method package registers with its own key
 pass (:mod:`velox_core.kernels.layout`). Codes are uint32 words in velox's packing layout
 (:mod:`velox_core.ops.packing`), any width 1 to 8 where a lane's channels fill whole words.
 
@@ -48,7 +46,6 @@ from .codes import (  # re-exported: velox_core.kernels.decode is the entry poin
     pad_rows,
     qmul_bits,
     sketch_inputs,
-    sketch_matrix,
     unused_input,
 )
 from .config import kernel_config
@@ -88,7 +85,6 @@ from .portable import (  # re-exported: velox_core.kernels.decode is the entry p
     MIN_SPAN,
     NWARPS,
     SCORE_SLOTS,
-    SKETCH_LANES,
     UNROLL,
     Plan,
     block_splits,
@@ -100,8 +96,6 @@ from .portable import (  # re-exported: velox_core.kernels.decode is the entry p
     plan_for,
     plan_portable,
     side_ok,
-    sketch_lanes,
-    sketch_template,
     template,
     tuning,
 )
@@ -109,14 +103,11 @@ from .records import (  # re-exported: velox_core.kernels.decode is the entry po
     AFFINE,
     AFFINE_CHANNEL,
     CODEBOOK,
-    SKETCH,
     VQ,
     AffineCodes,
     ChannelAffineCodes,
     CodebookCodes,
     CodeRecord,
-    SketchCodes,
-    SketchKeys,
     VQCodes,
 )
 
@@ -140,8 +131,6 @@ __all__ = [
     "MIN_SPAN",
     "NWARPS",
     "SCORE_SLOTS",
-    "SKETCH",
-    "SKETCH_LANES",
     "UNROLL",
     "VQ",
     "VQ_MAX_TABLE",
@@ -152,8 +141,6 @@ __all__ = [
     "MmaLaunch",
     "MmaLayout",
     "Plan",
-    "SketchCodes",
-    "SketchKeys",
     "VQCodes",
     "block_splits",
     "check_codes",
@@ -185,9 +172,6 @@ __all__ = [
     "qmul_bits",
     "side_ok",
     "sketch_inputs",
-    "sketch_lanes",
-    "sketch_matrix",
-    "sketch_template",
     "template",
     "tuning",
     "unused_input",
@@ -263,18 +247,9 @@ def plan_decode(
         return None
     parts = None  # parts(q[, q_sketch]) -> (o_part, ml_part, the query the kernel took)
     takes_qs = True
-    if keys.sketch is not None and keys.sketch.mma:  # QJL keys laid out for the tensor cores
-        from .sketch_mma import decode_sketch_mma, supported
-
-        if not supported(m, dim, keys, values):
-            raise ValueError(
-                "decode_attention: the sketch keys are laid out for the tensor-core sketch "
-                "kernel (SketchKeys.mma), which does not take this segment (sketch_mma.supported)"
-            )
-
-        def parts(q, qs):
-            return decode_sketch_mma(q, keys, values, splits, scale, qs)
-
+    own = layout_of(keys).own_kernel(q_shape, keys, values, splits, scale)
+    if own is not None:  # a kernel of the keys' layout's own (a method package's)
+        parts = own
     elif _kernels.backend() == "cuda" and mma_enabled() and mma_supported(m, dim, keys, values):
         check_codes("key", keys, b, h, t, dim)
         check_codes("value", values, b, h, t, dim)
@@ -354,19 +329,16 @@ def decode_attention(
             attention over all of them, in ``out_dtype``.
         out_dtype: see ``fp16``.
         scale: the attention scale, when ``q`` comes without it.
-        merge_q, rot: with ``fp16``, for codes in a rotated domain (TurboQuant): ``q`` is the
+        merge_q, rot: with ``fp16``, for codes in a rotated domain: ``q`` is the
             rotated query, ``merge_q`` the unrotated one (scored against the fp16 keys) and
             ``rot`` the ``(D, D)`` float32 map back (``o @ rot``, see
             :func:`merge_splits_fp16`). ``merge_q`` alone: keys coded in another domain than
-            the fp16 keys, values in the same one (VecInfer's transformed keys).
+            the fp16 keys, values in the same one (transformed keys).
         q_sketch: with keys that carry a residual sketch (``keys.signs``): the sketched query
-            ``(B, H, M, D)`` (times the sketch's constant), scaled like ``q``; with
-            :data:`SKETCH` keys: ``S q`` ``(B, H, M, m)`` float32 (no constant), from the same
-            ``q`` as the kernel takes (scaled or not); with keys of a layout that scores from
-            per-call query tables: the tables in the layout's
-            :meth:`~velox_core.kernels.layout.Layout.query_shape`, from the same ``q``
-            (scaled or not; the kernel then scores only from them and passes ``q`` to the
-            merge for the fp16 segments).
+            ``(B, H, M, D)`` (times the sketch's constant), scaled like ``q``; with keys of a
+            layout that takes another query-side input (a sketched query, query tables): that
+            input in the layout's :meth:`~velox_core.kernels.layout.Layout.query_shape`, from
+            the same ``q`` as the kernel takes (scaled or not).
 
     One call of :func:`plan_decode`'s plan; a caller attending the same segment again
     (a decode step) keeps the plan instead.

@@ -378,12 +378,11 @@ class DecodeRun:
                 if pad and i < 3 and not unused:
                     x = _padded_view(x, pad, rng)
                 ins.append(x)
+        along = dk.layout_of(keys).query_token_inputs(keys)  # query-side inputs per token
         for i, a in enumerate(dk.sketch_inputs(keys, q_sketch, mp)):
             x = np_input(a)
-            if pad and keys.signs is not None and i < 2:  # signs and residual norms
+            if pad and i in along:
                 x = _padded_view(x, pad, rng)
-            if pad and keys.sketch is not None and keys.sketch.outliers and i in (0, 3):
-                x = _padded_view(x, pad, rng)  # the outlier sketch and the block indices
             ins.append(x)
         self.inputs = ins
         self.shapes = [(b, h, self.s, mp, dim), (b, h, self.s, mp, 2)]

@@ -6,11 +6,12 @@
   :func:`velox_core.ops.pack` (``metal/encode_codebook.metal``).
 * :func:`vq_encode`: the nearest codeword of every sub-vector (:func:`velox_core.ops.assign`)
   followed by :func:`velox_core.ops.pack` (``metal/encode_vq.metal``).
-* :func:`sketch_encode`: QJL keys' sign sketches (:func:`velox_core.ops.sign_sketch` followed
-  by ``pack(bits, 1)``) and norms, of the inlier part and of the given outlier channels
-  (``metal/encode_sketch.metal``).
+* :func:`sketch_encode`: keys' Johnson-Lindenstrauss sign sketches
+  (:func:`velox_core.ops.sign_sketch` followed by ``pack(bits, 1)``) and norms, of the inlier
+  part and of the given outlier channels (``metal/encode_sketch.metal``).
 * :func:`residual_sketch_encode`: the sign sketch and norm of a Lloyd-Max code's residual
-  ``y - levels[code(y)]`` (TurboQuant_prod keys; ``metal/encode_residual_sketch.metal``).
+  ``y - levels[code(y)]`` (codebook keys with a residual sketch;
+  ``metal/encode_residual_sketch.metal``).
 
 All return None where the kernel does not apply (the caller then runs the reference). The
 affine kernel computes the same float32 operations as the reference in the same order
@@ -186,7 +187,7 @@ def sketch_encode(
     mo: int = 0,
     group: int = 1,
 ) -> tuple[mx.array, mx.array, mx.array | None, mx.array | None] | None:
-    """QJL keys' packed sign sketches and norms in one launch, or None if the kernel does not
+    """Keys' packed sign sketches and norms in one launch, or None if the kernel does not
     apply.
 
     With outliers (``idx`` given), token ``t``'s outlier channels are ``idx[..., t // group,

@@ -12,8 +12,8 @@ in a registry keyed by record class and by kind (:func:`register_layout`, :func:
 on its kind.
 
 velox-core registers the layouts its own codecs make (:class:`AffineLayout`,
-:class:`ChannelAffineLayout`, :class:`CodebookLayout`) and those not yet moved to the package
-that makes them (:class:`VQLayout`, :class:`SketchLayout`). A method package with a layout of
+:class:`ChannelAffineLayout`, :class:`CodebookLayout`) and the one not yet moved to the
+package that makes it (:class:`VQLayout`). A method package with a layout of
 its own defines its record class (a :class:`~velox_core.kernels.records.CodeRecord`), a
 :class:`Layout` subclass and, where its keys need their own scoring, the key pass; it
 registers the layout when its kernel module is imported. See docs/contributing.md.
@@ -22,14 +22,17 @@ registers the layout when its kernel module is imported. See docs/contributing.m
 CUDA as well through ``velox_kernels.h``) placed where the portable kernel scores a split's
 tokens, run when the template constant ``KOWN`` is 1. It reads the kernel's names: the split
 ``[t0, t1)``, ``STEP``, ``UNROLL``, ``TPW``, ``LPT``, ``LPT_REAL``, ``CPL``, ``MB``, ``HD``,
-``KBITS``, ``KGROUP``, ``KMASK``, ``QMUL``; the lane's ``warp``, ``slot``, ``j``, ``jc``,
-``act``; the row ``b``, ``h``, ``mblk``; the inputs ``kc``, ``ka``, ``kb``, ``qsk`` with their
-strides; ``klv_s``, the ``KOLV`` floats of ``klv`` the kernel copies to threadgroup memory
-first. For each token it computes the score of each of its rows in the log2 domain (times
-``QMUL``), reduce-scatters the token's lanes' sums (``vx_reduce_scatter<MB, LPT>``), keeps
-the running max in ``wmax`` and writes ``smem[(tok - t0) * MB + srow + e]`` on the lanes
-``j < SRL``, as the kernel's own passes do. Its own template constants come from
-:meth:`Layout.constants`.
+``NWARPS``, ``KBITS``, ``KGROUP``, ``KMASK``, ``QMUL``; the lane's ``tid``, ``lane``,
+``warp``, ``slot``, ``j``, ``jc``, ``act``; the row ``b``, ``h``, ``mblk``; the inputs
+``kc``, ``ka``, ``kb`` and the query-side ``ksg``, ``krn``, ``qsk``, ``kix``, ``kst`` with
+their strides; ``klv_s``, the ``KOLV`` floats of ``klv`` the kernel copies to threadgroup
+memory first. For each token it computes the score of each of its rows in the log2 domain
+(times ``QMUL``), adds up the token's lanes' sums (``vx_reduce_scatter<MB, LPT>``, or a
+butterfly where the layout sets :attr:`Layout.butterfly`), keeps the running max in ``wmax``
+and writes ``smem[(tok - t0) * MB + srow + e]`` (``e < SRN``) on the lanes ``j < SRL``, as
+the kernel's own pass does. Its own template constants come from :meth:`Layout.constants`;
+splits start on whole blocks of :meth:`Layout.split_block` tokens, and
+:meth:`Layout.key_rows` caps the query rows a pass holds.
 """
 
 from __future__ import annotations
@@ -42,13 +45,11 @@ from .records import (
     AFFINE,
     AFFINE_CHANNEL,
     CODEBOOK,
-    SKETCH,
     VQ,
     AffineCodes,
     ChannelAffineCodes,
     CodebookCodes,
     CodeRecord,
-    SketchCodes,
     VQCodes,
 )
 
@@ -115,6 +116,8 @@ class Layout:
             (see the module's contract), shipped by ``package``; None: the kernel's own
             passes read it.
         package: the package whose ``metal/`` folder ships ``key_pass``.
+        butterfly: the key pass adds a token's lanes' sums by a butterfly (every lane ends
+            with every row, ``KFLY``) rather than a reduce-scatter.
     """
 
     kind: ClassVar[int]
@@ -125,6 +128,7 @@ class Layout:
     wide: ClassVar[bool] = True
     key_pass: ClassVar[str | None] = None
     package: ClassVar[str] = "velox_core"
+    butterfly: ClassVar[bool] = False
 
     def lanes_ok(self, bits: int, group: int, dim: int, cpl: int) -> bool:
         """Whether a lane of ``cpl`` channels reads a side of this layout (``bits``,
@@ -164,6 +168,35 @@ class Layout:
     def constants(self, c: CodeRecord, dim: int) -> list[tuple[str, int]]:
         """The template constants of this layout's key pass (keys only)."""
         return []
+
+    def key_rows(self, c: CodeRecord, dim: int) -> int | None:
+        """The most query rows one pass of these keys holds (its registers), or None for
+        the kernel's own rule; 0 declines the segment."""
+        return None
+
+    def split_block(self, c: CodeRecord) -> int:
+        """Tokens a split holds whole (``KSPAN``: the kernel rounds a split's span up to
+        them); 1 for any split."""
+        return 1
+
+    def query_token_inputs(self, c: CodeRecord) -> tuple[int, ...]:
+        """Which of the five query-side inputs (:meth:`query_inputs`) run along the tokens
+        (so may be slices of a longer buffer; the emulator's strided checks use it)."""
+        return ()
+
+    def own_kernel(
+        self,
+        q_shape: tuple[int, int, int, int],
+        keys: CodeRecord,
+        values: CodeRecord,
+        splits: int | None,
+        scale: float | None,
+    ):
+        """A kernel of the layout's own (not the portable one) for this segment, as
+        ``parts(q, q_side) -> (o_part, ml_part, q)`` per-split partials; None where the
+        portable kernel takes it. Raises where the records are laid out for that kernel
+        and it declines them."""
+        return None
 
 
 _BY_RECORD: dict[type, Layout] = {}
@@ -318,6 +351,9 @@ class CodebookLayout(Layout):
     def query_shape(self, c, b, h, m, dim):
         return None if c.signs is None else (b, h, m, dim)
 
+    def query_token_inputs(self, c):
+        return () if c.signs is None else (0, 1)  # the signs and the residual norms
+
     def query_inputs(self, c, q_side, rows):
         if c.signs is None:
             return _placeholders()
@@ -368,75 +404,6 @@ class VQLayout(Layout):
             )
 
 
-class SketchLayout(Layout):
-    """:class:`SketchCodes`: sign bits of a sketch of each key with per-block outlier
-    channels (keys only; their query-side input: the sketched query ``S q``). The key pass
-    is the portable kernel's own (``KKIND`` 3) with its lanes' layout (``sketch_lanes``)."""
-
-    kind = SKETCH
-    record = SketchCodes
-    name = "sketch"
-    keys_only = True
-    mixes_values = False
-
-    def lanes_ok(self, bits, group, dim, cpl):
-        return True
-
-    def inputs(self, c):  # sign words, norms, outlier norms
-        onorm = c.onorm if c.onorm is not None else unused_input(c.norm.dtype)
-        return c.codes, c.norm, onorm, unused_input(mx.float32)
-
-    def query_shape(self, c, b, h, m, dim):
-        return (b, h, m, c.sketch.m)
-
-    def query_inputs(self, c, q_side, rows):
-        sk = c.sketch
-        qs = pad_rows(q_side.astype(mx.float32), rows)
-        if not sk.outliers:
-            u32, f16, f32 = (unused_input(d) for d in (mx.uint32, mx.float16, mx.float32))
-            return [u32, f16, qs, u32, f32]
-        return [sk.osign, unused_input(mx.float16), qs, sk.idx, sk.matrix]
-
-    def check(self, name, c, b, h, t, dim):
-        sk = c.sketch
-        want = {"codes": (b, h, t, -(-sk.m // 32)), "norm": (b, h, t)}
-        got = {"codes": c.codes, "norm": c.norm}
-        if sk.outliers and (sk.mo < 1 or sk.index_bits != max(1, (dim - 1).bit_length())):
-            raise ValueError(
-                "decode_attention: sketch keys with outliers need an outlier sketch (mo >= 1) "
-                f"and indices of ceil(log2 {dim}) bits, got mo={sk.mo}, "
-                f"index_bits={sk.index_bits}"
-            )
-        if sk.outliers:
-            blocks = -(-t // c.group)
-            want.update(
-                onorm=(b, h, t),
-                osign=(b, h, t, -(-sk.mo // 32)),
-                idx=(b, h, blocks, -(-sk.outliers * sk.index_bits // 32)),
-            )
-            got.update(onorm=c.onorm, osign=sk.osign, idx=sk.idx)
-        elif c.onorm is not None or sk.osign is not None or sk.idx is not None or sk.mo:
-            raise ValueError(
-                "decode_attention: sketch keys without outliers have no outlier arrays"
-            )
-        for field, shape in want.items():
-            a = got[field]
-            if a is None or tuple(a.shape) != shape:
-                have = None if a is None else tuple(a.shape)
-                raise ValueError(
-                    f"decode_attention: sketch keys' {field} is {have}, expected {shape}"
-                )
-        for field in ("codes", "osign", "idx"):
-            if field in got and got[field].dtype != mx.uint32:
-                raise ValueError(f"decode_attention: sketch keys' {field} must be uint32")
-        cols = sk.m if not sk.mo or sk.mo == sk.m else sk.m + sk.mo
-        if sk.outliers and tuple(sk.matrix.shape) != (dim, cols):
-            raise ValueError(
-                f"decode_attention: the sketch matrix is {tuple(sk.matrix.shape)}, expected "
-                f"{(dim, cols)} (sketch_matrix)"
-            )
-
-
-for _layout in (AffineLayout, ChannelAffineLayout, CodebookLayout, VQLayout, SketchLayout):
+for _layout in (AffineLayout, ChannelAffineLayout, CodebookLayout, VQLayout):
     register_layout(_layout())
 del _layout

@@ -77,7 +77,7 @@ def merge_splits_fp16(
         out_dtype: dtype of the output.
         scale: the attention scale, when ``q`` comes without it.
         rot: ``(D, D)`` float32: the partials are in a rotated domain and ``o @ rot`` maps
-            them back (TurboQuant); ``q`` is then the unrotated query.
+            them back; ``q`` is then the unrotated query.
 
     Shapes:
         returns ``o (B, H, R, D)`` in ``out_dtype`` (softmax-weighted values), ``m`` and ``l``

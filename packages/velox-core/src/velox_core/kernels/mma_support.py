@@ -102,7 +102,7 @@ MMA_CODEBOOK_BITS = (2, 4)
 
 
 def _mma_codebook_side(c: CodeRecord, dim: int, key: bool) -> bool:
-    """A codebook side (TurboQuant_mse: one norm a token, ``2**bits`` levels, no residual
+    """A codebook side (one norm a token, ``2**bits`` levels, no residual
     sketch) the tensor-core kernel lays out: 2 or 4 bits, fp16 or bf16 norms, and a head dim
     whose rows fill the fold's ldmatrix layout (keys: whole 16-byte segments and 4 words a
     k-step; values: 8 16-bit units a lane and an even count of 8-unit blocks)."""
@@ -176,8 +176,8 @@ def mma_supported(m: int, dim: int, keys: CodeRecord, values: CodeRecord) -> boo
     :data:`MMA_MAX_ROWS` query rows, a head dim that is a multiple of 16 whose quarter (keys)
     and eighth (values) fill whole code words, and groups that hold whole code words and whole
     lanes (or lanes whole groups); or codebook codes of 2 or 4 bits with one fp16 or bf16 norm
-    a token (TurboQuant_mse, :func:`_mma_codebook_side`) on either side; or per-channel affine
-    keys (KIVI's, :func:`_mma_channel_side`)."""
+    a token (rotated-domain codebooks, :func:`_mma_codebook_side`) on either side; or
+    per-channel affine keys (KIVI's, :func:`_mma_channel_side`)."""
     if not 1 <= m <= MMA_MAX_ROWS or dim % 16:
         return False
     if keys.kind == CODEBOOK:

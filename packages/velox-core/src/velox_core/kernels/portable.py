@@ -19,10 +19,10 @@ import mlx.core as mx
 
 from .. import kernels as _kernels  # backend() looked up per call (tests report another)
 from .build import KernelSpec
-from .codes import check_codes, code_inputs, float_bits, qmul_bits, sketch_inputs
+from .codes import check_codes, code_inputs, qmul_bits, sketch_inputs
 from .config import kernel_config
 from .layout import Layout, layout_for, layout_of, pad_rows
-from .records import CODEBOOK, SKETCH, CodeRecord
+from .records import CODEBOOK, CodeRecord
 
 NWARPS = 4  # warps per threadgroup (KernelConfig.decode_warps overrides: 1, 2, 4 or 8)
 
@@ -89,7 +89,6 @@ class Plan:
         unroll: tokens per lane per loop iteration.
         step: tokens a threadgroup consumes per loop iteration.
         max_span: most tokens one split may hold (its scores stay in threadgroup memory).
-        klanes: :data:`SKETCH` keys: lanes per token of the key pass (0 otherwise).
     """
 
     cpl: int
@@ -100,7 +99,6 @@ class Plan:
     unroll: int
     step: int
     max_span: int
-    klanes: int = 0
 
 
 def _pow2_ceil(n: int) -> int:
@@ -135,7 +133,8 @@ def plan(
     vbits: int,
     vgroup: int,
     sketch: bool = False,
-    qjl: tuple[int, int] | None = None,
+    key_rows: int | None = None,
+    key_block: int = 1,
 ) -> Plan | None:
     """The kernel's layout for ``m`` query rows of head dim ``dim``, or None if unsupported.
 
@@ -150,25 +149,19 @@ def plan(
     side's layout (:mod:`velox_core.kernels.layout`) says which lanes read it
     (:func:`side_ok`) and whether its value pass mixes it.
 
-    :data:`SKETCH` keys (QJL) pass ``qjl = (m, mo, outliers)``: the key pass spreads a
-    token's sign bits over :func:`sketch_lanes` lanes, and each query row holds
-    ``m / lanes + mo / lanes`` weights (at most :data:`MAX_REGS` for all rows) and the query's
-    ``outliers`` coordinates of a block (at most half of it); with outliers, a block of
-    ``kgroup`` tokens must fit one split.
+    Keys scored by their layout's own pass may cap the query rows a pass holds
+    (``key_rows``: :meth:`~velox_core.kernels.layout.Layout.key_rows`; below 1 declines) and
+    need splits of whole blocks of ``key_block`` tokens
+    (:meth:`~velox_core.kernels.layout.Layout.split_block`), which must fit one split.
     """
     klay, vlay = layout_for(kkind), layout_for(vkind)
     if m < 1 or dim < 1 or klay is None or vlay is None or not vlay.mixes_values:
         return None
     if sketch and (kkind != CODEBOOK or dim % 32):
         return None
-    if (kkind == SKETCH) != (qjl is not None):
-        raise ValueError("plan: sketch keys (SKETCH) and qjl=(m, mo, outliers) go together")
-    klanes = 0
+    if key_rows is not None and key_rows < 1:
+        return None
     budget = MAX_REGS // 2 if sketch else MAX_REGS
-    if qjl is not None:
-        klanes = sketch_lanes(qjl[0], qjl[1])
-        if not klanes or _sketch_rows(qjl, klanes) < 1:
-            return None
     nwarps, unroll = tuning()
     order = (32, 16, 8) if m <= 2 else (16, 32, 8) if m <= 4 else (8, 16, 32)
     for cpl in order:
@@ -179,7 +172,7 @@ def plan(
         ):
             continue
         regs = budget
-        if cpl == 32 and not sketch and qjl is None and klay.wide and vlay.wide:
+        if cpl == 32 and not sketch and klay.wide and vlay.wide:
             regs = CUDA_WIDE_REGS if _kernels.backend() == "cuda" else budget
         if regs < cpl:
             continue
@@ -191,51 +184,17 @@ def plan(
         mb = _pow2_floor(mb)
         lanes = _pow2_ceil(dim // cpl)
         step = nwarps * (32 // lanes) * unroll
-        if qjl is not None:
-            mb = min(mb, _pow2_floor(_sketch_rows(qjl, klanes)))
-            if qjl[2] and kgroup > SCORE_SLOTS // mb:  # a block must fit one split
-                return None
-        return Plan(cpl, mb, -(-m // mb), lanes, nwarps, unroll, step, SCORE_SLOTS // mb, klanes)
+        if key_rows is not None:
+            mb = min(mb, _pow2_floor(key_rows))
+        if key_block > SCORE_SLOTS // mb:  # a block must fit one split
+            return None
+        return Plan(cpl, mb, -(-m // mb), lanes, nwarps, unroll, step, SCORE_SLOTS // mb)
     return None
 
 
-def _sketch_rows(qjl: tuple[int, int, int], lanes: int) -> int:
-    """The most query rows the sketch key pass holds in registers: their weights within
-    :data:`MAX_REGS`, their outlier coordinates within half of it."""
-    m, mo, outliers = qjl
-    rows = MAX_REGS // ((m + mo) // lanes)
-    return min(rows, (MAX_REGS // 2) // outliers) if outliers else rows
-
-
-def _word_fit(bits: int) -> bool:
-    """A lane's run of sign bits is at most one word (read from the one or two words it
-    lies in) or whole words."""
-    return 1 <= bits <= 32 or bits % 32 == 0
-
-
-SKETCH_LANES = 32  # most lanes per token of the sketch keys' pass (KernelConfig.sketch_lanes)
-
-
-def sketch_lanes(m: int, mo: int) -> int:
-    """Lanes per token of the key pass for sketch keys of ``m`` (and ``mo`` outlier) sign
-    bits: the most (a power of two, at most ``KernelConfig.sketch_lanes``, default
-    :data:`SKETCH_LANES`: the fewest weights per lane) that split both sketches evenly into
-    shares of at most one word or of whole words; 0 when none does."""
-    top = kernel_config().sketch_lanes
-    for lanes in (32, 16, 8, 4, 2, 1):
-        if lanes > top:
-            continue
-        if m % lanes or mo % lanes:
-            continue
-        if _word_fit(m // lanes) and (mo == 0 or _word_fit(mo // lanes)):
-            return lanes
-    return 0
-
-
 def plan_for(m: int, dim: int, keys: CodeRecord, values: CodeRecord) -> Plan | None:
-    """:func:`plan` for the two sides of a segment."""
-    sk = keys.sketch
-    qjl = None if sk is None else (sk.m, sk.mo, sk.outliers)
+    """:func:`plan` for the two sides of a segment (the keys' layout's row cap and blocks)."""
+    klay = layout_of(keys)
     return plan(
         m,
         dim,
@@ -246,7 +205,8 @@ def plan_for(m: int, dim: int, keys: CodeRecord, values: CodeRecord) -> Plan | N
         values.bits,
         values.group,
         keys.signs is not None,
-        qjl,
+        klay.key_rows(keys, dim),
+        klay.split_block(keys),
     )
 
 
@@ -270,13 +230,14 @@ def fit_splits(tokens: int, splits: int, p: Plan) -> int:
 
 
 def block_splits(tokens: int, splits: int, p: Plan, keys: CodeRecord) -> int:
-    """``splits`` adjusted for sketch keys with outlier blocks: the kernel rounds a split's
+    """``splits`` adjusted for keys whose layout needs splits of whole blocks
+    (:meth:`~velox_core.kernels.layout.Layout.split_block`): the kernel rounds a split's
     ``ceil(T / splits)`` tokens up to whole blocks, so the count is raised until that span
     fits ``p.max_span``, then lowered to the splits the span needs (none empty). Unchanged
-    for other keys; :func:`plan` declines blocks longer than a split."""
-    if keys.sketch is None or not keys.sketch.outliers or keys.group <= 1:
+    for blocks of one token; :func:`plan` declines blocks longer than a split."""
+    g = layout_of(keys).split_block(keys)
+    if g <= 1:
         return splits
-    g = keys.group
     if g > p.max_span:
         raise ValueError(f"block_splits: blocks of {g} tokens exceed a split's {p.max_span}")
 
@@ -311,29 +272,12 @@ def template(
         ("NWARPS", p.nwarps),
         ("UNROLL", p.unroll),
         ("QMUL", qmul_bits(scale)),
-        ("KQJL", int(k.signs is not None)),
-        *sketch_template(p, k),
+        ("KRSK", int(k.signs is not None)),
         ("KOWN", int(klay.key_pass is not None)),
         ("KOLV", klay.table_floats(k, dim)),
+        ("KFLY", int(klay.butterfly)),
+        ("KSPAN", klay.split_block(k)),
         *klay.constants(k, dim),
-    ]
-
-
-def sketch_template(p: Plan, k: CodeRecord) -> list[tuple[str, int]]:
-    """The key pass's constants for :data:`SKETCH` keys (zeros for the other kinds): the
-    sketches' sizes, outliers per block and their index bits, lanes per token, and the float32
-    bits of ``c/m`` and ``c/m_o``."""
-    sk = k.sketch
-    if sk is None:
-        return [(n, 0) for n in ("KSK", "KOSK", "KOUT", "KIB", "KLPT", "KCIN", "KCOUT")]
-    return [
-        ("KSK", sk.m),
-        ("KOSK", sk.mo),
-        ("KOUT", sk.outliers),
-        ("KIB", sk.index_bits if sk.outliers else 0),
-        ("KLPT", p.klanes),
-        ("KCIN", float_bits(sk.const / sk.m)),
-        ("KCOUT", float_bits(sk.const / sk.mo) if sk.outliers else 0),
     ]
 
 
@@ -352,11 +296,6 @@ def plan_portable(
     p = plan_for(m, dim, keys, values)
     if p is None:
         return None
-    if keys.sketch is not None and keys.sketch.lanes != p.klanes:
-        raise ValueError(
-            f"decode_attention: the sketch matrix is laid out for {keys.sketch.lanes} lanes, "
-            f"the plan takes {p.klanes} (sketch_lanes at call time)"
-        )
     check_codes("key", keys, b, h, t, dim)
     check_codes("value", values, b, h, t, dim)
     mp = p.nmb * p.mb

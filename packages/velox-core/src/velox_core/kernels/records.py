@@ -2,16 +2,15 @@
 
 A segment's keys and values are each one record: :class:`AffineCodes` (per-token groups,
 ``x = scale * code + zero``), :class:`ChannelAffineCodes` (KIVI's per-channel keys),
-:class:`CodebookCodes` (``x = norm * levels[code]``, TurboQuant), :class:`VQCodes` (a codeword
-per sub-vector, VecInfer), :class:`SketchCodes` (sign sketches, with
-:class:`SketchKeys`), or a record class a method package defines for a layout of its own.
-Each carries its layout as the class constant ``kind`` (:data:`AFFINE`,
-:data:`AFFINE_CHANNEL`, :data:`CODEBOOK`, :data:`VQ`, :data:`SKETCH`: the kernels' ``KKIND``
-/ ``VKIND``; :mod:`velox_core.kernels.layout` says how the kernels read each), is built by
-keyword and checks its widths and the presence of
-its arrays when built (no device work: shapes are checked against the query's head dim by
-:func:`velox_core.kernels.codes.check_codes`). :class:`CodeRecord` is their base, for type
-hints and isinstance checks, and gives the kernels one read-only view of every record.
+:class:`CodebookCodes` (``x = norm * levels[code]``), :class:`VQCodes` (a codeword
+per sub-vector), or a record class a method package defines for a layout of its own. Each
+carries its layout as the class constant ``kind`` (:data:`AFFINE`, :data:`AFFINE_CHANNEL`,
+:data:`CODEBOOK`, :data:`VQ`: the kernels' ``KKIND`` / ``VKIND``;
+:mod:`velox_core.kernels.layout` says how the kernels read each), is built by keyword and
+checks its widths and the presence of its arrays when built (no device work: shapes are
+checked against the query's head dim by :func:`velox_core.kernels.codes.check_codes`).
+:class:`CodeRecord` is their base, for type hints and isinstance checks, and gives the kernels
+one read-only view of every record.
 """
 
 from __future__ import annotations
@@ -21,20 +20,17 @@ from typing import ClassVar
 
 import mlx.core as mx
 
-AFFINE, CODEBOOK, AFFINE_CHANNEL, SKETCH, VQ = 0, 1, 2, 3, 4
+AFFINE, CODEBOOK, AFFINE_CHANNEL, VQ = 0, 1, 2, 4  # other kinds: method packages' layouts
 
 __all__ = [
     "AFFINE",
     "AFFINE_CHANNEL",
     "CODEBOOK",
-    "SKETCH",
     "VQ",
     "AffineCodes",
     "ChannelAffineCodes",
     "CodeRecord",
     "CodebookCodes",
-    "SketchCodes",
-    "SketchKeys",
     "VQCodes",
     "check_record",
 ]
@@ -43,14 +39,13 @@ __all__ = [
 class CodeRecord:
     """One side (keys or values) of a coded segment as the decode kernels read it: the base of
     the typed records (:class:`AffineCodes`, :class:`ChannelAffineCodes`,
-    :class:`CodebookCodes`, :class:`VQCodes`, :class:`SketchCodes`, and the records method
-    packages define).
+    :class:`CodebookCodes`, :class:`VQCodes`, and the records method packages define).
 
     The kernel builders read every record through one view: ``kind`` (the record class's
     layout constant), ``bits``, ``group``, ``codes``, ``a`` (the scales or norms), ``b`` (the
     zeros, the outlier norms or the positions; None where the layout has none), ``levels``
     (codebook levels, or VQ's codebooks), ``signs`` and ``rnorm`` (a codebook's residual
-    sketch), ``sketch`` (:class:`SketchKeys`) and ``symmetric``. Each record maps them to its
+    sketch) and ``symmetric``. Each record maps them to its
     named fields; the parts a layout lacks are this base's class attributes (None,
     ``symmetric`` False), read-only on the records.
     """
@@ -61,7 +56,6 @@ class CodeRecord:
     levels: ClassVar[mx.array | None] = None
     signs: ClassVar[mx.array | None] = None
     rnorm: ClassVar[mx.array | None] = None
-    sketch: ClassVar[SketchKeys | None] = None
     symmetric: ClassVar[bool] = False
 
     @property
@@ -99,7 +93,7 @@ def check_record(
 # The records are not frozen: a decode step may build two of them per layer, and a frozen
 # dataclass's __init__ (object.__setattr__ per field) costs several times a plain one's; treat
 # them as immutable (dataclasses.replace makes a changed copy, checked again).
-# A required field named like a view attribute of CodeRecord (levels, sketch) is
+# A required field named like a view attribute of CodeRecord (levels) is
 # declared with field(): a bare annotation would take the base's class attribute as default.
 
 
@@ -161,8 +155,8 @@ class ChannelAffineCodes(_Affine):
 
 @dataclass(slots=True, kw_only=True)
 class CodebookCodes(CodeRecord):
-    """Codebook codes, ``x = norm * levels[code]`` with one norm a token (TurboQuant_mse in
-    its rotated domain), keys optionally with TurboQuant_prod's QJL residual sketch.
+    """Codebook codes, ``x = norm * levels[code]`` with one norm a token (a rotated
+    domain's Lloyd-Max levels), keys optionally with a residual sign sketch.
 
     Attributes:
         bits: code width, 1 to 8.
@@ -177,7 +171,7 @@ class CodebookCodes(CodeRecord):
             :func:`velox_core.kernels.codes.levels_symmetric`); the tensor-core kernel then
             looks 4-bit codes up in half the table and forms 2-bit ones without a permute
             (``KCB`` / ``VCB`` 2). False: any levels.
-        signs: keys with a QJL residual sketch (TurboQuant_prod): ``(B, H, T, D/32)`` uint32,
+        signs: keys with a residual sign sketch: ``(B, H, T, D/32)`` uint32,
             bit ``e`` set where channel ``e`` of the residual's sketch is positive; the caller
             passes the sketched query to ``decode_attention``. None otherwise.
         rnorm: with ``signs`` (and only with them): the residual norms ``(B, H, T)``.
@@ -214,7 +208,7 @@ class CodebookCodes(CodeRecord):
 @dataclass(slots=True, kw_only=True)
 class VQCodes(CodeRecord):
     """Vector codes: each sub-vector of ``group`` channels is the index of a codeword, ``x =
-    codebooks[b, h, code]``, one codebook per batch row and KV head (VecInfer).
+    codebooks[b, h, code]``, one codebook per batch row and KV head.
 
     Attributes:
         bits: bits of one codeword index, 1 to 8.
@@ -241,81 +235,3 @@ class VQCodes(CodeRecord):
     @property
     def a(self) -> None:
         return None
-
-
-@dataclass(slots=True, kw_only=True)
-class SketchCodes(CodeRecord):
-    """QJL keys (velox-qjl's codec): the sign bits of a sketch of each key, its norm and, per
-    block of ``group`` tokens, outlier channels with their own sketch (:class:`SketchKeys`).
-    Keys only; one bit a sign (``bits`` is 1).
-
-    Attributes:
-        codes: ``(B, H, T, m/32)`` uint32: the ``m`` sign bits of the main sketch.
-        norm: the norms ``||k_in||`` ``(B, H, T)``.
-        onorm: the outlier parts' norms ``||k_o||`` ``(B, H, T)``, None without outliers.
-        group: tokens per outlier block (1 where there are none).
-        sketch: the sketch's sizes and its other arrays.
-    """
-
-    kind: ClassVar[int] = SKETCH
-    bits: ClassVar[int] = 1
-    codes: mx.array
-    norm: mx.array
-    sketch: SketchKeys = field()
-    onorm: mx.array | None = None
-    group: int = 1
-
-    def __post_init__(self) -> None:
-        arrays = ("codes", "norm") if self.onorm is None else ("codes", "norm", "onorm")
-        check_record(self, arrays, width=False)
-        if not isinstance(self.sketch, SketchKeys):
-            raise ValueError(
-                f"SketchCodes: sketch must be a SketchKeys record, got {type(self.sketch).__name__}"
-            )
-
-    @property
-    def a(self) -> mx.array:
-        return self.norm
-
-    @property
-    def b(self) -> mx.array | None:
-        return self.onorm
-
-
-@dataclass(frozen=True)
-class SketchKeys:
-    """QJL keys (velox-qjl's codec) as the portable kernel reads them, beside
-    :class:`SketchCodes`.
-
-    A key's score is ``c/m ||k_in|| <S q - S P q, sign(S k_in)> + c/m_o ||k_o|| <S P q,
-    sign(S k_o)>``: ``P`` keeps the block's outlier channels, ``k_o = P k``, ``k_in = k - k_o``,
-    the outlier sketch using the first ``m_o`` rows of ``S``. The kernel forms ``S P q`` per
-    block of tokens from the block's channel indices and ``S``'s columns, which it reads from
-    ``S`` laid out in its lanes' order (:func:`velox_core.kernels.codes.sketch_matrix`); the
-    host passes ``S q`` in the same order (the query times that matrix's first ``m`` columns).
-
-    Attributes:
-        m: sign bits of the main sketch.
-        mo: sign bits of the outlier sketch (0 without outliers).
-        outliers: outlier channels per block (0: none).
-        index_bits: bits of one packed channel index.
-        const: the estimator's ``c``.
-        lanes: the lanes per token ``sketch_lanes`` gave, for which ``matrix`` is laid out.
-        matrix: ``sketch_matrix`` of ``S`` for ``lanes`` (any float dtype).
-        osign: the outlier sketch's sign bits ``(B, H, T, mo/32)`` uint32, or None.
-        idx: the packed channel indices ``(B, H, T/block, W)`` uint32, or None.
-        mma: ``matrix`` is laid out for the tensor-core sketch kernel instead
-            (:func:`velox_core.kernels.sketch_mma.sketch_mma_matrix`, float16; ``lanes`` 0),
-            which then takes the segment (:func:`velox_core.kernels.sketch_mma.supported`).
-    """
-
-    m: int
-    mo: int
-    outliers: int
-    index_bits: int
-    const: float
-    lanes: int
-    matrix: mx.array
-    osign: mx.array | None = None
-    idx: mx.array | None = None
-    mma: bool = False

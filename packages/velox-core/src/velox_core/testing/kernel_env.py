@@ -24,9 +24,8 @@ def kernel_env(monkeypatch: Any, name: str, value: str | None) -> Any:
     else:
         monkeypatch.setenv(name, value)
     if package is not None:
-        module, read = package
-        record = read()
-        monkeypatch.setattr(module, "_CURRENT", [record])
+        record = package.from_environ()
+        monkeypatch.setitem(config._PACKAGE, package, record)
         return record
     cfg = config.KernelConfig.from_environ()
     monkeypatch.setattr(config, "_CURRENT", [cfg])
