@@ -24,6 +24,24 @@ def main(module: str) -> int:
             print(f"{module}: kernels/src is empty", file=sys.stderr)
             return 1
         print(f"  kernel sources: {', '.join(names)}")
+    own = resources.files(module) / "metal"  # a method package's own kernel sources
+    if own.is_dir():
+        print(f"  its kernel sources: {', '.join(sorted(p.name for p in own.iterdir()))}")
+    try:  # a method package's code layout registers when its layout module is imported
+        importlib.import_module(module + ".layout")
+    except ModuleNotFoundError:
+        pass
+    from velox_core.kernels import kernel_source
+    from velox_core.kernels.layout import layouts
+
+    for lay in layouts():
+        if lay.key_pass is not None and lay.package == module:
+            try:
+                kernel_source(lay.key_pass, lay.package)
+            except FileNotFoundError:
+                print(f"{module}: layout {lay.name!r}'s {lay.key_pass} is not in the wheel")
+                return 1
+            print(f"  layout {lay.name}: key pass {lay.key_pass}")
     eps = [
         ep
         for ep in entry_points(group="velox.methods")
