@@ -29,7 +29,7 @@
 // norm (krn), and its score gains the sign-sketch estimate of the residual's product:
 // norm * (sum_e q_e levels[c_e] + rnorm * sum_e qs_e sign_e), qs = the sketched query
 // (S q, times sqrt(pi/2) / D, from the host).
-// KKIND / VKIND 4 = vector codes (VecInfer): each sub-vector of KGROUP / VGROUP channels is
+// KKIND / VKIND 4 = vector codes: each sub-vector of KGROUP / VGROUP channels is
 // the index (KBITS / VBITS bits) of a codeword of its (batch row, KV head)'s codebook: klv /
 // vlv hold B * H tables of 2^bits x group floats (contiguous), the threadgroup's own table is
 // copied to threadgroup memory and every index reads its codeword from there (the query

@@ -116,7 +116,7 @@
 // else fp16: both are read as 16-bit units, to float32 where a fold applies them, to fp16 pairs
 // where the codes are decoded or P s is formed; see vx_s16h2 for the range that is exact);
 // KCB / VCB (1: that side's codes index the 2^bits float32 levels kl / vl, a codebook with one
-// scale per token and no zero: TurboQuant_mse's Lloyd-Max codes and norms. 2 or 4 bits, with
+// scale per token and no zero: Lloyd-Max codes and norms. 2 or 4 bits, with
 // that side's fold and ldmatrix layout: the codes become their fp16 levels by byte permutes on
 // level registers (vx_lut2_pair, vx_lut4_word) where affine codes go in masked; the fold's
 // scale is the norm, the subnormal factors and the zeros' terms drop out; the host passes the

@@ -19,7 +19,7 @@
 // Outputs: o (B, H, MP, HD) in the output dtype, the normalized attention; m (B, H, MP, 1) the
 // max in natural-log units and l (B, H, MP, 1) the sum relative to it (float32).
 // rot (RD, RD) float32, used when RD > 1 (else an 8-element dummy): the decode kernel's
-// partials are in a rotated domain (TurboQuant: values mixed as rotated levels); their
+// partials are in a rotated domain (values mixed as rotated levels); their
 // weighted sum over the splits, for every channel, is rotated back here (out = sum_j o_j
 // rot[j, :]) before the fp16 tokens' values, which are in the model's domain, are added;
 // q is then the unrotated query (the fp16 keys are unrotated).

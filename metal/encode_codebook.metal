@@ -1,4 +1,4 @@
-// Scalar codebook quantization and bit packing (Lloyd-Max codes, e.g. TurboQuant_mse).
+// Scalar codebook quantization and bit packing (Lloyd-Max codes).
 // Body written once for Metal and CUDA (see velox_kernels.h). One thread per row.
 //
 // Matches velox_core.ops.Codebook.encode + velox_core.ops.pack bit for bit: the code of x is

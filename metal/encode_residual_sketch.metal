@@ -1,5 +1,4 @@
-// TurboQuant_prod's residual sketch (velox_turboquant's SphereQuantizer.encode, prod keys):
-// the sign sketch and the norm of the Lloyd-Max residual of each row.
+// A codebook code's residual sketch: the sign sketch and the norm of the Lloyd-Max residual of each row.
 // Body written once for Metal and CUDA (see velox_kernels.h). One thread per output word.
 //
 // For a row y (a rotated unit vector) with Lloyd-Max codes c_e (vx_codebook_code, the search

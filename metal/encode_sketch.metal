@@ -1,8 +1,8 @@
-// QJL keys' sign sketches and norms (velox_qjl.QJL's encode), outlier channels given.
+// Keys' Johnson-Lindenstrauss sign sketches and norms, outlier channels given.
 // Body written once for Metal and CUDA (see velox_kernels.h). One thread per output word.
 //
-// Matches velox_core.ops.sign_sketch + velox_core.ops.pack(bits, 1) and the norms of
-// velox_qjl.QJL._encode: for a token x with its block's outlier channels O (K of them; none
+// Matches velox_core.ops.sign_sketch + velox_core.ops.pack(bits, 1) and the norms: for a
+// token x with its block's outlier channels O (K of them; none
 // when K == 0), x_in is x with the channels of O zeroed and x_o is x on O only, and
 //   sign  bit i%32 of word i/32 = (S[i] . x_in >= 0)  for sketch rows i < M  (1 at +-0),
 //   norm  = ||x_in||,
@@ -15,8 +15,8 @@
 //
 // Threads: a token's W = ceil(M / 32) main words, then its WO = ceil(MO / 32) outlier words
 // (none when K == 0). A main word's thread walks the token's channels once, skipping the
-// outlier channels (the block's indices are sorted ascending and distinct, as
-// velox_qjl.projection.top_channels gives them), with 32 accumulators for its 32 rows of S;
+// outlier channels (the block's indices are sorted ascending and distinct, as the
+// caller gives them), with 32 accumulators for its 32 rows of S;
 // word 0 also writes the norm. An outlier word's thread reads only the K outlier channels;
 // outlier word 0 writes the outlier norm. Rows past M (MO) in a partial word read row
 // M - 1 (MO - 1) of S (always present) and their bits are dropped.
@@ -25,7 +25,7 @@
 // block, 0 for none), GROUP (tokens a block: row r's indices are row r / GROUP of idx; the
 // host's rows are (batch, head, token) in order with T a multiple of GROUP), NT (norm dtype).
 // Inputs: x (rows, D) any float dtype, contiguous; s (R, D) with R >= max(M, MO), contiguous
-// (float16, QJL's projection); idx (rows / GROUP, K) int32 (a dummy when K == 0).
+// (float16, the projection); idx (rows / GROUP, K) int32 (a dummy when K == 0).
 // Outputs: sign (rows, W) uint32, norm (rows,) NT, osign (rows, WO) uint32, onorm (rows,) NT
 // (the last two untouched when K == 0; the host gives them a dummy shape).
 

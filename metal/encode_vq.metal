@@ -1,4 +1,4 @@
-// Vector quantization and bit packing (VecInfer's codes): the nearest codeword of every
+// Vector quantization and bit packing (a codebook per batch row and head): the nearest codeword of every
 // sub-vector of GROUP channels, its index written as BITS bits of the row's stream.
 // Body written once for Metal and CUDA (see velox_kernels.h). One thread per output word.
 //

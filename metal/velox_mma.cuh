@@ -50,7 +50,7 @@ VX_FN __half2 vx_s16h2_words(unsigned int lo, unsigned int hi, int odd, float mu
   return mul == 1.0f ? vx_u2h(u) : __hmul2(vx_u2h(u), __float2half2_rn(mul));
 }
 
-// Codebook codes (KCB / VCB: TurboQuant's Lloyd-Max levels) as fp16 MMA operands, looked up
+// Codebook codes (KCB / VCB: Lloyd-Max levels) as fp16 MMA operands, looked up
 // in registers with byte permutes. The 2^BITS float32 levels become fp16 once per thread:
 // at 2 bits the four levels as two f16x2 words (r[0] = levels 0, 1; r[1] = 2, 3); at 4 bits
 // the low bytes of the 16 levels in r[0..3] (levels 4i .. 4i + 3 in word i) and their high
