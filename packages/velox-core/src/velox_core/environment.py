@@ -9,7 +9,8 @@ and nowhere else (``tests/test_environment.py`` walks the sources for reads else
 ``VELOX_ARTIFACTS``   colon-separated folders searched for per-model artifacts, before
                       ``~/.cache/velox`` (:func:`velox_core.artifacts.search_dirs`)
 ``VELOX_SHARED``      the folder holding the project's shared assets (the reference model,
-                      its sibling, data), where no repository checkout is found
+                      its sibling, data, the artifacts fitted for them), where no repository
+                      checkout is found
 ``VELOX_CACHE_DIR``   where the ``velox`` command keeps models it converts (default
                       ``$XDG_CACHE_HOME/velox`` or ``~/.cache/velox``)
 ``VELOX_BLAS``        the ``velox`` command's BLAS on Linux: a library path, or ``off`` for
@@ -17,6 +18,9 @@ and nowhere else (``tests/test_environment.py`` walks the sources for reads else
 ``VELOX_NO_OPENBLAS`` the earlier spelling of ``VELOX_BLAS=off``, still honoured
 ``VELOX_BLAS_ACTIVE`` set by the ``velox`` command in the process it re-executes with a BLAS
                       preloaded: that library's path
+``VELOX_MLX_CUDA_INCLUDE``  tests only: the folder holding MLX's CUDA device headers, for the
+                      nvcc compile checks (:func:`velox_core.testing.compile_cuda`; default the
+                      stand-in in ``metal/shim/cuda``)
 ====================  ===========================================================================
 """
 
@@ -34,6 +38,7 @@ NAMES = (
     "VELOX_BLAS",
     "VELOX_NO_OPENBLAS",
     "VELOX_BLAS_ACTIVE",
+    "VELOX_MLX_CUDA_INCLUDE",
 )
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import re
 import shutil
 import subprocess
@@ -14,6 +13,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
+from .. import environment
 from ..cache.attention import Segment, partial
 from .conformance import assert_partials_close
 
@@ -73,7 +73,7 @@ def compile_cuda(units: Sequence[Sequence[str]], workdir: Path, spill_bytes: int
 
     nvcc = shutil.which("nvcc")
     assert nvcc is not None, "nvcc is not installed"
-    inc = os.environ.get("VELOX_MLX_CUDA_INCLUDE") or str(shim_dir() / "cuda")
+    inc = environment.get("VELOX_MLX_CUDA_INCLUDE") or str(shim_dir() / "cuda")
     work = Path(workdir)
 
     def compile_unit(i: int) -> str:
