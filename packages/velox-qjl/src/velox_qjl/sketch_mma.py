@@ -37,7 +37,7 @@ from velox_core.kernels.codes import check_codes, float_bits, qmul_bits, unused_
 from velox_core.kernels.mma_support import MMA_SCALE_DTYPES, mma_enabled, mma_splits
 from velox_core.kernels.records import AFFINE, CodeRecord
 
-from .layout import SKETCH, QJLKernelConfig
+from .settings import SKETCH, QJLKernelConfig
 
 __all__ = [
     "DECODE_SKETCH_MMA",
