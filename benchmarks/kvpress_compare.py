@@ -28,6 +28,13 @@ scored with ``Prompt.score`` (RULER's string match).
   kvpress's vote settings (``observe=64,kernel=5,pooling=avg``; Ada-KV ``window=64``), which
   separates the settings from the implementations.
 
+kvpress's ``KVzipPress`` scores the context by reconstructing it after the prefill (the
+context manager runs its repeat passes on exit) and masks the pruned keys, as ``AdaKVPress``
+does; velox's ``kvzip:budget=P%`` runs ``velox_kvzip.compress`` after the context's prefill
+(:func:`velox_cli.longctx.run.prompt_caches`). kvpress loads the tokenizer by the model's
+name; here it gets the GGUF's without its chat template (the prompts are raw text), so both
+sides repeat with ``"\n\nRepeat the previous context exactly."`` then ``"\n"``.
+
 Not compared: kvpress's ``QFilterPress`` downloads its filters from the Hugging Face Hub
 (``nthngdy/<model>_qfilt``, none for SmolLM2) and this benchmark runs offline.
 
@@ -83,6 +90,7 @@ PRESSES = (
     "pyramidkv",
     "chunkkv",
     "expected-attention",
+    "kvzip",
 )
 # velox's counterpart of each press: its defaults, and kvpress's vote settings (--matched)
 VELOX_SPECS = {
@@ -95,6 +103,8 @@ VELOX_SPECS = {
     "pyramidkv": "pyramidkv:budget={p}%",
     "chunkkv": "chunkkv:budget={p}%",
     "expected-attention": "expected-attention:budget={p}%",
+    # kvpress's KVzipPress defaults: 4 sinks, 2,048-token chunks, one ranking of every layer
+    "kvzip": "kvzip:budget={p}%",
 }
 MATCHED_SPECS = {
     "snapkv": "snapkv:budget={p}%,observe=64,kernel=5,pooling=avg",
@@ -112,7 +122,13 @@ KVPRESS_LABELS = {
     "pyramidkv": "PyramidKVPress",
     "chunkkv": "ChunkKVPress(SnapKVPress)",
     "expected-attention": "ExpectedAttentionPress",
+    "kvzip": "KVzipPress",
 }
+
+
+# KVzipPress's first repeat instruction (velox-kvzip's default prompt); both sides must
+# tokenize it alike for the kept positions to be comparable
+KVZIP_PROMPT = "\n\nRepeat the previous context exactly."
 
 
 def _share(ratio: float) -> str:
@@ -138,12 +154,13 @@ def _kvpress_worker(job_path: str, out_path: str) -> None:
         ChunkKVPress,
         ExpectedAttentionPress,
         KnormPress,
+        KVzipPress,
         PyramidKVPress,
         SnapKVPress,
         StreamingLLMPress,
         TOVAPress,
     )
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -157,6 +174,19 @@ def _kvpress_worker(job_path: str, out_path: str) -> None:
     ).eval()
     _log(f"kvpress: {gguf.name} loaded in transformers ({time.perf_counter() - t0:.1f} s)")
     layers = model.model.layers
+    # KVzipPress loads the tokenizer by the model's name (a folder holding only the GGUF
+    # here): it gets the GGUF's, without its chat template, as the suite's prompts are raw
+    # text (no template prefix; the repeat instruction followed by "\n", kvpress's suffix
+    # without a template)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer.chat_template = None
+
+    class _Tokenizer:
+        @staticmethod
+        def from_pretrained(*args, **kwargs):
+            return tokenizer
+
+    kvpress.presses.kvzip_press.AutoTokenizer = _Tokenizer
     stop = set(job["eos"])
     gen_eos = model.generation_config.eos_token_id
     stop.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
@@ -178,6 +208,8 @@ def _kvpress_worker(job_path: str, out_path: str) -> None:
             return ChunkKVPress(press=SnapKVPress(compression_ratio=ratio), chunk_length=20)
         if name == "expected-attention":
             return ExpectedAttentionPress(compression_ratio=ratio)
+        if name == "kvzip":
+            return KVzipPress(compression_ratio=ratio)
         raise ValueError(f"unknown press {name!r}")
 
     @torch.inference_mode()
@@ -267,6 +299,7 @@ def _kvpress_worker(job_path: str, out_path: str) -> None:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "attention": model.config._attn_implementation,
+        "repeat_prompt_ids": tokenizer.encode(KVZIP_PROMPT, add_special_tokens=False),
         "seconds": round(time.perf_counter() - t_all, 1),
     }
     np.savez_compressed(Path(out_path).with_suffix(".npz"), **masks)
@@ -330,9 +363,10 @@ def _kept_positions(caches: list, n: int) -> np.ndarray | None:
     return np.stack(rows)
 
 
-def _velox_masks(model, store, prompt, spec: str, chunk: int):
+def _velox_masks(model, store, prompt, spec: str, chunk: int, tokenizer):
     """velox's kept context positions for one prompt: after the question's prefill, and after
-    the first decoded token (the prompt path of ``velox_cli.longctx.run``, question after)."""
+    the first decoded token (the prompt path of ``velox_cli.longctx.run``, question after;
+    ``tokenizer`` for a method's step after the prefill, KVzip's)."""
     import mlx.core as mx
 
     from velox_cli.longctx.run import budget_tokens, prompt_caches, resolve_spec
@@ -342,7 +376,7 @@ def _velox_masks(model, store, prompt, spec: str, chunk: int):
     caches = build_caches(parse(resolve_spec(spec, budget_tokens(prompt, "after"))), model, store)
     n = len(prompt.context)
     with routed(model):
-        logits = prompt_caches(model, caches, prompt, "after", chunk)
+        logits = prompt_caches(model, caches, prompt, "after", chunk, tokenizer)
         at_question = _kept_positions(caches, n)
         y = mx.argmax(logits, axis=-1)
         mx.eval(model(y[:, None], cache=caches))
@@ -599,6 +633,10 @@ def _compare(a: argparse.Namespace) -> int:
         kv, kv_masks = _run_kvpress(a, gguf, eos, prompts, overlap)
         kv["digests"] = digests
     kv_seconds = time.perf_counter() - t
+    if "kvzip" in a.presses and "repeat_prompt_ids" in kv["info"]:
+        mine = list(tokenizer.encode(KVZIP_PROMPT, add_special_tokens=False))
+        same = mine == kv["info"]["repeat_prompt_ids"]
+        _log(f"kvpress_compare: KVzip's instruction tokenizes {'alike' if same else 'OTHERWISE'}")
     kv_runs = {(r["press"], r["ratio"], r["key"]): r for r in kv["runs"]}
 
     # velox's half: run_eval, question after the context
@@ -644,7 +682,9 @@ def _compare(a: argparse.Namespace) -> int:
     vx_masks: dict[tuple[str, str], tuple] = {}
     for key in overlap:
         for spec in [*spec_of.values(), *matched_of.values()]:
-            vx_masks[(spec, key)] = _velox_masks(model, store, prompts[key], spec, a.chunk)
+            vx_masks[(spec, key)] = _velox_masks(
+                model, store, prompts[key], spec, a.chunk, tokenizer
+            )
         _log(f"velox: kept positions of {key} ({time.perf_counter() - t:.0f} s)")
     ov_seconds = time.perf_counter() - t
 

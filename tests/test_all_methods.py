@@ -70,6 +70,7 @@ def test_every_package_registered():
         "knorm",
         "tova",
         "h2o",
+        "kvzip",
         "pyramidkv",
         "expected-attention",
         "chunkkv",

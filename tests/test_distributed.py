@@ -144,6 +144,7 @@ SHARDED = [
 SHARD_REFUSED = {
     "xkv:layer_group=2,key_rank=64,value_rank=64": "SVD of the channels of all KV heads",
     "adakv:budget=48": "shared among all the layer's KV heads",
+    "kvzip:budget=48": "shared among the KV heads of every layer",
     "minicache:t=0.5,gamma=0.05": "range of angular distances over all the heads",
 }
 PIPED = ["lastfp16/uniform:bits=4", "lastfp16/snapkv:budget=48"]
@@ -309,3 +310,7 @@ def test_each_class_states_its_split_refusal_by_attribute():
     assert cache_class("tova").split_refusal({}, False, True) == ""
     assert "heads" in cache_class("tova").split_refusal({}, True, False)
     assert cache_class("nestedkv").split_refusal({"heads": "uniform"}, True, False) == ""
+    kvzip = cache_class("kvzip").split_refusal  # by its settings: how budgets are shared
+    assert "every layer" in kvzip({"heads": "global"}, True, False)
+    assert "stages" in kvzip({}, False, True)
+    assert kvzip({"heads": "uniform"}, True, True) == ""

@@ -31,6 +31,7 @@ def test_eviction_and_composition_on_the_reference_model(question):
             "streamingllm:budget=25%",
             "snapkv:budget=50%",
             "snapkv:budget=50%+uniform:bits=4",
+            "kvzip:budget=25%",  # its reconstruction step after the context (or the prompt)
         )
     ]
     trials, info = run_eval(
@@ -48,6 +49,7 @@ def test_eviction_and_composition_on_the_reference_model(question):
     # a quarter of the prompt's tokens kept (plus the window and the question's tokens)
     assert 2.0 < cells["snapkv:budget=25%"].ratio < 4.5
     assert 2.0 < cells["streamingllm:budget=25%"].ratio < 4.5
+    assert 2.0 < cells["kvzip:budget=25%"].ratio < 4.5
     # half the tokens at 4 bits: fewer bytes than half the tokens in fp16
     assert cells["snapkv:budget=50%+uniform:bits=4"].ratio > cells["snapkv:budget=50%"].ratio
 
@@ -60,6 +62,7 @@ def test_eviction_and_composition_on_the_reference_model(question):
         "pyramidkv:budget=25%",
         "tova:budget=25%",
         "h2o:budget=25%",
+        "kvzip:budget=25%",
     ],
 )
 def test_question_after_compresses_the_context_once(spec):
@@ -93,7 +96,7 @@ def test_question_after_compresses_the_context_once(spec):
 
     caches = build_caches(parse(resolve_spec(spec, n)), model, store)
     with routed(model):
-        logits = prompt_caches(model, caches, prompt, "after", 2048)
+        logits = prompt_caches(model, caches, prompt, "after", 2048, tokenizer)
         before = held(caches)
         mx.eval(model(mx.argmax(logits, axis=-1)[:, None], cache=caches))
         after = held(caches)
@@ -102,10 +105,10 @@ def test_question_after_compresses_the_context_once(spec):
             assert set(range(n, n + q)) <= b  # the question, whole
             assert a == b | {n + q}  # nothing cut at the first answer token
     # the context per layer: the budget per KV head (Ada-KV: on average over its heads;
-    # PyramidKV: on average over the layers too)
+    # PyramidKV and KVzip: on average over the layers too)
     kept = [sum(len({t for t in b if t < n}) for b in layer_b) for layer_b in before]
     heads = [len(layer_b) for layer_b in before]
-    if spec.startswith("pyramidkv"):
+    if spec.startswith(("pyramidkv", "kvzip")):
         assert sum(kept) == sum(heads) * budget, (kept, budget)
     else:
         assert kept == [h * budget for h in heads], (kept, budget)

@@ -187,7 +187,7 @@ def _measure(spec: Spec, w: dict[str, Any], ref, quality: Row | None) -> Row:
     mx.reset_peak_memory()
     try:
         if quality is None:
-            decode_quality(model, make, w["samples"], ref, row, s.chunk)
+            decode_quality(model, make, w["samples"], ref, row, s.chunk, w["tokenizer"])
         row.retrieval, row.retrieval_by_length = retrieval(
             model, w["tokenizer"], make, w["prompts"], s.chunk
         )

@@ -3,7 +3,9 @@
 * Quality on the decode path: prefill a prefix (in chunks, as ``mlx_lm.generate`` does) with
   the cache under test, then teacher-force a continuation one token at a time; compare each
   step's next-token distribution with the fp16 cache's on the same tokens: mean
-  ``KL(p_fp16 || p_cache)``, top-1 agreement, and the perplexity of the continuation.
+  ``KL(p_fp16 || p_cache)``, top-1 agreement, and the perplexity of the continuation. A
+  method with a step after the prefill (:func:`after_prefill`: KVzip's reconstruction) takes
+  it between the prefix and the continuation, and its time counts in the prefill's.
 * Retrieval: recall prompts (:func:`velox_cli.data.recall_prompts`), greedy decoding, exact
   match of the value.
 * Memory: the caches' resident bytes (``nbytes``: every array they hold, capacity included)
@@ -36,6 +38,7 @@ from .data import RecallPrompt
 __all__ = [
     "Reference",
     "Row",
+    "after_prefill",
     "decode_quality",
     "nonfinite_layers",
     "prefill",
@@ -54,6 +57,20 @@ def prefill(model, caches: list, tokens, chunk: int = 512) -> mx.array:
         logits = model(tokens[None, s : s + chunk], cache=caches)[:, -1]
         mx.eval(logits, [c.state for c in caches])
     return logits
+
+
+def after_prefill(model, tokenizer, caches: list, tokens) -> None:
+    """Run the step a method takes once a prompt is prefilled, where it has one: the class of
+    a cache's retention policy may define ``after_prefill(model, tokenizer, caches, tokens)``
+    (KVzip's: the context reconstructed and the cache cut once, ``velox_kvzip.compress``).
+    Each such step runs once, over every layer's caches, with the prefilled ``tokens``."""
+    steps = []
+    for c in caches:
+        step = getattr(type(getattr(c, "policy", None)), "after_prefill", None)
+        if step is not None and step not in steps:
+            steps.append(step)
+    for step in steps:
+        step(model, tokenizer, caches, tokens)
 
 
 def teacher_force(model, caches: list, first_logits: mx.array, tokens) -> np.ndarray:
@@ -116,12 +133,15 @@ class Row:
         return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in out.items()}
 
 
-def _run_sample(model, caches, prefix, cont, chunk) -> tuple[np.ndarray, float, float, int]:
+def _run_sample(
+    model, caches, prefix, cont, chunk, tokenizer=None
+) -> tuple[np.ndarray, float, float, int]:
     mx.clear_cache()
     mx.reset_peak_memory()
     t0 = time.perf_counter()
     with routed(model):
         logits = prefill(model, caches, prefix, chunk)
+        after_prefill(model, tokenizer, caches, prefix)  # counted in the prefill's time
         t1 = time.perf_counter()
         peak = int(mx.get_peak_memory())
         lp = teacher_force(model, caches, logits, cont)
@@ -200,13 +220,20 @@ class Tally:
 
 
 def decode_quality(
-    model, make_caches: Callable[[], list], samples, ref: Reference, row: Row, chunk: int = 512
+    model,
+    make_caches: Callable[[], list],
+    samples,
+    ref: Reference,
+    row: Row,
+    chunk: int = 512,
+    tokenizer=None,
 ) -> None:
-    """Fill ``row`` with KL, top-1, perplexity, bytes and speed over ``samples``."""
+    """Fill ``row`` with KL, top-1, perplexity, bytes and speed over ``samples`` (the
+    ``tokenizer`` goes to a method's step after the prefill, :func:`after_prefill`)."""
     tally = Tally(row, ref)
     for i, (prefix, cont) in enumerate(samples):
         caches = make_caches()
-        lp, tp, td, peak = _run_sample(model, caches, prefix, cont, chunk)
+        lp, tp, td, peak = _run_sample(model, caches, prefix, cont, chunk, tokenizer)
         if i == 0:
             tally.first(caches, peak)
         tally.add(i, lp, prefix, cont, tp, td)
@@ -271,6 +298,7 @@ def retrieval(
         caches = make_caches()
         with routed(model):
             logits = prefill(model, caches, p.tokens, chunk)
+            after_prefill(model, tokenizer, caches, p.tokens)
             return greedy(model, caches, logits, p.answer_tokens)
 
     return recall_accuracy(prompts, tokenizer, answer)

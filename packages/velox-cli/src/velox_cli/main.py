@@ -397,7 +397,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     import velox_core
 
     from .bench import load_model
-    from .evaluate import prefill
+    from .evaluate import after_prefill, prefill
     from .specs import Spec, build_caches, parse
 
     spec = parse(a.method)
@@ -408,11 +408,23 @@ def cmd_generate(a: argparse.Namespace) -> int:
     mx.random.seed(a.seed)
     caches = build_caches(spec, model, store)
     tokens: list[int] = []
+    prompt: str | list[int] = a.prompt
     with velox_core.routed(model):
+        if any(hasattr(type(getattr(c, "policy", None)), "after_prefill") for c in caches):
+            # a step after the prefill (KVzip's reconstruction): the prompt but its last token
+            # is prefilled (encoded as mlx-lm encodes it) and the step taken here; generation
+            # starts from the last token
+            bos = getattr(tokenizer, "bos_token", None)
+            special = bos is None or not a.prompt.startswith(bos)
+            ids = tokenizer.encode(a.prompt, add_special_tokens=special)
+            if len(ids) > 1:
+                prefill(model, caches, ids[:-1])
+                after_prefill(model, tokenizer, caches, ids[:-1])
+                prompt = ids[-1:]
         for r in mlx_lm.stream_generate(
             model,
             tokenizer,
-            a.prompt,
+            prompt,
             max_tokens=a.max_tokens,
             prompt_cache=caches,
             sampler=make_sampler(temp=a.temp),

@@ -342,7 +342,10 @@ def methods_table(methods: list[dict], width: int) -> tuple[Table, list[str]]:
     t.add_column("recommended", width=rec_w, overflow="fold")
     broken = []
     for m, rs in zip(methods, recs, strict=True):
-        params = ", ".join(f"{k}={v}" for k, v in m["parameters"].items())
+        params = ", ".join(  # a text holding newlines (KVzip's prompts) as Python writes it
+            f"{k}={v!r}" if isinstance(v, str) and not v.isprintable() else f"{k}={v}"
+            for k, v in m["parameters"].items()
+        )
         lines = []
         for s in rs:
             parts = wrap_spec(s, rec_w)

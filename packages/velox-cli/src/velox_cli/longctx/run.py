@@ -46,7 +46,7 @@ import numpy as np
 
 from velox_core import routed
 
-from ..evaluate import greedy, prefill, teacher_force
+from ..evaluate import after_prefill, greedy, prefill, teacher_force
 from ..specs import Spec, build_caches, parse
 from .tasks import Prompt, TaskSpec, make_prompts, parse_task
 
@@ -169,7 +169,9 @@ def budget_tokens(prompt: Prompt, mode: str) -> int:
     return len(prompt.context) if mode == "after" else prompt.tokens
 
 
-def prompt_caches(model, caches: list, prompt: Prompt, mode: str, chunk: int) -> mx.array:
+def prompt_caches(
+    model, caches: list, prompt: Prompt, mode: str, chunk: int, tokenizer=None
+) -> mx.array:
     """Prefill the prompt into ``caches``; the logits of its last position.
 
     ``mode="inside"``: context and question as one prompt. ``mode="after"``: kvpress's
@@ -182,10 +184,18 @@ def prompt_caches(model, caches: list, prompt: Prompt, mode: str, chunk: int) ->
     drops that cut (``RetentionPolicy.hold_stored``) and its ``budget`` is raised by the
     question's length; decode then runs as the spec says (``every`` cuts, if set, from the
     raised budget).
+
+    A method with a step after the prefill (:func:`velox_cli.evaluate.after_prefill`:
+    KVzip's reconstruction, which needs ``tokenizer``) takes it once the context is stored
+    (``after``; the whole prompt ``inside``), before the question.
     """
     if mode == "inside":
-        return prefill(model, caches, prompt.context + prompt.question, chunk)
+        tokens = prompt.context + prompt.question
+        logits = prefill(model, caches, tokens, chunk)
+        after_prefill(model, tokenizer, caches, tokens)
+        return logits
     prefill(model, caches, prompt.context, chunk)
+    after_prefill(model, tokenizer, caches, prompt.context)
     logits = prefill(model, caches, prompt.question, chunk)
     for c in caches:
         policy = getattr(c, "policy", None)
@@ -247,7 +257,7 @@ def run_prompt(model, tokenizer, store, prompt: Prompt, i: int, specs: list[Spec
             share_of = budget_tokens(prompt, s.question)
             caches = build_caches(parse(resolve_spec(spec.text, share_of)), model, store)
             with routed(model):
-                logits = prompt_caches(model, caches, prompt, s.question, s.chunk)
+                logits = prompt_caches(model, caches, prompt, s.question, s.chunk, tokenizer)
                 twin = copy.deepcopy(caches)  # answers greedily; the caches are teacher-forced
                 out = greedy(model, twin, logits, prompt.max_new)
                 t.bytes = sum(held_bytes(c) for c in twin)

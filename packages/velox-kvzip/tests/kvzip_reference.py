@@ -1,0 +1,79 @@
+"""The tests' reference for KVzip: the tiny llama's attention recorded (and masked) in numpy,
+float64, and the authors' scoring (``attention/score.py``, ``KVScore._get_score``) on it."""
+
+from unittest import mock
+
+import mlx.core as mx
+import mlx_lm.models.llama as llama
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+from velox_kvzip.config import PROMPT, PROMPT_NEXT
+
+ORIGINAL = llama.scaled_dot_product_attention
+
+
+class Recorder:
+    """Stands in for mlx-lm's attention in the llama module: records every call's queries and
+    keys (float64), and with ``keep`` (per layer, ``(H, n)`` bool over the ``n``-token
+    context) attends only to the kept context tokens of each KV head and every token after
+    the context (one decode query at a time)."""
+
+    def __init__(self, layers: int, n: int, keep=None):
+        self.layers, self.n, self.keep, self.calls = layers, n, keep, []
+
+    def __call__(self, queries, keys, values, cache, scale, mask=None, sinks=None):
+        layer = len(self.calls) % self.layers
+        self.calls.append((np.array(queries, np.float64), np.array(keys, np.float64), scale))
+        if self.keep is None:
+            return ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask)
+        q, k, v = (np.array(x, np.float64)[0] for x in (queries, keys, values))
+        r, s = q.shape[0] // k.shape[0], k.shape[1]
+        out = []
+        for i in range(q.shape[0]):
+            seen = np.ones(s, dtype=bool)
+            seen[: self.n] = self.keep[layer][i // r]
+            w = q[i] @ k[i // r, seen].T * scale  # one decode query (L = 1)
+            out.append(softmax(w) @ v[i // r, seen])
+        return mx.array(np.stack(out)[None].astype(np.float32))
+
+    def patched(self):
+        """The llama module's attention replaced by this recorder, for a ``with`` block."""
+        return mock.patch.object(llama, "scaled_dot_product_attention", self)
+
+
+def softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def reference_scores(model, tokenizer, context: list[int], chunk: int, sinks: int, start=0):
+    """Per layer ``(H, n)``: each context pair's largest weight over every reconstruction query
+    and query head of its group, each chunk's input built from the paper's instructions, run
+    on mlx-lm's fp32 KVCache (inf before ``start``)."""
+    enc = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    n, layers = len(context), len(model.layers)
+    caches = [KVCache() for _ in model.layers]
+    model(mx.array([context]), cache=caches)
+    out = [None] * layers
+    for s in range(start, n, chunk):
+        e = min(s + chunk, n)
+        lead = enc(PROMPT) if s == start else enc(PROMPT_NEXT) + context[s - 8 : s]
+        x = lead + enc("\n") + context[s:e]
+        rec = Recorder(layers, n)
+        with rec.patched():
+            model(mx.array([x]), cache=caches)
+        sink, m = min(max(sinks, start), s), len(x)
+        for layer, (q, k, scale) in enumerate(rec.calls):
+            if out[layer] is None:
+                out[layer] = np.full((k.shape[1], n), np.inf)
+            r = q.shape[1] // k.shape[1]
+            idx = [*range(sink), *range(s, e), *range(n, n + m)]
+            for h in range(k.shape[1]):
+                w = q[0, h * r : (h + 1) * r] @ k[0, h, idx].T * scale  # (r, m, keys)
+                fixed = sink + e - s
+                w[:, np.arange(m)[:, None] < np.arange(len(idx))[None] - fixed] = -np.inf
+                out[layer][h, s:e] = softmax(w)[..., sink:fixed].max(axis=(0, 1))
+        for c in caches:
+            c.trim(m)
+    return out
