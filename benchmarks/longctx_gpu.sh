@@ -179,9 +179,15 @@ EOF
 # run $2... under a time limit of $1 seconds, then stop it as Ctrl-C would (velox eval keeps the
 # prompts it finished)
 limited() {
-  local s=$1
+  local s=$1 spy
   shift
-  timeout -s TERM -k 30 "$s" "$@" || echo "(stopped after $s s: the finished prompts are kept)"
+  # 20 s before the limit every eval worker prints its Python stack to the log (SIGUSR1,
+  # faulthandler): where a share that finishes no prompt is stuck
+  (sleep $((s > 40 ? s - 20 : s)) && pkill -USR1 -f "multiprocessing.spawn") 2>/dev/null &
+  spy=$!
+  timeout -s TERM -k 30 "$s" "$@" 2> >(tee -a "$RESULTS/stderr.log" >&2) ||
+    echo "(stopped after $s s: the finished prompts are kept)"
+  pkill -P "$spy" 2>/dev/null; kill "$spy" 2>/dev/null || true
 }
 
 finish() {

@@ -30,6 +30,7 @@ prompts and runs fp16 then every spec on each, so the reference never leaves its
 from __future__ import annotations
 
 import copy
+import faulthandler
 import math
 import multiprocessing
 import os
@@ -377,6 +378,9 @@ def _worker_init(path: str, parent: int) -> None:
 
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it ends the workers
+    # `kill -USR1 <worker>` prints where it is (every thread's Python stack) to its stderr:
+    # what a share that finishes no prompt is running (benchmarks/longctx_gpu.sh sends it)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     model, tokenizer, store, _ = load_model(path)
     _WORKER.update(model=model, tokenizer=tokenizer, store=store)
 
