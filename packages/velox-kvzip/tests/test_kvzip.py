@@ -183,13 +183,63 @@ def test_compress_refuses_what_it_cannot_do():
     mixed = prefilled("kvzip:budget=64", layers={0: "kvzip:budget=64,chunk=99"})
     with pytest.raises(ValueError, match="chunk settings differ"):
         compress(MODEL, mixed, CONTEXT, TOK)
-    other = prefilled("kvzip:budget=64", layers={0: "uniform:bits=4"})
-    with pytest.raises(ValueError, match="is_trimmable"):
-        compress(MODEL, other, CONTEXT, TOK)
     rows = np.array([CONTEXT, CONTEXT[::-1]])
     with pytest.raises(ValueError, match="heads='uniform'"):
         compress(MODEL, prefilled("kvzip:budget=64", rows.tolist()), rows, TOK)
     assert all(c.offset == N and c.size() == N for c in caches)  # nothing was touched
+
+
+@pytest.mark.parametrize("other", ["rotating", "uniform:bits=4"])
+def test_layers_that_cannot_trim_are_restored(other):
+    """A layer whose cache cannot be trimmed (mlx-lm's RotatingKVCache past its window, as
+    Gemma 3's sliding layers; a velox quantized cache) sees each chunk's reconstruction and
+    is restored after it: it ends holding what the prefill left, and the KVzip layers are
+    scored as when every chunk starts from the prefilled caches."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    # a rotating cache goes last (the model's one mask comes from the first layer's cache);
+    # the quantized one first, so that the KVzip layer after it attends through it
+    at = 1 if other == "rotating" else 0
+
+    def prefilled():
+        caches = make_cache(MODEL, "kvzip:budget=64,chunk=128")  # three chunks of the 300
+        caches[at] = RotatingKVCache(max_size=64) if other == "rotating" else make(other)
+        with routed(MODEL):
+            MODEL(mx.array([CONTEXT]), cache=caches)
+        return caches
+
+    caches = prefilled()
+    assert not caches[at].is_trimmable()
+    before = [np.array(a) for a in caches[at].state]
+    report = compress(MODEL, caches, CONTEXT, TOK)
+    assert report.chunks == 3 and caches[at].offset == N
+    for a, b in zip(before, caches[at].state):
+        np.testing.assert_array_equal(a, np.array(b))
+    # each chunk's input (compress's own) run alone over freshly prefilled caches gives the
+    # same scores: no chunk saw what an earlier one left in the untrimmable layer
+    for s, e in [(0, 128), (128, 256), (256, 300)]:
+        fresh = prefilled()
+        zipped = [(c, c.policy) for c in fresh if c is not fresh[at]]
+        scores = _one_chunk(fresh, zipped, s, e)
+        for got, want in zip(report.scores, scores, strict=True):
+            np.testing.assert_allclose(np.array(got[..., s:e]), np.array(want), rtol=1e-5)
+    with routed(MODEL):  # the model goes on from the compressed caches
+        mx.eval(MODEL(mx.array([[7]]), cache=caches))
+    assert caches[at].offset == N + 1
+
+
+def _one_chunk(caches, zipped, s, e):
+    """The scores of one reconstruction chunk ``[s, e)`` run alone over prefilled caches,
+    with compress's own input for it."""
+    from velox_kvzip.compress import _repeat_inputs
+
+    policy = zipped[0][1]
+    pieces = {a: x for a, _, x in _repeat_inputs(TOK, policy, np.array([CONTEXT]), 0)}
+    for c, p in zipped:
+        p.begin(min(c.sinks, s), s, e, N)
+    with routed(MODEL):
+        MODEL.model(mx.array(pieces[s]), cache=caches)
+    return [p.take() for _, p in zipped]
 
 
 def test_batch_rows_keep_what_each_keeps_alone():

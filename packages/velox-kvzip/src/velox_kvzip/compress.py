@@ -45,9 +45,10 @@ Deviations from the paper (also in docs/kvzip.md):
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
@@ -87,8 +88,11 @@ def compress(
 
     Args:
         model: the mlx-lm model the caches were prefilled with.
-        caches: one cache per layer (``velox_core.make_cache``), holding ``tokens`` exactly;
-            other layers' caches must be trimmable (they see the reconstruction too).
+        caches: one cache per layer (``velox_core.make_cache``), holding ``tokens`` exactly.
+            Other layers' caches see the reconstruction too: each is trimmed back after a
+            chunk, or, where it cannot be (``is_trimmable()`` False: mlx-lm's
+            ``RotatingKVCache`` past its window, Gemma 3's sliding layers), copied before
+            the first chunk and restored after each.
         tokens: the token ids the caches hold: ``(n,)`` or ``(B, n)`` ints.
         tokenizer: encodes the repeat instruction (``tokenizer.encode(text,
             add_special_tokens=False)``).
@@ -120,6 +124,12 @@ def compress(
     inner = getattr(model, "model", None)
     forward = inner if callable(inner) and hasattr(inner, "layers") else model
     parts: list[list[mx.array]] = [[] for _ in zipped]
+    ours = {id(c) for c, _ in zipped}
+    held = {
+        i: copy.deepcopy(c)
+        for i, c in enumerate(caches)
+        if id(c) not in ours and not c.is_trimmable()
+    }
     try:
         with routed(model):
             for s, e, x in pieces:
@@ -137,18 +147,26 @@ def compress(
                 got = [p.take() for _, p in zipped]
                 for out, g in zip(parts, got):
                     out.append(g)
-                for c in caches:
-                    c.trim(c.offset - n)
+                _roll_back(caches, n, held, last=s == pieces[-1][0])
     finally:  # an error midway leaves the caches as the prefill left them
-        for c in caches:
-            if c.offset > n:
-                c.trim(c.offset - n)
+        _roll_back(caches, n, held, last=True)
         for _, p in zipped:
             p.take()
     full = [_full(got, start) for got in parts]
     kept = _cut(zipped, full, n, policy.heads)
     repeated = sum(x.shape[1] for *_, x in pieces)
     return Compression(n - start, len(pieces), repeated, kept, time.perf_counter() - t0, full)
+
+
+def _roll_back(caches: list, n: int, held: dict[int, Any], last: bool) -> None:
+    """Every cache back to the ``n`` prefilled tokens: trimmed, or (``held``: the copies of
+    those that cannot be trimmed) restored from its copy (the copy itself after the last
+    chunk, a fresh copy of it before another)."""
+    for i, c in enumerate(caches):
+        if i in held:
+            c.__dict__.update((held[i] if last else copy.deepcopy(held[i])).__dict__)
+        elif c.offset > n:
+            c.trim(c.offset - n)
 
 
 def _is_kvzip(policy) -> bool:
@@ -158,18 +176,12 @@ def _is_kvzip(policy) -> bool:
 
 
 def _check(caches: list, zipped: list, b: int, n: int, heads: str) -> None:
-    """Every cache holds the ``n`` tokens; KVzip caches uncut, the others trimmable."""
-    ours = {id(c) for c, _ in zipped}
+    """Every cache holds the ``n`` tokens; KVzip caches uncut."""
     for i, c in enumerate(caches):
         if getattr(c, "offset", None) != n:
             raise ValueError(
                 f"kvzip: layer {i}'s cache holds {getattr(c, 'offset', None)} tokens, "
                 f"tokens gives {n}: compress right after prefilling exactly these tokens"
-            )
-        if id(c) not in ours and not c.is_trimmable():
-            raise ValueError(
-                f"kvzip: layer {i}'s cache ({type(c).__name__}) cannot roll back the "
-                "reconstruction tokens exactly (is_trimmable() is False)"
             )
     for c, p in zipped:
         if p.compressed or c.size() != n:
