@@ -145,6 +145,12 @@ def test_default_specs_are_valid_and_cover_each_point():
         default_specs(["3x"])
 
 
+def test_default_specs_leave_mlx_lm_quantized_caches_out_on_cuda():
+    cpu, cuda = default_specs(["4x"], backend="cpu"), default_specs(["4x"], backend="cuda")
+    assert cpu[:3] == ["fp16", "mlx-q8", "mlx-q4"] and cpu == default_specs(["4x"])
+    assert cuda == [s for s in cpu if s not in ("mlx-q8", "mlx-q4")]
+
+
 def test_default_specs_fit_their_channel_groups_to_the_head_dim():
     assert fit_groups("qjl:group=128,window=384", 64) == "qjl:group=64,window=384"
     assert fit_groups("skvq:key_group=64,value_group=128", 64) == (

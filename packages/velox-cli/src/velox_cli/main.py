@@ -297,9 +297,19 @@ def cmd_eval(a: argparse.Namespace) -> int:
         if a.methods:
             texts = list(a.methods)
         else:
-            from .bench import model_head_dim
+            from velox_core.kernels import backend
 
-            texts = default_specs(a.points, model_head_dim(a.model))
+            from .bench import model_head_dim
+            from .longctx.grid import CUDA_LEFT_OUT
+
+            texts = default_specs(a.points, model_head_dim(a.model), backend())
+            if backend() == "cuda":
+                console.print(
+                    f"velox eval: {' and '.join(CUDA_LEFT_OUT)} left out on CUDA (mlx-lm's "
+                    "quantized attention does not finish a prefill chunk there in minutes); "
+                    "--methods runs them",
+                    highlight=False,
+                )
         specs = [spec_check(t) for t in texts]
         if not any(s.text == "fp16" for s in specs):
             specs.insert(0, spec_check("fp16"))
