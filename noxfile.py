@@ -3,6 +3,7 @@
 nox                        lint, tests (one session per package), integration, smollm2, build
 nox -s "tests(package='velox-core')"
 nox -s bench               pytest-benchmark (off by default)
+nox -s docs                every README and docs block, the slow ones too (off by default)
 """
 
 from __future__ import annotations
@@ -58,6 +59,23 @@ def integration(session: nox.Session) -> None:
     """Every package installed together; the cross-package tests in tests/."""
     session.install(*TEST_DEPS, *(_pkg(p) for p in PACKAGES))
     session.run("pytest", "-q", str(ROOT / "tests"), *session.posargs, env=_env())
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Every README and docs code block meant to run, the slow ones too (not in the default run).
+
+    tests/test_docs_blocks.py with DOCS_BLOCKS_SLOW=1: also the blocks marked ``docs-test:
+    slow`` (benchmarks of a few specs, a fitted mapper: a minute or more each, half an hour of
+    CPU time in all); the integration session runs the others."""
+    session.install(*TEST_DEPS, *(_pkg(p) for p in PACKAGES))
+    session.run(
+        "pytest",
+        "-q",
+        str(ROOT / "tests" / "test_docs_blocks.py"),
+        *session.posargs,
+        env={**_env(), "DOCS_BLOCKS_SLOW": "1"},
+    )
 
 
 # The GGUF test of velox-cli against an independent reference, transformers' own GGUF load

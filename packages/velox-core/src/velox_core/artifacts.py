@@ -6,8 +6,9 @@ An artifact is a safetensors file whose metadata holds at least ``format`` (``"v
 directory with a manifest; it uses :func:`fingerprint` the same way). A cache resolves its
 model's artifact with :func:`resolve_artifact`: an explicit path wins (checked: the right format
 and version, fitted for this model); otherwise the directories of ``$VELOX_ARTIFACTS``
-(colon-separated), then ``~/.cache/velox``, are searched. A model without one is an error that
-says how to fit it, never a random artifact.
+(colon-separated), then ``~/.cache/velox``, then the ``shared/artifacts`` that ships with velox
+(:func:`shipped_dirs`), are searched. A model without one is an error that says how to fit it,
+never a random artifact.
 
 The fingerprint is a SHA-256 over the model's identifying config (:func:`identity`) and, for
 every parameter array (sorted by name), its name, shape and 257 evenly spaced entries (float
@@ -65,6 +66,7 @@ __all__ = [
     "read_metadata",
     "resolve_artifact",
     "search_dirs",
+    "shipped_dirs",
     "token_stream",
 ]
 
@@ -262,9 +264,29 @@ def load_cached(loader: Callable[[Path], T], path: str | os.PathLike) -> T:
     return _load(loader, str(p), st.st_mtime_ns, st.st_size)
 
 
+def shipped_dirs() -> list[Path]:
+    """The folders of the artifacts that ship with velox (fitted for the project's reference
+    models): ``artifacts/`` of ``$VELOX_SHARED``, of a ``shared/`` folder in the working
+    directory or above it (a clone's root), and of the source checkout's ``shared/``; those
+    that exist, each once."""
+    here = Path.cwd().resolve()
+    roots = [
+        *environment.paths("VELOX_SHARED"),
+        *(p / "shared" for p in (here, *here.parents)),
+        Path(__file__).resolve().parents[4] / "shared",  # a source checkout
+    ]
+    found: list[Path] = []
+    for r in roots:
+        d = r / "artifacts"
+        if d.is_dir() and d not in found:
+            found.append(d)
+    return found
+
+
 def search_dirs() -> list[Path]:
-    """Where artifacts are looked up: ``$VELOX_ARTIFACTS`` (in order), then ``~/.cache/velox``."""
-    return [*environment.paths(ENV), Path("~/.cache/velox").expanduser()]
+    """Where artifacts are looked up: ``$VELOX_ARTIFACTS`` (in order), then ``~/.cache/velox``,
+    then the shipped artifacts (:func:`shipped_dirs`)."""
+    return [*environment.paths(ENV), Path("~/.cache/velox").expanduser(), *shipped_dirs()]
 
 
 def find_artifact(
