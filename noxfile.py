@@ -1,6 +1,7 @@
 """Sessions for every package, discovered from packages/* (no hand-kept list).
 
-nox                        lint, tests (one session per package), integration, smollm2, build
+nox                        lint, tests (one session per package), integration, build
+nox -s smollm2             the GGUF conversions against transformers' load (torch; off by default)
 nox -s "tests(package='velox-core')"
 nox -s bench               pytest-benchmark (off by default)
 nox -s docs                every README and docs block, the slow ones too (off by default)
@@ -19,7 +20,7 @@ PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproje
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
 TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "pytest-benchmark>=4"]
 
-nox.options.sessions = ["lint", "tests", "integration", "smollm2", "build"]
+nox.options.sessions = ["lint", "tests", "integration", "build"]
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.reuse_existing_virtualenvs = False
 
