@@ -1,7 +1,7 @@
 """velox caches under mlx-lm's distributed inference (``mlx.launch``, ring backend, two
-processes on this machine) and the compressed prefill-to-decode hand-off (issue 54).
+and four processes on this machine) and the compressed prefill-to-decode hand-off (issue 54).
 
-Each distributed check runs a worker script under ``mlx.launch --backend ring -n 2`` with a
+Each distributed check runs a worker script under ``mlx.launch --backend ring -n N`` with a
 timeout (a hung rank fails the test, never blocks it) and compares what each rank prints with
 the same script run in one process. ``mlx.launch`` exits 0 even when a rank fails, so every
 rank's JSON line is required.
@@ -44,8 +44,9 @@ WORKER = textwrap.dedent(
         if family == "llama":
             m = tiny_model("llama", head_dim=64, num_attention_heads=8, num_key_value_heads=4,
                            dtype=dtype)
-        else:
-            m = tiny_model("qwen2", num_hidden_layers=4, dtype=dtype)
+        else:  # "qwen2": 4 layers (two stages of 2), "qwen2-8": 8 (four stages of 2)
+            layers = 8 if family == "qwen2-8" else 4
+            m = tiny_model("qwen2", num_hidden_layers=layers, dtype=dtype)
         if split == "shard":
             m.shard(g)
         elif split == "pipe":
@@ -65,7 +66,8 @@ WORKER = textwrap.dedent(
             spec = spec.split("/", 1)[1]
             if split == "pipe":
                 return make_cache(model, spec, layers={-1: None}, storage_dtype=mx.float16)
-            last = {1: None, 3: None}  # the stages' last layers of 4 split 2 + 2
+            # the stages' last layers: stages of two layers each
+            last = {i: None for i in range(1, len(model.layers), 2)}
             return make_cache(model, spec, layers=last, storage_dtype=mx.float16)
         if spec == "fp16":
             return [KVCache() for _ in model.layers]
@@ -96,7 +98,7 @@ WORKER = textwrap.dedent(
                     say(phase=phase, spec=spec, tokens=decode(model, caches, prompt[-1:]),
                         kinds=[type(c).__name__ for c in caches])
             continue
-        split = phase if where == "launch" else None
+        split = phase.rstrip("4") if where == "launch" else None  # "pipe4": 4 stages
         model = model_of(family, split)
         for spec in specs + (refused if split else []):
             try:
@@ -110,20 +112,20 @@ WORKER = textwrap.dedent(
 )
 
 
-def _launcher() -> list[str]:
+def _launcher(n: int = 2) -> list[str]:
     exe = shutil.which("mlx.launch", path=str(Path(sys.executable).parent))
     if exe is None:
         pytest.skip("mlx.launch is not installed")
-    return [exe, "--backend", "ring", "-n", "2"]
+    return [exe, "--backend", "ring", "-n", str(n)]
 
 
-def _run(folder: Path, where: str) -> tuple[list[dict], str]:
+def _run(folder: Path, where: str, plan: list, n: int = 2) -> tuple[list[dict], str]:
     """The worker's JSON lines (every rank's) and its whole output, run in one process
-    (``single``) or on two (``launch``)."""
+    (``single``) or on ``n`` (``launch``)."""
     script = folder / "worker.py"
     script.write_text(WORKER)
-    launch = _launcher() if where == "launch" else []
-    cmd = [*launch, sys.executable, str(script), where, json.dumps(PLAN)]
+    launch = _launcher(n) if where == "launch" else []
+    cmd = [*launch, sys.executable, str(script), where, json.dumps(plan)]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, cwd=folder)
     except subprocess.TimeoutExpired as e:
@@ -158,15 +160,23 @@ PLAN = [
     ["pipe", "qwen2", PIPED, list(PIPE_REFUSED)],
     ["handoff", "llama", HANDOFF, []],
 ]
+# four processes: the tiny llama's 4 KV heads one per rank; a qwen2 of 8 layers in 4 stages
+SHARDED4 = ["uniform:bits=4", "snapkv:budget=48", "streamingllm:budget=48,bits=4"]
+PLAN4 = [["shard", "llama", SHARDED4, []], ["pipe4", "qwen2-8", PIPED, []]]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, tuple[dict, str]]:
-    """``{"single" | "launch": ({(phase, spec): {rank: row}}, output)}``: the whole plan run
-    once in one process and once on two (one launch: starting ranks is most of the time)."""
+    """``{"single" | "launch" | "launch4": ({(phase, spec): {rank: row}}, output)}``: the
+    plans run once in one process, once on two and once on four (one launch each: starting
+    ranks is most of the time)."""
     out = {}
-    for where in ("single", "launch"):
-        rows, text = _run(tmp_path_factory.mktemp(where), where)
+    for where, plan, n in (
+        ("single", PLAN + PLAN4[1:], 1),
+        ("launch", PLAN, 2),
+        ("launch4", PLAN4, 4),
+    ):
+        rows, text = _run(tmp_path_factory.mktemp(where), where[:6], plan, n)
         got: dict = {}
         for r in rows:
             got.setdefault((r["phase"], r["spec"]), {})[r["rank"]] = r
@@ -208,6 +218,25 @@ def test_sharded_tokens_and_bytes(runs, spec):
         assert "error" not in r, r
         assert r["tokens"] == one["tokens"], (rank, r["tokens"], one["tokens"])
         assert abs(r["nbytes"] / (one["nbytes"] / 2) - 1) <= 0.05, (r, one)
+
+
+@pytest.mark.parametrize("spec", SHARDED4)
+def test_sharded_over_four_processes(runs, spec):
+    """Over four processes (one KV head each): the tokens of one process, a quarter of its
+    bytes (5%)."""
+    one = _rows(runs, "single", "shard", spec, 1)[0]
+    for rank, r in _rows(runs, "launch4", "shard", spec, 4).items():
+        assert "error" not in r, r
+        assert r["tokens"] == one["tokens"], (rank, r["tokens"], one["tokens"])
+        assert abs(r["nbytes"] / (one["nbytes"] / 4) - 1) <= 0.05, (r, one)
+
+
+@pytest.mark.parametrize("spec", PIPED)
+def test_pipeline_over_four_stages(runs, spec):
+    """mlx-lm's pipeline in four stages (qwen2, 8 layers): the tokens of one process."""
+    one = _rows(runs, "single", "pipe4", spec, 1)[0]
+    for r in _rows(runs, "launch4", "pipe4", spec, 4).values():
+        assert r.get("tokens") == one["tokens"], (r, one)
 
 
 @pytest.mark.parametrize("spec", list(SHARD_REFUSED))
