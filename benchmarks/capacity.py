@@ -74,26 +74,12 @@ import e2e
 
 # Shapes beyond e2e.py's, registered in its table so that e2e.build_model builds them too.
 EXTRA_SHAPES: dict[str, dict[str, Any]] = {
-    "llama3-70b": {
-        "model_type": "llama",
+    "llama3-70b": {  # Llama 3.1 70B: the 8B's config but for these
+        **e2e.SHAPES["llama3-8b"],
         "hidden_size": 8192,
         "num_hidden_layers": 80,
         "intermediate_size": 28672,
         "num_attention_heads": 64,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "vocab_size": 128256,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "max_position_embeddings": 131072,
-        "rope_scaling": {
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-            "rope_type": "llama3",
-        },
-        "tie_word_embeddings": False,
     },
     # --tiny: a CPU run in MiB budgets. Sixteen layers of one 128-wide KV head: one layer's
     # keys and values (what the CPU prefill decodes to float32 at a time) and one chunk's

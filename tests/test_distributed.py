@@ -209,34 +209,19 @@ def test_ring_all_sum(tmp_path):
     assert sorted(p.stdout.split("\n")[:-1]) == ["0 2 3.0", "1 2 3.0"], p.stdout + p.stderr
 
 
-@pytest.mark.parametrize("spec", SHARDED)
-def test_sharded_tokens_and_bytes(runs, spec):
-    """On a model sharded by heads over two processes (``model.shard``), each rank's cache
-    decodes the tokens of one process with the same cache and holds half its bytes (5%)."""
+@pytest.mark.parametrize(
+    "where, n, spec",
+    [("launch", 2, s) for s in SHARDED] + [("launch4", 4, s) for s in SHARDED4],
+)
+def test_sharded_tokens_and_bytes(runs, where, n, spec):
+    """On a model sharded by heads over two processes (``model.shard``; four for
+    :data:`SHARDED4`, one KV head each), each rank's cache decodes the tokens of one process
+    with the same cache and holds ``1/n`` of its bytes (5%)."""
     one = _rows(runs, "single", "shard", spec, 1)[0]
-    for rank, r in _rows(runs, "launch", "shard", spec, 2).items():
+    for rank, r in _rows(runs, where, "shard", spec, n).items():
         assert "error" not in r, r
         assert r["tokens"] == one["tokens"], (rank, r["tokens"], one["tokens"])
-        assert abs(r["nbytes"] / (one["nbytes"] / 2) - 1) <= 0.05, (r, one)
-
-
-@pytest.mark.parametrize("spec", SHARDED4)
-def test_sharded_over_four_processes(runs, spec):
-    """Over four processes (one KV head each): the tokens of one process, a quarter of its
-    bytes (5%)."""
-    one = _rows(runs, "single", "shard", spec, 1)[0]
-    for rank, r in _rows(runs, "launch4", "shard", spec, 4).items():
-        assert "error" not in r, r
-        assert r["tokens"] == one["tokens"], (rank, r["tokens"], one["tokens"])
-        assert abs(r["nbytes"] / (one["nbytes"] / 4) - 1) <= 0.05, (r, one)
-
-
-@pytest.mark.parametrize("spec", PIPED)
-def test_pipeline_over_four_stages(runs, spec):
-    """mlx-lm's pipeline in four stages (qwen2, 8 layers): the tokens of one process."""
-    one = _rows(runs, "single", "pipe4", spec, 1)[0]
-    for r in _rows(runs, "launch4", "pipe4", spec, 4).values():
-        assert r.get("tokens") == one["tokens"], (r, one)
+        assert abs(r["nbytes"] / (one["nbytes"] / n) - 1) <= 0.05, (r, one)
 
 
 @pytest.mark.parametrize("spec", list(SHARD_REFUSED))
@@ -247,12 +232,15 @@ def test_sharded_refusals(runs, spec):
         assert SHARD_REFUSED[spec] in r["error"], r
 
 
-@pytest.mark.parametrize("spec", PIPED)
-def test_pipeline_tokens(runs, spec):
-    """mlx-lm's pipeline (qwen2, two stages): velox caches with each stage's last layer fp16
-    decode the tokens of one process with the same caches."""
-    one = _rows(runs, "single", "pipe", spec, 1)[0]
-    for r in _rows(runs, "launch", "pipe", spec, 2).values():
+@pytest.mark.parametrize(
+    "where, phase, n, spec",
+    [("launch", "pipe", 2, s) for s in PIPED] + [("launch4", "pipe4", 4, s) for s in PIPED],
+)
+def test_pipeline_tokens(runs, where, phase, n, spec):
+    """mlx-lm's pipeline (qwen2: two stages of 4 layers; four of 8): velox caches with each
+    stage's last layer fp16 decode the tokens of one process with the same caches."""
+    one = _rows(runs, "single", phase, spec, 1)[0]
+    for r in _rows(runs, where, phase, spec, n).values():
         assert r.get("tokens") == one["tokens"], (r, one)
 
 
