@@ -61,17 +61,21 @@ WORKER = textwrap.dedent(
             return [int(t) for t, _ in generate_step(prompt, model, prompt_cache=caches,
                                                      max_tokens=n)]
 
-    def caches_for(model, spec, split):
-        if spec.startswith("lastfp16/"):  # every pipeline stage's last layer fp16
-            spec = spec.split("/", 1)[1]
-            if split == "pipe":
-                return make_cache(model, spec, layers={-1: None}, storage_dtype=mx.float16)
-            # the stages' last layers: stages of two layers each
-            last = {i: None for i in range(1, len(model.layers), 2)}
-            return make_cache(model, spec, layers=last, storage_dtype=mx.float16)
+    def caches_for(model, spec, split, phase=""):
         if spec == "fp16":
             return [KVCache() for _ in model.layers]
-        return make_cache(model, spec, storage_dtype=mx.float16)
+        layers = None
+        if spec.startswith("last/"):  # a velox spec asked for the stage's last layer too
+            spec = spec.split("/", 1)[1]
+            layers = {-1: spec}
+        elif phase.startswith("pipe") and split is None:
+            # one process: the layers that end a stage (stages of two layers) fp16, as
+            # make_cache keeps them on the stages
+            layers = {i: None for i in range(1, len(model.layers), 2)}
+        if "+" in spec:  # a composition A+B, as velox's CLI builds it
+            from velox_cli.specs import compose
+            text, spec = spec, lambda i: compose(text)
+        return make_cache(model, spec, layers=layers, storage_dtype=mx.float16)
 
     for phase, family, specs, refused in plan:
         if phase == "handoff":  # rank 0 prefills and sends; rank 1 receives and decodes
@@ -102,12 +106,13 @@ WORKER = textwrap.dedent(
         model = model_of(family, split)
         for spec in specs + (refused if split else []):
             try:
-                caches = caches_for(model, spec, split)
+                caches = caches_for(model, spec, split, phase)
             except ValueError as e:
                 say(phase=phase, spec=spec, error=str(e))
                 continue
             toks = decode(model, caches, prompt)
-            say(phase=phase, spec=spec, tokens=toks, nbytes=sum(c.nbytes for c in caches))
+            say(phase=phase, spec=spec, tokens=toks, nbytes=sum(c.nbytes for c in caches),
+                kinds=[type(c).__name__ for c in caches])
     """
 )
 
@@ -142,17 +147,20 @@ SHARDED = [
     "h2o:budget=48",
     "streamingllm:budget=48,bits=4",
     "minicache:t=0.5,gamma=0,start_layer=0",  # cross-layer: layers 0 and 1 merged
+    "snapkv:budget=48+uniform:bits=4",  # a composition: SnapKV's tokens in 4-bit codes
 ]
 SHARD_REFUSED = {
     "xkv:layer_group=2,key_rank=64,value_rank=64": "SVD of the channels of all KV heads",
     "adakv:budget=48": "shared among all the layer's KV heads",
     "kvzip:budget=48": "shared among the KV heads of every layer",
     "minicache:t=0.5,gamma=0.05": "range of angular distances over all the heads",
+    "adakv:budget=48+uniform:bits=4": "shared among all the layer's KV heads",  # A's reason
 }
-PIPED = ["lastfp16/uniform:bits=4", "lastfp16/snapkv:budget=48"]
+# on the stages make_cache keeps each stage's last layer fp16 (one process: given None)
+PIPED = ["uniform:bits=4", "snapkv:budget=48", "snapkv:budget=48+uniform:bits=4"]
 PIPE_REFUSED = {
-    "uniform:bits=4": "cache.keys",
-    "lastfp16/pyramidkv:budget=48": "linked across the model's layers",
+    "last/uniform:bits=4": "cache.keys",  # a velox spec asked for the stage's last layer
+    "pyramidkv:budget=48": "linked across the model's layers",
 }
 HANDOFF = ["uniform:bits=4", "streamingllm:budget=48,bits=4", "snapkv:budget=48", "fp16"]
 PLAN = [
@@ -237,11 +245,14 @@ def test_sharded_refusals(runs, spec):
     [("launch", "pipe", 2, s) for s in PIPED] + [("launch4", "pipe4", 4, s) for s in PIPED],
 )
 def test_pipeline_tokens(runs, where, phase, n, spec):
-    """mlx-lm's pipeline (qwen2: two stages of 4 layers; four of 8): velox caches with each
-    stage's last layer fp16 decode the tokens of one process with the same caches."""
+    """mlx-lm's pipeline (qwen2: 4 layers in two stages; 8 in four): make_cache keeps each
+    stage's last layer fp16 and velox caches elsewhere, which decode the tokens of one
+    process with the same caches."""
     one = _rows(runs, "single", phase, spec, 1)[0]
     for r in _rows(runs, where, phase, spec, n).values():
         assert r.get("tokens") == one["tokens"], (r, one)
+        *first, last = r["kinds"]
+        assert last == "KVCache" and "KVCache" not in first, r["kinds"]
 
 
 @pytest.mark.parametrize("spec", list(PIPE_REFUSED))
@@ -331,3 +342,112 @@ def test_each_class_states_its_split_refusal_by_attribute():
     assert "every layer" in kvzip({"heads": "global"}, True, False)
     assert "stages" in kvzip({}, False, True)
     assert kvzip({"heads": "uniform"}, True, True) == ""
+
+
+# -- velox generate and velox serve on a model split over processes ---------------------------
+GENERATE_PROMPT = "def fib(n):\n    if n < 2:\n        return n\n    return"
+
+
+def _generate(folder: Path, model: str, spec: str, n: int = 1, *extra: str) -> str:
+    """``velox generate``'s output, in one process (``n=1``) or under ``mlx.launch``."""
+    launch = _launcher(n) if n > 1 else []
+    cmd = [*launch, sys.executable, "-m", "velox_cli", "generate", "--model", model]
+    cmd += ["--method", spec, "--max-tokens", "12", "--prompt", GENERATE_PROMPT, *extra]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, cwd=folder)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout
+
+
+def _text_and_reports(out: str) -> tuple[str, list[str]]:
+    """The generated text (every line but velox's reports) and the report lines."""
+    lines = out.splitlines()
+    reports = [x for x in lines if x.startswith("[velox] ")]
+    return "\n".join(x for x in lines if not x.startswith("[velox] ")).strip(), reports
+
+
+def _qwen2_dir(folder: Path) -> str:
+    """A tiny qwen2 saved as mlx-lm saves models (weights, their index, config) with the
+    reference model's tokenizer: a model mlx-lm can load into pipeline stages."""
+    from mlx_lm.utils import save_config, save_model
+
+    from velox_core.testing.models import tiny_config
+
+    ref = Path(__file__).resolve().parents[1] / "shared" / "reference-model"
+    cfg = tiny_config("qwen2", num_hidden_layers=4, vocab_size=8192)
+    model = tiny_model("qwen2", num_hidden_layers=4, vocab_size=8192)
+    out = folder / "qwen2"
+    save_model(out, model)
+    save_config(cfg, out / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ref / name, out / name)
+    return str(out)
+
+
+def _one_process_text(model_dir: str, spec: str, fp16_layers: dict) -> str:
+    """The text velox generate prints for ``spec`` on one process with ``fp16_layers`` kept
+    as mlx-lm's cache (as the CLI runs on a CPU: float32 compute, float16 storage)."""
+    import mlx_lm
+
+    import velox_core
+
+    model, tokenizer = mlx_lm.load(model_dir)
+    model.set_dtype(mx.float32)
+    caches = make_cache(model, spec, layers=fp16_layers, storage_dtype=mx.float16)
+    return velox_core.generate(model, tokenizer, GENERATE_PROMPT, cache=caches, max_tokens=12)
+
+
+@pytest.mark.parametrize("how", ["heads", "pipeline"])
+def test_velox_generate_split_over_processes(tmp_path, how):
+    """``velox generate`` under ``mlx.launch`` loads the model split over two processes, as
+    mlx-lm's server does: by heads (the reference model's 2 KV heads, one per process), or
+    into pipeline stages with ``--pipeline`` (a tiny qwen2, two stages of two layers, each
+    stage's last layer fp16). It prints the one-process text once, and each process its cache
+    line."""
+    spec = "uniform:bits=4"
+    if how == "heads":
+        model = str(Path(__file__).resolve().parents[1] / "shared" / "reference-model")
+        want, _ = _text_and_reports(_generate(tmp_path, model, spec))
+        extra: tuple = ()
+    else:
+        model = _qwen2_dir(tmp_path)
+        want = _one_process_text(model, spec, {1: None, 3: None}).strip()
+        extra = ("--pipeline",)
+    got, reports = _text_and_reports(_generate(tmp_path, model, spec, 2, *extra))
+    assert want and got == want, (got, want)
+    heads = sorted(r.split(": its share")[0] for r in reports)
+    assert heads == [f"[velox] {spec} (process {r} of 2" for r in (0, 1)], reports
+
+
+def test_velox_generate_pipeline_needs_processes(tmp_path):
+    """``--pipeline`` in one process is refused with the reason (exit 2)."""
+    model = str(Path(__file__).resolve().parents[1] / "shared" / "reference-model")
+    cmd = [sys.executable, "-m", "velox_cli", "generate", "--model", model, "--pipeline"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
+    assert p.returncode == 2 and "mlx.launch" in p.stderr, p.stderr
+
+
+def test_velox_serve_split_by_heads():
+    """``velox serve`` under ``mlx.launch``: mlx-lm's server loads the model split by heads
+    over two processes (the first listens) and, with velox caches, answers a completion with
+    the one-process greedy text."""
+    import mlx_lm
+    from serving import free_port, request, start, stop
+
+    import velox_core
+
+    spec, prompt = "uniform:bits=4", GENERATE_PROMPT
+    model = str(Path(__file__).resolve().parents[1] / "shared" / "reference-model")
+    port = free_port()
+    cmd = [*_launcher(2), sys.executable, "-m", "velox_cli", "serve", "--method", spec]
+    proc = start([*cmd, "--model", model, "--port", str(port), "--max-tokens", "8"], port)
+    try:
+        status, body = request(port, "/v1/completions", {"prompt": prompt, "temperature": 0})
+        info = request(port, "/v1/velox")[1]
+    finally:
+        out = stop(proc)  # mlx.launch; its ranks outlive it, each stopped by its port
+        subprocess.run(["pkill", "-f", f"velox_cli serve .*--port {port} "], check=False)
+    assert status == 200, (body, out)
+    m, tok = mlx_lm.load(model)
+    want = velox_core.generate(m, tok, prompt, cache=spec, max_tokens=8)
+    assert body["choices"][0]["text"] == want, (body, want, out)
+    assert info["method"] == spec and info["prompt_cache"]["resident_bytes"] > 0, info

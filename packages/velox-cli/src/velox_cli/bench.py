@@ -89,10 +89,14 @@ def model_head_dim(path: str | None) -> int:
     return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
 
 
-def load_model(path: str | None):
+def load_model(path: str | None, group: Any = None, pipeline: bool = False):
     """``mlx_lm.load`` of ``path``: an mlx-lm directory, a ``.gguf`` file or a model name such
     as ``smollm2`` (a GGUF converted once into velox's cache, see ``velox_cli.models``);
     default: the reference model in ``shared/``.
+
+    With a distributed ``group`` of more than one process (``mlx.launch``) the model is
+    loaded split over it, as mlx-lm's server does (``mlx_lm.utils.sharded_load``): by heads
+    (``model.shard``), or into pipeline stages with ``pipeline``.
 
     On a CPU the model computes in float32 and caches store float16 (see ``specs``).
     Returns ``(model, tokenizer, storage dtype or None, resolved path)``.
@@ -100,7 +104,23 @@ def load_model(path: str | None):
     import mlx_lm
 
     path = model_path(path)
-    model, tokenizer = mlx_lm.load(path)
+    if group is not None and group.size() > 1:
+        from mlx_lm.utils import sharded_load
+
+        if pipeline and not (Path(path) / "model.safetensors.index.json").is_file():
+            raise ValueError(
+                f"pipeline stages need the model's model.safetensors.index.json (mlx_lm.convert "
+                f"writes it), which {path} lacks"
+            )
+        model, tokenizer = sharded_load(
+            path,
+            pipeline_group=group if pipeline else None,
+            tensor_group=None if pipeline else group,
+        )
+    elif pipeline:
+        raise ValueError("pipeline stages need several processes: run under mlx.launch")
+    else:
+        model, tokenizer = mlx_lm.load(path)
     artifacts = find_shared("artifacts")  # fitted per-model artifacts (e.g. Q-Filters' filters)
     if artifacts is not None:
         from velox_core import environment

@@ -4,7 +4,8 @@
                 [--jobs N] [--json PATH] [--transfer-mapper DIR --transfer-source MODEL]
     velox eval [--model M] [--methods SPEC ...] [--tasks T ...] [--lengths N ...] [--prompts N]
                [--question after|inside] [--json PATH] [--chart PNG]  (the long-context suite)
-    velox generate --method SPEC [--model PATH] [--prompt TEXT] [--max-tokens N]
+    velox generate --method SPEC [--model PATH] [--prompt TEXT] [--max-tokens N] [--pipeline]
+                   (under mlx.launch: the model split over the processes)
     velox methods [--json]
     velox inspect FILE
     velox serve --method SPEC --model PATH [--storage-dtype D] [mlx_lm.server options]
@@ -163,6 +164,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=100)
     g.add_argument("--temp", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="under mlx.launch, split the model into pipeline stages (default: by heads)",
+    )
     m = sub.add_parser("methods", help="installed methods, their parameters and defaults")
     m.add_argument("--json", action="store_true")
     i = sub.add_parser("inspect", help="a saved compressed cache: method, layers, tokens, bytes")
@@ -414,7 +420,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
     _positive("--max-tokens", a.max_tokens)
     if not a.temp >= 0:
         raise ValueError(f"--temp must be 0 (greedy) or more, got {a.temp}")
-    model, tokenizer, store, _ = load_model(a.model)
+    group = mx.distributed.init()  # under mlx.launch: the model split over the processes
+    model, tokenizer, store, _ = load_model(a.model, group, a.pipeline)
+    rank, ranks = group.rank(), group.size()
     mx.random.seed(a.seed)
     caches = build_caches(spec, model, store)
     tokens: list[int] = []
@@ -439,17 +447,21 @@ def cmd_generate(a: argparse.Namespace) -> int:
             prompt_cache=caches,
             sampler=make_sampler(temp=a.temp),
         ):
-            print(r.text, end="", flush=True)
+            if rank == 0:  # every process generates the same tokens; the first prints them
+                print(r.text, end="", flush=True)
             tokens.append(r.token)
-    print()
+    if rank == 0:
+        print()
     nbytes = sum(c.nbytes for c in caches)
     used = sum(_used_bytes(c) for c in caches)
     seen = tokenizer.encode(a.prompt) + tokens[:-1]
     fp16 = build_caches(Spec("fp16", "fp16"), model, store)  # measured, same tokens
     prefill(model, fp16, seen)
     ref = sum(_used_bytes(c) for c in fp16)
+    where = f" (process {rank} of {ranks}: its share of the model)" if ranks > 1 else ""
     print(
-        f"[velox] {spec.text}: {caches[0].offset} tokens, cache {used / 2**20:.2f} MiB in use "
+        f"[velox] {spec.text}{where}: {caches[0].offset} tokens, cache {used / 2**20:.2f} MiB "
+        "in use "
         f"({nbytes / 2**20:.2f} MiB resident with growth slack); fp16 cache for the same "
         f"tokens {ref / 2**20:.2f} MiB in use ({ref / used:.2f}x)"
     )

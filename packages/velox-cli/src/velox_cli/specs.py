@@ -20,11 +20,12 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from velox_core import make_cache
+from velox_core import VeloxCache, make_cache
 from velox_core.registry import get_method, make, method_params, methods, parse_spec
 
 __all__ = [
     "BASELINES",
+    "ComposedCache",
     "Spec",
     "StoredKVCache",
     "StoredQuantizedKVCache",
@@ -89,22 +90,43 @@ class Spec:
         return self.text
 
 
-def compose(text: str):
-    """The cache of a composed spec ``A+B``: A's policy, sinks and window, B's codecs."""
-    from velox_core import VeloxCache
+class ComposedCache(VeloxCache):
+    """The cache of a composed spec: a :class:`VeloxCache` of A's policy, sinks and window and
+    B's codecs, which refuses a split model wherever A or B would (their classes' answers)."""
 
+    parts: tuple = ()  # ((cache class, config) of A, of B)
+
+    def split_refusal(self, config: dict, by_heads: bool, pipelined: bool) -> str:
+        """The first of A's and B's reasons (velox_core.split asks the cache, not its class:
+        this instance method answers for the parts)."""
+        for cls, cfg in self.parts:
+            reason = cls.split_refusal(cfg, by_heads, pipelined)
+            if reason:
+                return reason
+        return ""
+
+    def fresh(self) -> ComposedCache:
+        out = super().fresh()
+        out.parts = self.parts
+        return out
+
+
+def compose(text: str) -> ComposedCache:
+    """The cache of a composed spec ``A+B``: A's policy, sinks and window, B's codecs."""
     a_text, _, b_text = text.partition("+")
     a, b = make(a_text), make(b_text)
     if len(b.tiers) != 1:
         raise ValueError(f"{b_text!r}: only single-tier methods can lend their codecs")
     t = b.tiers[0]
-    return VeloxCache(
+    out = ComposedCache(
         key_codec=t.key_codec.fresh(),
         value_codec=t.value_codec.fresh(),
         policy=None if a.policy is None else a.policy.fresh(),
         sinks=a.sinks,
         window=a.window,
     )
+    out.parts = ((type(a), a.config()), (type(b), b.config()))
+    return out
 
 
 def parse(text: str) -> Spec:

@@ -28,7 +28,7 @@ from .cache.latent import LatentCache
 from .cache.uniform import UniformCache
 from .cache.velox import VeloxCache
 from .registry import make, parse_spec
-from .split import split_refusal
+from .split import STAGE_LAST, split_refusal, stage_last_layer
 
 __all__ = [
     "ROUTED_ONLY_MODEL_TYPES",
@@ -288,7 +288,9 @@ def make_cache(
     from ``layers[i]`` (negative indices count from the end); other layers (sliding-window,
     linear attention / SSM state) keep the model's own cache. So does a ``KVCache`` layer whose
     attention velox cannot serve (:func:`layer_routes`), with one warning per model naming the
-    layers and why; a layer with its own attention code (no call to mlx-lm's shared attention)
+    layers and why (on a model split into pipeline stages, so does each stage's last layer
+    unless ``layers`` names a velox spec for it, which is refused); a layer with its own
+    attention code (no call to mlx-lm's shared attention)
     keeps a velox cache only without a retention policy, whose attention reads the decoded
     tokens ``update_and_fetch`` returns.
 
@@ -365,9 +367,15 @@ def make_cache(
                 kept.setdefault(reason, []).append(i)
                 out.append(c)
                 continue
-            refusal = split_refusal(model, i, route, cache)  # split models: distributed.py
+            # split models (split.py): a pipeline stage's last layer keeps mlx-lm's cache
+            # unless a velox spec was asked for it
+            refusal = split_refusal(model, i, route, cache, stage_last=i in overrides)
             if refusal:
                 raise ValueError(f"make_cache: layer {i}: {refusal}")
+            if stage_last_layer(model, i):
+                kept.setdefault(STAGE_LAST, []).append(i)
+                out.append(c)
+                continue
             cache.bind(model, i)
             if route.key_dim is not None:  # refuse dims the method cannot code now
                 try:

@@ -10,8 +10,10 @@ heads, channels permuted across heads, an SVD of all heads' channels) or needs a
 fitted on the whole model cannot be split so: :func:`split_refusal` names why, and
 ``make_cache`` raises with it. ``model.model.pipeline(group)`` (mlx-lm's pipeline stages)
 keeps some layers per process; methods that link layers (a pyramid of budgets, cross-layer
-merging) are refused there, and so is a velox cache on a stage's last layer, whose ``keys``
-mlx-lm ties its send of the hidden state to (``layers={-1: None}`` keeps that layer fp16).
+merging) are refused there. A stage's last layer keeps mlx-lm's fp16 cache: mlx-lm ties its
+send of the hidden state to that cache's ``keys``, which a velox cache does not have
+(``make_cache`` keeps it, with its warning, where the layer's spec is the default; a velox
+spec given for that layer in ``layers`` is refused).
 
 Each method states its own answer: the ``split_refusal(config, by_heads, pipelined)``
 classmethod of its cache class returns the reason ("" where it can be split), from the
@@ -26,7 +28,20 @@ from typing import Any
 
 from .cache.velox import FITTED_ON_WHOLE_MODEL, VeloxCache
 
-__all__ = ["FITTED_ON_WHOLE_MODEL", "model_kv_heads", "pipeline_stage", "split_refusal"]
+__all__ = [
+    "FITTED_ON_WHOLE_MODEL",
+    "STAGE_LAST",
+    "model_kv_heads",
+    "pipeline_stage",
+    "split_refusal",
+    "stage_last_layer",
+]
+
+# why a pipeline stage's last layer keeps mlx-lm's cache
+STAGE_LAST = (
+    "mlx-lm ties its send of a pipeline stage's hidden state to the last layer's cache.keys, "
+    "which a velox cache does not have"
+)
 
 
 def model_kv_heads(model: Any) -> int | None:
@@ -50,17 +65,26 @@ def pipeline_stage(model: Any) -> tuple[int, int] | None:
     return None
 
 
+def stage_last_layer(model: Any, layer: int) -> bool:
+    """Whether ``layer`` is the last layer of a pipeline stage of ``model``."""
+    return pipeline_stage(model) is not None and layer == len(model.layers) - 1
+
+
 def _links_layers(cache: VeloxCache) -> bool:
     own = getattr(type(cache).link_layers, "__func__", None)
     return own is not getattr(VeloxCache.link_layers, "__func__", None)
 
 
-def split_refusal(model: Any, layer: int, route: Any, cache: VeloxCache) -> str:
+def split_refusal(
+    model: Any, layer: int, route: Any, cache: VeloxCache, stage_last: bool = True
+) -> str:
     """Why ``cache`` cannot serve ``layer`` of ``model`` where the model is split over
     processes ("" where it can, and on a model that is not split).
 
     ``route`` is the layer's :class:`~velox_core.mlx_lm.Route`: a layer that stores fewer KV
-    heads than the model's config has is split by heads (``model.shard``).
+    heads than the model's config has is split by heads (``model.shard``). With
+    ``stage_last=False`` a pipeline stage's last layer is not refused for being the last
+    (the caller keeps mlx-lm's cache there).
     """
     total = model_kv_heads(model)
     local = getattr(route, "kv_heads", None)
@@ -74,7 +98,8 @@ def split_refusal(model: Any, layer: int, route: Any, cache: VeloxCache) -> str:
     if stage is not None:
         where.append(f"split into pipeline stages (stage {stage[0]} of {stage[1]})")
     head = f"{cache.method} cannot run on a model {' and '.join(where)}: "
-    own = type(cache).split_refusal(cache.config(), by_heads, stage is not None)
+    # asked of the cache (a classmethod, unless a cache made of parts answers for them)
+    own = cache.split_refusal(cache.config(), by_heads, stage is not None)
     if own:
         return head + own
     if stage is not None:
@@ -83,10 +108,9 @@ def split_refusal(model: Any, layer: int, route: Any, cache: VeloxCache) -> str:
                 "its caches are linked across the model's layers, and a stage holds only some "
                 "of them"
             )
-        if layer == len(model.layers) - 1:
+        if stage_last and stage_last_layer(model, layer):
             return head + (
-                "mlx-lm ties its send of a stage's hidden state to the last layer's "
-                "cache.keys, which a velox cache does not have; keep that layer fp16 with "
-                "layers={-1: None}"
+                f"{STAGE_LAST}; leave that layer to the default spec (make_cache keeps it "
+                "fp16) or give it None"
             )
     return ""
