@@ -1,15 +1,18 @@
-"""Prefill-to-decode hand-off of a compressed cache between two processes (issue 54).
+"""Prefill-to-decode hand-off of a compressed cache between processes (issue 54).
 
-Run on two processes of the ring backend (this machine twice)::
+Run on two or more processes of the ring backend (this machine several times)::
 
     mlx.launch --backend ring -n 2 python benchmarks/handoff.py --tokens 8192
 
 Rank 0 prefills the prompt (the reference model by default) into each cache spec and sends
-the caches to rank 1 (``velox_core.send_cache``: the arrays as stored, plus a JSON header);
-rank 1 rebuilds them (``recv_cache``) and decodes. For each spec it reports the bytes moved,
-the send time, the prefill time (what re-running the prefill on the receiver costs instead)
-and whether the receiver's tokens equal the sender's. ``fp16`` is mlx-lm's KVCache holding
-float16 keys and values (what sending an uncompressed cache moves).
+the caches to rank 1 (``velox_core.send_cache``: the arrays as stored, plus a JSON header),
+which passes them on to rank 2, and so on (MLX's ring backend sends only between neighbours):
+the disaggregated layout of one prefill process and decode processes 1..N-1. Each receiver
+rebuilds them (``recv_cache``) and decodes. For each spec it reports the bytes moved per
+receiver, the send time (rank 0's), the prefill time
+(what re-running the prefill on a receiver costs instead) and whether every receiver's tokens
+equal the sender's. ``fp16`` is mlx-lm's KVCache holding float16 keys and values (what sending
+an uncompressed cache moves).
 """
 
 from __future__ import annotations
@@ -75,48 +78,50 @@ def main() -> None:
     from velox_cli.bench import load_model
 
     g = mx.distributed.init(strict=True)
-    if g.size() != 2:
-        raise SystemExit("run on two processes: mlx.launch --backend ring -n 2 python ...")
+    if g.size() < 2:
+        raise SystemExit("run on two or more processes: mlx.launch --backend ring -n 2 python ...")
     model, _, store, path = load_model(args.model)
     store = store or mx.float16
     vocab = model.args.vocab_size  # a seeded random prompt: the hand-off does not read text
     ids = np.random.default_rng(0).integers(0, vocab, args.tokens + 1).astype(np.int32)
     prompt, last = mx.array(ids[:-1]), mx.array(ids[-1:])
     rows = []
+    rank, size = g.rank(), g.size()
     for spec in args.specs:
-        if g.rank() == 0:
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), group=g))  # every rank ready
+        if rank == 0:
             caches = _caches(model, spec, store)
             prefill_s = _prefill(model, caches, prompt, args.chunk)
             _to_fp16(caches)
             resident = sum(c.nbytes for c in caches)
-            mx.eval(mx.distributed.all_sum(mx.array(1.0), group=g))  # both ready
             sent = send_cache(caches, 1, group=g)
-            tokens = _decode(model, caches, last, args.decode)
-            peer = mx.distributed.recv((args.decode,), mx.int32, 1, group=g)
-            same = bool(mx.array_equal(peer, mx.array(tokens, dtype=mx.int32)).item())
+        else:
+            start = time.perf_counter()
+            caches = recv_cache(rank - 1, group=g, model=model)
+            got_s = time.perf_counter() - start
+            if rank + 1 < size:  # passed on along the ring
+                send_cache(caches, rank + 1, group=g)
+            print(json.dumps({"spec": spec, "rank": rank, "recv_s": round(got_s, 4)}), flush=True)
+        tokens = mx.array(_decode(model, caches, last, args.decode), dtype=mx.int32)
+        every = mx.distributed.all_gather(tokens[None], group=g)  # (ranks, decode)
+        mx.eval(every)  # on every rank: a collective left lazy on one rank hangs the others
+        if rank == 0:
             row = {
                 "spec": spec,
                 "tokens": args.tokens,
-                "payload_bytes": sent.payload,
+                "receivers": size - 1,
+                "payload_bytes": sent.payload,  # per receiver: every one gets the same
                 "header_bytes": sent.header,
                 "resident_bytes": resident,
                 "send_s": round(sent.seconds, 4),
                 "prefill_s": round(prefill_s, 3),
-                "decode_identical": same,
+                "decode_identical": bool(mx.all(every == tokens[None]).item()),
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
-        else:
-            mx.eval(mx.distributed.all_sum(mx.array(1.0), group=g))
-            start = time.perf_counter()
-            caches = recv_cache(0, group=g, model=model)
-            got_s = time.perf_counter() - start
-            tokens = _decode(model, caches, last, args.decode)
-            mx.eval(mx.distributed.send(mx.array(tokens, dtype=mx.int32), 0, group=g))
-            print(json.dumps({"spec": spec, "recv_s": round(got_s, 4)}), flush=True)
     if g.rank() == 0:
         fp16 = next((r["payload_bytes"] for r in rows if r["spec"] == "fp16"), None)
-        print(f"\n{args.tokens} tokens, {_model_type(model)} {path}")
+        print(f"\n{args.tokens} tokens, {_model_type(model)} {path}, {g.size() - 1} receiver(s)")
         print("| spec | bytes sent | x fp16 | resident | send s | prefill s | decode same |")
         print("|---|---:|---:|---:|---:|---:|:-:|")
         for r in rows:

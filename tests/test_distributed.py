@@ -78,7 +78,9 @@ WORKER = textwrap.dedent(
         return make_cache(model, spec, layers=layers, storage_dtype=mx.float16)
 
     for phase, family, specs, refused in plan:
-        if phase == "handoff":  # rank 0 prefills and sends; rank 1 receives and decodes
+        if phase == "handoff":
+            # rank 0 prefills and sends; every other rank receives, passes the cache on to the
+            # next rank (the ring backend sends only between neighbours) and decodes
             if where == "single":
                 continue
             model = model_of(family, None, mx.float16)  # fp16 tokens in mlx-lm's KVCache
@@ -98,7 +100,9 @@ WORKER = textwrap.dedent(
                     say(phase=phase, spec=spec, tokens=decode(model, caches, prompt[-1:]),
                         payload=sent.payload, header=sent.header, stored=stored, nbytes=nbytes)
                 else:
-                    caches = recv_cache(0, group=g, model=model)
+                    caches = recv_cache(rank - 1, group=g, model=model)
+                    if rank + 1 < g.size():
+                        send_cache(caches, rank + 1, group=g)
                     say(phase=phase, spec=spec, tokens=decode(model, caches, prompt[-1:]),
                         kinds=[type(c).__name__ for c in caches])
             continue
@@ -170,7 +174,11 @@ PLAN = [
 ]
 # four processes: the tiny llama's 4 KV heads one per rank; a qwen2 of 8 layers in 4 stages
 SHARDED4 = ["uniform:bits=4", "snapkv:budget=48", "streamingllm:budget=48,bits=4"]
-PLAN4 = [["shard", "llama", SHARDED4, []], ["pipe4", "qwen2-8", PIPED, []]]
+PLAN4 = [
+    ["shard", "llama", SHARDED4, []],
+    ["pipe4", "qwen2-8", PIPED, []],
+    ["handoff", "llama", ["uniform:bits=4", "snapkv:budget=48"], []],  # to ranks 1, 2 and 3
+]
 
 
 @pytest.fixture(scope="module")
@@ -263,19 +271,27 @@ def test_pipeline_refusals(runs, spec):
         assert PIPE_REFUSED[spec] in r["error"], r
 
 
-@pytest.mark.parametrize("spec", HANDOFF)
-def test_handoff(runs, spec):
-    """A prefilled cache sent as its stored arrays is rebuilt on the receiver, which decodes
+@pytest.mark.parametrize(
+    "where, n, spec",
+    [("launch", 2, s) for s in HANDOFF]
+    + [("launch4", 4, s) for s in ("uniform:bits=4", "snapkv:budget=48")],
+)
+def test_handoff(runs, where, n, spec):
+    """A prefilled cache sent as its stored arrays (by rank 0 to rank 1, which passes it on
+    to rank 2, and so on: one receiver on two processes, three on four, as the ring backend
+    sends only between neighbours) is rebuilt on every receiver, which decodes
     the tokens the sender decodes from its own cache; the payload is the arrays the cache
     holds (no more than its resident bytes), the header small."""
-    rows = _rows(runs, "launch", "handoff", spec, 2)
-    sender, receiver = rows[0], rows[1]
-    assert receiver["tokens"] == sender["tokens"], (sender, receiver)
+    rows = _rows(runs, where, "handoff", spec, n)
+    sender = rows[0]
     assert sender["payload"] == sender["stored"], sender
     assert sender["payload"] <= sender["nbytes"], sender
     assert sender["header"] < 8192, sender
-    kinds = set(receiver["kinds"])
-    assert kinds == {"KVCache"} if spec == "fp16" else "KVCache" not in kinds, receiver
+    for rank in range(1, n):
+        receiver = rows[rank]
+        assert receiver["tokens"] == sender["tokens"], (rank, sender, receiver)
+        kinds = set(receiver["kinds"])
+        assert kinds == {"KVCache"} if spec == "fp16" else "KVCache" not in kinds, receiver
 
 
 def test_handoff_bytes_against_fp16(runs):
