@@ -27,6 +27,7 @@ POINTS: dict[str, dict[str, tuple[str, ...]]] = {
         "kivi": ("kivi:bits=4,group=64,window=0",),
         "kitty": ("kitty",),
         "kvsink": ("kvsink:bits=2,group=32,window=128",),
+        "kvarn": ("kvarn:key_bits=4,value_bits=2",),
         "turboquant": ("turboquant:bits=4", "turboquant:bits=3.5"),
         "qjl": ("qjl:sketch=320,outlier_bits=8,group=128,value_bits=2,window=384",),
         "skvq": ("skvq:bits=4,key_group=64,value_group=128,window=0,sinks=0",),
@@ -55,6 +56,7 @@ POINTS: dict[str, dict[str, tuple[str, ...]]] = {
     "8x": {
         "uniform": ("uniform:bits=2",),
         "kivi": ("kivi:bits=2,group=32,window=128",),
+        "kvarn": ("kvarn:bits=2,sinks=0",),
         "turboquant": ("turboquant:bits=2", "turboquant:bits=2.5"),
         "qjl": ("qjl:key_bits=1,value_bits=2,outlier_bits=8,group=64,window=0",),
         "skvq": ("skvq:bits=2,key_group=64,value_group=128,window=128,sinks=5",),
