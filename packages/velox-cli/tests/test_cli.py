@@ -6,7 +6,7 @@ import pytest
 
 from velox_cli.main import main
 from velox_core import make_cache, save_cache
-from velox_core.testing import kv_data
+from velox_testing import kv_data
 
 FIELDS = {
     "spec",
