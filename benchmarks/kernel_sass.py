@@ -31,7 +31,7 @@ import mlx.core as mx
 
 from velox_core.kernels import decode as dk
 from velox_core.kernels.build import ArgInfo, cuda_source
-from velox_core.kernels.emulate import shim_dir
+from velox_testing.emulate import shim_dir
 
 _INSN = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _BRANCH = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)\s*$")

@@ -17,7 +17,7 @@ from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx_lm.models.cache import QuantizedKVCache
 
 from velox_core import UniformCache, VeloxCache
-from velox_core.testing import kv_data
+from velox_testing import kv_data
 
 CONTEXTS = (4096, 16384)
 H_Q, H_KV, D = 16, 4, 128

@@ -10,7 +10,7 @@ from mlx_lm.models.cache import KVCache
 import velox_core
 from velox_core import VeloxCache, load_cache, make_cache, routed, save_cache
 from velox_core.registry import format_spec, methods
-from velox_core.testing import tiny_model, tiny_tokenizer
+from velox_testing import tiny_model, tiny_tokenizer
 
 MODEL = tiny_model("llama", head_dim=128, hidden_size=256)
 SPECS = [format_spec(name, params) for name, m in methods().items() for params in m.recommended]

@@ -20,7 +20,7 @@ import mlx.core as mx
 import pytest
 
 from velox_core import make_cache
-from velox_core.testing import tiny_model
+from velox_testing import tiny_model
 
 TIMEOUT = 120
 
@@ -31,7 +31,7 @@ WORKER = textwrap.dedent(
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import KVCache
     from velox_core import make_cache, recv_cache, routed, send_cache
-    from velox_core.testing import tiny_model
+    from velox_testing import tiny_model
 
     where, plan = sys.argv[1], json.loads(sys.argv[2])  # where: "single" or "launch"
     g = mx.distributed.init()

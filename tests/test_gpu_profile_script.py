@@ -13,7 +13,7 @@ import pytest
 
 from velox_core.kernels import decode as dk
 from velox_core.kernels.build import ArgInfo, cuda_source
-from velox_core.kernels.emulate import shim_dir
+from velox_testing.emulate import shim_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ import pytest
 import velox_core
 from velox_core import VeloxCache, make_cache
 from velox_core.registry import format_spec, methods, parse_spec
-from velox_core.testing import tiny_model, tiny_tokenizer
+from velox_testing import tiny_model, tiny_tokenizer
 
 DIMS = (64, 80, 96, 112, 128)
 SPECS = [format_spec(name, params) for name, m in methods().items() for params in m.recommended]

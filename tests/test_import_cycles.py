@@ -1,4 +1,5 @@
-"""No import cycle inside velox-core or any method package.
+"""No import cycle inside velox-core or any method package, and no run-time source that
+imports the test aids (velox-testing, pytest).
 
 Every import counts, at module level or inside a function (a lazy import hides a cycle, it
 does not remove it), except those under ``if TYPE_CHECKING:``. ``from X import name`` depends
@@ -91,3 +92,45 @@ def test_the_walk_finds_a_cycle(tmp_path):
     assert _cycle(_graph(tmp_path / "src")) == ["demo.a", "demo.b", "demo.a"]
     (pkg / "b.py").write_text("def f():\n    pass\n")
     assert _cycle(_graph(tmp_path / "src")) is None
+
+
+TEST_AIDS = ("velox_testing", "pytest")
+
+
+def _test_aid_imports(src: Path) -> list[str]:
+    """``file:line: module`` of each import of a test aid under ``src``."""
+    found = []
+    for f in sorted(src.rglob("*.py")):
+        for n in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(n, ast.Import):
+                names = [a.name for a in n.names]
+            elif isinstance(n, ast.ImportFrom) and not n.level:
+                names = [n.module or ""]
+            else:
+                continue
+            for name in names:
+                if name.split(".")[0] in TEST_AIDS:
+                    found.append(f"{f.relative_to(src)}:{n.lineno}: {name}")
+    return found
+
+
+@pytest.mark.parametrize(
+    "package", [p for p in PACKAGES if p.name != "velox-testing"], ids=lambda p: p.name
+)
+def test_run_time_sources_import_no_test_aid(package):
+    """velox-core and the method packages need only their own dependencies at run time: the
+    conformance suite, the tiny models and the kernel emulator are velox-testing's."""
+    found = _test_aid_imports(package / "src")
+    assert not found, "a test aid imported at run time:\n" + "\n".join(found)
+
+
+def test_the_walk_finds_a_test_aid_import(tmp_path):
+    pkg = tmp_path / "src" / "demo"
+    pkg.mkdir(parents=True)
+    (pkg / "a.py").write_text("import os\nfrom velox_core import ops\n")
+    (pkg / "b.py").write_text("def f():\n    from velox_testing.emulate import shim_dir\n")
+    (pkg / "c.py").write_text("import pytest as pt\nfrom . import velox_testing\n")
+    assert _test_aid_imports(tmp_path / "src") == [
+        "demo/b.py:2: velox_testing.emulate",
+        "demo/c.py:1: pytest",
+    ]

@@ -62,7 +62,7 @@ def test_both_merges_build_and_compile(sass, tmp_path):
     the two-output kernel the library launches without the merge, compiles."""
     import argparse
 
-    from velox_core.kernels.emulate import shim_dir
+    from velox_testing.emulate import shim_dir
 
     for merge in ("kernel", "separate"):
         args = argparse.Namespace(

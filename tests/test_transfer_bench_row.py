@@ -11,8 +11,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 from velox_cli.main import main
-from velox_core.testing import tiny_model
-from velox_core.testing.models import _tokenizer, tiny_config
+from velox_testing import tiny_model
+from velox_testing.models import _tokenizer, tiny_config
 from velox_transfer import fit_mapper
 
 TEXT = (

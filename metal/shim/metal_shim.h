@@ -8,7 +8,7 @@
 // SIMD-group shuffles exchange values through a per-SIMD-group slot array and barrier, so the
 // body's cross-lane logic (reductions, votes, threadgroup memory) is exercised as written. A
 // barrier or shuffle reached by only some threads deadlocks on a GPU; here it aborts after a
-// timeout with a message. See velox_core.kernels.emulate.
+// timeout with a message. See velox_testing.emulate.
 //
 // Covered: address-space qualifiers (device, constant, thread, threadgroup -> a static local,
 // shared by the threads of the one threadgroup that runs at a time), uint/ushort/uint3, half

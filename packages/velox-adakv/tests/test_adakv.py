@@ -22,7 +22,7 @@ from velox_core import (
     save_cache,
 )
 from velox_core.policy import pool_votes
-from velox_core.testing import (
+from velox_testing import (
     EvictingConformance,
     FullBudgetConformance,
     Routed,

@@ -8,7 +8,7 @@ import pytest
 from velox_adakv import AdaKVCache
 from velox_core import routed
 from velox_core.policy import base
-from velox_core.testing import feed, kv_data
+from velox_testing import feed, kv_data
 
 BUDGET = 128
 

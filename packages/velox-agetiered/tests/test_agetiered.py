@@ -9,7 +9,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 
 from velox_agetiered import METHOD, AgeTieredCache
 from velox_core import Codec, Tier, Uniform, get_method, make
-from velox_core.testing import CacheConformance, assert_head_dim_refused, feed, kv_data, rel_error
+from velox_testing import CacheConformance, assert_head_dim_refused, feed, kv_data, rel_error
 
 FOUR, THREE, TWO = METHOD.recommended
 

@@ -10,7 +10,7 @@ from mlx_lm.models.cache import KVCache
 from velox_chunkkv import METHOD, ChunkKVCache, ChunkKVPolicy, select_chunks
 from velox_core import VeloxCache, load_cache, make, make_cache, routed, save_cache
 from velox_core.policy import WindowVotePolicy
-from velox_core.testing import (
+from velox_testing import (
     EvictingConformance,
     FullBudgetConformance,
     Routed,

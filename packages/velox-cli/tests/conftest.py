@@ -6,8 +6,8 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from velox_core.testing import tiny_model
-from velox_core.testing.models import _tokenizer, tiny_config
+from velox_testing import tiny_model
+from velox_testing.models import _tokenizer, tiny_config
 
 TEXT = (
     "def add(a, b):\n    return a + b\n\n\nclass Point:\n    def __init__(self, x, y):\n"

@@ -6,7 +6,7 @@ import pytest
 
 from velox_cli.main import main
 from velox_core import make_cache, save_cache
-from velox_core.testing import kv_data
+from velox_testing import kv_data, tiny_model
 
 FIELDS = {
     "spec",
@@ -132,7 +132,7 @@ def test_methods_json_lists_parameters(capsys):
 
 def test_inspect_a_saved_cache(model_dir, tmp_path, capsys):
     k, v = kv_data(t=50)
-    c = make_cache(__import__("velox_core").testing.tiny_model("llama"), "uniform:bits=4")[0]
+    c = make_cache(tiny_model("llama"), "uniform:bits=4")[0]
     c.update_and_fetch(k, v)
     path = tmp_path / "c.safetensors"
     save_cache(path, [c])

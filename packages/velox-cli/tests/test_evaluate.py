@@ -9,7 +9,7 @@ from velox_cli.data import recall_prompts, token_stream
 from velox_cli.evaluate import Row, decode_quality, prefill, reference_run, retrieval
 from velox_cli.specs import Spec, StoredKVCache, build_caches, default_specs, parse
 from velox_core import make_cache
-from velox_core.testing import tiny_model, tiny_tokenizer
+from velox_testing import tiny_model, tiny_tokenizer
 
 MODEL = tiny_model("llama")
 

@@ -28,7 +28,7 @@ from velox_cli.longctx.tasks import TASKS, make_prompts, parse_task, score
 from velox_cli.main import main
 from velox_core import make_cache
 from velox_core.registry import make
-from velox_core.testing.models import _tokenizer
+from velox_testing.models import _tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -312,7 +312,7 @@ def test_eval_rejects_bad_input_in_one_line(capsys):
 
 def test_sliding_layers_count_in_held_bytes(tmp_path):
     """A model's own rotating caches stay beside velox's and count in the bytes."""
-    from velox_core.testing import tiny_model
+    from velox_testing import tiny_model
 
     model = tiny_model("llama", head_dim=64, hidden_size=128, vocab_size=512)
     caches = make_cache(model, "uniform:bits=4")

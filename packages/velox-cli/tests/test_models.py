@@ -27,8 +27,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 from velox_cli import models
-from velox_core.testing import tiny_model
-from velox_core.testing.models import _tokenizer
+from velox_testing import tiny_model
+from velox_testing.models import _tokenizer
 
 TEXT = (
     "def add(a, b):\n    return a + b\n\n\nclass Point:\n    def __init__(self, x, y):\n"

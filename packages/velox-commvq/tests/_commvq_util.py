@@ -18,7 +18,7 @@ from velox_commvq import (
     pre_rope_units,
     save_codebooks,
 )
-from velox_core.testing import conformance_model, kv_like, scratch_dir
+from velox_testing import conformance_model, kv_like, scratch_dir
 
 ROOT = Path(__file__).resolve().parents[3]
 REFERENCE = ROOT / "shared" / "reference-model"

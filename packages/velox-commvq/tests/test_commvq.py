@@ -10,7 +10,7 @@ from _commvq_util import BASE, conformance_codebooks, kv_codebooks, synthetic
 from velox_commvq import METHOD, CommVQCache, CommVQKeys, RopeSpec
 from velox_core import make, make_cache
 from velox_core.ops.rope import from_pairs
-from velox_core.testing import CacheConformance, conformance_model, kv_data, rel_error
+from velox_testing import CacheConformance, conformance_model, kv_data, rel_error
 
 
 class TestCommVQ2(CacheConformance):

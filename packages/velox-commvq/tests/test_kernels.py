@@ -4,7 +4,7 @@ The decode kernel is velox-core's portable one with this package's table keys
 (:mod:`velox_commvq.layout`: ``TableCodes`` and the key pass it ships); here the CommVQ glue
 and layout are checked: which records take it
 and what the kernel declines, and, with the kernels' Metal and CUDA instantiations emulated
-on the CPU (``velox_core.kernels.emulate``), that attention through the kernel (query tables
+on the CPU (``velox_testing.emulate``), that attention through the kernel (query tables
 built once per call, each key's looked-up sums rotated by its angle in the kernel, values
 mixed in the same pass) equals the codec's reference code-domain path
 (:func:`velox_commvq.scores.code_scores`): 1- and 2-bit keys, both RoPE layouts, partial
@@ -30,20 +30,20 @@ from velox_core import Packed, Uniform
 from velox_core.cache.attention import Segment, partial
 from velox_core.kernels import decode as dk
 from velox_core.kernels.build import ArgInfo, KernelSpec, cuda_source, metal_source
-from velox_core.kernels.emulate import (
-    DecodeRun,
-    EmulatedKernels,
-    Emulator,
-    compiler,
-    emulated_or_skip,
-)
-from velox_core.testing import (
+from velox_testing import (
     assert_cpu_declines,
     assert_partials_close,
     compile_cuda,
     compile_metal,
     kernel_env,
     needs_nvcc,
+)
+from velox_testing.emulate import (
+    DecodeRun,
+    EmulatedKernels,
+    Emulator,
+    compiler,
+    emulated_or_skip,
 )
 
 needs_gxx = pytest.mark.skipif(

@@ -19,7 +19,7 @@ from velox_core.artifacts import (
     identity,
     prefilled,
 )
-from velox_core.testing import tiny_model
+from velox_testing import tiny_model
 
 
 @dataclass

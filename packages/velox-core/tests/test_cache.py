@@ -8,7 +8,7 @@ from mlx_lm.models.cache import KVCache
 
 from velox_core import Identity, Tier, Uniform, UniformCache, VeloxCache
 from velox_core.cache.attention import attend
-from velox_core.testing import kv_data, rel_error
+from velox_testing import kv_data, rel_error
 
 
 def sdpa(q, k, v, scale, mask=None, sinks=None):

@@ -1,7 +1,7 @@
 """velox-core's own method, ``uniform``, passes the shared conformance suite."""
 
 from velox_core import VeloxCache
-from velox_core.testing import CacheConformance
+from velox_testing import CacheConformance
 
 
 class TestUniform4(CacheConformance):

@@ -180,7 +180,7 @@ def test_included_texts_compile_and_run_in_the_cuda_emulation(tmp_path, monkeypa
     """The included form compiles as the full one does (g++ through the CUDA emulation): the
     subnormal probe, which takes the tensor-core header, gives exact sums."""
     from velox_core.kernels import decode as dk
-    from velox_core.kernels.emulate import CudaEmulator
+    from velox_testing.emulate import CudaEmulator
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "texts"))
     with configured(cuda_include=True):

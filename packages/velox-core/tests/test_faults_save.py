@@ -7,7 +7,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from velox_core import load_cache, make, save_cache
-from velox_core.testing import kv_data
+from velox_testing import kv_data
 
 
 def _filled(cache, t=40, seed=0):

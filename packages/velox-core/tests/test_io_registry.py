@@ -19,7 +19,7 @@ from velox_core import (
 )
 from velox_core.io import _digest
 from velox_core.registry import format_spec, method_params
-from velox_core.testing import kv_data
+from velox_testing import kv_data
 
 
 def test_spec_parsing():
@@ -157,7 +157,7 @@ def test_header_is_checked_and_counts_are_consistent(tmp_path):
     """One flipped byte in the header fails the checksum; a negative offset, a layer
     dropped (against n_layers, or against the model) and an unknown kind are refused, by
     load_cache and inspect_cache_file alike."""
-    from velox_core.testing import tiny_model
+    from velox_testing import tiny_model
 
     model = tiny_model("llama")
     caches = [_filled(UniformCache(bits=4)) for _ in model.layers]
@@ -214,7 +214,7 @@ def test_artifacts_fingerprint_and_resolution(tmp_path, monkeypatch):
     import pytest
 
     from velox_core import artifacts
-    from velox_core.testing import tiny_model
+    from velox_testing import tiny_model
 
     model, other = tiny_model("llama"), tiny_model("llama", seed=1)
     fp = artifacts.fingerprint(model)

@@ -6,7 +6,7 @@
 * Compile checks: the Metal instantiation of every kernel (the full function MLX's
   ``metal_kernel`` generates) compiles with g++ through ``metal/shim``, and the CUDA
   instantiation (what ``cuda_kernel`` generates) compiles with nvcc, without register spills.
-* Emulation: the Metal instantiation runs on the CPU (``velox_core.kernels.emulate``: real
+* Emulation: the Metal instantiation runs on the CPU (``velox_testing.emulate``: real
   threads, barriers and SIMD shuffles) and matches the MLX reference: decode attention for
   2 to 8 bits, query blocks, padding, bf16 scales, strided slices of a larger buffer, split
   counts that do not divide the context; the merge of partials; the encode kernels bit for bit.
@@ -32,7 +32,9 @@ from velox_core.cache.attention import Segment, attend, merge_partials, partial
 from velox_core.kernels import decode as dk
 from velox_core.kernels import encode as ek
 from velox_core.kernels.build import PROLOGUE, ArgInfo, cuda_source, metal_source
-from velox_core.kernels.emulate import (
+from velox_core.ops import affine_quantize, lloyd_max_sphere, pack, unpack
+from velox_testing import compile_cuda, compile_metal, kernel_env, kv_data, needs_nvcc
+from velox_testing.emulate import (
     CudaEmulator,
     DecodeRun,
     EmulatedKernels,
@@ -40,8 +42,6 @@ from velox_core.kernels.emulate import (
     np_input,
     shim_dir,
 )
-from velox_core.ops import affine_quantize, lloyd_max_sphere, pack, unpack
-from velox_core.testing import compile_cuda, compile_metal, kernel_env, kv_data, needs_nvcc
 
 GXX = shutil.which(os.environ.get("CXX", "g++"))
 needs_gxx = pytest.mark.skipif(

@@ -16,7 +16,7 @@ from mlx_lm.models.cache import KVCache
 
 import velox_core
 from velox_core import LatentCache, Uniform, VeloxCache, make_cache, routed
-from velox_core.testing import tiny_model
+from velox_testing import tiny_model
 
 RANK, PE = 128, 32
 PROMPT, STEPS = 200, 32

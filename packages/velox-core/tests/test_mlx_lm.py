@@ -9,7 +9,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 import velox_core
 from velox_core import UniformCache, VeloxCache, make_cache, routed
 from velox_core.mlx_lm import disable, enable, is_enabled
-from velox_core.testing import FAMILIES, greedy_agreement, tiny_model, tiny_tokenizer
+from velox_testing import FAMILIES, greedy_agreement, tiny_model, tiny_tokenizer
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -179,7 +179,7 @@ def test_make_cache_refuses_a_head_dim_the_method_cannot_code_before_the_first_f
     """A head dim the codecs cannot take is refused at make_cache, naming the layer, the head
     dim and the cache (not at the first forward, deep in an encode)."""
     from velox_core import make_cache
-    from velox_core.testing import tiny_model
+    from velox_testing import tiny_model
 
     model = tiny_model("llama", head_dim=80, hidden_size=160)
     with pytest.raises(ValueError, match=r"layer 0 \(head dim 80\): uniform: group=64 .*80"):

@@ -347,7 +347,7 @@ def test_rope_spec_reads_modules_and_refuses_others():
     from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE
 
     from velox_core.ops.rope import find_rope, rope_spec
-    from velox_core.testing import tiny_model
+    from velox_testing import tiny_model
 
     spec = rope_spec(nn.RoPE(32, traditional=True, base=500.0))
     assert spec.layout == [32, 1] and np.isclose(spec.theta[1], 500.0 ** (-2 / 32))

@@ -8,7 +8,7 @@ import pytest
 
 from velox_core import RetentionPolicy, VeloxCache, routed
 from velox_core.policy import QueryWindow, WindowVotePolicy
-from velox_core.testing import kv_data
+from velox_testing import kv_data
 
 D = 16
 SCALE = D**-0.5

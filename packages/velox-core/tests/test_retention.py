@@ -8,7 +8,7 @@ from velox_core import RetentionPolicy, Uniform, VeloxCache, load_cache, save_ca
 from velox_core.cache.attention import attend
 from velox_core.policy import base, top_k_sorted
 from velox_core.registry import register
-from velox_core.testing import kv_data, rel_error
+from velox_testing import kv_data, rel_error
 
 
 @register
@@ -129,7 +129,7 @@ def test_attention_equals_attention_over_the_kept_tokens():
 
 def test_per_head_budgets_store_no_padding_and_attend_per_head():
     from velox_core import routed
-    from velox_core.testing import tiny_model
+    from velox_testing import tiny_model
 
     k, v = kv_data(t=400)
     c = VeloxCache(Uniform(8), Uniform(8), sinks=2, window=4, policy=Ragged(budget=100))
@@ -181,7 +181,7 @@ def test_bad_policy_settings():
 
 def test_per_head_storage_survives_state_and_files(tmp_path):
     from velox_core import routed
-    from velox_core.testing import tiny_model
+    from velox_testing import tiny_model
 
     k, v = kv_data(t=400)
     c = VeloxCache(Uniform(8), Uniform(8), sinks=2, window=4, policy=Ragged(budget=100))

@@ -9,14 +9,6 @@ from mlx_lm.models.cache import KVCache
 
 from velox_core import Uniform, VeloxCache, load_cache, make, make_cache, routed, save_cache
 from velox_core.registry import parse_spec
-from velox_core.testing import (
-    EvictingConformance,
-    FullBudgetConformance,
-    Routed,
-    kv_data,
-    rel_error,
-    tiny_model,
-)
 from velox_expected_attention import (
     METHOD,
     ExpectedAttentionCache,
@@ -25,6 +17,14 @@ from velox_expected_attention import (
     average_rotation,
     expected_attention_scores,
     model_rope,
+)
+from velox_testing import (
+    EvictingConformance,
+    FullBudgetConformance,
+    Routed,
+    kv_data,
+    rel_error,
+    tiny_model,
 )
 
 D = 64

@@ -7,7 +7,8 @@ from mlx_lm.models.cache import KVCache
 
 import velox_h2o.policy as h2o_policy
 from velox_core import Uniform, VeloxCache, load_cache, make, make_cache, routed, save_cache
-from velox_core.testing import (
+from velox_h2o import METHOD, H2OCache, H2OConfig, H2OPolicy
+from velox_testing import (
     EvictingConformance,
     FullBudgetConformance,
     Routed,
@@ -15,7 +16,6 @@ from velox_core.testing import (
     rel_error,
     tiny_model,
 )
-from velox_h2o import METHOD, H2OCache, H2OConfig, H2OPolicy
 
 D = 64
 SCALE = D**-0.5

@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 
 from velox_core import Uniform, load_cache, make, make_cache, save_cache
-from velox_core.testing import (
+from velox_kitty import KittyCache, KittyKeys, boosted_count
+from velox_testing import (
     CacheConformance,
     assert_head_dim_refused,
     conformance_model,
     kv_data,
     rel_error,
 )
-from velox_kitty import KittyCache, KittyKeys, boosted_count
 
 
 class TestKitty(CacheConformance):

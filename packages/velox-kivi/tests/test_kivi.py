@@ -3,8 +3,8 @@
 import mlx.core as mx
 
 from velox_core import Uniform, make
-from velox_core.testing import CacheConformance, assert_head_dim_refused, kv_data, rel_error
 from velox_kivi import KIVICache
+from velox_testing import CacheConformance, assert_head_dim_refused, kv_data, rel_error
 
 
 class TestKIVI4(CacheConformance):

@@ -9,8 +9,8 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from velox_core import Uniform, VeloxCache, load_cache, make, make_cache, routed, save_cache
-from velox_core.testing import EvictingConformance, FullBudgetConformance, kv_data, tiny_model
 from velox_knorm import METHOD, KNormCache, KNormPolicy, key_norm_scores
+from velox_testing import EvictingConformance, FullBudgetConformance, kv_data, tiny_model
 
 D = 64
 

@@ -10,7 +10,6 @@ from mlx_lm.models import rope_utils
 from mlx_lm.models.cache import QuantizedKVCache
 
 from velox_core import make, make_cache
-from velox_core.testing import CacheConformance, feed, kv_data, rel_error, tiny_model
 from velox_kvquant import (
     METHOD,
     KVQuantCache,
@@ -21,6 +20,7 @@ from velox_kvquant import (
     rope_spec,
     rotate,
 )
+from velox_testing import CacheConformance, feed, kv_data, rel_error, tiny_model
 
 BASE = 10000.0
 

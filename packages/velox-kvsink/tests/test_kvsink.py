@@ -7,15 +7,15 @@ import numpy as np
 import pytest
 
 from velox_core import Uniform, VeloxCache, make, make_cache
-from velox_core.testing import (
+from velox_kvsink import METHOD, KVSinkCache, outlier_scores, select_sinks
+from velox_testing import (
     CacheConformance,
     assert_head_dim_refused,
     feed,
     kv_data,
     rel_error,
 )
-from velox_core.testing.models import conformance_model
-from velox_kvsink import METHOD, KVSinkCache, outlier_scores, select_sinks
+from velox_testing.models import conformance_model
 
 TWO_BIT = METHOD.recommended[1]
 PLANTED = {**TWO_BIT, "outlier": 4.0}  # above kv_data's own key-norm spread

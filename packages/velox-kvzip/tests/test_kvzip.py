@@ -12,8 +12,8 @@ from mlx_lm.models.cache import KVCache
 
 import velox_kvzip
 from velox_core import load_cache, make, make_cache, routed, save_cache
-from velox_core.testing import FullBudgetConformance, Routed, tiny_model, tiny_tokenizer
 from velox_kvzip import METHOD, KVzipCache, KVzipConfig, KVzipPolicy, compress
+from velox_testing import FullBudgetConformance, Routed, tiny_model, tiny_tokenizer
 
 N = 300  # context tokens
 MODEL = tiny_model("llama", dtype=mx.float32)  # 2 layers, 4 query heads, 2 KV heads

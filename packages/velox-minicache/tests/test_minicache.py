@@ -7,13 +7,6 @@ import numpy as np
 import pytest
 
 from velox_core import load_cache, make, make_cache, routed, save_cache
-from velox_core.testing import (
-    CacheConformance,
-    assert_linked_copies,
-    conformance_model,
-    kv_data,
-    rel_error,
-)
 from velox_minicache import (
     MergedPair,
     MiniCache,
@@ -21,6 +14,13 @@ from velox_minicache import (
     restore,
     retained,
     slerp_merge,
+)
+from velox_testing import (
+    CacheConformance,
+    assert_linked_copies,
+    conformance_model,
+    kv_data,
+    rel_error,
 )
 
 
@@ -58,7 +58,7 @@ class TestMiniCache(CacheConformance):
         prefilled together works: test_a_batch_prefilled_together_equals_each_row_alone)."""
         from mlx_lm.generate import batch_generate
 
-        from velox_core.testing import tiny_tokenizer
+        from velox_testing import tiny_tokenizer
 
         model = conformance_model()
         caches = make_cache(model, self.make())

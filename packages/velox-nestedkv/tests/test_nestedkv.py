@@ -6,7 +6,8 @@ import pytest
 from mlx_lm.models.cache import QuantizedKVCache
 
 from velox_core import Uniform, VeloxCache, load_cache, make, make_cache, routed, save_cache
-from velox_core.testing import (
+from velox_nestedkv import METHOD, NestedKVCache, NestedKVPolicy, head_budgets, nested_score
+from velox_testing import (
     EvictingConformance,
     FullBudgetConformance,
     attention_errors_vs_mlx_quant,
@@ -15,7 +16,6 @@ from velox_core.testing import (
     rel_error,
     tiny_model,
 )
-from velox_nestedkv import METHOD, NestedKVCache, NestedKVPolicy, head_budgets, nested_score
 
 FP16, FOUR_BIT = METHOD.recommended
 

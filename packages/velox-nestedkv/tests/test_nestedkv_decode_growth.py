@@ -7,8 +7,8 @@ import pytest
 
 from velox_core import routed
 from velox_core.policy import base
-from velox_core.testing import feed, kv_data
 from velox_nestedkv import NestedKVCache
+from velox_testing import feed, kv_data
 
 BUDGET = 128
 

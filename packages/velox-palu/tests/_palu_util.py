@@ -11,8 +11,8 @@ import numpy as np
 from velox_core.artifacts import fingerprint
 from velox_core.ops.rope import RopeSpec
 from velox_core.ops.rope import fast_rotate as rope_at
-from velox_core.testing import conformance_model, kv_data, kv_like, scratch_dir
 from velox_palu import PaluBases, bases_from_gram, fit_palu, group_gram, save_bases
+from velox_testing import conformance_model, kv_data, kv_like, scratch_dir
 
 BASE = 10000.0
 _TMP = scratch_dir("velox-palu-tests-")

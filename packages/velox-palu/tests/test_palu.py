@@ -9,7 +9,6 @@ import pytest
 from _palu_util import BASE, kv_artifact, model_artifact, tmp
 
 from velox_core import make, make_cache
-from velox_core.testing import CacheConformance, conformance_model, kv_data, rel_error
 from velox_palu import (
     METHOD,
     MissingArtifactError,
@@ -21,6 +20,7 @@ from velox_palu import (
     load_bases,
     save_bases,
 )
+from velox_testing import CacheConformance, conformance_model, kv_data, rel_error
 
 
 class TestPalu(CacheConformance):

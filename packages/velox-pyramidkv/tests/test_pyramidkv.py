@@ -11,20 +11,20 @@ from mlx_lm.models.cache import KVCache
 
 from velox_core import VeloxCache, load_cache, make, make_cache, routed, save_cache
 from velox_core.io import _digest
-from velox_core.testing import (
-    EvictingConformance,
-    FullBudgetConformance,
-    Routed,
-    kv_data,
-    rel_error,
-    tiny_model,
-)
 from velox_pyramidkv import (
     METHOD,
     PyramidKVCache,
     PyramidKVPolicy,
     layer_budget,
     layer_budgets,
+)
+from velox_testing import (
+    EvictingConformance,
+    FullBudgetConformance,
+    Routed,
+    kv_data,
+    rel_error,
+    tiny_model,
 )
 
 D = 64

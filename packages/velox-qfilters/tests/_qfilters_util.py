@@ -9,8 +9,8 @@ import mlx.core as mx
 import numpy as np
 
 from velox_core import RetentionPolicy, VeloxCache, make_cache, routed
-from velox_core.testing import conformance_model, scratch_dir
 from velox_qfilters import Filters, fit_filters, save_filters
+from velox_testing import conformance_model, scratch_dir
 
 ROOT = Path(__file__).resolve().parents[3]
 REFERENCE = ROOT / "shared" / "reference-model"

@@ -16,7 +16,6 @@ from _qfilters_util import (
 )
 
 from velox_core import make_cache, routed
-from velox_core.testing import conformance_model, tiny_model, tiny_tokenizer
 from velox_qfilters import (
     MissingFiltersError,
     QFiltersCache,
@@ -28,6 +27,7 @@ from velox_qfilters import (
     save_filters,
 )
 from velox_qfilters.__main__ import main
+from velox_testing import conformance_model, tiny_model, tiny_tokenizer
 
 
 def _cos(a, b):

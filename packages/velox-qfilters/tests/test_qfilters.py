@@ -9,14 +9,14 @@ from _qfilters_util import artifact, conformance_filters
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from velox_core import Uniform, VeloxCache, load_cache, make_cache, routed, save_cache
-from velox_core.testing import (
+from velox_qfilters import METHOD, QFiltersCache, QFiltersPolicy, principal_filters
+from velox_testing import (
     EvictingConformance,
     FullBudgetConformance,
     conformance_model,
     feed,
     kv_data,
 )
-from velox_qfilters import METHOD, QFiltersCache, QFiltersPolicy, principal_filters
 
 
 class TestQFilters(FullBudgetConformance):

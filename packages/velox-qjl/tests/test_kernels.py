@@ -3,7 +3,7 @@
 The decode kernel is velox-core's portable one with sketch keys
 (:class:`velox_qjl.layout.SketchCodes`); here the QJL glue is checked: which records take
 it, the kernel's copy of ``S`` (its layout and its bytes), and, with the kernels' Metal and
-CUDA instantiations emulated on the CPU (``velox_core.kernels.emulate``), that attention
+CUDA instantiations emulated on the CPU (``velox_testing.emulate``), that attention
 through the kernel equals the codec's reference path for the paper's setting, the
 recommended ones and no outliers. Encoding goes through velox-core's sketch encode kernel
 (``velox_core.kernels.encode.SKETCH_ENCODE``) and gives the reference's record.
@@ -25,8 +25,11 @@ from velox_core import Uniform
 from velox_core.cache.attention import Segment, partial
 from velox_core.kernels import decode as dk
 from velox_core.kernels.build import ArgInfo, cuda_source
-from velox_core.kernels.emulate import EmulatedKernels, shim_dir
-from velox_core.testing import (
+from velox_qjl import METHOD, QJL, QJLCache
+from velox_qjl import sketch_mma as sm
+from velox_qjl.kernels import _query_sketch, encode_sketch, kernel_sides
+from velox_qjl.layout import sketch_lanes
+from velox_testing import (
     assert_cpu_declines,
     assert_kernel_partial,
     assert_partials_equivalent,
@@ -35,10 +38,7 @@ from velox_core.testing import (
     kv_data,
     needs_gxx,
 )
-from velox_qjl import METHOD, QJL, QJLCache
-from velox_qjl import sketch_mma as sm
-from velox_qjl.kernels import _query_sketch, encode_sketch, kernel_sides
-from velox_qjl.layout import sketch_lanes
+from velox_testing.emulate import EmulatedKernels, shim_dir
 
 # the paper's setting, the recommended "4-bit" keys (m = 320: shares straddling words,
 # blocks of 128), 1-bit keys with 8-bit outliers, and no outliers

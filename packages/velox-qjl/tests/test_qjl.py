@@ -9,13 +9,13 @@ import pytest
 from mlx_lm.models.cache import QuantizedKVCache
 
 from velox_core import Uniform, make
-from velox_core.testing import (
+from velox_qjl import METHOD, QJL, QJLCache
+from velox_testing import (
     CacheConformance,
     assert_head_dim_refused,
     assert_tampered_state_refused,
     kv_data,
 )
-from velox_qjl import METHOD, QJL, QJLCache
 
 D = 128
 

@@ -3,7 +3,7 @@
 The sketch keys' records (:mod:`velox_qjl.layout`), their lanes and plan, their checks, the
 portable kernel with this package's key pass compiled for Metal (the C++ shim) and CUDA
 (nvcc, where installed), and its scores against a numpy reference through the emulated
-Metal instantiation (``velox_core.kernels.emulate``).
+Metal instantiation (``velox_testing.emulate``).
 """
 
 from __future__ import annotations
@@ -18,16 +18,7 @@ import pytest
 import velox_core.kernels as vk
 from velox_core.kernels import decode as dk
 from velox_core.kernels.build import ArgInfo, cuda_source, metal_source
-from velox_core.kernels.emulate import DecodeRun, Emulator
 from velox_core.ops import pack
-from velox_core.testing import (
-    assert_partials_close,
-    compile_cuda,
-    compile_metal,
-    kernel_env,
-    needs_gxx,
-    needs_nvcc,
-)
 from velox_qjl.layout import (
     SKETCH,
     QJLKernelConfig,
@@ -37,6 +28,15 @@ from velox_qjl.layout import (
     sketch_lanes,
     sketch_matrix,
 )
+from velox_testing import (
+    assert_partials_close,
+    compile_cuda,
+    compile_metal,
+    kernel_env,
+    needs_gxx,
+    needs_nvcc,
+)
+from velox_testing.emulate import DecodeRun, Emulator
 
 # placeholder arrays for records that only the plans and templates read (their layout)
 _U32, _F16 = mx.zeros((1,), mx.uint32), mx.zeros((1,), mx.float16)

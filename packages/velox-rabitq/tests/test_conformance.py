@@ -1,7 +1,7 @@
 """The shared conformance suite: the 4-bit default, 1-bit sign codes with an fp16 window and
 sinks, 3-bit codes against the zero centroid, and a block-Hadamard head dim."""
 
-from velox_core.testing import CacheConformance
+from velox_testing import CacheConformance
 
 
 class TestRaBitQ4(CacheConformance):

@@ -9,9 +9,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from velox_core.testing import kv_data
 from velox_rabitq import EPS0, RaBitQ, quantize
 from velox_rabitq.quantizer import grid
+from velox_testing import kv_data
 
 D = 128
 

@@ -4,7 +4,7 @@ The decode kernels are velox-core's (the portable one, and the tensor-core one o
 4 and 8 bits) reading RaBitQ keys as affine codes of one group a token
 (:mod:`velox_rabitq.kernels`): here the glue is checked: which records take it, the layout
 mapping, and, with the kernels' Metal and CUDA instantiations emulated on the CPU
-(``velox_core.kernels.emulate``), that attention through the kernels equals the codec's
+(``velox_testing.emulate``), that attention through the kernels equals the codec's
 reference path (scores from :meth:`velox_rabitq.RaBitQ.scores`, values mixed by ``Uniform``),
 the centroid's term added per split included, for 1, 2 and 4 bits, the zero centroid and the
 default one, batches of several rows, a cache's fp16 window and sinks in one softmax, and a
@@ -25,18 +25,18 @@ from velox_core.cache.attention import Segment, partial
 from velox_core.cache.batch import VeloxBatch
 from velox_core.codec.identity import Identity
 from velox_core.kernels import decode as dk
-from velox_core.kernels.emulate import emulated_or_skip
 from velox_core.ops import unpack
-from velox_core.testing import (
+from velox_rabitq import RaBitQ, RaBitQCache
+from velox_rabitq import kernels as rk
+from velox_rabitq.quantizer import grid
+from velox_testing import (
     assert_cpu_declines,
     assert_partials_close,
     assert_partials_equivalent,
     kernel_env,
     kv_data,
 )
-from velox_rabitq import RaBitQ, RaBitQCache
-from velox_rabitq import kernels as rk
-from velox_rabitq.quantizer import grid
+from velox_testing.emulate import emulated_or_skip
 
 D = 128
 

@@ -7,9 +7,9 @@ import pytest
 
 import velox_core
 from velox_core import Uniform, UniformCache, make
-from velox_core.testing import assert_tampered_state_refused, kv_data
 from velox_rabitq import METHOD, RaBitQ, RaBitQCache
 from velox_rabitq import quantizer as rq
+from velox_testing import assert_tampered_state_refused, kv_data
 
 D = 128
 

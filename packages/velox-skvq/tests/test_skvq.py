@@ -8,7 +8,9 @@ import pytest
 from mlx_lm.models.cache import QuantizedKVCache
 
 from velox_core import make
-from velox_core.testing import (
+from velox_skvq import METHOD, SKVQ, SKVQCache
+from velox_skvq.quant import pack_codes, unpack_codes
+from velox_testing import (
     CacheConformance,
     assert_head_dim_refused,
     attention_errors_vs_mlx_quant,
@@ -16,8 +18,6 @@ from velox_core.testing import (
     kv_data,
     rel_error,
 )
-from velox_skvq import METHOD, SKVQ, SKVQCache
-from velox_skvq.quant import pack_codes, unpack_codes
 
 FOUR_BIT = METHOD.recommended[0]
 HEADLINE = METHOD.recommended[3]

@@ -8,7 +8,8 @@ import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from velox_core import Uniform, VeloxCache, load_cache, make, make_cache, routed, save_cache
-from velox_core.testing import (
+from velox_snapkv import METHOD, SnapKVCache, SnapKVPolicy, pool_votes, window_votes
+from velox_testing import (
     EvictingConformance,
     FullBudgetConformance,
     Routed,
@@ -16,7 +17,6 @@ from velox_core.testing import (
     rel_error,
     tiny_model,
 )
-from velox_snapkv import METHOD, SnapKVCache, SnapKVPolicy, pool_votes, window_votes
 
 D = 64
 SCALE = D**-0.5

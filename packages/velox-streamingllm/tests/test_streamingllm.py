@@ -4,8 +4,8 @@ import mlx.core as mx
 import numpy as np
 
 from velox_core import make_cache, routed
-from velox_core.testing import EvictingConformance, FullBudgetConformance, kv_data, tiny_model
 from velox_streamingllm import StreamingLLMCache
+from velox_testing import EvictingConformance, FullBudgetConformance, kv_data, tiny_model
 
 
 class TestStreamingLLM(FullBudgetConformance):

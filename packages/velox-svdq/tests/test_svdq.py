@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from velox_core import make, make_cache
-from velox_core.testing import CacheConformance, kv_data, rel_error, tiny_model
 from velox_svdq import (
     METHOD,
     RopeSpec,
@@ -17,6 +16,7 @@ from velox_svdq import (
     channel_widths,
     parse_schedule,
 )
+from velox_testing import CacheConformance, kv_data, rel_error, tiny_model
 
 BASE = 10000.0
 D = 128

@@ -6,7 +6,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from velox_core import Uniform, VeloxCache, load_cache, make, make_cache, routed, save_cache
-from velox_core.testing import (
+from velox_testing import (
     EvictingConformance,
     FullBudgetConformance,
     Routed,

@@ -9,8 +9,8 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from velox_core.testing import tiny_model
-from velox_core.testing.models import _tokenizer, tiny_config
+from velox_testing import tiny_model
+from velox_testing.models import _tokenizer, tiny_config
 from velox_transfer.__main__ import main
 
 TEXT = (

@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from velox_core import VeloxCache, make_cache, routed
-from velox_core.testing import tiny_model
+from velox_testing import tiny_model
 from velox_transfer import (
     Mapper,
     MapperError,

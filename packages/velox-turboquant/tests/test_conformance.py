@@ -1,6 +1,6 @@
 """The shared conformance suite, for integer, fractional and inner-product settings."""
 
-from velox_core.testing import CacheConformance
+from velox_testing import CacheConformance
 
 
 class TestTurboQuant4(CacheConformance):

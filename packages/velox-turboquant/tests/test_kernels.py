@@ -3,7 +3,7 @@
 The kernels are velox-core's (``metal/decode_attention.metal`` with codebook codes,
 ``metal/encode_codebook.metal``); here the TurboQuant glue is checked: which codecs take the
 kernel path, and — with the kernels' Metal instantiation emulated on the CPU
-(``velox_core.kernels.emulate``) — that the rotated-domain attention and the fused encode
+(``velox_testing.emulate``) — that the rotated-domain attention and the fused encode
 match the reference.
 """
 
@@ -18,8 +18,8 @@ import pytest
 import velox_core.kernels as vk
 from velox_core import Uniform
 from velox_core.cache.attention import Segment, partial
-from velox_core.kernels.emulate import EmulatedKernels, emulated_or_skip
-from velox_core.testing import assert_cpu_declines, assert_partials_close, kernel_env, kv_data
+from velox_testing import assert_cpu_declines, assert_partials_close, kernel_env, kv_data
+from velox_testing.emulate import EmulatedKernels, emulated_or_skip
 from velox_turboquant import TurboQuant, TurboQuantCache
 
 needs_gxx = pytest.mark.skipif(

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from velox_core.kernels.build import ArgInfo, cuda_source, metal_source
-from velox_core.testing import compile_cuda, compile_metal, kernel_env, needs_gxx, needs_nvcc
+from velox_testing import compile_cuda, compile_metal, kernel_env, needs_gxx, needs_nvcc
 from velox_turboquant import outlier as ok
 
 F32, U32 = ("float32", 4, 1 << 20), ("uint32", 4, 1 << 20)

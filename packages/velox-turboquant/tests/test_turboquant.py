@@ -9,7 +9,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 
 from velox_core import get_method, make
 from velox_core.ops import lloyd_max_sphere, unpack
-from velox_core.testing import kv_data
+from velox_testing import kv_data
 from velox_turboquant import METHOD, SphereQuantizer, TurboQuant, TurboQuantCache
 
 PAPER_MSE = {1: 0.36, 2: 0.117, 3: 0.0345, 4: 0.009}  # Theorem 1's D_mse for b = 1..4

@@ -3,7 +3,7 @@
 The decode kernel is velox-core's portable one with vector codes
 (``velox_core.kernels.decode.VQCodes``); here the VecInfer glue is checked: which records take it,
 and, with the kernels' Metal and CUDA instantiations emulated on the CPU
-(``velox_core.kernels.emulate``), that attention through the kernel equals the codec's
+(``velox_testing.emulate``), that attention through the kernel equals the codec's
 reference path (keys in the smoothed, Hadamard-transformed domain against the transformed
 query; values mixed from their codewords) and that a cache's fp16 window and sinks join the
 codes in one softmax.
@@ -18,8 +18,7 @@ import pytest
 import velox_core.kernels as vk
 from velox_core import Uniform
 from velox_core.kernels import decode as dk
-from velox_core.kernels.emulate import EmulatedKernels
-from velox_core.testing import (
+from velox_testing import (
     assert_cpu_declines,
     assert_kernel_partial,
     emulated_gpu_fixture,
@@ -27,6 +26,7 @@ from velox_core.testing import (
     kv_data,
     needs_gxx,
 )
+from velox_testing.emulate import EmulatedKernels
 from velox_vecinfer import VecInfer, VecInferCache
 from velox_vecinfer.kernels import kernel_side
 

@@ -9,7 +9,7 @@ import pytest
 
 from velox_core import make
 from velox_core.ops import assign, pack, unpack
-from velox_core.testing import CacheConformance, feed, kv_data, rel_error
+from velox_testing import CacheConformance, feed, kv_data, rel_error
 from velox_vecinfer import METHOD, VecInfer, VecInferCache
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from velox_core import Packed, load_cache, make, make_cache, routed, save_cache
-from velox_core.testing import (
+from velox_testing import (
     CacheConformance,
     assert_linked_copies,
     conformance_model,

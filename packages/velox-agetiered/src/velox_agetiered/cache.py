@@ -10,7 +10,7 @@ tokens its oldest are decoded and re-coded once at ``middle_bits``; when the mid
 more than ``middle``, its oldest are decoded and re-coded once at ``old_bits``. Every tier is
 ``velox_core.Uniform`` (affine codes, fp16 scale and zero per group, bit-packed). Keys are
 coded per channel and values per token by default, as KIVI (arXiv 2402.02750) motivates: on
-``velox_core.testing.kv_data`` per-channel keys at group 64 have 36-58% less attention error
+``velox_testing.kv_data`` per-channel keys at group 64 have 36-58% less attention error
 than per-token keys at every width from 3 to 8 bits (docs/agetiered.md). Attention reads the
 codes of every tier directly (``Uniform.scores`` / ``Uniform.mix``).
 

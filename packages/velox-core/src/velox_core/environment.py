@@ -19,7 +19,7 @@ and nowhere else (``tests/test_environment.py`` walks the sources for reads else
 ``VELOX_BLAS_ACTIVE`` set by the ``velox`` command in the process it re-executes with a BLAS
                       preloaded: that library's path
 ``VELOX_MLX_CUDA_INCLUDE``  tests only: the folder holding MLX's CUDA device headers, for the
-                      nvcc compile checks (:func:`velox_core.testing.compile_cuda`; default the
+                      nvcc compile checks (:func:`velox_testing.compile_cuda`; default the
                       stand-in in ``metal/shim/cuda``)
 ====================  ===========================================================================
 """

@@ -248,7 +248,7 @@ class PackageSettings:
 
 def register_settings(cls: type[PackageSettings]) -> type[PackageSettings]:
     """Name a method package's settings class to velox-core (its environment names become
-    kernel settings :func:`velox_core.testing.kernel_env` sets); usable as a decorator."""
+    kernel settings :func:`velox_testing.kernel_env` sets); usable as a decorator."""
     core = {n for n, _ in ENVIRONMENT.values()}
     for name, _ in cls.ENVIRONMENT.values():
         if name in core:

@@ -13,8 +13,9 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from .. import environment
-from ..cache.attention import Segment, partial
+from velox_core import environment
+from velox_core.cache.attention import Segment, partial
+
 from .conformance import assert_partials_close
 
 __all__ = [
@@ -27,7 +28,7 @@ __all__ = [
     "needs_nvcc",
 ]
 
-# marks a test that runs kernels through the C++ emulation (velox_core.kernels.emulate)
+# marks a test that runs kernels through the C++ emulation (velox_testing.emulate)
 needs_gxx = pytest.mark.skipif(
     shutil.which("g++") is None, reason="g++ is not installed: the kernels cannot be emulated"
 )
@@ -44,7 +45,7 @@ def compile_metal(sources: Sequence[str], workdir: Path) -> None:
     """Compile Metal instantiations (``velox_core.kernels.build.metal_source``'s texts) as one
     unit through the C++ shim of Metal (``g++ -fsyntax-only``); fails the test with the
     compiler's message. Each kernel binds at most 31 buffers, its slots numbered from 0."""
-    from ..kernels.emulate import compiler, shim_dir
+    from .emulate import compiler, shim_dir
 
     for src in sources:
         slots = [int(i) for i in re.findall(r"\[\[buffer\((\d+)\)\]\]", src)]
@@ -69,7 +70,7 @@ def compile_cuda(units: Sequence[Sequence[str]], workdir: Path, spill_bytes: int
     of its unit: it must be a unit of its own (as MLX compiles each kernel). Device code only
     (``-cubin``, as MLX compiles a kernel through NVRTC). MLX's device headers come from
     ``VELOX_MLX_CUDA_INCLUDE`` or the stand-in in ``metal/shim/cuda``."""
-    from ..kernels.emulate import shim_dir
+    from .emulate import shim_dir
 
     nvcc = shutil.which("nvcc")
     assert nvcc is not None, "nvcc is not installed"
@@ -95,13 +96,13 @@ def compile_cuda(units: Sequence[Sequence[str]], workdir: Path, spill_bytes: int
 
 def emulated_gpu_fixture() -> Callable[..., Any]:
     """A fixture ``emulated_gpu``: the kernels run emulated on the CPU for the test (what
-    :func:`velox_core.kernels.emulate.emulated_or_skip` returns, built in the test's
+    :func:`velox_testing.emulate.emulated_or_skip` returns, built in the test's
     ``tmp_path``), or the test is skipped where they cannot be. A test module binds it once,
     ``emulated_gpu = emulated_gpu_fixture()``, and its tests take ``emulated_gpu``."""
 
     @pytest.fixture
     def emulated_gpu(monkeypatch: Any, tmp_path: Any) -> Any:
-        from ..kernels.emulate import emulated_or_skip
+        from .emulate import emulated_or_skip
 
         return emulated_or_skip(monkeypatch, tmp_path)
 

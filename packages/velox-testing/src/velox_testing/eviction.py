@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from ..mlx_lm import routed
+from velox_core.mlx_lm import routed
+
 from .conformance import CacheConformance
 
 __all__ = ["EVICTION_BAD", "EvictingConformance", "FullBudgetConformance", "Routed"]

@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from ..mlx_lm import make_cache
+from velox_core.mlx_lm import make_cache
+
 from .models import conformance_model
 
 __all__ = ["assert_head_dim_refused", "assert_tampered_state_refused"]

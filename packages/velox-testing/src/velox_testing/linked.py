@@ -6,8 +6,9 @@ import copy
 
 import mlx.core as mx
 
-from ..io import load_cache, save_cache
-from ..mlx_lm import routed
+from velox_core.io import load_cache, save_cache
+from velox_core.mlx_lm import routed
+
 from .conformance import decode_logits, rel_error
 
 __all__ = ["assert_linked_copies"]

@@ -1,7 +1,8 @@
-"""Test helpers shipped with velox-core: the conformance suite, tiny models, and the helpers
-and checks the method packages' tests share.
+"""velox's test aids: the conformance suite, tiny models, and the helpers and checks the
+tests of velox-core and the method packages share.
 
-Importing this module needs pytest (the ``test`` extra).
+The CPU kernel emulator (:mod:`velox_testing.emulate`, :mod:`velox_testing.emulate_io`) is
+imported on use, not by this module.
 """
 
 from .baselines import attention_errors_vs_mlx_quant, fill_chunks

@@ -12,7 +12,7 @@ Needs a C++17 compiler (``g++``, or ``$CXX``) and a repository checkout (the shi
 shipped in wheels). Inputs are numpy arrays, possibly strided views (their strides are passed
 to the kernel like MLX passes ``name_strides``); bfloat16 inputs are given as ``(uint16 array,
 "bfloat16")``. The C++ around the kernels (types, file I/O, each case's loads and saves) is in
-:mod:`velox_core.kernels.emulate_io`.
+:mod:`velox_testing.emulate_io`.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _source_dirs
-from .build import (
+from velox_core.kernels import _source_dirs
+from velox_core.kernels.build import (
     ArgInfo,
     KernelSpec,
     _shape_infos,
@@ -38,6 +38,7 @@ from .build import (
     metal_source,
     source_digest,
 )
+
 from .emulate_io import (
     CUDA_TYPES,
     CXX_TYPES,
@@ -353,7 +354,7 @@ class DecodeRun:
     ):
         import mlx.core as mx
 
-        from . import decode as dk
+        from velox_core.kernels import decode as dk
 
         b, h, m, dim = q.shape
         t = keys.codes.shape[2]
@@ -403,7 +404,7 @@ class DecodeRun:
 
     def __call__(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         o_part, ml = self.partials()
-        from .decode import merge_launch
+        from velox_core.kernels.decode import merge_launch
 
         grid, tg = merge_launch(self.rows, self.shapes[0][-1])
         o, mm, ll = self.emu.run(self.k_merge, [o_part, ml], self.merge_shapes, grid, tg)
@@ -436,7 +437,7 @@ class EmulatedKernels:
         """Send the library's kernel launches here for one test: the backend reported as this
         emulator's and ``KernelSpec.kernel`` patched, through ``monkeypatch`` (pytest's
         fixture, which undoes both after the test)."""
-        from .. import kernels as vk
+        from velox_core import kernels as vk
 
         monkeypatch.setattr(vk, "backend", lambda: self.backend)
         monkeypatch.setattr(KernelSpec, "kernel", lambda spec: self.kernel_for(spec))

@@ -1,6 +1,6 @@
 """The C++ scaffolding of the kernel emulator's programs, and the files they exchange.
 
-:mod:`velox_core.kernels.emulate` compiles registered kernels into one CPU program; this module
+:mod:`velox_testing.emulate` compiles registered kernels into one CPU program; this module
 holds the text around the kernels: the C++ types of each MLX dtype (Metal shim and CUDA
 emulation), the Metal thread-position attributes as the shim's ids, the program's file I/O
 helpers and the start of its ``main``, each case's lines that load the inputs, allocate and

@@ -2,7 +2,7 @@
 
 A method package subclasses :class:`CacheConformance` in its tests and sets what is its own::
 
-    from velox_core.testing import CacheConformance
+    from velox_testing import CacheConformance
 
     class TestKIVI(CacheConformance):
         spec = "kivi:bits=4"            # the cache under test (or def make(self): ...)
@@ -30,10 +30,11 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from ..cache.velox import VeloxCache
-from ..io import load_cache, save_cache
-from ..mlx_lm import generate, make_cache, routed
-from ..registry import make as make_spec
+from velox_core.cache.velox import VeloxCache
+from velox_core.io import load_cache, save_cache
+from velox_core.mlx_lm import generate, make_cache, routed
+from velox_core.registry import make as make_spec
+
 from .models import conformance_model, tiny_tokenizer
 
 __all__ = [

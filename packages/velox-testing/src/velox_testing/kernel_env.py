@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..kernels import config
+from velox_core.kernels import config
 
 __all__ = ["kernel_env"]
 

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from velox_core.kernels.emulate import shim_dir
+from velox_testing.emulate import shim_dir
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")
 
