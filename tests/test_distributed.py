@@ -386,7 +386,7 @@ def _qwen2_dir(folder: Path) -> str:
     reference model's tokenizer: a model mlx-lm can load into pipeline stages."""
     from mlx_lm.utils import save_config, save_model
 
-    from velox_core.testing.models import tiny_config
+    from velox_testing.models import tiny_config
 
     ref = Path(__file__).resolve().parents[1] / "shared" / "reference-model"
     cfg = tiny_config("qwen2", num_hidden_layers=4, vocab_size=8192)

@@ -7,7 +7,8 @@ import pytest
 
 from velox_core import load_cache, make, make_cache, save_cache
 from velox_core.ops import unpack
-from velox_core.testing import (
+from velox_kvarn import HadamardRotation, KVarNCache, KVarNKeys, KVarNValues
+from velox_testing import (
     CacheConformance,
     assert_tampered_state_refused,
     conformance_model,
@@ -15,7 +16,6 @@ from velox_core.testing import (
     kv_data,
     rel_error,
 )
-from velox_kvarn import HadamardRotation, KVarNCache, KVarNKeys, KVarNValues
 
 
 class TestKVarNHeadline(CacheConformance):

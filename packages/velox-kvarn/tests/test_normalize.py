@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from velox_core import Uniform
-from velox_core.testing import kv_data, rel_error
 from velox_kvarn import KVarNKeys, KVarNValues, imbalance, normalize
 from velox_kvarn.normalize import LOG_MIN
+from velox_testing import kv_data, rel_error
 
 
 def numpy_sinkhorn(tile: np.ndarray, iters: int) -> tuple[np.ndarray, np.ndarray]:
