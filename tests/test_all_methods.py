@@ -71,6 +71,7 @@ def test_every_package_registered():
         "knorm",
         "tova",
         "h2o",
+        "keyformer",
         "kvzip",
         "pyramidkv",
         "expected-attention",

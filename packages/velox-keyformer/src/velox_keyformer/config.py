@@ -1,0 +1,81 @@
+"""Settings of the Keyformer cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from velox_core.cache.eviction import EvictionConfig
+from velox_core.validation import check_float, check_int
+
+__all__ = ["KeyformerConfig", "recent_tokens"]
+
+
+def recent_tokens(recent, budget: int) -> int:
+    """``recent`` in tokens: a whole number as given, a fraction in ``[0, 1)`` of ``budget``
+    rounded down (the authors' ``int(req_tokens * recent / 100)``)."""
+    if isinstance(recent, bool) or not isinstance(recent, (int, float)):
+        raise TypeError(
+            "recent must be a whole number of tokens or a fraction of the budget in [0, 1), "
+            f"got {type(recent).__name__} {recent!r}"
+        )
+    if isinstance(recent, int):
+        return check_int("recent", recent, minimum=0)
+    share = check_float("recent", recent, minimum=0.0)
+    if share >= 1.0:
+        raise ValueError(
+            f"recent={recent}: a fraction of the budget must be below 1 (some of the budget "
+            "goes to the key tokens); give a whole number for a count of tokens"
+        )
+    return int(share * budget)
+
+
+@dataclass
+class KeyformerConfig(EvictionConfig):
+    """Keyformer (arXiv 2403.09054) settings: the shared eviction settings
+    (:class:`~velox_core.cache.eviction.EvictionConfig`) and Keyformer's own.
+
+    Attributes:
+        budget: tokens kept per KV head: sinks, key tokens, recent tokens.
+        recent: the newest tokens always kept: a whole number of tokens, or a fraction in
+            ``[0, 1)`` of ``budget`` (0.3: the authors' default, 30% of the cache).
+        tau_init: the Gumbel softmax's temperature for the prompt (1.0, the paper's).
+        tau_end: its temperature after ``steps`` decode steps (2.0, the paper's).
+        steps: decode steps over which the temperature rises linearly (the paper's text
+            generation length); it stays at ``tau_end`` afterwards.
+        seed: seed of the Gumbel noise (each layer draws its own stream from it).
+        sinks, window: first and newest tokens kept as given (0, as the paper); the window
+            counts among the recent tokens.
+        every: during decode, cut back to ``budget`` once it is exceeded by ``every`` tokens
+            (1: the paper, one eviction per step; None: the prompt only).
+        bits, key_bits, value_bits, group: ``Uniform`` codes of the kept tokens (None: fp16).
+    """
+
+    every: int | None = 1
+    recent: int | float = 0.3
+    tau_init: float = 1.0
+    tau_end: float = 2.0
+    steps: int = 512
+    seed: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("tau_init", "tau_end"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a positive number, got {value!r}")
+            if not value > 0 or value == float("inf"):
+                raise ValueError(f"{name}={value}: the temperature must be positive and finite")
+        check_int("steps", self.steps, minimum=1)
+        check_int("seed", self.seed, minimum=0)
+        always = self.sinks + max(self.window, self.recent_tokens)
+        if self.budget <= always:
+            raise ValueError(
+                f"budget={self.budget} must exceed sinks + max(window, recent) = {always} "
+                f"(recent={self.recent} is {self.recent_tokens} tokens; those tokens are "
+                "always kept, and at least one key token must fit)"
+            )
+
+    @property
+    def recent_tokens(self) -> int:
+        """``recent`` in tokens (a fraction taken of ``budget``)."""
+        return recent_tokens(self.recent, self.budget)

@@ -1,0 +1,57 @@
+"""Keyformer's score function: a Gumbel-perturbed, temperature-scaled softmax of the
+attention logits (arXiv 2403.09054, section 3.3), and its temperature schedule."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+__all__ = ["gumbel_votes", "temperature"]
+
+
+def temperature(step: int, tau_init: float, tau_end: float, steps: int) -> float:
+    """The paper's temperature at decode step ``step``: ``tau_init`` for the prompt
+    (``step=0``), rising linearly by ``(tau_end - tau_init) / steps`` a step, held at
+    ``tau_end`` from step ``steps`` on."""
+    return tau_init + min(step, steps) * (tau_end - tau_init) / steps
+
+
+def gumbel_votes(
+    queries: mx.array,
+    q_pos: mx.array,
+    keys: mx.array,
+    k_pos: mx.array,
+    scale: float,
+    tau: float,
+    noise: mx.array,
+) -> mx.array:
+    """Keyformer's score each query gives each stored token, summed over the queries, per KV
+    head: ``softmax((x + g) / tau)`` over the visible tokens, ``x`` the scaled logits and
+    ``g`` standard Gumbel noise.
+
+    Args:
+        queries: post-RoPE queries; the query heads of KV head ``h`` are ``h * R ... h * R +
+            R - 1`` (mlx-lm's grouped layout).
+        q_pos: absolute positions of the queries.
+        keys: every stored key (post-RoPE).
+        k_pos: absolute position of each stored key.
+        scale: the model's attention scale.
+        tau: the temperature (> 0).
+        noise: one Gumbel(0, 1) sample per query head, query and stored token.
+
+    Shapes:
+        queries ``(B, Hq, n, D)``, q_pos int ``(n,)``, keys ``(B, H, T, D)`` with ``Hq % H ==
+        0``, k_pos int ``(B, H, T)``, noise ``(B, Hq, n, T)``; returns float32 ``(B, H, T)``:
+        the sum over the ``n`` queries, the mean over the ``R`` query heads of each KV head.
+    """
+    b, hq, n, d = queries.shape
+    h, t = keys.shape[1], keys.shape[2]
+    if hq % h:
+        raise ValueError(f"keyformer: {hq} query heads is not a multiple of {h} KV heads")
+    r = hq // h
+    q = (queries.astype(mx.float32) * scale).reshape(b, h, r * n, d)
+    x = (q @ mx.swapaxes(keys.astype(mx.float32), -1, -2)).reshape(b, h, r, n, t)
+    y = (x + noise.astype(mx.float32).reshape(b, h, r, n, t)) / tau
+    visible = k_pos[:, :, None, None, :] <= q_pos.reshape(1, 1, 1, n, 1)
+    p = mx.softmax(mx.where(visible, y, -mx.inf), axis=-1, precise=True)
+    p = mx.where(visible, p, 0.0)  # a query that sees nothing scores nothing (no NaN)
+    return mx.mean(mx.sum(p, axis=3), axis=2)
