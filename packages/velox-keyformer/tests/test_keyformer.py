@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from velox_core import load_cache, make, make_cache, routed, save_cache
-from velox_core.testing import EvictingConformance, FullBudgetConformance, Routed, tiny_model
 from velox_keyformer import METHOD, KeyformerCache, KeyformerPolicy
+from velox_testing import EvictingConformance, FullBudgetConformance, Routed, tiny_model
 
 D = 64
 SCALE = D**-0.5
