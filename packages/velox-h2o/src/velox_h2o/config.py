@@ -4,29 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from velox_core.cache.eviction import EvictionConfig
-from velox_core.validation import check_float, check_int
+from velox_core.cache.eviction import EvictionConfig, recent_tokens
 
-__all__ = ["H2OConfig", "recent_tokens"]
-
-
-def recent_tokens(recent, budget: int) -> int:
-    """``recent`` in tokens: a whole number of tokens as given, a fraction in ``[0, 1)`` of
-    ``budget`` rounded down (the authors' ``int(ratio * length)``)."""
-    if isinstance(recent, bool) or not isinstance(recent, (int, float)):
-        raise TypeError(
-            f"recent must be a whole number of tokens or a fraction of the budget in [0, 1), "
-            f"got {type(recent).__name__} {recent!r}"
-        )
-    if isinstance(recent, int):
-        return check_int("recent", recent, minimum=0)
-    share = check_float("recent", recent, minimum=0.0)
-    if share >= 1.0:
-        raise ValueError(
-            f"recent={recent}: a fraction of the budget must be below 1 (some of the budget "
-            "goes to the heavy hitters); give a whole number for a count of tokens"
-        )
-    return int(share * budget)
+__all__ = ["H2OConfig"]
 
 
 @dataclass
@@ -68,4 +48,4 @@ class H2OConfig(EvictionConfig):
     @property
     def recent_tokens(self) -> int:
         """``recent`` in tokens (a fraction taken of ``budget``)."""
-        return recent_tokens(self.recent, self.budget)
+        return recent_tokens(self.recent, self.budget, "heavy hitters")

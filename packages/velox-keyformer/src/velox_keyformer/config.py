@@ -4,29 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from velox_core.cache.eviction import EvictionConfig
-from velox_core.validation import check_float, check_int
+from velox_core.cache.eviction import EvictionConfig, recent_tokens
+from velox_core.validation import check_int
 
-__all__ = ["KeyformerConfig", "recent_tokens"]
-
-
-def recent_tokens(recent, budget: int) -> int:
-    """``recent`` in tokens: a whole number as given, a fraction in ``[0, 1)`` of ``budget``
-    rounded down (the authors' ``int(req_tokens * recent / 100)``)."""
-    if isinstance(recent, bool) or not isinstance(recent, (int, float)):
-        raise TypeError(
-            "recent must be a whole number of tokens or a fraction of the budget in [0, 1), "
-            f"got {type(recent).__name__} {recent!r}"
-        )
-    if isinstance(recent, int):
-        return check_int("recent", recent, minimum=0)
-    share = check_float("recent", recent, minimum=0.0)
-    if share >= 1.0:
-        raise ValueError(
-            f"recent={recent}: a fraction of the budget must be below 1 (some of the budget "
-            "goes to the key tokens); give a whole number for a count of tokens"
-        )
-    return int(share * budget)
+__all__ = ["KeyformerConfig"]
 
 
 @dataclass
@@ -78,4 +59,4 @@ class KeyformerConfig(EvictionConfig):
     @property
     def recent_tokens(self) -> int:
         """``recent`` in tokens (a fraction taken of ``budget``)."""
-        return recent_tokens(self.recent, self.budget)
+        return recent_tokens(self.recent, self.budget, "key tokens")
