@@ -1,13 +1,15 @@
 """Retention policies (which tokens stay), and the pieces of those that score tokens by
-attention: the vote maths (:mod:`.votes`), the buffered queries (:mod:`.window`) and SnapKV-style
-voting (:mod:`.voting`)."""
+attention: the vote maths (:mod:`.votes`), the buffered queries (:mod:`.window`), SnapKV-style
+voting (:mod:`.voting`) and votes accumulated over every query (:mod:`.accumulated`)."""
 
+from .accumulated import AccumulatedPolicy
 from .base import RetentionPolicy, top_k_sorted
 from .votes import WindowVote, pool_votes, window_votes
 from .voting import WindowVotePolicy
 from .window import QueryWindow
 
 __all__ = [
+    "AccumulatedPolicy",
     "QueryWindow",
     "RetentionPolicy",
     "WindowVote",

@@ -1,0 +1,251 @@
+"""Accumulated votes: keep the recent tokens and the tokens every query so far voted for most
+(velox-h2o's policy, and velox-keyformer's with Gumbel-perturbed votes).
+
+:class:`AccumulatedPolicy` keeps one float32 score per stored token and KV head, ``(B, H,
+S)``, in the cache's storage order (sinks, body, window). The tokens an ``update_and_fetch``
+stores start at zero (:meth:`~AccumulatedPolicy.after_update`); :meth:`~AccumulatedPolicy.
+observe`, called by ``VeloxCache.attend`` with the layer's post-RoPE queries before attention
+(so only inside ``velox_core.routed(model)`` or ``velox_core.generate``), adds each query's
+votes over every stored token, a block of queries at a time so that at most
+:attr:`~AccumulatedPolicy.score_elements` weights exist at once. A cut keeps, per KV head,
+the ``recent`` newest tokens (the cache's ``window`` counts among them) and the top of the
+rest by accumulated score; the kept tokens keep their scores. Tokens no query has voted on
+(stored without routed attention) rank above every scored token, the newest first; a cut
+that meets them raises unless the cache is routed. A trim drops the trimmed tokens' scores.
+
+A subclass gives the votes (:meth:`~AccumulatedPolicy.votes`: the ``(B, H, S)`` float32
+votes of one block of queries) and may act at the start of each call
+(:meth:`~AccumulatedPolicy.begin`, with the call's query count); it adds its own arrays and
+scalars to the state through ``super()`` (:meth:`state`, :meth:`meta`, :meth:`set_state`).
+
+State: ``{"scores": (B, H, S) float32}`` (absent before the first tokens); meta adds
+``seen`` (every stored token before this position has been voted on) to the base policy's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import mlx.core as mx
+
+from ..validation import check_int
+from .base import RetentionPolicy, top_k_sorted
+
+__all__ = ["AccumulatedPolicy"]
+
+# votes formed at once by default when a call's queries are scored
+SCORE_ELEMENTS = 1 << 20
+
+
+class AccumulatedPolicy(RetentionPolicy):
+    """Accumulated votes per KV head, plus a recent window (abstract: see :meth:`votes`).
+
+    Args:
+        budget: tokens kept per KV head (sinks, top-scored tokens, recent tokens), or None.
+        every: during decode, cut once the cache holds ``budget + every`` tokens (1: one
+            token per step; None: only after prefill chunks).
+        recent: the newest tokens always kept, in tokens; the cache's ``window`` counts
+            among them.
+    """
+
+    name = "accumulated"
+    settings = ("recent",)
+    # what the attach error calls the tokens kept beyond sinks and recent ones
+    kept_name: ClassVar[str] = "top-scored token"
+
+    def __init__(self, budget: int | None = None, every: int | None = 1, recent: int = 0):
+        super().__init__(budget, every)
+        self.recent = check_int("recent", recent, minimum=0)
+        self._scores: mx.array | None = None  # (B, H, S) float32, in the cache's order
+        self._seen = 0  # every stored token before this position has been voted on
+
+    # -- the hooks a method gives -------------------------------------------------------------
+    def votes(
+        self, queries: mx.array, q_pos: mx.array, keys: mx.array, k_pos: mx.array, scale: float
+    ) -> mx.array:
+        """The votes one block of queries adds to the scores.
+
+        Called by :meth:`observe` once per block, in order (the blocks of a call cover its
+        queries, oldest first); a query votes only for the tokens it can see (``k_pos <=``
+        its position), and its votes for the others must be zero.
+
+        Args:
+            queries: the block's post-RoPE queries; the query heads of KV head ``h`` are
+                ``h * R ... h * R + R - 1`` (mlx-lm's grouped layout).
+            q_pos: absolute positions of the block's queries.
+            keys: every stored key, decoded, in storage order.
+            k_pos: absolute position of each stored key.
+            scale: the model's attention scale.
+
+        Shapes:
+            queries ``(B, Hq, n, D)``, q_pos int32 ``(n,)``, keys ``(B, H, S, D)``, k_pos
+            int32 ``(B, H, S)``; returns float32 ``(B, H, S)``.
+        """
+        raise NotImplementedError(f"{self.name}: a subclass gives the votes")
+
+    def begin(self, n: int) -> None:
+        """Called at the start of every :meth:`observe` that scores (a budget is set), after
+        the scores are aligned with the stored tokens and before the first block's
+        :meth:`votes`, with the call's query count ``n`` (1: a decode step)."""
+
+    @property
+    def score_elements(self) -> int:
+        """The most votes formed at once: a call's queries are scored in blocks of
+        ``score_elements // (B * Hq * stored tokens)`` (at least one)."""
+        return SCORE_ELEMENTS
+
+    # -- the hooks the cache calls -----------------------------------------------------------
+    def attach(self, cache) -> None:
+        super().attach(cache)
+        always = cache.sinks + max(cache.window, self.recent)
+        if self.budget is not None and self.budget <= always:
+            raise ValueError(
+                f"budget={self.budget} must exceed sinks + max(window, recent) = {always} "
+                f"(those tokens are always kept, and at least one {self.kept_name} must fit)"
+            )
+
+    # -- the scores follow the stored tokens -------------------------------------------------
+    def _sync(self, cache) -> None:
+        """Align the scores with the stored tokens: a trim drops the newest stored tokens
+        (the last of the storage order), and their scores with them."""
+        n = cache.size()
+        if self._scores is None:
+            if n:
+                raise ValueError(f"{self.name}: the cache stores {n} tokens but holds no scores")
+            return
+        s = self._scores.shape[2]
+        if n < s:
+            self._scores = self._scores[:, :, :n]
+        elif n > s:
+            raise ValueError(f"{self.name}: the scores cover {s} tokens, the cache stores {n}")
+        self._seen = min(self._seen, cache.offset)
+
+    def before_update(self, cache, incoming: int) -> None:
+        if self.budget is not None:
+            self._sync(cache)
+        super().before_update(cache, incoming)
+
+    def after_update(self, cache, start: int) -> None:
+        """The tokens just stored start with a score of zero."""
+        if self.budget is None:
+            return
+        b, h = cache._dims[:2]
+        new = mx.zeros((b, h, cache.offset - start), dtype=mx.float32)
+        old = self._scores
+        self._scores = new if old is None else mx.concatenate([old, new], axis=2)
+
+    # -- accumulating ------------------------------------------------------------------------
+    def observe(self, cache, queries: mx.array, scale: float) -> None:
+        """Add the votes of this call's queries (the newest stored positions) over every
+        stored token to the scores, in blocks of queries (:meth:`votes`)."""
+        if self.budget is None:
+            return
+        self._sync(cache)
+        b, hq, n, _ = queries.shape
+        self.begin(n)
+        keys, _ = cache.keys_and_values()  # sinks | body | window, decoded: (B, H, S, D)
+        k_pos = self._stored_positions(cache)
+        first = cache.offset - n  # position of this call's first query
+        block = max(1, self.score_elements // max(1, b * hq * keys.shape[2]))
+        acc = self._scores
+        for i in range(0, n, block):
+            j = min(i + block, n)
+            q_pos = mx.arange(first + i, first + j, dtype=mx.int32)
+            acc = acc + self.votes(queries[:, :, i:j], q_pos, keys, k_pos, scale)
+            if j < n:
+                mx.eval(acc)  # one block's votes at a time
+        self._scores = acc
+        self._seen = cache.offset
+        mx.async_eval(*self.state().values())  # detach from the call's graph (no chain)
+
+    @staticmethod
+    def _stored_positions(cache) -> mx.array:
+        """Absolute position of every stored token, in storage order: int32 ``(B, H, S)``."""
+        b, h = cache._dims[:2]
+        n_sink = cache.sink_count()
+        parts = [mx.broadcast_to(mx.arange(n_sink, dtype=mx.int32), (b, h, n_sink))]
+        body, t = cache.body_positions(), 0
+        if all(p is not None for p in body):
+            parts.append(mx.stack(body, axis=1).astype(mx.int32))
+            t = parts[-1].shape[2]
+        n_win = cache.size() - n_sink - t
+        win = mx.arange(cache.offset - n_win, cache.offset, dtype=mx.int32)
+        parts.append(mx.broadcast_to(win, (b, h, n_win)))
+        return mx.concatenate(parts, axis=2)
+
+    # -- choosing ----------------------------------------------------------------------------
+    def score(self, cache) -> list[mx.array | None]:
+        """Per KV head ``(B, T)`` float32: each body token's accumulated score; the recent
+        tokens ``+inf``; tokens no query has voted on above every scored token, the newest
+        highest."""
+        pos = cache.body_positions()
+        if any(p is None for p in pos):
+            return pos
+        s = self._body_scores(cache, mx.stack(pos, axis=1))
+        return [s[:, h] for h in range(s.shape[1])]
+
+    def _body_scores(self, cache, body_pos: mx.array) -> mx.array:
+        self._sync(cache)
+        if cache.offset > self._seen and not cache.routed:
+            raise ValueError(
+                f"{self.name}: the votes every query gives each token choose the tokens to "
+                "keep, and only velox attention sees the queries: run the model inside "
+                "velox_core.routed(model) (velox_core.generate does)"
+            )
+        n_sink, t = cache.sink_count(), body_pos.shape[2]
+        acc = self._scores[:, :, n_sink : n_sink + t]
+        unseen = body_pos >= self._seen
+        above = mx.max(acc, axis=2, keepdims=True) + 1.0  # above every accumulated score
+        s = mx.where(unseen, above + (body_pos - self._seen).astype(mx.float32), acc)
+        return mx.where(body_pos >= cache.offset - self.recent, mx.inf, s)
+
+    def select(self, cache, k: int):
+        """The top ``k`` body tokens per KV head, ``(B, H, k)``; their scores are kept."""
+        pos = cache.body_positions()
+        if any(p is None for p in pos):
+            return mx.zeros((cache._dims[0], len(pos), 0), dtype=mx.int32)
+        body_pos = mx.stack(pos, axis=1)
+        idx = top_k_sorted(self._body_scores(cache, body_pos), k)
+        n_sink, t, acc = cache.sink_count(), body_pos.shape[2], self._scores
+        kept = mx.take_along_axis(acc[:, :, n_sink : n_sink + t], idx, axis=2)
+        self._scores = mx.concatenate([acc[:, :, :n_sink], kept, acc[:, :, n_sink + t :]], axis=2)
+        return idx
+
+    # -- batch rows (called by VeloxCache.filter / extend) -------------------------------------
+    def filter_batch(self, idx: mx.array) -> None:
+        if self._scores is not None:
+            self._scores = self._scores[idx]
+
+    def extend_batch(self, other: AccumulatedPolicy) -> None:
+        a, b = self._scores, other._scores
+        if a is None and b is None:
+            return
+        if a is None or b is None or a.shape[1:] != b.shape[1:]:
+            raise ValueError(f"{self.name}: extend needs caches whose scores cover the same tokens")
+        self._scores = mx.concatenate([a, b], axis=0)
+        self._seen = min(self._seen, other._seen)  # tokens unseen by a row count as unseen
+
+    # -- state: {"scores": (B, H, S) float32}, meta "seen" -------------------------------------
+    def state(self) -> dict[str, mx.array]:
+        return {} if self._scores is None else {"scores": self._scores}
+
+    def meta(self) -> Any:
+        return {**super().meta(), "seen": self._seen}
+
+    def _check_scores(self, scores: mx.array | None) -> None:
+        """Raise unless ``scores`` is None or float32 ``(B, H, S)``."""
+        if scores is not None and (scores.ndim != 3 or scores.dtype != mx.float32):
+            raise ValueError(
+                f"{self.name}: the accumulated scores must be float32 (B, H, S), got "
+                f"{scores.dtype} {tuple(scores.shape)}"
+            )
+
+    def set_state(self, state: dict[str, mx.array], meta: Any) -> None:
+        """Restore the scores and ``seen``; a subclass pops its own arrays from ``state``
+        (and checks them) before calling this (which refuses any array left over)."""
+        state = dict(state)
+        scores = state.pop("scores", None)
+        self._check_scores(scores)
+        super().set_state(state, meta)
+        self._scores = scores
+        self._seen = int((meta or {}).get("seen", 0))
