@@ -21,7 +21,10 @@ sum_outliers q_c s``, and ``w . X = w . D + ((w A) B^T) + sparse``, block by blo
 Deviations from the authors' code: outliers are ranked within one block of one KV head
 (the code ranks each token's entries across all heads for values and each channel's along
 the whole prefill for keys); every power iteration re-orthonormalizes (the code does so on
-its last one only); one rank for prefill and decode blocks (the code: 4 and 2).
+its last one only), from one seeded ``(D, r)`` start shared by every block (a sequence's
+codes do not depend on its batch); one rank for prefill and decode blocks (the code: 4 and
+2); the outliers' correction ``x - D`` is stored rather than ``x``, so the parts add; only
+the KIVI backbone is built (not KCVT nor per-token uniform).
 """
 
 from __future__ import annotations
