@@ -59,6 +59,7 @@ def test_every_package_registered():
         "kivi",
         "kvsink",
         "kitty",
+        "gear",
         "kvarn",
         "turboquant",
         "qjl",
