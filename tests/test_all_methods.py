@@ -69,6 +69,7 @@ def test_every_package_registered():
         "streamingllm",
         "snapkv",
         "knorm",
+        "curdkv",
         "tova",
         "h2o",
         "keyformer",
