@@ -70,6 +70,7 @@ def test_every_package_registered():
         "streamingllm",
         "snapkv",
         "knorm",
+        "curdkv",
         "tova",
         "h2o",
         "keyformer",
