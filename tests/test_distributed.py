@@ -152,6 +152,9 @@ SHARDED = [
     "streamingllm:budget=48,bits=4",
     "minicache:t=0.5,gamma=0,start_layer=0",  # cross-layer: layers 0 and 1 merged
     "snapkv:budget=48+uniform:bits=4",  # a composition: SnapKV's tokens in 4-bit codes
+    "kvarn:key_bits=4,value_bits=2,sinks=16,group=32",
+    "gear:bits=4,group=32",
+    "curdkv:budget=48",
 ]
 SHARD_REFUSED = {
     "xkv:layer_group=2,key_rank=64,value_rank=64": "SVD of the channels of all KV heads",
