@@ -67,12 +67,13 @@ def _row(curve, q, info, inp: Inputs, rank_length: int) -> dict[str, Any]:
     row: dict[str, Any] = {"spec": curve.spec, "error": curve.error}
     if curve.error:
         return row
-    # an eviction budget: the tokens a layer holds once it is full (its prefill attends those)
-    held = curve.held[-1] / measured_layers(curve.spec, info) if curve.capped else None
+    # the tokens a layer holds (its prefill attends them decoded): all of them, a share of
+    # them (budget=25%), or a full eviction budget's
+    held = curve.held[-1] / measured_layers(curve.spec, info)
 
     def peak(n: int) -> tuple[float, float, dict]:
         cache = inp.batch * curve.at(n)
-        kept = n if held is None else min(n, held)
+        kept = min(n, held) if curve.capped else n * held / curve.tokens[-1]
         terms = transient(
             info.dims(), info.weights_bytes, method_of(curve.spec), kept, n, inp.batch
         )
@@ -97,21 +98,25 @@ def _row(curve, q, info, inp: Inputs, rank_length: int) -> dict[str, Any]:
         measured_bytes={"tokens": curve.tokens, "bytes": curve.bytes},
         quality=None if q is None else {"cells": {str(k): v for k, v in q.cells.items()}},
         accuracy=None if cell is None else cell["accuracy"],
+        low=None if cell is None else cell["low"],
         kl=None if cell is None else cell["kl"],
         prompts=None if cell is None else cell["prompts"],
+        measured_ratio=None if cell is None else cell["ratio"],
     )
     return row
 
 
 def _order(r: dict) -> tuple:
-    """Measured first, by accuracy at the ranking length, then lower KL; unmeasured after, in
-    the candidates' order (no quality order is invented for them)."""
+    """Measured first, by the lower end of the accuracy's 95% interval at the ranking length
+    (4 prompts at 1.00 rank below 15 at 0.80), then accuracy, then lower KL; unmeasured after,
+    in the candidates' order (no quality order is invented for them)."""
     if r.get("accuracy") is None:
-        return (1, 0.0, 0.0)
-    return (0, -r["accuracy"], r["kl"] if r["kl"] is not None else float("inf"))
+        return (1, 0.0, 0.0, 0.0)
+    kl = r["kl"] if r["kl"] is not None else float("inf")
+    return (0, -(r["low"] or 0.0), -r["accuracy"], kl)
 
 
-def _recommend(rows: list[dict], inp: Inputs) -> dict[str, Any]:
+def _recommend(rows: list[dict], inp: Inputs, fp16_per_token: float) -> dict[str, Any]:
     ok = [r for r in rows if not r["error"]]
     fits = [r for r in ok if r["fits"]]
     if not fits:
@@ -127,24 +132,42 @@ def _recommend(rows: list[dict], inp: Inputs) -> dict[str, Any]:
     if not measured:
         return {"spec": None, "reason": "settings fit, but none has measured quality"}
     pick = min(measured, key=_order)
-    why = f"the best measured long-context accuracy that fits ({pick['accuracy']:.2f}"
-    return {"spec": pick["spec"], "reason": f"{why} on {pick['prompts']} prompts)"}
+    acc = f"{pick['accuracy']:.2f} on {pick['prompts']} prompts"
+    here = fp16_per_token / pick["bytes_per_token"] if pick["bytes_per_token"] else None
+    there = pick["measured_ratio"]
+    bytes_ = (
+        ""
+        if not (here and there)
+        else f", at {there:.1f}x fewer bytes than fp16 there, {here:.1f}x here"
+    )
+    why = f"the best measured long-context accuracy that fits ({acc}{bytes_})"
+    return {"spec": pick["spec"], "reason": why}
+
+
+def _fp16_per_token(info) -> float:
+    """fp16's bytes a token adds in the model's full-attention layers (the comparison the
+    measured ratio makes)."""
+    d = info.dims()
+    return 2 * d["kv"] * 2 * info.kinds.count("KVCache")
 
 
 def plan(inp: Inputs, note=None) -> dict[str, Any]:
     """The plan as ``--json`` prints it (docs/plan.md describes every field)."""
     from .longctx.run import spec_check
     from .plan_bytes import curve
-    from .plan_data import candidates, quality
+    from .plan_data import candidates, canonical, quality
     from .plan_model import model_info
 
     specs = inp.methods or candidates()
     for s in specs:
         spec_check(s)  # an unknown method or parameter: the registry's error, before any work
     info = model_info(inp.shape, inp.model, inp.weights)
-    measured, source = quality()
+    found, source = quality()
+    measured = {canonical(k): v for k, v in found.items()}
     length = source.get("rank_length", 0)
-    rows = [_row(curve(s, info, note), measured.get(s), info, inp, length) for s in specs]
+    rows = [
+        _row(curve(s, info, note), measured.get(canonical(s)), info, inp, length) for s in specs
+    ]
     ok = sorted((r for r in rows if not r["error"]), key=_order)
     return {
         "model": {
@@ -152,13 +175,14 @@ def plan(inp: Inputs, note=None) -> dict[str, Any]:
             "layers": info.describe(),
             "weights_bytes": info.weights_bytes,
             "weights_from": info.weights_from,
+            "max_position_embeddings": info.config.get("max_position_embeddings"),
         },
         "memory_bytes": inp.memory,
         "context": inp.context,
         "batch": inp.batch,
         "quality_source": source,
         "rows": ok + [r for r in rows if r["error"]],
-        "recommendation": _recommend(rows, inp),
+        "recommendation": _recommend(rows, inp, _fp16_per_token(info)),
     }
 
 

@@ -10,30 +10,30 @@ the last token as the first decode step (which makes an eviction policy cut to i
 model's layers repeat with a period (Gemma 3: five sliding, one global), so the model has one
 period of layers and each layer's bytes count once per layer of its kind; a method whose caches
 link layers (MiniCache, xKV) gets four alike layers (every layer where that is not a whole
-number of its groups). A policy that keeps queries (AdaKV's observation
-window, TOVA's last query) keeps them per query head: the difference between the model's
-query heads and one per KV head is measured on a 513-token prompt and added.
+number of its groups). A policy that keeps queries (AdaKV's observation window, TOVA's last
+query) keeps them per query head: the difference between the model's query heads and one per
+KV head is measured on a 513-token prompt and added.
 
 Each spec is measured afresh at :data:`POINTS` (2,560 and 3,072 tokens: past every default
-budget, window and age tier, with the buffers growing by whole quanta between them): the bytes at
-``n`` tokens are the line through the two points, or the last point where they are equal (an
-eviction budget: the bytes stop growing). ``python -m velox_cli.plan_bytes --write`` measures
-the :data:`~velox_cli.plan_model.SHAPES` once into ``plan_bytes.json`` beside this module (the
-plan reads it; ``tests/test_plan.py`` measures the caches again and compares); any other model
-is measured when planned.
+budget, window and age tier, the buffers growing by whole quanta between them): the bytes at
+``n`` tokens are the line through the two points, or, where the layers hold as many tokens at
+both (an eviction budget full), the points' mean at any context. ``python -m
+velox_cli.plan_bytes --write`` measures the :data:`~velox_cli.plan_model.SHAPES` once into
+``plan_bytes.json`` beside this module, which the plan reads (``--check N`` measures the caches
+again at ``N`` tokens and compares: tests/test_plan_methods.py); any other model is measured
+when planned.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-import numpy as np
 
 from .plan_model import SHAPES, ModelInfo, model_info, small_model
 
@@ -68,13 +68,11 @@ class Curve:
         return (self.bytes[-1] - self.bytes[-2]) / (self.tokens[-1] - self.tokens[-2])
 
     def at(self, n: float) -> float:
-        """Bytes at ``n`` tokens: the line through the last two points (a capped curve: its
-        last point from the first point on); below the first point, the line from (0, 0)."""
-        if n < self.tokens[0]:
-            return float(np.interp(n, [0, self.tokens[0]], [0, self.bytes[0]]))
-        if self.capped:  # per-head budgets move slack between heads: the larger point
-            return float(max(self.bytes[-2:]))
-        return self.bytes[-1] + self.per_token * (n - self.tokens[-1])
+        """Bytes at ``n`` tokens: the line through the two points (a capped curve: the larger
+        points' mean, at any context; below the points, a bound: budgets are not full yet)."""
+        if self.capped:  # per-head budgets move buffer slack between heads: the points' mean
+            return (self.bytes[-1] + self.bytes[-2]) / 2
+        return max(0.0, self.bytes[-1] + self.per_token * (n - self.tokens[-1]))
 
 
 def period(layer_kinds: list[str]) -> int:
@@ -112,6 +110,7 @@ def _run(spec_text: str, model, n: int, chunk: int = CHUNK) -> list:
     """The model's caches after an ``n``-token prompt: ``n - 1`` prefilled, the step after the
     prefill, the last token decoded."""
     import mlx.core as mx
+    import numpy as np
 
     import velox_core
     from velox_core.testing.models import tiny_tokenizer
@@ -208,12 +207,17 @@ def measure(spec_text: str, info: ModelInfo) -> Curve:
     try:
         sizes = [measure_at(spec_text, info, n) for n in POINTS]
     except Exception as e:  # the reason, as velox bench gives it
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return Curve(spec_text, [], [], [], f"{type(e).__name__}: {msg}")
+        return Curve(spec_text, [], [], [], reason(e))
     layers = measured_layers(spec_text, info)
     config = json.dumps(info.config, sort_keys=True)
     held = [_unit(spec_text, config, layers, n)[2] for n in POINTS]
     return Curve(spec_text, list(POINTS), sizes, held)
+
+
+def reason(e: Exception) -> str:
+    """An error's first line, without where an artifact was looked for (machine paths)."""
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return f"{type(e).__name__}: {re.sub(r' [(]fingerprint .*', '', msg)}"
 
 
 def _shipped() -> dict:
@@ -230,16 +234,39 @@ def curve(spec_text: str, info: ModelInfo, note=None) -> Curve:
     return measure(spec_text, info)
 
 
+def check(shape: str, specs: list[str], n: int) -> list[tuple[str, float, int, float]]:
+    """Each shipped spec's bytes at ``n`` tokens against its caches measured afresh there:
+    ``(spec, shipped line, measured, relative error)``, the worst first."""
+    info = model_info(shape=shape, weights="fp32")
+    rows = _shipped()["shapes"][shape]
+    out = []
+    for spec in specs:
+        if rows[spec].get("error"):
+            continue
+        got = measure_at(spec, info, n)
+        said = Curve(spec, **rows[spec]).at(n)
+        out.append((spec, said, got, abs(said - got) / got))
+    return sorted(out, key=lambda r: -r[3])
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m velox_cli.plan_bytes --write``: measure the shapes' specs into :data:`DATA`."""
+    """``python -m velox_cli.plan_bytes --write``: measure the shapes' specs into :data:`DATA`;
+    ``--check N``: compare the shipped bytes with the caches measured at ``N`` tokens."""
     from .plan_data import candidates
 
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated shape names")
     p.add_argument("--specs", nargs="+", default=None, help="default: the plan's candidates")
     p.add_argument("--write", action="store_true", help=f"merge the results into {DATA.name}")
+    p.add_argument("--out", type=Path, default=DATA, help=argparse.SUPPRESS)  # split runs
+    p.add_argument("--check", type=int, default=None, metavar="N", help="compare at N tokens")
     a = p.parse_args(argv)
-    data = _shipped()
+    if a.check is not None:
+        for shape in a.shapes.split(","):
+            for spec, said, got, err in check(shape, a.specs or candidates(), a.check):
+                print(f"{shape} {spec}: shipped {said:,.0f} measured {got:,} error {err:.2%}")
+        return 0
+    data = json.loads(a.out.read_text()) if a.out.is_file() else {"shapes": {}}
     data.update(chunk=CHUNK, points=list(POINTS), generated_by="python -m velox_cli.plan_bytes")
     for shape in a.shapes.split(","):
         info = model_info(shape=shape, weights="fp32")  # the weights' bytes play no part
@@ -251,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{shape} {spec}: {c.bytes or c.error} {time.perf_counter() - t0:.1f} s")
             sys.stdout.flush()
             if a.write:
-                DATA.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+                a.out.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     return 0
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Quality", "candidates", "data_dir", "method_of", "quality", "transient"]
+__all__ = ["Quality", "candidates", "canonical", "data_dir", "method_of", "quality", "transient"]
 
 CHUNK = 2048  # mlx-lm's prefill step
 # velox's prefill attends each layer's held tokens decoded: bytes of that per token over one
@@ -91,7 +91,7 @@ def quality(where: Path | None = None) -> tuple[dict[str, Quality], dict[str, An
     for c in ok:
         q = out.setdefault(c["spec"], Quality(path.name, model, c["task"]))
         q.cells[int(c["length"])] = {
-            k: c.get(k) for k in ("accuracy", "prompts", "kl", "top1", "low", "high")
+            k: c.get(k) for k in ("accuracy", "prompts", "kl", "top1", "low", "high", "ratio")
         }
     lengths = sorted({int(c["length"]) for c in ok})
     source = {"file": path.name, "model": model, "tasks": sorted({c["task"] for c in ok})}
@@ -99,14 +99,45 @@ def quality(where: Path | None = None) -> tuple[dict[str, Quality], dict[str, An
     return out, source
 
 
+def canonical(text: str) -> str:
+    """A spec's identity across spellings: the method's defaults filled in, parameters sorted
+    (``kvsink:bits=2`` and ``kvsink:bits=2,sinks=0,...`` at its defaults are one)."""
+    from velox_core.registry import method_params, parse_spec
+
+    if "+" in text:
+        return "+".join(canonical(t) for t in text.split("+"))
+    try:
+        name, params = parse_spec(text)
+        merged = {**method_params(name), **params}
+    except (ValueError, KeyError):
+        return text
+
+    def norm(v: Any) -> str:
+        return repr(float(v)) if isinstance(v, int) and not isinstance(v, bool) else str(v)
+
+    return name + ":" + ",".join(f"{k}={norm(v)}" for k, v in sorted(merged.items()))
+
+
 def candidates(where: Path | None = None) -> list[str]:
     """The specs a plan weighs: the baselines, every installed method's recommended settings,
-    then the specs the quality data measured (``budget=25%`` shares, compositions)."""
-    from .specs import default_specs
+    then the specs the quality data measured (``budget=25%`` shares, compositions) whose methods
+    are installed, each setting once (its first spelling)."""
+    from velox_core.registry import methods
+
+    from .specs import BASELINES, default_specs
 
     texts = [s.text for s in default_specs()]
     measured, _ = quality(where)
-    return list(dict.fromkeys(texts + sorted(measured)))
+    have = {*methods(), *BASELINES}
+    texts += [t for t in sorted(measured) if all(_name(p) in have for p in t.split("+"))]
+    out: dict[str, str] = {}
+    for t in texts:
+        out.setdefault(canonical(t), t)
+    return list(out.values())
+
+
+def _name(spec: str) -> str:
+    return spec.split(":", 1)[0]
 
 
 def whole_graph(n: int) -> float:

@@ -71,8 +71,9 @@ def render(result: dict, everything: bool = False) -> str:
         what = (
             f"{acc}: long-context accuracy (prompts) and KL against fp16 that "
             f"{src['file']} measured on {src['model']} ({', '.join(src['tasks'])}, "
-            f"{length:,}-token prompts); the table ranks by it. unmeasured: no cell for that "
-            "spec, listed after the measured ones in no quality order."
+            f"{length:,}-token prompts), ranked by the lower end of the accuracy's 95% interval "
+            "(few prompts rank lower). unmeasured: no cell for that spec, listed after the "
+            "measured ones in no quality order."
         )
     else:
         what = "quality: no docs/data/eval-*.json found: every setting is unmeasured."
@@ -84,6 +85,9 @@ def render(result: dict, everything: bool = False) -> str:
     if bad:
         out.append(f"cannot run at this shape ({len(bad)}):")
         out += [textwrap.shorten(f"  {r['spec']}: {r['error']}", WIDTH) for r in bad]
+    limit = m.get("max_position_embeddings")
+    if limit and result["context"] > limit:
+        out.append(f"note: the context is past the model's max_position_embeddings ({limit:,})")
     rec = result["recommendation"]
     out += textwrap.wrap(f"recommendation: {rec['spec'] or 'none'}: {rec['reason']}", WIDTH)
     return "\n".join(out)
