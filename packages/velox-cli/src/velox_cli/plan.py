@@ -116,13 +116,15 @@ def _order(r: dict) -> tuple:
     return (0, -(r["low"] or 0.0), -r["accuracy"], kl)
 
 
-def _recommend(rows: list[dict], inp: Inputs, fp16_per_token: float) -> dict[str, Any]:
+def _recommend(rows: list[dict], inp: Inputs, info) -> dict[str, Any]:
     ok = [r for r in rows if not r["error"]]
     fits = [r for r in ok if r["fits"]]
     if not fits:
         best = max(ok, key=lambda r: r["max_context"], default=None)
         if best is None or best["max_context"] == 0:
-            return {"spec": None, "reason": "nothing fits: the weights and the transient alone"}
+            weights = f"{info.weights_bytes / GB:.2f} GB"
+            why = f"the weights ({weights}) and the prefill's transient alone pass the memory"
+            return {"spec": None, "reason": f"nothing fits: {why}"}
         reach = f"{best['spec']} reaches {best['max_context']:,} tokens"
         return {"spec": None, "reason": f"no setting fits {inp.context:,} tokens; {reach}"}
     fp16 = next((r for r in fits if r["spec"] == "fp16"), None)
@@ -133,7 +135,8 @@ def _recommend(rows: list[dict], inp: Inputs, fp16_per_token: float) -> dict[str
         return {"spec": None, "reason": "settings fit, but none has measured quality"}
     pick = min(measured, key=_order)
     acc = f"{pick['accuracy']:.2f} on {pick['prompts']} prompts"
-    here = fp16_per_token / pick["bytes_per_token"] if pick["bytes_per_token"] else None
+    fp16 = 2 * info.dims()["kv"] * 2 * info.kinds.count("KVCache")  # full-attention layers'
+    here = fp16 / pick["bytes_per_token"] if pick["bytes_per_token"] else None
     there = pick["measured_ratio"]
     bytes_ = (
         ""
@@ -142,13 +145,6 @@ def _recommend(rows: list[dict], inp: Inputs, fp16_per_token: float) -> dict[str
     )
     why = f"the best measured long-context accuracy that fits ({acc}{bytes_})"
     return {"spec": pick["spec"], "reason": why}
-
-
-def _fp16_per_token(info) -> float:
-    """fp16's bytes a token adds in the model's full-attention layers (the comparison the
-    measured ratio makes)."""
-    d = info.dims()
-    return 2 * d["kv"] * 2 * info.kinds.count("KVCache")
 
 
 def plan(inp: Inputs, note=None) -> dict[str, Any]:
@@ -182,7 +178,7 @@ def plan(inp: Inputs, note=None) -> dict[str, Any]:
         "batch": inp.batch,
         "quality_source": source,
         "rows": ok + [r for r in rows if r["error"]],
-        "recommendation": _recommend(rows, inp, _fp16_per_token(info)),
+        "recommendation": _recommend(rows, inp, info),
     }
 
 
