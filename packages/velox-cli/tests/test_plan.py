@@ -237,3 +237,34 @@ def test_the_default_plan_takes_under_30_seconds():
     out = subprocess.run([*cmd, "--context", "128k"], capture_output=True, text=True, check=True)
     assert time.perf_counter() - t0 < 30
     assert "recommendation:" in out.stdout
+
+
+def test_a_model_on_disk_is_measured_with_its_sliding_layers(tmp_path, capsys):
+    """A Gemma 3-style directory (5 of 6 layers on a 512-token window; its weights a file of
+    known size, never read): measured when planned, the sliding layers' bytes bounded."""
+    cfg = {
+        "model_type": "gemma3_text",
+        "hidden_size": 128,
+        "num_hidden_layers": 6,
+        "intermediate_size": 256,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": 512,
+        "sliding_window": 512,
+        "sliding_window_pattern": 6,
+        "query_pre_attn_scalar": 64,
+        "max_position_embeddings": 32768,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 12345)
+    result = plan(Inputs(None, str(tmp_path), 10**9, 65536, methods=["fp16"]), note=print)
+    assert capsys.readouterr().out == "fp16\n"  # measured, and said so
+    assert result["model"]["weights_bytes"] == 12345
+    assert "5 RotatingKVCache(512), 1 KVCache" in result["model"]["layers"]
+    row = result["rows"][0]
+    assert row["bytes_per_token"] == 2 * 1 * 64 * 2  # the one global layer grows
+    sliding = row["measured_bytes"]["bytes"][0] - 2560 * row["bytes_per_token"]
+    assert 0 < sliding <= 5 * (511 + 2048) * 2 * 64 * 2  # a window beside a prefill chunk
+    assert "past the model's max_position_embeddings (32,768)" in render(result)
