@@ -268,3 +268,14 @@ def test_a_model_on_disk_is_measured_with_its_sliding_layers(tmp_path, capsys):
     sliding = row["measured_bytes"]["bytes"][0] - 2560 * row["bytes_per_token"]
     assert 0 < sliding <= 5 * (511 + 2048) * 2 * 64 * 2  # a window beside a prefill chunk
     assert "past the model's max_position_embeddings (32,768)" in render(result)
+
+
+def test_a_default_plan_names_a_setting_it_has_no_bytes_for(monkeypatch):
+    """A newly installed method's spec the shipped file lacks is not measured in a default plan
+    (which stays seconds): its row says which command measures it."""
+    monkeypatch.setattr(plan_data, "candidates", lambda: ["fp16", "uniform:bits=3"])
+    t0 = time.perf_counter()
+    result = plan(Inputs("llama3-8b", None, 24 * 10**9, 32768))
+    assert time.perf_counter() - t0 < 10
+    (bad,) = [r for r in result["rows"] if r["error"]]
+    assert bad["spec"] == "uniform:bits=3" and "plan_bytes --write" in bad["error"]

@@ -162,7 +162,8 @@ def plan(inp: Inputs, note=None) -> dict[str, Any]:
     measured = {canonical(k): v for k, v in found.items()}
     length = source.get("rank_length", 0)
     rows = [
-        _row(curve(s, info, note), measured.get(canonical(s)), info, inp, length) for s in specs
+        _row(curve(s, info, note, bool(inp.methods)), measured.get(canonical(s)), info, inp, length)
+        for s in specs
     ]
     ok = sorted((r for r in rows if not r["error"]), key=_order)
     return {

@@ -224,11 +224,16 @@ def _shipped() -> dict:
     return json.loads(DATA.read_text()) if DATA.is_file() else {"shapes": {}}
 
 
-def curve(spec_text: str, info: ModelInfo, note=None) -> Curve:
-    """The shipped curve of a shape's spec, else a measurement (``note(spec)`` first)."""
+def curve(spec_text: str, info: ModelInfo, note=None, measure_missing: bool = True) -> Curve:
+    """The shipped curve of a shape's spec, else a measurement (``note(spec)`` first); a
+    shape's spec the file lacks, with ``measure_missing`` False, gets the command that measures
+    it as its ``error`` (a default plan stays seconds when a new method is installed)."""
     rows = _shipped()["shapes"].get(info.shape or "", {})
     if spec_text in rows:
         return Curve(spec_text, **rows[spec_text])
+    if info.shape and not measure_missing:
+        how = f"python -m velox_cli.plan_bytes --write --shapes {info.shape} --specs '{spec_text}'"
+        return Curve(spec_text, [], [], [], f"not in {DATA.name}: measure it with `{how}`")
     if note is not None:
         note(spec_text)
     return measure(spec_text, info)
