@@ -61,7 +61,6 @@ class Inputs:
 
 
 def _row(curve, q, info, inp: Inputs, rank_length: int) -> dict[str, Any]:
-    from .plan_bytes import measured_layers
     from .plan_data import method_of, transient
 
     row: dict[str, Any] = {"spec": curve.spec, "error": curve.error}
@@ -69,7 +68,7 @@ def _row(curve, q, info, inp: Inputs, rank_length: int) -> dict[str, Any]:
         return row
     # the tokens a layer holds (its prefill attends them decoded): all of them, a share of
     # them (budget=25%), or a full eviction budget's
-    held = curve.held[-1] / measured_layers(curve.spec, info)
+    held = curve.held[-1] / curve.layers
 
     def peak(n: int) -> tuple[float, float, dict]:
         cache = inp.batch * curve.at(n)

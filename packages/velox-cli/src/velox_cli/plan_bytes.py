@@ -54,6 +54,7 @@ class Curve:
     bytes: list[int]
     held: list[float] = field(default_factory=list)  # tokens the measured layers hold
     error: str | None = None
+    layers: int = 1  # the measured layers (``held`` is theirs together)
 
     @property
     def capped(self) -> bool:
@@ -97,13 +98,26 @@ def _linked(spec_text: str) -> bool:
 
 
 def measured_layers(spec_text: str, info: ModelInfo) -> int:
-    """The measurement model's layers: one period of the layer kinds; for a linked method four
-    (two of xKV's groups of two, MiniCache's fp16 half and one pair) where the model's layers
-    are all alike and a multiple of four, else every layer."""
+    """The measurement model's layers: one period of the layer kinds; four where the model's
+    layers are all alike and a multiple of four and the method links layers (two of xKV's
+    groups of two, MiniCache's fp16 half and one pair) or budgets each head (AdaKV, NestedKV,
+    KVzip: each head's buffer keeps its own growth slack, which moves with the data, so four
+    layers' heads average it); a linked method on other layers: every layer."""
     p = period(info.kinds)
-    if not _linked(spec_text):
-        return p
-    return 4 if p == 1 and info.layers % 4 == 0 else info.layers
+    four = p == 1 and info.layers % 4 == 0
+    if _linked(spec_text):
+        return 4 if four else info.layers
+    if four and _unit(spec_text, json.dumps(info.config, sort_keys=True), 1, POINTS[0])[3]:
+        return 4
+    return p
+
+
+class _ByteTokenizer:
+    """The measurement model's tokenizer for a step after the prefill (KVzip encodes its repeat
+    instruction with it): a text's UTF-8 bytes, ids under the model's vocabulary of 512."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
 
 
 def _run(spec_text: str, model, n: int, chunk: int = CHUNK) -> list:
@@ -113,7 +127,6 @@ def _run(spec_text: str, model, n: int, chunk: int = CHUNK) -> list:
     import numpy as np
 
     import velox_core
-    from velox_core.testing.models import tiny_tokenizer
 
     from .evaluate import after_prefill, prefill
     from .longctx.run import resolve_spec
@@ -124,7 +137,7 @@ def _run(spec_text: str, model, n: int, chunk: int = CHUNK) -> list:
     with warnings.catch_warnings(), velox_core.routed(model):
         warnings.simplefilter("ignore")
         prefill(model, caches, ids[: n - 1], chunk=chunk)
-        after_prefill(model, tiny_tokenizer(), caches, ids[: n - 1])
+        after_prefill(model, _ByteTokenizer(), caches, ids[: n - 1])
         model(mx.array(ids[None, n - 1 :]), cache=caches)
         mx.eval([c.state for c in caches])
     return caches
@@ -140,7 +153,7 @@ def measure_at(spec_text: str, info: ModelInfo, n: int, layers: int | None = Non
     """The whole model's cache bytes after an ``n``-token prompt, measured (``layers``: the
     measurement model's; default one period, every layer for a linked method)."""
     layers = measured_layers(spec_text, info) if layers is None else layers
-    unit, sizes, _ = _unit(spec_text, json.dumps(info.config, sort_keys=True), layers, n)
+    unit, sizes, *_ = _unit(spec_text, json.dumps(info.config, sort_keys=True), layers, n)
     total = round(sum(b * info.kinds.count(k) / unit.count(k) for b, k in zip(sizes, unit)))
     return total + _query_heads(spec_text, info, layers)
 
@@ -156,7 +169,7 @@ def _held(cache) -> float:
     return float(getattr(cache, "offset", 0))
 
 
-_UNITS: dict[tuple, tuple[list[str], list[int], float]] = {}
+_UNITS: dict[tuple, tuple[list[str], list[int], float, bool]] = {}
 
 
 def _unit(spec_text: str, config: str, layers: int, n: int, query_heads: bool = False):
@@ -170,7 +183,8 @@ def _unit(spec_text: str, config: str, layers: int, n: int, query_heads: bool = 
         model = small_model(cfg, layers, query_heads)
         chunk = QUERY_CHUNK if n == QUERY_PROMPT else CHUNK
         caches = _run(spec_text, model, n, chunk)
-        _UNITS[key] = (kinds(model), [c.nbytes for c in caches], sum(map(_held, caches)))
+        ragged = any(getattr(c, "ragged", False) for c in caches)
+        _UNITS[key] = (kinds(model), [c.nbytes for c in caches], sum(map(_held, caches)), ragged)
     return _UNITS[key]
 
 
@@ -184,7 +198,7 @@ def _query_heads(spec_text: str, info: ModelInfo, layers: int) -> int:
         return 0
     sizes = []
     for q in (False, True):
-        unit, got, _ = _unit(spec_text, json.dumps(c, sort_keys=True), layers, QUERY_PROMPT, q)
+        unit, got, *_ = _unit(spec_text, json.dumps(c, sort_keys=True), layers, QUERY_PROMPT, q)
         sizes.append(sum(b * info.kinds.count(k) / unit.count(k) for b, k in zip(got, unit)))
     return round(sizes[1] - sizes[0])
 
@@ -211,7 +225,7 @@ def measure(spec_text: str, info: ModelInfo) -> Curve:
     layers = measured_layers(spec_text, info)
     config = json.dumps(info.config, sort_keys=True)
     held = [_unit(spec_text, config, layers, n)[2] for n in POINTS]
-    return Curve(spec_text, list(POINTS), sizes, held)
+    return Curve(spec_text, list(POINTS), sizes, held, layers=layers)
 
 
 def reason(e: Exception) -> str:

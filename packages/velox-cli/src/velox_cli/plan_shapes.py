@@ -83,4 +83,4 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 # a shape's weights: mlx-lm's nn.quantize at these bits, group 64 (None: unquantized, in dtype)
 WEIGHTS = {"4bit": 4, "8bit": 8, "bf16": None, "fp32": None}
-VOCAB = 512  # the measurement model's vocabulary (velox_core.testing's tokenizer has < 512)
+VOCAB = 512  # the measurement model's vocabulary (its prompts' ids and a text's bytes fit)
