@@ -11,6 +11,7 @@
     velox serve --method SPEC --model PATH [--storage-dtype D] [mlx_lm.server options]
     velox fit NAME [the method's fit options]
     velox transfer fit|apply|eval [options]  (velox-transfer: map one model's cache to another's)
+    velox plan --shape S|--model M --memory 24GB --context 128k [--batch N] [--json]  (what fits)
 
 Bad input (an unknown method, a bad parameter, a missing path) prints one line and exits 2.
 """
@@ -192,6 +193,9 @@ def _parser() -> argparse.ArgumentParser:
         add_help=False,
         help="cross-model KV transfer (velox-transfer): fit a mapper, apply it, evaluate it",
     )
+    from .plan import add_parser as add_plan_parser
+
+    add_plan_parser(sub)
     return p
 
 
@@ -556,6 +560,12 @@ def cmd_fit(a: argparse.Namespace) -> int:
     return int(found[a.name].load()(a.rest) or 0)
 
 
+def cmd_plan(a: argparse.Namespace) -> int:
+    from .plan import cmd_plan as run
+
+    return run(a)
+
+
 def cmd_transfer(a: argparse.Namespace) -> int:
     try:
         from velox_transfer.__main__ import main as transfer_main
@@ -573,6 +583,7 @@ def main(argv: list[str] | None = None) -> int:
         ["generate"],
         ["serve"],
         ["transfer"],
+        ["plan"],
     ):
         from .blas import preload
 
@@ -591,6 +602,7 @@ def main(argv: list[str] | None = None) -> int:
         "serve": cmd_serve,
         "fit": cmd_fit,
         "transfer": cmd_transfer,
+        "plan": cmd_plan,
     }[args.cmd]
     try:
         return handler(args)
