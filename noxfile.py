@@ -7,6 +7,7 @@ nox -s smollm2             the GGUF conversions against transformers' load (torc
 nox -s "tests(package='velox-core')"
 nox -s bench               pytest-benchmark (off by default)
 nox -s docs                every README and docs block, the slow ones too (off by default)
+nox -s plan                velox plan's shipped bytes measured again (off by default)
 """
 
 from __future__ import annotations
@@ -62,6 +63,20 @@ def integration(session: nox.Session) -> None:
     """Every package installed together; the cross-package tests in tests/."""
     session.install(*TEST_DEPS, *(_pkg(p) for p in PACKAGES))
     session.run("pytest", "-q", str(ROOT / "tests"), *session.posargs, env=_env())
+
+
+@nox.session
+def plan(session: nox.Session) -> None:
+    """velox plan's shipped bytes (plan_bytes.json) against every default spec's caches filled
+    afresh at three KV shapes (about 15 minutes on a CPU; not in the default run)."""
+    session.install(*TEST_DEPS, *(_pkg(p) for p in PACKAGES))
+    session.run(
+        "pytest",
+        "-q",
+        str(ROOT / "tests" / "test_plan_methods.py"),
+        *session.posargs,
+        env={**_env(), "VELOX_PLAN_BYTES_CHECK": "1"},
+    )
 
 
 @nox.session

@@ -3,6 +3,7 @@ caches measured again at three KV shapes, eviction caps, the full ranking and re
 and a spec that cannot run at a shape."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,11 @@ N_CHECK = 3584  # past the shipped points (2,560 and 3,072): the line extended, 
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("VELOX_PLAN_BYTES_CHECK") != "1",
+    reason="every default spec's caches filled at three shapes: about 15 minutes on a CPU "
+    "(nox -s plan runs it)",
+)
 @pytest.mark.parametrize("shape", ["llama3-8b", "qwen2.5-7b", "small"])  # 8x128, 4x128, 8x64
 def test_shipped_bytes_are_the_caches_measured_again(shape):
     """Every default spec's shipped line at N_CHECK tokens within 2% of its caches built and

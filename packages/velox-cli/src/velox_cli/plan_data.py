@@ -66,9 +66,22 @@ def _model_label(path: str) -> str:
     return m.group(1) if m else name
 
 
+# a run whose fp16 answers fewer of its longest prompts than this measures nothing (the task
+# is beyond the model there): its accuracies do not rank methods
+FP16_FLOOR = 0.5
+
+
+def _fp16_holds(cells: list[dict[str, Any]]) -> bool:
+    """Whether fp16 answers at least :data:`FP16_FLOOR` of the run's longest prompts."""
+    longest = max(c["length"] for c in cells)
+    fp16 = [c["accuracy"] for c in cells if c["spec"] == "fp16" and c["length"] == longest]
+    return bool(fp16) and min(fp16) >= FP16_FLOOR
+
+
 def quality(where: Path | None = None) -> tuple[dict[str, Quality], dict[str, Any]]:
-    """Each spec's cells in the eval file with the longest prompts (more specs breaking a tie),
-    and that source: file, model, task, lengths."""
+    """Each spec's cells in the eval file with the longest prompts (more specs breaking a tie)
+    among those whose fp16 answers at least :data:`FP16_FLOOR` at that length, and that
+    source: file, model, task, lengths."""
     where = where or data_dir()
     best: tuple | None = None
     for path in sorted(where.glob("eval-*.json")) if where else []:
@@ -78,7 +91,7 @@ def quality(where: Path | None = None) -> tuple[dict[str, Quality], dict[str, An
         except (ValueError, KeyError, TypeError):
             continue  # not a velox eval file
         ok = [c for c in cells if not c.get("error") and c.get("accuracy") is not None]
-        if not ok:
+        if not ok or not _fp16_holds(ok):
             continue
         key = (max(c["length"] for c in ok), len({c["spec"] for c in ok}))
         if best is None or key > best[0]:
