@@ -42,16 +42,9 @@ __all__ = ["CurDKVPolicy", "body_values"]
 
 
 def body_values(cache) -> list[mx.array | None]:
-    """Decoded body values, float32: one ``(B, 1, T_h, Dv)`` array per KV head (None where
-    a head holds no body token), as ``cache.body_keys()`` gives the keys."""
-    codec = cache.tiers[0].value_codec
-    if cache.ragged:
-        return [codec.decode(v.view()) if v.tokens else None for _, v, _ in cache._heads]
-    vv = cache._tier[0][1].view()
-    if vv is None:
-        return [None] * cache.kv_heads
-    vals = codec.decode(vv).astype(mx.float32)
-    return [vals[:, h : h + 1] for h in range(vals.shape[1])]
+    """Decoded body values, float32, one ``(B, 1, T_h, Dv)`` array per KV head:
+    ``VeloxCache.body_values``."""
+    return cache.body_values()
 
 
 def _protected(cache):

@@ -99,6 +99,18 @@ class RetentionMixin:
         keys = codec.decode(kv)
         return [keys[:, h : h + 1] for h in range(keys.shape[1])]
 
+    def body_values(self) -> list[mx.array | None]:
+        """Decoded body values, float32: one ``(B, 1, T_h, Dv)`` array per KV head (None where
+        a head holds no body token), as :meth:`body_keys` gives the keys."""
+        codec = self.tiers[0].value_codec
+        if self.ragged:
+            return [codec.decode(v.view()) if v.tokens else None for _, v, _ in self._heads]
+        vv = self._tier[0][1].view()
+        if vv is None:
+            return [None] * self._dims[1]
+        vals = codec.decode(vv).astype(mx.float32)
+        return [vals[:, h : h + 1] for h in range(vals.shape[1])]
+
     def body_positions(self) -> list[mx.array]:
         """Absolute positions of the body tokens: one ``(B, T_h)`` int32 array per KV head."""
         if self.ragged:
