@@ -237,6 +237,32 @@ def test_aggregate_ratio_and_errors():
     cells = {c.spec: c for c in aggregate([*ts, late])}
     assert cells["a"].prompts == 3 and cells["a"].ratio == pytest.approx(3.0)
     assert math.isnan(aggregate([late])[0].ratio)
+    assert math.isnan(cells["a"].layers_ratio)  # no sliding-window layers: one ratio
+    assert "layers" not in report.markdown(aggregate(ts))
+
+
+def test_layers_ratio_leaves_the_sliding_window_caches_out():
+    # 400 of fp16's 1,000 bytes sit in the model's own sliding-window caches, held alike by
+    # the spec: 1000/700 for the whole model, 600/300 over the layers the spec compresses
+    kw = dict(score=1.0, kl=0.0, top1=1.0)
+    ts = [
+        Trial("fp16", "passkey", 512, 0, 0.0, 500, **kw, bytes=1000, window_bytes=400),
+        Trial("a", "passkey", 512, 0, 0.0, 500, **kw, bytes=700, window_bytes=400),
+    ]
+    cell = {c.spec: c for c in aggregate(ts)}["a"]
+    assert cell.ratio == pytest.approx(1000 / 700) and cell.layers_ratio == pytest.approx(2.0)
+    md = report.markdown(aggregate(ts))
+    assert "| vs fp16 | layers |" in md and "| 1.43x | 2.00x |" in md
+
+
+def test_window_bytes_count_the_rotating_caches_alone():
+    from velox_cli.longctx.run import window_bytes
+
+    rot, full = RotatingKVCache(max_size=8), KVCache()
+    for c in (rot, full):
+        c.update_and_fetch(mx.ones((1, 1, 12, 4)), mx.ones((1, 1, 12, 4)))
+    assert window_bytes([rot, full]) == held_bytes(rot) > 0
+    assert window_bytes([full]) == 0
 
 
 def test_settings_are_checked():

@@ -48,6 +48,7 @@ def summary(cells: Sequence[Cell]) -> list[dict[str, Any]]:
             {
                 "spec": spec,
                 "ratio": _mean([c.ratio for c in ok]),
+                "layers_ratio": _mean([c.layers_ratio for c in ok]),
                 "bytes_per_token": _mean([c.bytes_per_token for c in ok]),
                 "accuracy": {f"{c.task}@{c.length}": c.accuracy for c in cs},
                 "mean": mean,
@@ -75,13 +76,30 @@ def _f(x: float, fmt: str = "{:.2f}") -> str:
 def _note(cells: Sequence[Cell]) -> str:
     n = min((c.prompts for c in cells if c.prompts), default=0)
     widest = max(((c.high - c.low) / 2 for c in cells if c.prompts), default=float("nan"))
+    layers = (
+        " layers: the same over the layers the spec compresses (the model's own "
+        "sliding-window caches, alike on both sides, left out)."
+        if _has_layers(cells)
+        else ""
+    )
     return (
         f"accuracy: the share of expected answers found (RULER's string match), {n}+ prompts "
         f"per cell; the widest 95% interval (Wilson) is +-{_f(widest * 100, '{:.0f}')} "
-        "points. vs fp16: fp16's held bytes over the spec's on the same prompts. delta: "
-        "mean accuracy minus fp16's; worst: the lowest per-cell difference. KL / top-1: over "
-        "the fp16 answer's tokens, teacher-forced."
+        "points. vs fp16: fp16's held bytes over the spec's on the same prompts (the whole "
+        f"model's caches).{layers} delta: mean accuracy minus fp16's; worst: the lowest "
+        "per-cell difference. KL / top-1: over the fp16 answer's tokens, teacher-forced."
     )
+
+
+def _has_layers(cells: Sequence[Cell]) -> bool:
+    """Whether any cell's model keeps sliding-window layers of its own (a second ratio)."""
+    return any(math.isfinite(c.layers_ratio) for c in cells)
+
+
+def _head(cells: Sequence[Cell], sep: str) -> list[str]:
+    """The columns after the spec."""
+    ratios = ["vs fp16", "layers"] if _has_layers(cells) else ["vs fp16"]
+    return [*ratios, "B/token", *[f"{t}{sep}@{n}" for t, n in columns(cells)], *_STATS]
 
 
 _STATS = ("mean", "delta", "worst", "KL", "top-1")
@@ -91,6 +109,7 @@ def _rows(cells: Sequence[Cell]) -> list[tuple[dict[str, Any], list[str]]]:
     """Each spec's summary row and its formatted cells after the spec: vs fp16, B/token,
     accuracy per (task, length), then :data:`_STATS`."""
     cols = columns(cells)
+    layers = _has_layers(cells)
     out = []
     for r in summary(cells):
         out.append(
@@ -98,6 +117,7 @@ def _rows(cells: Sequence[Cell]) -> list[tuple[dict[str, Any], list[str]]]:
                 r,
                 [
                     _f(r["ratio"], "{:.2f}x"),
+                    *([_f(r["layers_ratio"], "{:.2f}x")] if layers else []),
                     _f(r["bytes_per_token"], "{:,.0f}"),
                     *[_f(r["accuracy"].get(f"{t}@{n}", math.nan)) for t, n in cols],
                     _f(r["mean"]),
@@ -118,7 +138,7 @@ def table(cells: Sequence[Cell], info: dict) -> Table:
         caption=_note(cells),
     )
     t.add_column("spec", no_wrap=True)
-    for name in ("vs fp16", "B/token", *[f"{t}\n@{n}" for t, n in columns(cells)], *_STATS):
+    for name in _head(cells, "\n"):
         t.add_column(name, justify="right")
     rows = _rows(cells)
     notes = _error_notes(rows)
@@ -141,7 +161,7 @@ def _error_notes(rows: list[tuple[dict[str, Any], list[str]]]) -> dict[str, int]
 
 
 def markdown(cells: Sequence[Cell]) -> str:
-    head = ["spec", "vs fp16", "B/token", *[f"{t} @{n}" for t, n in columns(cells)], *_STATS]
+    head = ["spec", *_head(cells, " ")]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     rows = _rows(cells)
     notes = _error_notes(rows)

@@ -44,6 +44,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import RotatingKVCache
 
 from velox_core import routed
 
@@ -160,8 +161,16 @@ class Trial:
     kl: float = float("nan")
     top1: float = float("nan")
     bytes: int = 0
+    window_bytes: int = 0  # of :data:`bytes`, held by the model's own sliding-window caches
     seconds: float = 0.0
     error: str | None = None
+
+
+def window_bytes(caches: list) -> int:
+    """Of the caches' :func:`held_bytes`, those of the layers that keep the model's own
+    sliding-window cache (mlx-lm's ``RotatingKVCache``: Gemma 3's local layers, which
+    ``make_cache`` leaves as they are): the same for fp16 and every spec on a prompt."""
+    return sum(held_bytes(c) for c in caches if isinstance(c, RotatingKVCache))
 
 
 def budget_tokens(prompt: Prompt, mode: str) -> int:
@@ -242,12 +251,14 @@ def run_prompt(model, tokenizer, store, prompt: Prompt, i: int, specs: list[Spec
         logits = prompt_caches(model, caches, prompt, s.question, s.chunk)
         ref_ids, ref_lp = _greedy_logprobs(model, caches, logits, prompt.max_new)
         ref_bytes = sum(held_bytes(c) for c in caches)
+        ref_window = window_bytes(caches)
     del caches
     ref_ids = _cut(ref_ids, eos) or ref_ids[:1]
     ref_lp = ref_lp[: len(ref_ids)]
     ref_text = tokenizer.decode(ref_ids)
     fp16 = Trial("fp16", **base, score=prompt.score(ref_text), output=ref_text, kl=0.0, top1=1.0)
-    fp16.bytes, fp16.seconds = ref_bytes, time.perf_counter() - t0
+    fp16.bytes, fp16.window_bytes = ref_bytes, ref_window
+    fp16.seconds = time.perf_counter() - t0
     trials = [fp16]
     for spec in specs:
         if spec.text == "fp16":
@@ -262,6 +273,7 @@ def run_prompt(model, tokenizer, store, prompt: Prompt, i: int, specs: list[Spec
                 twin = copy.deepcopy(caches)  # answers greedily; the caches are teacher-forced
                 out = greedy(model, twin, logits, prompt.max_new)
                 t.bytes = sum(held_bytes(c) for c in twin)
+                t.window_bytes = window_bytes(twin)
                 del twin
                 lp = teacher_force(model, caches, logits, ref_ids)
             del caches
@@ -295,6 +307,9 @@ class Cell:
     bytes: float
     bytes_per_token: float
     ratio: float  # fp16's held bytes / this spec's, on the same prompts
+    # the same over the layers the spec compresses: the model's own sliding-window caches
+    # (Gemma 3's local layers, the same bytes on both sides) left out; nan where there are none
+    layers_ratio: float
     tokens: float
     seconds: float
     errors: int = 0
@@ -322,7 +337,8 @@ def aggregate(trials: list[Trial]) -> list[Cell]:
     groups: dict[tuple[str, str, int], list[Trial]] = {}
     for t in trials:
         groups.setdefault((t.spec, t.task, t.length), []).append(t)
-    ref = {(k[1], k[2], t.index): t.bytes for k, ts in groups.items() if k[0] == "fp16" for t in ts}
+    fp16 = {(k[1], k[2], t.index): t for k, ts in groups.items() if k[0] == "fp16" for t in ts}
+    ref = {k: t.bytes for k, t in fp16.items()}
     cells = []
     for (spec, task, length), ts in groups.items():
         ok = [t for t in ts if t.error is None]
@@ -333,6 +349,13 @@ def aggregate(trials: list[Trial]) -> list[Cell]:
             ref[(task, length, t.index)] / t.bytes
             for t in ok
             if t.bytes and (task, length, t.index) in ref  # a stopped run may lack fp16's
+        ]
+        layers = [
+            (r.bytes - r.window_bytes) / (t.bytes - t.window_bytes)
+            for t in ok
+            if (r := fp16.get((task, length, t.index))) is not None
+            and r.window_bytes
+            and t.bytes > t.window_bytes
         ]
         cells.append(
             Cell(
@@ -349,6 +372,7 @@ def aggregate(trials: list[Trial]) -> list[Cell]:
                 float(np.mean([t.bytes for t in ok])) if ok else float("nan"),
                 float(np.mean([t.bytes / t.tokens for t in ok])) if ok else float("nan"),
                 float(np.mean(ratios)) if ratios else float("nan"),
+                float(np.mean(layers)) if layers else float("nan"),
                 float(np.mean([t.tokens for t in ts])),
                 float(np.sum([t.seconds for t in ts])),
                 errors,
