@@ -74,6 +74,7 @@ def test_every_package_registered():
         "tova",
         "h2o",
         "keyformer",
+        "cam",
         "kvzip",
         "pyramidkv",
         "expected-attention",

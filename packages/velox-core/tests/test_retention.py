@@ -209,3 +209,26 @@ def test_protected_keys_are_the_sinks_and_window():
     assert mx.array_equal(sk, k[:, :, :3]) and mx.array_equal(wk, k[:, :, -5:])
     assert sp.tolist() == [0, 1, 2] and wp.tolist() == [95, 96, 97, 98, 99]
     assert c.sink_count() == 3
+
+
+def test_set_body_values_recodes_the_named_body_tokens():
+    """A policy that merges values (velox-cam) writes them back through the value codec; keys,
+    positions and the other tokens stay, and the write is refused outside the body."""
+    k, v = kv_data(t=60, d=64)
+    for codec, tol in ((None, 1e-3), (Uniform(8), 5e-2)):
+        c = VeloxCache(codec, codec, sinks=4, policy=RetentionPolicy(budget=40))
+        c.update_and_fetch(k, v)
+        keys0, vals0 = c.keys_and_values()
+        new = mx.ones((1, 2, 3, 64)) * 2.5
+        c.set_body_values(5, new)
+        keys1, vals1 = c.keys_and_values()
+        assert mx.array_equal(keys0, keys1)
+        assert rel_error(vals1[:, :, 9:12], new) < tol  # body token 5 is position 9
+        assert mx.array_equal(vals1[:, :, :9], vals0[:, :, :9])
+        assert mx.array_equal(vals1[:, :, 12:], vals0[:, :, 12:])
+        with pytest.raises(ValueError, match="not within the 56 body tokens"):
+            c.set_body_values(55, new)
+        with pytest.raises(ValueError, match=r"must be \(batch=1, kv_heads=2, n, value_dim=64\)"):
+            c.set_body_values(0, mx.ones((1, 3, 2, 64)))
+    with pytest.raises(ValueError, match="needs a cache with a retention policy"):
+        VeloxCache().set_body_values(0, new)

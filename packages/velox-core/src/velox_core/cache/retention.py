@@ -111,6 +111,41 @@ class RetentionMixin:
         vals = codec.decode(vv).astype(mx.float32)
         return [vals[:, h : h + 1] for h in range(vals.shape[1])]
 
+    def set_body_values(self, start: int, values: mx.array) -> None:
+        """Overwrite the values of body tokens ``[start, start + n)`` in every head, coded by
+        the value codec (for a policy that merges values into the tokens it keeps, as
+        velox-cam's does); keys and positions are untouched.
+
+        The codec is given the positions of the first row and head (the tokens' positions
+        wherever a cut kept the same tokens in every head).
+
+        Shapes:
+            values ``(B, H, n, Dv)``, any float dtype (stored in the cache's dtype).
+        """
+        if self.policy is None or self.ragged:
+            raise ValueError(
+                "set_body_values: needs a cache with a retention policy and one body record "
+                "(not per-head budgets)"
+            )
+        if self._dims is None:
+            raise ValueError("set_body_values: the cache holds no tokens")
+        b, h, _, dv = self._dims
+        if values.ndim != 4 or tuple(values.shape[:2]) != (b, h) or values.shape[3] != dv:
+            raise ValueError(
+                f"set_body_values: values {tuple(values.shape)} must be (batch={b}, "
+                f"kv_heads={h}, n, value_dim={dv})"
+            )
+        n = values.shape[2]
+        if not 0 <= start <= start + n <= self._pos.tokens:
+            raise ValueError(
+                f"set_body_values: tokens [{start}, {start + n}) are not within the "
+                f"{self._pos.tokens} body tokens"
+            )
+        self._planned.clear()  # the coded segment changes: its decode plan with it
+        pos = self._pos.view().data["x"][0, 0, start : start + n, 0]
+        codec = self.tiers[0].value_codec
+        self._tier[0][1].write(start, codec.encode(values.astype(self._dtype), pos))
+
     def body_positions(self) -> list[mx.array]:
         """Absolute positions of the body tokens: one ``(B, T_h)`` int32 array per KV head."""
         if self.ragged:

@@ -80,6 +80,22 @@ class PackedStore:
         self.buf = self.buf.map(lambda k, a: _write(a, packed.data[k], self.buf.rows(k, start)))
         self.tokens += packed.tokens
 
+    def write(self, start: int, packed: Packed) -> None:
+        """Overwrite tokens ``[start, start + packed.tokens)`` in place (per-token records;
+        the tokens must be stored already)."""
+        if packed.tokens == 0:
+            return
+        if self.buf is None or packed.block != 1 or self.buf.block != 1:
+            raise ValueError("PackedStore.write: needs stored per-token records")
+        if set(packed.data) != set(self.buf.data):
+            raise ValueError("PackedStore.write: record layout differs from the store's")
+        if not 0 <= start <= start + packed.tokens <= self.tokens:
+            raise ValueError(
+                f"PackedStore.write: tokens [{start}, {start + packed.tokens}) are not within "
+                f"the {self.tokens} stored"
+            )
+        self.buf = self.buf.map(lambda k, a: _write(a, packed.data[k], start))
+
     def view(self) -> Packed | None:
         """The tokens in use (slices of the buffers, no copy)."""
         if self.buf is None or self.tokens == 0:
