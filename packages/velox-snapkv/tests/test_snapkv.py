@@ -193,6 +193,48 @@ def test_a_prompt_in_one_chunk_gets_exactly_the_papers_rule(pooling):
             assert np.allclose(np.sort(pooled[prefix]), np.sort(pooled[top]), rtol=1e-4)
 
 
+def test_prefill_prompt_cuts_a_chunked_prompt_once_at_its_end_as_in_one_chunk():
+    """``prefill="prompt"``: a prompt fed in 64-token chunks keeps every token until the first
+    decode token, then keeps exactly what the same prompt fed at once keeps (the paper's rule,
+    above); the default cuts after each chunk, voted by that chunk's own last queries."""
+    t, h, r, window, budget = 300, 2, 2, 16, 80
+    k, v = kv_data(h=h, t=t + 1, d=D, seed=5, dtype=mx.float32)
+    q = mx.random.normal((1, h * r, t, D), key=mx.random.key(5)) + k[:, :1, -2:-1] / 4
+    caches = {}
+    for name, chunk, prefill in (
+        ("once", t, "chunks"),
+        ("prompt", 64, "prompt"),
+        ("chunks", 64, "chunks"),
+    ):
+        c = SnapKVCache(budget=budget, observe=window, kernel=7, prefill=prefill)
+        sizes = feed(c, k[:, :, :t], v[:, :, :t], q, chunk=chunk)
+        if name == "prompt":
+            assert sizes == [64, 128, 192, 256, 300]  # nothing cut during the prompt
+        c.update_and_fetch(k[:, :, t:], v[:, :, t:])
+        assert c.size() == budget + 1
+        caches[name] = c
+    for i in range(h):
+        assert kept(caches["prompt"], i) == kept(caches["once"], i)
+    assert any(kept(caches["chunks"], i) != kept(caches["once"], i) for i in range(h))
+
+
+def test_prefill_setting_is_checked_and_saved(tmp_path):
+    with pytest.raises(ValueError, match="prefill"):
+        make_cache(tiny_model("llama"), "snapkv:budget=64,prefill=whole")
+    c = make("snapkv:budget=80,observe=16,prefill=prompt")
+    assert c.policy.prefill == "prompt"
+    k, v = kv_data(h=2, t=100, d=D, seed=1, dtype=mx.float32)
+    q = mx.random.normal((1, 2, 100, D), key=mx.random.key(1))
+    feed(c, k, v, q, chunk=50)
+    save_cache(str(tmp_path / "c.safetensors"), [c])
+    (back,) = load_cache(str(tmp_path / "c.safetensors"))
+    assert back.policy.prefill == "prompt" and back.size() == 100
+    for x in (c, back):
+        next_token(x)
+        assert x.size() == 81
+    assert kept(back, 0) == kept(c, 0)
+
+
 # -- the behaviour -----------------------------------------------------------------------------
 def test_positions_the_window_attends_to_are_kept_per_head():
     strong = {0: [40, 150, 260], 1: [90, 333]}

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..codec.uniform import Uniform
+from ..policy.base import PREFILLS
 from ..registry import Method
-from ..validation import check_counts, check_float, check_int
+from ..validation import check_choice, check_counts, check_float, check_int
 from .preset import PresetCache, check_kept_codes, kept_codecs
 
 __all__ = ["EvictionCache", "EvictionConfig", "eviction_method", "recent_tokens"]
@@ -59,6 +60,10 @@ class EvictionConfig:
         bits, key_bits, value_bits: code the kept tokens with ``velox_core.Uniform`` at these
             widths (None keeps them in fp16, as the papers do).
         group: group size of those codes.
+        prefill: when a prompt prefilled in chunks is cut (:data:`velox_core.policy.base.PREFILLS`):
+            ``"chunks"``, as each next chunk arrives (peak memory: ``budget`` plus one chunk),
+            or ``"prompt"``, once at its end, voted by its last queries (the papers' and
+            kvpress's compression of a whole prompt; the whole prompt is held until then).
     """
 
     every_none: ClassVar[bool] = True  # whether ``every=None`` is allowed
@@ -71,9 +76,11 @@ class EvictionConfig:
     key_bits: int | None = None
     value_bits: int | None = None
     group: int = 64
+    prefill: str = "chunks"
 
     def __post_init__(self):
         check_int("budget", self.budget, minimum=1)
+        check_choice("prefill", self.prefill, PREFILLS)
         check_counts(self, "sinks", "window")
         if self.every is not None or not self.every_none:
             check_int("every", self.every, minimum=1)
@@ -94,6 +101,7 @@ class EvictionCache(PresetCache):
 
     def build(self, cfg: Any) -> dict[str, Any]:
         policy = self.Policy(**{name: getattr(cfg, name) for name in self.policy_params})
+        policy.prefill = cfg.prefill
         return {**kept_codecs(cfg), "policy": policy}
 
 

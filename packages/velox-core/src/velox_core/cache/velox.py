@@ -339,7 +339,10 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
         new = (keys, values)
         t = keys.shape[2]
         if self.policy is not None:
-            self.policy.before_update(self, t)
+            if t > 1 and self.policy.prefill == "prompt":
+                self.policy.defer()  # the prompt's chunks are cut once, at its end
+            else:
+                self.policy.before_update(self, t)
         start = self.offset
         self.offset += t
         take = min(self.sinks - self._sink[0].tokens, t)

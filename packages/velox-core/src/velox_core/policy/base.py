@@ -10,6 +10,11 @@ When eviction runs (:meth:`before_update`, called before new tokens are stored):
 
 * after a multi-token chunk (chunked prefill): the next update first cuts the cache back to
   ``budget``, so peak memory stays at ``budget`` plus one chunk, not the prompt;
+  With ``prefill="prompt"`` (:data:`PREFILLS`) a multi-token update cuts nothing: the
+  prompt's chunks accumulate and the cut they owe is made at the first single-token update,
+  voted by the prompt's last queries, as the papers and kvpress compress a prompt once after
+  its prefill (a question at the prompt's end chooses what is kept); peak memory then holds
+  the whole prompt;
 * during decode, when ``every`` is set and the cache exceeds ``budget`` by ``every`` tokens:
   long generations stay bounded (at most ``budget + every`` tokens). Without ``every`` decode
   tokens accumulate (the prompt-only compression of SnapKV's paper): once the cache holds
@@ -29,7 +34,11 @@ import mlx.core as mx
 from ..configured import Configured
 from ..validation import check_int
 
-__all__ = ["RetentionPolicy", "top_k_sorted", "warn_unbounded"]
+__all__ = ["PREFILLS", "RetentionPolicy", "top_k_sorted", "warn_unbounded"]
+
+# when a prompt prefilled in chunks is cut: after each chunk (peak memory: budget plus one
+# chunk) or once, at its end (the whole prompt held until the first decoded token)
+PREFILLS = ("chunks", "prompt")
 
 
 def top_k_sorted(scores: mx.array, k: int) -> mx.array:
@@ -65,6 +74,7 @@ class RetentionPolicy(Configured):
     def __init__(self, budget: int | None = None, every: int | None = None):
         self.budget = None if budget is None else check_int("budget", budget, minimum=1)
         self.every = None if every is None else check_int("every", every, minimum=1)
+        self.prefill = "chunks"  # PREFILLS; set by the cache's config (EvictionConfig.prefill)
         self._chunk_pending = False
 
     def config(self) -> dict[str, Any]:
@@ -105,6 +115,12 @@ class RetentionPolicy(Configured):
             return
         keep = self.select(cache, max(self.budget - cache.protected(), 0))
         cache.evict(keep)
+
+    def defer(self) -> None:
+        """A multi-token update under ``prefill="prompt"`` (the cache calls it instead of
+        :meth:`before_update`): nothing is cut now, and the tokens stored so far owe the cut a
+        chunk owes, made at the next update that is not deferred."""
+        self._chunk_pending = True
 
     def hold_stored(self) -> None:
         """No cut is due for the tokens stored so far: the cut a chunk would get when the next
