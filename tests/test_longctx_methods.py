@@ -131,3 +131,40 @@ def test_split_by_specs_gives_the_trials_split_by_prompts_gives(tmp_path):
         assert len(data["trials"]) == 12, split
     assert json.loads((tmp_path / "specs.json").read_text())["run"]["split"] == "specs"
     assert got["specs"] == got["prompts"]
+
+
+@pytest.mark.parametrize("spec", ["snapkv:budget=25%", "adakv:budget=25%", "h2o:budget=25%"])
+def test_question_inside_compresses_the_whole_prompt_once_at_its_end(spec):
+    """The query-aware setting: a prompt prefilled in chunks smaller than itself is held
+    whole and cut at the first answer token, keeping what the prompt prefilled at once keeps
+    (the question's queries vote), not what per-chunk cuts keep."""
+    if find_shared("reference-model") is None:
+        pytest.skip("the reference model (shared/reference-model) is not here")
+    import mlx.core as mx
+    import numpy as np
+
+    from velox_cli.bench import load_model
+    from velox_cli.longctx.run import budget_tokens, prompt_caches, resolve_spec
+    from velox_cli.longctx.tasks import make_prompts, parse_task
+    from velox_cli.specs import build_caches, parse
+    from velox_core import routed
+
+    model, tokenizer, store, _ = load_model(None)
+    (prompt,) = make_prompts(tokenizer, parse_task("multikey:keys=2"), 512, 1)
+    total = budget_tokens(prompt, "inside")
+    assert total == len(prompt.context) + len(prompt.question)
+
+    def run(chunk):
+        caches = build_caches(parse(resolve_spec(spec, total)), model, store)
+        with routed(model):
+            logits = prompt_caches(model, caches, prompt, "inside", chunk, tokenizer)
+            sizes = [c.size() for c in caches]
+            mx.eval(model(mx.argmax(logits, axis=-1)[:, None], cache=caches))
+        kept = [[set(np.array(p[0]).tolist()) for p in c.body_positions()] for c in caches]
+        return sizes, kept, [c.size() for c in caches]
+
+    sizes, chunked, after = run(128)
+    assert sizes == [total] * len(sizes)  # nothing cut during the prompt
+    assert max(after) < total / 2  # a quarter kept per KV head (Ada-KV: on average)
+    _, once, _ = run(4096)
+    assert chunked == once

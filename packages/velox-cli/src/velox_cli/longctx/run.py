@@ -10,7 +10,8 @@ caches take the same prompt:
   compressed without knowing the question, and a ``budget=P%`` share is of the context's
   tokens, as kvpress's compression ratio is;
 - ``question="inside"``: context and question are one prompt, prefilled and compressed
-  together, so a method that votes with the newest queries (SnapKV) sees the question.
+  together once, at its end (each retention policy's ``prefill="prompt"``), so a method that
+  votes with the newest queries (SnapKV) sees the question.
 
 After the prompt a copy of the caches answers greedily (``max_new`` tokens; scored by string
 match) and the caches themselves are teacher-forced along the fp16 answer: KL(fp16 || spec)
@@ -184,21 +185,27 @@ def prompt_caches(
 ) -> mx.array:
     """Prefill the prompt into ``caches``; the logits of its last position.
 
-    ``mode="inside"``: context and question as one prompt. ``mode="after"``: kvpress's
-    protocol. The context is prefilled, then the question; a retention policy cuts the
-    context back to its budget as the question arrives (voted by the context's own newest
-    queries), and the question is held whole. Left alone, a policy would cut once more at
-    the first answer token, after the question's chunk: voted by the question's queries and
-    trimming the question's length off the context, so the context would no longer be
-    compressed without knowing the question. So once the question is stored, each policy
-    drops that cut (``RetentionPolicy.hold_stored``) and its ``budget`` is raised by the
-    question's length; decode then runs as the spec says (``every`` cuts, if set, from the
-    raised budget).
+    ``mode="inside"``: context and question as one prompt, compressed once at its end (each
+    retention policy's ``prefill="prompt"``: the chunks accumulate and the cut comes at the
+    first answer token, voted by the prompt's last queries, so the question chooses what is
+    kept: kvpress's query-aware setting and the papers' protocol). ``mode="after"``: kvpress's
+    protocol (``prefill="chunks"``). The context is prefilled, then the question; a retention
+    policy cuts the context back to its budget as the question arrives (voted by the context's
+    own newest queries), and the question is held whole. Left alone, a policy would cut once
+    more at the first answer token, after the question's chunk: voted by the question's queries
+    and trimming the question's length off the context, so the context would no longer be
+    compressed without knowing the question. So once the question is stored, each policy drops
+    that cut (``RetentionPolicy.hold_stored``) and its ``budget`` is raised by the question's
+    length; decode then runs as the spec says (``every`` cuts, if set, from the raised budget).
 
     A method with a step after the prefill (:func:`velox_cli.evaluate.after_prefill`:
     KVzip's reconstruction, which needs ``tokenizer``) takes it once the context is stored
     (``after``; the whole prompt ``inside``), before the question.
     """
+    for c in caches:  # the protocol decides when a prompt's chunks are cut
+        policy = getattr(c, "policy", None)
+        if policy is not None:
+            policy.prefill = "prompt" if mode == "inside" else "chunks"
     if mode == "inside":
         tokens = prompt.context + prompt.question
         logits = prefill(model, caches, tokens, chunk)
