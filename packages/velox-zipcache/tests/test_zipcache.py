@@ -224,6 +224,21 @@ def test_salient_tokens_are_the_precise_ones():
         assert err[m].mean() < 0.35 * err[~m].mean(), codec.name
 
 
+@pytest.mark.parametrize("cls", [MixedChannel, MixedSeparable])
+@pytest.mark.parametrize("d,bits,low,salient", [(128, 4, 2, 0.6), (64, 8, 8, 1.0), (48, 4, 1, 0.3)])
+def test_attention_from_the_codes_equals_the_decoded(cls, d, bits, low, salient):
+    """scores and mix read the codes (mx.quantized_matmul where MLX reads them: head dims of
+    multiples of 32, widths 2-6 and 8; unpacked codes otherwise: head dim 48, 1 bit)."""
+    k, _ = kv_data(t=200, d=d)
+    codec = cls(bits, low, salient, group=100)
+    packed = codec.encode_mixed(k, blocks_mask(200, 100, codec.count))
+    q = mx.random.normal((1, 2, 3, d), key=mx.random.key(0))
+    w = mx.softmax(mx.random.normal((1, 2, 3, 200), key=mx.random.key(1)), axis=-1)
+    x = codec.decode(packed)
+    assert rel_error(codec.scores(q, packed), q @ mx.swapaxes(x, -1, -2)) < 1e-5
+    assert rel_error(codec.mix(w, packed), w @ x) < 1e-5
+
+
 def test_all_salient_keys_are_plain_per_channel_codes():
     """salient=1 (or 0) keys are per-channel affine codes over blocks: velox-core's Uniform."""
     k, _ = kv_data(t=200, d=D)

@@ -26,6 +26,12 @@ and the groups' parameters (fp16, bf16 for bf16 models), which differ by scheme:
 
 Codes are rounded against the stored (rounded) scales and minima, so decoding matches the
 encoder exactly. Every array is ``per_block``: the record's bytes are exactly what is held.
+
+Attention reads the codes (``scores``, ``mix``): each precision group's scales are folded
+into the query or the weights, so ``mx.quantized_matmul`` multiplies by the packed codes
+themselves (a token's channels are one MLX group: head dims that are multiples of 32, widths
+2-6 and 8), and the block's scores are put back in temporal order from the mask (a gather of
+one score per token). Other shapes unpack the codes first.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import mlx.core as mx
 
 from velox_core import Codec, Packed
 from velox_core.ops import pack, unpack
+from velox_core.ops.packing import MLX_GROUPS, mlx_readable
 from velox_core.ops.quant import scale_dtype
 from velox_core.validation import check_array, check_bits, check_float, check_int
 
@@ -75,6 +82,41 @@ def _affine(x: mx.array, bits: int, axis: int, sdt: mx.Dtype):
     return mx.clip(q, 0, levels).astype(mx.uint8), scale, zero
 
 
+def _mlx_group(d: int) -> int | None:
+    """The MLX group that splits ``d`` channels evenly (the largest), or None."""
+    return next((g for g in sorted(MLX_GROUPS, reverse=True) if d % g == 0), None)
+
+
+def _codes_matmul(
+    x: mx.array,
+    words: mx.array,
+    bits: int,
+    d: int,
+    transpose: bool,
+    scale: mx.array | None = None,
+    zero: mx.array | None = None,
+) -> mx.array:
+    """``x @ w.T`` (``transpose``) or ``x @ w``, ``w`` the tokens' codes (``scale * code +
+    zero`` per token where given, else the integer codes), by ``mx.quantized_matmul`` on the
+    packed words where MLX reads them, else through unpacked codes.
+
+    Shapes: x ``(..., M, d)`` (``transpose``) or ``(..., M, n)``; words uint32 ``(..., n, W)``;
+    scale and zero ``(..., n)``; returns ``(..., M, n)`` or ``(..., M, d)``.
+    """
+    group = _mlx_group(d)
+    if group is not None and mlx_readable(bits, group):
+        shape = (*words.shape[:-1], d // group)
+        if scale is None:
+            s, z = mx.ones(shape, dtype=mx.float16), mx.zeros(shape, dtype=mx.float16)
+        else:
+            s, z = (mx.broadcast_to(a[..., None], shape) for a in (scale, zero))
+        return mx.quantized_matmul(x, words, s, z, transpose=transpose, group_size=group, bits=bits)
+    c = unpack(words, bits, d).astype(mx.float32)
+    if scale is not None:
+        c = c * scale.astype(mx.float32)[..., None] + zero.astype(mx.float32)[..., None]
+    return x @ (mx.swapaxes(c, -1, -2) if transpose else c)
+
+
 class _Mixed(Codec):
     """The layout both schemes share (see the module): a subclass gives :meth:`_code` and
     :meth:`_values`.
@@ -87,6 +129,8 @@ class _Mixed(Codec):
     """
 
     settings = ("bits", "low_bits", "salient", "group")
+    compressed_scores = True
+    compressed_mix = True
 
     def __init__(self, bits: int = 4, low_bits: int = 2, salient: float = 0.6, group: int = 100):
         self.bits = check_bits("bits", bits, minimum=2, maximum=8)
@@ -142,11 +186,13 @@ class _Mixed(Codec):
         return x
 
     def _split(self, pages: mx.array) -> list[tuple[str, int, mx.array]]:
-        """``(name, bits, tokens)`` of the salient and the regular group (the empty one left
-        out)."""
-        s = self.count
-        parts = [("hi", self.bits, pages[:, :, :, :s]), ("lo", self.low_bits, pages[:, :, :, s:])]
-        return [part for part in parts if part[2].shape[3]]
+        """``(name, bits, tokens)`` of the salient and the regular group of blocks whose
+        salient tokens come first (:meth:`_parts`)."""
+        out, start = [], 0
+        for name, bits, n in self._parts():
+            out.append((name, bits, pages[:, :, :, start : start + n]))
+            start += n
+        return out
 
     def salient_mask(self, packed: Packed) -> mx.array:
         """Which tokens of a record are salient.
@@ -160,21 +206,77 @@ class _Mixed(Codec):
             return m.reshape(b, h, packed.tokens)
         return mx.full((b, h, packed.tokens), self.count == self.group, dtype=mx.bool_)
 
+    def _parts(self) -> list[tuple[str, int, int]]:
+        """``(name, bits, tokens per block)`` of the salient and the regular group (an empty
+        one left out), in the order their tokens are stored."""
+        g, s = self.group, self.count
+        parts = [("hi", self.bits, s), ("lo", self.low_bits, g - s)]
+        return [part for part in parts if part[2]]
+
+    def _rows(self, p: dict[str, mx.array]) -> mx.array | None:
+        """Each token's row among its block's ``[salient | regular]`` codes (its rank within
+        its group), or None where the block has one group.
+
+        Shapes: returns int32 ``(B, H, P, g)``.
+        """
+        if "mask" not in p:
+            return None
+        sal = unpack(p["mask"], 1, self.group).astype(mx.int32)
+        hi, lo = mx.cumsum(sal, axis=-1) - 1, self.count + mx.cumsum(1 - sal, axis=-1) - 1
+        return mx.where(sal > 0, hi, lo)
+
+    def scores(self, q: mx.array, packed: Packed) -> mx.array:
+        p = packed.data
+        b, h, m, _ = q.shape
+        qb = q[:, :, None]  # (B, H, 1, M, D): one query block against every token block
+        parts = [self._part_scores(qb, p, name, bits) for name, bits, _ in self._parts()]
+        x = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)  # (B, H, P, M, g)
+        rows = self._rows(p)
+        if rows is not None:  # back in temporal order: one score per token gathered
+            x = mx.take_along_axis(x, mx.broadcast_to(rows[:, :, :, None], x.shape), axis=-1)
+        return mx.swapaxes(x, 2, 3).reshape(b, h, m, packed.tokens)
+
+    def mix(self, w: mx.array, packed: Packed) -> mx.array:
+        p = packed.data
+        b, h, m, t = w.shape
+        g = self.group
+        wb = mx.swapaxes(w.reshape(b, h, m, t // g, g), 2, 3)  # (B, H, P, M, g)
+        rows = self._rows(p)
+        if rows is not None:  # each token's weight moved to its code's row
+            idx = mx.broadcast_to(rows[:, :, :, None], wb.shape)
+            wb = mx.put_along_axis(mx.zeros_like(wb), idx, wb, axis=-1)
+        out, start = None, 0
+        for name, bits, n in self._parts():
+            part = self._part_mix(wb[..., start : start + n], p, name, bits)
+            out, start = part if out is None else out + part, start + n
+        return mx.sum(self._finish_mix(out, p), axis=2)
+
+    def _part_scores(self, q: mx.array, p: dict[str, mx.array], name: str, bits: int):
+        """One precision group's ``q . x`` per block.
+
+        Shapes: q float32 ``(B, H, 1, M, D)``; returns ``(B, H, P, M, n)``.
+        """
+        raise NotImplementedError
+
+    def _part_mix(self, w: mx.array, p: dict[str, mx.array], name: str, bits: int):
+        """One precision group's ``w @ x`` per block (before :meth:`_finish_mix`).
+
+        Shapes: w float32 ``(B, H, P, M, n)``; returns ``(B, H, P, M, D)``.
+        """
+        raise NotImplementedError
+
+    def _finish_mix(self, out: mx.array, p: dict[str, mx.array]) -> mx.array:
+        """What applies to a block's mixed values ``(B, H, P, M, D)`` as a whole."""
+        return out
+
     def decode(self, packed: Packed) -> mx.array:
         p = packed.data
-        g, s = self.group, self.count
-        parts = []
-        if s:
-            parts.append(self._values(p, "hi", self.bits, s))
-        if g - s:
-            parts.append(self._values(p, "lo", self.low_bits, g - s))
+        g = self.group
+        parts = [self._values(p, name, bits, n) for name, bits, n in self._parts()]
         x = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=3)
-        if "mask" in p:
-            sal = unpack(p["mask"], 1, g).astype(mx.int32)  # (B, H, P, g)
-            # each token's row among [salient | regular]: its rank within its group
-            hi, lo = mx.cumsum(sal, axis=-1) - 1, s + mx.cumsum(1 - sal, axis=-1) - 1
-            row = mx.where(sal > 0, hi, lo)
-            x = mx.take_along_axis(x, row[..., None], axis=3)
+        rows = self._rows(p)
+        if rows is not None:  # back in temporal order
+            x = mx.take_along_axis(x, rows[..., None], axis=3)
         x = self._finish(x, p)
         b, h, pg, _, d = x.shape
         return x.reshape(b, h, pg * g, d)
@@ -196,10 +298,29 @@ class MixedChannel(_Mixed):
         return out
 
     def _values(self, p: dict[str, mx.array], part: str, bits: int, n: int) -> mx.array:
-        s = p[f"{part}_scale"].astype(mx.float32)[:, :, :, None]
-        z = p[f"{part}_zero"].astype(mx.float32)[:, :, :, None]
+        s, z = self._params(p, part)
         c = unpack(p[part], bits, s.shape[-1]).astype(mx.float32)
         return c * s + z
+
+    @staticmethod
+    def _params(p: dict[str, mx.array], part: str) -> tuple[mx.array, mx.array]:
+        """A group's per-channel scale and minimum, float32 ``(B, H, P, 1, D)``."""
+        s = p[f"{part}_scale"].astype(mx.float32)[:, :, :, None]
+        return s, p[f"{part}_zero"].astype(mx.float32)[:, :, :, None]
+
+    def _part_scores(self, q: mx.array, p: dict[str, mx.array], name: str, bits: int):
+        # q . (s * c + z) = (q * s) . c + q . z, per block
+        s, z = self._params(p, name)
+        qs = q * s
+        return _codes_matmul(qs, p[name], bits, s.shape[-1], True) + mx.sum(
+            q * z, axis=-1, keepdims=True
+        )
+
+    def _part_mix(self, w: mx.array, p: dict[str, mx.array], name: str, bits: int):
+        # sum_t w_t (s * c_t + z) = (w @ c) * s + (sum_t w_t) * z, per block
+        s, z = self._params(p, name)
+        wc = _codes_matmul(w, p[name], bits, s.shape[-1], False)
+        return wc * s + mx.sum(w, axis=-1, keepdims=True) * z
 
 
 class MixedSeparable(_Mixed):
@@ -229,3 +350,16 @@ class MixedSeparable(_Mixed):
 
     def _finish(self, x: mx.array, p: dict[str, mx.array]) -> mx.array:
         return x * p["chan"].astype(mx.float32)[:, :, :, None]
+
+    def _part_scores(self, q: mx.array, p: dict[str, mx.array], name: str, bits: int):
+        # q . (c (.) x_hat) = (q (.) c) . x_hat, c the block's channel scales
+        qc = q * p["chan"].astype(mx.float32)[:, :, :, None]
+        d = p["chan"].shape[-1]
+        return _codes_matmul(qc, p[name], bits, d, True, p[f"{name}_scale"], p[f"{name}_zero"])
+
+    def _part_mix(self, w: mx.array, p: dict[str, mx.array], name: str, bits: int):
+        d = p["chan"].shape[-1]
+        return _codes_matmul(w, p[name], bits, d, False, p[f"{name}_scale"], p[f"{name}_zero"])
+
+    def _finish_mix(self, out: mx.array, p: dict[str, mx.array]) -> mx.array:
+        return out * p["chan"].astype(mx.float32)[:, :, :, None]
