@@ -31,8 +31,8 @@ class TestZipCache(CacheConformance):
 
     # 3.85-bit keys and 3.62-bit values (codes and their parameters); the suite feeds 512-token
     # chunks with no query, so the last chunk and the 36 tokens past whole blocks (548 of 2,048)
-    # wait in fp16 for the queries that would score them: measured 0.450
-    max_memory_ratio = 0.46
+    # wait in fp16 for the queries that would score them: measured 0.439
+    max_memory_ratio = 0.45
     # 40% of the coded tokens at 2 bits (each block's oldest here: no query scores them) on
     # kv_data's peaked logits: measured 0.40 in test_attention_error (uniform:bits=4 0.23,
     # kivi:bits=2 0.48) and 0.76 in test_trim (its one coded block, a random query;
@@ -64,8 +64,8 @@ class TestZipCacheRouted(Routed, CacheConformance):
     precise_spec = "zipcache:bits=8,low_bits=6,group=16,window=8,sinks=4"
     same_greedy_tokens = 32
     # blocks of 16 carry 4 bits of key parameters per entry (a scale and a minimum per
-    # channel and precision group); the last 512-token chunk waits in fp16: measured 0.534
-    max_memory_ratio = 0.55
+    # channel and precision group); the last 512-token chunk waits in fp16: measured 0.531
+    max_memory_ratio = 0.54
     attention_error = 0.4  # measured 0.29 (test_attention_error) and 0.37 (test_trim)
 
 

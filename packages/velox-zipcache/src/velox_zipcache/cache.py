@@ -61,7 +61,14 @@ class ZipCacheCache(PresetCache):
         kb, vb = cfg.widths
         shared = config_fields(cfg, "low_bits", "salient", "group")
         keys = MixedChannel if cfg.key_axis == "channel" else MixedSeparable
-        return {"key_codec": keys(kb, **shared), "value_codec": MixedSeparable(vb, **shared)}
+        return {
+            "key_codec": keys(kb, **shared),
+            "value_codec": MixedSeparable(vb, **shared),
+            # the codes sized exactly: a block appended joins the stored ones in one copy (once
+            # per `group` decode steps), and no capacity slack (whose whole blocks, 100 tokens
+            # against growth quanta of powers of two, would jump from one length to the next)
+            "step": 1,
+        }
 
     def _named_stores(self) -> dict[str, PackedStore]:
         out = super()._named_stores()
