@@ -414,3 +414,12 @@ def test_batch_rows_score_their_own_tokens():
             assert np.array_equal(
                 np.array(one.salient_tokens()), np.array(both.salient_tokens()[i : i + 1])
             )
+
+
+def test_key_axis_picks_the_keys_scheme_and_the_widths_follow_the_sides():
+    c = make("zipcache:key_axis=token,key_bits=8,value_bits=6,low_bits=3,salient=0.25")
+    keys, values = c.tiers[0].key_codec, c.tiers[0].value_codec
+    assert isinstance(keys, MixedSeparable) and isinstance(values, MixedSeparable)
+    assert (keys.bits, values.bits, keys.low_bits, values.low_bits) == (8, 6, 3, 3)
+    assert keys.count == values.count == 25
+    assert isinstance(make("zipcache").tiers[0].key_codec, MixedChannel)

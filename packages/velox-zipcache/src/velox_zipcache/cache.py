@@ -16,7 +16,8 @@ A window token's score is kept beside it (float32 per token and KV head, counted
 ``nbytes``, saved with the state) until its block is coded. Tokens no query has scored when
 their block is due (the model's attention is not routed to the cache, or tokens were stored
 without attention) are coded with the newest ``salient`` share of each block taken as
-salient (the paper's "locality" rule), below any scored token of the block.
+salient (the paper's "locality" rule), below any scored token of the block; with
+``score="locality"`` that is the rule for every token (no query scores).
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ class ZipCacheConfig(CodeWidths):
         low_bits: code width of the other tokens (the paper's low width, 2); 1 to the
             salient widths.
         salient: fraction of each block's tokens coded at ``bits``, in ``[0, 1]`` (the
-            paper's saliency ratio; the authors' released setting: 0.6).
+            paper's saliency ratio; the authors' released setting: 0.6, their study of probe
+            strategies: 0.4).
         score: what ranks a block's tokens: ``"normalized"`` (the paper's normalized
             attention score), ``"accumulated"`` (the probes' attention summed, not divided by
             the probes that see each token: H2O's metric) or ``"locality"`` (the newest
