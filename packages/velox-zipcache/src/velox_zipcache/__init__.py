@@ -3,8 +3,9 @@
 
 from velox_core import Method
 
+from .blocks import MixedBlocks, locality, salient_count
 from .cache import ZipCacheCache
-from .codec import MixedChannel, MixedSeparable, locality, salient_count
+from .codec import MixedChannel, MixedSeparable
 from .config import KEY_AXES, SCORES, ZipCacheConfig
 from .saliency import normalized_scores, probe_rows, top_per_block
 
@@ -12,6 +13,7 @@ __all__ = [
     "KEY_AXES",
     "METHOD",
     "SCORES",
+    "MixedBlocks",
     "MixedChannel",
     "MixedSeparable",
     "ZipCacheCache",
