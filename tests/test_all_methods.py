@@ -59,6 +59,7 @@ def test_every_package_registered():
         "kivi",
         "kvsink",
         "kitty",
+        "zipcache",
         "gear",
         "kvarn",
         "turboquant",

@@ -26,6 +26,7 @@ POINTS: dict[str, dict[str, tuple[str, ...]]] = {
         "uniform": ("uniform:bits=4",),
         "kivi": ("kivi:bits=4,group=64,window=0",),
         "kitty": ("kitty",),
+        "zipcache": ("zipcache",),
         "gear": ("gear:bits=2,rank=2,outliers=0.01",),
         "kvsink": ("kvsink:bits=2,group=32,window=128",),
         "kvarn": ("kvarn:key_bits=4,value_bits=2",),
