@@ -69,35 +69,17 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from velox_cli.plan_shapes import SHAPES as PLAN_SHAPES
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e
 
-# Shapes beyond e2e.py's, registered in its table so that e2e.build_model builds them too.
+# Shapes beyond e2e.py's (velox plan's table), registered in its table so that
+# e2e.build_model builds them too: Llama 3.1 70B, and --tiny's CPU run in MiB budgets (sixteen
+# layers of one 128-wide KV head: one layer's keys and values, what the CPU prefill decodes
+# to float32 at a time, and one chunk's attention scores stay small beside the whole cache)
 EXTRA_SHAPES: dict[str, dict[str, Any]] = {
-    "llama3-70b": {  # Llama 3.1 70B: the 8B's config but for these
-        **e2e.SHAPES["llama3-8b"],
-        "hidden_size": 8192,
-        "num_hidden_layers": 80,
-        "intermediate_size": 28672,
-        "num_attention_heads": 64,
-    },
-    # --tiny: a CPU run in MiB budgets. Sixteen layers of one 128-wide KV head: one layer's
-    # keys and values (what the CPU prefill decodes to float32 at a time) and one chunk's
-    # attention scores stay small beside the whole cache
-    "tiny": {
-        "model_type": "llama",
-        "hidden_size": 32,
-        "num_hidden_layers": 16,
-        "intermediate_size": 64,
-        "num_attention_heads": 1,
-        "num_key_value_heads": 1,
-        "head_dim": 128,
-        "vocab_size": 512,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "max_position_embeddings": 131072,
-        "tie_word_embeddings": True,
-    },
+    name: PLAN_SHAPES[name] for name in ("llama3-70b", "tiny")
 }
 for _name, _cfg in EXTRA_SHAPES.items():
     e2e.SHAPES.setdefault(_name, _cfg)

@@ -58,57 +58,13 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-# Architecture shapes (mlx-lm config fields). Weights are random: the shapes decide the cost.
+from velox_cli.plan_shapes import SHAPES as PLAN_SHAPES
+
+# Architecture shapes (mlx-lm config fields), velox plan's own (one table for both). Weights
+# are random: the shapes decide the cost. "small" is small enough for a CPU, with 8 KV heads
+# so that the cache, not the weights, grows with context.
 SHAPES: dict[str, dict[str, Any]] = {
-    "llama3-8b": {
-        "model_type": "llama",
-        "hidden_size": 4096,
-        "num_hidden_layers": 32,
-        "intermediate_size": 14336,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "vocab_size": 128256,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "max_position_embeddings": 131072,
-        "rope_scaling": {
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-            "rope_type": "llama3",
-        },
-        "tie_word_embeddings": False,
-    },
-    "qwen2.5-7b": {
-        "model_type": "qwen2",
-        "hidden_size": 3584,
-        "num_hidden_layers": 28,
-        "intermediate_size": 18944,
-        "num_attention_heads": 28,
-        "num_key_value_heads": 4,
-        "vocab_size": 152064,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "max_position_embeddings": 131072,
-        "tie_word_embeddings": False,
-    },
-    # small enough for a CPU; 8 KV heads so that the cache, not the weights, grows with context
-    "small": {
-        "model_type": "llama",
-        "hidden_size": 512,
-        "num_hidden_layers": 4,
-        "intermediate_size": 1024,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 8,
-        "head_dim": 64,
-        "vocab_size": 2048,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "max_position_embeddings": 131072,
-        "tie_word_embeddings": True,
-    },
+    name: PLAN_SHAPES[name] for name in ("llama3-8b", "qwen2.5-7b", "small")
 }
 WEIGHTS = ("bf16", "4bit", "fp32")
 MLX_QUANTIZED = {"mlx-q4": 4, "mlx-q8": 8}

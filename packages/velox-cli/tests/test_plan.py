@@ -35,12 +35,6 @@ def _bench(name: str):
     return mod
 
 
-def test_shapes_are_the_benchmarks_shapes():
-    shapes = _bench("capacity").SHAPES  # e2e.py's, with capacity.py's own added
-    for name, config in SHAPES.items():
-        assert shapes[name] == config, name
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", CHECKED)
 def test_shipped_bytes_of_the_baselines_and_uniform_are_measured_again(shape):

@@ -1,6 +1,6 @@
-"""``velox plan``'s model shapes: the mlx-lm configs ``benchmarks/e2e.py`` (``llama3-8b``,
-``qwen2.5-7b``, ``small``) and ``benchmarks/capacity.py`` (``llama3-70b``, ``tiny``) run;
-``tests/test_plan.py`` checks they stay the benchmarks' own."""
+"""The model shapes (mlx-lm configs, random weights) of ``velox plan`` and of the benchmarks,
+which take them from here: ``benchmarks/e2e.py`` runs ``llama3-8b``, ``qwen2.5-7b`` and
+``small``, ``benchmarks/capacity.py`` also ``llama3-70b`` and ``tiny``."""
 
 from __future__ import annotations
 
