@@ -12,9 +12,10 @@ Deviations from the paper (docs/polarquant.md):
 - The rotation defaults to a randomized Hadamard transform (``d`` signs resident) instead of
   the paper's dense random rotation matrix (``rotation="haar"``: ``d^2`` float32 numbers for
   each layer's keys and values, which velox counts as resident bytes).
-- The codebooks solve the paper's Eq. 4 exactly, by Lloyd's iteration on the angle laws,
-  where the paper runs 1-D k-means++ on sampled angles (its "offline" codebook); its "online"
-  codebook, fitted on each prompt, is not carried over.
+- The offline codebooks (the default) solve the paper's Eq. 4 exactly, by Lloyd's iteration
+  on the angle laws, where the paper runs 1-D k-means++ on sampled angles. The online ones
+  (``codebook="online"``) are fitted on the first tokens the cache codes (a prefill's first
+  chunk), on at most 65,536 sampled angles a level, where the paper fits on the whole prompt.
 - Codes are packed as one bit stream a level, in whole bytes (the paper: uint8 units).
 - velox's ``flush``: with ``window=0`` up to ``flush - 1`` (63) of the newest tokens wait in
   fp16 until the next whole block of them is coded.
@@ -33,12 +34,22 @@ __all__ = ["PolarQuantCache"]
 class PolarQuantCache(PresetCache):
     """PolarQuant's cache for one layer. Parameters: see :class:`PolarQuantConfig`.
 
-    Each vector is coded on its own, so a model split by heads holds exactly its heads' share.
+    Each vector is coded on its own, so with the offline codebooks a model split by heads
+    holds exactly its heads' share.
     """
 
     method = "polarquant"
     Config = PolarQuantConfig
 
+    @classmethod
+    def split_refusal(cls, config: dict, by_heads: bool, pipelined: bool) -> str:
+        """Offline codebooks treat every KV head on its own; online ones are fitted on the
+        angles of all the layer's heads together, which a process holding some heads cannot
+        fit."""
+        if by_heads and config.get("codebook") == "online":
+            return "its online codebooks are fitted on the angles of all the layer's KV heads"
+        return ""
+
     def make_codecs(self, cfg: PolarQuantConfig, kb: int, vb: int) -> tuple[Codec, Codec]:
-        common = config_fields(cfg, "upper_bits", "levels", "rotation", "seed")
+        common = config_fields(cfg, "upper_bits", "levels", "rotation", "codebook", "seed")
         return PolarQuant(kb, **common), PolarQuant(vb, **common)

@@ -25,13 +25,12 @@ from __future__ import annotations
 import math
 from functools import cache
 
-import mlx.core as mx
 import numpy as np
 
-from velox_core.ops import BYTE_BITS, Codebook, lloyd_max
+from velox_core.ops import Codebook, lloyd_max
 from velox_core.validation import check_bits, check_int
 
-__all__ = ["MAX_LEVELS", "angle_density", "angle_range", "byte_cos_sin", "level_codebook"]
+__all__ = ["MAX_LEVELS", "angle_density", "angle_range", "level_codebook"]
 
 MAX_LEVELS = 12  # recursion depth allowed (a head dim of 4096 coordinates)
 _GRID = 1 << 18
@@ -85,21 +84,3 @@ def level_codebook(level: int, bits: int) -> Codebook:
         cb.mse,
         bits,
     )
-
-
-@cache
-def byte_cos_sin(level: int, bits: int) -> mx.array:
-    """For each byte of packed codes of a level (``bits`` in 1, 2, 4 or 8, lowest bits first),
-    the ``cos`` and ``sin`` of the levels of the codes it holds, interleaved: the factors
-    each code's angle puts on the two halves of its block.
-
-    Shapes: returns float32 ``(256, 2 * 8 // bits)``.
-    """
-    if bits not in BYTE_BITS:
-        raise ValueError(f"byte_cos_sin: bits must be one of {BYTE_BITS}, got {bits}")
-    c = level_codebook(level, bits).centroids.astype(np.float64)
-    per = 8 // bits
-    codes = (np.arange(256)[:, None] >> (np.arange(per) * bits)) & ((1 << bits) - 1)
-    theta = c[codes]  # (256, per)
-    out = np.stack([np.cos(theta), np.sin(theta)], axis=-1).reshape(256, 2 * per)
-    return mx.array(out.astype(np.float32))

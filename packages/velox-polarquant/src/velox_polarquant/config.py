@@ -8,7 +8,7 @@ from velox_core import CodeWidths
 from velox_core.validation import check_choice, check_counts, check_int, check_widths
 
 from .codebook import MAX_LEVELS
-from .codec import level_widths
+from .codec import check_codebook, level_widths
 from .rotation import ROTATIONS
 
 
@@ -29,8 +29,13 @@ class PolarQuantConfig(CodeWidths):
             side's level-1 width minus 2, which must leave at least 1).
         levels: recursion depth ``L``, 1 to 12 (the paper: 4); ``2^L`` must divide the head
             dims; each vector keeps ``d / 2^L`` radii.
-        rotation: ``"hadamard"`` (a randomized Hadamard rotation: ``d`` signs a codec) or
-            ``"haar"`` (the paper's dense random rotation matrix: ``d^2`` float32 a codec).
+        rotation: ``"hadamard"`` (a randomized Hadamard rotation: ``d`` signs a codec),
+            ``"haar"`` (the paper's dense random rotation matrix: ``d^2`` float32 a codec) or
+            None (no preconditioning, the paper's "PolarQuant" against "PolarQuant-R":
+            ``codebook="online"`` only; ``rotation=none`` in a spec).
+        codebook: ``"offline"`` (each level's codebook solved once for its angle law, shared
+            by every sequence, layer and head) or ``"online"`` (1-D k-means++ on each
+            sequence's angles, per level, side and layer, on the first tokens coded).
         window: most recent tokens kept in fp16 (0 in the paper).
         sinks: first tokens kept in fp16 (0 in the paper).
         seed: seed of the rotation, shared by keys and values of every layer (as the paper's
@@ -40,7 +45,8 @@ class PolarQuantConfig(CodeWidths):
     bits: int = 4
     upper_bits: int | None = None
     levels: int = 4
-    rotation: str = "hadamard"
+    rotation: str | None = "hadamard"
+    codebook: str = "offline"
     window: int = 0
     sinks: int = 0
     seed: int = 0
@@ -52,6 +58,7 @@ class PolarQuantConfig(CodeWidths):
             if getattr(self, name) is not None:  # the upper levels' width each side leaves
                 level_widths(getattr(self, name), self.upper_bits, self.levels, name)
         check_choice("rotation", self.rotation, ROTATIONS)
+        check_codebook(self.codebook, self.rotation)
         check_counts(self, "window", "sinks", "seed")
 
     def check_dims(self, key_dim: int, value_dim: int) -> None:
