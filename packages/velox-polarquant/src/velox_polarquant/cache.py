@@ -17,8 +17,9 @@ Deviations from the paper (docs/polarquant.md):
   (``codebook="online"``) are fitted on the first tokens the cache codes (a prefill's first
   chunk), on at most 65,536 sampled angles a level, where the paper fits on the whole prompt.
 - Codes are packed as one bit stream a level, in whole bytes (the paper: uint8 units).
-- velox's ``flush``: with ``window=0`` up to ``flush - 1`` (63) of the newest tokens wait in
-  fp16 until the next whole block of them is coded.
+- Generated tokens are coded like the prompt's (the paper's LongBench runs keep them in
+  fp16; ``window`` keeps any number so). velox's ``flush``: with ``window=0`` up to
+  ``flush - 1`` (63) of the newest tokens wait in fp16 until the next whole block is coded.
 """
 
 from __future__ import annotations
