@@ -63,6 +63,7 @@ def test_every_package_registered():
         "gear",
         "kvarn",
         "turboquant",
+        "polarquant",
         "qjl",
         "skvq",
         "kvquant",

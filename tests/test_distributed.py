@@ -155,12 +155,14 @@ SHARDED = [
     "kvarn:key_bits=4,value_bits=2,sinks=16,group=32",
     "gear:bits=4,group=32",
     "curdkv:budget=48",
+    "polarquant",
 ]
 SHARD_REFUSED = {
     "xkv:layer_group=2,key_rank=64,value_rank=64": "SVD of the channels of all KV heads",
     "adakv:budget=48": "shared among all the layer's KV heads",
     "kvzip:budget=48": "shared among the KV heads of every layer",
     "minicache:t=0.5,gamma=0.05": "range of angular distances over all the heads",
+    "polarquant:codebook=online": "online codebooks are fitted on the angles of all",
     "adakv:budget=48+uniform:bits=4": "shared among all the layer's KV heads",  # A's reason
 }
 # on the stages make_cache keeps each stage's last layer fp16 (one process: given None)
