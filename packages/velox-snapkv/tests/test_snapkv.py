@@ -50,6 +50,21 @@ class TestSnapKVEvicting(Routed, EvictingConformance):
         return SnapKVCache(budget=64, observe=8, every=8)
 
 
+class TestSnapKVPromptPrefill(Routed, EvictingConformance):
+    """``prefill="prompt"``: the prompt's chunks held and cut once at its end; batching
+    (merge, filter, extend), saving and decode cuts as with per-chunk cuts."""
+
+    # the memory check feeds 512-token chunks and no decode token: the whole prompt is held,
+    # in 4-bit codes (0.29x fp16 with scales and positions)
+    max_memory_ratio = 0.3
+
+    def make(self):
+        return SnapKVCache(budget=64, observe=8, every=8, bits=4, prefill="prompt")
+
+    def make_precise(self):
+        return SnapKVCache(budget=64, observe=8, every=8, prefill="prompt")
+
+
 # -- helpers ---------------------------------------------------------------------------------
 def planted(t, strong, h=2, r=2, seed=0, amp=8.0, noise=0.3, sign=1.0):
     """Keys, values and queries in which every query of KV head ``i``'s group points along a
