@@ -10,7 +10,6 @@ from velox_core import Uniform, load_cache, make, make_cache, save_cache
 from velox_kitty import KittyCache, KittyKeys, boosted_count
 from velox_testing import (
     CacheConformance,
-    assert_head_dim_refused,
     conformance_model,
     kv_data,
     rel_error,
@@ -227,10 +226,30 @@ def test_make_cache_refuses_bad_parameters_naming_them(spec, match):
         make_cache(model, spec)
 
 
-def test_make_cache_refuses_a_head_dim_naming_kitty_and_its_parameter():
-    assert_head_dim_refused(
-        "kitty", "value_group=128 must divide the value head dim 80", "kitty:value_group=16"
-    )
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_default_value_groups_are_the_whole_head_at_any_head_dim(head_dim, tmp_path):
+    """The paper groups a token's whole head: by default the value group is the head dim
+    (64 or 80 as well as 128), fixed once make_cache knows it, and saved as such."""
+    model = conformance_model(head_dim)
+    caches = make_cache(model, "kitty")
+    assert {c.tiers[0].value_codec.group for c in caches} == {head_dim}
+    assert {c.config()["value_group"] for c in caches} == {head_dim}
+    k, v = kv_data(h=2, t=300, d=head_dim, seed=2)
+    c = caches[0]
+    c.update_and_fetch(k, v)
+    path = str(tmp_path / "kitty.safetensors")
+    save_cache(path, [c])
+    (back,) = load_cache(path)
+    assert back.tiers[0].value_codec.group == head_dim
+    assert rel_error(back.keys_and_values()[1], c.keys_and_values()[1]) == 0
+    made = KittyCache()  # by hand: the first update fixes it
+    made.update_and_fetch(k, v)
+    assert made.tiers[0].value_codec.group == head_dim
+
+
+def test_make_cache_refuses_a_value_group_the_head_dim_does_not_take():
+    with pytest.raises(ValueError, match="value_group=128 must divide the value head dim 80"):
+        make_cache(conformance_model(80), "kitty:value_group=128")
 
 
 def test_boost_lowers_key_error_on_outlier_channels():

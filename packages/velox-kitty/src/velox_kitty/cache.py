@@ -16,6 +16,9 @@ values). Here keys and values leave the window together, a page at a time, so be
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 from velox_core import Codec, PresetCache, Uniform, config_fields
 
 from .codec import KittyKeys
@@ -36,4 +39,16 @@ class KittyCache(PresetCache):
 
     def make_codecs(self, cfg: KittyConfig, kb: int, vb: int) -> tuple[Codec, Codec]:
         keys = KittyKeys(kb, **config_fields(cfg, "boost_bits", "boost", "group", "score"))
-        return keys, Uniform(vb, cfg.value_group, axis="token")
+        # value_group=None (a whole head) is set once the head dim is known (check_dims);
+        # until then a 1-channel group stands in, never used to code
+        return keys, Uniform(vb, cfg.value_group or 1, axis="token")
+
+    def check_dims(self, key_dim: int, value_dim: int, dtype: Any = None) -> None:
+        """``value_group=None`` becomes the value head dim (the paper's whole-head groups)
+        before the codecs are asked; the config then names it, so a saved cache reloads with
+        the same groups."""
+        if self.cfg.value_group is None:
+            self.cfg = dataclasses.replace(self.cfg, value_group=value_dim)
+            vb = self.tiers[0].value_codec.bits
+            self.tiers[0].value_codec = Uniform(vb, value_dim, axis="token")
+        super().check_dims(key_dim, value_dim, dtype)

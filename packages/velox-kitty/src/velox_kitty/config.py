@@ -34,8 +34,9 @@ class KittyConfig(CodeWidths):
             the paper's system) or ``"variance"`` (variance over the page).
         group: tokens per key page (the paper's page of 128); each channel of a page has an
             fp16 scale and minimum.
-        value_group: channels per value group (values are quantized per token; the paper
-            groups a token's whole head, 128 channels).
+        value_group: channels per value group (values are quantized per token); None, the
+            default, is the value head dim: the paper groups a token's whole head (128
+            channels on its models).
         window: most recent tokens kept in fp16 (the paper's 128-token local buffer).
         sinks: first tokens kept in fp16 (the paper's 32 sink tokens).
     """
@@ -45,7 +46,7 @@ class KittyConfig(CodeWidths):
     boost: float = 0.25
     score: str = "magnitude"
     group: int = 128
-    value_group: int = 128
+    value_group: int | None = None
     window: int = 128
     sinks: int = 32
 
@@ -61,14 +62,18 @@ class KittyConfig(CodeWidths):
         check_float("boost", self.boost, minimum=0.0, maximum=1.0)
         check_choice("score", self.score, SCORES)
         check_int("group", self.group, minimum=1)
-        check_int("value_group", self.value_group, minimum=1)
+        if self.value_group is not None:
+            check_int("value_group", self.value_group, minimum=1)
         check_counts(self, "window", "sinks")
 
     def check_dims(self, key_dim: int, value_dim: int) -> None:
         """Values are quantized per token in groups of ``value_group`` channels, so it must
         divide the value head dim; key pages run along tokens (any head dim up to 256)."""
         why = "values are quantized per token in groups of `value_group` channels"
-        check_divides("kitty", "value_group", self.value_group, value_dim, "value head dim", why)
+        if self.value_group is not None:
+            check_divides(
+                "kitty", "value_group", self.value_group, value_dim, "value head dim", why
+            )
         if key_dim > 256:
             raise ValueError(
                 f"kitty: key head dim {key_dim} exceeds 256 (channel indices are uint8)"
