@@ -76,6 +76,7 @@ def test_every_package_registered():
         "tova",
         "h2o",
         "keyformer",
+        "morphkv",
         "cam",
         "kvzip",
         "pyramidkv",

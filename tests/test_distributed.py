@@ -156,6 +156,7 @@ SHARDED = [
     "gear:bits=4,group=32",
     "curdkv:budget=48",
     "polarquant",
+    "morphkv:budget=48",
 ]
 SHARD_REFUSED = {
     "xkv:layer_group=2,key_rank=64,value_rank=64": "SVD of the channels of all KV heads",

@@ -36,21 +36,21 @@ def stored(sinks=2, window=4, budget=24, t=60):
     return c, k
 
 
-def reference_votes(q, q_pos, keys, k_pos, scale):
-    """numpy: each query's softmax over the keys at or before it, summed over the queries,
-    averaged over the query heads of each KV head."""
+def reference_votes(q, q_pos, keys, k_pos, scale, fusion="sum"):
+    """numpy: each query's softmax over the keys at or before it, averaged over the query
+    heads of each KV head, then summed over the queries (``"max"``: their maximum)."""
     q, keys = np.array(q, dtype=np.float64), np.array(keys, dtype=np.float64)
     h = keys.shape[1]
     r = q.shape[1] // h
-    out = np.zeros((q.shape[0], h, keys.shape[2]))
+    per_query = np.zeros((q.shape[0], h, len(q_pos), keys.shape[2]))
     for b in range(q.shape[0]):
         for j in range(q.shape[1]):
             for i, p in enumerate(q_pos):
                 s = keys[b, j // r] @ q[b, j, i] * scale
                 s = np.where(k_pos[b, j // r] <= p, s, -np.inf)
                 w = np.exp(s - s.max())
-                out[b, j // r] += w / w.sum() / r
-    return out
+                per_query[b, j // r, i] += w / w.sum() / r
+    return per_query.max(axis=2) if fusion == "max" else per_query.sum(axis=2)
 
 
 def test_votes_are_the_softmax_over_every_stored_token_at_its_position():
@@ -76,6 +76,12 @@ def test_votes_are_the_softmax_over_every_stored_token_at_its_position():
     want = reference_votes(q[:, :, 2:], range(56, 60), keys, k_pos, SCALE)
     assert got.shape == (1, 2, t)
     np.testing.assert_allclose(got, want[:, :, n_sink : n_sink + t], rtol=1e-4, atol=1e-6)
+    # MorphKV's max fusion: the largest head-averaged weight any one query gives
+    got = np.array(w.votes(c, body_pos, fusion="max"))
+    want_max = reference_votes(q[:, :, 2:], range(56, 60), keys, k_pos, SCALE, "max")
+    np.testing.assert_allclose(got, want_max[:, :, n_sink : n_sink + t], rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="fusion"):
+        w.votes(c, body_pos, fusion="mean")
 
 
 def test_add_keeps_the_newest_queries_across_calls_and_drops_trimmed_ones():

@@ -4,16 +4,18 @@ voting (:mod:`.voting`) and votes accumulated over every query (:mod:`.accumulat
 
 from .accumulated import AccumulatedPolicy
 from .base import RetentionPolicy, top_k_sorted
-from .votes import WindowVote, pool_votes, window_votes
+from .votes import FUSIONS, WindowVote, check_fusion, pool_votes, window_votes
 from .voting import WindowVotePolicy
 from .window import QueryWindow
 
 __all__ = [
+    "FUSIONS",
     "AccumulatedPolicy",
     "QueryWindow",
     "RetentionPolicy",
     "WindowVote",
     "WindowVotePolicy",
+    "check_fusion",
     "pool_votes",
     "top_k_sorted",
     "window_votes",

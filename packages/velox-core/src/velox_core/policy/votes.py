@@ -2,8 +2,10 @@
 tokens by it (velox-snapkv, and velox-adakv's base scorer).
 
 * :func:`window_votes`: the softmax attention weights of the window's queries over every
-  stored token (each query normalized over the whole context it can see, causally), summed
-  over the window's queries and averaged over the query heads that share a KV head (GQA).
+  stored token (each query normalized over the whole context it can see, causally), averaged
+  over the query heads that share a KV head (GQA) and fused over the window's queries: summed
+  (SnapKV's votes; MorphKV's sum fusion) or their maximum (MorphKV's max fusion, arXiv
+  2503.00979, equations 5 and 6).
 * :func:`pool_votes`: 1-D pooling of those votes along the tokens, so that a voted token
   brings its neighbours (the paper's "clustering via pooling"). Tokens are neighbours by
   absolute position: on a contiguous prefix this is exactly the paper's ``pool1d`` with
@@ -21,9 +23,20 @@ import mlx.core as mx
 
 from ..validation import check_choice, check_int
 
-__all__ = ["POOLING", "WindowVote", "check_kernel", "check_pooling", "pool_votes", "window_votes"]
+__all__ = [
+    "FUSIONS",
+    "POOLING",
+    "WindowVote",
+    "check_fusion",
+    "check_kernel",
+    "check_pooling",
+    "pool_votes",
+    "window_votes",
+]
 
 POOLING = ("max", "avg")
+# how the window's queries' weights on a token combine: their sum, or the largest of them
+FUSIONS = ("sum", "max")
 
 
 def check_kernel(kernel) -> int:
@@ -41,8 +54,18 @@ def check_pooling(pooling) -> str:
     return check_choice("pooling", pooling, POOLING)
 
 
+def check_fusion(fusion) -> str:
+    """How a window's votes fuse over its queries: ``"sum"`` or ``"max"`` (:data:`FUSIONS`)."""
+    return check_choice("fusion", fusion, FUSIONS)
+
+
 def window_votes(
-    queries: mx.array, q_pos: mx.array, keys: mx.array, k_pos: mx.array, scale: float
+    queries: mx.array,
+    q_pos: mx.array,
+    keys: mx.array,
+    k_pos: mx.array,
+    scale: float,
+    fusion: str = "sum",
 ) -> mx.array:
     """Attention the observation window gives each stored token, per KV head.
 
@@ -53,11 +76,15 @@ def window_votes(
         keys: every stored key (post-RoPE).
         k_pos: absolute position of each stored key.
         scale: the model's attention scale.
+        fusion: ``"sum"``, the weights summed over the queries (then averaged over the query
+            heads of each KV head), or ``"max"``, the largest weight any one query gives
+            (each query's weights first averaged over the query heads of each KV head).
 
     Shapes:
         queries ``(B, Hq, n, D)``, q_pos int ``(n,)``, keys ``(B, H, T, D)`` with ``Hq % H
         == 0``, k_pos int ``(B, H, T)``; returns float32 ``(B, H, T)``.
     """
+    check_fusion(fusion)
     b, hq, n, d = queries.shape
     h, t = keys.shape[1], keys.shape[2]
     if hq % h:
@@ -68,6 +95,8 @@ def window_votes(
     visible = k_pos[:, :, None, None, :] <= q_pos.reshape(1, 1, 1, n, 1)
     p = mx.softmax(mx.where(visible, s, -mx.inf), axis=-1, precise=True)
     p = mx.where(visible, p, 0.0)  # a query that sees nothing votes for nothing (no NaN)
+    if fusion == "max":
+        return mx.max(mx.mean(p, axis=2), axis=2)
     return mx.mean(mx.sum(p, axis=3), axis=2)
 
 

@@ -67,13 +67,14 @@ class QueryWindow:
         """Drop the buffered queries (``end`` and ``scale`` stay, as saved)."""
         self.queries = None
 
-    def votes(self, cache, body_pos: mx.array) -> mx.array | None:
+    def votes(self, cache, body_pos: mx.array, fusion: str = "sum") -> mx.array | None:
         """The buffered queries' softmax weights on the cache's body tokens, per KV head.
 
         Each query's softmax runs over every stored token at or before its position (sinks
         ``0 ... n_sink - 1``, the body at ``body_pos``, the window's newest ``n_win``
         positions before ``cache.offset``; keys decoded by ``cache.keys_and_values()``); the
-        weights are summed over the queries and averaged over the query heads of each KV head
+        weights are averaged over the query heads of each KV head and fused over the queries,
+        summed or (``fusion="max"``) their maximum
         (:func:`~velox_core.policy.votes.window_votes`). Queries whose tokens were trimmed
         away (at or after ``cache.offset``) do not vote.
 
@@ -99,7 +100,7 @@ class QueryWindow:
             [sink_pos, body_pos.astype(mx.int32), mx.broadcast_to(win_pos, (b, h, n_win))], axis=2
         )
         q_pos = mx.arange(first, first + seen, dtype=mx.int32)
-        votes = window_votes(q[:, :, :seen], q_pos, keys, k_pos, self.scale)
+        votes = window_votes(q[:, :, :seen], q_pos, keys, k_pos, self.scale, fusion)
         return votes[:, :, n_sink : n_sink + t]
 
     # -- batch rows ---------------------------------------------------------------------------

@@ -1,0 +1,159 @@
+"""``MorphKVPolicy``: keep the recent window and the older tokens it attends to most
+(arXiv 2503.00979).
+
+MorphKV (Ghadia et al., *Dialogue Without Limits: Constant-Sized KV Caches for Extended
+Responses in LLMs*, ICML 2025) holds a cache of constant size ``C + R`` through a whole
+generation: the ``R`` most recent tokens (local coherence, the paper's heuristic H1) and the
+``C`` older tokens those recent tokens attended to most (distant relevance, H2). At step
+``i`` the window ``W_i = {x_{i-1}, ..., x_{i-R}}`` gives each older token ``k`` a fused score
+``F_i[k] = f(AW_{i-1}[k], ..., AW_{i-R}[k])`` (equation 4), with ``AW_r`` the softmax
+attention weights of token ``r``'s query (equation 1, the query heads of a KV head summed
+under GQA, Algorithm 1) and ``f`` a sum (equation 5: tokens attended consistently) or a max
+(equation 6: tokens attended strongly by at least one recent token). The cache keeps
+``TopC(F_i) ∪ W_i`` (equation 7), re-selected at every decode step, so that, unlike SnapKV,
+generated tokens are evicted too and memory never grows with the response.
+
+How it runs in velox: :meth:`MorphKVPolicy.observe` buffers the newest ``observe`` (``R``)
+post-RoPE queries of its layer (velox-core's :class:`~velox_core.policy.QueryWindow`; they
+reach the cache only inside ``velox_core.routed(model)`` or ``velox_core.generate``). velox-core
+calls :meth:`~velox_core.RetentionPolicy.before_update` before the next tokens are stored:
+after a prefill chunk, and during decode once the cache holds ``budget + every`` tokens
+(``every=1``: the paper's cut at every step). The cut recomputes the buffered queries'
+softmax weights over every stored token (sinks, body, window: decoded), averages them over
+the query heads of each KV head, fuses them over the queries by ``fusion``
+(:func:`~velox_core.policy.window_votes`) and keeps, per KV head, the newest ``observe``
+tokens (the window itself, ``+inf``) and the top ``budget - observe - sinks`` older ones. The
+cut runs before the new token is stored, with the window of the ``R`` tokens before it, so
+attention runs over ``budget`` tokens plus the new one, as in the authors' cache.
+
+Deviations from the paper (also in docs/morphkv.md):
+
+* **The prompt.** The authors hold the whole prompt and compress it at the first decode step,
+  voted by the prompt's last ``R`` queries: ``prefill="prompt"``. With the default
+  ``prefill="chunks"`` each prefill chunk is followed by a cut voted by that chunk's last
+  ``observe`` queries, so peak memory stays at ``budget`` plus one chunk.
+* **Normalisation.** Each window query's softmax runs over everything it sees among the
+  tokens stored at the cut (the paper's ``AW_r``); the authors' code renormalises each
+  query's weights over the older tokens alone and sums the logits of a KV head's query
+  heads before that softmax (the paper sums their weights).
+* **``every`` > 1** (the paper's coarse-grained eviction, appendix A.5) cuts ``every``
+  tokens at once, voted by the latest window.
+* **No observed queries**: without routing a cut raises (no query can ever vote); routed but
+  before any query reached the cache, a cut keeps the most recent tokens; tokens stored after
+  the newest buffered query (never seen by it) are kept.
+* Weights come from the stored keys (their codes when ``bits`` is set); learned per-head sink
+  logits (gpt-oss) are not part of their softmax.
+
+State: ``{"queries": (B, Hq, n <= observe, D)}``; meta adds ``q_end`` (the position after the
+newest query) and ``scale`` to the base policy's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from velox_core import RetentionPolicy
+from velox_core.policy import QueryWindow, check_fusion
+from velox_core.validation import check_int
+
+__all__ = ["MorphKVPolicy"]
+
+
+class MorphKVPolicy(RetentionPolicy):
+    """MorphKV's retention policy: per KV head, the recent window and the older tokens it
+    attends to most.
+
+    Args:
+        budget: tokens kept per KV head (the paper's total capacity ``C + R``: sinks, the
+            recent window and the older tokens it votes for), or None (keep every token).
+        every: during decode, cut once the cache holds ``budget + every`` tokens (1: the
+            paper, a re-selection at every step).
+        observe: the recent window ``R``: how many of the newest queries vote, and how many
+            of the newest tokens are always kept.
+        fusion: how the window's weights on a token combine: ``"sum"`` or ``"max"``.
+    """
+
+    name = "morphkv"
+
+    def __init__(
+        self, budget: int | None = None, every: int = 1, observe: int = 32, fusion: str = "sum"
+    ):
+        if every is None:
+            raise ValueError(
+                "every=None: MorphKV re-selects the kept tokens during decode (that bounds a "
+                "long response); every must be a whole number of decode steps >= 1 (1: the "
+                "paper). For a prompt-only cut use snapkv"
+            )
+        super().__init__(budget, every)
+        self.fusion = check_fusion(fusion)
+        self.window = QueryWindow(check_int("observe", observe, minimum=1))
+
+    def config(self) -> dict[str, Any]:
+        return {**super().config(), "observe": self.window.size, "fusion": self.fusion}
+
+    def attach(self, cache) -> None:
+        super().attach(cache)
+        always = cache.sinks + max(cache.window, self.window.size)
+        if self.budget is not None and self.budget <= always:
+            raise ValueError(
+                f"budget={self.budget} must exceed sinks + max(window, observe) = {always} "
+                "(the recent window is always kept, and at least one older token must fit)"
+            )
+
+    # the buffered queries and the position after them (tests read them)
+    @property
+    def _queries(self) -> mx.array | None:
+        return self.window.queries
+
+    @property
+    def _q_end(self) -> int:
+        return self.window.end
+
+    def observe(self, cache, queries: mx.array, scale: float) -> None:
+        """Buffer the newest ``observe`` queries of this call (:meth:`QueryWindow.add`)."""
+        if self.budget is not None:
+            self.window.add(cache, queries, scale)
+
+    # -- choosing ---------------------------------------------------------------------------
+    def score(self, cache) -> list[mx.array | None]:
+        """Per KV head ``(B, T)`` float32: the window's fused weight on each older body token;
+        ``+inf`` for the newest ``observe`` tokens and for tokens no buffered query has seen."""
+        pos = cache.body_positions()
+        if any(p is None for p in pos):
+            return pos
+        body_pos = mx.stack(pos, axis=1)  # (B, H, T)
+        votes = self.window.votes(cache, body_pos, self.fusion)
+        if votes is None and not cache.routed:
+            raise ValueError(
+                "morphkv: the recent window's queries choose the older tokens to keep, and "
+                "only velox attention sees them: run the model inside "
+                "velox_core.routed(model) (velox_core.generate does)"
+            )
+        if votes is None:  # routed, but no query has reached the cache yet: the most recent
+            s = body_pos.astype(mx.float32)
+        else:
+            s = mx.where(body_pos >= self.window.end, mx.inf, votes)
+        s = mx.where(body_pos >= cache.offset - self.window.size, mx.inf, s)
+        return [s[:, h] for h in range(s.shape[1])]
+
+    # -- batch rows (called by VeloxCache.filter / extend) ----------------------------------
+    def filter_batch(self, idx: mx.array) -> None:
+        self.window.filter_batch(idx)
+
+    def extend_batch(self, other: MorphKVPolicy) -> None:
+        self.window.extend_batch(other.window)  # other positions: vote from the next queries
+
+    # -- state: {"queries": (B, Hq, n, D)}, meta "q_end" and "scale" --------------------------
+    def state(self) -> dict[str, mx.array]:
+        return self.window.state("queries")
+
+    def meta(self) -> Any:
+        return {**super().meta(), **self.window.meta()}
+
+    def set_state(self, state: dict[str, mx.array], meta: Any) -> None:
+        state = dict(state)
+        queries = state.pop("queries", None)
+        super().set_state(state, meta)
+        self.window.set_state(queries, meta)
