@@ -162,23 +162,3 @@ def _merge_zeros(groups: list[Group]) -> list[Group]:
         else:
             out.append(g)
     return out
-
-
-def plan_error(table: dict[tuple[int, str], np.ndarray], plan: Plan, components: int) -> float:
-    """The error ``table`` predicts for ``plan`` (components after it dropped)."""
-    total, i = 0.0, 0
-    for g in plan.groups:
-        for s in _tiles(g, i):
-            total += table[(s, g.dtype)][i // s]
-            i += s
-    for s in _tiles(Group(components - i, "zero"), i):
-        total += table[(s, "zero")][i // s]
-        i += s
-    return total
-
-
-def _tiles(g: Group, start: int) -> list[int]:
-    """A merged zero group as aligned sizes from ``start`` (a stored group is one tile)."""
-    if g.dtype != "zero":
-        return [g.size]
-    return [1] * g.size

@@ -102,11 +102,12 @@ def to_rows(
     """
     keys, values = [], []
     for (k, v), rope in zip(kv, ropes):
-        b = k.shape[0]
+        b, h, _, dk = k.shape
+        n = b * (stop - start)
         pre = rotate(k[:, :, start:stop], start, rope, inverse=True)
-        keys.append(pre.transpose(0, 2, 1, 3).reshape(b * (stop - start), -1))
+        keys.append(pre.transpose(0, 2, 1, 3).reshape(n, h * dk))
         vv = v[:, :, start:stop].astype(mx.float32)
-        values.append(vv.transpose(0, 2, 1, 3).reshape(b * (stop - start), -1))
+        values.append(vv.transpose(0, 2, 1, 3).reshape(n, h * v.shape[3]))
     return mx.concatenate(keys, axis=1), mx.concatenate(values, axis=1)
 
 
