@@ -38,6 +38,8 @@ if __name__ == "__main__":
         tokens=32768,
         per_file=1024,
         options=(Option("--ratios", str, "16,20,24,32", "target ratios (comma-separated)"),),
-        note=lambda art: f"; components {art.bases['key'].shape[1]} + "
-        f"{art.bases['value'].shape[1]}, {art.nbytes} bytes",
+        note=lambda art: (
+            f"; components {art.bases['key'].shape[1]} + "
+            f"{art.bases['value'].shape[1]}, {art.nbytes} bytes"
+        ),
     )

@@ -98,7 +98,7 @@ def test_more_bits_never_cost_accuracy_and_stay_within_budget():
         plan = allocate(table, z.shape[1], budget)
         assert plan.bits <= budget
         errors.append(_error(table, plan, z.shape[1]))
-    assert all(b <= a + 1e-9 for a, b in zip(errors, errors[1:]))
+    assert all(b <= a + 1e-9 for a, b in itertools.pairwise(errors))
     assert errors[0] == pytest.approx(float(mx.sum(z * z)), rel=1e-4)  # nothing stored
 
 
@@ -117,7 +117,8 @@ def test_integer_codes_err_by_at_most_half_a_step(dtype):
     assert codes.dtype == mx.uint8 and int(mx.max(codes)) < 2 ** int(dtype[3:])
     err = mx.abs(dequantize(codes, dtype, shift, scale) - x)
     # the float16 shift may round away from the minimum by half its own ulp
-    slack = scale.astype(mx.float32)[:, None] / 2 + mx.abs(shift.astype(mx.float32))[:, None] * 2**-11
+    half_ulp = mx.abs(shift.astype(mx.float32))[:, None] * 2**-11
+    slack = scale.astype(mx.float32)[:, None] / 2 + half_ulp
     assert bool(mx.all(err <= slack + 1e-6))
 
 
