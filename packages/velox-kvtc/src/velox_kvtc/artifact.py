@@ -49,7 +49,7 @@ __all__ = [
 FORMAT = "velox-kvtc"
 VERSION = "1"
 SIDES = ("key", "value")
-HOW_TO_FIT = "velox fit kvtc --model PATH --text CALIBRATION.txt"
+HOW_TO_FIT = "python -m velox_kvtc fit --model PATH --text CALIBRATION.txt --out FILE"
 
 
 class MissingBasisError(FileNotFoundError):
