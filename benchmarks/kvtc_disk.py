@@ -41,6 +41,8 @@ from velox_cli.bench import load_model
 from velox_cli.data import load_text
 from velox_core import load_cache, make_cache, routed, save_cache
 from velox_core.artifacts import token_stream
+from velox_kvtc import SINKS, WINDOW
+from velox_kvtc.features import to_rows
 
 CHUNK = 1024
 
@@ -122,10 +124,25 @@ def _fp16_row(model, caches, f: Path, text: list[int], steps: int) -> tuple[dict
     return row, ref
 
 
+def _coded_errors(caches, loaded, basis) -> dict:
+    """Root-mean-square error of the coded rows (RoPE undone), relative to their spread
+    around the basis's mean, per side."""
+    ropes = [basis.ropes[i] for i in basis.layers]
+    kv = [[c.keys_and_values() for c in cs] for cs in (caches, loaded)]
+    t = kv[0][0][0].shape[2]
+    a, b = to_rows(kv[0], ropes, SINKS, t - WINDOW), to_rows(kv[1], ropes, SINKS, t - WINDOW)
+    out = {}
+    for side, x, y in zip(("key", "value"), a, b):
+        spread = mx.sum(mx.square(x - basis.means[side]))
+        out[f"{side}_rel_err"] = float(mx.sqrt(mx.sum(mx.square(x - y)) / spread))
+    return out
+
+
 def _kvtc_row(model, caches, basis, ratio: float, f: Path, text, ref, fp16: int) -> dict:
     sizes, save_s = _timed(lambda: velox_kvtc.save(f, caches, basis=basis, ratio=ratio))
     load = lambda: velox_kvtc.load(f, basis=basis)  # noqa: E731
     _, load_s = _timed(lambda: mx.eval([[c.keys, c.values] for c in load()]))
+    errors = _coded_errors(caches, load(), basis)
     row = {
         "cache": f"kvtc ratio={ratio:g}",
         "bytes": sizes.total,
@@ -135,6 +152,7 @@ def _kvtc_row(model, caches, basis, ratio: float, f: Path, text, ref, fp16: int)
         "exact_bytes": sizes.exact,
         "codes_bytes": sizes.codes,
         "scales_bytes": sizes.scales,
+        **errors,
         "save_s": save_s,
         "load_s": load_s,
     }
@@ -197,16 +215,17 @@ def main() -> None:
 
     print(f"\n{args.tokens}-token prompts x {args.prompts}, {path}, {args.steps} decode steps")
     print(
-        "| prompt | cache | bytes | x fp16 | x with basis | KL | top-1 | same tokens "
-        "(first diff: fp16 margin) | save s | load s |"
+        "| prompt | cache | bytes | x fp16 | x with basis | K / V error | KL | top-1 | same "
+        "tokens (first diff: fp16 margin) | save s | load s |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     for r in rows:
         wb = f"{r['x_fp16_with_basis']:.2f}" if "x_fp16_with_basis" in r else "-"
+        err = f"{r['key_rel_err']:.3f} / {r['value_rel_err']:.3f}" if "key_rel_err" in r else "-"
         first = r["first_divergence"]
         diff = "" if first is None else f" ({first}: {r['fp16_margin_there']:.2f})"
         print(
-            f"| {r['prompt']} | {r['cache']} | {r['bytes']:,} | {r['x_fp16']:.2f} | {wb} | "
+            f"| {r['prompt']} | {r['cache']} | {r['bytes']:,} | {r['x_fp16']:.2f} | {wb} | {err} | "
             f"{r['kl']:.4f} | {r['top1']:.3f} | {r['same_tokens']}/{args.steps}{diff} | "
             f"{r['save_s']:.2f} | {r['load_s']:.2f} |"
         )

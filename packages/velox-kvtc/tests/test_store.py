@@ -92,6 +92,17 @@ def test_short_caches_are_kept_whole_and_batches_roundtrip():
         assert _sq(k[1], k2[1]) < 0.25 * _sq(k[1], mx.zeros_like(k[1]))
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_exact_tokens_keep_their_dtype(dtype):
+    caches = prefilled(100, dtype=dtype)
+    kt.save(tmp("dtype.kvtc"), caches, basis=basis(), ratio=4, window=WINDOW)
+    back = kt.load(tmp("dtype.kvtc"), basis=basis())
+    for (k, v), (k2, v2) in zip(_kv(caches), _kv(back)):
+        assert k2.dtype == v2.dtype == dtype
+        assert bool(mx.array_equal(k[:, :, -WINDOW:], k2[:, :, -WINDOW:]))
+        assert bool(mx.array_equal(v[:, :, :SINKS], v2[:, :, :SINKS]))
+
+
 def test_loaded_caches_continue_decoding():
     m, caches = model(), prefilled(200)
     kt.save(tmp("cont.kvtc"), caches, basis=basis(), ratio=3, metadata={"note": "x"})
@@ -265,6 +276,12 @@ def test_what_encode_refuses():
         kt.encode(caches, basis=b, ratio=4, metadata={"a": 1})
     with pytest.raises(ValueError, match="pass basis="):
         kt.encode(caches, ratio=4)
+    with pytest.raises(TypeError, match="basis must be"):
+        kt.encode(caches, basis=3, ratio=4)
+    with pytest.raises(TypeError, match="basis must be"):
+        kt.decode(kt.encode(caches, basis=b, ratio=4), basis=3)
+    with pytest.raises(ValueError, match="finite"):
+        kt.encode(caches, basis=b, ratio=float("nan"))
     with pytest.raises(ValueError, match="1 cached layers"):
         kt.encode(caches[:1], basis=b, ratio=4)
     bad = prefilled(60)

@@ -48,8 +48,12 @@ def _find(h: Header) -> art.KvtcBasis:
 def _basis_for(h: Header, basis: Any) -> art.KvtcBasis:
     if basis is None:
         b = _find(h)
+    elif isinstance(basis, art.KvtcBasis):
+        b = basis
+    elif isinstance(basis, (str, os.PathLike)):
+        b = art.load_basis_cached(basis)
     else:
-        b = basis if isinstance(basis, art.KvtcBasis) else art.load_basis_cached(basis)
+        raise TypeError(f"kvtc: basis must be a KvtcBasis or a file path, got {basis!r}")
     if b.basis_id != h.basis_id:
         raise ValueError(
             f"kvtc: the cache was coded with basis {h.basis_id[:16]}..., the basis given is "

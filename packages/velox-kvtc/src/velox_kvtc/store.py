@@ -69,8 +69,10 @@ class Sizes:
 def _basis(basis: Any, model: Any) -> art.KvtcBasis:
     if isinstance(basis, art.KvtcBasis):
         out = basis
-    elif basis is not None:
+    elif isinstance(basis, (str, os.PathLike)):
         out = art.load_basis_cached(basis)
+    elif basis is not None:
+        raise TypeError(f"kvtc: basis must be a KvtcBasis or a file path, got {basis!r}")
     elif model is not None:
         out = art.load_basis_cached(art.resolve_basis(model))
     else:
