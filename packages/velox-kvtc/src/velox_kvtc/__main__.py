@@ -1,7 +1,7 @@
 """``python -m velox_kvtc``: fit a model's KVTC basis, show an artifact, inspect a cache.
 
     python -m velox_kvtc fit --model PATH --text FILE [FILE ...] [--out FILE]
-        [--tokens 32768] [--seq-len 2048] [--ratios 16 20 24 32] [--dtype float32]
+        [--tokens 32768] [--seq-len 2048] [--ratios 8,16,20,24,32] [--dtype float32]
     python -m velox_kvtc show FILE
     python -m velox_kvtc inspect CACHE
 
