@@ -1,0 +1,93 @@
+"""``python -m velox_kvtc``: fit a model's KVTC basis, show an artifact, inspect a cache.
+
+    python -m velox_kvtc fit --model PATH --text FILE [FILE ...] [--out FILE]
+        [--tokens 32768] [--seq-len 2048] [--ratios 8,16,20,24,32] [--dtype float32]
+    python -m velox_kvtc show FILE
+    python -m velox_kvtc inspect CACHE
+
+``fit`` loads the model with ``mlx_lm.load``, tokenizes the text files with the model's own
+tokenizer (each file followed by the EOS token) and writes the artifact to ``--out``
+(default: ``~/.cache/velox/kvtc-<fingerprint>.safetensors``, where saves and loads find it).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from velox_core.artifacts_cli import ArtifactCommand, Option
+
+from .artifact import SIDES, KvtcBasis, load_basis, save_basis
+from .fit import RATIOS, fit_kvtc
+from .load import inspect
+
+
+def _ratios(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.replace(",", " ").split())
+    except ValueError:
+        raise ValueError(f"--ratios: numbers separated by commas, got {text!r}") from None
+
+
+def _fit(model, tokenizer, texts, *, ratios: str, **kwargs):
+    return fit_kvtc(model, tokenizer, texts, ratios=_ratios(ratios), **kwargs)
+
+
+def _describe(b: KvtcBasis) -> dict:
+    return {
+        "layers": {i: list(g) for i, g in b.geometry.items()},
+        "basis": {s: list(b.bases[s].shape) for s in SIDES},
+        "basis_bytes": b.nbytes,
+        "basis_id": b.basis_id,
+        "plans": {
+            r: {
+                s: {"bits": p.bits, "components": p.components, "groups": p.to_json()}
+                for s, p in v.items()
+            }
+            for r, v in b.plans.items()
+        },
+    }
+
+
+COMMAND = ArtifactCommand(
+    "kvtc",
+    "KVTC basis",
+    _fit,
+    save_basis,
+    load_basis,
+    _describe,
+    lambda b: (
+        f"{b.bases['key'].shape[1]} + {b.bases['value'].shape[1]} components, "
+        f"ratios {', '.join(sorted(b.plans, key=float))}"
+    ),
+    options=(
+        Option(
+            "--ratios",
+            str,
+            ",".join(f"{r:g}" for r in RATIOS),
+            "target ratios to allocate bits for (comma-separated)",
+        ),
+    ),
+    tokens=32768,
+    doc=__doc__,
+)
+fit_main = COMMAND.fit_main
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["inspect"]:
+        if len(args) != 2:
+            print("usage: python -m velox_kvtc inspect CACHE", file=sys.stderr)
+            return 2
+        try:
+            print(json.dumps(inspect(args[1]), indent=1))
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
+    return COMMAND.main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
