@@ -35,6 +35,22 @@ does; velox's ``kvzip:budget=P%`` runs ``velox_kvzip.compress`` after the contex
 name; here it gets the GGUF's without its chat template (the prompts are raw text), so both
 sides repeat with ``"\n\nRepeat the previous context exactly."`` then ``"\n"``.
 
+Gemma 3 (``--model gemma3``, KVzip only): velox compresses its 3 global layers and leaves
+the 15 sliding-window layers to mlx-lm's ``RotatingKVCache``; kvpress 0.5.5's ``KVzipPress``
+refuses Gemma 3 (``"KVzipPress is not supported for Gemma3ForCausalLM"``). The kvpress half
+then runs it through ``_Gemma3KVzipPress``, which lifts that refusal and changes one thing:
+``compress_post`` ranks and masks the global layers only (kvpress's own code, applied to the
+layers whose ``self_attn.is_sliding`` is False; the sliding layers' scores, which kvpress would
+rank with the rest, are left out and nothing of theirs is masked). The reconstruction passes,
+the scores and the pruning rule are kvpress's: its hooks score every layer and cut each one's
+cache back to the context after every pass, so the sliding layers see the context as the
+prefill left it, as velox restores them. Kept positions and their overlap are those of the
+global layers, also per layer (``jaccard_layers``). KVzipPress encodes its instructions with
+the tokenizer it loads; transformers 5.2 builds Gemma 3's from the GGUF into other pieces than
+velox's (16 ids for the first instruction against velox's 7, one per word), so the
+worker hands KVzipPress velox's ids for its own texts, as the prompts themselves go (SmolLM2's
+tokenize alike either way).
+
 Not compared: kvpress's ``QFilterPress`` downloads its filters from the Hugging Face Hub
 (``nthngdy/<model>_qfilt``, none for SmolLM2) and this benchmark runs offline.
 
@@ -75,7 +91,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +145,14 @@ KVPRESS_LABELS = {
 # KVzipPress's first repeat instruction (velox-kvzip's default prompt); both sides must
 # tokenize it alike for the kept positions to be comparable
 KVZIP_PROMPT = "\n\nRepeat the previous context exactly."
+# the texts KVzipPress encodes without a chat template: its two instructions and its suffix
+# (velox-kvzip's defaults), and the empty template prefix
+KVZIP_TEXTS = (
+    KVZIP_PROMPT,
+    "\n\nRepeat the part of the previous context exactly, starting with",
+    "\n",
+    "",
+)
 
 
 def _share(ratio: float) -> str:
@@ -180,13 +204,79 @@ def _kvpress_worker(job_path: str, out_path: str) -> None:
     # without a template)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     tokenizer.chat_template = None
+    own_ids = tokenizer.encode(KVZIP_PROMPT, add_special_tokens=False)
+    texts = job.get("texts") or {}
+
+    class _Shim:
+        """The GGUF's tokenizer, giving velox's ids for KVzipPress's own texts (the prompts
+        come as velox's ids already): transformers 5.2 builds Gemma 3's tokenizer from the
+        GGUF without its merges and splits the instruction into 16 pieces, velox into 7
+        (SmolLM2's tokenize alike either way)."""
+
+        chat_template = None
+
+        @staticmethod
+        def encode(text, return_tensors=None, add_special_tokens=True):
+            if text not in texts:
+                return tokenizer.encode(
+                    text, return_tensors=return_tensors, add_special_tokens=add_special_tokens
+                )
+            ids = [*([tokenizer.bos_token_id] if add_special_tokens else []), *texts[text]]
+            return torch.tensor([ids], dtype=torch.long) if return_tensors == "pt" else ids
 
     class _Tokenizer:
         @staticmethod
         def from_pretrained(*args, **kwargs):
-            return tokenizer
+            return _Shim
 
     kvpress.presses.kvzip_press.AutoTokenizer = _Tokenizer
+    # the layers a press compresses: all but Gemma 3's sliding-window ones (velox leaves those
+    # to mlx-lm's RotatingKVCache)
+    scored = [i for i, lay in enumerate(layers) if not getattr(lay.self_attn, "is_sliding", False)]
+    gemma3 = model.config.model_type.startswith("gemma3")
+    if gemma3:
+        kvzip_module = kvpress.presses.kvzip_press
+
+        class _Gemma3KVzipPress(KVzipPress):
+            """kvpress's KVzipPress on Gemma 3's global layers (0.5.5 refuses Gemma 3): its
+            reconstruction and scores unchanged; the ranking and the masks over the global
+            layers alone (kvpress's ``compress_post`` on those layers)."""
+
+            @contextmanager
+            def __call__(self, model):
+                refused = kvzip_module.Gemma3PreTrainedModel
+                kvzip_module.Gemma3PreTrainedModel = type("_NotGemma3", (), {})
+                try:
+                    with KVzipPress.__call__(self, model):
+                        kvzip_module.Gemma3PreTrainedModel = refused
+                        yield
+                finally:
+                    kvzip_module.Gemma3PreTrainedModel = refused
+
+            def compress_post(self, model):
+                if self.compression_ratio <= 0:
+                    return
+                mods = [model.model.layers[i].self_attn for i in scored]
+                for layer in model.model.layers:
+                    layer.self_attn.masked_key_indices = None
+                sv = self.score_val[scored]
+                sv[..., : self.n_sink] = sv.amax() + 1.0
+                n_layer, bsz, heads, ctx_len = sv.shape
+                if self.layerwise:
+                    nl = int(bsz * heads * ctx_len * self.compression_ratio)
+                    n_pruned_layers = nl * torch.ones(n_layer, dtype=torch.int)
+                else:
+                    n_pruned = int(sv.numel() * self.compression_ratio)
+                    pruned = torch.topk(-sv.reshape(-1), n_pruned).indices
+                    per_layer = bsz * heads * ctx_len
+                    n_pruned_layers = torch.bincount(pruned // per_layer, minlength=n_layer).int()
+                for j, module in enumerate(mods):
+                    n_pruned = n_pruned_layers[j].cpu()
+                    indices = torch.topk(-sv[j].reshape(bsz, -1), n_pruned, dim=1).indices
+                    indices = indices.flatten().cpu()
+                    batch = torch.arange(bsz).repeat_interleave(n_pruned)
+                    module.masked_key_indices = (batch, indices // ctx_len, indices % ctx_len)
+
     stop = set(job["eos"])
     gen_eos = model.generation_config.eos_token_id
     stop.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
@@ -209,7 +299,7 @@ def _kvpress_worker(job_path: str, out_path: str) -> None:
         if name == "expected-attention":
             return ExpectedAttentionPress(compression_ratio=ratio)
         if name == "kvzip":
-            return KVzipPress(compression_ratio=ratio)
+            return (_Gemma3KVzipPress if gemma3 else KVzipPress)(compression_ratio=ratio)
         raise ValueError(f"unknown press {name!r}")
 
     @torch.inference_mode()
@@ -283,7 +373,7 @@ def _kvpress_worker(job_path: str, out_path: str) -> None:
                 )
                 row = {"key": p["key"], "press": name, "ratio": ratio, "ids": ids}
                 row["seconds"] = round(time.perf_counter() - t, 2)
-                m = kept_mask(full, keys, pruned)
+                m = kept_mask(*([x[i] for i in scored] for x in (full, keys, pruned)))
                 row["kept_per_head"] = float(m.sum(-1).mean())
                 if p["key"] in overlap:
                     row["mask"] = f"m{len(masks)}"
@@ -299,7 +389,9 @@ def _kvpress_worker(job_path: str, out_path: str) -> None:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "attention": model.config._attn_implementation,
-        "repeat_prompt_ids": tokenizer.encode(KVZIP_PROMPT, add_special_tokens=False),
+        "repeat_prompt_ids": _Shim.encode(KVZIP_PROMPT, add_special_tokens=False),
+        "own_repeat_prompt_ids": own_ids,
+        "layers": scored,
         "seconds": round(time.perf_counter() - t_all, 1),
     }
     np.savez_compressed(Path(out_path).with_suffix(".npz"), **masks)
@@ -346,11 +438,12 @@ def _preload_blas() -> None:
 
 def _kept_positions(caches: list, n: int) -> np.ndarray | None:
     """``(L, H, n)`` bool: the context positions (``< n``) each velox cache holds per KV
-    head, from its sinks, window and body positions; None for a cache that tracks none."""
+    head, from its sinks, window and body positions, over the layers velox compresses (the
+    model's own caches, Gemma 3's sliding-window layers, left out); None where none does."""
     rows = []
     for c in caches:
         if not (hasattr(c, "body_positions") and hasattr(c, "protected_keys")):
-            return None
+            continue
         m = np.zeros((c.kv_heads, n), dtype=bool)
         _, _, sink_pos, win_pos = c.protected_keys()
         fixed = np.concatenate([np.array(sink_pos), np.array(win_pos)]).astype(np.int64)
@@ -360,7 +453,7 @@ def _kept_positions(caches: list, n: int) -> np.ndarray | None:
                 q = np.array(pos[0]).astype(np.int64)
                 m[h, q[q < n]] = True
         rows.append(m)
-    return np.stack(rows)
+    return np.stack(rows) if rows else None
 
 
 def _velox_masks(model, store, prompt, spec: str, chunk: int, tokenizer):
@@ -386,9 +479,14 @@ def _velox_masks(model, store, prompt, spec: str, chunk: int, tokenizer):
 
 def _jaccard(a: np.ndarray, b: np.ndarray) -> float:
     """Jaccard index of two ``(L, H, n)`` kept sets, per layer and head, averaged."""
+    return float(np.mean(_jaccard_layers(a, b)))
+
+
+def _jaccard_layers(a: np.ndarray, b: np.ndarray) -> list[float]:
+    """Jaccard index of two ``(L, H, n)`` kept sets per layer (averaged over its heads)."""
     inter = (a & b).sum(-1)
     union = (a | b).sum(-1)
-    return float(np.mean(np.where(union > 0, inter / np.maximum(union, 1), 1.0)))
+    return np.mean(np.where(union > 0, inter / np.maximum(union, 1), 1.0), axis=-1).tolist()
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -419,6 +517,9 @@ def _cell(rows: list[dict[str, Any]]) -> dict[str, Any]:
         out["matched_agreement"] = _mean(
             [float(r["kvpress_score"] == r["matched_score"]) for r in rows]
         )
+    per_layer = [r["jaccard_layers"] for r in rows if r.get("jaccard_layers") is not None]
+    if per_layer:
+        out["jaccard_layers"] = np.mean(per_layer, axis=0).tolist()
     for k in (
         "kvpress_kept",
         "velox_budget",
@@ -526,6 +627,11 @@ def main(argv: list[str] | None = None) -> int:
     for r in a.ratios:
         if not 0 < r < 1:
             ap.error(f"a compression ratio must be in (0, 1), got {r}")
+    if a.model.lower() == "gemma3" and set(a.presses) != {"kvzip"}:
+        ap.error(
+            "--model gemma3 compares KVzip only (--presses kvzip): velox leaves Gemma 3's "
+            "sliding-window layers uncompressed, kvpress's scorer presses compress them too"
+        )
     _preload_blas()
     return _compare(a)
 
@@ -535,8 +641,11 @@ def _digest(prompt) -> str:
     return hashlib.sha256(json.dumps([prompt.context, prompt.question]).encode()).hexdigest()[:16]
 
 
-def _run_kvpress(a: argparse.Namespace, gguf: Path, eos: set[int], prompts: dict, overlap: list):
-    """The kvpress half in ``--kvpress-python``: its output and its kept-position masks."""
+def _run_kvpress(
+    a: argparse.Namespace, gguf: Path, eos: set[int], prompts: dict, overlap: list, tokenizer
+):
+    """The kvpress half in ``--kvpress-python``: its output and its kept-position masks
+    (``tokenizer``: velox's, whose ids KVzipPress gets for its own texts)."""
     with tempfile.TemporaryDirectory(prefix="kvpress-compare-") as tmp:
         job = {
             "gguf": str(gguf),
@@ -545,6 +654,7 @@ def _run_kvpress(a: argparse.Namespace, gguf: Path, eos: set[int], prompts: dict
             "ratios": a.ratios,
             "threads": a.threads,
             "overlap": overlap,
+            "texts": {t: list(tokenizer.encode(t, add_special_tokens=False)) for t in KVZIP_TEXTS},
             "prompts": [
                 {"key": k, "context": p.context, "question": p.question, "max_new": p.max_new}
                 for k, p in prompts.items()
@@ -630,13 +740,17 @@ def _compare(a: argparse.Namespace) -> int:
     if a.kvpress_from:
         kv, kv_masks = _load_kvpress(Path(a.kvpress_from), digests, a.presses, a.ratios)
     else:
-        kv, kv_masks = _run_kvpress(a, gguf, eos, prompts, overlap)
+        kv, kv_masks = _run_kvpress(a, gguf, eos, prompts, overlap, tokenizer)
         kv["digests"] = digests
     kv_seconds = time.perf_counter() - t
     if "kvzip" in a.presses and "repeat_prompt_ids" in kv["info"]:
         mine = list(tokenizer.encode(KVZIP_PROMPT, add_special_tokens=False))
         same = mine == kv["info"]["repeat_prompt_ids"]
-        _log(f"kvpress_compare: KVzip's instruction tokenizes {'alike' if same else 'OTHERWISE'}")
+        own = kv["info"].get("own_repeat_prompt_ids", mine) == mine
+        _log(
+            f"kvpress_compare: KVzip's instruction tokenizes {'alike' if same else 'OTHERWISE'}"
+            + ("" if own else " (velox's ids: kvpress's GGUF tokenizer splits it otherwise)")
+        )
     kv_runs = {(r["press"], r["ratio"], r["key"]): r for r in kv["runs"]}
 
     # velox's half: run_eval, question after the context
@@ -741,7 +855,13 @@ def _compare(a: argparse.Namespace) -> int:
                     km = km.astype(bool)
                     q, d = vx_masks[(spec_of[(name, ratio)], key)]
                     if q is not None:
+                        if km.shape != q.shape:
+                            raise RuntimeError(
+                                f"{key}: kvpress's kept sets {km.shape} and velox's {q.shape} "
+                                "cover different layers"
+                            )
                         row["jaccard"] = _jaccard(km, q)
+                        row["jaccard_layers"] = _jaccard_layers(km, q)
                         row["jaccard_decode"] = _jaccard(km, d)
                         row["velox_question_kept"] = float(q.sum(-1).mean())
                         row["velox_decode_kept"] = float(d.sum(-1).mean())
@@ -778,6 +898,12 @@ def _compare(a: argparse.Namespace) -> int:
     print()
     print(f"Presses (velox at budget = 100 (1 - ratio) % of each prompt; {len(prompts)} prompts)")
     print(_table(cells, bool(matched_of)))
+    layers = kv["info"].get("layers")
+    for c in cells:
+        if "jaccard_layers" in c and layers is not None and len(layers) <= 8:
+            each = ", ".join(f"{i}: {j:.3f}" for i, j in zip(layers, c["jaccard_layers"]))
+            cell = f"{c['press']} {c['ratio']:g} {c['task']} {c['length']}"
+            print(f"jaccard per layer, {cell}: {each}")
     total = time.perf_counter() - t_start
     print(
         f"\ntime: kvpress {kv_seconds:.0f} s, velox {vx_seconds:.0f} s, kept positions "

@@ -77,3 +77,57 @@ def reference_scores(model, tokenizer, context: list[int], chunk: int, sinks: in
         for c in caches:
             c.trim(m)
     return out
+
+
+def gemma3_reference(model, tokenizer, context: list[int], chunk: int, sinks: int, layers):
+    """Per global layer of a Gemma 3 model, ``(H, n)``: the authors' scores, computed from each
+    layer's input alone: its projections, query and key norms, RoPE at the tokens' absolute
+    positions (the layer's own base) and the model's ``query_pre_attn_scalar``. Each chunk's
+    input follows the whole context in one forward without a cache, so the sliding-window
+    layers see the context's tail and the chunk, as after a prefill (float64)."""
+    from mlx_lm.models import gemma3_text
+
+    enc = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    args, n = model.args, len(context)
+    original = gemma3_text.Attention.__call__
+    out = {i: np.zeros((args.num_key_value_heads, n)) for i in layers}
+    for s in range(0, n, chunk):
+        e = min(s + chunk, n)
+        x = (enc(PROMPT) if s == 0 else enc(PROMPT_NEXT) + context[s - 8 : s]) + enc("\n")
+        x += context[s:e]
+        seen = {}
+
+        def spy(self, h, mask=None, cache=None, seen=seen):
+            seen[self.layer_idx] = np.array(h.astype(mx.float32), np.float64)[0]
+            return original(self, h, mask, cache)
+
+        with mock.patch.object(gemma3_text.Attention, "__call__", spy):
+            mx.eval(model.model(mx.array([context + x])))
+        sink, m = min(sinks, s), len(x)
+        idx = np.r_[np.arange(sink), np.arange(s, e), np.arange(n, n + m)]
+        visible = (idx[None] < n) | (idx[None] <= n + np.arange(m)[:, None])  # (m, keys)
+        for i in layers:
+            at = model.model.layers[i].self_attn
+            q = _project(seen[i], at.q_proj, at.q_norm, at.n_heads, args)
+            k = _project(seen[i], at.k_proj, at.k_norm, at.n_kv_heads, args)
+            r = at.n_heads // at.n_kv_heads
+            for h in range(at.n_kv_heads):
+                w = q[h * r : (h + 1) * r, n:] @ k[h, idx].T * args.query_pre_attn_scalar**-0.5
+                w = np.where(visible, w, -np.inf)
+                out[i][h, s:e] = softmax(w)[..., sink : sink + e - s].max(axis=(0, 1))
+    return [out[i] for i in layers]
+
+
+def _project(x, linear, norm, heads: int, args):
+    """A global layer's post-RoPE queries or keys ``(heads, T, D)`` from its input ``(T, dim)``:
+    projection, Gemma's RMSNorm (scale ``1 + w``), RoPE over the two halves of each head at
+    positions ``0 .. T - 1`` with base ``rope_theta``."""
+    w = np.array(linear.weight.astype(mx.float32), np.float64)
+    y = (x @ w.T).reshape(len(x), heads, -1).transpose(1, 0, 2)
+    g = 1 + np.array(norm.weight.astype(mx.float32), np.float64)
+    y = y / np.sqrt((y * y).mean(-1, keepdims=True) + args.rms_norm_eps) * g
+    d = y.shape[-1]
+    angle = np.arange(len(x))[:, None] * args.rope_theta ** (-np.arange(0, d, 2) / d)[None]
+    a, b = y[..., : d // 2], y[..., d // 2 :]
+    cos, sin = np.cos(angle), np.sin(angle)
+    return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)

@@ -7,7 +7,7 @@ import warnings
 import mlx.core as mx
 import numpy as np
 import pytest
-from kvzip_reference import Recorder, reference_scores
+from kvzip_reference import Recorder, gemma3_reference, reference_scores
 from mlx_lm.models.cache import KVCache
 
 import velox_kvzip
@@ -226,6 +226,26 @@ def test_layers_that_cannot_trim_are_restored(other):
     with routed(MODEL):  # the model goes on from the compressed caches
         mx.eval(MODEL(mx.array([[7]]), cache=caches))
     assert caches[at].offset == N + 1
+
+
+def test_gemma3_global_layers_score_their_own_attention():
+    """Gemma 3: velox compresses the global layers, the sliding-window ones keep mlx-lm's
+    RotatingKVCache (restored after each chunk). Each global layer's scores are the attention
+    its reconstruction queries give the context, as computed from the layer's input alone
+    (projections, query and key norms, RoPE at absolute positions, ``query_pre_attn_scalar``
+    other than the head dim), on every chunk."""
+    model = tiny_model("gemma3", dtype=mx.float32, query_pre_attn_scalar=48)
+    caches = make_cache(model, "kvzip:budget=25%,chunk=128")  # three chunks of the 300
+    zipped = [i for i, c in enumerate(caches) if isinstance(c, KVzipCache)]
+    assert zipped == [1, 3]  # sliding_window_pattern 2: every second layer is global
+    with routed(model):
+        model(mx.array([CONTEXT]), cache=caches)
+        r = compress(model, caches, CONTEXT, TOK)
+    assert r.chunks == 3
+    want = gemma3_reference(model, TOK, CONTEXT, 128, 4, zipped)
+    for got, ref in zip(r.scores, want, strict=True):
+        np.testing.assert_allclose(np.array(got[0]), ref, rtol=2e-3, atol=1e-5)
+    assert max(float(ref.max()) for ref in want) > 0.2
 
 
 def _one_chunk(caches, zipped, s, e):
