@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from velox_core.cache.eviction import EvictionConfig
-from velox_core.validation import check_float, check_int
+from velox_core.cache.eviction import EvictionConfig, recent_tokens
+from velox_core.validation import check_int
 
 __all__ = ["CamConfig"]
 
@@ -57,18 +57,4 @@ class CamConfig(EvictionConfig):
     @property
     def sink_tokens(self) -> int:
         """``sinks`` in tokens (a fraction taken of ``budget``)."""
-        s = self.sinks
-        if isinstance(s, bool) or not isinstance(s, (int, float)):
-            raise TypeError(
-                "sinks must be a whole number of tokens or a fraction of the budget in "
-                f"[0, 1), got {type(s).__name__} {s!r}"
-            )
-        if isinstance(s, int):
-            return check_int("sinks", s, minimum=0)
-        share = check_float("sinks", s, minimum=0.0)
-        if share >= 1.0:
-            raise ValueError(
-                f"sinks={s}: a fraction of the budget must be below 1 (the rest of the budget "
-                "holds the newest tokens); give a whole number for a count of tokens"
-            )
-        return int(share * self.budget)
+        return recent_tokens(self.sinks, self.budget, "newest tokens", name="sinks")

@@ -25,22 +25,24 @@ __all__ = ["EvictionCache", "EvictionConfig", "eviction_method", "recent_tokens"
 RECOMMENDED = ({"budget": 1024}, {"budget": 1024, "bits": 4})
 
 
-def recent_tokens(recent: Any, budget: int, scored: str = "scored tokens") -> int:
-    """A recent window given as ``recent`` (H2O's, Keyformer's) in tokens: a whole number of
-    tokens as given, a fraction in ``[0, 1)`` of ``budget`` rounded down (the authors'
-    ``int(ratio * length)``); ``scored`` names what the rest of the budget holds, for the
-    error."""
+def recent_tokens(
+    recent: Any, budget: int, scored: str = "scored tokens", name: str = "recent"
+) -> int:
+    """A share of the budget given as ``recent`` (H2O's and Keyformer's recent window, CaM's
+    sinks: ``name`` names the parameter) in tokens: a whole number of tokens as given, a
+    fraction in ``[0, 1)`` of ``budget`` rounded down (the authors' ``int(ratio * length)``);
+    ``scored`` names what the rest of the budget holds, for the error."""
     if isinstance(recent, bool) or not isinstance(recent, (int, float)):
         raise TypeError(
-            "recent must be a whole number of tokens or a fraction of the budget in [0, 1), "
+            f"{name} must be a whole number of tokens or a fraction of the budget in [0, 1), "
             f"got {type(recent).__name__} {recent!r}"
         )
     if isinstance(recent, int):
-        return check_int("recent", recent, minimum=0)
-    share = check_float("recent", recent, minimum=0.0)
+        return check_int(name, recent, minimum=0)
+    share = check_float(name, recent, minimum=0.0)
     if share >= 1.0:
         raise ValueError(
-            f"recent={recent}: a fraction of the budget must be below 1 (some of the budget "
+            f"{name}={recent}: a fraction of the budget must be below 1 (some of the budget "
             f"goes to the {scored}); give a whole number for a count of tokens"
         )
     return int(share * budget)
