@@ -140,6 +140,31 @@ def test_composes_with_uniform_codes_and_saves(tmp_path):
         assert mx.array_equal(a.policy.state()["filters"], b.policy.state()["filters"])
 
 
+def test_a_copy_before_the_deferred_cut_keeps_the_filters(tmp_path, monkeypatch):
+    """With ``prefill="prompt"`` the prompt's chunks are stored without a cut (nothing reads
+    the filters yet); a deep copy (mlx-lm's batching and velox eval copy caches) or a saved
+    file made then must still carry the filters that make_cache found for the model, and
+    decode as the original does."""
+    import copy
+    import shutil
+
+    found = tmp_path / "artifacts"
+    found.mkdir()
+    shutil.copy(conformance_filters(), found / "f.safetensors")
+    monkeypatch.setenv("VELOX_ARTIFACTS", str(found))
+    model = conformance_model()
+    caches = make_cache(model, QFiltersCache(budget=48, window=8, prefill="prompt"))
+    prompt = mx.random.randint(0, 512, (1, 120), key=mx.random.key(3))
+    with routed(model):
+        model(prompt, cache=caches)
+        twin = copy.deepcopy(caches)
+        save_cache(tmp_path / "c.safetensors", caches)
+        loaded = load_cache(tmp_path / "c.safetensors")
+        outs = [model(prompt[:, -1:], cache=c) for c in (caches, twin, loaded)]
+    assert all(c.size() <= 49 for c in twin)
+    assert mx.array_equal(outs[0], outs[1]) and mx.array_equal(outs[0], outs[2])
+
+
 def test_composes_with_turboquant_3bit():
     """Q-Filters at a budget over TurboQuant 3-bit storage, as one composed cache."""
     tq = pytest.importorskip("velox_turboquant")

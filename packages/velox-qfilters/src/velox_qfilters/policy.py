@@ -76,7 +76,9 @@ class QFiltersPolicy(RetentionPolicy):
         self._path, self._f = str(path), None
 
     # -- filters ---------------------------------------------------------------------------
-    def _filters(self, cache) -> mx.array:
+    def _read(self) -> mx.array:
+        """The filters, read from the artifact the first time: from then on they are part of
+        the policy's state (a copy or a saved file carries them, not the path found here)."""
         if self._f is None:
             if self._path is None or self.layer is None:
                 raise ValueError(
@@ -85,6 +87,10 @@ class QFiltersPolicy(RetentionPolicy):
                     "model), or pass filters=PATH and layer=i"
                 )
             self._f = load_cached(self._path).layer(self.layer)
+        return self._f
+
+    def _filters(self, cache) -> mx.array:
+        self._read()
         h, d = cache.kv_heads, cache.key_dim
         if tuple(self._f.shape) != (h, d):
             raise ValueError(
@@ -96,6 +102,12 @@ class QFiltersPolicy(RetentionPolicy):
     def before_update(self, cache, incoming: int) -> None:
         self._filters(cache)  # read once the cache holds tokens: part of its state from then on
         super().before_update(cache, incoming)
+
+    def defer(self) -> None:
+        # a prompt's chunk stored with its cut deferred (prefill="prompt"): the cache holds
+        # tokens, so the filters join the state now, as before_update reads them otherwise
+        self._read()
+        super().defer()
 
     def score(self, cache) -> list[mx.array | None]:
         """Per KV head ``h``, ``<f_h, k>`` of each body key: ``(B, T_h)`` float32."""
