@@ -241,6 +241,50 @@ def test_aggregate_ratio_and_errors():
     assert "layers" not in report.markdown(aggregate(ts))
 
 
+def test_paired_delta_and_its_interval():
+    """delta's interval pairs each prompt with fp16's answer on it: a spec that answers
+    exactly fp16's prompts has delta 0 +- 0, where two separate Wilson intervals at 0.5 over
+    ten prompts span +-30 points; one flipped prompt of ten gives the t-free normal interval
+    of the mean difference."""
+    from velox_cli.longctx.report import paired_half, summary
+
+    kw = dict(kl=0.0, top1=1.0, bytes=100)
+    scores = [1.0, 0.0] * 5
+    ts = [Trial("fp16", "passkey", 512, i, 0.0, 500, score=x, **kw) for i, x in enumerate(scores)]
+    ts += [Trial("same", "passkey", 512, i, 0.0, 500, score=x, **kw) for i, x in enumerate(scores)]
+    flip = [0.0, *scores[1:]]  # prompt 0 lost
+    ts += [Trial("flip", "passkey", 512, i, 0.0, 500, score=x, **kw) for i, x in enumerate(flip)]
+    cells = {c.spec: c for c in aggregate(ts)}
+    assert cells["same"].paired == 10 and cells["same"].paired_delta == 0.0
+    assert cells["flip"].paired_delta == pytest.approx(-0.1)
+    sd = math.sqrt((0.9**2 + 9 * 0.1**2) / 9)  # differences: one -1, nine 0
+    assert cells["flip"].paired_sd == pytest.approx(sd)
+    rows = {r["spec"]: r for r in summary(list(cells.values()))}
+    assert rows["same"]["delta_half"] == 0.0
+    assert rows["flip"]["delta_half"] == pytest.approx(1.96 * sd / math.sqrt(10))
+    lo, hi = wilson(0.5, 10)
+    assert hi - lo > 0.5  # what unpaired intervals would say
+    # two cells: the mean of their differences, its variance the cells' over four
+    two = [cells["flip"], cells["flip"]]
+    assert paired_half(two) == pytest.approx(1.96 * math.sqrt(2 * sd**2 / 10) / 2)
+    one = Trial("solo", "passkey", 512, 0, 0.0, 500, score=1.0, **kw)
+    assert math.isnan(paired_half(aggregate([*ts[:10], one])[-1:]))  # one pair: no spread
+    assert "| +- |" in report.markdown(list(cells.values()))
+
+
+def test_finished_prompts_need_every_spec():
+    """A run split by specs reports each share's trials as it finishes them: a prompt counts
+    as finished once every spec (and fp16) answered it."""
+    from velox_cli.longctx.run import finished_prompts
+
+    kw = dict(score=1.0, kl=0.0, top1=1.0)
+    ts = [Trial(s, "passkey", 512, 0, 0.0, 500, **kw) for s in ("fp16", "a", "b")]
+    ts += [Trial(s, "passkey", 512, 1, 0.0, 500, **kw) for s in ("fp16", "a")]
+    assert finished_prompts(ts, ["a", "b"]) == 1
+    assert finished_prompts(ts, ["fp16", "a"]) == 2
+    assert finished_prompts(ts[3:], ["a"]) == 1
+
+
 def test_layers_ratio_leaves_the_sliding_window_caches_out():
     # 400 of fp16's 1,000 bytes sit in the model's own sliding-window caches, held alike by
     # the spec: 1000/700 for the whole model, 600/300 over the layers the spec compresses

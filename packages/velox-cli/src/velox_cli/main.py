@@ -298,7 +298,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
 
     from .longctx import report
     from .longctx.grid import default_specs
-    from .longctx.run import EvalSettings, aggregate, run_eval, spec_check
+    from .longctx.run import EvalSettings, aggregate, finished_prompts, run_eval, spec_check
 
     console = Console(width=max(150, Console().width))
     if a.from_json:
@@ -384,7 +384,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
             if on_term is not None:  # stopping: a second signal must not interrupt the exit
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
                 on_term = signal.SIG_IGN
-            n = len({(t.task, t.length, t.index) for t in done})
+            n = finished_prompts(done, [s.text for s in specs])
             console.print(f"velox eval: interrupted after {n} of {total} prompts")
             if a.json_path and done:
                 info = {"model": str(a.model), "partial": True, **vars(settings)}

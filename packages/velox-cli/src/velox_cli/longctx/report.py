@@ -53,6 +53,7 @@ def summary(cells: Sequence[Cell]) -> list[dict[str, Any]]:
                 "accuracy": {f"{c.task}@{c.length}": c.accuracy for c in cs},
                 "mean": mean,
                 "delta": mean - _mean([fp16.get((c.task, c.length), math.nan) for c in ok]),
+                "delta_half": paired_half(ok),
                 "worst_delta": worst,
                 "kl": _mean([c.kl for c in ok]),
                 "top1": _mean([c.top1 for c in ok]),
@@ -62,6 +63,17 @@ def summary(cells: Sequence[Cell]) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def paired_half(cells: Sequence[Cell], z: float = 1.96) -> float:
+    """The half-width of the 95% interval of a spec's mean difference from fp16 over
+    ``cells`` (the mean of the cells' paired differences), from each cell's spread of
+    per-prompt differences on the same prompts: much narrower than two separate intervals
+    where the two sides answer most prompts alike. nan where a cell has under two pairs."""
+    parts = [c.paired_sd**2 / c.paired for c in cells if c.paired > 1]
+    if not cells or len(parts) < len(cells) or not all(math.isfinite(v) for v in parts):
+        return float("nan")
+    return z * math.sqrt(sum(parts)) / len(cells)
 
 
 def _mean(xs) -> float:
@@ -86,7 +98,8 @@ def _note(cells: Sequence[Cell]) -> str:
         f"accuracy: the share of expected answers found (RULER's string match), {n}+ prompts "
         f"per cell; the widest 95% interval (Wilson) is +-{_f(widest * 100, '{:.0f}')} "
         "points. vs fp16: fp16's held bytes over the spec's on the same prompts (the whole "
-        f"model's caches).{layers} delta: mean accuracy minus fp16's; worst: the lowest "
+        f"model's caches).{layers} delta: mean accuracy minus fp16's, +- its paired 95% "
+        "interval (the same prompts on both sides); worst: the lowest "
         "per-cell difference. KL / top-1: over the fp16 answer's tokens, teacher-forced."
     )
 
@@ -102,7 +115,7 @@ def _head(cells: Sequence[Cell], sep: str) -> list[str]:
     return [*ratios, "B/token", *[f"{t}{sep}@{n}" for t, n in columns(cells)], *_STATS]
 
 
-_STATS = ("mean", "delta", "worst", "KL", "top-1")
+_STATS = ("mean", "delta", "+-", "worst", "KL", "top-1")
 
 
 def _rows(cells: Sequence[Cell]) -> list[tuple[dict[str, Any], list[str]]]:
@@ -122,6 +135,7 @@ def _rows(cells: Sequence[Cell]) -> list[tuple[dict[str, Any], list[str]]]:
                     *[_f(r["accuracy"].get(f"{t}@{n}", math.nan)) for t, n in cols],
                     _f(r["mean"]),
                     _f(r["delta"], "{:+.2f}"),
+                    _f(r["delta_half"], "{:.2f}"),
                     _f(r["worst_delta"], "{:+.2f}"),
                     _f(r["kl"], "{:.3f}"),
                     _f(r["top1"]),

@@ -60,6 +60,7 @@ __all__ = [
     "Trial",
     "aggregate",
     "budget_tokens",
+    "finished_prompts",
     "held_bytes",
     "prompt_caches",
     "resolve_spec",
@@ -321,6 +322,11 @@ class Cell:
     seconds: float
     errors: int = 0
     error: str | None = None
+    # paired with fp16 on the same prompts: the mean of (score - fp16's score) and the sample
+    # deviation of those differences, over the prompts both answered
+    paired: int = 0
+    paired_delta: float = float("nan")
+    paired_sd: float = float("nan")
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -350,6 +356,11 @@ def aggregate(trials: list[Trial]) -> list[Cell]:
     for (spec, task, length), ts in groups.items():
         ok = [t for t in ts if t.error is None]
         errors = len(ts) - len(ok)
+        diffs = [
+            t.score - r.score
+            for t in ok
+            if (r := fp16.get((task, length, t.index))) is not None and r.error is None
+        ]
         acc = float(np.mean([t.score for t in ok])) if ok else float("nan")
         lo, hi = wilson(acc, len(ok))
         ratios = [
@@ -384,9 +395,23 @@ def aggregate(trials: list[Trial]) -> list[Cell]:
                 float(np.sum([t.seconds for t in ts])),
                 errors,
                 next((t.error for t in ts if t.error), None),
+                len(diffs),
+                float(np.mean(diffs)) if diffs else float("nan"),
+                float(np.std(diffs, ddof=1)) if len(diffs) > 1 else float("nan"),
             )
         )
     return cells
+
+
+def finished_prompts(trials: list[Trial], specs: list[str]) -> int:
+    """How many prompts ``trials`` hold every spec's trial for, fp16's included: with
+    ``--split specs`` each worker reports its share of a prompt's specs as it finishes them,
+    so a prompt some shares answered is not yet finished."""
+    want = {*specs, "fp16"}
+    got: dict[tuple[str, int, int], set[str]] = {}
+    for t in trials:
+        got.setdefault((t.task, t.length, t.index), set()).add(t.spec)
+    return sum(want <= s for s in got.values())
 
 
 def spread_order(n: int) -> list[int]:
