@@ -7,6 +7,7 @@ nox -s smollm2             the GGUF conversions against transformers' load (torc
 nox -s "tests(package='velox-core')"
 nox -s bench               pytest-benchmark (off by default)
 nox -s docs                every README and docs block, the slow ones too (off by default)
+nox -s distributed         four processes, velox generate / serve under mlx.launch (off by default)
 nox -s plan                velox plan's shipped bytes measured again (off by default)
 """
 
@@ -62,7 +63,25 @@ def tests(session: nox.Session, package: str) -> None:
 def integration(session: nox.Session) -> None:
     """Every package installed together; the cross-package tests in tests/."""
     session.install(*TEST_DEPS, *(_pkg(p) for p in PACKAGES))
-    session.run("pytest", "-q", str(ROOT / "tests"), *session.posargs, env=_env())
+    session.run(
+        "pytest", "-q", str(ROOT / "tests"), "-m", "not processes", *session.posargs, env=_env()
+    )
+
+
+@nox.session
+def distributed(session: nox.Session) -> None:
+    """The launches the integration tests leave out: the four-process plan, and velox
+    generate and serve split over processes (mlx.launch, ring backend; several minutes)."""
+    session.install(*TEST_DEPS, *(_pkg(p) for p in PACKAGES))
+    session.run(
+        "pytest",
+        "-q",
+        str(ROOT / "tests" / "test_distributed.py"),
+        "-m",
+        "processes",
+        *session.posargs,
+        env=_env(),
+    )
 
 
 @nox.session

@@ -187,23 +187,34 @@ PLAN4 = [
 ]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, tuple[dict, str]]:
-    """``{"single" | "launch" | "launch4": ({(phase, spec): {rank: row}}, output)}``: the
-    plans run once in one process, once on two and once on four (one launch each: starting
-    ranks is most of the time)."""
-    out = {}
-    for where, plan, n in (
-        ("single", PLAN + PLAN4[1:], 1),
-        ("launch", PLAN, 2),
-        ("launch4", PLAN4, 4),
-    ):
-        rows, text = _run(tmp_path_factory.mktemp(where), where[:6], plan, n)
+class _Runs(dict):
+    """``{"single" | "launch" | "launch4": ({(phase, spec): {rank: row}}, output)}``: each
+    plan run once, when a test first asks for it: in one process, on two and on four (one
+    launch each: starting ranks is most of the time)."""
+
+    def __init__(self, factory):
+        super().__init__()
+        self.factory = factory
+        self.plans = {"single": (PLAN + PLAN4[1:], 1), "launch": (PLAN, 2), "launch4": (PLAN4, 4)}
+
+    def __missing__(self, where: str):
+        plan, n = self.plans[where]
+        rows, text = _run(self.factory.mktemp(where), where[:6], plan, n)
         got: dict = {}
         for r in rows:
             got.setdefault((r["phase"], r["spec"]), {})[r["rank"]] = r
-        out[where] = (got, text)
-    return out
+        self[where] = (got, text)
+        return self[where]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> _Runs:
+    return _Runs(tmp_path_factory)
+
+
+# four processes, and velox generate / serve launched, run in ``nox -s distributed`` (the
+# two-process plan stays in the default suite)
+PROCESSES = pytest.mark.processes
 
 
 def _rows(runs, where: str, phase: str, spec: str, ranks: int) -> dict[int, dict]:
@@ -233,7 +244,8 @@ def test_ring_all_sum(tmp_path):
 
 @pytest.mark.parametrize(
     "where, n, spec",
-    [("launch", 2, s) for s in SHARDED] + [("launch4", 4, s) for s in SHARDED4],
+    [("launch", 2, s) for s in SHARDED]
+    + [pytest.param("launch4", 4, s, marks=PROCESSES) for s in SHARDED4],
 )
 def test_sharded_tokens_and_bytes(runs, where, n, spec):
     """On a model sharded by heads over two processes (``model.shard``; four for
@@ -256,7 +268,8 @@ def test_sharded_refusals(runs, spec):
 
 @pytest.mark.parametrize(
     "where, phase, n, spec",
-    [("launch", "pipe", 2, s) for s in PIPED] + [("launch4", "pipe4", 4, s) for s in PIPED],
+    [("launch", "pipe", 2, s) for s in PIPED]
+    + [pytest.param("launch4", "pipe4", 4, s, marks=PROCESSES) for s in PIPED],
 )
 def test_pipeline_tokens(runs, where, phase, n, spec):
     """mlx-lm's pipeline (qwen2: 4 layers in two stages; 8 in four): make_cache keeps each
@@ -280,7 +293,10 @@ def test_pipeline_refusals(runs, spec):
 @pytest.mark.parametrize(
     "where, n, spec",
     [("launch", 2, s) for s in HANDOFF]
-    + [("launch4", 4, s) for s in ("uniform:bits=4", "snapkv:budget=48")],
+    + [
+        pytest.param("launch4", 4, s, marks=PROCESSES)
+        for s in ("uniform:bits=4", "snapkv:budget=48")
+    ],
 )
 def test_handoff(runs, where, n, spec):
     """A prefilled cache sent as its stored arrays (by rank 0 to rank 1, which passes it on
@@ -418,6 +434,7 @@ def _one_process_text(model_dir: str, spec: str, fp16_layers: dict) -> str:
     return velox_core.generate(model, tokenizer, GENERATE_PROMPT, cache=caches, max_tokens=12)
 
 
+@PROCESSES
 @pytest.mark.parametrize("how", ["heads", "pipeline"])
 def test_velox_generate_split_over_processes(tmp_path, how):
     """``velox generate`` under ``mlx.launch`` loads the model split over two processes, as
@@ -448,6 +465,7 @@ def test_velox_generate_pipeline_needs_processes(tmp_path):
     assert p.returncode == 2 and "mlx.launch" in p.stderr, p.stderr
 
 
+@PROCESSES
 def test_velox_serve_split_by_heads():
     """``velox serve`` under ``mlx.launch``: mlx-lm's server loads the model split by heads
     over two processes (the first listens) and, with velox caches, answers a completion with
