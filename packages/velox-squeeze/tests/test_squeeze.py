@@ -382,3 +382,15 @@ def test_registered_with_recommended_settings():
     assert METHOD.name == "squeeze" and SqueezePolicy in METHOD.policies
     for rec in METHOD.recommended:
         assert isinstance(SqueezeCache(**rec), SqueezeCache)
+
+
+def test_a_cache_fed_without_the_observer_says_it_keeps_the_uniform_budget(monkeypatch):
+    from velox_squeeze import policy as pol
+    from velox_testing import feed, kv_data
+
+    monkeypatch.setattr(pol, "_WARNED_UNMEASURED", [False])
+    k, v = kv_data(t=200)
+    c = SqueezeCache(budget=64, base="streamingllm", sinks=4)
+    with pytest.warns(UserWarning, match="measured no layer importance"):
+        feed(c, k, v, chunks=(100,))
+    assert c.size() <= 64 + 100 and c.policy.place is None

@@ -51,6 +51,7 @@ from .config import check_base, check_p
 __all__ = ["SqueezePolicy"]
 
 _WARNED = [False]
+_WARNED_UNMEASURED = [False]
 
 
 class SqueezePolicy(RetentionPolicy):
@@ -155,6 +156,8 @@ class SqueezePolicy(RetentionPolicy):
         over = size - target
         if over <= 0 or not (after_chunk or over >= self.every):
             return
+        if self._sum is None and not _WARNED_UNMEASURED[0]:
+            _warn_unmeasured(target)
         cache.evict(self.inner.select(cache, max(target - cache.protected(), 0)))
 
     # -- the base policy chooses --------------------------------------------------------------
@@ -231,6 +234,18 @@ def _warn_unbounded(size: int, target: int) -> None:
         f"squeeze: the layer budget ({target} tokens) bounds the prompt only, and decode "
         f"tokens accumulate past it (now {size} per KV head); pass every=N to cut again once "
         "a layer exceeds its budget by N",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
+def _warn_unmeasured(target: int) -> None:
+    """Once per process: a cut in a cache that measured no importance (no observer)."""
+    _WARNED_UNMEASURED[0] = True
+    warnings.warn(
+        f"squeeze: this cache measured no layer importance (no observer saw its model's hidden "
+        f"states), so it keeps the uniform budget ({target} tokens per KV head); make the "
+        "caches with velox_core.make_cache(model, ...), which installs the observer",
         UserWarning,
         stacklevel=4,
     )
