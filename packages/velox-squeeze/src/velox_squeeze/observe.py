@@ -57,12 +57,11 @@ def _model_type(model: Any) -> str | None:
 
 
 def _policy(cache: Any):
-    """The squeeze policy of a velox cache, or None."""
-    from .policy import SqueezePolicy
-
-    if isinstance(cache, VeloxCache) and isinstance(cache.policy, SqueezePolicy):
-        return cache.policy
-    return None
+    """The policy of a velox cache that takes layer importance (a
+    :class:`~velox_squeeze.SqueezePolicy`: ``add_importance``, ``row_importance`` and
+    ``place``), or None."""
+    pol = cache.policy if isinstance(cache, VeloxCache) else None
+    return pol if callable(getattr(pol, "add_importance", None)) else None
 
 
 def _watched(cache: Any) -> bool:
