@@ -80,6 +80,7 @@ def test_every_package_registered():
         "cam",
         "kvzip",
         "pyramidkv",
+        "squeeze",
         "expected-attention",
         "chunkkv",
         "qfilters",

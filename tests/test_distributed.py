@@ -157,6 +157,7 @@ SHARDED = [
     "curdkv:budget=48",
     "polarquant",
     "morphkv:budget=48",
+    "squeeze:budget=48",
 ]
 SHARD_REFUSED = {
     "xkv:layer_group=2,key_rank=64,value_rank=64": "SVD of the channels of all KV heads",
@@ -171,6 +172,7 @@ PIPED = ["uniform:bits=4", "snapkv:budget=48", "snapkv:budget=48+uniform:bits=4"
 PIPE_REFUSED = {
     "last/uniform:bits=4": "cache.keys",  # a velox spec asked for the stage's last layer
     "pyramidkv:budget=48": "linked across the model's layers",
+    "squeeze:budget=48": "decided together from every layer's importance",
 }
 HANDOFF = ["uniform:bits=4", "streamingllm:budget=48,bits=4", "snapkv:budget=48", "fp16"]
 PLAN = [

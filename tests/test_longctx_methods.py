@@ -60,6 +60,7 @@ def test_eviction_and_composition_on_the_reference_model(question):
         "snapkv:budget=25%",
         "adakv:budget=25%",
         "pyramidkv:budget=25%",
+        "squeeze:budget=25%",
         "tova:budget=25%",
         "h2o:budget=25%",
         "kvzip:budget=25%",
@@ -105,10 +106,10 @@ def test_question_after_compresses_the_context_once(spec):
             assert set(range(n, n + q)) <= b  # the question, whole
             assert a == b | {n + q}  # nothing cut at the first answer token
     # the context per layer: the budget per KV head (Ada-KV: on average over its heads;
-    # PyramidKV and KVzip: on average over the layers too)
+    # PyramidKV, SqueezeAttention and KVzip: on average over the layers too)
     kept = [sum(len({t for t in b if t < n}) for b in layer_b) for layer_b in before]
     heads = [len(layer_b) for layer_b in before]
-    if spec.startswith(("pyramidkv", "kvzip")):
+    if spec.startswith(("pyramidkv", "squeeze", "kvzip")):
         assert sum(kept) == sum(heads) * budget, (kept, budget)
     else:
         assert kept == [h * budget for h in heads], (kept, budget)
@@ -133,7 +134,9 @@ def test_split_by_specs_gives_the_trials_split_by_prompts_gives(tmp_path):
     assert got["specs"] == got["prompts"]
 
 
-@pytest.mark.parametrize("spec", ["snapkv:budget=25%", "adakv:budget=25%", "h2o:budget=25%"])
+@pytest.mark.parametrize(
+    "spec", ["snapkv:budget=25%", "adakv:budget=25%", "h2o:budget=25%", "squeeze:budget=25%"]
+)
 def test_question_inside_compresses_the_whole_prompt_once_at_its_end(spec):
     """The query-aware setting: a prompt prefilled in chunks smaller than itself is held
     whole and cut at the first answer token, keeping what the prompt prefilled at once keeps

@@ -410,6 +410,58 @@ def test_prepare_takes_only_each_rows_real_tokens():
         batch.prepare(right_padding=[1, 0])
 
 
+def test_parts_name_each_groups_rows_and_stored_tokens():
+    """parts(): each group with its batch rows and the token range of the newest update's
+    padded input it stored (None where it stored the whole input)."""
+    from velox_core import routed
+
+    batch = VeloxCache.merge([UniformCache(bits=8), UniformCache(bits=8), UniformCache(bits=8)])
+    k, v = kv_data(b=3, t=5, seed=5)
+    batch.update_and_fetch(k, v)  # one group, no padding: the whole input
+    assert [(r, s) for _, r, s in batch.parts()] == [((0, 3), None)]
+    batch = VeloxCache.merge([UniformCache(bits=8), UniformCache(bits=8), UniformCache(bits=8)])
+    batch.prepare(lengths=[5, 3, 3], right_padding=[0, 2, 2])
+    with routed():
+        batch.update_and_fetch(k[:, :, :4], v[:, :, :4])
+        assert [(r, s) for _, r, s in batch.parts()] == [((0, 1), (0, 4)), ((1, 3), (0, 3))]
+        batch.update_and_fetch(k[:, :, 4:], v[:, :, 4:])
+        assert [(r, s) for _, r, s in batch.parts()] == [((0, 1), (0, 1)), ((1, 3), (0, 0))]
+    assert [g for g, _, _ in batch.parts()] == batch.groups
+
+
+def test_merge_keeps_rows_apart_whose_policies_decided_otherwise():
+    """A policy's batch_key (a decision made per sequence) keeps caches of equal settings and
+    layout in groups of their own where the keys differ, and in one where they agree."""
+    from velox_core import RetentionPolicy
+    from velox_core.registry import register
+
+    @register
+    class Decided(RetentionPolicy):
+        name = "decided"
+
+        key = None  # decided per sequence: state, not a setting
+
+        def meta(self):
+            return {**super().meta(), "key": self.key}
+
+        def set_state(self, state, meta):
+            super().set_state(state, meta)
+            self.key = meta["key"]
+
+        def batch_key(self):
+            return self.key
+
+    def filled(key):
+        c = VeloxCache(policy=Decided(budget=64))
+        c.policy.key = key
+        k, v = kv_data(t=20, seed=1)
+        c.update_and_fetch(k, v)
+        return c
+
+    assert VeloxCache.merge([filled(1), filled(1)]).rows == [2]
+    assert VeloxCache.merge([filled(1), filled(2)]).rows == [1, 1]
+
+
 def test_check_finite_refuses_nan_and_inf_before_storing_anything():
     """check_finite=True: a NaN or inf key or value is refused at update_and_fetch, naming the
     layer, the positions and the counts, and nothing of that update is stored (prefill chunks

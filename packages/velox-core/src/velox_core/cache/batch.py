@@ -37,10 +37,13 @@ def _rows(cache: VeloxCache) -> int | None:
 
 
 def _layout(cache: VeloxCache) -> tuple:
-    """What two caches must share to be one group: settings, offset, tokens per store."""
+    """What two caches must share to be one group: settings, offset, tokens per store, and
+    the policy's per-sequence decisions (:meth:`RetentionPolicy.batch_key
+    <velox_core.policy.base.RetentionPolicy.batch_key>`)."""
     stores = tuple(sorted((n, s.tokens) for n, s in cache._named_stores().items()))
     dims = None if cache._dims is None else cache._dims[1:]
-    return (repr(cache.config()), cache.offset, stores, dims, cache.ragged)
+    key = None if cache.policy is None else cache.policy.batch_key()
+    return (repr(cache.config()), cache.offset, stores, dims, cache.ragged, repr(key))
 
 
 class VeloxBatch:
@@ -132,6 +135,18 @@ class VeloxBatch:
         if all(p == per[0] for p in per):
             return per[0]
         return mx.array(per, dtype=mx.int32)
+
+    def parts(self) -> list[tuple[VeloxCache, tuple[int, int], tuple[int, int] | None]]:
+        """Each group with its rows ``(r0, r1)`` in the batch and the token range ``(a, e)``
+        of the newest ``update_and_fetch``'s input that it stored (None before any update of
+        a padded prompt, or where it stored the whole input): what a caller that sees the
+        batch's padded input (the model's hidden states, say) hands each group's rows."""
+        whole = self._span is None and len(self.groups) == 1
+        step = None if whole or self._step is None else self._step
+        return [
+            (g, bounds, None if step is None else step[i])
+            for i, (g, bounds) in enumerate(zip(self.groups, self._bounds()))
+        ]
 
     # -- mlx-lm's batch protocol --------------------------------------------------------------
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:

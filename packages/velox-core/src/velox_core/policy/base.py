@@ -145,6 +145,13 @@ class RetentionPolicy(Configured):
         return top_k_sorted(mx.stack(scores, axis=1), k)
 
     # -- batches -----------------------------------------------------------------------------
+    def batch_key(self) -> Any:
+        """What the rows of two caches must also agree on to be batched in one cache
+        (``VeloxBatch.merge`` joins caches of equal settings and layout only where their
+        policies' keys are equal): a decision the policy made for its own sequences, such as
+        a layer budget chosen from their prompt. None (the default): nothing."""
+        return None
+
     def filter_batch(self, index: mx.array) -> None:
         """Keep only these batch rows of any per-row state (``VeloxCache.filter``)."""
 
