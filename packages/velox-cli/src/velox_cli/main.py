@@ -485,7 +485,7 @@ def _used_bytes(cache: Any) -> int:
 
 
 def cmd_methods(a: argparse.Namespace) -> int:
-    from velox_core.registry import methods
+    from velox_core import methods
 
     from .specs import describe_params
 

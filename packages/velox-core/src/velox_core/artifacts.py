@@ -48,25 +48,19 @@ from .mlx_lm import make_cache
 from .validation import check_int
 
 __all__ = [
-    "ENV",
     "ArtifactFile",
     "ArtifactKind",
     "Fitted",
     "FittedLayers",
     "bound_layer",
     "calibration_ids",
-    "check_format",
-    "find_artifact",
     "fingerprint",
     "fitted",
     "identity",
     "load_cached",
-    "model_dtype",
     "prefilled",
     "read_metadata",
-    "resolve_artifact",
     "search_dirs",
-    "shipped_dirs",
     "token_stream",
 ]
 

@@ -30,20 +30,7 @@ from .cache.velox import VeloxCache
 from .registry import make, parse_spec
 from .split import STAGE_LAST, split_refusal, stage_last_layer
 
-__all__ = [
-    "ROUTED_ONLY_MODEL_TYPES",
-    "Route",
-    "disable",
-    "enable",
-    "generate",
-    "install",
-    "is_enabled",
-    "layer_routes",
-    "make_cache",
-    "routed",
-    "stream_generate",
-    "uninstall",
-]
+__all__: list[str] = []
 
 _patched: dict[str, Callable] = {}
 

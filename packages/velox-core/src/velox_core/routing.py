@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import weakref
 
-__all__ = ["enter", "is_enabled", "leave", "track"]
+__all__: list[str] = []
 
 _depth = 0
 _live: weakref.WeakSet = weakref.WeakSet()  # every velox cache alive, weakly

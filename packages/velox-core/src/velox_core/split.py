@@ -26,16 +26,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .cache.velox import FITTED_ON_WHOLE_MODEL, VeloxCache
+from .cache.velox import VeloxCache
 
-__all__ = [
-    "FITTED_ON_WHOLE_MODEL",
-    "STAGE_LAST",
-    "model_kv_heads",
-    "pipeline_stage",
-    "split_refusal",
-    "stage_last_layer",
-]
+__all__: list[str] = []
 
 # why a pipeline stage's last layer keeps mlx-lm's cache
 STAGE_LAST = (

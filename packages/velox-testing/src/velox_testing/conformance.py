@@ -30,10 +30,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from velox_core.cache.velox import VeloxCache
-from velox_core.io import load_cache, save_cache
-from velox_core.mlx_lm import generate, make_cache, routed
-from velox_core.registry import make as make_spec
+from velox_core import VeloxCache, generate, load_cache, make_cache, routed, save_cache
+from velox_core import make as make_spec
 
 from .models import conformance_model, tiny_tokenizer
 

@@ -19,7 +19,7 @@ from ..validation import check_int
 from .attention import Segment
 from .store import PackedStore
 
-__all__ = ["TierMixin", "trim_stores"]
+__all__: list[str] = []
 
 
 class TierMixin:

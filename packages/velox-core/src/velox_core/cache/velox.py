@@ -44,7 +44,7 @@ from .state import StateMixin
 from .store import PackedStore
 from .tiers import TierMixin
 
-__all__ = ["Tier", "VeloxCache"]
+__all__: list[str] = []
 
 FLUSH = 64  # tokens the window passes to the codes at once, by default
 WINDOW_STEP = 16  # the window's growth quantum, in tokens

@@ -26,14 +26,7 @@ from . import get_kernel, kernel_source
 from .config import kernel_config
 from .disk_cache import wrap, write_whole
 
-__all__ = [
-    "PROLOGUE",
-    "ArgInfo",
-    "KernelSpec",
-    "cuda_source",
-    "metal_attributes",
-    "metal_source",
-]
+__all__ = ["ArgInfo", "KernelSpec", "cuda_source", "metal_attributes", "metal_source"]
 
 # The launch indices every body uses, as each backend spells them. Metal's names must appear
 # literally in the body: MLX adds an attribute argument only for names found in the source.

@@ -16,9 +16,10 @@ from typing import Any
 import mlx.core as mx
 
 from .build import KernelSpec
-from .codes import qmul_bits, unused_input
+from .codes import qmul_bits
 from .config import KernelConfig, kernel_config
 from .disk_cache import direct
+from .layout import unused_input
 from .mma_support import (
     MMA_HALF_QUERY,
     codebook_mode,
@@ -45,6 +46,8 @@ from .records import (
     CodebookCodes,
     CodeRecord,
 )
+
+__all__ = ["mma_launch", "plan_mma"]
 
 DECODE_MMA = KernelSpec(
     name="velox_decode_attention_mma",

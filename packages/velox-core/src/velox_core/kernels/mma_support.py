@@ -20,50 +20,7 @@ from .build import KernelSpec
 from .config import kernel_config
 from .records import AFFINE, AFFINE_CHANNEL, CODEBOOK, CodeRecord
 
-__all__ = [
-    "MMA_BITS",
-    "MMA_BLOCKS",
-    "MMA_CODEBOOK_BITS",
-    "MMA_FOLD_GROUPS",
-    "MMA_FUSE_TOKENS",
-    "MMA_HALF_QUERY",
-    "MMA_KEY_FOLD_GROUPS",
-    "MMA_MAX_ROWS",
-    "MMA_MAX_WAVES",
-    "MMA_MIN_SPAN",
-    "MMA_SCALE_DTYPES",
-    "MMA_SMEM",
-    "MMA_SM_BLOCKS",
-    "MMA_SPLIT_COST",
-    "MMA_SUBTILES",
-    "MMA_WARPS",
-    "PROBE_SUBNORMAL",
-    "SUBNORMAL_SALT",
-    "codebook_mode",
-    "mma_enabled",
-    "mma_fold_ok",
-    "mma_fuse_merge",
-    "mma_key_fold",
-    "mma_key_fold_ok",
-    "mma_key_rows",
-    "mma_ldsm",
-    "mma_p_residual",
-    "mma_pipeline",
-    "mma_sm_blocks",
-    "mma_splits",
-    "mma_stages",
-    "mma_subnormals_exact",
-    "mma_subtiles",
-    "mma_supported",
-    "mma_symmetric",
-    "mma_value_fold",
-    "mma_value_units",
-    "mma_warps",
-    "run_subnormal_probe",
-    "sm_count",
-    "subnormal_probe_error",
-    "subnormal_probe_expected",
-]
+__all__ = ["MMA_SCALE_DTYPES", "mma_enabled", "mma_splits", "mma_supported"]
 
 # one MMA on subnormal codes: whether the tensor cores take them exactly (the folds rely on it)
 PROBE_SUBNORMAL = KernelSpec(

@@ -24,6 +24,18 @@ from .config import kernel_config
 from .layout import Layout, layout_for, layout_of, pad_rows
 from .records import CODEBOOK, CodeRecord
 
+__all__ = [
+    "MAX_REGS",
+    "block_splits",
+    "choose_splits",
+    "decode_spec",
+    "fit_splits",
+    "plan",
+    "plan_for",
+    "plan_portable",
+    "template",
+]
+
 NWARPS = 4  # warps per threadgroup (KernelConfig.decode_warps overrides: 1, 2, 4 or 8)
 
 UNROLL = 4  # tokens per lane per loop iteration, loads issued together (KernelConfig.decode_unroll)
