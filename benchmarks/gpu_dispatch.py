@@ -97,10 +97,10 @@ def cases(tokens: int):
     mx.eval(k_new)
 
     def decode_only():
-        return kmma.decode_mma(qg, ks, vs, None, scale)[0]
+        return kmma.plan_mma(qg.shape, qg.dtype, ks, vs, None, scale)(qg)[0]
 
     def decode_merge():
-        o_part, ml_part, qk = kmma.decode_mma(qg, ks, vs, None, scale)
+        o_part, ml_part, qk = kmma.plan_mma(qg.shape, qg.dtype, ks, vs, None, scale)(qg)
         return kmerge.merge_splits_fp16(o_part, ml_part, qk, [], mx.float16, scale)[0]
 
     def attend_joint():

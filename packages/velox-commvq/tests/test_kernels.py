@@ -31,7 +31,7 @@ from velox_core.cache.attention import Segment, partial
 from velox_core.kernels import config as kcfg
 from velox_core.kernels import decode as dk
 from velox_core.kernels import portable as kport
-from velox_core.kernels.build import ArgInfo, KernelSpec, cuda_source, metal_source
+from velox_core.kernels.build import ArgInfo, KernelSpec, cuda_source
 from velox_testing import (
     assert_cpu_declines,
     assert_partials_close,
@@ -41,6 +41,7 @@ from velox_testing import (
     needs_nvcc,
 )
 from velox_testing.emulate import DecodeRun, EmulatedKernels, Emulator, compiler, emulated_or_skip
+from velox_testing.metal_source import metal_source
 
 needs_gxx = pytest.mark.skipif(
     compiler() is None, reason="no C++ compiler (g++ or $CXX): the kernels cannot be emulated"

@@ -38,7 +38,7 @@ from velox_core.kernels import mma as kmma
 from velox_core.kernels import mma_support as kmsup
 from velox_core.kernels import portable as kport
 from velox_core.kernels import records as krec
-from velox_core.kernels.build import PROLOGUE, ArgInfo, cuda_source, metal_source
+from velox_core.kernels.build import PROLOGUE, ArgInfo, cuda_source
 from velox_core.ops import affine_quantize, lloyd_max_sphere, pack, unpack
 from velox_testing import compile_cuda, compile_metal, kernel_env, kv_data, needs_nvcc
 from velox_testing.emulate import (
@@ -49,6 +49,7 @@ from velox_testing.emulate import (
     np_input,
     shim_dir,
 )
+from velox_testing.metal_source import metal_source
 
 GXX = shutil.which(os.environ.get("CXX", "g++"))
 needs_gxx = pytest.mark.skipif(
@@ -1002,7 +1003,7 @@ def test_vq_codes_layout_rules_and_bad_input(monkeypatch):
         (dataclasses.replace(keys, codebooks=keys.codebooks.astype(mx.int32)), "codebooks"),
     ):
         with pytest.raises(ValueError, match=msg):
-            kport.decode_portable(q, bad, vals, None, None)
+            kport.plan_portable(q.shape, bad, vals, None, None)(q, None)
     with pytest.raises(ValueError, match="codebooks is required"):  # refused when built
         dataclasses.replace(keys, codebooks=None)
     with pytest.raises(TypeError, match="scale"):  # VQ codes carry only codes and codebooks

@@ -20,7 +20,7 @@ from velox_core.kernels import decode as dk
 from velox_core.kernels import layout as klayout
 from velox_core.kernels import portable as kport
 from velox_core.kernels import records as krec
-from velox_core.kernels.build import ArgInfo, cuda_source, metal_source
+from velox_core.kernels.build import ArgInfo, cuda_source
 from velox_core.ops import pack
 from velox_qjl.layout import (
     SKETCH,
@@ -40,6 +40,7 @@ from velox_testing import (
     needs_nvcc,
 )
 from velox_testing.emulate import DecodeRun, Emulator
+from velox_testing.metal_source import metal_source
 
 # placeholder arrays for records that only the plans and templates read (their layout)
 _U32, _F16 = mx.zeros((1,), mx.uint32), mx.zeros((1,), mx.float16)

@@ -1,7 +1,7 @@
 """Run a kernel's Metal instantiation (or, for the CUDA-only kernels, its CUDA instantiation:
 :class:`CudaEmulator`) on the CPU, through C++ shims (a test aid).
 
-The full function MLX would compile for Metal (:func:`velox_core.kernels.build.metal_source`)
+The full function MLX would compile for Metal (:func:`velox_testing.metal_source.metal_source`)
 is compiled with ``g++`` against ``metal/shim/metal_shim.h``, which runs every threadgroup as
 real threads with real barriers and SIMD-group shuffles. The body therefore executes exactly
 as written — index arithmetic, bit extraction, cross-lane reductions, the online softmax,
@@ -29,15 +29,7 @@ from typing import Any
 import numpy as np
 
 from velox_core.kernels import _source_dirs
-from velox_core.kernels.build import (
-    ArgInfo,
-    KernelSpec,
-    _shape_infos,
-    cuda_source,
-    metal_attributes,
-    metal_source,
-    source_digest,
-)
+from velox_core.kernels.build import ArgInfo, KernelSpec, _shape_infos, cuda_source
 
 from .emulate_io import (
     CUDA_TYPES,
@@ -50,6 +42,7 @@ from .emulate_io import (
     scoped_source,
     write_input,
 )
+from .metal_source import metal_attributes, metal_source, source_digest
 
 __all__ = [
     "CudaEmulator",

@@ -429,21 +429,6 @@ def plan_mma(
     return run_fused
 
 
-def decode_mma(
-    q: mx.array,
-    keys: CodeRecord,
-    values: CodeRecord,
-    splits: int | None,
-    scale: float | None,
-    out_dtype: mx.Dtype | None = None,
-) -> tuple[mx.array, mx.array, mx.array] | None:
-    """The tensor-core kernel's per-split partials and the query it took, or None. With
-    ``out_dtype``: the kernel merges its splits itself and this returns the merged
-    ``(o, m, l)`` (``o`` normalized, in ``out_dtype``)."""
-    run = plan_mma(q.shape, q.dtype, keys, values, splits, scale, out_dtype)
-    return None if run is None else run(q)
-
-
 def mma_inputs(c: CodeRecord) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """One side's inputs of the tensor-core kernel (``kc, ka, kb`` or ``vc, va, vb``, then
     ``kl`` or ``vl``): codes, scales, zeros and levels. A codebook

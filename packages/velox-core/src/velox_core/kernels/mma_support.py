@@ -154,17 +154,9 @@ def mma_supported(m: int, dim: int, keys: CodeRecord, values: CodeRecord) -> boo
 # static shared memory of one threadgroup (the rest of 48 KiB: row stats and mbarriers)
 MMA_SMEM = 48 * 1024 - 1024
 
-# 16-token MMA tiles per loop step (KernelConfig.subtiles: 1, 2 or 4), at most: a step takes
-# fewer where two ring stages of it do not fit (at four warps: 4 for 2-bit keys and values, 2
-# for 4-bit and mixed 2/4-bit codes, 1 for 8-bit ones)
-MMA_SUBTILES = 4
-
-MMA_WARPS = 4  # warps per threadgroup of the tensor-core kernel (KernelConfig.mma_warps)
-
 
 def mma_warps() -> int:
-    """Warps per threadgroup of the tensor-core kernel: ``KernelConfig.mma_warps`` or
-    :data:`MMA_WARPS`."""
+    """Warps per threadgroup of the tensor-core kernel: ``KernelConfig.mma_warps``."""
     return kernel_config().mma_warps
 
 
@@ -337,8 +329,9 @@ def mma_ldsm() -> bool:
 
 
 def mma_subtiles() -> int:
-    """16-token MMA tiles per loop step of the tensor-core kernel, at most (the plan halves
-    it until two ring stages fit): ``KernelConfig.subtiles`` or :data:`MMA_SUBTILES`."""
+    """16-token MMA tiles per loop step of the tensor-core kernel, at most:
+    ``KernelConfig.subtiles`` (the plan halves it until two ring stages fit: at four warps,
+    4 for 2-bit keys and values, 2 for 4-bit and mixed 2/4-bit codes, 1 for 8-bit ones)."""
     return kernel_config().subtiles
 
 
