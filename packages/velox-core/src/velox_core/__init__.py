@@ -2,7 +2,8 @@
 
 Layers, bottom up: primitives (:mod:`velox_core.ops`), codecs (:mod:`velox_core.codec`),
 retention policies (:mod:`velox_core.policy`) and caches (:mod:`velox_core.cache`), plus the
-mlx-lm integration (:mod:`velox_core.mlx_lm`), saving and loading (:mod:`velox_core.io`) and
+mlx-lm integration (:mod:`velox_core.mlx_lm`, with the attention router
+:mod:`velox_core.router`), saving and loading (:mod:`velox_core.io`) and
 the method registry (:mod:`velox_core.registry`). Importing it has no side effects.
 
 Each public name has one home, the module whose ``__all__`` lists it: this package for what
@@ -17,25 +18,18 @@ from importlib.metadata import PackageNotFoundError, version
 from .cache.batch import VeloxBatch
 from .cache.latent import LatentCache
 from .cache.preset import CodeWidths, PresetCache, config_fields
+from .cache.tiers import Tier
 from .cache.uniform import UniformCache
-from .cache.velox import Tier, VeloxCache
+from .cache.velox import VeloxCache
 from .codec.base import Codec, Packed
 from .codec.identity import Identity
 from .codec.uniform import Uniform
 from .distributed import recv_cache, send_cache
 from .io import inspect_cache_file, load_cache, save_cache
-from .mlx_lm import (
-    disable,
-    enable,
-    generate,
-    install,
-    make_cache,
-    routed,
-    stream_generate,
-    uninstall,
-)
+from .mlx_lm import generate, install, make_cache, stream_generate, uninstall
 from .policy.base import RetentionPolicy
 from .registry import Method, get_method, make, methods, parse_spec
+from .router import disable, enable, routed
 
 try:
     __version__ = version("velox-core")

@@ -16,7 +16,7 @@ import pytest
 from velox_core import environment
 from velox_core.cache.attention import Segment, partial
 
-from .conformance import assert_partials_close
+from .kv import assert_partials_close
 
 __all__ = [
     "assert_cpu_declines",

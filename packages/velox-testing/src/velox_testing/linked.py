@@ -8,7 +8,7 @@ import mlx.core as mx
 
 from velox_core import load_cache, routed, save_cache
 
-from .conformance import decode_logits, rel_error
+from .kv import decode_logits, rel_error
 
 __all__ = ["assert_linked_copies"]
 
