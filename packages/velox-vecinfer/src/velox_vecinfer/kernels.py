@@ -34,10 +34,10 @@ import mlx.core as mx
 
 from velox_core import Packed, Uniform
 from velox_core.kernels import decode as _kd
-from velox_core.kernels import records as krec
 from velox_core.kernels import use_kernels
 from velox_core.kernels.encode import vq_encode
 from velox_core.kernels.joint import JointQuery, JointRun, joint_glue, plan_joint
+from velox_core.kernels.records import AffineCodes, VQCodes
 
 if TYPE_CHECKING:
     from .codec import VecInfer
@@ -63,14 +63,14 @@ def encode_codes(codec: VecInfer, y: mx.array) -> mx.array | None:
     return vq_encode(y, codec.codebook, codec.index_bits, codec.vector)
 
 
-def kernel_side(codec, packed: Packed) -> krec.VQCodes | krec.AffineCodes | None:
+def kernel_side(codec, packed: Packed) -> VQCodes | AffineCodes | None:
     """The decode kernel's view of one side's record: ``velox_core.kernels.records.VQCodes``
     (the codeword indices and the codebooks) for a fitted :class:`VecInfer`, ``AffineCodes``
     for a per-token ``Uniform``; None for anything else."""
     if _is_vecinfer(codec):
         if not codec.fitted:
             return None
-        return krec.VQCodes(
+        return VQCodes(
             bits=codec.index_bits,
             group=codec.vector,
             codes=packed.data["codes"],
