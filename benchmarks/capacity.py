@@ -184,7 +184,7 @@ def build_caches(model, spec: str, context: int, weights: str) -> list:
 
 def target_bits(spec: str) -> float | None:
     """The bits a velox quantizer spec stores, where issue 52 sets a target for them."""
-    from velox_core.registry import parse_spec
+    from velox_core import parse_spec
 
     if spec in ("fp16",) or spec.startswith("mlx-q") or "+" in spec:
         return None

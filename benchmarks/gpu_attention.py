@@ -934,7 +934,7 @@ def device_info() -> dict:
     except Exception:
         pass
     try:
-        from velox_core.kernels.decode import sm_count
+        from velox_core.kernels.mma_support import sm_count
 
         info["sm_count"] = sm_count()  # what sizes the tensor-core kernel's splits
     except Exception as exc:

@@ -56,7 +56,8 @@ import numpy as np
 
 import velox_core.kernels.build as build
 from velox_core import Uniform
-from velox_core.kernels import decode as dk
+from velox_core.kernels import mma as kmma
+from velox_core.kernels import mma_support as kmsup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_attention import device_time, env  # the benchmarks' device-time rule, settings
@@ -216,11 +217,11 @@ def launcher(
     alone (the kernel's two outputs, as past 16k tokens); ``ldsm`` given:
     ``VELOX_DECODE_LDSM`` for the plan. Returns the call (it returns the kernel's first
     output) and the launch's settings, ``layout`` among them (with ``fuse``:
-    :func:`velox_core.kernels.decode.mma_layout`; else None)."""
+    :func:`velox_core.kernels.mma.mma_layout`; else None)."""
     b, h, m, d = q.shape
     out_dtype = q.dtype if fuse else None
     with env(**({} if ldsm is None else {"VELOX_DECODE_LDSM": int(ldsm)})):
-        launch = dk.mma_launch(
+        launch = kmma.mma_launch(
             q.shape,
             q.dtype,
             keys,
@@ -238,10 +239,10 @@ def launcher(
     spec = dataclasses.replace(base, name=f"{base.name}_v{tag}", source="variant:" + variant)
     kernel = spec.kernel()
     tmpl, splits, nt = launch.template, launch.splits, launch.nwarps * 32
-    kc, ka, kb, kl = dk.mma_inputs(keys)
-    vc, va, vb, vl = dk.mma_inputs(values)
+    kc, ka, kb, kl = kmma.mma_inputs(keys)
+    vc, va, vb, vl = kmma.mma_inputs(values)
     inputs = [q, kc, ka, kb, vc, va, vb, kl, vl]
-    layout = dk.mma_layout(b, h, splits, m, d, out_dtype) if fuse else None
+    layout = kmma.mma_layout(b, h, splits, m, d, out_dtype) if fuse else None
     # merging: one zeroed workspace; else the partials' two outputs, (m, l) and o
     shapes = [(layout.size,)] if fuse else [(b, h, splits, m, 2), (b, h, splits, m, d)]
 
@@ -457,8 +458,8 @@ def main() -> int:
         fractional = [float(x) for x in args.fractional.split(",")]
     except ValueError:
         parser.error("--shapes takes BxT items (1x131072) and --bits integers")
-    if any(len(s) != 2 or min(s) < 1 for s in shapes) or any(x not in dk.MMA_BITS for x in bits):
-        parser.error(f"--shapes takes BxT items and --bits values in {dk.MMA_BITS}")
+    if any(len(s) != 2 or min(s) < 1 for s in shapes) or any(x not in kmsup.MMA_BITS for x in bits):
+        parser.error(f"--shapes takes BxT items and --bits values in {kmsup.MMA_BITS}")
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     from velox_core.kernels import backend
 
@@ -467,11 +468,11 @@ def main() -> int:
         return 2
     install()
     rows: list = []
-    print(f"SMs: {dk.sm_count()}; MLX {mx.__version__}", flush=True)
+    print(f"SMs: {kmsup.sm_count()}; MLX {mx.__version__}", flush=True)
     out = Path(os.environ.get("OUT") or "out")
     out.mkdir(parents=True, exist_ok=True)
     path = out / "gpu_decode_profile.json"
-    device = {"mlx": mx.__version__, "sm_count": dk.sm_count()}
+    device = {"mlx": mx.__version__, "sm_count": kmsup.sm_count()}
     for b, t in shapes:
         for w in bits:
             if "variants" not in skip:

@@ -51,7 +51,8 @@ def measure(fn, calls: int, reps: int) -> tuple[float, float]:
 
 def cases(tokens: int):
     from velox_core import Uniform
-    from velox_core.kernels import decode as dk
+    from velox_core.kernels import merge as kmerge
+    from velox_core.kernels import mma as kmma
     from velox_core.kernels.build import KernelSpec
 
     small_src = "if (blockIdx.x * blockDim.x + threadIdx.x == 0) { out[0] = x[0] + 1.0f; }\n"
@@ -96,11 +97,11 @@ def cases(tokens: int):
     mx.eval(k_new)
 
     def decode_only():
-        return dk.decode_mma(qg, ks, vs, None, scale)[0]
+        return kmma.plan_mma(qg.shape, qg.dtype, ks, vs, None, scale)(qg)[0]
 
     def decode_merge():
-        o_part, ml_part, qk = dk.decode_mma(qg, ks, vs, None, scale)
-        return dk.merge_splits_fp16(o_part, ml_part, qk, [], mx.float16, scale)[0]
+        o_part, ml_part, qk = kmma.plan_mma(qg.shape, qg.dtype, ks, vs, None, scale)(qg)
+        return kmerge.merge_splits_fp16(o_part, ml_part, qk, [], mx.float16, scale)[0]
 
     def attend_joint():
         return codec.attend_joint(qg, kp, codec, vp, [], mx.float16, scale)

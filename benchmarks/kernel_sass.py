@@ -29,7 +29,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from velox_core.kernels import decode as dk
+from velox_core.kernels import mma as kmma
+from velox_core.kernels import mma_support as kmsup
+from velox_core.kernels import records as krec
 from velox_core.kernels.build import ArgInfo, cuda_source
 from velox_testing.emulate import shim_dir
 
@@ -68,24 +70,24 @@ def main_loop(insns: list[tuple[int, str]]) -> list[tuple[int, str]]:
 def build(args) -> tuple[str, list[tuple[str, object]]]:
     """The full CUDA source of the planned kernel, and its template."""
 
-    def codes(bits: int, group: int) -> dk.CodeRecord:  # 16 tokens of zeros: only shapes matter
+    def codes(bits: int, group: int) -> krec.CodeRecord:  # 16 tokens of zeros: only shapes matter
         words = mx.zeros((1, 1, 16, args.dim * bits // 32), mx.uint32)
         if group <= 0:  # codebook codes (TurboQuant_mse): one norm a token, 2**bits levels
             lev = mx.zeros((1 << bits,), mx.float32)
             norm = mx.zeros((1, 1, 16), mx.float16)
             sym = group < 0  # symmetric levels (Lloyd-Max's): half-table lookups at 4 bits
-            return dk.CodebookCodes(
+            return krec.CodebookCodes(
                 bits=bits, dim=args.dim, codes=words, norm=norm, levels=lev, symmetric=sym
             )
         z = mx.zeros((1, 1, 16, args.dim // group), mx.float16)
-        return dk.AffineCodes(bits=bits, group=group, codes=words, scale=z, zero=z)
+        return krec.AffineCodes(bits=bits, group=group, codes=words, scale=z, zero=z)
 
     keys, values = codes(args.kbits, args.kgroup), codes(args.vbits, args.vgroup)
-    if not dk.mma_supported(args.rows, args.dim, keys, values):
+    if not kmsup.mma_supported(args.rows, args.dim, keys, values):
         raise SystemExit("the tensor-core kernel does not take this shape (mma_supported)")
     qd = getattr(mx, args.query)
     out = None if args.merge == "separate" else qd
-    launch = dk.mma_launch((1, 1, args.rows, args.dim), qd, keys, values, out_dtype=out)
+    launch = kmma.mma_launch((1, 1, args.rows, args.dim), qd, keys, values, out_dtype=out)
     if launch is None:
         raise SystemExit("no ring fits in shared memory for this shape")
     spec, tmpl = launch.spec, launch.template

@@ -8,8 +8,8 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 import velox_core
-from velox_core import VeloxCache, load_cache, make_cache, routed, save_cache
-from velox_core.registry import format_spec, methods
+from velox_core import VeloxCache, load_cache, make_cache, methods, routed, save_cache
+from velox_core.registry import format_spec
 from velox_testing import tiny_model, tiny_tokenizer
 
 MODEL = tiny_model("llama", head_dim=128, hidden_size=256)

@@ -353,9 +353,8 @@ def test_each_class_states_its_split_refusal_by_attribute():
     """A cache class answers ``split_refusal`` from its attributes: ``mixes_heads`` refuses a
     split by heads only, ``fitted_on_whole_model`` any split; every installed method's
     answer is a string, and an override (depending on the settings) still wins."""
-    from velox_core import VeloxCache
-    from velox_core.registry import get_method, methods
-    from velox_core.split import FITTED_ON_WHOLE_MODEL
+    from velox_core import VeloxCache, get_method, methods
+    from velox_core.cache.velox import FITTED_ON_WHOLE_MODEL
 
     def cache_class(name):
         return get_method(name).cache_class

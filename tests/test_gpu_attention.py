@@ -114,11 +114,12 @@ def mma_plan(codec_k, kp, codec_v, vp, q) -> dict | None:
     go through that kernel (CUDA; affine 2/4/8 bits, or TurboQuant_mse's 2/4-bit codebook
     codes...)."""
     from velox_core import Uniform
-    from velox_core.kernels import decode as dk
+    from velox_core.kernels import mma as kmma
+    from velox_core.kernels import mma_support as kmsup
     from velox_turboquant import TurboQuant
     from velox_turboquant.kernels import _kernel_sides as tq_sides
 
-    if backend() != "cuda" or not dk.mma_enabled():
+    if backend() != "cuda" or not kmsup.mma_enabled():
         return None
     if isinstance(codec_k, Uniform):
         sides = codec_k._kernel_sides(kp, codec_v, vp)
@@ -128,9 +129,9 @@ def mma_plan(codec_k, kp, codec_v, vp, q) -> dict | None:
     else:
         return None
     dim = q.shape[-1]
-    if sides is None or not dk.mma_supported(q.shape[2], dim, *sides):
+    if sides is None or not kmsup.mma_supported(q.shape[2], dim, *sides):
         return None
-    launch = dk.mma_launch(q.shape, q.dtype, *sides)
+    launch = kmma.mma_launch(q.shape, q.dtype, *sides)
     return None if launch is None else dict(launch.template)
 
 
@@ -368,12 +369,12 @@ def sketch_encode_check(make):
 def subnormal_mma_check():
     """The tensor-core kernel's folds put codes into fp16 MMAs as subnormals (code x 2^(o-24),
     the masked bits alone): the library's probe (one MMA of such codes times ones, against the
-    exact row sums: ``velox_core.kernels.decode.run_subnormal_probe``) for three salts, and
+    exact row sums: ``velox_core.kernels.mma_support.run_subnormal_probe``) for three salts, and
     the verdict the launch plan takes (``mma_subnormals_exact``)."""
-    from velox_core.kernels import decode as dk
+    from velox_core.kernels import mma_support as kmsup
 
-    worst = max(dk.run_subnormal_probe(salt) for salt in (0, dk.SUBNORMAL_SALT, 11))
-    return worst <= 1e-6 and dk.mma_subnormals_exact(), {"max_rel": worst}
+    worst = max(kmsup.run_subnormal_probe(salt) for salt in (0, kmsup.SUBNORMAL_SALT, 11))
+    return worst <= 1e-6 and kmsup.mma_subnormals_exact(), {"max_rel": worst}
 
 
 # =============================================================================================

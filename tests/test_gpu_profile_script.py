@@ -13,7 +13,8 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from velox_core.kernels import decode as dk
+from velox_core.kernels import mma as kmma
+from velox_core.kernels import records as krec
 from velox_core.kernels.build import ArgInfo, cuda_source
 from velox_testing.emulate import shim_dir
 
@@ -90,17 +91,17 @@ def test_variants_compile(profile, tmp_path):
     profile.build.kernel_source = profile._kernel_source
     try:
         z = mx.zeros((1,), mx.float16)
-        k = dk.AffineCodes(bits=4, group=64, codes=mx.zeros((1,), mx.uint32), scale=z, zero=z)
+        k = krec.AffineCodes(bits=4, group=64, codes=mx.zeros((1,), mx.uint32), scale=z, zero=z)
         infos = [ArgInfo("float16", 4, 1 << 20)]
         infos += [ArgInfo(*a) for a in (("uint32", 4, 1 << 20), *[("float16", 4, 1 << 20)] * 2)] * 2
         infos += [ArgInfo("float32", 1, 16)] * 2  # the codebook levels (dummies here)
-        tmpl = dk.mma_template(
+        tmpl = kmma.mma_template(
             128, k, k, 4, 4, 4, 1, None, mx.float16, False, True, True, mx.float16, key_fold=True
         )
         cmd = ["nvcc", "-std=c++17", "-arch=sm_90a", "-I", str(shim_dir() / "cuda"), "-c"]
         jobs = []
         for i, name in enumerate(texts):
-            spec = dataclasses.replace(dk.mma_spec(4, 3), name=f"v{i}", source="variant:" + name)
+            spec = dataclasses.replace(kmma.mma_spec(4, 3), name=f"v{i}", source="variant:" + name)
             cu = tmp_path / f"v{i}.cu"
             cu.write_text(cuda_source(spec, infos, ["float32"], tmpl)[0])
             jobs.append((name, [*cmd, str(cu), "-o", str(tmp_path / f"v{i}.o")]))

@@ -8,8 +8,8 @@ import mlx.core as mx
 import pytest
 
 import velox_core
-from velox_core import VeloxCache, make_cache
-from velox_core.registry import format_spec, methods, parse_spec
+from velox_core import VeloxCache, make_cache, methods, parse_spec
+from velox_core.registry import format_spec
 from velox_testing import tiny_model, tiny_tokenizer
 
 DIMS = (64, 80, 96, 112, 128)

@@ -61,7 +61,7 @@ def test_request_error_fails_that_request_and_generation_goes_on():
     request with the error and restarts the loop (mlx-lm's thread would die)."""
     from queue import Queue
 
-    from velox_cli.serve import _survive_request_errors, _track_requests
+    from velox_cli.serve_errors import _survive_request_errors, _track_requests
 
     taken = [Queue(), Queue()]
 

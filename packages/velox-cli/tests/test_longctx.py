@@ -26,8 +26,7 @@ from velox_cli.longctx.run import (
 )
 from velox_cli.longctx.tasks import TASKS, make_prompts, parse_task, score
 from velox_cli.main import main
-from velox_core import make_cache
-from velox_core.registry import make
+from velox_core import make, make_cache
 from velox_testing.models import _tokenizer
 
 

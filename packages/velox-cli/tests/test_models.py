@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from velox_cli import models
+from velox_cli import gguf_model, models
 from velox_testing import tiny_model
 from velox_testing.models import _tokenizer
 
@@ -336,7 +336,7 @@ def test_gguf_package_reader_agrees_with_mlx(tmp_path, tiny, monkeypatch):
     model, cfg, tok = tiny
     gguf = tmp_path / "tiny.gguf"
     _write_gguf(gguf, model, cfg, tok, tied=True)
-    ours, theirs = models._read(gguf), models._read_with_gguf(gguf, "forced")
+    ours, theirs = models._read(gguf), gguf_model._read_with_gguf(gguf, "forced")
     assert ours.shapes == theirs.shapes
     for name in ours.shapes:
         assert np.array_equal(np.array(ours.dense(name)), np.array(theirs.dense(name))), name
@@ -347,7 +347,7 @@ def test_gguf_package_reader_agrees_with_mlx(tmp_path, tiny, monkeypatch):
         got = got.tolist() if isinstance(got, np.ndarray) else got
         assert want == pytest.approx(got) if isinstance(want, float) else want == got, key
     direct = models.convert_gguf(gguf, dtype="float32", cache=tmp_path / "mlx")
-    monkeypatch.setattr(models, "_read", lambda g: models._read_with_gguf(g, "forced"))
+    monkeypatch.setattr(models, "_read", lambda g: gguf_model._read_with_gguf(g, "forced"))
     via = models.convert_gguf(gguf, dtype="float32", cache=tmp_path / "gguf")
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (direct / name).read_bytes() == (via / name).read_bytes(), name
@@ -376,7 +376,7 @@ def test_missing_gguf_package_is_one_clear_error(tmp_path, tiny, monkeypatch):
 
 def test_unpermute_inverts_llamacpp():
     w = np.arange(6 * 64 * 5, dtype=np.float32).reshape(6 * 64, 5)
-    back = models._unpermute(mx.array(_llamacpp_permute(w, 6)), 6)
+    back = gguf_model._unpermute(mx.array(_llamacpp_permute(w, 6)), 6)
     assert np.array_equal(np.array(back), w)
 
 

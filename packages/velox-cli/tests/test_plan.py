@@ -63,7 +63,7 @@ def test_uniform_bytes_are_its_packed_records():
     """uniform:bits=4's bytes per token: its codecs' records of one token, every layer."""
     import mlx.core as mx
 
-    from velox_core.registry import make
+    from velox_core import make
 
     tier = make("uniform:bits=4").tiers[0]
     for shape, config in SHAPES.items():

@@ -20,7 +20,8 @@ import pytest
 from serving import free_port, request, serve_cmd
 
 from velox_cli.data import find_shared
-from velox_cli.serve import _checked_size, _prompt_cache_class
+from velox_cli.serve import _checked_size
+from velox_cli.serve_cache import _prompt_cache_class
 
 REF = find_shared("reference-model")
 SPEC = "uniform:bits=4,window=0,flush=1"  # batchable and trimmable

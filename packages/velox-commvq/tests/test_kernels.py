@@ -28,8 +28,10 @@ from velox_commvq.kernels import kernel_keys, kernel_sides, kernel_tables
 from velox_commvq.layout import TABLE, TableCodes, TableKeys, TableLayout, table_entries
 from velox_core import Packed, Uniform
 from velox_core.cache.attention import Segment, partial
+from velox_core.kernels import config as kcfg
 from velox_core.kernels import decode as dk
-from velox_core.kernels.build import ArgInfo, KernelSpec, cuda_source, metal_source
+from velox_core.kernels import portable as kport
+from velox_core.kernels.build import ArgInfo, KernelSpec, cuda_source
 from velox_testing import (
     assert_cpu_declines,
     assert_partials_close,
@@ -38,13 +40,8 @@ from velox_testing import (
     kernel_env,
     needs_nvcc,
 )
-from velox_testing.emulate import (
-    DecodeRun,
-    EmulatedKernels,
-    Emulator,
-    compiler,
-    emulated_or_skip,
-)
+from velox_testing.emulate import DecodeRun, EmulatedKernels, Emulator, compiler, emulated_or_skip
+from velox_testing.metal_source import metal_source
 
 needs_gxx = pytest.mark.skipif(
     compiler() is None, reason="no C++ compiler (g++ or $CXX): the kernels cannot be emulated"
@@ -90,13 +87,13 @@ def queries(b, m, seed=3):
 
 def test_the_table_code_path_is_on_by_default_and_can_be_turned_off(monkeypatch):
     kernel_env(monkeypatch, "VELOX_LAYOUTS_OFF", None)
-    assert vk.kernel_config().layouts_off == frozenset()
+    assert kcfg.kernel_config().layouts_off == frozenset()
     c = codec(bits=2)
     kp, vc, vp = records(c, t=16)
     monkeypatch.setattr(vk, "backend", lambda: "cuda")  # a GPU as far as dispatch can tell
     assert kernel_sides(c, kp, vc, vp) is not None
     kernel_env(monkeypatch, "VELOX_LAYOUTS_OFF", "vq, table")
-    assert vk.kernel_config().layouts_off == {"vq", "table"}
+    assert kcfg.kernel_config().layouts_off == {"vq", "table"}
     assert kernel_sides(c, kp, vc, vp) is None
 
 
@@ -131,13 +128,13 @@ def test_the_table_layout_is_registered_with_its_key_pass():
     rec = TableCodes(bits=4, group=4, codes=U32, norm=F16, positions=U32, table=TK)
     got = lay.layout_of(rec)
     assert type(got) is TableLayout and lay.layout_for(TABLE) is got and got.keys_only
-    spec = dk.decode_spec(rec)
-    assert spec.name == "velox_decode_attention_table" and spec is dk.decode_spec(rec)
-    assert spec.inserts == ((dk.KEY_PASS, "decode_table_keys.metal", "velox_commvq"),)
+    spec = kport.decode_spec(rec)
+    assert spec.name == "velox_decode_attention_table" and spec is kport.decode_spec(rec)
+    assert spec.inserts == ((kport.KEY_PASS, "decode_table_keys.metal", "velox_commvq"),)
     body = spec.body("metal")
-    assert "KSTG" in body and "KSTG" not in dk.DECODE.body("metal")
-    assert dk.decode_spec(vals_record()) is dk.DECODE
-    assert dk.side_ok(TABLE, 4, 4, 128, 16) and not dk.side_ok(TABLE, 4, 3, 128, 16)
+    assert "KSTG" in body and "KSTG" not in kport.DECODE.body("metal")
+    assert kport.decode_spec(vals_record()) is kport.DECODE
+    assert kport.side_ok(TABLE, 4, 4, 128, 16) and not kport.side_ok(TABLE, 4, 3, 128, 16)
 
 
 def vals_record():
@@ -160,13 +157,13 @@ def _variants():
     out = []
     for kb, kg, m_rows in COMPILED:
         kside = TableCodes(bits=kb, group=kg, codes=U32, norm=F16, positions=U32, table=TK)
-        p = dk.plan_for(m_rows, 128, kside, vside)
+        p = kport.plan_for(m_rows, 128, kside, vside)
         ins = [u32, ("float16", 3, 1 << 20), ("int32", 3, 1 << 20), ("float32", 1, 64)]
         infos = [ArgInfo(*a) for a in [f32, *ins, u32, h16, h16, dummy]]
         infos += [ArgInfo(*a) for a in (dummy, dummy, f32, dummy, dummy)]
-        tmpl = dk.template(p, 128, kside, vside)
+        tmpl = kport.template(p, 128, kside, vside)
         assert dict(tmpl)["KOWN"] == 1 and dict(tmpl)["KOLV"] == 64 and dict(tmpl)["KSTG"] == 2
-        out.append((dk.decode_spec(kside), infos, ["float32"] * 2, tmpl))
+        out.append((kport.decode_spec(kside), infos, ["float32"] * 2, tmpl))
     return out
 
 
@@ -234,11 +231,11 @@ def test_plan_declines_what_the_kernel_does_not_lay_out(monkeypatch):
     launched = []
     monkeypatch.setattr(KernelSpec, "kernel", lambda spec: launched.append(spec.name))
     keys, values = kernel_sides(c, kp, vc, vp)
-    assert keys.group == 64 and dk.plan_for(2, 128, keys, values) is None
+    assert keys.group == 64 and kport.plan_for(2, 128, keys, values) is None
     assert c.attend_partial(queries(1, 2), kp, vc, vp) is None
     assert c.joint_call((1, 2, 2, 128), mx.float16, kp, vc, vp, 0, mx.float16, 0.1) is None
     assert not launched
-    assert dk.plan_for(2, 128, kernel_keys(ok, okp), values) is not None  # the default's
+    assert kport.plan_for(2, 128, kernel_keys(ok, okp), values) is not None  # the default's
 
 
 def test_bad_table_keys_are_refused(monkeypatch):
@@ -306,7 +303,7 @@ def test_emulated_kernel_lane_layouts(emulated_gpu, rows, geometry, bits):
     kp, vc, vp = records(c, t=260, starts=(POSITIONS["offset"],), seed=5)
     q = queries(1, rows, seed=rows)
     keys, values = kernel_sides(c, kp, vc, vp)
-    p = dk.plan_for(rows, 128, keys, values)
+    p = kport.plan_for(rows, 128, keys, values)
     assert p is not None and p.cpl == {1: 32, 2: 32, 4: 16, 8: 8}[rows]
     got = c.attend_partial(q, kp, vc, vp)
     assert_partials_close(got, partial(q, Segment(c, kp, vc, vp)), 2e-5)
@@ -375,7 +372,7 @@ def test_emulated_cache_decode_steps_match_the_reference(monkeypatch, tmp_path, 
         fake.calls.clear()
         got = cache.attend(q, 1 / math.sqrt(128))
         assert fake.names == ["velox_decode_attention_table", merge], fake.names
-        with vk.configured(enabled=False):
+        with kcfg.configured(enabled=False):
             ref = cache.attend(q, 1 / math.sqrt(128))
         err = np.abs(np.asarray((got - ref).astype(mx.float32))).max()
         assert err < 2e-3 * max(1.0, float(mx.max(mx.abs(ref)))), (step, err)

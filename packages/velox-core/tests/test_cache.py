@@ -467,8 +467,8 @@ def test_check_finite_refuses_nan_and_inf_before_storing_anything():
     layer, the positions and the counts, and nothing of that update is stored (prefill chunks
     and decode steps alike); off by default (the check costs a sync), kept by fresh(), set by
     a spec parameter, and a non-bool is refused."""
+    from velox_core import UniformCache as Uni
     from velox_core import make
-    from velox_core.cache.uniform import UniformCache as Uni
 
     k = mx.random.normal((1, 2, 8, 64), key=mx.random.key(1)).astype(mx.float16)
     hole = (mx.arange(64) == 7)[None, None, None, :] & (mx.arange(8) == 5)[None, None, :, None]

@@ -10,6 +10,7 @@ import pytest
 
 from velox_core.kernels import decode as dk
 from velox_core.kernels import records
+from velox_core.kernels import records as krec
 
 U32 = mx.zeros((1, 1, 4, 16), mx.uint32)
 F16 = mx.zeros((1, 1, 4), mx.float16)
@@ -19,26 +20,26 @@ LEV = mx.zeros((16,), mx.float32)
 # levels) as the fields it maps to
 CASES = [
     (
-        dk.AffineCodes,
-        dk.AFFINE,
+        krec.AffineCodes,
+        krec.AFFINE,
         dict(bits=4, group=64, codes=U32, scale=F16, zero=F16),
         ("scale", "zero", None),
     ),
     (
-        dk.ChannelAffineCodes,
-        dk.AFFINE_CHANNEL,
+        krec.ChannelAffineCodes,
+        krec.AFFINE_CHANNEL,
         dict(bits=2, group=32, codes=U32, scale=F16, zero=F16),
         ("scale", "zero", None),
     ),
     (
-        dk.CodebookCodes,
-        dk.CODEBOOK,
+        krec.CodebookCodes,
+        krec.CODEBOOK,
         dict(bits=4, dim=128, codes=U32, norm=F16, levels=LEV),
         ("norm", None, "levels"),
     ),
     (
-        dk.VQCodes,
-        dk.VQ,
+        krec.VQCodes,
+        krec.VQ,
         dict(bits=8, group=4, codes=U32, codebooks=LEV),
         (None, None, "codebooks"),
     ),
@@ -49,7 +50,7 @@ IDS = [c[0].__name__ for c in CASES]
 @pytest.mark.parametrize("cls,kind,kw,view", CASES, ids=IDS)
 def test_each_record_builds_by_keyword_and_carries_its_kind(cls, kind, kw, view):
     rec = cls(**kw)
-    assert isinstance(rec, dk.CodeRecord) and rec.kind == cls.kind == kind
+    assert isinstance(rec, krec.CodeRecord) and rec.kind == cls.kind == kind
     for name, value in kw.items():
         assert getattr(rec, name) is value
     for attr, field in zip(("a", "b", "levels"), view):
@@ -63,12 +64,12 @@ def test_each_record_builds_by_keyword_and_carries_its_kind(cls, kind, kw, view)
 def test_the_kernels_view_of_the_optional_parts():
     """What a layout lacks reads as None (``symmetric`` False) and cannot be set; a codebook's
     group is its head dim."""
-    affine = dk.AffineCodes(bits=4, group=64, codes=U32, scale=F16, zero=F16)
+    affine = krec.AffineCodes(bits=4, group=64, codes=U32, scale=F16, zero=F16)
     assert (affine.signs, affine.rnorm, affine.levels) == (None,) * 3
     assert affine.symmetric is False
     with pytest.raises(AttributeError):
         affine.symmetric = True
-    cb = dk.CodebookCodes(bits=2, dim=96, codes=U32, norm=F16, levels=LEV[:4], symmetric=True)
+    cb = krec.CodebookCodes(bits=2, dim=96, codes=U32, norm=F16, levels=LEV[:4], symmetric=True)
     assert cb.group == 96 and cb.symmetric is True and cb.signs is None
     prod = dataclasses.replace(cb, signs=U32, rnorm=F16)
     assert prod.signs is U32 and prod.rnorm is F16
@@ -78,9 +79,9 @@ def test_required_fields_take_no_default():
     """Only the optional parts have defaults: a field named like one of the base's view
     attributes (``levels``) must not take that attribute as its."""
     optional = {
-        (dk.CodebookCodes, "symmetric"): False,
-        (dk.CodebookCodes, "signs"): None,
-        (dk.CodebookCodes, "rnorm"): None,
+        (krec.CodebookCodes, "symmetric"): False,
+        (krec.CodebookCodes, "signs"): None,
+        (krec.CodebookCodes, "rnorm"): None,
     }
     for cls, *_ in CASES:
         for f in dataclasses.fields(cls):
@@ -91,18 +92,18 @@ def test_required_fields_take_no_default():
 @pytest.mark.parametrize("bits", [0, 9, 3.0, None, True])
 def test_widths_outside_1_to_8_are_refused(bits):
     with pytest.raises(ValueError, match="bits must be an int from 1 to 8"):
-        dk.AffineCodes(bits=bits, group=64, codes=U32, scale=F16, zero=F16)
+        krec.AffineCodes(bits=bits, group=64, codes=U32, scale=F16, zero=F16)
     with pytest.raises(ValueError, match="CodebookCodes: bits"):
-        dk.CodebookCodes(bits=bits, dim=128, codes=U32, norm=F16, levels=LEV)
+        krec.CodebookCodes(bits=bits, dim=128, codes=U32, norm=F16, levels=LEV)
 
 
 def test_bad_groups_are_refused():
     with pytest.raises(ValueError, match="VQCodes: group must be a positive int, got 0"):
-        dk.VQCodes(bits=8, group=0, codes=U32, codebooks=LEV)
+        krec.VQCodes(bits=8, group=0, codes=U32, codebooks=LEV)
     with pytest.raises(ValueError, match="ChannelAffineCodes: group"):
-        dk.ChannelAffineCodes(bits=2, group=-32, codes=U32, scale=F16, zero=F16)
+        krec.ChannelAffineCodes(bits=2, group=-32, codes=U32, scale=F16, zero=F16)
     with pytest.raises(ValueError, match="CodebookCodes: dim must be a positive int"):
-        dk.CodebookCodes(bits=4, dim=None, codes=U32, norm=F16, levels=LEV)
+        krec.CodebookCodes(bits=4, dim=None, codes=U32, norm=F16, levels=LEV)
 
 
 @pytest.mark.parametrize("cls,kind,kw,view", CASES, ids=IDS)
@@ -116,29 +117,29 @@ def test_missing_or_wrong_arrays_are_refused(cls, kind, kw, view):
         with pytest.raises(TypeError, match=f"{name} must be an mx.array, got list"):
             cls(**{**kw, name: [0, 1]})
     with pytest.raises(TypeError, match="unexpected keyword"):
-        cls(**kw, kind=dk.AFFINE)  # the kind is the class's
+        cls(**kw, kind=krec.AFFINE)  # the kind is the class's
 
 
 def test_records_refuse_what_their_layout_does_not_hold():
     with pytest.raises(ValueError, match="signs and rnorm go together"):
-        dk.CodebookCodes(bits=4, dim=128, codes=U32, norm=F16, levels=LEV, signs=U32)
+        krec.CodebookCodes(bits=4, dim=128, codes=U32, norm=F16, levels=LEV, signs=U32)
     with pytest.raises(ValueError, match="go together"):  # via replace: checked again
-        dataclasses.replace(dk.CodebookCodes(**CASES[2][2], signs=U32, rnorm=F16), rnorm=None)
+        dataclasses.replace(krec.CodebookCodes(**CASES[2][2], signs=U32, rnorm=F16), rnorm=None)
     with pytest.raises(TypeError, match="rnorm must be an mx.array"):
-        dk.CodebookCodes(bits=4, dim=128, codes=U32, norm=F16, levels=LEV, signs=U32, rnorm=1.0)
+        krec.CodebookCodes(bits=4, dim=128, codes=U32, norm=F16, levels=LEV, signs=U32, rnorm=1.0)
     with pytest.raises(TypeError, match="symmetric"):
-        dk.VQCodes(bits=8, group=4, codes=U32, codebooks=LEV, symmetric=True)
+        krec.VQCodes(bits=8, group=4, codes=U32, codebooks=LEV, symmetric=True)
     with pytest.raises(TypeError, match="signs"):
-        dk.AffineCodes(bits=4, group=64, codes=U32, scale=F16, zero=F16, signs=U32)
+        krec.AffineCodes(bits=4, group=64, codes=U32, scale=F16, zero=F16, signs=U32)
 
 
-def test_records_are_exported_where_the_kernels_are():
+def test_records_have_one_home():
+    """The record classes are exported by velox_core.kernels.records alone."""
     from velox_core.kernels import codes
 
     names = [c[0].__name__ for c in CASES] + ["CodeRecord"]
     for name in names:
-        assert getattr(dk, name) is getattr(records, name)
-        assert name in dk.__all__ and name in records.__all__
+        assert name in records.__all__ and name not in dk.__all__ + codes.__all__
     assert not hasattr(dk, "Codes") and not hasattr(codes, "Codes")
 
 
@@ -146,7 +147,7 @@ def test_codebook_codes_for_another_head_dim_are_refused():
     from velox_core.kernels.codes import check_codes
 
     codes = mx.zeros((1, 1, 4, 128 * 4 // 32), mx.uint32)
-    cb = dk.CodebookCodes(bits=4, dim=128, codes=codes, norm=F16, levels=LEV)
+    cb = krec.CodebookCodes(bits=4, dim=128, codes=codes, norm=F16, levels=LEV)
     check_codes("key", cb, 1, 1, 4, 128)
     wrong = dataclasses.replace(cb, dim=96)
     with pytest.raises(ValueError, match="head dim 96, the segment's is 128"):
@@ -197,7 +198,7 @@ def test_registering_takes_no_second_layout_for_a_kind_or_a_name():
 
     with pytest.raises(ValueError, match="kind 0 is AffineLayout's"):
         lay.register_layout(Again())
-    assert lay.register_layout(lay.AffineLayout()) is lay.layout_for(dk.AFFINE)  # a no-op
+    assert lay.register_layout(lay.AffineLayout()) is lay.layout_for(krec.AFFINE)  # a no-op
 
     @dataclasses.dataclass(slots=True, kw_only=True)
     class Named(records.CodeRecord):

@@ -14,7 +14,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from velox_core.kernels import build, configured, disk_cache
+from velox_core.kernels import build, disk_cache
+from velox_core.kernels.config import configured
 
 
 # libstdc++'s std::hash<std::string> of each input, printed by a g++ 12 program
@@ -150,10 +151,10 @@ def test_included_texts_hold_the_full_texts(tmp_path, monkeypatch):
     """With ``cuda_include`` the header and body MLX sees are short ``#include`` lines of files
     holding the full texts (named by digest); the body keeps the launch prologue inline and
     names the shape arguments it uses, so MLX declares the same arguments."""
-    from velox_core.kernels import decode as dk
+    from velox_core.kernels import portable as kport
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    spec = dk.DECODE
+    spec = kport.DECODE
     with configured(cuda_include=True):
         header, body = spec.mlx_texts("cuda")
         assert spec.mlx_texts("metal") == (spec.header("metal"), spec.body("metal"))
@@ -179,39 +180,42 @@ needs_gxx = pytest.mark.skipif(
 def test_included_texts_compile_and_run_in_the_cuda_emulation(tmp_path, monkeypatch):
     """The included form compiles as the full one does (g++ through the CUDA emulation): the
     subnormal probe, which takes the tensor-core header, gives exact sums."""
-    from velox_core.kernels import decode as dk
+    from velox_core.kernels import mma_support as kmsup
     from velox_testing.emulate import CudaEmulator
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "texts"))
     with configured(cuda_include=True):
         emu = CudaEmulator(tmp_path / "emu")
-        salt = np.array([dk.SUBNORMAL_SALT], np.uint32)
-        handle = emu.kernel(dk.PROBE_SUBNORMAL, [salt], ["float32"], [])
+        salt = np.array([kmsup.SUBNORMAL_SALT], np.uint32)
+        handle = emu.kernel(kmsup.PROBE_SUBNORMAL, [salt], ["float32"], [])
         assert '#include "' + str(tmp_path / "texts") in emu.source()
         (out,) = emu.run(handle, [salt], [(128,)], (32, 1, 1), (32, 1, 1))
-    assert dk.subnormal_probe_error(out, dk.SUBNORMAL_SALT) == 0.0
+    assert kmsup.subnormal_probe_error(out, kmsup.SUBNORMAL_SALT) == 0.0
 
 
 def test_included_texts_fall_back_to_the_texts_without_a_writable_folder(tmp_path, monkeypatch):
-    from velox_core.kernels import decode as dk
+    from velox_core.kernels import merge as kmerge
 
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # <file>/velox/cuda-src: not creatable
     with configured(cuda_include=True):
-        assert dk.MERGE.mlx_texts("cuda") == (dk.MERGE.header("cuda"), dk.MERGE.body("cuda"))
+        assert kmerge.MERGE.mlx_texts("cuda") == (
+            kmerge.MERGE.header("cuda"),
+            kmerge.MERGE.body("cuda"),
+        )
 
 
 def test_a_changed_text_file_is_rewritten(tmp_path, monkeypatch):
-    from velox_core.kernels import decode as dk
+    from velox_core.kernels import merge as kmerge
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     with configured(cuda_include=True):
-        header, _ = dk.MERGE.mlx_texts("cuda")
+        header, _ = kmerge.MERGE.mlx_texts("cuda")
         path = Path(header.split('"')[1])
         path.write_text("garbage")
-        assert dk.MERGE.mlx_texts("cuda")[0] == header
-    assert path.read_text() == dk.MERGE.header("cuda")
+        assert kmerge.MERGE.mlx_texts("cuda")[0] == header
+    assert path.read_text() == kmerge.MERGE.header("cuda")
 
 
 def test_cached_kernel_skips_the_key_for_the_same_template_object(monkeypatch):

@@ -10,8 +10,7 @@ import math
 
 import pytest
 
-from velox_core import make, methods
-from velox_core.codec.uniform import Uniform
+from velox_core import Uniform, make, methods
 from velox_core.validation import check_finite_params, check_float
 
 BAD = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}

@@ -210,6 +210,8 @@ def test_save_rejects_bad_input(tmp_path):
 
 # -- per-model artifacts ---------------------------------------------------------------------------
 def test_artifacts_fingerprint_and_resolution(tmp_path, monkeypatch):
+    import dataclasses
+
     import mlx.core as mx
     import pytest
 
@@ -228,25 +230,25 @@ def test_artifacts_fingerprint_and_resolution(tmp_path, monkeypatch):
         mx.save_safetensors(str(path), {"w": mx.zeros((2,))}, meta)
         return path
 
-    kw = dict(fmt="velox-test", version="1", what="Test", how_to_fit="fit-it", param="art")
+    kind = artifacts.ArtifactKind("velox-test", "1", "Test", param="art", how_to_fit="fit-it")
     monkeypatch.setenv(artifacts.ENV, str(tmp_path))
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     with pytest.raises(LookupError, match="no Test artifact .*fit-it.*art=FILE"):
-        artifacts.resolve_artifact(model, None, missing=LookupError, **kw)
+        dataclasses.replace(kind, missing=LookupError).resolve(model)
     foreign = write("a.safetensors", fingerprint=artifacts.fingerprint(other))
     wrong = write("b.safetensors", fmt="velox-other")
     old = write("c.safetensors", version="0")
     mine = write("d.safetensors")
-    assert artifacts.resolve_artifact(model, None, **kw) == mine  # found by fingerprint
-    assert artifacts.resolve_artifact(model, mine, **kw) == mine
+    assert kind.resolve(model) == mine  # found by fingerprint
+    assert kind.resolve(model, mine) == mine
     with pytest.raises(ValueError, match="art=.* was fitted for another model"):
-        artifacts.resolve_artifact(model, foreign, **kw)
+        kind.resolve(model, foreign)
     with pytest.raises(ValueError, match="not a Test artifact"):
-        artifacts.resolve_artifact(model, wrong, **kw)
+        kind.resolve(model, wrong)
     with pytest.raises(ValueError, match="unsupported Test artifact version"):
-        artifacts.resolve_artifact(model, old, **kw)
+        kind.resolve(model, old)
     with pytest.raises(ValueError, match="no such file"):
-        artifacts.resolve_artifact(model, tmp_path / "none.safetensors", **kw)
+        kind.resolve(model, tmp_path / "none.safetensors")
     (tmp_path / "junk.safetensors").write_bytes(b"junk")
     with pytest.raises(ValueError, match="not a safetensors file"):
         artifacts.read_metadata(tmp_path / "junk.safetensors")

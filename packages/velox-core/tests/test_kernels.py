@@ -27,11 +27,18 @@ import numpy as np
 import pytest
 
 import velox_core.kernels as vk
-from velox_core import Identity, Uniform, UniformCache
+from velox_core import Identity, Uniform, UniformCache, ops
 from velox_core.cache.attention import Segment, attend, merge_partials, partial
+from velox_core.kernels import codes as kcodes
+from velox_core.kernels import config as kcfg
 from velox_core.kernels import decode as dk
 from velox_core.kernels import encode as ek
-from velox_core.kernels.build import PROLOGUE, ArgInfo, cuda_source, metal_source
+from velox_core.kernels import merge as kmerge
+from velox_core.kernels import mma as kmma
+from velox_core.kernels import mma_support as kmsup
+from velox_core.kernels import portable as kport
+from velox_core.kernels import records as krec
+from velox_core.kernels.build import PROLOGUE, ArgInfo, cuda_source
 from velox_core.ops import affine_quantize, lloyd_max_sphere, pack, unpack
 from velox_testing import compile_cuda, compile_metal, kernel_env, kv_data, needs_nvcc
 from velox_testing.emulate import (
@@ -42,6 +49,7 @@ from velox_testing.emulate import (
     np_input,
     shim_dir,
 )
+from velox_testing.metal_source import metal_source
 
 GXX = shutil.which(os.environ.get("CXX", "g++"))
 needs_gxx = pytest.mark.skipif(
@@ -76,13 +84,13 @@ def uniform_case(b, h, t, m, bits, group=64, dtype=mx.float16, dim=128, seed=0, 
 _U32, _F16 = mx.zeros((1,), mx.uint32), mx.zeros((1,), mx.float16)
 
 
-def _layout(kind: int, bits: int, group: int, **kw) -> dk.CodeRecord:
+def _layout(kind: int, bits: int, group: int, **kw) -> krec.CodeRecord:
     """A record of one layout with placeholder arrays (``kw``: its other fields)."""
-    if kind == dk.CODEBOOK:
-        return dk.CodebookCodes(bits=bits, dim=group, codes=_U32, norm=_F16, levels=_F16, **kw)
-    if kind == dk.VQ:
-        return dk.VQCodes(bits=bits, group=group, codes=_U32, codebooks=_F16)
-    record = dk.AffineCodes if kind == dk.AFFINE else dk.ChannelAffineCodes
+    if kind == krec.CODEBOOK:
+        return krec.CodebookCodes(bits=bits, dim=group, codes=_U32, norm=_F16, levels=_F16, **kw)
+    if kind == krec.VQ:
+        return krec.VQCodes(bits=bits, group=group, codes=_U32, codebooks=_F16)
+    record = krec.AffineCodes if kind == krec.AFFINE else krec.ChannelAffineCodes
     return record(bits=bits, group=group, codes=_U32, scale=_F16, zero=_F16)
 
 
@@ -170,7 +178,7 @@ def test_uniform_encode_and_attend_route_to_the_kernels_on_a_gpu(monkeypatch):
     monkeypatch.setattr(ek, "affine_encode", spy_encode)
     got = cache.attend(q, 0.1)
     assert seen["joint"] == ((1, 2, 2, 128), 4 + 16)  # sinks and window offered
-    assert seen["decode"] == ((1, 2, 2, 128), 4, dk.AFFINE, dk.AFFINE, (1, 2, 280, 16))
+    assert seen["decode"] == ((1, 2, 2, 128), 4, krec.AFFINE, krec.AFFINE, (1, 2, 280, 16))
     assert mx.allclose(got, ref, atol=2e-3).item()
     Uniform(3, 32).encode(k[:, :, :8])
     assert seen["encode"] == ((1, 2, 8, 128), 3, 32, 1.0)
@@ -210,11 +218,11 @@ def test_kernel_sources_are_found_and_assembled():
     with pytest.raises(FileNotFoundError):
         vk.kernel_source("no_such_kernel.metal")
     for backend in ("metal", "cuda"):
-        head, body = dk.DECODE.header(backend), dk.DECODE.body(backend)
+        head, body = kport.DECODE.header(backend), kport.DECODE.body(backend)
         assert head.startswith(f"#define VX_{backend.upper()} 1") and "VELOX_KERNELS_H" in head
         assert body.startswith(PROLOGUE[backend])
     with pytest.raises(ValueError, match="backend"):
-        dk.DECODE.body("opencl")
+        kport.DECODE.body("opencl")
 
 
 def test_get_kernel_builds_once_per_backend(monkeypatch):
@@ -229,53 +237,61 @@ def test_get_kernel_builds_once_per_backend(monkeypatch):
 
 
 def test_plan_layouts_and_declines():
-    p = dk.plan(4, 128, dk.AFFINE, 4, 64, dk.AFFINE, 4, 64)
+    p = kport.plan(4, 128, krec.AFFINE, 4, 64, krec.AFFINE, 4, 64)
     assert (p.cpl, p.mb, p.nmb, p.lanes) == (16, 4, 1, 8)
-    p = dk.plan(4, 128, dk.CODEBOOK, 3, 128, dk.CODEBOOK, 3, 128)
+    p = kport.plan(4, 128, krec.CODEBOOK, 3, 128, krec.CODEBOOK, 3, 128)
     assert (p.cpl, p.mb, p.nmb, p.lanes) == (32, 2, 2, 4)  # 3-bit rows: 32 channels = 3 words
-    p = dk.plan(7, 128, dk.AFFINE, 8, 32, dk.AFFINE, 8, 32)
+    p = kport.plan(7, 128, krec.AFFINE, 8, 32, krec.AFFINE, 8, 32)
     assert (p.cpl, p.mb, p.nmb) == (8, 8, 1) and p.max_span == 512
-    p = dk.plan(1, 80, dk.AFFINE, 4, 16, dk.AFFINE, 2, 16)
+    p = kport.plan(1, 80, krec.AFFINE, 4, 16, krec.AFFINE, 2, 16)
     assert p.cpl == 16 and p.lanes == 8  # 5 lanes of data, padded to 8
-    assert dk.plan(4, 96, dk.AFFINE, 4, 24, dk.AFFINE, 4, 24).cpl == 8  # 3 lanes per group
-    assert dk.plan(4, 96, dk.AFFINE, 4, 12, dk.AFFINE, 4, 12) is None  # 12 vs 8/16/32 lanes
-    assert dk.plan(4, 100, dk.AFFINE, 4, 4, dk.AFFINE, 4, 4) is None  # no lane width divides 100
-    assert dk.plan(4, 2048, dk.AFFINE, 4, 64, dk.AFFINE, 4, 64) is None  # more than 32 lanes
+    assert kport.plan(4, 96, krec.AFFINE, 4, 24, krec.AFFINE, 4, 24).cpl == 8  # 3 lanes per group
+    assert kport.plan(4, 96, krec.AFFINE, 4, 12, krec.AFFINE, 4, 12) is None  # 12 vs 8/16/32 lanes
+    assert (
+        kport.plan(4, 100, krec.AFFINE, 4, 4, krec.AFFINE, 4, 4) is None
+    )  # no lane width divides 100
+    assert kport.plan(4, 2048, krec.AFFINE, 4, 64, krec.AFFINE, 4, 64) is None  # more than 32 lanes
 
 
 def test_plan_widens_the_register_budget_for_32_channel_lanes_on_cuda(monkeypatch):
     """On CUDA, lanes of 32 channels (3-, 5-, 7-bit codes) hold 4 query rows (one pass over
     the codes where two would read them twice); Metal keeps the budget, as do lanes of 16
     channels, sketches and GQA beyond 4 rows at 16 channels."""
-    three = (dk.CODEBOOK, 3, 128, dk.CODEBOOK, 3, 128)
+    three = (krec.CODEBOOK, 3, 128, krec.CODEBOOK, 3, 128)
     for backend, want in (("cuda", (32, 4, 1)), ("metal", (32, 2, 2)), ("cpu", (32, 2, 2))):
         monkeypatch.setattr(vk, "backend", lambda b=backend: b)
-        p = dk.plan(4, 128, *three)
+        p = kport.plan(4, 128, *three)
         assert (p.cpl, p.mb, p.nmb) == want, backend
-        assert p.max_span == dk.SCORE_SLOTS // p.mb
+        assert p.max_span == kport.SCORE_SLOTS // p.mb
     monkeypatch.setattr(vk, "backend", lambda: "cuda")
-    assert dk.plan(8, 128, dk.AFFINE, 5, 32, dk.AFFINE, 7, 32).mb == 4  # 8 rows: two passes
-    p = dk.plan(4, 128, dk.AFFINE, 4, 64, dk.AFFINE, 4, 64)
+    assert kport.plan(8, 128, krec.AFFINE, 5, 32, krec.AFFINE, 7, 32).mb == 4  # 8 rows: two passes
+    p = kport.plan(4, 128, krec.AFFINE, 4, 64, krec.AFFINE, 4, 64)
     assert (p.cpl, p.mb) == (16, 4)  # unchanged
-    assert dk.plan(8, 128, dk.AFFINE, 2, 64, dk.AFFINE, 2, 64).mb == 4  # 16 channels: as before
-    assert dk.plan(4, 128, dk.CODEBOOK, 3, 128, dk.CODEBOOK, 3, 128, sketch=True).mb == 1
+    assert (
+        kport.plan(8, 128, krec.AFFINE, 2, 64, krec.AFFINE, 2, 64).mb == 4
+    )  # 16 channels: as before
+    assert kport.plan(4, 128, krec.CODEBOOK, 3, 128, krec.CODEBOOK, 3, 128, sketch=True).mb == 1
 
 
 @pytest.mark.parametrize("t", [1, 7, 255, 256, 1000, 4097, 32768, 131072, 131071])
 @pytest.mark.parametrize("rows", [1, 8, 64])
 def test_splits_cover_the_context_without_empty_or_oversized_splits(t, rows):
     for m, bits in ((4, 4), (8, 4), (1, 2), (4, 3)):
-        p = dk.plan(m, 128, dk.AFFINE, bits, 64, dk.AFFINE, bits, 64)
-        for s in (dk.choose_splits(t, rows, p), dk.fit_splits(t, 3, p), dk.fit_splits(t, 10**6, p)):
+        p = kport.plan(m, 128, krec.AFFINE, bits, 64, krec.AFFINE, bits, 64)
+        for s in (
+            kport.choose_splits(t, rows, p),
+            kport.fit_splits(t, 3, p),
+            kport.fit_splits(t, 10**6, p),
+        ):
             span = math.ceil(t / s)  # what the kernel takes per split
             assert 1 <= s <= t and (s - 1) * span < t <= s * span and span <= p.max_span
 
 
 def test_splits_follow_the_block_target(monkeypatch):
-    p = dk.plan(4, 128, dk.AFFINE, 4, 64, dk.AFFINE, 4, 64)
-    assert dk.choose_splits(131072, 8, p) == 128  # 1024 threadgroups of 1024 tokens
+    p = kport.plan(4, 128, krec.AFFINE, 4, 64, krec.AFFINE, 4, 64)
+    assert kport.choose_splits(131072, 8, p) == 128  # 1024 threadgroups of 1024 tokens
     kernel_env(monkeypatch, "VELOX_DECODE_BLOCKS", "4096")
-    assert dk.choose_splits(131072, 8, p) == 512
+    assert kport.choose_splits(131072, 8, p) == 512
     with pytest.raises(ValueError, match="VELOX_DECODE_WARPS"):
         kernel_env(monkeypatch, "VELOX_DECODE_WARPS", "3")
 
@@ -289,18 +305,18 @@ DUMMY = ("float32", 1, 8)
 def _decode_variants():
     out = []
     for kind, bits, m, group, sketch in (
-        (dk.AFFINE, 2, 4, 64, False),
-        (dk.AFFINE, 4, 4, 64, False),
-        (dk.AFFINE, 8, 4, 64, False),
-        (dk.AFFINE, 4, 8, 8, False),
-        (dk.CODEBOOK, 3, 4, 128, False),
-        (dk.CODEBOOK, 4, 1, 128, False),
-        (dk.CODEBOOK, 2, 4, 128, True),  # TurboQuant_prod keys: the residual sketch term
+        (krec.AFFINE, 2, 4, 64, False),
+        (krec.AFFINE, 4, 4, 64, False),
+        (krec.AFFINE, 8, 4, 64, False),
+        (krec.AFFINE, 4, 8, 8, False),
+        (krec.CODEBOOK, 3, 4, 128, False),
+        (krec.CODEBOOK, 4, 1, 128, False),
+        (krec.CODEBOOK, 2, 4, 128, True),  # TurboQuant_prod keys: the residual sketch term
     ):
-        p = dk.plan(m, 128, kind, bits, group, kind, bits, group, sketch)
+        p = kport.plan(m, 128, kind, bits, group, kind, bits, group, sketch)
         side = _layout(kind, bits, group)
         ks = _layout(kind, bits, group, signs=_U32, rnorm=_F16) if sketch else side
-        if kind == dk.AFFINE:
+        if kind == krec.AFFINE:
             ins = [U32, H16, H16, DUMMY]
         else:
             ins = [U32, ("float16", 3, 1 << 20), ("float16", 1, 8), ("float32", 1, 16)]
@@ -308,38 +324,38 @@ def _decode_variants():
         extra += [DUMMY, DUMMY]
         infos = [ArgInfo(*F32), *(ArgInfo(*a) for a in ins), *(ArgInfo(*a) for a in ins)]
         infos += [ArgInfo(*a) for a in extra]
-        tmpl = dk.template(p, 128, ks if sketch else side, side)
+        tmpl = kport.template(p, 128, ks if sketch else side, side)
         assert dict(tmpl)["KRSK"] == int(sketch)
-        out.append((dk.DECODE, infos, ["float32"] * 2, tmpl))
+        out.append((kport.DECODE, infos, ["float32"] * 2, tmpl))
     # 3-bit codes with 4 rows a pass (lanes of 32 channels on CUDA: CUDA_WIDE_REGS)
-    for kind in (dk.AFFINE, dk.CODEBOOK):
-        grp = 64 if kind == dk.AFFINE else 128
-        p = dk.plan(4, 128, kind, 3, grp, kind, 3, grp)
-        p = dataclasses.replace(p, mb=4, nmb=1, max_span=dk.SCORE_SLOTS // 4)
+    for kind in (krec.AFFINE, krec.CODEBOOK):
+        grp = 64 if kind == krec.AFFINE else 128
+        p = kport.plan(4, 128, kind, 3, grp, kind, 3, grp)
+        p = dataclasses.replace(p, mb=4, nmb=1, max_span=kport.SCORE_SLOTS // 4)
         side = _layout(kind, 3, grp)
-        if kind == dk.AFFINE:
+        if kind == krec.AFFINE:
             ins = [U32, H16, H16, DUMMY]
         else:
             ins = [U32, ("float16", 3, 1 << 20), ("float16", 1, 8), ("float32", 1, 16)]
         infos = [ArgInfo(*F32), *(ArgInfo(*a) for a in ins), *(ArgInfo(*a) for a in ins)]
         infos += [ArgInfo(*DUMMY)] * 5
-        out.append((dk.DECODE, infos, ["float32"] * 2, dk.template(p, 128, side, side)))
+        out.append((kport.DECODE, infos, ["float32"] * 2, kport.template(p, 128, side, side)))
     # KIVI's layout: per-channel key scales (B, H, T / 32, D), per-token values
-    p = dk.plan(4, 128, dk.AFFINE_CHANNEL, 4, 32, dk.AFFINE, 4, 64)
-    kside = _layout(dk.AFFINE_CHANNEL, 4, 32)
-    vside = _layout(dk.AFFINE, 4, 64)
+    p = kport.plan(4, 128, krec.AFFINE_CHANNEL, 4, 32, krec.AFFINE, 4, 64)
+    kside = _layout(krec.AFFINE_CHANNEL, 4, 32)
+    vside = _layout(krec.AFFINE, 4, 64)
     ins = [U32, H16, H16, DUMMY]
     infos = [ArgInfo(*F32), *(ArgInfo(*a) for a in ins), *(ArgInfo(*a) for a in ins)]
     infos += [ArgInfo(*DUMMY)] * 5
-    out.append((dk.DECODE, infos, ["float32"] * 2, dk.template(p, 128, kside, vside)))
+    out.append((kport.DECODE, infos, ["float32"] * 2, kport.template(p, 128, kside, vside)))
     # VQ codes (VecInfer): 256 codewords of 4 channels on both sides, and 16 pairs of keys
     for kb, kg, vb, vg in ((8, 4, 8, 4), (4, 2, 8, 4)):
-        kside, vq = _layout(dk.VQ, kb, kg), _layout(dk.VQ, vb, vg)
-        p = dk.plan_for(4, 128, kside, vq)
+        kside, vq = _layout(krec.VQ, kb, kg), _layout(krec.VQ, vb, vg)
+        p = kport.plan_for(4, 128, kside, vq)
         ins = [U32, ("float16", 1, 8), ("float16", 1, 8), ("float32", 1, 1 << 16)]
         infos = [ArgInfo(*a) for a in [F32, *ins, *ins]] + [ArgInfo(*DUMMY)] * 5
-        out.append((dk.DECODE, infos, ["float32"] * 2, dk.template(p, 128, kside, vq)))
-    out.append((dk.MERGE, [ArgInfo("float32", 5, 1 << 20)] * 2, ["float32"] * 3, []))
+        out.append((kport.DECODE, infos, ["float32"] * 2, kport.template(p, 128, kside, vq)))
+    out.append((kmerge.MERGE, [ArgInfo("float32", 5, 1 << 20)] * 2, ["float32"] * 3, []))
     part, seg, dummy = ArgInfo("float32", 5, 1 << 20), ArgInfo(*H16), ArgInfo("float16", 1, 8)
     for has_a, has_b, odt, rd in (
         (1, 1, "float16", 1),
@@ -352,13 +368,13 @@ def _decode_variants():
         tmpl = [
             ("HAS_A", has_a),
             ("HAS_B", has_b),
-            ("FMAX", dk.FP16_MAX),
-            ("QMUL", dk.qmul_bits(0.088)),
+            ("FMAX", kcodes.FP16_MAX),
+            ("QMUL", kcodes.qmul_bits(0.088)),
             ("RD", rd),
         ]
         rot = ArgInfo("float32", 2, 1 << 20) if rd > 1 else ArgInfo("float32", 1, 8)
         ins = [part, part, ArgInfo(odt, 4, 1 << 20), *a, *bb, rot]  # query in the model dtype
-        out.append((dk.MERGE_FP16, ins, [odt, "float32", "float32"], tmpl))
+        out.append((kmerge.MERGE_FP16, ins, [odt, "float32", "float32"], tmpl))
     for dtype, st in (("float16", mx.float16), ("bfloat16", mx.bfloat16), ("float32", mx.float16)):
         tmpl = [("BITS", 3), ("HD", 128), ("GROUP", 32), ("CLIPB", ek.clip_bits(0.9))]
         tmpl += [("ST", st)]
@@ -402,7 +418,7 @@ def test_metal_instantiations_compile_through_the_shim(tmp_path):
 
 @needs_gxx
 def test_the_shim_catches_a_broken_body(tmp_path):
-    spec = dk.MERGE
+    spec = kmerge.MERGE
     src, _ = metal_source(spec, [ArgInfo("float32", 5, 1 << 20)] * 2, ["float32"] * 3)
     broken = src.replace("vx_exp2(ml_part[r * 2] - top)", "vx_exp2(ml_part[r * 2] - tpo)")
     cpp = tmp_path / "broken.cpp"
@@ -416,7 +432,7 @@ def test_the_shim_catches_a_broken_body(tmp_path):
     assert res.returncode != 0 and "tpo" in res.stderr
 
 
-def _mma_codes(bits: int, group, dtype=mx.float16, t: int = 256, dim: int = 128) -> dk.CodeRecord:
+def _mma_codes(bits: int, group, dtype=mx.float16, t: int = 256, dim: int = 128) -> krec.CodeRecord:
     """An affine side's shape for the launch plan; ``group`` 0: a codebook side (one norm a
     token, ``2**bits`` levels) of head dim 128, -1: one with symmetric levels; ``"c32"``:
     per-channel keys (KIVI's) in groups of 32 tokens, ``t`` tokens of ``dim`` channels."""
@@ -424,23 +440,25 @@ def _mma_codes(bits: int, group, dtype=mx.float16, t: int = 256, dim: int = 128)
         g = int(group[1:])
         codes = mx.zeros((1, 1, t, dim * bits // 32), mx.uint32)
         rows = mx.zeros((1, 1, t // g, dim), dtype)
-        return dk.ChannelAffineCodes(bits=bits, group=g, codes=codes, scale=rows, zero=rows)
+        return krec.ChannelAffineCodes(bits=bits, group=g, codes=codes, scale=rows, zero=rows)
     if group <= 0:
         lev = mx.zeros((1 << bits,), mx.float32)
         norm = mx.zeros((1, 1, 1), dtype)
         u32 = mx.zeros((1,), mx.uint32)
-        return dk.CodebookCodes(
+        return krec.CodebookCodes(
             bits=bits, dim=128, codes=u32, norm=norm, levels=lev, symmetric=group < 0
         )
     z = mx.zeros((1,), dtype)
-    return dk.AffineCodes(bits=bits, group=group, codes=mx.zeros((1,), mx.uint32), scale=z, zero=z)
+    return krec.AffineCodes(
+        bits=bits, group=group, codes=mx.zeros((1,), mx.uint32), scale=z, zero=z
+    )
 
 
 def _mma_variants():
     """The tensor-core kernel as the host builds it (register cap, weights' residual and
     pipeline as the defaults set them), float32 and float16 queries."""
     out = []
-    plo = dk.mma_p_residual()
+    plo = kmsup.mma_p_residual()
     bf = ("bfloat16", 4, 1 << 20)
     for kb, vb, m, kg, vg, nw, sub, qd, merged, *sdt in (
         (4, 4, 4, 64, 64, 4, 1, F32, None),
@@ -468,10 +486,12 @@ def _mma_variants():
         ks, vs = sdt or (H16, H16)
         k = _mma_codes(kb, kg, getattr(mx, ks[0]))
         v = _mma_codes(vb, vg, getattr(mx, vs[0]))
-        assert dk.mma_supported(m, 128, k, v)
-        stages = dk.mma_stages(128, k, v, nw, sub, getattr(mx, qd[0]) not in dk.MMA_HALF_QUERY)
+        assert kmsup.mma_supported(m, 128, k, v)
+        stages = kmsup.mma_stages(
+            128, k, v, nw, sub, getattr(mx, qd[0]) not in kmsup.MMA_HALF_QUERY
+        )
         assert stages >= 2
-        tmpl = dk.mma_template(
+        tmpl = kmma.mma_template(
             128,
             k,
             v,
@@ -482,21 +502,21 @@ def _mma_variants():
             None,
             getattr(mx, qd[0]),
             plo,
-            dk.mma_pipeline(),
-            dk.mma_value_fold(),
+            kmsup.mma_pipeline(),
+            kmsup.mma_value_fold(),
             getattr(mx, merged) if merged else None,
-            key_fold=dk.mma_key_fold(),
-            ldsm=dk.mma_ldsm(),
+            key_fold=kmsup.mma_key_fold(),
+            ldsm=kmsup.mma_ldsm(),
         )
         infos = [ArgInfo(*qd), *[ArgInfo(*a) for a in (U32, ks, ks, U32, vs, vs)]]
         infos += [ArgInfo("float32", 1, 16)] * 2  # the levels (dummies for affine sides)
-        spec = dk.mma_spec(nw, dk.mma_sm_blocks(nw), merged is None)  # as _mma_plan pairs them
+        spec = kmma.mma_spec(nw, kmsup.mma_sm_blocks(nw), merged is None)  # as _mma_plan pairs them
         out.append((spec, infos, ["float32"] * len(spec.outputs), tmpl))
     return out
 
 
 def test_mma_kernel_takes_only_the_shapes_it_lays_out():
-    ok = dk.mma_supported
+    ok = kmsup.mma_supported
     assert ok(4, 128, _mma_codes(4, 64), _mma_codes(4, 64))
     assert ok(8, 128, _mma_codes(2, 64), _mma_codes(8, 32))
     assert not ok(9, 128, _mma_codes(4, 64), _mma_codes(4, 64))  # more rows than a tile holds
@@ -504,7 +524,7 @@ def test_mma_kernel_takes_only_the_shapes_it_lays_out():
     assert ok(4, 128, _mma_codes(4, 64, mx.bfloat16), _mma_codes(4, 64))  # bf16 scales, one side
     assert not ok(4, 128, _mma_codes(4, 64, mx.float32), _mma_codes(4, 64))  # fp16 or bf16 only
     z16, zb = mx.zeros((1,), mx.float16), mx.zeros((1,), mx.bfloat16)
-    mixed = dk.AffineCodes(bits=4, group=64, codes=mx.zeros((1,), mx.uint32), scale=zb, zero=z16)
+    mixed = krec.AffineCodes(bits=4, group=64, codes=mx.zeros((1,), mx.uint32), scale=zb, zero=z16)
     assert not ok(4, 128, mixed, _mma_codes(4, 64))  # scales and zeros of one dtype a side
     assert not ok(4, 128, _mma_codes(4, 4), _mma_codes(4, 64))  # a word spans two groups
     assert not ok(4, 64, _mma_codes(4, 64), _mma_codes(2, 64))  # 8 value channels of 2 bits
@@ -516,7 +536,7 @@ def test_mma_kernel_takes_only_the_shapes_it_lays_out():
     u32 = mx.zeros((1,), mx.uint32)
 
     def cb(bits, dim, levels, **kw):
-        return dk.CodebookCodes(bits=bits, dim=dim, codes=u32, norm=norm, levels=levels, **kw)
+        return krec.CodebookCodes(bits=bits, dim=dim, codes=u32, norm=norm, levels=levels, **kw)
 
     assert not ok(4, 128, cb(3, 128, lev[:8]), _mma_codes(4, 0))
     assert not ok(4, 128, cb(4, 128, lev[:8]), _mma_codes(4, 0))
@@ -532,32 +552,33 @@ def test_symmetric_levels_are_found_on_the_host_and_vouched_for_codebooks_only(m
     that differs from its mirror after rounding to fp16; ``CodebookCodes.symmetric`` picks the
     symmetric lookups of codebook codes only (unless ``VELOX_DECODE_SYMMETRIC=0``), and is
     refused on affine codes (they have no such field)."""
-    from velox_core.ops import lloyd_max_gaussian, lloyd_max_sphere
+    from velox_core.ops import lloyd_max_sphere
+    from velox_core.ops.lloyd_max import lloyd_max_gaussian
 
     for cb in (lloyd_max_sphere(4, 128), lloyd_max_sphere(2, 64), lloyd_max_gaussian(4)):
-        assert dk.levels_symmetric(cb.centroids)
+        assert kcodes.levels_symmetric(cb.centroids)
     lev = lloyd_max_sphere(4, 128).centroids.copy()
     lev[3] *= np.float32(1 + 1e-5)  # a float32 change that fp16 rounds away
-    assert dk.levels_symmetric(lev)
+    assert kcodes.levels_symmetric(lev)
     lev[3] *= np.float32(1.01)
-    assert not dk.levels_symmetric(lev)
-    assert not dk.levels_symmetric(np.arange(16, dtype=np.float32))
-    assert not dk.levels_symmetric(np.array([-1.0, -3.0, 3.0, 1.0], np.float32))  # unsorted
-    assert not dk.levels_symmetric(np.array([-1e5, -1.0, 1.0, 1e5], np.float32))  # fp16 inf
+    assert not kcodes.levels_symmetric(lev)
+    assert not kcodes.levels_symmetric(np.arange(16, dtype=np.float32))
+    assert not kcodes.levels_symmetric(np.array([-1.0, -3.0, 3.0, 1.0], np.float32))  # unsorted
+    assert not kcodes.levels_symmetric(np.array([-1e5, -1.0, 1.0, 1e5], np.float32))  # fp16 inf
     cb4 = dataclasses.replace(_mma_codes(4, 0), symmetric=True)
     cb2 = dataclasses.replace(_mma_codes(2, 0), symmetric=True)
-    modes = [dk.codebook_mode(c) for c in (_mma_codes(4, 64), _mma_codes(4, 0), cb4, cb2)]
+    modes = [kmsup.codebook_mode(c) for c in (_mma_codes(4, 64), _mma_codes(4, 0), cb4, cb2)]
     assert modes == [0, 1, 2, 2]
     kernel_env(monkeypatch, "VELOX_DECODE_SYMMETRIC", "0")  # general lookups, for comparison
-    assert [dk.codebook_mode(c) for c in (cb4, cb2)] == [1, 1]
+    assert [kmsup.codebook_mode(c) for c in (cb4, cb2)] == [1, 1]
     with pytest.raises(ValueError, match="VELOX_DECODE_SYMMETRIC"):
         kernel_env(monkeypatch, "VELOX_DECODE_SYMMETRIC", "2")
     kernel_env(monkeypatch, "VELOX_DECODE_SYMMETRIC", None)
     k = mx.zeros((1, 1, 8, 16), mx.uint32)
     s = mx.ones((1, 1, 8, 2), mx.float16)
     with pytest.raises(TypeError, match="symmetric"):
-        dk.AffineCodes(bits=4, group=64, codes=k, scale=s, zero=s, symmetric=True)
-    good = dk.AffineCodes(bits=4, group=64, codes=k, scale=s, zero=s)
+        krec.AffineCodes(bits=4, group=64, codes=k, scale=s, zero=s, symmetric=True)
+    good = krec.AffineCodes(bits=4, group=64, codes=k, scale=s, zero=s)
     assert good.symmetric is False
     with pytest.raises(AttributeError):
         good.symmetric = True
@@ -572,15 +593,15 @@ def test_kernel_config_is_read_once_and_typed(monkeypatch):
     monkeypatch.setattr(config, "_CURRENT", [])
     monkeypatch.setenv("VELOX_DECODE_MMA_WARPS", "8")
     monkeypatch.setenv("VELOX_KERNELS", "off")
-    cfg = vk.kernel_config()
-    assert cfg.mma_warps == 8 and not cfg.enabled and dk.mma_warps() == 8
+    cfg = kcfg.kernel_config()
+    assert cfg.mma_warps == 8 and not cfg.enabled and kmsup.mma_warps() == 8
     monkeypatch.setenv("VELOX_DECODE_MMA_WARPS", "2")  # read once: a later write changes nothing
-    assert vk.kernel_config() is cfg and dk.mma_warps() == 8
-    with vk.configured(mma_warps=1, enabled=True):
-        assert dk.mma_warps() == 1 and vk.kernels_enabled()
-    assert vk.kernel_config() is cfg
-    old = vk.configure(config.KernelConfig.from_environ())
-    assert old is cfg and dk.mma_warps() == 2
+    assert kcfg.kernel_config() is cfg and kmsup.mma_warps() == 8
+    with kcfg.configured(mma_warps=1, enabled=True):
+        assert kmsup.mma_warps() == 1 and vk.kernels_enabled()
+    assert kcfg.kernel_config() is cfg
+    old = kcfg.configure(config.KernelConfig.from_environ())
+    assert old is cfg and kmsup.mma_warps() == 2
     with pytest.raises(ValueError, match="VELOX_DECODE_MMA_WARPS must be one of 1, 2, 4, 8"):
         config.KernelConfig.from_environ({"VELOX_DECODE_MMA_WARPS": "3"})
     with pytest.raises(ValueError, match="VELOX_DECODE_STAGES must be an integer"):
@@ -596,7 +617,7 @@ def test_kernel_config_is_read_once_and_typed(monkeypatch):
     with pytest.raises(ValueError, match="VELOX_LAYOUTS_OFF must be a frozenset of layout names"):
         config.KernelConfig.from_environ({"VELOX_LAYOUTS_OFF": "v-q"})
     with pytest.raises(TypeError):
-        vk.configure(no_such_setting=1)
+        kcfg.configure(no_such_setting=1)
 
 
 def test_a_layout_turned_off_takes_the_reference_path(monkeypatch):
@@ -604,7 +625,7 @@ def test_a_layout_turned_off_takes_the_reference_path(monkeypatch):
     the dispatcher, keys or values, and leaves the others to the kernels."""
     monkeypatch.setattr(vk, "backend", lambda: "metal")
     b, h, t, d = 1, 2, 64, 128
-    side = dk.AffineCodes(
+    side = krec.AffineCodes(
         bits=4,
         group=64,
         codes=mx.zeros((b, h, t, d * 4 // 32), mx.uint32),
@@ -613,9 +634,9 @@ def test_a_layout_turned_off_takes_the_reference_path(monkeypatch):
     )
     shape = (b, h, 4, d)
     assert dk.plan_decode(shape, mx.float32, side, side) is not None
-    with vk.configured(layouts_off=frozenset({"affine"})):
+    with kcfg.configured(layouts_off=frozenset({"affine"})):
         assert dk.plan_decode(shape, mx.float32, side, side) is None
-    with vk.configured(layouts_off=frozenset({"codebook", "vq"})):
+    with kcfg.configured(layouts_off=frozenset({"codebook", "vq"})):
         assert dk.plan_decode(shape, mx.float32, side, side) is not None
 
 
@@ -623,32 +644,34 @@ def test_query_factor_is_log2e_times_the_scale():
     import struct
 
     for scale in (None, 1 / math.sqrt(128), 0.5):
-        got = struct.unpack("<f", struct.pack("<i", dk.qmul_bits(scale)))[0]
-        assert got == pytest.approx(dk.LOG2E * (1.0 if scale is None else scale), rel=1e-7)
+        got = struct.unpack("<f", struct.pack("<i", kcodes.qmul_bits(scale)))[0]
+        assert got == pytest.approx(kcodes.LOG2E * (1.0 if scale is None else scale), rel=1e-7)
 
 
 def test_mma_launch_settings():
     k, v = _mma_codes(4, 64), _mma_codes(4, 64)
-    assert dk.mma_stages(128, k, v, 4) == 4  # 4 x 4 x 2,304 B fits in 48 KiB
-    assert dk.mma_stages(128, _mma_codes(8, 64), _mma_codes(8, 64), 4) == 2
-    assert dk.mma_stages(128, _mma_codes(8, 64), _mma_codes(8, 64), 8) == 0
-    assert dk.mma_stages(128, k, v, 4, 2) == 2  # 32-token steps: twice the bytes per stage
-    assert dk.mma_stages(128, _mma_codes(8, 64), _mma_codes(8, 64), 4, 2) == 0
+    assert kmsup.mma_stages(128, k, v, 4) == 4  # 4 x 4 x 2,304 B fits in 48 KiB
+    assert kmsup.mma_stages(128, _mma_codes(8, 64), _mma_codes(8, 64), 4) == 2
+    assert kmsup.mma_stages(128, _mma_codes(8, 64), _mma_codes(8, 64), 8) == 0
+    assert kmsup.mma_stages(128, k, v, 4, 2) == 2  # 32-token steps: twice the bytes per stage
+    assert kmsup.mma_stages(128, _mma_codes(8, 64), _mma_codes(8, 64), 4, 2) == 0
     for t, rows in ((131072, 8), (4096, 8), (1, 1), (600, 64)):
-        s = dk.mma_splits(t, rows, 4)
+        s = kmsup.mma_splits(t, rows, 4)
         span = -(-t // s)
-        assert 1 <= s <= t and (s == 1 or span >= dk.MMA_MIN_SPAN)
+        assert 1 <= s <= t and (s == 1 or span >= kmsup.MMA_MIN_SPAN)
 
 
 def test_fused_merge_follows_the_context_unless_set(monkeypatch):
     """The decode kernel merges its own splits up to MMA_FUSE_TOKENS tokens (a launch saved),
     a second launch past them (no fill of the partials); VELOX_DECODE_FUSE 0 / 1 decides."""
     kernel_env(monkeypatch, "VELOX_DECODE_FUSE", None)
-    assert dk.mma_fuse_merge(dk.MMA_FUSE_TOKENS) and not dk.mma_fuse_merge(dk.MMA_FUSE_TOKENS + 1)
+    assert kmsup.mma_fuse_merge(kmsup.MMA_FUSE_TOKENS) and not kmsup.mma_fuse_merge(
+        kmsup.MMA_FUSE_TOKENS + 1
+    )
     kernel_env(monkeypatch, "VELOX_DECODE_FUSE", "1")
-    assert dk.mma_fuse_merge(131072)
+    assert kmsup.mma_fuse_merge(131072)
     kernel_env(monkeypatch, "VELOX_DECODE_FUSE", "0")
-    assert not dk.mma_fuse_merge(16)
+    assert not kmsup.mma_fuse_merge(16)
     with pytest.raises(ValueError, match="VELOX_DECODE_FUSE must be 0 or 1"):
         kernel_env(monkeypatch, "VELOX_DECODE_FUSE", "auto")
 
@@ -657,11 +680,11 @@ def test_sources_take_one_dtype_per_output():
     """The CUDA and Metal sources (MLX's generators' twins) want one dtype per declared output,
     as an MLX launch does: the two-output tensor-core kernel with one dtype is an error."""
     infos = [ArgInfo("float16", 4, 1 << 20)] + [ArgInfo("uint32", 4, 1 << 20)] * 6
-    parts = dk.mma_spec(4, 3, parts=True)
+    parts = kmma.mma_spec(4, 3, parts=True)
     with pytest.raises(ValueError, match="1 output dtypes for the outputs"):
         cuda_source(parts, infos, ["float32"])
     with pytest.raises(ValueError, match="2 output dtypes"):
-        metal_source(dk.MERGE, infos[:2], ["float32", "float32"])
+        metal_source(kmerge.MERGE, infos[:2], ["float32", "float32"])
 
 
 def test_decode_attention_merges_in_the_kernel_up_to_the_fuse_limit(monkeypatch):
@@ -679,9 +702,9 @@ def test_decode_attention_merges_in_the_kernel_up_to_the_fuse_limit(monkeypatch)
     monkeypatch.setattr(dk._kernels, "backend", lambda: "cuda")
     monkeypatch.setattr(dk, "plan_mma", fake)
     q = mx.zeros((1, 1, 4, 128), mx.float16)
-    for t, want in ((dk.MMA_FUSE_TOKENS, mx.float16), (dk.MMA_FUSE_TOKENS + 1, None)):
+    for t, want in ((kmsup.MMA_FUSE_TOKENS, mx.float16), (kmsup.MMA_FUSE_TOKENS + 1, None)):
         z = mx.zeros((1, 1, t, 2), mx.float16)
-        c = dk.AffineCodes(
+        c = krec.AffineCodes(
             bits=4, group=64, codes=mx.zeros((1, 1, t, 16), mx.uint32), scale=z, zero=z
         )
         with pytest.raises(Routed) as got:
@@ -693,7 +716,7 @@ def test_value_fold_takes_only_the_layouts_it_covers(monkeypatch):
     """VFOLD: groups of 8 whole interleaved units (16-bit units with LDSM; else words at 4
     and 8 bits, bytes at 2), at most four groups a token, weights rounded to fp16; the
     settings are 0/1 flags and the template constants follow them."""
-    ok = dk.mma_fold_ok
+    ok = kmsup.mma_fold_ok
     for ldsm in (False, True):
         assert ok(_mma_codes(4, 64), 128, False, ldsm) and ok(_mma_codes(4, 128), 128, False, ldsm)
         assert ok(_mma_codes(8, 64), 128, False, ldsm) and ok(_mma_codes(8, 32), 128, False, ldsm)
@@ -704,24 +727,24 @@ def test_value_fold_takes_only_the_layouts_it_covers(monkeypatch):
     assert not ok(_mma_codes(4, 32), 128, False, False)  # a group of 4 words
     assert ok(_mma_codes(4, 32), 128, False, True)  # ... and of 8 16-bit units
     assert not ok(_mma_codes(8, 16), 64, False, False) and ok(_mma_codes(8, 16), 64, False, True)
-    units = dk.mma_value_units
+    units = kmsup.mma_value_units
     assert [units(_mma_codes(b, 64), True) for b in (2, 4, 8)] == [8, 4, 2]
     assert [units(_mma_codes(b, 64), False) for b in (2, 4, 8)] == [4, 8, 4]
     assert units(_mma_codes(2, 32), True) == 4  # 2 bits, 32 channels a group: bytes
     kernel_env(monkeypatch, "VELOX_DECODE_LDSM", "0")
-    assert dk.mma_ldsm() is False
+    assert kmsup.mma_ldsm() is False
     with pytest.raises(ValueError, match="VELOX_DECODE_LDSM must be 0 or 1"):
         kernel_env(monkeypatch, "VELOX_DECODE_LDSM", "on")
     kernel_env(monkeypatch, "VELOX_DECODE_LDSM", None)
     k = v = _mma_codes(4, 64)
-    fold = dict(dk.mma_template(128, k, v, 4, 4, 2, 2, None, mx.float16, False, True, True))
+    fold = dict(kmma.mma_template(128, k, v, 4, 4, 2, 2, None, mx.float16, False, True, True))
     assert fold["VFOLD"] == 1
     assert (
-        dict(dk.mma_template(128, k, v, 4, 4, 2, 2, None, mx.float16, True, False, True))["VFOLD"]
+        dict(kmma.mma_template(128, k, v, 4, 4, 2, 2, None, mx.float16, True, False, True))["VFOLD"]
         == 0
     )
     kernel_env(monkeypatch, "VELOX_DECODE_VFOLD", "0")
-    assert dk.mma_value_fold() is False
+    assert kmsup.mma_value_fold() is False
     with pytest.raises(ValueError, match="VELOX_DECODE_VFOLD must be 0 or 1"):
         kernel_env(monkeypatch, "VELOX_DECODE_VFOLD", "yes")
 
@@ -729,7 +752,7 @@ def test_value_fold_takes_only_the_layouts_it_covers(monkeypatch):
 def test_key_fold_takes_only_the_layouts_it_covers(monkeypatch):
     """KFOLD: groups of 4 whole key words (the four lanes of a k-step), at most two groups a
     token; the setting is a 0/1 flag and its template constant follows it."""
-    ok = dk.mma_key_fold_ok
+    ok = kmsup.mma_key_fold_ok
     assert ok(_mma_codes(2, 64), 128) and ok(_mma_codes(4, 32), 64) and ok(_mma_codes(8, 16), 32)
     assert ok(_mma_codes(4, 128), 128) and ok(_mma_codes(8, 64), 128)
     assert not ok(_mma_codes(2, 32), 128)  # 2 words a group: a k-step spans two
@@ -737,12 +760,12 @@ def test_key_fold_takes_only_the_layouts_it_covers(monkeypatch):
     assert not ok(_mma_codes(4, 32), 128)  # four groups a token
     k = _mma_codes(2, 64)
     args = (128, k, k, 4, 4, 2, 4, None, mx.float16, False, True, True)
-    assert dict(dk.mma_template(*args, key_fold=True))["KFOLD"] == 1
-    assert dict(dk.mma_template(*args))["KFOLD"] == 0
+    assert dict(kmma.mma_template(*args, key_fold=True))["KFOLD"] == 1
+    assert dict(kmma.mma_template(*args))["KFOLD"] == 0
     k32 = _mma_codes(4, 32)
-    assert dict(dk.mma_template(128, k32, k, 4, 4, 2, 2, key_fold=True))["KFOLD"] == 0
+    assert dict(kmma.mma_template(128, k32, k, 4, 4, 2, 2, key_fold=True))["KFOLD"] == 0
     kernel_env(monkeypatch, "VELOX_DECODE_KFOLD", "0")
-    assert dk.mma_key_fold() is False
+    assert kmsup.mma_key_fold() is False
     with pytest.raises(ValueError, match="VELOX_DECODE_KFOLD must be 0 or 1"):
         kernel_env(monkeypatch, "VELOX_DECODE_KFOLD", "2")
 
@@ -752,18 +775,18 @@ def test_mma_splits_fill_whole_waves_of_the_sms(monkeypatch):
     last wave costs nearly a full one): at 132 SMs and 3 threadgroups per SM, 8 KV heads take
     49 splits (392 of 396 slots), 64 take 6 (384); the busiest SM's share of the context is
     never more than with the block target."""
-    assert dk.sm_count() is None  # the CPU: no CUDA device
+    assert kmsup.sm_count() is None  # the CPU: no CUDA device
     kernel_env(monkeypatch, "VELOX_DECODE_SMS", "132")
-    assert dk.sm_count() == 132
-    assert dk.mma_splits(131072, 8, 4, 3) == 49
-    assert dk.mma_splits(131072, 64, 4, 3) == 6
-    assert dk.mma_splits(16384, 8, 4, 3) == 32  # at least MMA_MIN_SPAN tokens per split
+    assert kmsup.sm_count() == 132
+    assert kmsup.mma_splits(131072, 8, 4, 3) == 49
+    assert kmsup.mma_splits(131072, 64, 4, 3) == 6
+    assert kmsup.mma_splits(16384, 8, 4, 3) == 32  # at least MMA_MIN_SPAN tokens per split
     slots = 132 * 3
     for t, rows in ((131072, 8), (65536, 16), (131072, 64), (40000, 24), (700, 2)):
-        s = dk.mma_splits(t, rows, 4, 3)
-        assert 1 <= s <= t and (s == 1 or -(-t // s) >= dk.MMA_MIN_SPAN)
-        kernel_env(monkeypatch, "VELOX_DECODE_BLOCKS", str(dk.MMA_BLOCKS))
-        old = dk.mma_splits(t, rows, 4, 3)
+        s = kmsup.mma_splits(t, rows, 4, 3)
+        assert 1 <= s <= t and (s == 1 or -(-t // s) >= kmsup.MMA_MIN_SPAN)
+        kernel_env(monkeypatch, "VELOX_DECODE_BLOCKS", str(kmsup.MMA_BLOCKS))
+        old = kmsup.mma_splits(t, rows, 4, 3)
         kernel_env(monkeypatch, "VELOX_DECODE_BLOCKS", None)
         assert -(-rows * s // slots) * -(-t // s) <= -(-rows * old // slots) * -(-t // old)
     with pytest.raises(ValueError, match="VELOX_DECODE_SMS"):
@@ -793,7 +816,7 @@ def test_cuda_instantiations_compile_without_spills(tmp_path):
     Against MLX's real device headers when ``VELOX_MLX_CUDA_INCLUDE`` names them (the
     ``include`` folder holding ``mlx/backend/cuda/device/utils.cuh``), else the stand-in in
     ``metal/shim/cuda``."""
-    probe = cuda_source(dk.PROBE_SUBNORMAL, [ArgInfo("uint32", 1, 1)], ["float32"], [])[0]
+    probe = cuda_source(kmsup.PROBE_SUBNORMAL, [ArgInfo("uint32", 1, 1)], ["float32"], [])[0]
     variants = _decode_variants()
     plain = [cuda_source(*v)[0] for v in variants if v[0].cuda_launch_bounds is None]
     # a unit with launch bounds re-defines __global__ for the rest of its translation unit
@@ -883,7 +906,7 @@ def test_decode_kernel_adds_the_keys_residual_sketch(tmp_path, m, pad):
     rnorm = (rng.random((b, h, t)) * 0.3).astype(np.float16)
     vcodes = rng.integers(0, 1 << bits, size=(b, h, t, d))
     vnorm = (rng.random((b, h, t)) + 0.5).astype(np.float16)
-    keys = dk.CodebookCodes(
+    keys = krec.CodebookCodes(
         bits=bits,
         dim=d,
         codes=pack(mx.array(codes), bits),
@@ -892,7 +915,7 @@ def test_decode_kernel_adds_the_keys_residual_sketch(tmp_path, m, pad):
         signs=pack(mx.array(signs), 1),
         rnorm=mx.array(rnorm),
     )
-    vals = dk.CodebookCodes(
+    vals = krec.CodebookCodes(
         bits=bits, dim=d, codes=pack(mx.array(vcodes), bits), norm=mx.array(vnorm), levels=levels
     )
     q = mx.array(rng.standard_normal((b, h, m, d)).astype(np.float32) * 0.5)
@@ -922,7 +945,7 @@ def _vq_side(rng, b, h, t, d, bits, group, spread=1.0):
     book = (rng.standard_normal((b, h, k, group)) * spread).astype(np.float16)
     bi, hi = np.arange(b)[:, None, None, None], np.arange(h)[None, :, None, None]
     vec = book.astype(np.float64)[bi, hi, idx]  # (B, H, T, S, G)
-    side = dk.VQCodes(
+    side = krec.VQCodes(
         bits=bits,
         group=group,
         codes=pack(mx.array(idx.astype(np.int32)), bits),
@@ -950,7 +973,7 @@ def test_decode_kernel_reads_vq_codes(tmp_path, kbits, kgroup, vbits, vgroup, ro
     keys, kx = _vq_side(rng, b, h, t, d, kbits, kgroup, 0.4)
     vals, vx = _vq_side(rng, b, h, t, d, vbits, vgroup)
     q = rng.standard_normal((b, h, rows, d)).astype(np.float32) * 0.3
-    assert dk.plan_for(rows, d, keys, vals) is not None
+    assert kport.plan_for(rows, d, keys, vals) is not None
     got = DecodeRun(Emulator(tmp_path), mx.array(q), keys, vals, splits=splits, pad=pad)()
     sc = np.einsum("bhmd,bhtd->bhmt", q.astype(np.float64), kx)
     mref = sc.max(axis=-1, keepdims=True)
@@ -961,14 +984,14 @@ def test_decode_kernel_reads_vq_codes(tmp_path, kbits, kgroup, vbits, vgroup, ro
 def test_vq_codes_layout_rules_and_bad_input(monkeypatch):
     """The plan takes VQ codes whose lane holds whole sub-vectors and whole index words and
     whose codebook fits threadgroup memory; malformed records are refused."""
-    ok = dk.plan(4, 128, dk.VQ, 8, 4, dk.AFFINE, 4, 64)
+    ok = kport.plan(4, 128, krec.VQ, 8, 4, krec.AFFINE, 4, 64)
     assert ok is not None and (ok.cpl // 4 * 8) % 32 == 0
-    assert dk.plan(4, 128, dk.VQ, 8, 8, dk.AFFINE, 4, 64) is None  # 2,048 floats: too large
-    assert dk.plan(4, 128, dk.VQ, 8, 3, dk.AFFINE, 4, 64) is None  # 3 channels a sub-vector
-    assert dk.plan(4, 128, dk.AFFINE, 4, 64, dk.VQ, 9, 1) is None  # 9-bit indices
-    assert dk.side_ok(dk.VQ, 5, 4, 128, 16) is False  # 4 x 5 bits: not whole words
-    assert dk.side_ok(dk.VQ, 5, 4, 128, 32) is False  # 8 x 5 = 40 bits
-    assert dk.side_ok(dk.VQ, 4, 2, 128, 16) is True
+    assert kport.plan(4, 128, krec.VQ, 8, 8, krec.AFFINE, 4, 64) is None  # 2,048 floats: too large
+    assert kport.plan(4, 128, krec.VQ, 8, 3, krec.AFFINE, 4, 64) is None  # 3 channels a sub-vector
+    assert kport.plan(4, 128, krec.AFFINE, 4, 64, krec.VQ, 9, 1) is None  # 9-bit indices
+    assert kport.side_ok(krec.VQ, 5, 4, 128, 16) is False  # 4 x 5 bits: not whole words
+    assert kport.side_ok(krec.VQ, 5, 4, 128, 32) is False  # 8 x 5 = 40 bits
+    assert kport.side_ok(krec.VQ, 4, 2, 128, 16) is True
     rng = np.random.default_rng(0)
     keys, _ = _vq_side(rng, 1, 2, 64, 128, 8, 4)
     vals, _ = _vq_side(rng, 1, 2, 64, 128, 8, 4)
@@ -980,11 +1003,11 @@ def test_vq_codes_layout_rules_and_bad_input(monkeypatch):
         (dataclasses.replace(keys, codebooks=keys.codebooks.astype(mx.int32)), "codebooks"),
     ):
         with pytest.raises(ValueError, match=msg):
-            dk.decode_portable(q, bad, vals, None, None)
+            kport.plan_portable(q.shape, bad, vals, None, None)(q, None)
     with pytest.raises(ValueError, match="codebooks is required"):  # refused when built
         dataclasses.replace(keys, codebooks=None)
     with pytest.raises(TypeError, match="scale"):  # VQ codes carry only codes and codebooks
-        dk.VQCodes(bits=8, group=4, codes=keys.codes, codebooks=keys.codebooks, scale=_F16)
+        krec.VQCodes(bits=8, group=4, codes=keys.codes, codebooks=keys.codebooks, scale=_F16)
 
 
 @needs_gxx
@@ -1216,7 +1239,7 @@ def sketch_encoders(tmp_path_factory):
     handles = {}
     for name, (m, k, mo, group, dtype) in SKETCH_CASES.items():
         x, s, idx = _sketch_case(name)
-        nt = ek.scale_dtype(dtype)
+        nt = ops.scale_dtype(dtype)
         ins = [np_input(x.reshape(-1, 128)), np.asarray(s)]
         ins.append(np.asarray(idx).reshape(-1, k) if k else np.zeros((1,), np.int32))
         tmpl = [("D", 128), ("M", m), ("MO", mo), ("K", k), ("GROUP", group), ("NT", nt)]
@@ -1508,8 +1531,8 @@ def _codebook_side(bits: int, shape, dtype, key, symmetric: bool = False):
     levels = mx.sort(mx.random.normal((1 << bits,), key=k3)) * 0.2 + 0.01
     if symmetric:
         levels = (levels - levels[::-1]) / 2
-        assert dk.levels_symmetric(np.asarray(levels))
-    side = dk.CodebookCodes(
+        assert kcodes.levels_symmetric(np.asarray(levels))
+    side = krec.CodebookCodes(
         bits=bits,
         dim=shape[-1],
         codes=pack(codes, bits),
@@ -1558,7 +1581,7 @@ def _mma_emulators(tmp_path_factory, tag: str):
         pytest.skip("g++ is not installed: the kernels cannot be emulated here")
     emus = [CudaEmulator(tmp_path_factory.mktemp(f"{tag}{i}")) for i in range(2)]
     parts = [np.zeros((1, 1, 2, 4, 128), np.float32)] * 2
-    return emus, [e.kernel(dk.MERGE, parts, ["float32"] * 3) for e in emus]
+    return emus, [e.kernel(kmerge.MERGE, parts, ["float32"] * 3) for e in emus]
 
 
 @pytest.fixture(scope="module")
@@ -1589,12 +1612,12 @@ def mma_emulated(tmp_path_factory):
         if vcb:
             vkey = mx.random.key(200 + len(cases))
             vals, vd = _codebook_side(vb, (b, h, t, d), vdt, vkey, vsym)
-        assert dk.mma_supported(m, d, keys, vals)
-        stages = dk.mma_stages(d, keys, vals, nw, sub)
+        assert kmsup.mma_supported(m, d, keys, vals)
+        stages = kmsup.mma_stages(d, keys, vals, nw, sub)
         pres, pipe = name in P_RESIDUAL, name not in NO_PIPELINE
         fold, ldsm = name not in NO_FOLDS, name not in NO_LDSM
         args = (d, keys, vals, m, nw, stages, sub, None, q.dtype, pres, pipe, fold)
-        tmpl = dk.mma_template(*args, key_fold=fold, ldsm=ldsm)
+        tmpl = kmma.mma_template(*args, key_fold=fold, ldsm=ldsm)
         tm = dict(tmpl)
         assert tm["QLO"] == (0 if name in FP16_QUERY or name in BF16_SIDES else 1)
         assert (tm["KSBF"], tm["VSBF"]) == (kdt == mx.bfloat16, vdt == mx.bfloat16)
@@ -1607,7 +1630,7 @@ def mma_emulated(tmp_path_factory):
         assert tm["VFOLD"] == int(fold and not pres and vok and d // vg <= 4)
         assert tm["KFOLD"] == int(fold and kg % (128 // kb) == 0 and d // kg <= 2)
         out_dt = (mx.float16 if name in FP16_QUERY else q.dtype) if name in FUSED else None
-        ftmpl = dk.mma_template(*args, out_dt, FUSE_CHUNK.get(name, 0), key_fold=fold, ldsm=ldsm)
+        ftmpl = kmma.mma_template(*args, out_dt, FUSE_CHUNK.get(name, 0), key_fold=fold, ldsm=ldsm)
         lay = (b, h, s, m, d)
         handle, ins, launch, fused = _register_mma(
             emu, q, keys, vals, pad, lay, tmpl, ftmpl, out_dt
@@ -1633,16 +1656,16 @@ def _register_mma(emu, q, keys, vals, pad, lay, tmpl, ftmpl, out_dt):
     rows. Returns ``(handle, inputs, launch, fused)`` for :class:`_MmaCase`."""
     b, h, s, m, d = lay
     nw = dict(tmpl)["NWARPS"]
-    planes = [*dk.mma_inputs(keys)[:3], *dk.mma_inputs(vals)[:3]]
-    levels = [dk.mma_inputs(keys)[3], dk.mma_inputs(vals)[3]]
+    planes = [*kmma.mma_inputs(keys)[:3], *kmma.mma_inputs(vals)[:3]]
+    levels = [kmma.mma_inputs(keys)[3], kmma.mma_inputs(vals)[3]]
     ins = [np_input(q)] + [_padded(x, pad) for x in planes] + [np_input(x) for x in levels]
-    spec = dk.mma_spec(nw, dk.mma_sm_blocks(nw), parts=True)
+    spec = kmma.mma_spec(nw, kmsup.mma_sm_blocks(nw), parts=True)
     handle = emu.kernel(spec, ins, ["float32", "float32"], tmpl)
     launch = ((s * nw * 32, b * h, 1), (nw * 32, 1, 1))
     fused = None
     if out_dt is not None:
-        fspec = dk.mma_spec(nw, dk.mma_sm_blocks(nw))
-        fused = (emu.kernel(fspec, ins, ["float32"], ftmpl), dk.mma_layout(b, h, s, m, d, out_dt))
+        fspec = kmma.mma_spec(nw, kmsup.mma_sm_blocks(nw))
+        fused = (emu.kernel(fspec, ins, ["float32"], ftmpl), kmma.mma_layout(b, h, s, m, d, out_dt))
     return handle, ins, launch, fused
 
 
@@ -1672,7 +1695,7 @@ class _MmaCase:
                 self.handle, self.ins, [(b, h, s, m, 2), (b, h, s, m, d)], *self.launch
             )
             shapes = [(b, h, m, d), (b, h, m, 1), (b, h, m, 1)]
-            grid, tg = dk.merge_launch(b * h * m, d)
+            grid, tg = kmerge.merge_launch(b * h * m, d)
             self.out = (ml, o_part, *self.emu.run(self.merge, [o_part, ml], shapes, grid, tg))
         return self.out
 
@@ -1710,18 +1733,18 @@ def test_subnormal_probe_finds_exact_sums_and_flushed_operands(tmp_path):
     by lane: its row sums equal the host's for several salts; outputs of a device that
     flushed subnormals to zero (all zeros) or dropped one code's offset are told apart."""
     emu = CudaEmulator(tmp_path)
-    salt = np.array([dk.SUBNORMAL_SALT], np.uint32)
-    handle = emu.kernel(dk.PROBE_SUBNORMAL, [salt], ["float32"], [])
-    for s in (0, dk.SUBNORMAL_SALT, 11):
+    salt = np.array([kmsup.SUBNORMAL_SALT], np.uint32)
+    handle = emu.kernel(kmsup.PROBE_SUBNORMAL, [salt], ["float32"], [])
+    for s in (0, kmsup.SUBNORMAL_SALT, 11):
         (out,) = emu.run(handle, [np.array([s], np.uint32)], [(128,)], (32, 1, 1), (32, 1, 1))
-        assert dk.subnormal_probe_error(out, s) == 0.0
-    assert dk.subnormal_probe_error(np.zeros(128, np.float32), 3) == 1.0
-    want = np.array(dk.subnormal_probe_expected(3), np.float32)
+        assert kmsup.subnormal_probe_error(out, s) == 0.0
+    assert kmsup.subnormal_probe_error(np.zeros(128, np.float32), 3) == 1.0
+    want = np.array(kmsup.subnormal_probe_expected(3), np.float32)
     off = want.copy()
     off[5] += 2.0**-24  # one code one unit off
-    assert 0 < dk.subnormal_probe_error(off, 3) < 1e-3
+    assert 0 < kmsup.subnormal_probe_error(off, 3) < 1e-3
     with pytest.raises(ValueError, match="128"):
-        dk.subnormal_probe_error(want[:64], 3)
+        kmsup.subnormal_probe_error(want[:64], 3)
 
 
 def test_folds_stay_off_where_subnormal_operands_are_not_exact(monkeypatch):
@@ -1729,14 +1752,14 @@ def test_folds_stay_off_where_subnormal_operands_are_not_exact(monkeypatch):
     decodes both sides (KFOLD = VFOLD = 0) whatever the settings ask; with no CUDA device
     nothing is probed and the folds follow the settings."""
     z = mx.zeros((1, 8, 600, 2), mx.float16)
-    k = dk.AffineCodes(
+    k = krec.AffineCodes(
         bits=4, group=64, codes=mx.zeros((1, 8, 600, 16), mx.uint32), scale=z, zero=z
     )
     q_shape = (1, 8, 4, 128)
-    on = dict(dk.mma_launch(q_shape, mx.float16, k, k).template)
-    assert dk.mma_subnormals_exact() and on["KFOLD"] == on["VFOLD"] == 1
+    on = dict(kmma.mma_launch(q_shape, mx.float16, k, k).template)
+    assert kmsup.mma_subnormals_exact() and on["KFOLD"] == on["VFOLD"] == 1
     monkeypatch.setattr("velox_core.kernels.mma.mma_subnormals_exact", lambda: False)
-    off = dict(dk.mma_launch(q_shape, mx.float16, k, k, value_fold=True, key_fold=True).template)
+    off = dict(kmma.mma_launch(q_shape, mx.float16, k, k, value_fold=True, key_fold=True).template)
     assert off["KFOLD"] == off["VFOLD"] == 0
 
 
@@ -1831,17 +1854,17 @@ def kivi_emulated(tmp_path_factory):
         kp, vp = kc.encode(k), vc.encode(v.astype(KIVI_DTYPES[sdt]))
         keys = kc.kernel_codes(kp)
         vals = vc.kernel_codes(vp)
-        assert keys.kind == dk.AFFINE_CHANNEL and dk.mma_supported(m, d, keys, vals)
-        half = q.dtype in dk.MMA_HALF_QUERY
-        stages = dk.mma_stages(d, keys, vals, nw, sub, not half)
+        assert keys.kind == krec.AFFINE_CHANNEL and kmsup.mma_supported(m, d, keys, vals)
+        half = q.dtype in kmsup.MMA_HALF_QUERY
+        stages = kmsup.mma_stages(d, keys, vals, nw, sub, not half)
         pres, ldsm = name in KIVI_P_RESIDUAL, name not in KIVI_NO_LDSM
         args = (d, keys, vals, m, nw, stages, sub, None, q.dtype, pres, True, True)
-        tmpl = dk.mma_template(*args, key_fold=True, ldsm=ldsm)
+        tmpl = kmma.mma_template(*args, key_fold=True, ldsm=ldsm)
         tm = dict(tmpl)
         assert (tm["KCH"], tm["KFOLD"], tm["QLO"], tm["LDSM"]) == (1, 0, int(not half), ldsm)
         assert tm["KSBF"] == (sdt == "bf16") and tm["VFOLD"] == int(not pres)
         out_dt = q.dtype if name in KIVI_FUSED else None
-        ftmpl = dk.mma_template(*args, out_dt, key_fold=True, ldsm=ldsm)
+        ftmpl = kmma.mma_template(*args, out_dt, key_fold=True, ldsm=ldsm)
         lay = (b, h, s, m, d)
         emu = emus[i % 2]
         handle, ins, launch, fused = _register_mma(
@@ -1877,12 +1900,12 @@ def test_per_channel_keys_take_the_tensor_core_kernel_in_whole_tile_groups():
     """The tensor-core kernel takes per-channel keys of 2, 4 or 8 bits in groups of a multiple
     of 16 tokens over whole groups (KCH, no KFOLD; the stage's scale rows as the kernel counts
     them), and not other groups, bit widths, values or scale dtypes."""
-    ok = dk.mma_supported
+    ok = kmsup.mma_supported
     v = _mma_codes(2, 32)
     for bits, group in ((2, 32), (4, 64), (2, 128), (8, 16), (4, 48)):
         k = _mma_codes(bits, f"c{group}", t=768 if group == 48 else 256)
         assert ok(4, 128, k, v), (bits, group)
-        tm = dict(dk.mma_launch((1, 1, 4, 128), mx.float16, k, v).template)
+        tm = dict(kmma.mma_launch((1, 1, 4, 128), mx.float16, k, v).template)
         assert tm["KCH"] == 1 and tm["KFOLD"] == 0 and tm["NSTAGE"] >= 2
     assert ok(8, 128, _mma_codes(2, "c32", mx.bfloat16), v)
     assert ok(1, 64, _mma_codes(4, "c32", dim=64), _mma_codes(4, 32))
@@ -1894,9 +1917,13 @@ def test_per_channel_keys_take_the_tensor_core_kernel_in_whole_tile_groups():
     k = _mma_codes(2, "c32")
     assert not ok(4, 128, dataclasses.replace(k, codes=k.codes[:, :, :200]), v)  # 6.25 groups
     assert not ok(4, 128, dataclasses.replace(k, zero=k.zero.astype(mx.bfloat16)), v)  # two dtypes
-    assert not dk.mma_key_fold_ok(_mma_codes(4, "c64"), 128)
-    assert (dk.mma_key_rows(32, 64), dk.mma_key_rows(64, 32), dk.mma_key_rows(64, 48)) == (1, 2, 3)
-    assert dk.mma_key_rows(32, 48) == 2 and dk.mma_key_rows(64, 16) == 4
+    assert not kmsup.mma_key_fold_ok(_mma_codes(4, "c64"), 128)
+    assert (kmsup.mma_key_rows(32, 64), kmsup.mma_key_rows(64, 32), kmsup.mma_key_rows(64, 48)) == (
+        1,
+        2,
+        3,
+    )
+    assert kmsup.mma_key_rows(32, 48) == 2 and kmsup.mma_key_rows(64, 16) == 4
 
 
 @needs_gxx
@@ -1932,12 +1959,12 @@ def test_cache_on_an_emulated_cuda_gpu_takes_the_tensor_core_kernel(
     fake = EmulatedKernels(tmp_path, backend="cuda").install(monkeypatch)
     got = cache.attend(q, 0.088)
     names = fake.names
-    nw = dk.mma_warps()
+    nw = kmsup.mma_warps()
     # no fp16 tokens: the tensor-core kernel merges its own splits (one launch); with them its
     # partials are two outputs of their own, which the merge reads
     fused, parts = (
-        dk.mma_spec(nw, dk.mma_sm_blocks(nw)),
-        dk.mma_spec(nw, dk.mma_sm_blocks(nw), True),
+        kmma.mma_spec(nw, kmsup.mma_sm_blocks(nw)),
+        kmma.mma_spec(nw, kmsup.mma_sm_blocks(nw), True),
     )
     want = [fused.name] if window == sinks == 0 else [parts.name, "velox_decode_merge_fp16"]
     assert names == want
@@ -1954,8 +1981,8 @@ def test_uniform_kernel_codes_are_its_record_as_the_kernels_read_it():
     the kernels' view of them: ``a`` the scales, ``b`` the zeros, no levels)."""
     x = mx.random.normal((1, 2, 64, 128), key=mx.random.key(3)).astype(mx.float16)
     for codec, record, kind in (
-        (Uniform(4, 32), dk.AffineCodes, dk.AFFINE),
-        (Uniform(2, 32, "channel"), dk.ChannelAffineCodes, dk.AFFINE_CHANNEL),
+        (Uniform(4, 32), krec.AffineCodes, krec.AFFINE),
+        (Uniform(2, 32, "channel"), krec.ChannelAffineCodes, krec.AFFINE_CHANNEL),
     ):
         rec = codec.encode(x)
         c = codec.kernel_codes(rec)

@@ -7,8 +7,8 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 import velox_core
-from velox_core import UniformCache, VeloxCache, make_cache, routed
-from velox_core.mlx_lm import disable, enable, is_enabled
+from velox_core import UniformCache, VeloxCache, disable, enable, make_cache, routed
+from velox_core.router import is_enabled
 from velox_testing import FAMILIES, greedy_agreement, tiny_model, tiny_tokenizer
 
 
@@ -244,7 +244,7 @@ def test_latent_attention_layers_get_a_latent_cache_for_uniform_and_fp16_otherwi
     import mlx_lm
 
     from velox_core import LatentCache, Uniform, VeloxCache
-    from velox_core.mlx_lm import layer_routes
+    from velox_core.router import layer_routes
 
     model = tiny_model("deepseek_v3")
     routes = layer_routes(model)
@@ -272,8 +272,8 @@ def test_layers_with_their_own_attention_keep_velox_caches_without_a_policy():
     returns: a codec-only velox cache serves it (decoded tokens, nothing routed) and follows the
     fp16 tokens at 8 bits; a cache with a retention policy, which needs the queries only routed
     attention shows it, is refused there with a warning and the layer keeps its KVCache."""
-    from velox_core.mlx_lm import layer_routes
-    from velox_core.policy.base import RetentionPolicy
+    from velox_core import RetentionPolicy
+    from velox_core.router import layer_routes
 
     model = tiny_model("gemma2")
     assert not any(r.routed for r in layer_routes(model).values())

@@ -15,11 +15,9 @@ from velox_core.ops import (
     affine_quantize,
     block_size,
     byte_table,
-    fwht,
     hadamard,
     jl_matrix,
     kmeans,
-    lloyd_max_gaussian,
     lloyd_max_sphere,
     lookup,
     pack,
@@ -29,6 +27,8 @@ from velox_core.ops import (
     sketch_inner,
     unpack,
 )
+from velox_core.ops.hadamard import fwht
+from velox_core.ops.lloyd_max import lloyd_max_gaussian
 
 
 def sylvester(n):

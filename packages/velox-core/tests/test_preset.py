@@ -9,8 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from velox_core import CodeWidths, Method, PresetCache, Uniform
-from velox_core.cache.preset import config_fields
+from velox_core import CodeWidths, Method, PresetCache, Uniform, config_fields
 from velox_core.validation import check_optional, check_widths
 
 

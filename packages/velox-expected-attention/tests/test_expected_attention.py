@@ -7,8 +7,16 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from velox_core import Uniform, VeloxCache, load_cache, make, make_cache, routed, save_cache
-from velox_core.registry import parse_spec
+from velox_core import (
+    Uniform,
+    VeloxCache,
+    load_cache,
+    make,
+    make_cache,
+    parse_spec,
+    routed,
+    save_cache,
+)
 from velox_expected_attention import (
     METHOD,
     ExpectedAttentionCache,

@@ -276,8 +276,7 @@ def test_artifact_must_fit_the_cache():
 
 
 def test_no_retention_policy():
-    from velox_core import VeloxCache
-    from velox_core.policy import RetentionPolicy
+    from velox_core import RetentionPolicy, VeloxCache
 
     c = PaluCache(artifact=kv_artifact(), layer=0, rope_base=BASE)
     with pytest.raises(ValueError, match="across heads"):

@@ -17,7 +17,10 @@ import pytest
 
 import velox_core.kernels as vk
 from velox_core.kernels import decode as dk
-from velox_core.kernels.build import ArgInfo, cuda_source, metal_source
+from velox_core.kernels import layout as klayout
+from velox_core.kernels import portable as kport
+from velox_core.kernels import records as krec
+from velox_core.kernels.build import ArgInfo, cuda_source
 from velox_core.ops import pack
 from velox_qjl.layout import (
     SKETCH,
@@ -37,6 +40,7 @@ from velox_testing import (
     needs_nvcc,
 )
 from velox_testing.emulate import DecodeRun, Emulator
+from velox_testing.metal_source import metal_source
 
 # placeholder arrays for records that only the plans and templates read (their layout)
 _U32, _F16 = mx.zeros((1,), mx.uint32), mx.zeros((1,), mx.float16)
@@ -46,14 +50,14 @@ DUMMY = ("float32", 1, 8)
 
 def test_the_sketch_layout_is_registered_with_its_key_pass():
     keys = _sketch_codes(256, 256, 8)
-    lay = dk.layout_of(keys)
+    lay = klayout.layout_of(keys)
     assert type(lay) is SketchLayout and keys.kind == SKETCH and lay.keys_only
     assert lay.butterfly and lay.split_block(keys) == 32
     assert lay.split_block(_sketch_codes(256, 0, 0)) == 1
-    spec = dk.decode_spec(keys)
+    spec = kport.decode_spec(keys)
     assert spec.name == "velox_decode_attention_sketch"
-    assert spec.inserts == ((dk.KEY_PASS, "decode_sketch_keys.metal", "velox_qjl"),)
-    assert "KOSK" in spec.body("metal") and "KOSK" not in dk.DECODE.body("metal")
+    assert spec.inserts == ((kport.KEY_PASS, "decode_sketch_keys.metal", "velox_qjl"),)
+    assert "KOSK" in spec.body("metal") and "KOSK" not in kport.DECODE.body("metal")
 
 
 def test_settings_are_read_once_and_checked(monkeypatch):
@@ -101,31 +105,31 @@ def test_sketch_keys_lanes_and_plan():
     assert sketch_lanes(128, 0) == 32
     assert sketch_lanes(100, 15) == 0  # 15 outlier bits: one lane with 100 bits
     assert sketch_lanes(96, 0) == 32 and sketch_lanes(192, 0) == 32
-    vals = dk.AffineCodes(bits=4, group=64, codes=_U32, scale=_F16, zero=_F16)
+    vals = krec.AffineCodes(bits=4, group=64, codes=_U32, scale=_F16, zero=_F16)
     keys = _sketch_codes(256, 256, 8)
-    p = dk.plan_for(4, 128, keys, vals)
+    p = kport.plan_for(4, 128, keys, vals)
     assert (p.mb, p.cpl) == (4, 16)  # 16 weights a row: 4 rows
-    assert dict(dk.template(p, 128, keys, vals))["KLPT"] == 32
-    assert dict(dk.template(p, 128, keys, vals))["KSPAN"] == 32  # splits of whole blocks
-    p = dk.plan_for(8, 128, _sketch_codes(1024, 1024, 8), vals)
+    assert dict(kport.template(p, 128, keys, vals))["KLPT"] == 32
+    assert dict(kport.template(p, 128, keys, vals))["KSPAN"] == 32  # splits of whole blocks
+    p = kport.plan_for(8, 128, _sketch_codes(1024, 1024, 8), vals)
     assert (p.mb, p.nmb) == (1, 8)  # 64 weights a row: one row a block
-    assert dk.plan_for(4, 128, _sketch_codes(4096, 0, 0), vals) is None  # 128 weights a row
-    assert dk.plan_for(4, 128, _sketch_codes(100, 15, 8), vals) is None  # no lane layout
+    assert kport.plan_for(4, 128, _sketch_codes(4096, 0, 0), vals) is None  # 128 weights a row
+    assert kport.plan_for(4, 128, _sketch_codes(100, 15, 8), vals) is None  # no lane layout
     keys = _sketch_codes(256, 256, 8, group=96)
-    p = dk.plan_for(4, 128, keys, vals)  # 1024 tokens at most a split
+    p = kport.plan_for(4, 128, keys, vals)  # 1024 tokens at most a split
     for t in (96, 1000, 4000, 131072):
         for s0 in (1, 3, 7, 128):
-            s = dk.block_splits(t, dk.fit_splits(t, s0, p), p, keys)
+            s = kport.block_splits(t, kport.fit_splits(t, s0, p), p, keys)
             span = math.ceil(math.ceil(t / s) / 96) * 96  # what the kernel takes
             assert span <= p.max_span and s * span >= t
-    assert dk.block_splits(4000, 5, p, _sketch_codes(256, 0, 0)) == 5  # no blocks: unchanged
+    assert kport.block_splits(4000, 5, p, _sketch_codes(256, 0, 0)) == 5  # no blocks: unchanged
     for t, s0 in ((1000, 7), (4000, 3), (97, 2)):
-        s = dk.block_splits(t, s0, p, keys)
+        s = kport.block_splits(t, s0, p, keys)
         span = math.ceil(math.ceil(t / s) / 96) * 96
         assert (s - 1) * span < t <= s * span  # no split left empty
-    assert dk.plan_for(4, 128, _sketch_codes(256, 256, 8, group=2048), vals) is None
-    assert dk.plan_for(1, 128, _sketch_codes(256, 256, 8, group=2048), vals) is not None
-    p = dk.plan_for(4, 128, _sketch_codes(128, 128, 16), vals)
+    assert kport.plan_for(4, 128, _sketch_codes(256, 256, 8, group=2048), vals) is None
+    assert kport.plan_for(1, 128, _sketch_codes(256, 256, 8, group=2048), vals) is not None
+    p = kport.plan_for(4, 128, _sketch_codes(128, 128, 16), vals)
     assert p.mb == 2  # 16 outlier coordinates a row: two rows within half the budget
 
 
@@ -142,7 +146,7 @@ def test_sketch_keys_bad_input_is_refused(monkeypatch):
     sk = SketchKeys(m, m, 8, 7, 1.25, 32, mat, **good)
     norm = mx.ones((b, h, t), mx.float16)
     keys = SketchCodes(codes=u32(b, h, t, 8), norm=norm, onorm=norm, group=32, sketch=sk)
-    vals = dk.AffineCodes(
+    vals = krec.AffineCodes(
         bits=4,
         group=64,
         codes=u32(b, h, t, 16),
@@ -176,18 +180,18 @@ def test_sketch_keys_bad_input_is_refused(monkeypatch):
 def _variants():
     """The portable kernel with the key pass as the host lays it out: outliers with one row
     set for both sketches, two row sets with shares straddling words, and no outliers."""
-    vside = dk.AffineCodes(bits=4, group=64, codes=_U32, scale=_F16, zero=_F16)
+    vside = krec.AffineCodes(bits=4, group=64, codes=_U32, scale=_F16, zero=_F16)
     out = []
     for m, mo, k, m_rows in ((256, 256, 8, 4), (320, 64, 8, 8), (256, 0, 0, 4)):
         kside = _sketch_codes(m, mo, k)
-        p = dk.plan_for(m_rows, 128, kside, vside)
+        p = kport.plan_for(m_rows, 128, kside, vside)
         f16 = ("float16", 3, 1 << 20)
         ins = [U32, f16, f16 if k else ("float16", 1, 8), DUMMY, U32, H16, H16, DUMMY]
         extra = [U32 if k else DUMMY, ("float16", 1, 8), F32]
         extra += [U32, ("float16", 2, 1 << 16)] if k else [DUMMY, DUMMY]
         infos = [ArgInfo(*a) for a in [F32, *ins, *extra]]
         out.append(
-            (dk.decode_spec(kside), infos, ["float32"] * 2, dk.template(p, 128, kside, vside))
+            (kport.decode_spec(kside), infos, ["float32"] * 2, kport.template(p, 128, kside, vside))
         )
     return out
 
@@ -262,7 +266,7 @@ def test_decode_kernel_scores_sketch_keys(
     vcodes = rng.integers(0, 1 << vbits, size=(b, h, t, d))
     vscale = (rng.random((b, h, t, 2)) * 0.1).astype(np.float16)
     vzero = (rng.standard_normal((b, h, t, 2)) * 0.1).astype(np.float16)
-    vals = dk.AffineCodes(
+    vals = krec.AffineCodes(
         bits=vbits,
         group=64,
         codes=pack(mx.array(vcodes), vbits),

@@ -20,11 +20,9 @@ import numpy as np
 import pytest
 
 import velox_core.kernels as vk
-from velox_core import Packed, Uniform
+from velox_core import Identity, Packed, Uniform, VeloxBatch
 from velox_core.cache.attention import Segment, partial
-from velox_core.cache.batch import VeloxBatch
-from velox_core.codec.identity import Identity
-from velox_core.kernels import decode as dk
+from velox_core.kernels import records as krec
 from velox_core.ops import unpack
 from velox_rabitq import RaBitQ, RaBitQCache
 from velox_rabitq import kernels as rk
@@ -84,7 +82,7 @@ def test_kernel_keys_are_the_scaled_grid(bits, dtype):
     the zero's), for fp16 and bf16 records alike."""
     kc, kp, _, _ = records(bits, 64, b=1, t=128, dtype=dtype)
     c = rk.kernel_keys(kc, kp)
-    assert (c.kind, c.bits, c.group) == (dk.AFFINE, bits, D)
+    assert (c.kind, c.bits, c.group) == (krec.AFFINE, bits, D)
     assert c.codes is kp.data["codes"]
     assert c.a.shape == c.b.shape == (1, 2, 128, 1) and c.a.dtype == c.b.dtype == mx.float16
     u = unpack(kp.data["codes"], bits, D).astype(mx.float32)

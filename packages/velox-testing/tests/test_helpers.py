@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from velox_core.kernels import config
-from velox_core.kernels.decode import MERGE
+from velox_core.kernels.merge import MERGE
 from velox_testing import kernel_env, scratch_dir, tiny_model
 from velox_testing.emulate import EmulatedKernels, Emulator
 from velox_testing.models import tiny_config

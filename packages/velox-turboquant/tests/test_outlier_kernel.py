@@ -16,8 +16,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from velox_core.kernels.build import ArgInfo, cuda_source, metal_source
+from velox_core.kernels.build import ArgInfo, cuda_source
 from velox_testing import compile_cuda, compile_metal, kernel_env, needs_gxx, needs_nvcc
+from velox_testing.metal_source import metal_source
 from velox_turboquant import outlier as ok
 
 F32, U32 = ("float32", 4, 1 << 20), ("uint32", 4, 1 << 20)

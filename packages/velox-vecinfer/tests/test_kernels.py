@@ -1,7 +1,7 @@
 """VecInfer's kernel path, checked on a machine without a GPU.
 
 The decode kernel is velox-core's portable one with vector codes
-(``velox_core.kernels.decode.VQCodes``); here the VecInfer glue is checked: which records take it,
+(``velox_core.kernels.records.VQCodes``); here the VecInfer glue is checked: which records take it,
 and, with the kernels' Metal and CUDA instantiations emulated on the CPU
 (``velox_testing.emulate``), that attention through the kernel equals the codec's
 reference path (keys in the smoothed, Hadamard-transformed domain against the transformed
@@ -18,6 +18,8 @@ import pytest
 import velox_core.kernels as vk
 from velox_core import Uniform
 from velox_core.kernels import decode as dk
+from velox_core.kernels import portable as kport
+from velox_core.kernels import records as krec
 from velox_testing import (
     assert_cpu_declines,
     assert_kernel_partial,
@@ -59,7 +61,7 @@ def test_attend_partial_is_none_on_the_cpu():
 def test_kernel_sides_and_what_the_kernel_declines(monkeypatch):
     kc, kp, vc, vp = records("2bit")
     side = kernel_side(kc, kp)
-    assert type(side) is dk.VQCodes and side.kind == dk.VQ and (side.bits, side.group) == (8, 4)
+    assert type(side) is krec.VQCodes and side.kind == krec.VQ and (side.bits, side.group) == (8, 4)
     assert side.codes is kp.data["codes"] and side.codebooks is kc.codebook is side.levels
     channel = Uniform(2, 32, axis="channel")
     cp = channel.encode(kv_data(t=256)[1])
@@ -75,7 +77,7 @@ def test_kernel_sides_and_what_the_kernel_declines(monkeypatch):
     q = mx.zeros((1, 2, 4, 128))
     assert kc.attend_partial(q, kp, channel, cp) is None  # per-channel values
     assert not called
-    assert dk.plan_for(4, 128, kernel_side(odd, op), kernel_side(vc, vp)) is None
+    assert kport.plan_for(4, 128, kernel_side(odd, op), kernel_side(vc, vp)) is None
     called.clear()
     monkeypatch.setattr(dk, "decode_attention", _real_decode_attention)
     assert odd.attend_partial(q, op, vc, vp) is None

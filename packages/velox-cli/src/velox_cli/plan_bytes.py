@@ -86,8 +86,8 @@ def period(layer_kinds: list[str]) -> int:
 
 
 def _linked(spec_text: str) -> bool:
+    from velox_core import get_method
     from velox_core.cache.linked import LinkedLayers
-    from velox_core.registry import get_method
 
     from .specs import BASELINES
 
@@ -205,7 +205,7 @@ def _query_heads(spec_text: str, info: ModelInfo, layers: int) -> int:
 
 def _method_policy(name: str):
     """The method's first policy class (None: a baseline or a method without one)."""
-    from velox_core.registry import get_method
+    from velox_core import get_method
 
     from .specs import BASELINES
 

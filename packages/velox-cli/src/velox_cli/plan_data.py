@@ -115,7 +115,8 @@ def quality(where: Path | None = None) -> tuple[dict[str, Quality], dict[str, An
 def canonical(text: str) -> str:
     """A spec's identity across spellings: the method's defaults filled in, parameters sorted
     (``kvsink:bits=2`` and ``kvsink:bits=2,sinks=0,...`` at its defaults are one)."""
-    from velox_core.registry import method_params, parse_spec
+    from velox_core import parse_spec
+    from velox_core.registry import method_params
 
     if "+" in text:
         return "+".join(canonical(t) for t in text.split("+"))
@@ -135,7 +136,7 @@ def candidates(where: Path | None = None) -> list[str]:
     """The specs a plan weighs: the baselines, every installed method's recommended settings,
     then the specs the quality data measured (``budget=25%`` shares, compositions) whose methods
     are installed, each setting once (its first spelling)."""
-    from velox_core.registry import methods
+    from velox_core import methods
 
     from .specs import BASELINES, default_specs
 

@@ -62,21 +62,24 @@ on, where mlx-lm's generation thread would die.
 
 A request whose prompt is empty is answered 400; one whose prompt has no tokens is
 refused without stopping the generation thread (mlx-lm's batch generator raises on it).
+
+The prompt cache within its budget is :mod:`velox_cli.serve_cache`; the answers to errors
+raised while requests are generated, :mod:`velox_cli.serve_errors`.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import itertools
 import json
 import logging
 import re
 import sys
 import threading
-import weakref
 from pathlib import Path
 from typing import Any
+
+from .serve_cache import _budgeted_prompt_cache
+from .serve_errors import _error_responses, _first_line, _survive_request_errors, _track_requests
 
 __all__ = ["serve"]
 
@@ -91,11 +94,6 @@ def _patch(owner: Any, name: str, make: Any) -> None:
     key = (owner, name)
     original = _ORIGINALS.setdefault(key, getattr(owner, name))
     setattr(owner, name, make(original))
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _local_model(value: str) -> str:
@@ -237,83 +235,6 @@ def _cannot_batch(model) -> str | None:
         gen.close()
 
 
-def _inflight(generator) -> weakref.WeakSet:
-    """The response queues of the requests the generation thread has taken (weakly: a
-    finished request's queue goes with its handler)."""
-    found = generator.__dict__.get("_velox_inflight")
-    if found is None:
-        found = generator.__dict__["_velox_inflight"] = weakref.WeakSet()
-    return found
-
-
-def _track_requests(original):
-    """``ResponseGenerator._next_request`` remembering each request's response queue."""
-
-    def _next_request(self, timeout=None):
-        request = original(self, timeout)
-        if request is not None:
-            _inflight(self).add(request[0])
-        return request
-
-    return _next_request
-
-
-def _survive_request_errors(original):
-    """``ResponseGenerator._run_generate`` that outlives an error raised while serving
-    requests (a cache that cannot serve one, say): the requests in flight get the error (each
-    is answered with it) and the generation loop starts again, where mlx-lm's thread would
-    die and the server answer every later request with an error. An error with no request in
-    flight, or in a distributed server, still ends the thread as mlx-lm's does."""
-
-    def _run_generate(self):
-        while True:
-            try:
-                self._generate()
-                return
-            except Exception as e:
-                queues = list(_inflight(self))
-                _inflight(self).clear()
-                if self._stop or self._is_distributed or not queues:
-                    logging.exception(f"mlx_lm.server generation thread died: {e}")
-                    self._generation_failed = True
-                    return
-                logging.exception(
-                    f"velox serve: {len(queues)} request(s) failed: {_first_line(e)}; serving on"
-                )
-                error = RuntimeError(f"velox serve: the request failed: {_first_line(e)}")
-                for q in queues:
-                    q.put(error)
-
-    return _run_generate
-
-
-def _error_responses(original):
-    """``APIHandler.handle_completion`` answering an error raised while its request was
-    generated (see :func:`_survive_request_errors`) with a 500 and the reason, where mlx-lm
-    would drop the connection: a JSON body while the status line is unsent, else (a stream)
-    a last ``data: {"error": ...}`` event."""
-
-    def handle_completion(self, request, stop_words):
-        try:
-            return original(self, request, stop_words)
-        except Exception as e:
-            body = json.dumps({"error": _first_line(e)})
-            try:
-                if getattr(self, "_headers_buffer", None):  # the 200 is not sent yet
-                    self._headers_buffer = []
-                    self._set_completion_headers(500)
-                    self.end_headers()
-                    self.wfile.write(body.encode())
-                else:
-                    self.wfile.write(f"data: {body}\n\n".encode())
-                self.wfile.flush()
-            except OSError:  # the client went away
-                pass
-            return None
-
-    return handle_completion
-
-
 def _checked_size(original):
     """mlx-lm's ``_parse_size`` (for ``--prompt-cache-bytes``) answering a value that is no
     size with the reason (argparse prints it and exits with status 2), where mlx-lm's raises
@@ -329,125 +250,6 @@ def _checked_size(original):
             ) from None
 
     return size
-
-
-@functools.cache
-def _prompt_cache_class():
-    """:class:`VeloxPromptCache`, built on mlx-lm's ``LRUPromptCache`` once it is imported."""
-    from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
-
-    class _Order(LRUPromptCache.CacheOrder):
-        """mlx-lm's eviction order, counting the entries it gives up (``pop`` evicts; an
-        entry replaced or made redundant by a longer one leaves through ``remove``)."""
-
-        def __init__(self):
-            super().__init__()
-            self.popped = 0
-
-        def pop(self):
-            out = super().pop()
-            self.popped += 1
-            return out
-
-    class VeloxPromptCache(LRUPromptCache):
-        """mlx-lm's prompt cache held within ``max_bytes`` (``--prompt-cache-bytes``) after
-        every insertion, least recently used first, with an entry a request reuses made the
-        most recent; measured and read under a lock (the HTTP threads read it while the
-        generation thread changes it)."""
-
-        def __init__(self, max_size: int = 10, max_bytes: int | None = None):
-            super().__init__(max_size, (1 << 63) if max_bytes is None else max_bytes)
-            self.budget = max_bytes
-            self._lru = _Order()
-            self._lock = threading.RLock()
-            self.peak_nbytes = 0
-
-        def _reused_key(self, model, tokens):
-            """The entry ``fetch_nearest_cache`` copies for ``tokens`` (its choice), or None."""
-            found = self._trie.search(model, tokens)
-            if found.exact is not None:
-                return found.exact
-            short = len(found.shorter) if found.shorter is not None else 0
-            if found.longer is not None and found.common_prefix > short:
-                entry = self._trie.get(found.model, found.longer)
-                if can_trim_prompt_cache(entry.prompt_cache):
-                    return found.longer
-            return found.shorter if short > 0 else None
-
-        def fetch_nearest_cache(self, model, tokens):
-            with self._lock:
-                key = self._reused_key(model, tokens)
-                if key is not None:
-                    entry = self._trie.get(model, key)
-                    self._lru.remove(model, key)
-                    self._lru.push(model, key, entry.cache_type)
-                return super().fetch_nearest_cache(model, tokens)
-
-        def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
-            with self._lock:
-                if self.budget is not None and sum(c.nbytes for c in prompt_cache) > self.budget:
-                    self._lru.popped += 1  # never stored: mlx-lm would evict every entry,
-                    return  # then this one
-                super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
-                self.peak_nbytes = max(self.peak_nbytes, self._n_bytes)
-
-        def trim_to(self, *, n_sequences=None, n_bytes=None):
-            with self._lock:
-                super().trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
-
-        def resident_nbytes(self) -> int:
-            """The stored velox caches' bytes, measured now."""
-            with self._lock:
-                return sum(
-                    c.nbytes
-                    for lru in self._lru._lrus.values()
-                    for model, tokens in lru
-                    for c in self._trie.get(model, tokens).prompt_cache
-                )
-
-        def info(self) -> dict:
-            with self._lock:
-                by_model: dict[Any, list] = {}
-                for lru in self._lru._lrus.values():
-                    for model, tokens in lru:
-                        by_model.setdefault(model, []).append(tokens)
-                return {
-                    "sequences": len(self),
-                    "sessions": sum(_sessions(keys) for keys in by_model.values()),
-                    "resident_bytes": int(self.resident_nbytes()),
-                    "max_bytes": self.budget,
-                    "max_sequences": self.max_size,
-                    "peak_resident_bytes": int(self.peak_nbytes),
-                    "evicted": self._lru.popped,
-                    "by_type": self.stats_by_type(),
-                }
-
-    return VeloxPromptCache
-
-
-def _sessions(keys: list) -> int:
-    """How many of ``keys`` (token lists) are no prefix of another: the distinct sequences a
-    request can resume. mlx-lm stores a batched request's prompt when its prefill ends and
-    the prompt with its answer when it finishes; a cache that cannot be trimmed keeps both
-    entries, which are one session."""
-    ordered = sorted(tuple(k) for k in keys)
-    # a key that is a prefix of another is a prefix of the key sorted right after it
-    return sum(1 for a, b in itertools.pairwise(ordered) if b[: len(a)] != a) + bool(ordered)
-
-
-def _budgeted_prompt_cache(original):
-    """``ResponseGenerator.__init__`` given a :class:`VeloxPromptCache` of mlx-lm's
-    ``--prompt-cache-size`` and ``--prompt-cache-bytes`` in place of mlx-lm's cache, which
-    ``mlx_lm.server.run`` makes without the byte limit."""
-
-    def __init__(self, model_provider, prompt_cache):
-        cls = _prompt_cache_class()
-        if not isinstance(prompt_cache, cls):
-            budget = getattr(model_provider.cli_args, "prompt_cache_bytes", None)
-            prompt_cache = cls(prompt_cache.max_size, budget)
-        original(self, model_provider, prompt_cache)
-
-    return __init__
 
 
 class _LoadFailed(ValueError):

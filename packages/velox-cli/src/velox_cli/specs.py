@@ -20,8 +20,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from velox_core import VeloxCache, make_cache
-from velox_core.registry import get_method, make, method_params, methods, parse_spec
+from velox_core import VeloxCache, get_method, make, make_cache, methods, parse_spec
+from velox_core.registry import method_params
 
 __all__ = [
     "BASELINES",

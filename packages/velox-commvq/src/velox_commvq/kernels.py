@@ -25,7 +25,7 @@ ones.
 
 Where the kernel does not apply (kernels off or the CPU, the table layout turned off with
 ``VELOX_LAYOUTS_OFF=table``, codebooks not yet read, values not a per-token ``Uniform``, a
-geometry the kernel's plan declines: see ``velox_core.kernels.decode.plan``) the functions
+geometry the kernel's plan declines: see ``velox_core.kernels.portable.plan``) the functions
 return None and the caller takes the reference path (:func:`velox_commvq.scores.code_scores`).
 """
 
@@ -37,8 +37,10 @@ import mlx.core as mx
 
 from velox_core import Packed, Uniform
 from velox_core.kernels import decode as _kd
-from velox_core.kernels import kernel_config, use_kernels
+from velox_core.kernels import use_kernels
+from velox_core.kernels.config import kernel_config
 from velox_core.kernels.joint import JointQuery, JointRun, joint_glue, plan_joint
+from velox_core.kernels.records import AffineCodes
 from velox_core.ops.rope import to_pairs
 
 from .layout import TableCodes, TableKeys, TableLayout
@@ -69,7 +71,7 @@ def kernel_keys(codec: CommVQKeys, packed: Packed) -> TableCodes | None:
 
 def kernel_sides(
     codec: CommVQKeys, keys: Packed, value_codec, values: Packed
-) -> tuple[TableCodes, _kd.AffineCodes] | None:
+) -> tuple[TableCodes, AffineCodes] | None:
     """Both records as the decode kernel reads them, or None where no kernel applies
     (kernels off or the CPU, the table layout turned off: ``KernelConfig.layouts_off``,
     codebooks not read, values not a per-token ``Uniform``)."""

@@ -4,7 +4,7 @@ mappers) and finds again by the model's fingerprint.
 An artifact is a safetensors file whose metadata holds at least ``format`` (``"velox-<method>"``),
 ``version`` and the ``fingerprint`` of the model it was fitted on (a method may also keep a
 directory with a manifest; it uses :func:`fingerprint` the same way). A cache resolves its
-model's artifact with :func:`resolve_artifact`: an explicit path wins (checked: the right format
+model's artifact with :meth:`ArtifactKind.resolve`: an explicit path wins (checked: the right format
 and version, fitted for this model); otherwise the directories of ``$VELOX_ARTIFACTS``
 (colon-separated), then ``~/.cache/velox``, then the ``shared/artifacts`` that ships with velox
 (:func:`shipped_dirs`), are searched. A model without one is an error that says how to fit it,
@@ -48,25 +48,19 @@ from .mlx_lm import make_cache
 from .validation import check_int
 
 __all__ = [
-    "ENV",
     "ArtifactFile",
     "ArtifactKind",
     "Fitted",
     "FittedLayers",
     "bound_layer",
     "calibration_ids",
-    "check_format",
-    "find_artifact",
     "fingerprint",
     "fitted",
     "identity",
     "load_cached",
-    "model_dtype",
     "prefilled",
     "read_metadata",
-    "resolve_artifact",
     "search_dirs",
-    "shipped_dirs",
     "token_stream",
 ]
 
@@ -289,49 +283,6 @@ def search_dirs() -> list[Path]:
     return [*environment.paths(ENV), Path("~/.cache/velox").expanduser(), *shipped_dirs()]
 
 
-def find_artifact(
-    fmt: str, fp: str, dirs: list[Path] | None = None, version: str | None = None
-) -> Path | None:
-    """The first ``*.safetensors`` file (directories in order, files sorted by name) of format
-    ``fmt`` (and ``version``, when given) fitted for fingerprint ``fp``."""
-    for d in search_dirs() if dirs is None else dirs:
-        if not d.is_dir():
-            continue
-        for p in sorted(d.glob("*.safetensors")):
-            try:
-                meta = read_metadata(p)
-            except ValueError:
-                continue
-            if meta.get("format") != fmt or meta.get("fingerprint") != fp:
-                continue
-            if version is None or meta.get("version") == version:
-                return p
-    return None
-
-
-def resolve_artifact(
-    model: Any,
-    path: str | os.PathLike | None,
-    *,
-    fmt: str,
-    version: str,
-    what: str,
-    how_to_fit: str,
-    param: str,
-    missing: type[Exception] = FileNotFoundError,
-) -> Path:
-    """The artifact to use for ``model``: ``path`` if given (checked), else the lookup.
-
-    ``what`` names the method in messages, ``param`` the cache's parameter that takes a
-    path (``"codebooks"``), ``how_to_fit`` the command that makes one.
-
-    Raises:
-        ValueError: ``path`` is not such an artifact, or was fitted for another model.
-        missing: nothing in the search directories was fitted for this model.
-    """
-    return ArtifactKind(fmt, version, what, param, how_to_fit, missing).resolve(model, path)
-
-
 @dataclass
 class ArtifactFile:
     """An artifact as read from its file: metadata strings and arrays (no checks of its own)."""
@@ -484,7 +435,16 @@ class ArtifactKind:
     def find(self, fp: str, dirs: list[Path] | None = None) -> Path | None:
         """The first file of this kind (directories in order, files sorted by name) fitted for
         fingerprint ``fp``."""
-        return find_artifact(self.fmt, fp, dirs, self.version)
+        for d in search_dirs() if dirs is None else dirs:
+            for p in sorted(d.glob("*.safetensors")) if d.is_dir() else ():
+                try:
+                    meta = read_metadata(p)
+                except ValueError:
+                    continue
+                want = (self.fmt, self.version, fp)
+                if (meta.get("format"), meta.get("version"), meta.get("fingerprint")) == want:
+                    return p
+        return None
 
     def resolve(self, model: Any, path: str | os.PathLike | None = None) -> Path:
         """The artifact of this kind for ``model``: ``path`` if given (checked: this kind,

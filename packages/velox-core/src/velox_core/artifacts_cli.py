@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DTYPES", "ArtifactCommand", "Option", "default_out", "load_for_fit", "read_texts"]
+__all__ = ["ArtifactCommand", "Option"]
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 

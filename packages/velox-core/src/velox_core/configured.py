@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, TypeVar
 
-__all__ = ["Configured"]
+__all__: list[str] = []
 
 T = TypeVar("T", bound="Configured")
 

@@ -19,7 +19,7 @@ from mlx_lm.models.cache import KVCache
 
 from .cache.velox import VeloxCache
 
-__all__ = ["Sent", "recv_cache", "send_cache"]
+__all__: list[str] = []
 
 # -- hand-off --------------------------------------------------------------------------------
 

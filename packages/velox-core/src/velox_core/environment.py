@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["NAMES", "get", "paths", "put", "with_setting"]
+__all__ = ["get", "paths", "put", "with_setting"]
 
 NAMES = (
     "VELOX_ARTIFACTS",

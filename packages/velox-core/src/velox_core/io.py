@@ -27,7 +27,7 @@ from .cache.latent import LatentCache
 from .cache.velox import VeloxCache
 from .registry import get_method
 
-__all__ = ["FORMAT", "VERSION", "inspect_cache_file", "load_cache", "save_cache"]
+__all__: list[str] = []
 
 FORMAT = "velox-cache"
 VERSION = 2  # 2: the checksum covers the header

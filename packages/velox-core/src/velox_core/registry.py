@@ -23,20 +23,7 @@ from .codec.identity import Identity
 from .codec.uniform import Uniform
 from .policy.base import RetentionPolicy
 
-__all__ = [
-    "GROUP",
-    "Method",
-    "build_codec",
-    "build_policy",
-    "format_spec",
-    "get_method",
-    "make",
-    "method_params",
-    "methods",
-    "parse_spec",
-    "register",
-    "reset",
-]
+__all__ = ["method_params"]
 
 GROUP = "velox.methods"
 

@@ -1,8 +1,8 @@
 """Whether attention is routed to velox caches: the state ``velox_core.routed`` (and
-``enable`` / ``disable`` in :mod:`velox_core.mlx_lm`) keeps and sets on every live cache.
+``enable`` / ``disable`` in :mod:`velox_core.router`) keeps and sets on every live cache.
 
-A module of its own so that the caches register here without importing the mlx-lm
-integration (which imports the caches). Routing nests: it stays on until as many
+A module of its own so that the caches register here without importing the attention
+router (which imports the caches). Routing nests: it stays on until as many
 :func:`leave` calls as :func:`enter` calls. Each velox cache calls :func:`track` when it is
 made (copies and deep copies too, which are made through ``from_state``); its ``routed``
 attribute is then True exactly while routing is on, set here when routing turns on or off,
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import weakref
 
-__all__ = ["enter", "is_enabled", "leave", "track"]
+__all__: list[str] = []
 
 _depth = 0
 _live: weakref.WeakSet = weakref.WeakSet()  # every velox cache alive, weakly

@@ -26,16 +26,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .cache.velox import FITTED_ON_WHOLE_MODEL, VeloxCache
+from .cache.velox import VeloxCache
 
-__all__ = [
-    "FITTED_ON_WHOLE_MODEL",
-    "STAGE_LAST",
-    "model_kv_heads",
-    "pipeline_stage",
-    "split_refusal",
-    "stage_last_layer",
-]
+__all__: list[str] = []
 
 # why a pipeline stage's last layer keeps mlx-lm's cache
 STAGE_LAST = (
@@ -81,7 +74,7 @@ def split_refusal(
     """Why ``cache`` cannot serve ``layer`` of ``model`` where the model is split over
     processes ("" where it can, and on a model that is not split).
 
-    ``route`` is the layer's :class:`~velox_core.mlx_lm.Route`: a layer that stores fewer KV
+    ``route`` is the layer's :class:`~velox_core.router.Route`: a layer that stores fewer KV
     heads than the model's config has is split by heads (``model.shard``). With
     ``stage_last=False`` a pipeline stage's last layer is not refused for being the last
     (the caller keeps mlx-lm's cache there).

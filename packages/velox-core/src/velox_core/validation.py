@@ -11,14 +11,12 @@ from typing import Any
 import mlx.core as mx
 
 __all__ = [
-    "FLOAT_DTYPES",
     "check_array",
     "check_bits",
     "check_bool",
     "check_choice",
     "check_counts",
     "check_divides",
-    "check_finite_params",
     "check_float",
     "check_int",
     "check_key_value_widths",

@@ -32,7 +32,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from velox_core import Codec, Packed, Uniform
-from velox_core.ops.quant import scale_dtype
+from velox_core.ops import scale_dtype
 from velox_core.validation import check_choice, check_float, check_int
 
 from .parts import grid, lowrank, outlier_index

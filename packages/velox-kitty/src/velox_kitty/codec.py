@@ -25,8 +25,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from velox_core import Codec, Packed
-from velox_core.ops import pack, unpack
-from velox_core.ops.quant import scale_dtype
+from velox_core.ops import pack, scale_dtype, unpack
 from velox_core.validation import check_bits, check_choice, check_float, check_int
 
 __all__ = ["SCORES", "KittyKeys", "boosted_count"]

@@ -14,8 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from velox_core import Codec, Packed
-from velox_core.ops import pack, unpack
-from velox_core.ops.quant import scale_dtype
+from velox_core.ops import pack, scale_dtype, unpack
 from velox_core.validation import check_bits, check_bool, check_choice, check_float
 
 from .nuq import DATATYPES, dequantize, fit_levels, outlier_count, quantize

@@ -28,8 +28,7 @@ import numpy as np
 
 from velox_core import Packed
 from velox_core.codec.prerope import PreRope
-from velox_core.ops import pack
-from velox_core.ops.quant import scale_dtype
+from velox_core.ops import pack, scale_dtype
 from velox_core.validation import check_bool
 
 from .base import NuqCodec

@@ -21,7 +21,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from velox_core import Packed
-from velox_core.ops.quant import scale_dtype
+from velox_core.ops import scale_dtype
 
 from .base import NuqCodec
 

@@ -16,9 +16,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from velox_core import VeloxCache, make_cache
+from velox_core import VeloxCache, get_method, make_cache
 from velox_core.ops.rope import RopeSpec, rotate
-from velox_core.registry import get_method
 
 __all__ = ["build_caches", "describe_layer", "from_rows", "read_caches", "to_rows"]
 

@@ -26,9 +26,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from velox_core import Packed, PackedStore
+from velox_core import Packed
 from velox_core.cache.attention import Segment
 from velox_core.cache.linked import LinkedLayers
+from velox_core.cache.store import PackedStore
 from velox_core.validation import check_kv
 
 from .codec import MergedStates

@@ -23,8 +23,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from velox_core import Packed, PackedStore
+from velox_core import Packed
 from velox_core.cache.linked import LayerGroup
+from velox_core.cache.store import PackedStore
 
 from .merge import distance_range, retained, slerp_merge
 

@@ -41,9 +41,11 @@ import mlx.core as mx
 
 from velox_core import Packed, Uniform
 from velox_core.kernels import decode as _kd
+from velox_core.kernels import portable as kport
 from velox_core.kernels import use_kernels
 from velox_core.kernels.encode import sketch_encode
 from velox_core.kernels.joint import JointQuery, JointRun, joint_glue, plan_joint
+from velox_core.kernels.records import AFFINE, AffineCodes
 
 from . import sketch_mma as _sm
 from .layout import SKETCH, SketchCodes, SketchKeys, sketch_lanes, sketch_rows
@@ -92,12 +94,12 @@ def encode_sketch(codec: QJL, x: mx.array, idx: mx.array | None) -> dict[str, mx
 
 def kernel_sides(
     codec: QJL, keys: Packed, value_codec, values: Packed, rows: int
-) -> tuple[SketchCodes, _kd.AffineCodes] | None:
+) -> tuple[SketchCodes, AffineCodes] | None:
     """The decode kernel's view of both records (:class:`velox_qjl.layout.SketchCodes`
     with its ``SketchKeys``, and the values' ``AffineCodes``) for ``rows`` query rows per KV
     head, or None where no kernel applies: kernels off or the CPU, values not a per-token
     ``Uniform``, a codec not yet bound to a head dim, or a layout the kernel's plan declines
-    (``velox_core.kernels.decode.plan_for``), checked before the kernel's copy of ``S`` is
+    (``velox_core.kernels.portable.plan_for``), checked before the kernel's copy of ``S`` is
     made."""
     if not use_kernels() or codec.dim is None:
         return None
@@ -114,8 +116,8 @@ def kernel_sides(
         lanes = sketch_lanes(m, mo)
         cap = sketch_rows(m, mo, k, lanes) if lanes else 0
         block = codec.block if k else 1
-        plan = _kd.plan(
-            rows, codec.dim, SKETCH, 1, codec.block, _kd.AFFINE, vbits, vgroup, False, cap, block
+        plan = kport.plan(
+            rows, codec.dim, SKETCH, 1, codec.block, AFFINE, vbits, vgroup, False, cap, block
         )
         if plan is None:  # (before the kernel's copy of S is made)
             return None

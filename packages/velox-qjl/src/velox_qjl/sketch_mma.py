@@ -33,7 +33,8 @@ import numpy as np
 
 import velox_core.kernels as _kernels  # backend() looked up per call (tests report another)
 from velox_core.kernels.build import KernelSpec
-from velox_core.kernels.codes import check_codes, float_bits, qmul_bits, unused_input
+from velox_core.kernels.codes import check_codes, float_bits, qmul_bits
+from velox_core.kernels.layout import unused_input
 from velox_core.kernels.mma_support import MMA_SCALE_DTYPES, mma_enabled, mma_splits
 from velox_core.kernels.records import AFFINE, CodeRecord
 

@@ -10,7 +10,7 @@ the whole head, one group of ``D`` channels a token:
 
 and ``u`` is packed by velox-core's packing (:func:`velox_core.ops.pack`), the layout of
 ``velox_core.Uniform``'s codes. So velox-core's decode kernels read RaBitQ records as
-:class:`~velox_core.kernels.decode.AffineCodes` keys of ``B`` bits (1 to 8) and group ``D``,
+:class:`~velox_core.kernels.records.AffineCodes` keys of ``B`` bits (1 to 8) and group ``D``,
 with the per-token ``scale`` and ``zero`` computed from the record's ``delta`` and ``ip`` in fp16
 (also for a bf16 model's records: in bf16 the zero's rounding cancels more of each score):
 the portable kernel
@@ -49,7 +49,14 @@ from velox_core import Packed, Uniform
 from velox_core import kernels as _vk  # backend() looked up per call (tests report another)
 from velox_core.kernels import decode as _kd
 from velox_core.kernels import use_kernels
+from velox_core.kernels.codes import FP16_MAX, LOG2E, check_codes
 from velox_core.kernels.joint import JointQuery, JointRun, joint_glue, plan_joint
+from velox_core.kernels.layout import pad_rows
+from velox_core.kernels.merge import merge_splits, plan_merge_fp16
+from velox_core.kernels.mma import mma_launch, plan_mma
+from velox_core.kernels.mma_support import mma_enabled, mma_supported
+from velox_core.kernels.portable import fit_splits, plan_for, plan_portable
+from velox_core.kernels.records import AffineCodes
 
 if TYPE_CHECKING:
     from .codec import RaBitQ
@@ -57,8 +64,8 @@ if TYPE_CHECKING:
 __all__ = ["attend_partial", "joint_call", "kernel_keys", "kernel_sides"]
 
 
-def kernel_keys(codec: RaBitQ, keys: Packed) -> _kd.AffineCodes:
-    """The decode kernels' view of a RaBitQ key record: ``velox_core.kernels.decode.AffineCodes``
+def kernel_keys(codec: RaBitQ, keys: Packed) -> AffineCodes:
+    """The decode kernels' view of a RaBitQ key record: ``velox_core.kernels.records.AffineCodes``
     of ``codec.bits`` bits in one group of ``D`` channels, ``scale = Delta / <o_bar, o>``
     and ``zero = -scale (2^B - 1)/2`` per token, in fp16 for fp16 and bf16 records (the zero
     from the rounded scale, so that ``scale * u + zero`` is the scaled grid point up to the
@@ -75,7 +82,7 @@ def kernel_keys(codec: RaBitQ, keys: Packed) -> _kd.AffineCodes:
     dt = mx.float16 if dt == mx.bfloat16 else dt
     scale = (p["delta"].astype(mx.float32) / p["ip"].astype(mx.float32)).astype(dt)
     zero = (scale.astype(mx.float32) * -(((1 << codec.bits) - 1) / 2)).astype(dt)
-    return _kd.AffineCodes(
+    return AffineCodes(
         bits=codec.bits,
         group=codec.dim,
         codes=p["codes"],
@@ -86,7 +93,7 @@ def kernel_keys(codec: RaBitQ, keys: Packed) -> _kd.AffineCodes:
 
 def kernel_sides(
     codec: RaBitQ, keys: Packed, value_codec, values: Packed
-) -> tuple[_kd.AffineCodes, _kd.AffineCodes] | None:
+) -> tuple[AffineCodes, AffineCodes] | None:
     """Both records as the decode kernels read them, or None where no kernel applies: kernels
     off or the CPU, a codec not yet bound to a head dim, values not a per-token ``Uniform``.
     (A record holds whole centroid blocks: ``Packed`` checks it.)"""
@@ -97,38 +104,38 @@ def kernel_sides(
     return kernel_keys(codec, keys), value_codec.kernel_codes(values)
 
 
-def _tensor_core_blocks(q_shape, q_dtype, keys: _kd.AffineCodes, values, block, scale):
+def _tensor_core_blocks(q_shape, q_dtype, keys: AffineCodes, values, block, scale):
     """The tensor-core kernel's per-split launch with one split per centroid block, as
     ``run(q) -> (o_part, ml_part, q)``, or None where it does not take the shape or its tiles
     (``16 x NSUB`` tokens, a split's span rounded up to them) do not divide the block."""
     b, h, m, dim = q_shape
-    if not (_vk.backend() == "cuda" and _kd.mma_enabled()):
+    if not (_vk.backend() == "cuda" and mma_enabled()):
         return None
-    if not _kd.mma_supported(m, dim, keys, values):
+    if not mma_supported(m, dim, keys, values):
         return None
     t = keys.codes.shape[2]
     nblk = t // block
-    launch = _kd.mma_launch(q_shape, q_dtype, keys, values, nblk, scale)
+    launch = mma_launch(q_shape, q_dtype, keys, values, nblk, scale)
     if launch is None or launch.splits != nblk or block % (16 * dict(launch.template)["NSUB"]):
         return None
-    _kd.check_codes("key", keys, b, h, t, dim)
-    _kd.check_codes("value", values, b, h, t, dim)
-    return _kd.plan_mma(q_shape, q_dtype, keys, values, nblk, scale)
+    check_codes("key", keys, b, h, t, dim)
+    check_codes("value", values, b, h, t, dim)
+    return plan_mma(q_shape, q_dtype, keys, values, nblk, scale)
 
 
-def _portable_blocks(q_shape, keys: _kd.AffineCodes, values, block, scale):
+def _portable_blocks(q_shape, keys: AffineCodes, values, block, scale):
     """The portable kernel's launch with one split per centroid block, as
     ``run(q) -> (o_part, ml_part, q padded)``, or None where it has no layout for the shape
     or a block exceeds a split's ``max_span`` tokens."""
     _, _, m, dim = q_shape
-    p = _kd.plan_for(m, dim, keys, values)
+    p = plan_for(m, dim, keys, values)
     if p is None or block > p.max_span:
         return None
     t = keys.codes.shape[2]
     nblk = t // block
-    if _kd.fit_splits(t, nblk, p) != nblk:  # (each split is then exactly one block)
+    if fit_splits(t, nblk, p) != nblk:  # (each split is then exactly one block)
         return None
-    return _kd.plan_portable(q_shape, keys, values, nblk, scale)
+    return plan_portable(q_shape, keys, values, nblk, scale)
 
 
 def _centroid_bias(q: mx.array, ct: mx.array, factor: float) -> mx.array:
@@ -156,7 +163,7 @@ class _Blocks:
     def __init__(self, codec, q_shape, keys, values, centroids, scale, out_dtype=None):
         self.codec = codec
         self.scale = scale
-        self.factor = _kd.LOG2E * (1.0 if scale is None else float(scale))
+        self.factor = LOG2E * (1.0 if scale is None else float(scale))
         # (B, H, D, T / centroid) float32, once per plan (the bias matmul's right side)
         self.ct = mx.swapaxes(centroids.astype(mx.float32), -1, -2)
         block = codec.centroid
@@ -176,16 +183,16 @@ class _Blocks:
         returns ``(o, m, l)`` as :func:`velox_core.kernels.decode.decode_attention`."""
         o_part, ml_part, _ = self.parts(self.codec.rotation.forward(q))
         rows = o_part.shape[3]  # the query rows the kernel took (padded to its row blocks)
-        qp = _kd.pad_rows(q, rows)  # padded rows are zeros: their bias is 0
+        qp = pad_rows(q, rows)  # padded rows are zeros: their bias is 0
         bias = _centroid_bias(qp, self.ct, self.factor)
         ml_part = ml_part + mx.pad(bias, [(0, 0)] * 4 + [(0, 1)])
         if self.out_dtype is None:
-            o, mm, ll = _kd.merge_splits(o_part, ml_part)
+            o, mm, ll = merge_splits(o_part, ml_part)
         else:
             merge = self.merges.get(rows)
             if merge is None:
                 b, h, _, dim = q.shape
-                merge = _kd.plan_merge_fp16(b, h, rows, dim, self.out_dtype, self.scale, None)
+                merge = plan_merge_fp16(b, h, rows, dim, self.out_dtype, self.scale, None)
                 self.merges[rows] = merge
             o, mm, ll = merge(o_part, ml_part, qp, fp16 or [])
         if rows > self.m:
@@ -217,7 +224,7 @@ def _plan_joint(
     fp16 segments (a cache's sinks and window, scored against the unrotated query) in one
     softmax, planned once for the segment and the query shape, or None where
     :func:`attend_partial` would decline."""
-    if query.shape[-1] != codec.dim or query.fp16_tokens > _kd.FP16_MAX:
+    if query.shape[-1] != codec.dim or query.fp16_tokens > FP16_MAX:
         return None
     sides = kernel_sides(codec, keys, value_codec, values)
     if sides is None:
@@ -229,7 +236,7 @@ def _plan_joint(
             return None
 
         def run_blocks(q, fp16):
-            if len(fp16) > 2 or sum(k.shape[2] for k, _ in fp16) > _kd.FP16_MAX:
+            if len(fp16) > 2 or sum(k.shape[2] for k, _ in fp16) > FP16_MAX:
                 return None
             return blocks(q, fp16)[0]
 

@@ -6,17 +6,7 @@ imported on use, not by this module.
 """
 
 from .baselines import attention_errors_vs_mlx_quant, fill_chunks
-from .conformance import (
-    CacheConformance,
-    assert_partials_close,
-    assert_partials_equivalent,
-    decode_logits,
-    feed,
-    greedy_agreement,
-    kv_data,
-    kv_like,
-    rel_error,
-)
+from .conformance import CacheConformance
 from .eviction import EvictingConformance, FullBudgetConformance, Routed
 from .kernel_env import kernel_env
 from .kernel_path import (
@@ -27,6 +17,16 @@ from .kernel_path import (
     emulated_gpu_fixture,
     needs_gxx,
     needs_nvcc,
+)
+from .kv import (
+    assert_partials_close,
+    assert_partials_equivalent,
+    decode_logits,
+    feed,
+    greedy_agreement,
+    kv_data,
+    kv_like,
+    rel_error,
 )
 from .linked import assert_linked_copies
 from .models import FAMILIES, conformance_model, tiny_model, tiny_tokenizer

@@ -6,7 +6,7 @@ import math
 
 import mlx.core as mx
 
-from .conformance import feed, rel_error
+from .kv import feed, rel_error
 
 __all__ = ["attention_errors_vs_mlx_quant", "fill_chunks"]
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import inspect
 import math
 import re
-from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import mlx.core as mx
@@ -30,126 +29,13 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from velox_core.cache.velox import VeloxCache
-from velox_core.io import load_cache, save_cache
-from velox_core.mlx_lm import generate, make_cache, routed
-from velox_core.registry import make as make_spec
+from velox_core import VeloxCache, generate, load_cache, make_cache, routed, save_cache
+from velox_core import make as make_spec
 
+from .kv import decode_logits, feed, greedy_agreement, kv_data, rel_error
 from .models import conformance_model, tiny_tokenizer
 
-__all__ = [
-    "CacheConformance",
-    "decode_logits",
-    "feed",
-    "greedy_agreement",
-    "kv_data",
-    "kv_like",
-    "rel_error",
-]
-
-
-def _key_law(rng: np.random.Generator, d: int) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`kv_data`'s key channels, drawn from ``rng``: a scale per channel (a few outlier
-    channels 6x larger) and a mean (a shared direction), each ``(d,)``."""
-    scale = np.exp(rng.normal(0, 0.5, size=d))
-    scale[rng.choice(d, size=max(1, d // 32), replace=False)] *= 6.0
-    return scale, rng.normal(0, 1.0, size=d)
-
-
-def kv_data(
-    b: int = 1, h: int = 2, t: int = 256, d: int = 128, seed: int = 0, dtype: mx.Dtype = mx.float16
-) -> tuple[mx.array, mx.array]:
-    """Keys and values shaped like a real model's: channel-wise scales, a few outlier
-    channels in the keys, and a shared direction (so attention is not uniform)."""
-    rng = np.random.default_rng(seed)
-    scale, mean = _key_law(rng, d)
-    k = rng.normal(0, 1, size=(b, h, t, d)) * scale + mean
-    v = rng.normal(0, 1, size=(b, h, t, d))
-    return mx.array(k.astype(np.float32)).astype(dtype), mx.array(v.astype(np.float32)).astype(
-        dtype
-    )
-
-
-def kv_like(t: int, seed: int = 0, noise_seed: int = 1000, h: int = 2, d: int = 128) -> mx.array:
-    """Keys of the law of ``kv_data(seed=seed)`` (its channel scales, outlier channels and
-    mean) with independent noise: new tokens of the same "model", to fit an artifact on
-    without fitting it on the test tokens themselves.
-
-    Shapes: returns float32 ``(1, h, t, d)``.
-    """
-    scale, mean = _key_law(np.random.default_rng(seed), d)
-    noise = np.random.default_rng(noise_seed).normal(0, 1, size=(1, h, t, d))
-    return mx.array((noise * scale + mean).astype(np.float32))
-
-
-def rel_error(a: mx.array, b: mx.array) -> float:
-    """``||a - b|| / ||b||`` in float32."""
-    a, b = a.astype(mx.float32), b.astype(mx.float32)
-    return float(mx.sqrt(mx.sum((a - b) ** 2) / mx.sum(b * b)).item())
-
-
-def assert_partials_close(got, ref, rel: float) -> None:
-    """A fused kernel's partial ``(o, m, l)`` against the reference's: same shapes, each
-    array within ``rel`` of the reference's largest magnitude (at least 1)."""
-    assert got is not None, "the kernel path declined (returned None)"
-    for g, r in zip(got, ref):
-        g, r = np.asarray(g), np.asarray(r)
-        assert g.shape == r.shape, (g.shape, r.shape)
-        assert np.abs(g - r).max() <= rel * max(1.0, np.abs(r).max())
-
-
-def assert_partials_equivalent(got, ref, rel: float, lazy_bits: float = 8.0) -> None:
-    """A kernel's partial ``(o, m, l)`` whose running max is lazy (up to ``lazy_bits`` log2
-    units below the true max, as the tensor-core kernels keep it) against the reference's:
-    ``m`` within that band, and ``o``, ``l`` moved to the reference's ``m`` within ``rel`` of
-    the reference's largest magnitude (at least 1). Any ``m`` gives the same merged softmax."""
-    assert got is not None, "the kernel path declined (returned None)"
-    (go, gm, gl), (ro, rm, rl) = (tuple(np.asarray(a) for a in x) for x in (got, ref))
-    assert go.shape == ro.shape and gm.shape == rm.shape and gl.shape == rl.shape
-    band = lazy_bits * math.log(2) + 1e-4 * max(1.0, np.abs(rm).max())
-    assert np.all(gm <= rm + 1e-4 * max(1.0, np.abs(rm).max())) and np.all(gm >= rm - band)
-    f = np.exp(gm - rm)
-    for g, r in ((go * f, ro), (gl * f, rl)):
-        assert np.abs(g - r).max() <= rel * max(1.0, np.abs(r).max())
-
-
-def decode_logits(model, caches, tokens, prompt: mx.array | None = None) -> mx.array:
-    """The model's last-position logits: after ``prompt`` ``(1, T)`` if given, then after each
-    decode step of ``tokens`` (ints or scalar arrays), float32 ``(steps, vocab)``."""
-    out = [] if prompt is None else [model(prompt, cache=caches)[:, -1]]
-    for t in tokens:
-        out.append(model(mx.array(t).reshape(1, 1), cache=caches)[:, -1])
-    return mx.concatenate(out, axis=0).astype(mx.float32)
-
-
-def greedy_agreement(model, prompt: mx.array, spec, steps: int = 32, tie: float = 0.1):
-    """Greedy tokens of ``model`` with fp16 caches, and with ``spec`` caches on the same path.
-
-    The velox run is teacher-forced along the fp16 greedy path, so each step's choice is
-    compared on the same history. A random-weight model has near-ties in its logits, where
-    any rounding (even 8-bit codes) may pick the other token: ``ties[i]`` marks steps whose
-    fp16 top-2 logit margin is below ``tie``.
-
-    Returns:
-        ``(ref_tokens, velox_tokens, ties)``, lists of length ``steps``.
-    """
-    from mlx_lm.models.cache import make_prompt_cache
-
-    def run(caches, force=None):
-        toks, margins = [], []
-        logits = model(prompt, cache=caches)[:, -1]
-        for i in range(steps):
-            top = mx.sort(logits[0].astype(mx.float32))
-            margins.append(float((top[-1] - top[-2]).item()))
-            toks.append(int(mx.argmax(logits, -1).item()))
-            y = mx.array([toks[-1] if force is None else force[i]])
-            logits = model(y[:, None], cache=caches)[:, -1]
-        return toks, margins
-
-    ref, margins = run(make_prompt_cache(model))
-    with routed(model):
-        got, _ = run(make_cache(model, spec), force=ref)
-    return ref, got, [m < tie for m in margins]
+__all__ = ["CacheConformance"]
 
 
 # bad values of the settings velox cache classes share (the shared parameter names, the
@@ -186,26 +72,6 @@ def _sdpa(q, k, v, scale, mask=None):
 def _same(a: mx.array, b: mx.array) -> bool:
     """Equal to a few units of fp16 rounding (attention outputs of about unit size)."""
     return a.shape == b.shape and mx.allclose(a, b, rtol=2e-3, atol=1e-4).item()
-
-
-def feed(caches, k: mx.array, v: mx.array, chunks: int | Sequence[int] = (100, 1, 60, 1, 1)):
-    """Store ``k, v`` in a cache, or in each of a list of caches, one chunk per update: chunks
-    of ``chunks`` tokens, or of the sizes ``chunks`` lists taken in turn (again from the first
-    when they run out) until every token is stored. By default uneven chunks: a prefill,
-    decode steps, another chunk... Returns ``caches``.
-
-    Shapes:
-        k, v ``(B, H, T, D)``.
-    """
-    sizes = (chunks,) if isinstance(chunks, int) else tuple(chunks)
-    targets = caches if isinstance(caches, (list, tuple)) else [caches]
-    t, start, i = k.shape[2], 0, 0
-    while start < t:
-        n = min(sizes[i % len(sizes)], t - start)
-        for c in targets:
-            c.update_and_fetch(k[:, :, start : start + n], v[:, :, start : start + n])
-        start, i = start + n, i + 1
-    return caches
 
 
 class CacheConformance:

@@ -1,7 +1,7 @@
 """Run a kernel's Metal instantiation (or, for the CUDA-only kernels, its CUDA instantiation:
 :class:`CudaEmulator`) on the CPU, through C++ shims (a test aid).
 
-The full function MLX would compile for Metal (:func:`velox_core.kernels.build.metal_source`)
+The full function MLX would compile for Metal (:func:`velox_testing.metal_source.metal_source`)
 is compiled with ``g++`` against ``metal/shim/metal_shim.h``, which runs every threadgroup as
 real threads with real barriers and SIMD-group shuffles. The body therefore executes exactly
 as written — index arithmetic, bit extraction, cross-lane reductions, the online softmax,
@@ -29,15 +29,7 @@ from typing import Any
 import numpy as np
 
 from velox_core.kernels import _source_dirs
-from velox_core.kernels.build import (
-    ArgInfo,
-    KernelSpec,
-    _shape_infos,
-    cuda_source,
-    metal_attributes,
-    metal_source,
-    source_digest,
-)
+from velox_core.kernels.build import ArgInfo, KernelSpec, _shape_infos, cuda_source
 
 from .emulate_io import (
     CUDA_TYPES,
@@ -50,6 +42,7 @@ from .emulate_io import (
     scoped_source,
     write_input,
 )
+from .metal_source import metal_attributes, metal_source, source_digest
 
 __all__ = [
     "CudaEmulator",
@@ -354,11 +347,15 @@ class DecodeRun:
     ):
         import mlx.core as mx
 
-        from velox_core.kernels import decode as dk
+        from velox_core.kernels import codes as kcodes
+        from velox_core.kernels import layout as klayout
+        from velox_core.kernels import merge as kmerge
+        from velox_core.kernels import portable as kport
+        from velox_core.kernels import records as krec
 
         b, h, m, dim = q.shape
         t = keys.codes.shape[2]
-        p = dk.plan_for(m, dim, keys, values)
+        p = kport.plan_for(m, dim, keys, values)
         if p is None:
             raise ValueError("DecodeRun: the kernel does not support this case")
         self.plan, self.m = p, m
@@ -366,21 +363,23 @@ class DecodeRun:
         qf = q.astype(mx.float32)
         if mp > m:
             qf = mx.concatenate([qf, mx.zeros((b, h, mp - m, dim), mx.float32)], axis=2)
-        self.s = dk.choose_splits(t, b * h, p) if splits is None else dk.fit_splits(t, splits, p)
-        self.s = dk.block_splits(t, self.s, p, keys)
+        self.s = (
+            kport.choose_splits(t, b * h, p) if splits is None else kport.fit_splits(t, splits, p)
+        )
+        self.s = kport.block_splits(t, self.s, p, keys)
         rng = np.random.default_rng(0)
         ins = [np_input(qf)]
         for side in (keys, values):
-            arrays = dk.code_inputs(side)
+            arrays = kcodes.code_inputs(side)
             for i, a in enumerate(arrays):
                 x = np_input(a)
-                unused = i == 2 and (side.kind == dk.CODEBOOK or side.b is None)
-                unused = unused or (side.kind == dk.VQ and i in (1, 2))
+                unused = i == 2 and (side.kind == krec.CODEBOOK or side.b is None)
+                unused = unused or (side.kind == krec.VQ and i in (1, 2))
                 if pad and i < 3 and not unused:
                     x = _padded_view(x, pad, rng)
                 ins.append(x)
-        along = dk.layout_of(keys).query_token_inputs(keys)  # query-side inputs per token
-        for i, a in enumerate(dk.sketch_inputs(keys, q_sketch, mp)):
+        along = klayout.layout_of(keys).query_token_inputs(keys)  # query-side inputs per token
+        for i, a in enumerate(kcodes.sketch_inputs(keys, q_sketch, mp)):
             x = np_input(a)
             if pad and i in along:
                 x = _padded_view(x, pad, rng)
@@ -393,10 +392,10 @@ class DecodeRun:
         self.rows = b * h * mp
         self.emu = emu
         self.k_decode = emu.kernel(
-            dk.decode_spec(keys), ins, ["float32"] * 2, dk.template(p, dim, keys, values)
+            kport.decode_spec(keys), ins, ["float32"] * 2, kport.template(p, dim, keys, values)
         )
         parts = [np.zeros(s, np.float32) for s in self.shapes]
-        self.k_merge = emu.kernel(dk.MERGE, parts, ["float32"] * 3)
+        self.k_merge = emu.kernel(kmerge.MERGE, parts, ["float32"] * 3)
 
     def partials(self) -> list[np.ndarray]:
         """The decode kernel's per-split outputs ``(o_part, ml_part)``."""
@@ -404,7 +403,7 @@ class DecodeRun:
 
     def __call__(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         o_part, ml = self.partials()
-        from velox_core.kernels.decode import merge_launch
+        from velox_core.kernels.merge import merge_launch
 
         grid, tg = merge_launch(self.rows, self.shapes[0][-1])
         o, mm, ll = self.emu.run(self.k_merge, [o_part, ml], self.merge_shapes, grid, tg)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from velox_core.mlx_lm import routed
+from velox_core import routed
 
 from .conformance import CacheConformance
 

@@ -16,7 +16,7 @@ import pytest
 from velox_core import environment
 from velox_core.cache.attention import Segment, partial
 
-from .conformance import assert_partials_close
+from .kv import assert_partials_close
 
 __all__ = [
     "assert_cpu_declines",
@@ -42,7 +42,7 @@ needs_nvcc = pytest.mark.skipif(
 
 
 def compile_metal(sources: Sequence[str], workdir: Path) -> None:
-    """Compile Metal instantiations (``velox_core.kernels.build.metal_source``'s texts) as one
+    """Compile Metal instantiations (``velox_testing.metal_source.metal_source``'s texts) as one
     unit through the C++ shim of Metal (``g++ -fsyntax-only``); fails the test with the
     compiler's message. Each kernel binds at most 31 buffers, its slots numbered from 0."""
     from .emulate import compiler, shim_dir

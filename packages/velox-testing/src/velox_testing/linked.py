@@ -6,10 +6,9 @@ import copy
 
 import mlx.core as mx
 
-from velox_core.io import load_cache, save_cache
-from velox_core.mlx_lm import routed
+from velox_core import load_cache, routed, save_cache
 
-from .conformance import decode_logits, rel_error
+from .kv import decode_logits, rel_error
 
 __all__ = ["assert_linked_copies"]
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from velox_core.mlx_lm import make_cache
+from velox_core import make_cache
 
 from .models import conformance_model
 

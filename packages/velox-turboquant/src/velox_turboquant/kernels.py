@@ -3,7 +3,7 @@
 Both reuse velox-core's kernels (:mod:`velox_core.kernels.decode`,
 :mod:`velox_core.kernels.encode`) with *codebook* codes: a TurboQuant_mse record is, in the
 rotated domain, ``x = norm * levels[code]`` per coordinate, with one norm per token, which the
-decode kernels read as ``velox_core.kernels.decode.CodebookCodes`` (``prod`` keys with the
+decode kernels read as ``velox_core.kernels.records.CodebookCodes`` (``prod`` keys with the
 residual sketch's ``signs`` and ``rnorm``).
 
 * Decode attention: the query is rotated once (``R q``, an MLX op); the kernel scores it
@@ -51,16 +51,12 @@ import numpy as np
 
 from velox_core import Packed
 from velox_core.kernels import use_kernels
-from velox_core.kernels.decode import CodebookCodes, decode_attention
+from velox_core.kernels.decode import decode_attention
 from velox_core.kernels.encode import codebook_encode, residual_sketch_encode, sketch_encode
 from velox_core.kernels.joint import JointQuery, JointRun, joint_glue, plan_joint
+from velox_core.kernels.records import CodebookCodes
 
-from .outlier import (
-    OutlierSide,
-    RotatedPart,
-    decode_attention_outlier,
-    side_table,
-)
+from .outlier import OutlierSide, RotatedPart, decode_attention_outlier, side_table
 
 if TYPE_CHECKING:
     from .codec import TurboQuant

@@ -32,8 +32,9 @@ import mlx.core as mx
 import numpy as np
 
 from velox_core.kernels.build import KernelSpec
-from velox_core.kernels.codes import FP16_MAX, pad_rows, qmul_bits, unused_input
+from velox_core.kernels.codes import FP16_MAX, qmul_bits
 from velox_core.kernels.config import PackageSettings, register_settings
+from velox_core.kernels.layout import pad_rows, unused_input
 from velox_core.kernels.merge import merge_splits, merge_splits_fp16
 
 __all__ = [
@@ -387,7 +388,7 @@ def decode_attention_outlier(
             :data:`DEFAULT_THREADS` threads in threadgroups of at least :data:`MIN_SPAN`
             tokens).
         fp16, out_dtype: up to two fp16 segments joined in the same softmax by the merge
-            (:func:`velox_core.kernels.decode.merge_splits_fp16`); ``o`` is then the
+            (:func:`velox_core.kernels.merge.merge_splits_fp16`); ``o`` is then the
             normalized attention over all of them, in ``out_dtype``.
         scale: the attention scale, when ``q`` comes without it.
 

@@ -24,7 +24,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from velox_core.kernels.decode import levels_symmetric
+from velox_core.kernels.codes import levels_symmetric
 from velox_core.ops import (
     BYTE_BITS,
     RandomizedHadamard,

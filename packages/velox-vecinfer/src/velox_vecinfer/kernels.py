@@ -1,7 +1,7 @@
 """GPU kernel path of VecInfer: fused decode attention over the codeword indices.
 
 velox-core's portable decode kernel (``metal/decode_attention.metal``) takes VecInfer's
-records as *vector* codes (``velox_core.kernels.decode.VQCodes``): a threadgroup copies its
+records as *vector* codes (``velox_core.kernels.records.VQCodes``): a threadgroup copies its
 (batch row, KV head)'s codebook (``2**index_bits x vector`` floats) to threadgroup memory,
 reads each token's packed indices once, and dots the query with each index's codeword (keys)
 or adds the softmax weight times it to its accumulators (values): no key or value is rebuilt
@@ -37,6 +37,7 @@ from velox_core.kernels import decode as _kd
 from velox_core.kernels import use_kernels
 from velox_core.kernels.encode import vq_encode
 from velox_core.kernels.joint import JointQuery, JointRun, joint_glue, plan_joint
+from velox_core.kernels.records import AffineCodes, VQCodes
 
 if TYPE_CHECKING:
     from .codec import VecInfer
@@ -62,14 +63,14 @@ def encode_codes(codec: VecInfer, y: mx.array) -> mx.array | None:
     return vq_encode(y, codec.codebook, codec.index_bits, codec.vector)
 
 
-def kernel_side(codec, packed: Packed) -> _kd.VQCodes | _kd.AffineCodes | None:
-    """The decode kernel's view of one side's record: ``velox_core.kernels.decode.VQCodes``
+def kernel_side(codec, packed: Packed) -> VQCodes | AffineCodes | None:
+    """The decode kernel's view of one side's record: ``velox_core.kernels.records.VQCodes``
     (the codeword indices and the codebooks) for a fitted :class:`VecInfer`, ``AffineCodes``
     for a per-token ``Uniform``; None for anything else."""
     if _is_vecinfer(codec):
         if not codec.fitted:
             return None
-        return _kd.VQCodes(
+        return VQCodes(
             bits=codec.index_bits,
             group=codec.vector,
             codes=packed.data["codes"],

@@ -16,9 +16,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from velox_core import Codec, Packed
-from velox_core.ops import pack, unpack
-from velox_core.ops.packing import MLX_GROUPS, mlx_readable
-from velox_core.ops.quant import scale_dtype
+from velox_core.ops import mlx_readable, pack, scale_dtype, unpack
+from velox_core.ops.packing import MLX_GROUPS
 from velox_core.validation import check_array, check_bits, check_float, check_int
 
 __all__ = ["MixedBlocks", "affine", "codes_matmul", "locality", "salient_count"]

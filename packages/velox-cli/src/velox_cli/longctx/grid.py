@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import re
 
-from velox_core.registry import methods
+from velox_core import methods
 
 __all__ = ["BASELINES", "CUDA_LEFT_OUT", "POINTS", "default_specs", "fit_groups"]
 

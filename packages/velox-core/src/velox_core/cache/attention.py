@@ -24,15 +24,7 @@ from ..codec.base import Codec, Packed
 from ..codec.identity import Identity
 from ..kernels import use_kernels
 
-__all__ = [
-    "Segment",
-    "attend",
-    "decode_segments",
-    "joint_attention",
-    "merge_partials",
-    "partial",
-    "prefill_attention",
-]
+__all__ = ["Segment", "attend", "partial"]
 
 
 @dataclass

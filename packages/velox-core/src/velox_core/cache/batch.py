@@ -28,7 +28,7 @@ import mlx.core as mx
 
 from .velox import VeloxCache
 
-__all__ = ["VeloxBatch"]
+__all__: list[str] = []
 
 
 def _rows(cache: VeloxCache) -> int | None:

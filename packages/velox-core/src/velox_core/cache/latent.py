@@ -45,7 +45,7 @@ from ..codec.uniform import Uniform
 from ..validation import check_bits, check_bool, check_divides, check_float, check_int
 from .velox import VeloxCache
 
-__all__ = ["METHODS", "LatentCache"]
+__all__: list[str] = []
 
 # spec methods whose codes a LatentCache makes for an MLA layer
 METHODS = frozenset({"uniform"})

@@ -16,9 +16,9 @@ from typing import Any
 import mlx.core as mx
 
 from ..kernels import use_kernels
-from ..kernels.decode import FP16_MAX
+from ..kernels.codes import FP16_MAX
 
-__all__ = ["PlannedAttention"]
+__all__: list[str] = []
 
 
 class PlannedAttention:

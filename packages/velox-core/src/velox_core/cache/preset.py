@@ -19,15 +19,7 @@ from ..codec.base import Codec
 from ..validation import check_finite_params
 from .velox import VeloxCache
 
-__all__ = [
-    "CalibratedPreset",
-    "CodeWidths",
-    "PresetCache",
-    "check_kept_codes",
-    "config_fields",
-    "kept_codecs",
-    "resolve_bits",
-]
+__all__ = ["CalibratedPreset", "check_kept_codes", "kept_codecs"]
 
 
 def resolve_bits(bits, key_bits, value_bits):

@@ -19,7 +19,7 @@ from ..codec.base import Packed
 from .attention import Segment, attend
 from .store import PackedStore
 
-__all__ = ["RetentionMixin"]
+__all__: list[str] = []
 
 
 class RetentionMixin:

@@ -15,7 +15,7 @@ import mlx.core as mx
 if TYPE_CHECKING:
     from .velox import VeloxCache
 
-__all__ = ["BatchRowsMixin"]
+__all__: list[str] = []
 
 
 class BatchRowsMixin:

@@ -20,7 +20,7 @@ from .store import PackedStore
 if TYPE_CHECKING:
     from .velox import VeloxCache
 
-__all__ = ["STATE_VERSION", "StateMixin"]
+__all__: list[str] = []
 
 STATE_VERSION = 1
 

@@ -1,25 +1,39 @@
-"""The coded tiers of :class:`~velox_core.cache.VeloxCache`: tokens into and out of the codes.
+"""The coded tiers of :class:`~velox_core.VeloxCache`: tokens into and out of the codes.
 
-:class:`TierMixin` moves tokens along the segments (sinks | tier n-1 ... tier 0 | window):
-window overflow encoded into tier 0 once it reaches the flush quantum (or a prefill's whole
-blocks straight into tier 0, with ``window=0``), a tier's overflow decoded and re-encoded into
-the next tier, the stored segments listed in temporal order, and trims that cut the newest
-tokens back through the window and the tiers (decoding a split block back into the window).
+A :class:`Tier` is one coded segment's key and value codecs and span. :class:`TierMixin`
+moves tokens along the segments (sinks | tier n-1 ... tier 0 | window): window overflow
+encoded into tier 0 once it reaches the flush quantum (or a prefill's whole blocks straight
+into tier 0, with ``window=0``), a tier's overflow decoded and re-encoded into the next tier,
+the stored segments listed in temporal order, and trims that cut the newest tokens back
+through the window and the tiers (decoding a split block back into the window).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..codec.base import Packed
+from ..codec.base import Codec, Packed
 from ..codec.identity import Identity
 from ..validation import check_int
 from .attention import Segment
 from .store import PackedStore
 
-__all__ = ["TierMixin", "trim_stores"]
+__all__: list[str] = []
+
+
+@dataclass
+class Tier:
+    """A coded segment: its key and value codecs and how many tokens it holds at most."""
+
+    key_codec: Codec
+    value_codec: Codec
+    span: int | None = None
+
+    def fresh(self) -> Tier:
+        return Tier(self.key_codec.fresh(), self.value_codec.fresh(), self.span)
 
 
 class TierMixin:

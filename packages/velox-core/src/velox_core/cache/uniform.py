@@ -17,7 +17,7 @@ from ..validation import (
 )
 from .preset import PresetCache, resolve_bits
 
-__all__ = ["UniformCache", "UniformConfig"]
+__all__: list[str] = []
 
 
 @dataclass

@@ -26,7 +26,6 @@ per-head storage from :mod:`.retention`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import mlx.core as mx
@@ -42,24 +41,12 @@ from .retention import RetentionMixin
 from .rows import BatchRowsMixin
 from .state import StateMixin
 from .store import PackedStore
-from .tiers import TierMixin
+from .tiers import Tier, TierMixin
 
-__all__ = ["Tier", "VeloxCache"]
+__all__: list[str] = []
 
 FLUSH = 64  # tokens the window passes to the codes at once, by default
 WINDOW_STEP = 16  # the window's growth quantum, in tokens
-
-
-@dataclass
-class Tier:
-    """A coded segment: its key and value codecs and how many tokens it holds at most."""
-
-    key_codec: Codec
-    value_codec: Codec
-    span: int | None = None
-
-    def fresh(self) -> Tier:
-        return Tier(self.key_codec.fresh(), self.value_codec.fresh(), self.span)
 
 
 def _codec(c: Codec | None, name: str) -> Codec:

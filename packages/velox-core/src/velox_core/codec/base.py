@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from ..configured import Configured
 
-__all__ = ["Codec", "Packed"]
+__all__: list[str] = []
 
 
 @dataclass

@@ -93,7 +93,7 @@ def rope_settings(cfg: Any) -> dict[str, Any]:
 
 
 class PreRope:
-    """Mixin of a :class:`~velox_core.codec.Codec` of pre-RoPE keys: its RoPE settings, the
+    """Mixin of a :class:`~velox_core.Codec` of pre-RoPE keys: its RoPE settings, the
     RoPE read from the model at ``bind``, saved in and restored from the state, and the
     rotations at the keys' positions.
 

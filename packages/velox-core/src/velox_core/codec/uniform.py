@@ -23,6 +23,7 @@ from ..kernels import decode as _kd
 from ..kernels import encode as _ke
 from ..kernels import use_kernels
 from ..kernels.joint import JointQuery, JointRun, joint_glue, plan_joint
+from ..kernels.records import AffineCodes, ChannelAffineCodes
 from ..ops.packing import (
     BYTE_BITS,
     MLX_BITS,
@@ -37,7 +38,7 @@ from ..ops.quant import AXES, affine_dequantize, affine_matmul, affine_quantize
 from ..validation import check_bits, check_choice, check_float, check_int
 from .base import Codec, Packed
 
-__all__ = ["Uniform"]
+__all__: list[str] = []
 
 
 def _plan_joint(
@@ -174,7 +175,7 @@ class Uniform(Codec):
         computed in one pass over the key and value codes, or None when the kernel does not
         apply: kernels disabled or the CPU backend, a value codec that is not a per-token
         ``Uniform`` (per-channel keys, KIVI's, are taken), or a shape the kernel does not lay
-        out (:func:`velox_core.kernels.decode.plan`).
+        out (:func:`velox_core.kernels.portable.plan`).
 
         Shapes:
             q ``(B, H, M, D)`` float32 with the scale applied; returns ``(B, H, M, D)``,
@@ -196,13 +197,13 @@ class Uniform(Codec):
             return None
         return self.kernel_codes(keys), value_codec.kernel_codes(values)
 
-    def kernel_codes(self, packed: Packed) -> _kd.AffineCodes | _kd.ChannelAffineCodes:
+    def kernel_codes(self, packed: Packed) -> AffineCodes | ChannelAffineCodes:
         """The decode kernels' view of one of this codec's records: affine codes with their
-        scales and zeros, per token (``velox_core.kernels.decode.AffineCodes``) or
+        scales and zeros, per token (``velox_core.kernels.records.AffineCodes``) or
         (``axis="channel"``, keys only) per channel (``ChannelAffineCodes``). Other codecs'
         kernel glue uses it for a ``Uniform`` side of theirs (the values beside their keys)."""
         p = packed.data
-        record = _kd.AffineCodes if self.axis == "token" else _kd.ChannelAffineCodes
+        record = AffineCodes if self.axis == "token" else ChannelAffineCodes
         return record(
             bits=self.bits, group=self.group, codes=p["codes"], scale=p["scale"], zero=p["zero"]
         )

@@ -32,19 +32,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from .config import KernelConfig, configure, configured, kernel_config
+from .config import kernel_config
 
-__all__ = [
-    "KernelConfig",
-    "backend",
-    "configure",
-    "configured",
-    "get_kernel",
-    "kernel_config",
-    "kernel_source",
-    "kernels_enabled",
-    "use_kernels",
-]
+__all__ = ["backend", "use_kernels"]
 
 _BUILT: dict[tuple[str, str], Any] = {}
 

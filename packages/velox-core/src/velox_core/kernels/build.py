@@ -5,10 +5,10 @@ against the small portability layer ``velox_kernels.h``. :class:`KernelSpec` tur
 the arguments MLX takes for each backend: the header (``#define VX_METAL`` or ``VX_CUDA`` and
 the layer) and the body (a backend prologue that names the launch indices, then the file).
 
-:func:`metal_source` and :func:`cuda_source` rebuild the complete source MLX generates around a
-body (the signature ``write_signature`` / ``build_kernel`` write in MLX's
-``custom_kernel.cpp``), so that CI can compile both instantiations on a machine without a GPU
-(``g++`` through a C++ shim of Metal, and ``nvcc``): see ``packages/velox-core/tests``.
+:func:`cuda_source` rebuilds the complete source MLX generates around a body for CUDA (the
+kernel ``build_kernel`` writes in MLX's ``custom_kernel.cpp``): the PTX disk cache compiles it
+(:mod:`velox_core.kernels.disk_cache`), and CI compiles it with ``nvcc`` on a machine without a
+GPU. The Metal twin, a test aid, is :func:`velox_testing.metal_source.metal_source`.
 """
 
 from __future__ import annotations
@@ -26,14 +26,7 @@ from . import get_kernel, kernel_source
 from .config import kernel_config
 from .disk_cache import wrap, write_whole
 
-__all__ = [
-    "PROLOGUE",
-    "ArgInfo",
-    "KernelSpec",
-    "cuda_source",
-    "metal_attributes",
-    "metal_source",
-]
+__all__ = ["ArgInfo", "KernelSpec", "cuda_source"]
 
 # The launch indices every body uses, as each backend spells them. Metal's names must appear
 # literally in the body: MLX adds an attribute argument only for names found in the source.
@@ -226,7 +219,7 @@ class KernelSpec:
         return get_kernel(self.name, self.build)
 
 
-# -- what MLX generates around a body (for compile checks without a GPU) --------------------------
+# -- what MLX generates around a body (CUDA here; Metal: velox_testing.metal_source) --------------
 
 _METAL_TYPES = {
     "float32": "float",
@@ -250,30 +243,6 @@ _CUDA_TYPES = {
     "int64": "int64_t",
     "bool": "bool",
 }
-# mlx/backend/common/metal_kernel.cpp, in MLX's order
-_METAL_ATTRIBUTES = (
-    ("dispatch_quadgroups_per_threadgroup", "uint"),
-    ("dispatch_simdgroups_per_threadgroup", "uint"),
-    ("dispatch_threads_per_threadgroup", "uint3"),
-    ("grid_origin", "uint3"),
-    ("grid_size", "uint3"),
-    ("quadgroup_index_in_threadgroup", "uint"),
-    ("quadgroups_per_threadgroup", "uint"),
-    ("simdgroup_index_in_threadgroup", "uint"),
-    ("simdgroups_per_threadgroup", "uint"),
-    ("thread_execution_width", "uint"),
-    ("thread_index_in_quadgroup", "uint"),
-    ("thread_index_in_simdgroup", "uint"),
-    ("thread_index_in_threadgroup", "uint"),
-    ("thread_position_in_grid", "uint3"),
-    ("thread_position_in_threadgroup", "uint3"),
-    ("threadgroup_position_in_grid", "uint3"),
-    ("threadgroups_per_grid", "uint3"),
-    ("threads_per_grid", "uint3"),
-    ("threads_per_simdgroup", "uint"),
-    ("threads_per_threadgroup", "uint3"),
-)
-_MAX_CONSTANT_ARRAY_SIZE = 8  # MLX passes smaller inputs in the constant address space
 
 
 @dataclass(frozen=True)
@@ -299,87 +268,12 @@ def _shape_infos(body: str, names: Sequence[str]) -> list[tuple[bool, bool, bool
     return [(f"{n}_shape" in body, f"{n}_strides" in body, f"{n}_ndim" in body) for n in names]
 
 
-def metal_attributes(body: str) -> list[tuple[str, str]]:
-    """The attribute arguments MLX appends for ``body``, in signature order: (name, type)."""
-    return [(n, t) for n, t in _METAL_ATTRIBUTES if n in body]
-
-
-def _template_value(v: Any, backend: str) -> str:
-    if isinstance(v, bool):
-        return ("true" if v else "false") if backend == "cuda" else str(int(v))
-    if isinstance(v, int):
-        return str(v)
-    return (_CUDA_TYPES if backend == "cuda" else _METAL_TYPES)[_dtype_name(v)]
-
-
 def _check_outputs(spec: KernelSpec, output_dtypes: Sequence[Any]) -> None:
     """One dtype per output the spec declares, as MLX requires of a launch."""
     if len(output_dtypes) != len(spec.outputs):
         raise ValueError(
             f"{spec.name}: {len(output_dtypes)} output dtypes for the outputs {spec.outputs}"
         )
-
-
-def metal_source(
-    spec: KernelSpec,
-    inputs: Sequence[ArgInfo],
-    output_dtypes: Sequence[Any],
-    template: Sequence[tuple[str, Any]] = (),
-) -> tuple[str, str]:
-    """The full Metal source MLX compiles for ``spec`` (``write_signature``), and the kernel name.
-
-    The source starts with the header; MLX puts its own ``metal::utils()`` before it.
-    """
-    _check_outputs(spec, output_dtypes)
-    body = spec.body("metal")
-    infos = _shape_infos(body, spec.inputs)
-    kname = "custom_kernel_" + spec.name
-    if template:
-        tdef = "<" + ", ".join(_template_value(v, "metal") for _, v in template) + ">"
-        thash = tdef.replace(", ", "_").replace("<", "_").replace(">", "_")[:-1]
-        kname += "_" + thash
-    for a in inputs:
-        kname += "_" + _METAL_TYPES[a.dtype]
-        if a.ndim == 0:
-            kname += "s"
-        elif a.size < _MAX_CONSTANT_ARRAY_SIZE:
-            kname += "c"
-    for d in output_dtypes:
-        kname += "_" + _METAL_TYPES[_dtype_name(d)]
-    src = spec.header("metal")
-    if template:
-        params = []
-        for name, v in template:
-            kind = "bool" if isinstance(v, bool) else "int" if isinstance(v, int) else "typename"
-            params.append(f"{kind} {name}")
-        src += "template <" + ", ".join(params) + ">\n"
-    src += f"[[kernel]] void {kname}(\n"
-    args, index = [], 0
-    for name, a, (sh, st, nd) in zip(spec.inputs, inputs, infos):
-        loc = "constant" if a.size < _MAX_CONSTANT_ARRAY_SIZE else "device"
-        ref = "&" if a.ndim == 0 else "*"
-        args.append(f"  const {loc} {_METAL_TYPES[a.dtype]}{ref} {name} [[buffer({index})]]")
-        index += 1
-        if a.ndim > 0:
-            if sh:
-                args.append(f"  const constant int* {name}_shape [[buffer({index})]]")
-                index += 1
-            if st:
-                args.append(f"  const constant int64_t* {name}_strides [[buffer({index})]]")
-                index += 1
-            if nd:
-                args.append(f"  const constant int& {name}_ndim [[buffer({index})]]")
-                index += 1
-    for name, d in zip(spec.outputs, output_dtypes):
-        args.append(f"  device {_METAL_TYPES[_dtype_name(d)]}* {name} [[buffer({index})]]")
-        index += 1
-    for attr, typ in metal_attributes(body):
-        args.append(f"  {typ} {attr} [[{attr}]]")
-    src += ",\n".join(args) + ") {\n" + body + "\n}\n"
-    if template:
-        tdef = kname + "<" + ", ".join(_template_value(v, "metal") for _, v in template) + ">"
-        src += f'\ntemplate [[host_name("{kname}")]] [[kernel]] decltype({tdef}) {tdef};\n'
-    return src, kname
 
 
 _CUDA_DEFAULT_HEADER = """
@@ -452,8 +346,3 @@ def _text_file(text: str, suffix: str) -> Path:
     if not path.exists() or path.read_text() != text:
         write_whole(path, text.encode())
     return path
-
-
-def source_digest(text: str) -> str:
-    """Short stable digest of a generated source (names temporary build files)."""
-    return hashlib.sha1(text.encode()).hexdigest()[:12]

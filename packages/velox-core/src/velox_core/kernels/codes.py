@@ -15,21 +15,18 @@ import struct
 import mlx.core as mx
 import numpy as np
 
-from .layout import VQ_MAX_TABLE, layout_of, pad_rows, unused_input
+from .layout import layout_of
 from .records import CodeRecord
 
 __all__ = [
     "FP16_MAX",
     "LOG2E",
-    "VQ_MAX_TABLE",
     "check_codes",
     "code_inputs",
     "float_bits",
     "levels_symmetric",
-    "pad_rows",
     "qmul_bits",
     "sketch_inputs",
-    "unused_input",
 ]
 
 FP16_MAX = 2048  # most fp16 tokens (sinks + window) the fused merge takes

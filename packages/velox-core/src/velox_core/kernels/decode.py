@@ -35,148 +35,16 @@ from typing import Any
 import mlx.core as mx
 
 from .. import kernels as _kernels  # backend() looked up per call (tests report another)
-from .codes import (  # re-exported: velox_core.kernels.decode is the entry point
-    FP16_MAX,
-    LOG2E,
-    VQ_MAX_TABLE,
-    check_codes,
-    code_inputs,
-    float_bits,
-    levels_symmetric,
-    pad_rows,
-    qmul_bits,
-    sketch_inputs,
-    unused_input,
-)
+from .codes import FP16_MAX, check_codes
 from .config import kernel_config
-from .layout import layout_of
-from .merge import (  # re-exported: velox_core.kernels.decode is the entry point
-    MERGE,
-    MERGE_FP16,
-    MERGE_THREADS,
-    merge_launch,
-    merge_splits,
-    merge_splits_fp16,
-    plan_merge_fp16,
-)
-from .mma import (  # re-exported: velox_core.kernels.decode is the entry point
-    DECODE_MMA,
-    DECODE_MMA_PARTS,
-    MmaLaunch,
-    MmaLayout,
-    decode_mma,
-    mma_inputs,
-    mma_launch,
-    mma_layout,
-    mma_spec,
-    mma_template,
-    plan_mma,
-)
-from .mma_support import *  # noqa: F403  (re-exported: mma_support.__all__, listed once there)
-from .mma_support import __all__ as _MMA_SUPPORT
+from .layout import layout_of, pad_rows
+from .merge import merge_splits, plan_merge_fp16
+from .mma import plan_mma
 from .mma_support import mma_enabled, mma_fuse_merge, mma_supported
-from .portable import (  # re-exported: velox_core.kernels.decode is the entry point
-    CUDA_WIDE_REGS,
-    DECODE,
-    DEFAULT_BLOCKS,
-    KEY_PASS,
-    MAX_MERGE_FLOATS,
-    MAX_REGS,
-    MIN_SPAN,
-    NWARPS,
-    SCORE_SLOTS,
-    UNROLL,
-    Plan,
-    block_splits,
-    choose_splits,
-    decode_portable,
-    decode_spec,
-    fit_splits,
-    plan,
-    plan_for,
-    plan_portable,
-    side_ok,
-    template,
-    tuning,
-)
-from .records import (  # re-exported: velox_core.kernels.decode is the entry point
-    AFFINE,
-    AFFINE_CHANNEL,
-    CODEBOOK,
-    VQ,
-    AffineCodes,
-    ChannelAffineCodes,
-    CodebookCodes,
-    CodeRecord,
-    VQCodes,
-)
+from .portable import plan_portable
+from .records import CodeRecord
 
-__all__ = [
-    "AFFINE",
-    "AFFINE_CHANNEL",
-    "CODEBOOK",
-    "CUDA_WIDE_REGS",
-    "DECODE",
-    "DECODE_MMA",
-    "DECODE_MMA_PARTS",
-    "DEFAULT_BLOCKS",
-    "KEY_PASS",
-    "FP16_MAX",
-    "LOG2E",
-    "MAX_MERGE_FLOATS",
-    "MAX_REGS",
-    "MERGE",
-    "MERGE_FP16",
-    "MERGE_THREADS",
-    "MIN_SPAN",
-    "NWARPS",
-    "SCORE_SLOTS",
-    "UNROLL",
-    "VQ",
-    "VQ_MAX_TABLE",
-    "AffineCodes",
-    "ChannelAffineCodes",
-    "CodeRecord",
-    "CodebookCodes",
-    "MmaLaunch",
-    "MmaLayout",
-    "Plan",
-    "VQCodes",
-    "block_splits",
-    "check_codes",
-    "choose_splits",
-    "code_inputs",
-    "decode_attention",
-    "decode_mma",
-    "decode_portable",
-    "decode_spec",
-    "layout_of",
-    "fit_splits",
-    "float_bits",
-    "levels_symmetric",
-    "merge_launch",
-    "merge_splits",
-    "merge_splits_fp16",
-    "mma_inputs",
-    "mma_launch",
-    "mma_layout",
-    "mma_spec",
-    "mma_template",
-    "pad_rows",
-    "plan",
-    "plan_decode",
-    "plan_for",
-    "plan_merge_fp16",
-    "plan_mma",
-    "plan_portable",
-    "qmul_bits",
-    "side_ok",
-    "sketch_inputs",
-    "template",
-    "tuning",
-    "unused_input",
-    *_MMA_SUPPORT,
-]
+__all__ = ["decode_attention", "plan_decode"]
 
 
 def _check_call(

@@ -48,18 +48,7 @@ import mlx.core as mx
 
 from .config import kernel_config
 
-__all__ = [
-    "MLX_VERSIONS",
-    "CachedKernel",
-    "compile_cuda",
-    "ensure_compiled",
-    "module_name",
-    "ptx_cache_dir",
-    "ptx_path",
-    "std_hash",
-    "wrap",
-    "write_whole",
-]
+__all__: list[str] = []
 
 _MASK = (1 << 64) - 1
 _MUL = (0xC6A4A793 << 32) + 0x5BD1E995

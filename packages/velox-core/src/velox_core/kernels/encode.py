@@ -35,18 +35,7 @@ import mlx.core as mx
 from ..ops.quant import scale_dtype
 from .build import KernelSpec
 
-__all__ = [
-    "AFFINE_ENCODE",
-    "CODEBOOK_ENCODE",
-    "RESIDUAL_SKETCH_ENCODE",
-    "SKETCH_ENCODE",
-    "VQ_ENCODE",
-    "affine_encode",
-    "codebook_encode",
-    "residual_sketch_encode",
-    "sketch_encode",
-    "vq_encode",
-]
+__all__ = ["codebook_encode", "residual_sketch_encode", "sketch_encode", "vq_encode"]
 
 AFFINE_ENCODE = KernelSpec(
     name="velox_encode_affine",

@@ -53,17 +53,7 @@ from .records import (
     VQCodes,
 )
 
-__all__ = [
-    "VQ_MAX_TABLE",
-    "Layout",
-    "device_floats",
-    "layout_for",
-    "layout_of",
-    "layouts",
-    "pad_rows",
-    "register_layout",
-    "unused_input",
-]
+__all__ = ["Layout", "device_floats", "layout_of", "pad_rows", "register_layout", "unused_input"]
 
 # most floats of one side's VQ codebook (codewords x channels) the portable kernel keeps in
 # threadgroup memory: 4 KiB a side beside the 16 KiB of scores (Metal allows 32 KiB)

@@ -10,8 +10,11 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .build import KernelSpec
-from .codes import FP16_MAX, qmul_bits, unused_input
+from .codes import FP16_MAX, qmul_bits
 from .disk_cache import direct
+from .layout import unused_input
+
+__all__ = ["MERGE", "merge_launch", "merge_splits", "merge_splits_fp16", "plan_merge_fp16"]
 
 MERGE = KernelSpec(
     name="velox_decode_merge",

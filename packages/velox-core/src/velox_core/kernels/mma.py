@@ -16,9 +16,10 @@ from typing import Any
 import mlx.core as mx
 
 from .build import KernelSpec
-from .codes import qmul_bits, unused_input
+from .codes import qmul_bits
 from .config import KernelConfig, kernel_config
 from .disk_cache import direct
+from .layout import unused_input
 from .mma_support import (
     MMA_HALF_QUERY,
     codebook_mode,
@@ -45,6 +46,8 @@ from .records import (
     CodebookCodes,
     CodeRecord,
 )
+
+__all__ = ["mma_launch", "plan_mma"]
 
 DECODE_MMA = KernelSpec(
     name="velox_decode_attention_mma",
@@ -424,21 +427,6 @@ def plan_mma(
         return lay.merged(ws)
 
     return run_fused
-
-
-def decode_mma(
-    q: mx.array,
-    keys: CodeRecord,
-    values: CodeRecord,
-    splits: int | None,
-    scale: float | None,
-    out_dtype: mx.Dtype | None = None,
-) -> tuple[mx.array, mx.array, mx.array] | None:
-    """The tensor-core kernel's per-split partials and the query it took, or None. With
-    ``out_dtype``: the kernel merges its splits itself and this returns the merged
-    ``(o, m, l)`` (``o`` normalized, in ``out_dtype``)."""
-    run = plan_mma(q.shape, q.dtype, keys, values, splits, scale, out_dtype)
-    return None if run is None else run(q)
 
 
 def mma_inputs(c: CodeRecord) -> tuple[mx.array, mx.array, mx.array, mx.array]:

@@ -20,50 +20,7 @@ from .build import KernelSpec
 from .config import kernel_config
 from .records import AFFINE, AFFINE_CHANNEL, CODEBOOK, CodeRecord
 
-__all__ = [
-    "MMA_BITS",
-    "MMA_BLOCKS",
-    "MMA_CODEBOOK_BITS",
-    "MMA_FOLD_GROUPS",
-    "MMA_FUSE_TOKENS",
-    "MMA_HALF_QUERY",
-    "MMA_KEY_FOLD_GROUPS",
-    "MMA_MAX_ROWS",
-    "MMA_MAX_WAVES",
-    "MMA_MIN_SPAN",
-    "MMA_SCALE_DTYPES",
-    "MMA_SMEM",
-    "MMA_SM_BLOCKS",
-    "MMA_SPLIT_COST",
-    "MMA_SUBTILES",
-    "MMA_WARPS",
-    "PROBE_SUBNORMAL",
-    "SUBNORMAL_SALT",
-    "codebook_mode",
-    "mma_enabled",
-    "mma_fold_ok",
-    "mma_fuse_merge",
-    "mma_key_fold",
-    "mma_key_fold_ok",
-    "mma_key_rows",
-    "mma_ldsm",
-    "mma_p_residual",
-    "mma_pipeline",
-    "mma_sm_blocks",
-    "mma_splits",
-    "mma_stages",
-    "mma_subnormals_exact",
-    "mma_subtiles",
-    "mma_supported",
-    "mma_symmetric",
-    "mma_value_fold",
-    "mma_value_units",
-    "mma_warps",
-    "run_subnormal_probe",
-    "sm_count",
-    "subnormal_probe_error",
-    "subnormal_probe_expected",
-]
+__all__ = ["MMA_SCALE_DTYPES", "mma_enabled", "mma_splits", "mma_supported"]
 
 # one MMA on subnormal codes: whether the tensor cores take them exactly (the folds rely on it)
 PROBE_SUBNORMAL = KernelSpec(
@@ -197,17 +154,9 @@ def mma_supported(m: int, dim: int, keys: CodeRecord, values: CodeRecord) -> boo
 # static shared memory of one threadgroup (the rest of 48 KiB: row stats and mbarriers)
 MMA_SMEM = 48 * 1024 - 1024
 
-# 16-token MMA tiles per loop step (KernelConfig.subtiles: 1, 2 or 4), at most: a step takes
-# fewer where two ring stages of it do not fit (at four warps: 4 for 2-bit keys and values, 2
-# for 4-bit and mixed 2/4-bit codes, 1 for 8-bit ones)
-MMA_SUBTILES = 4
-
-MMA_WARPS = 4  # warps per threadgroup of the tensor-core kernel (KernelConfig.mma_warps)
-
 
 def mma_warps() -> int:
-    """Warps per threadgroup of the tensor-core kernel: ``KernelConfig.mma_warps`` or
-    :data:`MMA_WARPS`."""
+    """Warps per threadgroup of the tensor-core kernel: ``KernelConfig.mma_warps``."""
     return kernel_config().mma_warps
 
 
@@ -380,8 +329,9 @@ def mma_ldsm() -> bool:
 
 
 def mma_subtiles() -> int:
-    """16-token MMA tiles per loop step of the tensor-core kernel, at most (the plan halves
-    it until two ring stages fit): ``KernelConfig.subtiles`` or :data:`MMA_SUBTILES`."""
+    """16-token MMA tiles per loop step of the tensor-core kernel, at most:
+    ``KernelConfig.subtiles`` (the plan halves it until two ring stages fit: at four warps,
+    4 for 2-bit keys and values, 2 for 4-bit and mixed 2/4-bit codes, 1 for 8-bit ones)."""
     return kernel_config().subtiles
 
 

@@ -24,9 +24,17 @@ from .config import kernel_config
 from .layout import Layout, layout_for, layout_of, pad_rows
 from .records import CODEBOOK, CodeRecord
 
-NWARPS = 4  # warps per threadgroup (KernelConfig.decode_warps overrides: 1, 2, 4 or 8)
-
-UNROLL = 4  # tokens per lane per loop iteration, loads issued together (KernelConfig.decode_unroll)
+__all__ = [
+    "MAX_REGS",
+    "block_splits",
+    "choose_splits",
+    "decode_spec",
+    "fit_splits",
+    "plan",
+    "plan_for",
+    "plan_portable",
+    "template",
+]
 
 MAX_REGS = 64  # query rows x channels per lane held in registers (and as many accumulators)
 
@@ -324,17 +332,3 @@ def plan_portable(
         return o_part, ml_part, qf
 
     return run
-
-
-def decode_portable(
-    q: mx.array,
-    keys: CodeRecord,
-    values: CodeRecord,
-    splits: int | None,
-    scale: float | None,
-    q_sketch: mx.array | None = None,
-) -> tuple[mx.array, mx.array, mx.array] | None:
-    """The portable kernel's per-split partials (query rows padded to its row blocks) and
-    the padded query it took, or None where it has no layout for the shape."""
-    run = plan_portable(q.shape, keys, values, splits, scale)
-    return None if run is None else run(q, q_sketch)

@@ -24,7 +24,6 @@ AFFINE, CODEBOOK, AFFINE_CHANNEL, VQ = 0, 1, 2, 4  # other kinds: method package
 
 __all__ = [
     "AFFINE",
-    "AFFINE_CHANNEL",
     "CODEBOOK",
     "VQ",
     "AffineCodes",

@@ -1,8 +1,8 @@
 """Primitives: pure MLX functions (rotations, scalar quantizers, bit packing, sketches, k-means)."""
 
-from .hadamard import RandomizedHadamard, block_size, fwht, hadamard
+from .hadamard import RandomizedHadamard, block_size, hadamard
 from .kmeans import assign, kmeans
-from .lloyd_max import Codebook, lloyd_max, lloyd_max_gaussian, lloyd_max_sphere
+from .lloyd_max import Codebook, lloyd_max, lloyd_max_sphere
 from .packing import BYTE_BITS, byte_table, lookup, mlx_readable, pack, packed_words, unpack
 from .quant import affine_dequantize, affine_matmul, affine_quantize, scale_dtype
 from .rotation import random_orthogonal
@@ -18,12 +18,10 @@ __all__ = [
     "assign",
     "block_size",
     "byte_table",
-    "fwht",
     "hadamard",
     "jl_matrix",
     "kmeans",
     "lloyd_max",
-    "lloyd_max_gaussian",
     "lloyd_max_sphere",
     "lookup",
     "mlx_readable",

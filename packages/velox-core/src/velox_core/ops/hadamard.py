@@ -16,7 +16,7 @@ import numpy as np
 
 from ..validation import check_array, check_int
 
-__all__ = ["RandomizedHadamard", "block_size", "fwht", "hadamard"]
+__all__: list[str] = []
 
 
 def _is_pow2(n: int) -> bool:

@@ -7,7 +7,7 @@ import numpy as np
 
 from ..validation import check_array, check_int
 
-__all__ = ["assign", "kmeans"]
+__all__: list[str] = []
 
 # Distance entries (vectors x centroids) per group in one block of an assignment on the CPU, in
 # MLX and in numpy: a block's distances stay in cache between the matmul that writes them and the

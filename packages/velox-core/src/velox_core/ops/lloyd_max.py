@@ -21,7 +21,7 @@ import numpy as np
 
 from ..validation import check_bits, check_int
 
-__all__ = ["Codebook", "lloyd_max", "lloyd_max_gaussian", "lloyd_max_sphere"]
+__all__: list[str] = []
 
 _GRID = 1 << 18
 

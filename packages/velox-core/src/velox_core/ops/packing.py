@@ -16,17 +16,7 @@ import numpy as np
 
 from ..validation import check_array, check_bits, check_int
 
-__all__ = [
-    "BYTE_BITS",
-    "MLX_BITS",
-    "MLX_GROUPS",
-    "byte_table",
-    "lookup",
-    "mlx_readable",
-    "pack",
-    "packed_words",
-    "unpack",
-]
+__all__ = ["MLX_GROUPS"]
 
 # widths whose codes never straddle a byte: :func:`lookup` reads them a byte at a time
 BYTE_BITS = (1, 2, 4, 8)

@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from ..validation import check_array, check_bits, check_choice, check_float, check_int
 
-__all__ = ["affine_dequantize", "affine_matmul", "affine_quantize", "scale_dtype"]
+__all__: list[str] = []
 
 AXES = ("token", "channel")
 

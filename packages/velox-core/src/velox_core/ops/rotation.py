@@ -7,7 +7,7 @@ import numpy as np
 
 from ..validation import check_int
 
-__all__ = ["random_orthogonal"]
+__all__: list[str] = []
 
 
 def random_orthogonal(dim: int, seed: int = 0) -> mx.array:

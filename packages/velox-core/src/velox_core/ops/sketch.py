@@ -14,7 +14,7 @@ import numpy as np
 
 from ..validation import check_int
 
-__all__ = ["jl_matrix", "sign_sketch", "sketch_inner"]
+__all__: list[str] = []
 
 
 def jl_matrix(dim: int, m: int, seed: int = 0) -> mx.array:

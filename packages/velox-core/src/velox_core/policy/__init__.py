@@ -3,16 +3,14 @@ attention: the vote maths (:mod:`.votes`), the buffered queries (:mod:`.window`)
 voting (:mod:`.voting`) and votes accumulated over every query (:mod:`.accumulated`)."""
 
 from .accumulated import AccumulatedPolicy
-from .base import RetentionPolicy, top_k_sorted
-from .votes import FUSIONS, WindowVote, check_fusion, pool_votes, window_votes
+from .base import top_k_sorted
+from .votes import WindowVote, check_fusion, pool_votes, window_votes
 from .voting import WindowVotePolicy
 from .window import QueryWindow
 
 __all__ = [
-    "FUSIONS",
     "AccumulatedPolicy",
     "QueryWindow",
-    "RetentionPolicy",
     "WindowVote",
     "WindowVotePolicy",
     "check_fusion",

@@ -31,7 +31,7 @@ import mlx.core as mx
 from ..validation import check_int
 from .base import RetentionPolicy, top_k_sorted
 
-__all__ = ["AccumulatedPolicy"]
+__all__: list[str] = []
 
 # votes formed at once by default when a call's queries are scored
 SCORE_ELEMENTS = 1 << 20

@@ -34,7 +34,7 @@ import mlx.core as mx
 from ..configured import Configured
 from ..validation import check_int
 
-__all__ = ["PREFILLS", "RetentionPolicy", "top_k_sorted", "warn_unbounded"]
+__all__ = ["warn_unbounded"]
 
 # when a prompt prefilled in chunks is cut: after each chunk (peak memory: budget plus one
 # chunk) or once, at its end (the whole prompt held until the first decoded token)

@@ -23,16 +23,7 @@ import mlx.core as mx
 
 from ..validation import check_choice, check_int
 
-__all__ = [
-    "FUSIONS",
-    "POOLING",
-    "WindowVote",
-    "check_fusion",
-    "check_kernel",
-    "check_pooling",
-    "pool_votes",
-    "window_votes",
-]
+__all__: list[str] = []
 
 POOLING = ("max", "avg")
 # how the window's queries' weights on a token combine: their sum, or the largest of them

@@ -29,7 +29,7 @@ from .base import RetentionPolicy
 from .votes import WindowVote
 from .window import QueryWindow
 
-__all__ = ["WindowVotePolicy"]
+__all__: list[str] = []
 
 
 class WindowVotePolicy(RetentionPolicy):

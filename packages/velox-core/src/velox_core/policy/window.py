@@ -18,7 +18,7 @@ import mlx.core as mx
 from ..validation import check_int
 from .votes import window_votes
 
-__all__ = ["QueryWindow"]
+__all__: list[str] = []
 
 
 class QueryWindow:
