@@ -61,7 +61,15 @@ request is generated answers that request (500, or a last stream event) and the 
 on, where mlx-lm's generation thread would die.
 
 A request whose prompt is empty is answered 400; one whose prompt has no tokens is
-refused without stopping the generation thread (mlx-lm's batch generator raises on it).
+refused without stopping the generation thread (mlx-lm's batch generator raises on it). So
+are, before they reach the generation thread, fields mlx-lm reads without checking them: a
+``stop`` that is no string or list of strings, a NaN or infinite sampling number, a
+``logit_bias`` token outside the vocabulary (which crashes the process inside MLX), chat
+messages without a role. Where ``--model`` is given, a request naming another model (or
+draft model) is answered 404: mlx-lm would unload the served model to load the one a client
+names (any path of the server's machine), and a load that fails while a batch runs can crash
+the process.
+``GET /v1/models`` names the served model as ``--model`` gave it.
 """
 
 from __future__ import annotations
@@ -71,6 +79,7 @@ import functools
 import itertools
 import json
 import logging
+import math
 import re
 import sys
 import threading
@@ -491,21 +500,92 @@ def _refuse_empty_tokens(original):
     return _tokenize
 
 
-def _refuse_empty_requests(original):
-    """``APIHandler.handle_completion`` answering 400 to an empty prompt (``""``, ``[]``) or
-    an empty ``messages`` list, before it reaches the generation thread."""
+_FINITE_FIELDS = (  # the sampling numbers mlx-lm checks by type and range, not for NaN/inf
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "xtc_probability",
+    "xtc_threshold",
+)
+
+
+def _vocab_size(handler) -> int | None:
+    """Rows of the served model's output (token ids a request may name), where known."""
+    model = getattr(handler.response_generator.model_provider, "model", None)
+    n = getattr(getattr(model, "args", None), "vocab_size", None)
+    return n if isinstance(n, int) and n > 0 else None
+
+
+def _served_name(provider) -> str | None:
+    """The served model as the command line named it (``--model``'s value), None without
+    one."""
+    path = provider.cli_args.model
+    if path is None:
+        return None
+    given = [k for k, v in provider._model_map.items() if v == path and k != "default_model"]
+    return given[0] if given else path
+
+
+def _request_error(handler, request, stop_words) -> tuple[int, str] | None:
+    """``(status, why)`` for a request that cannot be served, found before it reaches the
+    generation thread (where mlx-lm lets a wrong type stop the thread, a token id past the
+    vocabulary crash the process in MLX, and a request naming another model unload the
+    served one to load it), or None."""
+    provider = handler.response_generator.model_provider
+    if provider.cli_args.model is not None:
+        for field, name, known in (
+            ("model", handler.requested_model, provider._model_map),
+            ("draft_model", handler.requested_draft_model, provider._draft_model_map),
+        ):
+            if name not in known:
+                return 404, (
+                    f"{field} {name!r} is not served here: leave {field} out, or name the "
+                    "served model as GET /v1/models lists it"
+                )
+    why = _field_error(handler, request, stop_words)
+    return None if why is None else (400, why)
+
+
+def _field_error(handler, request, stop_words) -> str | None:
+    if request.request_type == "text":
+        if not isinstance(request.prompt, str) or not request.prompt:
+            return "prompt must be a non-empty string"
+    elif not isinstance(request.messages, list) or not request.messages:
+        return "messages must be a non-empty list"
+    elif not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in request.messages):
+        return "messages must be objects with a role (a string) and a content"
+    if not isinstance(stop_words, list) or not all(isinstance(w, str) for w in stop_words):
+        return "stop must be a string or a list of strings"
+    for name in _FINITE_FIELDS:
+        v = getattr(handler, name, None)
+        if isinstance(v, float) and not math.isfinite(v):
+            return f"{name} must be a finite number, got {v}"
+    bias = getattr(handler, "logit_bias", None) or {}
+    vocab = _vocab_size(handler) or 2**31
+    for token, value in bias.items():
+        if not 0 <= token < vocab:
+            return f"logit_bias names token {token}, outside the vocabulary [0, {vocab})"
+        if not math.isfinite(value):
+            return f"logit_bias of token {token} must be a finite number, got {value}"
+    return None
+
+
+def _refuse_bad_requests(original):
+    """``APIHandler.handle_completion`` answering 400 to a request the server cannot serve
+    (:func:`_request_error`: an empty prompt or messages, a ``stop`` that is no string or list
+    of strings, a NaN or infinite sampling number, a ``logit_bias`` token outside the
+    vocabulary: 400; a model other than the served one: 404), before it reaches the
+    generation thread."""
 
     def handle_completion(self, request, stop_words):
-        if request.request_type == "text":
-            bad = not isinstance(request.prompt, str) or not request.prompt
-            why = "prompt must be a non-empty string"
-        else:
-            bad = not isinstance(request.messages, list) or not request.messages
-            why = "messages must be a non-empty list"
-        if bad:
-            self._set_completion_headers(400)
+        refused = _request_error(self, request, stop_words)
+        if refused is not None:
+            self._set_completion_headers(refused[0])
             self.end_headers()
-            self.wfile.write(json.dumps({"error": why}).encode())
+            self.wfile.write(json.dumps({"error": refused[1]}).encode())
             self.wfile.flush()
             return None
         return original(self, request, stop_words)
@@ -532,11 +612,11 @@ def _velox_endpoint(spec: str):
         # the served model with its cache; mlx-lm's own listing also scans the Hugging Face
         # cache, and answers nothing where there is none (an offline machine)
         data = _hf_models(self.created)
-        model = self.response_generator.cli_args.model
-        if model:
+        name = _served_name(self.response_generator.model_provider)
+        if name:
             data.append(
                 {
-                    "id": _model_id(model),
+                    "id": name,  # as the command line named it: no path of this machine
                     "object": "model",
                     "created": self.created,
                     "velox": velox_info(self),
@@ -558,13 +638,6 @@ def _velox_endpoint(spec: str):
         self.wfile.flush()
 
     return do_GET
-
-
-def _model_id(model: str) -> str:
-    from pathlib import Path
-
-    p = Path(model)
-    return str(p.resolve()) if p.exists() else model
 
 
 def _hf_models(created: int) -> list[dict]:
@@ -613,7 +686,7 @@ def serve(spec: str, argv: list[str], storage_dtype: Any = None) -> None:
     _patch(
         server.APIHandler,
         "handle_completion",
-        lambda original: _error_responses(_refuse_empty_requests(original)),
+        lambda original: _error_responses(_refuse_bad_requests(original)),
     )
     _patch(server.ResponseGenerator, "_tokenize", _refuse_empty_tokens)
     _patch(server.ResponseGenerator, "_next_request", _track_requests)
