@@ -199,6 +199,8 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
         key, eq, val = item.partition("=")
         if not eq or not key.strip():
             raise ValueError(f"bad parameter {item!r} in spec {spec!r}: expected key=value")
+        if key.strip() in params:
+            raise ValueError(f"parameter {key.strip()!r} is given twice in spec {spec!r}")
         params[key.strip()] = _value(val.strip())
     return name.strip(), params
 
