@@ -368,7 +368,7 @@ def test_missing_gguf_package_is_one_clear_error(tmp_path, tiny, monkeypatch):
     monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf raises ImportError
     with pytest.raises(
         ValueError,
-        match=r"gguf_tensor_to_f16 failed\); its tensor types need the gguf package: "
+        match=r"gguf_tensor_to_f16 failed\); the gguf package reads them: "
         r'pip install "velox-cli\[gemma3\]" \(or pip install gguf\)',
     ):
         models.convert_gguf(gguf, cache=tmp_path / "cache")

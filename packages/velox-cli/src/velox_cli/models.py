@@ -249,6 +249,11 @@ def resolve(model: str, *, dtype: str | None = None, cache: str | Path | None = 
             f"no such path {model!r}: a model is an mlx-lm directory, a .gguf file or one of "
             f"the names {', '.join(sorted(NAMED))}"
         )
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"{model!r} is no model: an mlx-lm directory holds a config.json, a GGUF file ends "
+            f"in .gguf, and the names are {', '.join(sorted(NAMED))}"
+        )
     return path
 
 
@@ -407,21 +412,22 @@ def gguf_summary(gguf: Path) -> tuple[str | None, dict[str, int]]:
 def _unreadable(gguf: Path, mlx_error: str) -> str:
     """Why MLX's GGUF reader refused ``gguf``, from the file's header: its architecture and
     the tensor types MLX cannot decode (its own message, ``gguf_tensor_to_f16 failed``, names
-    neither)."""
+    neither). Raises ``ValueError`` where no reader would help: a header that cannot be read,
+    an architecture velox does not convert."""
     try:
         arch, types = gguf_summary(gguf)
     except (OSError, ValueError) as e:
-        return f"cannot read {gguf.name}: {e} (MLX: {mlx_error})"
+        raise ValueError(f"cannot read {gguf.name}: {e} (MLX: {mlx_error})") from None
     odd = {t: n for t, n in sorted(types.items()) if t not in MLX_GGUF_TYPES}
     kinds = ", ".join(f"{t} ({n} tensor{'s' * (n != 1)})" for t, n in odd.items())
     what = f"{gguf.name} (architecture {arch or 'not named'})"
     if arch not in ARCHITECTURES:
-        return (
+        raise ValueError(
             f"{what}: GGUF architecture {arch!r} is not supported; supported: "
             f"{', '.join(sorted(ARCHITECTURES))}"
         )
     if not odd:
-        return f"cannot read {what} with MLX: {mlx_error}"
+        return f"cannot read {what} with MLX ({mlx_error})"
     return (
         f"{what} holds tensor types MLX's GGUF reader cannot decode: {kinds} (MLX reads "
         f"{', '.join(MLX_GGUF_TYPES)})"
@@ -450,8 +456,6 @@ def _read_with_gguf(gguf: Path, mlx_error: str) -> _Source:
         from gguf import GGUFReader, GGUFValueType
         from gguf.quants import dequantize
     except ImportError:
-        if "is not supported" in mlx_error or "cannot read" in mlx_error:
-            raise ValueError(mlx_error) from None
         raise ValueError(f"{mlx_error}; the gguf package reads them: {_GGUF_HINT}") from None
     try:
         reader = GGUFReader(str(gguf))
