@@ -33,6 +33,9 @@ def test_spec_parsing():
             parse_spec(bad)
     with pytest.raises(ValueError, match="'bits' is given twice"):  # the last one won, silently
         parse_spec("uniform:bits=4,bits=2")
+    # a composed spec (velox bench's A+B) read "bits must be an int, got str '4+uniform:...'"
+    with pytest.raises(ValueError, match="composes two specs"):
+        make("uniform:bits=4+uniform:bits=8")
 
 
 def test_registry_finds_uniform_through_entry_points():

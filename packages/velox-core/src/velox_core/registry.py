@@ -214,6 +214,14 @@ def make(spec: str, **params: Any):
 
     Unknown parameters raise ``ValueError`` listing the ones the method accepts.
     """
+    if isinstance(spec, str) and "+" in spec:
+        head = spec.split("+", 1)[1].split(":", 1)[0].strip()
+        if head in methods() or head in ("fp16", "mlx-q4", "mlx-q8"):
+            raise ValueError(
+                f"{spec!r} composes two specs (A+B: A's policy, B's codecs), which velox bench "
+                "and velox generate take; make_cache and velox serve take one method's spec "
+                "(compose in Python: VeloxCache(key_codec=..., value_codec=..., policy=...))"
+            )
     name, parsed = parse_spec(spec)
     parsed.update(params)
     allowed = method_params(name)
