@@ -42,6 +42,15 @@ Per server:
 - ``cached_tokens``: prompt tokens the requests reused from the prompt cache (mlx-lm's
   ``usage.prompt_tokens_details.cached_tokens``).
 
+``--malformed N`` sends N hostile requests among the load (by the same clients, interleaved:
+bodies that are no JSON or no object, empty, wrong-typed or out-of-range fields, unknown
+token ids, another model's path, unknown routes; :data:`MALFORMED`, cycled) and reports
+``malformed_sent``, ``malformed_errors`` (answered with an HTTP error or an error event),
+``malformed_leaks`` (answers holding a Python traceback or a path of this machine: the
+repository's, the home directory, the Python installation, the model's) with the first
+leaking answer, and ``server_alive`` (the process running and ``/health`` answering after
+the load). A server that dies fails the row.
+
 Every server gets ``--prompt-cache-size`` (default 1000, so that the byte budget decides) and
 ``--prompt-cache-bytes`` when given. On Linux, where MLX's CPU wheel bundles a slow reference
 BLAS, every server runs with the same OpenBLAS preloaded (``velox_cli.blas``).
@@ -62,6 +71,7 @@ import json
 import os
 import platform
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -319,6 +329,69 @@ def stream_request(port: int, body: dict, timeout: float) -> dict:
     return {"start": t0, "first": first, "end": end, "usage": usage, "error": error}
 
 
+# (method, path, body) of the hostile requests ``--malformed`` sends: a body that is str is
+# sent as it is (no JSON), any other is JSON-encoded
+MALFORMED: tuple[tuple[str, str, object], ...] = (
+    ("POST", "/v1/completions", "{not json"),
+    ("POST", "/v1/completions", ""),
+    ("POST", "/v1/completions", []),
+    ("POST", "/v1/completions", {"prompt": ""}),
+    ("POST", "/v1/completions", {"prompt": []}),
+    ("POST", "/v1/completions", {"prompt": 12345}),
+    ("POST", "/v1/completions", {"prompt": [[1, 2], [3]]}),
+    ("POST", "/v1/completions", {"prompt": [99999999, -4]}),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": -5}),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": "many"}),
+    ("POST", "/v1/completions", {"prompt": "x", "temperature": "hot"}),
+    ("POST", "/v1/completions", '{"prompt": "x", "temperature": NaN, "max_tokens": 2}'),
+    ("POST", "/v1/completions", {"prompt": "x", "top_p": 7, "max_tokens": 2}),
+    ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}),
+    ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"999999999": 5}}),
+    ("POST", "/v1/completions", {"prompt": "x", "stop": 5, "max_tokens": 2}),
+    ("POST", "/v1/completions", {"prompt": "x", "stream": "yes", "max_tokens": 2}),
+    ("POST", "/v1/completions", {"prompt": "x", "model": "/etc/passwd", "max_tokens": 2}),
+    ("POST", "/v1/completions", {"prompt": "x", "model": "../../secret", "max_tokens": 2}),
+    ("POST", "/v1/chat/completions", {"messages": "hello"}),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user"}]}),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": 5, "content": ["x"]}]}),
+    ("POST", "/v1/evil", {"prompt": "x"}),
+    ("GET", "/v1/velox/../../etc/passwd", None),
+)
+
+
+def raw_request(port: int, method: str, path: str, body, timeout: float) -> tuple[int, str]:
+    """``(status, body text)`` of one request sent as given (0 and the error's text where
+    the connection failed)."""
+    import http.client
+
+    data = None if body is None else (body if isinstance(body, str) else json.dumps(body))
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        headers = {"Content-Type": "application/json"}
+        conn.request(method, path, body=None if data is None else data.encode(), headers=headers)
+        r = conn.getresponse()
+        return r.status, r.read().decode(errors="replace")
+    except OSError as e:
+        return 0, f"{type(e).__name__}: {e}"
+    finally:
+        conn.close()
+
+
+def leaks(text: str, paths: list[str]) -> bool:
+    """Whether an answer holds a Python traceback or one of this machine's ``paths``."""
+    if "Traceback (most recent call last)" in text or re.search(r'File "[^"]+", line \d+', text):
+        return True
+    return any(p and p in text for p in paths)
+
+
+def machine_paths(model: str) -> list[str]:
+    """The paths of this machine an answer must not show: the repository, the home directory,
+    the Python installation and the model's directory."""
+    repo = str(Path(__file__).resolve().parents[1])
+    out = {repo, str(Path.home()), sys.prefix, sys.base_prefix, str(Path(model).resolve())}
+    return sorted(p for p in out if len(p) > 1)
+
+
 class Poller(threading.Thread):
     """Reads the server's stats endpoint and its process's memory every ``every`` seconds."""
 
@@ -355,15 +428,26 @@ def run_load(server: Server, prompts: list[str], a: argparse.Namespace, bias: di
     _post(server.port, "/v1/completions", {**body, "prompt": "Warm up.", "max_tokens": 4}, 600)
 
     results: list[dict | None] = [None] * len(prompts)
+    # the well-formed requests and the hostile ones, interleaved evenly
+    hostile = [MALFORMED[j % len(MALFORMED)] for j in range(a.malformed)]
+    jobs: list[tuple[str, int]] = [("ok", i) for i in range(len(prompts))]
+    for j in range(len(hostile)):
+        jobs.insert(round((j + 0.5) * len(jobs) / len(hostile)) if jobs else 0, ("bad", j))
+    answers: list[tuple[int, str] | None] = [None] * len(hostile)
     next_index = count()
     lock = threading.Lock()
 
     def client() -> None:
         while True:
             with lock:
-                i = next(next_index)
-            if i >= len(prompts):
+                n = next(next_index)
+            if n >= len(jobs):
                 return
+            kind, i = jobs[n]
+            if kind == "bad":
+                method, path, payload = hostile[i]
+                answers[i] = raw_request(server.port, method, path, payload, min(a.timeout, 120))
+                continue
             try:
                 results[i] = stream_request(server.port, {**body, "prompt": prompts[i]}, a.timeout)
             except Exception as e:  # a refused or broken request is counted, not fatal
@@ -404,7 +488,36 @@ def run_load(server: Server, prompts: list[str], a: argparse.Namespace, bias: di
     within = [pc for pc in readings if budget is None or pc["resident_bytes"] <= budget]
     cached = [(r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for r in done]
     last = poller.last
+    paths = machine_paths(a.model_path)
+    leaked = [(hostile[i], ans) for i, ans in enumerate(answers) if ans and leaks(ans[1], paths)]
+    alive, why = server.proc.poll() is None, "the process exited"
+    if alive:
+        try:
+            _get(server.port, "/health", timeout=30)
+        except OSError as e:
+            alive, why = False, f"/health: {e}"
+    malformed = {
+        "malformed_sent": len(hostile),
+        "malformed_errors": sum(
+            1 for ans in answers if ans and (ans[0] >= 400 or '"error"' in ans[1])
+        ),
+        "malformed_leaks": len(leaked),
+        "first_leak": None if not leaked else f"{leaked[0][0][:2]}: {leaked[0][1][:300]}",
+        "malformed_answers": [
+            {"request": repr(hostile[i])[:160], "status": ans[0], "body": ans[1][:200]}
+            for i, ans in enumerate(answers)
+            if ans is not None
+        ],
+        "server_alive": alive,
+    }
+    if not alive:
+        raise RuntimeError(
+            f"{server.name} died under the load ({why}; after the hostile requests "
+            f"{[a['request'] for a in malformed['malformed_answers']][:3]}...): "
+            f"{server.tail(600)}"
+        )
     return {
+        **malformed,
         "server": server.name,
         "command": " ".join(server.cmd[1:]),
         "requests": len(prompts),
@@ -469,6 +582,7 @@ def table(rows: list[dict]) -> str:
         "over",
         "streams",
         "cached tok",
+        "hostile",
     ]
     lines = []
     for r in rows:
@@ -490,6 +604,12 @@ def table(rows: list[dict]) -> str:
                 f"{r['polls_over_budget']}/{r['polls']}",
                 str(r["streams_concurrent_max"]),
                 str(r["cached_tokens"]),
+                (
+                    f"{r['malformed_errors']}/{r['malformed_sent']} refused, "
+                    f"{r['malformed_leaks']} leaks"
+                    if r.get("malformed_sent")
+                    else "-"
+                ),
             ]
         )
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
@@ -523,6 +643,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-cache-size", type=int, default=1000)
     p.add_argument("--kv-start", type=int, default=0, help="kv4's --quantized-kv-start")
     p.add_argument("--allow-eos", action="store_true", help="let answers stop before the end")
+    p.add_argument(
+        "--malformed",
+        type=int,
+        default=0,
+        help="hostile requests sent among the load (default 0; see MALFORMED)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--poll", type=float, default=0.25, help="seconds between stats readings")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per request")
@@ -567,7 +693,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         raise SystemExit(f"serve_load: --prompt-cache-bytes {a.prompt_cache_bytes!r}") from None
 
+    if a.malformed < 0:
+        raise SystemExit("serve_load: --malformed counts requests: 0 or more")
     model = _model(a.model)
+    a.model_path = model
     tokenizer = load_tokenizer(Path(model))
     prompts, shared = make_prompts(tokenizer, a)
     bias = {} if a.allow_eos else {str(t): -100 for t in tokenizer.eos_token_ids}
@@ -575,7 +704,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import mlx.core as mx
 
-    settings = {k: v for k, v in vars(a).items() if k not in ("json", "log_dir", "budget_bytes")}
+    settings = {
+        k: v
+        for k, v in vars(a).items()
+        if k not in ("json", "log_dir", "budget_bytes", "model_path")
+    }
     out = {
         "settings": {**settings, "model": model, "shared_requests": sum(shared)},
         "machine": {

@@ -89,3 +89,28 @@ def test_tiny_load_on_every_server(tmp_path, capsys):
     assert rows["mlx_lm kv4"]["streams_concurrent_max"] == 1  # served one at a time
     printed = capsys.readouterr().out
     assert all(name in printed for name in rows) and "TTFT med s" in printed
+
+
+@pytest.mark.skipif(find_shared("reference-model") is None, reason="needs the reference model")
+def test_hostile_requests_among_the_load_leave_velox_serve_serving(tmp_path):
+    """48 hostile requests (each kind of serve_load.MALFORMED twice) among 8 well-formed ones,
+    4 clients at once: no server death, every well-formed request answered, no traceback or
+    path of this machine in any answer (a logit_bias token past the vocabulary crashed the
+    process, a request naming another model unloaded the served one mid-batch)."""
+    sl = _serve_load()
+    out = tmp_path / "serve_load.json"
+    argv = [
+        "--baselines", "",
+        "--clients", "4",
+        "--requests", "8",
+        "--prompt-tokens", "32",
+        "--max-tokens", "4",
+        "--malformed", str(2 * len(sl.MALFORMED)),
+        "--json", str(out),
+    ]  # fmt: skip
+    assert sl.main(argv) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["server_alive"] and row["completed"] == 8 and row["errors"] == 0, row
+    assert row["malformed_sent"] == 48 and row["malformed_leaks"] == 0, row["first_leak"]
+    refused = [a for a in row["malformed_answers"] if a["status"] >= 400]
+    assert len(refused) >= 44, row["malformed_answers"]  # a role-only chat message is served

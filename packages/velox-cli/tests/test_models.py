@@ -368,7 +368,7 @@ def test_missing_gguf_package_is_one_clear_error(tmp_path, tiny, monkeypatch):
     monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf raises ImportError
     with pytest.raises(
         ValueError,
-        match=r"gguf_tensor_to_f16 failed\); its tensor types need the gguf package: "
+        match=r"gguf_tensor_to_f16 failed\); the gguf package reads them: "
         r'pip install "velox-cli\[gemma3\]" \(or pip install gguf\)',
     ):
         models.convert_gguf(gguf, cache=tmp_path / "cache")
@@ -769,3 +769,57 @@ def test_a_named_model_converts_to_its_own_dtype(monkeypatch, tmp_path):
     (tmp_path / "x.gguf").write_bytes(b"")
     models.resolve(str(tmp_path / "x.gguf"))
     assert asked == ["bfloat16", "float16", "float32", "float16"]
+
+
+def _kquant_gguf(path: Path, arch: str) -> None:
+    """A GGUF whose header names ``arch`` and three tensors: an F32 one, a Q4_K and a Q5_0
+    (blocks of 256 values in 144 bytes, of 32 in 22), as llama.cpp's Q4_K_M files hold them:
+    MLX decodes the first two, not the Q5_0 one."""
+    import struct
+
+    def s(b: bytes) -> bytes:
+        return struct.pack("<Q", len(b)) + b
+
+    kv = s(b"general.architecture") + struct.pack("<I", 8) + s(arch.encode())
+    kv += s(b"general.alignment") + struct.pack("<I", 4) + struct.pack("<I", 32)
+    tensors = [(b"a.weight", 0, 256 * 4), (b"b.weight", 12, 144), (b"c.weight", 6, 8 * 22)]
+    info, offset = b"", 0
+    for name, kind, nbytes in tensors:
+        info += s(name) + struct.pack("<I", 1) + struct.pack("<Q", 256)
+        info += struct.pack("<I", kind) + struct.pack("<Q", offset)
+        offset += -(-nbytes // 32) * 32
+    head = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), 2) + kv + info
+    head += b"\0" * (-len(head) % 32)
+    path.write_bytes(head + b"\0" * offset)
+
+
+def test_a_gguf_mlx_cannot_decode_is_refused_naming_its_types_and_architecture(
+    tmp_path, monkeypatch
+):
+    """Without the gguf package, a GGUF of K-quant tensors is refused with a message naming
+    its architecture and the types MLX cannot decode (MLX's own says gguf_tensor_to_f16
+    failed); an unsupported architecture is named as such."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_gguf(name, *args, **kw):
+        if name == "gguf" or name.startswith("gguf."):
+            raise ImportError("no gguf here")
+        return real_import(name, *args, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_gguf)
+    path = tmp_path / "k.gguf"
+    _kquant_gguf(path, "gemma3")
+    assert models.gguf_summary(path) == ("gemma3", {"F32": 1, "Q4_K": 1, "Q5_0": 1})
+    with pytest.raises(ValueError) as e:
+        models.convert_gguf(path, cache=tmp_path / "cache")
+    text = str(e.value)
+    assert "architecture gemma3" in text and "cannot decode: Q5_0 (1 tensor) (MLX" in text
+    assert "pip install" in text and "gguf_tensor_to_f16" not in text
+    _kquant_gguf(path, "qwen2")
+    with pytest.raises(ValueError, match="architecture 'qwen2' is not supported"):
+        models.convert_gguf(path, cache=tmp_path / "cache")
+    path.write_bytes(b"GGUF" + b"\xff" * 20)
+    with pytest.raises(ValueError, match="GGUF"):
+        models.gguf_summary(path)

@@ -60,7 +60,7 @@ def test_bad_model_exits_with_the_reason_before_listening(kind, tmp_path, serve_
         model, reason = str(tmp_path / "no-such-model"), "no such path"
     else:
         (tmp_path / "empty").mkdir()
-        model, reason = str(tmp_path / "empty"), "cannot load the model"
+        model, reason = str(tmp_path / "empty"), "is no model"
     port = free_port()
     status, last = serve_in_process("--method", SPEC, "--model", model, "--port", str(port))
     assert status == 2 and last.startswith("velox: error:") and reason in last, (status, last)
@@ -172,6 +172,30 @@ def test_empty_prompt_is_refused_and_the_server_keeps_serving(reference_server):
         status, body = request(port, path, bad)
         assert status == 400, (status, body)
         assert "non-empty" in body["error"], body
+        status, body = request(port, "/v1/completions", normal)
+        assert status == 200 and body["choices"][0]["text"], (status, body)
+    assert request(port, "/health") == (200, {"status": "ok"})
+
+
+def test_hostile_fields_are_refused_before_the_generation_thread(reference_server):
+    """Fields mlx-lm reads without checking: a stop that is no string, a NaN temperature, a
+    logit_bias token past the vocabulary (it crashed the process inside MLX), a request naming
+    another model (mlx-lm unloads the served one to load it): each refused, and the server
+    serves on."""
+    port = reference_server
+    normal = {"prompt": "def add(a, b):\n    return", "max_tokens": 4, "temperature": 0}
+    for bad, status_want, why in (
+        ({**normal, "stop": 5}, 400, "stop must be"),
+        ({**normal, "temperature": float("nan")}, 400, "finite"),
+        ({**normal, "logit_bias": {"999999999": 5}}, 400, "outside the vocabulary"),
+        ({**normal, "logit_bias": {"3": float("inf")}}, 400, "finite"),
+        ({**normal, "model": "/etc/passwd"}, 404, "not served here"),
+        ({**normal, "draft_model": "../x"}, 404, "not served here"),
+    ):
+        status, body = request(port, "/v1/completions", bad)
+        assert status == status_want and why in body["error"], (bad, status, body)
+        served = str(find_shared("reference-model").resolve())
+        assert served not in body["error"] and str(Path.home()) not in body["error"], body
         status, body = request(port, "/v1/completions", normal)
         assert status == 200 and body["choices"][0]["text"], (status, body)
     assert request(port, "/health") == (200, {"status": "ok"})

@@ -336,6 +336,24 @@ def test_flush_is_a_setting_of_every_cache_and_survives_its_config():
         UniformCache(bits=4, flush=0)
 
 
+def test_a_flush_rounded_up_to_the_codecs_block_is_warned_and_a_multiple_is_not():
+    """A flush the window cannot honour (below the codecs' block: keys coded 32 tokens a
+    group along channels) is rounded up with a warning naming the block; flushes that are
+    multiples of it, the default and per-token codecs say nothing."""
+    import warnings
+
+    k, v = kv_data(t=40)
+    with pytest.warns(UserWarning, match=r"flush=1 is rounded up to 32 tokens .*multiple of 32"):
+        c = UniformCache(bits=4, group=32, key_axis="channel", flush=1)
+        c.update_and_fetch(k, v)
+    assert [s.tokens for s in c.segments()] == [32, 8]  # 8 wait for a whole block
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for kw in ({}, {"flush": 32}, {"flush": 64}):
+            UniformCache(bits=4, group=32, key_axis="channel", **kw).update_and_fetch(k, v)
+        UniformCache(bits=4, flush=1).update_and_fetch(k, v)
+
+
 # batched and single-sequence caches hold the same values, copies laid out otherwise: equal
 # to fp16 rounding (a BLAS may sum each product in another order)
 

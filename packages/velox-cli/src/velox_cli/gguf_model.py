@@ -6,6 +6,7 @@ names and with llama.cpp's changes undone (see :mod:`velox_cli.models`).
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-__all__: list[str] = []  # ARCHITECTURES: velox_cli.models
+__all__: list[str] = []  # ARCHITECTURES, MLX_GGUF_TYPES, gguf_summary: velox_cli.models
 
 
 # GGUF architectures this converter maps onto mlx-lm model types.
@@ -73,12 +74,118 @@ class _Source:
     dense: Callable[[str], mx.array]
 
 
+# llama.cpp's tensor types (ggml_type) by number, and those MLX's GGUF reader decodes
+_GGML_TYPES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",
+    10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS",
+    17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S",
+    23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M",
+    30: "BF16", 34: "TQ1_0", 35: "TQ2_0",
+}  # fmt: skip
+# (Q4_0, Q4_1 and Q8_0 as affine codes, the others dequantized to float16; mx.load raises
+# "gguf_tensor_to_f16 failed" on the rest: Q3_K, Q5_0, Q5_1, Q5_K, Q8_K, the IQ types)
+MLX_GGUF_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q2_K", "Q4_K", "Q6_K")
+_GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def gguf_summary(gguf: Path) -> tuple[str | None, dict[str, int]]:
+    """The architecture a GGUF file names (``general.architecture``) and how many tensors of
+    each type it holds, read from its header alone (no tensor data, no gguf package). Raises
+    ``ValueError`` for a file that is no GGUF or whose header runs past its end."""
+    size = gguf.stat().st_size
+    with open(gguf, "rb") as f:
+
+        def take(n: int) -> bytes:
+            b = f.read(n)
+            if len(b) != n:
+                raise ValueError(f"{gguf.name}: the GGUF header runs past the end of the file")
+            return b
+
+        def number(fmt: str) -> int:
+            return struct.unpack("<" + fmt, take(struct.calcsize(fmt)))[0]
+
+        def string() -> bytes:
+            n = number("Q")
+            if n > size:
+                raise ValueError(f"{gguf.name}: a GGUF string of {n} bytes in a smaller file")
+            return take(n)
+
+        def skip(kind: int) -> None:
+            if kind == 8:
+                f.seek(min(number("Q"), size), 1)
+            elif kind == 9:
+                inner, count = number("I"), number("Q")
+                if count > size:
+                    raise ValueError(f"{gguf.name}: a GGUF array of {count} items")
+                if inner in _GGUF_SCALARS:
+                    f.seek(count * _GGUF_SCALARS[inner], 1)
+                else:
+                    for _ in range(count):
+                        skip(inner)
+            elif kind in _GGUF_SCALARS:
+                f.seek(_GGUF_SCALARS[kind], 1)
+            else:
+                raise ValueError(f"{gguf.name}: unknown GGUF value type {kind}")
+
+        if take(4) != b"GGUF":
+            raise ValueError(f"{gguf.name}: not a GGUF file (no GGUF magic)")
+        if number("I") < 2:
+            raise ValueError(f"{gguf.name}: GGUF version 1 is not supported")
+        tensors, kvs = number("Q"), number("Q")
+        if tensors > size or kvs > size:
+            raise ValueError(f"{gguf.name}: GGUF counts larger than the file")
+        arch = None
+        for _ in range(kvs):
+            key, kind = string(), number("I")
+            if key == b"general.architecture" and kind == 8:
+                arch = string().decode("utf-8", "replace")
+            else:
+                skip(kind)
+        types: dict[str, int] = {}
+        for _ in range(tensors):
+            string()
+            dims = number("I")
+            if dims > 8:
+                raise ValueError(f"{gguf.name}: a GGUF tensor of {dims} dimensions")
+            f.seek(8 * dims, 1)
+            t = number("I")
+            f.seek(8, 1)  # the data offset
+            name = _GGML_TYPES.get(t, f"type {t}")
+            types[name] = types.get(name, 0) + 1
+    return arch, types
+
+
+def _unreadable(gguf: Path, mlx_error: str) -> str:
+    """Why MLX's GGUF reader refused ``gguf``, from the file's header: its architecture and
+    the tensor types MLX cannot decode (its own message, ``gguf_tensor_to_f16 failed``, names
+    neither). Raises ``ValueError`` where no reader would help: a header that cannot be read,
+    an architecture velox does not convert."""
+    try:
+        arch, types = gguf_summary(gguf)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {gguf.name}: {e} (MLX: {mlx_error})") from None
+    odd = {t: n for t, n in sorted(types.items()) if t not in MLX_GGUF_TYPES}
+    kinds = ", ".join(f"{t} ({n} tensor{'s' * (n != 1)})" for t, n in odd.items())
+    what = f"{gguf.name} (architecture {arch or 'not named'})"
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"{what}: GGUF architecture {arch!r} is not supported; supported: "
+            f"{', '.join(sorted(ARCHITECTURES))}"
+        )
+    if not odd:
+        return f"cannot read {what} with MLX ({mlx_error})"
+    return (
+        f"{what} holds tensor types MLX's GGUF reader cannot decode: {kinds} (MLX reads "
+        f"{', '.join(MLX_GGUF_TYPES)})"
+    )
+
+
 def _read(gguf: Path) -> _Source:
     """MLX's own reader where it decodes every tensor of the file, else the gguf package's."""
     try:
         tensors, meta = mx.load(str(gguf), return_metadata=True)
     except Exception as e:  # MLX's reader fails on a type it cannot decode (Q4_K, Q5_0...)
-        return _read_with_gguf(gguf, str(e))
+        return _read_with_gguf(gguf, _unreadable(gguf, str(e)))
     shapes = {}
     for name, w in tensors.items():
         if name.endswith((".scales", ".biases")):
@@ -95,10 +202,7 @@ def _read_with_gguf(gguf: Path, mlx_error: str) -> _Source:
         from gguf import GGUFReader, GGUFValueType
         from gguf.quants import dequantize
     except ImportError:
-        raise ValueError(
-            f"cannot read {gguf.name} with MLX ({mlx_error}); its tensor types need the gguf "
-            f"package: {_GGUF_HINT}"
-        ) from None
+        raise ValueError(f"{mlx_error}; the gguf package reads them: {_GGUF_HINT}") from None
     try:
         reader = GGUFReader(str(gguf))
         meta = {

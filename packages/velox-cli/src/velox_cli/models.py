@@ -6,14 +6,16 @@
     resolve("path/to/mlx-model")     # an mlx-lm directory, returned as it is
 
 A GGUF is converted without torch. Architectures: ``llama`` (mlx-lm ``llama``) and ``gemma3``
-(mlx-lm ``gemma3_text``). ``mx.load`` reads the tensors where it can (Q4_0, Q4_1 and Q8_0
-blocks as MLX affine codes with group 32, F32 and F16 as they are); a file holding a type it
-cannot decode (Q4_K, Q5_0, Q6_K... as most llama.cpp quantizations do) is read with the
-``gguf`` package instead (``pip install "velox-cli[gemma3]"`` or ``pip install gguf``), whose
-numpy dequantizers give each tensor in float32. Each weight is dequantized in float32, stored
-in ``dtype`` and renamed to mlx-lm's names; llama.cpp's changes are undone: a llama's Q/K row
-permutation (its RoPE rotates adjacent pairs, mlx-lm's the two halves of a head) and the 1
-added to Gemma's RMSNorm weights (mlx-lm's Gemma norm multiplies by ``1 + w`` itself).
+(mlx-lm ``gemma3_text``). ``mx.load`` reads the tensors where it can (Q4_0, Q4_1 and Q8_0 blocks
+as MLX affine codes with group 32, F32 and F16 as they are, BF16, Q2_K, Q4_K and Q6_K
+dequantized to float16); a file holding a type it cannot decode (Q3_K, Q5_0, Q5_1, Q5_K, Q8_K,
+the IQ types: Q4_K_M files hold Q5_0 tensors) is read with the ``gguf`` package instead (``pip
+install "velox-cli[gemma3]"`` or ``pip install gguf``), whose numpy dequantizers give each
+tensor in float32; without it, the error names the file's architecture and those types. Each
+weight is dequantized in float32, stored in ``dtype`` and renamed to mlx-lm's names; llama.cpp's
+changes are undone: a llama's Q/K row permutation (its RoPE rotates adjacent pairs, mlx-lm's the
+two halves of a head) and the 1 added to Gemma's RMSNorm weights (mlx-lm's Gemma norm multiplies
+by ``1 + w`` itself).
 
 The tokenizer is rebuilt from the GGUF's vocabulary as llama.cpp tokenizes with it: a
 byte-level BPE (``tokenizer.ggml.model = gpt2``) from its merges, token types and
@@ -52,17 +54,19 @@ import mlx.core as mx
 
 from velox_core import environment
 
-from .gguf_model import ARCHITECTURES, _config, _read, _weights
+from .gguf_model import ARCHITECTURES, MLX_GGUF_TYPES, _config, _read, _weights, gguf_summary
 from .gguf_tokenizer import PRE_TOKENIZERS, _tokenizer
 
 __all__ = [
     "ARCHITECTURES",
+    "MLX_GGUF_TYPES",
     "NAMED",
     "PRE_TOKENIZERS",
     "NamedModel",
     "cache_root",
     "convert_gguf",
     "gguf_path",
+    "gguf_summary",
     "resolve",
 ]
 
@@ -195,6 +199,11 @@ def resolve(model: str, *, dtype: str | None = None, cache: str | Path | None = 
         raise FileNotFoundError(
             f"no such path {model!r}: a model is an mlx-lm directory, a .gguf file or one of "
             f"the names {', '.join(sorted(NAMED))}"
+        )
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"{model!r} is no model: an mlx-lm directory holds a config.json, a GGUF file ends "
+            f"in .gguf, and the names are {', '.join(sorted(NAMED))}"
         )
     return path
 

@@ -61,10 +61,18 @@ request is generated answers that request (500, or a last stream event) and the 
 on, where mlx-lm's generation thread would die.
 
 A request whose prompt is empty is answered 400; one whose prompt has no tokens is
-refused without stopping the generation thread (mlx-lm's batch generator raises on it).
+refused without stopping the generation thread (mlx-lm's batch generator raises on it). So
+are, before they reach the generation thread, fields mlx-lm reads without checking them: a
+``stop`` that is no string or list of strings, a NaN or infinite sampling number, a
+``logit_bias`` token outside the vocabulary (which crashes the process inside MLX), chat
+messages without a role. Where ``--model`` is given, a request naming another model (or
+draft model) is answered 404: mlx-lm would unload the served model to load the one a client
+names (any path of the server's machine), and a load that fails while a batch runs can crash
+the process. ``GET /v1/models`` names the served model as ``--model`` gave it.
 
 The prompt cache within its budget is :mod:`velox_cli.serve_cache`; the answers to errors
-raised while requests are generated, :mod:`velox_cli.serve_errors`.
+raised while requests are generated, :mod:`velox_cli.serve_errors`; the checks of a request's
+fields, :mod:`velox_cli.serve_requests`.
 """
 
 from __future__ import annotations
@@ -80,6 +88,7 @@ from typing import Any
 
 from .serve_cache import _budgeted_prompt_cache
 from .serve_errors import _error_responses, _first_line, _survive_request_errors, _track_requests
+from .serve_requests import _request_error, _served_name
 
 __all__ = ["serve"]
 
@@ -293,21 +302,19 @@ def _refuse_empty_tokens(original):
     return _tokenize
 
 
-def _refuse_empty_requests(original):
-    """``APIHandler.handle_completion`` answering 400 to an empty prompt (``""``, ``[]``) or
-    an empty ``messages`` list, before it reaches the generation thread."""
+def _refuse_bad_requests(original):
+    """``APIHandler.handle_completion`` answering 400 to a request the server cannot serve
+    (:func:`_request_error`: an empty prompt or messages, a ``stop`` that is no string or list
+    of strings, a NaN or infinite sampling number, a ``logit_bias`` token outside the
+    vocabulary: 400; a model other than the served one: 404), before it reaches the
+    generation thread."""
 
     def handle_completion(self, request, stop_words):
-        if request.request_type == "text":
-            bad = not isinstance(request.prompt, str) or not request.prompt
-            why = "prompt must be a non-empty string"
-        else:
-            bad = not isinstance(request.messages, list) or not request.messages
-            why = "messages must be a non-empty list"
-        if bad:
-            self._set_completion_headers(400)
+        refused = _request_error(self, request, stop_words)
+        if refused is not None:
+            self._set_completion_headers(refused[0])
             self.end_headers()
-            self.wfile.write(json.dumps({"error": why}).encode())
+            self.wfile.write(json.dumps({"error": refused[1]}).encode())
             self.wfile.flush()
             return None
         return original(self, request, stop_words)
@@ -334,11 +341,11 @@ def _velox_endpoint(spec: str):
         # the served model with its cache; mlx-lm's own listing also scans the Hugging Face
         # cache, and answers nothing where there is none (an offline machine)
         data = _hf_models(self.created)
-        model = self.response_generator.cli_args.model
-        if model:
+        name = _served_name(self.response_generator.model_provider)
+        if name:
             data.append(
                 {
-                    "id": _model_id(model),
+                    "id": name,  # as the command line named it: no path of this machine
                     "object": "model",
                     "created": self.created,
                     "velox": velox_info(self),
@@ -360,13 +367,6 @@ def _velox_endpoint(spec: str):
         self.wfile.flush()
 
     return do_GET
-
-
-def _model_id(model: str) -> str:
-    from pathlib import Path
-
-    p = Path(model)
-    return str(p.resolve()) if p.exists() else model
 
 
 def _hf_models(created: int) -> list[dict]:
@@ -415,7 +415,7 @@ def serve(spec: str, argv: list[str], storage_dtype: Any = None) -> None:
     _patch(
         server.APIHandler,
         "handle_completion",
-        lambda original: _error_responses(_refuse_empty_requests(original)),
+        lambda original: _error_responses(_refuse_bad_requests(original)),
     )
     _patch(server.ResponseGenerator, "_tokenize", _refuse_empty_tokens)
     _patch(server.ResponseGenerator, "_next_request", _track_requests)

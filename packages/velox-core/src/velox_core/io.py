@@ -24,7 +24,16 @@ import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
 from .cache.latent import LatentCache
+from .cache.state import STATE_VERSION
 from .cache.velox import VeloxCache
+from .io_check import (
+    check_finite_arrays,
+    check_layout,
+    check_mlx_layer,
+    check_round_trip,
+    check_velox_layer,
+    layer_arrays,
+)
 from .registry import get_method
 
 __all__: list[str] = []
@@ -191,6 +200,114 @@ def _check_layer(path: str, i: int, cache: Any) -> None:
         )
 
 
+def _rebuilt(where: str, build, state):
+    """``build(state)``, any failure of a header the checks let through as a ``ValueError``
+    naming the layer (a missing field by its name), never a raw ``KeyError``/``TypeError``."""
+    try:
+        return build(state)
+    except KeyError as e:
+        raise ValueError(f"{where}: the header misses field {e.args[0]!r}") from None
+    except (TypeError, IndexError, AttributeError, RuntimeError, ValueError) as e:
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, ValueError):
+            raise ValueError(f"{where}: cannot rebuild the cache from its header: {text}") from None
+        raise ValueError(
+            f"{where}: {_culprit(e)} is malformed ({type(e).__name__}: {text})"
+        ) from None
+
+
+def _culprit(e: BaseException) -> str:
+    """The header field a failure while rebuilding a cache points at, from where it raised:
+    a policy's state, a codec's, or the cache's own."""
+    import traceback
+
+    files = [f.filename for f in traceback.extract_tb(e.__traceback__)]
+    if any(f"{os.sep}policy" in f or "policy.py" in f for f in files):
+        return "meta.policy_meta (or a policy.* array)"
+    if any(f"{os.sep}codec" in f or "codec.py" in f for f in files):
+        return "a codec.* array"
+    return "the header's state"
+
+
+def _load_layer(path: str, i: int, layer: dict, arrays: dict[str, mx.array]) -> Any:
+    """One layer's cache, its header checked field by field against its arrays first
+    (:mod:`velox_core.io_check`) and, for a velox cache, its codes against its codecs."""
+    where = f"{path}: layer {i}"
+    prefix = f"layer{i}."
+    kind = layer.get("kind")
+    if kind == "velox":
+        meta = layer.get("meta")
+        if not isinstance(meta, dict):
+            raise ValueError(f"{where}: meta must be an object")
+        layer_arrays(where, meta.get("arrays"), arrays, prefix)
+        own = {n: arrays[prefix + n] for n in meta["arrays"]}
+        check_velox_layer(where, layer.get("method"), meta, own, STATE_VERSION)
+        method = layer["method"]
+        cls = VeloxCache if method == "velox" else get_method(method).cache_class
+        cache = _rebuilt(where, cls.from_state, [json.dumps(meta), *own.values()])
+        if not isinstance(cache, VeloxCache):
+            raise ValueError(f"{where}: method {method!r} does not rebuild a velox cache")
+        check_round_trip(where, cache, meta, own)
+        check_layout(where, cache, meta, own)
+        if cache.policy is None and not cache.ragged and cache.size() != cache.offset:
+            raise ValueError(
+                f"{where}: meta.offset {cache.offset} but {cache.size()} tokens stored (a cache "
+                "without a retention policy holds every token it has seen)"
+            )
+        return cache
+    if kind == "latent":
+        meta, n = layer.get("meta"), layer.get("arrays")
+        count = sum(k.startswith(prefix) for k in arrays)
+        if isinstance(n, bool) or not isinstance(n, int) or n != count:
+            raise ValueError(f"{where}: arrays must count the layer's {count} arrays, got {n!r}")
+        if not isinstance(meta, dict):
+            raise ValueError(f"{where}: meta must be an object")
+        state = [arrays.get(f"{prefix}{j}") for j in range(n)]
+        if any(a is None for a in state):
+            raise ValueError(f"{where}: arrays {prefix}0..{n - 1} are not all in the file")
+        inner = meta.get("store")
+        if inner is not None:
+            names = inner.get("arrays") if isinstance(inner, dict) else None
+            if not isinstance(names, list) or len(names) != n:
+                raise ValueError(f"{where}: meta.store.arrays must name the {n} arrays")
+            own = dict(zip(names, state, strict=True))
+            check_velox_layer(f"{where} store", inner.get("method"), inner, own, STATE_VERSION)
+        check_finite_arrays(where, {str(j): a for j, a in enumerate(state)})
+        return _rebuilt(where, LatentCache.from_state, [json.dumps(meta), *state])
+    if kind == "mlx_lm":
+        cls = _MLX_CLASSES.get(layer.get("class"))
+        if cls is None:
+            raise ValueError(f"{where} has unsupported class {layer.get('class')!r}")
+        items, nested = layer.get("items"), layer.get("nested")
+        if not isinstance(items, list) or not all(isinstance(x, dict) for x in items):
+            raise ValueError(f"{where}: items must be a list of objects")
+        if (
+            not isinstance(nested, list)
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in nested)
+            or sum(max(n, 1) for n in nested) != len(items)
+        ):
+            raise ValueError(f"{where}: nested {nested!r} does not group the {len(items)} items")
+        flat, named = [], set()
+        for item in items:
+            t = item.get("type")
+            if t == "array" and item.get("name") in arrays and item["name"].startswith(prefix):
+                flat.append(arrays[item["name"]])
+                named.add(item["name"])
+            elif t == "none":
+                flat.append(None)
+            elif t == "number" and isinstance(item.get("value"), int):
+                flat.append(item["value"])
+            else:
+                raise ValueError(f"{where} has a bad state item {item!r}")
+        extra = sorted(k for k in arrays if k.startswith(prefix) and k not in named)
+        if extra or len(named) < sum(isinstance(x, mx.array) for x in flat):
+            raise ValueError(f"{where}: the file's arrays and the layer's items disagree")
+        state = _nest(flat, nested)
+        check_mlx_layer(where, cls.__name__, state)
+        return _rebuilt(where, cls.from_state, state)
+    raise ValueError(f"{where} has unknown kind {kind!r}")
+
+
 def load_cache(path: str | Path, return_metadata: bool = False, model: Any = None):
     """Read caches written by :func:`save_cache`.
 
@@ -207,43 +324,7 @@ def load_cache(path: str | Path, return_metadata: bool = False, model: Any = Non
             raise ValueError(f"{path}: {len(layers)} cached layers for a model of {n} layers")
     out = []
     for i, layer in enumerate(layers):
-        kind = layer.get("kind") if isinstance(layer, dict) else None
-        if kind == "velox":
-            cls = (
-                VeloxCache
-                if layer["method"] == "velox"
-                else get_method(layer["method"]).cache_class
-            )
-            meta = layer["meta"]
-            try:
-                state = [json.dumps(meta), *(arrays[f"layer{i}.{k}"] for k in meta["arrays"])]
-            except KeyError as e:
-                raise ValueError(f"{path}: layer {i} misses array {e}") from None
-            out.append(cls.from_state(state))
-        elif kind == "latent":
-            try:
-                state = [arrays[f"layer{i}.{j}"] for j in range(int(layer["arrays"]))]
-            except (KeyError, TypeError, ValueError) as e:
-                raise ValueError(f"{path}: layer {i} misses array {e}") from None
-            out.append(LatentCache.from_state([json.dumps(layer["meta"]), *state]))
-        elif kind == "mlx_lm":
-            cls = _MLX_CLASSES.get(layer.get("class"))
-            if cls is None:
-                raise ValueError(f"{path}: layer {i} has unsupported class {layer.get('class')!r}")
-            flat = []
-            for item in layer["items"]:
-                t = item.get("type")
-                if t == "array":
-                    flat.append(arrays[item["name"]])
-                elif t == "none":
-                    flat.append(None)
-                elif t == "number":
-                    flat.append(item["value"])
-                else:
-                    raise ValueError(f"{path}: layer {i} has a bad state item {item!r}")
-            out.append(cls.from_state(_nest(flat, layer["nested"])))
-        else:
-            raise ValueError(f"{path}: layer {i} has unknown kind {kind!r}")
+        out.append(_load_layer(str(path), i, layer, arrays))
         _check_layer(str(path), i, out[-1])
     for cls in dict.fromkeys(type(c) for c in out if isinstance(c, VeloxCache)):
         cls.link_layers(out)  # caches whose layers share state link them again

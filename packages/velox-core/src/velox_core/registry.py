@@ -186,6 +186,8 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
         key, eq, val = item.partition("=")
         if not eq or not key.strip():
             raise ValueError(f"bad parameter {item!r} in spec {spec!r}: expected key=value")
+        if key.strip() in params:
+            raise ValueError(f"parameter {key.strip()!r} is given twice in spec {spec!r}")
         params[key.strip()] = _value(val.strip())
     return name.strip(), params
 
@@ -199,6 +201,14 @@ def make(spec: str, **params: Any):
 
     Unknown parameters raise ``ValueError`` listing the ones the method accepts.
     """
+    if isinstance(spec, str) and "+" in spec:
+        head = spec.split("+", 1)[1].split(":", 1)[0].strip()
+        if head in methods() or head in ("fp16", "mlx-q4", "mlx-q8"):
+            raise ValueError(
+                f"{spec!r} composes two specs (A+B: A's policy, B's codecs), which velox bench "
+                "and velox generate take; make_cache and velox serve take one method's spec "
+                "(compose in Python: VeloxCache(key_codec=..., value_codec=..., policy=...))"
+            )
     name, parsed = parse_spec(spec)
     parsed.update(params)
     allowed = method_params(name)

@@ -98,6 +98,7 @@ class PresetCache(VeloxCache):
             if name not in kwargs and hasattr(self.cfg, name):
                 kwargs[name] = getattr(self.cfg, name)
         super().__init__(**kwargs, flush=flush, check_finite=check_finite)
+        self._flush_given = flush is not None  # checked against the codecs' block (check_dims)
 
     def build(self, cfg) -> dict[str, Any]:
         """The ``VeloxCache`` keyword arguments. By default one tier: the key and value codec
@@ -121,6 +122,8 @@ class PresetCache(VeloxCache):
         if own is not None:
             own(key_dim, value_dim)
         super().check_dims(key_dim, value_dim, dtype)
+        if getattr(self, "_flush_given", False):
+            warn_flush_rounding(self)
 
     @classmethod
     def defaults(cls) -> dict[str, Any]:
@@ -174,3 +177,29 @@ class CalibratedPreset(PresetCache):
                 f"{self.cfg.calibration} calibration tokens)"
             )
         super().extend(other)
+
+
+def warn_flush_rounding(cache: VeloxCache) -> None:
+    """Warn when a ``flush`` the user gave is not what the cache does: the window passes
+    tokens to block codecs in whole blocks, so a flush that is no multiple of the block (1,
+    say, with TurboQuant's fractional widths coding 64-token outlier groups) is rounded up."""
+    import math
+    import warnings
+
+    t = cache.tiers[0]
+    block = math.lcm(t.key_codec.block, t.value_codec.block)
+    quantum = math.lcm(cache.flush, block)
+    if quantum == cache.flush:
+        return
+    coded = " and ".join(
+        f"{side} codec {c.describe()} codes {c.block} tokens together"
+        for side, c in (("its key", t.key_codec), ("its value", t.value_codec))
+        if c.block > 1
+    )
+    warnings.warn(
+        f"{cache.method}: flush={cache.flush} is rounded up to {quantum} tokens ({coded}): up "
+        f"to {quantum - 1} of the newest tokens past the window wait in fp16 until a whole "
+        f"block is coded; a flush that is a multiple of {block} is honoured as given",
+        UserWarning,
+        stacklevel=3,
+    )
