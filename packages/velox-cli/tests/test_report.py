@@ -103,7 +103,15 @@ def test_the_table_fits_the_width_and_every_spec_can_be_copied_whole(width):
 
 def test_at_120_columns_the_speed_and_quality_columns_stay():
     cols, spec_width = layout(crafted(), 120)
-    assert {"bytes/token", "vs fp16", "KL", "top-1", "ppl", "recall", "decode tok/s"} <= set(cols)
+    assert {
+        "held bytes/token",
+        "vs fp16 held",
+        "KL",
+        "top-1",
+        "ppl",
+        "recall",
+        "decode tok/s",
+    } <= set(cols)
     assert "non-finite" in cols  # a row has non-finite steps
     assert spec_width >= 40
     cols, spec_width = layout(crafted(), 200)
@@ -151,4 +159,24 @@ def test_the_closing_lines_say_when_no_row_is_near_a_point():
     rows = [row("fp16", FP16, 0.0), row("uniform:bits=4", 1600, 0.03)]
     _, at4, at8 = closing_lines(rows, INFO)
     assert at4.startswith("  about 4x: #2 uniform:bits=4 ")
-    assert at8 == "  about 8x: no row measured 6.4x-10x fewer bytes than fp16"
+    assert at8 == "  about 8x: no row measured 6.4x-10x fewer held bytes than fp16"
+
+
+def test_a_lossy_row_below_fp16s_perplexity_gets_a_noise_note():
+    """A lossy cache cannot predict better than fp16: a row whose perplexity reads lower is
+    marked as sample noise, with fp16's own band over the scored tokens (two standard errors of
+    its mean token loss); none when no row is below fp16's."""
+    from velox_cli.report import ppl_noise
+
+    rows = crafted()
+    for r, ppl in zip(rows, (4.7, 4.6, 4.8, 4.69), strict=False):
+        r.ppl = ppl
+    info = {**INFO, "fp16_ppl": 4.7, "fp16_nll_se": 0.05, "scored_tokens": 32}
+    note = ppl_noise(rows, info)
+    assert note.startswith("ppl: #2, #4 print a lower perplexity than fp16's 4.700"), note
+    assert "32 scored tokens" in note and "+-11%" in note and "sample noise" in note
+    printed = "\n".join(render(rows, 200, info))
+    assert "sample noise" in printed
+    for r in rows:
+        r.ppl = 5.0
+    assert ppl_noise(rows, info) == ""

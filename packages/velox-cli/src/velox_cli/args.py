@@ -31,7 +31,17 @@ def _parser() -> argparse.ArgumentParser:
         nargs="+",
         metavar="SPEC",
         help="specs like uniform:bits=4,group=64 or the baselines fp16 mlx-q4 mlx-q8 "
-        "(default: baselines + every installed method at its recommended settings)",
+        "(default: the quick subset, fp16, mlx-q4 and five velox specs; --all for every "
+        "method)",
+    )
+    b.add_argument(
+        "--all",
+        action="store_true",
+        help="the full grid: the baselines and every installed method at its recommended "
+        "settings (86 specs with every package; on two idle CPU cores about 9 minutes on the "
+        "reference model and about 80 minutes on SmolLM2 at the default --context 2048, "
+        "against about 1 and 8 minutes for the quick subset; benchmarks/bench_cost.py "
+        "measures a model's)",
     )
     b.add_argument("--context", type=int, default=2048, help="prefix tokens (default 2048)")
     b.add_argument("--samples", type=int, default=1, help="quality samples (default 1)")
@@ -57,7 +67,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--json", dest="json_path", metavar="PATH", help="write the rows as JSON")
     b.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown")
-    b.add_argument("--chart", default="velox-bench.png", help="PNG chart path ('' for none)")
+    b.add_argument(
+        "--chart",
+        default="velox-bench.png",
+        help="PNG chart path, printed in full when written ('' for none; default "
+        "velox-bench.png in the current directory)",
+    )
     b.add_argument(
         "--transfer-mapper",
         metavar="DIR",
@@ -100,7 +115,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--lengths", nargs="+", type=int, default=[4096], help="prompt tokens (default 4096)"
     )
-    e.add_argument("--prompts", type=int, default=8, help="prompts per task and length (8)")
+    e.add_argument("--prompts", type=int, default=8, help="prompts per task and length (default 8)")
     e.add_argument(
         "--question",
         choices=("after", "inside"),
@@ -108,7 +123,12 @@ def _parser() -> argparse.ArgumentParser:
         help="after: the question comes after the compressed context (kvpress's protocol, "
         "the default); inside: context and question are compressed together (query-aware)",
     )
-    e.add_argument("--haystack", choices=("prose", "code", "noise"), default="prose")
+    e.add_argument(
+        "--haystack",
+        choices=("prose", "code", "noise"),
+        default="prose",
+        help="the filler text the needles hide in (default prose)",
+    )
     e.add_argument(
         "--template",
         choices=("raw", "chat"),
@@ -117,7 +137,9 @@ def _parser() -> argparse.ArgumentParser:
         "template, the answer prefix starting the assistant's turn",
     )
     e.add_argument("--chunk", type=int, default=2048, help="prefill chunk (default 2048)")
-    e.add_argument("--seed", type=int, default=0)
+    e.add_argument(
+        "--seed", type=int, default=0, help="seed of the prompts' needles and fillers (default 0)"
+    )
     e.add_argument(
         "--jobs", type=int, default=0, help="worker processes (0: one per CPU core on a CPU)"
     )
@@ -127,11 +149,16 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         help="how --jobs share the work: prompts (each worker runs every spec on its prompts), "
         "specs (each worker a share of the specs on every prompt: a GPU compiles each "
-        "method's kernels once); auto: prompts on a CPU, specs on a GPU",
+        "method's kernels once); auto (the default): prompts on a CPU, specs on a GPU",
     )
     e.add_argument("--json", dest="json_path", metavar="PATH", help="write cells and trials")
     e.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown")
-    e.add_argument("--chart", default="velox-eval.png", help="PNG chart path ('' for none)")
+    e.add_argument(
+        "--chart",
+        default="velox-eval.png",
+        help="PNG chart path, printed in full when written ('' for none; default "
+        "velox-eval.png in the current directory)",
+    )
     e.add_argument(
         "--from-json",
         metavar="PATH",
@@ -139,31 +166,81 @@ def _parser() -> argparse.ArgumentParser:
         "run stopped midway left its trials in PATH.trials.jsonl, which this reads too",
     )
     g = sub.add_parser("generate", help="mlx_lm.generate with a velox cache")
-    g.add_argument("--method", default="uniform:bits=4", metavar="SPEC")
+    g.add_argument(
+        "--method",
+        default="uniform:bits=4",
+        metavar="SPEC",
+        help="the cache: a method spec (velox methods lists them) or a baseline fp16, "
+        "mlx-q4, mlx-q8 (default uniform:bits=4)",
+    )
     g.add_argument(
         "--model",
         help="mlx-lm directory, .gguf file or name (smollm2); default: the reference model",
     )
-    g.add_argument("--prompt", default="import os\n\n\ndef ")
-    g.add_argument("--max-tokens", type=int, default=100)
-    g.add_argument("--temp", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--prompt",
+        default="import os\n\n\ndef ",
+        help="the text to continue (default: the start of a Python file, which the reference "
+        "model was trained on)",
+    )
+    g.add_argument(
+        "--max-tokens", type=int, default=100, help="tokens to generate at most (default 100)"
+    )
+    g.add_argument(
+        "--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)"
+    )
+    g.add_argument("--seed", type=int, default=0, help="seed of the sampler (default 0)")
+    g.add_argument(
+        "--save-cache",
+        metavar="PATH",
+        help="write the caches after generating to PATH (.safetensors; velox inspect PATH "
+        "summarizes it, velox_core.load_cache(PATH) reads it back; default: not saved)",
+    )
     g.add_argument(
         "--pipeline",
         action="store_true",
         help="under mlx.launch, split the model into pipeline stages (default: by heads)",
     )
     m = sub.add_parser("methods", help="installed methods, their parameters and defaults")
-    m.add_argument("--json", action="store_true")
-    i = sub.add_parser("inspect", help="a saved compressed cache: method, layers, tokens, bytes")
-    i.add_argument("file")
+    m.add_argument("--json", action="store_true", help="print them as JSON (default: a table)")
+    i = sub.add_parser(
+        "inspect",
+        help="a cache file (velox generate --save-cache, velox_core.save_cache): method, "
+        "layers, tokens, bytes",
+        description="Summarize a cache file written by velox generate --save-cache or "
+        "velox_core.save_cache(path, caches): the method, offset, tokens and bytes of every "
+        "layer. The file is loaded and checked first; one that save_cache did not write is "
+        "refused.",
+    )
+    i.add_argument(
+        "file", help="a .safetensors file (velox generate --save-cache, velox_core.save_cache)"
+    )
     s = sub.add_parser(
         "serve",
         help="mlx_lm.server with velox caches (OpenAI API, batching, prompt cache); "
-        "other options go to mlx_lm.server (--model, --host, --port...)",
+        "other options go to mlx_lm.server",
+        epilog="Every other option goes to mlx_lm.server as it is (python -m mlx_lm.server "
+        "--help lists them: --prompt-cache-bytes, --draft-model, --chat-template...).",
     )
-    s.add_argument("--method", required=True, metavar="SPEC")
-    s.add_argument("--storage-dtype", choices=("float16", "bfloat16", "float32"))
+    s.add_argument(
+        "--method",
+        required=True,
+        metavar="SPEC",
+        help="the cache of every request: a method spec (velox methods lists them)",
+    )
+    s.add_argument(
+        "--model",
+        help="an mlx-lm directory, a .gguf file, a name (smollm2, gemma3) or a Hugging Face "
+        "repo id; loaded before the server listens (default: none, each request names its "
+        "model, as mlx_lm.server does)",
+    )
+    s.add_argument("--host", help="the address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, help="the port to listen on (default 8080)")
+    s.add_argument(
+        "--storage-dtype",
+        choices=("float16", "bfloat16", "float32"),
+        help="the dtype the caches store unquantized tokens and scales in (default: the model's)",
+    )
     f = sub.add_parser(  # no -h of its own: `velox fit NAME --help` is the method's help
         "fit",
         add_help=False,

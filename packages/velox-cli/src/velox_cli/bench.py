@@ -17,8 +17,10 @@ from __future__ import annotations
 import copy
 import ctypes
 import json
+import math
 import multiprocessing
 import os
+import re
 import signal
 import sys
 import threading
@@ -283,6 +285,7 @@ def run_bench(
     progress=None,
     transfer: tuple[str, str] | None = None,
     on_row=None,
+    on_skip=None,
 ) -> tuple[list[Row], dict]:
     """Measure every spec; ``progress(description, advance)`` is called as work completes.
 
@@ -292,6 +295,11 @@ def run_bench(
     (in the order of ``specs``) and the run's info (``velox bench --json`` rewrites its file
     there, so a stopped run keeps them). An interrupt (KeyboardInterrupt) ends the worker
     processes at once and propagates.
+
+    A spec whose method needs a file fitted on the model (Palu's bases, CommVQ's codebooks,
+    Q-Filters' filters) and finds none is skipped, not measured: ``on_skip(spec, reason)``
+    is called with the reason, which names the fit command, and ``info["skipped"]`` lists
+    them.
     """
     s = settings.resolved()
     if s.jobs < 0:
@@ -302,10 +310,12 @@ def run_bench(
         from .transfer_row import open_transfer
 
         xfer = open_transfer(*transfer, model, tokenizer, store, load_model)
+    tick = progress or (lambda desc, n=1: None)
+    skipped: list[dict[str, str]] = []
+    specs = [x for x in specs if not _skip(x, model, store, skipped, tick, on_skip)]
     stream = token_stream(tokenizer, load_text(data))
     samples = _samples(stream, s)
     prompts = recall_prompts(tokenizer, stream, s.recall_lengths(), DEPTHS, s.recall_trials)
-    tick = progress or (lambda desc, n=1: None)
     weights = sum(v.nbytes for _, v in _params(model))
     jobs = min(s.jobs or auto_jobs(len(specs), weights), max(len(specs), 1))
     w = _workspace(model, tokenizer, store, samples, prompts, s)
@@ -334,6 +344,7 @@ def run_bench(
         if fp16 is not None:
             fp16.peak_memory = int(mx.get_peak_memory())
         info = _run_info(path, s, ref, model, store, data, prompts, jobs, xfer)
+        info["skipped"] = skipped
         finished = (lambda rows: on_row(rows, info)) if on_row is not None else None
         if pool is None:
             rows = []
@@ -362,6 +373,36 @@ def run_bench(
         if on_row is not None:
             on_row(list(rows), info)
     return rows, info
+
+
+def fit_hint(e: BaseException) -> str:
+    """The one line a skipped spec gets: no fitted file, and the command its method's message
+    names to fit one (the message's first line where it names none)."""
+    text = str(e).strip()
+    found = re.search(r"`([^`]*\bfit\b[^`]*)`", text)
+    if found:
+        return f"no fitted file for this model; fit one with {found.group(1)}"
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _skip(spec: Spec, model, store, skipped: list, tick, on_skip) -> bool:
+    """Whether ``spec`` is skipped: its caches cannot be built for want of a fitted file
+    (a ``FileNotFoundError``, as every method's missing-artifact error is). Other errors are
+    left to the spec's row."""
+    if spec.baseline:
+        return False
+    try:
+        build_caches(spec, model, store)
+    except FileNotFoundError as e:
+        reason = fit_hint(e)
+        skipped.append({"spec": spec.text, "reason": reason})
+        tick(f"skipped {spec.text}", 0)
+        if on_skip is not None:
+            on_skip(spec, reason)
+        return True
+    except Exception:
+        return False
+    return False
 
 
 def _end_workers(pool) -> None:
@@ -394,8 +435,11 @@ def _run_info(path, s: BenchSettings, ref, model, store, data, prompts, jobs, xf
         "chunk": s.chunk,
         "compute_dtype": str(next(iter(v for _, v in _params(model))).dtype),
         "storage_dtype": None if store is None else str(store),
-        "fp16_cache_bytes": ref.cache_bytes,
+        "fp16_cache_bytes": ref.cache_bytes,  # held bytes (velox_cli.evaluate.held_bytes)
         "fp16_tokens": ref.tokens,
+        "fp16_ppl": ref.ppl if math.isfinite(ref.ppl) else None,
+        "fp16_nll_se": ref.nll_se if math.isfinite(ref.nll_se) else None,
+        "scored_tokens": ref.scored,
         "data": data or "shared/data/heldout.jsonl.gz",
         "blas": active_blas(),
         "jobs": jobs,

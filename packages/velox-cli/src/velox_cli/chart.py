@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -331,7 +332,7 @@ def _figure(rows: Sequence[Row], info: dict | None):
 
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("cache bytes per token (KiB, measured from resident arrays)")
+    ax.set_xlabel("held cache bytes per token (KiB, every cache counted alike)")
     ax.set_ylabel("KL(fp16 || cache) per decode step")
     ax.grid(True, which="major", alpha=0.35)
     ax.grid(True, which="minor", alpha=0.12)
@@ -472,7 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     rows, info = rows_from_json(a.rows)
     chart(a.out, rows, info)
-    print(f"chart written to {a.out}")
+    print(f"chart written to {os.path.abspath(a.out)}")
     return 0
 
 

@@ -8,10 +8,14 @@
   it between the prefix and the continuation, and its time counts in the prefill's.
 * Retrieval: recall prompts (:func:`velox_cli.data.recall_prompts`), greedy decoding, exact
   match of the value.
-* Memory: the caches' resident bytes (``nbytes``: every array they hold, capacity included)
-  after the prefix and continuation, per token and against the fp16 cache measured on the
-  same tokens; MLX's peak memory during the first sample's chunked prefill and over the whole
-  run, and its active memory after the first sample (weights included).
+* Memory: the bytes of the tokens the caches hold after the prefix and continuation
+  (:func:`held_bytes`, counted the same way for every cache, fp16 and mlx-lm's quantized
+  caches included: the rows of every array that hold tokens, with a velox cache's fitted
+  and policy state, without the buffers' unused capacity), per token and against the fp16
+  cache's on the same tokens; the resident bytes beside them (``nbytes``: capacity
+  included, where mlx-lm allocates 256 tokens at a time); MLX's peak memory during the first
+  sample's chunked prefill and over the whole run, and its active memory after the first
+  sample (weights included).
 * Speed: prefill and decode tokens per second.
 * Finiteness: how many teacher-forced steps gave a next-token distribution holding a NaN or
   an inf, and how many layers' caches hold one after the first sample (their KL, top-1 and
@@ -40,6 +44,7 @@ __all__ = [
     "Row",
     "after_prefill",
     "decode_quality",
+    "held_bytes",
     "nonfinite_layers",
     "prefill",
     "reference_run",
@@ -47,6 +52,27 @@ __all__ = [
     "rows_from_json",
     "teacher_force",
 ]
+
+
+def held_bytes(cache: Any) -> int:
+    """Bytes of the tokens a cache holds, counted the same way for every cache class: a velox
+    cache's buffers without their unused capacity (plus fitted and policy state), and for
+    mlx-lm's ``KVCache`` / ``QuantizedKVCache`` / ``RotatingKVCache`` the slices of their
+    buffers that hold tokens (mlx-lm allocates 256 tokens at a time)."""
+    if hasattr(cache, "logical_nbytes"):
+        return int(cache.logical_nbytes)
+    keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)
+    offset = getattr(cache, "offset", None)
+    if keys is None or not isinstance(offset, int):
+        return int(getattr(cache, "nbytes", 0))
+
+    def part(x) -> int:
+        if isinstance(x, (tuple, list)):
+            return sum(part(y) for y in x)
+        n = min(offset, x.shape[-2])
+        return x[..., :n, :].nbytes
+
+    return part(keys) + part(values)
 
 
 def prefill(model, caches: list, tokens, chunk: int = 512) -> mx.array:
@@ -95,16 +121,24 @@ def teacher_force(model, caches: list, first_logits: mx.array, tokens) -> np.nda
 
 @dataclass
 class Reference:
-    """The fp16 cache's distributions and bytes on the evaluation samples."""
+    """The fp16 cache's distributions and held bytes (:func:`held_bytes`) on the evaluation
+    samples; its perplexity over the continuations' ``scored`` tokens and the standard error
+    of its mean token loss there (nats)."""
 
     logprobs: list[np.ndarray]
     cache_bytes: int
     tokens: int
+    ppl: float = float("nan")
+    nll_se: float = float("nan")
+    scored: int = 0
 
 
 @dataclass
 class Row:
-    """One spec's results (the fields of ``velox bench --json``)."""
+    """One spec's results (the fields of ``velox bench --json``). ``cache_bytes``: the
+    :func:`held_bytes` of its caches after the first sample (``bytes_per_token`` per token
+    held, ``compression_ratio`` fp16's held bytes over these, on the same tokens);
+    ``resident_bytes``: their ``nbytes``, the buffers' unused capacity included."""
 
     spec: str
     method: str
@@ -113,6 +147,7 @@ class Row:
     cache_bytes: int = 0
     bytes_per_token: float = 0.0
     compression_ratio: float = 0.0
+    resident_bytes: int = 0
     kl: float = float("nan")
     top1: float = float("nan")
     ppl: float = float("nan")
@@ -160,12 +195,14 @@ def reference_run(
     """
     ref = Reference([], 0, 0)
     tally = None
+    losses = []
     for i, (prefix, cont) in enumerate(samples):
         caches = make_caches()
         lp, tp, td, peak = _run_sample(model, caches, prefix, cont, chunk)
         ref.logprobs.append(lp)
+        losses.extend((-lp[np.arange(len(cont)), np.asarray(cont)]).tolist())
         if i == 0:
-            ref.cache_bytes = int(sum(c.nbytes for c in caches))
+            ref.cache_bytes = int(sum(held_bytes(c) for c in caches))
             ref.tokens = int(caches[0].offset)
             if row is not None:
                 tally = Tally(row, ref)
@@ -175,6 +212,11 @@ def reference_run(
         del caches
     if tally is not None:
         tally.finish()
+    ref.scored = len(losses)
+    if losses:
+        ref.ppl = math.exp(float(np.mean(losses)))
+    if len(losses) > 1:
+        ref.nll_se = float(np.std(losses, ddof=1) / math.sqrt(len(losses)))
     return ref
 
 
@@ -192,7 +234,8 @@ class Tally:
     def first(self, caches: list, prefill_peak: int) -> None:
         r = self.row
         r.prefill_peak_memory = prefill_peak
-        r.cache_bytes = int(sum(c.nbytes for c in caches))
+        r.cache_bytes = int(sum(held_bytes(c) for c in caches))
+        r.resident_bytes = int(sum(c.nbytes for c in caches))
         r.tokens = int(caches[0].offset)
         r.active_memory = int(mx.get_active_memory())
         r.nonfinite_layers = nonfinite_layers(caches)

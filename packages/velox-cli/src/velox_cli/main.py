@@ -5,6 +5,7 @@
     velox eval [--model M] [--methods SPEC ...] [--tasks T ...] [--lengths N ...] [--prompts N]
                [--question after|inside] [--json PATH] [--chart PNG]  (the long-context suite)
     velox generate --method SPEC [--model PATH] [--prompt TEXT] [--max-tokens N] [--pipeline]
+                   [--save-cache FILE]
                    (under mlx.launch: the model split over the processes)
     velox methods [--json]
     velox inspect FILE
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -42,7 +44,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from .chart import chart
     from .report import console as report_console
     from .report import markdown, print_report
-    from .specs import default_specs, parse
+    from .specs import default_specs, parse, quick_specs
 
     for name in ("context", "samples", "continuation", "recall_trials", "chunk"):
         _positive("--" + name.replace("_", "-"), getattr(a, name))
@@ -51,13 +53,27 @@ def cmd_bench(a: argparse.Namespace) -> int:
     if (a.transfer_mapper is None) != (a.transfer_source is None):
         raise ValueError("--transfer-mapper and --transfer-source go together: give both")
     transfer = (a.transfer_mapper, a.transfer_source) if a.transfer_mapper else None
-    specs = [parse(t) for t in a.methods] if a.methods else default_specs()
+    if a.methods and a.all:
+        raise ValueError("--methods and --all choose the specs two ways: give one")
+    specs = (
+        [parse(t) for t in a.methods]
+        if a.methods
+        else (default_specs() if a.all else quick_specs())
+    )
     settings = BenchSettings(
         a.context, a.samples, a.continuation, a.recall_trials, a.chunk, a.quick, a.jobs
     )
     console = report_console()  # the terminal's width, COLUMNS, or 120 when not a terminal
     s = settings.resolved()
-    what = "as given" if a.methods else "baselines + every installed method's recommended"
+    what = (
+        "as given"
+        if a.methods
+        else (
+            "baselines + every installed method's recommended"
+            if a.all
+            else f"the quick subset; --all measures all {len(default_specs())}"
+        )
+    )
     recall = len(DEPTHS) * s.recall_trials
     jobs = min(s.jobs, len(specs)) if s.jobs else f"up to {auto_jobs(len(specs))}"
     console.print(  # what this run measures, before it starts
@@ -97,7 +113,13 @@ def cmd_bench(a: argparse.Namespace) -> int:
             def tick(desc: str, n: int = 1) -> None:
                 prog.update(task, description=desc, advance=n)
 
-            rows, info = run_bench(specs, a.model, a.data, settings, tick, transfer, finished)
+            def skipped(spec, reason: str) -> None:  # a method without its fitted file
+                console.print(f"skipped {spec.text}: {reason}", highlight=False, markup=False)
+                prog.update(task, total=prog.tasks[0].total - 1)
+
+            rows, info = run_bench(
+                specs, a.model, a.data, settings, tick, transfer, finished, skipped
+            )
     except KeyboardInterrupt:
         if on_term is not None:  # stopping: a second signal must not interrupt the exit
             signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -118,7 +140,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         console.print(f"markdown table written to {a.markdown}")
     if a.chart:
         chart(a.chart, rows, info)
-        console.print(f"chart written to {a.chart}")
+        console.print(f"chart written to {os.path.abspath(a.chart)}", highlight=False)
     return 0
 
 
@@ -235,7 +257,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
         console.print(f"markdown table written to {a.markdown}")
     if a.chart:
         report.chart(a.chart, cells, info)
-        console.print(f"chart written to {a.chart}")
+        console.print(f"chart written to {os.path.abspath(a.chart)}", highlight=False)
     return 0
 
 
@@ -247,13 +269,16 @@ def cmd_generate(a: argparse.Namespace) -> int:
     import velox_core
 
     from .bench import load_model
-    from .evaluate import after_prefill, prefill
+    from .evaluate import after_prefill, held_bytes, prefill
+    from .generate_notes import ratio_notes
     from .specs import Spec, build_caches, parse
 
     spec = parse(a.method)
     _positive("--max-tokens", a.max_tokens)
-    if not a.temp >= 0:
-        raise ValueError(f"--temp must be 0 (greedy) or more, got {a.temp}")
+    if a.save_cache is not None and not a.save_cache.endswith(".safetensors"):
+        raise ValueError(f"--save-cache must name a .safetensors file, got {a.save_cache!r}")
+    if not 0 <= a.temp < float("inf"):
+        raise ValueError(f"--temp must be 0 (greedy) or a finite number above, got {a.temp}")
     group = mx.distributed.init()  # under mlx.launch: the model split over the processes
     model, tokenizer, store, _ = load_model(a.model, group, a.pipeline)
     rank, ranks = group.rank(), group.size()
@@ -261,18 +286,18 @@ def cmd_generate(a: argparse.Namespace) -> int:
     caches = build_caches(spec, model, store)
     tokens: list[int] = []
     prompt: str | list[int] = a.prompt
+    # the prompt's ids as mlx-lm's stream_generate encodes a text prompt (special tokens
+    # unless the text starts with the BOS token)
+    bos = getattr(tokenizer, "bos_token", None)
+    ids = tokenizer.encode(a.prompt, add_special_tokens=bos is None or not a.prompt.startswith(bos))
     with velox_core.routed(model):
-        if any(hasattr(type(getattr(c, "policy", None)), "after_prefill") for c in caches):
-            # a step after the prefill (KVzip's reconstruction): the prompt but its last token
-            # is prefilled (encoded as mlx-lm encodes it) and the step taken here; generation
-            # starts from the last token
-            bos = getattr(tokenizer, "bos_token", None)
-            special = bos is None or not a.prompt.startswith(bos)
-            ids = tokenizer.encode(a.prompt, add_special_tokens=special)
-            if len(ids) > 1:
-                prefill(model, caches, ids[:-1])
-                after_prefill(model, tokenizer, caches, ids[:-1])
-                prompt = ids[-1:]
+        # a step after the prefill (KVzip's reconstruction): the prompt but its last token
+        # is prefilled and the step taken here; generation starts from the last token
+        step = any(hasattr(type(getattr(c, "policy", None)), "after_prefill") for c in caches)
+        if step and len(ids) > 1:
+            prefill(model, caches, ids[:-1])
+            after_prefill(model, tokenizer, caches, ids[:-1])
+            prompt = ids[-1:]
         for r in mlx_lm.stream_generate(
             model,
             tokenizer,
@@ -286,32 +311,28 @@ def cmd_generate(a: argparse.Namespace) -> int:
             tokens.append(r.token)
     if rank == 0:
         print()
-    nbytes = sum(c.nbytes for c in caches)
-    used = sum(_used_bytes(c) for c in caches)
-    seen = tokenizer.encode(a.prompt) + tokens[:-1]
-    fp16 = build_caches(Spec("fp16", "fp16"), model, store)  # measured, same tokens
-    prefill(model, fp16, seen)
-    ref = sum(_used_bytes(c) for c in fp16)
+    seen = caches[0].offset  # the prompt and the generated tokens the caches were fed
+    held = sum(held_bytes(c) for c in caches)
+    resident = sum(c.nbytes for c in caches)
+    fp16 = build_caches(Spec("fp16", "fp16"), model, store)  # measured, on the same tokens
+    prefill(model, fp16, (ids + tokens)[:seen])
+    ref = sum(held_bytes(c) for c in fp16)
     where = f" (process {rank} of {ranks}: its share of the model)" if ranks > 1 else ""
     print(
-        f"[velox] {spec.text}{where}: {caches[0].offset} tokens, cache {used / 2**20:.2f} MiB "
-        "in use "
-        f"({nbytes / 2**20:.2f} MiB resident with growth slack); fp16 cache for the same "
-        f"tokens {ref / 2**20:.2f} MiB in use ({ref / used:.2f}x)"
+        f"[velox] {spec.text}{where}: {seen} tokens, cache {held / 2**20:.2f} MiB held "
+        f"({resident / 2**20:.2f} MiB resident with growth capacity); fp16 cache for the same "
+        f"tokens {ref / 2**20:.2f} MiB held ({ref / held:.2f}x; held bytes: the rows of every "
+        "array that hold tokens, each cache counted alike)"
     )
+    for note in ratio_notes(caches, held, ref):
+        print(f"[velox] {note}")
+    if a.save_cache is not None and rank == 0:
+        from .specs import plain_caches
+
+        meta = {"spec": spec.text, "prompt": a.prompt}
+        velox_core.save_cache(a.save_cache, plain_caches(caches), meta)
+        print(f"[velox] caches written to {os.path.abspath(a.save_cache)} (velox inspect reads it)")
     return 0
-
-
-def _used_bytes(cache: Any) -> int:
-    """Bytes of the stored tokens, without the buffers' growth slack (mlx-lm's KVCache
-    allocates 256 tokens at a time, a velox cache its own quantum)."""
-    if hasattr(cache, "logical_nbytes"):
-        return cache.logical_nbytes
-    keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)
-    if keys is None or not hasattr(cache, "offset") or not isinstance(cache.offset, int):
-        return cache.nbytes
-    n = min(cache.offset, keys.shape[2])
-    return keys[..., :n, :].nbytes + values[..., :n, :].nbytes
 
 
 def cmd_methods(a: argparse.Namespace) -> int:
@@ -373,7 +394,13 @@ def cmd_serve(a: argparse.Namespace) -> int:
         import mlx.core as mx
 
         dtype = getattr(mx, a.storage_dtype)
-    serve(a.method, a.rest, storage_dtype=dtype)
+    own = [  # velox serve's documented options, handed on to mlx_lm.server as given
+        x
+        for flag, v in (("--model", a.model), ("--host", a.host), ("--port", a.port))
+        if v is not None
+        for x in (flag, str(v))
+    ]
+    serve(a.method, [*own, *a.rest], storage_dtype=dtype)
     return 0
 
 

@@ -193,7 +193,9 @@ def add_parser(sub) -> None:
     p.add_argument("--memory", required=True, help="memory MLX may use: 24, 24GB, 24GiB, 512MB")
     p.add_argument("--context", required=True, help="prompt tokens: 32768, 32k, 1m")
     p.add_argument("--batch", default="1", help="sequences at once (default 1)")
-    p.add_argument("--weights", choices=list(WEIGHTS), default="4bit", help="a shape's weights")
+    p.add_argument(
+        "--weights", choices=list(WEIGHTS), default="4bit", help="a shape's weights (default 4bit)"
+    )
     p.add_argument("--methods", nargs="+", metavar="SPEC", help="only these specs")
     p.add_argument("--all", action="store_true", help="list the settings that do not fit too")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")

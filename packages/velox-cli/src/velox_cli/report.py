@@ -15,6 +15,7 @@ __all__ = [
     "layout",
     "markdown",
     "methods_table",
+    "ppl_noise",
     "print_report",
     "rows_from_json",
     "table",
@@ -23,8 +24,8 @@ __all__ = [
 
 COLUMNS = (
     "spec",
-    "bytes/token",
-    "vs fp16",
+    "held bytes/token",
+    "vs fp16 held",
     "KL",
     "top-1",
     "ppl",
@@ -86,8 +87,8 @@ def _nonfinite(r: Row) -> str:
 # The table's own column heads (narrow: a head breaks where a cell would not).
 HEADS = {
     "spec": "spec",
-    "bytes/token": "bytes/\ntoken",
-    "vs fp16": "vs\nfp16",
+    "held bytes/token": "held\nB/\ntoken",
+    "vs fp16 held": "vs\nfp16\nheld",
     "KL": "KL",
     "top-1": "top-1",
     "ppl": "ppl",
@@ -179,13 +180,13 @@ def closing_lines(rows: list[Row], info: dict) -> list[str]:
 
     model = Path(str(info.get("model", "the model"))).name
     bands = " and ".join(f"{_fmt_ratio(p / BAND)}-{_fmt_ratio(p * BAND)}" for p in POINTS)
-    out = [f"best setting on {model} (lowest KL among rows {bands} fewer bytes than fp16):"]
+    out = [f"best setting on {model} (lowest KL among rows {bands} fewer held bytes than fp16):"]
     for point in POINTS:
         i, _ = best_at(rows, point)
         head = f"  about {_fmt_ratio(point)}:"
         if i is None:
             lo, hi = _fmt_ratio(point / BAND), _fmt_ratio(point * BAND)
-            out.append(f"{head} no row measured {lo}-{hi} fewer bytes than fp16")
+            out.append(f"{head} no row measured {lo}-{hi} fewer held bytes than fp16")
         else:
             r = rows[i]
             out.append(f"{head} #{i + 1} {r.spec} ({r.compression_ratio:.2f}x, KL {r.kl:.4f})")
@@ -271,13 +272,24 @@ def notes(rows: list[Row], info: dict, cols: list[str]) -> list[str]:
 
     out = [
         f"{FRONT_MARK}, bold: on the Pareto front, as ringed in the chart: no other row has both "
-        "fewer bytes/token and a lower KL"
+        "fewer held bytes/token and a lower KL"
         + (
             f" (KLs at or below {kl_floor([r.kl for r in rows if drawable(r)]):.0e} count as equal)"
             if any(drawable(r) for r in rows)
             else ""
         )
     ]
+    tokens = info.get("fp16_tokens")
+    out.append(
+        "held bytes: the bytes of the tokens a cache holds, every cache counted alike, fp16 "
+        "and mlx-lm's quantized caches included: the rows of its arrays that hold tokens, with "
+        "a velox cache's fitted and policy state, not the buffers' unused capacity (--json "
+        "gives it in resident_bytes); vs fp16 held: fp16's held bytes over the row's"
+        + (f", on the same {tokens:,} tokens" if isinstance(tokens, int) else "")
+    )
+    noise = ppl_noise(rows, info)
+    if noise:
+        out.append(noise)
     if "non-finite" not in _shown(rows):
         out.append("non-finite: no row had NaN/inf log-probs or cache entries")
     left = [c for c in _shown(rows) if c not in cols]
@@ -289,11 +301,47 @@ def notes(rows: list[Row], info: dict, cols: list[str]) -> list[str]:
             f"left out at this width: {', '.join(left)} (a terminal of {need} columns or "
             f"COLUMNS={need} shows them; --json and --markdown keep every column)"
         )
+    for skip in info.get("skipped") or []:
+        out.append(f"skipped {skip['spec']}: {skip['reason']}")
     if info.get("jobs", 1) > 1:
         out.append(JOBS_NOTE.format(jobs=info["jobs"]))
     if "transfer" in info:
         out.append(TRANSFER_NOTE.format(**info["transfer"]))
     return out
+
+
+def ppl_noise(rows: list[Row], info: dict) -> str:
+    """A note on the rows whose perplexity is below fp16's (a lossy cache does not predict
+    better): the band of fp16's own perplexity over the scored tokens, two standard errors of
+    its mean token loss (``info["fp16_nll_se"]``), within which such differences are sample
+    noise. "" when no row is below fp16's."""
+    ref = info.get("fp16_ppl")
+    if not isinstance(ref, (int, float)) or not math.isfinite(ref):
+        return ""
+    below = [
+        i
+        for i, r in enumerate(rows)
+        if r.error is None
+        and r.method != "fp16"
+        and isinstance(r.ppl, (int, float))
+        and math.isfinite(r.ppl)
+        and r.ppl < ref
+    ]
+    if not below:
+        return ""
+    se, n = info.get("fp16_nll_se"), info.get("scored_tokens")
+    marks = ", ".join(f"#{i + 1}" for i in below)
+    band = ""
+    if isinstance(se, (int, float)) and math.isfinite(se):
+        pct = (math.exp(2 * se) - 1) * 100
+        band = f"; over these {n} scored tokens fp16's own perplexity is uncertain by +-{pct:.0f}%"
+        band += " (two standard errors of its mean token loss)"
+    verb = "prints" if len(below) == 1 else "print"
+    return (
+        f"ppl: {marks} {verb} a lower perplexity than fp16's {ref:.3f}{band}: sample noise, "
+        "not a better cache (a lossy cache's KL against fp16 is its loss; --samples and "
+        "--continuation score more tokens)"
+    )
 
 
 def table(rows: list[Row], info: dict, width: int = 120) -> Table:

@@ -32,6 +32,8 @@ __all__ = [
     "build_caches",
     "default_specs",
     "parse",
+    "plain_caches",
+    "quick_specs",
 ]
 
 BASELINES = ("fp16", "mlx-q4", "mlx-q8")
@@ -160,6 +162,31 @@ def default_specs() -> list[Spec]:
     return out
 
 
+# velox bench's default: fp16 and mlx-lm's 4-bit cache, then a few recommended specs that
+# span the families (affine codes, KIVI, rotated Lloyd-Max and polar codes, eviction with
+# codes) at about 3.5x to 8x; --all runs every installed method's recommended settings
+QUICK = (
+    "fp16",
+    "mlx-q4",
+    "uniform:bits=4",
+    "kivi:bits=2,group=32,window=128",
+    "turboquant:bits=3",
+    "polarquant:bits=3",
+    "snapkv:budget=1024,bits=4,group=32",
+)
+
+
+def quick_specs() -> list[Spec]:
+    """The quick subset (:data:`QUICK`) of the installed methods, in that order."""
+    have = set(methods())
+    out = []
+    for text in QUICK:
+        name = parse_spec(text)[0]
+        if name in BASELINES or name in have:
+            out.append(Spec(text, name, parse_spec(text)[1]))
+    return out
+
+
 def build_caches(spec: Spec, model: Any, store: mx.Dtype | None) -> list:
     """Fresh per-layer caches for ``spec`` (``store``: storage dtype, None = the model's)."""
     if spec.name == "fp16":
@@ -180,3 +207,16 @@ def build_caches(spec: Spec, model: Any, store: mx.Dtype | None) -> list:
 def describe_params(name: str) -> dict[str, Any]:
     """Parameters and defaults of an installed method (for ``velox methods``)."""
     return method_params(name)
+
+
+def plain_caches(caches: list) -> list:
+    """``caches`` with the baselines' float16-storing subclasses as mlx-lm's own classes,
+    holding the same arrays (what ``velox_core.save_cache`` writes and mlx-lm reads)."""
+    out = []
+    for c in caches:
+        if isinstance(c, StoredQuantizedKVCache):
+            c = QuantizedKVCache.from_state(c.state)
+        elif isinstance(c, StoredKVCache):
+            c = KVCache.from_state(c.state)
+        out.append(c)
+    return out

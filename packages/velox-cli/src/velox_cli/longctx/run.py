@@ -48,7 +48,7 @@ from mlx_lm.models.cache import RotatingKVCache
 
 from velox_core import routed
 
-from ..evaluate import after_prefill, greedy, prefill, teacher_force
+from ..evaluate import after_prefill, greedy, held_bytes, prefill, teacher_force
 from ..specs import Spec, build_caches, parse
 from .cells import Cell, aggregate, wilson
 from .tasks import Prompt, TaskSpec, make_prompts, parse_task
@@ -85,27 +85,6 @@ def spec_check(text: str) -> Spec:
             raise ValueError(f"{text!r}: a budget share must be in (0, 100]%, got {m.group(0)}")
     parse(resolve_spec(text, 4096))  # validates names and parameters
     return Spec(text, parse(resolve_spec(text, 4096)).name)
-
-
-def held_bytes(cache: Any) -> int:
-    """Bytes of the tokens a cache holds, counted the same way for every cache class: a velox
-    cache's buffers without their unused capacity (plus fitted and policy state), and for
-    mlx-lm's ``KVCache`` / ``QuantizedKVCache`` / ``RotatingKVCache`` the slices of their
-    buffers that hold tokens (mlx-lm allocates 256 tokens at a time)."""
-    if hasattr(cache, "logical_nbytes"):
-        return int(cache.logical_nbytes)
-    keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)
-    offset = getattr(cache, "offset", None)
-    if keys is None or not isinstance(offset, int):
-        return int(getattr(cache, "nbytes", 0))
-
-    def part(x) -> int:
-        if isinstance(x, (tuple, list)):
-            return sum(part(y) for y in x)
-        n = min(offset, x.shape[-2])
-        return x[..., :n, :].nbytes
-
-    return part(keys) + part(values)
 
 
 SPLITS = ("auto", "prompts", "specs")
