@@ -22,7 +22,12 @@ import nox
 ROOT = Path(__file__).parent
 PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").is_file())
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
-TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "pytest-benchmark>=4"]
+TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "pytest-benchmark>=4", "pytest-xdist>=3.5"]
+# The longest test runs spread over the machine's cores (pytest-xdist, one test file per worker
+# so a file's module fixtures are built once); the many small packages run in one process,
+# where a worker's start-up (importing MLX and mlx-lm) would cost more than it saves.
+PARALLEL = ["-n", "auto", "--dist", "loadfile"]
+PARALLEL_PACKAGES = {"velox-core", "velox-cli"}
 
 nox.options.sessions = ["lint", "tests", "integration", "build"]
 nox.options.default_venv_backend = "uv|virtualenv"
@@ -54,8 +59,14 @@ def tests(session: nox.Session, package: str) -> None:
     """One package, velox-core and velox-testing only: proves it installs and works by itself."""
     targets = {_pkg("velox-core"), _pkg("velox-testing"), _pkg(package)}
     session.install(*TEST_DEPS, *sorted(targets))
+    spread = PARALLEL if package in PARALLEL_PACKAGES else []
     session.run(
-        "pytest", "-q", str(ROOT / "packages" / package / "tests"), *session.posargs, env=_env()
+        "pytest",
+        "-q",
+        *spread,
+        str(ROOT / "packages" / package / "tests"),
+        *session.posargs,
+        env=_env(),
     )
 
 
@@ -64,7 +75,14 @@ def integration(session: nox.Session) -> None:
     """Every package installed together; the cross-package tests in tests/."""
     session.install(*TEST_DEPS, *(_pkg(p) for p in PACKAGES))
     session.run(
-        "pytest", "-q", str(ROOT / "tests"), "-m", "not processes", *session.posargs, env=_env()
+        "pytest",
+        "-q",
+        *PARALLEL,
+        str(ROOT / "tests"),
+        "-m",
+        "not processes",
+        *session.posargs,
+        env=_env(),
     )
 
 

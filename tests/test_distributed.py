@@ -10,7 +10,9 @@ rank's JSON line is required.
 from __future__ import annotations
 
 import json
+import random
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -121,11 +123,33 @@ WORKER = textwrap.dedent(
 )
 
 
+def _free_ports(n: int) -> int:
+    """The first of ``n`` consecutive free local ports: ``mlx.launch`` gives rank ``i`` the
+    port ``--starting-port + i`` (default 32323), so two launches at once (pytest-xdist's
+    workers) would otherwise meet on the same ports."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 60000 - n)
+        held = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports found")
+
+
 def _launcher(n: int = 2) -> list[str]:
     exe = shutil.which("mlx.launch", path=str(Path(sys.executable).parent))
     if exe is None:
         pytest.skip("mlx.launch is not installed")
-    return [exe, "--backend", "ring", "-n", str(n)]
+    return [exe, "--backend", "ring", "-n", str(n), "--starting-port", str(_free_ports(n))]
 
 
 def _run(folder: Path, where: str, plan: list, n: int = 2) -> tuple[list[dict], str]:
