@@ -23,8 +23,9 @@ class RocketKVConfig(EvictionConfig):
             SnapKV++ keeps and one token for each page summary of the body (a key minimum and
             maximum: a token's key and value in size). ``budget=1024`` with 3-token pages keeps
             768 tokens and their 256 summaries.
-        every: during decode, cut again once the kept tokens are exceeded by ``every`` (32;
-            None: the paper, which evicts at prefill only and keeps every generated token).
+        every: during decode, cut again once the kept tokens are exceeded by ``every`` (None,
+            the paper: evict at prefill only and keep every generated token; 32 bounds a
+            long generation, at the cost of keeping the observation window's queries).
         observe: SnapKV++'s observation window (the paper's window size, 32).
         kernel: odd pooling kernel of the votes (the authors' code: 63).
         pooling: ``"max"`` (the authors' code) or ``"avg"``.
@@ -38,7 +39,6 @@ class RocketKVConfig(EvictionConfig):
             dim (None: ``round(D page / ratio)``, half the channels at the default ratio).
     """
 
-    every: int | None = 32
     observe: int = 32
     kernel: int = 63
     pooling: str = "max"

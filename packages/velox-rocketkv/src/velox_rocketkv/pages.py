@@ -57,7 +57,7 @@ class PageSummaries:
 
     def __init__(self, page: int):
         self.page = page
-        self.store = PackedStore(16)
+        self.store = PackedStore(4)
         self.covered = 0
         self.stale = True
 
