@@ -217,13 +217,15 @@ def test_the_papers_split():
     assert topk_for(768, 6) == 64 and topk_for(5, 6) == 1
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.integers(0, 3000), st.integers(1, 40))
-def test_body_capacity_is_the_most_tokens_whose_summaries_fit(room, page):
-    n = body_capacity(room, page)
-    assert n + -(-n // page) <= room
-    assert n + 1 + -(-(n + 1) // page) > room
-    assert body_capacity(room, None) == room
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 3000), st.integers(1, 40), st.sampled_from([1.0, 0.5, 1.6, 3.2, 7.0]))
+def test_body_capacity_is_the_most_tokens_whose_summaries_fit(room, page, weight):
+    n = body_capacity(room, page, weight)
+    assert n + weight * -(-n // page) <= room + 1e-9
+    assert n + 1 + weight * -(-(n + 1) // page) > room
+    assert body_capacity(room, None, weight) == room
+    if weight == 1.0:
+        assert n == room - -(-room // (page + 1))
 
 
 def test_defaults_follow_the_split():
@@ -387,6 +389,32 @@ def test_state_and_files_carry_the_summaries(tmp_path):
         RocketKVPolicy(budget=120, observe=8, ratio=None).set_state(
             {"pages.kt": mx.zeros((1, 2, 5, 2 * D))}, {}
         )
+
+
+def test_coded_tokens_leave_room_for_summaries_at_their_bytes():
+    """With 4-bit codes a summary (fp16) weighs 3.2 coded tokens: a cut keeps 495 of
+    budget=1024, and tokens plus summaries hold no more bytes than 1024 coded tokens; a
+    budget that leaves no voted token at those weights is refused at make_cache."""
+    model = tiny_model("llama", head_dim=D, hidden_size=256)
+    prompt = mx.random.randint(0, 512, (1, 1600), key=mx.random.key(8))
+    caches = make_cache(
+        model, RocketKVCache(budget=1024, bits=4, group=32), storage_dtype=mx.float16
+    )
+    with routed(model):
+        model(prompt[:, :1024], cache=caches)
+        model(prompt[:, 1024:], cache=caches)
+        model(mx.array([[3]]), cache=caches)  # the cut the last chunk owes, then one step
+    c = caches[0]
+    pol = c.policy
+    assert pol.summary_weight(c) == pytest.approx(3.2)
+    assert c.body_sizes()[0] == body_capacity(1024, 3, 3.2) + 1 == 496
+    per_token = (c.logical_nbytes - pol.nbytes) / c.size()  # codes and position, every head
+    page_bytes = pol.pages.state()["kt"].nbytes / -(-496 // 3)
+    assert page_bytes == pytest.approx(3.2 * (per_token - 4 * c.kv_heads))  # positions aside
+    assert 495 * per_token + -(-495 // 3) * page_bytes <= 1024 * per_token
+    with pytest.raises(ValueError, match="a summary the bytes of 3.20 kept tokens"):
+        make_cache(model, RocketKVCache(budget=64, bits=4, group=32))
+    assert make_cache(model, RocketKVCache(budget=64))[0].method == "rocketkv"
 
 
 def test_channels_above_the_head_dim_are_refused_at_make_cache():

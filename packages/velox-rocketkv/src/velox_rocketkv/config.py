@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import mlx.core as mx
+
 from velox_core.cache.eviction import EvictionConfig
+from velox_core.cache.preset import kept_codecs
+from velox_core.codec.identity import Identity
 from velox_core.policy import WindowVote
 
+from .pages import summary_weight
 from .sparse import sparse_settings
 from .split import body_capacity
 
@@ -20,9 +25,10 @@ class RocketKVConfig(EvictionConfig):
 
     Attributes:
         budget: per KV head, everything a layer keeps: sinks, window, the body tokens
-            SnapKV++ keeps and one token for each page summary of the body (a key minimum and
-            maximum: a token's key and value in size). ``budget=1024`` with 3-token pages keeps
-            768 tokens and their 256 summaries.
+            SnapKV++ keeps and the page summaries of the body, each at its bytes over a kept
+            token's (a key minimum and maximum: one token's worth in fp16, about 3.2 for 4-bit
+            codes). ``budget=1024`` with 3-token pages keeps 768 fp16 tokens and their 256
+            summaries, or 495 tokens in 4-bit codes.
         every: during decode, cut again once the kept tokens are exceeded by ``every`` (None,
             the paper: evict at prefill only and keep every generated token; 32 bounds a
             long generation, at the cost of keeping the observation window's queries).
@@ -51,18 +57,35 @@ class RocketKVConfig(EvictionConfig):
         super().__post_init__()
         WindowVote(self.observe, self.kernel, self.pooling)  # raises on a bad setting
         self.stage2 = sparse_settings(self.ratio, self.topk, self.page, self.channels)
+        self._check_room(1.0)  # fp16 tokens; check_dims again with the codes' bytes
+
+    def check_dims(self, key_dim: int, value_dim: int) -> None:
+        """``channels`` (a count) must not exceed the key head dim, and with the tokens' codes
+        (``bits``) at these widths the budget must still leave a voted token beside the
+        summaries (fp16 storage)."""
+        if self.stage2 is None:
+            return
+        self.stage2.channel_count(key_dim)
+        codecs = kept_codecs(self)
+        ident = Identity()
+        w = summary_weight(
+            codecs.get("key_codec", ident),
+            codecs.get("value_codec", ident),
+            key_dim,
+            value_dim,
+            mx.float16,
+        )
+        self._check_room(w)
+
+    def _check_room(self, weight: float) -> None:
         page = None if self.stage2 is None else self.stage2.page_size
-        body = body_capacity(self.budget - self.sinks - self.window, page)
+        body = body_capacity(self.budget - self.sinks - self.window, page, weight)
         need = max(0, self.observe - self.window)
         if body <= need:
             raise ValueError(
                 f"budget={self.budget} leaves {body} body tokens beside their page summaries "
-                f"(page={page}) after sinks={self.sinks} and window={self.window}; they must "
-                f"exceed the {need} observation-window tokens (observe={self.observe}) so that "
-                "at least one voted token fits: raise budget"
+                f"(page={page}, a summary the bytes of {weight:.2f} kept tokens) after "
+                f"sinks={self.sinks} and window={self.window}; they must exceed the {need} "
+                f"observation-window tokens (observe={self.observe}) so that at least one "
+                "voted token fits: raise budget"
             )
-
-    def check_dims(self, key_dim: int, value_dim: int) -> None:
-        """``channels`` (a count) must not exceed the key head dim."""
-        if self.stage2 is not None:
-            self.stage2.channel_count(key_dim)

@@ -19,10 +19,11 @@ their codes) and the window. The summaries are kept in step with the body and ar
 policy's state (counted in the cache's bytes, saved with it).
 
 **The budget.** ``budget`` counts, per KV head, the sinks, the window, the kept body tokens and
-one token for each page summary (a minimum and a maximum key: a token's key and value where
-keys and values have the same width), so the layer's bytes stay within the budget as every
-velox eviction preset's do: a cut keeps :func:`~velox_rocketkv.split.body_capacity` body
-tokens (768 of ``budget=1024`` with 3-token pages, their 256 summaries the rest). Cuts come as
+the page summaries, each summary at its bytes over a kept token's (a minimum and a maximum key
+in the storage dtype: one token's worth for fp16 keys and values of equal width, about 3.2
+for 4-bit codes), so the layer's bytes stay within the budget's tokens' bytes: a cut keeps
+:func:`~velox_rocketkv.split.body_capacity` body tokens (768 of ``budget=1024`` in fp16 with
+3-token pages, their 256 summaries the rest; 495 with ``bits=4, group=32``). Cuts come as
 SnapKV's do (after each prefill chunk, or once at the prompt's end with ``prefill="prompt"``;
 with ``every``, again during decode).
 """
@@ -37,7 +38,7 @@ from velox_core.cache.attention import Segment
 from velox_core.policy import WindowVotePolicy
 from velox_core.policy.base import warn_unbounded
 
-from .pages import PageSummaries
+from .pages import PageSummaries, summary_weight
 from .sparse import select_tokens, sparse_settings
 from .split import body_capacity
 
@@ -83,13 +84,30 @@ class RocketKVPolicy(WindowVotePolicy):
         self.ratio, self.topk, self.page, self.channels = ratio, topk, page, channels
         self.pages = None if self.sparse is None else PageSummaries(self.sparse.page_size)
         self.sparse_steps = 0
+        self._weight: tuple | None = None  # ((widths, dtype), summary_weight)
 
     # -- the budget ------------------------------------------------------------------------
     def body_budget(self, cache) -> int:
         """Body tokens a cut keeps: those that fit beside their page summaries in the budget
-        less the sinks and window."""
+        less the sinks and window, a summary counted at its bytes over a kept token's
+        (:func:`~velox_rocketkv.pages.summary_weight`; 1 until the cache's widths are known)."""
         room = self.budget - cache.sinks - cache.window
-        return body_capacity(room, None if self.sparse is None else self.sparse.page_size)
+        if self.sparse is None:
+            return room
+        return body_capacity(room, self.sparse.page_size, self.summary_weight(cache))
+
+    def summary_weight(self, cache) -> float:
+        """A page summary's bytes over one kept token's in ``cache`` (measured once per
+        widths and dtype)."""
+        dims = getattr(cache, "_dims", None)  # None while attaching, and before any token
+        if dims is None:
+            return 1.0
+        _, _, dk, dv = dims
+        key = (dk, dv, cache._dtype)
+        if self._weight is None or self._weight[0] != key:
+            t = cache.tiers[0]
+            self._weight = (key, summary_weight(t.key_codec, t.value_codec, dk, dv, cache._dtype))
+        return self._weight[1]
 
     def attach(self, cache) -> None:
         super().attach(cache)

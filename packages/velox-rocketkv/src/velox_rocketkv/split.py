@@ -81,13 +81,23 @@ def topk_for(capacity: int, ratio: float) -> int:
     return max(1, int(capacity / ratio) // 2)
 
 
-def body_capacity(room: int, page: int | None) -> int:
-    """Body tokens that fit in ``room`` together with their page summaries, each summary
-    (a minimum and a maximum key) counted as one token: the largest ``n`` with
-    ``n + ceil(n / page) <= room``, which is ``room - ceil(room / (page + 1))``; all of
-    ``room`` without summaries (``page`` None)."""
+def body_capacity(room: int, page: int | None, weight: float = 1.0) -> int:
+    """Body tokens that fit in ``room`` tokens' worth together with their page summaries,
+    each summary (a minimum and a maximum key) counted as ``weight`` tokens (its bytes over a
+    kept token's: 1 for fp16 keys and values of equal width): the largest ``n`` with
+    ``n + weight * ceil(n / page) <= room`` (for ``weight`` 1, ``room - ceil(room / (page +
+    1))``); all of ``room`` without summaries (``page`` None)."""
     if room <= 0:
         return 0
     if page is None:
         return room
-    return room - -(-room // (page + 1))
+
+    def fits(n: int) -> bool:
+        return n + weight * -(-n // page) <= room + 1e-9
+
+    n = min(room, int(room * page / (page + weight)))
+    while n > 0 and not fits(n):
+        n -= 1
+    while n < room and fits(n + 1):
+        n += 1
+    return n
