@@ -2,9 +2,9 @@
 
 One layer's cache of the reference model's KV shape (2 KV heads, 4 query heads, head dim 128,
 fp16) is filled with ``--context`` tokens of model-like keys and values in 512-token chunks
-(routed, so SnapKV++ cuts it to ``--budget``), then ``--steps`` decode steps each store one
-token and attend one query. Per step and layer, the median and the least wall time of (taken
-in turn, so that a load on the machine falls on each alike):
+and one more token (routed, so SnapKV++ cuts it to ``--budget``), then ``--steps`` decode steps
+each store one token and attend one query. Per step and layer, the median and the least wall
+time of (taken in turn, so that a load on the machine falls on each alike):
 
 * ``rocketkv``: the whole step (store, page summaries brought up to date, approximate scores,
   top-k, gather, exact attention over the top-k);
@@ -50,9 +50,12 @@ SCALE = DIM**-0.5
 
 
 def filled(cache, context: int):
-    k, v = kv_data(t=context, h=HEADS, d=DIM, seed=0)
+    """``cache`` after ``context`` tokens in 512-token chunks and one more token (the update
+    that makes the cut the last chunk owes)."""
+    k, v = kv_data(t=context + 1, h=HEADS, d=DIM, seed=0)
     for s in range(0, context, 512):
         cache.update_and_fetch(k[:, :, s : s + 512], v[:, :, s : s + 512])
+    cache.update_and_fetch(k[:, :, context:], v[:, :, context:])
     mx.eval([a for s in cache._stores() for a in s.arrays()])
     return cache
 
