@@ -422,3 +422,27 @@ def test_channels_above_the_head_dim_are_refused_at_make_cache():
     with pytest.raises(ValueError, match="channels=100 exceeds the key head dim 64"):
         make_cache(model, "rocketkv:budget=256,channels=100")
     assert make_cache(model, "rocketkv:budget=256,channels=64")[0].method == "rocketkv"
+
+
+def test_prefill_prompt_cuts_once_at_the_prompts_end_as_one_chunk_does():
+    """prefill="prompt": the prompt's chunks are held whole and cut at the first decode step,
+    keeping what the prompt prefilled in one chunk keeps (its last queries vote once)."""
+    model = tiny_model("llama", head_dim=D, hidden_size=256)
+    prompt = mx.random.randint(0, 512, (1, 700), key=mx.random.key(9))
+
+    def run(chunk, prefill):
+        caches = make_cache(model, RocketKVCache(budget=160, prefill=prefill))
+        with routed(model):
+            for s in range(0, 700, chunk):
+                model(prompt[:, s : s + chunk], cache=caches)
+            held = [c.size() for c in caches]
+            mx.eval(model(mx.array([[5]]), cache=caches))
+        return held, [[np.array(p).tolist() for p in c.body_positions()] for c in caches]
+
+    held, chunked = run(128, "prompt")
+    assert held == [700] * len(held)  # nothing cut during the prompt
+    _, once = run(700, "prompt")
+    assert chunked == once
+    _, per_chunk = run(128, "chunks")
+    assert per_chunk != once  # cuts after each chunk keep other tokens
+    assert all(len(row) == body_capacity(160, 3) + 1 for ly in once for hd in ly for row in hd)
