@@ -83,6 +83,7 @@ def test_every_package_registered():
         "squeeze",
         "expected-attention",
         "chunkkv",
+        "rocketkv",
         "qfilters",
         "nestedkv",
         "adakv",

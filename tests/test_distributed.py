@@ -182,6 +182,7 @@ SHARDED = [
     "polarquant",
     "morphkv:budget=48",
     "squeeze:budget=48",
+    "rocketkv:budget=48",
 ]
 SHARD_REFUSED = {
     "xkv:layer_group=2,key_rank=64,value_rank=64": "SVD of the channels of all KV heads",

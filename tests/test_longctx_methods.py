@@ -64,6 +64,7 @@ def test_eviction_and_composition_on_the_reference_model(question):
         "tova:budget=25%",
         "h2o:budget=25%",
         "kvzip:budget=25%",
+        "rocketkv:budget=25%",
     ],
 )
 def test_question_after_compresses_the_context_once(spec):
@@ -111,6 +112,10 @@ def test_question_after_compresses_the_context_once(spec):
     heads = [len(layer_b) for layer_b in before]
     if spec.startswith(("pyramidkv", "squeeze", "kvzip")):
         assert sum(kept) == sum(heads) * budget, (kept, budget)
+    elif spec.startswith("rocketkv"):  # its budget holds the kept tokens' page summaries too
+        from velox_rocketkv import body_capacity
+
+        assert kept == [h * body_capacity(budget, 3) for h in heads], (kept, budget)
     else:
         assert kept == [h * budget for h in heads], (kept, budget)
 
@@ -135,7 +140,14 @@ def test_split_by_specs_gives_the_trials_split_by_prompts_gives(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "spec", ["snapkv:budget=25%", "adakv:budget=25%", "h2o:budget=25%", "squeeze:budget=25%"]
+    "spec",
+    [
+        "snapkv:budget=25%",
+        "adakv:budget=25%",
+        "h2o:budget=25%",
+        "squeeze:budget=25%",
+        "rocketkv:budget=25%",
+    ],
 )
 def test_question_inside_compresses_the_whole_prompt_once_at_its_end(spec):
     """The query-aware setting: a prompt prefilled in chunks smaller than itself is held

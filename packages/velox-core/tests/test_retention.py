@@ -232,3 +232,59 @@ def test_set_body_values_recodes_the_named_body_tokens():
             c.set_body_values(0, mx.ones((1, 3, 2, 64)))
     with pytest.raises(ValueError, match="needs a cache with a retention policy"):
         VeloxCache().set_body_values(0, new)
+
+
+class OddTokens(RetentionPolicy):
+    """Attends, at a decode step, the body tokens at odd indices only (a sparse decode)."""
+
+    name = "odd-tokens-test"
+
+    def __init__(self, budget=None, every=None):
+        super().__init__(budget, every)
+        self.calls = 0
+
+    def decode_segments(self, cache, queries, scale):
+        self.calls += 1
+        segs = cache.segments()
+        odd = mx.arange(1, segs[1].tokens, 2)  # sinks | body | window: the body's odd tokens
+        body = segs[1]
+        picked = type(body)(
+            body.key_codec, body.keys.take(odd), body.value_codec, body.values.take(odd)
+        )
+        return [segs[0], picked, segs[2]]
+
+
+def test_a_policy_picks_the_tokens_a_decode_step_attends():
+    """RetentionPolicy.decode_segments: a single decode query attends the segments the policy
+    returns (here sinks, the body's odd tokens and the window), one softmax over them; calls
+    of several queries, and the base policy (None), attend every stored token."""
+    k, v = kv_data(t=60)
+    pol = OddTokens()
+    c = VeloxCache(sinks=4, window=6, policy=pol)
+    c.update_and_fetch(k, v)
+    kk, vv = c.keys_and_values()
+    q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(3)).astype(mx.float16)
+    keep = [*range(4), *range(5, 54, 2), *range(54, 60)]  # sinks | odd body tokens | window
+    idx = mx.array(keep)
+    got = c.attend(q, scale=0.125)
+    ref = attend(q, [_plain(kk[:, :, idx], vv[:, :, idx])], 0.125)
+    full = attend(q, [_plain(kk, vv)], 0.125)
+    assert pol.calls == 1
+    assert rel_error(got, ref) < 1e-3 and rel_error(got, full) > 1e-2
+    q3 = mx.random.normal((1, 4, 3, 128), key=mx.random.key(4)).astype(mx.float16)
+    assert (
+        rel_error(c.attend(q3, 0.125, mask="causal"), attend(q3, c.segments(), 0.125, "causal"))
+        < 1e-3
+    )
+    assert pol.calls == 1  # not asked for several queries
+    base_c = VeloxCache(sinks=4, window=6, policy=RetentionPolicy())
+    base_c.update_and_fetch(k, v)
+    assert rel_error(base_c.attend(q, scale=0.125), full) < 1e-3
+
+
+def _plain(k, v):
+    from velox_core.cache.attention import Segment
+    from velox_core.codec.identity import Identity
+
+    ident = Identity()
+    return Segment(ident, ident.encode(k), ident, ident.encode(v))

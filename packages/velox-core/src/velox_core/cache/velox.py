@@ -445,7 +445,8 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
     def attend(
         self, queries: mx.array, scale: float, mask=None, sinks: mx.array | None = None
     ) -> mx.array:
-        """Attention of ``queries`` over every stored token, one joint softmax.
+        """Attention of ``queries`` over every stored token, one joint softmax (for one
+        decode query, over the tokens the policy picks: ``RetentionPolicy.decode_segments``).
 
         Shapes:
             queries ``(B, Hq, L, Dk)``; returns ``(B, Hq, L, Dv)``.
@@ -463,6 +464,10 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
         if self.ragged:
             return self._attend_ragged(queries, scale, mask, sinks)
         lq = queries.shape[2]
+        if lq == 1 and self.policy is not None and (mask is None or isinstance(mask, str)):
+            picked = self.policy.decode_segments(self, queries, scale)  # sparse decode
+            if picked is not None:
+                return attend(queries, picked, scale, None, sinks, self.fused_above)
         if lq <= self.fused_above and (mask is None or lq == 1) and sinks is None:
             out = self._planned(self, queries, scale)
             if out is not None:

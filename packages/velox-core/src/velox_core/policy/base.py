@@ -103,6 +103,19 @@ class RetentionPolicy(Configured):
     def after_update(self, cache, start: int) -> None:
         """Called after tokens ``[start, cache.offset)`` were stored."""
 
+    def decode_segments(self, cache, queries: mx.array, scale: float) -> list | None:
+        """The stored tokens one decode step attends (sparse attention), or None: all of them.
+
+        Called by ``VeloxCache.attend`` for a single query per sequence (no mask array), after
+        :meth:`observe`; the segments (:class:`velox_core.cache.attention.Segment`, in
+        temporal order) are attended with one joint softmax instead of every stored token.
+        The base policy attends every token; velox-rocketkv's picks its top-k tokens.
+
+        Shapes:
+            queries ``(B, Hq, 1, D)``, post-RoPE.
+        """
+        return None
+
     def before_update(self, cache, incoming: int) -> None:
         """Evict down to the budget when due (see the module docstring)."""
         after_chunk, self._chunk_pending = self._chunk_pending, incoming > 1
