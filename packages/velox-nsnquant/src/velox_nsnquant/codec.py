@@ -39,7 +39,7 @@ from .transform import Rotation, nsn
 __all__ = ["TILE", "NSNQuantCodec"]
 
 TILE = 1024  # tokens the reference path decodes at once
-_ROWS = 1 << 22  # distance entries per block of a nearest-codeword search
+_ROWS = 1 << 20  # distance entries per block of a nearest-codeword search (4 MiB of floats)
 
 
 class NSNQuantCodec(Codec):
@@ -104,15 +104,25 @@ class NSNQuantCodec(Codec):
 
     # -- coding ------------------------------------------------------------------------------
     def _search(self, y: mx.array) -> mx.array:
-        """Nearest codeword of each sub-vector. Shapes: y ``(N, dim)``; returns uint32
-        ``(N,)``."""
+        """Nearest codeword of each sub-vector, a block of rows at a time (each block's
+        distances evaluated and freed before the next exist: a prefill chunk's transient is
+        one block, not a distance for every sub-vector and codeword).
+
+        Shapes: y ``(N, dim)``; returns uint32 ``(N,)``.
+        """
         book = codebook(self.bits)
         ct = mx.swapaxes(book, 0, 1) * -2.0
         cn = mx.sum(book * book, axis=-1)
         step = max(1, _ROWS // book.shape[0])
-        parts = [mx.argmin(cn + y[i : i + step] @ ct, axis=-1) for i in range(0, y.shape[0], step)]
-        out = parts[0] if len(parts) == 1 else mx.concatenate(parts)
-        return out.astype(mx.uint32)
+        if y.shape[0] <= step:
+            return mx.argmin(cn + y @ ct, axis=-1).astype(mx.uint32)
+        mx.eval(y)
+        parts = []
+        for i in range(0, y.shape[0], step):
+            part = mx.argmin(cn + y[i : i + step] @ ct, axis=-1).astype(mx.uint32)
+            mx.eval(part)
+            parts.append(part)
+        return mx.concatenate(parts)
 
     def _codewords(self, codes: mx.array, d: int) -> mx.array:
         """The codewords of packed codes: float32 ``(..., T, D)``."""

@@ -24,5 +24,9 @@ METHOD = Method.of(
     "reads its lower neighbour's codes with its own scales (cross-layer pairs)",
     paper="https://arxiv.org/abs/2510.11236",
     codecs=(XQuantCodes,),
-    recommended=({"bits": 2}, {"bits": 2, "share_from": None}, {"bits": 4, "share_from": None}),
+    recommended=(
+        {"bits": 2},
+        {"bits": 2, "share_from": None},
+        {"bits": 4, "group": 128, "window": 0, "share_from": None},
+    ),
 )

@@ -2,7 +2,7 @@
 pairs of layers that share them.
 
 Every layer codes its keys per channel (groups of ``group`` tokens) and its values per token
-(groups of ``value_group`` channels) at ``key_bits`` / ``value_bits`` (1 to 8), with XQuant's
+(groups of ``group`` channels) at ``key_bits`` / ``value_bits`` (1 to 8), with XQuant's
 data-free calibration of the zero-points and scales (:class:`~velox_xquant.codec.XQuantCodes`).
 ``velox_core.make_cache(model, "xquant:...")`` then calls :meth:`XQuantCache.link_layers`,
 which pairs each odd layer ``l >= share_from`` with layer ``l - 1`` under one
@@ -26,7 +26,6 @@ a pair's layers, which share their codes (a batch prefilled together works, and 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -78,20 +77,8 @@ class XQuantCache(LinkedLayers):
         ek = default_eta(kb) if cfg.eta is None else cfg.eta
         ev = default_eta(vb) if cfg.eta is None else cfg.eta
         keys = XQuantCodes(kb, cfg.group, axis="channel", eta=ek)
-        # value_group=None (a whole head) is set once the head dim is known (check_dims);
-        # until then a 1-channel group stands in, never used to code
-        values = XQuantCodes(vb, cfg.value_group or 1, axis="token", eta=ev)
+        values = XQuantCodes(vb, cfg.group, axis="token", eta=ev)
         return keys, values
-
-    def check_dims(self, key_dim: int, value_dim: int, dtype: Any = None) -> None:
-        """``value_group=None`` becomes the value head dim (one group a token) before the
-        codecs are asked; the config then names it, so a saved cache reloads with the same
-        groups."""
-        if self.cfg.value_group is None:
-            self.cfg = dataclasses.replace(self.cfg, value_group=value_dim)
-            old = self.tiers[0].value_codec
-            self.tiers[0].value_codec = type(old)(old.bits, value_dim, "token", old.eta)
-        super().check_dims(key_dim, value_dim, dtype)
 
     def describe(self) -> str:
         t, c = self.tiers[0], self.cfg

@@ -8,10 +8,10 @@ from velox_core import CodeWidths
 from velox_core.validation import (
     check_choice,
     check_counts,
-    check_divides,
     check_float,
     check_int,
     check_optional,
+    check_token_groups,
     check_widths,
 )
 
@@ -27,11 +27,9 @@ class XQuantConfig(CodeWidths):
     Attributes:
         bits: code width of keys and values, 1 to 8 (the paper's ultra-low widths: 1 and 2).
         key_bits, value_bits: either side alone (default ``bits``).
-        group: tokens per key group (keys are quantized per channel, KIVI's axis); the
-            reference code's 128.
-        value_group: channels per value group (values are quantized per token); None, the
-            default, is the value head dim (one group a token: the reference code's 128
-            channels at head dim 128).
+        group: group size, KIVI's: ``group`` tokens per key channel group (keys are
+            quantized per channel), ``group`` channels per value group (values per token). The
+            reference code's 32 (its shared key codes are sliced as 32-token groups).
         eta: the data-free calibration, in ``[0, 0.5)``: each group's reconstruction points
             move inward by ``eta`` of its range. None: 1/6 at one bit, 0.045 at two, 0 wider
             (the middle of the reference code's grids; wider codes are not calibrated there).
@@ -45,8 +43,7 @@ class XQuantConfig(CodeWidths):
     """
 
     bits: int = 2
-    group: int = 128
-    value_group: int | None = None
+    group: int = 32
     eta: float | None = None
     share_from: int | None = 0
     share: str = "kv"
@@ -56,7 +53,6 @@ class XQuantConfig(CodeWidths):
     def __post_init__(self):
         check_widths(self, minimum=1, bits_required=True)
         check_int("group", self.group, minimum=1)
-        check_optional(self, "value_group")
         if self.eta is not None:
             self.eta = check_float("eta", self.eta, minimum=0.0, maximum=0.5)
             if self.eta >= 0.5:
@@ -76,10 +72,6 @@ class XQuantConfig(CodeWidths):
         return self.share if layer >= self.share_from else ""
 
     def check_dims(self, key_dim: int, value_dim: int) -> None:
-        """Values are quantized per token in groups of ``value_group`` channels, so it must
+        """Values are quantized per token in groups of ``group`` channels, so ``group`` must
         divide the value head dim (key groups run along tokens: any key head dim works)."""
-        if self.value_group is not None:
-            why = "values are quantized per token in groups of `value_group` channels"
-            check_divides(
-                "xquant", "value_group", self.value_group, value_dim, "value head dim", why
-            )
+        check_token_groups("xquant", self.group, key_dim, value_dim, key_axis="channel")
