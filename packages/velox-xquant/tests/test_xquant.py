@@ -10,9 +10,13 @@ from velox_core import load_cache, make, make_cache, routed, save_cache
 from velox_core.ops import unpack
 from velox_testing import (
     CacheConformance,
+    assert_cpu_declines,
+    assert_kernel_partial,
     assert_linked_copies,
     conformance_model,
+    emulated_gpu_fixture,
     kv_data,
+    needs_gxx,
     rel_error,
     tiny_tokenizer,
 )
@@ -240,6 +244,42 @@ def test_the_higher_layers_scales_are_its_own_min_max_calibrated():
     err_pair = rel_error(up.keys_and_values()[0], k1)
     err_alone = rel_error(alone.keys_and_values()[0], k1)
     assert err_pair > err_alone
+
+
+def _linked_pair(spec_kw: dict, t: int = 256):
+    """Two caches paired by hand (layers 0 and 1), fed different keys and values."""
+    low, up = (XQuantCache(**spec_kw) for _ in range(2))
+    for i, c in enumerate((low, up)):
+        c.layer = i
+        c._link("kv")
+    XQuantPair([low, up])
+    for c, seed in ((low, 1), (up, 2)):
+        k, v = kv_data(t=t, seed=seed)
+        c.update_and_fetch(k, v)
+    return low, up
+
+
+emulated_gpu = emulated_gpu_fixture()
+
+
+@needs_gxx
+def test_the_decode_kernel_reads_a_pairs_joined_codes(emulated_gpu):
+    """On a GPU the higher layer's coded segment (the lower layer's one-bit codes, its own
+    calibrated scales) goes through velox-core's fused decode kernel as affine codes (keys per
+    channel, values per token; the kernels emulated on the CPU: about half a minute to build)
+    and equals the reference partial."""
+    _, up = _linked_pair({"bits": 1, "window": 0})
+    seg = next(s for s in up.segments() if "codes" in s.keys.data)
+    q = mx.random.normal((1, 2, 4, 128), key=mx.random.key(1)) * 0.3
+    assert_kernel_partial(
+        emulated_gpu, q, seg.key_codec, seg.keys, seg.value_codec, seg.values, 1e-4
+    )
+
+
+def test_on_the_cpu_the_kernels_decline_and_the_reference_path_reads_the_codes():
+    _, up = _linked_pair({"bits": 2, "window": 0})
+    seg = next(s for s in up.segments() if "codes" in s.keys.data)
+    assert_cpu_declines(seg.key_codec, seg.keys, seg.value_codec, seg.values)
 
 
 def test_a_higher_layer_updated_before_its_lower_layer_is_refused():
