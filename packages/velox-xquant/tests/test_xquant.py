@@ -297,6 +297,9 @@ def test_pairs_need_the_same_widths_groups_and_windows():
         make_cache(_model(2), "xquant", layers={1: "xquant:window=0"})
     with pytest.raises(ValueError, match="whose cache is UniformCache"):
         make_cache(_model(2), "xquant", layers={0: "uniform"})
+    # a lower neighbour that keeps the model's own cache leaves the layer unpaired
+    caches = make_cache(_model(2), "xquant", layers={0: "fp16"})
+    assert caches[1].group is None and caches[1].shared == ""
     # widths of a side the pair does not share may differ
     caches = make_cache(_model(2), "xquant:share=k", layers={1: "xquant:share=k,value_bits=1"})
     assert caches[1].group is caches[0].group

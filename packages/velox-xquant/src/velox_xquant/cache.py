@@ -31,7 +31,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_core import Codec, Packed
+from velox_core import Codec, Packed, VeloxCache
 from velox_core.cache.attention import Segment
 from velox_core.cache.linked import LinkedLayers
 from velox_core.cache.planned import PlannedAttention
@@ -107,7 +107,9 @@ class XQuantCache(LinkedLayers):
 
     @classmethod
     def group_fresh(cls, caches: list) -> None:
-        """Pair each fresh odd layer ``l >= share_from`` with layer ``l - 1``."""
+        """Pair each fresh odd layer ``l >= share_from`` with layer ``l - 1``; a layer whose
+        lower neighbour keeps the model's own cache (a sliding-window layer, say) codes its own,
+        one whose lower neighbour has another velox cache is refused."""
 
         def fresh(c: Any) -> bool:
             return (
@@ -125,6 +127,8 @@ class XQuantCache(LinkedLayers):
             sides = up.cfg.shares(up.layer)
             if not sides:
                 continue
+            if not isinstance(low, VeloxCache):
+                continue  # the model keeps its own cache there (a sliding-window layer)
             if not isinstance(low, XQuantCache):
                 raise ValueError(
                     f"xquant: layer {i} reads layer {i - 1}'s codes (share_from="
