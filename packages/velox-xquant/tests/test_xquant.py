@@ -259,6 +259,22 @@ def _linked_pair(spec_kw: dict, t: int = 256):
     return low, up
 
 
+def test_bytes_of_a_pair_are_the_codes_once_and_each_layers_scales():
+    """2 heads, 1,000 tokens, head dim 128, 2-bit codes in groups of 32, no window: 992 tokens
+    coded (31 key groups), 8 waiting in fp16. The lower layer holds the pair's codes and its
+    scales (2 + 1 bits an entry), the higher layer its scales alone (1 bit an entry)."""
+    low, up = _linked_pair({"bits": 2, "window": 0}, t=1000)
+    assert [s.tokens for s in up.segments()] == [992, 8]
+    codes = 992 * 2 * 128 * 2 // 8  # a side's codes, once a pair
+    key_scales = 31 * 2 * 128 * 2 * 2  # a scale and a zero a channel and 32-token group
+    value_scales = 992 * 2 * (128 // 32) * 2 * 2  # a scale and a zero a 32-channel group
+    fp16 = 8 * 2 * 128 * 2 * 2
+    assert low.logical_nbytes == 2 * codes + key_scales + value_scales + fp16 == 198_656
+    assert up.logical_nbytes == key_scales + value_scales + fp16 == 71_680
+    entries = 992 * 2 * 128
+    assert (key_scales + codes) * 8 / entries == 3.0 and key_scales * 8 / entries == 1.0
+
+
 emulated_gpu = emulated_gpu_fixture()
 
 
