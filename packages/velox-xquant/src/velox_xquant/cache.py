@@ -17,7 +17,7 @@ or 128), the fused decode kernels (GPU) or the tiled reference path read; no fp1
 stored tokens is made.
 
 Deviations from the reference code (also in docs/xquant.md): keys and values leave the fp16
-window together, a key group at a time (the reference quantizes keys a group at a time and
+window together, 64 tokens at a time (the reference quantizes its keys 128 at a time and
 streams values out of a 128-token residual); the first ``sinks`` tokens may stay in fp16;
 mlx-lm's batching of separately made caches (``merge``, ``extend``, ``filter``) is refused for
 a pair's layers, which share their codes (a batch prefilled together works, and a cache with
@@ -189,7 +189,8 @@ class XQuantCache(LinkedLayers):
         if held < rec.tokens:
             raise ValueError(
                 f"xquant: layer {self.layer} uses {rec.tokens} coded tokens of its pair, which "
-                f"holds {held}: load the whole model's caches with velox_core.load_cache"
+                f"holds {held}: load the whole model's caches with velox_core.load_cache, "
+                "and trim both layers of a pair by the same count"
             )
         if held > rec.tokens:
             codes = codes.slice(0, rec.tokens)
