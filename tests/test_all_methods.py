@@ -62,6 +62,8 @@ def test_every_package_registered():
         "zipcache",
         "gear",
         "kvarn",
+        "xquant",
+        "nsnquant",
         "turboquant",
         "polarquant",
         "qjl",

@@ -180,6 +180,8 @@ SHARDED = [
     "gear:bits=4,group=32",
     "curdkv:budget=48",
     "polarquant",
+    "xquant:bits=2,window=16",  # cross-layer: layer 1 reads layer 0's codes
+    "nsnquant:bits=2,group=32",
     "morphkv:budget=48",
     "squeeze:budget=48",
     "rocketkv:budget=48",
