@@ -68,13 +68,16 @@ class RocketKVConfig(EvictionConfig):
         self.stage2.channel_count(key_dim)
         codecs = kept_codecs(self)
         ident = Identity()
-        w = summary_weight(
-            codecs.get("key_codec", ident),
-            codecs.get("value_codec", ident),
-            key_dim,
-            value_dim,
-            mx.float16,
-        )
+        try:  # a code width these head dims refuse (group=32 at head dim 80) names the method
+            w = summary_weight(
+                codecs.get("key_codec", ident),
+                codecs.get("value_codec", ident),
+                key_dim,
+                value_dim,
+                mx.float16,
+            )
+        except ValueError as exc:
+            raise ValueError(f"rocketkv: {exc}") from None
         self._check_room(w)
 
     def _check_room(self, weight: float) -> None:
