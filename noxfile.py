@@ -9,6 +9,7 @@ nox -s bench               pytest-benchmark (off by default)
 nox -s docs                every README and docs block, the slow ones too (off by default)
 nox -s distributed         four processes, velox generate / serve under mlx.launch (off by default)
 nox -s plan                velox plan's shipped bytes measured again (off by default)
+nox -s vlm                 velox-vlm (mlx-vlm's models) with mlx-vlm installed (off by default)
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ from pathlib import Path
 import nox
 
 ROOT = Path(__file__).parent
-PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").is_file())
+# packages whose dependencies are too heavy for the default sessions: each has its own session
+HEAVY = ("velox-vlm",)  # mlx-vlm (opencv, datasets, mlx-audio...): nox -s vlm
+PACKAGES = sorted(
+    p.name
+    for p in (ROOT / "packages").iterdir()
+    if (p / "pyproject.toml").is_file() and p.name not in HEAVY
+)
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
 TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "pytest-benchmark>=4"]
 
@@ -81,6 +88,17 @@ def distributed(session: nox.Session) -> None:
         "processes",
         *session.posargs,
         env=_env(),
+    )
+
+
+@nox.session
+def vlm(session: nox.Session) -> None:
+    """velox-vlm's tests with mlx-vlm (its pinned range) on the tiny random-weight Qwen2-VL
+    and Gemma 3 models (not in the default run: mlx-vlm pulls in opencv, datasets and more)."""
+    targets = [_pkg("velox-core"), _pkg("velox-testing"), _pkg("velox-vlm")]
+    session.install(*TEST_DEPS, *targets)
+    session.run(
+        "pytest", "-q", str(ROOT / "packages" / "velox-vlm" / "tests"), *session.posargs, env=_env()
     )
 
 
