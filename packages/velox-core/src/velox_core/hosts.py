@@ -63,7 +63,8 @@ class Host:
             the shared attention function (see ``velox_core.mlx_lm.ROUTED_ONLY_MODEL_TYPES``).
         saved_classes: the library's cache classes ``save_cache`` may store for the layers
             velox leaves alone, by class name (a function returning them: it may import the
-            library); each is rebuilt with ``cls.from_state(state, meta_state)``.
+            library); each is rebuilt with ``cls.from_state(state, meta_state)`` (mlx-vlm's
+            caches), or ``cls.from_state(state)`` for a class without ``meta_state`` (mlx-lm's).
         generate: the function that generates with this host's models (for messages).
     """
 

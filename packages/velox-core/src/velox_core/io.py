@@ -87,18 +87,15 @@ def _encode_layer(i: int, c: Any, arrays: dict[str, mx.array]) -> dict[str, Any]
             raise ValueError(f"cannot save layer {i}: cache class {cls} is not supported")
     items = _items(i, c, arrays)
     if host is not None:
+        out = {"kind": "host", "host": host.name, "class": cls, "items": items}
+        out["nested"] = _shape(c.state)
+        if not hasattr(type(c), "meta_state"):  # mlx-lm's style: from_state(state)
+            return out
         meta = c.meta_state
         meta = list(meta) if isinstance(meta, (tuple, list)) else meta
         if not (isinstance(meta, str) or all(isinstance(m, str) for m in meta)):
             raise ValueError(f"cannot save layer {i}: {cls}'s meta_state is not text")
-        return {
-            "kind": "host",
-            "host": host.name,
-            "class": cls,
-            "items": items,
-            "nested": _shape(c.state),
-            "meta": meta,
-        }
+        return {**out, "meta": meta}
     return {"kind": "mlx_lm", "class": cls, "items": items, "nested": _shape(c.state)}
 
 
@@ -321,10 +318,12 @@ def _load_layer(path: str, i: int, layer: dict, arrays: dict[str, mx.array]) -> 
     if kind == "host":
         cls = _host_class(where, layer)
         state = _items_state(where, layer, arrays, prefix)
-        meta = layer.get("meta")
+        check_host_layer(where, cls.__name__, state)
+        if "meta" not in layer:  # a class without meta_state (mlx-lm's style)
+            return _rebuilt(where, cls.from_state, state)
+        meta = layer["meta"]
         if not (isinstance(meta, str) or (isinstance(meta, list) and _texts(meta))):
             raise ValueError(f"{where} has a bad meta_state {meta!r}")
-        check_host_layer(where, cls.__name__, state)
         meta = meta if isinstance(meta, str) else tuple(meta)
         return _rebuilt(where, lambda st: cls.from_state(st, meta), state)
     raise ValueError(f"{where} has unknown kind {kind!r}")
