@@ -7,6 +7,7 @@ into mlx-vlm's own generate path. mlx-vlm is imported only when a function needs
 """
 
 from .generate import (
+    COMPANIONS,
     REFUSED,
     check_options,
     generate,
@@ -18,6 +19,7 @@ from .generate import (
 from .host import host
 
 __all__ = [
+    "COMPANIONS",
     "REFUSED",
     "check_options",
     "generate",

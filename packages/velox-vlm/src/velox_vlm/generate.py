@@ -8,9 +8,11 @@ caches, as mlx-lm's do with mlx-lm's; velox-core serves them through mlx-vlm's h
 the velox layers is routed to :meth:`~velox_core.VeloxCache.attend`. Image tokens enter the
 language model's caches as embeddings like any others, so they are compressed alike.
 
-mlx-vlm's own KV quantization (``kv_bits`` and its companions), speculative decoding
-(``draft_model``), ``max_kv_size`` (a rotating cache on every layer) and its automatic
-prefix cache (``apc_manager``) are refused up front with velox caches, and so is mlx-vlm's
+mlx-vlm's own KV quantization (``kv_bits``, ``kv_key_bits``, ``kv_value_bits``), speculative
+decoding (``draft_model``), ``max_kv_size`` (a rotating cache on every layer) and its automatic
+prefix cache (``apc_manager``) are refused up front with velox caches, their settings
+(``kv_group_size``, ``quantized_kv_start``, ``draft_kind``...) at any value other than mlx-vlm's
+default (:data:`COMPANIONS`), and so is mlx-vlm's
 batch path (``BatchGenerator``, ``batch_generate``, its server's continuous batching): velox
 caches serve one sequence at a time here.
 """
@@ -26,25 +28,41 @@ from velox_core import LatentCache, VeloxCache
 
 from .host import language_model
 
-__all__ = ["REFUSED", "check_options", "generate", "install", "make_cache", "stream_generate"]
+__all__ = [
+    "COMPANIONS",
+    "REFUSED",
+    "check_options",
+    "generate",
+    "install",
+    "make_cache",
+    "stream_generate",
+]
 __all__ += ["uninstall"]
 
-# generate options of mlx-vlm 0.7 that velox caches refuse, with why
+# generate options of mlx-vlm 0.7 that turn on what velox caches cannot serve, with why:
+# refused whenever given (not None)
 _KV_QUANT = "mlx-vlm's own KV-cache quantization, which would replace or skip velox's caches"
+_DRAFT = "speculative decoding, whose draft rounds trim and rebuild the caches"
 REFUSED: dict[str, str] = {
     "kv_bits": _KV_QUANT,
     "kv_key_bits": _KV_QUANT,
     "kv_value_bits": _KV_QUANT,
-    "kv_group_size": _KV_QUANT,
-    "kv_quant_scheme": _KV_QUANT,
-    "kv_key_scheme": _KV_QUANT,
-    "kv_value_scheme": _KV_QUANT,
-    "quantized_kv_start": _KV_QUANT,
-    "draft_model": "speculative decoding, whose draft rounds trim and rebuild the caches",
-    "draft_kind": "speculative decoding, whose draft rounds trim and rebuild the caches",
-    "draft_block_size": "speculative decoding, whose draft rounds trim and rebuild the caches",
+    "draft_model": _DRAFT,
     "max_kv_size": "a rotating fp16 cache on every layer (velox caches replace it)",
     "apc_manager": "mlx-vlm's automatic prefix cache, which stores mlx-vlm's own cache blocks",
+}
+# settings of those features, which mlx-vlm ignores without them: accepted at mlx-vlm's own
+# default values (its command line and server pass them on every call; generate_step's and
+# BatchGenerator's defaults) and refused at any other value, which asks for a quantization
+# or a draft model that velox caches replace
+COMPANIONS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "kv_group_size": ((64,), "kv_bits"),
+    "kv_quant_scheme": (("uniform",), "kv_bits"),
+    "quantized_kv_start": ((5000, 0), "kv_bits"),
+    "kv_key_scheme": ((), "kv_bits"),
+    "kv_value_scheme": ((), "kv_bits"),
+    "draft_kind": (("dflash",), "draft_model"),
+    "draft_block_size": ((), "draft_model"),
 }
 
 _BATCH = (
@@ -55,13 +73,22 @@ _BATCH = (
 
 
 def check_options(kwargs: dict[str, Any], where: str = "velox_vlm.generate") -> None:
-    """Refuse mlx-vlm generate options that velox caches cannot honour (:data:`REFUSED`):
-    a ``ValueError`` naming each option given (not None) and why."""
-    given = [k for k in REFUSED if kwargs.get(k) is not None]
-    if given:
-        why = "; ".join(f"{k}: {REFUSED[k]}" for k in given)
+    """Refuse mlx-vlm generate options that velox caches cannot honour: a ``ValueError``
+    naming each option and why. The options of :data:`REFUSED` are refused whenever given
+    (not None); their settings (:data:`COMPANIONS`: ``kv_group_size``, ``kv_quant_scheme``,
+    ``quantized_kv_start``, ``draft_kind``...) only at a value other than mlx-vlm's default
+    (its defaults do nothing without ``kv_bits`` or ``draft_model``). ``input_ids`` of more
+    than one sequence are refused too."""
+    why = [f"{k}: {REFUSED[k]}" for k in REFUSED if kwargs.get(k) is not None]
+    for k, (defaults, switch) in COMPANIONS.items():
+        v = kwargs.get(k)
+        if v is not None and v not in defaults:
+            allowed = " or ".join(repr(d) for d in (None, *defaults))
+            why.append(f"{k}={v!r}: a setting of {switch} ({REFUSED[switch]}); allowed: {allowed}")
+    if why:
+        names = ", ".join(w.split(":")[0] for w in why)
         raise ValueError(
-            f"{where}: velox caches cannot be combined with {', '.join(given)} ({why}). "
+            f"{where}: velox caches cannot be combined with {names} ({'; '.join(why)}). "
             "Choose the compression with the velox spec instead (e.g. 'uniform:bits=4')."
         )
     ids = kwargs.get("input_ids")
@@ -226,18 +253,23 @@ def _guard_step(original: Callable) -> Callable:
 
 
 def _guard_batch(original: Callable) -> Callable:
-    def __init__(self, model, *args, **kwargs):
-        if getattr(language_model(model), "__velox_installed__", False):
-            raise ValueError(f"mlx_vlm BatchGenerator: {_BATCH}")
-        original(self, model, *args, **kwargs)
+    """``BatchGenerator.__new__`` refusing an installed model before any object exists (a
+    refusal in ``__init__`` would leave a half-built generator to mlx-vlm's ``__del__``)."""
 
-    __init__.__velox_original__ = original
-    return __init__
+    def __new__(cls, model=None, *args, **kwargs):
+        if model is not None and getattr(language_model(model), "__velox_installed__", False):
+            raise ValueError(f"mlx_vlm BatchGenerator: {_BATCH}")
+        return (
+            original(cls) if original is object.__new__ else original(cls, model, *args, **kwargs)
+        )
+
+    __new__.__velox_original__ = original
+    return __new__
 
 
 def _patch() -> None:
     """Point mlx-vlm's ``stream_generate`` and ``generate_step`` (in every loaded mlx-vlm
-    module that holds them) and ``BatchGenerator.__init__`` at guards that refuse what velox
+    module that holds them) and ``BatchGenerator.__new__`` at guards that refuse what velox
     caches cannot serve (:func:`check_options`, the batch path)."""
     from mlx_vlm.generate import ar, dispatch
 
@@ -254,19 +286,17 @@ def _patch() -> None:
             if mod is not None and getattr(mod, name, None) is original:
                 _guards[(mod_name, name)] = original
                 setattr(mod, name, guard)
-    init = ar.BatchGenerator.__init__
-    if not hasattr(init, "__velox_original__"):
-        _guards[("BatchGenerator", "__init__")] = init
-        ar.BatchGenerator.__init__ = _guard_batch(init)
+    cls = ar.BatchGenerator
+    if not hasattr(cls.__new__, "__velox_original__"):
+        # set once and kept: Python cannot give a class back an inherited __new__ once one
+        # was set (object.__new__ then refuses the constructor's arguments); with no model
+        # installed the guard passes every call through
+        cls.__new__ = staticmethod(_guard_batch(cls.__new__))
 
 
 def _unpatch() -> None:
-    from mlx_vlm.generate import ar
 
     for (mod_name, name), original in _guards.items():
-        if mod_name == "BatchGenerator":
-            ar.BatchGenerator.__init__ = original
-            continue
         mod = sys.modules.get(mod_name)
         if mod is not None:
             setattr(mod, name, original)
@@ -298,7 +328,8 @@ def install(
 
 
 def uninstall(model: Any) -> None:
-    """Undo :func:`install` (the last one also restores mlx-vlm's functions)."""
+    """Undo :func:`install` (the last one also restores mlx-vlm's ``stream_generate`` and
+    ``generate_step``; ``BatchGenerator``'s guard stays, passing every model through)."""
     global _installed
     if not getattr(language_model(model), "__velox_installed__", False):
         return
