@@ -239,12 +239,16 @@ def kvpress(session: nox.Session) -> None:
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """A wheel and an sdist of every package (the wheel built from the sdist); each wheel
-    installed alone in a fresh environment and imported, with its kernel sources present."""
+    """A wheel and an sdist of every package, the heavy ones too (the wheel built from the
+    sdist); each wheel installed alone in a fresh environment and imported, with its kernel
+    sources present. A heavy package's wheel is installed beside velox-core's without its
+    heavy dependencies (``--no-deps``: velox-vlm imports mlx-vlm only when a function needs
+    it), so its import and entry points are checked without them."""
     session.install("build>=1.2", "uv")
     dist = ROOT / "dist"
     shutil.rmtree(dist, ignore_errors=True)
-    for p in PACKAGES:
+    built = sorted([*PACKAGES, *HEAVY])
+    for p in built:
         session.run(
             "python",
             "-m",
@@ -257,7 +261,7 @@ def build(session: nox.Session) -> None:
             silent=True,
         )
     tmp = Path(session.create_tmp())
-    for p in PACKAGES:
+    for p in built:
         module = p.replace("-", "_")
         wheel = next(dist.glob(f"{module}-*.whl"))
         sdist = next(dist.glob(f"{module}-*.tar.gz"))
@@ -274,20 +278,26 @@ def build(session: nox.Session) -> None:
             external=True,
         )
         py = str(venv / "bin" / "python")
-        session.run(
-            "uv",
-            "pip",
-            "install",
-            "-q",
-            "--python",
-            py,
-            "--find-links",
-            str(dist),
-            str(wheel),
-            # the wheels were just built: never take an older build of the same version from
-            # uv's cache
-            *(f"--refresh-package={q}" for q in PACKAGES),
-        )
+        # the wheels were just built: never take an older build of the same version from
+        # uv's cache
+        fresh = [f"--refresh-package={q}" for q in built]
+        if p in HEAVY:  # velox-core's wheel (with its dependencies), then this one without
+            core = next(dist.glob("velox_core-*.whl"))
+            session.run("uv", "pip", "install", "-q", "--python", py, str(core), *fresh)
+            session.run("uv", "pip", "install", "-q", "--python", py, "--no-deps", str(wheel))
+        else:
+            session.run(
+                "uv",
+                "pip",
+                "install",
+                "-q",
+                "--python",
+                py,
+                "--find-links",
+                str(dist),
+                str(wheel),
+                *fresh,
+            )
         session.run(py, str(ROOT / "tools" / "check_wheel.py"), module, env=_env(), external=True)
 
 
