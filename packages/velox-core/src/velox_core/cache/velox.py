@@ -367,25 +367,6 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
                 "run the model inside velox_core.routed(model) (or generate())"
             )
 
-    def _refuse_nonfinite(self, keys: mx.array, values: mx.array) -> None:
-        """``check_finite``: raise before anything is stored if a key or value is NaN or inf
-        (one sync reads both flags back)."""
-        check_kv(keys, values)
-        ok = mx.stack([mx.all(mx.isfinite(keys)), mx.all(mx.isfinite(values))]).tolist()
-        if all(ok):
-            return
-        parts = []
-        for name, x, fine in (("keys", keys, ok[0]), ("values", values, ok[1])):
-            if not fine:
-                nan, inf = (int(mx.sum(f(x)).item()) for f in (mx.isnan, mx.isinf))
-                parts.append(f"{name} hold {nan} NaN and {inf} inf of {x.size} entries")
-        t = keys.shape[2]
-        where = "" if self._bound_layer is None else f" (layer {self._bound_layer})"
-        raise ValueError(
-            f"{self.method}{where}: non-finite input at positions {self.offset} to "
-            f"{self.offset + t - 1}: {'; '.join(parts)}; nothing was stored (check_finite=True)"
-        )
-
     def _write_window(self, keys: mx.array, values: mx.array) -> bool:
         """A decode step's fast path: with the sinks full, no policy and no calibration hook,
         the step's tokens are written into the window's buffer in place (what the general
