@@ -101,6 +101,9 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
     # model is needed (then any split is refused)
     mixes_heads: ClassVar[str] = ""
     fitted_on_whole_model: ClassVar[bool] = False
+    # stored tokens per slice of a prefill chunk's attention (tiled_prefill_attention): None
+    # chooses (slices on the CPU over long contexts), 0 never slices; may be set per cache
+    prefill_tile: int | None = None
 
     def __init__(
         self,
@@ -448,7 +451,8 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
             out = self._planned(self, queries, scale)
             if out is not None:
                 return out
-        return attend(queries, self.segments(), scale, mask, sinks, self.fused_above)
+        segs = self.segments()
+        return attend(queries, segs, scale, mask, sinks, self.fused_above, self.prefill_tile)
 
     def size(self) -> int:
         """Stored tokens (the widest head's, with per-head budgets)."""
