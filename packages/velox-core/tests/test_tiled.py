@@ -133,15 +133,24 @@ class _WholeRecord(Uniform):
 
 def test_automatic_choice_and_codecs_that_do_not_slice(monkeypatch):
     assert mx.default_device() == mx.cpu
-    assert tiled.prefill_tile(None, 4 * tiled.TILE) == 0  # short contexts: the fused path
-    assert tiled.prefill_tile(None, 4 * tiled.TILE + 1) == tiled.TILE
-    assert tiled.prefill_tile(0, 10_000) == 0
+    tile = tiled.TILE
+    # a long chunk (2048 queries of 4 heads, fp16): the fused path holds fewer bytes over
+    # 1024 stored tokens (16.5 MiB against the slices' 26 MiB), more over 2048 (33 MiB)
+    chunk = {"query_shape": (1, 4, 2048, 64), "kv_heads": 2, "itemsize": 2}
+    assert tiled.prefill_tile(None, 1024, **chunk) == 0
+    assert tiled.prefill_tile(None, 2048, **chunk) == tile
+    # a short chunk in float32 (64 queries of one head): the decoded tokens decide
+    short = {"query_shape": (1, 1, 64, 128), "kv_heads": 1, "itemsize": 4}
+    assert tiled.prefill_tile(None, 400, **short) == 0
+    assert tiled.prefill_tile(None, 600, **short) == tile
+    assert tiled.prefill_tile(None, tile, **short) == 0  # one slice: nothing to slice
+    assert tiled.prefill_tile(0, 10_000, **chunk) == 0
     assert tiled.prefill_tile(64, 1000) == 64 and tiled.prefill_tile(64, 64) == 0
     with pytest.raises(ValueError, match="prefill_tile"):
         tiled.prefill_tile(-1, 1000)
     with monkeypatch.context() as m:  # a GPU: never by default
         m.setattr(tiled.mx, "default_device", lambda: mx.gpu)
-        assert tiled.prefill_tile(None, 100_000) == 0
+        assert tiled.prefill_tile(None, 100_000, **chunk) == 0
         assert tiled.prefill_tile(256, 100_000) == 256
     calls = []
     real = tiled.tiled_prefill_attention

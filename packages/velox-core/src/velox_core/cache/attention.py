@@ -22,9 +22,11 @@ transient that grows with the context. Sliced, the stored tokens are decoded ``t
 time (block-aligned slices of each segment's records); each slice's scores update a running
 row maximum, a running sum and an unnormalized output in float32 (the log-sum-exp rule of
 :func:`merge_partials`), so the transient is one slice's scores, ``(Hq, L, tile)``, whatever
-the context. Each slice's update is scheduled for evaluation (``mx.async_eval``) before the
-next slice's graph is built: MLX would otherwise evaluate the running maxima of every slice
-first and hold all their scores at once. Only segments whose codecs decode slices exactly
+the context. Each slice's update is evaluated (``mx.eval``) before the next slice's graph is
+built: MLX would otherwise evaluate the running maxima of every slice first and hold all their
+scores at once (and with ``mx.async_eval`` two slices' buffers may overlap: on the tiny
+Qwen2-VL of velox-vlm's benchmark its run peaked at 41 or 47 MiB, against 31 with ``eval``).
+Only segments whose codecs decode slices exactly
 (:attr:`Codec.decodes_slices`) are sliced. On a GPU the fused SDPA kernel streams over the
 keys without materializing the scores, so the automatic choice (:func:`prefill_tile`) slices
 on the CPU only. The result is the fused path's softmax over the same stored tokens, computed
@@ -126,20 +128,34 @@ def prefill_attention(
 TILE = 256  # stored tokens decoded at once, where tiling is chosen automatically
 
 
-def prefill_tile(setting: int | None, stored: int) -> int:
-    """Tokens per slice for a prefill chunk over ``stored`` tokens, 0 for the fused path.
+def prefill_tile(
+    setting: int | None,
+    stored: int,
+    query_shape: tuple[int, int, int, int] = (1, 1, 1, 128),
+    kv_heads: int = 1,
+    itemsize: int = 2,
+) -> int:
+    """Tokens per slice for a prefill chunk of queries ``query_shape`` (``(B, Hq, L, D)``, of
+    ``itemsize`` bytes) over ``stored`` tokens of ``kv_heads`` heads, 0 for the fused path.
 
-    ``setting`` None chooses: :data:`TILE` on the CPU when the stored tokens exceed four
-    slices, else 0 (a slice's float32 scores and exponentials take about four times the bytes
-    per score of the fused path's fp16 scores and softmax). An int is used as given on every
-    device (0: never tile).
+    ``setting`` None chooses from the bytes each path holds at once, on the CPU: the fused
+    path at least the chunk x context scores in the queries' dtype and every stored key and
+    value decoded, ``B * stored * (Hq * L + 2 * H * D) * itemsize``; the sliced path about
+    two float32 score matrices of a slice, five float32 ``(Hq, L, D)`` running arrays and one
+    slice's keys and values in float32, ``B * (Hq * L * (8 * TILE + 20 * D) + 8 * TILE * H *
+    D)``. Slices of :data:`TILE` where those are fewer bytes, else 0; 0 on a GPU, whose fused
+    SDPA does not materialize the scores. An int is used as given on every device (0: never
+    slice). No more stored tokens than one slice are never sliced.
     """
     if setting is not None:
         check_int("prefill_tile", setting, minimum=0)
         return setting if stored > setting else 0
-    if mx.default_device() != mx.cpu:
+    if stored <= TILE or mx.default_device() != mx.cpu:
         return 0
-    return TILE if stored > 4 * TILE else 0
+    b, hq, lq, d = query_shape
+    fused = b * stored * (hq * lq + 2 * kv_heads * d) * itemsize
+    sliced = b * (hq * lq * (8 * TILE + 20 * d) + 8 * TILE * kv_heads * d)
+    return TILE if sliced < fused else 0
 
 
 def can_tile(segments: list[Segment]) -> bool:
@@ -218,7 +234,7 @@ def tiled_prefill_attention(
         m, l_sum, acc = _step(q, k, v, keep, m, l_sum, acc)
         # this slice evaluated before the next one's graph exists; nothing of it but the
         # running state is referenced, so its scores are freed (or reused) as they are read
-        mx.async_eval(m, l_sum, acc)
+        mx.eval(m, l_sum, acc)
     out = (acc / l_sum).reshape(b, hq, lq, -1).astype(dtype)
     return out if rv is None else rv.inverse(out).astype(dtype)
 
@@ -356,9 +372,10 @@ def attend(
             mlx-lm's SDPA).
         fused_above: query lengths above this decode the segments and use fused SDPA, or
             attend over slices of the stored tokens (:func:`tiled_prefill_attention`).
-        tile: stored tokens per slice for those: None chooses (slices on the CPU, where
-            fused SDPA materializes the scores, over long contexts), 0 never slices; only
-            segments whose codecs decode slices (:attr:`Codec.decodes_slices`) are sliced.
+        tile: stored tokens per slice for those: None chooses (:func:`prefill_tile`: slices
+            on the CPU, where fused SDPA materializes the scores, where they hold fewer
+            bytes), 0 never slices; only segments whose codecs decode slices
+            (:attr:`Codec.decodes_slices`) are sliced.
 
     Shapes:
         returns ``(B, Hq, L, Dv)``.
@@ -367,7 +384,11 @@ def attend(
     if not segments:
         raise ValueError("attend: the cache holds no tokens")
     if lq > fused_above:
-        n = prefill_tile(tile, sum(s.tokens for s in segments)) if can_tile(segments) else 0
+        n = 0
+        if can_tile(segments):
+            h = segments[0].keys.data[next(iter(segments[0].keys.data))].shape[1]
+            stored = sum(s.tokens for s in segments)
+            n = prefill_tile(tile, stored, queries.shape, h, queries.dtype.size)
         if n:
             return tiled_prefill_attention(queries, segments, scale, mask, sinks, n)
         return prefill_attention(queries, segments, scale, mask, sinks)
