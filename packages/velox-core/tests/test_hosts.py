@@ -307,3 +307,64 @@ def test_entry_points_are_read_on_first_need_and_a_broken_one_is_skipped(monkeyp
     assert sorted(H.hosts()) == ["mlx_lm", "toyvl"]
     with pytest.raises(ValueError, match="unknown host 'nope'.*installed hosts: mlx_lm, toyvl"):
         get_host("nope")
+
+
+def _nan_first(a):
+    return mx.where(mx.arange(a.size).reshape(a.shape) == 0, float("nan"), a)
+
+
+# a host layer's header or arrays altered and the file signed again (as tests/test_io_crafted.py
+# does for mlx-lm's and velox's layers): refused before the host's class is built from them
+HOST_CASES = [
+    ("a NaN key", lambda layer, arrays, k, v: arrays.update({k: _nan_first(arrays[k])}), "NaN"),
+    (
+        "integer keys",
+        lambda layer, arrays, k, v: arrays.update({k: arrays[k].astype(mx.int32)}),
+        "floating",
+    ),
+    (
+        "values of fewer tokens",
+        lambda layer, arrays, k, v: arrays.update({v: arrays[v][:, :, :3]}),
+        "differ in batch, heads or tokens",
+    ),
+    (
+        "keys of three dims",
+        lambda layer, arrays, k, v: arrays.update({k: arrays[k][0]}),
+        "floating \\(batch, heads, tokens, dim\\)",
+    ),
+    (
+        "a negative number item",
+        lambda layer, arrays, k, v: (
+            layer["items"].append({"type": "number", "value": -4}),
+            layer["nested"].append(0),
+        ),
+        "state number = -4",
+    ),
+    ("a meta_state of numbers", lambda layer, arrays, k, v: layer.update(meta=[1, 2]), "meta"),
+]
+
+
+@pytest.mark.parametrize("case", HOST_CASES, ids=[c[0] for c in HOST_CASES])
+def test_load_refuses_a_crafted_host_layer(host, model, tmp_path, case):
+    import json
+
+    from velox_core.io import _digest
+
+    _, edit, message = case
+    caches = velox_core.make_cache(model, "uniform:bits=8")
+    with velox_core.routed(model):
+        model(PROMPT[:, :8], cache=caches)
+    path = tmp_path / "toy.safetensors"
+    velox_core.save_cache(path, caches)
+    arrays, header = mx.load(str(path), return_metadata=True)
+    layers = json.loads(header["layers"])
+    last = layers[-1]
+    assert last["kind"] == "host"
+    k, v = (it["name"] for it in last["items"] if it["type"] == "array")
+    edit(last, arrays, k, v)
+    header["layers"] = json.dumps(layers)
+    header["sha256"] = _digest(arrays, header)
+    crafted = tmp_path / "crafted.safetensors"
+    mx.save_safetensors(str(crafted), arrays, header)
+    with pytest.raises(ValueError, match=f"layer {len(layers) - 1}.*{message}"):
+        velox_core.load_cache(crafted)
