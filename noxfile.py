@@ -9,6 +9,7 @@ nox -s bench               pytest-benchmark (off by default)
 nox -s docs                every README and docs block, the slow ones too (off by default)
 nox -s distributed         four processes, velox generate / serve under mlx.launch (off by default)
 nox -s plan                velox plan's shipped bytes measured again (off by default)
+nox -s vlm                 velox-vlm (mlx-vlm's models) with mlx-vlm installed (off by default)
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ from pathlib import Path
 import nox
 
 ROOT = Path(__file__).parent
-PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").is_file())
+# packages whose dependencies are too heavy for the default sessions: each has its own session
+HEAVY = ("velox-vlm",)  # mlx-vlm (opencv, datasets, mlx-audio...): nox -s vlm
+PACKAGES = sorted(
+    p.name
+    for p in (ROOT / "packages").iterdir()
+    if (p / "pyproject.toml").is_file() and p.name not in HEAVY
+)
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
 TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "pytest-benchmark>=4", "pytest-xdist>=3.5"]
 # The longest test runs spread over the machine's cores (pytest-xdist, one test file per worker
@@ -99,6 +106,17 @@ def distributed(session: nox.Session) -> None:
         "processes",
         *session.posargs,
         env=_env(),
+    )
+
+
+@nox.session
+def vlm(session: nox.Session) -> None:
+    """velox-vlm's tests with mlx-vlm (its pinned range) on the tiny random-weight Qwen2-VL
+    and Gemma 3 models (not in the default run: mlx-vlm pulls in opencv, datasets and more)."""
+    targets = [_pkg("velox-core"), _pkg("velox-testing"), _pkg("velox-vlm")]
+    session.install(*TEST_DEPS, *targets)
+    session.run(
+        "pytest", "-q", str(ROOT / "packages" / "velox-vlm" / "tests"), *session.posargs, env=_env()
     )
 
 
@@ -239,12 +257,16 @@ def kvpress(session: nox.Session) -> None:
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """A wheel and an sdist of every package (the wheel built from the sdist); each wheel
-    installed alone in a fresh environment and imported, with its kernel sources present."""
+    """A wheel and an sdist of every package, the heavy ones too (the wheel built from the
+    sdist); each wheel installed alone in a fresh environment and imported, with its kernel
+    sources present. A heavy package's wheel is installed beside velox-core's without its
+    heavy dependencies (``--no-deps``: velox-vlm imports mlx-vlm only when a function needs
+    it), so its import and entry points are checked without them."""
     session.install("build>=1.2", "uv")
     dist = ROOT / "dist"
     shutil.rmtree(dist, ignore_errors=True)
-    for p in PACKAGES:
+    built = sorted([*PACKAGES, *HEAVY])
+    for p in built:
         session.run(
             "python",
             "-m",
@@ -257,7 +279,7 @@ def build(session: nox.Session) -> None:
             silent=True,
         )
     tmp = Path(session.create_tmp())
-    for p in PACKAGES:
+    for p in built:
         module = p.replace("-", "_")
         wheel = next(dist.glob(f"{module}-*.whl"))
         sdist = next(dist.glob(f"{module}-*.tar.gz"))
@@ -274,20 +296,26 @@ def build(session: nox.Session) -> None:
             external=True,
         )
         py = str(venv / "bin" / "python")
-        session.run(
-            "uv",
-            "pip",
-            "install",
-            "-q",
-            "--python",
-            py,
-            "--find-links",
-            str(dist),
-            str(wheel),
-            # the wheels were just built: never take an older build of the same version from
-            # uv's cache
-            *(f"--refresh-package={q}" for q in PACKAGES),
-        )
+        # the wheels were just built: never take an older build of the same version from
+        # uv's cache
+        fresh = [f"--refresh-package={q}" for q in built]
+        if p in HEAVY:  # velox-core's wheel (with its dependencies), then this one without
+            core = next(dist.glob("velox_core-*.whl"))
+            session.run("uv", "pip", "install", "-q", "--python", py, str(core), *fresh)
+            session.run("uv", "pip", "install", "-q", "--python", py, "--no-deps", str(wheel))
+        else:
+            session.run(
+                "uv",
+                "pip",
+                "install",
+                "-q",
+                "--python",
+                py,
+                "--find-links",
+                str(dist),
+                str(wheel),
+                *fresh,
+            )
         session.run(py, str(ROOT / "tools" / "check_wheel.py"), module, env=_env(), external=True)
 
 

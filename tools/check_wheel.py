@@ -50,6 +50,15 @@ def main(module: str) -> int:
     for ep in eps:
         method = ep.load()
         print(f"  method {method.name}: {method.cache_class.__name__}")
+    from velox_core.hosts import Host, get_host
+
+    for ep in entry_points(group="velox.hosts"):  # a host package's (velox-vlm's)
+        if ep.value.startswith(module + ".") or ep.value.startswith(module + ":"):
+            obj = ep.load()
+            host = obj if isinstance(obj, Host) else obj()
+            if get_host(host.name).name != host.name:  # velox-core finds it too
+                return 1
+            print(f"  host {host.name}: attention {host.attention[0]}")
     return 0
 
 

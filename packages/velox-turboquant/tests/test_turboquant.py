@@ -314,3 +314,47 @@ def test_bad_codec_arguments():
         TurboQuant(4, group=64)
     with pytest.raises(ValueError):
         TurboQuant(4).check(2, mx.float16)
+
+
+# -- prefill attention over slices of the codes (tiled_prefill_attention) ------------------------
+
+
+@pytest.mark.parametrize("bits,variant", [(3, "mse"), (2, "prod"), (2.5, "mse")])
+def test_a_block_aligned_slice_decodes_to_the_whole_record_s_tokens(bits, variant):
+    """What ``decodes_slices`` declares (integer widths per token, fractional widths per
+    group of ``group`` tokens), in the original and the rotated domain."""
+    codec = TurboQuant(bits, variant, group=32 if isinstance(bits, float) else None)
+    assert codec.decodes_slices
+    k, _ = kv_data(t=192)
+    packed = codec.encode(k)
+    whole = codec.decode(packed)
+    whole16 = codec.decode_as(packed, mx.float16)
+    for a, z in ((0, 64), (64, 96), (96, 192), (32, 160)):
+        part = packed.slice(a, z)
+        assert mx.array_equal(codec.decode(part), whole[:, :, a:z]), (a, z)
+        assert mx.array_equal(codec.decode_as(part, mx.float16), whole16[:, :, a:z]), (a, z)
+        if codec.stored_rotation() is not None:
+            rot = codec.decode_rotated_as(packed, mx.float16)[:, :, a:z]
+            assert mx.array_equal(codec.decode_rotated_as(part, mx.float16), rot)
+
+
+@pytest.mark.parametrize("bits", [3, 2.5])
+def test_tiled_prefill_equals_the_fused_path_in_the_rotated_domain(bits):
+    """A TurboQuant cache with fp16 sinks and window (rotated to the codes' domain on both
+    paths for integer widths): the tiled prefill gives the fused path's output."""
+    from velox_core import VeloxCache
+    from velox_core.cache.attention import attend
+
+    def tq():
+        return TurboQuant(bits, group=32 if isinstance(bits, float) else None)
+
+    cache = VeloxCache(tq(), tq(), window=16, sinks=4)
+    k, v = kv_data(t=300)
+    cache.update_and_fetch(k.astype(mx.float32), v.astype(mx.float32))
+    segs = cache.segments()
+    assert len(segs) == 3
+    q = mx.random.normal((1, 4, 24, 128), key=mx.random.key(5))
+    for mask in (None, "causal"):
+        ref = attend(q, segs, 0.09, mask, tile=0)
+        got = attend(q, segs, 0.09, mask, tile=40)
+        assert mx.allclose(got, ref, atol=2e-5, rtol=1e-4), mask

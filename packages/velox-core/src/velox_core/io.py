@@ -3,8 +3,10 @@
 The file holds every layer's arrays (as stored: packed codes, scales...) and, in the
 safetensors metadata, a JSON description of each layer, the layer count, the user metadata
 and a SHA-256 over all of that header and every array's name, dtype, shape and bytes.
-Loading rebuilds velox caches only through the registered methods and mlx-lm caches only from
-a fixed allow-list of plain classes; nothing is unpickled or imported by name from the file.
+Loading rebuilds velox caches only through the registered methods, mlx-lm caches only from
+a fixed allow-list of plain classes and another host's caches (mlx-vlm's sliding-window layers,
+say) only from the classes that host lists (:attr:`velox_core.hosts.Host.saved_classes`);
+nothing is unpickled or imported by name from the file.
 A truncated, altered or foreign file, an inconsistent layer (a negative offset, more tokens
 than its offset), or a file whose layer count differs from the model's (``model=``) raises
 ``ValueError``.
@@ -26,8 +28,10 @@ from mlx_lm.models import cache as mlx_cache
 from .cache.latent import LatentCache
 from .cache.state import STATE_VERSION
 from .cache.velox import VeloxCache
+from .hosts import MLX_LM, get_host, hosts
 from .io_check import (
     check_finite_arrays,
+    check_host_layer,
     check_layout,
     check_mlx_layer,
     check_round_trip,
@@ -76,8 +80,38 @@ def _encode_layer(i: int, c: Any, arrays: dict[str, mx.array]) -> dict[str, Any]
             arrays[f"layer{i}.{j}"] = a
         return {"kind": "latent", "meta": json.loads(meta), "arrays": len(state)}
     cls = type(c).__name__
+    host = None
     if _MLX_CLASSES.get(cls) is not type(c):
-        raise ValueError(f"cannot save layer {i}: cache class {cls} is not supported")
+        host = _host_saving(c)
+        if host is None:
+            raise ValueError(f"cannot save layer {i}: cache class {cls} is not supported")
+    items = _items(i, c, arrays)
+    if host is not None:
+        out = {"kind": "host", "host": host.name, "class": cls, "items": items}
+        out["nested"] = _shape(c.state)
+        if not hasattr(type(c), "meta_state"):  # mlx-lm's style: from_state(state)
+            return out
+        meta = c.meta_state
+        meta = list(meta) if isinstance(meta, (tuple, list)) else meta
+        if not (isinstance(meta, str) or all(isinstance(m, str) for m in meta)):
+            raise ValueError(f"cannot save layer {i}: {cls}'s meta_state is not text")
+        return {**out, "meta": meta}
+    return {"kind": "mlx_lm", "class": cls, "items": items, "nested": _shape(c.state)}
+
+
+def _host_saving(c: Any):
+    """The registered host (other than mlx-lm) that lists ``c``'s class among the caches it
+    saves, or None."""
+    for host in hosts().values():
+        if host is MLX_LM or host.saved_classes is None:
+            continue
+        if host.saved_classes().get(type(c).__name__) is type(c):
+            return host
+    return None
+
+
+def _items(i: int, c: Any, arrays: dict[str, mx.array]) -> list[dict[str, Any]]:
+    """``c.state`` flattened: arrays (stored in ``arrays``), None and numbers."""
     items = []
     for j, v in enumerate(_flat(c.state)):
         if isinstance(v, mx.array):
@@ -89,7 +123,7 @@ def _encode_layer(i: int, c: Any, arrays: dict[str, mx.array]) -> dict[str, Any]
             items.append({"type": "number", "value": v})
         else:
             raise ValueError(f"cannot save layer {i}: state item of type {type(v).__name__}")
-    return {"kind": "mlx_lm", "class": cls, "items": items, "nested": _shape(c.state)}
+    return items
 
 
 def _flat(state) -> list:
@@ -278,34 +312,55 @@ def _load_layer(path: str, i: int, layer: dict, arrays: dict[str, mx.array]) -> 
         cls = _MLX_CLASSES.get(layer.get("class"))
         if cls is None:
             raise ValueError(f"{where} has unsupported class {layer.get('class')!r}")
-        items, nested = layer.get("items"), layer.get("nested")
-        if not isinstance(items, list) or not all(isinstance(x, dict) for x in items):
-            raise ValueError(f"{where}: items must be a list of objects")
-        if (
-            not isinstance(nested, list)
-            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in nested)
-            or sum(max(n, 1) for n in nested) != len(items)
-        ):
-            raise ValueError(f"{where}: nested {nested!r} does not group the {len(items)} items")
-        flat, named = [], set()
-        for item in items:
-            t = item.get("type")
-            if t == "array" and item.get("name") in arrays and item["name"].startswith(prefix):
-                flat.append(arrays[item["name"]])
-                named.add(item["name"])
-            elif t == "none":
-                flat.append(None)
-            elif t == "number" and isinstance(item.get("value"), int):
-                flat.append(item["value"])
-            else:
-                raise ValueError(f"{where} has a bad state item {item!r}")
-        extra = sorted(k for k in arrays if k.startswith(prefix) and k not in named)
-        if extra or len(named) < sum(isinstance(x, mx.array) for x in flat):
-            raise ValueError(f"{where}: the file's arrays and the layer's items disagree")
-        state = _nest(flat, nested)
+        state = _items_state(where, layer, arrays, prefix)
         check_mlx_layer(where, cls.__name__, state)
         return _rebuilt(where, cls.from_state, state)
+    if kind == "host":
+        cls = _host_class(where, layer)
+        state = _items_state(where, layer, arrays, prefix)
+        check_host_layer(where, cls.__name__, state)
+        if "meta" not in layer:  # a class without meta_state (mlx-lm's style)
+            return _rebuilt(where, cls.from_state, state)
+        meta = layer["meta"]
+        if not (isinstance(meta, str) or (isinstance(meta, list) and _texts(meta))):
+            raise ValueError(f"{where} has a bad meta_state {meta!r}")
+        meta = meta if isinstance(meta, str) else tuple(meta)
+        return _rebuilt(where, lambda st: cls.from_state(st, meta), state)
     raise ValueError(f"{where} has unknown kind {kind!r}")
+
+
+def _items_state(where: str, layer: dict, arrays: dict[str, mx.array], prefix: str) -> list:
+    """A plain (mlx-lm or host) layer's ``state`` from its items and nesting, each item and
+    array checked against the file's arrays of that layer."""
+    items, nested = layer.get("items"), layer.get("nested")
+    if not isinstance(items, list) or not all(isinstance(x, dict) for x in items):
+        raise ValueError(f"{where}: items must be a list of objects")
+    if (
+        not isinstance(nested, list)
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in nested)
+        or sum(max(n, 1) for n in nested) != len(items)
+    ):
+        raise ValueError(f"{where}: nested {nested!r} does not group the {len(items)} items")
+    flat, named = [], set()
+    for item in items:
+        t = item.get("type")
+        if t == "array" and item.get("name") in arrays and item["name"].startswith(prefix):
+            flat.append(arrays[item["name"]])
+            named.add(item["name"])
+        elif t == "none":
+            flat.append(None)
+        elif t == "number" and isinstance(item.get("value"), int):
+            flat.append(item["value"])
+        else:
+            raise ValueError(f"{where} has a bad state item {item!r}")
+    extra = sorted(k for k in arrays if k.startswith(prefix) and k not in named)
+    if extra or len(named) < sum(isinstance(x, mx.array) for x in flat):
+        raise ValueError(f"{where}: the file's arrays and the layer's items disagree")
+    return _nest(flat, nested)
+
+
+def _texts(meta: list) -> bool:
+    return all(isinstance(m, str) for m in meta)
 
 
 def load_cache(path: str | Path, return_metadata: bool = False, model: Any = None):
@@ -333,10 +388,24 @@ def load_cache(path: str | Path, return_metadata: bool = False, model: Any = Non
     return out
 
 
+def _host_class(where: str, layer: dict) -> type:
+    """The class of a host's saved layer, from that host's allow-list only."""
+    name = layer.get("host")
+    try:
+        host = get_host(name) if isinstance(name, str) else None
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    classes = {} if host is None or host.saved_classes is None else host.saved_classes()
+    cls = classes.get(layer.get("class"))
+    if cls is None:
+        raise ValueError(f"{where} has unsupported class {layer.get('class')!r} of host {name!r}")
+    return cls
+
+
 def inspect_cache_file(path: str | Path) -> dict[str, Any]:
     """Summary of a saved cache: method, tokens and bytes per layer. Raises ``ValueError``
     for every file :func:`load_cache` refuses (it is loaded first)."""
-    load_cache(path)
+    loaded = load_cache(path)
     arrays, header, layers = _read(path)
     rows = []
     for i, layer in enumerate(layers):
@@ -352,6 +421,17 @@ def inspect_cache_file(path: str | Path) -> dict[str, Any]:
                     "method": layer.get("method", "latent"),
                     "offset": meta.get("offset", 0),
                     "tokens": tokens,
+                    "bytes": nbytes,
+                }
+            )
+        elif layer.get("kind") == "host":
+            c = loaded[i]
+            rows.append(
+                {
+                    "layer": i,
+                    "method": f"{layer['host']}.{layer['class']}",
+                    "offset": c.offset,
+                    "tokens": c.size(),
                     "bytes": nbytes,
                 }
             )

@@ -324,3 +324,21 @@ def check_mlx_layer(where: str, cls_name: str, state: list) -> None:
     elif offset > tokens:  # (below is a trimmed cache: its slots past the offset are free)
         raise ValueError(f"{where}: offset {offset} is past the {tokens} tokens stored")
     check_finite_arrays(where, {f"item{i}": a for i, a in enumerate(arrays)})
+
+
+def check_host_layer(where: str, cls_name: str, state: list) -> None:
+    """Check a host's cache state (:attr:`velox_core.hosts.Host.saved_classes`: keys and
+    values, maybe numbers) before the class is built from it: its arrays (batch, heads, tokens,
+    dim), floating point, alike in batch, heads and tokens, finite; its numbers whole and not
+    negative. The class's own counts are checked once it is built (``offset``, ``size()``)."""
+    flat = [x for s in state for x in (s if isinstance(s, tuple) else (s,))]
+    arrays = [x for x in flat if isinstance(x, mx.array)]
+    for x in flat:
+        if x is not None and not isinstance(x, mx.array):
+            _int(where, f"{cls_name} state number", x)
+    if not all(a.ndim == 4 and mx.issubdtype(a.dtype, mx.floating) for a in arrays):
+        raise ValueError(f"{where}: {cls_name} arrays must be floating (batch, heads, tokens, dim)")
+    lead = {tuple(a.shape[:3]) for a in arrays}
+    if len(lead) > 1:
+        raise ValueError(f"{where}: {cls_name} arrays differ in batch, heads or tokens: {lead}")
+    check_finite_arrays(where, {f"item{i}": a for i, a in enumerate(arrays)})

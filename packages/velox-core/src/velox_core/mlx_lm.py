@@ -3,21 +3,22 @@ model, and ``generate``.
 
 :func:`make_cache` gives every full-attention layer of an mlx-lm model a velox cache, where
 the attention router (:mod:`velox_core.router`: ``enable`` / ``disable`` / ``routed``) can
-serve it, and keeps the model's own cache elsewhere. Without routing a velox cache still
-gives correct results: ``update_and_fetch`` returns the decoded keys and values, which the
-model's own attention then uses (slower, and transiently fp16).
+serve it, and keeps the model's own cache elsewhere. Another library whose models work as
+mlx-lm's do registers a host (:mod:`velox_core.hosts`): ``make_cache`` and ``install`` then
+serve its models too (its language model's layers, its own plain cache). Without routing a
+velox cache still gives correct results: ``update_and_fetch`` returns the decoded keys and
+values, which the model's own attention then uses (slower, and transiently fp16).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from mlx_lm.models.cache import KVCache
-
 from .cache.latent import METHODS as LATENT_METHODS
 from .cache.latent import LatentCache
 from .cache.uniform import UniformCache
 from .cache.velox import VeloxCache
+from .hosts import MLX_LM, Host, host_of
 from .registry import make, parse_spec
 from .router import (
     _OWN_ATTENTION,
@@ -37,8 +38,8 @@ __all__: list[str] = []
 # mlx-lm model types (0.32; mistral runs the llama module) whose attention layers pass what
 # update_and_fetch returns only to the shared scaled_dot_product_attention (with their cache)
 # and share no keys across layers: under routing their velox caches need not build every
-# stored token decoded each step
-ROUTED_ONLY_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text"})
+# stored token decoded each step (a host's own list: Host.routed_only)
+ROUTED_ONLY_MODEL_TYPES = MLX_LM.routed_only
 
 
 def _model_type(model: Any) -> str | None:
@@ -48,9 +49,15 @@ def _model_type(model: Any) -> str | None:
     return t if isinstance(t, str) else None
 
 
-def _build(spec: Any, index: int) -> Any:
+def _language_model(model: Any) -> tuple[Host, Any]:
+    """``model``'s host and the language model whose layers get caches (:mod:`.hosts`)."""
+    host = host_of(model)
+    return host, host.language_model(model)
+
+
+def _build(spec: Any, index: int, host: Host = MLX_LM) -> Any:
     if spec is None or spec == "fp16":
-        return KVCache()
+        return host.plain_cache()
     if isinstance(spec, VeloxCache):
         return spec.fresh()
     if isinstance(spec, str):
@@ -58,7 +65,7 @@ def _build(spec: Any, index: int) -> Any:
     if callable(spec):
         out = spec(index)
         if out is None:
-            return KVCache()
+            return host.plain_cache()
         return out
     raise TypeError(
         "a layer spec must be None/'fp16', a method spec string, a VeloxCache template or "
@@ -97,7 +104,8 @@ def make_cache(
     the head dims and the method otherwise.
 
     Args:
-        model: an mlx-lm model.
+        model: an mlx-lm model, or a model of a registered host (:mod:`velox_core.hosts`:
+            mlx-vlm's with velox-vlm installed), whose language model's layers get the caches.
         default: spec for every full-attention layer: a method spec string
             (``"uniform:bits=4"``), a :class:`VeloxCache` used as a template (cloned per
             layer), a callable ``layer_index -> cache``, or None / ``"fp16"`` for mlx-lm's KVCache.
@@ -114,8 +122,9 @@ def make_cache(
     of building every stored token decoded, which only the model's own attention would read
     (without routing it still returns them decoded).
     """
-    n = _layer_count(model)
-    native = _native_caches(model)
+    host, lm = _language_model(model)
+    n = _layer_count(lm)
+    native = _native_caches(lm, host)
     if len(native) != n:
         raise ValueError(f"make_cache: the model made {len(native)} caches for {n} layers")
     overrides: dict[int, Any] = {}
@@ -124,11 +133,11 @@ def make_cache(
             raise ValueError(f"make_cache: layer index {k!r} out of range for {n} layers")
         overrides[k % n] = spec
     out = []
-    routed_only = _model_type(model) in ROUTED_ONLY_MODEL_TYPES
+    routed_only = _model_type(lm) in host.routed_only
     routes: dict[int, Route] | None = None
     kept: dict[str, list[int]] = {}  # reason -> layers left to the model's own cache
     for i, c in enumerate(native):
-        if type(c) is not KVCache:
+        if not host.is_plain(c):
             out.append(c)
             continue
         spec = overrides.get(i, default)
@@ -143,7 +152,7 @@ def make_cache(
                     f"make_cache: layer {i}: a LatentCache serves only multi-head latent "
                     "attention layers (DeepSeek-V3's); give this layer a velox spec"
                 )
-        cache = _build(spec, i)
+        cache = _build(spec, i, host)
         if isinstance(cache, VeloxCache):
             routes = layer_routes(model) if routes is None else routes
             route = routes[i]
@@ -159,14 +168,14 @@ def make_cache(
                 continue
             # split models (split.py): a pipeline stage's last layer keeps mlx-lm's cache
             # unless a velox spec was asked for it
-            refusal = split_refusal(model, i, route, cache, stage_last=i in overrides)
+            refusal = split_refusal(lm, i, route, cache, stage_last=i in overrides)
             if refusal:
                 raise ValueError(f"make_cache: layer {i}: {refusal}")
-            if stage_last_layer(model, i):
+            if stage_last_layer(lm, i):
                 kept.setdefault(STAGE_LAST, []).append(i)
                 out.append(c)
                 continue
-            cache.bind(model, i)
+            cache.bind(lm, i)
             if route.key_dim is not None:  # refuse dims the method cannot code now
                 try:
                     cache.check_dims(route.key_dim, route.value_dim, storage_dtype)
@@ -180,7 +189,7 @@ def make_cache(
         out.append(cache)
     _link(out)
     if kept:
-        _warn_kept(model, kept)
+        _warn_kept(lm, kept)
     return out
 
 
@@ -276,26 +285,29 @@ def install(
     Sets ``model.make_cache`` (which mlx-lm's ``make_prompt_cache`` calls: ``generate``,
     ``batch_generate``, ``BatchGenerator`` and the server) to :func:`make_cache` with these
     arguments, checked once now, and turns routing on (:func:`enable`) until
-    :func:`uninstall`. Arguments as for :func:`make_cache`.
+    :func:`uninstall`. Arguments as for :func:`make_cache`. For a host's model
+    (:mod:`velox_core.hosts`) it is its language model's ``make_cache`` that is set.
     """
-    if getattr(model, "__velox_installed__", False):
+    _, lm = _language_model(model)
+    if getattr(lm, "__velox_installed__", False):
         raise ValueError("install: velox caches are already installed on this model")
     make_cache(model, default, layers, storage_dtype)  # refuse a bad spec now
 
     def velox_caches() -> list:
         return make_cache(model, default, layers, storage_dtype)
 
-    model.make_cache = velox_caches
-    model.__velox_installed__ = True
+    lm.make_cache = velox_caches
+    lm.__velox_installed__ = True
     enable(model)
 
 
 def uninstall(model: Any) -> None:
     """Undo :func:`install`: the model makes its own caches again; one routing level off."""
-    if not getattr(model, "__velox_installed__", False):
+    _, lm = _language_model(model)
+    if not getattr(lm, "__velox_installed__", False):
         return
-    del model.make_cache
-    model.__velox_installed__ = False
+    del lm.make_cache
+    lm.__velox_installed__ = False
     disable()
 
 
@@ -325,6 +337,7 @@ def generate(model: Any, tokenizer: Any, prompt: Any, cache: Any = None, **kwarg
     """
     import mlx_lm
 
+    _refuse_other_host(model, "generate")
     caches = _speculative(_caches(model, cache), cache, kwargs.get("draft_model"))
     with routed(model), routed(kwargs.get("draft_model")):
         return mlx_lm.generate(model, tokenizer, prompt, prompt_cache=caches, **kwargs)
@@ -334,9 +347,19 @@ def stream_generate(model: Any, tokenizer: Any, prompt: Any, cache: Any = None, 
     """``mlx_lm.stream_generate`` with velox caches; routing is on while it yields."""
     import mlx_lm
 
+    _refuse_other_host(model, "stream_generate")
     caches = _speculative(_caches(model, cache), cache, kwargs.get("draft_model"))
     with routed(model), routed(kwargs.get("draft_model")):
         yield from mlx_lm.stream_generate(model, tokenizer, prompt, prompt_cache=caches, **kwargs)
+
+
+def _refuse_other_host(model: Any, name: str) -> None:
+    host = host_of(model)
+    if host is not MLX_LM:
+        raise TypeError(
+            f"velox_core.{name} runs mlx-lm models; this is a {host.name} model: use "
+            f"{host.generate or 'its host package'}"
+        )
 
 
 def _speculative(caches: list, cache: Any, draft_model: Any) -> list:

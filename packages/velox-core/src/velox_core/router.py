@@ -7,7 +7,8 @@ imported by name into each model module. :func:`enable` points that name, in eve
 :class:`VeloxCache` to :meth:`VeloxCache.attend` (attention from the codes) and every other
 layer to the original function. :func:`disable` restores the originals; :func:`routed` is the
 context manager. Nothing is patched on import. Which caches see routing on is the state of
-:mod:`velox_core.routing`.
+:mod:`velox_core.routing`. A registered host's models (:mod:`velox_core.hosts`) are routed
+the same way through their library's own shared attention function.
 
 :func:`layer_routes` runs a model once with recording caches under the router to find which
 layers pass their cache's keys and values to the shared attention (a :class:`Route` per
@@ -28,6 +29,7 @@ from mlx_lm.models.cache import KVCache
 from . import routing
 from .cache.batch import VeloxBatch
 from .cache.velox import VeloxCache
+from .hosts import MLX_LM, Host, host_of, hosts
 
 __all__: list[str] = []
 
@@ -35,10 +37,15 @@ __all__: list[str] = []
 _patched: dict[str, Callable] = {}
 
 
-def _original() -> Callable:
-    import mlx_lm.models.base as base
-
-    fn = base.scaled_dot_product_attention
+def _original(module: str = MLX_LM.attention[0]) -> Callable | None:
+    """The unrouted shared attention function of ``module`` (None: a host's module that is
+    not loaded, so no model of it exists yet)."""
+    mod = sys.modules.get(module)
+    if mod is None:
+        if module != MLX_LM.attention[0]:
+            return None
+        import mlx_lm.models.base as mod
+    fn = getattr(mod, "scaled_dot_product_attention", None)
     return getattr(fn, "__velox_original__", fn)
 
 
@@ -57,30 +64,34 @@ def _make_router(original: Callable) -> Callable:
 
 
 def _patch_all(extra_modules: list[str]) -> None:
-    original = _original()
-    router = _make_router(original)
-    names = [
-        n for n in list(sys.modules) if n == "mlx_lm.models.base" or n.startswith("mlx_lm.models.")
-    ]
-    for name in {*names, *extra_modules}:
-        mod = sys.modules.get(name)
-        fn = getattr(mod, "scaled_dot_product_attention", None)
-        if fn is None or name in _patched:
+    for host in hosts(load=False).values():
+        base, prefix = host.attention
+        original = _original(base)
+        if original is None:
             continue
-        if fn is original or getattr(fn, "__velox_original__", None) is original:
-            _patched[name] = original
-            mod.scaled_dot_product_attention = router
+        router = _make_router(original)
+        names = [n for n in list(sys.modules) if n == base or n.startswith(prefix)]
+        for name in {*names, *extra_modules}:
+            mod = sys.modules.get(name)
+            fn = getattr(mod, "scaled_dot_product_attention", None)
+            if fn is None or name in _patched:
+                continue
+            if fn is original or getattr(fn, "__velox_original__", None) is original:
+                _patched[name] = original
+                mod.scaled_dot_product_attention = router
 
 
 def enable(model: Any = None) -> None:
     """Route attention of velox-cached layers to :meth:`VeloxCache.attend`.
 
-    Patches every loaded ``mlx_lm.models`` module (and the modules of ``model``'s layers)
-    that uses the shared attention function. Calls nest: routing stays on until the matching
-    number of :func:`disable` calls.
+    Patches every loaded ``mlx_lm.models`` module (and every registered host's model
+    modules, and the modules of ``model``'s layers) that uses its shared attention function.
+    Calls nest: routing stays on until the matching number of :func:`disable` calls.
     """
     routing.enter()
     extra = []
+    if model is not None:
+        host_of(model)  # a host registered through an entry point is loaded now
     if model is not None and hasattr(model, "modules"):
         extra = sorted({type(m).__module__ for m in model.modules()})
     _patch_all(extra)
@@ -177,20 +188,23 @@ def layer_routes(model: Any) -> dict[int, Route]:
     cache returned, with queries of the key dim. Multi-head latent attention (DeepSeek-V3 and
     the models built on its attention) stores a latent and a RoPE key but attends with
     projections of them, so it is not; a layer with its own attention code calls no shared
-    attention. Cached on the model (the probe runs once per model).
+    attention. Cached on the model (the probe runs once per model). A host's model
+    (:mod:`velox_core.hosts`) is probed through its language model; the keys are its layer indices.
     """
-    layers = getattr(model, "layers", None)
+    host = host_of(model)
+    lm = host.language_model(model)
+    layers = getattr(lm, "layers", None)
     key = tuple(id(m) for m in layers) if layers is not None else ()
-    known = getattr(model, "__velox_routes__", None)
+    known = getattr(lm, "__velox_routes__", None)
     if isinstance(known, _Routes) and known.key == key:
         return known.routes
-    native = _native_caches(model)
-    probes = [_Probe() if type(c) is KVCache else c for c in native]
+    native = _native_caches(lm, host)
+    probes = [_Probe() if host.is_plain(c) else c for c in native]
     with routed(model):
-        model(mx.array([[0, 0]], dtype=mx.int32), cache=probes)
-        model(mx.array([[0]], dtype=mx.int32), cache=probes)
+        host.run_probe(lm, mx.array([[0, 0]], dtype=mx.int32), probes)
+        host.run_probe(lm, mx.array([[0]], dtype=mx.int32), probes)
     routes = {i: _verdict(p) for i, p in enumerate(probes) if isinstance(p, _Probe)}
-    model.__velox_routes__ = _Routes(key, routes)
+    lm.__velox_routes__ = _Routes(key, routes)
     return routes
 
 
@@ -231,11 +245,11 @@ def _verdict(p: _Probe) -> Route:
     return Route(True, kd, vd, "", heads)
 
 
-def _native_caches(model: Any) -> list:
-    """The caches the model's own class makes (mlx-lm's ``make_prompt_cache`` without the
-    override set by :func:`install`): its ``make_cache`` where the class has one, else a
-    ``KVCache`` per layer."""
+def _native_caches(model: Any, host: Host = MLX_LM) -> list:
+    """The caches the (language) model's own class makes (mlx-lm's ``make_prompt_cache``
+    without the override set by :func:`install`): its ``make_cache`` where the class has one,
+    else the host's plain KV cache per layer."""
     own = getattr(type(model), "make_cache", None)
     if own is not None:
         return own(model)
-    return [KVCache() for _ in range(_layer_count(model))]
+    return [host.plain_cache() for _ in range(_layer_count(model))]

@@ -58,6 +58,10 @@ class TurboQuant(Codec):
     compressed_scores = True
     compressed_mix = True
     kernels = _kernels  # fused decode attention over the codes (GPU)
+    # each token decodes from its own norms and codes (fractional widths: each group of
+    # ``group`` tokens from its own outlier mask) and the fixed rotations, codebooks and
+    # sketches: a block-aligned slice decodes on its own
+    decodes_slices = True
 
     def __init__(
         self,

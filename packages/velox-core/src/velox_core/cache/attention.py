@@ -5,25 +5,48 @@ query tokens (decode), each key codec scores the grouped queries in its compress
 the scores of all segments are concatenated, masked and normalized together, and each value
 codec mixes its share of the weights (``p @ v``) from its codes. For many query tokens
 (prefill chunks), segments are decoded once into the model's dtype and fused SDPA runs over
-them; both are exactly ``softmax(q k^T * scale + mask) v`` over the same stored tokens.
+them, or (on the CPU, over long contexts) they are decoded a slice at a time under one online
+softmax (below); all are ``softmax(q k^T * scale + mask) v`` over the same stored tokens.
 
 On a GPU with kernels enabled, decode steps go through each key codec's fused kernel
 (``attend_partial``: scores, running max, exponentials and the value mix in one pass over
 the codes, split along the context) where it has one; every segment returns a partial
 ``(o, max, sum)`` and :func:`merge_partials` joins them with the log-sum-exp rule, which is
 the same single softmax.
+
+Prefill over slices (:func:`tiled_prefill_attention`): a prefill chunk of ``L`` queries over
+``T`` stored tokens through fused SDPA (:func:`prefill_attention`) decodes every stored token
+of the layer in the model's dtype, and on the CPU, where MLX's fused SDPA is a plain
+composition, it materializes the ``(Hq, L, T)`` score matrix and its softmax as well: a
+transient that grows with the context. Sliced, the stored tokens are decoded ``tile`` at a
+time (block-aligned slices of each segment's records); each slice's scores update a running
+row maximum, a running sum and an unnormalized output in float32 (the log-sum-exp rule of
+:func:`merge_partials`), so the transient is one slice's scores, ``(Hq, L, tile)``, whatever
+the context. Each slice's update is evaluated (``mx.eval``) before the next slice's graph is
+built: MLX would otherwise evaluate the running maxima of every slice first and hold all their
+scores at once (and with ``mx.async_eval`` two slices' buffers may overlap: on the tiny
+Qwen2-VL of velox-vlm's benchmark its run peaked at 41 or 47 MiB, against 31 with ``eval``).
+Only segments whose codecs decode slices exactly
+(:attr:`Codec.decodes_slices`) are sliced. On a GPU the fused SDPA kernel streams over the
+keys without materializing the scores, so the automatic choice (:func:`prefill_tile`) slices
+on the CPU only. The result is the fused path's softmax over the same stored tokens, computed
+in float32 (the fused path computes in the model's dtype).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import lcm
 
 import mlx.core as mx
 
 from ..codec.base import Codec, Packed
 from ..codec.identity import Identity
 from ..kernels import use_kernels
+from ..validation import check_int
 
+# the prefill's tiling (tiled_prefill_attention, prefill_tile, can_tile, TILE) is chosen per
+# cache (VeloxCache.prefill_tile) and needs no name of its own in velox-core's face
 __all__ = ["Segment", "attend", "partial"]
 
 
@@ -98,6 +121,142 @@ def prefill_attention(
             queries = rk.forward(queries).astype(dtype)
     out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask, sinks=sinks)
     return out if rv is None else rv.inverse(out).astype(dtype)
+
+
+# -- prefill over slices of the stored tokens ---------------------------------------------
+
+TILE = 256  # stored tokens decoded at once, where tiling is chosen automatically
+
+
+def prefill_tile(
+    setting: int | None,
+    stored: int,
+    query_shape: tuple[int, int, int, int] = (1, 1, 1, 128),
+    kv_heads: int = 1,
+    itemsize: int = 2,
+) -> int:
+    """Tokens per slice for a prefill chunk of queries ``query_shape`` (``(B, Hq, L, D)``, of
+    ``itemsize`` bytes) over ``stored`` tokens of ``kv_heads`` heads, 0 for the fused path.
+
+    ``setting`` None chooses from the bytes each path holds at once, on the CPU: the fused
+    path at least the chunk x context scores in the queries' dtype and every stored key and
+    value decoded, ``B * stored * (Hq * L + 2 * H * D) * itemsize``; the sliced path about
+    two float32 score matrices of a slice, five float32 ``(Hq, L, D)`` running arrays and one
+    slice's keys and values in float32, ``B * (Hq * L * (8 * TILE + 20 * D) + 8 * TILE * H *
+    D)``. Slices of :data:`TILE` where those are fewer bytes, else 0; 0 on a GPU, whose fused
+    SDPA does not materialize the scores. An int is used as given on every device (0: never
+    slice). No more stored tokens than one slice are never sliced.
+    """
+    if setting is not None:
+        check_int("prefill_tile", setting, minimum=0)
+        return setting if stored > setting else 0
+    if stored <= TILE or mx.default_device() != mx.cpu:
+        return 0
+    b, hq, lq, d = query_shape
+    fused = b * stored * (hq * lq + 2 * kv_heads * d) * itemsize
+    sliced = b * (hq * lq * (8 * TILE + 20 * d) + 8 * TILE * kv_heads * d)
+    return TILE if sliced < fused else 0
+
+
+def can_tile(segments: list[Segment]) -> bool:
+    """Whether every segment's codecs decode block-aligned slices exactly."""
+    return all(s.key_codec.decodes_slices and s.value_codec.decodes_slices for s in segments)
+
+
+def _slices(segments: list[Segment], tile: int):
+    """``(segment, start, stop)`` over the segments in temporal order: pieces of at most
+    ``tile`` tokens (at least one block), aligned to the segment's key and value blocks."""
+    for seg in segments:
+        block = lcm(seg.keys.block, seg.values.block)
+        step = max(block, tile // block * block)
+        for a in range(0, seg.tokens, step):
+            yield seg, a, min(seg.tokens, a + step)
+
+
+def tiled_prefill_attention(
+    queries: mx.array,
+    segments: list[Segment],
+    scale: float,
+    mask=None,
+    sinks: mx.array | None = None,
+    tile: int = TILE,
+) -> mx.array:
+    """Attention of many query tokens over the segments, their stored tokens decoded ``tile``
+    at a time (see the module). Masks and sinks as :func:`~velox_core.cache.attention.attend`;
+    keys and values stay in a shared rotated domain where the coded segments store one
+    (:meth:`Codec.stored_rotation`), as :func:`prefill_attention` does.
+
+    Shapes:
+        queries ``(B, Hq, L, Dk)``; returns ``(B, Hq, L, Dv)`` in ``queries.dtype``.
+    """
+    if tile < 1:
+        raise ValueError(f"tiled_prefill_attention: tile must be at least 1, got {tile}")
+    if not can_tile(segments):
+        raise ValueError("tiled_prefill_attention: a segment's codec does not decode slices")
+    dtype = queries.dtype
+    b, hq, lq, dk = queries.shape
+    h = segments[0].keys.data[next(iter(segments[0].keys.data))].shape[1]
+    if hq % h:
+        raise ValueError(f"attend: {hq} query heads is not a multiple of {h} KV heads")
+    r = hq // h
+    t = sum(s.tokens for s in segments)
+    rk = _shared_rotation([s.key_codec for s in segments])
+    rv = _shared_rotation([s.value_codec for s in segments])
+    if rk is not None:
+        queries = rk.forward(queries).astype(dtype)
+    q = (queries.astype(mx.float32) * scale).reshape(b, h, r, lq, dk)
+    causal = isinstance(mask, str)
+    if causal and mask != "causal":
+        raise ValueError(f"attention mask string must be 'causal', got {mask!r}")
+    m5 = None if causal else _mask_5d(mask, b, h, r, lq, t)
+    rows = (b, h, r, lq, 1)
+    if sinks is None:
+        m, l_sum = mx.full(rows, -mx.inf, dtype=mx.float32), mx.zeros(rows, dtype=mx.float32)
+    else:  # the sink logit is a column of its own: m starts there, with exp(0) = 1 in l
+        m = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, h, r, 1, 1), rows)
+        l_sum = mx.ones(rows, dtype=mx.float32)
+    acc = None
+    first_query = t - lq  # the position of the chunk's first query (causal masks)
+    start = 0  # the global index of the current segment's first token
+    current = None
+    for seg, a, z in _slices(segments, tile):
+        if seg is not current:
+            if current is not None:
+                start += current.tokens
+            current = seg
+        c0, c1 = start + a, start + z
+        if causal and c1 - 1 > first_query:  # a slice reaching past the first query
+            keep = mx.arange(first_query, t)[:, None] >= mx.arange(c0, c1)[None]
+        else:
+            keep = None if m5 is None else m5[..., c0:c1]
+        k = _decode_in(seg.key_codec, seg.keys.slice(a, z), rk, dtype)
+        v = _decode_in(seg.value_codec, seg.values.slice(a, z), rv, dtype)
+        m, l_sum, acc = _step(q, k, v, keep, m, l_sum, acc)
+        # this slice evaluated before the next one's graph exists; nothing of it but the
+        # running state is referenced, so its scores are freed (or reused) as they are read
+        mx.eval(m, l_sum, acc)
+    out = (acc / l_sum).reshape(b, hq, lq, -1).astype(dtype)
+    return out if rv is None else rv.inverse(out).astype(dtype)
+
+
+def _step(q, k, v, keep, m, l_sum, acc):
+    """One slice's online-softmax update of the running maximum, sum and output.
+
+    Shapes:
+        q ``(B, H, R, L, Dk)`` float32 scaled; k ``(B, H, S, Dk)``, v ``(B, H, S, Dv)``; keep
+        None, a boolean or an additive mask broadcasting to ``(B, H, R, L, S)``; m and
+        l_sum ``(B, H, R, L, 1)``, acc ``(B, H, R, L, Dv)`` (None before the first slice).
+    """
+    s = q @ mx.swapaxes(k, -1, -2)[:, :, None]  # (B, H, R, L, S) float32
+    if keep is not None:
+        s = mx.where(keep, s, -mx.inf) if keep.dtype == mx.bool_ else s + keep.astype(s.dtype)
+    new_m = mx.maximum(m, mx.max(s, axis=-1, keepdims=True))
+    shift = mx.where(new_m == -mx.inf, 0.0, new_m)  # rows that have seen nothing yet
+    p = mx.exp(s - shift)
+    alpha = mx.exp(m - shift)
+    pv = p @ v[:, :, None]
+    acc = pv if acc is None else acc * alpha + pv
+    return new_m, l_sum * alpha + mx.sum(p, axis=-1, keepdims=True), acc
 
 
 def _mask_5d(mask, b: int, h: int, r: int, lq: int, t: int) -> mx.array | None:
@@ -200,6 +359,7 @@ def attend(
     mask=None,
     sinks: mx.array | None = None,
     fused_above: int = 16,
+    tile: int | None = None,
 ) -> mx.array:
     """``softmax(q k^T * scale + mask) v`` over the segments' tokens, in ``queries.dtype``.
 
@@ -210,7 +370,12 @@ def attend(
         mask: None, ``"causal"``, or an mlx-lm boolean/additive mask over stored tokens.
         sinks: optional per-head sink logits ``(Hq,)`` (an extra softmax column, as in
             mlx-lm's SDPA).
-        fused_above: query lengths above this decode the segments and use fused SDPA.
+        fused_above: query lengths above this decode the segments and use fused SDPA, or
+            attend over slices of the stored tokens (:func:`tiled_prefill_attention`).
+        tile: stored tokens per slice for those: None chooses (:func:`prefill_tile`: slices
+            on the CPU, where fused SDPA materializes the scores, where they hold fewer
+            bytes), 0 never slices; only segments whose codecs decode slices
+            (:attr:`Codec.decodes_slices`) are sliced.
 
     Shapes:
         returns ``(B, Hq, L, Dv)``.
@@ -219,6 +384,13 @@ def attend(
     if not segments:
         raise ValueError("attend: the cache holds no tokens")
     if lq > fused_above:
+        n = 0
+        if can_tile(segments):
+            h = segments[0].keys.data[next(iter(segments[0].keys.data))].shape[1]
+            stored = sum(s.tokens for s in segments)
+            n = prefill_tile(tile, stored, queries.shape, h, queries.dtype.size)
+        if n:
+            return tiled_prefill_attention(queries, segments, scale, mask, sinks, n)
         return prefill_attention(queries, segments, scale, mask, sinks)
     h = segments[0].keys.data[next(iter(segments[0].keys.data))].shape[1]
     if hq % h:

@@ -253,7 +253,8 @@ class RetentionMixin:
         for i in range(h):
             qi = queries[:, i * r : (i + 1) * r]
             si = None if sinks is None else sinks[i * r : (i + 1) * r]
-            outs.append(attend(qi, self._head_segments(i), scale, mask, si, self.fused_above))
+            segs = self._head_segments(i)
+            outs.append(attend(qi, segs, scale, mask, si, self.fused_above, self.prefill_tile))
         return mx.concatenate(outs, axis=1)
 
 

@@ -3,7 +3,8 @@
 :class:`StateMixin` holds what measures and records a cache: its resident bytes (every
 buffer, capacity included, and every fitted codec array), the mlx-lm ``state`` (a JSON meta
 string then the arrays: every store's record, every codec's fitted state, the policy's) from
-which ``from_state`` rebuilds it, and ``copy`` / ``deepcopy`` through that state.
+which ``from_state`` rebuilds it, and ``copy`` / ``deepcopy`` through that state; and the
+``check_finite`` refusal of non-finite keys and values.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from ..codec.base import Codec, Packed
-from ..validation import FLOAT_DTYPES
+from ..validation import FLOAT_DTYPES, check_kv
 from .store import PackedStore
 
 if TYPE_CHECKING:
@@ -54,6 +55,26 @@ class StateMixin:
     def logical_nbytes(self) -> int:
         """Resident bytes without the unused capacity of the buffers."""
         return sum(s.logical_nbytes for s in self._stores()) + self._fitted_nbytes()
+
+    # -- input checks -----------------------------------------------------------------------
+    def _refuse_nonfinite(self, keys: mx.array, values: mx.array) -> None:
+        """``check_finite``: raise before anything is stored if a key or value is NaN or inf
+        (one sync reads both flags back)."""
+        check_kv(keys, values)
+        ok = mx.stack([mx.all(mx.isfinite(keys)), mx.all(mx.isfinite(values))]).tolist()
+        if all(ok):
+            return
+        parts = []
+        for name, x, fine in (("keys", keys, ok[0]), ("values", values, ok[1])):
+            if not fine:
+                nan, inf = (int(mx.sum(f(x)).item()) for f in (mx.isnan, mx.isinf))
+                parts.append(f"{name} hold {nan} NaN and {inf} inf of {x.size} entries")
+        t = keys.shape[2]
+        where = "" if self._bound_layer is None else f" (layer {self._bound_layer})"
+        raise ValueError(
+            f"{self.method}{where}: non-finite input at positions {self.offset} to "
+            f"{self.offset + t - 1}: {'; '.join(parts)}; nothing was stored (check_finite=True)"
+        )
 
     # -- state ------------------------------------------------------------------------------
     @property

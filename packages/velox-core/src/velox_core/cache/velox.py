@@ -101,6 +101,9 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
     # model is needed (then any split is refused)
     mixes_heads: ClassVar[str] = ""
     fitted_on_whole_model: ClassVar[bool] = False
+    # stored tokens per slice of a prefill chunk's attention (tiled_prefill_attention): None
+    # chooses (slices on the CPU over long contexts), 0 never slices; may be set per cache
+    prefill_tile: int | None = None
 
     def __init__(
         self,
@@ -367,25 +370,6 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
                 "run the model inside velox_core.routed(model) (or generate())"
             )
 
-    def _refuse_nonfinite(self, keys: mx.array, values: mx.array) -> None:
-        """``check_finite``: raise before anything is stored if a key or value is NaN or inf
-        (one sync reads both flags back)."""
-        check_kv(keys, values)
-        ok = mx.stack([mx.all(mx.isfinite(keys)), mx.all(mx.isfinite(values))]).tolist()
-        if all(ok):
-            return
-        parts = []
-        for name, x, fine in (("keys", keys, ok[0]), ("values", values, ok[1])):
-            if not fine:
-                nan, inf = (int(mx.sum(f(x)).item()) for f in (mx.isnan, mx.isinf))
-                parts.append(f"{name} hold {nan} NaN and {inf} inf of {x.size} entries")
-        t = keys.shape[2]
-        where = "" if self._bound_layer is None else f" (layer {self._bound_layer})"
-        raise ValueError(
-            f"{self.method}{where}: non-finite input at positions {self.offset} to "
-            f"{self.offset + t - 1}: {'; '.join(parts)}; nothing was stored (check_finite=True)"
-        )
-
     def _write_window(self, keys: mx.array, values: mx.array) -> bool:
         """A decode step's fast path: with the sinks full, no policy and no calibration hook,
         the step's tokens are written into the window's buffer in place (what the general
@@ -472,7 +456,8 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
             out = self._planned(self, queries, scale)
             if out is not None:
                 return out
-        return attend(queries, self.segments(), scale, mask, sinks, self.fused_above)
+        segs = self.segments()
+        return attend(queries, segs, scale, mask, sinks, self.fused_above, self.prefill_tile)
 
     def size(self) -> int:
         """Stored tokens (the widest head's, with per-head budgets)."""

@@ -124,7 +124,8 @@ class Codec(Configured, ABC):
     Subclasses set ``name`` (the registry name), ``block`` (tokens coded together),
     implement :meth:`encode`, :meth:`decode` and :meth:`config`, and may override
     :meth:`scores` / :meth:`mix` with compressed-domain versions (then set
-    ``compressed_scores`` / ``compressed_mix`` to True).
+    ``compressed_scores`` / ``compressed_mix`` to True). ``decodes_slices`` declares that a
+    block-aligned slice of a record decodes exactly on its own.
 
     A codec with fused attention kernels names their module in ``kernels``: its functions
     ``attend_partial``, ``joint_call`` and ``attend_joint`` (those it defines) then serve the
@@ -135,6 +136,12 @@ class Codec(Configured, ABC):
     name: ClassVar[str] = "codec"
     compressed_scores: ClassVar[bool] = False
     compressed_mix: ClassVar[bool] = False
+    # True where decoding a block-aligned slice of a record (Packed.slice) gives exactly
+    # those tokens of the whole record's decode (no token's decode reads another block or a
+    # statistic of the whole record): prefill attention may then decode stored tokens a slice
+    # at a time (velox_core.cache.attention.tiled_prefill_attention). A subclass that changes
+    # decode must set it anew.
+    decodes_slices: ClassVar[bool] = False
     kernels: ClassVar[ModuleType | None] = None
     block: int = 1
 

@@ -15,6 +15,7 @@ class Identity(Codec):
     """Keeps vectors unchanged in their input dtype; ``decode`` returns them as stored."""
 
     name = "fp16"
+    decodes_slices = True  # every token stored as given
 
     def config(self) -> dict[str, Any]:
         return {}

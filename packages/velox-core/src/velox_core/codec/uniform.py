@@ -67,6 +67,10 @@ class Uniform(Codec):
     settings = ("bits", "group", "axis", "clip")
     compressed_scores = True
     compressed_mix = True
+    # per-token groups decode each token from its own codes, scales and zeros; per-channel
+    # groups (KIVI's keys) each block of ``group`` tokens from its own: a block-aligned slice
+    # decodes on its own
+    decodes_slices = True
 
     def __init__(self, bits: int = 4, group: int = 64, axis: str = "token", clip: float = 1.0):
         self.bits = check_bits("bits", bits, minimum=2, maximum=8)
