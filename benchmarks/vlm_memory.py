@@ -6,12 +6,15 @@ fp16) reads an image and ``context`` text tokens in mlx-vlm's generate loop (chu
 runs in a process of its own; MLX's peak memory is reset after the model is built, so a row's
 peak is the generation's (the model's weights, resident throughout, included). Rows: mlx-vlm's
 fp16 caches, its ``kv_bits`` 8 and 4 (at its default ``quantized_kv_start`` of 5000 and at 0),
-velox uniform 8 and 4 bits (velox_vlm.stream_generate). Also: multi-turn reuse of the velox
-cache (a second turn through ``prompt_cache_state``) against the same turns fed into one fresh
-cache (tokens and log-probabilities equal: exact).
+velox uniform 8 and 4 bits (velox_vlm.stream_generate; on the CPU the prefill attends over
+slices of the stored tokens: velox_core.cache.attention.tiled_prefill_attention), and velox
+uniform 4 bits with ``prefill_tile=0`` (all stored tokens decoded for fused SDPA). Also:
+multi-turn reuse of the velox cache (a second turn through ``prompt_cache_state``) against
+the same turns fed into one fresh cache (tokens and log-probabilities equal: exact).
 
     python benchmarks/vlm_memory.py                      # contexts 2048 4096 8192, a table
     python benchmarks/vlm_memory.py --json out/vlm_memory.json
+    python benchmarks/vlm_memory.py --trace "velox uniform:bits=4" 4096   # per attention layer
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ CONFIGS = {
     "mlx-vlm kv_bits=4, start 0": {"kv_bits": 4, "quantized_kv_start": 0},
     "velox uniform:bits=8": {"velox": "uniform:bits=8"},
     "velox uniform:bits=4": {"velox": "uniform:bits=4"},
+    # the prefill attending over all stored tokens decoded at once (fused SDPA), not slices
+    "velox uniform:bits=4, untiled": {"velox": "uniform:bits=4", "prefill_tile": 0},
 }
 
 
@@ -42,21 +47,64 @@ def _prompt(model, context: int) -> dict:
     return image_prompt(model, text[:3], text[3:])
 
 
-def run_one(name: str, context: int, max_tokens: int) -> dict:
-    """One configuration in this process: its peak memory and cache bytes."""
+def trace_attention(model, rows: list) -> None:
+    """Record each prefill chunk's attention layer (more than 16 tokens) in ``rows``: its
+    tokens, the active memory before it and MLX's peak during it (its inputs and its output
+    evaluated on their own: the layer's transient alone; this resets the run's peak)."""
+    import mlx.core as mx
+
+    layers = model.language_model.layers
+    cls = type(layers[0].self_attn)
+    call = cls.__call__
+
+    def traced(self, x, *args, **kwargs):
+        if x.shape[1] <= 16:
+            return call(self, x, *args, **kwargs)
+        mx.eval(x)
+        mx.synchronize()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        out = call(self, x, *args, **kwargs)
+        mx.eval(out)
+        mx.synchronize()
+        n = len(rows)
+        rows.append(
+            {
+                "chunk": n // len(layers),
+                "layer": n % len(layers),
+                "tokens": x.shape[1],
+                "before": before,
+                "peak": mx.get_peak_memory(),
+            }
+        )
+        return out
+
+    cls.__call__ = traced
+
+
+def run_one(name: str, context: int, max_tokens: int, trace: list | None = None) -> dict:
+    """One configuration in this process: its peak memory and cache bytes (with ``trace``,
+    a list: each prefill attention layer's memory, :func:`trace_attention`, instead)."""
     import mlx.core as mx
     from mlx_vlm import stream_generate
 
+    import velox_core
     import velox_vlm
     from velox_vlm.testing import tiny_processor, tiny_vlm
 
     cfg = dict(CONFIGS[name])
     model = tiny_vlm("qwen2_vl")
     processor = tiny_processor()
+    if trace is not None:
+        trace_attention(model, trace)
     kw = _prompt(model, context)
     mx.eval(kw)
     spec = cfg.pop("velox", None)
     caches = velox_vlm.make_cache(model, spec) if spec else None
+    for c in caches or []:
+        if "prefill_tile" in cfg and isinstance(c, velox_core.VeloxCache):
+            c.prefill_tile = cfg["prefill_tile"]
+    cfg.pop("prefill_tile", None)
     gen = {"max_tokens": max_tokens, "temperature": 0.0, **cfg, **kw}
     mx.synchronize()
     mx.clear_cache()
@@ -143,7 +191,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--json", help="write the rows here too")
     ap.add_argument("--one", nargs=2, metavar=("CONFIG", "CONTEXT"), help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--trace",
+        nargs=2,
+        metavar=("CONFIG", "CONTEXT"),
+        help="one configuration: the memory of each prefill attention layer",
+    )
     args = ap.parse_args(argv)
+    if args.trace:
+        trace: list = []
+        run_one(args.trace[0], int(args.trace[1]), args.max_tokens, trace)
+        mib = 2**20
+        for r in trace:
+            print(
+                f"chunk {r['chunk']} layer {r['layer']}: {r['tokens']} tokens, active before "
+                f"{r['before'] / mib:.1f} MiB, peak {r['peak'] / mib:.1f} MiB, transient "
+                f"{(r['peak'] - r['before']) / mib:.1f} MiB"
+            )
+        return 0
     if args.one:
         row = run_one(args.one[0], int(args.one[1]), args.max_tokens)
         print("ROW " + json.dumps(row))
