@@ -10,50 +10,6 @@ head dims): an option, not the paper's.
 
 from __future__ import annotations
 
-import mlx.core as mx
-
-from velox_core.ops import RandomizedHadamard, block_size, hadamard
-from velox_core.validation import check_int
+from velox_core.ops import HadamardRotation
 
 __all__ = ["HadamardRotation"]
-
-
-class HadamardRotation:
-    """An orthonormal Hadamard rotation of ``dim`` channels, ``forward(x) = R x``.
-
-    Args:
-        dim: channels (the head dim); must be even.
-        seed: None for the Sylvester matrix (the paper's), or the seed of random signs.
-
-    Shapes:
-        ``forward(x)`` and ``inverse(y)`` take ``(..., dim)`` and return float32 ``(..., dim)``.
-    """
-
-    def __init__(self, dim: int, seed: int | None = None):
-        check_int("dim", dim, minimum=2)
-        self.dim, self.seed = dim, seed
-        self.block = dim if dim & (dim - 1) == 0 else block_size(dim)
-        if self.block < 2:
-            raise ValueError(f"head dim {dim} is odd: no Hadamard block divides it")
-        self._random = None if seed is None else RandomizedHadamard(dim, seed)
-
-    def forward(self, x: mx.array) -> mx.array:
-        if self._random is not None:
-            return self._random.forward(x).astype(mx.float32)
-        return hadamard(x.astype(mx.float32), self.block)
-
-    def inverse(self, y: mx.array) -> mx.array:
-        if self._random is not None:
-            return self._random.inverse(y).astype(mx.float32)
-        return hadamard(y.astype(mx.float32), self.block)  # symmetric and orthonormal
-
-    def arrays(self) -> dict[str, mx.array]:
-        """The resident arrays of a seeded rotation (its signs and permutation); the
-        Sylvester rotation has none (the transform computes it)."""
-        r = self._random
-        if r is None:
-            return {}
-        out = {"rot.signs": r.signs}
-        if r.perm is not None:
-            out["rot.perm"] = r.perm
-        return out

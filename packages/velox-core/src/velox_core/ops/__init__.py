@@ -1,6 +1,6 @@
 """Primitives: pure MLX functions (rotations, scalar quantizers, bit packing, sketches, k-means)."""
 
-from .hadamard import RandomizedHadamard, block_size, hadamard
+from .hadamard import HadamardRotation, RandomizedHadamard, block_size, hadamard
 from .kmeans import assign, kmeans
 from .lloyd_max import Codebook, lloyd_max, lloyd_max_sphere
 from .packing import BYTE_BITS, byte_table, lookup, mlx_readable, pack, packed_words, unpack
@@ -11,6 +11,7 @@ from .sketch import jl_matrix, sign_sketch, sketch_inner
 __all__ = [
     "BYTE_BITS",
     "Codebook",
+    "HadamardRotation",
     "RandomizedHadamard",
     "affine_dequantize",
     "affine_matmul",

@@ -123,3 +123,47 @@ class RandomizedHadamard:
     def matrix(self) -> mx.array:
         """The dense ``(dim, dim)`` matrix ``R`` with ``forward(x) == x @ R.T``."""
         return self.forward(mx.eye(self.dim)).T
+
+
+class HadamardRotation:
+    """An orthonormal Hadamard rotation of ``dim`` channels, ``forward(x) = R x``: the
+    normalized Sylvester matrix (``R = R^T = R^-1``; block-diagonal with blocks of
+    :func:`block_size` where ``dim`` is not a power of two), or with a ``seed``
+    :class:`RandomizedHadamard` (seeded signs, and a seeded permutation across blocks).
+
+    Args:
+        dim: channels (the head dim); must be even.
+        seed: None for the Sylvester matrix, or the seed of random signs.
+
+    Shapes:
+        ``forward(x)`` and ``inverse(y)`` take ``(..., dim)`` and return float32 ``(..., dim)``.
+    """
+
+    def __init__(self, dim: int, seed: int | None = None):
+        check_int("dim", dim, minimum=2)
+        self.dim, self.seed = dim, seed
+        self.block = block_size(dim)
+        if self.block < 2:
+            raise ValueError(f"head dim {dim} is odd: no Hadamard block divides it")
+        self._random = None if seed is None else RandomizedHadamard(dim, seed)
+
+    def forward(self, x: mx.array) -> mx.array:
+        if self._random is not None:
+            return self._random.forward(x).astype(mx.float32)
+        return hadamard(x.astype(mx.float32), self.block)
+
+    def inverse(self, y: mx.array) -> mx.array:
+        if self._random is not None:
+            return self._random.inverse(y).astype(mx.float32)
+        return hadamard(y.astype(mx.float32), self.block)  # symmetric and orthonormal
+
+    def arrays(self) -> dict[str, mx.array]:
+        """A seeded rotation's resident arrays (``rot.signs``, ``rot.perm``); none for the
+        Sylvester matrix (the transform computes it)."""
+        r = self._random
+        if r is None:
+            return {}
+        out = {"rot.signs": r.signs}
+        if r.perm is not None:
+            out["rot.perm"] = r.perm
+        return out
