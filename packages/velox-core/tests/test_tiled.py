@@ -191,3 +191,15 @@ def test_tiled_transient_is_a_fraction_of_the_fused_path_s():
     fused = _transient(lambda: attend(q, segs, 0.125, "causal", tile=0))
     sliced = _transient(lambda: attend(q, segs, 0.125, "causal", tile=256))
     assert sliced < 0.5 * fused, (sliced, fused)
+
+
+def test_packed_tiles_are_whole_blocks_covering_every_token_in_order():
+    from velox_core.codec.base import Packed
+
+    data = {"codes": mx.arange(2 * 10 * 3).reshape(1, 2, 10, 3), "mean": mx.zeros((1, 2, 5, 3))}
+    p = Packed(data, 10, 2, frozenset({"mean"}))
+    spans = [(a, z, t.tokens) for a, z, t in p.tiles(5)]  # 5 tokens round down to 2 blocks
+    assert spans == [(0, 4, 4), (4, 8, 4), (8, 10, 2)]
+    assert all(mx.array_equal(t.data["codes"], data["codes"][:, :, a:z]) for a, z, t in p.tiles(5))
+    assert [z for _, z, _ in p.tiles(1)] == [2, 4, 6, 8, 10]  # one block at least
+    assert p.tiles(64) == [(0, 10, p)]

@@ -153,7 +153,7 @@ def test_scores_and_mix_read_the_codes_a_tile_at_a_time(bits, monkeypatch):
     k, v = kv_data(t=384, d=128)
     codec = NSNQuantCodec(bits, group=64)
     pk, pv = codec.encode(k), codec.encode(v)
-    assert len(codec._tiles(pk)) == 3
+    assert len(pk.tiles(ncodec.TILE)) == 3
     q = mx.random.normal((1, 2, 6, 128), key=mx.random.key(bits))
     w = mx.softmax(mx.random.normal((1, 2, 6, 384), key=mx.random.key(1)) * 3, axis=-1)
     kk, vv = codec.decode(pk), codec.decode(pv)

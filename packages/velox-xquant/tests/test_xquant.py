@@ -161,7 +161,7 @@ def test_scores_and_mix_read_the_codes_a_tile_at_a_time(bits, axis, group, monke
     k, _ = kv_data(t=448, d=128)
     c = XQuantCodes(bits, group, axis, eta=0.1)
     p = c.encode(k)
-    assert len(c._tiles(p)) == 4
+    assert len(p.tiles(xcodec.TILE)) == 4
     q = mx.random.normal((1, 2, 6, 128), key=mx.random.key(2))
     w = mx.softmax(mx.random.normal((1, 2, 6, 448), key=mx.random.key(3)) * 3, axis=-1)
     kk = c.decode(p)

@@ -169,21 +169,12 @@ class NSNQuantCodec(Codec):
         return self._ready(y.shape[-1]).inverse(y)
 
     # -- attention from the codes, a tile at a time -------------------------------------------
-    def _tiles(self, packed: Packed) -> list[tuple[int, int, Packed]]:
-        step = max(TILE // self.group, 1) * self.group
-        if packed.tokens <= step:
-            return [(0, packed.tokens, packed)]
-        return [
-            (a, min(a + step, packed.tokens), packed.slice(a, min(a + step, packed.tokens)))
-            for a in range(0, packed.tokens, step)
-        ]
-
     def scores(self, q: mx.array, packed: Packed) -> mx.array:
         """``q @ k_hat.T`` from the codes. Shapes: q ``(B, H, M, D)``; returns ``(B, H, M, T)``."""
         d = q.shape[-1]
         qr = self._ready(d).forward(q)
         parts = []
-        for _, _, p in self._tiles(packed):
+        for _, _, p in packed.tiles(TILE):
             pd = p.data
             y = self._codewords(pd["codes"], d)  # (B, H, Tt, D)
             s = (qr @ mx.swapaxes(y, -1, -2)) * mx.swapaxes(pd["scale"].astype(mx.float32), -1, -2)
@@ -197,7 +188,7 @@ class NSNQuantCodec(Codec):
         d = packed.data["shift"].shape[-1]
         b, h, m, _ = w.shape
         out = None
-        for a, e, p in self._tiles(packed):
+        for a, e, p in packed.tiles(TILE):
             pd = p.data
             wt = w[..., a:e]
             y = self._codewords(pd["codes"], d)

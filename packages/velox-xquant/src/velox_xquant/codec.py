@@ -109,16 +109,6 @@ class XQuantCodes(Uniform):
         return s_hat.astype(scale.dtype), z_hat.astype(zero.dtype)
 
     # -- attention from the codes ------------------------------------------------------------
-    def _tiles(self, packed: Packed) -> list[tuple[int, int, Packed]]:
-        """The record in tiles of at most :data:`TILE` tokens (whole groups each)."""
-        step = max(TILE // packed.block, 1) * packed.block
-        if packed.tokens <= step:
-            return [(0, packed.tokens, packed)]
-        return [
-            (a, min(a + step, packed.tokens), packed.slice(a, min(a + step, packed.tokens)))
-            for a in range(0, packed.tokens, step)
-        ]
-
     def scores(self, q: mx.array, packed: Packed) -> mx.array:
         """``q @ k_hat.T`` from the codes, a tile at a time off MLX's layout.
 
@@ -127,7 +117,7 @@ class XQuantCodes(Uniform):
         if self._mlx_layout():
             return self._matmul(q, packed, transpose=True)
         parts = []
-        for _, _, p in self._tiles(packed):
+        for _, _, p in packed.tiles(TILE):
             if self.axis == "channel":
                 parts.append(Uniform.scores(self, q, p))  # the scales folded into the query
             else:
@@ -142,7 +132,7 @@ class XQuantCodes(Uniform):
         if self._mlx_layout():
             return self._matmul(w, packed, transpose=False)
         out = None
-        for a, e, p in self._tiles(packed):
+        for a, e, p in packed.tiles(TILE):
             wt = w[..., a:e]
             part = Uniform.mix(self, wt, p) if self.axis == "channel" else wt @ self.decode(p)
             out = part if out is None else out + part

@@ -71,6 +71,16 @@ class Packed:
         data = {k: fn(k, a) for k, a in self.data.items()}
         return Packed(data, tokens, self.block, self.per_block)
 
+    def tiles(self, most: int) -> list[tuple[int, int, Packed]]:
+        """``(start, stop, tokens [start, stop))`` in tiles of at most ``most`` tokens (whole
+        blocks each, one block at least), in order: for a codec that reads its codes a tile
+        at a time."""
+        step = max(most // self.block, 1) * self.block
+        if self.tokens <= step:
+            return [(0, self.tokens, self)]
+        ends = [(a, min(a + step, self.tokens)) for a in range(0, self.tokens, step)]
+        return [(a, z, self.slice(a, z)) for a, z in ends]
+
     def slice(self, start: int, stop: int) -> Packed:
         """Tokens ``[start, stop)``; both must be multiples of ``block``."""
         if start % self.block or stop % self.block or not 0 <= start <= stop <= self.tokens:
