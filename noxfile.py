@@ -35,6 +35,20 @@ TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "pytest-benchmark>=4", "pytest-xd
 # where a worker's start-up (importing MLX and mlx-lm) would cost more than it saves.
 PARALLEL = ["-n", "auto", "--dist", "loadfile"]
 PARALLEL_PACKAGES = {"velox-core", "velox-cli"}
+# What a package's own tests drive beside it: velox-cli's bench and generate tests run the
+# quick subset's methods (and palu's missing-file refusal), velox-rocketkv's compare its first
+# stage with SnapKV's. Each test that needs one skips without it, so the package still installs
+# and tests alone; its session installs them so those tests run.
+TEST_WITH = {
+    "velox-cli": (
+        "velox-kivi",
+        "velox-turboquant",
+        "velox-polarquant",
+        "velox-snapkv",
+        "velox-palu",
+    ),
+    "velox-rocketkv": ("velox-snapkv",),
+}
 
 nox.options.sessions = ["lint", "tests", "integration", "build"]
 nox.options.default_venv_backend = "uv|virtualenv"
@@ -63,8 +77,10 @@ def lint(session: nox.Session) -> None:
 @nox.session
 @nox.parametrize("package", PACKAGES)
 def tests(session: nox.Session, package: str) -> None:
-    """One package, velox-core and velox-testing only: proves it installs and works by itself."""
+    """One package, velox-core and velox-testing (and what its tests drive, TEST_WITH): proves
+    it installs and works without the other methods."""
     targets = {_pkg("velox-core"), _pkg("velox-testing"), _pkg(package)}
+    targets |= {_pkg(p) for p in TEST_WITH.get(package, ())}
     session.install(*TEST_DEPS, *sorted(targets))
     spread = PARALLEL if package in PARALLEL_PACKAGES else []
     session.run(

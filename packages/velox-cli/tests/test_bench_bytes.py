@@ -44,6 +44,13 @@ def held(spec: str, tokens: int) -> int:
     return LAYERS * (2 * HEADS * tokens * _per_token_head(spec) + _state(spec))
 
 
+def _needs(*modules: str) -> None:
+    """Skip where a method package the test runs is not installed (velox-cli's nox session
+    installs them: noxfile.TEST_WITH)."""
+    for name in modules:
+        pytest.importorskip(name, reason=f"runs {name} (pip install {name.replace('_', '-')})")
+
+
 SPECS = [
     "fp16",
     "mlx-q4",
@@ -54,6 +61,7 @@ SPECS = [
 
 
 def test_bench_prints_fp16_held_bytes_over_each_rows(model_dir, text_file, tmp_path, capsys):
+    _needs("velox_turboquant", "velox_polarquant")
     out = tmp_path / "rows.json"
     rc = main(
         [
@@ -120,6 +128,7 @@ def test_bench_defaults_to_the_quick_subset_and_skips_a_method_without_its_file(
     missing for the model is skipped with one line naming its fit command, not measured."""
     from velox_cli.specs import QUICK
 
+    _needs("velox_kivi", "velox_turboquant", "velox_polarquant", "velox_snapkv", "velox_palu")
     out = tmp_path / "rows.json"
     argv = ["bench", "--model", model_dir, "--data", text_file, "--quick", "--context", "64"]
     argv += ["--jobs", "1", "--chart", "", "--json", str(out)]

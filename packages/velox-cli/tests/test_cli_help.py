@@ -50,6 +50,7 @@ def test_serve_help_shows_model_host_and_port_and_passes_them_on(monkeypatch, ca
 
 
 def test_inspect_reads_what_generate_saves(model_dir, tmp_path, capsys):
+    pytest.importorskip("velox_kivi", reason="saves a kivi cache (pip install velox-kivi)")
     path = tmp_path / "c.safetensors"
     for spec in ("kivi:bits=2", "mlx-q4", "fp16"):
         argv = ["generate", "--model", model_dir, "--method", spec, "--max-tokens", "4"]

@@ -24,7 +24,6 @@ from velox_rocketkv import (
     summarize,
     topk_for,
 )
-from velox_snapkv import SnapKVCache
 from velox_testing import (
     EvictingConformance,
     FullBudgetConformance,
@@ -317,6 +316,9 @@ def test_a_decode_step_attends_topk_tokens_per_kv_head_and_every_token_below_it(
 def test_without_the_second_stage_rocketkv_is_snapkv_with_its_pooling():
     """ratio=None: no summaries, every kept token attended, and the kept tokens are velox
     SnapKV's with kernel 63 (SnapKV++'s GQA votes are velox-core's)."""
+    SnapKVCache = pytest.importorskip(
+        "velox_snapkv", reason="compares with velox-snapkv (its nox session installs it)"
+    ).SnapKVCache
     model = tiny_model("llama", head_dim=D, hidden_size=256)
     prompt = mx.random.randint(0, 512, (1, 600), key=mx.random.key(3))
     kept = []
