@@ -8,12 +8,7 @@ import pytest
 
 from velox_core import Uniform, load_cache, make, make_cache, save_cache
 from velox_kitty import KittyCache, KittyKeys, boosted_count
-from velox_testing import (
-    CacheConformance,
-    conformance_model,
-    kv_data,
-    rel_error,
-)
+from velox_testing import CacheConformance, conformance_model, kv_data, rel_error
 
 
 class TestKitty(CacheConformance):
