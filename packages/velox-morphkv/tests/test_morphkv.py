@@ -208,9 +208,7 @@ def test_layer_zero_of_a_tiny_model_keeps_what_the_window_votes_for_and_stays_bo
     prompt = mx.random.randint(0, 512, (1, 256), key=mx.random.key(0))
     budget, chunk, window = 64, 128, 16
     caches = make_cache(model, MorphKVCache(budget=budget, observe=window))
-    full = [KVCache() for _ in model.layers]
-    model(prompt, cache=full)
-    k0 = np.array(full[0].state[0][0, :, :256].astype(mx.float32))  # (H, 256, D)
+    k0, _ = ev.layer_zero_kv(model, prompt)  # (H, 256, D)
     scale = model.layers[0].self_attn.scale
     with routed(model):
         model(prompt[:, :chunk], cache=caches)

@@ -3,7 +3,6 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import KVCache
 
 import velox_testing.eviction as ev
 from velox_core import Uniform, VeloxCache, make_cache, routed
@@ -166,9 +165,7 @@ def test_layer_zero_of_a_tiny_model_keeps_the_last_querys_choice_and_stays_bound
     prompt = mx.random.randint(0, 512, (1, 256), key=mx.random.key(0))
     budget, chunk = 64, 128
     caches = make_cache(model, TOVACache(budget=budget))
-    full = [KVCache() for _ in model.layers]
-    model(prompt, cache=full)
-    k0 = np.array(full[0].state[0][0, :, :256].astype(mx.float32))  # (H, 256, D)
+    k0, _ = ev.layer_zero_kv(model, prompt)  # (H, 256, D)
     scale = model.layers[0].self_attn.scale
     with routed(model):
         model(prompt[:, :chunk], cache=caches)

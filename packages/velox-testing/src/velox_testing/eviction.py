@@ -14,8 +14,8 @@ The aids:
 
 - data and feeding: keys, values and queries with attention far from uniform
   (:func:`attention_data`), a prefill that attends as a routed model does
-  (:func:`feed_attending`), layer 0 of a tiny model as its policy sees it
-  (:func:`observed_layer_zero`);
+  (:func:`feed_attending`), layer 0 of a tiny model (:func:`layer_zero_kv`) and as its
+  policy sees it (:func:`observed_layer_zero`);
 - what a cache holds: :func:`kept_positions` (the body), :func:`stored_positions` (every
   token);
 - checks: attention reads the kept tokens alone (:func:`assert_attends_to`), a cut no query
@@ -57,6 +57,7 @@ __all__ = [
     "composed_cache",
     "feed_attending",
     "kept_positions",
+    "layer_zero_kv",
     "observed_layer_zero",
     "recommended_presets",
     "reloaded",
@@ -250,10 +251,18 @@ def observed_layer_zero(model, caches: list, prompt: mx.array, steps, chunk: int
         for t in steps:
             model(mx.array([[t]]), cache=caches)
             assert all(c.size() == size for c in caches)
+    k0, v0 = layer_zero_kv(model, mx.concatenate([prompt, mx.array([list(steps)])], axis=1))
+    return k0[None], v0[None], np.concatenate(seen, axis=1)[None]
+
+
+def layer_zero_kv(model, tokens: mx.array) -> tuple[np.ndarray, np.ndarray]:
+    """Layer 0's keys and values of ``tokens`` ``(1, T)`` through ``model`` with mlx-lm's own
+    cache (at layer 0 they do not depend on the cache): float32 numpy ``(H, T, D)`` each."""
     full = [KVCache() for _ in model.layers]
-    model(mx.concatenate([prompt, mx.array([list(steps)])], axis=1), cache=full)
-    k0, v0 = (np.array(a[0].astype(mx.float32))[None] for a in full[0].state[:2])
-    return k0, v0, np.concatenate(seen, axis=1)[None]
+    model(tokens, cache=full)
+    t = tokens.shape[1]
+    k0, v0 = (np.array(a[0, :, :t].astype(mx.float32)) for a in full[0].state[:2])
+    return k0, v0
 
 
 def assert_attends_to(cache, q, k, v, positions: Callable[[int], set[int]], scale: float):
