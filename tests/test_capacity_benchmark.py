@@ -3,7 +3,6 @@
 not a measurement)."""
 
 import argparse
-import importlib.util
 import json
 import math
 import subprocess
@@ -16,17 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
 
 
-def _capacity():
-    spec = importlib.util.spec_from_file_location("capacity", ROOT / "benchmarks" / "capacity.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["capacity"] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
-def cap():
-    return _capacity()
+def cap(load_benchmark):
+    return load_benchmark("capacity")
 
 
 # ---------------------------------------------------------------- the search, synthetic peaks

@@ -1,20 +1,14 @@
 """benchmarks/e2e.py on the CPU: a small shape runs end to end and its rows hold what the
 benchmark promises (a correctness check of the script, not a measurement)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-def _e2e():
-    spec = importlib.util.spec_from_file_location("e2e", ROOT / "benchmarks" / "e2e.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+@pytest.fixture(scope="module")
+def e2e(load_benchmark):
+    return load_benchmark("e2e")
 
 
 # what every row holds besides the timed fields (the benchmark's MEDIAN_FIELDS)
@@ -35,12 +29,11 @@ ROW_FIELDS = (
 
 
 @pytest.mark.parametrize("batch", ["1", "2"])
-def test_small_shape_rows(tmp_path, batch):
+def test_small_shape_rows(e2e, tmp_path, batch):
     out = tmp_path / "e2e.json"
     argv = ["--shape", "small", "--weights", "fp32", "--contexts", "300", "--batch", batch]
     argv += ["--caches", "uniform:bits=4,fp16,mlx-q4", "--steps", "3", "--timed-steps", "2"]
     argv += ["--chunk", "128", "--json", str(out), "--no-warmup" if batch == "1" else "--chunk=96"]
-    e2e = _e2e()
     assert e2e.main(argv) == 0
     data = json.loads(out.read_text())
     rows = data["rows"]
@@ -62,12 +55,12 @@ def test_small_shape_rows(tmp_path, batch):
     assert velox["x_fp16_cache_bytes"] == velox["cache_bytes"] / fp16["cache_bytes"]
 
 
-def test_repeats_rotate_the_caches_and_keep_medians(tmp_path, capsys):
+def test_repeats_rotate_the_caches_and_keep_medians(e2e, tmp_path, capsys):
     out = tmp_path / "e2e.json"
     argv = ["--shape", "small", "--weights", "fp32", "--contexts", "200", "--repeats", "3"]
     argv += ["--caches", "fp16,uniform:bits=4", "--steps", "2", "--timed-steps", "2"]
     argv += ["--chunk", "128", "--json", str(out), "--no-warmup"]
-    assert _e2e().main(argv) == 0
+    assert e2e.main(argv) == 0
     runs = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line[:1] == "{"]
     assert [r["cache"] for r in runs] == ["fp16", "uniform:bits=4"] * 3  # in rotation
     rows = json.loads(out.read_text())["rows"]
@@ -79,8 +72,7 @@ def test_repeats_rotate_the_caches_and_keep_medians(tmp_path, capsys):
         assert row["peak_bytes"] == max(r["peak_bytes"] for r in mine)
 
 
-def test_bad_arguments_are_refused():
-    e2e = _e2e()
+def test_bad_arguments_are_refused(e2e):
     with pytest.raises(SystemExit):
         e2e.main(["--shape", "nope"])
     with pytest.raises(SystemExit):

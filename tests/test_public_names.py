@@ -1,43 +1,38 @@
 """velox-core's public face stays small: at most ``LIMIT`` names in its ``__all__`` lists, each
 exported by one module only (tools/public_names.py counts them)."""
 
-import importlib.util
+import importlib
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import pytest
+
 LIMIT = 200
 
 
-def _tool():
-    spec = importlib.util.spec_from_file_location(
-        "public_names", ROOT / "tools" / "public_names.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+@pytest.fixture(scope="module")
+def tool(load_tool):
+    return load_tool("public_names")
 
 
-def test_public_names_within_limit():
-    names = _tool().public_names()
+def test_public_names_within_limit(tool):
+    names = tool.public_names()
     total = sum(len(v) for v in names.values())
     assert total <= LIMIT, f"{total} names in velox-core's __all__ lists (at most {LIMIT})"
 
 
-def test_every_name_has_one_home():
-    tool = _tool()
+def test_every_name_has_one_home(tool):
     assert tool.second_homes(tool.public_names()) == {}
 
 
-def test_listed_names_exist():
-    for module, listed in _tool().public_names().items():
+def test_listed_names_exist(tool):
+    for module, listed in tool.public_names().items():
         mod = importlib.import_module(module)
         missing = [n for n in listed if not hasattr(mod, n)]
         assert not missing, f"{module}.__all__ lists names it does not define: {missing}"
         assert len(set(listed)) == len(listed), f"{module}.__all__ repeats a name"
 
 
-def test_the_count_reads_computed_lists(tmp_path):
+def test_the_count_reads_computed_lists(tmp_path, tool):
     """A list built at import time counts with its real length."""
     pkg = tmp_path / "face_probe"
     pkg.mkdir()
@@ -46,7 +41,7 @@ def test_the_count_reads_computed_lists(tmp_path):
     (pkg / "c.py").write_text("f = 3\n")
     sys.path.insert(0, str(tmp_path))
     try:
-        names = _tool().public_names(tmp_path)
+        names = tool.public_names(tmp_path)
     finally:
         sys.path.remove(str(tmp_path))
     assert names == {"face_probe": ["a"], "face_probe.b": ["c", "d", "e"]}

@@ -2,15 +2,12 @@
 and ``--kv-bits 4``) start, take the load and stop, and the JSON holds every row's fields (a
 check of the script, not a measurement)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from velox_cli.data import find_shared
 
-ROOT = Path(__file__).resolve().parents[1]
 BUDGET = 2_000_000
 
 ROW_FIELDS = (
@@ -39,17 +36,13 @@ ROW_FIELDS = (
 )
 
 
-def _serve_load():
-    spec = importlib.util.spec_from_file_location(
-        "serve_load", ROOT / "benchmarks" / "serve_load.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+@pytest.fixture(scope="module")
+def serve_load(load_benchmark):
+    return load_benchmark("serve_load")
 
 
-def test_sessions_are_entries_no_other_extends():
-    sessions = _serve_load().sessions
+def test_sessions_are_entries_no_other_extends(serve_load):
+    sessions = serve_load.sessions
     assert sessions([]) == 0
     assert sessions([[1, 2], [1, 2, 3], [1, 4]]) == 2
     assert sessions([[5], [1, 2, 0], [1, 2], [1, 2, 3]]) == 3
@@ -57,7 +50,7 @@ def test_sessions_are_entries_no_other_extends():
 
 @pytest.mark.slow
 @pytest.mark.skipif(find_shared("reference-model") is None, reason="needs the reference model")
-def test_tiny_load_on_every_server(tmp_path, capsys):
+def test_tiny_load_on_every_server(serve_load, tmp_path, capsys):
     out = tmp_path / "serve_load.json"
     argv = [
         "--clients", "2",
@@ -67,7 +60,7 @@ def test_tiny_load_on_every_server(tmp_path, capsys):
         "--prompt-cache-bytes", str(BUDGET),
         "--json", str(out),
     ]  # fmt: skip
-    assert _serve_load().main(argv) == 0
+    assert serve_load.main(argv) == 0
     data = json.loads(out.read_text())
     assert data["settings"]["requests"] == 3 and data["settings"]["max_tokens"] == 4
     assert data["machine"]["mlx"] and data["machine"]["blas"]
@@ -92,12 +85,12 @@ def test_tiny_load_on_every_server(tmp_path, capsys):
 
 
 @pytest.mark.skipif(find_shared("reference-model") is None, reason="needs the reference model")
-def test_hostile_requests_among_the_load_leave_velox_serve_serving(tmp_path):
+def test_hostile_requests_among_the_load_leave_velox_serve_serving(serve_load, tmp_path):
     """48 hostile requests (each kind of serve_load.MALFORMED twice) among 8 well-formed ones,
     4 clients at once: no server death, every well-formed request answered, no traceback or
     path of this machine in any answer (a logit_bias token past the vocabulary crashed the
     process, a request naming another model unloaded the served one mid-batch)."""
-    sl = _serve_load()
+    sl = serve_load
     out = tmp_path / "serve_load.json"
     argv = [
         "--baselines", "",

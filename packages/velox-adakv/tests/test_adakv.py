@@ -10,27 +10,18 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import QuantizedKVCache
 
+import velox_testing.eviction as ev
 from velox_adakv import METHOD, AdaKVCache, AdaKVPolicy, adaptive_keep, allocate
 from velox_core import (
     Method,
     RetentionPolicy,
     Uniform,
     VeloxCache,
-    load_cache,
     make_cache,
     routed,
-    save_cache,
 )
 from velox_core.policy import pool_votes
-from velox_testing import (
-    EvictingConformance,
-    FullBudgetConformance,
-    Routed,
-    feed,
-    kv_data,
-    rel_error,
-    tiny_model,
-)
+from velox_testing import feed, kv_data, rel_error, tiny_model
 
 SDPA = mx.fast.scaled_dot_product_attention
 
@@ -47,7 +38,7 @@ def evicted(cache, k, v, q, chunk=100, scale=0.1):
     return cache
 
 
-class TestAdaKV(FullBudgetConformance):
+class TestAdaKV(ev.FullBudgetConformance):
     max_memory_ratio = 1.03  # int32 positions (0.8%) and the body's growth slack beside the window
 
     bad_settings = (
@@ -65,7 +56,7 @@ class TestAdaKV(FullBudgetConformance):
         return AdaKVCache(budget=4096)
 
 
-class TestAdaKVEvicting(Routed, EvictingConformance):
+class TestAdaKVEvicting(ev.Routed, ev.EvictingConformance):
     """Small budget, 4-bit codes, per-head storage (batch 1). Per-head storage is read only by
     velox attention, so every test runs under routed attention. Two tests are replaced by
     their per-head forms: ``keys_and_values`` has no single layout once heads differ, and a
@@ -326,8 +317,7 @@ def test_state_and_files_keep_per_head_storage_and_queries(tmp_path):
     k, v = kv_data(t=300)
     q = mx.random.normal((1, 4, 8, 128), key=mx.random.key(10)).astype(mx.float16)
     c = evicted(AdaKVCache(budget=64, window=8, bits=4, every=4), k, v, q)
-    save_cache(tmp_path / "c.safetensors", [c])
-    (d,) = load_cache(tmp_path / "c.safetensors")
+    d = ev.reloaded(c, tmp_path / "c.safetensors")
     assert d.ragged and d.body_sizes() == c.body_sizes() and d.offset == c.offset
     assert mx.array_equal(d.policy.state()["queries"], c.policy.state()["queries"])
     with routed():

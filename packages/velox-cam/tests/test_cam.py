@@ -3,24 +3,17 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import KVCache
 
+import velox_testing.eviction as ev
 from velox_cam import METHOD, CamCache, CamConfig, CamPolicy
-from velox_core import Uniform, VeloxCache, load_cache, make, make_cache, routed, save_cache
-from velox_testing import (
-    EvictingConformance,
-    FullBudgetConformance,
-    Routed,
-    kv_data,
-    rel_error,
-    tiny_model,
-)
+from velox_core import Uniform, VeloxCache, make, make_cache, routed
+from velox_testing import rel_error, tiny_model
 
 D = 64
 SCALE = D**-0.5
 
 
-class TestCam(FullBudgetConformance):
+class TestCam(ev.FullBudgetConformance):
     # fp16 tokens (512 B a token and KV head at head dim 128), the body's int32 positions and
     # the float32 accumulated score: 520 B
     max_memory_ratio = 1.02
@@ -49,7 +42,7 @@ class TestCam(FullBudgetConformance):
         return CamCache(budget=4096)
 
 
-class TestCamEvicting(Routed, EvictingConformance):
+class TestCamEvicting(ev.Routed, ev.EvictingConformance):
     """A small budget (32 sinks and the 32 newest tokens), a merge and an eviction at every
     decode step, and 4-bit codes. The suite fills caches with update_and_fetch alone, so every
     test runs routed (a cut of tokens no query has seen is refused otherwise); tokens no query
@@ -63,18 +56,6 @@ class TestCamEvicting(Routed, EvictingConformance):
 
 
 # -- helpers ---------------------------------------------------------------------------------
-def data(t, h=2, r=2, seed=0, sharp=1.0):
-    """Random float32 keys, values ``(1, h, t, D)`` and queries ``(1, h * r, t, D)`` with a
-    shared direction, so that attention is far from uniform (flatter for ``sharp`` below
-    1: the queries scaled down)."""
-    rng = np.random.default_rng(seed)
-    u = rng.normal(size=D)
-    k = rng.normal(size=(1, h, t, D)) + 0.5 * rng.normal(size=(1, h, t, 1)) * u
-    q = (rng.normal(size=(1, h * r, t, D)) + 2.0 * u) * sharp
-    v = rng.normal(size=(1, h, t, D))
-    return tuple(mx.array(a.astype(np.float32)) for a in (k, v, q))
-
-
 def softmax(x):
     e = np.exp(x - x.max(-1, keepdims=True))
     return e / e.sum(-1, keepdims=True)
@@ -194,7 +175,7 @@ def test_decode_merges_as_the_authors_cache(r):
     """The authors' rule step by step: the prompt in one chunk, cut to budget (its evicted
     values merged oldest first), then each decode step adds its query's weights and evicts
     the oldest token after the sinks, merged or not by its draw. MHA (r=1) and GQA (r=3)."""
-    k, v, q = data(200, r=r, seed=r)
+    k, v, q = ev.attention_data(200, r=r, seed=r)
     ref = run_both(k, v, q, t0=120, budget=48, start=8, merge=16, chunk=120)
     # both outcomes happen: some evicted values merged, some dropped
     evicted = 2 * (200 - 48)
@@ -212,7 +193,7 @@ def test_chunked_prefill_merges_each_cut_token_by_token():
     """A prompt in chunks: each cut evicts a chunk's worth of tokens, the oldest first, each
     merging (with what it received) into the 16 after it, some of which leave in the same
     cut."""
-    k, v, q = data(260, seed=7)
+    k, v, q = ev.attention_data(260, seed=7)
     ref = run_both(k, v, q, t0=240, budget=40, start=4, merge=16, chunk=64)
     assert ref.merged > 0
 
@@ -220,7 +201,7 @@ def test_chunked_prefill_merges_each_cut_token_by_token():
 def test_merge_size_and_the_sink_share():
     """merge=1 (each value into the next token alone) and merge filling the whole recent
     part; sinks as a share of the budget (the authors' even split by default)."""
-    k, v, q = data(150, seed=4)
+    k, v, q = ev.attention_data(150, seed=4)
     run_both(k, v, q, t0=100, budget=32, start=16, merge=16, chunk=50)
     run_both(k, v, q, t0=100, budget=32, start=4, merge=1, chunk=100, every=4)
     assert CamCache(budget=32).sinks == 16 and CamCache(budget=33, sinks=0.25).sinks == 8
@@ -264,7 +245,7 @@ def test_merge_keeps_the_evicted_share_of_the_output_in_expectation():
 def test_sinks_window_and_codes_compose():
     """Sinks and window are kept as given; values merge into the oldest body tokens; the
     merged values are coded again (8-bit codes here)."""
-    k, v, q = data(301, seed=5, sharp=0.1)
+    k, v, q = ev.attention_data(301, seed=5, sharp=0.1)
     c = VeloxCache(Uniform(8), Uniform(8), sinks=4, window=8, policy=CamPolicy(budget=44, merge=16))
     for s in range(0, 300, 100):
         c.update_and_fetch(k[:, :, s : s + 100], v[:, :, s : s + 100])
@@ -295,24 +276,7 @@ def test_layer_zero_of_a_tiny_model_matches_the_transcription():
     steps = [7, 11, 13, 17, 19, 23]
     budget, start, chunk = 64, 8, 128
     caches = make_cache(model, CamCache(budget=budget, sinks=start))
-    seen = []
-    observe = caches[0].policy.observe
-
-    def record(cache, queries, scale):
-        seen.append(np.array(queries[0].astype(mx.float32)))
-        observe(cache, queries, scale)
-
-    caches[0].policy.observe = record
-    with routed(model):
-        for s in range(0, 256, chunk):
-            model(prompt[:, s : s + chunk], cache=caches)
-        for t in steps:
-            model(mx.array([[t]]), cache=caches)
-            assert all(c.size() == budget + 1 for c in caches)
-    full = [KVCache() for _ in model.layers]
-    model(mx.concatenate([prompt, mx.array([steps])], axis=1), cache=full)
-    k0, v0 = (np.array(a[0].astype(mx.float32))[None] for a in full[0].state[:2])  # (1, H, T, D)
-    q0 = np.concatenate(seen, axis=1)[None]  # (1, Hq, T, D)
+    k0, v0, q0 = ev.observed_layer_zero(model, caches, prompt, steps, chunk, size=budget + 1)
     ref = PaperCam(k0, v0, q0, budget, start, 16, scale=model.layers[0].self_attn.scale)
     for s, e in [(0, 128), (128, 256)] + [(i, i + 1) for i in range(256, 261)]:
         ref.attend(s, e)
@@ -328,7 +292,7 @@ def test_layer_zero_of_a_tiny_model_matches_the_transcription():
 def test_memory_is_freed_and_the_budget_honoured():
     """The evicted tokens leave memory: in decode the cache holds budget + 1 tokens, its
     bytes those of the kept tokens (fp16 keys and values, int32 positions, float32 scores)."""
-    k, v, q = data(300, seed=8)
+    k, v, q = ev.attention_data(300, seed=8)
     k, v = k.astype(mx.float16), v.astype(mx.float16)
     c = CamCache(budget=32)
     with routed():
@@ -345,28 +309,19 @@ def test_memory_is_freed_and_the_budget_honoured():
 
 
 def test_without_queries_the_cut_is_refused_unless_routed():
-    k, v = kv_data(t=300, d=D)
-    c = CamCache(budget=40)
-    c.update_and_fetch(k[:, :, :299], v[:, :, :299])
-    with pytest.raises(ValueError, match="routed"):
-        c.update_and_fetch(k[:, :, 299:], v[:, :, 299:])
-    c = CamCache(budget=40)
-    with routed():  # no query reached the cache: zero scores, nothing merged
-        c.update_and_fetch(k[:, :, :299], v[:, :, :299])
-        c.update_and_fetch(k[:, :, 299:], v[:, :, 299:])
+    c, _, v = ev.assert_cut_needs_routing(lambda: CamCache(budget=40), t=300, d=D)
+    # routed, where no query reached the cache: zero scores, nothing merged
     _, vv = c.keys_and_values()  # 20 sinks, the 20 newest before the cut, the new token
     assert c.size() == 41 and mx.array_equal(vv[:, :, 20:], v[:, :, 279:300])
 
 
 def test_saved_state_draws_the_same_after_loading(tmp_path):
-    k, v, q = data(330, seed=8)
+    k, v, q = ev.attention_data(330, seed=8)
     c = CamCache(budget=32, bits=4, group=32)
     for s in range(0, 300, 150):
         c.update_and_fetch(k[:, :, s : s + 150], v[:, :, s : s + 150])
         c.attend(q[:, :, s : s + 150], SCALE, mask="causal")  # the second cut pending
-    save_cache(tmp_path / "c.safetensors", [c])
-    (d,) = load_cache(tmp_path / "c.safetensors")
-    assert isinstance(d.policy, CamPolicy) and d.policy.config() == c.policy.config()
+    d = ev.reloaded(c, tmp_path / "c.safetensors")
     assert d.policy.meta() == c.policy.meta() == {"chunk_pending": True, "seen": 300, "draws": 1}
     assert set(d.policy.state()) == {"scores", "key"}
     assert d.policy.nbytes == c.policy.nbytes == 4 * 2 * c.size() + 8
@@ -381,7 +336,7 @@ def test_saved_state_draws_the_same_after_loading(tmp_path):
 
 
 def test_bad_state_is_refused():
-    k, v, q = data(120, seed=3)
+    k, v, q = ev.attention_data(120, seed=3)
     c = CamCache(budget=32)
     c.update_and_fetch(k[:, :, :100], v[:, :, :100])
     c.attend(q[:, :, :100], SCALE, mask="causal")
@@ -398,8 +353,8 @@ def test_bad_state_is_refused():
 
 def test_a_batch_row_merges_as_it_does_alone():
     """The draws are shared by the rows, so a row's merges do not depend on the batch."""
-    k0, v0, q0 = data(201, seed=10)
-    k1, v1, q1 = data(201, seed=11)
+    k0, v0, q0 = ev.attention_data(201, seed=10)
+    k1, v1, q1 = ev.attention_data(201, seed=11)
     k, v, q = (mx.concatenate(p, axis=0) for p in ((k0, k1), (v0, v1), (q0, q1)))
     both, alone = CamCache(budget=24, sinks=4), CamCache(budget=24, sinks=4)
     for x, kk, vv, qq in ((both, k, v, q), (alone, k1, v1, q1)):
@@ -415,7 +370,7 @@ def test_a_batch_row_merges_as_it_does_alone():
 
 
 def test_trim_drops_the_trimmed_scores():
-    k, v, q = data(170, seed=9)
+    k, v, q = ev.attention_data(170, seed=9)
     c = CamCache(budget=400)
     with routed():
         c.update_and_fetch(k[:, :, :160], v[:, :, :160])
@@ -427,12 +382,10 @@ def test_trim_drops_the_trimmed_scores():
 
 
 def test_recommended_settings_defaults_and_split():
-    assert METHOD.recommended == ({"budget": 1024}, {"budget": 1024, "bits": 4, "group": 32})
     assert METHOD.paper == "https://proceedings.mlr.press/v235/zhang24n.html"
-    fp16, four = (make("cam", **s) for s in METHOD.recommended)
+    fp16, _ = ev.recommended_presets(METHOD)
     assert fp16.policy.config() == {"budget": 1024, "every": 1, "merge": 16, "seed": 0}
     assert fp16.sinks == 512 and fp16.window == 0
-    assert four.tiers[0].key_codec.bits == four.tiers[0].value_codec.bits == 4
     assert make("cam:budget=100,sinks=4,merge=32").sinks == 4
     assert make("cam:budget=100,sinks=0.25").sinks == 25
     assert CamConfig(budget=10, merge=5).sink_tokens == 5

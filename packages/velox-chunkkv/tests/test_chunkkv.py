@@ -7,17 +7,12 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
+import velox_testing.eviction as ev
 from velox_chunkkv import METHOD, ChunkKVCache, ChunkKVPolicy, select_chunks
-from velox_core import VeloxCache, load_cache, make, make_cache, routed, save_cache
+from velox_core import VeloxCache, load_cache, make_cache, routed, save_cache
 from velox_core.policy import WindowVotePolicy
-from velox_testing import (
-    EvictingConformance,
-    FullBudgetConformance,
-    Routed,
-    kv_data,
-    rel_error,
-    tiny_model,
-)
+from velox_testing import kv_data, rel_error, tiny_model
+from velox_testing.eviction import kept_positions as kept
 
 D = 64
 SCALE = D**-0.5
@@ -25,7 +20,7 @@ COUNT = "must be a whole number >= 1"
 BAD_COUNTS = (0, -3, 2.5, float("nan"), float("inf"), float("-inf"), True, "ten")
 
 
-class TestChunkKV(FullBudgetConformance):
+class TestChunkKV(ev.FullBudgetConformance):
     """A budget above every length the suite stores: nothing is evicted."""
 
     bad_settings = (
@@ -45,7 +40,7 @@ class TestChunkKV(FullBudgetConformance):
         return ChunkKVCache(budget=4096)
 
 
-class TestChunkKVEvicting(Routed, EvictingConformance):
+class TestChunkKVEvicting(ev.Routed, ev.EvictingConformance):
     """A small budget, decode cuts and 4-bit codes: evicting, lossy, bounded."""
 
     def make(self):
@@ -55,7 +50,7 @@ class TestChunkKVEvicting(Routed, EvictingConformance):
         return ChunkKVCache(budget=64, observe=8, every=8, chunk_length=8)
 
 
-class TestChunkKVReuseEvicting(Routed, EvictingConformance):
+class TestChunkKVReuseEvicting(ev.Routed, ev.EvictingConformance):
     """The same with layer-wise index reuse: the suite's model-level caches are linked in
     pairs by make_cache (save/load, copies, batches and generation with followers)."""
 
@@ -166,18 +161,6 @@ def test_batch_rows_choose_apart_and_keep_one_count():
 
 
 # -- one layer: the votes, chunked ------------------------------------------------------------
-def feed(cache, k, v, q, chunk):
-    """Prefill in chunks as a routed model does: store the chunk, then attend with its queries."""
-    for s in range(0, k.shape[2], chunk):
-        cache.update_and_fetch(k[:, :, s : s + chunk], v[:, :, s : s + chunk])
-        cache.attend(q[:, :, s : s + chunk], SCALE, mask="causal")
-
-
-def kept(cache, head=0, below=None):
-    pos = np.array(cache.body_positions()[head][0]).tolist()
-    return {p for p in pos if below is None or p < below}
-
-
 def numpy_votes(k, q, t, window, r):
     """SnapKV's votes in NumPy: softmax of the window's queries over the prompt, summed over
     the window, averaged over each KV head's query heads: ``(H, t)``."""
@@ -198,7 +181,7 @@ def test_a_cut_keeps_the_numpy_chunks_in_every_head(c):
     k, v = kv_data(h=h, t=t + 1, d=D, seed=c, dtype=mx.float32)
     q = mx.random.normal((1, h * r, t, D), key=mx.random.key(c)) + k[:, :1, -2:-1] / 4
     cache = ChunkKVCache(budget=budget, observe=window, chunk_length=c)
-    feed(cache, k[:, :, :t], v[:, :, :t], q, chunk=t)
+    ev.feed_attending(cache, k[:, :, :t], v[:, :, :t], q, chunk=t)
     cache.update_and_fetch(k[:, :, t:], v[:, :, t:])
     votes = numpy_votes(k, q, t, window, r).sum(0)
     pos = np.arange(t)
@@ -220,24 +203,20 @@ def test_one_token_chunks_with_one_kv_head_are_snapkv():
     b = VeloxCache(policy=WindowVotePolicy(budget=80, observe=16, kernel=7))  # SnapKV's votes
     with routed():
         for c in (a, b):
-            feed(c, k[:, :, :300], v[:, :, :300], q, chunk=150)
+            ev.feed_attending(c, k[:, :, :300], v[:, :, :300], q, chunk=150)
             c.update_and_fetch(k[:, :, 300:], v[:, :, 300:])
     assert kept(a) == kept(b) and a.size() == b.size() == 81
 
 
 def test_the_cut_needs_routed_attention():
-    k, v = kv_data(t=300, d=D)
-    c = ChunkKVCache(budget=64, observe=8)
-    c.update_and_fetch(k[:, :, :299], v[:, :, :299])
-    with pytest.raises(ValueError, match="routed"):
-        c.update_and_fetch(k[:, :, 299:], v[:, :, 299:])
+    ev.assert_cut_needs_routing(lambda: ChunkKVCache(budget=64, observe=8), t=300, d=D)
 
 
 def test_decode_cuts_stay_within_budget_plus_every():
     k, v = kv_data(t=260, d=D, dtype=mx.float32)
     q = mx.random.normal((1, 4, 260, D), key=mx.random.key(1))
     c = ChunkKVCache(budget=48, observe=8, every=4, chunk_length=8)
-    feed(c, k[:, :, :200], v[:, :, :200], q[:, :, :200], chunk=200)
+    ev.feed_attending(c, k, v, q, chunk=200, stop=200)
     for i in range(200, 260):
         c.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
         c.attend(q[:, :, i : i + 1], SCALE)
@@ -341,7 +320,7 @@ def test_a_follower_fed_apart_from_its_leader_chooses_its_own():
     ChunkKVCache.link_layers([lead, follower])
     assert follower.leader is lead
     with routed():
-        feed(follower, k[:, :, :300], v[:, :, :300], q, chunk=300)
+        ev.feed_attending(follower, k[:, :, :300], v[:, :, :300], q, chunk=300)
         follower.update_and_fetch(k[:, :, 300:], v[:, :, 300:])
     assert follower.policy.selected == 1 and follower.policy.reused == 0
     assert follower.size() <= 65
@@ -402,9 +381,7 @@ def test_split_by_heads_is_refused():
 
 def test_recommended_settings_and_registry():
     assert METHOD.name == "chunkkv" and METHOD.paper == "https://arxiv.org/abs/2502.00299"
-    assert METHOD.recommended == ({"budget": 1024}, {"budget": 1024, "bits": 4, "group": 32})
-    fp16, four = (make("chunkkv", **s) for s in METHOD.recommended)
-    assert four.tiers[0].key_codec.bits == four.tiers[0].value_codec.bits == 4
+    fp16, _ = ev.recommended_presets(METHOD)
     assert fp16.cfg.reuse == 1 and fp16.cfg.chunk_length == 10
     assert fp16.policy.config() == {
         "budget": 1024,

@@ -28,19 +28,23 @@ SPECS = [f"uniform:bits={b},group={g}" for b in (2, 3, 4, 5, 6, 8) for g in (32,
 STOP_WITHIN = 15
 
 
-def _bench(json_path: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "velox_cli", "bench", "--methods", *SPECS]
-    cmd += ["--context", "2048", "--continuation", "16", "--chunk", "512", "--jobs", "2"]
-    cmd += ["--json", str(json_path), "--chart", ""]
+def _velox(*args: str, json_path: Path) -> subprocess.Popen:
+    """``velox ARGS --json JSON_PATH --chart ""`` in a process of its own, output piped."""
+    cmd = [sys.executable, "-m", "velox_cli", *args, "--json", str(json_path), "--chart", ""]
     return subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         # a shell's background job inherits SIGINT ignored (then Python sets no Ctrl-C
-        # handler): the bench gets the default a terminal gives it
+        # handler): the command gets the default a terminal gives it
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
+
+
+def _bench(json_path: Path) -> subprocess.Popen:
+    run = ["--context", "2048", "--continuation", "16", "--chunk", "512", "--jobs", "2"]
+    return _velox("bench", "--methods", *SPECS, *run, json_path=json_path)
 
 
 def _children(pid: int) -> set[int]:
@@ -162,16 +166,8 @@ def _cmdline(pid: int) -> str:
 
 
 def _eval(json_path: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "velox_cli", "eval", "--methods", "fp16", *SPECS[:6]]
-    cmd += ["--tasks", "passkey", "--lengths", "2048", "--prompts", "12", "--jobs", "2"]
-    cmd += ["--json", str(json_path), "--chart", ""]
-    return subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    run = ["--tasks", "passkey", "--lengths", "2048", "--prompts", "12", "--jobs", "2"]
+    return _velox("eval", "--methods", "fp16", *SPECS[:6], *run, json_path=json_path)
 
 
 def _lines(path: Path) -> int:

@@ -7,14 +7,15 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from velox_core import Uniform, VeloxCache, load_cache, make, make_cache, save_cache
+import velox_testing.eviction as ev
+from velox_core import Uniform, VeloxCache, make_cache
 from velox_curdkv import METHOD, CurDKVCache, CurDKVPolicy, gaussian_sketch, local_normalize
-from velox_testing import EvictingConformance, FullBudgetConformance, tiny_model
+from velox_testing import tiny_model
 
 D = 64
 
 
-class TestCurDKV(FullBudgetConformance):
+class TestCurDKV(ev.FullBudgetConformance):
     bad_settings = (
         {"compression_ratio": 0.5},  # kvpress's parameter: velox counts tokens (budget)
         {"leverage_type": "kv_avg"},  # kvpress's ablations are not parameters here
@@ -30,7 +31,7 @@ class TestCurDKV(FullBudgetConformance):
         return CurDKVCache(budget=4096)
 
 
-class TestCurDKVEvicting(EvictingConformance):
+class TestCurDKVEvicting(ev.EvictingConformance):
     """A small budget, decode cuts and 4-bit codes; query-free, so nothing is routed."""
 
     def make(self):
@@ -211,9 +212,7 @@ def test_saved_cache_keeps_its_policy_and_cuts_the_same(tmp_path):
     k, v, _, _ = data(301, seed=7)
     c = CurDKVCache(budget=40, every=4, bits=4, group=32, sketch=12, seed=9, local=8)
     c.update_and_fetch(k[:, :, :300], v[:, :, :300])
-    save_cache(tmp_path / "c.safetensors", [c])
-    (d,) = load_cache(tmp_path / "c.safetensors")
-    assert isinstance(d.policy, CurDKVPolicy) and d.policy.config() == c.policy.config()
+    d = ev.reloaded(c, tmp_path / "c.safetensors")
     assert d.policy.config() == {"budget": 40, "every": 4, "sketch": 12, "local": 8, "seed": 9}
     for x in (c, d):
         x.update_and_fetch(k[:, :, 300:], v[:, :, 300:])
@@ -232,8 +231,7 @@ def test_batch_rows_choose_on_their_own_tokens():
 
 
 def test_recommended_settings_and_defaults():
-    assert METHOD.recommended == ({"budget": 1024}, {"budget": 1024, "bits": 4, "group": 32})
-    fp16, four = (make("curdkv", **s) for s in METHOD.recommended)
+    fp16, _ = ev.recommended_presets(METHOD)
     assert fp16.policy.config() == {
         "budget": 1024,
         "every": None,
@@ -242,7 +240,6 @@ def test_recommended_settings_and_defaults():
         "seed": 0,
     }
     assert fp16.sinks == 4 and fp16.window == 0
-    assert four.tiers[0].key_codec.bits == four.tiers[0].value_codec.bits == 4
     assert METHOD.paper == "https://arxiv.org/abs/2509.15038"
 
 

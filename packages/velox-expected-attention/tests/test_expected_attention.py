@@ -1,5 +1,6 @@
 """Expected Attention: the conformance suite, and what is Expected Attention's own."""
 
+import functools
 import math
 
 import mlx.core as mx
@@ -7,11 +8,11 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
+import velox_testing.eviction as ev
 from velox_core import (
     Uniform,
     VeloxCache,
     load_cache,
-    make,
     make_cache,
     parse_spec,
     routed,
@@ -26,20 +27,13 @@ from velox_expected_attention import (
     expected_attention_scores,
     model_rope,
 )
-from velox_testing import (
-    EvictingConformance,
-    FullBudgetConformance,
-    Routed,
-    kv_data,
-    rel_error,
-    tiny_model,
-)
+from velox_testing import kv_data, rel_error, tiny_model
 
 D = 64
 BASE = 10000.0
 
 
-class TestExpectedAttention(FullBudgetConformance):
+class TestExpectedAttention(ev.FullBudgetConformance):
     bad_settings = (
         {"compression_ratio": 0.5},  # kvpress's parameter: velox counts tokens (budget)
         ({"n_sink": 4}, "n_sink"),  # kvpress's name: velox's shared `sinks` (default 4)
@@ -56,7 +50,7 @@ class TestExpectedAttention(FullBudgetConformance):
         return ExpectedAttentionCache(budget=4096)
 
 
-class TestExpectedAttentionEvicting(Routed, EvictingConformance):
+class TestExpectedAttentionEvicting(ev.Routed, ev.EvictingConformance):
     """A small budget, decode cuts and 4-bit codes. The suite fills caches with
     update_and_fetch alone (and attends by hand), so every test runs routed, and the caches
     made by hand are given the RoPE of the suite's model (``rope_base``)."""
@@ -415,15 +409,9 @@ def test_batch_rows_use_their_own_queries():
 
 
 def test_without_queries_the_cut_is_refused_unless_routed():
-    k, v = kv_data(t=200, d=D)
-    c = ExpectedAttentionCache(budget=40, rope_base=BASE)
-    c.update_and_fetch(k[:, :, :199], v[:, :, :199])
-    with pytest.raises(ValueError, match="routed"):
-        c.update_and_fetch(k[:, :, 199:], v[:, :, 199:])
-    c = ExpectedAttentionCache(budget=40, rope_base=BASE)
-    with routed():
-        c.update_and_fetch(k[:, :, :199], v[:, :, :199])
-        c.update_and_fetch(k[:, :, 199:], v[:, :, 199:])  # no query yet: the most recent
+    make = functools.partial(ExpectedAttentionCache, budget=40, rope_base=BASE)
+    c, _, _ = ev.assert_cut_needs_routing(make, t=200, d=D)
+    # routed, where no query reached the cache: the most recent
     assert kept(c, 0) == set(range(4)) | set(range(163, 200))
 
 
@@ -494,13 +482,11 @@ def test_composes_with_codes_sinks_and_a_window():
 
 
 def test_recommended_settings_and_defaults():
-    assert METHOD.recommended == ({"budget": 1024}, {"budget": 1024, "bits": 4, "group": 32})
-    fp16, four = (make("expected-attention", **s) for s in METHOD.recommended)
+    fp16, _ = ev.recommended_presets(METHOD)
     cfg = fp16.policy.config()
     # kvpress 0.5.5's ExpectedAttentionPress defaults
     assert (cfg["n_future_positions"], cfg["use_covariance"], cfg["use_vnorm"]) == (512, True, True)
     assert cfg["epsilon"] == 0.0 and fp16.sinks == 4 and fp16.window == 0 and cfg["every"] is None
-    assert four.tiers[0].key_codec.bits == four.tiers[0].value_codec.bits == 4
     assert METHOD.paper == "https://arxiv.org/abs/2510.00636"
     assert ExpectedAttentionCache.split_refusal(fp16.config(), True, True) == ""
 

@@ -3,25 +3,19 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import KVCache
 
 import velox_h2o.policy as h2o_policy
-from velox_core import Uniform, VeloxCache, load_cache, make, make_cache, routed, save_cache
+import velox_testing.eviction as ev
+from velox_core import VeloxCache, make, make_cache, routed
 from velox_h2o import METHOD, H2OCache, H2OConfig, H2OPolicy
-from velox_testing import (
-    EvictingConformance,
-    FullBudgetConformance,
-    Routed,
-    kv_data,
-    rel_error,
-    tiny_model,
-)
+from velox_testing import tiny_model
+from velox_testing.eviction import stored_positions as stored
 
 D = 64
 SCALE = D**-0.5
 
 
-class TestH2O(FullBudgetConformance):
+class TestH2O(ev.FullBudgetConformance):
     # fp16 tokens (512 B a token and KV head at head dim 128), the body's int32 positions and
     # H2O's float32 accumulated score: 520 B
     max_memory_ratio = 1.02
@@ -42,7 +36,7 @@ class TestH2O(FullBudgetConformance):
         return H2OCache(budget=4096)
 
 
-class TestH2OEvicting(Routed, EvictingConformance):
+class TestH2OEvicting(ev.Routed, ev.EvictingConformance):
     """A small budget, the paper's eviction at every decode step and 4-bit codes. The suite
     fills caches with update_and_fetch alone, so every test runs routed (a cut of tokens no
     query has seen is refused otherwise); where no query has reached the cache, a cut keeps
@@ -56,26 +50,6 @@ class TestH2OEvicting(Routed, EvictingConformance):
 
 
 # -- helpers ---------------------------------------------------------------------------------
-def data(t, h=2, r=2, seed=0):
-    """Random float32 keys, values ``(1, h, t, D)`` and queries ``(1, h * r, t, D)`` with a
-    shared direction, so that attention is far from uniform (some tokens collect much more
-    attention than others: heavy hitters)."""
-    rng = np.random.default_rng(seed)
-    u = rng.normal(size=D)
-    k = rng.normal(size=(1, h, t, D)) + 0.5 * rng.normal(size=(1, h, t, 1)) * u
-    q = rng.normal(size=(1, h * r, t, D)) + 2.0 * u
-    v = rng.normal(size=(1, h, t, D))
-    return tuple(mx.array(a.astype(np.float32)) for a in (k, v, q))
-
-
-def stored(cache, head=0):
-    """Absolute positions of every token the cache stores for one KV head (row 0)."""
-    body = cache.body_positions()[head]
-    n_win = cache.size() - cache.sink_count() - (0 if body is None else body.shape[1])
-    out = set(range(cache.sink_count())) | set(range(cache.offset - n_win, cache.offset))
-    return out | (set() if body is None else set(np.array(body[0]).tolist()))
-
-
 def softmax(x):
     e = np.exp(x - x.max(-1, keepdims=True))
     return e / e.sum(-1, keepdims=True)
@@ -132,14 +106,6 @@ class PaperH2O:
         return set(self.pos[h].tolist())
 
 
-def feed(cache, k, v, q, chunk):
-    """Store then attend, chunk by chunk, as a routed model does."""
-    for s in range(0, k.shape[2], chunk):
-        e = min(s + chunk, k.shape[2])
-        cache.update_and_fetch(k[:, :, s:e], v[:, :, s:e])
-        cache.attend(q[:, :, s:e], SCALE, mask="causal")
-
-
 def assert_scores(cache, ref):
     """velox's accumulated scores (storage order: by position) equal the transcription's."""
     got = np.array(cache.policy._scores[0])
@@ -178,7 +144,7 @@ def test_a_prompt_in_one_chunk_then_decode_keeps_what_the_papers_cache_keeps(r):
     """The paper's rule step by step: the prompt's accumulated attention (every prompt query)
     reduces it to budget, then each decode step adds its query's weights and drops the
     lowest-scored token outside the recent window. MHA (r=1) and GQA (r=3)."""
-    k, v, q = data(260, r=r, seed=r)
+    k, v, q = ev.attention_data(260, r=r, seed=r)
     ref = run_both(k, v, q, t0=200, budget=48, recent=24, chunk=200)
     # the heads chose differently: each KV head keeps its own heavy hitters
     assert ref.kept(0) != ref.kept(1)
@@ -192,7 +158,7 @@ def test_a_prompt_in_one_chunk_then_decode_keeps_what_the_papers_cache_keeps(r):
 def test_chunked_prefill_cuts_after_each_chunk_with_the_scores_so_far():
     """A prompt in chunks: each chunk attends the earlier survivors plus itself, adds to the
     scores, and the next update cuts back to budget (peak: budget plus one chunk)."""
-    k, v, q = data(330, seed=7)
+    k, v, q = ev.attention_data(330, seed=7)
     run_both(k, v, q, t0=300, budget=40, recent=8, chunk=64)
     # the prompt in one chunk keeps other tokens (a token dropped early cannot return)
     one, chunked = PaperH2O(k, q, 40, 8), PaperH2O(k, q, 40, 8)
@@ -205,7 +171,7 @@ def test_chunked_prefill_cuts_after_each_chunk_with_the_scores_so_far():
 def test_scores_accumulate_over_decode_steps():
     """The decode queries' weights add to the prompt's: without them (the prompt's scores
     alone), the decode evictions would drop other tokens."""
-    k, v, q = data(300, seed=6)
+    k, v, q = ev.attention_data(300, seed=6)
     ref = run_both(k, v, q, t0=200, budget=32, recent=8, chunk=100)
     frozen = PaperH2O(k, q, 32, 8)
     frozen.call(0, 100)
@@ -221,13 +187,13 @@ def test_scores_accumulate_over_decode_steps():
 def test_the_recent_window_is_always_kept_and_the_budget_honoured():
     """Recent tokens stay whatever their scores (keys pointing away from every query), the
     heavy hitters fill the rest, and the cache never holds more than budget + 1 in decode."""
-    k, v, q = data(200, seed=8)
+    k, v, q = ev.attention_data(200, seed=8)
     k, u = np.array(k), np.array(q).mean(axis=(0, 1, 2))
     k[0, :, 100:] = -2.0 * u  # decode tokens point away from every query: ~0 attention
     k = mx.array(k)
     budget, recent = 32, 12
     c = H2OCache(budget=budget, recent=recent)
-    feed(c, k[:, :, :100], v[:, :, :100], q[:, :, :100], chunk=100)
+    ev.feed_attending(c, k, v, q, chunk=100, stop=100)
     for i in range(100, 200):
         c.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
         assert c.size() == budget + 1 and c.nbytes > 0
@@ -243,15 +209,9 @@ def test_the_recent_window_is_always_kept_and_the_budget_honoured():
 def test_sinks_window_and_codes_compose():
     """Sinks and window are kept as given; the window counts among the recent tokens; the
     weights are normalized over every stored token, read from the stored codes."""
-    k, v, q = data(301, seed=5)
-    c = VeloxCache(
-        Uniform(8), Uniform(8), sinks=4, window=8, policy=H2OPolicy(budget=44, recent=16)
-    )
-    feed(c, k[:, :, :300], v[:, :, :300], q[:, :, :300], chunk=128)
-    c.update_and_fetch(k[:, :, 300:], v[:, :, 300:])
-    kk, _ = c.keys_and_values()
-    assert mx.array_equal(kk[:, :, :4], k[:, :, :4]) and c.size() == 45
-    assert mx.array_equal(kk[:, :, -8:], k[:, :, 293:301])
+    k, v, q = ev.attention_data(301, seed=5)
+    c = ev.composed_cache(H2OPolicy(budget=44, recent=16), k, v, q)
+    assert c.size() == 45
     assert c.body_sizes() == [33, 33]
     for h in range(2):
         held = stored(c, h)
@@ -265,9 +225,9 @@ def test_sinks_window_and_codes_compose():
 def test_a_long_chunk_is_scored_in_blocks_of_queries(monkeypatch):
     """A prefill chunk's weights are formed a block of queries at a time (at most
     SCORE_ELEMENTS weights), and the sum is the same as in one block."""
-    k, v, q = data(300, seed=14)
+    k, v, q = ev.attention_data(300, seed=14)
     whole = H2OCache(budget=64)
-    feed(whole, k, v, q, chunk=300)
+    ev.feed_attending(whole, k, v, q, chunk=300)
     blocks = []
     votes = h2o_policy.window_votes
 
@@ -278,7 +238,7 @@ def test_a_long_chunk_is_scored_in_blocks_of_queries(monkeypatch):
     monkeypatch.setattr(h2o_policy, "SCORE_ELEMENTS", 4 * 300 * 32)  # 4 query heads, 300 keys
     monkeypatch.setattr(h2o_policy, "window_votes", counted)
     split = H2OCache(budget=64)
-    feed(split, k, v, q, chunk=300)
+    ev.feed_attending(split, k, v, q, chunk=300)
     assert blocks == [32] * 9 + [12]
     a, b = np.array(whole.policy._scores), np.array(split.policy._scores)
     assert np.allclose(a, b, rtol=1e-5, atol=1e-7)
@@ -294,24 +254,7 @@ def test_layer_zero_of_a_tiny_model_matches_the_transcription():
     steps = [7, 11, 13, 17, 19, 23]
     budget, recent, chunk = 64, 16, 128
     caches = make_cache(model, H2OCache(budget=budget, recent=recent))
-    seen = []
-    observe = caches[0].policy.observe
-
-    def record(cache, queries, scale):
-        seen.append(np.array(queries[0].astype(mx.float32)))
-        observe(cache, queries, scale)
-
-    caches[0].policy.observe = record
-    with routed(model):
-        for s in range(0, 256, chunk):
-            model(prompt[:, s : s + chunk], cache=caches)
-        for t in steps:
-            model(mx.array([[t]]), cache=caches)
-            assert all(c.size() == budget + 1 for c in caches)
-    full = [KVCache() for _ in model.layers]
-    model(mx.concatenate([prompt, mx.array([steps])], axis=1), cache=full)
-    k0 = np.array(full[0].state[0][0].astype(mx.float32))[None]  # (1, H, T, D)
-    q0 = np.concatenate(seen, axis=1)[None]  # (1, Hq, T, D)
+    k0, _, q0 = ev.observed_layer_zero(model, caches, prompt, steps, chunk, size=budget + 1)
     ref = PaperH2O(k0, q0, budget, recent, scale=model.layers[0].self_attn.scale)
     for s, e in [(0, 128), (128, 256)] + [(i, i + 1) for i in range(256, 261)]:
         ref.call(s, e)
@@ -321,15 +264,8 @@ def test_layer_zero_of_a_tiny_model_matches_the_transcription():
 
 
 def test_without_queries_the_cut_is_refused_unless_routed():
-    k, v = kv_data(t=300, d=D)
-    c = H2OCache(budget=40)
-    c.update_and_fetch(k[:, :, :299], v[:, :, :299])
-    with pytest.raises(ValueError, match="routed"):
-        c.update_and_fetch(k[:, :, 299:], v[:, :, 299:])
-    c = H2OCache(budget=40)
-    with routed():  # no query reached the cache: the newest tokens
-        c.update_and_fetch(k[:, :, :299], v[:, :, :299])
-        c.update_and_fetch(k[:, :, 299:], v[:, :, 299:])
+    c, _, _ = ev.assert_cut_needs_routing(lambda: H2OCache(budget=40), t=300, d=D)
+    # routed, where no query reached the cache: the newest tokens
     assert stored(c, 0) == stored(c, 1) == set(range(259, 300))
 
 
@@ -337,13 +273,13 @@ def test_a_trim_takes_the_scores_of_the_trimmed_tokens():
     """Trimmed tokens (rejected draft tokens, say) leave with their scores; tokens stored
     again at those positions start from zero and score with their own queries. The weights
     the trimmed queries gave older tokens stay on them (``is_trimmable()`` is False)."""
-    k, v, q = data(165, seed=9)
-    k2, v2, q2 = data(165, seed=15)  # what is stored after the trim
+    k, v, q = ev.attention_data(165, seed=9)
+    k2, v2, q2 = ev.attention_data(165, seed=15)  # what is stored after the trim
     c = H2OCache(budget=400)
-    feed(c, k[:, :, :160], v[:, :, :160], q[:, :, :160], chunk=80)
+    ev.feed_attending(c, k, v, q, chunk=80, stop=160)
     assert not c.is_trimmable()
     c.trim(5)
-    feed(c, k2[:, :, 155:], v2[:, :, 155:], q2[:, :, 155:], chunk=5)
+    ev.feed_attending(c, k2[:, :, 155:], v2[:, :, 155:], q2[:, :, 155:], chunk=5)
     ref = PaperH2O(k, q, 400, 200)
     ref.attend(0, 80)
     ref.attend(80, 160)
@@ -355,7 +291,7 @@ def test_a_trim_takes_the_scores_of_the_trimmed_tokens():
     assert_scores(c, ref)
     # evicting, and tokens stored again without attention: unseen, kept first
     c = H2OCache(budget=40, recent=10)
-    feed(c, k[:, :, :160], v[:, :, :160], q[:, :, :160], chunk=80)
+    ev.feed_attending(c, k, v, q, chunk=80, stop=160)
     with routed():
         c.trim(3)
         c.update_and_fetch(k[:, :, 157:159], v[:, :, 157:159])
@@ -365,12 +301,10 @@ def test_a_trim_takes_the_scores_of_the_trimmed_tokens():
 
 
 def test_saved_scores_choose_after_loading(tmp_path):
-    k, v, q = data(301, seed=8)
+    k, v, q = ev.attention_data(301, seed=8)
     c = H2OCache(budget=32, bits=4, group=32)
-    feed(c, k[:, :, :300], v[:, :, :300], q[:, :, :300], chunk=150)  # the second cut pending
-    save_cache(tmp_path / "c.safetensors", [c])
-    (d,) = load_cache(tmp_path / "c.safetensors")
-    assert isinstance(d.policy, H2OPolicy) and d.policy.config() == c.policy.config()
+    ev.feed_attending(c, k, v, q, chunk=150, stop=300)  # the second cut pending
+    d = ev.reloaded(c, tmp_path / "c.safetensors")
     assert d.policy.nbytes == c.policy.nbytes == 4 * 2 * c.size()  # a float32 per token, head
     assert d.policy.meta() == c.policy.meta() == {"chunk_pending": True, "seen": 300}
     for x in (c, d):
@@ -384,9 +318,9 @@ def test_saved_scores_choose_after_loading(tmp_path):
 def test_state_in_the_saved_format_and_bad_state():
     """The policy's array is "scores" (float32 ``(B, H, S)``), its meta "chunk_pending" and
     "seen"; scores that disagree with the stored tokens are refused at the next update."""
-    k, v, q = data(120, seed=3)
+    k, v, q = ev.attention_data(120, seed=3)
     c = H2OCache(budget=32)
-    feed(c, k[:, :, :100], v[:, :, :100], q[:, :, :100], chunk=100)
+    ev.feed_attending(c, k, v, q, chunk=100, stop=100)
     assert set(c.policy.state()) == {"scores"}
     p = H2OPolicy(budget=32, recent=8)
     assert p.meta() == {"chunk_pending": False, "seen": 0} and p.state() == {}
@@ -401,18 +335,8 @@ def test_state_in_the_saved_format_and_bad_state():
 
 
 def test_batch_rows_keep_their_own_scores():
-    k0, v0, q0 = data(201, seed=10)
-    k1, v1, q1 = data(201, seed=11)
-    k, v, q = (mx.concatenate(p, axis=0) for p in ((k0, k1), (v0, v1), (q0, q1)))
-    c = H2OCache(budget=24)
-    feed(c, k[:, :, :200], v[:, :, :200], q[:, :, :200], chunk=100)
-    one = c.extract(1)
-    alone = H2OCache(budget=24)
-    feed(alone, k1[:, :, :200], v1[:, :, :200], q1[:, :, :200], chunk=100)
-    for x in (c, one, alone):
-        x.update_and_fetch(k[-x._dims[0] :, :, 200:], v[-x._dims[0] :, :, 200:])
-    pos = np.array(mx.stack(c.body_positions(), axis=1))
-    assert set(pos[1, 0].tolist()) == stored(one) == stored(alone) != set(pos[0, 0].tolist())
+    rows = ev.attention_data(201, seed=10), ev.attention_data(201, seed=11)
+    _, one, alone = ev.batch_rows_apart(lambda: H2OCache(budget=24), rows, 100, stored)
     both = alone.copy()
     both.extend(one)
     assert both.policy._scores.shape == (2, 2, 25)
@@ -420,10 +344,10 @@ def test_batch_rows_keep_their_own_scores():
 
 @pytest.mark.filterwarnings("ignore:h2o. budget=32 bounds the prompt only")
 def test_every_sets_the_cadence_and_none_keeps_decode_tokens():
-    k, v, q = data(140, seed=12)
+    k, v, q = ev.attention_data(140, seed=12)
     for every, size in ((1, 33), (8, 32 + 8), (None, 72)):
         c = H2OCache(budget=32, every=every)
-        feed(c, k[:, :, :100], v[:, :, :100], q[:, :, :100], chunk=100)
+        ev.feed_attending(c, k, v, q, chunk=100, stop=100)
         for i in range(100, 140):
             c.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
             assert c.size() <= 32 + (every or 40), (every, i)
@@ -435,26 +359,17 @@ def test_every_sets_the_cadence_and_none_keeps_decode_tokens():
 def test_output_attends_only_to_kept_tokens():
     """After the cut, attention equals fp16 attention over exactly the kept tokens (each KV
     head its own)."""
-    k, v, q = data(201, seed=13)
+    k, v, q = ev.attention_data(201, seed=13)
     c = H2OCache(budget=30)
-    feed(c, k[:, :, :200], v[:, :, :200], q[:, :, :200], chunk=200)
+    ev.feed_attending(c, k, v, q, chunk=200, stop=200)
     c.update_and_fetch(k[:, :, 200:], v[:, :, 200:])
-    qq = q[:, :, 200:]
-    out = c.attend(qq, SCALE)
-    for h in range(2):
-        pos = mx.array(sorted(stored(c, h)))
-        ref = mx.fast.scaled_dot_product_attention(
-            qq[:, 2 * h : 2 * h + 2], k[:, h : h + 1, pos], v[:, h : h + 1, pos], scale=SCALE
-        )
-        assert rel_error(out[:, 2 * h : 2 * h + 2], ref) < 1e-4
+    ev.assert_attends_to(c, q[:, :, 200:], k, v, lambda h: stored(c, h), SCALE)
 
 
 def test_recommended_settings_defaults_and_split():
-    assert METHOD.recommended == ({"budget": 1024}, {"budget": 1024, "bits": 4, "group": 32})
-    fp16, four = (make("h2o", **s) for s in METHOD.recommended)
+    fp16, _ = ev.recommended_presets(METHOD)
     assert fp16.policy.config() == {"budget": 1024, "every": 1, "recent": 512}
     assert fp16.sinks == fp16.window == 0
-    assert four.tiers[0].key_codec.bits == four.tiers[0].value_codec.bits == 4
     assert METHOD.paper == "https://arxiv.org/abs/2306.14048"
     assert make("h2o:budget=100,recent=0.25").policy.recent == 25
     assert make("h2o:budget=100,recent=30").policy.recent == 30

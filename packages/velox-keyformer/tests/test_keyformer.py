@@ -5,15 +5,17 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from velox_core import load_cache, make, make_cache, routed, save_cache
+import velox_testing.eviction as ev
+from velox_core import make, make_cache, routed
 from velox_keyformer import METHOD, KeyformerCache, KeyformerPolicy
-from velox_testing import EvictingConformance, FullBudgetConformance, Routed, tiny_model
+from velox_testing import tiny_model
+from velox_testing.eviction import stored_positions as stored
 
 D = 64
 SCALE = D**-0.5
 
 
-class TestKeyformer(FullBudgetConformance):
+class TestKeyformer(ev.FullBudgetConformance):
     # fp16 tokens (512 B a token and KV head at head dim 128), the body's int32 positions,
     # the float32 accumulated score (520 B) and the 8-byte noise key
     max_memory_ratio = 1.02
@@ -36,7 +38,7 @@ class TestKeyformer(FullBudgetConformance):
         return KeyformerCache(budget=4096)
 
 
-class TestKeyformerEvicting(Routed, EvictingConformance):
+class TestKeyformerEvicting(ev.Routed, ev.EvictingConformance):
     """A small budget, one eviction per decode step, 4-bit codes (routed: the suite stores
     tokens without attention, and a cut of unseen tokens keeps the newest)."""
 
@@ -52,25 +54,6 @@ class TestKeyformerEvicting(Routed, EvictingConformance):
 
 
 # -- helpers ---------------------------------------------------------------------------------
-def data(t, h=2, r=2, seed=0):
-    """Random keys, values ``(1, h, t, D)`` and queries ``(1, h * r, t, D)`` sharing a
-    direction (attention far from uniform)."""
-    rng = np.random.default_rng(seed)
-    u = rng.normal(size=D)
-    k = rng.normal(size=(1, h, t, D)) + 0.5 * rng.normal(size=(1, h, t, 1)) * u
-    q = rng.normal(size=(1, h * r, t, D)) + 2.0 * u
-    v = rng.normal(size=(1, h, t, D))
-    return tuple(mx.array(a.astype(np.float32)) for a in (k, v, q))
-
-
-def stored(cache, head=0):
-    """Absolute positions the cache stores for one KV head (row 0)."""
-    body = cache.body_positions()[head]
-    n_win = cache.size() - cache.sink_count() - (0 if body is None else body.shape[1])
-    out = set(range(cache.sink_count())) | set(range(cache.offset - n_win, cache.offset))
-    return out | (set() if body is None else set(np.array(body[0]).tolist()))
-
-
 class Noise:
     """The Gumbel draws of a seeded stream: the seed's first split key, split at every draw
     (one half kept, the other drawn from)."""
@@ -161,16 +144,14 @@ def run_both(k, v, q, t0, budget, recent, chunk, seed=0, tau=(1.0, 2.0, 512)):
 def test_saved_state_resumes_the_same_run(tmp_path):
     """Scores, the noise key and the schedule's step are saved: a loaded cache keeps and
     scores exactly as the original does from there on."""
-    k, v, q = data(330, seed=8)
+    k, v, q = ev.attention_data(330, seed=8)
     c = KeyformerCache(budget=32, bits=4, group=32, steps=16)
     c.update_and_fetch(k[:, :, :300], v[:, :, :300])
     c.attend(q[:, :, :300], SCALE, mask="causal")
     for i in range(300, 310):
         c.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
         c.attend(q[:, :, i : i + 1], SCALE)
-    save_cache(tmp_path / "c.safetensors", [c])
-    (d,) = load_cache(tmp_path / "c.safetensors")
-    assert isinstance(d.policy, KeyformerPolicy) and d.policy.config() == c.policy.config()
+    d = ev.reloaded(c, tmp_path / "c.safetensors")
     assert (
         d.policy.meta()
         == c.policy.meta()
@@ -196,7 +177,7 @@ def test_bad_state_is_refused():
         p.set_state({"key": mx.random.key(0), "scores": mx.zeros((2, 100))}, {})
     with pytest.raises(ValueError, match="noise key"):
         p.set_state({"scores": mx.zeros((1, 2, 100)), "key": mx.zeros((3,))}, {})
-    k, v, q = data(120, seed=3)
+    k, v, q = ev.attention_data(120, seed=3)
     c = KeyformerCache(budget=32)
     c.update_and_fetch(k[:, :, :100], v[:, :, :100])
     c.attend(q[:, :, :100], SCALE, mask="causal")

@@ -2,16 +2,18 @@
 
 import numpy as np
 import pytest
-from test_keyformer import SCALE, Noise, PaperKeyformer, data, run_both, stored
+from test_keyformer import SCALE, Noise, PaperKeyformer, run_both
 
+import velox_testing.eviction as ev
 from velox_keyformer import KeyformerCache, temperature
+from velox_testing.eviction import stored_positions as stored
 
 
 @pytest.mark.parametrize("r", [1, 3])
 def test_prompt_then_decode_keeps_what_the_papers_rule_keeps(r):
     """The prompt's Gumbel scores reduce it to budget, then each decode step adds its
     query's scores at the step's temperature and drops one token: MHA and GQA."""
-    k, v, q = data(260, r=r, seed=r)
+    k, v, q = ev.attention_data(260, r=r, seed=r)
     c, ref = run_both(k, v, q, t0=200, budget=48, recent=14, chunk=200)
     assert ref.kept(0) != ref.kept(1)  # each KV head its own key tokens
     assert c.size() == 49 and abs(c.policy.tau - (1.0 + 60 / 512)) < 1e-12
@@ -19,7 +21,7 @@ def test_prompt_then_decode_keeps_what_the_papers_rule_keeps(r):
 
 def test_chunked_prefill_and_a_short_schedule():
     """Chunks cut with the scores so far; a schedule of 20 steps reaches tau_end and stays."""
-    k, v, q = data(330, seed=7)
+    k, v, q = ev.attention_data(330, seed=7)
     c, _ = run_both(k, v, q, t0=300, budget=40, recent=8, chunk=64, tau=(0.5, 3.0, 20))
     assert c.policy.tau == 3.0
 
@@ -27,7 +29,7 @@ def test_chunked_prefill_and_a_short_schedule():
 def test_the_noise_and_the_temperature_change_the_choice():
     """Without the noise (the plain accumulated attention, H2O's score) or at a fixed
     temperature, the transcription keeps other tokens: both parts of the score matter."""
-    k, v, q = data(300, seed=4)
+    k, v, q = ev.attention_data(300, seed=4)
     _, ref = run_both(k, v, q, t0=200, budget=40, recent=10, chunk=200)
     for noise, tau in ((Noise(0, zero=True), (1.0, 2.0, 512)), (Noise(0), (1.0, 1.0, 512))):
         other = PaperKeyformer(k, q, 40, 10, noise, tau)
@@ -42,7 +44,7 @@ def test_temperature_schedule():
     assert temperature(25, 1.0, 2.0, 100) == 1.25
     assert temperature(100, 1.0, 2.0, 100) == temperature(500, 1.0, 2.0, 100) == 2.0
     assert temperature(5, 2.0, 1.0, 10) == 1.5  # a falling schedule is allowed
-    k, v, q = data(110, seed=2)
+    k, v, q = ev.attention_data(110, seed=2)
     c = KeyformerCache(budget=32, steps=4)
     c.update_and_fetch(k[:, :, :100], v[:, :, :100])
     c.attend(q[:, :, :100], SCALE, mask="causal")
@@ -58,7 +60,7 @@ def test_temperature_schedule():
 
 
 def _kept_after(seed, layer=None):
-    k, v, q = data(240, seed=5)
+    k, v, q = ev.attention_data(240, seed=5)
     c = KeyformerCache(budget=40, seed=seed)
     if layer is not None:
         c.policy.bind(None, layer)
@@ -81,7 +83,7 @@ def test_a_seed_makes_the_run_reproducible():
 
 
 def test_the_budget_holds_during_decode_and_the_recent_window_stays():
-    k, v, q = data(200, seed=8)
+    k, v, q = ev.attention_data(200, seed=8)
     c = KeyformerCache(budget=32, recent=12)
     c.update_and_fetch(k[:, :, :100], v[:, :, :100])
     c.attend(q[:, :, :100], SCALE, mask="causal")

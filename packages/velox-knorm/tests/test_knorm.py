@@ -8,14 +8,16 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from velox_core import Uniform, VeloxCache, load_cache, make, make_cache, routed, save_cache
+import velox_testing.eviction as ev
+from velox_core import Uniform, VeloxCache, make_cache, routed
 from velox_knorm import METHOD, KNormCache, KNormPolicy, key_norm_scores
-from velox_testing import EvictingConformance, FullBudgetConformance, kv_data, tiny_model
+from velox_testing import kv_data, tiny_model
+from velox_testing.eviction import kept_positions as kept
 
 D = 64
 
 
-class TestKNorm(FullBudgetConformance):
+class TestKNorm(ev.FullBudgetConformance):
     bad_settings = (
         {"compression_ratio": 0.5},  # kvpress's parameter: velox counts tokens (budget)
         {"skip_layers": [0, 1]},  # the authors' option: per-layer caches do it (docs)
@@ -26,7 +28,7 @@ class TestKNorm(FullBudgetConformance):
         return KNormCache(budget=4096)
 
 
-class TestKNormEvicting(EvictingConformance):
+class TestKNormEvicting(ev.EvictingConformance):
     """A small budget, decode cuts and 4-bit codes; query-free, so nothing is routed."""
 
     def make(self):
@@ -47,11 +49,6 @@ def normed(t, h=2, seed=0, d=D):
     k = u * norms[None, :, :, None]
     v = rng.normal(size=(1, h, t, d))
     return mx.array(k.astype(np.float32)), mx.array(v.astype(np.float32)), norms
-
-
-def kept(cache, head):
-    """Absolute positions of the body tokens of ``head``."""
-    return set(np.array(cache.body_positions()[head][0]).tolist())
 
 
 def lowest(norms, n, among=None):
@@ -161,9 +158,7 @@ def test_saved_cache_keeps_its_policy_and_cuts_the_same(tmp_path):
     k, v, _ = normed(301, seed=5)
     c = KNormCache(budget=40, every=4, bits=4, group=32)
     c.update_and_fetch(k[:, :, :300], v[:, :, :300])
-    save_cache(tmp_path / "c.safetensors", [c])
-    (d,) = load_cache(tmp_path / "c.safetensors")
-    assert isinstance(d.policy, KNormPolicy) and d.policy.config() == c.policy.config()
+    d = ev.reloaded(c, tmp_path / "c.safetensors")
     for x in (c, d):
         x.update_and_fetch(k[:, :, 300:], v[:, :, 300:])
     assert kept(c, 0) == kept(d, 0) and kept(c, 1) == kept(d, 1) and d.size() == 41
@@ -201,11 +196,9 @@ def test_four_bit_setting_holds_fewer_bytes_than_mlx_q4_past_the_budget():
 
 
 def test_recommended_settings_and_defaults():
-    assert METHOD.recommended == ({"budget": 1024}, {"budget": 1024, "bits": 4, "group": 32})
-    fp16, four = (make("knorm", **s) for s in METHOD.recommended)
+    fp16, _ = ev.recommended_presets(METHOD)
     assert fp16.policy.config() == {"budget": 1024, "every": None}
     assert fp16.sinks == fp16.window == 0
-    assert four.tiers[0].key_codec.bits == four.tiers[0].value_codec.bits == 4
     assert METHOD.paper == "https://arxiv.org/abs/2406.11430"
 
 

@@ -8,13 +8,7 @@ import pytest
 
 from velox_core import Uniform, VeloxCache, make, make_cache
 from velox_kvsink import METHOD, KVSinkCache, outlier_scores, select_sinks
-from velox_testing import (
-    CacheConformance,
-    assert_head_dim_refused,
-    feed,
-    kv_data,
-    rel_error,
-)
+from velox_testing import CacheConformance, assert_head_dim_refused, feed, kv_data, rel_error
 from velox_testing.models import conformance_model
 
 TWO_BIT = METHOD.recommended[1]

@@ -11,9 +11,10 @@ from kvzip_reference import Recorder, gemma3_reference, reference_scores
 from mlx_lm.models.cache import KVCache
 
 import velox_kvzip
+import velox_testing.eviction as ev
 from velox_core import load_cache, make, make_cache, routed, save_cache
 from velox_kvzip import METHOD, KVzipCache, KVzipConfig, KVzipPolicy, compress
-from velox_testing import FullBudgetConformance, Routed, tiny_model, tiny_tokenizer
+from velox_testing import tiny_model, tiny_tokenizer
 
 N = 300  # context tokens
 MODEL = tiny_model("llama", dtype=mx.float32)  # 2 layers, 4 query heads, 2 KV heads
@@ -21,7 +22,7 @@ TOK = tiny_tokenizer()
 CONTEXT = mx.random.randint(0, 400, (N,), key=mx.random.key(0)).tolist()
 
 
-class TestKVzip(Routed, FullBudgetConformance):
+class TestKVzip(ev.Routed, ev.FullBudgetConformance):
     """Before compress a KVzip cache keeps every token (the suite fills caches without a
     model, so it never compresses): the full-budget bounds hold at any budget."""
 

@@ -17,7 +17,9 @@ from velox_minicache import (
 )
 from velox_testing import (
     CacheConformance,
+    assert_batch_generate_refused,
     assert_linked_copies,
+    assert_rows_decode_alone,
     conformance_model,
     kv_data,
     rel_error,
@@ -56,24 +58,12 @@ class TestMiniCache(CacheConformance):
         """mlx-lm batches separately made caches by merging each layer's caches alone, which
         cannot keep a pair's shared tokens: a merged pair refuses it clearly (a batch
         prefilled together works: test_a_batch_prefilled_together_equals_each_row_alone)."""
-        from mlx_lm.generate import batch_generate
-
-        from velox_testing import tiny_tokenizer
-
         model = conformance_model()
         caches = make_cache(model, self.make())
         assert caches[0].group is caches[1].group
         with pytest.raises(ValueError, match="merged pair"):
             caches[0].merge([caches[0]])
-        prompts = [[5, 6, 7, 8], [9, 10, 11]]
-        with routed(model), pytest.raises(ValueError, match="merged pair"):
-            batch_generate(
-                model,
-                tiny_tokenizer(),
-                prompts,
-                max_tokens=2,
-                prompt_caches=[make_cache(model, self.make()) for _ in prompts],
-            )
+        assert_batch_generate_refused(model, self.make, "merged pair")
 
 
 # -- helpers ---------------------------------------------------------------------------------------
@@ -248,15 +238,7 @@ def test_the_shared_tokens_count_once_in_the_models_bytes():
 def test_a_batch_prefilled_together_equals_each_row_alone():
     model = _model(2)
     prompt = mx.random.randint(0, 512, (2, 60), key=mx.random.key(3))
-    with routed(model):
-        caches = make_cache(model, "minicache:start_layer=0,gamma=0.3")
-        model(prompt, cache=caches)
-        both = model(mx.array([[4], [9]]), cache=caches)[:, -1]
-        for i, tok in enumerate((4, 9)):
-            one = make_cache(model, "minicache:start_layer=0,gamma=0.3")
-            model(prompt[i : i + 1], cache=one)
-            row = model(mx.array([[tok]]), cache=one)[:, -1]
-            assert rel_error(both[i : i + 1], row) < 1e-3
+    assert_rows_decode_alone(model, "minicache:start_layer=0,gamma=0.3", prompt)
 
 
 def test_trim_into_the_merged_tokens_then_continue():

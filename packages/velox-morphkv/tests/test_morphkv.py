@@ -5,22 +5,17 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from velox_core import Uniform, VeloxCache, load_cache, make, make_cache, routed, save_cache
+import velox_testing.eviction as ev
+from velox_core import VeloxCache, make_cache, routed
 from velox_morphkv import METHOD, MorphKVCache, MorphKVPolicy
-from velox_testing import (
-    EvictingConformance,
-    FullBudgetConformance,
-    Routed,
-    kv_data,
-    rel_error,
-    tiny_model,
-)
+from velox_testing import tiny_model
+from velox_testing.eviction import kept_positions as kept
 
 D = 64
 SCALE = D**-0.5
 
 
-class TestMorphKV(FullBudgetConformance):
+class TestMorphKV(ev.FullBudgetConformance):
     bad_settings = (
         {"fusion": "mean"},  # the paper's fusions: sum and max
         {"observe": 0},
@@ -36,7 +31,7 @@ class TestMorphKV(FullBudgetConformance):
         return MorphKVCache(budget=4096)
 
 
-class TestMorphKVEvicting(Routed, EvictingConformance):
+class TestMorphKVEvicting(ev.Routed, ev.EvictingConformance):
     """A small budget, a cut at every decode step and 4-bit codes. The suite fills caches with
     update_and_fetch alone, so every test runs routed (a cut without routing is refused);
     where no query has reached the cache, a cut keeps the newest tokens."""
@@ -48,7 +43,7 @@ class TestMorphKVEvicting(Routed, EvictingConformance):
         return MorphKVCache(budget=64)
 
 
-class TestMorphKVMax(Routed, EvictingConformance):
+class TestMorphKVMax(ev.Routed, ev.EvictingConformance):
     """The max fusion, with sinks and a window kept as given."""
 
     def make(self):
@@ -59,29 +54,6 @@ class TestMorphKVMax(Routed, EvictingConformance):
 
 
 # -- helpers ---------------------------------------------------------------------------------
-def data(t, h=2, r=2, seed=0):
-    """Random float32 keys, values ``(1, h, t, D)`` and queries ``(1, h * r, t, D)`` with
-    a shared direction, so that attention is far from uniform."""
-    rng = np.random.default_rng(seed)
-    u = rng.normal(size=D)
-    k = rng.normal(size=(1, h, t, D)) + 0.5 * rng.normal(size=(1, h, t, 1)) * u
-    q = rng.normal(size=(1, h * r, t, D)) + 2.0 * u
-    v = rng.normal(size=(1, h, t, D))
-    return tuple(mx.array(a.astype(np.float32)) for a in (k, v, q))
-
-
-def feed(cache, k, v, q, chunk):
-    """Prefill in chunks as a routed model does: store the chunk, then attend with its queries."""
-    for s in range(0, k.shape[2], chunk):
-        e = min(s + chunk, k.shape[2])
-        cache.update_and_fetch(k[:, :, s:e], v[:, :, s:e])
-        cache.attend(q[:, :, s:e], SCALE, mask="causal")
-
-
-def kept(cache, head=0):
-    return set(np.array(cache.body_positions()[head][0]).tolist())
-
-
 def fused(q, keys, held, window, fusion, scale=SCALE):
     """The paper's score ``F_i`` (numpy, float64) for one KV head: each window query's softmax
     weights over the held tokens at or before it (equation 1), its query heads' weights
@@ -119,10 +91,10 @@ def test_decode_keeps_the_window_and_the_top_fused_older_tokens_as_algorithm_1(f
     first decode step by its last ``R`` queries, then at every step ``TopC(F_i) ∪ W_i`` before
     the new token joins) against velox's, per KV head, step by step, with GQA."""
     t0, t, budget, window, r = 150, 260, 40, 8, 2
-    k, v, q = data(t, r=r, seed=7)
+    k, v, q = ev.attention_data(t, r=r, seed=7)
     kn, qn = np.array(k[0]), np.array(q[0])
     c = MorphKVCache(budget=budget, observe=window, fusion=fusion)
-    feed(c, k[:, :, :t0], v[:, :, :t0], q[:, :, :t0], chunk=t0)
+    ev.feed_attending(c, k, v, q, chunk=t0, stop=t0)
     held = [set(range(t0)) for _ in range(2)]
     for i in range(t0, t):
         if len(held[0]) > budget:
@@ -155,7 +127,7 @@ def test_sum_and_max_fusions_keep_different_tokens():
     assert f["sum"][20] > f["sum"][10] and f["max"][10] > f["max"][20]  # the premise
     for fusion, token in (("sum", 20), ("max", 10)):
         c = MorphKVCache(budget=window + 1, observe=window, fusion=fusion)
-        feed(c, k, v, q, chunk=t)
+        ev.feed_attending(c, k, v, q, chunk=t)
         c.update_and_fetch(k[:, :, :1], v[:, :, :1])  # the next step's cut: one older token
         assert kept(c) == {token, 96, 97, 98, 99, 100}, fusion
 
@@ -179,7 +151,7 @@ def test_weights_are_normalized_over_every_token_a_query_sees():
     kn, qn = np.array(k[0]), np.array(q[0])
     budget = window + 7
     c = MorphKVCache(budget=budget, observe=window)
-    feed(c, k[:, :, :t], v[:, :, :t], q[:, :, :t], chunk=t)
+    ev.feed_attending(c, k, v, q, chunk=t, stop=t)
     c.update_and_fetch(k[:, :, t:], v[:, :, t:])
     (ours,) = paper_cut(qn, kn, [set(range(t))], t, budget, window, "sum", 1)
     assert kept(c) == ours | {t} and set(range(30, 36)) <= ours and 5 not in ours
@@ -193,10 +165,10 @@ def test_memory_stays_within_the_budget_over_3000_decode_steps():
     """The issue's target: a long response never holds more than ``budget`` tokens plus the
     new one, so resident bytes stop growing once the budget is full; generated tokens are
     evicted along with the prompt's."""
-    k, v, q = data(3300, seed=2)
+    k, v, q = ev.attention_data(3300, seed=2)
     budget, prompt = 128, 200
     c = MorphKVCache(budget=budget)
-    feed(c, k[:, :, :prompt], v[:, :, :prompt], q[:, :, :prompt], chunk=prompt)
+    ev.feed_attending(c, k, v, q, chunk=prompt, stop=prompt)
     sizes, nbytes = set(), set()
     for i in range(prompt, 3300):
         c.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
@@ -236,9 +208,7 @@ def test_layer_zero_of_a_tiny_model_keeps_what_the_window_votes_for_and_stays_bo
     prompt = mx.random.randint(0, 512, (1, 256), key=mx.random.key(0))
     budget, chunk, window = 64, 128, 16
     caches = make_cache(model, MorphKVCache(budget=budget, observe=window))
-    full = [KVCache() for _ in model.layers]
-    model(prompt, cache=full)
-    k0 = np.array(full[0].state[0][0, :, :256].astype(mx.float32))  # (H, 256, D)
+    k0, _ = ev.layer_zero_kv(model, prompt)  # (H, 256, D)
     scale = model.layers[0].self_attn.scale
     with routed(model):
         model(prompt[:, :chunk], cache=caches)
@@ -267,26 +237,26 @@ def test_prefill_prompt_holds_the_prompt_and_cuts_once_as_the_authors():
     cache) and the first decode step cuts it, voted by the prompt's last ``observe`` queries:
     the same tokens as a prompt in one chunk."""
     t, budget = 300, 48
-    k, v, q = data(t + 1, seed=4)
+    k, v, q = ev.attention_data(t + 1, seed=4)
     one = MorphKVCache(budget=budget)
-    feed(one, k[:, :, :t], v[:, :, :t], q[:, :, :t], chunk=t)
+    ev.feed_attending(one, k, v, q, chunk=t, stop=t)
     chunked = MorphKVCache(budget=budget, prefill="prompt")
-    feed(chunked, k[:, :, :t], v[:, :, :t], q[:, :, :t], chunk=100)
+    ev.feed_attending(chunked, k, v, q, chunk=100, stop=t)
     assert chunked.size() == t
     for c in (one, chunked):
         c.update_and_fetch(k[:, :, t:], v[:, :, t:])
     assert [kept(chunked, h) for h in range(2)] == [kept(one, h) for h in range(2)]
     eager = MorphKVCache(budget=budget)  # prefill="chunks": a cut after each chunk
-    feed(eager, k[:, :, :t], v[:, :, :t], q[:, :, :t], chunk=100)
+    ev.feed_attending(eager, k, v, q, chunk=100, stop=t)
     assert eager.size() == budget + 100
 
 
 def test_coarse_grained_eviction_cuts_every_n_steps():
     """``every=8`` (the paper's appendix A.5): the cache grows to ``budget + 8``, then is cut
     back to ``budget`` by the latest window."""
-    k, v, q = data(200, seed=6)
+    k, v, q = ev.attention_data(200, seed=6)
     c = MorphKVCache(budget=40, every=8)
-    feed(c, k[:, :, :100], v[:, :, :100], q[:, :, :100], chunk=100)
+    ev.feed_attending(c, k, v, q, chunk=100, stop=100)
     sizes = []
     for i in range(100, 130):
         c.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
@@ -298,47 +268,32 @@ def test_coarse_grained_eviction_cuts_every_n_steps():
 def test_sinks_window_and_codes_compose():
     """Sinks and the window are kept as given; the recent window (``observe``) is kept within
     the body; the older tokens are voted on from the stored codes."""
-    k, v, q = data(301, seed=5)
-    c = VeloxCache(
-        Uniform(8), Uniform(8), sinks=4, window=8, policy=MorphKVPolicy(budget=44, observe=16)
-    )
-    feed(c, k[:, :, :300], v[:, :, :300], q[:, :, :300], chunk=128)
-    c.update_and_fetch(k[:, :, 300:], v[:, :, 300:])
-    kk, _ = c.keys_and_values()
-    assert mx.array_equal(kk[:, :, :4], k[:, :, :4]) and c.size() == 45
-    assert mx.array_equal(kk[:, :, -8:], k[:, :, 293:301])
+    k, v, q = ev.attention_data(301, seed=5)
+    c = ev.composed_cache(MorphKVPolicy(budget=44, observe=16), k, v, q)
+    assert c.size() == 45
     assert c.body_sizes() == [33, 33] and set(range(284, 293)) <= kept(c, 0)
 
 
 def test_without_queries_the_cut_is_refused_unless_routed():
-    k, v = kv_data(t=300, d=D)
-    c = MorphKVCache(budget=40)
-    c.update_and_fetch(k[:, :, :299], v[:, :, :299])
-    with pytest.raises(ValueError, match="routed"):
-        c.update_and_fetch(k[:, :, 299:], v[:, :, 299:])
-    c = MorphKVCache(budget=40)
-    with routed():  # no query reached the cache: the newest tokens
-        c.update_and_fetch(k[:, :, :299], v[:, :, :299])
-        c.update_and_fetch(k[:, :, 299:], v[:, :, 299:])
+    c, _, _ = ev.assert_cut_needs_routing(lambda: MorphKVCache(budget=40), t=300, d=D)
+    # routed, where no query reached the cache: the newest tokens
     assert kept(c, 0) == kept(c, 1) == set(range(259, 300))
 
 
 def test_tokens_no_query_has_seen_are_kept():
-    k, v, q = data(200, seed=6)
+    k, v, q = ev.attention_data(200, seed=6)
     c = MorphKVCache(budget=48, observe=8)
-    feed(c, k[:, :, :100], v[:, :, :100], q[:, :, :100], chunk=100)
+    ev.feed_attending(c, k, v, q, chunk=100, stop=100)
     c.update_and_fetch(k[:, :, 100:130], v[:, :, 100:130])  # cut by 92..99; 100..129 unseen
     c.update_and_fetch(k[:, :, 130:131], v[:, :, 130:131])  # cut: no query has seen 100..129
     assert set(range(100, 131)) <= kept(c, 0) and c.size() == 49
 
 
 def test_saved_window_votes_after_loading(tmp_path):
-    k, v, q = data(301, seed=8)
+    k, v, q = ev.attention_data(301, seed=8)
     c = MorphKVCache(budget=40, observe=16, fusion="max", bits=4, group=32)
-    feed(c, k[:, :, :300], v[:, :, :300], q[:, :, :300], chunk=150)  # the second cut pending
-    save_cache(tmp_path / "c.safetensors", [c])
-    (d,) = load_cache(tmp_path / "c.safetensors")
-    assert isinstance(d.policy, MorphKVPolicy) and d.policy.config() == c.policy.config()
+    ev.feed_attending(c, k, v, q, chunk=150, stop=300)  # the second cut pending
+    d = ev.reloaded(c, tmp_path / "c.safetensors")
     assert d.policy.nbytes == c.policy.nbytes == 4 * 16 * D * 4  # 16 float32 queries per head
     for x in (c, d):
         x.update_and_fetch(k[:, :, 300:], v[:, :, 300:])
@@ -350,17 +305,11 @@ def test_saved_window_votes_after_loading(tmp_path):
 def test_state_in_the_saved_format_loads():
     """A saved cache holds the policy's array "queries" (the window, ``(B, Hq, n, D)``) and
     meta "chunk_pending", "q_end" (the position after the newest query) and "scale"."""
-    k, v, q = data(301, seed=8)
+    k, v, q = ev.attention_data(301, seed=8)
     c = MorphKVCache(budget=40, observe=16)
-    feed(c, k[:, :, :300], v[:, :, :300], q[:, :, :300], chunk=150)
-    assert set(c.policy.state()) == {"queries"}
-    assert c.policy.meta() == {"chunk_pending": True, "q_end": 300, "scale": SCALE}
-    d = c.copy()
-    d.policy.set_state(
-        {"queries": q[:, :, 284:300]}, {"chunk_pending": True, "q_end": 300, "scale": SCALE}
-    )
-    for x in (c, d):
-        x.update_and_fetch(k[:, :, 300:], v[:, :, 300:])
+    ev.feed_attending(c, k, v, q, chunk=150, stop=300)
+    meta = {"chunk_pending": True, "q_end": 300, "scale": SCALE}
+    d = ev.assert_state_format(c, {"queries": q[:, :, 284:300]}, meta, k[:, :, 300:], v[:, :, 300:])
     assert kept(c) == kept(d) and d.size() == 41
     p = MorphKVPolicy(budget=40, observe=16)
     assert p.meta() == {"chunk_pending": False, "q_end": 0, "scale": None}
@@ -371,43 +320,24 @@ def test_state_in_the_saved_format_loads():
 
 
 def test_batch_rows_keep_their_own_window():
-    k0, v0, q0 = data(201, seed=9)
-    k1, v1, q1 = data(201, seed=10)
-    k, v, q = (mx.concatenate(p, axis=0) for p in ((k0, k1), (v0, v1), (q0, q1)))
-    c = MorphKVCache(budget=24, observe=8)
-    feed(c, k[:, :, :200], v[:, :, :200], q[:, :, :200], chunk=200)
-    one = c.extract(1)
-    alone = MorphKVCache(budget=24, observe=8)
-    feed(alone, k1[:, :, :200], v1[:, :, :200], q1[:, :, :200], chunk=200)
-    for x in (c, one, alone):
-        x.update_and_fetch(k[-x._dims[0] :, :, 200:], v[-x._dims[0] :, :, 200:])
-    pos = np.array(mx.stack(c.body_positions(), axis=1))
-    assert set(pos[1, 0].tolist()) == kept(one) == kept(alone) != set(pos[0, 0].tolist())
+    rows = ev.attention_data(201, seed=9), ev.attention_data(201, seed=10)
+    ev.batch_rows_apart(lambda: MorphKVCache(budget=24, observe=8), rows, 200)
 
 
 def test_output_attends_only_to_kept_tokens():
     """After the cut, attention equals fp16 attention over exactly the kept tokens (each KV
     head its own)."""
-    k, v, q = data(201, seed=12, r=1)
+    k, v, q = ev.attention_data(201, seed=12, r=1)
     c = MorphKVCache(budget=30, observe=8)
-    feed(c, k[:, :, :200], v[:, :, :200], q[:, :, :200], chunk=200)
+    ev.feed_attending(c, k, v, q, chunk=200, stop=200)
     c.update_and_fetch(k[:, :, 200:], v[:, :, 200:])
-    qq = q[:, :, 200:]
-    out = c.attend(qq, SCALE)
-    for h in range(2):
-        pos = mx.array(sorted(kept(c, h)))
-        ref = mx.fast.scaled_dot_product_attention(
-            qq[:, h : h + 1], k[:, h : h + 1, pos], v[:, h : h + 1, pos], scale=SCALE
-        )
-        assert rel_error(out[:, h : h + 1], ref) < 1e-4
+    ev.assert_attends_to(c, q[:, :, 200:], k, v, lambda h: kept(c, h), SCALE)
 
 
 def test_recommended_settings_and_defaults():
-    assert METHOD.recommended == ({"budget": 1024}, {"budget": 1024, "bits": 4, "group": 32})
-    fp16, four = (make("morphkv", **s) for s in METHOD.recommended)
+    fp16, _ = ev.recommended_presets(METHOD)
     assert fp16.policy.config() == {"budget": 1024, "every": 1, "observe": 32, "fusion": "sum"}
     assert fp16.sinks == fp16.window == 0 and fp16.config()["prefill"] == "chunks"
-    assert four.tiers[0].key_codec.bits == four.tiers[0].value_codec.bits == 4
     assert METHOD.paper == "https://arxiv.org/abs/2503.00979"
 
 

@@ -5,22 +5,15 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import QuantizedKVCache
 
+import velox_testing.eviction as ev
 from velox_core import Uniform, VeloxCache, load_cache, make, make_cache, routed, save_cache
 from velox_nestedkv import METHOD, NestedKVCache, NestedKVPolicy, head_budgets, nested_score
-from velox_testing import (
-    EvictingConformance,
-    FullBudgetConformance,
-    attention_errors_vs_mlx_quant,
-    fill_chunks,
-    kv_data,
-    rel_error,
-    tiny_model,
-)
+from velox_testing import attention_errors_vs_mlx_quant, fill_chunks, kv_data, rel_error, tiny_model
 
 FP16, FOUR_BIT = METHOD.recommended
 
 
-class TestNestedKV(FullBudgetConformance):
+class TestNestedKV(ev.FullBudgetConformance):
     bad_settings = (
         {"recent": 0},
         {"block": 0},
@@ -37,7 +30,7 @@ class TestNestedKV(FullBudgetConformance):
         return NestedKVCache(budget=4096)
 
 
-class TestNestedKVEvicting(EvictingConformance):
+class TestNestedKVEvicting(ev.EvictingConformance):
     """A small budget with 4-bit codes, re-compressed during decode: lossy, bounded.
     (Per-head budgets store one record per head, which the protocol checks cannot read, so
     this class keeps ``budget`` tokens in every head.)"""

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from velox_core import VeloxCache, load_cache, make, make_cache, routed, save_cache
+import velox_testing.eviction as ev
+from velox_core import VeloxCache, load_cache, make_cache, routed, save_cache
 from velox_core.io import _digest
 from velox_pyramidkv import (
     METHOD,
@@ -18,20 +19,14 @@ from velox_pyramidkv import (
     layer_budget,
     layer_budgets,
 )
-from velox_testing import (
-    EvictingConformance,
-    FullBudgetConformance,
-    Routed,
-    kv_data,
-    rel_error,
-    tiny_model,
-)
+from velox_testing import kv_data, rel_error, tiny_model
+from velox_testing.eviction import kept_positions as kept
 
 D = 64
 SCALE = D**-0.5
 
 
-class TestPyramidKV(FullBudgetConformance):
+class TestPyramidKV(ev.FullBudgetConformance):
     """A budget above every length the suite stores: no layer evicts, whatever its place (a
     cache made without a model needs no place until the prompt exceeds the budget)."""
 
@@ -57,7 +52,7 @@ class TestPyramidKV(FullBudgetConformance):
         return PyramidKVCache(budget=4096)
 
 
-class TestPyramidKVEvicting(Routed, EvictingConformance):
+class TestPyramidKVEvicting(ev.Routed, ev.EvictingConformance):
     """A small budget, decode cuts and 4-bit codes: evicting, lossy, bounded. Made without
     a model the cache is given its place (the deeper of two layers: the smaller budget);
     make_cache places the suite's model-level caches itself."""
@@ -70,19 +65,6 @@ class TestPyramidKVEvicting(Routed, EvictingConformance):
 
 
 # -- helpers ---------------------------------------------------------------------------------
-def feed(cache, k, v, q, chunk):
-    """Prefill in chunks as a routed model does: store the chunk, then attend with its queries."""
-    for s in range(0, k.shape[2], chunk):
-        cache.update_and_fetch(k[:, :, s : s + chunk], v[:, :, s : s + chunk])
-        cache.attend(q[:, :, s : s + chunk], SCALE, mask="causal")
-
-
-def kept(cache, head, below=None):
-    """Absolute positions of the body tokens of ``head`` (below ``below`` if given)."""
-    pos = np.array(cache.body_positions()[head][0]).tolist()
-    return {p for p in pos if below is None or p < below}
-
-
 def kvpress_layer_budget(q_len, window, ratio, beta, layer, n_layers):
     """kvpress 0.5.5's PyramidKVPress.get_layer_budget, transcribed (floats); None where it
     falls back to a uniform budget."""
@@ -169,7 +151,7 @@ def test_each_layer_keeps_snapkvs_choice_at_its_own_budget(layer):
     c = PyramidKVCache(
         budget=budget, observe=window, kernel=kernel, pooling="avg", layer=layer, n_layers=4
     )
-    feed(c, k[:, :, :t], v[:, :, :t], q, chunk=t)
+    ev.feed_attending(c, k[:, :, :t], v[:, :, :t], q, chunk=t)
     c.update_and_fetch(k[:, :, t:], v[:, :, t:])
     b = layer_budgets(budget, window, 4, 20, t)[layer]
     # X = 64: 124.8, 84.27, 43.73, 3.2 (step 40.53) rounded
@@ -196,7 +178,7 @@ def test_shallow_layers_keep_what_deep_layers_drop():
     sets = []
     for layer in range(4):
         c = PyramidKVCache(budget=96, observe=16, kernel=1, layer=layer, n_layers=4)
-        feed(c, k[:, :, :400], v[:, :, :400], q, chunk=400)
+        ev.feed_attending(c, k[:, :, :400], v[:, :, :400], q, chunk=400)
         c.update_and_fetch(k[:, :, 400:], v[:, :, 400:])
         sets.append(kept(c, 0, below=400))
     sizes = [len(s) for s in sets]
@@ -286,11 +268,11 @@ def test_without_a_place_a_cut_is_refused_naming_make_cache():
     q = mx.random.normal((1, 4, 300, D), key=mx.random.key(0))
     c = PyramidKVCache(budget=400, observe=8)  # the prompt fits: no place needed
     with routed():
-        feed(c, k, v, q, chunk=150)
+        ev.feed_attending(c, k, v, q, chunk=150)
     assert c.size() == 300
     c = PyramidKVCache(budget=64, observe=8)
     with routed():
-        feed(c, k[:, :, :299], v[:, :, :299], q, chunk=299)
+        ev.feed_attending(c, k[:, :, :299], v[:, :, :299], q, chunk=299)
         with pytest.raises(ValueError, match=r"make_cache\(model"):
             c.update_and_fetch(k[:, :, 299:], v[:, :, 299:])
     with pytest.raises(ValueError, match=r"make_cache\(model"):
@@ -299,17 +281,15 @@ def test_without_a_place_a_cut_is_refused_naming_make_cache():
     given.bind(None, 2)  # the layer given by bind, the pyramid's height by hand
     assert (given.cfg.layer, given.cfg.n_layers) == (2, 3)
     with routed():
-        feed(given, k[:, :, :299], v[:, :, :299], q, chunk=299)
+        ev.feed_attending(given, k[:, :, :299], v[:, :, :299], q, chunk=299)
         given.update_and_fetch(k[:, :, 299:], v[:, :, 299:])
     assert given.size() == layer_budget(64, 8, 3, 20, 299, 2) + 1
 
 
 def test_the_cut_needs_routed_attention():
-    k, v = kv_data(t=300, d=D)
-    c = PyramidKVCache(budget=40, observe=8, layer=0, n_layers=2)
-    c.update_and_fetch(k[:, :, :299], v[:, :, :299])
-    with pytest.raises(ValueError, match="routed"):
-        c.update_and_fetch(k[:, :, 299:], v[:, :, 299:])
+    ev.assert_cut_needs_routing(
+        lambda: PyramidKVCache(budget=40, observe=8, layer=0, n_layers=2), t=300, d=D
+    )
 
 
 def test_decode_cuts_keep_each_layer_within_its_budget_plus_every():
@@ -317,7 +297,7 @@ def test_decode_cuts_keep_each_layer_within_its_budget_plus_every():
     q = mx.random.normal((1, 4, 260, D), key=mx.random.key(1))
     for layer in (0, 2):
         c = PyramidKVCache(budget=48, observe=8, every=4, layer=layer, n_layers=3)
-        feed(c, k[:, :, :200], v[:, :, :200], q[:, :, :200], chunk=200)
+        ev.feed_attending(c, k, v, q, chunk=200, stop=200)
         for i in range(200, 260):
             c.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
             c.attend(q[:, :, i : i + 1], SCALE)
@@ -331,7 +311,7 @@ def test_composes_with_sinks_a_window_and_codes():
     q = mx.random.normal((1, 4, 400, D), key=mx.random.key(8))
     c = PyramidKVCache(budget=64, sinks=4, window=8, observe=16, bits=4, layer=3, n_layers=4)
     assert c.policy.always == 4 + 16
-    feed(c, k[:, :, :400], v[:, :, :400], q, chunk=128)
+    ev.feed_attending(c, k[:, :, :400], v[:, :, :400], q, chunk=128)
     c.update_and_fetch(k[:, :, 400:], v[:, :, 400:])
     kk, _ = c.keys_and_values()
     assert mx.array_equal(kk[:, :, :4], k[:, :, :4].astype(kk.dtype))  # the sinks, as given
@@ -341,9 +321,7 @@ def test_composes_with_sinks_a_window_and_codes():
 
 def test_recommended_settings_and_registry():
     assert METHOD.name == "pyramidkv" and METHOD.paper == "https://arxiv.org/abs/2406.02069"
-    assert METHOD.recommended == ({"budget": 1024}, {"budget": 1024, "bits": 4, "group": 32})
-    fp16, four = (make("pyramidkv", **s) for s in METHOD.recommended)
-    assert four.tiers[0].key_codec.bits == four.tiers[0].value_codec.bits == 4
+    fp16, _ = ev.recommended_presets(METHOD)
     assert fp16.policy.config() == {
         "budget": 1024,
         "every": None,
@@ -373,7 +351,7 @@ def test_a_file_in_the_saved_format_loads(tmp_path):
     k, v = kv_data(t=301, d=D, seed=3)
     q = mx.random.normal((1, 4, 301, D), key=mx.random.key(4))
     c = PyramidKVCache(budget=48, observe=8, every=16, layer=1, n_layers=3)
-    feed(c, k[:, :, :300], v[:, :, :300], q[:, :, :300], chunk=150)
+    ev.feed_attending(c, k, v, q, chunk=150, stop=300)
     path = tmp_path / "c.safetensors"
     save_cache(path, [c])
     arrays, header = mx.load(str(path), return_metadata=True)

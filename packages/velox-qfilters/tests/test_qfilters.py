@@ -8,18 +8,13 @@ import pytest
 from _qfilters_util import artifact, conformance_filters
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+import velox_testing.eviction as ev
 from velox_core import Uniform, VeloxCache, load_cache, make_cache, routed, save_cache
 from velox_qfilters import METHOD, QFiltersCache, QFiltersPolicy, principal_filters
-from velox_testing import (
-    EvictingConformance,
-    FullBudgetConformance,
-    conformance_model,
-    feed,
-    kv_data,
-)
+from velox_testing import conformance_model, feed, kv_data
 
 
-class TestQFilters(FullBudgetConformance):
+class TestQFilters(ev.FullBudgetConformance):
     # the body's growth slack (the 64-token window leaves it 1,984 tokens in a 2,048 buffer),
     # int32 positions beside it and the 1 KB of filters: 4% over fp16
     max_memory_ratio = 1.045
@@ -30,7 +25,7 @@ class TestQFilters(FullBudgetConformance):
         return QFiltersCache(budget=4096, filters=conformance_filters(), layer=0)
 
 
-class TestQFiltersEvicting(EvictingConformance):
+class TestQFiltersEvicting(ev.EvictingConformance):
     """4-bit codes of the kept tokens."""
 
     def make(self):

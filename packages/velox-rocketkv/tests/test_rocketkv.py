@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import velox_testing.eviction as ev
 from velox_core import load_cache, make_cache, routed, save_cache
 from velox_rocketkv import (
     METHOD,
@@ -24,20 +25,12 @@ from velox_rocketkv import (
     summarize,
     topk_for,
 )
-from velox_testing import (
-    EvictingConformance,
-    FullBudgetConformance,
-    Routed,
-    feed,
-    kv_data,
-    rel_error,
-    tiny_model,
-)
+from velox_testing import feed, kv_data, rel_error, tiny_model
 
 D = 128
 
 
-class TestRocketKV(FullBudgetConformance):
+class TestRocketKV(ev.FullBudgetConformance):
     """A budget and a top-k above every length the suite stores: nothing evicted, every
     token attended."""
 
@@ -67,7 +60,7 @@ class TestRocketKV(FullBudgetConformance):
         return RocketKVCache(budget=4096, topk=4096)
 
 
-class TestRocketKVEvicting(Routed, EvictingConformance):
+class TestRocketKVEvicting(ev.Routed, ev.EvictingConformance):
     """A small budget, decode cuts and 4-bit codes, the second stage active (36 of 72 kept
     tokens attended per step): evicting, sparse, lossy, bounded."""
 

@@ -7,22 +7,17 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+import velox_testing.eviction as ev
 from velox_core import Uniform, VeloxCache, load_cache, make, make_cache, routed, save_cache
 from velox_snapkv import METHOD, SnapKVCache, SnapKVPolicy, pool_votes, window_votes
-from velox_testing import (
-    EvictingConformance,
-    FullBudgetConformance,
-    Routed,
-    kv_data,
-    rel_error,
-    tiny_model,
-)
+from velox_testing import kv_data, rel_error, tiny_model
+from velox_testing.eviction import kept_positions as kept
 
 D = 64
 SCALE = D**-0.5
 
 
-class TestSnapKV(FullBudgetConformance):
+class TestSnapKV(ev.FullBudgetConformance):
     bad_settings = (
         {"budget": 32},  # no room beyond the 32-token observation window
         {"budget": 40, "sinks": 8},
@@ -38,7 +33,7 @@ class TestSnapKV(FullBudgetConformance):
         return SnapKVCache(budget=4096)
 
 
-class TestSnapKVEvicting(Routed, EvictingConformance):
+class TestSnapKVEvicting(ev.Routed, ev.EvictingConformance):
     """A small budget, decode cuts and 4-bit codes: evicting, lossy, bounded. The suite fills
     caches with update_and_fetch alone, so every test runs routed (a cut without routing is
     refused); where no query has reached the cache, a cut keeps the most recent tokens."""
@@ -50,7 +45,7 @@ class TestSnapKVEvicting(Routed, EvictingConformance):
         return SnapKVCache(budget=64, observe=8, every=8)
 
 
-class TestSnapKVPromptPrefill(Routed, EvictingConformance):
+class TestSnapKVPromptPrefill(ev.Routed, ev.EvictingConformance):
     """``prefill="prompt"``: the prompt's chunks held and cut once at its end; batching
     (merge, filter, extend), saving and decode cuts as with per-chunk cuts."""
 
@@ -87,27 +82,11 @@ def planted(t, strong, h=2, r=2, seed=0, amp=8.0, noise=0.3, sign=1.0):
     return k, v, q, u
 
 
-def feed(cache, k, v, q, chunk):
-    """Prefill in chunks as a routed model does: store the chunk, then attend with its queries."""
-    sizes = []
-    for s in range(0, k.shape[2], chunk):
-        cache.update_and_fetch(k[:, :, s : s + chunk], v[:, :, s : s + chunk])
-        cache.attend(q[:, :, s : s + chunk], SCALE, mask="causal")
-        sizes.append(cache.size())
-    return sizes
-
-
 def next_token(cache, seed=9):
     """One more (decode) token: its update runs the cut that follows a prefill chunk."""
     h = cache._dims[1]
     k, v = (mx.random.normal((1, h, 1, D), key=mx.random.key(seed + i)) for i in (0, 1))
     cache.update_and_fetch(k, v)
-
-
-def kept(cache, head, below=None):
-    """Absolute positions of the body tokens of ``head`` (below ``below`` if given)."""
-    pos = np.array(cache.body_positions()[head][0]).tolist()
-    return {p for p in pos if below is None or p < below}
 
 
 # -- the mathematics ---------------------------------------------------------------------------
@@ -187,7 +166,7 @@ def test_a_prompt_in_one_chunk_gets_exactly_the_papers_rule(pooling):
     k, v = kv_data(h=h, t=t + 1, d=D, seed=5, dtype=mx.float32)
     q = mx.random.normal((1, h * r, t, D), key=mx.random.key(5)) + k[:, :1, -2:-1] / 4
     c = SnapKVCache(budget=budget, observe=window, kernel=kernel, pooling=pooling)
-    feed(c, k[:, :, :t], v[:, :, :t], q, chunk=t)
+    ev.feed_attending(c, k[:, :, :t], v[:, :, :t], q, chunk=t)
     c.update_and_fetch(k[:, :, t:], v[:, :, t:])
     # the paper's rule (numpy, float64)
     kk, qq = np.repeat(np.array(k[0, :, :t]), r, axis=0), np.array(q[0])
@@ -222,7 +201,7 @@ def test_prefill_prompt_cuts_a_chunked_prompt_once_at_its_end_as_in_one_chunk():
         ("chunks", 64, "chunks"),
     ):
         c = SnapKVCache(budget=budget, observe=window, kernel=7, prefill=prefill)
-        sizes = feed(c, k[:, :, :t], v[:, :, :t], q, chunk=chunk)
+        sizes = ev.feed_attending(c, k[:, :, :t], v[:, :, :t], q, chunk=chunk)
         if name == "prompt":
             assert sizes == [64, 128, 192, 256, 300]  # nothing cut during the prompt
         c.update_and_fetch(k[:, :, t:], v[:, :, t:])
@@ -240,7 +219,7 @@ def test_prefill_setting_is_checked_and_saved(tmp_path):
     assert c.policy.prefill == "prompt"
     k, v = kv_data(h=2, t=100, d=D, seed=1, dtype=mx.float32)
     q = mx.random.normal((1, 2, 100, D), key=mx.random.key(1))
-    feed(c, k, v, q, chunk=50)
+    ev.feed_attending(c, k, v, q, chunk=50)
     save_cache(str(tmp_path / "c.safetensors"), [c])
     (back,) = load_cache(str(tmp_path / "c.safetensors"))
     assert back.policy.prefill == "prompt" and back.size() == 100
@@ -255,7 +234,7 @@ def test_positions_the_window_attends_to_are_kept_per_head():
     strong = {0: [40, 150, 260], 1: [90, 333]}
     k, v, q, _ = planted(401, strong)
     c = SnapKVCache(budget=40, observe=16, kernel=1)
-    feed(c, k[:, :, :400], v[:, :, :400], q[:, :, :400], chunk=400)
+    ev.feed_attending(c, k, v, q, chunk=400, stop=400)
     c.update_and_fetch(k[:, :, 400:], v[:, :, 400:])
     for i, ps in strong.items():
         got = kept(c, i, below=400)
@@ -270,7 +249,7 @@ def test_pooling_keeps_the_neighbours_of_a_strong_position(pooling):
     prefix = {}
     for kernel in (1, 5):
         c = SnapKVCache(budget=21, observe=16, kernel=kernel, pooling=pooling)
-        feed(c, k[:, :, :300], v[:, :, :300], q[:, :, :300], chunk=300)
+        ev.feed_attending(c, k, v, q, chunk=300, stop=300)
         c.update_and_fetch(k[:, :, 300:], v[:, :, 300:])
         prefix[kernel] = kept(c, 0, below=284)  # the 5 voted prompt tokens
     assert prefix[5] == {148, 149, 150, 151, 152}
@@ -291,7 +270,7 @@ def test_gqa_keeps_what_any_query_head_of_the_group_attends_to():
     q[0, 2:] += 8 * u[2]  # query heads 2, 3 -> position 120 of KV head 1
     k, v, q = (mx.array(a.astype(np.float32)) for a in (k, rng.normal(size=k.shape), q))
     c = SnapKVCache(budget=20, observe=16, kernel=1)
-    feed(c, k[:, :, :300], v[:, :, :300], q[:, :, :300], chunk=300)
+    ev.feed_attending(c, k, v, q, chunk=300, stop=300)
     c.update_and_fetch(k[:, :, 300:], v[:, :, 300:])
     assert {70, 210} <= kept(c, 0) and 120 in kept(c, 1)
 
@@ -304,7 +283,9 @@ def test_the_observation_window_is_never_evicted():
     k = mx.array(k)
     c = SnapKVCache(budget=40, observe=12, kernel=3, every=4)
     for s in range(0, 600, 50):  # chunks, then every later chunk starts with a cut
-        feed(c, k[:, :, s : s + 50], v[:, :, s : s + 50], q[:, :, s : s + 50], chunk=50)
+        ev.feed_attending(
+            c, k[:, :, s : s + 50], v[:, :, s : s + 50], q[:, :, s : s + 50], chunk=50
+        )
         if s:
             for i in range(2):
                 assert set(range(s - 12, s)) <= kept(c, i), s
@@ -323,7 +304,7 @@ def test_decode_cuts_vote_with_the_latest_decode_queries(sign):
         [0.3 * mx.random.normal((1, 4, 200, D), key=mx.random.key(1)), q[:, :, 200:]], 2
     )
     c = SnapKVCache(budget=48, observe=8, kernel=1, every=8)
-    feed(c, k[:, :, :200], v[:, :, :200], q[:, :, :200], chunk=200)
+    ev.feed_attending(c, k, v, q, chunk=200, stop=200)
     sizes = []
     for i in range(200, 240):
         c.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
@@ -341,11 +322,15 @@ def test_the_same_token_keeps_its_rotated_key_through_evictions():
     coded = VeloxCache(Uniform(8), Uniform(8), policy=SnapKVPolicy(budget=64, observe=8, kernel=3))
     before = {}
     for s in range(0, 500, 100):
-        feed(exact, k[:, :, s : s + 100], v[:, :, s : s + 100], q[:, :, s : s + 100], 100)
+        ev.feed_attending(
+            exact, k[:, :, s : s + 100], v[:, :, s : s + 100], q[:, :, s : s + 100], 100
+        )
         for i, keys in enumerate(coded.body_keys() if coded.offset else []):
             for j, p in enumerate(np.array(coded.body_positions()[i][0]).tolist()):
                 before[(i, p)] = np.array(keys[0, 0, j])
-        feed(coded, k[:, :, s : s + 100], v[:, :, s : s + 100], q[:, :, s : s + 100], 100)
+        ev.feed_attending(
+            coded, k[:, :, s : s + 100], v[:, :, s : s + 100], q[:, :, s : s + 100], 100
+        )
         kk, _ = exact.keys_and_values()
         for i in range(2):
             pos = mx.array(exact.body_positions()[i][0])
@@ -390,16 +375,14 @@ def test_composes_with_uniform_codes_sinks_and_a_window(tmp_path):
     c = VeloxCache(
         Uniform(4), Uniform(4), sinks=4, window=8, policy=SnapKVPolicy(budget=48, observe=16)
     )
-    feed(c, k[:, :, :400], v[:, :, :400], q[:, :, :400], chunk=128)
+    ev.feed_attending(c, k, v, q, chunk=128, stop=400)
     c.update_and_fetch(k[:, :, 400:], v[:, :, 400:])
     kk, _ = c.keys_and_values()
     assert mx.array_equal(kk[:, :, :4], k[:, :, :4])  # the sinks, as given
     assert c.size() == 49 and sum(c.body_sizes()) // 2 == 49 - 4 - 8
     assert {50, 180} <= kept(c, 0) and 260 in kept(c, 1)
     assert set(range(384, 392)) <= kept(c, 0)  # the window beyond the fp16 one
-    save_cache(tmp_path / "c.safetensors", [c])
-    (d,) = load_cache(tmp_path / "c.safetensors")
-    assert isinstance(d.policy, SnapKVPolicy) and d.policy.config() == c.policy.config()
+    d = ev.reloaded(c, tmp_path / "c.safetensors")
     qq = q[:, :, 400:]
     assert mx.array_equal(d.attend(qq, SCALE), c.attend(qq, SCALE))
 
@@ -483,10 +466,10 @@ def test_without_observed_queries_the_cut_is_refused_unless_routed():
 def test_small_chunks_fill_the_window_and_trimmed_queries_leave_it():
     k, v, q, _ = planted(100, {0: [10], 1: [10]})
     c = SnapKVCache(budget=90, observe=16)
-    feed(c, k[:, :, :40], v[:, :, :40], q[:, :, :40], chunk=5)
+    ev.feed_attending(c, k, v, q, chunk=5, stop=40)
     assert c.policy._q_end == 40 and mx.array_equal(c.policy._queries, q[:, :, 24:40])
     c.trim(3)  # e.g. rejected draft tokens: positions 37..39 are gone
-    feed(c, k[:, :, 37:39], v[:, :, 37:39], q[:, :, 37:39], chunk=2)
+    ev.feed_attending(c, k[:, :, 37:39], v[:, :, 37:39], q[:, :, 37:39], chunk=2)
     # 24..36 survive the trim (23 had already left the window), then 37 and 38
     assert c.policy._q_end == 39 and mx.array_equal(c.policy._queries, q[:, :, 24:39])
     assert c.policy.nbytes == 15 * 4 * D * 4 and c.nbytes > c.policy.nbytes
@@ -495,9 +478,8 @@ def test_small_chunks_fill_the_window_and_trimmed_queries_leave_it():
 def test_saved_queries_vote_after_loading(tmp_path):
     k, v, q, _ = planted(301, {0: [77], 1: [140]}, seed=10)
     c = SnapKVCache(budget=32, observe=8, every=16)
-    feed(c, k[:, :, :300], v[:, :, :300], q[:, :, :300], chunk=150)  # the second cut pending
-    save_cache(tmp_path / "c.safetensors", [c])
-    (d,) = load_cache(tmp_path / "c.safetensors")
+    ev.feed_attending(c, k, v, q, chunk=150, stop=300)  # the second cut pending
+    d = ev.reloaded(c, tmp_path / "c.safetensors")
     for x in (c, d):
         x.update_and_fetch(k[:, :, 300:], v[:, :, 300:])
     assert kept(c, 0) == kept(d, 0) and kept(c, 1) == kept(d, 1)
@@ -509,7 +491,7 @@ def test_batch_rows_keep_their_own_votes():
     k1, v1, q1, _ = planted(301, {0: [230], 1: [230]}, seed=12)
     k, v, q = (mx.concatenate(p, axis=0) for p in ((k0, k1), (v0, v1), (q0, q1)))
     c = SnapKVCache(budget=24, observe=8, kernel=1, every=4)
-    feed(c, k[:, :, :300], v[:, :, :300], q[:, :, :300], chunk=300)
+    ev.feed_attending(c, k, v, q, chunk=300, stop=300)
     one = c.extract(1)
     for x in (c, one):
         x.update_and_fetch(k[-x._dims[0] :, :, 300:], v[-x._dims[0] :, :, 300:])
@@ -519,10 +501,8 @@ def test_batch_rows_keep_their_own_votes():
 
 
 def test_recommended_settings():
-    assert METHOD.recommended == ({"budget": 1024}, {"budget": 1024, "bits": 4, "group": 32})
-    fp16, four = (make("snapkv", **s) for s in METHOD.recommended)
+    fp16, four = ev.recommended_presets(METHOD)
     assert fp16.policy.budget == four.policy.budget == 1024
-    assert four.tiers[0].key_codec.bits == four.tiers[0].value_codec.bits == 4
     assert fp16.policy.config() == {
         "budget": 1024,
         "every": None,
@@ -547,15 +527,9 @@ def test_state_in_the_saved_format_loads():
     hand in that format votes as the policy's own."""
     k, v, q, _ = planted(301, {0: [77], 1: [140]}, seed=10)
     c = SnapKVCache(budget=32, observe=8, every=16)
-    feed(c, k[:, :, :300], v[:, :, :300], q[:, :, :300], chunk=150)  # the second cut pending
-    assert set(c.policy.state()) == {"queries"}
-    assert c.policy.meta() == {"chunk_pending": True, "q_end": 300, "scale": SCALE}
-    d = c.copy()
-    d.policy.set_state(
-        {"queries": q[:, :, 292:300]}, {"chunk_pending": True, "q_end": 300, "scale": SCALE}
-    )
-    for x in (c, d):
-        x.update_and_fetch(k[:, :, 300:], v[:, :, 300:])
+    ev.feed_attending(c, k, v, q, chunk=150, stop=300)  # the second cut pending
+    meta = {"chunk_pending": True, "q_end": 300, "scale": SCALE}
+    d = ev.assert_state_format(c, {"queries": q[:, :, 292:300]}, meta, k[:, :, 300:], v[:, :, 300:])
     assert kept(c, 0) == kept(d, 0) and kept(c, 1) == kept(d, 1)
     assert 77 in kept(d, 0) and 140 in kept(d, 1)
     p = SnapKVPolicy(budget=32, observe=8)

@@ -6,6 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import velox_testing.eviction as ev
 from velox_core import VeloxCache, make_cache, routed
 from velox_squeeze import (
     METHOD,
@@ -16,10 +17,9 @@ from velox_squeeze import (
     layer_budgets,
     places,
 )
-from velox_testing import EvictingConformance, FullBudgetConformance, Routed
 
 
-class TestSqueeze(FullBudgetConformance):
+class TestSqueeze(ev.FullBudgetConformance):
     """A budget above every length the suite stores: no layer evicts, whatever its place."""
 
     bad_settings = (
@@ -42,7 +42,7 @@ class TestSqueeze(FullBudgetConformance):
         return SqueezeCache(budget=4096)
 
 
-class TestSqueezeEvicting(Routed, EvictingConformance):
+class TestSqueezeEvicting(ev.Routed, ev.EvictingConformance):
     """A small budget, decode cuts and 4-bit codes: evicting, lossy, bounded (the suite's
     model has two layers: fewer than three groups, so each keeps the budget)."""
 
@@ -53,7 +53,7 @@ class TestSqueezeEvicting(Routed, EvictingConformance):
         return SqueezeCache(budget=64, observe=8, every=8)
 
 
-class TestSqueezeStreaming(EvictingConformance):
+class TestSqueezeStreaming(ev.EvictingConformance):
     """StreamingLLM inside each layer's budget: no query is needed, so no routing."""
 
     def make(self):

@@ -3,17 +3,18 @@
 import mlx.core as mx
 import numpy as np
 
+import velox_testing.eviction as ev
 from velox_core import make_cache, routed
 from velox_streamingllm import StreamingLLMCache
-from velox_testing import EvictingConformance, FullBudgetConformance, kv_data, tiny_model
+from velox_testing import kv_data, tiny_model
 
 
-class TestStreamingLLM(FullBudgetConformance):
+class TestStreamingLLM(ev.FullBudgetConformance):
     def make(self):
         return StreamingLLMCache(budget=4096)
 
 
-class TestStreamingLLMEvicting(EvictingConformance):
+class TestStreamingLLMEvicting(ev.EvictingConformance):
     """4-bit codes of the kept tokens."""
 
     def make(self):

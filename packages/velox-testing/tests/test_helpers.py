@@ -3,9 +3,11 @@ exercised by every package's tests)."""
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
+import velox_testing.eviction as ev
 from velox_core.kernels import config
 from velox_core.kernels.merge import MERGE
 from velox_testing import kernel_env, scratch_dir, tiny_model
@@ -63,3 +65,44 @@ def test_emulator_refuses_inputs_unlike_the_registered_kernel_before_compiling(t
 def test_emulated_kernels_take_metal_or_cuda_only(tmp_path):
     with pytest.raises(ValueError, match="backend must be 'metal' or 'cuda'"):
         EmulatedKernels(tmp_path, backend="vulkan")
+
+
+class _Held:
+    """A cache as the eviction aids read it: 2 sinks, a body of chosen positions per KV head
+    (row 0) and a window of 3, of 20 tokens seen; ``attend`` reads every token of ``k, v``."""
+
+    offset, sink_count = 20, staticmethod(lambda: 2)
+
+    def __init__(self, k=None, v=None):
+        self.k, self.v = k, v
+
+    def body_positions(self):
+        return [mx.array([[4, 9, 11]]), mx.array([[5, 6, 12]])]
+
+    def size(self):
+        return 2 + 3 + 3
+
+    def attend(self, q, scale):
+        return mx.fast.scaled_dot_product_attention(q, self.k, self.v, scale=scale)
+
+
+def test_kept_and_stored_positions_read_body_sinks_and_window():
+    c = _Held()
+    assert ev.kept_positions(c, 1) == {5, 6, 12} and ev.kept_positions(c, 0, below=10) == {4, 9}
+    assert ev.stored_positions(c, 0) == {0, 1, 4, 9, 11, 17, 18, 19}
+
+
+def test_assert_attends_to_fails_on_tokens_the_cache_does_not_read():
+    k, v, q = ev.attention_data(20, seed=1)
+    c = _Held(k, v)
+    ev.assert_attends_to(c, q[:, :, -1:], k, v, lambda h: range(20), 0.125)
+    with pytest.raises(AssertionError):
+        ev.assert_attends_to(c, q[:, :, -1:], k, v, lambda h: range(19), 0.125)
+
+
+def test_attention_data_is_seeded_and_sharp_scales_the_queries():
+    k, v, q = ev.attention_data(8, r=3, seed=4)
+    assert k.shape == v.shape == (1, 2, 8, 64) and q.shape == (1, 6, 8, 64)
+    assert all(mx.array_equal(a, b) for a, b in zip((k, v, q), ev.attention_data(8, r=3, seed=4)))
+    flat = ev.attention_data(8, r=3, seed=4, sharp=0.5)[2]
+    assert mx.allclose(flat, q * 0.5).item()

@@ -3,24 +3,18 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import KVCache
 
-from velox_core import Uniform, VeloxCache, load_cache, make, make_cache, routed, save_cache
-from velox_testing import (
-    EvictingConformance,
-    FullBudgetConformance,
-    Routed,
-    kv_data,
-    rel_error,
-    tiny_model,
-)
+import velox_testing.eviction as ev
+from velox_core import Uniform, VeloxCache, make_cache, routed
+from velox_testing import tiny_model
+from velox_testing.eviction import kept_positions as kept
 from velox_tova import METHOD, TOVACache, TOVAPolicy
 
 D = 64
 SCALE = D**-0.5
 
 
-class TestTOVA(FullBudgetConformance):
+class TestTOVA(ev.FullBudgetConformance):
     bad_settings = (
         {"compression_ratio": 0.5},  # kvpress's parameter: velox counts tokens (budget)
         {"observe": 1},  # the last query alone scores: no window to set
@@ -31,7 +25,7 @@ class TestTOVA(FullBudgetConformance):
         return TOVACache(budget=4096)
 
 
-class TestTOVAEvicting(Routed, EvictingConformance):
+class TestTOVAEvicting(ev.Routed, ev.EvictingConformance):
     """A small budget, the paper's eviction at every decode step and 4-bit codes. The suite
     fills caches with update_and_fetch alone, so every test runs routed (a cut without
     routing is refused); where no query has reached the cache, a cut keeps the newest tokens."""
@@ -44,29 +38,6 @@ class TestTOVAEvicting(Routed, EvictingConformance):
 
 
 # -- helpers ---------------------------------------------------------------------------------
-def data(t, h=2, r=2, seed=0):
-    """Random float32 keys, values ``(1, h, t, D)`` and queries ``(1, h * r, t, D)`` with
-    a shared direction, so that attention is far from uniform."""
-    rng = np.random.default_rng(seed)
-    u = rng.normal(size=D)
-    k = rng.normal(size=(1, h, t, D)) + 0.5 * rng.normal(size=(1, h, t, 1)) * u
-    q = rng.normal(size=(1, h * r, t, D)) + 2.0 * u
-    v = rng.normal(size=(1, h, t, D))
-    return tuple(mx.array(a.astype(np.float32)) for a in (k, v, q))
-
-
-def feed(cache, k, v, q, chunk):
-    """Prefill in chunks as a routed model does: store the chunk, then attend with its queries."""
-    for s in range(0, k.shape[2], chunk):
-        e = min(s + chunk, k.shape[2])
-        cache.update_and_fetch(k[:, :, s:e], v[:, :, s:e])
-        cache.attend(q[:, :, s:e], SCALE, mask="causal")
-
-
-def kept(cache, head=0):
-    return set(np.array(cache.body_positions()[head][0]).tolist())
-
-
 def head_mean_weights(q, keys, scale=SCALE):
     """The paper's score (numpy, float64): the softmax weights of one query ``(Hq, D)`` over
     keys ``(H, T, D)`` (query head ``j`` reads KV head ``j // (Hq / H)``), averaged over
@@ -88,9 +59,9 @@ def test_a_prompt_in_one_chunk_keeps_what_the_last_query_attends_to_most(r):
     """The paper's reduce after the prompt: the last prompt query's softmax weights over the
     prompt, averaged over all query heads (GQA included), top ``budget``: one set, every head."""
     t, budget = 300, 48
-    k, v, q = data(t + 1, r=r, seed=r)
+    k, v, q = ev.attention_data(t + 1, r=r, seed=r)
     c = TOVACache(budget=budget)
-    feed(c, k[:, :, :t], v[:, :, :t], q[:, :, :t], chunk=t)
+    ev.feed_attending(c, k, v, q, chunk=t, stop=t)
     c.update_and_fetch(k[:, :, t:], v[:, :, t:])  # the cut, then one more token
     w = head_mean_weights(np.array(q[0, :, t - 1]), np.array(k[0, :, :t]))
     ref = top(w, budget, range(t))
@@ -109,12 +80,12 @@ def test_decode_evicts_one_token_per_step_as_the_papers_cache():
     ``budget`` drop the lowest head-averaged weight of that step's query, which may be the
     new token itself) against velox's, step by step: the same tokens, at every step."""
     t0, t, budget = 120, 220, 40
-    k, v, q = data(t, r=2, seed=7)
+    k, v, q = ev.attention_data(t, r=2, seed=7)
     kn, qn = np.array(k[0]), np.array(q[0])
     # the paper: the prompt, reduced with its last query, then one token per step
     state = top(head_mean_weights(qn[:, t0 - 1], kn[:, :t0]), budget, range(t0))
     c = TOVACache(budget=budget)
-    feed(c, k[:, :, :t0], v[:, :, :t0], q[:, :, :t0], chunk=t0)
+    ev.feed_attending(c, k, v, q, chunk=t0, stop=t0)
     for i in range(t0, t):
         c.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
         assert c.size() == budget + 1 and kept(c, 0) == kept(c, 1) == state | {i}, i
@@ -128,13 +99,13 @@ def test_decode_evicts_one_token_per_step_as_the_papers_cache():
 
 def test_the_newest_token_can_be_evicted_unless_the_window_keeps_it():
     """In the paper the token just stored competes too (kvpress always keeps it: window=1)."""
-    k, v, q = data(101, seed=3)
+    k, v, q = ev.attention_data(101, seed=3)
     k = np.array(k)
     k[0, :, 100] = -20.0 * np.array(q[0, ::2, 100])  # the newest key points away from the query
     k = mx.array(k)
     for window, kept_newest in ((0, False), (1, True)):
         c = TOVACache(budget=32, window=window)
-        feed(c, k[:, :, :100], v[:, :, :100], q[:, :, :100], chunk=100)
+        ev.feed_attending(c, k, v, q, chunk=100, stop=100)
         c.update_and_fetch(k[:, :, 100:], v[:, :, 100:])
         c.attend(q[:, :, 100:], SCALE)
         c.update_and_fetch(k[:, :, :1], v[:, :, :1])  # the next step: its cut drops one token
@@ -155,7 +126,7 @@ def test_one_query_head_can_outvote_the_rest_and_every_kv_head_keeps_its_choice(
     q[0, 0, 99] += 12 * u  # query head 0 (of KV head 0) -> token 30
     k, v, q = (mx.array(a.astype(np.float32)) for a in (k, rng.normal(size=k.shape), q))
     c = TOVACache(budget=8)
-    feed(c, k[:, :, :100], v[:, :, :100], q[:, :, :100], chunk=100)
+    ev.feed_attending(c, k, v, q, chunk=100, stop=100)
     c.update_and_fetch(k[:, :, 100:], v[:, :, 100:])
     assert 30 in kept(c, 0) and 30 in kept(c, 1) and kept(c, 0) == kept(c, 1)
 
@@ -165,12 +136,12 @@ def test_sinks_window_and_codes_compose():
     stored token (sinks and window in the normalization, which weighs the heads' average),
     read from the stored codes."""
     t = 301
-    k, v, q = data(t, seed=5)
+    k, v, q = ev.attention_data(t, seed=5)
     k = np.array(k)
     k[0, 0, :4] = 0.5 * np.array(q[0, 0, 299])  # KV head 0's query heads look at the sinks
     k = mx.array(k)
     c = VeloxCache(Uniform(8), Uniform(8), sinks=4, window=8, policy=TOVAPolicy(budget=44))
-    feed(c, k[:, :, :300], v[:, :, :300], q[:, :, :300], chunk=128)
+    ev.feed_attending(c, k, v, q, chunk=128, stop=300)
     body = sorted(kept(c))  # what the last chunk's cut will choose from
     stored, _ = c.keys_and_values()  # sinks | body | window, decoded from the codes
     w = head_mean_weights(np.array(q[0, :, 299]), np.array(stored[0].astype(mx.float32)))
@@ -194,9 +165,7 @@ def test_layer_zero_of_a_tiny_model_keeps_the_last_querys_choice_and_stays_bound
     prompt = mx.random.randint(0, 512, (1, 256), key=mx.random.key(0))
     budget, chunk = 64, 128
     caches = make_cache(model, TOVACache(budget=budget))
-    full = [KVCache() for _ in model.layers]
-    model(prompt, cache=full)
-    k0 = np.array(full[0].state[0][0, :, :256].astype(mx.float32))  # (H, 256, D)
+    k0, _ = ev.layer_zero_kv(model, prompt)  # (H, 256, D)
     scale = model.layers[0].self_attn.scale
     with routed(model):
         model(prompt[:, :chunk], cache=caches)
@@ -216,26 +185,19 @@ def test_layer_zero_of_a_tiny_model_keeps_the_last_querys_choice_and_stays_bound
 
 
 def test_without_queries_the_cut_is_refused_unless_routed():
-    k, v = kv_data(t=300, d=D)
-    c = TOVACache(budget=40)
-    c.update_and_fetch(k[:, :, :299], v[:, :, :299])
-    with pytest.raises(ValueError, match="routed"):
-        c.update_and_fetch(k[:, :, 299:], v[:, :, 299:])
-    c = TOVACache(budget=40)
-    with routed():  # no query reached the cache: the newest tokens
-        c.update_and_fetch(k[:, :, :299], v[:, :, :299])
-        c.update_and_fetch(k[:, :, 299:], v[:, :, 299:])
+    c, _, _ = ev.assert_cut_needs_routing(lambda: TOVACache(budget=40), t=300, d=D)
+    # routed, where no query reached the cache: the newest tokens
     assert kept(c, 0) == kept(c, 1) == set(range(259, 300))
 
 
 def test_tokens_no_query_has_seen_are_kept_and_a_trimmed_query_is_dropped():
-    k, v, q = data(200, seed=6)
+    k, v, q = ev.attention_data(200, seed=6)
     c = TOVACache(budget=40)
-    feed(c, k[:, :, :100], v[:, :, :100], q[:, :, :100], chunk=100)
+    ev.feed_attending(c, k, v, q, chunk=100, stop=100)
     c.update_and_fetch(k[:, :, 100:130], v[:, :, 100:130])  # cut by query 99; 100..129 unseen
     c.update_and_fetch(k[:, :, 130:131], v[:, :, 130:131])  # cut: query 99 sees none of them
     assert set(range(100, 131)) <= kept(c, 0) and c.size() == 41
-    feed(c, k[:, :, 131:160], v[:, :, 131:160], q[:, :, 131:160], chunk=29)
+    ev.feed_attending(c, k[:, :, 131:160], v[:, :, 131:160], q[:, :, 131:160], chunk=29)
     assert c.policy._q_pos == 159
     c.trim(5)  # e.g. rejected draft tokens: the query's own token is gone
     with routed():
@@ -245,12 +207,10 @@ def test_tokens_no_query_has_seen_are_kept_and_a_trimmed_query_is_dropped():
 
 
 def test_saved_query_scores_after_loading(tmp_path):
-    k, v, q = data(301, seed=8)
+    k, v, q = ev.attention_data(301, seed=8)
     c = TOVACache(budget=32, bits=4, group=32)
-    feed(c, k[:, :, :300], v[:, :, :300], q[:, :, :300], chunk=150)  # the second cut pending
-    save_cache(tmp_path / "c.safetensors", [c])
-    (d,) = load_cache(tmp_path / "c.safetensors")
-    assert isinstance(d.policy, TOVAPolicy) and d.policy.config() == c.policy.config()
+    ev.feed_attending(c, k, v, q, chunk=150, stop=300)  # the second cut pending
+    d = ev.reloaded(c, tmp_path / "c.safetensors")
     assert d.policy.nbytes == c.policy.nbytes == 4 * D * 4  # one float32 query per head
     for x in (c, d):
         x.update_and_fetch(k[:, :, 300:], v[:, :, 300:])
@@ -260,25 +220,15 @@ def test_saved_query_scores_after_loading(tmp_path):
 
 
 def test_batch_rows_keep_their_own_query():
-    k0, v0, q0 = data(201, seed=9)
-    k1, v1, q1 = data(201, seed=10)
-    k, v, q = (mx.concatenate(p, axis=0) for p in ((k0, k1), (v0, v1), (q0, q1)))
-    c = TOVACache(budget=24)
-    feed(c, k[:, :, :200], v[:, :, :200], q[:, :, :200], chunk=200)
-    one = c.extract(1)
-    alone = TOVACache(budget=24)
-    feed(alone, k1[:, :, :200], v1[:, :, :200], q1[:, :, :200], chunk=200)
-    for x in (c, one, alone):
-        x.update_and_fetch(k[-x._dims[0] :, :, 200:], v[-x._dims[0] :, :, 200:])
-    pos = np.array(mx.stack(c.body_positions(), axis=1))
-    assert set(pos[1, 0].tolist()) == kept(one) == kept(alone) != set(pos[0, 0].tolist())
+    rows = ev.attention_data(201, seed=9), ev.attention_data(201, seed=10)
+    ev.batch_rows_apart(lambda: TOVACache(budget=24), rows, 200)
 
 
 def test_decode_state_is_one_query_and_none_without_every():
-    k, v, q = data(120, seed=11)
+    k, v, q = ev.attention_data(120, seed=11)
     for every, nbytes in ((1, 4 * D * 4), (None, 0)):
         c = TOVACache(budget=32, every=every)
-        feed(c, k[:, :, :100], v[:, :, :100], q[:, :, :100], chunk=100)
+        ev.feed_attending(c, k, v, q, chunk=100, stop=100)
         for i in range(100, 120):
             c.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
             c.attend(q[:, :, i : i + 1], SCALE)
@@ -287,11 +237,9 @@ def test_decode_state_is_one_query_and_none_without_every():
 
 
 def test_recommended_settings_and_defaults():
-    assert METHOD.recommended == ({"budget": 1024}, {"budget": 1024, "bits": 4, "group": 32})
-    fp16, four = (make("tova", **s) for s in METHOD.recommended)
+    fp16, _ = ev.recommended_presets(METHOD)
     assert fp16.policy.config() == {"budget": 1024, "every": 1}
     assert fp16.sinks == fp16.window == 0
-    assert four.tiers[0].key_codec.bits == four.tiers[0].value_codec.bits == 4
     assert METHOD.paper == "https://arxiv.org/abs/2401.06104"
 
 
@@ -306,31 +254,22 @@ def test_bad_settings_name_the_parameter():
 
 def test_output_attends_only_to_kept_tokens():
     """After the cut, attention equals fp16 attention over exactly the kept tokens."""
-    k, v, q = data(201, seed=12)
+    k, v, q = ev.attention_data(201, seed=12)
     c = TOVACache(budget=30)
-    feed(c, k[:, :, :200], v[:, :, :200], q[:, :, :200], chunk=200)
+    ev.feed_attending(c, k, v, q, chunk=200, stop=200)
     c.update_and_fetch(k[:, :, 200:], v[:, :, 200:])
-    pos = mx.array(sorted(kept(c)))
-    qq = q[:, :, 200:]
-    ref = mx.fast.scaled_dot_product_attention(qq, k[:, :, pos], v[:, :, pos], scale=SCALE)
-    assert rel_error(c.attend(qq, SCALE), ref) < 1e-4
+    ev.assert_attends_to(c, q[:, :, 200:], k, v, lambda h: kept(c), SCALE)  # one set, every head
 
 
 def test_state_in_the_saved_format_loads():
     """A saved cache holds the policy's array "query" (the last query, ``(B, Hq, 1, D)``) and
     meta "chunk_pending", "q_pos" (its position) and "scale": state written by hand in that
     format scores as the policy's own."""
-    k, v, q = data(301, seed=8)
+    k, v, q = ev.attention_data(301, seed=8)
     c = TOVACache(budget=32)
-    feed(c, k[:, :, :300], v[:, :, :300], q[:, :, :300], chunk=150)  # the second cut pending
-    assert set(c.policy.state()) == {"query"}
-    assert c.policy.meta() == {"chunk_pending": True, "q_pos": 299, "scale": SCALE}
-    d = c.copy()
-    d.policy.set_state(
-        {"query": q[:, :, 299:300]}, {"chunk_pending": True, "q_pos": 299, "scale": SCALE}
-    )
-    for x in (c, d):
-        x.update_and_fetch(k[:, :, 300:], v[:, :, 300:])
+    ev.feed_attending(c, k, v, q, chunk=150, stop=300)  # the second cut pending
+    meta = {"chunk_pending": True, "q_pos": 299, "scale": SCALE}
+    d = ev.assert_state_format(c, {"query": q[:, :, 299:300]}, meta, k[:, :, 300:], v[:, :, 300:])
     assert kept(c) == kept(d) and d.size() == 33
     p = TOVAPolicy(budget=32)
     assert p.meta() == {"chunk_pending": False, "q_pos": -1, "scale": None}

@@ -10,15 +10,16 @@ from velox_core import load_cache, make, make_cache, routed, save_cache
 from velox_core.ops import unpack
 from velox_testing import (
     CacheConformance,
+    assert_batch_generate_refused,
     assert_cpu_declines,
     assert_kernel_partial,
     assert_linked_copies,
+    assert_rows_decode_alone,
     conformance_model,
     emulated_gpu_fixture,
     kv_data,
     needs_gxx,
     rel_error,
-    tiny_tokenizer,
 )
 from velox_xquant import XQuantCache, XQuantCodes, XQuantPair, default_eta
 from velox_xquant import codec as xcodec
@@ -57,22 +58,12 @@ class TestXQuantAlone(CacheConformance):
         cannot keep a pair's shared codes: a pair refuses it up front, naming what to do (a
         batch prefilled together works: test_a_batch_prefilled_together_equals_each_row_alone;
         without pairs the suite's check runs: TestXQuantUnpaired)."""
-        from mlx_lm.generate import batch_generate
-
         model = conformance_model()
         caches = make_cache(model, self.make())
         assert caches[0].group is caches[1].group is not None
         with pytest.raises(ValueError, match="layer pair"):
             caches[1].merge([caches[1]])
-        prompts = [[5, 6, 7, 8], [9, 10, 11]]
-        with routed(model), pytest.raises(ValueError, match="share_from=None"):
-            batch_generate(
-                model,
-                tiny_tokenizer(),
-                prompts,
-                max_tokens=2,
-                prompt_caches=[make_cache(model, self.make()) for _ in prompts],
-            )
+        assert_batch_generate_refused(model, self.make, "share_from=None")
 
 
 class TestXQuantUnpaired(CacheConformance):
@@ -340,15 +331,7 @@ def test_the_pairs_decode_as_in_a_model_routed_or_not():
 def test_a_batch_prefilled_together_equals_each_row_alone():
     model = _model(2)
     prompt = mx.random.randint(0, 512, (2, 200), key=mx.random.key(3))
-    with routed(model):
-        caches = make_cache(model, "xquant:bits=2,window=16")
-        model(prompt, cache=caches)
-        both = model(mx.array([[4], [9]]), cache=caches)[:, -1]
-        for i, tok in enumerate((4, 9)):
-            one = make_cache(model, "xquant:bits=2,window=16")
-            model(prompt[i : i + 1], cache=one)
-            row = model(mx.array([[tok]]), cache=one)[:, -1]
-            assert rel_error(both[i : i + 1], row) < 1e-3
+    assert_rows_decode_alone(model, "xquant:bits=2,window=16", prompt)
 
 
 def test_trim_both_layers_into_the_codes_then_continue():

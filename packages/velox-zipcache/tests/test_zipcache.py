@@ -7,9 +7,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import velox_testing.eviction as ev
 import velox_zipcache.cache as zipcache_cache
 from velox_core import Uniform, load_cache, make, routed, save_cache
-from velox_testing import CacheConformance, Routed, kv_data, rel_error
+from velox_testing import CacheConformance, kv_data, rel_error
 from velox_zipcache import (
     MixedChannel,
     MixedSeparable,
@@ -56,7 +57,7 @@ class TestZipCache(CacheConformance):
     )
 
 
-class TestZipCacheRouted(Routed, CacheConformance):
+class TestZipCacheRouted(ev.Routed, CacheConformance):
     """Small blocks, a window and sinks, every test routed: the model-level tests (RoPE,
     generate, ragged batch_generate) code blocks whose saliency their queries give."""
 

@@ -56,6 +56,7 @@ class _KVarN(Codec):
     """
 
     side: str = ""
+    per_tile: frozenset[str] = frozenset()  # the stored scales kept per tile, not per token
     settings = ("bits", "group", "iters", "seed")
     compressed_scores = True
     compressed_mix = True
@@ -112,6 +113,22 @@ class _KVarN(Codec):
         codes = mx.clip(mx.round((bal - lo) / step), 0, qmax).astype(mx.uint8)
         return codes, log_tok, log_chan, step, lo
 
+    def encode(self, x: mx.array, positions: mx.array | None = None) -> Packed:
+        b, h, t, d = x.shape
+        codes, log_tok, log_chan, step, lo = self._tiles(x)
+        scales = self._scales(mx.exp(log_tok), mx.exp(log_chan), step, lo)
+        sdt = scale_dtype(x.dtype)
+        data = {"codes": pack(codes.reshape(b, h, t, d), self.bits)}
+        data.update((name, a.astype(sdt)) for name, a in scales.items())
+        return Packed(data, t, self.group, self.per_tile)
+
+    def _scales(self, tok, chan, step, lo) -> dict[str, mx.array]:
+        """The side's stored scales by name, float32, from the token scales ``tok`` ``(B, H, P,
+        G, 1)``, the channel scales ``chan`` ``(B, H, P, 1, D)`` and :meth:`_tiles`' rounding
+        step and minimum: per token ``(B, H, T, 1)``, or per tile ``(B, H, P, D)`` for those
+        named in :attr:`per_tile`."""
+        raise NotImplementedError
+
     def _codes(self, packed: Packed, dim: int) -> mx.array:
         """The codes as float32 tiles ``(B, H, P, G, D)``."""
         c = unpack(packed.data["codes"], self.bits, dim).astype(mx.float32)
@@ -151,18 +168,11 @@ class KVarNKeys(_KVarN):
 
     name = "kvarn-key"
     side = "key"
+    per_tile = frozenset({"scale", "zero"})
 
-    def encode(self, x: mx.array, positions: mx.array | None = None) -> Packed:
-        b, h, t, d = x.shape
-        codes, log_tok, log_chan, step, lo = self._tiles(x)
-        sdt, chan = scale_dtype(x.dtype), mx.exp(log_chan)
-        data = {
-            "codes": pack(codes.reshape(b, h, t, d), self.bits),
-            "tok": mx.exp(log_tok).reshape(b, h, t, 1).astype(sdt),
-            "scale": (chan * step).squeeze(-2).astype(sdt),
-            "zero": (chan * lo).squeeze(-2).astype(sdt),
-        }
-        return Packed(data, t, self.group, frozenset({"scale", "zero"}))
+    def _scales(self, tok, chan, step, lo) -> dict[str, mx.array]:
+        tok = tok.reshape(*tok.shape[:2], -1, 1)
+        return {"tok": tok, "scale": (chan * step).squeeze(-2), "zero": (chan * lo).squeeze(-2)}
 
     def rotated(self, packed: Packed) -> mx.array:
         p = packed.data
@@ -202,18 +212,11 @@ class KVarNValues(_KVarN):
 
     name = "kvarn-value"
     side = "value"
+    per_tile = frozenset({"chan"})
 
-    def encode(self, x: mx.array, positions: mx.array | None = None) -> Packed:
-        b, h, t, d = x.shape
-        codes, log_tok, log_chan, step, lo = self._tiles(x)
-        sdt, tok = scale_dtype(x.dtype), mx.exp(log_tok)
-        data = {
-            "codes": pack(codes.reshape(b, h, t, d), self.bits),
-            "scale": (tok * step).reshape(b, h, t, 1).astype(sdt),
-            "zero": (tok * lo).reshape(b, h, t, 1).astype(sdt),
-            "chan": mx.exp(log_chan).squeeze(-2).astype(sdt),
-        }
-        return Packed(data, t, self.group, frozenset({"chan"}))
+    def _scales(self, tok, chan, step, lo) -> dict[str, mx.array]:
+        scale, zero = ((tok * a).reshape(*tok.shape[:2], -1, 1) for a in (step, lo))
+        return {"scale": scale, "zero": zero, "chan": chan.squeeze(-2)}
 
     def rotated(self, packed: Packed) -> mx.array:
         d = packed.data["chan"].shape[-1]

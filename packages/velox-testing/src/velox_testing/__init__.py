@@ -21,6 +21,7 @@ from .kernel_path import (
 from .kv import (
     assert_partials_close,
     assert_partials_equivalent,
+    assert_rows_decode_alone,
     decode_logits,
     feed,
     greedy_agreement,
@@ -28,9 +29,13 @@ from .kv import (
     kv_like,
     rel_error,
 )
-from .linked import assert_linked_copies
+from .linked import assert_batch_generate_refused, assert_linked_copies
 from .models import FAMILIES, conformance_model, tiny_model, tiny_tokenizer
-from .refusals import assert_head_dim_refused, assert_tampered_state_refused
+from .refusals import (
+    assert_head_dim_refused,
+    assert_spec_refused,
+    assert_tampered_state_refused,
+)
 from .scratch import scratch_dir
 
 __all__ = [
@@ -39,12 +44,15 @@ __all__ = [
     "EvictingConformance",
     "FullBudgetConformance",
     "Routed",
+    "assert_batch_generate_refused",
     "assert_cpu_declines",
     "assert_head_dim_refused",
     "assert_kernel_partial",
     "assert_linked_copies",
     "assert_partials_close",
     "assert_partials_equivalent",
+    "assert_rows_decode_alone",
+    "assert_spec_refused",
     "assert_tampered_state_refused",
     "attention_errors_vs_mlx_quant",
     "compile_cuda",

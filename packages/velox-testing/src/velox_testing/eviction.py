@@ -1,4 +1,5 @@
-"""The conformance suite's bounds for eviction presets (``budget`` tokens per KV head).
+"""The conformance suite's bounds for eviction presets (``budget`` tokens per KV head), and
+the aids the eviction methods' own tests share.
 
 An eviction method's tests run the suite twice: :class:`FullBudgetConformance` with a budget
 above every length the suite stores (nothing is evicted: attention equals fp16's), and
@@ -6,20 +7,62 @@ above every length the suite stores (nothing is evicted: attention equals fp16's
 memory, no fp16 reference over all tokens). Both also check that the class refuses bad values
 of the settings eviction presets share (:data:`EVICTION_BAD`). Subclasses define ``make``;
 :class:`Routed` runs every test of a class under routed attention, for policies that see
-queries only there.
+queries only there; :class:`DecodeGrowthWarning`, for a policy that evicts at the prompt
+only by default, checks the warning of a cache that grows through decode.
+
+The aids:
+
+- data and feeding: keys, values and queries with attention far from uniform
+  (:func:`attention_data`), a prefill that attends as a routed model does
+  (:func:`feed_attending`), layer 0 of a tiny model (:func:`layer_zero_kv`) and as its
+  policy sees it (:func:`observed_layer_zero`);
+- what a cache holds: :func:`kept_positions` (the body), :func:`stored_positions` (every
+  token);
+- checks: attention reads the kept tokens alone (:func:`assert_attends_to`), a cut no query
+  has voted on needs routing (:func:`assert_cut_needs_routing`), a file keeps the policy
+  (:func:`reloaded`), the policy's state has its saved format (:func:`assert_state_format`),
+  batch rows choose apart (:func:`batch_rows_apart`), sinks and window hold as given
+  (:func:`composed_cache`), and the recommended pair most eviction methods share
+  (:func:`recommended_presets`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import warnings
+from collections.abc import Callable
+from typing import Any, ClassVar
 
+import mlx.core as mx
+import numpy as np
 import pytest
+from mlx_lm.models.cache import KVCache
 
-from velox_core import routed
+from velox_core import Uniform, VeloxCache, load_cache, make, routed, save_cache
+from velox_core.policy import base
 
 from .conformance import CacheConformance
+from .kv import feed, kv_data, rel_error
 
-__all__ = ["EVICTION_BAD", "EvictingConformance", "FullBudgetConformance", "Routed"]
+__all__ = [
+    "EVICTION_BAD",
+    "DecodeGrowthWarning",
+    "EvictingConformance",
+    "FullBudgetConformance",
+    "Routed",
+    "assert_attends_to",
+    "assert_cut_needs_routing",
+    "assert_state_format",
+    "attention_data",
+    "batch_rows_apart",
+    "composed_cache",
+    "feed_attending",
+    "kept_positions",
+    "layer_zero_kv",
+    "observed_layer_zero",
+    "recommended_presets",
+    "reloaded",
+    "stored_positions",
+]
 
 
 # bad values of the settings eviction presets share (velox_core.cache.eviction.EvictionConfig),
@@ -64,3 +107,259 @@ class Routed:
     def _routed(self):
         with routed():
             yield
+
+
+_BUDGET = 128  # DecodeGrowthWarning's budget
+
+
+def _decode_warnings(cache, steps: int) -> list[warnings.WarningMessage]:
+    """UserWarnings of a 40-token prompt (under the budget: nothing to evict) then ``steps``
+    single-token decode updates, routed (per-head budgets need the queries)."""
+    k, v = kv_data(t=40 + steps)
+    base._WARNED.discard(cache.policy.name)
+    with warnings.catch_warnings(record=True) as seen, routed():
+        warnings.simplefilter("always")
+        feed(cache, k, v, (40, *([1] * steps)))
+    return [w for w in seen if issubclass(w.category, UserWarning)]
+
+
+class DecodeGrowthWarning:
+    """Subclass in a test module and set ``cache``: a cache class taking ``budget`` and
+    ``every`` whose defaults (no ``every``) evict at the prompt only. Its cache grows through
+    decode without bound, and warns once per policy class and process when it holds twice its
+    budget (128 tokens here), naming ``every``."""
+
+    cache: ClassVar[type]
+
+    def test_unbounded_decode_warns_once_naming_every(self):
+        c = self.cache(budget=_BUDGET)
+        seen = _decode_warnings(c, 3 * _BUDGET)  # past twice the budget
+        assert c.size() > 2 * _BUDGET  # decode tokens accumulate without every
+        assert len(seen) == 1, [str(w.message) for w in seen]
+        assert "every" in str(seen[0].message) and f"budget={_BUDGET}" in str(seen[0].message)
+        # once per process: a second unbounded cache of the same class stays silent
+        with warnings.catch_warnings(record=True) as again, routed():
+            warnings.simplefilter("always")
+            k, v = kv_data(t=40 + 3 * _BUDGET)
+            feed(self.cache(budget=_BUDGET), k, v, (40, *([1] * 3 * _BUDGET)))
+        assert not [w for w in again if issubclass(w.category, UserWarning)]
+
+    @pytest.mark.parametrize("steps", [0, _BUDGET, 2 * _BUDGET - 41])
+    def test_no_warning_below_twice_the_budget_or_with_every(self, steps):
+        assert _decode_warnings(self.cache(budget=_BUDGET), steps) == []
+        bounded = self.cache(budget=_BUDGET, every=16)
+        assert _decode_warnings(bounded, 3 * _BUDGET) == []
+
+
+def attention_data(
+    t: int, h: int = 2, r: int = 2, seed: int = 0, d: int = 64, sharp: float = 1.0
+) -> tuple[mx.array, mx.array, mx.array]:
+    """Random float32 keys, values ``(1, h, t, d)`` and queries ``(1, h * r, t, d)`` with a
+    shared direction, so that attention is far from uniform (some tokens collect much more
+    attention than others; flatter for ``sharp`` below 1: the queries scaled down)."""
+    rng = np.random.default_rng(seed)
+    u = rng.normal(size=d)
+    k = rng.normal(size=(1, h, t, d)) + 0.5 * rng.normal(size=(1, h, t, 1)) * u
+    q = (rng.normal(size=(1, h * r, t, d)) + 2.0 * u) * sharp
+    v = rng.normal(size=(1, h, t, d))
+    return tuple(mx.array(a.astype(np.float32)) for a in (k, v, q))
+
+
+def feed_attending(
+    cache, k, v, q, chunk: int, stop: int | None = None, scale: float | None = None
+) -> list[int]:
+    """Prefill in chunks as a routed model does: store each chunk of ``chunk`` tokens, then
+    attend with its queries (causal; ``scale`` defaults to ``D ** -0.5``); the first ``stop``
+    tokens only, if given. Returns the cache's size after each chunk.
+
+    Shapes:
+        k, v ``(B, H, T, D)``, q ``(B, Hq, T, D)``.
+    """
+    if stop is not None:
+        k, v, q = k[:, :, :stop], v[:, :, :stop], q[:, :, :stop]
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    sizes = []
+    for s in range(0, k.shape[2], chunk):
+        cache.update_and_fetch(k[:, :, s : s + chunk], v[:, :, s : s + chunk])
+        cache.attend(q[:, :, s : s + chunk], scale, mask="causal")
+        sizes.append(cache.size())
+    return sizes
+
+
+def kept_positions(cache, head: int = 0, below: int | None = None) -> set[int]:
+    """Absolute positions of the body tokens (those the policy chose) of KV head ``head``,
+    row 0 (below ``below`` if given)."""
+    pos = np.array(cache.body_positions()[head][0]).tolist()
+    return {p for p in pos if below is None or p < below}
+
+
+def stored_positions(cache, head: int = 0) -> set[int]:
+    """Absolute positions of every token the cache stores for KV head ``head``, row 0: its
+    sinks, its body and its window."""
+    body = cache.body_positions()[head]
+    n_win = cache.size() - cache.sink_count() - (0 if body is None else body.shape[1])
+    out = set(range(cache.sink_count())) | set(range(cache.offset - n_win, cache.offset))
+    return out | (set() if body is None else set(np.array(body[0]).tolist()))
+
+
+def assert_cut_needs_routing(make: Callable[[], Any], t: int = 300, d: int = 64):
+    """A cache whose policy votes with queries refuses a cut no query has reached unless
+    attention is routed: ``t - 1`` tokens in one chunk, then one more (the cut runs before
+    it) raises a ``ValueError`` naming ``routed``; the same inside ``velox_core.routed()``
+    cuts, on a second cache from ``make``.
+
+    Returns:
+        ``(cache, k, v)``: the routed cache after both updates and the tokens it was fed
+        (``kv_data(t=t, d=d)``), for the method's check of what the cut kept.
+    """
+    k, v = kv_data(t=t, d=d)
+    c = make()
+    c.update_and_fetch(k[:, :, : t - 1], v[:, :, : t - 1])
+    with pytest.raises(ValueError, match="routed"):
+        c.update_and_fetch(k[:, :, t - 1 :], v[:, :, t - 1 :])
+    c = make()
+    with routed():
+        c.update_and_fetch(k[:, :, : t - 1], v[:, :, : t - 1])
+        c.update_and_fetch(k[:, :, t - 1 :], v[:, :, t - 1 :])
+    return c, k, v
+
+
+def observed_layer_zero(model, caches: list, prompt: mx.array, steps, chunk: int, size: int):
+    """Run ``model`` routed over ``caches``: ``prompt`` ``(1, T)`` in chunks of ``chunk``
+    tokens, then one decode step per token of ``steps``, asserting after each step that every
+    cache holds ``size`` tokens; record the queries layer 0's policy observes.
+
+    At layer 0 the keys and queries do not depend on the cache, so a transcription of the
+    method fed these can be compared with what layer 0 of ``caches`` keeps.
+
+    Returns:
+        ``(k0, v0, q0)``: layer 0's keys and values of every token (from an fp16 cache of
+        the same model; float32 numpy ``(1, H, T + len(steps), D)``) and the queries its
+        policy observed, in order (``(1, Hq, T + len(steps), D)``).
+    """
+    seen = []
+    observe = caches[0].policy.observe
+
+    def record(cache, queries, scale):
+        seen.append(np.array(queries[0].astype(mx.float32)))
+        observe(cache, queries, scale)
+
+    caches[0].policy.observe = record
+    with routed(model):
+        for s in range(0, prompt.shape[1], chunk):
+            model(prompt[:, s : s + chunk], cache=caches)
+        for t in steps:
+            model(mx.array([[t]]), cache=caches)
+            assert all(c.size() == size for c in caches)
+    k0, v0 = layer_zero_kv(model, mx.concatenate([prompt, mx.array([list(steps)])], axis=1))
+    return k0[None], v0[None], np.concatenate(seen, axis=1)[None]
+
+
+def layer_zero_kv(model, tokens: mx.array) -> tuple[np.ndarray, np.ndarray]:
+    """Layer 0's keys and values of ``tokens`` ``(1, T)`` through ``model`` with mlx-lm's own
+    cache (at layer 0 they do not depend on the cache): float32 numpy ``(H, T, D)`` each."""
+    full = [KVCache() for _ in model.layers]
+    model(tokens, cache=full)
+    t = tokens.shape[1]
+    k0, v0 = (np.array(a[0, :, :t].astype(mx.float32)) for a in full[0].state[:2])
+    return k0, v0
+
+
+def assert_attends_to(cache, q, k, v, positions: Callable[[int], set[int]], scale: float):
+    """``cache.attend(q)`` equals fp16 attention over exactly the tokens ``positions(h)`` of
+    ``k, v`` for each KV head ``h`` (its query heads ``h * r ... (h + 1) * r - 1``), to 1e-4.
+
+    Shapes:
+        q ``(B, Hq, L, D)``, k, v ``(B, H, T, D)`` every token the cache was fed.
+    """
+    out = cache.attend(q, scale)
+    n = k.shape[1]
+    r = q.shape[1] // n
+    for h in range(n):
+        pos = mx.array(sorted(positions(h)))
+        ref = mx.fast.scaled_dot_product_attention(
+            q[:, h * r : (h + 1) * r], k[:, h : h + 1, pos], v[:, h : h + 1, pos], scale=scale
+        )
+        assert rel_error(out[:, h * r : (h + 1) * r], ref) < 1e-4, h
+
+
+def reloaded(cache, path):
+    """``cache`` saved to the file ``path`` and loaded back; the loaded cache's policy is of
+    the same class with the same settings. Returns the loaded cache."""
+    save_cache(path, [cache])
+    (loaded,) = load_cache(path)
+    assert type(loaded.policy) is type(cache.policy)
+    assert loaded.policy.config() == cache.policy.config()
+    return loaded
+
+
+def batch_rows_apart(make, rows, chunk: int, positions=kept_positions):
+    """Two rows chose their tokens apart: a batch of ``rows`` (two ``(k, v, q)``, each
+    ``(1, H, T + 1, D)``) prefilled together (``T`` tokens, attending in chunks of ``chunk``),
+    its row 1 extracted, and row 1 prefilled alone in a cache of its own; each then stores
+    token ``T`` (the cut runs). Row 1 of the batch, the extracted row and the row alone keep
+    the same tokens (``positions`` of the cache, head 0), and row 0 keeps others.
+
+    Returns:
+        ``(batch, extracted, alone)``.
+    """
+    k, v, q = (mx.concatenate(p, axis=0) for p in zip(*rows))
+    t = k.shape[2] - 1
+    batch = make()
+    feed_attending(batch, k, v, q, chunk, stop=t)
+    one = batch.extract(1)
+    alone = make()
+    k1, v1, q1 = rows[1]
+    feed_attending(alone, k1, v1, q1, chunk, stop=t)
+    batch.update_and_fetch(k[:, :, t:], v[:, :, t:])
+    for x in (one, alone):
+        x.update_and_fetch(k1[:, :, t:], v1[:, :, t:])
+    pos = np.array(mx.stack(batch.body_positions(), axis=1))
+    assert set(pos[1, 0].tolist()) == positions(one) == positions(alone)
+    assert positions(alone) != set(pos[0, 0].tolist())
+    return batch, one, alone
+
+
+def recommended_presets(method) -> tuple[VeloxCache, VeloxCache]:
+    """An eviction method's recommended settings are the pair most eviction packages share
+    (a budget of 1,024 tokens, in fp16 and with 4-bit codes in groups of 32): checked, and
+    both made by name, the second's keys and values coded at 4 bits. Returns the caches
+    ``(fp16, four)``, for the method's own checks."""
+    assert method.recommended == ({"budget": 1024}, {"budget": 1024, "bits": 4, "group": 32})
+    fp16, four = (make(method.name, **s) for s in method.recommended)
+    assert four.tiers[0].key_codec.bits == four.tiers[0].value_codec.bits == 4
+    return fp16, four
+
+
+def composed_cache(policy, k, v, q) -> VeloxCache:
+    """``policy`` composed by hand in a cache of 8-bit codes with 4 sinks and a window of 8:
+    the first 300 tokens of ``k, v, q`` attended in chunks of 128, then token 300 stored (the
+    cut runs). The sinks and the window hold their tokens exactly as given (checked); returns
+    the cache, for the method's check of its body.
+
+    Shapes:
+        k, v ``(1, H, 301, D)``, q ``(1, Hq, 301, D)``.
+    """
+    c = VeloxCache(Uniform(8), Uniform(8), sinks=4, window=8, policy=policy)
+    feed_attending(c, k, v, q, chunk=128, stop=300)
+    c.update_and_fetch(k[:, :, 300:], v[:, :, 300:])
+    kk, _ = c.keys_and_values()
+    assert mx.array_equal(kk[:, :, :4], k[:, :, :4])
+    assert mx.array_equal(kk[:, :, -8:], k[:, :, 293:301])
+    return c
+
+
+def assert_state_format(cache, state: dict, meta: dict, k, v):
+    """``cache``'s policy holds its state in the saved format ``state`` (arrays by name) and
+    ``meta``: its arrays have those names and its meta is ``meta``; a copy of the cache given
+    ``state`` and ``meta`` by hand then stores ``k, v`` (the cut runs) beside the cache.
+
+    Returns:
+        The copy, for the method's check that it kept what the cache kept.
+    """
+    assert set(cache.policy.state()) == set(state)
+    assert cache.policy.meta() == meta
+    d = cache.copy()
+    d.policy.set_state(state, meta)
+    feed([cache, d], k, v, k.shape[2])
+    return d

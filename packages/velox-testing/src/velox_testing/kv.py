@@ -16,6 +16,7 @@ from velox_core import make_cache, routed
 __all__ = [
     "assert_partials_close",
     "assert_partials_equivalent",
+    "assert_rows_decode_alone",
     "decode_logits",
     "feed",
     "greedy_agreement",
@@ -147,3 +148,18 @@ def feed(caches, k: mx.array, v: mx.array, chunks: int | Sequence[int] = (100, 1
             c.update_and_fetch(k[:, :, start : start + n], v[:, :, start : start + n])
         start, i = start + n, i + 1
     return caches
+
+
+def assert_rows_decode_alone(model, spec, prompt: mx.array, tokens=(4, 9)) -> None:
+    """A batch prefilled together decodes each row as that row alone: ``model`` (routed) with
+    ``spec`` caches takes ``prompt`` ``(2, T)`` in one call and one decode step of ``tokens``
+    (one per row); each row's logits are within 1e-3 of its own single-row run's."""
+    with routed(model):
+        caches = make_cache(model, spec)
+        model(prompt, cache=caches)
+        both = model(mx.array([[t] for t in tokens]), cache=caches)[:, -1]
+        for i, tok in enumerate(tokens):
+            one = make_cache(model, spec)
+            model(prompt[i : i + 1], cache=one)
+            row = model(mx.array([[tok]]), cache=one)[:, -1]
+            assert rel_error(both[i : i + 1], row) < 1e-3, i

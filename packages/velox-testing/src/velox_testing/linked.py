@@ -5,12 +5,31 @@ from __future__ import annotations
 import copy
 
 import mlx.core as mx
+import pytest
 
-from velox_core import load_cache, routed, save_cache
+from velox_core import load_cache, make_cache, routed, save_cache
 
 from .kv import decode_logits, rel_error
+from .models import tiny_tokenizer
 
-__all__ = ["assert_linked_copies"]
+__all__ = ["assert_batch_generate_refused", "assert_linked_copies"]
+
+
+def assert_batch_generate_refused(model, make, match: str) -> None:
+    """mlx-lm's ``batch_generate`` over separately made linked caches (``make_cache(model,
+    make())`` per prompt, routed) is refused with a ``ValueError`` matching ``match``: it
+    merges each layer's caches alone, which cannot keep a group's shared state."""
+    from mlx_lm.generate import batch_generate
+
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    with routed(model), pytest.raises(ValueError, match=match):
+        batch_generate(
+            model,
+            tiny_tokenizer(),
+            prompts,
+            max_tokens=2,
+            prompt_caches=[make_cache(model, make()) for _ in prompts],
+        )
 
 
 def assert_linked_copies(model, caches: list, path, shared: str) -> tuple[list, list]:

@@ -11,7 +11,7 @@ from velox_core import make_cache
 
 from .models import conformance_model
 
-__all__ = ["assert_head_dim_refused", "assert_tampered_state_refused"]
+__all__ = ["assert_head_dim_refused", "assert_spec_refused", "assert_tampered_state_refused"]
 
 
 def assert_head_dim_refused(method: str, why: str, fits: str, head_dim: int = 80) -> None:
@@ -31,6 +31,14 @@ def assert_head_dim_refused(method: str, why: str, fits: str, head_dim: int = 80
         make_cache(model, method)
     assert "uniform:" not in str(err.value)  # not the codec's words
     assert all(c.method == method for c in make_cache(model, fits))
+
+
+def assert_spec_refused(spec: str, match: str, head_dim: int = 128) -> None:
+    """``make_cache`` refuses ``spec`` for the conformance model (head dim ``head_dim``) with
+    a ``ValueError`` whose message matches ``match`` (a regex)."""
+    model = conformance_model(head_dim)
+    with pytest.raises(ValueError, match=match):
+        make_cache(model, spec)
 
 
 def assert_tampered_state_refused(cache, name: str, match: str) -> None:

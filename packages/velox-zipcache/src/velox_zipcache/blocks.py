@@ -170,6 +170,17 @@ class MixedBlocks(Codec):
             start += n
         return out
 
+    def _coded_groups(self, pages: mx.array, axis: int, sdt: mx.Dtype) -> dict[str, mx.array]:
+        """Each group of :meth:`_split` coded at its width: its packed codes (by the group's
+        name) and its ``_scale`` and ``_zero``, taken over ``axis`` (3: per channel over the
+        group's tokens; 4: per token over its channels) and stored in ``sdt``."""
+        out = {}
+        for name, bits, x in self._split(pages):
+            codes, scale, zero = affine(x, bits, axis, sdt)
+            out[name] = pack(codes, bits)
+            out[f"{name}_scale"], out[f"{name}_zero"] = scale.squeeze(axis), zero.squeeze(axis)
+        return out
+
     def salient_mask(self, packed: Packed) -> mx.array:
         """Which tokens of a record are salient.
 

@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from velox_core.ops import pack, unpack
+from velox_core.ops import unpack
 
-from .blocks import MixedBlocks, affine, codes_matmul
+from .blocks import MixedBlocks, codes_matmul
 
 __all__ = ["MixedChannel", "MixedSeparable"]
 
@@ -49,12 +49,7 @@ class MixedChannel(MixedBlocks):
     name = "zipcache-channel"
 
     def _code(self, pages: mx.array, sdt: mx.Dtype) -> dict[str, mx.array]:
-        out = {}
-        for name, bits, x in self._split(pages):
-            codes, scale, zero = affine(x, bits, 3, sdt)
-            out[name] = pack(codes, bits)
-            out[f"{name}_scale"], out[f"{name}_zero"] = scale.squeeze(3), zero.squeeze(3)
-        return out
+        return self._coded_groups(pages, 3, sdt)
 
     def _values(self, p: dict[str, mx.array], part: str, bits: int, n: int) -> mx.array:
         s, z = self._params(p, part)
@@ -94,12 +89,7 @@ class MixedSeparable(MixedBlocks):
         chan = mx.sqrt(mx.max(mx.abs(pages), axis=3, keepdims=True)).astype(sdt)
         c = chan.astype(mx.float32)
         x = mx.where(c > 0, pages / mx.maximum(c, 1e-30), 0.0)  # a zero channel stays zero
-        out = {"chan": chan.squeeze(3)}
-        for name, bits, part in self._split(x):
-            codes, scale, zero = affine(part, bits, 4, sdt)
-            out[name] = pack(codes, bits)
-            out[f"{name}_scale"], out[f"{name}_zero"] = scale.squeeze(4), zero.squeeze(4)
-        return out
+        return {"chan": chan.squeeze(3), **self._coded_groups(x, 4, sdt)}
 
     def _values(self, p: dict[str, mx.array], part: str, bits: int, n: int) -> mx.array:
         s = p[f"{part}_scale"].astype(mx.float32)[..., None]
