@@ -232,6 +232,7 @@ def make_methods(
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
     from velox_core import Uniform
+    from velox_core.cache.attention import Segment, joint_attention
     from velox_turboquant import TurboQuant
 
     hq, hk, d = 32, 8, 128
@@ -251,7 +252,7 @@ def make_methods(
 
         def call():
             qg = q.reshape(b, hk, hq // hk, d)
-            out = kc.attend_joint(qg, kp, vc, vp, [], q.dtype, scale)
+            out = joint_attention(qg, [Segment(kc, kp, vc, vp)], q.dtype, scale)
             if out is None:
                 raise RuntimeError("kernel declined")
             return out.reshape(b, hq, 1, d)
@@ -357,8 +358,8 @@ def make_methods(
             methods.append((f"velox turboquant{bits} general levels", bits, general, nb))
     if qjl:
         from velox_core import Uniform
+        from velox_core.cache.attention import kernel_sides
         from velox_qjl import QJL
-        from velox_qjl.kernels import kernel_sides
 
         for label, kw in (("qjl m256", {}), ("qjl m320", QJL_4BIT)):
             kc, vc = QJL(**kw), Uniform(2, 32)
@@ -367,7 +368,9 @@ def make_methods(
             kp, vp = kc.encode(k[:, :, :tq]), vc.encode(v[:, :, :tq])  # (QJL: in chunks)
             mx.eval(kp.data, vp.data)
 
-            kernel_sides(kc, kp, vc, vp, hq // hk)  # makes the copy of S (counted in nb)
+            kernel_sides(
+                kc, kp, vc, vp, (b, hk, hq // hk, d)
+            )  # makes the copy of S (counted in nb)
             nb = kp.nbytes + vp.nbytes + qbytes + kc.state_nbytes
             methods.append((f"velox {label}", 2, joint_call(kc, kp, vc, vp), nb))
             # the portable kernel, which the tensor-core one replaced

@@ -343,10 +343,11 @@ def outlier_variants(src: str) -> dict[str, str]:
 
 
 def section_outlier(b: int, t: int, bits: float, rows: list) -> None:
-    """Device time of a fractional TurboQuant decode (``attend_joint``: the outlier kernel
+    """Device time of a fractional TurboQuant decode (``joint_attention``: the outlier kernel
     and the merge) as shipped and with its scoring or value loop removed: what the loops
     cost, and what the rest (staging, the query's placement and butterflies, the softmax,
     the values' butterflies and gather, the barriers) does."""
+    from velox_core.cache.attention import Segment, joint_attention
     from velox_turboquant import TurboQuant
     from velox_turboquant import outlier as ok
 
@@ -366,7 +367,9 @@ def section_outlier(b: int, t: int, bits: float, rows: list) -> None:
             ok.OUTLIER = dataclasses.replace(
                 shipped, name=f"{shipped.name}_{name.replace('-', '_')}", source="variant:" + name
             )
-            us = device_time(lambda: kc.attend_joint(q, kp, vc, vp, [], mx.float16, d**-0.5))[0]
+            us = device_time(
+                lambda: joint_attention(q, [Segment(kc, kp, vc, vp)], mx.float16, d**-0.5)
+            )[0]
             rows.append(
                 dict(section="outlier", batch=b, context=t, bits=bits, what=name, device_us=us)
             )

@@ -10,7 +10,7 @@ layers are), for:
 * ``custom small`` / ``custom large``: a trivial custom kernel (one thread writes one value)
   whose source is a few lines, and the same kernel with the velox tensor-core decode
   kernel's length of comment appended (MLX hashes the full source on every evaluation);
-* ``velox decode``, ``velox decode + merge``, ``velox attend_joint``: the velox 4-bit decode
+* ``velox decode``, ``velox decode + merge``, ``velox joint_attention``: the velox 4-bit decode
   kernel alone, with its split merge kernel, and the whole call a cache's ``attend`` runs
   (its splits merged in the decode kernel, and with ``VELOX_DECODE_FUSE=0`` by the separate
   merge kernel) at batch 1, 8 KV heads, 32 query heads, head dim 128, 4,096 tokens (a few
@@ -51,6 +51,7 @@ def measure(fn, calls: int, reps: int) -> tuple[float, float]:
 
 def cases(tokens: int):
     from velox_core import Uniform
+    from velox_core.cache.attention import Segment, joint_attention
     from velox_core.kernels import merge as kmerge
     from velox_core.kernels import mma as kmma
     from velox_core.kernels.build import KernelSpec
@@ -92,7 +93,7 @@ def cases(tokens: int):
     kp, vp = codec.encode(k), codec.encode(v)
     mx.eval(k, v, q, kp.data, vp.data)
     qg = q.reshape(b, hk, hq // hk, d)
-    ks, vs = codec._kernel_sides(kp, codec, vp)
+    ks, vs = codec.kernel_codes(kp), codec.kernel_codes(vp)
     k_new = mx.random.normal((b, hk, 1, d), key=k1).astype(mx.float16)
     mx.eval(k_new)
 
@@ -104,7 +105,7 @@ def cases(tokens: int):
         return kmerge.merge_splits_fp16(o_part, ml_part, qk, [], mx.float16, scale)[0]
 
     def attend_joint():
-        return codec.attend_joint(qg, kp, codec, vp, [], mx.float16, scale)
+        return joint_attention(qg, [Segment(codec, kp, codec, vp)], mx.float16, scale)
 
     def attend_joint_unfused():
         os.environ["VELOX_DECODE_FUSE"] = "0"
@@ -120,8 +121,8 @@ def cases(tokens: int):
         ("fp16 sdpa", lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)),
         ("velox decode", decode_only),
         ("velox decode + merge", decode_merge),
-        ("velox attend_joint (splits merged in the kernel)", attend_joint),
-        ("velox attend_joint (separate merge kernel)", attend_joint_unfused),
+        ("velox joint_attention (splits merged in the kernel)", attend_joint),
+        ("velox joint_attention (separate merge kernel)", attend_joint_unfused),
         ("velox encode k", lambda: codec.encode(k_new).data["codes"]),
         (
             "velox encode k+v",

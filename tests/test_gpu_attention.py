@@ -37,6 +37,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from velox_core.cache.attention import Segment, fused_partial
 from velox_core.kernels import backend, use_kernels
 from velox_core.kernels.config import configured
 
@@ -114,20 +115,18 @@ def mma_plan(codec_k, kp, codec_v, vp, q) -> dict | None:
     go through that kernel (CUDA; affine 2/4/8 bits, or TurboQuant_mse's 2/4-bit codebook
     codes...)."""
     from velox_core import Uniform
+    from velox_core.cache.attention import kernel_sides
     from velox_core.kernels import mma as kmma
     from velox_core.kernels import mma_support as kmsup
     from velox_turboquant import TurboQuant
-    from velox_turboquant.kernels import _kernel_sides as tq_sides
 
     if backend() != "cuda" or not kmsup.mma_enabled():
         return None
-    if isinstance(codec_k, Uniform):
-        sides = codec_k._kernel_sides(kp, codec_v, vp)
-    elif isinstance(codec_k, TurboQuant):
-        sides = tq_sides(codec_k, q, kp, codec_v, vp)
-        sides = None if sides is None else sides[2:]
-    else:
+    if not isinstance(codec_k, (Uniform, TurboQuant)):
         return None
+    with kernels(True):
+        got = kernel_sides(codec_k, kp, codec_v, vp, q.shape)
+    sides = None if got is None else (got[0].record, (got[0].values or got[1]).record)
     dim = q.shape[-1]
     if sides is None or not kmsup.mma_supported(q.shape[2], dim, *sides):
         return None
@@ -138,14 +137,14 @@ def mma_plan(codec_k, kp, codec_v, vp, q) -> dict | None:
 def sketch_mma_taken(codec_k, kp, codec_v, vp, q) -> bool:
     """Whether QJL keys go through the tensor-core sketch kernel for this decode
     (``velox_qjl.sketch_mma``)."""
+    from velox_core.cache.attention import kernel_sides
     from velox_qjl import QJL
-    from velox_qjl.kernels import kernel_sides
 
     if not isinstance(codec_k, QJL):
         return False
     with kernels(True):
-        sides = kernel_sides(codec_k, kp, codec_v, vp, q.shape[2])
-    return sides is not None and sides[0].sketch.mma
+        sides = kernel_sides(codec_k, kp, codec_v, vp, q.shape)
+    return sides is not None and sides[0].record.sketch.mma
 
 
 @contextlib.contextmanager
@@ -202,9 +201,9 @@ def decode_check(keys, values, b, h, t, m, dtype=mx.float16, seed=0, tol=1e-3):
         mx.eval(kp.data, vp.data)
     with kernels(True):
         plan = mma_plan(codec_k, kp, codec_v, vp, q)
-        got = codec_k.attend_partial(q, kp, codec_v, vp)
+        got = fused_partial(q, Segment(codec_k, kp, codec_v, vp))
     if got is None:
-        return False, {"error": "kernel declined (attend_partial returned None)"}
+        return False, {"error": "kernel declined (no kernel sides: the reference path)"}
     mx.eval(got)
     mma = plan is not None
     rounded = (mma and not plan["KFOLD"], mma and not plan["VFOLD"])

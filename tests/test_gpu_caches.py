@@ -148,23 +148,24 @@ def test_rabitq_decode_takes_the_kernel_path_and_matches_the_reference(name, dty
     reference (the codec's score estimator, kernels off). The keys share an offset, so the
     centroid term counts. The kernel's scale and zero are rounded to the record's dtype, which
     the reference does not do: hence the looser bound than the other caches'."""
-    from velox_rabitq import RaBitQ
 
     dt = getattr(mx, dtype)
     k, v = _data(5140, dt)  # 140 steps: past a flush of a 128-token centroid block
     k = k + (2.0 * mx.random.normal((1, 8, 1, 128), key=mx.random.key(8))).astype(dt)
-    plans, real = [], RaBitQ.joint_call
+    from velox_core.cache import planned
+
+    plans, real = [], planned.plan_segment
 
     def spy(*args, **kwargs):
         run = real(*args, **kwargs)
         plans.append(run is not None)
         return run
 
-    RaBitQ.joint_call = spy
+    planned.plan_segment = spy
     try:
         worst = _worst_decode_step(RABITQ[name](), k, v, 5000)
     finally:
-        RaBitQ.joint_call = real
+        planned.plan_segment = real
     assert len(plans) >= 2 and all(plans), (name, dtype, plans)  # a plan per flush, all taken
     tol = 5e-3 if dt == mx.float16 else 3e-2
     assert math.isfinite(worst) and worst <= tol, (name, dtype, worst)
@@ -194,9 +195,9 @@ def test_commvq_kernel_and_reference_match_the_cpu(tmp_path, heads, t):
     tokens went wrong on MLX's CUDA backend."""
     pytest.importorskip("velox_commvq")
     from velox_commvq import CommVQKeys
-    from velox_commvq.kernels import kernel_sides, kernel_tables
+    from velox_commvq.kernels import kernel_tables
     from velox_core import Uniform
-    from velox_core.cache.attention import Segment, partial
+    from velox_core.cache.attention import Segment, kernel_sides, partial
     from velox_core.kernels import decode as dk
 
     c = CommVQKeys(bits=2, codebooks=_commvq_codebooks(tmp_path, heads), layer=0, rope_base=1e4)
@@ -209,9 +210,9 @@ def test_commvq_kernel_and_reference_match_the_cpu(tmp_path, heads, t):
     with mx.stream(mx.cpu):
         cpu = partial(q, Segment(c, keys, vc, values))
         mx.eval(cpu)
-    sides = kernel_sides(c, keys, vc, values)
+    sides = kernel_sides(c, keys, vc, values, q.shape)
     assert sides is not None  # the kernel takes CommVQ records by default
-    got = dk.decode_attention(q, *sides, q_sketch=kernel_tables(c, q))
+    got = dk.decode_attention(q, sides[0].record, sides[1].record, q_sketch=kernel_tables(c, q))
     # the GPU reference's float32 matmuls may round as TF32 does: a looser bound than the kernel's
     for name, part, tol in (("kernel", got, 1e-4), ("gpu reference", gpu, 5e-3)):
         for g, r in zip(part, cpu):

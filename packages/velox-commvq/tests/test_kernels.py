@@ -24,10 +24,11 @@ from _commvq_util import BASE, synthetic
 
 import velox_core.kernels as vk
 from velox_commvq import CommVQCache, CommVQKeys
-from velox_commvq.kernels import kernel_keys, kernel_sides, kernel_tables
+from velox_commvq.kernels import kernel_tables, table_codes
 from velox_commvq.layout import TABLE, TableCodes, TableKeys, TableLayout, table_entries
 from velox_core import Packed, Uniform
-from velox_core.cache.attention import Segment, partial
+from velox_core.cache import attention as att
+from velox_core.cache.attention import Segment, fused_partial, joint_attention, partial
 from velox_core.kernels import config as kcfg
 from velox_core.kernels import decode as dk
 from velox_core.kernels import portable as kport
@@ -85,16 +86,28 @@ def queries(b, m, seed=3):
     return mx.random.normal((b, 2, m, 128), key=mx.random.key(seed)) * 0.2
 
 
+def kernel_sides(c, kp, vc, vp, q_shape=(1, 2, 2, 128)):
+    """The records of the segment's kernel sides, or None (the reference path)."""
+    sides = att.kernel_sides(c, kp, vc, vp, q_shape)
+    return None if sides is None else (sides[0].record, sides[1].record)
+
+
+def attend_partial(c, q, kp, vc, vp):
+    return fused_partial(q, Segment(c, kp, vc, vp))
+
+
 def test_the_table_code_path_is_on_by_default_and_can_be_turned_off(monkeypatch):
     kernel_env(monkeypatch, "VELOX_LAYOUTS_OFF", None)
     assert kcfg.kernel_config().layouts_off == frozenset()
     c = codec(bits=2)
     kp, vc, vp = records(c, t=16)
     monkeypatch.setattr(vk, "backend", lambda: "cuda")  # a GPU as far as dispatch can tell
-    assert kernel_sides(c, kp, vc, vp) is not None
+    keys, values = kernel_sides(c, kp, vc, vp)
+    monkeypatch.setattr(dk, "plan_portable", lambda *a: "planned")
+    assert dk.plan_decode((1, 2, 2, 128), mx.float32, keys, values, q_sketch=True) is not None
     kernel_env(monkeypatch, "VELOX_LAYOUTS_OFF", "vq, table")
     assert kcfg.kernel_config().layouts_off == {"vq", "table"}
-    assert kernel_sides(c, kp, vc, vp) is None
+    assert dk.plan_decode((1, 2, 2, 128), mx.float32, keys, values, q_sketch=True) is None
 
 
 @pytest.fixture
@@ -191,7 +204,7 @@ def test_attend_partial_is_none_on_the_cpu():
 def test_kernel_record_is_the_stored_codes(monkeypatch):
     c = codec(bits=2)
     kp, vc, vp = records(c, t=16, starts=(5, 70))
-    keys = kernel_keys(c, kp)
+    keys = table_codes(c, kp)
     assert type(keys) is TableCodes and keys.kind == TABLE
     assert (keys.bits, keys.group) == (4, 4)
     assert keys.codes is kp.data["codes"] and keys.norm is kp.data["norm"] is keys.a
@@ -215,7 +228,7 @@ def test_kernel_record_is_the_stored_codes(monkeypatch):
     assert kernel_sides(c, kp, vc, vp) is not None
     assert kernel_sides(c, kp, Uniform(4, 64, axis="channel"), vp) is None  # per-channel values
     fresh = CommVQKeys(bits=2, codebooks=synthetic("k-unread"), layer=0, rope_base=BASE)
-    assert kernel_keys(fresh, kp) is None  # no codebooks read yet
+    assert fresh.kernel_keys(kp, (1, 2, 2, 128), vc.kernel_codes(vp)) is None  # books unread
     kernel_env(monkeypatch, "VELOX_KERNELS", "0")
     assert kernel_sides(c, kp, vc, vp) is None
 
@@ -232,10 +245,10 @@ def test_plan_declines_what_the_kernel_does_not_lay_out(monkeypatch):
     monkeypatch.setattr(KernelSpec, "kernel", lambda spec: launched.append(spec.name))
     keys, values = kernel_sides(c, kp, vc, vp)
     assert keys.group == 64 and kport.plan_for(2, 128, keys, values) is None
-    assert c.attend_partial(queries(1, 2), kp, vc, vp) is None
-    assert c.joint_call((1, 2, 2, 128), mx.float16, kp, vc, vp, 0, mx.float16, 0.1) is None
+    assert attend_partial(c, queries(1, 2), kp, vc, vp) is None
+    assert joint_attention(queries(1, 2), [Segment(c, kp, vc, vp)], mx.float16, 0.1) is None
     assert not launched
-    assert kport.plan_for(2, 128, kernel_keys(ok, okp), values) is not None  # the default's
+    assert kport.plan_for(2, 128, table_codes(ok, okp), values) is not None  # the default's
 
 
 def test_bad_table_keys_are_refused(monkeypatch):
@@ -279,7 +292,7 @@ def test_emulated_kernel_attention_matches_the_reference(emulated_gpu, layout, b
     kp, vc, vp = records(c, t=300, starts=(POSITIONS["start"], POSITIONS["far"]))
     q = queries(2, 2)
     emulated_gpu.calls.clear()
-    got = c.attend_partial(q, kp, vc, vp)
+    got = attend_partial(c, q, kp, vc, vp)
     assert emulated_gpu.names == ["velox_decode_attention_table", "velox_decode_merge"]
     ref = partial(q, Segment(c, kp, vc, vp))
     assert_partials_close(got, ref, 2e-5)
@@ -305,7 +318,7 @@ def test_emulated_kernel_lane_layouts(emulated_gpu, rows, geometry, bits):
     keys, values = kernel_sides(c, kp, vc, vp)
     p = kport.plan_for(rows, 128, keys, values)
     assert p is not None and p.cpl == {1: 32, 2: 32, 4: 16, 8: 8}[rows]
-    got = c.attend_partial(q, kp, vc, vp)
+    got = attend_partial(c, q, kp, vc, vp)
     assert_partials_close(got, partial(q, Segment(c, kp, vc, vp)), 2e-5)
 
 
@@ -316,7 +329,7 @@ def test_emulated_kernel_reads_strided_records(tmp_path):
     c = codec("traditional", 2)
     kp, vc, vp = records(c, t=333, starts=(7, 40_000), seed=2)
     q = queries(2, 2, seed=9)
-    keys, values = kernel_keys(c, kp), vc.kernel_codes(vp)  # (kernel_sides: None on the CPU)
+    keys, values = table_codes(c, kp), vc.kernel_codes(vp)  # (kernel_sides: None on the CPU)
     emu = Emulator(tmp_path)
     runs = [
         DecodeRun(emu, q, keys, values, splits=s, pad=pad, q_sketch=kernel_tables(c, q))
@@ -335,7 +348,7 @@ def test_emulated_kernel_uses_each_keys_position(emulated_gpu):
     kp, vc, vp = records(c, t=64, starts=(300,))
     moved = Packed({**kp.data, "pos": kp.data["pos"] + 17}, kp.tokens)
     q = queries(1, 2)
-    a, b = c.attend_partial(q, kp, vc, vp), c.attend_partial(q, moved, vc, vp)
+    a, b = attend_partial(c, q, kp, vc, vp), attend_partial(c, q, moved, vc, vp)
     assert np.abs(np.asarray(a[0] - b[0])).max() > 1e-2
     assert_partials_close(b, partial(q, Segment(c, moved, vc, vp)), 2e-5)
 

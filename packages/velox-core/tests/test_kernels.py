@@ -28,7 +28,14 @@ import pytest
 
 import velox_core.kernels as vk
 from velox_core import Identity, Uniform, UniformCache, ops
-from velox_core.cache.attention import Segment, attend, merge_partials, partial
+from velox_core.cache.attention import (
+    Segment,
+    attend,
+    fused_partial,
+    kernel_sides,
+    merge_partials,
+    partial,
+)
 from velox_core.kernels import codes as kcodes
 from velox_core.kernels import config as kcfg
 from velox_core.kernels import decode as dk
@@ -115,7 +122,7 @@ def test_cpu_backend_takes_the_reference():
     vp = {"codes": vals.codes, "scale": vals.scale, "zero": vals.zero}
     from velox_core import Packed
 
-    out = Uniform(4).attend_partial(q, Packed(kp, 16), Uniform(4), Packed(vp, 16))
+    out = fused_partial(q, Segment(Uniform(4), Packed(kp, 16), Uniform(4), Packed(vp, 16)))
     assert out is None
 
 
@@ -128,18 +135,20 @@ def test_velox_kernels_0_forces_the_reference(monkeypatch):
     assert vk.kernels_enabled() and vk.use_kernels()
 
 
-def test_attend_partial_declines_what_the_kernel_does_not_cover(monkeypatch):
-    monkeypatch.setattr(vk, "backend", lambda: "cuda")  # a GPU as far as dispatch can tell
-    called = []
-    monkeypatch.setattr(dk, "decode_attention", lambda *a, **k: called.append(a) or None)
+def test_kernel_sides_decline_what_the_kernel_does_not_cover(monkeypatch):
     q = mx.zeros((1, 1, 4, 128))
     k, v = kv_data(t=64)
     tok = Uniform(4)
     chan = Uniform(4, group=32, axis="channel")
-    kp_c, vp_c = chan.encode(k), chan.encode(v)
-    assert chan.attend_partial(q, kp_c, chan, vp_c) is None  # per-channel value groups
-    assert tok.attend_partial(q, kp_c, Identity(), Identity().encode(v)) is None  # other codec
+    kp_c, vp_c, vp_t = chan.encode(k), chan.encode(v), tok.encode(v)  # on the CPU path
+    monkeypatch.setattr(vk, "backend", lambda: "cuda")  # a GPU as far as dispatch can tell
+    called = []
+    monkeypatch.setattr(dk, "decode_attention", lambda *a, **k: called.append(a) or None)
+    vi = Identity().encode(v)
+    assert fused_partial(q, Segment(chan, kp_c, chan, vp_c)) is None  # per-channel value groups
+    assert fused_partial(q, Segment(tok, kp_c, Identity(), vi)) is None  # values with no side
     assert not called
+    assert kernel_sides(chan, kp_c, tok, vp_t, q.shape) is not None  # KIVI's pair
 
 
 def test_uniform_encode_and_attend_route_to_the_kernels_on_a_gpu(monkeypatch):
@@ -158,7 +167,7 @@ def test_uniform_encode_and_attend_route_to_the_kernels_on_a_gpu(monkeypatch):
         seen["joint"] = (q_shape, fp16_tokens)  # the joint call (sinks and window): declined
         return None
 
-    def spy_decode(qq, keys, values, splits=None, fp16=None, out_dtype=None, scale=None):
+    def spy_decode(qq, keys, values, splits=None, fp16=None, out_dtype=None, scale=None, **kw):
         seen["decode"] = (qq.shape, keys.bits, keys.kind, values.kind, keys.codes.shape)
         kc, vc = Uniform(keys.bits, keys.group), Uniform(values.bits, values.group)
         kp = {"codes": keys.codes, "scale": keys.scale, "zero": keys.zero}

@@ -22,12 +22,13 @@ import pytest
 
 import velox_core.kernels as vk
 from velox_core import Uniform
-from velox_core.cache.attention import Segment, partial
+from velox_core.cache import attention as att
+from velox_core.cache.attention import Segment, fused_partial, partial
 from velox_core.kernels import decode as dk
 from velox_core.kernels.build import ArgInfo, cuda_source
 from velox_qjl import METHOD, QJL, QJLCache
 from velox_qjl import sketch_mma as sm
-from velox_qjl.kernels import _query_sketch, encode_sketch, kernel_sides
+from velox_qjl.kernels import _query_sketch, encode_sketch
 from velox_qjl.layout import sketch_lanes
 from velox_testing import (
     assert_cpu_declines,
@@ -58,6 +59,12 @@ def records(kw, t=256, seed=0, value_bits=2):
 
 
 emulated_gpu = emulated_gpu_fixture()
+
+
+def kernel_sides(kc, kp, vc, vp, rows):
+    """The records of the segment's kernel sides for ``rows`` query rows, or None."""
+    sides = att.kernel_sides(kc, kp, vc, vp, (1, 1, rows, kc.dim or 128))
+    return None if sides is None else (sides[0].record, sides[1].record)
 
 
 def test_attend_partial_is_none_on_the_cpu():
@@ -138,9 +145,9 @@ def test_the_kernel_declines_what_it_does_not_lay_out(monkeypatch):
     monkeypatch.setattr(dk, "decode_attention", lambda *a, **k: called.append(a) or None)
     q = mx.zeros((1, 2, 4, 128))
     assert kernel_sides(kc, kp, vc, vp, 4) is not None  # (the paper's setting is taken)
-    assert kc.attend_partial(q, kp, channel, cp) is None  # per-channel values
+    assert fused_partial(q, Segment(kc, kp, channel, cp)) is None  # per-channel values
     assert kernel_sides(*odd, 4) is None  # no lane count splits 15 outlier bits evenly
-    assert odd[0].attend_partial(q, *odd[1:]) is None
+    assert fused_partial(q, Segment(*odd)) is None
     assert not called
     for codec, sides in ((long[0], long), (k256, (*wide, Uniform(2, 32), wide_v))):
         before = codec.state_nbytes
@@ -319,7 +326,7 @@ def test_emulated_tensor_core_kernel_matches_the_reference(monkeypatch, tmp_path
     q = mx.random.normal((1, 2, rows, 128), key=mx.random.key(3)) * 0.3
     fake = EmulatedKernels(tmp_path, backend="cuda").install(monkeypatch)
     fake.calls.clear()
-    got = kc.attend_partial(q, kp, vc, vp)
+    got = fused_partial(q, Segment(kc, kp, vc, vp))
     assert fake.names == ["velox_decode_sketch_mma", "velox_decode_merge"]
     monkeypatch.setattr(vk, "backend", lambda: "cpu")
     ref = partial(q, Segment(kc, kp, vc, vp))

@@ -21,11 +21,14 @@ import pytest
 
 import velox_core.kernels as vk
 from velox_core import Identity, Packed, Uniform, VeloxBatch
-from velox_core.cache.attention import Segment, partial
+from velox_core.cache import attention as att
+from velox_core.cache.attention import Segment, fused_partial, partial
 from velox_core.kernels import records as krec
 from velox_core.ops import unpack
 from velox_rabitq import RaBitQ, RaBitQCache
 from velox_rabitq import kernels as rk
+from velox_rabitq import layout as rl
+from velox_rabitq.layout import BlockCodes
 from velox_rabitq.quantizer import grid
 from velox_testing import (
     assert_cpu_declines,
@@ -69,6 +72,15 @@ def emu_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("rabitq-emulator")
 
 
+def kernel_sides(kc, kp, vc, vp, rows=4):
+    """The segment's kernel sides for ``rows`` query rows, or None (the reference path)."""
+    return att.kernel_sides(kc, kp, vc, vp, (kp.data["codes"].shape[0], 2, rows, D))
+
+
+def attend_partial(kc, q, kp, vc, vp):
+    return fused_partial(q, Segment(kc, kp, vc, vp))
+
+
 def test_attend_partial_is_none_on_the_cpu():
     assert_cpu_declines(*records(4, 128), q_shape=(2, 2, 4, D))
 
@@ -81,7 +93,7 @@ def test_kernel_keys_are_the_scaled_grid(bits, dtype):
     reference's residual key in the rotated domain, up to the scale's rounding to fp16 (and
     the zero's), for fp16 and bf16 records alike."""
     kc, kp, _, _ = records(bits, 64, b=1, t=128, dtype=dtype)
-    c = rk.kernel_keys(kc, kp)
+    c = rk.affine_codes(kc, kp)
     assert (c.kind, c.bits, c.group) == (krec.AFFINE, bits, D)
     assert c.codes is kp.data["codes"]
     assert c.a.shape == c.b.shape == (1, 2, 128, 1) and c.a.dtype == c.b.dtype == mx.float16
@@ -104,26 +116,27 @@ def test_which_records_take_the_kernel(monkeypatch, emu_dir):
     kc, kp, vc, vp = records(4, 128)
     q = query()
     fake = emulated_or_skip(monkeypatch, emu_dir)
-    assert rk.kernel_sides(kc, kp, vc, vp) is not None
+    assert kernel_sides(kc, kp, vc, vp) is not None
     channel = Uniform(4, 32, axis="channel")
-    assert kc.attend_partial(q, kp, channel, channel.encode(kv_data(b=2, t=384)[1])) is None
+    assert attend_partial(kc, q, kp, channel, channel.encode(kv_data(b=2, t=384)[1])) is None
     ident = Identity()
-    assert kc.attend_partial(q, kp, ident, ident.encode(kv_data(b=2, t=384)[1])) is None
-    assert RaBitQ().attend_partial(q, kp, vc, vp) is None  # no head dim yet
-    assert kc.attend_partial(q[..., :64], kp, vc, vp) is None  # another head dim
+    assert attend_partial(kc, q, kp, ident, ident.encode(kv_data(b=2, t=384)[1])) is None
+    assert attend_partial(RaBitQ(), q, kp, vc, vp) is None  # no head dim yet
+    assert attend_partial(kc, q[..., :64], kp, vc, vp) is None  # another head dim
     for bits in (4, 1):
         lk, lkp, lvc, lvp = records(bits, 4096, b=1, t=4096)
-        sides = rk.kernel_sides(lk, lkp, lvc, lvp)
-        assert not rk._Blocks(lk, (1, 2, 4, D), *sides, lkp.data["centroid"], None).ready()
-        assert lk.attend_partial(query(b=1), lkp, lvc, lvp) is None
+        assert kernel_sides(lk, lkp, lvc, lvp, rows=4) is None
+        assert attend_partial(lk, query(b=1), lkp, lvc, lvp) is None
         with monkeypatch.context() as mp:
             mp.setattr(vk, "backend", lambda: "cuda")
-            blocks = rk._Blocks(lk, (1, 2, 4, D), *sides, lkp.data["centroid"], None)
-            assert blocks.ready() == (bits == 4)
+            sides = kernel_sides(lk, lkp, lvc, lvp, rows=4)
+            assert (sides is not None) == (bits == 4)
+            if sides is not None:
+                assert type(sides[0].record) is BlockCodes and sides[0].record.block == 4096
     assert not [n for n in fake.names if n.startswith("velox_decode")]
     kernel_env(monkeypatch, "VELOX_KERNELS", "0")
-    assert rk.kernel_sides(kc, kp, vc, vp) is None
-    assert kc.attend_partial(q, kp, vc, vp) is None
+    assert kernel_sides(kc, kp, vc, vp) is None
+    assert attend_partial(kc, q, kp, vc, vp) is None
 
 
 # the kernels' names as launched (the tensor-core kernel's carry its register bound)
@@ -148,7 +161,7 @@ def test_emulated_kernel_equals_the_reference(monkeypatch, emu_dir, backend, cen
     q = query()
     ref = partial(q, Segment(kc, kp, vc, vp))
     fake = emulated_or_skip(monkeypatch, emu_dir, backend)
-    got = kc.attend_partial(q, kp, vc, vp)
+    got = attend_partial(kc, q, kp, vc, vp)
     tensor_core = backend == "cuda" and bits in (2, 4)
     assert len(fake.names) == 2 and fake.names[1] == MERGE
     assert re.fullmatch(MMA_PARTS if tensor_core else PORTABLE, fake.names[0]), fake.names
@@ -173,13 +186,13 @@ def test_emulated_kernel_on_the_records_and_without_the_centroid_term(monkeypatc
     q = query()
     ref = _normalized(partial(q, Segment(kc, kp, vc, vp)))
     emulated_or_skip(monkeypatch, emu_dir)
-    got = _normalized(kc.attend_partial(q, kp, vc, vp))
+    got = _normalized(attend_partial(kc, q, kp, vc, vp))
     tol = 1e-2
     assert np.abs(got - ref).max() / np.abs(ref).max() < tol
     monkeypatch.setattr(
-        rk, "_centroid_bias", lambda q, ct, f: mx.zeros((*q.shape[:2], ct.shape[-1], q.shape[2], 1))
+        rl, "_centroid_bias", lambda q, ct, f: mx.zeros((*q.shape[:2], ct.shape[-1], q.shape[2], 1))
     )
-    off = _normalized(kc.attend_partial(q, kp, vc, vp))
+    off = _normalized(attend_partial(kc, q, kp, vc, vp))
     assert np.abs(off - ref).max() / np.abs(ref).max() > 5 * tol
 
 

@@ -17,7 +17,7 @@ import pytest
 
 import velox_core.kernels as vk
 from velox_core import Uniform
-from velox_core.cache.attention import Segment, partial
+from velox_core.cache.attention import Segment, fused_partial, partial
 from velox_testing import assert_cpu_declines, assert_partials_close, kernel_env, kv_data
 from velox_testing.emulate import EmulatedKernels, emulated_or_skip
 from velox_turboquant import TurboQuant, TurboQuantCache
@@ -54,13 +54,13 @@ def test_attend_partial_declines_what_the_kernel_does_not_cover(monkeypatch):
     monkeypatch.setattr(vk, "backend", lambda: "cuda")  # a GPU as far as dispatch can tell
     called = []
     monkeypatch.setattr(
-        "velox_turboquant.kernels.decode_attention", lambda *a: called.append(a) or None
+        "velox_core.kernels.decode.decode_attention", lambda *a, **k: called.append(a) or None
     )
     q = mx.zeros((1, 2, 4, 128))
-    assert sketch_only[0].attend_partial(q, *sketch_only[1:]) is None  # the sketch alone
-    assert prod_values[0].attend_partial(q, *prod_values[1:]) is None  # prod values
-    assert frac_prod[0].attend_partial(q, *frac_prod[1:]) is None  # fractional prod keys
-    assert kc.attend_partial(q, kp, u, up) is None  # another value codec
+    assert fused_partial(q, Segment(*sketch_only)) is None  # the sketch alone
+    assert fused_partial(q, Segment(*prod_values)) is None  # prod values
+    assert fused_partial(q, Segment(*frac_prod)) is None  # fractional prod keys
+    assert fused_partial(q, Segment(kc, kp, u, up)) is None  # another value codec
     assert not called
 
 
@@ -72,7 +72,7 @@ def test_emulated_kernel_attention_matches_the_reference(emulated_gpu, bits):
     kc, kp, vc, vp = records(bits, t=150 + bits)  # (encoded by the emulated kernel)
     emulated_gpu.calls.clear()
     q = mx.random.normal((1, 2, 4, 128), key=mx.random.key(bits)) * 0.2
-    got = kc.attend_partial(q, kp, vc, vp)
+    got = fused_partial(q, Segment(kc, kp, vc, vp))
     ref = partial(q, Segment(kc, kp, vc, vp))
     assert emulated_gpu.names == [
         "velox_decode_attention",
@@ -91,7 +91,7 @@ def test_emulated_kernel_attention_with_prod_keys_matches_the_reference(emulated
     assert "signs" in kp.data
     emulated_gpu.calls.clear()
     q = mx.random.normal((1, 2, 4, 128), key=mx.random.key(bits)) * 0.2
-    got = kc.attend_partial(q, kp, vc, vp)
+    got = fused_partial(q, Segment(kc, kp, vc, vp))
     ref = partial(q, Segment(kc, kp, vc, vp))
     assert emulated_gpu.names == ["velox_decode_attention", "velox_decode_merge"]
     assert_partials_close(got, ref, 2e-5)
@@ -271,7 +271,7 @@ def test_emulated_outlier_kernel_matches_the_reference(
     kp, vp = kc.encode(k), vc.encode(v)
     emulated_gpu.calls.clear()
     q = mx.random.normal((1, 2, rows, 128), key=mx.random.key(rows)) * 0.2
-    got = kc.attend_partial(q, kp, vc, vp)
+    got = fused_partial(q, Segment(kc, kp, vc, vp))
     name = f"velox_decode_attention_outlier_t{threads}"
     assert emulated_gpu.names == [name, "velox_decode_merge"]
     ref = partial(q, Segment(kc, kp, vc, vp))

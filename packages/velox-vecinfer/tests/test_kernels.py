@@ -17,6 +17,7 @@ import pytest
 
 import velox_core.kernels as vk
 from velox_core import Uniform
+from velox_core.cache.attention import Segment, fused_partial, joint_attention
 from velox_core.kernels import decode as dk
 from velox_core.kernels import portable as kport
 from velox_core.kernels import records as krec
@@ -30,7 +31,6 @@ from velox_testing import (
 )
 from velox_testing.emulate import EmulatedKernels
 from velox_vecinfer import VecInfer, VecInferCache
-from velox_vecinfer.kernels import kernel_side
 
 # (keys, values): the paper's 2 bits (256 codewords of 4 channels) on both sides; 16 pairs
 # of keys (2 bits) with 256 pairs of values (4 bits); values smoothed and rotated too (the
@@ -58,15 +58,22 @@ def test_attend_partial_is_none_on_the_cpu():
     assert_cpu_declines(*records("2bit"))
 
 
+QS = (1, 2, 4, 128)
+
+
 def test_kernel_sides_and_what_the_kernel_declines(monkeypatch):
     kc, kp, vc, vp = records("2bit")
-    side = kernel_side(kc, kp)
+    side = kc.kernel_values(kp, 128).record
     assert type(side) is krec.VQCodes and side.kind == krec.VQ and (side.bits, side.group) == (8, 4)
     assert side.codes is kp.data["codes"] and side.codebooks is kc.codebook is side.levels
+    keys = kc.kernel_keys(kp, QS, vc.kernel_values(vp, 128).record)
+    assert keys.query == kc.transform_query and keys.query_dtype == mx.float32
+    assert kc.kernel_values(kp, 64) is None and kc.kernel_keys(kp, (1, 2, 4, 64), side) is None
     channel = Uniform(2, 32, axis="channel")
     cp = channel.encode(kv_data(t=256)[1])
-    assert kernel_side(channel, cp) is None
-    assert kernel_side(VecInfer(), kp) is None  # not fitted
+    assert channel.kernel_values(cp, 128) is None
+    assert VecInfer().kernel_values(kp, 128) is None  # not fitted
+    assert kc.kernel_keys(kp, QS, channel.kernel_codes(cp)) is None  # per-channel values
     # 5-bit indices of 4 channels: a lane's indices never fill whole words (the plan declines)
     odd = VecInfer(bits=1.25, vector=4, iters=2)
     op = odd.encode(kv_data(t=256)[0])
@@ -74,17 +81,20 @@ def test_kernel_sides_and_what_the_kernel_declines(monkeypatch):
     monkeypatch.setattr(vk, "backend", lambda: "cuda")  # a GPU as far as dispatch can tell
     called = []
     monkeypatch.setattr(dk, "decode_attention", lambda *a, **k: called.append(a) or None)
-    q = mx.zeros((1, 2, 4, 128))
-    assert kc.attend_partial(q, kp, channel, cp) is None  # per-channel values
+    q = mx.zeros(QS)
+    assert fused_partial(q, Segment(kc, kp, channel, cp)) is None  # per-channel values
     assert not called
-    assert kport.plan_for(4, 128, kernel_side(odd, op), kernel_side(vc, vp)) is None
+    vside = vc.kernel_values(vp, 128).record
+    assert kport.plan_for(4, 128, odd.kernel_values(op, 128).record, vside) is None
     called.clear()
     monkeypatch.setattr(dk, "decode_attention", _real_decode_attention)
-    assert odd.attend_partial(q, op, vc, vp) is None
-    # transformed values: the one-softmax path with fp16 segments declines them
-    assert tk.attend_joint(q, tkp, tv, tvp, [], mx.float16, 0.1) is None
+    assert fused_partial(q, Segment(odd, op, vc, vp)) is None
+    # transformed values: a map back per batch row and KV head, which the one-softmax path
+    # with fp16 segments declines
+    assert tv.kernel_values(tvp, 128).back.shape == (1, 2, 128, 128)
+    assert joint_attention(q, [Segment(tk, tkp, tv, tvp)], mx.float16, 0.1) is None
     kernel_env(monkeypatch, "VELOX_KERNELS", "0")
-    assert kc.attend_partial(q, kp, vc, vp) is None
+    assert fused_partial(q, Segment(kc, kp, vc, vp)) is None
 
 
 _real_decode_attention = dk.decode_attention

@@ -269,7 +269,6 @@ class CommVQKeys(PreRope, Codec):
             qp, self.codes(packed), p["norm"], cos, sin, bk["a"], self._b(), self.geometry.pairs
         )
 
-    # -- the GPU kernel path: velox_commvq.kernels' functions (codec first) as the methods ----
-    # Codec.attend_partial and Codec.joint_call, which return None where no kernel applies
-    attend_partial = _kernels.attend_partial
-    joint_call = _kernels.joint_call
+    def kernel_keys(self, packed: Packed, q_shape, values):
+        """The decode kernels' key side (GPU): :func:`velox_commvq.kernels.kernel_keys`."""
+        return _kernels.kernel_keys(self, packed, q_shape, values)

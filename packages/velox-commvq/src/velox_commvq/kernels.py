@@ -16,7 +16,7 @@ on the codes:
   ``Re(e^{i t theta_p} W_p)``), adds the pairs and scales by the stored norm: no key is
   decoded;
 * values are mixed from their per-token ``Uniform`` codes in the same pass, the splits merged
-  (with a cache's fp16 window and sinks in one softmax, :func:`joint_call`).
+  (with a cache's fp16 window and sinks in one softmax).
 
 The tables are ``S * P * 2K`` complex numbers per query row and KV head (8,192 floats at
 the default geometry and D = 128): too large for a threadgroup's memory beside the scores,
@@ -25,8 +25,8 @@ ones.
 
 Where the kernel does not apply (kernels off or the CPU, the table layout turned off with
 ``VELOX_LAYOUTS_OFF=table``, codebooks not yet read, values not a per-token ``Uniform``, a
-geometry the kernel's plan declines: see ``velox_core.kernels.portable.plan``) the functions
-return None and the caller takes the reference path (:func:`velox_commvq.scores.code_scores`).
+geometry the kernel's plan declines: see ``velox_core.kernels.portable.plan``) the caller
+takes the reference path (:func:`velox_commvq.scores.code_scores`).
 """
 
 from __future__ import annotations
@@ -35,29 +35,24 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from velox_core import Packed, Uniform
-from velox_core.kernels import decode as _kd
-from velox_core.kernels import use_kernels
-from velox_core.kernels.config import kernel_config
-from velox_core.kernels.joint import JointQuery, JointRun, joint_glue, plan_joint
-from velox_core.kernels.records import AffineCodes
+from velox_core import Packed
+from velox_core.kernels.joint import KernelSide
+from velox_core.kernels.records import AffineCodes, CodeRecord
 from velox_core.ops.rope import to_pairs
 
-from .layout import TableCodes, TableKeys, TableLayout
+from .layout import TableCodes, TableKeys
 from .scores import codeword_tables
 
 if TYPE_CHECKING:
     from .codec import CommVQKeys
 
-__all__ = ["attend_partial", "joint_call", "kernel_keys", "kernel_sides", "kernel_tables"]
+__all__ = ["kernel_keys", "kernel_tables", "table_codes"]
 
 
-def kernel_keys(codec: CommVQKeys, packed: Packed) -> TableCodes | None:
+def table_codes(codec: CommVQKeys, packed: Packed) -> TableCodes:
     """The decode kernel's view of a key record (:class:`velox_commvq.layout.TableCodes`):
     the packed indices, the norms and the positions as stored, the stages and each pair's
-    RoPE frequency (``TableKeys``); None before the codec has read its codebooks."""
-    if not codec.ready:
-        return None
+    RoPE frequency (``TableKeys``). The codec has read its codebooks (``codec.ready``)."""
     g, p = codec.geometry, packed.data
     return TableCodes(
         bits=g.index_bits,
@@ -69,18 +64,18 @@ def kernel_keys(codec: CommVQKeys, packed: Packed) -> TableCodes | None:
     )
 
 
-def kernel_sides(
-    codec: CommVQKeys, keys: Packed, value_codec, values: Packed
-) -> tuple[TableCodes, AffineCodes] | None:
-    """Both records as the decode kernel reads them, or None where no kernel applies
-    (kernels off or the CPU, the table layout turned off: ``KernelConfig.layouts_off``,
-    codebooks not read, values not a per-token ``Uniform``)."""
-    if not use_kernels() or TableLayout.name in kernel_config().layouts_off:
+def kernel_keys(
+    codec: CommVQKeys, packed: Packed, q_shape, values: CodeRecord
+) -> KernelSide | None:
+    """:meth:`velox_core.Codec.kernel_keys` of CommVQ: the table codes, with the query
+    tables (:func:`kernel_tables`) as their query-side input, beside per-token affine
+    values; None before the codec has read its codebooks or for another head dim."""
+    if not codec.ready or type(values) is not AffineCodes:
         return None
-    if not isinstance(value_codec, Uniform) or value_codec.axis != "token":
+    rec = table_codes(codec, packed)
+    if q_shape[-1] != 2 * rec.table.theta.shape[0]:
         return None
-    ks = kernel_keys(codec, keys)
-    return None if ks is None else (ks, value_codec.kernel_codes(values))
+    return KernelSide(rec, query_input=lambda q: kernel_tables(codec, q))
 
 
 def kernel_tables(codec: CommVQKeys, q: mx.array) -> mx.array:
@@ -93,41 +88,3 @@ def kernel_tables(codec: CommVQKeys, q: mx.array) -> mx.array:
     a, b = codec.codewords()
     tab = codeword_tables(to_pairs(q, codec.rope), a, b)  # (B, H, M, S, P, 2, K, 2)
     return tab.reshape(*q.shape[:3], -1)
-
-
-def _sides_for(codec: CommVQKeys, dim: int, keys: Packed, value_codec, values: Packed):
-    """:func:`kernel_sides` where the query's head dim ``dim`` is the codec's, else None."""
-    sides = kernel_sides(codec, keys, value_codec, values)
-    if sides is None or dim != 2 * sides[0].table.theta.shape[0]:
-        return None
-    return sides
-
-
-def attend_partial(
-    codec: CommVQKeys, q: mx.array, keys: Packed, value_codec, values: Packed
-) -> tuple[mx.array, mx.array, mx.array] | None:
-    """``CommVQKeys.attend_partial``: the partial ``(o, m, l)`` of one segment from its codes
-    (the decode kernel and the split merge), or None where no kernel applies. Shapes as
-    ``velox_core.Codec.attend_partial`` (q float32 with the scale applied)."""
-    sides = _sides_for(codec, q.shape[-1], keys, value_codec, values)
-    if sides is None:
-        return None
-    return _kd.decode_attention(q, *sides, q_sketch=kernel_tables(codec, q))
-
-
-def _plan_joint(
-    codec: CommVQKeys, query: JointQuery, keys: Packed, value_codec, values: Packed
-) -> JointRun | None:
-    """``CommVQKeys.joint_call``: attention over this segment's codes and up to two fp16
-    segments (a cache's sinks and window) in one softmax, planned once: a callable
-    ``run(q, fp16)`` that builds the query tables from ``q`` (unscaled with ``scale``, else
-    float32 with it applied) and launches the decode kernel and the merge that joins the fp16
-    tokens, returning ``(B, H, M, D)`` in ``out_dtype``; or None where :func:`attend_partial`
-    would decline. See ``velox_core.Codec.joint_call``."""
-    sides = _sides_for(codec, query.shape[-1], keys, value_codec, values)
-    if sides is None:
-        return None
-    return plan_joint(query, *sides, lambda q: (q, None, kernel_tables(codec, q)), q_sketch=True)
-
-
-joint_call = joint_glue(_plan_joint)

@@ -60,7 +60,6 @@ class QJL(Codec):
     name = "qjl"
     settings = ("bits", "sketch", "outliers", "outlier_bits", "group", "orthogonal", "seed")
     compressed_scores = True
-    kernels = _kernels  # fused decode attention over the sign sketches (GPU)
 
     def __init__(
         self,
@@ -124,6 +123,10 @@ class QJL(Codec):
         """The projection's bytes, and those of its copy for the decode kernel once made."""
         extra = sum(a.nbytes for a in self._kernel_mats.values())
         return super().state_nbytes + extra
+
+    def kernel_keys(self, packed: Packed, q_shape, values):
+        """The decode kernels' key side (GPU): :func:`velox_qjl.kernels.kernel_keys`."""
+        return _kernels.kernel_keys(self, packed, q_shape, values)
 
     def kernel_matrix(self, lanes: int) -> mx.array:
         """``S`` as the decode kernel reads it for ``lanes`` lanes a token

@@ -21,11 +21,12 @@ and scores them against the sketched query without unpacking anything to float:
   ``c/m ||k_in|| <S q - S P q, sign(S k_in)> + c/m_o ||k_o|| <S P q, sign(S k_o)>`` per token,
   the reference's estimator term for term;
 * values are mixed from their per-token ``Uniform`` codes in the same pass, and the splits
-  merged (with a cache's fp16 window and sinks in one softmax, :func:`joint_call`).
+  merged (with a cache's fp16 window and sinks in one softmax).
 
-Where the kernel does not apply (kernels off or the CPU, values not per-token ``Uniform``, a
-sketch size the key pass does not lay out: see :func:`velox_qjl.layout.sketch_lanes`)
-the functions return None and the caller takes the reference path.
+The codec gives the kernels its key side (:func:`kernel_keys`); where the kernel does not
+apply (kernels off or the CPU, values not per-token ``Uniform``, a sketch size the key pass
+does not lay out: see :func:`velox_qjl.layout.sketch_lanes`) the caller takes the reference
+path.
 
 Encoding (:func:`encode_sketch`): the outlier channels of each block stay MLX ops (energies,
 ``argpartition``, sort: :func:`velox_qjl.projection.top_channels`), then one launch of
@@ -39,13 +40,12 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from velox_core import Packed, Uniform
-from velox_core.kernels import decode as _kd
+from velox_core import Packed
 from velox_core.kernels import portable as kport
 from velox_core.kernels import use_kernels
 from velox_core.kernels.encode import sketch_encode
-from velox_core.kernels.joint import JointQuery, JointRun, joint_glue, plan_joint
-from velox_core.kernels.records import AFFINE, AffineCodes
+from velox_core.kernels.joint import KernelSide
+from velox_core.kernels.records import AFFINE, AffineCodes, CodeRecord
 
 from . import sketch_mma as _sm
 from .layout import SKETCH, SketchCodes, SketchKeys, sketch_lanes, sketch_rows
@@ -54,7 +54,7 @@ from .projection import index_bits
 if TYPE_CHECKING:
     from .codec import QJL
 
-__all__ = ["attend_partial", "encode_sketch", "joint_call", "kernel_sides"]
+__all__ = ["encode_sketch", "kernel_keys"]
 
 
 # most (batch x head x token) rows the sketch encode kernel takes: on an H200 it beat the
@@ -92,33 +92,30 @@ def encode_sketch(codec: QJL, x: mx.array, idx: mx.array | None) -> dict[str, mx
     return {**out, "sign": sign, "norm": norm}
 
 
-def kernel_sides(
-    codec: QJL, keys: Packed, value_codec, values: Packed, rows: int
-) -> tuple[SketchCodes, AffineCodes] | None:
-    """The decode kernel's view of both records (:class:`velox_qjl.layout.SketchCodes`
-    with its ``SketchKeys``, and the values' ``AffineCodes``) for ``rows`` query rows per KV
-    head, or None where no kernel applies: kernels off or the CPU, values not a per-token
-    ``Uniform``, a codec not yet bound to a head dim, or a layout the kernel's plan declines
-    (``velox_core.kernels.portable.plan_for``), checked before the kernel's copy of ``S`` is
-    made."""
-    if not use_kernels() or codec.dim is None:
-        return None
-    if not isinstance(value_codec, Uniform) or value_codec.axis != "token":
+def kernel_keys(codec: QJL, packed: Packed, q_shape, values: CodeRecord) -> KernelSide | None:
+    """:meth:`velox_core.Codec.kernel_keys` of QJL: the sign sketches as the decode kernels
+    read them (:class:`velox_qjl.layout.SketchCodes` with its ``SketchKeys``), scored
+    against the sketched query (their query-side input, :func:`_query_sketch`), for the
+    query rows of ``q_shape`` beside per-token affine values; None where no kernel applies:
+    values of another layout, a codec not yet bound to this head dim, or a layout the
+    kernel's plan declines (``velox_core.kernels.portable.plan``), checked before the
+    kernel's copy of ``S`` is made."""
+    rows = q_shape[2]
+    if codec.dim is None or q_shape[-1] != codec.dim or type(values) is not AffineCodes:
         return None
     m, k, mo = codec.sizes(codec.dim)
     mo = mo if k else 0
-    vcodes = value_codec.kernel_codes(values)
-    p = keys.data
-    if _sm.wanted(rows, codec.dim, m, mo, k, codec.block, p["norm"].dtype, vcodes):
+    p = packed.data
+    if _sm.wanted(rows, codec.dim, m, mo, k, codec.block, p["norm"].dtype, values):
         lanes = 0  # the tensor-core sketch kernel (CUDA)
     else:
-        vbits, vgroup = value_codec.bits, value_codec.group
         lanes = sketch_lanes(m, mo)
         cap = sketch_rows(m, mo, k, lanes) if lanes else 0
         block = codec.block if k else 1
         plan = kport.plan(
-            rows, codec.dim, SKETCH, 1, codec.block, AFFINE, vbits, vgroup, False, cap, block
-        )
+            rows, codec.dim, SKETCH, 1, codec.block, AFFINE, values.bits, values.group, False,
+            cap, block,
+        )  # fmt: skip
         if plan is None:  # (before the kernel's copy of S is made)
             return None
     sk = SketchKeys(
@@ -133,16 +130,11 @@ def kernel_sides(
         idx=p["idx"] if k else None,
         mma=lanes == 0,
     )
-    return (
-        SketchCodes(
-            codes=p["sign"],
-            norm=p["norm"],
-            onorm=p["onorm"] if k else None,
-            group=codec.block,
-            sketch=sk,
-        ),
-        vcodes,
-    )
+    rec = SketchCodes(
+        codes=p["sign"], norm=p["norm"], onorm=p["onorm"] if k else None, group=codec.block,
+        sketch=sk,
+    )  # fmt: skip
+    return KernelSide(rec, query_input=lambda q: _query_sketch(rec, q))
 
 
 def _query_sketch(keys: SketchCodes, q: mx.array) -> mx.array:
@@ -157,41 +149,3 @@ def _query_sketch(keys: SketchCodes, q: mx.array) -> mx.array:
     qf = q.astype(mx.float32)
     hi = qf.astype(mx.bfloat16).astype(mx.float32)
     return hi @ s + (qf - hi) @ s
-
-
-def attend_partial(
-    codec: QJL, q: mx.array, keys: Packed, value_codec, values: Packed
-) -> tuple[mx.array, mx.array, mx.array] | None:
-    """:meth:`velox_core.Codec.attend_partial` of QJL keys: this segment's partial
-    ``(o, m, l)`` from its sign sketches through the decode kernels (shapes as there: q
-    float32 with the scale applied), or None where they do not apply."""
-    if q.shape[-1] != codec.dim:
-        return None
-    sides = kernel_sides(codec, keys, value_codec, values, q.shape[2])
-    if sides is None:
-        return None
-    return _kd.decode_attention(q, *sides, q_sketch=_query_sketch(sides[0], q))
-
-
-def _plan_joint(
-    codec: QJL, query: JointQuery, keys: Packed, value_codec, values: Packed
-) -> JointRun | None:
-    """:meth:`velox_core.Codec.joint_call` of QJL keys: attention over this segment's codes
-    and up to two fp16 segments (a cache's sinks and window) in one softmax (the decode
-    kernel and the fused merge), planned once for the query shape: ``run(q, fp16)``, or
-    None where :func:`attend_partial` would decline.
-
-    Shapes:
-        q ``(B, H, M, D)``: float32 with the scale applied, or unscaled (any float dtype)
-        with ``scale``; fp16 pairs ``(B, H, T_i, D)``; ``run`` returns ``(B, H, M, D)`` in
-        ``out_dtype``.
-    """
-    if query.shape[-1] != codec.dim:
-        return None
-    sides = kernel_sides(codec, keys, value_codec, values, query.shape[2])
-    if sides is None:
-        return None
-    return plan_joint(query, *sides, lambda q: (q, None, _query_sketch(sides[0], q)), q_sketch=True)
-
-
-joint_call = joint_glue(_plan_joint)

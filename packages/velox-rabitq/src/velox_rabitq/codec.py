@@ -204,10 +204,9 @@ class RaBitQ(Codec):
             out = out + mx.repeat(qc, self.centroid, axis=-1)
         return out
 
-    # decode attention over the codes on a GPU (velox-core's fused kernels, with the
-    # Codec.attend_partial / Codec.joint_call interfaces), or None: the reference path
-    attend_partial = _kernels.attend_partial
-    joint_call = _kernels.joint_call
+    def kernel_keys(self, packed: Packed, q_shape, values):
+        """The decode kernels' key side (GPU): :func:`velox_rabitq.kernels.kernel_keys`."""
+        return _kernels.kernel_keys(self, packed, q_shape, values)
 
     def bound(self, q: mx.array, packed: Packed, eps0: float = EPS0) -> mx.array:
         """The half-width of the estimator's confidence interval for each score (Equation 16

@@ -14,7 +14,7 @@ import mlx.core as mx
 import pytest
 
 from velox_core import environment
-from velox_core.cache.attention import Segment, partial
+from velox_core.cache.attention import Segment, fused_partial, kernel_sides, partial
 
 from .kv import assert_partials_close
 
@@ -112,19 +112,19 @@ def emulated_gpu_fixture() -> Callable[..., Any]:
 def assert_cpu_declines(
     key_codec: Any, keys: Any, value_codec: Any, values: Any, q_shape=(1, 2, 4, 128)
 ) -> None:
-    """On the CPU the codec's fused attention declines: ``attend_partial`` and ``joint_call``
-    return None (the caller takes the reference path). Skips the test where the default
-    device is a GPU.
+    """On the CPU the segment does not reach the fused kernels: no kernel sides
+    (:func:`velox_core.cache.attention.kernel_sides`) and no fused partial (the caller takes
+    the reference path). Skips the test where the default device is a GPU.
 
     Shapes:
         keys, values: ``Packed`` records of ``(B, H, T, D)`` vectors; q_shape ``(B, H, M, D)``,
-        the queries (zeros for ``attend_partial``, fp16 for ``joint_call``).
+        the queries.
     """
     if mx.default_device().type == mx.DeviceType.gpu:
         pytest.skip("the default device is a GPU")
-    assert key_codec.attend_partial(mx.zeros(q_shape), keys, value_codec, values) is None
-    plan = key_codec.joint_call(q_shape, mx.float16, keys, value_codec, values, 0, mx.float16, 0.1)
-    assert plan is None
+    assert kernel_sides(key_codec, keys, value_codec, values, q_shape) is None
+    seg = Segment(key_codec, keys, value_codec, values)
+    assert fused_partial(mx.zeros(q_shape), seg) is None
 
 
 def assert_kernel_partial(
@@ -136,7 +136,7 @@ def assert_kernel_partial(
     values: Any,
     tol: float,
 ) -> None:
-    """The codec's fused partial, run through ``emulated`` (the ``emulated_gpu`` fixture's
+    """The segment's fused partial, run through ``emulated`` (the ``emulated_gpu`` fixture's
     kernels), launches the portable decode attention kernel (a layout's key pass in it
     included: ``velox_decode_attention_<layout>``) and the merge only, and equals the
     reference partial (:func:`velox_core.cache.attention.partial`) within ``tol``.
@@ -145,7 +145,7 @@ def assert_kernel_partial(
         q ``(B, H_q, M, D)``; keys, values: ``Packed`` records of ``(B, H, T, D)`` vectors.
     """
     emulated.calls.clear()  # launches of the encode kernels that made the records
-    got = key_codec.attend_partial(q, keys, value_codec, values)
+    got = fused_partial(q, Segment(key_codec, keys, value_codec, values))
     names = emulated.names
     assert len(names) == 2 and names[1] == "velox_decode_merge", names
     assert names[0] == "velox_decode_attention" or names[0].startswith("velox_decode_attention_")

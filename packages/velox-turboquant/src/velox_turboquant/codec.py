@@ -14,7 +14,7 @@ once per group and part when channels are split; scores are its products with co
 times norms; values are mixed as weighted sums of levels in the rotated domain and rotated
 back once per part and group, never rebuilding the keys or values. On a GPU with kernels
 enabled, mse segments attend through one fused split-K kernel
-(:meth:`TurboQuant.attend_partial`, :mod:`velox_turboquant.kernels`): integer widths through
+(:meth:`TurboQuant.kernel_keys`, :mod:`velox_turboquant.kernels`): integer widths through
 velox-core's decode kernels, fractional widths through its outlier kernel (the query
 placed and rotated, the values rotated back, per group inside the kernel).
 
@@ -57,7 +57,6 @@ class TurboQuant(Codec):
     settings = ("bits", "variant", "group", "seed")
     compressed_scores = True
     compressed_mix = True
-    kernels = _kernels  # fused decode attention over the codes (GPU)
     # each token decodes from its own norms and codes (fractional widths: each group of
     # ``group`` tokens from its own outlier mask) and the fixed rotations, codebooks and
     # sketches: a block-aligned slice decodes on its own
@@ -108,6 +107,14 @@ class TurboQuant(Codec):
             for p, d, b, i in parts
         ]
         self.dim, self.outliers = dim, n_out
+
+    def kernel_values(self, packed: Packed, dim: int):
+        """The decode kernels' value side (GPU): :func:`velox_turboquant.kernels.kernel_values`."""
+        return _kernels.kernel_values(self, packed, dim)
+
+    def kernel_keys(self, packed: Packed, q_shape, values):
+        """The decode kernels' key side (GPU): :func:`velox_turboquant.kernels.kernel_keys`."""
+        return _kernels.kernel_keys(self, packed, q_shape, values)
 
     def state(self) -> dict[str, mx.array]:
         """Rotations, codebooks and sketch matrices (seeded: regenerated and checked on load)."""

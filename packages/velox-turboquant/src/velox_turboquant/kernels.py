@@ -9,13 +9,13 @@ residual sketch's ``signs`` and ``rnorm``).
 * Decode attention: the query is rotated once (``R q``, an MLX op); the kernel scores it
   against the key levels times the key norms, and mixes the value levels times the value
   norms with the softmax weights, all in the rotated domain, in one pass over the codes
-  split along the context; the ``(M, D)`` output is rotated back once (``R^T o``, the
-  existing MLX op). ``m`` and ``l`` need no rotation.
-* Decode attention with a cache's fp16 sinks and window (:func:`joint_call`, planned once per
-  segment): the same kernel on the rotated query, then velox-core's fused merge, which
-  rotates the splits' weighted sum back (a ``(D, D)`` matrix, the value rotation's inverse,
-  kept per quantizer) and joins the fp16 tokens, scored with the unrotated query, in one
-  softmax: three launches (query rotation, kernel, merge) for a layer's attention.
+  split along the context; the ``(M, D)`` output is mapped back once (by the value
+  rotation's inverse as a ``(D, D)`` matrix, kept per quantizer: the value side's ``back``).
+  ``m`` and ``l`` need no rotation.
+* Decode attention with a cache's fp16 sinks and window (planned once per segment): the same
+  kernel on the rotated query, then velox-core's fused merge, which maps the splits'
+  weighted sum back by the same matrix and joins the fp16 tokens, scored with the unrotated
+  query, in one softmax: three launches (query rotation, kernel, merge) for a layer's attention.
 * Encode: the norm and the rotation stay MLX ops; the kernel does the Lloyd-Max search
   (the same threshold comparisons as :meth:`velox_core.ops.Codebook.encode`) and packs the
   codes, bit for bit the reference. ``prod`` records (any width, 1-bit included) take the
@@ -33,11 +33,13 @@ residual sketch's ``signs`` and ``rnorm``).
   channels chosen per group of tokens, two rotated parts) take this package's outlier kernel
   (:mod:`velox_turboquant.outlier`): the query is placed and rotated per group inside the
   kernel, and the values come back to the model's domain there, so neither needs an MLX op
-  around the launch; a cache's fp16 tokens join in the same merge.
+  around the launch; a cache's fp16 tokens join in the same merge. Its records are this
+  package's layout (:mod:`velox_turboquant.layout`); integer values beside fractional keys
+  are restated in it by the keys' side.
 
 Fractional ``prod`` keys, ``prod`` values, 1-bit ``prod`` keys (the sketch alone) and parts
 rotated by a dense Haar matrix (parts whose Hadamard block would be under 16 channels) fall
-back to the reference in attention (the functions return None); every integer-width record
+back to the reference in attention (the codec gives no kernel side); every integer-width record
 (mse or prod) and each part of a fractional one is encoded by the kernels.
 """
 
@@ -51,18 +53,17 @@ import numpy as np
 
 from velox_core import Packed
 from velox_core.kernels import use_kernels
-from velox_core.kernels.decode import decode_attention
 from velox_core.kernels.encode import codebook_encode, residual_sketch_encode, sketch_encode
-from velox_core.kernels.joint import JointQuery, JointRun, joint_glue, plan_joint
-from velox_core.kernels.records import CodebookCodes
+from velox_core.kernels.joint import KernelSide
+from velox_core.kernels.records import CodebookCodes, CodeRecord
 
-from .outlier import OutlierSide, RotatedPart, decode_attention_outlier, side_table
+from .layout import OutlierCodes, TurboCodebookCodes
+from .outlier import OutlierSide, RotatedPart, outlier_launch, outlier_threads, side_table
 
 if TYPE_CHECKING:
-    from .codec import TurboQuant
     from .quantizer import SphereQuantizer
 
-__all__ = ["attend_partial", "encode_codes", "encode_prod", "joint_call"]
+__all__ = ["encode_codes", "encode_prod", "kernel_keys", "kernel_values"]
 
 
 def _is_turboquant(codec) -> bool:
@@ -110,46 +111,12 @@ def _query_sketch(quant: SphereQuantizer, q_rot: mx.array) -> mx.array | None:
     return (mx.concatenate([q_hi, q_lo, q_hi], axis=-1) @ stack) * quant.qjl
 
 
-def attend_partial(
-    key_codec: TurboQuant, q: mx.array, keys: Packed, value_codec, values: Packed
-) -> tuple[mx.array, mx.array, mx.array] | None:
-    """Partial ``(o, m, l)`` of one segment from the codes (GPU kernel), or None.
-
-    Shapes:
-        q ``(B, H, M, D)`` float32, scale applied; returns ``(B, H, M, D)``,
-        ``(B, H, M, 1)``, ``(B, H, M, 1)`` float32.
-    """
-    sides = _kernel_sides(key_codec, q, keys, value_codec, values)
-    if sides is None:
-        split = _outlier_sides(key_codec, q, keys, value_codec, values)
-        return None if split is None else decode_attention_outlier(q, *split)
-    kq, vq, kc, vc = sides
-    q_rot = kq.rotation.forward(q)
-    out = decode_attention(q_rot, kc, vc, q_sketch=_query_sketch(kq, q_rot))
-    if out is None:
-        return None
-    o, m, l = out
-    return vq.rotation.inverse(o), m, l
-
-
-def _kernel_sides(key_codec, q: mx.array, keys: Packed, value_codec, values: Packed):
-    """The two quantizers and the kernels' view of both records, or None where the kernels
-    do not apply (kernels off or the CPU; keys not integer-width mse or prod with Lloyd-Max
-    codes, values not integer-width mse; head dims that differ)."""
-    if not use_kernels():
-        return None
-    kq, vq = _single_part(key_codec, ("mse", "prod")), _single_part(value_codec, ("mse",))
-    if kq is None or vq is None or kq.dim != vq.dim or kq.dim != q.shape[-1]:
-        return None
-    return kq, vq, _codebook_codes(kq, keys.data), _codebook_codes(vq, values.data)
-
-
-def _codebook_codes(quant, data: dict[str, mx.array]) -> CodebookCodes:
+def _codebook_codes(quant, data: dict[str, mx.array], outlier=None) -> TurboCodebookCodes:
     """One side's record for the kernels: its quantizer's codes and norms over its levels,
     with the residual sketch's ``signs`` and ``rnorm`` where the quantizer sketches (prod
-    keys)."""
+    keys), and ``outlier``, the same codes as the outlier kernel reads them (values)."""
     sketch = quant.sketch is not None
-    return CodebookCodes(
+    return TurboCodebookCodes(
         bits=quant.mse_bits,
         dim=quant.dim,
         codes=data["codes"],
@@ -158,6 +125,7 @@ def _codebook_codes(quant, data: dict[str, mx.array]) -> CodebookCodes:
         symmetric=quant.levels_symmetric,
         signs=data["signs"] if sketch else None,
         rnorm=data["rnorm"] if sketch else None,
+        outlier=outlier,
     )
 
 
@@ -212,18 +180,6 @@ def _outlier_side(codec, packed: Packed) -> OutlierSide | None:
     return OutlierSide(parts, (d["codes"],), (d["norm"],), None, 1, table)
 
 
-def _outlier_sides(key_codec, q: mx.array, keys: Packed, value_codec, values: Packed):
-    """Both sides for the outlier kernel (TurboQuant_mse, at least one fractional), or None."""
-    if not use_kernels():
-        return None
-    if not (getattr(key_codec, "fractional", False) or getattr(value_codec, "fractional", False)):
-        return None
-    ks, vs = _outlier_side(key_codec, keys), _outlier_side(value_codec, values)
-    if ks is None or vs is None or key_codec.dim != q.shape[-1] or value_codec.dim != key_codec.dim:
-        return None
-    return ks, vs
-
-
 _INVERSE: dict[int, tuple[object, mx.array]] = {}
 
 
@@ -242,50 +198,56 @@ def _inverse_matrix(quant: SphereQuantizer) -> mx.array:
     return hit[1]
 
 
-def _plan_joint(
-    key_codec: TurboQuant, query: JointQuery, keys: Packed, value_codec, values: Packed
-) -> JointRun | None:
-    """Normalized attention over this segment's codes and up to two fp16 segments (a
-    cache's sinks and window) in one softmax (GPU kernels), planned once for the segment and
-    the query shape: ``run(q, fp16)``, or None where :func:`attend_partial` would decline.
-
-    Shapes:
-        q ``(B, H, M, D)``: float32 with the scale applied, or unscaled (any float dtype)
-        with ``scale``; fp16 pairs ``(B, H, T_i, D)`` in the model's domain; ``run`` returns
-        ``(B, H, M, D)`` in ``out_dtype``.
-    """
-    q_like = _QueryShape(query.shape)
-    sides = _kernel_sides(key_codec, q_like, keys, value_codec, values)
-    if sides is None:
-        split = _outlier_sides(key_codec, q_like, keys, value_codec, values)
-        if split is None:
-            return None
-        out_dtype, scale = query.out_dtype, query.scale
-
-        def run_outlier(q, fp16):
-            out = decode_attention_outlier(q, *split, fp16=fp16, out_dtype=out_dtype, scale=scale)
-            return None if out is None else out[0]
-
-        return run_outlier
-    kq, vq, kc, vc = sides
-    sketch = kq.sketch is not None
-
-    def prepare(q):  # the rotated query (and its sketch) for the kernel, q for the merge
-        q_rot = kq.rotation.forward(q)
-        return q_rot, q, _query_sketch(kq, q_rot) if sketch else None
-
-    rot = _inverse_matrix(vq)
-    return plan_joint(query, kc, vc, prepare, merge_q=True, rot=rot, q_sketch=sketch)
+def kernel_values(codec, packed: Packed, dim: int) -> KernelSide | None:
+    """:meth:`velox_core.Codec.kernel_values` of TurboQuant: an integer-width mse record as
+    codebook codes in the rotated domain (mapped back by the value rotation's inverse, a
+    ``(D, D)`` matrix), with its outlier view; a fractional mse record as outlier codes
+    (brought back inside the outlier kernel). None for ``prod`` values, a Haar-rotated
+    fractional record or another head dim."""
+    if not _is_turboquant(codec) or codec.dim != dim:
+        return None
+    if codec.fractional:
+        side = _outlier_side(codec, packed)
+        return None if side is None else KernelSide(OutlierCodes(side=side))
+    vq = _single_part(codec, ("mse",))
+    if vq is None:
+        return None
+    rec = _codebook_codes(vq, packed.data, _outlier_side(codec, packed))
+    return KernelSide(rec, back=_inverse_matrix(vq))
 
 
-joint_call = joint_glue(_plan_joint)
+def _outlier_keys(codec, packed: Packed, q_shape, values: CodeRecord) -> KernelSide | None:
+    """Keys for the outlier kernel (fractional keys, or any mse keys beside fractional
+    values), restating integer values in its layout; None where it has no layout."""
+    if isinstance(values, OutlierCodes):
+        vside, restated = values.side, None
+    else:
+        vside = getattr(values, "outlier", None)
+        restated = None if vside is None else KernelSide(OutlierCodes(side=vside))
+    ks = _outlier_side(codec, packed)
+    if ks is None or vside is None or sum(p.channels for p in vside.parts) != codec.dim:
+        return None
+    if outlier_launch(q_shape[2], q_shape[3], ks, vside, outlier_threads()) is None:
+        return None
+    return KernelSide(OutlierCodes(side=ks), values=restated)
 
 
-class _QueryShape:
-    """Stands in for a query where only its shape is read (planning before the first call)."""
-
-    def __init__(self, shape):
-        self.shape = tuple(shape)
+def kernel_keys(codec, packed: Packed, q_shape, values: CodeRecord) -> KernelSide | None:
+    """:meth:`velox_core.Codec.kernel_keys` of TurboQuant: integer-width mse or prod keys
+    (Lloyd-Max codes) as codebook codes scored against the rotated query (prod keys: with
+    the sketched query as their query-side input) beside codebook values; the outlier
+    kernel's keys where either side is fractional. None for ``prod`` keys of 1 bit or of a
+    fractional width, another head dim, or values of another layout."""
+    if not _is_turboquant(codec) or codec.dim != q_shape[-1]:
+        return None
+    if codec.fractional or isinstance(values, OutlierCodes):
+        return _outlier_keys(codec, packed, q_shape, values)
+    kq = _single_part(codec, ("mse", "prod"))
+    if kq is None or not isinstance(values, CodebookCodes) or values.dim != kq.dim:
+        return None
+    sketch = None if kq.sketch is None else (lambda q_rot: _query_sketch(kq, q_rot))
+    rec = _codebook_codes(kq, packed.data)
+    return KernelSide(rec, query=kq.rotation.forward, query_input=sketch)
 
 
 def encode_codes(quant: SphereQuantizer, y: mx.array) -> mx.array | None:

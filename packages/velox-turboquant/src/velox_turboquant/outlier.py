@@ -44,6 +44,7 @@ __all__ = [
     "RotatedPart",
     "decode_attention_outlier",
     "outlier_launch",
+    "outlier_parts",
     "outlier_spec",
     "outlier_template",
     "outlier_threads",
@@ -368,6 +369,58 @@ def _inputs(s: OutlierSide) -> list[mx.array]:
     return [du, df, s.codes[0], s.norms[0], du, s.table]
 
 
+def outlier_parts(
+    q_shape: tuple[int, int, int, int],
+    keys: OutlierSide,
+    values: OutlierSide,
+    splits: int | None = None,
+    scale: float | None = None,
+):
+    """The outlier kernel planned for one segment and a query shape, as
+    ``parts(q) -> (o_part, ml_part, q padded)`` (the split partials velox-core's merge kernels
+    join), or None where it has no layout for the shape (see :func:`outlier_launch`).
+
+    Args: as :func:`decode_attention_outlier`.
+    """
+    b, h, m, dim = q_shape
+    t = keys.codes[-1].shape[2]
+    launch, tmpl = _layout(m, dim, keys, values, scale)
+    if t < 1 or launch is None:
+        return None
+    mb, _, group, nt = launch
+    if t % group:
+        raise ValueError(
+            f"decode_attention_outlier: {t} tokens are not whole groups of {group} (the "
+            "masks cover groups of tokens)"
+        )
+    _check_side("keys", keys, b, h, t, dim)
+    _check_side("values", values, b, h, t, dim)
+    nmb = (m + mb - 1) // mb
+    mp = nmb * mb
+    groups = t // group
+    if splits is None:
+        want = max(1, math.ceil(DEFAULT_THREADS / nt / max(1, b * h * nmb)))
+        splits = min(want, math.ceil(groups / max(1, math.ceil(MIN_SPAN / group))))
+    s = max(1, min(int(splits), groups))
+    s = math.ceil(groups / math.ceil(groups / s))  # no empty split
+    sides = [*_inputs(keys), *_inputs(values)]
+
+    def parts(q: mx.array, q_side=None):
+        qf = q if scale is not None else q.astype(mx.float32)
+        qf = pad_rows(qf, mp)
+        o_part, ml_part = outlier_spec(nt).kernel()(
+            inputs=[qf, *sides],
+            template=tmpl,
+            grid=(s * nt, b * h, nmb),
+            threadgroup=(nt, 1, 1),
+            output_shapes=[(b, h, s, mp, dim), (b, h, s, mp, 2)],
+            output_dtypes=[mx.float32, mx.float32],
+        )
+        return o_part, ml_part, qf
+
+    return parts
+
+
 def decode_attention_outlier(
     q: mx.array,
     keys: OutlierSide,
@@ -400,41 +453,15 @@ def decode_attention_outlier(
         raise ValueError("decode_attention_outlier: fp16 segments and out_dtype go together")
     if fp16 is not None and (len(fp16) > 2 or sum(k.shape[2] for k, _ in fp16) > FP16_MAX):
         return None
-    b, h, m, dim = q.shape
-    t = keys.codes[-1].shape[2]
-    launch, tmpl = _layout(m, dim, keys, values, scale)
-    if t < 1 or launch is None:
+    m = q.shape[2]
+    parts = outlier_parts(q.shape, keys, values, splits, scale)
+    if parts is None:
         return None
-    mb, _, group, nt = launch
-    if t % group:
-        raise ValueError(
-            f"decode_attention_outlier: {t} tokens are not whole groups of {group} (the "
-            "masks cover groups of tokens)"
-        )
-    _check_side("keys", keys, b, h, t, dim)
-    _check_side("values", values, b, h, t, dim)
-    nmb = (m + mb - 1) // mb
-    mp = nmb * mb
-    qf = q if scale is not None else q.astype(mx.float32)
-    qf = pad_rows(qf, mp)
-    groups = t // group
-    if splits is None:
-        want = max(1, math.ceil(DEFAULT_THREADS / nt / max(1, b * h * nmb)))
-        splits = min(want, math.ceil(groups / max(1, math.ceil(MIN_SPAN / group))))
-    s = max(1, min(int(splits), groups))
-    s = math.ceil(groups / math.ceil(groups / s))  # no empty split
-    o_part, ml_part = outlier_spec(nt).kernel()(
-        inputs=[qf, *_inputs(keys), *_inputs(values)],
-        template=tmpl,
-        grid=(s * nt, b * h, nmb),
-        threadgroup=(nt, 1, 1),
-        output_shapes=[(b, h, s, mp, dim), (b, h, s, mp, 2)],
-        output_dtypes=[mx.float32, mx.float32],
-    )
+    o_part, ml_part, qf = parts(q)
     if out_dtype is not None:
         o, mm, ll = merge_splits_fp16(o_part, ml_part, qf, fp16 or [], out_dtype, scale)
     else:
         o, mm, ll = merge_splits(o_part, ml_part)
-    if mp > m:
+    if qf.shape[2] > m:
         o, mm, ll = o[:, :, :m], mm[:, :, :m], ll[:, :, :m]
     return o, mm, ll

@@ -69,7 +69,6 @@ class VecInfer(Codec):
     settings = ("bits", "vector", "smooth", "hadamard", "iters", "seed")
     compressed_scores = True
     compressed_mix = True
-    kernels = _kernels  # fused decode attention over the codes (GPU)
 
     def __init__(
         self,
@@ -277,6 +276,14 @@ class VecInfer(Codec):
         return self.untransform(w @ self.codewords(packed))
 
     # -- fitted state, one row per sequence -------------------------------------------------------
+    def kernel_values(self, packed: Packed, dim: int):
+        """The decode kernels' value side (GPU): :func:`velox_vecinfer.kernels.kernel_values`."""
+        return _kernels.kernel_values(self, packed, dim)
+
+    def kernel_keys(self, packed: Packed, q_shape, values):
+        """The decode kernels' key side (GPU): :func:`velox_vecinfer.kernels.kernel_keys`."""
+        return _kernels.kernel_keys(self, packed, q_shape, values)
+
     def state(self) -> dict[str, mx.array]:
         if not self.fitted:
             return {}

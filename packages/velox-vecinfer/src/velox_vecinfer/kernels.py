@@ -14,12 +14,13 @@ This is the paper's fused dequantize-and-compute kernel, as one body for Metal a
   query in the same softmax (the fused merge's ``merge_q``).
 * Values coded by VecInfer without a transform (the cache's setting) mix straight into the
   output; per-token ``Uniform`` values are taken too (composed caches). Transformed values
-  are undone on the partial (:func:`attend_partial`); the one-softmax path with fp16 segments
-  declines them (the merge has no per-head map back).
+  are undone on the partial (their side's ``back``, one matrix per batch row and KV head);
+  the one-softmax path with fp16 segments declines them (the merge has one map back).
 
-Where the kernel does not apply (kernels off or the CPU, a codec not yet fitted, a layout the
-kernel's plan declines: a codebook larger than ``VQ_MAX_TABLE`` floats, a lane's indices not
-filling whole words) the functions return None and the caller takes the reference path.
+The codec gives the kernels its sides (:func:`kernel_keys`, :func:`kernel_values`); where the
+kernel does not apply (kernels off or the CPU, a codec not yet fitted, a layout the kernel's
+plan declines: a codebook larger than ``VQ_MAX_TABLE`` floats, a lane's indices not filling
+whole words) the caller takes the reference path.
 
 Encoding (:func:`encode_codes`): the host transforms the new vectors (MLX ops: the smoothing
 and the Hadamard transform), then one kernel finds each sub-vector's nearest codeword (exact
@@ -32,23 +33,16 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from velox_core import Packed, Uniform
-from velox_core.kernels import decode as _kd
+from velox_core import Packed
 from velox_core.kernels import use_kernels
 from velox_core.kernels.encode import vq_encode
-from velox_core.kernels.joint import JointQuery, JointRun, joint_glue, plan_joint
-from velox_core.kernels.records import AffineCodes, VQCodes
+from velox_core.kernels.joint import KernelSide
+from velox_core.kernels.records import AffineCodes, CodeRecord, VQCodes
 
 if TYPE_CHECKING:
     from .codec import VecInfer
 
-__all__ = ["attend_partial", "encode_codes", "joint_call", "kernel_side"]
-
-
-def _is_vecinfer(codec) -> bool:
-    """Whether ``codec`` is a VecInfer codec, by its registered name (this glue depends on the
-    codec's public attributes, never imports it: the codec imports the glue)."""
-    return getattr(codec, "name", None) == "vecinfer"
+__all__ = ["encode_codes", "kernel_keys", "kernel_values"]
 
 
 def encode_codes(codec: VecInfer, y: mx.array) -> mx.array | None:
@@ -63,81 +57,38 @@ def encode_codes(codec: VecInfer, y: mx.array) -> mx.array | None:
     return vq_encode(y, codec.codebook, codec.index_bits, codec.vector)
 
 
-def kernel_side(codec, packed: Packed) -> VQCodes | AffineCodes | None:
-    """The decode kernel's view of one side's record: ``velox_core.kernels.records.VQCodes``
-    (the codeword indices and the codebooks) for a fitted :class:`VecInfer`, ``AffineCodes``
-    for a per-token ``Uniform``; None for anything else."""
-    if _is_vecinfer(codec):
-        if not codec.fitted:
-            return None
-        return VQCodes(
-            bits=codec.index_bits,
-            group=codec.vector,
-            codes=packed.data["codes"],
-            codebooks=codec.codebook,
-        )
-    if isinstance(codec, Uniform) and codec.axis == "token":
-        return codec.kernel_codes(packed)
-    return None
-
-
-def _sides(codec: VecInfer, keys: Packed, value_codec, values: Packed):
-    if not use_kernels() or not codec.fitted:
-        return None
-    ks, vs = kernel_side(codec, keys), kernel_side(value_codec, values)
-    return None if ks is None or vs is None else (ks, vs)
-
-
-def _values_transformed(value_codec) -> bool:
-    return _is_vecinfer(value_codec) and (value_codec.smooth or value_codec.hadamard)
-
-
-def attend_partial(
-    codec: VecInfer, q: mx.array, keys: Packed, value_codec, values: Packed
-) -> tuple[mx.array, mx.array, mx.array] | None:
-    """:meth:`velox_core.Codec.attend_partial` of VecInfer keys: this segment's partial
-    ``(o, m, l)`` from its codeword indices through the decode kernel, the query transformed
-    and transformed values undone on the partial (shapes as there: q float32 with the scale
-    applied), or None where no kernel applies."""
-    if q.shape[-1] != codec.dim:
-        return None
-    sides = _sides(codec, keys, value_codec, values)
-    if sides is None:
-        return None
-    out = _kd.decode_attention(codec.transform_query(q), *sides)
-    if out is None or not _values_transformed(value_codec):
-        return out
-    o, m, l = out
-    return value_codec.untransform(o), m, l
-
-
-def _plan_joint(
-    codec: VecInfer, query: JointQuery, keys: Packed, value_codec, values: Packed
-) -> JointRun | None:
-    """:meth:`velox_core.Codec.joint_call` of VecInfer keys: attention over this segment's
-    codes and up to two fp16 segments (a cache's sinks and window) in one softmax (the
-    decode kernel and the fused merge), planned once for the query shape: ``run(q, fp16)``,
-    or None where :func:`attend_partial` would decline or the values are coded in a
-    transformed domain.
-
-    Shapes:
-        q ``(B, H, M, D)``: float32 with the scale applied, or unscaled (any float dtype)
-        with ``scale``; fp16 pairs ``(B, H, T_i, D)``; ``run`` returns ``(B, H, M, D)`` in
-        ``out_dtype``.
-    """
-    if query.shape[-1] != codec.dim or _values_transformed(value_codec):
-        return None
-    sides = _sides(codec, keys, value_codec, values)
-    if sides is None:
-        return None
-    # the codes are scored against the transformed query (float32), the fp16 keys against q
-    return plan_joint(
-        query,
-        *sides,
-        lambda q: (codec.transform_query(q), q, None),
-        kernel_dtype=mx.float32,
-        merge_q=True,
+def _record(codec: VecInfer, packed: Packed) -> VQCodes:
+    """The decode kernel's view of a record: the codeword indices and the codebooks."""
+    return VQCodes(
+        bits=codec.index_bits,
+        group=codec.vector,
+        codes=packed.data["codes"],
+        codebooks=codec.codebook,
     )
 
 
-joint_call = joint_glue(_plan_joint)
+def kernel_values(codec: VecInfer, packed: Packed, dim: int) -> KernelSide | None:
+    """:meth:`velox_core.Codec.kernel_values` of VecInfer: the record as vector codes, with
+    the map back from the transformed domain per batch row and KV head where the values are
+    transformed (the partial takes it, the one-softmax merge declines it); None before the
+    codec is fitted or for another head dim."""
+    if not codec.fitted or dim != codec.dim:
+        return None
+    back = None
+    if codec.smooth or codec.hadamard:  # rows untransform(e_i): x = y @ back
+        b, h = codec.codebook.shape[:2]
+        back = codec.untransform(mx.broadcast_to(mx.eye(dim), (b, h, dim, dim)))
+    return KernelSide(_record(codec, packed), back=back)
+
+
+def kernel_keys(codec: VecInfer, packed: Packed, q_shape, values: CodeRecord) -> KernelSide | None:
+    """:meth:`velox_core.Codec.kernel_keys` of VecInfer: the record as vector codes scored
+    against the transformed query (float32), beside VecInfer's own or per-token affine
+    values; None before the codec is fitted or for another head dim."""
+    if (
+        not codec.fitted
+        or q_shape[-1] != codec.dim
+        or not isinstance(values, (VQCodes, AffineCodes))
+    ):
+        return None
+    return KernelSide(_record(codec, packed), query=codec.transform_query, query_dtype=mx.float32)

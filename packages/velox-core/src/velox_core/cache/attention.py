@@ -8,11 +8,11 @@ codec mixes its share of the weights (``p @ v``) from its codes. For many query 
 them, or (on the CPU, over long contexts) they are decoded a slice at a time under one online
 softmax (below); all are ``softmax(q k^T * scale + mask) v`` over the same stored tokens.
 
-On a GPU with kernels enabled, decode steps go through each key codec's fused kernel
-(``attend_partial``: scores, running max, exponentials and the value mix in one pass over
-the codes, split along the context) where it has one; every segment returns a partial
-``(o, max, sum)`` and :func:`merge_partials` joins them with the log-sum-exp rule, which is
-the same single softmax.
+On a GPU with kernels enabled, decode steps go through the fused decode kernels wherever a
+segment's codecs give them their records (:func:`kernel_sides`, the one place that decides:
+scores, running max, exponentials and the value mix in one pass over the codes, split along
+the context); every segment returns a partial ``(o, max, sum)`` and :func:`merge_partials`
+joins them with the log-sum-exp rule, which is the same single softmax.
 
 Prefill over slices (:func:`tiled_prefill_attention`): a prefill chunk of ``L`` queries over
 ``T`` stored tokens through fused SDPA (:func:`prefill_attention`) decodes every stored token
@@ -35,6 +35,7 @@ in float32 (the fused path computes in the model's dtype).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from math import lcm
 
@@ -43,7 +44,11 @@ import mlx.core as mx
 from ..codec.base import Codec, Packed
 from ..codec.identity import Identity
 from ..kernels import use_kernels
+from ..kernels.joint import JointQuery, KernelSide, plan_segment, segment_partial
 from ..validation import check_int
+
+_log = logging.getLogger("velox_core.kernels")
+_DECLINED: set[tuple[str, str, str]] = set()  # (key codec, value codec, side) logged once
 
 # the prefill's tiling (tiled_prefill_attention, prefill_tile, can_tile, TILE) is chosen per
 # cache (VeloxCache.prefill_tile) and needs no name of its own in velox-core's face
@@ -302,9 +307,31 @@ def partial(q: mx.array, seg: Segment) -> tuple[mx.array, mx.array, mx.array]:
     return seg.value_codec.mix(p, seg.values), m, mx.sum(p, axis=-1, keepdims=True)
 
 
+def kernel_sides(
+    key_codec: Codec, keys: Packed, value_codec: Codec, values: Packed, q_shape
+) -> tuple[KernelSide, KernelSide] | None:
+    """Whether a coded segment reaches the fused decode kernels, decided here alone: kernels
+    on (:func:`velox_core.kernels.use_kernels`), the value codec's
+    :meth:`~velox_core.Codec.kernel_values`, then the key codec's
+    :meth:`~velox_core.Codec.kernel_keys` beside them. A codec pair that gives none takes the
+    reference path, logged once per pair and side (``velox_core.kernels``, INFO)."""
+    if not use_kernels():
+        return None
+    vs = value_codec.kernel_values(values, q_shape[-1])
+    ks = None if vs is None else key_codec.kernel_keys(keys, q_shape, vs.record)
+    if ks is not None:
+        return ks, vs
+    why = (key_codec.name, value_codec.name, "values" if vs is None else "keys")
+    if why not in _DECLINED:
+        _DECLINED.add(why)
+        _log.info("no decode kernel for %s keys with %s values (their %s): reference path", *why)
+    return None
+
+
 def fused_partial(q: mx.array, seg: Segment):
-    """The key codec's fused kernel for this segment (reads both records), or None."""
-    return seg.key_codec.attend_partial(q, seg.keys, seg.value_codec, seg.values)
+    """This segment's partial from the fused decode kernels, or None (no kernel applies)."""
+    sides = kernel_sides(seg.key_codec, seg.keys, seg.value_codec, seg.values, q.shape)
+    return None if sides is None else segment_partial(q, *sides)
 
 
 def joint_attention(
@@ -312,8 +339,7 @@ def joint_attention(
 ) -> mx.array | None:
     """Normalized attention over one coded segment and up to two fp16 (``Identity``) segments
     in one fused call (the coded segment's decode kernel and a merge that also attends the
-    fp16 tokens), or None when the segments do not have that shape or the codec has no such
-    path (``attend_joint``).
+    fp16 tokens), or None when the segments do not have that shape or no kernel applies.
 
     Shapes:
         q ``(B, H, M, D)`` float32 with the scale applied, or unscaled (any float dtype) with
@@ -326,10 +352,13 @@ def joint_attention(
     if any(not isinstance(s.value_codec, Identity) for s in plain):
         return None
     seg = coded[0]
+    sides = kernel_sides(seg.key_codec, seg.keys, seg.value_codec, seg.values, q.shape)
+    if sides is None:
+        return None
     fp16 = [(s.keys.data["x"], s.values.data["x"]) for s in plain]
-    return seg.key_codec.attend_joint(
-        q, seg.keys, seg.value_codec, seg.values, fp16, out_dtype, scale
-    )
+    tokens = sum(k.shape[2] for k, _ in fp16)
+    run = plan_segment(JointQuery(tuple(q.shape), q.dtype, tokens, out_dtype, scale), *sides)
+    return None if run is None else run(q, fp16)
 
 
 def merge_partials(parts: list[tuple[mx.array, mx.array, mx.array]]) -> mx.array:

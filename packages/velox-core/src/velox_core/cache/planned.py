@@ -2,8 +2,9 @@
 
 A cache passes tokens to its codes ``flush`` at a time, so between two flushes every decode
 step attends the same coded segment: the same records, the same shapes. The first step asks
-the key codec for a plan (:meth:`velox_core.Codec.joint_call`: the kernels' layouts,
-templates, splits and checks worked out once) and the steps after it only launch the kernels
+the kernels for a plan (the segment's kernel sides, :func:`velox_core.cache.attention.kernel_sides`,
+planned by :func:`velox_core.kernels.joint.plan_segment`: the layouts, templates, splits and
+checks worked out once) and the steps after it only launch the kernels
 over that segment and the cache's fp16 sinks and window. The plan is keyed by everything it
 was made for (the query's shape and dtype, the scale, the segment's tokens and buffers, the
 sinks' buffer, whether the window holds tokens) and dropped when the segment changes.
@@ -17,6 +18,8 @@ import mlx.core as mx
 
 from ..kernels import use_kernels
 from ..kernels.codes import FP16_MAX
+from ..kernels.joint import JointQuery, plan_segment
+from .attention import kernel_sides
 
 __all__: list[str] = []
 
@@ -77,16 +80,10 @@ class PlannedAttention:
         tier = cache.tiers[0]
         n_sink, n_win = key[6], cache._win[0].tokens
         self.clear()
-        self._run = tier.key_codec.joint_call(
-            q_shape,
-            dtype,
-            ks.view(),
-            tier.value_codec,
-            vs.view(),
-            n_sink + n_win,
-            dtype,
-            scale,
-        )
+        sides = kernel_sides(tier.key_codec, ks.view(), tier.value_codec, vs.view(), q_shape)
+        if sides is not None:
+            query = JointQuery(tuple(q_shape), dtype, n_sink + n_win, dtype, scale)
+            self._run = plan_segment(query, *sides)
         if n_sink:
             self._sink = (cache._sink[0].view().data["x"], cache._sink[1].view().data["x"])
         # the key holds the buffers' ids: holding the records keeps those ids theirs

@@ -12,12 +12,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any, ClassVar
 
 import mlx.core as mx
 
 from ..configured import Configured
+from ..kernels.joint import KernelSide
+from ..kernels.records import CodeRecord
 
 __all__: list[str] = []
 
@@ -137,10 +138,9 @@ class Codec(Configured, ABC):
     ``compressed_scores`` / ``compressed_mix`` to True). ``decodes_slices`` declares that a
     block-aligned slice of a record decodes exactly on its own.
 
-    A codec with fused attention kernels names their module in ``kernels``: its functions
-    ``attend_partial``, ``joint_call`` and ``attend_joint`` (those it defines) then serve the
-    methods of the same name, called with the codec first and the methods' arguments, and
-    return None where their kernels do not apply.
+    A codec whose codes the fused decode kernels read gives them its records through
+    :meth:`kernel_keys` / :meth:`kernel_values` (the one way from a codec to a kernel:
+    :mod:`velox_core.kernels.joint`).
     """
 
     name: ClassVar[str] = "codec"
@@ -152,7 +152,6 @@ class Codec(Configured, ABC):
     # at a time (velox_core.cache.attention.tiled_prefill_attention). A subclass that changes
     # decode must set it anew.
     decodes_slices: ClassVar[bool] = False
-    kernels: ClassVar[ModuleType | None] = None
     block: int = 1
 
     # -- configuration (settings or config(), from_config, fresh, describe:
@@ -241,69 +240,22 @@ class Codec(Configured, ABC):
         """
         return w @ self.decode(packed)
 
-    def attend_partial(
-        self, q: mx.array, keys: Packed, value_codec: Codec, values: Packed
-    ) -> tuple[mx.array, mx.array, mx.array] | None:
-        """A fused kernel's partial ``(o, m, l)`` over this segment (keys coded by this codec,
-        values by ``value_codec``), or None (no kernel applies: the caller computes
-        :func:`velox_core.cache.attention.partial` from :meth:`scores` and :meth:`mix`).
+    def kernel_values(self, packed: Packed, dim: int) -> KernelSide | None:
+        """This codec's record as the decode kernels' value side (its
+        :class:`~velox_core.kernels.joint.KernelSide`: the record, and the map back to the
+        model's domain where the values are coded in another), or None: no kernel mixes
+        these codes (the default), and the segment takes the reference path. Called only
+        where kernels run (:func:`velox_core.kernels.use_kernels`); ``dim`` is the query's
+        head dim."""
+        return None
 
-        Shapes:
-            q ``(B, H, M, D)`` float32 with the scale applied; returns ``(B, H, M, D)``,
-            ``(B, H, M, 1)``, ``(B, H, M, 1)`` float32.
-        """
-        fn = getattr(self.kernels, "attend_partial", None)
-        return None if fn is None else fn(self, q, keys, value_codec, values)
-
-    def joint_call(
-        self,
-        q_shape: tuple[int, int, int, int],
-        q_dtype: mx.Dtype,
-        keys: Packed,
-        value_codec: Codec,
-        values: Packed,
-        fp16_tokens: int,
-        out_dtype: mx.Dtype,
-        scale: float | None = None,
-    ) -> Callable[[mx.array, list[tuple[mx.array, mx.array]]], mx.array | None] | None:
-        """:meth:`attend_joint` planned once for this segment and a query shape: a callable
-        ``run(q, fp16)`` that only launches the kernels (a cache keeps it for the decode
-        steps that attend the same segment), or None (the default: no fused kernel).
-
-        ``fp16_tokens`` is the fp16 tokens ``run`` will be given (0: none, which lets a
-        kernel merge its own splits); ``run`` returns None where the fp16 segments it is
-        given do not fit the merge.
-        """
-        fn = getattr(self.kernels, "joint_call", None)
-        if fn is None:
-            return None
-        return fn(self, q_shape, q_dtype, keys, value_codec, values, fp16_tokens, out_dtype, scale)
-
-    def attend_joint(
-        self,
-        q: mx.array,
-        keys: Packed,
-        value_codec: Codec,
-        values: Packed,
-        fp16: list[tuple[mx.array, mx.array]],
-        out_dtype: mx.Dtype,
-        scale: float | None = None,
-    ) -> mx.array | None:
-        """Normalized attention over this segment's codes and up to two fp16 segments (a
-        cache's sinks and window) in one softmax, by fused kernels, or None (no such path:
-        the caller merges per-segment partials): the ``kernels`` module's ``attend_joint``
-        where it has one, else :meth:`joint_call`'s plan, run once.
-
-        Shapes:
-            q ``(B, H, M, D)``: float32 with the scale applied, or unscaled (any float dtype)
-            with ``scale``; fp16 pairs ``(B, H, T_i, D)``; returns ``(B, H, M, D)`` in
-            ``out_dtype``.
-        """
-        fn = getattr(self.kernels, "attend_joint", None)
-        if fn is not None:
-            return fn(self, q, keys, value_codec, values, fp16, out_dtype, scale)
-        if len(fp16) > 2:
-            return None
-        tokens = sum(k.shape[2] for k, _ in fp16)
-        run = self.joint_call(q.shape, q.dtype, keys, value_codec, values, tokens, out_dtype, scale)
-        return None if run is None else run(q, fp16)
+    def kernel_keys(
+        self, packed: Packed, q_shape: tuple[int, int, int, int], values: CodeRecord
+    ) -> KernelSide | None:
+        """This codec's record as the decode kernels' key side for grouped queries of
+        ``q_shape`` beside the value record ``values`` (the record, and the query the
+        kernels score it with where that is not the model's), or None: no kernel scores
+        these codes beside those values (the default), and the segment takes the reference
+        path. Called only where kernels run, after the value codec's
+        :meth:`kernel_values`."""
+        return None

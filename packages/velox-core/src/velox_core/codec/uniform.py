@@ -12,18 +12,17 @@ the query (``q . (s * c + z) = (q * s) . c + q . z``).
 On a GPU with kernels enabled (:func:`velox_core.kernels.use_kernels`), per-token codes are
 encoded by one fused quantize-and-pack kernel (bit for bit the reference), and decode steps
 attend through the fused split-K kernel of :mod:`velox_core.kernels.decode`
-(:meth:`Uniform.attend_partial`).
+(:meth:`Uniform.kernel_keys`, :meth:`Uniform.kernel_values`).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from ..kernels import decode as _kd
 from ..kernels import encode as _ke
 from ..kernels import use_kernels
-from ..kernels.joint import JointQuery, JointRun, joint_glue, plan_joint
-from ..kernels.records import AffineCodes, ChannelAffineCodes
+from ..kernels.joint import KernelSide
+from ..kernels.records import AffineCodes, ChannelAffineCodes, CodeRecord
 from ..ops.packing import (
     BYTE_BITS,
     MLX_BITS,
@@ -39,18 +38,6 @@ from ..validation import check_bits, check_choice, check_float, check_int
 from .base import Codec, Packed
 
 __all__: list[str] = []
-
-
-def _plan_joint(
-    codec: Uniform, query: JointQuery, keys: Packed, value_codec: Codec, values: Packed
-) -> JointRun | None:
-    """Attention over this segment's codes and up to two fp16 segments (a cache's sinks
-    and window) in one softmax, planned once (:meth:`Codec.joint_call`): the fused
-    decode kernel and a merge that also attends the fp16 tokens (GPU kernels), or None
-    where :meth:`Uniform.attend_partial` would decline or the fp16 segments are too long
-    (``FP16_MAX`` tokens)."""
-    sides = codec._kernel_sides(keys, value_codec, values)
-    return None if sides is None else plan_joint(query, *sides)
 
 
 class Uniform(Codec):
@@ -170,49 +157,26 @@ class Uniform(Codec):
         out = (wg @ c) * s + mx.sum(wg, axis=-1, keepdims=True) * z  # (B, H, T/g, M, D)
         return mx.sum(out, axis=2)
 
-    def attend_partial(
-        self, q: mx.array, keys: Packed, value_codec: Codec, values: Packed
-    ) -> tuple[mx.array, mx.array, mx.array] | None:
-        """Fused decode attention over this segment's codes (GPU kernel), or None.
+    def kernel_values(self, packed: Packed, dim: int) -> KernelSide | None:
+        """Per-token codes: the decode kernels mix them (:meth:`kernel_codes`); per-channel
+        groups (KIVI's keys' layout) only as keys."""
+        return KernelSide(self.kernel_codes(packed)) if self.axis == "token" else None
 
-        Returns the partial ``(o, m, l)`` of :func:`velox_core.cache.attention.partial`
-        computed in one pass over the key and value codes, or None when the kernel does not
-        apply: kernels disabled or the CPU backend, a value codec that is not a per-token
-        ``Uniform`` (per-channel keys, KIVI's, are taken), or a shape the kernel does not lay
-        out (:func:`velox_core.kernels.portable.plan`).
-
-        Shapes:
-            q ``(B, H, M, D)`` float32 with the scale applied; returns ``(B, H, M, D)``,
-            ``(B, H, M, 1)``, ``(B, H, M, 1)`` float32.
-        """
-        sides = self._kernel_sides(keys, value_codec, values)
-        if sides is None:
-            return None
-        return _kd.decode_attention(q, *sides)
-
-    def _kernel_sides(self, keys: Packed, value_codec: Codec, values: Packed):
-        """The decode kernels' view of both records (:meth:`kernel_codes`), or None where no
-        kernel applies: kernels off or the CPU, a value codec that is not a ``Uniform``,
-        per-channel groups on the values. Per-channel keys (KIVI's) are taken: the tensor-core
-        kernel reads them on CUDA where the plan allows, the portable kernel elsewhere."""
-        if not use_kernels() or not isinstance(value_codec, Uniform):
-            return None
-        if value_codec.axis != "token":
-            return None
-        return self.kernel_codes(keys), value_codec.kernel_codes(values)
+    def kernel_keys(self, packed: Packed, q_shape, values: CodeRecord) -> KernelSide | None:
+        """Affine codes, per token or per channel (KIVI's keys: the tensor-core kernel reads
+        them on CUDA where the plan allows, the portable kernel elsewhere), beside per-token
+        affine values."""
+        return KernelSide(self.kernel_codes(packed)) if type(values) is AffineCodes else None
 
     def kernel_codes(self, packed: Packed) -> AffineCodes | ChannelAffineCodes:
         """The decode kernels' view of one of this codec's records: affine codes with their
         scales and zeros, per token (``velox_core.kernels.records.AffineCodes``) or
-        (``axis="channel"``, keys only) per channel (``ChannelAffineCodes``). Other codecs'
-        kernel glue uses it for a ``Uniform`` side of theirs (the values beside their keys)."""
+        (``axis="channel"``, keys only) per channel (``ChannelAffineCodes``)."""
         p = packed.data
         record = AffineCodes if self.axis == "token" else ChannelAffineCodes
         return record(
             bits=self.bits, group=self.group, codes=p["codes"], scale=p["scale"], zero=p["zero"]
         )
-
-    joint_call = joint_glue(_plan_joint)
 
 
 def _divisors(n: int) -> str:

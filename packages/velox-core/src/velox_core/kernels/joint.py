@@ -1,31 +1,31 @@
-"""Joint decode calls: one coded segment and a cache's fp16 sinks and window in one softmax.
+"""One way from a coded segment to the decode kernels: its two kernel sides, planned here.
 
-:meth:`velox_core.Codec.joint_call` asks a codec's kernels module for a plan made once per
-segment and query shape: a callable ``run(q, fp16)`` that only launches the kernels. The
-method packages' glue shares two pieces here:
+A codec reaches the fused decode kernels only through its kernel sides
+(:meth:`velox_core.Codec.kernel_values`, :meth:`velox_core.Codec.kernel_keys`): each gives a
+:class:`KernelSide` (the side's record of :mod:`velox_core.kernels.records`; for keys the
+query the kernels score its codes with, for values the map from the codes' domain back to the
+model's) or None. The functions here take sides, never a codec:
 
-* :func:`joint_glue` turns a planner that takes the query's description as one record
-  (:class:`JointQuery`) into the module function ``joint_call`` that ``Codec.joint_call``
-  calls (codec first, then its arguments in order);
-* :func:`plan_joint` plans :func:`velox_core.kernels.decode.plan_decode` for the record and
-  returns ``run``: each call prepares the kernel's query from the model's (a rotation, query
-  tables), launches the decode kernel and the merge that joins the fp16 tokens, and returns
-  the normalized output. Where the model's query goes to the kernel as it is (no ``prepare``:
-  affine codes), ``run`` is the decode plan's own.
+* :func:`plan_segment` plans :func:`velox_core.kernels.decode.plan_decode` once for a segment
+  and a query shape and returns ``run(q, fp16)``: the normalized attention over the codes and
+  up to two fp16 segments (a cache's sinks and window) in one softmax;
+* :func:`segment_partial` is one segment's partial ``(o, m, l)`` for a log-sum-exp merge.
+
+Which segments get here is decided in one place, the cache's
+(:func:`velox_core.cache.attention.kernel_sides`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import mlx.core as mx
 
 from . import decode as _kd  # plan_decode looked up per plan (tests spy on it)
 from .records import CodeRecord
 
-__all__ = ["JointQuery", "JointRun", "joint_glue", "plan_joint"]
+__all__ = ["JointQuery", "JointRun", "KernelSide", "plan_segment", "segment_partial"]
 
 # run(q, fp16): q (B, H, M, D); fp16 up to two (keys, values) pairs (B, H, T_i, D); returns
 # (B, H, M, D) in the plan's out_dtype, or None where the fp16 segments do not fit the merge
@@ -33,9 +33,38 @@ JointRun = Callable[[mx.array, list[tuple[mx.array, mx.array]]], mx.array | None
 
 
 @dataclass(frozen=True)
+class KernelSide:
+    """One side of a coded segment as the decode kernels take it.
+
+    Attributes:
+        record: the side's codes (:class:`~velox_core.kernels.records.CodeRecord`).
+        query: keys only: the kernel's query from the model's grouped query (a rotation, a
+            transform into the codes' domain), or None: the model's query as it is. The
+            fp16 tokens a plan joins are then scored with the model's query.
+        query_dtype: the dtype ``query`` returns (None: the dtype it is given); the plan is
+            made for it first.
+        query_input: keys only: the per-call query-side input the keys' layout takes (a
+            sketched query, query tables) from the kernel's query, or None.
+        values: keys only: the value side as these keys' kernel reads it where that is not
+            the value codec's own (a kernel of the keys' layout that reads values its own
+            way), or None.
+        back: values only: float32 ``A`` with ``x = x_codes @ A`` (the map from the domain
+            the values are coded in back to the model's), ``(D, D)`` or one per batch row and
+            KV head ``(B, H, D, D)`` (the partial takes it; the joint merge maps back by one
+            ``(D, D)`` matrix only and declines the other), or None: the model's domain.
+    """
+
+    record: CodeRecord
+    query: Callable[[mx.array], mx.array] | None = None
+    query_dtype: mx.Dtype | None = None
+    query_input: Callable[[mx.array], mx.array] | None = None
+    values: KernelSide | None = None
+    back: mx.array | None = None
+
+
+@dataclass(frozen=True)
 class JointQuery:
-    """The queries a joint plan takes and what it returns (``Codec.joint_call``'s arguments
-    beside the segment).
+    """The queries a joint plan takes and what it returns.
 
     Attributes:
         shape: ``(B, H, M, D)``, the grouped queries ``run`` is given.
@@ -54,68 +83,73 @@ class JointQuery:
     scale: float | None = None
 
 
-def joint_glue(plan: Callable[[Any, JointQuery, Any, Any, Any], JointRun | None]):
-    """A kernels module's ``joint_call`` from ``plan(codec, query, keys, value_codec, values)``
-    (``keys`` and ``values`` the segment's ``Packed`` records): the function
-    ``Codec.joint_call`` calls, with ``plan``'s docstring."""
-
-    def joint_call(
-        codec, q_shape, q_dtype, keys, value_codec, values, fp16_tokens, out_dtype, scale=None
-    ) -> JointRun | None:
-        query = JointQuery(tuple(q_shape), q_dtype, fp16_tokens, out_dtype, scale)
-        return plan(codec, query, keys, value_codec, values)
-
-    joint_call.__doc__, joint_call.__module__ = plan.__doc__, plan.__module__
-    joint_call.__qualname__ = "joint_call"
-    return joint_call
+def _kernel_query(keys: KernelSide, q: mx.array) -> tuple[mx.array, mx.array | None]:
+    """The kernel's query and its query-side input from the model's query ``q``."""
+    kq = q if keys.query is None else keys.query(q)
+    return kq, None if keys.query_input is None else keys.query_input(kq)
 
 
-def plan_joint(
-    query: JointQuery,
-    keys: CodeRecord,
-    values: CodeRecord,
-    prepare: Callable[[mx.array], tuple[mx.array, mx.array | None, mx.array | None]] | None = None,
-    *,
-    kernel_dtype: mx.Dtype | None = None,
-    merge_q: bool = False,
-    rot: mx.array | None = None,
-    q_sketch: bool = False,
-) -> JointRun | None:
-    """The decode kernel and the fp16 merge planned for ``query``: ``run(q, fp16)``, or None
-    where no kernel takes the shape.
+def plan_segment(query: JointQuery, keys: KernelSide, values: KernelSide) -> JointRun | None:
+    """The decode kernel and the fp16 merge planned for ``query`` over one segment's sides:
+    ``run(q, fp16)``, or None where no kernel takes the shape.
 
-    Args:
-        query: what ``run`` is given and returns.
-        keys, values: the segment's codes as the decode kernel reads them.
-        prepare: ``prepare(q) -> (kernel_q, merge_q, q_sketch)``, the decode kernel's query,
-            the query the merge scores the fp16 keys with (None: the kernel's) and the query
-            sketch or tables (None where the keys take none) from the model's query; None
-            passes ``q`` as it comes.
-        kernel_dtype: the dtype of ``kernel_q`` planned for now (default ``query.dtype``); a
-            ``kernel_q`` of another dtype is planned for at its first call.
-        merge_q, rot, q_sketch: as :func:`~velox_core.kernels.decode.plan_decode`.
+    Shapes:
+        q ``(B, H, M, D)``: float32 with the scale applied, or unscaled (any float dtype)
+        with ``query.scale``; fp16 pairs ``(B, H, T_i, D)`` in the model's domain; ``run``
+        returns ``(B, H, M, D)`` in ``query.out_dtype``.
     """
-
-    merge = {"fp16_tokens": query.fp16_tokens, "out_dtype": query.out_dtype, "scale": query.scale}
-    flags = {"merge_q": merge_q, "rot": rot, "q_sketch": q_sketch, "out_only": True}
+    values = keys.values or values
+    if values.back is not None and values.back.ndim != 2:
+        return None
+    # the fp16 keys are scored with the model's query where the kernel's is another, and
+    # the merge maps coded values back (``rot``) with the model's query beside them
+    merge_q = keys.query is not None or values.back is not None
+    flags = {
+        "fp16_tokens": query.fp16_tokens,
+        "out_dtype": query.out_dtype,
+        "scale": query.scale,
+        "merge_q": merge_q,
+        "rot": values.back,
+        "q_sketch": keys.query_input is not None,
+        "out_only": True,
+    }
 
     def plan(dtype: mx.Dtype):
-        return _kd.plan_decode(query.shape, dtype, keys, values, **merge, **flags)
+        return _kd.plan_decode(query.shape, dtype, keys.record, values.record, **flags)
 
-    if prepare is None and kernel_dtype in (None, query.dtype):
-        # the model's query is the kernel's, of the planned dtype: the decode plan's own run
-        # (returning the normalized output) is the joint run, one Python frame fewer a step
-        return plan(query.dtype)
-    first = query.dtype if kernel_dtype is None else kernel_dtype
+    first = keys.query_dtype or query.dtype
+    if not merge_q and keys.query_input is None and first == query.dtype:
+        # the model's query is the kernel's: the decode plan's own run (returning the
+        # normalized output) is the joint run, one Python frame fewer a step
+        return plan(first)
     plans = {first: plan(first)}  # per dtype of the kernel's query
     if plans[first] is None:
         return None
 
     def run(q: mx.array, fp16: list[tuple[mx.array, mx.array]]) -> mx.array | None:
-        kernel_q, mq, qs = (q, None, None) if prepare is None else prepare(q)
-        if kernel_q.dtype not in plans:
-            plans[kernel_q.dtype] = plan(kernel_q.dtype)
-        launch = plans[kernel_q.dtype]
-        return None if launch is None else launch(kernel_q, fp16, mq, qs)
+        kq, qs = _kernel_query(keys, q)
+        if kq.dtype not in plans:
+            plans[kq.dtype] = plan(kq.dtype)
+        launch = plans[kq.dtype]
+        return None if launch is None else launch(kq, fp16, q if merge_q else None, qs)
 
     return run
+
+
+def segment_partial(
+    q: mx.array, keys: KernelSide, values: KernelSide
+) -> tuple[mx.array, mx.array, mx.array] | None:
+    """One segment's partial ``(o, m, l)`` from its codes (the decode kernel and the split
+    merge), or None where no kernel takes the shape.
+
+    Shapes:
+        q ``(B, H, M, D)`` float32 with the scale applied; returns ``(B, H, M, D)``,
+        ``(B, H, M, 1)``, ``(B, H, M, 1)`` float32 (``o`` in the model's domain).
+    """
+    values = keys.values or values
+    kq, qs = _kernel_query(keys, q)
+    out = _kd.decode_attention(kq, keys.record, values.record, q_sketch=qs)
+    if out is None or values.back is None:
+        return out
+    o, m, l = out
+    return o @ values.back, m, l
