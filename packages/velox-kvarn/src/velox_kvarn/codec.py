@@ -32,6 +32,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from velox_core import Codec, Packed
+from velox_core.codec.hadamard import HadamardRotated
 from velox_core.ops import affine_matmul, mlx_readable, pack, scale_dtype, unpack
 from velox_core.validation import check_bits, check_int
 
@@ -44,7 +45,7 @@ MAX_ITERS = 64  # normalization iterations allowed (the authors run 8 or 16)
 _MIN_STEP = 1e-10  # the rounding step of a constant row (the reference's clamp)
 
 
-class _KVarN(Codec):
+class _KVarN(HadamardRotated, Codec):
     """What both sides share: settings, the rotation, the tile pipeline up to the codes.
 
     Args:
@@ -74,28 +75,6 @@ class _KVarN(Codec):
         if dim % 2:
             raise ValueError(f"kvarn: head dim {dim} is odd: no Hadamard block divides it")
         self._ready(dim)
-
-    def _ready(self, dim: int) -> HadamardRotation:
-        if self.rotation is None or self.rotation.dim != dim:
-            self.rotation = HadamardRotation(dim, self.seed)
-        return self.rotation
-
-    def state(self) -> dict[str, mx.array]:
-        """A seeded rotation's signs (and permutation); nothing for the Sylvester one."""
-        return {} if self.rotation is None else self.rotation.arrays()
-
-    def set_state(self, state: dict[str, mx.array]) -> None:
-        if not state:
-            return
-        signs = state.get("rot.signs")
-        if self.seed is None or signs is None:
-            raise ValueError(f"kvarn: {self.describe()} keeps no state, got {sorted(state)}")
-        mine = self._ready(signs.shape[0]).arrays()
-        if set(mine) != set(state) or not all(mx.array_equal(mine[k], state[k]) for k in mine):
-            raise ValueError(f"kvarn: saved rotation does not match {self.describe()}")
-
-    def stored_rotation(self) -> HadamardRotation | None:
-        return self.rotation
 
     # -- coding ------------------------------------------------------------------------------
     def _tiles(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array, mx.array]:

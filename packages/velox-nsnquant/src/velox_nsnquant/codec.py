@@ -30,6 +30,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from velox_core import Codec, Packed
+from velox_core.codec.hadamard import HadamardRotated
 from velox_core.ops import pack, scale_dtype, unpack
 from velox_core.validation import check_bits, check_int
 
@@ -42,7 +43,7 @@ TILE = 1024  # tokens the reference path decodes at once
 _ROWS = 1 << 20  # distance entries per block of a nearest-codeword search (4 MiB of floats)
 
 
-class NSNQuantCodec(Codec):
+class NSNQuantCodec(HadamardRotated, Codec):
     """NSNQuant's codec (keys and values alike).
 
     Args:
@@ -79,28 +80,6 @@ class NSNQuantCodec(Codec):
             )
         self._ready(dim)
         codebook(self.bits)  # loaded (or refused) now, not at the first flush
-
-    def _ready(self, dim: int) -> Rotation:
-        if self.rotation is None or self.rotation.dim != dim:
-            self.rotation = Rotation(dim, self.seed)
-        return self.rotation
-
-    def state(self) -> dict[str, mx.array]:
-        """A seeded rotation's signs (and permutation); nothing for the Sylvester one."""
-        return {} if self.rotation is None else self.rotation.arrays()
-
-    def set_state(self, state: dict[str, mx.array]) -> None:
-        if not state:
-            return
-        signs = state.get("rot.signs")
-        if self.seed is None or signs is None:
-            raise ValueError(f"nsnquant: {self.describe()} keeps no state, got {sorted(state)}")
-        mine = self._ready(signs.shape[0]).arrays()
-        if set(mine) != set(state) or not all(mx.array_equal(mine[k], state[k]) for k in mine):
-            raise ValueError(f"nsnquant: saved rotation does not match {self.describe()}")
-
-    def stored_rotation(self) -> Rotation | None:
-        return self.rotation
 
     # -- coding ------------------------------------------------------------------------------
     def _search(self, y: mx.array) -> mx.array:
