@@ -31,11 +31,9 @@ takes the reference path (:func:`velox_commvq.scores.code_scores`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import mlx.core as mx
 
-from velox_core import Packed
+from velox_core import Codec, Packed
 from velox_core.kernels.joint import KernelSide
 from velox_core.kernels.records import AffineCodes, CodeRecord
 from velox_core.ops.rope import to_pairs
@@ -43,13 +41,10 @@ from velox_core.ops.rope import to_pairs
 from .layout import TableCodes, TableKeys
 from .scores import codeword_tables
 
-if TYPE_CHECKING:
-    from .codec import CommVQKeys
-
 __all__ = ["kernel_keys", "kernel_tables", "table_codes"]
 
 
-def table_codes(codec: CommVQKeys, packed: Packed) -> TableCodes:
+def table_codes(codec: Codec, packed: Packed) -> TableCodes:
     """The decode kernel's view of a key record (:class:`velox_commvq.layout.TableCodes`):
     the packed indices, the norms and the positions as stored, the stages and each pair's
     RoPE frequency (``TableKeys``). The codec has read its codebooks (``codec.ready``)."""
@@ -64,9 +59,7 @@ def table_codes(codec: CommVQKeys, packed: Packed) -> TableCodes:
     )
 
 
-def kernel_keys(
-    codec: CommVQKeys, packed: Packed, q_shape, values: CodeRecord
-) -> KernelSide | None:
+def kernel_keys(codec: Codec, packed: Packed, q_shape, values: CodeRecord) -> KernelSide | None:
     """:meth:`velox_core.Codec.kernel_keys` of CommVQ: the table codes, with the query
     tables (:func:`kernel_tables`) as their query-side input, beside per-token affine
     values; None before the codec has read its codebooks or for another head dim."""
@@ -78,7 +71,7 @@ def kernel_keys(
     return KernelSide(rec, query_input=lambda q: kernel_tables(codec, q))
 
 
-def kernel_tables(codec: CommVQKeys, q: mx.array) -> mx.array:
+def kernel_tables(codec: Codec, q: mx.array) -> mx.array:
     """The query tables the kernel scores from (:class:`TableKeys`' layout), one row per query.
 
     Shapes:

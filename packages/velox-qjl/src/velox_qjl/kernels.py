@@ -36,11 +36,9 @@ sketches and both norms, one thread per output word.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import mlx.core as mx
 
-from velox_core import Packed
+from velox_core import Codec, Packed
 from velox_core.kernels import portable as kport
 from velox_core.kernels import use_kernels
 from velox_core.kernels.encode import sketch_encode
@@ -50,9 +48,6 @@ from velox_core.kernels.records import AFFINE, AffineCodes, CodeRecord
 from . import sketch_mma as _sm
 from .layout import SKETCH, SketchCodes, SketchKeys, sketch_lanes, sketch_rows
 from .projection import index_bits
-
-if TYPE_CHECKING:
-    from .codec import QJL
 
 __all__ = ["encode_sketch", "kernel_keys"]
 
@@ -64,7 +59,7 @@ __all__ = ["encode_sketch", "kernel_keys"]
 ENCODE_KERNEL_ROWS = 4096
 
 
-def encode_sketch(codec: QJL, x: mx.array, idx: mx.array | None) -> dict[str, mx.array] | None:
+def encode_sketch(codec: Codec, x: mx.array, idx: mx.array | None) -> dict[str, mx.array] | None:
     """The record's sketches and norms of keys ``x`` in one launch of the sketch encode
     kernel (``metal/encode_sketch.metal``), or None where kernels do not run (kernels off or
     the CPU), the kernel declines, or ``x`` holds more than :data:`ENCODE_KERNEL_ROWS`
@@ -92,7 +87,7 @@ def encode_sketch(codec: QJL, x: mx.array, idx: mx.array | None) -> dict[str, mx
     return {**out, "sign": sign, "norm": norm}
 
 
-def kernel_keys(codec: QJL, packed: Packed, q_shape, values: CodeRecord) -> KernelSide | None:
+def kernel_keys(codec: Codec, packed: Packed, q_shape, values: CodeRecord) -> KernelSide | None:
     """:meth:`velox_core.Codec.kernel_keys` of QJL: the sign sketches as the decode kernels
     read them (:class:`velox_qjl.layout.SketchCodes` with its ``SketchKeys``), scored
     against the sketched query (their query-side input, :func:`_query_sketch`), for the

@@ -40,23 +40,18 @@ pass) where the tensor-core kernel does not take them (it needs blocks of whole 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import mlx.core as mx
 
-from velox_core import Packed
+from velox_core import Codec, Packed
 from velox_core.kernels.joint import KernelSide
 from velox_core.kernels.records import AffineCodes, CodeRecord
 
 from .layout import BlockCodes, block_parts
 
-if TYPE_CHECKING:
-    from .codec import RaBitQ
-
 __all__ = ["affine_codes", "kernel_keys"]
 
 
-def affine_codes(codec: RaBitQ, keys: Packed) -> AffineCodes:
+def affine_codes(codec: Codec, keys: Packed) -> AffineCodes:
     """The decode kernels' view of a RaBitQ key record: ``velox_core.kernels.records.AffineCodes``
     of ``codec.bits`` bits in one group of ``D`` channels, ``scale = Delta / <o_bar, o>``
     and ``zero = -scale (2^B - 1)/2`` per token, in fp16 for fp16 and bf16 records (the zero
@@ -83,7 +78,7 @@ def affine_codes(codec: RaBitQ, keys: Packed) -> AffineCodes:
     )
 
 
-def kernel_keys(codec: RaBitQ, packed: Packed, q_shape, values: CodeRecord) -> KernelSide | None:
+def kernel_keys(codec: Codec, packed: Packed, q_shape, values: CodeRecord) -> KernelSide | None:
     """:meth:`velox_core.Codec.kernel_keys` of RaBitQ: the codes as affine keys
     (:func:`affine_codes`) scored against the rotated query (float32), beside per-token
     affine values; with centroids, in their blocks (:class:`velox_rabitq.layout.BlockCodes`,

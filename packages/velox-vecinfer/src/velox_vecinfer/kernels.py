@@ -29,23 +29,18 @@ float32 squared distances over the head's codebook) and packs the indices.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import mlx.core as mx
 
-from velox_core import Packed
+from velox_core import Codec, Packed
 from velox_core.kernels import use_kernels
 from velox_core.kernels.encode import vq_encode
 from velox_core.kernels.joint import KernelSide
 from velox_core.kernels.records import AffineCodes, CodeRecord, VQCodes
 
-if TYPE_CHECKING:
-    from .codec import VecInfer
-
 __all__ = ["encode_codes", "kernel_keys", "kernel_values"]
 
 
-def encode_codes(codec: VecInfer, y: mx.array) -> mx.array | None:
+def encode_codes(codec: Codec, y: mx.array) -> mx.array | None:
     """The packed indices of the nearest codewords of transformed vectors ``y`` (one pass of
     the VQ encode kernel, ``metal/encode_vq.metal``), or None where kernels do not run.
 
@@ -57,7 +52,7 @@ def encode_codes(codec: VecInfer, y: mx.array) -> mx.array | None:
     return vq_encode(y, codec.codebook, codec.index_bits, codec.vector)
 
 
-def _record(codec: VecInfer, packed: Packed) -> VQCodes:
+def _record(codec: Codec, packed: Packed) -> VQCodes:
     """The decode kernel's view of a record: the codeword indices and the codebooks."""
     return VQCodes(
         bits=codec.index_bits,
@@ -67,7 +62,7 @@ def _record(codec: VecInfer, packed: Packed) -> VQCodes:
     )
 
 
-def kernel_values(codec: VecInfer, packed: Packed, dim: int) -> KernelSide | None:
+def kernel_values(codec: Codec, packed: Packed, dim: int) -> KernelSide | None:
     """:meth:`velox_core.Codec.kernel_values` of VecInfer: the record as vector codes, with
     the map back from the transformed domain per batch row and KV head where the values are
     transformed (the partial takes it, the one-softmax merge declines it); None before the
@@ -81,7 +76,7 @@ def kernel_values(codec: VecInfer, packed: Packed, dim: int) -> KernelSide | Non
     return KernelSide(_record(codec, packed), back=back)
 
 
-def kernel_keys(codec: VecInfer, packed: Packed, q_shape, values: CodeRecord) -> KernelSide | None:
+def kernel_keys(codec: Codec, packed: Packed, q_shape, values: CodeRecord) -> KernelSide | None:
     """:meth:`velox_core.Codec.kernel_keys` of VecInfer: the record as vector codes scored
     against the transformed query (float32), beside VecInfer's own or per-token affine
     values; None before the codec is fitted or for another head dim."""
