@@ -6,8 +6,9 @@ or null when saved without one), ``batch``, ``tokens``, ``geometry`` (each layer
 :class:`velox_core.stored.StoredTokens`), ``chunks`` (each chunk's ``[start, stop)``, back to
 back from 0 to ``tokens``), ``group``, ``anchor_step``, ``delta``, ``block`` (the coding
 settings every chunk shares: :class:`velox_cachegen.chunks.Settings`), ``quality`` (what the
-sender asked for: ``step``, ``window``, ``window_step`` and ``layer_steps``) and ``user`` (the
-caller's metadata). :func:`check` refuses anything else with a ``ValueError`` naming the field.
+sender asked for: ``step`` (a ladder's finest level; each chunk carries its own), ``window``,
+``window_step`` and ``layer_steps``) and ``user`` (the caller's metadata). :func:`check`
+refuses anything else with a ``ValueError`` naming the field.
 """
 
 from __future__ import annotations
