@@ -147,7 +147,7 @@ def test_qfilters_over_turboquant_3bit_is_one_composed_cache():
     assert isinstance(caches[0].tiers[0].key_codec, tq.TurboQuant)
 
 
-@pytest.mark.parametrize("name", ["commvq", "kvtc", "palu", "qfilters"])
+@pytest.mark.parametrize("name", ["cachegen", "commvq", "kvtc", "palu", "qfilters"])
 def test_every_fit_hint_names_one_command_form(name):
     """A method whose artifact is fitted names its fit the same way in every message (the
     form that works with the method's package alone installed)."""

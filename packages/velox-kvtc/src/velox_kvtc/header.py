@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from velox_core.stored import StoredTokens
+
 from .allocation import Plan
 from .container import unpack
 
@@ -86,33 +88,6 @@ def _str(h: dict, name: str) -> str:
     return h[name]
 
 
-def _dtype(layer: dict, name: str, i: int, optional: bool = False) -> None:
-    v = layer.get(name)
-    if not (v in DTYPES or (optional and v is None)):
-        raise ValueError(f"corrupt header: layer {i} {name} {v!r} (allowed: {', '.join(DTYPES)})")
-
-
-def _layer(i: int, layer: Any) -> dict[str, Any]:
-    if not isinstance(layer, dict):
-        raise ValueError(f"corrupt header: layer {i} is not an object")
-    kind = layer.get("kind")
-    if kind == "mlx_lm":
-        if set(layer) != {"kind", "class", "dtype"} or layer["class"] != "KVCache":
-            raise ValueError(f"corrupt header: layer {i} is not an mlx-lm KVCache record")
-    elif kind == "velox":
-        want = {"kind", "method", "config", "dtype", "io_dtype", "storage_dtype"}
-        if set(layer) != want or not isinstance(layer["method"], str):
-            raise ValueError(f"corrupt header: layer {i} is not a velox cache record")
-        if not isinstance(layer["config"], dict):
-            raise ValueError(f"corrupt header: layer {i}'s config is not an object")
-        _dtype(layer, "io_dtype", i)
-        _dtype(layer, "storage_dtype", i, optional=True)
-    else:
-        raise ValueError(f"corrupt header: layer {i} has an unknown kind {kind!r}")
-    _dtype(layer, "dtype", i)
-    return layer
-
-
 def _check_arrays(arrays: dict[str, tuple[str, np.ndarray]], h: Header) -> None:
     want = {f"{s}.{part}" for s in _SIDES for part in ("codes", "scales")}
     want |= {f"exact.{i}.{s}" for i in range(len(h.layers)) for s in _SIDES}
@@ -168,9 +143,7 @@ def read(data: bytes) -> tuple[dict[str, tuple[str, np.ndarray]], Header]:
     plans = raw["plans"]
     if not isinstance(plans, dict) or set(plans) != set(_SIDES):
         raise ValueError("corrupt header: plans must hold a key plan and a value plan")
-    layers = raw["layers"]
-    if not isinstance(layers, list) or not layers:
-        raise ValueError("corrupt header: layers must be a non-empty list")
+    layers = StoredTokens.check_records(raw["layers"], "corrupt header")
     user = raw["user"]
     if not isinstance(user, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in user.items()
@@ -186,7 +159,7 @@ def read(data: bytes) -> tuple[dict[str, tuple[str, np.ndarray]], Header]:
         _int(raw, "tokens", 1),
         _int(raw, "sinks", 0),
         _int(raw, "window", 0),
-        [_layer(i, x) for i, x in enumerate(layers)],
+        layers,
         dict(user),
     )
     if h.sinks + h.window > h.tokens:
