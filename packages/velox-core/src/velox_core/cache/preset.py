@@ -182,7 +182,7 @@ class CalibratedPreset(PresetCache):
 def warn_flush_rounding(cache: VeloxCache) -> None:
     """Warn when a ``flush`` the user gave is not what the cache does: the window passes
     tokens to block codecs in whole blocks, so a flush that is no multiple of the block (1,
-    say, with TurboQuant's fractional widths coding 64-token outlier groups) is rounded up."""
+    say, with a codec that codes 64-token groups) is rounded up."""
     import math
     import warnings
 

@@ -2,7 +2,7 @@
 
 A randomized Hadamard rotation ``x -> H (s * x)`` (``s`` random signs, ``H`` the orthonormal
 Walsh-Hadamard matrix) spreads the energy of a vector evenly over its coordinates in
-O(d log d), which is what rotation-based quantizers (TurboQuant, QuaRot) rely on.
+O(d log d), which is what rotation-based quantizers (arXiv 2504.19874, 2404.00456) rely on.
 Head dims that are not powers of two (80, 96, 112) use a block-diagonal Hadamard whose block
 is the largest power of two dividing ``d``, after a seeded permutation that mixes blocks.
 """

@@ -5,7 +5,7 @@ Two source laws are provided:
 * the standard normal ``N(0, 1)``;
 * the law of one coordinate of a uniformly random unit vector in ``R^d`` (what a randomly
   rotated, normalized key looks like): ``f(x) ∝ (1 - x^2)^((d-3)/2)`` on ``[-1, 1]``, which
-  tends to ``N(0, 1/d)`` as ``d`` grows (TurboQuant, arXiv 2504.19874, Lemma 1).
+  tends to ``N(0, 1/d)`` as ``d`` grows (arXiv 2504.19874, Lemma 1).
 
 Codebooks are computed once by Lloyd's iteration on a fine quadrature grid (prefix sums make
 each iteration O(levels)), starting from the companding (``f^(1/3)``) high-rate solution.

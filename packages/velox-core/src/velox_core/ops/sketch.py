@@ -1,8 +1,8 @@
-"""Johnson-Lindenstrauss sign sketches (QJL, arXiv 2406.03482).
+"""Johnson-Lindenstrauss sign sketches (arXiv 2406.03482).
 
 A key ``k`` is stored as ``sign(S k)`` (``m`` bits) and ``||k||``; for a query ``q`` the
 estimator ``sqrt(pi/2) / m * ||k|| * <S q, sign(S k)>`` is unbiased for ``<q, k>`` when the
-rows of ``S`` are i.i.d. ``N(0, I)`` (QJL, Lemma 3.2), with variance ``O(1/m)``.
+rows of ``S`` are i.i.d. ``N(0, I)`` (arXiv 2406.03482, Lemma 3.2), with variance ``O(1/m)``.
 """
 
 from __future__ import annotations
