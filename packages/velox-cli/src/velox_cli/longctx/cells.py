@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from .run import Trial
 
 __all__: list[str] = []
 
@@ -62,6 +59,26 @@ def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
     mid = (p + z * z / (2 * n)) / d
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
     return max(0.0, mid - half), min(1.0, mid + half)
+
+
+@dataclass
+class Trial:
+    """One spec on one prompt."""
+
+    spec: str
+    task: str
+    length: int
+    index: int
+    depth: float
+    tokens: int
+    score: float = float("nan")
+    output: str = ""
+    kl: float = float("nan")
+    top1: float = float("nan")
+    bytes: int = 0
+    window_bytes: int = 0  # of :data:`bytes`, held by the model's own sliding-window caches
+    seconds: float = 0.0
+    error: str | None = None
 
 
 def aggregate(trials: list[Trial]) -> list[Cell]:

@@ -50,7 +50,7 @@ from velox_core import routed
 
 from ..evaluate import after_prefill, greedy, held_bytes, prefill, teacher_force
 from ..specs import Spec, build_caches, parse
-from .cells import Cell, aggregate, wilson
+from .cells import Cell, Trial, aggregate, wilson
 from .tasks import Prompt, TaskSpec, make_prompts, parse_task
 
 __all__ = [
@@ -125,26 +125,6 @@ class EvalSettings:
         if self.jobs < 0:
             raise ValueError(f"jobs must be 0 (auto) or positive, got {self.jobs}")
         return [parse_task(t) for t in self.tasks]
-
-
-@dataclass
-class Trial:
-    """One spec on one prompt."""
-
-    spec: str
-    task: str
-    length: int
-    index: int
-    depth: float
-    tokens: int
-    score: float = float("nan")
-    output: str = ""
-    kl: float = float("nan")
-    top1: float = float("nan")
-    bytes: int = 0
-    window_bytes: int = 0  # of :data:`bytes`, held by the model's own sliding-window caches
-    seconds: float = 0.0
-    error: str | None = None
 
 
 def window_bytes(caches: list) -> int:
