@@ -274,7 +274,7 @@ def codebook_check(bits, rows=(2, 8, 777)):
     rotated vectors (the rotation is an MLX op either way)."""
     from velox_core.ops import pack
     from velox_turboquant import TurboQuant
-    from velox_turboquant.kernels import encode_codes
+    from velox_turboquant.encode import encode_codes
 
     codec = TurboQuant(bits)
     codec.check(128, mx.float16)

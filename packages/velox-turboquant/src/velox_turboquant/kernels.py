@@ -1,4 +1,5 @@
-"""GPU kernel paths of TurboQuant_mse: fused decode attention and fused encode.
+"""GPU kernel paths of TurboQuant_mse: fused decode attention (here) and fused encode
+(:mod:`velox_turboquant.encode`).
 
 Both reuse velox-core's kernels (:mod:`velox_core.kernels.decode`,
 :mod:`velox_core.kernels.encode`) with *codebook* codes: a TurboQuant_mse record is, in the
@@ -52,8 +53,6 @@ import mlx.core as mx
 import numpy as np
 
 from velox_core import Packed
-from velox_core.kernels import use_kernels
-from velox_core.kernels.encode import codebook_encode, residual_sketch_encode, sketch_encode
 from velox_core.kernels.joint import KernelSide
 from velox_core.kernels.records import CodebookCodes, CodeRecord
 
@@ -63,7 +62,7 @@ from .outlier import OutlierSide, RotatedPart, outlier_launch, outlier_threads, 
 if TYPE_CHECKING:
     from .quantizer import SphereQuantizer
 
-__all__ = ["encode_codes", "encode_prod", "kernel_keys", "kernel_values"]
+__all__ = ["kernel_keys", "kernel_values"]
 
 
 def _is_turboquant(codec) -> bool:
@@ -248,46 +247,3 @@ def kernel_keys(codec, packed: Packed, q_shape, values: CodeRecord) -> KernelSid
     sketch = None if kq.sketch is None else (lambda q_rot: _query_sketch(kq, q_rot))
     rec = _codebook_codes(kq, packed.data)
     return KernelSide(rec, query=kq.rotation.forward, query_input=sketch)
-
-
-def encode_codes(quant: SphereQuantizer, y: mx.array) -> mx.array | None:
-    """Packed Lloyd-Max codes of rotated unit vectors ``y`` (GPU kernel), or None.
-
-    Shapes:
-        y ``(..., T, dim)`` float32; returns ``(..., T, ceil(dim * bits / 32))`` uint32.
-    """
-    if not use_kernels() or quant.codebook is None or quant.sketch is not None:
-        return None
-    return codebook_encode(y, quant.bounds, quant.mse_bits)
-
-
-def encode_prod(
-    quant: SphereQuantizer, y: mx.array, norm_dtype: mx.Dtype
-) -> dict[str, mx.array] | None:
-    """TurboQuant_prod's record fields but the norm (``codes``, ``signs``, ``rnorm``) of
-    rotated unit vectors ``y`` (GPU kernels), or None.
-
-    The codes through the codebook kernel (bit for bit the reference's), the residual's sign
-    sketch and norm through the residual-sketch kernel (the residual the reference's bit for
-    bit; a sign differs only where ``S r`` is within rounding of 0). 1-bit keys (QJL alone:
-    no codes, the residual is ``y``) take the QJL keys' sketch kernel without outliers.
-
-    Shapes:
-        y ``(..., T, dim)`` float32; returns the fields as ``SphereQuantizer.encode`` does.
-    """
-    if not use_kernels() or quant.sketch is None:
-        return None
-    if quant.codebook is None:
-        res = sketch_encode(y, quant.sketch, quant.sketch.shape[0])
-        if res is None:
-            return None
-        return {"signs": res[0], "rnorm": res[1].astype(norm_dtype)}
-    codes = codebook_encode(y, quant.bounds, quant.mse_bits)
-    if codes is None:
-        return None
-    res = residual_sketch_encode(
-        y, quant.sketch, quant.bounds, quant.levels, quant.mse_bits, norm_dtype
-    )
-    if res is None:
-        return None
-    return {"codes": codes, "signs": res[0], "rnorm": res[1]}

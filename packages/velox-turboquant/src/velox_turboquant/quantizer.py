@@ -12,7 +12,7 @@ i.i.d. Gaussian ``(d, d)`` matrix, plus ``||r||``; its inner-product estimate
 Everything here works in the rotated domain: scores come from the rotated query against the
 codebook levels, and :meth:`SphereQuantizer.mix_rotated` returns weighted sums of levels,
 which the caller rotates back once. On a GPU with kernels enabled, TurboQuant_mse codes are
-searched and packed by one kernel (:mod:`velox_turboquant.kernels`, bit for bit the
+searched and packed by one kernel (:mod:`velox_turboquant.encode`, bit for bit the
 reference); TurboQuant_prod's codes by the same kernel and its residual's sign sketch and
 norm by a second one.
 """
@@ -39,7 +39,7 @@ from velox_core.ops import (
     unpack,
 )
 
-from .kernels import encode_codes, encode_prod
+from .encode import encode_codes, encode_prod
 
 __all__ = ["MIN_HADAMARD_BLOCK", "Rotation", "SphereQuantizer", "derive_seed"]
 
