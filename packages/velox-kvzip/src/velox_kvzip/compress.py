@@ -48,18 +48,15 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from velox_core import routed
+from velox_core import RetentionPolicy, routed
 from velox_core.validation import check_int
 
 from .select import keep_sets
-
-if TYPE_CHECKING:  # the policy's after_prefill hook imports this module
-    from .policy import KVzipPolicy
 
 __all__ = ["STEP", "Compression", "compress"]
 
@@ -195,8 +192,10 @@ def _check(caches: list, zipped: list, b: int, n: int, heads: str) -> None:
         )
 
 
-def _repeat_inputs(tokenizer, p: KVzipPolicy, ids: np.ndarray, start: int) -> list:
-    """``(start, end, input ids (B, L))`` of each chunk's reconstruction."""
+def _repeat_inputs(tokenizer, p: RetentionPolicy, ids: np.ndarray, start: int) -> list:
+    """``(start, end, input ids (B, L))`` of each chunk's reconstruction (``p`` a
+    :class:`~velox_kvzip.KVzipPolicy`; this module does not import the policy, whose
+    ``after_prefill`` hook imports it)."""
 
     def enc(text: str) -> np.ndarray:
         got = list(tokenizer.encode(text, add_special_tokens=False)) if text else []
