@@ -1,17 +1,78 @@
-"""The long-context tasks' facts, generated from a seed: the needles of the needle tasks
+"""The long-context tasks' names and parameters (:data:`TASKS`, :func:`parse_task`) and their
+facts, generated from a seed: the needles of the needle tasks
 (pass keys, magic numbers for keys, variable chains) with the question that asks for them,
 and the word list of the common-words task (see :mod:`velox_cli.longctx.tasks`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .tasks import TaskSpec
-
 __all__: list[str] = []
+
+# name -> (parameter defaults); parse_task validates against these
+TASKS: dict[str, dict[str, Any]] = {
+    "passkey": {"digits": 5},
+    "multikey": {"keys": 4, "digits": 6},
+    "multivalue": {"values": 4, "digits": 6},
+    "multiquery": {"keys": 4, "queries": 2, "digits": 6},
+    "vartrack": {"hops": 2, "chains": 1, "digits": 5},
+    "cwe": {"common": 3, "freq": 12, "rare": 2},
+}
+_LIMITS = {  # parameter -> (lowest, highest) allowed
+    "digits": (3, 9),
+    "keys": (1, 32),
+    "values": (1, 16),
+    "queries": (1, 16),
+    "hops": (1, 16),
+    "chains": (1, 8),
+    "common": (1, 20),
+    "freq": (2, 200),
+    "rare": (1, 50),
+}
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """A parsed task: its name and every parameter (defaults filled in)."""
+
+    name: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        own = {k: v for k, v in self.params.items() if TASKS[self.name][k] != v}
+        return self.name + (":" + ",".join(f"{k}={v}" for k, v in own.items()) if own else "")
+
+
+def parse_task(text: str) -> TaskSpec:
+    """``name`` or ``name:key=value,...``; unknown names, parameters or values raise
+    ``ValueError`` naming what is allowed."""
+    name, _, rest = text.strip().partition(":")
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; tasks: {', '.join(TASKS)}")
+    params = dict(TASKS[name])
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in params:
+            allowed = ", ".join(f"{k}=" for k in TASKS[name]) or "none"
+            raise ValueError(f"task {name}: bad parameter {item!r}; parameters: {allowed}")
+        try:
+            v = int(value)
+        except ValueError:
+            raise ValueError(f"task {name}: {key} must be an integer, got {value!r}") from None
+        lo, hi = _LIMITS[key]
+        if not lo <= v <= hi:
+            raise ValueError(f"task {name}: {key} must be in [{lo}, {hi}], got {v}")
+        params[key] = v
+    if name == "multiquery" and params["queries"] > params["keys"]:
+        raise ValueError(
+            f"task multiquery: queries ({params['queries']}) cannot exceed keys ({params['keys']})"
+        )
+    return TaskSpec(name, params)
+
 
 # Keys and distractor words: short, common, single-token-ish English words.
 _WORDS = (  # noqa: SIM905 - a word list reads better as one string

@@ -38,14 +38,13 @@ from __future__ import annotations
 
 import gzip
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cache
 from importlib import resources
-from typing import Any
 
 import numpy as np
 
-from .needles import _INTRO, _cwe, _needles
+from .needles import _INTRO, TASKS, TaskSpec, _cwe, _needles, parse_task
 
 __all__ = [
     "HAYSTACKS",
@@ -61,70 +60,9 @@ __all__ = [
 HAYSTACKS = ("prose", "code", "noise")
 TEMPLATES = ("raw", "chat")
 
-# name -> (parameter defaults); parse_task validates against these
-TASKS: dict[str, dict[str, Any]] = {
-    "passkey": {"digits": 5},
-    "multikey": {"keys": 4, "digits": 6},
-    "multivalue": {"values": 4, "digits": 6},
-    "multiquery": {"keys": 4, "queries": 2, "digits": 6},
-    "vartrack": {"hops": 2, "chains": 1, "digits": 5},
-    "cwe": {"common": 3, "freq": 12, "rare": 2},
-}
-_LIMITS = {  # parameter -> (lowest, highest) allowed
-    "digits": (3, 9),
-    "keys": (1, 32),
-    "values": (1, 16),
-    "queries": (1, 16),
-    "hops": (1, 16),
-    "chains": (1, 8),
-    "common": (1, 20),
-    "freq": (2, 200),
-    "rare": (1, 50),
-}
-
 _NOISE = (
     "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 )
-
-
-@dataclass(frozen=True)
-class TaskSpec:
-    """A parsed task: its name and every parameter (defaults filled in)."""
-
-    name: str
-    params: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def label(self) -> str:
-        own = {k: v for k, v in self.params.items() if TASKS[self.name][k] != v}
-        return self.name + (":" + ",".join(f"{k}={v}" for k, v in own.items()) if own else "")
-
-
-def parse_task(text: str) -> TaskSpec:
-    """``name`` or ``name:key=value,...``; unknown names, parameters or values raise
-    ``ValueError`` naming what is allowed."""
-    name, _, rest = text.strip().partition(":")
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; tasks: {', '.join(TASKS)}")
-    params = dict(TASKS[name])
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq or key not in params:
-            allowed = ", ".join(f"{k}=" for k in TASKS[name]) or "none"
-            raise ValueError(f"task {name}: bad parameter {item!r}; parameters: {allowed}")
-        try:
-            v = int(value)
-        except ValueError:
-            raise ValueError(f"task {name}: {key} must be an integer, got {value!r}") from None
-        lo, hi = _LIMITS[key]
-        if not lo <= v <= hi:
-            raise ValueError(f"task {name}: {key} must be in [{lo}, {hi}], got {v}")
-        params[key] = v
-    if name == "multiquery" and params["queries"] > params["keys"]:
-        raise ValueError(
-            f"task multiquery: queries ({params['queries']}) cannot exceed keys ({params['keys']})"
-        )
-    return TaskSpec(name, params)
 
 
 @dataclass
