@@ -40,11 +40,10 @@ def tier_tokens(caches: list) -> tuple:
     changes); empty for caches without them."""
     out = []
     for c in caches:
-        tiers = getattr(c, "_tier", None)
-        win = getattr(c, "_win", None)
-        if tiers is None or win is None:
+        stored = getattr(c, "stored", None)
+        if stored is None:
             continue
-        out.append((tuple(t[0].tokens for t in tiers), win[0].capacity))
+        out.append((tuple(t[0].tokens for t in stored.coded), stored.window[0].capacity))
     return tuple(out)
 
 

@@ -56,7 +56,7 @@ def filled(cache, context: int):
     for s in range(0, context, 512):
         cache.update_and_fetch(k[:, :, s : s + 512], v[:, :, s : s + 512])
     cache.update_and_fetch(k[:, :, context:], v[:, :, context:])
-    mx.eval([a for s in cache._stores() for a in s.arrays()])
+    mx.eval([a for s in cache.named_stores().values() for a in s.arrays()])
     return cache
 
 

@@ -90,9 +90,9 @@ class Counting(Codec):
 def _tier_sizes(cache):
     """Tokens per segment, newest tier first: (sinks, [tier0, tier1, ...], window)."""
     return (
-        cache._sink[0].tokens,
-        [ks.tokens for ks, _ in cache._tier],
-        cache._win[0].tokens,
+        cache.stored.sink[0].tokens,
+        [ks.tokens for ks, _ in cache.stored.coded],
+        cache.stored.window[0].tokens,
     )
 
 

@@ -82,7 +82,7 @@ def test_without_a_window_new_tokens_go_straight_to_the_codes(monkeypatch, kw):
         return c
 
     direct = run()
-    assert direct._direct() or direct._win[0].tokens > 0
+    assert direct._direct() or direct.stored.window[0].tokens > 0
     monkeypatch.setattr(VeloxCache, "_direct", lambda self: False)
     through = run()
     assert [s.tokens for s in direct.segments()] == [s.tokens for s in through.segments()]
@@ -544,10 +544,10 @@ def test_decode_steps_flush_and_grow_ahead_of_their_write(window, flush, monkeyp
     monkeypatch.setattr(vc, "check_kv", general)
     flushes = grows = 0
     for i in range(301, 400):
-        tier, cap = c._tier[0][0].tokens, c._win[0].capacity
+        tier, cap = c.stored.coded[0][0].tokens, c.stored.window[0].capacity
         c.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
-        flushes += c._tier[0][0].tokens > tier
-        grows += c._win[0].capacity > cap
+        flushes += c.stored.coded[0][0].tokens > tier
+        grows += c.stored.window[0].capacity > cap
     assert flushes == 100 // flush and grows > 0 and len(upkeep) >= flushes + 1
     assert [s.tokens for s in c.segments()] == [s.tokens for s in ref.segments()]
     kk, vv = c.keys_and_values()
@@ -623,3 +623,27 @@ def test_channel_codes_decode_in_the_model_dtype(bits, dtype):
     eps = {mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8, mx.float32: 2.0**-23}[dtype]
     bound = 3 * eps * (mx.abs(want) + mx.abs(packed.data["zero"]).max()) + 1e-6
     assert bool(mx.all(mx.abs(got.astype(mx.float32) - want) <= bound))
+
+
+def test_stored_is_the_segments_view_in_temporal_order():
+    # sinks | tier 0 | window: the counts, dims and store names the view reports are what the
+    # cache holds, and its window arrays are the newest tokens as given
+    cache = VeloxCache(Uniform(bits=4, group=32), Uniform(bits=4, group=32), sinks=4, window=8)
+    k, v = kv_data(t=100, seed=1)
+    cache.update_and_fetch(k, v)
+    st = cache.stored
+    assert (st.n_sink, st.coded[0][0].tokens, st.n_window) == (4, 88, 8)
+    assert st.n_sink + st.coded[0][0].tokens + st.n_window == cache.size() == 100
+    assert st.dims == (k.shape[0], k.shape[1], k.shape[3], v.shape[3]) and st.batch == k.shape[0]
+    wk, wv = st.window_arrays()
+    assert mx.array_equal(wk, k[:, :, -8:]).item() and mx.array_equal(wv, v[:, :, -8:]).item()
+    assert sorted(cache.named_stores()) == [
+        "sink.k",
+        "sink.v",
+        "tier0.k",
+        "tier0.v",
+        "win.k",
+        "win.v",
+    ]
+    kb, vb, pb = st.body()
+    assert kb.tokens == vb.tokens == 88 and pb is None

@@ -142,7 +142,9 @@ def test_routed_caches_of_known_families_skip_the_decoded_fetch(family):
             outs += [model(mx.array([[tok]]), cache=caches) for caches in (fast, full)]
     for a, b in zip(outs[::2], outs[1::2]):
         assert mx.array_equal(a, b)
-    k = mx.random.normal((1, velox[0]._dims[1], 1, velox[0]._dims[2])).astype(mx.float16)
+    k = mx.random.normal((1, velox[0].stored.dims[1], 1, velox[0].stored.dims[2])).astype(
+        mx.float16
+    )
     with routed(model):
         got = velox[0].update_and_fetch(k, k)
     assert got[0].shape[2] == 1
@@ -288,7 +290,7 @@ def test_layers_with_their_own_attention_keep_velox_caches_without_a_policy():
             got = model(x, cache=caches)[:, -1].astype(mx.float32)
             outs.append(float(mx.max(mx.abs(got - ref)).item()) / float(mx.max(mx.abs(ref)).item()))
     assert max(outs) < 0.05, outs
-    assert caches[0].size() == 82 and caches[0]._tier[0][0].tokens > 0  # coded, then decoded
+    assert caches[0].size() == 82 and caches[0].stored.coded[0][0].tokens > 0  # coded, then decoded
     template = VeloxCache(policy=RetentionPolicy(budget=32))
     with pytest.warns(UserWarning, match=r"own cache .*retention policy needs the queries"):
         caches = make_cache(model, template)

@@ -154,7 +154,7 @@ def prefill(cache, q_post, k, v, chunk):
 
 def next_token(cache, seed=9):
     """One decode token: its update runs the cut that follows a prefill chunk."""
-    h, d, dv = cache.kv_heads, cache.key_dim, cache._dims[3]
+    h, d, dv = cache.kv_heads, cache.key_dim, cache.stored.dims[3]
     k = mx.random.normal((1, h, 1, d), key=mx.random.key(seed))
     v = mx.random.normal((1, h, 1, dv), key=mx.random.key(seed + 1))
     cache.update_and_fetch(k, v)

@@ -191,11 +191,14 @@ def test_new_tokens_stay_fp16_until_the_pairs_next_update():
     c0.update_and_fetch(k, v)
     c1.update_and_fetch(k * 0.5, v)
     # both layers attend their chunk as given: nothing is merged until the next update
-    assert c0._merged == c1._merged == 0 and c0._win[0].tokens == c1._win[0].tokens == 120
+    assert (
+        c0._merged == c1._merged == 0
+        and c0.stored.window[0].tokens == c1.stored.window[0].tokens == 120
+    )
     assert mx.array_equal(c1.keys_and_values()[0], k * 0.5)
     c0.update_and_fetch(k[:, :, :1], v[:, :, :1])  # layer l-1's next step merges the chunk
-    assert c0._merged == c1._merged == 120 and c1._win[0].tokens == 0
-    assert c0._win[0].tokens == 1
+    assert c0._merged == c1._merged == 120 and c1.stored.window[0].tokens == 0
+    assert c0.stored.window[0].tokens == 1
     c1.update_and_fetch(k[:, :, 1:2], v[:, :, 1:2])
     kk, _ = c1.keys_and_values()
     assert c1.size() == c1.offset == 121 and mx.array_equal(kk[:, :, -1:], k[:, :, 1:2])
@@ -229,7 +232,7 @@ def test_the_shared_tokens_count_once_in_the_models_bytes():
     # the sum of every layer's bytes is the sum of the distinct resident arrays
     unique = {}
     for c in caches:
-        for s in c._named_stores().values():
+        for s in c.named_stores().values():
             unique.update({id(a): a.nbytes for a in s.arrays()})
         unique.update({id(a): a.nbytes for a in c._extra_arrays()})
     assert sum(c.nbytes for c in caches) == sum(unique.values())

@@ -84,7 +84,7 @@ def planted(t, strong, h=2, r=2, seed=0, amp=8.0, noise=0.3, sign=1.0):
 
 def next_token(cache, seed=9):
     """One more (decode) token: its update runs the cut that follows a prefill chunk."""
-    h = cache._dims[1]
+    h = cache.stored.dims[1]
     k, v = (mx.random.normal((1, h, 1, D), key=mx.random.key(seed + i)) for i in (0, 1))
     cache.update_and_fetch(k, v)
 
@@ -494,7 +494,7 @@ def test_batch_rows_keep_their_own_votes():
     ev.feed_attending(c, k, v, q, chunk=300, stop=300)
     one = c.extract(1)
     for x in (c, one):
-        x.update_and_fetch(k[-x._dims[0] :, :, 300:], v[-x._dims[0] :, :, 300:])
+        x.update_and_fetch(k[-x.stored.dims[0] :, :, 300:], v[-x.stored.dims[0] :, :, 300:])
     pos = np.array(mx.stack(c.body_positions(), axis=1))
     assert 60 in pos[0, 0] and 230 in pos[1, 0] and 60 not in pos[1, 0]
     assert kept(one, 0) == set(pos[1, 0].tolist())

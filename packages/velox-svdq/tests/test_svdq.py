@@ -197,7 +197,7 @@ def test_basis_fitted_once_on_the_calibration_tokens_then_kept():
     for i in range(260, 400):  # decode tokens are projected onto the same basis
         c.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
     assert np.array_equal(basis, np.array(c.tiers[0].key_codec.state()["basis"]))
-    assert c.offset == 400 and c._tier[0][0].tokens == 384
+    assert c.offset == 400 and c.stored.coded[0][0].tokens == 384
 
 
 def test_make_cache_binds_each_model_rope():

@@ -256,8 +256,13 @@ def test_no_worse_than_mlx_4bit_and_no_larger(setting):
             for i in range(1000, 1024):
                 cache.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
         assert coded.nbytes <= theirs.nbytes, (coded.nbytes, theirs.nbytes)
-        assert ours._win[0].tokens < 2 * 64  # waiting as given (one flush and blocks of 64)
-        assert ours.nbytes - ours._win[0].nbytes - ours._win[1].nbytes <= theirs.nbytes
+        assert (
+            ours.stored.window[0].tokens < 2 * 64
+        )  # waiting as given (one flush and blocks of 64)
+        assert (
+            ours.nbytes - ours.stored.window[0].nbytes - ours.stored.window[1].nbytes
+            <= theirs.nbytes
+        )
 
         def q4(x):
             return mx.dequantize(*mx.quantize(x, group_size=64, bits=4), group_size=64, bits=4)

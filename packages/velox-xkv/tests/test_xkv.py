@@ -108,21 +108,21 @@ def test_earlier_layers_hold_fp16_until_the_last_layer_of_the_group_has_the_chun
     c0, c1 = _group(2, key_rank=64, value_rank=64)
     k, v = kv_data(t=120)
     c0.update_and_fetch(k, v)
-    assert c0._lat == 0 and c0._win[0].tokens == 120 and c0.group.tokens == 0
+    assert c0._lat == 0 and c0.stored.window[0].tokens == 120 and c0.group.tokens == 0
     fp16_window = c0.nbytes
     assert fp16_window >= 2 * 120 * 2 * 128 * 2  # keys and values, fp16
     c1.update_and_fetch(k * 0.5, v)
     assert c0._lat == c1._lat == c0.group.tokens == 120
-    assert c0._win[0].tokens == c1._win[0].tokens == 0
+    assert c0.stored.window[0].tokens == c1.stored.window[0].tokens == 0
     # decode tokens stay fp16 in the window; the next prefill chunk takes them along
     for c in (c0, c1):
         c.update_and_fetch(k[:, :, :1], v[:, :, :1])
-        assert c._lat == 120 and c._win[0].tokens == 1
+        assert c._lat == 120 and c.stored.window[0].tokens == 1
     kk, vv = c0.keys_and_values()
     assert mx.array_equal(kk[:, :, -1:], k[:, :, :1]) and mx.array_equal(vv[:, :, -1:], v[:, :, :1])
     for c in (c0, c1):
         c.update_and_fetch(k[:, :, :40], v[:, :, :40])
-    assert c0._lat == c1._lat == 161 and c0._win[0].tokens == 0
+    assert c0._lat == c1._lat == 161 and c0.stored.window[0].tokens == 0
 
 
 def test_bytes_fall_with_the_rank_as_predicted_and_the_latent_counts_once():
@@ -142,7 +142,7 @@ def test_bytes_fall_with_the_rank_as_predicted_and_the_latent_counts_once():
         assert latent == t * (rk + rv) * 2
         assert caches[0].nbytes - caches[1].nbytes == latent  # only the group's first layer
         unique = {
-            id(a): a.nbytes for c in caches for s in c._named_stores().values() for a in s.arrays()
+            id(a): a.nbytes for c in caches for s in c.named_stores().values() for a in s.arrays()
         }
         unique.update({id(a): a.nbytes for c in caches for a in (c._kc.basis, c._vc.basis)})
         assert sum(unique.values()) == predicted

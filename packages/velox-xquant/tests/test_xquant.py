@@ -194,13 +194,13 @@ def test_the_higher_layer_stores_no_codes_and_reads_the_lower_layers():
     low, up = caches
     for i in (0, 1):
         assert "codes" in low.group.codes[i].view().data
-        assert set(up._tier[0][i].view().data) == {"scale", "zero"}
-        assert set(low._tier[0][i].view().data) == {"scale", "zero"}
+        assert set(up.stored.coded[0][i].view().data) == {"scale", "zero"}
+        assert set(low.stored.coded[0][i].view().data) == {"scale", "zero"}
     seg = next(s for s in up.segments() if "codes" in s.keys.data)
     t, g = seg.keys.tokens, seg.key_codec.group
     q = np.array(unpack(low.group.codes[0].view().data["codes"], 2, 128)[:, :, :t])
-    s = np.array(up._tier[0][0].view().data["scale"].astype(mx.float32))
-    z = np.array(up._tier[0][0].view().data["zero"].astype(mx.float32))
+    s = np.array(up.stored.coded[0][0].view().data["scale"].astype(mx.float32))
+    z = np.array(up.stored.coded[0][0].view().data["zero"].astype(mx.float32))
     want = q.reshape(1, 2, t // g, g, 128) * s[:, :, :, None] + z[:, :, :, None]
     got = np.array(seg.key_codec.decode(seg.keys))
     np.testing.assert_allclose(got, want.reshape(got.shape), rtol=1e-5, atol=1e-5)
@@ -228,8 +228,8 @@ def test_the_higher_layers_scales_are_its_own_min_max_calibrated():
     alone.update_and_fetch(k1, v1)
     for i in (0, 1):
         for n in ("scale", "zero"):
-            a = up._tier[0][i].view().data[n]
-            b = alone._tier[0][i].view().data[n]
+            a = up.stored.coded[0][i].view().data[n]
+            b = alone.stored.coded[0][i].view().data[n]
             assert mx.array_equal(a, b).item(), (i, n)
     # its reconstruction: the lower layer's codes, so worse than its own codes
     err_pair = rel_error(up.keys_and_values()[0], k1)
@@ -342,11 +342,11 @@ def test_trim_both_layers_into_the_codes_then_continue():
     for c in caches:
         c.trim(100)  # 45 window tokens, then 55 coded ones: a key group cut in two
     assert all(c.offset == c.size() == 201 for c in caches)
-    assert caches[0].group.codes[0].tokens == 128 == caches[1]._tier[0][0].tokens
+    assert caches[0].group.codes[0].tokens == 128 == caches[1].stored.coded[0][0].tokens
     with routed(model):
         out = model(mx.random.randint(0, 512, (1, 140), key=mx.random.key(8)), cache=caches)
     assert all(c.offset == 341 for c in caches) and bool(mx.all(mx.isfinite(out)).item())
-    assert caches[0].group.codes[0].tokens == 256 == caches[1]._tier[0][0].tokens
+    assert caches[0].group.codes[0].tokens == 256 == caches[1].stored.coded[0][0].tokens
 
 
 # -- files and copies ------------------------------------------------------------------------------
@@ -369,7 +369,11 @@ def test_a_layer_saved_without_its_pair_is_refused_and_a_copy_holds_the_codes(tm
     assert rel_error(alone.keys_and_values()[0], caches[1].keys_and_values()[0]) < 1e-6
     k, v = kv_data(t=200, seed=3)
     alone.update_and_fetch(k, v)  # it codes new tokens itself
-    assert alone.group.codes[0].tokens == alone._tier[0][0].tokens > caches[1]._tier[0][0].tokens
+    assert (
+        alone.group.codes[0].tokens
+        == alone.stored.coded[0][0].tokens
+        > caches[1].stored.coded[0][0].tokens
+    )
 
 
 def test_bad_specs_are_refused_early():

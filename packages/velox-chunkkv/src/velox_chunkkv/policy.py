@@ -133,7 +133,7 @@ class ChunkKVPolicy(WindowVotePolicy):
         pos = cache.body_positions()
         heads = len(pos)
         if any(p is None for p in pos):
-            return mx.zeros((cache._dims[0], heads, 0), dtype=mx.int32)
+            return mx.zeros((cache.stored.dims[0], heads, 0), dtype=mx.int32)
         keep = self._take_record(cache, k)
         if keep is not None:
             self.reused += 1

@@ -70,8 +70,9 @@ def _digest(arrays: dict[str, mx.array], header: dict[str, str]) -> str:
 
 def _encode_layer(i: int, c: Any, arrays: dict[str, mx.array]) -> dict[str, Any]:
     if isinstance(c, VeloxCache):
-        meta, state = c._state_dict()
-        for k, a in state.items():
+        record = c.state
+        meta = json.loads(record[0])
+        for k, a in zip(meta["arrays"], record[1:]):
             arrays[f"layer{i}.{k}"] = a
         return {"kind": "velox", "method": c.method, "meta": meta}
     if isinstance(c, LatentCache):

@@ -51,7 +51,7 @@ def _protected(cache):
     """Keys, values ``(B, H, n, D)`` (None when empty) and positions ``(n,)`` of the sinks
     and of the window, as stored."""
     sk, wk, sp, wp = cache.protected_keys()
-    sv, wv = cache._sink[1].view(), cache._win[1].view()
+    sv, wv = cache.stored.sink[1].view(), cache.stored.window[1].view()
     sv = None if sv is None else sv.data["x"]
     wv = None if wv is None else wv.data["x"]
     return (sk, sv, sp), (wk, wv, wp)

@@ -86,8 +86,8 @@ class KVSinkCache(PresetCache):
         )
 
     # -- the sink store ----------------------------------------------------------------------
-    def _named_stores(self) -> dict[str, PackedStore]:
-        out = super()._named_stores()
+    def named_stores(self) -> dict[str, PackedStore]:
+        out = super().named_stores()
         spos = getattr(self, "_spos", None)
         if spos is not None:
             out["sink.pos"] = spos
@@ -100,7 +100,7 @@ class KVSinkCache(PresetCache):
         """
         p = self._spos.view()
         if p is None:
-            b = 0 if self._dims is None else self._dims[0]
+            b = 0 if self.stored.dims is None else self.stored.dims[0]
             return np.zeros((b, 0), dtype=np.int64)
         return np.array(p.data["p"][:, 0]).astype(np.int64)
 
@@ -108,7 +108,7 @@ class KVSinkCache(PresetCache):
         """The update's tokens to keep exact (indices into its ``T`` tokens, ``(B, n)``)."""
         cfg = self.cfg
         b, _, t, _ = keys.shape
-        room = cfg.sinks + cfg.max_sinks - self._sink[0].tokens
+        room = cfg.sinks + cfg.max_sinks - self.stored.sink[0].tokens
         forced = np.arange(self.offset, self.offset + t) < cfg.sinks
         if room <= 0 or (cfg.max_sinks == 0 and not forced.any()):
             return None
@@ -116,10 +116,10 @@ class KVSinkCache(PresetCache):
         if cfg.max_sinks:
             nk, nv = norms(keys), norms(values)
             ref_k, ref_v = nk, nv
-            win = self._win[0].view()
+            win = self.stored.window[0].view()
             if win is not None:  # the window's ordinary tokens join the baseline
                 ref_k = np.concatenate([norms(win.data["x"]), nk], axis=2)
-                ref_v = np.concatenate([norms(self._win[1].view().data["x"]), nv], axis=2)
+                ref_v = np.concatenate([norms(self.stored.window[1].view().data["x"]), nv], axis=2)
             score = outlier_scores(nk, nv, ref_k, ref_v)
         score[:, forced] = np.inf
         return select_sinks(score, cfg.outlier, room)
@@ -136,13 +136,13 @@ class KVSinkCache(PresetCache):
             self._refuse_nonfinite(keys, values)
         check_kv(keys, values)
         self._check_first(keys, values)
-        keys, values = keys.astype(self._dtype), values.astype(self._dtype)
+        keys, values = keys.astype(self.stored.dtype), values.astype(self.stored.dtype)
         picked = self._pick(keys, values)
         if picked is None:
             return super().update_and_fetch(keys, values)
         t, n = keys.shape[2], picked.shape[1]
-        self._sink[0].append(self._ident.encode(_gather(keys, picked)))
-        self._sink[1].append(self._ident.encode(_gather(values, picked)))
+        self.stored.sink[0].append(self._ident.encode(_gather(keys, picked)))
+        self.stored.sink[1].append(self._ident.encode(_gather(values, picked)))
         pos = mx.array((picked + self.offset).astype(np.int32))[:, None, :]
         self._spos.append(Packed({"p": pos}, n))
         self.offset += n
@@ -212,8 +212,8 @@ class KVSinkCache(PresetCache):
         r = int(r[0]) if r.size else 0
         if r:
             self._planned.clear()
-            keep = self._sink[0].tokens - r
-            for s in (*self._sink, self._spos):
+            keep = self.stored.sink[0].tokens - r
+            for s in (*self.stored.sink, self._spos):
                 s.truncate(keep)
             self.offset -= r
         super().trim(n - r)

@@ -183,8 +183,8 @@ def _check(caches: list, zipped: list, b: int, n: int, heads: str) -> None:
     for c, p in zipped:
         if p.compressed or c.size() != n:
             raise ValueError("kvzip: the caches are compressed already (compress runs once)")
-        if c.kv_heads is not None and c._dims[0] != b:
-            raise ValueError(f"kvzip: the caches hold {c._dims[0]} rows, tokens {b}")
+        if c.kv_heads is not None and c.stored.dims[0] != b:
+            raise ValueError(f"kvzip: the caches hold {c.stored.dims[0]} rows, tokens {b}")
     if b > 1 and heads != "uniform":
         raise ValueError(
             f"kvzip: heads={heads!r} keeps a different count in each head (batch 1); a batch "

@@ -88,7 +88,7 @@ class MiniCache(LinkedLayers):
         for i, c in enumerate(caches):
             if not isinstance(c, MiniCache) or c._saved is not None:
                 continue
-            if c.group is not None or c._dims is not None or not c._fresh:
+            if c.group is not None or c.stored.dims is not None or not c._fresh:
                 continue  # already linked, holding tokens, or loaded: stays as it is
             c.layer = i if c.layer is None else c.layer
             # default: the middle layer, or lower where the model is too shallow for a pair there
@@ -107,7 +107,7 @@ class MiniCache(LinkedLayers):
                     f"minicache: layer {i} pairs with layer {i + 1}, whose cache is {what}; "
                     "both layers of a pair need MiniCache with the same settings"
                 )
-            if other.group is not None or other._dims is not None or not other._fresh:
+            if other.group is not None or other.stored.dims is not None or not other._fresh:
                 continue
             other.layer = i + 1 if other.layer is None else other.layer
             MergedPair([c, other])
@@ -123,14 +123,14 @@ class MiniCache(LinkedLayers):
             return super().update_and_fetch(keys, values)
         check_kv(keys, values)
         self._check_first(keys, values)
-        keys, values = keys.astype(self._dtype), values.astype(self._dtype)
+        keys, values = keys.astype(self.stored.dtype), values.astype(self.stored.dtype)
         self.group.merge_pending()  # the tokens both layers hold, before the new ones
         self.offset += keys.shape[2]
-        self._win[0].append(self._ident.encode(keys))
-        self._win[1].append(self._ident.encode(values))
+        self.stored.window[0].append(self._ident.encode(keys))
+        self.stored.window[1].append(self._ident.encode(values))
         self._planned.clear()
         if keys.shape[2] > self.fused_above:
-            mx.eval(self._win[0].arrays(), self._win[1].arrays())
+            mx.eval(self.stored.window[0].arrays(), self.stored.window[1].arrays())
         if self.routed and not self.fetch_decoded:
             return keys, values  # unused: routed attention reads the cache itself
         return self.keys_and_values()
@@ -159,15 +159,15 @@ class MiniCache(LinkedLayers):
         if self.group is None:
             return super().segments()
         out = [self._merged_segment()] if self._merged else []
-        k = self._win[0].view()
+        k = self.stored.window[0].view()
         if k is not None:
-            out.append(Segment(self._ident, k, self._ident, self._win[1].view()))
+            out.append(Segment(self._ident, k, self._ident, self.stored.window[1].view()))
         return out
 
     def size(self) -> int:
         if self.group is None:
             return super().size()
-        return self._merged + self._win[0].tokens
+        return self._merged + self.stored.window[0].tokens
 
     def _trim_shared(self, n: int) -> None:
         """The merged tokens' last ``n`` rows (a merged layer is not trimmable: the merged

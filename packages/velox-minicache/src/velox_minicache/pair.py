@@ -82,11 +82,11 @@ class MergedPair(LayerGroup):
         if len(self.present) != 2:
             return 0
         a, b = self.members
-        if a._dims is None or b._dims is None:
+        if a.stored.dims is None or b.stored.dims is None:
             return 0
         if a._merged != self.tokens or b._merged != self.tokens:
             return 0  # a trim left the layers at different lengths; wait for the other
-        return min(a._win[0].tokens, b._win[0].tokens)
+        return min(a.stored.window[0].tokens, b.stored.window[0].tokens)
 
     def merge_pending(self) -> None:
         """Merge the tokens both layers' windows hold (oldest first) into the pair."""
@@ -94,16 +94,17 @@ class MergedPair(LayerGroup):
         if n == 0:
             return
         a, b = self.members
-        if a._dims != b._dims or a._dtype != b._dtype:
+        if a.stored.dims != b.stored.dims or a.stored.dtype != b.stored.dtype:
             raise ValueError(
-                f"minicache: layers {a.layer} and {b.layer} hold KV of shapes {a._dims} / "
-                f"{b._dims} ({a._dtype} / {b._dtype}); a merged pair needs equal shapes"
+                f"minicache: layers {a.layer} and {b.layer} hold KV of shapes {a.stored.dims} / "
+                f"{b.stored.dims} ({a.stored.dtype} / {b.stored.dtype}); a merged pair needs "
+                "equal shapes"
             )
-        bsz, h, _, _ = a._dims
-        start, dtype, cfg = self.tokens, a._dtype, a.cfg
+        bsz, h, _, _ = a.stored.dims
+        start, dtype, cfg = self.tokens, a.stored.dtype, a.cfg
         for kind in (0, 1):
-            x1 = a._win[kind].view().slice(0, n).data["x"]  # (B, H, n, D) layer l-1
-            x2 = b._win[kind].view().slice(0, n).data["x"]  # layer l
+            x1 = a.stored.window[kind].view().slice(0, n).data["x"]  # (B, H, n, D) layer l-1
+            x2 = b.stored.window[kind].view().slice(0, n).data["x"]  # layer l
             e, n1, n2, d = slerp_merge(x1, x2, cfg.t)
             lo, hi = distance_range(d, self.lo[kind], self.hi[kind])
             keep = np.array(retained(d, lo, hi, cfg.gamma)).reshape(bsz * h, n)
@@ -121,13 +122,13 @@ class MergedPair(LayerGroup):
                     d_ = x.shape[-1]
                     m._ret[kind] = _cat(m._ret[kind], x.reshape(bsz * h, n, d_)[bh, tl])
         for m in (a, b):
-            m._win[0].drop_front(n)
-            m._win[1].drop_front(n)
+            m.stored.window[0].drop_front(n)
+            m.stored.window[1].drop_front(n)
             m._merged = start + n
-            m._planned.clear()
+            m.stored_changed()
         mx.eval(
             [x for s in self.dirs for x in s.arrays()],
-            [x for m in (a, b) for s in (*m._mag, *m._win) for x in s.arrays()],
+            [x for m in (a, b) for s in (*m._mag, *m.stored.window) for x in s.arrays()],
             [x for x in (*self.pos, *self.lo, *self.hi, *a._ret, *b._ret) if x is not None],
         )
 

@@ -99,14 +99,18 @@ class RocketKVPolicy(WindowVotePolicy):
     def summary_weight(self, cache) -> float:
         """A page summary's bytes over one kept token's in ``cache`` (measured once per
         widths and dtype)."""
-        dims = getattr(cache, "_dims", None)  # None while attaching, and before any token
+        stored = getattr(cache, "stored", None)  # None while attaching
+        dims = None if stored is None else stored.dims  # None before any token
         if dims is None:
             return 1.0
         _, _, dk, dv = dims
-        key = (dk, dv, cache._dtype)
+        key = (dk, dv, cache.stored.dtype)
         if self._weight is None or self._weight[0] != key:
             t = cache.tiers[0]
-            self._weight = (key, summary_weight(t.key_codec, t.value_codec, dk, dv, cache._dtype))
+            self._weight = (
+                key,
+                summary_weight(t.key_codec, t.value_codec, dk, dv, cache.stored.dtype),
+            )
         return self._weight[1]
 
     def attach(self, cache) -> None:

@@ -45,8 +45,8 @@ class SKVQCache(PresetCache):
     def before_coding(self) -> bool:
         """Fit the codecs on every non-sink token stored, just before the first is coded."""
         tier = self.tiers[0]
-        if not tier.key_codec.fitted and self._win[0].tokens > self.window:
-            k, v = self._win[0].view(), self._win[1].view()
+        if not tier.key_codec.fitted and self.stored.window[0].tokens > self.window:
+            k, v = self.stored.window[0].view(), self.stored.window[1].view()
             tier.key_codec.fit(k.data["x"])
             tier.value_codec.fit(v.data["x"])
         return True

@@ -89,7 +89,7 @@ def _units(cache: Any, rows: int) -> list[tuple[Any, int, int, tuple[int, int] |
 def _rows(cache: Any) -> int:
     if isinstance(cache, VeloxBatch):
         return cache.batch_size
-    return 0 if cache._dims is None else cache._dims[0]
+    return 0 if cache.stored.dims is None else cache.stored.dims[0]
 
 
 class Observer:

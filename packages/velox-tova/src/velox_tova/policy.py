@@ -100,7 +100,7 @@ class TOVAPolicy(RetentionPolicy):
         """One top-``k`` selection, shared by the layer's KV heads: ``(B, H, k)``."""
         scores = self.score(cache)
         if any(s is None for s in scores):
-            keep = mx.zeros((cache._dims[0], len(scores), 0), dtype=mx.int32)
+            keep = mx.zeros((cache.stored.dims[0], len(scores), 0), dtype=mx.int32)
         else:
             idx = top_k_sorted(scores[0], k)
             keep = mx.broadcast_to(idx[:, None], (idx.shape[0], len(scores), idx.shape[-1]))

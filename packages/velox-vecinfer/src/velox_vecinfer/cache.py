@@ -55,13 +55,13 @@ class VecInferCache(CalibratedPreset):
         """Both codecs fit on exactly the first ``calibration`` tokens (however long the chunk
         that completed them)."""
         t = self.tiers[0]
-        t.key_codec.fit(self._win[0].view().slice(0, tokens).data["x"])
-        t.value_codec.fit(self._win[1].view().slice(0, tokens).data["x"])
+        t.key_codec.fit(self.stored.window[0].view().slice(0, tokens).data["x"])
+        t.value_codec.fit(self.stored.window[1].view().slice(0, tokens).data["x"])
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """As :meth:`VeloxCache.update_and_fetch`; the first call also checks that
         ``calibration`` tokens give each codebook enough sub-vectors at these head dims."""
-        if self._dims is None:
+        if self.stored.dims is None:
             check_kv(keys, values)
             self._check_calibration(keys.shape[-1], values.shape[-1], keys.dtype)
         return super().update_and_fetch(keys, values)

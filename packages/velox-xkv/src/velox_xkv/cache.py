@@ -127,7 +127,7 @@ class XKVCache(LinkedLayers):
         for i, c in enumerate(caches):
             if not isinstance(c, XKVCache) or c._saved is not None:
                 continue
-            if len(c.group.members) == 1 and c._dims is None:
+            if len(c.group.members) == 1 and c.stored.dims is None:
                 c.layer = i if c.layer is None else c.layer
                 key = (c.layer // c.cfg.layer_group, json.dumps(c.config(), sort_keys=True))
                 fresh.setdefault(key, []).append(c)
@@ -142,15 +142,15 @@ class XKVCache(LinkedLayers):
         Shapes: keys ``(B, H, T, Dk)``, values ``(B, H, T, Dv)``.
         """
         check_kv(keys, values)
-        first = self._dims is None
+        first = self.stored.dims is None
         self._check_first(keys, values)
         if first:
-            self.check_dims(keys.shape[-1], values.shape[-1], self._dtype)
-        keys, values = keys.astype(self._dtype), values.astype(self._dtype)
+            self.check_dims(keys.shape[-1], values.shape[-1], self.stored.dtype)
+        keys, values = keys.astype(self.stored.dtype), values.astype(self.stored.dtype)
         t = keys.shape[2]
         self.offset += t
-        self._win[0].append(self._ident.encode(keys))
-        self._win[1].append(self._ident.encode(values))
+        self.stored.window[0].append(self._ident.encode(keys))
+        self.stored.window[1].append(self._ident.encode(values))
         self._planned.clear()
         if t > self.fused_above:
             self._pending = True
@@ -168,24 +168,24 @@ class XKVCache(LinkedLayers):
                     f"xkv: layer {self.layer} shares its group's latent, which this cache "
                     "does not hold: load the whole model's caches with velox_core.load_cache"
                 )
-            h = self._dims[1]
+            h = self.stored.dims[1]
             g = self.group
             out.append(
                 Segment(self._kc, g.latent(0, self._lat, h), self._vc, g.latent(1, self._lat, h))
             )
-        k = self._win[0].view()
+        k = self.stored.window[0].view()
         if k is not None:
-            out.append(Segment(self._ident, k, self._ident, self._win[1].view()))
+            out.append(Segment(self._ident, k, self._ident, self.stored.window[1].view()))
         return out
 
     def size(self) -> int:
-        return self._lat + self._win[0].tokens
+        return self._lat + self.stored.window[0].tokens
 
     def trim(self, n: int) -> int:
         """Remove the newest ``n`` tokens (window first, then the latent's last rows; not
         trimmable: the factorization stays fitted with the trimmed tokens)."""
         out = super().trim(n)
-        self._pending = self._pending and self._win[0].tokens > 0
+        self._pending = self._pending and self.stored.window[0].tokens > 0
         return out
 
     def _trim_shared(self, n: int) -> None:
@@ -194,7 +194,7 @@ class XKVCache(LinkedLayers):
 
     # -- memory ----------------------------------------------------------------------------------
     def _layer_stores(self) -> dict:
-        return {"win.k": self._win[0], "win.v": self._win[1]}
+        return {"win.k": self.stored.window[0], "win.v": self.stored.window[1]}
 
     def _named_codecs(self) -> dict:
         return {"lat.k": self._kc, "lat.v": self._vc}
@@ -206,13 +206,13 @@ class XKVCache(LinkedLayers):
     def nbytes(self) -> int:
         """Resident bytes: the window (capacity included), ``B_l``, and the group's latent if
         this is the group's first layer (so a model's sum counts the latent once)."""
-        return sum(s.nbytes for s in self._named_stores().values()) + sum(
+        return sum(s.nbytes for s in self.named_stores().values()) + sum(
             c.state_nbytes for c in self._codecs()
         )
 
     @property
     def logical_nbytes(self) -> int:
-        return sum(s.logical_nbytes for s in self._named_stores().values()) + sum(
+        return sum(s.logical_nbytes for s in self.named_stores().values()) + sum(
             c.state_nbytes for c in self._codecs()
         )
 

@@ -126,13 +126,13 @@ class XKVGroup(LayerGroup):
         if self.dirty:
             self._orthonormalize()
         lat = ms[0]._lat
-        n = ms[0]._win[0].tokens
-        dtype = ms[0]._dtype
+        n = ms[0].stored.window[0].tokens
+        dtype = ms[0].stored.dtype
         for kind in (0, 1):
             rank = ms[0].cfg.key_rank if kind == 0 else ms[0].cfg.value_rank
             xs, bs = [], []
             for m in ms:
-                x = m._win[kind].view().data["x"]  # (B, H, n, D)
+                x = m.stored.window[kind].view().data["x"]  # (B, H, n, D)
                 if kind == 0 and m.cfg.pre_rope:
                     x = m.unrotate(x, lat)
                 xs.append(_f64(_tokens_by_feature(x)))
@@ -150,16 +150,16 @@ class XKVGroup(LayerGroup):
             self.store[kind].replace(Packed({"a": _mx(a_new[:, None]).astype(dtype)}, lat + n))
             start = 0
             for m in ms:
-                h, d = m._dims[1], m._dims[2 + kind]  # (B, H, Dk, Dv)
+                h, d = m.stored.dims[1], m.stored.dims[2 + kind]  # (B, H, Dk, Dv)
                 part = svt[:, :, start : start + h * d]  # (B, r, H*D)
                 start += h * d
                 basis = part.reshape(part.shape[0], part.shape[1], h, d).transpose(0, 2, 1, 3)
                 (m._kc if kind == 0 else m._vc).basis = _mx(basis).astype(dtype)
         for m in ms:
-            m._win[0].replace(None)
-            m._win[1].replace(None)
+            m.stored.window[0].replace(None)
+            m.stored.window[1].replace(None)
             m._lat, m._pending = lat + n, False
-            m._planned.clear()
+            m.stored_changed()
         mx.eval([a for s in self.store for a in s.arrays()], [m._kc.basis for m in ms])
 
     def _orthonormalize(self) -> None:

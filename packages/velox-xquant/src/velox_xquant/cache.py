@@ -116,7 +116,7 @@ class XQuantCache(LinkedLayers):
                 isinstance(c, XQuantCache)
                 and c._saved is None
                 and c._fresh
-                and (c.group is None and c._dims is None)
+                and (c.group is None and c.stored.dims is None)
             )
 
         for i in range(1, len(caches), 2):
@@ -162,7 +162,7 @@ class XQuantCache(LinkedLayers):
             raise ValueError(
                 f"xquant: layer {self.layer}'s {word} codes of this record are missing"
             )
-        store, mine = self.group.codes[i], self._tier[0][i].tokens
+        store, mine = self.group.codes[i], self.stored.coded[0][i].tokens
         if self.group.owner is self:
             if store.tokens > mine:  # codes the other layer no longer uses (after trims)
                 store.truncate(mine)
@@ -203,7 +203,11 @@ class XQuantCache(LinkedLayers):
             return super().segments()
         t = self.tiers[0]
         out = []
-        for stores, coded in ((self._sink, False), (self._tier[0], True), (self._win, False)):
+        for stores, coded in (
+            (self.stored.sink, False),
+            (self.stored.coded[0], True),
+            (self.stored.window, False),
+        ):
             k = stores[0].view()
             if k is None:
                 continue
@@ -219,11 +223,11 @@ class XQuantCache(LinkedLayers):
     def _trim_shared(self, n: int) -> None:
         """Remove the newest ``n`` coded tokens (then sinks): a key group cut in two is
         decoded back into the window, as an unpaired cache does."""
-        ks, vs = self._tier[0]
+        ks, vs = self.stored.coded[0]
         coded = ks.tokens
         if n >= coded:
             ks.truncate(0), vs.truncate(0)
-            trim_stores(self._sink, n - coded)
+            trim_stores(self.stored.sink, n - coded)
         else:
             t = self.tiers[0]
             block = math.lcm(t.key_codec.block, t.value_codec.block)
@@ -232,9 +236,9 @@ class XQuantCache(LinkedLayers):
             if cut != keep:
                 kr = self._joined(0, ks.view()).slice(cut, cut + block)
                 vr = self._joined(1, vs.view()).slice(cut, cut + block)
-                k = t.key_codec.decode(kr).astype(self._dtype)[:, :, : keep - cut]
-                v = t.value_codec.decode(vr).astype(self._dtype)[:, :, : keep - cut]
-                for store, x in ((self._win[0], k), (self._win[1], v)):
+                k = t.key_codec.decode(kr).astype(self.stored.dtype)[:, :, : keep - cut]
+                v = t.value_codec.decode(vr).astype(self.stored.dtype)[:, :, : keep - cut]
+                for store, x in ((self.stored.window[0], k), (self.stored.window[1], v)):
                     rest = store.view()
                     store.replace(Packed.concat([self._ident.encode(x), rest]))
             ks.truncate(cut), vs.truncate(cut)

@@ -49,6 +49,6 @@ class XQuantPair(LayerGroup):
         """Drop codes no layer uses any more (after the layers' trims): each shared store
         keeps as many tokens as the layer coding the most of them holds."""
         for i, side in enumerate("kv"):
-            used = [m._tier[0][i].tokens for m in self.present if side in m.shared]
+            used = [m.stored.coded[0][i].tokens for m in self.present if side in m.shared]
             if used and self.codes[i].tokens > max(used):
                 self.codes[i].truncate(max(used))

@@ -29,7 +29,7 @@ import mlx.core as mx
 
 from velox_core import Packed, PresetCache, config_fields
 from velox_core.cache.store import PackedStore
-from velox_core.cache.velox import WINDOW_STEP
+from velox_core.cache.stored import WINDOW_STEP
 
 from .codec import MixedChannel, MixedSeparable
 from .config import ZipCacheConfig
@@ -71,8 +71,8 @@ class ZipCacheCache(PresetCache):
             "step": 1,
         }
 
-    def _named_stores(self) -> dict[str, PackedStore]:
-        out = super()._named_stores()
+    def named_stores(self) -> dict[str, PackedStore]:
+        out = super().named_stores()
         sal = getattr(self, "_sal", None)  # absent while the base class initializes
         if sal is not None:
             out["saliency"] = sal
@@ -93,7 +93,7 @@ class ZipCacheCache(PresetCache):
         """Code the scored window tokens past ``window``, whole blocks at a time (``ahead`` is
         always 0: the in-place decode path that passes it is off)."""
         g = self.cfg.group
-        n_win = self._win[0].tokens
+        n_win = self.stored.window[0].tokens
         fresh = min(n_win, self.offset - self._fresh_from)  # stored by this update
         stale = (n_win - max(fresh, self._keep)) // g * g
         if stale > self._sal.tokens:
@@ -114,8 +114,8 @@ class ZipCacheCache(PresetCache):
                 UserWarning,
                 stacklevel=4,
             )
-        b, h = self._dims[:2]
-        start = self.offset - self._win[0].tokens
+        b, h = self.stored.dims[:2]
+        start = self.offset - self.stored.window[0].tokens
         pos = mx.arange(start + self._sal.tokens, start + upto)
         score = (pos - self.offset).astype(mx.float32)
         self._sal.append(Packed({"s": mx.broadcast_to(score, (b, h, score.size))}, score.size))
@@ -123,9 +123,9 @@ class ZipCacheCache(PresetCache):
     def _code(self, n: int) -> None:
         """Code the window's oldest ``n`` tokens (whole blocks), their salient tokens by score."""
         t = self.tiers[0]
-        pos0 = self.offset - self._win[0].tokens
-        keys = self._win[0].view().slice(0, n).data["x"]
-        values = self._win[1].view().slice(0, n).data["x"]
+        pos0 = self.offset - self.stored.window[0].tokens
+        keys = self.stored.window[0].view().slice(0, n).data["x"]
+        values = self.stored.window[1].view().slice(0, n).data["x"]
         scores = self._sal.view().slice(0, n).data["s"]
         salient = top_per_block(scores, self.cfg.group, t.key_codec.count)
         self._append_body(
@@ -133,7 +133,7 @@ class ZipCacheCache(PresetCache):
             t.value_codec.encode_mixed(values, salient),
             mx.arange(pos0, pos0 + n, dtype=mx.int32),
         )
-        for s in (*self._win, self._sal):
+        for s in (*self.stored.window, self._sal):
             s.drop_front(n)
 
     # -- scoring: the queries of every attention call ------------------------------------------
@@ -148,7 +148,7 @@ class ZipCacheCache(PresetCache):
 
     def _observe(self, queries: mx.array, scale: float) -> None:
         g = self.cfg.group
-        n_win, done = self._win[0].tokens, self._sal.tokens
+        n_win, done = self.stored.window[0].tokens, self._sal.tokens
         lq = queries.shape[2]
         upto = n_win if lq > 1 else (n_win - self._keep) // g * g
         if upto <= done or self.cfg.score == "locality":
@@ -176,7 +176,7 @@ class ZipCacheCache(PresetCache):
 
         Shapes: returns bool ``(B, H, T)`` over the coded tokens, oldest first.
         """
-        v = self._tier[0][0].view()
+        v = self.stored.coded[0][0].view()
         return None if v is None else self.tiers[0].key_codec.salient_mask(v)
 
     # -- trimming --------------------------------------------------------------------------------
@@ -189,7 +189,7 @@ class ZipCacheCache(PresetCache):
     def trim(self, n: int) -> int:
         """Remove the last ``n`` tokens (and the scores of trimmed window tokens); returns
         ``n``."""
-        n_win = self._win[0].tokens
+        n_win = self.stored.window[0].tokens
         out = super().trim(n)
         self._sal.truncate(min(self._sal.tokens, max(n_win - n, 0)))
         return out

@@ -33,15 +33,15 @@ __all__: list[str] = []
 
 def _rows(cache: VeloxCache) -> int | None:
     """Batch rows a cache holds (None while empty: an empty cache takes any batch)."""
-    return None if cache._dims is None else cache._dims[0]
+    return cache.stored.batch
 
 
 def _layout(cache: VeloxCache) -> tuple:
     """What two caches must share to be one group: settings, offset, tokens per store, and
     the policy's per-sequence decisions (:meth:`RetentionPolicy.batch_key
     <velox_core.policy.base.RetentionPolicy.batch_key>`)."""
-    stores = tuple(sorted((n, s.tokens) for n, s in cache._named_stores().items()))
-    dims = None if cache._dims is None else cache._dims[1:]
+    stores = tuple(sorted((n, s.tokens) for n, s in cache.named_stores().items()))
+    dims = None if cache.stored.dims is None else cache.stored.dims[1:]
     key = None if cache.policy is None else cache.policy.batch_key()
     return (repr(cache.config()), cache.offset, stores, dims, cache.ragged, repr(key))
 
@@ -365,7 +365,7 @@ class VeloxBatch:
 
 def _fits(a: VeloxCache, b: VeloxCache) -> bool:
     """Whether ``b``'s rows can join ``a``'s cache (empty caches join empty ones only)."""
-    return (a._dims is None) == (b._dims is None)
+    return (a.stored.dims is None) == (b.stored.dims is None)
 
 
 def _as_list(x) -> list:

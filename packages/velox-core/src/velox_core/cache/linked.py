@@ -165,7 +165,7 @@ class LinkedLayers(PresetCache):
         check_int("n", n, minimum=0)
         if n > self.size():
             raise ValueError(f"cannot trim {n} tokens: the cache stores {self.size()}")
-        left = trim_stores(self._win, n)
+        left = trim_stores(self.stored.window, n)
         if left:
             self._trim_shared(left)
         self.offset -= n
@@ -179,9 +179,9 @@ class LinkedLayers(PresetCache):
     # -- memory and state ---------------------------------------------------------------------
     def _layer_stores(self) -> dict[str, PackedStore]:
         """This layer's own stores by record name (by default :class:`VeloxCache`'s)."""
-        return super()._named_stores()
+        return super().named_stores()
 
-    def _named_stores(self) -> dict[str, PackedStore]:
+    def named_stores(self) -> dict[str, PackedStore]:
         out = self._layer_stores()
         g = self.group
         if g is not None and (self._detached or g.owner is self):  # shared: recorded once

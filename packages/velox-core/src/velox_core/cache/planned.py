@@ -46,13 +46,14 @@ class PlannedAttention:
         shape (the caller attends through the segments)."""
         if len(cache.tiers) != 1 or not use_kernels():
             return None
-        ks, vs = cache._tier[0]
-        sk = cache._sink[0]
-        n_sink, n_win = sk.tokens, cache._win[0].tokens
+        stored = cache.stored
+        ks, vs = stored.coded[0]
+        sk = stored.sink[0]
+        n_sink, n_win = stored.n_sink, stored.n_window
         if ks.tokens == 0 or n_sink + n_win > FP16_MAX:
             return None
         b, hq, lq, d = queries.shape
-        h = cache._dims[1]
+        h = stored.dims[1]
         key = (
             queries.shape,
             queries.dtype,
@@ -70,22 +71,22 @@ class PlannedAttention:
             return None
         fp16 = [] if self._sink is None else [self._sink]
         if n_win:
-            wk, wv = cache._win[0].buf.data["x"], cache._win[1].buf.data["x"]
-            fp16.append((wk[:, :, :n_win], wv[:, :, :n_win]))
+            fp16.append(stored.window_arrays())
         out = self._run(queries.reshape(b, h, (hq // h) * lq, d), fp16)
         return None if out is None else out.reshape(b, hq, lq, -1)
 
     def _plan(self, cache: Any, key: tuple, q_shape, dtype: mx.Dtype, scale: float) -> None:
-        ks, vs = cache._tier[0]
+        stored = cache.stored
+        ks, vs = stored.coded[0]
         tier = cache.tiers[0]
-        n_sink, n_win = key[6], cache._win[0].tokens
+        n_sink, n_win = key[6], stored.n_window
         self.clear()
         sides = kernel_sides(tier.key_codec, ks.view(), tier.value_codec, vs.view(), q_shape)
         if sides is not None:
             query = JointQuery(tuple(q_shape), dtype, n_sink + n_win, dtype, scale)
             self._run = plan_segment(query, *sides)
         if n_sink:
-            self._sink = (cache._sink[0].view().data["x"], cache._sink[1].view().data["x"])
+            self._sink = (stored.sink[0].view().data["x"], stored.sink[1].view().data["x"])
         # the key holds the buffers' ids: holding the records keeps those ids theirs
-        self._hold = (ks.buf, vs.buf, cache._sink[0].buf)
+        self._hold = (ks.buf, vs.buf, stored.sink[0].buf)
         self._key = key

@@ -165,7 +165,7 @@ class CalibratedPreset(PresetCache):
     def before_coding(self) -> bool:
         if self.calibrated:
             return True
-        if self._win[0].tokens < self.window + self.cfg.calibration:
+        if self.stored.window[0].tokens < self.window + self.cfg.calibration:
             return False
         self.calibrate(self.cfg.calibration)
         return True

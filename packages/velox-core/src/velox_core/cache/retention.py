@@ -27,7 +27,6 @@ class RetentionMixin:
 
     def _init_retention(self) -> None:
         if self.policy is None:
-            self._pos, self._heads = None, None
             return
         if len(self.tiers) != 1:
             raise ValueError("a retention policy works on a single coded tier, not age tiers")
@@ -38,39 +37,39 @@ class RetentionMixin:
                     f"retention policy {self.policy.name!r} needs a per-token, per-head {what} "
                     f"codec; {c.describe()} codes tokens in blocks of {c.block} or across heads"
                 )
-        self._pos = PackedStore(self.step)
-        self._heads: list[list[PackedStore]] | None = None
+        self.stored.positions = PackedStore(self.step)
 
     # -- what policies see -------------------------------------------------------------------
     @property
     def ragged(self) -> bool:
         """True once per-head budgets differ (one record per KV head)."""
-        return getattr(self, "_heads", None) is not None
+        stored = getattr(self, "stored", None)
+        return stored is not None and stored.heads is not None
 
     def body_sizes(self) -> list[int]:
         """Body tokens per KV head."""
         if self.ragged:
-            return [k.tokens for k, _, _ in self._heads]
-        h = self._dims[1] if self._dims else 0
-        return [self._tier[0][0].tokens] * h
+            return [k.tokens for k, _, _ in self.stored.heads]
+        h = self.stored.dims[1] if self.stored.dims else 0
+        return [self.stored.coded[0][0].tokens] * h
 
     def protected(self) -> int:
         """Tokens a policy never evicts: the sinks and the window."""
-        return self._sink[0].tokens + self._win[0].tokens
+        return self.stored.n_sink + self.stored.n_window
 
     def sink_count(self) -> int:
         """Tokens held as attention sinks (the first ones, never evicted)."""
-        return self._sink[0].tokens
+        return self.stored.n_sink
 
     @property
     def kv_heads(self) -> int | None:
         """KV heads of the stored tokens (None before the first update)."""
-        return self._dims[1] if self._dims else None
+        return self.stored.dims[1] if self.stored.dims else None
 
     @property
     def key_dim(self) -> int | None:
         """Channels of a stored key (None before the first update)."""
-        return self._dims[2] if self._dims else None
+        return self.stored.dims[2] if self.stored.dims else None
 
     def protected_keys(self) -> tuple[mx.array | None, mx.array | None, mx.array, mx.array]:
         """Keys and absolute positions of the sinks and the window (never evicted).
@@ -79,8 +78,8 @@ class RetentionMixin:
             ``(sink_keys, window_keys, sink_positions, window_positions)``: keys
             ``(B, H, n, D)`` in the storage dtype (None when empty), positions int32 ``(n,)``.
         """
-        sk, wk = self._sink[0].view(), self._win[0].view()
-        n_sink, n_win = self._sink[0].tokens, self._win[0].tokens
+        sk, wk = self.stored.sink[0].view(), self.stored.window[0].view()
+        n_sink, n_win = self.stored.n_sink, self.stored.n_window
         return (
             None if sk is None else sk.data["x"],
             None if wk is None else wk.data["x"],
@@ -92,10 +91,10 @@ class RetentionMixin:
         """Decoded body keys, float32: one ``(B, 1, T_h, D)`` array per KV head."""
         codec = self.tiers[0].key_codec
         if self.ragged:
-            return [codec.decode(k.view()) if k.tokens else None for k, _, _ in self._heads]
-        kv = self._tier[0][0].view()
+            return [codec.decode(k.view()) if k.tokens else None for k, _, _ in self.stored.heads]
+        kv = self.stored.coded[0][0].view()
         if kv is None:
-            return [None] * self._dims[1]
+            return [None] * self.stored.dims[1]
         keys = codec.decode(kv)
         return [keys[:, h : h + 1] for h in range(keys.shape[1])]
 
@@ -104,10 +103,10 @@ class RetentionMixin:
         a head holds no body token), as :meth:`body_keys` gives the keys."""
         codec = self.tiers[0].value_codec
         if self.ragged:
-            return [codec.decode(v.view()) if v.tokens else None for _, v, _ in self._heads]
-        vv = self._tier[0][1].view()
+            return [codec.decode(v.view()) if v.tokens else None for _, v, _ in self.stored.heads]
+        vv = self.stored.coded[0][1].view()
         if vv is None:
-            return [None] * self._dims[1]
+            return [None] * self.stored.dims[1]
         vals = codec.decode(vv).astype(mx.float32)
         return [vals[:, h : h + 1] for h in range(vals.shape[1])]
 
@@ -127,50 +126,53 @@ class RetentionMixin:
                 "set_body_values: needs a cache with a retention policy and one body record "
                 "(not per-head budgets)"
             )
-        if self._dims is None:
+        if self.stored.dims is None:
             raise ValueError("set_body_values: the cache holds no tokens")
-        b, h, _, dv = self._dims
+        b, h, _, dv = self.stored.dims
         if values.ndim != 4 or tuple(values.shape[:2]) != (b, h) or values.shape[3] != dv:
             raise ValueError(
                 f"set_body_values: values {tuple(values.shape)} must be (batch={b}, "
                 f"kv_heads={h}, n, value_dim={dv})"
             )
         n = values.shape[2]
-        if not 0 <= start <= start + n <= self._pos.tokens:
+        if not 0 <= start <= start + n <= self.stored.positions.tokens:
             raise ValueError(
                 f"set_body_values: tokens [{start}, {start + n}) are not within the "
-                f"{self._pos.tokens} body tokens"
+                f"{self.stored.positions.tokens} body tokens"
             )
         self._planned.clear()  # the coded segment changes: its decode plan with it
-        pos = self._pos.view().data["x"][0, 0, start : start + n, 0]
+        pos = self.stored.positions.view().data["x"][0, 0, start : start + n, 0]
         codec = self.tiers[0].value_codec
-        self._tier[0][1].write(start, codec.encode(values.astype(self._dtype), pos))
+        self.stored.coded[0][1].write(start, codec.encode(values.astype(self.stored.dtype), pos))
 
     def body_positions(self) -> list[mx.array]:
         """Absolute positions of the body tokens: one ``(B, T_h)`` int32 array per KV head."""
         if self.ragged:
-            return [p.view().data["x"][:, 0, :, 0] if p.tokens else None for _, _, p in self._heads]
-        pv = self._pos.view()
+            return [
+                p.view().data["x"][:, 0, :, 0] if p.tokens else None
+                for _, _, p in self.stored.heads
+            ]
+        pv = self.stored.positions.view()
         if pv is None:
-            return [None] * self._dims[1]
+            return [None] * self.stored.dims[1]
         pos = pv.data["x"][..., 0]
         return [pos[:, h] for h in range(pos.shape[1])]
 
     # -- storing and evicting ------------------------------------------------------------------
     def _append_body(self, kp: Packed, vp: Packed, positions: mx.array) -> None:
         self._planned.clear()  # the coded segment changes: its decode plan with it
-        if self._pos is None:
-            self._tier[0][0].append(kp)
-            self._tier[0][1].append(vp)
+        if self.stored.positions is None:
+            self.stored.coded[0][0].append(kp)
+            self.stored.coded[0][1].append(vp)
             return
-        b, h = self._dims[:2]
+        b, h = self.stored.dims[:2]
         pos = mx.broadcast_to(positions.astype(mx.int32)[None, None, :, None], (b, h, kp.tokens, 1))
         if not self.ragged:
-            self._tier[0][0].append(kp)
-            self._tier[0][1].append(vp)
-            self._pos.append(Packed({"x": pos}, kp.tokens))
+            self.stored.coded[0][0].append(kp)
+            self.stored.coded[0][1].append(vp)
+            self.stored.positions.append(Packed({"x": pos}, kp.tokens))
             return
-        for i, (ks, vs, ps) in enumerate(self._heads):
+        for i, (ks, vs, ps) in enumerate(self.stored.heads):
             ks.append(kp.map(lambda _, a, i=i: a[:, i : i + 1]))
             vs.append(vp.map(lambda _, a, i=i: a[:, i : i + 1]))
             ps.append(Packed({"x": pos[:, i : i + 1]}, kp.tokens))
@@ -190,9 +192,9 @@ class RetentionMixin:
             self._evict_ragged(list(keep))
             return
         if self.ragged:
-            self._evict_ragged([keep] * len(self._heads))
+            self._evict_ragged([keep] * len(self.stored.heads))
             return
-        kv, vv, pv = self._tier[0][0].view(), self._tier[0][1].view(), self._pos.view()
+        kv, vv, pv = self.stored.body()
         if kv is None:
             return
         idx = keep.astype(mx.int32)
@@ -200,28 +202,28 @@ class RetentionMixin:
             raise ValueError(
                 f"evict: per-head index of shape {tuple(idx.shape)} does not match the body"
             )
-        self._tier[0][0].replace(kv.take(idx))
-        self._tier[0][1].replace(vv.take(idx))
-        self._pos.replace(pv.take(idx))
+        self.stored.coded[0][0].replace(kv.take(idx))
+        self.stored.coded[0][1].replace(vv.take(idx))
+        self.stored.positions.replace(pv.take(idx))
 
     def _evict_ragged(self, keep: list) -> None:
-        b, h = self._dims[:2]
+        b, h = self.stored.dims[:2]
         if len(keep) != h:
             raise ValueError(f"evict: {len(keep)} per-head index arrays for {h} KV heads")
         if b != 1:
             raise ValueError("per-head budgets store one record per head and need batch size 1")
         if not self.ragged:
-            kv, vv, pv = self._tier[0][0].view(), self._tier[0][1].view(), self._pos.view()
-            self._heads = []
+            kv, vv, pv = self.stored.body()
+            self.stored.heads = []
             for i in range(h):
                 stores = [PackedStore(self.step) for _ in range(3)]
                 for s, rec in zip(stores, (kv, vv, pv)):
                     if rec is not None:
                         s.replace(rec.map(lambda _, a, i=i: a[:, i : i + 1]))
-                self._heads.append(stores)
-            for s in (*self._tier[0], self._pos):
+                self.stored.heads.append(stores)
+            for s in (*self.stored.coded[0], self.stored.positions):
                 s.replace(None)
-        for idx, stores in zip(keep, self._heads):
+        for idx, stores in zip(keep, self.stored.heads):
             idx = idx.astype(mx.int32).reshape(-1)
             for s in stores:
                 v = s.view()
@@ -232,14 +234,14 @@ class RetentionMixin:
     def _head_segments(self, i: int) -> list[Segment]:
         ident = self._ident
         out = []
-        sink_k, sink_v = self._sink[0].view(), self._sink[1].view()
+        sink_k, sink_v = self.stored.sink[0].view(), self.stored.sink[1].view()
         if sink_k is not None:
             out.append(Segment(ident, _head(sink_k, i), ident, _head(sink_v, i)))
-        ks, vs, _ = self._heads[i]
+        ks, vs, _ = self.stored.heads[i]
         if ks.tokens:
             t = self.tiers[0]
             out.append(Segment(t.key_codec, ks.view(), t.value_codec, vs.view()))
-        win_k, win_v = self._win[0].view(), self._win[1].view()
+        win_k, win_v = self.stored.window[0].view(), self.stored.window[1].view()
         if win_k is not None:
             out.append(Segment(ident, _head(win_k, i), ident, _head(win_v, i)))
         return out
@@ -247,7 +249,7 @@ class RetentionMixin:
     def _attend_ragged(self, queries: mx.array, scale: float, mask, sinks) -> mx.array:
         if mask is not None and not isinstance(mask, str):
             raise ValueError("per-head budgets support only the 'causal' mask (no mask arrays)")
-        h = len(self._heads)
+        h = len(self.stored.heads)
         r = queries.shape[1] // h
         outs = []
         for i in range(h):

@@ -31,8 +31,8 @@ class BatchRowsMixin:
         idx = mx.array(batch_indices) if not isinstance(batch_indices, mx.array) else batch_indices
         for s in self._stores():
             s.map_batch(lambda a: a[idx])
-        if self._dims is not None:
-            self._dims = (int(idx.size), *self._dims[1:])
+        if self.stored.dims is not None:
+            self.stored.dims = (int(idx.size), *self.stored.dims[1:])
         if self.policy is not None:
             self.policy.filter_batch(idx)
         for c in self._distinct_codecs():
@@ -49,7 +49,7 @@ class BatchRowsMixin:
         self._planned.clear()
         if type(other) is not type(self) or other.config() != self.config():
             raise ValueError("extend: both caches must have the same class and settings")
-        mine, theirs = self._named_stores(), other._named_stores()
+        mine, theirs = self.named_stores(), other.named_stores()
         for name, s in mine.items():
             if s.tokens != theirs[name].tokens or self.offset != other.offset:
                 raise ValueError(
@@ -60,8 +60,8 @@ class BatchRowsMixin:
             o = theirs[name].view()
             if o is not None:
                 s.replace(s.view().map(lambda k, a, o=o: mx.concatenate([a, o.data[k]], axis=0)))
-        if self._dims is not None:
-            self._dims = (self._dims[0] + other._dims[0], *self._dims[1:])
+        if self.stored.dims is not None:
+            self.stored.dims = (self.stored.dims[0] + other.stored.dims[0], *self.stored.dims[1:])
         if self.policy is not None:
             self.policy.extend_batch(other.policy)
         theirs = other._distinct_codecs()

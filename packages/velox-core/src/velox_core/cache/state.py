@@ -32,7 +32,7 @@ class StateMixin:
 
     # -- memory -----------------------------------------------------------------------------
     def _stores(self) -> list[PackedStore]:
-        return list(self._named_stores().values())
+        return list(self.named_stores().values())
 
     def _codecs(self) -> list[Codec]:
         return [c for t in self.tiers for c in (t.key_codec, t.value_codec)]
@@ -114,20 +114,11 @@ class StateMixin:
         memo[id(self)] = out
         return out
 
-    def _named_stores(self) -> dict[str, PackedStore]:
-        out = {
-            "sink.k": self._sink[0],
-            "sink.v": self._sink[1],
-            "win.k": self._win[0],
-            "win.v": self._win[1],
-        }
-        for i, (k, v) in enumerate(self._tier):
-            out[f"tier{i}.k"], out[f"tier{i}.v"] = k, v
-        if self._pos is not None:
-            out["pos"] = self._pos
-        for i, (k, v, p) in enumerate(self._heads or []):
-            out[f"head{i}.k"], out[f"head{i}.v"], out[f"head{i}.pos"] = k, v, p
-        return out
+    def named_stores(self) -> dict[str, PackedStore]:
+        """Every store of the cache by its name in the state record: its segments'
+        (:meth:`Stored.named <velox_core.cache.stored.Stored.named>`) and any a preset adds
+        (the shared stores of linked layers, say)."""
+        return self.stored.named()
 
     def _named_codecs(self) -> dict[str, Codec]:
         out = {}
@@ -138,7 +129,7 @@ class StateMixin:
     def _state_dict(self) -> tuple[dict, dict[str, mx.array]]:
         arrays: dict[str, mx.array] = {}
         stores = {}
-        for name, s in self._named_stores().items():
+        for name, s in self.named_stores().items():
             v = s.view()
             if v is None:
                 continue
@@ -161,11 +152,11 @@ class StateMixin:
             "method": self.method,
             "config": self.config(),
             "offset": self.offset,
-            "dims": self._dims,
-            "dtype": None if self._dtype is None else _dtype_name(self._dtype),
+            "dims": self.stored.dims,
+            "dtype": None if self.stored.dtype is None else _dtype_name(self.stored.dtype),
             "stores": stores,
             "arrays": list(arrays),
-            "ragged": len(self._heads) if self.ragged else None,
+            "ragged": len(self.stored.heads) if self.ragged else None,
             "storage_dtype": None
             if self.storage_dtype is None
             else _dtype_name(self.storage_dtype),
@@ -179,20 +170,20 @@ class StateMixin:
         if meta.get("version") != STATE_VERSION:
             raise ValueError(f"unsupported VeloxCache state version {meta.get('version')!r}")
         self.offset = int(meta["offset"])
-        self._dims = None if meta["dims"] is None else tuple(meta["dims"])
+        self.stored.dims = None if meta["dims"] is None else tuple(meta["dims"])
         dt = meta["dtype"]
         if dt is not None and getattr(mx, dt, None) not in FLOAT_DTYPES:
             raise ValueError(f"VeloxCache state has an unsupported dtype {dt!r}")
-        self._dtype = None if dt is None else getattr(mx, dt)
+        self.stored.dtype = None if dt is None else getattr(mx, dt)
         self.storage_dtype = _dtype_from(meta.get("storage_dtype"))
-        self._io_dtype = _dtype_from(meta.get("io_dtype")) or self._dtype
+        self._io_dtype = _dtype_from(meta.get("io_dtype")) or self.stored.dtype
         if meta.get("ragged"):
-            if self._pos is None:
+            if self.stored.positions is None:
                 raise ValueError("VeloxCache state has per-head storage but no retention policy")
-            self._heads = [
+            self.stored.heads = [
                 [PackedStore(self.step) for _ in range(3)] for _ in range(meta["ragged"])
             ]
-        named = self._named_stores()
+        named = self.named_stores()
         for name, s in named.items():
             info = meta["stores"].get(name)
             if info is None:
@@ -208,9 +199,17 @@ class StateMixin:
                 {k[7:]: a for k, a in arrays.items() if k.startswith("policy.")},
                 meta.get("policy_meta"),
             )
-        if self._dims is not None and self.size() and self._win[0].view() is not None:
-            got = self._win[0].view().data["x"].shape
-            if (got[0], got[1], got[3]) != (self._dims[0], self._dims[1], self._dims[2]):
+        if (
+            self.stored.dims is not None
+            and self.size()
+            and self.stored.window[0].view() is not None
+        ):
+            got = self.stored.window[0].view().data["x"].shape
+            if (got[0], got[1], got[3]) != (
+                self.stored.dims[0],
+                self.stored.dims[1],
+                self.stored.dims[2],
+            ):
                 raise ValueError("VeloxCache state: window arrays disagree with the recorded dims")
 
 

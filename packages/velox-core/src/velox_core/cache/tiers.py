@@ -46,7 +46,7 @@ class TierMixin:
         storing them there first."""
         return (
             self.window == 0
-            and self._win[0].tokens == 0
+            and self.stored.window[0].tokens == 0
             and type(self).before_coding is TierMixin.before_coding
         )
 
@@ -98,42 +98,44 @@ class TierMixin:
         if not self.before_coding():
             return
         first = self.tiers[0]
-        n = self._flush_count(self._win[0].tokens + ahead)
+        n = self._flush_count(self.stored.window[0].tokens + ahead)
         if n > 0:
-            pos0 = self.offset - self._win[0].tokens
+            pos0 = self.offset - self.stored.window[0].tokens
             pos = mx.arange(pos0, pos0 + n, dtype=mx.int32)
-            wk, wv = self._win[0].view(), self._win[1].view()
+            wk, wv = self.stored.window[0].view(), self.stored.window[1].view()
             self._append_body(
                 first.key_codec.encode(wk.slice(0, n).data["x"], pos),
                 first.value_codec.encode(wv.slice(0, n).data["x"], pos),
                 pos,
             )
-            self._win[0].drop_front(n)
-            self._win[1].drop_front(n)
+            self.stored.window[0].drop_front(n)
+            self.stored.window[1].drop_front(n)
         for i in range(len(self.tiers) - 1):
             src, dst = self.tiers[i], self.tiers[i + 1]
             blk = _lcm(
                 _lcm(src.key_codec.block, src.value_codec.block),
                 _lcm(dst.key_codec.block, dst.value_codec.block),
             )
-            over = self._tier[i][0].tokens - src.span
+            over = self.stored.coded[i][0].tokens - src.span
             n = over // blk * blk
             if n <= 0:
                 continue
-            kp = self._tier[i][0].view().slice(0, n)
-            vp = self._tier[i][1].view().slice(0, n)
+            kp = self.stored.coded[i][0].view().slice(0, n)
+            vp = self.stored.coded[i][1].view().slice(0, n)
             pos0 = self._body_start(i)
             pos = mx.arange(pos0, pos0 + n, dtype=mx.int32)
-            k = src.key_codec.decode(kp).astype(self._dtype)
-            v = src.value_codec.decode(vp).astype(self._dtype)
-            self._tier[i + 1][0].append(dst.key_codec.encode(k, pos))
-            self._tier[i + 1][1].append(dst.value_codec.encode(v, pos))
-            self._tier[i][0].drop_front(n)
-            self._tier[i][1].drop_front(n)
+            k = src.key_codec.decode(kp).astype(self.stored.dtype)
+            v = src.value_codec.decode(vp).astype(self.stored.dtype)
+            self.stored.coded[i + 1][0].append(dst.key_codec.encode(k, pos))
+            self.stored.coded[i + 1][1].append(dst.value_codec.encode(v, pos))
+            self.stored.coded[i][0].drop_front(n)
+            self.stored.coded[i][1].drop_front(n)
 
     def _body_start(self, i: int) -> int:
         """Absolute position of the oldest token of tier ``i`` (no eviction assumed)."""
-        after = self._win[0].tokens + sum(self._tier[j][0].tokens for j in range(i + 1))
+        after = self.stored.window[0].tokens + sum(
+            self.stored.coded[j][0].tokens for j in range(i + 1)
+        )
         return self.offset - after
 
     def segments(self) -> list[Segment]:
@@ -141,12 +143,12 @@ class TierMixin:
         if self.ragged:
             raise ValueError("per-head budgets: segments differ by head (see _head_segments)")
         out = []
-        pairs = [(self._sink, self._ident, self._ident)]
+        pairs = [(self.stored.sink, self._ident, self._ident)]
         pairs += [
-            (self._tier[i], t.key_codec, t.value_codec)
+            (self.stored.coded[i], t.key_codec, t.value_codec)
             for i, t in reversed(list(enumerate(self.tiers)))
         ]
-        pairs += [(self._win, self._ident, self._ident)]
+        pairs += [(self.stored.window, self._ident, self._ident)]
         for (ks, vs), kc, vc in pairs:
             k = ks.view()
             if k is not None:
@@ -190,29 +192,29 @@ class TierMixin:
         check_int("n", n, minimum=0)
         if n > self.size():
             raise ValueError(f"cannot trim {n} tokens: the cache stores {self.size()}")
-        if self.ragged and n > self._win[0].tokens:
+        if self.ragged and n > self.stored.window[0].tokens:
             raise ValueError(
-                f"cannot trim {n} tokens: with per-head budgets only the {self._win[0].tokens} "
-                "window tokens can be trimmed"
+                f"cannot trim {n} tokens: with per-head budgets only the "
+                f"{self.stored.n_window} window tokens can be trimmed"
             )
         left = n
-        left = trim_stores(self._win, left)
+        left = trim_stores(self.stored.window, left)
         for i in range(len(self.tiers)):
             if left == 0:
                 break
             left = self._trim_tier(i, left)
         if left:
-            trim_stores(self._sink, left)
+            trim_stores(self.stored.sink, left)
         self.offset -= n
         return n
 
     def _trim_tier(self, i: int, n: int) -> int:
-        ks, vs = self._tier[i]
+        ks, vs = self.stored.coded[i]
         if n >= ks.tokens:
             rest = n - ks.tokens
             ks.truncate(0), vs.truncate(0)
-            if i == 0 and self._pos is not None:
-                self._pos.truncate(0)
+            if i == 0 and self.stored.positions is not None:
+                self.stored.positions.truncate(0)
             return rest
         t = self.tiers[i]
         block = _lcm(t.key_codec.block, t.value_codec.block)
@@ -220,16 +222,20 @@ class TierMixin:
         cut = keep // block * block
         if cut != keep:
             # a block is split: decode its surviving tokens back into the window
-            k = t.key_codec.decode(ks.view().slice(cut, cut + block)).astype(self._dtype)
-            v = t.value_codec.decode(vs.view().slice(cut, cut + block)).astype(self._dtype)
+            k = t.key_codec.decode(ks.view().slice(cut, cut + block)).astype(self.stored.dtype)
+            v = t.value_codec.decode(vs.view().slice(cut, cut + block)).astype(self.stored.dtype)
             ks.truncate(cut), vs.truncate(cut)
-            win_k, win_v = self._win[0].view(), self._win[1].view()
-            self._win[0].replace(Packed.concat([self._ident.encode(k[:, :, : keep - cut]), win_k]))
-            self._win[1].replace(Packed.concat([self._ident.encode(v[:, :, : keep - cut]), win_v]))
+            win_k, win_v = self.stored.window[0].view(), self.stored.window[1].view()
+            self.stored.window[0].replace(
+                Packed.concat([self._ident.encode(k[:, :, : keep - cut]), win_k])
+            )
+            self.stored.window[1].replace(
+                Packed.concat([self._ident.encode(v[:, :, : keep - cut]), win_v])
+            )
         else:
             ks.truncate(keep), vs.truncate(keep)
-        if i == 0 and self._pos is not None:
-            self._pos.truncate(ks.tokens)
+        if i == 0 and self.stored.positions is not None:
+            self.stored.positions.truncate(ks.tokens)
         return 0
 
 

@@ -40,13 +40,12 @@ from .planned import PlannedAttention
 from .retention import RetentionMixin
 from .rows import BatchRowsMixin
 from .state import StateMixin
-from .store import PackedStore
+from .stored import Stored
 from .tiers import Tier, TierMixin
 
 __all__: list[str] = []
 
 FLUSH = 64  # tokens the window passes to the codes at once, by default
-WINDOW_STEP = 16  # the window's growth quantum, in tokens
 
 
 def _codec(c: Codec | None, name: str) -> Codec:
@@ -155,14 +154,7 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
         if policy is not None:
             policy.attach(self)
         self.offset = 0
-        self._dims: tuple[int, int, int, int] | None = None  # (B, H, Dk, Dv)
-        self._dtype: mx.Dtype | None = None
-        # sinks are sized exactly (no slack); the window grows by WINDOW_STEP tokens, so most
-        # decode steps write their token in place, and shrinks to what it keeps at a flush;
-        # coded tiers grow by ``step``
-        self._sink = (PackedStore(1), PackedStore(1))
-        self._tier = [(PackedStore(step), PackedStore(step)) for _ in tiers]
-        self._win = (PackedStore(WINDOW_STEP), PackedStore(WINDOW_STEP))
+        self.stored = Stored(len(tiers), step)  # the tokens, segment by segment
         self._ident = Identity()
         self.storage_dtype: mx.Dtype | None = None
         self._io_dtype: mx.Dtype | None = None
@@ -193,7 +185,7 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
             raise ValueError(
                 f"storage dtype must be float16, bfloat16, float32 or None, got {dtype}"
             )
-        if self._dims is not None:
+        if self.stored.dims is not None:
             raise ValueError("set_storage_dtype: the cache already holds tokens")
         self.storage_dtype = dtype
 
@@ -295,18 +287,18 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
     def _check_first(self, keys: mx.array, values: mx.array) -> None:
         b, h, _, dk = keys.shape
         dv = values.shape[-1]
-        if self._dims is None:
+        if self.stored.dims is None:
             self.check_dims(dk, dv, keys.dtype)
-            self._dims = (b, h, dk, dv)
+            self.stored.dims = (b, h, dk, dv)
             self._io_dtype = keys.dtype
-            self._dtype = self.storage_dtype or keys.dtype
-            if self._dtype != keys.dtype:
-                self.check_dims(dk, dv, self._dtype)
+            self.stored.dtype = self.storage_dtype or keys.dtype
+            if self.stored.dtype != keys.dtype:
+                self.check_dims(dk, dv, self.stored.dtype)
             return
-        if (b, h, dk, dv) != self._dims:
+        if (b, h, dk, dv) != self.stored.dims:
             raise ValueError(
                 f"keys {tuple(keys.shape)} / values {tuple(values.shape)} do not match the "
-                f"cache's (batch, kv_heads, key_dim, value_dim) = {self._dims}"
+                f"cache's (batch, kv_heads, key_dim, value_dim) = {self.stored.dims}"
             )
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -325,7 +317,7 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
         if self.ragged:
             self._require_routing()
         self._check_first(keys, values)
-        keys, values = keys.astype(self._dtype), values.astype(self._dtype)
+        keys, values = keys.astype(self.stored.dtype), values.astype(self.stored.dtype)
         new = (keys, values)
         t = keys.shape[2]
         if self.policy is not None:
@@ -335,10 +327,10 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
                 self.policy.before_update(self, t)
         start = self.offset
         self.offset += t
-        take = min(self.sinks - self._sink[0].tokens, t)
+        take = min(self.sinks - self.stored.sink[0].tokens, t)
         if take > 0:
-            self._sink[0].append(self._ident.encode(keys[:, :, :take]))
-            self._sink[1].append(self._ident.encode(values[:, :, :take]))
+            self.stored.sink[0].append(self._ident.encode(keys[:, :, :take]))
+            self.stored.sink[1].append(self._ident.encode(values[:, :, :take]))
             keys, values = keys[:, :, take:], values[:, :, take:]
         left = keys.shape[2]  # after the sinks
         direct = left >= self._flush_at and self._direct()
@@ -346,8 +338,8 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
         if n < left:
             if n:
                 keys, values = keys[:, :, n:], values[:, :, n:]
-            self._win[0].append(self._ident.encode(keys))
-            self._win[1].append(self._ident.encode(values))
+            self.stored.window[0].append(self._ident.encode(keys))
+            self.stored.window[1].append(self._ident.encode(values))
         self._flush()
         if self.policy is not None:
             self.policy.after_update(self, start)
@@ -382,23 +374,28 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
         (``mx.async_eval``): every decode step's graph is then the same, a write in place
         and the attention that reads the stores. MLX's CUDA backend replays a graph it has
         seen, while a flush or a growth inside the step would change it."""
-        win_k, win_v = self._win
+        win_k, win_v = self.stored.window
         if (
-            self._dims is None
+            self.stored.dims is None
             or self.policy is not None
-            or self._sink[0].tokens < self.sinks
+            or self.stored.sink[0].tokens < self.sinks
             or type(self).before_coding is not VeloxCache.before_coding
             or not isinstance(keys, mx.array)
             or not isinstance(values, mx.array)
             or keys.ndim != 4
             or values.ndim != 4
-            or keys.dtype != self._dtype
-            or values.dtype != self._dtype
+            or keys.dtype != self.stored.dtype
+            or values.dtype != self.stored.dtype
         ):
             return False
         (b, h, t, dk), (vb, vh, vt, dv) = keys.shape, values.shape
         n = win_k.tokens
-        if (b, h, dk, dv) != self._dims or (vb, vh, vt) != (b, h, t) or t == 0 or win_k.buf is None:
+        if (
+            (b, h, dk, dv) != self.stored.dims
+            or (vb, vh, vt) != (b, h, t)
+            or t == 0
+            or win_k.buf is None
+        ):
             return False
         flush = self._flush_count(n + t)
         if flush > n:
@@ -419,6 +416,12 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
         self.offset += t
         return True
 
+    def stored_changed(self) -> None:
+        """Called by whoever changes :attr:`stored` outside the cache's own methods (the
+        coordinator of linked layers moving a layer's window into shared stores): the decode
+        attention planned over the old segments is dropped."""
+        self._planned.clear()
+
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
         """Every stored token decoded, in the input dtype (lazy: costs nothing unless used)."""
         segs = self.segments()
@@ -435,8 +438,8 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
         Shapes:
             queries ``(B, Hq, L, Dk)``; returns ``(B, Hq, L, Dv)``.
         """
-        if self._dims is not None:
-            b, h, dk, _ = self._dims
+        if self.stored.dims is not None:
+            b, h, dk, _ = self.stored.dims
             qs = tuple(getattr(queries, "shape", ()))
             if len(qs) != 4 or qs[0] != b or qs[1] % h or qs[3] != dk:
                 raise ValueError(
@@ -462,7 +465,7 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
     def size(self) -> int:
         """Stored tokens (the widest head's, with per-head budgets)."""
         body = max(self.body_sizes(), default=0) if self.ragged else 0
-        return self.protected() + sum(s[0].tokens for s in self._tier) + body
+        return self.protected() + sum(s[0].tokens for s in self.stored.coded) + body
 
     def empty(self) -> bool:
         return self.size() == 0

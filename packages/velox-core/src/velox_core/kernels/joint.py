@@ -25,7 +25,7 @@ import mlx.core as mx
 from . import decode as _kd  # plan_decode looked up per plan (tests spy on it)
 from .records import CodeRecord
 
-__all__ = ["JointQuery", "JointRun", "KernelSide", "plan_segment", "segment_partial"]
+__all__ = ["JointQuery", "KernelSide", "plan_segment", "segment_partial"]
 
 # run(q, fp16): q (B, H, M, D); fp16 up to two (keys, values) pairs (B, H, T_i, D); returns
 # (B, H, M, D) in the plan's out_dtype, or None where the fp16 segments do not fit the merge

@@ -129,7 +129,7 @@ class AccumulatedPolicy(RetentionPolicy):
         """The tokens just stored start with a score of zero."""
         if self.budget is None:
             return
-        b, h = cache._dims[:2]
+        b, h = cache.stored.dims[:2]
         new = mx.zeros((b, h, cache.offset - start), dtype=mx.float32)
         old = self._scores
         self._scores = new if old is None else mx.concatenate([old, new], axis=2)
@@ -161,7 +161,7 @@ class AccumulatedPolicy(RetentionPolicy):
     @staticmethod
     def _stored_positions(cache) -> mx.array:
         """Absolute position of every stored token, in storage order: int32 ``(B, H, S)``."""
-        b, h = cache._dims[:2]
+        b, h = cache.stored.dims[:2]
         n_sink = cache.sink_count()
         parts = [mx.broadcast_to(mx.arange(n_sink, dtype=mx.int32), (b, h, n_sink))]
         body, t = cache.body_positions(), 0
@@ -203,7 +203,7 @@ class AccumulatedPolicy(RetentionPolicy):
         """The top ``k`` body tokens per KV head, ``(B, H, k)``; their scores are kept."""
         pos = cache.body_positions()
         if any(p is None for p in pos):
-            return mx.zeros((cache._dims[0], len(pos), 0), dtype=mx.int32)
+            return mx.zeros((cache.stored.dims[0], len(pos), 0), dtype=mx.int32)
         body_pos = mx.stack(pos, axis=1)
         idx = top_k_sorted(self._body_scores(cache, body_pos), k)
         n_sink, t, acc = cache.sink_count(), body_pos.shape[2], self._scores

@@ -154,7 +154,7 @@ class RetentionPolicy(Configured):
         """Indices of the body tokens to keep: ``(B, H, k)``, the top ``k`` per head."""
         scores = self.score(cache)
         if any(s is None for s in scores):
-            return mx.zeros((cache._dims[0], len(scores), 0), dtype=mx.int32)
+            return mx.zeros((cache.stored.dims[0], len(scores), 0), dtype=mx.int32)
         return top_k_sorted(mx.stack(scores, axis=1), k)
 
     # -- batches -----------------------------------------------------------------------------
