@@ -12,8 +12,8 @@ comes from the covariance of all calibration queries (per KV head, averaged), it
 rotation from the score-weighted covariance of all calibration values, its clip ratios from a
 sample of 4,096 tokens (:mod:`velox_oscar.fit`).
 
-Writes ``shared/artifacts/oscar-reference-model.safetensors`` (float32 rotations, about
-0.8 MB), which ``velox_oscar`` finds by the model's fingerprint (``shared/artifacts`` is
+Writes ``shared/artifacts/oscar-reference-model.safetensors`` (float16 rotations, about
+0.4 MB), which ``velox_oscar`` finds by the model's fingerprint (``shared/artifacts`` is
 searched after ``$VELOX_ARTIFACTS`` and ``~/.cache/velox``).
 """
 

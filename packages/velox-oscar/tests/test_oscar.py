@@ -229,7 +229,8 @@ def test_artifact_round_trip_holds_orthogonal_rotations():
         for side in ("key", "value"):
             r = layer[side]
             assert mx.array_equal(r, b.layers[i][side])
-            assert rel_error(r @ r.T, mx.eye(128)) < 1e-5
+            r = r.astype(mx.float32)
+            assert rel_error(r @ r.T, mx.eye(128)) < 2e-3  # float16 entries
             assert sorted(a.clips[i]) == list(range(2, 9))
             assert all(c in CLIPS for pair in a.clips[i].values() for c in pair)
 

@@ -3,10 +3,10 @@ file.
 
 A file holds, per attention layer ``i``:
 
-* ``layer.<i>.key`` and ``layer.<i>.value``: float32 ``(D, D)``, the orthogonal rotations
-  ``R_K = U_Q H P_br`` and ``R_V = U_S H P_br`` (:mod:`velox_oscar.rotation`), one per layer
-  shared by its KV heads (the covariances are averaged over the heads, GQA-aware, as the
-  authors' ``compute_kv_rotation.py`` does);
+* ``layer.<i>.key`` and ``layer.<i>.value``: float16 ``(D, D)`` (as the caches hold them),
+  the orthogonal rotations ``R_K = U_Q H P_br`` and ``R_V = U_S H P_br``
+  (:mod:`velox_oscar.rotation`), one per layer shared by its KV heads (the covariances are
+  averaged over the heads, GQA-aware, as the authors' ``compute_kv_rotation.py`` does);
 * ``layer.<i>.key_eigenvalues`` and ``layer.<i>.value_eigenvalues``: float32 ``(D,)``, the
   eigenvalues of ``C_Q`` and ``C_S`` (ascending), which ordered ``P_br``.
 
@@ -117,7 +117,7 @@ def save_rotations(r: OscarRotations, path: str | os.PathLike) -> Path:
     """Write ``r`` to ``path`` (``.safetensors``; parent directories are created)."""
     _check(r, "save_rotations")
     arrays = {
-        f"layer.{i}.{name}": a.astype(mx.float32)
+        f"layer.{i}.{name}": a.astype(mx.float16 if name in SIDES else mx.float32)
         for i, layer in r.layers.items()
         for name, a in layer.items()
     }
