@@ -131,8 +131,8 @@ def quantile_clip(x: mx.array, ratio: float) -> mx.array:
     """
     x = x.astype(mx.float32)
     d = x.shape[-1]
-    k = d - clip_rank(ratio, d)  # the threshold is the k-th largest absolute value
-    if k <= 1:
+    rank = clip_rank(ratio, d)
+    if rank == d - 1:  # the row's largest: nothing is clipped
         return x
-    tau = mx.min(mx.topk(mx.abs(x), k, axis=-1), axis=-1, keepdims=True)
+    tau = mx.partition(mx.abs(x), rank, axis=-1)[..., rank : rank + 1]
     return mx.clip(x, -tau, tau)
