@@ -38,7 +38,7 @@ def _sides(key_codec, dim: int, keys: Packed, value_codec, values: Packed):
     if not use_kernels() or getattr(key_codec, "name", None) != "oscar-key":
         return None
     kq = getattr(key_codec, "_q", None)
-    if kq is None or key_codec.stored_rotation() is None or kq.group > dim:
+    if kq is None or key_codec.stored_rotation() is None:
         return None
     name = getattr(value_codec, "name", None)
     if name == "oscar-value" and getattr(value_codec, "_q", None) is not None:
