@@ -69,6 +69,7 @@ FAMILY: dict[str, str] = {
     "qjl": "quantizers",
     "rabitq": "quantizers",
     "turboquant": "quantizers",
+    "oscar": "quantizers",
     "vecinfer": "vector quantizers",
     "commvq": "vector quantizers",
     "streamingllm": "eviction",

@@ -1,0 +1,162 @@
+"""OSCAR artifacts: a model's fitted key and value rotations and clip ratios, in a safetensors
+file.
+
+A file holds, per attention layer ``i``:
+
+* ``layer.<i>.key`` and ``layer.<i>.value``: float16 ``(D, D)`` (as the caches hold them),
+  the orthogonal rotations ``R_K = U_Q H P_br`` and ``R_V = U_S H P_br``
+  (:mod:`velox_oscar.rotation`), one per layer shared by its KV heads (the covariances are
+  averaged over the heads, GQA-aware, as the authors' ``compute_kv_rotation.py`` does);
+* ``layer.<i>.key_eigenvalues`` and ``layer.<i>.value_eigenvalues``: float32 ``(D,)``, the
+  eigenvalues of ``C_Q`` and ``C_S`` (ascending), which ordered ``P_br``.
+
+Its metadata: ``format="velox-oscar"``, a version, the model's fingerprint and identifying
+config, how it was fitted, and per layer the fitted clip ratios ``clips`` (for each code width
+2 to 8, ``[key, value]``, for the OSCAR rotations) and ``hadamard_clips`` (the same fit for
+the plain Hadamard basis, the paper's ablation), with the group they were fitted for
+(``fit_group``; 0: the caches' default, the whole head up to 128 channels).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from velox_core.artifacts import ArtifactFile, ArtifactKind, FittedLayers, load_cached
+
+__all__ = [
+    "FORMAT",
+    "HOW_TO_FIT",
+    "MissingArtifactError",
+    "OscarRotations",
+    "load_rotations",
+    "load_rotations_cached",
+    "resolve_rotations",
+    "save_rotations",
+]
+
+FORMAT = "velox-oscar"
+VERSION = "1"
+SIDES = ("key", "value")
+HOW_TO_FIT = "python -m velox_oscar fit --model PATH --text CALIBRATION.txt --out FILE"
+
+
+class MissingArtifactError(FileNotFoundError):
+    """No OSCAR artifact was found for a model."""
+
+
+KIND = ArtifactKind(FORMAT, VERSION, "OSCAR", "artifact", HOW_TO_FIT, MissingArtifactError)
+
+
+@dataclass
+class OscarRotations(FittedLayers):
+    """Fitted OSCAR rotations of one model (``fingerprint``, ``model``, ``calibration`` and
+    ``layer(i)``: :class:`~velox_core.artifacts.FittedLayers`).
+
+    Attributes:
+        layers: layer -> ``{"key": R_K, "value": R_V, "key_eigenvalues": ...,
+            "value_eigenvalues": ...}`` (``(D, D)`` and ``(D,)`` arrays).
+        clips: layer -> code width -> ``[key, value]`` clip ratios fitted for the OSCAR
+            rotations.
+        hadamard_clips: the same for the Hadamard basis.
+        fit_group: the group the clips were fitted for (0: the caches' default, the whole
+            head up to 128 channels).
+    """
+
+    what = "OSCAR rotations"
+    layers: dict[int, dict[str, mx.array]]
+    clips: dict[int, dict[int, list[float]]]
+    hadamard_clips: dict[int, dict[int, list[float]]]
+    fit_group: int
+    fingerprint: str
+    model: dict[str, Any] = field(default_factory=dict)
+    calibration: dict[str, Any] = field(default_factory=dict)
+
+    def rotation(self, layer: int, side: str) -> mx.array:
+        """``R_K`` or ``R_V`` of one layer (``ValueError`` naming the fitted layers)."""
+        return self.layer(layer)[side]
+
+    def clip(self, layer: int, side: str, bits: int, basis: str = "oscar") -> float:
+        """The clip ratio fitted for one layer's keys or values at ``bits`` in ``basis``
+        (``"oscar"`` or ``"hadamard"``)."""
+        self.layer(layer)
+        table = (self.clips if basis == "oscar" else self.hadamard_clips)[layer]
+        if bits not in table:
+            raise ValueError(
+                f"oscar: the artifact's clip ratios were fitted for {sorted(table)} bits, not "
+                f"{bits}; pass key_clip and value_clip"
+            )
+        return float(table[bits][SIDES.index(side)])
+
+
+def _check(r: OscarRotations, where: str) -> None:
+    if not r.layers:
+        raise ValueError(f"{where}: no layers")
+    for i, arrays in r.layers.items():
+        for s in SIDES:
+            m, lam = arrays.get(s), arrays.get(f"{s}_eigenvalues")
+            if m is None or m.ndim != 2 or m.shape[0] != m.shape[1]:
+                raise ValueError(f"{where}: layer {i} {s}: the rotation must be (D, D)")
+            if lam is None or lam.shape != (m.shape[0],):
+                raise ValueError(f"{where}: layer {i} {s}: eigenvalues must be (D,)")
+        for name, table in (("clips", r.clips), ("hadamard_clips", r.hadamard_clips)):
+            widths = table.get(i)
+            if not widths or not all(
+                len(p) == 2 and all(0.0 < c <= 1.0 for c in p) for p in widths.values()
+            ):
+                raise ValueError(
+                    f"{where}: layer {i}: {name} must give two ratios in (0, 1] per code width"
+                )
+
+
+def save_rotations(r: OscarRotations, path: str | os.PathLike) -> Path:
+    """Write ``r`` to ``path`` (``.safetensors``; parent directories are created)."""
+    _check(r, "save_rotations")
+    arrays = {
+        f"layer.{i}.{name}": a.astype(mx.float16 if name in SIDES else mx.float32)
+        for i, layer in r.layers.items()
+        for name, a in layer.items()
+    }
+    meta = {
+        **r.provenance(),
+        "clips": r.clips,
+        "hadamard_clips": r.hadamard_clips,
+        "fit_group": str(r.fit_group),
+    }
+    return KIND.write(path, arrays, list(r.layers), meta, "save_rotations")
+
+
+def _rotations(f: ArtifactFile) -> OscarRotations:
+    names = (*SIDES, *(f"{s}_eigenvalues" for s in SIDES))
+    layers = {i: {n: f.arrays[f"layer.{i}.{n}"] for n in names} for i in f.layers}
+
+    def widths(name: str) -> dict[int, dict[int, list[float]]]:
+        return {
+            int(i): {int(b): [float(c) for c in p] for b, p in w.items()}
+            for i, w in f.json(name).items()
+        }
+
+    clips, hadamard = widths("clips"), widths("hadamard_clips")
+    return OscarRotations(layers, clips, hadamard, int(f.meta["fit_group"]), **f.provenance())
+
+
+def load_rotations(path: str | os.PathLike) -> OscarRotations:
+    """Read a file written by :func:`save_rotations` (``ValueError`` if it is not one)."""
+    out = KIND.read(path, _rotations)
+    _check(out, str(Path(path).expanduser()))
+    return out
+
+
+def load_rotations_cached(path: str | os.PathLike) -> OscarRotations:
+    """:func:`load_rotations`, read once per file version (every layer's cache shares it)."""
+    return load_cached(load_rotations, path)
+
+
+# resolve_rotations(model, path=None): the OSCAR artifact for ``model`` (``path`` if given,
+# checked; else found by the model's fingerprint; MissingArtifactError where none is):
+# :meth:`velox_core.artifacts.ArtifactKind.resolve`.
+resolve_rotations = KIND.resolve

@@ -1,0 +1,77 @@
+"""Settings of the OSCAR cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from velox_core import CodeWidths
+from velox_core.validation import (
+    check_choice,
+    check_counts,
+    check_float,
+    check_int,
+    check_optional,
+    check_path,
+    check_widths,
+)
+
+from .codec import BASES, check_head_dim
+
+__all__ = ["OscarConfig"]
+
+
+@dataclass
+class OscarConfig(CodeWidths):
+    """OSCAR (arXiv 2605.17757) settings, with the shared parameter names.
+
+    Attributes:
+        bits: code width of keys and values (the paper: 2, INT2).
+        key_bits, value_bits: either side alone (default ``bits``).
+        group: channels per fp16 scale and minimum along the head dim (None: the whole head,
+            at most 128, the paper's group).
+        window: most recent tokens kept exact (the paper's recent window: 256).
+        sinks: first tokens kept exact (the paper's sink: 64).
+        key_clip, value_clip: the clip ratio of each side (a row's threshold is its absolute
+            value of rank ``int(clip * D)``; 1 clips nothing); None: the ratio fitted per
+            layer in the artifact.
+        rotation: ``"oscar"`` (the fitted ``U H P_br`` of each layer) or ``"hadamard"`` (the
+            Sylvester Hadamard matrix alone, the paper's ablation; with both clips given it
+            needs no artifact).
+        artifact: path of the OSCAR artifact (None: the model's, found when the cache is
+            bound, :func:`~velox_oscar.artifact.resolve_rotations`).
+        layer: the model layer whose rotations to use; ``velox_core.make_cache`` sets it.
+    """
+
+    bits: int = 2
+    group: int | None = None
+    window: int = 256
+    sinks: int = 64
+    key_clip: float | None = None
+    value_clip: float | None = None
+    rotation: str = "oscar"
+    artifact: str | None = None
+    layer: int | None = None
+
+    def __post_init__(self):
+        check_widths(self, bits_required=True)
+        if self.group is not None:
+            check_int("group", self.group, minimum=1)
+        check_counts(self, "window", "sinks")
+        for name in ("key_clip", "value_clip"):
+            value = getattr(self, name)
+            if value is not None:
+                ratio = check_float(name, value, minimum=0.0, maximum=1.0, open_min=True)
+                setattr(self, name, ratio)
+        check_choice("rotation", self.rotation, BASES)
+        self.artifact = check_path("artifact", self.artifact)
+        check_optional(self, "layer", minimum=0)
+
+    @property
+    def needs_artifact(self) -> bool:
+        """Whether the caches read a fitted artifact (rotations or clip ratios)."""
+        return self.rotation == "oscar" or self.key_clip is None or self.value_clip is None
+
+    def check_dims(self, key_dim: int, value_dim: int) -> None:
+        """The head dims the rotation and the groups take (``oscar: ... head dim D ...``)."""
+        check_head_dim("oscar", self.rotation, self.group, key_dim, "key")
+        check_head_dim("oscar", self.rotation, self.group, value_dim, "value")

@@ -1,0 +1,333 @@
+"""OSCAR: the conformance suite (fitted rotations, and the data-free Hadamard ablation), the
+rotation's factors, the clip, the codes against a NumPy reference, bytes, artifacts."""
+
+import math
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from _oscar_util import model_artifact, tmp
+
+from velox_core import VeloxCache, make, make_cache, routed
+from velox_oscar import (
+    CLIPS,
+    METHOD,
+    MissingArtifactError,
+    OscarCache,
+    OscarKeys,
+    bit_reversal,
+    br_permutation,
+    clip_error,
+    gram_by_head,
+    hadamard_matrix,
+    load_rotations,
+    oscar_rotation,
+    quantile_clip,
+    save_rotations,
+)
+from velox_testing import (
+    CacheConformance,
+    assert_cpu_declines,
+    conformance_model,
+    kv_data,
+    rel_error,
+)
+
+SMALL = {"window": 16, "sinks": 4}
+
+
+class TestOscar(CacheConformance):
+    # per coded token and head, keys and values: 128 2-bit codes (32 B) and an fp16 scale and
+    # minimum (4 B), against 256 B of fp16 each; 20 exact tokens and the fp16 rotations
+    # (2 x 128 x 128 x 2 B = 64 KiB, 3% of fp16's 2 MiB at 2,048 tokens): 0.18 measured
+    max_memory_ratio = 0.19
+    # 2-bit codes move kv_data's peaked logits a lot (rotations fitted on a random model, not
+    # on kv_data): measured 0.67 over 512 tokens (KIVI-2 0.67, TurboQuant-2 0.87 there)
+    attention_error = 0.8
+    bad_settings = (
+        {"bits": 1},
+        {"group": 0},
+        ({"key_clip": 0.0}, "key_clip"),
+        ({"value_clip": 1.5}, "value_clip"),
+        ({"key_clip": "0.9"}, "key_clip"),
+        ({"rotation": "random"}, "rotation"),
+        ({"artifact": 3}, "artifact"),
+        ({"layer": -1}, "layer"),
+    )
+
+    def make(self):
+        return OscarCache(artifact=model_artifact(), layer=0, **SMALL)
+
+    def make_precise(self):  # the model-level checks at 8 bits
+        return OscarCache(bits=8, artifact=model_artifact(), **SMALL)
+
+
+class TestOscar4Bits(CacheConformance):
+    max_memory_ratio = 0.31  # 4-bit codes: 68 B a token and head against 256, 0.30 measured
+    attention_error = 0.3  # the clip ratios fitted for 4 bits: measured 0.2
+
+    def make(self):
+        return OscarCache(bits=4, artifact=model_artifact(), layer=0, **SMALL)
+
+
+class TestHadamardAblation(CacheConformance):
+    """The data-free ablation: the Sylvester Hadamard basis and given clips, no artifact."""
+
+    spec = "oscar:rotation=hadamard,key_clip=0.96,value_clip=0.92,window=16,sinks=4"
+    precise_spec = "oscar:bits=8,rotation=hadamard,key_clip=1,value_clip=1,window=16,sinks=4"
+    max_memory_ratio = 0.16  # no rotation state: the codes and the 20 exact tokens
+    attention_error = 0.8  # measured 0.74
+
+
+# -- the rotation's factors -------------------------------------------------------------------
+def test_bit_reversal_and_the_eigenvalue_keyed_permutation():
+    assert bit_reversal(8).tolist() == [0, 4, 2, 6, 1, 5, 3, 7]
+    assert bit_reversal(1).tolist() == [0]
+    lam = np.array([0.5, 4.0, 1.0, 3.0, 0.1, 2.0, 0.2, 0.3])  # ranks by size: 1,3,5,2,0,7,6,4
+    perm = br_permutation(lam)
+    order = np.argsort(-lam)
+    for i in range(8):  # output channel br(i) takes the column of the i-th largest eigenvalue
+        assert perm[bit_reversal(8)[i]] == order[i]
+    with pytest.raises(ValueError, match="power-of-two"):
+        bit_reversal(12)
+    # consecutive ranks land in different 32-channel groups of a 128-dim head
+    lam = np.linspace(1, 2, 128)
+    slot = np.argsort(br_permutation(lam))  # the output channel of each column
+    top = np.argsort(-lam)[:4]
+    assert len({int(slot[c]) // 32 for c in top}) == 4
+
+
+def test_oscar_rotation_is_u_h_p_and_orthogonal():
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(64, 64)) * np.exp(rng.normal(size=64))
+    cov = a @ a.T
+    r, lam = oscar_rotation(cov)
+    assert np.allclose(r @ r.T, np.eye(64), atol=1e-12)
+    h = hadamard_matrix(64)
+    assert np.allclose(h @ h, np.eye(64), atol=1e-12) and np.allclose(h, h.T)
+    # undo the permutation and the Hadamard: the columns are the covariance's eigenvectors
+    u = r[:, np.argsort(br_permutation(lam))] @ h
+    assert np.allclose(cov @ u, u * lam[None, :], atol=1e-8 * lam.max())
+    assert np.all(np.diff(lam) >= 0)  # eigh's ascending order, kept in the artifact
+
+
+def test_quantile_clip_thresholds_each_row_at_its_order_statistic():
+    rng = np.random.default_rng(1)
+    x = rng.standard_t(3, size=(5, 7, 128)).astype(np.float32)
+    for ratio in (0.96, 0.92, 0.5):
+        got = np.array(quantile_clip(mx.array(x), ratio))
+        tau = np.sort(np.abs(x), axis=-1)[..., int(ratio * 128)][..., None]
+        assert np.array_equal(got, np.clip(x, -tau, tau))
+        assert (np.abs(x) > tau).sum(-1).max() <= 128 - int(ratio * 128) - 1
+    assert np.array_equal(np.array(quantile_clip(mx.array(x), 1.0)), x)  # 1 clips nothing
+
+
+def test_gram_by_head_groups_the_query_heads_of_each_kv_head():
+    q = mx.random.normal((2, 6, 5, 16), key=mx.random.key(0))  # 6 query heads, 2 KV heads
+    got = np.array(gram_by_head(q, 2))
+    x = np.array(q)
+    for h in range(2):
+        rows = x[:, 3 * h : 3 * h + 3].reshape(-1, 16)
+        assert np.allclose(got[h], rows.T @ rows, rtol=1e-4, atol=1e-4)
+
+
+# -- the codes --------------------------------------------------------------------------------
+def _numpy_codes(x: np.ndarray, r: np.ndarray, ratio: float, group: int) -> np.ndarray:
+    """The paper's pipeline in NumPy: rotate, clip at the row's order statistic, asymmetric
+    2-bit min-max per group (fp16 scale and minimum), decode, rotate back."""
+    y = x @ r
+    tau = np.sort(np.abs(y), axis=-1)[..., int(ratio * y.shape[-1])][..., None]
+    y = np.clip(y, -tau, tau)
+    g = y.reshape(*y.shape[:-1], -1, group)
+    lo, hi = g.min(-1, keepdims=True), g.max(-1, keepdims=True)
+    scale = np.maximum((hi - lo) / 3, 1e-8).astype(np.float16).astype(np.float32)
+    lo = lo.astype(np.float16).astype(np.float32)
+    q = np.clip(np.round((g - lo) / scale), 0, 3)
+    return (q * scale + lo).reshape(y.shape) @ r.T
+
+
+@pytest.mark.parametrize("group", [None, 32])
+def test_codes_match_the_numpy_reference(group):
+    k, _ = kv_data(t=64, dtype=mx.float32)
+    c = OscarKeys(group=group, artifact=model_artifact(), layer=1)
+    c.check(128, mx.float32)
+    r = np.array(c.state()["rotation"], dtype=np.float32)
+    want = _numpy_codes(np.array(k), r, c.ratio, group or 128)
+    got = np.array(c.decode(c.encode(k)))
+    assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
+    assert c.ratio == load_rotations(model_artifact()).clip(1, "key", 2)
+    # the codes are Uniform's, read by mx.quantized_matmul with the rotated query
+    p = c.encode(k)
+    q = mx.random.normal((1, 2, 3, 128), key=mx.random.key(1))
+    assert rel_error(c.scores(q, p), q @ mx.swapaxes(c.decode(p), -1, -2)) < 1e-4
+    w = mx.softmax(mx.random.normal((1, 2, 3, 64), key=mx.random.key(2)), axis=-1)
+    assert rel_error(c.mix(w, p), w @ c.decode(p)) < 1e-4
+
+
+def test_given_clips_override_the_fitted_ones_and_change_the_codes():
+    k, _ = kv_data(t=64, dtype=mx.float32)
+    fitted = OscarKeys(artifact=model_artifact(), layer=0)
+    given = OscarKeys(clip=1.0, artifact=model_artifact(), layer=0)
+    for c in (fitted, given):
+        c.check(128, mx.float32)
+    assert given.ratio == 1.0 and "clip" not in given.state() and "clip" in fitted.state()
+    assert fitted.ratio < 1.0  # the fit clips on this model (0.9 measured)
+    a, b = (np.array(c.decode(c.encode(k))) for c in (fitted, given))
+    assert not np.allclose(a, b)
+
+
+def test_bytes_are_the_codes_the_scales_and_the_rotations():
+    k, v = kv_data(t=1024)
+    for group, per_group in ((None, 128), (32, 32)):
+        c = OscarCache(artifact=model_artifact(), layer=0, window=0, sinks=0, flush=64, group=group)
+        for s in range(0, 1024, 256):
+            c.update_and_fetch(k[:, :, s : s + 256], v[:, :, s : s + 256])
+        mx.eval(c.state)
+        coded = sum(s.tokens for s in c.segments() if s.key_codec is c.tiers[0].key_codec)
+        exact = 1024 - coded
+        state = 2 * (128 * 128 * 2 + 4 + 4)  # per side: fp16 rotation, clip ratio, head dim
+        per_token = 2 * 2 * (128 * 2 // 8 + (128 // per_group) * 4)  # K and V, 2 heads
+        assert c.logical_nbytes == coded * per_token + exact * 2 * 2 * 128 * 2 + state
+        # 2 bits + 32 bits of metadata per group per element, besides the exact tokens
+        assert per_token / (2 * 2 * 128) * 8 == 2 + 32 / per_group
+
+
+def test_attention_reads_the_codes_in_the_rotated_basis(monkeypatch):
+    """A decode step rotates the query once and the mix back once: no stored token is decoded
+    into the model's basis (decode is never called)."""
+    c = OscarCache(artifact=model_artifact(), layer=0, **SMALL)
+    k, v = kv_data(t=300)
+    c.update_and_fetch(k, v)
+    q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(3)).astype(mx.float16)
+    want = c.attend(q, scale=0.09)
+    for codec in (c.tiers[0].key_codec, c.tiers[0].value_codec):
+        monkeypatch.setattr(codec, "decode", lambda *a: pytest.fail("decoded"))
+        monkeypatch.setattr(codec, "decode_as", lambda *a: pytest.fail("decoded"))
+    assert mx.array_equal(c.attend(q, scale=0.09), want)
+    # a prefill chunk attends in the rotated basis too (decode_rotated_as, never decode)
+    out = c.attend(mx.random.normal((1, 4, 40, 128)).astype(mx.float16), scale=0.09, mask=None)
+    assert out.shape == (1, 4, 40, 128)
+
+
+def test_on_the_cpu_the_kernels_decline():
+    c = OscarCache(artifact=model_artifact(), layer=0, window=0, sinks=0)
+    k, v = kv_data(t=128)
+    c.update_and_fetch(k, v)
+    seg = next(s for s in c.segments() if s.key_codec is c.tiers[0].key_codec)
+    assert_cpu_declines(seg.key_codec, seg.keys, seg.value_codec, seg.values)
+
+
+# -- artifacts and the model ------------------------------------------------------------------
+def test_artifact_round_trip_holds_orthogonal_rotations():
+    a = load_rotations(model_artifact())
+    b = load_rotations(save_rotations(a, tmp("again.safetensors")))
+    assert sorted(a.layers) == sorted(b.layers) == [0, 1]
+    assert a.clips == b.clips and a.hadamard_clips == b.hadamard_clips
+    assert a.fit_group == 0 and a.fingerprint == b.fingerprint
+    for i, layer in a.layers.items():
+        for side in ("key", "value"):
+            r = layer[side]
+            assert mx.array_equal(r, b.layers[i][side])
+            r = r.astype(mx.float32)
+            assert rel_error(r @ r.T, mx.eye(128)) < 2e-3  # float16 entries
+            assert sorted(a.clips[i]) == list(range(2, 9))
+            assert all(c in CLIPS for pair in a.clips[i].values() for c in pair)
+
+
+def test_fitted_key_rotation_lowers_the_logit_error_of_the_clip_fit():
+    """clip_error's key metric is the logit error under the query covariance: it is zero for
+    keys the grid codes exactly, and at 2 bits OSCAR's fitted ratio is the grid's best."""
+    a = load_rotations(model_artifact())
+    k, _ = kv_data(t=256, dtype=mx.float32)
+    from velox_core import Uniform
+    from velox_oscar import Rotation
+
+    rot = Rotation(a.rotation(0, "key").astype(mx.float16))
+    metric = mx.broadcast_to(mx.eye(128)[None], (2, 128, 128))
+    exact = rot.inverse(mx.zeros((2, 4, 128)) + 1.0)  # constant rows in the rotated basis
+    assert clip_error(exact, rot, 1.0, Uniform(2, 128), metric) < 1e-4  # fp16 minimum only
+    errs = [clip_error(k[0], rot, c, Uniform(2, 128), metric) for c in CLIPS]
+    assert min(errs) < errs[0]  # clipping helps 2-bit codes of outlier-heavy keys
+
+
+def test_missing_and_foreign_artifacts_are_refused(monkeypatch, tmp_path):
+    monkeypatch.setenv("VELOX_ARTIFACTS", str(tmp_path))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("VELOX_SHARED", str(tmp_path))
+    with pytest.raises(MissingArtifactError, match="python -m velox_oscar fit --model PATH"):
+        make_cache(conformance_model(), "oscar")
+    other = conformance_model(num_hidden_layers=3)
+    with pytest.raises(ValueError, match="another model"):
+        make_cache(other, OscarCache(artifact=model_artifact()))
+    c = OscarCache()  # standalone, no artifact named
+    k, v = kv_data(t=400)
+    with pytest.raises(ValueError, match="no rotations"):
+        c.update_and_fetch(k, v)
+    # the ablation with both clips given needs none
+    caches = make_cache(conformance_model(), "oscar:rotation=hadamard,key_clip=0.9,value_clip=0.9")
+    assert all(set(c.tiers[0].key_codec.state()) == {"dim"} for c in caches)
+    # found by fingerprint in $VELOX_ARTIFACTS
+    save_rotations(load_rotations(model_artifact()), tmp_path / "oscar-tiny.safetensors")
+    caches = make_cache(conformance_model(), "oscar")
+    assert caches[1].tiers[0].value_codec._path == str(tmp_path / "oscar-tiny.safetensors")
+    assert caches[1].tiers[0].value_codec.layer == 1
+
+
+def test_a_loaded_cache_needs_no_artifact(monkeypatch, tmp_path):
+    from velox_core import load_cache, save_cache
+
+    model = conformance_model()
+    art = tmp_path / "a.safetensors"
+    save_rotations(load_rotations(model_artifact()), art)
+    caches = make_cache(model, OscarCache(artifact=str(art), **SMALL))
+    prompt = mx.random.randint(0, 512, (1, 200), key=mx.random.key(4))
+    with routed(model):
+        model(prompt, cache=caches)
+        save_cache(tmp_path / "c.safetensors", caches)
+        art.unlink()
+        loaded = load_cache(tmp_path / "c.safetensors")
+        a = model(mx.array([[5]]), cache=caches)
+        b = model(mx.array([[5]]), cache=loaded)
+    assert mx.allclose(a, b, atol=1e-3).item()
+
+
+def test_head_dims_are_refused_by_name():
+    model = conformance_model(80)
+    with pytest.raises(ValueError, match=r"oscar: key head dim 80 is not a power of two"):
+        OscarKeys(artifact=model_artifact(), layer=0).check(80, mx.float16)
+    with pytest.raises(ValueError, match=r"oscar: value head dim 96 is not a power of two"):
+        OscarCache().check_dims(128, 96)
+    with pytest.raises(ValueError, match=r"oscar: group=48 must divide the key head dim 128"):
+        make_cache(conformance_model(), OscarCache(artifact=model_artifact(), group=48))
+    caches = make_cache(model, "oscar:rotation=hadamard,key_clip=0.9,value_clip=0.9,group=16")
+    assert all(c.method == "oscar" for c in caches)
+
+
+def test_split_refusal_follows_the_artifact():
+    assert "fitted" in OscarCache.split_refusal(make("oscar").config(), True, False)
+    free = make("oscar:rotation=hadamard,key_clip=0.9,value_clip=0.9").config()
+    assert OscarCache.split_refusal(free, True, False) == ""
+    assert "fitted" in OscarCache.split_refusal({**free, "value_clip": None}, False, True)
+
+
+def test_recommended_settings_and_registry():
+    assert METHOD.name == "oscar" and "2605.17757" in METHOD.paper
+    c = make("oscar")
+    assert (c.sinks, c.window) == (64, 256)  # the paper's BF16 sink and recent window
+    kc, vc = c.tiers[0].key_codec, c.tiers[0].value_codec
+    assert (kc.bits, vc.bits, kc.group, kc.clip, kc.rotation) == (2, 2, None, None, "oscar")
+    c = make("oscar:key_bits=4,value_bits=2,key_clip=0.96,value_clip=0.92")
+    kc, vc = c.tiers[0].key_codec, c.tiers[0].value_codec
+    assert (kc.bits, vc.bits, kc.clip, vc.clip) == (4, 2, 0.96, 0.92)
+    assert isinstance(c, VeloxCache) and math.isclose(vc.clip, 0.92)
+
+
+def test_fit_command_show(capsys):
+    from velox_oscar.__main__ import main
+
+    assert main(["show", model_artifact()]) == 0
+    out = capsys.readouterr().out
+    assert '"fit_group": 0' in out and '"clips"' in out
+    assert main(["show", str(Path(model_artifact()).with_suffix(".none"))]) == 2
