@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 
 from velox_core.artifacts import fingerprint, fitted
-from velox_spectral import SpectralBases, fit_spectral, pca, save_bases
+from velox_spectral import SpectralBases, fit_spectral, int8_columns, pca, save_bases
 from velox_testing import conformance_model, kv_like, scratch_dir
 
 _TMP = scratch_dir("velox-spectral-tests-")
@@ -43,8 +43,10 @@ def law_artifact() -> str:
             else:
                 x = np.random.default_rng(200 + i).normal(size=(2, 4096, 128))
             mean, lam, vec = pca(x.sum(1), np.swapaxes(x, -1, -2) @ x, x.shape[1])
+            codes, scale = int8_columns(vec)
             sides[side] = {
-                "basis": mx.array(vec.astype(np.float32)),
+                "basis": mx.array(codes),
+                "basis_scale": mx.array(scale),
                 "mean": mx.array(mean.astype(np.float32)),
                 "eigenvalues": mx.array(lam.astype(np.float32)),
             }

@@ -20,6 +20,7 @@ from velox_spectral import (
     SpectralKeys,
     SpectralValues,
     fit_spectral,
+    int8_columns,
     load_bases,
     pca,
     rank_for_variance,
@@ -275,21 +276,31 @@ def test_the_rank_follows_variance_per_layer_and_side():
 
 
 # -- artifacts and the model ------------------------------------------------------------------
-def test_artifact_round_trip_holds_orthonormal_bases():
+def test_artifact_round_trip_holds_orthonormal_int8_bases():
     a = load_bases(model_artifact())
     b = load_bases(save_bases(a, tmp("again.safetensors")))
     assert sorted(a.layers) == sorted(b.layers) == [0, 1] and a.fingerprint == b.fingerprint
     for i in a.layers:
         for side in ("key", "value"):
-            for name in ("basis", "mean", "eigenvalues"):
+            for name in ("basis", "basis_scale", "mean", "eigenvalues"):
                 assert mx.array_equal(a.side(i, side)[name], b.side(i, side)[name])
-            p = a.side(i, side)["basis"].astype(mx.float32)
-            assert p.shape == (2, 128, 128) and a.side(i, side)["basis"].dtype == mx.float16
+            f = a.side(i, side)
+            assert f["basis"].shape == (2, 128, 128) and f["basis"].dtype == mx.int8
+            p = f["basis"].astype(mx.float32) * f["basis_scale"][:, None]
             eye = mx.broadcast_to(mx.eye(128), p.shape)
-            assert rel_error(mx.swapaxes(p, -1, -2) @ p, eye) < 2e-3
+            assert rel_error(mx.swapaxes(p, -1, -2) @ p, eye) < 0.05  # int8 columns
+    rng = np.random.default_rng(3)
+    q, _ = np.linalg.qr(rng.normal(size=(2, 64, 64)))
+    codes, scale = int8_columns(q)
+    assert np.abs(codes * scale[:, None] - q).max() <= scale.max() / 2 + 1e-7
+    assert np.all(np.abs(codes).max(axis=1) == 127)  # each column's largest entry: the scale
     bad = load_bases(model_artifact())
     bad.layers[0]["key"]["eigenvalues"] = bad.layers[0]["key"]["eigenvalues"][:, ::-1]
     with pytest.raises(ValueError, match="descending"):
+        save_bases(bad, tmp("bad.safetensors"))
+    bad = load_bases(model_artifact())
+    bad.layers[1]["value"]["basis"] = bad.layers[1]["value"]["basis"].astype(mx.float16)
+    with pytest.raises(ValueError, match="int8 codes"):
         save_bases(bad, tmp("bad.safetensors"))
 
 

@@ -8,6 +8,7 @@ from velox_core import Method
 from .artifact import (
     MissingArtifactError,
     SpectralBases,
+    int8_columns,
     load_bases,
     resolve_bases,
     save_bases,
@@ -27,6 +28,7 @@ __all__ = [
     "SpectralKeys",
     "SpectralValues",
     "fit_spectral",
+    "int8_columns",
     "load_bases",
     "pca",
     "rank_for_variance",

@@ -29,10 +29,9 @@ Where the bases come from: the model's artifact (:mod:`velox_spectral.artifact`)
 ``bind(model, layer)`` (``velox_core.make_cache`` calls it), or ``artifact=PATH`` with
 ``layer=i``. What a layer's codes need of it is codec state (counted in ``nbytes`` and saved
 with the cache): ``basis`` ``(H, D, k)`` (``k = D``, or ``rank`` with ``noise_bits=0``: the
-other columns are never read) as int8 codes with a float32 scale a column (the artifact's
-float16 basis rounded once more, by at most half an int8 step: half the resident bytes of
-float16; the tokens are projected by its pseudo-inverse, so that the rounding, about 2% of a
-vector, never adds to the codes' error),
+other columns are never read) as the artifact holds it, int8 codes with a float32 scale a
+column (half the resident bytes of float16; the tokens are projected by its pseudo-inverse,
+so that the rounding, about 2% of a vector, never adds to the codes' error),
 ``mean`` and ``sigma`` float32, and the ``rank`` in use.
 """
 
@@ -57,24 +56,12 @@ __all__ = [
     "TILE",
     "SpectralKeys",
     "SpectralValues",
-    "int8_columns",
     "rank_for_variance",
 ]
 
 TILE = 1024  # tokens the reference path decodes at once
 DEFAULT_VARIANCE = 0.9  # the rank's variance fraction where neither rank nor variance is given
 _TINY = 1e-6  # floor of a component's deviation, relative to the head's largest
-
-
-def int8_columns(basis: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each column of each head's basis as int8 codes times a float32 scale (its largest
-    magnitude over 127): ``basis ~ codes * scale[:, None, :]``, to half an int8 step.
-
-    Shapes: basis ``(H, D, k)``; returns int8 ``(H, D, k)`` and float32 ``(H, k)``.
-    """
-    scale = np.maximum(np.abs(basis).max(axis=1), 1e-30) / 127.0
-    codes = np.clip(np.rint(basis / scale[:, None, :]), -127, 127).astype(np.int8)
-    return codes, scale.astype(np.float32)
 
 
 def rank_for_variance(eigenvalues: np.ndarray, variance: float) -> int:
@@ -172,10 +159,9 @@ class _SpectralSide(Codec):
         k = d if self.noise_bits else r
         sigma = np.sqrt(lam[:, :k])
         sigma = np.maximum(sigma, _TINY * np.maximum(sigma[:, :1], 1e-30))
-        basis, scale = int8_columns(np.asarray(fit["basis"][:, :, :k], dtype=np.float32))
         return {
-            "basis": mx.array(basis),
-            "basis_scale": mx.array(scale),
+            "basis": fit["basis"][:, :, :k],
+            "basis_scale": fit["basis_scale"][:, :k].astype(mx.float32),
             "mean": fit["mean"].astype(mx.float32),
             "sigma": mx.array(sigma.astype(np.float32)),
             "rank": mx.array([r], dtype=mx.int32),

@@ -6,7 +6,8 @@ values of the calibration tokens: the mean ``mu`` and the covariance
 ``skip`` of each (the attention sinks, whose outlying keys the caches keep exact), then the
 eigen-decomposition ``C = P diag(lambda) P^T`` in float64, eigenvalues descending. Each
 eigenvector's sign is fixed (its entry of largest magnitude positive), so a fit is
-reproducible to the last bit on one machine.
+reproducible to the last bit on one machine, and each is stored as int8 codes with a float32
+scale (:func:`~velox_spectral.artifact.int8_columns`, as the caches hold it).
 
 One pass over the calibration: every sequence is prefilled into plain velox caches
 (:func:`velox_core.artifacts.prefilled`) and each layer's sums ``n``, ``sum x`` and
@@ -23,7 +24,7 @@ import numpy as np
 from velox_core.artifacts import calibration_ids, fitted, prefilled
 from velox_core.validation import check_int
 
-from .artifact import SIDES, SpectralBases
+from .artifact import SIDES, SpectralBases, int8_columns
 
 __all__ = ["SKIP", "fit_spectral", "pca"]
 
@@ -100,8 +101,10 @@ def fit_spectral(
             mean, lam, vec = pca(total, outer, n)
         except ValueError as e:
             raise ValueError(f"fit_spectral: layer {i} {side}s: {e}") from None
+        codes, scale = int8_columns(vec)
         layers.setdefault(i, {})[side] = {
-            "basis": mx.array(vec.astype(np.float32)),
+            "basis": mx.array(codes),
+            "basis_scale": mx.array(scale),
             "mean": mx.array(mean.astype(np.float32)),
             "eigenvalues": mx.array(lam.astype(np.float32)),
         }
