@@ -60,7 +60,7 @@ __all__ = [
 ]
 
 TILE = 1024  # tokens the reference path decodes at once
-DEFAULT_VARIANCE = 0.9  # the rank's variance fraction where neither rank nor variance is given
+DEFAULT_VARIANCE = 0.8  # the rank's variance fraction where neither rank nor variance is given
 _TINY = 1e-6  # floor of a component's deviation, relative to the head's largest
 
 
@@ -97,8 +97,8 @@ class _SpectralSide(Codec):
 
     def __init__(
         self,
-        signal_bits: int = 4,
-        noise_bits: int = 2,
+        signal_bits: int = 5,
+        noise_bits: int = 3,
         rank: int | None = None,
         variance: float | None = None,
         artifact: str | os.PathLike | None = None,

@@ -31,8 +31,8 @@ class SpectralConfig:
         layer: the model layer whose bases to use; ``velox_core.make_cache`` sets it.
     """
 
-    signal_bits: int = 4
-    noise_bits: int = 2
+    signal_bits: int = 5
+    noise_bits: int = 3
     rank: int | None = None
     variance: float | None = None
     window: int = 0
