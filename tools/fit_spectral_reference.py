@@ -1,6 +1,7 @@
 """Fit the spectral (PCA) artifact of the reference model.
 
-    python tools/fit_spectral_reference.py [--tokens 16384] [--skip 4] [--out FILE]
+    python tools/fit_spectral_reference.py [--tokens 16384] [--skip 4] [--positions 16384]
+        [--out FILE]
 
 Calibration text: files of the TRAIN split of the reference corpus (never the held-out
 split), as for the Q-Filters, CommVQ, Palu and OSCAR artifacts (``tools/reference_calibration.py``:
@@ -22,7 +23,7 @@ from reference_calibration import fit_reference
 
 from velox_core.artifacts_cli import Option
 from velox_spectral import fit_spectral, save_bases
-from velox_spectral.fit import SKIP
+from velox_spectral.fit import POSITIONS, SKIP
 
 if __name__ == "__main__":
     fit_reference(
@@ -32,5 +33,9 @@ if __name__ == "__main__":
         save_bases,
         tokens=16384,
         per_file=1024,
-        options=(Option("--skip", int, SKIP, "first tokens of each sequence left out"),),
+        options=(
+            Option("--skip", int, SKIP, "first tokens of each sequence left out"),
+            Option("--positions", int, POSITIONS, "key bases cover positions 0 to this"),
+        ),
+        seeded=True,
     )

@@ -12,6 +12,7 @@ import velox_spectral.codec as spectral_codec
 from velox_core import VeloxCache, make, make_cache, routed
 from velox_core.artifacts import prefilled
 from velox_core.ops.lloyd_max import lloyd_max_gaussian
+from velox_core.ops.rope import RopeSpec, find_rope, rope_spec, rotate
 from velox_spectral import (
     DEFAULT_VARIANCE,
     METHOD,
@@ -26,6 +27,7 @@ from velox_spectral import (
     rank_for_variance,
     save_bases,
 )
+from velox_spectral.fit import moved
 from velox_testing import (
     CacheConformance,
     assert_cpu_declines,
@@ -96,17 +98,26 @@ def test_pca_is_the_covariance_eigendecomposition():
         pca(x[:, :1].sum(1), np.zeros((2, 16, 16)), 1)
 
 
-def test_fit_is_the_pca_of_the_cached_keys_and_values_past_skip():
+@pytest.mark.parametrize("positions", [0, 4096])
+def test_fit_is_the_pca_of_the_cached_keys_and_values_past_skip(positions):
     """The artifact's mean and eigenvalues are those of every calibration token's key and
-    value but the first ``skip`` of each sequence (gathered here by hand)."""
+    value but the first ``skip`` of each sequence (gathered here by hand), the keys turned to
+    positions drawn from ``[0, positions)`` (0: as the calibration made them)."""
     model, ids = conformance_model(), calibration()
-    art = load_bases(model_artifact())
+    art = fit_spectral(model, ids, seq_len=512, positions=positions)
     assert art.calibration["skip"] == 4 and art.calibration["tokens"] == 1024
+    assert art.calibration["positions"] == positions
+    assert art.calibration["moved_layers"] == ([0, 1] if positions else [])
+    rng = np.random.default_rng(0)
     rows: dict = {}
     for _, caches in prefilled(model, ids, 512, 512):
         for i, cache in caches:
             for side, x in zip(("key", "value"), cache.keys_and_values()):
-                rows.setdefault((i, side), []).append(np.asarray(x[0, :, 4:], dtype=np.float64))
+                x = x[0, :, 4:].astype(mx.float32)
+                if side == "key" and positions:
+                    spec = rope_spec(find_rope(model, i))
+                    x = moved(x, 4, spec, positions, rng)
+                rows.setdefault((i, side), []).append(np.asarray(x, dtype=np.float64))
     for (i, side), parts in rows.items():
         x = np.concatenate(parts, axis=1)  # (H, 1016, D)
         got = art.side(i, side)
@@ -114,12 +125,27 @@ def test_fit_is_the_pca_of_the_cached_keys_and_values_past_skip():
         for h in range(x.shape[0]):
             lam = np.linalg.eigvalsh(np.cov(x[h].T, bias=True))[::-1]
             assert np.allclose(np.asarray(got["eigenvalues"][h]), lam, rtol=1e-3, atol=1e-6)
-    other = fit_spectral(model, ids, seq_len=512, skip=0)
+    other = fit_spectral(model, ids, seq_len=512, skip=0, positions=positions)
     assert not np.allclose(
-        np.asarray(other.side(0, "key")["mean"]), np.asarray(art.side(0, "key")["mean"])
+        np.asarray(other.side(0, "value")["mean"]), np.asarray(art.side(0, "value")["mean"])
     )
     with pytest.raises(ValueError, match="skip=512"):
         fit_spectral(model, ids, seq_len=512, skip=512)
+
+
+def test_moved_keys_are_the_keys_at_the_drawn_positions():
+    """A key made at position ``s`` and moved is the same pre-RoPE key turned to the drawn
+    position ``p`` (RoPE composes), whatever the layout of its pairs."""
+    for traditional in (False, True):
+        spec = RopeSpec.from_base(10000.0, 64, traditional)
+        base = mx.random.normal((2, 1, 64), key=mx.random.key(5))
+        k0 = mx.broadcast_to(base, (2, 50, 64))  # one pre-RoPE key per head, 50 tokens
+        made = rotate(k0[None], 7, spec)[0]  # at positions 7..56
+        got = moved(made, 7, spec, 9000, np.random.default_rng(1))
+        target = np.random.default_rng(1).integers(0, 9000, size=50)
+        want = rotate(k0[None], mx.array(target), spec)[0]
+        assert rel_error(got, want) < 1e-4
+    assert int(target.max()) > 4500  # spread over the range, not the calibration's
 
 
 def test_rank_for_variance_takes_the_largest_head():

@@ -1,7 +1,8 @@
 """``python -m velox_spectral``: fit a model's PCA bases, or show an artifact.
 
     python -m velox_spectral fit --model PATH --text FILE [FILE ...] [--out FILE]
-        [--tokens 16384] [--seq-len 2048] [--skip 4] [--dtype float32]
+        [--tokens 16384] [--seq-len 2048] [--skip 4] [--positions 16384] [--seed 0]
+        [--dtype float32]
     python -m velox_spectral show FILE
 
 ``fit`` loads the model with ``mlx_lm.load``, tokenizes the text files with the model's own
@@ -21,7 +22,7 @@ from velox_core.artifacts_cli import ArtifactCommand, Option
 
 from .artifact import SIDES, SpectralBases, load_bases, save_bases
 from .codec import rank_for_variance
-from .fit import SKIP, fit_spectral
+from .fit import POSITIONS, SKIP, fit_spectral
 
 FRACTIONS = (0.5, 0.8, 0.9, 0.95)
 
@@ -48,7 +49,11 @@ COMMAND = ArtifactCommand(
     load_bases,
     _describe,
     lambda r: "PCA bases of keys and values per KV head",
-    options=(Option("--skip", int, SKIP, "first tokens of each sequence left out (sinks)"),),
+    options=(
+        Option("--skip", int, SKIP, "first tokens of each sequence left out (sinks)"),
+        Option("--positions", int, POSITIONS, "key bases cover positions 0 to this (0: as run)"),
+        Option("--seed", int, 0, "seed of the keys' positions"),
+    ),
     doc=__doc__,
 )
 parser, main, fit_main = COMMAND.parser, COMMAND.main, COMMAND.fit_main
