@@ -27,6 +27,7 @@ from velox_spectral import (
     rank_for_variance,
     save_bases,
 )
+from velox_spectral.codec import code_words, packed_rank
 from velox_spectral.fit import moved
 from velox_testing import (
     CacheConformance,
@@ -148,6 +149,19 @@ def test_moved_keys_are_the_keys_at_the_drawn_positions():
     assert int(target.max()) > 4500  # spread over the range, not the calibration's
 
 
+def test_a_variance_rank_grows_into_the_word_padding():
+    # 5/3 bits at 128 channels: rank 42 takes 7 + 9 words, 43 takes 7 + 8, 44 7 + 8
+    assert [code_words(r, 128, 5, 3) for r in (42, 43, 44, 45)] == [16, 15, 15, 16]
+    assert packed_rank(42, 128, 5, 3) == 44 and packed_rank(44, 128, 5, 3) == 44
+    assert packed_rank(10, 128, 4, 4) == 128  # one width: the same words for every rank
+    assert packed_rank(50, 128, 4, 0) == 56  # no noise: the signal's last word filled
+    assert code_words(56, 128, 4, 0) == 7
+    # a given rank is honoured as given
+    c = SpectralKeys(5, 3, rank=42, artifact=model_artifact(), layer=0)
+    c.check(128, mx.float16)
+    assert c.rank_in_use == 42
+
+
 def test_rank_for_variance_takes_the_largest_head():
     lam = np.array([[4.0, 3.0, 2.0, 1.0], [7.0, 1.0, 1.0, 1.0]])  # totals 10 and 10
     assert rank_for_variance(lam, 0.7) == 2  # head 0 needs 2 (0.7), head 1 needs 1
@@ -191,7 +205,7 @@ def test_codes_match_the_numpy_reference(cls, sb, nb, rank):
     c.check(128, mx.float32)
     r = c.rank_in_use
     lam = load_bases(model_artifact()).side(1, c.side)["eigenvalues"]
-    assert r == (rank or rank_for_variance(lam, DEFAULT_VARIANCE))
+    assert r == (rank or packed_rank(rank_for_variance(lam, DEFAULT_VARIANCE), 128, sb, nb))
     want = _numpy_codes(np.asarray(x[0], dtype=np.float64), c.state(), r, sb, nb)
     got = np.asarray(c.decode(c.encode(x))[0])
     assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
@@ -291,7 +305,7 @@ def test_the_rank_follows_variance_per_layer_and_side():
     for i, cache in enumerate(caches):
         for codec in (cache.tiers[0].key_codec, cache.tiers[0].value_codec):
             lam = np.asarray(art.side(i, codec.side)["eigenvalues"])
-            assert codec.rank_in_use == rank_for_variance(lam, 0.6)
+            assert codec.rank_in_use == packed_rank(rank_for_variance(lam, 0.6), 128, 5, 3)
             assert codec.state()["basis"].shape == (2, 128, 128)
             assert codec.state()["basis"].dtype == mx.int8
     caches = make_cache(

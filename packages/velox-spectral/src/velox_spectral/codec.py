@@ -56,6 +56,8 @@ __all__ = [
     "TILE",
     "SpectralKeys",
     "SpectralValues",
+    "code_words",
+    "packed_rank",
     "rank_for_variance",
 ]
 
@@ -86,6 +88,21 @@ def _pseudo_inverse(p: mx.array) -> mx.array:
     """
     gram = mx.swapaxes(p, -1, -2) @ p
     return p @ mx.linalg.inv(gram, stream=mx.cpu)
+
+
+def code_words(rank: int, dim: int, signal_bits: int, noise_bits: int) -> int:
+    """uint32 words a token's codes take: the signal's and the noise's, each padded."""
+    noise = -(-(dim - rank) * noise_bits // 32) if noise_bits else 0
+    return -(-rank * signal_bits // 32) + noise
+
+
+def packed_rank(rank: int, dim: int, signal_bits: int, noise_bits: int) -> int:
+    """The largest rank from ``rank`` up whose codes take the fewest words: the signal grows
+    into the bits the word padding would waste (a rank of 42 of 128 at 5/3 bits takes 16
+    words, one of 43 takes 15)."""
+    return min(
+        range(rank, dim + 1), key=lambda r: (code_words(r, dim, signal_bits, noise_bits), -r)
+    )
 
 
 class _SpectralSide(Codec):
@@ -156,6 +173,7 @@ class _SpectralSide(Codec):
             r = self.rank
         else:
             r = rank_for_variance(lam, self.variance or DEFAULT_VARIANCE)
+            r = packed_rank(r, d, self.signal_bits, self.noise_bits)
         k = d if self.noise_bits else r
         sigma = np.sqrt(lam[:, :k])
         sigma = np.maximum(sigma, _TINY * np.maximum(sigma[:, :1], 1e-30))
@@ -364,8 +382,9 @@ class SpectralKeys(_SpectralSide):
         noise_bits: code width of the other components (0 to ``signal_bits``; 0 drops them).
         rank: the components coded at ``signal_bits``; None: chosen by ``variance``.
         variance: the fraction of each head's variance the leading components must hold (the
-            rank: the largest over the layer's heads of the smallest such rank); None with
-            ``rank`` None: :data:`DEFAULT_VARIANCE`.
+            rank: the largest over the layer's heads of the smallest such rank, then raised
+            while the codes take no more words, :func:`packed_rank`); None with ``rank`` None:
+            :data:`DEFAULT_VARIANCE`.
         artifact: path of the spectral artifact; None finds the model's at ``bind``.
         layer: the model layer (set by ``bind``).
 

@@ -21,7 +21,8 @@ class SpectralConfig:
         rank: the components coded at ``signal_bits``, on both sides and in every layer; None:
             chosen per layer and side by ``variance``.
         variance: the fraction of a head's variance the leading ``rank`` components must hold
-            (per layer and side, the largest rank its KV heads need); None with ``rank`` None:
+            (per layer and side, the largest rank its KV heads need, raised while the codes
+            take no more uint32 words); None with ``rank`` None:
             :data:`~velox_spectral.codec.DEFAULT_VARIANCE`. Give ``rank`` or ``variance``.
         window: most recent tokens kept exact.
         sinks: first tokens kept exact (the fit leaves the first tokens of each calibration
