@@ -149,6 +149,21 @@ def test_moved_keys_are_the_keys_at_the_drawn_positions():
     assert int(target.max()) > 4500  # spread over the range, not the calibration's
 
 
+@pytest.mark.parametrize(("sb", "nb", "rank"), [(4, 2, 128), (4, 4, None), (3, 1, 127)])
+def test_a_rank_of_the_whole_head_codes_no_noise(sb, nb, rank):
+    """Every component in the signal (given, or grown into by a variance rank at one width):
+    no noise codes, and the codes still decode and attend."""
+    k, _ = kv_data(t=32, dtype=mx.float32)
+    c = SpectralKeys(sb, nb, rank=rank, artifact=model_artifact(), layer=0)
+    c.check(128, mx.float32)
+    p = c.encode(k)
+    assert ("noise" in p.data) == (c.rank_in_use < 128)
+    assert c.rank_in_use == (rank or 128)
+    assert rel_error(c.decode(p), k) < 0.25  # 3 to 4 bits, bases of another law
+    q = mx.random.normal((1, 2, 3, 128), key=mx.random.key(1))
+    assert rel_error(c.scores(q, p), q @ mx.swapaxes(c.decode(p), -1, -2)) < 1e-5
+
+
 def test_a_variance_rank_grows_into_the_word_padding():
     # 5/3 bits at 128 channels: rank 42 takes 7 + 9 words, 43 takes 7 + 8, 44 7 + 8
     assert [code_words(r, 128, 5, 3) for r in (42, 43, 44, 45)] == [16, 15, 15, 16]

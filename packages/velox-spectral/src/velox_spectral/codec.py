@@ -288,16 +288,17 @@ class _SpectralSide(Codec):
         z = ((x.astype(mx.float32) - mu) @ _pseudo_inverse(p)) / sigma  # (B, H, T, k)
         s = mx.sqrt(mx.mean(z * z, axis=-1, keepdims=True))
         u = z / mx.maximum(s, 1e-30)
+        noise = nb is not None and r < d  # a rank of the whole head leaves no noise
         codes = [sb.encode(u[..., :r])]
         c = [sb.decode(codes[0])]
-        if nb is not None:
+        if noise:
             codes.append(nb.encode(u[..., r:]))
             c.append(nb.decode(codes[1]))
         c = c[0] if len(c) == 1 else mx.concatenate(c, axis=-1)
         s2 = sigma * sigma
         gain = mx.sum(s2 * z * c, axis=-1) / mx.sum(s2 * c * c, axis=-1)
         data = {"signal": pack(codes[0], self.signal_bits)}
-        if nb is not None:
+        if noise:
             data["noise"] = pack(codes[1], self.noise_bits)
         data["gain"] = gain.astype(scale_dtype(x.dtype))
         return Packed(data, t)
