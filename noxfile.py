@@ -56,8 +56,15 @@ nox.options.reuse_existing_virtualenvs = False
 
 
 def _env() -> dict[str, str]:
-    """MLX's CPU wheel bundles a slow reference BLAS; preload OpenBLAS where it is installed."""
-    env = {"PYTHONHASHSEED": "0", "TOKENIZERS_PARALLELISM": "false"}
+    """MLX's CPU wheel bundles a slow reference BLAS; preload OpenBLAS where it is installed.
+    The kernel emulator's binaries are shared by every session of a run (one folder under
+    .nox/, keyed by what each binary is built from): a kernel instantiation that several
+    packages' tests run is compiled once."""
+    env = {
+        "PYTHONHASHSEED": "0",
+        "TOKENIZERS_PARALLELISM": "false",
+        "VELOX_EMU_CACHE": str(ROOT / ".nox" / "emu-cache"),
+    }
     if os.path.exists(OPENBLAS):
         env["LD_PRELOAD"] = OPENBLAS
     return env
