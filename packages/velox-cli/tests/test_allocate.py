@@ -155,6 +155,14 @@ def test_from_table_allocates_again_without_measuring(allocated, capsys):
         (["--budget", "-1", "--from-table", "T"], "positive"),
         (["--budget", "3bits", "--from-table", "T", "--specs", "uniform:bits=5"], "not in"),
         (["--specs", "fp16"], "--budget"),
+        # checked before the model loads (no such model): named at once, not after measuring
+        (["--budget", "0", "--model", "/no/such"], "--budget must be a positive number"),
+        (["--budget", "inf", "--model", "/no/such"], "--budget must be a positive number"),
+        (["--budget", "0bits", "--model", "/no/such"], "NNbits takes a positive number"),
+        (["--budget", "threebits", "--model", "/no/such"], "NNbits takes a positive number"),
+        (["--budget", "uniform:bitz=3", "--model", "/no/such"], "no parameter 'bitz'"),
+        (["--budget", "mlx-q4", "--model", "/no/such"], "not a velox method's spec"),
+        (["--budget", "3bits", "--specs", "nope:bits=2", "--model", "/no/such"], "unknown method"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(extra, needle, allocated, capsys):

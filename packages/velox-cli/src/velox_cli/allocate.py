@@ -16,6 +16,8 @@ take: ``velox bench --methods uniform:bits=3 alloc.json``.
 from __future__ import annotations
 
 import json
+import math
+import re
 import sys
 from typing import Any
 
@@ -140,22 +142,49 @@ def _check(a) -> list[str] | None:
         setattr(a, name, v)
     specs = list(a.specs) if a.specs else None
     for s in specs or []:
-        if s.startswith("mlx-q") or s.endswith(".json") or "+" in s:
-            raise ValueError(
-                f"--specs: {s!r} is not a velox method's spec (mlx-lm's caches and compositions "
-                "are not allocated per layer; uniform:bits=4,group=64 is mlx-q4's format)"
-            )
+        _velox_spec("--specs", s)
     return specs
+
+
+def _velox_spec(option: str, text: str) -> None:
+    """``ValueError`` unless ``text`` is ``fp16`` or a spec of an installed velox method."""
+    from velox_core import make
+
+    if text.startswith("mlx-q") or text.endswith(".json") or "+" in text:
+        raise ValueError(
+            f"{option}: {text!r} is not a velox method's spec (mlx-lm's caches and compositions "
+            "are not allocated per layer; uniform:bits=4,group=64 is mlx-q4's format)"
+        )
+    if text != "fp16":
+        make(text)  # an unknown method or parameter, named now rather than after measuring
+
+
+def _budget(text: str, measuring: bool) -> Any:
+    """``--budget`` as :func:`velox_core.allocate.allocate` takes it, checked before any work:
+    a positive number of bytes, ``NNbits`` or a spec (a velox spec where it is measured)."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = None
+    if v is not None:
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"--budget must be a positive number of bytes per token, got {text}")
+        return v
+    if text.strip().endswith(("bit", "bits")):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*bits?\s*", text)
+        if m is None or float(m.group(1)) <= 0:
+            raise ValueError(f"--budget {text!r}: NNbits takes a positive number, e.g. 3bits")
+        return text
+    if measuring:
+        _velox_spec("--budget", text)
+    return text
 
 
 def cmd_allocate(a) -> int:
     from velox_core.allocate import SensitivityTable, allocate
 
     specs = _check(a)
-    try:
-        budget: Any = float(a.budget)
-    except ValueError:
-        budget = a.budget
+    budget = _budget(a.budget, measuring=not a.from_table)
     if a.from_table:
         table = SensitivityTable.load(a.from_table)
         choose = specs or table.info.get("candidates")
