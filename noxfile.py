@@ -220,7 +220,7 @@ def smollm2(session: nox.Session) -> None:
 @nox.session
 def kvpress(session: nox.Session) -> None:
     """velox's SnapKV, StreamingLLM, Ada-KV, KNorm, TOVA, PyramidKV, ChunkKV, Expected
-    Attention and KVzip against NVIDIA kvpress's presses on the long-context suite's prompts
+    Attention, KVzip and CurDKV against NVIDIA kvpress's presses on the long-context suite's prompts
     (benchmarks/kvpress_compare.py; not part of the default run; arguments after ``--`` go to
     the script and override its settings here).
 
@@ -241,6 +241,7 @@ def kvpress(session: nox.Session) -> None:
         "velox-chunkkv",
         "velox-expected-attention",
         "velox-kvzip",
+        "velox-curdkv",
     )
     session.install("uv", *(_pkg(p) for p in methods))
     # only its GGUF file is read: its llm / llama-cpp-python dependencies are not needed
