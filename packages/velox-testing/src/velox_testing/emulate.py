@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from velox_core import environment
 from velox_core.kernels import _source_dirs
 from velox_core.kernels.build import ArgInfo, KernelSpec, _shape_infos, cuda_source
 
@@ -206,7 +207,7 @@ class Emulator:
         source = self.source()
         cmd = [cxx, "-std=c++17", self.opt, "-pthread", "-w"]
         cmd += [a for d in self._include_dirs() for a in ("-I", str(d))]
-        shared = os.environ.get(CACHE_ENV)
+        shared = environment.get(CACHE_ENV)
         if shared:  # keyed by everything the binary is built from, headers included
             folder = Path(shared)
             tag = source_digest("\0".join([source, *cmd, _headers_text(self._include_dirs())]))
