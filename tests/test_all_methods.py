@@ -18,8 +18,9 @@ SPECS = [format_spec(name, params) for name, m in methods().items() for params i
 
 @pytest.fixture(scope="module", autouse=True)
 def fitted_artifacts(tmp_path_factory):
-    """Q-Filters, CommVQ, Palu and OSCAR need artifacts fitted on the model; fit them once for
-    the tiny model (CommVQ with a short EM: these tests check the plumbing, not its quality)."""
+    """Q-Filters, CommVQ, Palu, OSCAR and the spectral quantizer need artifacts fitted on the
+    model; fit them once for the tiny model (CommVQ with a short EM: these tests check the
+    plumbing, not its quality)."""
     out = tmp_path_factory.mktemp("artifacts")
     prompt = mx.random.randint(0, 512, (4, 256), key=mx.random.key(0))
     try:
@@ -51,6 +52,13 @@ def fitted_artifacts(tmp_path_factory):
     if oscar is not None:
         rot = oscar.fit_oscar(MODEL, prompt.reshape(-1).tolist(), seq_len=256, samples=256)
         oscar.save_rotations(rot, out / "tiny-oscar.safetensors")
+    try:
+        import velox_spectral as spectral
+    except ImportError:
+        spectral = None
+    if spectral is not None:
+        bases = spectral.fit_spectral(MODEL, prompt.reshape(-1).tolist(), seq_len=256)
+        spectral.save_bases(bases, out / "tiny-spectral.safetensors")
     old = os.environ.get("VELOX_ARTIFACTS")
     os.environ["VELOX_ARTIFACTS"] = str(out)
     yield
@@ -72,6 +80,7 @@ def test_every_package_registered():
         "xquant",
         "nsnquant",
         "oscar",
+        "spectral",
         "turboquant",
         "polarquant",
         "qjl",
@@ -155,7 +164,9 @@ def test_qfilters_over_turboquant_3bit_is_one_composed_cache():
     assert isinstance(caches[0].tiers[0].key_codec, tq.TurboQuant)
 
 
-@pytest.mark.parametrize("name", ["cachegen", "commvq", "kvtc", "oscar", "palu", "qfilters"])
+@pytest.mark.parametrize(
+    "name", ["cachegen", "commvq", "kvtc", "oscar", "palu", "qfilters", "spectral"]
+)
 def test_every_fit_hint_names_one_command_form(name):
     """A method whose artifact is fitted names its fit the same way in every message (the
     form that works with the method's package alone installed)."""

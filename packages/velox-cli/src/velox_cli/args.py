@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
         "--all",
         action="store_true",
         help="the full grid: the baselines and every installed method at its recommended "
-        "settings (95 specs with every package; on two idle CPU cores about 10 minutes on the "
+        "settings (96 specs with every package; on two idle CPU cores about 10 minutes on the "
         "reference model and about 86 minutes on SmolLM2 at the default --context 2048, "
         "against about 1 and 8 minutes for the quick subset; benchmarks/bench_cost.py "
         "measures a model's)",

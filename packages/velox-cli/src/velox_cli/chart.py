@@ -70,6 +70,7 @@ FAMILY: dict[str, str] = {
     "rabitq": "quantizers",
     "turboquant": "quantizers",
     "oscar": "quantizers",
+    "spectral": "quantizers",
     "vecinfer": "vector quantizers",
     "commvq": "vector quantizers",
     "streamingllm": "eviction",
