@@ -56,8 +56,15 @@ nox.options.reuse_existing_virtualenvs = False
 
 
 def _env() -> dict[str, str]:
-    """MLX's CPU wheel bundles a slow reference BLAS; preload OpenBLAS where it is installed."""
-    env = {"PYTHONHASHSEED": "0", "TOKENIZERS_PARALLELISM": "false"}
+    """MLX's CPU wheel bundles a slow reference BLAS; preload OpenBLAS where it is installed.
+    The kernel emulator's binaries are shared by every session of a run (one folder under
+    .nox/, keyed by what each binary is built from): a kernel instantiation that several
+    packages' tests run is compiled once."""
+    env = {
+        "PYTHONHASHSEED": "0",
+        "TOKENIZERS_PARALLELISM": "false",
+        "VELOX_EMU_CACHE": str(ROOT / ".nox" / "emu-cache"),
+    }
     if os.path.exists(OPENBLAS):
         env["LD_PRELOAD"] = OPENBLAS
     return env
@@ -213,7 +220,7 @@ def smollm2(session: nox.Session) -> None:
 @nox.session
 def kvpress(session: nox.Session) -> None:
     """velox's SnapKV, StreamingLLM, Ada-KV, KNorm, TOVA, PyramidKV, ChunkKV, Expected
-    Attention and KVzip against NVIDIA kvpress's presses on the long-context suite's prompts
+    Attention, KVzip and CurDKV against NVIDIA kvpress's presses on the long-context suite's prompts
     (benchmarks/kvpress_compare.py; not part of the default run; arguments after ``--`` go to
     the script and override its settings here).
 
@@ -234,6 +241,7 @@ def kvpress(session: nox.Session) -> None:
         "velox-chunkkv",
         "velox-expected-attention",
         "velox-kvzip",
+        "velox-curdkv",
     )
     session.install("uv", *(_pkg(p) for p in methods))
     # only its GGUF file is read: its llm / llama-cpp-python dependencies are not needed

@@ -107,6 +107,7 @@ PRESSES = (
     "chunkkv",
     "expected-attention",
     "kvzip",
+    "curdkv",
 )
 # velox's counterpart of each press: its defaults, and kvpress's vote settings (--matched)
 VELOX_SPECS = {
@@ -121,6 +122,8 @@ VELOX_SPECS = {
     "expected-attention": "expected-attention:budget={p}%",
     # kvpress's KVzipPress defaults: 4 sinks, 2,048-token chunks, one ranking of every layer
     "kvzip": "kvzip:budget={p}%",
+    # velox-curdkv's defaults are CURPress's (4 sinks, key x value leverage, 16-token windows)
+    "curdkv": "curdkv:budget={p}%",
 }
 MATCHED_SPECS = {
     "snapkv": "snapkv:budget={p}%,observe=64,kernel=5,pooling=avg",
@@ -139,6 +142,7 @@ KVPRESS_LABELS = {
     "chunkkv": "ChunkKVPress(SnapKVPress)",
     "expected-attention": "ExpectedAttentionPress",
     "kvzip": "KVzipPress",
+    "curdkv": "CURPress",
 }
 
 
@@ -176,6 +180,7 @@ def _kvpress_worker(job_path: str, out_path: str) -> None:
     from kvpress import (
         AdaKVPress,
         ChunkKVPress,
+        CURPress,
         ExpectedAttentionPress,
         KnormPress,
         KVzipPress,
@@ -300,6 +305,8 @@ def _kvpress_worker(job_path: str, out_path: str) -> None:
             return ExpectedAttentionPress(compression_ratio=ratio)
         if name == "kvzip":
             return (_Gemma3KVzipPress if gemma3 else KVzipPress)(compression_ratio=ratio)
+        if name == "curdkv":
+            return CURPress(compression_ratio=ratio)
         raise ValueError(f"unknown press {name!r}")
 
     @torch.inference_mode()

@@ -253,7 +253,9 @@ def _parser() -> argparse.ArgumentParser:
         add_help=False,
         help="cross-model KV transfer (velox-transfer): fit a mapper, apply it, evaluate it",
     )
+    from .allocate import add_parser as add_allocate_parser
     from .plan import add_parser as add_plan_parser
 
     add_plan_parser(sub)
+    add_allocate_parser(sub)
     return p

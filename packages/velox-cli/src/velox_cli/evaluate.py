@@ -21,7 +21,9 @@
   an inf, and how many layers' caches hold one after the first sample (their KL, top-1 and
   perplexity are then NaN, and the table says why).
 
-Attention is routed to velox caches (:func:`velox_core.routed`) for every run.
+Attention is routed to velox caches (:func:`velox_core.routed`) for every run. The prefill,
+the forced steps, the KL and the held bytes are :mod:`velox_core.scoring`'s, which velox's
+per-layer bit allocator (:mod:`velox_core.allocate`) measures with too.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import mlx.core as mx
 import numpy as np
 
 from velox_core import routed
+from velox_core.scoring import held_bytes, kl_rows, prefill, teacher_force
 
 from .data import RecallPrompt
 
@@ -54,37 +57,6 @@ __all__ = [
 ]
 
 
-def held_bytes(cache: Any) -> int:
-    """Bytes of the tokens a cache holds, counted the same way for every cache class: a velox
-    cache's buffers without their unused capacity (plus fitted and policy state), and for
-    mlx-lm's ``KVCache`` / ``QuantizedKVCache`` / ``RotatingKVCache`` the slices of their
-    buffers that hold tokens (mlx-lm allocates 256 tokens at a time)."""
-    if hasattr(cache, "logical_nbytes"):
-        return int(cache.logical_nbytes)
-    keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)
-    offset = getattr(cache, "offset", None)
-    if keys is None or not isinstance(offset, int):
-        return int(getattr(cache, "nbytes", 0))
-
-    def part(x) -> int:
-        if isinstance(x, (tuple, list)):
-            return sum(part(y) for y in x)
-        n = min(offset, x.shape[-2])
-        return x[..., :n, :].nbytes
-
-    return part(keys) + part(values)
-
-
-def prefill(model, caches: list, tokens, chunk: int = 512) -> mx.array:
-    """Feed ``tokens`` through the model in chunks; returns the last position's logits."""
-    tokens = mx.array(np.asarray(tokens, dtype=np.int32))
-    logits = None
-    for s in range(0, tokens.size, chunk):
-        logits = model(tokens[None, s : s + chunk], cache=caches)[:, -1]
-        mx.eval(logits, [c.state for c in caches])
-    return logits
-
-
 def after_prefill(model, tokenizer, caches: list, tokens) -> None:
     """Run the step a method takes once a prompt is prefilled, where it has one: the class of
     a cache's retention policy may define ``after_prefill(model, tokenizer, caches, tokens)``
@@ -97,26 +69,6 @@ def after_prefill(model, tokenizer, caches: list, tokens) -> None:
             steps.append(step)
     for step in steps:
         step(model, tokenizer, caches, tokens)
-
-
-def teacher_force(model, caches: list, first_logits: mx.array, tokens) -> np.ndarray:
-    """Log-probabilities of every step of a forced continuation.
-
-    Returns:
-        float32 ``(len(tokens), vocab)``: row ``i`` is the distribution that predicts
-        ``tokens[i]`` (row 0 from ``first_logits``).
-    """
-    rows = []
-    logits = first_logits
-    for i, t in enumerate(tokens):
-        lp = logits.astype(mx.float32) - mx.logsumexp(
-            logits.astype(mx.float32), axis=-1, keepdims=True
-        )
-        rows.append(lp)
-        if i + 1 < len(tokens):
-            logits = model(mx.array([[int(t)]]), cache=caches)[:, -1]
-        mx.eval(rows[-1], logits)
-    return np.concatenate([np.array(r) for r in rows], axis=0)
 
 
 @dataclass
@@ -245,7 +197,7 @@ class Tally:
         self.row.nonfinite_steps += int(np.sum(~np.all(np.isfinite(lp), axis=-1)))
         self.pre_t, self.pre_n = self.pre_t + prefill_s, self.pre_n + len(prefix)
         self.dec_t, self.dec_n = self.dec_t + decode_s, self.dec_n + len(cont) - 1
-        self.kls.extend(np.sum(np.exp(ref) * (ref - lp), axis=-1).tolist())
+        self.kls.extend(kl_rows(ref, lp).tolist())
         self.agree += int(np.sum(np.argmax(lp, -1) == np.argmax(ref, -1)))
         self.nll -= float(np.sum(lp[np.arange(len(cont)), np.asarray(cont)]))
         self.steps += len(cont)

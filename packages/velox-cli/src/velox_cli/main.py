@@ -13,6 +13,8 @@
     velox fit NAME [the method's fit options]
     velox transfer fit|apply|eval [options]  (velox-transfer: map one model's cache to another's)
     velox plan --shape S|--model M --memory 24GB --context 128k [--batch N] [--json]  (what fits)
+    velox allocate [--model M] --budget 3bits|BYTES|SPEC [--specs SPEC ...] [--json PATH]
+                   (one spec per layer from measured sensitivity; bench and eval take PATH)
 
 Bad input (an unknown method, a bad parameter, a missing path) prints one line and exits 2.
 The options of each command are in :mod:`velox_cli.args`.
@@ -423,6 +425,12 @@ def cmd_plan(a: argparse.Namespace) -> int:
     return run(a)
 
 
+def cmd_allocate(a: argparse.Namespace) -> int:
+    from .allocate import cmd_allocate as run
+
+    return run(a)
+
+
 def cmd_transfer(a: argparse.Namespace) -> int:
     try:
         from velox_transfer.__main__ import main as transfer_main
@@ -441,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         ["serve"],
         ["transfer"],
         ["plan"],
+        ["allocate"],
     ):
         from .blas import preload
 
@@ -460,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         "fit": cmd_fit,
         "transfer": cmd_transfer,
         "plan": cmd_plan,
+        "allocate": cmd_allocate,
     }[args.cmd]
     try:
         return handler(args)

@@ -4,7 +4,10 @@ A spec is ``name`` or ``name:key=value,...``. Baselines are mlx-lm's own caches:
 ``KVCache``, ``mlx-qB`` is ``QuantizedKVCache(group_size=64, bits=B)`` (``group`` may be
 overridden, e.g. ``mlx-q4:group=32``). A composed spec ``A+B`` keeps tokens as method ``A``
 does (its retention policy, sinks and window) and stores them with method ``B``'s codecs, e.g.
-``qfilters:budget=1024+turboquant:bits=3``.
+``qfilters:budget=1024+turboquant:bits=3``. A path ending in ``.json`` names a per-layer
+allocation (``velox allocate --json``, :mod:`velox_core.allocation`): a spec per layer, each
+any of the above but another allocation, built with :func:`velox_core.make_cache`'s
+``layers``.
 
 On a CPU the model computes in float32 (MLX's float16 matrix products are slow there) while
 every cache *stores* float16, as it would on a GPU: velox caches through their storage dtype,
@@ -24,6 +27,7 @@ from velox_core import VeloxCache, get_method, make, make_cache, methods, parse_
 from velox_core.registry import method_params
 
 __all__ = [
+    "ALLOCATION",
     "BASELINES",
     "ComposedCache",
     "Spec",
@@ -37,6 +41,7 @@ __all__ = [
 ]
 
 BASELINES = ("fp16", "mlx-q4", "mlx-q8")
+ALLOCATION = "allocation"  # the name of a Spec read from a per-layer allocation file
 
 
 class _Stored:
@@ -133,6 +138,8 @@ def compose(text: str) -> ComposedCache:
 
 def parse(text: str) -> Spec:
     """Parse and validate a spec: unknown methods and parameters raise ``ValueError``."""
+    if text.endswith(".json"):
+        return _allocation(text)
     if "+" in text:
         compose(text)
         return Spec(text, "+".join(parse_spec(t)[0] for t in text.split("+", 1)), {})
@@ -148,6 +155,26 @@ def parse(text: str) -> Spec:
     get_method(name)  # unknown method -> ValueError listing the installed ones
     make(text)  # validates the parameters by building one cache
     return Spec(text, name, params)
+
+
+def _allocation(path: str) -> Spec:
+    """A per-layer allocation file as a spec: its ``default`` and ``layers`` specs, each
+    checked as :func:`parse` checks a spec (``ValueError`` naming the layer)."""
+    from velox_core.allocation import Allocation
+
+    plan = Allocation.load(path)
+    for where, text in [
+        ("default", plan.default),
+        *((f"layer {k}", v) for k, v in plan.layers.items()),
+    ]:
+        if text.endswith(".json"):
+            raise ValueError(f"{path}: {where}: an allocation's specs cannot be allocations")
+        try:
+            parse(text)
+        except ValueError as e:
+            raise ValueError(f"{path}: {where}: {e}") from None
+    layers = {str(k): v for k, v in sorted(plan.layers.items())}
+    return Spec(path, ALLOCATION, {"default": plan.default, "layers": layers})
 
 
 def default_specs() -> list[Spec]:
@@ -189,19 +216,26 @@ def quick_specs() -> list[Spec]:
 
 def build_caches(spec: Spec, model: Any, store: mx.Dtype | None) -> list:
     """Fresh per-layer caches for ``spec`` (``store``: storage dtype, None = the model's)."""
+    if spec.name == ALLOCATION:
+        default = _layer(parse(spec.params["default"]), store)
+        layers = {int(k): _layer(parse(v), store) for k, v in spec.params["layers"].items()}
+        return make_cache(model, default, layers=layers, storage_dtype=store)
+    return make_cache(model, _layer(spec, store), storage_dtype=store)
+
+
+def _layer(spec: Spec, store: mx.Dtype | None) -> Any:
+    """A spec as :func:`velox_core.make_cache` takes it: the baselines as mlx-lm's caches
+    storing ``store`` (None: the model's dtype), a composition as its cache per layer."""
     if spec.name == "fp16":
-        if store is None:
-            return make_cache(model, None)
-        return make_cache(model, lambda i: StoredKVCache(store))
+        return None if store is None else (lambda i: StoredKVCache(store))
     if spec.name.startswith("mlx-q"):
-        bits = int(spec.name[5:])
-        group = spec.params.get("group", 64)
+        bits, group = int(spec.name[5:]), spec.params.get("group", 64)
         if store is None:
-            return make_cache(model, lambda i: QuantizedKVCache(group_size=group, bits=bits))
-        return make_cache(model, lambda i: StoredQuantizedKVCache(group, bits, store))
+            return lambda i: QuantizedKVCache(group_size=group, bits=bits)
+        return lambda i: StoredQuantizedKVCache(group, bits, store)
     if "+" in spec.text:
-        return make_cache(model, lambda i: compose(spec.text), storage_dtype=store)
-    return make_cache(model, spec.text, storage_dtype=store)
+        return lambda i: compose(spec.text)
+    return spec.text
 
 
 def describe_params(name: str) -> dict[str, Any]:

@@ -21,6 +21,9 @@ and nowhere else (``tests/test_environment.py`` walks the sources for reads else
 ``VELOX_MLX_CUDA_INCLUDE``  tests only: the folder holding MLX's CUDA device headers, for the
                       nvcc compile checks (:func:`velox_testing.compile_cuda`; default the
                       stand-in in ``metal/shim/cuda``)
+``VELOX_EMU_CACHE``   tests only: a folder the kernel emulator keeps its compiled programs in,
+                      shared by processes (:mod:`velox_testing.emulate`; the noxfile sets it
+                      to ``.nox/emu-cache``); unset, each emulator's own folder
 ====================  ===========================================================================
 """
 
@@ -39,6 +42,7 @@ NAMES = (
     "VELOX_NO_OPENBLAS",
     "VELOX_BLAS_ACTIVE",
     "VELOX_MLX_CUDA_INCLUDE",
+    "VELOX_EMU_CACHE",
 )
 
 

@@ -18,6 +18,7 @@ to the kernel like MLX passes ``name_strides``); bfloat16 inputs are given as ``
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import subprocess
 import tempfile
@@ -28,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from velox_core import environment
 from velox_core.kernels import _source_dirs
 from velox_core.kernels.build import ArgInfo, KernelSpec, _shape_infos, cuda_source
 
@@ -52,6 +54,16 @@ __all__ = [
     "emulated_or_skip",
     "shim_dir",
 ]
+
+
+# a folder the emulator's binaries are kept in across processes (the test sessions of one CI
+# run share one), keyed by their source, compiler flags and shim headers; unset: per workdir
+CACHE_ENV = "VELOX_EMU_CACHE"
+
+
+def _headers_text(dirs: list[Path]) -> str:
+    """The shim headers' text (a change to them builds every binary again)."""
+    return "\0".join(f.read_text() for d in dirs for f in sorted(d.rglob("*")) if f.is_file())
 
 
 def compiler() -> str | None:
@@ -193,18 +205,32 @@ class Emulator:
         if cxx is None:
             raise FileNotFoundError("no C++ compiler (g++ or $CXX) for the kernel emulator")
         source = self.source()
-        tag = source_digest(source)
-        exe = self.workdir / f"emu_{tag}"
+        cmd = [cxx, "-std=c++17", self.opt, "-pthread", "-w"]
+        cmd += [a for d in self._include_dirs() for a in ("-I", str(d))]
+        shared = environment.get(CACHE_ENV)
+        if shared:  # keyed by everything the binary is built from, headers included
+            folder = Path(shared)
+            tag = source_digest("\0".join([source, *cmd, _headers_text(self._include_dirs())]))
+        else:
+            folder, tag = self.workdir, source_digest(source)
+        folder.mkdir(parents=True, exist_ok=True)
+        exe = folder / f"emu_{tag}"
         if not exe.exists():
-            cpp = self.workdir / f"emu_{tag}.cpp"
+            # built under a fresh name and renamed: processes sharing the folder never run a
+            # half-written binary
+            part = f"emu_{tag}.{os.getpid()}-{secrets.token_hex(4)}"
+            cpp, out = folder / f"{part}.cpp", folder / f"{part}.exe"
             cpp.write_text(source)
-            cmd = [cxx, "-std=c++17", self.opt, "-pthread", "-w"]
-            cmd += [a for d in self._include_dirs() for a in ("-I", str(d))]
-            res = subprocess.run(
-                [*cmd, "-o", str(exe), str(cpp)], capture_output=True, text=True, check=False
-            )
-            if res.returncode != 0:
-                raise RuntimeError(f"emulator compile failed:\n{res.stderr[-6000:]}")
+            try:
+                res = subprocess.run(
+                    [*cmd, "-o", str(out), str(cpp)], capture_output=True, text=True, check=False
+                )
+                if res.returncode != 0:
+                    raise RuntimeError(f"emulator compile failed:\n{res.stderr[-6000:]}")
+                os.replace(out, exe)
+            finally:
+                cpp.unlink(missing_ok=True)
+                out.unlink(missing_ok=True)
         self._exe = exe
         return exe
 

@@ -47,6 +47,7 @@ import numpy as np
 from mlx_lm.models.cache import RotatingKVCache
 
 from velox_core import routed
+from velox_core.scoring import kl_rows
 
 from ..evaluate import after_prefill, greedy, held_bytes, prefill, teacher_force
 from ..specs import Spec, build_caches, parse
@@ -246,7 +247,7 @@ def run_prompt(model, tokenizer, store, prompt: Prompt, i: int, specs: list[Spec
             del caches
             t.output = tokenizer.decode(_cut(out, eos))
             t.score = prompt.score(t.output)
-            t.kl = float(np.mean(np.sum(np.exp(ref_lp) * (ref_lp - lp), axis=-1)))
+            t.kl = float(np.mean(kl_rows(ref_lp, lp)))
             t.top1 = float(np.mean(np.argmax(lp, axis=-1) == np.asarray(ref_ids)))
         except Exception as e:  # one broken method must not lose the others' results
             t.error = f"{type(e).__name__}: {e}"

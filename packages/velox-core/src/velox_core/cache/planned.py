@@ -49,7 +49,7 @@ class PlannedAttention:
         stored = cache.stored
         ks, vs = stored.coded[0]
         sk = stored.sink[0]
-        n_sink, n_win = stored.n_sink, stored.n_window
+        n_sink, n_win = sk.tokens, stored.window[0].tokens  # (a step's hot path: no properties)
         if ks.tokens == 0 or n_sink + n_win > FP16_MAX:
             return None
         b, hq, lq, d = queries.shape
