@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, ClassVar
 import mlx.core as mx
 
 if TYPE_CHECKING:
-    from .velox import VeloxCache
+    from typing_extensions import Self  # typing.Self from Python 3.11
 
 __all__: list[str] = []
 
@@ -38,13 +38,13 @@ class BatchRowsMixin:
         for c in self._distinct_codecs():
             c.filter_batch(idx)
 
-    def extract(self, idx: int) -> VeloxCache:
+    def extract(self, idx: int) -> Self:
         """A new single-sequence cache holding batch row ``idx``."""
         out = self.copy()
         out.filter([idx])
         return out
 
-    def extend(self, other: VeloxCache) -> None:
+    def extend(self, other: Self) -> None:
         """Append the batch rows of ``other`` (same settings and same stored layout)."""
         self._planned.clear()
         if type(other) is not type(self) or other.config() != self.config():
@@ -69,7 +69,7 @@ class BatchRowsMixin:
             c.extend_batch(theirs[i])
 
     @classmethod
-    def stack(cls, caches: list[VeloxCache]) -> VeloxCache:
+    def stack(cls, caches: list[Self]) -> Self:
         """One cache holding the rows of several caches of equal length and layout (raises
         otherwise): one kernel launch attends all of them."""
         if not caches:
@@ -80,7 +80,7 @@ class BatchRowsMixin:
         return out
 
     @classmethod
-    def merge(cls, caches: list[VeloxCache]):
+    def merge(cls, caches: list[Self]):
         """mlx-lm's batch protocol: a :class:`~velox_core.cache.batch.VeloxBatch` of the
         caches, whatever their lengths (equal-length ones share one cache)."""
         return cls._batch_class.merge(caches)

@@ -19,7 +19,7 @@ from ..validation import FLOAT_DTYPES, check_kv
 from .store import PackedStore
 
 if TYPE_CHECKING:
-    from .velox import VeloxCache
+    from typing_extensions import Self  # typing.Self from Python 3.11
 
 __all__: list[str] = []
 
@@ -94,21 +94,21 @@ class StateMixin:
         self._load_state_dict(meta, dict(zip(names, v[1:])))
 
     @classmethod
-    def from_state(cls, state) -> VeloxCache:
+    def from_state(cls, state) -> Self:
         if not state or not isinstance(state[0], str):
             raise ValueError("VeloxCache state must start with its JSON meta string")
         cache = cls.from_config(json.loads(state[0])["config"])
         cache.state = state
         return cache
 
-    def copy(self) -> VeloxCache:
+    def copy(self) -> Self:
         """An independent cache with the same settings and contents (arrays are shared: MLX
         arrays are values, and a write into a shared buffer copies it)."""
         out = type(self).from_state(self.state)
         out.fetch_decoded = self.fetch_decoded
         return out
 
-    def __deepcopy__(self, memo) -> VeloxCache:
+    def __deepcopy__(self, memo) -> Self:
         # mlx-lm's batch generator and server deep-copy prompt caches
         out = self.copy()
         memo[id(self)] = out
