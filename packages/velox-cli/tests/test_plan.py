@@ -205,6 +205,36 @@ def test_transient_constants_are_the_e2e_rows():
     )
 
 
+CAPACITY = "capacity-h100-llama3-8b-8gib.json"
+
+
+@need_data
+def test_one_chunk_factor_is_the_capacity_row():
+    """ONE_CHUNK recomputed from the capacity search's fp16 row: a prompt of CHUNK tokens,
+    prefilled as one chunk of CHUNK - 1 queries."""
+    rows = json.loads((DATA / CAPACITY).read_text())["rows"]
+    (r,) = [r for r in rows if r["cache"] == "fp16"]
+    assert r["context"] == plan_data.CHUNK and r["next_over"] == plan_data.CHUNK + 1
+    dims = {"hidden": 4096, "heads": 32, "q": 4096, "kv": 1024, "mlp": 14336}
+    act = plan_data.transient(dims, 0, "uniform", 0, r["context"] - 1, 1)["activations"]
+    t = r["peak_bytes"] - r["base_bytes"] - r["cache_bytes"] - act
+    assert t / r["base_bytes"] == pytest.approx(plan_data.ONE_CHUNK, abs=0.001)
+
+
+@need_data
+def test_largest_context_within_10_percent_of_the_capacity_search():
+    """Against benchmarks/capacity.py's GPU rows (the largest context found by runs in an
+    8 GiB budget): fp16 and uniform 4-bit within 10%."""
+    rows = json.loads((DATA / CAPACITY).read_text())["rows"]
+    checked = 0
+    for r in rows:
+        inp = Inputs("llama3-8b", None, r["budget_bytes"], r["context"], 1, methods=[r["cache"]])
+        got = plan(inp)["rows"][0]["max_context"]
+        assert math.isclose(got, r["context"], rel_tol=0.10), (r["cache"], got, r["context"])
+        checked += 1
+    assert checked == 2
+
+
 @need_data
 def test_largest_context_within_10_percent_of_the_measured_peaks():
     """With each benchmarks/e2e.py row's measured peak (H200, llama3-8b, 4-bit weights) as the

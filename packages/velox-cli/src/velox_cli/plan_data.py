@@ -33,6 +33,10 @@ DECODED = {"uniform": 2.5386, "turboquant": 2.4199, "kivi": 8.884}
 # layer): their transient beyond the activations, in weights' bytes, by context (the largest
 # fp16 row at batch 1; linear in log2 of the context between the points and past them)
 WHOLE_GRAPH = ((4096, 1.6201), (32768, 2.3323), (131072, 2.752))
+# a prompt of at most CHUNK tokens is prefilled as one chunk of under CHUNK queries, which
+# holds far less: fp16's row of benchmarks/capacity.py (llama3-8b shape in 8 GiB, H100), whose
+# 2,048-token prompt fits where a 2,049-token one does not
+ONE_CHUNK = 0.5775
 
 
 def data_dir() -> Path | None:
@@ -155,7 +159,10 @@ def _name(spec: str) -> str:
 
 
 def whole_graph(n: int) -> float:
-    """:data:`WHOLE_GRAPH`'s factor at ``n`` tokens (linear in log2 of ``n``)."""
+    """:data:`WHOLE_GRAPH`'s factor at ``n`` tokens (linear in log2 of ``n``), or
+    :data:`ONE_CHUNK` for a prompt prefilled as one chunk (``n <= CHUNK``)."""
+    if n <= CHUNK:
+        return ONE_CHUNK
     xs = [math.log2(p) for p, _ in WHOLE_GRAPH]
     ys = [f for _, f in WHOLE_GRAPH]
     x = math.log2(max(n, 1))
