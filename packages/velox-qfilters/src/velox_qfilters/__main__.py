@@ -4,9 +4,8 @@
         [--tokens 8192] [--seq-len 2048] [--samples 3000] [--seed 0] [--dtype float32]
     python -m velox_qfilters show FILE
 
-``fit`` loads the model with ``mlx_lm.load``, tokenizes the text files with the model's own
-tokenizer (each file followed by the EOS token) and writes the artifact to ``--out``
-(default: ``~/.cache/velox/qfilters-<fingerprint>.safetensors``, where caches find it).
+``fit`` writes ``~/.cache/velox/qfilters-<fingerprint>.safetensors`` (where caches find it) unless
+given ``--out``.
 """
 
 from __future__ import annotations
