@@ -1,12 +1,11 @@
 """``python -m velox_cachegen``: measure a model's layer steps, show them, inspect a cache.
 
+Usage:
+
     python -m velox_cachegen fit --model PATH --text FILE [FILE ...] [--out FILE]
         [--tokens 16384] [--seq-len 2048] [--dtype float32]
     python -m velox_cachegen show FILE
     python -m velox_cachegen inspect CACHE
-
-``fit`` writes ``~/.cache/velox/cachegen-<fingerprint>.safetensors`` (where saves find them) unless
-given ``--out``.
 """
 
 from __future__ import annotations

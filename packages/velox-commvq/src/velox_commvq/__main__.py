@@ -1,12 +1,11 @@
 """``python -m velox_commvq``: fit a model's CommVQ codebooks, or show an artifact.
 
+Usage:
+
     python -m velox_commvq fit --model PATH --text FILE [FILE ...] [--out FILE]
         [--tokens 16384] [--seq-len 2048] [--samples 4096] [--pairs 4] [--entries 16]
         [--stages 2] [--iters 16] [--seed 0] [--dtype float32]
     python -m velox_commvq show FILE
-
-``fit`` writes ``~/.cache/velox/commvq-<fingerprint>.safetensors`` (where caches find it) unless
-given ``--out``.
 """
 
 from __future__ import annotations

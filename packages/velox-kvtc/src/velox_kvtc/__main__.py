@@ -1,12 +1,11 @@
 """``python -m velox_kvtc``: fit a model's KVTC basis, show an artifact, inspect a cache.
 
+Usage:
+
     python -m velox_kvtc fit --model PATH --text FILE [FILE ...] [--out FILE]
         [--tokens 32768] [--seq-len 2048] [--ratios 8,16,20,24,32] [--dtype float32]
     python -m velox_kvtc show FILE
     python -m velox_kvtc inspect CACHE
-
-``fit`` writes ``~/.cache/velox/kvtc-<fingerprint>.safetensors`` (where saves and loads find
-it) unless given ``--out``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """``python -m velox_oscar``: fit a model's OSCAR rotations and clip ratios, or show an artifact.
 
+Usage:
+
     python -m velox_oscar fit --model PATH --text FILE [FILE ...] [--out FILE]
         [--tokens 16384] [--seq-len 2048] [--samples 4096] [--group G]
         [--seed 0] [--dtype float32]
     python -m velox_oscar show FILE
-
-``fit`` writes ``~/.cache/velox/oscar-<fingerprint>.safetensors`` (where caches find it) unless
-given ``--out``.
 """
 
 from __future__ import annotations

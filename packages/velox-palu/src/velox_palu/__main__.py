@@ -1,12 +1,11 @@
 """``python -m velox_palu``: fit a model's Palu bases, or show an artifact.
 
+Usage:
+
     python -m velox_palu fit --model PATH --text FILE [FILE ...] [--out FILE]
         [--tokens 16384] [--seq-len 2048] [--heads-per-group G] [--no-fisher]
         [--dtype float32]
     python -m velox_palu show FILE
-
-``fit`` writes ``~/.cache/velox/palu-<fingerprint>.safetensors`` (where caches find it) unless
-given ``--out``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """``python -m velox_qfilters``: fit a model's Q-Filters, or show an artifact.
 
+Usage:
+
     python -m velox_qfilters fit --model PATH --text FILE [FILE ...] [--out FILE]
         [--tokens 8192] [--seq-len 2048] [--samples 3000] [--seed 0] [--dtype float32]
     python -m velox_qfilters show FILE
-
-``fit`` writes ``~/.cache/velox/qfilters-<fingerprint>.safetensors`` (where caches find it) unless
-given ``--out``.
 """
 
 from __future__ import annotations
