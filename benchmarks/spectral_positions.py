@@ -4,7 +4,7 @@ against bases fitted for positions the keys are moved to.
 A post-RoPE key's law depends on its position (the channel pairs RoPE turns slowly hardly move
 over one calibration sequence), so ``velox fit spectral`` turns each calibration key to a
 position drawn from ``[0, --positions)``. This script fits the reference model's artifact
-twice on the same calibration as ``tools/fit_spectral_reference.py`` (``--positions 0``: the
+twice on the same calibration as ``tools/fit_reference.py spectral`` (``--positions 0``: the
 keys where the calibration made them, and the default 16,384), prefills the first ``--context``
 tokens of the held-out text into the default spectral caches of each artifact and into fp16
 caches, and prints, per layer and span of positions, the relative error of the coded keys and

@@ -1,4 +1,4 @@
-"""Calibration tokens for the reference model's per-model artifacts (Q-Filters, CommVQ, Palu).
+"""Calibration tokens for the reference model's per-model artifacts.
 
 Files of the TRAIN split of the reference corpus (never the held-out split), listed in
 ``shared/reference-model/corpus.json`` and read from the local Python standard library; a
@@ -7,22 +7,17 @@ each tokenized as in training (no special tokens, followed by ``<|endoftext|>``)
 its first ``per_file`` tokens (so the calibration spans several files), until ``tokens``
 tokens are gathered. The model is loaded on the CPU in float32.
 
-:func:`fit_reference` is the whole command line of ``tools/fit_<method>_reference.py``.
+``tools/fit_reference.py METHOD`` fits a method's artifact on them.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import sysconfig
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-
-from velox_core.artifacts_cli import Option
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "shared" / "reference-model"
@@ -85,44 +80,3 @@ def calibration_ids(tokenizer, tokens: int, per_file: int, seed: int) -> tuple[n
 
 def source(used: list[str]) -> str:
     return "reference corpus, train split: " + ", ".join(used)
-
-
-def fit_reference(
-    doc: str,
-    method: str,
-    fit: Callable[..., Any],
-    save: Callable[[Any, Path], Path],
-    *,
-    tokens: int,
-    per_file: int,
-    options: tuple[Option, ...] = (),
-    seeded: bool = False,
-    note: Callable[[Any], str] = lambda _: "",
-) -> None:
-    """Fit and write one method's artifact of the reference model.
-
-    Parses ``--tokens``, ``--per-file``, ``--seed``, ``--out`` (default
-    ``shared/artifacts/<method>-reference-model.safetensors``) and the method's own
-    ``options``; runs ``fit(model, ids, max_tokens=, seq_len=, source=, **options)`` on the
-    calibration tokens (``seq_len`` :data:`SEQ_LEN`; ``seed=`` too where ``seeded``), writes
-    the artifact with ``save`` and prints one line (``note(artifact)`` appended).
-    """
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=tokens, help="calibration tokens")
-    parser.add_argument("--per-file", type=int, default=per_file, help="tokens per file at most")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the file order (and fit)")
-    out = ARTIFACTS / f"{method}-reference-model.safetensors"
-    parser.add_argument("--out", type=Path, default=out)
-    for option in options:
-        option.add(parser)
-    args = parser.parse_args()
-    model, tokenizer = load_reference()
-    ids, used = calibration_ids(tokenizer, args.tokens, args.per_file, args.seed)
-    own = {o.name: getattr(args, o.name) for o in options} | ({"seed": args.seed} if seeded else {})
-    art = fit(model, ids, max_tokens=args.tokens, seq_len=SEQ_LEN, source=source(used), **own)
-    path = save(art, args.out)
-    print(
-        f"{len(art.layers)} layers, fingerprint {art.fingerprint}, "
-        f"{art.calibration['tokens']} tokens from {len(used)} train files -> {path} "
-        f"({path.stat().st_size / 1024:.0f} KB){note(art)}"
-    )

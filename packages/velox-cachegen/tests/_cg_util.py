@@ -11,7 +11,7 @@ from mlx_lm.models.cache import KVCache
 from velox_cachegen.chunks import read_meta
 from velox_cachegen.container import split
 from velox_cachegen.header import chunk_count
-from velox_testing import conformance_model, scratch_dir
+from velox_testing import conformance_model, kv_caches_after, random_prompt, scratch_dir
 
 HEAD_DIM = 32  # 2 layers x 2 KV heads x 32 channels: 64 channels per layer-side
 TMP = scratch_dir("velox-cachegen-tests-")
@@ -23,17 +23,12 @@ def model():
 
 
 def prompt(tokens: int = 200, seed: int = 5, batch: int = 1) -> mx.array:
-    return mx.array(np.random.default_rng(seed).integers(0, 512, (batch, tokens)))
+    return random_prompt(tokens, seed, batch)
 
 
 def prefilled(tokens: int = 200, seed: int = 5, batch: int = 1, dtype=mx.float16) -> list:
     """mlx-lm caches of the tiny model after a random prompt, stored in ``dtype``."""
-    caches = [KVCache() for _ in model().layers]
-    model()(prompt(tokens, seed, batch), cache=caches)
-    for c in caches:
-        k, v = c.keys_and_values()
-        c.state = (k.astype(dtype), v.astype(dtype), c.offset)
-    return caches
+    return kv_caches_after(model(), prompt(tokens, seed, batch), dtype)
 
 
 def synthetic(tokens: int, layers: int = 2, heads: int = 2, dim: int = 16, walk=True, seed=0):

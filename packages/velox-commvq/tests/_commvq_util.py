@@ -6,7 +6,6 @@ from functools import lru_cache
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
 from velox_commvq import (
     Codebooks,
@@ -18,7 +17,7 @@ from velox_commvq import (
     pre_rope_units,
     save_codebooks,
 )
-from velox_testing import conformance_model, kv_like, scratch_dir
+from velox_testing import conformance_model, fitted_artifact, kv_like, scratch_dir
 
 ROOT = Path(__file__).resolve().parents[3]
 REFERENCE = ROOT / "shared" / "reference-model"
@@ -28,13 +27,11 @@ SMALL = {"pairs": 2, "entries": 4, "stages": 2}
 _TMP = scratch_dir("velox-commvq-tests-")
 
 
-@lru_cache(maxsize=1)
 def conformance_codebooks() -> str:
-    """Codebooks fitted on :func:`conformance_model`'s keys, as a path: a small geometry (2
-    stages of 4+4 entries per 2 pairs, 1 bit each) that fits in seconds."""
-    ids = np.random.default_rng(0).integers(0, 512, 2048)
-    books = fit_codebooks(conformance_model(), ids, seq_len=1024, samples=2048, iters=8, **SMALL)
-    return str(save_codebooks(books, _TMP / "conformance.safetensors"))
+    """Codebooks fitted on :func:`conformance_model`'s keys (2,048 random tokens), as a path:
+    a small geometry (2 stages of 4+4 entries per 2 pairs, 1 bit each) that fits in seconds."""
+    options = {"seq_len": 1024, "samples": 2048, "iters": 8, **SMALL}
+    return fitted_artifact(fit_codebooks, save_codebooks, _TMP, "conformance", 2048, **options)
 
 
 @lru_cache(maxsize=1)

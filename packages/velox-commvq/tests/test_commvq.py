@@ -271,6 +271,21 @@ def test_artifact_must_fit_the_cache():
             c.update_and_fetch(k, v)
 
 
+def test_codebooks_that_would_not_load_are_not_saved(tmp_path):
+    """save_codebooks checks what load_codebooks checks: no file it writes is refused."""
+    from velox_commvq import load_codebooks, save_codebooks
+
+    books = load_codebooks(synthetic("saved"))
+    books.layouts.pop(0)
+    with pytest.raises(ValueError, match="save_codebooks: layer 0 .* with a layout"):
+        save_codebooks(books, tmp_path / "no-layout.safetensors")
+    books = load_codebooks(synthetic("saved"))
+    books.pairs = 3  # P = 64 pairs is no multiple of it
+    with pytest.raises(ValueError, match="save_codebooks: layer 0 has an inconsistent geometry"):
+        save_codebooks(books, tmp_path / "three.safetensors")
+    assert not list(tmp_path.iterdir())
+
+
 def test_recommended_settings_and_registry():
     assert METHOD.name == "commvq" and "2506.18879" in METHOD.paper
     for s in METHOD.recommended:

@@ -7,10 +7,9 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache
 
 from velox_kvtc import KvtcBasis, fit_kvtc, save_basis
-from velox_testing import conformance_model, scratch_dir
+from velox_testing import conformance_model, kv_caches_after, random_prompt, scratch_dir
 
 HEAD_DIM = 32  # 2 layers x 2 KV heads x 32 channels: rows of 128 features
 RATIOS = (3.0, 4.0, 8.0)
@@ -36,17 +35,12 @@ def basis_file() -> str:
 
 
 def prompt(tokens: int = 200, seed: int = 5, batch: int = 1) -> mx.array:
-    return mx.array(np.random.default_rng(seed).integers(0, 512, (batch, tokens)))
+    return random_prompt(tokens, seed, batch)
 
 
 def prefilled(tokens: int = 200, seed: int = 5, batch: int = 1, dtype=mx.float16) -> list:
     """mlx-lm caches of the tiny model after a random prompt, stored in ``dtype``."""
-    caches = [KVCache() for _ in model().layers]
-    model()(prompt(tokens, seed, batch), cache=caches)
-    for c in caches:
-        k, v = c.keys_and_values()
-        c.state = (k.astype(dtype), v.astype(dtype), c.offset)
-    return caches
+    return kv_caches_after(model(), prompt(tokens, seed, batch), dtype)
 
 
 def tmp(name: str) -> Path:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from _oscar_util import model_artifact, tmp
 
-from velox_core import VeloxCache, make, make_cache, routed
+from velox_core import VeloxCache, make, make_cache
 from velox_oscar import (
     CLIPS,
     METHOD,
@@ -28,9 +28,12 @@ from velox_oscar import (
 )
 from velox_testing import (
     CacheConformance,
+    assert_attends_without_decoding,
     assert_cpu_declines,
     conformance_model,
+    isolated_artifacts,
     kv_data,
+    loaded_without_artifact,
     rel_error,
 )
 
@@ -197,14 +200,7 @@ def test_attention_reads_the_codes_in_the_rotated_basis(monkeypatch):
     """A decode step rotates the query once and the mix back once: no stored token is decoded
     into the model's basis (decode is never called)."""
     c = OscarCache(artifact=model_artifact(), layer=0, **SMALL)
-    k, v = kv_data(t=300)
-    c.update_and_fetch(k, v)
-    q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(3)).astype(mx.float16)
-    want = c.attend(q, scale=0.09)
-    for codec in (c.tiers[0].key_codec, c.tiers[0].value_codec):
-        monkeypatch.setattr(codec, "decode", lambda *a: pytest.fail("decoded"))
-        monkeypatch.setattr(codec, "decode_as", lambda *a: pytest.fail("decoded"))
-    assert mx.array_equal(c.attend(q, scale=0.09), want)
+    assert_attends_without_decoding(c, monkeypatch)
     # a prefill chunk attends in the rotated basis too (decode_rotated_as, never decode)
     out = c.attend(mx.random.normal((1, 4, 40, 128)).astype(mx.float16), scale=0.09, mask=None)
     assert out.shape == (1, 4, 40, 128)
@@ -252,10 +248,7 @@ def test_fitted_key_rotation_lowers_the_logit_error_of_the_clip_fit():
 
 
 def test_missing_and_foreign_artifacts_are_refused(monkeypatch, tmp_path):
-    monkeypatch.setenv("VELOX_ARTIFACTS", str(tmp_path))
-    monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("VELOX_SHARED", str(tmp_path))
+    isolated_artifacts(monkeypatch, tmp_path)
     with pytest.raises(MissingArtifactError, match="python -m velox_oscar fit --model PATH"):
         make_cache(conformance_model(), "oscar")
     other = conformance_model(num_hidden_layers=3)
@@ -276,21 +269,10 @@ def test_missing_and_foreign_artifacts_are_refused(monkeypatch, tmp_path):
 
 
 def test_a_loaded_cache_needs_no_artifact(monkeypatch, tmp_path):
-    from velox_core import load_cache, save_cache
-
-    model = conformance_model()
     art = tmp_path / "a.safetensors"
     save_rotations(load_rotations(model_artifact()), art)
-    caches = make_cache(model, OscarCache(artifact=str(art), **SMALL))
-    prompt = mx.random.randint(0, 512, (1, 200), key=mx.random.key(4))
-    with routed(model):
-        model(prompt, cache=caches)
-        save_cache(tmp_path / "c.safetensors", caches)
-        art.unlink()
-        loaded = load_cache(tmp_path / "c.safetensors")
-        a = model(mx.array([[5]]), cache=caches)
-        b = model(mx.array([[5]]), cache=loaded)
-    assert mx.allclose(a, b, atol=1e-3).item()
+    template = OscarCache(artifact=str(art), **SMALL)
+    loaded_without_artifact(conformance_model(), template, art, tmp_path)
 
 
 def test_head_dims_are_refused_by_name():

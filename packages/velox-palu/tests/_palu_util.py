@@ -12,18 +12,15 @@ from velox_core.artifacts import fingerprint
 from velox_core.ops.rope import RopeSpec
 from velox_core.ops.rope import fast_rotate as rope_at
 from velox_palu import PaluBases, bases_from_gram, fit_palu, group_gram, save_bases
-from velox_testing import conformance_model, kv_data, kv_like, scratch_dir
+from velox_testing import conformance_model, fitted_artifact, kv_data, kv_like, scratch_dir
 
 BASE = 10000.0
 _TMP = scratch_dir("velox-palu-tests-")
 
 
-@lru_cache(maxsize=1)
 def model_artifact() -> str:
     """Bases and Fisher weights fitted on :func:`conformance_model` (1,024 random tokens)."""
-    ids = np.random.default_rng(0).integers(0, 512, 1024)
-    art = fit_palu(conformance_model(), ids, seq_len=512)
-    return str(save_bases(art, _TMP / "model.safetensors"))
+    return fitted_artifact(fit_palu, save_bases, _TMP, seq_len=512)
 
 
 @lru_cache(maxsize=1)

@@ -20,7 +20,13 @@ from velox_palu import (
     load_bases,
     save_bases,
 )
-from velox_testing import CacheConformance, conformance_model, kv_data, rel_error
+from velox_testing import (
+    CacheConformance,
+    conformance_model,
+    isolated_artifacts,
+    kv_data,
+    rel_error,
+)
 
 
 class TestPalu(CacheConformance):
@@ -230,8 +236,7 @@ def test_artifact_round_trip():
 
 
 def test_foreign_missing_and_corrupt_artifacts_are_refused(monkeypatch, tmp_path):
-    monkeypatch.setenv("VELOX_ARTIFACTS", str(tmp_path))
-    monkeypatch.setenv("HOME", str(tmp_path))
+    isolated_artifacts(monkeypatch, tmp_path)
     with pytest.raises(MissingArtifactError, match="palu"):
         make_cache(conformance_model(), PaluCache())
 

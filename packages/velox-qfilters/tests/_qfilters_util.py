@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
 from pathlib import Path
 
 import mlx.core as mx
@@ -10,7 +9,7 @@ import numpy as np
 
 from velox_core import RetentionPolicy, VeloxCache, make_cache, routed
 from velox_qfilters import Filters, fit_filters, save_filters
-from velox_testing import conformance_model, scratch_dir
+from velox_testing import fitted_artifact, scratch_dir
 
 ROOT = Path(__file__).resolve().parents[3]
 REFERENCE = ROOT / "shared" / "reference-model"
@@ -18,12 +17,11 @@ REFERENCE_ARTIFACT = ROOT / "shared" / "artifacts" / "qfilters-reference-model.s
 _TMP = scratch_dir("velox-qfilters-tests-")
 
 
-@lru_cache(maxsize=1)
 def conformance_filters() -> str:
-    """Q-Filters fitted for :func:`conformance_model`, as an artifact path."""
-    ids = np.random.default_rng(0).integers(0, 512, 1024)
-    f = fit_filters(conformance_model(), ids, seq_len=512, samples=1024)
-    return str(save_filters(f, _TMP / "conformance.safetensors"))
+    """Q-Filters fitted for :func:`conformance_model` (1,024 random tokens), as a path."""
+    return fitted_artifact(
+        fit_filters, save_filters, _TMP, "conformance", seq_len=512, samples=1024
+    )
 
 
 def artifact(filters: mx.array, name: str, fp: str = "synthetic", layers: int = 1) -> str:

@@ -10,7 +10,7 @@ import numpy as np
 
 from velox_core.artifacts import fingerprint, fitted
 from velox_spectral import SpectralBases, fit_spectral, int8_columns, pca, save_bases
-from velox_testing import conformance_model, kv_like, scratch_dir
+from velox_testing import conformance_model, fitted_artifact, kv_like, scratch_dir
 
 _TMP = scratch_dir("velox-spectral-tests-")
 
@@ -20,11 +20,10 @@ def calibration() -> np.ndarray:
     return np.random.default_rng(0).integers(0, 512, 1024)
 
 
-@lru_cache(maxsize=1)
 def model_artifact() -> str:
-    """Bases fitted on :func:`conformance_model` by :func:`fit_spectral`."""
-    art = fit_spectral(conformance_model(), calibration(), seq_len=512)
-    return str(save_bases(art, _TMP / "model.safetensors"))
+    """Bases fitted on :func:`conformance_model` by :func:`fit_spectral` (on
+    :func:`calibration`'s tokens)."""
+    return fitted_artifact(fit_spectral, save_bases, _TMP, seq_len=512)
 
 
 @lru_cache(maxsize=1)

@@ -9,7 +9,7 @@ import pytest
 from _spectral_util import calibration, law_artifact, model_artifact, tmp
 
 import velox_spectral.codec as spectral_codec
-from velox_core import VeloxCache, make, make_cache, routed
+from velox_core import VeloxCache, make, make_cache
 from velox_core.artifacts import prefilled
 from velox_core.ops.lloyd_max import lloyd_max_gaussian
 from velox_core.ops.rope import RopeSpec, find_rope, rope_spec, rotate
@@ -31,9 +31,12 @@ from velox_spectral.codec import code_words, packed_rank
 from velox_spectral.fit import moved
 from velox_testing import (
     CacheConformance,
+    assert_attends_without_decoding,
     assert_cpu_declines,
     conformance_model,
+    isolated_artifacts,
     kv_data,
+    loaded_without_artifact,
     rel_error,
 )
 
@@ -293,14 +296,7 @@ def test_bytes_are_the_codes_the_gains_and_the_state():
 def test_attention_reads_the_codes(monkeypatch):
     """A decode step scores and mixes the codes: no stored token is decoded."""
     c = SpectralCache(artifact=model_artifact(), layer=0, **SMALL)
-    k, v = kv_data(t=300)
-    c.update_and_fetch(k, v)
-    q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(3)).astype(mx.float16)
-    want = c.attend(q, scale=0.09)
-    for codec in (c.tiers[0].key_codec, c.tiers[0].value_codec):
-        monkeypatch.setattr(codec, "decode", lambda *a: pytest.fail("decoded"))
-        monkeypatch.setattr(codec, "decode_as", lambda *a: pytest.fail("decoded"))
-    assert mx.array_equal(c.attend(q, scale=0.09), want)
+    assert_attends_without_decoding(c, monkeypatch)
 
 
 def test_no_kernel_reads_these_codes():
@@ -361,10 +357,7 @@ def test_artifact_round_trip_holds_orthonormal_int8_bases():
 
 
 def test_missing_and_foreign_artifacts_are_refused(monkeypatch, tmp_path):
-    monkeypatch.setenv("VELOX_ARTIFACTS", str(tmp_path))
-    monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("VELOX_SHARED", str(tmp_path))
+    isolated_artifacts(monkeypatch, tmp_path)
     with pytest.raises(MissingArtifactError, match="python -m velox_spectral fit --model PATH"):
         make_cache(conformance_model(), "spectral")
     other = conformance_model(num_hidden_layers=3)
@@ -387,21 +380,10 @@ def test_missing_and_foreign_artifacts_are_refused(monkeypatch, tmp_path):
 
 
 def test_a_loaded_cache_needs_no_artifact(tmp_path):
-    from velox_core import load_cache, save_cache
-
-    model = conformance_model()
     art = tmp_path / "a.safetensors"
     save_bases(load_bases(model_artifact()), art)
-    caches = make_cache(model, SpectralCache(variance=0.7, artifact=str(art), **SMALL))
-    prompt = mx.random.randint(0, 512, (1, 200), key=mx.random.key(4))
-    with routed(model):
-        model(prompt, cache=caches)
-        save_cache(tmp_path / "c.safetensors", caches)
-        art.unlink()
-        loaded = load_cache(tmp_path / "c.safetensors")
-        a = model(mx.array([[5]]), cache=caches)
-        b = model(mx.array([[5]]), cache=loaded)
-    assert mx.allclose(a, b, atol=1e-3).item()
+    template = SpectralCache(variance=0.7, artifact=str(art), **SMALL)
+    caches, loaded = loaded_without_artifact(conformance_model(), template, art, tmp_path)
     assert loaded[0].tiers[0].key_codec.rank_in_use == caches[0].tiers[0].key_codec.rank_in_use
 
 

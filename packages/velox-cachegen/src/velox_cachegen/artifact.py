@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -53,7 +52,6 @@ __all__ = [
 FORMAT = "velox-cachegen"
 VERSION = "1"
 HOW_TO_FIT = "python -m velox_cachegen fit --model PATH --text CALIBRATION.txt --out FILE"
-KIND = ArtifactKind(FORMAT, VERSION, "CacheGen layer steps", "layer_steps", HOW_TO_FIT)
 CLIP = (0.125, 4.0)
 
 
@@ -63,6 +61,7 @@ class LayerProfile(Fitted):
     :class:`~velox_core.artifacts.Fitted`): ``steps`` the multipliers, ``kl`` each
     layer-side's measured sensitivity (``{"key": [...], "value": [...]}``)."""
 
+    noun = "profile"
     steps: LayerSteps
     kl: dict[str, list[float]]
     fingerprint: str
@@ -73,30 +72,31 @@ class LayerProfile(Fitted):
     def layers(self) -> list[int]:
         return list(range(len(self.steps.key)))
 
+    def encode(self) -> tuple[dict[str, mx.array], dict[str, Any]]:
+        arrays = {
+            "key_steps": mx.array(np.array(self.steps.key, np.float32)),
+            "value_steps": mx.array(np.array(self.steps.value, np.float32)),
+            "key_kl": mx.array(np.array(self.kl["key"], np.float32)),
+            "value_kl": mx.array(np.array(self.kl["value"], np.float32)),
+        }
+        return arrays, {}
 
-def save_profile(p: LayerProfile, path: str | os.PathLike) -> Path:
-    """Write ``p`` to ``path`` (``.safetensors``)."""
-    arrays = {
-        "key_steps": mx.array(np.array(p.steps.key, np.float32)),
-        "value_steps": mx.array(np.array(p.steps.value, np.float32)),
-        "key_kl": mx.array(np.array(p.kl["key"], np.float32)),
-        "value_kl": mx.array(np.array(p.kl["value"], np.float32)),
-    }
-    return KIND.write(path, arrays, p.layers, p.provenance(), "save_profile")
-
-
-def _profile(f: ArtifactFile) -> LayerProfile:
-    a = {k: [float(x) for x in np.array(v)] for k, v in f.arrays.items()}
-    n = len(f.layers)
-    if any(len(v) != n for v in a.values()):
-        raise ValueError(f"arrays of other lengths than its {n} layers")
-    steps = LayerSteps(a["key_steps"], a["value_steps"])
-    return LayerProfile(steps, {"key": a["key_kl"], "value": a["value_kl"]}, **f.provenance())
+    @classmethod
+    def decode(cls, f: ArtifactFile) -> LayerProfile:
+        a = {k: [float(x) for x in np.array(v)] for k, v in f.arrays.items()}
+        n = len(f.layers)
+        if any(len(v) != n for v in a.values()):
+            raise ValueError(f"arrays of other lengths than its {n} layers")
+        steps = LayerSteps(a["key_steps"], a["value_steps"])
+        return cls(steps, {"key": a["key_kl"], "value": a["value_kl"]}, **f.provenance())
 
 
-def load_profile(path: str | os.PathLike) -> LayerProfile:
-    """Read a file written by :func:`save_profile` (``ValueError`` if it is not one)."""
-    return KIND.read(path, _profile)
+KIND = ArtifactKind(
+    FORMAT, VERSION, "CacheGen layer steps", "layer_steps", HOW_TO_FIT, record=LayerProfile
+)
+# save_profile(p, path) writes ``p`` (``.safetensors``); load_profile(path) reads one
+# (``ValueError`` if it is not one): :class:`~velox_core.artifacts.ArtifactKind`.
+save_profile, load_profile = KIND.save, KIND.load
 
 
 def resolve_steps(layer_steps: Any, model: Any, layers: int) -> LayerSteps:

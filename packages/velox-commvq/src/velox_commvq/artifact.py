@@ -12,15 +12,12 @@ wins; otherwise the directories of ``$VELOX_ARTIFACTS`` (colon-separated), then
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
 from velox_core.artifacts import ArtifactFile, ArtifactKind, FittedLayers, search_dirs
-from velox_core.artifacts import load_cached as _load_cached
 
 from .vq import Geometry
 
@@ -50,6 +47,7 @@ class Codebooks(FittedLayers):
     """
 
     what = "CommVQ codebooks"
+    noun = "codebooks"
     layers: dict[int, tuple[mx.array, mx.array]]
     layouts: dict[int, list[int]]
     pairs: int
@@ -62,49 +60,47 @@ class Codebooks(FittedLayers):
         a = next(iter(self.layers.values()))[0]
         return Geometry(self.pairs, int(a.shape[3]), int(a.shape[1]))
 
+    def check(self, where: str) -> None:
+        """``ValueError`` naming ``where`` unless every layer is two ``(H, S, P, K, 2)`` arrays
+        with a layout and a consistent geometry (``P`` a multiple of the pairs, ``K`` a power
+        of two >= 2)."""
+        for i, (a, b) in self.layers.items():
+            if a.ndim != 5 or a.shape != b.shape or a.shape[-1] != 2 or i not in self.layouts:
+                raise ValueError(
+                    f"{where}: layer {i} is not two (H, S, P, K, 2) arrays with a layout"
+                )
+            if a.shape[2] % self.pairs or a.shape[3] & (a.shape[3] - 1) or a.shape[3] < 2:
+                raise ValueError(
+                    f"{where}: layer {i} has an inconsistent geometry {tuple(a.shape)}"
+                )
+
+    def encode(self) -> tuple[dict[str, mx.array], dict[str, Any]]:
+        arrays = {
+            f"layer.{i}.{name}": x.astype(mx.float16)
+            for i, pair in self.layers.items()
+            for name, x in zip("ab", pair)
+        }
+        return arrays, {"layouts": self.layouts, "pairs": str(self.pairs)}
+
+    @classmethod
+    def decode(cls, f: ArtifactFile) -> Codebooks:
+        layers = {i: (f.arrays[f"layer.{i}.a"], f.arrays[f"layer.{i}.b"]) for i in f.layers}
+        return cls(layers, f.per_layer("layouts", int), int(f.meta["pairs"]), **f.provenance())
+
 
 class MissingCodebooksError(FileNotFoundError):
     """No CommVQ artifact was found for a model."""
 
 
 HOW_TO_FIT = "python -m velox_commvq fit --model PATH --text CALIBRATION.txt --out FILE"
-KIND = ArtifactKind("velox-commvq", "1", "CommVQ", "codebooks", HOW_TO_FIT, MissingCodebooksError)
+KIND = ArtifactKind(
+    "velox-commvq", "1", "CommVQ", "codebooks", HOW_TO_FIT, MissingCodebooksError, Codebooks
+)
 FORMAT, VERSION = KIND.fmt, KIND.version
-
-
-def save_codebooks(books: Codebooks, path: str | os.PathLike) -> Path:
-    """Write ``books`` to ``path`` (``.safetensors``; parent directories are created)."""
-    arrays = {}
-    for i, (a, b) in books.layers.items():
-        if a.ndim != 5 or a.shape != b.shape or a.shape[-1] != 2:
-            raise ValueError(f"save_codebooks: layer {i} must be two (H, S, P, K, 2) arrays")
-        arrays[f"layer.{i}.a"], arrays[f"layer.{i}.b"] = a.astype(mx.float16), b.astype(mx.float16)
-    meta = {**books.provenance(), "layouts": books.layouts, "pairs": str(books.pairs)}
-    return KIND.write(path, arrays, list(books.layers), meta, "save_codebooks")
-
-
-def _codebooks(f: ArtifactFile) -> Codebooks:
-    layers = {i: (f.arrays[f"layer.{i}.a"], f.arrays[f"layer.{i}.b"]) for i in f.layers}
-    return Codebooks(layers, f.per_layer("layouts", int), int(f.meta["pairs"]), **f.provenance())
-
-
-def load_codebooks(path: str | os.PathLike) -> Codebooks:
-    """Read a file written by :func:`save_codebooks` (``ValueError`` if it is not one)."""
-    out = KIND.read(path, _codebooks)
-    for i, (a, b) in out.layers.items():
-        if a.ndim != 5 or a.shape != b.shape or a.shape[-1] != 2 or i not in out.layouts:
-            raise ValueError(f"{path}: layer {i} is not two (H, S, P, K, 2) arrays with a layout")
-        if a.shape[2] % out.pairs or a.shape[3] & (a.shape[3] - 1) or a.shape[3] < 2:
-            raise ValueError(f"{path}: layer {i} has an inconsistent geometry {tuple(a.shape)}")
-    return out
-
-
-def load_cached(path: str | os.PathLike) -> Codebooks:
-    """:func:`load_codebooks`, read once per file version (every layer's cache shares it)."""
-    return _load_cached(load_codebooks, path)
-
-
-# find_codebooks(fp, dirs=None): the first CommVQ artifact fitted for fingerprint ``fp``;
+# save_codebooks(books, path); load_codebooks(path) (ValueError if it is not one, or an
+# inconsistent one); load_cached(path) (read once per file version: every layer's cache shares
+# it); find_codebooks(fp, dirs=None): the first CommVQ artifact fitted for fingerprint ``fp``;
 # resolve_codebooks(model, path=None): the one to use for ``model`` (``path`` if given, checked;
 # MissingCodebooksError where none is found): :class:`~velox_core.artifacts.ArtifactKind`.
+save_codebooks, load_codebooks, load_cached = KIND.save, KIND.load, KIND.load_cached
 find_codebooks, resolve_codebooks = KIND.find, KIND.resolve

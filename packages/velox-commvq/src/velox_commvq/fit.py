@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from velox_core.artifacts import calibration_ids, fitted, prefilled
+from velox_core.artifacts import Calibration
 from velox_core.ops.rope import angles, find_rope, rope_spec, rotate_pairs, to_pairs
 from velox_core.validation import check_float, check_int
 
@@ -70,15 +70,17 @@ def fit_codebooks(
         iters, temperature: EM iterations and relative temperatures (:mod:`velox_commvq.em`).
         seed: seed of the token sample and of the EM initialization.
         model, tokenizer_or_token_ids, text, max_tokens, chunk, source: the model (run as it
-            is: cast it first to fit in another dtype) and its calibration, as
-            :func:`velox_core.artifacts.calibration_ids`, :func:`~velox_core.artifacts.prefilled`
-            and :func:`~velox_core.artifacts.fitted` take them.
+            is: cast it first to fit in another dtype) and its calibration
+            (:class:`velox_core.artifacts.Calibration`).
 
     Returns:
         :class:`~velox_commvq.artifact.Codebooks` for every attention layer with a velox cache.
     """
-    ids, how = calibration_ids(tokenizer_or_token_ids, text, "fit_codebooks", max_tokens)
-    for name, v in (("seq_len", seq_len), ("samples", samples), ("iters", iters), ("chunk", chunk)):
+    cal = Calibration.of(
+        tokenizer_or_token_ids, text, "fit_codebooks", max_tokens, seq_len, chunk, source
+    )
+    ids = cal.ids
+    for name, v in (("samples", samples), ("iters", iters)):
         check_int(name, v, minimum=1)
     check_int("seed", seed, minimum=0)
     check_int("entries", entries, minimum=2, maximum=256)
@@ -90,7 +92,7 @@ def fit_codebooks(
     t0, t1 = (check_float("temperature", t, minimum=0.0, open_min=True) for t in temperature)
     keys: dict[int, list[mx.array]] = {}
     specs: dict[int, Any] = {}
-    for _, caches in prefilled(model, ids, seq_len, chunk):
+    for _, caches in cal.prefilled(model):
         for i, cache in caches:
             spec = specs.setdefault(i, rope_spec(find_rope(model, i, "commvq"), "commvq"))
             u = pre_rope_units(cache.keys_and_values()[0], spec)[0]  # (H, T, P, 2)
@@ -111,13 +113,9 @@ def fit_codebooks(
         layers[i] = (mx.stack([x[0] for x in books]), mx.stack([x[1] for x in books]))
         errors[str(i)] = [round(float(np.mean(e)), 6) for e in zip(*(x[2] for x in books))]
         mx.eval(layers[i])
-    provenance = fitted(
+    provenance = cal.fitted(
         model,
-        how,
-        source,
-        tokens=int(ids.size),
         samples=int(min(samples, ids.size)),
-        seq_len=seq_len,
         iters=iters,
         temperature=[t0, t1],
         seed=seed,

@@ -18,11 +18,14 @@ quantized weights, as raw bytes). Another checkpoint (another model, a fine-tune
 quantization) changes it; one model has one fingerprint whatever the method.
 
 A method describes its artifact once, as an :class:`ArtifactKind` (format, version, names for
-messages), which writes, reads, finds and resolves its files; the method keeps only its arrays
-and its own metadata fields. Every file of a kind carries ``layers`` (the JSON list of layer
+messages, and how its record becomes arrays and metadata and back), which saves, loads (with
+its checks), finds and resolves its files; the method keeps only its arrays and its own
+metadata fields. Every file of a kind carries ``layers`` (the JSON list of layer
 indices), ``fingerprint``, ``model`` (:func:`identity`) and ``calibration`` (how it was fitted).
 A method's record of a file derives from :class:`Fitted` (the provenance; :class:`FittedLayers`
-adds the per-layer lookup) and a fit ends with :func:`fitted` (the provenance of a fit made now).
+adds the per-layer lookup). A fit takes its calibration as a :class:`Calibration` (the token
+ids, :func:`calibration_ids`, and the model run on them, :func:`prefilled`: both from
+:mod:`velox_core.calibration`) and ends with :func:`fitted` (the provenance of a fit made now).
 """
 
 from __future__ import annotations
@@ -43,8 +46,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from . import environment
-from .cache.velox import VeloxCache
-from .mlx_lm import make_cache
+from .calibration import calibration_ids, model_dtype, prefilled, token_stream
 from .validation import check_int
 
 __all__ = [
@@ -125,88 +127,6 @@ def fingerprint(model: Any) -> str:
         h.update(tag)
         h.update(np.asarray(s).tobytes())
     return h.hexdigest()[:32]
-
-
-def token_stream(tokenizer: Any, docs: list[str], special_tokens: bool = False) -> np.ndarray:
-    """Documents tokenized and joined, each followed by the EOS token (where the tokenizer
-    has one): calibration and evaluation text. ``special_tokens=False`` encodes without the
-    tokenizer's own special tokens (a BOS), as the corpus was tokenized for training.
-
-    Shapes: returns int32 ``(N,)``.
-    """
-    eos = getattr(tokenizer, "eos_token_id", None)
-    out: list[int] = []
-    kwargs = {} if special_tokens else {"add_special_tokens": False}
-    for d in docs:
-        out.extend(tokenizer.encode(d, **kwargs))
-        if eos is not None:
-            out.append(int(eos))
-    return np.asarray(out, dtype=np.int32)
-
-
-def calibration_ids(
-    tokenizer_or_token_ids: Any,
-    text: str | list[str] | None = None,
-    who: str = "fit",
-    max_tokens: int | None = None,
-) -> tuple[np.ndarray, str]:
-    """The calibration token ids of a fit, and how they were given (kept in the artifact).
-
-    ``tokenizer_or_token_ids`` is the model's tokenizer, with ``text`` a str or a list of
-    documents (each encoded and followed by the EOS token), or the token ids themselves (a
-    non-empty array or list of ints, no ``text``). ``max_tokens`` keeps the first ones
-    (None: all); ``who`` names the fit in errors.
-
-    Returns:
-        ``(ids, how)``: int64 ``(N,)`` and ``"<n> text(s) tokenized by the model"`` or
-        ``"token ids"``.
-    """
-    source = tokenizer_or_token_ids
-    if hasattr(source, "encode") and not isinstance(source, (str, bytes)):
-        docs = [text] if isinstance(text, str) else list(text or [])
-        if not docs or not all(isinstance(t, str) for t in docs):
-            raise TypeError(f"{who}: with a tokenizer, pass text= (a str or a list of str)")
-        out = token_stream(source, docs, special_tokens=True).astype(np.int64)
-        how = f"{len(docs)} text(s) tokenized by the model"
-    else:
-        if text is not None:
-            raise TypeError(f"{who}: text= is only for a tokenizer; token ids were given")
-        arr = np.asarray(source)
-        if (
-            isinstance(source, (str, bytes))
-            or arr.size == 0
-            or not np.issubdtype(arr.dtype, np.integer)
-        ):
-            raise TypeError(f"{who}: pass a tokenizer (and text=) or a non-empty array of ids")
-        out, how = arr.reshape(-1).astype(np.int64), "token ids"
-    if max_tokens is not None:
-        out = out[: check_int("max_tokens", max_tokens, minimum=1)]
-    return out, how
-
-
-def prefilled(
-    model: Any, ids: np.ndarray, seq_len: int, chunk: int
-) -> Iterator[tuple[mx.array, list[tuple[int, Any]]]]:
-    """Run ``model`` on the calibration tokens ``ids`` cut into sequences of ``seq_len``
-    tokens, each from position 0 in fresh :class:`~velox_core.VeloxCache` caches, prefilled
-    ``chunk`` tokens at a time (bounds the attention memory).
-
-    Yields:
-        per sequence, ``(tokens, caches)``: int ``(1, T)`` and ``(layer, cache)`` of every
-        layer with a velox cache, holding the sequence's keys and values.
-    """
-    for s in range(0, ids.size, seq_len):
-        seq = mx.array(ids[s : s + seq_len])[None]
-        caches = make_cache(model, lambda i: VeloxCache())
-        for c in range(0, seq.shape[1], chunk):
-            model(seq[:, c : c + chunk], cache=caches)
-        yield seq, [(i, c) for i, c in enumerate(caches) if isinstance(c, VeloxCache)]
-
-
-def model_dtype(model: Any) -> str:
-    """The dtype of the model's first parameter, as a fit records it (``""``: none)."""
-    params = tree_flatten(model.parameters())
-    return str(params[0][1].dtype) if params else ""
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:
@@ -316,11 +236,18 @@ class ArtifactFile:
 class Fitted:
     """What the record of every fitted artifact shares, as a base of a method's dataclass:
     the dataclass declares, after its own fields, ``fingerprint: str``, ``model`` and
-    ``calibration`` (dicts, empty by default)."""
+    ``calibration`` (dicts, empty by default). A record with a file (:class:`ArtifactKind`)
+    defines ``encode(self) -> (arrays, metadata)`` (its own fields, beyond the provenance) and
+    the classmethod ``decode(file) -> record`` (an :class:`ArtifactFile`); ``noun`` names it
+    in errors (``save_<noun>``)."""
 
+    noun: ClassVar[str] = "artifact"
     fingerprint: str
     model: dict[str, Any]
     calibration: dict[str, Any]
+
+    def check(self, where: str) -> None:
+        """Raise ``ValueError`` naming ``where`` if the record is inconsistent (none here)."""
 
     def provenance(self) -> dict[str, Any]:
         """``fingerprint``, ``model`` and ``calibration``: the metadata every file carries."""
@@ -374,11 +301,56 @@ def fitted(model: Any, how: str, source: str | None, **calibration: Any) -> dict
 
 
 @dataclass(frozen=True)
+class Calibration:
+    """A fit's calibration, as every fit takes it: the token ids and how they were given
+    (:func:`calibration_ids`), sequences of ``seq_len`` tokens prefilled ``chunk`` at a time
+    (:func:`prefilled`) and ``source``, a description of the text (kept in the artifact)."""
+
+    ids: np.ndarray
+    how: str
+    seq_len: int
+    chunk: int
+    source: str | None = None
+
+    @classmethod
+    def of(
+        cls,
+        tokens: Any,
+        text: str | list[str] | None,
+        who: str,
+        max_tokens: int | None,
+        seq_len: int,
+        chunk: int,
+        source: str | None,
+        min_seq_len: int = 1,
+    ) -> Calibration:
+        """The calibration of fit ``who`` from its arguments (``tokens``: a tokenizer, with
+        ``text``, or token ids), checked: ``seq_len`` >= ``min_seq_len``, ``chunk`` >= 1."""
+        ids, how = calibration_ids(tokens, text, who, max_tokens)
+        check_int("seq_len", seq_len, minimum=min_seq_len)
+        return cls(ids, how, seq_len, check_int("chunk", chunk, minimum=1), source)
+
+    def prefilled(self, model: Any) -> Iterator[tuple[mx.array, list[tuple[int, Any]]]]:
+        """:func:`prefilled` over these tokens."""
+        return prefilled(model, self.ids, self.seq_len, self.chunk)
+
+    def fitted(self, model: Any, **calibration: Any) -> dict[str, Any]:
+        """:func:`fitted` of a fit on these tokens, its ``calibration`` entries ``tokens``,
+        ``seq_len`` and the fit's own ``calibration``."""
+        extra = {"tokens": int(self.ids.size), "seq_len": self.seq_len, **calibration}
+        return fitted(model, self.how, self.source, **extra)
+
+
+@dataclass(frozen=True)
 class ArtifactKind:
-    """One method's artifact: ``fmt`` and ``version`` in its metadata, ``what`` naming it in
-    messages (the method's name), ``param`` the cache parameter that takes its path
-    (``"codebooks"``), ``how_to_fit`` the command that makes one and ``missing`` the error
-    raised when a model has none."""
+    """One method's artifact file: per-layer arrays plus a header, fingerprinted.
+
+    ``fmt`` and ``version`` go in its metadata, ``what`` names it in messages (the method's
+    name), ``param`` is the cache parameter that takes its path (``"codebooks"``),
+    ``how_to_fit`` the command that makes one, ``missing`` the error raised when a model has
+    none and ``record`` the method's :class:`Fitted` class, which turns a record into arrays
+    and metadata (``encode``), a file back into a record (``decode``) and checks one
+    (``check``, before a save and after a load)."""
 
     fmt: str
     version: str
@@ -386,28 +358,26 @@ class ArtifactKind:
     param: str
     how_to_fit: str
     missing: type[Exception] = FileNotFoundError
+    record: type[Fitted] | None = None
 
-    def write(
-        self,
-        path: str | os.PathLike,
-        arrays: dict[str, mx.array],
-        layers: list[int],
-        meta: dict[str, Any],
-        who: str,
-    ) -> Path:
-        """Write ``arrays`` of ``layers`` to ``path`` (``.safetensors``; parent directories are
-        created), with this kind's format and version and ``meta`` (``fingerprint``,
-        ``model``, ``calibration`` and the method's own fields; values that are not strings
-        are stored as JSON). ``who`` names the caller in errors (``"save_codebooks"``)."""
+    def save(self, record: Any, path: str | os.PathLike) -> Path:
+        """Write ``record`` to ``path`` (``.safetensors``; parent directories are created):
+        its arrays, this kind's format and version, ``layers``, its provenance and its own
+        metadata.
+
+        Raises:
+            ValueError: an inconsistent record, no layers, another file suffix.
+        """
+        who = f"save_{record.noun}"
+        record.check(who)
+        arrays, own = record.encode()
         path = Path(path).expanduser()
         if path.suffix != ".safetensors":
             raise ValueError(f"{who}: the file name must end in .safetensors, got {path}")
-        if not layers:
+        if not record.layers:
             raise ValueError(f"{who}: no layers to save")
-        missing = {"fingerprint", "model", "calibration"} - set(meta)
-        if missing:
-            raise ValueError(f"{who}: the metadata lacks {sorted(missing)}")
-        fields = {"format": self.fmt, "version": self.version, "layers": sorted(layers), **meta}
+        fields = {"format": self.fmt, "version": self.version, "layers": sorted(record.layers)}
+        fields |= {**record.provenance(), **own}
         text = {
             k: v if isinstance(v, str) else json.dumps(v, sort_keys=True) for k, v in fields.items()
         }
@@ -415,8 +385,8 @@ class ArtifactKind:
         mx.save_safetensors(str(path), arrays, text)
         return path
 
-    def read(self, path: str | os.PathLike, build: Callable[[ArtifactFile], T]) -> T:
-        """``build(file)`` of the artifact at ``path``, after its format and version are
+    def load(self, path: str | os.PathLike) -> Any:
+        """The record of the artifact at ``path``: its format and version checked, decoded, then
         checked; a missing field or array, or one of the wrong type, is reported as a corrupt
         artifact.
 
@@ -425,12 +395,20 @@ class ArtifactKind:
                 corrupt.
         """
         path = Path(path).expanduser()
+        if self.record is None:
+            raise TypeError(f"{self.what} artifacts: this ArtifactKind has no record class")
         meta = read_metadata(path)
         check_format(path, meta, self.fmt, self.version, self.what)
         try:
-            return build(ArtifactFile(path, meta, mx.load(str(path))))
+            out = self.record.decode(ArtifactFile(path, meta, mx.load(str(path))))
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             raise ValueError(f"{path}: corrupt {self.what} artifact ({e})") from None
+        out.check(str(path))
+        return out
+
+    def load_cached(self, path: str | os.PathLike) -> Any:
+        """:meth:`load`, read once per file version (the caches of every layer share it)."""
+        return load_cached(self.load, path)
 
     def find(self, fp: str, dirs: list[Path] | None = None) -> Path | None:
         """The first file of this kind (directories in order, files sorted by name) fitted for

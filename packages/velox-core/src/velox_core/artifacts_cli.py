@@ -5,8 +5,9 @@ its fit function, its own ``fit`` options, and how to save, load and describe a 
 shared parts live here: the common ``fit`` options (``--model``, ``--text``, ``--out``,
 ``--tokens``, ``--seq-len``, ``--dtype``), reading the calibration text, loading the model,
 the call of the fit, the default output path (``~/.cache/velox/<method>-<fingerprint>``,
-where caches look), the fields every artifact shows (fingerprint, model, calibration) and the
-exit codes (2 on a bad argument, with one line).
+where caches look; :data:`FIT_DOC` says so in the help), the fields every artifact shows
+(fingerprint, model, calibration), an ``inspect CACHE`` command where the method reads saved
+caches, and the exit codes (2 on a bad argument, with one line).
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ from typing import Any
 __all__ = ["ArtifactCommand", "Option"]
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+FIT_DOC = (
+    "``fit`` loads the model with ``mlx_lm.load``, tokenizes the text files with the model's "
+    "own tokenizer (each file followed by the EOS token) and writes the artifact to ``--out`` "
+    "(default: ``~/.cache/velox/{method}-<fingerprint>.safetensors``, where velox finds it)."
+)
 
 
 def read_texts(names: list[str]) -> list[str]:
@@ -97,7 +103,9 @@ class ArtifactCommand:
             ``fit`` prints ("" for none).
         options: the method's own ``fit`` options.
         tokens: the default of ``--tokens``.
-        doc: the program's description.
+        doc: the program's description (:data:`FIT_DOC` is added to it).
+        inspect: ``inspect(path) -> dict``: what a saved cache of the method holds, for an
+            ``inspect CACHE`` command (None: no such command).
     """
 
     method: str
@@ -110,9 +118,11 @@ class ArtifactCommand:
     options: tuple[Option, ...] = ()
     tokens: int = 16384
     doc: str = ""
+    inspect: Callable[[str], dict] | None = None
 
     def parser(self) -> argparse.ArgumentParser:
-        p = argparse.ArgumentParser(prog=f"python -m velox_{self.method}", description=self.doc)
+        doc = f"{self.doc.rstrip()}\n\n{FIT_DOC.format(method=self.method)}"
+        p = argparse.ArgumentParser(prog=f"python -m velox_{self.method}", description=doc)
         sub = p.add_subparsers(dest="command", required=True)
         fit = sub.add_parser("fit", help=f"fit {self.what} of a model on calibration text")
         fit.add_argument("--model", required=True, help="mlx-lm model path or repository")
@@ -131,6 +141,10 @@ class ArtifactCommand:
         show = sub.add_parser("show", help="print what an artifact holds")
         show.add_argument("file")
         show.set_defaults(run=lambda a: print(json.dumps(self.show(a.file), indent=1)) or 0)
+        if self.inspect is not None:
+            inspect = sub.add_parser("inspect", help="print what a saved cache holds")
+            inspect.add_argument("cache")
+            inspect.set_defaults(run=lambda a: print(json.dumps(self.inspect(a.cache), indent=1)))
         return p
 
     def show(self, path: str) -> dict:
@@ -160,9 +174,13 @@ class ArtifactCommand:
         return 0
 
     def main(self, argv: list[str] | None = None) -> int:
+        argv = sys.argv[1:] if argv is None else argv
+        if self.inspect is not None and argv[:1] == ["inspect"] and len(argv) != 2:
+            print(f"usage: python -m velox_{self.method} inspect CACHE", file=sys.stderr)
+            return 2
         args = self.parser().parse_args(argv)
         try:
-            return args.run(args)
+            return args.run(args) or 0
         except (ValueError, TypeError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

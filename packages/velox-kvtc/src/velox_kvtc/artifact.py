@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from velox_core.artifacts import ArtifactFile, ArtifactKind, Fitted, load_cached
+from velox_core.artifacts import ArtifactFile, ArtifactKind, Fitted
 from velox_core.ops.rope import RopeSpec
 
 from .allocation import Plan
@@ -56,9 +54,6 @@ class MissingBasisError(FileNotFoundError):
     """No KVTC artifact was found for a model."""
 
 
-KIND = ArtifactKind(FORMAT, VERSION, "KVTC", "basis", HOW_TO_FIT, MissingBasisError)
-
-
 @dataclass
 class KvtcBasis(Fitted):
     """A model's fitted KVTC transform (``fingerprint``, ``model``, ``calibration``:
@@ -73,6 +68,7 @@ class KvtcBasis(Fitted):
         variance: side -> each component's calibration variance (float64 list).
     """
 
+    noun = "basis"
     means: dict[str, mx.array]
     bases: dict[str, mx.array]
     geometry: dict[int, tuple[int, int, int]]
@@ -158,55 +154,39 @@ class KvtcBasis(Fitted):
             if min(h, dk, dv) < 1 or self.ropes[i].dims > dk:
                 raise ValueError(f"{where}: layer {i} has a bad geometry {(h, dk, dv)}")
 
+    def encode(self) -> tuple[dict[str, mx.array], dict[str, Any]]:
+        own = {**self._meta_json(), "variance": self.variance, "basis_id": self.basis_id}
+        return self.arrays(), own
 
-def save_basis(b: KvtcBasis, path: str | os.PathLike) -> Path:
-    """Write ``b`` to ``path`` (``.safetensors``; parent directories are created)."""
-    b.check("save_basis")
-    meta = {
-        **b.provenance(),
-        **b._meta_json(),
-        "variance": b.variance,
-        "basis_id": b.basis_id,
-    }
-    return KIND.write(path, b.arrays(), b.layers, meta, "save_basis")
-
-
-def _basis(f: ArtifactFile) -> KvtcBasis:
-    layouts = f.per_layer("layouts", int)
-    ropes = {
-        i: RopeSpec(np.array(f.arrays[f"rope.{i}.theta"], np.float32), lay[0], bool(lay[1]))
-        for i, lay in layouts.items()
-    }
-    plans = {
-        str(k): {s: Plan.from_json(v[s], f"plan {k} {s}") for s in SIDES}
-        for k, v in f.json("plans").items()
-    }
-    out = KvtcBasis(
-        {s: f.arrays[f"{s}.mean"] for s in SIDES},
-        {s: f.arrays[f"{s}.basis"] for s in SIDES},
-        {i: tuple(g) for i, g in f.per_layer("geometry", int).items()},
-        ropes,
-        plans,
-        {s: [float(x) for x in f.json("variance")[s]] for s in SIDES},
-        **f.provenance(),
-    )
-    if out.basis_id != f.meta.get("basis_id"):
-        raise ValueError("its arrays or plans do not match its basis_id (altered or truncated)")
-    return out
+    @classmethod
+    def decode(cls, f: ArtifactFile) -> KvtcBasis:
+        layouts = f.per_layer("layouts", int)
+        ropes = {
+            i: RopeSpec(np.array(f.arrays[f"rope.{i}.theta"], np.float32), lay[0], bool(lay[1]))
+            for i, lay in layouts.items()
+        }
+        plans = {
+            str(k): {s: Plan.from_json(v[s], f"plan {k} {s}") for s in SIDES}
+            for k, v in f.json("plans").items()
+        }
+        out = cls(
+            {s: f.arrays[f"{s}.mean"] for s in SIDES},
+            {s: f.arrays[f"{s}.basis"] for s in SIDES},
+            {i: tuple(g) for i, g in f.per_layer("geometry", int).items()},
+            ropes,
+            plans,
+            {s: [float(x) for x in f.json("variance")[s]] for s in SIDES},
+            **f.provenance(),
+        )
+        if out.basis_id != f.meta.get("basis_id"):
+            raise ValueError("its arrays or plans do not match its basis_id (altered or truncated)")
+        return out
 
 
-def load_basis(path: str | os.PathLike) -> KvtcBasis:
-    """Read a file written by :func:`save_basis` (``ValueError`` if it is not one)."""
-    out = KIND.read(path, _basis)
-    out.check(str(Path(path).expanduser()))
-    return out
-
-
-def load_basis_cached(path: str | os.PathLike) -> KvtcBasis:
-    """:func:`load_basis`, read once per file version."""
-    return load_cached(load_basis, path)
-
-
-# resolve_basis(model, path=None): the KVTC artifact for ``model`` (``path`` if given, checked;
-# else found by the model's fingerprint; MissingBasisError where none is).
+KIND = ArtifactKind(FORMAT, VERSION, "KVTC", "basis", HOW_TO_FIT, MissingBasisError, KvtcBasis)
+# save_basis(b, path) and load_basis(path) (ValueError if it is not one, or an inconsistent
+# one), load_basis_cached(path) (read once per file version) and resolve_basis(model,
+# path=None) (``path`` if given, checked; else found by the model's fingerprint;
+# MissingBasisError where none is): :class:`velox_core.artifacts.ArtifactKind`.
+save_basis, load_basis, load_basis_cached = KIND.save, KIND.load, KIND.load_cached
 resolve_basis = KIND.resolve

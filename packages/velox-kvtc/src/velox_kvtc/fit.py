@@ -1,6 +1,6 @@
 """Fitting a model's KVTC transform on calibration text (arXiv 2511.01815, Sec. 3).
 
-The calibration sequences run through the model (``velox_core.artifacts.prefilled``). Of each
+The calibration sequences run through the model (``velox_core.artifacts.Calibration``). Of each
 sequence, the positions KVTC stores exactly are skipped (the first ``sinks`` and the last
 ``window``, as the paper samples only positions it compresses); every other position gives a
 key row and a value row (:func:`velox_kvtc.features.to_rows`: RoPE undone, every layer and
@@ -29,7 +29,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from velox_core.artifacts import calibration_ids, fitted, prefilled
+from velox_core.artifacts import Calibration
 from velox_core.ops.rope import find_rope, rope_spec
 from velox_core.validation import check_float, check_int
 
@@ -88,16 +88,15 @@ def fit_kvtc(
             instead of fitting the PCA.
         sizes, types: the group sizes and data types the allocation chooses among.
         model, tokenizer_or_token_ids, text, max_tokens, seq_len, chunk, source: the model
-            (run as it is) and its calibration, as :func:`velox_core.artifacts.calibration_ids`,
-            :func:`~velox_core.artifacts.prefilled` and :func:`~velox_core.artifacts.fitted`
-            take them.
+            (run as it is) and its calibration (:class:`velox_core.artifacts.Calibration`).
 
     Raises:
         ValueError: too few calibration tokens for a held-out part and a fit, bad arguments.
     """
-    ids, how = calibration_ids(tokenizer_or_token_ids, text, "fit_kvtc", max_tokens)
-    check_int("seq_len", seq_len, minimum=2)
-    check_int("chunk", chunk, minimum=1)
+    cal = Calibration.of(
+        tokenizer_or_token_ids, text, "fit_kvtc", max_tokens, seq_len, chunk, source, 2
+    )
+    ids = cal.ids
     sinks, window = check_int("sinks", sinks, minimum=0), check_int("window", window, minimum=0)
     check_float("heldout", heldout, minimum=0.0, maximum=1.0, open_min=True)
     keys = sorted({ratio_key(r) for r in ratios}, key=float)
@@ -118,7 +117,7 @@ def fit_kvtc(
     totals = {s: None for s in SIDES}
     held_rows: dict[str, list[mx.array]] = {s: [] for s in SIDES}
     n_fit, geometry, ropes = 0, None, None
-    for j, (_, caches) in enumerate(prefilled(model, ids, seq_len, chunk)):
+    for j, (_, caches) in enumerate(cal.prefilled(model)):
         kv, _ = read_caches([c for _, c in caches])
         if ropes is None:
             idx = [i for i, _ in caches]
@@ -152,12 +151,8 @@ def fit_kvtc(
             plans[k][s] = allocate(table, z.shape[1], budget_bits(basis.shape[0], float(k)))
         keep = max(max(plans[k][s].components for k in keys), 1)
         means[s], bases[s], variance[s] = mean_mx, basis[:, :keep], [float(x) for x in lam[:keep]]
-    provenance = fitted(
+    provenance = cal.fitted(
         model,
-        how,
-        source,
-        tokens=int(ids.size),
-        seq_len=seq_len,
         rows={"fit": int(n_fit), "heldout": int(sum(x.shape[0] for x in held_rows["key"]))},
         sinks=sinks,
         window=window,

@@ -1,13 +1,11 @@
 """``python -m velox_oscar``: fit a model's OSCAR rotations and clip ratios, or show an artifact.
 
+Usage:
+
     python -m velox_oscar fit --model PATH --text FILE [FILE ...] [--out FILE]
         [--tokens 16384] [--seq-len 2048] [--samples 4096] [--group G]
         [--seed 0] [--dtype float32]
     python -m velox_oscar show FILE
-
-``fit`` loads the model with ``mlx_lm.load``, tokenizes the text files with the model's own
-tokenizer (each file followed by the EOS token) and writes the artifact to ``--out``
-(default: ``~/.cache/velox/oscar-<fingerprint>.safetensors``, where caches find it).
 """
 
 from __future__ import annotations

@@ -19,14 +19,12 @@ the plain Hadamard basis, the paper's ablation), with the group they were fitted
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
-from velox_core.artifacts import ArtifactFile, ArtifactKind, FittedLayers, load_cached
+from velox_core.artifacts import ArtifactFile, ArtifactKind, FittedLayers
 
 __all__ = [
     "FORMAT",
@@ -49,9 +47,6 @@ class MissingArtifactError(FileNotFoundError):
     """No OSCAR artifact was found for a model."""
 
 
-KIND = ArtifactKind(FORMAT, VERSION, "OSCAR", "artifact", HOW_TO_FIT, MissingArtifactError)
-
-
 @dataclass
 class OscarRotations(FittedLayers):
     """Fitted OSCAR rotations of one model (``fingerprint``, ``model``, ``calibration`` and
@@ -68,6 +63,7 @@ class OscarRotations(FittedLayers):
     """
 
     what = "OSCAR rotations"
+    noun = "rotations"
     layers: dict[int, dict[str, mx.array]]
     clips: dict[int, dict[int, list[float]]]
     hadamard_clips: dict[int, dict[int, list[float]]]
@@ -92,71 +88,57 @@ class OscarRotations(FittedLayers):
             )
         return float(table[bits][SIDES.index(side)])
 
+    def check(self, where: str) -> None:
+        """``ValueError`` naming ``where`` unless every layer has both rotations, their
+        eigenvalues and two clip ratios in (0, 1] per code width in both bases."""
+        if not self.layers:
+            raise ValueError(f"{where}: no layers")
+        for i, arrays in self.layers.items():
+            for s in SIDES:
+                m, lam = arrays.get(s), arrays.get(f"{s}_eigenvalues")
+                if m is None or m.ndim != 2 or m.shape[0] != m.shape[1]:
+                    raise ValueError(f"{where}: layer {i} {s}: the rotation must be (D, D)")
+                if lam is None or lam.shape != (m.shape[0],):
+                    raise ValueError(f"{where}: layer {i} {s}: eigenvalues must be (D,)")
+            for name, table in (("clips", self.clips), ("hadamard_clips", self.hadamard_clips)):
+                widths = table.get(i)
+                if not widths or not all(
+                    len(p) == 2 and all(0.0 < c <= 1.0 for c in p) for p in widths.values()
+                ):
+                    raise ValueError(
+                        f"{where}: layer {i}: {name} must give two ratios in (0, 1] per code width"
+                    )
 
-def _check(r: OscarRotations, where: str) -> None:
-    if not r.layers:
-        raise ValueError(f"{where}: no layers")
-    for i, arrays in r.layers.items():
-        for s in SIDES:
-            m, lam = arrays.get(s), arrays.get(f"{s}_eigenvalues")
-            if m is None or m.ndim != 2 or m.shape[0] != m.shape[1]:
-                raise ValueError(f"{where}: layer {i} {s}: the rotation must be (D, D)")
-            if lam is None or lam.shape != (m.shape[0],):
-                raise ValueError(f"{where}: layer {i} {s}: eigenvalues must be (D,)")
-        for name, table in (("clips", r.clips), ("hadamard_clips", r.hadamard_clips)):
-            widths = table.get(i)
-            if not widths or not all(
-                len(p) == 2 and all(0.0 < c <= 1.0 for c in p) for p in widths.values()
-            ):
-                raise ValueError(
-                    f"{where}: layer {i}: {name} must give two ratios in (0, 1] per code width"
-                )
-
-
-def save_rotations(r: OscarRotations, path: str | os.PathLike) -> Path:
-    """Write ``r`` to ``path`` (``.safetensors``; parent directories are created)."""
-    _check(r, "save_rotations")
-    arrays = {
-        f"layer.{i}.{name}": a.astype(mx.float16 if name in SIDES else mx.float32)
-        for i, layer in r.layers.items()
-        for name, a in layer.items()
-    }
-    meta = {
-        **r.provenance(),
-        "clips": r.clips,
-        "hadamard_clips": r.hadamard_clips,
-        "fit_group": str(r.fit_group),
-    }
-    return KIND.write(path, arrays, list(r.layers), meta, "save_rotations")
-
-
-def _rotations(f: ArtifactFile) -> OscarRotations:
-    names = (*SIDES, *(f"{s}_eigenvalues" for s in SIDES))
-    layers = {i: {n: f.arrays[f"layer.{i}.{n}"] for n in names} for i in f.layers}
-
-    def widths(name: str) -> dict[int, dict[int, list[float]]]:
-        return {
-            int(i): {int(b): [float(c) for c in p] for b, p in w.items()}
-            for i, w in f.json(name).items()
+    def encode(self) -> tuple[dict[str, mx.array], dict[str, Any]]:
+        arrays = {
+            f"layer.{i}.{name}": a.astype(mx.float16 if name in SIDES else mx.float32)
+            for i, layer in self.layers.items()
+            for name, a in layer.items()
         }
+        own = {"clips": self.clips, "hadamard_clips": self.hadamard_clips}
+        return arrays, {**own, "fit_group": str(self.fit_group)}
 
-    clips, hadamard = widths("clips"), widths("hadamard_clips")
-    return OscarRotations(layers, clips, hadamard, int(f.meta["fit_group"]), **f.provenance())
+    @classmethod
+    def decode(cls, f: ArtifactFile) -> OscarRotations:
+        names = (*SIDES, *(f"{s}_eigenvalues" for s in SIDES))
+        layers = {i: {n: f.arrays[f"layer.{i}.{n}"] for n in names} for i in f.layers}
+
+        def widths(name: str) -> dict[int, dict[int, list[float]]]:
+            return {
+                int(i): {int(b): [float(c) for c in p] for b, p in w.items()}
+                for i, w in f.json(name).items()
+            }
+
+        clips, hadamard = widths("clips"), widths("hadamard_clips")
+        return cls(layers, clips, hadamard, int(f.meta["fit_group"]), **f.provenance())
 
 
-def load_rotations(path: str | os.PathLike) -> OscarRotations:
-    """Read a file written by :func:`save_rotations` (``ValueError`` if it is not one)."""
-    out = KIND.read(path, _rotations)
-    _check(out, str(Path(path).expanduser()))
-    return out
-
-
-def load_rotations_cached(path: str | os.PathLike) -> OscarRotations:
-    """:func:`load_rotations`, read once per file version (every layer's cache shares it)."""
-    return load_cached(load_rotations, path)
-
-
-# resolve_rotations(model, path=None): the OSCAR artifact for ``model`` (``path`` if given,
-# checked; else found by the model's fingerprint; MissingArtifactError where none is):
-# :meth:`velox_core.artifacts.ArtifactKind.resolve`.
+KIND = ArtifactKind(
+    FORMAT, VERSION, "OSCAR", "artifact", HOW_TO_FIT, MissingArtifactError, OscarRotations
+)
+# save_rotations(r, path) and load_rotations(path) (ValueError if it is not one, or an
+# inconsistent one), load_rotations_cached(path) (read once per file version: every layer's
+# cache shares it) and resolve_rotations(model, path=None) (``path`` if given, checked; else
+# found by the model's fingerprint; MissingArtifactError where none is): :class:`ArtifactKind`.
+save_rotations, load_rotations, load_rotations_cached = KIND.save, KIND.load, KIND.load_cached
 resolve_rotations = KIND.resolve

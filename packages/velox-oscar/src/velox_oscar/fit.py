@@ -32,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from velox_core import RetentionPolicy, Uniform, VeloxCache, make_cache, routed
-from velox_core.artifacts import calibration_ids, fitted, prefilled
+from velox_core.artifacts import Calibration
 from velox_core.ops import HadamardRotation
 from velox_core.validation import check_int
 
@@ -134,13 +134,13 @@ def fit_oscar(
             head up to 128 channels).
         seed: seed of that sample.
         model, tokenizer_or_token_ids, text, max_tokens, seq_len, chunk, source: the model (run
-            as it is: cast it first to fit in another dtype) and its calibration, as
-            :func:`velox_core.artifacts.calibration_ids`, :func:`~velox_core.artifacts.prefilled`
-            and :func:`~velox_core.artifacts.fitted` take them.
+            as it is: cast it first to fit in another dtype) and its calibration
+            (:class:`velox_core.artifacts.Calibration`).
     """
-    ids, how = calibration_ids(tokenizer_or_token_ids, text, "fit_oscar", max_tokens)
-    check_int("seq_len", seq_len, minimum=1)
-    check_int("chunk", chunk, minimum=1)
+    cal = Calibration.of(
+        tokenizer_or_token_ids, text, "fit_oscar", max_tokens, seq_len, chunk, source
+    )
+    ids = cal.ids
     check_int("samples", samples, minimum=1)
     if group is not None:
         check_int("group", group, minimum=1)
@@ -164,7 +164,7 @@ def fit_oscar(
     per_seq = -(-samples * seq_len // max(ids.size, 1))
     vsum: dict[int, list[mx.array]] = {}
     sample: dict[int, list[tuple[mx.array, mx.array, mx.array]]] = {}
-    for _, caches in prefilled(model, ids, seq_len, chunk):
+    for _, caches in cal.prefilled(model):
         for i, cache in caches:
             k, v = cache.keys_and_values()
             k, v = k[0].astype(mx.float32), v[0].astype(mx.float32)  # (H, T, Dk), (H, T, Dv)
@@ -216,13 +216,5 @@ def fit_oscar(
                         table[b].append(_best_clip(x, rot, quant, weights=ws))
             tables.append(table)
         clips[i], hclips[i] = tables
-    provenance = fitted(
-        model,
-        how,
-        source,
-        tokens=int(ids.size),
-        seq_len=seq_len,
-        samples=samples,
-        seed=seed,
-    )
+    provenance = cal.fitted(model, samples=samples, seed=seed)
     return OscarRotations(layers, clips, hclips, group or 0, **provenance)

@@ -1,13 +1,11 @@
 """``python -m velox_palu``: fit a model's Palu bases, or show an artifact.
 
+Usage:
+
     python -m velox_palu fit --model PATH --text FILE [FILE ...] [--out FILE]
         [--tokens 16384] [--seq-len 2048] [--heads-per-group G] [--no-fisher]
         [--dtype float32]
     python -m velox_palu show FILE
-
-``fit`` loads the model with ``mlx_lm.load``, tokenizes the text files with the model's own
-tokenizer (each file followed by the EOS token) and writes the artifact to ``--out``
-(default: ``~/.cache/velox/palu-<fingerprint>.safetensors``, where caches find it).
 """
 
 from __future__ import annotations

@@ -21,14 +21,12 @@ each basis; one artifact serves every rank.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
-from velox_core.artifacts import ArtifactFile, ArtifactKind, Fitted, load_cached
+from velox_core.artifacts import ArtifactFile, ArtifactKind, Fitted
 
 __all__ = [
     "FORMAT",
@@ -52,9 +50,6 @@ class MissingArtifactError(FileNotFoundError):
     """No Palu artifact was found for a model."""
 
 
-KIND = ArtifactKind(FORMAT, VERSION, "Palu", "artifact", HOW_TO_FIT, MissingArtifactError)
-
-
 @dataclass
 class PaluBases(Fitted):
     """Fitted Palu bases of one model (``fingerprint``, ``model`` and ``calibration``: how
@@ -69,6 +64,7 @@ class PaluBases(Fitted):
             fitted without it).
     """
 
+    noun = "bases"
     bases: dict[tuple[int, str], tuple[mx.array, mx.array]]
     biases: dict[tuple[int, str], mx.array]
     heads_per_group: int
@@ -92,77 +88,55 @@ class PaluBases(Fitted):
         basis, sigma = self.bases[(layer, side)]
         return basis, sigma, self.biases.get((layer, side))
 
+    def check(self, where: str) -> None:
+        """``ValueError`` naming ``where`` unless the bases, scales, biases, layouts and
+        Fisher weights agree in shape and layers."""
+        g = self.heads_per_group
+        if not isinstance(g, int) or g < 1:
+            raise ValueError(f"{where}: heads_per_group must be a positive int, got {g!r}")
+        for (i, s), (basis, sigma) in self.bases.items():
+            if s not in SIDES or basis.ndim != 3 or basis.shape[1] != basis.shape[2]:
+                raise ValueError(f"{where}: layer {i} {s}: basis must be (G, gD, gD)")
+            if sigma.shape != basis.shape[:2] or basis.shape[1] % g:
+                raise ValueError(f"{where}: layer {i} {s}: sigma must be (G, gD) with gD % g == 0")
+            bias = self.biases.get((i, s))
+            h, d = basis.shape[0] * g, basis.shape[1] // g
+            if bias is not None and tuple(bias.shape) != (h, d):
+                raise ValueError(f"{where}: layer {i} {s}: bias must be (H, D) = {(h, d)}")
+            if i not in self.layouts:
+                raise ValueError(f"{where}: layer {i} has no RoPE layout")
+        if self.fisher and set(self.fisher) != set(self.layers):
+            raise ValueError(f"{where}: Fisher information must cover every layer or none")
 
-def _check(b: PaluBases, where: str) -> None:
-    g = b.heads_per_group
-    if not isinstance(g, int) or g < 1:
-        raise ValueError(f"{where}: heads_per_group must be a positive int, got {g!r}")
-    for (i, s), (basis, sigma) in b.bases.items():
-        if s not in SIDES or basis.ndim != 3 or basis.shape[1] != basis.shape[2]:
-            raise ValueError(f"{where}: layer {i} {s}: basis must be (G, gD, gD)")
-        if sigma.shape != basis.shape[:2] or basis.shape[1] % g:
-            raise ValueError(f"{where}: layer {i} {s}: sigma must be (G, gD) with gD % g == 0")
-        bias = b.biases.get((i, s))
-        d = basis.shape[1] // g
-        if bias is not None and tuple(bias.shape) != (basis.shape[0] * g, d):
-            raise ValueError(
-                f"{where}: layer {i} {s}: bias must be (H, D) = {(basis.shape[0] * g, d)}"
-            )
-        if i not in b.layouts:
-            raise ValueError(f"{where}: layer {i} has no RoPE layout")
-    if b.fisher and set(b.fisher) != set(b.layers):
-        raise ValueError(f"{where}: Fisher information must cover every layer or none")
+    def encode(self) -> tuple[dict[str, mx.array], dict[str, Any]]:
+        arrays = {}
+        for (i, s), (basis, sigma) in self.bases.items():
+            arrays[f"layer.{i}.{s}.basis"] = basis.astype(mx.float16)
+            arrays[f"layer.{i}.{s}.sigma"] = sigma.astype(mx.float32)
+        for (i, s), bias in self.biases.items():
+            arrays[f"layer.{i}.{s}.bias"] = bias.astype(mx.float32)
+        own = {"heads_per_group": str(self.heads_per_group), "layouts": self.layouts}
+        return arrays, {**own, "fisher": self.fisher}
 
-
-def save_bases(b: PaluBases, path: str | os.PathLike) -> Path:
-    """Write ``b`` to ``path`` (``.safetensors``; parent directories are created)."""
-    _check(b, "save_bases")
-    arrays = {}
-    for (i, s), (basis, sigma) in b.bases.items():
-        arrays[f"layer.{i}.{s}.basis"] = basis.astype(mx.float16)
-        arrays[f"layer.{i}.{s}.sigma"] = sigma.astype(mx.float32)
-    for (i, s), bias in b.biases.items():
-        arrays[f"layer.{i}.{s}.bias"] = bias.astype(mx.float32)
-    meta = {
-        **b.provenance(),
-        "heads_per_group": str(b.heads_per_group),
-        "layouts": b.layouts,
-        "fisher": b.fisher,
-    }
-    return KIND.write(path, arrays, b.layers, meta, "save_bases")
-
-
-def _bases(f: ArtifactFile) -> PaluBases:
-    bases, biases = {}, {}
-    for i in f.layers:
-        for s in SIDES:
-            name = f"layer.{i}.{s}"
-            bases[(i, s)] = (f.arrays[f"{name}.basis"], f.arrays[f"{name}.sigma"])
-            if f"{name}.bias" in f.arrays:
-                biases[(i, s)] = f.arrays[f"{name}.bias"]
-    return PaluBases(
-        bases,
-        biases,
-        int(f.meta["heads_per_group"]),
-        f.per_layer("layouts", int),
-        f.per_layer("fisher", float),
-        **f.provenance(),
-    )
+    @classmethod
+    def decode(cls, f: ArtifactFile) -> PaluBases:
+        bases, biases = {}, {}
+        for i in f.layers:
+            for s in SIDES:
+                name = f"layer.{i}.{s}"
+                bases[(i, s)] = (f.arrays[f"{name}.basis"], f.arrays[f"{name}.sigma"])
+                if f"{name}.bias" in f.arrays:
+                    biases[(i, s)] = f.arrays[f"{name}.bias"]
+        g, layouts = int(f.meta["heads_per_group"]), f.per_layer("layouts", int)
+        return cls(bases, biases, g, layouts, f.per_layer("fisher", float), **f.provenance())
 
 
-def load_bases(path: str | os.PathLike) -> PaluBases:
-    """Read a file written by :func:`save_bases` (``ValueError`` if it is not one)."""
-    out = KIND.read(path, _bases)
-    _check(out, str(Path(path).expanduser()))
-    return out
-
-
-def load_bases_cached(path: str | os.PathLike) -> PaluBases:
-    """:func:`load_bases`, read once per file version (every layer's cache shares it)."""
-    return load_cached(load_bases, path)
-
-
-# resolve_bases(model, path=None): the Palu artifact for ``model`` (``path`` if given, checked;
-# else found by the model's fingerprint; MissingArtifactError where none is):
-# :meth:`velox_core.artifacts.ArtifactKind.resolve`.
+KIND = ArtifactKind(
+    FORMAT, VERSION, "Palu", "artifact", HOW_TO_FIT, MissingArtifactError, PaluBases
+)
+# save_bases(b, path) and load_bases(path) (ValueError if it is not one, or an inconsistent
+# one), load_bases_cached(path) (read once per file version: every layer's cache shares it)
+# and resolve_bases(model, path=None) (``path`` if given, checked; else found by the model's
+# fingerprint; MissingArtifactError where none is): :class:`ArtifactKind`.
+save_bases, load_bases, load_bases_cached = KIND.save, KIND.load, KIND.load_cached
 resolve_bases = KIND.resolve

@@ -30,7 +30,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from velox_core.artifacts import calibration_ids, fitted, prefilled
+from velox_core.artifacts import Calibration
 from velox_core.ops.rope import fast_rotate as rope_at
 from velox_core.ops.rope import find_rope, rope_spec
 from velox_core.validation import check_int
@@ -146,21 +146,21 @@ def fit_palu(
             where a layer has fewer); must divide every layer's KV heads.
         fisher: compute the Fisher information for rank allocation.
         model, tokenizer_or_token_ids, text, max_tokens, chunk, source: the model (run as it
-            is: cast it first to fit in another dtype) and its calibration, as
-            :func:`velox_core.artifacts.calibration_ids`, :func:`~velox_core.artifacts.prefilled`
-            and :func:`~velox_core.artifacts.fitted` take them.
+            is: cast it first to fit in another dtype) and its calibration
+            (:class:`velox_core.artifacts.Calibration`).
     """
-    ids, how = calibration_ids(tokenizer_or_token_ids, text, "fit_palu", max_tokens)
+    cal = Calibration.of(
+        tokenizer_or_token_ids, text, "fit_palu", max_tokens, seq_len, chunk, source, 2
+    )
+    ids = cal.ids
     if ids.size < 2:
         raise ValueError(f"fit_palu: the calibration holds {ids.size} token; it needs 2 at least")
-    check_int("seq_len", seq_len, minimum=2)
-    check_int("chunk", chunk, minimum=1)
     if heads_per_group is not None:
         check_int("heads_per_group", heads_per_group, minimum=1)
     grams: dict[tuple[int, str], mx.array] = {}
     specs, heads, tokens = {}, {}, 0
     sequences = []  # (1, T) each, run again by the Fisher pass
-    for seq, caches in prefilled(model, ids, seq_len, chunk):
+    for seq, caches in cal.prefilled(model):
         sequences.append(seq)
         tokens += seq.shape[1]
         for i, cache in caches:
@@ -202,7 +202,5 @@ def fit_palu(
                 f"{sorted(weights)} of {sorted(heads)}; fit with --no-fisher"
             )
     layouts = {i: [int(s.dims), int(s.traditional)] for i, s in specs.items()}
-    provenance = fitted(
-        model, how, source, tokens=int(tokens), seq_len=seq_len, fisher=bool(fisher)
-    )
+    provenance = cal.fitted(model, tokens=int(tokens), fisher=bool(fisher))
     return PaluBases(bases, biases, gs.pop(), layouts, weights, **provenance)

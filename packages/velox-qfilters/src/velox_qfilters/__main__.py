@@ -1,12 +1,10 @@
 """``python -m velox_qfilters``: fit a model's Q-Filters, or show an artifact.
 
+Usage:
+
     python -m velox_qfilters fit --model PATH --text FILE [FILE ...] [--out FILE]
         [--tokens 8192] [--seq-len 2048] [--samples 3000] [--seed 0] [--dtype float32]
     python -m velox_qfilters show FILE
-
-``fit`` loads the model with ``mlx_lm.load``, tokenizes the text files with the model's own
-tokenizer (each file followed by the EOS token) and writes the artifact to ``--out``
-(default: ``~/.cache/velox/qfilters-<fingerprint>.safetensors``, where caches find it).
 """
 
 from __future__ import annotations

@@ -13,15 +13,12 @@ model's name; velox keeps them in a local file matched to the model by its weigh
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
 from velox_core.artifacts import ArtifactFile, ArtifactKind, FittedLayers, search_dirs
-from velox_core.artifacts import load_cached as _load_cached
 
 __all__ = [
     "FORMAT",
@@ -42,10 +39,28 @@ class Filters(FittedLayers):
     fitted; ``layer(i)``: :class:`~velox_core.artifacts.FittedLayers`)."""
 
     what = "Q-Filters"
+    noun = "filters"
     layers: dict[int, mx.array]
     fingerprint: str
     model: dict[str, Any] = field(default_factory=dict)
     calibration: dict[str, Any] = field(default_factory=dict)
+
+    def check(self, where: str) -> None:
+        """``ValueError`` naming ``where`` unless every layer is an ``(H_kv, D)`` array."""
+        for i, f in self.layers.items():
+            if f.ndim != 2:
+                raise ValueError(f"{where}: layer {i} must be (H_kv, D), got {tuple(f.shape)}")
+
+    def encode(self) -> tuple[dict[str, mx.array], dict[str, Any]]:
+        return {f"layer.{i}": f.astype(mx.float32) for i, f in self.layers.items()}, {}
+
+    @classmethod
+    def decode(cls, f: ArtifactFile) -> Filters:
+        layers = {i: f.arrays[f"layer.{i}"] for i in f.layers}
+        for i, a in layers.items():
+            if a.dtype != mx.float32:
+                raise ValueError(f"layer {i} is not a float32 array")
+        return cls(layers, **f.provenance())
 
 
 class MissingFiltersError(FileNotFoundError):
@@ -53,39 +68,14 @@ class MissingFiltersError(FileNotFoundError):
 
 
 HOW_TO_FIT = "python -m velox_qfilters fit --model PATH --text CALIBRATION.txt --out FILE"
-KIND = ArtifactKind("velox-qfilters", "1", "Q-Filters", "filters", HOW_TO_FIT, MissingFiltersError)
+KIND = ArtifactKind(
+    "velox-qfilters", "1", "Q-Filters", "filters", HOW_TO_FIT, MissingFiltersError, Filters
+)
 FORMAT, VERSION = KIND.fmt, KIND.version
-
-
-def save_filters(filters: Filters, path: str | os.PathLike) -> Path:
-    """Write ``filters`` to ``path`` (``.safetensors``; parent directories are created)."""
-    arrays = {}
-    for i, f in filters.layers.items():
-        if f.ndim != 2:
-            raise ValueError(f"save_filters: layer {i} must be (H_kv, D), got {tuple(f.shape)}")
-        arrays[f"layer.{i}"] = f.astype(mx.float32)
-    return KIND.write(path, arrays, list(filters.layers), filters.provenance(), "save_filters")
-
-
-def _filters(f: ArtifactFile) -> Filters:
-    return Filters({i: f.arrays[f"layer.{i}"] for i in f.layers}, **f.provenance())
-
-
-def load_filters(path: str | os.PathLike) -> Filters:
-    """Read a file written by :func:`save_filters` (``ValueError`` if it is not one)."""
-    out = KIND.read(path, _filters)
-    for i, f in out.layers.items():
-        if f.ndim != 2 or f.dtype != mx.float32:
-            raise ValueError(f"{path}: layer {i} is not a float32 (H_kv, D) array")
-    return out
-
-
-def load_cached(path: str | os.PathLike) -> Filters:
-    """:func:`load_filters`, read once per file version (every layer's cache shares it)."""
-    return _load_cached(load_filters, path)
-
-
-# find_filters(fp, dirs=None): the first Q-Filters artifact fitted for fingerprint ``fp``;
+# save_filters(filters, path); load_filters(path) (ValueError if it is not one, or an
+# inconsistent one); load_cached(path) (read once per file version: every layer's cache shares
+# it); find_filters(fp, dirs=None): the first Q-Filters artifact fitted for fingerprint ``fp``;
 # resolve_filters(model, path=None): the one to use for ``model`` (``path`` if given, checked;
 # MissingFiltersError where none is found): :class:`~velox_core.artifacts.ArtifactKind`.
+save_filters, load_filters, load_cached = KIND.save, KIND.load, KIND.load_cached
 find_filters, resolve_filters = KIND.find, KIND.resolve

@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from velox_core import RetentionPolicy, VeloxCache, make_cache, routed
-from velox_core.artifacts import calibration_ids, fitted
+from velox_core.artifacts import Calibration
 from velox_core.validation import check_int
 
 from .artifact import Filters
@@ -91,18 +91,18 @@ def fit_filters(
         samples: query positions sampled (uniformly, without replacement) for the SVD.
         seed: seed of that sample.
         model, tokenizer_or_token_ids, text, max_tokens, chunk, source: the model (run as it
-            is: cast it first to fit in another dtype) and its calibration, as
-            :func:`velox_core.artifacts.calibration_ids`, :func:`~velox_core.artifacts.prefilled`
-            and :func:`~velox_core.artifacts.fitted` take them.
+            is: cast it first to fit in another dtype) and its calibration
+            (:class:`velox_core.artifacts.Calibration`).
 
     Returns:
         :class:`Filters` with one float32 ``(H_kv, D)`` array per attention layer.
     """
-    ids, how = calibration_ids(tokenizer_or_token_ids, text, "fit_filters", max_tokens)
-    check_int("seq_len", seq_len, minimum=1)
+    cal = Calibration.of(
+        tokenizer_or_token_ids, text, "fit_filters", max_tokens, seq_len, chunk, source
+    )
+    ids = cal.ids
     check_int("samples", samples, minimum=1)
     check_int("seed", seed, minimum=0)
-    check_int("chunk", chunk, minimum=1)
     rng = np.random.default_rng(seed)
     pick = np.sort(rng.choice(ids.size, size=min(samples, ids.size), replace=False))
     store: dict = {}
@@ -122,7 +122,5 @@ def fit_filters(
         for i, rec in sorted(store.items())
     }
     mx.eval(layers)
-    provenance = fitted(
-        model, how, source, tokens=int(ids.size), samples=int(pick.size), seq_len=seq_len, seed=seed
-    )
+    provenance = cal.fitted(model, samples=int(pick.size), seed=seed)
     return Filters(layers, **provenance)

@@ -5,9 +5,6 @@
         [--dtype float32]
     python -m velox_spectral show FILE
 
-``fit`` loads the model with ``mlx_lm.load``, tokenizes the text files with the model's own
-tokenizer (each file followed by the EOS token) and writes the artifact to ``--out``
-(default: ``~/.cache/velox/spectral-<fingerprint>.safetensors``, where caches find it).
 ``show`` prints each layer's head count and dim and the ranks that hold 50, 80, 90 and 95%
 of each side's variance (the largest over its heads).
 """

@@ -18,15 +18,13 @@ config, and how it was fitted (``calibration``: tokens, sequence length, ``skip`
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from velox_core.artifacts import ArtifactFile, ArtifactKind, FittedLayers, load_cached
+from velox_core.artifacts import ArtifactFile, ArtifactKind, FittedLayers
 
 __all__ = [
     "FORMAT",
@@ -62,9 +60,6 @@ class MissingArtifactError(FileNotFoundError):
     """No spectral artifact was found for a model."""
 
 
-KIND = ArtifactKind(FORMAT, VERSION, "spectral", "artifact", HOW_TO_FIT, MissingArtifactError)
-
-
 @dataclass
 class SpectralBases(FittedLayers):
     """Fitted PCA bases of one model (``fingerprint``, ``model``, ``calibration`` and
@@ -76,6 +71,7 @@ class SpectralBases(FittedLayers):
     """
 
     what = "spectral bases"
+    noun = "bases"
     layers: dict[int, dict[str, dict[str, mx.array]]]
     fingerprint: str
     model: dict[str, Any] = field(default_factory=dict)
@@ -86,58 +82,52 @@ class SpectralBases(FittedLayers):
         (``ValueError`` naming the fitted layers)."""
         return self.layer(layer)[side]
 
+    def check(self, where: str) -> None:
+        """``ValueError`` naming ``where`` unless every layer's sides hold an int8 ``(H, D,
+        D)`` basis, ``(H, D)`` scales, means and eigenvalues (>= 0, descending)."""
+        if not self.layers:
+            raise ValueError(f"{where}: no layers")
+        for i, sides in self.layers.items():
+            for s in SIDES:
+                a = sides.get(s) or {}
+                basis, scale, mean, lam = (a.get(f) for f in FIELDS)
+                if basis is None or basis.ndim != 3 or basis.shape[1] != basis.shape[2]:
+                    raise ValueError(f"{where}: layer {i} {s}: the basis must be (H, D, D)")
+                if basis.dtype != mx.int8:
+                    raise ValueError(f"{where}: layer {i} {s}: the basis must be int8 codes")
+                h, d = basis.shape[0], basis.shape[1]
+                for name, x in (("basis_scale", scale), ("mean", mean), ("eigenvalues", lam)):
+                    if x is None or tuple(x.shape) != (h, d):
+                        raise ValueError(f"{where}: layer {i} {s}: {name} must be ({h}, {d})")
+                if mx.any(lam < 0).item() or mx.any(lam[:, 1:] > lam[:, :-1]).item():
+                    raise ValueError(
+                        f"{where}: layer {i} {s}: eigenvalues must be >= 0 and descending"
+                    )
 
-def _check(r: SpectralBases, where: str) -> None:
-    if not r.layers:
-        raise ValueError(f"{where}: no layers")
-    for i, sides in r.layers.items():
-        for s in SIDES:
-            a = sides.get(s) or {}
-            basis, scale, mean, lam = (a.get(f) for f in FIELDS)
-            if basis is None or basis.ndim != 3 or basis.shape[1] != basis.shape[2]:
-                raise ValueError(f"{where}: layer {i} {s}: the basis must be (H, D, D)")
-            if basis.dtype != mx.int8:
-                raise ValueError(f"{where}: layer {i} {s}: the basis must be int8 codes")
-            h, d = basis.shape[0], basis.shape[1]
-            for name, x in (("basis_scale", scale), ("mean", mean), ("eigenvalues", lam)):
-                if x is None or tuple(x.shape) != (h, d):
-                    raise ValueError(f"{where}: layer {i} {s}: {name} must be ({h}, {d})")
-            if mx.any(lam < 0).item() or mx.any(lam[:, 1:] > lam[:, :-1]).item():
-                raise ValueError(f"{where}: layer {i} {s}: eigenvalues must be >= 0 and descending")
+    def encode(self) -> tuple[dict[str, mx.array], dict[str, Any]]:
+        arrays = {
+            f"layer.{i}.{s}.{f}": a if f == "basis" else a.astype(mx.float32)
+            for i, sides in self.layers.items()
+            for s, fields in sides.items()
+            for f, a in fields.items()
+        }
+        return arrays, {}
 
-
-def save_bases(r: SpectralBases, path: str | os.PathLike) -> Path:
-    """Write ``r`` to ``path`` (``.safetensors``; parent directories are created)."""
-    _check(r, "save_bases")
-    arrays = {
-        f"layer.{i}.{s}.{f}": a if f == "basis" else a.astype(mx.float32)
-        for i, sides in r.layers.items()
-        for s, fields in sides.items()
-        for f, a in fields.items()
-    }
-    return KIND.write(path, arrays, list(r.layers), r.provenance(), "save_bases")
-
-
-def _bases(f: ArtifactFile) -> SpectralBases:
-    layers = {
-        i: {s: {n: f.arrays[f"layer.{i}.{s}.{n}"] for n in FIELDS} for s in SIDES} for i in f.layers
-    }
-    return SpectralBases(layers, **f.provenance())
-
-
-def load_bases(path: str | os.PathLike) -> SpectralBases:
-    """Read a file written by :func:`save_bases` (``ValueError`` if it is not one)."""
-    out = KIND.read(path, _bases)
-    _check(out, str(Path(path).expanduser()))
-    return out
+    @classmethod
+    def decode(cls, f: ArtifactFile) -> SpectralBases:
+        layers = {
+            i: {s: {n: f.arrays[f"layer.{i}.{s}.{n}"] for n in FIELDS} for s in SIDES}
+            for i in f.layers
+        }
+        return cls(layers, **f.provenance())
 
 
-def load_bases_cached(path: str | os.PathLike) -> SpectralBases:
-    """:func:`load_bases`, read once per file version (every layer's cache shares it)."""
-    return load_cached(load_bases, path)
-
-
-# resolve_bases(model, path=None): the spectral artifact for ``model`` (``path`` if given,
-# checked; else found by the model's fingerprint; MissingArtifactError where none is):
-# :meth:`velox_core.artifacts.ArtifactKind.resolve`.
+KIND = ArtifactKind(
+    FORMAT, VERSION, "spectral", "artifact", HOW_TO_FIT, MissingArtifactError, SpectralBases
+)
+# save_bases(r, path) and load_bases(path) (ValueError if it is not one, or an inconsistent
+# one), load_bases_cached(path) (read once per file version: every layer's cache shares it)
+# and resolve_bases(model, path=None) (``path`` if given, checked; else found by the model's
+# fingerprint; MissingArtifactError where none is): :class:`ArtifactKind`.
+save_bases, load_bases, load_bases_cached = KIND.save, KIND.load, KIND.load_cached
 resolve_bases = KIND.resolve

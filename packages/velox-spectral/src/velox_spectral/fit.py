@@ -12,7 +12,7 @@ reproducible to the last bit on one machine, and each is stored as int8 codes wi
 scale (:func:`~velox_spectral.artifact.int8_columns`, as the caches hold it).
 
 One pass over the calibration: every sequence is prefilled into plain velox caches
-(:func:`velox_core.artifacts.prefilled`) and each layer's sums ``n``, ``sum x`` and
+(:meth:`velox_core.artifacts.Calibration.prefilled`) and each layer's sums ``n``, ``sum x`` and
 ``sum x x^T`` are accumulated in float64.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from velox_core.artifacts import calibration_ids, fitted, prefilled
+from velox_core.artifacts import Calibration
 from velox_core.ops.rope import RopeSpec, find_rope, rope_spec, rotate
 from velox_core.validation import check_int
 
@@ -100,13 +100,12 @@ def fit_spectral(
             Layers without a RoPE velox reads keep their keys.
         seed: seed of those positions.
         model, tokenizer_or_token_ids, text, max_tokens, seq_len, chunk, source: the model (run
-            as it is: cast it first to fit in another dtype) and its calibration, as
-            :func:`velox_core.artifacts.calibration_ids`, :func:`~velox_core.artifacts.prefilled`
-            and :func:`~velox_core.artifacts.fitted` take them.
+            as it is: cast it first to fit in another dtype) and its calibration
+            (:class:`velox_core.artifacts.Calibration`).
     """
-    ids, how = calibration_ids(tokenizer_or_token_ids, text, "fit_spectral", max_tokens)
-    check_int("seq_len", seq_len, minimum=1)
-    check_int("chunk", chunk, minimum=1)
+    cal = Calibration.of(
+        tokenizer_or_token_ids, text, "fit_spectral", max_tokens, seq_len, chunk, source
+    )
     check_int("skip", skip, minimum=0)
     check_int("positions", positions, minimum=0)
     check_int("seed", seed, minimum=0)
@@ -116,7 +115,7 @@ def fit_spectral(
         raise ValueError(f"fit_spectral: skip={skip} leaves nothing of {seq_len}-token sequences")
 
     sums: dict[tuple[int, str], list[Any]] = {}  # (layer, side) -> [n, sum x, sum x x^T]
-    for _, caches in prefilled(model, ids, seq_len, chunk):
+    for _, caches in cal.prefilled(model):
         for i, cache in caches:
             for side, x in zip(SIDES, cache.keys_and_values()):
                 x = x[0, :, skip:].astype(mx.float32)  # (H, T, D)
@@ -151,12 +150,8 @@ def fit_spectral(
             "eigenvalues": mx.array(lam.astype(np.float32)),
         }
     moved_layers = sorted(i for i, spec in ropes.items() if spec is not None)
-    provenance = fitted(
+    provenance = cal.fitted(
         model,
-        how,
-        source,
-        tokens=int(ids.size),
-        seq_len=seq_len,
         skip=skip,
         positions=positions,
         seed=seed,

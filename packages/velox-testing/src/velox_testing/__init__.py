@@ -5,6 +5,7 @@ The CPU kernel emulator (:mod:`velox_testing.emulate`, :mod:`velox_testing.emula
 imported on use, not by this module.
 """
 
+from .artifacts import fitted_artifact, isolated_artifacts, loaded_without_artifact
 from .baselines import attention_errors_vs_mlx_quant, fill_chunks
 from .conformance import CacheConformance
 from .eviction import EvictingConformance, FullBudgetConformance, Routed
@@ -19,14 +20,17 @@ from .kernel_path import (
     needs_nvcc,
 )
 from .kv import (
+    assert_attends_without_decoding,
     assert_partials_close,
     assert_partials_equivalent,
     assert_rows_decode_alone,
     decode_logits,
     feed,
     greedy_agreement,
+    kv_caches_after,
     kv_data,
     kv_like,
+    random_prompt,
     rel_error,
 )
 from .linked import assert_batch_generate_refused, assert_linked_copies
@@ -44,6 +48,7 @@ __all__ = [
     "EvictingConformance",
     "FullBudgetConformance",
     "Routed",
+    "assert_attends_without_decoding",
     "assert_batch_generate_refused",
     "assert_cpu_declines",
     "assert_head_dim_refused",
@@ -62,12 +67,17 @@ __all__ = [
     "emulated_gpu_fixture",
     "feed",
     "fill_chunks",
+    "fitted_artifact",
     "greedy_agreement",
+    "isolated_artifacts",
     "kernel_env",
+    "kv_caches_after",
     "kv_data",
     "kv_like",
+    "loaded_without_artifact",
     "needs_gxx",
     "needs_nvcc",
+    "random_prompt",
     "rel_error",
     "scratch_dir",
     "tiny_model",

@@ -14,14 +14,17 @@ import numpy as np
 from velox_core import make_cache, routed
 
 __all__ = [
+    "assert_attends_without_decoding",
     "assert_partials_close",
     "assert_partials_equivalent",
     "assert_rows_decode_alone",
     "decode_logits",
     "feed",
     "greedy_agreement",
+    "kv_caches_after",
     "kv_data",
     "kv_like",
+    "random_prompt",
     "rel_error",
 ]
 
@@ -163,3 +166,38 @@ def assert_rows_decode_alone(model, spec, prompt: mx.array, tokens=(4, 9)) -> No
             model(prompt[i : i + 1], cache=one)
             row = model(mx.array([[tok]]), cache=one)[:, -1]
             assert rel_error(both[i : i + 1], row) < 1e-3, i
+
+
+def assert_attends_without_decoding(cache, monkeypatch) -> None:
+    """``cache`` (a standalone cache of 2 KV heads of 128 channels) holds ``kv_data(t=300)``
+    and attends one query of 4 heads; with its first tier's codecs' ``decode`` and
+    ``decode_as`` made to fail the test (left so for the rest of it), the same query attends
+    to the same output: attention reads the codes, no stored token is decoded."""
+    import pytest
+
+    k, v = kv_data(t=300)
+    cache.update_and_fetch(k, v)
+    q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(3)).astype(mx.float16)
+    want = cache.attend(q, scale=0.09)
+    for codec in (cache.tiers[0].key_codec, cache.tiers[0].value_codec):
+        monkeypatch.setattr(codec, "decode", lambda *a: pytest.fail("decoded"))
+        monkeypatch.setattr(codec, "decode_as", lambda *a: pytest.fail("decoded"))
+    assert mx.array_equal(cache.attend(q, scale=0.09), want)
+
+
+def random_prompt(tokens: int = 200, seed: int = 5, batch: int = 1) -> mx.array:
+    """``(batch, tokens)`` random token ids below 512 (the tiny models' vocabulary)."""
+    return mx.array(np.random.default_rng(seed).integers(0, 512, (batch, tokens)))
+
+
+def kv_caches_after(model, prompt: mx.array, dtype=mx.float16) -> list:
+    """mlx-lm ``KVCache`` layers of ``model`` after ``prompt``, their keys and values stored
+    in ``dtype``."""
+    from mlx_lm.models.cache import KVCache
+
+    caches = [KVCache() for _ in model.layers]
+    model(prompt, cache=caches)
+    for c in caches:
+        k, v = c.keys_and_values()
+        c.state = (k.astype(dtype), v.astype(dtype), c.offset)
+    return caches
