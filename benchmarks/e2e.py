@@ -66,6 +66,49 @@ from velox_cli.plan_shapes import SHAPES as PLAN_SHAPES
 SHAPES: dict[str, dict[str, Any]] = {
     name: PLAN_SHAPES[name] for name in ("llama3-8b", "qwen2.5-7b", "small")
 }
+# Multi-head latent attention (mlx-lm's deepseek_v3): DeepSeek-V3's attention (128 heads, a
+# 512-channel latent and a 64-channel RoPE key stored per token, one of each per layer) on 8
+# layers with dense MLPs instead of its experts, so that the latent cache is measured at the
+# real layer shape without 671B parameters; "mla-small" is its CPU-sized relative.
+_DEEPSEEK_V3_ATTENTION = {
+    "model_type": "deepseek_v3",
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 163840,
+    "n_routed_experts": None,
+}
+SHAPES["deepseek-v3-8l"] = {
+    **_DEEPSEEK_V3_ATTENTION,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 8,
+    "first_k_dense_replace": 8,
+    "vocab_size": 129280,
+}
+SHAPES["mla-small"] = {
+    **_DEEPSEEK_V3_ATTENTION,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "first_k_dense_replace": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 128,
+    "q_lora_rank": 64,
+    "qk_rope_head_dim": 32,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "vocab_size": 2048,
+}
 WEIGHTS = ("bf16", "4bit", "fp32")
 MLX_QUANTIZED = {"mlx-q4": 4, "mlx-q8": 8}
 

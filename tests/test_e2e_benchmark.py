@@ -81,3 +81,19 @@ def test_bad_arguments_are_refused(e2e):
         e2e.main(["--shape", "small", "--weights", "fp32", "--repeats", "0"])
     with pytest.raises(ValueError, match="weights"):
         e2e.build_model("small", "int3")
+
+
+def test_latent_attention_shape_rows(e2e, tmp_path):
+    """The MLA shape (mlx-lm's deepseek_v3) runs through the same loop: velox's latent cache
+    on every layer, its bytes below the model's own fp16 latent cache."""
+    out = tmp_path / "e2e.json"
+    argv = ["--shape", "mla-small", "--weights", "fp32", "--contexts", "256"]
+    argv += ["--caches", "fp16,uniform:bits=4", "--steps", "3", "--timed-steps", "2"]
+    argv += ["--chunk", "128", "--json", str(out), "--no-warmup"]
+    assert e2e.main(argv) == 0
+    rows = {r["cache"]: r for r in json.loads(out.read_text())["rows"]}
+    assert all("error" not in r for r in rows.values()), rows
+    # 256 + 3 tokens: mlx-lm's cache holds 512 slots (it grows 256 at a time) of the
+    # latent's 128 and the RoPE key's 32 fp16 channels, in each of the 2 layers
+    assert rows["fp16"]["cache_bytes"] == 2 * 512 * (128 + 32) * 2
+    assert rows["uniform:bits=4"]["cache_bytes"] < 0.3 * rows["fp16"]["cache_bytes"]
