@@ -167,7 +167,7 @@ def main() -> None:
         body = rocket.segments()[0]
         kt = pol.pages.refresh(body, mx.float16)
         q = mx.random.normal((1, HEADS, QUERY_HEADS // HEADS, DIM), key=mx.random.key(2))
-        n, k = body.tokens, pol.sparse.top_k(pol.body_budget(rocket))
+        n, k = body.tokens, pol.sparse.top_k(pol.body_budget(rocket.policy_view))
         ch = pol.sparse.channel_count(DIM)
         q4 = q.reshape(1, QUERY_HEADS, 1, DIM).astype(mx.float16)
         fns = {

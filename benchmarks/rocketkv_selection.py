@@ -31,20 +31,20 @@ from velox_rocketkv import RocketKVPolicy, select_tokens
 def probe(stats: dict):
     """A ``decode_segments`` that records the weights the selection keeps, then selects."""
 
-    def decode_segments(self, cache, queries, scale):
-        segs = RocketKVPolicy.decode_segments(self, cache, queries, scale)
+    def decode_segments(self, view, queries, scale):
+        segs = RocketKVPolicy.decode_segments(self, view, queries, scale)
         if segs is None:
             return None
-        body = segs[1 if cache.sink_count() else 0]
-        n = cache.body_sizes()[0]
-        whole = cache.segments()[1 if cache.sink_count() else 0]
+        body = segs[1 if view.sink_count() else 0]
+        n = view.body_sizes()[0]
+        whole = view.segments()[1 if view.sink_count() else 0]
         keys = whole.key_codec.decode(whole.keys).astype(mx.float32)  # (B, H, n, D)
         b, hq, _, d = queries.shape
         h = keys.shape[1]
         q = queries.reshape(b, h, hq // h, d).astype(mx.float32)
         w = mx.mean(mx.softmax((q @ mx.swapaxes(keys, -1, -2)) * scale, axis=-1), axis=2)
         k = body.tokens
-        kt = self.pages.refresh(whole, cache.storage_dtype or queries.dtype)
+        kt = self.pages.refresh(whole, view.dtype or queries.dtype)
         ch = self.sparse.channel_count(d)
         idx = select_tokens(q, kt, n, self.pages.page, ch, k, scale)
         approx = np.array(mx.sum(mx.take_along_axis(w, idx, axis=-1), axis=-1)).ravel()

@@ -171,7 +171,7 @@ def test_snapkv_vote_matches_a_direct_computation():
     with routed():
         feed(c, k, v, 60)
         c.attend(q, 0.125, mask="causal")
-    got = c.policy.score(c)
+    got = c.policy.score(c.policy_view)
     kn, qn = np.array(k.astype(mx.float32))[0], np.array(q.astype(mx.float32))[0]
     qpos = np.arange(114, 120)  # the last 6 queries
     body = np.arange(2, 108)
@@ -366,8 +366,8 @@ class _KeyChannelPolicy(RetentionPolicy):
     def bind(self, model=None, layer=None):
         self.bound.append(layer)
 
-    def score(self, cache):
-        return [None if k is None else mx.sum(k[:, 0], axis=-1) for k in cache.body_keys()]
+    def score(self, view):
+        return [None if k is None else mx.sum(k[:, 0], axis=-1) for k in view.body_keys()]
 
 
 def test_qfilters_base_needs_the_package(monkeypatch):

@@ -98,9 +98,10 @@ def test_a_trim_drops_the_trimmed_scores_and_new_tokens_start_at_zero():
     assert np.allclose(np.array(p._scores[0]), want) and p._seen == 35
     # tokens stored without a query rank above every scored one, the newest first
     with routed():
-        assert np.array_equal(np.array(p.score(c)[0][0, 35:]), want[0].max() + np.array([1, 2]))
+        got = np.array(p.score(c.policy_view)[0][0, 35:])
+        assert np.array_equal(got, want[0].max() + np.array([1, 2]))
     with pytest.raises(ValueError, match="known-test: .*routed"):
-        p.score(c)
+        p.score(c.policy_view)
 
 
 def test_batch_rows_filter_and_extend_and_the_state_round_trips():

@@ -19,8 +19,8 @@ class EvenFirst(RetentionPolicy):
 
     name = "even-first-test"
 
-    def score(self, cache):
-        return [(p % 2 == 0).astype(mx.float32) * 1e6 + p for p in cache.body_positions()]
+    def score(self, view):
+        return [(p % 2 == 0).astype(mx.float32) * 1e6 + p for p in view.body_positions()]
 
 
 def queries(t, hq=4, b=1, seed=1):
@@ -59,9 +59,9 @@ def test_votes_are_the_softmax_over_every_stored_token_at_its_position():
     assert np.diff(np.array(body_pos[0, 0])).max() > 1  # gaps: positions, not slots
     q = queries(6)
     w = QueryWindow(4)
-    w.add(c, q, SCALE)  # the newest 4: positions 56..59
+    w.add(c.policy_view, q, SCALE)  # the newest 4: positions 56..59
     assert w.end == 60 and w.queries.shape == (1, 4, 4, D)
-    got = np.array(w.votes(c, body_pos))
+    got = np.array(w.votes(c.policy_view, body_pos))
     keys, _ = c.keys_and_values()
     n_sink, t = c.sink_count(), body_pos.shape[2]
     n_win = keys.shape[2] - n_sink - t
@@ -77,11 +77,11 @@ def test_votes_are_the_softmax_over_every_stored_token_at_its_position():
     assert got.shape == (1, 2, t)
     np.testing.assert_allclose(got, want[:, :, n_sink : n_sink + t], rtol=1e-4, atol=1e-6)
     # MorphKV's max fusion: the largest head-averaged weight any one query gives
-    got = np.array(w.votes(c, body_pos, fusion="max"))
+    got = np.array(w.votes(c.policy_view, body_pos, fusion="max"))
     want_max = reference_votes(q[:, :, 2:], range(56, 60), keys, k_pos, SCALE, "max")
     np.testing.assert_allclose(got, want_max[:, :, n_sink : n_sink + t], rtol=1e-4, atol=1e-6)
     with pytest.raises(ValueError, match="fusion"):
-        w.votes(c, body_pos, fusion="mean")
+        w.votes(c.policy_view, body_pos, fusion="mean")
 
 
 def test_add_keeps_the_newest_queries_across_calls_and_drops_trimmed_ones():
@@ -89,29 +89,29 @@ def test_add_keeps_the_newest_queries_across_calls_and_drops_trimmed_ones():
     q = queries(60)
     w = QueryWindow(8)
     c.offset = 50
-    w.add(c, q[:, :, 45:50], SCALE)
+    w.add(c.policy_view, q[:, :, 45:50], SCALE)
     c.offset = 53
-    w.add(c, q[:, :, 50:53], SCALE)
+    w.add(c.policy_view, q[:, :, 50:53], SCALE)
     assert w.end == 53 and mx.array_equal(w.queries, q[:, :, 45:53])
     c.offset = 51  # 51, 52 trimmed away, then stored again
-    w.add(c, q[:, :, 49:51], SCALE)
+    w.add(c.policy_view, q[:, :, 49:51], SCALE)
     assert w.end == 51 and mx.array_equal(w.queries, q[:, :, 45:51])
     c.offset = 60  # a gap after the buffer: start over
-    w.add(c, q[:, :, 57:60], SCALE)
+    w.add(c.policy_view, q[:, :, 57:60], SCALE)
     assert mx.array_equal(w.queries, q[:, :, 57:60])
     c.offset = 61  # another head layout: start over
-    w.add(c, queries(1, hq=2), SCALE)
+    w.add(c.policy_view, queries(1, hq=2), SCALE)
     assert w.queries.shape == (1, 2, 1, D)
     c.offset = 58  # every buffered query trimmed: none votes
-    assert w.votes(c, mx.stack(c.body_positions(), axis=1)) is None
+    assert w.votes(c.policy_view, mx.stack(c.body_positions(), axis=1)) is None
 
 
 def test_batch_rows_and_state():
     c, _ = stored()
     q = queries(4, b=2)
     a, b = QueryWindow(4), QueryWindow(4)
-    a.add(c, q, SCALE)
-    b.add(c, q[::-1], SCALE)
+    a.add(c.policy_view, q, SCALE)
+    b.add(c.policy_view, q[::-1], SCALE)
     a.extend_batch(b)
     assert a.queries.shape[0] == 4 and mx.array_equal(a.queries[2:], q[::-1])
     a.filter_batch(mx.array([3]))

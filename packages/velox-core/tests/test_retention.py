@@ -17,10 +17,10 @@ class EveryOther(RetentionPolicy):
 
     name = "every-other-test"
 
-    def score(self, cache):
+    def score(self, view):
         return [
             None if p is None else (p % 2 == 0).astype(mx.float32) * 1e6 + p
-            for p in cache.body_positions()
+            for p in view.body_positions()
         ]
 
 
@@ -30,8 +30,8 @@ class Ragged(RetentionPolicy):
 
     name = "ragged-test"
 
-    def select(self, cache, k):
-        pos = cache.body_positions()
+    def select(self, view, k):
+        pos = view.body_positions()
         return [
             top_k_sorted(pos[0][0].astype(mx.float32), k),
             top_k_sorted(pos[1][0].astype(mx.float32), k // 2),
@@ -243,9 +243,9 @@ class OddTokens(RetentionPolicy):
         super().__init__(budget, every)
         self.calls = 0
 
-    def decode_segments(self, cache, queries, scale):
+    def decode_segments(self, view, queries, scale):
         self.calls += 1
-        segs = cache.segments()
+        segs = view.segments()
         odd = mx.arange(1, segs[1].tokens, 2)  # sinks | body | window: the body's odd tokens
         body = segs[1]
         picked = type(body)(

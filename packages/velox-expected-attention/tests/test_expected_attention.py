@@ -249,7 +249,7 @@ def test_a_prompt_in_one_chunk_keeps_what_kvpress_keeps(r, settings):
     with routed():
         prefill(c, qq, kk, vv, chunk=t)
         # the scores velox ranks the body by are kvpress's (past the sinks' padding)
-        for head, s in enumerate(c.policy.score(c)):
+        for head, s in enumerate(c.policy.score(c.policy_view)):
             assert np.allclose(np.array(s[0]), ref[head, ns:], rtol=2e-3, atol=1e-9), head
         next_token(c)
     assert c.size() == n_kept + 1

@@ -74,7 +74,7 @@ def reference(keys, block, window):
 
 def body_anomalies(cache):
     """Per head: body positions and the policy's raw (a_s, a_e, a_c), as numpy."""
-    parts = cache.policy.anomalies(cache)
+    parts = cache.policy.anomalies(cache.policy_view)
     pos = cache.body_positions()
     return [(np.array(p[0]), *(np.array(a[0]) for a in parts[h])) for h, p in enumerate(pos)]
 

@@ -39,7 +39,7 @@ class QueryRecorder(RetentionPolicy):
         super().__init__()
         self.store, self.layer = store, layer
 
-    def observe(self, cache, queries, scale):
+    def observe(self, view, queries, scale):
         self.store.setdefault(self.layer, []).append(queries[0].astype(mx.float32))
 
 

@@ -223,7 +223,8 @@ def test_body_capacity_is_the_most_tokens_whose_summaries_fit(room, page, weight
 def test_defaults_follow_the_split():
     c = RocketKVCache()
     pol = c.policy
-    assert (pol.sparse.page_size, pol.sparse.channel_count(128), pol.body_budget(c)) == (3, 64, 768)
+    got = (pol.sparse.page_size, pol.sparse.channel_count(128), pol.body_budget(c.policy_view))
+    assert got == (3, 64, 768)
     assert pol.sparse.top_k(768) == 64
     assert METHOD.recommended[0] == {"budget": 1024}
     assert HybridSparse(2.0, channels=0.25).channel_count(128) == 32
@@ -401,7 +402,7 @@ def test_coded_tokens_leave_room_for_summaries_at_their_bytes():
         model(mx.array([[3]]), cache=caches)  # the cut the last chunk owes, then one step
     c = caches[0]
     pol = c.policy
-    assert pol.summary_weight(c) == pytest.approx(3.2)
+    assert pol.summary_weight(c.policy_view) == pytest.approx(3.2)
     assert c.body_sizes()[0] == body_capacity(1024, 3, 3.2) + 1 == 496
     per_token = (c.logical_nbytes - pol.nbytes) / c.size()  # codes and position, every head
     page_bytes = pol.pages.state()["kt"].nbytes / -(-496 // 3)

@@ -91,65 +91,65 @@ class AdaKVPolicy(RetentionPolicy):
         return {**super().config(), **self.vote.config()}
 
     # -- hooks -----------------------------------------------------------------------------
-    def attach(self, cache) -> None:
-        super().attach(cache)
+    def attach(self, view) -> None:
+        super().attach(view)
         if self._inner is not None:
-            self._inner.attach(cache)
+            self._inner.attach(view)
 
     def bind(self, model: Any = None, layer: int | None = None) -> None:
         if self._inner is not None:
             self._inner.bind(model, layer)
 
-    def observe(self, cache, queries: mx.array, scale: float) -> None:
+    def observe(self, view, queries: mx.array, scale: float) -> None:
         if self._inner is not None:
-            self._inner.observe(cache, queries, scale)
+            self._inner.observe(view, queries, scale)
         else:
-            self._window.add(queries, cache.offset, scale)
+            self._window.add(queries, view.offset, scale)
 
-    def after_update(self, cache, start: int) -> None:
+    def after_update(self, view, start: int) -> None:
         if self._inner is not None:
-            self._inner.after_update(cache, start)
+            self._inner.after_update(view, start)
 
-    def before_update(self, cache, incoming: int) -> None:
+    def before_update(self, view, incoming: int) -> None:
         """Evict down to the layer budget when due (after a chunk, or ``every``)."""
         after_chunk = self._chunk_pending
-        sizes = cache.body_sizes()
+        sizes = view.body_sizes()
         if self.budget is not None and sizes:
-            k = max(self.budget - cache.protected(), 0)
+            k = max(self.budget - view.protected_count(), 0)
             over = sum(sizes) - len(sizes) * k
             every = self.every is not None and over >= self.every * len(sizes)
             if self.every is None and over >= self.budget * len(sizes) and not after_chunk:
-                warn_unbounded(self, cache.size())  # twice the budget per head, on average
+                warn_unbounded(self, view.size())  # twice the budget per head, on average
             if over > 0 and (after_chunk or every):
-                self._check_routed(cache)
-                cache.evict(self.select(cache, k))
+                self._check_routed(view)
+                view.evict(self.select(view, k))
         self._chunk_pending = incoming > 1
 
-    def _check_routed(self, cache) -> None:
+    def _check_routed(self, view) -> None:
         why = []
-        if _batch(cache) == 1 and self.alpha < 1.0:
+        if _batch(view) == 1 and self.alpha < 1.0:
             why.append("per-head budgets are read only by velox attention")
         if self.base == "snapkv":
             why.append("the SnapKV scorer sees queries only there")
-        if why and not cache.routed:
+        if why and not view.routed:
             raise ValueError(
                 f"adakv: eviction needs routed attention ({'; '.join(why)}): run the model "
                 "inside velox_core.routed(model) or use velox_core.generate"
             )
 
     # -- choosing --------------------------------------------------------------------------
-    def score(self, cache) -> list[mx.array | None]:
+    def score(self, view) -> list[mx.array | None]:
         """Per KV head, the base scorer's ``(B, T_h)`` score of each body token."""
         if self._inner is not None:
-            return self._inner.score(cache)
-        return self._window.scores(cache)
+            return self._inner.score(view)
+        return self._window.scores(view)
 
-    def select(self, cache, k: int):
+    def select(self, view, k: int):
         """Batch 1: one index array per head (adaptive budgets). Batch > 1, or
         ``alpha == 1``: ``(B, H, k)``, the uniform split."""
-        scores = self.score(cache)
-        b = _batch(cache)
-        if b > 1 or (self.alpha >= 1.0 and not cache.ragged):
+        scores = self.score(view)
+        b = _batch(view)
+        if b > 1 or (self.alpha >= 1.0 and not view.ragged):
             return top_k_sorted(mx.stack(scores, axis=1), k)
         flat = [mx.zeros((0,)) if s is None else s[0] for s in scores]
         return adaptive_keep(flat, k, self.alpha)
@@ -181,8 +181,8 @@ class AdaKVPolicy(RetentionPolicy):
         self._window.join_batch(other._window)
 
 
-def _batch(cache) -> int:
-    for p in cache.body_positions():
+def _batch(view) -> int:
+    for p in view.body_positions():
         if p is not None:
             return int(p.shape[0])
     return 1

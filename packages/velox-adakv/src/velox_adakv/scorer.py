@@ -30,14 +30,14 @@ from velox_core.policy import WindowVote, window_votes
 __all__ = ["ObservationWindow", "protected_keys"]
 
 
-def protected_keys(cache) -> tuple[mx.array | None, mx.array | None]:
+def protected_keys(view) -> tuple[mx.array | None, mx.array | None]:
     """Keys and absolute positions of the sinks and the window together (never evicted, but
-    part of every query's softmax), from the cache's ``protected_keys()``.
+    part of every query's softmax), from the view's ``protected()``.
 
     Shapes:
         returns float32 ``(B, H, P, D)`` and int32 ``(P,)``, or ``(None, None)``.
     """
-    sk, wk, sp, wp = cache.protected_keys()
+    (sk, _, sp), (wk, _, wp) = view.protected()
     parts = [(k, p) for k, p in ((sk, sp), (wk, wp)) if k is not None]
     if not parts:
         return None, None
@@ -77,12 +77,12 @@ class ObservationWindow:
         self.pos = pos[-self.size :]
         self.scale = float(scale)
 
-    def scores(self, cache) -> list[mx.array | None]:
+    def scores(self, view) -> list[mx.array | None]:
         """Per KV head, the pooled vote of the window for each body token: ``(B, T_h)``."""
-        keys, positions = cache.body_keys(), cache.body_positions()
+        keys, positions = view.body_keys(), view.body_positions()
         if self.q is None:
             return [None if p is None else p.astype(mx.float32) for p in positions]
-        pk, pp = protected_keys(cache)
+        pk, pp = protected_keys(view)
         qpos = mx.array(self.pos, dtype=mx.int32)  # (W,)
         r = self.q.shape[1] // len(keys)
         out = []

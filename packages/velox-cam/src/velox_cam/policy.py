@@ -91,9 +91,9 @@ class CamPolicy(AccumulatedPolicy):
         self._key = layer_key(self.seed, None)
         self._draws = 0  # cuts that drew merge masks
 
-    def attach(self, cache) -> None:
-        super().attach(cache)
-        kept = None if self.budget is None else self.budget - cache.sinks - cache.window
+    def attach(self, view) -> None:
+        super().attach(view)
+        kept = None if self.budget is None else self.budget - view.sinks - view.window
         if kept is not None and self.merge > kept:
             raise ValueError(
                 f"merge={self.merge} must be at most budget - sinks - window = {kept} (an "
@@ -121,23 +121,23 @@ class CamPolicy(AccumulatedPolicy):
         return mx.random.uniform(shape=shape, key=keys[1])
 
     # -- choosing ----------------------------------------------------------------------------
-    def score(self, cache) -> list[mx.array | None]:
+    def score(self, view) -> list[mx.array | None]:
         """Per KV head ``(B, T)``: the body tokens' positions (the newest are kept)."""
-        return [None if p is None else p.astype(mx.float32) for p in cache.body_positions()]
+        return [None if p is None else p.astype(mx.float32) for p in view.body_positions()]
 
-    def select(self, cache, k: int):
+    def select(self, view, k: int):
         """Keep the newest ``k`` body tokens; first merge the values of the others into the
         ``merge`` oldest kept ones (:func:`~velox_cam.merge.merged_values`), then drop their
         scores. Returns the kept body indices, shared by every head and row: ``(k,)``."""
-        pos = cache.body_positions()
+        pos = view.body_positions()
         if any(p is None for p in pos):
             return mx.zeros((0,), dtype=mx.int32)
         t = pos[0].shape[1]
         n = t - k
         if n <= 0:
             return mx.arange(t, dtype=mx.int32)
-        self._sync(cache)
-        if cache.offset > self._seen and not cache.routed:
+        self._sync(view)
+        if view.offset > self._seen and not view.routed:
             raise ValueError(
                 f"{self.name}: the attention every query gives each token decides whether an "
                 "evicted value is merged, and only velox attention sees the queries: run the "
@@ -147,12 +147,12 @@ class CamPolicy(AccumulatedPolicy):
             raise ValueError(
                 f"{self.name}: a cut keeping {k} body tokens cannot merge into {self.merge}"
             )
-        n_sink, acc, m = cache.sink_count(), self._scores, self.merge
+        n_sink, acc, m = view.sink_count(), self._scores, self.merge
         body = acc[:, :, n_sink : n_sink + t]
         prob = merge_probabilities(body[:, :, : n + m], n, m)  # (B, H, n)
         mask = self.uniform((1, *prob.shape[1:])) < prob
-        values = mx.concatenate(cache.body_values(), axis=1)[:, :, : n + m]
-        cache.set_body_values(n, merged_values(values, mask, m))
+        values = mx.concatenate(view.body_values(), axis=1)[:, :, : n + m]
+        view.set_body_values(n, merged_values(values, mask, m))
         rest = [acc[:, :, :n_sink], body[:, :, n:], acc[:, :, n_sink + t :]]
         self._scores = mx.concatenate(rest, axis=2)
         return mx.arange(n, t, dtype=mx.int32)

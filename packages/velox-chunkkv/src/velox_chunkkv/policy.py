@@ -86,11 +86,11 @@ class ChunkKVPolicy(WindowVotePolicy):
         # the leader's last cut, for its followers: (offset, kept positions (B, n), pending)
         self._record: list | None = None
 
-    def attach(self, cache) -> None:
-        super().attach(cache)
+    def attach(self, view) -> None:
+        super().attach(view)
         if self.budget is not None:
             check_room(
-                self.budget, cache.sinks + max(cache.window, self.vote.observe), self.chunk_length
+                self.budget, view.sinks + max(view.window, self.vote.observe), self.chunk_length
             )
 
     # -- layer-wise index reuse ---------------------------------------------------------------
@@ -102,23 +102,23 @@ class ChunkKVPolicy(WindowVotePolicy):
         if leader is not None:
             leader.followers += 1
 
-    def _take_record(self, cache, k: int) -> mx.array | None:
+    def _take_record(self, view, k: int) -> mx.array | None:
         """The leader's kept positions as indices into this cache's body, or None when they do
         not apply (no leader, no record at this offset, other rows, positions not all here)."""
         lead = self.leader
         rec = None if lead is None else lead._record
-        if rec is None or rec[0] != cache.offset:
+        if rec is None or rec[0] != view.offset:
             return None
         rec[2] -= 1
         if rec[2] <= 0:
             lead._record = None  # every follower has used it
         kept = rec[1]
-        pos = cache.body_positions()
+        pos = view.body_positions()
         if any(p is None for p in pos) or kept.shape[0] != pos[0].shape[0] or kept.shape[1] > k:
             return None
         body = pos[0]  # every head holds the same positions (the same chunks are kept)
         b, t = body.shape
-        mark = mx.zeros((b, cache.offset), dtype=mx.bool_)
+        mark = mx.zeros((b, view.offset), dtype=mx.bool_)
         mark = mx.put_along_axis(mark, kept, mx.array(True), axis=1)
         member = mx.take_along_axis(mark, body, axis=1)
         if not mx.all(mx.sum(member, axis=1) == kept.shape[1]).item():
@@ -127,35 +127,35 @@ class ChunkKVPolicy(WindowVotePolicy):
         return mx.argsort(mx.where(member, idx, idx + t), axis=1)[:, : kept.shape[1]]
 
     # -- choosing ---------------------------------------------------------------------------
-    def select(self, cache, k: int):
+    def select(self, view, k: int):
         """Indices of the body tokens to keep, ``(B, H, n)`` with ``n <= k``: the leader's
         kept positions where they apply, else the observation window and the best chunks."""
-        pos = cache.body_positions()
+        pos = view.body_positions()
         heads = len(pos)
         if any(p is None for p in pos):
-            return mx.zeros((cache.stored.dims[0], heads, 0), dtype=mx.int32)
-        keep = self._take_record(cache, k)
+            return mx.zeros((view.batch, heads, 0), dtype=mx.int32)
+        keep = self._take_record(view, k)
         if keep is not None:
             self.reused += 1
         else:
-            scores = mx.stack(self.score(cache), axis=1)  # (B, H, T), +inf in the window
+            scores = mx.stack(self.score(view), axis=1)  # (B, H, T), +inf in the window
             body = pos[0]
-            always = body >= cache.offset - self.vote.observe
+            always = body >= view.offset - self.vote.observe
             summed = mx.sum(mx.where(always[:, None], 0.0, scores), axis=1)
             keep = select_chunks(summed, body, always, self.chunk_length, k)
             self.selected += 1
         if self.followers > 0:
             kept = mx.take_along_axis(pos[0], keep, axis=1)
-            self._record = [cache.offset, kept, self.followers]
+            self._record = [view.offset, kept, self.followers]
         if self.every is None:
             self.window.clear()  # no decode cuts: these queries will not vote again
         b, n = keep.shape
         return mx.broadcast_to(keep[:, None, :], (b, heads, n))
 
-    def before_update(self, cache, incoming: int) -> None:
+    def before_update(self, view, incoming: int) -> None:
         """SnapKV's cadence; a leader's record of an earlier update is dropped first."""
         self._record = None
-        super().before_update(cache, incoming)
+        super().before_update(view, incoming)
 
     # -- batch rows (called by VeloxCache.filter / extend) ----------------------------------
     def filter_batch(self, idx: mx.array) -> None:

@@ -41,20 +41,16 @@ from .leverage import gaussian_sketch, leverage_scores
 __all__ = ["CurDKVPolicy", "body_values"]
 
 
-def body_values(cache) -> list[mx.array | None]:
+def body_values(view) -> list[mx.array | None]:
     """Decoded body values, float32, one ``(B, 1, T_h, Dv)`` array per KV head:
-    ``VeloxCache.body_values``."""
-    return cache.body_values()
+    ``PolicyView.body_values``."""
+    return view.body_values()
 
 
-def _protected(cache):
+def _protected(view):
     """Keys, values ``(B, H, n, D)`` (None when empty) and positions ``(n,)`` of the sinks
-    and of the window, as stored."""
-    sk, wk, sp, wp = cache.protected_keys()
-    sv, wv = cache.stored.sink[1].view(), cache.stored.window[1].view()
-    sv = None if sv is None else sv.data["x"]
-    wv = None if wv is None else wv.data["x"]
-    return (sk, sv, sp), (wk, wv, wp)
+    and of the window, as stored: ``PolicyView.protected``."""
+    return view.protected()
 
 
 class CurDKVPolicy(RetentionPolicy):
@@ -98,11 +94,11 @@ class CurDKVPolicy(RetentionPolicy):
             self._g[dim] = gaussian_sketch(dim, self.sketch, self.seed)
         return self._g[dim]
 
-    def score(self, cache) -> list[mx.array | None]:
+    def score(self, view) -> list[mx.array | None]:
         """Per KV head ``(B, T_h)`` float32: the body tokens' leverage scores."""
-        keys, values, positions = cache.body_keys(), body_values(cache), cache.body_positions()
-        (sk, sv, sp), (wk, wv, wp) = _protected(cache)
-        windows = cache.offset // self.local + 1 if self.local else 1
+        keys, values, positions = view.body_keys(), body_values(view), view.body_positions()
+        (sk, sv, sp), (wk, wv, wp) = _protected(view)
+        windows = view.offset // self.local + 1 if self.local else 1
         out = []
         for h, (k, v, p) in enumerate(zip(keys, values, positions)):
             if k is None:

@@ -18,7 +18,7 @@ pre-RoPE at their absolute positions with the layer's RoPE (read from the model 
 or from ``rope_base`` for a cache made by hand) and folds them into running moments
 (:class:`~velox_expected_attention.stats.QueryStats`). velox-core's ``before_update`` cuts the
 cache after each prefill chunk (and, with ``every``, during decode); the cut averages the RoPE
-over the ``n_future_positions`` positions after the newest token (``cache.offset``: kvpress's
+over the ``n_future_positions`` positions after the newest token (``view.offset``: kvpress's
 ``q_len`` for a prompt) and scores the body.
 
 Deviations from kvpress (also in docs/expected-attention.md):
@@ -111,10 +111,10 @@ def expected_attention_scores(
     return (p + epsilon) * mx.sqrt(mx.sum(v * v, axis=-1))
 
 
-def body_values(cache) -> list[mx.array | None]:
+def body_values(view) -> list[mx.array | None]:
     """Decoded body values, float32, one ``(B, 1, T_h, Dv)`` array per KV head:
-    ``VeloxCache.body_values``."""
-    return cache.body_values()
+    ``PolicyView.body_values``."""
+    return view.body_values()
 
 
 def _is_identity(module: Any) -> bool:
@@ -227,7 +227,7 @@ class ExpectedAttentionPolicy(RetentionPolicy):
         return self._rope_known, self._rope
 
     # -- the queries ------------------------------------------------------------------------
-    def observe(self, cache, queries: mx.array, scale: float) -> None:
+    def observe(self, view, queries: mx.array, scale: float) -> None:
         """Fold this call's queries (at positions ``offset - L ... offset - 1``, those below
         ``sinks`` left out) into the statistics, turned back to pre-RoPE.
 
@@ -239,8 +239,8 @@ class ExpectedAttentionPolicy(RetentionPolicy):
         if self.every is None and n == 1:
             self.stats.clear()
             return
-        start = cache.offset - n
-        skip = min(max(cache.sinks - start, 0), n)
+        start = view.offset - n
+        skip = min(max(view.sinks - start, 0), n)
         if skip == n:
             return
         known, spec = self.rope_for(queries.shape[-1])
@@ -253,10 +253,10 @@ class ExpectedAttentionPolicy(RetentionPolicy):
         self.stats.add(q)
 
     # -- choosing ---------------------------------------------------------------------------
-    def score(self, cache) -> list[mx.array | None]:
+    def score(self, view) -> list[mx.array | None]:
         """Per KV head ``(B, T_h)`` float32: kvpress's expected-attention score of each body
         token (rows without statistics: the most recent first)."""
-        pos = cache.body_positions()
+        pos = view.body_positions()
         if any(p is None for p in pos):
             return pos
         recent = [p.astype(mx.float32) for p in pos]
@@ -267,20 +267,20 @@ class ExpectedAttentionPolicy(RetentionPolicy):
                     "not know the model's RoPE: build the caches with "
                     f"velox_core.make_cache(model, ...), {_HINT}"
                 )
-            if not cache.routed:
+            if not view.routed:
                 raise ValueError(
                     f"{NAME}: the queries' statistics choose the tokens to keep, and only velox "
                     "attention sees them: run the model inside velox_core.routed(model) "
                     "(velox_core.generate does)"
                 )
             return recent  # routed, but no query has reached the cache yet
-        d = cache.key_dim
+        d = view.key_dim
         _, spec = self.rope_for(d)
         mean, cov = self.stats.moments()
-        rot = average_rotation(spec, d, cache.offset, self.n_future_positions)
+        rot = average_rotation(spec, d, view.offset, self.n_future_positions)
         mean = mean @ rot.T
         cov = None if cov is None else rot @ cov @ rot.T
-        keys, values = cache.body_keys(), body_values(cache)
+        keys, values = view.body_keys(), body_values(view)
         hq, h = mean.shape[1], len(keys)
         if hq % h:
             raise ValueError(f"{NAME}: {hq} query heads is not a multiple of {h} KV heads")

@@ -54,6 +54,6 @@ class KNormPolicy(RetentionPolicy):
 
     name = "knorm"
 
-    def score(self, cache) -> list[mx.array | None]:
+    def score(self, view) -> list[mx.array | None]:
         """Per KV head ``(B, T_h)`` float32: ``-||k||`` of each body key."""
-        return [None if k is None else key_norm_scores(k[:, 0]) for k in cache.body_keys()]
+        return [None if k is None else key_norm_scores(k[:, 0]) for k in view.body_keys()]

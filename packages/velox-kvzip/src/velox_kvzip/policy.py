@@ -96,16 +96,16 @@ class KVzipPolicy(RetentionPolicy):
         return kept_tokens(self._given, context)
 
     # -- the cache's hooks ---------------------------------------------------------------------
-    def before_update(self, cache, incoming: int) -> None:
+    def before_update(self, view, incoming: int) -> None:
         """Never cuts: KVzip cuts in :func:`velox_kvzip.compress`. A decode step over an
         uncompressed cache past its budget warns, once per process."""
         self._chunk_pending = False
         if self.compressed or self._job is not None or incoming != 1 or _WARNED:
             return
-        if cache.size() > self.kept(cache.offset):
+        if view.size() > self.kept(view.offset):
             _WARNED.add("decode")
             warnings.warn(
-                f"kvzip: decoding over {cache.size()} uncompressed tokens (budget "
+                f"kvzip: decoding over {view.size()} uncompressed tokens (budget "
                 f"{self._given}): KVzip cuts only in velox_kvzip.compress(model, caches, "
                 "tokens, tokenizer), run after the prefill (velox eval, velox generate and "
                 "velox bench run it)",
@@ -113,12 +113,12 @@ class KVzipPolicy(RetentionPolicy):
                 stacklevel=4,
             )
 
-    def observe(self, cache, queries: mx.array, scale: float) -> None:
+    def observe(self, view, queries: mx.array, scale: float) -> None:
         """During a reconstruction chunk (:meth:`begin`), score its context pairs (the max
         over this call's queries and the earlier pieces')."""
         if self._job is None:
             return
-        keys, _ = cache.keys_and_values()  # nothing is evicted yet: index = position
+        keys, _ = view.keys_and_values()  # nothing is evicted yet: index = position
         got = chunk_scores(queries, keys, scale, *self._job)
         self._part = got if self._part is None else mx.maximum(self._part, got)
 

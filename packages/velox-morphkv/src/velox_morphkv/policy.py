@@ -93,9 +93,9 @@ class MorphKVPolicy(RetentionPolicy):
     def config(self) -> dict[str, Any]:
         return {**super().config(), "observe": self.window.size, "fusion": self.fusion}
 
-    def attach(self, cache) -> None:
-        super().attach(cache)
-        always = cache.sinks + max(cache.window, self.window.size)
+    def attach(self, view) -> None:
+        super().attach(view)
+        always = view.sinks + max(view.window, self.window.size)
         if self.budget is not None and self.budget <= always:
             raise ValueError(
                 f"budget={self.budget} must exceed sinks + max(window, observe) = {always} "
@@ -111,21 +111,21 @@ class MorphKVPolicy(RetentionPolicy):
     def _q_end(self) -> int:
         return self.window.end
 
-    def observe(self, cache, queries: mx.array, scale: float) -> None:
+    def observe(self, view, queries: mx.array, scale: float) -> None:
         """Buffer the newest ``observe`` queries of this call (:meth:`QueryWindow.add`)."""
         if self.budget is not None:
-            self.window.add(cache, queries, scale)
+            self.window.add(view, queries, scale)
 
     # -- choosing ---------------------------------------------------------------------------
-    def score(self, cache) -> list[mx.array | None]:
+    def score(self, view) -> list[mx.array | None]:
         """Per KV head ``(B, T)`` float32: the window's fused weight on each older body token;
         ``+inf`` for the newest ``observe`` tokens and for tokens no buffered query has seen."""
-        pos = cache.body_positions()
+        pos = view.body_positions()
         if any(p is None for p in pos):
             return pos
         body_pos = mx.stack(pos, axis=1)  # (B, H, T)
-        votes = self.window.votes(cache, body_pos, self.fusion)
-        if votes is None and not cache.routed:
+        votes = self.window.votes(view, body_pos, self.fusion)
+        if votes is None and not view.routed:
             raise ValueError(
                 "morphkv: the recent window's queries choose the older tokens to keep, and "
                 "only velox attention sees them: run the model inside "
@@ -135,7 +135,7 @@ class MorphKVPolicy(RetentionPolicy):
             s = body_pos.astype(mx.float32)
         else:
             s = mx.where(body_pos >= self.window.end, mx.inf, votes)
-        s = mx.where(body_pos >= cache.offset - self.window.size, mx.inf, s)
+        s = mx.where(body_pos >= view.offset - self.window.size, mx.inf, s)
         return [s[:, h] for h in range(s.shape[1])]
 
     # -- batch rows (called by VeloxCache.filter / extend) ----------------------------------

@@ -115,29 +115,29 @@ class NestedKVPolicy(RetentionPolicy):
         self._sizes: list[int] = []
 
     # -- hooks ---------------------------------------------------------------------------------
-    def before_update(self, cache, incoming: int) -> None:
+    def before_update(self, view, incoming: int) -> None:
         after_chunk, self._chunk_pending = self._chunk_pending, incoming > 1
-        if cache.offset < self._seen:
-            self._rewind(cache)
+        if view.offset < self._seen:
+            self._rewind(view)
         if self.budget is None:
             return
-        sizes = cache.body_sizes()
-        held = cache.protected() + (sum(sizes) / len(sizes) if sizes else 0)
+        sizes = view.body_sizes()
+        held = view.protected_count() + (sum(sizes) / len(sizes) if sizes else 0)
         over = held - self.budget
         if self.every is None and over >= self.budget and not after_chunk:
-            warn_unbounded(self, cache.size())  # decode tokens accumulate: say so, once
+            warn_unbounded(self, view.size())  # decode tokens accumulate: say so, once
         if over <= 0 or not (after_chunk or (self.every is not None and over >= self.every)):
             return
-        keep = self.select(cache, max(self.budget - cache.protected(), 0))
-        cache.evict(keep)
+        keep = self.select(view, max(self.budget - view.protected_count(), 0))
+        view.evict(keep)
         self._gather(keep)
 
     # -- scoring -------------------------------------------------------------------------------
-    def anomalies(self, cache) -> list[tuple[mx.array, mx.array, mx.array] | None]:
+    def anomalies(self, view) -> list[tuple[mx.array, mx.array, mx.array] | None]:
         """Per KV head, the raw anomalies ``(a_s, a_e, a_c)`` of the body tokens, each
         ``(B, T_h)`` float32 (after absorbing the tokens stored since the last eviction)."""
-        st = read(cache)
-        self._absorb(cache, st)
+        st = read(view)
+        self._absorb(view, st)
         self._sizes = st.body
         out = []
         for h, (keys, t) in enumerate(zip(st.seqs, st.body)):
@@ -149,9 +149,9 @@ class NestedKVPolicy(RetentionPolicy):
             out.append((a_s, ae, ac))
         return out
 
-    def score(self, cache) -> list[mx.array | None]:
+    def score(self, view) -> list[mx.array | None]:
         """Per KV head, ``a*`` of each body token ``(B, T_h)`` (higher is kept first)."""
-        parts = self.anomalies(cache)
+        parts = self.anomalies(view)
         knobs = {"beta": self.beta, "tau": self.tau, "kappa": self.kappa, "prior": self.prior}
         if all(p is not None for p in parts) and len({p[0].shape[1] for p in parts}) == 1:
             stacked = [mx.stack([p[i] for p in parts], axis=1) for i in range(3)]
@@ -159,29 +159,29 @@ class NestedKVPolicy(RetentionPolicy):
             return [star[:, h] for h in range(len(parts))]
         return [None if p is None else nested_score(*p, **knobs).star for p in parts]
 
-    def select(self, cache, k: int):
+    def select(self, view, k: int):
         """Body tokens to keep: a list of per-head indices (adaptive, batch 1) or ``(B, H, k)``."""
-        stars = self.score(cache)
+        stars = self.score(view)
         if self.heads == "adaptive" and self._batch == 1 and len(stars) > 1:
             empty = mx.zeros((0,), dtype=mx.float32)
             return head_budgets(
                 [empty if s is None else s for s in stars], k * len(stars), self.safeguard
             )
-        if cache.ragged:
+        if view.ragged:
             return [mx.zeros((0,), mx.int32) if s is None else top_k_sorted(s[0], k) for s in stars]
         if any(s is None for s in stars):
             return mx.zeros((self._batch, len(stars), 0), dtype=mx.int32)
         return top_k_sorted(mx.stack(stars, axis=1), k)
 
     # -- statistics ------------------------------------------------------------------------------
-    def _absorb(self, cache, st) -> None:
+    def _absorb(self, view, st) -> None:
         """Add every token stored since the last call to the running statistics."""
-        if cache.offset <= self._seen:
+        if view.offset <= self._seen:
             return
         sink, seqs = st.sink, st.seqs
         n_sink = 0 if sink is None else max(sink.shape[2] - self._seen, 0)
         if self._block is None:
-            self._block = block_size(cache.offset)
+            self._block = block_size(view.offset)
         if not self._ac:
             first = next(x for x in (sink, *seqs) if x is not None)
             self._batch = first.shape[0]
@@ -192,7 +192,7 @@ class NestedKVPolicy(RetentionPolicy):
             raise RuntimeError("nestedkv: the policy's statistics are out of step with the cache")
         n = n_sink + fresh_n.pop()  # the new tokens: newest stored non-sinks, after new sinks
         if n == 0:
-            self._seen = cache.offset
+            self._seen = view.offset
             return
         new = []
         for h, s in enumerate(seqs):
@@ -220,7 +220,7 @@ class NestedKVPolicy(RetentionPolicy):
                 [self._ac[h], r.a_c[:, h, n_sink:].astype(mx.float16)], axis=1
             )
         self._stable, self._open, self._recent = r.stable, r.open, r.recent
-        self._seen = cache.offset
+        self._seen = view.offset
 
     def _gather(self, keep) -> None:
         """Keep the statistics of the kept body tokens (the window's follow unchanged)."""
@@ -232,14 +232,14 @@ class NestedKVPolicy(RetentionPolicy):
             self._ac[h] = mx.concatenate([pick(self._ac[h][:, :t]), self._ac[h][:, t:]], axis=1)
             self._ae[h] = mx.concatenate([pick(self._ae[h][:, :t]), self._ae[h][:, t:]], axis=1)
 
-    def _rewind(self, cache) -> None:
+    def _rewind(self, view) -> None:
         """After a trim into absorbed tokens: drop their per-token statistics (the running
         sums keep their keys; see docs/nestedkv.md)."""
-        win = segment(cache, "win")
+        win = segment(view, "win")
         w = 0 if win is None else win.shape[2]
-        for h, t in enumerate(cache.body_sizes()):
+        for h, t in enumerate(view.body_sizes()):
             self._ac[h], self._ae[h] = self._ac[h][:, : t + w], self._ae[h][:, : t + w]
-        self._seen = cache.offset
+        self._seen = view.offset
 
     # -- state ---------------------------------------------------------------------------------
     def state(self) -> dict[str, mx.array]:

@@ -32,23 +32,23 @@ class Stored(NamedTuple):
     window: int
 
 
-def segment(cache, which: str) -> mx.array | None:
+def segment(view, which: str) -> mx.array | None:
     """Keys of the cache's ``"sink"`` or ``"win"`` segment ``(B, H, n, D)``, or None.
 
-    From the cache's ``protected_keys()`` (the body comes from ``body_keys`` and
+    From the view's ``protected()`` (the body comes from ``body_keys`` and
     ``body_positions``).
     """
-    sink, win, _, _ = cache.protected_keys()
+    sink, win = (part.keys for part in view.protected())
     return sink if which == "sink" else win
 
 
-def read(cache) -> Stored:
+def read(view) -> Stored:
     """Every stored key of ``cache`` (lazy: nothing is decoded unless used)."""
-    sink, win = segment(cache, "sink"), segment(cache, "win")
+    sink, win = segment(view, "sink"), segment(view, "win")
     w = 0 if win is None else win.shape[2]
-    win_pos = mx.arange(cache.offset - w, cache.offset, dtype=mx.int32)
+    win_pos = mx.arange(view.offset - w, view.offset, dtype=mx.int32)
     seqs, poss = [], []
-    for h, (k, p) in enumerate(zip(cache.body_keys(), cache.body_positions())):
+    for h, (k, p) in enumerate(zip(view.body_keys(), view.body_positions())):
         keys = [] if k is None else [k[:, 0].astype(mx.float32)]
         pos = [] if p is None else [p]
         if win is not None:
@@ -56,4 +56,4 @@ def read(cache) -> Stored:
             pos.append(mx.broadcast_to(win_pos, (win.shape[0], w)))
         seqs.append(mx.concatenate(keys, axis=1) if keys else None)
         poss.append(mx.concatenate(pos, axis=1) if pos else None)
-    return Stored(sink, seqs, poss, cache.body_sizes(), w)
+    return Stored(sink, seqs, poss, view.body_sizes(), w)

@@ -68,9 +68,9 @@ class _QueryRecorder(RetentionPolicy):
         super().__init__()
         self.store, self.layer = store, layer
 
-    def observe(self, cache, queries: mx.array, scale: float) -> None:
-        gram = gram_by_head(queries, cache.kv_heads)
-        rows = queries.shape[0] * (queries.shape[1] // cache.kv_heads) * queries.shape[2]
+    def observe(self, view, queries: mx.array, scale: float) -> None:
+        gram = gram_by_head(queries, view.kv_heads)
+        rows = queries.shape[0] * (queries.shape[1] // view.kv_heads) * queries.shape[2]
         old = self.store.get(self.layer)
         self.store[self.layer] = (gram, rows) if old is None else (old[0] + gram, old[1] + rows)
 

@@ -14,7 +14,7 @@ How it runs in velox: exactly as velox-snapkv's policy (both are velox-core's
 uniform one. :meth:`PyramidKVPolicy.observe` keeps the newest ``observe`` post-RoPE
 queries (through ``VeloxCache.attend``: routed attention only); ``before_update`` cuts the
 layer to its budget after each prefill chunk (and, with ``every``, during decode), the
-budget computed from ``cache.offset`` (the prompt seen so far, the same in every layer).
+budget computed from ``view.offset`` (the prompt seen so far, the same in every layer).
 
 The layer's place in the pyramid (``layer``, ``n_layers``) comes from ``make_cache``:
 ``bind(model, i)`` places it among the model's layers, and ``PyramidKVCache.link_layers``
@@ -80,14 +80,14 @@ class PyramidKVPolicy(WindowVotePolicy):
         self.always = observe  # sinks + max(window, observe), set at attach
         self._memo: tuple[Any, int] | None = None
 
-    def attach(self, cache) -> None:
-        self.always = cache.sinks + max(cache.window, self.vote.observe)
+    def attach(self, view) -> None:
+        self.always = view.sinks + max(view.window, self.vote.observe)
         if self.budget is not None and self.budget <= self.always:
             raise ValueError(
                 f"budget={self.budget} must exceed sinks + max(window, observe) = "
                 f"{self.always} (every layer keeps those tokens; the pyramid shares out the rest)"
             )
-        super().attach(cache)  # the same condition, checked by parts (none can fail here)
+        super().attach(view)  # the same condition, checked by parts (none can fail here)
 
     # -- the place in the pyramid -----------------------------------------------------------
     def place(self, layer: int, n_layers: int) -> None:
@@ -128,21 +128,21 @@ class PyramidKVPolicy(WindowVotePolicy):
         return self._memo[1]
 
     # -- when to cut ------------------------------------------------------------------------
-    def before_update(self, cache, incoming: int) -> None:
+    def before_update(self, view, incoming: int) -> None:
         """Cut to the layer's budget after a prefill chunk, or with ``every`` during decode."""
         after_chunk, self._chunk_pending = self._chunk_pending, incoming > 1
         if self.budget is None:
             return
-        size = cache.size()
+        size = view.size()
         if not (after_chunk or self.every is not None):
             if not _WARNED[0] and size >= 2 * self.budget and self.layer is not None:
-                _warn_unbounded(self, size, self.layer_budget(cache.offset))
+                _warn_unbounded(self, size, self.layer_budget(view.offset))
             return
-        target = self.layer_budget(cache.offset)
+        target = self.layer_budget(view.offset)
         over = size - target
         if over <= 0 or not (after_chunk or over >= self.every):
             return
-        cache.evict(self.select(cache, max(target - cache.protected(), 0)))
+        view.evict(self.select(view, max(target - view.protected_count(), 0)))
 
 
 def _warn_unbounded(policy: PyramidKVPolicy, size: int, target: int) -> None:

@@ -62,14 +62,14 @@ class _Recorder(RetentionPolicy):
         super().__init__()
         self.store, self.layer, self.want = store, layer, want
 
-    def observe(self, cache, queries: mx.array, scale: float) -> None:
+    def observe(self, view, queries: mx.array, scale: float) -> None:
         n = queries.shape[2]
-        start = cache.offset - n
+        start = view.offset - n
         pos = self.want["pos"]
         sel = pos[(pos >= start) & (pos < start + n)] - start
         if sel.size:
             picked = queries[0][:, mx.array(sel)].astype(mx.float32)  # (Hq, s, D)
-            self.store.setdefault(self.layer, {"q": [], "kv": cache.kv_heads})["q"].append(picked)
+            self.store.setdefault(self.layer, {"q": [], "kv": view.kv_heads})["q"].append(picked)
 
 
 def fit_filters(

@@ -89,9 +89,9 @@ class QFiltersPolicy(RetentionPolicy):
             self._f = load_cached(self._path).layer(self.layer)
         return self._f
 
-    def _filters(self, cache) -> mx.array:
+    def _filters(self, view) -> mx.array:
         self._read()
-        h, d = cache.kv_heads, cache.key_dim
+        h, d = view.kv_heads, view.key_dim
         if tuple(self._f.shape) != (h, d):
             raise ValueError(
                 f"qfilters: the filters of layer {self.layer} are {tuple(self._f.shape)} but the "
@@ -99,9 +99,9 @@ class QFiltersPolicy(RetentionPolicy):
             )
         return self._f
 
-    def before_update(self, cache, incoming: int) -> None:
-        self._filters(cache)  # read once the cache holds tokens: part of its state from then on
-        super().before_update(cache, incoming)
+    def before_update(self, view, incoming: int) -> None:
+        self._filters(view)  # read once the cache holds tokens: part of its state from then on
+        super().before_update(view, incoming)
 
     def defer(self) -> None:
         # a prompt's chunk stored with its cut deferred (prefill="prompt"): the cache holds
@@ -109,10 +109,10 @@ class QFiltersPolicy(RetentionPolicy):
         self._read()
         super().defer()
 
-    def score(self, cache) -> list[mx.array | None]:
+    def score(self, view) -> list[mx.array | None]:
         """Per KV head ``h``, ``<f_h, k>`` of each body key: ``(B, T_h)`` float32."""
-        f = self._filters(cache)
-        return [None if k is None else k[:, 0] @ f[h] for h, k in enumerate(cache.body_keys())]
+        f = self._filters(view)
+        return [None if k is None else k[:, 0] @ f[h] for h, k in enumerate(view.body_keys())]
 
     # -- state -------------------------------------------------------------------------------
     def state(self) -> dict[str, mx.array]:

@@ -87,85 +87,80 @@ class RocketKVPolicy(WindowVotePolicy):
         self._weight: tuple | None = None  # ((widths, dtype), summary_weight)
 
     # -- the budget ------------------------------------------------------------------------
-    def body_budget(self, cache) -> int:
+    def body_budget(self, view) -> int:
         """Body tokens a cut keeps: those that fit beside their page summaries in the budget
         less the sinks and window, a summary counted at its bytes over a kept token's
         (:func:`~velox_rocketkv.pages.summary_weight`; 1 until the cache's widths are known)."""
-        room = self.budget - cache.sinks - cache.window
+        room = self.budget - view.sinks - view.window
         if self.sparse is None:
             return room
-        return body_capacity(room, self.sparse.page_size, self.summary_weight(cache))
+        return body_capacity(room, self.sparse.page_size, self.summary_weight(view))
 
-    def summary_weight(self, cache) -> float:
+    def summary_weight(self, view) -> float:
         """A page summary's bytes over one kept token's in ``cache`` (measured once per
         widths and dtype)."""
-        stored = getattr(cache, "stored", None)  # None while attaching
-        dims = None if stored is None else stored.dims  # None before any token
-        if dims is None:
+        dk, dv = view.key_dim, view.value_dim  # None before any token
+        if dk is None:
             return 1.0
-        _, _, dk, dv = dims
-        key = (dk, dv, cache.stored.dtype)
+        key = (dk, dv, view.dtype)
         if self._weight is None or self._weight[0] != key:
-            t = cache.tiers[0]
-            self._weight = (
-                key,
-                summary_weight(t.key_codec, t.value_codec, dk, dv, cache.stored.dtype),
-            )
+            kc, vc = view.codecs
+            self._weight = (key, summary_weight(kc, vc, dk, dv, view.dtype))
         return self._weight[1]
 
-    def attach(self, cache) -> None:
-        super().attach(cache)
+    def attach(self, view) -> None:
+        super().attach(view)
         if self.budget is None:
             return
-        body = self.body_budget(cache)
-        need = max(0, self.vote.observe - cache.window)
+        body = self.body_budget(view)
+        need = max(0, self.vote.observe - view.window)
         if body <= need:
             page = None if self.sparse is None else self.sparse.page_size
             raise ValueError(
                 f"budget={self.budget} leaves {body} body tokens beside their page summaries "
                 f"(page={page}: one summary per {page} tokens counts as a token) after "
-                f"sinks={cache.sinks} and window={cache.window}; they must exceed the "
+                f"sinks={view.sinks} and window={view.window}; they must exceed the "
                 f"{need} observation-window tokens kept there (observe={self.vote.observe}) "
                 "so that at least one voted token fits: raise budget"
             )
 
-    def before_update(self, cache, incoming: int) -> None:
+    def before_update(self, view, incoming: int) -> None:
         """Cut to the sinks, window and :meth:`body_budget` when due (velox-core's cadence,
         :meth:`RetentionPolicy.before_update <velox_core.RetentionPolicy.before_update>`,
         with the body's share of the budget in place of the budget)."""
         after_chunk, self._chunk_pending = self._chunk_pending, incoming > 1
         if self.budget is None:
             return
-        kept = cache.sinks + cache.window + self.body_budget(cache)
-        over = cache.size() - kept
+        kept = view.sinks + view.window + self.body_budget(view)
+        over = view.size() - kept
         if self.every is None and over >= kept and not after_chunk:
-            warn_unbounded(self, cache.size())
+            warn_unbounded(self, view.size())
         if over <= 0 or not (after_chunk or (self.every is not None and over >= self.every)):
             return
-        cache.evict(self.select(cache, max(kept - cache.protected(), 0)))
+        view.evict(self.select(view, max(kept - view.protected_count(), 0)))
 
-    def select(self, cache, k: int):
+    def select(self, view, k: int):
         """SnapKV++'s kept body tokens; the page summaries are made again at the next step."""
         if self.pages is not None:
             self.pages.invalidate()
-        return super().select(cache, k)
+        return super().select(view, k)
 
     # -- stage 2 ------------------------------------------------------------------------------
-    def decode_segments(self, cache, queries: mx.array, scale: float) -> list | None:
+    def decode_segments(self, view, queries: mx.array, scale: float) -> list | None:
         """The sinks, the ``topk`` body tokens per KV head the approximate scores pick, and the
         window; None (every token) where the body holds no more than ``topk`` tokens."""
-        if self.sparse is None or cache.ragged or cache.kv_heads is None:
+        if self.sparse is None or view.ragged or view.kv_heads is None:
             return None
-        n_body = cache.body_sizes()[0]
-        k = self.sparse.top_k(self.body_budget(cache) if self.budget is not None else n_body)
+        n_body = view.body_sizes()[0]
+        k = self.sparse.top_k(self.body_budget(view) if self.budget is not None else n_body)
         if n_body <= k:
             return None
-        segs = cache.segments()  # sinks (if any) | body | window (if any)
-        i = 1 if cache.sink_count() else 0
+        segs = view.segments()  # sinks (if any) | body | window (if any)
+        i = 1 if view.sink_count() else 0
         body = segs[i]
-        kt = self.pages.refresh(body, cache.storage_dtype or queries.dtype)
+        kt = self.pages.refresh(body, view.dtype or queries.dtype)
         b, hq, _, d = queries.shape
-        h = cache.kv_heads
+        h = view.kv_heads
         q = queries.reshape(b, h, hq // h, d)
         channels = self.sparse.channel_count(d)
         idx = select_tokens(q, kt, n_body, self.pages.page, channels, k, scale)

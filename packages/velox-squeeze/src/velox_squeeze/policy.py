@@ -25,7 +25,7 @@ How it runs in velox:
   is decided alone, as its single run.
 * **The cut** (:meth:`SqueezePolicy.before_update`): after each prefill chunk, and with
   ``every`` during decode, the layer is cut to its budget
-  (:func:`~velox_squeeze.allocate.layer_budget` of ``cache.offset``) by the base policy's
+  (:func:`~velox_squeeze.allocate.layer_budget` of ``view.offset``) by the base policy's
   choice: SnapKV's observation-window votes (velox-core's
   :class:`~velox_core.policy.WindowVotePolicy`, which sees queries only through routed
   attention) or StreamingLLM's most recent tokens (velox-core's
@@ -97,16 +97,16 @@ class SqueezePolicy(RetentionPolicy):
     def config(self) -> dict[str, Any]:
         return {**super().config(), **self.vote_given}
 
-    def attach(self, cache) -> None:
+    def attach(self, view) -> None:
         observe = self.inner.vote.observe if self.base == "snapkv" else 0
-        self.always = cache.sinks + max(cache.window, observe)
+        self.always = view.sinks + max(view.window, observe)
         if self.budget is not None and self.budget <= self.always:
             raise ValueError(
                 f"budget={self.budget} must exceed sinks + max(window, observe) = "
                 f"{self.always} (every layer keeps those tokens; the allocation shares out "
                 "the rest)"
             )
-        self.inner.attach(cache)
+        self.inner.attach(view)
 
     def bind(self, model: Any = None, layer: int | None = None) -> None:
         """Install the importance observer on ``model`` (once per model; see
@@ -142,36 +142,36 @@ class SqueezePolicy(RetentionPolicy):
         return layer_budget(self.budget, self.always, self.p, seen, self.place)
 
     # -- when to cut --------------------------------------------------------------------------
-    def before_update(self, cache, incoming: int) -> None:
+    def before_update(self, view, incoming: int) -> None:
         """Cut to the layer's budget after a prefill chunk, or with ``every`` during decode."""
         after_chunk, self._chunk_pending = self._chunk_pending, incoming > 1
         if self.budget is None:
             return
-        size = cache.size()
+        size = view.size()
         if not (after_chunk or self.every is not None):
             if not _WARNED[0] and size >= 2 * self.budget:
-                _warn_unbounded(size, self.layer_budget(cache.offset))
+                _warn_unbounded(size, self.layer_budget(view.offset))
             return
-        target = self.layer_budget(cache.offset)
+        target = self.layer_budget(view.offset)
         over = size - target
         if over <= 0 or not (after_chunk or over >= self.every):
             return
         if self._sum is None and not _WARNED_UNMEASURED[0]:
             _warn_unmeasured(target)
-        cache.evict(self.inner.select(cache, max(target - cache.protected(), 0)))
+        view.evict(self.inner.select(view, max(target - view.protected_count(), 0)))
 
     # -- the base policy chooses --------------------------------------------------------------
-    def observe(self, cache, queries: mx.array, scale: float) -> None:
-        self.inner.observe(cache, queries, scale)
+    def observe(self, view, queries: mx.array, scale: float) -> None:
+        self.inner.observe(view, queries, scale)
 
-    def after_update(self, cache, start: int) -> None:
-        self.inner.after_update(cache, start)
+    def after_update(self, view, start: int) -> None:
+        self.inner.after_update(view, start)
 
-    def score(self, cache) -> list:
-        return self.inner.score(cache)
+    def score(self, view) -> list:
+        return self.inner.score(view)
 
-    def select(self, cache, k: int):
-        return self.inner.select(cache, k)
+    def select(self, view, k: int):
+        return self.inner.select(view, k)
 
     # -- batch rows ---------------------------------------------------------------------------
     def batch_key(self) -> Any:

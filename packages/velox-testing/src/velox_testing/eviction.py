@@ -240,9 +240,9 @@ def observed_layer_zero(model, caches: list, prompt: mx.array, steps, chunk: int
     seen = []
     observe = caches[0].policy.observe
 
-    def record(cache, queries, scale):
+    def record(view, queries, scale):
         seen.append(np.array(queries[0].astype(mx.float32)))
-        observe(cache, queries, scale)
+        observe(view, queries, scale)
 
     caches[0].policy.observe = record
     with routed(model):

@@ -76,7 +76,7 @@ class TOVAPolicy(RetentionPolicy):
         return self.window.end - 1
 
     # -- the last query ---------------------------------------------------------------------
-    def observe(self, cache, queries: mx.array, scale: float) -> None:
+    def observe(self, view, queries: mx.array, scale: float) -> None:
         """Keep the last query of this call (it sits at the newest stored position).
 
         Without ``every`` single decode queries never score a cut and are not kept, and the
@@ -84,23 +84,23 @@ class TOVAPolicy(RetentionPolicy):
         """
         if self.budget is None or (self.every is None and queries.shape[2] == 1):
             return
-        self.window.add(cache, queries, scale)
+        self.window.add(view, queries, scale)
 
     # -- choosing ---------------------------------------------------------------------------
-    def score(self, cache) -> list[mx.array | None]:
+    def score(self, view) -> list[mx.array | None]:
         """Per KV head ``(B, T)`` float32, the same for every head: the last query's attention
         weight on each body token, averaged over all query heads (unseen tokens ``+inf``)."""
-        pos = cache.body_positions()
+        pos = view.body_positions()
         if any(p is None for p in pos):
             return pos
-        s = self._layer_scores(cache, mx.stack(pos, axis=1))
+        s = self._layer_scores(view, mx.stack(pos, axis=1))
         return [s] * len(pos)
 
-    def select(self, cache, k: int):
+    def select(self, view, k: int):
         """One top-``k`` selection, shared by the layer's KV heads: ``(B, H, k)``."""
-        scores = self.score(cache)
+        scores = self.score(view)
         if any(s is None for s in scores):
-            keep = mx.zeros((cache.stored.dims[0], len(scores), 0), dtype=mx.int32)
+            keep = mx.zeros((view.batch, len(scores), 0), dtype=mx.int32)
         else:
             idx = top_k_sorted(scores[0], k)
             keep = mx.broadcast_to(idx[:, None], (idx.shape[0], len(scores), idx.shape[-1]))
@@ -108,11 +108,11 @@ class TOVAPolicy(RetentionPolicy):
             self.window.clear()  # no decode cuts: this query will not score again
         return keep
 
-    def _layer_scores(self, cache, body_pos: mx.array) -> mx.array:
+    def _layer_scores(self, view, body_pos: mx.array) -> mx.array:
         # the kept query's softmax weights on the body (B, H, T), or None (none, other rows,
         # or its token was trimmed away)
-        w = self.window.votes(cache, body_pos)
-        if w is None and not cache.routed:
+        w = self.window.votes(view, body_pos)
+        if w is None and not view.routed:
             raise ValueError(
                 "tova: the last query's attention chooses the tokens to keep, and only velox "
                 "attention sees it: run the model inside velox_core.routed(model) "

@@ -88,7 +88,9 @@ class RetentionMixin:
         )
 
     def body_keys(self) -> list[mx.array]:
-        """Decoded body keys, float32: one ``(B, 1, T_h, D)`` array per KV head."""
+        """Decoded body keys: one ``(B, 1, T_h, D)`` array per KV head (None where a head
+        holds no body token), float32 where a codec codes the keys, in the storage dtype where
+        they are kept as given."""
         codec = self.tiers[0].key_codec
         if self.ragged:
             return [codec.decode(k.view()) if k.tokens else None for k, _, _ in self.stored.heads]
@@ -103,7 +105,10 @@ class RetentionMixin:
         a head holds no body token), as :meth:`body_keys` gives the keys."""
         codec = self.tiers[0].value_codec
         if self.ragged:
-            return [codec.decode(v.view()) if v.tokens else None for _, v, _ in self.stored.heads]
+            return [
+                codec.decode(v.view()).astype(mx.float32) if v.tokens else None
+                for _, v, _ in self.stored.heads
+            ]
         vv = self.stored.coded[0][1].view()
         if vv is None:
             return [None] * self.stored.dims[1]

@@ -34,6 +34,7 @@ from mlx_lm.models.cache import create_attention_mask
 from .. import routing
 from ..codec.base import Codec
 from ..codec.identity import Identity
+from ..policy.view import PolicyView
 from ..validation import FLOAT_DTYPES, check_int, check_kv
 from .attention import attend, decode_segments
 from .planned import PlannedAttention
@@ -151,10 +152,12 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
                 check_int(f"tiers[{i}].span", t.span, minimum=1)
         self.tiers = tiers
         self.policy = policy
-        if policy is not None:
-            policy.attach(self)
         self.offset = 0
         self.stored = Stored(len(tiers), step)  # the tokens, segment by segment
+        # all a retention policy sees of this cache: every hook is given this view
+        self.policy_view = PolicyView(self)
+        if policy is not None:
+            policy.attach(self.policy_view)
         self._ident = Identity()
         self.storage_dtype: mx.Dtype | None = None
         self._io_dtype: mx.Dtype | None = None
@@ -324,7 +327,7 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
             if t > 1 and self.policy.prefill == "prompt":
                 self.policy.defer()  # the prompt's chunks are cut once, at its end
             else:
-                self.policy.before_update(self, t)
+                self.policy.before_update(self.policy_view, t)
         start = self.offset
         self.offset += t
         take = min(self.sinks - self.stored.sink[0].tokens, t)
@@ -342,7 +345,7 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
             self.stored.window[1].append(self._ident.encode(values))
         self._flush()
         if self.policy is not None:
-            self.policy.after_update(self, start)
+            self.policy.after_update(self.policy_view, start)
         if t > self.fused_above and self.eval_chunks:
             # a prefill chunk: its codes evaluated now, layer by layer, so that the device
             # frees each layer's fp16 keys, values and encode intermediates before the next
@@ -447,12 +450,12 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
                     f"key_dim={dk})"
                 )
         if self.policy is not None:
-            self.policy.observe(self, queries, scale)
+            self.policy.observe(self.policy_view, queries, scale)
         if self.ragged:
             return self._attend_ragged(queries, scale, mask, sinks)
         lq = queries.shape[2]
         if lq == 1 and self.policy is not None and (mask is None or isinstance(mask, str)):
-            picked = self.policy.decode_segments(self, queries, scale)  # sparse decode
+            picked = self.policy.decode_segments(self.policy_view, queries, scale)  # sparse decode
             if picked is not None:
                 return attend(queries, picked, scale, None, sinks, self.fused_above)
         if lq <= self.fused_above and (mask is None or lq == 1) and sinks is None:

@@ -95,9 +95,9 @@ class AccumulatedPolicy(RetentionPolicy):
         return SCORE_ELEMENTS
 
     # -- the hooks the cache calls -----------------------------------------------------------
-    def attach(self, cache) -> None:
-        super().attach(cache)
-        always = cache.sinks + max(cache.window, self.recent)
+    def attach(self, view) -> None:
+        super().attach(view)
+        always = view.sinks + max(view.window, self.recent)
         if self.budget is not None and self.budget <= always:
             raise ValueError(
                 f"budget={self.budget} must exceed sinks + max(window, recent) = {always} "
@@ -105,10 +105,10 @@ class AccumulatedPolicy(RetentionPolicy):
             )
 
     # -- the scores follow the stored tokens -------------------------------------------------
-    def _sync(self, cache) -> None:
+    def _sync(self, view) -> None:
         """Align the scores with the stored tokens: a trim drops the newest stored tokens
         (the last of the storage order), and their scores with them."""
-        n = cache.size()
+        n = view.size()
         if self._scores is None:
             if n:
                 raise ValueError(f"{self.name}: the cache stores {n} tokens but holds no scores")
@@ -118,34 +118,34 @@ class AccumulatedPolicy(RetentionPolicy):
             self._scores = self._scores[:, :, :n]
         elif n > s:
             raise ValueError(f"{self.name}: the scores cover {s} tokens, the cache stores {n}")
-        self._seen = min(self._seen, cache.offset)
+        self._seen = min(self._seen, view.offset)
 
-    def before_update(self, cache, incoming: int) -> None:
+    def before_update(self, view, incoming: int) -> None:
         if self.budget is not None:
-            self._sync(cache)
-        super().before_update(cache, incoming)
+            self._sync(view)
+        super().before_update(view, incoming)
 
-    def after_update(self, cache, start: int) -> None:
+    def after_update(self, view, start: int) -> None:
         """The tokens just stored start with a score of zero."""
         if self.budget is None:
             return
-        b, h = cache.stored.dims[:2]
-        new = mx.zeros((b, h, cache.offset - start), dtype=mx.float32)
+        b, h = view.batch, view.kv_heads
+        new = mx.zeros((b, h, view.offset - start), dtype=mx.float32)
         old = self._scores
         self._scores = new if old is None else mx.concatenate([old, new], axis=2)
 
     # -- accumulating ------------------------------------------------------------------------
-    def observe(self, cache, queries: mx.array, scale: float) -> None:
+    def observe(self, view, queries: mx.array, scale: float) -> None:
         """Add the votes of this call's queries (the newest stored positions) over every
         stored token to the scores, in blocks of queries (:meth:`votes`)."""
         if self.budget is None:
             return
-        self._sync(cache)
+        self._sync(view)
         b, hq, n, _ = queries.shape
         self.begin(n)
-        keys, _ = cache.keys_and_values()  # sinks | body | window, decoded: (B, H, S, D)
-        k_pos = self._stored_positions(cache)
-        first = cache.offset - n  # position of this call's first query
+        keys, _ = view.keys_and_values()  # sinks | body | window, decoded: (B, H, S, D)
+        k_pos = self._stored_positions(view)
+        first = view.offset - n  # position of this call's first query
         block = max(1, self.score_elements // max(1, b * hq * keys.shape[2]))
         acc = self._scores
         for i in range(0, n, block):
@@ -155,58 +155,58 @@ class AccumulatedPolicy(RetentionPolicy):
             if j < n:
                 mx.eval(acc)  # one block's votes at a time
         self._scores = acc
-        self._seen = cache.offset
+        self._seen = view.offset
         mx.async_eval(*self.state().values())  # detach from the call's graph (no chain)
 
     @staticmethod
-    def _stored_positions(cache) -> mx.array:
+    def _stored_positions(view) -> mx.array:
         """Absolute position of every stored token, in storage order: int32 ``(B, H, S)``."""
-        b, h = cache.stored.dims[:2]
-        n_sink = cache.sink_count()
+        b, h = view.batch, view.kv_heads
+        n_sink = view.sink_count()
         parts = [mx.broadcast_to(mx.arange(n_sink, dtype=mx.int32), (b, h, n_sink))]
-        body, t = cache.body_positions(), 0
+        body, t = view.body_positions(), 0
         if all(p is not None for p in body):
             parts.append(mx.stack(body, axis=1).astype(mx.int32))
             t = parts[-1].shape[2]
-        n_win = cache.size() - n_sink - t
-        win = mx.arange(cache.offset - n_win, cache.offset, dtype=mx.int32)
+        n_win = view.size() - n_sink - t
+        win = mx.arange(view.offset - n_win, view.offset, dtype=mx.int32)
         parts.append(mx.broadcast_to(win, (b, h, n_win)))
         return mx.concatenate(parts, axis=2)
 
     # -- choosing ----------------------------------------------------------------------------
-    def score(self, cache) -> list[mx.array | None]:
+    def score(self, view) -> list[mx.array | None]:
         """Per KV head ``(B, T)`` float32: each body token's accumulated score; the recent
         tokens ``+inf``; tokens no query has voted on above every scored token, the newest
         highest."""
-        pos = cache.body_positions()
+        pos = view.body_positions()
         if any(p is None for p in pos):
             return pos
-        s = self._body_scores(cache, mx.stack(pos, axis=1))
+        s = self._body_scores(view, mx.stack(pos, axis=1))
         return [s[:, h] for h in range(s.shape[1])]
 
-    def _body_scores(self, cache, body_pos: mx.array) -> mx.array:
-        self._sync(cache)
-        if cache.offset > self._seen and not cache.routed:
+    def _body_scores(self, view, body_pos: mx.array) -> mx.array:
+        self._sync(view)
+        if view.offset > self._seen and not view.routed:
             raise ValueError(
                 f"{self.name}: the votes every query gives each token choose the tokens to "
                 "keep, and only velox attention sees the queries: run the model inside "
                 "velox_core.routed(model) (velox_core.generate does)"
             )
-        n_sink, t = cache.sink_count(), body_pos.shape[2]
+        n_sink, t = view.sink_count(), body_pos.shape[2]
         acc = self._scores[:, :, n_sink : n_sink + t]
         unseen = body_pos >= self._seen
         above = mx.max(acc, axis=2, keepdims=True) + 1.0  # above every accumulated score
         s = mx.where(unseen, above + (body_pos - self._seen).astype(mx.float32), acc)
-        return mx.where(body_pos >= cache.offset - self.recent, mx.inf, s)
+        return mx.where(body_pos >= view.offset - self.recent, mx.inf, s)
 
-    def select(self, cache, k: int):
+    def select(self, view, k: int):
         """The top ``k`` body tokens per KV head, ``(B, H, k)``; their scores are kept."""
-        pos = cache.body_positions()
+        pos = view.body_positions()
         if any(p is None for p in pos):
-            return mx.zeros((cache.stored.dims[0], len(pos), 0), dtype=mx.int32)
+            return mx.zeros((view.batch, len(pos), 0), dtype=mx.int32)
         body_pos = mx.stack(pos, axis=1)
-        idx = top_k_sorted(self._body_scores(cache, body_pos), k)
-        n_sink, t, acc = cache.sink_count(), body_pos.shape[2], self._scores
+        idx = top_k_sorted(self._body_scores(view, body_pos), k)
+        n_sink, t, acc = view.sink_count(), body_pos.shape[2], self._scores
         kept = mx.take_along_axis(acc[:, :, n_sink : n_sink + t], idx, axis=2)
         self._scores = mx.concatenate([acc[:, :, :n_sink], kept, acc[:, :, n_sink + t :]], axis=2)
         return idx

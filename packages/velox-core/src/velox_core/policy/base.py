@@ -1,10 +1,13 @@
 """Retention policies: which tokens a cache keeps. A policy never sees how tokens are stored.
 
-A :class:`RetentionPolicy` is attached to one :class:`~velox_core.cache.VeloxCache`. It sees
-the cache through three views: decoded body keys and their absolute positions, one array per
-KV head (``cache.body_keys()``, ``cache.body_positions()``), and the queries of every
-attention call (:meth:`observe`, for policies that score tokens by attention). It answers
-with the tokens to keep; the cache gathers them, so evicted tokens leave memory.
+A :class:`RetentionPolicy` is attached to one :class:`~velox_core.cache.VeloxCache` and never
+holds it: every hook is given the cache's :class:`~velox_core.policy.view.PolicyView`
+(``view``), which holds the token counts, the decoded body keys and values with their
+absolute positions, one array per KV head (``view.body_keys()``, ``view.body_positions()``),
+the sinks and window as stored, the layout, and the ``evict`` action; :meth:`observe` also
+sees the queries of every attention call (for policies that score tokens by attention). A
+policy answers with the tokens to keep; the cache gathers them, so evicted tokens leave
+memory.
 
 When eviction runs (:meth:`before_update`, called before new tokens are stored):
 
@@ -86,24 +89,25 @@ class RetentionPolicy(Configured):
         }
 
     # -- hooks the cache calls ------------------------------------------------------------
-    def attach(self, cache) -> None:
-        """Called once by the cache that owns this policy."""
-        if self.budget is not None and self.budget <= cache.sinks + cache.window:
+    def attach(self, view) -> None:
+        """Called once by the cache that owns this policy, with its view (no token stored
+        yet: only ``sinks`` and ``window`` are known)."""
+        if self.budget is not None and self.budget <= view.sinks + view.window:
             raise ValueError(
-                f"budget={self.budget} must exceed sinks + window = {cache.sinks + cache.window} "
+                f"budget={self.budget} must exceed sinks + window = {view.sinks + view.window} "
                 "(those tokens are always kept)"
             )
 
     def bind(self, model: Any = None, layer: int | None = None) -> None:
         """Called by ``make_cache`` with the model and the layer index."""
 
-    def observe(self, cache, queries: mx.array, scale: float) -> None:
+    def observe(self, view, queries: mx.array, scale: float) -> None:
         """Called with the (post-RoPE) queries of every attention call, before attention."""
 
-    def after_update(self, cache, start: int) -> None:
-        """Called after tokens ``[start, cache.offset)`` were stored."""
+    def after_update(self, view, start: int) -> None:
+        """Called after tokens ``[start, view.offset)`` were stored."""
 
-    def decode_segments(self, cache, queries: mx.array, scale: float) -> list | None:
+    def decode_segments(self, view, queries: mx.array, scale: float) -> list | None:
         """The stored tokens one decode step attends (sparse attention), or None: all of them.
 
         Called by ``VeloxCache.attend`` for a single query per sequence (no mask array), after
@@ -116,18 +120,18 @@ class RetentionPolicy(Configured):
         """
         return None
 
-    def before_update(self, cache, incoming: int) -> None:
+    def before_update(self, view, incoming: int) -> None:
         """Evict down to the budget when due (see the module docstring)."""
         after_chunk, self._chunk_pending = self._chunk_pending, incoming > 1
         if self.budget is None:
             return
-        over = cache.size() - self.budget
+        over = view.size() - self.budget
         if self.every is None and over >= self.budget and not after_chunk:
-            warn_unbounded(self, cache.size())
+            warn_unbounded(self, view.size())
         if over <= 0 or not (after_chunk or (self.every is not None and over >= self.every)):
             return
-        keep = self.select(cache, max(self.budget - cache.protected(), 0))
-        cache.evict(keep)
+        keep = self.select(view, max(self.budget - view.protected_count(), 0))
+        view.evict(keep)
 
     def defer(self) -> None:
         """A multi-token update under ``prefill="prompt"`` (the cache calls it instead of
@@ -143,18 +147,18 @@ class RetentionPolicy(Configured):
         self._chunk_pending = False
 
     # -- choosing ------------------------------------------------------------------------------
-    def score(self, cache) -> list[mx.array]:
+    def score(self, view) -> list[mx.array]:
         """Per KV head, a ``(B, T_h)`` score of each body token (higher is kept first).
 
         The base policy keeps the most recent tokens.
         """
-        return [None if p is None else p.astype(mx.float32) for p in cache.body_positions()]
+        return [None if p is None else p.astype(mx.float32) for p in view.body_positions()]
 
-    def select(self, cache, k: int):
+    def select(self, view, k: int):
         """Indices of the body tokens to keep: ``(B, H, k)``, the top ``k`` per head."""
-        scores = self.score(cache)
+        scores = self.score(view)
         if any(s is None for s in scores):
-            return mx.zeros((cache.stored.dims[0], len(scores), 0), dtype=mx.int32)
+            return mx.zeros((view.batch, len(scores), 0), dtype=mx.int32)
         return top_k_sorted(mx.stack(scores, axis=1), k)
 
     # -- batches -----------------------------------------------------------------------------

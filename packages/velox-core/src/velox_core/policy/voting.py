@@ -61,31 +61,31 @@ class WindowVotePolicy(RetentionPolicy):
     def config(self) -> dict[str, Any]:
         return {**super().config(), **self.vote.config()}
 
-    def attach(self, cache) -> None:
-        super().attach(cache)
-        if self.budget is not None and self.budget <= cache.sinks + self.vote.observe:
+    def attach(self, view) -> None:
+        super().attach(view)
+        if self.budget is not None and self.budget <= view.sinks + self.vote.observe:
             raise ValueError(
                 f"budget={self.budget} must exceed sinks + observe = "
-                f"{cache.sinks + self.vote.observe} (the observation window is always kept)"
+                f"{view.sinks + self.vote.observe} (the observation window is always kept)"
             )
 
-    def observe(self, cache, queries: mx.array, scale: float) -> None:
+    def observe(self, view, queries: mx.array, scale: float) -> None:
         """Buffer the newest ``observe`` queries (:meth:`QueryWindow.add`); without ``every``
         single decode queries are skipped (no cut will use them)."""
         if self.budget is None or (self.every is None and queries.shape[2] == 1):
             return
-        self.window.add(cache, queries, scale)
+        self.window.add(view, queries, scale)
 
     # -- choosing ---------------------------------------------------------------------------
-    def score(self, cache) -> list[mx.array]:
+    def score(self, view) -> list[mx.array]:
         """Per KV head ``(B, T_h)``: pooled votes of the prefix, ``+inf`` for the window."""
-        pos = cache.body_positions()
+        pos = view.body_positions()
         if any(p is None for p in pos):
             return pos
         body_pos = mx.stack(pos, axis=1)  # (B, H, T)
-        recent = body_pos >= cache.offset - self.vote.observe
-        votes = self.window.votes(cache, body_pos)
-        if votes is None and not cache.routed:
+        recent = body_pos >= view.offset - self.vote.observe
+        votes = self.window.votes(view, body_pos)
+        if votes is None and not view.routed:
             raise ValueError(
                 f"{self.name}: the observation window's queries vote for the tokens to keep, "
                 "and only velox attention sees them: run the model inside "
@@ -98,8 +98,8 @@ class WindowVotePolicy(RetentionPolicy):
         s = mx.where(recent, mx.inf, s)
         return [s[:, h] for h in range(s.shape[1])]
 
-    def select(self, cache, k: int):
-        keep = super().select(cache, k)
+    def select(self, view, k: int):
+        keep = super().select(view, k)
         if self.every is None:
             self.window.clear()  # no decode cuts: these queries will not vote again
         return keep

@@ -38,9 +38,9 @@ class QueryWindow:
         self.end = 0
         self.scale: float | None = None
 
-    def add(self, cache, queries: mx.array, scale: float) -> None:
+    def add(self, view, queries: mx.array, scale: float) -> None:
         """Buffer the newest ``size`` of one attention call's queries (the call's tokens are
-        the newest stored ones, ending at ``cache.offset``).
+        the newest stored ones, ending at ``view.offset``).
 
         A call with fewer than ``size`` queries keeps the newest buffered ones that precede
         it (queries at or after its first position, trimmed away since, are replaced), as
@@ -50,7 +50,7 @@ class QueryWindow:
         Shapes:
             queries ``(B, Hq, L, D)``.
         """
-        start = cache.offset - queries.shape[2]  # position of this call's first query
+        start = view.offset - queries.shape[2]  # position of this call's first query
         new, old = queries[:, :, -self.size :], self.queries
         if old is not None and new.shape[2] < self.size and self.end >= start:
             before = start - (self.end - old.shape[2])  # buffered queries before `start`
@@ -59,7 +59,7 @@ class QueryWindow:
                 old = old[:, :, :before][:, :, -(self.size - new.shape[2]) :]
                 new = mx.concatenate([old.astype(new.dtype), new], axis=2)
         self.queries = mx.contiguous(new)
-        self.end = cache.offset
+        self.end = view.offset
         self.scale = float(scale)
         mx.async_eval(self.queries)  # detach from the call's graph (no growing chain)
 
@@ -67,20 +67,20 @@ class QueryWindow:
         """Drop the buffered queries (``end`` and ``scale`` stay, as saved)."""
         self.queries = None
 
-    def votes(self, cache, body_pos: mx.array, fusion: str = "sum") -> mx.array | None:
+    def votes(self, view, body_pos: mx.array, fusion: str = "sum") -> mx.array | None:
         """The buffered queries' softmax weights on the cache's body tokens, per KV head.
 
         Each query's softmax runs over every stored token at or before its position (sinks
         ``0 ... n_sink - 1``, the body at ``body_pos``, the window's newest ``n_win``
-        positions before ``cache.offset``; keys decoded by ``cache.keys_and_values()``); the
+        positions before ``view.offset``; keys decoded by ``view.keys_and_values()``); the
         weights are averaged over the query heads of each KV head and fused over the queries,
         summed or (``fusion="max"``) their maximum
         (:func:`~velox_core.policy.votes.window_votes`). Queries whose tokens were trimmed
-        away (at or after ``cache.offset``) do not vote.
+        away (at or after ``view.offset``) do not vote.
 
         Shapes:
             body_pos int ``(B, H, T)``, the body's absolute positions (as
-            ``mx.stack(cache.body_positions(), axis=1)``); returns float32 ``(B, H, T)``, or
+            ``mx.stack(view.body_positions(), axis=1)``); returns float32 ``(B, H, T)``, or
             None when no buffered query can vote (none, another batch size, all trimmed).
         """
         q = self.queries
@@ -88,14 +88,14 @@ class QueryWindow:
         if q is None or q.shape[0] != b:
             return None
         first = self.end - q.shape[2]  # position of the first buffered query
-        seen = min(q.shape[2], cache.offset - first)  # queries trimmed away do not vote
+        seen = min(q.shape[2], view.offset - first)  # queries trimmed away do not vote
         if seen <= 0:
             return None
-        keys, _ = cache.keys_and_values()  # sinks | body | window, decoded: (B, H, S, D)
-        n_sink = cache.sink_count()
+        keys, _ = view.keys_and_values()  # sinks | body | window, decoded: (B, H, S, D)
+        n_sink = view.sink_count()
         n_win = keys.shape[2] - n_sink - t
         sink_pos = mx.broadcast_to(mx.arange(n_sink, dtype=mx.int32), (b, h, n_sink))
-        win_pos = mx.arange(cache.offset - n_win, cache.offset, dtype=mx.int32)
+        win_pos = mx.arange(view.offset - n_win, view.offset, dtype=mx.int32)
         k_pos = mx.concatenate(
             [sink_pos, body_pos.astype(mx.int32), mx.broadcast_to(win_pos, (b, h, n_win))], axis=2
         )
