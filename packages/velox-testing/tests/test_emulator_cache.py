@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from velox_testing import emulate
+from velox_testing import emulate, emulate_build
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")
 
@@ -46,7 +46,7 @@ def test_shared_folder_builds_once_and_again_after_a_header_change(tmp_path, mon
     headers, shared = tmp_path / "inc", tmp_path / "shared"
     headers.mkdir()
     (headers / "tiny.h").write_text("#define TINY 0\n")
-    monkeypatch.setenv(emulate.CACHE_ENV, str(shared))
+    monkeypatch.setenv(emulate_build.CACHE_ENV, str(shared))
     first = _Tiny(tmp_path / "a", headers).build()
     second = _Tiny(tmp_path / "b", headers).build()
     assert first == second and first.parent == shared and first.is_file()
@@ -62,7 +62,7 @@ def test_without_the_folder_each_workdir_builds_its_own(tmp_path, monkeypatch, c
     headers = tmp_path / "inc"
     headers.mkdir()
     (headers / "tiny.h").write_text("#define TINY 0\n")
-    monkeypatch.delenv(emulate.CACHE_ENV, raising=False)
+    monkeypatch.delenv(emulate_build.CACHE_ENV, raising=False)
     a = _Tiny(tmp_path / "a", headers).build()
     b = _Tiny(tmp_path / "b", headers).build()
     assert a.parent == tmp_path / "a" and b.parent == tmp_path / "b"
@@ -74,7 +74,7 @@ def test_a_failed_build_leaves_nothing(tmp_path, monkeypatch, counted):
     headers, shared = tmp_path / "inc", tmp_path / "shared"
     headers.mkdir()
     (headers / "tiny.h").write_text("#error broken\n")
-    monkeypatch.setenv(emulate.CACHE_ENV, str(shared))
+    monkeypatch.setenv(emulate_build.CACHE_ENV, str(shared))
     with pytest.raises(RuntimeError, match="emulator compile failed"):
         _Tiny(tmp_path / "a", headers).build()
     assert list(shared.iterdir()) == []

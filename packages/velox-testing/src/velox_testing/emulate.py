@@ -18,8 +18,6 @@ to the kernel like MLX passes ``name_strides``); bfloat16 inputs are given as ``
 from __future__ import annotations
 
 import os
-import secrets
-import shutil
 import subprocess
 import tempfile
 from collections.abc import Sequence
@@ -29,10 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from velox_core import environment
 from velox_core.kernels import _source_dirs
 from velox_core.kernels.build import ArgInfo, KernelSpec, _shape_infos, cuda_source
 
+from .emulate_build import build_program, compiler
 from .emulate_io import (
     CUDA_TYPES,
     CXX_TYPES,
@@ -54,22 +52,6 @@ __all__ = [
     "emulated_or_skip",
     "shim_dir",
 ]
-
-
-# a folder the emulator's binaries are kept in across processes (the test sessions of one CI
-# run share one), keyed by their source, compiler flags and shim headers; unset: per workdir
-CACHE_ENV = "VELOX_EMU_CACHE"
-
-
-def _headers_text(dirs: list[Path]) -> str:
-    """The shim headers' text (a change to them builds every binary again)."""
-    return "\0".join(f.read_text() for d in dirs for f in sorted(d.rglob("*")) if f.is_file())
-
-
-def compiler() -> str | None:
-    """The C++ compiler to use (``$CXX`` or ``g++``), or None when there is none."""
-    cxx = os.environ.get("CXX", "g++")
-    return shutil.which(cxx)
 
 
 def emulated_or_skip(monkeypatch, tmp_path: Path, backend: str = "metal") -> EmulatedKernels:
@@ -197,42 +179,12 @@ class Emulator:
         return "\n".join(lines) + "\n"
 
     def build(self) -> Path:
-        """Compile every registered kernel (cached by source digest); raises with the
-        compiler's output on failure."""
-        if self._exe is not None:
-            return self._exe
-        cxx = compiler()
-        if cxx is None:
-            raise FileNotFoundError("no C++ compiler (g++ or $CXX) for the kernel emulator")
-        source = self.source()
-        cmd = [cxx, "-std=c++17", self.opt, "-pthread", "-w"]
-        cmd += [a for d in self._include_dirs() for a in ("-I", str(d))]
-        shared = environment.get(CACHE_ENV)
-        if shared:  # keyed by everything the binary is built from, headers included
-            folder = Path(shared)
-            tag = source_digest("\0".join([source, *cmd, _headers_text(self._include_dirs())]))
-        else:
-            folder, tag = self.workdir, source_digest(source)
-        folder.mkdir(parents=True, exist_ok=True)
-        exe = folder / f"emu_{tag}"
-        if not exe.exists():
-            # built under a fresh name and renamed: processes sharing the folder never run a
-            # half-written binary
-            part = f"emu_{tag}.{os.getpid()}-{secrets.token_hex(4)}"
-            cpp, out = folder / f"{part}.cpp", folder / f"{part}.exe"
-            cpp.write_text(source)
-            try:
-                res = subprocess.run(
-                    [*cmd, "-o", str(out), str(cpp)], capture_output=True, text=True, check=False
-                )
-                if res.returncode != 0:
-                    raise RuntimeError(f"emulator compile failed:\n{res.stderr[-6000:]}")
-                os.replace(out, exe)
-            finally:
-                cpp.unlink(missing_ok=True)
-                out.unlink(missing_ok=True)
-        self._exe = exe
-        return exe
+        """Compile every registered kernel (cached by source digest:
+        :func:`~velox_testing.emulate_build.build_program`); raises with the compiler's
+        output on failure."""
+        if self._exe is None:
+            self._exe = build_program(self.source(), self.opt, self._include_dirs(), self.workdir)
+        return self._exe
 
     def run(
         self,
