@@ -305,7 +305,14 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
             )
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Store new post-RoPE keys and values; return every stored token decoded (lazily).
+        """Store new post-RoPE keys and values; return what the caller's attention reads.
+
+        mlx-lm's attention calls this, then its ``scaled_dot_product_attention`` with the
+        returned arrays and the cache. Outside velox's routing that attention reads the
+        arrays: every stored token decoded (lazily), as ``keys_and_values()``. Under
+        :func:`velox_core.routed` (and with ``fetch_decoded`` off) velox's attention reads the
+        cache's codes itself and ignores the arrays, so the new tokens are returned as given
+        and nothing is decoded.
 
         Shapes:
             keys ``(B, H, T, Dk)``, values ``(B, H, T, Dv)``, fp16, bf16 or fp32.
