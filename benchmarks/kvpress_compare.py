@@ -24,9 +24,11 @@ scored with ``Prompt.score`` (RULER's string match).
   the chat template and re-tokenize, so the token ids are fed directly).
 - velox: :func:`velox_cli.longctx.run.run_eval` with ``question="after"`` and the specs
   ``snapkv:budget=P%``, ``streamingllm:budget=P%``, ``adakv:budget=P%``, ``P = 100 (1 - r)``
-  of the context's tokens (velox's defaults); with ``--matched`` also SnapKV and Ada-KV with
-  kvpress's vote settings (``observe=64,kernel=5,pooling=avg``; Ada-KV ``window=64``), which
-  separates the settings from the implementations.
+  of the context's tokens (velox's defaults); with ``--matched`` also SnapKV, Ada-KV,
+  PyramidKV and ChunkKV with kvpress's vote settings (``observe=64,kernel=5,pooling=avg``;
+  Ada-KV ``window=64``; ChunkKV ``chunk_length=20``) and CurDKV with CURPress's exact squared
+  norms (``sketch=0``: its ``use_random_leverage=False``), which separates the settings from
+  the implementations.
 
 kvpress's ``KVzipPress`` scores the context by reconstructing it after the prefill (the
 context manager runs its repeat passes on exit) and masks the pruned keys, as ``AdaKVPress``
@@ -122,7 +124,8 @@ VELOX_SPECS = {
     "expected-attention": "expected-attention:budget={p}%",
     # kvpress's KVzipPress defaults: 4 sinks, 2,048-token chunks, one ranking of every layer
     "kvzip": "kvzip:budget={p}%",
-    # velox-curdkv's defaults are CURPress's (4 sinks, key x value leverage, 16-token windows)
+    # CURPress's scorer (4 sinks, key x value leverage, 16-token windows), with velox's
+    # Gaussian sketch of r = 20 columns (CURPress's default skips it: --matched, sketch=0)
     "curdkv": "curdkv:budget={p}%",
 }
 MATCHED_SPECS = {
@@ -131,6 +134,8 @@ MATCHED_SPECS = {
     "pyramidkv": "pyramidkv:budget={p}%,observe=64,kernel=5,pooling=avg",
     # kvpress's ChunkKVPress around its SnapKVPress: 20-token chunks, SnapKV's vote settings
     "chunkkv": "chunkkv:budget={p}%,chunk_length=20,observe=64,kernel=5,pooling=avg",
+    # CURPress's use_random_leverage=False: the exact squared norms
+    "curdkv": "curdkv:budget={p}%,sketch=0",
 }
 KVPRESS_LABELS = {
     "snapkv": "SnapKVPress",
@@ -603,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--matched",
         action="store_true",
-        help="also run velox's SnapKV and Ada-KV with kvpress's vote settings",
+        help="also run velox's methods with kvpress's settings where they differ (MATCHED_SPECS)",
     )
     ap.add_argument(
         "--overlap",

@@ -198,6 +198,45 @@ def test_layer_zero_of_a_model_keeps_what_the_reference_scorer_keeps():
         assert kept(caches[0], h) - {300} == want[h], h
 
 
+def test_kvpress_protocol_scores_each_layer_once_and_decodes_its_body_once(monkeypatch):
+    """What a prompt costs beyond the model in kvpress's protocol (the context as one
+    chunk, the question held whole, the answer decoded without ``every``): one score per
+    layer, and each score decodes the body's keys and values once for all its heads, not
+    once per head or per decoded token. A count, not a timing: it fails where cuts or
+    decodes multiply."""
+    calls = {"score": 0, "body_keys": 0, "body_values": 0}
+
+    def counted(cls, name):
+        inner = getattr(cls, name)
+
+        def wrapper(self, *args):
+            calls[name] += 1
+            return inner(self, *args)
+
+        monkeypatch.setattr(cls, name, wrapper)
+
+    counted(CurDKVPolicy, "score")
+    counted(VeloxCache, "body_keys")
+    counted(VeloxCache, "body_values")
+    model = tiny_model("llama")
+    context = mx.random.randint(0, 512, (1, 200), key=mx.random.key(1))
+    question = mx.random.randint(0, 512, (1, 12), key=mx.random.key(2))
+    caches = make_cache(model, CurDKVCache(budget=64))
+    model(context, cache=caches)
+    logits = model(question, cache=caches)  # the context's cut runs before the question
+    for c in caches:
+        c.policy.hold_stored()
+        c.policy.budget += question.shape[1]
+    for _ in range(8):
+        y = mx.argmax(logits[:, -1], axis=-1)
+        logits = model(y[:, None], cache=caches)
+    mx.eval(logits)
+    layers = len(model.layers)
+    assert caches[0].kv_heads > 1  # one decode of the body serves several heads
+    assert calls == {"score": layers, "body_keys": layers, "body_values": layers}
+    assert all(c.size() == 64 + 12 + 8 for c in caches)
+
+
 def test_coded_tokens_are_scored_from_their_codes():
     k, v, _, _ = data(201, seed=6)
     c = VeloxCache(Uniform(8, group=32), Uniform(8, group=32), policy=CurDKVPolicy(budget=30))
