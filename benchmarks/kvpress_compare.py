@@ -454,13 +454,14 @@ def _kept_positions(caches: list, n: int) -> np.ndarray | None:
     model's own caches, Gemma 3's sliding-window layers, left out); None where none does."""
     rows = []
     for c in caches:
-        if not (hasattr(c, "body_positions") and hasattr(c, "protected_keys")):
+        if getattr(c, "policy", None) is None:  # the model's own caches; velox's without a cut
             continue
         m = np.zeros((c.kv_heads, n), dtype=bool)
-        _, _, sink_pos, win_pos = c.protected_keys()
-        fixed = np.concatenate([np.array(sink_pos), np.array(win_pos)]).astype(np.int64)
+        sinks, window = c.policy_view.protected()
+        fixed = np.concatenate([np.array(sinks.positions), np.array(window.positions)])
+        fixed = fixed.astype(np.int64)
         m[:, fixed[fixed < n]] = True
-        for h, pos in enumerate(c.body_positions()):
+        for h, pos in enumerate(c.policy_view.body_positions()):
             if pos is not None:
                 q = np.array(pos[0]).astype(np.int64)
                 m[h, q[q < n]] = True

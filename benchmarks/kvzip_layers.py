@@ -64,7 +64,7 @@ def cut(caches: list, layers: list[int], keep: dict[int, list[np.ndarray] | None
         if keep[i] is None:
             c.policy.done(n)
             continue
-        pos = np.array(c.body_positions()[0][0])
+        pos = np.array(c.policy_view.body_positions()[0][0])
         idx = [np.flatnonzero(np.isin(pos, k)).astype(np.int32) for k in keep[i]]
         if len({len(x) for x in idx}) == 1:
             c.evict(mx.array(np.stack(idx)[None]))
@@ -117,7 +117,7 @@ def run_prompt(model, tokenizer, store, prompt, spec: str, chunk: int, eos: set[
     body = {i: max(caches[i].policy.kept(n) - sinks, 0) for i in layers}
 
     def kept_now(c) -> list[np.ndarray]:
-        return [np.array(p[0]) for p in c.body_positions()]
+        return [np.array(p[0]) for p in c.policy_view.body_positions()]
 
     def best(i: int) -> list[np.ndarray]:
         s = scores[i][:, sinks:]

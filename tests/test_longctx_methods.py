@@ -91,9 +91,11 @@ def test_question_after_compresses_the_context_once(spec):
     def held(caches):  # per layer and KV head, the positions held (sinks, window, body)
         out = []
         for c in caches:
-            _, _, sink_pos, win_pos = c.protected_keys()
-            fixed = set(np.array(sink_pos).tolist()) | set(np.array(win_pos).tolist())
-            out.append([fixed | set(np.array(p[0]).tolist()) for p in c.body_positions()])
+            sinks, window = c.policy_view.protected()
+            fixed = set(sinks.positions.tolist()) | set(window.positions.tolist())
+            out.append(
+                [fixed | set(np.array(p[0]).tolist()) for p in c.policy_view.body_positions()]
+            )
         return out
 
     caches = build_caches(parse(resolve_spec(spec, n)), model, store)
@@ -175,7 +177,9 @@ def test_question_inside_compresses_the_whole_prompt_once_at_its_end(spec):
             logits = prompt_caches(model, caches, prompt, "inside", chunk, tokenizer)
             sizes = [c.size() for c in caches]
             mx.eval(model(mx.argmax(logits, axis=-1)[:, None], cache=caches))
-        kept = [[set(np.array(p[0]).tolist()) for p in c.body_positions()] for c in caches]
+        kept = [
+            [set(np.array(p[0]).tolist()) for p in c.policy_view.body_positions()] for c in caches
+        ]
         return sizes, kept, [c.size() for c in caches]
 
     sizes, chunked, after = run(128)

@@ -157,7 +157,7 @@ def test_concentrated_heads_get_less_budget_than_spread_heads():
     evicted(c, kk, vv, mx.array(q, dtype=mx.float16), chunk=120, scale=d**-0.5)
     sizes = c.body_sizes()
     assert sizes[0] < 40 < sizes[1] and sizes[0] >= int(0.2 * 40)
-    pos0 = set(np.array(c.body_positions()[0][0]).tolist())
+    pos0 = set(np.array(c.policy_view.body_positions()[0][0]).tolist())
     assert {30, 90, 160} <= pos0
 
 
@@ -205,7 +205,7 @@ def test_eviction_output_equals_attention_over_each_heads_kept_tokens():
     kk, vv = mx.concatenate([k, k[:, :, -1:]], 2), mx.concatenate([v, v[:, :, -1:]], 2)
     for h in range(2):
         kept = np.concatenate(
-            [np.arange(4), np.array(c.body_positions()[h][0]), np.arange(385, 401)]
+            [np.arange(4), np.array(c.policy_view.body_positions()[h][0]), np.arange(385, 401)]
         )
         idx = mx.array(kept)
         ref = SDPA(
@@ -271,15 +271,17 @@ def test_positions_survive_evictions():
     q = mx.random.normal((1, 4, 8, 128), key=mx.random.key(9)).astype(mx.float16)
     c = evicted(AdaKVCache(budget=150, window=8), k, v, q)  # fp16: exact
     for h in range(2):
-        pos = np.array(c.body_positions()[h][0])
+        pos = np.array(c.policy_view.body_positions()[h][0])
         assert np.all(np.diff(pos) > 0)
-        assert mx.array_equal(c.body_keys()[h][0, 0], k[0, h, mx.array(pos)].astype(mx.float32))
+        assert mx.array_equal(
+            c.policy_view.body_keys()[h][0, 0], k[0, h, mx.array(pos)].astype(mx.float32)
+        )
     coded = VeloxCache(Uniform(4), Uniform(4), window=8, policy=AdaKVPolicy(budget=150))
     with routed():
         feed(coded, k[:, :, :300], v[:, :, :300], 150)
         before = [
             dict(zip(np.array(p[0]).tolist(), np.array(kk[0, 0])))
-            for p, kk in zip(coded.body_positions(), coded.body_keys())
+            for p, kk in zip(coded.policy_view.body_positions(), coded.policy_view.body_keys())
         ]
         coded.attend(q, 0.1, mask="causal")
         coded.update_and_fetch(k[:, :, 300:301], v[:, :, 300:301])
@@ -287,8 +289,8 @@ def test_positions_survive_evictions():
         coded.update_and_fetch(k[:, :, :1], v[:, :, :1])
     assert coded.ragged
     for h in range(2):
-        pos = np.array(coded.body_positions()[h][0]).tolist()
-        keys = np.array(coded.body_keys()[h][0, 0])
+        pos = np.array(coded.policy_view.body_positions()[h][0]).tolist()
+        keys = np.array(coded.policy_view.body_keys()[h][0, 0])
         hits = [i for i, p in enumerate(pos) if p in before[h]]
         assert len(hits) > 10
         for i in hits:
@@ -390,7 +392,7 @@ def test_qfilters_base_allocates_over_its_per_key_scores(monkeypatch):
     s = [mx.sum(k[0, h, :296].astype(mx.float32), axis=-1) for h in range(2)]
     want = adaptive_keep(s, 56, 0.2)
     for h in range(2):
-        got = np.array(c.body_positions()[h][0])[:-1]  # the new token is appended last
+        got = np.array(c.policy_view.body_positions()[h][0])[:-1]  # the new token is appended last
         np.testing.assert_array_equal(got, np.array(want[h]))
 
 
@@ -407,12 +409,14 @@ def test_qfilters_base_with_the_real_package(tmp_path, monkeypatch):
         for s in range(0, 200, 50):
             model(prompt[:, s : s + 50], cache=caches)
         c, f = caches[0], qf.load_filters(path).layer(0)
-        before = c.body_positions()
-        want = adaptive_keep([k[0, 0] @ f[h] for h, k in enumerate(c.body_keys())], 56, 0.2)
+        before = c.policy_view.body_positions()
+        want = adaptive_keep(
+            [k[0, 0] @ f[h] for h, k in enumerate(c.policy_view.body_keys())], 56, 0.2
+        )
         model(prompt[:, :1], cache=caches)
     assert all(sum(c.body_sizes()) == 2 * 57 and c.offset == 201 for c in caches)
     for h in range(2):
-        got = np.array(c.body_positions()[h][0])[:-1]
+        got = np.array(c.policy_view.body_positions()[h][0])[:-1]
         np.testing.assert_array_equal(got, np.array(before[h][0])[np.array(want[h])])
 
 
@@ -428,7 +432,7 @@ def test_extracted_rows_keep_their_observed_queries():
         for c in (one, single):
             c.update_and_fetch(k[1:, :, :1], v[1:, :, :1])
     assert one.ragged and one.body_sizes() == single.body_sizes()
-    for a, b in zip(one.body_positions(), single.body_positions()):
+    for a, b in zip(one.policy_view.body_positions(), single.policy_view.body_positions()):
         assert mx.array_equal(a, b)
 
 

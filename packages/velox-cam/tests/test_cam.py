@@ -136,8 +136,8 @@ class PaperCam:
 def stored(cache, head=0):
     """Positions and values of every token the cache stores for one KV head (row 0)."""
     _, vv = cache.keys_and_values()
-    body = cache.body_positions()[head]
-    n_sink, t = cache.sink_count(), 0 if body is None else body.shape[1]
+    body = cache.policy_view.body_positions()[head]
+    n_sink, t = cache.policy_view.sink_count(), 0 if body is None else body.shape[1]
     n_win = cache.size() - n_sink - t
     pos = list(range(n_sink))
     pos += [] if body is None else np.array(body[0]).tolist()

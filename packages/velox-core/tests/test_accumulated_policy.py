@@ -55,7 +55,7 @@ def expected(t):
 
 
 def body(cache, h=0, row=0):
-    return np.array(cache.body_positions()[h][row]).tolist()
+    return np.array(cache.policy_view.body_positions()[h][row]).tolist()
 
 
 def test_a_cut_keeps_the_recent_and_the_top_scored_tokens_per_head():

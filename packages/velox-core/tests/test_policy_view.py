@@ -91,7 +91,7 @@ def cut_after_prefill(k, t):
 
 def body(c):
     """A one-row cache's body positions, per KV head."""
-    return [np.array(p[0]).tolist() for p in c.body_positions()]
+    return [np.array(p[0]).tolist() for p in c.policy_view.body_positions()]
 
 
 def test_the_view_has_exactly_the_documented_members_and_no_way_to_the_cache():

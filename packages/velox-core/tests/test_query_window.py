@@ -55,7 +55,7 @@ def reference_votes(q, q_pos, keys, k_pos, scale, fusion="sum"):
 
 def test_votes_are_the_softmax_over_every_stored_token_at_its_position():
     c, _ = stored()
-    body_pos = mx.stack(c.body_positions(), axis=1)
+    body_pos = mx.stack(c.policy_view.body_positions(), axis=1)
     assert np.diff(np.array(body_pos[0, 0])).max() > 1  # gaps: positions, not slots
     q = queries(6)
     w = QueryWindow(4)
@@ -63,7 +63,7 @@ def test_votes_are_the_softmax_over_every_stored_token_at_its_position():
     assert w.end == 60 and w.queries.shape == (1, 4, 4, D)
     got = np.array(w.votes(c.policy_view, body_pos))
     keys, _ = c.keys_and_values()
-    n_sink, t = c.sink_count(), body_pos.shape[2]
+    n_sink, t = c.policy_view.sink_count(), body_pos.shape[2]
     n_win = keys.shape[2] - n_sink - t
     k_pos = np.concatenate(
         [
@@ -103,7 +103,7 @@ def test_add_keeps_the_newest_queries_across_calls_and_drops_trimmed_ones():
     w.add(c.policy_view, queries(1, hq=2), SCALE)
     assert w.queries.shape == (1, 2, 1, D)
     c.offset = 58  # every buffered query trimmed: none votes
-    assert w.votes(c.policy_view, mx.stack(c.body_positions(), axis=1)) is None
+    assert w.votes(c.policy_view, mx.stack(c.policy_view.body_positions(), axis=1)) is None
 
 
 def test_batch_rows_and_state():
@@ -143,7 +143,7 @@ def test_window_vote_policy_keeps_what_the_window_attends_to():
     c.attend(q[:, :, :99], SCALE, mask="causal")
     assert c.policy.state()["queries"].shape == (1, 4, 8, D)
     c.update_and_fetch(k[:, :, 99:], v[:, :, 99:])
-    pos = set(np.array(c.body_positions()[0][0]).tolist())
+    pos = set(np.array(c.policy_view.body_positions()[0][0]).tolist())
     assert 30 in pos and set(range(91, 100)) <= pos and len(pos) == 21
     assert c.policy.state() == {}  # every=None: the queries voted once and are dropped
     assert c.policy.meta() == {"chunk_pending": False, "q_end": 99, "scale": SCALE}
@@ -151,4 +151,6 @@ def test_window_vote_policy_keeps_what_the_window_attends_to():
         c = VeloxCache(policy=WindowVotePolicy(budget=20, observe=8))
         c.update_and_fetch(k[:, :, :99], v[:, :, :99])
         c.update_and_fetch(k[:, :, 99:], v[:, :, 99:])
-    assert set(np.array(c.body_positions()[0][0]).tolist()) == set(range(79, 100))  # 20, then 99
+    assert set(np.array(c.policy_view.body_positions()[0][0]).tolist()) == set(
+        range(79, 100)
+    )  # 20, then 99

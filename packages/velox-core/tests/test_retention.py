@@ -62,7 +62,7 @@ def test_recency_keeps_sinks_and_the_latest_tokens_at_their_positions():
     c = VeloxCache(sinks=4, window=16, policy=RetentionPolicy(budget=64))  # lossless
     feed(c, k, v, 100)
     c.update_and_fetch(k[:, :, :1], v[:, :, :1])
-    pos = np.array(c.body_positions()[0][0])
+    pos = np.array(c.policy_view.body_positions()[0][0])
     # cut back to 64 - 4 sinks - 16 window = 44 body tokens (540..583), then the new token
     # pushed 584 out of the window into the body
     assert list(pos) == list(range(540, 585))
@@ -78,13 +78,14 @@ def test_positions_survive_lossy_eviction():
     c = VeloxCache(Uniform(8), Uniform(8), policy=EveryOther(budget=200))
     feed(c, k, v, 128)
     before = {
-        int(p): c.body_keys()[0][0, 0, i] for i, p in enumerate(np.array(c.body_positions()[0][0]))
+        int(p): c.policy_view.body_keys()[0][0, 0, i]
+        for i, p in enumerate(np.array(c.policy_view.body_positions()[0][0]))
     }
     c.update_and_fetch(k[:, :, :1], v[:, :, :1])
-    pos = np.array(c.body_positions()[0][0])
+    pos = np.array(c.policy_view.body_positions()[0][0])
     assert len(pos) == 201 and np.all(np.diff(pos) > 0)  # 200 kept + the new token
     assert np.mean(pos % 2 == 0) > 0.9
-    keys = c.body_keys()[0][0, 0]
+    keys = c.policy_view.body_keys()[0][0, 0]
     for i, p in enumerate(pos):
         if int(p) in before:
             assert mx.array_equal(keys[i], before[int(p)])
@@ -163,7 +164,7 @@ def test_state_and_files_keep_evicted_caches(tmp_path):
     save_cache(path, [c])
     (d,) = load_cache(path)
     assert d.size() == c.size() and d.offset == c.offset
-    assert mx.array_equal(d.body_positions()[0], c.body_positions()[0])
+    assert mx.array_equal(d.policy_view.body_positions()[0], c.policy_view.body_positions()[0])
     q = mx.random.normal((1, 4, 1, 128)).astype(mx.float16)
     assert mx.array_equal(d.attend(q, 0.1), c.attend(q, 0.1))
 
@@ -201,14 +202,16 @@ def test_per_head_storage_survives_state_and_files(tmp_path):
     assert d.offset == c.offset  # refused before anything changed
 
 
-def test_protected_keys_are_the_sinks_and_window():
+def test_protected_tokens_are_the_sinks_and_window():
     k, v = kv_data(t=100)
     c = VeloxCache(Uniform(4), Uniform(4), sinks=3, window=5, policy=RetentionPolicy(budget=50))
     c.update_and_fetch(k, v)
-    sk, wk, sp, wp = c.protected_keys()
-    assert mx.array_equal(sk, k[:, :, :3]) and mx.array_equal(wk, k[:, :, -5:])
-    assert sp.tolist() == [0, 1, 2] and wp.tolist() == [95, 96, 97, 98, 99]
-    assert c.sink_count() == 3
+    sinks, window = c.policy_view.protected()
+    assert mx.array_equal(sinks.keys, k[:, :, :3]) and mx.array_equal(window.keys, k[:, :, -5:])
+    assert mx.array_equal(sinks.values, v[:, :, :3]) and mx.array_equal(window.values, v[:, :, -5:])
+    assert sinks.positions.tolist() == [0, 1, 2]
+    assert window.positions.tolist() == [95, 96, 97, 98, 99]
+    assert c.policy_view.sink_count() == 3
 
 
 def test_set_body_values_recodes_the_named_body_tokens():

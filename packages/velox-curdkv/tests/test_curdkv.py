@@ -9,6 +9,7 @@ from mlx_lm.models.cache import KVCache
 
 import velox_testing.eviction as ev
 from velox_core import Uniform, VeloxCache, make_cache
+from velox_core.policy.view import PolicyView
 from velox_curdkv import METHOD, CurDKVCache, CurDKVPolicy, gaussian_sketch, local_normalize
 from velox_testing import tiny_model
 
@@ -79,9 +80,9 @@ def data(t, h=2, seed=0, d=D):
 
 def kept(cache, head):
     """Absolute positions of every token ``head`` holds (sinks, body, window)."""
-    body = set(np.array(cache.body_positions()[head][0]).tolist())
-    _, _, sp, wp = cache.protected_keys()
-    return body | set(np.array(sp).tolist()) | set(np.array(wp).tolist())
+    body = set(np.array(cache.policy_view.body_positions()[head][0]).tolist())
+    sinks, window = cache.policy_view.protected()
+    return body | set(sinks.positions.tolist()) | set(window.positions.tolist())
 
 
 def cut(cache, k, v, t):
@@ -216,8 +217,8 @@ def test_kvpress_protocol_scores_each_layer_once_and_decodes_its_body_once(monke
         monkeypatch.setattr(cls, name, wrapper)
 
     counted(CurDKVPolicy, "score")
-    counted(VeloxCache, "body_keys")
-    counted(VeloxCache, "body_values")
+    counted(PolicyView, "body_keys")
+    counted(PolicyView, "body_values")
     model = tiny_model("llama")
     context = mx.random.randint(0, 512, (1, 200), key=mx.random.key(1))
     question = mx.random.randint(0, 512, (1, 12), key=mx.random.key(2))
@@ -263,7 +264,7 @@ def test_batch_rows_choose_on_their_own_tokens():
     k1, v1, kn1, vn1 = data(201, seed=9)
     c = CurDKVCache(budget=24)
     cut(c, mx.concatenate([k0, k1]), mx.concatenate([v0, v1]), 200)
-    pos = np.array(mx.stack(c.body_positions(), axis=1))
+    pos = np.array(mx.stack(c.policy_view.body_positions(), axis=1))
     for row, (kn, vn) in enumerate(((kn0, vn0), (kn1, vn1))):
         want = numpy_kept(kn[:, :200], vn[:, :200], 24)
         assert set(pos[row, 0].tolist()) | set(range(4)) == want[0] | {200}

@@ -162,7 +162,9 @@ def next_token(cache, seed=9):
 
 def kept(cache, head, below=None):
     """Absolute positions of ``head``'s sinks and body tokens (below ``below`` if given)."""
-    pos = set(range(cache.sink_count())) | set(np.array(cache.body_positions()[head][0]).tolist())
+    pos = set(range(cache.policy_view.sink_count())) | set(
+        np.array(cache.policy_view.body_positions()[head][0]).tolist()
+    )
     return {p for p in pos if below is None or p < below}
 
 
@@ -399,7 +401,7 @@ def test_batch_rows_use_their_own_queries():
     with routed():
         prefill(both, qq, kk, vv, chunk=t)
         both.update_and_fetch(kk[:, :, :1], vv[:, :, :1])
-    pos = np.array(mx.stack(both.body_positions(), axis=1))
+    pos = np.array(mx.stack(both.policy_view.body_positions(), axis=1))
     for row, (q_pre, kr, vr) in enumerate(rows):
         want = kvpress_kept(kvpress_scores(q_pre, kr, vr), 40)
         for head in range(2):

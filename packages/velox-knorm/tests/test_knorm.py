@@ -171,7 +171,7 @@ def test_batch_rows_choose_on_their_own_keys():
     c = KNormCache(budget=24)
     c.update_and_fetch(k[:, :, :200], v[:, :, :200])
     c.update_and_fetch(k[:, :, 200:], v[:, :, 200:])
-    pos = np.array(mx.stack(c.body_positions(), axis=1))
+    pos = np.array(mx.stack(c.policy_view.body_positions(), axis=1))
     for row, norms in ((0, n0), (1, n1)):
         assert set(pos[row, 0].tolist()) - {200} == lowest(norms[0, :200], 24)
 

@@ -96,7 +96,7 @@ def test_predictor_picks_planted_sinks_not_the_first_tokens():
     assert c.sink_positions().tolist() == [list(SINKS)]
     kivi_first = KIVICache(bits=2, group=32, window=128, sinks=3)  # Preserve-First-N
     feed(kivi_first, k, v)
-    assert kivi_first.sink_count() == 3  # positions 0, 1, 2: misses every planted sink
+    assert kivi_first.policy_view.sink_count() == 3  # positions 0, 1, 2: misses every planted sink
 
 
 def test_scores_and_selection():

@@ -64,8 +64,8 @@ def kept_masks(caches):
     out = []
     for c in caches:
         m = np.zeros((c.kv_heads, N), dtype=bool)
-        m[:, : c.sink_count()] = True
-        for h, pos in enumerate(c.body_positions()):
+        m[:, : c.policy_view.sink_count()] = True
+        for h, pos in enumerate(c.policy_view.body_positions()):
             pos = np.array(pos[0])
             m[h, pos[pos < N]] = True
         out.append(m)
@@ -276,7 +276,7 @@ def test_batch_rows_keep_what_each_keeps_alone():
             MODEL(mx.array(rows[i : i + 1]), cache=caches)
             compress(MODEL, caches, rows[i], TOK)
         for a, b in zip(batch, caches):
-            pa, pb = (np.array(mx.stack(c.body_positions(), axis=1)) for c in (a, b))
+            pa, pb = (np.array(mx.stack(c.policy_view.body_positions(), axis=1)) for c in (a, b))
             assert np.array_equal(pa[i], pb[0])
 
 

@@ -75,7 +75,7 @@ def reference(keys, block, window):
 def body_anomalies(cache):
     """Per head: body positions and the policy's raw (a_s, a_e, a_c), as numpy."""
     parts = cache.policy.anomalies(cache.policy_view)
-    pos = cache.body_positions()
+    pos = cache.policy_view.body_positions()
     return [(np.array(p[0]), *(np.array(a[0]) for a in parts[h])) for h, p in enumerate(pos)]
 
 
@@ -260,7 +260,9 @@ def test_batches_fall_back_to_uniform_budgets():
     c = feed(NestedKVCache(budget=50), k, v, (200,))
     assert not c.ragged and c.size() == 51
     one = feed(NestedKVCache(budget=50, heads="uniform"), k[1:], v[1:], (200,))
-    assert mx.array_equal(c.body_positions()[0][1], one.body_positions()[0][0])
+    assert mx.array_equal(
+        c.policy_view.body_positions()[0][1], one.policy_view.body_positions()[0][0]
+    )
 
 
 def test_kept_keys_stay_at_their_positions():
@@ -269,20 +271,20 @@ def test_kept_keys_stay_at_their_positions():
     c = feed(NestedKVCache(budget=90, sinks=4, heads="uniform"), k, v, (150, 1, 1, 100))
     kk, _ = c.keys_and_values()
     assert mx.array_equal(kk[:, :, :4], k[:, :, :4])
-    for h, p in enumerate(c.body_positions()):
+    for h, p in enumerate(c.policy_view.body_positions()):
         assert np.all(np.diff(np.array(p[0])) > 0)
         assert mx.array_equal(kk[0, h, 4:], k[0, h, p[0]])  # fp16: the original keys
     coded = NestedKVCache(budget=90, sinks=4, bits=4, heads="uniform")
     feed(coded, k[:, :, :150], v[:, :, :150], (150,))
     before = {
-        int(p): coded.body_keys()[0][0, 0, i]
-        for i, p in enumerate(np.array(coded.body_positions()[0][0]))
+        int(p): coded.policy_view.body_keys()[0][0, 0, i]
+        for i, p in enumerate(np.array(coded.policy_view.body_positions()[0][0]))
     }
     feed(coded, k[:, :, 150:], v[:, :, 150:], (1, 1, 100))
-    after = coded.body_keys()[0][0, 0]
+    after = coded.policy_view.body_keys()[0][0, 0]
     kept = [
         (i, int(p))
-        for i, p in enumerate(np.array(coded.body_positions()[0][0]))
+        for i, p in enumerate(np.array(coded.policy_view.body_positions()[0][0]))
         if int(p) in before
     ]
     assert len(kept) > 10
@@ -331,7 +333,10 @@ def test_scores_use_keys_only_and_are_deterministic():
             c.update_and_fetch(k[:, :, :1], v[:, :, :1])
         runs.append(c)
     a, b = runs
-    assert all(mx.array_equal(x, y) for x, y in zip(a.body_positions(), b.body_positions()))
+    assert all(
+        mx.array_equal(x, y)
+        for x, y in zip(a.policy_view.body_positions(), b.policy_view.body_positions())
+    )
     sa, sb = a.policy.state(), b.policy.state()
     assert sa.keys() == sb.keys() and all(mx.array_equal(sa[n], sb[n]) for n in sa)
 
@@ -353,7 +358,10 @@ def test_state_round_trip_keeps_the_statistics(tmp_path):
         assert d.policy.meta() == c.policy.meta() and d.ragged == c.ragged
         for other in (c, d):
             feed(other, k[:, :, 300:], v[:, :, 300:], (90, 1, 1, 50))
-    assert all(mx.array_equal(x, y) for x, y in zip(c.body_positions(), d.body_positions()))
+    assert all(
+        mx.array_equal(x, y)
+        for x, y in zip(c.policy_view.body_positions(), d.policy_view.body_positions())
+    )
     sc, sd = c.policy.state(), d.policy.state()
     assert sc.keys() == sd.keys() and all(mx.array_equal(sc[n], sd[n]) for n in sc)
     assert c.policy.nbytes == sum(a.nbytes for a in sc.values()) > 0

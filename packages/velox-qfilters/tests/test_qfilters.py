@@ -58,8 +58,8 @@ def test_each_head_keeps_the_keys_with_the_largest_projection(chunk):
     for h in range(2):
         proj = np.array(k[0, h, :700].astype(mx.float32) @ f[h])
         best = sorted(np.argsort(-proj)[:100].tolist())
-        assert np.array(c.body_positions()[h][0]).tolist() == [*best, 700]
-    heads = [set(np.array(p[0]).tolist()) for p in c.body_positions()]
+        assert np.array(c.policy_view.body_positions()[h][0]).tolist() == [*best, 700]
+    heads = [set(np.array(p[0]).tolist()) for p in c.policy_view.body_positions()]
     assert heads[0] != heads[1]  # each KV head chooses with its own filter
 
 
@@ -70,7 +70,7 @@ def test_flipped_filters_keep_the_other_end():
     for sign, name in ((1.0, "plus"), (-1.0, "minus")):
         c = QFiltersCache(budget=50, window=0, filters=artifact(sign * f, name), layer=0)
         feed(c, k, v, 400).update_and_fetch(k[:, :, :1], v[:, :, :1])
-        kept.append(set(np.array(c.body_positions()[0][0][:-1]).tolist()))
+        kept.append(set(np.array(c.policy_view.body_positions()[0][0][:-1]).tolist()))
     assert not kept[0] & kept[1]
 
 
@@ -84,7 +84,7 @@ def test_kept_keys_keep_their_positions(bits):
     feed(c, k[:, :, 600:], v[:, :, 600:], 1)  # decode steps evict every 4 tokens
     assert c.offset == 640 and c.size() <= 80 + 4
     ref = k if bits is None else Uniform(bits).decode(Uniform(bits).encode(k)).astype(k.dtype)
-    for h, (keys, pos) in enumerate(zip(c.body_keys(), c.body_positions())):
+    for h, (keys, pos) in enumerate(zip(c.policy_view.body_keys(), c.policy_view.body_positions())):
         pos = np.array(pos[0])
         assert np.all(np.diff(pos) > 0) and np.sum(pos < 600) > 30
         assert mx.array_equal(keys[0, 0].astype(k.dtype), ref[0, h, mx.array(pos)])
@@ -111,7 +111,9 @@ def test_chunked_prefill_in_a_model_is_bounded_and_positions_absolute():
     assert [c.policy.layer for c in caches] == [0, 1]
     # layer 0's keys depend only on the token and its position: kept keys equal the plain ones
     k0 = plain[0].state[0]
-    for h, (keys, pos) in enumerate(zip(caches[0].body_keys(), caches[0].body_positions())):
+    for h, (keys, pos) in enumerate(
+        zip(caches[0].policy_view.body_keys(), caches[0].policy_view.body_positions())
+    ):
         pos = mx.array(np.array(pos[0]))
         assert mx.array_equal(keys[0, 0].astype(k0.dtype), k0[0, h, pos])
 
@@ -185,7 +187,7 @@ def test_composes_with_turboquant_3bit():
         policy=QFiltersPolicy(budget=64, filters=conformance_filters(), layer=0),
     )
     feed(c, k, v, 100).update_and_fetch(k[:, :, :1], v[:, :, :1])
-    kept = np.array(c.body_positions()[0][0][:-1])
+    kept = np.array(c.policy_view.body_positions()[0][0][:-1])
     f = np.array(mx.load(conformance_filters())["layer.0"][0])
     proj = np.array(k[0, 0].astype(mx.float32)) @ f
     assert np.mean(proj[kept]) > np.mean(proj)  # kept keys project above the mean

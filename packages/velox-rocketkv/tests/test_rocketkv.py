@@ -253,7 +253,7 @@ def test_summaries_kept_by_appends_equal_summaries_made_again(bits):
         for i in range(100, 140):
             c.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
             c.attend(q, scale=0.1)
-            body = mx.concatenate(c.body_keys(), axis=1)  # decoded by the key codec
+            body = mx.concatenate(c.policy_view.body_keys(), axis=1)  # decoded by the key codec
             want = summarize(body.astype(mx.float32), 3, mx.float16)
             assert mx.array_equal(c.policy.pages.store.view().data["kt"], want).item(), i
     assert c.policy.sparse_steps == 40
@@ -325,7 +325,7 @@ def test_without_the_second_stage_rocketkv_is_snapkv_with_its_pooling():
             for s in range(0, 600, 128):
                 model(prompt[:, s : s + 128], cache=caches)
             logits = model(mx.array([[7]]), cache=caches)
-        kept.append(([c.body_positions()[0] for c in caches], logits))
+        kept.append(([c.policy_view.body_positions()[0] for c in caches], logits))
     for a, b in zip(kept[0][0], kept[1][0]):
         assert mx.array_equal(a, b).item()
     assert mx.allclose(kept[0][1], kept[1][1], atol=1e-4).item()
@@ -433,7 +433,9 @@ def test_prefill_prompt_cuts_once_at_the_prompts_end_as_one_chunk_does():
                 model(prompt[:, s : s + chunk], cache=caches)
             held = [c.size() for c in caches]
             mx.eval(model(mx.array([[5]]), cache=caches))
-        return held, [[np.array(p).tolist() for p in c.body_positions()] for c in caches]
+        return held, [
+            [np.array(p).tolist() for p in c.policy_view.body_positions()] for c in caches
+        ]
 
     held, chunked = run(128, "prompt")
     assert held == [700] * len(held)  # nothing cut during the prompt

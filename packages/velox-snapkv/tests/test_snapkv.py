@@ -325,18 +325,18 @@ def test_the_same_token_keeps_its_rotated_key_through_evictions():
         ev.feed_attending(
             exact, k[:, :, s : s + 100], v[:, :, s : s + 100], q[:, :, s : s + 100], 100
         )
-        for i, keys in enumerate(coded.body_keys() if coded.offset else []):
-            for j, p in enumerate(np.array(coded.body_positions()[i][0]).tolist()):
+        for i, keys in enumerate(coded.policy_view.body_keys() if coded.offset else []):
+            for j, p in enumerate(np.array(coded.policy_view.body_positions()[i][0]).tolist()):
                 before[(i, p)] = np.array(keys[0, 0, j])
         ev.feed_attending(
             coded, k[:, :, s : s + 100], v[:, :, s : s + 100], q[:, :, s : s + 100], 100
         )
         kk, _ = exact.keys_and_values()
         for i in range(2):
-            pos = mx.array(exact.body_positions()[i][0])
+            pos = mx.array(exact.policy_view.body_positions()[i][0])
             assert mx.array_equal(kk[:, i, : pos.size], k[:, i, pos])  # the original keys
-        for i, keys in enumerate(coded.body_keys()):
-            for j, p in enumerate(np.array(coded.body_positions()[i][0]).tolist()):
+        for i, keys in enumerate(coded.policy_view.body_keys()):
+            for j, p in enumerate(np.array(coded.policy_view.body_positions()[i][0]).tolist()):
                 if (i, p) in before:  # decoded after the cut = decoded before it
                     assert np.array_equal(np.array(keys[0, 0, j]), before[(i, p)])
     assert exact.offset == coded.offset == 500 and exact.size() <= 164
@@ -425,7 +425,7 @@ def test_four_bit_setting_against_mlx_q4(seed):
     mlx = rel_error(sdpa(q, _mlx_q4(k), _mlx_q4(v), scale=scale), sdpa(q, k, v, scale=scale))
     # fp16 attention over the tokens the 4-bit cache kept, per KV head
     refs = []
-    for i, p in enumerate(ours.body_positions()):
+    for i, p in enumerate(ours.policy_view.body_positions()):
         kept_k, kept_v = k[:, i : i + 1, p[0]], v[:, i : i + 1, p[0]]
         refs.append(sdpa(q[:, 2 * i : 2 * i + 2], kept_k, kept_v, scale=scale))
     out = ours.attend(q, scale)
@@ -495,7 +495,7 @@ def test_batch_rows_keep_their_own_votes():
     one = c.extract(1)
     for x in (c, one):
         x.update_and_fetch(k[-x.stored.dims[0] :, :, 300:], v[-x.stored.dims[0] :, :, 300:])
-    pos = np.array(mx.stack(c.body_positions(), axis=1))
+    pos = np.array(mx.stack(c.policy_view.body_positions(), axis=1))
     assert 60 in pos[0, 0] and 230 in pos[1, 0] and 60 not in pos[1, 0]
     assert kept(one, 0) == set(pos[1, 0].tolist())
 

@@ -29,7 +29,7 @@ def test_keeps_sinks_and_the_most_recent_tokens():
     assert c.offset == 500 and c.size() <= 41
     kk, _ = c.keys_and_values()
     assert mx.array_equal(kk[:, :, :4], k[:, :, :4])
-    pos = np.array(c.body_positions()[0][0])
+    pos = np.array(c.policy_view.body_positions()[0][0])
     assert list(pos) == list(range(500 - len(pos), 500))
     assert mx.array_equal(kk[:, :, 4:], k[:, :, mx.array(pos)])
 

@@ -3,6 +3,8 @@ exercised by every package's tests)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ import pytest
 import velox_testing.eviction as ev
 from velox_core.kernels import config
 from velox_core.kernels.merge import MERGE
+from velox_core.policy.view import Tokens
 from velox_testing import kernel_env, scratch_dir, tiny_model
 from velox_testing.emulate import EmulatedKernels, Emulator
 from velox_testing.models import tiny_config
@@ -71,16 +74,15 @@ class _Held:
     """A cache as the eviction aids read it: 2 sinks, a body of chosen positions per KV head
     (row 0) and a window of 3, of 20 tokens seen; ``attend`` reads every token of ``k, v``."""
 
-    offset, sink_count = 20, staticmethod(lambda: 2)
-
     def __init__(self, k=None, v=None):
         self.k, self.v = k, v
-
-    def body_positions(self):
-        return [mx.array([[4, 9, 11]]), mx.array([[5, 6, 12]])]
-
-    def size(self):
-        return 2 + 3 + 3
+        self.policy_view = SimpleNamespace(
+            body_positions=lambda: [mx.array([[4, 9, 11]]), mx.array([[5, 6, 12]])],
+            protected=lambda: (
+                Tokens(None, None, mx.array([0, 1], dtype=mx.int32)),
+                Tokens(None, None, mx.array([17, 18, 19], dtype=mx.int32)),
+            ),
+        )
 
     def attend(self, q, scale):
         return mx.fast.scaled_dot_product_attention(q, self.k, self.v, scale=scale)

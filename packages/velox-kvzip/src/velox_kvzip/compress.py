@@ -225,7 +225,7 @@ def _cut(zipped: list, scores_by_pos: list, n: int, heads: str) -> list[float]:
     keeps per KV head (mean over heads)."""
     scores, quotas = [], []
     for (c, p), full in zip(zipped, scores_by_pos):
-        pos = c.body_positions()
+        pos = c.policy_view.body_positions()
         if any(q is None for q in pos):
             scores.append(mx.zeros((*full.shape[:2], 0), dtype=mx.float32))
         else:

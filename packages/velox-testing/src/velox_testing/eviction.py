@@ -189,16 +189,16 @@ def feed_attending(
 def kept_positions(cache, head: int = 0, below: int | None = None) -> set[int]:
     """Absolute positions of the body tokens (those the policy chose) of KV head ``head``,
     row 0 (below ``below`` if given)."""
-    pos = np.array(cache.body_positions()[head][0]).tolist()
+    pos = np.array(cache.policy_view.body_positions()[head][0]).tolist()
     return {p for p in pos if below is None or p < below}
 
 
 def stored_positions(cache, head: int = 0) -> set[int]:
     """Absolute positions of every token the cache stores for KV head ``head``, row 0: its
     sinks, its body and its window."""
-    body = cache.body_positions()[head]
-    n_win = cache.size() - cache.sink_count() - (0 if body is None else body.shape[1])
-    out = set(range(cache.sink_count())) | set(range(cache.offset - n_win, cache.offset))
+    sinks, window = cache.policy_view.protected()
+    body = cache.policy_view.body_positions()[head]
+    out = set(sinks.positions.tolist()) | set(window.positions.tolist())
     return out | (set() if body is None else set(np.array(body[0]).tolist()))
 
 
@@ -314,7 +314,7 @@ def batch_rows_apart(make, rows, chunk: int, positions=kept_positions):
     batch.update_and_fetch(k[:, :, t:], v[:, :, t:])
     for x in (one, alone):
         x.update_and_fetch(k1[:, :, t:], v1[:, :, t:])
-    pos = np.array(mx.stack(batch.body_positions(), axis=1))
+    pos = np.array(mx.stack(batch.policy_view.body_positions(), axis=1))
     assert set(pos[1, 0].tolist()) == positions(one) == positions(alone)
     assert positions(alone) != set(pos[0, 0].tolist())
     return batch, one, alone

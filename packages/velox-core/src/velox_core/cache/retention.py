@@ -57,10 +57,6 @@ class RetentionMixin:
         """Tokens a policy never evicts: the sinks and the window."""
         return self.stored.n_sink + self.stored.n_window
 
-    def sink_count(self) -> int:
-        """Tokens held as attention sinks (the first ones, never evicted)."""
-        return self.stored.n_sink
-
     @property
     def kv_heads(self) -> int | None:
         """KV heads of the stored tokens (None before the first update)."""
@@ -70,50 +66,6 @@ class RetentionMixin:
     def key_dim(self) -> int | None:
         """Channels of a stored key (None before the first update)."""
         return self.stored.dims[2] if self.stored.dims else None
-
-    def protected_keys(self) -> tuple[mx.array | None, mx.array | None, mx.array, mx.array]:
-        """Keys and absolute positions of the sinks and the window (never evicted).
-
-        Returns:
-            ``(sink_keys, window_keys, sink_positions, window_positions)``: keys
-            ``(B, H, n, D)`` in the storage dtype (None when empty), positions int32 ``(n,)``.
-        """
-        sk, wk = self.stored.sink[0].view(), self.stored.window[0].view()
-        n_sink, n_win = self.stored.n_sink, self.stored.n_window
-        return (
-            None if sk is None else sk.data["x"],
-            None if wk is None else wk.data["x"],
-            mx.arange(n_sink, dtype=mx.int32),
-            mx.arange(self.offset - n_win, self.offset, dtype=mx.int32),
-        )
-
-    def body_keys(self) -> list[mx.array]:
-        """Decoded body keys: one ``(B, 1, T_h, D)`` array per KV head (None where a head
-        holds no body token), float32 where a codec codes the keys, in the storage dtype where
-        they are kept as given."""
-        codec = self.tiers[0].key_codec
-        if self.ragged:
-            return [codec.decode(k.view()) if k.tokens else None for k, _, _ in self.stored.heads]
-        kv = self.stored.coded[0][0].view()
-        if kv is None:
-            return [None] * self.stored.dims[1]
-        keys = codec.decode(kv)
-        return [keys[:, h : h + 1] for h in range(keys.shape[1])]
-
-    def body_values(self) -> list[mx.array | None]:
-        """Decoded body values, float32: one ``(B, 1, T_h, Dv)`` array per KV head (None where
-        a head holds no body token), as :meth:`body_keys` gives the keys."""
-        codec = self.tiers[0].value_codec
-        if self.ragged:
-            return [
-                codec.decode(v.view()).astype(mx.float32) if v.tokens else None
-                for _, v, _ in self.stored.heads
-            ]
-        vv = self.stored.coded[0][1].view()
-        if vv is None:
-            return [None] * self.stored.dims[1]
-        vals = codec.decode(vv).astype(mx.float32)
-        return [vals[:, h : h + 1] for h in range(vals.shape[1])]
 
     def set_body_values(self, start: int, values: mx.array) -> None:
         """Overwrite the values of body tokens ``[start, start + n)`` in every head, coded by
@@ -149,19 +101,6 @@ class RetentionMixin:
         pos = self.stored.positions.view().data["x"][0, 0, start : start + n, 0]
         codec = self.tiers[0].value_codec
         self.stored.coded[0][1].write(start, codec.encode(values.astype(self.stored.dtype), pos))
-
-    def body_positions(self) -> list[mx.array]:
-        """Absolute positions of the body tokens: one ``(B, T_h)`` int32 array per KV head."""
-        if self.ragged:
-            return [
-                p.view().data["x"][:, 0, :, 0] if p.tokens else None
-                for _, _, p in self.stored.heads
-            ]
-        pv = self.stored.positions.view()
-        if pv is None:
-            return [None] * self.stored.dims[1]
-        pos = pv.data["x"][..., 0]
-        return [pos[:, h] for h in range(pos.shape[1])]
 
     # -- storing and evicting ------------------------------------------------------------------
     def _append_body(self, kp: Packed, vp: Packed, positions: mx.array) -> None:

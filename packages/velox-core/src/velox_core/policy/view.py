@@ -98,17 +98,35 @@ class PolicyView:
         """Decoded body keys: one ``(B, 1, T_h, D)`` array per KV head (None where a head
         holds no body token), float32 where a codec codes the keys, in :attr:`dtype` where
         they are kept as given (no key codec)."""
-        return self._cache.body_keys()
+        return self._body(0)
 
     def body_values(self) -> list[mx.array | None]:
         """Decoded body values, float32: one ``(B, 1, T_h, Dv)`` array per KV head (None
         where a head holds no body token)."""
-        return self._cache.body_values()
+        return [None if v is None else v.astype(mx.float32) for v in self._body(1)]
 
     def body_positions(self) -> list[mx.array | None]:
         """Absolute positions of the body tokens, ascending: one int32 ``(B, T_h)`` array per
         KV head (None where a head holds no body token)."""
-        return self._cache.body_positions()
+        st = self._cache.stored
+        if st.heads is not None:  # ragged: one record per head
+            return [p.view().data["x"][:, 0, :, 0] if p.tokens else None for _, _, p in st.heads]
+        pv = st.positions.view()
+        if pv is None:
+            return [None] * st.dims[1]
+        pos = pv.data["x"][..., 0]
+        return [pos[:, h] for h in range(pos.shape[1])]
+
+    def _body(self, side: int) -> list[mx.array | None]:
+        """The body's keys (``side`` 0) or values (1) decoded by their codec, per KV head."""
+        st, codec = self._cache.stored, self.codecs[side]
+        if st.heads is not None:
+            return [codec.decode(s[side].view()) if s[side].tokens else None for s in st.heads]
+        rec = st.coded[0][side].view()
+        if rec is None:
+            return [None] * st.dims[1]
+        x = codec.decode(rec)
+        return [x[:, h : h + 1] for h in range(x.shape[1])]
 
     def protected(self) -> tuple[Tokens, Tokens]:
         """The sinks and the window as stored (never evicted): ``(sinks, window)``, each a
