@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import secrets
 
-__all__ = ["MAGIC", "frame", "head", "split", "write_atomically"]
+__all__ = ["MAGIC", "frame", "head", "split"]
 
 MAGIC = b"VXCGEN01"
 _MAX_HEADER = 1 << 24
@@ -79,24 +77,3 @@ def split(data: bytes, chunks_of=None) -> tuple[dict, list[bytes]]:
     if at != len(data):
         raise ValueError(f"{len(data) - at} bytes after the last chunk (altered or appended)")
     return header, chunks
-
-
-def write_atomically(path: str, data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path`` and rename it over ``path`` (a save
-    that fails leaves the previous file as it was)."""
-    if os.path.islink(path):
-        path = os.path.realpath(path)
-    folder, name = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(folder, f".{name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise

@@ -16,19 +16,21 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
 from velox_core.artifacts import fingerprint
+from velox_core.io import write_atomically
 from velox_core.stored import StoredTokens
 from velox_core.validation import check_int
 
 from .artifact import resolve_steps
 from .chunks import SECTIONS, Settings, encode_chunks, read_meta
 from .chunks import spans as chunk_spans
-from .container import frame, head, write_atomically
+from .container import frame, head
 from .header import FORMAT, VERSION
 from .levels import LEVELS, LayerSteps
 from .quant import DELTAS, spread_of
@@ -235,7 +237,7 @@ def save(path: str | os.PathLike, caches: list, **kwargs: Any) -> Sizes:
     data, sizes = _encode(
         caches, opts["model"], *(opts[k] for k in keys), opts["delta"], opts["metadata"]
     )
-    write_atomically(str(path), data)
+    write_atomically(path, lambda tmp: Path(tmp).write_bytes(data))
     return sizes
 
 

@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -171,21 +172,27 @@ def save_cache(path: str | Path, caches: list, metadata: dict[str, str] | None =
     path = str(path)
     if not path.endswith(".safetensors"):
         raise ValueError(f"save_cache: the file name must end in .safetensors, got {path!r}")
-    _write_atomically(path, arrays, header)
+    # mlx appends .safetensors to any other name
+    write_atomically(path, lambda tmp: mx.save_safetensors(tmp, arrays, header), ".safetensors")
 
 
-def _write_atomically(path: str, arrays: dict[str, mx.array], header: dict[str, str]) -> None:
-    """Write to a temporary file beside ``path`` and rename it over ``path``: a save that
-    fails or is interrupted leaves the previous file as it was, and no temporary file. A
-    symbolic link is followed: its target is replaced, the link kept."""
+def write_atomically(
+    path: str | os.PathLike, write: Callable[[str], None], suffix: str = ""
+) -> None:
+    """Replace ``path`` as one step: ``write(tmp)`` writes a fresh file beside it (its name
+    ends in ``suffix``, for writers that insist on one), which reaches the disk and is then
+    renamed over ``path``. A write that fails or is interrupted leaves the previous file as
+    it was, and no temporary file. A symbolic link is followed: its target is replaced, the
+    link kept. velox's cache files and the disk stores of velox-kvtc and velox-cachegen are
+    written this way."""
+    path = os.fspath(path)
     if os.path.islink(path):
         path = os.path.realpath(path)
-    folder, name = os.path.split(path)
-    # a fresh name (not mkstemp) so the file gets the same permissions a direct write would;
-    # it ends in .safetensors because mlx appends that suffix to any other name
-    tmp = os.path.join(folder, f".{name}.{os.getpid()}-{secrets.token_hex(4)}.tmp.safetensors")
+    folder, name = os.path.split(os.path.abspath(path))
+    # a fresh name (not mkstemp) so the file gets the same permissions a direct write would
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}-{secrets.token_hex(4)}.tmp{suffix}")
     try:
-        mx.save_safetensors(tmp, arrays, header)
+        write(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())  # the bytes reach the disk before the name does
         os.replace(tmp, path)

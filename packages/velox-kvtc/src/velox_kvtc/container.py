@@ -13,14 +13,12 @@ leave gaps or trailing bytes, sizes that disagree with shapes, metadata that is 
 from __future__ import annotations
 
 import json
-import os
-import secrets
 import struct
 
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["from_numpy", "pack", "to_numpy", "unpack", "write_atomically"]
+__all__ = ["from_numpy", "pack", "to_numpy", "unpack"]
 
 _MAX_HEADER = 1 << 26
 _NUMPY = {"F16": np.float16, "F32": np.float32, "BF16": np.uint16, "U8": np.uint8}
@@ -107,24 +105,3 @@ def unpack(data: bytes) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, st
     if at != len(body):
         raise ValueError(f"{len(body) - at} bytes after the last array (truncated or altered)")
     return out, meta
-
-
-def write_atomically(path: str, data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path`` and rename it over ``path`` (a save
-    that fails leaves the previous file as it was; a symbolic link keeps pointing at it)."""
-    if os.path.islink(path):
-        path = os.path.realpath(path)
-    folder, name = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(folder, f".{name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise

@@ -27,17 +27,19 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
 from velox_core.artifacts import fingerprint
+from velox_core.io import write_atomically
 from velox_core.validation import check_int
 
 from . import artifact as art
 from .codec import encode_rows
-from .container import pack, to_numpy, write_atomically
+from .container import pack, to_numpy
 from .features import read_caches, to_rows
 from .fit import ratio_key
 from .header import FORMAT, VERSION, digest
@@ -196,5 +198,5 @@ def save(
     """Write :func:`encode`'s bytes to ``path`` (atomically: a failed save leaves the old
     file as it was) and return their :class:`Sizes`. Arguments: :func:`encode`'s."""
     data, sizes = _encode(caches, basis, model, ratio, sinks, window, metadata)
-    write_atomically(str(path), data)
+    write_atomically(path, lambda tmp: Path(tmp).write_bytes(data))
     return sizes
