@@ -70,6 +70,12 @@ def test_residual_scale_is_the_library_rule():
     assert residual_scale(b, d) == pytest.approx(sigma_q / math.sqrt(2), rel=1e-12)
 
 
+def test_second_stage_scale_may_be_given():
+    rc = ResidualCodebook(2, 128, scale=0.02)
+    assert rc.scale == 0.02 and rc.second is lloyd_max_laplace(2, 0.02)
+    assert ResidualCodebook(2, 128).scale == residual_scale(2, 128)
+
+
 def test_codes_are_the_two_stage_pair_and_their_table_sums_the_stages():
     rc = ResidualCodebook(2, 128)
     y = _gaussian(1, 4096)[0, 0].reshape(32, 128) / math.sqrt(128)
@@ -181,6 +187,10 @@ def test_bad_rvq_codec_and_codebook_arguments():
         ResidualCodebook(5, 128)
     with pytest.raises(ValueError, match="scale"):
         lloyd_max_laplace(2, 0.0)
+    with pytest.raises(ValueError, match="scale"):
+        ResidualCodebook(2, 128, scale=float("inf"))
+    with pytest.raises(TypeError, match="scale"):
+        ResidualCodebook(2, 128, scale="0.01")
     # rvq keys beside odd or fractional values are fine: only the keys are rvq
     assert TurboQuantConfig(bits=4, value_bits=3, key_variant="rvq").widths == (4, 3)
 

@@ -57,7 +57,10 @@ def lloyd_max_laplace(bits: int, scale: float) -> Codebook:
 
     ``mse`` is the per-coordinate distortion under that law.
     """
-    if not (isinstance(scale, float) and math.isfinite(scale) and scale > 0):
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"lloyd_max_laplace: scale must be a number, got {type(scale).__name__}")
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"lloyd_max_laplace: scale must be a positive float, got {scale!r}")
     grid = np.linspace(-_SUPPORT * scale, _SUPPORT * scale, _GRID + 1)
     pdf = np.exp(-np.abs(grid) / scale)
@@ -68,6 +71,12 @@ class ResidualCodebook:
     """The two stages of RVQ at ``stage_bits`` bits each for coordinates of a unit vector of
     ``R^dim``, as one ``2 * stage_bits``-bit codebook.
 
+    Args:
+        stage_bits: bits of each stage, 1 to :data:`MAX_STAGE_BITS`.
+        dim: the vector length (at least 3).
+        scale: the second stage's Laplacian scale; None (the codec's choice): the library's
+            rule, :func:`residual_scale`.
+
     Attributes:
         bits: the code width, ``2 * stage_bits``.
         first: the sphere law's Lloyd-Max codebook (stage 1).
@@ -76,12 +85,12 @@ class ResidualCodebook:
             is ``first[i1] + second[i2]``.
     """
 
-    def __init__(self, stage_bits: int, dim: int):
+    def __init__(self, stage_bits: int, dim: int, scale: float | None = None):
         self.stage_bits = check_int("stage_bits", stage_bits, minimum=1, maximum=MAX_STAGE_BITS)
         self.dim = check_int("dim", dim, minimum=3)
         self.bits = 2 * stage_bits
         self.first = lloyd_max_sphere(stage_bits, dim)
-        self.scale = residual_scale(stage_bits, dim)
+        self.scale = residual_scale(stage_bits, dim) if scale is None else scale
         self.second = lloyd_max_laplace(stage_bits, self.scale)
         table = self.first.centroids[:, None] + self.second.centroids[None, :]
         self.centroids = table.reshape(-1).astype(np.float32)
