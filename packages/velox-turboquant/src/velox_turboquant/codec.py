@@ -9,6 +9,11 @@ codebook and norm). The outlier channels are chosen as QJL (arXiv 2406.03482, th
 the paper follows) does: per head and per group of ``group`` tokens, the channels of largest
 norm over the group's tokens; the choice is stored as a ``d``-bit mask per group.
 
+The ``rvq`` variant (VeloxQuant-MLX's TurboQuant RVQ, no paper; :mod:`velox_turboquant.residual`)
+codes an even integer width ``b`` as two residual stages of ``b / 2`` bits, stored as one
+``b``-bit code per channel whose level is the sum of the two stages' levels: decoding and
+attention read it as a ``b``-bit codebook, as they read mse codes.
+
 Attention reads the codes: the query is rotated (and sketched, for ``prod``) once per part, or
 once per group and part when channels are split; scores are its products with codebook levels
 times norms; values are mixed as weighted sums of levels in the rotated domain and rotated
@@ -35,7 +40,7 @@ from velox_core.ops import pack, scale_dtype, unpack
 from velox_core.validation import check_choice, check_int
 
 from . import kernels as _kernels
-from .config import DEFAULT_GROUP, VARIANTS, check_width, split_width
+from .config import DEFAULT_GROUP, VARIANTS, check_rvq_width, check_width, split_width
 from .quantizer import SphereQuantizer, derive_seed
 
 __all__ = ["TurboQuant"]
@@ -47,8 +52,9 @@ class TurboQuant(Codec):
     Args:
         bits: bits per channel: an int 1 to 8, or fractional (e.g. 2.5, 3.5) with
             ``(bits - floor(bits)) * D`` a whole number of outlier channels.
-        variant: ``"mse"`` (TurboQuant_mse) or ``"prod"`` (TurboQuant_prod, unbiased inner
-            products).
+        variant: ``"mse"`` (TurboQuant_mse), ``"prod"`` (TurboQuant_prod, unbiased inner
+            products) or ``"rvq"`` (two residual stages of ``bits / 2``: an even integer
+            ``bits``).
         group: tokens sharing one outlier-channel choice (fractional widths only; default 64).
         seed: seed of the rotations and sketch matrices.
     """
@@ -72,6 +78,8 @@ class TurboQuant(Codec):
         self.bits = check_width("bits", bits)
         self.variant = check_choice("variant", variant, VARIANTS)
         self.fractional = isinstance(self.bits, float)
+        if self.variant == "rvq":
+            check_rvq_width("bits", self.bits)
         if group is not None and not self.fractional:
             raise ValueError(
                 f"group={group} only applies to fractional widths; bits={self.bits} is an "

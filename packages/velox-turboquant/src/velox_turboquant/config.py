@@ -8,9 +8,16 @@ from dataclasses import dataclass
 from velox_core import CodeWidths
 from velox_core.validation import check_choice, check_counts, check_int, check_widths
 
-__all__ = ["DEFAULT_GROUP", "VARIANTS", "TurboQuantConfig", "check_width", "split_width"]
+__all__ = [
+    "DEFAULT_GROUP",
+    "VARIANTS",
+    "TurboQuantConfig",
+    "check_rvq_width",
+    "check_width",
+    "split_width",
+]
 
-VARIANTS = ("mse", "prod")
+VARIANTS = ("mse", "prod", "rvq")
 DEFAULT_GROUP = 64  # tokens sharing one outlier-channel choice (fractional widths)
 _MAX_BITS = 8
 
@@ -33,6 +40,16 @@ def check_width(name: str, value, minimum: int = 1, maximum: int = _MAX_BITS) ->
             f"{maximum} (its channels use floor and floor + 1 bits)"
         )
     return float(value)
+
+
+def check_rvq_width(name: str, bits: int | float) -> None:
+    """Raise ``ValueError`` unless ``bits`` (already through :func:`check_width`) is a width
+    the ``rvq`` variant codes: an even integer from 2 to 8 (two stages of ``bits / 2``)."""
+    if isinstance(bits, float) or bits % 2:
+        raise ValueError(
+            f"{name}={bits}: the rvq variant codes two residual stages of {name}/2 bits each, so "
+            f"{name} must be an even integer from 2 to {_MAX_BITS} (2, 4, 6 or 8)"
+        )
 
 
 def split_width(name: str, bits: int | float, dim: int) -> tuple[int, int, int]:
@@ -71,9 +88,11 @@ class TurboQuantConfig(CodeWidths):
             or 3.5 (a ``bits - floor(bits)`` share of the channels, chosen as outliers per
             ``group`` tokens, get one bit more; see docs/turboquant.md).
         key_bits, value_bits: either alone (default ``bits``).
-        key_variant: ``"mse"`` (TurboQuant_mse: all bits on Lloyd-Max codes) or ``"prod"``
+        key_variant: ``"mse"`` (TurboQuant_mse: all bits on Lloyd-Max codes), ``"prod"``
             (TurboQuant_prod: ``b - 1`` bits of codes plus a 1-bit QJL sketch of the residual,
-            unbiased inner products). Values always use ``"mse"``.
+            unbiased inner products) or ``"rvq"`` (VeloxQuant-MLX's TurboQuant RVQ, no paper:
+            two residual stages of ``b / 2`` bits, the second on a Laplacian codebook; ``b``
+            an even integer). Values always use ``"mse"``.
         group: tokens that share one choice of outlier channels; only for fractional widths
             (default 64 there), rejected otherwise.
         window: most recent tokens kept as given (fp16); 0 in the paper.
@@ -90,6 +109,8 @@ class TurboQuantConfig(CodeWidths):
     def __post_init__(self):
         check_widths(self, check=check_width, bits_required=True)
         check_choice("key_variant", self.key_variant, VARIANTS)
+        if self.key_variant == "rvq":
+            check_rvq_width("key_bits" if self.key_bits is not None else "bits", self.widths[0])
         if self.group is not None:
             check_int("group", self.group, minimum=1)
             kb, vb = self.widths

@@ -23,8 +23,8 @@ def encode_codes(quant, y: mx.array) -> mx.array | None:
     Shapes:
         y ``(..., T, dim)`` float32; returns ``(..., T, ceil(dim * bits / 32))`` uint32.
     """
-    if not use_kernels() or quant.codebook is None or quant.sketch is not None:
-        return None
+    if not use_kernels() or quant.bounds is None or quant.sketch is not None:
+        return None  # (no thresholds: no codebook, or rvq's two-stage search)
     return codebook_encode(y, quant.bounds, quant.mse_bits)
 
 

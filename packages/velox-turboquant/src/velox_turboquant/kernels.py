@@ -38,10 +38,16 @@ residual sketch's ``signs`` and ``rnorm``).
   package's layout (:mod:`velox_turboquant.layout`); integer values beside fractional keys
   are restated in it by the keys' side.
 
-Fractional ``prod`` keys, ``prod`` values, 1-bit ``prod`` keys (the sketch alone) and parts
-rotated by a dense Haar matrix (parts whose Hadamard block would be under 16 channels) fall
-back to the reference in attention (the codec gives no kernel side); every integer-width record
-(mse or prod) and each part of a fractional one is encoded by the kernels.
+* ``rvq`` keys or values (two residual stages of ``b / 2`` bits, stored as one ``b``-bit code
+  whose level is the sum of the stages' levels: :mod:`velox_turboquant.residual`) are codebook
+  codes over that ``2**b``-level table, and take the codebook kernels as mse codes do, beside
+  integer-width codebook values.
+
+Fractional ``prod`` keys, ``prod`` values, 1-bit ``prod`` keys (the sketch alone), ``rvq``
+keys beside fractional values and parts rotated by a dense Haar matrix (parts whose Hadamard
+block would be under 16 channels) fall back to the reference in attention (the codec gives no
+kernel side); every integer-width mse or prod record and each part of a fractional one is
+encoded by the kernels (``rvq`` records by MLX ops: two searches, no thresholds).
 """
 
 from __future__ import annotations
@@ -72,8 +78,9 @@ def _is_turboquant(codec) -> bool:
 
 
 def _single_part(codec, variants: tuple[str, ...]) -> SphereQuantizer | None:
-    """The single quantizer of an integer-width codec of one of ``variants`` (with Lloyd-Max
-    codes: a ``prod`` codec of at least 2 bits), else None."""
+    """The single quantizer of an integer-width codec of one of ``variants`` (with codebook
+    codes: a ``prod`` codec of at least 2 bits; ``rvq``'s two stages are one code of its
+    ``2**bits``-level table), else None."""
     if not _is_turboquant(codec) or codec.fractional or codec.variant not in variants:
         return None
     if codec.dim is None or len(codec.parts) != 1:
@@ -198,8 +205,8 @@ def _inverse_matrix(quant: SphereQuantizer) -> mx.array:
 
 
 def kernel_values(codec, packed: Packed, dim: int) -> KernelSide | None:
-    """:meth:`velox_core.Codec.kernel_values` of TurboQuant: an integer-width mse record as
-    codebook codes in the rotated domain (mapped back by the value rotation's inverse, a
+    """:meth:`velox_core.Codec.kernel_values` of TurboQuant: an integer-width mse or rvq record
+    as codebook codes in the rotated domain (mapped back by the value rotation's inverse, a
     ``(D, D)`` matrix), with its outlier view; a fractional mse record as outlier codes
     (brought back inside the outlier kernel). None for ``prod`` values, a Haar-rotated
     fractional record or another head dim."""
@@ -208,7 +215,7 @@ def kernel_values(codec, packed: Packed, dim: int) -> KernelSide | None:
     if codec.fractional:
         side = _outlier_side(codec, packed)
         return None if side is None else KernelSide(OutlierCodes(side=side))
-    vq = _single_part(codec, ("mse",))
+    vq = _single_part(codec, ("mse", "rvq"))
     if vq is None:
         return None
     rec = _codebook_codes(vq, packed.data, _outlier_side(codec, packed))
@@ -232,16 +239,17 @@ def _outlier_keys(codec, packed: Packed, q_shape, values: CodeRecord) -> KernelS
 
 
 def kernel_keys(codec, packed: Packed, q_shape, values: CodeRecord) -> KernelSide | None:
-    """:meth:`velox_core.Codec.kernel_keys` of TurboQuant: integer-width mse or prod keys
-    (Lloyd-Max codes) as codebook codes scored against the rotated query (prod keys: with
-    the sketched query as their query-side input) beside codebook values; the outlier
-    kernel's keys where either side is fractional. None for ``prod`` keys of 1 bit or of a
-    fractional width, another head dim, or values of another layout."""
+    """:meth:`velox_core.Codec.kernel_keys` of TurboQuant: integer-width mse, prod or rvq keys
+    (Lloyd-Max codes; rvq's summed-stage table) as codebook codes scored against the rotated
+    query (prod keys: with the sketched query as their query-side input) beside codebook
+    values; the outlier kernel's keys where either side is fractional. None for ``prod`` keys
+    of 1 bit or of a fractional width, ``rvq`` keys beside fractional values, another head
+    dim, or values of another layout."""
     if not _is_turboquant(codec) or codec.dim != q_shape[-1]:
         return None
     if codec.fractional or isinstance(values, OutlierCodes):
         return _outlier_keys(codec, packed, q_shape, values)
-    kq = _single_part(codec, ("mse", "prod"))
+    kq = _single_part(codec, ("mse", "prod", "rvq"))
     if kq is None or not isinstance(values, CodebookCodes) or values.dim != kq.dim:
         return None
     sketch = None if kq.sketch is None else (lambda q_rot: _query_sketch(kq, q_rot))

@@ -7,14 +7,17 @@ coordinate is quantized alone with the Lloyd-Max codebook of that law (``TurboQu
 Algorithm 1). ``TurboQuant_prod`` (Algorithm 2) spends ``b - 1`` bits on those codes and one
 bit per coordinate on QJL, ``sign(S r)`` of the residual ``r = y - y_hat`` with ``S`` an
 i.i.d. Gaussian ``(d, d)`` matrix, plus ``||r||``; its inner-product estimate
-``<q, y_hat> + sqrt(pi/2) / d * ||r|| * <S q, sign(S r)>`` is unbiased.
+``<q, y_hat> + sqrt(pi/2) / d * ||r|| * <S q, sign(S r)>`` is unbiased. The ``rvq`` variant
+(VeloxQuant-MLX's, no paper: :mod:`velox_turboquant.residual`) codes each coordinate in two
+stages of ``bits / 2`` and stores the pair as one ``bits``-bit code of a ``2**bits``-level
+table, read like TurboQuant_mse's codes.
 
 Everything here works in the rotated domain: scores come from the rotated query against the
 codebook levels, and :meth:`SphereQuantizer.mix_rotated` returns weighted sums of levels,
 which the caller rotates back once. On a GPU with kernels enabled, TurboQuant_mse codes are
 searched and packed by one kernel (:mod:`velox_turboquant.encode`, bit for bit the
 reference); TurboQuant_prod's codes by the same kernel and its residual's sign sketch and
-norm by a second one.
+norm by a second one. RVQ codes (two searches) are encoded by MLX ops on every device.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from velox_core.ops import (
 )
 
 from .encode import encode_codes, encode_prod
+from .residual import ResidualCodebook
 
 __all__ = ["MIN_HADAMARD_BLOCK", "Rotation", "SphereQuantizer", "derive_seed"]
 
@@ -98,17 +102,19 @@ class Rotation:
 
 
 class SphereQuantizer:
-    """``TurboQuant_mse`` or ``TurboQuant_prod`` of vectors of one dimension.
+    """``TurboQuant_mse``, ``TurboQuant_prod`` or TurboQuant RVQ of vectors of one dimension.
 
     Args:
         dim: vector length (at least 3).
-        bits: bits per coordinate: all Lloyd-Max codes (``"mse"``), or ``bits - 1`` of codes
-            plus one sketch bit (``"prod"``; ``bits = 1`` is QJL alone).
-        variant: ``"mse"`` or ``"prod"``.
+        bits: bits per coordinate: all Lloyd-Max codes (``"mse"``), ``bits - 1`` of codes
+            plus one sketch bit (``"prod"``; ``bits = 1`` is QJL alone), or two residual
+            stages of ``bits / 2`` (``"rvq"``, even ``bits`` from 2 to 8).
+        variant: ``"mse"``, ``"prod"`` or ``"rvq"``.
         seed: seed of the rotation and of the sketch matrix (independent streams).
 
     Record fields (arrays with tokens on axis -2 of codes and -1 of norms): ``codes``
-    (packed uint32), ``norm`` (``||x||``), and for ``prod`` ``signs`` (packed 1-bit) and
+    (packed uint32, ``mse_bits`` each: ``rvq``'s both stages in one code), ``norm``
+    (``||x||``), and for ``prod`` ``signs`` (packed 1-bit) and
     ``rnorm`` (``||r||`` of the unit vector's residual).
     """
 
@@ -116,9 +122,17 @@ class SphereQuantizer:
         self.dim, self.bits, self.variant, self.seed = dim, bits, variant, seed
         self.mse_bits = bits - 1 if variant == "prod" else bits
         self.rotation = Rotation(dim, derive_seed(seed, 0))
-        self.codebook = lloyd_max_sphere(self.mse_bits, dim) if self.mse_bits else None
+        if variant == "rvq":
+            if bits % 2:
+                raise ValueError(f"rvq codes two stages of bits/2: bits must be even, got {bits}")
+            self.codebook = ResidualCodebook(bits // 2, dim)
+        else:
+            self.codebook = lloyd_max_sphere(self.mse_bits, dim) if self.mse_bits else None
         self.levels = None if self.codebook is None else self.codebook.levels()
-        self.bounds = None if self.codebook is None else mx.array(self.codebook.boundaries)
+        # the fused encode kernel's thresholds: one nearest-level search (not rvq's two)
+        self.bounds = None
+        if self.codebook is not None and variant != "rvq":
+            self.bounds = mx.array(self.codebook.boundaries)
         # the levels' symmetry in fp16, which the tensor-core kernel's lookups use (checked
         # once here, on the host values: CodebookCodes.symmetric)
         self.levels_symmetric = self.codebook is not None and levels_symmetric(
@@ -133,6 +147,7 @@ class SphereQuantizer:
         out = {f"rot.{k}": a for k, a in self.rotation.arrays().items()}
         if self.codebook is not None:
             out["levels"] = self.levels
+        if self.bounds is not None:
             out["bounds"] = self.bounds
         if self.sketch is not None:
             out["sketch"] = self.sketch
