@@ -68,7 +68,7 @@ class Stored:
     def window_arrays(self) -> tuple[mx.array, mx.array] | None:
         """The window's keys and values, ``(B, H, n_window, D)`` slices of its buffers (no
         copy), or None while it is empty."""
-        n = self.n_window
+        n = self.window[0].tokens  # (a decode step's: no property)
         if n == 0:
             return None
         return self.window[0].buf.data["x"][:, :, :n], self.window[1].buf.data["x"][:, :, :n]

@@ -78,17 +78,17 @@ class TierMixin:
         return True
 
     def _quantum(self) -> int:
-        """Tokens the window passes to tier 0 at once: ``flush`` in whole codec blocks."""
+        """Tokens the window passes to tier 0 at once: ``flush`` in whole codec blocks (and
+        sets ``_codec_block``, tier 0's codec block in tokens)."""
         first = self.tiers[0]
-        return _lcm(self.flush, _lcm(first.key_codec.block, first.value_codec.block))
+        self._codec_block = _lcm(first.key_codec.block, first.value_codec.block)
+        return _lcm(self.flush, self._codec_block)
 
     def _flush_count(self, tokens: int) -> int:
         """Tokens a window holding ``tokens`` passes to tier 0: the whole codec blocks past
         what it keeps, once they reach the flush quantum (else 0)."""
-        first = self.tiers[0]
-        block = _lcm(first.key_codec.block, first.value_codec.block)
         over = tokens - self._keep
-        return over // block * block if over >= self._flush_at else 0
+        return over // self._codec_block * self._codec_block if over >= self._flush_at else 0
 
     def _flush(self, ahead: int = 0) -> None:
         """Move window overflow into tier 0 (once it reaches the flush quantum) and tier

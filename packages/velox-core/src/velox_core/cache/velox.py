@@ -407,10 +407,12 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
             or win_k.buf is None
         ):
             return False
-        flush = self._flush_count(n + t)
+        # (a step's hot path, so no calls: _flush_count's count and the store's capacity)
+        over = n + t - self._keep
+        flush = over // self._codec_block * self._codec_block if over >= self._flush_at else 0
         if flush > n:
             return False  # the flush would pass on this step's own tokens
-        if flush or n + t > win_k.capacity:
+        if flush or n + t > win_k.buf.tokens:
             like = (win_k.buf, win_v.buf)  # a flush may empty the window: its layout kept
             if flush:
                 self._flush(ahead=t)
@@ -458,7 +460,7 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
                 )
         if self.policy is not None:
             self.policy.observe(self.policy_view, queries, scale)
-        if self.ragged:
+        if self.stored.heads is not None:  # ragged (a step's hot path: no property)
             return self._attend_ragged(queries, scale, mask, sinks)
         lq = queries.shape[2]
         if lq == 1 and self.policy is not None and (mask is None or isinstance(mask, str)):

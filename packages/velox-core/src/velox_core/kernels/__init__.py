@@ -57,7 +57,8 @@ def backend() -> str:
 
 
 def use_kernels() -> bool:
-    return kernels_enabled() and backend() in ("metal", "cuda")
+    """True where velox's kernels run: turned on (:func:`kernels_enabled`) on Metal or CUDA."""
+    return kernel_config().enabled and backend() in ("metal", "cuda")
 
 
 def _source_dirs(package: str) -> list[Path]:

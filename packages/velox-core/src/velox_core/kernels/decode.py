@@ -150,7 +150,10 @@ def plan_decode(
             raise ValueError(
                 f"decode_attention: q_sketch {tuple(q_sketch.shape)} must be {tuple(want_qs)}"
             )
-        if fp16 is not None and (len(fp16) > 2 or sum(k.shape[2] for k, _ in fp16) > FP16_MAX):
+        if fp16 and (
+            len(fp16) > 2
+            or fp16[0][0].shape[2] + (fp16[-1][0].shape[2] if len(fp16) > 1 else 0) > FP16_MAX
+        ):
             return None
         o_part, ml_part, qk = parts(q, q_sketch) if takes_qs else parts(q)  # qk: rows padded
         rows = o_part.shape[3]
