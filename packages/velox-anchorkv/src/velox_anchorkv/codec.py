@@ -8,13 +8,16 @@ what is resident, nothing else:
 * ``anchors`` ``(B, H, 1, k, D)`` in the cache's dtype: the anchor vectors (keys pre-RoPE);
 * ``codes`` ``(B, 1, 1, N, words)`` uint32, ``scale`` ``(B, 1, 1, N)`` float16 and ``slot``
   ``(B, 1, 1, N)`` int32 (``head * S + token``): the ``N`` residuals of the layer, pooled
-  across its KV heads (absent when ``N = 0``).
+  across its KV heads (absent when ``N = 0``). A key's residual is coded after RoPE
+  (``R_t r_t``, the same norm), so the cache scores it without rotating it.
 
 Attention reads them without a resident fp16 copy. Values are mixed through the anchors:
 ``Σ_t p_t γ_t a_idx(t)`` is the weights times ``γ`` scatter-added onto the ``k`` anchors, then
-one ``(k, D)`` product, plus each residual's weight times its decoded residual. Keys need RoPE
-at each token's own position, so a step rebuilds them transiently (``γ a`` gathered, the
-residuals added, RoPE applied) and drops them after its scores: the reference path.
+one ``(k, D)`` product; the residuals are mixed with their tokens' weights in their Hadamard
+domain (``level · scale``, one table gather) and the ``(M, D)`` sum rotated back once. Keys
+need RoPE at each token's own position, so a step rebuilds ``R_t γ a`` transiently (gathered,
+one fused rotation) for its scores and drops it; each residual's score is read from its codes
+with the query rotated once into their Hadamard domain.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import mlx.core as mx
 
 from velox_core import Codec, Packed
 from velox_core.codec.prerope import PreRope
+from velox_core.ops.rope import fast_rotate
 
 from .anchors import gather_rows
 from .residual import ResidualCodec
@@ -76,42 +80,62 @@ class AnchorSide(Codec):
             data["slot"] = slot.astype(mx.int32)[:, None, None]
         return Packed(data, s, block=s, per_block=PER_BLOCK & set(data))
 
-    def residuals(self, packed: Packed) -> tuple[mx.array, mx.array] | None:
-        """The decoded residuals ``(B, N, D)`` float32 and their slots ``(B, N)``, or None."""
+    def coded(self, packed: Packed) -> tuple[mx.array, mx.array] | None:
+        """The residuals in their rotated domain (levels times scales, float32
+        ``(B, N, D)``) and their slots ``(B, N)``, or None."""
         if "slot" not in packed.data:
             return None
-        dim = packed.data["anchors"].shape[-1]
-        codes = packed.data["codes"][:, 0, 0]
-        r = self.residual_codec(dim).decode(codes, packed.data["scale"][:, 0, 0])
-        return r, packed.data["slot"][:, 0, 0]
+        codec = self.residual_codec(packed.data["anchors"].shape[-1])
+        y = codec.levels(packed.data["codes"][:, 0, 0], packed.data["scale"][:, 0, 0])
+        return y, packed.data["slot"][:, 0, 0]
 
-    def rebuild(self, packed: Packed) -> mx.array:
-        """``γ a`` plus the stored residuals, as projected (keys pre-RoPE), float32
-        ``(B, H, S, D)``."""
+    def base(self, packed: Packed) -> mx.array:
+        """``γ a`` of every token, as projected (keys before RoPE), float32 ``(B, H, S, D)``."""
         a = packed.data["anchors"][:, :, 0].astype(mx.float32)
-        x = (
-            gather_rows(a, packed.data["index"])
-            * packed.data["gamma"].astype(mx.float32)[..., None]
-        )
-        res = self.residuals(packed)
-        if res is None:
+        gamma = packed.data["gamma"].astype(mx.float32)[..., None]
+        return gather_rows(a, packed.data["index"]) * gamma
+
+    def add_residuals(self, x: mx.array, packed: Packed) -> mx.array:
+        """``x`` ``(B, H, S, D)`` with each stored residual added at its token."""
+        coded = self.coded(packed)
+        if coded is None:
             return x
-        r, slot = res
+        y, slot = coded
+        r = self.residual_codec(x.shape[-1]).rotation.inverse(y)
         b, h, s, d = x.shape
         flat = slot + (mx.arange(b, dtype=mx.int32) * (h * s))[:, None]
         return x.reshape(b * h * s, d).at[flat].add(r).reshape(b, h, s, d)
 
 
+def _per_head(rows: mx.array, slot: mx.array, h: int, s: int) -> mx.array:
+    """``rows`` of the slots' heads: ``rows[b, slot // s, m, n]`` as ``(B, M, N)``.
+
+    Shapes: rows ``(B, H, M, N)``, slot int ``(B, N)``.
+    """
+    head = ((slot // s)[:, None, :] == mx.arange(h)[None, :, None]).astype(rows.dtype)
+    return mx.sum(rows * head[:, :, None, :], axis=1)
+
+
+def _onto_tokens(vals: mx.array, slot: mx.array, h: int, s: int) -> mx.array:
+    """``vals`` ``(B, M, N)`` scattered to their slots' tokens: ``(B, H, M, S)``, 0 elsewhere."""
+    b, m, _ = vals.shape
+    flat = (slot + (mx.arange(b, dtype=mx.int32) * (h * s))[:, None]).reshape(-1)
+    rows = mx.swapaxes(vals, 1, 2).reshape(-1, m)
+    out = mx.zeros((b * h * s, m), dtype=vals.dtype).at[flat].add(rows)
+    return mx.swapaxes(out.reshape(b, h, s, m), 2, 3)
+
+
 class AnchorValues(AnchorSide):
-    """The value side: decoded as :meth:`rebuild`, mixed through the anchors."""
+    """The value side: decoded as ``γ a`` plus its residual, mixed through the anchors."""
 
     compressed_mix = True
 
     def decode(self, packed: Packed) -> mx.array:
-        return self.rebuild(packed)
+        return self.add_residuals(self.base(packed), packed)
 
     def mix(self, w: mx.array, packed: Packed) -> mx.array:
-        """``w @ v_hat`` without rebuilding the values (see the module).
+        """``w @ v_hat`` without rebuilding the values (see the module): the residuals are
+        mixed in their rotated domain and the sum rotated back once.
 
         Shapes: w ``(B, H, M, S)`` float32; returns float32 ``(B, H, M, Dv)``.
         """
@@ -125,15 +149,15 @@ class AnchorValues(AnchorSide):
         rows = mx.swapaxes(wg, 2, 3).reshape(b * h * s, m)
         onto = mx.zeros((b * h * k, m), dtype=mx.float32).at[flat.reshape(-1)].add(rows)
         out = mx.swapaxes(onto.reshape(b, h, k, m), 2, 3) @ a
-        res = self.residuals(packed)
-        if res is None:
+        coded = self.coded(packed)
+        if coded is None:
             return out
-        r, slot = res  # (B, N, D), (B, N)
+        y, slot = coded  # (B, N, D), (B, N)
         g = mx.take_along_axis(mx.swapaxes(w, 1, 2).reshape(b, m, h * s), slot[:, None], -1)
-        head = (slot // s)[..., None] == mx.arange(h)  # (B, N, H)
-        per_head = g[..., None] * head[:, None].astype(mx.float32)  # (B, M, N, H)
-        extra = mx.swapaxes(per_head, 2, 3) @ r[:, None]  # (B, M, H, D)
-        return out + mx.swapaxes(extra, 1, 2)
+        head = ((slot // s)[..., None] == mx.arange(h)).astype(mx.float32)  # (B, N, H)
+        per_head = mx.swapaxes(g[..., None] * head[:, None], 2, 3)  # (B, M, H, N)
+        mixed = self.residual_codec(a.shape[-1]).rotation.inverse(per_head @ y[:, None])
+        return out + mx.swapaxes(mixed, 1, 2)
 
 
 class AnchorKeys(PreRope, AnchorSide):
@@ -176,6 +200,29 @@ class AnchorKeys(PreRope, AnchorSide):
         if rest:
             raise ValueError(f"anchorkv: unexpected key state {sorted(rest)}")
 
+    compressed_scores = True
+
+    def rotated_base(self, packed: Packed) -> mx.array:
+        """``R_t γ a`` of every token, float32 ``(B, H, S, D)`` (transient: RoPE at each
+        token's own position, one fused rotation)."""
+        x = self.base(packed)
+        return fast_rotate(x, mx.zeros((1,), dtype=mx.int32), self.rope_for(x.shape[-1]))
+
     def decode(self, packed: Packed) -> mx.array:
-        x = self.rebuild(packed)
-        return self.rerotate(x, mx.arange(x.shape[2], dtype=mx.int32))
+        return self.add_residuals(self.rotated_base(packed), packed)
+
+    def scores(self, q: mx.array, packed: Packed) -> mx.array:
+        """``q @ k_hat.T``: the rebuilt ``R_t γ a`` scored, plus each residual scored from its
+        codes with the query rotated once into the residuals' Hadamard domain.
+
+        Shapes: q ``(B, H, M, D)`` float32 scaled; returns float32 ``(B, H, M, S)``.
+        """
+        out = q @ mx.swapaxes(self.rotated_base(packed), -1, -2)
+        coded = self.coded(packed)
+        if coded is None:
+            return out
+        y, slot = coded
+        h, s = out.shape[1], out.shape[3]
+        qh = self.residual_codec(q.shape[-1]).rotation.forward(q)  # (B, H, M, D)
+        rows = qh @ mx.swapaxes(y, -1, -2)[:, None]  # (B, H, M, N)
+        return out + _onto_tokens(_per_head(rows, slot, h, s), slot, h, s)

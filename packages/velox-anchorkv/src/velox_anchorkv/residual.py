@@ -20,7 +20,15 @@ from functools import cache
 import mlx.core as mx
 import numpy as np
 
-from velox_core.ops import HadamardRotation, pack, packed_words, unpack
+from velox_core.ops import (
+    BYTE_BITS,
+    HadamardRotation,
+    byte_table,
+    lookup,
+    pack,
+    packed_words,
+    unpack,
+)
 from velox_core.ops.lloyd_max import lloyd_max_gaussian
 
 __all__ = ["ResidualCodec", "gaussian_absmax"]
@@ -52,6 +60,8 @@ class ResidualCodec:
         self.rotation = HadamardRotation(dim, seed=seed)
         self.book = lloyd_max_gaussian(bits)
         self.gain = gaussian_absmax(dim)
+        levels = self.book.levels()
+        self.table = byte_table(levels, bits) if bits in BYTE_BITS else None
 
     @property
     def words(self) -> int:
@@ -73,8 +83,18 @@ class ResidualCodec:
         u = mx.where(s > 0, y / mx.maximum(s, 1e-30), 0.0)
         return pack(self.book.encode(u), self.bits), scale[..., 0]
 
+    def levels(self, codes: mx.array, scale: mx.array) -> mx.array:
+        """The residuals in the rotated domain, ``level · scale``: float32 ``(..., dim)``
+        (one gather through a per-byte table at 1, 2, 4 and 8 bits).
+
+        Shapes: codes uint32 ``(..., words)``, scale ``(...)``."""
+        if self.table is not None:
+            lv = lookup(codes, self.bits, self.dim, self.table)
+        else:
+            lv = self.book.decode(unpack(codes, self.bits, self.dim))
+        return lv * scale.astype(mx.float32)[..., None]
+
     def decode(self, codes: mx.array, scale: mx.array) -> mx.array:
         """Shapes: codes uint32 ``(..., words)``, scale ``(...)``; returns float32
         ``(..., dim)``."""
-        levels = self.book.decode(unpack(codes, self.bits, self.dim))
-        return self.rotation.inverse(levels * scale.astype(mx.float32)[..., None])
+        return self.rotation.inverse(self.levels(codes, scale))
