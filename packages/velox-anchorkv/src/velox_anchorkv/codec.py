@@ -8,16 +8,16 @@ what is resident, nothing else:
 * ``anchors`` ``(B, H, 1, k, D)`` in the cache's dtype: the anchor vectors (keys pre-RoPE);
 * ``codes`` ``(B, 1, 1, N, words)`` uint32, ``scale`` ``(B, 1, 1, N)`` float16 and ``slot``
   ``(B, 1, 1, N)`` int32 (``head * S + token``): the ``N`` residuals of the layer, pooled
-  across its KV heads (absent when ``N = 0``). A key's residual is coded after RoPE
-  (``R_t r_t``, the same norm), so the cache scores it without rotating it.
+  across its KV heads (absent when ``N = 0``); a key's residual is coded before RoPE, as
+  its anchor and coefficient are.
 
 Attention reads them without a resident fp16 copy. Values are mixed through the anchors:
 ``Σ_t p_t γ_t a_idx(t)`` is the weights times ``γ`` scatter-added onto the ``k`` anchors, then
 one ``(k, D)`` product; the residuals are mixed with their tokens' weights in their Hadamard
 domain (``level · scale``, one table gather) and the ``(M, D)`` sum rotated back once. Keys
-need RoPE at each token's own position, so a step rebuilds ``R_t γ a`` transiently (gathered,
-one fused rotation) for its scores and drops it; each residual's score is read from its codes
-with the query rotated once into their Hadamard domain.
+need RoPE at each token's own position, so a step rebuilds them transiently (``γ a``
+gathered, the residuals decoded and added, one fused rotation) for its scores and drops them:
+the reference path.
 """
 
 from __future__ import annotations
@@ -107,24 +107,6 @@ class AnchorSide(Codec):
         return x.reshape(b * h * s, d).at[flat].add(r).reshape(b, h, s, d)
 
 
-def _per_head(rows: mx.array, slot: mx.array, h: int, s: int) -> mx.array:
-    """``rows`` of the slots' heads: ``rows[b, slot // s, m, n]`` as ``(B, M, N)``.
-
-    Shapes: rows ``(B, H, M, N)``, slot int ``(B, N)``.
-    """
-    head = ((slot // s)[:, None, :] == mx.arange(h)[None, :, None]).astype(rows.dtype)
-    return mx.sum(rows * head[:, :, None, :], axis=1)
-
-
-def _onto_tokens(vals: mx.array, slot: mx.array, h: int, s: int) -> mx.array:
-    """``vals`` ``(B, M, N)`` scattered to their slots' tokens: ``(B, H, M, S)``, 0 elsewhere."""
-    b, m, _ = vals.shape
-    flat = (slot + (mx.arange(b, dtype=mx.int32) * (h * s))[:, None]).reshape(-1)
-    rows = mx.swapaxes(vals, 1, 2).reshape(-1, m)
-    out = mx.zeros((b * h * s, m), dtype=vals.dtype).at[flat].add(rows)
-    return mx.swapaxes(out.reshape(b, h, s, m), 2, 3)
-
-
 class AnchorValues(AnchorSide):
     """The value side: decoded as ``γ a`` plus its residual, mixed through the anchors."""
 
@@ -200,29 +182,8 @@ class AnchorKeys(PreRope, AnchorSide):
         if rest:
             raise ValueError(f"anchorkv: unexpected key state {sorted(rest)}")
 
-    compressed_scores = True
-
-    def rotated_base(self, packed: Packed) -> mx.array:
-        """``R_t γ a`` of every token, float32 ``(B, H, S, D)`` (transient: RoPE at each
-        token's own position, one fused rotation)."""
-        x = self.base(packed)
-        return fast_rotate(x, mx.zeros((1,), dtype=mx.int32), self.rope_for(x.shape[-1]))
-
     def decode(self, packed: Packed) -> mx.array:
-        return self.add_residuals(self.rotated_base(packed), packed)
-
-    def scores(self, q: mx.array, packed: Packed) -> mx.array:
-        """``q @ k_hat.T``: the rebuilt ``R_t γ a`` scored, plus each residual scored from its
-        codes with the query rotated once into the residuals' Hadamard domain.
-
-        Shapes: q ``(B, H, M, D)`` float32 scaled; returns float32 ``(B, H, M, S)``.
-        """
-        out = q @ mx.swapaxes(self.rotated_base(packed), -1, -2)
-        coded = self.coded(packed)
-        if coded is None:
-            return out
-        y, slot = coded
-        h, s = out.shape[1], out.shape[3]
-        qh = self.residual_codec(q.shape[-1]).rotation.forward(q)  # (B, H, M, D)
-        rows = qh @ mx.swapaxes(y, -1, -2)[:, None]  # (B, H, M, N)
-        return out + _onto_tokens(_per_head(rows, slot, h, s), slot, h, s)
+        """``R_t (γ a + r)`` of every token, float32 ``(B, H, S, D)``: built transiently for
+        a step's scores (one fused rotation at the tokens' positions)."""
+        x = self.add_residuals(self.base(packed), packed)
+        return fast_rotate(x, mx.zeros((1,), dtype=mx.int32), self.rope_for(x.shape[-1]))

@@ -2,8 +2,7 @@
 
 :func:`compress_prompt` runs the paper's three steps on the exact prompt, per layer and KV
 head: anchors (:func:`~velox_anchorkv.anchors.choose_anchors`), every token's projection on
-its anchor, keys before RoPE (:func:`~velox_anchorkv.anchors.project`; a key's residual is
-then taken after RoPE, against the base the cache rebuilds), and the residuals
+its anchor, keys before RoPE (:func:`~velox_anchorkv.anchors.project`), and the residuals
 the byte budget buys, ranked by their utility across the layer's KV heads
 (:func:`~velox_anchorkv.anchors.utilities`, :func:`~velox_anchorkv.anchors.residual_slots`),
 coded by :class:`~velox_anchorkv.residual.ResidualCodec`.
@@ -90,7 +89,7 @@ def compress_prompt(
         rng: the random anchors' generator.
     """
     dtype = keys.dtype
-    b, h, s, dk = keys.shape
+    _, h, s, dk = keys.shape
     dv = values.shape[-1]
     obs = observe(queries, q_pos, keys, values, scale)
     at = choose_anchors(obs.votes, cfg.window, cfg.anchors, cfg.rho, rng)
@@ -99,21 +98,16 @@ def compress_prompt(
     pre = key_side.unrotate(keys, pos)
     pk = project(pre, at, dtype)
     pv = project(values, at, dtype)
-    # the key residual after RoPE, against the base the cache rebuilds (0 on anchors)
-    anchor = mx.put_along_axis(
-        mx.zeros((b, h, s), dtype=mx.bool_), at, mx.ones(at.shape, dtype=mx.bool_), axis=-1
-    )
-    rope = key_side.rope_for(dk)
-    post = keys.astype(mx.float32) - fast_rotate(pre - pk.residual, mx.zeros((1,), mx.int32), rope)
-    key_res = mx.where(anchor[..., None], 0.0, post)
-    u_k, u_v = utilities(obs, values, key_res, pv.residual)
+    # the key residual's utility reads it after RoPE (R_t r: what a score sees)
+    post = fast_rotate(pk.residual, mx.zeros((1,), mx.int32), key_side.rope_for(dk))
+    u_k, u_v = utilities(obs, values, post, pv.residual)
     kres, vres = key_side.residual_codec(dk), value_side.residual_codec(dv)
     meta = (2 if k <= 32767 else 4) + 2  # index and gamma, per token and side
     full = cfg.theta * FP16 * h * s * (dk + dv)
     base = h * k * (dk + dv) * dtype.size + 2 * h * s * meta
     nk, nv = residual_slots(full, base, kres.slot_bytes, vres.slot_bytes, h * (s - k))
     slot_k, slot_v = _top(u_k, nk), _top(u_v, nv)
-    ck, sk = _code(key_side, key_res, slot_k)
+    ck, sk = _code(key_side, pk.residual, slot_k)
     cv, sv = _code(value_side, pv.residual, slot_v)
     return Compressed(
         key_side.record(pk, ck, sk, slot_k),
