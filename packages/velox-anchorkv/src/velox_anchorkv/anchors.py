@@ -143,6 +143,7 @@ def project(x: mx.array, at: mx.array, dtype: mx.Dtype) -> Projected:
         den = mx.take_along_axis(na2, i, axis=-1)
         idx.append(i.astype(mx.int32))
         gam.append(mx.where(den > 0, g / mx.maximum(den, 1e-30), 0.0))
+        mx.eval(idx[-1], gam[-1])  # a tile's cosines freed before the next tile's
     index = mx.concatenate(idx, axis=-1)
     gamma = mx.concatenate(gam, axis=-1)
     own = mx.broadcast_to(mx.arange(k, dtype=mx.int32), (b, h, k))

@@ -24,6 +24,7 @@ from .codec import AnchorKeys, AnchorValues
 __all__ = ["Compressed", "compress_prompt"]
 
 FP16 = 2  # bytes of an fp16 coordinate: theta is a share of the fp16 cache
+ROWS = 4096  # residuals coded at once
 
 
 class Compressed(NamedTuple):
@@ -58,12 +59,21 @@ def _top(u: mx.array, n: int) -> mx.array:
 
 
 def _code(side, res: mx.array, slot: mx.array) -> tuple[mx.array, mx.array]:
-    """The residuals of ``slot`` coded: codes ``(B, N, words)``, scales ``(B, N)``."""
+    """The residuals of ``slot`` coded, ``ROWS`` at a time (each tile evaluated before the
+    next: the encode's intermediates stay a tile's): codes ``(B, N, words)``, scales
+    ``(B, N)``."""
     b, h, s, d = res.shape
     if slot.shape[-1] == 0:  # nothing to code (the record leaves the residual arrays out)
         return mx.zeros((b, 0, 1), dtype=mx.uint32), mx.zeros((b, 0), dtype=mx.float16)
-    rows = mx.take_along_axis(res.reshape(b, h * s, d), slot[..., None], axis=1)
-    return side.residual_codec(d).encode(rows)
+    flat = res.reshape(b, h * s, d)
+    codes, scales = [], []
+    for n0 in range(0, slot.shape[-1], ROWS):
+        rows = mx.take_along_axis(flat, slot[:, n0 : n0 + ROWS, None], axis=1)
+        c, sc = side.residual_codec(d).encode(rows)
+        mx.eval(c, sc)
+        codes.append(c)
+        scales.append(sc)
+    return mx.concatenate(codes, axis=1), mx.concatenate(scales, axis=1)
 
 
 def compress_prompt(
@@ -94,13 +104,19 @@ def compress_prompt(
     obs = observe(queries, q_pos, keys, values, scale)
     at = choose_anchors(obs.votes, cfg.window, cfg.anchors, cfg.rho, rng)
     k = at.shape[-1]
-    pos = mx.arange(s, dtype=mx.int32)
-    pre = key_side.unrotate(keys, pos)
+    # evaluated step by step, so that each step's float32 intermediates (of the prompt's
+    # size) are freed before the next step's exist
+    pre = fast_rotate(keys, mx.zeros((1,), mx.int32), key_side.rope_for(dk), inverse=True)
     pk = project(pre, at, dtype)
+    mx.eval(pk)
+    del pre
     pv = project(values, at, dtype)
+    mx.eval(pv)
     # the key residual's utility reads it after RoPE (R_t r: what a score sees)
     post = fast_rotate(pk.residual, mx.zeros((1,), mx.int32), key_side.rope_for(dk))
     u_k, u_v = utilities(obs, values, post, pv.residual)
+    mx.eval(u_k, u_v)
+    del obs, post
     kres, vres = key_side.residual_codec(dk), value_side.residual_codec(dv)
     meta = (2 if k <= 32767 else 4) + 2  # index and gamma, per token and side
     full = cfg.theta * FP16 * h * s * (dk + dv)

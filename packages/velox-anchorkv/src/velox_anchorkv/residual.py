@@ -81,7 +81,20 @@ class ResidualCodec:
         scale = (amax / self.gain).astype(mx.float16)
         s = scale.astype(mx.float32)
         u = mx.where(s > 0, y / mx.maximum(s, 1e-30), 0.0)
-        return pack(self.book.encode(u), self.bits), scale[..., 0]
+        return pack(self.quantize(u), self.bits), scale[..., 0]
+
+    def quantize(self, u: mx.array) -> mx.array:
+        """The nearest level's code of each coordinate: the number of decision boundaries at
+        or below it (the levels are sorted), counted in uint8 (no int32 or float copy of
+        ``u`` per boundary; above 4 bits, the codebook's binary search).
+
+        Shapes: u ``(...)`` float32; returns uint8 codes of the same shape."""
+        if self.bits > 4:
+            return self.book.encode(u)
+        codes = mx.zeros(u.shape, dtype=mx.uint8)
+        for b in self.book.boundaries.tolist():
+            codes = codes + (u >= b).astype(mx.uint8)
+        return codes
 
     def levels(self, codes: mx.array, scale: mx.array) -> mx.array:
         """The residuals in the rotated domain, ``level · scale``: float32 ``(..., dim)``
