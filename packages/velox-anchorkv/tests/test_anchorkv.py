@@ -264,6 +264,10 @@ def test_residual_codec_error_and_sizes():
         err = rel_error(c.decode(codes, scale), r)
         assert err < (0.38 if bits == 2 else 0.12), (dim, bits, err)
     assert 2.2 < gaussian_absmax(64) < 2.6
+    u = mx.random.normal((300, 64), key=mx.random.key(3)) * 1.5
+    for bits in (1, 2, 3, 4):  # the counted boundaries give the codebook's own codes
+        c = ResidualCodec(64, bits, seed=0)
+        assert mx.array_equal(c.quantize(u), c.book.encode(u)).item()
 
 
 # -- RoPE, the model and routing ------------------------------------------------------------
