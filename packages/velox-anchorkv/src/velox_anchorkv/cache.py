@@ -70,6 +70,8 @@ class AnchorKVCache(PresetCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Store new tokens (post-RoPE); the first single token after a prompt compresses it
         first. See :meth:`velox_core.VeloxCache.update_and_fetch` for what is returned."""
+        if self.stored.dims is None and getattr(keys, "ndim", 0) == 4:
+            self.key_side.rope_for(keys.shape[-1])  # no RoPE known: refused before storing
         first = self.pending and not self.compressed and getattr(keys, "ndim", 0) == 4
         if first and keys.shape[2] == 1:
             check_kv(keys, values)
