@@ -115,6 +115,7 @@ def test_prompt_compressed_once_at_the_first_single_token():
     assert not c.compressed and c.pending
     c.update_and_fetch(k[:, :, 199:], v[:, :, 199:])
     assert c.compressed and c.prompt[0].tokens == 199 and c.stored.coded[0][0].tokens == 0
+    assert "theta=0.25" in c.describe() and "(compressed)" in c.describe()
     assert not c.observed  # no routed attention: the window's keys stood in for the queries
 
 

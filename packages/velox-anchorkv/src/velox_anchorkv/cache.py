@@ -61,6 +61,15 @@ class AnchorKVCache(PresetCache):
         # every token as given until the prompt is compressed, and after it
         return {"window": 0}
 
+    def describe(self) -> str:
+        c = self.cfg
+        kb, vb = c.widths
+        stage = "compressed" if self.compressed else "prompt pending" if self.pending else "empty"
+        return (
+            f"anchorkv: theta={c.theta:g} window={c.window} anchors={c.anchors:g} rho={c.rho:g} "
+            f"residual bits K={kb} V={vb} ({stage})"
+        )
+
     # -- the prompt's compression ------------------------------------------------------------
     @property
     def compressed(self) -> bool:
