@@ -112,6 +112,7 @@ def test_every_package_registered():
         "xkv",
         "palu",
         "minicache",
+        "anchorkv",
     }
     assert expected <= set(methods())
 
