@@ -42,7 +42,7 @@ STEP = {
             "kernels/layout.py",
             "kernels/merge.py",
         },
-        12,
+        13,
     ),
     "cuda": (
         {
@@ -55,7 +55,7 @@ STEP = {
             "kernels/mma.py",
             "kernels/merge.py",
         },
-        11,
+        12,
     ),
 }
 

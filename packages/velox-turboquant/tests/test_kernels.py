@@ -119,20 +119,28 @@ def test_query_sketch_is_exact_with_tf32_sized_parts():
     assert np.abs(np.asarray(lo)).max() <= 2.0**-8 * np.abs(np.asarray(q)).max()
 
 
-def test_emulated_prod_cache_attends_like_the_reference(emulated_gpu, monkeypatch):
-    """A TurboQuantCache with prod keys, sinks and window: its decode step takes the kernel
-    (with the sketch term) and the rotating merge, and matches the reference cache."""
+@pytest.mark.parametrize("bits, variant", [(3, "prod"), (4, "rvq")])
+def test_emulated_cache_with_other_keys_attends_like_the_reference(
+    emulated_gpu, monkeypatch, bits, variant
+):
+    """A TurboQuantCache with prod keys (the sketch term in the kernel) or rvq keys (the
+    summed-stage table as a codebook), sinks and window: its decode step takes the kernel and
+    the rotating merge, and matches the reference cache; rvq's key codes (encoded by MLX ops
+    on both paths) are the reference's."""
     k, v = kv_data(t=120)
     q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(5)).astype(mx.float16)
-    cache = TurboQuantCache(bits=3, key_variant="prod", window=8, sinks=4)
+    cache = TurboQuantCache(bits=bits, key_variant=variant, window=8, sinks=4)
     cache.update_and_fetch(k, v)
     emulated_gpu.calls.clear()
     got = cache.attend(q, 0.088)
     assert emulated_gpu.names == ["velox_decode_attention", "velox_decode_merge_fp16"]
     monkeypatch.setattr(vk, "backend", lambda: "cpu")  # the reference path
-    ref_cache = TurboQuantCache(bits=3, key_variant="prod", window=8, sinks=4)
+    ref_cache = TurboQuantCache(bits=bits, key_variant=variant, window=8, sinks=4)
     ref_cache.update_and_fetch(k, v)
     ref = ref_cache.attend(q, 0.088)
+    if variant == "rvq":
+        body, ref_body = cache.segments()[1], ref_cache.segments()[1]
+        assert mx.array_equal(body.keys.data["codes"], ref_body.keys.data["codes"]).item()
     assert np.abs(np.asarray((got - ref).astype(mx.float32))).max() < 2e-3
 
 

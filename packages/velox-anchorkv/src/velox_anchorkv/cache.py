@@ -149,13 +149,7 @@ class AnchorKVCache(PresetCache):
             if getattr(queries, "ndim", 0) == 4 and self.stored.dims is not None:
                 self.queries.add(self.policy_view, queries, scale)
             return super().attend(queries, scale, mask, sinks)
-        b, h, dk, _ = self.stored.dims
-        qs = tuple(getattr(queries, "shape", ()))
-        if len(qs) != 4 or qs[0] != b or qs[1] % h or qs[3] != dk:
-            raise ValueError(
-                f"attend: queries {qs} must be (batch={b}, a multiple of {h} heads, L, "
-                f"key_dim={dk})"
-            )
+        self.check_queries(queries)
         return attend(
             queries, self.segments(), scale, mask, sinks, self.fused_above, self.prefill_tile
         )

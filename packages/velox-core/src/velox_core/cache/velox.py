@@ -450,14 +450,7 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
         Shapes:
             queries ``(B, Hq, L, Dk)``; returns ``(B, Hq, L, Dv)``.
         """
-        if self.stored.dims is not None:
-            b, h, dk, _ = self.stored.dims
-            qs = tuple(getattr(queries, "shape", ()))
-            if len(qs) != 4 or qs[0] != b or qs[1] % h or qs[3] != dk:
-                raise ValueError(
-                    f"attend: queries {qs} must be (batch={b}, a multiple of {h} heads, L, "
-                    f"key_dim={dk})"
-                )
+        self.check_queries(queries)
         if self.policy is not None:
             self.policy.observe(self.policy_view, queries, scale)
         if self.stored.heads is not None:  # ragged (a step's hot path: no property)
@@ -473,6 +466,19 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
                 return out
         segs = self.segments()
         return attend(queries, segs, scale, mask, sinks, self.fused_above, self.prefill_tile)
+
+    def check_queries(self, queries: mx.array) -> None:
+        """Raise a ``ValueError`` unless ``queries`` are ``(B, Hq, L, Dk)`` with the stored
+        batch, a multiple of the KV heads and the key dim (unchecked before any update)."""
+        if self.stored.dims is None:
+            return
+        b, h, dk, _ = self.stored.dims
+        qs = tuple(getattr(queries, "shape", ()))
+        if len(qs) != 4 or qs[0] != b or qs[1] % h or qs[3] != dk:
+            raise ValueError(
+                f"attend: queries {qs} must be (batch={b}, a multiple of {h} heads, L, "
+                f"key_dim={dk})"
+            )
 
     def size(self) -> int:
         """Stored tokens (the widest head's, with per-head budgets)."""
