@@ -32,6 +32,7 @@ def test_eviction_and_composition_on_the_reference_model(question):
             "snapkv:budget=50%",
             "snapkv:budget=50%+uniform:bits=4",
             "kvzip:budget=25%",  # its reconstruction step after the context (or the prompt)
+            "anchorkv:theta=0.25",  # compressed once, at the answer's first token
         )
     ]
     trials, info = run_eval(
@@ -50,6 +51,8 @@ def test_eviction_and_composition_on_the_reference_model(question):
     assert 2.0 < cells["snapkv:budget=25%"].ratio < 4.5
     assert 2.0 < cells["streamingllm:budget=25%"].ratio < 4.5
     assert 2.0 < cells["kvzip:budget=25%"].ratio < 4.5
+    # a quarter of the prompt's fp16 bytes: anchors, indices, coefficients and residuals
+    assert 2.0 < cells["anchorkv:theta=0.25"].ratio < 6.0
     # half the tokens at 4 bits: fewer bytes than half the tokens in fp16
     assert cells["snapkv:budget=50%+uniform:bits=4"].ratio > cells["snapkv:budget=50%"].ratio
 

@@ -65,6 +65,7 @@ POINTS: dict[str, dict[str, tuple[str, ...]]] = {
         "qfilters": ("qfilters:budget=25%",),
         "nestedkv": ("nestedkv:budget=25%",),
         "adakv": ("adakv:budget=25%",),
+        "anchorkv": ("anchorkv:theta=0.25",),
     },
     "8x": {
         "uniform": ("uniform:bits=2",),
@@ -105,6 +106,7 @@ POINTS: dict[str, dict[str, tuple[str, ...]]] = {
         "qfilters": ("qfilters:budget=12.5%",),
         "nestedkv": ("nestedkv:budget=12.5%",),
         "adakv": ("adakv:budget=12.5%",),
+        "anchorkv": ("anchorkv:theta=0.125",),
     },
     "16x": {
         "snapkv": ("snapkv:budget=25%+uniform:bits=4", "snapkv:budget=50%+uniform:bits=2"),
