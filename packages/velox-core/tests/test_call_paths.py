@@ -29,34 +29,18 @@ needs_gxx = pytest.mark.skipif(
 )
 
 # the decode step between flushes: (files, most Python calls), per backend
+STEP_COMMON = {
+    "cache/velox.py",
+    "cache/planned.py",
+    "cache/stored.py",
+    "kernels/__init__.py",
+    "kernels/config.py",
+    "kernels/decode.py",
+    "kernels/merge.py",
+}
 STEP = {
-    "metal": (
-        {
-            "cache/velox.py",
-            "cache/planned.py",
-            "cache/stored.py",
-            "kernels/__init__.py",
-            "kernels/config.py",
-            "kernels/decode.py",
-            "kernels/portable.py",
-            "kernels/layout.py",
-            "kernels/merge.py",
-        },
-        13,
-    ),
-    "cuda": (
-        {
-            "cache/velox.py",
-            "cache/planned.py",
-            "cache/stored.py",
-            "kernels/__init__.py",
-            "kernels/config.py",
-            "kernels/decode.py",
-            "kernels/mma.py",
-            "kernels/merge.py",
-        },
-        12,
-    ),
+    "metal": (STEP_COMMON | {"kernels/portable.py", "kernels/layout.py"}, 13),
+    "cuda": (STEP_COMMON | {"kernels/mma.py"}, 12),
 }
 
 # the planning after a flush: the files it reads, per backend (helpers included)
