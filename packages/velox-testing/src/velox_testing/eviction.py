@@ -227,7 +227,8 @@ def assert_cut_needs_routing(make: Callable[[], Any], t: int = 300, d: int = 64)
 def observed_layer_zero(model, caches: list, prompt: mx.array, steps, chunk: int, size: int):
     """Run ``model`` routed over ``caches``: ``prompt`` ``(1, T)`` in chunks of ``chunk``
     tokens, then one decode step per token of ``steps``, asserting after each step that every
-    cache holds ``size`` tokens; record the queries layer 0's policy observes.
+    cache holds ``size`` tokens; record the queries layer 0's policy observes (with or without
+    the attention weights).
 
     At layer 0 the keys and queries do not depend on the cache, so a transcription of the
     method fed these can be compared with what layer 0 of ``caches`` keeps.
@@ -237,14 +238,24 @@ def observed_layer_zero(model, caches: list, prompt: mx.array, steps, chunk: int
         the same model; float32 numpy ``(1, H, T + len(steps), D)``) and the queries its
         policy observed, in order (``(1, Hq, T + len(steps), D)``).
     """
-    seen = []
-    observe = caches[0].policy.observe
+    seen, inside = [], []
+    policy = caches[0].policy
+    observe, observe_weights = policy.observe, policy.observe_weights
 
     def record(view, queries, scale):
-        seen.append(np.array(queries[0].astype(mx.float32)))
+        if not inside:  # not called back by observe_weights
+            seen.append(np.array(queries[0].astype(mx.float32)))
         observe(view, queries, scale)
 
-    caches[0].policy.observe = record
+    def record_weights(view, queries, scale, weights):
+        seen.append(np.array(queries[0].astype(mx.float32)))
+        inside.append(True)
+        try:
+            observe_weights(view, queries, scale, weights)
+        finally:
+            inside.pop()
+
+    policy.observe, policy.observe_weights = record, record_weights
     with routed(model):
         for s in range(0, prompt.shape[1], chunk):
             model(prompt[:, s : s + chunk], cache=caches)

@@ -425,7 +425,6 @@ def attend(
     if hq % h:
         raise ValueError(f"attend: {hq} query heads is not a multiple of {h} KV heads")
     r = hq // h
-    t = sum(s.tokens for s in segments)
     fused = (mask is None or lq == 1) and sinks is None and use_kernels()
     if fused:
         # the unscaled queries: the kernels apply the scale
@@ -438,6 +437,42 @@ def attend(
         if any(p is not None for p in parts):
             parts = [p if p is not None else partial(q, seg) for p, seg in zip(parts, segments)]
             return merge_partials(parts).reshape(b, hq, lq, -1).astype(queries.dtype)
+    return _reference(queries, segments, scale, mask, sinks)[0]
+
+
+def attend_weights(
+    queries: mx.array, segments: list[Segment], scale: float, mask=None
+) -> tuple[mx.array, mx.array]:
+    """:func:`attend` for a few queries on its reference path, with the softmax weights it
+    computes: for a retention policy that scores stored tokens by this call's attention
+    (``RetentionPolicy.wants_weights``), so that the weights are not computed again beside
+    the call. The weights are each query's softmax over every stored token it sees (the
+    scores from the key codecs, as attention reads them; masked tokens weigh 0).
+
+    Shapes:
+        queries ``(B, Hq, L, Dk)``; returns the output ``(B, Hq, L, Dv)`` in
+        ``queries.dtype`` and the weights, float32 ``(B, H, R, L, S)`` (``R = Hq / H`` query
+        heads a KV head, mlx-lm's grouped layout; ``S`` the stored tokens in the segments'
+        order).
+    """
+    if not segments:
+        raise ValueError("attend: the cache holds no tokens")
+    out, p = _reference(queries, segments, scale, mask, None)
+    b, h, _, t = p.shape
+    return out, p.reshape(b, h, -1, queries.shape[2], t)
+
+
+def _reference(queries, segments, scale, mask, sinks) -> tuple[mx.array, mx.array]:
+    """The reference path of a few queries: the key codecs' scores, one softmax, the value
+    codecs' mix. Returns the output ``(B, Hq, L, Dv)`` and the weights, float32 ``(B, H, R *
+    L, S)`` (the sink column, if any, left out)."""
+    b, hq, lq, _ = queries.shape
+    h = segments[0].keys.data[next(iter(segments[0].keys.data))].shape[1]
+    if hq % h:
+        raise ValueError(f"attend: {hq} query heads is not a multiple of {h} KV heads")
+    r = hq // h
+    t = sum(s.tokens for s in segments)
+    q = (queries.astype(mx.float32) * scale).reshape(b, h, r * lq, -1)
     scores = [s.key_codec.scores(q, s.keys) for s in segments]
     s = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)  # (B, H, R*L, T)
     m5 = _mask_5d(mask, b, h, r, lq, t)
@@ -459,4 +494,4 @@ def attend(
         part = seg.value_codec.mix(p[..., start : start + seg.tokens], seg.values)
         out = part if out is None else out + part
         start += seg.tokens
-    return out.reshape(b, hq, lq, -1).astype(queries.dtype)
+    return out.reshape(b, hq, lq, -1).astype(queries.dtype), p

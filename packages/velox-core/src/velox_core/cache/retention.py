@@ -16,7 +16,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..codec.base import Packed
-from .attention import Segment, attend
+from .attention import Segment, attend, attend_weights
 from .store import PackedStore
 
 __all__: list[str] = []
@@ -138,7 +138,7 @@ class RetentionMixin:
         if self.ragged:
             self._evict_ragged([keep] * len(self.stored.heads))
             return
-        kv, vv, pv = self.stored.body()
+        kv = self.stored.coded[0][0].view()
         if kv is None:
             return
         idx = keep.astype(mx.int32)
@@ -146,9 +146,14 @@ class RetentionMixin:
             raise ValueError(
                 f"evict: per-head index of shape {tuple(idx.shape)} does not match the body"
             )
-        self.stored.coded[0][0].replace(kv.take(idx))
-        self.stored.coded[0][1].replace(vv.take(idx))
-        self.stored.positions.replace(pv.take(idx))
+        # room for the body until the next cut: a decode cut each `every` tokens keeps the
+        # body's buffers at that size (cut in place, no slack); otherwise the kept tokens
+        pol = self.policy
+        room = None
+        if pol.every is not None and pol.budget is not None:
+            room = max(pol.budget + pol.every - self.protected(), 0)
+        for store in (*self.stored.coded[0], self.stored.positions):
+            store.keep(idx, room)
 
     def _evict_ragged(self, keep: list) -> None:
         b, h = self.stored.dims[:2]
@@ -173,6 +178,28 @@ class RetentionMixin:
                 v = s.view()
                 if v is not None:
                     s.replace(v.take(idx) if idx.size else None)
+
+    # -- the policy sees each attention call ----------------------------------------------
+    def _observed(self, queries: mx.array, scale: float, mask, sinks) -> mx.array | None:
+        """Show the policy this call's queries. Where it scores tokens by this call's
+        attention weights (:meth:`~velox_core.RetentionPolicy.wants_weights`) and the call
+        is a few queries over one body record without sink logits, attend here on the
+        reference path and hand it the weights (:meth:`~velox_core.RetentionPolicy.
+        observe_weights`), returning the output; otherwise call
+        :meth:`~velox_core.RetentionPolicy.observe` and return None (the cache attends)."""
+        pol, view = self.policy, self.policy_view
+        lq = queries.shape[2]
+        if (
+            self.stored.heads is None
+            and sinks is None
+            and lq <= self.fused_above
+            and pol.wants_weights(lq)
+        ):
+            out, weights = attend_weights(queries, self.segments(), scale, mask)
+            pol.observe_weights(view, queries, scale, weights)
+            return out
+        pol.observe(view, queries, scale)
+        return None
 
     # -- attention over per-head storage ---------------------------------------------------------
     def _head_segments(self, i: int) -> list[Segment]:

@@ -112,6 +112,51 @@ class PackedStore:
         self.buf = packed.map(lambda _, a: mx.contiguous(a))
         self.tokens = packed.tokens
 
+    def keep(self, index: mx.array, room: int | None = None) -> None:
+        """Keep only the tokens at ``index`` (ascending; per-token records only).
+
+        The kept tokens are gathered, row by row, to the front of the buffers: in place while
+        the buffers hold at most ``room`` tokens (a decode step's cut: nothing reallocated,
+        the next appends write into the rows freed), otherwise into new buffers of ``room``
+        tokens (a prefill chunk's cut: the evicted tokens' bytes leave memory).
+
+        Args:
+            index: int ``(n,)`` shared by every batch row and head, or ``(B, H, n)``.
+            room: the tokens the buffers are to hold until the next cut (the kept ones and
+                those stored before the next cut); None: the kept tokens exactly.
+        """
+        view = self.view()
+        if view is None:
+            return
+        n = index.shape[-1]
+        if n == 0:
+            self.replace(None)
+            return
+        if view.per_block:
+            raise ValueError("PackedStore.keep: tokens of a block-coded record cannot be gathered")
+        room = n if room is None else max(room, n)
+        cap = self.capacity
+        first = next(iter(view.data.values()))
+        b, h = first.shape[:2]
+        idx = index.astype(mx.int32)
+        if idx.ndim == 1:
+            idx = mx.broadcast_to(idx, (b, h, n))
+        # each kept token's row in the buffers, flattened over (batch, head, token)
+        rows = (idx + (mx.arange(b * h, dtype=mx.int32) * cap).reshape(b, h, 1)).reshape(-1)
+
+        def gather(_, a: mx.array) -> mx.array:
+            got = mx.take(a.reshape(b * h * cap, -1), rows, axis=0)
+            got = got.reshape(b, h, n, *a.shape[3:])
+            if cap > room:
+                if room == n:
+                    return got
+                a = mx.zeros((b, h, room, *a.shape[3:]), dtype=a.dtype)
+            a[:, :, :n] = got
+            return a
+
+        self.buf = self.buf.map(gather, tokens=min(cap, room))
+        self.tokens = n
+
     def drop_front(self, n: int) -> None:
         """Remove the oldest ``n`` tokens (copies what remains)."""
         if n <= 0:

@@ -444,15 +444,14 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
     def attend(
         self, queries: mx.array, scale: float, mask=None, sinks: mx.array | None = None
     ) -> mx.array:
-        """Attention of ``queries`` over every stored token, one joint softmax (for one
-        decode query, over the tokens the policy picks: ``RetentionPolicy.decode_segments``).
-
-        Shapes:
-            queries ``(B, Hq, L, Dk)``; returns ``(B, Hq, L, Dv)``.
-        """
+        """Attention of ``queries`` ``(B, Hq, L, Dk)`` over every stored token, one joint
+        softmax (for one decode query, over the tokens the policy picks:
+        ``RetentionPolicy.decode_segments``; a policy that scores by this call's weights gets
+        them: ``RetentionMixin._observed``). Returns ``(B, Hq, L, Dv)``."""
         self.check_queries(queries)
-        if self.policy is not None:
-            self.policy.observe(self.policy_view, queries, scale)
+        out = None if self.policy is None else self._observed(queries, scale, mask, sinks)
+        if out is not None:
+            return out
         if self.stored.heads is not None:  # ragged (a step's hot path: no property)
             return self._attend_ragged(queries, scale, mask, sinks)
         lq = queries.shape[2]

@@ -14,9 +14,12 @@ rest by accumulated score; the kept tokens keep their scores. Tokens no query ha
 that meets them raises unless the cache is routed. A trim drops the trimmed tokens' scores.
 
 A subclass gives the votes (:meth:`~AccumulatedPolicy.votes`: the ``(B, H, S)`` float32
-votes of one block of queries) and may act at the start of each call
-(:meth:`~AccumulatedPolicy.begin`, with the call's query count); it adds its own arrays and
-scalars to the state through ``super()`` (:meth:`state`, :meth:`meta`, :meth:`set_state`).
+votes of one block of queries, and where they are a function of the attention weights,
+:meth:`~AccumulatedPolicy.weight_votes`: then a decode step's votes come from the weights its
+attention computed, not from scoring its queries again beside it) and may act at the start
+of each call (:meth:`~AccumulatedPolicy.begin`, with the call's query count); it adds its
+own arrays and scalars to the state through ``super()`` (:meth:`state`, :meth:`meta`,
+:meth:`set_state`).
 
 State: ``{"scores": (B, H, S) float32}`` (absent before the first tokens); meta adds
 ``seen`` (every stored token before this position has been voted on) to the base policy's.
@@ -82,6 +85,23 @@ class AccumulatedPolicy(RetentionPolicy):
             int32 ``(B, H, S)``; returns float32 ``(B, H, S)``.
         """
         raise NotImplementedError(f"{self.name}: a subclass gives the votes")
+
+    def weight_votes(self, weights: mx.array, q_pos: mx.array) -> mx.array | None:
+        """The votes of one call's queries from the attention weights the call computed, or
+        None (the default: this policy's votes are not a function of them, and
+        :meth:`votes` scores the queries beside the call). Called by
+        :meth:`observe_weights`, after :meth:`begin`; a query's weights on tokens it cannot
+        see are zero.
+
+        Args:
+            weights: each query's softmax weights over every stored token, in storage order.
+            q_pos: absolute positions of the call's queries.
+
+        Shapes:
+            weights float32 ``(B, H, R, n, S)`` (``R`` query heads a KV head), q_pos int32
+            ``(n,)``; returns float32 ``(B, H, S)``.
+        """
+        return None
 
     def begin(self, n: int) -> None:
         """Called at the start of every :meth:`observe` that scores (a budget is set), after
@@ -154,7 +174,29 @@ class AccumulatedPolicy(RetentionPolicy):
             acc = acc + self.votes(queries[:, :, i:j], q_pos, keys, k_pos, scale)
             if j < n:
                 mx.eval(acc)  # one block's votes at a time
-        self._scores = acc
+        self._keep(view, acc)
+
+    def wants_weights(self, n: int) -> bool:
+        """Whether this policy's votes come from the call's attention weights
+        (:meth:`weight_votes` gives them): a budget is set and a subclass defines them."""
+        return self.budget is not None and type(self).weight_votes is not (
+            AccumulatedPolicy.weight_votes
+        )
+
+    def observe_weights(self, view, queries: mx.array, scale: float, weights: mx.array) -> None:
+        """Add the votes :meth:`weight_votes` makes of this call's attention weights."""
+        if not self.wants_weights(queries.shape[2]):
+            self.observe(view, queries, scale)
+            return
+        self._sync(view)
+        n = queries.shape[2]
+        self.begin(n)
+        q_pos = mx.arange(view.offset - n, view.offset, dtype=mx.int32)
+        self._keep(view, self._scores + self.weight_votes(weights, q_pos))
+
+    def _keep(self, view, scores: mx.array) -> None:
+        """Hold the scores updated by every query up to the newest stored position."""
+        self._scores = scores
         self._seen = view.offset
         mx.async_eval(*self.state().values())  # detach from the call's graph (no chain)
 

@@ -5,7 +5,8 @@ holds it: every hook is given the cache's :class:`~velox_core.policy.view.Policy
 (``view``), which holds the token counts, the decoded body keys and values with their
 absolute positions, one array per KV head (``view.body_keys()``, ``view.body_positions()``),
 the sinks and window as stored, the layout, and the ``evict`` action; :meth:`observe` also
-sees the queries of every attention call (for policies that score tokens by attention). A
+sees the queries of every attention call (for policies that score tokens by attention), and
+:meth:`observe_weights` the call's softmax weights where the policy asks for them. A
 policy answers with the tokens to keep; the cache gathers them, so evicted tokens leave
 memory.
 
@@ -103,6 +104,26 @@ class RetentionPolicy(Configured):
 
     def observe(self, view, queries: mx.array, scale: float) -> None:
         """Called with the (post-RoPE) queries of every attention call, before attention."""
+
+    def wants_weights(self, n: int) -> bool:
+        """Whether this policy scores tokens by the softmax weights of an attention call of
+        ``n`` queries (asked before the call): then, where the cache's reference path attends
+        (a few queries, one body record, no sink logits), it hands them to
+        :meth:`observe_weights` after attention instead of calling :meth:`observe`, so that
+        they are not computed again beside the call. The base policy: never."""
+        return False
+
+    def observe_weights(self, view, queries: mx.array, scale: float, weights: mx.array) -> None:
+        """Called after attention, instead of :meth:`observe`, where :meth:`wants_weights`
+        said so, with the call's softmax weights over every stored token (masked tokens 0).
+        The base policy passes the queries to :meth:`observe`.
+
+        Shapes:
+            queries ``(B, Hq, n, D)``; weights float32 ``(B, H, R, n, S)``: the query heads
+            of KV head ``h`` are ``h * R ... h * R + R - 1`` (mlx-lm's grouped layout),
+            ``S`` every stored token in storage order (sinks, body, window).
+        """
+        self.observe(view, queries, scale)
 
     def after_update(self, view, start: int) -> None:
         """Called after tokens ``[start, view.offset)`` were stored."""

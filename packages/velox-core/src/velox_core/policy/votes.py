@@ -86,9 +86,21 @@ def window_votes(
     visible = k_pos[:, :, None, None, :] <= q_pos.reshape(1, 1, 1, n, 1)
     p = mx.softmax(mx.where(visible, s, -mx.inf), axis=-1, precise=True)
     p = mx.where(visible, p, 0.0)  # a query that sees nothing votes for nothing (no NaN)
+    return fuse_weights(p, fusion)
+
+
+def fuse_weights(weights: mx.array, fusion: str = "sum") -> mx.array:
+    """The votes of softmax attention weights, per KV head (:func:`window_votes` from the
+    weights): ``"sum"`` over the queries, then the mean over the query heads of each KV head;
+    ``"max"``, each query's weights first averaged over those heads, the largest of them.
+
+    Shapes:
+        weights float32 ``(B, H, R, n, T)`` (``R`` query heads a KV head, ``n`` queries);
+        returns float32 ``(B, H, T)``.
+    """
     if fusion == "max":
-        return mx.max(mx.mean(p, axis=2), axis=2)
-    return mx.mean(mx.sum(p, axis=3), axis=2)
+        return mx.max(mx.mean(weights, axis=2), axis=2)
+    return mx.mean(mx.sum(weights, axis=3), axis=2)
 
 
 def _shift(x: mx.array, s: int, fill) -> mx.array:

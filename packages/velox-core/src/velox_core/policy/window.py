@@ -4,7 +4,8 @@ velox-tova).
 :class:`QueryWindow` buffers the newest ``size`` post-RoPE queries a layer attended with
 (``size=1``: the last query alone), at consecutive absolute positions ending at ``end``, and
 computes, when a cut is due, their softmax weights over the tokens the cache stores at that
-moment (:func:`~velox_core.policy.votes.window_votes`): the sinks, the body and the window
+moment (or reads the weights of the attention call that added them, while the cache has not
+changed since) (:func:`~velox_core.policy.votes.window_votes`): the sinks, the body and the window
 together, each token at its absolute position, so each query's softmax runs over everything
 it can see (causally) and the weights never go stale through evictions, appends or trims.
 """
@@ -16,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..validation import check_int
-from .votes import window_votes
+from .votes import fuse_weights, window_votes
 
 __all__: list[str] = []
 
@@ -37,8 +38,12 @@ class QueryWindow:
         self.queries: mx.array | None = None
         self.end = 0
         self.scale: float | None = None
+        # the buffered queries' softmax weights from the call that added them (float32
+        # (B, H, R, size, S)) and the (offset, stored tokens) they cover, or None
+        self.weights: mx.array | None = None
+        self._weighed: tuple[int, int] | None = None
 
-    def add(self, view, queries: mx.array, scale: float) -> None:
+    def add(self, view, queries: mx.array, scale: float, weights: mx.array | None = None) -> None:
         """Buffer the newest ``size`` of one attention call's queries (the call's tokens are
         the newest stored ones, ending at ``view.offset``).
 
@@ -47,9 +52,17 @@ class QueryWindow:
         long as the buffer ends where the call starts or later and the batch and head layout
         match; otherwise the buffer starts over from this call.
 
+        ``weights``, the call's attention weights (``RetentionPolicy.observe_weights``), are
+        kept where the call holds every buffered query (``L >= size``): until the cache
+        changes, :meth:`votes` reads them instead of computing them again.
+
         Shapes:
-            queries ``(B, Hq, L, D)``.
+            queries ``(B, Hq, L, D)``; weights float32 ``(B, H, R, L, S)``.
         """
+        self.weights, self._weighed = None, None
+        if weights is not None and queries.shape[2] >= self.size:
+            self.weights = weights[:, :, :, -self.size :]
+            self._weighed = (view.offset, view.size())
         start = view.offset - queries.shape[2]  # position of this call's first query
         new, old = queries[:, :, -self.size :], self.queries
         if old is not None and new.shape[2] < self.size and self.end >= start:
@@ -66,6 +79,11 @@ class QueryWindow:
     def clear(self) -> None:
         """Drop the buffered queries (``end`` and ``scale`` stay, as saved)."""
         self.queries = None
+        self.stored()
+
+    def stored(self) -> None:
+        """Tokens were stored (or the rows changed): the kept weights no longer cover them."""
+        self.weights, self._weighed = None, None
 
     def votes(self, view, body_pos: mx.array, fusion: str = "sum") -> mx.array | None:
         """The buffered queries' softmax weights on the cache's body tokens, per KV head.
@@ -87,6 +105,9 @@ class QueryWindow:
         b, h, t = body_pos.shape
         if q is None or q.shape[0] != b:
             return None
+        if self.weights is not None and self._weighed == (view.offset, view.size()):
+            n_sink = view.sink_count()  # the weights of the call, over the same tokens
+            return fuse_weights(self.weights, fusion)[:, :, n_sink : n_sink + t]
         first = self.end - q.shape[2]  # position of the first buffered query
         seen = min(q.shape[2], view.offset - first)  # queries trimmed away do not vote
         if seen <= 0:
@@ -106,12 +127,14 @@ class QueryWindow:
     # -- batch rows ---------------------------------------------------------------------------
     def filter_batch(self, idx: mx.array) -> None:
         """Keep the queries of these batch rows (``VeloxCache.filter``)."""
+        self.stored()
         if self.queries is not None:
             self.queries = self.queries[idx]
 
     def extend_batch(self, other: QueryWindow) -> None:
         """Append ``other``'s rows; buffers of other positions or layouts cannot be joined, so
         the queries are dropped (the next cut votes with the queries that arrive next)."""
+        self.stored()
         a, b = self.queries, other.queries
         if a is None or b is None or a.shape[1:] != b.shape[1:] or self.end != other.end:
             self.queries = None
@@ -134,6 +157,7 @@ class QueryWindow:
                 f"the kept queries must be (B, Hq, n <= {self.size}, D), got {queries.shape}"
             )
         meta = meta or {}
+        self.stored()
         self.queries = queries
         self.end = int(meta.get("q_end", 0))
         scale = meta.get("scale")
