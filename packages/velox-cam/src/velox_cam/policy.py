@@ -50,6 +50,7 @@ from typing import Any
 import mlx.core as mx
 
 from velox_core.policy import AccumulatedPolicy, window_votes
+from velox_core.policy.votes import fuse_weights
 from velox_core.validation import check_int
 
 from .merge import merge_probabilities, merged_values
@@ -113,6 +114,12 @@ class CamPolicy(AccumulatedPolicy):
     ) -> mx.array:
         """The block's softmax weights over every stored token (:func:`window_votes`)."""
         return window_votes(queries, q_pos, keys, k_pos, scale)
+
+    def weight_votes(self, weights: mx.array, q_pos: mx.array) -> mx.array:
+        """A decode step's votes: the weights its attention computed, summed over its
+        queries and averaged over the query heads of each KV head (:func:`window_votes`'s
+        rule, :func:`~velox_core.policy.votes.fuse_weights`)."""
+        return fuse_weights(weights)
 
     def uniform(self, shape: tuple[int, ...]) -> mx.array:
         """The next draw of uniform numbers in ``[0, 1)``: the key is split, one half kept."""

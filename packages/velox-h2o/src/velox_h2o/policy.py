@@ -60,6 +60,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from velox_core.policy import AccumulatedPolicy, window_votes
+from velox_core.policy.votes import fuse_weights
 
 __all__ = ["SCORE_ELEMENTS", "H2OPolicy"]
 
@@ -92,3 +93,9 @@ class H2OPolicy(AccumulatedPolicy):
     ) -> mx.array:
         """The block's softmax weights over every stored token (:func:`window_votes`)."""
         return window_votes(queries, q_pos, keys, k_pos, scale)
+
+    def weight_votes(self, weights: mx.array, q_pos: mx.array) -> mx.array:
+        """A decode step's votes: the weights its attention computed, summed over its
+        queries and averaged over the query heads of each KV head (:func:`window_votes`'s
+        rule, :func:`~velox_core.policy.votes.fuse_weights`)."""
+        return fuse_weights(weights)

@@ -57,7 +57,7 @@ import mlx.core as mx
 from velox_core.policy import AccumulatedPolicy
 from velox_core.validation import check_float, check_int
 
-from .score import gumbel_votes, temperature
+from .score import gumbel_votes, gumbel_weights, temperature
 
 __all__ = ["SCORE_ELEMENTS", "KeyformerPolicy", "layer_key"]
 
@@ -140,6 +140,15 @@ class KeyformerPolicy(AccumulatedPolicy):
         b, hq, n, _ = queries.shape
         g = self.noise((b, hq, n, keys.shape[2]))
         return gumbel_votes(queries, q_pos, keys, k_pos, scale, self.tau, g)
+
+    def weight_votes(self, weights: mx.array, q_pos: mx.array) -> mx.array:
+        """A decode step's Gumbel scores from the softmax weights its attention computed
+        (:func:`~velox_keyformer.score.gumbel_weights`: their logarithm is the logits up to
+        each query's constant, which the Gumbel softmax does not see), with the next noise
+        draw, of the shape :meth:`votes` draws."""
+        b, h, r, n, t = weights.shape
+        g = self.noise((b, h * r, n, t))
+        return gumbel_weights(weights, self.tau, g)
 
     # -- state: "scores" (B, H, S) float32, "key" uint32 (2,); meta seen, step, draws --------
     def state(self) -> dict[str, mx.array]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-__all__ = ["gumbel_votes", "temperature"]
+__all__ = ["gumbel_votes", "gumbel_weights", "temperature"]
 
 
 def temperature(step: int, tau_init: float, tau_end: float, steps: int) -> float:
@@ -54,4 +54,21 @@ def gumbel_votes(
     visible = k_pos[:, :, None, None, :] <= q_pos.reshape(1, 1, 1, n, 1)
     p = mx.softmax(mx.where(visible, y, -mx.inf), axis=-1, precise=True)
     p = mx.where(visible, p, 0.0)  # a query that sees nothing scores nothing (no NaN)
+    return mx.mean(mx.sum(p, axis=3), axis=2)
+
+
+def gumbel_weights(weights: mx.array, tau: float, noise: mx.array) -> mx.array:
+    """:func:`gumbel_votes` from the softmax attention weights of the queries instead of
+    the queries: ``log(weights)`` is each query's logits less its log-sum-exp, a constant
+    per query that ``softmax((x + g) / tau)`` does not see, so the scores are the same;
+    tokens a query cannot see (weight 0) score 0, as do tokens whose weight underflowed to
+    0 in float32 (whose Gumbel scores would be below ``exp(-87 / tau)`` of the largest).
+
+    Shapes:
+        weights float32 ``(B, H, R, n, T)``, noise ``(B, H * R, n, T)``; returns float32
+        ``(B, H, T)``: the sum over the queries, the mean over the ``R`` query heads.
+    """
+    b, h, r, n, t = weights.shape
+    y = (mx.log(weights) + noise.astype(mx.float32).reshape(b, h, r, n, t)) / tau
+    p = mx.softmax(y, axis=-1, precise=True)
     return mx.mean(mx.sum(p, axis=3), axis=2)

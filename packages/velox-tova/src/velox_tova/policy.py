@@ -86,6 +86,20 @@ class TOVAPolicy(RetentionPolicy):
             return
         self.window.add(view, queries, scale)
 
+    def wants_weights(self, n: int) -> bool:
+        """The last query's attention weights score the next cut: kept from the call, not
+        computed again at the cut (while nothing is stored in between)."""
+        return self.budget is not None and not (self.every is None and n == 1)
+
+    def observe_weights(self, view, queries: mx.array, scale: float, weights: mx.array) -> None:
+        """Keep the last query of this call and its weights (:meth:`QueryWindow.add`)."""
+        if self.wants_weights(queries.shape[2]):
+            self.window.add(view, queries, scale, weights)
+
+    def after_update(self, view, start: int) -> None:
+        """Tokens were stored: the kept weights no longer cover the cache."""
+        self.window.stored()
+
     # -- choosing ---------------------------------------------------------------------------
     def score(self, view) -> list[mx.array | None]:
         """Per KV head ``(B, T)`` float32, the same for every head: the last query's attention
