@@ -47,6 +47,20 @@ class Beside(Weighed):
         return False
 
 
+@register
+class Layer50(Weighed):
+    """Cuts its layer to 50 tokens, at 50 + ``every`` in decode, under a model budget of 64
+    (as SqueezeAttention's layer budgets)."""
+
+    name = "layer50-test"
+
+    def before_update(self, view, incoming):
+        self._sync(view)
+        over = view.size() - 50
+        if over > 0 and (incoming > 1 or over >= self.every):
+            view.evict(self.select(view, 50 - view.protected_count()))
+
+
 def data(t, seed=0):
     k = mx.random.normal((1, H, t, D), key=mx.random.key(seed))
     v = mx.random.normal((1, H, t, D), key=mx.random.key(seed + 1))
@@ -127,6 +141,11 @@ def test_a_decode_cut_keeps_the_buffers_at_budget_plus_every():
         stores = (*c.stored.coded[0], c.stored.positions)
         assert all(s.capacity == 64 + every for s in stores)
         assert c.size() <= 64 + every
+    # the buffers hold what the cut kept plus `every`, not the model's budget: a layer cut
+    # to fewer tokens holds no room for the budget's
+    c = VeloxCache(policy=Layer50(budget=64, every=2, recent=8))
+    run(c, k, v, q, 200)
+    assert all(s.capacity == 50 + 2 for s in (*c.stored.coded[0], c.stored.positions))
 
 
 def test_keep_gathers_in_place_up_to_room_and_into_new_buffers_past_it():

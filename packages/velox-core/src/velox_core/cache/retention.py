@@ -146,14 +146,13 @@ class RetentionMixin:
             raise ValueError(
                 f"evict: per-head index of shape {tuple(idx.shape)} does not match the body"
             )
-        # room for the body until the next cut: a decode cut each `every` tokens keeps the
-        # body's buffers at that size (cut in place, no slack); otherwise the kept tokens
-        pol = self.policy
-        room = None
-        if pol.every is not None and pol.budget is not None:
-            room = max(pol.budget + pol.every - self.protected(), 0)
+        # room for the body until the next cut: with decode cuts every `every` tokens, the
+        # kept tokens and `every` more (cut in place each time, no slack); else the kept ones
+        every = self.policy.every
+        room = None if every is None else idx.shape[-1] + every
+        rows: dict = {}  # the gather's row indices, made once for the three stores
         for store in (*self.stored.coded[0], self.stored.positions):
-            store.keep(idx, room)
+            store.keep(idx, room, rows)
 
     def _evict_ragged(self, keep: list) -> None:
         b, h = self.stored.dims[:2]

@@ -112,7 +112,7 @@ class PackedStore:
         self.buf = packed.map(lambda _, a: mx.contiguous(a))
         self.tokens = packed.tokens
 
-    def keep(self, index: mx.array, room: int | None = None) -> None:
+    def keep(self, index: mx.array, room: int | None = None, rows: dict | None = None) -> None:
         """Keep only the tokens at ``index`` (ascending; per-token records only).
 
         The kept tokens are gathered, row by row, to the front of the buffers: in place while
@@ -124,6 +124,8 @@ class PackedStore:
             index: int ``(n,)`` shared by every batch row and head, or ``(B, H, n)``.
             room: the tokens the buffers are to hold until the next cut (the kept ones and
                 those stored before the next cut); None: the kept tokens exactly.
+            rows: a dict shared by the stores cut by one index (keys, values, positions):
+                the flattened row indices, made once for buffers of the same shape.
         """
         view = self.view()
         if view is None:
@@ -138,14 +140,18 @@ class PackedStore:
         cap = self.capacity
         first = next(iter(view.data.values()))
         b, h = first.shape[:2]
-        idx = index.astype(mx.int32)
-        if idx.ndim == 1:
-            idx = mx.broadcast_to(idx, (b, h, n))
-        # each kept token's row in the buffers, flattened over (batch, head, token)
-        rows = (idx + (mx.arange(b * h, dtype=mx.int32) * cap).reshape(b, h, 1)).reshape(-1)
+        rows = {} if rows is None else rows
+        if (b, h, cap) not in rows:
+            idx = index.astype(mx.int32)
+            if idx.ndim == 1:
+                idx = mx.broadcast_to(idx, (b, h, n))
+            # each kept token's row in the buffers, flattened over (batch, head, token)
+            base = (mx.arange(b * h, dtype=mx.int32) * cap).reshape(b, h, 1)
+            rows[b, h, cap] = (idx + base).reshape(-1)
+        flat = rows[b, h, cap]
 
         def gather(_, a: mx.array) -> mx.array:
-            got = mx.take(a.reshape(b * h * cap, -1), rows, axis=0)
+            got = mx.take(a.reshape(b * h * cap, -1), flat, axis=0)
             got = got.reshape(b, h, n, *a.shape[3:])
             if cap > room:
                 if room == n:
