@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args(argv)
     rows = []
+    step_ms(args.methods[0], args)  # warm the process (its first allocations), untimed
     for m in args.methods:
         ms = step_ms(m, args, profile=m == args.profile)
         rows.append(
