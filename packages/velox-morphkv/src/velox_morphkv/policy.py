@@ -114,7 +114,9 @@ class MorphKVPolicy(RetentionPolicy):
     def observe(self, view, queries: mx.array, scale: float) -> None:
         """Buffer the newest ``observe`` queries of this call (:meth:`QueryWindow.add`)."""
         if self.budget is not None:
-            self.window.add(view, queries, scale)
+            # a full cache is cut at least every `every` steps, reading the buffer: no chain
+            full = view.size() >= self.budget
+            self.window.add(view, queries, scale, detach=not full)
 
     # -- choosing ---------------------------------------------------------------------------
     def score(self, view) -> list[mx.array | None]:

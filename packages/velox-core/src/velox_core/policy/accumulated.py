@@ -192,13 +192,20 @@ class AccumulatedPolicy(RetentionPolicy):
         n = queries.shape[2]
         self.begin(n)
         q_pos = mx.arange(view.offset - n, view.offset, dtype=mx.int32)
-        self._keep(view, self._scores + self.weight_votes(weights, q_pos))
+        # a full cache is cut within `every` steps, and the cut evaluates the scores with its
+        # step's graph (a chain of at most `every` steps' votes); otherwise they are
+        # evaluated now, not chained through the steps until a cut (on a GPU an evaluation
+        # a layer and step is host time the step waits for)
+        detach = self.every is None or view.size() < self.budget
+        self._keep(view, self._scores + self.weight_votes(weights, q_pos), detach)
 
-    def _keep(self, view, scores: mx.array) -> None:
-        """Hold the scores updated by every query up to the newest stored position."""
+    def _keep(self, view, scores: mx.array, detach: bool = True) -> None:
+        """Hold the scores updated by every query up to the newest stored position;
+        ``detach``: evaluate them now (asynchronously), apart from the call's graph."""
         self._scores = scores
         self._seen = view.offset
-        mx.async_eval(*self.state().values())  # detach from the call's graph (no chain)
+        if detach:
+            mx.async_eval(*self.state().values())
 
     @staticmethod
     def _stored_positions(view) -> mx.array:

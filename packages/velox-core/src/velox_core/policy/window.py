@@ -43,7 +43,14 @@ class QueryWindow:
         self.weights: mx.array | None = None
         self._weighed: tuple[int, int] | None = None
 
-    def add(self, view, queries: mx.array, scale: float, weights: mx.array | None = None) -> None:
+    def add(
+        self,
+        view,
+        queries: mx.array,
+        scale: float,
+        weights: mx.array | None = None,
+        detach: bool = True,
+    ) -> None:
         """Buffer the newest ``size`` of one attention call's queries (the call's tokens are
         the newest stored ones, ending at ``view.offset``).
 
@@ -54,7 +61,12 @@ class QueryWindow:
 
         ``weights``, the call's attention weights (``RetentionPolicy.observe_weights``), are
         kept where the call holds every buffered query (``L >= size``): until the cache
-        changes, :meth:`votes` reads them instead of computing them again.
+        changes, :meth:`votes` reads them instead of computing them again. The buffer is
+        evaluated now (asynchronously) where it is a slice of a longer call's queries (so as
+        not to hold them all) and where it was joined with the queries it held (so that the
+        buffers of successive calls do not chain), unless ``detach`` is False: a policy
+        whose next cut reads the buffer within a bounded number of calls, which evaluates it
+        with that step's graph (a GPU step then does not wait for an evaluation a layer).
 
         Shapes:
             queries ``(B, Hq, L, D)``; weights float32 ``(B, H, R, L, S)``.
@@ -68,13 +80,19 @@ class QueryWindow:
         if old is not None and new.shape[2] < self.size and self.end >= start:
             before = start - (self.end - old.shape[2])  # buffered queries before `start`
             same = all(old.shape[i] == new.shape[i] for i in (0, 1, 3))
-            if before > 0 and same:
+            joined = before > 0 and same
+            if joined:
                 old = old[:, :, :before][:, :, -(self.size - new.shape[2]) :]
                 new = mx.concatenate([old.astype(new.dtype), new], axis=2)
+        else:
+            joined = False
         self.queries = mx.contiguous(new)
         self.end = view.offset
         self.scale = float(scale)
-        mx.async_eval(self.queries)  # detach from the call's graph (no growing chain)
+        if queries.shape[2] > self.size or (joined and detach):
+            # a slice of a longer call's queries is evaluated now, not holding them all; a
+            # joined buffer, so that the buffers of successive calls do not chain
+            mx.async_eval(self.queries)
 
     def clear(self) -> None:
         """Drop the buffered queries (``end`` and ``scale`` stay, as saved)."""
