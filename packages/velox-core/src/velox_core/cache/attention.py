@@ -69,6 +69,15 @@ class Segment:
         return self.keys.tokens
 
 
+def _grouping(hq: int, segments: list[Segment]) -> tuple[int, int]:
+    """The segments' KV heads ``H`` and the query heads a KV head ``R = hq / H``; raises
+    unless ``hq`` is a multiple of ``H``."""
+    h = segments[0].keys.data[next(iter(segments[0].keys.data))].shape[1]
+    if hq % h:
+        raise ValueError(f"attend: {hq} query heads is not a multiple of {h} KV heads")
+    return h, hq // h
+
+
 def decode_segments(segments: list[Segment], dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
     """Keys and values of all segments decoded and joined along tokens.
 
@@ -200,10 +209,7 @@ def tiled_prefill_attention(
         raise ValueError("tiled_prefill_attention: a segment's codec does not decode slices")
     dtype = queries.dtype
     b, hq, lq, dk = queries.shape
-    h = segments[0].keys.data[next(iter(segments[0].keys.data))].shape[1]
-    if hq % h:
-        raise ValueError(f"attend: {hq} query heads is not a multiple of {h} KV heads")
-    r = hq // h
+    h, r = _grouping(hq, segments)
     t = sum(s.tokens for s in segments)
     rk = _shared_rotation([s.key_codec for s in segments])
     rv = _shared_rotation([s.value_codec for s in segments])
@@ -421,10 +427,7 @@ def attend(
         if n:
             return tiled_prefill_attention(queries, segments, scale, mask, sinks, n)
         return prefill_attention(queries, segments, scale, mask, sinks)
-    h = segments[0].keys.data[next(iter(segments[0].keys.data))].shape[1]
-    if hq % h:
-        raise ValueError(f"attend: {hq} query heads is not a multiple of {h} KV heads")
-    r = hq // h
+    h, r = _grouping(hq, segments)
     fused = (mask is None or lq == 1) and sinks is None and use_kernels()
     if fused:
         # the unscaled queries: the kernels apply the scale
@@ -467,10 +470,7 @@ def _reference(queries, segments, scale, mask, sinks) -> tuple[mx.array, mx.arra
     codecs' mix. Returns the output ``(B, Hq, L, Dv)`` and the weights, float32 ``(B, H, R *
     L, S)`` (the sink column, if any, left out)."""
     b, hq, lq, _ = queries.shape
-    h = segments[0].keys.data[next(iter(segments[0].keys.data))].shape[1]
-    if hq % h:
-        raise ValueError(f"attend: {hq} query heads is not a multiple of {h} KV heads")
-    r = hq // h
+    h, r = _grouping(hq, segments)
     t = sum(s.tokens for s in segments)
     q = (queries.astype(mx.float32) * scale).reshape(b, h, r * lq, -1)
     scores = [s.key_codec.scores(q, s.keys) for s in segments]
