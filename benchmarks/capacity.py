@@ -216,6 +216,8 @@ class Probe:
     decode_tok_s: float | None = None
     cache_bytes: int | None = None
     reused: bool = False  # a finished probe of an earlier budget, not run again
+    fill: str = "model"  # "direct": the prompt's first tokens written, not prefilled
+    fill_s: float | None = None
 
     def over_from(self, spec: str) -> int:
         """The shortest context this probe shows not to fit: a prompt longer than the tokens
@@ -227,6 +229,58 @@ class Probe:
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+def direct_tokens(caches: list, context: int, args) -> int:
+    """``--fill direct``: how many of the prompt's first tokens are written into the caches
+    instead of prefilled (0 where the model prefills them all).
+
+    The prefill's last two chunks always run through the model: a chunk's transients (its
+    attention over every stored token among them) only grow with the tokens stored before it,
+    and the last chunk may be a short one, so the peak of a whole prefill is that of one of
+    its last two chunks. A cache that selects tokens from what the model attends (an eviction
+    policy) is always prefilled by the model."""
+    if getattr(args, "fill", "model") != "direct":
+        return 0
+    if any(getattr(c, "policy", None) is not None for c in caches):
+        return 0
+    starts = list(range(0, context - 1, args.chunk))  # the prefill's chunks, as probe runs them
+    return starts[-2] if len(starts) > 2 else 0
+
+
+def kv_layout(model, shape: str) -> tuple[int, int, mx.Dtype]:
+    """(KV heads, head dim, dtype) of the keys and values the shape's layers store."""
+    cfg = SHAPES[shape]
+    heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    dtype = model.model.embed_tokens(mx.array([[0]])).dtype
+    return heads, dim, dtype
+
+
+def fill_directly(model, caches: list, tokens: int, budget: int, args) -> int:
+    """Write ``tokens`` tokens of random keys and values into every layer's cache, in the
+    prefill's chunks and through each cache's own ``update_and_fetch`` (under velox's routing,
+    as the model's attention stores them), each layer's state evaluated before the next layer
+    stores (the model's layers depend on each other; written apart, every layer's growth of a
+    chunk would otherwise be evaluated at once): the caches
+    then hold what a prefill of that many tokens stores, in the same steps, without the
+    model's compute. Stops once MLX's peak passes ``budget``; returns the tokens written."""
+    heads, dim, dtype = kv_layout(model, args.shape)
+    key = mx.random.key(args.seed + 1)
+    done = 0
+    while done < tokens:
+        n = min(args.chunk, tokens - done)
+        key, sub = mx.random.split(key)
+        kv = mx.random.normal((2, 1, heads, n, dim), key=sub).astype(dtype)
+        for c in caches:  # layer by layer, as the model's layers store one after another
+            c.update_and_fetch(kv[0], kv[1])
+            mx.eval(c.state)
+        del kv
+        done += n
+        mx.clear_cache()
+        if mx.get_peak_memory() > budget:
+            break
+    return done
 
 
 def probe(model, spec: str, context: int, budget: int, args) -> Probe:
@@ -250,7 +304,14 @@ def probe(model, spec: str, context: int, budget: int, args) -> Probe:
     try:
         with velox_core.routed(model):
             done = 0
-            while context - done > 1:  # generate_step's prefill: the last token is left
+            direct = direct_tokens(caches, context, args)
+            if direct:
+                out.fill = "direct"
+                done = fill_directly(model, caches, direct, budget, args)
+                out.fill_s = time.perf_counter() - t0
+                if done < direct:
+                    out.stopped, out.stopped_at = "prefill", done
+            while out.stopped is None and context - done > 1:  # the last token is left
                 n = min(args.chunk, context - done - 1)
                 model(prompt[:, done : done + n], cache=caches)
                 mx.eval([c.state for c in caches])
@@ -298,6 +359,7 @@ def probe_in_subprocess(spec: str, context: int, budget: int, args) -> Probe:
         "decode": args.decode,
         "chunk": args.chunk,
         "seed": args.seed,
+        "fill": args.fill,
     }
     cmd = [sys.executable, str(Path(__file__).resolve()), "--probe-json", json.dumps(job)]
     res = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -708,6 +770,17 @@ def skipped(shape, weights, budget, spec, status, reason) -> dict[str, Any]:
     }
 
 
+def checkpoint(args, rows: list[dict[str, Any]]) -> None:
+    """With ``--json``, the rows found so far in ``<json>.partial`` after each row (a run
+    stopped by a time limit keeps them; ``--merge`` reads the file)."""
+    if args.json is None:
+        return
+    done = [*getattr(args, "rows_before", []), *rows]
+    path = args.json.with_name(args.json.name + ".partial")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"info": {"partial": True}, "rows": done}, indent=1) + "\n")
+
+
 def run_shape(shape: str, budgets: list[int], specs: list[str], args, log) -> list[dict]:
     rows: list[dict[str, Any]] = []
     args.shape = shape
@@ -767,6 +840,7 @@ def run_shape(shape: str, budgets: list[int], specs: list[str], args, log) -> li
                     row.update(status="error", reason=reason, probes=[])
             row["search_s"] = time.perf_counter() - t0
             rows.append(row)
+            checkpoint(args, rows)
             if row["status"] == "ok":
                 log(
                     f"  {spec} @ {size_label(budget)}: {row['context']:,} tokens, peak "
@@ -777,6 +851,53 @@ def run_shape(shape: str, budgets: list[int], specs: list[str], args, log) -> li
     gc.collect()
     mx.clear_cache()
     return rows
+
+
+def fill_check(shapes: list[str], specs: list[str], contexts: list[int], args, log) -> int:
+    """``--fill-check``: each cache at each context run twice, its prompt prefilled by the
+    model and then with ``--fill direct``, no budget: how far the direct fill's peak, cache
+    bytes and decode rate are from a whole prefill's."""
+    rows: list[dict[str, Any]] = []
+    for shape in shapes:
+        args.shape = shape
+        model = e2e.build_model(shape, args.weights)
+        for spec in specs:
+            for context in contexts:
+                row: dict[str, Any] = {"shape": shape, "cache": spec, "context": context}
+                for fill in ("model", "direct"):
+                    args.fill = fill
+                    p = probe(model, spec, context, 1 << 62, args)
+                    row[fill] = p.as_dict()
+                m, d = row["model"], row["direct"]
+                row["peak_ratio"] = d["peak_bytes"] / m["peak_bytes"]
+                rows.append(row)
+                log(
+                    f"  {shape} {spec} {context}: peak {m['peak_bytes'] / MiB:.1f} MiB "
+                    f"(model, {m['seconds']:.1f} s) / {d['peak_bytes'] / MiB:.1f} MiB "
+                    f"({d['fill']}, {d['seconds']:.1f} s): x{row['peak_ratio']:.4f}"
+                )
+        del model
+        gc.collect()
+        mx.clear_cache()
+    head = "| shape | cache | context | peak, model fill | peak, direct | ratio |"
+    head += " cache bytes equal | decode tok/s model / direct | seconds model / direct |"
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        m, d = r["model"], r["direct"]
+        lines.append(
+            f"| {r['shape']} | {r['cache']} | {r['context']:,} | "
+            f"{size_label(m['peak_bytes'], 3)} | {size_label(d['peak_bytes'], 3)} | "
+            f"{r['peak_ratio']:.4f} | {m.get('cache_bytes') == d.get('cache_bytes')} | "
+            f"{m.get('decode_tok_s', 0):.1f} / {d.get('decode_tok_s', 0):.1f} | "
+            f"{m['seconds']:.1f} / {d['seconds']:.1f} |"
+        )
+    print("\n".join(lines))
+    if args.json is not None:
+        info = {"device": str(mx.default_device()), "mlx": mx.__version__, "weights": args.weights}
+        info.update(decode=args.decode, chunk=args.chunk, fill_check=contexts)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"info": info, "fill_check": rows}, indent=1) + "\n")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -796,6 +917,19 @@ def main(argv: list[str] | None = None) -> int:
         choices=("none", "process"),
         default="none",
         help="process: each probe in a fresh Python process (builds the model each time)",
+    )
+    p.add_argument(
+        "--fill",
+        choices=("model", "direct"),
+        default="model",
+        help="direct: the prompt's tokens before its last two chunks are written into the "
+        "caches (random keys and values) instead of prefilled by the model",
+    )
+    p.add_argument(
+        "--fill-check",
+        default=None,
+        help="no search: each cache at these contexts (comma-separated) prefilled by the "
+        "model and filled directly, peaks side by side",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--leak-warn", type=float, default=0.01, help=argparse.SUPPRESS)
@@ -854,9 +988,19 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
+    if args.fill_check is not None:
+        try:
+            contexts = [int(c) for c in args.fill_check.split(",") if c.strip()]
+        except ValueError:
+            raise SystemExit(f"--fill-check takes token counts, got {args.fill_check!r}") from None
+        if not contexts or min(contexts) < 2:
+            raise SystemExit(f"--fill-check takes contexts of 2 tokens or more, got {contexts}")
+        return fill_check(shapes, specs, contexts, args, log)
+
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
     for shape in shapes:
+        args.rows_before = list(rows)
         rows.extend(run_shape(shape, budgets, specs, args, log))
     add_ratios(rows)
     probes = [p for r in rows for p in r.get("probes", [])]
@@ -871,6 +1015,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_context": args.max_context,
         "tolerance": args.tolerance,
         "isolate": args.isolate,
+        "fill": args.fill,
         "seconds": time.perf_counter() - t0,
         "probes": len(probes),
         "probe_base_bytes": (
@@ -893,6 +1038,7 @@ def report(rows: list[dict[str, Any]], info: dict[str, Any], args) -> None:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"info": info, "rows": rows}, indent=1) + "\n")
+        args.json.with_name(args.json.name + ".partial").unlink(missing_ok=True)
     if args.chart is not None:
         args.chart.parent.mkdir(parents=True, exist_ok=True)
         draw_chart(args.chart, rows, info)

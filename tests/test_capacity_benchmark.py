@@ -277,3 +277,46 @@ def test_tiny_run_finds_each_context_by_real_runs(tmp_path):
         assert u4["target"]["met"] == (ratio_ok and rate_ok)
     assert chart.read_text().lstrip().startswith("<?xml")
     assert "| tiny | 5 MiB | fp16 |" in res.stdout and "issue 52 targets" in res.stdout
+
+
+# ---------------------------------------------------------------- --fill direct
+
+
+@pytest.mark.parametrize("spec", ["fp16", "uniform:bits=4", "kivi:bits=2"])
+def test_direct_fill_stores_what_the_prefill_stores_and_peaks_alike(cap, spec):
+    """``--fill direct`` writes the prompt's first tokens into the caches instead of running
+    the model over them: the cache holds the same bytes, the run peaks within a few percent
+    of the model's prefill, and the decode still runs through the model."""
+    model = cap.e2e.build_model("tiny", "fp32")
+    args = argparse.Namespace(shape="tiny", weights="fp32", decode=8, chunk=64, seed=0)
+    runs = {}
+    for fill in ("model", "direct"):
+        args.fill = fill
+        runs[fill] = cap.probe(model, spec, 1200, 1 << 40, args)
+    model_run, direct = runs["model"], runs["direct"]
+    assert model_run.fill == "model" and direct.fill == "direct" and direct.fill_s > 0
+    assert direct.fits and direct.decode_tok_s > 0
+    assert direct.cache_bytes == model_run.cache_bytes
+    assert abs(direct.peak_bytes - model_run.peak_bytes) <= 0.05 * model_run.peak_bytes
+
+
+def test_direct_fill_leaves_the_last_two_chunks_and_eviction_to_the_model(cap):
+    args = argparse.Namespace(fill="direct", chunk=64)
+    plain = [type("Cache", (), {"policy": None})()]
+    evicting = [type("Cache", (), {"policy": object()})()]
+    # a prompt of 1,200 tokens prefills 1,199 in chunks starting 0, 64, ..., 1152
+    assert cap.direct_tokens(plain, 1200, args) == 1088
+    assert cap.direct_tokens(plain, 1153, args) == 1024  # chunks ..., 1024, 1088 (64 tokens)
+    assert cap.direct_tokens(plain, 129, args) == 0  # two chunks: the model runs both
+    assert cap.direct_tokens(evicting, 1200, args) == 0
+    args.fill = "model"
+    assert cap.direct_tokens(plain, 1200, args) == 0
+
+
+def test_direct_fill_stops_once_the_peak_passes_the_budget(cap):
+    model = cap.e2e.build_model("tiny", "fp32")
+    args = argparse.Namespace(shape="tiny", weights="fp32", decode=8, chunk=64, seed=0)
+    args.fill = "direct"
+    p = cap.probe(model, "fp16", 4000, 6 * MiB, args)
+    assert not p.fits and p.stopped == "prefill" and p.stopped_at < 4000
+    assert p.over_from("fp16") == p.stopped_at + 1
