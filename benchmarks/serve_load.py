@@ -51,13 +51,25 @@ repository's, the home directory, the Python installation, the model's) with the
 leaking answer, and ``server_alive`` (the process running and ``/health`` answering after
 the load). A server that dies fails the row.
 
+``--shape NAME`` serves a model of one of ``benchmarks/e2e.py``'s shapes (``llama3-8b``,
+``qwen2.5-7b``, ``small``, ...) where no real model can be had: before the servers start,
+the script writes an mlx-lm model directory with random weights seeded by ``--seed``, built
+by ``e2e.build_model`` in ``--weights`` (``4bit`` by default, its ``quantization`` block in
+config.json; ``fp32`` for a CPU), and the embedded reference model's tokenizer files. It
+goes to ``--model-dir`` (a later run with the same shape, weights, seed and tokenizer reuses
+it; a marker file says what it was built from) or to a temporary directory removed at exit.
+Prompts are made and counted with that tokenizer; where the shape's vocabulary is smaller
+than the tokenizer's (``small``: 2,048 of 8,192), they are made only of words whose tokens
+are below it (every prompt is checked; the run is refused otherwise), and ``--malformed``
+is refused.
+
 Every server gets ``--prompt-cache-size`` (default 1000, so that the byte budget decides) and
 ``--prompt-cache-bytes`` when given. On Linux, where MLX's CPU wheel bundles a slow reference
 BLAS, every server runs with the same OpenBLAS preloaded (``velox_cli.blas``).
 
-    python3 benchmarks/serve_load.py --model PATH --velox uniform:bits=4 --clients 8 \\
-        --requests 32 --prompt-tokens 16384 --max-tokens 256 --prompt-cache-bytes 8G \\
-        --json out/serve_load.json
+    python3 benchmarks/serve_load.py --shape llama3-8b --weights 4bit --model-dir out/llama3-8b \\
+        --velox uniform:bits=4 --clients 8 --requests 32 --prompt-tokens 32768 \\
+        --max-tokens 256 --prompt-cache-bytes 8G --json out/serve_load.json
     python3 benchmarks/serve_load.py --clients 2 --requests 6 --prompt-tokens 128 \\
         --max-tokens 16 --prompt-cache-bytes 1M   # CPU smoke, the reference model
 """
@@ -66,12 +78,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
+import hashlib
 import itertools
 import json
 import os
 import platform
 import random
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -136,6 +151,118 @@ def sessions(keys: list) -> int:
     counts its ``sessions``)."""
     ordered = sorted(tuple(k) for k in keys)
     return sum(1 for a, b in itertools.pairwise(ordered) if b[: len(a)] != a) + bool(ordered)
+
+
+# --- a model of a named shape ----------------------------------------------------------------
+
+# the file a shape model's directory holds last: what it was built from (compared on reuse)
+SHAPE_MARKER = "serve_load-shape.json"
+# the tokenizer files a shape model takes from the reference model, where it has them
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+def _e2e():
+    """``benchmarks/e2e.py``: its shapes and ``build_model``."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import e2e
+
+    return e2e
+
+
+def shape_marker(shape: str, weights: str, seed: int, reference: Path) -> dict:
+    """What a shape model is built from: the shape's config, the weights, the seed and the
+    reference model's tokenizer files (their SHA-256)."""
+    e2e = _e2e()
+    if shape not in e2e.SHAPES:
+        raise ValueError(f"--shape must be one of {', '.join(e2e.SHAPES)}, got {shape!r}")
+    if weights not in e2e.WEIGHTS:
+        raise ValueError(f"--weights must be one of {', '.join(e2e.WEIGHTS)}, got {weights!r}")
+    files = [reference / f for f in TOKENIZER_FILES if (reference / f).is_file()]
+    if not any(f.name in ("tokenizer.json", "tokenizer.model") for f in files):
+        raise ValueError(f"{reference} holds no tokenizer.json or tokenizer.model")
+    tokenizer = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
+    return {
+        "shape": shape,
+        "weights": weights,
+        "seed": seed,
+        "config": e2e.SHAPES[shape],
+        "tokenizer": tokenizer,
+    }
+
+
+def build_shape_model(shape: str, weights: str, seed: int, out: Path, reference: Path) -> bool:
+    """Write an mlx-lm model directory of ``shape`` to ``out``: random weights seeded with
+    ``seed``, built by ``e2e.build_model`` (``4bit``: its layers quantized, config.json's
+    ``quantization`` block saying how, so that ``mlx_lm.load`` loads them quantized), saved
+    with mlx-lm's ``save_model`` and ``save_config``, and the ``reference`` model's tokenizer
+    files. A directory that a build of the same shape, weights, seed and tokenizer wrote is
+    reused (False); another non-empty one is refused. The build goes to a directory beside
+    ``out``, renamed to ``out`` when complete. Returns whether it built."""
+    marker = shape_marker(shape, weights, seed, reference)
+    out = Path(out)
+    if out.exists():
+        if not out.is_dir():
+            raise ValueError(f"--model-dir {out} is a file, not a directory")
+        held = out / SHAPE_MARKER
+        if held.is_file() and json.loads(held.read_text()) == marker:
+            return False
+        if any(out.iterdir()):
+            what = (
+                f"a shape model of {json.loads(held.read_text()).get('shape')!r} built "
+                "otherwise (shape, weights, seed or tokenizer)"
+                if held.is_file()
+                else "files of another kind"
+            )
+            raise ValueError(
+                f"--model-dir {out} holds {what}: name a new or empty directory, or one "
+                "built with the same --shape, --weights and --seed"
+            )
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.utils import save_config, save_model
+
+    config = dict(marker["config"])
+    ref_config = json.loads((reference / "config.json").read_text())
+    for key in ("bos_token_id", "eos_token_id"):
+        if key in ref_config:
+            config[key] = ref_config[key]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    part = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    part.chmod(0o777 & ~umask)  # mkdtemp's is the owner's alone
+    try:
+        model = _e2e().build_model(shape, weights, seed)
+        quantized = [m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)]
+        if quantized:
+            q = quantized[0]
+            config["quantization"] = {"group_size": q.group_size, "bits": q.bits, "mode": q.mode}
+        save_model(part, model, donate_model=True)
+        del model, quantized
+        save_config(config, part / "config.json")
+        for name in marker["tokenizer"]:
+            shutil.copyfile(reference / name, part / name)
+        (part / SHAPE_MARKER).write_text(json.dumps(marker, indent=1) + "\n")
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        part.rename(out)
+    except BaseException:
+        shutil.rmtree(part, ignore_errors=True)
+        raise
+    finally:
+        gc.collect()
+        mx.clear_cache()
+    return True
 
 
 # --- servers ---------------------------------------------------------------------------------
@@ -259,18 +386,55 @@ def server_commands(a: argparse.Namespace, model: str) -> list[tuple[str, list[s
 # --- the load --------------------------------------------------------------------------------
 
 
-def make_prompts(tokenizer, a: argparse.Namespace) -> tuple[list[str], list[bool]]:
-    """``a.requests`` prompts of about ``a.prompt_tokens`` tokens, each distinct from its first
-    words on, but a ``a.shared`` fraction that start with one common prefix; and which share."""
-    rng = random.Random(a.seed)
+def _below(tokenizer, text: str, vocab: int | None) -> bool:
+    """Whether every token of ``text`` is below ``vocab`` (always, where ``vocab`` is None)."""
+    return vocab is None or max(tokenizer.encode(text), default=-1) < vocab
+
+
+def prompt_words(tokenizer, vocab: int | None = None) -> list[str]:
+    """The plain words prompts are made of: ASCII words of 3-10 letters that one token (ids
+    256 to 20,000) decodes to, lower-cased; with ``vocab`` (a model's vocabulary, smaller
+    than the tokenizer's for a shape model), only those whose tokens are below it, alone and
+    after a space."""
+    top = min(tokenizer.vocab_size, 20000, vocab or tokenizer.vocab_size)
     words = []
-    for tid in range(256, min(tokenizer.vocab_size, 20000)):
+    for tid in range(256, top):
         w = tokenizer.decode([tid]).strip()
         if w.isascii() and w.isalpha() and 3 <= len(w) <= 10:
             words.append(w.lower())
-    words = sorted(set(words))
+    words = [
+        w
+        for w in sorted(set(words))
+        if _below(tokenizer, w, vocab) and _below(tokenizer, " " + w, vocab)
+    ]
     if len(words) < 50:
-        raise ValueError("the tokenizer has too few plain words to build prompts from")
+        below = "" if vocab is None else f" below token {vocab}"
+        raise ValueError(
+            f"the tokenizer has {len(words)} plain words{below}, too few to build prompts "
+            "from (50 at least)"
+        )
+    return words
+
+
+def label(tokenizer, text: str, words: list[str], i: int, vocab: int | None) -> str:
+    """``text`` where its tokens are below ``vocab``, else two of ``words`` that tell ``i``
+    apart (for ``i`` below ``len(words) ** 2``), then a colon."""
+    if _below(tokenizer, text, vocab):
+        return text
+    n = len(words)
+    return f"{words[i % n]} {words[i // n % n]}:"
+
+
+def make_prompts(
+    tokenizer, a: argparse.Namespace, vocab: int | None = None
+) -> tuple[list[str], list[bool]]:
+    """``a.requests`` prompts of about ``a.prompt_tokens`` tokens, each distinct from its first
+    words on, but a ``a.shared`` fraction that start with one common prefix; and which share.
+    With ``vocab``, every token of every prompt is below it (a ValueError otherwise): the
+    words are :func:`prompt_words`' below it, and a request's head (``Request i of n:``) whose
+    tokens are not is two of those words instead."""
+    rng = random.Random(a.seed)
+    words = prompt_words(tokenizer, vocab)
 
     def text(n_tokens: int, head: str = "") -> str:
         parts, out = [head] if head else [], head
@@ -281,19 +445,34 @@ def make_prompts(tokenizer, a: argparse.Namespace) -> tuple[list[str], list[bool
         return tokenizer.decode(ids)
 
     prefix_tokens = min(a.prefix_tokens or a.prompt_tokens // 2, a.prompt_tokens - 8)
-    prefix = text(prefix_tokens, "Shared context:") if prefix_tokens > 0 else ""
+    head = label(tokenizer, "Shared context:", words, a.requests, vocab)
+    prefix = text(prefix_tokens, head) if prefix_tokens > 0 else ""
     n_shared = round(a.shared * a.requests) if prefix else 0
     shared = [False] * a.requests
     for i in rng.sample(range(a.requests), n_shared):
         shared[i] = True
     prompts = []
     for i in range(a.requests):
-        head = f"Request {i} of {a.requests}:"
+        head = label(tokenizer, f"Request {i} of {a.requests}:", words, i, vocab)
         if shared[i]:
             prompts.append(prefix + "\n" + text(a.prompt_tokens - prefix_tokens - 1, head))
         else:
             prompts.append(text(a.prompt_tokens, head))
+    for i, p in enumerate(prompts):
+        if not _below(tokenizer, p, vocab):
+            raise ValueError(
+                f"prompt {i} holds token {max(tokenizer.encode(p))}, not below the model's "
+                f"vocab_size {vocab}"
+            )
     return prompts, shared
+
+
+def warmup_prompt(tokenizer, vocab: int | None = None) -> str:
+    """The warm-up request's prompt: ``Warm up.``, or two plain words and a full stop where
+    its tokens are not below ``vocab``."""
+    if _below(tokenizer, "Warm up.", vocab):
+        return "Warm up."
+    return " ".join(prompt_words(tokenizer, vocab)[:2]) + "."
 
 
 def stream_request(port: int, body: dict, timeout: float) -> dict:
@@ -425,7 +604,7 @@ def run_load(server: Server, prompts: list[str], a: argparse.Namespace, bias: di
     body = {"max_tokens": a.max_tokens, "temperature": 0}
     if bias:
         body["logit_bias"] = bias
-    _post(server.port, "/v1/completions", {**body, "prompt": "Warm up.", "max_tokens": 4}, 600)
+    _post(server.port, "/v1/completions", {**body, "prompt": a.warmup, "max_tokens": 4}, 600)
 
     results: list[dict | None] = [None] * len(prompts)
     # the well-formed requests and the hostile ones, interleaved evenly
@@ -621,8 +800,28 @@ def table(rows: list[dict]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
+    e2e = _e2e()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="model directory, GGUF or name (default: the reference model)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
+        "--model", help="model directory, GGUF or name (default: the reference model)"
+    )
+    which.add_argument(
+        "--shape",
+        choices=sorted(e2e.SHAPES),
+        help="serve a model of this shape (benchmarks/e2e.py's) with random weights and the "
+        "reference model's tokenizer, written before the servers start",
+    )
+    p.add_argument(
+        "--weights",
+        choices=e2e.WEIGHTS,
+        help="--shape's weights (default 4bit; fp32 for a CPU)",
+    )
+    p.add_argument(
+        "--model-dir",
+        help="where --shape's model is written, and reused by a later run of the same "
+        "--shape, --weights and --seed (default: a temporary directory, removed at exit)",
+    )
     p.add_argument(
         "--velox",
         action="append",
@@ -664,7 +863,10 @@ def _model(value: str | None) -> str:
 
         ref = find_shared("reference-model")
         if ref is None:
-            raise SystemExit("serve_load: no --model and no shared/reference-model")
+            raise SystemExit(
+                "serve_load: no shared/reference-model (the model without --model, and the "
+                "tokenizer of --shape's)"
+            )
         return str(Path(ref).resolve())
     from velox_cli import models
 
@@ -686,7 +888,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("serve_load: --clients, --requests, --max-tokens >= 1, prompts >= 16")
     if not 0 <= a.shared <= 1:
         raise SystemExit("serve_load: --shared is a fraction, 0 to 1")
-    from mlx_lm.utils import _parse_size, load_tokenizer
+    from mlx_lm.utils import _parse_size
 
     try:
         a.budget_bytes = None if a.prompt_cache_bytes is None else _parse_size(a.prompt_cache_bytes)
@@ -695,11 +897,59 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.malformed < 0:
         raise SystemExit("serve_load: --malformed counts requests: 0 or more")
-    model = _model(a.model)
+    if a.shape is None and (a.weights is not None or a.model_dir is not None):
+        raise SystemExit("serve_load: --weights and --model-dir go with --shape")
+    with contextlib.ExitStack() as stack:
+        return _serve(a, stack)
+
+
+def _serve(a: argparse.Namespace, stack: contextlib.ExitStack) -> int:
+    """``main`` from the model on: ``stack`` holds what is removed at the end (a temporary
+    shape model)."""
+    from mlx_lm.utils import load_tokenizer
+
+    vocab, shape_model = None, None
+    if a.shape is None:
+        model = _model(a.model)
+        tokenizer = load_tokenizer(Path(model))
+    else:
+        a.weights = a.weights or "4bit"
+        reference = Path(_model(None))
+        tokenizer = load_tokenizer(reference)
+        vocab = _e2e().SHAPES[a.shape]["vocab_size"]
+        if a.malformed and tokenizer.vocab_size > vocab:
+            raise SystemExit(
+                f"serve_load: --malformed with --shape {a.shape}: the hostile requests' text "
+                f"may encode to the reference tokenizer's tokens up to "
+                f"{tokenizer.vocab_size - 1}, past the shape's vocab_size {vocab}"
+            )
+    try:
+        prompts, shared = make_prompts(tokenizer, a, vocab)
+        a.warmup = warmup_prompt(tokenizer, vocab)
+    except ValueError as e:
+        of = "" if a.shape is None else f" (--shape {a.shape}, the reference model's tokenizer)"
+        raise SystemExit(f"serve_load: {e}{of}") from None
+    if a.shape is not None:
+        if a.model_dir is None:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="serve_load-shape-"))
+            where = Path(tmp) / "model"
+        else:
+            where = Path(a.model_dir).expanduser()
+        print(f"serve_load: shape model {a.shape} ({a.weights}) ...", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        try:
+            built = build_shape_model(a.shape, a.weights, a.seed, where, reference)
+        except ValueError as e:
+            raise SystemExit(f"serve_load: {e}") from None
+        shape_model = {"built": built, "build_s": time.perf_counter() - t0}
+        model = str(where.resolve())
+        done = f"built in {shape_model['build_s']:.1f} s" if built else "reused"
+        print(f"serve_load: shape model {done}: {model}", file=sys.stderr, flush=True)
     a.model_path = model
-    tokenizer = load_tokenizer(Path(model))
-    prompts, shared = make_prompts(tokenizer, a)
-    bias = {} if a.allow_eos else {str(t): -100 for t in tokenizer.eos_token_ids}
+    # an end-of-sequence token past the model's vocabulary is never drawn (and no bias can
+    # name it)
+    eos = [t for t in tokenizer.eos_token_ids if vocab is None or t < vocab]
+    bias = {} if a.allow_eos else {str(t): -100 for t in eos}
     env, blas = _blas_env()
 
     import mlx.core as mx
@@ -711,6 +961,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = {
         "settings": {**settings, "model": model, "shared_requests": sum(shared)},
+        **({} if shape_model is None else {"shape_model": shape_model}),
         "machine": {
             "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),
