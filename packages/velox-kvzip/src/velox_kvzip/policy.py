@@ -121,6 +121,9 @@ class KVzipPolicy(RetentionPolicy):
         keys, _ = view.keys_and_values()  # nothing is evicted yet: index = position
         got = chunk_scores(queries, keys, scale, *self._job)
         self._part = got if self._part is None else mx.maximum(self._part, got)
+        # evaluated here, layer by layer: left to the end of the model's call, every layer's
+        # decoded keys and weight blocks would be held at once, above fp16's prefill peak
+        mx.eval(self._part)
 
     @staticmethod
     def after_prefill(model, tokenizer, caches: list, tokens) -> None:
