@@ -21,8 +21,11 @@ from .preset import PresetCache, check_kept_codes, kept_codecs
 
 __all__ = ["EvictionCache", "EvictionConfig", "eviction_method", "recent_tokens"]
 
-# what ``velox bench`` runs by default: the kept tokens in fp16, and in 4-bit codes
-RECOMMENDED = ({"budget": 1024}, {"budget": 1024, "bits": 4})
+# what ``velox bench`` runs by default: the kept tokens in fp16, and in 4-bit codes of
+# 32-channel groups
+RECOMMENDED = ({"budget": 1024}, {"budget": 1024, "bits": 4, "group": 32})
+# the same with the codes' default groups (``EvictionConfig.group``)
+RECOMMENDED_DEFAULT_GROUP = ({"budget": 1024}, {"budget": 1024, "bits": 4})
 
 
 def recent_tokens(
