@@ -163,20 +163,23 @@ class Uniform(Codec):
         return c, s, z
 
     def scores(self, q: mx.array, packed: Packed) -> mx.array:
-        if self._mlx_layout():
-            return self._matmul(q, packed, transpose=True)
-        if self.axis == "token":
-            return super().scores(q, packed)
-        # per-channel groups: fold each token group's scales into the query
-        return channel_group_scores(q, *self._channel_groups(packed))
+        return self._from_codes(q, packed, transpose=True)
 
     def mix(self, w: mx.array, packed: Packed) -> mx.array:
+        return self._from_codes(w, packed, transpose=False)
+
+    def _from_codes(self, x: mx.array, packed: Packed, transpose: bool) -> mx.array:
+        """:meth:`scores` (``transpose``: ``x`` the queries) or :meth:`mix` (``x`` the weights)
+        by the codes' layout: ``mx.quantized_matmul`` where it reads them, the base codec's
+        for other per-token groups; per-channel groups fold each token group's scales into the
+        query (:func:`channel_group_scores`) or sum the weights of each token group against
+        the zeros (:func:`channel_group_mix`)."""
         if self._mlx_layout():
-            return self._matmul(w, packed, transpose=False)
+            return self._matmul(x, packed, transpose)
         if self.axis == "token":
-            return super().mix(w, packed)
-        # per-channel groups: sum the weights of each token group against the zeros
-        return channel_group_mix(w, *self._channel_groups(packed))
+            return super().scores(x, packed) if transpose else super().mix(x, packed)
+        groups = self._channel_groups(packed)
+        return channel_group_scores(x, *groups) if transpose else channel_group_mix(x, *groups)
 
     def kernel_values(self, packed: Packed, dim: int) -> KernelSide | None:
         """Per-token codes: the decode kernels mix them (:meth:`kernel_codes`); per-channel
