@@ -31,6 +31,9 @@ from .window import QueryWindow, WindowState
 
 __all__: list[str] = []
 
+# WindowVotePolicy's parameters: an eviction cache's ``policy_params`` for it, or their start
+VOTE_PARAMS = ("budget", "every", "observe", "kernel", "pooling")
+
 
 class WindowVotePolicy(WindowState, RetentionPolicy):
     """Keep what the newest ``observe`` queries vote for, per KV head.
