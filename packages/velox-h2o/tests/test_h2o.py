@@ -4,6 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import velox_core.policy.accumulated as accumulated
 import velox_h2o.policy as h2o_policy
 import velox_testing.eviction as ev
 from velox_core import VeloxCache, make, make_cache, routed
@@ -229,14 +230,14 @@ def test_a_long_chunk_is_scored_in_blocks_of_queries(monkeypatch):
     whole = H2OCache(budget=64)
     ev.feed_attending(whole, k, v, q, chunk=300)
     blocks = []
-    votes = h2o_policy.window_votes
+    votes = accumulated.window_votes  # H2O's votes (AttentionVotes.votes)
 
     def counted(queries, *rest):
         blocks.append(queries.shape[2])
         return votes(queries, *rest)
 
     monkeypatch.setattr(h2o_policy, "SCORE_ELEMENTS", 4 * 300 * 32)  # 4 query heads, 300 keys
-    monkeypatch.setattr(h2o_policy, "window_votes", counted)
+    monkeypatch.setattr(accumulated, "window_votes", counted)
     split = H2OCache(budget=64)
     ev.feed_attending(split, k, v, q, chunk=300)
     assert blocks == [32] * 9 + [12]

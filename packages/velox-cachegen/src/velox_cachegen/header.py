@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from velox_core.stored import StoredTokens
+from velox_core.stored import StoredTokens, header_int, header_user
 
 from .chunks import Settings
 from .levels import LayerSteps
@@ -42,13 +42,6 @@ FIELDS = {
     "quality",
     "user",
 }
-
-
-def _int(h: dict, name: str, minimum: int) -> int:
-    v = h[name]
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ValueError(f"corrupt header: {name} must be an int >= {minimum}, got {v!r}")
-    return v
 
 
 def _pos(h: dict, name: str) -> float:
@@ -86,8 +79,8 @@ def check(h: Any) -> dict:
     fp = h["fingerprint"]
     if fp is not None and (not isinstance(fp, str) or not fp):
         raise ValueError(f"corrupt header: fingerprint must be a string or null, got {fp!r}")
-    batch, tokens = _int(h, "batch", 1), _int(h, "tokens", 1)
-    _int(h, "group", 2), _int(h, "block", 1), _pos(h, "anchor_step")
+    batch, tokens = header_int(h, "batch", 1), header_int(h, "tokens", 1)
+    header_int(h, "group", 2), header_int(h, "block", 1), _pos(h, "anchor_step")
     if h["delta"] not in DELTAS:
         raise ValueError(f"corrupt header: delta {h['delta']!r} (allowed: {', '.join(DELTAS)})")
     layers = StoredTokens.check_records(h["layers"], "corrupt header")
@@ -125,7 +118,7 @@ def check(h: Any) -> dict:
     q = h["quality"]
     if not isinstance(q, dict) or set(q) != {"step", "window", "window_step", "layer_steps"}:
         raise ValueError("corrupt header: quality must hold step, window, window_step, layer_steps")
-    _pos(q, "step"), _int(q, "window", 0), _pos(q, "window_step")
+    _pos(q, "step"), header_int(q, "window", 0), _pos(q, "window_step")
     ls = q["layer_steps"]
     if not isinstance(ls, dict) or set(ls) != {"key", "value"}:
         raise ValueError("corrupt header: layer_steps must hold key and value")
@@ -137,11 +130,7 @@ def check(h: Any) -> dict:
         raise ValueError(
             f"corrupt header: layer_steps for {len(steps.key)} of {len(layers)} layers"
         )
-    user = h["user"]
-    if not isinstance(user, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in user.items()
-    ):
-        raise ValueError("corrupt header: user metadata must map str to str")
+    header_user(h)
     del batch
     return h
 

@@ -12,14 +12,13 @@ encodes them as a prefill would. Either continues decoding.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
 from velox_core.artifacts import fingerprint
-from velox_core.stored import StoredTokens
+from velox_core.stored import StoredTokens, read_file
 
 from .chunks import SECTIONS, decode_chunks, read_meta
 from .container import split
@@ -83,28 +82,19 @@ def decode(data: bytes, *, model: Any = None, return_metadata: bool = False):
 def load(path: str | os.PathLike, *, model: Any = None, return_metadata: bool = False):
     """Caches from a file written by :func:`velox_cachegen.save` (:func:`decode`'s
     arguments)."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"{path}: no such file")
-    try:
-        return decode(p.read_bytes(), model=model, return_metadata=return_metadata)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+    return read_file(path, lambda data: decode(data, model=model, return_metadata=return_metadata))
 
 
 def inspect(path: str | os.PathLike) -> dict[str, Any]:
     """What a CacheGen file holds, its header and framing checked (no model needed): batch,
     tokens, chunks with their levels and bytes, the layers' classes, the coding settings and
     the bytes by part against float16's."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"{path}: no such file")
-    data = p.read_bytes()
-    try:
+
+    def parse(data: bytes):
         h, frames = _read(data)
-        metas = [read_meta(f) for f in frames]
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+        return data, h, frames, [read_meta(f) for f in frames]
+
+    data, h, frames, metas = read_file(path, parse)
     parts = {k: sum(len(sec[k]) for _, sec in metas) for k in SECTIONS}
     fp16 = 2 * h["batch"] * h["tokens"] * sum(hh * (dk + dv) for hh, dk, dv in h["geometry"])
     side = sum(v for k, v in parts.items() if k not in ("tables", "streams"))

@@ -25,7 +25,7 @@ import numpy as np
 from velox_core.artifacts import fingerprint
 from velox_core.io import write_atomically
 from velox_core.stored import StoredTokens
-from velox_core.validation import check_int
+from velox_core.validation import check_int, check_metadata
 
 from .artifact import resolve_steps
 from .chunks import SECTIONS, Settings, encode_chunks, read_meta
@@ -110,11 +110,7 @@ def _plan(caches, model, layer_steps, window, chunk, group, anchor_step, delta, 
     anchor_step = _float("anchor_step", anchor_step)
     if delta not in DELTAS:
         raise ValueError(f"cachegen: delta must be one of {', '.join(DELTAS)}, got {delta!r}")
-    if metadata is not None and not (
-        isinstance(metadata, dict)
-        and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
-    ):
-        raise TypeError("cachegen: metadata must map str to str")
+    check_metadata(metadata, "cachegen")
     tokens = StoredTokens.read(caches, "cachegen")
     for i, (k, v) in enumerate(tokens.kv):
         if not (mx.all(mx.isfinite(k)).item() and mx.all(mx.isfinite(v)).item()):

@@ -22,5 +22,4 @@ METHOD = eviction_method(
     summary="the first and the newest tokens per KV head; each evicted value is merged into "
     "the tokens kept after it with a probability from accumulated attention (CaM)",
     paper="https://proceedings.mlr.press/v235/zhang24n.html",
-    recommended=({"budget": 1024}, {"budget": 1024, "bits": 4, "group": 32}),
 )

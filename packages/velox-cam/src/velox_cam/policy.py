@@ -45,12 +45,9 @@ Deviations from the authors' cache (also in docs/cam.md):
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.core as mx
 
-from velox_core.policy import AccumulatedPolicy, window_votes
-from velox_core.policy.votes import fuse_weights
+from velox_core.policy.accumulated import AttentionVotes, SeededDraws, layer_key
 from velox_core.validation import check_int
 
 from .merge import merge_probabilities, merged_values
@@ -61,13 +58,7 @@ __all__ = ["SCORE_ELEMENTS", "CamPolicy", "layer_key"]
 SCORE_ELEMENTS = 1 << 20
 
 
-def layer_key(seed: int, layer: int | None) -> mx.array:
-    """The draws' first key for one layer: the ``layer``-th of ``seed``'s split keys."""
-    i = layer or 0
-    return mx.random.split(mx.random.key(seed), i + 1)[i]
-
-
-class CamPolicy(AccumulatedPolicy):
+class CamPolicy(AttentionVotes, SeededDraws):
     """CaM's retention policy: the sinks and the newest tokens stay, each evicted value is
     merged into the ``merge`` tokens after it with a probability from accumulated attention.
 
@@ -88,9 +79,7 @@ class CamPolicy(AccumulatedPolicy):
     ):
         super().__init__(budget, every, recent=0)
         self.merge = check_int("merge", merge, minimum=1)
-        self.seed = check_int("seed", seed, minimum=0)
-        self._key = layer_key(self.seed, None)
-        self._draws = 0  # cuts that drew merge masks
+        self.start_draws(seed)  # one draw of merge masks a cut
 
     def attach(self, view) -> None:
         super().attach(view)
@@ -101,31 +90,13 @@ class CamPolicy(AccumulatedPolicy):
                 "evicted value merges into the oldest kept tokens of the coded body)"
             )
 
-    def bind(self, model: Any = None, layer: int | None = None) -> None:
-        if self._draws == 0:  # each layer its own draws
-            self._key = layer_key(self.seed, layer)
-
     @property
     def score_elements(self) -> int:
         return SCORE_ELEMENTS
 
-    def votes(
-        self, queries: mx.array, q_pos: mx.array, keys: mx.array, k_pos: mx.array, scale: float
-    ) -> mx.array:
-        """The block's softmax weights over every stored token (:func:`window_votes`)."""
-        return window_votes(queries, q_pos, keys, k_pos, scale)
-
-    def weight_votes(self, weights: mx.array, q_pos: mx.array) -> mx.array:
-        """A decode step's votes: the weights its attention computed, summed over its
-        queries and averaged over the query heads of each KV head (:func:`window_votes`'s
-        rule, :func:`~velox_core.policy.votes.fuse_weights`)."""
-        return fuse_weights(weights)
-
     def uniform(self, shape: tuple[int, ...]) -> mx.array:
         """The next draw of uniform numbers in ``[0, 1)``: the key is split, one half kept."""
-        keys = mx.random.split(self._key)
-        self._key, self._draws = keys[0], self._draws + 1
-        return mx.random.uniform(shape=shape, key=keys[1])
+        return mx.random.uniform(shape=shape, key=self.next_key())
 
     # -- choosing ----------------------------------------------------------------------------
     def score(self, view) -> list[mx.array | None]:
@@ -144,12 +115,10 @@ class CamPolicy(AccumulatedPolicy):
         if n <= 0:
             return mx.arange(t, dtype=mx.int32)
         self._sync(view)
-        if view.offset > self._seen and not view.routed:
-            raise ValueError(
-                f"{self.name}: the attention every query gives each token decides whether an "
-                "evicted value is merged, and only velox attention sees the queries: run the "
-                "model inside velox_core.routed(model) (velox_core.generate does)"
-            )
+        self._check_routed(
+            view,
+            "the attention every query gives each token decides whether an evicted value is merged",
+        )
         if k < self.merge:
             raise ValueError(
                 f"{self.name}: a cut keeping {k} body tokens cannot merge into {self.merge}"
@@ -164,21 +133,4 @@ class CamPolicy(AccumulatedPolicy):
         self._scores = mx.concatenate(rest, axis=2)
         return mx.arange(n, t, dtype=mx.int32)
 
-    # -- state: "scores" (B, H, S) float32, "key" uint32 (2,); meta seen, draws --------------
-    def state(self) -> dict[str, mx.array]:
-        state = super().state()
-        return {**state, "key": self._key} if state else state
-
-    def meta(self) -> Any:
-        return {**super().meta(), "draws": self._draws}
-
-    def set_state(self, state: dict[str, mx.array], meta: Any) -> None:
-        state = dict(state)
-        key, scores = state.pop("key", None), state.get("scores")
-        self._check_scores(scores)
-        if scores is not None and (key is None or key.shape != (2,) or key.dtype != mx.uint32):
-            got = None if key is None else f"{key.dtype} {tuple(key.shape)}"
-            raise ValueError(f"{self.name}: the draws' key must be uint32 (2,), got {got}")
-        super().set_state(state, meta)
-        self._key = layer_key(self.seed, None) if key is None else key
-        self._draws = int((meta or {}).get("draws", 0))
+    # state: "scores" (B, H, S) float32, "key" uint32 (2,); meta seen, draws (SeededDraws)

@@ -14,5 +14,4 @@ METHOD = eviction_method(
     summary="whole chunks of consecutive tokens, ranked by an observation window's votes "
     "(the same chunks in every KV head; optional layer-wise index reuse); rest evicted",
     paper="https://arxiv.org/abs/2502.00299",
-    recommended=({"budget": 1024}, {"budget": 1024, "bits": 4, "group": 32}),
 )

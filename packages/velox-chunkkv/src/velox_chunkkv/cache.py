@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from velox_core.cache.eviction import EvictionCache
+from velox_core.policy.voting import VOTE_PARAMS
 
 from .config import ChunkKVConfig, check_chunk_length, check_reuse
 from .policy import ChunkKVPolicy
@@ -34,7 +35,7 @@ class ChunkKVCache(EvictionCache):
     method = "chunkkv"
     Config = ChunkKVConfig
     Policy = ChunkKVPolicy
-    policy_params = ("budget", "every", "observe", "kernel", "pooling", "chunk_length")
+    policy_params = (*VOTE_PARAMS, "chunk_length")
 
     def __init__(self, flush: int | None = None, check_finite: bool = False, **params: Any):
         # ChunkKV's own counts first: NaN or inf there is a count out of range, said so

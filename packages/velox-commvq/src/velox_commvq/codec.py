@@ -50,7 +50,7 @@ from velox_core.ops.rope import RopeSpec, angles, from_pairs, rotate_pairs, to_p
 from velox_core.validation import check_bits, check_int, check_path
 
 from . import kernels as _kernels
-from .artifact import load_cached, resolve_codebooks
+from .artifact import KIND, load_cached, resolve_codebooks
 from .scores import code_scores
 from .vq import Geometry, decode_pairs, encode_pairs, jrot
 
@@ -148,12 +148,7 @@ class CommVQKeys(PreRope, Codec):
         self.rope_for(dim).pairs(dim, "commvq")  # raises if the RoPE does not pair this head
         if self._books is None:
             if self._path is None or self.layer is None:
-                raise ValueError(
-                    "commvq: no codebooks for this cache; CommVQ codes keys only with codebooks "
-                    "fitted on the model (python -m velox_commvq fit ...). Make caches with "
-                    "velox_core.make_cache(model, ...), which finds the model's artifact, or "
-                    "pass codebooks=PATH and layer=i"
-                )
+                raise KIND.unbound("codebooks", "CommVQ codes keys only with codebooks")
             self._books = self._select(load_cached(self._path), dim)
         elif 2 * self._books["a"].shape[2] != dim:
             raise ValueError(f"commvq: codebooks code {2 * self._books['a'].shape[2]}-dim keys")

@@ -23,8 +23,9 @@ its checks), finds and resolves its files; the method keeps only its arrays and 
 metadata fields. Every file of a kind carries ``layers`` (the JSON list of layer
 indices), ``fingerprint``, ``model`` (:func:`identity`) and ``calibration`` (how it was fitted).
 A method's record of a file derives from :class:`Fitted` (the provenance; :class:`FittedLayers`
-adds the per-layer lookup). A fit takes its calibration as a :class:`Calibration` (the token
-ids, :func:`calibration_ids`, and the model run on them, :func:`prefilled`: both from
+adds the per-layer lookup); a codec that codes with one layer of a file mixes in
+:class:`LayerFit`. A fit takes its calibration as a :class:`Calibration` (the token ids,
+:func:`calibration_ids`, and the model run on them, :func:`prefilled`: both from
 :mod:`velox_core.calibration`) and ends with :func:`fitted` (the provenance of a fit made now).
 """
 
@@ -47,7 +48,7 @@ from mlx.utils import tree_flatten
 
 from . import environment
 from .calibration import calibration_ids, model_dtype, prefilled, token_stream
-from .validation import check_int
+from .validation import check_int, check_path
 
 __all__ = [
     "ArtifactFile",
@@ -424,6 +425,17 @@ class ArtifactKind:
                     return p
         return None
 
+    def unbound(self, noun: str, how: str) -> ValueError:
+        """The error of a cache with no artifact of this kind to read and no model to find one
+        by: ``noun`` names what the method reads (``"codebooks"``), ``how`` what it does with
+        it (``"CommVQ codes keys only with codebooks"``, followed by "fitted on the model")."""
+        method = self.fmt.removeprefix("velox-")
+        return ValueError(
+            f"{method}: no {noun} for this cache; {how} fitted on the model (python -m "
+            f"velox_{method} fit ...). Make caches with velox_core.make_cache(model, ...), which "
+            f"finds the model's artifact, or pass {self.param}=PATH and layer=i"
+        )
+
     def resolve(self, model: Any, path: str | os.PathLike | None = None) -> Path:
         """The artifact of this kind for ``model``: ``path`` if given (checked: this kind,
         fitted for this model), else the first found by the model's fingerprint in
@@ -456,3 +468,45 @@ class ArtifactKind:
                 f"{self.param}=FILE"
             )
         return found
+
+
+class LayerFit:
+    """What a codec that codes with one layer of its model's artifact keeps (velox-palu,
+    velox-spectral, velox-oscar): ``artifact`` (a path, or None: the model's, found by
+    :meth:`found` at ``bind``) and ``layer``, settings; ``_path``, the file given or found;
+    ``_fit``, the layer's arrays once read. ``kind`` is the method's :class:`ArtifactKind`;
+    ``needs_artifact`` whether the codec reads one at all."""
+
+    kind: ClassVar[ArtifactKind]
+    needs_artifact: bool = True
+
+    def init_fit(self, artifact: str | os.PathLike | None, layer: int | None) -> None:
+        """Check and set ``artifact`` and ``layer``; nothing is read yet."""
+        self.artifact = check_path("artifact", artifact)
+        self.layer = None if layer is None else check_int("layer", layer, minimum=0)
+        self._path = self.artifact
+        self._fit: dict[str, mx.array] | None = None
+
+    def fresh(self):
+        """An empty copy that keeps what ``bind`` found and the fitted arrays once read (the
+        model's, not the sequence's: a loaded cache needs no artifact for its fresh copies)."""
+        out = type(self).from_config(self.config())
+        out._path, out._fit = self._path, self._fit
+        return out
+
+    def found(self, model: Any, layer: int | None) -> Any:
+        """``bind``'s search: the record of the artifact fitted for ``model`` (the
+        ``artifact`` setting if given, checked), read now so that a missing or wrong one
+        fails at ``bind``, not at first use; None where ``bind`` has nothing to read (no
+        model or no layer, or no artifact needed). The arrays read before are dropped."""
+        if not bound_layer(self, model, layer) or not self.needs_artifact:
+            return None
+        self._path, self._fit = str(self.kind.resolve(model, self.artifact)), None
+        return self.kind.load_cached(self._path)
+
+    def record(self, noun: str, how: str) -> Any:
+        """The record of the artifact given or found, for a codec that has not read its
+        arrays yet; without one, :meth:`ArtifactKind.unbound`'s error (``noun``, ``how``)."""
+        if self._path is None or self.layer is None:
+            raise self.kind.unbound(noun, how)
+        return self.kind.load_cached(self._path)

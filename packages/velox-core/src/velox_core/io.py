@@ -40,6 +40,7 @@ from .io_check import (
     layer_arrays,
 )
 from .registry import get_method
+from .validation import check_metadata
 
 __all__: list[str] = []
 
@@ -155,10 +156,7 @@ def save_cache(path: str | Path, caches: list, metadata: dict[str, str] | None =
     """Write a model's caches (velox and plain mlx-lm ones) to ``path`` (``.safetensors``)."""
     if not isinstance(caches, (list, tuple)) or not caches:
         raise ValueError("save_cache: caches must be a non-empty list (one cache per layer)")
-    if metadata is not None and not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
-    ):
-        raise TypeError("save_cache: metadata must map str to str")
+    check_metadata(metadata, "save_cache")
     arrays: dict[str, mx.array] = {}
     layers = [_encode_layer(i, c, arrays) for i, c in enumerate(caches)]
     header = {

@@ -9,14 +9,19 @@ cache's method, settings and dtypes. Those records are JSON, written into a form
 :meth:`StoredTokens.check_records` checks them when a file is read back, before anything is
 decoded, and :meth:`StoredTokens.build` makes caches of the recorded classes around decoded
 tokens: an mlx-lm ``KVCache`` gets them as they are, a velox cache is made again from its
-settings and encodes them as a prefill would. Either continues decoding.
+settings and encodes them as a prefill would. Either continues decoding. :func:`read_file`
+reads a format's file, its errors naming the file; :func:`header_int` and
+:func:`header_user` check the header fields the formats share.
 """
 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
@@ -24,10 +29,41 @@ from mlx_lm.models.cache import KVCache
 from .cache.velox import VeloxCache
 from .mlx_lm import make_cache
 from .registry import get_method
+from .validation import is_str_map
 
 __all__ = ["StoredTokens"]
 
 _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+T = TypeVar("T")
+
+
+def read_file(path: str | os.PathLike, parse: Callable[[bytes], T]) -> T:
+    """``parse`` of the bytes of the file at ``path``; a ``ValueError`` it raises is raised
+    again with the path in front (``"<path>: no such file"`` where there is no file)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{path}: no such file")
+    data = p.read_bytes()
+    try:
+        return parse(data)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def header_int(h: dict, name: str, minimum: int) -> int:
+    """The header field ``name``, which must be an int >= ``minimum`` (``ValueError``,
+    "corrupt header", otherwise)."""
+    v = h[name]
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ValueError(f"corrupt header: {name} must be an int >= {minimum}, got {v!r}")
+    return v
+
+
+def header_user(h: dict) -> dict[str, str]:
+    """The header's ``user`` field, the caller's metadata: a dict of str to str."""
+    if not is_str_map(h["user"]):
+        raise ValueError("corrupt header: user metadata must map str to str")
+    return dict(h["user"])
 
 
 def _name(dt: mx.Dtype) -> str:

@@ -30,6 +30,20 @@ __all__ = [
 FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 
+def is_str_map(value: Any) -> bool:
+    """Whether ``value`` is a dict of str to str (a file's free metadata)."""
+    return isinstance(value, dict) and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    )
+
+
+def check_metadata(metadata: Any, who: str) -> None:
+    """``TypeError`` naming ``who`` unless ``metadata`` is None or maps str to str (the free
+    metadata a saved cache carries)."""
+    if metadata is not None and not is_str_map(metadata):
+        raise TypeError(f"{who}: metadata must map str to str")
+
+
 def check_int(
     name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None
 ) -> int:

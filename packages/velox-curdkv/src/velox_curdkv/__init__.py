@@ -23,5 +23,4 @@ METHOD = eviction_method(
     summary="per KV head, the tokens of highest key-times-value leverage (approximate CUR); "
     "rest evicted",
     paper="https://arxiv.org/abs/2509.15038",
-    recommended=({"budget": 1024}, {"budget": 1024, "bits": 4, "group": 32}),
 )

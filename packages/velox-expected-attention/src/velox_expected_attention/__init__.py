@@ -26,5 +26,4 @@ METHOD = eviction_method(
         "future queries (times the value norm); rest evicted"
     ),
     paper="https://arxiv.org/abs/2510.00636",
-    recommended=({"budget": 1024}, {"budget": 1024, "bits": 4, "group": 32}),
 )

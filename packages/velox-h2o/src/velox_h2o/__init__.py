@@ -14,5 +14,4 @@ METHOD = eviction_method(
     summary="heavy hitters of accumulated attention plus the recent tokens, per KV head; "
     "one eviction per step",
     paper="https://arxiv.org/abs/2306.14048",
-    recommended=({"budget": 1024}, {"budget": 1024, "bits": 4, "group": 32}),
 )

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from velox_core.cache.eviction import EvictionConfig, recent_tokens
+from velox_core.cache.eviction import RecentConfig
 
 __all__ = ["H2OConfig"]
 
 
 @dataclass
-class H2OConfig(EvictionConfig):
-    """H2O (arXiv 2306.14048) settings: the shared eviction settings
-    (:class:`~velox_core.cache.eviction.EvictionConfig`), with H2O's defaults and its
-    recent window.
+class H2OConfig(RecentConfig):
+    """H2O (arXiv 2306.14048) settings: the shared eviction settings with a recent window
+    (:class:`~velox_core.cache.eviction.RecentConfig`), with H2O's defaults.
 
     Attributes:
         budget: tokens kept per KV head (the paper's KV cache budget): sinks, the heavy
@@ -32,20 +31,11 @@ class H2OConfig(EvictionConfig):
             as the paper).
     """
 
+    scored = ("heavy hitter", "heavy hitters")
+
     every: int | None = 1
     recent: int | float = 0.5
 
     def __post_init__(self):
         super().__post_init__()
-        always = self.sinks + max(self.window, self.recent_tokens)
-        if self.budget <= always:
-            raise ValueError(
-                f"budget={self.budget} must exceed sinks + max(window, recent) = {always} "
-                f"(recent={self.recent} is {self.recent_tokens} tokens; those tokens are "
-                "always kept, and at least one heavy hitter must fit)"
-            )
-
-    @property
-    def recent_tokens(self) -> int:
-        """``recent`` in tokens (a fraction taken of ``budget``)."""
-        return recent_tokens(self.recent, self.budget, "heavy hitters")
+        self.check_recent()

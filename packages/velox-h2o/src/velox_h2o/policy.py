@@ -57,10 +57,7 @@ Deviations from the paper (also in docs/h2o.md):
 
 from __future__ import annotations
 
-import mlx.core as mx
-
-from velox_core.policy import AccumulatedPolicy, window_votes
-from velox_core.policy.votes import fuse_weights
+from velox_core.policy.accumulated import AttentionVotes
 
 __all__ = ["SCORE_ELEMENTS", "H2OPolicy"]
 
@@ -69,9 +66,10 @@ __all__ = ["SCORE_ELEMENTS", "H2OPolicy"]
 SCORE_ELEMENTS = 1 << 20
 
 
-class H2OPolicy(AccumulatedPolicy):
+class H2OPolicy(AttentionVotes):
     """H2O's retention policy: accumulated attention per KV head, plus a recent window
-    (velox-core's :class:`~velox_core.policy.AccumulatedPolicy`, voting by attention).
+    (velox-core's :class:`~velox_core.policy.AccumulatedPolicy`, voting by attention:
+    :class:`~velox_core.policy.accumulated.AttentionVotes`).
 
     Args:
         budget: tokens kept per KV head (sinks, heavy hitters, recent tokens), or None.
@@ -87,15 +85,3 @@ class H2OPolicy(AccumulatedPolicy):
     @property
     def score_elements(self) -> int:
         return SCORE_ELEMENTS
-
-    def votes(
-        self, queries: mx.array, q_pos: mx.array, keys: mx.array, k_pos: mx.array, scale: float
-    ) -> mx.array:
-        """The block's softmax weights over every stored token (:func:`window_votes`)."""
-        return window_votes(queries, q_pos, keys, k_pos, scale)
-
-    def weight_votes(self, weights: mx.array, q_pos: mx.array) -> mx.array:
-        """A decode step's votes: the weights its attention computed, summed over its
-        queries and averaged over the query heads of each KV head (:func:`window_votes`'s
-        rule, :func:`~velox_core.policy.votes.fuse_weights`)."""
-        return fuse_weights(weights)

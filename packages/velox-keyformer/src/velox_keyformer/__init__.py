@@ -22,5 +22,4 @@ METHOD = eviction_method(
     summary="recent tokens plus key tokens of accumulated Gumbel-softmax scores (temperature "
     "rising over the decode), per KV head; one eviction per step",
     paper="https://arxiv.org/abs/2403.09054",
-    recommended=({"budget": 1024}, {"budget": 1024, "bits": 4, "group": 32}),
 )

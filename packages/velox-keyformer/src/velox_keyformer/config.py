@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from velox_core.cache.eviction import EvictionConfig, recent_tokens
+from velox_core.cache.eviction import RecentConfig
 from velox_core.validation import check_int
 
 __all__ = ["KeyformerConfig"]
 
 
 @dataclass
-class KeyformerConfig(EvictionConfig):
-    """Keyformer (arXiv 2403.09054) settings: the shared eviction settings
-    (:class:`~velox_core.cache.eviction.EvictionConfig`) and Keyformer's own.
+class KeyformerConfig(RecentConfig):
+    """Keyformer (arXiv 2403.09054) settings: the shared eviction settings with a recent
+    window (:class:`~velox_core.cache.eviction.RecentConfig`) and Keyformer's own.
 
     Attributes:
         budget: tokens kept per KV head: sinks, key tokens, recent tokens.
@@ -30,6 +30,8 @@ class KeyformerConfig(EvictionConfig):
             (1: the paper, one eviction per step; None: the prompt only).
         bits, key_bits, value_bits, group: ``Uniform`` codes of the kept tokens (None: fp16).
     """
+
+    scored = ("key token", "key tokens")
 
     every: int | None = 1
     recent: int | float = 0.3
@@ -48,15 +50,4 @@ class KeyformerConfig(EvictionConfig):
                 raise ValueError(f"{name}={value}: the temperature must be positive and finite")
         check_int("steps", self.steps, minimum=1)
         check_int("seed", self.seed, minimum=0)
-        always = self.sinks + max(self.window, self.recent_tokens)
-        if self.budget <= always:
-            raise ValueError(
-                f"budget={self.budget} must exceed sinks + max(window, recent) = {always} "
-                f"(recent={self.recent} is {self.recent_tokens} tokens; those tokens are "
-                "always kept, and at least one key token must fit)"
-            )
-
-    @property
-    def recent_tokens(self) -> int:
-        """``recent`` in tokens (a fraction taken of ``budget``)."""
-        return recent_tokens(self.recent, self.budget, "key tokens")
+        self.check_recent()

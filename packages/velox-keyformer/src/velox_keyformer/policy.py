@@ -54,7 +54,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from velox_core.policy import AccumulatedPolicy
+from velox_core.policy.accumulated import SeededDraws, layer_key
 from velox_core.validation import check_float, check_int
 
 from .score import gumbel_votes, gumbel_weights, temperature
@@ -65,13 +65,7 @@ __all__ = ["SCORE_ELEMENTS", "KeyformerPolicy", "layer_key"]
 SCORE_ELEMENTS = 1 << 20
 
 
-def layer_key(seed: int, layer: int | None) -> mx.array:
-    """The noise's first key for one layer: the ``layer``-th of ``seed``'s split keys."""
-    i = layer or 0
-    return mx.random.split(mx.random.key(seed), i + 1)[i]
-
-
-class KeyformerPolicy(AccumulatedPolicy):
+class KeyformerPolicy(SeededDraws):
     """Keyformer's retention policy: accumulated Gumbel scores per KV head, a recent window
     (velox-core's :class:`~velox_core.policy.AccumulatedPolicy`, voting by Gumbel scores).
 
@@ -87,6 +81,7 @@ class KeyformerPolicy(AccumulatedPolicy):
     name = "keyformer"
     settings = ("recent", "tau_init", "tau_end", "steps", "seed")
     kept_name = "key token"
+    key_name = "noise key"
 
     def __init__(
         self,
@@ -102,14 +97,8 @@ class KeyformerPolicy(AccumulatedPolicy):
         self.tau_init = check_float("tau_init", tau_init, minimum=1e-6)
         self.tau_end = check_float("tau_end", tau_end, minimum=1e-6)
         self.steps = check_int("steps", steps, minimum=1)
-        self.seed = check_int("seed", seed, minimum=0)
-        self._key = layer_key(self.seed, None)
-        self._draws = 0  # noise draws so far
+        self.start_draws(seed)  # one noise draw a block of queries
         self._step = 0  # decode steps since the last prompt chunk
-
-    def bind(self, model: Any = None, layer: int | None = None) -> None:
-        if self._draws == 0:  # each layer its own noise
-            self._key = layer_key(self.seed, layer)
 
     @property
     def tau(self) -> float:
@@ -118,9 +107,7 @@ class KeyformerPolicy(AccumulatedPolicy):
 
     def noise(self, shape: tuple[int, ...]) -> mx.array:
         """The next Gumbel(0, 1) draw: the key is split, one half kept, one half drawn."""
-        keys = mx.random.split(self._key)
-        self._key, self._draws = keys[0], self._draws + 1
-        return mx.random.gumbel(shape=shape, key=keys[1])
+        return mx.random.gumbel(shape=shape, key=self.next_key())
 
     # -- the votes -----------------------------------------------------------------------------
     @property
@@ -150,23 +137,10 @@ class KeyformerPolicy(AccumulatedPolicy):
         g = self.noise((b, h * r, n, t))
         return gumbel_weights(weights, self.tau, g)
 
-    # -- state: "scores" (B, H, S) float32, "key" uint32 (2,); meta seen, step, draws --------
-    def state(self) -> dict[str, mx.array]:
-        # an empty cache holds nothing: the key is saved with the first scores
-        state = super().state()
-        return {**state, "key": self._key} if state else state
-
+    # -- state: "scores" and "key" (SeededDraws); meta seen, draws and step -------------------
     def meta(self) -> Any:
-        return {**super().meta(), "step": self._step, "draws": self._draws}
+        return {**super().meta(), "step": self._step}
 
     def set_state(self, state: dict[str, mx.array], meta: Any) -> None:
-        state = dict(state)
-        key, scores = state.pop("key", None), state.get("scores")
-        self._check_scores(scores)  # the scores' error first, as before the key's
-        if scores is not None and (key is None or key.shape != (2,) or key.dtype != mx.uint32):
-            got = None if key is None else f"{key.dtype} {tuple(key.shape)}"
-            raise ValueError(f"{self.name}: the noise key must be uint32 (2,), got {got}")
         super().set_state(state, meta)
-        meta = meta or {}
-        self._key = layer_key(self.seed, None) if key is None else key
-        self._step, self._draws = int(meta.get("step", 0)), int(meta.get("draws", 0))
+        self._step = int((meta or {}).get("step", 0))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from velox_core.policy.votes import grouped_logits, visible_softmax
+
 __all__ = ["gumbel_votes", "gumbel_weights", "temperature"]
 
 
@@ -43,17 +45,9 @@ def gumbel_votes(
         0``, k_pos int ``(B, H, T)``, noise ``(B, Hq, n, T)``; returns float32 ``(B, H, T)``:
         the sum over the ``n`` queries, the mean over the ``R`` query heads of each KV head.
     """
-    b, hq, n, d = queries.shape
-    h, t = keys.shape[1], keys.shape[2]
-    if hq % h:
-        raise ValueError(f"keyformer: {hq} query heads is not a multiple of {h} KV heads")
-    r = hq // h
-    q = (queries.astype(mx.float32) * scale).reshape(b, h, r * n, d)
-    x = (q @ mx.swapaxes(keys.astype(mx.float32), -1, -2)).reshape(b, h, r, n, t)
-    y = (x + noise.astype(mx.float32).reshape(b, h, r, n, t)) / tau
-    visible = k_pos[:, :, None, None, :] <= q_pos.reshape(1, 1, 1, n, 1)
-    p = mx.softmax(mx.where(visible, y, -mx.inf), axis=-1, precise=True)
-    p = mx.where(visible, p, 0.0)  # a query that sees nothing scores nothing (no NaN)
+    x = grouped_logits(queries, keys, scale, "keyformer")  # (B, H, R, n, T)
+    y = (x + noise.astype(mx.float32).reshape(x.shape)) / tau
+    p = visible_softmax(y, q_pos, k_pos)  # a query that sees nothing scores nothing
     return mx.mean(mx.sum(p, axis=3), axis=2)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from velox_core import Codec, Packed
+from velox_core.codec.uniform import channel_group_mix, channel_group_scores
 from velox_core.ops import pack, scale_dtype, unpack
 from velox_core.validation import check_bits, check_choice, check_float, check_int
 
@@ -170,16 +171,8 @@ class KittyKeys(Codec):
 
     def scores(self, q: mx.array, packed: Packed) -> mx.array:
         # fold each page's per-channel scales into the query; the zeros add q . z per page
-        c, s, z = self._pages(packed)
-        qg = q[:, :, None]  # (B, H, 1, M, D)
-        out = (qg * s) @ mx.swapaxes(c, -1, -2) + mx.sum(qg * z, axis=-1, keepdims=True)
-        b, h = q.shape[:2]
-        return mx.swapaxes(out, 2, 3).reshape(b, h, q.shape[2], packed.tokens)
+        return channel_group_scores(q, *self._pages(packed))
 
     def mix(self, w: mx.array, packed: Packed) -> mx.array:
         # per page: (w @ codes) * scale + (sum of w) * zero, summed over the pages
-        c, s, z = self._pages(packed)
-        b, h, m, t = w.shape
-        wg = mx.swapaxes(w.reshape(b, h, m, t // self.group, self.group), 2, 3)
-        out = (wg @ c) * s + mx.sum(wg, axis=-1, keepdims=True) * z
-        return mx.sum(out, axis=2)
+        return channel_group_mix(w, *self._pages(packed))

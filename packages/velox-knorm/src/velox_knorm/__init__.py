@@ -12,5 +12,4 @@ METHOD = eviction_method(
     KNormCache,
     summary="per KV head, the tokens whose keys have the lowest L2 norm; rest evicted",
     paper="https://arxiv.org/abs/2406.11430",
-    recommended=({"budget": 1024}, {"budget": 1024, "bits": 4, "group": 32}),
 )

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from velox_core.stored import StoredTokens
+from velox_core.stored import StoredTokens, header_int, header_user
 
 from .allocation import Plan
 from .container import unpack
@@ -73,13 +73,6 @@ def digest(arrays: dict[str, tuple[str, np.ndarray]], header: str) -> str:
         h.update(f"{name}|{tag}|{tuple(a.shape)}|".encode())
         h.update(np.ascontiguousarray(a).tobytes())
     return h.hexdigest()
-
-
-def _int(h: dict, name: str, minimum: int) -> int:
-    v = h[name]
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ValueError(f"corrupt header: {name} must be an int >= {minimum}, got {v!r}")
-    return v
 
 
 def _str(h: dict, name: str) -> str:
@@ -144,23 +137,19 @@ def read(data: bytes) -> tuple[dict[str, tuple[str, np.ndarray]], Header]:
     if not isinstance(plans, dict) or set(plans) != set(_SIDES):
         raise ValueError("corrupt header: plans must hold a key plan and a value plan")
     layers = StoredTokens.check_records(raw["layers"], "corrupt header")
-    user = raw["user"]
-    if not isinstance(user, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in user.items()
-    ):
-        raise ValueError("corrupt header: user metadata must map str to str")
+    user = header_user(raw)
     h = Header(
         _str(raw, "fingerprint"),
         _str(raw, "basis_id"),
-        _int(raw, "basis_bytes", 0),
+        header_int(raw, "basis_bytes", 0),
         _str(raw, "ratio"),
         {s: Plan.from_json(plans[s], f"corrupt header: plans.{s}") for s in _SIDES},
-        _int(raw, "batch", 1),
-        _int(raw, "tokens", 1),
-        _int(raw, "sinks", 0),
-        _int(raw, "window", 0),
+        header_int(raw, "batch", 1),
+        header_int(raw, "tokens", 1),
+        header_int(raw, "sinks", 0),
+        header_int(raw, "window", 0),
         layers,
-        dict(user),
+        user,
     )
     if h.sinks + h.window > h.tokens:
         raise ValueError(

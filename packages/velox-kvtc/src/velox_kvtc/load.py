@@ -11,12 +11,12 @@ the exact sinks and window, and handed to caches of the saved classes
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
 from velox_core.artifacts import fingerprint, read_metadata, search_dirs
+from velox_core.stored import read_file
 
 from . import artifact as art
 from .codec import Coded, decode_rows
@@ -129,26 +129,15 @@ def load(
     return_metadata: bool = False,
 ):
     """Caches from a file written by :func:`velox_kvtc.save` (:func:`decode`'s arguments)."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"{path}: no such file")
-    try:
-        return decode(p.read_bytes(), basis=basis, model=model, return_metadata=return_metadata)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+    return read_file(
+        path, lambda data: decode(data, basis=basis, model=model, return_metadata=return_metadata)
+    )
 
 
 def inspect(path: str | os.PathLike) -> dict[str, Any]:
     """What a KVTC file holds, its header checked (no basis needed): ratio, batch, tokens,
     sinks, window, layers, the basis it needs, and its bytes by part against float16's."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"{path}: no such file")
-    data = p.read_bytes()
-    try:
-        arrays, h = read(data)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+    data, (arrays, h) = read_file(path, lambda data: (data, read(data)))
     nb = {name: a.nbytes for name, (_, a) in arrays.items()}
     exact = sum(v for k, v in nb.items() if k.startswith("exact."))
     exacts = [a for n, (_, a) in arrays.items() if n.startswith("exact.")]

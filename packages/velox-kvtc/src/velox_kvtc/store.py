@@ -35,7 +35,7 @@ import numpy as np
 
 from velox_core.artifacts import fingerprint
 from velox_core.io import write_atomically
-from velox_core.validation import check_int
+from velox_core.validation import check_int, check_metadata
 
 from . import artifact as art
 from .codec import encode_rows
@@ -133,10 +133,7 @@ def encode(
 
 def _encode(caches, basis, model, ratio, sinks, window, metadata) -> tuple[bytes, Sizes]:
     sinks, window = check_int("sinks", sinks, minimum=0), check_int("window", window, minimum=0)
-    if metadata is not None and not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
-    ):
-        raise TypeError("kvtc: metadata must map str to str")
+    check_metadata(metadata, "kvtc")
     b = _basis(basis, model)
     key = ratio_key(ratio)
     plans = {s: b.plan(key, s) for s in _SIDES}

@@ -1,6 +1,6 @@
 """velox-kvzip: query-agnostic KV eviction by context reconstruction (arXiv 2505.23416)."""
 
-from velox_core.cache.eviction import eviction_method
+from velox_core.cache.eviction import RECOMMENDED_DEFAULT_GROUP, eviction_method
 
 from .cache import KVzipCache
 from .compress import Compression, compress
@@ -23,5 +23,5 @@ METHOD = eviction_method(
     summary="each KV pair scored by the attention it gets while the model reconstructs the "
     "context (velox_kvzip.compress after the prefill); the lowest evicted once, for any query",
     paper="https://arxiv.org/abs/2505.23416",
-    recommended=({"budget": 1024}, {"budget": 1024, "bits": 4}),
+    recommended=RECOMMENDED_DEFAULT_GROUP,
 )

@@ -14,5 +14,4 @@ METHOD = eviction_method(
     summary="recent window plus the older tokens its queries attend to most (sum or max), "
     "per KV head; re-selected every decode step",
     paper="https://arxiv.org/abs/2503.00979",
-    recommended=({"budget": 1024}, {"budget": 1024, "bits": 4, "group": 32}),
 )

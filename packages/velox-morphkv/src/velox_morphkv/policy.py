@@ -56,12 +56,13 @@ import mlx.core as mx
 
 from velox_core import RetentionPolicy
 from velox_core.policy import QueryWindow, check_fusion
+from velox_core.policy.window import WindowState
 from velox_core.validation import check_int
 
 __all__ = ["MorphKVPolicy"]
 
 
-class MorphKVPolicy(RetentionPolicy):
+class MorphKVPolicy(WindowState, RetentionPolicy):
     """MorphKV's retention policy: per KV head, the recent window and the older tokens it
     attends to most.
 
@@ -102,15 +103,6 @@ class MorphKVPolicy(RetentionPolicy):
                 "(the recent window is always kept, and at least one older token must fit)"
             )
 
-    # the buffered queries and the position after them (tests read them)
-    @property
-    def _queries(self) -> mx.array | None:
-        return self.window.queries
-
-    @property
-    def _q_end(self) -> int:
-        return self.window.end
-
     def observe(self, view, queries: mx.array, scale: float) -> None:
         """Buffer the newest ``observe`` queries of this call (:meth:`QueryWindow.add`)."""
         if self.budget is not None:
@@ -140,22 +132,4 @@ class MorphKVPolicy(RetentionPolicy):
         s = mx.where(body_pos >= view.offset - self.window.size, mx.inf, s)
         return [s[:, h] for h in range(s.shape[1])]
 
-    # -- batch rows (called by VeloxCache.filter / extend) ----------------------------------
-    def filter_batch(self, idx: mx.array) -> None:
-        self.window.filter_batch(idx)
-
-    def extend_batch(self, other: MorphKVPolicy) -> None:
-        self.window.extend_batch(other.window)  # other positions: vote from the next queries
-
-    # -- state: {"queries": (B, Hq, n, D)}, meta "q_end" and "scale" --------------------------
-    def state(self) -> dict[str, mx.array]:
-        return self.window.state("queries")
-
-    def meta(self) -> Any:
-        return {**super().meta(), **self.window.meta()}
-
-    def set_state(self, state: dict[str, mx.array], meta: Any) -> None:
-        state = dict(state)
-        queries = state.pop("queries", None)
-        super().set_state(state, meta)
-        self.window.set_state(queries, meta)
+    # batch rows and state ({"queries": (B, Hq, n, D)}, meta "q_end" and "scale"): WindowState

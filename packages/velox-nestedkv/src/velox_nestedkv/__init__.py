@@ -1,6 +1,6 @@
 """velox-nestedkv: NestedKV, key-only eviction by multi-time-scale anomaly (arXiv 2605.26678)."""
 
-from velox_core.cache.eviction import eviction_method
+from velox_core.cache.eviction import RECOMMENDED_DEFAULT_GROUP, eviction_method
 
 from .cache import NestedKVCache
 from .config import NestedKVConfig
@@ -22,4 +22,5 @@ METHOD = eviction_method(
     NestedKVCache,
     summary="key-only eviction: stable/episodic/current cosine anomaly, head-adaptive budgets",
     paper="https://arxiv.org/abs/2605.26678",
+    recommended=RECOMMENDED_DEFAULT_GROUP,
 )

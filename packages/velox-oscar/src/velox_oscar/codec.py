@@ -35,12 +35,12 @@ from typing import Any, ClassVar
 import mlx.core as mx
 
 from velox_core import Codec, Packed, Uniform
-from velox_core.artifacts import bound_layer
+from velox_core.artifacts import LayerFit
 from velox_core.ops import HadamardRotation
-from velox_core.validation import check_bits, check_choice, check_float, check_int, check_path
+from velox_core.validation import check_bits, check_choice, check_float, check_int
 
 from . import kernels as _kernels
-from .artifact import OscarRotations, load_rotations_cached, resolve_rotations
+from .artifact import KIND, OscarRotations
 from .rotation import Rotation, quantile_clip
 
 __all__ = ["BASES", "MAX_GROUP", "OscarKeys", "OscarValues", "default_group"]
@@ -71,7 +71,8 @@ def check_head_dim(method: str, rotation: str, group: int | None, dim: int, side
         )
 
 
-class _OscarSide(Codec):
+class _OscarSide(LayerFit, Codec):
+    kind = KIND
     side: ClassVar[str] = "key"
     settings = ("bits", "group", "clip", "rotation", "artifact", "layer")
     compressed_scores = True
@@ -95,10 +96,7 @@ class _OscarSide(Codec):
             else check_float(f"{self.side}_clip", clip, minimum=0.0, maximum=1.0, open_min=True)
         )
         self.rotation = check_choice("rotation", rotation, BASES)
-        self.artifact = check_path("artifact", artifact)
-        self.layer = None if layer is None else check_int("layer", layer, minimum=0)
-        self._path = self.artifact
-        self._fit: dict[str, mx.array] | None = None  # rotation (D, D) fp16, clip (1,) f32
+        self.init_fit(artifact, layer)  # _fit: rotation (D, D) fp16, clip (1,) f32
         self._dim: int | None = None
         self._rot: Rotation | HadamardRotation | None = None
         self._q: Uniform | None = None
@@ -109,20 +107,12 @@ class _OscarSide(Codec):
         """Whether the layer's rotation or clip ratio comes from a fitted artifact."""
         return self.rotation == "oscar" or self.clip is None
 
-    def fresh(self):
-        """An empty copy that keeps what ``bind`` found and the fitted arrays once read (the
-        model's, not the sequence's: a loaded cache needs no artifact for its fresh copies)."""
-        out = type(self).from_config(self.config())
-        out._path, out._fit = self._path, self._fit
-        return out
-
-    # -- the model's artifact ----------------------------------------------------------------
+    # -- the model's artifact (LayerFit) -----------------------------------------------------
     def bind(self, model: Any = None, layer: int | None = None) -> None:
         """Find the artifact fitted for ``model`` and read this layer's rotation and clip."""
-        if not bound_layer(self, model, layer) or not self.needs_artifact:
-            return
-        self._path, self._fit = str(resolve_rotations(model, self.artifact)), None
-        self._fit = self._select(load_rotations_cached(self._path))  # fail now, not at first use
+        art = self.found(model, layer)
+        if art is not None:
+            self._fit = self._select(art)
 
     def _select(self, art: OscarRotations) -> dict[str, mx.array]:
         out = {}
@@ -136,14 +126,7 @@ class _OscarSide(Codec):
     def check(self, dim: int, dtype: mx.Dtype) -> None:
         check_head_dim("oscar", self.rotation, self.group, dim, self.side)
         if self.needs_artifact and self._fit is None:
-            if self._path is None or self.layer is None:
-                raise ValueError(
-                    "oscar: no rotations for this cache; OSCAR rotates by bases fitted on the "
-                    "model (python -m velox_oscar fit ...). Make caches with "
-                    "velox_core.make_cache(model, ...), which finds the model's artifact, or "
-                    "pass artifact=PATH and layer=i"
-                )
-            self._fit = self._select(load_rotations_cached(self._path))
+            self._fit = self._select(self.record("rotations", "OSCAR rotates by bases"))
         self._ready(dim)
 
     def _ready(self, dim: int) -> None:

@@ -37,13 +37,13 @@ from typing import Any
 import mlx.core as mx
 
 from velox_core import Codec, Packed, Uniform
-from velox_core.artifacts import bound_layer
+from velox_core.artifacts import LayerFit, bound_layer
 from velox_core.codec.prerope import PreRope
 from velox_core.ops import block_size, hadamard
 from velox_core.ops.rope import fast_rotate as rope_at
-from velox_core.validation import check_bits, check_choice, check_float, check_int, check_path
+from velox_core.validation import check_bits, check_choice, check_float, check_int
 
-from .artifact import PaluBases, load_bases_cached, resolve_bases
+from .artifact import KIND, PaluBases
 from .ranks import ALLOCATIONS, allocate
 
 __all__ = ["PaluKeys", "PaluValues"]
@@ -51,7 +51,8 @@ __all__ = ["PaluKeys", "PaluValues"]
 TILE = 1024  # tokens rebuilt at a time inside attention
 
 
-class _PaluLatent(Codec):
+class _PaluLatent(LayerFit, Codec):
+    kind = KIND
     side = "key"
     per_head = False  # a group's latent mixes its heads: no per-head retention
     settings = ("rank", "ratio", "allocation", "bits", "group", "artifact", "layer")
@@ -73,25 +74,15 @@ class _PaluLatent(Codec):
         self.group = None if group is None else check_int("group", group, minimum=1)
         if group is not None and bits is None:
             raise ValueError("group (channels per quantization scale) needs bits")
-        self.artifact = check_path("artifact", artifact)
-        self.layer = None if layer is None else check_int("layer", layer, minimum=0)
-        self._path = self.artifact
-        self._fit: dict[str, mx.array] | None = None  # basis (G, gD, r) fp16, bias (H, D)
+        self.init_fit(artifact, layer)  # _fit: basis (G, gD, r) fp16, bias (H, D)
 
-    def fresh(self):
-        """An empty copy that keeps what ``bind`` found and the basis once read (the model's,
-        not the sequence's: a loaded cache needs no artifact for its fresh copies)."""
-        out = type(self).from_config(self.config())
-        out._path, out._fit = self._path, self._fit
-        return out
-
-    # -- the model's artifact ----------------------------------------------------------------
+    # -- the model's artifact (LayerFit) -----------------------------------------------------
     def bind(self, model: Any = None, layer: int | None = None) -> None:
-        """Find the artifact fitted for ``model`` and select this layer's basis."""
-        if not bound_layer(self, model, layer):
-            return
-        self._path, self._fit = str(resolve_bases(model, self.artifact)), None
-        self._select(load_bases_cached(self._path), None, None)  # fail now, not at first use
+        """Find the artifact fitted for ``model`` and select this layer's basis (read again
+        at ``check``)."""
+        art = self.found(model, layer)
+        if art is not None:
+            self._select(art, None, None)
 
     def rank_of(self, art: PaluBases) -> int:
         """This layer's rank per group: the explicit one, or the allocation's."""
@@ -144,14 +135,8 @@ class _PaluLatent(Codec):
 
     def check(self, dim: int, dtype: mx.Dtype) -> None:
         if self._fit is None:
-            if self._path is None or self.layer is None:
-                raise ValueError(
-                    "palu: no bases for this cache; Palu projects onto bases fitted on the model "
-                    "(python -m velox_palu fit ...). Make caches with "
-                    "velox_core.make_cache(model, ...), which finds the model's artifact, or pass "
-                    "artifact=PATH and layer=i"
-                )
-            self._fit = self._select(load_bases_cached(self._path), None, None)
+            art = self.record("bases", "Palu projects onto bases")
+            self._fit = self._select(art, None, None)
         full = self._fit["basis"].shape[1]
         if full % dim:
             raise ValueError(

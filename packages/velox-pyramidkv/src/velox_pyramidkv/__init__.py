@@ -21,5 +21,4 @@ METHOD = eviction_method(
     summary="per-layer budgets falling with depth (a pyramid averaging budget), SnapKV "
     "observation-window votes within each layer; rest evicted",
     paper="https://arxiv.org/abs/2406.02069",
-    recommended=({"budget": 1024}, {"budget": 1024, "bits": 4, "group": 32}),
 )

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from velox_core.cache.eviction import EvictionCache
+from velox_core.policy.voting import VOTE_PARAMS
 
 from .config import PyramidKVConfig
 from .policy import PyramidKVPolicy
@@ -29,16 +30,7 @@ class PyramidKVCache(EvictionCache):
     method = "pyramidkv"
     Config = PyramidKVConfig
     Policy = PyramidKVPolicy
-    policy_params = (
-        "budget",
-        "every",
-        "observe",
-        "kernel",
-        "pooling",
-        "beta",
-        "layer",
-        "n_layers",
-    )
+    policy_params = (*VOTE_PARAMS, "beta", "layer", "n_layers")
 
     def bind(self, model: Any = None, layer: int | None = None) -> None:
         """Place the cache among ``model``'s layers (the policy raises without a model unless

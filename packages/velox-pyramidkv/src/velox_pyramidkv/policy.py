@@ -36,6 +36,7 @@ import warnings
 from typing import Any
 
 from velox_core.policy import WindowVotePolicy
+from velox_core.policy.base import layer_cut_target
 from velox_core.validation import check_int
 
 from .config import check_beta, check_place
@@ -130,19 +131,14 @@ class PyramidKVPolicy(WindowVotePolicy):
     # -- when to cut ------------------------------------------------------------------------
     def before_update(self, view, incoming: int) -> None:
         """Cut to the layer's budget after a prefill chunk, or with ``every`` during decode."""
-        after_chunk, self._chunk_pending = self._chunk_pending, incoming > 1
-        if self.budget is None:
-            return
-        size = view.size()
-        if not (after_chunk or self.every is not None):
+
+        def unbounded(size: int) -> None:
             if not _WARNED[0] and size >= 2 * self.budget and self.layer is not None:
                 _warn_unbounded(self, size, self.layer_budget(view.offset))
-            return
-        target = self.layer_budget(view.offset)
-        over = size - target
-        if over <= 0 or not (after_chunk or over >= self.every):
-            return
-        view.evict(self.select(view, max(target - view.protected_count(), 0)))
+
+        target = layer_cut_target(self, view, incoming, self.layer_budget, unbounded)
+        if target is not None:
+            view.evict(self.select(view, max(target - view.protected_count(), 0)))
 
 
 def _warn_unbounded(policy: PyramidKVPolicy, size: int, target: int) -> None:
@@ -155,5 +151,5 @@ def _warn_unbounded(policy: PyramidKVPolicy, size: int, target: int) -> None:
         f"{policy.n_layers}) bounds the prompt only, and decode tokens accumulate past it (now "
         f"{size} per KV head); pass every=N to cut again once a layer exceeds its budget by N",
         UserWarning,
-        stacklevel=4,
+        stacklevel=6,  # called from before_update through unbounded and layer_cut_target
     )

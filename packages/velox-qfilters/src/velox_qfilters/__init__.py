@@ -40,5 +40,4 @@ METHOD = eviction_method(
     QFiltersCache,
     summary="evict keys with the smallest projection on a per-head query direction fitted once",
     paper="https://arxiv.org/abs/2503.02812",
-    recommended=({"budget": 1024}, {"budget": 1024, "bits": 4, "group": 32}),
 )

@@ -34,5 +34,4 @@ METHOD = eviction_method(
     "head), then each decode step attends only its top-k kept tokens, picked by approximate "
     "scores from page key min/max summaries and the query's largest channels",
     paper="https://arxiv.org/abs/2502.14051",
-    recommended=({"budget": 1024}, {"budget": 1024, "bits": 4, "group": 32}),
 )

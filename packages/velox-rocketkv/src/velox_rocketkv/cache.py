@@ -14,6 +14,7 @@ attends sparsely only there (unrouted, mlx-lm attends every stored token itself)
 from __future__ import annotations
 
 from velox_core.cache.eviction import EvictionCache
+from velox_core.policy.voting import VOTE_PARAMS
 
 from .config import RocketKVConfig
 from .policy import RocketKVPolicy
@@ -27,17 +28,7 @@ class RocketKVCache(EvictionCache):
     method = "rocketkv"
     Config = RocketKVConfig
     Policy = RocketKVPolicy
-    policy_params = (
-        "budget",
-        "every",
-        "observe",
-        "kernel",
-        "pooling",
-        "ratio",
-        "topk",
-        "page",
-        "channels",
-    )
+    policy_params = (*VOTE_PARAMS, "ratio", "topk", "page", "channels")
 
     def trim(self, n: int) -> int:
         """Remove the last ``n`` tokens (not exact: eviction); the page summaries are made

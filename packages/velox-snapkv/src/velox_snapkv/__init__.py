@@ -13,5 +13,4 @@ METHOD = eviction_method(
     SnapKVCache,
     summary="prompt tokens voted by an observation window (pooled), per KV head; rest evicted",
     paper="https://arxiv.org/abs/2404.14469",
-    recommended=({"budget": 1024}, {"budget": 1024, "bits": 4, "group": 32}),
 )

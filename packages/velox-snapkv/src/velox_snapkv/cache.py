@@ -11,6 +11,7 @@ the paper. The paper keeps fp16 tokens; ``bits`` codes the kept tokens with ``Un
 from __future__ import annotations
 
 from velox_core.cache.eviction import EvictionCache
+from velox_core.policy.voting import VOTE_PARAMS
 
 from .config import SnapKVConfig
 from .policy import SnapKVPolicy
@@ -24,4 +25,4 @@ class SnapKVCache(EvictionCache):
     method = "snapkv"
     Config = SnapKVConfig
     Policy = SnapKVPolicy
-    policy_params = ("budget", "every", "observe", "kernel", "pooling")
+    policy_params = VOTE_PARAMS

@@ -42,8 +42,6 @@ Deviations from the paper (also in docs/snapkv.md):
 
 from __future__ import annotations
 
-import mlx.core as mx
-
 from velox_core.policy import WindowVotePolicy
 
 __all__ = ["SnapKVPolicy"]
@@ -62,13 +60,3 @@ class SnapKVPolicy(WindowVotePolicy):
     """
 
     name = "snapkv"
-
-    # the buffered queries and the position after them (as the policy held them before the
-    # buffer moved to velox-core's QueryWindow; tests read them)
-    @property
-    def _queries(self) -> mx.array | None:
-        return self.window.queries
-
-    @property
-    def _q_end(self) -> int:
-        return self.window.end

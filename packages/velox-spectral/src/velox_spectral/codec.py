@@ -44,12 +44,12 @@ import mlx.core as mx
 import numpy as np
 
 from velox_core import Codec, Packed
-from velox_core.artifacts import bound_layer
+from velox_core.artifacts import LayerFit
 from velox_core.ops import BYTE_BITS, byte_table, lookup, pack, scale_dtype, unpack
 from velox_core.ops.lloyd_max import lloyd_max_gaussian
-from velox_core.validation import check_bits, check_float, check_int, check_path
+from velox_core.validation import check_bits, check_float, check_int
 
-from .artifact import SpectralBases, load_bases_cached, resolve_bases
+from .artifact import KIND, SpectralBases
 
 __all__ = [
     "DEFAULT_VARIANCE",
@@ -105,7 +105,8 @@ def packed_rank(rank: int, dim: int, signal_bits: int, noise_bits: int) -> int:
     )
 
 
-class _SpectralSide(Codec):
+class _SpectralSide(LayerFit, Codec):
+    kind = KIND
     side: ClassVar[str] = "key"
     settings = ("signal_bits", "noise_bits", "rank", "variance", "artifact", "layer")
     compressed_scores = True
@@ -138,10 +139,7 @@ class _SpectralSide(Codec):
             if variance is None
             else check_float("variance", variance, minimum=0.0, maximum=1.0, open_min=True)
         )
-        self.artifact = check_path("artifact", artifact)
-        self.layer = None if layer is None else check_int("layer", layer, minimum=0)
-        self._path = self.artifact
-        self._fit: dict[str, mx.array] | None = None  # basis, mean, sigma, rank
+        self.init_fit(artifact, layer)  # _fit: basis, mean, sigma, rank
         self._dim: int | None = None
         self._r = 0
         self._books = (lloyd_max_gaussian(self.signal_bits), None)
@@ -149,20 +147,12 @@ class _SpectralSide(Codec):
             self._books = (self._books[0], lloyd_max_gaussian(self.noise_bits))
         self._tables: dict[tuple[int, mx.Dtype], mx.array] = {}
 
-    def fresh(self):
-        """An empty copy that keeps what ``bind`` found and the fitted arrays once read (the
-        model's, not the sequence's: a loaded cache needs no artifact for its fresh copies)."""
-        out = type(self).from_config(self.config())
-        out._path, out._fit = self._path, self._fit
-        return out
-
-    # -- the model's artifact ----------------------------------------------------------------
+    # -- the model's artifact (LayerFit) -----------------------------------------------------
     def bind(self, model: Any = None, layer: int | None = None) -> None:
         """Find the artifact fitted for ``model`` and read this layer's basis."""
-        if not bound_layer(self, model, layer):
-            return
-        self._path, self._fit = str(resolve_bases(model, self.artifact)), None
-        self._fit = self._select(load_bases_cached(self._path))  # fail now, not at first use
+        art = self.found(model, layer)
+        if art is not None:
+            self._fit = self._select(art)
 
     def _select(self, art: SpectralBases) -> dict[str, mx.array]:
         fit = art.side(self.layer, self.side)
@@ -194,14 +184,8 @@ class _SpectralSide(Codec):
 
     def check(self, dim: int, dtype: mx.Dtype) -> None:
         if self._fit is None:
-            if self._path is None or self.layer is None:
-                raise ValueError(
-                    "spectral: no bases for this cache; the spectral quantizer codes tokens in "
-                    "PCA bases fitted on the model (python -m velox_spectral fit ...). Make "
-                    "caches with velox_core.make_cache(model, ...), which finds the model's "
-                    "artifact, or pass artifact=PATH and layer=i"
-                )
-            self._fit = self._select(load_bases_cached(self._path))
+            how = "the spectral quantizer codes tokens in PCA bases"
+            self._fit = self._select(self.record("bases", how))
         self._ready(dim)
 
     def _ready(self, dim: int) -> None:

@@ -28,5 +28,4 @@ METHOD = eviction_method(
     "around its attention, layers clustered, the least important squeezed), SnapKV or "
     "StreamingLLM selection within each layer; rest evicted",
     paper="https://arxiv.org/abs/2404.04793",
-    recommended=({"budget": 1024}, {"budget": 1024, "bits": 4, "group": 32}),
 )

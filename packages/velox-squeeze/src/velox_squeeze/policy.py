@@ -44,6 +44,7 @@ import mlx.core as mx
 
 from velox_core import RetentionPolicy
 from velox_core.policy import WindowVotePolicy
+from velox_core.policy.base import layer_cut_target
 
 from .allocate import Place, layer_budget
 from .config import check_base, check_p
@@ -144,17 +145,13 @@ class SqueezePolicy(RetentionPolicy):
     # -- when to cut --------------------------------------------------------------------------
     def before_update(self, view, incoming: int) -> None:
         """Cut to the layer's budget after a prefill chunk, or with ``every`` during decode."""
-        after_chunk, self._chunk_pending = self._chunk_pending, incoming > 1
-        if self.budget is None:
-            return
-        size = view.size()
-        if not (after_chunk or self.every is not None):
+
+        def unbounded(size: int) -> None:
             if not _WARNED[0] and size >= 2 * self.budget:
                 _warn_unbounded(size, self.layer_budget(view.offset))
-            return
-        target = self.layer_budget(view.offset)
-        over = size - target
-        if over <= 0 or not (after_chunk or over >= self.every):
+
+        target = layer_cut_target(self, view, incoming, self.layer_budget, unbounded)
+        if target is None:
             return
         if self._sum is None and not _WARNED_UNMEASURED[0]:
             _warn_unmeasured(target)
@@ -235,7 +232,7 @@ def _warn_unbounded(size: int, target: int) -> None:
         f"tokens accumulate past it (now {size} per KV head); pass every=N to cut again once "
         "a layer exceeds its budget by N",
         UserWarning,
-        stacklevel=4,
+        stacklevel=6,  # called from before_update through unbounded and layer_cut_target
     )
 
 

@@ -1,6 +1,6 @@
 """velox-streamingllm: attention sinks plus recent tokens (arXiv 2309.17453)."""
 
-from velox_core.cache.eviction import eviction_method
+from velox_core.cache.eviction import RECOMMENDED_DEFAULT_GROUP, eviction_method
 
 from .cache import StreamingLLMCache
 from .config import StreamingLLMConfig
@@ -11,4 +11,5 @@ METHOD = eviction_method(
     StreamingLLMCache,
     summary="attention sinks plus a rolling window of recent tokens; older tokens evicted",
     paper="https://arxiv.org/abs/2309.17453",
+    recommended=RECOMMENDED_DEFAULT_GROUP,
 )

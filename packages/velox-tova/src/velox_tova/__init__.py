@@ -12,5 +12,4 @@ METHOD = eviction_method(
     TOVACache,
     summary="tokens the last query attends to most, averaged over heads; one eviction per step",
     paper="https://arxiv.org/abs/2401.06104",
-    recommended=({"budget": 1024}, {"budget": 1024, "bits": 4, "group": 32}),
 )

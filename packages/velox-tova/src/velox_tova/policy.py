@@ -47,11 +47,12 @@ import mlx.core as mx
 
 from velox_core import RetentionPolicy
 from velox_core.policy import QueryWindow, top_k_sorted
+from velox_core.policy.window import WindowRows
 
 __all__ = ["TOVAPolicy"]
 
 
-class TOVAPolicy(RetentionPolicy):
+class TOVAPolicy(WindowRows, RetentionPolicy):
     """TOVA's retention policy: one head-averaged selection per layer.
 
     Args:
@@ -138,12 +139,7 @@ class TOVAPolicy(RetentionPolicy):
         s = mx.mean(w, axis=1)  # mean over KV heads of the group means = over query heads
         return mx.where(first > self._q_pos, mx.inf, s)
 
-    # -- batch rows (called by VeloxCache.filter / extend) ----------------------------------
-    def filter_batch(self, idx: mx.array) -> None:
-        self.window.filter_batch(idx)
-
-    def extend_batch(self, other: TOVAPolicy) -> None:
-        self.window.extend_batch(other.window)  # other positions: score from the next query
+    # batch rows: WindowRows (a batch of other positions scores from the next query)
 
     # -- state: {"query": (B, Hq, 1, D)}, meta "q_pos" (its position, -1: none) and "scale" --
     def state(self) -> dict[str, mx.array]:

@@ -21,8 +21,11 @@ from .preset import PresetCache, check_kept_codes, kept_codecs
 
 __all__ = ["EvictionCache", "EvictionConfig", "eviction_method", "recent_tokens"]
 
-# what ``velox bench`` runs by default: the kept tokens in fp16, and in 4-bit codes
-RECOMMENDED = ({"budget": 1024}, {"budget": 1024, "bits": 4})
+# what ``velox bench`` runs by default: the kept tokens in fp16, and in 4-bit codes of
+# 32-channel groups
+RECOMMENDED = ({"budget": 1024}, {"budget": 1024, "bits": 4, "group": 32})
+# the same with the codes' default groups (``EvictionConfig.group``)
+RECOMMENDED_DEFAULT_GROUP = ({"budget": 1024}, {"budget": 1024, "bits": 4})
 
 
 def recent_tokens(
@@ -91,6 +94,35 @@ class EvictionConfig:
             raise ValueError(
                 f"budget={self.budget} must exceed sinks + window = {self.sinks + self.window} "
                 "(those tokens are always kept)"
+            )
+
+
+@dataclass
+class RecentConfig(EvictionConfig):
+    """:class:`EvictionConfig` with a recent window (H2O, Keyformer): ``recent``, the newest
+    tokens always kept, a whole number of tokens or a fraction in ``[0, 1)`` of ``budget``
+    (:func:`recent_tokens`); the cache's ``window`` counts among them. ``scored`` names, one
+    and several, what the rest of the budget holds. A subclass declares ``recent`` again with
+    its default and calls :meth:`check_recent` at the end of its ``__post_init__``."""
+
+    scored: ClassVar[tuple[str, str]] = ("scored token", "scored tokens")
+
+    recent: int | float = 0
+
+    @property
+    def recent_tokens(self) -> int:
+        """``recent`` in tokens (a fraction taken of ``budget``)."""
+        return recent_tokens(self.recent, self.budget, self.scored[1])
+
+    def check_recent(self) -> None:
+        """``ValueError`` unless ``budget`` exceeds the tokens always kept (``sinks`` and
+        the larger of ``window`` and the recent tokens) by at least one scored token."""
+        always = self.sinks + max(self.window, self.recent_tokens)
+        if self.budget <= always:
+            raise ValueError(
+                f"budget={self.budget} must exceed sinks + max(window, recent) = {always} "
+                f"(recent={self.recent} is {self.recent_tokens} tokens; those tokens are "
+                f"always kept, and at least one {self.scored[0]} must fit)"
             )
 
 

@@ -40,6 +40,35 @@ from .base import Codec, Packed
 __all__: list[str] = []
 
 
+def channel_group_scores(q: mx.array, c: mx.array, s: mx.array, z: mx.array) -> mx.array:
+    """``q . k`` for keys coded per channel in groups of ``g`` tokens (``k = c * s + z``, KIVI's
+    keys' layout), each group's scales folded into the query: ``(q * s) . c + q . z``.
+
+    Shapes:
+        q ``(B, H, M, D)``; c float32 ``(B, H, T/g, g, D)``, s and z ``(B, H, T/g, 1, D)``;
+        returns ``(B, H, M, T)``.
+    """
+    qg = q[:, :, None]  # (B, H, 1, M, D)
+    out = (qg * s) @ mx.swapaxes(c, -1, -2) + mx.sum(qg * z, axis=-1, keepdims=True)
+    b, h = q.shape[:2]
+    return mx.swapaxes(out, 2, 3).reshape(b, h, q.shape[2], c.shape[2] * c.shape[3])
+
+
+def channel_group_mix(w: mx.array, c: mx.array, s: mx.array, z: mx.array) -> mx.array:
+    """``w @ v`` for values coded per channel in groups of ``g`` tokens (``v = c * s + z``):
+    per group ``(w @ c) * s + (sum of w) * z``, summed over the groups.
+
+    Shapes:
+        w ``(B, H, M, T)``; c float32 ``(B, H, T/g, g, D)``, s and z ``(B, H, T/g, 1, D)``;
+        returns ``(B, H, M, D)``.
+    """
+    b, h, m, t = w.shape
+    g = c.shape[3]
+    wg = mx.swapaxes(w.reshape(b, h, m, t // g, g), 2, 3)  # (B, H, T/g, M, g)
+    out = (wg @ c) * s + mx.sum(wg, axis=-1, keepdims=True) * z  # (B, H, T/g, M, D)
+    return mx.sum(out, axis=2)
+
+
 class Uniform(Codec):
     """Affine per-group quantization.
 
@@ -134,28 +163,23 @@ class Uniform(Codec):
         return c, s, z
 
     def scores(self, q: mx.array, packed: Packed) -> mx.array:
-        if self._mlx_layout():
-            return self._matmul(q, packed, transpose=True)
-        if self.axis == "token":
-            return super().scores(q, packed)
-        # per-channel groups: fold each token group's scales into the query
-        c, s, z = self._channel_groups(packed)
-        qg = q[:, :, None]  # (B, H, 1, M, D)
-        out = (qg * s) @ mx.swapaxes(c, -1, -2) + mx.sum(qg * z, axis=-1, keepdims=True)
-        b, h = q.shape[:2]
-        return mx.swapaxes(out, 2, 3).reshape(b, h, q.shape[2], packed.tokens)
+        return self._from_codes(q, packed, transpose=True)
 
     def mix(self, w: mx.array, packed: Packed) -> mx.array:
+        return self._from_codes(w, packed, transpose=False)
+
+    def _from_codes(self, x: mx.array, packed: Packed, transpose: bool) -> mx.array:
+        """:meth:`scores` (``transpose``: ``x`` the queries) or :meth:`mix` (``x`` the weights)
+        by the codes' layout: ``mx.quantized_matmul`` where it reads them, the base codec's
+        for other per-token groups; per-channel groups fold each token group's scales into the
+        query (:func:`channel_group_scores`) or sum the weights of each token group against
+        the zeros (:func:`channel_group_mix`)."""
         if self._mlx_layout():
-            return self._matmul(w, packed, transpose=False)
+            return self._matmul(x, packed, transpose)
         if self.axis == "token":
-            return super().mix(w, packed)
-        # per-channel groups: sum the weights of each token group against the zeros
-        c, s, z = self._channel_groups(packed)
-        b, h, m, t = w.shape
-        wg = mx.swapaxes(w.reshape(b, h, m, t // self.group, self.group), 2, 3)  # (B,H,T/g,M,g)
-        out = (wg @ c) * s + mx.sum(wg, axis=-1, keepdims=True) * z  # (B, H, T/g, M, D)
-        return mx.sum(out, axis=2)
+            return super().scores(x, packed) if transpose else super().mix(x, packed)
+        groups = self._channel_groups(packed)
+        return channel_group_scores(x, *groups) if transpose else channel_group_mix(x, *groups)
 
     def kernel_values(self, packed: Packed, dim: int) -> KernelSide | None:
         """Per-token codes: the decode kernels mix them (:meth:`kernel_codes`); per-channel

@@ -23,6 +23,11 @@ own arrays and scalars to the state through ``super()`` (:meth:`state`, :meth:`m
 
 State: ``{"scores": (B, H, S) float32}`` (absent before the first tokens); meta adds
 ``seen`` (every stored token before this position has been voted on) to the base policy's.
+
+Two pieces a method mixes in before it: :class:`AttentionVotes`, votes that are each query's
+attention weights (velox-h2o, velox-cam), and :class:`SeededDraws`, random draws from a key
+seeded per layer and saved with the scores (velox-cam's merge masks, velox-keyformer's
+Gumbel noise).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import mlx.core as mx
 
 from ..validation import check_int
 from .base import RetentionPolicy, top_k_sorted
+from .votes import fuse_weights, window_votes
 
 __all__: list[str] = []
 
@@ -235,18 +241,23 @@ class AccumulatedPolicy(RetentionPolicy):
 
     def _body_scores(self, view, body_pos: mx.array) -> mx.array:
         self._sync(view)
-        if view.offset > self._seen and not view.routed:
-            raise ValueError(
-                f"{self.name}: the votes every query gives each token choose the tokens to "
-                "keep, and only velox attention sees the queries: run the model inside "
-                "velox_core.routed(model) (velox_core.generate does)"
-            )
+        why = "the votes every query gives each token choose the tokens to keep"
+        self._check_routed(view, why)
         n_sink, t = view.sink_count(), body_pos.shape[2]
         acc = self._scores[:, :, n_sink : n_sink + t]
         unseen = body_pos >= self._seen
         above = mx.max(acc, axis=2, keepdims=True) + 1.0  # above every accumulated score
         s = mx.where(unseen, above + (body_pos - self._seen).astype(mx.float32), acc)
         return mx.where(body_pos >= view.offset - self.recent, mx.inf, s)
+
+    def _check_routed(self, view, why: str) -> None:
+        """Raise unless every stored token has been voted on or the cache is routed (its
+        queries reach :meth:`observe`); ``why`` says what the votes decide."""
+        if view.offset > self._seen and not view.routed:
+            raise ValueError(
+                f"{self.name}: {why}, and only velox attention sees the queries: run the model "
+                "inside velox_core.routed(model) (velox_core.generate does)"
+            )
 
     def select(self, view, k: int):
         """The top ``k`` body tokens per KV head, ``(B, H, k)``; their scores are kept."""
@@ -298,3 +309,77 @@ class AccumulatedPolicy(RetentionPolicy):
         super().set_state(state, meta)
         self._scores = scores
         self._seen = int((meta or {}).get("seen", 0))
+
+
+class AttentionVotes(AccumulatedPolicy):
+    """Votes that are attention weights: each query's softmax weights over every stored
+    token, summed over the queries and averaged over the query heads of each KV head
+    (:func:`~velox_core.policy.votes.window_votes`); a decode step's come from the weights
+    its attention computed (:func:`~velox_core.policy.votes.fuse_weights`, the same rule)."""
+
+    def votes(
+        self, queries: mx.array, q_pos: mx.array, keys: mx.array, k_pos: mx.array, scale: float
+    ) -> mx.array:
+        """The block's softmax weights over every stored token (:func:`window_votes`)."""
+        return window_votes(queries, q_pos, keys, k_pos, scale)
+
+    def weight_votes(self, weights: mx.array, q_pos: mx.array) -> mx.array:
+        """A decode step's votes: the weights its attention computed, summed over its
+        queries and averaged over the query heads of each KV head (:func:`window_votes`'s
+        rule, :func:`~velox_core.policy.votes.fuse_weights`)."""
+        return fuse_weights(weights)
+
+
+def layer_key(seed: int, layer: int | None) -> mx.array:
+    """The first key of one layer's draws: the ``layer``-th of ``seed``'s split keys (layer
+    None: the first)."""
+    i = layer or 0
+    return mx.random.split(mx.random.key(seed), i + 1)[i]
+
+
+class SeededDraws(AccumulatedPolicy):
+    """Random draws from a key seeded per layer: each draw splits the key, keeps one half and
+    draws from the other (:meth:`next_key`), so a run and the same run resumed after loading
+    draw alike. A subclass calls :meth:`start_draws` with its ``seed`` at the end of its
+    ``__init__``; ``key_name`` names the key in errors.
+
+    State: adds ``{"key": uint32 (2,)}`` once there are scores; meta adds ``draws`` (the
+    draws so far; until the first, :meth:`bind` gives each layer its own key).
+    """
+
+    key_name: ClassVar[str] = "draws' key"
+
+    def start_draws(self, seed: int) -> None:
+        """Check ``seed`` (an int >= 0) and start the draws from its first key."""
+        self.seed = check_int("seed", seed, minimum=0)
+        self._key = layer_key(self.seed, None)
+        self._draws = 0
+
+    def bind(self, model: Any = None, layer: int | None = None) -> None:
+        if self._draws == 0:  # each layer its own draws
+            self._key = layer_key(self.seed, layer)
+
+    def next_key(self) -> mx.array:
+        """The key of the next draw: the key is split, one half kept, the other returned."""
+        keys = mx.random.split(self._key)
+        self._key, self._draws = keys[0], self._draws + 1
+        return keys[1]
+
+    def state(self) -> dict[str, mx.array]:
+        # an empty cache holds nothing: the key is saved with the first scores
+        state = super().state()
+        return {**state, "key": self._key} if state else state
+
+    def meta(self) -> Any:
+        return {**super().meta(), "draws": self._draws}
+
+    def set_state(self, state: dict[str, mx.array], meta: Any) -> None:
+        state = dict(state)
+        key, scores = state.pop("key", None), state.get("scores")
+        self._check_scores(scores)  # the scores' error first, then the key's
+        if scores is not None and (key is None or key.shape != (2,) or key.dtype != mx.uint32):
+            got = None if key is None else f"{key.dtype} {tuple(key.shape)}"
+            raise ValueError(f"{self.name}: the {self.key_name} must be uint32 (2,), got {got}")
+        super().set_state(state, meta)
+        self._key = layer_key(self.seed, None) if key is None else key
+        self._draws = int((meta or {}).get("draws", 0))

@@ -31,6 +31,7 @@ When eviction runs (:meth:`before_update`, called before new tokens are stored):
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import mlx.core as mx
@@ -230,3 +231,30 @@ def warn_unbounded(policy: RetentionPolicy, size: int) -> None:
         UserWarning,
         stacklevel=4,
     )
+
+
+def layer_cut_target(
+    policy: RetentionPolicy,
+    view,
+    incoming: int,
+    target: Callable[[int], int],
+    unbounded: Callable[[int], None],
+) -> int | None:
+    """``before_update``'s cadence for a policy whose layer keeps its own share of the budget
+    (velox-pyramidkv, velox-squeeze): ``target(seen)``, the tokens the layer keeps per KV
+    head once ``seen`` tokens have arrived, when a cut to it is due (after a prefill chunk,
+    or during decode once the layer holds ``every`` tokens more), else None. Without
+    ``every`` decode never cuts: ``unbounded(size)`` is called instead with the tokens a KV
+    head holds (the policy warns once they pass its budget)."""
+    after_chunk, policy._chunk_pending = policy._chunk_pending, incoming > 1
+    if policy.budget is None:
+        return None
+    size = view.size()
+    if not (after_chunk or policy.every is not None):
+        unbounded(size)
+        return None
+    kept = target(view.offset)
+    over = size - kept
+    if over <= 0 or not (after_chunk or over >= policy.every):
+        return None
+    return kept

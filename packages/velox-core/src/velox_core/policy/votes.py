@@ -76,17 +76,38 @@ def window_votes(
         == 0``, k_pos int ``(B, H, T)``; returns float32 ``(B, H, T)``.
     """
     check_fusion(fusion)
+    s = grouped_logits(queries, keys, scale, "window_votes")
+    return fuse_weights(visible_softmax(s, q_pos, k_pos), fusion)
+
+
+def grouped_logits(queries: mx.array, keys: mx.array, scale: float, who: str) -> mx.array:
+    """Each query head's scaled attention logits over every key, float32, its query heads
+    grouped by KV head (mlx-lm's layout: those of KV head ``h`` are ``h * R ... h * R + R -
+    1``); ``ValueError`` naming ``who`` unless ``Hq`` is a multiple of ``H``.
+
+    Shapes:
+        queries ``(B, Hq, n, D)``, keys ``(B, H, T, D)``; returns ``(B, H, R, n, T)``.
+    """
     b, hq, n, d = queries.shape
     h, t = keys.shape[1], keys.shape[2]
     if hq % h:
-        raise ValueError(f"window_votes: {hq} query heads is not a multiple of {h} KV heads")
+        raise ValueError(f"{who}: {hq} query heads is not a multiple of {h} KV heads")
     r = hq // h
     q = (queries.astype(mx.float32) * scale).reshape(b, h, r * n, d)
-    s = (q @ mx.swapaxes(keys.astype(mx.float32), -1, -2)).reshape(b, h, r, n, t)
-    visible = k_pos[:, :, None, None, :] <= q_pos.reshape(1, 1, 1, n, 1)
-    p = mx.softmax(mx.where(visible, s, -mx.inf), axis=-1, precise=True)
-    p = mx.where(visible, p, 0.0)  # a query that sees nothing votes for nothing (no NaN)
-    return fuse_weights(p, fusion)
+    return (q @ mx.swapaxes(keys.astype(mx.float32), -1, -2)).reshape(b, h, r, n, t)
+
+
+def visible_softmax(logits: mx.array, q_pos: mx.array, k_pos: mx.array) -> mx.array:
+    """Each query's softmax over the keys it can see (``k_pos <=`` its position), zero on
+    the others; a query that sees no key has zero weights (no NaN).
+
+    Shapes:
+        logits float32 ``(B, H, R, n, T)`` (:func:`grouped_logits`), q_pos int ``(n,)``,
+        k_pos int ``(B, H, T)``; returns float32 ``(B, H, R, n, T)``.
+    """
+    visible = k_pos[:, :, None, None, :] <= q_pos.reshape(1, 1, 1, q_pos.shape[0], 1)
+    p = mx.softmax(mx.where(visible, logits, -mx.inf), axis=-1, precise=True)
+    return mx.where(visible, p, 0.0)
 
 
 def fuse_weights(weights: mx.array, fusion: str = "sum") -> mx.array:

@@ -27,12 +27,15 @@ import mlx.core as mx
 
 from .base import RetentionPolicy
 from .votes import WindowVote
-from .window import QueryWindow
+from .window import QueryWindow, WindowState
 
 __all__: list[str] = []
 
+# WindowVotePolicy's parameters: an eviction cache's ``policy_params`` for it, or their start
+VOTE_PARAMS = ("budget", "every", "observe", "kernel", "pooling")
 
-class WindowVotePolicy(RetentionPolicy):
+
+class WindowVotePolicy(WindowState, RetentionPolicy):
     """Keep what the newest ``observe`` queries vote for, per KV head.
 
     Args:
@@ -104,22 +107,4 @@ class WindowVotePolicy(RetentionPolicy):
             self.window.clear()  # no decode cuts: these queries will not vote again
         return keep
 
-    # -- batch rows (called by VeloxCache.filter / extend) ----------------------------------
-    def filter_batch(self, idx: mx.array) -> None:
-        self.window.filter_batch(idx)
-
-    def extend_batch(self, other: WindowVotePolicy) -> None:
-        self.window.extend_batch(other.window)
-
-    # -- state ------------------------------------------------------------------------------
-    def state(self) -> dict[str, mx.array]:
-        return self.window.state("queries")
-
-    def meta(self) -> Any:
-        return {**super().meta(), **self.window.meta()}
-
-    def set_state(self, state: dict[str, mx.array], meta: Any) -> None:
-        state = dict(state)
-        queries = state.pop("queries", None)
-        super().set_state(state, meta)
-        self.window.set_state(queries, meta)
+    # batch rows and state: WindowState

@@ -8,6 +8,8 @@ moment (or reads the weights of the attention call that added them, while the ca
 changed since) (:func:`~velox_core.policy.votes.window_votes`): the sinks, the body and the window
 together, each token at its absolute position, so each query's softmax runs over everything
 it can see (causally) and the weights never go stale through evictions, appends or trims.
+:class:`WindowRows` and :class:`WindowState` give a policy that keeps one such window its
+batch-row and state hooks.
 """
 
 from __future__ import annotations
@@ -180,3 +182,49 @@ class QueryWindow:
         self.end = int(meta.get("q_end", 0))
         scale = meta.get("scale")
         self.scale = None if scale is None else float(scale)
+
+
+class WindowRows:
+    """The batch-row hooks (``VeloxCache.filter`` / ``extend``) of a retention policy that
+    keeps its queries in one :class:`QueryWindow`, ``self.window``; mixed in before
+    :class:`~velox_core.RetentionPolicy`. Extended by a batch of other positions, the
+    window drops its queries: the next queries vote."""
+
+    window: QueryWindow
+
+    def filter_batch(self, idx: mx.array) -> None:
+        self.window.filter_batch(idx)
+
+    def extend_batch(self, other: WindowRows) -> None:
+        self.window.extend_batch(other.window)
+
+
+class WindowState(WindowRows):
+    """:class:`WindowRows`, and the state hooks of a policy whose state is the window's
+    queries (velox-core's ``WindowVotePolicy``, velox-morphkv), extending
+    :class:`~velox_core.RetentionPolicy`'s ``meta`` and ``set_state``.
+
+    State: ``{"queries": (B, Hq, n, D)}`` (absent once dropped); meta adds ``q_end`` and
+    ``scale`` (:meth:`QueryWindow.meta`).
+    """
+
+    # the buffered queries and the position after them (tests read them)
+    @property
+    def _queries(self) -> mx.array | None:
+        return self.window.queries
+
+    @property
+    def _q_end(self) -> int:
+        return self.window.end
+
+    def state(self) -> dict[str, mx.array]:
+        return self.window.state("queries")
+
+    def meta(self) -> Any:
+        return {**super().meta(), **self.window.meta()}
+
+    def set_state(self, state: dict[str, mx.array], meta: Any) -> None:
+        state = dict(state)
+        queries = state.pop("queries", None)
+        super().set_state(state, meta)
+        self.window.set_state(queries, meta)
