@@ -7,10 +7,9 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import KVCache
 
 import velox_testing.eviction as ev
-from velox_core import VeloxCache, load_cache, make_cache, routed, save_cache
+from velox_core import load_cache, make_cache, routed, save_cache
 from velox_core.io import _digest
 from velox_pyramidkv import (
     METHOD,
@@ -197,13 +196,8 @@ def test_chunked_prefill_in_a_tiny_model_keeps_the_models_budget():
     budget, chunk, observe = 96, 64, 16
     caches = make_cache(model, PyramidKVCache(budget=budget, observe=observe))
     assert [(c.cfg.layer, c.cfg.n_layers) for c in caches] == [(i, 4) for i in range(4)]
-    ref = [KVCache() for _ in model.layers]
     with routed(model):
-        for s in range(0, 300, chunk):
-            out = model(prompt[:, s : s + chunk], cache=caches)
-            if s == 0:  # nothing evicted yet: the same logits as mlx-lm's own cache
-                assert rel_error(out, model(prompt[:, :chunk], cache=ref)) < 1e-3
-            mx.eval([c.state for c in caches])
+        for s in ev.prefill_checked(model, caches, prompt, chunk):
             for i, c in enumerate(caches):
                 assert c.size() <= layer_budget(budget, observe, 4, 20, s, i) + chunk
         model(prompt[:, -1:], cache=caches)
@@ -298,10 +292,9 @@ def test_decode_cuts_keep_each_layer_within_its_budget_plus_every():
     for layer in (0, 2):
         c = PyramidKVCache(budget=48, observe=8, every=4, layer=layer, n_layers=3)
         ev.feed_attending(c, k, v, q, chunk=200, stop=200)
-        for i in range(200, 260):
-            c.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
-            c.attend(q[:, :, i : i + 1], SCALE)
-            assert c.size() <= layer_budget(48, 8, 3, 20, i, layer) + 4
+        sizes = ev.decode_attending(c, k, v, q, 200, 260)
+        for i, size in zip(range(200, 260), sizes):
+            assert size <= layer_budget(48, 8, 3, 20, i, layer) + 4
         assert c.size() >= layer_budget(48, 8, 3, 20, 259, layer)
 
 
@@ -335,8 +328,7 @@ def test_recommended_settings_and_registry():
 
 
 def test_bad_policy_settings():
-    with pytest.raises(ValueError, match="observe"):
-        VeloxCache(sinks=4, policy=PyramidKVPolicy(budget=36, observe=32))
+    ev.assert_vote_settings_refused(PyramidKVPolicy)
     with pytest.raises(ValueError, match="beta"):
         PyramidKVPolicy(budget=64, beta=0.9)
     with pytest.raises(ValueError, match="n_layers"):

@@ -13,17 +13,19 @@ only by default, checks the warning of a cache that grows through decode.
 The aids:
 
 - data and feeding: keys, values and queries with attention far from uniform
-  (:func:`attention_data`), a prefill that attends as a routed model does
-  (:func:`feed_attending`), layer 0 of a tiny model (:func:`layer_zero_kv`) and as its
-  policy sees it (:func:`observed_layer_zero`);
+  (:func:`attention_data`), a prefill and decode steps that attend as a routed model does
+  (:func:`feed_attending`, :func:`decode_attending`), a model's chunked prefill whose first
+  chunk is checked against mlx-lm's cache (:func:`prefill_checked`), layer 0 of a tiny
+  model (:func:`layer_zero_kv`) and as its policy sees it (:func:`observed_layer_zero`);
 - what a cache holds: :func:`kept_positions` (the body), :func:`stored_positions` (every
   token);
 - checks: attention reads the kept tokens alone (:func:`assert_attends_to`), a cut no query
   has voted on needs routing (:func:`assert_cut_needs_routing`), a file keeps the policy
-  (:func:`reloaded`), the policy's state has its saved format (:func:`assert_state_format`),
-  batch rows choose apart (:func:`batch_rows_apart`), sinks and window hold as given
-  (:func:`composed_cache`), and the recommended pair most eviction methods share
-  (:func:`recommended_presets`).
+  (:func:`reloaded`) and the reloaded copy cuts as the cache (:func:`assert_resumes_alike`),
+  a voting policy refuses bad window settings (:func:`assert_vote_settings_refused`), the
+  policy's state has its saved format (:func:`assert_state_format`), batch rows choose
+  apart (:func:`batch_rows_apart`), sinks and window hold as given (:func:`composed_cache`),
+  and the recommended pair most eviction methods share (:func:`recommended_presets`).
 """
 
 from __future__ import annotations
@@ -51,14 +53,18 @@ __all__ = [
     "Routed",
     "assert_attends_to",
     "assert_cut_needs_routing",
+    "assert_resumes_alike",
     "assert_state_format",
+    "assert_vote_settings_refused",
     "attention_data",
     "batch_rows_apart",
     "composed_cache",
+    "decode_attending",
     "feed_attending",
     "kept_positions",
     "layer_zero_kv",
     "observed_layer_zero",
+    "prefill_checked",
     "recommended_presets",
     "reloaded",
     "stored_positions",
@@ -186,6 +192,39 @@ def feed_attending(
     return sizes
 
 
+def decode_attending(
+    cache, k, v, q, start: int, stop: int, scale: float | None = None
+) -> list[int]:
+    """Decode as a routed model does, one token at a time: store token ``i`` of ``k, v``,
+    then attend its query (``scale`` defaults to ``D ** -0.5``), for ``i`` from ``start`` up
+    to ``stop``. Returns the cache's size after each step.
+
+    Shapes:
+        k, v ``(B, H, T, D)``, q ``(B, Hq, T, D)``.
+    """
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    sizes = []
+    for i in range(start, stop):
+        cache.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
+        cache.attend(q[:, :, i : i + 1], scale)
+        sizes.append(cache.size())
+    return sizes
+
+
+def prefill_checked(model, caches: list, prompt: mx.array, chunk: int):
+    """Run ``model`` over ``prompt`` ``(1, T)`` with ``caches`` in chunks of ``chunk`` tokens
+    (routed, if the caller's ``velox_core.routed`` says so), yielding each chunk's start once
+    its caches' states are evaluated. The first chunk's logits are those of mlx-lm's own
+    cache (nothing is evicted before a second chunk), to 1e-3."""
+    ref = [KVCache() for _ in model.layers]
+    for s in range(0, prompt.shape[1], chunk):
+        out = model(prompt[:, s : s + chunk], cache=caches)
+        if s == 0:
+            assert rel_error(out, model(prompt[:, :chunk], cache=ref)) < 1e-3
+        mx.eval([c.state for c in caches])
+        yield s
+
+
 def kept_positions(cache, head: int = 0, below: int | None = None) -> set[int]:
     """Absolute positions of the body tokens (those the policy chose) of KV head ``head``,
     row 0 (below ``below`` if given)."""
@@ -292,6 +331,40 @@ def assert_attends_to(cache, q, k, v, positions: Callable[[int], set[int]], scal
             q[:, h * r : (h + 1) * r], k[:, h : h + 1, pos], v[:, h : h + 1, pos], scale=scale
         )
         assert rel_error(out[:, h * r : (h + 1) * r], ref) < 1e-4, h
+
+
+def assert_resumes_alike(cache, loaded, k, v, q=None, scale: float | None = None) -> None:
+    """``cache`` and ``loaded`` (its copy through a file, :func:`reloaded`) store the rest of
+    ``k, v`` (from their offset on, in one update: a pending cut runs) and then hold the same
+    tokens in every KV head (:func:`stored_positions`); given ``q``, the queries of those
+    tokens attend alike in both (``scale`` defaults to ``D ** -0.5``).
+
+    Shapes:
+        k, v ``(1, H, T, D)``, q ``(1, Hq, T, D)``: every token, from the first.
+    """
+    start = cache.offset
+    assert loaded.offset == start
+    for x in (cache, loaded):
+        x.update_and_fetch(k[:, :, start:], v[:, :, start:])
+    held = [[stored_positions(x, h) for h in range(k.shape[1])] for x in (loaded, cache)]
+    assert held[0] == held[1]
+    if q is not None:
+        scale = k.shape[-1] ** -0.5 if scale is None else scale
+        got = loaded.attend(q[:, :, start:], scale)
+        assert mx.array_equal(got, cache.attend(q[:, :, start:], scale))
+
+
+def assert_vote_settings_refused(policy: Callable[..., Any]) -> None:
+    """A policy voting with an observation window (the settings ``observe``, ``kernel`` and
+    ``pooling`` of ``velox_core.policy.voting``) refuses, each with a ``ValueError`` naming
+    the setting: a budget with no room beyond 4 sinks and a 32-token window (once in a
+    cache), an even pooling kernel, and an unknown pooling."""
+    with pytest.raises(ValueError, match="observe"):
+        VeloxCache(sinks=4, policy=policy(budget=36, observe=32))
+    with pytest.raises(ValueError, match="kernel"):
+        policy(budget=64, kernel=2)
+    with pytest.raises(ValueError, match="pooling"):
+        policy(budget=64, pooling="sum")
 
 
 def reloaded(cache, path):
