@@ -160,17 +160,6 @@ def test_batch_rows_choose_apart_and_keep_one_count():
 
 
 # -- one layer: the votes, chunked ------------------------------------------------------------
-def numpy_votes(k, q, t, window, r):
-    """SnapKV's votes in NumPy: softmax of the window's queries over the prompt, summed over
-    the window, averaged over each KV head's query heads: ``(H, t)``."""
-    kk, qq = np.repeat(np.array(k[0, :, :t]), r, axis=0), np.array(q[0])
-    s = np.einsum("hwd,htd->hwt", qq[:, -window:], kk) * SCALE
-    s[:, np.arange(t)[None, :] > np.arange(t - window, t)[:, None]] = -np.inf
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    return p.sum(1).reshape(k.shape[1], r, -1).mean(1)
-
-
 @pytest.mark.parametrize("c", [5, 10, 16])
 def test_a_cut_keeps_the_numpy_chunks_in_every_head(c):
     """The whole prompt in one chunk, then the cut: the window's votes summed over the KV
@@ -182,7 +171,7 @@ def test_a_cut_keeps_the_numpy_chunks_in_every_head(c):
     cache = ChunkKVCache(budget=budget, observe=window, chunk_length=c)
     ev.feed_attending(cache, k[:, :, :t], v[:, :, :t], q, chunk=t)
     cache.update_and_fetch(k[:, :, t:], v[:, :, t:])
-    votes = numpy_votes(k, q, t, window, r).sum(0)
+    votes = ev.window_votes_reference(k, q, t, window, SCALE).sum(0)
     pos = np.arange(t)
     always = pos >= t - window
     ref = numpy_chunks(votes.astype(np.float32), pos, always, c, budget)

@@ -131,13 +131,6 @@ def test_the_layers_keep_the_stated_budget_together():
 
 
 # -- one layer: SnapKV's rule with the layer's budget -------------------------------------------
-def _pool1d(x, kernel, pooling):
-    pad = kernel // 2
-    xp = np.pad(x, (pad, pad))
-    win = np.stack([xp[i : i + len(x)] for i in range(kernel)])
-    return win.max(0) if pooling == "max" else win.sum(0) / kernel
-
-
 @pytest.mark.parametrize("layer", [0, 1, 2, 3])
 def test_each_layer_keeps_snapkvs_choice_at_its_own_budget(layer):
     """The whole prompt in one chunk, then the cut: the kept tokens are SnapKV's (softmax of
@@ -155,14 +148,9 @@ def test_each_layer_keeps_snapkvs_choice_at_its_own_budget(layer):
     b = layer_budgets(budget, window, 4, 20, t)[layer]
     # X = 64: 124.8, 84.27, 43.73, 3.2 (step 40.53) rounded
     assert b == [16 + 125, 16 + 84, 16 + 44, 16 + 3][layer]
-    kk, qq = np.repeat(np.array(k[0, :, :t]), r, axis=0), np.array(q[0])
-    s = np.einsum("hwd,htd->hwt", qq[:, -window:], kk) * SCALE
-    s[:, np.arange(t)[None, :] > np.arange(t - window, t)[:, None]] = -np.inf
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    votes = p[:, :, : t - window].sum(1).reshape(h, r, -1).mean(1)
+    votes = ev.window_votes_reference(k, q, t, window, SCALE)[:, : t - window]
     for i in range(h):
-        pooled = _pool1d(votes[i], kernel, "avg")
+        pooled = ev.pool1d_reference(votes[i], kernel, "avg")
         top = np.argsort(-pooled, kind="stable")[: b - window]
         got = kept(c, i, below=t)
         assert len(got) == b and set(range(t - window, t)) <= got

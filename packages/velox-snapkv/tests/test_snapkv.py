@@ -122,14 +122,6 @@ def test_votes_are_the_window_softmax_summed_and_averaged_over_each_group():
         assert np.allclose(np.array(got[:, i : i + 1]), mean, atol=1e-6)
 
 
-def _pool1d(x, kernel, pooling):
-    """torch's avg_pool1d / max_pool1d with stride 1 and padding kernel // 2 (numpy)."""
-    pad = kernel // 2
-    xp = np.pad(x, (pad, pad))
-    win = np.stack([xp[i : i + len(x)] for i in range(kernel)])
-    return win.max(0) if pooling == "max" else win.sum(0) / kernel
-
-
 @pytest.mark.parametrize("pooling", ["max", "avg"])
 @pytest.mark.parametrize("kernel", [1, 3, 7])
 def test_pooling_is_pool1d_on_a_contiguous_prefix(kernel, pooling):
@@ -142,7 +134,7 @@ def test_pooling_is_pool1d_on_a_contiguous_prefix(kernel, pooling):
         kernel,
         pooling,
     )
-    ref = _pool1d(np.where(candidate, votes, 0), kernel, pooling)
+    ref = ev.pool1d_reference(np.where(candidate, votes, 0), kernel, pooling)
     assert np.allclose(np.array(got[0, 0, :42]), ref[:42], atol=1e-6)
 
 
@@ -168,15 +160,10 @@ def test_a_prompt_in_one_chunk_gets_exactly_the_papers_rule(pooling):
     c = SnapKVCache(budget=budget, observe=window, kernel=kernel, pooling=pooling)
     ev.feed_attending(c, k[:, :, :t], v[:, :, :t], q, chunk=t)
     c.update_and_fetch(k[:, :, t:], v[:, :, t:])
-    # the paper's rule (numpy, float64)
-    kk, qq = np.repeat(np.array(k[0, :, :t]), r, axis=0), np.array(q[0])
-    s = np.einsum("hwd,htd->hwt", qq[:, -window:], kk) * SCALE
-    s[:, np.arange(t)[None, :] > np.arange(t - window, t)[:, None]] = -np.inf
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    votes = p[:, :, : t - window].sum(1).reshape(h, r, -1).mean(1)
+    # the paper's rule (numpy)
+    votes = ev.window_votes_reference(k, q, t, window, SCALE)[:, : t - window]
     for i in range(h):
-        pooled = _pool1d(votes[i], kernel, pooling)
+        pooled = ev.pool1d_reference(votes[i], kernel, pooling)
         top = np.argsort(-pooled, kind="stable")[: budget - window]
         got = kept(c, i, below=t)
         assert set(range(t - window, t)) <= got and len(got) == budget

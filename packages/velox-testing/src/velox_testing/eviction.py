@@ -17,6 +17,8 @@ The aids:
   (:func:`feed_attending`, :func:`decode_attending`), a model's chunked prefill whose first
   chunk is checked against mlx-lm's cache (:func:`prefill_checked`), layer 0 of a tiny
   model (:func:`layer_zero_kv`) and as its policy sees it (:func:`observed_layer_zero`);
+- references in NumPy: SnapKV's window votes (:func:`window_votes_reference`) and torch's
+  1-d pooling (:func:`pool1d_reference`);
 - what a cache holds: :func:`kept_positions` (the body), :func:`stored_positions` (every
   token);
 - checks: attention reads the kept tokens alone (:func:`assert_attends_to`), a cut no query
@@ -64,10 +66,12 @@ __all__ = [
     "kept_positions",
     "layer_zero_kv",
     "observed_layer_zero",
+    "pool1d_reference",
     "prefill_checked",
     "recommended_presets",
     "reloaded",
     "stored_positions",
+    "window_votes_reference",
 ]
 
 
@@ -223,6 +227,34 @@ def prefill_checked(model, caches: list, prompt: mx.array, chunk: int):
             assert rel_error(out, model(prompt[:, :chunk], cache=ref)) < 1e-3
         mx.eval([c.state for c in caches])
         yield s
+
+
+def window_votes_reference(k, q, t: int, window: int, scale: float) -> np.ndarray:
+    """SnapKV's votes in NumPy: the softmax of the last ``window`` queries over the first
+    ``t`` tokens (causal), summed over the window and averaged over each KV head's query
+    heads: ``(H, t)``.
+
+    Shapes:
+        k ``(1, H, T >= t, D)``, q ``(1, Hq, t, D)``.
+    """
+    h, r = k.shape[1], q.shape[1] // k.shape[1]
+    kk, qq = np.repeat(np.array(k[0, :, :t]), r, axis=0), np.array(q[0])
+    s = np.einsum("hwd,htd->hwt", qq[:, -window:], kk) * scale
+    s[:, np.arange(t)[None, :] > np.arange(t - window, t)[:, None]] = -np.inf
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return p.sum(1).reshape(h, r, -1).mean(1)
+
+
+def pool1d_reference(x: np.ndarray, kernel: int, pooling: str) -> np.ndarray:
+    """torch's ``avg_pool1d`` / ``max_pool1d`` of ``x`` ``(n,)`` with stride 1 and padding
+    ``kernel // 2`` (``pooling`` ``"avg"`` or ``"max"``), in NumPy: ``(n,)``."""
+    if pooling not in ("avg", "max"):
+        raise ValueError(f"pooling={pooling!r} must be 'avg' or 'max'")
+    pad = kernel // 2
+    xp = np.pad(x, (pad, pad))
+    win = np.stack([xp[i : i + len(x)] for i in range(kernel)])
+    return win.max(0) if pooling == "max" else win.sum(0) / kernel
 
 
 def kept_positions(cache, head: int = 0, below: int | None = None) -> set[int]:
