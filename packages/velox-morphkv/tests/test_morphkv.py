@@ -204,22 +204,14 @@ def test_layer_zero_of_a_tiny_model_keeps_what_the_window_votes_for_and_stays_bo
     """Routed, chunked prefill then decode: bounded at budget + a chunk, then budget + 1 at
     every step. At layer 0 (keys and queries do not depend on the cache) the first decode
     step's cut keeps the top of the last chunk's window over the survivors, as numpy says."""
-    model = tiny_model("llama")
-    prompt = mx.random.randint(0, 512, (1, 256), key=mx.random.key(0))
-    budget, chunk, window = 64, 128, 16
-    caches = make_cache(model, MorphKVCache(budget=budget, observe=window))
-    k0, _ = ev.layer_zero_kv(model, prompt)  # (H, 256, D)
-    scale = model.layers[0].self_attn.scale
+    budget, window = 64, 16
+    cache = MorphKVCache(budget=budget, observe=window)
+    model, caches, k0, scale = ev.two_chunk_prompt(cache, budget)  # k0 (H, 256, D)
+    survivors = [sorted(kept(caches[0], h)) for h in range(2)]
+    qw = np.array(caches[0].policy._queries[0].astype(mx.float32))  # (Hq, 16, D)
+    assert caches[0].policy._q_end == 256
     with routed(model):
-        model(prompt[:, :chunk], cache=caches)
-        assert all(c.size() == chunk for c in caches)
-        model(prompt[:, chunk:], cache=caches)
-        survivors = [sorted(kept(caches[0], h)) for h in range(2)]
-        qw = np.array(caches[0].policy._queries[0].astype(mx.float32))  # (Hq, 16, D)
-        assert caches[0].policy._q_end == 256 and all(c.size() == budget + chunk for c in caches)
-        for step in range(6):
-            model(mx.array([[7 + step]]), cache=caches)
-            assert all(c.size() == budget + 1 for c in caches)
+        for step in ev.decode_bounded(model, caches, range(7, 13), budget + 1):
             if step == 0:
                 r = qw.shape[0] // 2
                 for h in range(2):

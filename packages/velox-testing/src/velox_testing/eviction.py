@@ -16,7 +16,9 @@ The aids:
   (:func:`attention_data`), a prefill and decode steps that attend as a routed model does
   (:func:`feed_attending`, :func:`decode_attending`), a model's chunked prefill whose first
   chunk is checked against mlx-lm's cache (:func:`prefill_checked`), layer 0 of a tiny
-  model (:func:`layer_zero_kv`) and as its policy sees it (:func:`observed_layer_zero`);
+  model (:func:`layer_zero_kv`) and as its policy sees it (:func:`observed_layer_zero`), a
+  tiny model's prompt in two chunks and bounded decode steps (:func:`two_chunk_prompt`,
+  :func:`decode_bounded`);
 - references in NumPy: SnapKV's window votes (:func:`window_votes_reference`) and torch's
   1-d pooling (:func:`pool1d_reference`);
 - what a cache holds: :func:`kept_positions` (the body), :func:`stored_positions` (every
@@ -41,11 +43,12 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from velox_core import Uniform, VeloxCache, load_cache, make, routed, save_cache
+from velox_core import Uniform, VeloxCache, load_cache, make, make_cache, routed, save_cache
 from velox_core.policy import base
 
 from .conformance import CacheConformance
 from .kv import feed, kv_data, rel_error
+from .models import tiny_model
 
 __all__ = [
     "EVICTION_BAD",
@@ -62,6 +65,7 @@ __all__ = [
     "batch_rows_apart",
     "composed_cache",
     "decode_attending",
+    "decode_bounded",
     "feed_attending",
     "kept_positions",
     "layer_zero_kv",
@@ -71,6 +75,7 @@ __all__ = [
     "recommended_presets",
     "reloaded",
     "stored_positions",
+    "two_chunk_prompt",
     "window_votes_reference",
 ]
 
@@ -335,6 +340,39 @@ def observed_layer_zero(model, caches: list, prompt: mx.array, steps, chunk: int
             assert all(c.size() == size for c in caches)
     k0, v0 = layer_zero_kv(model, mx.concatenate([prompt, mx.array([list(steps)])], axis=1))
     return k0[None], v0[None], np.concatenate(seen, axis=1)[None]
+
+
+def two_chunk_prompt(cache, budget: int, chunk: int = 128):
+    """A tiny llama with ``cache`` in every layer (``make_cache``) takes a random prompt of
+    ``2 * chunk`` tokens in two chunks, routed: every layer holds the first chunk whole, and
+    ``budget + chunk`` tokens after the second (the cut the first chunk owed runs before it
+    is stored).
+
+    Returns:
+        ``(model, caches, k0, scale)``: layer 0's keys of the prompt (:func:`layer_zero_kv`,
+        float32 numpy ``(H, 2 * chunk, D)``) and its attention's scale, for a transcription
+        of the method's cut at layer 0.
+    """
+    model = tiny_model("llama")
+    prompt = mx.random.randint(0, 512, (1, 2 * chunk), key=mx.random.key(0))
+    caches = make_cache(model, cache)
+    k0, _ = layer_zero_kv(model, prompt)
+    with routed(model):
+        model(prompt[:, :chunk], cache=caches)
+        assert all(c.size() == chunk for c in caches)
+        model(prompt[:, chunk:], cache=caches)
+    assert all(c.size() == budget + chunk for c in caches)
+    return model, caches, k0, model.layers[0].self_attn.scale
+
+
+def decode_bounded(model, caches: list, tokens, size: int):
+    """Decode ``tokens`` (ints) through ``model`` with ``caches``, a step each (routed, if
+    the caller's ``velox_core.routed`` says so), checking after each step that every cache
+    holds ``size`` tokens; yields each step's index once checked."""
+    for i, t in enumerate(tokens):
+        model(mx.array([[t]]), cache=caches)
+        assert all(c.size() == size for c in caches), i
+        yield i
 
 
 def layer_zero_kv(model, tokens: mx.array) -> tuple[np.ndarray, np.ndarray]:
