@@ -16,6 +16,7 @@ from velox_testing import (
     kv_data,
     rel_error,
 )
+from velox_testing.kv import assert_scores_and_mix_decoded
 
 
 class TestKVarNHeadline(CacheConformance):
@@ -90,11 +91,7 @@ def test_scores_and_mix_from_the_codes_equal_the_decoded_tokens():
         k, v = kv_data(t=256, d=d)
         keys, values = KVarNKeys(bits, group=64), KVarNValues(bits, group=64)
         pk, pv = keys.encode(k), values.encode(v)
-        q = mx.random.normal((1, 2, 6, d), key=mx.random.key(d))
-        w = mx.softmax(mx.random.normal((1, 2, 6, 256), key=mx.random.key(1)) * 3, axis=-1)
-        kk, vv = keys.decode(pk), values.decode(pv)
-        assert rel_error(keys.scores(q, pk), q @ mx.swapaxes(kk, -1, -2)) < 1e-5
-        assert rel_error(values.mix(w, pv), w @ vv) < 1e-5
+        kk, _ = assert_scores_and_mix_decoded(keys, pk, values, pv, seed=d)
         # and the rotated reconstruction is the decoded one, rotated
         assert rel_error(keys.decode_rotated_as(pk, mx.float32), keys.rotation.forward(kk)) < 1e-5
 

@@ -19,6 +19,7 @@ from velox_testing import (
     kv_data,
     rel_error,
 )
+from velox_testing.kv import assert_scores_and_mix_decoded
 
 
 class TestNSNQuant2Bit(CacheConformance):
@@ -155,11 +156,7 @@ def test_scores_and_mix_read_the_codes_a_tile_at_a_time(bits, monkeypatch):
     codec = NSNQuantCodec(bits, group=64)
     pk, pv = codec.encode(k), codec.encode(v)
     assert len(pk.tiles(ncodec.TILE)) == 3
-    q = mx.random.normal((1, 2, 6, 128), key=mx.random.key(bits))
-    w = mx.softmax(mx.random.normal((1, 2, 6, 384), key=mx.random.key(1)) * 3, axis=-1)
-    kk, vv = codec.decode(pk), codec.decode(pv)
-    assert rel_error(codec.scores(q, pk), q @ mx.swapaxes(kk, -1, -2)) < 1e-5
-    assert rel_error(codec.mix(w, pv), w @ vv) < 1e-5
+    kk, _ = assert_scores_and_mix_decoded(codec, pk, codec, pv, seed=bits)
     rotated = codec.decode_rotated_as(pk, mx.float32)
     assert rel_error(rotated, codec.rotation.forward(kk)) < 1e-5
 

@@ -18,6 +18,7 @@ __all__ = [
     "assert_partials_close",
     "assert_partials_equivalent",
     "assert_rows_decode_alone",
+    "assert_scores_and_mix_decoded",
     "decode_logits",
     "feed",
     "greedy_agreement",
@@ -92,6 +93,27 @@ def assert_partials_equivalent(got, ref, rel: float, lazy_bits: float = 8.0) -> 
     f = np.exp(gm - rm)
     for g, r in ((go * f, ro), (gl * f, rl)):
         assert np.abs(g - r).max() <= rel * max(1.0, np.abs(r).max())
+
+
+def assert_scores_and_mix_decoded(
+    key_codec, keys, value_codec, values, seed: int, weights_seed: int = 1, tol: float = 1e-5
+):
+    """A codec pair's scores and mix read from the codes equal those of the decoded tokens:
+    6 random queries a head (``mx.random.key(seed)``) scored against ``keys``, and sharp
+    random softmax weights (``mx.random.key(weights_seed)``) mixing ``values``, each within
+    ``tol`` (:func:`rel_error`). Returns the decoded ``(keys, values)``, for the caller's
+    further checks.
+
+    Shapes:
+        keys, values: ``Packed`` records of ``(B, H, T, D)`` vectors.
+    """
+    kk, vv = key_codec.decode(keys), value_codec.decode(values)
+    b, h, t, d = kk.shape
+    q = mx.random.normal((b, h, 6, d), key=mx.random.key(seed))
+    w = mx.softmax(mx.random.normal((b, h, 6, t), key=mx.random.key(weights_seed)) * 3, axis=-1)
+    assert rel_error(key_codec.scores(q, keys), q @ mx.swapaxes(kk, -1, -2)) < tol
+    assert rel_error(value_codec.mix(w, values), w @ vv) < tol
+    return kk, vv
 
 
 def decode_logits(model, caches, tokens, prompt: mx.array | None = None) -> mx.array:
