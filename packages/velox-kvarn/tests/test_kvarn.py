@@ -10,13 +10,13 @@ from velox_core.ops import unpack
 from velox_kvarn import HadamardRotation, KVarNCache, KVarNKeys, KVarNValues
 from velox_testing import (
     CacheConformance,
-    assert_spec_refused,
     assert_tampered_state_refused,
     feed,
     kv_data,
     rel_error,
 )
-from velox_testing.kv import assert_scores_and_mix_decoded
+from velox_testing.kv import assert_codes_head_dims, assert_scores_and_mix_decoded
+from velox_testing.refusals import spec_refusals_test
 
 
 class TestKVarNHeadline(CacheConformance):
@@ -220,9 +220,7 @@ BAD = (
 )
 
 
-@pytest.mark.parametrize("spec,match", BAD)
-def test_make_cache_refuses_bad_parameters_naming_them(spec, match):
-    assert_spec_refused(spec, match)
+test_make_cache_refuses_bad_parameters_naming_them = spec_refusals_test(BAD)
 
 
 def test_odd_head_dims_are_refused_and_even_ones_code():
@@ -231,8 +229,4 @@ def test_odd_head_dims_are_refused_and_even_ones_code():
         cache.check_dims(81, 128)
     with pytest.raises(ValueError, match=r"kvarn: value head dim 63 is odd"):
         cache.check_dims(64, 63)
-    for d in (80, 96, 112):
-        k, v = kv_data(t=300, d=d)
-        c = make("kvarn:bits=4,sinks=0")
-        c.update_and_fetch(k, v)
-        assert rel_error(c.keys_and_values()[0], k) < 0.1
+    assert_codes_head_dims("kvarn:bits=4,sinks=0", 0.1)

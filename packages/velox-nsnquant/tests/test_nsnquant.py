@@ -12,14 +12,14 @@ from velox_nsnquant import codec as ncodec
 from velox_nsnquant.transform import Rotation
 from velox_testing import (
     CacheConformance,
-    assert_spec_refused,
     assert_tampered_state_refused,
     conformance_model,
     feed,
     kv_data,
     rel_error,
 )
-from velox_testing.kv import assert_scores_and_mix_decoded
+from velox_testing.kv import assert_codes_head_dims, assert_scores_and_mix_decoded
+from velox_testing.refusals import spec_refusals_test
 
 
 class TestNSNQuant2Bit(CacheConformance):
@@ -258,9 +258,7 @@ BAD = (
 )
 
 
-@pytest.mark.parametrize("spec,match", BAD)
-def test_make_cache_refuses_bad_parameters_naming_them(spec, match):
-    assert_spec_refused(spec, match)
+test_make_cache_refuses_bad_parameters_naming_them = spec_refusals_test(BAD)
 
 
 def test_odd_head_dims_are_refused_and_even_ones_code():
@@ -268,8 +266,4 @@ def test_odd_head_dims_are_refused_and_even_ones_code():
         NSNQuantCache().check_dims(64, 63)
     with pytest.raises(ValueError, match="not a multiple of the 8-channel sub-vectors"):
         NSNQuantCodec(1).check(36, mx.float16)
-    for d in (80, 96, 112):
-        k, v = kv_data(t=300, d=d)
-        c = make("nsnquant:bits=4")
-        c.update_and_fetch(k, v)
-        assert rel_error(c.keys_and_values()[0], k) < 0.15
+    assert_codes_head_dims("nsnquant:bits=4", 0.15)

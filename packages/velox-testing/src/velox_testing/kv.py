@@ -11,10 +11,11 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-from velox_core import make_cache, routed
+from velox_core import make, make_cache, routed
 
 __all__ = [
     "assert_attends_without_decoding",
+    "assert_codes_head_dims",
     "assert_partials_close",
     "assert_partials_equivalent",
     "assert_rows_decode_alone",
@@ -93,6 +94,16 @@ def assert_partials_equivalent(got, ref, rel: float, lazy_bits: float = 8.0) -> 
     f = np.exp(gm - rm)
     for g, r in ((go * f, ro), (gl * f, rl)):
         assert np.abs(g - r).max() <= rel * max(1.0, np.abs(r).max())
+
+
+def assert_codes_head_dims(spec: str, rel: float, dims: Sequence[int] = (80, 96, 112)) -> None:
+    """A cache made from ``spec`` (``velox_core.make``) stores ``kv_data(t=300, d=d)`` for
+    each head dim ``d`` of ``dims`` and gives its keys back within ``rel`` (:func:`rel_error`)."""
+    for d in dims:
+        k, v = kv_data(t=300, d=d)
+        c = make(spec)
+        c.update_and_fetch(k, v)
+        assert rel_error(c.keys_and_values()[0], k) < rel, d
 
 
 def assert_scores_and_mix_decoded(
