@@ -28,6 +28,7 @@ __all__ = [
     "kv_like",
     "random_prompt",
     "rel_error",
+    "softmax_reference",
 ]
 
 
@@ -63,6 +64,13 @@ def kv_like(t: int, seed: int = 0, noise_seed: int = 1000, h: int = 2, d: int = 
     scale, mean = _key_law(np.random.default_rng(seed), d)
     noise = np.random.default_rng(noise_seed).normal(0, 1, size=(1, h, t, d))
     return mx.array((noise * scale + mean).astype(np.float32))
+
+
+def softmax_reference(x: np.ndarray) -> np.ndarray:
+    """The softmax of ``x`` over its last axis in NumPy (shifted by the max), for the tests'
+    transcriptions of the papers' rules."""
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
 
 
 def rel_error(a: mx.array, b: mx.array) -> float:
