@@ -1,5 +1,6 @@
 """Every installed method through mlx-lm end to end, and the compositions across packages."""
 
+import importlib
 import os
 from pathlib import Path
 
@@ -16,6 +17,14 @@ MODEL = tiny_model("llama", head_dim=128, hidden_size=256)
 SPECS = [format_spec(name, params) for name, m in methods().items() for params in m.recommended]
 
 
+def _installed(name: str):
+    """The package ``name``, imported, or None where it is not installed."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
 @pytest.fixture(scope="module", autouse=True)
 def fitted_artifacts(tmp_path_factory):
     """Q-Filters, CommVQ, Palu, OSCAR and the spectral quantizer need artifacts fitted on the
@@ -23,41 +32,19 @@ def fitted_artifacts(tmp_path_factory):
     plumbing, not its quality)."""
     out = tmp_path_factory.mktemp("artifacts")
     prompt = mx.random.randint(0, 512, (4, 256), key=mx.random.key(0))
-    try:
-        import velox_qfilters as qf
-    except ImportError:
-        qf = None
-    if qf is not None:
+    tokens = prompt.reshape(-1).tolist()
+    if (qf := _installed("velox_qfilters")) is not None:
         qf.save_filters(qf.fit_filters(MODEL, prompt), out / "tiny.safetensors")
-    try:
-        import velox_commvq as cvq
-    except ImportError:
-        cvq = None
-    if cvq is not None:
-        books = cvq.fit_codebooks(
-            MODEL, prompt.reshape(-1).tolist(), seq_len=256, samples=512, iters=4
-        )
+    if (cvq := _installed("velox_commvq")) is not None:
+        books = cvq.fit_codebooks(MODEL, tokens, seq_len=256, samples=512, iters=4)
         cvq.save_codebooks(books, out / "tiny-commvq.safetensors")
-    try:
-        import velox_palu as palu
-    except ImportError:
-        palu = None
-    if palu is not None:
-        bases = palu.fit_palu(MODEL, prompt.reshape(-1).tolist(), seq_len=256)
-        palu.save_bases(bases, out / "tiny-palu.safetensors")
-    try:
-        import velox_oscar as oscar
-    except ImportError:
-        oscar = None
-    if oscar is not None:
-        rot = oscar.fit_oscar(MODEL, prompt.reshape(-1).tolist(), seq_len=256, samples=256)
+    if (palu := _installed("velox_palu")) is not None:
+        palu.save_bases(palu.fit_palu(MODEL, tokens, seq_len=256), out / "tiny-palu.safetensors")
+    if (oscar := _installed("velox_oscar")) is not None:
+        rot = oscar.fit_oscar(MODEL, tokens, seq_len=256, samples=256)
         oscar.save_rotations(rot, out / "tiny-oscar.safetensors")
-    try:
-        import velox_spectral as spectral
-    except ImportError:
-        spectral = None
-    if spectral is not None:
-        bases = spectral.fit_spectral(MODEL, prompt.reshape(-1).tolist(), seq_len=256)
+    if (spectral := _installed("velox_spectral")) is not None:
+        bases = spectral.fit_spectral(MODEL, tokens, seq_len=256)
         spectral.save_bases(bases, out / "tiny-spectral.safetensors")
     old = os.environ.get("VELOX_ARTIFACTS")
     os.environ["VELOX_ARTIFACTS"] = str(out)
@@ -171,8 +158,6 @@ def test_qfilters_over_turboquant_3bit_is_one_composed_cache():
 def test_every_fit_hint_names_one_command_form(name):
     """A method whose artifact is fitted names its fit the same way in every message (the
     form that works with the method's package alone installed)."""
-    import importlib
-
     mod = importlib.import_module(f"velox_{name}.artifact")
     assert (
         f"python -m velox_{name} fit --model PATH --text CALIBRATION.txt --out FILE"

@@ -287,14 +287,6 @@ def test_sharded_tokens_and_bytes(runs, where, n, spec):
         assert abs(r["nbytes"] / (one["nbytes"] / n) - 1) <= 0.05, (r, one)
 
 
-@pytest.mark.parametrize("spec", list(SHARD_REFUSED))
-def test_sharded_refusals(runs, spec):
-    """Methods that mix a layer's heads are refused at make_cache, on every rank."""
-    for r in _rows(runs, "launch", "shard", spec, 2).values():
-        assert "cannot run on a model sharded by heads" in r.get("error", ""), r
-        assert SHARD_REFUSED[spec] in r["error"], r
-
-
 @pytest.mark.parametrize(
     "where, phase, n, spec",
     [("launch", "pipe", 2, s) for s in PIPED]
@@ -311,12 +303,24 @@ def test_pipeline_tokens(runs, where, phase, n, spec):
         assert last == "KVCache" and "KVCache" not in first, r["kinds"]
 
 
-@pytest.mark.parametrize("spec", list(PIPE_REFUSED))
-def test_pipeline_refusals(runs, spec):
-    """A velox cache on a stage's last layer, and a method linking layers, are refused."""
-    for r in _rows(runs, "launch", "pipe", spec, 2).values():
-        assert "split into pipeline stages" in r.get("error", ""), r
-        assert PIPE_REFUSED[spec] in r["error"], r
+# a phase's refusal: what every refusal there says, and each method's own reason
+REFUSALS = {
+    "shard": ("cannot run on a model sharded by heads", SHARD_REFUSED),
+    "pipe": ("split into pipeline stages", PIPE_REFUSED),
+}
+
+
+@pytest.mark.parametrize(
+    "phase, spec", [(phase, s) for phase, (_, specs) in REFUSALS.items() for s in specs]
+)
+def test_refusals(runs, phase, spec):
+    """Refused at make_cache on every rank, with the method's reason: on a model sharded by
+    heads, the methods that mix a layer's heads; in a pipeline, a velox cache on a stage's
+    last layer and the methods linking layers."""
+    says, reasons = REFUSALS[phase]
+    for r in _rows(runs, "launch", phase, spec, 2).values():
+        assert says in r.get("error", ""), r
+        assert reasons[spec] in r["error"], r
 
 
 @pytest.mark.parametrize(

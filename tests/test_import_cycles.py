@@ -75,14 +75,25 @@ def test_no_import_cycle(package):
     assert found is None, "import cycle: " + " -> ".join(found)
 
 
-def test_the_walk_finds_a_cycle(tmp_path):
+def _demo(tmp_path: Path, files: dict[str, str]) -> Path:
+    """A package ``demo`` in ``tmp_path / "src"`` of ``files`` (file name: source); returns
+    its folder."""
     pkg = tmp_path / "src" / "demo"
     pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("from .b import f\n")
-    (pkg / "b.py").write_text("def f():\n    from . import a\n")
-    (pkg / "c.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import x\n"
+    for name, text in files.items():
+        (pkg / name).write_text(text)
+    return pkg
+
+
+def test_the_walk_finds_a_cycle(tmp_path):
+    pkg = _demo(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "a.py": "from .b import f\n",
+            "b.py": "def f():\n    from . import a\n",
+            "c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import x\n",
+        },
     )
     assert _cycle(_graph(tmp_path / "src")) == ["demo.a", "demo.b", "demo.a"]
     (pkg / "b.py").write_text("def f():\n    pass\n")
@@ -123,11 +134,14 @@ def test_run_time_sources_import_no_test_aid(package):
 
 
 def test_the_walk_finds_a_test_aid_import(tmp_path):
-    pkg = tmp_path / "src" / "demo"
-    pkg.mkdir(parents=True)
-    (pkg / "a.py").write_text("import os\nfrom velox_core import ops\n")
-    (pkg / "b.py").write_text("def f():\n    from velox_testing.emulate import shim_dir\n")
-    (pkg / "c.py").write_text("import pytest as pt\nfrom . import velox_testing\n")
+    _demo(
+        tmp_path,
+        {
+            "a.py": "import os\nfrom velox_core import ops\n",
+            "b.py": "def f():\n    from velox_testing.emulate import shim_dir\n",
+            "c.py": "import pytest as pt\nfrom . import velox_testing\n",
+        },
+    )
     assert _test_aid_imports(tmp_path / "src") == [
         "demo/b.py:2: velox_testing.emulate",
         "demo/c.py:1: pytest",

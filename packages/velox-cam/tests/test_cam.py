@@ -56,11 +56,6 @@ class TestCamEvicting(ev.Routed, ev.EvictingConformance):
 
 
 # -- helpers ---------------------------------------------------------------------------------
-def softmax(x):
-    e = np.exp(x - x.max(-1, keepdims=True))
-    return e / e.sum(-1, keepdims=True)
-
-
 class Draws:
     """The uniform numbers of the merge draws: from ``seed``'s first split key (layer 0),
     split at every cut that evicts, one number per evicted token and KV head."""
@@ -74,7 +69,7 @@ class Draws:
         return np.array(mx.random.uniform(shape=(1, h, n), key=keys[1]))[0]
 
 
-class PaperCam:
+class PaperCam(ev.ScoreReference):
     """The authors' cache (``generate_task/streaming_llm/kv_cache_cam.py``,
     ``StartRecentKVCache_cam``) transcribed in numpy, float64, per KV head: the kept
     positions, their values and their accumulated attention. A call stores its tokens (score
@@ -88,29 +83,21 @@ class PaperCam:
     the authors' is 1). ``drop``: a control that evicts without merging (StreamingLLM)."""
 
     def __init__(self, k, v, q, budget, start, merge, every=1, drop=False, scale=SCALE):
-        self.k = np.array(k[0], np.float64)
+        super().__init__(k, q)
         self.v0 = np.array(v[0], np.float64)
-        self.q = np.array(q[0], np.float64)
-        self.h = self.k.shape[0]
-        self.r = self.q.shape[0] // self.h
         self.budget, self.start, self.merge, self.drop = budget, start, merge, drop
         self.every, self.scale = every, scale
         self.draws = Draws()
-        self.pos = [np.zeros(0, dtype=int) for _ in range(self.h)]
         self.val = [np.zeros((0, self.k.shape[2])) for _ in range(self.h)]
-        self.score = [np.zeros(0) for _ in range(self.h)]
         self.merged = 0  # evictions that merged
 
     def attend(self, s, e):
+        self.store(s, e)
         for h in range(self.h):
-            self.pos[h] = np.concatenate([self.pos[h], np.arange(s, e)])
             self.val[h] = np.concatenate([self.val[h], self.v0[h, s:e]])
-            self.score[h] = np.concatenate([self.score[h], np.zeros(e - s)])
-            p = self.pos[h]
             for i in range(s, e):
-                seen = p <= i
-                qs = self.q[h * self.r : (h + 1) * self.r, i]
-                self.score[h][seen] += softmax(qs @ self.k[h, p[seen]].T * self.scale).mean(0)
+                seen, w = self.weights(h, i, self.scale)
+                self.score[h][seen] += w
 
     def reduce(self, chunk=False):
         n = len(self.pos[0]) - self.budget

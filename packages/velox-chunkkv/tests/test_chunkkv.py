@@ -5,7 +5,6 @@ import copy
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import KVCache
 
 import velox_testing.eviction as ev
 from velox_chunkkv import METHOD, ChunkKVCache, ChunkKVPolicy, select_chunks
@@ -161,17 +160,6 @@ def test_batch_rows_choose_apart_and_keep_one_count():
 
 
 # -- one layer: the votes, chunked ------------------------------------------------------------
-def numpy_votes(k, q, t, window, r):
-    """SnapKV's votes in NumPy: softmax of the window's queries over the prompt, summed over
-    the window, averaged over each KV head's query heads: ``(H, t)``."""
-    kk, qq = np.repeat(np.array(k[0, :, :t]), r, axis=0), np.array(q[0])
-    s = np.einsum("hwd,htd->hwt", qq[:, -window:], kk) * SCALE
-    s[:, np.arange(t)[None, :] > np.arange(t - window, t)[:, None]] = -np.inf
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    return p.sum(1).reshape(k.shape[1], r, -1).mean(1)
-
-
 @pytest.mark.parametrize("c", [5, 10, 16])
 def test_a_cut_keeps_the_numpy_chunks_in_every_head(c):
     """The whole prompt in one chunk, then the cut: the window's votes summed over the KV
@@ -183,7 +171,7 @@ def test_a_cut_keeps_the_numpy_chunks_in_every_head(c):
     cache = ChunkKVCache(budget=budget, observe=window, chunk_length=c)
     ev.feed_attending(cache, k[:, :, :t], v[:, :, :t], q, chunk=t)
     cache.update_and_fetch(k[:, :, t:], v[:, :, t:])
-    votes = numpy_votes(k, q, t, window, r).sum(0)
+    votes = ev.window_votes_reference(k, q, t, window, SCALE).sum(0)
     pos = np.arange(t)
     always = pos >= t - window
     ref = numpy_chunks(votes.astype(np.float32), pos, always, c, budget)
@@ -217,10 +205,7 @@ def test_decode_cuts_stay_within_budget_plus_every():
     q = mx.random.normal((1, 4, 260, D), key=mx.random.key(1))
     c = ChunkKVCache(budget=48, observe=8, every=4, chunk_length=8)
     ev.feed_attending(c, k, v, q, chunk=200, stop=200)
-    for i in range(200, 260):
-        c.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
-        c.attend(q[:, :, i : i + 1], SCALE)
-        assert c.size() <= 48 + 4
+    assert max(ev.decode_attending(c, k, v, q, 200, 260)) <= 48 + 4
     assert c.size() > 48 - 8  # within a chunk of the budget
 
 
@@ -241,13 +226,8 @@ def test_chunked_prefill_keeps_whole_chunks_and_the_budgets_bytes():
     prompt = mx.random.randint(0, 512, (1, 320), key=mx.random.key(0))
     budget, chunk, observe, c = 96, 64, 16, 16
     caches = make_cache(model, ChunkKVCache(budget=budget, observe=observe, chunk_length=c))
-    ref = [KVCache() for _ in model.layers]
     with routed(model):
-        for s in range(0, 320, chunk):
-            out = model(prompt[:, s : s + chunk], cache=caches)
-            if s == 0:  # nothing evicted yet: the same logits as mlx-lm's own cache
-                assert rel_error(out, model(prompt[:, :chunk], cache=ref)) < 1e-3
-            mx.eval([x.state for x in caches])
+        for _ in ev.prefill_checked(model, caches, prompt, chunk):
             assert all(x.size() <= budget + chunk for x in caches)
         model(prompt[:, -1:], cache=caches)
     body = np.arange(320)

@@ -63,30 +63,9 @@ SPECS = [
 def test_bench_prints_fp16_held_bytes_over_each_rows(model_dir, text_file, tmp_path, capsys):
     _needs("velox_turboquant", "velox_polarquant")
     out = tmp_path / "rows.json"
-    rc = main(
-        [
-            "bench",
-            "--model",
-            model_dir,
-            "--data",
-            text_file,
-            "--context",
-            "96",
-            "--continuation",
-            "8",
-            "--chunk",
-            "32",
-            "--jobs",
-            "1",
-            "--methods",
-            *SPECS,
-            "--json",
-            str(out),
-            "--chart",
-            "",
-        ]
-    )
-    assert rc == 0
+    argv = ["bench", "--model", model_dir, "--data", text_file, "--context", "96"]
+    argv += ["--continuation", "8", "--chunk", "32", "--jobs", "1", "--methods", *SPECS]
+    assert main([*argv, "--json", str(out), "--chart", ""]) == 0
     printed = capsys.readouterr().out
     tokens = 96 + 8 - 1  # the prefix and the teacher-forced continuation but its last token
     rows = {r["spec"]: r for r in json.loads(out.read_text())}

@@ -34,29 +34,9 @@ def test_bench_quick_writes_rows_table_and_chart(
     out = tmp_path / "rows.json"
     chart = tmp_path / "chart.png"
     md = tmp_path / "table.md"
-    rc = main(
-        [
-            "bench",
-            "--model",
-            model_dir,
-            "--data",
-            text_file,
-            "--quick",
-            "--context",
-            "256",
-            "--methods",
-            "fp16",
-            "mlx-q8",
-            "uniform:bits=4",
-            "--json",
-            str(out),
-            "--chart",
-            str(chart),
-            "--markdown",
-            str(md),
-        ]
-    )
-    assert rc == 0
+    argv = ["bench", "--model", model_dir, "--data", text_file, "--quick", "--context", "256"]
+    argv += ["--methods", "fp16", "mlx-q8", "uniform:bits=4"]
+    assert main([*argv, "--json", str(out), "--chart", str(chart), "--markdown", str(md)]) == 0
     rows = json.loads(out.read_text())
     assert isinstance(rows, list) and rows[0]["run"]["context"] == 256
     assert [r["spec"] for r in rows] == ["fp16", "mlx-q8", "uniform:bits=4"]

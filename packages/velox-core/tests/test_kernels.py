@@ -848,11 +848,17 @@ DECODE_CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def emulated(tmp_path_factory):
+def _module_emulator(tmp_path_factory, tag: str, cls=Emulator):
+    """An emulator program ``cls`` for a module fixture, working in a fresh folder named
+    after ``tag``; the tests using it are skipped without g++."""
     if GXX is None:
         pytest.skip("g++ is not installed: the kernels cannot be emulated here")
-    emu = Emulator(tmp_path_factory.mktemp("emu"))
+    return cls(tmp_path_factory.mktemp(tag))
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    emu = _module_emulator(tmp_path_factory, "emu")
     cases = {}
     for name, (b, h, t, m, bits, group, dt, splits, pad) in DECODE_CASES.items():
         q, keys, vals, ref = uniform_case(b, h, t, m, bits, group, dt, seed=len(cases))
@@ -1102,9 +1108,7 @@ ENCODE_CASES = [
 
 @pytest.fixture(scope="module")
 def encoders(tmp_path_factory):
-    if GXX is None:
-        pytest.skip("g++ is not installed: the kernels cannot be emulated here")
-    emu = Emulator(tmp_path_factory.mktemp("emu_enc"))
+    emu = _module_emulator(tmp_path_factory, "emu_enc")
     handles = {}
     for bits, group, dtype, clip in ENCODE_CASES:
         x = _encode_input(dtype)
@@ -1242,9 +1246,7 @@ def _bits_of(sx: np.ndarray) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def sketch_encoders(tmp_path_factory):
-    if GXX is None:
-        pytest.skip("g++ is not installed: the kernels cannot be emulated here")
-    emu = Emulator(tmp_path_factory.mktemp("emu_sketch"))
+    emu = _module_emulator(tmp_path_factory, "emu_sketch")
     handles = {}
     for name, (m, k, mo, group, dtype) in SKETCH_CASES.items():
         x, s, idx = _sketch_case(name)
@@ -1586,9 +1588,7 @@ def _padded(x, pad: int):
 def _mma_emulators(tmp_path_factory, tag: str):
     """Two CUDA emulator programs (the cases take turns; compiled side by side, one g++
     each) and the split merge's handle in each; the test skipped without g++."""
-    if GXX is None:
-        pytest.skip("g++ is not installed: the kernels cannot be emulated here")
-    emus = [CudaEmulator(tmp_path_factory.mktemp(f"{tag}{i}")) for i in range(2)]
+    emus = [_module_emulator(tmp_path_factory, f"{tag}{i}", CudaEmulator) for i in range(2)]
     parts = [np.zeros((1, 1, 2, 4, 128), np.float32)] * 2
     return emus, [e.kernel(kmerge.MERGE, parts, ["float32"] * 3) for e in emus]
 

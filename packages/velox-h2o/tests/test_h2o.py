@@ -51,12 +51,7 @@ class TestH2OEvicting(ev.Routed, ev.EvictingConformance):
 
 
 # -- helpers ---------------------------------------------------------------------------------
-def softmax(x):
-    e = np.exp(x - x.max(-1, keepdims=True))
-    return e / e.sum(-1, keepdims=True)
-
-
-class PaperH2O:
+class PaperH2O(ev.ScoreReference):
     """The authors' cache (``h2o_hf/utils_real_drop``, ``H2OKVCache_LayerWise``) transcribed
     in numpy, float64: per KV head the kept positions and their accumulated scores. A call
     stores its tokens (score 0), attends causally with its queries and adds each query's
@@ -68,43 +63,26 @@ class PaperH2O:
     scores, as TOVA's rule per head), for the tests to tell the two apart."""
 
     def __init__(self, k, q, budget, recent, last_query_only=False, scale=SCALE):
-        self.k, self.q = np.array(k[0], np.float64), np.array(q[0], np.float64)
-        self.h = self.k.shape[0]
-        self.r = self.q.shape[0] // self.h
+        super().__init__(k, q)
         self.budget, self.recent = budget, recent
         self.last_query_only = last_query_only
         self.scale = scale
-        self.pos = [np.zeros(0, dtype=int) for _ in range(self.h)]
-        self.score = [np.zeros(0) for _ in range(self.h)]
 
     def attend(self, s, e):
+        self.store(s, e)
         for h in range(self.h):
-            self.pos[h] = np.concatenate([self.pos[h], np.arange(s, e)])
-            self.score[h] = np.concatenate([self.score[h], np.zeros(e - s)])
             if self.last_query_only:
                 self.score[h][:] = 0.0
-            p = self.pos[h]
             for i in range(e - 1 if self.last_query_only else s, e):
-                seen = p <= i
-                qs = self.q[h * self.r : (h + 1) * self.r, i]
-                self.score[h][seen] += softmax(qs @ self.k[h, p[seen]].T * self.scale).mean(0)
+                seen, w = self.weights(h, i, self.scale)
+                self.score[h][seen] += w
 
     def reduce(self, offset):
-        for h in range(self.h):
-            p, s = self.pos[h], self.score[h]
-            if len(p) <= self.budget:
-                continue
-            old = np.flatnonzero(p < offset - self.recent)
-            heavy = old[np.argsort(-s[old], kind="stable")[: self.budget - self.recent]]
-            keep = np.union1d(heavy, np.flatnonzero(p >= offset - self.recent))
-            self.pos[h], self.score[h] = p[keep], s[keep]
+        self.keep_heavy(self.budget, self.recent, offset)
 
     def call(self, s, e):
         self.attend(s, e)
         self.reduce(e)
-
-    def kept(self, h=0):
-        return set(self.pos[h].tolist())
 
 
 def assert_scores(cache, ref):
@@ -308,11 +286,8 @@ def test_saved_scores_choose_after_loading(tmp_path):
     d = ev.reloaded(c, tmp_path / "c.safetensors")
     assert d.policy.nbytes == c.policy.nbytes == 4 * 2 * c.size()  # a float32 per token, head
     assert d.policy.meta() == c.policy.meta() == {"chunk_pending": True, "seen": 300}
-    for x in (c, d):
-        x.update_and_fetch(k[:, :, 300:], v[:, :, 300:])
-    assert stored(c, 0) == stored(d, 0) and stored(c, 1) == stored(d, 1) and d.size() == 33
-    qq = q[:, :, 300:]
-    assert mx.array_equal(d.attend(qq, SCALE), c.attend(qq, SCALE))
+    ev.assert_resumes_alike(c, d, k, v, q)
+    assert d.size() == 33
     assert np.array_equal(np.array(c.policy._scores), np.array(d.policy._scores))
 
 

@@ -68,7 +68,7 @@ class Noise:
         return np.zeros(shape) if self.zero else np.array(g, np.float64)
 
 
-class PaperKeyformer:
+class PaperKeyformer(ev.ScoreReference):
     """The paper's rule in numpy, float64, per KV head: a call stores its tokens (score 0);
     each query adds ``softmax((q k^T * scale + g) / tau)`` over the tokens it sees (GQA: the
     mean over the KV head's query heads); ``tau`` is ``tau_init`` for a prompt call and rises
@@ -76,47 +76,27 @@ class PaperKeyformer:
     newest tokens and the top ``budget - recent`` others by score are kept."""
 
     def __init__(self, k, q, budget, recent, noise, tau=(1.0, 2.0, 512)):
-        self.k, self.q = np.array(k[0], np.float64), np.array(q[0], np.float64)
-        self.h = self.k.shape[0]
-        self.r = self.q.shape[0] // self.h
+        super().__init__(k, q)
         self.budget, self.recent, self.noise = budget, recent, noise
         self.tau_init, self.tau_end, self.steps = tau
         self.step = 0
-        self.pos = [np.zeros(0, dtype=int) for _ in range(self.h)]
-        self.score = [np.zeros(0) for _ in range(self.h)]
 
     def attend(self, s, e):
         self.step = 0 if e - s > 1 else self.step + 1
         rise = (self.tau_end - self.tau_init) / self.steps
         tau = self.tau_init + min(self.step, self.steps) * rise
-        for h in range(self.h):
-            self.pos[h] = np.concatenate([self.pos[h], np.arange(s, e)])
-            self.score[h] = np.concatenate([self.score[h], np.zeros(e - s)])
+        self.store(s, e)
         g = self.noise((1, self.h * self.r, e - s, len(self.pos[0])))[0]
         for h in range(self.h):
-            p = self.pos[h]
             for i in range(s, e):
-                seen = p <= i
-                qs = self.q[h * self.r : (h + 1) * self.r, i]
-                x = (
-                    qs @ self.k[h, p[seen]].T * SCALE
-                    + g[h * self.r : (h + 1) * self.r, i - s][:, seen]
-                )
+                seen = self.pos[h] <= i
+                noise = g[h * self.r : (h + 1) * self.r, i - s][:, seen]
+                x = self.logits(h, i, seen, SCALE) + noise
                 y = np.exp((x - x.max(-1, keepdims=True)) / tau)
                 self.score[h][seen] += (y / y.sum(-1, keepdims=True)).mean(0)
 
     def reduce(self, offset):
-        for h in range(self.h):
-            p, s = self.pos[h], self.score[h]
-            if len(p) <= self.budget:
-                continue
-            old = np.flatnonzero(p < offset - self.recent)
-            key = old[np.argsort(-s[old], kind="stable")[: self.budget - self.recent]]
-            keep = np.union1d(key, np.flatnonzero(p >= offset - self.recent))
-            self.pos[h], self.score[h] = p[keep], s[keep]
-
-    def kept(self, h=0):
-        return set(self.pos[h].tolist())
+        self.keep_heavy(self.budget, self.recent, offset)
 
 
 def run_both(k, v, q, t0, budget, recent, chunk, seed=0, tau=(1.0, 2.0, 512)):

@@ -10,11 +10,11 @@ from velox_core import Uniform, load_cache, make, make_cache, save_cache
 from velox_kitty import KittyCache, KittyKeys, boosted_count
 from velox_testing import (
     CacheConformance,
-    assert_spec_refused,
     conformance_model,
     kv_data,
     rel_error,
 )
+from velox_testing.refusals import spec_refusals_test
 
 
 class TestKitty(CacheConformance):
@@ -220,9 +220,7 @@ BAD = (
 )
 
 
-@pytest.mark.parametrize("spec,match", BAD)
-def test_make_cache_refuses_bad_parameters_naming_them(spec, match):
-    assert_spec_refused(spec, match)
+test_make_cache_refuses_bad_parameters_naming_them = spec_refusals_test(BAD)
 
 
 @pytest.mark.parametrize("head_dim", [64, 80])

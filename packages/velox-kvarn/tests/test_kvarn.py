@@ -10,12 +10,13 @@ from velox_core.ops import unpack
 from velox_kvarn import HadamardRotation, KVarNCache, KVarNKeys, KVarNValues
 from velox_testing import (
     CacheConformance,
-    assert_spec_refused,
     assert_tampered_state_refused,
     feed,
     kv_data,
     rel_error,
 )
+from velox_testing.kv import assert_codes_head_dims, assert_scores_and_mix_decoded
+from velox_testing.refusals import spec_refusals_test
 
 
 class TestKVarNHeadline(CacheConformance):
@@ -90,11 +91,7 @@ def test_scores_and_mix_from_the_codes_equal_the_decoded_tokens():
         k, v = kv_data(t=256, d=d)
         keys, values = KVarNKeys(bits, group=64), KVarNValues(bits, group=64)
         pk, pv = keys.encode(k), values.encode(v)
-        q = mx.random.normal((1, 2, 6, d), key=mx.random.key(d))
-        w = mx.softmax(mx.random.normal((1, 2, 6, 256), key=mx.random.key(1)) * 3, axis=-1)
-        kk, vv = keys.decode(pk), values.decode(pv)
-        assert rel_error(keys.scores(q, pk), q @ mx.swapaxes(kk, -1, -2)) < 1e-5
-        assert rel_error(values.mix(w, pv), w @ vv) < 1e-5
+        kk, _ = assert_scores_and_mix_decoded(keys, pk, values, pv, seed=d)
         # and the rotated reconstruction is the decoded one, rotated
         assert rel_error(keys.decode_rotated_as(pk, mx.float32), keys.rotation.forward(kk)) < 1e-5
 
@@ -223,9 +220,7 @@ BAD = (
 )
 
 
-@pytest.mark.parametrize("spec,match", BAD)
-def test_make_cache_refuses_bad_parameters_naming_them(spec, match):
-    assert_spec_refused(spec, match)
+test_make_cache_refuses_bad_parameters_naming_them = spec_refusals_test(BAD)
 
 
 def test_odd_head_dims_are_refused_and_even_ones_code():
@@ -234,8 +229,4 @@ def test_odd_head_dims_are_refused_and_even_ones_code():
         cache.check_dims(81, 128)
     with pytest.raises(ValueError, match=r"kvarn: value head dim 63 is odd"):
         cache.check_dims(64, 63)
-    for d in (80, 96, 112):
-        k, v = kv_data(t=300, d=d)
-        c = make("kvarn:bits=4,sinks=0")
-        c.update_and_fetch(k, v)
-        assert rel_error(c.keys_and_values()[0], k) < 0.1
+    assert_codes_head_dims("kvarn:bits=4,sinks=0", 0.1)

@@ -9,6 +9,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from velox_kvzip.config import PROMPT, PROMPT_NEXT
+from velox_testing.kv import softmax_reference
 
 ORIGINAL = llama.scaled_dot_product_attention
 
@@ -34,17 +35,12 @@ class Recorder:
             seen = np.ones(s, dtype=bool)
             seen[: self.n] = self.keep[layer][i // r]
             w = q[i] @ k[i // r, seen].T * scale  # one decode query (L = 1)
-            out.append(softmax(w) @ v[i // r, seen])
+            out.append(softmax_reference(w) @ v[i // r, seen])
         return mx.array(np.stack(out)[None].astype(np.float32))
 
     def patched(self):
         """The llama module's attention replaced by this recorder, for a ``with`` block."""
         return mock.patch.object(llama, "scaled_dot_product_attention", self)
-
-
-def softmax(x):
-    e = np.exp(x - x.max(-1, keepdims=True))
-    return e / e.sum(-1, keepdims=True)
 
 
 def reference_scores(model, tokenizer, context: list[int], chunk: int, sinks: int, start=0):
@@ -73,7 +69,7 @@ def reference_scores(model, tokenizer, context: list[int], chunk: int, sinks: in
                 w = q[0, h * r : (h + 1) * r] @ k[0, h, idx].T * scale  # (r, m, keys)
                 fixed = sink + e - s
                 w[:, np.arange(m)[:, None] < np.arange(len(idx))[None] - fixed] = -np.inf
-                out[layer][h, s:e] = softmax(w)[..., sink:fixed].max(axis=(0, 1))
+                out[layer][h, s:e] = softmax_reference(w)[..., sink:fixed].max(axis=(0, 1))
         for c in caches:
             c.trim(m)
     return out
@@ -114,7 +110,7 @@ def gemma3_reference(model, tokenizer, context: list[int], chunk: int, sinks: in
             for h in range(at.n_kv_heads):
                 w = q[h * r : (h + 1) * r, n:] @ k[h, idx].T * args.query_pre_attn_scalar**-0.5
                 w = np.where(visible, w, -np.inf)
-                out[i][h, s:e] = softmax(w)[..., sink : sink + e - s].max(axis=(0, 1))
+                out[i][h, s:e] = softmax_reference(w)[..., sink : sink + e - s].max(axis=(0, 1))
     return [out[i] for i in layers]
 
 

@@ -204,22 +204,14 @@ def test_layer_zero_of_a_tiny_model_keeps_what_the_window_votes_for_and_stays_bo
     """Routed, chunked prefill then decode: bounded at budget + a chunk, then budget + 1 at
     every step. At layer 0 (keys and queries do not depend on the cache) the first decode
     step's cut keeps the top of the last chunk's window over the survivors, as numpy says."""
-    model = tiny_model("llama")
-    prompt = mx.random.randint(0, 512, (1, 256), key=mx.random.key(0))
-    budget, chunk, window = 64, 128, 16
-    caches = make_cache(model, MorphKVCache(budget=budget, observe=window))
-    k0, _ = ev.layer_zero_kv(model, prompt)  # (H, 256, D)
-    scale = model.layers[0].self_attn.scale
+    budget, window = 64, 16
+    cache = MorphKVCache(budget=budget, observe=window)
+    model, caches, k0, scale = ev.two_chunk_prompt(cache, budget)  # k0 (H, 256, D)
+    survivors = [sorted(kept(caches[0], h)) for h in range(2)]
+    qw = np.array(caches[0].policy._queries[0].astype(mx.float32))  # (Hq, 16, D)
+    assert caches[0].policy._q_end == 256
     with routed(model):
-        model(prompt[:, :chunk], cache=caches)
-        assert all(c.size() == chunk for c in caches)
-        model(prompt[:, chunk:], cache=caches)
-        survivors = [sorted(kept(caches[0], h)) for h in range(2)]
-        qw = np.array(caches[0].policy._queries[0].astype(mx.float32))  # (Hq, 16, D)
-        assert caches[0].policy._q_end == 256 and all(c.size() == budget + chunk for c in caches)
-        for step in range(6):
-            model(mx.array([[7 + step]]), cache=caches)
-            assert all(c.size() == budget + 1 for c in caches)
+        for step in ev.decode_bounded(model, caches, range(7, 13), budget + 1):
             if step == 0:
                 r = qw.shape[0] // 2
                 for h in range(2):
@@ -257,11 +249,7 @@ def test_coarse_grained_eviction_cuts_every_n_steps():
     k, v, q = ev.attention_data(200, seed=6)
     c = MorphKVCache(budget=40, every=8)
     ev.feed_attending(c, k, v, q, chunk=100, stop=100)
-    sizes = []
-    for i in range(100, 130):
-        c.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
-        c.attend(q[:, :, i : i + 1], SCALE)
-        sizes.append(c.size())
+    sizes = ev.decode_attending(c, k, v, q, 100, 130)
     assert max(sizes) == 48 and min(sizes) == 41 and sizes[:3] == [41, 42, 43]
 
 
@@ -295,11 +283,8 @@ def test_saved_window_votes_after_loading(tmp_path):
     ev.feed_attending(c, k, v, q, chunk=150, stop=300)  # the second cut pending
     d = ev.reloaded(c, tmp_path / "c.safetensors")
     assert d.policy.nbytes == c.policy.nbytes == 4 * 16 * D * 4  # 16 float32 queries per head
-    for x in (c, d):
-        x.update_and_fetch(k[:, :, 300:], v[:, :, 300:])
-    assert kept(c) == kept(d) and d.size() == 41
-    qq = q[:, :, 300:]
-    assert mx.array_equal(d.attend(qq, SCALE), c.attend(qq, SCALE))
+    ev.assert_resumes_alike(c, d, k, v, q)
+    assert d.size() == 41
 
 
 def test_state_in_the_saved_format_loads():

@@ -12,13 +12,14 @@ from velox_nsnquant import codec as ncodec
 from velox_nsnquant.transform import Rotation
 from velox_testing import (
     CacheConformance,
-    assert_spec_refused,
     assert_tampered_state_refused,
     conformance_model,
     feed,
     kv_data,
     rel_error,
 )
+from velox_testing.kv import assert_codes_head_dims, assert_scores_and_mix_decoded
+from velox_testing.refusals import spec_refusals_test
 
 
 class TestNSNQuant2Bit(CacheConformance):
@@ -155,11 +156,7 @@ def test_scores_and_mix_read_the_codes_a_tile_at_a_time(bits, monkeypatch):
     codec = NSNQuantCodec(bits, group=64)
     pk, pv = codec.encode(k), codec.encode(v)
     assert len(pk.tiles(ncodec.TILE)) == 3
-    q = mx.random.normal((1, 2, 6, 128), key=mx.random.key(bits))
-    w = mx.softmax(mx.random.normal((1, 2, 6, 384), key=mx.random.key(1)) * 3, axis=-1)
-    kk, vv = codec.decode(pk), codec.decode(pv)
-    assert rel_error(codec.scores(q, pk), q @ mx.swapaxes(kk, -1, -2)) < 1e-5
-    assert rel_error(codec.mix(w, pv), w @ vv) < 1e-5
+    kk, _ = assert_scores_and_mix_decoded(codec, pk, codec, pv, seed=bits)
     rotated = codec.decode_rotated_as(pk, mx.float32)
     assert rel_error(rotated, codec.rotation.forward(kk)) < 1e-5
 
@@ -261,9 +258,7 @@ BAD = (
 )
 
 
-@pytest.mark.parametrize("spec,match", BAD)
-def test_make_cache_refuses_bad_parameters_naming_them(spec, match):
-    assert_spec_refused(spec, match)
+test_make_cache_refuses_bad_parameters_naming_them = spec_refusals_test(BAD)
 
 
 def test_odd_head_dims_are_refused_and_even_ones_code():
@@ -271,8 +266,4 @@ def test_odd_head_dims_are_refused_and_even_ones_code():
         NSNQuantCache().check_dims(64, 63)
     with pytest.raises(ValueError, match="not a multiple of the 8-channel sub-vectors"):
         NSNQuantCodec(1).check(36, mx.float16)
-    for d in (80, 96, 112):
-        k, v = kv_data(t=300, d=d)
-        c = make("nsnquant:bits=4")
-        c.update_and_fetch(k, v)
-        assert rel_error(c.keys_and_values()[0], k) < 0.15
+    assert_codes_head_dims("nsnquant:bits=4", 0.15)

@@ -27,6 +27,7 @@ from velox_testing import (
     kv_data,
     rel_error,
 )
+from velox_testing.kv import assert_scores_and_mix_decoded
 
 
 class TestPolarQuantPaper(CacheConformance):
@@ -234,11 +235,7 @@ def test_scores_and_mix_from_the_codes_equal_the_decoded_tokens():
         codec = PolarQuant(bits, upper, levels, seed=2)
         codec.check(d, mx.float16)
         pk, pv = codec.encode(k), codec.encode(v)
-        q = mx.random.normal((1, 2, 6, d), key=mx.random.key(d))
-        w = mx.softmax(mx.random.normal((1, 2, 6, 96), key=mx.random.key(1)) * 3, axis=-1)
-        kk, vv = codec.decode(pk), codec.decode(pv)
-        assert rel_error(codec.scores(q, pk), q @ mx.swapaxes(kk, -1, -2)) < 1e-5
-        assert rel_error(codec.mix(w, pv), w @ vv) < 1e-5
+        kk, _ = assert_scores_and_mix_decoded(codec, pk, codec, pv, seed=d)
         rot = codec.stored_rotation()
         assert rel_error(codec.decode_rotated_as(pk, mx.float32), rot.forward(kk)) < 1e-5
 

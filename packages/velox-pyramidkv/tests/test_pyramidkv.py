@@ -7,10 +7,9 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import KVCache
 
 import velox_testing.eviction as ev
-from velox_core import VeloxCache, load_cache, make_cache, routed, save_cache
+from velox_core import load_cache, make_cache, routed, save_cache
 from velox_core.io import _digest
 from velox_pyramidkv import (
     METHOD,
@@ -132,13 +131,6 @@ def test_the_layers_keep_the_stated_budget_together():
 
 
 # -- one layer: SnapKV's rule with the layer's budget -------------------------------------------
-def _pool1d(x, kernel, pooling):
-    pad = kernel // 2
-    xp = np.pad(x, (pad, pad))
-    win = np.stack([xp[i : i + len(x)] for i in range(kernel)])
-    return win.max(0) if pooling == "max" else win.sum(0) / kernel
-
-
 @pytest.mark.parametrize("layer", [0, 1, 2, 3])
 def test_each_layer_keeps_snapkvs_choice_at_its_own_budget(layer):
     """The whole prompt in one chunk, then the cut: the kept tokens are SnapKV's (softmax of
@@ -156,14 +148,9 @@ def test_each_layer_keeps_snapkvs_choice_at_its_own_budget(layer):
     b = layer_budgets(budget, window, 4, 20, t)[layer]
     # X = 64: 124.8, 84.27, 43.73, 3.2 (step 40.53) rounded
     assert b == [16 + 125, 16 + 84, 16 + 44, 16 + 3][layer]
-    kk, qq = np.repeat(np.array(k[0, :, :t]), r, axis=0), np.array(q[0])
-    s = np.einsum("hwd,htd->hwt", qq[:, -window:], kk) * SCALE
-    s[:, np.arange(t)[None, :] > np.arange(t - window, t)[:, None]] = -np.inf
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    votes = p[:, :, : t - window].sum(1).reshape(h, r, -1).mean(1)
+    votes = ev.window_votes_reference(k, q, t, window, SCALE)[:, : t - window]
     for i in range(h):
-        pooled = _pool1d(votes[i], kernel, "avg")
+        pooled = ev.pool1d_reference(votes[i], kernel, "avg")
         top = np.argsort(-pooled, kind="stable")[: b - window]
         got = kept(c, i, below=t)
         assert len(got) == b and set(range(t - window, t)) <= got
@@ -197,13 +184,8 @@ def test_chunked_prefill_in_a_tiny_model_keeps_the_models_budget():
     budget, chunk, observe = 96, 64, 16
     caches = make_cache(model, PyramidKVCache(budget=budget, observe=observe))
     assert [(c.cfg.layer, c.cfg.n_layers) for c in caches] == [(i, 4) for i in range(4)]
-    ref = [KVCache() for _ in model.layers]
     with routed(model):
-        for s in range(0, 300, chunk):
-            out = model(prompt[:, s : s + chunk], cache=caches)
-            if s == 0:  # nothing evicted yet: the same logits as mlx-lm's own cache
-                assert rel_error(out, model(prompt[:, :chunk], cache=ref)) < 1e-3
-            mx.eval([c.state for c in caches])
+        for s in ev.prefill_checked(model, caches, prompt, chunk):
             for i, c in enumerate(caches):
                 assert c.size() <= layer_budget(budget, observe, 4, 20, s, i) + chunk
         model(prompt[:, -1:], cache=caches)
@@ -298,10 +280,9 @@ def test_decode_cuts_keep_each_layer_within_its_budget_plus_every():
     for layer in (0, 2):
         c = PyramidKVCache(budget=48, observe=8, every=4, layer=layer, n_layers=3)
         ev.feed_attending(c, k, v, q, chunk=200, stop=200)
-        for i in range(200, 260):
-            c.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
-            c.attend(q[:, :, i : i + 1], SCALE)
-            assert c.size() <= layer_budget(48, 8, 3, 20, i, layer) + 4
+        sizes = ev.decode_attending(c, k, v, q, 200, 260)
+        for i, size in zip(range(200, 260), sizes):
+            assert size <= layer_budget(48, 8, 3, 20, i, layer) + 4
         assert c.size() >= layer_budget(48, 8, 3, 20, 259, layer)
 
 
@@ -335,8 +316,7 @@ def test_recommended_settings_and_registry():
 
 
 def test_bad_policy_settings():
-    with pytest.raises(ValueError, match="observe"):
-        VeloxCache(sinks=4, policy=PyramidKVPolicy(budget=36, observe=32))
+    ev.assert_vote_settings_refused(PyramidKVPolicy)
     with pytest.raises(ValueError, match="beta"):
         PyramidKVPolicy(budget=64, beta=0.9)
     with pytest.raises(ValueError, match="n_layers"):

@@ -241,6 +241,17 @@ def test_summaries_are_each_pages_min_and_max():
         assert np.array_equal(kt[:, :, p, 8:], k[:, :, a:e].max(2))
 
 
+def _decode_steps(c, k, v, q, prompt: int):
+    """``c`` stores the first ``prompt`` tokens of ``k, v`` at once, then the rest a token at
+    a time, each step attended by the one query ``q`` (scale 0.1); yields each step's token
+    once attended."""
+    c.update_and_fetch(k[:, :, :prompt], v[:, :, :prompt])
+    for i in range(prompt, k.shape[2]):
+        c.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
+        c.attend(q, scale=0.1)
+        yield i
+
+
 @pytest.mark.parametrize("bits", [None, 4])
 def test_summaries_kept_by_appends_equal_summaries_made_again(bits):
     """Decode steps extend the summaries in place (the last page rewritten or a new one
@@ -249,10 +260,7 @@ def test_summaries_kept_by_appends_equal_summaries_made_again(bits):
     c = RocketKVCache(budget=4096, topk=8, bits=bits)
     q = mx.random.normal((1, 4, 1, D), key=mx.random.key(0)).astype(mx.float16)
     with routed():
-        c.update_and_fetch(k[:, :, :100], v[:, :, :100])
-        for i in range(100, 140):
-            c.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
-            c.attend(q, scale=0.1)
+        for i in _decode_steps(c, k, v, q, 100):
             body = mx.concatenate(c.policy_view.body_keys(), axis=1)  # decoded by the key codec
             want = summarize(body.astype(mx.float32), 3, mx.float16)
             assert mx.array_equal(c.policy.pages.store.view().data["kt"], want).item(), i
@@ -264,10 +272,7 @@ def test_cuts_and_trims_make_the_summaries_again():
     c = RocketKVCache(budget=120, observe=8, every=4, topk=10)
     q = mx.random.normal((1, 4, 1, D), key=mx.random.key(0)).astype(mx.float16)
     with routed():
-        c.update_and_fetch(k[:, :, :300], v[:, :, :300])
-        for i in range(300, 400):
-            c.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
-            c.attend(q, scale=0.1)
+        for i in _decode_steps(c, k, v, q, 300):
             if i in (350, 380):
                 c.trim(3)
                 c.update_and_fetch(k[:, :, :3], v[:, :, :3])

@@ -5,7 +5,7 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import KVCache, QuantizedKVCache
+from mlx_lm.models.cache import QuantizedKVCache
 
 import velox_testing.eviction as ev
 from velox_core import Uniform, VeloxCache, load_cache, make, make_cache, routed, save_cache
@@ -122,14 +122,6 @@ def test_votes_are_the_window_softmax_summed_and_averaged_over_each_group():
         assert np.allclose(np.array(got[:, i : i + 1]), mean, atol=1e-6)
 
 
-def _pool1d(x, kernel, pooling):
-    """torch's avg_pool1d / max_pool1d with stride 1 and padding kernel // 2 (numpy)."""
-    pad = kernel // 2
-    xp = np.pad(x, (pad, pad))
-    win = np.stack([xp[i : i + len(x)] for i in range(kernel)])
-    return win.max(0) if pooling == "max" else win.sum(0) / kernel
-
-
 @pytest.mark.parametrize("pooling", ["max", "avg"])
 @pytest.mark.parametrize("kernel", [1, 3, 7])
 def test_pooling_is_pool1d_on_a_contiguous_prefix(kernel, pooling):
@@ -142,7 +134,7 @@ def test_pooling_is_pool1d_on_a_contiguous_prefix(kernel, pooling):
         kernel,
         pooling,
     )
-    ref = _pool1d(np.where(candidate, votes, 0), kernel, pooling)
+    ref = ev.pool1d_reference(np.where(candidate, votes, 0), kernel, pooling)
     assert np.allclose(np.array(got[0, 0, :42]), ref[:42], atol=1e-6)
 
 
@@ -168,15 +160,10 @@ def test_a_prompt_in_one_chunk_gets_exactly_the_papers_rule(pooling):
     c = SnapKVCache(budget=budget, observe=window, kernel=kernel, pooling=pooling)
     ev.feed_attending(c, k[:, :, :t], v[:, :, :t], q, chunk=t)
     c.update_and_fetch(k[:, :, t:], v[:, :, t:])
-    # the paper's rule (numpy, float64)
-    kk, qq = np.repeat(np.array(k[0, :, :t]), r, axis=0), np.array(q[0])
-    s = np.einsum("hwd,htd->hwt", qq[:, -window:], kk) * SCALE
-    s[:, np.arange(t)[None, :] > np.arange(t - window, t)[:, None]] = -np.inf
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    votes = p[:, :, : t - window].sum(1).reshape(h, r, -1).mean(1)
+    # the paper's rule (numpy)
+    votes = ev.window_votes_reference(k, q, t, window, SCALE)[:, : t - window]
     for i in range(h):
-        pooled = _pool1d(votes[i], kernel, pooling)
+        pooled = ev.pool1d_reference(votes[i], kernel, pooling)
         top = np.argsort(-pooled, kind="stable")[: budget - window]
         got = kept(c, i, below=t)
         assert set(range(t - window, t)) <= got and len(got) == budget
@@ -305,13 +292,9 @@ def test_decode_cuts_vote_with_the_latest_decode_queries(sign):
     )
     c = SnapKVCache(budget=48, observe=8, kernel=1, every=8)
     ev.feed_attending(c, k, v, q, chunk=200, stop=200)
-    sizes = []
-    for i in range(200, 240):
-        c.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
-        c.attend(q[:, :, i : i + 1], SCALE)
-        sizes.append(c.size())
-        if i == 200:
-            assert 199 in kept(c, 0)  # the prompt cut
+    sizes = ev.decode_attending(c, k, v, q, 200, 201)
+    assert 199 in kept(c, 0)  # the prompt cut
+    sizes += ev.decode_attending(c, k, v, q, 201, 240)
     assert max(sizes) <= 48 + 8 and c.offset == 240
     assert (199 in kept(c, 0) and 199 in kept(c, 1)) == (sign > 0)
 
@@ -348,15 +331,11 @@ def test_chunked_prefill_in_a_tiny_model_is_bounded_and_keeps_absolute_offsets()
     budget, chunk = 96, 64
     caches = make_cache(model, SnapKVCache(budget=budget, observe=16))
     full = make_cache(model, VeloxCache())  # no policy: every token stays
-    ref = [KVCache() for _ in model.layers]
     per_token = 2 * (64 + 64) * 2 + 2 * 4  # fp16 keys and values of 2 KV heads, int32 positions
     with routed(model):
-        for s in range(0, 300, chunk):
-            out = model(prompt[:, s : s + chunk], cache=caches)
+        for s in ev.prefill_checked(model, caches, prompt, chunk):
             model(prompt[:, s : s + chunk], cache=full)
-            if s == 0:  # nothing evicted yet: the same logits as mlx-lm's own cache
-                assert rel_error(out, model(prompt[:, :chunk], cache=ref)) < 1e-3
-            mx.eval([c.state for c in caches], [c.state for c in full])
+            mx.eval([c.state for c in full])
             for c in caches:
                 assert c.size() <= budget + chunk
                 # budget + one chunk of tokens, plus the observation window's fp16 queries
@@ -480,9 +459,7 @@ def test_saved_queries_vote_after_loading(tmp_path):
     c = SnapKVCache(budget=32, observe=8, every=16)
     ev.feed_attending(c, k, v, q, chunk=150, stop=300)  # the second cut pending
     d = ev.reloaded(c, tmp_path / "c.safetensors")
-    for x in (c, d):
-        x.update_and_fetch(k[:, :, 300:], v[:, :, 300:])
-    assert kept(c, 0) == kept(d, 0) and kept(c, 1) == kept(d, 1)
+    ev.assert_resumes_alike(c, d, k, v, q)
     assert 77 in kept(d, 0) and 140 in kept(d, 1)
 
 
@@ -513,12 +490,7 @@ def test_recommended_settings():
 
 
 def test_bad_policy_settings():
-    with pytest.raises(ValueError, match="observe"):
-        VeloxCache(sinks=4, policy=SnapKVPolicy(budget=36, observe=32))
-    with pytest.raises(ValueError, match="kernel"):
-        SnapKVPolicy(budget=64, kernel=2)
-    with pytest.raises(ValueError, match="pooling"):
-        SnapKVPolicy(budget=64, pooling="sum")
+    ev.assert_vote_settings_refused(SnapKVPolicy)
 
 
 def test_state_in_the_saved_format_loads():

@@ -164,14 +164,21 @@ def _reference_cosines(model, prompt, post_norm=False):
     return np.stack(out, axis=1)  # (B, layers)
 
 
-def test_importance_matches_a_numpy_reference_in_chunks():
-    model, ref_model = _model(), _model()
-    prompt = mx.random.randint(0, 512, (1, 96), key=mx.random.key(3))
-    ref = _reference_cosines(ref_model, prompt)[0]
-    caches = make_cache(model, SqueezeCache(budget=4096))
+def _prefilled(cache, tokens: int, chunk: int, seed: int):
+    """A 6-layer tiny llama with ``cache`` in every layer, after a random prompt of
+    ``tokens`` tokens run routed in chunks of ``chunk``. Returns ``(model, prompt, caches)``."""
+    model = _model()
+    prompt = mx.random.randint(0, 512, (1, tokens), key=mx.random.key(seed))
+    caches = make_cache(model, cache)
     with routed(model):
-        for s in range(0, 96, 32):
-            model(prompt[:, s : s + 32], cache=caches)
+        for s in range(0, tokens, chunk):
+            model(prompt[:, s : s + chunk], cache=caches)
+    return model, prompt, caches
+
+
+def test_importance_matches_a_numpy_reference_in_chunks():
+    _, prompt, caches = _prefilled(SqueezeCache(budget=4096), 96, 32, seed=3)
+    ref = _reference_cosines(_model(), prompt)[0]
     got = np.array([c.policy.row_importance()[0] for c in caches])
     np.testing.assert_allclose(got, ref, atol=2e-4)
     want = places(got.tolist())
@@ -194,12 +201,8 @@ def test_importance_of_gemma3_adds_the_post_attention_norm():
 
 
 def test_the_layers_keep_their_allocated_budgets_and_decode_stays_within_them():
-    model = _model()
-    prompt = mx.random.randint(0, 512, (1, 300), key=mx.random.key(5))
-    caches = make_cache(model, "squeeze:budget=48,observe=8,every=8")
+    model, _, caches = _prefilled("squeeze:budget=48,observe=8,every=8", 300, 100, seed=5)
     with routed(model):
-        for s in range(0, 300, 100):
-            model(prompt[:, s : s + 100], cache=caches)
         imp = [c.policy.row_importance()[0] for c in caches]
         want = layer_budgets(48, 8, 0.4, 300, imp)
         model(mx.array([[1]]), cache=caches)  # the cut the last chunk owes
@@ -216,13 +219,9 @@ def test_the_layers_keep_their_allocated_budgets_and_decode_stays_within_them():
 
 
 def test_prompt_prefill_decides_once_from_the_whole_prompt():
-    model = _model()
-    prompt = mx.random.randint(0, 512, (1, 200), key=mx.random.key(6))
-    caches = make_cache(model, "squeeze:budget=40,observe=8,prefill=prompt")
+    model, _, caches = _prefilled("squeeze:budget=40,observe=8,prefill=prompt", 200, 50, seed=6)
+    assert all(c.size() == 200 for c in caches)  # held until the prompt's end
     with routed(model):
-        for s in range(0, 200, 50):
-            model(prompt[:, s : s + 50], cache=caches)
-        assert all(c.size() == 200 for c in caches)  # held until the prompt's end
         model(mx.array([[3]]), cache=caches)
     imp = [c.policy.row_importance()[0] for c in caches]
     assert [c.size() for c in caches] == [w + 1 for w in layer_budgets(40, 8, 0.4, 200, imp)]
@@ -233,12 +232,9 @@ def test_save_load_and_copies_keep_the_allocation(tmp_path):
 
     from velox_core import load_cache, save_cache
 
-    model = _model()
-    prompt = mx.random.randint(0, 512, (1, 160), key=mx.random.key(7))
-    caches = make_cache(model, "squeeze:budget=40,observe=8,bits=4,group=32")
+    spec = "squeeze:budget=40,observe=8,bits=4,group=32"
+    model, _, caches = _prefilled(spec, 160, 64, seed=7)
     with routed(model):
-        for s in range(0, 160, 64):
-            model(prompt[:, s : s + 64], cache=caches)
         path = tmp_path / "c.safetensors"
         save_cache(path, caches)
         loaded = load_cache(path)

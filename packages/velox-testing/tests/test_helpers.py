@@ -108,3 +108,11 @@ def test_attention_data_is_seeded_and_sharp_scales_the_queries():
     assert all(mx.array_equal(a, b) for a, b in zip((k, v, q), ev.attention_data(8, r=3, seed=4)))
     flat = ev.attention_data(8, r=3, seed=4, sharp=0.5)[2]
     assert mx.allclose(flat, q * 0.5).item()
+
+
+def test_pool1d_reference_pools_with_zero_padding_and_refuses_other_poolings():
+    x = np.array([1.0, 4.0, 2.0, 0.0])
+    assert ev.pool1d_reference(x, 3, "max").tolist() == [4.0, 4.0, 4.0, 2.0]
+    assert np.allclose(ev.pool1d_reference(x, 3, "avg"), [5 / 3, 7 / 3, 2.0, 2 / 3])
+    with pytest.raises(ValueError, match="pooling='sum' must be 'avg' or 'max'"):
+        ev.pool1d_reference(x, 3, "sum")

@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 
 import velox_testing.eviction as ev
-from velox_core import Uniform, VeloxCache, make_cache, routed
-from velox_testing import tiny_model
+from velox_core import Uniform, VeloxCache, routed
 from velox_testing.eviction import kept_positions as kept
 from velox_tova import METHOD, TOVACache, TOVAPolicy
 
@@ -161,22 +160,12 @@ def test_layer_zero_of_a_tiny_model_keeps_the_last_querys_choice_and_stays_bound
     """Routed, chunked prefill then decode: bounded at budget + a chunk, then budget + 1 at
     every step. At layer 0 (keys and queries do not depend on the cache) the prompt's last
     cut keeps the top of the last chunk's last query over the survivors, as numpy says."""
-    model = tiny_model("llama")
-    prompt = mx.random.randint(0, 512, (1, 256), key=mx.random.key(0))
-    budget, chunk = 64, 128
-    caches = make_cache(model, TOVACache(budget=budget))
-    k0, _ = ev.layer_zero_kv(model, prompt)  # (H, 256, D)
-    scale = model.layers[0].self_attn.scale
+    budget = 64
+    model, caches, k0, scale = ev.two_chunk_prompt(TOVACache(budget=budget), budget)
+    survivors = sorted(kept(caches[0]))  # the first cut's survivors, then the chunk
+    q = np.array(caches[0].policy._query[0, :, 0].astype(mx.float32))  # query 255
     with routed(model):
-        model(prompt[:, :chunk], cache=caches)
-        assert all(c.size() == chunk for c in caches)
-        model(prompt[:, chunk:], cache=caches)
-        survivors = sorted(kept(caches[0]))  # the first cut's survivors, then the chunk
-        q = np.array(caches[0].policy._query[0, :, 0].astype(mx.float32))  # query 255
-        assert all(c.size() == budget + chunk for c in caches)
-        for step in range(6):
-            model(mx.array([[7 + step]]), cache=caches)
-            assert all(c.size() == budget + 1 for c in caches)
+        for step in ev.decode_bounded(model, caches, range(7, 13), budget + 1):
             assert all(kept(c, 0) == kept(c, 1) for c in caches)
             if step == 0:
                 w = head_mean_weights(q, k0[:, survivors], scale)
@@ -212,11 +201,8 @@ def test_saved_query_scores_after_loading(tmp_path):
     ev.feed_attending(c, k, v, q, chunk=150, stop=300)  # the second cut pending
     d = ev.reloaded(c, tmp_path / "c.safetensors")
     assert d.policy.nbytes == c.policy.nbytes == 4 * D * 4  # one float32 query per head
-    for x in (c, d):
-        x.update_and_fetch(k[:, :, 300:], v[:, :, 300:])
-    assert kept(c) == kept(d) and d.size() == 33
-    qq = q[:, :, 300:]
-    assert mx.array_equal(d.attend(qq, SCALE), c.attend(qq, SCALE))
+    ev.assert_resumes_alike(c, d, k, v, q)
+    assert d.size() == 33
 
 
 def test_batch_rows_keep_their_own_query():

@@ -28,6 +28,12 @@ from velox_transfer.spec import ModelSpec
 F32 = mx.float32
 
 
+def _llama(seed: int = 0, **overrides):
+    """A tiny float32 llama of ``seed`` (``velox_testing.tiny_model``), its config changed
+    by ``overrides``."""
+    return tiny_model("llama", seed=seed, dtype=F32, **overrides)
+
+
 def _seqs(n: int, t: int, seed: int) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 512, t).astype(np.int32) for _ in range(n)]
@@ -45,18 +51,16 @@ def same():
     """A model and itself: every target layer is exactly its own source layer (chosen by
     the greedy selection, one source layer each; no lags: with 288 fit rows, four lags'
     features would outnumber them)."""
-    m = tiny_model("llama", seed=0, dtype=F32)
+    m = _llama()
     return m, fit_mapper(m, m, _seqs(3, 96, 1), _seqs(1, 96, 2), layers_per_target=1, lags=(0,))
 
 
 @pytest.fixture(scope="module")
 def pair():
     """Two unrelated models of different geometries (3 layers, 1 KV head of 32 channels)."""
-    src = tiny_model("llama", seed=0, dtype=F32)
-    tgt = tiny_model(
-        "llama",
-        seed=1,
-        dtype=F32,
+    src = _llama()
+    tgt = _llama(
+        1,
         hidden_size=96,
         num_hidden_layers=3,
         num_attention_heads=3,
@@ -91,8 +95,8 @@ def test_self_transfer_is_exact(same):
 def test_rope_of_each_model_is_used():
     """Same weights, another RoPE base and layout: layer 0's content is identical, so its
     mapped keys must be the target's own keys, rotated at the target's frequencies."""
-    src = tiny_model("llama", seed=0, dtype=F32, rope_theta=1e4)
-    tgt = tiny_model("llama", seed=0, dtype=F32, rope_theta=1e6, rope_traditional=True)
+    src = _llama(rope_theta=1e4)
+    tgt = _llama(rope_theta=1e6, rope_traditional=True)
     mapper = fit_mapper(src, tgt, _seqs(3, 96, 6), _seqs(1, 96, 7), layers_per_target=1, lags=(0,))
     assert mapper.sources(0) == (0,) and mapper.info[0]["r2_key"] > 0.999
     toks = _seqs(1, 48, 8)[0]
@@ -232,7 +236,7 @@ def test_refusals(pair, tmp_path):
     root = mapper.save(tmp_path / "m")
     with pytest.raises(MapperError, match="fingerprint"):
         load_mapper(root, source=tgt)  # a foreign source model
-    other = tiny_model("llama", seed=7, dtype=F32)
+    other = _llama(7)
     src_c, _ = _prefill(src, _seqs(1, 20, 11)[0])
     with pytest.raises(MapperError, match="fitted for a target"):
         transfer_cache(src_c, mapper, model=other)
@@ -361,14 +365,8 @@ def test_factorised_maps(pair, tmp_path):
 
 
 def test_unsupported_models_refused():
-    base = tiny_model("llama", seed=0, dtype=F32)
-    ntk = tiny_model(
-        "llama",
-        seed=0,
-        dtype=F32,
-        rope_scaling={"type": "dynamic", "factor": 2.0},
-        max_position_embeddings=64,
-    )
+    base = _llama()
+    ntk = _llama(rope_scaling={"type": "dynamic", "factor": 2.0}, max_position_embeddings=64)
     with pytest.raises(ValueError, match="layer 0.*RoPE"):
         fit_mapper(base, ntk, _seqs(1, 32, 0), _seqs(1, 32, 1))
     gemma = tiny_model("gemma3", seed=0, dtype=F32)  # sliding-window layers

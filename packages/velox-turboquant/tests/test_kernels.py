@@ -17,8 +17,13 @@ import pytest
 
 import velox_core.kernels as vk
 from velox_core import Uniform
-from velox_core.cache.attention import Segment, fused_partial, partial
-from velox_testing import assert_cpu_declines, assert_partials_close, kernel_env, kv_data
+from velox_core.cache.attention import Segment, fused_partial
+from velox_testing import (
+    assert_cpu_declines,
+    assert_kernel_partial,
+    kernel_env,
+    kv_data,
+)
 from velox_testing.emulate import EmulatedKernels, emulated_or_skip
 from velox_turboquant import TurboQuant, TurboQuantCache
 
@@ -70,15 +75,8 @@ def test_emulated_kernel_attention_matches_the_reference(emulated_gpu, bits):
     """Rotated query against levels x norms, values mixed in the rotated domain, one inverse
     rotation: the kernel path equals the codec's reference scores/mix path."""
     kc, kp, vc, vp = records(bits, t=150 + bits)  # (encoded by the emulated kernel)
-    emulated_gpu.calls.clear()
     q = mx.random.normal((1, 2, 4, 128), key=mx.random.key(bits)) * 0.2
-    got = fused_partial(q, Segment(kc, kp, vc, vp))
-    ref = partial(q, Segment(kc, kp, vc, vp))
-    assert emulated_gpu.names == [
-        "velox_decode_attention",
-        "velox_decode_merge",
-    ]
-    assert_partials_close(got, ref, 2e-5)
+    assert_kernel_partial(emulated_gpu, q, kc, kp, vc, vp, 2e-5, "velox_decode_attention")
 
 
 @needs_gxx
@@ -89,12 +87,8 @@ def test_emulated_kernel_attention_with_prod_keys_matches_the_reference(emulated
     scores/mix path."""
     kc, kp, vc, vp = records(bits, t=150 + bits, key_variant="prod")
     assert "signs" in kp.data
-    emulated_gpu.calls.clear()
     q = mx.random.normal((1, 2, 4, 128), key=mx.random.key(bits)) * 0.2
-    got = fused_partial(q, Segment(kc, kp, vc, vp))
-    ref = partial(q, Segment(kc, kp, vc, vp))
-    assert emulated_gpu.names == ["velox_decode_attention", "velox_decode_merge"]
-    assert_partials_close(got, ref, 2e-5)
+    assert_kernel_partial(emulated_gpu, q, kc, kp, vc, vp, 2e-5, "velox_decode_attention")
 
 
 @needs_gxx
@@ -277,13 +271,9 @@ def test_emulated_outlier_kernel_matches_the_reference(
     for c in (kc, vc):
         c.check(128, dt)
     kp, vp = kc.encode(k), vc.encode(v)
-    emulated_gpu.calls.clear()
     q = mx.random.normal((1, 2, rows, 128), key=mx.random.key(rows)) * 0.2
-    got = fused_partial(q, Segment(kc, kp, vc, vp))
     name = f"velox_decode_attention_outlier_t{threads}"
-    assert emulated_gpu.names == [name, "velox_decode_merge"]
-    ref = partial(q, Segment(kc, kp, vc, vp))
-    assert_partials_close(got, ref, 2e-5)
+    assert_kernel_partial(emulated_gpu, q, kc, kp, vc, vp, 2e-5, name)
 
 
 @needs_gxx

@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 
 from velox_core import make
-from velox_core.cache.attention import Segment, fused_partial, partial
 from velox_core.ops import lloyd_max_sphere, unpack
-from velox_testing import CacheConformance, assert_partials_close, kv_data
+from velox_testing import CacheConformance, assert_kernel_partial, kv_data
 from velox_testing.emulate import emulated_or_skip
 from velox_turboquant import TurboQuant, TurboQuantCache, TurboQuantConfig
 from velox_turboquant.residual import ResidualCodebook, lloyd_max_laplace, residual_scale
@@ -222,9 +221,5 @@ def test_emulated_kernel_attention_matches_the_reference(emulated_gpu, bits, val
     kp = kc.encode(k)
     assert emulated_gpu.names == []  # rvq codes: two searches by MLX ops, no encode kernel
     vp = vc.encode(v)
-    emulated_gpu.calls.clear()
     q = mx.random.normal((1, 2, 4, 128), key=mx.random.key(bits)) * 0.2
-    got = fused_partial(q, Segment(kc, kp, vc, vp))
-    ref = partial(q, Segment(kc, kp, vc, vp))
-    assert emulated_gpu.names == ["velox_decode_attention", "velox_decode_merge"]
-    assert_partials_close(got, ref, 2e-5)
+    assert_kernel_partial(emulated_gpu, q, kc, kp, vc, vp, 2e-5, "velox_decode_attention")

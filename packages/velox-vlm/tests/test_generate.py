@@ -3,6 +3,8 @@ and KL against mlx-vlm's fp16 caches, image prompts, multi-turn reuse, refusals.
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import pytest
 from _vlm_util import PROMPT, continue_with, model_of, tokens
@@ -242,30 +244,13 @@ def test_diverging_turn_trims_exactly_or_prefills_afresh(processor):
     first = {"temperature": 0.0, "max_tokens": 5}
     n1 = kw1["input_ids"].shape[1]
     for spec, reused in (("uniform:bits=8,flush=1", n1 + 5), ("uniform:bits=8", 0)):
-        state = PromptCacheState()
-        r1, _ = tokens(
-            velox_vlm.stream_generate(
-                model,
-                processor,
-                "",
-                cache=spec,
-                **gen,
-                **kw1,
-                prompt_cache_state=state,
-            )
+        state = PromptCacheState()  # the conversation's cache, reused by the second turn
+        turn = functools.partial(
+            velox_vlm.stream_generate, model, processor, "", cache=spec, prompt_cache_state=state
         )
+        r1, _ = tokens(turn(**gen, **kw1))
         kw2 = _turn2_kw(model, kw1, r1[:5], suffix)
-        results = list(
-            velox_vlm.stream_generate(
-                model,
-                processor,
-                "",
-                cache=spec,
-                **gen,
-                **kw2,
-                prompt_cache_state=state,
-            )
-        )
+        results = list(turn(**gen, **kw2))
         assert results[0].cached_tokens == reused
         got, got_lp = tokens(results)
         if reused:

@@ -21,6 +21,7 @@ from velox_testing import (
     needs_gxx,
     rel_error,
 )
+from velox_testing.kv import assert_scores_and_mix_decoded
 from velox_xquant import XQuantCache, XQuantCodes, XQuantPair, default_eta
 from velox_xquant import codec as xcodec
 
@@ -153,11 +154,7 @@ def test_scores_and_mix_read_the_codes_a_tile_at_a_time(bits, axis, group, monke
     c = XQuantCodes(bits, group, axis, eta=0.1)
     p = c.encode(k)
     assert len(p.tiles(xcodec.TILE)) == 4
-    q = mx.random.normal((1, 2, 6, 128), key=mx.random.key(2))
-    w = mx.softmax(mx.random.normal((1, 2, 6, 448), key=mx.random.key(3)) * 3, axis=-1)
-    kk = c.decode(p)
-    assert rel_error(c.scores(q, p), q @ mx.swapaxes(kk, -1, -2)) < 1e-5
-    assert rel_error(c.mix(w, p), w @ kk) < 1e-5
+    assert_scores_and_mix_decoded(c, p, c, p, seed=2, weights_seed=3)
 
 
 # -- the layer pairs -------------------------------------------------------------------------------

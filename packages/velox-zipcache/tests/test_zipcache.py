@@ -11,6 +11,7 @@ import velox_testing.eviction as ev
 import velox_zipcache.cache as zipcache_cache
 from velox_core import Uniform, load_cache, make, routed, save_cache
 from velox_testing import CacheConformance, kv_data, rel_error
+from velox_testing.kv import softmax_reference
 from velox_zipcache import (
     MixedChannel,
     MixedSeparable,
@@ -71,11 +72,6 @@ class TestZipCacheRouted(ev.Routed, CacheConformance):
 
 
 # -- the metric against numpy ---------------------------------------------------------------
-def softmax(x):
-    e = np.exp(x - x.max(-1, keepdims=True))
-    return e / e.sum(-1, keepdims=True)
-
-
 def numpy_scores(q, k, rows, c0, c1, normalize=True, scale=SCALE):
     """The paper's metric, float64: the probe rows' softmax weights (each query over the
     tokens up to its own position, the stored tokens' index being their position; the mean
@@ -90,7 +86,7 @@ def numpy_scores(q, k, rows, c0, c1, normalize=True, scale=SCALE):
             w = np.zeros(s)
             for j in range(r):
                 seen = first + i + 1
-                w[:seen] += softmax(q[bi, hi * r + j, i] @ k[bi, hi, :seen].T * scale) / r
+                w[:seen] += softmax_reference(q[bi, hi * r + j, i] @ k[bi, hi, :seen].T * scale) / r
             out[bi, hi] += w[c0:c1]
     if not normalize:
         return out

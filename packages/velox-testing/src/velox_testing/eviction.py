@@ -13,17 +13,24 @@ only by default, checks the warning of a cache that grows through decode.
 The aids:
 
 - data and feeding: keys, values and queries with attention far from uniform
-  (:func:`attention_data`), a prefill that attends as a routed model does
-  (:func:`feed_attending`), layer 0 of a tiny model (:func:`layer_zero_kv`) and as its
-  policy sees it (:func:`observed_layer_zero`);
+  (:func:`attention_data`), a prefill and decode steps that attend as a routed model does
+  (:func:`feed_attending`, :func:`decode_attending`), a model's chunked prefill whose first
+  chunk is checked against mlx-lm's cache (:func:`prefill_checked`), layer 0 of a tiny
+  model (:func:`layer_zero_kv`) and as its policy sees it (:func:`observed_layer_zero`), a
+  tiny model's prompt in two chunks and bounded decode steps (:func:`two_chunk_prompt`,
+  :func:`decode_bounded`);
+- references in NumPy: SnapKV's window votes (:func:`window_votes_reference`), torch's
+  1-d pooling (:func:`pool1d_reference`), and the state of a transcription of a policy
+  that accumulates attention scores (:class:`ScoreReference`);
 - what a cache holds: :func:`kept_positions` (the body), :func:`stored_positions` (every
   token);
 - checks: attention reads the kept tokens alone (:func:`assert_attends_to`), a cut no query
   has voted on needs routing (:func:`assert_cut_needs_routing`), a file keeps the policy
-  (:func:`reloaded`), the policy's state has its saved format (:func:`assert_state_format`),
-  batch rows choose apart (:func:`batch_rows_apart`), sinks and window hold as given
-  (:func:`composed_cache`), and the recommended pair most eviction methods share
-  (:func:`recommended_presets`).
+  (:func:`reloaded`) and the reloaded copy cuts as the cache (:func:`assert_resumes_alike`),
+  a voting policy refuses bad window settings (:func:`assert_vote_settings_refused`), the
+  policy's state has its saved format (:func:`assert_state_format`), batch rows choose
+  apart (:func:`batch_rows_apart`), sinks and window hold as given (:func:`composed_cache`),
+  and the recommended pair most eviction methods share (:func:`recommended_presets`).
 """
 
 from __future__ import annotations
@@ -37,11 +44,12 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from velox_core import Uniform, VeloxCache, load_cache, make, routed, save_cache
+from velox_core import Uniform, VeloxCache, load_cache, make, make_cache, routed, save_cache
 from velox_core.policy import base
 
 from .conformance import CacheConformance
-from .kv import feed, kv_data, rel_error
+from .kv import feed, kv_data, rel_error, softmax_reference
+from .models import tiny_model
 
 __all__ = [
     "EVICTION_BAD",
@@ -49,19 +57,28 @@ __all__ = [
     "EvictingConformance",
     "FullBudgetConformance",
     "Routed",
+    "ScoreReference",
     "assert_attends_to",
     "assert_cut_needs_routing",
+    "assert_resumes_alike",
     "assert_state_format",
+    "assert_vote_settings_refused",
     "attention_data",
     "batch_rows_apart",
     "composed_cache",
+    "decode_attending",
+    "decode_bounded",
     "feed_attending",
     "kept_positions",
     "layer_zero_kv",
     "observed_layer_zero",
+    "pool1d_reference",
+    "prefill_checked",
     "recommended_presets",
     "reloaded",
     "stored_positions",
+    "two_chunk_prompt",
+    "window_votes_reference",
 ]
 
 
@@ -186,6 +203,121 @@ def feed_attending(
     return sizes
 
 
+def decode_attending(
+    cache, k, v, q, start: int, stop: int, scale: float | None = None
+) -> list[int]:
+    """Decode as a routed model does, one token at a time: store token ``i`` of ``k, v``,
+    then attend its query (``scale`` defaults to ``D ** -0.5``), for ``i`` from ``start`` up
+    to ``stop``. Returns the cache's size after each step.
+
+    Shapes:
+        k, v ``(B, H, T, D)``, q ``(B, Hq, T, D)``.
+    """
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    sizes = []
+    for i in range(start, stop):
+        cache.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
+        cache.attend(q[:, :, i : i + 1], scale)
+        sizes.append(cache.size())
+    return sizes
+
+
+def prefill_checked(model, caches: list, prompt: mx.array, chunk: int):
+    """Run ``model`` over ``prompt`` ``(1, T)`` with ``caches`` in chunks of ``chunk`` tokens
+    (routed, if the caller's ``velox_core.routed`` says so), yielding each chunk's start once
+    its caches' states are evaluated. The first chunk's logits are those of mlx-lm's own
+    cache (nothing is evicted before a second chunk), to 1e-3."""
+    ref = [KVCache() for _ in model.layers]
+    for s in range(0, prompt.shape[1], chunk):
+        out = model(prompt[:, s : s + chunk], cache=caches)
+        if s == 0:
+            assert rel_error(out, model(prompt[:, :chunk], cache=ref)) < 1e-3
+        mx.eval([c.state for c in caches])
+        yield s
+
+
+class ScoreReference:
+    """The state of a NumPy (float64) transcription of a policy that adds each query's
+    attention to the scores of the tokens it sees, per KV head (H2O's rule and its kin):
+    ``pos[h]``, the positions KV head ``h`` keeps, and ``score[h]``, their scores. A subclass
+    transcribes the method's own attend and cut with :meth:`store`, :meth:`weights` and
+    :meth:`keep_heavy`.
+
+    Args:
+        k: the keys of every token, ``(1, H, T, D)``.
+        q: their queries, ``(1, Hq, T, D)`` (``Hq / H`` query heads a KV head).
+    """
+
+    def __init__(self, k, q):
+        self.k, self.q = np.array(k[0], np.float64), np.array(q[0], np.float64)
+        self.h = self.k.shape[0]
+        self.r = self.q.shape[0] // self.h
+        self.pos = [np.zeros(0, dtype=int) for _ in range(self.h)]
+        self.score = [np.zeros(0) for _ in range(self.h)]
+
+    def store(self, s: int, e: int) -> None:
+        """Tokens ``s`` to ``e - 1`` join every KV head, scored 0."""
+        for h in range(self.h):
+            self.pos[h] = np.concatenate([self.pos[h], np.arange(s, e)])
+            self.score[h] = np.concatenate([self.score[h], np.zeros(e - s)])
+
+    def logits(self, h: int, i: int, seen: np.ndarray, scale: float) -> np.ndarray:
+        """The logits of query ``i``'s heads of KV head ``h`` over the head's tokens ``seen``
+        (a mask over ``pos[h]``), times ``scale``: ``(Hq / H, n)``."""
+        qs = self.q[h * self.r : (h + 1) * self.r, i]
+        return qs @ self.k[h, self.pos[h][seen]].T * scale
+
+    def weights(self, h: int, i: int, scale: float) -> tuple[np.ndarray, np.ndarray]:
+        """Query ``i``'s softmax weights over the tokens KV head ``h`` holds at or before
+        ``i`` (causal), the mean over the head's query heads (GQA). Returns ``(seen, w)``:
+        the mask over ``pos[h]`` and the weights ``(n,)``."""
+        seen = self.pos[h] <= i
+        return seen, softmax_reference(self.logits(h, i, seen, scale)).mean(0)
+
+    def keep_heavy(self, budget: int, recent: int, offset: int) -> None:
+        """In each KV head over ``budget``: keep the tokens at ``offset - recent`` and after,
+        and the top ``budget - recent`` of the others by score (the earlier first among
+        equal scores)."""
+        for h in range(self.h):
+            p, s = self.pos[h], self.score[h]
+            if len(p) <= budget:
+                continue
+            old = np.flatnonzero(p < offset - recent)
+            heavy = old[np.argsort(-s[old], kind="stable")[: budget - recent]]
+            keep = np.union1d(heavy, np.flatnonzero(p >= offset - recent))
+            self.pos[h], self.score[h] = p[keep], s[keep]
+
+    def kept(self, h: int = 0) -> set[int]:
+        """The positions KV head ``h`` keeps."""
+        return set(self.pos[h].tolist())
+
+
+def window_votes_reference(k, q, t: int, window: int, scale: float) -> np.ndarray:
+    """SnapKV's votes in NumPy: the softmax of the last ``window`` queries over the first
+    ``t`` tokens (causal), summed over the window and averaged over each KV head's query
+    heads: ``(H, t)``.
+
+    Shapes:
+        k ``(1, H, T >= t, D)``, q ``(1, Hq, t, D)``.
+    """
+    h, r = k.shape[1], q.shape[1] // k.shape[1]
+    kk, qq = np.repeat(np.array(k[0, :, :t]), r, axis=0), np.array(q[0])
+    s = np.einsum("hwd,htd->hwt", qq[:, -window:], kk) * scale
+    s[:, np.arange(t)[None, :] > np.arange(t - window, t)[:, None]] = -np.inf
+    return softmax_reference(s).sum(1).reshape(h, r, -1).mean(1)
+
+
+def pool1d_reference(x: np.ndarray, kernel: int, pooling: str) -> np.ndarray:
+    """torch's ``avg_pool1d`` / ``max_pool1d`` of ``x`` ``(n,)`` with stride 1 and padding
+    ``kernel // 2`` (``pooling`` ``"avg"`` or ``"max"``), in NumPy: ``(n,)``."""
+    if pooling not in ("avg", "max"):
+        raise ValueError(f"pooling={pooling!r} must be 'avg' or 'max'")
+    pad = kernel // 2
+    xp = np.pad(x, (pad, pad))
+    win = np.stack([xp[i : i + len(x)] for i in range(kernel)])
+    return win.max(0) if pooling == "max" else win.sum(0) / kernel
+
+
 def kept_positions(cache, head: int = 0, below: int | None = None) -> set[int]:
     """Absolute positions of the body tokens (those the policy chose) of KV head ``head``,
     row 0 (below ``below`` if given)."""
@@ -266,6 +398,39 @@ def observed_layer_zero(model, caches: list, prompt: mx.array, steps, chunk: int
     return k0[None], v0[None], np.concatenate(seen, axis=1)[None]
 
 
+def two_chunk_prompt(cache, budget: int, chunk: int = 128):
+    """A tiny llama with ``cache`` in every layer (``make_cache``) takes a random prompt of
+    ``2 * chunk`` tokens in two chunks, routed: every layer holds the first chunk whole, and
+    ``budget + chunk`` tokens after the second (the cut the first chunk owed runs before it
+    is stored).
+
+    Returns:
+        ``(model, caches, k0, scale)``: layer 0's keys of the prompt (:func:`layer_zero_kv`,
+        float32 numpy ``(H, 2 * chunk, D)``) and its attention's scale, for a transcription
+        of the method's cut at layer 0.
+    """
+    model = tiny_model("llama")
+    prompt = mx.random.randint(0, 512, (1, 2 * chunk), key=mx.random.key(0))
+    caches = make_cache(model, cache)
+    k0, _ = layer_zero_kv(model, prompt)
+    with routed(model):
+        model(prompt[:, :chunk], cache=caches)
+        assert all(c.size() == chunk for c in caches)
+        model(prompt[:, chunk:], cache=caches)
+    assert all(c.size() == budget + chunk for c in caches)
+    return model, caches, k0, model.layers[0].self_attn.scale
+
+
+def decode_bounded(model, caches: list, tokens, size: int):
+    """Decode ``tokens`` (ints) through ``model`` with ``caches``, a step each (routed, if
+    the caller's ``velox_core.routed`` says so), checking after each step that every cache
+    holds ``size`` tokens; yields each step's index once checked."""
+    for i, t in enumerate(tokens):
+        model(mx.array([[t]]), cache=caches)
+        assert all(c.size() == size for c in caches), i
+        yield i
+
+
 def layer_zero_kv(model, tokens: mx.array) -> tuple[np.ndarray, np.ndarray]:
     """Layer 0's keys and values of ``tokens`` ``(1, T)`` through ``model`` with mlx-lm's own
     cache (at layer 0 they do not depend on the cache): float32 numpy ``(H, T, D)`` each."""
@@ -292,6 +457,40 @@ def assert_attends_to(cache, q, k, v, positions: Callable[[int], set[int]], scal
             q[:, h * r : (h + 1) * r], k[:, h : h + 1, pos], v[:, h : h + 1, pos], scale=scale
         )
         assert rel_error(out[:, h * r : (h + 1) * r], ref) < 1e-4, h
+
+
+def assert_resumes_alike(cache, loaded, k, v, q=None, scale: float | None = None) -> None:
+    """``cache`` and ``loaded`` (its copy through a file, :func:`reloaded`) store the rest of
+    ``k, v`` (from their offset on, in one update: a pending cut runs) and then hold the same
+    tokens in every KV head (:func:`stored_positions`); given ``q``, the queries of those
+    tokens attend alike in both (``scale`` defaults to ``D ** -0.5``).
+
+    Shapes:
+        k, v ``(1, H, T, D)``, q ``(1, Hq, T, D)``: every token, from the first.
+    """
+    start = cache.offset
+    assert loaded.offset == start
+    for x in (cache, loaded):
+        x.update_and_fetch(k[:, :, start:], v[:, :, start:])
+    held = [[stored_positions(x, h) for h in range(k.shape[1])] for x in (loaded, cache)]
+    assert held[0] == held[1]
+    if q is not None:
+        scale = k.shape[-1] ** -0.5 if scale is None else scale
+        got = loaded.attend(q[:, :, start:], scale)
+        assert mx.array_equal(got, cache.attend(q[:, :, start:], scale))
+
+
+def assert_vote_settings_refused(policy: Callable[..., Any]) -> None:
+    """A policy voting with an observation window (the settings ``observe``, ``kernel`` and
+    ``pooling`` of ``velox_core.policy.voting``) refuses, each with a ``ValueError`` naming
+    the setting: a budget with no room beyond 4 sinks and a 32-token window (once in a
+    cache), an even pooling kernel, and an unknown pooling."""
+    with pytest.raises(ValueError, match="observe"):
+        VeloxCache(sinks=4, policy=policy(budget=36, observe=32))
+    with pytest.raises(ValueError, match="kernel"):
+        policy(budget=64, kernel=2)
+    with pytest.raises(ValueError, match="pooling"):
+        policy(budget=64, pooling="sum")
 
 
 def reloaded(cache, path):

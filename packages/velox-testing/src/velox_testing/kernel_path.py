@@ -135,11 +135,13 @@ def assert_kernel_partial(
     value_codec: Any,
     values: Any,
     tol: float,
+    kernel: str | None = None,
 ) -> None:
     """The segment's fused partial, run through ``emulated`` (the ``emulated_gpu`` fixture's
     kernels), launches the portable decode attention kernel (a layout's key pass in it
-    included: ``velox_decode_attention_<layout>``) and the merge only, and equals the
-    reference partial (:func:`velox_core.cache.attention.partial`) within ``tol``.
+    included: ``velox_decode_attention_<layout>``; exactly the kernel named ``kernel`` if
+    given) and the merge only, and equals the reference partial
+    (:func:`velox_core.cache.attention.partial`) within ``tol``.
 
     Shapes:
         q ``(B, H_q, M, D)``; keys, values: ``Packed`` records of ``(B, H, T, D)`` vectors.
@@ -148,6 +150,8 @@ def assert_kernel_partial(
     got = fused_partial(q, Segment(key_codec, keys, value_codec, values))
     names = emulated.names
     assert len(names) == 2 and names[1] == "velox_decode_merge", names
+    if kernel is not None:
+        assert names[0] == kernel, names
     assert names[0] == "velox_decode_attention" or names[0].startswith("velox_decode_attention_")
     ref = partial(q, Segment(key_codec, keys, value_codec, values))
     assert_partials_close(got, ref, tol)

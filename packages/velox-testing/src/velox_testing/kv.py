@@ -11,13 +11,15 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-from velox_core import make_cache, routed
+from velox_core import make, make_cache, routed
 
 __all__ = [
     "assert_attends_without_decoding",
+    "assert_codes_head_dims",
     "assert_partials_close",
     "assert_partials_equivalent",
     "assert_rows_decode_alone",
+    "assert_scores_and_mix_decoded",
     "decode_logits",
     "feed",
     "greedy_agreement",
@@ -26,6 +28,7 @@ __all__ = [
     "kv_like",
     "random_prompt",
     "rel_error",
+    "softmax_reference",
 ]
 
 
@@ -63,6 +66,13 @@ def kv_like(t: int, seed: int = 0, noise_seed: int = 1000, h: int = 2, d: int = 
     return mx.array((noise * scale + mean).astype(np.float32))
 
 
+def softmax_reference(x: np.ndarray) -> np.ndarray:
+    """The softmax of ``x`` over its last axis in NumPy (shifted by the max), for the tests'
+    transcriptions of the papers' rules."""
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
 def rel_error(a: mx.array, b: mx.array) -> float:
     """``||a - b|| / ||b||`` in float32."""
     a, b = a.astype(mx.float32), b.astype(mx.float32)
@@ -92,6 +102,37 @@ def assert_partials_equivalent(got, ref, rel: float, lazy_bits: float = 8.0) -> 
     f = np.exp(gm - rm)
     for g, r in ((go * f, ro), (gl * f, rl)):
         assert np.abs(g - r).max() <= rel * max(1.0, np.abs(r).max())
+
+
+def assert_codes_head_dims(spec: str, rel: float, dims: Sequence[int] = (80, 96, 112)) -> None:
+    """A cache made from ``spec`` (``velox_core.make``) stores ``kv_data(t=300, d=d)`` for
+    each head dim ``d`` of ``dims`` and gives its keys back within ``rel`` (:func:`rel_error`)."""
+    for d in dims:
+        k, v = kv_data(t=300, d=d)
+        c = make(spec)
+        c.update_and_fetch(k, v)
+        assert rel_error(c.keys_and_values()[0], k) < rel, d
+
+
+def assert_scores_and_mix_decoded(
+    key_codec, keys, value_codec, values, seed: int, weights_seed: int = 1, tol: float = 1e-5
+):
+    """A codec pair's scores and mix read from the codes equal those of the decoded tokens:
+    6 random queries a head (``mx.random.key(seed)``) scored against ``keys``, and sharp
+    random softmax weights (``mx.random.key(weights_seed)``) mixing ``values``, each within
+    ``tol`` (:func:`rel_error`). Returns the decoded ``(keys, values)``, for the caller's
+    further checks.
+
+    Shapes:
+        keys, values: ``Packed`` records of ``(B, H, T, D)`` vectors.
+    """
+    kk, vv = key_codec.decode(keys), value_codec.decode(values)
+    b, h, t, d = kk.shape
+    q = mx.random.normal((b, h, 6, d), key=mx.random.key(seed))
+    w = mx.softmax(mx.random.normal((b, h, 6, t), key=mx.random.key(weights_seed)) * 3, axis=-1)
+    assert rel_error(key_codec.scores(q, keys), q @ mx.swapaxes(kk, -1, -2)) < tol
+    assert rel_error(value_codec.mix(w, values), w @ vv) < tol
+    return kk, vv
 
 
 def decode_logits(model, caches, tokens, prompt: mx.array | None = None) -> mx.array:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -11,7 +12,12 @@ from velox_core import make_cache
 
 from .models import conformance_model
 
-__all__ = ["assert_head_dim_refused", "assert_spec_refused", "assert_tampered_state_refused"]
+__all__ = [
+    "assert_head_dim_refused",
+    "assert_spec_refused",
+    "assert_tampered_state_refused",
+    "spec_refusals_test",
+]
 
 
 def assert_head_dim_refused(method: str, why: str, fits: str, head_dim: int = 80) -> None:
@@ -39,6 +45,19 @@ def assert_spec_refused(spec: str, match: str, head_dim: int = 128) -> None:
     model = conformance_model(head_dim)
     with pytest.raises(ValueError, match=match):
         make_cache(model, spec)
+
+
+def spec_refusals_test(bad: Sequence[tuple[str, str]]) -> Callable[[str, str], None]:
+    """A test, parametrized over ``bad`` (``(spec, match)`` pairs), that ``make_cache``
+    refuses each spec with a message matching its regex (:func:`assert_spec_refused`). A test
+    module binds it once: ``test_make_cache_refuses_bad_parameters_naming_them =
+    spec_refusals_test(BAD)``."""
+
+    @pytest.mark.parametrize("spec,match", bad)
+    def test(spec: str, match: str) -> None:
+        assert_spec_refused(spec, match)
+
+    return test
 
 
 def assert_tampered_state_refused(cache, name: str, match: str) -> None:
