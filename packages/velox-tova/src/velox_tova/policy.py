@@ -83,13 +83,13 @@ class TOVAPolicy(WindowRows, RetentionPolicy):
         Without ``every`` single decode queries never score a cut and are not kept, and the
         query is dropped after the cut it scores, so decode holds no policy state.
         """
-        if self.budget is None or (self.every is None and queries.shape[2] == 1):
-            return
-        self.window.add(view, queries, scale)
+        if self.wants_weights(queries.shape[2]):
+            self.window.add(view, queries, scale)
 
     def wants_weights(self, n: int) -> bool:
-        """The last query's attention weights score the next cut: kept from the call, not
-        computed again at the cut (while nothing is stored in between)."""
+        """Whether a call of ``n`` queries scores a cut (with a budget; single decode queries
+        only with ``every``): its last query's attention weights are then kept from the
+        call, not computed again at the cut (while nothing is stored in between)."""
         return self.budget is not None and not (self.every is None and n == 1)
 
     def observe_weights(self, view, queries: mx.array, scale: float, weights: mx.array) -> None:
