@@ -2,12 +2,15 @@
 
 A cache passes tokens to its codes ``flush`` at a time, so between two flushes every decode
 step attends the same coded segment: the same records, the same shapes. The first step asks
-the kernels for a plan (the segment's kernel sides, :func:`velox_core.cache.attention.kernel_sides`,
-planned by :func:`velox_core.kernels.joint.plan_segment`: the layouts, templates, splits and
-checks worked out once) and the steps after it only launch the kernels
-over that segment and the cache's fp16 sinks and window. The plan is keyed by everything it
+the kernels for a plan (whether they are on; the segment's kernel sides,
+:func:`velox_core.cache.attention.kernel_sides`, planned by
+:func:`velox_core.kernels.joint.plan_segment`: the layouts, templates, splits and checks
+worked out once) and the steps after it only launch the kernels over that segment and the
+cache's fp16 sinks and window. The plan is keyed by everything it
 was made for (the query's shape and dtype, the scale, the segment's tokens and buffers, the
-sinks' buffer, whether the window holds tokens) and dropped when the segment changes.
+sinks' buffer, whether the window holds tokens, the kernel configuration in force and the
+default device) and dropped when the segment changes. The queries' shape is checked when a
+plan is made (a step with the same key has the shape checked).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..kernels import use_kernels
+from ..kernels import config, use_kernels
 from ..kernels.codes import FP16_MAX
 from ..kernels.joint import JointQuery, plan_segment
 from .attention import kernel_sides
@@ -44,7 +47,7 @@ class PlannedAttention:
         """Attention of ``queries`` (``(B, Hq, L, D)``, a few rows) over ``cache``'s sinks,
         single coded tier and window in one softmax, or None where no fused kernel takes the
         shape (the caller attends through the segments)."""
-        if len(cache.tiers) != 1 or not use_kernels():
+        if len(cache.tiers) != 1:
             return None
         stored = cache.stored
         ks, vs = stored.coded[0]
@@ -64,14 +67,18 @@ class PlannedAttention:
             n_sink,
             id(sk.buf),
             n_sink + n_win > 0,  # no fp16 tokens: a kernel may merge its own splits
+            config.generation,  # the kernel configuration in force (configure() bumps it)
+            mx.default_device(),
         )
         if key != self._key:
+            cache.check_queries(queries)  # a plan's key holds the shape it checked
             self._plan(cache, key, (b, h, (hq // h) * lq, d), queries.dtype, scale)
         if self._run is None:
             return None
         fp16 = [] if self._sink is None else [self._sink]
-        if n_win:
-            fp16.append(stored.window_arrays())
+        if n_win:  # the window's tokens, slices of its buffers (stored.window_arrays())
+            wk, wv = stored.window
+            fp16.append((wk.buf.data["x"][:, :, :n_win], wv.buf.data["x"][:, :, :n_win]))
         out = self._run(queries.reshape(b, h, (hq // h) * lq, d), fp16)
         return None if out is None else out.reshape(b, hq, lq, -1)
 
@@ -81,8 +88,9 @@ class PlannedAttention:
         tier = cache.tiers[0]
         n_sink, n_win = key[6], stored.n_window
         self.clear()
-        sides = kernel_sides(tier.key_codec, ks.view(), tier.value_codec, vs.view(), q_shape)
-        if sides is not None:
+        on = use_kernels()
+        sides = on and kernel_sides(tier.key_codec, ks.view(), tier.value_codec, vs.view(), q_shape)
+        if sides:
             query = JointQuery(tuple(q_shape), dtype, n_sink + n_win, dtype, scale)
             self._run = plan_segment(query, *sides)
         if n_sink:

@@ -17,11 +17,9 @@ A tier with a ``span`` passes its oldest tokens to the next tier when it holds m
 any, then cuts the cache back to its budget. ``offset`` is always the number of tokens seen;
 ``size()`` the number stored.
 
-This module holds the class, its construction and the per-step mlx-lm protocol
-(``update_and_fetch`` with the window's in-place write, ``attend``); the rest is mixed in
-from its siblings: the coded tiers (flushing, segments, trimming) from :mod:`.tiers`, bytes,
-state and copies from :mod:`.state`, the batch rows from :mod:`.rows`, and eviction with
-per-head storage from :mod:`.retention`.
+This module holds the class, its construction, ``update_and_fetch`` and ``attend``; mixed in
+from its siblings: the coded tiers (:mod:`.tiers`), bytes, state and copies (:mod:`.state`),
+batch rows (:mod:`.rows`), eviction with per-head storage (:mod:`.retention`).
 """
 
 from __future__ import annotations
@@ -374,16 +372,13 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
 
     def _write_window(self, keys: mx.array, values: mx.array) -> bool:
         """A decode step's fast path: with the sinks full, no policy and no calibration hook,
-        the step's tokens are written into the window's buffer in place (what the general
-        path would do, without its checks and records). Returns False where the general
-        path must run.
+        the step's tokens are written into the window's buffer in place (the general path's
+        effect without its checks). Returns False where the general path must run.
 
-        The store upkeep a step needs first, a flush of the window's oldest tokens (when the
-        step fills it to the flush quantum and every token passed on is stored already) or
-        the window's growth, runs before the write and is evaluated on its own
-        (``mx.async_eval``): every decode step's graph is then the same, a write in place
-        and the attention that reads the stores. MLX's CUDA backend replays a graph it has
-        seen, while a flush or a growth inside the step would change it."""
+        Store upkeep (a flush of the window's oldest tokens, the window's growth) runs before
+        the write and is evaluated on its own (``mx.async_eval``), so every decode step's
+        graph is the same write and attention: MLX's CUDA backend replays a graph it has
+        seen."""
         win_k, win_v = self.stored.window
         if (
             self.stored.dims is None
@@ -448,21 +443,27 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
         softmax (for one decode query, over the tokens the policy picks:
         ``RetentionPolicy.decode_segments``; a policy that scores by this call's weights gets
         them: ``RetentionMixin._observed``). Returns ``(B, Hq, L, Dv)``."""
-        self.check_queries(queries)
+        lq = queries.shape[2] if getattr(queries, "ndim", 0) == 4 else 0
+        fused = 0 < lq <= self.fused_above and (mask is None or lq == 1) and sinks is None
+        # a plain decode step reaches the plan unchecked: the plan checks what it is made for
+        checked = not fused or self.policy is not None or self.stored.heads is not None
+        if checked:
+            self.check_queries(queries)
         out = None if self.policy is None else self._observed(queries, scale, mask, sinks)
         if out is not None:
             return out
         if self.stored.heads is not None:  # ragged (a step's hot path: no property)
             return self._attend_ragged(queries, scale, mask, sinks)
-        lq = queries.shape[2]
         if lq == 1 and self.policy is not None and (mask is None or isinstance(mask, str)):
             picked = self.policy.decode_segments(self.policy_view, queries, scale)  # sparse decode
             if picked is not None:
                 return attend(queries, picked, scale, None, sinks, self.fused_above)
-        if lq <= self.fused_above and (mask is None or lq == 1) and sinks is None:
+        if fused:
             out = self._planned(self, queries, scale)
             if out is not None:
                 return out
+        if not checked:
+            self.check_queries(queries)
         segs = self.segments()
         return attend(queries, segs, scale, mask, sinks, self.fused_above, self.prefill_tile)
 

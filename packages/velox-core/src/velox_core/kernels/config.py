@@ -205,6 +205,8 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
 }
 
 _CURRENT: list[KernelConfig] = []  # the configuration in force (empty until first use)
+# bumped by every configure(): what a decode plan was made under (cache/planned.py)
+generation = 0
 
 _PACKAGE: dict[type, Any] = {}  # a package's settings class -> the record in force
 _PACKAGE_NAMES: dict[str, type] = {}  # a package's environment name -> its settings class
@@ -276,9 +278,11 @@ def kernel_config() -> KernelConfig:
 def configure(config: KernelConfig | None = None, **changes: object) -> KernelConfig:
     """Put ``config`` (default: the one in force) with ``changes`` in force; returns the one
     it replaces. ``configure(KernelConfig.from_environ())`` re-reads the environment."""
+    global generation
     old = kernel_config()
     new = (old if config is None else config).replace(**changes)
     _CURRENT[0] = new
+    generation += 1
     return old
 
 

@@ -21,7 +21,7 @@ from .. import kernels as _kernels  # backend() looked up per call (tests report
 from .build import KernelSpec
 from .codes import check_codes, code_inputs, qmul_bits, sketch_inputs
 from .config import kernel_config
-from .layout import Layout, layout_for, layout_of, pad_rows
+from .layout import Layout, layout_for, layout_of
 from .records import CODEBOOK, CodeRecord
 
 __all__ = [
@@ -319,7 +319,8 @@ def plan_portable(
 
     def run(q, q_sketch=None):
         qf = q if scale is not None else q.astype(mx.float32)  # unscaled: the kernel scales it
-        qf = pad_rows(qf, mp)
+        if mp > m:  # zero query rows up to the row blocks (layout.pad_rows, in place here)
+            qf = mx.concatenate([qf, mx.zeros((b, h, mp - m, dim), qf.dtype)], axis=2)
         more = extra if plain else sketch_inputs(keys, q_sketch, mp)
         o_part, ml_part = kernel(
             inputs=[qf, *codes, *more],
