@@ -23,7 +23,7 @@
 
 Attention is routed to velox caches (:func:`velox_core.routed`) for every run. The prefill,
 the forced steps, the KL and the held bytes are :mod:`velox_core.scoring`'s, which velox's
-per-layer bit allocator (:mod:`velox_core.allocate`) measures with too.
+per-layer bit allocator (:mod:`velox_cli.allocator`) measures with too.
 """
 
 from __future__ import annotations

@@ -41,16 +41,13 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from .allocation import Allocation, SensitivityTable
-from .cache.latent import LatentCache
-from .cache.velox import VeloxCache
-from .mlx_lm import make_cache
-from .registry import make
-from .router import layer_routes, routed
-from .scoring import held_bytes, kl_rows, prefill, teacher_force
-from .validation import check_int
+from velox_core import LatentCache, VeloxCache, make, make_cache, routed
+from velox_core.allocation import Allocation, SensitivityTable
+from velox_core.router import layer_routes
+from velox_core.scoring import held_bytes, kl_rows, prefill, teacher_force
+from velox_core.validation import check_int
 
-__all__: list[str] = []
+__all__ = ["allocate", "budget_bytes", "sensitivity"]
 
 FP16 = "fp16"  # a candidate that keeps the base cache on the layer
 _BITS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*bits?\s*$")
