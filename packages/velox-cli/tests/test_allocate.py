@@ -8,7 +8,7 @@ import json
 import pytest
 
 from velox_cli.allocate import tail_prompts
-from velox_cli.allocator import Allocation, SensitivityTable
+from velox_cli.allocation import Allocation, SensitivityTable
 from velox_cli.main import main
 from velox_cli.specs import ALLOCATION, build_caches, parse
 from velox_core import UniformCache

@@ -42,10 +42,11 @@ import mlx.core as mx
 import numpy as np
 
 from velox_core import LatentCache, VeloxCache, make, make_cache, routed
-from velox_core.allocation import Allocation, SensitivityTable
 from velox_core.router import layer_routes
 from velox_core.scoring import held_bytes, kl_rows, prefill, teacher_force
 from velox_core.validation import check_int
+
+from .allocation import Allocation, SensitivityTable
 
 __all__ = ["allocate", "budget_bytes", "sensitivity"]
 

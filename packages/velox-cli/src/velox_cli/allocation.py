@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__: list[str] = []
+__all__ = ["Allocation", "SensitivityTable"]
 
 TABLE_FORMAT = "velox-sensitivity"
 PLAN_FORMAT = "velox-allocation"
