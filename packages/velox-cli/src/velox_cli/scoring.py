@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-__all__: list[str] = []
+__all__ = ["held_bytes", "kl_rows", "prefill", "teacher_force"]
 
 
 def held_bytes(cache: Any) -> int:
