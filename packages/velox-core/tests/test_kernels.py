@@ -68,7 +68,6 @@ SOURCES = (
     "encode_affine.metal",
     "encode_codebook.metal",
     "encode_sketch.metal",
-    "encode_vq.metal",
     "velox_kernels.h",
 )
 
@@ -390,10 +389,6 @@ def _decode_variants():
         out.append((ek.AFFINE_ENCODE, [ArgInfo(dtype, 2, 1 << 20)], ["uint32", st, st], tmpl))
     infos = [ArgInfo("float32", 2, 1 << 20), ArgInfo("float32", 1, 7)]
     out.append((ek.CODEBOOK_ENCODE, infos, ["uint32"], [("BITS", 3), ("HD", 128)]))
-    infos = [ArgInfo("float32", 3, 1 << 20), ArgInfo("float32", 3, 1 << 16)]
-    for bits, group in ((8, 4), (5, 8)):
-        tmpl = [("BITS", bits), ("GROUP", group), ("HD", 128)]
-        out.append((ek.VQ_ENCODE, infos, ["uint32"], tmpl))
     # QJL sketches: the paper's outliers (m = m_o = 256), m = 320 with m_o = 64 in blocks of
     # 128, and no outliers with a partial last word
     for dtype, m, mo, k, group in (
@@ -1178,35 +1173,6 @@ def test_codebook_encode_kernel_is_bit_exact(encoders, bits):
         (64, 1, 1),
     )
     assert np.array_equal(codes, np.asarray(pack(book.encode(y), bits)))
-
-
-@needs_gxx
-@pytest.mark.parametrize("bits,group", [(8, 4), (6, 2), (3, 1), (5, 8)])
-def test_vq_encode_kernel_finds_the_nearest_codewords(tmp_path, bits, group):
-    """The VQ encode kernel packs the index of each sub-vector's nearest codeword (its batch
-    row and head's codebook) in velox's bit stream: the same words as ``assign`` + ``pack``
-    (indices straddling words with 6 and 5 bits), and every index as near as the exact
-    float64 nearest (no near-ties in random data)."""
-    from velox_core.ops import assign
-
-    rng = np.random.default_rng(bits)
-    b, h, t, d, k = 2, 2, 9, 128, 1 << bits
-    y = rng.standard_normal((b, h, t, d)).astype(np.float32)
-    book = rng.standard_normal((b, h, k, group)).astype(np.float32)
-    words = -(-(d // group) * bits // 32)
-    emu = Emulator(tmp_path)
-    ins = [y.reshape(b * h, t, d), book.reshape(b * h, k, group)]
-    tmpl = [("BITS", bits), ("GROUP", group), ("HD", d)]
-    handle = emu.kernel(ek.VQ_ENCODE, ins, ["uint32"], tmpl)
-    n = b * h * t * words
-    (codes,) = emu.run(handle, ins, [(b * h, t, words)], (n, 1, 1), (ek.THREADS, 1, 1))
-    sub = y.reshape(b * h, -1, group).astype(np.float64)
-    dist = ((sub[:, :, None, :] - book.reshape(b * h, 1, k, group)) ** 2).sum(-1)
-    exact = dist.argmin(-1).reshape(b, h, t, d // group)
-    assert np.array_equal(codes.reshape(b, h, t, words), np.asarray(pack(mx.array(exact), bits)))
-    ref = assign(mx.array(sub.astype(np.float32)), mx.array(book.reshape(b * h, k, group)))
-    want = pack(ref.reshape(b, h, t, d // group), bits)
-    assert np.array_equal(codes.reshape(b, h, t, words), np.asarray(want))
 
 
 SKETCH_CASES = {

@@ -4,8 +4,6 @@
   :func:`velox_core.ops.pack` (``metal/encode_affine.metal``).
 * :func:`codebook_encode`: :meth:`velox_core.ops.Codebook.encode` followed by
   :func:`velox_core.ops.pack` (``metal/encode_codebook.metal``).
-* :func:`vq_encode`: the nearest codeword of every sub-vector (:func:`velox_core.ops.assign`)
-  followed by :func:`velox_core.ops.pack` (``metal/encode_vq.metal``).
 * :func:`sketch_encode`: keys' Johnson-Lindenstrauss sign sketches
   (:func:`velox_core.ops.sign_sketch` followed by ``pack(bits, 1)``) and norms, of the inlier
   part and of the given outlier channels (``metal/encode_sketch.metal``).
@@ -17,12 +15,12 @@ All return None where the kernel does not apply (the caller then runs the refere
 affine kernel computes the same float32 operations as the reference in the same order
 (IEEE division, ties to even), so codes, scales and zeros are identical wherever the backend's
 division is correctly rounded; the codebook kernel compares against the same thresholds, so
-its codes are identical everywhere. The VQ kernel ranks codewords by the exact float32
-squared distance, where the reference ranks ``||c||^2 - 2 y.c`` from a matmul: the two agree
-except where two codewords are equally near within rounding. The sketch kernel sums ``S x``
-in channel order where the reference's matmul sums in its own: a sign bit can differ only
-where ``|S x|`` is within float32 rounding of 0, a norm by a rounding of its dtype; so does
-the residual sketch kernel, whose residuals are the reference's bit for bit.
+its codes are identical everywhere. The sketch kernel sums ``S x`` in channel order where the
+reference's matmul sums in its own: a sign bit can differ only where ``|S x|`` is within
+float32 rounding of 0, a norm by a rounding of its dtype; so does the residual sketch kernel,
+whose residuals are the reference's bit for bit.
+
+VecInfer's VQ encode kernel is velox-vecinfer's (:mod:`velox_vecinfer.kernels`).
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ import mlx.core as mx
 from ..ops.quant import scale_dtype
 from .build import KernelSpec
 
-__all__ = ["codebook_encode", "residual_sketch_encode", "sketch_encode", "vq_encode"]
+__all__ = ["codebook_encode", "residual_sketch_encode", "sketch_encode"]
 
 AFFINE_ENCODE = KernelSpec(
     name="velox_encode_affine",
@@ -47,12 +45,6 @@ CODEBOOK_ENCODE = KernelSpec(
     name="velox_encode_codebook",
     source="encode_codebook.metal",
     inputs=("y", "bounds"),
-    outputs=("codes",),
-)
-VQ_ENCODE = KernelSpec(
-    name="velox_encode_vq",
-    source="encode_vq.metal",
-    inputs=("y", "book"),
     outputs=("codes",),
 )
 SKETCH_ENCODE = KernelSpec(
@@ -134,35 +126,6 @@ def codebook_encode(y: mx.array, bounds: mx.array, bits: int) -> mx.array | None
         grid=(rows, 1, 1),
         threadgroup=(min(THREADS, rows), 1, 1),
         output_shapes=[(*lead, words)],
-        output_dtypes=[mx.uint32],
-    )
-    return codes
-
-
-def vq_encode(y: mx.array, book: mx.array, bits: int, group: int) -> mx.array | None:
-    """Packed indices of the nearest codewords of ``y``'s sub-vectors, or None if the kernel
-    does not apply.
-
-    Shapes:
-        y ``(B, H, T, D)`` (cast to float32), ``group`` dividing ``D``; book ``(B, H,
-        2**bits, group)`` (one codebook per batch row and head); returns ``(B, H, T,
-        ceil((D / group) * bits / 32))`` uint32.
-    """
-    if y.ndim != 4 or not 1 <= bits <= 8 or group < 1 or y.shape[-1] % group:
-        return None
-    b, h, t, dim = y.shape
-    if tuple(book.shape) != (b, h, 1 << bits, group) or b * h * t == 0:
-        return None
-    words = -(-(dim // group) * bits // 32)
-    (codes,) = VQ_ENCODE.kernel()(
-        inputs=[
-            y.astype(mx.float32).reshape(b * h, t, dim),
-            book.astype(mx.float32).reshape(b * h, 1 << bits, group),
-        ],
-        template=[("BITS", bits), ("GROUP", group), ("HD", dim)],
-        grid=(b * h * t * words, 1, 1),
-        threadgroup=(THREADS, 1, 1),
-        output_shapes=[(b, h, t, words)],
         output_dtypes=[mx.uint32],
     )
     return codes
