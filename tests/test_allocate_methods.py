@@ -1,12 +1,12 @@
 """The per-layer allocator with other methods' specs: each family's coarser setting measures
 as more damaging and cheaper on every layer, and a table of several families allocates into
-caches that build (velox_core.allocate is usable by any method, not only ``uniform``)."""
+caches that build (velox_cli.allocator is usable by any method, not only ``uniform``)."""
 
 import numpy as np
 import pytest
 
+from velox_cli.allocator import allocate, sensitivity
 from velox_core import VeloxCache, make_cache
-from velox_core.allocate import allocate, sensitivity
 from velox_testing import tiny_model
 
 MODEL = tiny_model("llama")

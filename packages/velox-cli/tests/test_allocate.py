@@ -8,10 +8,10 @@ import json
 import pytest
 
 from velox_cli.allocate import tail_prompts
+from velox_cli.allocation import Allocation, SensitivityTable
 from velox_cli.main import main
 from velox_cli.specs import ALLOCATION, build_caches, parse
 from velox_core import UniformCache
-from velox_core.allocate import Allocation, SensitivityTable
 from velox_testing import tiny_model
 
 SPECS = ["uniform:bits=2", "uniform:bits=8"]

@@ -8,8 +8,8 @@ import pytest
 from _commvq_util import BASE, conformance_codebooks, kv_codebooks, synthetic
 
 from velox_commvq import METHOD, CommVQCache, CommVQKeys, RopeSpec
+from velox_commvq.pairs import angles, from_pairs, rotate_pairs, to_pairs
 from velox_core import make, make_cache
-from velox_core.ops.rope import from_pairs
 from velox_testing import CacheConformance, conformance_model, kv_data, rel_error
 
 
@@ -88,6 +88,23 @@ def test_decoded_keys_are_mlx_rope_of_the_decoded_pre_rope_keys(traditional):
         q = mx.random.normal((1, 2, 4, 128), key=mx.random.key(4))
         bound = tol * float(mx.max(mx.sum(mx.abs(q), axis=-1)).item())  # |q . dk| <= |q|_1 tol
         assert mx.allclose(c.scores(q, p), q @ mx.swapaxes(post, -1, -2), atol=bound)
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("dims", [64, 32])
+def test_pairs_round_trip_and_rotate_as_mlx_rope(traditional, dims):
+    """A key's pairs give the key back, and rotating them by their angles is MLX's RoPE
+    (partial rotary: the pairs past ``dims`` have angle 0)."""
+    x = mx.random.normal((1, 2, 7, 64), key=mx.random.key(3))
+    spec = RopeSpec.from_base(10000.0, dims, traditional)
+    z = to_pairs(x, spec)
+    np.testing.assert_array_equal(np.array(from_pairs(z, spec)), np.array(x))
+    ref = mx.fast.rope(x, dims, traditional=traditional, base=10000.0, scale=1.0, offset=5)
+    cos, sin = angles(mx.arange(5, 12), spec, 64)
+    got = from_pairs(rotate_pairs(z, cos, sin), spec)
+    np.testing.assert_allclose(np.array(got), np.array(ref), atol=2e-5)
+    back = from_pairs(rotate_pairs(to_pairs(got, spec), cos, sin, inverse=True), spec)
+    np.testing.assert_allclose(np.array(back), np.array(x), atol=2e-5)
 
 
 def test_keys_are_coded_before_rope():

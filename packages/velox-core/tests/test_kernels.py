@@ -47,7 +47,7 @@ from velox_core.kernels import portable as kport
 from velox_core.kernels import records as krec
 from velox_core.kernels.build import PROLOGUE, ArgInfo, cuda_source
 from velox_core.ops import affine_quantize, lloyd_max_sphere, pack, unpack
-from velox_testing import compile_cuda, compile_metal, kernel_env, kv_data, needs_nvcc
+from velox_testing import compile_cuda, compile_metal, kernel_env, kv_data, needs_nvcc, sign_words
 from velox_testing.emulate import (
     CudaEmulator,
     DecodeRun,
@@ -66,9 +66,7 @@ SOURCES = (
     "decode_attention.metal",
     "decode_merge.metal",
     "encode_affine.metal",
-    "encode_codebook.metal",
     "encode_sketch.metal",
-    "encode_vq.metal",
     "velox_kernels.h",
 )
 
@@ -388,12 +386,6 @@ def _decode_variants():
         tmpl = [("BITS", 3), ("HD", 128), ("GROUP", 32), ("CLIPB", ek.clip_bits(0.9))]
         tmpl += [("ST", st)]
         out.append((ek.AFFINE_ENCODE, [ArgInfo(dtype, 2, 1 << 20)], ["uint32", st, st], tmpl))
-    infos = [ArgInfo("float32", 2, 1 << 20), ArgInfo("float32", 1, 7)]
-    out.append((ek.CODEBOOK_ENCODE, infos, ["uint32"], [("BITS", 3), ("HD", 128)]))
-    infos = [ArgInfo("float32", 3, 1 << 20), ArgInfo("float32", 3, 1 << 16)]
-    for bits, group in ((8, 4), (5, 8)):
-        tmpl = [("BITS", bits), ("GROUP", group), ("HD", 128)]
-        out.append((ek.VQ_ENCODE, infos, ["uint32"], tmpl))
     # QJL sketches: the paper's outliers (m = m_o = 256), m = 320 with m_o = 64 in blocks of
     # 128, and no outliers with a partial last word
     for dtype, m, mo, k, group in (
@@ -406,12 +398,6 @@ def _decode_variants():
         infos = [ArgInfo(dtype, 2, 1 << 20), ArgInfo("float16", 2, 1 << 16), idx]
         tmpl = [("D", 128), ("M", m), ("MO", mo), ("K", k), ("GROUP", group), ("NT", nt)]
         out.append((ek.SKETCH_ENCODE, infos, ["uint32", nt, "uint32", nt], tmpl))
-    # TurboQuant_prod's residual sketches: S float32 (TurboQuant's) or float16, a partial word
-    for bits, m, s_dtype, nt in ((2, 128, "float32", mx.float16), (3, 100, "float16", mx.bfloat16)):
-        infos = [ArgInfo("float32", 2, 1 << 20), ArgInfo(s_dtype, 2, 1 << 14)]
-        infos += [ArgInfo("float32", 1, (1 << bits) - 1), ArgInfo("float32", 1, 1 << bits)]
-        tmpl = [("D", 128), ("M", m), ("BITS", bits), ("NT", nt)]
-        out.append((ek.RESIDUAL_SKETCH_ENCODE, infos, ["uint32", nt], tmpl))
     return out
 
 
@@ -561,7 +547,6 @@ def test_symmetric_levels_are_found_on_the_host_and_vouched_for_codebooks_only(m
     that differs from its mirror after rounding to fp16; ``CodebookCodes.symmetric`` picks the
     symmetric lookups of codebook codes only (unless ``VELOX_DECODE_SYMMETRIC=0``), and is
     refused on affine codes (they have no such field)."""
-    from velox_core.ops import lloyd_max_sphere
     from velox_core.ops.lloyd_max import lloyd_max_gaussian
 
     for cb in (lloyd_max_sphere(4, 128), lloyd_max_sphere(2, 64), lloyd_max_gaussian(4)):
@@ -1124,15 +1109,6 @@ def encoders(tmp_path_factory):
         handles[(bits, group, dtype, clip)] = emu.kernel(
             ek.AFFINE_ENCODE, [np_input(x.reshape(-1, 128))], outs, tmpl, sequential=True
         )
-    for bits in (2, 3, 4):
-        bounds = np.asarray(lloyd_max_sphere(bits, 128).boundaries)
-        handles[("codebook", bits)] = emu.kernel(
-            ek.CODEBOOK_ENCODE,
-            [np.zeros((40, 128), np.float32), bounds],
-            ["uint32"],
-            [("BITS", bits), ("HD", 128)],
-            sequential=True,
-        )
     return emu, handles
 
 
@@ -1164,51 +1140,6 @@ def test_affine_encode_kernel_is_bit_exact(encoders, bits, group, dtype, clip):
     assert np.array_equal(zero, as_bits(rz).reshape(rows, -1))
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4])
-def test_codebook_encode_kernel_is_bit_exact(encoders, bits):
-    emu, handles = encoders
-    book = lloyd_max_sphere(bits, 128)
-    y = mx.random.normal((40, 128), key=mx.random.key(bits)) / math.sqrt(128)
-    y[0, :8] = mx.array(np.resize(book.boundaries, 8))  # ties: x == threshold moves up
-    (codes,) = emu.run(
-        handles[("codebook", bits)],
-        [np.asarray(y), np.asarray(book.boundaries)],
-        [(40, -(-128 * bits // 32))],
-        (40, 1, 1),
-        (64, 1, 1),
-    )
-    assert np.array_equal(codes, np.asarray(pack(book.encode(y), bits)))
-
-
-@needs_gxx
-@pytest.mark.parametrize("bits,group", [(8, 4), (6, 2), (3, 1), (5, 8)])
-def test_vq_encode_kernel_finds_the_nearest_codewords(tmp_path, bits, group):
-    """The VQ encode kernel packs the index of each sub-vector's nearest codeword (its batch
-    row and head's codebook) in velox's bit stream: the same words as ``assign`` + ``pack``
-    (indices straddling words with 6 and 5 bits), and every index as near as the exact
-    float64 nearest (no near-ties in random data)."""
-    from velox_core.ops import assign
-
-    rng = np.random.default_rng(bits)
-    b, h, t, d, k = 2, 2, 9, 128, 1 << bits
-    y = rng.standard_normal((b, h, t, d)).astype(np.float32)
-    book = rng.standard_normal((b, h, k, group)).astype(np.float32)
-    words = -(-(d // group) * bits // 32)
-    emu = Emulator(tmp_path)
-    ins = [y.reshape(b * h, t, d), book.reshape(b * h, k, group)]
-    tmpl = [("BITS", bits), ("GROUP", group), ("HD", d)]
-    handle = emu.kernel(ek.VQ_ENCODE, ins, ["uint32"], tmpl)
-    n = b * h * t * words
-    (codes,) = emu.run(handle, ins, [(b * h, t, words)], (n, 1, 1), (ek.THREADS, 1, 1))
-    sub = y.reshape(b * h, -1, group).astype(np.float64)
-    dist = ((sub[:, :, None, :] - book.reshape(b * h, 1, k, group)) ** 2).sum(-1)
-    exact = dist.argmin(-1).reshape(b, h, t, d // group)
-    assert np.array_equal(codes.reshape(b, h, t, words), np.asarray(pack(mx.array(exact), bits)))
-    ref = assign(mx.array(sub.astype(np.float32)), mx.array(book.reshape(b * h, k, group)))
-    want = pack(ref.reshape(b, h, t, d // group), bits)
-    assert np.array_equal(codes.reshape(b, h, t, words), np.asarray(want))
-
-
 SKETCH_CASES = {
     # name: (m, outliers, m_o, group, x dtype)
     "paper-outliers": (256, 8, 256, 32, mx.float16),
@@ -1232,16 +1163,6 @@ def _sketch_case(name):
         return x, s, None
     idx = np.stack([np.sort(rng.choice(d, k, replace=False)) for _ in range(b * h * t // group)])
     return x, s, mx.array(idx.reshape(b, h, t // group, k).astype(np.int32))
-
-
-def _bits_of(sx: np.ndarray) -> np.ndarray:
-    """velox's packing of sign bits (1 where ``S x >= 0``): row i is bit i % 32 of word
-    i // 32, the last word's bits past the rows zero."""
-    n = sx.shape[-1]
-    bits = np.zeros((*sx.shape[:-1], -(-n // 32) * 32), np.uint64)
-    bits[..., :n] = sx >= 0
-    words = bits.reshape(*sx.shape[:-1], -1, 32) << np.arange(32, dtype=np.uint64)
-    return words.sum(-1).astype(np.uint32)
 
 
 @pytest.fixture(scope="module")
@@ -1301,71 +1222,11 @@ def test_sketch_encode_kernel_matches_a_float64_reference(sketch_encoders, name)
         # rows' few entries nearer 0 than that still come out exact on this data
         near = np.abs(sx) <= 128 * 2.0**-24 * (np.abs(part) @ np.abs(sf[:n]).T)
         assert near.mean() < 1e-3
-        assert np.array_equal(got_sign, _bits_of(sx))
+        assert np.array_equal(got_sign, sign_words(sx))
         want = np.linalg.norm(part, axis=-1)
         assert np.all(np.abs(as_float(got_norm) - want) <= ulp * want)
         ref = pack(sign_sketch(mx.array(part.astype(np.float32)), s[:n]), 1)
         assert got_sign.shape == (rows, words) and np.array_equal(got_sign, np.asarray(ref))
-
-
-RESIDUAL_CASES = {
-    # name: (code bits, sketch rows m, norm dtype)
-    "2-bit codes, m 128, fp16 norms": (2, 128, mx.float16),
-    "3-bit codes, m 128, bf16 norms": (3, 128, mx.bfloat16),
-    "1-bit codes, m 100 (a partial word), fp32 norms": (1, 100, mx.float32),
-}
-
-
-@needs_gxx
-@pytest.mark.parametrize("name", list(RESIDUAL_CASES))
-def test_residual_sketch_encode_kernel_matches_a_float64_reference(tmp_path, name):
-    """TurboQuant_prod's residual kernel: the residual is ``y - levels[code]`` with the codes
-    the codebook kernel packs (so the reference's, bit for bit), its sign words are those of
-    the exact (float64) ``S r`` packed as ``pack(bits, 1)`` (a partial last word's high bits
-    zero), and its norm is ``||r||`` rounded to the norm dtype; the MLX reference
-    (``sign_sketch`` + ``pack``) gives the same words. Mutating the residual (levels off by
-    one code, another row of S) changes the words."""
-    from velox_core.ops import sign_sketch
-
-    bits, m, ndt = RESIDUAL_CASES[name]
-    rng = np.random.default_rng(bits * 1000 + m)
-    rows, d = 2 * 3 * 21, 128
-    y = rng.standard_normal((rows, d)).astype(np.float32)
-    y /= np.linalg.norm(y, axis=-1, keepdims=True)
-    book = lloyd_max_sphere(bits, d)
-    s = rng.standard_normal((m + 5, d)).astype(np.float16)[:m]
-    bounds = np.asarray(book.boundaries, np.float32)
-    levels = np.asarray(book.centroids, np.float32)
-    emu = Emulator(tmp_path)
-    ins = [y, s, bounds, levels]
-    tmpl = [("D", d), ("M", m), ("BITS", bits), ("NT", ndt)]
-    handle = emu.kernel(ek.RESIDUAL_SKETCH_ENCODE, ins, ["uint32", ndt], tmpl)
-    w = -(-m // 32)
-    sign, rnorm = emu.run(handle, ins, [(rows, w), (rows,)], (rows * w, 1, 1), (ek.THREADS, 1, 1))
-    codes = np.asarray(book.encode(mx.array(y))).astype(np.int64)
-    r32 = y - levels[codes]  # the reference's float32 residual
-    r = r32.astype(np.float64)
-    sr = r @ s.astype(np.float64).T
-    near = np.abs(sr) <= d * 2.0**-24 * (np.abs(r) @ np.abs(s.astype(np.float64)).T)
-    assert near.mean() < 1e-3
-    assert sign.shape == (rows, w) and np.array_equal(sign, _bits_of(sr))
-    ref = pack(sign_sketch(mx.array(r32), mx.array(s)), 1)
-    assert np.array_equal(sign, np.asarray(ref))
-    got = (
-        rnorm.astype(np.float64)
-        if ndt != mx.bfloat16
-        else ((rnorm.astype(np.uint32) << 16).view(np.float32).astype(np.float64))
-    )
-    want = np.linalg.norm(r, axis=-1)
-    # one unit of the norm's last place; float32: the sum of 128 squares' rounding
-    ulp = {mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7, mx.float32: 2.0**-17}[ndt]
-    assert np.all(np.abs(got - want) <= ulp * want)
-    # the same launch with levels one code off (a residual that is not the codes') differs
-    shifted = np.roll(levels, 1)
-    bad, _ = emu.run(
-        handle, [y, s, bounds, shifted], [(rows, w), (rows,)], (rows * w, 1, 1), (ek.THREADS, 1, 1)
-    )
-    assert not np.array_equal(bad, sign)
 
 
 # -- the library's own host code, with the kernels emulated ---------------------------------------

@@ -329,7 +329,7 @@ def test_kmeans_is_its_seeding_then_lloyd_steps():
 @pytest.mark.parametrize("traditional", [False, True])
 @pytest.mark.parametrize("dims", [64, 32])
 def test_rope_rotate_matches_mlx_fast_rope(traditional, dims):
-    from velox_core.ops.rope import RopeSpec, from_pairs, rotate, to_pairs
+    from velox_core.ops.rope import RopeSpec, rotate
 
     x = mx.random.normal((1, 2, 7, 64), key=mx.random.key(3))
     spec = RopeSpec.from_base(10000.0, dims, traditional)
@@ -339,7 +339,6 @@ def test_rope_rotate_matches_mlx_fast_rope(traditional, dims):
     np.testing.assert_allclose(np.array(rotate(x, pos, spec)), np.array(ref), atol=2e-5)
     back = rotate(rotate(x, 5, spec), 5, spec, inverse=True)
     np.testing.assert_allclose(np.array(back), np.array(x), atol=2e-5)
-    np.testing.assert_array_equal(np.array(from_pairs(to_pairs(x, spec), spec)), np.array(x))
 
 
 def test_rope_spec_reads_modules_and_refuses_others():

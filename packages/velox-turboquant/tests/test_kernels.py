@@ -1,14 +1,17 @@
 """TurboQuant's kernel paths, checked on a machine without a GPU.
 
-The kernels are velox-core's (``metal/decode_attention.metal`` with codebook codes,
-``metal/encode_codebook.metal``); here the TurboQuant glue is checked: which codecs take the
-kernel path, and — with the kernels' Metal instantiation emulated on the CPU
-(``velox_testing.emulate``) — that the rotated-domain attention and the fused encode
-match the reference.
+The decode kernel is velox-core's (``metal/decode_attention.metal`` with codebook codes); the
+encode kernels are this package's (``metal/encode_codebook.metal``,
+``metal/encode_residual_sketch.metal``). Here the TurboQuant glue is checked: which codecs
+take the kernel path, and — with the kernels' Metal instantiation emulated on the CPU
+(``velox_testing.emulate``) — that the rotated-domain attention and the fused encode match
+the reference; and the encode kernels themselves: they compile for Metal and CUDA and give
+the reference's codes and sketches.
 """
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import mlx.core as mx
@@ -18,14 +21,23 @@ import pytest
 import velox_core.kernels as vk
 from velox_core import Uniform
 from velox_core.cache.attention import Segment, fused_partial
+from velox_core.kernels.build import PROLOGUE, ArgInfo, cuda_source
+from velox_core.kernels.encode import THREADS
+from velox_core.ops import lloyd_max_sphere, pack, sign_sketch
 from velox_testing import (
     assert_cpu_declines,
     assert_kernel_partial,
+    compile_cuda,
+    compile_metal,
     kernel_env,
     kv_data,
+    needs_nvcc,
+    sign_words,
 )
-from velox_testing.emulate import EmulatedKernels, emulated_or_skip
+from velox_testing.emulate import EmulatedKernels, Emulator, emulated_or_skip
+from velox_testing.metal_source import metal_source
 from velox_turboquant import TurboQuant, TurboQuantCache
+from velox_turboquant.encode import CODEBOOK_ENCODE, RESIDUAL_SKETCH_ENCODE
 
 needs_gxx = pytest.mark.skipif(
     shutil.which("g++") is None, reason="g++ is not installed: the kernels cannot be emulated"
@@ -294,3 +306,129 @@ def test_emulated_fractional_cache_attends_like_the_reference(monkeypatch, tmp_p
     assert got.dtype == ref.dtype == mx.float16
     err = np.abs(np.asarray((got - ref).astype(mx.float32))).max()
     assert err < 2e-3 * np.abs(np.asarray(ref.astype(mx.float32))).max()
+
+
+# -- the encode kernels, shipped by this package -------------------------------------------------
+
+
+def _encode_variants():
+    """The encode kernels' instantiations: 3-bit codes; residual sketches with S float32
+    (TurboQuant's) or float16, and a partial last word."""
+    infos = [ArgInfo("float32", 2, 1 << 20), ArgInfo("float32", 1, 7)]
+    out = [(CODEBOOK_ENCODE, infos, ["uint32"], [("BITS", 3), ("HD", 128)])]
+    for bits, m, s_dtype, nt in ((2, 128, "float32", mx.float16), (3, 100, "float16", mx.bfloat16)):
+        infos = [ArgInfo("float32", 2, 1 << 20), ArgInfo(s_dtype, 2, 1 << 14)]
+        infos += [ArgInfo("float32", 1, (1 << bits) - 1), ArgInfo("float32", 1, 1 << bits)]
+        tmpl = [("D", 128), ("M", m), ("BITS", bits), ("NT", nt)]
+        out.append((RESIDUAL_SKETCH_ENCODE, infos, ["uint32", nt], tmpl))
+    return out
+
+
+def test_encode_kernel_sources_ship_with_the_package():
+    for spec in (CODEBOOK_ENCODE, RESIDUAL_SKETCH_ENCODE):
+        assert vk.kernel_source(spec.source, "velox_turboquant").strip()
+        for backend in ("metal", "cuda"):
+            assert spec.body(backend).startswith(PROLOGUE[backend])
+            assert "VELOX_KERNELS_H" in spec.header(backend)
+
+
+@needs_gxx
+def test_encode_kernels_compile_in_the_metal_instantiation(tmp_path):
+    compile_metal([metal_source(*v)[0] for v in _encode_variants()], tmp_path)
+
+
+@needs_nvcc
+def test_encode_kernels_compile_in_the_cuda_instantiation(tmp_path):
+    compile_cuda([[cuda_source(*v)[0] for v in _encode_variants()]], tmp_path)
+
+
+@pytest.fixture(scope="module")
+def codebook_encoders(tmp_path_factory):
+    """One emulator program with the codebook encode kernel at 2, 3 and 4 bits."""
+    emu = Emulator(tmp_path_factory.mktemp("emu_codebook"))
+    handles = {}
+    for bits in (2, 3, 4):
+        bounds = np.asarray(lloyd_max_sphere(bits, 128).boundaries)
+        handles[bits] = emu.kernel(
+            CODEBOOK_ENCODE,
+            [np.zeros((40, 128), np.float32), bounds],
+            ["uint32"],
+            [("BITS", bits), ("HD", 128)],
+            sequential=True,
+        )
+    return emu, handles
+
+
+@needs_gxx
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_codebook_encode_kernel_is_bit_exact(codebook_encoders, bits):
+    emu, handles = codebook_encoders
+    book = lloyd_max_sphere(bits, 128)
+    y = mx.random.normal((40, 128), key=mx.random.key(bits)) / math.sqrt(128)
+    y[0, :8] = mx.array(np.resize(book.boundaries, 8))  # ties: x == threshold moves up
+    (codes,) = emu.run(
+        handles[bits],
+        [np.asarray(y), np.asarray(book.boundaries)],
+        [(40, -(-128 * bits // 32))],
+        (40, 1, 1),
+        (64, 1, 1),
+    )
+    assert np.array_equal(codes, np.asarray(pack(book.encode(y), bits)))
+
+
+RESIDUAL_CASES = {
+    # name: (code bits, sketch rows m, norm dtype)
+    "2-bit codes, m 128, fp16 norms": (2, 128, mx.float16),
+    "3-bit codes, m 128, bf16 norms": (3, 128, mx.bfloat16),
+    "1-bit codes, m 100 (a partial word), fp32 norms": (1, 100, mx.float32),
+}
+
+
+@needs_gxx
+@pytest.mark.parametrize("name", list(RESIDUAL_CASES))
+def test_residual_sketch_encode_kernel_matches_a_float64_reference(tmp_path, name):
+    """TurboQuant_prod's residual kernel: the residual is ``y - levels[code]`` with the codes
+    the codebook kernel packs (so the reference's, bit for bit), its sign words are those of
+    the exact (float64) ``S r`` packed as ``pack(bits, 1)`` (a partial last word's high bits
+    zero), and its norm is ``||r||`` rounded to the norm dtype; the MLX reference
+    (``sign_sketch`` + ``pack``) gives the same words. Mutating the residual (levels off by
+    one code, another row of S) changes the words."""
+    bits, m, ndt = RESIDUAL_CASES[name]
+    rng = np.random.default_rng(bits * 1000 + m)
+    rows, d = 2 * 3 * 21, 128
+    y = rng.standard_normal((rows, d)).astype(np.float32)
+    y /= np.linalg.norm(y, axis=-1, keepdims=True)
+    book = lloyd_max_sphere(bits, d)
+    s = rng.standard_normal((m + 5, d)).astype(np.float16)[:m]
+    bounds = np.asarray(book.boundaries, np.float32)
+    levels = np.asarray(book.centroids, np.float32)
+    emu = Emulator(tmp_path)
+    ins = [y, s, bounds, levels]
+    tmpl = [("D", d), ("M", m), ("BITS", bits), ("NT", ndt)]
+    handle = emu.kernel(RESIDUAL_SKETCH_ENCODE, ins, ["uint32", ndt], tmpl)
+    w = -(-m // 32)
+    sign, rnorm = emu.run(handle, ins, [(rows, w), (rows,)], (rows * w, 1, 1), (THREADS, 1, 1))
+    codes = np.asarray(book.encode(mx.array(y))).astype(np.int64)
+    r32 = y - levels[codes]  # the reference's float32 residual
+    r = r32.astype(np.float64)
+    sr = r @ s.astype(np.float64).T
+    near = np.abs(sr) <= d * 2.0**-24 * (np.abs(r) @ np.abs(s.astype(np.float64)).T)
+    assert near.mean() < 1e-3
+    assert sign.shape == (rows, w) and np.array_equal(sign, sign_words(sr))
+    ref = pack(sign_sketch(mx.array(r32), mx.array(s)), 1)
+    assert np.array_equal(sign, np.asarray(ref))
+    got = (
+        rnorm.astype(np.float64)
+        if ndt != mx.bfloat16
+        else ((rnorm.astype(np.uint32) << 16).view(np.float32).astype(np.float64))
+    )
+    want = np.linalg.norm(r, axis=-1)
+    # one unit of the norm's last place; float32: the sum of 128 squares' rounding
+    ulp = {mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7, mx.float32: 2.0**-17}[ndt]
+    assert np.all(np.abs(got - want) <= ulp * want)
+    # the same launch with levels one code off (a residual that is not the codes') differs
+    shifted = np.roll(levels, 1)
+    bad, _ = emu.run(
+        handle, [y, s, bounds, shifted], [(rows, w), (rows,)], (rows * w, 1, 1), (THREADS, 1, 1)
+    )
+    assert not np.array_equal(bad, sign)

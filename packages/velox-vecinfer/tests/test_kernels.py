@@ -21,16 +21,23 @@ from velox_core.cache.attention import Segment, fused_partial, joint_attention
 from velox_core.kernels import decode as dk
 from velox_core.kernels import portable as kport
 from velox_core.kernels import records as krec
+from velox_core.kernels.build import PROLOGUE, ArgInfo, cuda_source
+from velox_core.ops import assign, pack
 from velox_testing import (
     assert_cpu_declines,
     assert_kernel_partial,
+    compile_cuda,
+    compile_metal,
     emulated_gpu_fixture,
     kernel_env,
     kv_data,
     needs_gxx,
+    needs_nvcc,
 )
-from velox_testing.emulate import EmulatedKernels
+from velox_testing.emulate import EmulatedKernels, Emulator
+from velox_testing.metal_source import metal_source
 from velox_vecinfer import VecInfer, VecInferCache
+from velox_vecinfer.kernels import THREADS, VQ_ENCODE
 
 # (keys, values): the paper's 2 bits (256 codewords of 4 channels) on both sides; 16 pairs
 # of keys (2 bits) with 256 pairs of values (4 bits); values smoothed and rotated too (the
@@ -153,3 +160,59 @@ def test_emulated_encode_kernel_gives_the_reference_codes(monkeypatch, tmp_path,
     got = got_codec.encode(k)
     assert fake.names == ["velox_encode_vq"]
     assert np.array_equal(np.asarray(got.data["codes"]), np.asarray(want.data["codes"]))
+
+
+# -- the VQ encode kernel (``metal/encode_vq.metal``, shipped by this package) -------------------
+
+
+def _encode_variants():
+    """The VQ encode kernel's instantiations: 256 codewords of 4 channels, 32 of 8."""
+    infos = [ArgInfo("float32", 3, 1 << 20), ArgInfo("float32", 3, 1 << 16)]
+    return [
+        (VQ_ENCODE, infos, ["uint32"], [("BITS", bits), ("GROUP", group), ("HD", 128)])
+        for bits, group in ((8, 4), (5, 8))
+    ]
+
+
+def test_encode_kernel_source_ships_with_the_package():
+    assert vk.kernel_source("encode_vq.metal", "velox_vecinfer").strip()
+    for backend in ("metal", "cuda"):
+        assert VQ_ENCODE.body(backend).startswith(PROLOGUE[backend])
+        assert "VELOX_KERNELS_H" in VQ_ENCODE.header(backend)
+
+
+@needs_gxx
+def test_encode_kernel_compiles_in_the_metal_instantiation(tmp_path):
+    compile_metal([metal_source(*v)[0] for v in _encode_variants()], tmp_path)
+
+
+@needs_nvcc
+def test_encode_kernel_compiles_in_the_cuda_instantiation(tmp_path):
+    compile_cuda([[cuda_source(*v)[0] for v in _encode_variants()]], tmp_path)
+
+
+@needs_gxx
+@pytest.mark.parametrize("bits,group", [(8, 4), (6, 2), (3, 1), (5, 8)])
+def test_vq_encode_kernel_finds_the_nearest_codewords(tmp_path, bits, group):
+    """The VQ encode kernel packs the index of each sub-vector's nearest codeword (its batch
+    row and head's codebook) in velox's bit stream: the same words as ``assign`` + ``pack``
+    (indices straddling words with 6 and 5 bits), and every index as near as the exact
+    float64 nearest (no near-ties in random data)."""
+    rng = np.random.default_rng(bits)
+    b, h, t, d, k = 2, 2, 9, 128, 1 << bits
+    y = rng.standard_normal((b, h, t, d)).astype(np.float32)
+    book = rng.standard_normal((b, h, k, group)).astype(np.float32)
+    words = -(-(d // group) * bits // 32)
+    emu = Emulator(tmp_path)
+    ins = [y.reshape(b * h, t, d), book.reshape(b * h, k, group)]
+    tmpl = [("BITS", bits), ("GROUP", group), ("HD", d)]
+    handle = emu.kernel(VQ_ENCODE, ins, ["uint32"], tmpl)
+    n = b * h * t * words
+    (codes,) = emu.run(handle, ins, [(b * h, t, words)], (n, 1, 1), (THREADS, 1, 1))
+    sub = y.reshape(b * h, -1, group).astype(np.float64)
+    dist = ((sub[:, :, None, :] - book.reshape(b * h, 1, k, group)) ** 2).sum(-1)
+    exact = dist.argmin(-1).reshape(b, h, t, d // group)
+    assert np.array_equal(codes.reshape(b, h, t, words), np.asarray(pack(mx.array(exact), bits)))
+    ref = assign(mx.array(sub.astype(np.float32)), mx.array(book.reshape(b * h, k, group)))
+    want = pack(ref.reshape(b, h, t, d // group), bits)
+    assert np.array_equal(codes.reshape(b, h, t, words), np.asarray(want))

@@ -89,9 +89,9 @@ def tail_prompts(stream, n: int, length: int) -> list[list[int]]:
 
 
 def _measure(a, specs: list[str], budget: Any):
-    from velox_core.allocate import sensitivity
     from velox_core.kernels import backend
 
+    from .allocator import sensitivity
     from .bench import load_model
     from .data import load_text, token_stream
     from .specs import StoredKVCache
@@ -160,7 +160,7 @@ def _velox_spec(option: str, text: str) -> None:
 
 
 def _budget(text: str, measuring: bool) -> Any:
-    """``--budget`` as :func:`velox_core.allocate.allocate` takes it, checked before any work:
+    """``--budget`` as :func:`velox_cli.allocator.allocate` takes it, checked before any work:
     a positive number of bytes, ``NNbits`` or a spec (a velox spec where it is measured)."""
     try:
         v = float(text)
@@ -181,7 +181,7 @@ def _budget(text: str, measuring: bool) -> Any:
 
 
 def cmd_allocate(a) -> int:
-    from velox_core.allocate import SensitivityTable, allocate
+    from .allocator import SensitivityTable, allocate
 
     specs = _check(a)
     budget = _budget(a.budget, measuring=not a.from_table)

@@ -22,8 +22,8 @@
   perplexity are then NaN, and the table says why).
 
 Attention is routed to velox caches (:func:`velox_core.routed`) for every run. The prefill,
-the forced steps, the KL and the held bytes are :mod:`velox_core.scoring`'s, which velox's
-per-layer bit allocator (:mod:`velox_core.allocate`) measures with too.
+the forced steps, the KL and the held bytes are :mod:`velox_cli.scoring`'s, which velox's
+per-layer bit allocator (:mod:`velox_cli.allocator`) measures with too.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ import mlx.core as mx
 import numpy as np
 
 from velox_core import routed
-from velox_core.scoring import held_bytes, kl_rows, prefill, teacher_force
 
 from .data import RecallPrompt
+from .scoring import held_bytes, kl_rows, prefill, teacher_force
 
 __all__ = [
     "Reference",

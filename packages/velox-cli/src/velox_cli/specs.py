@@ -5,7 +5,7 @@ A spec is ``name`` or ``name:key=value,...``. Baselines are mlx-lm's own caches:
 overridden, e.g. ``mlx-q4:group=32``). A composed spec ``A+B`` keeps tokens as method ``A``
 does (its retention policy, sinks and window) and stores them with method ``B``'s codecs, e.g.
 ``qfilters:budget=1024+turboquant:bits=3``. A path ending in ``.json`` names a per-layer
-allocation (``velox allocate --json``, :mod:`velox_core.allocation`): a spec per layer, each
+allocation (``velox allocate --json``, :mod:`velox_cli.allocation`): a spec per layer, each
 any of the above but another allocation, built with :func:`velox_core.make_cache`'s
 ``layers``.
 
@@ -160,7 +160,7 @@ def parse(text: str) -> Spec:
 def _allocation(path: str) -> Spec:
     """A per-layer allocation file as a spec: its ``default`` and ``layers`` specs, each
     checked as :func:`parse` checks a spec (``ValueError`` naming the layer)."""
-    from velox_core.allocation import Allocation
+    from .allocation import Allocation
 
     plan = Allocation.load(path)
     for where, text in [

@@ -46,11 +46,12 @@ from velox_core import Codec, Packed
 from velox_core.artifacts import bound_layer
 from velox_core.codec.prerope import PreRope
 from velox_core.ops import pack, unpack
-from velox_core.ops.rope import RopeSpec, angles, from_pairs, rotate_pairs, to_pairs
+from velox_core.ops.rope import RopeSpec
 from velox_core.validation import check_bits, check_int, check_path
 
 from . import kernels as _kernels
 from .artifact import KIND, load_cached, resolve_codebooks
+from .pairs import angles, from_pairs, rotate_pairs, to_pairs
 from .scores import code_scores
 from .vq import Geometry, decode_pairs, encode_pairs, jrot
 

@@ -17,11 +17,12 @@ import mlx.core as mx
 import numpy as np
 
 from velox_core.artifacts import Calibration
-from velox_core.ops.rope import angles, find_rope, rope_spec, rotate_pairs, to_pairs
+from velox_core.ops.rope import find_rope, rope_spec
 from velox_core.validation import check_float, check_int
 
 from .artifact import Codebooks
 from .em import fit_residual
+from .pairs import angles, rotate_pairs, to_pairs
 from .vq import Geometry
 
 __all__ = ["fit_codebooks", "pre_rope_units"]

@@ -36,9 +36,9 @@ import mlx.core as mx
 from velox_core import Codec, Packed
 from velox_core.kernels.joint import KernelSide
 from velox_core.kernels.records import AffineCodes, CodeRecord
-from velox_core.ops.rope import to_pairs
 
 from .layout import TableCodes, TableKeys
+from .pairs import to_pairs
 from .scores import codeword_tables
 
 __all__ = ["kernel_keys", "kernel_tables", "table_codes"]

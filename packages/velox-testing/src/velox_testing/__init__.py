@@ -18,6 +18,7 @@ from .kernel_path import (
     emulated_gpu_fixture,
     needs_gxx,
     needs_nvcc,
+    sign_words,
 )
 from .kv import (
     assert_attends_without_decoding,
@@ -80,6 +81,7 @@ __all__ = [
     "random_prompt",
     "rel_error",
     "scratch_dir",
+    "sign_words",
     "tiny_model",
     "tiny_tokenizer",
 ]

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from velox_core import environment
@@ -26,6 +27,7 @@ __all__ = [
     "emulated_gpu_fixture",
     "needs_gxx",
     "needs_nvcc",
+    "sign_words",
 ]
 
 # marks a test that runs kernels through the C++ emulation (velox_testing.emulate)
@@ -155,3 +157,18 @@ def assert_kernel_partial(
     assert names[0] == "velox_decode_attention" or names[0].startswith("velox_decode_attention_")
     ref = partial(q, Segment(key_codec, keys, value_codec, values))
     assert_partials_close(got, ref, tol)
+
+
+def sign_words(sx: np.ndarray) -> np.ndarray:
+    """velox's packing of sign bits (1 where ``S x >= 0``), written independently of
+    :func:`velox_core.ops.pack`: row i is bit i % 32 of word i // 32, the last word's bits
+    past the rows zero.
+
+    Shapes:
+        sx ``(..., n)`` (``S x`` per row); returns uint32 ``(..., ceil(n / 32))``.
+    """
+    n = sx.shape[-1]
+    bits = np.zeros((*sx.shape[:-1], -(-n // 32) * 32), np.uint64)
+    bits[..., :n] = sx >= 0
+    words = bits.reshape(*sx.shape[:-1], -1, 32) << np.arange(32, dtype=np.uint64)
+    return words.sum(-1).astype(np.uint32)

@@ -1,11 +1,12 @@
 """GPU kernel paths of TurboQuant_mse: fused decode attention (here) and fused encode
 (:mod:`velox_turboquant.encode`).
 
-Both reuse velox-core's kernels (:mod:`velox_core.kernels.decode`,
-:mod:`velox_core.kernels.encode`) with *codebook* codes: a TurboQuant_mse record is, in the
-rotated domain, ``x = norm * levels[code]`` per coordinate, with one norm per token, which the
-decode kernels read as ``velox_core.kernels.records.CodebookCodes`` (``prod`` keys with the
-residual sketch's ``signs`` and ``rnorm``).
+Decode reuses velox-core's kernels (:mod:`velox_core.kernels.decode`) with *codebook* codes;
+encode runs this package's (``metal/encode_codebook.metal``,
+``metal/encode_residual_sketch.metal``). A TurboQuant_mse record is, in the rotated domain,
+``x = norm * levels[code]`` per coordinate, with one norm per token, which the decode kernels
+read as ``velox_core.kernels.records.CodebookCodes`` (``prod`` keys with the residual
+sketch's ``signs`` and ``rnorm``).
 
 * Decode attention: the query is rotated once (``R q``, an MLX op); the kernel scores it
   against the key levels times the key norms, and mixes the value levels times the value

@@ -33,16 +33,58 @@ import mlx.core as mx
 
 from velox_core import Codec, Packed
 from velox_core.kernels import use_kernels
-from velox_core.kernels.encode import vq_encode
+from velox_core.kernels.build import KernelSpec
+from velox_core.kernels.encode import THREADS
 from velox_core.kernels.joint import KernelSide
 from velox_core.kernels.records import AffineCodes, CodeRecord, VQCodes
 
-__all__ = ["encode_codes", "kernel_keys", "kernel_values"]
+__all__ = ["VQ_ENCODE", "encode_codes", "kernel_keys", "kernel_values", "vq_encode"]
+
+VQ_ENCODE = KernelSpec(
+    name="velox_encode_vq",
+    source="encode_vq.metal",
+    package="velox_vecinfer",
+    inputs=("y", "book"),
+    outputs=("codes",),
+)
+
+
+def vq_encode(y: mx.array, book: mx.array, bits: int, group: int) -> mx.array | None:
+    """Packed indices of the nearest codewords of ``y``'s sub-vectors, or None if the kernel
+    does not apply: the nearest codeword of every sub-vector (:func:`velox_core.ops.assign`)
+    followed by :func:`velox_core.ops.pack` (``metal/encode_vq.metal``). The kernel ranks
+    codewords by the exact float32 squared distance, where the reference ranks
+    ``||c||^2 - 2 y.c`` from a matmul: the two agree except where two codewords are equally
+    near within rounding.
+
+    Shapes:
+        y ``(B, H, T, D)`` (cast to float32), ``group`` dividing ``D``; book ``(B, H,
+        2**bits, group)`` (one codebook per batch row and head); returns ``(B, H, T,
+        ceil((D / group) * bits / 32))`` uint32.
+    """
+    if y.ndim != 4 or not 1 <= bits <= 8 or group < 1 or y.shape[-1] % group:
+        return None
+    b, h, t, dim = y.shape
+    if tuple(book.shape) != (b, h, 1 << bits, group) or b * h * t == 0:
+        return None
+    words = -(-(dim // group) * bits // 32)
+    (codes,) = VQ_ENCODE.kernel()(
+        inputs=[
+            y.astype(mx.float32).reshape(b * h, t, dim),
+            book.astype(mx.float32).reshape(b * h, 1 << bits, group),
+        ],
+        template=[("BITS", bits), ("GROUP", group), ("HD", dim)],
+        grid=(b * h * t * words, 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(b, h, t, words)],
+        output_dtypes=[mx.uint32],
+    )
+    return codes
 
 
 def encode_codes(codec: Codec, y: mx.array) -> mx.array | None:
     """The packed indices of the nearest codewords of transformed vectors ``y`` (one pass of
-    the VQ encode kernel, ``metal/encode_vq.metal``), or None where kernels do not run.
+    the VQ encode kernel, :func:`vq_encode`), or None where kernels do not run.
 
     Shapes:
         y ``(B, H, T, D)`` (``codec.transform`` of the input); returns ``(B, H, T, W)`` uint32.

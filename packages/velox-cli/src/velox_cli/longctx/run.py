@@ -47,9 +47,9 @@ import numpy as np
 from mlx_lm.models.cache import RotatingKVCache
 
 from velox_core import routed
-from velox_core.scoring import kl_rows
 
 from ..evaluate import after_prefill, greedy, held_bytes, prefill, teacher_force
+from ..scoring import kl_rows
 from ..specs import Spec, build_caches, parse
 from .cells import Cell, Trial, aggregate, wilson
 from .tasks import Prompt, TaskSpec, make_prompts, parse_task

@@ -15,7 +15,7 @@ Submodules (imported on use, never by this package):
 * :mod:`velox_core.kernels.config`: the kernels' typed configuration (:class:`KernelConfig`);
 * :mod:`velox_core.kernels.decode`: fused split-K decode attention over packed codes (its
   pieces in ``codes``, ``portable``, ``mma_support``, ``mma``, ``merge``);
-* :mod:`velox_core.kernels.encode`: fused quantize-and-pack (affine and codebook codes).
+* :mod:`velox_core.kernels.encode`: fused quantize-and-pack (affine codes, sign sketches).
 
 The CPU emulation of the kernels (their Metal instantiation run through the C++ shim in
 ``metal/shim``) is a test aid: :mod:`velox_testing.emulate`, in velox-testing.

@@ -2,27 +2,20 @@
 
 * :func:`affine_encode`: :func:`velox_core.ops.affine_quantize` (``axis="token"``) followed by
   :func:`velox_core.ops.pack` (``metal/encode_affine.metal``).
-* :func:`codebook_encode`: :meth:`velox_core.ops.Codebook.encode` followed by
-  :func:`velox_core.ops.pack` (``metal/encode_codebook.metal``).
-* :func:`vq_encode`: the nearest codeword of every sub-vector (:func:`velox_core.ops.assign`)
-  followed by :func:`velox_core.ops.pack` (``metal/encode_vq.metal``).
 * :func:`sketch_encode`: keys' Johnson-Lindenstrauss sign sketches
   (:func:`velox_core.ops.sign_sketch` followed by ``pack(bits, 1)``) and norms, of the inlier
   part and of the given outlier channels (``metal/encode_sketch.metal``).
-* :func:`residual_sketch_encode`: the sign sketch and norm of a Lloyd-Max code's residual
-  ``y - levels[code(y)]`` (codebook keys with a residual sketch;
-  ``metal/encode_residual_sketch.metal``).
 
-All return None where the kernel does not apply (the caller then runs the reference). The
+Both return None where the kernel does not apply (the caller then runs the reference). The
 affine kernel computes the same float32 operations as the reference in the same order
 (IEEE division, ties to even), so codes, scales and zeros are identical wherever the backend's
-division is correctly rounded; the codebook kernel compares against the same thresholds, so
-its codes are identical everywhere. The VQ kernel ranks codewords by the exact float32
-squared distance, where the reference ranks ``||c||^2 - 2 y.c`` from a matmul: the two agree
-except where two codewords are equally near within rounding. The sketch kernel sums ``S x``
-in channel order where the reference's matmul sums in its own: a sign bit can differ only
-where ``|S x|`` is within float32 rounding of 0, a norm by a rounding of its dtype; so does
-the residual sketch kernel, whose residuals are the reference's bit for bit.
+division is correctly rounded. The sketch kernel sums ``S x`` in channel order where the
+reference's matmul sums in its own: a sign bit can differ only where ``|S x|`` is within
+float32 rounding of 0, a norm by a rounding of its dtype.
+
+The encode kernels of one method live in its package: TurboQuant's codebook and residual
+sketch kernels in :mod:`velox_turboquant.encode`, VecInfer's VQ kernel in
+:mod:`velox_vecinfer.kernels`.
 """
 
 from __future__ import annotations
@@ -35,7 +28,7 @@ import mlx.core as mx
 from ..ops.quant import scale_dtype
 from .build import KernelSpec
 
-__all__ = ["codebook_encode", "residual_sketch_encode", "sketch_encode", "vq_encode"]
+__all__ = ["sketch_encode"]
 
 AFFINE_ENCODE = KernelSpec(
     name="velox_encode_affine",
@@ -43,32 +36,14 @@ AFFINE_ENCODE = KernelSpec(
     inputs=("x",),
     outputs=("codes", "scale", "zero"),
 )
-CODEBOOK_ENCODE = KernelSpec(
-    name="velox_encode_codebook",
-    source="encode_codebook.metal",
-    inputs=("y", "bounds"),
-    outputs=("codes",),
-)
-VQ_ENCODE = KernelSpec(
-    name="velox_encode_vq",
-    source="encode_vq.metal",
-    inputs=("y", "book"),
-    outputs=("codes",),
-)
 SKETCH_ENCODE = KernelSpec(
     name="velox_encode_sketch",
     source="encode_sketch.metal",
     inputs=("x", "s", "idx"),
     outputs=("sign", "norm", "osign", "onorm"),
 )
-RESIDUAL_SKETCH_ENCODE = KernelSpec(
-    name="velox_encode_residual_sketch",
-    source="encode_residual_sketch.metal",
-    inputs=("y", "s", "bounds", "levels"),
-    outputs=("sign", "rnorm"),
-)
 THREADS = 64
-_FLOATS = (mx.float16, mx.bfloat16, mx.float32)
+FLOATS = (mx.float16, mx.bfloat16, mx.float32)
 
 
 def clip_bits(clip: float) -> int:
@@ -87,7 +62,7 @@ def affine_encode(
         :func:`velox_core.ops.scale_dtype` of ``x.dtype``.
     """
     *lead, dim = x.shape
-    if x.dtype not in _FLOATS or not 1 <= bits <= 8 or group < 1 or dim % group:
+    if x.dtype not in FLOATS or not 1 <= bits <= 8 or group < 1 or dim % group:
         return None
     if not 0.0 < clip <= 1.0:
         return None
@@ -114,60 +89,6 @@ def affine_encode(
     return codes, scale, zero
 
 
-def codebook_encode(y: mx.array, bounds: mx.array, bits: int) -> mx.array | None:
-    """Packed codebook codes of ``y`` along its last axis, or None if the kernel does not apply.
-
-    Shapes:
-        y ``(..., D)`` (cast to float32); bounds ``(2**bits - 1,)`` ascending thresholds;
-        returns ``(..., ceil(D*bits/32))`` uint32.
-    """
-    *lead, dim = y.shape
-    if not 1 <= bits <= 8 or bounds.shape != ((1 << bits) - 1,):
-        return None
-    rows = math.prod(lead)
-    if rows == 0:
-        return None
-    words = -(-dim * bits // 32)
-    (codes,) = CODEBOOK_ENCODE.kernel()(
-        inputs=[y.astype(mx.float32).reshape(rows, dim), bounds.astype(mx.float32)],
-        template=[("BITS", bits), ("HD", dim)],
-        grid=(rows, 1, 1),
-        threadgroup=(min(THREADS, rows), 1, 1),
-        output_shapes=[(*lead, words)],
-        output_dtypes=[mx.uint32],
-    )
-    return codes
-
-
-def vq_encode(y: mx.array, book: mx.array, bits: int, group: int) -> mx.array | None:
-    """Packed indices of the nearest codewords of ``y``'s sub-vectors, or None if the kernel
-    does not apply.
-
-    Shapes:
-        y ``(B, H, T, D)`` (cast to float32), ``group`` dividing ``D``; book ``(B, H,
-        2**bits, group)`` (one codebook per batch row and head); returns ``(B, H, T,
-        ceil((D / group) * bits / 32))`` uint32.
-    """
-    if y.ndim != 4 or not 1 <= bits <= 8 or group < 1 or y.shape[-1] % group:
-        return None
-    b, h, t, dim = y.shape
-    if tuple(book.shape) != (b, h, 1 << bits, group) or b * h * t == 0:
-        return None
-    words = -(-(dim // group) * bits // 32)
-    (codes,) = VQ_ENCODE.kernel()(
-        inputs=[
-            y.astype(mx.float32).reshape(b * h, t, dim),
-            book.astype(mx.float32).reshape(b * h, 1 << bits, group),
-        ],
-        template=[("BITS", bits), ("GROUP", group), ("HD", dim)],
-        grid=(b * h * t * words, 1, 1),
-        threadgroup=(THREADS, 1, 1),
-        output_shapes=[(b, h, t, words)],
-        output_dtypes=[mx.uint32],
-    )
-    return codes
-
-
 def sketch_encode(
     x: mx.array,
     s: mx.array,
@@ -192,7 +113,7 @@ def sketch_encode(
         and onorm ``(..., T)`` ``||x_o||`` (else None, None); norms in
         :func:`velox_core.ops.scale_dtype` of ``x.dtype``.
     """
-    if x.ndim < 2 or x.dtype not in _FLOATS or s.dtype not in _FLOATS or s.ndim != 2:
+    if x.ndim < 2 or x.dtype not in FLOATS or s.dtype not in FLOATS or s.ndim != 2:
         return None
     *lead, t, dim = x.shape
     if m < 1 or s.shape[1] != dim:
@@ -240,45 +161,3 @@ def sketch_encode(
     if not k:
         return sign, norm, None, None
     return sign, norm, osign, onorm
-
-
-def residual_sketch_encode(
-    y: mx.array, s: mx.array, bounds: mx.array, levels: mx.array, bits: int, norm_dtype: mx.Dtype
-) -> tuple[mx.array, mx.array] | None:
-    """The packed sign sketch and the norm of the Lloyd-Max residual ``r = y - levels[c]``
-    (``c`` the codes :func:`codebook_encode` packs) in one launch, or None if the kernel does
-    not apply.
-
-    Shapes:
-        y ``(..., D)`` (cast to float32); s ``(m, D)`` the projection (any float dtype);
-        bounds ``(2**bits - 1,)`` ascending thresholds, levels ``(2**bits,)``. Returns sign
-        ``(..., ceil(m / 32))`` uint32 (``pack(sign_sketch(r, s), 1)``) and rnorm ``(...)``
-        ``||r||`` in ``norm_dtype``.
-    """
-    if y.ndim < 2 or s.ndim != 2 or s.dtype not in _FLOATS or not 1 <= bits <= 8:
-        return None
-    *lead, dim = y.shape
-    m = s.shape[0]
-    n = 1 << bits
-    if s.shape[1] != dim or m < 1 or bounds.shape != (n - 1,) or levels.shape != (n,):
-        return None
-    if norm_dtype not in _FLOATS:
-        return None
-    rows = math.prod(lead)
-    words = -(-m // 32)
-    if rows == 0 or rows * words >= 1 << 31:  # (the grid's x is a 32-bit int)
-        return None
-    sign, rnorm = RESIDUAL_SKETCH_ENCODE.kernel()(
-        inputs=[
-            y.astype(mx.float32).reshape(rows, dim),
-            s,
-            bounds.astype(mx.float32),
-            levels.astype(mx.float32),
-        ],
-        template=[("D", dim), ("M", m), ("BITS", bits), ("NT", norm_dtype)],
-        grid=(rows * words, 1, 1),
-        threadgroup=(THREADS, 1, 1),
-        output_shapes=[(*lead, words), tuple(lead)],
-        output_dtypes=[mx.uint32, norm_dtype],
-    )
-    return sign, rnorm

@@ -9,15 +9,10 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from velox_cli.allocation import Allocation, SensitivityTable
+from velox_cli.allocator import allocate, budget_bytes, sensitivity
+from velox_cli.scoring import prefill, teacher_force
 from velox_core import UniformCache, make_cache, routed
-from velox_core.allocate import (
-    Allocation,
-    SensitivityTable,
-    allocate,
-    budget_bytes,
-    sensitivity,
-)
-from velox_core.scoring import prefill, teacher_force
 from velox_testing import tiny_model
 
 

@@ -1,7 +1,7 @@
 """Teacher-forced scoring of caches on a model: prefill, forced decode steps, KL, held bytes.
 
 The pieces ``velox bench`` (``velox_cli.evaluate``), ``velox eval`` and the per-layer bit
-allocator (:mod:`velox_core.allocate`) measure caches with, so that all of them count the
+allocator (:mod:`velox_cli.allocator`) measure caches with, so that all of them count the
 same way: a prompt prefilled in chunks as mlx-lm prefills, a continuation fed one token at a
 time on the decode path, the KL divergence of each step's next-token distribution from a
 reference run's, and the bytes of the tokens a cache holds (:func:`held_bytes`).
@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-__all__: list[str] = []
+__all__ = ["held_bytes", "kl_rows", "prefill", "teacher_force"]
 
 
 def held_bytes(cache: Any) -> int:

@@ -1,6 +1,6 @@
-"""The records of the per-layer allocator (:mod:`velox_core.allocate`): what
-:func:`~velox_core.allocate.sensitivity` measured (:class:`SensitivityTable`) and what
-:func:`~velox_core.allocate.allocate` chose (:class:`Allocation`), each with its JSON file.
+"""The records of the per-layer allocator (:mod:`velox_cli.allocator`): what
+:func:`~velox_cli.allocator.sensitivity` measured (:class:`SensitivityTable`) and what
+:func:`~velox_cli.allocator.allocate` chose (:class:`Allocation`), each with its JSON file.
 
 An allocation file is what ``velox allocate --json`` writes and ``velox bench`` / ``velox eval``
 take in place of a spec: ``{"default": SPEC, "layers": {"0": SPEC, ...}}`` and the predicted
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__: list[str] = []
+__all__ = ["Allocation", "SensitivityTable"]
 
 TABLE_FORMAT = "velox-sensitivity"
 PLAN_FORMAT = "velox-allocation"
@@ -26,7 +26,7 @@ VERSION = 1
 
 @dataclass
 class SensitivityTable:
-    """What :func:`~velox_core.allocate.sensitivity` measured: for each allocated layer
+    """What :func:`~velox_cli.allocator.sensitivity` measured: for each allocated layer
     (``layers``, model layer indices) and candidate spec (``specs``), ``damage[l][s]`` the mean
     KL and ``held[l][s]`` / ``resident[l][s]`` the layer's held / resident (``nbytes``,
     capacity included) bytes per token; None where the spec does not serve the layer.

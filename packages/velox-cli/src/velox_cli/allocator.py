@@ -7,7 +7,7 @@ for each layer and each candidate spec (any method's, e.g. ``uniform:bits=2`` ..
 while every other layer keeps the base cache (fp16: the model's own ``KVCache``), each prompt
 is prefilled and its last ``tail`` tokens teacher-forced one at a time, and the mean
 ``KL(p_base || p)`` of those next-token distributions is the choice's damage; the layer's
-held bytes per token (:func:`velox_core.scoring.held_bytes`: the rows of its arrays that hold
+held bytes per token (:func:`velox_cli.scoring.held_bytes`: the rows of its arrays that hold
 tokens, measured on the real cache after the run, not nominal bits) are its cost.
 
 :func:`allocate` then picks one spec per layer minimizing the summed damage subject to the
@@ -41,16 +41,14 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from .allocation import Allocation, SensitivityTable
-from .cache.latent import LatentCache
-from .cache.velox import VeloxCache
-from .mlx_lm import make_cache
-from .registry import make
-from .router import layer_routes, routed
-from .scoring import held_bytes, kl_rows, prefill, teacher_force
-from .validation import check_int
+from velox_core import LatentCache, VeloxCache, make, make_cache, routed
+from velox_core.router import layer_routes
+from velox_core.validation import check_int
 
-__all__: list[str] = []
+from .allocation import Allocation, SensitivityTable
+from .scoring import held_bytes, kl_rows, prefill, teacher_force
+
+__all__ = ["allocate", "budget_bytes", "sensitivity"]
 
 FP16 = "fp16"  # a candidate that keeps the base cache on the layer
 _BITS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*bits?\s*$")
