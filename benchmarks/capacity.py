@@ -778,7 +778,9 @@ def checkpoint(args, rows: list[dict[str, Any]]) -> None:
     done = [*getattr(args, "rows_before", []), *rows]
     path = args.json.with_name(args.json.name + ".partial")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"info": {"partial": True}, "rows": done}, indent=1) + "\n")
+    info = {"partial": True, "device": str(mx.default_device()), "mlx": mx.__version__}
+    info.update(weights=args.weights, decode=args.decode, fill=getattr(args, "fill", "model"))
+    path.write_text(json.dumps({"info": info, "rows": done}, indent=1) + "\n")
 
 
 def run_shape(shape: str, budgets: list[int], specs: list[str], args, log) -> list[dict]:

@@ -320,3 +320,14 @@ def test_direct_fill_stops_once_the_peak_passes_the_budget(cap):
     p = cap.probe(model, "fp16", 4000, 6 * MiB, args)
     assert not p.fits and p.stopped == "prefill" and p.stopped_at < 4000
     assert p.over_from("fp16") == p.stopped_at + 1
+
+
+def test_rows_found_so_far_are_kept_beside_the_json(cap, tmp_path):
+    args = argparse.Namespace(json=tmp_path / "run.json", weights="4bit", decode=8, fill="direct")
+    args.rows_before = [{"cache": "fp16"}]
+    cap.checkpoint(args, [{"cache": "uniform:bits=4"}])
+    data = json.loads((tmp_path / "run.json.partial").read_text())
+    assert [r["cache"] for r in data["rows"]] == ["fp16", "uniform:bits=4"]
+    assert data["info"]["partial"] and data["info"]["fill"] == "direct"
+    args.json = None
+    cap.checkpoint(args, [])  # no --json: nothing written
