@@ -696,7 +696,7 @@ def draw_chart(path: Path, rows: list[dict[str, Any]], info: dict[str, Any]) -> 
                     edgecolor="white",
                 )
                 label = (
-                    f"{r['context'] / 1024:.0f}k" if r["context"] >= 10240 else str(r["context"])
+                    f"{r['context'] / 1000:.0f}k" if r["context"] >= 10000 else str(r["context"])
                 )
                 if "x_fp16_context" in r and cache != "fp16":
                     label += f"\n{BOUND[r['x_fp16_bound']]}{r['x_fp16_context']:.1f}x"
@@ -709,7 +709,7 @@ def draw_chart(path: Path, rows: list[dict[str, Any]], info: dict[str, Any]) -> 
         ax.set_ylabel("context reached (tokens)")
         ax.set_title(
             f"{shape} ({info.get('weights', '')} weights): longest context within each budget, "
-            f"prefill + {info.get('decode', '')} decoded tokens, weights included",
+            f"prefill + {info.get('decode') or 'its'} decoded tokens, weights included",
             fontsize=9,
         )
         ax.grid(True, axis="y", alpha=0.3)
@@ -723,7 +723,7 @@ def draw_chart(path: Path, rows: list[dict[str, Any]], info: dict[str, Any]) -> 
         0.005,
         "x: the budget does not fit (the weights, or the shortest probe); square: skipped or "
         "not measured. "
-        f"Device: {info.get('device', '')}; MLX {info.get('mlx', '')}.",
+        f"Device: {info.get('device') or 'not recorded'}; MLX {info.get('mlx') or 'not recorded'}.",
         fontsize=7,
         color="0.3",
     )
@@ -1078,11 +1078,13 @@ def merge(paths: list[Path], args) -> int:
         key=lambda r: (r["shape"], r["budget_bytes"], r["cache"] != "fp16"),
     )
     add_ratios(merged)
-    first = infos[0] if infos else {}
-    info = {
-        "merged": infos,
-        **{k: first.get(k) for k in ("device", "mlx", "weights", "decode")},
-    }
+    # each setting from the first file that records it (a run's rows kept beside its --json
+    # before they carried any), the weights also from the rows
+    info: dict[str, Any] = {"merged": infos}
+    for k in ("device", "mlx", "weights", "decode"):
+        info[k] = next((i[k] for i in infos if i.get(k) is not None), None)
+    if info["weights"] is None:
+        info["weights"] = next((r["weights"] for r in merged if r.get("weights")), None)
     report(merged, info, args)
     return 0
 
