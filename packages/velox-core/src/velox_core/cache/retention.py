@@ -171,12 +171,13 @@ class RetentionMixin:
                 self.stored.heads.append(stores)
             for s in (*self.stored.coded[0], self.stored.positions):
                 s.replace(None)
+        every = self.policy.every  # each head's room until the next cut, as evict's
         for idx, stores in zip(keep, self.stored.heads):
             idx = idx.astype(mx.int32).reshape(-1)
+            room = None if every is None else idx.size + every
+            rows: dict = {}
             for s in stores:
-                v = s.view()
-                if v is not None:
-                    s.replace(v.take(idx) if idx.size else None)
+                s.keep(idx, room, rows)
 
     # -- the policy sees each attention call ----------------------------------------------
     def _observed(self, queries: mx.array, scale: float, mask, sinks) -> mx.array | None:
