@@ -8,6 +8,11 @@
 #   bash benchmarks/gpu_run.sh e2e-128k    # the same at 128k
 #   bash benchmarks/gpu_run.sh batch       # batch 8 at 32k, and batch_serve.py's two runs
 #   bash benchmarks/gpu_run.sh steps       # decode_steps.py at 32k: the slow steps per cache
+#   bash benchmarks/gpu_run.sh fill-check  # capacity.py --fill-check: the direct fill's peaks
+#   bash benchmarks/gpu_run.sh capacity    # capacity.py --fill direct, one run per cache
+#     (CACHES, space-separated specs [fp16 uniform:bits=4]; BUDGETS [16,24,36,64]; SHAPE
+#     [llama3-8b]; WEIGHTS [4bit]; LIMIT seconds for the stage [540]: a run is started only with 60 s left,
+#     and one stopped at the limit keeps its rows in $out/capacity-<cache>.json.partial)
 #
 # The first stage on a fresh machine also builds MLX's own kernels (about a minute).
 set -u
@@ -40,8 +45,23 @@ case "${1:-}" in
     python3 benchmarks/decode_steps.py --shape llama3-8b --weights 4bit --context 32768 \
       --caches "$specs" --steps 256 --sync --json "$out/decode-steps-32k.json" | tail -20
     ;;
+  fill-check)
+    python3 benchmarks/capacity.py --shapes "${SHAPE:-llama3-8b}" --caches fp16,uniform:bits=4 \
+      --fill-check 16384,65536 --json "$out/fill-check.json" 2>&1 | tail -8
+    ;;
+  capacity)
+    start=$(date +%s)
+    for c in ${CACHES:-fp16 uniform:bits=4}; do
+      left=$(( ${LIMIT:-540} - ($(date +%s) - start) ))
+      (( left < 60 )) && { echo "capacity: $c not started, ${left} s left"; continue; }
+      timeout $(( left - 5 )) python3 benchmarks/capacity.py --shapes "${SHAPE:-llama3-8b}" \
+        --budgets "${BUDGETS:-16,24,36,64}" --weights "${WEIGHTS:-4bit}" --caches "$c" \
+        --fill direct --tolerance 1/16 \
+        --json "$out/capacity-${c//[:=.,%+]/-}.json" 2>&1 | tee -a "$out/capacity.log" | grep -v "^  " | tail -12
+    done
+    ;;
   *)
-    echo "usage: bash benchmarks/gpu_run.sh tests|first-use|e2e-32k|e2e-128k|batch|steps" >&2
+    echo "usage: bash benchmarks/gpu_run.sh tests|first-use|e2e-32k|e2e-128k|batch|steps|fill-check|capacity" >&2
     exit 2
     ;;
 esac
