@@ -428,7 +428,7 @@ class ArtifactKind:
     def unbound(self, noun: str, how: str) -> ValueError:
         """The error of a cache with no artifact of this kind to read and no model to find one
         by: ``noun`` names what the method reads (``"codebooks"``), ``how`` what it does with
-        it (``"CommVQ codes keys only with codebooks"``, followed by "fitted on the model")."""
+        it (``"the method codes keys only with codebooks"``, followed by "fitted on the model")."""
         method = self.fmt.removeprefix("velox-")
         return ValueError(
             f"{method}: no {noun} for this cache; {how} fitted on the model (python -m "

@@ -13,9 +13,8 @@ division is correctly rounded. The sketch kernel sums ``S x`` in channel order w
 reference's matmul sums in its own: a sign bit can differ only where ``|S x|`` is within
 float32 rounding of 0, a norm by a rounding of its dtype.
 
-The encode kernels of one method live in its package: TurboQuant's codebook and residual
-sketch kernels in :mod:`velox_turboquant.encode`, VecInfer's VQ kernel in
-:mod:`velox_vecinfer.kernels`.
+An encode kernel that only one method uses (a codebook or vector-quantization encode) lives
+in that method's package, built with the same :class:`KernelSpec` machinery.
 """
 
 from __future__ import annotations
