@@ -1,0 +1,153 @@
+"""Which methods keep their answers at long context: the best setting of each method at about
+4x, 8x and 16x fewer bytes, gathered from ``velox eval`` runs.
+
+Each run's JSON (``velox eval --json``) is read as ``velox eval --from-json`` reads it; a spec's
+row is its accuracy difference from fp16 on the same prompts of that run (the paired 95%
+interval), at its measured byte ratio. The ratio is the one over the layers a spec compresses
+(``layers``: a model's own sliding-window caches left out) where the run has it, else the
+whole model's. Each method (a composition ``A+B`` counts as its own) keeps, at each operating
+point, its row with the highest difference (its lower bound breaks ties). Operating points by
+ratio: 4x is [3, 6), 8x [6, 12), 16x [12, inf).
+
+    python benchmarks/longctx_best.py docs/data/eval-h100-gemma3-*.json --markdown out.md
+
+prints the table (spec, ratio, difference, interval, question placement and run for each
+method and point) and, with ``--markdown``, writes it; ``--compact`` writes one cell a point
+in points of accuracy, ``-3 (i)`` where the question was inside the compressed prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from velox_cli.longctx import report
+from velox_cli.longctx.cells import aggregate
+from velox_cli.longctx.run import finished_prompts
+
+POINTS = (("4x", 3.0, 6.0), ("8x", 6.0, 12.0), ("16x", 12.0, math.inf))
+
+
+@dataclass
+class Entry:
+    """One spec of one run: its method, ratio, mean difference from fp16 and interval."""
+
+    method: str
+    spec: str
+    ratio: float
+    delta: float
+    half: float
+    worst: float
+    prompts: int
+    question: str
+    run: str
+
+    @property
+    def low(self) -> float:
+        return self.delta - (self.half if math.isfinite(self.half) else 1.0)
+
+
+def method_of(spec: str) -> str:
+    """``snapkv:budget=25%,kernel=15+turboquant:bits=4`` -> ``snapkv+turboquant``."""
+    return "+".join(part.split(":", 1)[0] for part in spec.split("+"))
+
+
+def entries(path: str) -> list[Entry]:
+    """The rows of one ``velox eval --json`` file, fp16's and errored ones left out; a run
+    stopped midway counts only the prompts every spec finished, as ``velox eval`` does."""
+    trials, info = report.load_json(path)
+    specs = list(dict.fromkeys(t.spec for t in trials))
+    if "fp16" not in specs:
+        raise ValueError(f"{path}: no fp16 trials to compare against")
+    done: dict[tuple[str, int, int], set[str]] = {}
+    for t in trials:
+        done.setdefault((t.task, t.length, t.index), set()).add(t.spec)
+    whole = {k for k, s in done.items() if set(specs) <= s}
+    if finished_prompts(trials, specs) < len(done):
+        trials = [t for t in trials if (t.task, t.length, t.index) in whole]
+    out = []
+    for row in report.summary(aggregate(trials)):
+        if row["spec"] == "fp16" or row["errors"] or not math.isfinite(row["delta"]):
+            continue
+        ratio = row["layers_ratio"] if math.isfinite(row["layers_ratio"]) else row["ratio"]
+        out.append(
+            Entry(
+                method_of(row["spec"]),
+                row["spec"],
+                ratio,
+                row["delta"],
+                row["delta_half"],
+                row["worst_delta"],
+                row["prompts"],
+                str(info.get("question", "?")),
+                Path(path).name,
+            )
+        )
+    return out
+
+
+def point_of(ratio: float) -> str | None:
+    for name, lo, hi in POINTS:
+        if lo <= ratio < hi:
+            return name
+    return None
+
+
+def best(rows: list[Entry]) -> dict[str, dict[str, Entry]]:
+    """Per method, per point, the row with the highest difference (then lower bound, then
+    prompts)."""
+    out: dict[str, dict[str, Entry]] = {}
+    for e in rows:
+        p = point_of(e.ratio)
+        if p is None:
+            continue
+        have = out.setdefault(e.method, {}).get(p)
+        key = (round(e.delta, 6), round(e.low, 6), e.prompts)
+        if have is None or key > (round(have.delta, 6), round(have.low, 6), have.prompts):
+            out[e.method][p] = e
+    return out
+
+
+def _cell(e: Entry | None) -> str:
+    if e is None:
+        return "-"
+    half = f" +-{e.half:.2f}" if math.isfinite(e.half) else ""
+    q = ", question inside" if e.question == "inside" else ""
+    return f"`{e.spec}` {e.ratio:.1f}x: {e.delta:+.2f}{half} (worst {e.worst:+.2f}{q})"
+
+
+def _compact(e: Entry | None) -> str:
+    if e is None:
+        return "-"
+    return f"{round(100 * e.delta):+d}" + (" (i)" if e.question == "inside" else "")
+
+
+def markdown(table: dict[str, dict[str, Entry]], compact: bool = False) -> str:
+    names = [p[0] for p in POINTS]
+    order = sorted(table, key=lambda m: (-max(e.delta for e in table[m].values()), m))
+    lines = ["| method | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    fmt = _compact if compact else _cell
+    for m in order:
+        lines.append(f"| {m} | " + " | ".join(fmt(table[m].get(p)) for p in names) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", help="velox eval --json files")
+    ap.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown")
+    ap.add_argument("--compact", action="store_true", help="one number a cell: points of accuracy")
+    a = ap.parse_args(argv)
+    rows = [e for path in a.runs for e in entries(path)]
+    text = markdown(best(rows), a.compact)
+    sys.stdout.write(text)
+    if a.markdown:
+        Path(a.markdown).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
