@@ -5,9 +5,10 @@ Each run's JSON (``velox eval --json``) is read as ``velox eval --from-json`` re
 row is its accuracy difference from fp16 on the same prompts of that run (the paired 95%
 interval), at its measured byte ratio. The ratio is the one over the layers a spec compresses
 (``layers``: a model's own sliding-window caches left out) where the run has it, else the
-whole model's. Each method (a composition ``A+B`` counts as its own) keeps, at each operating
-point, its row with the highest difference (its lower bound breaks ties). Operating points by
-ratio: 4x is [3, 6), 8x [6, 12), 16x [12, inf).
+whole model's. A spec run more than once with the question in the same place counts by its run
+with the most prompts. Each method (a composition ``A+B`` counts as its own) keeps, at each
+operating point, its setting with the highest difference (its lower bound breaks ties).
+Operating points by ratio: 4x is [3, 6), 8x [6, 12), 16x [12, inf).
 
     python benchmarks/longctx_best.py docs/data/eval-h100-gemma3-*.json --markdown out.md
 
@@ -26,7 +27,6 @@ from pathlib import Path
 
 from velox_cli.longctx import report
 from velox_cli.longctx.cells import aggregate
-from velox_cli.longctx.run import finished_prompts
 
 POINTS = (("4x", 3.0, 6.0), ("8x", 6.0, 12.0), ("16x", 12.0, math.inf))
 
@@ -56,27 +56,28 @@ def method_of(spec: str) -> str:
 
 
 def entries(path: str) -> list[Entry]:
-    """The rows of one ``velox eval --json`` file, fp16's and errored ones left out; a run
-    stopped midway counts only the prompts every spec finished, as ``velox eval`` does."""
+    """The rows of one ``velox eval --json`` file, fp16's and errored ones left out. Each spec
+    is compared with fp16 on the prompts it finished (a run stopped midway, or split by specs,
+    finishes different prompts for different specs), both sides' accuracy over those alone."""
     trials, info = report.load_json(path)
     specs = list(dict.fromkeys(t.spec for t in trials))
     if "fp16" not in specs:
         raise ValueError(f"{path}: no fp16 trials to compare against")
-    done: dict[tuple[str, int, int], set[str]] = {}
-    for t in trials:
-        done.setdefault((t.task, t.length, t.index), set()).add(t.spec)
-    whole = {k for k, s in done.items() if set(specs) <= s}
-    if finished_prompts(trials, specs) < len(done):
-        trials = [t for t in trials if (t.task, t.length, t.index) in whole]
+    fp16 = {(t.task, t.length, t.index): t for t in trials if t.spec == "fp16"}
     out = []
-    for row in report.summary(aggregate(trials)):
-        if row["spec"] == "fp16" or row["errors"] or not math.isfinite(row["delta"]):
+    for spec in specs:
+        if spec == "fp16":
+            continue
+        mine = [t for t in trials if t.spec == spec and (t.task, t.length, t.index) in fp16]
+        pair = [fp16[(t.task, t.length, t.index)] for t in mine] + mine
+        row = next(r for r in report.summary(aggregate(pair)) if r["spec"] == spec)
+        if row["errors"] or not math.isfinite(row["delta"]):
             continue
         ratio = row["layers_ratio"] if math.isfinite(row["layers_ratio"]) else row["ratio"]
         out.append(
             Entry(
-                method_of(row["spec"]),
-                row["spec"],
+                method_of(spec),
+                spec,
                 ratio,
                 row["delta"],
                 row["delta_half"],
@@ -98,9 +99,15 @@ def point_of(ratio: float) -> str | None:
 
 def best(rows: list[Entry]) -> dict[str, dict[str, Entry]]:
     """Per method, per point, the row with the highest difference (then lower bound, then
-    prompts)."""
-    out: dict[str, dict[str, Entry]] = {}
+    prompts). A spec run more than once with the question in the same place counts once, by
+    its run with the most prompts (not its best one: the runs draw the same seeded prompts)."""
+    runs: dict[tuple[str, str], Entry] = {}
     for e in rows:
+        have = runs.get((e.spec, e.question))
+        if have is None or e.prompts > have.prompts:
+            runs[(e.spec, e.question)] = e
+    out: dict[str, dict[str, Entry]] = {}
+    for e in runs.values():
         p = point_of(e.ratio)
         if p is None:
             continue

@@ -61,19 +61,25 @@ def test_best_row_per_method_and_point_across_runs(tmp_path, best):
         _trials({"fp16": fp16, "kivi:bits=4,group=64": fp16}, {"kivi:bits=4,group=64": 3.5}),
         question="inside",
     )
-    rows = best.entries(a) + best.entries(b)
+    c = _write(  # kivi:bits=4 again on fewer prompts, answering better: not taken
+        tmp_path,
+        "c.json",
+        _trials({"fp16": fp16[:2], "kivi:bits=4": fp16[:2]}, {"kivi:bits=4": 4.0}),
+    )
+    rows = best.entries(a) + best.entries(b) + best.entries(c)
     assert {e.spec for e in rows} == {"kivi:bits=4", "kivi:bits=2", "kivi:bits=4,group=64"}
-    e = next(e for e in rows if e.spec == "kivi:bits=4")
+    e = next(e for e in rows if e.spec == "kivi:bits=4" and e.run == "a.json")
     assert e.delta == pytest.approx(-0.25) and e.ratio == pytest.approx(4.0, rel=1e-2)
     table = best.best(rows)
     assert table["kivi"]["4x"].spec == "kivi:bits=4,group=64"  # +0.00 beats -0.25
+    assert best.best(best.entries(a) + best.entries(c))["kivi"]["4x"].run == "a.json"
     assert table["kivi"]["4x"].question == "inside" and table["kivi"]["4x"].run == "b.json"
     assert table["kivi"]["8x"].spec == "kivi:bits=2" and "16x" not in table["kivi"]
     md = best.markdown(table, compact=True)
     assert "| kivi | +0 (i) | +0 | - |" in md
 
 
-def test_a_stopped_run_counts_the_prompts_every_spec_finished(tmp_path, best):
+def test_a_spec_is_compared_on_the_prompts_it_finished(tmp_path, best):
     # the spec finished 2 of 4 prompts: fp16's other two do not enter its difference
     path = _write(
         tmp_path,
