@@ -6,8 +6,8 @@ each: the normalized latent ``kv_latent`` (``kv_lora_rank`` channels, 512 on the
 and the RoPE'd key ``k_pe`` (``qk_rope_head_dim`` channels, 64). It attends with projections
 of what the cache returns: ``q_pe @ k_pe.T`` is passed as the mask, and the latent serves as
 the no-RoPE key and the value, absorbed into the queries and the output at decode, expanded
-into per-head keys and values at prefill. It never hands the cache's arrays to mlx-lm's
-shared attention, so velox's routed attention (:meth:`VeloxCache.attend`) cannot serve it.
+into per-head keys and values at prefill. Its keys and values are never the keys and values
+of ordinary attention, so :meth:`VeloxCache.attend` cannot serve it.
 
 A ``LatentCache`` codes both arrays with ``Uniform`` affine per-token groups, packed, and
 returns them decoded (lazily: an array nobody reads is never computed). At decode the model
