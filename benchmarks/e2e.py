@@ -29,6 +29,9 @@ measures mlx-lm's own ``batch_generate``). Per row:
 - ``peak_bytes``: MLX's peak memory over prefill and decode (reset at the start of each row),
   ``prefill_peak_bytes`` the same over the prefill only, ``base_bytes`` what was active
   before the row (weights), ``cache_bytes`` the caches' resident bytes after the prefill;
+- ``latent_decode`` (rows whose caches include velox's ``LatentCache``, on multi-head latent
+  attention shapes): what the last decode step's attention read, ``codes`` (the absorbed
+  attention from the latent's codes) or why it read the decoded latent, per distinct answer;
 - ratios ``x_fp16_*`` against the fp16 row of the same context and batch.
 
 Models are mlx-lm architectures built at a named shape with random weights (bf16, 4-bit by
@@ -304,6 +307,9 @@ def run_row(model, spec: str, context: int, batch: int, args) -> dict[str, Any]:
             timeline = step_timeline(model, caches, tok, args.timed_steps)
             for key, ms in zip(("build", "encode", "wait"), timeline, strict=True):
                 row[f"{key}_ms_per_step"] = ms
+            paths = sorted({c.decode_path for c in caches if hasattr(c, "decode_path")})
+            if paths:
+                row["latent_decode"] = "; ".join(map(str, paths))
     finally:
         row["base_bytes"] = base
         del caches, prompt

@@ -85,7 +85,8 @@ def test_bad_arguments_are_refused(e2e):
 
 def test_latent_attention_shape_rows(e2e, tmp_path):
     """The MLA shape (mlx-lm's deepseek_v3) runs through the same loop: velox's latent cache
-    on every layer, its bytes below the model's own fp16 latent cache."""
+    on every layer, its bytes below the model's own fp16 latent cache, its decode steps read
+    from the latent's codes."""
     out = tmp_path / "e2e.json"
     argv = ["--shape", "mla-small", "--weights", "fp32", "--contexts", "256"]
     argv += ["--caches", "fp16,uniform:bits=4", "--steps", "3", "--timed-steps", "2"]
@@ -97,3 +98,5 @@ def test_latent_attention_shape_rows(e2e, tmp_path):
     # latent's 128 and the RoPE key's 32 fp16 channels, in each of the 2 layers
     assert rows["fp16"]["cache_bytes"] == 2 * 512 * (128 + 32) * 2
     assert rows["uniform:bits=4"]["cache_bytes"] < 0.3 * rows["fp16"]["cache_bytes"]
+    assert rows["uniform:bits=4"]["latent_decode"] == "codes"  # decode read the codes
+    assert "latent_decode" not in rows["fp16"]

@@ -1,7 +1,9 @@
 """LatentCache: velox codes for multi-head latent attention (mlx-lm's deepseek_v3).
 
 A tiny random DeepSeek-V3 (2 layers, kv_lora_rank 128, qk_rope_head_dim 32) stores a latent
-and a RoPE key per token; make_cache gives those layers a LatentCache for uniform specs.
+and a RoPE key per token; make_cache gives those layers a LatentCache for uniform specs. Under
+routing its decode steps attend from the latent's codes (velox_core.cache.absorbed), which
+must give what the model's attention over the decoded latent gives.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def test_uniform_specs_give_latent_layers_a_latent_cache(model):
 def test_eight_bits_give_the_fp16_greedy_tokens(model, prompt):
     caches, ref = make_cache(model, "uniform:bits=8"), [KVCache() for _ in model.layers]
     got, want = [], []
-    with routed(model):  # routing leaves latent layers to the model's own attention
+    with routed(model):  # decode steps attend from the latent's codes
         a, b = model(prompt, cache=caches), model(prompt, cache=ref)
         for _ in range(STEPS):
             got.append(a[:, -1].argmax(-1).item())
@@ -68,15 +70,18 @@ def test_eight_bits_give_the_fp16_greedy_tokens(model, prompt):
 
 
 def test_four_bits_keep_the_next_token_distribution(model, prompt):
-    """Teacher-forced: both caches read the same tokens; KL(fp16 || 4-bit) per step."""
+    """Teacher-forced: both caches read the same tokens; KL(fp16 || 4-bit) per step, the
+    4-bit decode steps routed (from the codes)."""
     caches, ref = make_cache(model, "uniform:bits=4"), [KVCache() for _ in model.layers]
     forced = mx.random.randint(0, 512, (STEPS,), key=mx.random.key(2)).tolist()
-    a, b = model(prompt, cache=caches), model(prompt, cache=ref)
-    kls = []
-    for t in forced:
-        pa, pb = _logprobs(a), _logprobs(b)
-        kls.append(mx.sum(mx.exp(pb) * (pb - pa)).item())
-        a, b = model(mx.array([[t]]), cache=caches), model(mx.array([[t]]), cache=ref)
+    with routed(model):
+        a, b = model(prompt, cache=caches), model(prompt, cache=ref)
+        kls = []
+        for t in forced:
+            pa, pb = _logprobs(a), _logprobs(b)
+            kls.append(mx.sum(mx.exp(pb) * (pb - pa)).item())
+            a, b = model(mx.array([[t]]), cache=caches), model(mx.array([[t]]), cache=ref)
+    assert caches[0].decode_path == "codes"
     mean = sum(kls) / len(kls)
     assert mean < 0.05, f"mean KL {mean:.4f} (max {max(kls):.4f})"  # measured 0.011
 
@@ -205,3 +210,142 @@ def test_save_cache_and_load_cache_keep_a_latent_cache(model, prompt, tmp_path):
     assert [r["offset"] for r in rows] == [PROMPT] * len(caches)
     assert [r["tokens"] for r in rows] == [PROMPT] * len(caches)  # codes and window
     assert all(r["bytes"] > 0 for r in rows)
+
+
+# -- decode steps under routing read the latent's codes ---------------------------------------
+
+
+def _decode_both(model, spec: str, prompt: mx.array, steps: int):
+    """Two caches of ``spec`` filled with ``prompt``; ``steps`` teacher-forced decode steps, the
+    first cache's under routing (from the codes), the second's without (the decoded latent).
+    Yields ``(step, routed caches, reference caches, routed logits, reference logits)``."""
+    a, b = make_cache(model, spec), make_cache(model, spec)
+    model(prompt, cache=a), model(prompt, cache=b)
+    forced = mx.random.randint(0, 512, (prompt.shape[0], steps), key=mx.random.key(3))
+    for i in range(steps):
+        x = forced[:, i : i + 1]
+        with routed(model):
+            la = model(x, cache=a)
+        lb = model(x, cache=b)
+        yield i, a, b, la, lb
+
+
+# KL(decoded || codes) of the next token within float tolerance: the two paths round
+# differently (the decoded latent is rounded to the model's dtype, the codes path sums
+# scale * code + zero unrounded), measured up to 4e-6 in float16 and 4e-4 in bfloat16, where
+# either path is as far from a float32 run of the same model
+KL_TOLERANCE = {mx.float16: 1e-4, mx.bfloat16: 2e-3}
+# the greedy tokens must agree wherever the decoded path's best two are this far apart
+# (bfloat16 logits of this model move by a few 1/64ths between the paths)
+MARGIN = 0.1
+
+
+def _check_close(la: mx.array, lb: mx.array, where: str) -> None:
+    """The same greedy tokens (but for near ties) and next-token distributions within float
+    tolerance of the decoded path's."""
+    pa, pb = _logprobs(la), _logprobs(lb)
+    kl = mx.max(mx.sum(mx.exp(pb) * (pb - pa), axis=-1)).item()
+    assert kl < KL_TOLERANCE[la.dtype], f"{where}: KL {kl:.2e}"
+    top2 = mx.sort(pb, axis=-1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > MARGIN
+    same = pa.argmax(-1) == pb.argmax(-1)
+    assert mx.all(same | ~clear).item(), where
+
+
+@pytest.mark.parametrize(
+    "spec, dtype, prompt_len, steps",
+    [
+        ("uniform:bits=4", mx.float16, 200, 64),  # the codes grow past 256 tokens
+        ("uniform:bits=4,window=8,sinks=4", mx.float16, 250, 12),  # fp16 tokens both sides
+        ("uniform:bits=4,flush=16", mx.float16, 100, 20),  # tokens waiting as given
+        ("uniform:bits=8", mx.bfloat16, 120, 8),
+        ("uniform:bits=4,group=32,window=4", mx.bfloat16, 1100, 4),  # the mix in chunks
+    ],
+)
+def test_routed_decode_reads_the_codes_as_the_decoded_latent_gives(spec, dtype, prompt_len, steps):
+    model = tiny_model("deepseek_v3", dtype=dtype, kv_lora_rank=RANK, qk_rope_head_dim=PE)
+    prompt = mx.random.randint(0, 512, (1, prompt_len), key=mx.random.key(1))
+    for i, a, b, la, lb in _decode_both(model, spec, prompt, steps):
+        assert [c.decode_path for c in a] == ["codes"] * len(a), i
+        assert all(c.decode_path is None for c in b)  # never routed
+        _check_close(la, lb, f"{spec} step {i}")
+    assert [c.nbytes for c in a] == [c.nbytes for c in b]  # nothing resident added
+    assert a[0].offset == prompt_len + steps
+
+
+def test_routed_decode_of_a_batch_reads_each_rows_codes(model, prompt):
+    both = mx.concatenate([prompt, prompt[:, ::-1]])
+    for i, a, _, la, lb in _decode_both(model, "uniform:bits=4,window=4", both, 6):
+        assert a[0].decode_path == "codes"
+        _check_close(la, lb, f"batch step {i}")
+
+
+def test_calls_the_codes_cannot_serve_take_the_model_attention_exactly(model, prompt):
+    """Prefill chunks (the latent's projections are attended) and codes outside MLX's layout
+    (7 bits) run the model's attention over the decoded latent: the very logits of an
+    unrouted run."""
+    a, b = make_cache(model, "uniform:bits=7"), make_cache(model, "uniform:bits=7")
+    with routed(model):
+        got = model(prompt, cache=a)
+    assert mx.array_equal(got, model(prompt, cache=b)).item()
+    assert a[0].decode_path == "decoded: attention is given other arrays than the latent"
+    x = mx.array([[9]])
+    with routed(model):
+        got = model(x, cache=a)
+    assert mx.array_equal(got, model(x, cache=b)).item()
+    assert "7 bits in groups of 64 are not MLX's layout" in a[0].decode_path
+
+
+def test_readable_declines_several_rows_on_cuda(monkeypatch):
+    import velox_core.kernels as vk
+    from velox_core.cache import absorbed
+
+    codec = Uniform(4, 64)
+    rows = codec.encode(mx.random.normal((2, 1, 8, RANK)))
+    one = codec.encode(mx.random.normal((1, 1, 8, RANK)))
+    assert absorbed.readable([(codec, rows)]) == ""
+    monkeypatch.setattr(vk, "backend", lambda: "cuda")
+    assert "several rows on MLX's CUDA backend" in absorbed.readable([(codec, rows)])
+    assert absorbed.readable([(codec, one)]) == ""
+
+
+@pytest.mark.parametrize("tokens", [1, 700, 1024, 1100, 5000, 17000])
+@pytest.mark.parametrize("mask_kind", ["additive", "bool"])
+def test_absorbed_attention_equals_dense_attention_over_the_decoded_latent(tokens, mask_kind):
+    """Sinks, codes and window of ``tokens`` coded latents: the codes path (chunks of the mix,
+    their tail, the fp16 tokens' scores joined in order) against float32 attention over the
+    same latents decoded."""
+    from velox_core.cache import absorbed
+    from velox_core.codec.identity import Identity
+
+    b, hq, r = 2, 8, 64
+    key = mx.random.key(tokens)
+    ks = mx.random.split(key, 6)
+    codec, ident = Uniform(4, 32), Identity()
+    sink, win = mx.random.normal((b, 1, 3, r), key=ks[0]), mx.random.normal((b, 1, 5, r), key=ks[1])
+    coded = codec.encode(mx.random.normal((b, 1, tokens, r), key=ks[2]))
+    segments = [(ident, ident.encode(sink)), (codec, coded), (ident, ident.encode(win))]
+    t = tokens + 8
+    q = mx.random.normal((b, hq, 1, r), key=ks[3])
+    if mask_kind == "additive":
+        mask = mx.random.normal((b, hq, 1, t), key=ks[4])
+    else:
+        mask = mx.random.uniform(shape=(b, 1, 1, t), key=ks[4]) > 0.3
+    latents = mx.concatenate([sink, codec.decode(coded).astype(mx.float32), win], axis=2)
+    s = (q * 0.125) @ mx.swapaxes(latents, -1, -2)
+    s = s + mask if mask_kind == "additive" else mx.where(mask, s, -mx.inf)
+    want = mx.softmax(s, axis=-1) @ latents
+    got = absorbed.attention(q, segments, 0.125, mask)
+    assert got.shape == (b, hq, 1, r) and got.dtype == mx.float32
+    err = mx.max(mx.abs(got - want)).item()
+    assert err < 1e-4 * max(1.0, mx.max(mx.abs(want)).item()), err
+
+
+def test_chunks_of_the_mix():
+    from velox_core.cache.absorbed import CHUNK, CHUNKS, chunk_tokens
+
+    assert chunk_tokens(2 * CHUNK - 1) == 0  # one product
+    assert chunk_tokens(2 * CHUNK) == CHUNK
+    assert chunk_tokens(CHUNKS * CHUNK + CHUNK - 1) == CHUNK
+    assert chunk_tokens((CHUNKS + 1) * CHUNK) == 2 * CHUNK  # at most CHUNKS chunks
+    assert chunk_tokens(32768) == 1024

@@ -93,7 +93,8 @@ def make_cache(
 
     A multi-head latent attention layer (DeepSeek-V3, Kimi K2, GLM-4 MoE-lite: ``Route.latent``)
     gets a :class:`~velox_core.cache.latent.LatentCache` (its latent and RoPE key as packed
-    affine codes, returned decoded) when its spec is a ``uniform`` spec string, a
+    affine codes, returned decoded; under routing its decode steps attend from the latent's
+    codes) when its spec is a ``uniform`` spec string, a
     ``UniformCache`` template or a ``LatentCache`` template (the methods in
     ``velox_core.cache.latent.METHODS``); any other spec keeps the model's fp16 cache there,
     with the warning. A ``group`` that does not divide the latent or RoPE-key width, or

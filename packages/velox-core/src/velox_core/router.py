@@ -4,8 +4,11 @@ that finds which layers it can serve.
 mlx-lm models call the shared ``scaled_dot_product_attention`` of ``mlx_lm.models.base``,
 imported by name into each model module. :func:`enable` points that name, in every loaded
 ``mlx_lm.models`` module that uses it, at a router that sends layers whose cache is a
-:class:`VeloxCache` to :meth:`VeloxCache.attend` (attention from the codes) and every other
-layer to the original function. :func:`disable` restores the originals; :func:`routed` is the
+:class:`VeloxCache` to :meth:`VeloxCache.attend` (attention from the codes), offers the
+calls of layers whose cache is a :class:`~velox_core.cache.latent.LatentCache` to
+:meth:`LatentCache.attend <velox_core.cache.latent.LatentCache.attend>` (multi-head latent
+attention's decode step, from the latent's codes) and sends every other call to the original
+function. :func:`disable` restores the originals; :func:`routed` is the
 context manager. Nothing is patched on import. Which caches see routing on is the state of
 :mod:`velox_core.routing`. A registered host's models (:mod:`velox_core.hosts`) are routed
 the same way through their library's own shared attention function.
@@ -28,6 +31,7 @@ from mlx_lm.models.cache import KVCache
 
 from . import routing
 from .cache.batch import VeloxBatch
+from .cache.latent import LatentCache
 from .cache.velox import VeloxCache
 from .hosts import MLX_LM, Host, host_of, hosts
 
@@ -53,6 +57,10 @@ def _make_router(original: Callable) -> Callable:
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None, **kw):
         if isinstance(cache, (VeloxCache, VeloxBatch)):
             return cache.attend(queries, scale=scale, mask=mask, sinks=sinks)
+        if isinstance(cache, LatentCache):  # the absorbed decode step, from the codes
+            out = cache.attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+            if out is not None:
+                return out
         if isinstance(cache, _Probe):
             cache.record(queries, keys, values)
         return original(

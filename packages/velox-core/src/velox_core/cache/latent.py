@@ -6,19 +6,26 @@ each: the normalized latent ``kv_latent`` (``kv_lora_rank`` channels, 512 on the
 and the RoPE'd key ``k_pe`` (``qk_rope_head_dim`` channels, 64). It attends with projections
 of what the cache returns: ``q_pe @ k_pe.T`` is passed as the mask, and the latent serves as
 the no-RoPE key and the value, absorbed into the queries and the output at decode, expanded
-into per-head keys and values at prefill. It never hands the cache's arrays to mlx-lm's
-shared attention, so velox's routed attention (:meth:`VeloxCache.attend`) cannot serve it.
+into per-head keys and values at prefill. Its keys and values are never the keys and values
+of ordinary attention, so :meth:`VeloxCache.attend` cannot serve it.
 
 A ``LatentCache`` codes both arrays with ``Uniform`` affine per-token groups, packed, and
-returns them decoded: the *reference path*, every stored token dequantized at each call
-(lazily; the attention then runs as with mlx-lm's fp16 cache). A fused kernel that reads the
-latent's codes inside the absorbed decode attention is the next step.
+returns them decoded (lazily: an array nobody reads is never computed). At decode the model
+hands the latent it was returned, as keys and values alike, to mlx-lm's shared
+``scaled_dot_product_attention`` with the RoPE scores as the mask: under velox's routing
+(:func:`velox_core.routed`) the router passes that call to :meth:`LatentCache.attend`, which
+recognises its own latent and attends from the codes in place
+(:func:`velox_core.cache.absorbed.attention`), so the decoded latent is never built. Every
+other call (prefill chunks, whose attention is given the latent's projections; codes MLX
+cannot read; attention sinks) takes the model's attention over the decoded arrays, as
+without routing: the *reference path*.
 
 Storage is a :class:`~velox_core.cache.velox.VeloxCache` holding ``k_pe`` as its keys and
 the latent as its values, so the velox conventions hold: ``sinks`` first tokens and the
 ``window`` newest kept as given, the codes growing ``step`` tokens at a time. ``flush``
-defaults to 1 here (each token coded as it leaves the window), not velox's 64: the reference
-path decodes every token at every call, so waiting tokens buy no kernel anything, while
+defaults to 1 here (each token coded as it leaves the window), not velox's 64: the absorbed
+attention reads codes and fp16 tokens alike at every step, so tokens waiting as given buy
+nothing, while
 ``flush=1`` with ``window=0`` keeps the bytes at the codes' ratio and the cache exactly
 trimmable (speculative decoding). A spec's ``flush=N`` is honoured (up to ``N - 1`` tokens
 then wait as given, KIVI's residual). ``nbytes`` counts every buffer with its capacity,
@@ -36,6 +43,7 @@ attention).
 from __future__ import annotations
 
 import json
+import weakref
 from typing import Any, ClassVar
 
 import mlx.core as mx
@@ -100,6 +108,12 @@ class LatentCache(_BaseCache):
         self.layer: int | None = None  # the model's layer index (messages), set by make_cache
         self.dims: tuple[int, int] | None = None  # (latent width, k_pe width), once known
         self._store: VeloxCache | None = None  # built once the widths are known
+        # the latent the last update_and_fetch returned (a weak reference: the model's
+        # arrays are not kept alive), which attend recognises as its keys and values
+        self._fetched: weakref.ref | None = None
+        # what the last routed attention call read: "codes", or why it read the decoded
+        # latent (None until one)
+        self.decode_path: str | None = None
 
     # -- construction -----------------------------------------------------------------------
     def config(self) -> dict[str, Any]:
@@ -223,8 +237,10 @@ class LatentCache(_BaseCache):
     def update_and_fetch(self, kv_latent: mx.array, k_pe: mx.array) -> tuple[mx.array, mx.array]:
         """Store the new tokens' latent and RoPE key; return every stored token's, decoded.
 
-        The reference path: the codes are dequantized at every call (lazily), then the
-        model's attention runs on them as on mlx-lm's fp16 cache.
+        Both are returned lazily: the model computes its RoPE scores from ``k_pe``, while the
+        latent is decoded only where something reads it. Under velox's routing the absorbed
+        decode attention is given this latent and reads the codes instead (:meth:`attend`);
+        elsewhere the model's attention runs on it as on mlx-lm's fp16 cache.
 
         Shapes:
             kv_latent ``(B, 1, T, kv_lora_rank)``, k_pe ``(B, 1, T, qk_rope_head_dim)``;
@@ -237,7 +253,59 @@ class LatentCache(_BaseCache):
                 where = "" if self.layer is None else f" (layer {self.layer})"
                 raise ValueError(f"{exc}{where}") from None
         pe, latent = self._store.update_and_fetch(k_pe, kv_latent)
+        self._fetched = weakref.ref(latent)
         return latent, pe
+
+    def attend(
+        self, queries: mx.array, keys: Any, values: Any, scale: float, mask=None, sinks=None
+    ) -> mx.array | None:
+        """The absorbed decode attention from the latent's codes, or None where the call is
+        not that one or the codes cannot be read (the caller then runs the model's attention
+        on the arrays it was given, the reference path).
+
+        velox's router calls it for every shared-attention call of a layer with this cache.
+        It attends when ``keys`` and ``values`` are both the latent the last
+        :meth:`update_and_fetch` returned (DeepSeek-V3's decode step: queries absorbed into
+        the latent; its prefill passes the latent's projections instead), with no attention
+        sinks and a mask that is None or an array over the stored tokens, and the codes are
+        in MLX's layout (:func:`velox_core.cache.absorbed.readable`). :attr:`decode_path`
+        says which path the call took.
+
+        Shapes:
+            queries ``(B, Hq, L, kv_lora_rank)``; mask broadcasting to ``(B, Hq, L, T)``;
+            returns ``(B, Hq, L, kv_lora_rank)``.
+        """
+        from . import absorbed
+
+        fetched = None if self._fetched is None else self._fetched()
+        if fetched is None or keys is not fetched or values is not fetched:
+            self.decode_path = "decoded: attention is given other arrays than the latent"
+            return None
+        why = self._unreadable(queries, mask, sinks)
+        segments = [] if why else [(s.value_codec, s.values) for s in self._store.segments()]
+        why = why or absorbed.readable(segments)
+        if why:
+            self.decode_path = f"decoded: {why}"
+            return None
+        self.decode_path = "codes"
+        if isinstance(mask, str):
+            mask = None  # "causal" over one query: every stored token
+        return absorbed.attention(queries, segments, scale, mask)
+
+    def _unreadable(self, queries: mx.array, mask, sinks) -> str:
+        """Why :meth:`attend` leaves a call with the model's latent to the reference path
+        ("" where it does not)."""
+        if sinks is not None:
+            return "attention sinks"
+        b = self._store.stored.batch
+        shape = tuple(queries.shape)
+        if len(shape) != 4 or shape[0] != b or shape[3] != self.dims[0]:
+            return f"queries {shape} are not (batch={b}, heads, L, latent={self.dims[0]})"
+        if isinstance(mask, str):
+            return "" if mask == "causal" and shape[2] == 1 else f"mask {mask!r}"
+        if mask is not None and (mask.ndim > 4 or mask.shape[-1] != self.size()):
+            return f"a mask of shape {tuple(mask.shape)} over {self.size()} stored tokens"
+        return ""
 
     def size(self) -> int:
         return 0 if self._store is None else self._store.size()

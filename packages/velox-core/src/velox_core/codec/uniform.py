@@ -25,10 +25,9 @@ from ..kernels.joint import KernelSide
 from ..kernels.records import AffineCodes, ChannelAffineCodes, CodeRecord
 from ..ops.packing import (
     BYTE_BITS,
-    MLX_BITS,
-    MLX_GROUPS,
     byte_table,
     lookup,
+    mlx_layout,
     mlx_readable,
     pack,
     unpack,
@@ -126,7 +125,7 @@ class Uniform(Codec):
         """Per-token codes in MLX's layout: ``mx.dequantize`` straight to the scales' dtype
         (one op, no float32 copy of the block), then ``dtype``; others as :meth:`decode`."""
         p = packed.data
-        if self.axis == "token" and self.bits in MLX_BITS and self.group in MLX_GROUPS:
+        if self.axis == "token" and mlx_layout(self.bits, self.group):
             out = mx.dequantize(
                 p["codes"], p["scale"], p["zero"], group_size=self.group, bits=self.bits
             )

@@ -26,15 +26,23 @@ MLX_BITS = (2, 3, 4, 5, 6, 8)
 MLX_GROUPS = (32, 64, 128)
 
 
+def mlx_layout(bits: int, group: int) -> bool:
+    """Whether per-token codes of this width and group are laid out as MLX's affine
+    quantization lays them out (2-6 or 8 bits, groups of 32, 64 or 128): ``mx.dequantize``
+    and ``mx.quantized_matmul`` read their words, scales and zeros (MLX's biases)."""
+    return bits in MLX_BITS and group in MLX_GROUPS
+
+
 def mlx_readable(bits: int, group: int) -> bool:
     """Whether ``mx.quantized_matmul`` should read per-token codes of this width and group
-    here: MLX's own layout (2-6 or 8 bits, groups of 32, 64 or 128), and not on MLX's CUDA
-    backend, whose ``quantized_matmul`` (MLX 0.32.4) lacks shapes a cache meets (seen on an
-    H200: "No implementation for problem shape: 4x4965x128x16"); there callers take their
-    decoded path, and decode steps the fused kernels."""
+    here: MLX's own layout (:func:`mlx_layout`), and not on MLX's CUDA backend, whose
+    ``quantized_matmul`` (MLX 0.32.4) lacks shapes a cache meets (seen on an H200: "No
+    implementation for problem shape: 4x4965x128x16": codes that are not contiguous, as the
+    rows of a cache's buffers of several batch rows or heads are not); there callers take
+    their decoded path, and decode steps the fused kernels."""
     from ..kernels import backend
 
-    return bits in MLX_BITS and group in MLX_GROUPS and backend() != "cuda"
+    return mlx_layout(bits, group) and backend() != "cuda"
 
 
 def packed_words(n: int, bits: int) -> int:
