@@ -52,16 +52,13 @@ PLAN_COMMON = {
     "kernels/__init__.py",
     "kernels/config.py",
     "kernels/records.py",
-    "kernels/joint.py",
     "kernels/decode.py",
     "kernels/layout.py",
-    "kernels/codes.py",
     "kernels/merge.py",
-    "kernels/disk_cache.py",
 }
 PLAN = {
     "metal": PLAN_COMMON | {"kernels/portable.py"},
-    "cuda": PLAN_COMMON | {"kernels/mma_support.py", "kernels/mma.py"},
+    "cuda": PLAN_COMMON | {"kernels/mma.py"},
 }
 
 

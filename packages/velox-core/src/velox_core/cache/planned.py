@@ -20,8 +20,9 @@ from typing import Any
 import mlx.core as mx
 
 from ..kernels import config, use_kernels
-from ..kernels.codes import FP16_MAX
-from ..kernels.joint import JointQuery, plan_segment
+from ..kernels.decode import plan_segment
+from ..kernels.joint import JointQuery
+from ..kernels.layout import FP16_MAX
 from .attention import kernel_sides
 
 __all__: list[str] = []
