@@ -1,19 +1,17 @@
 """A decode step's attention, planned once per coded segment.
 
 A cache passes tokens to its codes ``flush`` at a time, so between two flushes every decode
-step attends the same coded segment: the same records, the same shapes. The segment's
-kernel sides (its codecs' records, :func:`velox_core.cache.attention.kernel_sides`) are made
-when the codes change, at the flush (:meth:`PlannedAttention.refresh`, for the query shape
-the cache attends with), and kept with the kernel configuration they were made under
-(whether the kernels are on among it). The first step after it asks the kernels for a plan
-from those sides (:func:`velox_core.kernels.decode.plan_segment`: the layouts, templates,
-splits and checks worked out once, under that configuration) and the steps after it only
-launch the kernels over that segment and the cache's fp16 sinks and window. The plan is keyed by
-everything it was made for (the query's shape and dtype, the scale, the segment's tokens and
-buffers, the sinks' buffer, whether the window holds tokens, the kernel configuration's
-generation and the default device) and dropped when the segment changes. The queries' shape
-is checked when a plan is made (:func:`check_queries`; a step with the same key has the
-shape checked).
+step attends the same coded segment: the same records, the same shapes. The flush asks the
+codecs for the segment's kernel sides (:meth:`PlannedAttention.refresh`,
+:func:`velox_core.cache.attention.kernel_sides`) and keeps them with the kernel
+configuration they were made under; the first step after it plans from them
+(:func:`velox_core.kernels.decode.plan_segment`: layouts, templates, splits and checks
+worked out once) and the steps after it only launch the kernels over that segment and the
+cache's fp16 sinks and window. The plan is keyed by everything it was made for (the query's
+shape and dtype, the scale, the segment's tokens and buffers, the sinks' buffer, whether the
+window holds tokens, the configuration's generation, the default device) and dropped when
+the segment changes; the queries' shape is checked when a plan is made
+(:func:`check_queries`).
 """
 
 from __future__ import annotations
@@ -139,7 +137,7 @@ class PlannedAttention:
         if sides is not None:
             query = JointQuery(q_shape, dtype, n_sink + n_win, dtype, scale)
             self._run = plan_segment(query, *sides, settings)
-        if n_sink:  # the sinks' tokens, slices of their buffers (sized exactly)
+        if n_sink:  # the sinks' tokens, slices of their buffers as the window's
             self._sink = (sk.buf.data["x"][:, :, :n_sink], sv.buf.data["x"][:, :, :n_sink])
         # the key holds the buffers' ids: holding the records keeps those ids theirs
         self._hold = (ks.buf, vs.buf, sk.buf)

@@ -19,17 +19,11 @@ codebook per batch row and KV head). Keys may also be **per-channel affine** cod
 pass (:mod:`velox_core.kernels.layout`). Codes are uint32 words in velox's packing layout
 (:mod:`velox_core.ops.packing`), any width 1 to 8 where a lane's channels fill whole words.
 
-This module makes the plan, one way down from records to a launch: :func:`plan_segment`
-takes a segment's kernel sides (:class:`velox_core.kernels.joint.KernelSide`: a codec's
-records with the query they are scored with) and :func:`plan_decode` the records, and
-decides once which kernel runs them: a layout's own
-(:meth:`velox_core.kernels.layout.Layout.own_kernel`), the tensor-core kernel on CUDA where
-it takes the layout (:func:`velox_core.kernels.mma.plan_mma`, merging its own splits where no
-fp16 tokens join), else the portable kernel
-(:func:`velox_core.kernels.portable.plan_portable`); then the merge
-(:mod:`velox_core.kernels.merge`). :func:`decode_attention` and :func:`segment_partial` are a
-plan made and run once; they return None where no kernel takes the shape, so callers fall
-back to the reference.
+The plan, one way down to the launches: :func:`plan_segment` (a segment's kernel sides) and
+:func:`plan_decode` (its records) decide once which kernel runs them (a layout's own, the
+tensor-core one on CUDA where it takes the layout, else the portable one) and plan the
+merge; :func:`decode_attention` and :func:`segment_partial` plan and run once. None where no
+kernel takes the shape, so callers fall back to the reference.
 
 Shapes:
     q ``(B, H, M, D)`` float32 with the scale applied; codes ``(B, H, T, ceil(D*bits/32))``
