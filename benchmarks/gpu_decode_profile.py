@@ -57,7 +57,6 @@ import numpy as np
 import velox_core.kernels.build as build
 from velox_core import Uniform
 from velox_core.kernels import mma as kmma
-from velox_core.kernels import mma_support as kmsup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_attention import device_time, env  # the benchmarks' device-time rule, settings
@@ -461,8 +460,8 @@ def main() -> int:
         fractional = [float(x) for x in args.fractional.split(",")]
     except ValueError:
         parser.error("--shapes takes BxT items (1x131072) and --bits integers")
-    if any(len(s) != 2 or min(s) < 1 for s in shapes) or any(x not in kmsup.MMA_BITS for x in bits):
-        parser.error(f"--shapes takes BxT items and --bits values in {kmsup.MMA_BITS}")
+    if any(len(s) != 2 or min(s) < 1 for s in shapes) or any(x not in kmma.MMA_BITS for x in bits):
+        parser.error(f"--shapes takes BxT items and --bits values in {kmma.MMA_BITS}")
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     from velox_core.kernels import backend
 
@@ -471,11 +470,11 @@ def main() -> int:
         return 2
     install()
     rows: list = []
-    print(f"SMs: {kmsup.sm_count()}; MLX {mx.__version__}", flush=True)
+    print(f"SMs: {kmma.sm_count()}; MLX {mx.__version__}", flush=True)
     out = Path(os.environ.get("OUT") or "out")
     out.mkdir(parents=True, exist_ok=True)
     path = out / "gpu_decode_profile.json"
-    device = {"mlx": mx.__version__, "sm_count": kmsup.sm_count()}
+    device = {"mlx": mx.__version__, "sm_count": kmma.sm_count()}
     for b, t in shapes:
         for w in bits:
             if "variants" not in skip:

@@ -30,7 +30,6 @@ from pathlib import Path
 import mlx.core as mx
 
 from velox_core.kernels import mma as kmma
-from velox_core.kernels import mma_support as kmsup
 from velox_core.kernels import records as krec
 from velox_core.kernels.build import ArgInfo, cuda_source
 from velox_testing.emulate import shim_dir
@@ -83,7 +82,7 @@ def build(args) -> tuple[str, list[tuple[str, object]]]:
         return krec.AffineCodes(bits=bits, group=group, codes=words, scale=z, zero=z)
 
     keys, values = codes(args.kbits, args.kgroup), codes(args.vbits, args.vgroup)
-    if not kmsup.mma_supported(args.rows, args.dim, keys, values):
+    if not kmma.mma_supported(args.rows, args.dim, keys, values):
         raise SystemExit("the tensor-core kernel does not take this shape (mma_supported)")
     qd = getattr(mx, args.query)
     out = None if args.merge == "separate" else qd

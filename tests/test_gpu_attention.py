@@ -128,7 +128,7 @@ def mma_plan(codec_k, kp, codec_v, vp, q) -> dict | None:
         got = kernel_sides(codec_k, kp, codec_v, vp, q.shape)
     sides = None if got is None else (got[0].record, (got[0].values or got[1]).record)
     dim = q.shape[-1]
-    if sides is None or not kmsup.mma_supported(q.shape[2], dim, *sides):
+    if sides is None or not kmma.mma_supported(q.shape[2], dim, *sides):
         return None
     launch = kmma.mma_launch(q.shape, q.dtype, *sides)
     return None if launch is None else dict(launch.template)
@@ -370,10 +370,11 @@ def subnormal_mma_check():
     the masked bits alone): the library's probe (one MMA of such codes times ones, against the
     exact row sums: ``velox_core.kernels.mma_support.run_subnormal_probe``) for three salts, and
     the verdict the launch plan takes (``mma_subnormals_exact``)."""
+    from velox_core.kernels import mma as kmma
     from velox_core.kernels import mma_support as kmsup
 
     worst = max(kmsup.run_subnormal_probe(salt) for salt in (0, kmsup.SUBNORMAL_SALT, 11))
-    return worst <= 1e-6 and kmsup.mma_subnormals_exact(), {"max_rel": worst}
+    return worst <= 1e-6 and kmma.mma_subnormals_exact(), {"max_rel": worst}
 
 
 # =============================================================================================

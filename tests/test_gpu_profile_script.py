@@ -13,7 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from velox_core.kernels import mma as kmma
+from velox_core.kernels import mma_support as kmsup
 from velox_core.kernels import records as krec
 from velox_core.kernels.build import ArgInfo, cuda_source
 from velox_testing.emulate import shim_dir
@@ -95,13 +95,13 @@ def test_variants_compile(profile, tmp_path):
         infos = [ArgInfo("float16", 4, 1 << 20)]
         infos += [ArgInfo(*a) for a in (("uint32", 4, 1 << 20), *[("float16", 4, 1 << 20)] * 2)] * 2
         infos += [ArgInfo("float32", 1, 16)] * 2  # the codebook levels (dummies here)
-        tmpl = kmma.mma_template(
+        tmpl = kmsup.mma_template(
             128, k, k, 4, 4, 4, 1, None, mx.float16, False, True, True, mx.float16, key_fold=True
         )
         cmd = ["nvcc", "-std=c++17", "-arch=sm_90a", "-I", str(shim_dir() / "cuda"), "-c"]
         jobs = []
         for i, name in enumerate(texts):
-            spec = dataclasses.replace(kmma.mma_spec(4, 3), name=f"v{i}", source="variant:" + name)
+            spec = dataclasses.replace(kmsup.mma_spec(4, 3), name=f"v{i}", source="variant:" + name)
             cu = tmp_path / f"v{i}.cu"
             cu.write_text(cuda_source(spec, infos, ["float32"], tmpl)[0])
             jobs.append((name, [*cmd, str(cu), "-o", str(tmp_path / f"v{i}.o")]))

@@ -135,16 +135,16 @@ def test_records_refuse_what_their_layout_does_not_hold():
 
 def test_records_have_one_home():
     """The record classes are exported by velox_core.kernels.records alone."""
-    from velox_core.kernels import codes
+    from velox_core.kernels import layout
 
     names = [c[0].__name__ for c in CASES] + ["CodeRecord"]
     for name in names:
-        assert name in records.__all__ and name not in dk.__all__ + codes.__all__
-    assert not hasattr(dk, "Codes") and not hasattr(codes, "Codes")
+        assert name in records.__all__ and name not in dk.__all__ + layout.__all__
+    assert not hasattr(dk, "Codes") and not hasattr(layout, "Codes")
 
 
 def test_codebook_codes_for_another_head_dim_are_refused():
-    from velox_core.kernels.codes import check_codes
+    from velox_core.kernels.layout import check_codes
 
     codes = mx.zeros((1, 1, 4, 128 * 4 // 32), mx.uint32)
     cb = krec.CodebookCodes(bits=4, dim=128, codes=codes, norm=F16, levels=LEV)

@@ -245,7 +245,6 @@ def test_a_planned_merge_calls_the_wrapper_once_per_variant_then_mlx_kernel(monk
 
     monkeypatch.setattr(disk_cache.CachedKernel, "__call__", counting)
     monkeypatch.setattr(merge, "MERGE_FP16", SimpleNamespace(kernel=lambda: cached))
-    assert disk_cache.direct(cached) is inner and disk_cache.direct(inner) is inner
     run = merge.plan_merge_fp16(1, 2, 4, 8, mx.float16, None, None)
     seg = (mx.zeros((1, 2, 3, 8), mx.float16),) * 2
     for fp16 in ([seg], [seg], [seg, seg], [seg]):

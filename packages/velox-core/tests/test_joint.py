@@ -1,4 +1,5 @@
-"""``velox_core.kernels.joint``: a segment's kernel sides planned in one place."""
+"""A segment's kernel sides (``velox_core.kernels.joint``) planned in one place
+(``velox_core.kernels.decode.plan_segment``, ``segment_partial``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import velox_core.kernels as vk
 from velox_core import Identity, Uniform
 from velox_core.cache import attention as att
 from velox_core.kernels import decode as dk
-from velox_core.kernels.joint import JointQuery, KernelSide, plan_segment, segment_partial
+from velox_core.kernels.decode import plan_segment, segment_partial
+from velox_core.kernels.joint import JointQuery, KernelSide
 
 
 def _fake_plans(monkeypatch):

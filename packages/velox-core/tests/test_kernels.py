@@ -36,10 +36,10 @@ from velox_core.cache.attention import (
     merge_partials,
     partial,
 )
-from velox_core.kernels import codes as kcodes
 from velox_core.kernels import config as kcfg
 from velox_core.kernels import decode as dk
 from velox_core.kernels import encode as ek
+from velox_core.kernels import layout as klayout
 from velox_core.kernels import merge as kmerge
 from velox_core.kernels import mma as kmma
 from velox_core.kernels import mma_support as kmsup
@@ -375,8 +375,8 @@ def _decode_variants():
         tmpl = [
             ("HAS_A", has_a),
             ("HAS_B", has_b),
-            ("FMAX", kcodes.FP16_MAX),
-            ("QMUL", kcodes.qmul_bits(0.088)),
+            ("FMAX", klayout.FP16_MAX),
+            ("QMUL", klayout.qmul_bits(0.088)),
             ("RD", rd),
         ]
         rot = ArgInfo("float32", 2, 1 << 20) if rd > 1 else ArgInfo("float32", 1, 8)
@@ -481,12 +481,12 @@ def _mma_variants():
         ks, vs = sdt or (H16, H16)
         k = _mma_codes(kb, kg, getattr(mx, ks[0]))
         v = _mma_codes(vb, vg, getattr(mx, vs[0]))
-        assert kmsup.mma_supported(m, 128, k, v)
+        assert kmma.mma_supported(m, 128, k, v)
         stages = kmsup.mma_stages(
             128, k, v, nw, sub, getattr(mx, qd[0]) not in kmsup.MMA_HALF_QUERY
         )
         assert stages >= 2
-        tmpl = kmma.mma_template(
+        tmpl = kmsup.mma_template(
             128,
             k,
             v,
@@ -505,13 +505,15 @@ def _mma_variants():
         )
         infos = [ArgInfo(*qd), *[ArgInfo(*a) for a in (U32, ks, ks, U32, vs, vs)]]
         infos += [ArgInfo("float32", 1, 16)] * 2  # the levels (dummies for affine sides)
-        spec = kmma.mma_spec(nw, kmsup.mma_sm_blocks(nw), merged is None)  # as _mma_plan pairs them
+        spec = kmsup.mma_spec(
+            nw, kmsup.mma_sm_blocks(nw), merged is None
+        )  # as _mma_plan pairs them
         out.append((spec, infos, ["float32"] * len(spec.outputs), tmpl))
     return out
 
 
 def test_mma_kernel_takes_only_the_shapes_it_lays_out():
-    ok = kmsup.mma_supported
+    ok = kmma.mma_supported
     assert ok(4, 128, _mma_codes(4, 64), _mma_codes(4, 64))
     assert ok(8, 128, _mma_codes(2, 64), _mma_codes(8, 32))
     assert not ok(9, 128, _mma_codes(4, 64), _mma_codes(4, 64))  # more rows than a tile holds
@@ -550,15 +552,15 @@ def test_symmetric_levels_are_found_on_the_host_and_vouched_for_codebooks_only(m
     from velox_core.ops.lloyd_max import lloyd_max_gaussian
 
     for cb in (lloyd_max_sphere(4, 128), lloyd_max_sphere(2, 64), lloyd_max_gaussian(4)):
-        assert kcodes.levels_symmetric(cb.centroids)
+        assert klayout.levels_symmetric(cb.centroids)
     lev = lloyd_max_sphere(4, 128).centroids.copy()
     lev[3] *= np.float32(1 + 1e-5)  # a float32 change that fp16 rounds away
-    assert kcodes.levels_symmetric(lev)
+    assert klayout.levels_symmetric(lev)
     lev[3] *= np.float32(1.01)
-    assert not kcodes.levels_symmetric(lev)
-    assert not kcodes.levels_symmetric(np.arange(16, dtype=np.float32))
-    assert not kcodes.levels_symmetric(np.array([-1.0, -3.0, 3.0, 1.0], np.float32))  # unsorted
-    assert not kcodes.levels_symmetric(np.array([-1e5, -1.0, 1.0, 1e5], np.float32))  # fp16 inf
+    assert not klayout.levels_symmetric(lev)
+    assert not klayout.levels_symmetric(np.arange(16, dtype=np.float32))
+    assert not klayout.levels_symmetric(np.array([-1.0, -3.0, 3.0, 1.0], np.float32))  # unsorted
+    assert not klayout.levels_symmetric(np.array([-1e5, -1.0, 1.0, 1e5], np.float32))  # fp16 inf
     cb4 = dataclasses.replace(_mma_codes(4, 0), symmetric=True)
     cb2 = dataclasses.replace(_mma_codes(2, 0), symmetric=True)
     modes = [kmsup.codebook_mode(c) for c in (_mma_codes(4, 64), _mma_codes(4, 0), cb4, cb2)]
@@ -638,8 +640,8 @@ def test_query_factor_is_log2e_times_the_scale():
     import struct
 
     for scale in (None, 1 / math.sqrt(128), 0.5):
-        got = struct.unpack("<f", struct.pack("<i", kcodes.qmul_bits(scale)))[0]
-        assert got == pytest.approx(kcodes.LOG2E * (1.0 if scale is None else scale), rel=1e-7)
+        got = struct.unpack("<f", struct.pack("<i", klayout.qmul_bits(scale)))[0]
+        assert got == pytest.approx(klayout.LOG2E * (1.0 if scale is None else scale), rel=1e-7)
 
 
 def test_mma_launch_settings():
@@ -650,22 +652,22 @@ def test_mma_launch_settings():
     assert kmsup.mma_stages(128, k, v, 4, 2) == 2  # 32-token steps: twice the bytes per stage
     assert kmsup.mma_stages(128, _mma_codes(8, 64), _mma_codes(8, 64), 4, 2) == 0
     for t, rows in ((131072, 8), (4096, 8), (1, 1), (600, 64)):
-        s = kmsup.mma_splits(t, rows, 4)
+        s = kmma.mma_splits(t, rows, 4)
         span = -(-t // s)
-        assert 1 <= s <= t and (s == 1 or span >= kmsup.MMA_MIN_SPAN)
+        assert 1 <= s <= t and (s == 1 or span >= kmma.MMA_MIN_SPAN)
 
 
 def test_fused_merge_follows_the_context_unless_set(monkeypatch):
     """The decode kernel merges its own splits up to MMA_FUSE_TOKENS tokens (a launch saved),
     a second launch past them (no fill of the partials); VELOX_DECODE_FUSE 0 / 1 decides."""
     kernel_env(monkeypatch, "VELOX_DECODE_FUSE", None)
-    assert kmsup.mma_fuse_merge(kmsup.MMA_FUSE_TOKENS) and not kmsup.mma_fuse_merge(
-        kmsup.MMA_FUSE_TOKENS + 1
+    assert kmma.mma_fuse_merge(kmma.MMA_FUSE_TOKENS) and not kmma.mma_fuse_merge(
+        kmma.MMA_FUSE_TOKENS + 1
     )
     kernel_env(monkeypatch, "VELOX_DECODE_FUSE", "1")
-    assert kmsup.mma_fuse_merge(131072)
+    assert kmma.mma_fuse_merge(131072)
     kernel_env(monkeypatch, "VELOX_DECODE_FUSE", "0")
-    assert not kmsup.mma_fuse_merge(16)
+    assert not kmma.mma_fuse_merge(16)
     with pytest.raises(ValueError, match="VELOX_DECODE_FUSE must be 0 or 1"):
         kernel_env(monkeypatch, "VELOX_DECODE_FUSE", "auto")
 
@@ -674,7 +676,7 @@ def test_sources_take_one_dtype_per_output():
     """The CUDA and Metal sources (MLX's generators' twins) want one dtype per declared output,
     as an MLX launch does: the two-output tensor-core kernel with one dtype is an error."""
     infos = [ArgInfo("float16", 4, 1 << 20)] + [ArgInfo("uint32", 4, 1 << 20)] * 6
-    parts = kmma.mma_spec(4, 3, parts=True)
+    parts = kmsup.mma_spec(4, 3, parts=True)
     with pytest.raises(ValueError, match="1 output dtypes for the outputs"):
         cuda_source(parts, infos, ["float32"])
     with pytest.raises(ValueError, match="2 output dtypes"):
@@ -689,14 +691,14 @@ def test_decode_attention_merges_in_the_kernel_up_to_the_fuse_limit(monkeypatch)
     class Routed(Exception):
         pass
 
-    def fake(q_shape, q_dtype, keys, values, splits, scale, out_dtype=None):
+    def fake(q_shape, q_dtype, keys, values, splits, scale, out_dtype=None, *where):
         raise Routed(out_dtype)
 
     kernel_env(monkeypatch, "VELOX_DECODE_FUSE", None)
     monkeypatch.setattr(dk._kernels, "backend", lambda: "cuda")
     monkeypatch.setattr(dk, "plan_mma", fake)
     q = mx.zeros((1, 1, 4, 128), mx.float16)
-    for t, want in ((kmsup.MMA_FUSE_TOKENS, mx.float16), (kmsup.MMA_FUSE_TOKENS + 1, None)):
+    for t, want in ((kmma.MMA_FUSE_TOKENS, mx.float16), (kmma.MMA_FUSE_TOKENS + 1, None)):
         z = mx.zeros((1, 1, t, 2), mx.float16)
         c = krec.AffineCodes(
             bits=4, group=64, codes=mx.zeros((1, 1, t, 16), mx.uint32), scale=z, zero=z
@@ -731,10 +733,12 @@ def test_value_fold_takes_only_the_layouts_it_covers(monkeypatch):
         kernel_env(monkeypatch, "VELOX_DECODE_LDSM", "on")
     kernel_env(monkeypatch, "VELOX_DECODE_LDSM", None)
     k = v = _mma_codes(4, 64)
-    fold = dict(kmma.mma_template(128, k, v, 4, 4, 2, 2, None, mx.float16, False, True, True))
+    fold = dict(kmsup.mma_template(128, k, v, 4, 4, 2, 2, None, mx.float16, False, True, True))
     assert fold["VFOLD"] == 1
     assert (
-        dict(kmma.mma_template(128, k, v, 4, 4, 2, 2, None, mx.float16, True, False, True))["VFOLD"]
+        dict(kmsup.mma_template(128, k, v, 4, 4, 2, 2, None, mx.float16, True, False, True))[
+            "VFOLD"
+        ]
         == 0
     )
     kernel_env(monkeypatch, "VELOX_DECODE_VFOLD", "0")
@@ -754,10 +758,10 @@ def test_key_fold_takes_only_the_layouts_it_covers(monkeypatch):
     assert not ok(_mma_codes(4, 32), 128)  # four groups a token
     k = _mma_codes(2, 64)
     args = (128, k, k, 4, 4, 2, 4, None, mx.float16, False, True, True)
-    assert dict(kmma.mma_template(*args, key_fold=True))["KFOLD"] == 1
-    assert dict(kmma.mma_template(*args))["KFOLD"] == 0
+    assert dict(kmsup.mma_template(*args, key_fold=True))["KFOLD"] == 1
+    assert dict(kmsup.mma_template(*args))["KFOLD"] == 0
     k32 = _mma_codes(4, 32)
-    assert dict(kmma.mma_template(128, k32, k, 4, 4, 2, 2, key_fold=True))["KFOLD"] == 0
+    assert dict(kmsup.mma_template(128, k32, k, 4, 4, 2, 2, key_fold=True))["KFOLD"] == 0
     kernel_env(monkeypatch, "VELOX_DECODE_KFOLD", "0")
     assert kmsup.mma_key_fold() is False
     with pytest.raises(ValueError, match="VELOX_DECODE_KFOLD must be 0 or 1"):
@@ -769,18 +773,18 @@ def test_mma_splits_fill_whole_waves_of_the_sms(monkeypatch):
     last wave costs nearly a full one): at 132 SMs and 3 threadgroups per SM, 8 KV heads take
     49 splits (392 of 396 slots), 64 take 6 (384); the busiest SM's share of the context is
     never more than with the block target."""
-    assert kmsup.sm_count() is None  # the CPU: no CUDA device
+    assert kmma.sm_count() is None  # the CPU: no CUDA device
     kernel_env(monkeypatch, "VELOX_DECODE_SMS", "132")
-    assert kmsup.sm_count() == 132
-    assert kmsup.mma_splits(131072, 8, 4, 3) == 49
-    assert kmsup.mma_splits(131072, 64, 4, 3) == 6
-    assert kmsup.mma_splits(16384, 8, 4, 3) == 32  # at least MMA_MIN_SPAN tokens per split
+    assert kmma.sm_count() == 132
+    assert kmma.mma_splits(131072, 8, 4, 3) == 49
+    assert kmma.mma_splits(131072, 64, 4, 3) == 6
+    assert kmma.mma_splits(16384, 8, 4, 3) == 32  # at least MMA_MIN_SPAN tokens per split
     slots = 132 * 3
     for t, rows in ((131072, 8), (65536, 16), (131072, 64), (40000, 24), (700, 2)):
-        s = kmsup.mma_splits(t, rows, 4, 3)
-        assert 1 <= s <= t and (s == 1 or -(-t // s) >= kmsup.MMA_MIN_SPAN)
-        kernel_env(monkeypatch, "VELOX_DECODE_BLOCKS", str(kmsup.MMA_BLOCKS))
-        old = kmsup.mma_splits(t, rows, 4, 3)
+        s = kmma.mma_splits(t, rows, 4, 3)
+        assert 1 <= s <= t and (s == 1 or -(-t // s) >= kmma.MMA_MIN_SPAN)
+        kernel_env(monkeypatch, "VELOX_DECODE_BLOCKS", str(kmma.MMA_BLOCKS))
+        old = kmma.mma_splits(t, rows, 4, 3)
         kernel_env(monkeypatch, "VELOX_DECODE_BLOCKS", None)
         assert -(-rows * s // slots) * -(-t // s) <= -(-rows * old // slots) * -(-t // old)
     with pytest.raises(ValueError, match="VELOX_DECODE_SMS"):
@@ -1403,7 +1407,7 @@ def _codebook_side(bits: int, shape, dtype, key, symmetric: bool = False):
     levels = mx.sort(mx.random.normal((1 << bits,), key=k3)) * 0.2 + 0.01
     if symmetric:
         levels = (levels - levels[::-1]) / 2
-        assert kcodes.levels_symmetric(np.asarray(levels))
+        assert klayout.levels_symmetric(np.asarray(levels))
     side = krec.CodebookCodes(
         bits=bits,
         dim=shape[-1],
@@ -1482,12 +1486,12 @@ def mma_emulated(tmp_path_factory):
         if vcb:
             vkey = mx.random.key(200 + len(cases))
             vals, vd = _codebook_side(vb, (b, h, t, d), vdt, vkey, vsym)
-        assert kmsup.mma_supported(m, d, keys, vals)
+        assert kmma.mma_supported(m, d, keys, vals)
         stages = kmsup.mma_stages(d, keys, vals, nw, sub)
         pres, pipe = name in P_RESIDUAL, name not in NO_PIPELINE
         fold, ldsm = name not in NO_FOLDS, name not in NO_LDSM
         args = (d, keys, vals, m, nw, stages, sub, None, q.dtype, pres, pipe, fold)
-        tmpl = kmma.mma_template(*args, key_fold=fold, ldsm=ldsm)
+        tmpl = kmsup.mma_template(*args, key_fold=fold, ldsm=ldsm)
         tm = dict(tmpl)
         assert tm["QLO"] == (0 if name in FP16_QUERY or name in BF16_SIDES else 1)
         assert (tm["KSBF"], tm["VSBF"]) == (kdt == mx.bfloat16, vdt == mx.bfloat16)
@@ -1500,7 +1504,7 @@ def mma_emulated(tmp_path_factory):
         assert tm["VFOLD"] == int(fold and not pres and vok and d // vg <= 4)
         assert tm["KFOLD"] == int(fold and kg % (128 // kb) == 0 and d // kg <= 2)
         out_dt = (mx.float16 if name in FP16_QUERY else q.dtype) if name in FUSED else None
-        ftmpl = kmma.mma_template(*args, out_dt, FUSE_CHUNK.get(name, 0), key_fold=fold, ldsm=ldsm)
+        ftmpl = kmsup.mma_template(*args, out_dt, FUSE_CHUNK.get(name, 0), key_fold=fold, ldsm=ldsm)
         lay = (b, h, s, m, d)
         handle, ins, launch, fused = _register_mma(
             emu, q, keys, vals, pad, lay, tmpl, ftmpl, out_dt
@@ -1529,12 +1533,12 @@ def _register_mma(emu, q, keys, vals, pad, lay, tmpl, ftmpl, out_dt):
     planes = [*kmma.mma_inputs(keys)[:3], *kmma.mma_inputs(vals)[:3]]
     levels = [kmma.mma_inputs(keys)[3], kmma.mma_inputs(vals)[3]]
     ins = [np_input(q)] + [_padded(x, pad) for x in planes] + [np_input(x) for x in levels]
-    spec = kmma.mma_spec(nw, kmsup.mma_sm_blocks(nw), parts=True)
+    spec = kmsup.mma_spec(nw, kmsup.mma_sm_blocks(nw), parts=True)
     handle = emu.kernel(spec, ins, ["float32", "float32"], tmpl)
     launch = ((s * nw * 32, b * h, 1), (nw * 32, 1, 1))
     fused = None
     if out_dt is not None:
-        fspec = kmma.mma_spec(nw, kmsup.mma_sm_blocks(nw))
+        fspec = kmsup.mma_spec(nw, kmsup.mma_sm_blocks(nw))
         fused = (emu.kernel(fspec, ins, ["float32"], ftmpl), kmma.mma_layout(b, h, s, m, d, out_dt))
     return handle, ins, launch, fused
 
@@ -1627,7 +1631,7 @@ def test_folds_stay_off_where_subnormal_operands_are_not_exact(monkeypatch):
     )
     q_shape = (1, 8, 4, 128)
     on = dict(kmma.mma_launch(q_shape, mx.float16, k, k).template)
-    assert kmsup.mma_subnormals_exact() and on["KFOLD"] == on["VFOLD"] == 1
+    assert kmma.mma_subnormals_exact() and on["KFOLD"] == on["VFOLD"] == 1
     monkeypatch.setattr("velox_core.kernels.mma.mma_subnormals_exact", lambda: False)
     off = dict(kmma.mma_launch(q_shape, mx.float16, k, k, value_fold=True, key_fold=True).template)
     assert off["KFOLD"] == off["VFOLD"] == 0
@@ -1724,17 +1728,17 @@ def kivi_emulated(tmp_path_factory):
         kp, vp = kc.encode(k), vc.encode(v.astype(KIVI_DTYPES[sdt]))
         keys = kc.kernel_codes(kp)
         vals = vc.kernel_codes(vp)
-        assert keys.kind == krec.AFFINE_CHANNEL and kmsup.mma_supported(m, d, keys, vals)
+        assert keys.kind == krec.AFFINE_CHANNEL and kmma.mma_supported(m, d, keys, vals)
         half = q.dtype in kmsup.MMA_HALF_QUERY
         stages = kmsup.mma_stages(d, keys, vals, nw, sub, not half)
         pres, ldsm = name in KIVI_P_RESIDUAL, name not in KIVI_NO_LDSM
         args = (d, keys, vals, m, nw, stages, sub, None, q.dtype, pres, True, True)
-        tmpl = kmma.mma_template(*args, key_fold=True, ldsm=ldsm)
+        tmpl = kmsup.mma_template(*args, key_fold=True, ldsm=ldsm)
         tm = dict(tmpl)
         assert (tm["KCH"], tm["KFOLD"], tm["QLO"], tm["LDSM"]) == (1, 0, int(not half), ldsm)
         assert tm["KSBF"] == (sdt == "bf16") and tm["VFOLD"] == int(not pres)
         out_dt = q.dtype if name in KIVI_FUSED else None
-        ftmpl = kmma.mma_template(*args, out_dt, key_fold=True, ldsm=ldsm)
+        ftmpl = kmsup.mma_template(*args, out_dt, key_fold=True, ldsm=ldsm)
         lay = (b, h, s, m, d)
         emu = emus[i % 2]
         handle, ins, launch, fused = _register_mma(
@@ -1770,7 +1774,7 @@ def test_per_channel_keys_take_the_tensor_core_kernel_in_whole_tile_groups():
     """The tensor-core kernel takes per-channel keys of 2, 4 or 8 bits in groups of a multiple
     of 16 tokens over whole groups (KCH, no KFOLD; the stage's scale rows as the kernel counts
     them), and not other groups, bit widths, values or scale dtypes."""
-    ok = kmsup.mma_supported
+    ok = kmma.mma_supported
     v = _mma_codes(2, 32)
     for bits, group in ((2, 32), (4, 64), (2, 128), (8, 16), (4, 48)):
         k = _mma_codes(bits, f"c{group}", t=768 if group == 48 else 256)
@@ -1833,8 +1837,8 @@ def test_cache_on_an_emulated_cuda_gpu_takes_the_tensor_core_kernel(
     # no fp16 tokens: the tensor-core kernel merges its own splits (one launch); with them its
     # partials are two outputs of their own, which the merge reads
     fused, parts = (
-        kmma.mma_spec(nw, kmsup.mma_sm_blocks(nw)),
-        kmma.mma_spec(nw, kmsup.mma_sm_blocks(nw), True),
+        kmsup.mma_spec(nw, kmsup.mma_sm_blocks(nw)),
+        kmsup.mma_spec(nw, kmsup.mma_sm_blocks(nw), True),
     )
     want = [fused.name] if window == sinks == 0 else [parts.name, "velox_decode_merge_fp16"]
     assert names == want

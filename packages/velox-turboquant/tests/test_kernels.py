@@ -227,7 +227,6 @@ def test_cache_on_an_emulated_cuda_gpu_rotates_back_in_the_merge(
     scales; a bf16 model's bf16 norms too) and through the portable kernel
     at 3 bits, then the fused merge rotates the codes' partial back and joins the sinks and
     window: two launches, matching the reference path."""
-    from velox_core.kernels import mma as kmma
     from velox_core.kernels import mma_support as kmsup
 
     dt = getattr(mx, dtype)
@@ -239,7 +238,7 @@ def test_cache_on_an_emulated_cuda_gpu_rotates_back_in_the_merge(
     fake = EmulatedKernels(tmp_path, backend="cuda").install(monkeypatch)
     got = cache.attend(q, 0.088)
     nw = kmsup.mma_warps()
-    mma = kmma.mma_spec(nw, kmsup.mma_sm_blocks(nw), True).name
+    mma = kmsup.mma_spec(nw, kmsup.mma_sm_blocks(nw), True).name
     first = "velox_decode_attention" if bits == 3 else mma
     assert fake.names == [first, "velox_decode_merge_fp16"]
     if bits != 3:  # Lloyd-Max levels are symmetric: the kernel's symmetric lookups

@@ -7,8 +7,8 @@ directory with a manifest; it uses :func:`fingerprint` the same way). A cache re
 model's artifact with :meth:`ArtifactKind.resolve`: an explicit path wins (checked: the right format
 and version, fitted for this model); otherwise the directories of ``$VELOX_ARTIFACTS``
 (colon-separated), then ``~/.cache/velox``, then the ``shared/artifacts`` that ships with velox
-(:func:`shipped_dirs`), are searched. A model without one is an error that says how to fit it,
-never a random artifact.
+are searched (:func:`velox_core.environment.search_dirs`). A model without one is an error
+that says how to fit it, never a random artifact.
 
 The fingerprint is a SHA-256 over the model's identifying config (:func:`identity`) and, for
 every parameter array (sorted by name), its name, shape and 257 evenly spaced entries (float
@@ -46,8 +46,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import environment
 from .calibration import calibration_ids, model_dtype, prefilled, token_stream
+from .environment import search_dirs
 from .validation import check_int, check_path
 
 __all__ = [
@@ -63,7 +63,6 @@ __all__ = [
     "load_cached",
     "prefilled",
     "read_metadata",
-    "search_dirs",
     "token_stream",
 ]
 
@@ -177,31 +176,6 @@ def load_cached(loader: Callable[[Path], T], path: str | os.PathLike) -> T:
     except FileNotFoundError:
         raise ValueError(f"{p}: no such file") from None
     return _load(loader, str(p), st.st_mtime_ns, st.st_size)
-
-
-def shipped_dirs() -> list[Path]:
-    """The folders of the artifacts that ship with velox (fitted for the project's reference
-    models): ``artifacts/`` of ``$VELOX_SHARED``, of a ``shared/`` folder in the working
-    directory or above it (a clone's root), and of the source checkout's ``shared/``; those
-    that exist, each once."""
-    here = Path.cwd().resolve()
-    roots = [
-        *environment.paths("VELOX_SHARED"),
-        *(p / "shared" for p in (here, *here.parents)),
-        Path(__file__).resolve().parents[4] / "shared",  # a source checkout
-    ]
-    found: list[Path] = []
-    for r in roots:
-        d = r / "artifacts"
-        if d.is_dir() and d not in found:
-            found.append(d)
-    return found
-
-
-def search_dirs() -> list[Path]:
-    """Where artifacts are looked up: ``$VELOX_ARTIFACTS`` (in order), then ``~/.cache/velox``,
-    then the shipped artifacts (:func:`shipped_dirs`)."""
-    return [*environment.paths(ENV), Path("~/.cache/velox").expanduser(), *shipped_dirs()]
 
 
 @dataclass
@@ -439,7 +413,7 @@ class ArtifactKind:
     def resolve(self, model: Any, path: str | os.PathLike | None = None) -> Path:
         """The artifact of this kind for ``model``: ``path`` if given (checked: this kind,
         fitted for this model), else the first found by the model's fingerprint in
-        :func:`search_dirs`.
+        :func:`~velox_core.environment.search_dirs`.
 
         Raises:
             ValueError: ``path`` is not such an artifact, or was fitted for another model.

@@ -3,11 +3,12 @@
 The kernels' variants and tuning are read once, at first use, by
 :mod:`velox_core.kernels.config` (its ``ENVIRONMENT`` table; ``VELOX_KERNELS=0`` among them).
 The other names are settings of where things are and of the ``velox`` command, read here
-and nowhere else (``tests/test_environment.py`` walks the sources for reads elsewhere):
+and nowhere else (``tests/test_environment.py`` walks the sources for reads elsewhere; where
+per-model artifacts are looked up is :func:`search_dirs`):
 
 ====================  ===========================================================================
 ``VELOX_ARTIFACTS``   colon-separated folders searched for per-model artifacts, before
-                      ``~/.cache/velox`` (:func:`velox_core.artifacts.search_dirs`)
+                      ``~/.cache/velox`` (:func:`search_dirs`)
 ``VELOX_SHARED``      the folder holding the project's shared assets (the reference model,
                       its sibling, data, the artifacts fitted for them), where no repository
                       checkout is found
@@ -32,7 +33,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["get", "paths", "put", "with_setting"]
+__all__ = ["get", "paths", "put", "search_dirs", "with_setting"]
 
 NAMES = (
     "VELOX_ARTIFACTS",
@@ -75,3 +76,28 @@ def with_setting(env: dict[str, str] | None = None, **settings: str) -> dict[str
     for name, value in settings.items():
         out[_known(name)] = value
     return out
+
+
+def shipped_dirs() -> list[Path]:
+    """The folders of the artifacts that ship with velox (fitted for the project's reference
+    models): ``artifacts/`` of ``$VELOX_SHARED``, of a ``shared/`` folder in the working
+    directory or above it (a clone's root), and of the source checkout's ``shared/``; those
+    that exist, each once."""
+    here = Path.cwd().resolve()
+    roots = [
+        *paths("VELOX_SHARED"),
+        *(p / "shared" for p in (here, *here.parents)),
+        Path(__file__).resolve().parents[4] / "shared",  # a source checkout
+    ]
+    found: list[Path] = []
+    for r in roots:
+        d = r / "artifacts"
+        if d.is_dir() and d not in found:
+            found.append(d)
+    return found
+
+
+def search_dirs() -> list[Path]:
+    """Where artifacts are looked up: ``$VELOX_ARTIFACTS`` (in order), then ``~/.cache/velox``,
+    then the shipped artifacts (:func:`shipped_dirs`)."""
+    return [*paths("VELOX_ARTIFACTS"), Path("~/.cache/velox").expanduser(), *shipped_dirs()]

@@ -16,8 +16,7 @@ from typing import ClassVar
 
 import mlx.core as mx
 
-from velox_core.kernels.codes import float_bits
-from velox_core.kernels.layout import Layout, pad_rows, register_layout, unused_input
+from velox_core.kernels.layout import Layout, float_bits, pad_rows, register_layout, unused_input
 from velox_core.kernels.portable import MAX_REGS
 from velox_core.kernels.records import CodeRecord, check_record
 

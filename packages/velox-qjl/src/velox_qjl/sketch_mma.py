@@ -33,9 +33,9 @@ import numpy as np
 
 import velox_core.kernels as _kernels  # backend() looked up per call (tests report another)
 from velox_core.kernels.build import KernelSpec
-from velox_core.kernels.codes import check_codes, float_bits, qmul_bits
-from velox_core.kernels.layout import unused_input
-from velox_core.kernels.mma_support import MMA_SCALE_DTYPES, mma_enabled, mma_splits
+from velox_core.kernels.layout import check_codes, float_bits, qmul_bits, unused_input
+from velox_core.kernels.mma import MMA_SCALE_DTYPES, mma_splits
+from velox_core.kernels.mma_support import mma_enabled
 from velox_core.kernels.records import AFFINE, CodeRecord
 
 from .settings import SKETCH, QJLKernelConfig
@@ -300,7 +300,7 @@ def sketch_mma_template(
 
 def sketch_splits(tokens: int, rows: int, group: int) -> int:
     """Splits of ``tokens`` for ``rows`` (batch x KV head) threadgroup rows: the tensor-core
-    kernel's wave sizing (:func:`velox_core.kernels.mma_support.mma_splits`), each split a whole
+    kernel's wave sizing (:func:`velox_core.kernels.mma.mma_splits`), each split a whole
     number of outlier blocks (the kernel rounds a split's span up to them)."""
     s = mma_splits(tokens, rows, NWARPS, SM_BLOCKS)
     align = max(16, group)

@@ -20,10 +20,9 @@ from typing import ClassVar
 import mlx.core as mx
 
 from velox_core import kernels as _vk  # backend() looked up per call (tests report another)
-from velox_core.kernels.codes import LOG2E, check_codes
-from velox_core.kernels.layout import Layout, pad_rows, register_layout
-from velox_core.kernels.mma import mma_launch, plan_mma
-from velox_core.kernels.mma_support import mma_enabled, mma_supported
+from velox_core.kernels.layout import LOG2E, Layout, check_codes, pad_rows, register_layout
+from velox_core.kernels.mma import mma_launch, mma_supported, plan_mma
+from velox_core.kernels.mma_support import mma_enabled
 from velox_core.kernels.portable import fit_splits, plan_for, plan_portable
 from velox_core.kernels.records import AffineCodes, CodeRecord
 

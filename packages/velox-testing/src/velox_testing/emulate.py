@@ -325,7 +325,6 @@ class DecodeRun:
     ):
         import mlx.core as mx
 
-        from velox_core.kernels import codes as kcodes
         from velox_core.kernels import layout as klayout
         from velox_core.kernels import merge as kmerge
         from velox_core.kernels import portable as kport
@@ -348,7 +347,7 @@ class DecodeRun:
         rng = np.random.default_rng(0)
         ins = [np_input(qf)]
         for side in (keys, values):
-            arrays = kcodes.code_inputs(side)
+            arrays = klayout.code_inputs(side)
             for i, a in enumerate(arrays):
                 x = np_input(a)
                 unused = i == 2 and (side.kind == krec.CODEBOOK or side.b is None)
@@ -357,7 +356,7 @@ class DecodeRun:
                     x = _padded_view(x, pad, rng)
                 ins.append(x)
         along = klayout.layout_of(keys).query_token_inputs(keys)  # query-side inputs per token
-        for i, a in enumerate(kcodes.sketch_inputs(keys, q_sketch, mp)):
+        for i, a in enumerate(klayout.sketch_inputs(keys, q_sketch, mp)):
             x = np_input(a)
             if pad and i in along:
                 x = _padded_view(x, pad, rng)

@@ -32,9 +32,8 @@ import mlx.core as mx
 import numpy as np
 
 from velox_core.kernels.build import KernelSpec
-from velox_core.kernels.codes import FP16_MAX, qmul_bits
 from velox_core.kernels.config import PackageSettings, register_settings
-from velox_core.kernels.layout import pad_rows, unused_input
+from velox_core.kernels.layout import FP16_MAX, pad_rows, qmul_bits, unused_input
 from velox_core.kernels.merge import merge_splits, merge_splits_fp16
 
 __all__ = [

@@ -27,7 +27,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from velox_core.kernels.codes import levels_symmetric
+from velox_core.kernels.layout import levels_symmetric
 from velox_core.ops import (
     BYTE_BITS,
     RandomizedHadamard,

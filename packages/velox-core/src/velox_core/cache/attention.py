@@ -44,7 +44,8 @@ import mlx.core as mx
 from ..codec.base import Codec, Packed
 from ..codec.identity import Identity
 from ..kernels import use_kernels
-from ..kernels.joint import JointQuery, KernelSide, plan_segment, segment_partial
+from ..kernels.decode import plan_segment, segment_partial
+from ..kernels.joint import JointQuery, KernelSide
 from ..validation import check_int
 
 _log = logging.getLogger("velox_core.kernels")

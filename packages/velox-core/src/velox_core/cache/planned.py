@@ -1,16 +1,17 @@
 """A decode step's attention, planned once per coded segment.
 
 A cache passes tokens to its codes ``flush`` at a time, so between two flushes every decode
-step attends the same coded segment: the same records, the same shapes. The first step asks
-the kernels for a plan (whether they are on; the segment's kernel sides,
-:func:`velox_core.cache.attention.kernel_sides`, planned by
-:func:`velox_core.kernels.joint.plan_segment`: the layouts, templates, splits and checks
+step attends the same coded segment: the same records, the same shapes. The flush asks the
+codecs for the segment's kernel sides (:meth:`PlannedAttention.refresh`,
+:func:`velox_core.cache.attention.kernel_sides`) and keeps them with the kernel
+configuration they were made under; the first step after it plans from them
+(:func:`velox_core.kernels.decode.plan_segment`: layouts, templates, splits and checks
 worked out once) and the steps after it only launch the kernels over that segment and the
-cache's fp16 sinks and window. The plan is keyed by everything it
-was made for (the query's shape and dtype, the scale, the segment's tokens and buffers, the
-sinks' buffer, whether the window holds tokens, the kernel configuration in force and the
-default device) and dropped when the segment changes. The queries' shape is checked when a
-plan is made (a step with the same key has the shape checked).
+cache's fp16 sinks and window. The plan is keyed by everything it was made for (the query's
+shape and dtype, the scale, the segment's tokens and buffers, the sinks' buffer, whether the
+window holds tokens, the configuration's generation, the default device) and dropped when
+the segment changes; the queries' shape is checked when a plan is made
+(:func:`check_queries`).
 """
 
 from __future__ import annotations
@@ -19,29 +20,68 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..kernels import config, use_kernels
-from ..kernels.codes import FP16_MAX
-from ..kernels.joint import JointQuery, plan_segment
+from ..kernels import config
+from ..kernels.decode import plan_segment
+from ..kernels.joint import JointQuery
+from ..kernels.layout import FP16_MAX
 from .attention import kernel_sides
 
 __all__: list[str] = []
+
+
+def check_queries(stored: Any, queries: mx.array) -> None:
+    """Raise a ``ValueError`` unless ``queries`` are ``(B, Hq, L, Dk)`` with the batch of
+    ``stored`` (a cache's :class:`~velox_core.cache.stored.Stored`), a multiple of its KV
+    heads and its key dim (unchecked before any update)."""
+    if stored.dims is None:
+        return
+    b, h, dk, _ = stored.dims
+    qs = tuple(getattr(queries, "shape", ()))
+    if len(qs) != 4 or qs[0] != b or qs[1] % h or qs[3] != dk:
+        raise ValueError(
+            f"attend: queries {qs} must be (batch={b}, a multiple of {h} heads, L, key_dim={dk})"
+        )
 
 
 class PlannedAttention:
     """The joint decode attention of one :class:`~velox_core.cache.VeloxCache`, planned once
     per coded segment (see the module)."""
 
-    __slots__ = ("_hold", "_key", "_run", "_sink")
+    __slots__ = ("_hold", "_key", "_run", "_shape", "_sides", "_sink")
 
     def __init__(self) -> None:
+        self._shape: tuple | None = None  # the grouped query shape of the latest plan
         self.clear()
 
     def clear(self) -> None:
-        """Drop the plan (the cache's coded segment or sinks changed)."""
+        """Drop the plan and the segment's sides (the cache's coded segment or sinks
+        changed)."""
         self._key: tuple | None = None
         self._run: Any = None
         self._sink: tuple[mx.array, mx.array] | None = None
         self._hold: tuple | None = None
+        self._sides: tuple | None = None
+
+    def refresh(self, cache: Any) -> None:
+        """The codes changed at a flush: drop the plan, and make the new segment's kernel
+        sides now, for the query shape the latest plan was made for (none before a first
+        plan); the next step plans from them."""
+        self.clear()
+        if self._shape is not None and len(cache.tiers) == 1:
+            self._sides = self._make_sides(cache, self._shape)
+
+    def _make_sides(self, cache: Any, q_shape: tuple) -> tuple:
+        """``(key, sides or None, settings, buffers held)`` of the cache's coded
+        segment for grouped queries of ``q_shape`` (the key: the segment's tokens and
+        buffers, the shape, the configuration's generation and the default device)."""
+        ks, vs = cache.stored.coded[0]
+        key = (ks.tokens, id(ks.buf), id(vs.buf), q_shape, config.generation, mx.default_device())
+        tier = cache.tiers[0]
+        sides = None
+        if ks.tokens:
+            sides = kernel_sides(tier.key_codec, ks.view(), tier.value_codec, vs.view(), q_shape)
+        # the key holds the buffers' ids: holding the buffers keeps those ids theirs
+        return key, sides, config.kernel_config(), (ks.buf, vs.buf)
 
     def __call__(self, cache: Any, queries: mx.array, scale: float) -> mx.array | None:
         """Attention of ``queries`` (``(B, Hq, L, D)``, a few rows) over ``cache``'s sinks,
@@ -71,7 +111,7 @@ class PlannedAttention:
             mx.default_device(),
         )
         if key != self._key:
-            cache.check_queries(queries)  # a plan's key holds the shape it checked
+            check_queries(stored, queries)  # a plan's key holds the shape it checked
             self._plan(cache, key, (b, h, (hq // h) * lq, d), queries.dtype, scale)
         if self._run is None:
             return None
@@ -85,16 +125,20 @@ class PlannedAttention:
     def _plan(self, cache: Any, key: tuple, q_shape, dtype: mx.Dtype, scale: float) -> None:
         stored = cache.stored
         ks, vs = stored.coded[0]
-        tier = cache.tiers[0]
-        n_sink, n_win = key[6], stored.n_window
+        sk, sv = stored.sink
+        n_sink, n_win = key[6], stored.window[0].tokens
+        self._shape = q_shape
+        got = self._sides  # made at the flush for this shape, or made now
+        if got is None or got[0] != (ks.tokens, id(ks.buf), id(vs.buf), q_shape, *key[9:]):
+            got = self._make_sides(cache, q_shape)
+        sides, settings = got[1:3]
         self.clear()
-        on = use_kernels()
-        sides = on and kernel_sides(tier.key_codec, ks.view(), tier.value_codec, vs.view(), q_shape)
-        if sides:
-            query = JointQuery(tuple(q_shape), dtype, n_sink + n_win, dtype, scale)
-            self._run = plan_segment(query, *sides)
-        if n_sink:
-            self._sink = (stored.sink[0].view().data["x"], stored.sink[1].view().data["x"])
+        self._sides = got
+        if sides is not None:
+            query = JointQuery(q_shape, dtype, n_sink + n_win, dtype, scale)
+            self._run = plan_segment(query, *sides, settings)
+        if n_sink:  # the sinks' tokens, slices of their buffers as the window's
+            self._sink = (sk.buf.data["x"][:, :, :n_sink], sv.buf.data["x"][:, :, :n_sink])
         # the key holds the buffers' ids: holding the records keeps those ids theirs
-        self._hold = (ks.buf, vs.buf, stored.sink[0].buf)
+        self._hold = (ks.buf, vs.buf, sk.buf)
         self._key = key

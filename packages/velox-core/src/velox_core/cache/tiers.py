@@ -92,9 +92,10 @@ class TierMixin:
 
     def _flush(self, ahead: int = 0) -> None:
         """Move window overflow into tier 0 (once it reaches the flush quantum) and tier
-        overflow down the tiers. ``ahead``: tokens about to be written into the window,
-        counted as if they were there (the caller checks that the tokens passed on are all
-        stored already)."""
+        overflow down the tiers; tier 0's new codes get their kernel sides for the decode
+        attention then (:meth:`~velox_core.cache.planned.PlannedAttention.refresh`).
+        ``ahead``: tokens about to be written into the window, counted as if they were there
+        (the caller checks that the tokens passed on are all stored already)."""
         if not self.before_coding():
             return
         first = self.tiers[0]
@@ -110,6 +111,7 @@ class TierMixin:
             )
             self.stored.window[0].drop_front(n)
             self.stored.window[1].drop_front(n)
+            self._planned.refresh(self)  # the new segment's kernel sides, made with its codes
         for i in range(len(self.tiers) - 1):
             src, dst = self.tiers[i], self.tiers[i + 1]
             blk = _lcm(

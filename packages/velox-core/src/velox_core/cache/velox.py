@@ -35,7 +35,7 @@ from ..codec.identity import Identity
 from ..policy.view import PolicyView
 from ..validation import FLOAT_DTYPES, check_int, check_kv
 from .attention import attend, decode_segments
-from .planned import PlannedAttention
+from .planned import PlannedAttention, check_queries
 from .retention import RetentionMixin
 from .rows import BatchRowsMixin
 from .state import StateMixin
@@ -470,15 +470,7 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
     def check_queries(self, queries: mx.array) -> None:
         """Raise a ``ValueError`` unless ``queries`` are ``(B, Hq, L, Dk)`` with the stored
         batch, a multiple of the KV heads and the key dim (unchecked before any update)."""
-        if self.stored.dims is None:
-            return
-        b, h, dk, _ = self.stored.dims
-        qs = tuple(getattr(queries, "shape", ()))
-        if len(qs) != 4 or qs[0] != b or qs[1] % h or qs[3] != dk:
-            raise ValueError(
-                f"attend: queries {qs} must be (batch={b}, a multiple of {h} heads, L, "
-                f"key_dim={dk})"
-            )
+        check_queries(self.stored, queries)
 
     def size(self) -> int:
         """Stored tokens (the widest head's, with per-head budgets)."""

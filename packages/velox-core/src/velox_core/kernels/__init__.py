@@ -13,8 +13,9 @@ Submodules (imported on use, never by this package):
 * :mod:`velox_core.kernels.build`: one kernel body instantiated for Metal or CUDA
   (``KernelSpec``), and the full sources MLX generates around it, for compile checks;
 * :mod:`velox_core.kernels.config`: the kernels' typed configuration (:class:`KernelConfig`);
-* :mod:`velox_core.kernels.decode`: fused split-K decode attention over packed codes (its
-  pieces in ``codes``, ``portable``, ``mma_support``, ``mma``, ``merge``);
+* :mod:`velox_core.kernels.decode`: fused split-K decode attention over packed codes, the
+  plan from a segment's records to the launches (its pieces in ``layout``, ``portable``,
+  ``mma``, ``mma_support``, ``merge``);
 * :mod:`velox_core.kernels.encode`: fused quantize-and-pack (affine codes, sign sketches).
 
 The CPU emulation of the kernels (their Metal instantiation run through the C++ shim in

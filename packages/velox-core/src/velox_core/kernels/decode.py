@@ -19,8 +19,11 @@ codebook per batch row and KV head). Keys may also be **per-channel affine** cod
 pass (:mod:`velox_core.kernels.layout`). Codes are uint32 words in velox's packing layout
 (:mod:`velox_core.ops.packing`), any width 1 to 8 where a lane's channels fill whole words.
 
-:func:`plan` says whether (and how) a shape is supported; :func:`decode_attention` returns
-None where it is not, so callers fall back to the reference.
+The plan, one way down to the launches: :func:`plan_segment` (a segment's kernel sides) and
+:func:`plan_decode` (its records) decide once which kernel runs them (a layout's own, the
+tensor-core one on CUDA where it takes the layout, else the portable one) and plan the
+merge; :func:`decode_attention` and :func:`segment_partial` plan and run once. None where no
+kernel takes the shape, so callers fall back to the reference.
 
 Shapes:
     q ``(B, H, M, D)`` float32 with the scale applied; codes ``(B, H, T, ceil(D*bits/32))``
@@ -30,21 +33,27 @@ Shapes:
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from .. import kernels as _kernels  # backend() looked up per call (tests report another)
-from .codes import FP16_MAX, check_codes
-from .config import kernel_config
-from .layout import layout_of, pad_rows
+from .config import KernelConfig, kernel_config
+from .layout import FP16_MAX, check_codes, layout_of, pad_rows
 from .merge import merge_splits, plan_merge_fp16
-from .mma import plan_mma
-from .mma_support import mma_enabled, mma_fuse_merge, mma_supported
+from .mma import mma_fuse_merge, mma_supported, plan_mma
 from .portable import plan_portable
 from .records import CodeRecord
 
-__all__ = ["decode_attention", "plan_decode"]
+if TYPE_CHECKING:
+    from .joint import JointQuery, KernelSide
+
+__all__ = ["decode_attention", "plan_decode", "plan_segment", "segment_partial"]
+
+# run(q, fp16): q (B, H, M, D); fp16 up to two (keys, values) pairs (B, H, T_i, D); returns
+# (B, H, M, D) in the plan's out_dtype, or None where the fp16 segments do not fit the merge
+JointRun = Callable[[mx.array, list[tuple[mx.array, mx.array]]], mx.array | None]
 
 
 def _check_call(
@@ -80,6 +89,7 @@ def plan_decode(
     rot: mx.array | None = None,
     q_sketch: bool = False,
     out_only: bool = False,
+    settings: KernelConfig | None = None,
 ):
     """:func:`decode_attention` planned once for one coded segment and one query shape.
 
@@ -98,7 +108,10 @@ def plan_decode(
             then be given none).
         merge_q, q_sketch: whether ``run`` is given these queries.
         out_only: with ``out_dtype``: ``run`` returns only ``o``, the normalized output (what
-            a joint plan returns: :func:`velox_core.kernels.joint.plan_joint`).
+            a joint plan returns: :func:`plan_segment`).
+        settings: the kernel configuration the plan is made under (default: the one in
+            force, :func:`velox_core.kernels.config.kernel_config`; a cache's plan passes the
+            one its segment's sides were made under).
         Others: as :func:`decode_attention`.
     """
     b, h, m, dim = q_shape
@@ -106,7 +119,8 @@ def plan_decode(
     if t < 1 or values.codes.shape[2] != t:
         return None
     _check_call(q_shape, keys, values, fp16_tokens, out_dtype, merge_q, rot, q_sketch)
-    off = kernel_config().layouts_off
+    settings = settings or kernel_config()
+    off = settings.layouts_off
     if off and (layout_of(keys).name in off or layout_of(values).name in off):
         return None
     if out_only and out_dtype is None:
@@ -118,12 +132,12 @@ def plan_decode(
     own = layout_of(keys).own_kernel(q_shape, keys, values, splits, scale)
     if own is not None:  # a kernel of the keys' layout's own (a method package's)
         parts = own
-    elif _kernels.backend() == "cuda" and mma_enabled() and mma_supported(m, dim, keys, values):
+    elif _kernels.backend() == "cuda" and settings.mma and mma_supported(m, dim, keys, values):
         check_codes("key", keys, b, h, t, dim)
         check_codes("value", values, b, h, t, dim)
-        if fp16_tokens == 0 and rot is None and mma_fuse_merge(t):
+        if fp16_tokens == 0 and rot is None and mma_fuse_merge(t, settings):
             # no fp16 tokens to join: the kernel merges its own splits (one launch)
-            fused = plan_mma(q_shape, q_dtype, keys, values, splits, scale, out_dtype)
+            fused = plan_mma(q_shape, q_dtype, keys, values, splits, scale, out_dtype, settings)
             if fused is not None:
 
                 def run_fused(q, fp16=None, merge_q=None, q_sketch=None):
@@ -134,11 +148,11 @@ def plan_decode(
 
                 return run_fused
         else:
-            parts = plan_mma(q_shape, q_dtype, keys, values, splits, scale)
+            parts = plan_mma(q_shape, q_dtype, keys, values, splits, scale, None, settings)
             takes_qs = False  # the tensor-core kernel takes no query sketch: run(q)
 
     if parts is None:
-        parts = plan_portable(q_shape, keys, values, splits, scale)
+        parts = plan_portable(q_shape, keys, values, splits, scale, settings)
         if parts is None:
             return None
         takes_qs = True
@@ -239,3 +253,82 @@ def decode_attention(
         q_sketch is not None,
     )
     return None if run is None else run(q, fp16, merge_q, q_sketch)
+
+
+def _kernel_query(keys: KernelSide, q: mx.array) -> tuple[mx.array, mx.array | None]:
+    """The kernel's query and its query-side input from the model's query ``q``."""
+    kq = q if keys.query is None else keys.query(q)
+    return kq, None if keys.query_input is None else keys.query_input(kq)
+
+
+def plan_segment(
+    query: JointQuery,
+    keys: KernelSide,
+    values: KernelSide,
+    settings: KernelConfig | None = None,
+) -> JointRun | None:
+    """The decode kernel and the fp16 merge planned for ``query`` over one segment's sides
+    (:class:`~velox_core.kernels.joint.KernelSide`): ``run(q, fp16)``, or None where no kernel
+    takes the shape (``settings``: as :func:`plan_decode`).
+
+    Shapes:
+        q ``(B, H, M, D)``: float32 with the scale applied, or unscaled (any float dtype)
+        with ``query.scale``; fp16 pairs ``(B, H, T_i, D)`` in the model's domain; ``run``
+        returns ``(B, H, M, D)`` in ``query.out_dtype``.
+    """
+    values = keys.values or values
+    if values.back is not None and values.back.ndim != 2:
+        return None
+    # the fp16 keys are scored with the model's query where the kernel's is another, and
+    # the merge maps coded values back (``rot``) with the model's query beside them
+    merge_q = keys.query is not None or values.back is not None
+    flags = {
+        "fp16_tokens": query.fp16_tokens,
+        "out_dtype": query.out_dtype,
+        "scale": query.scale,
+        "merge_q": merge_q,
+        "rot": values.back,
+        "q_sketch": keys.query_input is not None,
+        "out_only": True,
+        "settings": settings,
+    }
+
+    def plan(dtype: mx.Dtype):
+        return plan_decode(query.shape, dtype, keys.record, values.record, **flags)
+
+    first = keys.query_dtype or query.dtype
+    if not merge_q and keys.query_input is None and first == query.dtype:
+        # the model's query is the kernel's: the decode plan's own run (returning the
+        # normalized output) is the joint run, one Python frame fewer a step
+        return plan(first)
+    plans = {first: plan(first)}  # per dtype of the kernel's query
+    if plans[first] is None:
+        return None
+
+    def run(q: mx.array, fp16: list[tuple[mx.array, mx.array]]) -> mx.array | None:
+        kq, qs = _kernel_query(keys, q)
+        if kq.dtype not in plans:
+            plans[kq.dtype] = plan(kq.dtype)
+        launch = plans[kq.dtype]
+        return None if launch is None else launch(kq, fp16, q if merge_q else None, qs)
+
+    return run
+
+
+def segment_partial(
+    q: mx.array, keys: KernelSide, values: KernelSide
+) -> tuple[mx.array, mx.array, mx.array] | None:
+    """One segment's partial ``(o, m, l)`` from its codes (the decode kernel and the split
+    merge), or None where no kernel takes the shape.
+
+    Shapes:
+        q ``(B, H, M, D)`` float32 with the scale applied; returns ``(B, H, M, D)``,
+        ``(B, H, M, 1)``, ``(B, H, M, 1)`` float32 (``o`` in the model's domain).
+    """
+    values = keys.values or values
+    kq, qs = _kernel_query(keys, q)
+    out = decode_attention(kq, keys.record, values.record, q_sketch=qs)
+    if out is None or values.back is None:
+        return out
+    o, m, l = out
+    return o @ values.back, m, l

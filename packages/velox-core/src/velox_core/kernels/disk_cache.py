@@ -266,7 +266,9 @@ class CachedKernel:
     on (:func:`ensure_compiled`); the rest of its calls go straight to MLX (a variant that
     differs only in input dtypes is then compiled by MLX itself: slower, never wrong). A
     failure to compile or write is reported once and turns the cache off for the process:
-    MLX then compiles every kernel itself, as without this class.
+    MLX then compiles every kernel itself, as without this class. A launch plan calls
+    ``kernel``, the MLX kernel behind the wrapper, once its variant went through the wrapper
+    (the tensor-core kernel's and the merge's), so that the hot path skips it.
     """
 
     failed = False  # class-wide: one report, then MLX compiles every kernel itself
@@ -306,13 +308,6 @@ class CachedKernel:
 # MLX releases whose module naming, cache layout and generated source this module follows
 # (checked on an NVIDIA GPU: the source MLX prints with verbose=True equals cuda_source's)
 MLX_VERSIONS = ("0.32.",)
-
-
-def direct(kernel: Any) -> Any:
-    """The MLX kernel behind ``kernel`` (a :class:`CachedKernel`'s, else ``kernel``): what a
-    launch plan calls once its variant went through ``kernel`` (compiled into the disk cache),
-    so that the hot path skips the wrapper."""
-    return kernel.kernel if isinstance(kernel, CachedKernel) else kernel
 
 
 def wrap(kernel: Any, render: Callable[..., tuple[str, str]]) -> Any:

@@ -18,6 +18,12 @@ its own defines its record class (a :class:`~velox_core.kernels.records.CodeReco
 :class:`Layout` subclass and, where its keys need their own scoring, the key pass; it
 registers the layout when its kernel module is imported. See docs/contributing.md.
 
+Through the layouts, the kernels' host code gets what it takes from a record here: its
+inputs (:func:`code_inputs`, :func:`sketch_inputs`), its shape checks against the query's
+head dim (:func:`check_codes`), and the template values every kernel shares
+(:func:`qmul_bits`, :func:`float_bits`, :data:`FP16_MAX`; :func:`levels_symmetric`, the host
+check of a codebook's symmetry).
+
 **The key pass contract.** A key pass is a block of kernel body text (Metal, compiled for
 CUDA as well through ``velox_kernels.h``) placed where the portable kernel scores a split's
 tokens, run when the template constant ``KOWN`` is 1. It reads the kernel's names: the split
@@ -37,9 +43,11 @@ splits start on whole blocks of :meth:`Layout.split_block` tokens, and
 
 from __future__ import annotations
 
+import struct
 from typing import ClassVar
 
 import mlx.core as mx
+import numpy as np
 
 from .records import (
     AFFINE,
@@ -53,7 +61,26 @@ from .records import (
     VQCodes,
 )
 
-__all__ = ["Layout", "device_floats", "layout_of", "pad_rows", "register_layout", "unused_input"]
+__all__ = [
+    "FP16_MAX",
+    "LOG2E",
+    "Layout",
+    "check_codes",
+    "code_inputs",
+    "device_floats",
+    "float_bits",
+    "layout_of",
+    "levels_symmetric",
+    "pad_rows",
+    "qmul_bits",
+    "register_layout",
+    "sketch_inputs",
+    "unused_input",
+]
+
+FP16_MAX = 2048  # most fp16 tokens (sinks + window) the fused merge takes
+
+LOG2E = 1.4426950408889634
 
 # most floats of one side's VQ codebook (codewords x channels) the portable kernel keeps in
 # threadgroup memory: 4 KiB a side beside the 16 KiB of scores (Metal allows 32 KiB)
@@ -242,6 +269,55 @@ def layout_for(kind: int) -> Layout | None:
 def layouts() -> tuple[Layout, ...]:
     """The registered layouts, by kind."""
     return tuple(_BY_KIND[k] for k in sorted(_BY_KIND))
+
+
+def qmul_bits(scale: float | None = None) -> int:
+    """The ``QMUL`` template value: the float32 bits of ``log2(e)`` (times ``scale``, for
+    queries that come unscaled), the factor the tensor-core kernel and the fp16 merge apply to
+    the queries."""
+    return float_bits(LOG2E * (1.0 if scale is None else float(scale)))
+
+
+def float_bits(x: float) -> int:
+    """The float32 bits of ``x`` as a signed int (a template value)."""
+    return struct.unpack("<i", struct.pack("<f", float(x)))[0]
+
+
+def levels_symmetric(levels) -> bool:
+    """Whether codebook ``levels`` (host values: a numpy array or a list of floats) are
+    ascending and symmetric about 0 in fp16, ``fp16(L[n - 1 - c]) == -fp16(L[c])`` for every
+    code ``c``: what :attr:`CodebookCodes.symmetric` vouches for. One host check per codebook;
+    never on a device array in a decode step (it would wait for the device)."""
+    lev = np.asarray(levels, dtype=np.float32).reshape(-1)
+    with np.errstate(over="ignore"):  # past fp16's range: infinite, refused below
+        half = lev.astype(np.float16)
+    if lev.size < 2 or not np.all(np.isfinite(half)) or np.any(np.diff(half) < 0):
+        return False
+    return bool(np.array_equal(half[::-1], -half))
+
+
+def code_inputs(c: CodeRecord) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """One side's four inputs of the portable kernel (``kc, ka, kb, klv`` or ``vc, va, vb,
+    vlv``): its layout's (:meth:`Layout.inputs`)."""
+    return layout_of(c).inputs(c)
+
+
+def sketch_inputs(keys: CodeRecord, q_sketch: mx.array | None, rows: int) -> list[mx.array]:
+    """The portable kernel's last five inputs (``ksg, krn, qsk, kix, kst``): the keys'
+    query-side inputs (:meth:`Layout.query_inputs`; the sketched
+    query or query tables padded to ``rows``), placeholders where the keys take none."""
+    return layout_of(keys).query_inputs(keys, q_sketch, rows)
+
+
+def check_codes(name: str, c: CodeRecord, b: int, h: int, t: int, dim: int) -> None:
+    """Shapes and dtypes of one side's record (``name``: ``"key"`` or ``"value"``) against a
+    ``(B, H, T)`` segment of head dim ``dim`` (:meth:`Layout.check`);
+    a keys-only layout is refused as values. What the record's construction checked (widths,
+    its arrays present) is not checked again."""
+    lay = layout_of(c)
+    if name != "key" and lay.keys_only:
+        raise ValueError(f"decode_attention: {lay.name} codes are for keys only")
+    lay.check(name, c, b, h, t, dim)
 
 
 def _check_words(name: str, c: CodeRecord, b: int, h: int, t: int, words: int) -> None:

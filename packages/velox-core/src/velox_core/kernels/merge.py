@@ -10,9 +10,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .build import KernelSpec
-from .codes import FP16_MAX, qmul_bits
-from .disk_cache import direct
-from .layout import unused_input
+from .disk_cache import CachedKernel
+from .layout import FP16_MAX, qmul_bits, unused_input
 
 __all__ = ["MERGE", "merge_launch", "merge_splits", "merge_splits_fp16", "plan_merge_fp16"]
 
@@ -145,7 +144,7 @@ def plan_merge_fp16(b: int, h: int, rows: int, dim: int, out_dtype, scale, rot):
     # per template: the kernel until its variant has been launched once (compiled into the
     # disk cache by a CachedKernel), then the MLX kernel behind it
     calls = [kernel] * len(templates)
-    plain = direct(kernel)
+    plain = kernel.kernel if isinstance(kernel, CachedKernel) else kernel
 
     def run(o_part, ml_part, q, fp16):
         segs = [(k, v) for k, v in fp16 if k.shape[2] > 0]

@@ -1,13 +1,16 @@
-"""The tensor-core decode kernel (CUDA, ``metal/decode_attention_mma.cu`` bodies): template,
-launch plan, input layout and launch.
+"""The tensor-core decode kernel (CUDA, ``metal/decode_attention_mma.cu`` bodies): which
+segments it takes, its splits, input layout and launch.
 
-:func:`mma_launch` plans a call (kernel variant, template, splits, warps) once per shape,
-codes and settings; :func:`plan_mma` returns the launch that :mod:`.decode` runs.
+:func:`mma_supported` is the layout test; :func:`mma_launch` plans a call (the variant of
+:func:`velox_core.kernels.mma_support.mma_kernel_plan`, and the splits: :func:`mma_splits`,
+sized to the device's SMs) and :func:`plan_mma` returns the launch that :mod:`.decode` runs.
+A decode plan made from a cache passes the configuration it was made under (``settings``);
+other callers leave it to be read.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import ctypes
 import functools
 import math
 from dataclasses import dataclass
@@ -15,148 +18,210 @@ from typing import Any
 
 import mlx.core as mx
 
+from .. import kernels as _kernels  # backend() looked up per call (tests report another)
 from .build import KernelSpec
-from .codes import qmul_bits
 from .config import KernelConfig, kernel_config
-from .disk_cache import direct
+from .disk_cache import CachedKernel
 from .layout import unused_input
-from .mma_support import (
-    MMA_HALF_QUERY,
-    codebook_mode,
-    mma_fold_ok,
-    mma_key_fold,
-    mma_key_fold_ok,
-    mma_ldsm,
-    mma_p_residual,
-    mma_pipeline,
-    mma_sm_blocks,
-    mma_splits,
-    mma_stages,
-    mma_subnormals_exact,
-    mma_subtiles,
-    mma_value_fold,
-    mma_warps,
-)
-from .records import (
-    AFFINE,
-    AFFINE_CHANNEL,
-    CODEBOOK,
-    AffineCodes,
-    ChannelAffineCodes,
-    CodebookCodes,
-    CodeRecord,
-)
+from .mma_support import MMA_SM_BLOCKS, mma_kernel_plan, run_subnormal_probe
+from .records import AFFINE, AFFINE_CHANNEL, CODEBOOK, CodeRecord
 
-__all__ = ["mma_launch", "plan_mma"]
+__all__ = ["MMA_SCALE_DTYPES", "mma_launch", "mma_splits", "mma_supported", "plan_mma"]
 
-DECODE_MMA = KernelSpec(
-    name="velox_decode_attention_mma",
-    source="decode_attention_mma.cu",
-    # kl / vl: a codebook side's levels (KCB / VCB), else unused
-    inputs=("q", "kc", "ka", "kb", "vc", "va", "vb", "kl", "vl"),
-    # one float32 workspace: the partials, and with FUSE = 1 the merged result and the counts
-    # (mma_layout); one output, so the launch's zero fill (FUSE = 1) is one fill
-    outputs=("ws",),
-    row_contiguous=False,
-    cuda_headers=("velox_mma.cuh",),
-)
+MMA_BITS = (2, 4, 8)
 
-# the same kernel leaving the merge to a second launch (FUSE = 0): the partials as two outputs
-# of their own shapes, (m, l) in ws and the outputs in wo, so the merge reads them without views
-DECODE_MMA_PARTS = dataclasses.replace(
-    DECODE_MMA,
-    name="velox_decode_attention_mma_parts",
-    outputs=("ws", "wo"),
-    defines=("VX_MMA_PARTS 1",),
-)
+
+MMA_MAX_ROWS = 8  # query rows per KV head the tensor-core kernel holds (rows 0-7 of a tile)
+
+
+MMA_MIN_SPAN = 512  # fewest tokens per split of the tensor-core kernel
+
+
+MMA_BLOCKS = 512  # threadgroups the tensor-core kernel aims for (measured on an H200)
+
+
+# scale and zero dtypes the tensor-core kernel reads (KSBF / VSBF pick bfloat16 per side)
+MMA_SCALE_DTYPES = (mx.float16, mx.bfloat16)
+
+
+# codebook code widths the tensor-core kernel looks up in registers (KCB / VCB)
+MMA_CODEBOOK_BITS = (2, 4)
+
+
+def _mma_codebook_side(c: CodeRecord, dim: int, key: bool) -> bool:
+    """A codebook side (one norm a token, ``2**bits`` levels, no residual
+    sketch) the tensor-core kernel lays out: 2 or 4 bits, fp16 or bf16 norms, and a head dim
+    whose rows fill the fold's ldmatrix layout (keys: whole 16-byte segments and 4 words a
+    k-step; values: 8 16-bit units a lane and an even count of 8-unit blocks)."""
+    if c.bits not in MMA_CODEBOOK_BITS or c.signs is not None or c.b is not None:
+        return False
+    if c.a is None or c.a.dtype not in MMA_SCALE_DTYPES or c.a.ndim != 3:
+        return False
+    if c.levels is None or tuple(c.levels.shape) != (1 << c.bits,):
+        return False
+    if key:
+        return dim % (4 * (32 // c.bits)) == 0 and (dim * c.bits) % 128 == 0
+    return dim % (8 * (16 // c.bits)) == 0 and (dim * c.bits // 128) % 2 == 0
+
+
+def _mma_side(c: CodeRecord, dim: int, lane_channels: int) -> bool:
+    if c.kind != AFFINE or c.bits not in MMA_BITS or dim % c.group:
+        return False
+    if (lane_channels * c.bits) % 32 or c.group % (32 // c.bits):
+        return False
+    if c.a.dtype not in MMA_SCALE_DTYPES or c.b is None or c.b.dtype != c.a.dtype:
+        return False
+    return lane_channels % c.group == 0 or c.group % lane_channels == 0
+
+
+def _mma_channel_side(c: CodeRecord, dim: int) -> bool:
+    """Per-channel affine keys (KIVI's, ``KCH``): 2, 4 or 8 bits whose quarter of a row fills
+    whole code words, groups of whole 16-token tiles (a multiple of 16 tokens), a context of
+    whole groups, and fp16 or bf16 scale and zero rows ``(B, H, T / group, D)`` of one dtype."""
+    if c.bits not in MMA_BITS or c.group < 16 or c.group % 16 or (dim // 4 * c.bits) % 32:
+        return False
+    if c.a is None or c.b is None or c.a.dtype not in MMA_SCALE_DTYPES or c.b.dtype != c.a.dtype:
+        return False
+    if c.codes.ndim != 4 or c.signs is not None or c.levels is not None:
+        return False
+    b, h, t, _ = c.codes.shape
+    rows = (b, h, t // c.group, dim)
+    return t % c.group == 0 and tuple(c.a.shape) == rows and tuple(c.b.shape) == rows
+
+
+def mma_supported(m: int, dim: int, keys: CodeRecord, values: CodeRecord) -> bool:
+    """Whether ``decode_attention_mma.cu`` lays out this shape: affine codes of 2, 4 or 8 bits
+    with float16 or bfloat16 scales and zeros (one dtype a side) on both sides, at most
+    :data:`MMA_MAX_ROWS` query rows, a head dim that is a multiple of 16 whose quarter (keys)
+    and eighth (values) fill whole code words, and groups that hold whole code words and whole
+    lanes (or lanes whole groups); or codebook codes of 2 or 4 bits with one fp16 or bf16 norm
+    a token (rotated-domain codebooks, :func:`_mma_codebook_side`) on either side; or
+    per-channel affine keys (KIVI's, :func:`_mma_channel_side`)."""
+    if not 1 <= m <= MMA_MAX_ROWS or dim % 16:
+        return False
+    if keys.kind == CODEBOOK:
+        kok = _mma_codebook_side(keys, dim, True)
+    elif keys.kind == AFFINE_CHANNEL:
+        kok = _mma_channel_side(keys, dim)
+    else:
+        kok = _mma_side(keys, dim, dim // 4)
+    vok = (
+        _mma_codebook_side(values, dim, False)
+        if values.kind == CODEBOOK
+        else _mma_side(values, dim, dim // 8)
+    )
+    return kok and vok
+
+
+MMA_FUSE_TOKENS = 16384  # the longest context whose splits the decode kernel merges itself
+
+
+def mma_fuse_merge(tokens: int, settings: KernelConfig | None = None) -> bool:
+    """Whether the tensor-core kernel merges its splits itself where the call has no fp16
+    segments: ``KernelConfig.fuse`` 1 or 0 (of ``settings``, default the configuration in
+    force), else up to :data:`MMA_FUSE_TOKENS` tokens.
+
+    Merging in the kernel saves a launch (about 22 µs of host time a call on the H200's host,
+    ``gpu_dispatch.py``), but its counters need a zeroed output, and MLX zeroes the whole
+    output, partials included, with a fill launch whose device time grows with them (about 5
+    µs for 49 splits at batch 1, 128k) while the last threadgroup's merge runs alone at the
+    end; a separate merge launch took 4 µs. So short contexts, where a call's host time is
+    its cost, merge in the kernel, and long ones in a second launch (batch 1, 128k, 2 bits:
+    43.6 µs against 49.5 of device time, docs/performance.md)."""
+    fuse = (settings or kernel_config()).fuse
+    return tokens <= MMA_FUSE_TOKENS if fuse is None else fuse
+
+
+_SUBNORMALS: dict[int, bool] = {}
+
+
+def mma_subnormals_exact() -> bool:
+    """Whether the CUDA device MLX computes on takes fp16 subnormal MMA operands exactly,
+    which both folds (``KFOLD``, ``VFOLD``) rely on: the probe is run once per device (checked
+    on an H200; a device that flushed them would get scores and values of zero, so the folds
+    are then left off). True where no CUDA device computes (nothing runs the folds on
+    hardware; the CPU emulation takes subnormals exactly). A probe that cannot run (e.g.
+    inside a traced function) leaves the folds off on that device for the process (the
+    decoded path is exact either way)."""
+    if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
+        return True
+    dev = mx.default_device()
+    if dev.type != mx.DeviceType.gpu:
+        return True
+    ordinal = getattr(dev, "index", 0) or 0
+    if ordinal not in _SUBNORMALS:
+        try:
+            _SUBNORMALS[ordinal] = run_subnormal_probe() <= 1e-6
+        except Exception:  # any failure to run the probe: fold nothing
+            _SUBNORMALS[ordinal] = False
+    return _SUBNORMALS[ordinal]
 
 
 @functools.cache
-def mma_spec(nwarps: int, sm_blocks: int, parts: bool = False) -> KernelSpec:
-    """The tensor-core kernel declared for ``nwarps`` warps and ``sm_blocks`` threadgroups per
-    SM (0: no bounds); one MLX kernel name per bound, since MLX caches kernels by name.
-    ``parts``: the variant that writes its partials as two outputs, ``ml_part (B, H, S, M, 2)``
-    and ``o_part (B, H, S, M, D)`` (``FUSE`` 0 only; :data:`DECODE_MMA_PARTS`)."""
-    base = DECODE_MMA_PARTS if parts else DECODE_MMA
-    if sm_blocks == 0:
-        return base
-    return dataclasses.replace(
-        base,
-        name=f"{base.name}_lb{nwarps}x{sm_blocks}",
-        cuda_launch_bounds=(32 * nwarps, sm_blocks),
-    )
+def _sm_count(ordinal: int) -> int | None:
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        dev, value = ctypes.c_int(), ctypes.c_int()
+        if lib.cuInit(0) or lib.cuDeviceGet(ctypes.byref(dev), ordinal):
+            return None
+        # CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+        if lib.cuDeviceGetAttribute(ctypes.byref(value), 16, dev):
+            return None
+    except (OSError, AttributeError):
+        return None
+    return value.value if value.value > 0 else None
 
 
-def mma_template(
-    dim: int,
-    keys: CodeRecord,
-    values: CodeRecord,
+def sm_count(settings: KernelConfig | None = None) -> int | None:
+    """Streaming multiprocessors of the CUDA device MLX computes on (``KernelConfig.sms`` of
+    ``settings``, default the configuration in force; else the CUDA driver's count), or None
+    where neither is known."""
+    want = (settings or kernel_config()).sms
+    if want is not None:
+        return want
+    if _kernels.backend() != "cuda":
+        return None
+    return _sm_count(getattr(mx.default_device(), "index", 0) or 0)
+
+
+MMA_MAX_WAVES = 8  # waves of threadgroups the split count may take to even out the SMs' work
+
+
+MMA_SPLIT_COST = 256  # a split's fixed cost (filling the copy ring, merging warps), in tokens
+
+
+def mma_splits(
+    tokens: int,
     rows: int,
     nwarps: int,
-    stages: int,
-    subtiles: int = 1,
-    scale: float | None = None,
-    query_dtype: mx.Dtype = mx.float32,
-    p_residual: bool = True,
-    pipeline: bool = False,
-    value_fold: bool = False,
-    out_dtype: mx.Dtype | None = None,
-    fuse_chunk: int = 0,
-    key_fold: bool = False,
-    ldsm: bool = True,
-) -> list[tuple[str, int | mx.Dtype]]:
-    """The tensor-core body's compile-time constants (``decode_attention_mma.cu``). An fp16
-    or bfloat16 query goes into the MMA as it is (``QLO`` 0: a bfloat16 channel is exact in
-    fp16 from ``2^-17`` to 65504, see :data:`MMA_HALF_QUERY`); any other dtype as fp16 hi and
-    lo parts.
-    ``p_residual``: the softmax weights as fp16 plus their rounding residual (``PLO`` 1), or
-    rounded to fp16 (one value MMA instead of two). ``pipeline``: score the next step before
-    consuming this one (``PIPE`` 1; it needs at least 3 ring stages and the registers the
-    residual would take, so only with ``p_residual`` off). ``value_fold``: fold the value scales
-    and zeros into the weights (``VFOLD`` 1, where :func:`mma_fold_ok`): the value codes go into
-    the MMA as they are stored, one instruction per pair instead of three. ``key_fold``: fold
-    the key scales and zeros out of the score MMA (``KFOLD`` 1, where :func:`mma_key_fold_ok`):
-    the key codes likewise go in as stored, and each score is put together from the group
-    sums afterwards. ``out_dtype`` given: the last threadgroup of each (batch, head) merges
-    the splits into an output of that dtype (``FUSE`` 1, ``OT``; the launch must zero its
-    output: ``init_value=0``); ``fuse_chunk`` (tests): that merge takes the splits' weights in
-    chunks of at most this many (0: as many as fit in shared memory). ``ldsm``: read the code
-    words out of the ring with ldmatrix (``LDSM`` 1): the keys with ``KFOLD`` (four 16-byte
-    segments a load), the values with ``VFOLD`` in the 16-bit unit layout where a group holds
-    8 units (:func:`mma_value_units`; transposing loads hand each lane two tokens' codes in one
-    register, so no byte permute). ``KSBF`` / ``VSBF``: a side's scales and zeros are
-    bfloat16 (from ``keys.a`` / ``values.a``; else float16). ``KCB`` / ``VCB``: a side's codes
-    index a codebook's levels (``kind`` :data:`CODEBOOK`: one norm a token, no zeros; it needs
-    that side's fold and ``ldsm``, which :func:`mma_launch` checks). ``KCH``: per-channel
-    affine keys (``kind`` :data:`AFFINE_CHANNEL`, KIVI's: ``keys.group`` tokens a scale row,
-    a multiple of 16): their scales are folded into the query per group of tokens and their
-    zeros' term added to the scores (no ``KFOLD``)."""
-    return [
-        ("HD", dim),
-        ("KBITS", keys.bits),
-        ("VBITS", values.bits),
-        ("KGROUP", keys.group),
-        ("VGROUP", values.group),
-        ("MROWS", rows),
-        ("NWARPS", nwarps),
-        ("NSTAGE", stages),
-        ("NSUB", subtiles),
-        ("QMUL", qmul_bits(scale)),
-        ("QLO", 0 if query_dtype in MMA_HALF_QUERY else 1),
-        ("PLO", int(p_residual)),
-        ("PIPE", int(pipeline and stages >= 3 and not p_residual)),
-        ("VFOLD", int(value_fold and mma_fold_ok(values, dim, p_residual, ldsm))),
-        ("KFOLD", int(key_fold and mma_key_fold_ok(keys, dim))),
-        ("FUSE", int(out_dtype is not None)),
-        ("OT", mx.float32 if out_dtype is None else out_dtype),
-        ("FCHUNK", int(fuse_chunk)),
-        ("LDSM", int(ldsm)),
-        ("KSBF", int(keys.a is not None and keys.a.dtype == mx.bfloat16)),
-        ("VSBF", int(values.a is not None and values.a.dtype == mx.bfloat16)),
-        ("KCB", codebook_mode(keys)),
-        ("VCB", codebook_mode(values)),
-        ("KCH", int(keys.kind == AFFINE_CHANNEL)),
-    ]
+    sm_blocks: int = MMA_SM_BLOCKS,
+    settings: KernelConfig | None = None,
+) -> int:
+    """Splits for the tensor-core kernel, at least :data:`MMA_MIN_SPAN` tokens each (no upper
+    bound: its softmax is online).
+
+    Where the device's SM count is known (:func:`sm_count`), the split count is sized to whole
+    waves: ``rows x splits`` threadgroups run ``sm_blocks`` per SM at once (the register cap's
+    occupancy), and a partly filled last wave costs nearly as much as a full one, so the count
+    minimizes the busiest SM's work, ``waves x (tokens per split + MMA_SPLIT_COST)``, over
+    split counts that fill 1 to :data:`MMA_MAX_WAVES` waves. ``KernelConfig.blocks`` (or an
+    unknown SM count) asks for about that many threadgroups instead (default
+    :data:`MMA_BLOCKS`). ``settings``: as :func:`sm_count`."""
+    rows = max(1, rows)
+    most = max(1, tokens // max(MMA_MIN_SPAN, 32 * nwarps))
+    target = (settings or kernel_config()).blocks
+    sms = sm_count(settings) if target is None else None
+    if sms is None:
+        s = min(max(1, math.ceil(int(target or MMA_BLOCKS) / rows)), most)
+    else:
+        slots = sms * (sm_blocks if sm_blocks > 0 else max(1, 8 // nwarps))
+        counts = {most} | {min(most, w * slots // rows) for w in range(1, MMA_MAX_WAVES + 1)}
+
+        def cost(c: int) -> tuple[int, int]:
+            return math.ceil(rows * c / slots) * (math.ceil(tokens / c) + MMA_SPLIT_COST), c
+
+        s = min((c for c in counts if c >= 1), key=cost, default=1)
+    return math.ceil(tokens / math.ceil(tokens / s))
 
 
 @dataclass(frozen=True)
@@ -181,6 +246,7 @@ def mma_launch(
     value_fold: bool | None = None,
     out_dtype: mx.Dtype | None = None,
     key_fold: bool | None = None,
+    settings: KernelConfig | None = None,
 ) -> MmaLaunch | None:
     """The tensor-core kernel's launch for a ``(B, H, M, D)`` query over ``keys`` / ``values``
     from the settings (warps, steps of up to four tiles as two ring stages hold them, ring
@@ -188,10 +254,11 @@ def mma_launch(
     ``key_fold`` default to theirs; ``out_dtype`` given: the kernel merges its splits into an
     output of that dtype), or None where no ring fits in shared memory. Everything but the
     split count is planned once per shape, codes and settings (the configuration record is
-    part of the key)."""
+    part of the key: ``settings``, default the one in force)."""
     b, h, m, dim = q_shape
     t = keys.codes.shape[2]
-    plan = _mma_plan(
+    settings = settings or kernel_config()
+    plan = mma_kernel_plan(
         m,
         dim,
         query_dtype,
@@ -204,91 +271,17 @@ def mma_launch(
         out_dtype,
         key_fold,
         mma_subnormals_exact(),  # both folds put codes into the MMAs as fp16 subnormals
-        kernel_config(),  # the settings in force (the plan reads them)
+        settings,  # the settings in force (the plan reads them)
     )
     if plan is None:
         return None
     spec, tmpl, nwarps, sm_blocks = plan
     if splits is None:
-        s = mma_splits(t, b * h, nwarps, sm_blocks)
+        s = mma_splits(t, b * h, nwarps, sm_blocks, settings)
     else:
         s = max(1, min(int(splits), t))
         s = math.ceil(t / math.ceil(t / s))
     return MmaLaunch(spec, list(tmpl), s, nwarps)
-
-
-def _layout_record(
-    kind: int, bits: int, group: int, dtype: mx.Dtype, symmetric: bool
-) -> CodeRecord:
-    """A record of one side's layout as :func:`_mma_plan` is keyed by it (kind, width, group,
-    the scales' or norms' dtype, symmetric levels): placeholder arrays, for the plan's helpers,
-    which read only the layout."""
-    u32, s, f32 = unused_input(mx.uint32), unused_input(dtype), unused_input(mx.float32)
-    if kind == CODEBOOK:
-        return CodebookCodes(
-            bits=bits, dim=group, codes=u32, norm=s, levels=f32, symmetric=symmetric
-        )
-    if kind == AFFINE_CHANNEL:
-        return ChannelAffineCodes(bits=bits, group=group, codes=u32, scale=s, zero=s)
-    if kind == AFFINE:
-        return AffineCodes(bits=bits, group=group, codes=u32, scale=s, zero=s)
-    raise ValueError(f"mma_launch: the tensor-core kernel takes no codes of kind {kind}")
-
-
-@functools.lru_cache(maxsize=512)
-def _mma_plan(
-    m: int,
-    dim: int,
-    query_dtype: mx.Dtype,
-    kside: tuple[int, int, int, mx.Dtype, bool],
-    vside: tuple[int, int, int, mx.Dtype, bool],
-    scale: float | None,
-    p_residual: bool | None,
-    pipeline: bool | None,
-    value_fold: bool | None,
-    out_dtype: mx.Dtype | None,
-    key_fold: bool | None,
-    exact: bool,
-    settings: KernelConfig,
-) -> tuple[KernelSpec, tuple[tuple[str, int | mx.Dtype], ...], int, int] | None:
-    """:func:`mma_launch`'s plan without the splits: (spec, template, warps, threadgroups
-    per SM). ``exact``: whether the device takes subnormal MMA operands exactly
-    (:func:`mma_subnormals_exact`; both folds need it). ``settings`` (the configuration in
-    force) only keys the cache: the helpers read the same record."""
-    keys, values = _layout_record(*kside), _layout_record(*vside)
-    nwarps = mma_warps()
-    sub = mma_subtiles()
-    qlo = query_dtype not in MMA_HALF_QUERY
-    stages = mma_stages(dim, keys, values, nwarps, sub, qlo)
-    while stages == 0 and sub > 1:  # fewer tiles a step where two stages do not fit
-        sub //= 2
-        stages = mma_stages(dim, keys, values, nwarps, sub, qlo)
-    if stages == 0:
-        return None
-    sm_blocks = mma_sm_blocks(nwarps)
-    tmpl = mma_template(
-        dim,
-        keys,
-        values,
-        m,
-        nwarps,
-        stages,
-        sub,
-        scale,
-        query_dtype,
-        mma_p_residual() if p_residual is None else p_residual,
-        mma_pipeline() if pipeline is None else pipeline,
-        exact and (mma_value_fold() if value_fold is None else value_fold),
-        out_dtype,
-        key_fold=exact and (mma_key_fold() if key_fold is None else key_fold),
-        ldsm=mma_ldsm(),
-    )
-    tm = dict(tmpl)
-    if (tm["KCB"] and not (tm["KFOLD"] and tm["LDSM"])) or (
-        tm["VCB"] and not (tm["VFOLD"] and tm["LDSM"])
-    ):
-        return None  # codebook codes go in only through the folds' ldmatrix layouts
-    return mma_spec(nwarps, sm_blocks, out_dtype is None), tuple(tmpl), nwarps, sm_blocks
 
 
 @dataclass(frozen=True)
@@ -297,7 +290,7 @@ class MmaLayout:
     its one float32 output (offsets and the total in float32 elements, every region whole 16
     bytes): the merged output (in its dtype, from offset 0), its (max, sum) and the
     threadgroup counts, then the partials. Without the merge the partials are the kernel's two
-    outputs (:func:`mma_spec` with ``parts``)."""
+    outputs (:func:`velox_core.kernels.mma_support.mma_spec` with ``parts``)."""
 
     b: int
     h: int
@@ -376,12 +369,22 @@ def plan_mma(
     splits: int | None,
     scale: float | None,
     out_dtype: mx.Dtype | None = None,
+    settings: KernelConfig | None = None,
 ):
     """The tensor-core kernel's launch for a fixed query shape, as ``run(q)``, or None where
     no ring fits. ``run`` returns the per-split partials and the query it took; with
     ``out_dtype`` the kernel merges its splits itself and ``run`` returns the merged
-    ``(o, m, l)`` (``o`` normalized, in ``out_dtype``)."""
-    launch = mma_launch(q_shape, q_dtype, keys, values, splits, scale, out_dtype=out_dtype)
+    ``(o, m, l)`` (``o`` normalized, in ``out_dtype``). ``settings``: as :func:`mma_launch`."""
+    launch = mma_launch(
+        q_shape,
+        q_dtype,
+        keys,
+        values,
+        splits,
+        scale,
+        out_dtype=out_dtype,
+        settings=settings,
+    )
     if launch is None:
         return None
     b, h, m, dim = q_shape
@@ -390,7 +393,9 @@ def plan_mma(
     vc, va, vb, vl = mma_inputs(values)
     rest = [kc, ka, kb, vc, va, vb, kl, vl]
     kernel, tmpl = launch.spec.kernel(), launch.template
-    plain = direct(kernel)  # called from the second launch on (the variant is compiled then)
+    # from the second launch on, the MLX kernel behind a CachedKernel (the variant is in the
+    # disk cache then)
+    plain = kernel.kernel if isinstance(kernel, CachedKernel) else kernel
     grid, tg = (s * nt, b * h, 1), (nt, 1, 1)
     if out_dtype is None:  # the partials as the kernel's two outputs (DECODE_MMA_PARTS)
         shapes = [(b, h, s, m, 2), (b, h, s, m, dim)]

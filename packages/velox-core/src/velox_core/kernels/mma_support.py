@@ -1,26 +1,35 @@
-"""Which segments the tensor-core decode kernel takes, and its settings.
+"""The tensor-core decode kernel's settings and variants, planned once per shape.
 
-:func:`mma_supported` is the layout test; the ``mma_*`` functions are the kernel's settings
-(warps, register cap, tiles per step, ring stages, splits, the scale folds, ldmatrix, merging
-in the kernel), each with its default; :func:`mma_subnormals_exact` runs a one-off probe of
-the device's fp16 subnormal MMA operands, which the folds rely on.
+The ``mma_*`` functions are the kernel's settings (warps, register cap, tiles per step, ring
+stages, the scale folds, ldmatrix), each with its default; :func:`mma_kernel_plan` works out
+a variant (template, warps, register cap) from them once per shape, codes and settings (a
+cache of its own: a decode plan meets it again at every flush); :func:`run_subnormal_probe`
+is the one-off probe of the device's fp16 subnormal MMA operands, which the folds rely on.
+Which segments the kernel takes, its splits and its launch are :mod:`.mma`'s.
 """
 
 from __future__ import annotations
 
-import ctypes
+import dataclasses
 import functools
-import math
 from typing import Any
 
 import mlx.core as mx
 
-from .. import kernels as _kernels  # backend() looked up per call (tests report another)
 from .build import KernelSpec
-from .config import kernel_config
-from .records import AFFINE, AFFINE_CHANNEL, CODEBOOK, CodeRecord
+from .config import KernelConfig, kernel_config
+from .layout import qmul_bits, unused_input
+from .records import (
+    AFFINE,
+    AFFINE_CHANNEL,
+    CODEBOOK,
+    AffineCodes,
+    ChannelAffineCodes,
+    CodebookCodes,
+    CodeRecord,
+)
 
-__all__ = ["MMA_SCALE_DTYPES", "mma_enabled", "mma_splits", "mma_supported"]
+__all__ = ["mma_enabled"]
 
 # one MMA on subnormal codes: whether the tensor cores take them exactly (the folds rely on it)
 PROBE_SUBNORMAL = KernelSpec(
@@ -31,47 +40,17 @@ PROBE_SUBNORMAL = KernelSpec(
     cuda_headers=("velox_mma.cuh",),
 )
 
-MMA_BITS = (2, 4, 8)
-
-MMA_MAX_ROWS = 8  # query rows per KV head the tensor-core kernel holds (rows 0-7 of a tile)
-
-MMA_MIN_SPAN = 512  # fewest tokens per split of the tensor-core kernel
-
-MMA_BLOCKS = 512  # threadgroups the tensor-core kernel aims for (measured on an H200)
-
 
 def mma_enabled() -> bool:
     """The tensor-core kernel is used on CUDA unless ``KernelConfig.mma`` 0."""
     return kernel_config().mma
 
 
-# scale and zero dtypes the tensor-core kernel reads (KSBF / VSBF pick bfloat16 per side)
-MMA_SCALE_DTYPES = (mx.float16, mx.bfloat16)
-
 # query dtypes that go into the score MMA as they are (QLO = 0), converted to fp16: exact for
 # fp16, and for bfloat16 channels of magnitude 2^-17 to 65504 (8 significant bits within fp16's
 # 11 and its subnormal spacing 2^-24; with the key fold's factor 2^-o, from 2^(o - 17)); smaller
 # ones round to 2^-25 absolute (QLO = 1 would only add a second MMA of near-zero lo parts)
 MMA_HALF_QUERY = (mx.float16, mx.bfloat16)
-
-# codebook code widths the tensor-core kernel looks up in registers (KCB / VCB)
-MMA_CODEBOOK_BITS = (2, 4)
-
-
-def _mma_codebook_side(c: CodeRecord, dim: int, key: bool) -> bool:
-    """A codebook side (one norm a token, ``2**bits`` levels, no residual
-    sketch) the tensor-core kernel lays out: 2 or 4 bits, fp16 or bf16 norms, and a head dim
-    whose rows fill the fold's ldmatrix layout (keys: whole 16-byte segments and 4 words a
-    k-step; values: 8 16-bit units a lane and an even count of 8-unit blocks)."""
-    if c.bits not in MMA_CODEBOOK_BITS or c.signs is not None or c.b is not None:
-        return False
-    if c.a is None or c.a.dtype not in MMA_SCALE_DTYPES or c.a.ndim != 3:
-        return False
-    if c.levels is None or tuple(c.levels.shape) != (1 << c.bits,):
-        return False
-    if key:
-        return dim % (4 * (32 // c.bits)) == 0 and (dim * c.bits) % 128 == 0
-    return dim % (8 * (16 // c.bits)) == 0 and (dim * c.bits // 128) % 2 == 0
 
 
 def mma_symmetric() -> bool:
@@ -90,31 +69,6 @@ def codebook_mode(c: CodeRecord) -> int:
     return 2 if c.symmetric and mma_symmetric() else 1
 
 
-def _mma_side(c: CodeRecord, dim: int, lane_channels: int) -> bool:
-    if c.kind != AFFINE or c.bits not in MMA_BITS or dim % c.group:
-        return False
-    if (lane_channels * c.bits) % 32 or c.group % (32 // c.bits):
-        return False
-    if c.a.dtype not in MMA_SCALE_DTYPES or c.b is None or c.b.dtype != c.a.dtype:
-        return False
-    return lane_channels % c.group == 0 or c.group % lane_channels == 0
-
-
-def _mma_channel_side(c: CodeRecord, dim: int) -> bool:
-    """Per-channel affine keys (KIVI's, ``KCH``): 2, 4 or 8 bits whose quarter of a row fills
-    whole code words, groups of whole 16-token tiles (a multiple of 16 tokens), a context of
-    whole groups, and fp16 or bf16 scale and zero rows ``(B, H, T / group, D)`` of one dtype."""
-    if c.bits not in MMA_BITS or c.group < 16 or c.group % 16 or (dim // 4 * c.bits) % 32:
-        return False
-    if c.a is None or c.b is None or c.a.dtype not in MMA_SCALE_DTYPES or c.b.dtype != c.a.dtype:
-        return False
-    if c.codes.ndim != 4 or c.signs is not None or c.levels is not None:
-        return False
-    b, h, t, _ = c.codes.shape
-    rows = (b, h, t // c.group, dim)
-    return t % c.group == 0 and tuple(c.a.shape) == rows and tuple(c.b.shape) == rows
-
-
 def mma_key_rows(tile: int, group: int) -> int:
     """Key scale (and zero) rows of per-channel keys a loop step of ``tile`` tokens meets, as
     the kernel's ring stage holds them (``KCR``; steps start at multiples of ``tile``, groups
@@ -125,30 +79,6 @@ def mma_key_rows(tile: int, group: int) -> int:
     if tile % group == 0:
         return tile // group
     return min(tile // 16, (tile - 16) // group + 2)
-
-
-def mma_supported(m: int, dim: int, keys: CodeRecord, values: CodeRecord) -> bool:
-    """Whether ``decode_attention_mma.cu`` lays out this shape: affine codes of 2, 4 or 8 bits
-    with float16 or bfloat16 scales and zeros (one dtype a side) on both sides, at most
-    :data:`MMA_MAX_ROWS` query rows, a head dim that is a multiple of 16 whose quarter (keys)
-    and eighth (values) fill whole code words, and groups that hold whole code words and whole
-    lanes (or lanes whole groups); or codebook codes of 2 or 4 bits with one fp16 or bf16 norm
-    a token (rotated-domain codebooks, :func:`_mma_codebook_side`) on either side; or
-    per-channel affine keys (KIVI's, :func:`_mma_channel_side`)."""
-    if not 1 <= m <= MMA_MAX_ROWS or dim % 16:
-        return False
-    if keys.kind == CODEBOOK:
-        kok = _mma_codebook_side(keys, dim, True)
-    elif keys.kind == AFFINE_CHANNEL:
-        kok = _mma_channel_side(keys, dim)
-    else:
-        kok = _mma_side(keys, dim, dim // 4)
-    vok = (
-        _mma_codebook_side(values, dim, False)
-        if values.kind == CODEBOOK
-        else _mma_side(values, dim, dim // 8)
-    )
-    return kok and vok
 
 
 # static shared memory of one threadgroup (the rest of 48 KiB: row stats and mbarriers)
@@ -197,6 +127,7 @@ def mma_value_fold() -> bool:
 
 MMA_FOLD_GROUPS = 4  # at most this many value groups per token take VFOLD (registers)
 
+
 MMA_KEY_FOLD_GROUPS = 2  # at most this many key groups per token take KFOLD (one chain each)
 
 
@@ -224,8 +155,6 @@ def subnormal_probe_error(out: Any, salt: int) -> float:
 
 SUBNORMAL_SALT = 5
 
-_SUBNORMALS: dict[int, bool] = {}
-
 
 def run_subnormal_probe(salt: int = SUBNORMAL_SALT) -> float:
     """Run the probe on the default device (a CUDA GPU): its error (0.0: exact)."""
@@ -237,28 +166,6 @@ def run_subnormal_probe(salt: int = SUBNORMAL_SALT) -> float:
         output_dtypes=[mx.float32],
     )
     return subnormal_probe_error(out, salt)
-
-
-def mma_subnormals_exact() -> bool:
-    """Whether the CUDA device MLX computes on takes fp16 subnormal MMA operands exactly,
-    which both folds (``KFOLD``, ``VFOLD``) rely on: the probe is run once per device (checked
-    on an H200; a device that flushed them would get scores and values of zero, so the folds
-    are then left off). True where no CUDA device computes (nothing runs the folds on
-    hardware; the CPU emulation takes subnormals exactly). A probe that cannot run (e.g.
-    inside a traced function) leaves the folds off on that device for the process (the
-    decoded path is exact either way)."""
-    if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
-        return True
-    dev = mx.default_device()
-    if dev.type != mx.DeviceType.gpu:
-        return True
-    ordinal = getattr(dev, "index", 0) or 0
-    if ordinal not in _SUBNORMALS:
-        try:
-            _SUBNORMALS[ordinal] = run_subnormal_probe() <= 1e-6
-        except Exception:  # any failure to run the probe: fold nothing
-            _SUBNORMALS[ordinal] = False
-    return _SUBNORMALS[ordinal]
 
 
 def mma_key_fold() -> bool:
@@ -277,24 +184,6 @@ def mma_key_fold_ok(keys: CodeRecord, dim: int) -> bool:
     if keys.kind == AFFINE_CHANNEL:
         return False
     return keys.group % (4 * (32 // keys.bits)) == 0 and dim // keys.group <= MMA_KEY_FOLD_GROUPS
-
-
-MMA_FUSE_TOKENS = 16384  # the longest context whose splits the decode kernel merges itself
-
-
-def mma_fuse_merge(tokens: int) -> bool:
-    """Whether the tensor-core kernel merges its splits itself where the call has no fp16
-    segments: ``KernelConfig.fuse`` 1 or 0, else up to :data:`MMA_FUSE_TOKENS` tokens.
-
-    Merging in the kernel saves a launch (about 22 µs of host time a call on the H200's host,
-    ``gpu_dispatch.py``), but its counters need a zeroed output, and MLX zeroes the whole
-    output, partials included, with a fill launch whose device time grows with them (about 5
-    µs for 49 splits at batch 1, 128k) while the last threadgroup's merge runs alone at the
-    end; a separate merge launch took 4 µs. So short contexts, where a call's host time is
-    its cost, merge in the kernel, and long ones in a second launch (batch 1, 128k, 2 bits:
-    43.6 µs against 49.5 of device time, docs/performance.md)."""
-    fuse = kernel_config().fuse
-    return tokens <= MMA_FUSE_TOKENS if fuse is None else fuse
 
 
 def mma_value_units(values: CodeRecord, ldsm: bool) -> int:
@@ -366,60 +255,187 @@ def mma_stages(
     return fit[0] if fit else 0
 
 
+DECODE_MMA = KernelSpec(
+    name="velox_decode_attention_mma",
+    source="decode_attention_mma.cu",
+    # kl / vl: a codebook side's levels (KCB / VCB), else unused
+    inputs=("q", "kc", "ka", "kb", "vc", "va", "vb", "kl", "vl"),
+    # one float32 workspace: the partials, and with FUSE = 1 the merged result and the counts
+    # (mma_layout); one output, so the launch's zero fill (FUSE = 1) is one fill
+    outputs=("ws",),
+    row_contiguous=False,
+    cuda_headers=("velox_mma.cuh",),
+)
+
+
+# the same kernel leaving the merge to a second launch (FUSE = 0): the partials as two outputs
+# of their own shapes, (m, l) in ws and the outputs in wo, so the merge reads them without views
+DECODE_MMA_PARTS = dataclasses.replace(
+    DECODE_MMA,
+    name="velox_decode_attention_mma_parts",
+    outputs=("ws", "wo"),
+    defines=("VX_MMA_PARTS 1",),
+)
+
+
 @functools.cache
-def _sm_count(ordinal: int) -> int | None:
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        dev, value = ctypes.c_int(), ctypes.c_int()
-        if lib.cuInit(0) or lib.cuDeviceGet(ctypes.byref(dev), ordinal):
-            return None
-        # CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
-        if lib.cuDeviceGetAttribute(ctypes.byref(value), 16, dev):
-            return None
-    except (OSError, AttributeError):
+def mma_spec(nwarps: int, sm_blocks: int, parts: bool = False) -> KernelSpec:
+    """The tensor-core kernel declared for ``nwarps`` warps and ``sm_blocks`` threadgroups per
+    SM (0: no bounds); one MLX kernel name per bound, since MLX caches kernels by name.
+    ``parts``: the variant that writes its partials as two outputs, ``ml_part (B, H, S, M, 2)``
+    and ``o_part (B, H, S, M, D)`` (``FUSE`` 0 only; :data:`DECODE_MMA_PARTS`)."""
+    base = DECODE_MMA_PARTS if parts else DECODE_MMA
+    if sm_blocks == 0:
+        return base
+    return dataclasses.replace(
+        base,
+        name=f"{base.name}_lb{nwarps}x{sm_blocks}",
+        cuda_launch_bounds=(32 * nwarps, sm_blocks),
+    )
+
+
+def mma_template(
+    dim: int,
+    keys: CodeRecord,
+    values: CodeRecord,
+    rows: int,
+    nwarps: int,
+    stages: int,
+    subtiles: int = 1,
+    scale: float | None = None,
+    query_dtype: mx.Dtype = mx.float32,
+    p_residual: bool = True,
+    pipeline: bool = False,
+    value_fold: bool = False,
+    out_dtype: mx.Dtype | None = None,
+    fuse_chunk: int = 0,
+    key_fold: bool = False,
+    ldsm: bool = True,
+) -> list[tuple[str, int | mx.Dtype]]:
+    """The tensor-core body's compile-time constants (``decode_attention_mma.cu``). An fp16
+    or bfloat16 query goes into the MMA as it is (``QLO`` 0: a bfloat16 channel is exact in
+    fp16 from ``2^-17`` to 65504, see :data:`MMA_HALF_QUERY`); any other dtype as fp16 hi and
+    lo parts.
+    ``p_residual``: the softmax weights as fp16 plus their rounding residual (``PLO`` 1), or
+    rounded to fp16 (one value MMA instead of two). ``pipeline``: score the next step before
+    consuming this one (``PIPE`` 1; it needs at least 3 ring stages and the registers the
+    residual would take, so only with ``p_residual`` off). ``value_fold``: fold the value scales
+    and zeros into the weights (``VFOLD`` 1, where :func:`mma_fold_ok`): the value codes go into
+    the MMA as they are stored, one instruction per pair instead of three. ``key_fold``: fold
+    the key scales and zeros out of the score MMA (``KFOLD`` 1, where :func:`mma_key_fold_ok`):
+    the key codes likewise go in as stored, and each score is put together from the group
+    sums afterwards. ``out_dtype`` given: the last threadgroup of each (batch, head) merges
+    the splits into an output of that dtype (``FUSE`` 1, ``OT``; the launch must zero its
+    output: ``init_value=0``); ``fuse_chunk`` (tests): that merge takes the splits' weights in
+    chunks of at most this many (0: as many as fit in shared memory). ``ldsm``: read the code
+    words out of the ring with ldmatrix (``LDSM`` 1): the keys with ``KFOLD`` (four 16-byte
+    segments a load), the values with ``VFOLD`` in the 16-bit unit layout where a group holds
+    8 units (:func:`mma_value_units`; transposing loads hand each lane two tokens' codes in one
+    register, so no byte permute). ``KSBF`` / ``VSBF``: a side's scales and zeros are
+    bfloat16 (from ``keys.a`` / ``values.a``; else float16). ``KCB`` / ``VCB``: a side's codes
+    index a codebook's levels (``kind`` :data:`CODEBOOK`: one norm a token, no zeros; it needs
+    that side's fold and ``ldsm``, which :func:`mma_kernel_plan` checks). ``KCH``: per-channel
+    affine keys (``kind`` :data:`AFFINE_CHANNEL`, KIVI's: ``keys.group`` tokens a scale row,
+    a multiple of 16): their scales are folded into the query per group of tokens and their
+    zeros' term added to the scores (no ``KFOLD``)."""
+    return [
+        ("HD", dim),
+        ("KBITS", keys.bits),
+        ("VBITS", values.bits),
+        ("KGROUP", keys.group),
+        ("VGROUP", values.group),
+        ("MROWS", rows),
+        ("NWARPS", nwarps),
+        ("NSTAGE", stages),
+        ("NSUB", subtiles),
+        ("QMUL", qmul_bits(scale)),
+        ("QLO", 0 if query_dtype in MMA_HALF_QUERY else 1),
+        ("PLO", int(p_residual)),
+        ("PIPE", int(pipeline and stages >= 3 and not p_residual)),
+        ("VFOLD", int(value_fold and mma_fold_ok(values, dim, p_residual, ldsm))),
+        ("KFOLD", int(key_fold and mma_key_fold_ok(keys, dim))),
+        ("FUSE", int(out_dtype is not None)),
+        ("OT", mx.float32 if out_dtype is None else out_dtype),
+        ("FCHUNK", int(fuse_chunk)),
+        ("LDSM", int(ldsm)),
+        ("KSBF", int(keys.a is not None and keys.a.dtype == mx.bfloat16)),
+        ("VSBF", int(values.a is not None and values.a.dtype == mx.bfloat16)),
+        ("KCB", codebook_mode(keys)),
+        ("VCB", codebook_mode(values)),
+        ("KCH", int(keys.kind == AFFINE_CHANNEL)),
+    ]
+
+
+def _layout_record(
+    kind: int, bits: int, group: int, dtype: mx.Dtype, symmetric: bool
+) -> CodeRecord:
+    """A record of one side's layout as :func:`mma_kernel_plan` is keyed by it (kind, width,
+    group, the scales' or norms' dtype, symmetric levels): placeholder arrays, for the plan's
+    helpers, which read only the layout."""
+    u32, s, f32 = unused_input(mx.uint32), unused_input(dtype), unused_input(mx.float32)
+    if kind == CODEBOOK:
+        return CodebookCodes(
+            bits=bits, dim=group, codes=u32, norm=s, levels=f32, symmetric=symmetric
+        )
+    if kind == AFFINE_CHANNEL:
+        return ChannelAffineCodes(bits=bits, group=group, codes=u32, scale=s, zero=s)
+    if kind == AFFINE:
+        return AffineCodes(bits=bits, group=group, codes=u32, scale=s, zero=s)
+    raise ValueError(f"mma_launch: the tensor-core kernel takes no codes of kind {kind}")
+
+
+@functools.lru_cache(maxsize=512)
+def mma_kernel_plan(
+    m: int,
+    dim: int,
+    query_dtype: mx.Dtype,
+    kside: tuple[int, int, int, mx.Dtype, bool],
+    vside: tuple[int, int, int, mx.Dtype, bool],
+    scale: float | None,
+    p_residual: bool | None,
+    pipeline: bool | None,
+    value_fold: bool | None,
+    out_dtype: mx.Dtype | None,
+    key_fold: bool | None,
+    exact: bool,
+    settings: KernelConfig,
+) -> tuple[KernelSpec, tuple[tuple[str, int | mx.Dtype], ...], int, int] | None:
+    """:func:`velox_core.kernels.mma.mma_launch`'s plan without the splits: (spec, template,
+    warps, threadgroups per SM). ``exact``: whether the device takes subnormal MMA operands
+    exactly (:func:`velox_core.kernels.mma.mma_subnormals_exact`; both folds need it).
+    ``settings`` (the configuration in force) only keys the cache: the helpers read the same
+    record."""
+    keys, values = _layout_record(*kside), _layout_record(*vside)
+    nwarps = mma_warps()
+    sub = mma_subtiles()
+    qlo = query_dtype not in MMA_HALF_QUERY
+    stages = mma_stages(dim, keys, values, nwarps, sub, qlo)
+    while stages == 0 and sub > 1:  # fewer tiles a step where two stages do not fit
+        sub //= 2
+        stages = mma_stages(dim, keys, values, nwarps, sub, qlo)
+    if stages == 0:
         return None
-    return value.value if value.value > 0 else None
-
-
-def sm_count() -> int | None:
-    """Streaming multiprocessors of the CUDA device MLX computes on (``KernelConfig.sms``, else
-    the CUDA driver's count), or None where neither is known."""
-    want = kernel_config().sms
-    if want is not None:
-        return want
-    if _kernels.backend() != "cuda":
-        return None
-    return _sm_count(getattr(mx.default_device(), "index", 0) or 0)
-
-
-MMA_MAX_WAVES = 8  # waves of threadgroups the split count may take to even out the SMs' work
-
-MMA_SPLIT_COST = 256  # a split's fixed cost (filling the copy ring, merging warps), in tokens
-
-
-def mma_splits(tokens: int, rows: int, nwarps: int, sm_blocks: int = MMA_SM_BLOCKS) -> int:
-    """Splits for the tensor-core kernel, at least :data:`MMA_MIN_SPAN` tokens each (no upper
-    bound: its softmax is online).
-
-    Where the device's SM count is known (:func:`sm_count`), the split count is sized to whole
-    waves: ``rows x splits`` threadgroups run ``sm_blocks`` per SM at once (the register cap's
-    occupancy), and a partly filled last wave costs nearly as much as a full one, so the count
-    minimizes the busiest SM's work, ``waves x (tokens per split + MMA_SPLIT_COST)``, over
-    split counts that fill 1 to :data:`MMA_MAX_WAVES` waves. ``KernelConfig.blocks`` (or an
-    unknown SM count) asks for about that many threadgroups instead (default
-    :data:`MMA_BLOCKS`)."""
-    rows = max(1, rows)
-    most = max(1, tokens // max(MMA_MIN_SPAN, 32 * nwarps))
-    target = kernel_config().blocks
-    sms = sm_count() if target is None else None
-    if sms is None:
-        s = min(max(1, math.ceil(int(target or MMA_BLOCKS) / rows)), most)
-    else:
-        slots = sms * (sm_blocks if sm_blocks > 0 else max(1, 8 // nwarps))
-        counts = {most} | {min(most, w * slots // rows) for w in range(1, MMA_MAX_WAVES + 1)}
-
-        def cost(c: int) -> tuple[int, int]:
-            return math.ceil(rows * c / slots) * (math.ceil(tokens / c) + MMA_SPLIT_COST), c
-
-        s = min((c for c in counts if c >= 1), key=cost, default=1)
-    return math.ceil(tokens / math.ceil(tokens / s))
+    sm_blocks = mma_sm_blocks(nwarps)
+    tmpl = mma_template(
+        dim,
+        keys,
+        values,
+        m,
+        nwarps,
+        stages,
+        sub,
+        scale,
+        query_dtype,
+        mma_p_residual() if p_residual is None else p_residual,
+        mma_pipeline() if pipeline is None else pipeline,
+        exact and (mma_value_fold() if value_fold is None else value_fold),
+        out_dtype,
+        key_fold=exact and (mma_key_fold() if key_fold is None else key_fold),
+        ldsm=mma_ldsm(),
+    )
+    tm = dict(tmpl)
+    if (tm["KCB"] and not (tm["KFOLD"] and tm["LDSM"])) or (
+        tm["VCB"] and not (tm["VFOLD"] and tm["LDSM"])
+    ):
+        return None  # codebook codes go in only through the folds' ldmatrix layouts
+    return mma_spec(nwarps, sm_blocks, out_dtype is None), tuple(tmpl), nwarps, sm_blocks

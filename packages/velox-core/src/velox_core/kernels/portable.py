@@ -6,7 +6,8 @@ warps and unroll of :func:`tuning`); :func:`plan_for` is that plan for two code 
 (:class:`~velox_core.kernels.records.CodeRecord`, read through their uniform view);
 :func:`choose_splits` / :func:`block_splits` split the context so a sequence fills the GPU;
 :func:`template` is the kernel's template; :func:`plan_portable` works all of it out once per
-shape and returns the launch.
+shape and returns the launch. A decode plan made from a cache passes the configuration it
+was made under (``settings``); other callers leave it to be read.
 """
 
 from __future__ import annotations
@@ -19,9 +20,16 @@ import mlx.core as mx
 
 from .. import kernels as _kernels  # backend() looked up per call (tests report another)
 from .build import KernelSpec
-from .codes import check_codes, code_inputs, qmul_bits, sketch_inputs
-from .config import kernel_config
-from .layout import Layout, layout_for, layout_of
+from .config import KernelConfig, kernel_config
+from .layout import (
+    Layout,
+    check_codes,
+    code_inputs,
+    layout_for,
+    layout_of,
+    qmul_bits,
+    sketch_inputs,
+)
 from .records import CODEBOOK, CodeRecord
 
 __all__ = [
@@ -124,10 +132,11 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
-def tuning() -> tuple[int, int]:
+def tuning(settings: KernelConfig | None = None) -> tuple[int, int]:
     """``(warps per threadgroup, unroll)``: the defaults, or ``KernelConfig.decode_warps`` and
-    ``KernelConfig.decode_unroll`` (for tuning on a new GPU)."""
-    cfg = kernel_config()
+    ``KernelConfig.decode_unroll`` (for tuning on a new GPU) of ``settings`` (default: the
+    configuration in force)."""
+    cfg = settings or kernel_config()
     return cfg.decode_warps, cfg.decode_unroll
 
 
@@ -143,6 +152,7 @@ def plan(
     sketch: bool = False,
     key_rows: int | None = None,
     key_block: int = 1,
+    settings: KernelConfig | None = None,
 ) -> Plan | None:
     """The kernel's layout for ``m`` query rows of head dim ``dim``, or None if unsupported.
 
@@ -161,6 +171,7 @@ def plan(
     (``key_rows``: :meth:`~velox_core.kernels.layout.Layout.key_rows`; below 1 declines) and
     need splits of whole blocks of ``key_block`` tokens
     (:meth:`~velox_core.kernels.layout.Layout.split_block`), which must fit one split.
+    ``settings``: the configuration whose warps and unroll it takes (:func:`tuning`).
     """
     klay, vlay = layout_for(kkind), layout_for(vkind)
     if m < 1 or dim < 1 or klay is None or vlay is None or not vlay.mixes_values:
@@ -170,7 +181,7 @@ def plan(
     if key_rows is not None and key_rows < 1:
         return None
     budget = MAX_REGS // 2 if sketch else MAX_REGS
-    nwarps, unroll = tuning()
+    nwarps, unroll = tuning(settings)
     order = (32, 16, 8) if m <= 2 else (16, 32, 8) if m <= 4 else (8, 16, 32)
     for cpl in order:
         if dim % cpl or dim // cpl > 32:
@@ -200,7 +211,13 @@ def plan(
     return None
 
 
-def plan_for(m: int, dim: int, keys: CodeRecord, values: CodeRecord) -> Plan | None:
+def plan_for(
+    m: int,
+    dim: int,
+    keys: CodeRecord,
+    values: CodeRecord,
+    settings: KernelConfig | None = None,
+) -> Plan | None:
     """:func:`plan` for the two sides of a segment (the keys' layout's row cap and blocks)."""
     klay = layout_of(keys)
     return plan(
@@ -215,17 +232,19 @@ def plan_for(m: int, dim: int, keys: CodeRecord, values: CodeRecord) -> Plan | N
         keys.signs is not None,
         klay.key_rows(keys, dim),
         klay.split_block(keys),
+        settings,
     )
 
 
-def choose_splits(tokens: int, rows: int, p: Plan) -> int:
+def choose_splits(tokens: int, rows: int, p: Plan, settings: KernelConfig | None = None) -> int:
     """Splits of a ``tokens``-long context for ``rows`` (batch x KV heads) sequences.
 
     Aims at ``KernelConfig.blocks`` threadgroups (default :data:`DEFAULT_BLOCKS`) with at least
     :data:`MIN_SPAN` tokens each, and never more than ``p.max_span`` tokens per split; every
-    split is non-empty (the kernel takes ``ceil(T / splits)`` tokens per split).
+    split is non-empty (the kernel takes ``ceil(T / splits)`` tokens per split). ``settings``:
+    the configuration to read (default: the one in force).
     """
-    target = kernel_config().blocks or DEFAULT_BLOCKS
+    target = (settings or kernel_config()).blocks or DEFAULT_BLOCKS
     want = max(1, math.ceil(target / max(1, rows * p.nmb)))
     s = max(1, min(want, math.ceil(tokens / max(MIN_SPAN, p.step))))
     return fit_splits(tokens, s, p)
@@ -295,19 +314,21 @@ def plan_portable(
     values: CodeRecord,
     splits: int | None,
     scale: float | None,
+    settings: KernelConfig | None = None,
 ):
     """The portable kernel's launch for a fixed query shape, as ``run(q, q_sketch)``
     returning the per-split partials (query rows padded to its row blocks) and the padded
-    query it took, or None where it has no layout for the shape."""
+    query it took, or None where it has no layout for the shape (``settings``: as
+    :func:`plan`)."""
     b, h, m, dim = q_shape
     t = keys.codes.shape[2]
-    p = plan_for(m, dim, keys, values)
+    p = plan_for(m, dim, keys, values, settings)
     if p is None:
         return None
     check_codes("key", keys, b, h, t, dim)
     check_codes("value", values, b, h, t, dim)
     mp = p.nmb * p.mb
-    s = choose_splits(t, b * h, p) if splits is None else fit_splits(t, splits, p)
+    s = choose_splits(t, b * h, p, settings) if splits is None else fit_splits(t, splits, p)
     s = block_splits(t, s, p, keys)
     nt = p.nwarps * 32
     kernel, tmpl = decode_spec(keys).kernel(), template(p, dim, keys, values, scale)

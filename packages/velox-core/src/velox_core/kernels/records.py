@@ -8,7 +8,7 @@ carries its layout as the class constant ``kind`` (:data:`AFFINE`, :data:`AFFINE
 :data:`CODEBOOK`, :data:`VQ`: the kernels' ``KKIND`` / ``VKIND``;
 :mod:`velox_core.kernels.layout` says how the kernels read each), is built by keyword and
 checks its widths and the presence of its arrays when built (no device work: shapes are
-checked against the query's head dim by :func:`velox_core.kernels.codes.check_codes`).
+checked against the query's head dim by :func:`velox_core.kernels.layout.check_codes`).
 :class:`CodeRecord` is their base, for type hints and isinstance checks, and gives the kernels
 one read-only view of every record.
 """
@@ -99,24 +99,21 @@ def check_record(
 @dataclass(slots=True, kw_only=True)
 class _Affine(CodeRecord):
     """The fields of both affine layouts, ``x = scale * code + zero``, one (scale, zero) a
-    group (:class:`AffineCodes`, :class:`ChannelAffineCodes` say along which axis)."""
+    group (:class:`AffineCodes`, :class:`ChannelAffineCodes` say along which axis). The view's
+    ``a`` and ``b`` are the scale and zero themselves, set when built (a plan reads them as
+    attributes)."""
 
     bits: int
     group: int
     codes: mx.array
     scale: mx.array
     zero: mx.array
+    a: mx.array = field(init=False, repr=False, compare=False)
+    b: mx.array = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_record(self, ("codes", "scale", "zero"))
-
-    @property
-    def a(self) -> mx.array:
-        return self.scale
-
-    @property
-    def b(self) -> mx.array:
-        return self.zero
+        self.a, self.b = self.scale, self.zero
 
 
 @dataclass(slots=True, kw_only=True)
@@ -167,7 +164,7 @@ class CodebookCodes(CodeRecord):
         symmetric: the caller vouches that the levels are ascending and
             ``levels[2**bits - 1 - c] == -levels[c]`` in fp16 (Lloyd-Max levels of a law
             symmetric about 0, checked on the host once per codebook:
-            :func:`velox_core.kernels.codes.levels_symmetric`); the tensor-core kernel then
+            :func:`velox_core.kernels.layout.levels_symmetric`); the tensor-core kernel then
             looks 4-bit codes up in half the table and forms 2-bit ones without a permute
             (``KCB`` / ``VCB`` 2). False: any levels.
         signs: keys with a residual sign sketch: ``(B, H, T, D/32)`` uint32,
