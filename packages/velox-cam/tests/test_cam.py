@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import velox_testing.eviction as ev
+import velox_testing.references as refs
 from velox_cam import METHOD, CamCache, CamConfig, CamPolicy
 from velox_core import Uniform, VeloxCache, make, make_cache, routed
 from velox_testing import rel_error, tiny_model
@@ -69,7 +70,7 @@ class Draws:
         return np.array(mx.random.uniform(shape=(1, h, n), key=keys[1]))[0]
 
 
-class PaperCam(ev.ScoreReference):
+class PaperCam(refs.ScoreReference):
     """The authors' cache (``generate_task/streaming_llm/kv_cache_cam.py``,
     ``StartRecentKVCache_cam``) transcribed in numpy, float64, per KV head: the kept
     positions, their values and their accumulated attention. A call stores its tokens (score

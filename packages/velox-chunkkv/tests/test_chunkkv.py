@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import velox_testing.eviction as ev
+import velox_testing.references as refs
 from velox_chunkkv import METHOD, ChunkKVCache, ChunkKVPolicy, select_chunks
 from velox_core import VeloxCache, load_cache, make_cache, routed, save_cache
 from velox_core.policy import WindowVotePolicy
@@ -171,7 +172,7 @@ def test_a_cut_keeps_the_numpy_chunks_in_every_head(c):
     cache = ChunkKVCache(budget=budget, observe=window, chunk_length=c)
     ev.feed_attending(cache, k[:, :, :t], v[:, :, :t], q, chunk=t)
     cache.update_and_fetch(k[:, :, t:], v[:, :, t:])
-    votes = ev.window_votes_reference(k, q, t, window, SCALE).sum(0)
+    votes = refs.window_votes_reference(k, q, t, window, SCALE).sum(0)
     pos = np.arange(t)
     always = pos >= t - window
     ref = numpy_chunks(votes.astype(np.float32), pos, always, c, budget)

@@ -7,6 +7,7 @@ import pytest
 import velox_core.policy.accumulated as accumulated
 import velox_h2o.policy as h2o_policy
 import velox_testing.eviction as ev
+import velox_testing.references as refs
 from velox_core import VeloxCache, make, make_cache, routed
 from velox_h2o import METHOD, H2OCache, H2OConfig, H2OPolicy
 from velox_testing import tiny_model
@@ -51,7 +52,7 @@ class TestH2OEvicting(ev.Routed, ev.EvictingConformance):
 
 
 # -- helpers ---------------------------------------------------------------------------------
-class PaperH2O(ev.ScoreReference):
+class PaperH2O(refs.ScoreReference):
     """The authors' cache (``h2o_hf/utils_real_drop``, ``H2OKVCache_LayerWise``) transcribed
     in numpy, float64: per KV head the kept positions and their accumulated scores. A call
     stores its tokens (score 0), attends causally with its queries and adds each query's

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import velox_testing.eviction as ev
+import velox_testing.references as refs
 from velox_core import make, make_cache, routed
 from velox_keyformer import METHOD, KeyformerCache, KeyformerPolicy
 from velox_testing import tiny_model
@@ -68,7 +69,7 @@ class Noise:
         return np.zeros(shape) if self.zero else np.array(g, np.float64)
 
 
-class PaperKeyformer(ev.ScoreReference):
+class PaperKeyformer(refs.ScoreReference):
     """The paper's rule in numpy, float64, per KV head: a call stores its tokens (score 0);
     each query adds ``softmax((q k^T * scale + g) / tau)`` over the tokens it sees (GQA: the
     mean over the KV head's query heads); ``tau`` is ``tau_init`` for a prompt call and rises

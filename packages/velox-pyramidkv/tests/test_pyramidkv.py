@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import velox_testing.eviction as ev
+import velox_testing.references as refs
 from velox_core import load_cache, make_cache, routed, save_cache
 from velox_core.io import _digest
 from velox_pyramidkv import (
@@ -148,9 +149,9 @@ def test_each_layer_keeps_snapkvs_choice_at_its_own_budget(layer):
     b = layer_budgets(budget, window, 4, 20, t)[layer]
     # X = 64: 124.8, 84.27, 43.73, 3.2 (step 40.53) rounded
     assert b == [16 + 125, 16 + 84, 16 + 44, 16 + 3][layer]
-    votes = ev.window_votes_reference(k, q, t, window, SCALE)[:, : t - window]
+    votes = refs.window_votes_reference(k, q, t, window, SCALE)[:, : t - window]
     for i in range(h):
-        pooled = ev.pool1d_reference(votes[i], kernel, "avg")
+        pooled = refs.pool1d_reference(votes[i], kernel, "avg")
         top = np.argsort(-pooled, kind="stable")[: b - window]
         got = kept(c, i, below=t)
         assert len(got) == b and set(range(t - window, t)) <= got

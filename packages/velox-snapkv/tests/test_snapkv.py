@@ -8,6 +8,7 @@ import pytest
 from mlx_lm.models.cache import QuantizedKVCache
 
 import velox_testing.eviction as ev
+import velox_testing.references as refs
 from velox_core import Uniform, VeloxCache, load_cache, make, make_cache, routed, save_cache
 from velox_snapkv import METHOD, SnapKVCache, SnapKVPolicy, pool_votes, window_votes
 from velox_testing import kv_data, rel_error, tiny_model
@@ -134,7 +135,7 @@ def test_pooling_is_pool1d_on_a_contiguous_prefix(kernel, pooling):
         kernel,
         pooling,
     )
-    ref = ev.pool1d_reference(np.where(candidate, votes, 0), kernel, pooling)
+    ref = refs.pool1d_reference(np.where(candidate, votes, 0), kernel, pooling)
     assert np.allclose(np.array(got[0, 0, :42]), ref[:42], atol=1e-6)
 
 
@@ -161,9 +162,9 @@ def test_a_prompt_in_one_chunk_gets_exactly_the_papers_rule(pooling):
     ev.feed_attending(c, k[:, :, :t], v[:, :, :t], q, chunk=t)
     c.update_and_fetch(k[:, :, t:], v[:, :, t:])
     # the paper's rule (numpy)
-    votes = ev.window_votes_reference(k, q, t, window, SCALE)[:, : t - window]
+    votes = refs.window_votes_reference(k, q, t, window, SCALE)[:, : t - window]
     for i in range(h):
-        pooled = ev.pool1d_reference(votes[i], kernel, pooling)
+        pooled = refs.pool1d_reference(votes[i], kernel, pooling)
         top = np.argsort(-pooled, kind="stable")[: budget - window]
         got = kept(c, i, below=t)
         assert set(range(t - window, t)) <= got and len(got) == budget

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import velox_testing.eviction as ev
+import velox_testing.references as refs
 from velox_core.kernels import config
 from velox_core.kernels.merge import MERGE
 from velox_core.policy.view import Tokens
@@ -112,7 +113,7 @@ def test_attention_data_is_seeded_and_sharp_scales_the_queries():
 
 def test_pool1d_reference_pools_with_zero_padding_and_refuses_other_poolings():
     x = np.array([1.0, 4.0, 2.0, 0.0])
-    assert ev.pool1d_reference(x, 3, "max").tolist() == [4.0, 4.0, 4.0, 2.0]
-    assert np.allclose(ev.pool1d_reference(x, 3, "avg"), [5 / 3, 7 / 3, 2.0, 2 / 3])
+    assert refs.pool1d_reference(x, 3, "max").tolist() == [4.0, 4.0, 4.0, 2.0]
+    assert np.allclose(refs.pool1d_reference(x, 3, "avg"), [5 / 3, 7 / 3, 2.0, 2 / 3])
     with pytest.raises(ValueError, match="pooling='sum' must be 'avg' or 'max'"):
-        ev.pool1d_reference(x, 3, "sum")
+        refs.pool1d_reference(x, 3, "sum")
