@@ -296,17 +296,32 @@ def test_calls_the_codes_cannot_serve_take_the_model_attention_exactly(model, pr
     assert "7 bits in groups of 64 are not MLX's layout" in a[0].decode_path
 
 
-def test_readable_declines_several_rows_on_cuda(monkeypatch):
+def test_readable_on_cuda_only_where_turned_on_and_one_row(monkeypatch):
     import velox_core.kernels as vk
     from velox_core.cache import absorbed
+    from velox_core.kernels.config import configured
 
     codec = Uniform(4, 64)
     rows = codec.encode(mx.random.normal((2, 1, 8, RANK)))
     one = codec.encode(mx.random.normal((1, 1, 8, RANK)))
     assert absorbed.readable([(codec, rows)]) == ""
+    with configured(latent_codes=False):  # off everywhere
+        assert "turned off" in absorbed.readable([(codec, one)])
     monkeypatch.setattr(vk, "backend", lambda: "cuda")
-    assert "several rows on MLX's CUDA backend" in absorbed.readable([(codec, rows)])
-    assert absorbed.readable([(codec, one)]) == ""
+    assert "not been run yet" in absorbed.readable([(codec, one)])  # the default: off there
+    with configured(latent_codes=True):
+        assert "several rows on MLX's CUDA backend" in absorbed.readable([(codec, rows)])
+        assert absorbed.readable([(codec, one)]) == ""
+
+
+def test_latent_codes_setting_from_the_environment():
+    from velox_core.kernels.config import KernelConfig
+
+    assert KernelConfig.from_environ({}).latent_codes is None
+    assert KernelConfig.from_environ({"VELOX_LATENT_CODES": "1"}).latent_codes is True
+    assert KernelConfig.from_environ({"VELOX_LATENT_CODES": "0"}).latent_codes is False
+    with pytest.raises(ValueError, match="VELOX_LATENT_CODES must be 0 or 1"):
+        KernelConfig.from_environ({"VELOX_LATENT_CODES": "yes"})
 
 
 @pytest.mark.parametrize("tokens", [1, 700, 1024, 1100, 5000, 17000])

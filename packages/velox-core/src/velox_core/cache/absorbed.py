@@ -27,7 +27,8 @@ segments in temporal order (sinks, codes, window) without decoding the codes:
 :func:`readable` says which segments it reads: per-token ``Uniform`` codes in MLX's layout
 (2-6 or 8 bits, groups of 32, 64 or 128) and fp16 tokens; on MLX's CUDA backend a single
 batch row only (its ``quantized_matmul`` reads contiguous codes, and the rows of a cache's
-buffers are not).
+buffers are not), and only where ``KernelConfig.latent_codes`` turns it on there
+(``VELOX_LATENT_CODES=1``): the path has not been run on CUDA yet.
 """
 
 from __future__ import annotations
@@ -61,7 +62,16 @@ def readable(segments: list[tuple[Codec, Packed]]) -> str:
     """Why :func:`attention` cannot read these ``(codec, record)`` segments ("" where it
     can)."""
     from ..kernels import backend
+    from ..kernels.config import kernel_config
 
+    on = kernel_config().latent_codes
+    if on is False:
+        return "turned off (KernelConfig.latent_codes, VELOX_LATENT_CODES=0)"
+    if on is None and backend() == "cuda":
+        return (
+            "MLX's CUDA backend, where this path has not been run yet (VELOX_LATENT_CODES=1 "
+            "turns it on)"
+        )
     for codec, packed in segments:
         if isinstance(codec, Identity):
             continue

@@ -82,6 +82,9 @@ class KernelConfig:
         cuda_include: on CUDA, hand MLX each kernel's texts as ``#include`` lines of files
             holding them, which shortens MLX's work per call
             (:meth:`velox_core.kernels.build.KernelSpec.mlx_texts`).
+        latent_codes: a multi-head latent attention layer's decode step attends from the
+            latent's codes with MLX's ``quantized_matmul`` (:mod:`velox_core.cache.absorbed`);
+            None: on the CPU and Metal, not on CUDA, where it has not been run yet.
     """
 
     enabled: bool = True
@@ -104,6 +107,7 @@ class KernelConfig:
     layouts_off: frozenset[str] = frozenset()
     disk_cache: bool = True
     cuda_include: bool = True
+    latent_codes: bool | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -202,6 +206,7 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     "layouts_off": ("VELOX_LAYOUTS_OFF", "names"),
     "disk_cache": ("VELOX_KERNEL_CACHE", "switch"),
     "cuda_include": ("VELOX_CUDA_INCLUDE", "flag"),
+    "latent_codes": ("VELOX_LATENT_CODES", "flag"),
 }
 
 _CURRENT: list[KernelConfig] = []  # the configuration in force (empty until first use)
