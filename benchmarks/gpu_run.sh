@@ -9,6 +9,8 @@
 #   bash benchmarks/gpu_run.sh batch       # batch 8 at 32k, and batch_serve.py's two runs
 #   bash benchmarks/gpu_run.sh steps       # decode_steps.py at 32k: the slow steps per cache
 #   bash benchmarks/gpu_run.sh fill-check  # capacity.py --fill-check: the direct fill's peaks
+#   bash benchmarks/gpu_run.sh mla         # DeepSeek-V3's attention at 32k: fp16 against the
+#     4-bit latent decoded from its codes (VELOX_LATENT_CODES=1: off on CUDA by default)
 #   bash benchmarks/gpu_run.sh capacity    # capacity.py --fill direct, one run per cache
 #     (CACHES, space-separated specs [fp16 uniform:bits=4]; BUDGETS [16,24,36,64]; SHAPE
 #     [llama3-8b]; WEIGHTS [4bit]; LIMIT seconds for the stage [540]: a run is started only with 60 s left,
@@ -45,6 +47,11 @@ case "${1:-}" in
     python3 benchmarks/decode_steps.py --shape llama3-8b --weights 4bit --context 32768 \
       --caches "$specs" --steps 256 --sync --json "$out/decode-steps-32k.json" | tail -20
     ;;
+  mla)
+    VELOX_LATENT_CODES=1 python3 benchmarks/e2e.py --shape deepseek-v3-8l --weights 4bit \
+      --contexts 32768 --caches fp16,uniform:bits=4 --chunk 512 --steps 64 \
+      --json "$out/e2e-mla-32k.json" 2>&1 | tail -8
+    ;;
   fill-check)
     python3 benchmarks/capacity.py --shapes "${SHAPE:-llama3-8b}" --caches fp16,uniform:bits=4 \
       --fill-check 16384,65536 --json "$out/fill-check.json" 2>&1 | tail -8
@@ -61,7 +68,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: bash benchmarks/gpu_run.sh tests|first-use|e2e-32k|e2e-128k|batch|steps|fill-check|capacity" >&2
+    echo "usage: bash benchmarks/gpu_run.sh tests|first-use|e2e-32k|e2e-128k|batch|steps|mla|fill-check|capacity" >&2
     exit 2
     ;;
 esac
