@@ -10,6 +10,7 @@ from mlx_lm.models.cache import KVCache
 
 import velox_core
 from velox_core import VeloxCache, load_cache, make_cache, methods, routed, save_cache
+from velox_core.cache.eviction import EvictionCache
 from velox_core.registry import format_spec
 from velox_testing import tiny_model, tiny_tokenizer
 
@@ -166,3 +167,16 @@ def test_every_fit_hint_names_one_command_form(name):
     src = Path(importlib.import_module(f"velox_{name}").__file__).parent
     for f in src.glob("*.py"):
         assert "velox fit " not in f.read_text(), f  # not the velox-cli form in one of them
+
+
+EVICTING = sorted(n for n, m in methods().items() if issubclass(m.cache_class, EvictionCache))
+
+
+@pytest.mark.parametrize("name", EVICTING)
+@pytest.mark.parametrize("prefill", ["prompt", "chunks"])
+def test_every_eviction_preset_cuts_a_chunked_prompt_as_its_prefill_says(name, prefill):
+    """``prefill`` is a setting every eviction preset shares: the policy a preset builds
+    takes it, whether it builds its policy from same-named fields or its own way."""
+    assert len(EVICTING) >= 18
+    cache = velox_core.make(f"{name}:budget=256,prefill={prefill}")
+    assert cache.policy.prefill == prefill

@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Any
 
 from velox_core.cache.eviction import EvictionCache
-from velox_core.cache.preset import kept_codecs
 
 from .config import CamConfig
 from .policy import CamPolicy
@@ -34,6 +33,8 @@ class CamCache(EvictionCache):
     # each KV head accumulates its own scores and draws its own masks, and every head keeps
     # the same positions, so a split by heads holds exactly its share: mixes_heads stays ""
 
+    def make_policy(self, cfg: CamConfig) -> Any:
+        return CamPolicy(budget=cfg.budget, every=cfg.every, merge=cfg.merge, seed=cfg.seed)
+
     def build(self, cfg: CamConfig) -> dict[str, Any]:
-        policy = CamPolicy(budget=cfg.budget, every=cfg.every, merge=cfg.merge, seed=cfg.seed)
-        return {**kept_codecs(cfg), "sinks": cfg.sink_tokens, "policy": policy}
+        return {**super().build(cfg), "sinks": cfg.sink_tokens}

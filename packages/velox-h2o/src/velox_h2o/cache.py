@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 from velox_core.cache.eviction import EvictionCache
-from velox_core.cache.preset import kept_codecs
 
 from .config import H2OConfig
 from .policy import H2OPolicy
@@ -33,6 +32,5 @@ class H2OCache(EvictionCache):
     # each KV head accumulates and keeps its own tokens (its query heads' mean), so a split
     # by heads holds exactly its share: mixes_heads stays ""
 
-    def build(self, cfg: H2OConfig) -> dict[str, Any]:
-        policy = H2OPolicy(budget=cfg.budget, every=cfg.every, recent=cfg.recent_tokens)
-        return {**kept_codecs(cfg), "policy": policy}
+    def make_policy(self, cfg: H2OConfig) -> Any:
+        return H2OPolicy(budget=cfg.budget, every=cfg.every, recent=cfg.recent_tokens)

@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 from velox_core.cache.eviction import EvictionCache
-from velox_core.cache.preset import kept_codecs
 
 from .config import KeyformerConfig
 from .policy import KeyformerPolicy
@@ -33,8 +32,8 @@ class KeyformerCache(EvictionCache):
     # each KV head accumulates and keeps its own tokens (its query heads' mean), so a split
     # by heads holds exactly its share: mixes_heads stays ""
 
-    def build(self, cfg: KeyformerConfig) -> dict[str, Any]:
-        policy = KeyformerPolicy(
+    def make_policy(self, cfg: KeyformerConfig) -> Any:
+        return KeyformerPolicy(
             budget=cfg.budget,
             every=cfg.every,
             recent=cfg.recent_tokens,
@@ -43,4 +42,3 @@ class KeyformerCache(EvictionCache):
             steps=cfg.steps,
             seed=cfg.seed,
         )
-        return {**kept_codecs(cfg), "policy": policy}

@@ -9,10 +9,7 @@ shared among the heads and layers); every later token is kept. The paper keeps f
 
 from __future__ import annotations
 
-from typing import Any
-
 from velox_core.cache.eviction import EvictionCache
-from velox_core.cache.preset import kept_codecs
 
 from .config import KVzipConfig
 from .policy import KVzipPolicy
@@ -27,10 +24,7 @@ class KVzipCache(EvictionCache):
     Config = KVzipConfig
     Policy = KVzipPolicy
 
-    def build(self, cfg: KVzipConfig) -> dict[str, Any]:
-        names = ("budget", "every", *KVzipPolicy.settings)
-        policy = KVzipPolicy(**{name: getattr(cfg, name) for name in names})
-        return {**kept_codecs(cfg), "policy": policy}
+    policy_params = ("budget", "every", *KVzipPolicy.settings)
 
     @classmethod
     def split_refusal(cls, config: dict, by_heads: bool, pipelined: bool) -> str:

@@ -128,13 +128,20 @@ class RecentConfig(EvictionConfig):
 
 class EvictionCache(PresetCache):
     """Base of the eviction presets: ``Policy`` built from the config fields named in
-    ``policy_params``, the config's ``sinks`` and ``window``, and the kept tokens' codecs."""
+    ``policy_params`` (or by :meth:`make_policy`), cutting a chunked prompt as the config's
+    ``prefill`` says, the config's ``sinks`` and ``window``, and the kept tokens' codecs."""
 
     Policy: ClassVar[type]
     policy_params: ClassVar[tuple[str, ...]] = ("budget", "every")
 
+    def make_policy(self, cfg: Any) -> Any:
+        """The retention policy of ``cfg``; a preset whose policy takes other arguments than
+        config fields of the same names overrides this, never :meth:`build` (which sets the
+        settings every eviction preset shares)."""
+        return self.Policy(**{name: getattr(cfg, name) for name in self.policy_params})
+
     def build(self, cfg: Any) -> dict[str, Any]:
-        policy = self.Policy(**{name: getattr(cfg, name) for name in self.policy_params})
+        policy = self.make_policy(cfg)
         policy.prefill = cfg.prefill
         return {**kept_codecs(cfg), "policy": policy}
 
