@@ -147,8 +147,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("runs", nargs="+", help="velox eval --json files")
     ap.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown")
     ap.add_argument("--compact", action="store_true", help="one number a cell: points of accuracy")
+    ap.add_argument(
+        "--drop",
+        nargs="+",
+        default=[],
+        metavar="RUN:METHOD",
+        help="leave out a method's rows of one run (the file's name), e.g. a run whose "
+        "settings that method did not honour",
+    )
     a = ap.parse_args(argv)
-    rows = [e for path in a.runs for e in entries(path)]
+    drop = set()
+    for d in a.drop:
+        run, sep, method = d.rpartition(":")
+        if not sep or not run or not method:
+            ap.error(f"--drop takes RUN:METHOD (a run's file name and a method), got {d!r}")
+        drop.add((run, method))
+    rows = [e for path in a.runs for e in entries(path) if (e.run, e.method) not in drop]
     text = markdown(best(rows), a.compact)
     sys.stdout.write(text)
     if a.markdown:

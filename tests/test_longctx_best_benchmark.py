@@ -99,3 +99,25 @@ def test_a_run_without_fp16_is_refused(tmp_path, best):
     path = _write(tmp_path, "d.json", _trials({"kivi:bits=4": [1.0]}, {}))
     with pytest.raises(ValueError, match="no fp16"):
         best.entries(path)
+
+
+def test_drop_leaves_out_a_methods_rows_of_one_run(tmp_path, best, capsys):
+    fp16 = [1.0, 1.0]
+    a = _write(
+        tmp_path,
+        "a.json",
+        _trials(
+            {"fp16": fp16, "h2o:budget=25%,recent=8": [0.0, 0.0]}, {"h2o:budget=25%,recent=8": 4.0}
+        ),
+    )
+    b = _write(
+        tmp_path,
+        "b.json",
+        _trials({"fp16": fp16, "h2o:budget=25%": [1.0, 0.0]}, {"h2o:budget=25%": 4.0}),
+    )
+    best.main([a, b, "--compact"])
+    assert "| h2o | -50 | - | - |" in capsys.readouterr().out
+    best.main([a, b, "--compact", "--drop", "b.json:h2o"])
+    assert "| h2o | -100 | - | - |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        best.main([a, "--drop", "h2o"])
