@@ -22,13 +22,12 @@ bytes and the share of its channels coded as deltas.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from kvtc_disk import _quality, disk_args, disk_rows
+from kvtc_disk import _quality, disk_args, disk_rows, print_table
 
 import velox_cachegen as cg
 from velox_cachegen.chunks import read_meta
@@ -105,23 +104,8 @@ def main() -> None:
 
     rows, path = disk_rows(args, "cachegen-disk-", coded=coded)
 
-    print(f"\n{args.tokens}-token prompts x {args.prompts}, {path}, {args.steps} decode steps")
-    print(
-        "| prompt | cache | bytes | x fp16 | tables | KL | top-1 | same tokens (first diff: "
-        "fp16 margin) | save s | load s |"
-    )
-    print("|---|---|---:|---:|---:|---:|---:|---|---:|---:|")
-    for r in rows:
-        tables = f"{r['tables_bytes']:,}" if "tables_bytes" in r else "-"
-        first = r["first_divergence"]
-        diff = "" if first is None else f" ({first}: {r['fp16_margin_there']:.2f})"
-        print(
-            f"| {r['prompt']} | {r['cache']} | {r['bytes']:,} | {r['x_fp16']:.2f} | {tables} | "
-            f"{r['kl']:.4f} | {r['top1']:.3f} | {r['same_tokens']}/{args.steps}{diff} | "
-            f"{r['save_s']:.2f} | {r['load_s']:.2f} |"
-        )
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    tables = {"tables": lambda r: f"{r['tables_bytes']:,}" if "tables_bytes" in r else "-"}
+    print_table(args, path, rows, tables)
 
 
 if __name__ == "__main__":

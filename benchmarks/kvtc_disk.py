@@ -224,6 +224,26 @@ def disk_rows(args, prefix: str, basis: str | None = None, coded=None) -> tuple[
     return rows, path
 
 
+def print_table(args, path: str, rows: list[dict], extra: dict) -> None:
+    """The rows as a Markdown table, ``extra``'s columns (header -> a row's cell) after
+    ``x fp16``; written to ``args.json`` as well where it is set."""
+    print(f"\n{args.tokens}-token prompts x {args.prompts}, {path}, {args.steps} decode steps")
+    heads = ["prompt", "cache", "bytes", "x fp16", *extra, "KL", "top-1"]
+    heads += ["same tokens (first diff: fp16 margin)", "save s", "load s"]
+    print("| " + " | ".join(heads) + " |")
+    print("|" + "|".join(["---", "---", *["---:"] * (len(extra) + 4), "---", "---:", "---:"]) + "|")
+    for r in rows:
+        first = r["first_divergence"]
+        diff = "" if first is None else f" ({first}: {r['fp16_margin_there']:.2f})"
+        cells = [str(r["prompt"]), r["cache"], f"{r['bytes']:,}", f"{r['x_fp16']:.2f}"]
+        cells += [cell(r) for cell in extra.values()]
+        cells += [f"{r['kl']:.4f}", f"{r['top1']:.3f}", f"{r['same_tokens']}/{args.steps}{diff}"]
+        cells += [f"{r['save_s']:.2f}", f"{r['load_s']:.2f}"]
+        print("| " + " | ".join(cells) + " |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
 def main() -> None:
     ap = disk_args(__doc__.split("\n\n")[0])
     ap.add_argument("--ratios", type=float, nargs="+", default=[16, 20, 24, 32])
@@ -232,24 +252,19 @@ def main() -> None:
     args = ap.parse_args()
     rows, path = disk_rows(args, "kvtc-disk-", args.basis)
 
-    print(f"\n{args.tokens}-token prompts x {args.prompts}, {path}, {args.steps} decode steps")
-    print(
-        "| prompt | cache | bytes | x fp16 | x with basis | K / V error | KL | top-1 | same "
-        "tokens (first diff: fp16 margin) | save s | load s |"
+    print_table(
+        args,
+        path,
+        rows,
+        {
+            "x with basis": lambda r: (
+                f"{r['x_fp16_with_basis']:.2f}" if "x_fp16_with_basis" in r else "-"
+            ),
+            "K / V error": lambda r: (
+                f"{r['key_rel_err']:.3f} / {r['value_rel_err']:.3f}" if "key_rel_err" in r else "-"
+            ),
+        },
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|")
-    for r in rows:
-        wb = f"{r['x_fp16_with_basis']:.2f}" if "x_fp16_with_basis" in r else "-"
-        err = f"{r['key_rel_err']:.3f} / {r['value_rel_err']:.3f}" if "key_rel_err" in r else "-"
-        first = r["first_divergence"]
-        diff = "" if first is None else f" ({first}: {r['fp16_margin_there']:.2f})"
-        print(
-            f"| {r['prompt']} | {r['cache']} | {r['bytes']:,} | {r['x_fp16']:.2f} | {wb} | {err} | "
-            f"{r['kl']:.4f} | {r['top1']:.3f} | {r['same_tokens']}/{args.steps}{diff} | "
-            f"{r['save_s']:.2f} | {r['load_s']:.2f} |"
-        )
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
