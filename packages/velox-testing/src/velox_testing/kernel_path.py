@@ -43,6 +43,35 @@ needs_nvcc = pytest.mark.skipif(
 )
 
 
+# a kernel's two instantiations as ``pytest.mark.parametrize`` values (``backend``), each
+# skipped where its compiler is missing: the argument :func:`compile_instantiation` takes
+INSTANTIATIONS = (
+    pytest.param("metal", marks=needs_gxx, id="metal"),
+    pytest.param("cuda", marks=needs_nvcc, id="cuda"),
+)
+
+
+def compile_instantiation(
+    backend: str, variants: Sequence[Sequence[Any]], workdir: Path, unit_each: bool = False
+) -> None:
+    """Compile a kernel's ``variants`` (each the arguments of ``metal_source`` and
+    ``cuda_source``: spec, argument infos, output dtypes, template) in ``backend``'s
+    instantiation: ``"metal"`` through :func:`compile_metal`, ``"cuda"`` through
+    :func:`compile_cuda`, all in one unit or, with ``unit_each``, a unit a variant (a kernel
+    with launch bounds re-defines ``__global__``)."""
+    from velox_core.kernels.build import cuda_source
+
+    from .metal_source import metal_source
+
+    if backend == "metal":
+        compile_metal([metal_source(*v)[0] for v in variants], workdir)
+    elif backend == "cuda":
+        sources = [cuda_source(*v)[0] for v in variants]
+        compile_cuda([[src] for src in sources] if unit_each else [sources], workdir)
+    else:
+        raise ValueError(f"backend must be 'metal' or 'cuda', got {backend!r}")
+
+
 def compile_metal(sources: Sequence[str], workdir: Path) -> None:
     """Compile Metal instantiations (``velox_testing.metal_source.metal_source``'s texts) as one
     unit through the C++ shim of Metal (``g++ -fsyntax-only``); fails the test with the
