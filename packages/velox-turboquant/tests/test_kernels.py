@@ -21,7 +21,7 @@ import pytest
 import velox_core.kernels as vk
 from velox_core import Uniform
 from velox_core.cache.attention import Segment, fused_partial
-from velox_core.kernels.build import PROLOGUE, ArgInfo
+from velox_core.kernels.build import ArgInfo
 from velox_core.kernels.encode import THREADS
 from velox_core.ops import lloyd_max_sphere, pack, sign_sketch
 from velox_testing import (
@@ -32,7 +32,7 @@ from velox_testing import (
     sign_words,
 )
 from velox_testing.emulate import EmulatedKernels, Emulator, emulated_or_skip
-from velox_testing.kernel_path import INSTANTIATIONS, compile_instantiation
+from velox_testing.kernel_path import INSTANTIATIONS, assert_ships, compile_instantiation
 from velox_turboquant import TurboQuant, TurboQuantCache
 from velox_turboquant.encode import CODEBOOK_ENCODE, RESIDUAL_SKETCH_ENCODE
 
@@ -322,10 +322,7 @@ def _encode_variants():
 
 def test_encode_kernel_sources_ship_with_the_package():
     for spec in (CODEBOOK_ENCODE, RESIDUAL_SKETCH_ENCODE):
-        assert vk.kernel_source(spec.source, "velox_turboquant").strip()
-        for backend in ("metal", "cuda"):
-            assert spec.body(backend).startswith(PROLOGUE[backend])
-            assert "VELOX_KERNELS_H" in spec.header(backend)
+        assert_ships(spec, "velox_turboquant")
 
 
 @pytest.mark.parametrize("backend", INSTANTIATIONS)

@@ -21,7 +21,7 @@ from velox_core.cache.attention import Segment, fused_partial, joint_attention
 from velox_core.kernels import decode as dk
 from velox_core.kernels import portable as kport
 from velox_core.kernels import records as krec
-from velox_core.kernels.build import PROLOGUE, ArgInfo
+from velox_core.kernels.build import ArgInfo
 from velox_core.ops import assign, pack
 from velox_testing import (
     assert_cpu_declines,
@@ -32,7 +32,7 @@ from velox_testing import (
     needs_gxx,
 )
 from velox_testing.emulate import EmulatedKernels, Emulator
-from velox_testing.kernel_path import INSTANTIATIONS, compile_instantiation
+from velox_testing.kernel_path import INSTANTIATIONS, assert_ships, compile_instantiation
 from velox_vecinfer import VecInfer, VecInferCache
 from velox_vecinfer.kernels import THREADS, VQ_ENCODE
 
@@ -172,10 +172,8 @@ def _encode_variants():
 
 
 def test_encode_kernel_source_ships_with_the_package():
-    assert vk.kernel_source("encode_vq.metal", "velox_vecinfer").strip()
-    for backend in ("metal", "cuda"):
-        assert VQ_ENCODE.body(backend).startswith(PROLOGUE[backend])
-        assert "VELOX_KERNELS_H" in VQ_ENCODE.header(backend)
+    assert VQ_ENCODE.source == "encode_vq.metal"
+    assert_ships(VQ_ENCODE, "velox_vecinfer")
 
 
 @pytest.mark.parametrize("backend", INSTANTIATIONS)

@@ -51,6 +51,19 @@ INSTANTIATIONS = (
 )
 
 
+def assert_ships(spec: Any, package: str) -> None:
+    """``spec`` (a ``velox_core.kernels.build.KernelSpec``) has its source shipped with
+    ``package`` (not empty), and each backend's body starts with that backend's prologue and
+    its header includes the shared kernels' header."""
+    from velox_core.kernels import kernel_source
+    from velox_core.kernels.build import PROLOGUE
+
+    assert kernel_source(spec.source, package).strip(), (spec.source, package)
+    for backend in ("metal", "cuda"):
+        assert spec.body(backend).startswith(PROLOGUE[backend]), (spec.source, backend)
+        assert "VELOX_KERNELS_H" in spec.header(backend), (spec.source, backend)
+
+
 def compile_instantiation(
     backend: str, variants: Sequence[Sequence[Any]], workdir: Path, unit_each: bool = False
 ) -> None:
