@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 import nox
@@ -74,6 +75,19 @@ def _pkg(name: str) -> str:
     return str(ROOT / "packages" / name)
 
 
+def _pytest(
+    session: nox.Session,
+    *args: str,
+    packages: Iterable[str] = PACKAGES,
+    env: dict[str, str] | None = None,
+) -> None:
+    """Install the test dependencies and ``packages`` (default: every package but the heavy
+    ones), then run ``pytest -q ARGS`` and the session's own arguments, under :func:`_env`
+    with ``env`` added."""
+    session.install(*TEST_DEPS, *(_pkg(p) for p in packages))
+    session.run("pytest", "-q", *args, *session.posargs, env={**_env(), **(env or {})})
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
     session.install("ruff==0.17.6")
@@ -86,75 +100,38 @@ def lint(session: nox.Session) -> None:
 def tests(session: nox.Session, package: str) -> None:
     """One package, velox-core and velox-testing (and what its tests drive, TEST_WITH): proves
     it installs and works without the other methods."""
-    targets = {_pkg("velox-core"), _pkg("velox-testing"), _pkg(package)}
-    targets |= {_pkg(p) for p in TEST_WITH.get(package, ())}
-    session.install(*TEST_DEPS, *sorted(targets))
+    targets = {"velox-core", "velox-testing", package, *TEST_WITH.get(package, ())}
     spread = PARALLEL if package in PARALLEL_PACKAGES else []
-    session.run(
-        "pytest",
-        "-q",
-        *spread,
-        str(ROOT / "packages" / package / "tests"),
-        *session.posargs,
-        env=_env(),
-    )
+    _pytest(session, *spread, str(ROOT / "packages" / package / "tests"), packages=sorted(targets))
 
 
 @nox.session
 def integration(session: nox.Session) -> None:
     """Every package installed together; the cross-package tests in tests/."""
-    session.install(*TEST_DEPS, *(_pkg(p) for p in PACKAGES))
-    session.run(
-        "pytest",
-        "-q",
-        *PARALLEL,
-        str(ROOT / "tests"),
-        "-m",
-        "not processes",
-        *session.posargs,
-        env=_env(),
-    )
+    _pytest(session, *PARALLEL, str(ROOT / "tests"), "-m", "not processes")
 
 
 @nox.session
 def distributed(session: nox.Session) -> None:
     """The launches the integration tests leave out: the four-process plan, and velox
     generate and serve split over processes (mlx.launch, ring backend; several minutes)."""
-    session.install(*TEST_DEPS, *(_pkg(p) for p in PACKAGES))
-    session.run(
-        "pytest",
-        "-q",
-        str(ROOT / "tests" / "test_distributed.py"),
-        "-m",
-        "processes",
-        *session.posargs,
-        env=_env(),
-    )
+    _pytest(session, str(ROOT / "tests" / "test_distributed.py"), "-m", "processes")
 
 
 @nox.session
 def vlm(session: nox.Session) -> None:
     """velox-vlm's tests with mlx-vlm (its pinned range) on the tiny random-weight Qwen2-VL
     and Gemma 3 models (not in the default run: mlx-vlm pulls in opencv, datasets and more)."""
-    targets = [_pkg("velox-core"), _pkg("velox-testing"), _pkg("velox-vlm")]
-    session.install(*TEST_DEPS, *targets)
-    session.run(
-        "pytest", "-q", str(ROOT / "packages" / "velox-vlm" / "tests"), *session.posargs, env=_env()
-    )
+    targets = ["velox-core", "velox-testing", "velox-vlm"]
+    _pytest(session, str(ROOT / "packages" / "velox-vlm" / "tests"), packages=targets)
 
 
 @nox.session
 def plan(session: nox.Session) -> None:
     """velox plan's shipped bytes (plan_bytes.json) against every default spec's caches filled
     afresh at three KV shapes (about 15 minutes on a CPU; not in the default run)."""
-    session.install(*TEST_DEPS, *(_pkg(p) for p in PACKAGES))
-    session.run(
-        "pytest",
-        "-q",
-        str(ROOT / "tests" / "test_plan_methods.py"),
-        *session.posargs,
-        env={**_env(), "VELOX_PLAN_BYTES_CHECK": "1"},
-    )
+    plan_bytes = str(ROOT / "tests" / "test_plan_methods.py")
+    _pytest(session, plan_bytes, env={"VELOX_PLAN_BYTES_CHECK": "1"})
 
 
 @nox.session
@@ -164,14 +141,7 @@ def docs(session: nox.Session) -> None:
     tests/test_docs_blocks.py with DOCS_BLOCKS_SLOW=1: also the blocks marked ``docs-test:
     slow`` (benchmarks of a few specs, a fitted mapper: a minute or more each, half an hour of
     CPU time in all); the integration session runs the others."""
-    session.install(*TEST_DEPS, *(_pkg(p) for p in PACKAGES))
-    session.run(
-        "pytest",
-        "-q",
-        str(ROOT / "tests" / "test_docs_blocks.py"),
-        *session.posargs,
-        env={**_env(), "DOCS_BLOCKS_SLOW": "1"},
-    )
+    _pytest(session, str(ROOT / "tests" / "test_docs_blocks.py"), env={"DOCS_BLOCKS_SLOW": "1"})
 
 
 # The GGUF test of velox-cli against an independent reference, transformers' own GGUF load
@@ -346,14 +316,5 @@ def build(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """pytest-benchmark over benchmarks/ (not part of the default run)."""
-    session.install(*TEST_DEPS, *(_pkg(p) for p in PACKAGES))
-    session.run(
-        "pytest",
-        "-q",
-        str(ROOT / "benchmarks"),
-        "--benchmark-only",
-        "--benchmark-json",
-        str(ROOT / "out" / "bench.json"),
-        *session.posargs,
-        env=_env(),
-    )
+    bench_json = str(ROOT / "out" / "bench.json")
+    _pytest(session, str(ROOT / "benchmarks"), "--benchmark-only", "--benchmark-json", bench_json)

@@ -22,24 +22,17 @@ bytes and the share of its channels coded as deltas.
 
 from __future__ import annotations
 
-import argparse
-import json
-import tempfile
 import time
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from kvtc_disk import _fp16_caches, _fp16_row, _kvtc_row, _quality, _velox_row
+from kvtc_disk import _quality, disk_args, disk_rows, print_table
 
 import velox_cachegen as cg
-import velox_kvtc
 from velox_cachegen.chunks import read_meta
 from velox_cachegen.container import split
 from velox_cachegen.header import chunk_count
-from velox_cli.bench import load_model
-from velox_cli.data import load_text
-from velox_core.artifacts import token_stream
 
 
 def _cachegen_row(model, caches, name, kwargs, f: Path, text, ref, fp16: int) -> dict:
@@ -79,24 +72,12 @@ def _matched(caches, model, kwargs: dict, target: int, tol: float = 0.02) -> flo
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="mlx-lm model (default: the reference model)")
-    ap.add_argument("--tokens", type=int, default=8192, help="prompt tokens")
-    ap.add_argument("--prompts", type=int, default=2, help="prompts (held-out text offsets)")
-    ap.add_argument("--steps", type=int, default=32, help="decode steps compared")
+    ap = disk_args(__doc__.split("\n\n")[0])
     ap.add_argument("--levels", type=float, nargs="+", default=[2.0, cg.STEP, 4.0])
     ap.add_argument("--ratios", type=float, nargs="*", default=[20.0])
     ap.add_argument("--specs", nargs="*", default=["uniform:bits=4"])
-    ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args()
 
-    model, tokenizer, store, path = load_model(args.model)
-    store = store or mx.float16
-    stream = token_stream(tokenizer, load_text(None))
-    need = args.tokens + args.steps
-    starts = np.linspace(0, len(stream) - need, num=args.prompts).astype(int)
-    basis = velox_kvtc.load_basis(velox_kvtc.resolve_basis(model)) if args.ratios else None
-    tmp = Path(tempfile.mkdtemp(prefix="cachegen-disk-"))
     variants = [(f"cachegen step={lv:g}", {"step": lv}) for lv in args.levels]
     variants += [
         (f"cachegen step={cg.STEP:g}, window at the body's step", {"window_step": 1.0}),
@@ -107,14 +88,9 @@ def main() -> None:
         ("reference layer groups", {"layer_steps": "reference"}),
         ("delta=anchor", {"delta": "anchor"}),
     ]
-    rows = []
-    for p, a in enumerate(starts):
-        ids = stream[a : a + args.tokens]
-        text = [int(t) for t in stream[a + args.tokens : a + need]]
-        caches = _fp16_caches(model, ids)
-        row, ref = _fp16_row(model, caches, tmp / "fp16.safetensors", text, args.steps)
-        fp16 = row["bytes"]
-        out = [row]
+
+    def coded(model, caches, text, ref, fp16: int, tmp: Path) -> list[dict]:
+        out = []
         for name, kwargs in variants:
             f = tmp / "cache.cgen"
             out.append(_cachegen_row(model, caches, name, kwargs, f, text, ref, fp16))
@@ -124,33 +100,12 @@ def main() -> None:
             name = f"cachegen {what}, step={step:.3g} (the default's bytes)"
             kwargs = {**kwargs, "step": step}
             out.append(_cachegen_row(model, caches, name, kwargs, tmp / "c.cgen", text, ref, fp16))
-        for ratio in args.ratios:
-            f = tmp / f"kvtc-{ratio:g}.kvtc"
-            out.append(_kvtc_row(model, caches, basis, ratio, f, text, ref, fp16))
-        for spec in args.specs:
-            f = tmp / "velox.safetensors"
-            out.append(_velox_row(model, spec, store, ids, f, text, ref, fp16))
-        for row in out:
-            rows.append({"prompt": p, "start": int(a), **row})
-            print(json.dumps(rows[-1]), flush=True)
+        return out
 
-    print(f"\n{args.tokens}-token prompts x {args.prompts}, {path}, {args.steps} decode steps")
-    print(
-        "| prompt | cache | bytes | x fp16 | tables | KL | top-1 | same tokens (first diff: "
-        "fp16 margin) | save s | load s |"
-    )
-    print("|---|---|---:|---:|---:|---:|---:|---|---:|---:|")
-    for r in rows:
-        tables = f"{r['tables_bytes']:,}" if "tables_bytes" in r else "-"
-        first = r["first_divergence"]
-        diff = "" if first is None else f" ({first}: {r['fp16_margin_there']:.2f})"
-        print(
-            f"| {r['prompt']} | {r['cache']} | {r['bytes']:,} | {r['x_fp16']:.2f} | {tables} | "
-            f"{r['kl']:.4f} | {r['top1']:.3f} | {r['same_tokens']}/{args.steps}{diff} | "
-            f"{r['save_s']:.2f} | {r['load_s']:.2f} |"
-        )
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    rows, path = disk_rows(args, "cachegen-disk-", coded=coded)
+
+    tables = {"tables": lambda r: f"{r['tables_bytes']:,}" if "tables_bytes" in r else "-"}
+    print_table(args, path, rows, tables)
 
 
 if __name__ == "__main__":

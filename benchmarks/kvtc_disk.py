@@ -176,25 +176,32 @@ def _velox_row(model, spec: str, store, ids, f: Path, text, ref, fp16: int) -> d
     return {**row, **_quality(model, load, text, ref)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def disk_args(description: str) -> argparse.ArgumentParser:
+    """The options of every disk benchmark: the model, the prompts, the decode steps, --json."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--model", default=None, help="mlx-lm model (default: the reference model)")
     ap.add_argument("--tokens", type=int, default=8192, help="prompt tokens")
     ap.add_argument("--prompts", type=int, default=2, help="prompts (held-out text offsets)")
     ap.add_argument("--steps", type=int, default=32, help="decode steps compared")
-    ap.add_argument("--ratios", type=float, nargs="+", default=[16, 20, 24, 32])
-    ap.add_argument("--specs", nargs="*", default=["uniform:bits=4", "uniform:bits=2"])
-    ap.add_argument("--basis", default=None, help="KVTC artifact (default: the model's)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
-    args = ap.parse_args()
+    return ap
 
+
+def disk_rows(args, prefix: str, basis: str | None = None, coded=None) -> tuple[list[dict], str]:
+    """The rows of each of ``args.prompts`` prompts, each printed as a JSON line as it comes,
+    and the model's path.
+
+    A prompt's rows: the fp16 file's, then ``coded(model, caches, text, ref, fp16, tmp)``'s
+    (when given), KVTC's at each of ``args.ratios`` (``basis``: the artifact, default the
+    model's) and a velox cache's for each of ``args.specs``; files go to a fresh temporary
+    folder named ``prefix...``."""
     model, tokenizer, store, path = load_model(args.model)
     store = store or mx.float16
     stream = token_stream(tokenizer, load_text(None))
     need = args.tokens + args.steps
     starts = np.linspace(0, len(stream) - need, num=args.prompts).astype(int)
-    basis = velox_kvtc.load_basis(args.basis or velox_kvtc.resolve_basis(model))
-    tmp = Path(tempfile.mkdtemp(prefix="kvtc-disk-"))
+    kvtc = velox_kvtc.load_basis(basis or velox_kvtc.resolve_basis(model)) if args.ratios else None
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
     rows = []
     for p, a in enumerate(starts):
         ids = stream[a : a + args.tokens]
@@ -203,34 +210,61 @@ def main() -> None:
         row, ref = _fp16_row(model, caches, tmp / "fp16.safetensors", text, args.steps)
         fp16 = row["bytes"]
         out = [row]
+        if coded is not None:
+            out += coded(model, caches, text, ref, fp16, tmp)
         for ratio in args.ratios:
             f = tmp / f"kvtc-{ratio:g}.kvtc"
-            out.append(_kvtc_row(model, caches, basis, ratio, f, text, ref, fp16))
+            out.append(_kvtc_row(model, caches, kvtc, ratio, f, text, ref, fp16))
         for spec in args.specs:
             f = tmp / "velox.safetensors"
             out.append(_velox_row(model, spec, store, ids, f, text, ref, fp16))
         for row in out:
             rows.append({"prompt": p, "start": int(a), **row})
             print(json.dumps(rows[-1]), flush=True)
+    return rows, path
 
+
+def print_table(args, path: str, rows: list[dict], extra: dict) -> None:
+    """The rows as a Markdown table, ``extra``'s columns (header -> a row's cell) after
+    ``x fp16``; written to ``args.json`` as well where it is set."""
     print(f"\n{args.tokens}-token prompts x {args.prompts}, {path}, {args.steps} decode steps")
-    print(
-        "| prompt | cache | bytes | x fp16 | x with basis | K / V error | KL | top-1 | same "
-        "tokens (first diff: fp16 margin) | save s | load s |"
-    )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+    heads = ["prompt", "cache", "bytes", "x fp16", *extra, "KL", "top-1"]
+    heads += ["same tokens (first diff: fp16 margin)", "save s", "load s"]
+    print("| " + " | ".join(heads) + " |")
+    print("|" + "|".join(["---", "---", *["---:"] * (len(extra) + 4), "---", "---:", "---:"]) + "|")
     for r in rows:
-        wb = f"{r['x_fp16_with_basis']:.2f}" if "x_fp16_with_basis" in r else "-"
-        err = f"{r['key_rel_err']:.3f} / {r['value_rel_err']:.3f}" if "key_rel_err" in r else "-"
         first = r["first_divergence"]
         diff = "" if first is None else f" ({first}: {r['fp16_margin_there']:.2f})"
-        print(
-            f"| {r['prompt']} | {r['cache']} | {r['bytes']:,} | {r['x_fp16']:.2f} | {wb} | {err} | "
-            f"{r['kl']:.4f} | {r['top1']:.3f} | {r['same_tokens']}/{args.steps}{diff} | "
-            f"{r['save_s']:.2f} | {r['load_s']:.2f} |"
-        )
+        cells = [str(r["prompt"]), r["cache"], f"{r['bytes']:,}", f"{r['x_fp16']:.2f}"]
+        cells += [cell(r) for cell in extra.values()]
+        cells += [f"{r['kl']:.4f}", f"{r['top1']:.3f}", f"{r['same_tokens']}/{args.steps}{diff}"]
+        cells += [f"{r['save_s']:.2f}", f"{r['load_s']:.2f}"]
+        print("| " + " | ".join(cells) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+def main() -> None:
+    ap = disk_args(__doc__.split("\n\n")[0])
+    ap.add_argument("--ratios", type=float, nargs="+", default=[16, 20, 24, 32])
+    ap.add_argument("--specs", nargs="*", default=["uniform:bits=4", "uniform:bits=2"])
+    ap.add_argument("--basis", default=None, help="KVTC artifact (default: the model's)")
+    args = ap.parse_args()
+    rows, path = disk_rows(args, "kvtc-disk-", args.basis)
+
+    print_table(
+        args,
+        path,
+        rows,
+        {
+            "x with basis": lambda r: (
+                f"{r['x_fp16_with_basis']:.2f}" if "x_fp16_with_basis" in r else "-"
+            ),
+            "K / V error": lambda r: (
+                f"{r['key_rel_err']:.3f} / {r['value_rel_err']:.3f}" if "key_rel_err" in r else "-"
+            ),
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -32,17 +32,14 @@ from velox_core.cache.attention import Segment, fused_partial, joint_attention, 
 from velox_core.kernels import config as kcfg
 from velox_core.kernels import decode as dk
 from velox_core.kernels import portable as kport
-from velox_core.kernels.build import ArgInfo, KernelSpec, cuda_source
+from velox_core.kernels.build import ArgInfo, KernelSpec
 from velox_testing import (
     assert_cpu_declines,
     assert_partials_close,
-    compile_cuda,
-    compile_metal,
     kernel_env,
-    needs_nvcc,
 )
 from velox_testing.emulate import DecodeRun, EmulatedKernels, Emulator, compiler, emulated_or_skip
-from velox_testing.metal_source import metal_source
+from velox_testing.kernel_path import INSTANTIATIONS, compile_instantiation
 
 needs_gxx = pytest.mark.skipif(
     compiler() is None, reason="no C++ compiler (g++ or $CXX): the kernels cannot be emulated"
@@ -180,17 +177,12 @@ def _variants():
     return out
 
 
-@needs_gxx
-def test_the_key_pass_compiles_in_the_metal_instantiation(tmp_path):
+@pytest.mark.parametrize("backend", INSTANTIATIONS)
+def test_the_key_pass_compiles_in_each_instantiation(tmp_path, backend):
     """The portable kernel with this package's key pass in place, through the C++ shim of
-    Metal (as velox-core's tests compile its own variants)."""
-    compile_metal([metal_source(*v)[0] for v in _variants()], tmp_path)
-
-
-@needs_nvcc
-def test_the_key_pass_compiles_in_the_cuda_instantiation(tmp_path):
-    """nvcc compiles the CUDA instantiations for sm_90a, without register spills."""
-    compile_cuda([[cuda_source(*v)[0] for v in _variants()]], tmp_path)
+    Metal (as velox-core's tests compile its own variants) and through nvcc for sm_90a,
+    without register spills."""
+    compile_instantiation(backend, _variants(), tmp_path)
 
 
 # -- which records take the kernel ---------------------------------------------------------------

@@ -20,7 +20,7 @@ from velox_core.kernels import decode as dk
 from velox_core.kernels import layout as klayout
 from velox_core.kernels import portable as kport
 from velox_core.kernels import records as krec
-from velox_core.kernels.build import ArgInfo, cuda_source
+from velox_core.kernels.build import ArgInfo
 from velox_core.ops import pack
 from velox_qjl.layout import (
     SKETCH,
@@ -33,14 +33,11 @@ from velox_qjl.layout import (
 )
 from velox_testing import (
     assert_partials_close,
-    compile_cuda,
-    compile_metal,
     kernel_env,
     needs_gxx,
-    needs_nvcc,
 )
 from velox_testing.emulate import DecodeRun, Emulator
-from velox_testing.metal_source import metal_source
+from velox_testing.kernel_path import INSTANTIATIONS, compile_instantiation
 
 # placeholder arrays for records that only the plans and templates read (their layout)
 _U32, _F16 = mx.zeros((1,), mx.uint32), mx.zeros((1,), mx.float16)
@@ -196,14 +193,9 @@ def _variants():
     return out
 
 
-@needs_gxx
-def test_the_key_pass_compiles_in_the_metal_instantiation(tmp_path):
-    compile_metal([metal_source(*v)[0] for v in _variants()], tmp_path)
-
-
-@needs_nvcc
-def test_the_key_pass_compiles_in_the_cuda_instantiation(tmp_path):
-    compile_cuda([[cuda_source(*v)[0] for v in _variants()]], tmp_path)
+@pytest.mark.parametrize("backend", INSTANTIATIONS)
+def test_the_key_pass_compiles_in_each_instantiation(tmp_path, backend):
+    compile_instantiation(backend, _variants(), tmp_path)
 
 
 @needs_gxx

@@ -16,6 +16,7 @@ from velox_core.kernels.merge import MERGE
 from velox_core.policy.view import Tokens
 from velox_testing import kernel_env, scratch_dir, tiny_model
 from velox_testing.emulate import EmulatedKernels, Emulator
+from velox_testing.kernel_path import compile_instantiation
 from velox_testing.models import tiny_config
 
 
@@ -117,3 +118,8 @@ def test_pool1d_reference_pools_with_zero_padding_and_refuses_other_poolings():
     assert np.allclose(refs.pool1d_reference(x, 3, "avg"), [5 / 3, 7 / 3, 2.0, 2 / 3])
     with pytest.raises(ValueError, match="pooling='sum' must be 'avg' or 'max'"):
         refs.pool1d_reference(x, 3, "sum")
+
+
+def test_compile_instantiation_refuses_a_backend_it_has_no_compiler_for(tmp_path):
+    with pytest.raises(ValueError, match="backend must be 'metal' or 'cuda', got 'vulkan'"):
+        compile_instantiation("vulkan", [], tmp_path)

@@ -21,21 +21,18 @@ import pytest
 import velox_core.kernels as vk
 from velox_core import Uniform
 from velox_core.cache.attention import Segment, fused_partial
-from velox_core.kernels.build import PROLOGUE, ArgInfo, cuda_source
+from velox_core.kernels.build import ArgInfo
 from velox_core.kernels.encode import THREADS
 from velox_core.ops import lloyd_max_sphere, pack, sign_sketch
 from velox_testing import (
     assert_cpu_declines,
     assert_kernel_partial,
-    compile_cuda,
-    compile_metal,
     kernel_env,
     kv_data,
-    needs_nvcc,
     sign_words,
 )
 from velox_testing.emulate import EmulatedKernels, Emulator, emulated_or_skip
-from velox_testing.metal_source import metal_source
+from velox_testing.kernel_path import INSTANTIATIONS, assert_ships, compile_instantiation
 from velox_turboquant import TurboQuant, TurboQuantCache
 from velox_turboquant.encode import CODEBOOK_ENCODE, RESIDUAL_SKETCH_ENCODE
 
@@ -325,20 +322,12 @@ def _encode_variants():
 
 def test_encode_kernel_sources_ship_with_the_package():
     for spec in (CODEBOOK_ENCODE, RESIDUAL_SKETCH_ENCODE):
-        assert vk.kernel_source(spec.source, "velox_turboquant").strip()
-        for backend in ("metal", "cuda"):
-            assert spec.body(backend).startswith(PROLOGUE[backend])
-            assert "VELOX_KERNELS_H" in spec.header(backend)
+        assert_ships(spec, "velox_turboquant")
 
 
-@needs_gxx
-def test_encode_kernels_compile_in_the_metal_instantiation(tmp_path):
-    compile_metal([metal_source(*v)[0] for v in _encode_variants()], tmp_path)
-
-
-@needs_nvcc
-def test_encode_kernels_compile_in_the_cuda_instantiation(tmp_path):
-    compile_cuda([[cuda_source(*v)[0] for v in _encode_variants()]], tmp_path)
+@pytest.mark.parametrize("backend", INSTANTIATIONS)
+def test_encode_kernels_compile_in_each_instantiation(tmp_path, backend):
+    compile_instantiation(backend, _encode_variants(), tmp_path)
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from velox_core.kernels.build import ArgInfo, cuda_source
-from velox_testing import compile_cuda, compile_metal, kernel_env, needs_gxx, needs_nvcc
-from velox_testing.metal_source import metal_source
+from velox_testing import compile_cuda, kernel_env, needs_nvcc
+from velox_testing.kernel_path import INSTANTIATIONS, compile_instantiation
 from velox_turboquant import outlier as ok
 
 F32, U32 = ("float32", 4, 1 << 20), ("uint32", 4, 1 << 20)
@@ -144,9 +144,12 @@ def test_the_kernel_ships_with_this_package():
     assert "vx_" in spec.body("metal")
 
 
-@needs_gxx
-def test_the_kernel_compiles_in_the_metal_instantiation(tmp_path):
-    compile_metal([metal_source(*v)[0] for v in _variants()], tmp_path)
+@pytest.mark.parametrize("backend", INSTANTIATIONS)
+def test_the_kernel_compiles_in_each_instantiation(tmp_path, backend):
+    """Through the C++ shim of Metal, and through nvcc for sm_90a without register spills,
+    each threadgroup size's build in a unit of its own (a kernel with launch bounds
+    re-defines ``__global__``)."""
+    compile_instantiation(backend, _variants(), tmp_path, unit_each=True)
 
 
 @needs_nvcc

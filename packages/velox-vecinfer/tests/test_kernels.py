@@ -21,21 +21,18 @@ from velox_core.cache.attention import Segment, fused_partial, joint_attention
 from velox_core.kernels import decode as dk
 from velox_core.kernels import portable as kport
 from velox_core.kernels import records as krec
-from velox_core.kernels.build import PROLOGUE, ArgInfo, cuda_source
+from velox_core.kernels.build import ArgInfo
 from velox_core.ops import assign, pack
 from velox_testing import (
     assert_cpu_declines,
     assert_kernel_partial,
-    compile_cuda,
-    compile_metal,
     emulated_gpu_fixture,
     kernel_env,
     kv_data,
     needs_gxx,
-    needs_nvcc,
 )
 from velox_testing.emulate import EmulatedKernels, Emulator
-from velox_testing.metal_source import metal_source
+from velox_testing.kernel_path import INSTANTIATIONS, assert_ships, compile_instantiation
 from velox_vecinfer import VecInfer, VecInferCache
 from velox_vecinfer.kernels import THREADS, VQ_ENCODE
 
@@ -175,20 +172,13 @@ def _encode_variants():
 
 
 def test_encode_kernel_source_ships_with_the_package():
-    assert vk.kernel_source("encode_vq.metal", "velox_vecinfer").strip()
-    for backend in ("metal", "cuda"):
-        assert VQ_ENCODE.body(backend).startswith(PROLOGUE[backend])
-        assert "VELOX_KERNELS_H" in VQ_ENCODE.header(backend)
+    assert VQ_ENCODE.source == "encode_vq.metal"
+    assert_ships(VQ_ENCODE, "velox_vecinfer")
 
 
-@needs_gxx
-def test_encode_kernel_compiles_in_the_metal_instantiation(tmp_path):
-    compile_metal([metal_source(*v)[0] for v in _encode_variants()], tmp_path)
-
-
-@needs_nvcc
-def test_encode_kernel_compiles_in_the_cuda_instantiation(tmp_path):
-    compile_cuda([[cuda_source(*v)[0] for v in _encode_variants()]], tmp_path)
+@pytest.mark.parametrize("backend", INSTANTIATIONS)
+def test_encode_kernel_compiles_in_each_instantiation(tmp_path, backend):
+    compile_instantiation(backend, _encode_variants(), tmp_path)
 
 
 @needs_gxx

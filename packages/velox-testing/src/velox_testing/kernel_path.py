@@ -43,6 +43,48 @@ needs_nvcc = pytest.mark.skipif(
 )
 
 
+# a kernel's two instantiations as ``pytest.mark.parametrize`` values (``backend``), each
+# skipped where its compiler is missing: the argument :func:`compile_instantiation` takes
+INSTANTIATIONS = (
+    pytest.param("metal", marks=needs_gxx, id="metal"),
+    pytest.param("cuda", marks=needs_nvcc, id="cuda"),
+)
+
+
+def assert_ships(spec: Any, package: str) -> None:
+    """``spec`` (a ``velox_core.kernels.build.KernelSpec``) has its source shipped with
+    ``package`` (not empty), and each backend's body starts with that backend's prologue and
+    its header includes the shared kernels' header."""
+    from velox_core.kernels import kernel_source
+    from velox_core.kernels.build import PROLOGUE
+
+    assert kernel_source(spec.source, package).strip(), (spec.source, package)
+    for backend in ("metal", "cuda"):
+        assert spec.body(backend).startswith(PROLOGUE[backend]), (spec.source, backend)
+        assert "VELOX_KERNELS_H" in spec.header(backend), (spec.source, backend)
+
+
+def compile_instantiation(
+    backend: str, variants: Sequence[Sequence[Any]], workdir: Path, unit_each: bool = False
+) -> None:
+    """Compile a kernel's ``variants`` (each the arguments of ``metal_source`` and
+    ``cuda_source``: spec, argument infos, output dtypes, template) in ``backend``'s
+    instantiation: ``"metal"`` through :func:`compile_metal`, ``"cuda"`` through
+    :func:`compile_cuda`, all in one unit or, with ``unit_each``, a unit a variant (a kernel
+    with launch bounds re-defines ``__global__``)."""
+    from velox_core.kernels.build import cuda_source
+
+    from .metal_source import metal_source
+
+    if backend == "metal":
+        compile_metal([metal_source(*v)[0] for v in variants], workdir)
+    elif backend == "cuda":
+        sources = [cuda_source(*v)[0] for v in variants]
+        compile_cuda([[src] for src in sources] if unit_each else [sources], workdir)
+    else:
+        raise ValueError(f"backend must be 'metal' or 'cuda', got {backend!r}")
+
+
 def compile_metal(sources: Sequence[str], workdir: Path) -> None:
     """Compile Metal instantiations (``velox_testing.metal_source.metal_source``'s texts) as one
     unit through the C++ shim of Metal (``g++ -fsyntax-only``); fails the test with the

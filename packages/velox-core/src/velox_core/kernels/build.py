@@ -232,17 +232,8 @@ _METAL_TYPES = {
     "int64": "int64_t",
     "bool": "bool",
 }
-_CUDA_TYPES = {
-    "float32": "float",
-    "float16": "__half",
-    "bfloat16": "__nv_bfloat16",
-    "uint32": "uint32_t",
-    "int32": "int32_t",
-    "uint8": "uint8_t",
-    "uint16": "uint16_t",
-    "int64": "int64_t",
-    "bool": "bool",
-}
+# the Metal names but for the half types
+_CUDA_TYPES = {**_METAL_TYPES, "float16": "__half", "bfloat16": "__nv_bfloat16"}
 
 
 @dataclass(frozen=True)
