@@ -196,7 +196,7 @@ def test_rolling_weights_follow_cuts_and_stores_as_scoring_again_does(fusion):
     keep = mx.array(np.sort(np.random.default_rng(0).choice(t, (1, 2, t // 2), replace=False)))
     w.kept(view, keep)  # half the body leaves: much of each query's weight with it
     c.evict(keep)
-    assert w.weights.shape[-1] == c.size()
+    assert w.weights.shape[-1] == c.size() + 2  # zero columns: the next token's, a spare
     check()
     k, v = kv_data(t=1, d=D, dtype=mx.float32, seed=5)
     c.update_and_fetch(k, v)  # token 60
@@ -205,7 +205,16 @@ def test_rolling_weights_follow_cuts_and_stores_as_scoring_again_does(fusion):
     pos = mx.array(stored_positions(c))
     call = window_weights(q[:, :, 60:], mx.array([60]), keys, pos, SCALE)  # as attention's
     w.add(view, q[:, :, 60:], SCALE, call)
-    assert w.end == 61 and w.weights.shape == (1, 2, 2, 4, c.size())
+    assert w.end == 61 and w._ring == 1 and w.weights.shape == (1, 2, 2, 4, c.size() + 1)
+    check()
+    k, v = kv_data(t=1, d=D, dtype=mx.float32, seed=6)
+    c.update_and_fetch(k, v)  # token 61: past the zero columns held, more are added
+    w.appended(view, 61)
+    call = window_weights(
+        q[:, :, 60:], mx.array([61]), *c.keys_and_values()[:1], mx.array(stored_positions(c)), SCALE
+    )
+    w.add(view, q[:, :, 60:], SCALE, call)  # the ring turns again: the oldest row overwritten
+    assert w.end == 62 and w._ring == 2 and w.weights.shape == (1, 2, 2, 4, c.size() + 1)
     check()
     c.update_and_fetch(k, v)  # a store the window is not told of: its weights cover less
     body_pos = mx.stack(view.body_positions(), axis=1)

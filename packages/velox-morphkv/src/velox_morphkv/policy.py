@@ -27,14 +27,15 @@ cut runs before the new token is stored, with the window of the ``R`` tokens bef
 attention runs over ``budget`` tokens plus the new one, as in the authors' cache.
 
 With ``keep_weights=True`` the weights are kept from one cut to the next, as the authors keep
-each window query's attention over the held tokens: a decode step's query brings
-the weights its attention computed (``observe_weights``), a stored token adds a zero column
-(the older queries cannot see it) and a cut keeps the kept tokens' columns; each cut then
-renormalizes every query's weights over the tokens still stored, which is its softmax over
-them, instead of scoring the ``R`` queries against every stored key again (``R × Hq ×
-budget`` dot products and as many exponentials a step). They cost ``Hq × observe × (budget +
-1)`` float32 a sequence and layer (counted in ``nbytes``): at 128 channels and 4 query heads
-a KV head, about as much as the kept fp16 keys and values, three times their 4-bit codes.
+each window query's attention over the held tokens: a decode step's query brings the weights
+its attention computed (``observe_weights``), written over the oldest query's row; a stored
+token takes a zero column (the older queries cannot see it), held ready by the cut before;
+and a cut keeps the kept tokens' columns, in one gather. Each cut then renormalizes every
+query's weights over the tokens still stored, which is its softmax over them, instead of
+scoring the ``R`` queries against every stored key again (``R × Hq × budget`` dot products
+and as many exponentials a step). They cost ``Hq × observe × (budget + every + 1)`` float32
+a sequence and layer (counted in ``nbytes``): at 128 channels and 4 query heads a KV head,
+about as much as the kept fp16 keys and values, three times their 4-bit codes.
 With ``keep_weights=False`` (the default) every cut scores the queries again. Kept or not,
 the weights are those of the same tokens, and the same tokens are kept. Over coded keys
 (``bits``) a step's new weights come from the keys as decoded, not from its attention's
@@ -189,7 +190,7 @@ class MorphKVPolicy(WindowState, RetentionPolicy):
         """The top ``k`` body tokens per KV head, ``(B, H, k)``; the kept weights keep their
         columns (:meth:`QueryWindow.kept`)."""
         keep = super().select(view, k)
-        self.window.kept(view, keep)
+        self.window.kept(view, keep, self.every)
         return keep
 
     @property

@@ -53,10 +53,13 @@ class QueryWindow:
         self.end = 0
         self.scale: float | None = None
         # the buffered queries' softmax weights over the stored tokens (float32 (B, H, R, n,
-        # S), the tokens in storage order), from the call that added them or, rolling, kept
-        # since, and what they cover (``_covered``), or None
+        # C), the tokens in storage order), from the call that added them or, rolling, kept
+        # since, and what they cover (``_covered``), or None. Rolling, the columns past the
+        # ``S`` stored tokens (C >= S) are zero, room for the tokens stored next, and the
+        # rows are a ring: query i (the oldest first) is row (_ring + i) % n
         self.weights: mx.array | None = None
         self._weighed: tuple[int, int, int] | None = None
+        self._ring = 0
 
     def add(
         self,
@@ -102,7 +105,7 @@ class QueryWindow:
             if joined:
                 old = old[:, :, :before][:, :, -(self.size - new.shape[2]) :]
                 if held is not None and before >= held.shape[3] == self.queries.shape[2]:
-                    rows = held[:, :, :, held.shape[3] - old.shape[2] :]
+                    rows = held  # their newest old.shape[2] rows stay
                 new = mx.concatenate([old.astype(new.dtype), new], axis=2)
         if weights is None and rows is not None:
             q = new[:, :, old.shape[2] :]
@@ -111,8 +114,13 @@ class QueryWindow:
             weights = window_weights(q, q_pos, keys, _stored_positions(view), scale)
         if weights is not None and (not joined or rows is not None):
             w = weights[:, :, :, -self.size :]
-            self.weights = w if rows is None else mx.concatenate([rows, w], axis=3)
+            if rows is None:
+                self.weights, self._ring = w, 0
+            else:
+                self.weights = self._roll(rows, old.shape[2], w)
             self._weighed = covered
+        else:
+            self._ring = 0
         self.queries = mx.contiguous(new)
         self.end = view.offset
         self.scale = float(scale)
@@ -130,18 +138,43 @@ class QueryWindow:
 
     def stored(self) -> None:
         """Tokens were stored (or the rows changed): the kept weights no longer cover them."""
-        self.weights, self._weighed = None, None
+        self.weights, self._weighed, self._ring = None, None, 0
+
+    def _roll(self, held: mx.array, kept: int, rows: mx.array) -> mx.array:
+        """The held weights' newest ``kept`` rows, then ``rows``, the newest queries'. Where
+        as many rows leave as arrive (the buffer full), the new rows overwrite the oldest in
+        place (the ring turns); otherwise the rows are laid out anew, oldest first.
+
+        Shapes:
+            held float32 ``(B, H, R, n, C)``, rows ``(B, H, R, L, S)`` with ``S <= C``;
+            returns ``(B, H, R, kept + L, C)``.
+        """
+        b, h, r, n, c = held.shape
+        new, s = rows.shape[3], rows.shape[4]
+        if kept + new == n:
+            for i in range(new):  # over the rows that leave, the columns of stored tokens
+                slot = (self._ring + i) % n
+                held[:, :, :, slot : slot + 1, :s] = rows[:, :, :, i : i + 1]
+            self._ring = (self._ring + new) % n
+            return held
+        if self._ring:
+            held = mx.take(held, (mx.arange(n) + self._ring) % n, axis=3)
+        if c > s:
+            rows = mx.concatenate([rows, mx.zeros((b, h, r, new, c - s), dtype=rows.dtype)], 4)
+        self._ring = 0
+        return mx.concatenate([held[:, :, :, n - kept :], rows], axis=3)
 
     def appended(self, view, start: int) -> None:
         """Tokens ``[start, view.offset)`` were just stored (``RetentionPolicy.after_update``).
 
         Rolling, weights that covered the tokens stored before them gain their columns, zero:
-        the buffered queries precede them and cannot see them. They are dropped instead
+        the buffered queries precede them and cannot see them (zero columns held for them by
+        the last cut, or added now). They are dropped instead
         (:meth:`stored`; the next cut scores the queries again) where they cover other
         tokens, and where window tokens they weigh may have moved into a body whose key codec
         is lossy (their keys then changed). Not rolling: :meth:`stored`.
         """
-        w, cov = self.weights, self._weighed
+        w, cov, ring = self.weights, self._weighed, self._ring
         self.stored()
         if not self.rolling or w is None or cov is None:
             return
@@ -149,15 +182,19 @@ class QueryWindow:
         now = _covered(view)
         if cov[:2] != (start, now[1] - n) or (cov[2] and not isinstance(view.codecs[0], Identity)):
             return
-        b, h, r, q, _ = w.shape
-        self.weights = mx.concatenate([w, mx.zeros((b, h, r, q, n), dtype=w.dtype)], axis=4)
-        self._weighed = now
+        b, h, r, q, c = w.shape
+        need = now[1] + 1 - c  # zero columns missing: the new tokens' and one spare (kept)
+        if need > 0:
+            w = mx.concatenate([w, mx.zeros((b, h, r, q, need), dtype=w.dtype)], axis=4)
+        self.weights, self._weighed, self._ring = w, now, ring
 
-    def kept(self, view, index: mx.array) -> None:
+    def kept(self, view, index: mx.array, room: int = 1) -> None:
         """A cut keeps the body tokens at ``index`` (called before ``view.evict(index)``).
 
-        Rolling, weights that cover the stored tokens keep the columns of the tokens that
-        stay: the sinks, those body tokens, the window. Otherwise :meth:`stored`.
+        Rolling, weights that cover the stored tokens keep, in one gather, the columns of the
+        tokens that stay (the sinks, those body tokens, the window), then ``room`` zero
+        columns for the tokens stored before the next cut and one spare. Otherwise
+        :meth:`stored`.
 
         Shapes:
             index int ``(k,)`` or ``(B, H, k)``, ascending (as ``PolicyView.evict``'s).
@@ -167,19 +204,19 @@ class QueryWindow:
             self.stored()
             return
         offset, size, n_win = cov
-        b, h = w.shape[:2]
+        b, h, r, q, c = w.shape
+        if c == size:  # a zero column to gather the new ones from
+            w = mx.concatenate([w, mx.zeros((b, h, r, q, 1), dtype=w.dtype)], axis=4)
         n_sink = view.sink_count()
         idx = index.astype(mx.int32)
         if idx.ndim == 1:
             idx = mx.broadcast_to(idx, (b, h, idx.shape[0]))
         k = idx.shape[2]
-        cols = [mx.arange(n_sink, dtype=mx.int32)] if n_sink else []
-        cols += [idx + n_sink] if n_sink else [idx]
-        if n_win:
-            cols.append(mx.arange(size - n_win, size, dtype=mx.int32))
-        if len(cols) > 1:
-            cols = [mx.broadcast_to(c, (b, h, c.shape[-1])) for c in cols]
-        cols = mx.concatenate(cols, axis=2) if len(cols) > 1 else cols[0]
+        cols = [mx.arange(n_sink, dtype=mx.int32), idx + n_sink]
+        cols.append(mx.arange(size - n_win, size, dtype=mx.int32))
+        cols.append(mx.full((room + 1,), w.shape[4] - 1, dtype=mx.int32))
+        cols = [mx.broadcast_to(c, (b, h, c.shape[-1])) for c in cols if c.shape[-1]]
+        cols = mx.concatenate(cols, axis=2)
         self.weights = mx.take_along_axis(w, cols[:, :, None, None, :], axis=4)
         self._weighed = (offset, n_sink + k + n_win, n_win)
 
@@ -222,7 +259,7 @@ class QueryWindow:
         q_pos = mx.arange(first, first + seen, dtype=mx.int32)
         p = window_weights(q[:, :, :seen], q_pos, keys, k_pos, self.scale)
         if self.rolling and seen == q.shape[2]:
-            self.weights, self._weighed = p, _covered(view)
+            self.weights, self._weighed, self._ring = p, _covered(view), 0
         return fuse_weights(p, fusion)[:, :, n_sink : n_sink + t]
 
     # -- batch rows ---------------------------------------------------------------------------
