@@ -3,7 +3,10 @@ device time per step of ``update_and_fetch`` plus routed ``attend``, after a chu
 of random keys and values (no model: the policy's own cost, not a model's).
 
     python benchmarks/policy_step.py --context 8192 --budget 1024 \\
-        --methods streamingllm h2o tova keyformer cam morphkv
+        --methods streamingllm h2o tova keyformer cam morphkv morphkv:keep_weights=true
+
+A method is a spec (``name`` or ``name:key=value,...``); ``--budget`` is its budget unless
+the spec gives one.
 
 Prints one row per method (milliseconds per step, median of ``--repeats`` timings of
 ``--steps`` steps, and the ratio to the first method's) and, with ``--profile``, the
@@ -23,12 +26,15 @@ import time
 import mlx.core as mx
 
 from velox_core import routed
-from velox_core.registry import get_method
+from velox_core.registry import make as make_spec
+from velox_core.registry import parse_spec
 
 
 def make(method: str, budget: int):
-    """A cache of ``method`` at ``budget`` tokens, for one layer (no model)."""
-    cache = get_method(method).cache_class(budget=budget)
+    """A cache of the spec ``method`` at ``budget`` tokens (unless the spec gives its own),
+    for one layer (no model)."""
+    _, params = parse_spec(method)
+    cache = make_spec(method, **({} if "budget" in params else {"budget": budget}))
     cache.fetch_decoded = False  # routed attention reads the cache itself
     return cache
 

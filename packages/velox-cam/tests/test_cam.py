@@ -296,6 +296,52 @@ def test_memory_is_freed_and_the_budget_honoured():
     assert c.policy._scores.shape == (1, 2, 33) and c.body_sizes() == [17, 17]
 
 
+def test_a_decode_cut_reads_and_writes_the_merged_rows_alone(monkeypatch):
+    """A decode cut decodes the values of the evicted token and the ``merge`` after it, no
+    others, and writes the merged values over the ``merge`` oldest kept tokens once the
+    evicted one has left: ``merge`` rows in place, not a copy of the body's values."""
+    from velox_core.cache.store import PackedStore
+
+    k, v, q = ev.attention_data(2300, seed=3)
+    c = CamCache(budget=2048, sinks=4, merge=16)
+    c.fetch_decoded = False  # routed attention reads the cache: update_and_fetch decodes none
+    ev.feed_attending(c, k, v, q, chunk=550, stop=2200)
+    with routed():  # the cut the prompt's last chunk owes, then a decode step
+        for i in (2200, 2201):
+            c.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
+            mx.eval(c.attend(q[:, :, i : i + 1], SCALE))
+    codec = c.tiers[0].value_codec
+    decoded, writes = [], []
+    decode, write = codec.decode, PackedStore.write
+
+    def decoding(rec):
+        decoded.append(rec.tokens)
+        return decode(rec)
+
+    def writing(store, start, packed):
+        mx.eval(store.arrays())  # the cut's gather done (the merged values not yet)
+        mx.synchronize()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        write(store, start, packed)
+        mx.eval(store.arrays())
+        mx.synchronize()
+        writes.append((start, packed.tokens, store.tokens, mx.get_peak_memory() - base))
+
+    monkeypatch.setattr(codec, "decode", decoding)
+    monkeypatch.setattr(PackedStore, "write", writing)
+    with routed():
+        for i in range(2202, 2300):
+            decoded.clear()
+            c.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
+            assert decoded == [1 + 16], i  # the evicted token and the 16 after it
+            mx.eval(c.attend(q[:, :, i : i + 1], SCALE))
+    body = c.body_sizes()[0] - 1  # the kept body tokens at the write (the new one not yet)
+    values = c.stored.coded[0][1].nbytes
+    assert {w[:3] for w in writes} == {(0, 16, body)} and len(writes) == 98
+    assert max(w[3] for w in writes) < values / 4  # no copy of the values' buffer
+
+
 def test_without_queries_the_cut_is_refused_unless_routed():
     c, _, v = ev.assert_cut_needs_routing(lambda: CamCache(budget=40), t=300, d=D)
     # routed, where no query reached the cache: zero scores, nothing merged

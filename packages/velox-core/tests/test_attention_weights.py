@@ -1,6 +1,6 @@
 """A policy that scores tokens by the attention weights of each call gets them from the call
 (``RetentionPolicy.wants_weights`` / ``observe_weights``), not from a second computation;
-and a decode cut gathers the kept tokens into the store's own buffers (``PackedStore.keep``),
+and a decode cut gathers the kept tokens into buffers of the store's size (``PackedStore.keep``),
 which hold ``budget + every`` tokens and no more."""
 
 import mlx.core as mx
@@ -148,17 +148,25 @@ def test_a_decode_cut_keeps_the_buffers_at_budget_plus_every():
     assert all(s.capacity == 50 + 2 for s in (*c.stored.coded[0], c.stored.positions))
 
 
-def test_keep_gathers_in_place_up_to_room_and_into_new_buffers_past_it():
+def test_keep_gathers_into_buffers_of_their_size_up_to_room_and_of_room_past_it():
     ident = Identity()
-    x = mx.arange(2 * 3 * 50 * 4, dtype=mx.float32).reshape(2, 3, 50, 4)
+    x = mx.arange(2 * 3 * 50 * 256, dtype=mx.float32).reshape(2, 3, 50, 256)
     idx = mx.array(np.sort(np.random.default_rng(0).choice(50, (2, 3, 20)), axis=-1))
     want = np.take_along_axis(np.array(x), np.array(idx)[..., None], axis=2)
 
     s = PackedStore()
     s.append(ident.encode(x))
     cap = s.capacity
-    s.keep(idx, room=cap)  # room for every buffered row: in place
+    mx.eval(s.arrays())
+    mx.synchronize()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    s.keep(idx, room=cap)  # room for every buffered row: buffers of the same size
+    mx.eval(s.arrays())
+    mx.synchronize()
     assert (s.tokens, s.capacity) == (20, cap)
+    # one gather: the new buffer (and its row indices), no copy of the buffer besides
+    assert mx.get_peak_memory() - base < x.nbytes // 50 * cap * 1.25
     np.testing.assert_array_equal(np.array(s.view().data["x"]), want)
     s.append(ident.encode(x[:, :, :3]))  # into the rows freed, no growth
     assert s.capacity == cap

@@ -134,6 +134,9 @@ def test_the_view_reads_what_the_cache_stores():
     assert bk[1].shape == (1, 1, 34, D) and bk[1].dtype == view.dtype  # kept as given
     assert mx.array_equal(bv[0][:, 0], v[:, 0, SINKS:36].astype(mx.float32))
     assert bp[0].dtype == mx.int32 and bp[0].tolist() == [list(range(SINKS, 36))]
+    first = view.body_values(stop=5)  # each head's first 5 tokens alone
+    assert all(mx.array_equal(a, b[:, :, :5]) for a, b in zip(first, bv))
+    assert [x.shape[2] for x in view.body_values(stop=100)] == [34, 34]
     assert [s.tokens for s in view.segments()] == [SINKS, 34, WINDOW]
     assert view.codecs == (c.tiers[0].key_codec, c.tiers[0].value_codec)
     # the actions: evict keeps the named body tokens; set_body_values rewrites values
@@ -195,6 +198,7 @@ def test_per_head_eviction_through_the_view():
     values = view.body_values()
     assert [x.dtype for x in values] == [mx.float32, mx.float32]
     assert mx.array_equal(values[1][0, 0, 0], v[0, 1, 6].astype(mx.float32))
+    assert [x.shape[2] for x in view.body_values(stop=2)] == [2, 1]
     assert view.protected()[1].positions.tolist() == [36, 37, 38, 39]
     for refused in (view.keys_and_values, view.segments):
         with pytest.raises(ValueError, match="per-head"):

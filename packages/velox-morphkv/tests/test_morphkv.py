@@ -23,6 +23,7 @@ class TestMorphKV(ev.FullBudgetConformance):
         {"every": None},  # MorphKV evicts during decode by design
         {"kernel": 7},  # SnapKV's pooling: MorphKV has none
         {"compression_ratio": 0.5},  # kvpress's parameter: velox counts tokens (budget)
+        {"keep_weights": 1},
         ({"budget": 32, "observe": 32}, "budget"),  # no older token would fit
         ({"budget": 40, "sinks": 4, "window": 36}, "budget"),
     )
@@ -51,6 +52,17 @@ class TestMorphKVMax(ev.Routed, ev.EvictingConformance):
 
     def make_precise(self):
         return MorphKVCache(budget=64, fusion="max", sinks=4, window=8)
+
+
+class TestMorphKVKeptWeights(ev.Routed, ev.EvictingConformance):
+    """The window's weights kept from cut to cut (``keep_weights``), over fp16 keys (a decode
+    step's weights from its attention) and 4-bit codes (from the decoded keys)."""
+
+    def make(self):
+        return MorphKVCache(budget=64, bits=4, keep_weights=True)
+
+    def make_precise(self):
+        return MorphKVCache(budget=64, sinks=4, window=8, keep_weights=True)
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -85,15 +97,19 @@ def paper_cut(qn, kn, held, i, budget, window_size, fusion, r):
 
 
 # -- the mathematics ---------------------------------------------------------------------------
+@pytest.mark.parametrize("keep_weights", [False, True])
 @pytest.mark.parametrize("fusion", ["sum", "max"])
-def test_decode_keeps_the_window_and_the_top_fused_older_tokens_as_algorithm_1(fusion):
+def test_decode_keeps_the_window_and_the_top_fused_older_tokens_as_algorithm_1(
+    fusion, keep_weights
+):
     """A numpy transcription of the authors' decode loop (the prompt held whole and cut at the
     first decode step by its last ``R`` queries, then at every step ``TopC(F_i) ∪ W_i`` before
-    the new token joins) against velox's, per KV head, step by step, with GQA."""
+    the new token joins) against velox's, per KV head, step by step, with GQA; the window's
+    weights scored again at every cut or kept from cut to cut."""
     t0, t, budget, window, r = 150, 260, 40, 8, 2
     k, v, q = ev.attention_data(t, r=r, seed=7)
     kn, qn = np.array(k[0]), np.array(q[0])
-    c = MorphKVCache(budget=budget, observe=window, fusion=fusion)
+    c = MorphKVCache(budget=budget, observe=window, fusion=fusion, keep_weights=keep_weights)
     ev.feed_attending(c, k, v, q, chunk=t0, stop=t0)
     held = [set(range(t0)) for _ in range(2)]
     for i in range(t0, t):
@@ -158,6 +174,69 @@ def test_weights_are_normalized_over_every_token_a_query_sees():
     older = list(range(t - window))
     alone = fused(qn, kn[0], older, range(t - window, t), "sum")
     assert 5 in sorted(older, key=lambda p: -alone[p])[: budget - window]
+
+
+@pytest.mark.parametrize(
+    "settings, per_step, per_cut",
+    [
+        ({}, 0, 0),  # each step's weights come from its attention
+        ({"fusion": "max", "sinks": 4, "window": 8}, 0, 0),
+        ({"every": 4}, 0, 0),
+        ({"bits": 4, "group": 32}, 1, 0),  # the step's query weighed over the decoded keys
+        ({"bits": 4, "group": 32, "window": 8}, 0, 16),  # keys change leaving the window
+    ],
+)
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_kept_weights_keep_the_tokens_that_scoring_the_window_again_keeps(
+    settings, per_step, per_cut, dtype, monkeypatch
+):
+    """keep_weights (the window's weights kept from cut to cut, renormalized over the tokens
+    left) keeps, at every step and in every KV head, the tokens that scoring the window's
+    queries against the stored keys at every cut keeps; over keys stored as given a decode
+    step scores no query beside its attention."""
+    import velox_core.policy.window as window
+
+    scored = []
+
+    def counting(queries, *args):
+        scored.append(queries.shape[2])
+        return weights(queries, *args)
+
+    weights = window.window_weights
+    monkeypatch.setattr(window, "window_weights", counting)
+    t0, t, budget, observe = 120, 360, 48, 16
+    k, v, q = (a.astype(dtype) for a in ev.attention_data(t, r=4, seed=3))
+    caches = [
+        MorphKVCache(budget=budget, observe=observe, keep_weights=keep, **settings)
+        for keep in (True, False)
+    ]
+    for c in caches:
+        ev.feed_attending(c, k, v, q, chunk=60, stop=t0)
+    for i in range(t0, t):
+        counts = []
+        for c in caches:
+            scored.clear()
+            c.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
+            cut = c.size() == budget + 1
+            c.attend(q[:, :, i : i + 1], SCALE)
+            counts.append(sum(scored))
+        assert [ev.stored_positions(caches[0], h) for h in range(2)] == [
+            ev.stored_positions(caches[1], h) for h in range(2)
+        ], i
+        if i > t0 + 8:  # past the first decode cut (a cut after the prompt scores it)
+            assert counts == [per_step + per_cut * cut, observe * cut], i
+    # the window's queries, and with keep_weights their float32 weights over the stored tokens
+    # and the zero columns held for the next ones (dropped, with coded keys leaving the
+    # window, until a cut scores them again)
+    rolled, scratch = (c.policy.nbytes for c in caches)
+    queries = 4 * 2 * observe * D * dtype.size
+    assert scratch == queries
+    if per_cut:
+        assert rolled == queries
+    else:
+        cols = caches[0].policy.window.weights.shape[-1]
+        assert caches[0].size() < cols <= caches[0].size() + settings.get("every", 1) + 1
+        assert rolled == queries + 4 * 2 * observe * cols * 4
 
 
 # -- the behaviour -----------------------------------------------------------------------------
@@ -321,7 +400,13 @@ def test_output_attends_only_to_kept_tokens():
 
 def test_recommended_settings_and_defaults():
     fp16, _ = ev.recommended_presets(METHOD)
-    assert fp16.policy.config() == {"budget": 1024, "every": 1, "observe": 32, "fusion": "sum"}
+    assert fp16.policy.config() == {
+        "budget": 1024,
+        "every": 1,
+        "observe": 32,
+        "fusion": "sum",
+        "keep_weights": False,
+    }
     assert fp16.sinks == fp16.window == 0 and fp16.config()["prefill"] == "chunks"
     assert METHOD.paper == "https://arxiv.org/abs/2503.00979"
 
@@ -345,3 +430,7 @@ def test_bad_settings_name_the_parameter():
         VeloxCache(policy=MorphKVPolicy(budget=20, observe=16), sinks=4)
     with pytest.raises(ValueError, match="prefill"):
         MorphKVCache(prefill="once")
+    with pytest.raises(TypeError, match="keep_weights"):
+        MorphKVCache(keep_weights="yes")
+    with pytest.raises(TypeError, match="keep_weights"):
+        MorphKVPolicy(budget=64, keep_weights=None)

@@ -19,9 +19,11 @@ How it runs in velox: the scores are velox-core's :class:`~velox_core.policy.Acc
 must be routed: ``velox_core.routed(model)`` or ``velox_core.generate``). The cut
 (velox-core's ``before_update``: after each prefill chunk, and during decode once the cache
 holds ``budget + every`` tokens) keeps the sinks and the newest ``budget - sinks`` tokens;
-:meth:`CamPolicy.select` first merges the evicted values into the kept ones, oldest first,
-and writes the merged values into the cache (``VeloxCache.set_body_values``); the evicted
-tokens then leave memory.
+:meth:`CamPolicy.select` merges the evicted values into the kept ones, oldest first (it
+decodes the values of the evicted tokens and of the ``merge`` after them, no others); the
+evicted tokens then leave memory, and :meth:`CamPolicy.before_update` writes the ``merge``
+merged values over the oldest kept ones (``VeloxCache.set_body_values``): a cut writes those
+rows alone, not the body.
 
 Deviations from the authors' cache (also in docs/cam.md):
 
@@ -80,6 +82,7 @@ class CamPolicy(AttentionVotes, SeededDraws):
         super().__init__(budget, every, recent=0)
         self.merge = check_int("merge", merge, minimum=1)
         self.start_draws(seed)  # one draw of merge masks a cut
+        self._merged: mx.array | None = None  # select's merged values, written after the cut
 
     def attach(self, view) -> None:
         super().attach(view)
@@ -103,10 +106,22 @@ class CamPolicy(AttentionVotes, SeededDraws):
         """Per KV head ``(B, T)``: the body tokens' positions (the newest are kept)."""
         return [None if p is None else p.astype(mx.float32) for p in view.body_positions()]
 
+    def before_update(self, view, incoming: int) -> None:
+        """velox-core's cut (:meth:`select`, then the evicted tokens leave), then the merged
+        values written over the ``merge`` oldest kept tokens. Written after the evicted
+        tokens left, the write reaches buffers nothing else reads, and so stays in place:
+        ``merge`` rows a cut, not a copy of the body."""
+        self._merged = None  # only the values of this cut's select
+        super().before_update(view, incoming)
+        if self._merged is not None:
+            merged, self._merged = self._merged, None
+            view.set_body_values(0, merged)
+
     def select(self, view, k: int):
-        """Keep the newest ``k`` body tokens; first merge the values of the others into the
-        ``merge`` oldest kept ones (:func:`~velox_cam.merge.merged_values`), then drop their
-        scores. Returns the kept body indices, shared by every head and row: ``(k,)``."""
+        """Keep the newest ``k`` body tokens; merge the values of the others into the
+        ``merge`` oldest kept ones (:func:`~velox_cam.merge.merged_values`; written by
+        :meth:`before_update` once the others left), then drop their scores. Returns the
+        kept body indices, shared by every head and row: ``(k,)``."""
         pos = view.body_positions()
         if any(p is None for p in pos):
             return mx.zeros((0,), dtype=mx.int32)
@@ -127,8 +142,8 @@ class CamPolicy(AttentionVotes, SeededDraws):
         body = acc[:, :, n_sink : n_sink + t]
         prob = merge_probabilities(body[:, :, : n + m], n, m)  # (B, H, n)
         mask = self.uniform((1, *prob.shape[1:])) < prob
-        values = mx.concatenate(view.body_values(), axis=1)[:, :, : n + m]
-        view.set_body_values(n, merged_values(values, mask, m))
+        values = mx.concatenate(view.body_values(stop=n + m), axis=1)
+        self._merged = merged_values(values, mask, m)
         rest = [acc[:, :, :n_sink], body[:, :, n:], acc[:, :, n_sink + t :]]
         self._scores = mx.concatenate(rest, axis=2)
         return mx.arange(n, t, dtype=mx.int32)

@@ -26,4 +26,4 @@ class MorphKVCache(EvictionCache):
     method = "morphkv"
     Config = MorphKVConfig
     Policy = MorphKVPolicy
-    policy_params = ("budget", "every", "observe", "fusion")
+    policy_params = ("budget", "every", "observe", "fusion", "keep_weights")

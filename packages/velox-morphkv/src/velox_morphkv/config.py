@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from velox_core.cache.eviction import EvictionConfig
 from velox_core.policy import check_fusion
-from velox_core.validation import check_int
+from velox_core.validation import check_bool, check_int
 
 __all__ = ["MorphKVConfig"]
 
@@ -39,6 +39,12 @@ class MorphKVConfig(EvictionConfig):
         prefill: ``"chunks"`` (a cut after each prefill chunk; peak memory ``budget`` plus one
             chunk) or ``"prompt"`` (the whole prompt held and cut once at its end, voted by
             its last ``observe`` queries, as the authors' code).
+        keep_weights: keep the window queries' attention weights from one cut to the next,
+            as the authors keep theirs (True: a decode step renormalizes them instead of
+            scoring the ``observe`` queries against every stored key again, at ``Hq ×
+            observe`` float32 per kept token, sequence and layer), or score the queries
+            again at every cut (False, the default: no such memory). The same tokens are
+            kept either way.
     """
 
     every_none: ClassVar[bool] = False
@@ -46,6 +52,7 @@ class MorphKVConfig(EvictionConfig):
     every: int = 1
     observe: int = 32
     fusion: str = "sum"
+    keep_weights: bool = False
 
     def __post_init__(self):
         if self.every is None:
@@ -57,6 +64,7 @@ class MorphKVConfig(EvictionConfig):
         super().__post_init__()
         check_int("observe", self.observe, minimum=1)
         check_fusion(self.fusion)
+        check_bool("keep_weights", self.keep_weights)
         always = self.sinks + max(self.window, self.observe)
         if self.budget <= always:
             raise ValueError(

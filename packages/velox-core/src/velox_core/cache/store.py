@@ -115,10 +115,13 @@ class PackedStore:
     def keep(self, index: mx.array, room: int | None = None, rows: dict | None = None) -> None:
         """Keep only the tokens at ``index`` (ascending; per-token records only).
 
-        The kept tokens are gathered, row by row, to the front of the buffers: in place while
-        the buffers hold at most ``room`` tokens (a decode step's cut: nothing reallocated,
-        the next appends write into the rows freed), otherwise into new buffers of ``room``
-        tokens (a prefill chunk's cut: the evicted tokens' bytes leave memory).
+        The kept tokens are gathered, in one gather per array, to the front of buffers of
+        ``min(capacity, room)`` tokens: a decode step's cut keeps the buffers' size (the
+        next appends write into the rows after the kept ones), a prefill chunk's cut makes
+        them ``room`` tokens (the evicted tokens' bytes leave memory). The rows after the
+        kept ones repeat the last kept token until appends overwrite them. A gather into the
+        buffers it reads would be no cheaper in MLX: a write into an array that the same
+        graph reads copies the array first.
 
         Args:
             index: int ``(n,)`` shared by every batch row and head, or ``(B, H, n)``.
@@ -136,31 +139,27 @@ class PackedStore:
             return
         if view.per_block:
             raise ValueError("PackedStore.keep: tokens of a block-coded record cannot be gathered")
-        room = n if room is None else max(room, n)
         cap = self.capacity
+        size = min(cap, n if room is None else max(room, n))  # the buffers' tokens after
         first = next(iter(view.data.values()))
         b, h = first.shape[:2]
         rows = {} if rows is None else rows
-        if (b, h, cap) not in rows:
+        if (b, h, cap, size) not in rows:
             idx = index.astype(mx.int32)
             if idx.ndim == 1:
                 idx = mx.broadcast_to(idx, (b, h, n))
-            # each kept token's row in the buffers, flattened over (batch, head, token)
+            if size > n:  # the slack rows: the last kept token again
+                idx = mx.concatenate([idx, mx.broadcast_to(idx[..., -1:], (b, h, size - n))], 2)
+            # each row's source in the buffers, flattened over (batch, head, token)
             base = (mx.arange(b * h, dtype=mx.int32) * cap).reshape(b, h, 1)
-            rows[b, h, cap] = (idx + base).reshape(-1)
-        flat = rows[b, h, cap]
+            rows[b, h, cap, size] = (idx + base).reshape(-1)
+        flat = rows[b, h, cap, size]
 
         def gather(_, a: mx.array) -> mx.array:
             got = mx.take(a.reshape(b * h * cap, -1), flat, axis=0)
-            got = got.reshape(b, h, n, *a.shape[3:])
-            if cap > room:
-                if room == n:
-                    return got
-                a = mx.zeros((b, h, room, *a.shape[3:]), dtype=a.dtype)
-            a[:, :, :n] = got
-            return a
+            return got.reshape(b, h, size, *a.shape[3:])
 
-        self.buf = self.buf.map(gather, tokens=min(cap, room))
+        self.buf = self.buf.map(gather, tokens=size)
         self.tokens = n
 
     def drop_front(self, n: int) -> None:

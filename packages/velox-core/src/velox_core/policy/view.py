@@ -100,10 +100,12 @@ class PolicyView:
         they are kept as given (no key codec)."""
         return self._body(0)
 
-    def body_values(self) -> list[mx.array | None]:
+    def body_values(self, stop: int | None = None) -> list[mx.array | None]:
         """Decoded body values, float32: one ``(B, 1, T_h, Dv)`` array per KV head (None
-        where a head holds no body token)."""
-        return [None if v is None else v.astype(mx.float32) for v in self._body(1)]
+        where a head holds no body token); with ``stop``, each head's first ``stop`` tokens
+        alone (``T_h`` at most ``stop``: only those are decoded where the codec decodes a
+        slice of its record exactly)."""
+        return [None if v is None else v.astype(mx.float32) for v in self._body(1, stop)]
 
     def body_positions(self) -> list[mx.array | None]:
         """Absolute positions of the body tokens, ascending: one int32 ``(B, T_h)`` array per
@@ -117,15 +119,18 @@ class PolicyView:
         pos = pv.data["x"][..., 0]
         return [pos[:, h] for h in range(pos.shape[1])]
 
-    def _body(self, side: int) -> list[mx.array | None]:
-        """The body's keys (``side`` 0) or values (1) decoded by their codec, per KV head."""
+    def _body(self, side: int, stop: int | None = None) -> list[mx.array | None]:
+        """The body's keys (``side`` 0) or values (1) decoded by their codec, per KV head;
+        the first ``stop`` tokens of each alone, if given."""
         st, codec = self._cache.stored, self.codecs[side]
         if st.heads is not None:
-            return [codec.decode(s[side].view()) if s[side].tokens else None for s in st.heads]
+            return [
+                _decode(codec, s[side].view(), stop) if s[side].tokens else None for s in st.heads
+            ]
         rec = st.coded[0][side].view()
         if rec is None:
             return [None] * st.dims[1]
-        x = codec.decode(rec)
+        x = _decode(codec, rec, stop)
         return [x[:, h : h + 1] for h in range(x.shape[1])]
 
     def protected(self) -> tuple[Tokens, Tokens]:
@@ -224,6 +229,17 @@ class PolicyView:
             values ``(B, H, n, Dv)``, any float dtype (stored in :attr:`dtype`).
         """
         self._cache.set_body_values(start, values)
+
+
+def _decode(codec, rec, stop: int | None) -> mx.array:
+    """``codec.decode(rec)``, or its first ``stop`` tokens: only the whole blocks that hold
+    them decoded where the codec decodes a slice exactly (``Codec.decodes_slices``)."""
+    if stop is None or stop >= rec.tokens:
+        return codec.decode(rec)
+    stop = max(stop, 0)
+    if codec.decodes_slices:
+        rec = rec.slice(0, min(-(-stop // rec.block) * rec.block, rec.tokens))
+    return codec.decode(rec)[:, :, :stop]
 
 
 def _as_given(stores) -> tuple[mx.array | None, mx.array | None]:

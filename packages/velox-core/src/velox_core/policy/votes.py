@@ -76,8 +76,21 @@ def window_votes(
         == 0``, k_pos int ``(B, H, T)``; returns float32 ``(B, H, T)``.
     """
     check_fusion(fusion)
+    return fuse_weights(window_weights(queries, q_pos, keys, k_pos, scale), fusion)
+
+
+def window_weights(
+    queries: mx.array, q_pos: mx.array, keys: mx.array, k_pos: mx.array, scale: float
+) -> mx.array:
+    """Each window query's softmax weights over the stored keys it can see, before
+    :func:`window_votes` fuses them (arguments as there).
+
+    Shapes:
+        queries ``(B, Hq, n, D)``, q_pos int ``(n,)``, keys ``(B, H, T, D)``, k_pos int
+        ``(B, H, T)``; returns float32 ``(B, H, R, n, T)``.
+    """
     s = grouped_logits(queries, keys, scale, "window_votes")
-    return fuse_weights(visible_softmax(s, q_pos, k_pos), fusion)
+    return visible_softmax(s, q_pos, k_pos)
 
 
 def grouped_logits(queries: mx.array, keys: mx.array, scale: float, who: str) -> mx.array:
@@ -122,6 +135,24 @@ def fuse_weights(weights: mx.array, fusion: str = "sum") -> mx.array:
     if fusion == "max":
         return mx.max(mx.mean(weights, axis=2), axis=2)
     return mx.mean(mx.sum(weights, axis=3), axis=2)
+
+
+def renormalized_votes(weights: mx.array, fusion: str = "sum") -> mx.array:
+    """:func:`fuse_weights` of weights that each query spread over more tokens than are
+    stored now: each query's weights renormalized over the tokens left (their softmax over
+    those tokens alone), then fused. A query with no weight left votes for none.
+
+    Shapes:
+        weights float32 ``(B, H, R, n, T)``; returns float32 ``(B, H, T)``.
+    """
+    b, h, r, n, t = weights.shape
+    z = mx.sum(weights, axis=-1, keepdims=True)
+    inv = mx.where(z > 0, 1.0 / mx.where(z > 0, z, 1.0), 0.0)  # (B, H, R, n, 1)
+    if fusion == "max":
+        return mx.max(mx.mean(weights * inv, axis=2), axis=2)
+    # the sum over the queries and heads as one product: (1, R n) @ (R n, T), per KV head
+    votes = inv.reshape(b, h, 1, r * n) @ weights.reshape(b, h, r * n, t)
+    return votes.reshape(b, h, t) / r
 
 
 def _shift(x: mx.array, s: int, fill) -> mx.array:
