@@ -28,7 +28,8 @@ segments in temporal order (sinks, codes, window) without decoding the codes:
 (2-6 or 8 bits, groups of 32, 64 or 128) and fp16 tokens; on MLX's CUDA backend a single
 batch row only (its ``quantized_matmul`` reads contiguous codes, and the rows of a cache's
 buffers are not), and only where ``KernelConfig.latent_codes`` turns it on there
-(``VELOX_LATENT_CODES=1``): the path has not been run on CUDA yet.
+(``VELOX_LATENT_CODES=1``): on CUDA the path measures no faster than the decoded latent
+(docs/latent.md).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def readable(segments: list[tuple[Codec, Packed]]) -> str:
         return "turned off (KernelConfig.latent_codes, VELOX_LATENT_CODES=0)"
     if on is None and backend() == "cuda":
         return (
-            "MLX's CUDA backend, where this path has not been run yet (VELOX_LATENT_CODES=1 "
+            "MLX's CUDA backend, where this path measures no faster (VELOX_LATENT_CODES=1 "
             "turns it on)"
         )
     for codec, packed in segments:

@@ -84,7 +84,7 @@ class KernelConfig:
             (:meth:`velox_core.kernels.build.KernelSpec.mlx_texts`).
         latent_codes: a multi-head latent attention layer's decode step attends from the
             latent's codes with MLX's ``quantized_matmul`` (:mod:`velox_core.cache.absorbed`);
-            None: on the CPU and Metal, not on CUDA, where it has not been run yet.
+            None: on the CPU and Metal, not on CUDA, where it measures no faster.
     """
 
     enabled: bool = True
