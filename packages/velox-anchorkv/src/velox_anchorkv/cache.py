@@ -31,6 +31,7 @@ import numpy as np
 
 from velox_core import PresetCache
 from velox_core.cache.attention import attend, decode_segments
+from velox_core.cache.planned import check_queries
 from velox_core.cache.store import PackedStore
 from velox_core.codec.prerope import rope_settings
 from velox_core.policy import QueryWindow
@@ -149,7 +150,7 @@ class AnchorKVCache(PresetCache):
             if getattr(queries, "ndim", 0) == 4 and self.stored.dims is not None:
                 self.queries.add(self.policy_view, queries, scale)
             return super().attend(queries, scale, mask, sinks)
-        self.check_queries(queries)
+        check_queries(self.stored, queries)
         return attend(
             queries, self.segments(), scale, mask, sinks, self.fused_above, self.prefill_tile
         )

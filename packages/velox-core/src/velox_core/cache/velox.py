@@ -448,7 +448,7 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
         # a plain decode step reaches the plan unchecked: the plan checks what it is made for
         checked = not fused or self.policy is not None or self.stored.heads is not None
         if checked:
-            self.check_queries(queries)
+            check_queries(self.stored, queries)
         out = None if self.policy is None else self._observed(queries, scale, mask, sinks)
         if out is not None:
             return out
@@ -463,14 +463,9 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
             if out is not None:
                 return out
         if not checked:
-            self.check_queries(queries)
+            check_queries(self.stored, queries)
         segs = self.segments()
         return attend(queries, segs, scale, mask, sinks, self.fused_above, self.prefill_tile)
-
-    def check_queries(self, queries: mx.array) -> None:
-        """Raise a ``ValueError`` unless ``queries`` are ``(B, Hq, L, Dk)`` with the stored
-        batch, a multiple of the KV heads and the key dim (unchecked before any update)."""
-        check_queries(self.stored, queries)
 
     def size(self) -> int:
         """Stored tokens (the widest head's, with per-head budgets)."""
