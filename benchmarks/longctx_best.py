@@ -57,32 +57,26 @@ def method_of(spec: str) -> str:
 
 def entries(path: str) -> list[Entry]:
     """The rows of one ``velox eval --json`` file, fp16's and errored ones left out. Each spec
-    is compared with fp16 on the prompts it finished (a run stopped midway, or split by specs,
-    finishes different prompts for different specs), both sides' accuracy over those alone."""
+    is compared with fp16 on the prompts both finished (:func:`velox_cli.longctx.report.summary`:
+    a run stopped midway, or split by specs, finishes different prompts for different specs);
+    its prompts are those it pairs."""
     trials, info = report.load_json(path)
-    specs = list(dict.fromkeys(t.spec for t in trials))
-    if "fp16" not in specs:
+    if not any(t.spec == "fp16" for t in trials):
         raise ValueError(f"{path}: no fp16 trials to compare against")
-    fp16 = {(t.task, t.length, t.index): t for t in trials if t.spec == "fp16"}
     out = []
-    for spec in specs:
-        if spec == "fp16":
-            continue
-        mine = [t for t in trials if t.spec == spec and (t.task, t.length, t.index) in fp16]
-        pair = [fp16[(t.task, t.length, t.index)] for t in mine] + mine
-        row = next(r for r in report.summary(aggregate(pair)) if r["spec"] == spec)
-        if row["errors"] or not math.isfinite(row["delta"]):
+    for row in report.summary(aggregate(trials)):
+        if row["spec"] == "fp16" or row["errors"] or not math.isfinite(row["delta"]):
             continue
         ratio = row["layers_ratio"] if math.isfinite(row["layers_ratio"]) else row["ratio"]
         out.append(
             Entry(
-                method_of(spec),
-                spec,
+                method_of(row["spec"]),
+                row["spec"],
                 ratio,
                 row["delta"],
                 row["delta_half"],
                 row["worst_delta"],
-                row["prompts"],
+                row["paired"],
                 str(info.get("question", "?")),
                 Path(path).name,
             )
