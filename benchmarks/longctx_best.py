@@ -15,6 +15,9 @@ Operating points by ratio: 4x is [3, 6), 8x [6, 12), 16x [12, inf).
 prints the table (spec, ratio, difference, interval, question placement and run for each
 method and point) and, with ``--markdown``, writes it; ``--compact`` writes one cell a point
 in points of accuracy, ``-3 (i)`` where the question was inside the compressed prompt.
+``--readme README.md`` rewrites the column "Gemma 3: 4x / 8x" of README's methods table in
+place from the same rows: each method's row gets its compact 4x and 8x cells, ``-`` where it
+has neither.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from velox_cli.longctx import report
 from velox_cli.longctx.cells import aggregate
 
 POINTS = (("4x", 3.0, 6.0), ("8x", 6.0, 12.0), ("16x", 12.0, math.inf))
+README_COLUMN = "Gemma 3: 4x / 8x"
 
 
 @dataclass
@@ -57,32 +61,26 @@ def method_of(spec: str) -> str:
 
 def entries(path: str) -> list[Entry]:
     """The rows of one ``velox eval --json`` file, fp16's and errored ones left out. Each spec
-    is compared with fp16 on the prompts it finished (a run stopped midway, or split by specs,
-    finishes different prompts for different specs), both sides' accuracy over those alone."""
+    is compared with fp16 on the prompts both finished (:func:`velox_cli.longctx.report.summary`:
+    a run stopped midway, or split by specs, finishes different prompts for different specs);
+    its prompts are those it pairs."""
     trials, info = report.load_json(path)
-    specs = list(dict.fromkeys(t.spec for t in trials))
-    if "fp16" not in specs:
+    if not any(t.spec == "fp16" for t in trials):
         raise ValueError(f"{path}: no fp16 trials to compare against")
-    fp16 = {(t.task, t.length, t.index): t for t in trials if t.spec == "fp16"}
     out = []
-    for spec in specs:
-        if spec == "fp16":
-            continue
-        mine = [t for t in trials if t.spec == spec and (t.task, t.length, t.index) in fp16]
-        pair = [fp16[(t.task, t.length, t.index)] for t in mine] + mine
-        row = next(r for r in report.summary(aggregate(pair)) if r["spec"] == spec)
-        if row["errors"] or not math.isfinite(row["delta"]):
+    for row in report.summary(aggregate(trials)):
+        if row["spec"] == "fp16" or row["errors"] or not math.isfinite(row["delta"]):
             continue
         ratio = row["layers_ratio"] if math.isfinite(row["layers_ratio"]) else row["ratio"]
         out.append(
             Entry(
-                method_of(spec),
-                spec,
+                method_of(row["spec"]),
+                row["spec"],
                 ratio,
                 row["delta"],
                 row["delta_half"],
                 row["worst_delta"],
-                row["prompts"],
+                row["paired"],
                 str(info.get("question", "?")),
                 Path(path).name,
             )
@@ -142,11 +140,67 @@ def markdown(table: dict[str, dict[str, Entry]], compact: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _cells(line: str) -> list[str]:
+    """A Markdown table row's cells, stripped."""
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def readme_column(
+    text: str, table: dict[str, dict[str, Entry]], column: str = README_COLUMN
+) -> str:
+    """``text`` (a README) with the column ``column`` of its table that has a ``method``
+    column rewritten from ``table``: the row of each method (its name in backticks in the
+    method cell) gets the compact cells of the points the column's name lists after its
+    colon (``4x / 8x``), joined by `` / ``; ``-`` where the method has none of them. The
+    table's other cells and lines are left as they are."""
+    points = [p.strip() for p in column.rpartition(":")[2].split("/")]
+    unknown = [p for p in points if p not in {name for name, _, _ in POINTS}]
+    if ":" not in column or unknown:
+        raise ValueError(
+            f"column {column!r}: its name ends in a colon and points among "
+            f"{', '.join(p[0] for p in POINTS)} joined by ' / ' (e.g. {README_COLUMN!r})"
+        )
+    lines = text.split("\n")
+    head = next(
+        (
+            i
+            for i, line in enumerate(lines)
+            if line.startswith("|") and {"method", column} <= set(_cells(line))
+        ),
+        None,
+    )
+    if head is None:
+        raise ValueError(f"no Markdown table with the columns 'method' and {column!r}")
+    names = _cells(lines[head])
+    if head + 1 == len(lines) or set(lines[head + 1].replace("|", "").strip()) - set("-: "):
+        raise ValueError(f"line {head + 2}: the table's head is not followed by its |---| line")
+    at, method = names.index(column), names.index("method")
+    for i in range(head + 2, len(lines)):
+        if not lines[i].startswith("|"):
+            break
+        cells = _cells(lines[i])
+        if len(cells) != len(names):
+            raise ValueError(
+                f"line {i + 1}: {len(cells)} cells where the table's head has {len(names)}: "
+                f"{lines[i][:80]!r}"
+            )
+        row = table.get(cells[method].strip("`"), {})
+        got = [_compact(row.get(p)) for p in points]
+        cells[at] = "-" if all(g == "-" for g in got) else " / ".join(got)
+        lines[i] = "| " + " | ".join(cells) + " |"
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", help="velox eval --json files")
     ap.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown")
     ap.add_argument("--compact", action="store_true", help="one number a cell: points of accuracy")
+    ap.add_argument(
+        "--readme",
+        metavar="PATH",
+        help=f"rewrite the column {README_COLUMN!r} of PATH's methods table (README.md) in place",
+    )
     ap.add_argument(
         "--drop",
         nargs="+",
@@ -163,10 +217,14 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--drop takes RUN:METHOD (a run's file name and a method), got {d!r}")
         drop.add((run, method))
     rows = [e for path in a.runs for e in entries(path) if (e.run, e.method) not in drop]
-    text = markdown(best(rows), a.compact)
+    table = best(rows)
+    text = markdown(table, a.compact)
     sys.stdout.write(text)
     if a.markdown:
         Path(a.markdown).write_text(text)
+    if a.readme:
+        readme = Path(a.readme)
+        readme.write_text(readme_column(readme.read_text(), table))
     return 0
 
 

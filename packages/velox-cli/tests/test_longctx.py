@@ -271,6 +271,43 @@ def test_paired_delta_and_its_interval():
     assert "| +- |" in report.markdown(list(cells.values()))
 
 
+def test_a_spec_is_compared_with_fp16_on_the_prompts_both_finished(tmp_path):
+    """A run stopped midway, or split by specs, finishes fewer prompts for some specs: their
+    delta, interval and worst cell pair them with fp16's answers on those prompts alone (not
+    fp16's whole cell), in the table ``velox eval`` prints and in ``--from-json``'s."""
+    from velox_cli.longctx.report import summary
+
+    kw = dict(kl=0.0, top1=1.0, bytes=100)
+    fp16 = {512: [1.0, 1.0, 0.0, 0.0], 1024: [1.0, 0.0, 1.0, 0.0]}
+    done = {512: 2, 1024: 4}  # "late" finished the first two prompts at 512 tokens
+    ts = [
+        Trial(spec, "passkey", n, i, 0.0, n, score=x, **kw)
+        for spec, upto in (("fp16", {512: 4, 1024: 4}), ("late", done))
+        for n, xs in fp16.items()
+        for i, x in enumerate(xs[: upto[n]])
+    ]
+    # fp16 failed on prompt 3 at 1,024 tokens: that prompt pairs nothing
+    ts[7] = Trial("fp16", "passkey", 1024, 3, 0.0, 1024, error="RuntimeError: x")
+    rows = {r["spec"]: r for r in summary(aggregate(ts))}
+    late = rows["late"]
+    assert late["accuracy"] == {"passkey@512": 1.0, "passkey@1024": 0.5}  # its own prompts
+    assert late["delta"] == 0.0 and late["worst_delta"] == 0.0 and late["delta_half"] == 0.0
+    assert late["paired"] == 5 and late["pairs"] == [2, 3] and late["prompts"] == 6
+    assert rows["fp16"]["pairs"] == [4, 3]
+    # the whole cells would say +0.17: 1.0 against fp16's 0.5 at 512, 0.5 against 0.67
+    whole = late["mean"] - rows["fp16"]["mean"]
+    assert whole == pytest.approx((0.5 + 0.5 - 2 / 3) / 2)
+    md = report.markdown(aggregate(ts))
+    assert "| mean | delta | +- | worst | pairs |" in md
+    assert "| `late` |" in md and "| +0.00 | 0.00 | +0.00 | 2-3 |" in md
+    assert "on the prompts both finished" in md
+    # the report of the saved run says the same
+    path, out = tmp_path / "run.json", tmp_path / "run.md"
+    report.write_json(str(path), ts, {"model": "m", "question": "after", "haystack": "prose"})
+    assert main(["eval", "--from-json", str(path), "--chart", "", "--markdown", str(out)]) == 0
+    assert out.read_text() == md
+
+
 def test_finished_prompts_need_every_spec():
     """A run split by specs reports each share's trials as it finishes them: a prompt counts
     as finished once every spec (and fp16) answered it."""

@@ -30,20 +30,20 @@ def columns(cells: Sequence[Cell]) -> list[tuple[str, int]]:
 
 
 def summary(cells: Sequence[Cell]) -> list[dict[str, Any]]:
-    """One row per spec: bytes, ratio, accuracy per (task, length), their mean, the mean's
-    difference from fp16's, KL and top-1 over the answer tokens, prompts and errors."""
+    """One row per spec: bytes, ratio, accuracy per (task, length), their mean, prompts and
+    errors, KL and top-1 over the answer tokens, and its difference from fp16 on the prompts
+    both finished. A run stopped by its time limit, or split by specs across workers, finishes
+    different prompts for different specs: each spec's ``delta`` (the mean over its cells of
+    its accuracy minus fp16's on the same (task, length, prompt)), paired interval
+    ``delta_half`` and ``worst_delta`` (the lowest cell's) count those prompts alone, never
+    fp16's whole cell. ``paired`` is how many prompts they pair, ``pairs`` the count per cell."""
     by_spec: dict[str, list[Cell]] = {}
     for c in cells:
         by_spec.setdefault(c.spec, []).append(c)
-    fp16 = {(c.task, c.length): c.accuracy for c in by_spec.get("fp16", [])}
     rows = []
     for spec, cs in by_spec.items():
         ok = [c for c in cs if c.prompts]
-        mean = _mean([c.accuracy for c in ok])
-        worst = min(
-            (c.accuracy - fp16[(c.task, c.length)] for c in ok if (c.task, c.length) in fp16),
-            default=float("nan"),
-        )
+        both = [c for c in ok if c.paired]  # cells with prompts fp16 finished too
         rows.append(
             {
                 "spec": spec,
@@ -51,10 +51,12 @@ def summary(cells: Sequence[Cell]) -> list[dict[str, Any]]:
                 "layers_ratio": _mean([c.layers_ratio for c in ok]),
                 "bytes_per_token": _mean([c.bytes_per_token for c in ok]),
                 "accuracy": {f"{c.task}@{c.length}": c.accuracy for c in cs},
-                "mean": mean,
-                "delta": mean - _mean([fp16.get((c.task, c.length), math.nan) for c in ok]),
-                "delta_half": paired_half(ok),
-                "worst_delta": worst,
+                "mean": _mean([c.accuracy for c in ok]),
+                "delta": _mean([c.paired_delta for c in both]),
+                "delta_half": paired_half(both),
+                "worst_delta": min((c.paired_delta for c in both), default=float("nan")),
+                "paired": sum(c.paired for c in cs),
+                "pairs": [c.paired for c in cs],
                 "kl": _mean([c.kl for c in ok]),
                 "top1": _mean([c.top1 for c in ok]),
                 "prompts": sum(c.prompts for c in cs),
@@ -85,6 +87,12 @@ def _f(x: float, fmt: str = "{:.2f}") -> str:
     return "-" if not isinstance(x, (int, float)) or not math.isfinite(x) else fmt.format(x)
 
 
+def _span(ns: Sequence[int]) -> str:
+    """``48`` where every count is 48, ``40-48`` where they range."""
+    lo, hi = min(ns, default=0), max(ns, default=0)
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
 def _note(cells: Sequence[Cell]) -> str:
     n = min((c.prompts for c in cells if c.prompts), default=0)
     widest = max(((c.high - c.low) / 2 for c in cells if c.prompts), default=float("nan"))
@@ -98,9 +106,10 @@ def _note(cells: Sequence[Cell]) -> str:
         f"accuracy: the share of expected answers found (RULER's string match), {n}+ prompts "
         f"per cell; the widest 95% interval (Wilson) is +-{_f(widest * 100, '{:.0f}')} "
         "points. vs fp16: fp16's held bytes over the spec's on the same prompts (the whole "
-        f"model's caches).{layers} delta: mean accuracy minus fp16's, +- its paired 95% "
-        "interval (the same prompts on both sides); worst: the lowest "
-        "per-cell difference. KL / top-1: over the fp16 answer's tokens, teacher-forced."
+        f"model's caches).{layers} delta: mean accuracy minus fp16's on the prompts both "
+        "finished, +- its paired 95% interval; worst: the lowest per-cell difference; "
+        "pairs: the prompts a cell pairs (the fewest-most over the cells). KL / top-1: over "
+        "the fp16 answer's tokens, teacher-forced."
     )
 
 
@@ -115,7 +124,7 @@ def _head(cells: Sequence[Cell], sep: str) -> list[str]:
     return [*ratios, "B/token", *[f"{t}{sep}@{n}" for t, n in columns(cells)], *_STATS]
 
 
-_STATS = ("mean", "delta", "+-", "worst", "KL", "top-1")
+_STATS = ("mean", "delta", "+-", "worst", "pairs", "KL", "top-1")
 
 
 def _rows(cells: Sequence[Cell]) -> list[tuple[dict[str, Any], list[str]]]:
@@ -137,6 +146,7 @@ def _rows(cells: Sequence[Cell]) -> list[tuple[dict[str, Any], list[str]]]:
                     _f(r["delta"], "{:+.2f}"),
                     _f(r["delta_half"], "{:.2f}"),
                     _f(r["worst_delta"], "{:+.2f}"),
+                    _span(r["pairs"]),
                     _f(r["kl"], "{:.3f}"),
                     _f(r["top1"]),
                 ],
