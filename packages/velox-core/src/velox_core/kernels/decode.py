@@ -40,9 +40,9 @@ import mlx.core as mx
 
 from .. import kernels as _kernels  # backend() looked up per call (tests report another)
 from .config import KernelConfig, kernel_config
-from .layout import FP16_MAX, check_codes, layout_of, pad_rows
+from .layout import FP16_MAX, Layout, check_codes, layout_of, pad_rows
 from .merge import merge_splits, plan_merge_fp16
-from .mma import mma_fuse_merge, mma_supported, plan_mma
+from .mma import mma_fuse_merge, mma_supported, plan_mma, probe_ahead
 from .portable import plan_portable
 from .records import CodeRecord
 
@@ -74,6 +74,24 @@ def _check_call(
         )
     if vlay.keys_only:
         raise ValueError(f"decode_attention: {vlay.name} codes are for keys only")
+
+
+def _tensor_core(m: int, dim: int, keys: CodeRecord, values: CodeRecord, settings) -> bool:
+    """Whether :func:`plan_decode` gives a segment of these records to the tensor-core kernel
+    for ``m`` query rows, where the keys' layout has no kernel of its own: on CUDA, with
+    ``KernelConfig.mma`` on, where :func:`~.mma.mma_supported`."""
+    return _kernels.backend() == "cuda" and settings.mma and mma_supported(m, dim, keys, values)
+
+
+def probe_ahead_for(q_shape, keys: KernelSide, values: KernelSide, settings: KernelConfig) -> None:
+    """Start compiling the tensor-core kernel's subnormal probe, which its first plan runs
+    (:func:`~.mma.probe_ahead`), where that kernel takes a segment of these sides for queries
+    of ``q_shape``: the keys' layout has no kernel of its own and :func:`_tensor_core`."""
+    k, v = keys.record, (keys.values or values).record
+    if type(layout_of(k)).own_kernel is Layout.own_kernel and _tensor_core(
+        q_shape[2], q_shape[3], k, v, settings
+    ):
+        probe_ahead()
 
 
 def plan_decode(
@@ -132,7 +150,7 @@ def plan_decode(
     own = layout_of(keys).own_kernel(q_shape, keys, values, splits, scale)
     if own is not None:  # a kernel of the keys' layout's own (a method package's)
         parts = own
-    elif _kernels.backend() == "cuda" and settings.mma and mma_supported(m, dim, keys, values):
+    elif _tensor_core(m, dim, keys, values, settings):
         check_codes("key", keys, b, h, t, dim)
         check_codes("value", values, b, h, t, dim)
         if fp16_tokens == 0 and rot is None and mma_fuse_merge(t, settings):
