@@ -239,6 +239,7 @@ def cuda(nvrtc, monkeypatch):
 
     monkeypatch.setattr(vk, "backend", lambda: "cuda")
     monkeypatch.setattr(KernelSpec, "kernel", kernel)
+    monkeypatch.setattr(disk_cache, "kept", True)
     monkeypatch.setattr(kmma, "_cuda_ordinal", lambda: 0)
     monkeypatch.setattr(kmma, "_SUBNORMALS", {})
     monkeypatch.setattr(planned, "_PLANNED_AHEAD", set())

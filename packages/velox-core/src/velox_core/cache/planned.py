@@ -118,11 +118,12 @@ class PlannedAttention:
         )
         if key != self._key:
             check_queries(stored, queries)  # a plan's key holds the shape it checked
-            # the plan's first launches (the decode kernel's, the merge's): their new variants
-            # compile together, waited for before the call returns
-            with disk_cache.compiled_together():
-                self._plan(cache, key, (b, h, (hq // h) * lq, d), queries.dtype, scale)
-                return self(cache, queries, scale)
+            if disk_cache.kept:  # kernels kept on disk: the plan's first launches (the decode
+                # kernel's, the merge's) compile together, waited for before the call returns
+                with disk_cache.compiled_together():
+                    self._plan(cache, key, (b, h, (hq // h) * lq, d), queries.dtype, scale)
+                    return self(cache, queries, scale)
+            self._plan(cache, key, (b, h, (hq // h) * lq, d), queries.dtype, scale)
         if self._run is None:
             return None
         fp16 = [] if self._sink is None else [self._sink]

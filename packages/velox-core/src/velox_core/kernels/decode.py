@@ -76,20 +76,17 @@ def _check_call(
         raise ValueError(f"decode_attention: {vlay.name} codes are for keys only")
 
 
-def _tensor_core(m: int, dim: int, keys: CodeRecord, values: CodeRecord, settings) -> bool:
-    """Whether :func:`plan_decode` gives a segment of these records to the tensor-core kernel
-    for ``m`` query rows, where the keys' layout has no kernel of its own: on CUDA, with
-    ``KernelConfig.mma`` on, where :func:`~.mma.mma_supported`."""
-    return _kernels.backend() == "cuda" and settings.mma and mma_supported(m, dim, keys, values)
-
-
 def probe_ahead_for(q_shape, keys: KernelSide, values: KernelSide, settings: KernelConfig) -> None:
     """Start compiling the tensor-core kernel's subnormal probe, which its first plan runs
-    (:func:`~.mma.probe_ahead`), where that kernel takes a segment of these sides for queries
-    of ``q_shape``: the keys' layout has no kernel of its own and :func:`_tensor_core`."""
+    (:func:`~.mma.probe_ahead`), where :func:`plan_decode` gives a segment of these sides to
+    that kernel for queries of ``q_shape``: the keys' layout has no kernel of its own, and on
+    CUDA with ``KernelConfig.mma`` on, :func:`~.mma.mma_supported`."""
     k, v = keys.record, (keys.values or values).record
-    if type(layout_of(k)).own_kernel is Layout.own_kernel and _tensor_core(
-        q_shape[2], q_shape[3], k, v, settings
+    if (
+        type(layout_of(k)).own_kernel is Layout.own_kernel
+        and _kernels.backend() == "cuda"
+        and settings.mma
+        and mma_supported(q_shape[2], q_shape[3], k, v)
     ):
         probe_ahead()
 
@@ -150,7 +147,7 @@ def plan_decode(
     own = layout_of(keys).own_kernel(q_shape, keys, values, splits, scale)
     if own is not None:  # a kernel of the keys' layout's own (a method package's)
         parts = own
-    elif _tensor_core(m, dim, keys, values, settings):
+    elif _kernels.backend() == "cuda" and settings.mma and mma_supported(m, dim, keys, values):
         check_codes("key", keys, b, h, t, dim)
         check_codes("value", values, b, h, t, dim)
         if fp16_tokens == 0 and rot is None and mma_fuse_merge(t, settings):

@@ -273,6 +273,7 @@ _lock = threading.RLock()
 _inflight: dict[Path, Future] = {}  # cache file -> its compile in flight in this process
 _pool: list[ThreadPoolExecutor] = []  # made on the first compile
 _local = threading.local()  # .region: the region a thread's kernel calls are made in
+kept = False  # whether a kernel of this process keeps its compiled forms on disk (wrap)
 
 
 def _forked() -> None:
@@ -478,7 +479,11 @@ def wrap(kernel: Any, render: Callable[..., tuple[str, str]]) -> Any:
     """``kernel`` with its compiled forms kept on disk, where the configuration asks for it
     and MLX is a release this module follows (:data:`MLX_VERSIONS`; others compile every
     kernel themselves, as without this module)."""
-    return CachedKernel(kernel, render) if _kept() else kernel
+    global kept
+    if not _kept():
+        return kernel
+    kept = True
+    return CachedKernel(kernel, render)
 
 
 def compiles_ahead() -> bool:

@@ -141,7 +141,8 @@ _SUBNORMALS: dict[int, bool] = {}
 
 
 def _cuda_ordinal() -> int | None:
-    """The CUDA device MLX computes on, or None where none does."""
+    """The CUDA device MLX computes on, or None where none does (as
+    :func:`mma_subnormals_exact` finds it, inline there: a decode plan's path)."""
     if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
         return None
     dev = mx.default_device()
@@ -156,9 +157,12 @@ def mma_subnormals_exact() -> bool:
     hardware; the CPU emulation takes subnormals exactly). A probe that cannot run (e.g.
     inside a traced function) leaves the folds off on that device for the process (the
     decoded path is exact either way)."""
-    ordinal = _cuda_ordinal()
-    if ordinal is None:
+    if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
         return True
+    dev = mx.default_device()
+    if dev.type != mx.DeviceType.gpu:
+        return True
+    ordinal = getattr(dev, "index", 0) or 0
     if ordinal not in _SUBNORMALS:
         try:
             _SUBNORMALS[ordinal] = run_subnormal_probe() <= 1e-6
