@@ -130,28 +130,22 @@ def test_a_use_waits_for_the_compile_in_flight_and_compiles_nothing(nvrtc):
     assert disk_cache.ensure_compiled(*item) == path_of(item) and len(nvrtc.calls) == 1
 
 
-class _Kernel:
-    def __init__(self):
-        self.calls = []
-
-    def __call__(self, **kwargs):
-        self.calls.append(kwargs)
-        return ["out"]
-
-
-def _cached(inner: _Kernel) -> disk_cache.CachedKernel:
-    return disk_cache.CachedKernel(inner, lambda i, o, t: (f"// {t}\n", f"k{t[0][1]}"))
+def _cached(launches: list) -> disk_cache.CachedKernel:
+    """A wrapper whose MLX kernel records its launches, its variants named by ``N``."""
+    return disk_cache.CachedKernel(
+        lambda **kw: launches.append(kw) or ["out"], lambda i, o, t: (f"// {t}\n", f"k{t[0][1]}")
+    )
 
 
 def test_calls_in_a_together_block_compile_at_once_and_the_block_waits(nvrtc):
     nvrtc.delay = DELAY
-    inner = _Kernel()
-    k = _cached(inner)
+    launches = []
+    k = _cached(launches)
     t0 = time.perf_counter()
     with disk_cache.compiled_together():
         for n in (1, 2, 3, 2):
             k(inputs=[], output_dtypes=[mx.float16], template=[("N", n)])
-        assert len(inner.calls) == 4 and time.perf_counter() - t0 < DELAY / 2  # calls go on
+        assert len(launches) == 4 and time.perf_counter() - t0 < DELAY / 2  # calls go on
     took = time.perf_counter() - t0
     assert DELAY <= took < 2 * DELAY and nvrtc.most == 3, (took, nvrtc.most)
     assert len(nvrtc.calls) == 3  # the repeated template once
@@ -160,12 +154,12 @@ def test_calls_in_a_together_block_compile_at_once_and_the_block_waits(nvrtc):
 
 def test_calls_compiled_ahead_wait_for_nothing_and_their_first_real_call_waits(nvrtc):
     nvrtc.gate = threading.Event()
-    inner = _Kernel()
-    k = _cached(inner)
+    launches = []
+    k = _cached(launches)
     with disk_cache.compiling_ahead():
         for _ in range(3):  # started once
             k(inputs=[mx.zeros((2,))], output_dtypes=[mx.float16], template=[("N", 7)])
-    assert len(inner.calls) == 3 and not k.seen
+    assert len(launches) == 3 and not k.seen
     assert until(lambda: len(nvrtc.calls) == 1)
     path = path_of(("// [('N', 7)]\n", "k7"))
     done = []
@@ -187,7 +181,7 @@ def test_calls_compiled_ahead_wait_for_nothing_and_their_first_real_call_waits(n
 
 def test_at_once_waits_inside_a_block_compiling_ahead(nvrtc):
     nvrtc.delay = DELAY
-    k = _cached(_Kernel())
+    k = _cached([])
     with disk_cache.compiling_ahead():
         with disk_cache.at_once():
             t0 = time.perf_counter()
@@ -204,14 +198,14 @@ def test_a_failed_compile_is_reported_once_and_mlx_compiles_the_rest(nvrtc, caps
     for f in futures:
         with pytest.raises(RuntimeError, match="NVRTC failed"):
             f.result()
-    inner = _Kernel()
-    k = _cached(inner)
+    launches = []
+    k = _cached(launches)
     with disk_cache.compiled_together():
         k(inputs=[], output_dtypes=[mx.float16], template=[("N", 9)])
     k(inputs=[], output_dtypes=[mx.float16], template=[("N", 10)])  # off: straight to MLX
     err = capsys.readouterr().err
     assert err.count("velox: kernels are not kept on disk (NVRTC failed on k)") == 1
-    assert disk_cache.CachedKernel.failed and len(inner.calls) == 2
+    assert disk_cache.CachedKernel.failed and len(launches) == 2
     assert len(nvrtc.calls) == 3 and not disk_cache.compiles_ahead()
     assert not any(path_of(i).exists() for i in items(3))
 
