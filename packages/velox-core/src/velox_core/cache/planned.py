@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..kernels import config, disk_cache
-from ..kernels.decode import plan_segment, probe_ahead_for
+from ..kernels.decode import plan_segment, plan_segment_ahead, probe_ahead_for
 from ..kernels.joint import JointQuery
 from ..kernels.layout import FP16_MAX
 from .attention import kernel_sides
@@ -191,10 +191,10 @@ class PlannedAttention:
     def plan_ahead(self, cache: Any, queries: mx.array, scale: float) -> None:
         """At a prefill chunk's attention (``queries`` ``(B, Hq, L, D)``): the first decode step
         after it (one query token, written where the cache writes it: into the sinks, or the
-        window and a flush) planned from the cache's coded segment and launched inside
-        :func:`~velox_core.kernels.disk_cache.compiling_ahead`, so that its kernels' variants
-        start compiling in the background; nothing is evaluated and the plan is dropped. Once
-        per cache, and once per process for a cache of the same description and shapes."""
+        window and a flush) planned from the cache's coded segment and launched only to start
+        its kernels' compiles in the background
+        (:func:`~velox_core.kernels.decode.plan_segment_ahead`). Once per cache, and once per
+        process for caches of the same description and shapes (a model's layers)."""
         if not self._ahead_of(cache):
             return
         self._ahead = 2
@@ -211,17 +211,11 @@ class PlannedAttention:
         if n_sink + n_win > FP16_MAX or key in _PLANNED_AHEAD:
             return
         _PLANNED_AHEAD.add(key)
-        fp16 = [
-            (mx.zeros((b, h, n, dk), stored.dtype), mx.zeros((b, h, n, dv), stored.dtype))
-            for n in (n_sink, n_win)
-            if n
-        ]
+        fp16 = [((b, h, n, dk), (b, h, n, dv)) for n in (n_sink, n_win) if n]
         query = JointQuery(q_shape, dtype, n_sink + n_win, dtype, scale)
         try:
             _, sides, settings, _ = self._make_sides(cache, q_shape)
-            with disk_cache.compiling_ahead():
-                run = None if sides is None else plan_segment(query, *sides, settings)
-                if run is not None:
-                    run(mx.zeros(q_shape, dtype), fp16)
+            if sides is not None:
+                plan_segment_ahead(query, *sides, settings, fp16, stored.dtype)
         except Exception:  # only time is at stake: the step plans and compiles as it would
             _log.debug("the first decode step is not planned ahead", exc_info=True)

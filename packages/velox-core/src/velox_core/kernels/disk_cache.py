@@ -304,7 +304,7 @@ def _settled(path: Path, future: Future) -> None:
     with _lock:
         if _inflight.get(path) is future:
             del _inflight[path]
-    if future.exception() is not None:
+    if not future.cancelled() and future.exception() is not None:
         _fail(future.exception())
 
 
