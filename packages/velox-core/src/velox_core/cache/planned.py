@@ -16,17 +16,22 @@ the segment changes; the queries' shape is checked when a plan is made
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import mlx.core as mx
 
-from ..kernels import config
-from ..kernels.decode import plan_segment
+from ..kernels import config, disk_cache
+from ..kernels.decode import plan_segment, plan_segment_ahead, probe_ahead_for
 from ..kernels.joint import JointQuery
 from ..kernels.layout import FP16_MAX
 from .attention import kernel_sides
 
 __all__: list[str] = []
+
+_log = logging.getLogger("velox_core.kernels")
+# the first decode steps planned ahead in this process (PlannedAttention.plan_ahead's keys)
+_PLANNED_AHEAD: set[tuple] = set()
 
 
 def check_queries(stored: Any, queries: mx.array) -> None:
@@ -47,10 +52,11 @@ class PlannedAttention:
     """The joint decode attention of one :class:`~velox_core.cache.VeloxCache`, planned once
     per coded segment (see the module)."""
 
-    __slots__ = ("_hold", "_key", "_run", "_shape", "_sides", "_sink")
+    __slots__ = ("_ahead", "_hold", "_key", "_run", "_shape", "_sides", "_sink")
 
     def __init__(self) -> None:
         self._shape: tuple | None = None  # the grouped query shape of the latest plan
+        self._ahead = 0  # 1: the probe is seen to (probe_ahead), 2: nothing left to do ahead
         self.clear()
 
     def clear(self) -> None:
@@ -112,6 +118,11 @@ class PlannedAttention:
         )
         if key != self._key:
             check_queries(stored, queries)  # a plan's key holds the shape it checked
+            if disk_cache.kept:  # kernels kept on disk: the plan's first launches (the decode
+                # kernel's, the merge's) compile together, waited for before the call returns
+                with disk_cache.compiled_together():
+                    self._plan(cache, key, (b, h, (hq // h) * lq, d), queries.dtype, scale)
+                    return self(cache, queries, scale)
             self._plan(cache, key, (b, h, (hq // h) * lq, d), queries.dtype, scale)
         if self._run is None:
             return None
@@ -142,3 +153,69 @@ class PlannedAttention:
         # the key holds the buffers' ids: holding the records keeps those ids theirs
         self._hold = (ks.buf, vs.buf, sk.buf)
         self._key = key
+
+    # -- kernels compiled ahead of use (on CUDA, with the disk cache on) ------------------------
+
+    def _ahead_of(self, cache: Any) -> bool:
+        """Whether anything is left to compile ahead for ``cache``: a single coded tier holding
+        tokens, no retention policy, no per-head storage, kernels compiled ahead here
+        (:func:`~velox_core.kernels.disk_cache.compiles_ahead`)."""
+        if self._ahead == 2:
+            return False
+        stored = cache.stored
+        if (
+            type(self).__call__ is not PlannedAttention.__call__  # a cache that plans its own way
+            or not disk_cache.compiles_ahead()
+            or len(cache.tiers) != 1
+            or cache.policy is not None
+            or stored.heads is not None
+        ):
+            self._ahead = 2
+            return False
+        return stored.coded[0][0].tokens > 0
+
+    def probe_ahead(self, cache: Any) -> None:
+        """At a write of coded tokens: where the tensor-core kernel takes the cache's codes, its
+        subnormal probe (which the first decode step's plan runs, before any of that kernel's
+        variants is known) starts compiling, beside the write's encodes."""
+        if self._ahead == 0 and self._ahead_of(cache):
+            self._ahead = 1
+            b, h, dk, _ = cache.stored.dims
+            try:
+                _, sides, settings, _ = self._make_sides(cache, (b, h, 1, dk))
+                if sides is not None:
+                    probe_ahead_for((b, h, 1, dk), *sides, settings)
+            except Exception:  # only time is at stake: the first plan runs the probe itself
+                _log.debug("the probe is not compiled ahead", exc_info=True)
+
+    def plan_ahead(self, cache: Any, queries: mx.array, scale: float) -> None:
+        """At a prefill chunk's attention (``queries`` ``(B, Hq, L, D)``): the first decode step
+        after it (one query token, written where the cache writes it: into the sinks, or the
+        window and a flush) planned from the cache's coded segment and launched only to start
+        its kernels' compiles in the background
+        (:func:`~velox_core.kernels.decode.plan_segment_ahead`). Once per cache, and once per
+        process for caches of the same description and shapes (a model's layers)."""
+        if not self._ahead_of(cache):
+            return
+        self._ahead = 2
+        stored = cache.stored
+        b, h, dk, dv = stored.dims
+        n_sink, n_win = stored.sink[0].tokens, stored.window[0].tokens
+        if n_sink < cache.sinks:
+            n_sink += 1
+        else:
+            n_win += 1 - cache._flush_count(n_win + 1)
+        q_shape = (b, h, queries.shape[1] // h, queries.shape[3])
+        dtype = queries.dtype
+        key = (cache.describe(), q_shape, dtype, scale, n_sink > 0, n_win > 0, dv, stored.dtype)
+        if n_sink + n_win > FP16_MAX or key in _PLANNED_AHEAD:
+            return
+        _PLANNED_AHEAD.add(key)
+        fp16 = [((b, h, n, dk), (b, h, n, dv)) for n in (n_sink, n_win) if n]
+        query = JointQuery(q_shape, dtype, n_sink + n_win, dtype, scale)
+        try:
+            _, sides, settings, _ = self._make_sides(cache, q_shape)
+            if sides is not None:
+                plan_segment_ahead(query, *sides, settings, fp16, stored.dtype)
+        except Exception:  # only time is at stake: the step plans and compiles as it would
+            _log.debug("the first decode step is not planned ahead", exc_info=True)

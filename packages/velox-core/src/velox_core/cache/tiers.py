@@ -17,6 +17,7 @@ import mlx.core as mx
 
 from ..codec.base import Codec, Packed
 from ..codec.identity import Identity
+from ..kernels.disk_cache import compiled_together
 from ..validation import check_int
 from .attention import Segment
 from .store import PackedStore
@@ -63,9 +64,11 @@ class TierMixin:
         if n < t:
             keys, values = keys[:, :, :n], values[:, :, :n]
         pos = mx.arange(pos0, pos0 + n, dtype=mx.int32)
-        self._append_body(
-            first.key_codec.encode(keys, pos), first.value_codec.encode(values, pos), pos
-        )
+        with compiled_together():  # the encodes' new kernel variants, and the probe beside them
+            self._append_body(
+                first.key_codec.encode(keys, pos), first.value_codec.encode(values, pos), pos
+            )
+            self._planned.probe_ahead(self)
         return n
 
     def before_coding(self) -> bool:
@@ -104,11 +107,13 @@ class TierMixin:
             pos0 = self.offset - self.stored.window[0].tokens
             pos = mx.arange(pos0, pos0 + n, dtype=mx.int32)
             wk, wv = self.stored.window[0].view(), self.stored.window[1].view()
-            self._append_body(
-                first.key_codec.encode(wk.slice(0, n).data["x"], pos),
-                first.value_codec.encode(wv.slice(0, n).data["x"], pos),
-                pos,
-            )
+            with compiled_together():  # as in _encode_direct
+                self._append_body(
+                    first.key_codec.encode(wk.slice(0, n).data["x"], pos),
+                    first.value_codec.encode(wv.slice(0, n).data["x"], pos),
+                    pos,
+                )
+                self._planned.probe_ahead(self)
             self.stored.window[0].drop_front(n)
             self.stored.window[1].drop_front(n)
             self._planned.refresh(self)  # the new segment's kernel sides, made with its codes
@@ -128,8 +133,9 @@ class TierMixin:
             pos = mx.arange(pos0, pos0 + n, dtype=mx.int32)
             k = src.key_codec.decode(kp).astype(self.stored.dtype)
             v = src.value_codec.decode(vp).astype(self.stored.dtype)
-            self.stored.coded[i + 1][0].append(dst.key_codec.encode(k, pos))
-            self.stored.coded[i + 1][1].append(dst.value_codec.encode(v, pos))
+            with compiled_together():
+                self.stored.coded[i + 1][0].append(dst.key_codec.encode(k, pos))
+                self.stored.coded[i + 1][1].append(dst.value_codec.encode(v, pos))
             self.stored.coded[i][0].drop_front(n)
             self.stored.coded[i][1].drop_front(n)
 

@@ -464,6 +464,8 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
                 return out
         if not checked:
             check_queries(self.stored, queries)
+        if lq > self.fused_above and sinks is None:  # a prefill chunk: the next step's kernels
+            self._planned.plan_ahead(self, queries, scale)
         segs = self.segments()
         return attend(queries, segs, scale, mask, sinks, self.fused_above, self.prefill_tile)
 

@@ -40,9 +40,10 @@ import mlx.core as mx
 
 from .. import kernels as _kernels  # backend() looked up per call (tests report another)
 from .config import KernelConfig, kernel_config
-from .layout import FP16_MAX, check_codes, layout_of, pad_rows
+from .disk_cache import compiling_ahead
+from .layout import FP16_MAX, Layout, check_codes, layout_of, pad_rows
 from .merge import merge_splits, plan_merge_fp16
-from .mma import mma_fuse_merge, mma_supported, plan_mma
+from .mma import mma_fuse_merge, mma_supported, plan_mma, probe_ahead
 from .portable import plan_portable
 from .records import CodeRecord
 
@@ -74,6 +75,21 @@ def _check_call(
         )
     if vlay.keys_only:
         raise ValueError(f"decode_attention: {vlay.name} codes are for keys only")
+
+
+def probe_ahead_for(q_shape, keys: KernelSide, values: KernelSide, settings: KernelConfig) -> None:
+    """Start compiling the tensor-core kernel's subnormal probe, which its first plan runs
+    (:func:`~.mma.probe_ahead`), where :func:`plan_decode` gives a segment of these sides to
+    that kernel for queries of ``q_shape``: the keys' layout has no kernel of its own, and on
+    CUDA with ``KernelConfig.mma`` on, :func:`~.mma.mma_supported`."""
+    k, v = keys.record, (keys.values or values).record
+    if (
+        type(layout_of(k)).own_kernel is Layout.own_kernel
+        and _kernels.backend() == "cuda"
+        and settings.mma
+        and mma_supported(q_shape[2], q_shape[3], k, v)
+    ):
+        probe_ahead()
 
 
 def plan_decode(
@@ -313,6 +329,25 @@ def plan_segment(
         return None if launch is None else launch(kq, fp16, q if merge_q else None, qs)
 
     return run
+
+
+def plan_segment_ahead(
+    query: JointQuery,
+    keys: KernelSide,
+    values: KernelSide,
+    settings: KernelConfig,
+    fp16: list[tuple[tuple[int, ...], tuple[int, ...]]],
+    fp16_dtype: mx.Dtype,
+) -> None:
+    """The launches of :func:`plan_segment`'s ``run`` for ``query`` over a segment of these
+    sides and fp16 segments of these (key shape, value shape) in ``fp16_dtype``, made only to
+    start their kernels' compiles in the background (:func:`~.disk_cache.compiling_ahead`):
+    nothing is evaluated and the plan is dropped."""
+    segs = [(mx.zeros(ks, fp16_dtype), mx.zeros(vs, fp16_dtype)) for ks, vs in fp16]
+    with compiling_ahead():
+        run = plan_segment(query, keys, values, settings)
+        if run is not None:
+            run(mx.zeros(query.shape, query.dtype), segs)
 
 
 def segment_partial(

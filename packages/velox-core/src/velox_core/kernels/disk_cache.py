@@ -30,22 +30,34 @@ version, MLX finds no file under the name it computes and compiles the kernel it
 it does without this module: a mismatch costs time, never a wrong result, since the file
 is the compiled form of MLX's own source. It applies to the MLX releases it follows
 (:data:`MLX_VERSIONS`); ``KernelConfig.disk_cache`` (``VELOX_KERNEL_CACHE=0``) turns it off.
+
+Compiles run in a small pool of threads (:func:`compile_ahead`: NVRTC is CPU work, and ctypes
+lets go of the GIL during it), each kernel once per process: a call of a variant whose compile
+is in flight waits for it. A block of calls that needs several new variants at once (a write's
+key and value encodes, a decode plan's kernel and merge) starts them together and waits at its
+end (:func:`compiled_together`); a cache on CUDA starts the variants of its first decode step
+during the prefill, from launches it only records (:func:`compiling_ahead`,
+:meth:`velox_core.cache.planned.PlannedAttention.plan_ahead`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
 import re
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
+from .. import kernels as _kernels  # backend() looked up per call (tests report another)
 from .config import kernel_config
 
 __all__: list[str] = []
@@ -243,11 +255,7 @@ def write_whole(path: Path, data: bytes) -> None:
         raise
 
 
-def ensure_compiled(source: str, kernel_name: str) -> Path:
-    """The cache file of the kernel ``kernel_name`` MLX builds from ``source`` (the full text
-    of :func:`velox_core.kernels.build.cuda_source`), compiled and written if absent."""
-    module = module_name(kernel_name, source)
-    path = ptx_path(module)
+def _compile_into(path: Path, module: str, kernel_name: str, source: str) -> Path:
     if not path.exists():
         full = "mlx::core::cu::" + kernel_name
         binary, mangled = compile_cuda(source, full, module + ".cu")
@@ -257,18 +265,147 @@ def ensure_compiled(source: str, kernel_name: str) -> Path:
     return path
 
 
+# -- compiles in parallel, and ahead of use -------------------------------------------------------
+
+COMPILE_THREADS = 8  # NVRTC compiles at once, at most (ctypes lets go of the GIL in each)
+
+_lock = threading.RLock()
+_inflight: dict[Path, Future] = {}  # cache file -> its compile in flight in this process
+_pool: list[ThreadPoolExecutor] = []  # made on the first compile
+_local = threading.local()  # .region: the region a thread's kernel calls are made in
+kept = False  # whether a kernel of this process keeps its compiled forms on disk (wrap)
+
+
+def _forked() -> None:
+    """In a forked child: none of the parent's compile threads (nor its lock's holder)."""
+    global _lock
+    _lock = threading.RLock()
+    _inflight.clear()
+    _pool.clear()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def _fail(error: BaseException) -> None:
+    """Report ``error`` once and turn the disk cache off for the process: MLX then compiles
+    every kernel itself, as without this module."""
+    with _lock:
+        if CachedKernel.failed:
+            return
+        CachedKernel.failed = True
+    print(
+        f"velox: kernels are not kept on disk ({error}); MLX compiles them in every process",
+        file=sys.stderr,
+    )
+
+
+def _settled(path: Path, future: Future) -> None:
+    with _lock:
+        if _inflight.get(path) is future:
+            del _inflight[path]
+    if not future.cancelled() and future.exception() is not None:
+        _fail(future.exception())
+
+
+def compile_ahead(items: Iterable[tuple[str, str]]) -> list[Future]:
+    """Start compiling each ``(source, kernel_name)`` (as :func:`ensure_compiled` takes them)
+    in a pool of :data:`COMPILE_THREADS` threads; returns the futures of their cache files.
+
+    A file already there gives a done future; a kernel whose compile is in flight in this
+    process gives that compile's future, so no kernel is compiled twice. Files are written
+    whole (:func:`write_whole`). A failed compile is reported once and turns the disk cache
+    off (MLX compiles every kernel itself)."""
+    futures = []
+    with _lock:
+        for source, kernel_name in items:
+            module = module_name(kernel_name, source)
+            path = ptx_path(module)
+            future = _inflight.get(path)
+            if future is None and path.exists():
+                future = Future()
+                future.set_result(path)
+            elif future is None:
+                if not _pool:
+                    _pool.append(ThreadPoolExecutor(COMPILE_THREADS, "velox-nvrtc"))
+                future = _pool[0].submit(_compile_into, path, module, kernel_name, source)
+                _inflight[path] = future
+                future.add_done_callback(functools.partial(_settled, path))
+            futures.append(future)
+    return futures
+
+
+def ensure_compiled(source: str, kernel_name: str) -> Path:
+    """The cache file of the kernel ``kernel_name`` MLX builds from ``source`` (the full text
+    of :func:`velox_core.kernels.build.cuda_source`), compiled and written if absent; a
+    compile of it in flight (:func:`compile_ahead`) is waited for."""
+    return compile_ahead([(source, kernel_name)])[0].result()
+
+
+class _Region:
+    """How the kernel calls of a block handle a new variant (see :func:`compiled_together`
+    and :func:`compiling_ahead`)."""
+
+    __slots__ = ("ahead", "pending")
+
+    def __init__(self, ahead: bool) -> None:
+        self.ahead = ahead
+        self.pending: list[Future] = []
+
+
+@contextlib.contextmanager
+def _in(region: _Region | None) -> Iterator[_Region | None]:
+    outer = getattr(_local, "region", None)
+    _local.region = region
+    try:
+        yield region
+    finally:
+        _local.region = outer
+
+
+@contextlib.contextmanager
+def compiled_together() -> Iterator[None]:
+    """The new variants of the kernel calls in the block compile together: each call starts
+    its compile and goes on (MLX only records a launch; it compiles at evaluation), and the
+    block's end waits for them all. For a block that evaluates none of its launches (one that
+    does runs it under :func:`at_once`)."""
+    with _in(_Region(False)) as region:
+        try:
+            yield
+        finally:
+            wait(region.pending)
+
+
+@contextlib.contextmanager
+def compiling_ahead() -> Iterator[None]:
+    """The kernel calls in the block start their variants' compiles in the background and wait
+    for none (:meth:`CachedKernel.ahead`): for launches made only to learn their variants and
+    never evaluated. The first call of such a variant after the block waits for its compile."""
+    with _in(_Region(True)):
+        yield
+
+
+@contextlib.contextmanager
+def at_once() -> Iterator[None]:
+    """The kernel calls in the block wait for their variants' compiles, as outside any region:
+    for a launch evaluated at once (the tensor-core kernel's subnormal probe)."""
+    with _in(None):
+        yield
+
+
 class CachedKernel:
     """An ``mx.fast.cuda_kernel`` whose compiled forms land in MLX's PTX disk cache.
 
     ``render(inputs, output_dtypes, template)`` gives the full source MLX generates for a call
     and its kernel name (:meth:`velox_core.kernels.build.KernelSpec.mlx_source`). Each new
     (template, output dtypes) of a call is compiled into the cache before the call is passed
-    on (:func:`ensure_compiled`); the rest of its calls go straight to MLX (a variant that
-    differs only in input dtypes is then compiled by MLX itself: slower, never wrong). A
-    failure to compile or write is reported once and turns the cache off for the process:
-    MLX then compiles every kernel itself, as without this class. A launch plan calls
-    ``kernel``, the MLX kernel behind the wrapper, once its variant went through the wrapper
-    (the tensor-core kernel's and the merge's), so that the hot path skips it.
+    on (:func:`ensure_compiled`; in a :func:`compiled_together` block, before the block ends);
+    the rest of its calls go straight to MLX (a variant that differs only in input dtypes is
+    then compiled by MLX itself: slower, never wrong). A failure to compile or write is
+    reported once and turns the cache off for the process: MLX then compiles every kernel
+    itself, as without this class. A launch plan calls ``kernel``, the MLX kernel behind the
+    wrapper, once its variant went through the wrapper (the tensor-core kernel's and the
+    merge's), so that the hot path skips it.
     """
 
     failed = False  # class-wide: one report, then MLX compiles every kernel itself
@@ -277,6 +414,7 @@ class CachedKernel:
         self.kernel = kernel
         self.render = render
         self.seen: set[tuple] = set()
+        self.started: set[tuple] = set()  # the variants compiled ahead (with input dtypes)
         self.last: Any = None  # the template object of the latest call
 
     def __call__(
@@ -289,20 +427,43 @@ class CachedKernel:
     ) -> Any:
         # a planned launch passes the same template object every step: that call skips the key
         if not CachedKernel.failed and template is not self.last:
-            self.last = template
-            key = (tuple(template), tuple(output_dtypes))
-            if key not in self.seen:
-                self.seen.add(key)
-                try:
-                    ensure_compiled(*self.render(inputs, output_dtypes, template))
-                except Exception as e:  # any failure: MLX compiles the kernel itself
-                    CachedKernel.failed = True
-                    print(
-                        f"velox: kernels are not kept on disk ({e}); MLX compiles them in "
-                        "every process",
-                        file=sys.stderr,
-                    )
+            region = getattr(_local, "region", None)
+            if region is not None and region.ahead:
+                self.ahead(inputs, output_dtypes, template)
+            else:
+                self.last = template
+                key = (tuple(template), tuple(output_dtypes))
+                if key not in self.seen:
+                    self.seen.add(key)
+                    try:
+                        item = self.render(inputs, output_dtypes, template)
+                        if region is None:
+                            ensure_compiled(*item)
+                        else:
+                            region.pending += compile_ahead([item])
+                    except Exception as e:  # any failure: MLX compiles the kernel itself
+                        _fail(e)
         return self.kernel(inputs=inputs, output_dtypes=output_dtypes, template=template, **kwargs)
+
+    def ahead(
+        self,
+        inputs: Sequence[Any],
+        output_dtypes: Sequence[Any],
+        template: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        """Start compiling the variant of a call with these arguments in the background,
+        launching nothing (:func:`compile_ahead`), unless a call of it went through the
+        wrapper already or it was started before."""
+        key = (tuple(template), tuple(output_dtypes))
+        if CachedKernel.failed or key in self.seen:
+            return
+        variant = (*key, tuple((str(a.dtype), a.ndim) for a in inputs))
+        if variant not in self.started:
+            self.started.add(variant)
+            try:
+                compile_ahead([self.render(inputs, output_dtypes, template)])
+            except Exception as e:  # any failure: MLX compiles the kernel itself
+                _fail(e)
 
 
 # MLX releases whose module naming, cache layout and generated source this module follows
@@ -310,10 +471,23 @@ class CachedKernel:
 MLX_VERSIONS = ("0.32.",)
 
 
+def _kept() -> bool:
+    return kernel_config().disk_cache and mx.__version__.startswith(MLX_VERSIONS)
+
+
 def wrap(kernel: Any, render: Callable[..., tuple[str, str]]) -> Any:
     """``kernel`` with its compiled forms kept on disk, where the configuration asks for it
     and MLX is a release this module follows (:data:`MLX_VERSIONS`; others compile every
     kernel themselves, as without this module)."""
-    if not kernel_config().disk_cache or not mx.__version__.startswith(MLX_VERSIONS):
+    global kept
+    if not _kept():
         return kernel
+    kept = True
     return CachedKernel(kernel, render)
+
+
+def compiles_ahead() -> bool:
+    """Whether kernels are compiled ahead of use here: on CUDA, with their compiled forms kept
+    on disk (:func:`wrap`) and no failure reported; never on the CPU or Metal, nor with
+    ``KernelConfig.disk_cache`` off."""
+    return _kernels.backend() == "cuda" and not CachedKernel.failed and _kept()

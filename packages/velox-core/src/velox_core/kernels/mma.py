@@ -23,7 +23,12 @@ from .build import KernelSpec
 from .config import KernelConfig, kernel_config
 from .disk_cache import CachedKernel
 from .layout import unused_input
-from .mma_support import MMA_SM_BLOCKS, mma_kernel_plan, run_subnormal_probe
+from .mma_support import (
+    MMA_SM_BLOCKS,
+    mma_kernel_plan,
+    run_subnormal_probe,
+    subnormal_probe_ahead,
+)
 from .records import AFFINE, AFFINE_CHANNEL, CODEBOOK, CodeRecord
 
 __all__ = ["MMA_SCALE_DTYPES", "mma_launch", "mma_splits", "mma_supported", "plan_mma"]
@@ -135,6 +140,15 @@ def mma_fuse_merge(tokens: int, settings: KernelConfig | None = None) -> bool:
 _SUBNORMALS: dict[int, bool] = {}
 
 
+def _cuda_ordinal() -> int | None:
+    """The CUDA device MLX computes on, or None where none does (as
+    :func:`mma_subnormals_exact` finds it, inline there: a decode plan's path)."""
+    if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
+        return None
+    dev = mx.default_device()
+    return None if dev.type != mx.DeviceType.gpu else getattr(dev, "index", 0) or 0
+
+
 def mma_subnormals_exact() -> bool:
     """Whether the CUDA device MLX computes on takes fp16 subnormal MMA operands exactly,
     which both folds (``KFOLD``, ``VFOLD``) rely on: the probe is run once per device (checked
@@ -155,6 +169,14 @@ def mma_subnormals_exact() -> bool:
         except Exception:  # any failure to run the probe: fold nothing
             _SUBNORMALS[ordinal] = False
     return _SUBNORMALS[ordinal]
+
+
+def probe_ahead() -> None:
+    """Start compiling the probe of :func:`mma_subnormals_exact` in the background where the
+    CUDA device's answer is not known yet (the first tensor-core plan runs it)."""
+    ordinal = _cuda_ordinal()
+    if ordinal is not None and ordinal not in _SUBNORMALS:
+        subnormal_probe_ahead()
 
 
 @functools.cache

@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from .build import KernelSpec
 from .config import KernelConfig, kernel_config
+from .disk_cache import CachedKernel, at_once
 from .layout import qmul_bits, unused_input
 from .records import (
     AFFINE,
@@ -156,16 +157,30 @@ def subnormal_probe_error(out: Any, salt: int) -> float:
 SUBNORMAL_SALT = 5
 
 
+def _probe_inputs(salt: int) -> list[mx.array]:
+    return [mx.array([salt], dtype=mx.uint32)]
+
+
 def run_subnormal_probe(salt: int = SUBNORMAL_SALT) -> float:
-    """Run the probe on the default device (a CUDA GPU): its error (0.0: exact)."""
-    (out,) = PROBE_SUBNORMAL.kernel()(
-        inputs=[mx.array([salt], dtype=mx.uint32)],
-        grid=(32, 1, 1),
-        threadgroup=(32, 1, 1),
-        output_shapes=[(128,)],
-        output_dtypes=[mx.float32],
-    )
-    return subnormal_probe_error(out, salt)
+    """Run the probe on the default device (a CUDA GPU): its error (0.0: exact). Evaluated at
+    once, so its compile is waited for wherever it runs (:func:`~.disk_cache.at_once`)."""
+    with at_once():
+        (out,) = PROBE_SUBNORMAL.kernel()(
+            inputs=_probe_inputs(salt),
+            grid=(32, 1, 1),
+            threadgroup=(32, 1, 1),
+            output_shapes=[(128,)],
+            output_dtypes=[mx.float32],
+        )
+        return subnormal_probe_error(out, salt)
+
+
+def subnormal_probe_ahead(salt: int = SUBNORMAL_SALT) -> None:
+    """Start compiling the probe in the background (:meth:`~.disk_cache.CachedKernel.ahead`),
+    where its compiled forms are kept on disk."""
+    kernel = PROBE_SUBNORMAL.kernel()
+    if isinstance(kernel, CachedKernel):
+        kernel.ahead(_probe_inputs(salt), [mx.float32])
 
 
 def mma_key_fold() -> bool:
