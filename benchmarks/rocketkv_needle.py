@@ -145,8 +145,9 @@ def main() -> None:
     if not prompts_used:
         raise SystemExit(f"fp16 answers none of the {len(prompts)} prompts: nothing to follow")
     print(f"{args.task} @ {args.length}, {prompts_used} prompts fp16 answers; per value step:")
+    ws = max(len(s) for s in args.specs)
     print(
-        f"{'spec':<46} {'score':>5} {'top-1':>5} {'layer':>5} {'kept':>5} "
+        f"{'spec':<{ws}} {'score':>5} {'top-1':>5} {'layer':>5} {'kept':>5} "
         f"{'attended':>8} {'exact':>5} {'head w':>6}"
     )
     table = []
@@ -165,7 +166,8 @@ def main() -> None:
                 },
             }
             table.append(row)
-            lead = f"{spec:<46} {row['score']:>5.2f} {row['top1']:>5.2f}" if i == 0 else " " * 58
+            lead = f"{spec:<{ws}} {row['score']:>5.2f} {row['top1']:>5.2f}"
+            lead = lead if i == 0 else " " * len(lead)
             print(
                 f"{lead} {layer:>5} {row['kept']:>5.1f} {row['attended']:>8.1f} "
                 f"{row['exact']:>5.1f} {row['head_w']:>6.2f}"
