@@ -22,6 +22,7 @@ import pytest
 import velox_core
 import velox_testing
 from velox_core import UniformCache, routed
+from velox_core.kernels import disk_cache
 from velox_core.kernels import encode as ek
 from velox_testing import kv_data
 from velox_testing.emulate import EmulatedKernels
@@ -105,6 +106,10 @@ def files(calls: list[tuple[str, str]]) -> set[str]:
 def test_a_decode_step_and_its_planning_run_through_the_files_documented(
     monkeypatch, tmp_path, backend
 ):
+    # the path of a process whose kernels keep no compiled forms on disk (Metal, or CUDA with
+    # VELOX_KERNEL_CACHE=0); another test of this process that built a CUDA kernel leaves
+    # ``kept`` set, and a plan made then also opens disk_cache's compile region
+    monkeypatch.setattr(disk_cache, "kept", False)
     k, v = kv_data(t=120, dtype=mx.float16)
     cache = UniformCache(bits=4, sinks=2, flush=8)
     cache.fetch_decoded = False  # what make_cache sets for models whose attention is routed

@@ -64,10 +64,23 @@ def nvrtc(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setattr(disk_cache.CachedKernel, "failed", False)
     disk_cache.ptx_cache_dir.cache_clear()
+    monkeypatch.setattr(disk_cache, "kept", disk_cache.kept)  # as it was, after the test
     fake = FakeNVRTC()
     monkeypatch.setattr(disk_cache, "compile_cuda", fake)
     yield fake
+    settle()  # no compile of this test runs on into the next one's fake
     disk_cache.ptx_cache_dir.cache_clear()
+
+
+def settle(seconds: float = 30.0) -> None:
+    """Wait for every compile in flight in this process (a failed one included)."""
+    with disk_cache._lock:
+        futures = list(disk_cache._inflight.values())
+    for f in futures:
+        try:
+            f.result(seconds)
+        except Exception:
+            pass
 
 
 def until(done, seconds: float = 10.0) -> bool:
