@@ -4,7 +4,9 @@ builds too), on a two-layer model of ``e2e.py``'s llama3-8b shape.
 
 Run it twice: the first process on a machine builds the kernels, the second finds MLX's
 compiled-kernel cache (``MLX_PTX_CACHE_DIR`` on CUDA, default under the temp dir). It
-prints one JSON line per cache and the velox entries of that cache directory.
+prints one JSON line per cache (with ``compile_ahead``: ``VELOX_COMPILE_AHEAD=0`` compiles
+each kernel when it is first called, one after another) and the velox entries of that cache
+directory.
 
     python3 benchmarks/first_use.py --cache uniform:bits=4
 """
@@ -42,7 +44,16 @@ def timed_use(model, spec: str, context: int) -> dict:
         t0 = time.perf_counter()
         mx.eval(model(prompt[:, -1:], cache=caches))
         again = time.perf_counter() - t0
-    return {"cache": spec, "first_chunk_s": chunk, "first_step_s": step, "next_step_s": again}
+    from velox_core.kernels.config import kernel_config
+
+    ahead = kernel_config().compile_ahead
+    return {
+        "cache": spec,
+        "compile_ahead": ahead,
+        "first_chunk_s": chunk,
+        "first_step_s": step,
+        "next_step_s": again,
+    }
 
 
 def main() -> int:

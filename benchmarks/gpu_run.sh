@@ -3,7 +3,8 @@
 # minutes on an H200; results (text and JSON) under $OUT (default ./gpu-out).
 #
 #   bash benchmarks/gpu_run.sh tests       # every -m gpu test (caches, decode kernels)
-#   bash benchmarks/gpu_run.sh first-use   # benchmarks/first_use.py, two processes
+#   bash benchmarks/gpu_run.sh first-use   # benchmarks/first_use.py: first processes with the
+#     compiles ahead on and off (VELOX_COMPILE_AHEAD), alternated, then a second process
 #   bash benchmarks/gpu_run.sh e2e-32k     # fp16 and the velox specs of issue 26 at 4k and 32k
 #   bash benchmarks/gpu_run.sh e2e-128k    # the same at 128k
 #   bash benchmarks/gpu_run.sh batch       # batch 8 at 32k, and batch_serve.py's two runs
@@ -27,9 +28,16 @@ case "${1:-}" in
       -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.txt" | tail -25
     ;;
   first-use)
-    for i in 1 2; do
-      python3 benchmarks/first_use.py --cache uniform:bits=4 | tee "$out/first-use-$i.jsonl"
+    # first processes, each with an empty kernel cache (and no driver JIT cache), the
+    # compiles ahead on and off alternated; then a second process on the last one's cache
+    for run in ahead1:1 off1:0 ahead2:1 off2:0; do
+      dir=$(mktemp -d)
+      MLX_PTX_CACHE_DIR=$dir CUDA_CACHE_DISABLE=1 VELOX_COMPILE_AHEAD=${run#*:} \
+        python3 benchmarks/first_use.py --cache uniform:bits=4 | tee "$out/first-use-${run%:*}.jsonl"
+      [ "${run#*:}" = 1 ] && last=$dir
     done
+    MLX_PTX_CACHE_DIR=$last python3 benchmarks/first_use.py --cache uniform:bits=4 \
+      | tee "$out/first-use-second.jsonl"
     ;;
   e2e-32k)
     python3 benchmarks/e2e.py --shape llama3-8b --weights 4bit --contexts 4096,32768 \

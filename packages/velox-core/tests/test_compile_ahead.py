@@ -65,6 +65,7 @@ def nvrtc(tmp_path, monkeypatch):
     monkeypatch.setattr(disk_cache.CachedKernel, "failed", False)
     disk_cache.ptx_cache_dir.cache_clear()
     monkeypatch.setattr(disk_cache, "kept", disk_cache.kept)  # as it was, after the test
+    monkeypatch.setattr(vk, "backend", lambda: "cuda")  # compiled ahead on CUDA only
     fake = FakeNVRTC()
     monkeypatch.setattr(disk_cache, "compile_cuda", fake)
     yield fake
@@ -163,6 +164,22 @@ def test_calls_in_a_together_block_compile_at_once_and_the_block_waits(nvrtc):
     assert DELAY <= took < 2 * DELAY and nvrtc.most == 3, (took, nvrtc.most)
     assert len(nvrtc.calls) == 3  # the repeated template once
     assert all(path_of((f"// {[('N', n)]}\n", f"k{n}")).exists() for n in (1, 2, 3))
+
+
+def test_with_compile_ahead_off_each_call_in_a_together_block_waits_for_its_own(nvrtc):
+    nvrtc.delay = DELAY
+    launches = []
+    k = _cached(launches)
+    with configured(compile_ahead=False):
+        assert not disk_cache.compiles_ahead()
+        t0 = time.perf_counter()
+        with disk_cache.compiled_together():
+            for n in (1, 2):
+                k(inputs=[], output_dtypes=[mx.float16], template=[("N", n)])
+                assert path_of((f"// {[('N', n)]}\n", f"k{n}")).exists()  # compiled first
+        took = time.perf_counter() - t0
+    assert took >= 2 * DELAY and nvrtc.most == 1, (took, nvrtc.most)
+    assert len(launches) == 2 and disk_cache.compiles_ahead()
 
 
 def test_calls_compiled_ahead_wait_for_nothing_and_their_first_real_call_waits(nvrtc):
@@ -304,10 +321,11 @@ def test_the_first_decode_step_finds_its_kernels_compiled_during_the_prefill(cud
     assert sorted(cuda.calls) == ahead  # the step's variants were all on disk
 
 
-def test_nothing_is_compiled_ahead_with_the_disk_cache_off_or_on_the_cpu(cuda, monkeypatch):
+@pytest.mark.parametrize("off", [{"disk_cache": False}, {"compile_ahead": False}])
+def test_nothing_is_compiled_ahead_with_either_switch_off_or_on_the_cpu(cuda, monkeypatch, off):
     k, v = kv_data(t=100, dtype=mx.float16)
     q = mx.zeros((1, 8, 100, 128), mx.float16)
-    with configured(disk_cache=False):
+    with configured(**off):
         cache = UniformCache(bits=4)
         cache.update_and_fetch(k, v)
         mx.eval(cache.attend(q, 0.088))

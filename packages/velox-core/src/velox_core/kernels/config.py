@@ -79,6 +79,9 @@ class KernelConfig:
             reference path.
         disk_cache: on CUDA, compile each kernel into MLX's PTX disk cache, so that later
             processes load it instead of compiling it (:mod:`velox_core.kernels.disk_cache`).
+        compile_ahead: with the disk cache on CUDA, compile a block's new kernel variants
+            together in a pool and the first decode step's during the prefill; off, each
+            call compiles its own variant when it is made, one after another.
         cuda_include: on CUDA, hand MLX each kernel's texts as ``#include`` lines of files
             holding them, which shortens MLX's work per call
             (:meth:`velox_core.kernels.build.KernelSpec.mlx_texts`).
@@ -106,6 +109,7 @@ class KernelConfig:
     fuse: bool | None = None
     layouts_off: frozenset[str] = frozenset()
     disk_cache: bool = True
+    compile_ahead: bool = True
     cuda_include: bool = True
     latent_codes: bool | None = None
 
@@ -205,6 +209,7 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     "fuse": ("VELOX_DECODE_FUSE", "flag"),
     "layouts_off": ("VELOX_LAYOUTS_OFF", "names"),
     "disk_cache": ("VELOX_KERNEL_CACHE", "switch"),
+    "compile_ahead": ("VELOX_COMPILE_AHEAD", "switch"),
     "cuda_include": ("VELOX_CUDA_INCLUDE", "flag"),
     "latent_codes": ("VELOX_LATENT_CODES", "flag"),
 }

@@ -368,7 +368,11 @@ def compiled_together() -> Iterator[None]:
     """The new variants of the kernel calls in the block compile together: each call starts
     its compile and goes on (MLX only records a launch; it compiles at evaluation), and the
     block's end waits for them all. For a block that evaluates none of its launches (one that
-    does runs it under :func:`at_once`)."""
+    does runs it under :func:`at_once`). Where kernels are not compiled ahead
+    (:func:`compiles_ahead`) the block changes nothing."""
+    if not compiles_ahead():
+        yield
+        return
     with _in(_Region(False)) as region:
         try:
             yield
@@ -489,5 +493,10 @@ def wrap(kernel: Any, render: Callable[..., tuple[str, str]]) -> Any:
 def compiles_ahead() -> bool:
     """Whether kernels are compiled ahead of use here: on CUDA, with their compiled forms kept
     on disk (:func:`wrap`) and no failure reported; never on the CPU or Metal, nor with
-    ``KernelConfig.disk_cache`` off."""
-    return _kernels.backend() == "cuda" and not CachedKernel.failed and _kept()
+    ``KernelConfig.disk_cache`` or ``KernelConfig.compile_ahead`` off."""
+    return (
+        _kernels.backend() == "cuda"
+        and not CachedKernel.failed
+        and _kept()
+        and kernel_config().compile_ahead
+    )
