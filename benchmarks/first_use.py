@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -56,15 +57,80 @@ def timed_use(model, spec: str, context: int) -> dict:
     }
 
 
+class Timeline:
+    """Each velox NVRTC compile of the process: its thread, kernel, start and end (seconds from
+    the timeline's start), and its source, for :func:`nvrtc_overlap`."""
+
+    def __init__(self) -> None:
+        from velox_core.kernels import disk_cache
+
+        self.t0 = time.perf_counter()
+        self.compiles: list[dict] = []
+        self.sources: list[tuple[str, str, str]] = []
+        self.compile_cuda = compile_cuda = disk_cache.compile_cuda
+
+        def timed(source: str, kernel: str, file_name: str):
+            start = time.perf_counter() - self.t0
+            try:
+                return compile_cuda(source, kernel, file_name)
+            finally:
+                end = time.perf_counter() - self.t0
+                self.sources.append((source, kernel, file_name))
+                self.compiles.append(
+                    {
+                        "thread": threading.current_thread().name,
+                        "kernel": kernel.removeprefix("mlx::core::cu::custom_kernel_")[:48],
+                        "start": round(start, 3),
+                        "end": round(end, 3),
+                    }
+                )
+
+        disk_cache.compile_cuda = timed
+
+    def mark(self) -> float:
+        return round(time.perf_counter() - self.t0, 3)
+
+
+def nvrtc_overlap(timeline: Timeline) -> dict:
+    """The process's velox kernels compiled again, one after another and then all at once in
+    threads: whether NVRTC compiles in parallel here."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    compile_cuda, sources = timeline.compile_cuda, timeline.sources
+    if not sources:  # the CPU or Metal, or every kernel found on disk
+        return {"kernels": 0}
+    t0 = time.perf_counter()
+    for item in sources:
+        compile_cuda(*item)
+    serial = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(sources)) as pool:
+        list(pool.map(lambda item: compile_cuda(*item), sources))
+    return {"kernels": len(sources), "serial_s": serial, "threads_s": time.perf_counter() - t0}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cache", default="uniform:bits=4")
     p.add_argument("--context", type=int, default=2048)
+    p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="also print when each velox kernel compiled (thread, start, end), and the same "
+        "kernels compiled again one after another and all at once",
+    )
     args = p.parse_args()
     e2e.SHAPES["llama3-8b-2l"] = {**e2e.SHAPES["llama3-8b"], "num_hidden_layers": 2}
     model = e2e.build_model("llama3-8b-2l", "4bit")
+    timeline = Timeline() if args.timeline else None
     for spec in ("fp16", args.cache):
-        print(json.dumps(timed_use(model, spec, args.context)), flush=True)
+        row = timed_use(model, spec, args.context)
+        if timeline is not None:
+            row["done_at"] = timeline.mark()
+        print(json.dumps(row), flush=True)
+    if timeline is not None:
+        print(json.dumps({"compiles": timeline.compiles}), flush=True)
+        print(json.dumps(nvrtc_overlap(timeline)), flush=True)
     ptx = Path(os.environ.get("MLX_PTX_CACHE_DIR", Path(tempfile.gettempdir()) / "mlx"))
     names = sorted(str(f.relative_to(ptx)) for f in ptx.rglob("*velox*")) if ptx.exists() else []
     print(json.dumps({"ptx_cache": str(ptx), "velox_entries": len(names), "first": names[:6]}))
