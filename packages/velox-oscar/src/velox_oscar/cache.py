@@ -54,6 +54,6 @@ class OscarCache(PresetCache):
             "layer": cfg.layer,
         }
         return (
-            OscarKeys(kb, clip=cfg.key_clip, **common),
+            OscarKeys(kb, clip=cfg.key_clip, centre=cfg.centre, **common),
             OscarValues(vb, clip=cfg.value_clip, **common),
         )
