@@ -70,8 +70,9 @@ SPECS = (
     "turboquant:bits=3",
     "kvarn:bits=2,sinks=0",
 )
-# the other rotated per-token codes with their keys centred on the coded tokens' own mean
-CENTRED = ("turboquant:bits=2", "kvarn:bits=2,sinks=0")
+# keys centred on the coded tokens' own mean: OSCAR without its fitted mean, and the other
+# rotated per-token codes, which have no such option
+CENTRED = ("oscar:bits=2,sinks=0,window=0", "turboquant:bits=2", "kvarn:bits=2,sinks=0")
 BLOCK = 128  # KIVI's and KVarN's token groups: the coded prefix is a whole number of them
 
 
