@@ -28,15 +28,15 @@ paper's ablation: a data-free rotation); it needs no artifact when ``clip`` is g
 
 ``centre=True`` (keys only; not in the paper) takes each KV head's fitted mean key ``mu``
 (the artifact's ``key_mean``) off every key before it is rotated and coded, ``y = (k - mu)
-R_K``, with the clip ratio fitted for centred keys. Gemma 3's global-layer keys share a large
-mean that a per-token code spends its range on; less it, the same 2 bits hold what the
-queries read (docs/oscar.md). Nothing is lost: the codec still answers for the keys
-themselves, ``scores`` adds each query's ``q . mu`` back (one ``(M, D) x (D,)`` product a
-call, so the coded tokens meet the exact sinks and window in one softmax, learned sink logits
-included) and ``decode`` adds ``mu`` back; a prefill's rotated keys get ``mu R_K`` added.
-The fused decode kernels score the codes against the query alone, so they decline centred
-keys and the step takes the reference path. ``mu`` (float32 ``(H, D)``) is codec state,
-saved with the cache.
+R_K``, with the clip ratio fitted for centred keys. Keys that share a large mean (Gemma 3's
+global layers, SmolLM2's) make a per-token code spend its range on it; less it, the same 2
+bits hold the keys with about half the error (docs/oscar.md). Nothing is lost: the codec
+still answers for the keys themselves, ``scores`` adds each query's ``q . mu`` back (one
+``(M, D) x (D,)`` product a call, so the coded tokens meet the exact sinks and window in one
+softmax, learned sink logits included) and ``decode`` adds ``mu`` back; a prefill's
+rotated keys get ``mu R_K`` added. The fused decode kernels score the codes against the
+query alone, so they decline centred keys and the step takes the reference path. ``mu``
+(float32 ``(H, D)``) is codec state, saved with the cache.
 """
 
 from __future__ import annotations
