@@ -20,8 +20,9 @@ rest of the context and the question stay exact for every spec. Per layer and sp
   element (OSCAR's rotations included).
 
 ``--centred SPEC ...`` also runs those specs on keys minus their mean over the ``n`` coded
-tokens (added back after decoding): a diagnostic, not a velox option (the softmax ignores a
-shift common to every key, so this is the part of the key error such a shift removes).
+tokens (added back after decoding): a diagnostic for methods without such an option (the
+softmax ignores a shift common to every key, so this is the part of the key error such a
+shift removes); OSCAR's own ``centre=true`` takes off the mean fitted with its rotations.
 
 Per layer it also reports how much of the keys' energy the queries read (``anisotropy``,
 the mean over KV heads): with ``C_Q`` the query covariance and ``S`` the key covariance
@@ -56,6 +57,8 @@ SPECS = (
     "oscar:bits=8,sinks=0,window=0",
     "oscar:bits=2,sinks=0,window=0",
     "oscar:bits=2,sinks=0,window=0,group=32",
+    "oscar:bits=2,sinks=0,window=0,centre=true",
+    "oscar:bits=2,sinks=0,window=0,rotation=hadamard,centre=true",
     "oscar:bits=2,sinks=0,window=0,key_clip=1,value_clip=1",
     "oscar:bits=2,sinks=0,window=0,rotation=hadamard",
     "oscar:bits=2,sinks=0,window=0,rotation=hadamard,key_clip=1,value_clip=1",
@@ -67,7 +70,9 @@ SPECS = (
     "turboquant:bits=3",
     "kvarn:bits=2,sinks=0",
 )
-CENTRED = ("oscar:bits=2,sinks=0,window=0",)
+# keys centred on the coded tokens' own mean: OSCAR without its fitted mean, and the other
+# rotated per-token codes, which have no such option
+CENTRED = ("oscar:bits=2,sinks=0,window=0", "turboquant:bits=2", "kvarn:bits=2,sinks=0")
 BLOCK = 128  # KIVI's and KVarN's token groups: the coded prefix is a whole number of them
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from _oscar_util import model_artifact, tmp
 
-from velox_core import VeloxCache, make, make_cache
+from velox_core import VeloxCache, make, make_cache, routed
 from velox_oscar import (
     CLIPS,
     METHOD,
@@ -57,6 +57,8 @@ class TestOscar(CacheConformance):
         ({"rotation": "random"}, "rotation"),
         ({"artifact": 3}, "artifact"),
         ({"layer": -1}, "layer"),
+        ({"centre": 1}, "centre must be True or False"),
+        ({"centre": "yes"}, "centre must be True or False"),
     )
 
     def make(self):
@@ -72,6 +74,20 @@ class TestOscar4Bits(CacheConformance):
 
     def make(self):
         return OscarCache(bits=4, artifact=model_artifact(), layer=0, **SMALL)
+
+
+class TestOscarCentred(CacheConformance):
+    """Keys coded less their KV head's fitted mean (``centre=True``)."""
+
+    # the codes and rotations as TestOscar's, and each side's (H, D) float32 mean: 0.18
+    max_memory_ratio = 0.19
+    attention_error = 0.8  # the conformance model's keys have a small mean: as TestOscar's
+
+    def make(self):
+        return OscarCache(artifact=model_artifact(), layer=0, centre=True, **SMALL)
+
+    def make_precise(self):
+        return OscarCache(bits=8, artifact=model_artifact(), centre=True, **SMALL)
 
 
 class TestHadamardAblation(CacheConformance):
@@ -219,7 +235,12 @@ def test_artifact_round_trip_holds_orthogonal_rotations():
     a = load_rotations(model_artifact())
     b = load_rotations(save_rotations(a, tmp("again.safetensors")))
     assert sorted(a.layers) == sorted(b.layers) == [0, 1]
-    assert a.clips == b.clips and a.hadamard_clips == b.hadamard_clips
+    assert a.tables() == b.tables() and set(a.tables()) == {
+        "clips",
+        "hadamard_clips",
+        "centred_clips",
+        "hadamard_centred_clips",
+    }
     assert a.fit_group == 0 and a.fingerprint == b.fingerprint
     for i, layer in a.layers.items():
         for side in ("key", "value"):
@@ -313,3 +334,132 @@ def test_fit_command_show(capsys):
     out = capsys.readouterr().out
     assert '"fit_group": 0' in out and '"clips"' in out
     assert main(["show", str(Path(model_artifact()).with_suffix(".none"))]) == 2
+
+
+# -- centred keys -----------------------------------------------------------------------------
+def _offset_keys(t: int = 256, offset: float = 8.0):
+    """kv_data's keys with a large common offset per KV head (what Gemma 3's global layers
+    have), float32 ``(1, 2, t, 128)``, and its values."""
+    k, v = kv_data(t=t, dtype=mx.float32)
+    mu = offset * mx.random.normal((1, 2, 1, 128), key=mx.random.key(7))
+    return k + mu, v
+
+
+def _centred_codec(mean: mx.array, bits: int = 2, **kw) -> OscarKeys:
+    """An OscarKeys on the test artifact's layer 0 whose key mean is ``mean`` (H, D)."""
+    c = OscarKeys(bits, artifact=model_artifact(), layer=0, centre=True, **kw)
+    c.check(128, mx.float32)
+    c.set_state({**{n: a for n, a in c.state().items() if n != "dim"}, "mean": mean})
+    c.check(128, mx.float32)
+    return c
+
+
+def test_centred_keys_leave_attention_unchanged_with_exact_codes():
+    """At 8 bits the codes are near exact, and any key shift is exact for attention: with the
+    fitted means, or means moved far off (2 per channel, keys of about 1), a model's logits
+    after a prefill chunk and after a decode step over the codes stay those of an uncoded
+    cache, the exact sinks and window beside the coded keys in one softmax (dropping
+    ``q . mu`` from the scores, or ``mu R`` from a prefill's keys, gives 0.2-0.9)."""
+    model = conformance_model()
+    prompt = mx.random.randint(0, 512, (1, 300), key=mx.random.key(3))
+    art = load_rotations(model_artifact())
+    for i, layer in art.layers.items():
+        far = 2.0 * mx.random.normal(layer["key_mean"].shape, key=mx.random.key(9 + i))
+        layer["key_mean"] = layer["key_mean"] + far
+    moved = str(save_rotations(art, tmp("moved-means.safetensors")))
+
+    def logits(**settings):
+        caches = make_cache(model, OscarCache(bits=8, sinks=4, **settings))
+        with routed(model):
+            model(prompt[:, :280], cache=caches)
+            chunk = model(prompt[:, 280:], cache=caches)  # a prefill chunk over the codes
+            step = model(mx.array([[7]]), cache=caches)  # a decode step
+        return caches[0].tiers[0].key_codec, chunk, step
+
+    _, *exact = logits(artifact=model_artifact(), window=1000)  # nothing coded
+    for artifact, centre in ((model_artifact(), False), (model_artifact(), True), (moved, True)):
+        kc, *got = logits(artifact=artifact, window=16, centre=centre)
+        assert kc.centre is centre and ("mean" in kc.state()) is centre
+        # 8-bit codes' own error: 0.011-0.020 measured, with or without centring
+        assert all(rel_error(g, e) < 0.03 for g, e in zip(got, exact, strict=True))
+
+
+def test_centring_is_exact_for_attention_and_takes_the_offset_off_the_codes():
+    k, _ = _offset_keys()
+    mean = mx.mean(k[0], axis=1)  # (H, D)
+    plain = OscarKeys(artifact=model_artifact(), layer=0, clip=0.9)
+    plain.check(128, mx.float32)
+    centred = _centred_codec(mean, clip=0.9)
+    q = mx.random.normal((1, 2, 3, 128), key=mx.random.key(1))
+    errs = {}
+    for name, c in (("plain", plain), ("centred", centred)):
+        p = c.encode(k)
+        kh = c.decode(p)
+        # the codec answers for the keys themselves: scores read the codes and add q . mu
+        assert rel_error(c.scores(q, p), q @ mx.swapaxes(kh, -1, -2)) < 1e-4
+        rot = c.stored_rotation()
+        # the float16 rotation is orthogonal to about 1e-3
+        assert rel_error(c.decode_rotated_as(p, mx.float32), rot.forward(kh)) < 2e-3
+        errs[name] = rel_error(kh, k)
+    # a code per token spends its range on the offset; less it, the error is several times less
+    assert errs["centred"] < errs["plain"] / 3
+
+
+def test_centred_state_round_trip_and_refusals():
+    k, _ = _offset_keys(t=64)
+    mean = mx.mean(k[0], axis=1)
+    c = _centred_codec(mean)
+    st = c.state()
+    assert set(st) == {"rotation", "clip", "mean", "dim"} and st["mean"].shape == (2, 128)
+    d = OscarKeys(artifact=model_artifact(), layer=0, centre=True)
+    d.set_state(st)  # what load_cache does: no artifact read
+    assert mx.array_equal(d.decode(d.encode(k)), c.decode(c.encode(k))).item()
+    with pytest.raises(ValueError, match=r"state must hold \['clip', 'dim', 'mean', 'rotation'\]"):
+        d.set_state({n: a for n, a in st.items() if n != "mean"})
+    with pytest.raises(ValueError, match=r"mean must be a finite \(H, D\) array"):
+        d.set_state({**st, "mean": mx.full((2, 128), mx.nan)})
+    with pytest.raises(ValueError, match=r"key mean is \(2, 64\), the cache holds 128-dim"):
+        d.set_state({**st, "mean": mean[:, :64]})
+    d.set_state({**st, "mean": mean[:1]})
+    with pytest.raises(ValueError, match="fitted for 1 KV heads, the cache holds 2"):
+        d.encode(k)
+    with pytest.raises(ValueError, match="centre applies to keys only"):
+        from velox_oscar import OscarValues
+
+        OscarValues(centre=True)
+    with pytest.raises(TypeError, match="centre must be True or False"):
+        OscarKeys(centre="true")
+    # the centred clips and the means are the artifact's; the value clips are the uncentred
+    a = load_rotations(model_artifact())
+    assert a.key_mean(0).shape == (2, 128)
+    for b in range(2, 9):
+        assert a.clip(0, "value", b, centred=True) == a.clip(0, "value", b)
+    e = OscarKeys(artifact=model_artifact(), layer=1, centre=True)
+    e.check(128, mx.float32)
+    assert e.ratio == a.clip(1, "key", 2, centred=True)
+    assert mx.array_equal(e.state()["mean"], a.key_mean(1)).item()
+
+
+def test_a_loaded_centred_cache_needs_no_artifact(monkeypatch, tmp_path):
+    art = tmp_path / "a.safetensors"
+    save_rotations(load_rotations(model_artifact()), art)
+    template = OscarCache(artifact=str(art), centre=True, **SMALL)
+    _, loaded = loaded_without_artifact(conformance_model(), template, art, tmp_path)
+    kc = loaded[0].tiers[0].key_codec
+    assert kc.centre and kc.state()["mean"].shape == (2, 128)
+
+
+def test_centred_keys_need_the_artifact_and_decline_the_kernels():
+    free = "oscar:rotation=hadamard,key_clip=0.9,value_clip=0.9"
+    assert OscarCache.split_refusal(make(free).config(), True, False) == ""
+    assert "fitted" in OscarCache.split_refusal(make(free + ",centre=true").config(), True, False)
+    assert make("oscar:centre=true").tiers[0].key_codec.centre
+    from velox_oscar.kernels import kernel_keys
+
+    k, _ = _offset_keys(t=64)
+    plain = OscarKeys(artifact=model_artifact(), layer=0)
+    plain.check(128, mx.float32)
+    c = _centred_codec(mx.mean(k[0], axis=1))
+    values = plain.quantizer.kernel_codes(plain.encode(k))  # per-token affine values
+    assert kernel_keys(plain, plain.encode(k), (1, 2, 3, 128), values) is not None
+    assert kernel_keys(c, c.encode(k), (1, 2, 3, 128), values) is None

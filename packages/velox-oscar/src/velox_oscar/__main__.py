@@ -21,8 +21,8 @@ from .fit import fit_oscar
 def _describe(r: OscarRotations) -> dict:
     return {
         "layers": {i: list(a["key"].shape) for i, a in sorted(r.layers.items())},
-        "clips": r.clips,
-        "hadamard_clips": r.hadamard_clips,
+        **r.tables(),
+        "key_heads": {i: a["key_mean"].shape[0] for i, a in sorted(r.layers.items())},
         "fit_group": r.fit_group,
     }
 

@@ -8,13 +8,17 @@ A file holds, per attention layer ``i``:
   (:mod:`velox_oscar.rotation`), one per layer shared by its KV heads (the covariances are
   averaged over the heads, GQA-aware, as the authors' ``compute_kv_rotation.py`` does);
 * ``layer.<i>.key_eigenvalues`` and ``layer.<i>.value_eigenvalues``: float32 ``(D,)``, the
-  eigenvalues of ``C_Q`` and ``C_S`` (ascending), which ordered ``P_br``.
+  eigenvalues of ``C_Q`` and ``C_S`` (ascending), which ordered ``P_br``;
+* ``layer.<i>.key_mean``: float32 ``(H, D)``, each KV head's mean post-RoPE key over the
+  calibration tokens (the shift ``centre=True`` takes off every key before it is coded).
 
 Its metadata: ``format="velox-oscar"``, a version, the model's fingerprint and identifying
 config, how it was fitted, and per layer the fitted clip ratios ``clips`` (for each code width
 2 to 8, ``[key, value]``, for the OSCAR rotations) and ``hadamard_clips`` (the same fit for
-the plain Hadamard basis, the paper's ablation), with the group they were fitted for
-(``fit_group``; 0: the caches' default, the whole head up to 128 channels).
+the plain Hadamard basis, the paper's ablation), ``centred_clips`` and
+``hadamard_centred_clips`` (the same with the keys less their mean; the value ratios are the
+uncentred ones), with the group they were fitted for (``fit_group``; 0: the caches' default,
+the whole head up to 128 channels). Version 2 added the key means and the centred clips.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ __all__ = [
 ]
 
 FORMAT = "velox-oscar"
-VERSION = "1"
+VERSION = "2"
 SIDES = ("key", "value")
 HOW_TO_FIT = "python -m velox_oscar fit --model PATH --text CALIBRATION.txt --out FILE"
 
@@ -54,10 +58,13 @@ class OscarRotations(FittedLayers):
 
     Attributes:
         layers: layer -> ``{"key": R_K, "value": R_V, "key_eigenvalues": ...,
-            "value_eigenvalues": ...}`` (``(D, D)`` and ``(D,)`` arrays).
+            "value_eigenvalues": ..., "key_mean": ...}`` (``(D, D)``, ``(D,)`` and, the
+            key mean of each KV head, ``(H, D)`` arrays).
         clips: layer -> code width -> ``[key, value]`` clip ratios fitted for the OSCAR
             rotations.
         hadamard_clips: the same for the Hadamard basis.
+        centred_clips, hadamard_centred_clips: the same two with the keys centred on
+            ``key_mean``.
         fit_group: the group the clips were fitted for (0: the caches' default, the whole
             head up to 128 channels).
     """
@@ -67,6 +74,8 @@ class OscarRotations(FittedLayers):
     layers: dict[int, dict[str, mx.array]]
     clips: dict[int, dict[int, list[float]]]
     hadamard_clips: dict[int, dict[int, list[float]]]
+    centred_clips: dict[int, dict[int, list[float]]]
+    hadamard_centred_clips: dict[int, dict[int, list[float]]]
     fit_group: int
     fingerprint: str
     model: dict[str, Any] = field(default_factory=dict)
@@ -76,11 +85,27 @@ class OscarRotations(FittedLayers):
         """``R_K`` or ``R_V`` of one layer (``ValueError`` naming the fitted layers)."""
         return self.layer(layer)[side]
 
-    def clip(self, layer: int, side: str, bits: int, basis: str = "oscar") -> float:
+    def tables(self) -> dict[str, dict[int, dict[int, list[float]]]]:
+        """The four clip tables by their metadata names."""
+        return {
+            "clips": self.clips,
+            "hadamard_clips": self.hadamard_clips,
+            "centred_clips": self.centred_clips,
+            "hadamard_centred_clips": self.hadamard_centred_clips,
+        }
+
+    def key_mean(self, layer: int) -> mx.array:
+        """Each KV head's mean key of one layer, float32 ``(H, D)``."""
+        return self.layer(layer)["key_mean"]
+
+    def clip(
+        self, layer: int, side: str, bits: int, basis: str = "oscar", centred: bool = False
+    ) -> float:
         """The clip ratio fitted for one layer's keys or values at ``bits`` in ``basis``
-        (``"oscar"`` or ``"hadamard"``)."""
+        (``"oscar"`` or ``"hadamard"``), the keys centred on their mean where ``centred``."""
         self.layer(layer)
-        table = (self.clips if basis == "oscar" else self.hadamard_clips)[layer]
+        name = ("" if basis == "oscar" else "hadamard_") + ("centred_" if centred else "")
+        table = self.tables()[name + "clips"][layer]
         if bits not in table:
             raise ValueError(
                 f"oscar: the artifact's clip ratios were fitted for {sorted(table)} bits, not "
@@ -100,7 +125,10 @@ class OscarRotations(FittedLayers):
                     raise ValueError(f"{where}: layer {i} {s}: the rotation must be (D, D)")
                 if lam is None or lam.shape != (m.shape[0],):
                     raise ValueError(f"{where}: layer {i} {s}: eigenvalues must be (D,)")
-            for name, table in (("clips", self.clips), ("hadamard_clips", self.hadamard_clips)):
+            mean = arrays.get("key_mean")
+            if mean is None or mean.ndim != 2 or mean.shape[1] != arrays["key"].shape[0]:
+                raise ValueError(f"{where}: layer {i}: key_mean must be (H, D)")
+            for name, table in self.tables().items():
                 widths = table.get(i)
                 if not widths or not all(
                     len(p) == 2 and all(0.0 < c <= 1.0 for c in p) for p in widths.values()
@@ -115,12 +143,11 @@ class OscarRotations(FittedLayers):
             for i, layer in self.layers.items()
             for name, a in layer.items()
         }
-        own = {"clips": self.clips, "hadamard_clips": self.hadamard_clips}
-        return arrays, {**own, "fit_group": str(self.fit_group)}
+        return arrays, {**self.tables(), "fit_group": str(self.fit_group)}
 
     @classmethod
     def decode(cls, f: ArtifactFile) -> OscarRotations:
-        names = (*SIDES, *(f"{s}_eigenvalues" for s in SIDES))
+        names = (*SIDES, *(f"{s}_eigenvalues" for s in SIDES), "key_mean")
         layers = {i: {n: f.arrays[f"layer.{i}.{n}"] for n in names} for i in f.layers}
 
         def widths(name: str) -> dict[int, dict[int, list[float]]]:
@@ -129,8 +156,9 @@ class OscarRotations(FittedLayers):
                 for i, w in f.json(name).items()
             }
 
-        clips, hadamard = widths("clips"), widths("hadamard_clips")
-        return cls(layers, clips, hadamard, int(f.meta["fit_group"]), **f.provenance())
+        tables = [widths(n) for n in ("clips", "hadamard_clips")]
+        tables += [widths(n) for n in ("centred_clips", "hadamard_centred_clips")]
+        return cls(layers, *tables, int(f.meta["fit_group"]), **f.provenance())
 
 
 KIND = ArtifactKind(

@@ -16,7 +16,8 @@ the calibration data (the authors' serving scripts pass one ratio per side for t
 model: keys 0.96, values 0.92, which ``key_clip``/``value_clip`` reproduce); scales and
 minimums are fp16 (bf16 for bf16 models), and the value rotation is applied to the mixed
 output rather than folded into the output projection (velox leaves the model's weights as
-they are).
+they are). ``centre=True`` (off by default, not in the paper) codes each key less its KV
+head's fitted mean key.
 """
 
 from __future__ import annotations
@@ -54,6 +55,6 @@ class OscarCache(PresetCache):
             "layer": cfg.layer,
         }
         return (
-            OscarKeys(kb, clip=cfg.key_clip, **common),
+            OscarKeys(kb, clip=cfg.key_clip, centre=cfg.centre, **common),
             OscarValues(vb, clip=cfg.value_clip, **common),
         )

@@ -25,6 +25,18 @@ found by ``bind(model, layer)`` (``velox_core.make_cache`` calls it), or ``artif
 and saved with the cache), with the fitted clip ratio where ``clip`` is not given.
 ``rotation="hadamard"`` replaces ``R`` by the normalized Sylvester Hadamard matrix (the
 paper's ablation: a data-free rotation); it needs no artifact when ``clip`` is given.
+
+``centre=True`` (keys only; not in the paper) takes each KV head's fitted mean key ``mu``
+(the artifact's ``key_mean``) off every key before it is rotated and coded, ``y = (k - mu)
+R_K``, with the clip ratio fitted for centred keys. Keys that share a large mean (Gemma 3's
+global layers, SmolLM2's) make a per-token code spend its range on it; less it, the same 2
+bits hold the keys with about half the error (docs/oscar.md). Nothing is lost: the codec
+still answers for the keys themselves, ``scores`` adds each query's ``q . mu`` back (one
+``(M, D) x (D,)`` product a call, so the coded tokens meet the exact sinks and window in one
+softmax, learned sink logits included) and ``decode`` adds ``mu`` back; a prefill's
+rotated keys get ``mu R_K`` added. The fused decode kernels score the codes against the
+query alone, so they decline centred keys and the step takes the reference path. ``mu``
+(float32 ``(H, D)``) is codec state, saved with the cache.
 """
 
 from __future__ import annotations
@@ -37,7 +49,7 @@ import mlx.core as mx
 from velox_core import Codec, Packed, Uniform
 from velox_core.artifacts import LayerFit
 from velox_core.ops import HadamardRotation
-from velox_core.validation import check_bits, check_choice, check_float, check_int
+from velox_core.validation import check_bits, check_bool, check_choice, check_float, check_int
 
 from . import kernels as _kernels
 from .artifact import KIND, OscarRotations
@@ -74,7 +86,7 @@ def check_head_dim(method: str, rotation: str, group: int | None, dim: int, side
 class _OscarSide(LayerFit, Codec):
     kind = KIND
     side: ClassVar[str] = "key"
-    settings = ("bits", "group", "clip", "rotation", "artifact", "layer")
+    settings = ("bits", "group", "clip", "rotation", "artifact", "layer", "centre")
     compressed_scores = True
     compressed_mix = True
     decodes_slices = True  # per-token codes (Uniform's) in a fixed basis
@@ -87,8 +99,12 @@ class _OscarSide(LayerFit, Codec):
         rotation: str = "oscar",
         artifact: str | os.PathLike | None = None,
         layer: int | None = None,
+        centre: bool = False,
     ):
         self.bits = check_bits(f"{self.side}_bits", bits, 2, 8)
+        self.centre = check_bool("centre", centre)
+        if self.centre and self.side != "key":
+            raise ValueError(f"{self.name}: centre applies to keys only (OscarKeys)")
         self.group = None if group is None else check_int("group", group, minimum=1)
         self.clip = (
             None
@@ -101,11 +117,13 @@ class _OscarSide(LayerFit, Codec):
         self._rot: Rotation | HadamardRotation | None = None
         self._q: Uniform | None = None
         self._ratio = 1.0
+        self._mean: mx.array | None = None  # centre: mu (H, D) float32
+        self._shift: mx.array | None = None  # centre: mu R (H, D) float32
 
     @property
     def needs_artifact(self) -> bool:
-        """Whether the layer's rotation or clip ratio comes from a fitted artifact."""
-        return self.rotation == "oscar" or self.clip is None
+        """Whether the layer's rotation, clip ratio or key mean comes from a fitted artifact."""
+        return self.rotation == "oscar" or self.clip is None or self.centre
 
     # -- the model's artifact (LayerFit) -----------------------------------------------------
     def bind(self, model: Any = None, layer: int | None = None) -> None:
@@ -119,8 +137,10 @@ class _OscarSide(LayerFit, Codec):
         if self.rotation == "oscar":
             out["rotation"] = art.rotation(self.layer, self.side).astype(mx.float16)
         if self.clip is None:
-            ratio = art.clip(self.layer, self.side, self.bits, self.rotation)
+            ratio = art.clip(self.layer, self.side, self.bits, self.rotation, self.centre)
             out["clip"] = mx.array([ratio], dtype=mx.float32)
+        if self.centre:
+            out["mean"] = art.key_mean(self.layer).astype(mx.float32)
         return out
 
     def check(self, dim: int, dtype: mx.Dtype) -> None:
@@ -147,12 +167,23 @@ class _OscarSide(LayerFit, Codec):
         # the ratio as fitted (its float32 copy rounded back: ratios have a few digits)
         fitted = round(float(self._fit["clip"][0].item()), 6) if self.clip is None else None
         self._ratio = self.clip if fitted is None else fitted
+        self._mean = self._shift = None
+        if self.centre:
+            mean = self._fit.get("mean") if self._fit else None
+            if mean is None or mean.ndim != 2 or mean.shape[1] != dim:
+                got = "none" if mean is None else tuple(mean.shape)
+                raise ValueError(
+                    f"oscar: layer {self.layer}'s key mean is {got}, the cache holds {dim}-dim "
+                    "heads (centre=True needs the artifact's (H, D) key_mean)"
+                )
+            self._mean = mean.astype(mx.float32)
+            self._shift = self._rot.forward(self._mean)
         self._q = Uniform(self.bits, self.group or default_group(dim))
         self._dim = dim
 
     # -- state -------------------------------------------------------------------------------
     def state(self) -> dict[str, mx.array]:
-        """The fitted arrays (``rotation``, ``clip``) and, once known, the head dim
+        """The fitted arrays (``rotation``, ``clip``, ``mean``) and, once known, the head dim
         (``dim``, int32 ``(1,)``: a loaded cache's codes need it before any query)."""
         out = {} if self._fit is None else dict(self._fit)
         if self._dim is not None:
@@ -166,8 +197,10 @@ class _OscarSide(LayerFit, Codec):
         if not state and dim is None:  # nothing read yet: check() reads the artifact
             self._fit = None
             return
-        want = ({"rotation"} if self.rotation == "oscar" else set()) | (
-            {"clip"} if self.clip is None else set()
+        want = (
+            ({"rotation"} if self.rotation == "oscar" else set())
+            | ({"clip"} if self.clip is None else set())
+            | ({"mean"} if self.centre else set())
         )
         if set(state) != want or (dim is not None and dim.shape != (1,)):
             raise ValueError(
@@ -180,6 +213,9 @@ class _OscarSide(LayerFit, Codec):
         c = state.get("clip")
         if c is not None and (c.shape != (1,) or not 0.0 < float(c[0].item()) <= 1.0):
             raise ValueError(f"{self.name}: clip must hold one ratio in (0, 1]")
+        m = state.get("mean")
+        if m is not None and (m.ndim != 2 or not bool(mx.all(mx.isfinite(m)).item())):
+            raise ValueError(f"{self.name}: mean must be a finite (H, D) array")
         self._fit = state
         if dim is not None:
             d = int(dim[0].item())
@@ -191,7 +227,8 @@ class _OscarSide(LayerFit, Codec):
         return _kernels.kernel_values(self, packed, dim)
 
     def kernel_keys(self, packed: Packed, q_shape, values):
-        """The decode kernels' key side (GPU): :func:`velox_oscar.kernels.kernel_keys`."""
+        """The decode kernels' key side (GPU): :func:`velox_oscar.kernels.kernel_keys` (None
+        for centred keys: the kernels score the codes against the query alone)."""
         return _kernels.kernel_keys(self, packed, q_shape, values)
 
     def stored_rotation(self) -> Rotation | HadamardRotation | None:
@@ -203,29 +240,52 @@ class _OscarSide(LayerFit, Codec):
         return self._ratio
 
     # -- coding ------------------------------------------------------------------------------
+    def _heads(self, a: mx.array, h: int) -> mx.array:
+        """A per-head ``(H, D)`` array (``mu`` or ``mu R``) shaped to broadcast over ``(B, h,
+        T, D)``; ``ValueError`` where the cache holds another number of KV heads."""
+        if a.shape[0] != h:
+            raise ValueError(
+                f"oscar: layer {self.layer}'s key mean was fitted for {a.shape[0]} KV heads, the "
+                f"cache holds {h}"
+            )
+        return a[None, :, None, :]
+
+    def _uncentre(self, y: mx.array, shift: mx.array | None) -> mx.array:
+        """``y`` with the per-head ``shift`` added back (nothing without ``centre``)."""
+        return y if shift is None else y + self._heads(shift, y.shape[1])
+
     def encode(self, x: mx.array, positions: mx.array | None = None) -> Packed:
         """Shapes: x ``(B, H, T, D)``."""
         self._ready(x.shape[-1])
-        y = quantile_clip(self._rot.forward(x), self._ratio)
+        xc = x if self._mean is None else x.astype(mx.float32) - self._heads(self._mean, x.shape[1])
+        y = quantile_clip(self._rot.forward(xc), self._ratio)
         # Uniform keeps its scales in bfloat16 for bfloat16 input, float16 otherwise
         return self._q.encode(y.astype(mx.bfloat16) if x.dtype == mx.bfloat16 else y)
 
     def decode_rotated_as(self, packed: Packed, dtype: mx.Dtype) -> mx.array:
-        """``x_hat R`` (the stored, rotated vectors) in ``dtype``."""
-        return self._q.decode_as(packed, dtype)
+        """``x_hat R`` (the stored, rotated vectors, ``mu R`` added back for centred keys) in
+        ``dtype``."""
+        y = self._q.decode_as(packed, dtype)
+        return y if self._shift is None else self._uncentre(y, self._shift).astype(dtype)
 
     def decode(self, packed: Packed) -> mx.array:
-        return self._rot.inverse(self._q.decode(packed))
+        return self._uncentre(self._rot.inverse(self._q.decode(packed)), self._mean)
 
     def decode_as(self, packed: Packed, dtype: mx.Dtype) -> mx.array:
-        return self._rot.inverse(self._q.decode_as(packed, dtype)).astype(dtype)
+        x = self._rot.inverse(self._q.decode_as(packed, dtype))
+        return self._uncentre(x, self._mean).astype(dtype)
 
     def scores(self, q: mx.array, packed: Packed) -> mx.array:
-        """``q k_hat^T`` from the codes: the query rotated once, scored by the affine codes.
+        """``q k_hat^T`` from the codes: the query rotated once, scored by the affine codes
+        (centred keys: ``q . mu`` added to each query's row).
 
         Shapes: q ``(B, H, M, D)`` float32, scale applied; returns float32 ``(B, H, M, T)``.
         """
-        return self._q.scores(self._rot.forward(q), packed)
+        s = self._q.scores(self._rot.forward(q), packed)
+        if self._mean is None:
+            return s
+        mu = self._heads(self._mean, q.shape[1])  # (1, H, 1, D)
+        return s + mx.sum(q.astype(mx.float32) * mu, axis=-1, keepdims=True)
 
     def mix(self, w: mx.array, packed: Packed) -> mx.array:
         """``w v_hat``: the weights mix the codes, the result is rotated back once.
@@ -254,10 +314,12 @@ class OscarKeys(_OscarSide):
             Hadamard matrix alone: the paper's ablation).
         artifact: path of the OSCAR artifact; None finds the model's at ``bind``.
         layer: the model layer (set by ``bind``).
+        centre: code each key less its KV head's fitted mean (the artifact's ``key_mean``),
+            with the clip ratio fitted for centred keys; attention and ``decode`` add it back.
 
     Packed layout: ``velox_core.Uniform``'s per-token records (``codes`` uint32, ``scale``
     and ``zero`` fp16 per group). State: ``rotation`` fp16 ``(D, D)`` (``rotation="oscar"``),
-    ``clip`` float32 ``(1,)`` (``clip=None``).
+    ``clip`` float32 ``(1,)`` (``clip=None``), ``mean`` float32 ``(H, D)`` (``centre``).
     """
 
     name = "oscar-key"

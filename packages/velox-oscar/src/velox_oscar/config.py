@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from velox_core import CodeWidths
 from velox_core.validation import (
+    check_bool,
     check_choice,
     check_counts,
     check_float,
@@ -40,6 +41,10 @@ class OscarConfig(CodeWidths):
         artifact: path of the OSCAR artifact (None: the model's, found when the cache is
             bound, :func:`~velox_oscar.artifact.resolve_rotations`).
         layer: the model layer whose rotations to use; ``velox_core.make_cache`` sets it.
+        centre: code each key less its KV head's mean key, fitted with the rotations (the
+            artifact's ``key_mean``), with the clip ratio fitted for centred keys; exact for
+            attention (a shift common to every key moves a query's logits alike), and not in
+            the paper (docs/oscar.md). Values are coded as they are.
     """
 
     bits: int = 2
@@ -51,6 +56,7 @@ class OscarConfig(CodeWidths):
     rotation: str = "oscar"
     artifact: str | None = None
     layer: int | None = None
+    centre: bool = False
 
     def __post_init__(self):
         check_widths(self, bits_required=True)
@@ -65,11 +71,17 @@ class OscarConfig(CodeWidths):
         check_choice("rotation", self.rotation, BASES)
         self.artifact = check_path("artifact", self.artifact)
         check_optional(self, "layer", minimum=0)
+        self.centre = check_bool("centre", self.centre)
 
     @property
     def needs_artifact(self) -> bool:
-        """Whether the caches read a fitted artifact (rotations or clip ratios)."""
-        return self.rotation == "oscar" or self.key_clip is None or self.value_clip is None
+        """Whether the caches read a fitted artifact (rotations, clip ratios or key means)."""
+        return (
+            self.rotation == "oscar"
+            or self.key_clip is None
+            or self.value_clip is None
+            or self.centre
+        )
 
     def check_dims(self, key_dim: int, value_dim: int) -> None:
         """The head dims the rotation and the groups take (``oscar: ... head dim D ...``)."""

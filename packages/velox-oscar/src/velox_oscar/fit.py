@@ -18,7 +18,12 @@ query a velox cache attends with, and the caches hold the keys and values):
    float16 as the caches hold it): keys scored by the logit error ``sum_h mean_t e^T C_h e``,
    values by the score-weighted error ``sum_h sum_t w_t |e_t|^2 / sum_t w_t``; the smallest
    wins (the first, least clipping, on a tie). The same is fitted for the plain Hadamard
-   basis (the ablation).
+   basis (the ablation), and for both bases with the keys centred (4).
+4. **Key means.** Each KV head's mean key over every calibration token, the shift
+   ``centre=True`` takes off the keys before they are coded (exact for attention: a shift
+   common to every key moves all of a query's logits by the same amount). The rotations do
+   not change: ``R_K`` comes from the queries alone (the logit error ``e^T C_h e`` does not
+   depend on the keys' mean), and ``R_V``'s token weights are the authors' (uncentred keys).
 
 Queries are seen in two passes over the calibration: the first accumulates ``C_Q`` (the
 weights of step 2 need the whole of it), the second the value covariance and the sample.
@@ -43,6 +48,13 @@ from .rotation import Rotation, oscar_rotation, quantile_clip
 __all__ = ["CLIPS", "WIDTHS", "clip_error", "fit_oscar", "gram_by_head"]
 
 WIDTHS = tuple(range(2, 9))  # the code widths clip ratios are fitted for
+# the clip tables: (basis, keys centred) -> the artifact's name, in OscarRotations' order
+_TABLES = {
+    ("oscar", False): "clips",
+    ("hadamard", False): "hadamard_clips",
+    ("oscar", True): "centred_clips",
+    ("hadamard", True): "hadamard_centred_clips",
+}
 CLIPS = (1.0, 0.99, 0.98, 0.97, 0.96, 0.95, 0.94, 0.93, 0.92, 0.9, 0.88, 0.85, 0.8, 0.75, 0.7)
 
 
@@ -163,6 +175,7 @@ def fit_oscar(
     rng = np.random.default_rng(seed)
     per_seq = -(-samples * seq_len // max(ids.size, 1))
     vsum: dict[int, list[mx.array]] = {}
+    ksum: dict[int, tuple[mx.array, int]] = {}
     sample: dict[int, list[tuple[mx.array, mx.array, mx.array]]] = {}
     for _, caches in cal.prefilled(model):
         for i, cache in caches:
@@ -173,11 +186,14 @@ def fit_oscar(
             acc = vsum.get(i)
             ws = mx.sum(w, -1)
             vsum[i] = [cov, ws] if acc is None else [acc[0] + cov, acc[1] + ws]
+            s0, n0 = ksum.get(i, (0.0, 0))
+            ksum[i] = (s0 + mx.sum(k, axis=1), n0 + k.shape[1])
             pick = _sample(rng, k.shape[1], per_seq)
             sample.setdefault(i, []).append((k[:, pick], v[:, pick], w[:, pick]))
-            mx.eval(vsum[i], sample[i][-1])
+            mx.eval(vsum[i], ksum[i][0], sample[i][-1])
 
-    layers, clips, hclips = {}, {}, {}
+    layers: dict[int, dict[str, mx.array]] = {}
+    tables: dict[str, dict[int, dict[int, list[float]]]] = {}
     for i in sorted(c_q):
         kq = np.array(c_q[i], dtype=np.float64)
         cov, wsum = (np.array(a, dtype=np.float64) for a in vsum[i])
@@ -192,14 +208,15 @@ def fit_oscar(
             "value": mx.array(r_v.astype(np.float32)),
             "key_eigenvalues": mx.array(lam_k.astype(np.float32)),
             "value_eigenvalues": mx.array(lam_v.astype(np.float32)),
+            "key_mean": ksum[i][0] / ksum[i][1],
         }
         ks, vs, ws = (mx.concatenate([p[j] for p in sample[i]], axis=1) for j in range(3))
         ks, vs = ks[:, :samples], vs[:, :samples]
         ws = ws[:, :samples]
-        tables = []
-        for basis in ("oscar", "hadamard"):
+        for (basis, centred), name in _TABLES.items():
             table = {b: [] for b in WIDTHS}
-            for side, x in (("key", ks), ("value", vs)):
+            centre = layers[i]["key_mean"][:, None] if centred else 0.0
+            for side, x in (("key", ks - centre), ("value", vs)):
                 d = x.shape[-1]
                 g = group or default_group(d)
                 if d % g:
@@ -212,9 +229,10 @@ def fit_oscar(
                     quant = Uniform(b, g)
                     if side == "key":
                         table[b].append(_best_clip(x, rot, quant, metric=c_q[i]))
+                    elif centred:  # the values are not centred: their uncentred ratio
+                        table[b].append(tables[name.replace("centred_", "")][i][b][1])
                     else:
                         table[b].append(_best_clip(x, rot, quant, weights=ws))
-            tables.append(table)
-        clips[i], hclips[i] = tables
+            tables.setdefault(name, {})[i] = table
     provenance = cal.fitted(model, samples=samples, seed=seed)
-    return OscarRotations(layers, clips, hclips, group or 0, **provenance)
+    return OscarRotations(layers, *(tables[n] for n in _TABLES.values()), group or 0, **provenance)

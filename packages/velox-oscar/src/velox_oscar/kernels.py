@@ -57,9 +57,14 @@ def kernel_values(codec: Codec, packed: Packed, dim: int) -> KernelSide | None:
 def kernel_keys(codec: Codec, packed: Packed, q_shape, values: CodeRecord) -> KernelSide | None:
     """:meth:`velox_core.Codec.kernel_keys` of OSCAR's keys: the codes as per-token affine keys
     scored against the rotated query (float32), beside per-token affine values (OSCAR's or a
-    plain ``Uniform``'s); None before the codec is set up for this head dim."""
+    plain ``Uniform``'s); None before the codec is set up for this head dim, and for centred
+    keys (``centre=True``: the fp16 sinks and window the kernels join are scored with the
+    model's query against the keys themselves, and the kernels have no per-query term for the
+    codes' ``q . mu``)."""
     q, rot = getattr(codec, "_q", None), codec.stored_rotation()
     if getattr(codec, "name", None) != "oscar-key" or q is None or rot is None:
+        return None
+    if getattr(codec, "centre", False):  # the kernels would leave out each query's q . mu
         return None
     if codec._dim != q_shape[-1] or type(values) is not AffineCodes:
         return None
