@@ -39,12 +39,13 @@ class MorphKVConfig(EvictionConfig):
         prefill: ``"chunks"`` (a cut after each prefill chunk; peak memory ``budget`` plus one
             chunk) or ``"prompt"`` (the whole prompt held and cut once at its end, voted by
             its last ``observe`` queries, as the authors' code).
-        keep_weights: keep the window queries' attention weights from one cut to the next,
-            as the authors keep theirs (True: a decode step renormalizes them instead of
-            scoring the ``observe`` queries against every stored key again, at ``Hq ×
-            observe`` float32 per kept token, sequence and layer), or score the queries
-            again at every cut (False, the default: no such memory). The same tokens are
-            kept either way.
+        keep_weights: keep the window's logits from one cut to the next as the authors do
+            (True, the default: one float16 row per KV head and query, the KV head's query
+            heads' logits summed, ``H × observe × (budget + every + 1)`` a sequence and
+            layer, and each row's softmax over the older tokens alone), or keep the window's
+            queries and score them against the stored keys again at every cut (False: each
+            query head's softmax over every token it sees, the paper's ``AW_r``; ``observe ×
+            Hq × D`` in the queries' dtype and ``observe × Hq × budget`` dot products a cut).
     """
 
     every_none: ClassVar[bool] = False
@@ -52,7 +53,7 @@ class MorphKVConfig(EvictionConfig):
     every: int = 1
     observe: int = 32
     fusion: str = "sum"
-    keep_weights: bool = False
+    keep_weights: bool = True
 
     def __post_init__(self):
         if self.every is None:
