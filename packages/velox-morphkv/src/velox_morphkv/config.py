@@ -39,13 +39,14 @@ class MorphKVConfig(EvictionConfig):
         prefill: ``"chunks"`` (a cut after each prefill chunk; peak memory ``budget`` plus one
             chunk) or ``"prompt"`` (the whole prompt held and cut once at its end, voted by
             its last ``observe`` queries, as the authors' code).
-        keep_weights: keep the window's logits from one cut to the next as the authors do
-            (True, the default: one float16 row per KV head and query, the KV head's query
-            heads' logits summed, ``H × observe × (budget + every + 1)`` a sequence and
-            layer, and each row's softmax over the older tokens alone), or keep the window's
-            queries and score them against the stored keys again at every cut (False: each
-            query head's softmax over every token it sees, the paper's ``AW_r``; ``observe ×
-            Hq × D`` in the queries' dtype and ``observe × Hq × budget`` dot products a cut).
+        keep_weights: keep the window's weights from one cut to the next as the authors do
+            (True, the default: one bfloat16 row per KV head and query, the softmax
+            numerators of the KV head's query heads' summed logits, ``H × observe × (budget +
+            every + 1)`` a sequence and layer, renormalized over the older tokens at each
+            cut), or keep the window's queries and score them against the stored keys again
+            at every cut (False: each query head's softmax over every token it sees, the
+            paper's ``AW_r``; ``observe × Hq × D`` in the queries' dtype and ``observe × Hq ×
+            budget`` dot products and exponentials a cut).
     """
 
     every_none: ClassVar[bool] = False

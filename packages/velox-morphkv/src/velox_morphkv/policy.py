@@ -25,14 +25,15 @@ the cache only inside ``velox_core.routed(model)`` or ``velox_core.generate``), 
 two ways:
 
 * ``keep_weights=True`` (the default), the authors' storage and weights
-  (:class:`~velox_morphkv.kept.KeptWeights`): each of the newest ``observe`` queries' logits
-  over the stored tokens, summed over the query heads of each KV head, float16, one row per
-  KV head and query; a call's rows join them (the step's own logits, ``Hkv × S`` dot
-  products, from the summed queries), a stored token gets a ``-inf`` column (the older
-  queries cannot see it), and a cut keeps the kept tokens' columns. The cut takes each row's
-  softmax over the older body tokens alone (those before the newest ``observe``, the
-  authors' candidates) and fuses them (sum or max). No query is kept; ``H × observe ×
-  (budget + every + 1)`` float16 a sequence and layer.
+  (:class:`~velox_morphkv.kept.KeptWeights`): one row per KV head and each of the newest
+  ``observe`` queries, over the stored tokens, the softmax numerators of the sum of the KV
+  head's query heads' logits (``exp(Σ_g l_g - c)``), bfloat16; a decode step's row comes
+  from its attention's weights (``observe_weights``), a prefill chunk's from the summed
+  queries; a stored token gets a zero column (the older queries cannot see it), and a cut
+  keeps the kept tokens' columns. The cut renormalizes each row over the older body tokens
+  alone (those before the newest ``observe``, the authors' candidates: each row's softmax
+  over them, with no exponential) and fuses them (sum or max). No query is kept; ``H ×
+  observe × (budget + every + 1)`` bfloat16 a sequence and layer.
 * ``keep_weights=False``: velox-core's :class:`~velox_core.policy.QueryWindow` keeps the
   queries, and every cut scores them against the stored keys again: each query head's softmax
   over every stored token it sees (the paper's ``AW_r``, equation 1, sinks and window
@@ -53,21 +54,23 @@ Deviations from the paper and the authors' code (also in docs/morphkv.md):
   a KV head, a row's columns then name other tokens than the kept keys); their KV-head
   selection reads only the sum over the group, which is what is kept here, pruned by the KV
   head's selection.
-* **Precision.** The rows are float16 (the authors': the model's dtype); the softmax and the
-  fusion run in float32 (theirs in the model's dtype).
+* **Precision.** The rows are bfloat16 softmax numerators (the authors' rows: logits in the
+  model's dtype), the renormalization and the fusion run in float32 (theirs in the model's
+  dtype). A token more than about ``e^-80`` below its row's best (its own token or the
+  window's, summed over the query heads) weighs zero in that row.
 * **``every`` > 1** (the paper's coarse-grained eviction, appendix A.5) cuts ``every``
   tokens at once, voted by the latest window.
 * **No observed queries**: without routing a cut raises (no query can ever vote); routed but
   with no window over the stored tokens (before any query reached the cache; with the kept
-  logits, also after tokens were stored without attention, after a trim or a merge of other
-  batch rows) a cut keeps the most recent tokens; tokens stored after the newest window query
+  weights, also after a trim or a merge of batch rows at other positions) a cut keeps the
+  most recent tokens; tokens stored after the newest window query
   (never seen by it) are kept.
 * Weights come from the stored keys (their codes when ``bits`` is set, as attention reads
-  them; kept logits keep the scores of the keys a query attended, also where a coded cache's
-  ``window`` codes them later); learned per-head sink logits (gpt-oss) are not part of their
-  softmax.
+  them; kept weights keep the scores of the keys a query attended, also where a coded
+  cache's ``window`` codes them later); learned per-head sink logits (gpt-oss) are not part
+  of their softmax.
 
-State: ``{"logits": (B, H, n <= observe, S)}`` float16, meta ``q_end`` (the position after
+State: ``{"weights": (B, H, n <= observe, S)}`` bfloat16, meta ``q_end`` (the position after
 the newest query) and ``covered`` (the offset and stored tokens the columns cover); scored
 again, ``{"queries": (B, Hq, n, D)}`` and meta ``q_end`` and ``scale``.
 """
@@ -100,8 +103,8 @@ class MorphKVPolicy(WindowState, RetentionPolicy):
         observe: the recent window ``R``: how many of the newest queries vote, and how many
             of the newest tokens are always kept.
         fusion: how the window's weights on a token combine: ``"sum"`` or ``"max"``.
-        keep_weights: keep the window's logits from one cut to the next as the authors do
-            (True: one float16 row per KV head and query, :class:`~velox_morphkv.kept.
+        keep_weights: keep the window's weights from one cut to the next as the authors do
+            (True: one bfloat16 row per KV head and query, :class:`~velox_morphkv.kept.
             KeptWeights`, and the authors' softmax over the older tokens of the KV head's
             summed logits), or keep the window's queries and score them again at every cut
             (False: each query head's softmax over every token it sees, the paper's ``AW_r``).
@@ -151,7 +154,7 @@ class MorphKVPolicy(WindowState, RetentionPolicy):
             )
 
     def observe(self, view, queries: mx.array, scale: float) -> None:
-        """The newest ``observe`` queries of this call join the window: their logits
+        """The newest ``observe`` queries of this call join the window: their rows
         (:meth:`KeptWeights.add`), or the queries themselves (:meth:`QueryWindow.add`)."""
         if self.budget is None:
             return
@@ -173,7 +176,7 @@ class MorphKVPolicy(WindowState, RetentionPolicy):
             self.window.add_weights(view, weights)
 
     def after_update(self, view, start: int) -> None:
-        """Tokens were stored: kept logits gain their columns (:meth:`KeptWeights.appended`)."""
+        """Tokens were stored: kept weights gain their columns (:meth:`KeptWeights.appended`)."""
         if self.keep_weights:
             self.window.appended(view, start)
 
@@ -200,7 +203,7 @@ class MorphKVPolicy(WindowState, RetentionPolicy):
         return [s[:, h] for h in range(s.shape[1])]
 
     def select(self, view, k: int):
-        """The top ``k`` body tokens per KV head, ``(B, H, k)``; kept logits keep their
+        """The top ``k`` body tokens per KV head, ``(B, H, k)``; kept weights keep their
         columns (:meth:`KeptWeights.kept`)."""
         keep = super().select(view, k)
         if self.keep_weights:
@@ -208,7 +211,7 @@ class MorphKVPolicy(WindowState, RetentionPolicy):
         return keep
 
     # -- state: the window's queries ({"queries": (B, Hq, n, D)}, meta "q_end" and "scale",
-    # WindowState's) or its logits ({"logits": (B, H, n, S)} float16, meta "q_end" and
+    # WindowState's) or its rows ({"weights": (B, H, n, S)} bfloat16, meta "q_end" and
     # "covered")
     def state(self) -> dict[str, mx.array]:
         return self.window.state("weights") if self.keep_weights else super().state()
@@ -224,6 +227,6 @@ class MorphKVPolicy(WindowState, RetentionPolicy):
 
     @property
     def nbytes(self) -> int:
-        """The window's bytes: its float16 logits (with the columns held for the next
+        """The window's bytes: its bfloat16 rows (with the columns held for the next
         tokens), or its queries."""
         return self.window.nbytes if self.keep_weights else super().nbytes
