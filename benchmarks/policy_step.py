@@ -3,7 +3,7 @@ device time per step of ``update_and_fetch`` plus routed ``attend``, after a chu
 of random keys and values (no model: the policy's own cost, not a model's).
 
     python benchmarks/policy_step.py --context 8192 --budget 1024 \\
-        --methods streamingllm h2o tova keyformer cam morphkv morphkv:keep_weights=true
+        --methods streamingllm h2o tova keyformer cam morphkv morphkv:keep_weights=false
 
 A method is a spec (``name`` or ``name:key=value,...``); ``--budget`` is its budget unless
 the spec gives one.

@@ -8,7 +8,6 @@ import pytest
 
 from velox_core import RetentionPolicy, VeloxCache, routed
 from velox_core.policy import QueryWindow, WindowVotePolicy
-from velox_core.policy.votes import window_weights
 from velox_testing import kv_data
 
 D = 16
@@ -155,68 +154,3 @@ def test_window_vote_policy_keeps_what_the_window_attends_to():
     assert set(np.array(c.policy_view.body_positions()[0][0]).tolist()) == set(
         range(79, 100)
     )  # 20, then 99
-
-
-def stored_positions(c):
-    """Every stored token's absolute position, in storage order: numpy ``(B, H, S)``."""
-    view = c.policy_view
-    body_pos = np.array(mx.stack(view.body_positions(), axis=1))
-    sinks, window = view.protected()
-    b, h, _ = body_pos.shape
-    parts = [np.broadcast_to(np.array(p.positions), (b, h, p.positions.size)) for p in (sinks,)]
-    parts += [body_pos, np.broadcast_to(np.array(window.positions), (b, h, window.positions.size))]
-    return np.concatenate(parts, axis=2)
-
-
-@pytest.mark.parametrize("fusion", ["sum", "max"])
-def test_rolling_weights_follow_cuts_and_stores_as_scoring_again_does(fusion):
-    """A rolling window keeps its queries' weights through a cut (the kept tokens' columns)
-    and a store (zero columns: the buffered queries cannot see the new token); its votes
-    renormalize each query's weights over the tokens left, which is scoring them again."""
-    c, _ = stored()  # offset 60; sinks 2, window 4, a body with gaps
-    c.policy.hold_stored()  # no cut of the policy's own when the next token arrives
-    view = c.policy_view
-    q = queries(61)
-    w = QueryWindow(4, rolling=True)
-    w.add(view, q[:, :, :60], SCALE)
-    body_pos = mx.stack(view.body_positions(), axis=1)
-    w.votes(view, body_pos, fusion)  # scored, and the weights kept
-    assert w.weights.shape == (1, 2, 2, 4, c.size())
-
-    def check():
-        body_pos = mx.stack(view.body_positions(), axis=1)
-        n_sink, t = view.sink_count(), body_pos.shape[2]
-        keys, _ = c.keys_and_values()
-        q_pos = range(w.end - w.queries.shape[2], w.end)
-        want = reference_votes(w.queries, q_pos, keys, stored_positions(c), SCALE, fusion)
-        got = np.array(w.votes(view, body_pos, fusion))
-        np.testing.assert_allclose(got, want[:, :, n_sink : n_sink + t], rtol=1e-4, atol=1e-6)
-
-    t = body_pos.shape[2]
-    keep = mx.array(np.sort(np.random.default_rng(0).choice(t, (1, 2, t // 2), replace=False)))
-    w.kept(view, keep)  # half the body leaves: much of each query's weight with it
-    c.evict(keep)
-    assert w.weights.shape[-1] == c.size() + 2  # zero columns: the next token's, a spare
-    check()
-    k, v = kv_data(t=1, d=D, dtype=mx.float32, seed=5)
-    c.update_and_fetch(k, v)  # token 60
-    w.appended(view, 60)  # a zero column for the buffered queries
-    keys, _ = c.keys_and_values()
-    pos = mx.array(stored_positions(c))
-    call = window_weights(q[:, :, 60:], mx.array([60]), keys, pos, SCALE)  # as attention's
-    w.add(view, q[:, :, 60:], SCALE, call)
-    assert w.end == 61 and w._ring == 1 and w.weights.shape == (1, 2, 2, 4, c.size() + 1)
-    check()
-    k, v = kv_data(t=1, d=D, dtype=mx.float32, seed=6)
-    c.update_and_fetch(k, v)  # token 61: past the zero columns held, more are added
-    w.appended(view, 61)
-    call = window_weights(
-        q[:, :, 60:], mx.array([61]), *c.keys_and_values()[:1], mx.array(stored_positions(c)), SCALE
-    )
-    w.add(view, q[:, :, 60:], SCALE, call)  # the ring turns again: the oldest row overwritten
-    assert w.end == 62 and w._ring == 2 and w.weights.shape == (1, 2, 2, 4, c.size() + 1)
-    check()
-    c.update_and_fetch(k, v)  # a store the window is not told of: its weights cover less
-    body_pos = mx.stack(view.body_positions(), axis=1)
-    w.votes(view, body_pos, fusion)  # scored again, over every stored token
-    assert w.weights.shape[-1] == c.size()

@@ -39,12 +39,14 @@ class MorphKVConfig(EvictionConfig):
         prefill: ``"chunks"`` (a cut after each prefill chunk; peak memory ``budget`` plus one
             chunk) or ``"prompt"`` (the whole prompt held and cut once at its end, voted by
             its last ``observe`` queries, as the authors' code).
-        keep_weights: keep the window queries' attention weights from one cut to the next,
-            as the authors keep theirs (True: a decode step renormalizes them instead of
-            scoring the ``observe`` queries against every stored key again, at ``Hq ×
-            observe`` float32 per kept token, sequence and layer), or score the queries
-            again at every cut (False, the default: no such memory). The same tokens are
-            kept either way.
+        keep_weights: keep the window's weights from one cut to the next as the authors do
+            (True, the default: one bfloat16 row per KV head and query, the softmax
+            numerators of the KV head's query heads' summed logits, ``H × observe × (budget +
+            every + 1)`` a sequence and layer, renormalized over the older tokens at each
+            cut), or keep the window's queries and score them against the stored keys again
+            at every cut (False: each query head's softmax over every token it sees, the
+            paper's ``AW_r``; ``observe × Hq × D`` in the queries' dtype and ``observe × Hq ×
+            budget`` dot products and exponentials a cut).
     """
 
     every_none: ClassVar[bool] = False
@@ -52,7 +54,7 @@ class MorphKVConfig(EvictionConfig):
     every: int = 1
     observe: int = 32
     fusion: str = "sum"
-    keep_weights: bool = False
+    keep_weights: bool = True
 
     def __post_init__(self):
         if self.every is None:

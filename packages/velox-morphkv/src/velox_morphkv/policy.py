@@ -13,57 +13,66 @@ under GQA, Algorithm 1) and ``f`` a sum (equation 5: tokens attended consistentl
 ``TopC(F_i) ∪ W_i`` (equation 7), re-selected at every decode step, so that, unlike SnapKV,
 generated tokens are evicted too and memory never grows with the response.
 
-How it runs in velox: :meth:`MorphKVPolicy.observe` buffers the newest ``observe`` (``R``)
-post-RoPE queries of its layer (velox-core's :class:`~velox_core.policy.QueryWindow`; they
-reach the cache only inside ``velox_core.routed(model)`` or ``velox_core.generate``). velox-core
-calls :meth:`~velox_core.RetentionPolicy.before_update` before the next tokens are stored:
-after a prefill chunk, and during decode once the cache holds ``budget + every`` tokens
-(``every=1``: the paper's cut at every step). The cut takes the buffered queries' softmax
-weights over every stored token (sinks, body, window), averages them over the query heads of
-each KV head, fuses them over the queries by ``fusion``
-(:func:`~velox_core.policy.window_votes`) and keeps, per KV head, the newest ``observe``
-tokens (the window itself, ``+inf``) and the top ``budget - observe - sinks`` older ones. The
-cut runs before the new token is stored, with the window of the ``R`` tokens before it, so
-attention runs over ``budget`` tokens plus the new one, as in the authors' cache.
+How it runs in velox: velox-core calls :meth:`~velox_core.RetentionPolicy.before_update`
+before the next tokens are stored: after a prefill chunk, and during decode once the cache
+holds ``budget + every`` tokens (``every=1``: the paper's cut at every step). The cut runs
+before the new token is stored, with the window of the ``R`` tokens before it, so attention
+runs over ``budget`` tokens plus the new one, as in the authors' cache. The cut keeps, per KV
+head, the newest ``observe`` tokens (the window itself, ``+inf``) and the top ``budget -
+observe - sinks`` older ones by the window's fused weights. The window is seen through
+:meth:`MorphKVPolicy.observe`, which gets each attention call's post-RoPE queries (they reach
+the cache only inside ``velox_core.routed(model)`` or ``velox_core.generate``), kept one of
+two ways:
 
-With ``keep_weights=True`` the weights are kept from one cut to the next, as the authors keep
-each window query's attention over the held tokens: a decode step's query brings the weights
-its attention computed (``observe_weights``), written over the oldest query's row; a stored
-token takes a zero column (the older queries cannot see it), held ready by the cut before;
-and a cut keeps the kept tokens' columns, in one gather. Each cut then renormalizes every
-query's weights over the tokens still stored, which is its softmax over them, instead of
-scoring the ``R`` queries against every stored key again (``R × Hq × budget`` dot products
-and as many exponentials a step). They cost ``Hq × observe × (budget + every + 1)`` float32
-a sequence and layer (counted in ``nbytes``): at 128 channels and 4 query heads a KV head,
-about as much as the kept fp16 keys and values, three times their 4-bit codes.
-With ``keep_weights=False`` (the default) every cut scores the queries again. Kept or not,
-the weights are those of the same tokens, and the same tokens are kept. Over coded keys
-(``bits``) a step's new weights come from the keys as decoded, not from its attention's
-scores of the codes. A cut after a prefill chunk, after loading, after a change of batch
-rows or a trim, or with keys that change as they leave a coded cache's window (``window``
-with ``bits``) scores the queries again.
+* ``keep_weights=True`` (the default), the authors' storage and weights
+  (:class:`~velox_morphkv.kept.KeptWeights`): one row per KV head and each of the newest
+  ``observe`` queries, over the stored tokens, the softmax numerators of the sum of the KV
+  head's query heads' logits (``exp(Σ_g l_g - c)``), bfloat16; a decode step's row comes
+  from its attention's weights (``observe_weights``), a prefill chunk's from the summed
+  queries; a stored token gets a zero column (the older queries cannot see it), and a cut
+  keeps the kept tokens' columns. The cut renormalizes each row over the older body tokens
+  alone (those before the newest ``observe``, the authors' candidates: each row's softmax
+  over them, with no exponential) and fuses them (sum or max). No query is kept; ``H ×
+  observe × (budget + every + 1)`` bfloat16 a sequence and layer.
+* ``keep_weights=False``: velox-core's :class:`~velox_core.policy.QueryWindow` keeps the
+  queries, and every cut scores them against the stored keys again: each query head's softmax
+  over every stored token it sees (the paper's ``AW_r``, equation 1, sinks and window
+  included), averaged over the query heads of each KV head and fused
+  (:func:`~velox_core.policy.window_votes`). ``observe × Hq × D`` in the queries' dtype.
 
-Deviations from the paper (also in docs/morphkv.md):
+The two normalisations can keep different tokens (a query that attends mostly to the window
+weighs less in the paper's).
+
+Deviations from the paper and the authors' code (also in docs/morphkv.md):
 
 * **The prompt.** The authors hold the whole prompt and compress it at the first decode step,
   voted by the prompt's last ``R`` queries: ``prefill="prompt"``. With the default
   ``prefill="chunks"`` each prefill chunk is followed by a cut voted by that chunk's last
   ``observe`` queries, so peak memory stays at ``budget`` plus one chunk.
-* **Normalisation.** Each window query's softmax runs over everything it sees among the
-  tokens stored at the cut (the paper's ``AW_r``); the authors' code renormalises each
-  query's weights over the older tokens alone and sums the logits of a KV head's query
-  heads before that softmax (the paper sums their weights).
+* **GQA.** The authors keep each query head's logits and prune each query head's rows by that
+  head's own top-k, while the keys are pruned by the KV head's (with more than one query head
+  a KV head, a row's columns then name other tokens than the kept keys); their KV-head
+  selection reads only the sum over the group, which is what is kept here, pruned by the KV
+  head's selection.
+* **Precision.** The rows are bfloat16 softmax numerators (the authors' rows: logits in the
+  model's dtype), the renormalization and the fusion run in float32 (theirs in the model's
+  dtype). A token more than about ``e^-80`` below its row's best (its own token or the
+  window's, summed over the query heads) weighs zero in that row.
 * **``every`` > 1** (the paper's coarse-grained eviction, appendix A.5) cuts ``every``
   tokens at once, voted by the latest window.
 * **No observed queries**: without routing a cut raises (no query can ever vote); routed but
-  before any query reached the cache, a cut keeps the most recent tokens; tokens stored after
-  the newest buffered query (never seen by it) are kept.
-* Weights come from the stored keys (their codes when ``bits`` is set); learned per-head sink
-  logits (gpt-oss) are not part of their softmax.
+  with no window over the stored tokens (before any query reached the cache; with the kept
+  weights, also after a trim or a merge of batch rows at other positions) a cut keeps the
+  most recent tokens; tokens stored after the newest window query
+  (never seen by it) are kept.
+* Weights come from the stored keys (their codes when ``bits`` is set, as attention reads
+  them; kept weights keep the scores of the keys a query attended, also where a coded
+  cache's ``window`` codes them later); learned per-head sink logits (gpt-oss) are not part
+  of their softmax.
 
-State: ``{"queries": (B, Hq, n <= observe, D)}``; meta adds ``q_end`` (the position after the
-newest query) and ``scale`` to the base policy's. The kept weights are not saved: the first
-cut after loading scores the queries again.
+State: ``{"weights": (B, H, n <= observe, S)}`` bfloat16, meta ``q_end`` (the position after
+the newest query) and ``covered`` (the offset and stored tokens the columns cover); scored
+again, ``{"queries": (B, Hq, n, D)}`` and meta ``q_end`` and ``scale``.
 """
 
 from __future__ import annotations
@@ -73,10 +82,11 @@ from typing import Any
 import mlx.core as mx
 
 from velox_core import RetentionPolicy
-from velox_core.codec.identity import Identity
 from velox_core.policy import QueryWindow, check_fusion
 from velox_core.policy.window import WindowState
 from velox_core.validation import check_bool, check_int
+
+from .kept import KeptWeights
 
 __all__ = ["MorphKVPolicy"]
 
@@ -93,9 +103,11 @@ class MorphKVPolicy(WindowState, RetentionPolicy):
         observe: the recent window ``R``: how many of the newest queries vote, and how many
             of the newest tokens are always kept.
         fusion: how the window's weights on a token combine: ``"sum"`` or ``"max"``.
-        keep_weights: keep the window's weights from one cut to the next (float32, ``Hq ×
-            observe`` per stored token and sequence) instead of scoring the window's queries
-            again at every cut (False): the same tokens kept, for fewer operations a step.
+        keep_weights: keep the window's weights from one cut to the next as the authors do
+            (True: one bfloat16 row per KV head and query, :class:`~velox_morphkv.kept.
+            KeptWeights`, and the authors' softmax over the older tokens of the KV head's
+            summed logits), or keep the window's queries and score them again at every cut
+            (False: each query head's softmax over every token it sees, the paper's ``AW_r``).
     """
 
     name = "morphkv"
@@ -106,7 +118,7 @@ class MorphKVPolicy(WindowState, RetentionPolicy):
         every: int = 1,
         observe: int = 32,
         fusion: str = "sum",
-        keep_weights: bool = False,
+        keep_weights: bool = True,
     ):
         if every is None:
             raise ValueError(
@@ -116,21 +128,24 @@ class MorphKVPolicy(WindowState, RetentionPolicy):
             )
         super().__init__(budget, every)
         self.fusion = check_fusion(fusion)
-        rolling = check_bool("keep_weights", keep_weights)
-        self.window = QueryWindow(check_int("observe", observe, minimum=1), rolling)
-        self._plain_keys = False  # the keys stored as given (attach)
+        size = check_int("observe", observe, minimum=1)
+        kept = check_bool("keep_weights", keep_weights)
+        self.window = KeptWeights(size) if kept else QueryWindow(size)
+
+    @property
+    def keep_weights(self) -> bool:
+        return isinstance(self.window, KeptWeights)
 
     def config(self) -> dict[str, Any]:
         return {
             **super().config(),
             "observe": self.window.size,
             "fusion": self.fusion,
-            "keep_weights": self.window.rolling,
+            "keep_weights": self.keep_weights,
         }
 
     def attach(self, view) -> None:
         super().attach(view)
-        self._plain_keys = isinstance(view.codecs[0], Identity)
         always = view.sinks + max(view.window, self.window.size)
         if self.budget is not None and self.budget <= always:
             raise ValueError(
@@ -139,35 +154,36 @@ class MorphKVPolicy(WindowState, RetentionPolicy):
             )
 
     def observe(self, view, queries: mx.array, scale: float) -> None:
-        """Buffer the newest ``observe`` queries of this call (:meth:`QueryWindow.add`)."""
-        if self.budget is not None:
+        """The newest ``observe`` queries of this call join the window: their rows
+        (:meth:`KeptWeights.add`), or the queries themselves (:meth:`QueryWindow.add`)."""
+        if self.budget is None:
+            return
+        if self.keep_weights:
+            self.window.add(view, queries, scale)
+        else:
             # a full cache is cut at least every `every` steps, reading the buffer: no chain
-            full = view.size() >= self.budget
-            self.window.add(view, queries, scale, detach=not full)
+            self.window.add(view, queries, scale, detach=view.size() < self.budget)
 
     def wants_weights(self, n: int) -> bool:
-        """Whether the window keeps its weights (``keep_weights``, with a budget) and the
-        keys are stored as given: a decode step's attention then hands over the weights it
-        computed. Over coded keys the window computes a step's weights from the keys as
-        decoded (as a cut that scores the queries again reads them), not from the
-        attention's scores of the codes."""
-        return self.budget is not None and self.window.rolling and self._plain_keys
+        """Whether the window keeps its weights (``keep_weights``, with a budget): a decode
+        step's attention then hands over the weights it computed."""
+        return self.budget is not None and self.keep_weights
 
     def observe_weights(self, view, queries: mx.array, scale: float, weights: mx.array) -> None:
-        """Buffer the newest queries of this call with its attention weights."""
-        if self.budget is not None:
-            full = view.size() >= self.budget
-            self.window.add(view, queries, scale, weights, detach=not full)
+        """The newest queries of this call join the window with their attention's weights
+        (:meth:`KeptWeights.add_weights`)."""
+        if self.wants_weights(queries.shape[2]):
+            self.window.add_weights(view, weights)
 
     def after_update(self, view, start: int) -> None:
-        """Tokens were stored: the kept weights gain their columns
-        (:meth:`QueryWindow.appended`)."""
-        self.window.appended(view, start)
+        """Tokens were stored: kept weights gain their columns (:meth:`KeptWeights.appended`)."""
+        if self.keep_weights:
+            self.window.appended(view, start)
 
     # -- choosing ---------------------------------------------------------------------------
     def score(self, view) -> list[mx.array | None]:
         """Per KV head ``(B, T)`` float32: the window's fused weight on each older body token;
-        ``+inf`` for the newest ``observe`` tokens and for tokens no buffered query has seen."""
+        ``+inf`` for the newest ``observe`` tokens and for tokens no window query has seen."""
         pos = view.body_positions()
         if any(p is None for p in pos):
             return pos
@@ -187,16 +203,30 @@ class MorphKVPolicy(WindowState, RetentionPolicy):
         return [s[:, h] for h in range(s.shape[1])]
 
     def select(self, view, k: int):
-        """The top ``k`` body tokens per KV head, ``(B, H, k)``; the kept weights keep their
-        columns (:meth:`QueryWindow.kept`)."""
+        """The top ``k`` body tokens per KV head, ``(B, H, k)``; kept weights keep their
+        columns (:meth:`KeptWeights.kept`)."""
         keep = super().select(view, k)
-        self.window.kept(view, keep, self.every)
+        if self.keep_weights:
+            self.window.kept(view, keep, self.every)
         return keep
+
+    # -- state: the window's queries ({"queries": (B, Hq, n, D)}, meta "q_end" and "scale",
+    # WindowState's) or its rows ({"weights": (B, H, n, S)} bfloat16, meta "q_end" and
+    # "covered")
+    def state(self) -> dict[str, mx.array]:
+        return self.window.state("weights") if self.keep_weights else super().state()
+
+    def set_state(self, state: dict[str, mx.array], meta: Any) -> None:
+        if not self.keep_weights:
+            super().set_state(state, meta)
+            return
+        state = dict(state)
+        weights = state.pop("weights", None)
+        RetentionPolicy.set_state(self, state, meta)
+        self.window.set_state(weights, meta)
 
     @property
     def nbytes(self) -> int:
-        """The buffered queries' bytes and those of the weights kept (``keep_weights``)."""
-        w = self.window.weights
-        return super().nbytes + (0 if w is None or not self.window.rolling else w.nbytes)
-
-    # batch rows and state ({"queries": (B, Hq, n, D)}, meta "q_end" and "scale"): WindowState
+        """The window's bytes: its bfloat16 rows (with the columns held for the next
+        tokens), or its queries."""
+        return self.window.nbytes if self.keep_weights else super().nbytes

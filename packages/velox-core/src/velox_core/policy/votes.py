@@ -137,24 +137,6 @@ def fuse_weights(weights: mx.array, fusion: str = "sum") -> mx.array:
     return mx.mean(mx.sum(weights, axis=3), axis=2)
 
 
-def renormalized_votes(weights: mx.array, fusion: str = "sum") -> mx.array:
-    """:func:`fuse_weights` of weights that each query spread over more tokens than are
-    stored now: each query's weights renormalized over the tokens left (their softmax over
-    those tokens alone), then fused. A query with no weight left votes for none.
-
-    Shapes:
-        weights float32 ``(B, H, R, n, T)``; returns float32 ``(B, H, T)``.
-    """
-    b, h, r, n, t = weights.shape
-    z = mx.sum(weights, axis=-1, keepdims=True)
-    inv = mx.where(z > 0, 1.0 / mx.where(z > 0, z, 1.0), 0.0)  # (B, H, R, n, 1)
-    if fusion == "max":
-        return mx.max(mx.mean(weights * inv, axis=2), axis=2)
-    # the sum over the queries and heads as one product: (1, R n) @ (R n, T), per KV head
-    votes = inv.reshape(b, h, 1, r * n) @ weights.reshape(b, h, r * n, t)
-    return votes.reshape(b, h, t) / r
-
-
 def _shift(x: mx.array, s: int, fill) -> mx.array:
     """``y[..., i] = x[..., i + s]`` along the last axis, ``fill`` where out of range."""
     pad = mx.full((*x.shape[:-1], abs(s)), fill, dtype=x.dtype)
