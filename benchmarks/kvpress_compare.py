@@ -37,17 +37,36 @@ does; velox's ``kvzip:budget=P%`` runs ``velox_kvzip.compress`` after the contex
 name; here it gets the GGUF's without its chat template (the prompts are raw text), so both
 sides repeat with ``"\n\nRepeat the previous context exactly."`` then ``"\n"``.
 
-Gemma 3 (``--model gemma3``, KVzip only): velox compresses its 3 global layers and leaves
-the 15 sliding-window layers to mlx-lm's ``RotatingKVCache``; kvpress 0.5.5's ``KVzipPress``
-refuses Gemma 3 (``"KVzipPress is not supported for Gemma3ForCausalLM"``). The kvpress half
-then runs it through ``_Gemma3KVzipPress``, which lifts that refusal and changes one thing:
+Gemma 3 (``--model gemma3``): velox compresses its 3 global layers and leaves the 15
+sliding-window layers to mlx-lm's ``RotatingKVCache``. kvpress 0.5.5 does the same for
+``Gemma3ForConditionalGeneration`` (its ``BasePress.__call__`` hooks no sliding layer) but
+hooks every layer of the text-only ``Gemma3ForCausalLM`` that transformers loads from the
+GGUF, so the kvpress half restricts each press to the global layers
+(``_global_layers_only``): a subclass whose ``compress`` returns a sliding layer's keys and
+values untouched (the hook writes them back as they were) and otherwise runs the press's own
+``compress``; the scores, the budget per layer and the selection are kvpress's. One more
+change: transformers 5.2's Gemma 3 rotary embedding takes the layer type (the global layers'
+RoPE base differs from the sliding ones'), which ``ExpectedAttentionPress.apply_avg_rope``
+does not pass (it fails on Gemma 3 with ``no attribute 'None_inv_freq'``), so the press gets
+the layer's own RoPE as ``module.rotary_emb`` while it compresses. Ada-KV on this model is
+SnapKV (one KV head per layer: nothing to share across heads). ``PyramidKVPress`` places a
+layer by its index among all 18 (``module.layer_idx`` over ``num_hidden_layers``): where its
+pyramid applies, layers 5, 11 and 17 get the 18-layer pyramid's budgets at those places, on
+average below the stated share (at ratio 0.5 of a 4,000-token context 2,782, 1,441 and 100
+tokens against 2,000; velox's pyramid spans the 3 global layers, averaging the share); at
+ratio 0.75 below 5,120 context tokens its top layer's share is below its window and it keeps
+SnapKV's uniform budget. Kept positions and their overlap are those of the global layers,
+also per layer (``jaccard_layers``).
+
+KVzip on Gemma 3: kvpress 0.5.5's ``KVzipPress`` refuses Gemma 3 (``"KVzipPress is not
+supported for Gemma3ForCausalLM"``). The kvpress half then runs it through
+``_Gemma3KVzipPress``, which lifts that refusal and changes one thing:
 ``compress_post`` ranks and masks the global layers only (kvpress's own code, applied to the
 layers whose ``self_attn.is_sliding`` is False; the sliding layers' scores, which kvpress would
 rank with the rest, are left out and nothing of theirs is masked). The reconstruction passes,
 the scores and the pruning rule are kvpress's: its hooks score every layer and cut each one's
 cache back to the context after every pass, so the sliding layers see the context as the
-prefill left it, as velox restores them. Kept positions and their overlap are those of the
-global layers, also per layer (``jaccard_layers``). KVzipPress encodes its instructions with
+prefill left it, as velox restores them. KVzipPress encodes its instructions with
 the tokenizer it loads; transformers 5.2 builds Gemma 3's from the GGUF into other pieces than
 velox's (16 ids for the first instruction against velox's 7, one per word), so the
 worker hands KVzipPress velox's ids for its own texts, as the prompts themselves go (SmolLM2's
@@ -287,11 +306,54 @@ def _kvpress_worker(job_path: str, out_path: str) -> None:
                     batch = torch.arange(bsz).repeat_interleave(n_pruned)
                     module.masked_key_indices = (batch, indices // ctx_len, indices % ctx_len)
 
+        class _LayerRope(torch.nn.Module):
+            """Gemma 3's rotary embedding for one layer type: transformers 5.2's takes the
+            type as an argument (one RoPE base for sliding layers, another for global ones),
+            which ``ExpectedAttentionPress.apply_avg_rope`` does not pass."""
+
+            def __init__(self, rope, layer_type: str):
+                super().__init__()
+                self.rope, self.layer_type = rope, layer_type
+
+            def forward(self, x, position_ids):
+                return self.rope(x, position_ids, layer_type=self.layer_type)
+
+        global_only: dict[type, type] = {}
+
+        def _global_layers_only(press):
+            """``press`` (kvpress's, unchanged otherwise) compressing Gemma 3's global layers
+            alone: its ``compress`` returns a sliding layer's keys and values untouched (the
+            hook writes them back as they were), and runs on a global layer with the
+            layer's own RoPE as ``module.rotary_emb``."""
+            cls = type(press)
+            if cls not in global_only:
+
+                def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+                    if module.is_sliding:
+                        return keys, values
+                    rope = module.rotary_emb
+                    kind = model.config.layer_types[module.layer_idx]
+                    module.rotary_emb = _LayerRope(rope, kind)
+                    try:
+                        return cls.compress(
+                            self, module, hidden_states, keys, values, attentions, kwargs
+                        )
+                    finally:
+                        module.rotary_emb = rope
+
+                global_only[cls] = type(f"_Gemma3{cls.__name__}", (cls,), {"compress": compress})
+            press.__class__ = global_only[cls]
+            return press
+
     stop = set(job["eos"])
     gen_eos = model.generation_config.eos_token_id
     stop.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
 
     def make(name: str, ratio: float):
+        press = make_press(name, ratio)
+        return _global_layers_only(press) if gemma3 and name != "kvzip" else press
+
+    def make_press(name: str, ratio: float):
         if name == "snapkv":
             return SnapKVPress(compression_ratio=ratio)
         if name == "streamingllm":
@@ -640,11 +702,6 @@ def main(argv: list[str] | None = None) -> int:
     for r in a.ratios:
         if not 0 < r < 1:
             ap.error(f"a compression ratio must be in (0, 1), got {r}")
-    if a.model.lower() == "gemma3" and set(a.presses) != {"kvzip"}:
-        ap.error(
-            "--model gemma3 compares KVzip only (--presses kvzip): velox leaves Gemma 3's "
-            "sliding-window layers uncompressed, kvpress's scorer presses compress them too"
-        )
     _preload_blas()
     return _compare(a)
 
