@@ -108,6 +108,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -711,39 +712,55 @@ def _digest(prompt) -> str:
     return hashlib.sha256(json.dumps([prompt.context, prompt.question]).encode()).hexdigest()[:16]
 
 
-def _run_kvpress(
+def _start_kvpress(
     a: argparse.Namespace, gguf: Path, eos: set[int], prompts: dict, overlap: list, tokenizer
 ):
-    """The kvpress half in ``--kvpress-python``: its output and its kept-position masks
-    (``tokenizer``: velox's, whose ids KVzipPress gets for its own texts)."""
-    with tempfile.TemporaryDirectory(prefix="kvpress-compare-") as tmp:
-        job = {
-            "gguf": str(gguf),
-            "eos": sorted(eos),
-            "presses": a.presses,
-            "ratios": a.ratios,
-            "threads": a.threads,
-            "overlap": overlap,
-            "texts": {t: list(tokenizer.encode(t, add_special_tokens=False)) for t in KVZIP_TEXTS},
-            "prompts": [
-                {"key": k, "context": p.context, "question": p.question, "max_new": p.max_new}
-                for k, p in prompts.items()
-            ],
-        }
-        job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "kvpress.json"
-        job_path.write_text(json.dumps(job))
-        # torch brings its own BLAS (not velox's preloaded OpenBLAS); no progress bars
-        env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "VELOX_BLAS_ACTIVE")}
-        env["TQDM_DISABLE"] = "1"
-        subprocess.run(
-            [a.kvpress_python, os.path.abspath(__file__), "--worker", str(job_path), str(out_path)],
-            check=True,
-            env=env,
-        )
-        kv = json.loads(out_path.read_text())
-        with np.load(out_path.with_suffix(".npz")) as z:
-            masks = {name: z[name] for name in z.files}
-    return kv, masks
+    """Starts the kvpress half in ``--kvpress-python`` (``tokenizer``: velox's, whose ids
+    KVzipPress gets for its own texts) and returns a function that waits for it and gives its
+    output and its kept-position masks; the velox half runs meanwhile (two processes, one
+    core each where torch and MLX are given one thread). The function with ``kill=True``
+    ends the worker instead (the velox half failed)."""
+    tmp = Path(tempfile.mkdtemp(prefix="kvpress-compare-"))
+    job = {
+        "gguf": str(gguf),
+        "eos": sorted(eos),
+        "presses": a.presses,
+        "ratios": a.ratios,
+        "threads": a.threads,
+        "overlap": overlap,
+        "texts": {t: list(tokenizer.encode(t, add_special_tokens=False)) for t in KVZIP_TEXTS},
+        "prompts": [
+            {"key": k, "context": p.context, "question": p.question, "max_new": p.max_new}
+            for k, p in prompts.items()
+        ],
+    }
+    job_path, out_path = tmp / "job.json", tmp / "kvpress.json"
+    job_path.write_text(json.dumps(job))
+    # torch brings its own BLAS (not velox's preloaded OpenBLAS); no progress bars
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "VELOX_BLAS_ACTIVE")}
+    env["TQDM_DISABLE"] = "1"
+    proc = subprocess.Popen(
+        [a.kvpress_python, os.path.abspath(__file__), "--worker", str(job_path), str(out_path)],
+        env=env,
+    )
+
+    def finish(kill: bool = False):
+        try:
+            if kill:
+                proc.kill()
+            rc = proc.wait()
+            if kill:
+                return None
+            if rc != 0:
+                raise subprocess.CalledProcessError(rc, proc.args)
+            kv = json.loads(out_path.read_text())
+            with np.load(out_path.with_suffix(".npz")) as z:
+                masks = {name: z[name] for name in z.files}
+            return kv, masks
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    return finish
 
 
 def _load_kvpress(path: Path, digests: dict[str, str], presses: list[str], ratios: list[float]):
@@ -768,15 +785,59 @@ def _load_kvpress(path: Path, digests: dict[str, str], presses: list[str], ratio
     return {**old, "runs": runs}, masks
 
 
+def _key(trial) -> str:
+    return f"{trial.task}|{trial.length}|{trial.index}"
+
+
+def _velox_half(a, model, store, tokenizer, prompts, overlap, spec_of, matched_of, tasks):
+    """velox's half: ``run_eval`` (question after the context) on every spec, then the kept
+    positions on the ``overlap`` prompts. Returns the trials, run_eval's info, its seconds,
+    the kept-position masks and their seconds."""
+    from velox_cli.longctx.run import EvalSettings, run_eval, spec_check
+
+    texts = list(dict.fromkeys([*spec_of.values(), *matched_of.values()]))
+    settings = EvalSettings(
+        tasks=[t.label for t in tasks],
+        lengths=list(a.lengths),
+        prompts=a.prompts,
+        question="after",
+        haystack=a.haystack,
+        chunk=a.chunk,
+        seed=a.seed,
+        jobs=a.jobs,
+    )
+    t = time.perf_counter()
+    done = [0]
+
+    def tick(desc: str, n: int) -> None:
+        if n:
+            done[0] += n
+            _log(f"velox: prompt {done[0]}/{len(prompts)} {desc} ({time.perf_counter() - t:.0f} s)")
+
+    trials, info = run_eval([spec_check(s) for s in texts], a.model, settings, progress=tick)
+    vx_seconds = time.perf_counter() - t
+    for key, p in prompts.items():  # run_eval built the same prompts
+        ref = next(tr for tr in trials if tr.spec == "fp16" and _key(tr) == key)
+        if ref.tokens != p.tokens or abs(ref.depth - p.depth) > 1e-9:
+            raise RuntimeError(f"{key}: run_eval's prompt differs from this script's")
+
+    # kept-position overlap on the first --overlap prompts
+    t = time.perf_counter()
+    vx_masks: dict[tuple[str, str], tuple] = {}
+    for key in overlap:
+        for spec in [*spec_of.values(), *matched_of.values()]:
+            vx_masks[(spec, key)] = _velox_masks(
+                model, store, prompts[key], spec, a.chunk, tokenizer
+            )
+        _log(f"velox: kept positions of {key} ({time.perf_counter() - t:.0f} s)")
+    ov_seconds = time.perf_counter() - t
+
+    return trials, info, vx_seconds, vx_masks, ov_seconds
+
+
 def _compare(a: argparse.Namespace) -> int:
     from velox_cli.bench import load_model
-    from velox_cli.longctx.run import (
-        EvalSettings,
-        budget_tokens,
-        resolve_spec,
-        run_eval,
-        spec_check,
-    )
+    from velox_cli.longctx.run import budget_tokens, resolve_spec
     from velox_cli.longctx.tasks import make_prompts, parse_task
     from velox_cli.models import NAMED, gguf_path
     from velox_cli.specs import parse
@@ -804,26 +865,7 @@ def _compare(a: argparse.Namespace) -> int:
         f"{', '.join(map(str, a.lengths))} tokens), ratios {a.ratios}, presses {a.presses}"
     )
 
-    # kvpress's half, in its own environment (or an earlier run's, --kvpress-from)
-    digests = {k: _digest(p) for k, p in prompts.items()}
-    t = time.perf_counter()
-    if a.kvpress_from:
-        kv, kv_masks = _load_kvpress(Path(a.kvpress_from), digests, a.presses, a.ratios)
-    else:
-        kv, kv_masks = _run_kvpress(a, gguf, eos, prompts, overlap, tokenizer)
-        kv["digests"] = digests
-    kv_seconds = time.perf_counter() - t
-    if "kvzip" in a.presses and "repeat_prompt_ids" in kv["info"]:
-        mine = list(tokenizer.encode(KVZIP_PROMPT, add_special_tokens=False))
-        same = mine == kv["info"]["repeat_prompt_ids"]
-        own = kv["info"].get("own_repeat_prompt_ids", mine) == mine
-        _log(
-            f"kvpress_compare: KVzip's instruction tokenizes {'alike' if same else 'OTHERWISE'}"
-            + ("" if own else " (velox's ids: kvpress's GGUF tokenizer splits it otherwise)")
-        )
-    kv_runs = {(r["press"], r["ratio"], r["key"]): r for r in kv["runs"]}
-
-    # velox's half: run_eval, question after the context
+    # velox's specs at each ratio
     shares = {r: _share(r) for r in a.ratios}
     spec_of = {(n, r): VELOX_SPECS[n].format(p=shares[r]) for n in a.presses for r in a.ratios}
     matched_of = {}
@@ -834,43 +876,39 @@ def _compare(a: argparse.Namespace) -> int:
             if n in MATCHED_SPECS
             for r in a.ratios
         }
-    texts = list(dict.fromkeys([*spec_of.values(), *matched_of.values()]))
-    settings = EvalSettings(
-        tasks=[t.label for t in tasks],
-        lengths=list(a.lengths),
-        prompts=a.prompts,
-        question="after",
-        haystack=a.haystack,
-        chunk=a.chunk,
-        seed=a.seed,
-        jobs=a.jobs,
-    )
-    t = time.perf_counter()
-    done = [0]
 
-    def tick(desc: str, n: int) -> None:
-        if n:
-            done[0] += n
-            _log(f"velox: prompt {done[0]}/{len(prompts)} {desc} ({time.perf_counter() - t:.0f} s)")
-
-    trials, info = run_eval([spec_check(s) for s in texts], a.model, settings, progress=tick)
-    vx_seconds = time.perf_counter() - t
-    vx = {(tr.spec, f"{tr.task}|{tr.length}|{tr.index}"): tr for tr in trials}
-    for key, p in prompts.items():  # run_eval built the same prompts
-        ref = vx[("fp16", key)]
-        if ref.tokens != p.tokens or abs(ref.depth - p.depth) > 1e-9:
-            raise RuntimeError(f"{key}: run_eval's prompt differs from this script's")
-
-    # kept-position overlap on the first --overlap prompts
-    t = time.perf_counter()
-    vx_masks: dict[tuple[str, str], tuple] = {}
-    for key in overlap:
-        for spec in [*spec_of.values(), *matched_of.values()]:
-            vx_masks[(spec, key)] = _velox_masks(
-                model, store, prompts[key], spec, a.chunk, tokenizer
-            )
-        _log(f"velox: kept positions of {key} ({time.perf_counter() - t:.0f} s)")
-    ov_seconds = time.perf_counter() - t
+    # kvpress's half in its own environment, in the background while velox's runs (or an
+    # earlier run's, --kvpress-from)
+    digests = {k: _digest(p) for k, p in prompts.items()}
+    t_kv = time.perf_counter()
+    if a.kvpress_from:
+        kv, kv_masks = _load_kvpress(Path(a.kvpress_from), digests, a.presses, a.ratios)
+        kv_seconds = time.perf_counter() - t_kv
+        kv_finish = None
+    else:
+        kv_finish = _start_kvpress(a, gguf, eos, prompts, overlap, tokenizer)
+    try:
+        trials, info, vx_seconds, vx_masks, ov_seconds = _velox_half(
+            a, model, store, tokenizer, prompts, overlap, spec_of, matched_of, tasks
+        )
+    except BaseException:
+        if kv_finish is not None:
+            kv_finish(kill=True)
+        raise
+    if kv_finish is not None:
+        kv, kv_masks = kv_finish()
+        kv["digests"] = digests
+        kv_seconds = time.perf_counter() - t_kv
+    if "kvzip" in a.presses and "repeat_prompt_ids" in kv["info"]:
+        mine = list(tokenizer.encode(KVZIP_PROMPT, add_special_tokens=False))
+        same = mine == kv["info"]["repeat_prompt_ids"]
+        own = kv["info"].get("own_repeat_prompt_ids", mine) == mine
+        _log(
+            f"kvpress_compare: KVzip's instruction tokenizes {'alike' if same else 'OTHERWISE'}"
+            + ("" if own else " (velox's ids: kvpress's GGUF tokenizer splits it otherwise)")
+        )
+    kv_runs = {(r["press"], r["ratio"], r["key"]): r for r in kv["runs"]}
+    vx = {(tr.spec, _key(tr)): tr for tr in trials}
 
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(_cut(ids, eos))
