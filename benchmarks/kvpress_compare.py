@@ -94,7 +94,9 @@ Two environments: kvpress 0.5.5 requires ``transformers<5.3`` and mlx-lm 0.32.2
 ``transformers>=5.7``, so no environment holds both. This script runs in velox's
 environment and starts itself in kvpress's (``--kvpress-python``: torch, transformers,
 kvpress, gguf) for the kvpress half; the prompts go there as token ids in a JSON file and the
-generated token ids (and the kept positions as packed bit masks) come back.
+generated token ids (and the kept positions as packed bit masks) come back. That worker runs
+in the background while the velox half runs (with ``--threads 1`` and ``--jobs 1``, one core
+each).
 
     nox -s kvpress
     python benchmarks/kvpress_compare.py --kvpress-python /tmp/kvpress-venv/bin/python \\
