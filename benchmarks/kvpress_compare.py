@@ -37,17 +37,36 @@ does; velox's ``kvzip:budget=P%`` runs ``velox_kvzip.compress`` after the contex
 name; here it gets the GGUF's without its chat template (the prompts are raw text), so both
 sides repeat with ``"\n\nRepeat the previous context exactly."`` then ``"\n"``.
 
-Gemma 3 (``--model gemma3``, KVzip only): velox compresses its 3 global layers and leaves
-the 15 sliding-window layers to mlx-lm's ``RotatingKVCache``; kvpress 0.5.5's ``KVzipPress``
-refuses Gemma 3 (``"KVzipPress is not supported for Gemma3ForCausalLM"``). The kvpress half
-then runs it through ``_Gemma3KVzipPress``, which lifts that refusal and changes one thing:
+Gemma 3 (``--model gemma3``): velox compresses its 3 global layers and leaves the 15
+sliding-window layers to mlx-lm's ``RotatingKVCache``. kvpress 0.5.5 does the same for
+``Gemma3ForConditionalGeneration`` (its ``BasePress.__call__`` hooks no sliding layer) but
+hooks every layer of the text-only ``Gemma3ForCausalLM`` that transformers loads from the
+GGUF, so the kvpress half restricts each press to the global layers
+(``_global_layers_only``): a subclass whose ``compress`` returns a sliding layer's keys and
+values untouched (the hook writes them back as they were) and otherwise runs the press's own
+``compress``; the scores, the budget per layer and the selection are kvpress's. One more
+change: transformers 5.2's Gemma 3 rotary embedding takes the layer type (the global layers'
+RoPE base differs from the sliding ones'), which ``ExpectedAttentionPress.apply_avg_rope``
+does not pass (it fails on Gemma 3 with ``no attribute 'None_inv_freq'``), so the press gets
+the layer's own RoPE as ``module.rotary_emb`` while it compresses. Ada-KV on this model is
+SnapKV (one KV head per layer: nothing to share across heads). ``PyramidKVPress`` places a
+layer by its index among all 18 (``module.layer_idx`` over ``num_hidden_layers``): where its
+pyramid applies, layers 5, 11 and 17 get the 18-layer pyramid's budgets at those places, on
+average below the stated share (at ratio 0.5 of a 4,000-token context 2,782, 1,441 and 100
+tokens against 2,000; velox's pyramid spans the 3 global layers, averaging the share); at
+ratio 0.75 below 5,120 context tokens its top layer's share is below its window and it keeps
+SnapKV's uniform budget. Kept positions and their overlap are those of the global layers,
+also per layer (``jaccard_layers``).
+
+KVzip on Gemma 3: kvpress 0.5.5's ``KVzipPress`` refuses Gemma 3 (``"KVzipPress is not
+supported for Gemma3ForCausalLM"``). The kvpress half then runs it through
+``_Gemma3KVzipPress``, which lifts that refusal and changes one thing:
 ``compress_post`` ranks and masks the global layers only (kvpress's own code, applied to the
 layers whose ``self_attn.is_sliding`` is False; the sliding layers' scores, which kvpress would
 rank with the rest, are left out and nothing of theirs is masked). The reconstruction passes,
 the scores and the pruning rule are kvpress's: its hooks score every layer and cut each one's
 cache back to the context after every pass, so the sliding layers see the context as the
-prefill left it, as velox restores them. Kept positions and their overlap are those of the
-global layers, also per layer (``jaccard_layers``). KVzipPress encodes its instructions with
+prefill left it, as velox restores them. KVzipPress encodes its instructions with
 the tokenizer it loads; transformers 5.2 builds Gemma 3's from the GGUF into other pieces than
 velox's (16 ids for the first instruction against velox's 7, one per word), so the
 worker hands KVzipPress velox's ids for its own texts, as the prompts themselves go (SmolLM2's
@@ -75,7 +94,9 @@ Two environments: kvpress 0.5.5 requires ``transformers<5.3`` and mlx-lm 0.32.2
 ``transformers>=5.7``, so no environment holds both. This script runs in velox's
 environment and starts itself in kvpress's (``--kvpress-python``: torch, transformers,
 kvpress, gguf) for the kvpress half; the prompts go there as token ids in a JSON file and the
-generated token ids (and the kept positions as packed bit masks) come back.
+generated token ids (and the kept positions as packed bit masks) come back. That worker runs
+in the background while the velox half runs (with ``--threads 1`` and ``--jobs 1``, one core
+each).
 
     nox -s kvpress
     python benchmarks/kvpress_compare.py --kvpress-python /tmp/kvpress-venv/bin/python \\
@@ -89,6 +110,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -287,11 +309,54 @@ def _kvpress_worker(job_path: str, out_path: str) -> None:
                     batch = torch.arange(bsz).repeat_interleave(n_pruned)
                     module.masked_key_indices = (batch, indices // ctx_len, indices % ctx_len)
 
+        class _LayerRope(torch.nn.Module):
+            """Gemma 3's rotary embedding for one layer type: transformers 5.2's takes the
+            type as an argument (one RoPE base for sliding layers, another for global ones),
+            which ``ExpectedAttentionPress.apply_avg_rope`` does not pass."""
+
+            def __init__(self, rope, layer_type: str):
+                super().__init__()
+                self.rope, self.layer_type = rope, layer_type
+
+            def forward(self, x, position_ids):
+                return self.rope(x, position_ids, layer_type=self.layer_type)
+
+        global_only: dict[type, type] = {}
+
+        def _global_layers_only(press):
+            """``press`` (kvpress's, unchanged otherwise) compressing Gemma 3's global layers
+            alone: its ``compress`` returns a sliding layer's keys and values untouched (the
+            hook writes them back as they were), and runs on a global layer with the
+            layer's own RoPE as ``module.rotary_emb``."""
+            cls = type(press)
+            if cls not in global_only:
+
+                def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+                    if module.is_sliding:
+                        return keys, values
+                    rope = module.rotary_emb
+                    kind = model.config.layer_types[module.layer_idx]
+                    module.rotary_emb = _LayerRope(rope, kind)
+                    try:
+                        return cls.compress(
+                            self, module, hidden_states, keys, values, attentions, kwargs
+                        )
+                    finally:
+                        module.rotary_emb = rope
+
+                global_only[cls] = type(f"_Gemma3{cls.__name__}", (cls,), {"compress": compress})
+            press.__class__ = global_only[cls]
+            return press
+
     stop = set(job["eos"])
     gen_eos = model.generation_config.eos_token_id
     stop.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
 
     def make(name: str, ratio: float):
+        press = make_press(name, ratio)
+        return _global_layers_only(press) if gemma3 and name != "kvzip" else press
+
+    def make_press(name: str, ratio: float):
         if name == "snapkv":
             return SnapKVPress(compression_ratio=ratio)
         if name == "streamingllm":
@@ -640,11 +705,6 @@ def main(argv: list[str] | None = None) -> int:
     for r in a.ratios:
         if not 0 < r < 1:
             ap.error(f"a compression ratio must be in (0, 1), got {r}")
-    if a.model.lower() == "gemma3" and set(a.presses) != {"kvzip"}:
-        ap.error(
-            "--model gemma3 compares KVzip only (--presses kvzip): velox leaves Gemma 3's "
-            "sliding-window layers uncompressed, kvpress's scorer presses compress them too"
-        )
     _preload_blas()
     return _compare(a)
 
@@ -654,39 +714,55 @@ def _digest(prompt) -> str:
     return hashlib.sha256(json.dumps([prompt.context, prompt.question]).encode()).hexdigest()[:16]
 
 
-def _run_kvpress(
+def _start_kvpress(
     a: argparse.Namespace, gguf: Path, eos: set[int], prompts: dict, overlap: list, tokenizer
 ):
-    """The kvpress half in ``--kvpress-python``: its output and its kept-position masks
-    (``tokenizer``: velox's, whose ids KVzipPress gets for its own texts)."""
-    with tempfile.TemporaryDirectory(prefix="kvpress-compare-") as tmp:
-        job = {
-            "gguf": str(gguf),
-            "eos": sorted(eos),
-            "presses": a.presses,
-            "ratios": a.ratios,
-            "threads": a.threads,
-            "overlap": overlap,
-            "texts": {t: list(tokenizer.encode(t, add_special_tokens=False)) for t in KVZIP_TEXTS},
-            "prompts": [
-                {"key": k, "context": p.context, "question": p.question, "max_new": p.max_new}
-                for k, p in prompts.items()
-            ],
-        }
-        job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "kvpress.json"
-        job_path.write_text(json.dumps(job))
-        # torch brings its own BLAS (not velox's preloaded OpenBLAS); no progress bars
-        env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "VELOX_BLAS_ACTIVE")}
-        env["TQDM_DISABLE"] = "1"
-        subprocess.run(
-            [a.kvpress_python, os.path.abspath(__file__), "--worker", str(job_path), str(out_path)],
-            check=True,
-            env=env,
-        )
-        kv = json.loads(out_path.read_text())
-        with np.load(out_path.with_suffix(".npz")) as z:
-            masks = {name: z[name] for name in z.files}
-    return kv, masks
+    """Starts the kvpress half in ``--kvpress-python`` (``tokenizer``: velox's, whose ids
+    KVzipPress gets for its own texts) and returns a function that waits for it and gives its
+    output and its kept-position masks; the velox half runs meanwhile (two processes, one
+    core each where torch and MLX are given one thread). The function with ``kill=True``
+    ends the worker instead (the velox half failed)."""
+    tmp = Path(tempfile.mkdtemp(prefix="kvpress-compare-"))
+    job = {
+        "gguf": str(gguf),
+        "eos": sorted(eos),
+        "presses": a.presses,
+        "ratios": a.ratios,
+        "threads": a.threads,
+        "overlap": overlap,
+        "texts": {t: list(tokenizer.encode(t, add_special_tokens=False)) for t in KVZIP_TEXTS},
+        "prompts": [
+            {"key": k, "context": p.context, "question": p.question, "max_new": p.max_new}
+            for k, p in prompts.items()
+        ],
+    }
+    job_path, out_path = tmp / "job.json", tmp / "kvpress.json"
+    job_path.write_text(json.dumps(job))
+    # torch brings its own BLAS (not velox's preloaded OpenBLAS); no progress bars
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "VELOX_BLAS_ACTIVE")}
+    env["TQDM_DISABLE"] = "1"
+    proc = subprocess.Popen(
+        [a.kvpress_python, os.path.abspath(__file__), "--worker", str(job_path), str(out_path)],
+        env=env,
+    )
+
+    def finish(kill: bool = False):
+        try:
+            if kill:
+                proc.kill()
+            rc = proc.wait()
+            if kill:
+                return None
+            if rc != 0:
+                raise subprocess.CalledProcessError(rc, proc.args)
+            kv = json.loads(out_path.read_text())
+            with np.load(out_path.with_suffix(".npz")) as z:
+                masks = {name: z[name] for name in z.files}
+            return kv, masks
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    return finish
 
 
 def _load_kvpress(path: Path, digests: dict[str, str], presses: list[str], ratios: list[float]):
@@ -711,15 +787,59 @@ def _load_kvpress(path: Path, digests: dict[str, str], presses: list[str], ratio
     return {**old, "runs": runs}, masks
 
 
+def _key(trial) -> str:
+    return f"{trial.task}|{trial.length}|{trial.index}"
+
+
+def _velox_half(a, model, store, tokenizer, prompts, overlap, spec_of, matched_of, tasks):
+    """velox's half: ``run_eval`` (question after the context) on every spec, then the kept
+    positions on the ``overlap`` prompts. Returns the trials, run_eval's info, its seconds,
+    the kept-position masks and their seconds."""
+    from velox_cli.longctx.run import EvalSettings, run_eval, spec_check
+
+    texts = list(dict.fromkeys([*spec_of.values(), *matched_of.values()]))
+    settings = EvalSettings(
+        tasks=[t.label for t in tasks],
+        lengths=list(a.lengths),
+        prompts=a.prompts,
+        question="after",
+        haystack=a.haystack,
+        chunk=a.chunk,
+        seed=a.seed,
+        jobs=a.jobs,
+    )
+    t = time.perf_counter()
+    done = [0]
+
+    def tick(desc: str, n: int) -> None:
+        if n:
+            done[0] += n
+            _log(f"velox: prompt {done[0]}/{len(prompts)} {desc} ({time.perf_counter() - t:.0f} s)")
+
+    trials, info = run_eval([spec_check(s) for s in texts], a.model, settings, progress=tick)
+    vx_seconds = time.perf_counter() - t
+    for key, p in prompts.items():  # run_eval built the same prompts
+        ref = next(tr for tr in trials if tr.spec == "fp16" and _key(tr) == key)
+        if ref.tokens != p.tokens or abs(ref.depth - p.depth) > 1e-9:
+            raise RuntimeError(f"{key}: run_eval's prompt differs from this script's")
+
+    # kept-position overlap on the first --overlap prompts
+    t = time.perf_counter()
+    vx_masks: dict[tuple[str, str], tuple] = {}
+    for key in overlap:
+        for spec in [*spec_of.values(), *matched_of.values()]:
+            vx_masks[(spec, key)] = _velox_masks(
+                model, store, prompts[key], spec, a.chunk, tokenizer
+            )
+        _log(f"velox: kept positions of {key} ({time.perf_counter() - t:.0f} s)")
+    ov_seconds = time.perf_counter() - t
+
+    return trials, info, vx_seconds, vx_masks, ov_seconds
+
+
 def _compare(a: argparse.Namespace) -> int:
     from velox_cli.bench import load_model
-    from velox_cli.longctx.run import (
-        EvalSettings,
-        budget_tokens,
-        resolve_spec,
-        run_eval,
-        spec_check,
-    )
+    from velox_cli.longctx.run import budget_tokens, resolve_spec
     from velox_cli.longctx.tasks import make_prompts, parse_task
     from velox_cli.models import NAMED, gguf_path
     from velox_cli.specs import parse
@@ -747,26 +867,7 @@ def _compare(a: argparse.Namespace) -> int:
         f"{', '.join(map(str, a.lengths))} tokens), ratios {a.ratios}, presses {a.presses}"
     )
 
-    # kvpress's half, in its own environment (or an earlier run's, --kvpress-from)
-    digests = {k: _digest(p) for k, p in prompts.items()}
-    t = time.perf_counter()
-    if a.kvpress_from:
-        kv, kv_masks = _load_kvpress(Path(a.kvpress_from), digests, a.presses, a.ratios)
-    else:
-        kv, kv_masks = _run_kvpress(a, gguf, eos, prompts, overlap, tokenizer)
-        kv["digests"] = digests
-    kv_seconds = time.perf_counter() - t
-    if "kvzip" in a.presses and "repeat_prompt_ids" in kv["info"]:
-        mine = list(tokenizer.encode(KVZIP_PROMPT, add_special_tokens=False))
-        same = mine == kv["info"]["repeat_prompt_ids"]
-        own = kv["info"].get("own_repeat_prompt_ids", mine) == mine
-        _log(
-            f"kvpress_compare: KVzip's instruction tokenizes {'alike' if same else 'OTHERWISE'}"
-            + ("" if own else " (velox's ids: kvpress's GGUF tokenizer splits it otherwise)")
-        )
-    kv_runs = {(r["press"], r["ratio"], r["key"]): r for r in kv["runs"]}
-
-    # velox's half: run_eval, question after the context
+    # velox's specs at each ratio
     shares = {r: _share(r) for r in a.ratios}
     spec_of = {(n, r): VELOX_SPECS[n].format(p=shares[r]) for n in a.presses for r in a.ratios}
     matched_of = {}
@@ -777,43 +878,39 @@ def _compare(a: argparse.Namespace) -> int:
             if n in MATCHED_SPECS
             for r in a.ratios
         }
-    texts = list(dict.fromkeys([*spec_of.values(), *matched_of.values()]))
-    settings = EvalSettings(
-        tasks=[t.label for t in tasks],
-        lengths=list(a.lengths),
-        prompts=a.prompts,
-        question="after",
-        haystack=a.haystack,
-        chunk=a.chunk,
-        seed=a.seed,
-        jobs=a.jobs,
-    )
-    t = time.perf_counter()
-    done = [0]
 
-    def tick(desc: str, n: int) -> None:
-        if n:
-            done[0] += n
-            _log(f"velox: prompt {done[0]}/{len(prompts)} {desc} ({time.perf_counter() - t:.0f} s)")
-
-    trials, info = run_eval([spec_check(s) for s in texts], a.model, settings, progress=tick)
-    vx_seconds = time.perf_counter() - t
-    vx = {(tr.spec, f"{tr.task}|{tr.length}|{tr.index}"): tr for tr in trials}
-    for key, p in prompts.items():  # run_eval built the same prompts
-        ref = vx[("fp16", key)]
-        if ref.tokens != p.tokens or abs(ref.depth - p.depth) > 1e-9:
-            raise RuntimeError(f"{key}: run_eval's prompt differs from this script's")
-
-    # kept-position overlap on the first --overlap prompts
-    t = time.perf_counter()
-    vx_masks: dict[tuple[str, str], tuple] = {}
-    for key in overlap:
-        for spec in [*spec_of.values(), *matched_of.values()]:
-            vx_masks[(spec, key)] = _velox_masks(
-                model, store, prompts[key], spec, a.chunk, tokenizer
-            )
-        _log(f"velox: kept positions of {key} ({time.perf_counter() - t:.0f} s)")
-    ov_seconds = time.perf_counter() - t
+    # kvpress's half in its own environment, in the background while velox's runs (or an
+    # earlier run's, --kvpress-from)
+    digests = {k: _digest(p) for k, p in prompts.items()}
+    t_kv = time.perf_counter()
+    if a.kvpress_from:
+        kv, kv_masks = _load_kvpress(Path(a.kvpress_from), digests, a.presses, a.ratios)
+        kv_seconds = time.perf_counter() - t_kv
+        kv_finish = None
+    else:
+        kv_finish = _start_kvpress(a, gguf, eos, prompts, overlap, tokenizer)
+    try:
+        trials, info, vx_seconds, vx_masks, ov_seconds = _velox_half(
+            a, model, store, tokenizer, prompts, overlap, spec_of, matched_of, tasks
+        )
+    except BaseException:
+        if kv_finish is not None:
+            kv_finish(kill=True)
+        raise
+    if kv_finish is not None:
+        kv, kv_masks = kv_finish()
+        kv["digests"] = digests
+        kv_seconds = time.perf_counter() - t_kv
+    if "kvzip" in a.presses and "repeat_prompt_ids" in kv["info"]:
+        mine = list(tokenizer.encode(KVZIP_PROMPT, add_special_tokens=False))
+        same = mine == kv["info"]["repeat_prompt_ids"]
+        own = kv["info"].get("own_repeat_prompt_ids", mine) == mine
+        _log(
+            f"kvpress_compare: KVzip's instruction tokenizes {'alike' if same else 'OTHERWISE'}"
+            + ("" if own else " (velox's ids: kvpress's GGUF tokenizer splits it otherwise)")
+        )
+    kv_runs = {(r["press"], r["ratio"], r["key"]): r for r in kv["runs"]}
+    vx = {(tr.spec, _key(tr)): tr for tr in trials}
 
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(_cut(ids, eos))
