@@ -57,3 +57,30 @@ def test_a_decode_step_joins_the_exact_tokens_in_one_merge(emulated_gpu, monkeyp
     ref_cache.update_and_fetch(k, v)
     ref = ref_cache.attend(q, 0.088)
     assert np.abs(np.asarray((got - ref).astype(mx.float32))).max() < 2e-3
+
+
+@needs_gxx
+def test_the_kernels_read_channel_keys_beside_rotated_values(emulated_gpu, monkeypatch):
+    """``keys="channel"``: KIVI's per-channel key codes (no query rotation) beside OSCAR's
+    rotated values: the fused partial equals the reference partial, and a decode step with
+    sinks and a window takes the kernel and its merge and matches the reference path."""
+    k, v = kv_data(t=256)
+    c = OscarCache(artifact=model_artifact(), layer=0, window=0, sinks=0, keys="channel")
+    c.update_and_fetch(k, v)
+    seg = _coded(c)
+    q = mx.random.normal((1, 2, 4, 128), key=mx.random.key(2)) * 0.1
+    assert_kernel_partial(
+        emulated_gpu, q, seg.key_codec, seg.keys, seg.value_codec, seg.values, 1e-4
+    )
+    spec = {"artifact": model_artifact(), "window": 16, "sinks": 4, "layer": 0, "keys": "channel"}
+    q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(6)).astype(mx.float16)
+    cache = OscarCache(**spec)
+    cache.update_and_fetch(k, v)
+    emulated_gpu.calls.clear()
+    got = cache.attend(q, 0.088)
+    assert emulated_gpu.names == ["velox_decode_attention", "velox_decode_merge_fp16"]
+    monkeypatch.setattr(vk, "backend", lambda: "cpu")  # the reference path
+    ref_cache = OscarCache(**spec)
+    ref_cache.update_and_fetch(k, v)
+    ref = ref_cache.attend(q, 0.088)
+    assert np.abs(np.asarray((got - ref).astype(mx.float32))).max() < 2e-3
