@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from _oscar_util import model_artifact
 
 import velox_core.kernels as vk
@@ -24,8 +25,9 @@ def _coded(cache):
 
 @needs_gxx
 def test_the_decode_kernel_reads_the_rotated_codes(emulated_gpu):
-    """The fused partial over OSCAR keys and values (and over OSCAR keys with plain Uniform
-    values, whose partial needs no rotation back) equals the reference partial."""
+    """The fused partial over OSCAR keys and values (over OSCAR keys with plain Uniform
+    values, whose partial needs no rotation back, and over per-channel keys with OSCAR values)
+    equals the reference partial."""
     k, v = kv_data(t=200)
     c = OscarCache(artifact=model_artifact(), layer=0, window=0, sinks=0)
     c.update_and_fetch(k, v)
@@ -38,22 +40,32 @@ def test_the_decode_kernel_reads_the_rotated_codes(emulated_gpu):
     kc.check(128, mx.float16)
     u = Uniform(2, 128)
     assert_kernel_partial(emulated_gpu, q, kc, kc.encode(k), u, u.encode(v), 1e-4)
+    # keys="channel": KIVI's per-channel key codes (no query rotation) beside OSCAR's values
+    c = OscarCache(artifact=model_artifact(), layer=0, window=0, sinks=0, keys="channel")
+    c.update_and_fetch(k, v)
+    seg = _coded(c)
+    assert seg.tokens == 128 and seg.key_codec.axis == "channel"
+    assert_kernel_partial(
+        emulated_gpu, q, seg.key_codec, seg.keys, seg.value_codec, seg.values, 1e-4
+    )
 
 
 @needs_gxx
-def test_a_decode_step_joins_the_exact_tokens_in_one_merge(emulated_gpu, monkeypatch):
+@pytest.mark.parametrize("keys", ["oscar", "channel"])
+def test_a_decode_step_joins_the_exact_tokens_in_one_merge(emulated_gpu, monkeypatch, keys):
     """A cache with sinks and a window: its decode step takes the kernel on the rotated query
-    and the merge that rotates the coded values back and scores the exact tokens with the
-    model's query, and matches the reference path."""
+    (the model's query for ``keys="channel"``) and the merge that rotates the coded values
+    back and scores the exact tokens with the model's query, and matches the reference path."""
     k, v = kv_data(t=160)
     q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(5)).astype(mx.float16)
-    cache = OscarCache(artifact=model_artifact(), window=16, sinks=4, layer=0)
+    spec = {"artifact": model_artifact(), "window": 16, "sinks": 4, "layer": 0, "keys": keys}
+    cache = OscarCache(**spec)
     cache.update_and_fetch(k, v)
     emulated_gpu.calls.clear()
     got = cache.attend(q, 0.088)
     assert emulated_gpu.names == ["velox_decode_attention", "velox_decode_merge_fp16"]
     monkeypatch.setattr(vk, "backend", lambda: "cpu")  # the reference path
-    ref_cache = OscarCache(artifact=model_artifact(), window=16, sinks=4, layer=0)
+    ref_cache = OscarCache(**spec)
     ref_cache.update_and_fetch(k, v)
     ref = ref_cache.attend(q, 0.088)
     assert np.abs(np.asarray((got - ref).astype(mx.float32))).max() < 2e-3

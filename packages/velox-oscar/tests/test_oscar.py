@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 from _oscar_util import model_artifact, tmp
 
-from velox_core import VeloxCache, make, make_cache, routed
+from velox_core import Uniform, VeloxCache, make, make_cache, routed
 from velox_oscar import (
     CLIPS,
     METHOD,
     MissingArtifactError,
     OscarCache,
     OscarKeys,
+    OscarValues,
     bit_reversal,
     br_permutation,
     clip_error,
@@ -88,6 +89,29 @@ class TestOscarCentred(CacheConformance):
 
     def make_precise(self):
         return OscarCache(bits=8, artifact=model_artifact(), centre=True, **SMALL)
+
+
+class TestOscarChannelKeys(CacheConformance):
+    """KIVI's per-channel keys beside OSCAR's rotated values (``keys="channel"``)."""
+
+    # keys: 128 2-bit codes (32 B) and per 32-token group an fp16 scale and minimum per channel
+    # (16 B a token); values as TestOscar's; one fp16 rotation (32 KiB); tokens wait in fp16
+    # for a whole 32-token key group: 0.195 measured
+    max_memory_ratio = 0.2
+    attention_error = 0.8  # KIVI-2's keys on kv_data, OSCAR's values: measured 0.55
+    bad_settings = (
+        ({"keys": "token"}, "keys must be one of"),
+        ({"keys": "channel", "key_group": 0}, "key_group"),
+        ({"key_group": 32}, 'key_group applies to keys="channel" only'),
+        ({"keys": "channel", "key_clip": 0.9}, "key_clip applies to OSCAR's rotated"),
+        ({"keys": "channel", "centre": True}, "centre applies to OSCAR's rotated"),
+    )
+
+    def make(self):
+        return OscarCache(artifact=model_artifact(), layer=0, keys="channel", key_group=32, **SMALL)
+
+    def make_precise(self):
+        return OscarCache(bits=8, artifact=model_artifact(), keys="channel", key_group=32, **SMALL)
 
 
 class TestHadamardAblation(CacheConformance):
@@ -463,3 +487,101 @@ def test_centred_keys_need_the_artifact_and_decline_the_kernels():
     values = plain.quantizer.kernel_codes(plain.encode(k))  # per-token affine values
     assert kernel_keys(plain, plain.encode(k), (1, 2, 3, 128), values) is not None
     assert kernel_keys(c, c.encode(k), (1, 2, 3, 128), values) is None
+
+
+# -- per-channel keys -------------------------------------------------------------------------
+def _channel_codes(x: np.ndarray, group: int, bits: int = 2) -> np.ndarray:
+    """KIVI's keys in NumPy: asymmetric min-max codes per channel over ``group`` tokens (fp16
+    scale and minimum), decoded. Shapes: x ``(B, H, T, D)``, T a multiple of ``group``."""
+    b, h, t, d = x.shape
+    g = x.reshape(b, h, t // group, group, d)
+    lo, hi = g.min(3, keepdims=True), g.max(3, keepdims=True)
+    top = 2**bits - 1
+    scale = np.maximum((hi - lo) / top, 1e-8).astype(np.float16).astype(np.float32)
+    lo = lo.astype(np.float16).astype(np.float32)
+    q = np.clip(np.round((g - lo) / scale), 0, top)
+    return (q * scale + lo).reshape(x.shape)
+
+
+def test_channel_keys_are_kivis_codes_beside_oscars_values():
+    """``keys="channel"``: the keys are velox-core's per-channel ``Uniform`` codes (a NumPy
+    reference of KIVI's), the values OSCAR's rotated ones; a decode step's attention over the
+    codes matches softmax attention over the decoded keys and values, and within the code
+    error attention over the exact ones."""
+    k, v = kv_data(t=256, dtype=mx.float32)
+    c = OscarCache(artifact=model_artifact(), layer=0, keys="channel", window=0, sinks=0)
+    kc, vc = c.tiers[0].key_codec, c.tiers[0].value_codec
+    assert isinstance(kc, Uniform) and (kc.axis, kc.group, kc.bits) == ("channel", 128, 2)
+    assert isinstance(vc, OscarValues) and vc.rotation == "oscar"
+    c.update_and_fetch(k, v)
+    seg = next(s for s in c.segments() if s.key_codec is kc)
+    assert seg.tokens == 256  # whole 128-token groups, nothing left exact
+    got_k = np.array(kc.decode(seg.keys))
+    want_k = _channel_codes(np.array(k), 128)
+    assert np.abs(got_k - want_k).max() < 1e-3 * np.abs(want_k).max()
+    ref_v = OscarValues(artifact=model_artifact(), layer=0)
+    ref_v.check(128, mx.float32)
+    assert np.allclose(np.array(vc.decode(seg.values)), np.array(ref_v.decode(ref_v.encode(v))))
+    q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(7))
+    scale = 0.09
+
+    def attention(keys, values):  # 4 query heads over 2 KV heads
+        kk, vv = (mx.repeat(a, 2, axis=1) for a in (keys, values))
+        w = mx.softmax(scale * q @ mx.swapaxes(kk, -1, -2), axis=-1)
+        return w @ vv
+
+    out = c.attend(q, scale=scale)
+    decoded = attention(mx.array(got_k), vc.decode(seg.values))
+    assert rel_error(out, decoded) < 1e-3
+    exact = attention(k, v)
+    err = rel_error(out, exact)
+    # the 2-bit codes' error on kv_data's peaked logits (0.57 measured; the conformance bound)
+    assert 1e-3 < err < TestOscarChannelKeys.attention_error, err
+
+
+def test_channel_keys_bytes_and_what_they_read():
+    """Per coded token and head: the 2-bit key codes and ``32 / key_group`` bits of key
+    metadata an element; the value side as OSCAR's; only the value rotation is state. The data-
+    free ablation (``rotation="hadamard"`` and a given value clip) needs no artifact."""
+    k, v = kv_data(t=512)
+    for key_group in (None, 64):
+        c = OscarCache(
+            artifact=model_artifact(),
+            layer=0,
+            window=0,
+            sinks=0,
+            keys="channel",
+            key_group=key_group,
+        )
+        c.update_and_fetch(k, v)
+        mx.eval(c.state)
+        g = key_group or 128
+        per_token = 2 * (128 * 2 // 8) * 2 + 2 * 128 * 4 // g + 2 * 4  # codes K+V, K/V scales
+        state = 128 * 128 * 2 + 4 + 4  # the value rotation, clip ratio and head dim
+        assert c.logical_nbytes == 512 * per_token + state
+    free = make("oscar:keys=channel,rotation=hadamard,value_clip=0.9")
+    assert not free.cfg.needs_artifact and free.tiers[0].key_codec.state() == {}
+    assert OscarCache.split_refusal(free.config(), True, False) == ""
+    assert "fitted" in OscarCache.split_refusal(make("oscar:keys=channel").config(), True, False)
+    # the key head dim is free (groups run along tokens); the value head dim is OSCAR's
+    OscarCache(keys="channel", rotation="hadamard", value_clip=0.9).check_dims(96, 128)
+    with pytest.raises(ValueError, match=r"oscar: value head dim 96 is not a power of two"):
+        OscarCache(keys="channel").check_dims(128, 96)
+
+
+def test_a_loaded_channel_keys_cache_needs_no_artifact(monkeypatch, tmp_path):
+    art = tmp_path / "a.safetensors"
+    save_rotations(load_rotations(model_artifact()), art)
+    template = OscarCache(artifact=str(art), keys="channel", key_group=32, **SMALL)
+    _, loaded = loaded_without_artifact(conformance_model(), template, art, tmp_path)
+    t = loaded[0].tiers[0]
+    assert loaded[0].cfg.keys == "channel" and t.key_codec.axis == "channel"
+    assert t.key_codec.group == 32 and "rotation" in t.value_codec.state()
+
+
+def test_channel_keys_on_the_cpu_take_the_reference_path():
+    c = OscarCache(artifact=model_artifact(), layer=0, window=0, sinks=0, keys="channel")
+    k, v = kv_data(t=128)
+    c.update_and_fetch(k, v)
+    seg = next(s for s in c.segments() if s.key_codec is c.tiers[0].key_codec)
+    assert_cpu_declines(seg.key_codec, seg.keys, seg.value_codec, seg.values)

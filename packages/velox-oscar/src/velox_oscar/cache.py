@@ -17,12 +17,15 @@ model: keys 0.96, values 0.92, which ``key_clip``/``value_clip`` reproduce); sca
 minimums are fp16 (bf16 for bf16 models), and the value rotation is applied to the mixed
 output rather than folded into the output projection (velox leaves the model's weights as
 they are). ``centre=True`` (off by default, not in the paper) codes each key less its KV
-head's fitted mean key.
+head's fitted mean key. ``keys="channel"`` (not in the paper either) codes the keys as KIVI
+does, per channel in groups of ``key_group`` tokens (``velox_core.Uniform(axis="channel")``:
+no key rotation, no key clip), beside OSCAR's rotated values: on Gemma 3 per-token key codes
+cannot hold the keys at 2 bits, KIVI's per-channel ones can (docs/oscar.md).
 """
 
 from __future__ import annotations
 
-from velox_core import Codec, PresetCache
+from velox_core import Codec, PresetCache, Uniform
 from velox_core.cache.velox import FITTED_ON_WHOLE_MODEL
 
 from .codec import OscarKeys, OscarValues
@@ -54,7 +57,7 @@ class OscarCache(PresetCache):
             "artifact": cfg.artifact,
             "layer": cfg.layer,
         }
-        return (
-            OscarKeys(kb, clip=cfg.key_clip, centre=cfg.centre, **common),
-            OscarValues(vb, clip=cfg.value_clip, **common),
-        )
+        values = OscarValues(vb, clip=cfg.value_clip, **common)
+        if cfg.keys == "channel":  # KIVI's per-channel keys, velox-core's codec
+            return Uniform(kb, cfg.channel_group, axis="channel"), values
+        return OscarKeys(kb, clip=cfg.key_clip, centre=cfg.centre, **common), values

@@ -18,7 +18,10 @@ from velox_core.validation import (
 
 from .codec import BASES, check_head_dim
 
-__all__ = ["OscarConfig"]
+__all__ = ["CHANNEL_GROUP", "KEYS", "OscarConfig"]
+
+KEYS = ("oscar", "channel")  # OSCAR's rotated per-token keys (the paper), KIVI's per-channel
+CHANNEL_GROUP = 128  # keys="channel": tokens per key channel group (KIVI's group=128)
 
 
 @dataclass
@@ -45,6 +48,13 @@ class OscarConfig(CodeWidths):
             artifact's ``key_mean``), with the clip ratio fitted for centred keys; exact for
             attention (a shift common to every key moves a query's logits alike), and not in
             the paper (docs/oscar.md). Values are coded as they are.
+        keys: ``"oscar"`` (the paper: keys rotated, clipped and coded per token) or
+            ``"channel"`` (not in the paper: keys coded per channel as KIVI codes them,
+            ``velox_core.Uniform(key_bits, key_group, axis="channel")``, unrotated and
+            unclipped, beside OSCAR's rotated values; docs/oscar.md, *Per-channel keys*).
+        key_group: with ``keys="channel"``, tokens per key channel group, each with an fp16
+            scale and minimum (None: 128, KIVI's ``group=128``); tokens leave the window in
+            whole groups.
     """
 
     bits: int = 2
@@ -57,6 +67,8 @@ class OscarConfig(CodeWidths):
     artifact: str | None = None
     layer: int | None = None
     centre: bool = False
+    keys: str = "oscar"
+    key_group: int | None = None
 
     def __post_init__(self):
         check_widths(self, bits_required=True)
@@ -72,10 +84,32 @@ class OscarConfig(CodeWidths):
         self.artifact = check_path("artifact", self.artifact)
         check_optional(self, "layer", minimum=0)
         self.centre = check_bool("centre", self.centre)
+        check_choice("keys", self.keys, KEYS)
+        if self.key_group is not None:
+            if self.keys != "channel":
+                raise ValueError(
+                    'key_group applies to keys="channel" only (OSCAR\'s per-token keys are '
+                    "grouped along the head dim by `group`)"
+                )
+            check_int("key_group", self.key_group, minimum=1)
+        if self.keys == "channel":
+            for name in ("key_clip", "centre"):
+                if getattr(self, name) not in (None, False):
+                    raise ValueError(
+                        f'{name} applies to OSCAR\'s rotated per-token keys only; keys="channel" '
+                        "codes the keys per channel, unrotated and unclipped"
+                    )
+
+    @property
+    def channel_group(self) -> int:
+        """Tokens per key channel group of ``keys="channel"`` (``key_group``, default 128)."""
+        return CHANNEL_GROUP if self.key_group is None else self.key_group
 
     @property
     def needs_artifact(self) -> bool:
         """Whether the caches read a fitted artifact (rotations, clip ratios or key means)."""
+        if self.keys == "channel":  # the keys need nothing fitted
+            return self.rotation == "oscar" or self.value_clip is None
         return (
             self.rotation == "oscar"
             or self.key_clip is None
@@ -85,5 +119,6 @@ class OscarConfig(CodeWidths):
 
     def check_dims(self, key_dim: int, value_dim: int) -> None:
         """The head dims the rotation and the groups take (``oscar: ... head dim D ...``)."""
-        check_head_dim("oscar", self.rotation, self.group, key_dim, "key")
+        if self.keys == "oscar":  # per-channel keys take any head dim (groups run along tokens)
+            check_head_dim("oscar", self.rotation, self.group, key_dim, "key")
         check_head_dim("oscar", self.rotation, self.group, value_dim, "value")
