@@ -232,7 +232,7 @@ def make_methods(
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
     from velox_core import Uniform
-    from velox_core.cache.attention import Segment, joint_attention
+    from velox_core.cache.attention import Segment, joint_attention, partial
     from velox_turboquant import TurboQuant
 
     hq, hk, d = 32, 8, 128
@@ -256,6 +256,19 @@ def make_methods(
             if out is None:
                 raise RuntimeError("kernel declined")
             return out.reshape(b, hq, 1, d)
+
+        return call
+
+    def reference_call(kc, kp, vc, vp):
+        """What the codec computes without its kernels (``partial`` on the coded segment,
+        the kernels off, the query scaled in float32): the path the kernels replace."""
+        seg = Segment(kc, kp, vc, vp)
+        qf = q.reshape(b, hk, hq // hk, d).astype(mx.float32) * scale
+
+        def call():
+            with kernels(False):
+                o, _, l = partial(qf, seg)
+                return (o / l).reshape(b, hq, 1, d)
 
         return call
 
@@ -377,21 +390,10 @@ def make_methods(
             portable = in_env(joint_call(kc, kp, vc, vp), VELOX_DECODE_MMA="0")
             methods.append((f"velox {label} portable", 2, portable, nb))
             if b == 1 and label == "qjl m256":
-                from velox_core.cache.attention import Segment, partial
-
-                seg = Segment(kc, kp, vc, vp)
-                qf = q.reshape(b, hk, hq // hk, d).astype(mx.float32) * scale
-
-                def reference(seg=seg, qf=qf):
-                    # what the codec computes without the kernel (scores from the unpacked
-                    # sign bits, then the values' mix): the path the kernel replaces
-                    with kernels(False):
-                        o, _, l = partial(qf, seg)
-                        return (o / l).reshape(b, hq, 1, d)
-
+                # scores from the unpacked sign bits, then the values' mix
+                reference = reference_call(kc, kp, vc, vp)
                 methods.append((f"velox {label} reference", 2, reference, nb))
     if vecinfer:
-        from velox_core.cache.attention import Segment, partial
         from velox_vecinfer import VecInfer
 
         kc, vc = VecInfer(iters=8), VecInfer(smooth=False, hadamard=False, iters=8)
@@ -402,16 +404,9 @@ def make_methods(
         nb = kp.nbytes + vp.nbytes + qbytes + kc.state_nbytes + vc.state_nbytes
         methods.append(("velox vecinfer2", 2, joint_call(kc, kp, vc, vp), nb))
         if b == 1:
-            seg = Segment(kc, kp, vc, vp)
-            qf = q.reshape(b, hk, hq // hk, d).astype(mx.float32) * scale
-
-            def vq_reference(seg=seg, qf=qf):
-                # the codec without the kernel: the transformed query against the gathered
-                # codewords, then the values' codewords mixed (the path the kernel replaces)
-                with kernels(False):
-                    o, _, l = partial(qf, seg)
-                    return (o / l).reshape(b, hq, 1, d)
-
+            # the transformed query against the gathered codewords, then the values'
+            # codewords mixed
+            vq_reference = reference_call(kc, kp, vc, vp)
             methods.append(("velox vecinfer2 reference", 2, vq_reference, nb))
     return methods
 
