@@ -36,12 +36,15 @@ __all__ = ["main"]
 
 
 @contextlib.contextmanager
-def _stopped_by_sigterm() -> Iterator[None]:
-    """SIGTERM stops the block as Ctrl-C does (``KeyboardInterrupt``); once it is stopped a
-    second SIGINT or SIGTERM must not interrupt the exit (both ignored from then on). The
-    SIGTERM handler is put back after the block. Outside the main thread (``main()`` called
-    by a program) signals stay the program's own."""
+def _progress(console: Any, counted: str, **options: Any) -> Iterator[Any]:
+    """A rich progress bar (the task's description, the bar, ``counted``, the time taken;
+    ``options``: more of ``Progress``'s) over a run that SIGTERM stops as Ctrl-C does
+    (``KeyboardInterrupt``). Once it is stopped, a second SIGINT or SIGTERM must not interrupt
+    the exit (both ignored from then on); the SIGTERM handler is put back after the run.
+    Outside the main thread (``main()`` called by a program) signals stay the program's own."""
     import signal
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     def terminate(signum, frame):
         raise KeyboardInterrupt
@@ -50,8 +53,10 @@ def _stopped_by_sigterm() -> Iterator[None]:
         on_term = signal.signal(signal.SIGTERM, terminate)
     except ValueError:  # not the main thread
         on_term = None
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn(counted))
     try:
-        yield
+        with Progress(*columns, TimeElapsedColumn(), console=console, **options) as prog:
+            yield prog
     except KeyboardInterrupt:
         if on_term is not None:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -68,8 +73,6 @@ def _positive(name: str, v: int) -> None:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     from .bench import DEPTHS, BenchSettings, auto_jobs, run_bench, write_json
     from .blas import active_blas
     from .chart import chart
@@ -122,17 +125,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
             write_json(a.json_path, rows, info)
 
     try:
-        with (
-            _stopped_by_sigterm(),
-            Progress(
-                TextColumn("{task.description}"),
-                BarColumn(),
-                TextColumn("{task.completed}/{task.total}"),
-                TimeElapsedColumn(),
-                console=console,
-                transient=False,
-            ) as prog,
-        ):
+        with _progress(console, "{task.completed}/{task.total}", transient=False) as prog:
             task = prog.add_task("loading", total=len(specs) + (transfer is not None))
 
             def tick(desc: str, n: int = 1) -> None:
@@ -165,7 +158,6 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 def cmd_eval(a: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .longctx import report
     from .longctx.grid import default_specs
@@ -227,16 +219,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
                 report.append_trials(record, ts)
 
         try:
-            with (
-                _stopped_by_sigterm(),
-                Progress(
-                    TextColumn("{task.description}"),
-                    BarColumn(),
-                    TextColumn("{task.completed:.0f}/{task.total} prompts"),
-                    TimeElapsedColumn(),
-                    console=console,
-                ) as prog,
-            ):
+            with _progress(console, "{task.completed:.0f}/{task.total} prompts") as prog:
                 bar = prog.add_task("loading", total=total)
                 trials, info = run_eval(
                     specs,
