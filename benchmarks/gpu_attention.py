@@ -232,7 +232,7 @@ def make_methods(
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
     from velox_core import Uniform
-    from velox_core.cache.attention import Segment, joint_attention
+    from velox_core.cache.attention import Segment, joint_attention, partial
     from velox_turboquant import TurboQuant
 
     hq, hk, d = 32, 8, 128
@@ -256,6 +256,19 @@ def make_methods(
             if out is None:
                 raise RuntimeError("kernel declined")
             return out.reshape(b, hq, 1, d)
+
+        return call
+
+    def reference_call(kc, kp, vc, vp):
+        """What the codec computes without its kernels (``partial`` on the coded segment,
+        the kernels off, the query scaled in float32): the path the kernels replace."""
+        seg = Segment(kc, kp, vc, vp)
+        qf = q.reshape(b, hk, hq // hk, d).astype(mx.float32) * scale
+
+        def call():
+            with kernels(False):
+                o, _, l = partial(qf, seg)
+                return (o / l).reshape(b, hq, 1, d)
 
         return call
 
@@ -377,21 +390,10 @@ def make_methods(
             portable = in_env(joint_call(kc, kp, vc, vp), VELOX_DECODE_MMA="0")
             methods.append((f"velox {label} portable", 2, portable, nb))
             if b == 1 and label == "qjl m256":
-                from velox_core.cache.attention import Segment, partial
-
-                seg = Segment(kc, kp, vc, vp)
-                qf = q.reshape(b, hk, hq // hk, d).astype(mx.float32) * scale
-
-                def reference(seg=seg, qf=qf):
-                    # what the codec computes without the kernel (scores from the unpacked
-                    # sign bits, then the values' mix): the path the kernel replaces
-                    with kernels(False):
-                        o, _, l = partial(qf, seg)
-                        return (o / l).reshape(b, hq, 1, d)
-
+                # scores from the unpacked sign bits, then the values' mix
+                reference = reference_call(kc, kp, vc, vp)
                 methods.append((f"velox {label} reference", 2, reference, nb))
     if vecinfer:
-        from velox_core.cache.attention import Segment, partial
         from velox_vecinfer import VecInfer
 
         kc, vc = VecInfer(iters=8), VecInfer(smooth=False, hadamard=False, iters=8)
@@ -402,16 +404,9 @@ def make_methods(
         nb = kp.nbytes + vp.nbytes + qbytes + kc.state_nbytes + vc.state_nbytes
         methods.append(("velox vecinfer2", 2, joint_call(kc, kp, vc, vp), nb))
         if b == 1:
-            seg = Segment(kc, kp, vc, vp)
-            qf = q.reshape(b, hk, hq // hk, d).astype(mx.float32) * scale
-
-            def vq_reference(seg=seg, qf=qf):
-                # the codec without the kernel: the transformed query against the gathered
-                # codewords, then the values' codewords mixed (the path the kernel replaces)
-                with kernels(False):
-                    o, _, l = partial(qf, seg)
-                    return (o / l).reshape(b, hq, 1, d)
-
+            # the transformed query against the gathered codewords, then the values'
+            # codewords mixed
+            vq_reference = reference_call(kc, kp, vc, vp)
             methods.append(("velox vecinfer2 reference", 2, vq_reference, nb))
     return methods
 
@@ -714,6 +709,38 @@ def section_device(quick: bool) -> None:
         write_json()
 
 
+def encode_both(kc, vc, x):
+    """A call that encodes ``x`` as keys (``kc``) and as values (``vc``)."""
+    return lambda: (kc.encode(x).data, vc.encode(x).data)
+
+
+def encode_row(method: str, shown: str, b: int, n: int, call, step_ms=None) -> None:
+    """Times ``call``, an encode of ``b`` x ``n`` tokens, with the kernels on and off; records
+    the row of ``method`` and prints it (as ``shown``). ``step_ms``: batch 1's decode step in
+    ms by ``(attention method, context)``, for a single token's share of the step."""
+    with kernels(True):
+        s = timeit(call, 3, 7, 5)
+    with kernels(False):
+        s_ref = timeit(call, 2, 5, 3)
+    row = {
+        "method": method,
+        "batch": b,
+        "tokens": n,
+        "ms": s * 1e3,
+        "us_per_token": s * 1e6 / (b * n),
+        "reference_ms": s_ref * 1e3,
+    }
+    for t in (4096, 131072):
+        ms = (step_ms or {}).get((f"velox {method}", t))
+        if ms and n == 1 and b == 1:
+            row[f"vs_decode_step_T{t}"] = s * 1e3 / ms
+    RESULTS["encode"].append(row)
+    print(
+        f"  {shown:12s} B{b} {n:6d} tokens  kernel {s * 1e3:8.3f} ms "
+        f"({s * 1e6 / (b * n):8.3f} us/token)  reference {s_ref * 1e3:8.3f} ms"
+    )
+
+
 @guarded("encode")
 def section_encode(quick: bool) -> None:
     """Encode cost: one decode step's new token (K and V, all heads, one layer), and bulk."""
@@ -736,31 +763,7 @@ def section_encode(quick: bool) -> None:
         for b, n in ((1, 1), (8, 1), (1, 512 if quick else 16384)):
             x = mx.random.normal((b, 8, n, 128)).astype(mx.float16)
             mx.eval(x)
-            with kernels(True):
-                s = timeit(
-                    lambda x=x, kc=kc, vc=vc: (kc.encode(x).data, vc.encode(x).data), 3, 7, 5
-                )
-            with kernels(False):
-                s_ref = timeit(
-                    lambda x=x, kc=kc, vc=vc: (kc.encode(x).data, vc.encode(x).data), 2, 5, 3
-                )
-            row = {
-                "method": label,
-                "batch": b,
-                "tokens": n,
-                "ms": s * 1e3,
-                "us_per_token": s * 1e6 / (b * n),
-                "reference_ms": s_ref * 1e3,
-            }
-            for t in (4096, 131072):
-                ms = step_ms.get((f"velox {label}", t))
-                if ms and n == 1 and b == 1:
-                    row[f"vs_decode_step_T{t}"] = s * 1e3 / ms
-            RESULTS["encode"].append(row)
-            print(
-                f"  {label:12s} B{b} {n:6d} tokens  kernel {s * 1e3:8.3f} ms "
-                f"({s * 1e6 / (b * n):8.3f} us/token)  reference {s_ref * 1e3:8.3f} ms"
-            )
+            encode_row(label, label, b, n, encode_both(kc, vc, x), step_ms)
     # QJL's encode: the outlier channels per block (MLX ops), then one kernel for both sign
     # sketches and norms, and the indices' packing (MLX)
     from velox_qjl import QJL
@@ -770,17 +773,7 @@ def section_encode(quick: bool) -> None:
         kc.check(128, mx.float16)
         x = mx.random.normal((b, 8, n, 128)).astype(mx.float16)
         mx.eval(x)
-        with kernels(True):
-            s = timeit(lambda x=x, kc=kc: kc.encode(x).data, 3, 7, 5)
-        with kernels(False):
-            s_ref = timeit(lambda x=x, kc=kc: kc.encode(x).data, 2, 5, 3)
-        row = {"method": "qjl m256 keys", "batch": b, "tokens": n, "ms": s * 1e3}
-        row.update(us_per_token=s * 1e6 / (b * n), reference_ms=s_ref * 1e3)
-        RESULTS["encode"].append(row)
-        print(
-            f"  qjl m256 k   B{b} {n:6d} tokens  kernel {s * 1e3:8.3f} ms "
-            f"({s * 1e6 / (b * n):8.3f} us/token)  reference {s_ref * 1e3:8.3f} ms"
-        )
+        encode_row("qjl m256 keys", "qjl m256 k", b, n, lambda x=x, kc=kc: kc.encode(x).data)
     # VecInfer's encode: the smoothing and the Hadamard transform (MLX ops), then the VQ
     # encode kernel (nearest codeword, packing); the reference finds the nearest codeword
     # with a matmul and an argmin, then packs. Fitted on 512 tokens first.
@@ -793,19 +786,7 @@ def section_encode(quick: bool) -> None:
         vc.fit(fit)
         x = mx.random.normal((b, 8, n, 128)).astype(mx.float16)
         mx.eval(x, kc.codebook, vc.codebook)
-        with kernels(True):
-            s = timeit(lambda x=x, kc=kc, vc=vc: (kc.encode(x).data, vc.encode(x).data), 3, 7, 5)
-        with kernels(False):
-            s_ref = timeit(
-                lambda x=x, kc=kc, vc=vc: (kc.encode(x).data, vc.encode(x).data), 2, 5, 3
-            )
-        row = {"method": "vecinfer2", "batch": b, "tokens": n, "ms": s * 1e3}
-        row.update(us_per_token=s * 1e6 / (b * n), reference_ms=s_ref * 1e3)
-        RESULTS["encode"].append(row)
-        print(
-            f"  vecinfer2    B{b} {n:6d} tokens  kernel {s * 1e3:8.3f} ms "
-            f"({s * 1e6 / (b * n):8.3f} us/token)  reference {s_ref * 1e3:8.3f} ms"
-        )
+        encode_row("vecinfer2", "vecinfer2", b, n, encode_both(kc, vc, x))
 
 
 # =============================================================================================

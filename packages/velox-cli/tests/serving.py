@@ -8,6 +8,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -46,17 +47,28 @@ def start(cmd: list[str], port: int, env: dict | None = None):
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
+    wait_listening(proc, port)
+    return proc
+
+
+def wait_listening(proc, port: int, log: Path | None = None) -> None:
+    """Return once the server ``proc`` answers ``/health`` on ``port`` (healthy or not);
+    if it exits or does not listen within 180 s, kill it and fail the test with the end of
+    its output: its stdout pipe's, or the file ``log``'s where it writes there."""
     deadline = time.time() + 180
     while True:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
-                return proc
+                return
         except urllib.error.HTTPError:  # listening, but unhealthy
-            return proc
+            return
         except OSError:
             if proc.poll() is not None or time.time() > deadline:
                 proc.kill()
-                pytest.fail(f"velox serve did not start: {proc.communicate()[0][-3000:]}")
+                out = proc.communicate()[0]
+                if log is not None:
+                    out = log.read_text(errors="replace")
+                pytest.fail(f"velox serve did not start: {out[-3000:]}")
             time.sleep(0.3)
 
 

@@ -11,13 +11,10 @@ its own prompt or by the variant made for it."""
 
 import subprocess
 import threading
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
-from serving import free_port, request, serve_cmd
+from serving import free_port, request, serve_cmd, stop, wait_listening
 
 from velox_cli.data import find_shared
 from velox_cli.serve import _checked_size
@@ -188,29 +185,13 @@ class Server:
             self.proc = subprocess.Popen(
                 [*cmd, *extra, "--max-tokens", "2"], stdout=out, stderr=subprocess.STDOUT
             )
-        deadline = time.time() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5):
-                    return
-            except urllib.error.HTTPError:
-                return
-            except OSError:
-                if self.proc.poll() is not None or time.time() > deadline:
-                    self.stop()
-                    pytest.fail(f"velox serve did not start: {self.output()[-3000:]}")
-                time.sleep(0.3)
+        wait_listening(self.proc, self.port, log)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
     def stop(self) -> str:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop(self.proc)
         return self.output()
 
 

@@ -15,7 +15,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 __all__ = ["Allocation", "SensitivityTable"]
 
@@ -23,9 +23,34 @@ TABLE_FORMAT = "velox-sensitivity"
 PLAN_FORMAT = "velox-allocation"
 VERSION = 1
 
+_R = TypeVar("_R", bound="_Record")
+
+
+class _Record:
+    """A record with its JSON file (``to_json`` / ``from_json``): :meth:`save` writes it,
+    :meth:`load` reads it back; ``noun`` names the record in errors."""
+
+    noun: ClassVar[str]
+
+    def save(self, path: str | os.PathLike) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls: type[_R], path: str | os.PathLike) -> _R:
+        return cls.from_json(_read_json(path, cls.noun))
+
+    @classmethod
+    def _of(cls: type[_R], **fields: Any) -> _R:
+        """The record of a document's fields; an unknown or missing field is a
+        ``ValueError`` naming the record."""
+        try:
+            return cls(**fields)
+        except TypeError as e:
+            raise ValueError(f"{cls.noun}: {e}") from None
+
 
 @dataclass
-class SensitivityTable:
+class SensitivityTable(_Record):
     """What :func:`~velox_cli.allocator.sensitivity` measured: for each allocated layer
     (``layers``, model layer indices) and candidate spec (``specs``), ``damage[l][s]`` the mean
     KL and ``held[l][s]`` / ``resident[l][s]`` the layer's held / resident (``nbytes``,
@@ -46,6 +71,8 @@ class SensitivityTable:
     tail: int
     tokens: int
     info: dict[str, Any] = field(default_factory=dict)
+
+    noun: ClassVar[str] = "sensitivity table"
 
     def __post_init__(self) -> None:
         n, s = len(self.layers), len(self.specs)
@@ -76,22 +103,11 @@ class SensitivityTable:
             raise ValueError(f"not a sensitivity table (format {TABLE_FORMAT!r} expected)")
         if doc.get("version") != VERSION:
             raise ValueError(f"sensitivity table version {doc.get('version')!r}, read {VERSION}")
-        fields = {k: v for k, v in doc.items() if k not in ("format", "version")}
-        try:
-            return cls(**fields)
-        except TypeError as e:
-            raise ValueError(f"sensitivity table: {e}") from None
-
-    def save(self, path: str | os.PathLike) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> SensitivityTable:
-        return cls.from_json(_read_json(path, "sensitivity table"))
+        return cls._of(**{k: v for k, v in doc.items() if k not in ("format", "version")})
 
 
 @dataclass
-class Allocation:
+class Allocation(_Record):
     """One spec per layer: ``layers`` ({model layer index: spec}) is
     :func:`velox_core.make_cache`'s ``layers`` argument; ``default`` the spec most layers got
     (for the layers the table does not hold, which keep the model's own cache wherever no
@@ -106,6 +122,8 @@ class Allocation:
     budget: float | None = None
     specs: list[str] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
+
+    noun: ClassVar[str] = "allocation"
 
     def to_json(self) -> dict[str, Any]:
         out = {"format": PLAN_FORMAT, "version": VERSION, **self.__dict__}
@@ -137,17 +155,7 @@ class Allocation:
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
                 raise ValueError(f"allocation: {name!r} must be a number, got {v!r}")
         fields = {k: v for k, v in doc.items() if k not in ("format", "version", "layers")}
-        try:
-            return cls(layers=out, **fields)
-        except TypeError as e:
-            raise ValueError(f"allocation: {e}") from None
-
-    def save(self, path: str | os.PathLike) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> Allocation:
-        return cls.from_json(_read_json(path, "allocation"))
+        return cls._of(layers=out, **fields)
 
 
 def _read_json(path: str | os.PathLike, what: str) -> Any:

@@ -15,6 +15,19 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def _outputs(p: argparse.ArgumentParser, json_help: str, chart: str) -> None:
+    """The options where a run's results go: ``--json``, ``--markdown`` and ``--chart``
+    (default ``chart``)."""
+    p.add_argument("--json", dest="json_path", metavar="PATH", help=json_help)
+    p.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown")
+    p.add_argument(
+        "--chart",
+        default=chart,
+        help="PNG chart path, printed in full when written ('' for none; default "
+        f"{chart} in the current directory)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="velox", description="KV-cache compression for MLX: measure, generate, inspect"
@@ -65,14 +78,7 @@ def _parser() -> argparse.ArgumentParser:
         "MLX's CPU backend, 1 on a GPU; 1 measures every spec alone, for speeds without "
         "neighbours)",
     )
-    b.add_argument("--json", dest="json_path", metavar="PATH", help="write the rows as JSON")
-    b.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown")
-    b.add_argument(
-        "--chart",
-        default="velox-bench.png",
-        help="PNG chart path, printed in full when written ('' for none; default "
-        "velox-bench.png in the current directory)",
-    )
+    _outputs(b, "write the rows as JSON", "velox-bench.png")
     b.add_argument(
         "--transfer-mapper",
         metavar="DIR",
@@ -151,14 +157,7 @@ def _parser() -> argparse.ArgumentParser:
         "specs (each worker a share of the specs on every prompt: a GPU compiles each "
         "method's kernels once); auto (the default): prompts on a CPU, specs on a GPU",
     )
-    e.add_argument("--json", dest="json_path", metavar="PATH", help="write cells and trials")
-    e.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown")
-    e.add_argument(
-        "--chart",
-        default="velox-eval.png",
-        help="PNG chart path, printed in full when written ('' for none; default "
-        "velox-eval.png in the current directory)",
-    )
+    _outputs(e, "write cells and trials", "velox-eval.png")
     e.add_argument(
         "--from-json",
         metavar="PATH",

@@ -23,14 +23,48 @@ The options of each command are in :mod:`velox_cli.args`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from .args import _parser
 
 __all__ = ["main"]
+
+
+@contextlib.contextmanager
+def _progress(console: Any, counted: str, **options: Any) -> Iterator[Any]:
+    """A rich progress bar (the task's description, the bar, ``counted``, the time taken;
+    ``options``: more of ``Progress``'s) over a run that SIGTERM stops as Ctrl-C does
+    (``KeyboardInterrupt``). Once it is stopped, a second SIGINT or SIGTERM must not interrupt
+    the exit (both ignored from then on); the SIGTERM handler is put back after the run.
+    Outside the main thread (``main()`` called by a program) signals stay the program's own."""
+    import signal
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    def terminate(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        on_term = signal.signal(signal.SIGTERM, terminate)
+    except ValueError:  # not the main thread
+        on_term = None
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn(counted))
+    try:
+        with Progress(*columns, TimeElapsedColumn(), console=console, **options) as prog:
+            yield prog
+    except KeyboardInterrupt:
+        if on_term is not None:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            on_term = signal.SIG_IGN
+        raise
+    finally:
+        if on_term is not None:
+            signal.signal(signal.SIGTERM, on_term)
 
 
 def _positive(name: str, v: int) -> None:
@@ -39,8 +73,6 @@ def _positive(name: str, v: int) -> None:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     from .bench import DEPTHS, BenchSettings, auto_jobs, run_bench, write_json
     from .blas import active_blas
     from .chart import chart
@@ -92,24 +124,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
         if a.json_path:
             write_json(a.json_path, rows, info)
 
-    def terminate(signum, frame):  # SIGTERM stops the run as Ctrl-C does
-        raise KeyboardInterrupt
-
-    import signal
-
     try:
-        on_term = signal.signal(signal.SIGTERM, terminate)
-    except ValueError:  # not the main thread (main() called by a program): signals stay its own
-        on_term = None
-    try:
-        with Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            TextColumn("{task.completed}/{task.total}"),
-            TimeElapsedColumn(),
-            console=console,
-            transient=False,
-        ) as prog:
+        with _progress(console, "{task.completed}/{task.total}", transient=False) as prog:
             task = prog.add_task("loading", total=len(specs) + (transfer is not None))
 
             def tick(desc: str, n: int = 1) -> None:
@@ -123,15 +139,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
                 specs, a.model, a.data, settings, tick, transfer, finished, skipped
             )
     except KeyboardInterrupt:
-        if on_term is not None:  # stopping: a second signal must not interrupt the exit
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            on_term = signal.SIG_IGN
         kept = f"; {len(done)} finished rows are in {a.json_path}" if a.json_path else ""
         console.print(f"velox bench: interrupted after {len(done)} of {len(specs)} rows{kept}")
         return 130
-    finally:
-        if on_term is not None:
-            signal.signal(signal.SIGTERM, on_term)
     print_report(console, rows, info)  # the table, its notes, the best at about 4x and 8x
     if a.json_path:
         write_json(a.json_path, rows, info)
@@ -148,7 +158,6 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 def cmd_eval(a: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .longctx import report
     from .longctx.grid import default_specs
@@ -209,23 +218,8 @@ def cmd_eval(a: argparse.Namespace) -> int:
             if record is not None:
                 report.append_trials(record, ts)
 
-        def terminate(signum, frame):  # SIGTERM stops the run as Ctrl-C does
-            raise KeyboardInterrupt
-
-        import signal
-
         try:
-            on_term = signal.signal(signal.SIGTERM, terminate)
-        except ValueError:  # not the main thread: signals stay the program's own
-            on_term = None
-        try:
-            with Progress(
-                TextColumn("{task.description}"),
-                BarColumn(),
-                TextColumn("{task.completed:.0f}/{task.total} prompts"),
-                TimeElapsedColumn(),
-                console=console,
-            ) as prog:
+            with _progress(console, "{task.completed:.0f}/{task.total} prompts") as prog:
                 bar = prog.add_task("loading", total=total)
                 trials, info = run_eval(
                     specs,
@@ -235,9 +229,6 @@ def cmd_eval(a: argparse.Namespace) -> int:
                     finished,
                 )
         except KeyboardInterrupt:
-            if on_term is not None:  # stopping: a second signal must not interrupt the exit
-                signal.signal(signal.SIGINT, signal.SIG_IGN)
-                on_term = signal.SIG_IGN
             n = finished_prompts(done, [s.text for s in specs])
             console.print(f"velox eval: interrupted after {n} of {total} prompts")
             if a.json_path and done:
@@ -245,9 +236,6 @@ def cmd_eval(a: argparse.Namespace) -> int:
                 report.write_json(a.json_path, done, info)
                 console.print(f"the finished prompts' cells and trials are in {a.json_path}")
             return 130
-        finally:
-            if on_term is not None:
-                signal.signal(signal.SIGTERM, on_term)
         if a.json_path:
             report.write_json(a.json_path, trials, info)
             console.print(f"cells and trials written to {a.json_path}")

@@ -32,11 +32,10 @@ schedule's (:mod:`velox_pyramidkv.schedule`).
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 from velox_core.policy import WindowVotePolicy
-from velox_core.policy.base import layer_cut_target
+from velox_core.policy.base import layer_cut_target, warn_layer_unbounded
 from velox_core.validation import check_int
 
 from .config import check_beta, check_place
@@ -134,22 +133,10 @@ class PyramidKVPolicy(WindowVotePolicy):
 
         def unbounded(size: int) -> None:
             if not _WARNED[0] and size >= 2 * self.budget and self.layer is not None:
-                _warn_unbounded(self, size, self.layer_budget(view.offset))
+                where = f", layer {self.layer} of {self.n_layers}"
+                kept = self.layer_budget(view.offset)
+                warn_layer_unbounded("pyramidkv", _WARNED, size, kept, where)
 
         target = layer_cut_target(self, view, incoming, self.layer_budget, unbounded)
         if target is not None:
             view.evict(self.select(view, max(target - view.protected_count(), 0)))
-
-
-def _warn_unbounded(policy: PyramidKVPolicy, size: int, target: int) -> None:
-    """Once per process: without ``every``, decode tokens accumulate past the budget."""
-    if _WARNED[0] or size < 2 * target:
-        return
-    _WARNED[0] = True
-    warnings.warn(
-        f"pyramidkv: the layer budget ({target} tokens, layer {policy.layer} of "
-        f"{policy.n_layers}) bounds the prompt only, and decode tokens accumulate past it (now "
-        f"{size} per KV head); pass every=N to cut again once a layer exceeds its budget by N",
-        UserWarning,
-        stacklevel=6,  # called from before_update through unbounded and layer_cut_target
-    )

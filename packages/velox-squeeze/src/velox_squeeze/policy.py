@@ -44,7 +44,7 @@ import mlx.core as mx
 
 from velox_core import RetentionPolicy
 from velox_core.policy import WindowVotePolicy
-from velox_core.policy.base import layer_cut_target
+from velox_core.policy.base import layer_cut_target, warn_layer_unbounded
 
 from .allocate import Place, layer_budget
 from .config import check_base, check_p
@@ -148,7 +148,8 @@ class SqueezePolicy(RetentionPolicy):
 
         def unbounded(size: int) -> None:
             if not _WARNED[0] and size >= 2 * self.budget:
-                _warn_unbounded(size, self.layer_budget(view.offset))
+                kept = self.layer_budget(view.offset)
+                warn_layer_unbounded("squeeze", _WARNED, size, kept)
 
         target = layer_cut_target(self, view, incoming, self.layer_budget, unbounded)
         if target is None:
@@ -220,20 +221,6 @@ class SqueezePolicy(RetentionPolicy):
         self._sum, self._count = (None, None) if imp is None else (imp[0], imp[1])
         place = meta.get("place")
         self.place = None if place is None else Place.from_key(place)
-
-
-def _warn_unbounded(size: int, target: int) -> None:
-    """Once per process: without ``every``, decode tokens accumulate past the budget."""
-    if _WARNED[0] or size < 2 * target:
-        return
-    _WARNED[0] = True
-    warnings.warn(
-        f"squeeze: the layer budget ({target} tokens) bounds the prompt only, and decode "
-        f"tokens accumulate past it (now {size} per KV head); pass every=N to cut again once "
-        "a layer exceeds its budget by N",
-        UserWarning,
-        stacklevel=6,  # called from before_update through unbounded and layer_cut_target
-    )
 
 
 def _warn_unmeasured(target: int) -> None:

@@ -151,6 +151,16 @@ def _check_state(kwargs: dict[str, Any]) -> None:
         )
 
 
+def _prepare(model: Any, cache: Any, kwargs: dict[str, Any], name: str) -> list:
+    """The checks of ``velox_vlm.<name>`` before anything runs, and the caches it fills."""
+    _require_vlm(model, name)
+    check_options(kwargs, f"velox_vlm.{name}")
+    if "prompt_cache" in kwargs:
+        raise ValueError("pass velox caches as cache=, not prompt_cache=")
+    _check_state(kwargs)
+    return _caches(model, cache)
+
+
 def stream_generate(
     model: Any,
     processor: Any,
@@ -175,12 +185,7 @@ def stream_generate(
     """
     import mlx_vlm
 
-    _require_vlm(model, "stream_generate")
-    check_options(kwargs, "velox_vlm.stream_generate")
-    if "prompt_cache" in kwargs:
-        raise ValueError("pass velox caches as cache=, not prompt_cache=")
-    _check_state(kwargs)
-    caches = _caches(model, cache)
+    caches = _prepare(model, cache, kwargs, "stream_generate")
     with velox_core.routed(model):
         yield from _unwrap(mlx_vlm.stream_generate)(
             model, processor, prompt, image, prompt_cache=caches, **kwargs
@@ -201,12 +206,7 @@ def generate(
     mlx-vlm's ``GenerationResult``."""
     import mlx_vlm
 
-    _require_vlm(model, "generate")
-    check_options(kwargs, "velox_vlm.generate")
-    if "prompt_cache" in kwargs:
-        raise ValueError("pass velox caches as cache=, not prompt_cache=")
-    _check_state(kwargs)
-    caches = _caches(model, cache)
+    caches = _prepare(model, cache, kwargs, "generate")
     with velox_core.routed(model):
         return mlx_vlm.generate(
             model, processor, prompt, image, verbose=verbose, prompt_cache=caches, **kwargs

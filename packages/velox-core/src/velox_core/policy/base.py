@@ -233,6 +233,26 @@ def warn_unbounded(policy: RetentionPolicy, size: int) -> None:
     )
 
 
+def warn_layer_unbounded(
+    name: str, warned: list[bool], size: int, target: int, where: str = ""
+) -> None:
+    """Once per process (``warned``: the package's one-element flag, set here), from
+    :func:`layer_cut_target`'s ``unbounded``: without ``every``, a policy whose layers keep
+    their own share of the budget (``name``: velox-pyramidkv, velox-squeeze) bounds the
+    prompt only. It warns once a KV head holds ``size`` tokens, twice the layer's ``target``
+    or more; ``where`` follows the target in the message (the layer's place)."""
+    if warned[0] or size < 2 * target:
+        return
+    warned[0] = True
+    warnings.warn(
+        f"{name}: the layer budget ({target} tokens{where}) bounds the prompt only, and decode "
+        f"tokens accumulate past it (now {size} per KV head); pass every=N to cut again once "
+        "a layer exceeds its budget by N",
+        UserWarning,
+        stacklevel=6,  # called from before_update through unbounded and layer_cut_target
+    )
+
+
 def layer_cut_target(
     policy: RetentionPolicy,
     view,
