@@ -494,9 +494,5 @@ def compiles_ahead() -> bool:
     """Whether kernels are compiled ahead of use here: on CUDA, with their compiled forms kept
     on disk (:func:`wrap`) and no failure reported; never on the CPU or Metal, nor with
     ``KernelConfig.disk_cache`` or ``KernelConfig.compile_ahead`` off."""
-    return (
-        _kernels.backend() == "cuda"
-        and not CachedKernel.failed
-        and _kept()
-        and kernel_config().compile_ahead
-    )
+    on = _kernels.backend() == "cuda" and not CachedKernel.failed and _kept()
+    return on and kernel_config().compile_ahead
