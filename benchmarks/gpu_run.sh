@@ -56,9 +56,15 @@ case "${1:-}" in
       --caches "$specs" --steps 256 --sync --json "$out/decode-steps-32k.json" | tail -20
     ;;
   mla)
-    VELOX_LATENT_CODES=1 python3 benchmarks/e2e.py --shape deepseek-v3-8l --weights 4bit \
-      --contexts 32768 --caches fp16,uniform:bits=4 --chunk 512 --steps 64 \
-      --json "$out/e2e-mla-32k.json" 2>&1 | tail -8
+    # the decoded latent (CUDA's default), then the latent's codes (VELOX_LATENT_CODES=1),
+    # each against fp16 in its own process, rows in rotation
+    for codes in default on; do
+      [[ $codes == on ]] && export VELOX_LATENT_CODES=1
+      python3 benchmarks/e2e.py --shape deepseek-v3-8l --weights 4bit --contexts 32768 \
+        --caches fp16,uniform:bits=4 --chunk 512 --steps "${MLA_STEPS:-128}" --repeats 2 \
+        --json "$out/e2e-mla-32k-codes-$codes.json" 2>&1 | tail -8
+    done
+    unset VELOX_LATENT_CODES
     ;;
   fill-check)
     python3 benchmarks/capacity.py --shapes "${SHAPE:-llama3-8b}" --caches fp16,uniform:bits=4 \

@@ -296,14 +296,24 @@ def test_partials_merge_for_any_reference_max():
         {"bits": 4},
         {"bits": 4, "sinks": 3, "window": 5},
         {"bits": 2, "group": 32, "key_axis": "channel", "window": 8, "flush": 40},
+        {"bits": 4, "window": 0, "flush": 1},
+        {"bits": 3, "group": 32, "window": 0, "flush": 1, "sinks": 4},
     ],
 )
 def test_decode_steps_written_into_the_window_in_place_hold_what_the_general_path_holds(
     monkeypatch, kw
 ):
-    """A decode step's fast path (the token written into the window's buffer, nothing else)
-    leaves the cache as the general path does: same segments, same records, same state."""
+    """A decode step's fast paths (the token written into the window's buffer, or coded
+    straight into tier 0's buffers where every token is coded on arrival) leave the cache as
+    the general path does: same segments, same records, same state, same decoded tokens,
+    across the buffers' growth at 256 tokens."""
     k, v = kv_data(t=260)
+    direct = VeloxCache._write_direct
+    taken = []
+
+    def counted(self, keys, values):
+        taken.append(direct(self, keys, values))
+        return taken[-1]
 
     def run():
         c = UniformCache(**kw)
@@ -312,9 +322,15 @@ def test_decode_steps_written_into_the_window_in_place_hold_what_the_general_pat
             c.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
         return c
 
+    monkeypatch.setattr(VeloxCache, "_write_direct", counted)
     fast = run()
+    if kw.get("flush") == 1:
+        assert taken.count(True) >= 150  # the direct path ran (the first steps may not)
     monkeypatch.setattr(VeloxCache, "_write_window", lambda self, k, v: False)
+    monkeypatch.setattr(VeloxCache, "_write_direct", lambda self, k, v: False)
     general = run()
+    for a, b in zip(fast.keys_and_values(), general.keys_and_values(), strict=True):
+        assert mx.array_equal(a, b)
     assert fast.offset == general.offset == 260
     assert [s.tokens for s in fast.segments()] == [s.tokens for s in general.segments()]
     for a, b in zip(fast.state, general.state, strict=True):

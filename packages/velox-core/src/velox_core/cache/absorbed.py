@@ -59,9 +59,8 @@ def chunk_tokens(tokens: int) -> int:
     return c if tokens // c >= 2 else 0
 
 
-def readable(segments: list[tuple[Codec, Packed]]) -> str:
-    """Why :func:`attention` cannot read these ``(codec, record)`` segments ("" where it
-    can)."""
+def turned_off() -> str:
+    """Why :func:`attention` is off on this backend and configuration ("" where it is on)."""
     from ..kernels import backend
     from ..kernels.config import kernel_config
 
@@ -73,6 +72,17 @@ def readable(segments: list[tuple[Codec, Packed]]) -> str:
             "MLX's CUDA backend, where this path measures no faster (VELOX_LATENT_CODES=1 "
             "turns it on)"
         )
+    return ""
+
+
+def readable(segments: list[tuple[Codec, Packed]]) -> str:
+    """Why :func:`attention` cannot read these ``(codec, record)`` segments ("" where it
+    can): :func:`turned_off`, or a segment's codes outside MLX's layout."""
+    from ..kernels import backend
+
+    off = turned_off()
+    if off:
+        return off
     for codec, packed in segments:
         if isinstance(codec, Identity):
             continue
@@ -119,7 +129,8 @@ def attention(
     scores = [_scores(q, codec, packed) for codec, packed in segments]
     s = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)  # (B, 1, rows, T)
     if mask is not None:
-        m = mx.broadcast_to(mask, (b, hq, lq, t)).reshape(b, 1, rows, t)
+        m = mask if mask.shape == (b, hq, lq, t) else mx.broadcast_to(mask, (b, hq, lq, t))
+        m = m.reshape(b, 1, rows, t)
         if m.dtype == mx.bool_:
             s = mx.where(m, s, mx.finfo(s.dtype).min)
         else:

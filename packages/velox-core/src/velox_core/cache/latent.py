@@ -281,8 +281,8 @@ class LatentCache(_BaseCache):
         if fetched is None or keys is not fetched or values is not fetched:
             self.decode_path = "decoded: attention is given other arrays than the latent"
             return None
-        why = self._unreadable(queries, mask, sinks)
-        segments = [] if why else [(s.value_codec, s.values) for s in self._store.segments()]
+        why = self._unreadable(queries, mask, sinks) or absorbed.turned_off()
+        segments = [] if why else self._segments()
         why = why or absorbed.readable(segments)
         if why:
             self.decode_path = f"decoded: {why}"
@@ -291,6 +291,16 @@ class LatentCache(_BaseCache):
         if isinstance(mask, str):
             mask = None  # "causal" over one query: every stored token
         return absorbed.attention(queries, segments, scale, mask)
+
+    def _segments(self) -> list:
+        """``(codec, record)`` of the stored latents in temporal order."""
+        store = self._store
+        st = store.stored
+        if len(store.tiers) == 1 and not st.sink[1].tokens + st.window[1].tokens:
+            coded = st.coded[0][1].view()  # a step's hot path: one coded segment
+            if coded is not None:
+                return [(store.tiers[0].value_codec, coded)]
+        return [(s.value_codec, s.values) for s in store.segments()]
 
     def _unreadable(self, queries: mx.array, mask, sinks) -> str:
         """Why :meth:`attend` leaves a call with the model's latent to the reference path

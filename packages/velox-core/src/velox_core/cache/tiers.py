@@ -71,6 +71,75 @@ class TierMixin:
             self._planned.probe_ahead(self)
         return n
 
+    def _write_direct(self, keys: mx.array, values: mx.array) -> bool:
+        """A decode step's fast path where every token is coded on arrival (``window=0``,
+        one tier, codec blocks of ``flush`` tokens, no policy, sinks full, tier 0 holding
+        tokens already): the step's tokens encoded and written into tier 0's buffers in place,
+        as the general path's direct write, without its checks. Returns False where the
+        general path must run.
+
+        A buffer's growth runs before the write and is evaluated on its own
+        (``mx.async_eval``), so that every step's graph is the same encode and write."""
+        st = self.stored
+        if (
+            self.window
+            or len(self.tiers) != 1
+            or self.policy is not None
+            or st.positions is not None
+            or st.heads is not None
+            or st.dims is None
+            or st.window[0].tokens
+            or st.sink[0].tokens < self.sinks
+            or type(self).before_coding is not TierMixin.before_coding
+            or not isinstance(keys, mx.array)
+            or not isinstance(values, mx.array)
+            or keys.ndim != 4
+            or values.ndim != 4
+            or keys.dtype != st.dtype
+            or values.dtype != st.dtype
+        ):
+            return False
+        ks, vs = st.coded[0]
+        (b, h, t, dk), (vb, vh, vt, dv) = keys.shape, values.shape
+        if (
+            ks.buf is None
+            or (b, h, dk, dv) != st.dims
+            or (vb, vh, vt) != (b, h, t)
+            or t > self.fused_above
+            or t % self._flush_at
+            or t == 0
+        ):
+            return False
+        first = self.tiers[0]
+        pos = mx.arange(self.offset, self.offset + t, dtype=mx.int32)  # lazy: built if read
+        kp, vp = first.key_codec.encode(keys, pos), first.value_codec.encode(values, pos)
+        if ks.tokens + t > ks.capacity:
+            ks.reserve(ks.tokens + t)
+            vs.reserve(vs.tokens + t)
+            mx.async_eval(ks.arrays() + vs.arrays())
+        self._planned.clear()  # the coded segment changes: its decode plan with it
+        for store, packed in ((ks, kp), (vs, vp)):  # PackedStore.append's write, unchecked
+            buf, n = store.buf, store.tokens
+            for name, a in packed.data.items():
+                row = buf.rows(name, n)
+                buf.data[name][:, :, row : row + a.shape[2]] = a
+            store.tokens += t
+        self.offset += t
+        return True
+
+    def _decoded_tier(self) -> tuple[mx.array, mx.array] | None:
+        """Every stored token decoded where all of them are tier 0's (one tier, no sinks or
+        window tokens, no per-head budgets): :meth:`keys_and_values` without listing the
+        segments; None otherwise."""
+        st = self.stored
+        if len(self.tiers) != 1 or st.heads is not None or st.sink[0].tokens + st.window[0].tokens:
+            return None
+        k, v = st.coded[0][0].view(), st.coded[0][1].view()
+        if k is None:
+            return None
+        t, dtype = self.tiers[0], self._io_dtype
+        return t.key_codec.decode_as(k, dtype), t.value_codec.decode_as(v, dtype)
+
     def before_coding(self) -> bool:
         """Hook run on every update before window overflow moves into the coded tiers.
 

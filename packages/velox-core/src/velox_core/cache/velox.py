@@ -317,7 +317,7 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
         """
         if self.check_finite:
             self._refuse_nonfinite(keys, values)
-        if self._write_window(keys, values):
+        if self._write_window(keys, values) or self._write_direct(keys, values):
             if self.routed and not self.fetch_decoded:
                 return keys, values  # unused: routed attention reads the cache itself
             return self.keys_and_values()
@@ -431,6 +431,9 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
         """Every stored token decoded, in the input dtype (lazy: costs nothing unless used)."""
+        one = self._decoded_tier()  # one coded segment (a step's hot path)
+        if one is not None:
+            return one
         segs = self.segments()
         if not segs:
             raise ValueError("the cache is empty")
