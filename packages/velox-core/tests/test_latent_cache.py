@@ -83,7 +83,8 @@ def test_four_bits_keep_the_next_token_distribution(model, prompt):
             a, b = model(mx.array([[t]]), cache=caches), model(mx.array([[t]]), cache=ref)
     assert caches[0].decode_path == "codes"
     mean = sum(kls) / len(kls)
-    assert mean < 0.05, f"mean KL {mean:.4f} (max {max(kls):.4f})"  # measured 0.011
+    print(f"mean KL {mean:.4f} (max {max(kls):.4f})")
+    assert mean < 0.05, f"mean KL {mean:.4f} (max {max(kls):.4f})"
 
 
 def test_four_bit_bytes_are_under_three_tenths_of_fp16(model, prompt):
