@@ -102,7 +102,9 @@ def cases(tokens: int):
 
     def decode_merge():
         o_part, ml_part, qk = kmma.plan_mma(qg.shape, qg.dtype, ks, vs, None, scale)(qg)
-        return kmerge.merge_splits_fp16(o_part, ml_part, qk, [], mx.float16, scale)[0]
+        rows, dim = o_part.shape[3:]
+        merge = kmerge.plan_merge_fp16(b, hk, rows, dim, mx.float16, scale, None)
+        return merge(o_part, ml_part, qk, [])[0]
 
     def attend_joint():
         return joint_attention(qg, [Segment(codec, kp, codec, vp)], mx.float16, scale)

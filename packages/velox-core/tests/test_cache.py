@@ -651,7 +651,7 @@ def test_stored_is_the_segments_view_in_temporal_order():
     assert (st.n_sink, st.coded[0][0].tokens, st.n_window) == (4, 88, 8)
     assert st.n_sink + st.coded[0][0].tokens + st.n_window == cache.size() == 100
     assert st.dims == (k.shape[0], k.shape[1], k.shape[3], v.shape[3]) and st.batch == k.shape[0]
-    wk, wv = st.window_arrays()
+    wk, wv = (w.view().data["x"] for w in st.window)
     assert mx.array_equal(wk, k[:, :, -8:]).item() and mx.array_equal(wv, v[:, :, -8:]).item()
     assert sorted(cache.named_stores()) == [
         "sink.k",

@@ -9,7 +9,9 @@ import pytest
 from mlx_lm.models.cache import QuantizedKVCache
 
 from velox_core import Uniform, make
+from velox_core.ops import jl_matrix, sign_sketch
 from velox_qjl import METHOD, QJL, QJLCache
+from velox_qjl.projection import sketch_inner
 from velox_testing import (
     CacheConformance,
     assert_head_dim_refused,
@@ -108,6 +110,24 @@ def test_variance_falls_as_one_over_m():
         mse[m] = np.mean((est - true) ** 2)
         assert 0.85 < mse[m] * m / theory < 1.15, (m, mse[m] * m / theory)
     assert 3.4 < mse[32] / mse[128] < 4.7, mse[32] / mse[128]
+
+
+def test_qjl_estimator_unbiased_and_variance_falls():
+    rng = np.random.default_rng(0)
+    q = mx.array(rng.standard_normal(64).astype(np.float32))
+    k = mx.array(rng.standard_normal(64).astype(np.float32))
+    true = float((q @ k).item())
+    var = {}
+    for m in (64, 256):
+        ests = []
+        for seed in range(300):
+            s = jl_matrix(64, m, seed)
+            bits = sign_sketch(k[None], s)
+            ests.append(float(sketch_inner((q @ s.T)[None], bits, mx.linalg.norm(k)[None]).item()))
+        ests = np.array(ests)
+        assert abs(ests.mean() - true) < 4 * ests.std() / math.sqrt(len(ests))
+        var[m] = ests.var()
+    assert var[64] / var[256] == pytest.approx(4.0, rel=0.35)
 
 
 def _score_mse(q, k, seeds, **kw):

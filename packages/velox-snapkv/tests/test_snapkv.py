@@ -447,11 +447,11 @@ def test_small_chunks_fill_the_window_and_trimmed_queries_leave_it():
     k, v, q, _ = planted(100, {0: [10], 1: [10]})
     c = SnapKVCache(budget=90, observe=16)
     ev.feed_attending(c, k, v, q, chunk=5, stop=40)
-    assert c.policy._q_end == 40 and mx.array_equal(c.policy._queries, q[:, :, 24:40])
+    assert c.policy.window.end == 40 and mx.array_equal(c.policy.window.queries, q[:, :, 24:40])
     c.trim(3)  # e.g. rejected draft tokens: positions 37..39 are gone
     ev.feed_attending(c, k[:, :, 37:39], v[:, :, 37:39], q[:, :, 37:39], chunk=2)
     # 24..36 survive the trim (23 had already left the window), then 37 and 38
-    assert c.policy._q_end == 39 and mx.array_equal(c.policy._queries, q[:, :, 24:39])
+    assert c.policy.window.end == 39 and mx.array_equal(c.policy.window.queries, q[:, :, 24:39])
     assert c.policy.nbytes == 15 * 4 * D * 4 and c.nbytes > c.policy.nbytes
 
 

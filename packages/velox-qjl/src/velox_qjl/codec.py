@@ -2,7 +2,7 @@
 
 A key ``k`` is stored as ``sign(S k)`` (``m`` bits, packed) and ``||k||``; the query is
 projected, never quantized, and ``<q, k>`` is estimated by
-``c / m * ||k|| * <S q, sign(S k)>`` (:func:`velox_core.ops.sketch_inner`), unbiased with
+``c / m * ||k|| * <S q, sign(S k)>`` (:func:`velox_qjl.projection.sketch_inner`), unbiased with
 variance ``O(1/m)`` (Lemmas 3.2 and 3.5).
 
 Outliers (Section 4.1): in each block of ``group`` tokens the ``outliers`` channels of largest
@@ -28,12 +28,19 @@ from __future__ import annotations
 import mlx.core as mx
 
 from velox_core import Codec, Packed
-from velox_core.ops import pack, scale_dtype, sign_sketch, sketch_inner, unpack
+from velox_core.ops import pack, scale_dtype, sign_sketch, unpack
 from velox_core.validation import check_bits, check_int
 
 from . import kernels as _kernels
 from .layout import sketch_matrix
-from .projection import estimator_constant, index_bits, outlier_mask, projection, top_channels
+from .projection import (
+    estimator_constant,
+    index_bits,
+    outlier_mask,
+    projection,
+    sketch_inner,
+    top_channels,
+)
 from .sketch_mma import sketch_mma_matrix
 
 __all__ = ["QJL"]

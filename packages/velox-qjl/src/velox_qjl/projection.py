@@ -1,4 +1,4 @@
-"""The QJL projection, its estimator constant, and outlier-channel selection.
+"""The QJL projection, its estimator and estimator constant, and outlier-channel selection.
 
 QJL (arXiv 2406.03482, Definition 3.1) draws ``S`` with i.i.d. ``N(0, 1)`` entries, stores
 ``sign(S k)`` and ``||k||``, and estimates ``<q, k>`` by ``c / m * ||k|| * <S q, sign(S k)>``
@@ -21,7 +21,14 @@ import numpy as np
 
 from velox_core.ops import jl_matrix
 
-__all__ = ["estimator_constant", "index_bits", "outlier_mask", "projection", "top_channels"]
+__all__ = [
+    "estimator_constant",
+    "index_bits",
+    "outlier_mask",
+    "projection",
+    "sketch_inner",
+    "top_channels",
+]
 
 
 def projection(dim: int, rows: int, seed: int, orthogonal: bool) -> mx.array:
@@ -46,6 +53,19 @@ def estimator_constant(dim: int, orthogonal: bool) -> float:
         return math.sqrt(math.pi / 2)
     mean_abs = math.exp(math.lgamma(dim / 2) - math.lgamma((dim + 1) / 2)) / math.sqrt(math.pi)
     return 1.0 / (math.sqrt(dim) * mean_abs)
+
+
+def sketch_inner(q_proj: mx.array, bits: mx.array, norms: mx.array) -> mx.array:
+    """Unbiased estimate of ``<q, k>`` from a projected query and a key's sign sketch.
+
+    Shapes:
+        q_proj ``(..., M, m)`` = ``q @ S.T``; bits ``(..., T, m)`` codes in {0, 1};
+        norms ``(..., T)``; returns float32 ``(..., M, T)``.
+    """
+    m = q_proj.shape[-1]
+    signs = bits.astype(mx.float32) * 2 - 1
+    dots = q_proj.astype(mx.float32) @ mx.swapaxes(signs, -1, -2)
+    return dots * (math.sqrt(math.pi / 2) / m) * mx.expand_dims(norms.astype(mx.float32), -2)
 
 
 def index_bits(dim: int) -> int:

@@ -34,7 +34,7 @@ import numpy as np
 from velox_core.kernels.build import KernelSpec
 from velox_core.kernels.config import PackageSettings, register_settings
 from velox_core.kernels.layout import FP16_MAX, pad_rows, qmul_bits, unused_input
-from velox_core.kernels.merge import merge_splits, merge_splits_fp16
+from velox_core.kernels.merge import merge_splits, plan_merge_fp16
 
 __all__ = [
     "OUTLIER",
@@ -440,7 +440,7 @@ def decode_attention_outlier(
             :data:`DEFAULT_THREADS` threads in threadgroups of at least :data:`MIN_SPAN`
             tokens).
         fp16, out_dtype: up to two fp16 segments joined in the same softmax by the merge
-            (:func:`velox_core.kernels.merge.merge_splits_fp16`); ``o`` is then the
+            (:func:`velox_core.kernels.merge.plan_merge_fp16`); ``o`` is then the
             normalized attention over all of them, in ``out_dtype``.
         scale: the attention scale, when ``q`` comes without it.
 
@@ -458,7 +458,9 @@ def decode_attention_outlier(
         return None
     o_part, ml_part, qf = parts(q)
     if out_dtype is not None:
-        o, mm, ll = merge_splits_fp16(o_part, ml_part, qf, fp16 or [], out_dtype, scale)
+        b, h, _, rows, dim = o_part.shape
+        merge = plan_merge_fp16(b, h, rows, dim, out_dtype, scale, None)
+        o, mm, ll = merge(o_part, ml_part, qf, fp16 or [])
     else:
         o, mm, ll = merge_splits(o_part, ml_part)
     if qf.shape[2] > m:

@@ -127,7 +127,7 @@ class PlannedAttention:
         if self._run is None:
             return None
         fp16 = [] if self._sink is None else [self._sink]
-        if n_win:  # the window's tokens, slices of its buffers (stored.window_arrays())
+        if n_win:  # the window's tokens, slices of its buffers (no copy)
             wk, wv = stored.window
             fp16.append((wk.buf.data["x"][:, :, :n_win], wv.buf.data["x"][:, :, :n_win]))
         out = self._run(queries.reshape(b, h, (hq // h) * lq, d), fp16)

@@ -65,14 +65,6 @@ class Stored:
         """Tokens held in the window."""
         return self.window[0].tokens
 
-    def window_arrays(self) -> tuple[mx.array, mx.array] | None:
-        """The window's keys and values, ``(B, H, n_window, D)`` slices of its buffers (no
-        copy), or None while it is empty."""
-        n = self.window[0].tokens  # (a decode step's: no property)
-        if n == 0:
-            return None
-        return self.window[0].buf.data["x"][:, :, :n], self.window[1].buf.data["x"][:, :, :n]
-
     def body(self) -> tuple:
         """The coded body's ``(keys, values, positions)`` records (one record for every head;
         None where empty), as a retention policy's cache cuts them."""

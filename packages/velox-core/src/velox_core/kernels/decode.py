@@ -226,14 +226,14 @@ def decode_attention(
             layout, see :mod:`velox_core.kernels.records`); same head dim as ``q``.
         splits: number of context chunks (default :func:`choose_splits`).
         fp16: with ``out_dtype``: up to two fp16 segments ``(keys, values)`` joined in the same
-            softmax by the merge (:func:`merge_splits_fp16`); ``o`` is then the normalized
+            softmax by the merge (:func:`plan_merge_fp16`); ``o`` is then the normalized
             attention over all of them, in ``out_dtype``.
         out_dtype: see ``fp16``.
         scale: the attention scale, when ``q`` comes without it.
         merge_q, rot: with ``fp16``, for codes in a rotated domain: ``q`` is the
             rotated query, ``merge_q`` the unrotated one (scored against the fp16 keys) and
             ``rot`` the ``(D, D)`` float32 map back (``o @ rot``, see
-            :func:`merge_splits_fp16`). ``merge_q`` alone: keys coded in another domain than
+            :func:`plan_merge_fp16`). ``merge_q`` alone: keys coded in another domain than
             the fp16 keys, values in the same one (transformed keys).
         q_sketch: with keys that carry a residual sketch (``keys.signs``): the sketched query
             ``(B, H, M, D)`` (times the sketch's constant), scaled like ``q``; with keys of a

@@ -1,8 +1,8 @@
 """Merging a split decode's partials with the log-sum-exp rule (``metal/decode_merge.metal``).
 
 :func:`merge_splits` joins the splits of one coded segment into ``(o, m, l)``;
-:func:`merge_splits_fp16` / :func:`plan_merge_fp16` also join up to two fp16 segments (the
-sinks and the window) into the same softmax and normalize, in one launch.
+:func:`plan_merge_fp16` also joins up to two fp16 segments (the sinks and the window) into the
+same softmax and normalizes, in one launch.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from .build import KernelSpec
 from .disk_cache import CachedKernel
 from .layout import FP16_MAX, qmul_bits, unused_input
 
-__all__ = ["MERGE", "merge_launch", "merge_splits", "merge_splits_fp16", "plan_merge_fp16"]
+__all__ = ["MERGE", "merge_launch", "merge_splits", "plan_merge_fp16"]
 
 MERGE = KernelSpec(
     name="velox_decode_merge",
@@ -58,78 +58,34 @@ def merge_splits(o_part: mx.array, ml_part: mx.array) -> tuple[mx.array, mx.arra
     return o, mm, ll
 
 
-def merge_splits_fp16(
-    o_part: mx.array,
-    ml_part: mx.array,
-    q: mx.array,
-    fp16: list[tuple[mx.array, mx.array]],
-    out_dtype: mx.Dtype,
-    scale: float | None = None,
-    rot: mx.array | None = None,
-) -> tuple[mx.array, mx.array, mx.array]:
+def plan_merge_fp16(b: int, h: int, rows: int, dim: int, out_dtype, scale, rot):
     """The normalized attention over a decode kernel's splits and up to two fp16 segments, in
-    one launch (``metal/decode_merge_fp16.metal``).
+    one launch (``metal/decode_merge_fp16.metal``), for fixed shapes, as
+    ``run(o_part, ml_part, q, fp16)``: its template (per number of non-empty fp16 segments)
+    and launch worked out once.
 
     Args:
-        o_part, ml_part: the decode kernel's per-split partials.
-        q: the queries the decode kernel took, ``(B, H, R, D)``: float32 with the attention
-            scale applied, or (with ``scale``) unscaled in any float dtype.
-        fp16: up to two ``(keys, values)`` pairs ``(B, H, T_i, D)`` (any float dtype,
-            ``sum T_i <= FP16_MAX``), e.g. a cache's sinks and recent window.
+        b, h, rows, dim: the shapes the decode kernel's partials have.
         out_dtype: dtype of the output.
         scale: the attention scale, when ``q`` comes without it.
         rot: ``(D, D)`` float32: the partials are in a rotated domain and ``o @ rot`` maps
             them back; ``q`` is then the unrotated query.
 
+    ``run`` takes:
+        o_part, ml_part: the decode kernel's per-split partials.
+        q: the queries the decode kernel took, ``(B, H, R, D)``: float32 with the attention
+            scale applied, or (with ``scale``) unscaled in any float dtype.
+        fp16: up to two ``(keys, values)`` pairs ``(B, H, T_i, D)`` (any float dtype,
+            ``sum T_i <= FP16_MAX``, which the caller checks), e.g. a cache's sinks and recent
+            window.
+
     Shapes:
-        returns ``o (B, H, R, D)`` in ``out_dtype`` (softmax-weighted values), ``m`` and ``l``
-        ``(B, H, R, 1)`` float32.
+        ``run`` returns ``o (B, H, R, D)`` in ``out_dtype`` (softmax-weighted values), ``m``
+        and ``l`` ``(B, H, R, 1)`` float32.
     """
-    if len(fp16) > 2 or sum(k.shape[2] for k, _ in fp16) > FP16_MAX:
-        raise ValueError(f"merge_splits_fp16 takes up to 2 fp16 segments, {FP16_MAX} tokens")
-    b, h, _, rows, dim = o_part.shape
     if rot is not None and (rot.shape != (dim, dim) or rot.dtype != mx.float32):
         raise ValueError(
-            f"merge_splits_fp16: rot must be float32 ({dim}, {dim}), got {rot.dtype} "
-            f"{tuple(rot.shape)}"
-        )
-    segs = [(k, v) for k, v in fp16 if k.shape[2] > 0]
-    dummy = unused_input(mx.float16)
-    ak, av = segs[0] if segs else (dummy, dummy)
-    bk, bv = segs[1] if len(segs) > 1 else (dummy, dummy)
-    grid, tg = merge_launch(b * h * rows, dim)
-    o, mm, ll = MERGE_FP16.kernel()(
-        inputs=[
-            o_part,
-            ml_part,
-            q,
-            ak,
-            av,
-            bk,
-            bv,
-            unused_input(mx.float32) if rot is None else rot,
-        ],
-        template=[
-            ("HAS_A", int(len(segs) > 0)),
-            ("HAS_B", int(len(segs) > 1)),
-            ("FMAX", FP16_MAX),
-            ("QMUL", qmul_bits(scale)),
-            ("RD", 1 if rot is None else dim),
-        ],
-        grid=grid,
-        threadgroup=tg,
-        output_shapes=[(b, h, rows, dim), (b, h, rows, 1), (b, h, rows, 1)],
-        output_dtypes=[out_dtype, mx.float32, mx.float32],
-    )
-    return o, mm, ll
-
-
-def plan_merge_fp16(b: int, h: int, rows: int, dim: int, out_dtype, scale, rot):
-    """:func:`merge_splits_fp16` for fixed shapes, as ``run(o_part, ml_part, q, fp16)``: its
-    template (per number of non-empty fp16 segments) and launch worked out once."""
-    if rot is not None and (rot.shape != (dim, dim) or rot.dtype != mx.float32):
-        raise ValueError(
-            f"merge_splits_fp16: rot must be float32 ({dim}, {dim}), got {rot.dtype} "
+            f"plan_merge_fp16: rot must be float32 ({dim}, {dim}), got {rot.dtype} "
             f"{tuple(rot.shape)}"
         )
     kernel = MERGE_FP16.kernel()

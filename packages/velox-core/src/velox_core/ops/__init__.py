@@ -6,7 +6,7 @@ from .lloyd_max import Codebook, lloyd_max, lloyd_max_sphere
 from .packing import BYTE_BITS, byte_table, lookup, mlx_readable, pack, packed_words, unpack
 from .quant import affine_dequantize, affine_matmul, affine_quantize, scale_dtype
 from .rotation import random_orthogonal
-from .sketch import jl_matrix, sign_sketch, sketch_inner
+from .sketch import jl_matrix, sign_sketch
 
 __all__ = [
     "BYTE_BITS",
@@ -31,6 +31,5 @@ __all__ = [
     "random_orthogonal",
     "scale_dtype",
     "sign_sketch",
-    "sketch_inner",
     "unpack",
 ]

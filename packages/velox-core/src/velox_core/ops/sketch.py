@@ -3,11 +3,12 @@
 A key ``k`` is stored as ``sign(S k)`` (``m`` bits) and ``||k||``; for a query ``q`` the
 estimator ``sqrt(pi/2) / m * ||k|| * <S q, sign(S k)>`` is unbiased for ``<q, k>`` when the
 rows of ``S`` are i.i.d. ``N(0, I)`` (arXiv 2406.03482, Lemma 3.2), with variance ``O(1/m)``.
+The estimator itself lives in velox-qjl (``velox_qjl.projection.sketch_inner``), its only
+user; the projection and the sign bits are here, shared with velox-turboquant's residual
+sketches.
 """
 
 from __future__ import annotations
-
-import math
 
 import mlx.core as mx
 import numpy as np
@@ -37,16 +38,3 @@ def sign_sketch(x: mx.array, s: mx.array) -> mx.array:
         x ``(..., dim)``, s ``(m, dim)``; returns uint8 ``(..., m)``.
     """
     return (x.astype(mx.float32) @ s.T >= 0).astype(mx.uint8)
-
-
-def sketch_inner(q_proj: mx.array, bits: mx.array, norms: mx.array) -> mx.array:
-    """Unbiased estimate of ``<q, k>`` from a projected query and a key's sign sketch.
-
-    Shapes:
-        q_proj ``(..., M, m)`` = ``q @ S.T``; bits ``(..., T, m)`` codes in {0, 1};
-        norms ``(..., T)``; returns float32 ``(..., M, T)``.
-    """
-    m = q_proj.shape[-1]
-    signs = bits.astype(mx.float32) * 2 - 1
-    dots = q_proj.astype(mx.float32) @ mx.swapaxes(signs, -1, -2)
-    return dots * (math.sqrt(math.pi / 2) / m) * mx.expand_dims(norms.astype(mx.float32), -2)

@@ -228,15 +228,6 @@ class WindowState(WindowRows):
     ``scale`` (:meth:`QueryWindow.meta`).
     """
 
-    # the buffered queries and the position after them (tests read them)
-    @property
-    def _queries(self) -> mx.array | None:
-        return self.window.queries
-
-    @property
-    def _q_end(self) -> int:
-        return self.window.end
-
     def state(self) -> dict[str, mx.array]:
         return self.window.state("queries")
 
