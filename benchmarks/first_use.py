@@ -5,8 +5,9 @@ builds too), on a two-layer model of ``e2e.py``'s llama3-8b shape.
 Run it twice: the first process on a machine builds the kernels, the second finds MLX's
 compiled-kernel cache (``MLX_PTX_CACHE_DIR`` on CUDA, default under the temp dir). It
 prints one JSON line per cache (with ``compile_ahead``: ``VELOX_COMPILE_AHEAD=0`` compiles
-each kernel when it is first called, one after another) and the velox entries of that cache
-directory.
+each kernel when it is first called, one after another; and ``compile_processes``:
+``VELOX_COMPILE_PROCESSES=0`` runs NVRTC in this process's threads rather than in worker
+processes) and the velox entries of that cache directory.
 
     python3 benchmarks/first_use.py --cache uniform:bits=4
 """
@@ -47,10 +48,11 @@ def timed_use(model, spec: str, context: int) -> dict:
         again = time.perf_counter() - t0
     from velox_core.kernels.config import kernel_config
 
-    ahead = kernel_config().compile_ahead
+    config = kernel_config()
     return {
         "cache": spec,
-        "compile_ahead": ahead,
+        "compile_ahead": config.compile_ahead,
+        "compile_processes": config.compile_processes,
         "first_chunk_s": chunk,
         "first_step_s": step,
         "next_step_s": again,

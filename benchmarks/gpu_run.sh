@@ -28,11 +28,12 @@ case "${1:-}" in
       -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.txt" | tail -25
     ;;
   first-use)
-    # first processes, each with an empty kernel cache (and no driver JIT cache), the
-    # compiles ahead on and off alternated; then a second process on the last one's cache
-    for run in ahead1:1 off1:0 ahead2:1 off2:0; do
+    # first processes, each with an empty kernel cache (and no driver JIT cache), NVRTC in
+    # worker processes (VELOX_COMPILE_PROCESSES=1) and in this process's threads (0)
+    # alternated, the compiles ahead on; then a second process on the last one's cache
+    for run in procs1:1 threads1:0 procs2:1 threads2:0; do
       dir=$(mktemp -d)
-      MLX_PTX_CACHE_DIR=$dir CUDA_CACHE_DISABLE=1 VELOX_COMPILE_AHEAD=${run#*:} \
+      MLX_PTX_CACHE_DIR=$dir CUDA_CACHE_DISABLE=1 VELOX_COMPILE_PROCESSES=${run#*:} \
         python3 benchmarks/first_use.py --cache uniform:bits=4 | tee "$out/first-use-${run%:*}.jsonl"
       [ "${run#*:}" = 1 ] && last=$dir
     done

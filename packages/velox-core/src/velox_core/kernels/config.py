@@ -82,6 +82,10 @@ class KernelConfig:
         compile_ahead: with the disk cache on CUDA, compile a block's new kernel variants
             together in a pool and the first decode step's during the prefill; off, each
             call compiles its own variant when it is made, one after another.
+        compile_processes: with the disk cache on CUDA, each compile runs NVRTC in a worker
+            process of its own (:mod:`velox_core.kernels.nvrtc`: one process compiles one
+            program at a time), beside the others and beside MLX's own compiles; off, in
+            this process's threads.
         cuda_include: on CUDA, hand MLX each kernel's texts as ``#include`` lines of files
             holding them, which shortens MLX's work per call
             (:meth:`velox_core.kernels.build.KernelSpec.mlx_texts`).
@@ -110,6 +114,7 @@ class KernelConfig:
     layouts_off: frozenset[str] = frozenset()
     disk_cache: bool = True
     compile_ahead: bool = True
+    compile_processes: bool = True
     cuda_include: bool = True
     latent_codes: bool | None = None
 
@@ -210,6 +215,7 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     "layouts_off": ("VELOX_LAYOUTS_OFF", "names"),
     "disk_cache": ("VELOX_KERNEL_CACHE", "switch"),
     "compile_ahead": ("VELOX_COMPILE_AHEAD", "switch"),
+    "compile_processes": ("VELOX_COMPILE_PROCESSES", "switch"),
     "cuda_include": ("VELOX_CUDA_INCLUDE", "flag"),
     "latent_codes": ("VELOX_LATENT_CODES", "flag"),
 }

@@ -58,6 +58,7 @@ from typing import Any
 import mlx.core as mx
 
 from .. import kernels as _kernels  # backend() looked up per call (tests report another)
+from . import nvrtc
 from .config import kernel_config
 
 __all__: list[str] = []
@@ -118,19 +119,11 @@ def ptx_path(module: str) -> Path:
 
 
 @functools.cache
-def _nvrtc() -> Any:
-    """The NVRTC library MLX loaded (found by its soname), or one of the CUDA toolkit's."""
-    names = ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
+def _nvrtc() -> tuple[Any, str]:
+    """The NVRTC library MLX loaded (found by its soname), or one of the CUDA toolkit's, and
+    its name (:func:`velox_core.kernels.nvrtc.load`)."""
     site = Path(mx.__file__).resolve().parents[1]
-    names += [str(p) for p in sorted(site.glob("nvidia/*/lib/libnvrtc.so*"))]
-    for name in names:
-        try:
-            lib = ctypes.CDLL(name)
-        except OSError:
-            continue
-        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-        return lib
-    raise OSError("no NVRTC library found (libnvrtc.so.13 or .12)")
+    return nvrtc.load(str(p) for p in sorted(site.glob("nvidia/*/lib/libnvrtc.so*")))
 
 
 @functools.cache
@@ -184,61 +177,20 @@ def _include_args() -> tuple[str, ...]:
     return tuple(args)
 
 
-def _check(lib: Any, result: int, what: str) -> None:
-    if result != 0:
-        raise RuntimeError(f"{what}: {lib.nvrtcGetErrorString(result).decode()}")
-
-
 def compile_cuda(source: str, kernel: str, file_name: str) -> tuple[bytes, str]:
     """``source`` compiled as MLX's ``compile`` does: (cubin or PTX, mangled name of
-    ``kernel``)."""
-    lib = _nvrtc()
+    ``kernel``); in a worker process of its own where ``KernelConfig.compile_processes`` says
+    so (:mod:`velox_core.kernels.nvrtc`), else in this one."""
+    lib, library = _nvrtc()
     major, minor = _compute_capability(getattr(mx.default_device(), "index", 0) or 0)
-    nv_major, nv_minor = ctypes.c_int(), ctypes.c_int()
-    _check(lib, lib.nvrtcVersion(ctypes.byref(nv_major), ctypes.byref(nv_minor)), "nvrtcVersion")
-    sass = (nv_major.value, nv_minor.value) >= (11, 8)
-    arch = "{}_{}{}{}".format("sm" if sass else "compute", major, minor, "a" if major >= 9 else "")
+    cubin = nvrtc.version(lib) >= (11, 8)
+    arch = "{}_{}{}{}".format("sm" if cubin else "compute", major, minor, "a" if major >= 9 else "")
     options = ["--device-as-default-execution-space", f"--gpu-architecture={arch}"]
     options += _include_args()
-    prog = ctypes.c_void_p()
-    headers = (ctypes.c_char_p * 1)(_utils_standin())
-    names = (ctypes.c_char_p * 1)(_UTILS.encode())
-    _check(
-        lib,
-        lib.nvrtcCreateProgram(
-            ctypes.byref(prog), source.encode(), file_name.encode(), 1, headers, names
-        ),
-        "nvrtcCreateProgram",
-    )
-    try:
-        _check(lib, lib.nvrtcAddNameExpression(prog, kernel.encode()), "nvrtcAddNameExpression")
-        argv = (ctypes.c_char_p * len(options))(*(o.encode() for o in options))
-        result = lib.nvrtcCompileProgram(prog, len(options), argv)
-        if result != 0:
-            size = ctypes.c_size_t()
-            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-            log = ctypes.create_string_buffer(size.value + 1)
-            lib.nvrtcGetProgramLog(prog, log)
-            raise RuntimeError(f"NVRTC failed on {kernel}: {log.value.decode(errors='replace')}")
-        mangled = ctypes.c_char_p()
-        _check(
-            lib,
-            lib.nvrtcGetLoweredName(prog, kernel.encode(), ctypes.byref(mangled)),
-            "nvrtcGetLoweredName",
-        )
-        lowered = mangled.value.decode()
-        size = ctypes.c_size_t()
-        get_size, get = (
-            (lib.nvrtcGetCUBINSize, lib.nvrtcGetCUBIN)
-            if sass
-            else (lib.nvrtcGetPTXSize, lib.nvrtcGetPTX)
-        )
-        _check(lib, get_size(prog, ctypes.byref(size)), "nvrtcGet(CUBIN|PTX)Size")
-        buf = ctypes.create_string_buffer(size.value)
-        _check(lib, get(prog, buf), "nvrtcGet(CUBIN|PTX)")
-        return buf.raw, lowered
-    finally:
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    job = (source, kernel, file_name, options, {_UTILS: _utils_standin()}, cubin)
+    if kernel_config().compile_processes:
+        return nvrtc.compile_in_worker(library, *job)
+    return nvrtc.compile_program(lib, *job)
 
 
 def write_whole(path: Path, data: bytes) -> None:
