@@ -84,8 +84,8 @@ class KernelConfig:
             call compiles its own variant when it is made, one after another.
         compile_processes: with the disk cache on CUDA, each compile runs NVRTC in a worker
             process of its own (:mod:`velox_core.kernels.nvrtc`: one process compiles one
-            program at a time), beside the others and beside MLX's own compiles; off, in
-            this process's threads.
+            program at a time), beside the others and beside MLX's own compiles; off (the
+            default until a GPU measures the workers), in this process's threads.
         cuda_include: on CUDA, hand MLX each kernel's texts as ``#include`` lines of files
             holding them, which shortens MLX's work per call
             (:meth:`velox_core.kernels.build.KernelSpec.mlx_texts`).
@@ -114,7 +114,7 @@ class KernelConfig:
     layouts_off: frozenset[str] = frozenset()
     disk_cache: bool = True
     compile_ahead: bool = True
-    compile_processes: bool = True
+    compile_processes: bool = False
     cuda_include: bool = True
     latent_codes: bool | None = None
 
