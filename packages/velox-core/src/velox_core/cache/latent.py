@@ -309,7 +309,7 @@ class LatentCache(_BaseCache):
         if fetched is None or keys is not fetched or values is not fetched:
             self.decode_path = "decoded: attention is given other arrays than the latent"
             return None
-        why = self._unreadable(queries, mask, sinks) or absorbed.turned_off()
+        why = absorbed.turned_off() or self._unreadable(queries, mask, sinks)
         segments = [] if why else self._segments()
         why = why or absorbed.readable(segments)
         if why:

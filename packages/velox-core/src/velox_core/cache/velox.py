@@ -317,7 +317,8 @@ class VeloxCache(TierMixin, StateMixin, BatchRowsMixin, RetentionMixin):
         """
         if self.check_finite:
             self._refuse_nonfinite(keys, values)
-        if self._write_window(keys, values) or self._write_direct(keys, values):
+        direct = self._flush_at == 1 and not self.window  # every token coded on arrival
+        if self._write_direct(keys, values) if direct else self._write_window(keys, values):
             if self.routed and not self.fetch_decoded:
                 return keys, values  # unused: routed attention reads the cache itself
             return self.keys_and_values()
