@@ -20,7 +20,7 @@ from velox_core.kernels import disk_cache, nvrtc
 from velox_core.kernels.config import configured
 
 SOURCE = 'extern "C" __global__ void velox_probe(float* x) { x[threadIdx.x] *= 2.0f; }\n'
-OPTIONS = ["--device-as-default-execution-space", "--gpu-architecture=sm_90a"]
+OPTIONS = ("--device-as-default-execution-space", "--gpu-architecture=sm_90a")
 
 
 def test_the_worker_imports_only_the_standard_library():
@@ -36,18 +36,11 @@ def test_the_worker_imports_only_the_standard_library():
 
 
 def test_a_worker_that_cannot_load_nvrtc_says_so():
-    job = {
-        "library": "libno-such-nvrtc.so",
-        "source": SOURCE,
-        "kernel": "velox_probe",
-        "file_name": "probe.cu",
-        "options": OPTIONS,
-        "headers": {},
-        "cubin": True,
-    }
+    job = nvrtc.Job(SOURCE, "velox_probe", "probe.cu", OPTIONS, {}, True)
+    fields = {**job.__dict__, "options": list(OPTIONS)}
     run = subprocess.run(
         [sys.executable, "-I", "-S", nvrtc.__file__],
-        input=json.dumps(job).encode(),
+        input=json.dumps({"library": "libno-such-nvrtc.so", "job": fields}).encode(),
         capture_output=True,
         timeout=60,
         check=False,
@@ -55,9 +48,7 @@ def test_a_worker_that_cannot_load_nvrtc_says_so():
     assert run.returncode == 1 and run.stdout == b""
     assert b"OSError" in run.stderr and b"libno-such-nvrtc.so" in run.stderr
     with pytest.raises(RuntimeError, match="NVRTC worker for velox_probe failed.*OSError"):
-        nvrtc.compile_in_worker(
-            "libno-such-nvrtc.so", SOURCE, "velox_probe", "p.cu", OPTIONS, {}, True
-        )
+        nvrtc.compile_in_worker("libno-such-nvrtc.so", job)
 
 
 def _library() -> str:
@@ -72,12 +63,13 @@ def test_a_worker_compiles_what_this_process_compiles(cubin):
     library = _library()
     lib, _ = nvrtc.load()
     headers = {"velox/unused.cuh": b"#define VELOX_UNUSED 1\n"}
-    args = (SOURCE, "velox_probe", "probe.cu", OPTIONS, headers, cubin)
-    here = nvrtc.compile_program(lib, *args)
-    there = nvrtc.compile_in_worker(library, *args)
+    job = nvrtc.Job(SOURCE, "velox_probe", "probe.cu", OPTIONS, headers, cubin)
+    here = nvrtc.compile_program(lib, job)
+    there = nvrtc.compile_in_worker(library, job)
     assert there == here and here[1] == "velox_probe" and len(here[0]) > 100
+    broken = nvrtc.Job(SOURCE + "syntax error;", *list(job.__dict__.values())[1:])
     with pytest.raises(RuntimeError, match="NVRTC failed on velox_probe"):
-        nvrtc.compile_in_worker(library, SOURCE + "syntax error;", *args[1:])
+        nvrtc.compile_in_worker(library, broken)
 
 
 @pytest.mark.parametrize("processes", [True, False])
@@ -100,10 +92,9 @@ def test_compile_cuda_runs_where_the_configuration_says(monkeypatch, processes):
     monkeypatch.setattr(nvrtc, "compile_program", fake("here"))
     with configured(compile_processes=processes):
         assert disk_cache.compile_cuda("src", "k", "k.cu") == (b"binary", "mangled")
-    ((where, args),) = calls
+    ((where, (first, job)),) = calls
     assert where == ("worker" if processes else "here")
-    assert args[0] == ("libnvrtc-test.so" if processes else "lib")
-    source, kernel, file_name, options, headers, cubin = args[1:]
-    assert (source, kernel, file_name, cubin) == ("src", "k", "k.cu", True)
-    assert "--gpu-architecture=sm_90a" in options and "--include-path=/x" in options
-    assert headers == {disk_cache._UTILS: b"standin"}
+    assert first == ("libnvrtc-test.so" if processes else "lib")
+    assert (job.source, job.kernel, job.file_name, job.cubin) == ("src", "k", "k.cu", True)
+    assert "--gpu-architecture=sm_90a" in job.options and "--include-path=/x" in job.options
+    assert job.headers == {disk_cache._UTILS: b"standin"}

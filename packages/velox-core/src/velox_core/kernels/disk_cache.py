@@ -187,10 +187,10 @@ def compile_cuda(source: str, kernel: str, file_name: str) -> tuple[bytes, str]:
     arch = "{}_{}{}{}".format("sm" if cubin else "compute", major, minor, "a" if major >= 9 else "")
     options = ["--device-as-default-execution-space", f"--gpu-architecture={arch}"]
     options += _include_args()
-    job = (source, kernel, file_name, options, {_UTILS: _utils_standin()}, cubin)
+    job = nvrtc.Job(source, kernel, file_name, tuple(options), {_UTILS: _utils_standin()}, cubin)
     if kernel_config().compile_processes:
-        return nvrtc.compile_in_worker(library, *job)
-    return nvrtc.compile_program(lib, *job)
+        return nvrtc.compile_in_worker(library, job)
+    return nvrtc.compile_program(lib, job)
 
 
 def write_whole(path: Path, data: bytes) -> None:

@@ -18,7 +18,8 @@ import ctypes
 import json
 import subprocess
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 __all__: list[str] = []
@@ -51,17 +52,25 @@ def _check(lib: Any, result: int, what: str) -> None:
         raise RuntimeError(f"{what}: {lib.nvrtcGetErrorString(result).decode()}")
 
 
-def compile_program(
-    lib: Any,
-    source: str,
-    kernel: str,
-    file_name: str,
-    options: Sequence[str],
-    headers: dict[str, bytes],
-    cubin: bool,
-) -> tuple[bytes, str]:
-    """``source`` compiled with ``options`` and the in-memory ``headers`` (include name ->
-    text): (the cubin, or PTX where ``cubin`` is False; the mangled name of ``kernel``)."""
+@dataclass(frozen=True)
+class Job:
+    """One compile: ``source`` (as ``file_name``) with ``options`` and the in-memory
+    ``headers`` (include name -> text), the mangled name of ``kernel`` looked up, the cubin
+    kept (PTX where ``cubin`` is False)."""
+
+    source: str
+    kernel: str
+    file_name: str
+    options: tuple[str, ...]
+    headers: dict[str, bytes]
+    cubin: bool
+
+
+def compile_program(lib: Any, job: Job) -> tuple[bytes, str]:
+    """``job`` compiled with ``lib``: (the cubin or PTX, the mangled name of its kernel)."""
+    source, kernel, file_name, options, headers = (
+        job.source, job.kernel, job.file_name, job.options, job.headers,
+    )  # fmt: skip
     prog = ctypes.c_void_p()
     texts = (ctypes.c_char_p * len(headers))(*headers.values())
     names = (ctypes.c_char_p * len(headers))(*(n.encode() for n in headers))
@@ -92,7 +101,7 @@ def compile_program(
         size = ctypes.c_size_t()
         get_size, get = (
             (lib.nvrtcGetCUBINSize, lib.nvrtcGetCUBIN)
-            if cubin
+            if job.cubin
             else (lib.nvrtcGetPTXSize, lib.nvrtcGetPTX)
         )
         _check(lib, get_size(prog, ctypes.byref(size)), "nvrtcGet(CUBIN|PTX)Size")
@@ -103,36 +112,24 @@ def compile_program(
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-def compile_in_worker(
-    library: str,
-    source: str,
-    kernel: str,
-    file_name: str,
-    options: Sequence[str],
-    headers: dict[str, bytes],
-    cubin: bool,
-) -> tuple[bytes, str]:
-    """:func:`compile_program` in a process of its own (``library``: the NVRTC to load there).
-    Raises ``RuntimeError`` with the worker's message where it fails."""
-    job = {
-        "library": library,
-        "source": source,
-        "kernel": kernel,
-        "file_name": file_name,
-        "options": list(options),
-        "headers": {n: base64.b64encode(t).decode() for n, t in headers.items()},
-        "cubin": cubin,
-    }
+def compile_in_worker(library: str, job: Job) -> tuple[bytes, str]:
+    """:func:`compile_program` of ``job`` in a process of its own (``library``: the NVRTC to
+    load there). Raises ``RuntimeError`` with the worker's message where it fails."""
+    fields = asdict(job)
+    fields["headers"] = {n: base64.b64encode(t).decode() for n, t in job.headers.items()}
+    fields["options"] = list(job.options)
     run = subprocess.run(
         [sys.executable, "-I", "-S", __file__],
-        input=json.dumps(job).encode(),
+        input=json.dumps({"library": library, "job": fields}).encode(),
         capture_output=True,
         timeout=WORKER_SECONDS,
         check=False,
     )
     if run.returncode != 0:
         message = run.stderr.decode(errors="replace").strip() or "no message"
-        raise RuntimeError(f"the NVRTC worker for {kernel} failed ({run.returncode}): {message}")
+        raise RuntimeError(
+            f"the NVRTC worker for {job.kernel} failed ({run.returncode}): {message}"
+        )
     out = json.loads(run.stdout)
     return base64.b64decode(out["binary"]), out["mangled"]
 
@@ -141,19 +138,13 @@ def main() -> int:
     """A worker: one job (JSON on stdin, as :func:`compile_in_worker` writes it), its result
     (JSON on stdout: the binary in base64, the mangled name); errors on stderr, status 1."""
     try:
-        job = json.load(sys.stdin)
-        lib = ctypes.CDLL(job["library"])
+        given = json.load(sys.stdin)
+        lib = ctypes.CDLL(given["library"])
         lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-        headers = {n: base64.b64decode(t) for n, t in job["headers"].items()}
-        binary, mangled = compile_program(
-            lib,
-            job["source"],
-            job["kernel"],
-            job["file_name"],
-            job["options"],
-            headers,
-            job["cubin"],
-        )
+        fields = given["job"]
+        fields["headers"] = {n: base64.b64decode(t) for n, t in fields["headers"].items()}
+        fields["options"] = tuple(fields["options"])
+        binary, mangled = compile_program(lib, Job(**fields))
     except Exception as e:  # the parent reports it (and turns the disk cache off)
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
         return 1
