@@ -23,8 +23,8 @@ every layer's keys after RoPE (the keys a cache stores and KNorm ranks) from:
   * ``velox float32``: the GGUF converted in float32 and caches storing float32, one chunk.
 
 For each velox run and layer, against transformers: the largest relative difference of the
-key norms, their Spearman rank correlation, the mean relative L2 distance of the keys, and
-the Jaccard index of the two lowest-norm sets of kvpress's size (``int(n (1 - ratio))``),
+key norms, their Spearman rank correlation, the mean relative L2 distance of the keys
+(global layers: transformers' sliding-layer keys are taken before RoPE) and the Jaccard index of the two lowest-norm sets of kvpress's size (``int(n (1 - ratio))``),
 velox's norms taken from its keys rounded to its storage dtype (what KNorm scores).
 
     python benchmarks/gemma3_key_drift.py --kvpress-python "$KVPRESS_PY" \\
@@ -276,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         for layer in range(keys.shape[0]):
             hf = post[glob.index(layer)] if layer in glob else pre[layer]
             per[str(layer)] = layer_stats(keys[layer], stored[layer], hf, k)
+            if layer not in glob:  # transformers' keys before RoPE: norms compare, not vectors
+                per[str(layer)]["key_mean_rel_l2"] = None
         result["runs"][name] = per
     for name, per in result["runs"].items():
         _log(f"-- {name}")
