@@ -24,8 +24,9 @@ every layer's keys after RoPE (the keys a cache stores and KNorm ranks) from:
 
 For each velox run and layer, against transformers: the largest relative difference of the
 key norms, their Spearman rank correlation, the mean relative L2 distance of the keys
-(global layers: transformers' sliding-layer keys are taken before RoPE) and the Jaccard index of the two lowest-norm sets of kvpress's size (``int(n (1 - ratio))``),
-velox's norms taken from its keys rounded to its storage dtype (what KNorm scores).
+(global layers: transformers' sliding-layer keys are taken before RoPE) and the Jaccard
+index of the two lowest-norm sets of kvpress's size (``int(n (1 - ratio))``), velox's norms
+taken from its keys rounded to its storage dtype (what KNorm scores).
 
     python benchmarks/gemma3_key_drift.py --kvpress-python "$KVPRESS_PY" \\
         --json docs/data/gemma3-key-drift.json
