@@ -58,18 +58,10 @@ def _hf_worker(job_path: str, out_path: str) -> None:
     ``pre`` (L, n, D) from ``k_norm`` (before RoPE), ``post`` (G, n, D) the global layers'
     cached keys, ``layers`` the global layers' indices."""
     import torch
-    import transformers
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from kvpress_compare import load_job_model  # this script's folder is on sys.path
+    from transformers import DynamicCache
 
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    job = json.loads(Path(job_path).read_text())
-    if job["threads"]:
-        torch.set_num_threads(job["threads"])
-    gguf = Path(job["gguf"])
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, attn_implementation="sdpa"
-    ).eval()
+    job, model = load_job_model(job_path)
     layers = model.model.layers
     pre: list = [None] * len(layers)
 
@@ -226,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     job = {"gguf": str(gguf_path(a.model)), "context": context, "threads": a.threads}
     (tmp / "job.json").write_text(json.dumps(job))
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "VELOX_BLAS_ACTIVE")}
+    env["TQDM_DISABLE"] = "1"  # torch brings its own BLAS; no progress bars
     out = tmp / "hf.npz"
     proc = subprocess.Popen(
         [a.kvpress_python, os.path.abspath(__file__), "--worker", str(tmp / "job.json"), str(out)],

@@ -203,6 +203,27 @@ def _log(msg: str) -> None:
 # -- the kvpress half (runs in kvpress's environment: torch, transformers, kvpress) ------------
 
 
+def load_job_model(job_path: str):
+    """A worker's job (JSON: ``gguf``, ``threads``, ...) and its GGUF loaded in transformers
+    as the kvpress half runs it (float32, SDPA attention), with torch at the job's threads."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    job = json.loads(Path(job_path).read_text())
+    if job["threads"]:
+        torch.set_num_threads(job["threads"])
+    gguf = Path(job["gguf"])
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+    _log(f"kvpress: {gguf.name} loaded in transformers ({time.perf_counter() - t0:.1f} s)")
+    return job, model
+
+
 def _kvpress_worker(job_path: str, out_path: str) -> None:
     """Every press at every ratio on every prompt of the job, plus the no-press run; writes
     the generated token ids (JSON) and the kept context positions (``.npz`` beside it)."""
@@ -221,19 +242,10 @@ def _kvpress_worker(job_path: str, out_path: str) -> None:
         StreamingLLMPress,
         TOVAPress,
     )
-    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+    from transformers import AutoTokenizer, DynamicCache
 
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    job = json.loads(Path(job_path).read_text())
-    if job["threads"]:
-        torch.set_num_threads(job["threads"])
+    job, model = load_job_model(job_path)
     gguf = Path(job["gguf"])
-    t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, attn_implementation="sdpa"
-    ).eval()
-    _log(f"kvpress: {gguf.name} loaded in transformers ({time.perf_counter() - t0:.1f} s)")
     layers = model.model.layers
     # KVzipPress loads the tokenizer by the model's name (a folder holding only the GGUF
     # here): it gets the GGUF's, without its chat template, as the suite's prompts are raw
