@@ -12,7 +12,12 @@ velox's ``fp16`` run are the baselines.
 The protocol is kvpress's on both sides: the context is prefilled with the compression
 active, then the question (and answer prefix) is fed without it, then ``max_new`` tokens are
 decoded greedily; answers are cut at the first EOS, decoded with the suite's tokenizer and
-scored with ``Prompt.score`` (RULER's string match).
+scored with ``Prompt.score`` (RULER's string match). velox prefills each context in one
+chunk by default (``--chunk 0``), as kvpress runs it through the model in one forward pass: a
+retention policy cuts a context prefilled in chunks as each next chunk arrives, so a later
+chunk attends to the kept part of the earlier ones in a compressed layer and the layers above
+compute other keys (:func:`prefill_chunk`); a ``--chunk`` below the context measures velox's
+chunked prefill instead.
 
 - kvpress: the model is loaded in transformers from the GGUF velox converts
   (``AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)``, float32, SDPA
@@ -198,6 +203,27 @@ def _log(msg: str) -> None:
 # -- the kvpress half (runs in kvpress's environment: torch, transformers, kvpress) ------------
 
 
+def load_job_model(job_path: str):
+    """A worker's job (JSON: ``gguf``, ``threads``, ...) and its GGUF loaded in transformers
+    as the kvpress half runs it (float32, SDPA attention), with torch at the job's threads."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    job = json.loads(Path(job_path).read_text())
+    if job["threads"]:
+        torch.set_num_threads(job["threads"])
+    gguf = Path(job["gguf"])
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+    _log(f"kvpress: {gguf.name} loaded in transformers ({time.perf_counter() - t0:.1f} s)")
+    return job, model
+
+
 def _kvpress_worker(job_path: str, out_path: str) -> None:
     """Every press at every ratio on every prompt of the job, plus the no-press run; writes
     the generated token ids (JSON) and the kept context positions (``.npz`` beside it)."""
@@ -216,19 +242,10 @@ def _kvpress_worker(job_path: str, out_path: str) -> None:
         StreamingLLMPress,
         TOVAPress,
     )
-    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+    from transformers import AutoTokenizer, DynamicCache
 
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    job = json.loads(Path(job_path).read_text())
-    if job["threads"]:
-        torch.set_num_threads(job["threads"])
+    job, model = load_job_model(job_path)
     gguf = Path(job["gguf"])
-    t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, attn_implementation="sdpa"
-    ).eval()
-    _log(f"kvpress: {gguf.name} loaded in transformers ({time.perf_counter() - t0:.1f} s)")
     layers = model.model.layers
     # KVzipPress loads the tokenizer by the model's name (a folder holding only the GGUF
     # here): it gets the GGUF's, without its chat template, as the suite's prompts are raw
@@ -668,7 +685,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--presses", nargs="+", choices=PRESSES, default=list(PRESSES))
     ap.add_argument("--haystack", default="prose")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--chunk", type=int, default=2048, help="velox's prefill chunk")
+    ap.add_argument(
+        "--chunk",
+        type=int,
+        default=0,
+        help="velox's prefill chunk (0: the longest of --lengths, each context in one chunk "
+        "as kvpress prefills it)",
+    )
     ap.add_argument("--jobs", type=int, default=0, help="velox worker processes (0: auto)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument(
@@ -705,8 +728,21 @@ def main(argv: list[str] | None = None) -> int:
     for r in a.ratios:
         if not 0 < r < 1:
             ap.error(f"a compression ratio must be in (0, 1), got {r}")
+    if a.chunk < 0:
+        ap.error(f"--chunk must be 0 (the whole context) or a token count, got {a.chunk}")
+    a.chunk = prefill_chunk(a.chunk, a.lengths)
     _preload_blas()
     return _compare(a)
+
+
+def prefill_chunk(chunk: int, lengths: list[int]) -> int:
+    """velox's prefill chunk: ``chunk``, or with 0 the longest prompt length, so that each
+    context goes through the model in one forward pass, as kvpress's does. A retention
+    policy cuts a context prefilled in chunks as each next chunk arrives (``prefill="chunks"``),
+    so a later chunk attends to the kept part of the earlier ones in a compressed layer, and
+    the layers above it compute other hidden states and keys than one pass over the whole
+    context gives (on Gemma 3 at 4,096 tokens in 2,048-token chunks, layers 11 and 17)."""
+    return chunk or max(lengths)
 
 
 def _digest(prompt) -> str:

@@ -14,8 +14,10 @@ Deviations from the paper (also in docs/knorm.md):
 * **Cadence.** The authors' experiments compress the prompt's cache once after the forward
   pass, with a keep *ratio*; here ``budget`` counts tokens per KV head and the cache is cut
   after each prefill chunk (peak memory: ``budget`` plus one chunk), and, with ``every``,
-  again during decode. Since a key's score does not depend on what else is stored, chunked
-  cuts keep exactly the tokens one cut over the whole prompt keeps (ties aside).
+  again during decode. A key's score does not depend on what else is stored, so a layer
+  keeps the tokens one cut over the same keys keeps (ties aside); but a later chunk attends
+  to the kept part of the earlier ones, so the layers above a cut compute other keys than
+  one pass over the whole prompt gives (``prefill="prompt"`` cuts once, at the prompt's end).
 * **Layers.** The authors skip the first layer(s) (``skip_layers=[0, 1]`` in their examples);
   velox cuts every layer it is given: skip layers with
   ``velox_core.make_cache(model, KNormCache(...), layers={0: VeloxCache(), 1: VeloxCache()})``.
