@@ -338,8 +338,8 @@ def test_layer_zero_of_a_tiny_model_keeps_what_the_window_votes_for_and_stays_bo
     cache = MorphKVCache(budget=budget, observe=window, keep_weights=False)
     model, caches, k0, scale = ev.two_chunk_prompt(cache, budget)  # k0 (H, 256, D)
     survivors = [sorted(kept(caches[0], h)) for h in range(2)]
-    qw = np.array(caches[0].policy._queries[0].astype(mx.float32))  # (Hq, 16, D)
-    assert caches[0].policy._q_end == 256
+    qw = np.array(caches[0].policy.window.queries[0].astype(mx.float32))  # (Hq, 16, D)
+    assert caches[0].policy.window.end == 256
     with routed(model):
         for step in ev.decode_bounded(model, caches, range(7, 13), budget + 1):
             if step == 0:

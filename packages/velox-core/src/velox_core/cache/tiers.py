@@ -20,9 +20,28 @@ from ..codec.identity import Identity
 from ..kernels.disk_cache import compiled_together
 from ..validation import check_int
 from .attention import Segment
+from .retention import RetentionMixin
 from .store import PackedStore
 
 __all__: list[str] = []
+
+
+_PLAIN: dict[type, bool] = {}
+
+
+def plain_tiers(cls: type) -> bool:
+    """Whether ``cls`` stores, flushes and lists its coded tokens as velox-core's mixins do:
+    a subclass that overrides any of it (cross-layer caches list joined segments, XQuant
+    stores a pair's codes once, ZipCache re-codes at its flush) takes the general paths."""
+    plain = _PLAIN.get(cls)
+    if plain is None:
+        plain = _PLAIN[cls] = (
+            cls.before_coding is TierMixin.before_coding
+            and cls._flush is TierMixin._flush
+            and cls.segments is TierMixin.segments
+            and cls._append_body is RetentionMixin._append_body
+        )
+    return plain
 
 
 @dataclass
@@ -90,7 +109,7 @@ class TierMixin:
             or st.dims is None
             or st.window[0].tokens
             or st.sink[0].tokens < self.sinks
-            or type(self).before_coding is not TierMixin.before_coding
+            or not plain_tiers(type(self))
             or not isinstance(keys, mx.array)
             or not isinstance(values, mx.array)
             or keys.ndim != 4
@@ -132,7 +151,12 @@ class TierMixin:
         window tokens, no per-head budgets): :meth:`keys_and_values` without listing the
         segments; None otherwise."""
         st = self.stored
-        if len(self.tiers) != 1 or st.heads is not None or st.sink[0].tokens + st.window[0].tokens:
+        if (
+            len(self.tiers) != 1
+            or st.heads is not None
+            or st.sink[0].tokens + st.window[0].tokens
+            or not plain_tiers(type(self))
+        ):
             return None
         k, v = st.coded[0][0].view(), st.coded[0][1].view()
         if k is None:
