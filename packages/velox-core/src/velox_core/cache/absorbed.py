@@ -77,12 +77,16 @@ def turned_off() -> str:
 
 def readable(segments: list[tuple[Codec, Packed]]) -> str:
     """Why :func:`attention` cannot read these ``(codec, record)`` segments ("" where it
-    can): :func:`turned_off`, or a segment's codes outside MLX's layout."""
+    can): :func:`turned_off`, or :func:`codes_unreadable`."""
+    return turned_off() or codes_unreadable(segments)
+
+
+def codes_unreadable(segments: list[tuple[Codec, Packed]]) -> str:
+    """Why :func:`attention` cannot read these segments' codes where it is on ("" where it
+    can): a codec other than per-token uniform codes in MLX's layout, or a batch of several
+    rows on CUDA."""
     from ..kernels import backend
 
-    off = turned_off()
-    if off:
-        return off
     for codec, packed in segments:
         if isinstance(codec, Identity):
             continue

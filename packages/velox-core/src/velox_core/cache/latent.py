@@ -311,7 +311,7 @@ class LatentCache(_BaseCache):
             return None
         why = absorbed.turned_off() or self._unreadable(queries, mask, sinks)
         segments = [] if why else self._segments()
-        why = why or absorbed.readable(segments)
+        why = why or absorbed.codes_unreadable(segments)
         if why:
             self.decode_path = f"decoded: {why}"
             return None
@@ -322,13 +322,9 @@ class LatentCache(_BaseCache):
 
     def _segments(self) -> list:
         """``(codec, record)`` of the stored latents in temporal order."""
-        store = self._store
-        st = store.stored
-        if len(store.tiers) == 1 and not st.sink[1].tokens + st.window[1].tokens:
-            coded = st.coded[0][1].view()  # a step's hot path: one coded segment
-            if coded is not None:
-                return [(store.tiers[0].value_codec, coded)]
-        return [(s.value_codec, s.values) for s in store.segments()]
+        one = self._store.one_segment()  # a step's hot path: one coded segment
+        segments = [one] if one is not None else self._store.segments()
+        return [(s.value_codec, s.values) for s in segments]
 
     def _unreadable(self, queries: mx.array, mask, sinks) -> str:
         """Why :meth:`attend` leaves a call with the model's latent to the reference path

@@ -80,6 +80,16 @@ class PackedStore:
         self.buf = self.buf.map(lambda k, a: _write(a, packed.data[k], self.buf.rows(k, start)))
         self.tokens += packed.tokens
 
+    def put(self, packed: Packed) -> None:
+        """:meth:`append` for a decode step: the tokens written into the buffers' room in
+        place, unchecked (the caller has reserved the room and knows the layout is the
+        store's)."""
+        buf, n = self.buf, self.tokens
+        for name, a in packed.data.items():
+            row = buf.rows(name, n)
+            buf.data[name][:, :, row : row + a.shape[2]] = a
+        self.tokens += packed.tokens
+
     def write(self, start: int, packed: Packed) -> None:
         """Overwrite tokens ``[start, start + packed.tokens)`` in place (per-token records;
         the tokens must be stored already)."""

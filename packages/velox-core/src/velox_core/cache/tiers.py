@@ -137,19 +137,15 @@ class TierMixin:
             vs.reserve(vs.tokens + t)
             mx.async_eval(ks.arrays() + vs.arrays())
         self._planned.clear()  # the coded segment changes: its decode plan with it
-        for store, packed in ((ks, kp), (vs, vp)):  # PackedStore.append's write, unchecked
-            buf, n = store.buf, store.tokens
-            for name, a in packed.data.items():
-                row = buf.rows(name, n)
-                buf.data[name][:, :, row : row + a.shape[2]] = a
-            store.tokens += t
+        ks.put(kp)
+        vs.put(vp)
         self.offset += t
         return True
 
-    def _decoded_tier(self) -> tuple[mx.array, mx.array] | None:
-        """Every stored token decoded where all of them are tier 0's (one tier, no sinks or
-        window tokens, no per-head budgets): :meth:`keys_and_values` without listing the
-        segments; None otherwise."""
+    def one_segment(self) -> Segment | None:
+        """The only segment where tier 0 holds every stored token (one tier, no sinks or
+        window tokens, no per-head budgets, core's own tier hooks): :meth:`segments` without
+        listing them, for a decode step; None otherwise."""
         st = self.stored
         if (
             len(self.tiers) != 1
@@ -158,11 +154,22 @@ class TierMixin:
             or not plain_tiers(type(self))
         ):
             return None
-        k, v = st.coded[0][0].view(), st.coded[0][1].view()
+        k = st.coded[0][0].view()
         if k is None:
             return None
-        t, dtype = self.tiers[0], self._io_dtype
-        return t.key_codec.decode_as(k, dtype), t.value_codec.decode_as(v, dtype)
+        t = self.tiers[0]
+        return Segment(t.key_codec, k, t.value_codec, st.coded[0][1].view())
+
+    def _decoded_tier(self) -> tuple[mx.array, mx.array] | None:
+        """Every stored token decoded where :meth:`one_segment` holds them all
+        (:meth:`keys_and_values` without listing the segments); None otherwise."""
+        seg = self.one_segment()
+        if seg is None:
+            return None
+        dtype = self._io_dtype
+        return seg.key_codec.decode_as(seg.keys, dtype), seg.value_codec.decode_as(
+            seg.values, dtype
+        )
 
     def before_coding(self) -> bool:
         """Hook run on every update before window overflow moves into the coded tiers.
