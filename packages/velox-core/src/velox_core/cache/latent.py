@@ -70,8 +70,8 @@ class MLXGrid(Uniform):
     each token on arrival. The records are ``Uniform``'s
     (``scale * code + zero``, MLX's bias as the zero). MLX places its grid so that the
     group's edge of larger magnitude is exact and rounds the scale after coding, velox from
-    the group's min against the rounded scale: at 4 bits the error is about 1% larger, at 8
-    bits up to a quarter larger in bfloat16, so 8-bit codes keep velox's grid."""
+    the group's min against the rounded scale; 8-bit codes keep velox's grid, with which the
+    8-bit cache gives fp16's greedy tokens (test_latent_cache.py)."""
 
     def encode(self, x: mx.array, positions: mx.array | None = None) -> Packed:
         if (
