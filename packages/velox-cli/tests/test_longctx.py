@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
@@ -19,6 +20,7 @@ from velox_cli.longctx.run import (
     Trial,
     aggregate,
     held_bytes,
+    prompt_caches,
     resolve_spec,
     spec_check,
     spread_order,
@@ -26,7 +28,7 @@ from velox_cli.longctx.run import (
 )
 from velox_cli.longctx.tasks import TASKS, make_prompts, parse_task, score
 from velox_cli.main import main
-from velox_core import make, make_cache
+from velox_core import make, make_cache, routed
 from velox_testing.models import _tokenizer
 
 
@@ -354,6 +356,40 @@ def test_settings_are_checked():
         EvalSettings(prompts=0).check()
     with pytest.raises(ValueError, match="split"):
         EvalSettings(split="tasks").check()
+    with pytest.raises(ValueError, match="cut must be one of once, chunks"):
+        EvalSettings(cut="never").check()
+
+
+@pytest.mark.parametrize("mode", ["after", "inside"])
+def test_cut_once_compresses_the_context_as_one_chunk_would(mode):
+    """``cut="once"`` (kvpress's protocol): a context prefilled in chunks is cut once, at its
+    end, so the caches keep what a one-chunk prefill keeps; ``cut="chunks"`` cuts each chunk as
+    the next arrives, and keeps other tokens. Either way the question after it is held whole."""
+    from velox_cli.longctx.tasks import Prompt
+    from velox_testing import tiny_model
+
+    model = tiny_model("llama", head_dim=64, hidden_size=128, vocab_size=512)
+    rng = np.random.default_rng(0)
+    context, question = rng.integers(1, 512, 192).tolist(), rng.integers(1, 512, 8).tolist()
+    prompt = Prompt("passkey", 200, context, question, ["1"], 0.5, "noise", 4)
+
+    def run(chunk: int, cut: str):
+        caches = make_cache(model, "snapkv:budget=48")
+        with routed(model):
+            logits = prompt_caches(model, caches, prompt, mode, chunk, cut=cut)
+            answer = mx.argmax(logits, axis=-1)[:, None]
+            logits = model(answer, cache=caches)[:, -1]  # the answer's first token
+        kept = [np.array(c.policy_view.body_positions()[0]) for c in caches]
+        return np.array(logits.astype(mx.float32)), kept, [c.size() for c in caches]
+
+    whole = run(256, "chunks")  # one chunk: one cut, whatever the setting
+    once, chunks = run(64, "once"), run(64, "chunks")
+    size = 48 + (len(question) if mode == "after" else 0) + 1  # and the answer's token
+    assert whole[2] == once[2] == chunks[2] == [size] * len(whole[2])
+    for a, b in zip(whole[1], once[1]):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(once[0], whole[0], atol=2e-2)  # float16: chunks round apart
+    assert any(not np.array_equal(a, b) for a, b in zip(whole[1], chunks[1]))
 
 
 def test_eval_small_version_on_the_reference_model(tmp_path, capsys):

@@ -144,6 +144,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--chunk", type=int, default=2048, help="prefill chunk (default 2048)")
     e.add_argument(
+        "--cut",
+        choices=("once", "chunks"),
+        default="once",
+        help="when retention policies cut the compressed context (the whole prompt with "
+        "--question inside): once, at its end (the default: kvpress's and the papers' "
+        "protocol), or each prefill chunk as the next arrives (mlx-lm's chunked prefill)",
+    )
+    e.add_argument(
         "--seed", type=int, default=0, help="seed of the prompts' needles and fillers (default 0)"
     )
     e.add_argument(

@@ -197,13 +197,15 @@ def cmd_eval(a: argparse.Namespace) -> int:
             a.seed,
             a.jobs,
             a.split,
+            a.cut,
         )
         tasks = settings.check()
         total = len(tasks) * len(settings.lengths) * settings.prompts
         console.print(
             f"velox eval: {len(specs)} specs x {len(tasks)} tasks x lengths "
             f"{', '.join(map(str, settings.lengths))} x {settings.prompts} prompts "
-            f"({total} prompts, fp16 first on each) | question {settings.question} | "
+            f"({total} prompts, fp16 first on each) | question {settings.question}, cut "
+            f"{settings.cut} | "
             f"haystack {settings.haystack}",
             highlight=False,
         )

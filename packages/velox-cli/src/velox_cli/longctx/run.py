@@ -10,8 +10,15 @@ caches take the same prompt:
   compressed without knowing the question, and a ``budget=P%`` share is of the context's
   tokens, as kvpress's compression ratio is;
 - ``question="inside"``: context and question are one prompt, prefilled and compressed
-  together once, at its end (each retention policy's ``prefill="prompt"``), so a method that
-  votes with the newest queries (SnapKV) sees the question.
+  together, so a method that votes with the newest queries (SnapKV) sees the question.
+
+``cut`` says when a retention policy cuts what it compresses (the context, or the whole
+prompt inside): ``"once"`` (the default), at its end, the chunks held until then (each
+policy's ``prefill="prompt"``), as kvpress compresses after one forward pass and the papers
+compress a prompt once; ``"chunks"``, each prefill chunk as the next arrives (a policy's
+default ``prefill="chunks"``, what mlx-lm's chunked prefill gives: peak memory of the budget
+plus one chunk). A chunk cut before the next chunk attends changes the keys the layers above
+compute for the rest of the context (docs/long-context.md, "KNorm on 8 prompts").
 
 After the prompt a copy of the caches answers greedily (``max_new`` tokens; scored by string
 match) and the caches themselves are teacher-forced along the fp16 answer: KL(fp16 || spec)
@@ -55,6 +62,7 @@ from .cells import Cell, Trial, aggregate, wilson
 from .tasks import Prompt, TaskSpec, make_prompts, parse_task
 
 __all__ = [
+    "CUTS",
     "QUESTION_MODES",
     "Cell",
     "EvalSettings",
@@ -71,6 +79,8 @@ __all__ = [
 ]
 
 QUESTION_MODES = ("after", "inside")
+# when a retention policy cuts the compressed part of a prompt: once at its end, or per chunk
+CUTS = ("once", "chunks")
 _SHARE = re.compile(r"budget=(\d+(?:\.\d+)?)%")
 
 
@@ -98,7 +108,8 @@ class EvalSettings:
     worker processes (0: one per CPU core on MLX's CPU backend, 1 on a GPU) and how work is
     split among them (``prompts``: whole prompts, each worker running every spec; ``specs``:
     each worker a share of the specs on every prompt, so each compiles its kernels once;
-    ``auto``: prompts on a CPU, specs on a GPU)."""
+    ``auto``: prompts on a CPU, specs on a GPU), and when retention policies cut (``cut``:
+    :data:`CUTS`, the module's docstring)."""
 
     tasks: list[str] = field(default_factory=lambda: ["passkey"])
     lengths: list[int] = field(default_factory=lambda: [4096])
@@ -110,10 +121,13 @@ class EvalSettings:
     seed: int = 0
     jobs: int = 0
     split: str = "auto"
+    cut: str = "once"
 
     def check(self) -> list[TaskSpec]:
         if self.split not in SPLITS:
             raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {self.split!r}")
+        if self.cut not in CUTS:
+            raise ValueError(f"cut must be one of {', '.join(CUTS)}, got {self.cut!r}")
         if self.question not in QUESTION_MODES:
             raise ValueError(
                 f"question must be one of {', '.join(QUESTION_MODES)}, got {self.question!r}"
@@ -142,31 +156,37 @@ def budget_tokens(prompt: Prompt, mode: str) -> int:
 
 
 def prompt_caches(
-    model, caches: list, prompt: Prompt, mode: str, chunk: int, tokenizer=None
+    model, caches: list, prompt: Prompt, mode: str, chunk: int, tokenizer=None, cut: str = "once"
 ) -> mx.array:
     """Prefill the prompt into ``caches``; the logits of its last position.
 
-    ``mode="inside"``: context and question as one prompt, compressed once at its end (each
-    retention policy's ``prefill="prompt"``: the chunks accumulate and the cut comes at the
-    first answer token, voted by the prompt's last queries, so the question chooses what is
-    kept: kvpress's query-aware setting and the papers' protocol). ``mode="after"``: kvpress's
-    protocol (``prefill="chunks"``). The context is prefilled, then the question; a retention
-    policy cuts the context back to its budget as the question arrives (voted by the context's
-    own newest queries), and the question is held whole. Left alone, a policy would cut once
-    more at the first answer token, after the question's chunk: voted by the question's queries
-    and trimming the question's length off the context, so the context would no longer be
-    compressed without knowing the question. So once the question is stored, each policy drops
-    that cut (``RetentionPolicy.hold_stored``) and its ``budget`` is raised by the question's
-    length; decode then runs as the spec says (``every`` cuts, if set, from the raised budget).
+    ``mode="inside"``: context and question as one prompt. With ``cut="once"`` it is
+    compressed once at its end (each retention policy's ``prefill="prompt"``: the chunks
+    accumulate and the cut comes at the first answer token, voted by the prompt's last
+    queries, so the question chooses what is kept: kvpress's query-aware setting and the
+    papers' protocol); with ``cut="chunks"`` each chunk is cut as the next arrives.
+    ``mode="after"``: kvpress's protocol. The context is prefilled, then the question; a
+    retention policy cuts the context back to its budget as the question arrives (voted by
+    the context's own newest queries), and the question is held whole. With ``cut="once"``
+    the context's chunks accumulate until then (``prefill="prompt"`` while the context is
+    stored, ``"chunks"`` as the question arrives, so the cut the context owes is made then);
+    with ``cut="chunks"`` each of its chunks is also cut as the next arrives. Left alone, a
+    policy would cut once more at the first answer token, after the question's chunk: voted
+    by the question's queries and trimming the question's length off the context, so the
+    context would no longer be compressed without knowing the question. So once the question
+    is stored, each policy drops that cut (``RetentionPolicy.hold_stored``) and its
+    ``budget`` is raised by the question's length; decode then runs as the spec says
+    (``every`` cuts, if set, from the raised budget).
 
     A method with a step after the prefill (:func:`velox_cli.evaluate.after_prefill`:
     KVzip's reconstruction, which needs ``tokenizer``) takes it once the context is stored
     (``after``; the whole prompt ``inside``), before the question.
     """
-    for c in caches:  # the protocol decides when a prompt's chunks are cut
-        policy = getattr(c, "policy", None)
-        if policy is not None:
-            policy.prefill = "prompt" if mode == "inside" else "chunks"
+    if cut not in CUTS:
+        raise ValueError(f"cut must be one of {', '.join(CUTS)}, got {cut!r}")
+    policies = [p for p in (getattr(c, "policy", None) for c in caches) if p is not None]
+    for policy in policies:  # the protocol decides when a prompt's chunks are cut
+        policy.prefill = "prompt" if cut == "once" else "chunks"
     if mode == "inside":
         tokens = prompt.context + prompt.question
         logits = prefill(model, caches, tokens, chunk)
@@ -174,10 +194,11 @@ def prompt_caches(
         return logits
     prefill(model, caches, prompt.context, chunk)
     after_prefill(model, tokenizer, caches, prompt.context)
+    for policy in policies:  # the cut the context owes: made as the question arrives
+        policy.prefill = "chunks"
     logits = prefill(model, caches, prompt.question, chunk)
-    for c in caches:
-        policy = getattr(c, "policy", None)
-        if policy is not None and policy.budget is not None:
+    for policy in policies:
+        if policy.budget is not None:
             policy.hold_stored()  # no cut after the question's chunk
             policy.budget += len(prompt.question)  # decode cuts (``every``) keep it too
     return logits
@@ -216,7 +237,7 @@ def run_prompt(model, tokenizer, store, prompt: Prompt, i: int, specs: list[Spec
     t0 = time.perf_counter()
     caches = build_caches(Spec("fp16", "fp16"), model, store)
     with routed(model):
-        logits = prompt_caches(model, caches, prompt, s.question, s.chunk)
+        logits = prompt_caches(model, caches, prompt, s.question, s.chunk, cut=s.cut)
         ref_ids, ref_lp = _greedy_logprobs(model, caches, logits, prompt.max_new)
         ref_bytes = sum(held_bytes(c) for c in caches)
         ref_window = window_bytes(caches)
@@ -237,7 +258,7 @@ def run_prompt(model, tokenizer, store, prompt: Prompt, i: int, specs: list[Spec
             share_of = budget_tokens(prompt, s.question)
             caches = build_caches(parse(resolve_spec(spec.text, share_of)), model, store)
             with routed(model):
-                logits = prompt_caches(model, caches, prompt, s.question, s.chunk, tokenizer)
+                logits = prompt_caches(model, caches, prompt, s.question, s.chunk, tokenizer, s.cut)
                 twin = copy.deepcopy(caches)  # answers greedily; the caches are teacher-forced
                 out = greedy(model, twin, logits, prompt.max_new)
                 t.bytes = sum(held_bytes(c) for c in twin)
@@ -447,6 +468,7 @@ def run_eval(
         "haystack": settings.haystack,
         "template": settings.template,
         "chunk": settings.chunk,
+        "cut": settings.cut,
         "seed": settings.seed,
         "jobs": jobs,
         "split": split if jobs > 1 else None,
