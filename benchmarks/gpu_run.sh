@@ -3,8 +3,8 @@
 # minutes on an H200; results (text and JSON) under $OUT (default ./gpu-out).
 #
 #   bash benchmarks/gpu_run.sh tests       # every -m gpu test (caches, decode kernels)
-#   bash benchmarks/gpu_run.sh first-use   # benchmarks/first_use.py: first processes with the
-#     compiles ahead on and off (VELOX_COMPILE_AHEAD), alternated, then a second process
+#   bash benchmarks/gpu_run.sh first-use   # benchmarks/first_use.py: first processes with NVRTC
+#     in worker processes and in threads (VELOX_COMPILE_PROCESSES), alternated, then a second one
 #   bash benchmarks/gpu_run.sh e2e-32k     # fp16 and the velox specs of issue 26 at 4k and 32k
 #   bash benchmarks/gpu_run.sh e2e-128k    # the same at 128k
 #   bash benchmarks/gpu_run.sh batch       # batch 8 at 32k, and batch_serve.py's two runs
@@ -12,6 +12,8 @@
 #   bash benchmarks/gpu_run.sh fill-check  # capacity.py --fill-check: the direct fill's peaks
 #   bash benchmarks/gpu_run.sh mla         # DeepSeek-V3's attention at 32k: fp16 against the
 #     4-bit latent decoded from its codes (VELOX_LATENT_CODES=1: off on CUDA by default)
+#   bash benchmarks/gpu_run.sh mla-host    # the host's share of a latent layer's decode step:
+#     latent_host.py's pieces, then host_profile.py's profile of generate_step at 32k
 #   bash benchmarks/gpu_run.sh capacity    # capacity.py --fill direct, one run per cache
 #     (CACHES, space-separated specs [fp16 uniform:bits=4]; BUDGETS [16,24,36,64]; SHAPE
 #     [llama3-8b]; WEIGHTS [4bit]; LIMIT seconds for the stage [540]: a run is started only with 60 s left,
@@ -66,6 +68,13 @@ case "${1:-}" in
         --json "$out/e2e-mla-32k-codes-$codes.json" 2>&1 | tail -8
     done
     unset VELOX_LATENT_CODES
+    ;;
+  mla-host)
+    python3 benchmarks/latent_host.py --json "$out/latent-host.json"
+    python3 benchmarks/host_profile.py --shape deepseek-v3-8l --weights 4bit --context 32768 \
+      --chunk 512 --cache uniform:bits=4 --generate --steps 128 --top 40 \
+      > "$out/host-profile-mla.txt" 2>&1
+    grep -E "generate_step token|^== " "$out/host-profile-mla.txt"
     ;;
   fill-check)
     python3 benchmarks/capacity.py --shapes "${SHAPE:-llama3-8b}" --caches fp16,uniform:bits=4 \

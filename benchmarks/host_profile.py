@@ -122,6 +122,7 @@ def main() -> int:
     parser.add_argument("--cache", default="uniform:bits=4", help="velox method specs, commas")
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk, tokens")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--shape", default=None, help="an e2e.py shape (default: reference)")
     parser.add_argument("--weights", default="4bit", help="with --shape: bf16, 4bit or fp32")
@@ -151,8 +152,8 @@ def main() -> int:
         cache = velox_core.make_cache(model, default=spec)
         prof = cProfile.Profile()
         with velox_core.routed(model):
-            for i in range(0, args.context, 2048):
-                model(prompt[:, i : i + 2048], cache=cache)
+            for i in range(0, args.context, args.chunk):
+                model(prompt[:, i : i + args.chunk], cache=cache)
                 mx.eval([c.state for c in cache])
                 mx.clear_cache()
             with stubbed_kernels(args.stub_kernels and spec != "fp16"):
