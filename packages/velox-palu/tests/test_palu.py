@@ -114,7 +114,7 @@ def test_value_codec_is_that_projection_and_mixes_from_the_latent():
         2,
         {0: [32, 0]},
         {},
-        "synthetic",
+        fingerprint="synthetic",
     )
     path = save_bases(art, tmp("values.safetensors"))
     c = PaluValues(rank=24, artifact=path, layer=0)
