@@ -13,6 +13,7 @@ from .kernel_env import kernel_env
 from .kernel_path import (
     assert_cpu_declines,
     assert_kernel_partial,
+    assert_step_like_reference,
     compile_cuda,
     compile_metal,
     emulated_gpu_fixture,
@@ -59,6 +60,7 @@ __all__ = [
     "assert_partials_equivalent",
     "assert_rows_decode_alone",
     "assert_spec_refused",
+    "assert_step_like_reference",
     "assert_tampered_state_refused",
     "attention_errors_vs_mlx_quant",
     "compile_cuda",
