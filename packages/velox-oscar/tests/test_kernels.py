@@ -15,16 +15,13 @@ from velox_oscar import OscarCache, OscarKeys
 from velox_testing import (
     assert_kernel_partial,
     assert_step_like_reference,
+    coded_segments,
     emulated_gpu_fixture,
     kv_data,
     needs_gxx,
 )
 
 emulated_gpu = emulated_gpu_fixture()
-
-
-def _coded(cache):
-    return next(s for s in cache.segments() if s.key_codec is cache.tiers[0].key_codec)
 
 
 @needs_gxx
@@ -35,7 +32,7 @@ def test_the_decode_kernel_reads_the_rotated_codes(emulated_gpu):
     k, v = kv_data(t=200)
     c = OscarCache(artifact=model_artifact(), layer=0, window=0, sinks=0)
     c.update_and_fetch(k, v)
-    seg = _coded(c)
+    seg = coded_segments(c)[0]
     q = mx.random.normal((1, 2, 4, 128), key=mx.random.key(1)) * 0.1
     assert_kernel_partial(
         emulated_gpu, q, seg.key_codec, seg.keys, seg.value_codec, seg.values, 1e-4
@@ -47,7 +44,7 @@ def test_the_decode_kernel_reads_the_rotated_codes(emulated_gpu):
     # keys="channel": KIVI's per-channel key codes (no query rotation) beside OSCAR's values
     c = OscarCache(artifact=model_artifact(), layer=0, window=0, sinks=0, keys="channel")
     c.update_and_fetch(k, v)
-    seg = _coded(c)
+    seg = coded_segments(c)[0]
     assert seg.tokens == 128 and seg.key_codec.axis == "channel"
     assert_kernel_partial(
         emulated_gpu, q, seg.key_codec, seg.keys, seg.value_codec, seg.values, 1e-4

@@ -31,7 +31,9 @@ from velox_testing import (
     CacheConformance,
     assert_attends_without_decoding,
     assert_cpu_declines,
+    coded_segments,
     conformance_model,
+    feed,
     isolated_artifacts,
     kv_data,
     loaded_without_artifact,
@@ -224,10 +226,9 @@ def test_bytes_are_the_codes_the_scales_and_the_rotations():
     k, v = kv_data(t=1024)
     for group, per_group in ((None, 128), (32, 32)):
         c = OscarCache(artifact=model_artifact(), layer=0, window=0, sinks=0, flush=64, group=group)
-        for s in range(0, 1024, 256):
-            c.update_and_fetch(k[:, :, s : s + 256], v[:, :, s : s + 256])
+        feed(c, k, v, 256)
         mx.eval(c.state)
-        coded = sum(s.tokens for s in c.segments() if s.key_codec is c.tiers[0].key_codec)
+        coded = sum(s.tokens for s in coded_segments(c))
         exact = 1024 - coded
         state = 2 * (128 * 128 * 2 + 4 + 4)  # per side: fp16 rotation, clip ratio, head dim
         per_token = 2 * 2 * (128 * 2 // 8 + (128 // per_group) * 4)  # K and V, 2 heads
@@ -250,7 +251,7 @@ def test_on_the_cpu_the_kernels_decline():
     c = OscarCache(artifact=model_artifact(), layer=0, window=0, sinks=0)
     k, v = kv_data(t=128)
     c.update_and_fetch(k, v)
-    seg = next(s for s in c.segments() if s.key_codec is c.tiers[0].key_codec)
+    seg = coded_segments(c)[0]
     assert_cpu_declines(seg.key_codec, seg.keys, seg.value_codec, seg.values)
 
 
@@ -583,5 +584,5 @@ def test_channel_keys_on_the_cpu_take_the_reference_path():
     c = OscarCache(artifact=model_artifact(), layer=0, window=0, sinks=0, keys="channel")
     k, v = kv_data(t=128)
     c.update_and_fetch(k, v)
-    seg = next(s for s in c.segments() if s.key_codec is c.tiers[0].key_codec)
+    seg = coded_segments(c)[0]
     assert_cpu_declines(seg.key_codec, seg.keys, seg.value_codec, seg.values)

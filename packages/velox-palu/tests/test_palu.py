@@ -22,7 +22,9 @@ from velox_palu import (
 )
 from velox_testing import (
     CacheConformance,
+    coded_segments,
     conformance_model,
+    feed,
     isolated_artifacts,
     kv_data,
     rel_error,
@@ -183,10 +185,9 @@ def test_bytes_fall_with_the_rank():
         c = PaluCache(
             key_rank=rank, value_rank=rank, artifact=kv_artifact(), layer=0, rope_base=BASE
         )
-        for s in range(0, 1024, 256):
-            c.update_and_fetch(k[:, :, s : s + 256], v[:, :, s : s + 256])
+        feed(c, k, v, 256)
         mx.eval(c.state)
-        coded = sum(s.tokens for s in c.segments() if s.key_codec is c.tiers[0].key_codec)
+        coded = sum(s.tokens for s in coded_segments(c))
         state = sum(
             x.nbytes
             for t in c.tiers

@@ -33,7 +33,9 @@ from velox_testing import (
     CacheConformance,
     assert_attends_without_decoding,
     assert_cpu_declines,
+    coded_segments,
     conformance_model,
+    feed,
     isolated_artifacts,
     kv_data,
     loaded_without_artifact,
@@ -278,10 +280,9 @@ def test_bytes_are_the_codes_the_gains_and_the_state():
             sinks=0,
             flush=64,
         )
-        for s in range(0, 1024, 256):
-            c.update_and_fetch(k[:, :, s : s + 256], v[:, :, s : s + 256])
+        feed(c, k, v, 256)
         mx.eval(c.state)
-        coded = sum(s.tokens for s in c.segments() if s.key_codec is c.tiers[0].key_codec)
+        coded = sum(s.tokens for s in coded_segments(c))
         exact = 1024 - coded
         words = -(-rank * 5 // 32) + (-(-(128 - rank) * nb // 32) if nb else 0)
         per_token = 2 * 2 * (4 * words + 2)  # K and V, 2 heads: packed words and the gain
@@ -303,7 +304,7 @@ def test_no_kernel_reads_these_codes():
     c = SpectralCache(artifact=model_artifact(), layer=0, window=0, sinks=0)
     k, v = kv_data(t=128)
     c.update_and_fetch(k, v)
-    seg = next(s for s in c.segments() if s.key_codec is c.tiers[0].key_codec)
+    seg = coded_segments(c)[0]
     assert seg.key_codec.kernel_values(seg.values, 128) is None
     assert seg.value_codec.kernel_values(seg.values, 128) is None
     assert_cpu_declines(seg.key_codec, seg.keys, seg.value_codec, seg.values)
