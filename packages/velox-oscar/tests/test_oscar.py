@@ -29,12 +29,12 @@ from velox_oscar import (
 )
 from velox_testing import (
     CacheConformance,
+    assert_artifact_refusals,
     assert_attends_without_decoding,
     assert_cpu_declines,
     coded_segments,
     conformance_model,
     feed,
-    isolated_artifacts,
     kv_data,
     loaded_without_artifact,
     rel_error,
@@ -294,16 +294,10 @@ def test_fitted_key_rotation_lowers_the_logit_error_of_the_clip_fit():
 
 
 def test_missing_and_foreign_artifacts_are_refused(monkeypatch, tmp_path):
-    isolated_artifacts(monkeypatch, tmp_path)
-    with pytest.raises(MissingArtifactError, match="python -m velox_oscar fit --model PATH"):
-        make_cache(conformance_model(), "oscar")
-    other = conformance_model(num_hidden_layers=3)
-    with pytest.raises(ValueError, match="another model"):
-        make_cache(other, OscarCache(artifact=model_artifact()))
-    c = OscarCache()  # standalone, no artifact named
-    k, v = kv_data(t=400)
-    with pytest.raises(ValueError, match="no rotations"):
-        c.update_and_fetch(k, v)
+    fitted = OscarCache(artifact=model_artifact())
+    assert_artifact_refusals(
+        monkeypatch, tmp_path, MissingArtifactError, "oscar", fitted, OscarCache(), "rotations"
+    )
     # the ablation with both clips given needs none
     caches = make_cache(conformance_model(), "oscar:rotation=hadamard,key_clip=0.9,value_clip=0.9")
     assert all(set(c.tiers[0].key_codec.state()) == {"dim"} for c in caches)

@@ -31,12 +31,12 @@ from velox_spectral.codec import code_words, packed_rank
 from velox_spectral.fit import moved
 from velox_testing import (
     CacheConformance,
+    assert_artifact_refusals,
     assert_attends_without_decoding,
     assert_cpu_declines,
     coded_segments,
     conformance_model,
     feed,
-    isolated_artifacts,
     kv_data,
     loaded_without_artifact,
     rel_error,
@@ -358,16 +358,11 @@ def test_artifact_round_trip_holds_orthonormal_int8_bases():
 
 
 def test_missing_and_foreign_artifacts_are_refused(monkeypatch, tmp_path):
-    isolated_artifacts(monkeypatch, tmp_path)
-    with pytest.raises(MissingArtifactError, match="python -m velox_spectral fit --model PATH"):
-        make_cache(conformance_model(), "spectral")
-    other = conformance_model(num_hidden_layers=3)
-    with pytest.raises(ValueError, match="another model"):
-        make_cache(other, SpectralCache(artifact=model_artifact()))
-    c = SpectralCache()  # standalone, no artifact named
+    fitted = SpectralCache(artifact=model_artifact())
+    assert_artifact_refusals(
+        monkeypatch, tmp_path, MissingArtifactError, "spectral", fitted, SpectralCache(), "bases"
+    )
     k, v = kv_data(t=100)
-    with pytest.raises(ValueError, match="no bases"):
-        c.update_and_fetch(k, v)
     c = SpectralCache(artifact=model_artifact(), layer=0, sinks=0)  # 2 heads fitted, 1 given
     with pytest.raises(ValueError, match="fitted for 2 KV heads, the cache holds 1"):
         c.update_and_fetch(k[:, :1], v[:, :1])

@@ -5,7 +5,12 @@ The CPU kernel emulator (:mod:`velox_testing.emulate`, :mod:`velox_testing.emula
 imported on use, not by this module.
 """
 
-from .artifacts import fitted_artifact, isolated_artifacts, loaded_without_artifact
+from .artifacts import (
+    assert_artifact_refusals,
+    fitted_artifact,
+    isolated_artifacts,
+    loaded_without_artifact,
+)
 from .baselines import attention_errors_vs_mlx_quant, fill_chunks
 from .conformance import CacheConformance
 from .eviction import EvictingConformance, FullBudgetConformance, Routed
@@ -51,6 +56,7 @@ __all__ = [
     "EvictingConformance",
     "FullBudgetConformance",
     "Routed",
+    "assert_artifact_refusals",
     "assert_attends_without_decoding",
     "assert_batch_generate_refused",
     "assert_cpu_declines",
