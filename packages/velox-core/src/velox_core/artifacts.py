@@ -211,8 +211,8 @@ class ArtifactFile:
 @dataclass
 class Fitted:
     """What the record of every fitted artifact shares, as a base of a method's dataclass:
-    the provenance, keyword-only fields after the method's own, ``fingerprint`` and
-    ``model`` and ``calibration`` (dicts, empty by default). A record with a file
+    the provenance, ``fingerprint`` and ``model`` and ``calibration`` (dicts, empty by
+    default), keyword-only fields after the method's own. A record with a file
     (:class:`ArtifactKind`) defines ``encode(self) -> (arrays, metadata)`` (its own fields,
     beyond the provenance) and the classmethod ``decode(file) -> record`` (an
     :class:`ArtifactFile`); ``noun`` names it in errors (``save_<noun>``)."""
