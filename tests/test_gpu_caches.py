@@ -179,7 +179,7 @@ def _commvq_codebooks(path, heads: int) -> str:
     shape = (heads, 2, 64, 16, 2)
     a = 0.1 * mx.random.normal(shape, key=mx.random.key(0))
     b = 0.1 * mx.random.normal(shape, key=mx.random.key(1))
-    books = Codebooks({0: (a, b)}, {0: [128, 0]}, 4, "synthetic", {"test": True})
+    books = Codebooks({0: (a, b)}, {0: [128, 0]}, 4, fingerprint="synthetic", model={"test": True})
     return str(save_codebooks(books, path / f"commvq-h{heads}.safetensors"))
 
 

@@ -48,7 +48,9 @@ def kv_codebooks() -> str:
     geo = Geometry(**SMALL)
     books = [fit_residual(u[h], geo, iters=8, seed=h) for h in range(u.shape[0])]
     ab = (mx.stack([x[0] for x in books]), mx.stack([x[1] for x in books]))
-    out = Codebooks({0: ab, 1: ab}, {0: [128, 0], 1: [128, 0]}, geo.pairs, fingerprint(model))
+    out = Codebooks(
+        {0: ab, 1: ab}, {0: [128, 0], 1: [128, 0]}, geo.pairs, fingerprint=fingerprint(model)
+    )
     return str(save_codebooks(out, _TMP / "kv-data.safetensors"))
 
 
@@ -67,7 +69,9 @@ def synthetic(
     shape = (heads, stages, dim // 2, entries, 2)
     a = 0.1 * mx.random.normal(shape, key=mx.random.key(seed))
     b = 0.1 * mx.random.normal(shape, key=mx.random.key(seed + 1))
-    books = Codebooks({0: (a, b)}, {0: list(layout or (dim, 0))}, pairs, fp, {"test": True})
+    books = Codebooks(
+        {0: (a, b)}, {0: list(layout or (dim, 0))}, pairs, fingerprint=fp, model={"test": True}
+    )
     return str(save_codebooks(books, _TMP / f"{name}.safetensors"))
 
 

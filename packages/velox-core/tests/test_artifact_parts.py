@@ -3,7 +3,7 @@ of a fit, the prefill over calibration sequences, the per-layer record and ``bin
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,9 +26,6 @@ from velox_testing import tiny_model
 class _Record(FittedLayers):
     what = "test arrays"
     layers: dict[int, Any]
-    fingerprint: str
-    model: dict[str, Any] = field(default_factory=dict)
-    calibration: dict[str, Any] = field(default_factory=dict)
 
 
 def test_fitted_is_the_provenance_of_a_fit_on_the_model():
@@ -48,7 +45,7 @@ def test_fitted_is_the_provenance_of_a_fit_on_the_model():
 
 
 def test_a_record_names_the_fitted_layers_of_a_missing_one():
-    rec = _Record({0: "a", 2: "b"}, "fp")
+    rec = _Record({0: "a", 2: "b"}, fingerprint="fp")
     assert rec.layer(2) == "b"
     with pytest.raises(ValueError, match=r"these test arrays have no layer 1 \(fitted: \[0, 2\]\)"):
         rec.layer(1)

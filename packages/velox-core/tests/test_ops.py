@@ -28,6 +28,7 @@ from velox_core.ops import (
 )
 from velox_core.ops.hadamard import fwht
 from velox_core.ops.lloyd_max import lloyd_max_gaussian
+from velox_core.ops.pca import pca, principal_axes
 
 
 def sylvester(n):
@@ -369,3 +370,29 @@ def test_fast_rotate_matches_rotate_with_an_offset_per_row():
         )
     back = fast_rotate(got, off, spec, inverse=True)
     np.testing.assert_allclose(np.array(back), np.array(x), atol=3e-5)
+
+
+def test_principal_axes_are_the_sorted_sign_fixed_eigendecomposition():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 200, 16)) * np.linspace(0.1, 2.0, 16)
+    gram = np.swapaxes(x, -1, -2) @ x
+    lam, vec = principal_axes(gram)
+    assert lam.shape == (3, 16) and vec.shape == (3, 16, 16)
+    assert np.all(np.diff(lam, axis=-1) <= 0) and np.all(lam >= 0)  # largest first
+    np.testing.assert_allclose(vec @ (lam[..., None] * np.swapaxes(vec, -1, -2)), gram, atol=1e-9)
+    lead = np.take_along_axis(vec, np.abs(vec).argmax(axis=-2)[..., None, :], axis=-2)
+    assert np.all(lead > 0)  # each column's entry of largest magnitude
+    one_lam, one_vec = principal_axes(gram[1])  # one matrix as one of a batch
+    assert np.array_equal(one_lam, lam[1]) and np.array_equal(one_vec, vec[1])
+    # a rank-1 matrix: one eigenvalue, the rest rounding (none negative)
+    lam, _ = principal_axes(np.outer(np.arange(1.0, 9.0), np.arange(1.0, 9.0)))
+    assert lam[0] == pytest.approx(204.0) and np.all(lam[1:] >= 0) and lam[1:].max() < 1e-12
+
+
+def test_pca_is_the_covariance_of_the_rows():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(500, 8)) + np.arange(8)
+    mean, lam, vec = pca(x.sum(0), x.T @ x, 500)
+    np.testing.assert_allclose(mean, x.mean(0), atol=1e-12)
+    want = np.cov(x.T, bias=True)
+    np.testing.assert_allclose(vec @ np.diag(lam) @ vec.T, want, atol=1e-9)

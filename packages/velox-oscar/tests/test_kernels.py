@@ -7,20 +7,21 @@ minute to build)."""
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from _oscar_util import model_artifact
 
-import velox_core.kernels as vk
 from velox_core import Uniform
 from velox_oscar import OscarCache, OscarKeys
-from velox_testing import assert_kernel_partial, emulated_gpu_fixture, kv_data, needs_gxx
+from velox_testing import (
+    assert_kernel_partial,
+    assert_step_like_reference,
+    coded_segments,
+    emulated_gpu_fixture,
+    kv_data,
+    needs_gxx,
+)
 
 emulated_gpu = emulated_gpu_fixture()
-
-
-def _coded(cache):
-    return next(s for s in cache.segments() if s.key_codec is cache.tiers[0].key_codec)
 
 
 @needs_gxx
@@ -31,7 +32,7 @@ def test_the_decode_kernel_reads_the_rotated_codes(emulated_gpu):
     k, v = kv_data(t=200)
     c = OscarCache(artifact=model_artifact(), layer=0, window=0, sinks=0)
     c.update_and_fetch(k, v)
-    seg = _coded(c)
+    seg = coded_segments(c)[0]
     q = mx.random.normal((1, 2, 4, 128), key=mx.random.key(1)) * 0.1
     assert_kernel_partial(
         emulated_gpu, q, seg.key_codec, seg.keys, seg.value_codec, seg.values, 1e-4
@@ -43,7 +44,7 @@ def test_the_decode_kernel_reads_the_rotated_codes(emulated_gpu):
     # keys="channel": KIVI's per-channel key codes (no query rotation) beside OSCAR's values
     c = OscarCache(artifact=model_artifact(), layer=0, window=0, sinks=0, keys="channel")
     c.update_and_fetch(k, v)
-    seg = _coded(c)
+    seg = coded_segments(c)[0]
     assert seg.tokens == 128 and seg.key_codec.axis == "channel"
     assert_kernel_partial(
         emulated_gpu, q, seg.key_codec, seg.keys, seg.value_codec, seg.values, 1e-4
@@ -59,13 +60,4 @@ def test_a_decode_step_joins_the_exact_tokens_in_one_merge(emulated_gpu, monkeyp
     k, v = kv_data(t=160)
     q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(5)).astype(mx.float16)
     spec = {"artifact": model_artifact(), "window": 16, "sinks": 4, "layer": 0, "keys": keys}
-    cache = OscarCache(**spec)
-    cache.update_and_fetch(k, v)
-    emulated_gpu.calls.clear()
-    got = cache.attend(q, 0.088)
-    assert emulated_gpu.names == ["velox_decode_attention", "velox_decode_merge_fp16"]
-    monkeypatch.setattr(vk, "backend", lambda: "cpu")  # the reference path
-    ref_cache = OscarCache(**spec)
-    ref_cache.update_and_fetch(k, v)
-    ref = ref_cache.attend(q, 0.088)
-    assert np.abs(np.asarray((got - ref).astype(mx.float32))).max() < 2e-3
+    assert_step_like_reference(emulated_gpu, monkeypatch, lambda: OscarCache(**spec), k, v, q)

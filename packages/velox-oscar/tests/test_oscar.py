@@ -29,10 +29,12 @@ from velox_oscar import (
 )
 from velox_testing import (
     CacheConformance,
+    assert_artifact_refusals,
     assert_attends_without_decoding,
     assert_cpu_declines,
+    coded_segments,
     conformance_model,
-    isolated_artifacts,
+    feed,
     kv_data,
     loaded_without_artifact,
     rel_error,
@@ -224,10 +226,9 @@ def test_bytes_are_the_codes_the_scales_and_the_rotations():
     k, v = kv_data(t=1024)
     for group, per_group in ((None, 128), (32, 32)):
         c = OscarCache(artifact=model_artifact(), layer=0, window=0, sinks=0, flush=64, group=group)
-        for s in range(0, 1024, 256):
-            c.update_and_fetch(k[:, :, s : s + 256], v[:, :, s : s + 256])
+        feed(c, k, v, 256)
         mx.eval(c.state)
-        coded = sum(s.tokens for s in c.segments() if s.key_codec is c.tiers[0].key_codec)
+        coded = sum(s.tokens for s in coded_segments(c))
         exact = 1024 - coded
         state = 2 * (128 * 128 * 2 + 4 + 4)  # per side: fp16 rotation, clip ratio, head dim
         per_token = 2 * 2 * (128 * 2 // 8 + (128 // per_group) * 4)  # K and V, 2 heads
@@ -250,7 +251,7 @@ def test_on_the_cpu_the_kernels_decline():
     c = OscarCache(artifact=model_artifact(), layer=0, window=0, sinks=0)
     k, v = kv_data(t=128)
     c.update_and_fetch(k, v)
-    seg = next(s for s in c.segments() if s.key_codec is c.tiers[0].key_codec)
+    seg = coded_segments(c)[0]
     assert_cpu_declines(seg.key_codec, seg.keys, seg.value_codec, seg.values)
 
 
@@ -293,16 +294,10 @@ def test_fitted_key_rotation_lowers_the_logit_error_of_the_clip_fit():
 
 
 def test_missing_and_foreign_artifacts_are_refused(monkeypatch, tmp_path):
-    isolated_artifacts(monkeypatch, tmp_path)
-    with pytest.raises(MissingArtifactError, match="python -m velox_oscar fit --model PATH"):
-        make_cache(conformance_model(), "oscar")
-    other = conformance_model(num_hidden_layers=3)
-    with pytest.raises(ValueError, match="another model"):
-        make_cache(other, OscarCache(artifact=model_artifact()))
-    c = OscarCache()  # standalone, no artifact named
-    k, v = kv_data(t=400)
-    with pytest.raises(ValueError, match="no rotations"):
-        c.update_and_fetch(k, v)
+    fitted = OscarCache(artifact=model_artifact())
+    assert_artifact_refusals(
+        monkeypatch, tmp_path, MissingArtifactError, "oscar", fitted, OscarCache(), "rotations"
+    )
     # the ablation with both clips given needs none
     caches = make_cache(conformance_model(), "oscar:rotation=hadamard,key_clip=0.9,value_clip=0.9")
     assert all(set(c.tiers[0].key_codec.state()) == {"dim"} for c in caches)
@@ -583,5 +578,5 @@ def test_channel_keys_on_the_cpu_take_the_reference_path():
     c = OscarCache(artifact=model_artifact(), layer=0, window=0, sinks=0, keys="channel")
     k, v = kv_data(t=128)
     c.update_and_fetch(k, v)
-    seg = next(s for s in c.segments() if s.key_codec is c.tiers[0].key_codec)
+    seg = coded_segments(c)[0]
     assert_cpu_declines(seg.key_codec, seg.keys, seg.value_codec, seg.values)

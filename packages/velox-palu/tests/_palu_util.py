@@ -42,7 +42,7 @@ def kv_artifact() -> str:
         2,
         {0: [128, 0], 1: [128, 0]},
         {0: [1.0, 1.0], 1: [1.0, 1.0]},
-        fingerprint(conformance_model()),
+        fingerprint=fingerprint(conformance_model()),
     )
     return str(save_bases(art, _TMP / "kv.safetensors"))
 

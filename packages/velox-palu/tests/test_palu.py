@@ -22,8 +22,10 @@ from velox_palu import (
 )
 from velox_testing import (
     CacheConformance,
+    assert_artifact_refusals,
+    coded_segments,
     conformance_model,
-    isolated_artifacts,
+    feed,
     kv_data,
     rel_error,
 )
@@ -114,7 +116,7 @@ def test_value_codec_is_that_projection_and_mixes_from_the_latent():
         2,
         {0: [32, 0]},
         {},
-        "synthetic",
+        fingerprint="synthetic",
     )
     path = save_bases(art, tmp("values.safetensors"))
     c = PaluValues(rank=24, artifact=path, layer=0)
@@ -183,10 +185,9 @@ def test_bytes_fall_with_the_rank():
         c = PaluCache(
             key_rank=rank, value_rank=rank, artifact=kv_artifact(), layer=0, rope_base=BASE
         )
-        for s in range(0, 1024, 256):
-            c.update_and_fetch(k[:, :, s : s + 256], v[:, :, s : s + 256])
+        feed(c, k, v, 256)
         mx.eval(c.state)
-        coded = sum(s.tokens for s in c.segments() if s.key_codec is c.tiers[0].key_codec)
+        coded = sum(s.tokens for s in coded_segments(c))
         state = sum(
             x.nbytes
             for t in c.tiers
@@ -236,13 +237,11 @@ def test_artifact_round_trip():
 
 
 def test_foreign_missing_and_corrupt_artifacts_are_refused(monkeypatch, tmp_path):
-    isolated_artifacts(monkeypatch, tmp_path)
-    with pytest.raises(MissingArtifactError, match="palu"):
-        make_cache(conformance_model(), PaluCache())
-
-    other = conformance_model(num_hidden_layers=3)
-    with pytest.raises(ValueError, match="another model"):
-        make_cache(other, PaluCache(artifact=model_artifact()))
+    standalone = PaluCache(rope_base=BASE)  # no artifact named
+    fitted = PaluCache(artifact=model_artifact())
+    assert_artifact_refusals(
+        monkeypatch, tmp_path, MissingArtifactError, "palu", fitted, standalone, "bases"
+    )
     raw = Path(model_artifact()).read_bytes()
     bad = tmp_path / "cut.safetensors"
     bad.write_bytes(raw[:200])
@@ -251,10 +250,6 @@ def test_foreign_missing_and_corrupt_artifacts_are_refused(monkeypatch, tmp_path
     bad.write_bytes(b"not a safetensors file at all")
     with pytest.raises(ValueError):
         make_cache(conformance_model(), PaluCache(artifact=bad))
-    c = PaluCache(rope_base=BASE)  # standalone, no artifact named
-    k, v = kv_data(t=8)
-    with pytest.raises(ValueError, match="no bases"):
-        c.update_and_fetch(k, v)
     # found by fingerprint in $VELOX_ARTIFACTS
     save_bases(load_bases(model_artifact()), tmp_path / "palu-tiny.safetensors")
     caches = make_cache(conformance_model(), PaluCache())

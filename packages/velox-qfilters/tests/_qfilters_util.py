@@ -26,7 +26,9 @@ def conformance_filters() -> str:
 
 def artifact(filters: mx.array, name: str, fp: str = "synthetic", layers: int = 1) -> str:
     """An artifact holding ``filters`` (H_kv, D) for layers ``0..layers-1``."""
-    f = Filters({i: filters.astype(mx.float32) for i in range(layers)}, fp, {"test": True})
+    f = Filters(
+        {i: filters.astype(mx.float32) for i in range(layers)}, fingerprint=fp, model={"test": True}
+    )
     return str(save_filters(f, _TMP / f"{name}.safetensors"))
 
 

@@ -34,6 +34,7 @@ from velox_testing import (
     assert_cpu_declines,
     assert_kernel_partial,
     assert_partials_equivalent,
+    assert_step_like_reference,
     emulated_gpu_fixture,
     kernel_env,
     kv_data,
@@ -217,16 +218,9 @@ def test_emulated_cache_attends_like_the_reference(monkeypatch, tmp_path, backen
     k, v = kv_data(t=700)
     q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(5)).astype(mx.float16)
     fake = EmulatedKernels(tmp_path, backend=backend).install(monkeypatch)
-    cache = QJLCache(**kw)
-    cache.update_and_fetch(k, v)
-    fake.calls.clear()
-    got = cache.attend(q, 0.088)
-    assert fake.names == ["velox_decode_attention_sketch", "velox_decode_merge_fp16"]
-    monkeypatch.setattr(vk, "backend", lambda: "cpu")  # the reference path
-    ref_cache = QJLCache(**kw)
-    ref_cache.update_and_fetch(k, v)
-    ref = ref_cache.attend(q, 0.088)
-    assert np.abs(np.asarray((got - ref).astype(mx.float32))).max() < 2e-3
+    cache, ref_cache = assert_step_like_reference(
+        fake, monkeypatch, lambda: QJLCache(**kw), k, v, q, "velox_decode_attention_sketch"
+    )
     # the kernel's copy of S is resident and counted, once per layer's key codec
     body = next(s for s in cache.segments() if isinstance(s.key_codec, QJL))
     assert cache.nbytes == ref_cache.nbytes + sum(

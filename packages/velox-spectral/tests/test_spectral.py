@@ -31,10 +31,12 @@ from velox_spectral.codec import code_words, packed_rank
 from velox_spectral.fit import moved
 from velox_testing import (
     CacheConformance,
+    assert_artifact_refusals,
     assert_attends_without_decoding,
     assert_cpu_declines,
+    coded_segments,
     conformance_model,
-    isolated_artifacts,
+    feed,
     kv_data,
     loaded_without_artifact,
     rel_error,
@@ -278,10 +280,9 @@ def test_bytes_are_the_codes_the_gains_and_the_state():
             sinks=0,
             flush=64,
         )
-        for s in range(0, 1024, 256):
-            c.update_and_fetch(k[:, :, s : s + 256], v[:, :, s : s + 256])
+        feed(c, k, v, 256)
         mx.eval(c.state)
-        coded = sum(s.tokens for s in c.segments() if s.key_codec is c.tiers[0].key_codec)
+        coded = sum(s.tokens for s in coded_segments(c))
         exact = 1024 - coded
         words = -(-rank * 5 // 32) + (-(-(128 - rank) * nb // 32) if nb else 0)
         per_token = 2 * 2 * (4 * words + 2)  # K and V, 2 heads: packed words and the gain
@@ -303,7 +304,7 @@ def test_no_kernel_reads_these_codes():
     c = SpectralCache(artifact=model_artifact(), layer=0, window=0, sinks=0)
     k, v = kv_data(t=128)
     c.update_and_fetch(k, v)
-    seg = next(s for s in c.segments() if s.key_codec is c.tiers[0].key_codec)
+    seg = coded_segments(c)[0]
     assert seg.key_codec.kernel_values(seg.values, 128) is None
     assert seg.value_codec.kernel_values(seg.values, 128) is None
     assert_cpu_declines(seg.key_codec, seg.keys, seg.value_codec, seg.values)
@@ -357,16 +358,11 @@ def test_artifact_round_trip_holds_orthonormal_int8_bases():
 
 
 def test_missing_and_foreign_artifacts_are_refused(monkeypatch, tmp_path):
-    isolated_artifacts(monkeypatch, tmp_path)
-    with pytest.raises(MissingArtifactError, match="python -m velox_spectral fit --model PATH"):
-        make_cache(conformance_model(), "spectral")
-    other = conformance_model(num_hidden_layers=3)
-    with pytest.raises(ValueError, match="another model"):
-        make_cache(other, SpectralCache(artifact=model_artifact()))
-    c = SpectralCache()  # standalone, no artifact named
+    fitted = SpectralCache(artifact=model_artifact())
+    assert_artifact_refusals(
+        monkeypatch, tmp_path, MissingArtifactError, "spectral", fitted, SpectralCache(), "bases"
+    )
     k, v = kv_data(t=100)
-    with pytest.raises(ValueError, match="no bases"):
-        c.update_and_fetch(k, v)
     c = SpectralCache(artifact=model_artifact(), layer=0, sinks=0)  # 2 heads fitted, 1 given
     with pytest.raises(ValueError, match="fitted for 2 KV heads, the cache holds 1"):
         c.update_and_fetch(k[:, :1], v[:, :1])

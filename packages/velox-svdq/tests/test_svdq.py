@@ -16,7 +16,7 @@ from velox_svdq import (
     channel_widths,
     parse_schedule,
 )
-from velox_testing import CacheConformance, kv_data, rel_error, tiny_model
+from velox_testing import CacheConformance, feed, kv_data, rel_error, tiny_model
 
 BASE = 10000.0
 D = 128
@@ -168,8 +168,7 @@ def test_resident_bytes_fall_with_rank_as_predicted(schedule):
         assert codec.state_nbytes == 2 * D * rank * 2 + 4 * 64 + 8  # fp16 basis + RoPE arrays
         # the whole cache: the key codes and basis, the 4-bit values, one fp16 token waiting
         c = SVDqCache(schedule=schedule, rank=rank, rope_base=BASE, calibration=64)
-        for s in range(0, 1024, 256):
-            c.update_and_fetch(k[:, :, s : s + 256], v[:, :, s : s + 256])
+        feed(c, k, v, 256)
         mx.eval(c.state)
         coded = 1024 - 64  # the window keeps the last flush's remainder (>= 1 token) in fp16
         values = 2 * coded * (64 + 2 * 2 * 2)  # 4-bit codes + fp16 scale, zero per 64 channels

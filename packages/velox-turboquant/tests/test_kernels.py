@@ -27,6 +27,7 @@ from velox_core.ops import lloyd_max_sphere, pack, sign_sketch
 from velox_testing import (
     assert_cpu_declines,
     assert_kernel_partial,
+    assert_step_like_reference,
     kernel_env,
     kv_data,
     sign_words,
@@ -132,19 +133,17 @@ def test_emulated_cache_with_other_keys_attends_like_the_reference(
     on both paths) are the reference's."""
     k, v = kv_data(t=120)
     q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(5)).astype(mx.float16)
-    cache = TurboQuantCache(bits=bits, key_variant=variant, window=8, sinks=4)
-    cache.update_and_fetch(k, v)
-    emulated_gpu.calls.clear()
-    got = cache.attend(q, 0.088)
-    assert emulated_gpu.names == ["velox_decode_attention", "velox_decode_merge_fp16"]
-    monkeypatch.setattr(vk, "backend", lambda: "cpu")  # the reference path
-    ref_cache = TurboQuantCache(bits=bits, key_variant=variant, window=8, sinks=4)
-    ref_cache.update_and_fetch(k, v)
-    ref = ref_cache.attend(q, 0.088)
+    cache, ref_cache = assert_step_like_reference(
+        emulated_gpu,
+        monkeypatch,
+        lambda: TurboQuantCache(bits=bits, key_variant=variant, window=8, sinks=4),
+        k,
+        v,
+        q,
+    )
     if variant == "rvq":
         body, ref_body = cache.segments()[1], ref_cache.segments()[1]
         assert mx.array_equal(body.keys.data["codes"], ref_body.keys.data["codes"]).item()
-    assert np.abs(np.asarray((got - ref).astype(mx.float32))).max() < 2e-3
 
 
 @needs_gxx

@@ -20,7 +20,7 @@ fingerprint; :func:`resolve_steps` picks what an encode uses.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -51,7 +51,6 @@ __all__ = [
 
 FORMAT = "velox-cachegen"
 VERSION = "1"
-HOW_TO_FIT = "python -m velox_cachegen fit --model PATH --text CALIBRATION.txt --out FILE"
 CLIP = (0.125, 4.0)
 
 
@@ -64,9 +63,6 @@ class LayerProfile(Fitted):
     noun = "profile"
     steps: LayerSteps
     kl: dict[str, list[float]]
-    fingerprint: str
-    model: dict[str, Any] = field(default_factory=dict)
-    calibration: dict[str, Any] = field(default_factory=dict)
 
     @property
     def layers(self) -> list[int]:
@@ -91,9 +87,8 @@ class LayerProfile(Fitted):
         return cls(steps, {"key": a["key_kl"], "value": a["value_kl"]}, **f.provenance())
 
 
-KIND = ArtifactKind(
-    FORMAT, VERSION, "CacheGen layer steps", "layer_steps", HOW_TO_FIT, record=LayerProfile
-)
+KIND = ArtifactKind(FORMAT, VERSION, "CacheGen layer steps", "layer_steps", record=LayerProfile)
+HOW_TO_FIT = KIND.how_to_fit
 # save_profile(p, path) writes ``p`` (``.safetensors``); load_profile(path) reads one
 # (``ValueError`` if it is not one): :class:`~velox_core.artifacts.ArtifactKind`.
 save_profile, load_profile = KIND.save, KIND.load

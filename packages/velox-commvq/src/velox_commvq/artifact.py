@@ -12,7 +12,7 @@ wins; otherwise the directories of ``$VELOX_ARTIFACTS`` (colon-separated), then
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -51,9 +51,6 @@ class Codebooks(FittedLayers):
     layers: dict[int, tuple[mx.array, mx.array]]
     layouts: dict[int, list[int]]
     pairs: int
-    fingerprint: str
-    model: dict[str, Any] = field(default_factory=dict)
-    calibration: dict[str, Any] = field(default_factory=dict)
 
     @property
     def geometry(self) -> Geometry:
@@ -92,11 +89,10 @@ class MissingCodebooksError(FileNotFoundError):
     """No CommVQ artifact was found for a model."""
 
 
-HOW_TO_FIT = "python -m velox_commvq fit --model PATH --text CALIBRATION.txt --out FILE"
 KIND = ArtifactKind(
-    "velox-commvq", "1", "CommVQ", "codebooks", HOW_TO_FIT, MissingCodebooksError, Codebooks
+    "velox-commvq", "1", "CommVQ", "codebooks", missing=MissingCodebooksError, record=Codebooks
 )
-FORMAT, VERSION = KIND.fmt, KIND.version
+FORMAT, VERSION, HOW_TO_FIT = KIND.fmt, KIND.version, KIND.how_to_fit
 # save_codebooks(books, path); load_codebooks(path) (ValueError if it is not one, or an
 # inconsistent one); load_cached(path) (read once per file version: every layer's cache shares
 # it); find_codebooks(fp, dirs=None): the first CommVQ artifact fitted for fingerprint ``fp``;

@@ -37,7 +37,7 @@ import json
 import os
 import struct
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -208,18 +208,20 @@ class ArtifactFile:
         }
 
 
+@dataclass
 class Fitted:
     """What the record of every fitted artifact shares, as a base of a method's dataclass:
-    the dataclass declares, after its own fields, ``fingerprint: str``, ``model`` and
-    ``calibration`` (dicts, empty by default). A record with a file (:class:`ArtifactKind`)
-    defines ``encode(self) -> (arrays, metadata)`` (its own fields, beyond the provenance) and
-    the classmethod ``decode(file) -> record`` (an :class:`ArtifactFile`); ``noun`` names it
-    in errors (``save_<noun>``)."""
+    the provenance, ``fingerprint`` and ``model`` and ``calibration`` (dicts, empty by
+    default), keyword-only fields after the method's own. A record with a file
+    (:class:`ArtifactKind`) defines ``encode(self) -> (arrays, metadata)`` (its own fields,
+    beyond the provenance) and the classmethod ``decode(file) -> record`` (an
+    :class:`ArtifactFile`); ``noun`` names it in errors (``save_<noun>``)."""
 
     noun: ClassVar[str] = "artifact"
+    _: KW_ONLY
     fingerprint: str
-    model: dict[str, Any]
-    calibration: dict[str, Any]
+    model: dict[str, Any] = field(default_factory=dict)
+    calibration: dict[str, Any] = field(default_factory=dict)
 
     def check(self, where: str) -> None:
         """Raise ``ValueError`` naming ``where`` if the record is inconsistent (none here)."""
@@ -322,18 +324,25 @@ class ArtifactKind:
 
     ``fmt`` and ``version`` go in its metadata, ``what`` names it in messages (the method's
     name), ``param`` is the cache parameter that takes its path (``"codebooks"``),
-    ``how_to_fit`` the command that makes one, ``missing`` the error raised when a model has
-    none and ``record`` the method's :class:`Fitted` class, which turns a record into arrays
-    and metadata (``encode``), a file back into a record (``decode``) and checks one
-    (``check``, before a save and after a load)."""
+    ``how_to_fit`` the command that makes one (by default the method package's own, ``python
+    -m velox_<method> fit --model PATH --text CALIBRATION.txt --out FILE``), ``missing`` the
+    error raised when a model has none and ``record`` the method's :class:`Fitted` class,
+    which turns a record into arrays and metadata (``encode``), a file back into a record
+    (``decode``) and checks one (``check``, before a save and after a load)."""
 
     fmt: str
     version: str
     what: str
     param: str
-    how_to_fit: str
+    how_to_fit: str = ""
     missing: type[Exception] = FileNotFoundError
     record: type[Fitted] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.how_to_fit:
+            command = f"python -m velox_{self.fmt.removeprefix('velox-')} fit"
+            how = f"{command} --model PATH --text CALIBRATION.txt --out FILE"
+            object.__setattr__(self, "how_to_fit", how)
 
     def save(self, record: Any, path: str | os.PathLike) -> Path:
         """Write ``record`` to ``path`` (``.safetensors``; parent directories are created):

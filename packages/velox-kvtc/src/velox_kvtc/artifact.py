@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -47,7 +47,6 @@ __all__ = [
 FORMAT = "velox-kvtc"
 VERSION = "1"
 SIDES = ("key", "value")
-HOW_TO_FIT = "python -m velox_kvtc fit --model PATH --text CALIBRATION.txt --out FILE"
 
 
 class MissingBasisError(FileNotFoundError):
@@ -75,9 +74,6 @@ class KvtcBasis(Fitted):
     ropes: dict[int, RopeSpec]
     plans: dict[str, dict[str, Plan]]
     variance: dict[str, list[float]]
-    fingerprint: str
-    model: dict[str, Any] = field(default_factory=dict)
-    calibration: dict[str, Any] = field(default_factory=dict)
 
     @property
     def layers(self) -> list[int]:
@@ -183,7 +179,8 @@ class KvtcBasis(Fitted):
         return out
 
 
-KIND = ArtifactKind(FORMAT, VERSION, "KVTC", "basis", HOW_TO_FIT, MissingBasisError, KvtcBasis)
+KIND = ArtifactKind(FORMAT, VERSION, "KVTC", "basis", missing=MissingBasisError, record=KvtcBasis)
+HOW_TO_FIT = KIND.how_to_fit
 # save_basis(b, path) and load_basis(path) (ValueError if it is not one, or an inconsistent
 # one), load_basis_cached(path) (read once per file version) and resolve_basis(model,
 # path=None) (``path`` if given, checked; else found by the model's fingerprint;

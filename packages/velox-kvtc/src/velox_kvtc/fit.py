@@ -30,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from velox_core.artifacts import Calibration
+from velox_core.ops.pca import pca
 from velox_core.ops.rope import find_rope, rope_spec
 from velox_core.validation import check_float, check_int
 
@@ -50,16 +51,6 @@ def ratio_key(ratio: Any) -> str:
         ValueError, TypeError: not a finite number > 1.
     """
     return f"{check_float('ratio', ratio, minimum=1.0, open_min=True):g}"
-
-
-def _pca(gram: np.ndarray, total: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    mean = total / n
-    cov = gram / n - np.outer(mean, mean)
-    lam, vec = np.linalg.eigh((cov + cov.T) / 2)
-    lam, vec = lam[::-1], vec[:, ::-1]
-    idx = np.argmax(np.abs(vec), axis=0)
-    vec = vec * np.sign(vec[idx, np.arange(vec.shape[1])])  # each column's largest entry > 0
-    return mean, vec, np.maximum(lam, 0.0)
 
 
 def fit_kvtc(
@@ -142,7 +133,7 @@ def fit_kvtc(
         raise ValueError("fit_kvtc: no calibration rows (no attention layers, or too few tokens)")
     means, bases, variance, plans = {}, {}, {}, {k: {} for k in keys}
     for s in SIDES:
-        mean, vec, lam = _pca(grams[s], totals[s], n_fit)
+        mean, lam, vec = pca(totals[s], grams[s], n_fit)
         basis = mx.array(vec.astype(np.float16))
         mean_mx = mx.array(mean.astype(np.float32))
         z = (mx.concatenate(held_rows[s]) - mean_mx) @ basis.astype(mx.float32)

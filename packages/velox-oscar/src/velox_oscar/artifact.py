@@ -23,7 +23,7 @@ the whole head up to 128 channels). Version 2 added the key means and the centre
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -44,7 +44,6 @@ __all__ = [
 FORMAT = "velox-oscar"
 VERSION = "2"
 SIDES = ("key", "value")
-HOW_TO_FIT = "python -m velox_oscar fit --model PATH --text CALIBRATION.txt --out FILE"
 
 
 class MissingArtifactError(FileNotFoundError):
@@ -77,9 +76,6 @@ class OscarRotations(FittedLayers):
     centred_clips: dict[int, dict[int, list[float]]]
     hadamard_centred_clips: dict[int, dict[int, list[float]]]
     fit_group: int
-    fingerprint: str
-    model: dict[str, Any] = field(default_factory=dict)
-    calibration: dict[str, Any] = field(default_factory=dict)
 
     def rotation(self, layer: int, side: str) -> mx.array:
         """``R_K`` or ``R_V`` of one layer (``ValueError`` naming the fitted layers)."""
@@ -162,8 +158,9 @@ class OscarRotations(FittedLayers):
 
 
 KIND = ArtifactKind(
-    FORMAT, VERSION, "OSCAR", "artifact", HOW_TO_FIT, MissingArtifactError, OscarRotations
+    FORMAT, VERSION, "OSCAR", "artifact", missing=MissingArtifactError, record=OscarRotations
 )
+HOW_TO_FIT = KIND.how_to_fit
 # save_rotations(r, path) and load_rotations(path) (ValueError if it is not one, or an
 # inconsistent one), load_rotations_cached(path) (read once per file version: every layer's
 # cache shares it) and resolve_rotations(model, path=None) (``path`` if given, checked; else

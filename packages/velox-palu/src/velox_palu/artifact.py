@@ -21,7 +21,7 @@ each basis; one artifact serves every rank.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -43,7 +43,6 @@ __all__ = [
 FORMAT = "velox-palu"
 VERSION = "1"
 SIDES = ("key", "value")
-HOW_TO_FIT = "python -m velox_palu fit --model PATH --text CALIBRATION.txt --out FILE"
 
 
 class MissingArtifactError(FileNotFoundError):
@@ -70,9 +69,6 @@ class PaluBases(Fitted):
     heads_per_group: int
     layouts: dict[int, list[int]]
     fisher: dict[int, list[float]]
-    fingerprint: str
-    model: dict[str, Any] = field(default_factory=dict)
-    calibration: dict[str, Any] = field(default_factory=dict)
 
     @property
     def layers(self) -> list[int]:
@@ -132,8 +128,9 @@ class PaluBases(Fitted):
 
 
 KIND = ArtifactKind(
-    FORMAT, VERSION, "Palu", "artifact", HOW_TO_FIT, MissingArtifactError, PaluBases
+    FORMAT, VERSION, "Palu", "artifact", missing=MissingArtifactError, record=PaluBases
 )
+HOW_TO_FIT = KIND.how_to_fit
 # save_bases(b, path) and load_bases(path) (ValueError if it is not one, or an inconsistent
 # one), load_bases_cached(path) (read once per file version: every layer's cache shares it)
 # and resolve_bases(model, path=None) (``path`` if given, checked; else found by the model's

@@ -31,6 +31,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from velox_core.artifacts import Calibration
+from velox_core.ops.pca import principal_axes
 from velox_core.ops.rope import fast_rotate as rope_at
 from velox_core.ops.rope import find_rope, rope_spec
 from velox_core.validation import check_int
@@ -60,12 +61,8 @@ def bases_from_gram(gram: np.ndarray, tokens: int) -> tuple[mx.array, mx.array]:
     singular value, largest first, signs fixed so each column's largest entry is positive) and
     sigma float32 ``(G, gD)`` (``sqrt(eigenvalue / tokens)``).
     """
-    gram = np.asarray(gram, dtype=np.float64)
-    lam, vec = np.linalg.eigh((gram + np.swapaxes(gram, -1, -2)) / 2)
-    lam, vec = lam[:, ::-1], vec[:, :, ::-1]
-    idx = np.argmax(np.abs(vec), axis=1)[:, None, :]
-    vec = vec * np.sign(np.take_along_axis(vec, idx, axis=1))
-    sigma = np.sqrt(np.maximum(lam, 0.0) / max(tokens, 1))
+    lam, vec = principal_axes(gram)
+    sigma = np.sqrt(lam / max(tokens, 1))
     return mx.array(vec.astype(np.float32)), mx.array(sigma.astype(np.float32))
 
 

@@ -13,7 +13,7 @@ model's name; velox keeps them in a local file matched to the model by its weigh
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -41,9 +41,6 @@ class Filters(FittedLayers):
     what = "Q-Filters"
     noun = "filters"
     layers: dict[int, mx.array]
-    fingerprint: str
-    model: dict[str, Any] = field(default_factory=dict)
-    calibration: dict[str, Any] = field(default_factory=dict)
 
     def check(self, where: str) -> None:
         """``ValueError`` naming ``where`` unless every layer is an ``(H_kv, D)`` array."""
@@ -67,11 +64,10 @@ class MissingFiltersError(FileNotFoundError):
     """No Q-Filters artifact was found for a model."""
 
 
-HOW_TO_FIT = "python -m velox_qfilters fit --model PATH --text CALIBRATION.txt --out FILE"
 KIND = ArtifactKind(
-    "velox-qfilters", "1", "Q-Filters", "filters", HOW_TO_FIT, MissingFiltersError, Filters
+    "velox-qfilters", "1", "Q-Filters", "filters", missing=MissingFiltersError, record=Filters
 )
-FORMAT, VERSION = KIND.fmt, KIND.version
+FORMAT, VERSION, HOW_TO_FIT = KIND.fmt, KIND.version, KIND.how_to_fit
 # save_filters(filters, path); load_filters(path) (ValueError if it is not one, or an
 # inconsistent one); load_cached(path) (read once per file version: every layer's cache shares
 # it); find_filters(fp, dirs=None): the first Q-Filters artifact fitted for fingerprint ``fp``;

@@ -18,7 +18,7 @@ config, and how it was fitted (``calibration``: tokens, sequence length, ``skip`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -42,7 +42,6 @@ FORMAT = "velox-spectral"
 VERSION = "1"
 SIDES = ("key", "value")
 FIELDS = ("basis", "basis_scale", "mean", "eigenvalues")
-HOW_TO_FIT = "python -m velox_spectral fit --model PATH --text CALIBRATION.txt --out FILE"
 
 
 def int8_columns(basis: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -73,9 +72,6 @@ class SpectralBases(FittedLayers):
     what = "spectral bases"
     noun = "bases"
     layers: dict[int, dict[str, dict[str, mx.array]]]
-    fingerprint: str
-    model: dict[str, Any] = field(default_factory=dict)
-    calibration: dict[str, Any] = field(default_factory=dict)
 
     def side(self, layer: int, side: str) -> dict[str, mx.array]:
         """One layer's ``basis``, ``basis_scale``, ``mean`` and ``eigenvalues`` of ``side``
@@ -123,8 +119,9 @@ class SpectralBases(FittedLayers):
 
 
 KIND = ArtifactKind(
-    FORMAT, VERSION, "spectral", "artifact", HOW_TO_FIT, MissingArtifactError, SpectralBases
+    FORMAT, VERSION, "spectral", "artifact", missing=MissingArtifactError, record=SpectralBases
 )
+HOW_TO_FIT = KIND.how_to_fit
 # save_bases(r, path) and load_bases(path) (ValueError if it is not one, or an inconsistent
 # one), load_bases_cached(path) (read once per file version: every layer's cache shares it)
 # and resolve_bases(model, path=None) (``path`` if given, checked; else found by the model's

@@ -24,6 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from velox_core.artifacts import Calibration
+from velox_core.ops import pca as ops_pca
 from velox_core.ops.rope import RopeSpec, find_rope, rope_spec, rotate
 from velox_core.validation import check_int
 
@@ -58,21 +59,15 @@ def moved(keys: mx.array, first: int, spec: RopeSpec, positions: int, rng) -> mx
 
 def pca(total: np.ndarray, outer: np.ndarray, n: int) -> tuple[np.ndarray, ...]:
     """The mean, eigenvalues (descending) and eigenvectors (columns, sign-fixed) of rows whose
-    sum is ``total`` and whose sum of outer products is ``outer``.
+    sum is ``total`` and whose sum of outer products is ``outer``
+    (:func:`velox_core.ops.pca.pca`), of at least 2 rows.
 
     Shapes: total ``(H, D)``, outer ``(H, D, D)``; returns ``(H, D)``, ``(H, D)`` and
     ``(H, D, D)`` float64.
     """
     if n < 2:
         raise ValueError(f"pca: at least 2 rows are needed, got {n}")
-    mean = total / n
-    cov = outer / n - mean[:, :, None] * mean[:, None, :]
-    cov = (cov + np.swapaxes(cov, -1, -2)) / 2
-    lam, vec = np.linalg.eigh(cov)  # ascending
-    lam, vec = lam[:, ::-1], vec[:, :, ::-1]
-    lead = np.take_along_axis(vec, np.argmax(np.abs(vec), axis=1)[:, None, :], axis=1)
-    vec = vec * np.where(lead < 0, -1.0, 1.0)
-    return mean, np.maximum(lam, 0.0), vec
+    return ops_pca.pca(total, outer, n)
 
 
 def fit_spectral(

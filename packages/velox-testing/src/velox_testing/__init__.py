@@ -5,7 +5,12 @@ The CPU kernel emulator (:mod:`velox_testing.emulate`, :mod:`velox_testing.emula
 imported on use, not by this module.
 """
 
-from .artifacts import fitted_artifact, isolated_artifacts, loaded_without_artifact
+from .artifacts import (
+    assert_artifact_refusals,
+    fitted_artifact,
+    isolated_artifacts,
+    loaded_without_artifact,
+)
 from .baselines import attention_errors_vs_mlx_quant, fill_chunks
 from .conformance import CacheConformance
 from .eviction import EvictingConformance, FullBudgetConformance, Routed
@@ -13,6 +18,7 @@ from .kernel_env import kernel_env
 from .kernel_path import (
     assert_cpu_declines,
     assert_kernel_partial,
+    assert_step_like_reference,
     compile_cuda,
     compile_metal,
     emulated_gpu_fixture,
@@ -25,6 +31,7 @@ from .kv import (
     assert_partials_close,
     assert_partials_equivalent,
     assert_rows_decode_alone,
+    coded_segments,
     decode_logits,
     feed,
     greedy_agreement,
@@ -49,6 +56,7 @@ __all__ = [
     "EvictingConformance",
     "FullBudgetConformance",
     "Routed",
+    "assert_artifact_refusals",
     "assert_attends_without_decoding",
     "assert_batch_generate_refused",
     "assert_cpu_declines",
@@ -59,8 +67,10 @@ __all__ = [
     "assert_partials_equivalent",
     "assert_rows_decode_alone",
     "assert_spec_refused",
+    "assert_step_like_reference",
     "assert_tampered_state_refused",
     "attention_errors_vs_mlx_quant",
+    "coded_segments",
     "compile_cuda",
     "compile_metal",
     "conformance_model",

@@ -1,6 +1,7 @@
 """Test aids of the methods that fit a per-model artifact (:mod:`velox_core.artifacts`): an
 artifact fitted on the conformance model, an artifact search path that holds nothing else,
-and the check that a saved cache outlives its artifact. Each takes the method's own fit,
+the refusals of a missing or foreign artifact and the check that a saved cache outlives its
+artifact. Each takes the method's own fit,
 save and cache as arguments: a method's tests need no other method package."""
 
 from __future__ import annotations
@@ -12,10 +13,17 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
+from .kv import kv_data
 from .models import conformance_model
 
-__all__ = ["fitted_artifact", "isolated_artifacts", "loaded_without_artifact"]
+__all__ = [
+    "assert_artifact_refusals",
+    "fitted_artifact",
+    "isolated_artifacts",
+    "loaded_without_artifact",
+]
 
 
 def fitted_artifact(
@@ -48,6 +56,35 @@ def isolated_artifacts(monkeypatch: Any, folder: Path) -> None:
     monkeypatch.setenv("HOME", str(folder))
     monkeypatch.chdir(folder)
     monkeypatch.setenv("VELOX_SHARED", str(folder))
+
+
+def assert_artifact_refusals(
+    monkeypatch: Any,
+    folder: Path,
+    missing: type[Exception],
+    spec: str,
+    fitted: Any,
+    standalone: Any,
+    noun: str,
+) -> None:
+    """The refusals of a method whose caches read a fitted artifact, with artifacts looked up
+    in ``folder`` only (:func:`isolated_artifacts`): ``make_cache`` of
+    :func:`conformance_model` and ``spec`` (``"<method>..."``; no artifact fitted for the
+    model in reach) raises ``missing``, naming the method's fit command; ``fitted`` (a cache
+    that names the conformance model's artifact) is refused for a model of another depth;
+    ``standalone`` (a cache that names no artifact, used without a model) refuses 400 tokens
+    with ``no <noun>``."""
+    from velox_core import make_cache
+
+    isolated_artifacts(monkeypatch, folder)
+    method = spec.split(":")[0]
+    with pytest.raises(missing, match=f"python -m velox_{method} fit --model PATH"):
+        make_cache(conformance_model(), spec)
+    with pytest.raises(ValueError, match="another model"):
+        make_cache(conformance_model(num_hidden_layers=3), fitted)
+    k, v = kv_data(t=400)
+    with pytest.raises(ValueError, match=f"no {noun}"):
+        standalone.update_and_fetch(k, v)
 
 
 def loaded_without_artifact(model: Any, template: Any, artifact: Path, folder: Path) -> tuple:

@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import velox_core.kernels as vk
 from velox_core import environment
 from velox_core.cache.attention import Segment, fused_partial, kernel_sides, partial
 
@@ -22,6 +23,7 @@ from .kv import assert_partials_close
 __all__ = [
     "assert_cpu_declines",
     "assert_kernel_partial",
+    "assert_step_like_reference",
     "compile_cuda",
     "compile_metal",
     "emulated_gpu_fixture",
@@ -199,6 +201,38 @@ def assert_kernel_partial(
     assert names[0] == "velox_decode_attention" or names[0].startswith("velox_decode_attention_")
     ref = partial(q, Segment(key_codec, keys, value_codec, values))
     assert_partials_close(got, ref, tol)
+
+
+def assert_step_like_reference(
+    emulated: Any,
+    monkeypatch: Any,
+    make: Callable[[], Any],
+    k: mx.array,
+    v: mx.array,
+    q: mx.array,
+    kernel: str = "velox_decode_attention",
+) -> tuple[Any, Any]:
+    """A cache from ``make()`` filled with ``k``, ``v`` takes, for its decode step on ``q``,
+    the decode kernel named ``kernel`` and the merge that joins its fp16 tokens, both run by
+    ``emulated`` (the ``emulated_gpu`` fixture's kernels, or an installed
+    :class:`~velox_testing.emulate.EmulatedKernels`), and attends as a second cache from
+    ``make()`` filled the same way on the reference path (the backend reported as the CPU,
+    through ``monkeypatch`` for the rest of the test) to 2e-3; returns the two caches.
+
+    Shapes:
+        k, v ``(B, H, T, D)``; q ``(B, H_q, 1, D)``.
+    """
+    cache = make()
+    cache.update_and_fetch(k, v)
+    emulated.calls.clear()  # launches of the encode kernels that filled it
+    got = cache.attend(q, 0.088)
+    assert emulated.names == [kernel, "velox_decode_merge_fp16"], emulated.names
+    monkeypatch.setattr(vk, "backend", lambda: "cpu")  # the reference path
+    ref_cache = make()
+    ref_cache.update_and_fetch(k, v)
+    ref = ref_cache.attend(q, 0.088)
+    assert np.abs(np.asarray((got - ref).astype(mx.float32))).max() < 2e-3
+    return cache, ref_cache
 
 
 def sign_words(sx: np.ndarray) -> np.ndarray:

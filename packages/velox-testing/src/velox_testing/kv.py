@@ -20,6 +20,7 @@ __all__ = [
     "assert_partials_equivalent",
     "assert_rows_decode_alone",
     "assert_scores_and_mix_decoded",
+    "coded_segments",
     "decode_logits",
     "feed",
     "greedy_agreement",
@@ -192,6 +193,12 @@ def feed(caches, k: mx.array, v: mx.array, chunks: int | Sequence[int] = (100, 1
             c.update_and_fetch(k[:, :, start : start + n], v[:, :, start : start + n])
         start, i = start + n, i + 1
     return caches
+
+
+def coded_segments(cache) -> list:
+    """The segments of ``cache`` that its first tier's codecs hold (not its fp16 sinks and
+    window), in order."""
+    return [s for s in cache.segments() if s.key_codec is cache.tiers[0].key_codec]
 
 
 def assert_rows_decode_alone(model, spec, prompt: mx.array, tokens=(4, 9)) -> None:
