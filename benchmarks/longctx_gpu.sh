@@ -28,6 +28,9 @@
 #   TEMPLATE_<M> (or TEMPLATE) [raw]   PROMPTS [16]  POINTS [4x 8x]  QUESTION [after]
 #   METHODS [the points' default specs]  JOBS [12]  SECONDS_<M> [420]  CAL_PROMPTS [8]
 #   MAX_TASKS [3]  ORDER (of the models' pieces in the calls) [smollm2 gemma3]
+#   DEADLINE: the seconds the whole call may take (the device call's limit): each velox eval
+#     stops 60 s before it (counted from the suite's start, the model's conversion included), so
+#     that the results are packed into $OUT before the call ends (a call cut off returns nothing)
 #   LADDER [passkey multikey:keys=2 multikey multivalue:values=2 multiquery:keys=2
 #           vartrack:hops=1 vartrack cwe:common=2]
 set -euo pipefail
@@ -194,8 +197,20 @@ finish() {
   [[ -d $RESULTS ]] && tar czf "$OUT/results.tgz" -C "$RESULTS" . && ls -la "$RESULTS"
 }
 
+# the seconds a velox eval may run: $1, or less where DEADLINE (counted from the call's
+# start, $CALL_START) leaves less: 60 s kept for the eval's exit and the packing
+capped() {
+  local want=$1
+  if [[ -n ${DEADLINE:-} ]]; then
+    local room=$((DEADLINE - (SECONDS - CALL_START) - 60))
+    ((room < want)) && want=$room
+  fi
+  echo $((want > 1 ? want : 1))
+}
+
 suite() {
   local m=$1
+  CALL_START=$SECONDS
   prepare
   trap finish EXIT
   local dir hay tpl tasks q=${QUESTION:-after} lengths hay0=prose
@@ -211,7 +226,7 @@ suite() {
   if [[ $tasks == auto ]]; then
     if [[ ! -f $cal ]]; then
       # shellcheck disable=SC2086
-      limited "$budget" velox eval --model "$dir" --lengths $lengths --methods fp16 \
+      limited "$(capped "$budget")" velox eval --model "$dir" --lengths $lengths --methods fp16 \
         --tasks $ladder --prompts "${CAL_PROMPTS:-8}" --haystack "$hay" --template "$tpl" \
         --jobs "${JOBS:-12}" --json "$cal" --chart ""
     fi
@@ -220,7 +235,7 @@ suite() {
   echo "$m: tasks $tasks at $lengths"
   local left=$((budget - (SECONDS - start)))
   # shellcheck disable=SC2086
-  limited "$left" velox eval --model "$dir" --lengths $lengths --question "$q" \
+  limited "$(capped "$left")" velox eval --model "$dir" --lengths $lengths --question "$q" \
     --prompts "${PROMPTS:-16}" --points ${POINTS:-4x 8x} --tasks $tasks \
     --haystack "$hay" --template "$tpl" ${METHODS:+--methods $METHODS} --jobs "${JOBS:-12}" \
     --json "$RESULTS/eval-$m-$q-$hay-$tpl.json" --markdown "$RESULTS/eval-$m-$q-$hay-$tpl.md" \
