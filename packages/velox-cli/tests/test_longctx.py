@@ -308,6 +308,11 @@ def test_a_spec_is_compared_with_fp16_on_the_prompts_both_finished(tmp_path):
     report.write_json(str(path), ts, {"model": "m", "question": "after", "haystack": "prose"})
     assert main(["eval", "--from-json", str(path), "--chart", "", "--markdown", str(out)]) == 0
     assert out.read_text() == md
+    # the table's title says when the policies cut; a run recorded before --cut names none
+    info = {"model": "m", "question": "after", "haystack": "prose"}
+    assert "question after | haystack" in report.table(aggregate(ts), info).title
+    title = report.table(aggregate(ts), {**info, "cut": "once"}).title
+    assert "question after, cut once | haystack" in title
 
 
 def test_finished_prompts_need_every_spec():

@@ -155,10 +155,16 @@ def _rows(cells: Sequence[Cell]) -> list[tuple[dict[str, Any], list[str]]]:
     return out
 
 
+def _cut(info: dict) -> str:
+    """When the run's retention policies cut (``--cut``); a run recorded before the setting
+    existed names none."""
+    return f", cut {info['cut']}" if info.get("cut") else ""
+
+
 def table(cells: Sequence[Cell], info: dict) -> Table:
     t = Table(
         title=f"velox eval: {Path(str(info.get('model', ''))).name} | question "
-        f"{info.get('question')} | haystack {info.get('haystack')}",
+        f"{info.get('question')}{_cut(info)} | haystack {info.get('haystack')}",
         caption=_note(cells),
     )
     t.add_column("spec", no_wrap=True)
@@ -294,7 +300,7 @@ def chart(path: str, cells: Sequence[Cell], info: dict) -> None:
     model = Path(str(info.get("model", ""))).name
     fig.suptitle(
         f"velox eval: {model}, tasks {', '.join(info.get('tasks', []))}, question "
-        f"{info.get('question')}"
+        f"{info.get('question')}{_cut(info)}"
     )
     fig.tight_layout(rect=(0, 0, 0.8, 0.95))
     fig.savefig(path, dpi=120)
