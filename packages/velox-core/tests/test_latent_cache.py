@@ -54,8 +54,53 @@ def test_uniform_specs_give_latent_layers_a_latent_cache(model):
     assert [(t.latent_bits, t.group, t.flush) for t in template] == [(2, 32, 1)] * 2
 
 
-def test_eight_bits_give_the_fp16_greedy_tokens(model, prompt):
-    caches, ref = make_cache(model, "uniform:bits=8"), [KVCache() for _ in model.layers]
+# the latent and k_pe as a pair of records (the tiny model's 32-channel k_pe takes a group of
+# 32, the latent 64) and as one record a token (both in groups of 32: JointLatent)
+PAIR, JOINT = "", ",group=32"
+
+
+def test_one_record_where_both_arrays_are_coded_alike(model):
+    from velox_core.cache.latent_joint import JointLatent
+
+    def store(spec):
+        caches = make_cache(model, spec)
+        model(mx.array([[1, 2, 3]]), cache=caches)
+        return type(caches[0]._store)
+
+    assert store("uniform:bits=4,group=32") is JointLatent
+    assert store("uniform:bits=8,group=32") is JointLatent
+    for spec in (
+        "uniform:bits=4",  # k_pe in groups of 32, the latent of 64
+        "uniform:bits=4,group=32,key_bits=8",
+        "uniform:bits=4,group=32,window=8",
+        "uniform:bits=4,group=32,sinks=4",
+        "uniform:bits=4,group=32,flush=16",
+    ):
+        assert store(spec) is VeloxCache, spec
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_a_joint_records_parts_are_the_records_of_each_part(bits):
+    """JointLatent.part slices a record of [latent | k_pe] into what coding each alone
+    gives (per-token groups never straddle the two), in every code width's layout."""
+    from velox_core.cache.latent import MLXGrid
+    from velox_core.cache.latent_joint import JointLatent
+
+    codec = MLXGrid(bits, 32)
+    joint = JointLatent(codec, (128, 32))
+    lat, pe = (mx.random.normal((2, 1, 5, d), key=mx.random.key(d)) for d in (128, 32))
+    whole = codec.encode(mx.concatenate([lat, pe], axis=-1))
+    for part, x in (("latent", lat), ("pe", pe)):
+        alone = codec.encode(x)
+        got = joint.part(whole, part)
+        assert set(got.data) == set(alone.data) and got.tokens == 5
+        for k in alone.data:
+            assert mx.array_equal(got.data[k], alone.data[k]).item(), (bits, part, k)
+
+
+@pytest.mark.parametrize("layout", [PAIR, JOINT])
+def test_eight_bits_give_the_fp16_greedy_tokens(model, prompt, layout):
+    caches, ref = make_cache(model, "uniform:bits=8" + layout), [KVCache() for _ in model.layers]
     got, want = [], []
     with routed(model):  # decode steps attend from the latent's codes
         a, b = model(prompt, cache=caches), model(prompt, cache=ref)
@@ -69,10 +114,11 @@ def test_eight_bits_give_the_fp16_greedy_tokens(model, prompt):
     assert caches[0].offset == ref[0].offset == PROMPT + STEPS
 
 
-def test_four_bits_keep_the_next_token_distribution(model, prompt):
+@pytest.mark.parametrize("layout", [PAIR, JOINT])
+def test_four_bits_keep_the_next_token_distribution(model, prompt, layout):
     """Teacher-forced: both caches read the same tokens; KL(fp16 || 4-bit) per step, the
     4-bit decode steps routed (from the codes)."""
-    caches, ref = make_cache(model, "uniform:bits=4"), [KVCache() for _ in model.layers]
+    caches, ref = make_cache(model, "uniform:bits=4" + layout), [KVCache() for _ in model.layers]
     forced = mx.random.randint(0, 512, (STEPS,), key=mx.random.key(2)).tolist()
     with routed(model):
         a, b = model(prompt, cache=caches), model(prompt, cache=ref)
@@ -87,23 +133,25 @@ def test_four_bits_keep_the_next_token_distribution(model, prompt):
     assert mean < 0.05, f"mean KL {mean:.4f} (max {max(kls):.4f})"
 
 
-def test_four_bit_bytes_are_under_three_tenths_of_fp16(model, prompt):
-    caches = make_cache(model, "uniform:bits=4")
+# per token and layer: latent 128 ch x 4 b = 64 B + its groups' fp16 scale and zero (2 of 64
+# ch: 8 B; 4 of 32: 16 B); k_pe 32 ch x 4 b = 16 B + one group's 4 B; against 320 B of fp16
+@pytest.mark.parametrize("layout, per_token, most", [(PAIR, 92, 0.3), (JOINT, 100, 0.33)])
+def test_four_bit_bytes(model, prompt, layout, per_token, most):
+    caches = make_cache(model, "uniform:bits=4" + layout)
     model(prompt, cache=caches)
     for t in range(STEPS):
         model(mx.array([[t]]), cache=caches)
     n = PROMPT + STEPS
     fp16 = _fp16_bytes(n, len(caches))
-    # per token and layer: latent 128 ch x 4 b = 64 B + 2 groups x fp16 scale and zero = 8 B;
-    # k_pe 32 ch x 4 b = 16 B + one group's 4 B: 92 B against 320 B of fp16
-    assert sum(c.logical_nbytes for c in caches) == len(caches) * n * 92
+    assert sum(c.logical_nbytes for c in caches) == len(caches) * n * per_token
     ratio = sum(c.nbytes for c in caches) / fp16  # capacity included
-    assert ratio <= 0.3, ratio  # measured 0.297 (logical 0.2875)
+    assert ratio <= most, ratio  # pair: 0.297 (logical 0.2875); joint: logical 0.3125
     assert caches[0].nbytes == caches[0]._store.nbytes
 
 
-def test_state_round_trip_through_a_file_gives_the_same_next_logits(model, prompt, tmp_path):
-    caches = make_cache(model, "uniform:bits=4,window=8,sinks=4")
+@pytest.mark.parametrize("spec", ["uniform:bits=4,window=8,sinks=4", "uniform:bits=4" + JOINT])
+def test_state_round_trip_through_a_file_gives_the_same_next_logits(model, prompt, tmp_path, spec):
+    caches = make_cache(model, spec)
     model(prompt, cache=caches)
     model(mx.array([[7]]), cache=caches)
     path = str(tmp_path / "latent.safetensors")
@@ -132,16 +180,31 @@ def test_state_round_trip_through_a_file_gives_the_same_next_logits(model, promp
     assert empty.empty() and empty.latent_bits == 3
 
 
-def test_trim_equals_the_cache_that_never_saw_the_tokens(model, prompt):
-    full = make_cache(model, "uniform:bits=4")
+def test_a_joint_state_that_does_not_match_its_arrays_is_refused(model, prompt):
+    caches = make_cache(model, "uniform:bits=4" + JOINT)
+    model(prompt, cache=caches)
+    head, *arrays = caches[0].state
+    meta = json.loads(head)
+    meta["store"]["tokens"] += 1
+    with pytest.raises(ValueError, match="rows on axis 2"):
+        LatentCache.from_state([json.dumps(meta), *arrays])
+    with pytest.raises(ValueError, match="not a joint latent state"):
+        LatentCache.from_state([head, *arrays[:2]])
+
+
+@pytest.mark.parametrize("layout", [PAIR, JOINT])
+def test_trim_equals_the_cache_that_never_saw_the_tokens(model, prompt, layout):
+    full = make_cache(model, "uniform:bits=4" + layout)
     assert all(c.is_trimmable() for c in full)  # flush=1, window=0: coded on arrival
     model(prompt, cache=full)
-    short = make_cache(model, "uniform:bits=4")
+    short = make_cache(model, "uniform:bits=4" + layout)
     model(prompt[:, :-5], cache=short)
     assert [c.trim(5) for c in full] == [5, 5]
     assert full[0].offset == full[0].size() == PROMPT - 5
     x = mx.array([[3]])
     assert mx.array_equal(model(x, cache=full), model(x, cache=short)).item()
+    with pytest.raises(ValueError, match="cannot trim"):
+        full[0].trim(PROMPT)
     # a window keeps the newest tokens as given: not exactly trimmable, trimmed all the same
     windowed = make_cache(model, "uniform:bits=4,window=16")
     model(prompt, cache=windowed)
@@ -184,8 +247,10 @@ def test_other_methods_keep_the_fp16_cache_with_the_warning(model):
         assert type(make_cache(model, "uniform")[0]) is LatentCache
 
 
-def test_batch_rows(model, prompt):
-    a, b = make_cache(model, "uniform:bits=4"), make_cache(model, "uniform:bits=4")
+@pytest.mark.parametrize("layout", [PAIR, JOINT])
+def test_batch_rows(model, prompt, layout):
+    spec = "uniform:bits=4" + layout
+    a, b = make_cache(model, spec), make_cache(model, spec)
     model(prompt, cache=a)
     model(prompt[:, ::-1], cache=b)
     joined = [x.copy() for x in a]
@@ -194,12 +259,21 @@ def test_batch_rows(model, prompt):
     back = [j.extract(1) for j in joined]
     x = mx.array([[5]])
     assert mx.array_equal(model(x, cache=back), model(x, cache=b)).item()
+    kept = [j.copy() for j in joined]
+    for k in kept:
+        k.filter([0])
+    assert mx.array_equal(model(x, cache=kept), model(x, cache=a)).item()
+    with pytest.raises(ValueError, match="extend"):
+        short = make_cache(model, spec)
+        model(prompt[:, :7], cache=short)
+        joined[0].extend(short[0])
 
 
-def test_save_cache_and_load_cache_keep_a_latent_cache(model, prompt, tmp_path):
+@pytest.mark.parametrize("spec", ["uniform:bits=4,window=8", "uniform:bits=4" + JOINT])
+def test_save_cache_and_load_cache_keep_a_latent_cache(model, prompt, tmp_path, spec):
     """velox's own files hold latent layers: the same next logits after a reload, and
     ``inspect_cache_file`` counts their tokens and bytes."""
-    caches = make_cache(model, "uniform:bits=4,window=8")
+    caches = make_cache(model, spec)
     model(prompt, cache=caches)
     path = tmp_path / "latent.safetensors"
     velox_core.save_cache(path, caches)
@@ -261,6 +335,9 @@ def _check_close(la: mx.array, lb: mx.array, where: str) -> None:
         ("uniform:bits=4,flush=16", mx.float16, 100, 20),  # tokens waiting as given
         ("uniform:bits=8", mx.bfloat16, 120, 8),
         ("uniform:bits=4,group=32,window=4", mx.bfloat16, 1100, 4),  # the mix in chunks
+        ("uniform:bits=4" + JOINT, mx.float16, 200, 64),  # one record a token
+        ("uniform:bits=3" + JOINT, mx.bfloat16, 120, 8),
+        ("uniform:bits=8" + JOINT, mx.bfloat16, 1100, 4),
     ],
 )
 def test_routed_decode_reads_the_codes_as_the_decoded_latent_gives(spec, dtype, prompt_len, steps):

@@ -306,7 +306,13 @@ def _load_layer(path: str, i: int, layer: dict, arrays: dict[str, mx.array]) -> 
         if any(a is None for a in state):
             raise ValueError(f"{where}: arrays {prefix}0..{n - 1} are not all in the file")
         inner = meta.get("store")
-        if inner is not None:
+        if isinstance(inner, dict) and inner.get("layout") == "joint":  # one record a token
+            tokens = inner.get("tokens")
+            if not isinstance(tokens, int) or tokens < 0 or n != (3 if tokens else 0):
+                raise ValueError(
+                    f"{where}: a joint latent store of {tokens!r} tokens in {n} arrays"
+                )
+        elif inner is not None:
             names = inner.get("arrays") if isinstance(inner, dict) else None
             if not isinstance(names, list) or len(names) != n:
                 raise ValueError(f"{where}: meta.store.arrays must name the {n} arrays")
@@ -421,6 +427,7 @@ def inspect_cache_file(path: str | Path) -> dict[str, Any]:
             meta = layer["meta"] if layer["kind"] == "velox" else layer["meta"]["store"] or {}
             stores = meta.get("stores", {})
             tokens = sum(s["tokens"] for n, s in stores.items() if n.endswith(".k"))
+            tokens = meta.get("tokens", tokens)  # a latent layer's one record a token
             rows.append(
                 {
                     "layer": i,

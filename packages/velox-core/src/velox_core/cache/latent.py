@@ -20,9 +20,13 @@ other call (prefill chunks, whose attention is given the latent's projections; c
 cannot read; attention sinks) takes the model's attention over the decoded arrays, as
 without routing: the *reference path*.
 
-Storage is a :class:`~velox_core.cache.velox.VeloxCache` holding ``k_pe`` as its keys and
-the latent as its values, so the velox conventions hold: ``sinks`` first tokens and the
-``window`` newest kept as given, the codes growing ``step`` tokens at a time. ``flush``
+Storage: where both arrays are coded alike and every token on arrival (the same bits and
+group, no window or sinks, ``flush=1``: the defaults at DeepSeek-V3's widths) one record a
+token holds the two concatenated (:class:`~velox_core.cache.latent_joint.JointLatent`: one
+encode, write and decode a step); otherwise a :class:`~velox_core.cache.velox.VeloxCache`
+holds ``k_pe`` as its keys and the latent as its values, so the velox conventions hold:
+``sinks`` first tokens and the ``window`` newest kept as given, the codes growing ``step``
+tokens at a time. ``flush``
 defaults to 1 here (each token coded as it leaves the window), not velox's 64: the absorbed
 attention reads codes and fp16 tokens alike at every step, so tokens waiting as given buy
 nothing, while
@@ -54,6 +58,7 @@ from ..codec.uniform import Uniform
 from ..ops.packing import mlx_layout
 from ..ops.quant import scale_dtype
 from ..validation import check_bits, check_bool, check_divides, check_float, check_int
+from .latent_joint import JointLatent, joins
 from .velox import VeloxCache
 
 __all__: list[str] = []
@@ -135,7 +140,7 @@ class LatentCache(_BaseCache):
         self.storage_dtype: mx.Dtype | None = None  # set_storage_dtype
         self.layer: int | None = None  # the model's layer index (messages), set by make_cache
         self.dims: tuple[int, int] | None = None  # (latent width, k_pe width), once known
-        self._store: VeloxCache | None = None  # built once the widths are known
+        self._store: VeloxCache | JointLatent | None = None  # built once the widths are known
         # the latent the last update_and_fetch returned (a weak reference: the model's
         # arrays are not kept alive), which attend recognises as its keys and values
         self._fetched: weakref.ref | None = None
@@ -216,9 +221,10 @@ class LatentCache(_BaseCache):
     def _pe_group(self, pe_dim: int) -> int:
         return self.pe_group if self.pe_group is not None else min(self.group, pe_dim)
 
-    def check_dims(self, latent_dim: int, pe_dim: int) -> None:
+    def check_dims(self, latent_dim: int, pe_dim: int, joint: bool | None = None) -> None:
         """Refuse widths the groups do not divide (``ValueError`` naming the parameter, the
-        width and divisors to use); on success the widths are fixed and the store built."""
+        width and divisors to use); on success the widths are fixed and the store built (one
+        record a token where ``joint``, by default where the settings allow it)."""
         check_divides(
             "latent", "group", self.group, latent_dim, "latent width (kv_lora_rank)",
             "per-token groups split a token's latent channels",
@@ -235,7 +241,7 @@ class LatentCache(_BaseCache):
             )
         if self._store is None:
             self.dims = (latent_dim, pe_dim)
-            self._store = self._build(pg)
+            self._store = self._build(pg, joint)
 
     def set_storage_dtype(self, dtype: mx.Dtype | None) -> None:
         """Keep the fp16 tokens and the scales in ``dtype`` (as
@@ -244,7 +250,16 @@ class LatentCache(_BaseCache):
             self._store.set_storage_dtype(dtype)
         self.storage_dtype = dtype
 
-    def _build(self, pe_group: int) -> VeloxCache:
+    def _build(self, pe_group: int, joint: bool | None) -> VeloxCache | JointLatent:
+        alike = self.pe_bits == self.latent_bits and pe_group == self.group
+        plain = not (self.window or self.sinks or self.check_finite) and self.flush == 1
+        if joint is None:
+            joint = alike and plain and joins(self.dims[0], self.group)
+        if joint:
+            codec = MLXGrid(self.latent_bits, self.group, clip=self.clip)
+            store = JointLatent(codec, self.dims, self.step)
+            store.set_storage_dtype(self.storage_dtype)
+            return store
         store = VeloxCache(
             key_codec=MLXGrid(self.pe_bits, pe_group, clip=self.clip),
             value_codec=MLXGrid(self.latent_bits, self.group, clip=self.clip),
@@ -331,7 +346,8 @@ class LatentCache(_BaseCache):
         ("" where it does not)."""
         if sinks is not None:
             return "attention sinks"
-        b = self._store.stored.batch
+        st = self._store
+        b = st.batch if isinstance(st, JointLatent) else st.stored.batch
         shape = tuple(queries.shape)
         if len(shape) != 4 or shape[0] != b or shape[3] != self.dims[0]:
             return f"queries {shape} are not (batch={b}, heads, L, latent={self.dims[0]})"
@@ -417,8 +433,12 @@ class LatentCache(_BaseCache):
             self.dims, self._store = None, None
             return
         self.dims, self._store = None, None
-        self.check_dims(*meta["dims"])
-        self._store.state = [json.dumps(inner), *v[1:]]
+        joint = inner.get("layout") == "joint"
+        self.check_dims(*meta["dims"], joint=joint)
+        if joint:
+            self._store.load(inner, list(v[1:]))
+        else:
+            self._store.state = [json.dumps(inner), *v[1:]]
 
     @property
     def meta_state(self) -> tuple[str]:
