@@ -3,9 +3,9 @@
 A key ``k`` is stored as ``sign(S k)`` (``m`` bits) and ``||k||``; for a query ``q`` the
 estimator ``sqrt(pi/2) / m * ||k|| * <S q, sign(S k)>`` is unbiased for ``<q, k>`` when the
 rows of ``S`` are i.i.d. ``N(0, I)`` (arXiv 2406.03482, Lemma 3.2), with variance ``O(1/m)``.
-The estimator itself lives in velox-qjl (``velox_qjl.projection.sketch_inner``), its only
-user; the projection and the sign bits are here, shared with velox-turboquant's residual
-sketches.
+The estimator itself lives in the method package that scores keys by it, its only user;
+the projection and the sign bits are here, shared by every method that sketches keys or
+their residuals.
 """
 
 from __future__ import annotations
