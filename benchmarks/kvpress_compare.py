@@ -564,7 +564,7 @@ def _velox_masks(model, store, prompt, spec: str, chunk: int, tokenizer):
     caches = build_caches(parse(resolve_spec(spec, budget_tokens(prompt, "after"))), model, store)
     n = len(prompt.context)
     with routed(model):
-        logits = prompt_caches(model, caches, prompt, "after", chunk, tokenizer)
+        logits = prompt_caches(model, caches, prompt, "after", chunk, tokenizer, CUT)
         at_question = _kept_positions(caches, n)
         y = mx.argmax(logits, axis=-1)
         mx.eval(model(y[:, None], cache=caches))
@@ -735,6 +735,11 @@ def main(argv: list[str] | None = None) -> int:
     return _compare(a)
 
 
+# velox's cuts follow the prefill's chunks (`velox eval --cut chunks`): --chunk 0 is one pass
+# over the context, as kvpress's, and a smaller chunk measures mlx-lm's chunked prefill
+CUT = "chunks"
+
+
 def prefill_chunk(chunk: int, lengths: list[int]) -> int:
     """velox's prefill chunk: ``chunk``, or with 0 the longest prompt length, so that each
     context goes through the model in one forward pass, as kvpress's does. A retention
@@ -843,6 +848,7 @@ def _velox_half(a, model, store, tokenizer, prompts, overlap, spec_of, matched_o
         chunk=a.chunk,
         seed=a.seed,
         jobs=a.jobs,
+        cut=CUT,
     )
     t = time.perf_counter()
     done = [0]
