@@ -267,6 +267,11 @@ def test_batch_rows(model, prompt, layout):
         short = make_cache(model, spec)
         model(prompt[:, :7], cache=short)
         joined[0].extend(short[0])
+    emptied = make_cache(model, spec)
+    model(prompt[:, :7], cache=emptied)
+    emptied[0].trim(7)
+    with pytest.raises(ValueError, match="extend"):
+        emptied[0].extend(short[0])
 
 
 @pytest.mark.parametrize("spec", ["uniform:bits=4,window=8", "uniform:bits=4" + JOINT])
@@ -390,6 +395,14 @@ def test_readable_on_cuda_only_where_turned_on_and_one_row(monkeypatch):
     with configured(latent_codes=True):
         assert "several rows on MLX's CUDA backend" in absorbed.readable([(codec, rows)])
         assert absorbed.readable([(codec, one)]) == ""
+    # one record a token: the latent's codes are a slice of each record, which CUDA's
+    # quantized_matmul cannot read in place; a pair's single row can
+    q = mx.random.normal((1, 4, 1, RANK))
+    for group, why in ((32, "one record a token on MLX's CUDA backend"), (64, "")):
+        c = LatentCache(bits=4, group=group)
+        c.update_and_fetch(mx.random.normal((1, 1, 8, RANK)), mx.random.normal((1, 1, 8, PE)))
+        got = c._unreadable(q, None, None)
+        assert (why in got) if why else got == "", (group, got)
 
 
 def test_latent_codes_setting_from_the_environment():

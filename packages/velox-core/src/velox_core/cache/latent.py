@@ -355,6 +355,10 @@ class LatentCache(_BaseCache):
             return "" if mask == "causal" and shape[2] == 1 else f"mask {mask!r}"
         if mask is not None and (mask.ndim > 4 or mask.shape[-1] != self.size()):
             return f"a mask of shape {tuple(mask.shape)} over {self.size()} stored tokens"
+        from ..kernels import backend  # the latent's codes: a slice of each record, below
+
+        if isinstance(st, JointLatent) and backend() == "cuda":
+            return "one record a token on MLX's CUDA backend (contiguous codes only there)"
         return ""
 
     def size(self) -> int:

@@ -184,6 +184,8 @@ class JointLatent:
                 "extend: both caches must hold the same tokens in the same layout "
                 "(equal-length sequences); velox caches do not pad"
             )
-        theirs = other.store.view()
-        joined = self.store.view().map(lambda k, a: mx.concatenate([a, theirs.data[k]], 0))
+        mine, theirs = self.store.view(), other.store.view()
+        if mine is None or theirs is None:
+            raise ValueError("extend: both caches must hold tokens")
+        joined = mine.map(lambda k, a: mx.concatenate([a, theirs.data[k]], 0))
         self.store.replace(joined)
