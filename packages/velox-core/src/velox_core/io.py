@@ -306,13 +306,9 @@ def _load_layer(path: str, i: int, layer: dict, arrays: dict[str, mx.array]) -> 
         if any(a is None for a in state):
             raise ValueError(f"{where}: arrays {prefix}0..{n - 1} are not all in the file")
         inner = meta.get("store")
-        if isinstance(inner, dict) and inner.get("layout") == "joint":  # one record a token
-            tokens = inner.get("tokens")
-            if not isinstance(tokens, int) or tokens < 0 or n != (3 if tokens else 0):
-                raise ValueError(
-                    f"{where}: a joint latent store of {tokens!r} tokens in {n} arrays"
-                )
-        elif inner is not None:
+        # one record a token (JointLatent): its own load checks the arrays against the meta
+        joint = isinstance(inner, dict) and inner.get("layout") == "joint"
+        if inner is not None and not joint:
             names = inner.get("arrays") if isinstance(inner, dict) else None
             if not isinstance(names, list) or len(names) != n:
                 raise ValueError(f"{where}: meta.store.arrays must name the {n} arrays")

@@ -347,7 +347,8 @@ class LatentCache(_BaseCache):
         if sinks is not None:
             return "attention sinks"
         st = self._store
-        b = st.batch if isinstance(st, JointLatent) else st.stored.batch
+        joint = isinstance(st, JointLatent)
+        b = st.batch if joint else st.stored.batch
         shape = tuple(queries.shape)
         if len(shape) != 4 or shape[0] != b or shape[3] != self.dims[0]:
             return f"queries {shape} are not (batch={b}, heads, L, latent={self.dims[0]})"
@@ -355,10 +356,11 @@ class LatentCache(_BaseCache):
             return "" if mask == "causal" and shape[2] == 1 else f"mask {mask!r}"
         if mask is not None and (mask.ndim > 4 or mask.shape[-1] != self.size()):
             return f"a mask of shape {tuple(mask.shape)} over {self.size()} stored tokens"
-        from ..kernels import backend  # the latent's codes: a slice of each record, below
+        if joint:  # the latent's codes are a slice of each record
+            from ..kernels import backend
 
-        if isinstance(st, JointLatent) and backend() == "cuda":
-            return "one record a token on MLX's CUDA backend (contiguous codes only there)"
+            if backend() == "cuda":
+                return "one record a token on MLX's CUDA backend (contiguous codes only there)"
         return ""
 
     def size(self) -> int:

@@ -55,7 +55,6 @@ class JointLatent:
         self.store = PackedStore(step)
         self.offset = 0
         self.storage_dtype: mx.Dtype | None = None
-        self._io_dtype: mx.Dtype | None = None  # the dtype the tokens came in (and go out)
 
     # -- the calls LatentCache makes --------------------------------------------------------
     def set_storage_dtype(self, dtype: mx.Dtype | None) -> None:
@@ -69,7 +68,7 @@ class JointLatent:
 
         A step's record is written into the buffers' room in place; a growth is evaluated on
         its own (``mx.async_eval``), so that every step's graph is the same encode and write.
-        The buffers are decoded whole and sliced (their rows past the tokens are zeros).
+        The buffers are decoded whole, their rows past the tokens sliced off.
         """
         (b, h, t, dl), pe_shape = latent.shape, k_pe.shape
         st = self.store
@@ -85,18 +84,16 @@ class JointLatent:
         if self.storage_dtype is not None and io != self.storage_dtype:
             x = x.astype(self.storage_dtype)
         packed = self.codec.encode(x)
-        if st.buf is not None and st.tokens + t <= st.capacity:
-            st.put(packed)
-        elif t == 1 and st.buf is not None:
-            st.reserve(st.tokens + 1)
-            mx.async_eval(st.arrays())
-            st.put(packed)
-        else:
+        if st.buf is None:
             st.append(packed)
+        else:
+            if st.tokens + t > st.capacity:
+                st.reserve(st.tokens + t)
+                mx.async_eval(st.arrays())
+            st.put(packed)
         if t > EVAL_ABOVE:
             mx.eval(st.arrays())
         self.offset += t
-        self._io_dtype = io
         full = self.codec.decode_as(st.buf, io)
         n, d = st.tokens, self.dims[0]
         return full[:, :, :n, d:], full[:, :, :n, :d]
