@@ -99,6 +99,27 @@ def test_a_joint_records_parts_are_the_records_of_each_part(bits):
 
 
 @pytest.mark.parametrize("layout", [PAIR, JOINT])
+def test_the_fetched_latent_is_attended_by_every_head_without_a_copy_each(model, layout):
+    """The model's decode attention broadcasts the one latent head over every query head;
+    MLX copies a strided operand once per head there, so the latent and k_pe a cache hands
+    back must be whole arrays (a channel slice of one record a token is strided)."""
+    tokens, heads = 4096, 64
+    cache = make_cache(model, "uniform:bits=4" + layout)[0]
+    keys = (mx.random.normal((1, 1, tokens, d), key=mx.random.key(d)) for d in (RANK, PE))
+    latent, k_pe = cache.update_and_fetch(*(k.astype(mx.float16) for k in keys))
+    mx.eval(latent, k_pe)
+    q_lat, q_pe = (mx.ones((1, heads, 1, d), mx.float16) for d in (RANK, PE))
+    mx.eval(q_lat, q_pe)
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    scores = q_pe @ k_pe.swapaxes(-1, -2)
+    out = mx.fast.scaled_dot_product_attention(q_lat, latent, latent, scale=0.1, mask=scores)
+    mx.eval(out)
+    per_head_copies = heads * tokens * RANK * 2
+    assert mx.get_peak_memory() - before < per_head_copies // 4
+
+
+@pytest.mark.parametrize("layout", [PAIR, JOINT])
 def test_eight_bits_give_the_fp16_greedy_tokens(model, prompt, layout):
     caches, ref = make_cache(model, "uniform:bits=8" + layout), [KVCache() for _ in model.layers]
     got, want = [], []

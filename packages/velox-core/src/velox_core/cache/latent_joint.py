@@ -68,7 +68,8 @@ class JointLatent:
 
         A step's record is written into the buffers' room in place; a growth is evaluated on
         its own (``mx.async_eval``), so that every step's graph is the same encode and write.
-        The buffers are decoded whole, their rows past the tokens sliced off.
+        The buffers are decoded whole, their rows past the tokens sliced off, and each part
+        returned as a contiguous array (as a pair of records returns them).
         """
         (b, h, t, dl), pe_shape = latent.shape, k_pe.shape
         st = self.store
@@ -96,7 +97,10 @@ class JointLatent:
         self.offset += t
         full = self.codec.decode_as(st.buf, io)
         n, d = st.tokens, self.dims[0]
-        return full[:, :, :n, d:], full[:, :, :n, :d]
+        # each part copied out whole: a channel slice of the record is strided, and the
+        # model's attention broadcasts the one latent head over every query head, which MLX
+        # does by materializing a strided operand per head (128 copies of the latent a layer)
+        return mx.contiguous(full[:, :, :n, d:]), mx.contiguous(full[:, :, :n, :d])
 
     @property
     def batch(self) -> int:
