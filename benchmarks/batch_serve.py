@@ -26,6 +26,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from velox_cli.specs import split_specs
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e import SHAPES, WEIGHTS, build_model, parse_ints
 
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     lengths = parse_ints(a.lengths, "--lengths")
     if a.steps < 1:
         raise SystemExit("--steps must be at least 1")
-    specs = [s for s in a.caches.split(",") if s]
+    specs = split_specs(a.caches)
     if "fp16" not in specs:
         specs.insert(0, "fp16")
     model = build_model(a.shape, a.weights)

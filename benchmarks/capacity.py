@@ -70,6 +70,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from velox_cli.plan_shapes import SHAPES as PLAN_SHAPES
+from velox_cli.specs import split_specs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e
@@ -975,7 +976,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--budgets: {exc}") from None
     if not budgets:
         raise SystemExit("--budgets lists no budget")
-    specs = [s.strip() for s in args.caches.split(",") if s.strip()]
+    specs = split_specs(args.caches)
     if not specs:
         raise SystemExit("--caches lists no cache")
     if "fp16" in specs:  # the reference first

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from velox_cli.specs import split_specs
+
 
 def build_model():
     from mlx_lm.models import llama
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.context < 1 or args.steps < 1:
         p.error("--context and --steps must be positive")
-    records = {spec: record(spec, args.context, args.steps) for spec in args.caches.split(",")}
+    records = {spec: record(spec, args.context, args.steps) for spec in split_specs(args.caches)}
     for spec, r in records.items():
         kernels = Counter(launch["kernel"] for step in r["launches"] for launch in step)
         print(f"{spec}: {sum(r['graph'].values())} graph nodes, launches {dict(kernels)}")

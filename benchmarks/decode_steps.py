@@ -30,6 +30,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from velox_cli.specs import split_specs
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from e2e import SHAPES, build_model, decode_generate_step, make_caches, prefill
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(args.shape, args.weights)
     graphs = os.environ.get("MLX_CUDA_GRAPH_CACHE_SIZE", "default")
     rows = []
-    for spec in [c.strip() for c in args.caches.split(",") if c.strip()]:
+    for spec in split_specs(args.caches):
         row = run(model, spec, args)
         row.update(shape=args.shape, weights=args.weights, mlx_cuda_graph_cache_size=graphs)
         rows.append(row)

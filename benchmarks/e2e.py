@@ -62,6 +62,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from velox_cli.plan_shapes import SHAPES as PLAN_SHAPES
+from velox_cli.specs import split_specs
 
 # Architecture shapes (mlx-lm config fields), velox plan's own (one table for both). Weights
 # are random: the shapes decide the cost. "small" is small enough for a CPU, with 8 KV heads
@@ -457,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         VeloxCache.eval_chunks = False
     contexts = parse_ints(args.contexts, "--contexts")
     batches = [int(b) for b in args.batch.split(",")]
-    specs = [s.strip() for s in args.caches.split(",") if s.strip()]
+    specs = split_specs(args.caches)
     if "fp16" in specs:  # the reference row first, for the ratios
         specs = ["fp16", *[s for s in specs if s != "fp16"]]
     t0 = time.perf_counter()

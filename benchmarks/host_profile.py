@@ -39,6 +39,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from velox_cli.specs import split_specs
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -145,7 +147,7 @@ def main() -> int:
         model = build_model(args.shape, args.weights)
         vocab = SHAPES[args.shape]["vocab_size"]
     prompt = mx.random.randint(1, vocab, (1, args.context), key=mx.random.key(0))
-    specs = ["fp16", *[c.strip() for c in args.cache.split(",") if c.strip()]]
+    specs = ["fp16", *split_specs(args.cache)]
     stub = " (velox kernel calls stubbed, CUDA path)" if args.stub_kernels else ""
     what = "a generate_step token" if args.generate else "building a step's graph"
     for spec in specs:

@@ -174,3 +174,18 @@ def test_fit_dispatches_to_the_methods_entry_point(monkeypatch):
     )
     assert main(["fit", "demo", "--model", "m", "--tokens", "64"]) == 3
     assert calls == [["--model", "m", "--tokens", "64"]]
+
+
+def test_split_specs_keeps_each_specs_own_parameters():
+    from velox_cli.specs import split_specs
+
+    text = "fp16, kivi:bits=2,group=32,window=128,qjl,snapkv:kernel=15,budget=25%+uniform:bits=8,"
+    assert split_specs(text) == [
+        "fp16",
+        "kivi:bits=2,group=32,window=128",
+        "qjl",
+        "snapkv:kernel=15,budget=25%+uniform:bits=8",
+    ]
+    for bad in ("bits=4", "fp16,bits=4"):
+        with pytest.raises(ValueError, match="follows no spec with parameters"):
+            split_specs(bad)

@@ -118,6 +118,31 @@ class ComposedCache(VeloxCache):
         return out
 
 
+def split_specs(text: str) -> list[str]:
+    """The specs of one comma-separated string whose specs may carry comma-separated
+    parameters of their own (a benchmark's ``--caches``): a piece whose text before its first
+    ``=`` holds no ``:`` or ``+`` is a parameter of the spec before it.
+
+    ``"fp16,kivi:bits=2,group=32,snapkv:kernel=15,budget=25%+uniform:bits=8"`` gives
+    ``["fp16", "kivi:bits=2,group=32", "snapkv:kernel=15,budget=25%+uniform:bits=8"]``.
+    """
+    out: list[str] = []
+    for piece in (p.strip() for p in text.split(",")):
+        if not piece:
+            continue
+        head = piece.split("=", 1)[0]
+        if "=" in piece and ":" not in head and "+" not in head:
+            if not out or ":" not in out[-1]:
+                raise ValueError(
+                    f"{text!r}: parameter {piece!r} follows no spec with parameters "
+                    "(specs are name or name:key=value,...; separated by commas)"
+                )
+            out[-1] += "," + piece
+        else:
+            out.append(piece)
+    return out
+
+
 def compose(text: str) -> ComposedCache:
     """The cache of a composed spec ``A+B``: A's policy, sinks and window, B's codecs."""
     a_text, _, b_text = text.partition("+")
