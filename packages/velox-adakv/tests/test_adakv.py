@@ -329,7 +329,7 @@ def test_state_and_files_keep_per_head_storage_and_queries(tmp_path):
         assert mx.array_equal(d.attend(q[:, :, -1:], 0.1), c.attend(q[:, :, -1:], 0.1))
 
 
-# -- the recommended 4-bit setting against mlx ----------------------------------------------------
+# -- the 4-bit setting against mlx ----------------------------------------------------------------
 def _mlx_q4(x):
     w, s, z = mx.quantize(x, group_size=64, bits=4)
     return mx.dequantize(w, s, z, group_size=64, bits=4)
@@ -340,7 +340,7 @@ def test_four_bit_setting_against_mlx_q4():
     than mlx-lm's QuantizedKVCache(64, 4) fed the same tokens; within the budget (nothing
     evicted) its attention error is that of 4-bit group-64 codes, as mlx's own."""
     d, scale = 128, 1 / math.sqrt(128)
-    setting = METHOD.recommended[1]
+    setting = {"budget": 1024, "bits": 4}
     k, v = kv_data(t=4096, d=d)
     q = mx.random.normal((1, 4, 8, d), key=mx.random.key(11)).astype(mx.float16)
     ours, theirs = AdaKVCache(**setting), QuantizedKVCache(group_size=64, bits=4)
@@ -438,7 +438,10 @@ def test_extracted_rows_keep_their_observed_queries():
 
 # -- settings -------------------------------------------------------------------------------------
 def test_recommended_settings_build():
-    assert METHOD.recommended == ({"budget": 1024}, {"budget": 1024, "bits": 4})
+    assert METHOD.recommended == (
+        {"budget": 1024, "kernel": 15},
+        {"budget": 1024, "kernel": 15, "bits": 8},
+    )
     for s in METHOD.recommended:
         c = AdaKVCache(**s)
         assert isinstance(c.policy, AdaKVPolicy) and c.policy.alpha == 0.2 and c.window == 32

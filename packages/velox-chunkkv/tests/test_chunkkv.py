@@ -362,13 +362,13 @@ def test_split_by_heads_is_refused():
 
 def test_recommended_settings_and_registry():
     assert METHOD.name == "chunkkv" and METHOD.paper == "https://arxiv.org/abs/2502.00299"
-    fp16, _ = ev.recommended_presets(METHOD)
+    fp16, _ = ev.recommended_presets(METHOD, voted=True)
     assert fp16.cfg.reuse == 1 and fp16.cfg.chunk_length == 10
     assert fp16.policy.config() == {
         "budget": 1024,
         "every": None,
         "chunk_length": 10,
         "observe": 32,
-        "kernel": 1,
+        "kernel": 15,
         "pooling": "max",
     }

@@ -303,7 +303,7 @@ def test_composes_with_sinks_a_window_and_codes():
 
 def test_recommended_settings_and_registry():
     assert METHOD.name == "pyramidkv" and METHOD.paper == "https://arxiv.org/abs/2406.02069"
-    fp16, _ = ev.recommended_presets(METHOD)
+    fp16, _ = ev.recommended_presets(METHOD, voted=True)
     assert fp16.policy.config() == {
         "budget": 1024,
         "every": None,
@@ -311,7 +311,7 @@ def test_recommended_settings_and_registry():
         "layer": None,
         "n_layers": None,
         "observe": 32,
-        "kernel": 7,
+        "kernel": 15,
         "pooling": "max",
     }
 

@@ -1,6 +1,6 @@
 """velox-chunkkv: ChunkKV, keep whole chunks of consecutive tokens (arXiv 2502.00299)."""
 
-from velox_core.cache.eviction import eviction_method
+from velox_core.cache.eviction import RECOMMENDED_VOTED, eviction_method
 
 from .cache import ChunkKVCache
 from .chunks import select_chunks
@@ -14,4 +14,5 @@ METHOD = eviction_method(
     summary="whole chunks of consecutive tokens, ranked by an observation window's votes "
     "(the same chunks in every KV head; optional layer-wise index reuse); rest evicted",
     paper="https://arxiv.org/abs/2502.00299",
+    recommended=RECOMMENDED_VOTED,
 )

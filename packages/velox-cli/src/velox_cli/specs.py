@@ -216,7 +216,8 @@ def default_specs() -> list[Spec]:
 
 # velox bench's default: fp16 and mlx-lm's 4-bit cache, then a few recommended specs that
 # span the families (affine codes, KIVI, rotated Lloyd-Max and polar codes, eviction with
-# codes) at about 3.5x to 8x; --all runs every installed method's recommended settings
+# codes: SnapKV's votes with the kernel and 8-bit codes the long-context suite supports) at
+# about 3.5x to 8x; --all runs every installed method's recommended settings
 QUICK = (
     "fp16",
     "mlx-q4",
@@ -224,7 +225,7 @@ QUICK = (
     "kivi:bits=2,group=32,window=128",
     "turboquant:bits=3",
     "polarquant:bits=3",
-    "snapkv:budget=1024,bits=4,group=32",
+    "snapkv:budget=1024,kernel=15,bits=8",
 )
 
 

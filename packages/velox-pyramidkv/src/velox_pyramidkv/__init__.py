@@ -1,6 +1,6 @@
 """velox-pyramidkv: PyramidKV, per-layer budgets falling with depth (arXiv 2406.02069)."""
 
-from velox_core.cache.eviction import eviction_method
+from velox_core.cache.eviction import RECOMMENDED_VOTED, eviction_method
 
 from .cache import PyramidKVCache
 from .config import PyramidKVConfig
@@ -21,4 +21,5 @@ METHOD = eviction_method(
     summary="per-layer budgets falling with depth (a pyramid averaging budget), SnapKV "
     "observation-window votes within each layer; rest evicted",
     paper="https://arxiv.org/abs/2406.02069",
+    recommended=RECOMMENDED_VOTED,
 )

@@ -1,6 +1,6 @@
 """velox-squeeze: SqueezeAttention, per-layer budgets from layer importance (arXiv 2404.04793)."""
 
-from velox_core.cache.eviction import eviction_method
+from velox_core.cache.eviction import RECOMMENDED_VOTED, eviction_method
 
 from .allocate import Place, kmeans_1d, layer_budget, layer_budgets, places
 from .cache import SqueezeCache
@@ -28,4 +28,5 @@ METHOD = eviction_method(
     "around its attention, layers clustered, the least important squeezed), SnapKV or "
     "StreamingLLM selection within each layer; rest evicted",
     paper="https://arxiv.org/abs/2404.04793",
+    recommended=RECOMMENDED_VOTED,
 )

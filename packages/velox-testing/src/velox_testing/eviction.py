@@ -44,6 +44,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from velox_core import Uniform, VeloxCache, load_cache, make, make_cache, routed, save_cache
+from velox_core.cache.eviction import RECOMMENDED, RECOMMENDED_VOTED
 from velox_core.policy import base
 
 from .conformance import CacheConformance
@@ -444,15 +445,18 @@ def batch_rows_apart(make, rows, chunk: int, positions=kept_positions):
     return batch, one, alone
 
 
-def recommended_presets(method) -> tuple[VeloxCache, VeloxCache]:
-    """An eviction method's recommended settings are the pair most eviction packages share
-    (a budget of 1,024 tokens, in fp16 and with 4-bit codes in groups of 32): checked, and
-    both made by name, the second's keys and values coded at 4 bits. Returns the caches
-    ``(fp16, four)``, for the method's own checks."""
-    assert method.recommended == ({"budget": 1024}, {"budget": 1024, "bits": 4, "group": 32})
-    fp16, four = (make(method.name, **s) for s in method.recommended)
-    assert four.tiers[0].key_codec.bits == four.tiers[0].value_codec.bits == 4
-    return fp16, four
+def recommended_presets(method, voted: bool = False) -> tuple[VeloxCache, VeloxCache]:
+    """An eviction method's recommended settings are one of the pairs the eviction packages
+    share (velox_core.cache.eviction's): a budget of 1,024 tokens in fp16 and with 4-bit codes
+    in groups of 32, or with ``voted`` (the observation-window votes: SnapKV and the methods
+    built on them) a 15-token pooling kernel, in fp16 and with 8-bit codes. Checked, and both
+    made by name, the second's keys and values coded at the pair's bits. Returns the caches
+    ``(fp16, coded)``, for the method's own checks."""
+    assert method.recommended == (RECOMMENDED_VOTED if voted else RECOMMENDED)
+    fp16, coded = (make(method.name, **s) for s in method.recommended)
+    bits = 8 if voted else 4
+    assert coded.tiers[0].key_codec.bits == coded.tiers[0].value_codec.bits == bits
+    return fp16, coded
 
 
 def composed_cache(policy, k, v, q) -> VeloxCache:

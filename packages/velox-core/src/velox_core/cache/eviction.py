@@ -26,6 +26,10 @@ __all__ = ["EvictionCache", "EvictionConfig", "eviction_method", "recent_tokens"
 RECOMMENDED = ({"budget": 1024}, {"budget": 1024, "bits": 4, "group": 32})
 # the same with the codes' default groups (``EvictionConfig.group``)
 RECOMMENDED_DEFAULT_GROUP = ({"budget": 1024}, {"budget": 1024, "bits": 4})
+# the observation-window votes' (SnapKV and the methods built on its votes): the settings
+# the long-context suite supports (docs/long-context.md): a 15-token pooling kernel, the kept
+# tokens in fp16 or in 8-bit codes (4-bit per-token keys lose the needle there)
+RECOMMENDED_VOTED = ({"budget": 1024, "kernel": 15}, {"budget": 1024, "kernel": 15, "bits": 8})
 
 
 def recent_tokens(
