@@ -18,7 +18,8 @@ def one_at_a_time(values, mask, m):
 
 
 @pytest.mark.parametrize(
-    ("n", "m"), [(0, 4), (1, 16), (3, 1), (5, 4), (16, 16), (37, 8), (129, 16), (257, 7)]
+    ("n", "m"),
+    [(0, 4), (1, 1), (1, 7), (1, 16), (3, 1), (5, 4), (16, 16), (37, 8), (129, 16), (257, 7)],
 )
 def test_merged_values_equal_the_evictions_one_at_a_time(n, m):
     rng = np.random.default_rng(n * 31 + m)
@@ -27,6 +28,17 @@ def test_merged_values_equal_the_evictions_one_at_a_time(n, m):
     got = np.array(merged_values(mx.array(v), mx.array(mask), m))
     want = one_at_a_time(v, mask, m)
     assert got.shape == (2, 3, m, 5)
+    assert np.allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_one_mask_row_serves_every_batch_row(n):
+    """The policy draws one mask a KV head for the whole batch: ``(1, H, n)``."""
+    rng = np.random.default_rng(n)
+    v = rng.normal(size=(2, 3, n + 4, 5)).astype(np.float32)
+    mask = (rng.random((1, 3, n)) < 0.5).astype(np.float32)
+    got = np.array(merged_values(mx.array(v), mx.array(mask), 4))
+    want = one_at_a_time(v, np.broadcast_to(mask, (2, 3, n)), 4)
     assert np.allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 

@@ -68,6 +68,10 @@ def merged_values(values: mx.array, mask: mx.array, merge: int) -> mx.array:
     n, m = length - merge, merge
     if n < 0 or m < 1:
         raise ValueError(f"merged_values: {length} values cannot hold merge={merge} kept tokens")
+    if n == 1:  # a decode step's cut (every=1): the one value spread over the m after it
+        c = mx.broadcast_to(mask.astype(mx.float32), (b, h, 1))[..., None] / m
+        v = values.astype(mx.float32)
+        return v[:, :, 1:] + c * v[:, :, :1]
     p = -(-length // m)  # blocks of m tokens
     pad = p * m - length
     v = values.astype(mx.float32)
