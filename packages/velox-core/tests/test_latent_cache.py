@@ -83,8 +83,8 @@ def test_one_record_where_both_arrays_are_coded_alike(model):
 def test_a_joint_records_parts_are_the_records_of_each_part(bits):
     """JointLatent.part slices a record of [latent | k_pe] into what coding each alone
     gives (per-token groups never straddle the two), in every code width's layout."""
-    from velox_core.cache.latent import MLXGrid
     from velox_core.cache.latent_joint import JointLatent
+    from velox_core.codec.uniform import MLXGrid
 
     codec = MLXGrid(bits, 32)
     joint = JointLatent(codec, (128, 32))

@@ -53,10 +53,7 @@ from typing import Any, ClassVar
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
-from ..codec.base import Packed
-from ..codec.uniform import Uniform
-from ..ops.packing import mlx_layout
-from ..ops.quant import scale_dtype
+from ..codec.uniform import MLXGrid
 from ..validation import check_bits, check_bool, check_divides, check_float, check_int
 from .latent_joint import JointLatent, joins
 from .velox import VeloxCache
@@ -66,31 +63,6 @@ __all__: list[str] = []
 # spec methods whose codes a LatentCache makes for an MLA layer
 METHODS = frozenset({"uniform"})
 STATE_VERSION = 1
-
-
-class MLXGrid(Uniform):
-    """``Uniform`` per-token codes of 2 to 6 bits laid by MLX's own ``mx.quantize`` (groups of
-    32, 64 or 128, no clip): one op a token, where a call of velox's encode kernel costs the
-    host several times that (measured on CUDA) on every decode step of a cache that codes
-    each token on arrival. The records are ``Uniform``'s
-    (``scale * code + zero``, MLX's bias as the zero). MLX places its grid so that the
-    group's edge of larger magnitude is exact and rounds the scale after coding, velox from
-    the group's min against the rounded scale; 8-bit codes keep velox's grid, with which the
-    8-bit cache gives fp16's greedy tokens (test_latent_cache.py)."""
-
-    def encode(self, x: mx.array, positions: mx.array | None = None) -> Packed:
-        if (
-            self.bits > 6
-            or self.axis != "token"
-            or self.clip != 1.0
-            or not mlx_layout(self.bits, self.group)
-        ):
-            return super().encode(x, positions)
-        codes, scale, zero = mx.quantize(x, group_size=self.group, bits=self.bits)
-        sdt = scale_dtype(x.dtype)
-        if scale.dtype != sdt:
-            scale, zero = scale.astype(sdt), zero.astype(sdt)
-        return Packed({"codes": codes, "scale": scale, "zero": zero}, x.shape[2])
 
 
 class LatentCache(_BaseCache):

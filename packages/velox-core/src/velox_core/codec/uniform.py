@@ -32,7 +32,7 @@ from ..ops.packing import (
     pack,
     unpack,
 )
-from ..ops.quant import AXES, affine_dequantize, affine_matmul, affine_quantize
+from ..ops.quant import AXES, affine_dequantize, affine_matmul, affine_quantize, scale_dtype
 from ..validation import check_bits, check_choice, check_float, check_int
 from .base import Codec, Packed
 
@@ -204,3 +204,28 @@ class Uniform(Codec):
 
 def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in (16, 32, 64, 128) if n % d == 0) or "1"
+
+
+class MLXGrid(Uniform):
+    """``Uniform`` per-token codes of 2 to 6 bits laid by MLX's own ``mx.quantize`` (groups of
+    32, 64 or 128, no clip): one op a token, where a call of velox's encode kernel costs the
+    host several times that (measured on CUDA) on every decode step of a cache that codes
+    each token on arrival. The records are ``Uniform``'s
+    (``scale * code + zero``, MLX's bias as the zero). MLX places its grid so that the
+    group's edge of larger magnitude is exact and rounds the scale after coding, velox from
+    the group's min against the rounded scale; 8-bit codes keep velox's grid, with which the
+    8-bit cache gives fp16's greedy tokens (test_latent_cache.py)."""
+
+    def encode(self, x: mx.array, positions: mx.array | None = None) -> Packed:
+        if (
+            self.bits > 6
+            or self.axis != "token"
+            or self.clip != 1.0
+            or not mlx_layout(self.bits, self.group)
+        ):
+            return super().encode(x, positions)
+        codes, scale, zero = mx.quantize(x, group_size=self.group, bits=self.bits)
+        sdt = scale_dtype(x.dtype)
+        if scale.dtype != sdt:
+            scale, zero = scale.astype(sdt), zero.astype(sdt)
+        return Packed({"codes": codes, "scale": scale, "zero": zero}, x.shape[2])
