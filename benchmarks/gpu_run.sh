@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_run.sh tests       # every -m gpu test (caches, decode kernels)
 #   bash benchmarks/gpu_run.sh first-use   # benchmarks/first_use.py: first processes with NVRTC
 #     in worker processes and in threads (VELOX_COMPILE_PROCESSES), alternated, then a second one
+#     (RUNS, space-separated name:setting pairs [procs1:1 threads1:0 procs2:1 threads2:0])
 #   bash benchmarks/gpu_run.sh e2e-32k     # fp16 and the velox specs of issue 26 at 4k and 32k
 #   bash benchmarks/gpu_run.sh e2e-128k    # the same at 128k
 #   bash benchmarks/gpu_run.sh batch       # batch 8 at 32k, and batch_serve.py's two runs
@@ -33,7 +34,7 @@ case "${1:-}" in
     # first processes, each with an empty kernel cache (and no driver JIT cache), NVRTC in
     # worker processes (VELOX_COMPILE_PROCESSES=1) and in this process's threads (0)
     # alternated, the compiles ahead on; then a second process on the last one's cache
-    for run in procs1:1 threads1:0 procs2:1 threads2:0; do
+    for run in ${RUNS:-procs1:1 threads1:0 procs2:1 threads2:0}; do
       dir=$(mktemp -d)
       MLX_PTX_CACHE_DIR=$dir CUDA_CACHE_DISABLE=1 VELOX_COMPILE_PROCESSES=${run#*:} \
         python3 benchmarks/first_use.py --cache uniform:bits=4 | tee "$out/first-use-${run%:*}.jsonl"

@@ -68,8 +68,8 @@ class JointLatent:
 
         A step's record is written into the buffers' room in place; a growth is evaluated on
         its own (``mx.async_eval``), so that every step's graph is the same encode and write.
-        The buffers are decoded whole, their rows past the tokens sliced off, and each part
-        returned as a contiguous array (as a pair of records returns them).
+        Each part is decoded from its channels of the stored tokens' codes, a contiguous
+        array (as a pair of records returns them).
         """
         (b, h, t, dl), pe_shape = latent.shape, k_pe.shape
         st = self.store
@@ -95,12 +95,15 @@ class JointLatent:
         if t > EVAL_ABOVE:
             mx.eval(st.arrays())
         self.offset += t
-        full = self.codec.decode_as(st.buf, io)
-        n, d = st.tokens, self.dims[0]
-        # each part copied out whole: a channel slice of the record is strided, and the
-        # model's attention broadcasts the one latent head over every query head, which MLX
-        # does by materializing a strided operand per head (128 copies of the latent a layer)
-        return mx.contiguous(full[:, :, :n, d:]), mx.contiguous(full[:, :, :n, :d])
+        # each part decoded from its own channels of the stored tokens' codes: the outputs
+        # are contiguous, as the model's attention needs (it broadcasts the one latent head
+        # over every query head, which MLX does by materializing a strided operand per head),
+        # and a step copies no decoded channels (only, where the backend does, the codes')
+        rec = st.view()
+        return (
+            self.codec.decode_as(self.part(rec, "pe"), io),
+            self.codec.decode_as(self.part(rec, "latent"), io),
+        )
 
     @property
     def batch(self) -> int:
