@@ -630,7 +630,11 @@ def run_load(server: Server, prompts: list[str], a: argparse.Namespace, bias: di
             try:
                 results[i] = stream_request(server.port, {**body, "prompt": prompts[i]}, a.timeout)
             except Exception as e:  # a refused or broken request is counted, not fatal
-                results[i] = {"error": f"{type(e).__name__}: {e}"}
+                said = ""
+                if isinstance(e, urllib.error.HTTPError):  # the server's reason, where it gave one
+                    with contextlib.suppress(OSError):
+                        said = " " + e.read()[:300].decode("utf-8", "replace")
+                results[i] = {"error": f"{type(e).__name__}: {e}{said}"}
 
     poller = Poller(server, a.poll)
     poller.start()
@@ -690,9 +694,12 @@ def run_load(server: Server, prompts: list[str], a: argparse.Namespace, bias: di
         "server_alive": alive,
     }
     if not alive:
+        # mlx-lm's server answers every request with its generation thread's exception once
+        # that thread has failed: the first request error names it, the log's tail may not
+        first = f"; first request error: {errors[0][:400]}" if errors else ""
         raise RuntimeError(
             f"{server.name} died under the load ({why}; after the hostile requests "
-            f"{[a['request'] for a in malformed['malformed_answers']][:3]}...): "
+            f"{[a['request'] for a in malformed['malformed_answers']][:3]}...{first}): "
             f"{server.tail(600)}"
         )
     return {
