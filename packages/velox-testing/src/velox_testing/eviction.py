@@ -5,10 +5,11 @@ An eviction method's tests run the suite twice: :class:`FullBudgetConformance` w
 above every length the suite stores (nothing is evicted: attention equals fp16's), and
 :class:`EvictingConformance` with a small budget (most of the context is evicted: bounded
 memory, no fp16 reference over all tokens). Both also check that the class refuses bad values
-of the settings eviction presets share (:data:`EVICTION_BAD`). Subclasses define ``make``;
-:class:`Routed` runs every test of a class under routed attention, for policies that see
-queries only there; :class:`DecodeGrowthWarning`, for a policy that evicts at the prompt
-only by default, checks the warning of a cache that grows through decode.
+of the settings eviction presets share (:data:`EVICTION_BAD`; a preset voting with an
+observation window adds :data:`VOTE_BAD` to its ``bad_settings``). Subclasses define ``spec``
+or ``make``; :class:`Routed` runs every test of a class under routed attention, for policies
+that see queries only there; :class:`DecodeGrowthWarning`, for a policy that evicts at the
+prompt only by default, checks the warning of a cache that grows through decode.
 
 The aids:
 
@@ -50,9 +51,11 @@ from velox_core.policy import base
 from .conformance import CacheConformance
 from .kv import feed, kv_data, rel_error
 from .models import tiny_model
+from .refusals import EVICTION_BAD, VOTE_BAD, Refusal
 
 __all__ = [
     "EVICTION_BAD",
+    "VOTE_BAD",
     "DecodeGrowthWarning",
     "EvictingConformance",
     "FullBudgetConformance",
@@ -79,20 +82,10 @@ __all__ = [
 ]
 
 
-# bad values of the settings eviction presets share (velox_core.cache.eviction.EvictionConfig),
-# beside the suite's SHARED_BAD: each refused, the message naming the setting
-EVICTION_BAD: tuple[tuple[dict[str, Any], str], ...] = (
-    ({"budget": 8, "sinks": 4, "window": 4}, "budget"),  # nothing left for the policy
-    ({"every": 0}, "every"),
-    ({"bits": 1}, "bits"),  # the kept tokens' codes take 2 to 8 bits
-    ({"key_bits": 4}, "key_bits"),  # without bits
-)
-
-
 class _Eviction(CacheConformance):
     """The suite for an eviction preset: the shared bad settings include :data:`EVICTION_BAD`."""
 
-    def shared_bad_settings(self, cls: type) -> list[tuple[dict[str, Any], str]]:
+    def shared_bad_settings(self, cls: type) -> list[Refusal]:
         return [*super().shared_bad_settings(cls), *EVICTION_BAD]
 
 
