@@ -2,7 +2,6 @@
 rotation's factors, the clip, the codes against a NumPy reference, bytes, artifacts."""
 
 import math
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -32,13 +31,17 @@ from velox_testing import (
     assert_artifact_refusals,
     assert_attends_without_decoding,
     assert_cpu_declines,
+    assert_found_by_fingerprint,
+    coded_segment,
     coded_segments,
     conformance_model,
     feed,
     kv_data,
     loaded_without_artifact,
     rel_error,
+    shown_artifact,
 )
+from velox_testing.refusals import named_refusals
 
 SMALL = {"window": 16, "sinks": 4}
 
@@ -52,14 +55,15 @@ class TestOscar(CacheConformance):
     # on kv_data): measured 0.67 over 512 tokens (KIVI-2 0.67, TurboQuant-2 0.87 there)
     attention_error = 0.8
     bad_settings = (
-        {"bits": 1},
-        {"group": 0},
-        ({"key_clip": 0.0}, "key_clip"),
-        ({"value_clip": 1.5}, "value_clip"),
-        ({"key_clip": "0.9"}, "key_clip"),
-        ({"rotation": "random"}, "rotation"),
-        ({"artifact": 3}, "artifact"),
-        ({"layer": -1}, "layer"),
+        *named_refusals(
+            bits=1,
+            group=0,
+            key_clip=[0.0, "0.9"],
+            value_clip=1.5,
+            rotation="random",
+            artifact=3,
+            layer=-1,
+        ),
         ({"centre": 1}, "centre must be True or False"),
         ({"centre": "yes"}, "centre must be True or False"),
     )
@@ -248,10 +252,7 @@ def test_attention_reads_the_codes_in_the_rotated_basis(monkeypatch):
 
 
 def test_on_the_cpu_the_kernels_decline():
-    c = OscarCache(artifact=model_artifact(), layer=0, window=0, sinks=0)
-    k, v = kv_data(t=128)
-    c.update_and_fetch(k, v)
-    seg = coded_segments(c)[0]
+    seg = coded_segment(OscarCache(artifact=model_artifact(), layer=0, window=0, sinks=0))
     assert_cpu_declines(seg.key_codec, seg.keys, seg.value_codec, seg.values)
 
 
@@ -301,11 +302,10 @@ def test_missing_and_foreign_artifacts_are_refused(monkeypatch, tmp_path):
     # the ablation with both clips given needs none
     caches = make_cache(conformance_model(), "oscar:rotation=hadamard,key_clip=0.9,value_clip=0.9")
     assert all(set(c.tiers[0].key_codec.state()) == {"dim"} for c in caches)
-    # found by fingerprint in $VELOX_ARTIFACTS
-    save_rotations(load_rotations(model_artifact()), tmp_path / "oscar-tiny.safetensors")
-    caches = make_cache(conformance_model(), "oscar")
-    assert caches[1].tiers[0].value_codec._path == str(tmp_path / "oscar-tiny.safetensors")
-    assert caches[1].tiers[0].value_codec.layer == 1
+    rotations = load_rotations(model_artifact())
+    assert_found_by_fingerprint(
+        monkeypatch, tmp_path, "oscar", lambda path: save_rotations(rotations, path)
+    )
 
 
 def test_a_loaded_cache_needs_no_artifact(monkeypatch, tmp_path):
@@ -349,10 +349,8 @@ def test_recommended_settings_and_registry():
 def test_fit_command_show(capsys):
     from velox_oscar.__main__ import main
 
-    assert main(["show", model_artifact()]) == 0
-    out = capsys.readouterr().out
+    out = shown_artifact(main, model_artifact(), capsys)
     assert '"fit_group": 0' in out and '"clips"' in out
-    assert main(["show", str(Path(model_artifact()).with_suffix(".none"))]) == 2
 
 
 # -- centred keys -----------------------------------------------------------------------------
@@ -576,7 +574,5 @@ def test_a_loaded_channel_keys_cache_needs_no_artifact(monkeypatch, tmp_path):
 
 def test_channel_keys_on_the_cpu_take_the_reference_path():
     c = OscarCache(artifact=model_artifact(), layer=0, window=0, sinks=0, keys="channel")
-    k, v = kv_data(t=128)
-    c.update_and_fetch(k, v)
-    seg = coded_segments(c)[0]
+    seg = coded_segment(c)
     assert_cpu_declines(seg.key_codec, seg.keys, seg.value_codec, seg.values)

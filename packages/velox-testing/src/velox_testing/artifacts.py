@@ -1,8 +1,9 @@
 """Test aids of the methods that fit a per-model artifact (:mod:`velox_core.artifacts`): an
 artifact fitted on the conformance model, an artifact search path that holds nothing else,
-the refusals of a missing or foreign artifact and the check that a saved cache outlives its
-artifact. Each takes the method's own fit,
-save and cache as arguments: a method's tests need no other method package."""
+the refusals of a missing or foreign artifact, the search by the model's fingerprint, the
+check that a saved cache outlives its artifact and the method's ``show`` command. Each takes
+the method's own fit, save and cache as arguments: a method's tests need no other method
+package."""
 
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ from .models import conformance_model
 
 __all__ = [
     "assert_artifact_refusals",
+    "assert_found_by_fingerprint",
     "fitted_artifact",
     "isolated_artifacts",
     "loaded_without_artifact",
+    "shown_artifact",
 ]
 
 
@@ -85,6 +88,41 @@ def assert_artifact_refusals(
     k, v = kv_data(t=400)
     with pytest.raises(ValueError, match=f"no {noun}"):
         standalone.update_and_fetch(k, v)
+
+
+def assert_found_by_fingerprint(
+    monkeypatch: Any,
+    folder: Path,
+    template: Any,
+    write: Callable[[Path], Any],
+    sides: tuple[str, ...] = ("key", "value"),
+) -> list:
+    """With artifacts looked up in ``folder`` only (:func:`isolated_artifacts`), the artifact
+    that ``write(path)`` writes there (fitted for :func:`conformance_model`) is found by the
+    model's fingerprint: in every layer of ``make_cache(conformance_model(), template)``
+    (``template``, a spec or a cache, names no artifact), the first tier's codec of each of
+    ``sides`` reads that file with its own layer. Returns the caches."""
+    from velox_core import make_cache
+
+    isolated_artifacts(monkeypatch, folder)
+    path = Path(folder) / "found.safetensors"
+    write(path)
+    caches = make_cache(conformance_model(), template)
+    for i, layer_cache in enumerate(caches):
+        for side in sides:
+            codec = getattr(layer_cache.tiers[0], f"{side}_codec")
+            assert (codec._path, codec.layer) == (str(path), i), (i, side)
+    return caches
+
+
+def shown_artifact(main: Callable[[list[str]], int], artifact: str, capsys: Any) -> str:
+    """What a method's ``show`` command (``main``, its ``python -m velox_<method>``) prints for
+    ``artifact``, which it shows with exit code 0; a path beside it that holds no file exits
+    with 2."""
+    assert main(["show", artifact]) == 0
+    out = capsys.readouterr().out
+    assert main(["show", str(Path(artifact).with_suffix(".none"))]) == 2
+    return out
 
 
 def loaded_without_artifact(model: Any, template: Any, artifact: Path, folder: Path) -> tuple:
