@@ -13,7 +13,6 @@ from velox_testing import (
     assert_exact_ends,
     assert_reloads_alike,
     assert_tampered_state_refused,
-    feed,
     kv_data,
     rel_error,
 )
@@ -152,8 +151,7 @@ def test_window_keeps_more_fp16_tokens():
 
 # -- save / load ----------------------------------------------------------------------------------
 def test_save_load_keeps_the_codes_and_scales(tmp_path):
-    k, v = kv_data(t=600)
-    c = feed(make("kvarn:key_bits=4,value_bits=2,seed=2"), k, v)
+    c = make("kvarn:key_bits=4,value_bits=2,seed=2")
     d = assert_reloads_alike(c, tmp_path / "k.safetensors")
     assert isinstance(d, KVarNCache)
     assert set(c.segments()[1].keys.data) == {"codes", "tok", "scale", "zero"}

@@ -16,7 +16,6 @@ from velox_testing import (
     assert_reloads_alike,
     assert_tampered_state_refused,
     conformance_model,
-    feed,
     kv_data,
     rel_error,
 )
@@ -216,8 +215,7 @@ def test_sinks_window_and_the_block_being_filled_stay_fp16():
 
 # -- save / load and settings ----------------------------------------------------------------------
 def test_save_load_keeps_the_codes_and_a_seeded_rotation(tmp_path):
-    k, v = kv_data(t=600)
-    c = feed(make("nsnquant:bits=2,seed=2"), k, v)
+    c = make("nsnquant:bits=2,seed=2")
     d = assert_reloads_alike(c, tmp_path / "n.safetensors")
     assert isinstance(d, NSNQuantCache)
     assert set(c.segments()[0].keys.data) == {"codes", "scale", "norm", "shift"}

@@ -6,11 +6,9 @@ import pytest
 
 import velox_testing.eviction as ev
 from velox_core import Uniform, VeloxCache, routed
+from velox_testing.eviction import SCALE, D
 from velox_testing.eviction import kept_positions as kept
 from velox_tova import METHOD, TOVACache, TOVAPolicy
-
-D = 64
-SCALE = D**-0.5
 
 
 class TestTOVA(ev.FullBudgetConformance):

@@ -221,10 +221,12 @@ def assert_exact_ends(cache, body_error: float, t: int = 700, chunk: int = 7) ->
     return sinks, body, window
 
 
-def assert_reloads_alike(cache, path):
-    """``cache`` saved to the file ``path`` and loaded back: the loaded cache has the same
-    class and config, its coded segments (:func:`coded_segments`) hold the same arrays, names
-    and values, and a query attends to both alike (``atol`` 1e-4). Returns the loaded cache."""
+def assert_reloads_alike(cache, path, t: int = 600):
+    """``cache``, given ``t`` tokens of :func:`kv_data` (:func:`feed`'s chunks), saved to the
+    file ``path`` and loaded back: the loaded cache has the same class and config, its coded
+    segments (:func:`coded_segments`) hold the same arrays, names and values, and a query
+    attends to both alike (``atol`` 1e-4). Returns the loaded cache."""
+    feed(cache, *kv_data(t=t))
     save_cache(path, [cache])
     (loaded,) = load_cache(path)
     assert type(loaded) is type(cache) and loaded.config() == cache.config()

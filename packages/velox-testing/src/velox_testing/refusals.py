@@ -15,6 +15,7 @@ from .models import conformance_model
 
 __all__ = [
     "EVICTION_BAD",
+    "RECENT_BAD",
     "SHARED_BAD",
     "VOTE_BAD",
     "assert_head_dim_refused",
@@ -22,6 +23,7 @@ __all__ = [
     "assert_tampered_state_refused",
     "int_refusals",
     "named_refusals",
+    "share_refusals",
     "spec_refusals_test",
 ]
 
@@ -66,6 +68,14 @@ def int_refusals(**ranges: tuple[int | None, int | None]) -> tuple[Refusal, ...]
     return tuple(out)
 
 
+def share_refusals(name: str) -> tuple[Refusal, ...]:
+    """``bad_settings`` entries of a parameter that takes a share of the budget, a whole
+    number of tokens or a fraction in ``[0, 1)`` (``velox_core.cache.eviction.recent_tokens``:
+    H2O's and Keyformer's ``recent``, CaM's ``sinks``): a negative count and fraction, the
+    fractions 1.0 and 2.5, a bool, a string, None and NaN, each refused naming ``name``."""
+    return named_refusals(**{name: [-1, -0.5, 1.0, 2.5, True, "half", None, float("nan")]})
+
+
 # bad values of the settings velox cache classes share (the shared parameter names, the
 # standalone RoPE settings of velox_core.codec.prerope) and a name none has: the conformance
 # suite tries those whose parameters a class has all of
@@ -101,6 +111,14 @@ EVICTION_BAD: tuple[Refusal, ...] = (
     ({"bits": 1}, "bits"),  # the kept tokens' codes take 2 to 8 bits
     ({"key_bits": 4}, "key_bits"),  # without bits
     ({"compression_ratio": 0.5}, "compression_ratio"),  # kvpress's: velox counts tokens
+)
+
+# bad values of an eviction preset's recent window (``recent``, a share of the budget; the
+# tokens always kept must leave room for one scored token), for the bad_settings of the
+# presets that keep one: each refused, the message naming the setting
+RECENT_BAD: tuple[Refusal, ...] = (
+    *share_refusals("recent"),
+    ({"budget": 64, "recent": 64}, "recent"),  # no scored token would fit
 )
 
 # bad values of the settings of a policy voting with an observation window (SnapKV's rule,
