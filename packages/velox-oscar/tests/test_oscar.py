@@ -2,6 +2,7 @@
 rotation's factors, the clip, the codes against a NumPy reference, bytes, artifacts."""
 
 import math
+from functools import partial
 
 import mlx.core as mx
 import numpy as np
@@ -302,17 +303,12 @@ def test_missing_and_foreign_artifacts_are_refused(monkeypatch, tmp_path):
     # the ablation with both clips given needs none
     caches = make_cache(conformance_model(), "oscar:rotation=hadamard,key_clip=0.9,value_clip=0.9")
     assert all(set(c.tiers[0].key_codec.state()) == {"dim"} for c in caches)
-    rotations = load_rotations(model_artifact())
-    assert_found_by_fingerprint(
-        monkeypatch, tmp_path, "oscar", lambda path: save_rotations(rotations, path)
-    )
+    assert_found_by_fingerprint(monkeypatch, tmp_path, "oscar", model_artifact())
 
 
-def test_a_loaded_cache_needs_no_artifact(monkeypatch, tmp_path):
-    art = tmp_path / "a.safetensors"
-    save_rotations(load_rotations(model_artifact()), art)
-    template = OscarCache(artifact=str(art), **SMALL)
-    loaded_without_artifact(conformance_model(), template, art, tmp_path)
+def test_a_loaded_cache_needs_no_artifact(tmp_path):
+    oscar = partial(OscarCache, **SMALL)
+    loaded_without_artifact(conformance_model(), oscar, model_artifact(), tmp_path)
 
 
 def test_head_dims_are_refused_by_name():
@@ -457,11 +453,9 @@ def test_centred_state_round_trip_and_refusals():
     assert mx.array_equal(e.state()["mean"], a.key_mean(1)).item()
 
 
-def test_a_loaded_centred_cache_needs_no_artifact(monkeypatch, tmp_path):
-    art = tmp_path / "a.safetensors"
-    save_rotations(load_rotations(model_artifact()), art)
-    template = OscarCache(artifact=str(art), centre=True, **SMALL)
-    _, loaded = loaded_without_artifact(conformance_model(), template, art, tmp_path)
+def test_a_loaded_centred_cache_needs_no_artifact(tmp_path):
+    oscar = partial(OscarCache, centre=True, **SMALL)
+    _, loaded = loaded_without_artifact(conformance_model(), oscar, model_artifact(), tmp_path)
     kc = loaded[0].tiers[0].key_codec
     assert kc.centre and kc.state()["mean"].shape == (2, 128)
 
@@ -562,11 +556,9 @@ def test_channel_keys_bytes_and_what_they_read():
         OscarCache(keys="channel").check_dims(128, 96)
 
 
-def test_a_loaded_channel_keys_cache_needs_no_artifact(monkeypatch, tmp_path):
-    art = tmp_path / "a.safetensors"
-    save_rotations(load_rotations(model_artifact()), art)
-    template = OscarCache(artifact=str(art), keys="channel", key_group=32, **SMALL)
-    _, loaded = loaded_without_artifact(conformance_model(), template, art, tmp_path)
+def test_a_loaded_channel_keys_cache_needs_no_artifact(tmp_path):
+    oscar = partial(OscarCache, keys="channel", key_group=32, **SMALL)
+    _, loaded = loaded_without_artifact(conformance_model(), oscar, model_artifact(), tmp_path)
     t = loaded[0].tiers[0]
     assert loaded[0].cfg.keys == "channel" and t.key_codec.axis == "channel"
     assert t.key_codec.group == 32 and "rotation" in t.value_codec.state()

@@ -1,6 +1,8 @@
 """The spectral quantizer: the conformance suite, the fit's PCA, the codes against a NumPy
 reference, attention from the codes, bytes, the rank, artifacts and refusals."""
 
+from functools import partial
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -359,17 +361,14 @@ def test_missing_and_foreign_artifacts_are_refused(monkeypatch, tmp_path):
         c.update_and_fetch(k[:, :1], v[:, :1])
     with pytest.raises(ValueError, match="64-dim heads"):
         SpectralKeys(artifact=model_artifact(), layer=0).check(64, mx.float16)
-    bases = load_bases(model_artifact())
-    assert_found_by_fingerprint(
-        monkeypatch, tmp_path, "spectral", lambda path: save_bases(bases, path)
-    )
+    assert_found_by_fingerprint(monkeypatch, tmp_path, "spectral", model_artifact())
 
 
 def test_a_loaded_cache_needs_no_artifact(tmp_path):
-    art = tmp_path / "a.safetensors"
-    save_bases(load_bases(model_artifact()), art)
-    template = SpectralCache(variance=0.7, artifact=str(art), **SMALL)
-    caches, loaded = loaded_without_artifact(conformance_model(), template, art, tmp_path)
+    spectral = partial(SpectralCache, variance=0.7, **SMALL)
+    caches, loaded = loaded_without_artifact(
+        conformance_model(), spectral, model_artifact(), tmp_path
+    )
     assert loaded[0].tiers[0].key_codec.rank_in_use == caches[0].tiers[0].key_codec.rank_in_use
 
 

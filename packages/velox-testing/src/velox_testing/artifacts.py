@@ -7,6 +7,7 @@ package."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -94,19 +95,18 @@ def assert_found_by_fingerprint(
     monkeypatch: Any,
     folder: Path,
     template: Any,
-    write: Callable[[Path], Any],
+    artifact: str | Path,
     sides: tuple[str, ...] = ("key", "value"),
 ) -> list:
-    """With artifacts looked up in ``folder`` only (:func:`isolated_artifacts`), the artifact
-    that ``write(path)`` writes there (fitted for :func:`conformance_model`) is found by the
-    model's fingerprint: in every layer of ``make_cache(conformance_model(), template)``
+    """With artifacts looked up in ``folder`` only (:func:`isolated_artifacts`), a copy there
+    of ``artifact`` (fitted for :func:`conformance_model`) is found by the model's
+    fingerprint: in every layer of ``make_cache(conformance_model(), template)``
     (``template``, a spec or a cache, names no artifact), the first tier's codec of each of
-    ``sides`` reads that file with its own layer. Returns the caches."""
+    ``sides`` reads that copy with its own layer. Returns the caches."""
     from velox_core import make_cache
 
     isolated_artifacts(monkeypatch, folder)
-    path = Path(folder) / "found.safetensors"
-    write(path)
+    path = Path(shutil.copy(artifact, Path(folder) / "found.safetensors"))
     caches = make_cache(conformance_model(), template)
     for i, layer_cache in enumerate(caches):
         for side in sides:
@@ -125,18 +125,23 @@ def shown_artifact(main: Callable[[list[str]], int], artifact: str, capsys: Any)
     return out
 
 
-def loaded_without_artifact(model: Any, template: Any, artifact: Path, folder: Path) -> tuple:
-    """Caches of ``template`` (made by ``make_cache`` on ``model``; it names ``artifact``),
-    prefilled with 200 random tokens and saved to ``folder``; then ``artifact`` is removed and
-    the saved caches are loaded. Asserts that both give the next token the same logits
-    (``atol`` 1e-3): a saved cache carries what it read from its artifact.
+def loaded_without_artifact(
+    model: Any, make: Callable[..., Any], artifact: str | Path, folder: Path
+) -> tuple:
+    """Caches of ``make(artifact=path)`` (a cache class, or a ``functools.partial`` of one
+    with its settings; ``path``, a copy of ``artifact`` in ``folder``) made by ``make_cache``
+    on ``model``, prefilled with 200
+    random tokens and saved to ``folder``; then the copy is removed and the saved caches are
+    loaded. Asserts that both give the next token the same logits (``atol`` 1e-3): a saved
+    cache carries what it read from its artifact.
 
     Returns:
         ``(caches, loaded)``.
     """
     from velox_core import load_cache, make_cache, routed, save_cache
 
-    caches = make_cache(model, template)
+    artifact = shutil.copy(artifact, Path(folder) / "a.safetensors")
+    caches = make_cache(model, make(artifact=str(artifact)))
     prompt = mx.random.randint(0, 512, (1, 200), key=mx.random.key(4))
     with routed(model):
         model(prompt, cache=caches)
