@@ -130,10 +130,9 @@ def loaded_without_artifact(
 ) -> tuple:
     """Caches of ``make(artifact=path)`` (a cache class, or a ``functools.partial`` of one
     with its settings; ``path``, a copy of ``artifact`` in ``folder``) made by ``make_cache``
-    on ``model``, prefilled with 200
-    random tokens and saved to ``folder``; then the copy is removed and the saved caches are
-    loaded. Asserts that both give the next token the same logits (``atol`` 1e-3): a saved
-    cache carries what it read from its artifact.
+    on ``model``, prefilled with 200 random tokens and saved to ``folder``; then the copy is
+    removed and the saved caches are loaded. Asserts that both give the next token the same
+    logits (``atol`` 1e-3): a saved cache carries what it read from its artifact.
 
     Returns:
         ``(caches, loaded)``.

@@ -60,8 +60,8 @@ class CacheConformance:
     head_dim: int = 128
     # settings of the method's own that its cache class must refuse (ValueError or TypeError):
     # each a dict of keyword arguments, or (dict, regex the message must match), as
-    # velox_testing.named_refusals and int_refusals write them; the shared settings' bad
-    # values are tried as well (shared_bad_settings)
+    # named_refusals and int_refusals of velox_testing.refusals write them; the shared
+    # settings' bad values are tried as well (shared_bad_settings)
     bad_settings: ClassVar[tuple[dict[str, Any] | Refusal, ...]] = ()
 
     # the cache under test as a spec (``velox_core.make``), unless the class defines make()

@@ -1,4 +1,7 @@
-"""Checks that a method refuses what it cannot do up front, in its own words."""
+"""Checks that a method refuses what it cannot do up front, in its own words: the bad
+settings the conformance suites try (:data:`SHARED_BAD`, :data:`EVICTION_BAD`, and for the
+presets that add them :data:`VOTE_BAD` and :data:`RECENT_BAD`), the helpers that write a
+suite's ``bad_settings``, and refusals of specs, head dims and tampered states."""
 
 from __future__ import annotations
 
