@@ -665,55 +665,28 @@ def detail(errs: dict) -> str:
 CHECKS = checks()
 
 
-def _cases(check) -> list:
-    return [pytest.param(c, id=c.name) for c in CHECKS if c.check is check]
+def _kernel_test(check, needs=needs_gpu):
+    """A test of every case of ``check`` in :data:`CHECKS` (the case's name its id): each
+    passes (:func:`run_check`); skipped where ``needs`` says this backend cannot run it."""
+
+    cases = [pytest.param(c, id=c.name) for c in CHECKS if c.check is check]
+
+    @needs
+    @pytest.mark.parametrize("case", cases)
+    def test(case: Case) -> None:
+        ok, errs = run_check(case)
+        assert ok, f"{case.name}: {detail(errs)}"
+
+    return test
 
 
-def _assert_passes(case: Case) -> None:
-    ok, errs = run_check(case)
-    assert ok, f"{case.name}: {detail(errs)}"
-
-
-@needs_cuda
-@pytest.mark.parametrize("case", _cases(subnormal_mma_check))
-def test_fp16_mma_takes_subnormal_codes_exactly(case):
-    _assert_passes(case)
-
-
-@needs_gpu
-@pytest.mark.parametrize("case", _cases(decode_check))
-def test_decode_kernel_matches_the_decoded_reference(case):
-    _assert_passes(case)
-
-
-@needs_gpu
-@pytest.mark.parametrize("case", _cases(cache_check))
-def test_cache_attention_with_kernels_matches_kernels_off(case):
-    _assert_passes(case)
-
-
-@needs_gpu
-@pytest.mark.parametrize("case", _cases(encode_check))
-def test_affine_encode_kernel_is_bit_exact(case):
-    _assert_passes(case)
-
-
-@needs_gpu
-@pytest.mark.parametrize("case", _cases(codebook_check))
-def test_codebook_encode_kernel_is_bit_exact(case):
-    _assert_passes(case)
-
-
-@needs_gpu
-@pytest.mark.parametrize("case", _cases(vq_encode_check))
-def test_vq_encode_kernel_picks_no_farther_codeword(case):
-    _assert_passes(case)
-
-
-@needs_gpu
-@pytest.mark.parametrize("case", _cases(sketch_encode_check))
-def test_sketch_encode_kernel_matches_the_reference(case):
-    _assert_passes(case)
+test_fp16_mma_takes_subnormal_codes_exactly = _kernel_test(subnormal_mma_check, needs_cuda)
+test_decode_kernel_matches_the_decoded_reference = _kernel_test(decode_check)
+test_cache_attention_with_kernels_matches_kernels_off = _kernel_test(cache_check)
+test_affine_encode_kernel_is_bit_exact = _kernel_test(encode_check)
+test_codebook_encode_kernel_is_bit_exact = _kernel_test(codebook_check)
+test_vq_encode_kernel_picks_no_farther_codeword = _kernel_test(vq_encode_check)
+test_sketch_encode_kernel_matches_the_reference = _kernel_test(sketch_encode_check)
 
 
 def main(argv: list[str] | None = None) -> int:

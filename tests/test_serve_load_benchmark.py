@@ -37,6 +37,11 @@ ROW_FIELDS = (
 )
 
 
+def flags(**options) -> list[str]:
+    """serve_load's command line of ``options``: ``prompt_tokens=32`` is ``--prompt-tokens 32``."""
+    return [a for name, v in options.items() for a in (f"--{name.replace('_', '-')}", str(v))]
+
+
 @pytest.fixture(scope="module")
 def serve_load(load_benchmark):
     return load_benchmark("serve_load")
@@ -53,15 +58,8 @@ def test_sessions_are_entries_no_other_extends(serve_load):
 @pytest.mark.skipif(find_shared("reference-model") is None, reason="needs the reference model")
 def test_tiny_load_on_every_server(serve_load, tmp_path, capsys):
     out = tmp_path / "serve_load.json"
-    argv = [
-        "--clients", "2",
-        "--requests", "3",
-        "--prompt-tokens", "32",
-        "--max-tokens", "4",
-        "--prompt-cache-bytes", str(BUDGET),
-        "--json", str(out),
-    ]  # fmt: skip
-    assert serve_load.main(argv) == 0
+    argv = flags(clients=2, requests=3, prompt_tokens=32, max_tokens=4, prompt_cache_bytes=BUDGET)
+    assert serve_load.main([*argv, "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["settings"]["requests"] == 3 and data["settings"]["max_tokens"] == 4
     assert data["machine"]["mlx"] and data["machine"]["blas"]
@@ -93,16 +91,8 @@ def test_hostile_requests_among_the_load_leave_velox_serve_serving(serve_load, t
     process, a request naming another model unloaded the served one mid-batch)."""
     sl = serve_load
     out = tmp_path / "serve_load.json"
-    argv = [
-        "--baselines", "",
-        "--clients", "4",
-        "--requests", "8",
-        "--prompt-tokens", "32",
-        "--max-tokens", "4",
-        "--malformed", str(2 * len(sl.MALFORMED)),
-        "--json", str(out),
-    ]  # fmt: skip
-    assert sl.main(argv) == 0
+    argv = flags(baselines="", clients=4, requests=8, prompt_tokens=32, max_tokens=4, json=out)
+    assert sl.main([*argv, "--malformed", str(2 * len(sl.MALFORMED))]) == 0
     row = json.loads(out.read_text())["rows"][0]
     assert row["server_alive"] and row["completed"] == 8 and row["errors"] == 0, row
     assert row["malformed_sent"] == 48 and row["malformed_leaks"] == 0, row["first_leak"]
@@ -184,16 +174,8 @@ def test_tiny_load_on_a_shape_model(serve_load, tmp_path):
     """--shape small --weights fp32: velox serve and mlx-lm's fp16 server serve the written
     model; a second run reuses its --model-dir; without --model-dir it is removed at exit."""
     out, model_dir = tmp_path / "serve_load.json", tmp_path / "small"
-    argv = [
-        "--shape", "small",
-        "--weights", "fp32",
-        "--baselines", "fp16",
-        "--clients", "2",
-        "--requests", "3",
-        "--prompt-tokens", "32",
-        "--max-tokens", "4",
-        "--json", str(out),
-    ]  # fmt: skip
+    shape = flags(shape="small", weights="fp32", json=out)
+    argv = [*shape, *flags(baselines="fp16", clients=2, requests=3, prompt_tokens=32, max_tokens=4)]
     assert serve_load.main([*argv, "--model-dir", str(model_dir)]) == 0
     data = json.loads(out.read_text())
     assert data["settings"]["shape"] == "small" and data["settings"]["weights"] == "fp32"
@@ -207,8 +189,7 @@ def test_tiny_load_on_a_shape_model(serve_load, tmp_path):
         assert abs(row["prompt_tokens_mean"] - 32) <= 1, row
     assert (model_dir / serve_load.SHAPE_MARKER).is_file()
 
-    short = [*argv[:4], "--baselines", "", "--clients", "1", "--requests", "1"]
-    short += ["--prompt-tokens", "16", "--max-tokens", "2", "--json", str(out)]
+    short = [*shape, *flags(baselines="", clients=1, requests=1, prompt_tokens=16, max_tokens=2)]
     assert serve_load.main([*short, "--model-dir", str(model_dir)]) == 0
     assert json.loads(out.read_text())["shape_model"]["built"] is False
     assert serve_load.main(short) == 0

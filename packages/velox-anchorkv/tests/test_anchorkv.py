@@ -20,6 +20,7 @@ from velox_anchorkv import (
 from velox_core import make, make_cache, routed
 from velox_core.ops.rope import RopeSpec, rotate
 from velox_testing import CacheConformance, conformance_model, feed, rel_error
+from velox_testing.refusals import named_refusals
 
 BASE = 10000.0
 
@@ -36,15 +37,8 @@ class TestAnchorKV(CacheConformance):
     # key: the error is the 2-bit residual codes' on nearly whole keys (0.55 measured)
     attention_error = 0.6
     model_logit_cosine = 0.95
-    bad_settings = (
-        ({"theta": 0.0}, "theta"),
-        ({"theta": 1.5}, "theta"),
-        ({"window": 0}, "window"),
-        ({"anchors": -0.1}, "anchors"),
-        ({"anchors": 2.0}, "anchors"),
-        ({"rho": 1.5}, "rho"),
-        ({"bits": 0}, "bits"),
-        ({"theta": "x"}, "theta"),
+    bad_settings = named_refusals(
+        theta=[0.0, 1.5, "x"], window=0, anchors=[-0.1, 2.0], rho=1.5, bits=0
     )
 
     def make(self):

@@ -9,9 +9,8 @@ import velox_testing.references as refs
 from velox_cam import METHOD, CamCache, CamConfig, CamPolicy
 from velox_core import Uniform, VeloxCache, make, make_cache, routed
 from velox_testing import rel_error, tiny_model
-
-D = 64
-SCALE = D**-0.5
+from velox_testing.eviction import SCALE, D
+from velox_testing.refusals import share_refusals
 
 
 class TestCam(ev.FullBudgetConformance):
@@ -24,11 +23,7 @@ class TestCam(ev.FullBudgetConformance):
         ({"merge": True}, "merge"),
         ({"budget": 64, "merge": 33}, "merge"),  # 32 sinks, 32 newest: more than they hold
         ({"budget": 64, "sinks": 8, "window": 48, "merge": 16}, "merge"),
-        ({"sinks": 1.0}, "sinks"),
-        ({"sinks": -0.5}, "sinks"),
-        ({"sinks": float("nan")}, "sinks"),
-        ({"sinks": "half"}, "sinks"),
-        ({"sinks": None}, "sinks"),
+        *share_refusals("sinks"),
         ({"budget": 64, "sinks": 0.99}, "budget|merge"),
         ({"seed": -1}, "seed"),
         ({"seed": 0.5}, "seed"),

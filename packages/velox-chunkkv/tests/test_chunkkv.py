@@ -28,12 +28,7 @@ class TestChunkKV(ev.FullBudgetConformance):
         *(({"reuse": v}, f"reuse {COUNT}") for v in BAD_COUNTS),
         ({"budget": 41}, "budget=41 must be at least .* 32 \\+ 10 = 42"),  # no room for a chunk
         ({"budget": 200, "chunk_length": 169}, "chunk_length"),
-        ({"budget": 40, "sinks": 8}, "budget"),
-        ({"observe": 0}, "observe"),
-        ({"kernel": 4}, "kernel"),
-        ({"pooling": "mean"}, "pooling"),
-        {"compression_ratio": 0.5},  # kvpress's parameter: velox counts tokens (budget)
-        {"window_size": 32},  # kvpress's name of observe
+        *ev.VOTE_BAD,
     )
 
     def make(self):

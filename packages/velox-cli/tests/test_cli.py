@@ -4,6 +4,7 @@ import json
 import re
 
 import pytest
+from refused import assert_refused
 
 from velox_cli.main import main
 from velox_core import make_cache, save_cache
@@ -96,11 +97,7 @@ def test_bench_in_worker_processes_gives_the_rows_of_one_process(model_dir, text
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(argv, needle, capsys):
-    with pytest.raises(SystemExit) as e:
-        raise SystemExit(main(argv))
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert needle in err and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert_refused(argv, needle, capsys)
 
 
 def test_methods_json_lists_parameters(capsys):

@@ -38,29 +38,19 @@ PLAN_MOST_FILES = 6
 STEP_MOST_CALLS = 8
 STEP_MOST_FILES = 6
 
-# the decode step between flushes: (files, Python calls), per backend
-STEP_COMMON = {
-    "cache/velox.py",
-    "cache/planned.py",
-    "kernels/decode.py",
-    "kernels/merge.py",
-}
-STEP = {
-    "metal": (STEP_COMMON | {"kernels/portable.py"}, 8),
-    "cuda": (STEP_COMMON | {"kernels/mma.py"}, 8),
-}
+# the file of each backend's kernels
+KERNELS = {"metal": "kernels/portable.py", "cuda": "kernels/mma.py"}
 
-# the planning after a flush: (the files it calls into, helpers included; Python calls)
-PLAN_COMMON = {
-    "cache/velox.py",
-    "cache/planned.py",
-    "kernels/decode.py",
-    "kernels/layout.py",
-    "kernels/merge.py",
-}
+# the decode step between flushes: (files, Python calls), per backend
+STEP_COMMON = {"cache/velox.py", "cache/planned.py", "kernels/decode.py", "kernels/merge.py"}
+STEP = {backend: (STEP_COMMON | {KERNELS[backend]}, 8) for backend in KERNELS}
+
+# the planning after a flush: (the files it calls into, helpers included; Python calls): the
+# step's and the layout's
+PLAN_COMMON = STEP_COMMON | {"kernels/layout.py"}
 PLAN = {
-    "metal": (PLAN_COMMON | {"kernels/portable.py"}, 91),
-    "cuda": (PLAN_COMMON | {"kernels/mma.py"}, 49),
+    backend: (PLAN_COMMON | {KERNELS[backend]}, calls)
+    for backend, calls in (("metal", 91), ("cuda", 49))
 }
 
 

@@ -12,34 +12,24 @@ from velox_core import Uniform, VeloxCache, make_cache
 from velox_core.policy.view import PolicyView
 from velox_curdkv import METHOD, CurDKVCache, CurDKVPolicy, gaussian_sketch, local_normalize
 from velox_testing import tiny_model
+from velox_testing.refusals import named_refusals
 
 D = 64
 
 
 class TestCurDKV(ev.FullBudgetConformance):
+    spec = "curdkv:budget=4096"
     bad_settings = (
-        {"compression_ratio": 0.5},  # kvpress's parameter: velox counts tokens (budget)
         {"leverage_type": "kv_avg"},  # kvpress's ablations are not parameters here
-        ({"sketch": -1}, "sketch"),
-        ({"sketch": 2.5}, "sketch"),
-        ({"local": 1}, "local"),
-        ({"local": -16}, "local"),
-        ({"seed": -1}, "seed"),
-        ({"budget": 8, "sinks": 8}, "budget"),
+        *named_refusals(sketch=[-1, 2.5], local=[1, -16], seed=-1),
     )
-
-    def make(self):
-        return CurDKVCache(budget=4096)
 
 
 class TestCurDKVEvicting(ev.EvictingConformance):
     """A small budget, decode cuts and 4-bit codes; query-free, so nothing is routed."""
 
-    def make(self):
-        return CurDKVCache(budget=64, every=8, bits=4)
-
-    def make_precise(self):
-        return CurDKVCache(budget=64, every=8)
+    spec = "curdkv:budget=64,every=8,bits=4"
+    precise_spec = "curdkv:budget=64,every=8"
 
 
 # -- an independent NumPy transcription of the paper's reference scorer -----------------------

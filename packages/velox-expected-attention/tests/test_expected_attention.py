@@ -28,6 +28,7 @@ from velox_expected_attention import (
     model_rope,
 )
 from velox_testing import kv_data, rel_error, tiny_model
+from velox_testing.refusals import named_refusals
 
 D = 64
 BASE = 10000.0
@@ -35,15 +36,9 @@ BASE = 10000.0
 
 class TestExpectedAttention(ev.FullBudgetConformance):
     bad_settings = (
-        {"compression_ratio": 0.5},  # kvpress's parameter: velox counts tokens (budget)
         ({"n_sink": 4}, "n_sink"),  # kvpress's name: velox's shared `sinks` (default 4)
-        ({"budget": 8, "sinks": 8}, "budget"),
-        ({"n_future_positions": 0}, "n_future_positions"),
-        ({"epsilon": -1e-3}, "epsilon"),
-        ({"epsilon": float("nan")}, "epsilon"),
-        ({"epsilon": float("inf")}, "epsilon"),
-        ({"use_vnorm": 1}, "use_vnorm"),
-        ({"use_covariance": "yes"}, "use_covariance"),
+        *named_refusals(n_future_positions=0, epsilon=[-1e-3, float("nan"), float("inf")]),
+        *named_refusals(use_vnorm=1, use_covariance="yes"),
     )
 
     def make(self):

@@ -11,31 +11,20 @@ import velox_testing.references as refs
 from velox_core import VeloxCache, make, make_cache, routed
 from velox_h2o import METHOD, H2OCache, H2OConfig, H2OPolicy
 from velox_testing import tiny_model
+from velox_testing.eviction import SCALE, D
 from velox_testing.eviction import stored_positions as stored
-
-D = 64
-SCALE = D**-0.5
 
 
 class TestH2O(ev.FullBudgetConformance):
     # fp16 tokens (512 B a token and KV head at head dim 128), the body's int32 positions and
     # H2O's float32 accumulated score: 520 B
     max_memory_ratio = 1.02
+    spec = "h2o:budget=4096"
     bad_settings = (
-        ({"recent": -1}, "recent"),
-        ({"recent": 1.0}, "recent"),  # a fraction must leave room for the heavy hitters
-        ({"recent": 2.5}, "recent"),
-        ({"recent": True}, "recent"),
-        ({"recent": "half"}, "recent"),
-        ({"budget": 64, "recent": 64}, "recent"),  # no heavy hitter would fit
-        ({"budget": 64, "sinks": 4, "recent": 60}, "recent"),
-        ({"recent": float("nan")}, "recent"),
-        {"heavy_ratio": 0.1},  # the authors' simulation flags: velox counts tokens (budget)
-        {"compression_ratio": 0.5},
+        *ev.RECENT_BAD,
+        ({"budget": 64, "sinks": 4, "recent": 60}, "recent"),  # no heavy hitter would fit
+        {"heavy_ratio": 0.1},  # the authors' simulation flag: velox counts tokens (budget)
     )
-
-    def make(self):
-        return H2OCache(budget=4096)
 
 
 class TestH2OEvicting(ev.Routed, ev.EvictingConformance):
@@ -44,11 +33,8 @@ class TestH2OEvicting(ev.Routed, ev.EvictingConformance):
     query has seen is refused otherwise); where no query has reached the cache, a cut keeps
     the newest tokens."""
 
-    def make(self):
-        return H2OCache(budget=64, bits=4)
-
-    def make_precise(self):
-        return H2OCache(budget=64)
+    spec = "h2o:budget=64,bits=4"
+    precise_spec = "h2o:budget=64"
 
 
 # -- helpers ---------------------------------------------------------------------------------

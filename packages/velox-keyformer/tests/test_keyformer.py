@@ -10,33 +10,22 @@ import velox_testing.references as refs
 from velox_core import make, make_cache, routed
 from velox_keyformer import METHOD, KeyformerCache, KeyformerPolicy
 from velox_testing import tiny_model
+from velox_testing.eviction import SCALE
 from velox_testing.eviction import stored_positions as stored
-
-D = 64
-SCALE = D**-0.5
+from velox_testing.refusals import named_refusals
 
 
 class TestKeyformer(ev.FullBudgetConformance):
     # fp16 tokens (512 B a token and KV head at head dim 128), the body's int32 positions,
     # the float32 accumulated score (520 B) and the 8-byte noise key
     max_memory_ratio = 1.02
+    spec = "keyformer:budget=4096"
     bad_settings = (
-        ({"recent": -1}, "recent"),
-        ({"recent": 1.0}, "recent"),
-        ({"recent": True}, "recent"),
-        ({"budget": 64, "recent": 64}, "recent"),  # no key token would fit
-        ({"tau_init": 0.0}, "tau_init"),
-        ({"tau_end": -1.0}, "tau_end"),
-        ({"tau_end": float("nan")}, "tau_end"),
-        ({"tau_init": "hot"}, "tau_init"),
-        ({"steps": 0}, "steps"),
-        ({"seed": -1}, "seed"),
+        *ev.RECENT_BAD,
+        *named_refusals(tau_init=[0.0, "hot"], tau_end=[-1.0, float("nan")], steps=0, seed=-1),
         {"kv_cache": 60},  # the authors' percentage of the prompt: velox counts tokens
         {"tau_delta": 0.01},
     )
-
-    def make(self):
-        return KeyformerCache(budget=4096)
 
 
 class TestKeyformerEvicting(ev.Routed, ev.EvictingConformance):
@@ -47,11 +36,8 @@ class TestKeyformerEvicting(ev.Routed, ev.EvictingConformance):
     # weights give near-flat logits, where the Gumbel noise (std 1.28) dominates the ranking
     model_logit_cosine = 0.3
 
-    def make(self):
-        return KeyformerCache(budget=64, bits=4)
-
-    def make_precise(self):
-        return KeyformerCache(budget=64)
+    spec = "keyformer:budget=64,bits=4"
+    precise_spec = "keyformer:budget=64"
 
 
 # -- helpers ---------------------------------------------------------------------------------

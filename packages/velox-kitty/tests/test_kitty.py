@@ -8,13 +8,8 @@ import pytest
 
 from velox_core import Uniform, load_cache, make, make_cache, save_cache
 from velox_kitty import KittyCache, KittyKeys, boosted_count
-from velox_testing import (
-    CacheConformance,
-    conformance_model,
-    kv_data,
-    rel_error,
-)
-from velox_testing.refusals import spec_refusals_test
+from velox_testing import CacheConformance, conformance_model, kv_data, rel_error
+from velox_testing.refusals import named_refusals, spec_refusals_test
 
 
 class TestKitty(CacheConformance):
@@ -28,12 +23,7 @@ class TestKitty(CacheConformance):
     attention_error = 0.9
     same_greedy_tokens = 32
 
-    bad_settings = (
-        ({"boost": 1.5}, "boost"),
-        ({"boost_bits": 2}, "boost_bits"),
-        ({"score": "random"}, "score"),
-        ({"value_group": 0}, "value_group"),
-    )
+    bad_settings = named_refusals(boost=1.5, boost_bits=2, score="random", value_group=0)
 
 
 class TestKittySmallPages(CacheConformance):

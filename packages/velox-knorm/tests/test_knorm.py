@@ -18,24 +18,18 @@ D = 64
 
 
 class TestKNorm(ev.FullBudgetConformance):
+    spec = "knorm:budget=4096"
     bad_settings = (
-        {"compression_ratio": 0.5},  # kvpress's parameter: velox counts tokens (budget)
         {"skip_layers": [0, 1]},  # the authors' option: per-layer caches do it (docs)
-        ({"budget": 8, "sinks": 8}, "budget"),
+        ({"budget": 20, "sinks": 4, "window": 16}, "budget"),
     )
-
-    def make(self):
-        return KNormCache(budget=4096)
 
 
 class TestKNormEvicting(ev.EvictingConformance):
     """A small budget, decode cuts and 4-bit codes; query-free, so nothing is routed."""
 
-    def make(self):
-        return KNormCache(budget=64, every=8, bits=4)
-
-    def make_precise(self):
-        return KNormCache(budget=64, every=8)
+    spec = "knorm:budget=64,every=8,bits=4"
+    precise_spec = "knorm:budget=64,every=8"
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -201,10 +195,6 @@ def test_recommended_settings_and_defaults():
     assert METHOD.paper == "https://arxiv.org/abs/2406.11430"
 
 
-def test_bad_settings_name_the_parameter():
-    with pytest.raises(ValueError, match="budget"):
-        KNormCache(budget=20, sinks=4, window=16)
-    with pytest.raises(ValueError, match="every"):
-        KNormCache(every=0)
+def test_the_policy_refuses_a_budget_of_nothing():
     with pytest.raises(ValueError, match="budget"):
         KNormPolicy(budget=0)

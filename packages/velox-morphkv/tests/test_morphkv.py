@@ -9,10 +9,8 @@ import velox_testing.eviction as ev
 from velox_core import VeloxCache, make_cache, routed
 from velox_morphkv import METHOD, MorphKVCache, MorphKVPolicy
 from velox_testing import tiny_model
+from velox_testing.eviction import SCALE, D
 from velox_testing.eviction import kept_positions as kept
-
-D = 64
-SCALE = D**-0.5
 
 
 class TestMorphKV(ev.FullBudgetConformance):
@@ -22,7 +20,6 @@ class TestMorphKV(ev.FullBudgetConformance):
         {"observe": 2.5},
         {"every": None},  # MorphKV evicts during decode by design
         {"kernel": 7},  # SnapKV's pooling: MorphKV has none
-        {"compression_ratio": 0.5},  # kvpress's parameter: velox counts tokens (budget)
         {"keep_weights": 1},
         ({"budget": 32, "observe": 32}, "budget"),  # no older token would fit
         ({"budget": 40, "sinks": 4, "window": 36}, "budget"),

@@ -2,7 +2,7 @@
 rotation's factors, the clip, the codes against a NumPy reference, bytes, artifacts."""
 
 import math
-from pathlib import Path
+from functools import partial
 
 import mlx.core as mx
 import numpy as np
@@ -32,13 +32,17 @@ from velox_testing import (
     assert_artifact_refusals,
     assert_attends_without_decoding,
     assert_cpu_declines,
+    assert_found_by_fingerprint,
+    coded_segment,
     coded_segments,
     conformance_model,
     feed,
     kv_data,
     loaded_without_artifact,
     rel_error,
+    shown_artifact,
 )
+from velox_testing.refusals import named_refusals
 
 SMALL = {"window": 16, "sinks": 4}
 
@@ -52,14 +56,15 @@ class TestOscar(CacheConformance):
     # on kv_data): measured 0.67 over 512 tokens (KIVI-2 0.67, TurboQuant-2 0.87 there)
     attention_error = 0.8
     bad_settings = (
-        {"bits": 1},
-        {"group": 0},
-        ({"key_clip": 0.0}, "key_clip"),
-        ({"value_clip": 1.5}, "value_clip"),
-        ({"key_clip": "0.9"}, "key_clip"),
-        ({"rotation": "random"}, "rotation"),
-        ({"artifact": 3}, "artifact"),
-        ({"layer": -1}, "layer"),
+        *named_refusals(
+            bits=1,
+            group=0,
+            key_clip=[0.0, "0.9"],
+            value_clip=1.5,
+            rotation="random",
+            artifact=3,
+            layer=-1,
+        ),
         ({"centre": 1}, "centre must be True or False"),
         ({"centre": "yes"}, "centre must be True or False"),
     )
@@ -248,10 +253,7 @@ def test_attention_reads_the_codes_in_the_rotated_basis(monkeypatch):
 
 
 def test_on_the_cpu_the_kernels_decline():
-    c = OscarCache(artifact=model_artifact(), layer=0, window=0, sinks=0)
-    k, v = kv_data(t=128)
-    c.update_and_fetch(k, v)
-    seg = coded_segments(c)[0]
+    seg = coded_segment(OscarCache(artifact=model_artifact(), layer=0, window=0, sinks=0))
     assert_cpu_declines(seg.key_codec, seg.keys, seg.value_codec, seg.values)
 
 
@@ -301,18 +303,12 @@ def test_missing_and_foreign_artifacts_are_refused(monkeypatch, tmp_path):
     # the ablation with both clips given needs none
     caches = make_cache(conformance_model(), "oscar:rotation=hadamard,key_clip=0.9,value_clip=0.9")
     assert all(set(c.tiers[0].key_codec.state()) == {"dim"} for c in caches)
-    # found by fingerprint in $VELOX_ARTIFACTS
-    save_rotations(load_rotations(model_artifact()), tmp_path / "oscar-tiny.safetensors")
-    caches = make_cache(conformance_model(), "oscar")
-    assert caches[1].tiers[0].value_codec._path == str(tmp_path / "oscar-tiny.safetensors")
-    assert caches[1].tiers[0].value_codec.layer == 1
+    assert_found_by_fingerprint(monkeypatch, tmp_path, "oscar", model_artifact())
 
 
-def test_a_loaded_cache_needs_no_artifact(monkeypatch, tmp_path):
-    art = tmp_path / "a.safetensors"
-    save_rotations(load_rotations(model_artifact()), art)
-    template = OscarCache(artifact=str(art), **SMALL)
-    loaded_without_artifact(conformance_model(), template, art, tmp_path)
+def test_a_loaded_cache_needs_no_artifact(tmp_path):
+    oscar = partial(OscarCache, **SMALL)
+    loaded_without_artifact(conformance_model(), oscar, model_artifact(), tmp_path)
 
 
 def test_head_dims_are_refused_by_name():
@@ -349,10 +345,8 @@ def test_recommended_settings_and_registry():
 def test_fit_command_show(capsys):
     from velox_oscar.__main__ import main
 
-    assert main(["show", model_artifact()]) == 0
-    out = capsys.readouterr().out
+    out = shown_artifact(main, model_artifact(), capsys)
     assert '"fit_group": 0' in out and '"clips"' in out
-    assert main(["show", str(Path(model_artifact()).with_suffix(".none"))]) == 2
 
 
 # -- centred keys -----------------------------------------------------------------------------
@@ -459,11 +453,9 @@ def test_centred_state_round_trip_and_refusals():
     assert mx.array_equal(e.state()["mean"], a.key_mean(1)).item()
 
 
-def test_a_loaded_centred_cache_needs_no_artifact(monkeypatch, tmp_path):
-    art = tmp_path / "a.safetensors"
-    save_rotations(load_rotations(model_artifact()), art)
-    template = OscarCache(artifact=str(art), centre=True, **SMALL)
-    _, loaded = loaded_without_artifact(conformance_model(), template, art, tmp_path)
+def test_a_loaded_centred_cache_needs_no_artifact(tmp_path):
+    oscar = partial(OscarCache, centre=True, **SMALL)
+    _, loaded = loaded_without_artifact(conformance_model(), oscar, model_artifact(), tmp_path)
     kc = loaded[0].tiers[0].key_codec
     assert kc.centre and kc.state()["mean"].shape == (2, 128)
 
@@ -564,11 +556,9 @@ def test_channel_keys_bytes_and_what_they_read():
         OscarCache(keys="channel").check_dims(128, 96)
 
 
-def test_a_loaded_channel_keys_cache_needs_no_artifact(monkeypatch, tmp_path):
-    art = tmp_path / "a.safetensors"
-    save_rotations(load_rotations(model_artifact()), art)
-    template = OscarCache(artifact=str(art), keys="channel", key_group=32, **SMALL)
-    _, loaded = loaded_without_artifact(conformance_model(), template, art, tmp_path)
+def test_a_loaded_channel_keys_cache_needs_no_artifact(tmp_path):
+    oscar = partial(OscarCache, keys="channel", key_group=32, **SMALL)
+    _, loaded = loaded_without_artifact(conformance_model(), oscar, model_artifact(), tmp_path)
     t = loaded[0].tiers[0]
     assert loaded[0].cfg.keys == "channel" and t.key_codec.axis == "channel"
     assert t.key_codec.group == 32 and "rotation" in t.value_codec.state()
@@ -576,7 +566,5 @@ def test_a_loaded_channel_keys_cache_needs_no_artifact(monkeypatch, tmp_path):
 
 def test_channel_keys_on_the_cpu_take_the_reference_path():
     c = OscarCache(artifact=model_artifact(), layer=0, window=0, sinks=0, keys="channel")
-    k, v = kv_data(t=128)
-    c.update_and_fetch(k, v)
-    seg = coded_segments(c)[0]
+    seg = coded_segment(c)
     assert_cpu_declines(seg.key_codec, seg.keys, seg.value_codec, seg.values)

@@ -23,6 +23,7 @@ from velox_palu import (
 from velox_testing import (
     CacheConformance,
     assert_artifact_refusals,
+    assert_found_by_fingerprint,
     coded_segments,
     conformance_model,
     feed,
@@ -250,10 +251,7 @@ def test_foreign_missing_and_corrupt_artifacts_are_refused(monkeypatch, tmp_path
     bad.write_bytes(b"not a safetensors file at all")
     with pytest.raises(ValueError):
         make_cache(conformance_model(), PaluCache(artifact=bad))
-    # found by fingerprint in $VELOX_ARTIFACTS
-    save_bases(load_bases(model_artifact()), tmp_path / "palu-tiny.safetensors")
-    caches = make_cache(conformance_model(), PaluCache())
-    assert caches[0].tiers[0].key_codec._path == str(tmp_path / "palu-tiny.safetensors")
+    assert_found_by_fingerprint(monkeypatch, tmp_path, PaluCache(), model_artifact())
 
 
 def test_artifact_must_fit_the_cache():

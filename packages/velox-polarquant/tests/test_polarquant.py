@@ -28,6 +28,7 @@ from velox_testing import (
     rel_error,
 )
 from velox_testing.kv import assert_scores_and_mix_decoded
+from velox_testing.refusals import int_refusals
 
 
 class TestPolarQuantPaper(CacheConformance):
@@ -45,13 +46,8 @@ class TestPolarQuantPaper(CacheConformance):
     bad_settings = (
         ({"bits": 2}, "leaves bits - 2 = 0 bits"),
         ({"key_bits": 2}, "key_bits=2 leaves"),
-        ({"upper_bits": 0}, "upper_bits must be >= 1"),
-        ({"upper_bits": 9}, "upper_bits must be <= 8"),
-        ({"levels": 0}, "levels must be >= 1"),
-        ({"levels": 13}, "levels must be <= 12"),
-        ({"levels": 2.0}, "levels must be an int"),
+        *int_refusals(upper_bits=(1, 8), levels=(1, 12)),
         ({"rotation": "dct"}, "rotation must be one of"),
-        ({"upper_bits": 1.5}, "upper_bits must be an int"),
     )
 
 

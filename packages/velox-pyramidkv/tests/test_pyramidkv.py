@@ -21,6 +21,7 @@ from velox_pyramidkv import (
 )
 from velox_testing import kv_data, rel_error, tiny_model
 from velox_testing.eviction import kept_positions as kept
+from velox_testing.refusals import named_refusals
 
 D = 64
 SCALE = D**-0.5
@@ -30,26 +31,16 @@ class TestPyramidKV(ev.FullBudgetConformance):
     """A budget above every length the suite stores: no layer evicts, whatever its place (a
     cache made without a model needs no place until the prompt exceeds the budget)."""
 
+    spec = "pyramidkv:budget=4096"
     bad_settings = (
-        ({"budget": 32}, "budget"),  # no room beyond the 32-token observation window
-        ({"budget": 40, "sinks": 8}, "budget"),
-        ({"beta": 0.5}, "beta"),
-        ({"beta": float("nan")}, "beta"),
-        ({"beta": float("inf")}, "beta"),
-        ({"beta": "steep"}, "beta"),
+        *ev.VOTE_BAD,
+        *named_refusals(beta=[0.5, float("nan"), float("inf"), "steep"]),
         ({"layer": 1}, "n_layers"),  # a place needs both
         ({"n_layers": 4}, "layer"),
         ({"layer": 4, "n_layers": 4}, "layer"),
         ({"layer": -1, "n_layers": 4}, "layer"),
         ({"layer": 0, "n_layers": 0}, "n_layers"),
-        ({"observe": 0}, "observe"),
-        ({"kernel": 4}, "kernel"),
-        ({"pooling": "mean"}, "pooling"),
-        ({"window_size": 32}, "window_size"),
     )
-
-    def make(self):
-        return PyramidKVCache(budget=4096)
 
 
 class TestPyramidKVEvicting(ev.Routed, ev.EvictingConformance):
@@ -57,11 +48,8 @@ class TestPyramidKVEvicting(ev.Routed, ev.EvictingConformance):
     a model the cache is given its place (the deeper of two layers: the smaller budget);
     make_cache places the suite's model-level caches itself."""
 
-    def make(self):
-        return PyramidKVCache(budget=64, observe=8, every=8, bits=4, layer=1, n_layers=2)
-
-    def make_precise(self):
-        return PyramidKVCache(budget=64, observe=8, every=8)
+    spec = "pyramidkv:budget=64,observe=8,every=8,bits=4,layer=1,n_layers=2"
+    precise_spec = "pyramidkv:budget=64,observe=8,every=8"
 
 
 # -- helpers ---------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from velox_rocketkv import (
     topk_for,
 )
 from velox_testing import feed, kv_data, rel_error, tiny_model
+from velox_testing.refusals import int_refusals
 
 D = 128
 
@@ -38,9 +39,7 @@ class TestRocketKV(ev.FullBudgetConformance):
         ({"ratio": 0.5}, "ratio must be >= 1"),
         ({"ratio": float("nan")}, "ratio"),
         ({"ratio": "6"}, "ratio must be a number"),
-        ({"topk": 0}, "topk must be >= 1"),
-        ({"topk": 2.5}, "topk must be an int"),
-        ({"page": 0}, "page must be >= 1"),
+        *int_refusals(topk=(1, None), page=(1, None)),
         ({"channels": 0}, "channels must be >= 1"),
         ({"channels": 1.5}, "fraction of the head dim must be at most 1"),
         ({"channels": 0.0}, "channels must be > 0"),

@@ -19,16 +19,7 @@ SCALE = D**-0.5
 
 
 class TestSnapKV(ev.FullBudgetConformance):
-    bad_settings = (
-        {"budget": 32},  # no room beyond the 32-token observation window
-        {"budget": 40, "sinks": 8},
-        {"observe": 0},
-        {"kernel": 4},
-        {"kernel": 0},
-        {"pooling": "mean"},
-        {"observe": 8.0},
-        {"window_size": 32},
-    )
+    bad_settings = (*ev.VOTE_BAD, {"kernel": 0}, {"observe": 8.0})
 
     def make(self):
         return SnapKVCache(budget=4096)

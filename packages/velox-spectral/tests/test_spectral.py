@@ -1,7 +1,7 @@
 """The spectral quantizer: the conformance suite, the fit's PCA, the codes against a NumPy
 reference, attention from the codes, bytes, the rank, artifacts and refusals."""
 
-from pathlib import Path
+from functools import partial
 
 import mlx.core as mx
 import numpy as np
@@ -34,13 +34,17 @@ from velox_testing import (
     assert_artifact_refusals,
     assert_attends_without_decoding,
     assert_cpu_declines,
+    assert_found_by_fingerprint,
+    coded_segment,
     coded_segments,
     conformance_model,
     feed,
     kv_data,
     loaded_without_artifact,
     rel_error,
+    shown_artifact,
 )
+from velox_testing.refusals import named_refusals
 
 SMALL = {"window": 16, "sinks": 4}
 
@@ -54,18 +58,10 @@ class TestSpectral(CacheConformance):
     # bases calibrated on kv_data's law (_spectral_util.law_artifact): 0.20 measured
     attention_error = 0.3
     bad_settings = (
-        ({"signal_bits": 0}, "signal_bits"),
-        ({"signal_bits": 9}, "signal_bits"),
-        ({"noise_bits": -1}, "noise_bits"),
+        *named_refusals(signal_bits=[0, 9], noise_bits=-1, rank=[0, 2.5]),
+        *named_refusals(variance=[0.0, 1.5, "0.9"], artifact=3, layer=-1),
         ({"signal_bits": 2, "noise_bits": 3}, "must not exceed signal_bits"),
-        ({"rank": 0}, "rank"),
-        ({"rank": 2.5}, "rank"),
-        ({"variance": 0.0}, "variance"),
-        ({"variance": 1.5}, "variance"),
-        ({"variance": "0.9"}, "variance"),
         ({"rank": 8, "variance": 0.9}, "rank or variance"),
-        ({"artifact": 3}, "artifact"),
-        ({"layer": -1}, "layer"),
     )
 
     def make(self):
@@ -301,10 +297,7 @@ def test_attention_reads_the_codes(monkeypatch):
 
 
 def test_no_kernel_reads_these_codes():
-    c = SpectralCache(artifact=model_artifact(), layer=0, window=0, sinks=0)
-    k, v = kv_data(t=128)
-    c.update_and_fetch(k, v)
-    seg = coded_segments(c)[0]
+    seg = coded_segment(SpectralCache(artifact=model_artifact(), layer=0, window=0, sinks=0))
     assert seg.key_codec.kernel_values(seg.values, 128) is None
     assert seg.value_codec.kernel_values(seg.values, 128) is None
     assert_cpu_declines(seg.key_codec, seg.keys, seg.value_codec, seg.values)
@@ -368,18 +361,14 @@ def test_missing_and_foreign_artifacts_are_refused(monkeypatch, tmp_path):
         c.update_and_fetch(k[:, :1], v[:, :1])
     with pytest.raises(ValueError, match="64-dim heads"):
         SpectralKeys(artifact=model_artifact(), layer=0).check(64, mx.float16)
-    # found by fingerprint in $VELOX_ARTIFACTS
-    save_bases(load_bases(model_artifact()), tmp_path / "spectral-tiny.safetensors")
-    caches = make_cache(conformance_model(), "spectral")
-    assert caches[1].tiers[0].value_codec._path == str(tmp_path / "spectral-tiny.safetensors")
-    assert caches[1].tiers[0].value_codec.layer == 1
+    assert_found_by_fingerprint(monkeypatch, tmp_path, "spectral", model_artifact())
 
 
 def test_a_loaded_cache_needs_no_artifact(tmp_path):
-    art = tmp_path / "a.safetensors"
-    save_bases(load_bases(model_artifact()), art)
-    template = SpectralCache(variance=0.7, artifact=str(art), **SMALL)
-    caches, loaded = loaded_without_artifact(conformance_model(), template, art, tmp_path)
+    spectral = partial(SpectralCache, variance=0.7, **SMALL)
+    caches, loaded = loaded_without_artifact(
+        conformance_model(), spectral, model_artifact(), tmp_path
+    )
     assert loaded[0].tiers[0].key_codec.rank_in_use == caches[0].tiers[0].key_codec.rank_in_use
 
 
@@ -413,7 +402,5 @@ def test_recommended_settings_and_registry():
 def test_fit_command_show(capsys):
     from velox_spectral.__main__ import main
 
-    assert main(["show", model_artifact()]) == 0
-    out = capsys.readouterr().out
+    out = shown_artifact(main, model_artifact(), capsys)
     assert '"ranks"' in out and '"skip": 4' in out
-    assert main(["show", str(Path(model_artifact()).with_suffix(".none"))]) == 2

@@ -17,50 +17,34 @@ from velox_squeeze import (
     layer_budgets,
     places,
 )
+from velox_testing.refusals import named_refusals
 
 
 class TestSqueeze(ev.FullBudgetConformance):
     """A budget above every length the suite stores: no layer evicts, whatever its place."""
 
+    spec = "squeeze:budget=4096"
     bad_settings = (
-        ({"budget": 32}, "budget"),  # no room beyond SnapKV's 32-token observation window
-        ({"budget": 40, "sinks": 8}, "budget"),
-        ({"p": -0.1}, "p"),
-        ({"p": 1.5}, "p"),
-        ({"p": float("nan")}, "p"),
-        ({"p": "half"}, "p"),
-        ({"base": "h2o"}, "base"),
+        *ev.VOTE_BAD,  # SnapKV's rule inside each layer's budget
+        *named_refusals(p=[-0.1, 1.5, float("nan"), "half"], base="h2o"),
         ({"base": "streamingllm", "observe": 8}, "observe"),
         ({"base": "streamingllm", "pooling": "max"}, "pooling"),
-        ({"observe": 0}, "observe"),
-        ({"kernel": 4}, "kernel"),
-        ({"pooling": "mean"}, "pooling"),
-        ({"window_size": 32}, "window_size"),
     )
-
-    def make(self):
-        return SqueezeCache(budget=4096)
 
 
 class TestSqueezeEvicting(ev.Routed, ev.EvictingConformance):
     """A small budget, decode cuts and 4-bit codes: evicting, lossy, bounded (the suite's
     model has two layers: fewer than three groups, so each keeps the budget)."""
 
-    def make(self):
-        return SqueezeCache(budget=64, observe=8, every=8, bits=4)
-
-    def make_precise(self):
-        return SqueezeCache(budget=64, observe=8, every=8)
+    spec = "squeeze:budget=64,observe=8,every=8,bits=4"
+    precise_spec = "squeeze:budget=64,observe=8,every=8"
 
 
 class TestSqueezeStreaming(ev.EvictingConformance):
     """StreamingLLM inside each layer's budget: no query is needed, so no routing."""
 
-    def make(self):
-        return SqueezeCache(budget=64, base="streamingllm", sinks=4, every=8, bits=4)
-
-    def make_precise(self):
-        return SqueezeCache(budget=64, base="streamingllm", sinks=4, every=8)
+    spec = "squeeze:budget=64,base=streamingllm,sinks=4,every=8,bits=4"
+    precise_spec = "squeeze:budget=64,base=streamingllm,sinks=4,every=8"
 
 
 # -- the allocation ------------------------------------------------------------------------------

@@ -11,13 +11,22 @@ import pytest
 
 import velox_testing.eviction as ev
 import velox_testing.references as refs
+from velox_core import make
 from velox_core.kernels import config
 from velox_core.kernels.merge import MERGE
 from velox_core.policy.view import Tokens
-from velox_testing import kernel_env, scratch_dir, tiny_model
+from velox_testing import (
+    CacheConformance,
+    assert_exact_ends,
+    assert_reloads_alike,
+    kernel_env,
+    scratch_dir,
+    tiny_model,
+)
 from velox_testing.emulate import EmulatedKernels, Emulator
 from velox_testing.kernel_path import compile_instantiation
 from velox_testing.models import tiny_config
+from velox_testing.refusals import int_refusals, named_refusals, share_refusals
 
 
 def test_kernel_env_puts_the_setting_in_force_and_monkeypatch_restores_it():
@@ -123,3 +132,46 @@ def test_pool1d_reference_pools_with_zero_padding_and_refuses_other_poolings():
 def test_compile_instantiation_refuses_a_backend_it_has_no_compiler_for(tmp_path):
     with pytest.raises(ValueError, match="backend must be 'metal' or 'cuda', got 'vulkan'"):
         compile_instantiation("vulkan", [], tmp_path)
+
+
+def test_named_int_and_share_refusals_write_the_entries():
+    assert named_refusals(theta=[0.0, "x"], window=0, prior=[[1, 2]]) == (
+        ({"theta": 0.0}, "theta"),
+        ({"theta": "x"}, "theta"),
+        ({"window": 0}, "window"),
+        ({"prior": [1, 2]}, "prior"),
+    )
+    assert int_refusals(iters=(0, 64), seed=(None, None)) == (
+        ({"iters": -1}, "iters must be >= 0"),
+        ({"iters": 65}, "iters must be <= 64"),
+        ({"iters": 0.5}, "iters must be an int"),
+        ({"iters": 0.0}, "iters must be an int"),
+        ({"seed": 0.5}, "seed must be an int"),
+        ({"seed": 0.0}, "seed must be an int"),
+    )
+    with pytest.raises(TypeError, match="give \\(minimum, maximum\\)"):
+        int_refusals(iters=0)
+    values = [next(iter(s.values())) for s, match in share_refusals("recent")]
+    assert {match for _, match in share_refusals("recent")} == {"recent"}
+    assert values[:5] == [-1, -0.5, 1.0, 2.5, True] and None in values
+
+
+def test_the_suite_fails_on_a_setting_its_class_accepts():
+    class Uniform(CacheConformance):
+        spec = "uniform:bits=4"
+
+    Uniform.bad_settings = int_refusals(group=(1, None))
+    Uniform().test_bad_settings()
+    Uniform.bad_settings = int_refusals(group=(2, None))  # group=1 is a group
+    with pytest.raises(pytest.fail.Exception, match="group.*1.*was accepted"):
+        Uniform().test_bad_settings()
+
+
+def test_exact_ends_and_reloads_check_the_cache(tmp_path):
+    sinks, body, window = assert_exact_ends(make("uniform:bits=4,sinks=16,window=40"), 0.3)
+    assert sinks.tokens == 16 and sinks.tokens + body.tokens + window.tokens == 700
+    with pytest.raises(AssertionError):  # 4-bit codes are not that close
+        assert_exact_ends(make("uniform:bits=4,sinks=16,window=40"), 1e-6)
+    c = make("uniform:bits=4")
+    loaded = assert_reloads_alike(c, tmp_path / "c.safetensors")
+    assert loaded.offset == c.offset == 600

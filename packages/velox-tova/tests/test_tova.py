@@ -6,22 +6,17 @@ import pytest
 
 import velox_testing.eviction as ev
 from velox_core import Uniform, VeloxCache, routed
+from velox_testing.eviction import SCALE, D
 from velox_testing.eviction import kept_positions as kept
 from velox_tova import METHOD, TOVACache, TOVAPolicy
 
-D = 64
-SCALE = D**-0.5
-
 
 class TestTOVA(ev.FullBudgetConformance):
+    spec = "tova:budget=4096"
     bad_settings = (
-        {"compression_ratio": 0.5},  # kvpress's parameter: velox counts tokens (budget)
         {"observe": 1},  # the last query alone scores: no window to set
-        ({"budget": 8, "sinks": 8}, "budget"),
+        ({"budget": 12, "sinks": 4, "window": 8}, "budget"),
     )
-
-    def make(self):
-        return TOVACache(budget=4096)
 
 
 class TestTOVAEvicting(ev.Routed, ev.EvictingConformance):
@@ -29,11 +24,8 @@ class TestTOVAEvicting(ev.Routed, ev.EvictingConformance):
     fills caches with update_and_fetch alone, so every test runs routed (a cut without
     routing is refused); where no query has reached the cache, a cut keeps the newest tokens."""
 
-    def make(self):
-        return TOVACache(budget=64, bits=4)
-
-    def make_precise(self):
-        return TOVACache(budget=64)
+    spec = "tova:budget=64,bits=4"
+    precise_spec = "tova:budget=64"
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -229,11 +221,7 @@ def test_recommended_settings_and_defaults():
     assert METHOD.paper == "https://arxiv.org/abs/2401.06104"
 
 
-def test_bad_settings_name_the_parameter():
-    with pytest.raises(ValueError, match="budget"):
-        TOVACache(budget=12, sinks=4, window=8)
-    with pytest.raises(ValueError, match="every"):
-        TOVACache(every=0)
+def test_the_policy_refuses_a_negative_every():
     with pytest.raises(ValueError, match="every"):
         TOVAPolicy(budget=8, every=-1)
 

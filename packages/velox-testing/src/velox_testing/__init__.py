@@ -7,9 +7,11 @@ imported on use, not by this module.
 
 from .artifacts import (
     assert_artifact_refusals,
+    assert_found_by_fingerprint,
     fitted_artifact,
     isolated_artifacts,
     loaded_without_artifact,
+    shown_artifact,
 )
 from .baselines import attention_errors_vs_mlx_quant, fill_chunks
 from .conformance import CacheConformance
@@ -28,9 +30,12 @@ from .kernel_path import (
 )
 from .kv import (
     assert_attends_without_decoding,
+    assert_exact_ends,
     assert_partials_close,
     assert_partials_equivalent,
+    assert_reloads_alike,
     assert_rows_decode_alone,
+    coded_segment,
     coded_segments,
     decode_logits,
     feed,
@@ -60,16 +65,20 @@ __all__ = [
     "assert_attends_without_decoding",
     "assert_batch_generate_refused",
     "assert_cpu_declines",
+    "assert_exact_ends",
+    "assert_found_by_fingerprint",
     "assert_head_dim_refused",
     "assert_kernel_partial",
     "assert_linked_copies",
     "assert_partials_close",
     "assert_partials_equivalent",
+    "assert_reloads_alike",
     "assert_rows_decode_alone",
     "assert_spec_refused",
     "assert_step_like_reference",
     "assert_tampered_state_refused",
     "attention_errors_vs_mlx_quant",
+    "coded_segment",
     "coded_segments",
     "compile_cuda",
     "compile_metal",
@@ -91,6 +100,7 @@ __all__ = [
     "random_prompt",
     "rel_error",
     "scratch_dir",
+    "shown_artifact",
     "sign_words",
     "tiny_model",
     "tiny_tokenizer",

@@ -1,11 +1,13 @@
 """Test aids of the methods that fit a per-model artifact (:mod:`velox_core.artifacts`): an
 artifact fitted on the conformance model, an artifact search path that holds nothing else,
-the refusals of a missing or foreign artifact and the check that a saved cache outlives its
-artifact. Each takes the method's own fit,
-save and cache as arguments: a method's tests need no other method package."""
+the refusals of a missing or foreign artifact, the search by the model's fingerprint, the
+check that a saved cache outlives its artifact and the method's ``show`` command. Each takes
+the method's own fit, save and cache as arguments: a method's tests need no other method
+package."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -20,9 +22,11 @@ from .models import conformance_model
 
 __all__ = [
     "assert_artifact_refusals",
+    "assert_found_by_fingerprint",
     "fitted_artifact",
     "isolated_artifacts",
     "loaded_without_artifact",
+    "shown_artifact",
 ]
 
 
@@ -87,18 +91,56 @@ def assert_artifact_refusals(
         standalone.update_and_fetch(k, v)
 
 
-def loaded_without_artifact(model: Any, template: Any, artifact: Path, folder: Path) -> tuple:
-    """Caches of ``template`` (made by ``make_cache`` on ``model``; it names ``artifact``),
-    prefilled with 200 random tokens and saved to ``folder``; then ``artifact`` is removed and
-    the saved caches are loaded. Asserts that both give the next token the same logits
-    (``atol`` 1e-3): a saved cache carries what it read from its artifact.
+def assert_found_by_fingerprint(
+    monkeypatch: Any,
+    folder: Path,
+    template: Any,
+    artifact: str | Path,
+    sides: tuple[str, ...] = ("key", "value"),
+) -> list:
+    """With artifacts looked up in ``folder`` only (:func:`isolated_artifacts`), a copy there
+    of ``artifact`` (fitted for :func:`conformance_model`) is found by the model's
+    fingerprint: in every layer of ``make_cache(conformance_model(), template)``
+    (``template``, a spec or a cache, names no artifact), the first tier's codec of each of
+    ``sides`` reads that copy with its own layer. Returns the caches."""
+    from velox_core import make_cache
+
+    isolated_artifacts(monkeypatch, folder)
+    path = Path(shutil.copy(artifact, Path(folder) / "found.safetensors"))
+    caches = make_cache(conformance_model(), template)
+    for i, layer_cache in enumerate(caches):
+        for side in sides:
+            codec = getattr(layer_cache.tiers[0], f"{side}_codec")
+            assert (codec._path, codec.layer) == (str(path), i), (i, side)
+    return caches
+
+
+def shown_artifact(main: Callable[[list[str]], int], artifact: str, capsys: Any) -> str:
+    """What a method's ``show`` command (``main``, its ``python -m velox_<method>``) prints for
+    ``artifact``, which it shows with exit code 0; a path beside it that holds no file exits
+    with 2."""
+    assert main(["show", artifact]) == 0
+    out = capsys.readouterr().out
+    assert main(["show", str(Path(artifact).with_suffix(".none"))]) == 2
+    return out
+
+
+def loaded_without_artifact(
+    model: Any, make: Callable[..., Any], artifact: str | Path, folder: Path
+) -> tuple:
+    """Caches of ``make(artifact=path)`` (a cache class, or a ``functools.partial`` of one
+    with its settings; ``path``, a copy of ``artifact`` in ``folder``) made by ``make_cache``
+    on ``model``, prefilled with 200 random tokens and saved to ``folder``; then the copy is
+    removed and the saved caches are loaded. Asserts that both give the next token the same
+    logits (``atol`` 1e-3): a saved cache carries what it read from its artifact.
 
     Returns:
         ``(caches, loaded)``.
     """
     from velox_core import load_cache, make_cache, routed, save_cache
 
-    caches = make_cache(model, template)
+    artifact = shutil.copy(artifact, Path(folder) / "a.safetensors")
+    caches = make_cache(model, make(artifact=str(artifact)))
     prompt = mx.random.randint(0, 512, (1, 200), key=mx.random.key(4))
     with routed(model):
         model(prompt, cache=caches)

@@ -34,35 +34,9 @@ from velox_core import make as make_spec
 
 from .kv import decode_logits, feed, greedy_agreement, kv_data, rel_error
 from .models import conformance_model, tiny_tokenizer
+from .refusals import SHARED_BAD, Refusal
 
 __all__ = ["CacheConformance"]
-
-
-# bad values of the settings velox cache classes share (the shared parameter names, the
-# standalone RoPE settings of velox_core.codec.prerope) and a name none has, as (settings, a
-# regex of the message): the suite tries those whose parameters a class has all of
-SHARED_BAD: tuple[tuple[dict[str, Any], str], ...] = (
-    ({"window": -1}, "window"),
-    ({"sinks": -1}, "sinks"),
-    ({"flush": 0}, "flush"),
-    ({"check_finite": 1}, "check_finite"),
-    ({"seed": -1}, "seed"),
-    ({"budget": 0}, "budget"),
-    ({"group": 0}, "group"),
-    ({"calibration": 0}, "calibration"),
-    ({"bits": 0}, "bits"),
-    ({"bits": 9}, "bits"),
-    ({"bits": "4"}, "bits"),
-    ({"bits": True}, "bits"),
-    ({"key_bits": 9}, "key_bits"),
-    ({"value_bits": 9}, "value_bits"),
-    ({"rope_base": 1.0}, "rope_base"),
-    ({"rope_traditional": True}, "rope_base"),  # without rope_base
-    ({"rope_base": 10000.0, "rope_dims": 63}, "rope_dims"),
-    ({"rope_base": 10000.0, "rope_scale": 0.0}, "rope_scale"),
-    ({"pre_rope": False, "rope_base": 10000.0}, "pre_rope"),
-    ({"no_such_parameter": 1}, "no_such_parameter"),
-)
 
 
 def _sdpa(q, k, v, scale, mask=None):
@@ -85,9 +59,10 @@ class CacheConformance:
     same_greedy_tokens: int = 0  # with make_precise(): greedy tokens equal to fp16 (tiny llama)
     head_dim: int = 128
     # settings of the method's own that its cache class must refuse (ValueError or TypeError):
-    # each a dict of keyword arguments, or (dict, regex the message must match); the shared
+    # each a dict of keyword arguments, or (dict, regex the message must match), as
+    # named_refusals and int_refusals of velox_testing.refusals write them; the shared
     # settings' bad values are tried as well (shared_bad_settings)
-    bad_settings: ClassVar[tuple[dict[str, Any] | tuple[dict[str, Any], str], ...]] = ()
+    bad_settings: ClassVar[tuple[dict[str, Any] | Refusal, ...]] = ()
 
     # the cache under test as a spec (``velox_core.make``), unless the class defines make()
     spec: ClassVar[str | None] = None
@@ -374,7 +349,7 @@ class CacheConformance:
             c.update_and_fetch(k[:, :1], v[:, :1])  # head count changed
         assert c.offset == 8
 
-    def shared_bad_settings(self, cls: type) -> list[tuple[dict[str, Any], str]]:
+    def shared_bad_settings(self, cls: type) -> list[Refusal]:
         """The bad settings every class of this kind refuses, as ``(settings, match)``: by
         default those of :data:`SHARED_BAD` whose parameters ``cls`` has."""
         if hasattr(cls, "defaults"):

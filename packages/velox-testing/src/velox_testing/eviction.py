@@ -5,16 +5,19 @@ An eviction method's tests run the suite twice: :class:`FullBudgetConformance` w
 above every length the suite stores (nothing is evicted: attention equals fp16's), and
 :class:`EvictingConformance` with a small budget (most of the context is evicted: bounded
 memory, no fp16 reference over all tokens). Both also check that the class refuses bad values
-of the settings eviction presets share (:data:`EVICTION_BAD`). Subclasses define ``make``;
-:class:`Routed` runs every test of a class under routed attention, for policies that see
-queries only there; :class:`DecodeGrowthWarning`, for a policy that evicts at the prompt
-only by default, checks the warning of a cache that grows through decode.
+of the settings eviction presets share (:data:`EVICTION_BAD`; a preset voting with an
+observation window adds :data:`VOTE_BAD` to its ``bad_settings``, one with a recent window
+:data:`RECENT_BAD`). Subclasses define ``spec`` or ``make``; :class:`Routed` runs every test
+of a class under routed attention, for policies that see queries only there;
+:class:`DecodeGrowthWarning`, for a policy that evicts at the prompt only by default, checks
+the warning of a cache that grows through decode.
 
 The aids:
 
 - data and feeding: keys, values and queries with attention far from uniform
-  (:func:`attention_data`), a prefill and decode steps that attend as a routed model does
-  (:func:`feed_attending`, :func:`decode_attending`), a model's chunked prefill whose first
+  (:func:`attention_data`: :data:`D` channels a head, attended at :data:`SCALE`), a prefill
+  and decode steps that attend as a routed model does (:func:`feed_attending`,
+  :func:`decode_attending`), a model's chunked prefill whose first
   chunk is checked against mlx-lm's cache (:func:`prefill_checked`), layer 0 of a tiny
   model (:func:`layer_zero_kv`) and as its policy sees it (:func:`observed_layer_zero`), a
   tiny model's prompt in two chunks and bounded decode steps (:func:`two_chunk_prompt`,
@@ -50,9 +53,14 @@ from velox_core.policy import base
 from .conformance import CacheConformance
 from .kv import feed, kv_data, rel_error
 from .models import tiny_model
+from .refusals import EVICTION_BAD, RECENT_BAD, VOTE_BAD, Refusal
 
 __all__ = [
     "EVICTION_BAD",
+    "RECENT_BAD",
+    "SCALE",
+    "VOTE_BAD",
+    "D",
     "DecodeGrowthWarning",
     "EvictingConformance",
     "FullBudgetConformance",
@@ -79,20 +87,10 @@ __all__ = [
 ]
 
 
-# bad values of the settings eviction presets share (velox_core.cache.eviction.EvictionConfig),
-# beside the suite's SHARED_BAD: each refused, the message naming the setting
-EVICTION_BAD: tuple[tuple[dict[str, Any], str], ...] = (
-    ({"budget": 8, "sinks": 4, "window": 4}, "budget"),  # nothing left for the policy
-    ({"every": 0}, "every"),
-    ({"bits": 1}, "bits"),  # the kept tokens' codes take 2 to 8 bits
-    ({"key_bits": 4}, "key_bits"),  # without bits
-)
-
-
 class _Eviction(CacheConformance):
     """The suite for an eviction preset: the shared bad settings include :data:`EVICTION_BAD`."""
 
-    def shared_bad_settings(self, cls: type) -> list[tuple[dict[str, Any], str]]:
+    def shared_bad_settings(self, cls: type) -> list[Refusal]:
         return [*super().shared_bad_settings(cls), *EVICTION_BAD]
 
 
@@ -124,6 +122,9 @@ class Routed:
 
 
 _BUDGET = 128  # DecodeGrowthWarning's budget
+
+D = 64  # the head dim of attention_data's keys, values and queries
+SCALE = D**-0.5  # their attention scale
 
 
 def _decode_warnings(cache, steps: int) -> list[warnings.WarningMessage]:
@@ -166,7 +167,7 @@ class DecodeGrowthWarning:
 
 
 def attention_data(
-    t: int, h: int = 2, r: int = 2, seed: int = 0, d: int = 64, sharp: float = 1.0
+    t: int, h: int = 2, r: int = 2, seed: int = 0, d: int = D, sharp: float = 1.0
 ) -> tuple[mx.array, mx.array, mx.array]:
     """Random float32 keys, values ``(1, h, t, d)`` and queries ``(1, h * r, t, d)`` with a
     shared direction, so that attention is far from uniform (some tokens collect much more
@@ -249,7 +250,7 @@ def stored_positions(cache, head: int = 0) -> set[int]:
     return out | (set() if body is None else set(np.array(body[0]).tolist()))
 
 
-def assert_cut_needs_routing(make: Callable[[], Any], t: int = 300, d: int = 64):
+def assert_cut_needs_routing(make: Callable[[], Any], t: int = 300, d: int = D):
     """A cache whose policy votes with queries refuses a cut no query has reached unless
     attention is routed: ``t - 1`` tokens in one chunk, then one more (the cut runs before
     it) raises a ``ValueError`` naming ``routed``; the same inside ``velox_core.routed()``

@@ -11,15 +11,18 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-from velox_core import make, make_cache, routed
+from velox_core import load_cache, make, make_cache, routed, save_cache
 
 __all__ = [
     "assert_attends_without_decoding",
     "assert_codes_head_dims",
+    "assert_exact_ends",
     "assert_partials_close",
     "assert_partials_equivalent",
+    "assert_reloads_alike",
     "assert_rows_decode_alone",
     "assert_scores_and_mix_decoded",
+    "coded_segment",
     "coded_segments",
     "decode_logits",
     "feed",
@@ -199,6 +202,55 @@ def coded_segments(cache) -> list:
     """The segments of ``cache`` that its first tier's codecs hold (not its fp16 sinks and
     window), in order."""
     return [s for s in cache.segments() if s.key_codec is cache.tiers[0].key_codec]
+
+
+def assert_exact_ends(cache, body_error: float, t: int = 700, chunk: int = 7) -> tuple:
+    """``cache``, given ``t`` tokens of :func:`kv_data` in updates of ``chunk``, holds three
+    segments: its fp16 sinks and window, whose tokens are those given bit for bit, around a
+    coded body whose keys are within ``body_error`` of those given (relative error; not
+    exact). Returns the segments ``(sinks, body, window)``."""
+    k, v = kv_data(t=t)
+    feed(cache, k, v, chunk)
+    sinks, body, window = cache.segments()
+    kk, vv = cache.keys_and_values()
+    start, end = sinks.tokens, sinks.tokens + body.tokens
+    for got, given in ((kk, k), (vv, v)):
+        assert mx.array_equal(got[:, :, :start], given[:, :, :start]).item()
+        assert mx.array_equal(got[:, :, end:], given[:, :, end:]).item()
+    assert 0 < rel_error(kk[:, :, start:end], k[:, :, start:end]) < body_error
+    return sinks, body, window
+
+
+def assert_reloads_alike(cache, path, t: int = 600):
+    """``cache``, given ``t`` tokens of :func:`kv_data` (:func:`feed`'s chunks), saved to the
+    file ``path`` and loaded back: the loaded cache has the same class and config, its coded
+    segments (:func:`coded_segments`) hold the same arrays, names and values, and a query
+    attends to both alike (``atol`` 1e-4). Returns the loaded cache."""
+    feed(cache, *kv_data(t=t))
+    save_cache(path, [cache])
+    (loaded,) = load_cache(path)
+    assert type(loaded) is type(cache) and loaded.config() == cache.config()
+    pairs = list(zip(coded_segments(cache), coded_segments(loaded)))
+    assert pairs and len(pairs) == len(coded_segments(cache)) == len(coded_segments(loaded))
+    for a, b in pairs:
+        for side in ("keys", "values"):
+            x, y = getattr(a, side).data, getattr(b, side).data
+            assert set(x) == set(y), side
+            for name in x:
+                assert mx.array_equal(x[name], y[name]).item(), (side, name)
+    d = cache.keys_and_values()[0].shape[-1]
+    q = mx.random.normal((1, 4, 1, d), key=mx.random.key(0)).astype(mx.float16)
+    assert mx.allclose(cache.attend(q, scale=0.1), loaded.attend(q, scale=0.1), atol=1e-4).item()
+    return loaded
+
+
+def coded_segment(cache, t: int = 128):
+    """The first coded segment of ``cache`` (:func:`coded_segments`) once it has stored ``t``
+    tokens of :func:`kv_data` in one update (a cache with no fp16 sinks or window codes them
+    all)."""
+    k, v = kv_data(t=t)
+    cache.update_and_fetch(k, v)
+    return coded_segments(cache)[0]
 
 
 def assert_rows_decode_alone(model, spec, prompt: mx.array, tokens=(4, 9)) -> None:
