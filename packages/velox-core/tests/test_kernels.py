@@ -93,8 +93,6 @@ def _layout(kind: int, bits: int, group: int, **kw) -> krec.CodeRecord:
     """A record of one layout with placeholder arrays (``kw``: its other fields)."""
     if kind == krec.CODEBOOK:
         return krec.CodebookCodes(bits=bits, dim=group, codes=_U32, norm=_F16, levels=_F16, **kw)
-    if kind == krec.VQ:
-        return krec.VQCodes(bits=bits, group=group, codes=_U32, codebooks=_F16)
     record = krec.AffineCodes if kind == krec.AFFINE else krec.ChannelAffineCodes
     return record(bits=bits, group=group, codes=_U32, scale=_F16, zero=_F16)
 
@@ -355,13 +353,6 @@ def _decode_variants():
     infos = [ArgInfo(*F32), *(ArgInfo(*a) for a in ins), *(ArgInfo(*a) for a in ins)]
     infos += [ArgInfo(*DUMMY)] * 5
     out.append((kport.DECODE, infos, ["float32"] * 2, kport.template(p, 128, kside, vside)))
-    # VQ codes (VecInfer): 256 codewords of 4 channels on both sides, and 16 pairs of keys
-    for kb, kg, vb, vg in ((8, 4, 8, 4), (4, 2, 8, 4)):
-        kside, vq = _layout(krec.VQ, kb, kg), _layout(krec.VQ, vb, vg)
-        p = kport.plan_for(4, 128, kside, vq)
-        ins = [U32, ("float16", 1, 8), ("float16", 1, 8), ("float32", 1, 1 << 16)]
-        infos = [ArgInfo(*a) for a in [F32, *ins, *ins]] + [ArgInfo(*DUMMY)] * 5
-        out.append((kport.DECODE, infos, ["float32"] * 2, kport.template(p, 128, kside, vq)))
     out.append((kmerge.MERGE, [ArgInfo("float32", 5, 1 << 20)] * 2, ["float32"] * 3, []))
     part, seg, dummy = ArgInfo("float32", 5, 1 << 20), ArgInfo(*H16), ArgInfo("float16", 1, 8)
     for has_a, has_b, odt, rd in (
@@ -939,79 +930,6 @@ def test_decode_kernel_adds_the_keys_residual_sketch(tmp_path, m, pad):
     p = np.exp(s - mref)
     ref = (p @ vx, mref, p.sum(axis=-1, keepdims=True))
     assert_partial_close(got, ref, tol=5e-5)
-
-
-def _vq_side(rng, b, h, t, d, bits, group, spread=1.0):
-    """Random VQ codes and codebooks (one per batch row and KV head) and the vectors they
-    stand for, float64."""
-    k = 1 << bits
-    idx = rng.integers(0, k, size=(b, h, t, d // group))
-    book = (rng.standard_normal((b, h, k, group)) * spread).astype(np.float16)
-    bi, hi = np.arange(b)[:, None, None, None], np.arange(h)[None, :, None, None]
-    vec = book.astype(np.float64)[bi, hi, idx]  # (B, H, T, S, G)
-    side = krec.VQCodes(
-        bits=bits,
-        group=group,
-        codes=pack(mx.array(idx.astype(np.int32)), bits),
-        codebooks=mx.array(book),
-    )
-    return side, vec.reshape(b, h, t, d)
-
-
-@needs_gxx
-@pytest.mark.parametrize(
-    "kbits,kgroup,vbits,vgroup,rows,pad,splits",
-    [
-        (8, 4, 8, 4, 4, 0, 3),  # the 2-bit setting: 256 codewords of 4 channels
-        (4, 2, 8, 2, 1, 5, 4),  # 16 pairs keys (2 bits), 256 pairs values (4 bits)
-        (6, 2, 3, 1, 8, 3, 2),  # indices straddling words, 8 query rows in blocks
-        (2, 1, 4, 2, 2, 0, 5),  # scalar codebooks of their own per head (group 1)
-    ],
-)
-def test_decode_kernel_reads_vq_codes(tmp_path, kbits, kgroup, vbits, vgroup, rows, pad, splits):
-    """VQ codes (VecInfer): each sub-vector's index reads a codeword of its (batch row, KV
-    head)'s codebook, for keys and values, against a numpy reference (two batch rows with
-    different codebooks; strided slices with garbage beyond when ``pad``)."""
-    rng = np.random.default_rng(kbits * 10 + vbits)
-    b, h, t, d = 2, 2, 400, 128
-    keys, kx = _vq_side(rng, b, h, t, d, kbits, kgroup, 0.4)
-    vals, vx = _vq_side(rng, b, h, t, d, vbits, vgroup)
-    q = rng.standard_normal((b, h, rows, d)).astype(np.float32) * 0.3
-    assert kport.plan_for(rows, d, keys, vals) is not None
-    got = DecodeRun(Emulator(tmp_path), mx.array(q), keys, vals, splits=splits, pad=pad)()
-    sc = np.einsum("bhmd,bhtd->bhmt", q.astype(np.float64), kx)
-    mref = sc.max(axis=-1, keepdims=True)
-    p = np.exp(sc - mref)
-    assert_partial_close(got, (p @ vx, mref, p.sum(axis=-1, keepdims=True)), tol=5e-5)
-
-
-def test_vq_codes_layout_rules_and_bad_input(monkeypatch):
-    """The plan takes VQ codes whose lane holds whole sub-vectors and whole index words and
-    whose codebook fits threadgroup memory; malformed records are refused."""
-    ok = kport.plan(4, 128, krec.VQ, 8, 4, krec.AFFINE, 4, 64)
-    assert ok is not None and (ok.cpl // 4 * 8) % 32 == 0
-    assert kport.plan(4, 128, krec.VQ, 8, 8, krec.AFFINE, 4, 64) is None  # 2,048 floats: too large
-    assert kport.plan(4, 128, krec.VQ, 8, 3, krec.AFFINE, 4, 64) is None  # 3 channels a sub-vector
-    assert kport.plan(4, 128, krec.AFFINE, 4, 64, krec.VQ, 9, 1) is None  # 9-bit indices
-    assert kport.side_ok(krec.VQ, 5, 4, 128, 16) is False  # 4 x 5 bits: not whole words
-    assert kport.side_ok(krec.VQ, 5, 4, 128, 32) is False  # 8 x 5 = 40 bits
-    assert kport.side_ok(krec.VQ, 4, 2, 128, 16) is True
-    rng = np.random.default_rng(0)
-    keys, _ = _vq_side(rng, 1, 2, 64, 128, 8, 4)
-    vals, _ = _vq_side(rng, 1, 2, 64, 128, 8, 4)
-    q = mx.zeros((1, 2, 4, 128))
-    monkeypatch.setattr(vk, "backend", lambda: "metal")
-    for bad, msg in (
-        (dataclasses.replace(keys, codebooks=keys.codebooks[:, :, :128]), "codebooks"),
-        (dataclasses.replace(keys, codes=keys.codes[..., :4]), "VQ codes"),
-        (dataclasses.replace(keys, codebooks=keys.codebooks.astype(mx.int32)), "codebooks"),
-    ):
-        with pytest.raises(ValueError, match=msg):
-            kport.plan_portable(q.shape, bad, vals, None, None)(q, None)
-    with pytest.raises(ValueError, match="codebooks is required"):  # refused when built
-        dataclasses.replace(keys, codebooks=None)
-    with pytest.raises(TypeError, match="scale"):  # VQ codes carry only codes and codebooks
-        krec.VQCodes(bits=8, group=4, codes=keys.codes, codebooks=keys.codebooks, scale=_F16)
 
 
 @needs_gxx

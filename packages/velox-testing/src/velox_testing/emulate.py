@@ -328,7 +328,6 @@ class DecodeRun:
         from velox_core.kernels import layout as klayout
         from velox_core.kernels import merge as kmerge
         from velox_core.kernels import portable as kport
-        from velox_core.kernels import records as krec
 
         b, h, m, dim = q.shape
         t = keys.codes.shape[2]
@@ -350,8 +349,7 @@ class DecodeRun:
             arrays = klayout.code_inputs(side)
             for i, a in enumerate(arrays):
                 x = np_input(a)
-                unused = i == 2 and (side.kind == krec.CODEBOOK or side.b is None)
-                unused = unused or (side.kind == krec.VQ and i in (1, 2))
+                unused = (i == 1 and side.a is None) or (i == 2 and side.b is None)
                 if pad and i < 3 and not unused:
                     x = _padded_view(x, pad, rng)
                 ins.append(x)
