@@ -53,6 +53,7 @@ from velox_testing.emulate import (
     DecodeRun,
     EmulatedKernels,
     Emulator,
+    mma_fused_parts,
     np_input,
     shim_dir,
 )
@@ -1571,7 +1572,7 @@ def _check_fused(case: _MmaCase) -> None:
     (fhandle, flay) = case.fused
     ml, o_part, o, mm, ll = case.run()  # the separate merge's (computed once per case)
     (fws,) = case.emu.run(fhandle, case.ins, [(flay.size,)], *case.launch, init=0)
-    fo_part, fml, out, mlo, count = flay.parts(fws)
+    fo_part, fml, out, mlo, count = mma_fused_parts(flay, fws)
     assert np.array_equal(fo_part, o_part) and np.array_equal(fml, ml)
     assert np.array_equal(count, np.full(b * h, s, np.uint32))  # every threadgroup counted
     ref = o / ll
