@@ -23,7 +23,7 @@ from velox_core import Uniform
 from velox_core.cache.attention import Segment, fused_partial
 from velox_core.kernels.build import ArgInfo
 from velox_core.kernels.encode import THREADS
-from velox_core.ops import lloyd_max_sphere, pack, sign_sketch
+from velox_core.ops import pack, sign_sketch
 from velox_testing import (
     assert_cpu_declines,
     assert_kernel_partial,
@@ -36,6 +36,7 @@ from velox_testing.emulate import EmulatedKernels, Emulator, emulated_or_skip
 from velox_testing.kernel_path import INSTANTIATIONS, assert_ships, compile_instantiation
 from velox_turboquant import TurboQuant, TurboQuantCache
 from velox_turboquant.encode import CODEBOOK_ENCODE, RESIDUAL_SKETCH_ENCODE
+from velox_turboquant.residual import lloyd_max_sphere
 
 needs_gxx = pytest.mark.skipif(
     shutil.which("g++") is None, reason="g++ is not installed: the kernels cannot be emulated"
