@@ -445,7 +445,7 @@ def _mma_variants():
     """The tensor-core kernel as the host builds it (register cap, weights' residual and
     pipeline as the defaults set them), float32 and float16 queries."""
     out = []
-    plo = kmsup.mma_p_residual()
+    cfg = kcfg.kernel_config()
     bf = ("bfloat16", 4, 1 << 20)
     for kb, vb, m, kg, vg, nw, sub, qd, merged, *sdt in (
         (4, 4, 4, 64, 64, 4, 1, F32, None),
@@ -488,12 +488,12 @@ def _mma_variants():
             sub,
             None,
             getattr(mx, qd[0]),
-            plo,
-            kmsup.mma_pipeline(),
-            kmsup.mma_value_fold(),
+            cfg.p_residual,
+            cfg.pipeline,
+            cfg.value_fold,
             getattr(mx, merged) if merged else None,
-            key_fold=kmsup.mma_key_fold(),
-            ldsm=kmsup.mma_ldsm(),
+            key_fold=cfg.key_fold,
+            ldsm=cfg.ldsm,
         )
         infos = [ArgInfo(*qd), *[ArgInfo(*a) for a in (U32, ks, ks, U32, vs, vs)]]
         infos += [ArgInfo("float32", 1, 16)] * 2  # the levels (dummies for affine sides)
@@ -582,14 +582,14 @@ def test_kernel_config_is_read_once_and_typed(monkeypatch):
     monkeypatch.setenv("VELOX_DECODE_MMA_WARPS", "8")
     monkeypatch.setenv("VELOX_KERNELS", "off")
     cfg = kcfg.kernel_config()
-    assert cfg.mma_warps == 8 and not cfg.enabled and kmsup.mma_warps() == 8
+    assert cfg.mma_warps == 8 and not cfg.enabled and kcfg.kernel_config().mma_warps == 8
     monkeypatch.setenv("VELOX_DECODE_MMA_WARPS", "2")  # read once: a later write changes nothing
-    assert kcfg.kernel_config() is cfg and kmsup.mma_warps() == 8
+    assert kcfg.kernel_config() is cfg and kcfg.kernel_config().mma_warps == 8
     with kcfg.configured(mma_warps=1, enabled=True):
-        assert kmsup.mma_warps() == 1 and vk.kernels_enabled()
+        assert kcfg.kernel_config().mma_warps == 1 and vk.kernels_enabled()
     assert kcfg.kernel_config() is cfg
     old = kcfg.configure(config.KernelConfig.from_environ())
-    assert old is cfg and kmsup.mma_warps() == 2
+    assert old is cfg and kcfg.kernel_config().mma_warps == 2
     with pytest.raises(ValueError, match="VELOX_DECODE_MMA_WARPS must be one of 1, 2, 4, 8"):
         config.KernelConfig.from_environ({"VELOX_DECODE_MMA_WARPS": "3"})
     with pytest.raises(ValueError, match="VELOX_DECODE_STAGES must be an integer"):
@@ -720,7 +720,7 @@ def test_value_fold_takes_only_the_layouts_it_covers(monkeypatch):
     assert [units(_mma_codes(b, 64), False) for b in (2, 4, 8)] == [4, 8, 4]
     assert units(_mma_codes(2, 32), True) == 4  # 2 bits, 32 channels a group: bytes
     kernel_env(monkeypatch, "VELOX_DECODE_LDSM", "0")
-    assert kmsup.mma_ldsm() is False
+    assert kcfg.kernel_config().ldsm is False
     with pytest.raises(ValueError, match="VELOX_DECODE_LDSM must be 0 or 1"):
         kernel_env(monkeypatch, "VELOX_DECODE_LDSM", "on")
     kernel_env(monkeypatch, "VELOX_DECODE_LDSM", None)
@@ -734,7 +734,7 @@ def test_value_fold_takes_only_the_layouts_it_covers(monkeypatch):
         == 0
     )
     kernel_env(monkeypatch, "VELOX_DECODE_VFOLD", "0")
-    assert kmsup.mma_value_fold() is False
+    assert kcfg.kernel_config().value_fold is False
     with pytest.raises(ValueError, match="VELOX_DECODE_VFOLD must be 0 or 1"):
         kernel_env(monkeypatch, "VELOX_DECODE_VFOLD", "yes")
 
@@ -755,7 +755,7 @@ def test_key_fold_takes_only_the_layouts_it_covers(monkeypatch):
     k32 = _mma_codes(4, 32)
     assert dict(kmsup.mma_template(128, k32, k, 4, 4, 2, 2, key_fold=True))["KFOLD"] == 0
     kernel_env(monkeypatch, "VELOX_DECODE_KFOLD", "0")
-    assert kmsup.mma_key_fold() is False
+    assert kcfg.kernel_config().key_fold is False
     with pytest.raises(ValueError, match="VELOX_DECODE_KFOLD must be 0 or 1"):
         kernel_env(monkeypatch, "VELOX_DECODE_KFOLD", "2")
 
@@ -1752,7 +1752,7 @@ def test_cache_on_an_emulated_cuda_gpu_takes_the_tensor_core_kernel(
     fake = EmulatedKernels(tmp_path, backend="cuda").install(monkeypatch)
     got = cache.attend(q, 0.088)
     names = fake.names
-    nw = kmsup.mma_warps()
+    nw = kcfg.kernel_config().mma_warps
     # no fp16 tokens: the tensor-core kernel merges its own splits (one launch); with them its
     # partials are two outputs of their own, which the merge reads
     fused, parts = (

@@ -225,6 +225,7 @@ def test_cache_on_an_emulated_cuda_gpu_rotates_back_in_the_merge(
     at 3 bits, then the fused merge rotates the codes' partial back and joins the sinks and
     window: two launches, matching the reference path."""
     from velox_core.kernels import mma_support as kmsup
+    from velox_core.kernels.config import kernel_config
 
     dt = getattr(mx, dtype)
     k, v = kv_data(t=150, dtype=dt)
@@ -234,7 +235,7 @@ def test_cache_on_an_emulated_cuda_gpu_rotates_back_in_the_merge(
     ref = cache.attend(q, 0.088)
     fake = EmulatedKernels(tmp_path, backend="cuda").install(monkeypatch)
     got = cache.attend(q, 0.088)
-    nw = kmsup.mma_warps()
+    nw = kernel_config().mma_warps
     mma = kmsup.mma_spec(nw, kmsup.mma_sm_blocks(nw), True).name
     first = "velox_decode_attention" if bits == 3 else mma
     assert fake.names == [first, "velox_decode_merge_fp16"]
