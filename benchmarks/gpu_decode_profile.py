@@ -425,8 +425,9 @@ def section_timers(b: int, t: int, bits: int, rows: list) -> None:
         ws = call()
         mx.eval(ws)
     mx.synchronize()
-    ml = layout.parts(ws)[1]  # the timers, written over the partials' (m, l) rows
     m = qg.shape[2]
+    # the timers, written over the partials' (m, l) rows (mma_layout's offsets)
+    ml = ws[layout.ml_off : layout.ml_off + layout.b * layout.h * layout.splits * m * 2]
     w = np.array(ml).reshape(-1, 2 * m)[:, :8].copy()
     row = dict(section="timers", batch=b, context=t, bits=bits)
     row.update(timer_summary(w, info["splits"]), **info)

@@ -11,11 +11,10 @@ from mlx_lm.models.cache import KVCache
 import velox_core
 from velox_core import VeloxCache, load_cache, make_cache, methods, routed, save_cache
 from velox_core.cache.eviction import EvictionCache
-from velox_core.registry import format_spec
-from velox_testing import tiny_model, tiny_tokenizer
+from velox_testing import recommended_specs, tiny_model, tiny_tokenizer
 
 MODEL = tiny_model("llama", head_dim=128, hidden_size=256)
-SPECS = [format_spec(name, params) for name, m in methods().items() for params in m.recommended]
+SPECS = recommended_specs()
 
 
 def _installed(name: str):

@@ -8,12 +8,11 @@ import mlx.core as mx
 import pytest
 
 import velox_core
-from velox_core import VeloxCache, make_cache, methods, parse_spec
-from velox_core.registry import format_spec
-from velox_testing import tiny_model, tiny_tokenizer
+from velox_core import VeloxCache, make_cache, parse_spec
+from velox_testing import recommended_specs, tiny_model, tiny_tokenizer
 
 DIMS = (64, 80, 96, 112, 128)
-SPECS = [format_spec(name, params) for name, m in methods().items() for params in m.recommended]
+SPECS = recommended_specs()
 _MODELS: dict[int, object] = {}
 
 

@@ -37,12 +37,6 @@ CASES = [
         dict(bits=4, dim=128, codes=U32, norm=F16, levels=LEV),
         ("norm", None, "levels"),
     ),
-    (
-        krec.VQCodes,
-        krec.VQ,
-        dict(bits=8, group=4, codes=U32, codebooks=LEV),
-        (None, None, "codebooks"),
-    ),
 ]
 IDS = [c[0].__name__ for c in CASES]
 
@@ -98,9 +92,7 @@ def test_widths_outside_1_to_8_are_refused(bits):
 
 
 def test_bad_groups_are_refused():
-    with pytest.raises(ValueError, match="VQCodes: group must be a positive int, got 0"):
-        krec.VQCodes(bits=8, group=0, codes=U32, codebooks=LEV)
-    with pytest.raises(ValueError, match="ChannelAffineCodes: group"):
+    with pytest.raises(ValueError, match="ChannelAffineCodes: group must be a positive int"):
         krec.ChannelAffineCodes(bits=2, group=-32, codes=U32, scale=F16, zero=F16)
     with pytest.raises(ValueError, match="CodebookCodes: dim must be a positive int"):
         krec.CodebookCodes(bits=4, dim=None, codes=U32, norm=F16, levels=LEV)
@@ -127,8 +119,6 @@ def test_records_refuse_what_their_layout_does_not_hold():
         dataclasses.replace(krec.CodebookCodes(**CASES[2][2], signs=U32, rnorm=F16), rnorm=None)
     with pytest.raises(TypeError, match="rnorm must be an mx.array"):
         krec.CodebookCodes(bits=4, dim=128, codes=U32, norm=F16, levels=LEV, signs=U32, rnorm=1.0)
-    with pytest.raises(TypeError, match="symmetric"):
-        krec.VQCodes(bits=8, group=4, codes=U32, codebooks=LEV, symmetric=True)
     with pytest.raises(TypeError, match="signs"):
         krec.AffineCodes(bits=4, group=64, codes=U32, scale=F16, zero=F16, signs=U32)
 

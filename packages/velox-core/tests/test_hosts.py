@@ -15,7 +15,7 @@ import pytest
 
 import velox_core
 from velox_core import hosts as H
-from velox_core import router
+from velox_core import router, routing
 from velox_core.hosts import MLX_LM, Host, add_host, get_host, host_of
 
 _BASE = '''
@@ -208,7 +208,7 @@ def test_install_sets_the_language_model_s_make_cache(host, model):
     lm = model.language_model
     velox_core.install(model, "uniform:bits=4")
     try:
-        assert router.is_enabled()
+        assert routing.is_enabled()
         made = lm.make_cache()
         assert all(isinstance(c, velox_core.UniformCache) for c in made[:-1])
         assert type(made[-1]) is base.SideCache
@@ -216,7 +216,7 @@ def test_install_sets_the_language_model_s_make_cache(host, model):
             velox_core.install(model, "uniform:bits=4")
     finally:
         velox_core.uninstall(model)
-    assert not router.is_enabled()
+    assert not routing.is_enabled()
     assert [type(c) for c in lm.make_cache()] == [base.KVCache, base.KVCache, base.SideCache]
 
 

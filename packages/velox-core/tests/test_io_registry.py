@@ -18,8 +18,9 @@ from velox_core import (
     save_cache,
 )
 from velox_core.io import _digest
-from velox_core.registry import format_spec, method_params
+from velox_core.registry import method_params
 from velox_testing import kv_data
+from velox_testing.models import spec_text
 
 
 def test_spec_parsing():
@@ -27,7 +28,8 @@ def test_spec_parsing():
     assert parse_spec("uniform:bits=4,group=64") == ("uniform", {"bits": 4, "group": 64})
     assert parse_spec("turboquant:bits=3.5") == ("turboquant", {"bits": 3.5})
     assert parse_spec("x:a=true,b=none,c=token") == ("x", {"a": True, "b": None, "c": "token"})
-    assert format_spec("uniform", {"bits": 4}) == "uniform:bits=4"
+    assert spec_text("uniform", {"bits": 4}) == "uniform:bits=4"
+    assert parse_spec(spec_text("x", {"a": 1, "b": "token"})) == ("x", {"a": 1, "b": "token"})
     for bad in ("", "uniform:bits", "uniform:=4"):
         with pytest.raises(ValueError):
             parse_spec(bad)

@@ -46,13 +46,14 @@ from velox_core.kernels import mma_support as kmsup
 from velox_core.kernels import portable as kport
 from velox_core.kernels import records as krec
 from velox_core.kernels.build import PROLOGUE, ArgInfo, cuda_source
-from velox_core.ops import affine_quantize, lloyd_max_sphere, pack, unpack
+from velox_core.ops import affine_quantize, pack, unpack
 from velox_testing import compile_cuda, compile_metal, kernel_env, kv_data, needs_nvcc, sign_words
 from velox_testing.emulate import (
     CudaEmulator,
     DecodeRun,
     EmulatedKernels,
     Emulator,
+    mma_fused_parts,
     np_input,
     shim_dir,
 )
@@ -93,8 +94,6 @@ def _layout(kind: int, bits: int, group: int, **kw) -> krec.CodeRecord:
     """A record of one layout with placeholder arrays (``kw``: its other fields)."""
     if kind == krec.CODEBOOK:
         return krec.CodebookCodes(bits=bits, dim=group, codes=_U32, norm=_F16, levels=_F16, **kw)
-    if kind == krec.VQ:
-        return krec.VQCodes(bits=bits, group=group, codes=_U32, codebooks=_F16)
     record = krec.AffineCodes if kind == krec.AFFINE else krec.ChannelAffineCodes
     return record(bits=bits, group=group, codes=_U32, scale=_F16, zero=_F16)
 
@@ -355,13 +354,6 @@ def _decode_variants():
     infos = [ArgInfo(*F32), *(ArgInfo(*a) for a in ins), *(ArgInfo(*a) for a in ins)]
     infos += [ArgInfo(*DUMMY)] * 5
     out.append((kport.DECODE, infos, ["float32"] * 2, kport.template(p, 128, kside, vside)))
-    # VQ codes (VecInfer): 256 codewords of 4 channels on both sides, and 16 pairs of keys
-    for kb, kg, vb, vg in ((8, 4, 8, 4), (4, 2, 8, 4)):
-        kside, vq = _layout(krec.VQ, kb, kg), _layout(krec.VQ, vb, vg)
-        p = kport.plan_for(4, 128, kside, vq)
-        ins = [U32, ("float16", 1, 8), ("float16", 1, 8), ("float32", 1, 1 << 16)]
-        infos = [ArgInfo(*a) for a in [F32, *ins, *ins]] + [ArgInfo(*DUMMY)] * 5
-        out.append((kport.DECODE, infos, ["float32"] * 2, kport.template(p, 128, kside, vq)))
     out.append((kmerge.MERGE, [ArgInfo("float32", 5, 1 << 20)] * 2, ["float32"] * 3, []))
     part, seg, dummy = ArgInfo("float32", 5, 1 << 20), ArgInfo(*H16), ArgInfo("float16", 1, 8)
     for has_a, has_b, odt, rd in (
@@ -453,7 +445,7 @@ def _mma_variants():
     """The tensor-core kernel as the host builds it (register cap, weights' residual and
     pipeline as the defaults set them), float32 and float16 queries."""
     out = []
-    plo = kmsup.mma_p_residual()
+    cfg = kcfg.kernel_config()
     bf = ("bfloat16", 4, 1 << 20)
     for kb, vb, m, kg, vg, nw, sub, qd, merged, *sdt in (
         (4, 4, 4, 64, 64, 4, 1, F32, None),
@@ -496,12 +488,12 @@ def _mma_variants():
             sub,
             None,
             getattr(mx, qd[0]),
-            plo,
-            kmsup.mma_pipeline(),
-            kmsup.mma_value_fold(),
+            cfg.p_residual,
+            cfg.pipeline,
+            cfg.value_fold,
             getattr(mx, merged) if merged else None,
-            key_fold=kmsup.mma_key_fold(),
-            ldsm=kmsup.mma_ldsm(),
+            key_fold=cfg.key_fold,
+            ldsm=cfg.ldsm,
         )
         infos = [ArgInfo(*qd), *[ArgInfo(*a) for a in (U32, ks, ks, U32, vs, vs)]]
         infos += [ArgInfo("float32", 1, 16)] * 2  # the levels (dummies for affine sides)
@@ -551,9 +543,9 @@ def test_symmetric_levels_are_found_on_the_host_and_vouched_for_codebooks_only(m
     refused on affine codes (they have no such field)."""
     from velox_core.ops.lloyd_max import lloyd_max_gaussian
 
-    for cb in (lloyd_max_sphere(4, 128), lloyd_max_sphere(2, 64), lloyd_max_gaussian(4)):
-        assert klayout.levels_symmetric(cb.centroids)
-    lev = lloyd_max_sphere(4, 128).centroids.copy()
+    for bits in (2, 4):
+        assert klayout.levels_symmetric(lloyd_max_gaussian(bits).centroids)
+    lev = lloyd_max_gaussian(4).centroids.copy()
     lev[3] *= np.float32(1 + 1e-5)  # a float32 change that fp16 rounds away
     assert klayout.levels_symmetric(lev)
     lev[3] *= np.float32(1.01)
@@ -590,14 +582,14 @@ def test_kernel_config_is_read_once_and_typed(monkeypatch):
     monkeypatch.setenv("VELOX_DECODE_MMA_WARPS", "8")
     monkeypatch.setenv("VELOX_KERNELS", "off")
     cfg = kcfg.kernel_config()
-    assert cfg.mma_warps == 8 and not cfg.enabled and kmsup.mma_warps() == 8
+    assert cfg.mma_warps == 8 and not cfg.enabled and kcfg.kernel_config().mma_warps == 8
     monkeypatch.setenv("VELOX_DECODE_MMA_WARPS", "2")  # read once: a later write changes nothing
-    assert kcfg.kernel_config() is cfg and kmsup.mma_warps() == 8
+    assert kcfg.kernel_config() is cfg and kcfg.kernel_config().mma_warps == 8
     with kcfg.configured(mma_warps=1, enabled=True):
-        assert kmsup.mma_warps() == 1 and vk.kernels_enabled()
+        assert kcfg.kernel_config().mma_warps == 1 and vk.kernels_enabled()
     assert kcfg.kernel_config() is cfg
     old = kcfg.configure(config.KernelConfig.from_environ())
-    assert old is cfg and kmsup.mma_warps() == 2
+    assert old is cfg and kcfg.kernel_config().mma_warps == 2
     with pytest.raises(ValueError, match="VELOX_DECODE_MMA_WARPS must be one of 1, 2, 4, 8"):
         config.KernelConfig.from_environ({"VELOX_DECODE_MMA_WARPS": "3"})
     with pytest.raises(ValueError, match="VELOX_DECODE_STAGES must be an integer"):
@@ -728,7 +720,7 @@ def test_value_fold_takes_only_the_layouts_it_covers(monkeypatch):
     assert [units(_mma_codes(b, 64), False) for b in (2, 4, 8)] == [4, 8, 4]
     assert units(_mma_codes(2, 32), True) == 4  # 2 bits, 32 channels a group: bytes
     kernel_env(monkeypatch, "VELOX_DECODE_LDSM", "0")
-    assert kmsup.mma_ldsm() is False
+    assert kcfg.kernel_config().ldsm is False
     with pytest.raises(ValueError, match="VELOX_DECODE_LDSM must be 0 or 1"):
         kernel_env(monkeypatch, "VELOX_DECODE_LDSM", "on")
     kernel_env(monkeypatch, "VELOX_DECODE_LDSM", None)
@@ -742,7 +734,7 @@ def test_value_fold_takes_only_the_layouts_it_covers(monkeypatch):
         == 0
     )
     kernel_env(monkeypatch, "VELOX_DECODE_VFOLD", "0")
-    assert kmsup.mma_value_fold() is False
+    assert kcfg.kernel_config().value_fold is False
     with pytest.raises(ValueError, match="VELOX_DECODE_VFOLD must be 0 or 1"):
         kernel_env(monkeypatch, "VELOX_DECODE_VFOLD", "yes")
 
@@ -763,7 +755,7 @@ def test_key_fold_takes_only_the_layouts_it_covers(monkeypatch):
     k32 = _mma_codes(4, 32)
     assert dict(kmsup.mma_template(128, k32, k, 4, 4, 2, 2, key_fold=True))["KFOLD"] == 0
     kernel_env(monkeypatch, "VELOX_DECODE_KFOLD", "0")
-    assert kmsup.mma_key_fold() is False
+    assert kcfg.kernel_config().key_fold is False
     with pytest.raises(ValueError, match="VELOX_DECODE_KFOLD must be 0 or 1"):
         kernel_env(monkeypatch, "VELOX_DECODE_KFOLD", "2")
 
@@ -939,79 +931,6 @@ def test_decode_kernel_adds_the_keys_residual_sketch(tmp_path, m, pad):
     p = np.exp(s - mref)
     ref = (p @ vx, mref, p.sum(axis=-1, keepdims=True))
     assert_partial_close(got, ref, tol=5e-5)
-
-
-def _vq_side(rng, b, h, t, d, bits, group, spread=1.0):
-    """Random VQ codes and codebooks (one per batch row and KV head) and the vectors they
-    stand for, float64."""
-    k = 1 << bits
-    idx = rng.integers(0, k, size=(b, h, t, d // group))
-    book = (rng.standard_normal((b, h, k, group)) * spread).astype(np.float16)
-    bi, hi = np.arange(b)[:, None, None, None], np.arange(h)[None, :, None, None]
-    vec = book.astype(np.float64)[bi, hi, idx]  # (B, H, T, S, G)
-    side = krec.VQCodes(
-        bits=bits,
-        group=group,
-        codes=pack(mx.array(idx.astype(np.int32)), bits),
-        codebooks=mx.array(book),
-    )
-    return side, vec.reshape(b, h, t, d)
-
-
-@needs_gxx
-@pytest.mark.parametrize(
-    "kbits,kgroup,vbits,vgroup,rows,pad,splits",
-    [
-        (8, 4, 8, 4, 4, 0, 3),  # the 2-bit setting: 256 codewords of 4 channels
-        (4, 2, 8, 2, 1, 5, 4),  # 16 pairs keys (2 bits), 256 pairs values (4 bits)
-        (6, 2, 3, 1, 8, 3, 2),  # indices straddling words, 8 query rows in blocks
-        (2, 1, 4, 2, 2, 0, 5),  # scalar codebooks of their own per head (group 1)
-    ],
-)
-def test_decode_kernel_reads_vq_codes(tmp_path, kbits, kgroup, vbits, vgroup, rows, pad, splits):
-    """VQ codes (VecInfer): each sub-vector's index reads a codeword of its (batch row, KV
-    head)'s codebook, for keys and values, against a numpy reference (two batch rows with
-    different codebooks; strided slices with garbage beyond when ``pad``)."""
-    rng = np.random.default_rng(kbits * 10 + vbits)
-    b, h, t, d = 2, 2, 400, 128
-    keys, kx = _vq_side(rng, b, h, t, d, kbits, kgroup, 0.4)
-    vals, vx = _vq_side(rng, b, h, t, d, vbits, vgroup)
-    q = rng.standard_normal((b, h, rows, d)).astype(np.float32) * 0.3
-    assert kport.plan_for(rows, d, keys, vals) is not None
-    got = DecodeRun(Emulator(tmp_path), mx.array(q), keys, vals, splits=splits, pad=pad)()
-    sc = np.einsum("bhmd,bhtd->bhmt", q.astype(np.float64), kx)
-    mref = sc.max(axis=-1, keepdims=True)
-    p = np.exp(sc - mref)
-    assert_partial_close(got, (p @ vx, mref, p.sum(axis=-1, keepdims=True)), tol=5e-5)
-
-
-def test_vq_codes_layout_rules_and_bad_input(monkeypatch):
-    """The plan takes VQ codes whose lane holds whole sub-vectors and whole index words and
-    whose codebook fits threadgroup memory; malformed records are refused."""
-    ok = kport.plan(4, 128, krec.VQ, 8, 4, krec.AFFINE, 4, 64)
-    assert ok is not None and (ok.cpl // 4 * 8) % 32 == 0
-    assert kport.plan(4, 128, krec.VQ, 8, 8, krec.AFFINE, 4, 64) is None  # 2,048 floats: too large
-    assert kport.plan(4, 128, krec.VQ, 8, 3, krec.AFFINE, 4, 64) is None  # 3 channels a sub-vector
-    assert kport.plan(4, 128, krec.AFFINE, 4, 64, krec.VQ, 9, 1) is None  # 9-bit indices
-    assert kport.side_ok(krec.VQ, 5, 4, 128, 16) is False  # 4 x 5 bits: not whole words
-    assert kport.side_ok(krec.VQ, 5, 4, 128, 32) is False  # 8 x 5 = 40 bits
-    assert kport.side_ok(krec.VQ, 4, 2, 128, 16) is True
-    rng = np.random.default_rng(0)
-    keys, _ = _vq_side(rng, 1, 2, 64, 128, 8, 4)
-    vals, _ = _vq_side(rng, 1, 2, 64, 128, 8, 4)
-    q = mx.zeros((1, 2, 4, 128))
-    monkeypatch.setattr(vk, "backend", lambda: "metal")
-    for bad, msg in (
-        (dataclasses.replace(keys, codebooks=keys.codebooks[:, :, :128]), "codebooks"),
-        (dataclasses.replace(keys, codes=keys.codes[..., :4]), "VQ codes"),
-        (dataclasses.replace(keys, codebooks=keys.codebooks.astype(mx.int32)), "codebooks"),
-    ):
-        with pytest.raises(ValueError, match=msg):
-            kport.plan_portable(q.shape, bad, vals, None, None)(q, None)
-    with pytest.raises(ValueError, match="codebooks is required"):  # refused when built
-        dataclasses.replace(keys, codebooks=None)
-    with pytest.raises(TypeError, match="scale"):  # VQ codes carry only codes and codebooks
-        krec.VQCodes(bits=8, group=4, codes=keys.codes, codebooks=keys.codebooks, scale=_F16)
 
 
 @needs_gxx
@@ -1653,7 +1572,7 @@ def _check_fused(case: _MmaCase) -> None:
     (fhandle, flay) = case.fused
     ml, o_part, o, mm, ll = case.run()  # the separate merge's (computed once per case)
     (fws,) = case.emu.run(fhandle, case.ins, [(flay.size,)], *case.launch, init=0)
-    fo_part, fml, out, mlo, count = flay.parts(fws)
+    fo_part, fml, out, mlo, count = mma_fused_parts(flay, fws)
     assert np.array_equal(fo_part, o_part) and np.array_equal(fml, ml)
     assert np.array_equal(count, np.full(b * h, s, np.uint32))  # every threadgroup counted
     ref = o / ll
@@ -1833,7 +1752,7 @@ def test_cache_on_an_emulated_cuda_gpu_takes_the_tensor_core_kernel(
     fake = EmulatedKernels(tmp_path, backend="cuda").install(monkeypatch)
     got = cache.attend(q, 0.088)
     names = fake.names
-    nw = kmsup.mma_warps()
+    nw = kcfg.kernel_config().mma_warps
     # no fp16 tokens: the tensor-core kernel merges its own splits (one launch); with them its
     # partials are two outputs of their own, which the merge reads
     fused, parts = (

@@ -8,7 +8,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 import velox_core
 from velox_core import UniformCache, VeloxCache, disable, enable, make_cache, routed
-from velox_core.router import is_enabled
+from velox_core.routing import is_enabled
 from velox_testing import FAMILIES, greedy_agreement, tiny_model, tiny_tokenizer
 
 

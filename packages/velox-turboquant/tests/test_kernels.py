@@ -23,7 +23,7 @@ from velox_core import Uniform
 from velox_core.cache.attention import Segment, fused_partial
 from velox_core.kernels.build import ArgInfo
 from velox_core.kernels.encode import THREADS
-from velox_core.ops import lloyd_max_sphere, pack, sign_sketch
+from velox_core.ops import pack, sign_sketch
 from velox_testing import (
     assert_cpu_declines,
     assert_kernel_partial,
@@ -36,6 +36,7 @@ from velox_testing.emulate import EmulatedKernels, Emulator, emulated_or_skip
 from velox_testing.kernel_path import INSTANTIATIONS, assert_ships, compile_instantiation
 from velox_turboquant import TurboQuant, TurboQuantCache
 from velox_turboquant.encode import CODEBOOK_ENCODE, RESIDUAL_SKETCH_ENCODE
+from velox_turboquant.residual import lloyd_max_sphere
 
 needs_gxx = pytest.mark.skipif(
     shutil.which("g++") is None, reason="g++ is not installed: the kernels cannot be emulated"
@@ -224,6 +225,7 @@ def test_cache_on_an_emulated_cuda_gpu_rotates_back_in_the_merge(
     at 3 bits, then the fused merge rotates the codes' partial back and joins the sinks and
     window: two launches, matching the reference path."""
     from velox_core.kernels import mma_support as kmsup
+    from velox_core.kernels.config import kernel_config
 
     dt = getattr(mx, dtype)
     k, v = kv_data(t=150, dtype=dt)
@@ -233,7 +235,7 @@ def test_cache_on_an_emulated_cuda_gpu_rotates_back_in_the_merge(
     ref = cache.attend(q, 0.088)
     fake = EmulatedKernels(tmp_path, backend="cuda").install(monkeypatch)
     got = cache.attend(q, 0.088)
-    nw = kmsup.mma_warps()
+    nw = kernel_config().mma_warps
     mma = kmsup.mma_spec(nw, kmsup.mma_sm_blocks(nw), True).name
     first = "velox_decode_attention" if bits == 3 else mma
     assert fake.names == [first, "velox_decode_merge_fp16"]

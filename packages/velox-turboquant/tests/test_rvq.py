@@ -12,11 +12,16 @@ import numpy as np
 import pytest
 
 from velox_core import make
-from velox_core.ops import lloyd_max_sphere, unpack
+from velox_core.ops import unpack
 from velox_testing import CacheConformance, assert_kernel_partial, kv_data
 from velox_testing.emulate import emulated_or_skip
 from velox_turboquant import TurboQuant, TurboQuantCache, TurboQuantConfig
-from velox_turboquant.residual import ResidualCodebook, lloyd_max_laplace, residual_scale
+from velox_turboquant.residual import (
+    ResidualCodebook,
+    lloyd_max_laplace,
+    lloyd_max_sphere,
+    residual_scale,
+)
 
 needs_gxx = pytest.mark.skipif(
     shutil.which("g++") is None, reason="g++ is not installed: the kernels cannot be emulated"

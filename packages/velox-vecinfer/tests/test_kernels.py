@@ -1,8 +1,8 @@
 """VecInfer's kernel path, checked on a machine without a GPU.
 
 The decode kernel is velox-core's portable one with vector codes
-(``velox_core.kernels.records.VQCodes``); here the VecInfer glue is checked: which records take it,
-and, with the kernels' Metal and CUDA instantiations emulated on the CPU
+(:class:`velox_vecinfer.layout.VQCodes`); here the VecInfer glue is checked: which records take
+it, and, with the kernels' Metal and CUDA instantiations emulated on the CPU
 (``velox_testing.emulate``), that attention through the kernel equals the codec's
 reference path (keys in the smoothed, Hadamard-transformed domain against the transformed
 query; values mixed from their codewords) and that a cache's fp16 window and sinks join the
@@ -20,7 +20,6 @@ from velox_core import Uniform
 from velox_core.cache.attention import Segment, fused_partial, joint_attention
 from velox_core.kernels import decode as dk
 from velox_core.kernels import portable as kport
-from velox_core.kernels import records as krec
 from velox_core.kernels.build import ArgInfo
 from velox_core.ops import assign, pack
 from velox_testing import (
@@ -35,6 +34,7 @@ from velox_testing.emulate import EmulatedKernels, Emulator
 from velox_testing.kernel_path import INSTANTIATIONS, assert_ships, compile_instantiation
 from velox_vecinfer import VecInfer, VecInferCache
 from velox_vecinfer.kernels import THREADS, VQ_ENCODE
+from velox_vecinfer.layout import VQ, VQCodes
 
 # (keys, values): the paper's 2 bits (256 codewords of 4 channels) on both sides; 16 pairs
 # of keys (2 bits) with 256 pairs of values (4 bits); values smoothed and rotated too (the
@@ -68,7 +68,7 @@ QS = (1, 2, 4, 128)
 def test_kernel_sides_and_what_the_kernel_declines(monkeypatch):
     kc, kp, vc, vp = records("2bit")
     side = kc.kernel_values(kp, 128).record
-    assert type(side) is krec.VQCodes and side.kind == krec.VQ and (side.bits, side.group) == (8, 4)
+    assert type(side) is VQCodes and side.kind == VQ and (side.bits, side.group) == (8, 4)
     assert side.codes is kp.data["codes"] and side.codebooks is kc.codebook is side.levels
     keys = kc.kernel_keys(kp, QS, vc.kernel_values(vp, 128).record)
     assert keys.query == kc.transform_query and keys.query_dtype == mx.float32

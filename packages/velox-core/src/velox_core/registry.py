@@ -192,10 +192,6 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
     return name.strip(), params
 
 
-def format_spec(name: str, params: dict[str, Any]) -> str:
-    return name if not params else name + ":" + ",".join(f"{k}={v}" for k, v in params.items())
-
-
 def make(spec: str, **params: Any):
     """A fresh cache from a spec string, e.g. ``make("uniform:bits=4")``.
 

@@ -117,11 +117,6 @@ def disable() -> None:
         _patched.clear()
 
 
-def is_enabled() -> bool:
-    """Whether attention is routed now (:mod:`velox_core.routing`)."""
-    return routing.is_enabled()
-
-
 @contextmanager
 def routed(model: Any = None) -> Iterator[None]:
     """``with routed(model): ...`` enables routing for the block."""

@@ -52,4 +52,5 @@ def leave() -> int:
 
 
 def is_enabled() -> bool:
+    """Whether attention is routed now."""
     return _depth > 0

@@ -20,8 +20,8 @@ Attention reads the codes on the reference path, a tile of :data:`TILE` tokens a
 the query is rotated once (``q . x = (H q) . (H x)``), each tile's codewords are gathered
 from the codebook and multiplied (scores: ``a (Hq . y_hat) + n (Hq . Ho)``; mix: the weights
 times ``a`` against the codewords, the weights times ``n`` summed per block against ``Ho``),
-and the mixed values are rotated back once. No velox-core kernel layout reads these codes
-(``VQCodes`` has no per-token scales nor shift), so decode steps take this path on every
+and the mixed values are rotated back once. No kernel layout reads these codes (VecInfer's
+``VQCodes`` has no per-token scales nor shift), so decode steps take this path on every
 backend.
 """
 

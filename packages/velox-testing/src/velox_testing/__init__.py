@@ -47,7 +47,7 @@ from .kv import (
     rel_error,
 )
 from .linked import assert_batch_generate_refused, assert_linked_copies
-from .models import FAMILIES, conformance_model, tiny_model, tiny_tokenizer
+from .models import FAMILIES, conformance_model, recommended_specs, tiny_model, tiny_tokenizer
 from .refusals import (
     assert_head_dim_refused,
     assert_spec_refused,
@@ -98,6 +98,7 @@ __all__ = [
     "needs_gxx",
     "needs_nvcc",
     "random_prompt",
+    "recommended_specs",
     "rel_error",
     "scratch_dir",
     "shown_artifact",

@@ -285,6 +285,23 @@ def np_input(a: Any) -> Any:
     return np.array(a)
 
 
+def mma_fused_parts(lay: Any, ws: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``(o_part, ml_part, out, mlo, count)``: views of the emulated tensor-core kernel's one
+    output ``ws`` when it merges its own splits (``FUSE`` 1), at the offsets of ``lay``
+    (:func:`velox_core.kernels.mma.mma_layout`); a bfloat16 ``out`` comes widened to float32."""
+    b, h, s, m, d = lay.b, lay.h, lay.splits, lay.rows, lay.dim
+    o_part = ws[lay.o_off : lay.o_off + b * h * s * m * d].reshape(b, h, s, m, d)
+    ml_part = ws[lay.ml_off : lay.ml_off + b * h * s * m * 2].reshape(b, h, s, m, 2)
+    name = str(lay.out_dtype).replace("mlx.core.", "")
+    bf16 = name == "bfloat16"
+    out = ws[: lay.mlo_off].view(np.uint16 if bf16 else name)[: b * h * m * d].reshape(b, h, m, d)
+    if bf16:
+        out = (out.astype(np.uint32) << 16).view(np.float32)
+    mlo = ws[lay.mlo_off : lay.mlo_off + b * h * m * 2].reshape(b, h, m, 2)
+    count = ws[lay.count_off : lay.count_off + b * h].view(np.uint32)
+    return o_part, ml_part, out, mlo, count
+
+
 def _padded_view(x: Any, pad: int, rng: np.random.Generator) -> Any:
     """The same values as a token-axis slice of a larger buffer filled with garbage."""
     arr, name = _name_of(x)
@@ -328,7 +345,6 @@ class DecodeRun:
         from velox_core.kernels import layout as klayout
         from velox_core.kernels import merge as kmerge
         from velox_core.kernels import portable as kport
-        from velox_core.kernels import records as krec
 
         b, h, m, dim = q.shape
         t = keys.codes.shape[2]
@@ -350,8 +366,7 @@ class DecodeRun:
             arrays = klayout.code_inputs(side)
             for i, a in enumerate(arrays):
                 x = np_input(a)
-                unused = i == 2 and (side.kind == krec.CODEBOOK or side.b is None)
-                unused = unused or (side.kind == krec.VQ and i in (1, 2))
+                unused = (i == 1 and side.a is None) or (i == 2 and side.b is None)
                 if pad and i < 3 and not unused:
                     x = _padded_view(x, pad, rng)
                 ins.append(x)

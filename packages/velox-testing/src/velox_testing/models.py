@@ -1,4 +1,5 @@
-"""Small random-weight mlx-lm models and a tiny tokenizer, for tests that need no download."""
+"""Small random-weight mlx-lm models and a tiny tokenizer, for tests that need no download,
+and the installed methods' recommended specs the tests run them with."""
 
 from __future__ import annotations
 
@@ -9,7 +10,17 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_map
 
-__all__ = ["FAMILIES", "OTHER_FAMILIES", "tiny_config", "tiny_model", "tiny_tokenizer"]
+from velox_core import methods
+
+__all__ = [
+    "FAMILIES",
+    "OTHER_FAMILIES",
+    "recommended_specs",
+    "spec_text",
+    "tiny_config",
+    "tiny_model",
+    "tiny_tokenizer",
+]
 
 _BASE = {
     "hidden_size": 128,
@@ -144,3 +155,14 @@ def tiny_tokenizer():
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
     return TokenizerWrapper(_tokenizer())
+
+
+def spec_text(name: str, params: dict[str, Any]) -> str:
+    """The spec string of ``name`` with ``params`` (``"name:key=value,..."``), the inverse of
+    :func:`velox_core.parse_spec`."""
+    return name if not params else name + ":" + ",".join(f"{k}={v}" for k, v in params.items())
+
+
+def recommended_specs() -> list[str]:
+    """Every installed method's recommended settings (``Method.recommended``) as spec strings."""
+    return [spec_text(n, p) for n, m in methods().items() for p in m.recommended]

@@ -34,7 +34,6 @@ from velox_core.ops import (
     block_size,
     byte_table,
     jl_matrix,
-    lloyd_max_sphere,
     lookup,
     pack,
     random_orthogonal,
@@ -43,7 +42,7 @@ from velox_core.ops import (
 )
 
 from .encode import encode_codes, encode_prod
-from .residual import ResidualCodebook
+from .residual import ResidualCodebook, lloyd_max_sphere
 
 __all__ = ["MIN_HADAMARD_BLOCK", "Rotation", "SphereQuantizer", "derive_seed"]
 

@@ -33,14 +33,37 @@ from functools import cache
 import mlx.core as mx
 import numpy as np
 
-from velox_core.ops import Codebook, lloyd_max, lloyd_max_sphere
-from velox_core.validation import check_int
+from velox_core.ops import Codebook, lloyd_max
+from velox_core.validation import check_bits, check_int
 
-__all__ = ["MAX_STAGE_BITS", "ResidualCodebook", "lloyd_max_laplace", "residual_scale"]
+__all__ = [
+    "MAX_STAGE_BITS",
+    "ResidualCodebook",
+    "lloyd_max_laplace",
+    "lloyd_max_sphere",
+    "residual_scale",
+]
 
 MAX_STAGE_BITS = 4  # two stages of at most 4 bits: codes of at most 8 bits
 _GRID = 1 << 18
 _SUPPORT = 40.0  # the grid covers +-40 scales: the Laplacian's mass beyond is e^-40
+
+
+@cache
+def lloyd_max_sphere(bits: int, dim: int) -> Codebook:
+    """Lloyd-Max codebook for one coordinate of a uniform unit vector in ``R^dim`` (what a
+    randomly rotated, normalized key looks like): ``f(x) ∝ (1 - x^2)^((dim-3)/2)`` on
+    ``[-1, 1]``, which tends to ``N(0, 1/dim)`` as ``dim`` grows (arXiv 2504.19874, Lemma 1).
+    TurboQuant_mse's codebook, and the first stage of RVQ.
+
+    ``dim * mse`` is the expected squared error ``E||x - x_hat||^2`` of a unit vector whose
+    coordinates are all quantized with this codebook after a random rotation.
+    """
+    check_bits("bits", bits)
+    check_int("dim", dim, minimum=3)
+    grid = np.linspace(-1.0, 1.0, _GRID + 1)[1:-1]
+    logpdf = 0.5 * (dim - 3) * np.log1p(-grid * grid)
+    return lloyd_max(grid, np.exp(logpdf - logpdf.max()), bits, iters=2000, symmetric=True)
 
 
 def residual_scale(stage_bits: int, dim: int) -> float:

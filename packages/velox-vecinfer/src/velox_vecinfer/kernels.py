@@ -1,7 +1,7 @@
 """GPU kernel path of VecInfer: fused decode attention over the codeword indices.
 
 velox-core's portable decode kernel (``metal/decode_attention.metal``) takes VecInfer's
-records as *vector* codes (``velox_core.kernels.records.VQCodes``): a threadgroup copies its
+records as *vector* codes (:class:`velox_vecinfer.layout.VQCodes`): a threadgroup copies its
 (batch row, KV head)'s codebook (``2**index_bits x vector`` floats) to threadgroup memory,
 reads each token's packed indices once, and dots the query with each index's codeword (keys)
 or adds the softmax weight times it to its accumulators (values): no key or value is rebuilt
@@ -36,7 +36,9 @@ from velox_core.kernels import use_kernels
 from velox_core.kernels.build import KernelSpec
 from velox_core.kernels.encode import THREADS
 from velox_core.kernels.joint import KernelSide
-from velox_core.kernels.records import AffineCodes, CodeRecord, VQCodes
+from velox_core.kernels.records import AffineCodes, CodeRecord
+
+from .layout import VQCodes
 
 __all__ = ["VQ_ENCODE", "encode_codes", "kernel_keys", "kernel_values", "vq_encode"]
 

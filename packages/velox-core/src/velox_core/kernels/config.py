@@ -69,10 +69,14 @@ class KernelConfig:
             warps' worth).
         subtiles: 16-token tiles per loop step, at most (1, 2, 4).
         stages: ring stages (2 to 8; None: the most of 4, 3, 2 that fit).
-        p_residual: carry the softmax weights' fp16 rounding residual (a second value MMA).
-        pipeline: score the next step before consuming the current one.
+        p_residual: carry the softmax weights' fp16 rounding residual (a second value MMA;
+            off: the weights rounded to fp16, as flash attention does, about 2^-11 relative).
+        pipeline: score the next step before consuming the current one (a software
+            pipeline: at least 3 ring stages, without the residual; on and off measured
+            within the run-to-run spread on an H200 at two tiles a step).
         value_fold / key_fold: fold the value / key scales out of the MMAs where they can.
-        ldsm: read code words out of the ring with ldmatrix.
+        ldsm: read code words out of the ring with ldmatrix (the keys with ``KFOLD``, the
+            values with ``VFOLD`` in 16-bit units).
         fuse: the tensor-core kernel merges its own splits (None: up to 16,384 tokens).
         layouts_off: names of code layouts the kernels decline
             (:mod:`velox_core.kernels.layout`; e.g. ``{"vq"}``): their segments take the

@@ -12,11 +12,11 @@ Keys and values are each one record of :mod:`velox_core.kernels.records`, one cl
 layout: **affine** per-group codes (:class:`AffineCodes`, ``x = scale * code + zero``, one
 scale and zero per ``group`` channels of a token: :class:`velox_core.Uniform` with
 ``axis="token"``), **codebook** codes (:class:`CodebookCodes`, ``x = norm * levels[code]``, one
-norm per token, in a rotated domain) or **vector** codes (:class:`VQCodes`:
-each sub-vector of ``group`` channels is the index of a codeword, ``x = codebook[code]``, one
-codebook per batch row and KV head). Keys may also be **per-channel affine** codes
-(:class:`ChannelAffineCodes`), or of a layout a method package registers with its own key
-pass (:mod:`velox_core.kernels.layout`). Codes are uint32 words in velox's packing layout
+norm per token, in a rotated domain) or a layout a method package registers
+(:mod:`velox_core.kernels.layout`), such as **vector** codes (each sub-vector of ``group``
+channels the index of a codeword, ``x = codebook[code]``, one codebook per batch row and KV
+head). Keys may also be **per-channel affine** codes (:class:`ChannelAffineCodes`), or of a
+layout with its own key pass. Codes are uint32 words in velox's packing layout
 (:mod:`velox_core.ops.packing`), any width 1 to 8 where a lane's channels fill whole words.
 
 The plan, one way down to the launches: :func:`plan_segment` (a segment's kernel sides) and

@@ -11,9 +11,8 @@ in a registry keyed by record class and by kind (:func:`register_layout`, :func:
 :func:`layout_for`): the kernels' host code looks a record's layout up instead of branching
 on its kind.
 
-velox-core registers the layouts its own codecs make (:class:`AffineLayout`,
-:class:`ChannelAffineLayout`, :class:`CodebookLayout`) and the one not yet moved to the
-package that makes it (:class:`VQLayout`). A method package with a layout of
+velox-core registers the layouts of its own records (:class:`AffineLayout`,
+:class:`ChannelAffineLayout`, :class:`CodebookLayout`). A method package with a layout of
 its own defines its record class (a :class:`~velox_core.kernels.records.CodeRecord`), a
 :class:`Layout` subclass and, where its keys need their own scoring, the key pass; it
 registers the layout when its kernel module is imported. See docs/contributing.md.
@@ -53,12 +52,10 @@ from .records import (
     AFFINE,
     AFFINE_CHANNEL,
     CODEBOOK,
-    VQ,
     AffineCodes,
     ChannelAffineCodes,
     CodebookCodes,
     CodeRecord,
-    VQCodes,
 )
 
 __all__ = [
@@ -81,10 +78,6 @@ __all__ = [
 FP16_MAX = 2048  # most fp16 tokens (sinks + window) the fused merge takes
 
 LOG2E = 1.4426950408889634
-
-# most floats of one side's VQ codebook (codewords x channels) the portable kernel keeps in
-# threadgroup memory: 4 KiB a side beside the 16 KiB of scores (Metal allows 32 KiB)
-VQ_MAX_TABLE = 1024
 
 _DUMMY: dict[mx.Dtype, mx.array] = {}
 
@@ -427,49 +420,6 @@ class CodebookLayout(Layout):
         return [c.signs, c.rnorm, pad_rows(q_side.astype(mx.float32), rows), u32, f32]
 
 
-class VQLayout(Layout):
-    """:class:`VQCodes`: a codeword index per sub-vector of ``group`` channels, one codebook
-    per batch row and KV head."""
-
-    kind = VQ
-    record = VQCodes
-    name = "vq"
-    wide = False
-
-    def lanes_ok(self, bits, group, dim, cpl):
-        return (
-            1 <= bits <= 8
-            and group in (1, 2, 4, 8)
-            and cpl % group == 0
-            and (cpl // group * bits) % 32 == 0
-            and (1 << bits) * group <= VQ_MAX_TABLE
-        )
-
-    def inputs(self, c):  # indices; the codebooks (B * H tables, contiguous) in the levels' place
-        table = device_floats(mx.contiguous(c.codebooks.astype(mx.float32)).reshape(-1))
-        return c.codes, unused_input(mx.float16), unused_input(mx.float16), table
-
-    def check(self, name, c, b, h, t, dim):
-        if dim % c.group:
-            raise ValueError(
-                f"decode_attention: {name} sub-vectors of {c.group} channels do not divide the "
-                f"head dim {dim}"
-            )
-        words = -(-(dim // c.group) * c.bits // 32)
-        if tuple(c.codes.shape) != (b, h, t, words) or c.codes.dtype != mx.uint32:
-            raise ValueError(
-                f"decode_attention: {name} VQ codes {tuple(c.codes.shape)} {c.codes.dtype} do "
-                f"not match (B, H, T, W) = {(b, h, t, words)} uint32"
-            )
-        want = (b, h, 1 << c.bits, c.group)
-        cb = c.codebooks
-        if tuple(cb.shape) != want or not mx.issubdtype(cb.dtype, mx.floating):
-            raise ValueError(
-                f"decode_attention: {name} codebooks are {(tuple(cb.shape), cb.dtype)}, expected "
-                f"float (B, H, 2**bits, group) = {want}"
-            )
-
-
-for _layout in (AffineLayout, ChannelAffineLayout, CodebookLayout, VQLayout):
+for _layout in (AffineLayout, ChannelAffineLayout, CodebookLayout):
     register_layout(_layout())
 del _layout

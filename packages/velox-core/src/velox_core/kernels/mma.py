@@ -14,7 +14,6 @@ import ctypes
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import mlx.core as mx
 
@@ -326,30 +325,9 @@ class MmaLayout:
     o_off: int
     size: int
 
-    def parts(self, ws: Any) -> tuple[Any, Any, Any, Any, Any]:
-        """``(o_part, ml_part, out, mlo, count)``: views of ``ws`` (an MLX array, or the numpy
-        array of the CPU emulation, where a bfloat16 ``out`` comes widened to float32)."""
-        b, h, s, m, d = self.b, self.h, self.splits, self.rows, self.dim
-        o_part = ws[self.o_off : self.o_off + b * h * s * m * d].reshape(b, h, s, m, d)
-        ml_part = ws[self.ml_off : self.ml_off + b * h * s * m * 2].reshape(b, h, s, m, 2)
-        n = b * h * m * d
-        if isinstance(ws, mx.array):
-            odt, cdt = self.out_dtype, mx.uint32
-        else:  # numpy (the emulation): the same dtype by name; bfloat16 widened to float32
-            import numpy as np
-
-            name = str(self.out_dtype).replace("mlx.core.", "")
-            odt, cdt = np.dtype("uint16" if name == "bfloat16" else name), np.uint32
-        out = ws[: self.mlo_off].view(odt)[:n].reshape(b, h, m, d)
-        if not isinstance(ws, mx.array) and self.out_dtype == mx.bfloat16:
-            out = (out.astype(np.uint32) << 16).view(np.float32)
-        mlo = ws[self.mlo_off : self.mlo_off + b * h * m * 2].reshape(b, h, m, 2)
-        count = ws[self.count_off : self.count_off + b * h].view(cdt)
-        return o_part, ml_part, out, mlo, count
-
     def merged(self, ws: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """``FUSE`` 1: the merged ``(o, m, l)`` as views of the MLX array ``ws`` (``o`` in
-        the output dtype, ``m`` and ``l`` ``(B, H, M, 1)``), without the partials' views."""
+        the output dtype, ``m`` and ``l`` ``(B, H, M, 1)``)."""
         b, h, m, d = self.b, self.h, self.rows, self.dim
         n = b * h * m * d
         out = ws[: self.mlo_off].view(self.out_dtype)

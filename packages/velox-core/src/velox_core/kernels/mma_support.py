@@ -1,9 +1,10 @@
 """The tensor-core decode kernel's settings and variants, planned once per shape.
 
-The ``mma_*`` functions are the kernel's settings (warps, register cap, tiles per step, ring
-stages, the scale folds, ldmatrix), each with its default; :func:`mma_kernel_plan` works out
-a variant (template, warps, register cap) from them once per shape, codes and settings (a
-cache of its own: a decode plan meets it again at every flush); :func:`run_subnormal_probe`
+The kernel's settings are fields of :class:`~velox_core.kernels.config.KernelConfig` (warps,
+register cap, tiles per step, ring stages, the scale folds, ldmatrix); the ``mma_*`` functions
+here are the rules that need more than a field; :func:`mma_kernel_plan` works out a variant
+(template, warps, register cap) from them once per shape, codes and settings (a cache of its
+own: a decode plan meets it again at every flush); :func:`run_subnormal_probe`
 is the one-off probe of the device's fp16 subnormal MMA operands, which the folds rely on.
 Which segments the kernel takes, its splits and its launch are :mod:`.mma`'s.
 """
@@ -54,20 +55,14 @@ def mma_enabled() -> bool:
 MMA_HALF_QUERY = (mx.float16, mx.bfloat16)
 
 
-def mma_symmetric() -> bool:
-    """Whether the tensor-core kernel uses the symmetry of levels a caller vouches for
-    (:attr:`CodebookCodes.symmetric`; ``KCB`` / ``VCB`` 2): ``KernelConfig.symmetric`` (default 1;
-    0 looks every codebook up as general levels, for comparison)."""
-    return kernel_config().symmetric
-
-
 def codebook_mode(c: CodeRecord) -> int:
     """``KCB`` / ``VCB``: 0 affine, 1 codebook, 2 a codebook the caller vouches is symmetric
     (:attr:`CodebookCodes.symmetric`: 4 bits in half the table, 2 bits without permutes) while
-    :func:`mma_symmetric` allows it."""
+    ``KernelConfig.symmetric`` allows it (0 looks every codebook up as general levels, for
+    comparison)."""
     if c.kind != CODEBOOK:
         return 0
-    return 2 if c.symmetric and mma_symmetric() else 1
+    return 2 if c.symmetric and kernel_config().symmetric else 1
 
 
 def mma_key_rows(tile: int, group: int) -> int:
@@ -86,11 +81,6 @@ def mma_key_rows(tile: int, group: int) -> int:
 MMA_SMEM = 48 * 1024 - 1024
 
 
-def mma_warps() -> int:
-    """Warps per threadgroup of the tensor-core kernel: ``KernelConfig.mma_warps``."""
-    return kernel_config().mma_warps
-
-
 MMA_SM_BLOCKS = 3  # threadgroups per SM the register cap aims for (KernelConfig.mma_sm_blocks)
 
 
@@ -102,28 +92,6 @@ def mma_sm_blocks(nwarps: int) -> int:
     registers to the compiler."""
     n = kernel_config().mma_sm_blocks
     return MMA_SM_BLOCKS * 4 // nwarps if n is None else n
-
-
-def mma_p_residual() -> bool:
-    """Whether the tensor-core kernel carries the softmax weights' fp16 rounding residual (a
-    second value MMA): ``KernelConfig.p_residual`` (default 0: the weights rounded to fp16, as
-    flash attention does; about 2^-11 relative per weight)."""
-    return kernel_config().p_residual
-
-
-def mma_pipeline() -> bool:
-    """Whether the tensor-core kernel scores the next step before consuming the current one
-    (a software pipeline; it needs at least 3 ring stages and applies without the weights'
-    residual, see :func:`mma_template`): ``KernelConfig.pipeline`` (default 1; with steps of
-    two tiles, on and off measured within the run-to-run spread on an H200, see
-    docs/performance.md)."""
-    return kernel_config().pipeline
-
-
-def mma_value_fold() -> bool:
-    """Whether the tensor-core kernel folds the value scales into the softmax weights where
-    the layout allows it (see :func:`mma_fold_ok`): ``KernelConfig.value_fold`` (default 1)."""
-    return kernel_config().value_fold
 
 
 MMA_FOLD_GROUPS = 4  # at most this many value groups per token take VFOLD (registers)
@@ -183,13 +151,6 @@ def subnormal_probe_ahead(salt: int = SUBNORMAL_SALT) -> None:
         kernel.ahead(_probe_inputs(salt), [mx.float32])
 
 
-def mma_key_fold() -> bool:
-    """Whether the tensor-core kernel folds the key scales and zeros out of the score MMA
-    where the layout allows it (see :func:`mma_key_fold_ok`): ``KernelConfig.key_fold``
-    (default 1)."""
-    return kernel_config().key_fold
-
-
 def mma_key_fold_ok(keys: CodeRecord, dim: int) -> bool:
     """Whether the key scales and zeros can be folded out of the score MMA (``KFOLD``): a
     group holds 4 whole code words (the four lanes of a k-step read adjacent words: 64
@@ -223,20 +184,6 @@ def mma_fold_ok(values: CodeRecord, dim: int, p_residual: bool, ldsm: bool = Tru
     return (
         not p_residual and values.group % (8 * unit) == 0 and dim // values.group <= MMA_FOLD_GROUPS
     )
-
-
-def mma_ldsm() -> bool:
-    """Whether the tensor-core kernel reads code words out of its ring with ldmatrix (the
-    keys with ``KFOLD``, the values with ``VFOLD`` in 16-bit units: ``LDSM`` 1):
-    ``KernelConfig.ldsm`` (default 1)."""
-    return kernel_config().ldsm
-
-
-def mma_subtiles() -> int:
-    """16-token MMA tiles per loop step of the tensor-core kernel, at most:
-    ``KernelConfig.subtiles`` (the plan halves it until two ring stages fit: at four warps,
-    4 for 2-bit keys and values, 2 for 4-bit and mixed 2/4-bit codes, 1 for 8-bit ones)."""
-    return kernel_config().subtiles
 
 
 def mma_stages(
@@ -418,11 +365,13 @@ def mma_kernel_plan(
     """:func:`velox_core.kernels.mma.mma_launch`'s plan without the splits: (spec, template,
     warps, threadgroups per SM). ``exact``: whether the device takes subnormal MMA operands
     exactly (:func:`velox_core.kernels.mma.mma_subnormals_exact`; both folds need it).
-    ``settings`` (the configuration in force) only keys the cache: the helpers read the same
-    record."""
+    ``settings``: the configuration in force, whose fields the plan takes where the arguments
+    are None (and which keys the cache: the helpers read the same record). Steps hold at most
+    ``settings.subtiles`` tiles, halved until two ring stages fit (at four warps, 4 for 2-bit
+    keys and values, 2 for 4-bit and mixed 2/4-bit codes, 1 for 8-bit ones)."""
     keys, values = _layout_record(*kside), _layout_record(*vside)
-    nwarps = mma_warps()
-    sub = mma_subtiles()
+    nwarps = settings.mma_warps
+    sub = settings.subtiles
     qlo = query_dtype not in MMA_HALF_QUERY
     stages = mma_stages(dim, keys, values, nwarps, sub, qlo)
     while stages == 0 and sub > 1:  # fewer tiles a step where two stages do not fit
@@ -441,12 +390,12 @@ def mma_kernel_plan(
         sub,
         scale,
         query_dtype,
-        mma_p_residual() if p_residual is None else p_residual,
-        mma_pipeline() if pipeline is None else pipeline,
-        exact and (mma_value_fold() if value_fold is None else value_fold),
+        settings.p_residual if p_residual is None else p_residual,
+        settings.pipeline if pipeline is None else pipeline,
+        exact and (settings.value_fold if value_fold is None else value_fold),
         out_dtype,
-        key_fold=exact and (mma_key_fold() if key_fold is None else key_fold),
-        ldsm=mma_ldsm(),
+        key_fold=exact and (settings.key_fold if key_fold is None else key_fold),
+        ldsm=settings.ldsm,
     )
     tm = dict(tmpl)
     if (tm["KCB"] and not (tm["KFOLD"] and tm["LDSM"])) or (

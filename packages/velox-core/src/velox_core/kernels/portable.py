@@ -162,10 +162,8 @@ def plan(
     (:data:`CUDA_WIDE_REGS` for 32 channels a lane on CUDA; half of :data:`MAX_REGS` with a
     key ``sketch``: the sketched query takes the other half); rows per
     threadgroup are a power of two (at most 8). A sketch needs codebook keys and a head dim
-    that is a multiple of 32. :data:`VQ` codes need whole sub-vectors per lane, a lane's
-    indices filling whole words, and a codebook of at most ``VQ_MAX_TABLE`` floats. Each
-    side's layout (:mod:`velox_core.kernels.layout`) says which lanes read it
-    (:func:`side_ok`) and whether its value pass mixes it.
+    that is a multiple of 32. Each side's layout (:mod:`velox_core.kernels.layout`) says
+    which lanes read it (:func:`side_ok`) and whether its value pass mixes it.
 
     Keys scored by their layout's own pass may cap the query rows a pass holds
     (``key_rows``: :meth:`~velox_core.kernels.layout.Layout.key_rows`; below 1 declines) and

@@ -2,10 +2,10 @@
 
 A segment's keys and values are each one record: :class:`AffineCodes` (per-token groups,
 ``x = scale * code + zero``), :class:`ChannelAffineCodes` (KIVI's per-channel keys),
-:class:`CodebookCodes` (``x = norm * levels[code]``), :class:`VQCodes` (a codeword
-per sub-vector), or a record class a method package defines for a layout of its own. Each
+:class:`CodebookCodes` (``x = norm * levels[code]``), or a record class a method package
+defines for a layout of its own (vector codes, a codeword per sub-vector, among them). Each
 carries its layout as the class constant ``kind`` (:data:`AFFINE`, :data:`AFFINE_CHANNEL`,
-:data:`CODEBOOK`, :data:`VQ`: the kernels' ``KKIND`` / ``VKIND``;
+:data:`CODEBOOK`: the kernels' ``KKIND`` / ``VKIND``;
 :mod:`velox_core.kernels.layout` says how the kernels read each), is built by keyword and
 checks its widths and the presence of its arrays when built (no device work: shapes are
 checked against the query's head dim by :func:`velox_core.kernels.layout.check_codes`).
@@ -20,17 +20,15 @@ from typing import ClassVar
 
 import mlx.core as mx
 
-AFFINE, CODEBOOK, AFFINE_CHANNEL, VQ = 0, 1, 2, 4  # other kinds: method packages' layouts
+AFFINE, CODEBOOK, AFFINE_CHANNEL = 0, 1, 2  # other kinds: method packages' layouts
 
 __all__ = [
     "AFFINE",
     "CODEBOOK",
-    "VQ",
     "AffineCodes",
     "ChannelAffineCodes",
     "CodeRecord",
     "CodebookCodes",
-    "VQCodes",
     "check_record",
 ]
 
@@ -38,15 +36,15 @@ __all__ = [
 class CodeRecord:
     """One side (keys or values) of a coded segment as the decode kernels read it: the base of
     the typed records (:class:`AffineCodes`, :class:`ChannelAffineCodes`,
-    :class:`CodebookCodes`, :class:`VQCodes`, and the records method packages define).
+    :class:`CodebookCodes`, and the records method packages define).
 
     The kernel builders read every record through one view: ``kind`` (the record class's
     layout constant), ``bits``, ``group``, ``codes``, ``a`` (the scales or norms), ``b`` (the
     zeros, the outlier norms or the positions; None where the layout has none), ``levels``
-    (codebook levels, or VQ's codebooks), ``signs`` and ``rnorm`` (a codebook's residual
-    sketch) and ``symmetric``. Each record maps them to its
-    named fields; the parts a layout lacks are this base's class attributes (None,
-    ``symmetric`` False), read-only on the records.
+    (codebook levels, or a vector layout's codebooks), ``signs`` and ``rnorm`` (a codebook's
+    residual sketch) and ``symmetric``. Each record maps them to its named fields; the parts
+    a layout lacks are this base's class attributes (None, ``symmetric`` False), read-only on
+    the records.
     """
 
     __slots__ = ()
@@ -199,35 +197,3 @@ class CodebookCodes(CodeRecord):
     @property
     def a(self) -> mx.array:
         return self.norm
-
-
-@dataclass(slots=True, kw_only=True)
-class VQCodes(CodeRecord):
-    """Vector codes: each sub-vector of ``group`` channels is the index of a codeword, ``x =
-    codebooks[b, h, code]``, one codebook per batch row and KV head.
-
-    Attributes:
-        bits: bits of one codeword index, 1 to 8.
-        group: channels per sub-vector (the portable kernel takes 1, 2, 4 or 8).
-        codes: ``(B, H, T, ceil(D / group * bits / 32))`` uint32: a token's ``D / group``
-            indices, ``bits`` each, in one bit stream.
-        codebooks: ``(B, H, 2**bits, group)``, any float dtype: row ``code`` of ``(b, h)`` is
-            the sub-vector (the kernels read it as ``levels``).
-    """
-
-    kind: ClassVar[int] = VQ
-    bits: int
-    group: int
-    codes: mx.array
-    codebooks: mx.array
-
-    def __post_init__(self) -> None:
-        check_record(self, ("codes", "codebooks"))
-
-    @property
-    def levels(self) -> mx.array:
-        return self.codebooks
-
-    @property
-    def a(self) -> None:
-        return None

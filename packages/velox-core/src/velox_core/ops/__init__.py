@@ -2,7 +2,7 @@
 
 from .hadamard import HadamardRotation, RandomizedHadamard, block_size, hadamard
 from .kmeans import assign, kmeans
-from .lloyd_max import Codebook, lloyd_max, lloyd_max_sphere
+from .lloyd_max import Codebook, lloyd_max
 from .packing import BYTE_BITS, byte_table, lookup, mlx_readable, pack, packed_words, unpack
 from .quant import affine_dequantize, affine_matmul, affine_quantize, scale_dtype
 from .rotation import random_orthogonal
@@ -23,7 +23,6 @@ __all__ = [
     "jl_matrix",
     "kmeans",
     "lloyd_max",
-    "lloyd_max_sphere",
     "lookup",
     "mlx_readable",
     "pack",

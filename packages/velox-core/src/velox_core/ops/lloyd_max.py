@@ -1,11 +1,8 @@
 """Lloyd-Max scalar quantizers (MSE-optimal codebooks) for 1 to 8 bits.
 
-Two source laws are provided:
-
-* the standard normal ``N(0, 1)``;
-* the law of one coordinate of a uniformly random unit vector in ``R^d`` (what a randomly
-  rotated, normalized key looks like): ``f(x) ∝ (1 - x^2)^((d-3)/2)`` on ``[-1, 1]``, which
-  tends to ``N(0, 1/d)`` as ``d`` grows (arXiv 2504.19874, Lemma 1).
+:func:`lloyd_max` takes any source law sampled on a grid (method packages bring their own
+laws: the sphere law of a rotated unit vector's coordinate, a Laplacian...);
+:func:`lloyd_max_gaussian` is the standard normal ``N(0, 1)``'s.
 
 Codebooks are computed once by Lloyd's iteration on a fine quadrature grid (prefix sums make
 each iteration O(levels)), starting from the companding (``f^(1/3)``) high-rate solution.
@@ -19,7 +16,7 @@ from functools import cache
 import mlx.core as mx
 import numpy as np
 
-from ..validation import check_bits, check_int
+from ..validation import check_bits
 
 __all__: list[str] = []
 
@@ -108,17 +105,3 @@ def lloyd_max_gaussian(bits: int) -> Codebook:
     check_bits("bits", bits)
     grid = np.linspace(-12.0, 12.0, _GRID)
     return lloyd_max(grid, np.exp(-0.5 * grid * grid), bits, iters=2000, symmetric=True)
-
-
-@cache
-def lloyd_max_sphere(bits: int, dim: int) -> Codebook:
-    """Lloyd-Max codebook for one coordinate of a uniform unit vector in ``R^dim``.
-
-    ``dim * mse`` is the expected squared error ``E||x - x_hat||^2`` of a unit vector whose
-    coordinates are all quantized with this codebook after a random rotation.
-    """
-    check_bits("bits", bits)
-    check_int("dim", dim, minimum=3)
-    grid = np.linspace(-1.0, 1.0, _GRID + 1)[1:-1]
-    logpdf = 0.5 * (dim - 3) * np.log1p(-grid * grid)
-    return lloyd_max(grid, np.exp(logpdf - logpdf.max()), bits, iters=2000, symmetric=True)
