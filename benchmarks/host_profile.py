@@ -19,6 +19,10 @@ goes, MLX's calls included (a custom kernel call's source assembly shows as its 
     python3 benchmarks/host_profile.py --shape llama3-8b --weights 4bit --context 32768 \
         --cache uniform:bits=4,kivi:bits=2 --generate --steps 128
 
+``--layers N`` gives the shape N layers (a many-layer small model: the host's cost of a
+step grows with the layers, not with the weights), and each profile's line says the Python
+function calls a step makes (cProfile's count, deterministic where the caches are).
+
 ``--stub-kernels`` measures the GPU code path's Python side on any machine (a CPU one
 included): after the prefill, velox's kernel backend reports CUDA and every velox kernel call
 returns zeroed outputs of the shapes it asks for, so the steps build what they would build on
@@ -128,6 +132,7 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--shape", default=None, help="an e2e.py shape (default: reference)")
     parser.add_argument("--weights", default="4bit", help="with --shape: bf16, 4bit or fp32")
+    parser.add_argument("--layers", type=int, default=None, help="with --shape: its layer count")
     parser.add_argument(
         "--generate", action="store_true", help="profile generate_step's tokens, not builds"
     )
@@ -137,6 +142,8 @@ def main() -> int:
         help="build the CUDA kernel path with the kernel calls stubbed (any machine)",
     )
     args = parser.parse_args()
+    if args.layers is not None and (args.shape is None or args.layers < 1):
+        parser.error("--layers needs --shape and a count of at least 1")
     if args.shape is None:
         model = load_model()
         vocab = 8000
@@ -144,6 +151,8 @@ def main() -> int:
         sys.path.insert(0, str(ROOT / "benchmarks"))
         from e2e import SHAPES, build_model
 
+        if args.layers is not None and args.shape in SHAPES:
+            SHAPES[args.shape] = {**SHAPES[args.shape], "num_hidden_layers": args.layers}
         model = build_model(args.shape, args.weights)
         vocab = SHAPES[args.shape]["vocab_size"]
     prompt = mx.random.randint(1, vocab, (1, args.context), key=mx.random.key(0))
@@ -169,10 +178,11 @@ def main() -> int:
                     build_times(model, cache, args.steps, prof)
         ms = [t * 1e3 for t in times]
         med = statistics.median(ms)
+        calls = pstats.Stats(prof).total_calls / args.steps
         slow = [(i, round(t, 1)) for i, t in enumerate(ms) if t > 2 * med][:8]
         print(
             f"{spec:28s} {what}: median {med:.3f} ms, mean {statistics.mean(ms):.3f} ms, "
-            f"max {max(ms):.3f} ms"
+            f"max {max(ms):.3f} ms, {calls:.0f} function calls a step"
             + (stub if spec != "fp16" else "")
             + (f"; steps over twice the median: {slow}" if slow else ""),
             flush=True,
