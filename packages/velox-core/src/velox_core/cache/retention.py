@@ -98,7 +98,8 @@ class RetentionMixin:
                 f"{self.stored.positions.tokens} body tokens"
             )
         self._planned.clear()  # the coded segment changes: its decode plan with it
-        pos = self.stored.positions.view().data["x"][0, 0, start : start + n, 0]
+        # (tokens in use: read from the buffer itself, without a view of them)
+        pos = self.stored.positions.buf.data["x"][0, 0, start : start + n, 0]
         codec = self.tiers[0].value_codec
         self.stored.coded[0][1].write(start, codec.encode(values.astype(self.stored.dtype), pos))
 

@@ -32,6 +32,7 @@ Gumbel noise).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar
 
 import mlx.core as mx
@@ -155,8 +156,7 @@ class AccumulatedPolicy(RetentionPolicy):
         """The tokens just stored start with a score of zero."""
         if self.budget is None:
             return
-        b, h = view.batch, view.kv_heads
-        new = mx.zeros((b, h, view.offset - start), dtype=mx.float32)
+        new = _zero_scores(view.batch, view.kv_heads, view.offset - start)
         old = self._scores
         self._scores = new if old is None else mx.concatenate([old, new], axis=2)
 
@@ -343,6 +343,13 @@ class AttentionVotes(AccumulatedPolicy):
         queries and averaged over the query heads of each KV head (:func:`window_votes`'s
         rule, :func:`~velox_core.policy.votes.fuse_weights`)."""
         return fuse_weights(weights)
+
+
+@functools.lru_cache(maxsize=8)
+def _zero_scores(b: int, h: int, n: int) -> mx.array:
+    """The scores of ``n`` tokens just stored, zero: float32 ``(b, h, n)`` (made once for a
+    decode step's shape)."""
+    return mx.zeros((b, h, n), dtype=mx.float32)
 
 
 def layer_key(seed: int, layer: int | None) -> mx.array:

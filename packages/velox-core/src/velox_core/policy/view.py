@@ -249,7 +249,8 @@ def _decode(codec, rec, stop: int | None) -> mx.array:
     stop = max(stop, 0)
     if codec.decodes_slices:
         rec = rec.slice(0, min(-(-stop // rec.block) * rec.block, rec.tokens))
-    return codec.decode(rec)[:, :, :stop]
+    x = codec.decode(rec)
+    return x if x.shape[2] == stop else x[:, :, :stop]
 
 
 def _joined(per: list, join) -> mx.array | None:
