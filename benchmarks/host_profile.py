@@ -22,6 +22,9 @@ goes, MLX's calls included (a custom kernel call's source assembly shows as its 
 ``--layers N`` gives the shape N layers (a many-layer small model: the host's cost of a
 step grows with the layers, not with the weights), and each profile's line says the Python
 function calls a step makes (cProfile's count, deterministic where the caches are).
+``--clock thread`` times the builds by the building thread's CPU time (on a machine shared
+with other processes their time on the core does not count), and ``--repeats R`` prints the
+median, mean and largest of R timings of ``--steps`` builds each.
 
 ``--stub-kernels`` measures the GPU code path's Python side on any machine (a CPU one
 included): after the prefill, velox's kernel backend reports CUDA and every velox kernel call
@@ -79,18 +82,21 @@ def generate_times(model, cache, steps: int, profile: cProfile.Profile | None = 
     return times
 
 
-def build_times(model, cache, steps: int, profile: cProfile.Profile | None = None) -> float:
-    """Mean seconds to build one decode step's graph (each step evaluated after timing)."""
+def build_times(
+    model, cache, steps: int, profile: cProfile.Profile | None = None, clock=time.perf_counter
+) -> float:
+    """Mean seconds to build one decode step's graph (each step evaluated after timing), by
+    ``clock``."""
     tok = mx.array([[5]])
     total = 0.0
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0 = clock()
         if profile is not None:
             profile.enable()
         y = model(tok, cache=cache)
         if profile is not None:
             profile.disable()
-        total += time.perf_counter() - t0
+        total += clock() - t0
         # the caches too: with stubbed kernels the output no longer reads the window, whose
         # writes would otherwise pile up unevaluated from step to step
         mx.eval(y, [c.state for c in cache])
@@ -137,6 +143,16 @@ def main() -> int:
         "--generate", action="store_true", help="profile generate_step's tokens, not builds"
     )
     parser.add_argument(
+        "--clock",
+        choices=("wall", "thread"),
+        default="wall",
+        help="time builds by the wall clock or by the building thread's CPU time (on a shared "
+        "machine the wall clock also counts the time other processes take the core)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="timings of --steps builds each (not --generate)"
+    )
+    parser.add_argument(
         "--stub-kernels",
         action="store_true",
         help="build the CUDA kernel path with the kernel calls stubbed (any machine)",
@@ -159,6 +175,8 @@ def main() -> int:
     specs = ["fp16", *split_specs(args.cache)]
     stub = " (velox kernel calls stubbed, CUDA path)" if args.stub_kernels else ""
     what = "a generate_step token" if args.generate else "building a step's graph"
+    if not args.generate:
+        what += f" ({args.clock} clock, {args.repeats} x {args.steps} steps)"
     for spec in specs:
         cache = velox_core.make_cache(model, default=spec)
         prof = cProfile.Profile()
@@ -173,8 +191,13 @@ def main() -> int:
                     times = generate_times(model, cache, args.steps)
                     generate_times(model, cache, args.steps, prof)
                 else:
+                    clock = time.thread_time if args.clock == "thread" else time.perf_counter
                     build_times(model, cache, 5)  # warm-up
-                    times = [build_times(model, cache, args.steps)]
+                    times = [build_times(model, cache, args.steps, clock=clock)]
+                    times += [
+                        build_times(model, cache, args.steps, clock=clock)
+                        for _ in range(args.repeats - 1)
+                    ]
                     build_times(model, cache, args.steps, prof)
         ms = [t * 1e3 for t in times]
         med = statistics.median(ms)
