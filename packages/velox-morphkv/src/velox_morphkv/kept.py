@@ -158,7 +158,8 @@ class KeptWeights:
         older = body_pos < view.offset - self.size
         cand = mx.where(older[:, :, None, :], body, 0.0)
         z = mx.sum(cand, axis=-1, keepdims=True)
-        inv = mx.where(z > 0, 1.0 / mx.where(z > 0, z, 1.0), 0.0)  # (B, H, n, 1)
+        some = z > 0
+        inv = mx.where(some, 1.0 / mx.where(some, z, 1.0), 0.0)  # (B, H, n, 1)
         if fusion == "max":
             return mx.max(cand * inv, axis=2)
         return (mx.swapaxes(inv, -1, -2) @ cand)[:, :, 0]  # the sum over the rows, one product
