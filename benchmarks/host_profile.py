@@ -19,6 +19,13 @@ goes, MLX's calls included (a custom kernel call's source assembly shows as its 
     python3 benchmarks/host_profile.py --shape llama3-8b --weights 4bit --context 32768 \
         --cache uniform:bits=4,kivi:bits=2 --generate --steps 128
 
+``--layers N`` gives the shape N layers (a many-layer small model: the host's cost of a
+step grows with the layers, not with the weights), and each profile's line says the Python
+function calls a step makes (cProfile's count, deterministic where the caches are).
+``--clock thread`` times the builds by the building thread's CPU time (on a machine shared
+with other processes their time on the core does not count), and ``--repeats R`` prints the
+median, mean and largest of R timings of ``--steps`` builds each.
+
 ``--stub-kernels`` measures the GPU code path's Python side on any machine (a CPU one
 included): after the prefill, velox's kernel backend reports CUDA and every velox kernel call
 returns zeroed outputs of the shapes it asks for, so the steps build what they would build on
@@ -75,18 +82,21 @@ def generate_times(model, cache, steps: int, profile: cProfile.Profile | None = 
     return times
 
 
-def build_times(model, cache, steps: int, profile: cProfile.Profile | None = None) -> float:
-    """Mean seconds to build one decode step's graph (each step evaluated after timing)."""
+def build_times(
+    model, cache, steps: int, profile: cProfile.Profile | None = None, clock=time.perf_counter
+) -> float:
+    """Mean seconds to build one decode step's graph (each step evaluated after timing), by
+    ``clock``."""
     tok = mx.array([[5]])
     total = 0.0
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0 = clock()
         if profile is not None:
             profile.enable()
         y = model(tok, cache=cache)
         if profile is not None:
             profile.disable()
-        total += time.perf_counter() - t0
+        total += clock() - t0
         # the caches too: with stubbed kernels the output no longer reads the window, whose
         # writes would otherwise pile up unevaluated from step to step
         mx.eval(y, [c.state for c in cache])
@@ -128,8 +138,19 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--shape", default=None, help="an e2e.py shape (default: reference)")
     parser.add_argument("--weights", default="4bit", help="with --shape: bf16, 4bit or fp32")
+    parser.add_argument("--layers", type=int, default=None, help="with --shape: its layer count")
     parser.add_argument(
         "--generate", action="store_true", help="profile generate_step's tokens, not builds"
+    )
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "thread"),
+        default="wall",
+        help="time builds by the wall clock or by the building thread's CPU time (on a shared "
+        "machine the wall clock also counts the time other processes take the core)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="timings of --steps builds each (not --generate)"
     )
     parser.add_argument(
         "--stub-kernels",
@@ -137,6 +158,8 @@ def main() -> int:
         help="build the CUDA kernel path with the kernel calls stubbed (any machine)",
     )
     args = parser.parse_args()
+    if args.layers is not None and (args.shape is None or args.layers < 1):
+        parser.error("--layers needs --shape and a count of at least 1")
     if args.shape is None:
         model = load_model()
         vocab = 8000
@@ -144,12 +167,16 @@ def main() -> int:
         sys.path.insert(0, str(ROOT / "benchmarks"))
         from e2e import SHAPES, build_model
 
+        if args.layers is not None and args.shape in SHAPES:
+            SHAPES[args.shape] = {**SHAPES[args.shape], "num_hidden_layers": args.layers}
         model = build_model(args.shape, args.weights)
         vocab = SHAPES[args.shape]["vocab_size"]
     prompt = mx.random.randint(1, vocab, (1, args.context), key=mx.random.key(0))
     specs = ["fp16", *split_specs(args.cache)]
     stub = " (velox kernel calls stubbed, CUDA path)" if args.stub_kernels else ""
     what = "a generate_step token" if args.generate else "building a step's graph"
+    if not args.generate:
+        what += f" ({args.clock} clock, {args.repeats} x {args.steps} steps)"
     for spec in specs:
         cache = velox_core.make_cache(model, default=spec)
         prof = cProfile.Profile()
@@ -164,15 +191,21 @@ def main() -> int:
                     times = generate_times(model, cache, args.steps)
                     generate_times(model, cache, args.steps, prof)
                 else:
+                    clock = time.thread_time if args.clock == "thread" else time.perf_counter
                     build_times(model, cache, 5)  # warm-up
-                    times = [build_times(model, cache, args.steps)]
+                    times = [build_times(model, cache, args.steps, clock=clock)]
+                    times += [
+                        build_times(model, cache, args.steps, clock=clock)
+                        for _ in range(args.repeats - 1)
+                    ]
                     build_times(model, cache, args.steps, prof)
         ms = [t * 1e3 for t in times]
         med = statistics.median(ms)
+        calls = pstats.Stats(prof).total_calls / args.steps
         slow = [(i, round(t, 1)) for i, t in enumerate(ms) if t > 2 * med][:8]
         print(
             f"{spec:28s} {what}: median {med:.3f} ms, mean {statistics.mean(ms):.3f} ms, "
-            f"max {max(ms):.3f} ms"
+            f"max {max(ms):.3f} ms, {calls:.0f} function calls a step"
             + (stub if spec != "fp16" else "")
             + (f"; steps over twice the median: {slow}" if slow else ""),
             flush=True,

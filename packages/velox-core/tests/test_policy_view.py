@@ -185,6 +185,34 @@ def test_a_view_only_policy_through_prefill_decode_save_load_and_batching(tmp_pa
         assert body(one) == want[r] and one.size() == BUDGET + 1
 
 
+def test_joined_arrays_are_the_heads_arrays_joined():
+    """``joined=True`` gives every head's body in one array, the per-head arrays stacked
+    (positions) or concatenated (values, ``stop`` too), None while the body is empty; a ragged
+    body joins where its heads hold as many tokens and refuses where they do not."""
+    c = VeloxCache(window=WINDOW, sinks=SINKS, policy=KeyNormViewTest(budget=BUDGET))
+    view = c.policy_view
+    k, v, _ = data(40)
+    c.update_and_fetch(k[:, :, : SINKS + WINDOW], v[:, :, : SINKS + WINDOW])  # no body yet
+    assert view.body_sizes() == [0, 0]
+    assert view.body_positions(joined=True) is None and view.body_values(joined=True) is None
+    c.update_and_fetch(k[:, :, SINKS + WINDOW :], v[:, :, SINKS + WINDOW :])
+    pos = view.body_positions(joined=True)
+    assert pos.dtype == mx.int32 and pos.shape == (1, H, 40 - SINKS - WINDOW)
+    assert mx.array_equal(pos, mx.stack(view.body_positions(), axis=1))
+    for stop in (None, 5):
+        got = view.body_values(stop=stop, joined=True)
+        assert got.dtype == mx.float32
+        assert mx.array_equal(got, mx.concatenate(view.body_values(stop=stop), axis=1))
+    view.evict([mx.array([0, 3], dtype=mx.int32), mx.array([4, 9], dtype=mx.int32)])
+    assert view.ragged and view.body_sizes() == [2, 2]
+    assert view.body_positions(joined=True).tolist() == [[[2, 5], [6, 11]]]
+    assert mx.array_equal(view.body_values(joined=True), mx.concatenate(view.body_values(), 1))
+    view.evict([mx.array([0, 1], dtype=mx.int32), mx.array([1], dtype=mx.int32)])
+    for read in (view.body_positions, view.body_values):
+        with pytest.raises(ValueError, match="different numbers of body tokens"):
+            read(joined=True)
+
+
 def test_per_head_eviction_through_the_view():
     """A list of index arrays (one per KV head) makes the body ragged; the view still gives
     each head's tokens, values in float32 as documented, and refuses what needs one body."""

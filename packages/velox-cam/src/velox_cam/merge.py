@@ -20,6 +20,8 @@ across blocks a doubling scan), with no loop over the evicted tokens.
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
 __all__ = ["merge_probabilities", "merged_values"]
@@ -43,11 +45,17 @@ def merge_probabilities(scores: mx.array, n: int, merge: int) -> mx.array:
             f"the {merge} that follow it"
         )
     s = scores.astype(mx.float32)
-    follow = mx.arange(1, merge + 1)[None, :] + mx.arange(n)[:, None]  # (n, merge)
-    mean = mx.mean(mx.take(s, follow, axis=-1), axis=-1)  # (B, H, n)
+    mean = mx.mean(mx.take(s, _following(n, merge), axis=-1), axis=-1)  # (B, H, n)
     own = s[..., :n]
     ratio = own / mx.where(mean > 0, mean, 1.0)
     return mx.where(mean > 0, mx.clip(ratio, 0.0, 1.0), (own > 0).astype(mx.float32))
+
+
+@functools.lru_cache(maxsize=16)
+def _following(n: int, merge: int) -> mx.array:
+    """The ``merge`` tokens after each of the ``n`` oldest: ``(n, merge)`` indices, made once
+    for each cut size (a decode step's cuts share them)."""
+    return mx.arange(1, merge + 1)[None, :] + mx.arange(n)[:, None]
 
 
 def merged_values(values: mx.array, mask: mx.array, merge: int) -> mx.array:

@@ -122,10 +122,10 @@ class CamPolicy(AttentionVotes, SeededDraws):
         ``merge`` oldest kept ones (:func:`~velox_cam.merge.merged_values`; written by
         :meth:`before_update` once the others left), then drop their scores. Returns the
         kept body indices, shared by every head and row: ``(k,)``."""
-        pos = view.body_positions()
-        if any(p is None for p in pos):
+        sizes = view.body_sizes()  # every head's (one record: no per-head budgets)
+        if not sizes or not sizes[0]:
             return mx.zeros((0,), dtype=mx.int32)
-        t = pos[0].shape[1]
+        t = sizes[0]
         n = t - k
         if n <= 0:
             return mx.arange(t, dtype=mx.int32)
@@ -138,14 +138,13 @@ class CamPolicy(AttentionVotes, SeededDraws):
             raise ValueError(
                 f"{self.name}: a cut keeping {k} body tokens cannot merge into {self.merge}"
             )
-        n_sink, acc, m = view.sink_count(), self._scores, self.merge
-        body = acc[:, :, n_sink : n_sink + t]
+        n_sink, m = view.sink_count(), self.merge
+        body = self._body_part(n_sink, t)
         prob = merge_probabilities(body[:, :, : n + m], n, m)  # (B, H, n)
         mask = self.uniform((1, *prob.shape[1:])) < prob
-        values = mx.concatenate(view.body_values(stop=n + m), axis=1)
+        values = view.body_values(stop=n + m, joined=True)
         self._merged = merged_values(values, mask, m)
-        rest = [acc[:, :, :n_sink], body[:, :, n:], acc[:, :, n_sink + t :]]
-        self._scores = mx.concatenate(rest, axis=2)
+        self._scores = self._body_replaced(n_sink, t, body[:, :, n:])
         return mx.arange(n, t, dtype=mx.int32)
 
     # state: "scores" (B, H, S) float32, "key" uint32 (2,); meta seen, draws (SeededDraws)

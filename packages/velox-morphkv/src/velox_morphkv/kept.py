@@ -89,7 +89,7 @@ class KeptWeights:
         Shapes:
             weights float32 ``(B, H, R, L, S)``.
         """
-        p = weights[:, :, :, -self.size :]
+        p = weights if weights.shape[3] <= self.size else weights[:, :, :, -self.size :]
         p = p / mx.maximum(mx.max(p, axis=-1, keepdims=True), 1e-30)
         self._join(view, weights.shape[3], mx.prod(p, axis=2))
 
@@ -158,7 +158,8 @@ class KeptWeights:
         older = body_pos < view.offset - self.size
         cand = mx.where(older[:, :, None, :], body, 0.0)
         z = mx.sum(cand, axis=-1, keepdims=True)
-        inv = mx.where(z > 0, 1.0 / mx.where(z > 0, z, 1.0), 0.0)  # (B, H, n, 1)
+        some = z > 0
+        inv = mx.where(some, 1.0 / mx.where(some, z, 1.0), 0.0)  # (B, H, n, 1)
         if fusion == "max":
             return mx.max(cand * inv, axis=2)
         return (mx.swapaxes(inv, -1, -2) @ cand)[:, :, 0]  # the sum over the rows, one product
@@ -183,13 +184,16 @@ class KeptWeights:
         n_sink = view.sink_count()
         n_win = stored - n_sink - (view.body_sizes() or [0])[0]
         k = index.shape[-1]
-        cols = [
-            mx.broadcast_to(mx.arange(n_sink, dtype=mx.int32), (b, h, n_sink)),
-            index.astype(mx.int32) + n_sink,
-            mx.broadcast_to(mx.arange(stored - n_win, stored, dtype=mx.int32), (b, h, n_win)),
-            mx.full((b, h, room + 1), w.shape[3] - 1, dtype=mx.int32),
-        ]
-        cols = mx.concatenate([x for x in cols if x.shape[-1]], axis=2)
+        cols = []  # the columns that hold tokens, made only where there are some
+        if n_sink:
+            cols.append(mx.broadcast_to(mx.arange(n_sink, dtype=mx.int32), (b, h, n_sink)))
+        if k:
+            cols.append(index.astype(mx.int32) + n_sink if n_sink else index.astype(mx.int32))
+        if n_win:
+            win = mx.arange(stored - n_win, stored, dtype=mx.int32)
+            cols.append(mx.broadcast_to(win, (b, h, n_win)))
+        cols.append(mx.full((b, h, room + 1), w.shape[3] - 1, dtype=mx.int32))
+        cols = mx.concatenate(cols, axis=2)
         self.weights = mx.take_along_axis(w, cols[:, :, None, :], axis=3)
         self._covered = (view.offset, n_sink + k + n_win)
 

@@ -82,7 +82,7 @@ from typing import Any
 import mlx.core as mx
 
 from velox_core import RetentionPolicy
-from velox_core.policy import QueryWindow, check_fusion
+from velox_core.policy import QueryWindow, check_fusion, top_k_sorted
 from velox_core.policy.window import WindowState
 from velox_core.validation import check_bool, check_int
 
@@ -184,10 +184,14 @@ class MorphKVPolicy(WindowState, RetentionPolicy):
     def score(self, view) -> list[mx.array | None]:
         """Per KV head ``(B, T)`` float32: the window's fused weight on each older body token;
         ``+inf`` for the newest ``observe`` tokens and for tokens no window query has seen."""
-        pos = view.body_positions()
-        if any(p is None for p in pos):
-            return pos
-        body_pos = mx.stack(pos, axis=1)  # (B, H, T)
+        s = self._scores(view)
+        return view.body_positions() if s is None else [s[:, h] for h in range(s.shape[1])]
+
+    def _scores(self, view) -> mx.array | None:
+        """:meth:`score` of every KV head at once, ``(B, H, T)`` (None: no body token)."""
+        body_pos = view.body_positions(joined=True)  # (B, H, T)
+        if body_pos is None:
+            return None
         votes = self.window.votes(view, body_pos, self.fusion)
         if votes is None and not view.routed:
             raise ValueError(
@@ -197,15 +201,20 @@ class MorphKVPolicy(WindowState, RetentionPolicy):
             )
         if votes is None:  # routed, but no query has reached the cache yet: the most recent
             s = body_pos.astype(mx.float32)
-        else:
+        elif self.window.end < view.offset:  # (at a decode step's cut every token was seen)
             s = mx.where(body_pos >= self.window.end, mx.inf, votes)
-        s = mx.where(body_pos >= view.offset - self.window.size, mx.inf, s)
-        return [s[:, h] for h in range(s.shape[1])]
+        else:
+            s = votes
+        return mx.where(body_pos >= view.offset - self.window.size, mx.inf, s)
 
     def select(self, view, k: int):
         """The top ``k`` body tokens per KV head, ``(B, H, k)``; kept weights keep their
         columns (:meth:`KeptWeights.kept`)."""
-        keep = super().select(view, k)
+        s = self._scores(view)
+        if s is None:
+            keep = mx.zeros((view.batch, view.kv_heads, 0), dtype=mx.int32)
+        else:
+            keep = top_k_sorted(s, k)
         if self.keep_weights:
             self.window.kept(view, keep, self.every)
         return keep

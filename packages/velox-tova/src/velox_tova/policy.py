@@ -105,20 +105,19 @@ class TOVAPolicy(WindowRows, RetentionPolicy):
     def score(self, view) -> list[mx.array | None]:
         """Per KV head ``(B, T)`` float32, the same for every head: the last query's attention
         weight on each body token, averaged over all query heads (unseen tokens ``+inf``)."""
-        pos = view.body_positions()
-        if any(p is None for p in pos):
-            return pos
-        s = self._layer_scores(view, mx.stack(pos, axis=1))
-        return [s] * len(pos)
+        body_pos = view.body_positions(joined=True)
+        if body_pos is None:
+            return view.body_positions()
+        return [self._layer_scores(view, body_pos)] * body_pos.shape[1]
 
     def select(self, view, k: int):
         """One top-``k`` selection, shared by the layer's KV heads: ``(B, H, k)``."""
-        scores = self.score(view)
-        if any(s is None for s in scores):
-            keep = mx.zeros((view.batch, len(scores), 0), dtype=mx.int32)
+        body_pos = view.body_positions(joined=True)
+        if body_pos is None:
+            keep = mx.zeros((view.batch, view.kv_heads, 0), dtype=mx.int32)
         else:
-            idx = top_k_sorted(scores[0], k)
-            keep = mx.broadcast_to(idx[:, None], (idx.shape[0], len(scores), idx.shape[-1]))
+            idx = top_k_sorted(self._layer_scores(view, body_pos), k)
+            keep = mx.broadcast_to(idx[:, None], (idx.shape[0], body_pos.shape[1], idx.shape[-1]))
         if self.every is None:
             self.window.clear()  # no decode cuts: this query will not score again
         return keep
@@ -133,11 +132,13 @@ class TOVAPolicy(WindowRows, RetentionPolicy):
                 "attention sees it: run the model inside velox_core.routed(model) "
                 "(velox_core.generate does)"
             )
-        first = body_pos[:, 0]  # every head holds the same tokens (one selection per layer)
+        # every head holds the same tokens (one selection per layer): the first head's
         if w is None:  # routed, but no query has reached the cache yet: the most recent
-            return first.astype(mx.float32)
+            return body_pos[:, 0].astype(mx.float32)
         s = mx.mean(w, axis=1)  # mean over KV heads of the group means = over query heads
-        return mx.where(first > self._q_pos, mx.inf, s)
+        if self._q_pos >= view.offset - 1:  # the query is the newest token's: it saw them all
+            return s
+        return mx.where(body_pos[:, 0] > self._q_pos, mx.inf, s)
 
     # batch rows: WindowRows (a batch of other positions scores from the next query)
 

@@ -491,8 +491,9 @@ def _reference(queries, segments, scale, mask, sinks) -> tuple[mx.array, mx.arra
     if sinks is not None:
         p = p[..., 1:]
     out, start = None, 0
-    for seg in segments:
-        part = seg.value_codec.mix(p[..., start : start + seg.tokens], seg.values)
+    for seg in segments:  # (one segment: every weight is its own, unsliced)
+        w = p if len(segments) == 1 else p[..., start : start + seg.tokens]
+        part = seg.value_codec.mix(w, seg.values)
         out = part if out is None else out + part
         start += seg.tokens
     return out.reshape(b, hq, lq, -1).astype(queries.dtype), p

@@ -21,6 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..codec.base import Codec
 from ..kernels import config, disk_cache
 from ..kernels.decode import plan_segment, plan_segment_ahead, probe_ahead_for
 from ..kernels.joint import JointQuery
@@ -32,6 +33,7 @@ __all__: list[str] = []
 _log = logging.getLogger("velox_core.kernels")
 # the first decode steps planned ahead in this process (PlannedAttention.plan_ahead's keys)
 _PLANNED_AHEAD: set[tuple] = set()
+_NO_KERNEL = Codec.kernel_values  # the base codec's: no kernel mixes its values
 
 
 def check_queries(stored: Any, queries: mx.array) -> None:
@@ -93,7 +95,10 @@ class PlannedAttention:
         """Attention of ``queries`` (``(B, Hq, L, D)``, a few rows) over ``cache``'s sinks,
         single coded tier and window in one softmax, or None where no fused kernel takes the
         shape (the caller attends through the segments)."""
-        if len(cache.tiers) != 1:
+        # no plan where no kernel mixes the values: a value codec whose class keeps the base
+        # kernel_values (fp16 values), which kernel_sides declines whatever the record (a
+        # retention cache's body, which changes every step, would be planned every step)
+        if len(cache.tiers) != 1 or type(cache.tiers[0].value_codec).kernel_values is _NO_KERNEL:
             return None
         stored = cache.stored
         ks, vs = stored.coded[0]

@@ -98,7 +98,8 @@ class RetentionMixin:
                 f"{self.stored.positions.tokens} body tokens"
             )
         self._planned.clear()  # the coded segment changes: its decode plan with it
-        pos = self.stored.positions.view().data["x"][0, 0, start : start + n, 0]
+        # (tokens in use: read from the buffer itself, without a view of them)
+        pos = self.stored.positions.buf.data["x"][0, 0, start : start + n, 0]
         codec = self.tiers[0].value_codec
         self.stored.coded[0][1].write(start, codec.encode(values.astype(self.stored.dtype), pos))
 
@@ -110,11 +111,22 @@ class RetentionMixin:
             self.stored.coded[0][1].append(vp)
             return
         b, h = self.stored.dims[:2]
-        pos = mx.broadcast_to(positions.astype(mx.int32)[None, None, :, None], (b, h, kp.tokens, 1))
+        n = kp.tokens
+        pos = mx.broadcast_to(positions.astype(mx.int32).reshape(1, 1, n, 1), (b, h, n, 1))
         if not self.ragged:
-            self.stored.coded[0][0].append(kp)
-            self.stored.coded[0][1].append(vp)
-            self.stored.positions.append(Packed({"x": pos}, kp.tokens))
+            ks, vs = self.stored.coded[0]
+            ps = self.stored.positions
+            if all(s.buf is not None and s.tokens + n <= s.buf.tokens for s in (ks, vs, ps)):
+                # a decode step after a cut, which left the buffers room for the tokens stored
+                # until the next one: written in place (the records are the codecs' own)
+                ks.put(kp)
+                vs.put(vp)
+                ps.buf.data["x"][:, :, ps.tokens : ps.tokens + n] = pos
+                ps.tokens += n
+                return
+            ks.append(kp)
+            vs.append(vp)
+            ps.append(Packed({"x": pos}, n))
             return
         for i, (ks, vs, ps) in enumerate(self.stored.heads):
             ks.append(kp.map(lambda _, a, i=i: a[:, i : i + 1]))

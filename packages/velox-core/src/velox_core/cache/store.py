@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
 from ..codec.base import Packed
@@ -140,19 +142,18 @@ class PackedStore:
             rows: a dict shared by the stores cut by one index (keys, values, positions):
                 the flattened row indices, made once for buffers of the same shape.
         """
-        view = self.view()
-        if view is None:
+        buf = self.buf  # gathered from the buffers themselves: no view of the tokens in use
+        if buf is None or self.tokens == 0:
             return
         n = index.shape[-1]
         if n == 0:
             self.replace(None)
             return
-        if view.per_block:
+        if buf.per_block:
             raise ValueError("PackedStore.keep: tokens of a block-coded record cannot be gathered")
-        cap = self.capacity
+        cap = buf.tokens
         size = min(cap, n if room is None else max(room, n))  # the buffers' tokens after
-        first = next(iter(view.data.values()))
-        b, h = first.shape[:2]
+        b, h = next(iter(buf.data.values())).shape[:2]
         rows = {} if rows is None else rows
         if (b, h, cap, size) not in rows:
             idx = index.astype(mx.int32)
@@ -161,8 +162,7 @@ class PackedStore:
             if size > n:  # the slack rows: the last kept token again
                 idx = mx.concatenate([idx, mx.broadcast_to(idx[..., -1:], (b, h, size - n))], 2)
             # each row's source in the buffers, flattened over (batch, head, token)
-            base = (mx.arange(b * h, dtype=mx.int32) * cap).reshape(b, h, 1)
-            rows[b, h, cap, size] = (idx + base).reshape(-1)
+            rows[b, h, cap, size] = (idx + _row_starts(b, h, cap)).reshape(-1)
         flat = rows[b, h, cap, size]
 
         def gather(_, a: mx.array) -> mx.array:
@@ -202,6 +202,13 @@ class PackedStore:
 
     def arrays(self) -> list[mx.array]:
         return [] if self.buf is None else self.buf.arrays()
+
+
+@functools.lru_cache(maxsize=64)
+def _row_starts(b: int, h: int, cap: int) -> mx.array:
+    """The first flattened row of each (batch, head) in buffers of ``cap`` tokens: int32
+    ``(b, h, 1)`` (a constant of the shape, made once)."""
+    return (mx.arange(b * h, dtype=mx.int32) * cap).reshape(b, h, 1)
 
 
 def _write(dst: mx.array, src: mx.array, row: int) -> mx.array:

@@ -32,6 +32,7 @@ Gumbel noise).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar
 
 import mlx.core as mx
@@ -155,8 +156,7 @@ class AccumulatedPolicy(RetentionPolicy):
         """The tokens just stored start with a score of zero."""
         if self.budget is None:
             return
-        b, h = view.batch, view.kv_heads
-        new = mx.zeros((b, h, view.offset - start), dtype=mx.float32)
+        new = _zero_scores(view.batch, view.kv_heads, view.offset - start)
         old = self._scores
         self._scores = new if old is None else mx.concatenate([old, new], axis=2)
 
@@ -219,10 +219,10 @@ class AccumulatedPolicy(RetentionPolicy):
         b, h = view.batch, view.kv_heads
         n_sink = view.sink_count()
         parts = [mx.broadcast_to(mx.arange(n_sink, dtype=mx.int32), (b, h, n_sink))]
-        body, t = view.body_positions(), 0
-        if all(p is not None for p in body):
-            parts.append(mx.stack(body, axis=1).astype(mx.int32))
-            t = parts[-1].shape[2]
+        body, t = view.body_positions(joined=True), 0
+        if body is not None:
+            parts.append(body.astype(mx.int32))
+            t = body.shape[2]
         n_win = view.size() - n_sink - t
         win = mx.arange(view.offset - n_win, view.offset, dtype=mx.int32)
         parts.append(mx.broadcast_to(win, (b, h, n_win)))
@@ -243,12 +243,28 @@ class AccumulatedPolicy(RetentionPolicy):
         self._sync(view)
         why = "the votes every query gives each token choose the tokens to keep"
         self._check_routed(view, why)
-        n_sink, t = view.sink_count(), body_pos.shape[2]
-        acc = self._scores[:, :, n_sink : n_sink + t]
-        unseen = body_pos >= self._seen
-        above = mx.max(acc, axis=2, keepdims=True) + 1.0  # above every accumulated score
-        s = mx.where(unseen, above + (body_pos - self._seen).astype(mx.float32), acc)
+        s = acc = self._body_part(view.sink_count(), body_pos.shape[2])
+        if self._seen < view.offset:  # (a decode step's cut: every stored token voted on)
+            unseen = body_pos >= self._seen
+            above = mx.max(acc, axis=2, keepdims=True) + 1.0  # above every accumulated score
+            s = mx.where(unseen, above + (body_pos - self._seen).astype(mx.float32), acc)
         return mx.where(body_pos >= view.offset - self.recent, mx.inf, s)
+
+    def _body_replaced(self, n_sink: int, t: int, body: mx.array) -> mx.array:
+        """The scores with their ``t`` body scores after the ``n_sink`` sinks' replaced by
+        ``body`` (``(B, H, t')``): the sinks', ``body``, the window's (those that exist)."""
+        acc = self._scores
+        parts = [acc[:, :, :n_sink]] if n_sink else []
+        parts.append(body)
+        if n_sink + t < acc.shape[2]:
+            parts.append(acc[:, :, n_sink + t :])
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+
+    def _body_part(self, n_sink: int, t: int) -> mx.array:
+        """The body tokens' scores: ``(B, H, t)`` after the ``n_sink`` sinks' (the scores
+        themselves where the body is every stored token)."""
+        acc = self._scores
+        return acc if n_sink == 0 and t == acc.shape[2] else acc[:, :, n_sink : n_sink + t]
 
     def _check_routed(self, view, why: str) -> None:
         """Raise unless every stored token has been voted on or the cache is routed (its
@@ -261,14 +277,13 @@ class AccumulatedPolicy(RetentionPolicy):
 
     def select(self, view, k: int):
         """The top ``k`` body tokens per KV head, ``(B, H, k)``; their scores are kept."""
-        pos = view.body_positions()
-        if any(p is None for p in pos):
-            return mx.zeros((view.batch, len(pos), 0), dtype=mx.int32)
-        body_pos = mx.stack(pos, axis=1)
+        body_pos = view.body_positions(joined=True)
+        if body_pos is None:
+            return mx.zeros((view.batch, view.kv_heads, 0), dtype=mx.int32)
         idx = top_k_sorted(self._body_scores(view, body_pos), k)
-        n_sink, t, acc = view.sink_count(), body_pos.shape[2], self._scores
-        kept = mx.take_along_axis(acc[:, :, n_sink : n_sink + t], idx, axis=2)
-        self._scores = mx.concatenate([acc[:, :, :n_sink], kept, acc[:, :, n_sink + t :]], axis=2)
+        n_sink, t = view.sink_count(), body_pos.shape[2]
+        kept = mx.take_along_axis(self._body_part(n_sink, t), idx, axis=2)
+        self._scores = self._body_replaced(n_sink, t, kept)
         return idx
 
     # -- batch rows (called by VeloxCache.filter / extend) -------------------------------------
@@ -328,6 +343,13 @@ class AttentionVotes(AccumulatedPolicy):
         queries and averaged over the query heads of each KV head (:func:`window_votes`'s
         rule, :func:`~velox_core.policy.votes.fuse_weights`)."""
         return fuse_weights(weights)
+
+
+@functools.lru_cache(maxsize=8)
+def _zero_scores(b: int, h: int, n: int) -> mx.array:
+    """The scores of ``n`` tokens just stored, zero: float32 ``(b, h, n)`` (made once for a
+    decode step's shape)."""
+    return mx.zeros((b, h, n), dtype=mx.float32)
 
 
 def layer_key(seed: int, layer: int | None) -> mx.array:

@@ -178,6 +178,11 @@ class RetentionPolicy(Configured):
 
     def select(self, view, k: int):
         """Indices of the body tokens to keep: ``(B, H, k)``, the top ``k`` per head."""
+        if type(self).score is RetentionPolicy.score:  # the recency score, every head at once
+            pos = view.body_positions(joined=True)
+            if pos is None:
+                return mx.zeros((view.batch, view.kv_heads, 0), dtype=mx.int32)
+            return top_k_sorted(pos.astype(mx.float32), k)
         scores = self.score(view)
         if any(s is None for s in scores):
             return mx.zeros((view.batch, len(scores), 0), dtype=mx.int32)

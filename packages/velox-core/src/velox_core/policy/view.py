@@ -100,38 +100,48 @@ class PolicyView:
         they are kept as given (no key codec)."""
         return self._body(0)
 
-    def body_values(self, stop: int | None = None) -> list[mx.array | None]:
+    def body_values(self, stop: int | None = None, joined: bool = False):
         """Decoded body values, float32: one ``(B, 1, T_h, Dv)`` array per KV head (None
         where a head holds no body token); with ``stop``, each head's first ``stop`` tokens
         alone (``T_h`` at most ``stop``: only those are decoded where the codec decodes a
-        slice of its record exactly)."""
+        slice of its record exactly). With ``joined``, one ``(B, H, T, Dv)`` array of every
+        head (None where a head holds no body token; ``ValueError`` where ragged heads hold
+        different counts): the per-head arrays concatenated along the heads."""
+        if joined:
+            x = self._body(1, stop, joined=True)
+            return None if x is None else x.astype(mx.float32)
         return [None if v is None else v.astype(mx.float32) for v in self._body(1, stop)]
 
-    def body_positions(self) -> list[mx.array | None]:
+    def body_positions(self, joined: bool = False):
         """Absolute positions of the body tokens, ascending: one int32 ``(B, T_h)`` array per
-        KV head (None where a head holds no body token)."""
+        KV head (None where a head holds no body token). With ``joined``, one int32 ``(B, H,
+        T)`` array of every head (None where a head holds no body token; ``ValueError``
+        where ragged heads hold different counts): the per-head arrays stacked."""
         st = self._cache.stored
         if st.heads is not None:  # ragged: one record per head
-            return [p.view().data["x"][:, 0, :, 0] if p.tokens else None for _, _, p in st.heads]
+            per = [p.view().data["x"][:, 0, :, 0] if p.tokens else None for _, _, p in st.heads]
+            return _joined(per, mx.stack) if joined else per
         pv = st.positions.view()
         if pv is None:
-            return [None] * st.dims[1]
+            return None if joined else [None] * st.dims[1]
         pos = pv.data["x"][..., 0]
-        return [pos[:, h] for h in range(pos.shape[1])]
+        return pos if joined else [pos[:, h] for h in range(pos.shape[1])]
 
-    def _body(self, side: int, stop: int | None = None) -> list[mx.array | None]:
-        """The body's keys (``side`` 0) or values (1) decoded by their codec, per KV head;
-        the first ``stop`` tokens of each alone, if given."""
+    def _body(self, side: int, stop: int | None = None, joined: bool = False):
+        """The body's keys (``side`` 0) or values (1) decoded by their codec, per KV head (or
+        ``joined``: one array of every head, None where a head holds none); the first
+        ``stop`` tokens of each alone, if given."""
         st, codec = self._cache.stored, self.codecs[side]
         if st.heads is not None:
-            return [
+            per = [
                 _decode(codec, s[side].view(), stop) if s[side].tokens else None for s in st.heads
             ]
+            return _joined(per, mx.concatenate) if joined else per
         rec = st.coded[0][side].view()
         if rec is None:
-            return [None] * st.dims[1]
+            return None if joined else [None] * st.dims[1]
         x = _decode(codec, rec, stop)
-        return [x[:, h : h + 1] for h in range(x.shape[1])]
+        return x if joined else [x[:, h : h + 1] for h in range(x.shape[1])]
 
     def protected(self) -> tuple[Tokens, Tokens]:
         """The sinks and the window as stored (never evicted): ``(sinks, window)``, each a
@@ -239,7 +249,21 @@ def _decode(codec, rec, stop: int | None) -> mx.array:
     stop = max(stop, 0)
     if codec.decodes_slices:
         rec = rec.slice(0, min(-(-stop // rec.block) * rec.block, rec.tokens))
-    return codec.decode(rec)[:, :, :stop]
+    x = codec.decode(rec)
+    return x if x.shape[2] == stop else x[:, :, :stop]
+
+
+def _joined(per: list, join) -> mx.array | None:
+    """Per-head arrays of a ragged body joined along the heads by ``join`` (``mx.stack`` or a
+    concatenation), None where a head holds none; ``ValueError`` where their lengths differ."""
+    if any(x is None for x in per):
+        return None
+    if len({x.shape for x in per}) > 1:
+        raise ValueError(
+            "joined: the KV heads hold different numbers of body tokens (per-head budgets); "
+            "read them head by head"
+        )
+    return join(per, axis=1)
 
 
 def _as_given(stores) -> tuple[mx.array | None, mx.array | None]:

@@ -77,7 +77,8 @@ class QueryWindow:
         """
         self.weights, self._weighed = None, None
         start = view.offset - queries.shape[2]  # position of this call's first query
-        new, old = queries[:, :, -self.size :], self.queries
+        whole = queries.shape[2] <= self.size  # the call's every query is buffered
+        new, old = (queries if whole else queries[:, :, -self.size :]), self.queries
         joined = False
         if old is not None and new.shape[2] < self.size and self.end >= start:
             before = start - (self.end - old.shape[2])  # buffered queries before `start`
@@ -87,8 +88,9 @@ class QueryWindow:
                 old = old[:, :, :before][:, :, -(self.size - new.shape[2]) :]
                 new = mx.concatenate([old.astype(new.dtype), new], axis=2)
         if weights is not None and not joined:
-            self.weights, self._weighed = weights[:, :, :, -self.size :], _covered(view)
-        self.queries = mx.contiguous(new)
+            w = weights if whole else weights[:, :, :, -self.size :]
+            self.weights, self._weighed = w, _covered(view)
+        self.queries = new if whole and not joined else mx.contiguous(new)
         self.end = view.offset
         self.scale = float(scale)
         if queries.shape[2] > self.size or (joined and detach):
@@ -129,7 +131,7 @@ class QueryWindow:
             return None
         if self.weights is not None and self._weighed == _covered(view):
             n_sink = view.sink_count()  # the weights held, over the same tokens
-            return fuse_weights(self.weights, fusion)[:, :, n_sink : n_sink + t]
+            return _body_columns(fuse_weights(self.weights, fusion), n_sink, t)
         first = self.end - q.shape[2]  # position of the first buffered query
         seen = min(q.shape[2], view.offset - first)  # queries trimmed away do not vote
         if seen <= 0:
@@ -139,7 +141,7 @@ class QueryWindow:
         k_pos = _stored_positions(view, body_pos)
         q_pos = mx.arange(first, first + seen, dtype=mx.int32)
         p = window_weights(q[:, :, :seen], q_pos, keys, k_pos, self.scale)
-        return fuse_weights(p, fusion)[:, :, n_sink : n_sink + t]
+        return _body_columns(fuse_weights(p, fusion), n_sink, t)
 
     # -- batch rows ---------------------------------------------------------------------------
     def filter_batch(self, idx: mx.array) -> None:
@@ -189,11 +191,17 @@ def _covered(view) -> tuple[int, int, int]:
     return view.offset, size, size - view.sink_count() - (sizes[0] if sizes else 0)
 
 
+def _body_columns(votes: mx.array, n_sink: int, t: int) -> mx.array:
+    """The ``t`` body columns after the ``n_sink`` sinks' of votes ``(B, H, S)`` over every
+    stored token (the votes themselves where the body is every stored token)."""
+    return votes if n_sink == 0 and t == votes.shape[2] else votes[:, :, n_sink : n_sink + t]
+
+
 def _stored_positions(view, body_pos: mx.array | None = None) -> mx.array:
     """The absolute position of every stored token, in storage order (sinks, body, window):
     int32 ``(B, H, S)``; ``body_pos`` the body's ``(B, H, T)``, if at hand."""
     if body_pos is None:
-        body_pos = mx.stack(view.body_positions(), axis=1)
+        body_pos = view.body_positions(joined=True)
     b, h, t = body_pos.shape
     n_sink = view.sink_count()
     n_win = view.size() - n_sink - t
