@@ -368,7 +368,13 @@ def test_bad_codec_arguments():
 @pytest.mark.parametrize("bits,variant", [(3, "mse"), (2, "prod"), (2.5, "mse")])
 def test_a_block_aligned_slice_decodes_to_the_whole_record_s_tokens(bits, variant):
     """What ``decodes_slices`` declares (integer widths per token, fractional widths per
-    group of ``group`` tokens), in the original and the rotated domain."""
+    group of ``group`` tokens), in the original and the rotated domain: a slice decodes to
+    the whole record's tokens up to the rounding of the rotation's matmul, whose BLAS may
+    block a 64-row product unlike a 192-row one (float32 to 1e-5, float16 to one unit)."""
+
+    def same(got, want, tol):
+        return mx.allclose(got.astype(mx.float32), want.astype(mx.float32), rtol=tol, atol=tol)
+
     codec = TurboQuant(bits, variant, group=32 if isinstance(bits, float) else None)
     assert codec.decodes_slices
     k, _ = kv_data(t=192)
@@ -377,11 +383,11 @@ def test_a_block_aligned_slice_decodes_to_the_whole_record_s_tokens(bits, varian
     whole16 = codec.decode_as(packed, mx.float16)
     for a, z in ((0, 64), (64, 96), (96, 192), (32, 160)):
         part = packed.slice(a, z)
-        assert mx.array_equal(codec.decode(part), whole[:, :, a:z]), (a, z)
-        assert mx.array_equal(codec.decode_as(part, mx.float16), whole16[:, :, a:z]), (a, z)
+        assert same(codec.decode(part), whole[:, :, a:z], 1e-5), (a, z)
+        assert same(codec.decode_as(part, mx.float16), whole16[:, :, a:z], 2**-10), (a, z)
         if codec.stored_rotation() is not None:
             rot = codec.decode_rotated_as(packed, mx.float16)[:, :, a:z]
-            assert mx.array_equal(codec.decode_rotated_as(part, mx.float16), rot)
+            assert same(codec.decode_rotated_as(part, mx.float16), rot, 2**-10)
 
 
 @pytest.mark.parametrize("bits", [3, 2.5])
