@@ -39,14 +39,22 @@ def test_default_chunk_holds_the_longest_context(cmp, monkeypatch):
         _parsed(cmp, monkeypatch, ["--chunk", "-1"])
 
 
-def _lowest(keys: np.ndarray, k: int) -> np.ndarray:
-    """``(H, n)`` mask of the ``k`` lowest-norm keys of each head of ``keys (H, n, D)``
-    (KNorm's float32 norms: two keys may differ below float64's resolution of them)."""
-    scores = np.array(key_norm_scores(mx.array(keys)))
-    m = np.zeros(scores.shape, dtype=bool)
-    for h, row in enumerate(scores):
-        m[h, np.argsort(-row)[:k]] = True
-    return m
+def _scores(keys: np.ndarray) -> np.ndarray:
+    """KNorm's ``(H, n)`` scores (float32 negated norms) of ``keys (H, n, D)``."""
+    return np.array(key_norm_scores(mx.array(keys)))
+
+
+def _keeps_lowest(mask: np.ndarray, scores: np.ndarray, k: int, rtol: float = 0.0) -> bool:
+    """Whether ``mask (H, n)`` keeps, in each head, ``k`` keys none of which has a larger norm
+    than a key it drops, up to ``rtol`` of the norm. Keys that tie in float32 at the cut may
+    go either way (which of them a top-k keeps depends on its order of work, not on the
+    method); keys computed in other chunks differ in the last digits (BLAS blocks a 256-row
+    product unlike a 1,024-row one), so near-ties at the cut may flip there."""
+    for m, row in zip(mask, scores):
+        cut = row[~m].max()
+        if m.sum() != k or row[m].min() < cut - rtol * abs(cut):
+            return False
+    return True
 
 
 def test_knorm_keeps_the_lowest_norms_of_one_pass(cmp, drift):
@@ -67,18 +75,20 @@ def test_knorm_keeps_the_lowest_norms_of_one_pass(cmp, drift):
 
     # the keys of one pass over the whole context (KNorm's caches cut after it)
     keys = drift._velox_keys(model, mx.float32, prompt.context, spec, n)
-    expected = np.stack([_lowest(keys[i], budget) for i in glob])
+    scores = np.stack([_scores(keys[i]) for i in glob])
 
     whole = cmp.prefill_chunk(0, [1024])
     kept, _ = cmp._velox_masks(model, mx.float32, prompt, spec, whole, tok)
-    assert kept.shape == expected.shape
-    assert np.array_equal(kept, expected)
+    assert kept.shape == scores.shape
+    assert all(_keeps_lowest(m, sc, budget) for m, sc in zip(kept, scores))
 
     # in chunks, a chunk attends to the kept part of the earlier ones in the first global
     # layer, and the layers above compute other keys: KNorm keeps other positions there
     chunked, _ = cmp._velox_masks(model, mx.float32, prompt, spec, 256, tok)
-    assert np.array_equal(chunked[0], expected[0])
-    assert not np.array_equal(chunked[1:], expected[1:])
+    assert _keeps_lowest(chunked[0], scores[0], budget, rtol=1e-5)
+    assert not all(
+        _keeps_lowest(m, sc, budget, rtol=1e-5) for m, sc in zip(chunked[1:], scores[1:])
+    )
 
 
 def test_layer_stats(drift):
