@@ -421,8 +421,10 @@ def test_readable_on_cuda_only_where_turned_on_and_one_row(monkeypatch):
     q = mx.random.normal((1, 4, 1, RANK))
     for group, why in ((32, "one record a token on MLX's CUDA backend"), (64, "")):
         c = LatentCache(bits=4, group=group)
-        c.update_and_fetch(mx.random.normal((1, 1, 8, RANK)), mx.random.normal((1, 1, 8, PE)))
-        got = c._unreadable(q, None, None)
+        latent, _ = c.update_and_fetch(
+            mx.random.normal((1, 1, 8, RANK)), mx.random.normal((1, 1, 8, PE))
+        )
+        got = c._unreadable(q, latent, None, None)
         assert (why in got) if why else got == "", (group, got)
 
 

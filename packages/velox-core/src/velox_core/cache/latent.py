@@ -296,7 +296,7 @@ class LatentCache(_BaseCache):
         if fetched is None or keys is not fetched or values is not fetched:
             self.decode_path = "decoded: attention is given other arrays than the latent"
             return None
-        why = absorbed.turned_off() or self._unreadable(queries, mask, sinks)
+        why = absorbed.turned_off() or self._unreadable(queries, fetched, mask, sinks)
         segments = [] if why else self._segments()
         why = why or absorbed.codes_unreadable(segments)
         if why:
@@ -313,22 +313,19 @@ class LatentCache(_BaseCache):
         segments = [one] if one is not None else self._store.segments()
         return [(s.value_codec, s.values) for s in segments]
 
-    def _unreadable(self, queries: mx.array, mask, sinks) -> str:
-        """Why :meth:`attend` leaves a call with the model's latent to the reference path
-        ("" where it does not)."""
+    def _unreadable(self, queries: mx.array, latent: mx.array, mask, sinks) -> str:
+        """Why :meth:`attend` leaves a call with the model's ``latent`` (the one the last
+        :meth:`update_and_fetch` returned) to the reference path ("" where it does not)."""
         if sinks is not None:
             return "attention sinks"
-        st = self._store
-        joint = isinstance(st, JointLatent)
-        b = st.batch if joint else st.stored.batch
-        shape = tuple(queries.shape)
+        b, shape = latent.shape[0], tuple(queries.shape)
         if len(shape) != 4 or shape[0] != b or shape[3] != self.dims[0]:
             return f"queries {shape} are not (batch={b}, heads, L, latent={self.dims[0]})"
         if isinstance(mask, str):
             return "" if mask == "causal" and shape[2] == 1 else f"mask {mask!r}"
         if mask is not None and (mask.ndim > 4 or mask.shape[-1] != self.size()):
             return f"a mask of shape {tuple(mask.shape)} over {self.size()} stored tokens"
-        if joint:  # the latent's codes are a slice of each record
+        if getattr(self._store, "codes_sliced", False):
             from ..kernels import backend
 
             if backend() == "cuda":

@@ -49,6 +49,9 @@ class JointLatent:
         step: the buffers' largest growth quantum, in tokens (``PackedStore``'s).
     """
 
+    # the latent's codes are a slice of each token's record, not an array of their own
+    codes_sliced = True
+
     def __init__(self, codec: Uniform, dims: tuple[int, int], step: int = 256):
         self.codec = codec
         self.dims = dims
