@@ -73,6 +73,54 @@ def test_prompt_cache_without_budget_and_its_sessions():
     assert cache.info()["sequences"] == 3 and cache.info()["evicted"] == 1
 
 
+def _filled(spec: str, tokens: int, layers: int = 2) -> list:
+    import mlx.core as mx
+
+    import velox_core
+
+    k = mx.random.normal((1, 2, tokens, 64), key=mx.random.key(0)).astype(mx.float16)
+    caches = [velox_core.make(spec) for _ in range(layers)]
+    for c in caches:
+        c.update_and_fetch(k, k * 0.5)
+    return caches
+
+
+def test_prompt_cache_reuses_a_longer_entrys_prefix_where_velox_caches_keep_it():
+    """mlx-lm trims a longer entry to a new prompt's shared prefix only where every layer is
+    exactly trimmable; a velox cache with a window is not (coded tokens stay coded), so
+    mlx-lm's own prompt cache reuses nothing of it. velox serve's does (reuses_prefix), and a
+    longer entry replaces the entries that are prefixes of it."""
+    from mlx_lm.models.cache import LRUPromptCache
+
+    long_key, prompt = list(range(100)), [*range(60), 500, 501]
+    entry = _filled("uniform:bits=4", 100)
+    assert not entry[0].is_trimmable() and entry[0].reuses_prefix()
+    plain = LRUPromptCache(max_size=10)
+    plain.insert_cache("m", long_key, entry)
+    assert plain.fetch_nearest_cache("m", prompt) == (None, prompt)
+
+    cache = _prompt_cache_class()(max_size=10)
+    cache.insert_cache("m", long_key[:80], _filled("uniform:bits=4", 80))
+    cache.insert_cache("m", long_key, entry)  # its prefix entry goes
+    assert cache.info()["sequences"] == 1 and cache.nbytes == sum(c.nbytes for c in entry)
+    got, rest = cache.fetch_nearest_cache("m", prompt)
+    assert rest == [500, 501] and [c.offset for c in got] == [60, 60]
+    assert [c.offset for c in entry] == [100, 100]  # the stored entry is a copy's source
+    held, kept = entry[0].keys_and_values()[0], got[0].keys_and_values()[0]
+    assert mx_close(kept, held[:, :, :60])
+
+    # an evicting cache's trim cannot give back what its policy dropped: nothing reused
+    evicting = _prompt_cache_class()(max_size=10)
+    evicting.insert_cache("m", long_key, _filled("snapkv:budget=64", 100))
+    assert evicting.fetch_nearest_cache("m", prompt) == (None, prompt)
+
+
+def mx_close(a, b) -> bool:
+    import mlx.core as mx
+
+    return a.shape == b.shape and mx.allclose(a, b, rtol=0, atol=1e-2).item()
+
+
 def test_sizes_are_read_as_mlx_lm_reads_them_and_bad_ones_refused():
     import argparse
 

@@ -44,9 +44,18 @@ mlx-lm's ``--prompt-cache-size``, ``peak_resident_bytes`` the most the cache hel
 insertion or trim, ``evicted`` the entries given up for either limit (one larger than the
 budget included), and ``sessions`` the entries that are no prefix of another entry. mlx-lm
 stores a batched request's prompt when its prefill ends and the prompt with its answer when
-it finishes: where the cache cannot be trimmed (most velox caches:
-``VeloxCache.is_trimmable``) both stay, two entries of one session; a trimmable cache's
-second entry replaces the first.
+it finishes: where the caches keep a trimmed prefix the second entry replaces the first;
+where they cannot (an eviction policy, per-head budgets, a codec fitted on the stored
+tokens) both stay, two entries of one session.
+
+A new prompt that shares a prefix with a longer stored entry reuses that prefix: the entry is
+copied and trimmed to it, as mlx-lm does for its fp16 cache. mlx-lm trims only caches whose
+``is_trimmable()`` is True (a trim that leaves exactly the cache that never saw the trimmed
+tokens), which most velox caches answer False: their window holds the newest tokens as given
+and flushes them in blocks, so a trim leaves the kept tokens coded where a fresh cache would
+hold up to ``window + flush`` of them as given. ``velox serve`` trims every cache whose
+``reuses_prefix()`` is True (``velox_cli.serve_cache.trims_to_prefix``): the kept tokens are
+what the entry held, codes' rounding included, as with mlx-lm's ``--kv-bits`` cache.
 
 ``--model`` (and ``--draft-model``) take what ``velox bench`` and ``velox generate`` take: an
 mlx-lm directory, a ``.gguf`` file or a model name (``smollm2``, ``gemma3``; see

@@ -1,10 +1,13 @@
 """``velox serve``'s prompt cache: mlx-lm's ``LRUPromptCache`` held within
 ``--prompt-cache-bytes`` after every insertion, with an entry a request reuses made the most
-recent, and the counts ``GET /v1/velox`` reports (see :mod:`velox_cli.serve`).
+recent, a longer entry's prefix reused wherever its caches keep a trimmed prefix
+(:func:`trims_to_prefix`), and the counts ``GET /v1/velox`` reports (see
+:mod:`velox_cli.serve`).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import threading
@@ -13,10 +16,24 @@ from typing import Any
 __all__: list[str] = []
 
 
+def trims_to_prefix(prompt_cache: list) -> bool:
+    """Whether every layer cache of ``prompt_cache`` can be trimmed to a shorter prompt's
+    prefix: mlx-lm's ``is_trimmable``, or a velox cache's ``reuses_prefix`` (coded tokens
+    stay coded: ``VeloxCache.reuses_prefix``). mlx-lm asks ``is_trimmable`` alone, which most
+    velox caches answer False (a trim is not exactly the cache that never saw the tokens), so
+    its server reuses no prefix of a longer entry of theirs."""
+
+    def one(c) -> bool:
+        reuses = getattr(c, "reuses_prefix", None)
+        return c.is_trimmable() or (reuses is not None and reuses())
+
+    return all(one(c) for c in prompt_cache)
+
+
 @functools.cache
 def _prompt_cache_class():
     """:class:`VeloxPromptCache`, built on mlx-lm's ``LRUPromptCache`` once it is imported."""
-    from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
+    from mlx_lm.models.cache import LRUPromptCache
 
     class _Order(LRUPromptCache.CacheOrder):
         """mlx-lm's eviction order, counting the entries it gives up (``pop`` evicts; an
@@ -44,34 +61,63 @@ def _prompt_cache_class():
             self._lock = threading.RLock()
             self.peak_nbytes = 0
 
-        def _reused_key(self, model, tokens):
-            """The entry ``fetch_nearest_cache`` copies for ``tokens`` (its choice), or None."""
+        def _reused(self, model, tokens) -> tuple[Any, int, int] | None:
+            """``(key, trimmed, reused)``: the entry a request for ``tokens`` copies, how many
+            of its last tokens the copy drops and how many of ``tokens`` it holds; None where
+            no entry serves. mlx-lm's choice, with :func:`trims_to_prefix` in place of its
+            ``can_trim_prompt_cache``."""
             found = self._trie.search(model, tokens)
             if found.exact is not None:
-                return found.exact
+                return found.exact, 0, len(tokens)
             short = len(found.shorter) if found.shorter is not None else 0
             if found.longer is not None and found.common_prefix > short:
                 entry = self._trie.get(found.model, found.longer)
-                if can_trim_prompt_cache(entry.prompt_cache):
-                    return found.longer
-            return found.shorter if short > 0 else None
+                if trims_to_prefix(entry.prompt_cache):
+                    prefix = min(len(tokens) - 1, found.common_prefix)
+                    return found.longer, len(found.longer) - prefix, prefix
+            return (found.shorter, 0, short) if short > 0 else None
 
         def fetch_nearest_cache(self, model, tokens):
             with self._lock:
-                key = self._reused_key(model, tokens)
-                if key is not None:
-                    entry = self._trie.get(model, key)
-                    self._lru.remove(model, key)
-                    self._lru.push(model, key, entry.cache_type)
-                return super().fetch_nearest_cache(model, tokens)
+                reused = self._reused(model, tokens)
+                if reused is None:
+                    return None, tokens
+                key, trimmed, n = reused
+                entry = self._trie.get(model, key)
+                self._lru.remove(model, key)
+                self._lru.push(model, key, entry.cache_type)
+                cache = copy.deepcopy(entry.prompt_cache)
+            for c in cache if trimmed else ():
+                c.trim(trimmed)
+            return cache, tokens[n:]
 
         def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
             with self._lock:
                 if self.budget is not None and sum(c.nbytes for c in prompt_cache) > self.budget:
                     self._lru.popped += 1  # never stored: mlx-lm would evict every entry,
                     return  # then this one
-                super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+                exact = all(c.is_trimmable() for c in prompt_cache)
+                if exact or not trims_to_prefix(prompt_cache):
+                    super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+                else:
+                    self._insert_dropping_prefixes(model, tokens, prompt_cache, cache_type)
                 self.peak_nbytes = max(self.peak_nbytes, self._n_bytes)
+
+        def _insert_dropping_prefixes(self, model, tokens, prompt_cache, cache_type):
+            """Store an entry whose caches keep a trimmed prefix and drop the entries that
+            are prefixes of it, before the limits evict anything (as mlx-lm does for a
+            trimmable entry: this one serves their requests)."""
+            limits = self.max_size, self.max_bytes
+            self.max_size = self.max_bytes = 1 << 63
+            try:
+                super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+            finally:
+                self.max_size, self.max_bytes = limits
+            for n, entry in self._trie.pop_prefixes(model, tokens):
+                self._n_bytes -= entry.nbytes
+                self._n_bytes_by_type[entry.cache_type] -= entry.nbytes
+                self._lru.remove(model, tokens[:n])
+            super().trim_to(n_sequences=self.max_size, n_bytes=self.max_bytes)
 
         def trim_to(self, *, n_sequences=None, n_bytes=None):
             with self._lock:

@@ -152,6 +152,36 @@ class CacheConformance:
         assert c.offset == ref.offset and c.size() == ref.size()
         assert _same(c.attend(q, scale=0.1), ref.attend(q, scale=0.1))
 
+    def test_trim_keeps_the_prefix_where_the_cache_reuses_it(self):
+        """reuses_prefix() promises that trim keeps the first tokens as the cache holds them
+        (a prompt cache may then serve a shorter prompt's prefix from a longer entry): a
+        coded block the trim splits is decoded back into the window by another order of
+        float16 work: to one unit of float16 at the largest value's scale."""
+        c = self.make()
+        reuses = c.reuses_prefix()
+        assert isinstance(reuses, bool) and (reuses or not c.is_trimmable())
+        if not reuses:
+            return
+        k, v = kv_data(t=180, d=self.head_dim)
+        feed(c, k, v)
+        held_k, held_v = c.keys_and_values()
+        c.trim(110)  # past any window: coded tokens are cut
+        kept_k, kept_v = c.keys_and_values()
+        assert c.offset == c.size() == 70
+        for kept, held in ((kept_k, held_k), (kept_v, held_v)):
+            unit = 2**-10 * mx.abs(held).max().item()
+            assert mx.allclose(kept, held[:, :, :70], rtol=0, atol=unit).item()
+        feed(c, k[:, :, 70:], v[:, :, 70:])  # the rest again, as a reusing request does
+        assert c.offset == 180
+        # it attends as a cache that stored the 180 tokens at once, up to where the tokens
+        # sit (coded or as given): within the suite's bound, or a quarter over its error
+        q = mx.random.normal((1, 4, 1, self.head_dim), key=mx.random.key(5)).astype(mx.float16)
+        scale = self.head_dim**-0.5
+        ref = _sdpa(q, k, v, scale)
+        once = rel_error(feed(self.make(), k, v).attend(q, scale=scale), ref)
+        bound = max(1.25 * once, self.attention_error or 0.0)
+        assert rel_error(c.attend(q, scale=scale), ref) <= bound
+
     # -- state and files ------------------------------------------------------------------------
     def test_state_round_trip(self):
         k, v = kv_data(t=150, d=self.head_dim)

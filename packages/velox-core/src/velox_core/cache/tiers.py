@@ -291,6 +291,24 @@ class TierMixin:
             and t.value_codec.block == 1
         )
 
+    def reuses_prefix(self) -> bool:
+        """Whether :meth:`trim` leaves the tokens it keeps as this cache holds them, so that a
+        prompt cache may reuse a longer entry's prefix (``velox serve`` does).
+
+        True where :meth:`is_trimmable` is, and also where only the window and flush rules
+        stop it: no retention policy, no per-head budgets, no codec fitted on the stored
+        tokens and no method's own trim rule. There the kept tokens stay coded, and a coded
+        block the trim splits is decoded back into the window: they carry their codes'
+        rounding, where a cache that never stored the trimmed tokens would hold up to
+        ``window + flush`` of them as given.
+        """
+        if self.is_trimmable():
+            return True
+        if type(self).is_trimmable is not TierMixin.is_trimmable:
+            return False  # a method's own rule (linked layers, fitted state)
+        fitted = type(self).before_coding is not TierMixin.before_coding
+        return self.policy is None and not self.ragged and not fitted
+
     def trim(self, n: int) -> int:
         """Remove the last ``n`` tokens; returns ``n``.
 
