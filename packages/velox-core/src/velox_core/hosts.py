@@ -20,11 +20,12 @@ module should import its library lazily: every field that needs it is a function
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
+
+from .plugins import load_plugins
 
 # a host's author needs these two; host_of, get_host, hosts and MLX_LM serve velox-core's own
 # modules (importable, not part of its face: tools/public_names.py)
@@ -133,19 +134,7 @@ def _load_entry_points() -> None:
     if _loaded:
         return
     _loaded = True
-    for ep in entry_points(group=GROUP):
-        try:
-            obj = ep.load()
-            host = obj if isinstance(obj, Host) else obj()
-            if not isinstance(host, Host):
-                raise TypeError(f"it gives a {type(host).__name__}, not a velox_core Host")
-        except Exception as e:  # a broken plugin must not break the others
-            warnings.warn(
-                f"velox: skipping host plugin {ep.name!r} ({ep.value}): {e}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            continue
+    for host in load_plugins(entry_points(group=GROUP), Host, call=True):
         _hosts.setdefault(host.name, host)
 
 
