@@ -20,12 +20,11 @@ module should import its library lazily: every field that needs it is a function
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
-
-from .plugins import load_plugins
 
 # a host's author needs these two; host_of, get_host, hosts and MLX_LM serve velox-core's own
 # modules (importable, not part of its face: tools/public_names.py)
@@ -127,6 +126,30 @@ def add_host(host: Host) -> Host:
         raise ValueError(f"add_host: the name {MLX_LM.name!r} is velox-core's own host")
     _hosts[host.name] = host
     return host
+
+
+def load_plugins(eps: Iterable[Any], cls: type, call: bool = False) -> list[Any]:
+    """The ``cls`` instances that the entry points ``eps`` give, in order (``call``: one may
+    also give a function of no arguments returning one). One that fails to load, or gives
+    something else, is skipped with a ``RuntimeWarning``: a broken plugin must not break the
+    others. (The methods' entry points are read with it too.)"""
+    found = []
+    for ep in eps:
+        try:
+            obj = ep.load()
+            if call and not isinstance(obj, cls):
+                obj = obj()
+            if not isinstance(obj, cls):
+                raise TypeError(f"it gives a {type(obj).__name__}, not a velox_core {cls.__name__}")
+        except Exception as e:
+            warnings.warn(
+                f"velox: skipping {cls.__name__.lower()} plugin {ep.name!r} ({ep.value}): {e}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            continue
+        found.append(obj)
+    return found
 
 
 def _load_entry_points() -> None:

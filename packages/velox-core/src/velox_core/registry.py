@@ -20,7 +20,7 @@ from typing import Any
 from .codec.base import Codec
 from .codec.identity import Identity
 from .codec.uniform import Uniform
-from .plugins import load_plugins
+from .hosts import load_plugins
 from .policy.base import RetentionPolicy
 
 __all__ = ["method_params"]

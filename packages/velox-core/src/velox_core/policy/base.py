@@ -62,8 +62,7 @@ def top_k_sorted(scores: mx.array, k: int) -> mx.array:
 
 
 def require_routed(view: Any, method: str, why: str) -> None:
-    """``ValueError`` unless the cache of ``view`` (a :class:`~.view.PolicyView`) is routed:
-    ``why`` says what the queries, which only velox attention sees, decide for ``method``."""
+    """``ValueError`` unless ``view``'s cache is routed; ``why``: what its queries decide."""
     if not view.routed:
         raise ValueError(
             f"{method}: {why}, and only velox attention sees the queries: run the model "
