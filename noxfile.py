@@ -75,6 +75,11 @@ def _pkg(name: str) -> str:
     return str(ROOT / "packages" / name)
 
 
+def _uv_install(session: nox.Session, python: str, *args: str) -> None:
+    """``uv pip install -q ARGS`` into the environment of the interpreter ``python``."""
+    session.run("uv", "pip", "install", "-q", "--python", python, *args, external=True)
+
+
 def _pytest(
     session: nox.Session,
     *args: str,
@@ -224,19 +229,14 @@ def kvpress(session: nox.Session) -> None:
     # the session's Python version (the torch wheel is built for one), its own packages
     session.run("uv", "venv", "-q", "--python", python.strip(), str(venv), external=True)
     kvpress_python = str(venv / "bin" / "python")
-    session.run(
-        "uv",
-        "pip",
-        "install",
-        "-q",
-        "--python",
+    _uv_install(
+        session,
         kvpress_python,
         *(f"--find-links={d}" for d in links),
         TORCH_CPU,
         "gguf>=0.10",
         "kvpress==0.5.5",
         "transformers==5.2.0",
-        external=True,
     )
     session.run(
         "python",
@@ -295,21 +295,10 @@ def build(session: nox.Session) -> None:
         fresh = [f"--refresh-package={q}" for q in built]
         if p in HEAVY:  # velox-core's wheel (with its dependencies), then this one without
             core = next(dist.glob("velox_core-*.whl"))
-            session.run("uv", "pip", "install", "-q", "--python", py, str(core), *fresh)
-            session.run("uv", "pip", "install", "-q", "--python", py, "--no-deps", str(wheel))
+            _uv_install(session, py, str(core), *fresh)
+            _uv_install(session, py, "--no-deps", str(wheel))
         else:
-            session.run(
-                "uv",
-                "pip",
-                "install",
-                "-q",
-                "--python",
-                py,
-                "--find-links",
-                str(dist),
-                str(wheel),
-                *fresh,
-            )
+            _uv_install(session, py, "--find-links", str(dist), str(wheel), *fresh)
         session.run(py, str(ROOT / "tools" / "check_wheel.py"), module, env=_env(), external=True)
 
 

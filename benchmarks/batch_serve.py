@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ import mlx.core as mx
 from velox_cli.specs import split_specs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import write_json
 from e2e import SHAPES, WEIGHTS, build_model, parse_ints
 
 
@@ -120,9 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['x_fp16_generation']:.2f} | {r['peak_bytes'] / 1e9:.2f} | "
             f"{r['x_fp16_peak']:.2f} | {r['wall_s']:.1f} |"
         )
-    if a.json_path:
-        Path(a.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json_path).write_text(json.dumps(rows, indent=1))
+    write_json(a.json_path, rows)
     return 0
 
 

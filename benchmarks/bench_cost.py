@@ -18,11 +18,12 @@ Default specs: ``velox bench``'s quick subset; ``--all`` the full grid.
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import sys
 import time
 from pathlib import Path
+
+from _common import write_json
 
 
 def cpu_seconds() -> float:
@@ -89,8 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(f"{k} {v:.0f} s" for k, v in slow)
         + f"); velox bench on {a.cores} idle cores: about {wall / 60:.1f} minutes"
     )
-    if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
+    write_json(a.json, out)
     return 0
 
 

@@ -20,7 +20,6 @@ drops them all when it holds more; run the command with that variable set to com
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -34,6 +33,7 @@ from velox_cli.specs import split_specs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _common import write_json
 from e2e import SHAPES, build_model, decode_generate_step, make_caches, prefill
 
 
@@ -140,9 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     base = next((r["decode_tok_s"] for r in rows if r["cache"] == "fp16"), None)
     if base:
         print("x fp16:", {r["cache"]: round(r["decode_tok_s"] / base, 3) for r in rows})
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    write_json(args.json, rows)
     return 0
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from _common import write_json
 from mlx_lm.models.cache import KVCache
 
 import velox_kvtc
@@ -240,8 +241,7 @@ def print_table(args, path: str, rows: list[dict], extra: dict) -> None:
         cells += [f"{r['kl']:.4f}", f"{r['top1']:.3f}", f"{r['same_tokens']}/{args.steps}{diff}"]
         cells += [f"{r['save_s']:.2f}", f"{r['load_s']:.2f}"]
         print("| " + " | ".join(cells) + " |")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    write_json(args.json, rows)
 
 
 def main() -> None:

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import pstats
 import statistics
 import sys
 import time
 
 import mlx.core as mx
+from _common import write_json
 
 from velox_core import routed
 from velox_core.registry import make as make_spec
@@ -99,9 +99,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         )
         print(f"{m:20s} {ms:8.3f} ms/step  {rows[-1]['x_first']:5.2f}x {args.methods[0]}")
         sys.stdout.flush()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"settings": vars(args), "rows": rows}, f, indent=1)
+    write_json(args.json, {"settings": vars(args), "rows": rows})
     return rows
 
 

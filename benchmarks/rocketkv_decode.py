@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import time
 
 import mlx.core as mx
+from _common import write_json
 
 from velox_core import routed
 from velox_core.cache.attention import attend
@@ -200,9 +200,7 @@ def main() -> None:
                 f"{r['spec']:<40} {r['tok_s']:>12.1f} {r['vs_first']:>11.2f}x "
                 f"{r['best_tok_s']:>7.1f} {r['best_vs_first']:>11.2f}x"
             )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows, "model": rates}, f, indent=1)
+    write_json(args.json, {"args": vars(args), "rows": rows, "model": rates})
 
 
 if __name__ == "__main__":

@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import types
 
 import mlx.core as mx
 import numpy as np
+from _common import write_json
 
 from velox_core import routed
 from velox_rocketkv import RocketKVPolicy, select_tokens
@@ -172,9 +172,7 @@ def main() -> None:
                 f"{lead} {layer:>5} {row['kept']:>5.1f} {row['attended']:>8.1f} "
                 f"{row['exact']:>5.1f} {row['head_w']:>6.2f}"
             )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": table}, f, indent=1)
+    write_json(args.json, {"args": vars(args), "rows": table})
 
 
 if __name__ == "__main__":

@@ -18,11 +18,11 @@ and prints, averaged over steps, layers and heads:
 from __future__ import annotations
 
 import argparse
-import json
 import types
 
 import mlx.core as mx
 import numpy as np
+from _common import write_json
 
 from velox_core import routed
 from velox_rocketkv import RocketKVPolicy, select_tokens
@@ -107,9 +107,7 @@ def main() -> None:
             f"{r['spec']:<40} {r['kept']:>5} {r['topk']:>5} {r['channels']:>4} {r['page']:>4} "
             f"{r['approx']:>7.3f} {r['exact']:>7.3f} {r['ratio']:>6.3f}"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    write_json(args.json, {"args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":

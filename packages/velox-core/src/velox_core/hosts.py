@@ -21,7 +21,7 @@ module should import its library lazily: every field that needs it is a function
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
@@ -128,24 +128,36 @@ def add_host(host: Host) -> Host:
     return host
 
 
+def load_plugins(eps: Iterable[Any], cls: type, call: bool = False) -> list[Any]:
+    """The ``cls`` instances that the entry points ``eps`` give, in order (``call``: one may
+    also give a function of no arguments returning one). One that fails to load, or gives
+    something else, is skipped with a ``RuntimeWarning``: a broken plugin must not break the
+    others. (The methods' entry points are read with it too.)"""
+    found = []
+    for ep in eps:
+        try:
+            obj = ep.load()
+            if call and not isinstance(obj, cls):
+                obj = obj()
+            if not isinstance(obj, cls):
+                raise TypeError(f"it gives a {type(obj).__name__}, not a velox_core {cls.__name__}")
+        except Exception as e:
+            warnings.warn(
+                f"velox: skipping {cls.__name__.lower()} plugin {ep.name!r} ({ep.value}): {e}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            continue
+        found.append(obj)
+    return found
+
+
 def _load_entry_points() -> None:
     global _loaded
     if _loaded:
         return
     _loaded = True
-    for ep in entry_points(group=GROUP):
-        try:
-            obj = ep.load()
-            host = obj if isinstance(obj, Host) else obj()
-            if not isinstance(host, Host):
-                raise TypeError(f"it gives a {type(host).__name__}, not a velox_core Host")
-        except Exception as e:  # a broken plugin must not break the others
-            warnings.warn(
-                f"velox: skipping host plugin {ep.name!r} ({ep.value}): {e}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            continue
+    for host in load_plugins(entry_points(group=GROUP), Host, call=True):
         _hosts.setdefault(host.name, host)
 
 

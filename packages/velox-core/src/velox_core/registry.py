@@ -13,7 +13,6 @@ to import is skipped with a warning. A *spec* names a method and its parameters 
 from __future__ import annotations
 
 import inspect
-import warnings
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 from .codec.base import Codec
 from .codec.identity import Identity
 from .codec.uniform import Uniform
+from .hosts import load_plugins
 from .policy.base import RetentionPolicy
 
 __all__ = ["method_params"]
@@ -88,25 +88,7 @@ def methods() -> dict[str, Method]:
     """Installed methods by name (plugins load on the first call)."""
     global _methods
     if _methods is None:
-        found: dict[str, Method] = {}
-        for ep in entry_points(group=GROUP):
-            try:
-                m = ep.load()
-            except Exception as e:  # a broken plugin must not break the others
-                warnings.warn(
-                    f"velox: skipping method plugin {ep.name!r} ({ep.value}): {e}",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                continue
-            if not isinstance(m, Method):
-                warnings.warn(
-                    f"velox: plugin {ep.name!r} does not export a velox_core Method",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                continue
-            found[m.name] = m
+        found = {m.name: m for m in load_plugins(entry_points(group=GROUP), Method)}
         _methods = dict(sorted(found.items()))
     return _methods
 

@@ -55,6 +55,7 @@ import mlx.core as mx
 from velox_core import RetentionPolicy
 from velox_core.codec.prerope import ROPE_SETTINGS, check_rope_settings
 from velox_core.ops.rope import RopeSpec, fast_rotate, find_rope, rope_spec
+from velox_core.policy.base import require_routed
 
 from .config import check_scoring
 from .stats import NAME, QueryStats, average_rotation
@@ -267,12 +268,7 @@ class ExpectedAttentionPolicy(RetentionPolicy):
                     "not know the model's RoPE: build the caches with "
                     f"velox_core.make_cache(model, ...), {_HINT}"
                 )
-            if not view.routed:
-                raise ValueError(
-                    f"{NAME}: the queries' statistics choose the tokens to keep, and only velox "
-                    "attention sees them: run the model inside velox_core.routed(model) "
-                    "(velox_core.generate does)"
-                )
+            require_routed(view, NAME, "the queries' statistics choose the tokens to keep")
             return recent  # routed, but no query has reached the cache yet
         d = view.key_dim
         _, spec = self.rope_for(d)

@@ -83,6 +83,7 @@ import mlx.core as mx
 
 from velox_core import RetentionPolicy
 from velox_core.policy import QueryWindow, check_fusion, top_k_sorted
+from velox_core.policy.base import require_routed
 from velox_core.policy.window import WindowState
 from velox_core.validation import check_bool, check_int
 
@@ -193,13 +194,8 @@ class MorphKVPolicy(WindowState, RetentionPolicy):
         if body_pos is None:
             return None
         votes = self.window.votes(view, body_pos, self.fusion)
-        if votes is None and not view.routed:
-            raise ValueError(
-                "morphkv: the recent window's queries choose the older tokens to keep, and "
-                "only velox attention sees them: run the model inside "
-                "velox_core.routed(model) (velox_core.generate does)"
-            )
-        if votes is None:  # routed, but no query has reached the cache yet: the most recent
+        if votes is None:  # no query has reached the cache (refused unless routed): the newest
+            require_routed(view, "morphkv", "the recent window chooses the older tokens to keep")
             s = body_pos.astype(mx.float32)
         elif self.window.end < view.offset:  # (at a decode step's cut every token was seen)
             s = mx.where(body_pos >= self.window.end, mx.inf, votes)

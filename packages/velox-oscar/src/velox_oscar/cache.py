@@ -25,7 +25,7 @@ cannot hold the keys at 2 bits, KIVI's per-channel ones can (docs/oscar.md).
 
 from __future__ import annotations
 
-from velox_core import Codec, PresetCache, Uniform
+from velox_core import Codec, PresetCache, Uniform, config_fields
 from velox_core.cache.velox import FITTED_ON_WHOLE_MODEL
 
 from .codec import OscarKeys, OscarValues
@@ -51,12 +51,7 @@ class OscarCache(PresetCache):
         return FITTED_ON_WHOLE_MODEL if cfg.needs_artifact else ""
 
     def make_codecs(self, cfg: OscarConfig, kb: int, vb: int) -> tuple[Codec, Codec]:
-        common = {
-            "group": cfg.group,
-            "rotation": cfg.rotation,
-            "artifact": cfg.artifact,
-            "layer": cfg.layer,
-        }
+        common = config_fields(cfg, "group", "rotation", "artifact", "layer")
         values = OscarValues(vb, clip=cfg.value_clip, **common)
         if cfg.keys == "channel":  # KIVI's per-channel keys, velox-core's codec
             return Uniform(kb, cfg.channel_group, axis="channel"), values

@@ -11,7 +11,7 @@ model and layer.
 
 from __future__ import annotations
 
-from velox_core import Codec, PresetCache
+from velox_core import Codec, PresetCache, config_fields
 
 from .codec import SpectralKeys, SpectralValues
 from .config import SpectralConfig
@@ -28,13 +28,8 @@ class SpectralCache(PresetCache):
     fitted_on_whole_model = True  # its artifact: a split model is refused
 
     def build(self, cfg: SpectralConfig) -> dict:
-        common = {
-            "signal_bits": cfg.signal_bits,
-            "noise_bits": cfg.noise_bits,
-            "rank": cfg.rank,
-            "variance": cfg.variance,
-            "artifact": cfg.artifact,
-            "layer": cfg.layer,
-        }
+        common = config_fields(
+            cfg, "signal_bits", "noise_bits", "rank", "variance", "artifact", "layer"
+        )
         keys: Codec = SpectralKeys(**common)
         return {"key_codec": keys, "value_codec": SpectralValues(**common)}

@@ -132,22 +132,28 @@ _CORPUS = (
 )
 
 
-@lru_cache(maxsize=1)
-def _tokenizer():
+def bpe_tokenizer(texts: list[str], vocab_size: int):
+    """A byte-level BPE tokenizer trained on ``texts`` with at most ``vocab_size`` tokens,
+    ``<|endoftext|>`` its end-of-text token, as a transformers ``PreTrainedTokenizerFast``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=400,
+        vocab_size=vocab_size,
         special_tokens=["<|endoftext|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator([_CORPUS] * 4, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    bpe.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
+
+
+@lru_cache(maxsize=1)
+def _tokenizer():
+    return bpe_tokenizer([_CORPUS] * 4, 400)
 
 
 def tiny_tokenizer():

@@ -47,6 +47,7 @@ import mlx.core as mx
 
 from velox_core import RetentionPolicy
 from velox_core.policy import QueryWindow, top_k_sorted
+from velox_core.policy.base import require_routed
 from velox_core.policy.window import WindowRows
 
 __all__ = ["TOVAPolicy"]
@@ -126,14 +127,9 @@ class TOVAPolicy(WindowRows, RetentionPolicy):
         # the kept query's softmax weights on the body (B, H, T), or None (none, other rows,
         # or its token was trimmed away)
         w = self.window.votes(view, body_pos)
-        if w is None and not view.routed:
-            raise ValueError(
-                "tova: the last query's attention chooses the tokens to keep, and only velox "
-                "attention sees it: run the model inside velox_core.routed(model) "
-                "(velox_core.generate does)"
-            )
         # every head holds the same tokens (one selection per layer): the first head's
-        if w is None:  # routed, but no query has reached the cache yet: the most recent
+        if w is None:  # no query has reached the cache (refused unless routed): the newest
+            require_routed(view, "tova", "the last query's attention chooses the tokens to keep")
             return body_pos[:, 0].astype(mx.float32)
         s = mx.mean(w, axis=1)  # mean over KV heads of the group means = over query heads
         if self._q_pos >= view.offset - 1:  # the query is the newest token's: it saw them all

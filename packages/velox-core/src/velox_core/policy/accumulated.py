@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 import mlx.core as mx
 
 from ..validation import check_int
-from .base import RetentionPolicy, top_k_sorted
+from .base import RetentionPolicy, require_routed, top_k_sorted
 from .votes import fuse_weights, window_votes
 
 __all__: list[str] = []
@@ -269,11 +269,8 @@ class AccumulatedPolicy(RetentionPolicy):
     def _check_routed(self, view, why: str) -> None:
         """Raise unless every stored token has been voted on or the cache is routed (its
         queries reach :meth:`observe`); ``why`` says what the votes decide."""
-        if view.offset > self._seen and not view.routed:
-            raise ValueError(
-                f"{self.name}: {why}, and only velox attention sees the queries: run the model "
-                "inside velox_core.routed(model) (velox_core.generate does)"
-            )
+        if view.offset > self._seen:
+            require_routed(view, self.name, why)
 
     def select(self, view, k: int):
         """The top ``k`` body tokens per KV head, ``(B, H, k)``; their scores are kept."""

@@ -61,6 +61,15 @@ def top_k_sorted(scores: mx.array, k: int) -> mx.array:
     return mx.sort(idx, axis=-1).astype(mx.int32)
 
 
+def require_routed(view: Any, method: str, why: str) -> None:
+    """``ValueError`` unless ``view``'s cache is routed; ``why``: what its queries decide."""
+    if not view.routed:
+        raise ValueError(
+            f"{method}: {why}, and only velox attention sees the queries: run the model "
+            "inside velox_core.routed(model) (velox_core.generate does)"
+        )
+
+
 class RetentionPolicy(Configured):
     """Base class, and the simplest policy: keep the most recent tokens (``budget=None``
     keeps every token).

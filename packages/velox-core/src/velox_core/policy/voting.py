@@ -25,7 +25,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .base import RetentionPolicy
+from .base import RetentionPolicy, require_routed
 from .votes import WindowVote
 from .window import QueryWindow, WindowState
 
@@ -88,13 +88,8 @@ class WindowVotePolicy(WindowState, RetentionPolicy):
         body_pos = mx.stack(pos, axis=1)  # (B, H, T)
         recent = body_pos >= view.offset - self.vote.observe
         votes = self.window.votes(view, body_pos)
-        if votes is None and not view.routed:
-            raise ValueError(
-                f"{self.name}: the observation window's queries vote for the tokens to keep, "
-                "and only velox attention sees them: run the model inside "
-                "velox_core.routed(model) (velox_core.generate does)"
-            )
-        if votes is None:  # routed, but no query has reached the cache yet: the most recent
+        if votes is None:  # no query has reached the cache (refused unless routed): the newest
+            require_routed(view, self.name, "the observation window votes for the tokens to keep")
             s = body_pos.astype(mx.float32)
         else:
             s = self.vote.pool(votes, body_pos, mx.logical_not(recent))
