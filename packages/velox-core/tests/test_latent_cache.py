@@ -229,8 +229,11 @@ def test_trim_equals_the_cache_that_never_saw_the_tokens(model, prompt, layout):
     # a window keeps the newest tokens as given: not exactly trimmable, trimmed all the same
     windowed = make_cache(model, "uniform:bits=4,window=16")
     model(prompt, cache=windowed)
-    assert not windowed[0].is_trimmable()
+    assert not windowed[0].is_trimmable() and windowed[0].reuses_prefix()
+    held = windowed[0]._store.keys_and_values()  # (k_pe, latent), decoded
     assert windowed[0].trim(30) == 30 and windowed[0].offset == PROMPT - 30
+    for kept, was in zip(windowed[0]._store.keys_and_values(), held):
+        assert mx.allclose(kept, was[:, :, : PROMPT - 30], rtol=0, atol=1e-2).item()
     with pytest.raises(ValueError, match="cannot trim"):
         windowed[0].trim(PROMPT)
 

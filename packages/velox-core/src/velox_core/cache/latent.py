@@ -351,6 +351,11 @@ class LatentCache(_BaseCache):
             return self.window == 0 and self.flush == 1
         return self._store.is_trimmable()
 
+    def reuses_prefix(self) -> bool:
+        """As :meth:`VeloxCache.reuses_prefix`: whether :meth:`trim` keeps the first tokens as
+        this cache holds them (a prompt cache may serve a shorter prompt's prefix from it)."""
+        return self.is_trimmable() or (self._store is not None and self._store.reuses_prefix())
+
     def trim(self, n: int) -> int:
         """Remove the last ``n`` tokens; returns ``n``."""
         if self._store is None:

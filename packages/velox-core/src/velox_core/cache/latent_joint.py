@@ -118,6 +118,9 @@ class JointLatent:
     def is_trimmable(self) -> bool:
         return True
 
+    def reuses_prefix(self) -> bool:
+        return True  # every token coded alone on arrival: a trim is exact
+
     def trim(self, n: int) -> int:
         """Remove the last ``n`` tokens; returns ``n`` (``ValueError`` beyond the stored)."""
         check_int("n", n, minimum=0)
