@@ -109,6 +109,16 @@ def test_prompt_cache_reuses_a_longer_entrys_prefix_where_velox_caches_keep_it()
     held, kept = entry[0].keys_and_values()[0], got[0].keys_and_values()[0]
     assert mx_close(kept, held[:, :, :60])
 
+    # the prefix entry goes before the budget evicts anything: the other session stays
+    other = _filled("uniform:bits=4", 90)
+    size = sum(c.nbytes for c in entry) + sum(c.nbytes for c in other)
+    held = _prompt_cache_class()(max_size=10, max_bytes=size)
+    held.insert_cache("m", [7] * 90, other)
+    held.insert_cache("m", long_key[:80], _filled("uniform:bits=4", 80))
+    held.insert_cache("m", long_key, entry)
+    assert held.info()["sequences"] == 2 and held.info()["evicted"] == 0 and held.nbytes == size
+    assert held.fetch_nearest_cache("m", [7] * 90)[1] == []
+
     # an evicting cache's trim cannot give back what its policy dropped: nothing reused
     evicting = _prompt_cache_class()(max_size=10)
     evicting.insert_cache("m", long_key, _filled("snapkv:budget=64", 100))
