@@ -189,4 +189,12 @@ def test_question_inside_compresses_the_whole_prompt_once_at_its_end(spec):
     assert sizes == [total] * len(sizes)  # nothing cut during the prompt
     assert max(after) < total / 2  # a quarter kept per KV head (Ada-KV: on average)
     _, once, _ = run(4096)
-    assert chunked == once
+    if not spec.startswith("h2o"):
+        assert chunked == once
+        return
+    # H2O's scores sum the attention of every prompt query: in 128-token chunks the float32
+    # sums (and BLAS's blocks) run in another order than at once, so a near-tie at the cut
+    # may swap (one token in 124 seen); per-chunk cuts would keep far other sets
+    for held, whole in zip(chunked, once):
+        for a, b in zip(held, whole):
+            assert len(a) == len(b) and len(a ^ b) <= 2 * max(1, len(a) // 100), (len(a), a ^ b)

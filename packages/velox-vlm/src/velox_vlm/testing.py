@@ -130,16 +130,26 @@ def tiny_vlm(
 
 
 def tiny_processor(eos_token_id: int = -1):
-    """A processor for mlx-vlm's ``generate``: a byte-level BPE tokenizer trained on a few
-    lines (vocabulary under 300; velox-testing's, the test extra) with mlx-vlm's streaming
-    detokenizer and stopping criteria. ``eos_token_id`` is the only token that stops a
-    generation (default -1: none does, so runs last ``max_tokens``)."""
+    """A processor for mlx-vlm's ``generate``: a byte-level BPE tokenizer trained here on a
+    few lines (vocabulary under 300) with mlx-vlm's streaming detokenizer and stopping
+    criteria. ``eos_token_id`` is the only token that stops a generation (default -1: none
+    does, so runs last ``max_tokens``)."""
     from mlx_vlm.tokenizer_utils import NaiveStreamingDetokenizer
     from mlx_vlm.utils import StoppingCriteria
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
 
-    from velox_testing.models import bpe_tokenizer
-
-    tok = bpe_tokenizer(["a picture of a cat on a mat", "what is in the image?"], 300)
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(["a picture of a cat on a mat", "what is in the image?"], trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
     tok.detokenizer = NaiveStreamingDetokenizer(tok)
     tok.stopping_criteria = StoppingCriteria([eos_token_id], tok)
     return tok
